@@ -1,0 +1,50 @@
+"""FlashBoot: weights serving-ready on GPUs in a fraction of a second.
+
+One contiguous VMM arena per GPU (:class:`Arena`), pre-packed per-rank images laid out exactly
+like it, a bulk host->GPU load (FlashLoad) and NCCL-free GPU->GPU replication (FlashClone).
+Without CUDA, the same API runs on the host backend (shareable host memory).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .errors import (
+    ArenaError,
+    CapabilityError,
+    ChecksumMismatchError,
+    CudaError,
+    FlashBootError,
+    LayoutError,
+    MoverError,
+    OutOfMemoryError,
+    RendezvousError,
+    UnknownNameError,
+    WaitTimeoutError,
+)
+from .memory import CPU, Device, Span, span_of
+
+__version__ = "0.1.0"
+
+# Public names re-exported lazily from their modules, so `import flashboot` stays light
+# and a missing optional piece fails only where it is used.
+_LAZY = {
+    "Arena": "flashboot.arena",
+    "ArenaDescriptor": "flashboot.arena",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flashboot' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "ArenaError", "CapabilityError", "ChecksumMismatchError", "CudaError", "FlashBootError",
+    "LayoutError", "MoverError", "OutOfMemoryError", "RendezvousError", "UnknownNameError",
+    "WaitTimeoutError", "CPU", "Device", "Span", "span_of", "__version__", *_LAZY,
+]

@@ -1,0 +1,81 @@
+"""Access to the CUDA driver through ``cuda.bindings.driver``, with one checker for every result.
+
+The driver is loaded lazily: importing FlashBoot on a machine without CUDA must work, and
+:func:`cuda_available` says whether the host backend will be used instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from .errors import CapabilityError, CudaError
+
+
+@functools.cache
+def _load_driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:  # pragma: no cover - cuda-bindings is a dependency
+        raise CapabilityError(f"cuda-bindings is not importable: {exc}") from exc
+    try:
+        (err,) = driver.cuInit(0)
+    except Exception as exc:  # the bindings raise when libcuda.so cannot be found
+        raise CapabilityError(f"no CUDA driver on this machine ({type(exc).__name__}: {exc})") from exc
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise CapabilityError(f"cuInit failed: {_error_name(driver, err)} ({int(err)})")
+    return driver
+
+
+def driver():
+    """The ``cuda.bindings.driver`` module, initialised; raises CapabilityError without CUDA."""
+    return _load_driver()
+
+
+def _error_name(drv, err) -> str:
+    e, name = drv.cuGetErrorName(err)
+    return name.decode() if e == drv.CUresult.CUDA_SUCCESS and name else str(err)
+
+
+def check(result, call: str):
+    """Unpack a ``cuda.bindings`` result tuple ``(err, *values)``; raise CudaError on failure.
+
+    Returns None, the single value, or a tuple of values.
+    """
+    err, *values = result if isinstance(result, tuple) else (result,)
+    drv = _load_driver()
+    if int(err) != 0:
+        e, desc = drv.cuGetErrorString(err)
+        raise CudaError(call, int(err), _error_name(drv, err), desc.decode() if desc else "")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+@functools.cache
+def cuda_available() -> bool:
+    """True when a CUDA driver is present and reports at least one device."""
+    if os.environ.get("FLASHBOOT_FORCE_HOST") == "1":
+        return False
+    try:
+        drv = _load_driver()
+    except CapabilityError:
+        return False
+    err, count = drv.cuDeviceGetCount()
+    return int(err) == 0 and count > 0
+
+
+def device_count() -> int:
+    """Number of CUDA devices, 0 without CUDA."""
+    if not cuda_available():
+        return 0
+    return check(driver().cuDeviceGetCount(), "cuDeviceGetCount")
+
+
+def primary_context(device_index: int):
+    """Retain and make current the device's primary context (the one torch and CuPy use)."""
+    drv = driver()
+    dev = check(drv.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
+    ctx = check(drv.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({device_index})")
+    check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return ctx

@@ -1,0 +1,1 @@
+"""Sub-commands of the flashboot console script, one module each."""

@@ -1,0 +1,141 @@
+"""Devices, byte spans and copy paths: the vocabulary shared by arenas, movers and schedulers.
+
+A :class:`Span` is a raw byte range (pointer, length, device). Movers copy between spans; an
+arena hands out spans of itself; :func:`span_of` turns tensors and arrays into spans without
+copying.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .errors import ArenaError, CapabilityError, FlashBootError
+
+PATHS = ("h2d", "d2h", "d2d", "p2p", "host")
+"""Copy paths a mover may support: host->GPU, GPU->host, same GPU, GPU->other GPU, host->host."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where memory lives: ``Device("cuda", 0)`` or ``Device("cpu")``."""
+
+    kind: Literal["cuda", "cpu"]
+    index: int = 0
+
+    @classmethod
+    def parse(cls, spec: Any = None) -> "Device":
+        """Accept an int, ``"cuda:N"``, ``"cuda"``, ``"cpu"``, a torch.device or a Device.
+
+        ``None`` means ``cuda:0`` where CUDA exists, else the host backend (``cpu``).
+        Raises CapabilityError for a CUDA device that does not exist.
+        """
+        from ._cuda import cuda_available, device_count
+
+        if isinstance(spec, Device):
+            dev = spec
+        elif spec is None:
+            dev = cls("cuda", 0) if cuda_available() else cls("cpu")
+        elif isinstance(spec, int) and not isinstance(spec, bool):
+            dev = cls("cuda", spec)
+        else:
+            text = str(spec).strip().lower()
+            m = re.fullmatch(r"(cuda|cpu)(?::(\d+))?", text)
+            if not m:
+                raise FlashBootError(f"cannot parse device {spec!r}: use an int, 'cuda:N' or 'cpu'")
+            dev = cls(m.group(1), int(m.group(2) or 0))
+        if dev.kind == "cpu":
+            return cls("cpu", 0)
+        if dev.index < 0:
+            raise CapabilityError(f"device index {dev.index} is negative")
+        if not cuda_available():
+            raise CapabilityError(f"{dev} was asked for but this machine has no CUDA device; use 'cpu'")
+        count = device_count()
+        if dev.index >= count:
+            raise CapabilityError(f"{dev} does not exist: this machine has {count} CUDA device(s)")
+        return dev
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    def __str__(self) -> str:
+        return f"cuda:{self.index}" if self.kind == "cuda" else "cpu"
+
+
+CPU = Device("cpu")
+
+
+@dataclass(frozen=True)
+class Span:
+    """A byte range at ``ptr`` of ``nbytes`` on ``device``. ``pinned`` marks page-locked host memory.
+
+    ``owner`` keeps whatever backs the range alive for as long as the span exists.
+    """
+
+    ptr: int
+    nbytes: int
+    device: Device
+    pinned: bool = False
+    owner: Any = None
+
+    def sub(self, offset: int, nbytes: int | None = None) -> "Span":
+        """The sub-range ``[offset, offset + nbytes)``; bounds checked."""
+        if nbytes is None:
+            nbytes = self.nbytes - offset
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise ArenaError(
+                f"range [{offset:,}, {offset + nbytes:,}) is outside the {self.nbytes:,}-byte span on {self.device}"
+            )
+        return Span(self.ptr + offset, nbytes, self.device, self.pinned, self.owner)
+
+
+def span_of(obj: Any) -> Span:
+    """A span over a Span, an arena, a contiguous torch tensor, a numpy or a CuPy array (no copy)."""
+    if isinstance(obj, Span):
+        return obj
+    if hasattr(obj, "span") and callable(obj.span):  # Arena
+        return obj.span()
+    mod = type(obj).__module__.split(".")[0]
+    if mod == "torch":
+        if not obj.is_contiguous():
+            raise FlashBootError(f"tensor of shape {tuple(obj.shape)} is not contiguous; movers copy byte ranges")
+        nbytes = obj.numel() * obj.element_size()
+        if obj.device.type == "cuda":
+            return Span(obj.data_ptr(), nbytes, Device("cuda", obj.device.index or 0), owner=obj)
+        if obj.device.type == "cpu":
+            return Span(obj.data_ptr(), nbytes, CPU, pinned=bool(obj.is_pinned()) if nbytes else False, owner=obj)
+        raise FlashBootError(f"tensors on {obj.device} are not supported")
+    if mod == "numpy":
+        if not obj.flags["C_CONTIGUOUS"]:
+            raise FlashBootError("numpy array is not C-contiguous")
+        return Span(obj.ctypes.data, obj.nbytes, CPU, owner=obj)
+    if mod == "cupy":
+        if not obj.flags.c_contiguous:
+            raise FlashBootError("CuPy array is not C-contiguous")
+        return Span(obj.data.ptr, obj.nbytes, Device("cuda", obj.device.id), owner=obj)
+    raise FlashBootError(f"cannot take a byte span of {type(obj).__name__}")
+
+
+def path_between(src: Device, dst: Device) -> str:
+    """The copy path from ``src`` to ``dst``: one of :data:`PATHS`."""
+    if src.kind == "cpu" and dst.kind == "cpu":
+        return "host"
+    if src.kind == "cpu":
+        return "h2d"
+    if dst.kind == "cpu":
+        return "d2h"
+    return "d2d" if src.index == dst.index else "p2p"
+
+
+def stream_handle(stream: Any) -> int:
+    """The raw ``cudaStream_t`` of an int, a torch or CuPy stream, or None (the legacy default stream)."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    raise FlashBootError(f"cannot use {type(stream).__name__} as a CUDA stream")

@@ -1,0 +1,1 @@
+"""Triton kernels (copies, checksum) and their bit-exact CPU counterparts."""

@@ -1,0 +1,67 @@
+"""The mover base class: ``copy`` validates once, each backend implements only ``_copy``."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from flashboot.errors import CapabilityError, MoverError
+from flashboot.memory import Span, path_between, span_of
+
+
+class Mover:
+    """Copies a byte range from ``src`` to ``dst``.
+
+    Subclasses set ``name`` and ``paths`` (a subset of :data:`flashboot.memory.PATHS`), may
+    override :meth:`availability`, and implement :meth:`_copy`.
+    """
+
+    name: ClassVar[str] = ""
+    paths: ClassVar[frozenset[str]] = frozenset()
+    alignment: ClassVar[int] = 1
+    """Pointers and sizes must be multiples of this (1 for byte-exact backends)."""
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        """``(True, "")`` when the mover can run on this machine, else ``(False, why)``."""
+        return True, ""
+
+    def __init__(self) -> None:
+        ok, why = self.availability()
+        if not ok:
+            raise CapabilityError(f"mover {self.name!r} cannot run here: {why}")
+
+    def copy(self, dst: Any, src: Any, nbytes: int | None = None, *, stream: Any) -> None:
+        """Copy ``nbytes`` (default: all of ``src``) from ``src`` to ``dst``, asynchronously on ``stream``.
+
+        ``dst`` and ``src`` are spans, arenas, tensors or arrays. Raises MoverError for a path
+        this mover does not support, a size that does not fit, or misaligned pointers.
+        """
+        dst_span, src_span = span_of(dst), span_of(src)
+        if nbytes is None:
+            nbytes = src_span.nbytes
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise MoverError(f"{self.name}: nbytes must be a positive int, got {nbytes!r}")
+        for role, span in (("source", src_span), ("destination", dst_span)):
+            if nbytes > span.nbytes:
+                raise MoverError(f"{self.name}: copy of {nbytes:,} bytes overruns the {span.nbytes:,}-byte {role}")
+        path = path_between(src_span.device, dst_span.device)
+        if path not in self.paths:
+            from .registry import movers_for
+
+            raise MoverError(
+                f"mover {self.name!r} cannot copy {path} ({src_span.device} -> {dst_span.device}); "
+                f"it supports {', '.join(sorted(self.paths))}; movers for {path}: {', '.join(movers_for(path)) or 'none'}"
+            )
+        a = self.alignment
+        if a > 1 and (src_span.ptr % a or dst_span.ptr % a or nbytes % a):
+            raise MoverError(
+                f"{self.name}: needs {a}-byte aligned pointers and size; got src {src_span.ptr:#x}, "
+                f"dst {dst_span.ptr:#x}, nbytes {nbytes:,}"
+            )
+        self._copy(dst_span.sub(0, nbytes), src_span.sub(0, nbytes), path, stream)
+
+    def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
+        raise NotImplementedError
+
+
+__all__ = ["Mover"]
