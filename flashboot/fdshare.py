@@ -1,0 +1,126 @@
+"""Passing file descriptors between processes on one host.
+
+Two transports, both used to hand an arena's shareable handle (a CUDA POSIX-fd handle or a memfd)
+to another process:
+
+* :func:`pidfd_getfd`: the importer takes the fd straight out of the exporter with
+  ``pidfd_open`` + ``pidfd_getfd`` (Linux >= 5.6). Only ``(pid, fd number)`` has to cross the
+  rendezvous (a TCP store), which is what makes a one-round-trip exchange possible.
+* :func:`send_fd` / :func:`recv_fd` (and the plural forms): ``SCM_RIGHTS`` over a Unix socket, for
+  hosts where ``pidfd_getfd`` is not permitted (it needs ptrace rights over the exporter).
+
+Errors are :class:`flashboot.RendezvousError` naming the pid, fd and errno, or
+:class:`flashboot.WaitTimeoutError` when a receive runs past its timeout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+import socket
+
+from .errors import RendezvousError, WaitTimeoutError
+
+SYS_PIDFD_GETFD = 438
+"""``pidfd_getfd`` in the unified syscall table (x86_64 and aarch64 alike); Python has no wrapper."""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
+
+
+def pidfd_getfd(pid: int, fd: int) -> int:
+    """Duplicate file descriptor ``fd`` of process ``pid`` into this process; returns the new fd.
+
+    The new fd is close-on-exec and owned by the caller. Raises RendezvousError when the process
+    has exited (ESRCH), has no such fd (EBADF), or the caller may not take it (EPERM).
+    """
+    if not isinstance(pid, int) or pid <= 0 or not isinstance(fd, int) or fd < 0:
+        raise RendezvousError(f"pidfd_getfd needs a positive pid and a non-negative fd, got pid {pid!r}, fd {fd!r}")
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise RendezvousError(f"process {pid} has exited (pidfd_open: ESRCH); its fd {fd} is gone") from None
+    except OSError as exc:
+        raise RendezvousError(f"pidfd_open({pid}) failed: {errno.errorcode.get(exc.errno, exc.errno)} ({exc.strerror})") from None
+    try:
+        new_fd = _libc().syscall(ctypes.c_long(SYS_PIDFD_GETFD), ctypes.c_long(pidfd), ctypes.c_long(fd), ctypes.c_long(0))
+        if new_fd < 0:
+            err = ctypes.get_errno()
+            raise RendezvousError(_getfd_message(pid, fd, err))
+        return int(new_fd)
+    finally:
+        os.close(pidfd)
+
+
+def _getfd_message(pid: int, fd: int, err: int) -> str:
+    name = errno.errorcode.get(err, str(err))
+    if err == errno.EBADF:
+        return f"process {pid} has no open fd {fd} (pidfd_getfd: EBADF)"
+    if err == errno.ESRCH:
+        return f"process {pid} has exited (pidfd_getfd: ESRCH); its fd {fd} is gone"
+    if err == errno.EPERM:
+        return (
+            f"not permitted to take fd {fd} from process {pid} (pidfd_getfd: EPERM): it needs the same user "
+            "and ptrace rights over the exporter (Yama ptrace_scope); pass the fd over a Unix socket with "
+            "flashboot.fdshare.send_fd/recv_fd instead"
+        )
+    if err == errno.ENOSYS:
+        return "this kernel has no pidfd_getfd (Linux >= 5.6 is needed); use flashboot.fdshare.send_fd/recv_fd"
+    return f"pidfd_getfd(pid {pid}, fd {fd}) failed: {name} ({os.strerror(err)})"
+
+
+def send_fds(sock: socket.socket, fds: list[int], message: bytes = b"") -> None:
+    """Send ``fds`` (SCM_RIGHTS) and a short ``message`` over the connected Unix socket ``sock``.
+
+    The sender keeps its fds open; the receiver gets duplicates.
+    """
+    if not fds:
+        raise RendezvousError("send_fds needs at least one fd")
+    # An empty payload would read as end-of-stream on the other side.
+    socket.send_fds(sock, [message or b"\0"], list(fds))
+
+
+def recv_fds(sock: socket.socket, max_fds: int = 1, *, timeout_s: float = 30.0,
+             bufsize: int = 65536) -> tuple[list[int], bytes]:
+    """Receive up to ``max_fds`` fds and the message sent with them; the caller owns the fds.
+
+    Raises WaitTimeoutError after ``timeout_s`` seconds, RendezvousError when the peer closes the
+    socket first or sends more fds than ``max_fds`` (the extra ones are closed).
+    """
+    previous = sock.gettimeout()
+    sock.settimeout(timeout_s)
+    try:
+        msg, fds, flags, _ = socket.recv_fds(sock, bufsize, max_fds)
+    except socket.timeout:
+        raise WaitTimeoutError(f"no fd arrived on the Unix socket within {timeout_s:g} s") from None
+    finally:
+        sock.settimeout(previous)
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise RendezvousError(f"the peer sent more than {max_fds} fd(s); the extra ones were dropped and all closed")
+    if not fds:
+        if not msg:
+            raise RendezvousError("the peer closed the Unix socket before sending an fd")
+        raise RendezvousError(f"a {len(msg)}-byte message arrived without an fd")
+    return list(fds), (b"" if msg == b"\0" else msg)
+
+
+def send_fd(sock: socket.socket, fd: int, message: bytes = b"") -> None:
+    """Send one fd and a short message over a connected Unix socket (see :func:`send_fds`)."""
+    send_fds(sock, [fd], message)
+
+
+def recv_fd(sock: socket.socket, *, timeout_s: float = 30.0) -> tuple[int, bytes]:
+    """Receive one fd and its message; the caller owns (and must close) the fd."""
+    fds, msg = recv_fds(sock, 1, timeout_s=timeout_s)
+    return fds[0], msg
+
+
+__all__ = ["pidfd_getfd", "send_fd", "recv_fd", "send_fds", "recv_fds", "SYS_PIDFD_GETFD"]

@@ -1,0 +1,71 @@
+"""The ``host`` mover: a numba-parallel host->host copy (staging buffers, the host backend).
+
+Synchronous: the copy is done when :meth:`copy` returns; ``stream`` is ignored (None allowed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import numpy as np
+
+from flashboot.memory import Span
+
+from .base import Mover
+from .registry import register_mover
+
+CHUNK_BYTES = 1 << 20
+"""Bytes per parallel work item: large enough to amortise the loop, small enough to balance threads."""
+
+_SERIAL_BELOW_BYTES = 1 << 20
+"""Below this a plain memmove beats waking numba's thread pool."""
+
+
+@functools.cache
+def _parallel_copy():
+    import numba
+
+    @numba.njit(parallel=True, nogil=True, cache=False)
+    def copy_chunks(dst, src, chunk_bytes):
+        n = src.shape[0]
+        nchunks = (n + chunk_bytes - 1) // chunk_bytes
+        for c in numba.prange(nchunks):
+            lo = c * chunk_bytes
+            hi = min(lo + chunk_bytes, n)
+            dst[lo:hi] = src[lo:hi]
+
+    return copy_chunks
+
+
+def host_copy(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
+    """Copy ``nbytes`` between two host addresses with numba's parallel loop.
+
+    Small or overlapping ranges go through memmove (the parallel chunks assume no overlap).
+    """
+    if nbytes < _SERIAL_BELOW_BYTES or (src_ptr < dst_ptr + nbytes and dst_ptr < src_ptr + nbytes):
+        ctypes.memmove(dst_ptr, src_ptr, nbytes)
+        return
+    dst = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(dst_ptr), dtype=np.uint8)
+    src = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(src_ptr), dtype=np.uint8)
+    _parallel_copy()(dst, src, CHUNK_BYTES)
+
+
+@register_mover
+class HostMover(Mover):
+    """numba-parallel host->host copy in 1 MiB chunks; synchronous, stream ignored."""
+
+    name = "host"
+    paths = frozenset({"host"})
+    alignment = 1
+
+    def copy(self, dst: Any, src: Any, nbytes: int | None = None, *, stream: Any = None) -> None:
+        """As :meth:`Mover.copy`; ``stream`` may be omitted (host copies are synchronous)."""
+        super().copy(dst, src, nbytes, stream=stream)
+
+    def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
+        host_copy(dst.ptr, src.ptr, dst.nbytes)
+
+
+__all__ = ["HostMover", "host_copy", "CHUNK_BYTES"]

@@ -1,0 +1,528 @@
+"""Arena on the host backend (memfd): create, views, export/open across real processes, bad input,
+transactional setup and leaks. Runs on any Linux machine; the CUDA backend is in test_arena_gpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import flashboot.arena as arena_mod
+from flashboot import Arena, ArenaDescriptor, ArenaError, Device, FlashBootError, OutOfMemoryError
+from flashboot import RendezvousError, WaitTimeoutError
+from flashboot._cuda import cuda_available
+from flashboot.arena import HOST_GRANULARITY, _Undo
+from flashboot.fdshare import pidfd_getfd, recv_fd, send_fd
+
+MiB = 1 << 20
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    """Deterministic bytes that differ per position and per seed."""
+    return ((np.arange(nbytes, dtype=np.uint64) * 31 + seed) % 251).astype(np.uint8)
+
+
+def open_fds() -> dict[str, str]:
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[name] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the directory fd listdir itself used
+            pass
+    return out
+
+
+def arena_fds() -> list[str]:
+    return sorted(t for t in open_fds().values() if "flashboot-arena" in t)
+
+
+def arena_maps() -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if "flashboot-arena" in line]
+
+
+# ---------------------------------------------------------------------------------------------
+# A second process that runs arena operations sent as JSON lines on stdin.
+# ---------------------------------------------------------------------------------------------
+
+CHILD_SRC = textwrap.dedent(
+    """
+    import json, os, socket, sys
+    import numpy as np
+    from flashboot import Arena, ArenaDescriptor
+    from flashboot.fdshare import recv_fd
+
+    def pattern(nbytes, seed):
+        return ((np.arange(nbytes, dtype=np.uint64) * 31 + seed) % 251).astype(np.uint8)
+
+    arenas = {}
+    sock = socket.socket(fileno=int(sys.argv[1])) if len(sys.argv) > 1 else None
+    for line in sys.stdin:
+        req = json.loads(line)
+        op = req["op"]
+        try:
+            if op == "open":
+                a = Arena.open(ArenaDescriptor.from_dict(req["descriptor"]), "cpu")
+                arenas[req["name"]] = a
+                out = {"nbytes": a.nbytes, "imported": a.imported}
+            elif op == "open_socket":
+                fd, msg = recv_fd(sock, timeout_s=30)
+                try:
+                    a = Arena.open(ArenaDescriptor.from_dict(json.loads(msg)), "cpu", fd=fd)
+                finally:
+                    os.close(fd)
+                arenas[req["name"]] = a
+                out = {"nbytes": a.nbytes}
+            elif op == "create":
+                a = Arena.create(req["nbytes"], "cpu")
+                arenas[req["name"]] = a
+                out = {"descriptor": a.export().to_dict()}
+            elif op == "write":
+                a = arenas[req["name"]]
+                a.bytes()[req["offset"]:req["offset"] + req["nbytes"]].numpy()[:] = pattern(req["nbytes"], req["seed"])
+                out = {}
+            elif op == "check":
+                a = arenas[req["name"]]
+                got = a.bytes()[req["offset"]:req["offset"] + req["nbytes"]].numpy()
+                out = {"equal": bool(np.array_equal(got, pattern(req["nbytes"], req["seed"])))}
+            elif op == "close":
+                arenas.pop(req["name"]).close()
+                out = {}
+            elif op == "exit":
+                break
+            else:
+                raise ValueError(op)
+            out["ok"] = True
+        except Exception as exc:
+            out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(out), flush=True)
+    """
+)
+
+
+class Child:
+    """A Python process that opens, writes and checks arenas on request."""
+
+    def __init__(self, sock_fd: int | None = None):
+        args = [sys.executable, "-c", CHILD_SRC] + ([str(sock_fd)] if sock_fd is not None else [])
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     pass_fds=(sock_fd,) if sock_fd is not None else ())
+
+    def __call__(self, op: str, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"child exited with {self.proc.wait(timeout=30)} during {op!r}"
+        reply = json.loads(line)
+        assert reply.pop("ok"), f"child failed {op!r}: {reply.get('error')}"
+        return reply
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def child():
+    """One child for the module; ``child.sock`` is the parent's end of a Unix socket pair with it."""
+    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    c = Child(child_sock.fileno())
+    child_sock.close()
+    c.sock = parent_sock
+    yield c
+    c.stop()
+    parent_sock.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Create, attributes, views
+# ---------------------------------------------------------------------------------------------
+
+
+def test_create_rounds_capacity_to_granularity():
+    with Arena.create(5 * MiB + 1, "cpu") as a:
+        assert a.requested_nbytes == 5 * MiB + 1
+        assert a.granularity == HOST_GRANULARITY == 2 * MiB
+        assert a.nbytes == 6 * MiB
+        assert a.device == Device("cpu") and a.home_device == Device("cpu")
+        assert a.handle_type == "memfd" and not a.imported
+        assert a.bytes().shape == (6 * MiB,) and a.bytes().dtype == torch.uint8
+        assert a.bytes().data_ptr() == a.ptr
+        assert len(a.arena_id) == 16
+
+
+def test_default_device_follows_cuda_availability():
+    with Arena.create(MiB) as a:
+        assert a.device == (Device("cuda", 0) if cuda_available() else Device("cpu"))
+
+
+def test_fresh_arena_reads_zero_and_bytes_is_zero_copy():
+    with Arena.create(3 * MiB, "cpu") as a:
+        flat = a.bytes()
+        assert int(flat.sum()) == 0
+        flat[100:110] = 7
+        assert a.view(100, 10, torch.uint8).tolist() == [7] * 10
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "torch.float16", torch.int64, "int8", "float64"])
+def test_view_dtypes_share_the_arena_bytes(dtype):
+    with Arena.create(MiB, "cpu") as a:
+        t = a.view(4096, (16, 8), dtype)
+        assert t.shape == (16, 8) and t.data_ptr() == a.ptr + 4096
+        t.copy_(torch.arange(128).reshape(16, 8).to(t.dtype))
+        raw = a.bytes()[4096:4096 + t.numel() * t.element_size()].clone()
+        assert torch.equal(raw.view(t.dtype).reshape(16, 8), torch.arange(128).reshape(16, 8).to(t.dtype))
+        assert int(a.bytes()[:4096].sum()) == 0  # nothing written before the view
+
+
+def test_strided_view_matches_numpy_indexing():
+    with Arena.create(MiB, "cpu") as a:
+        a.view(0, 1024, "int32").copy_(torch.arange(1024, dtype=torch.int32))
+        t = a.view(64, (3, 4), "int32", stride=(10, 2))  # element offset 16
+        expected = np.array([[16 + 10 * i + 2 * j for j in range(4)] for i in range(3)], dtype=np.int32)
+        assert np.array_equal(t.numpy(), expected)
+        t[1, 1] = -5  # writes land in the arena
+        assert int(a.view(0, 1024, "int32")[16 + 10 + 2]) == -5
+
+
+def test_view_ending_exactly_at_capacity_is_allowed():
+    with Arena.create(MiB, "cpu") as a:
+        n = a.nbytes
+        t = a.view(n - 8, 2, "float32")
+        assert t.data_ptr() + 8 == a.ptr + n
+        assert a.view(n, 0, "float32").numel() == 0
+
+
+def test_view_out_of_bounds_names_offset_extent_and_capacity():
+    with Arena.create(MiB, "cpu") as a:
+        n = a.nbytes
+        with pytest.raises(ArenaError, match=rf"view of 16 bytes at offset {n - 8:,} ends at {n + 8:,}, past the arena's {n:,} bytes"):
+            a.view(n - 8, 4, "float32")
+        with pytest.raises(ArenaError, match=r"ends at"):
+            a.view(0, (2, 4), "float64", stride=(n // 8, 1))
+
+
+def test_view_misaligned_offset_names_item_size():
+    with Arena.create(MiB, "cpu") as a:
+        with pytest.raises(ArenaError, match=r"offset 2 is not aligned for torch.float32 \(item size 4 bytes\)"):
+            a.view(2, 4, "float32")
+        assert a.view(2, 4, "bfloat16").shape == (4,)
+
+
+@pytest.mark.parametrize(
+    "offset, shape, dtype, stride, message",
+    [
+        (-8, 4, "float32", None, "offset must be a non-negative int"),
+        (0, (2, -1), "float32", None, "shape must be non-negative ints"),
+        (0, (2, 2), "float32", (2, -1), "strides must be non-negative"),
+        (0, (2, 2), "float32", (2,), "has 1 dims, shape"),
+        (0, 4, "floaty", None, "unknown dtype 'floaty'"),
+        (0, 4, "Tensor", None, "unknown dtype 'Tensor'"),
+    ],
+)
+def test_view_bad_arguments(offset, shape, dtype, stride, message):
+    with Arena.create(MiB, "cpu") as a:
+        with pytest.raises(ArenaError, match=message):
+            a.view(offset, shape, dtype, stride)
+
+
+def test_span_bounds():
+    with Arena.create(MiB, "cpu") as a:
+        s = a.span(4096, 100)
+        assert (s.ptr, s.nbytes, s.device, s.owner) == (a.ptr + 4096, 100, Device("cpu"), a)
+        assert a.span().nbytes == a.nbytes
+        with pytest.raises(ArenaError, match=rf"\[{a.nbytes - 10:,}, {a.nbytes + 10:,}\) is outside"):
+            a.span(a.nbytes - 10, 20)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input and lifetime
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nbytes, message", [(0, "must be positive, got 0"), (-4096, "must be positive, got -4,096"),
+                                             (1.5, "must be an int"), (True, "must be an int"), ("10", "must be an int")])
+def test_bad_sizes(nbytes, message):
+    with pytest.raises(ArenaError, match=message):
+        Arena.create(nbytes, "cpu")
+
+
+def test_too_big_host_arena_is_refused_before_allocating():
+    before = arena_fds()
+    with pytest.raises(OutOfMemoryError, match=r"needs 1,125,899,906,842,624 bytes but only [\d,]+ are free") as info:
+        Arena.create(1 << 50, "cpu")
+    assert info.value.nbytes_needed == 1 << 50 and 0 < info.value.nbytes_free < 1 << 50
+    assert arena_fds() == before
+
+
+def test_bad_devices():
+    with pytest.raises(FlashBootError, match="cannot parse device 'gpu0'"):
+        Arena.create(MiB, "gpu0")
+    with pytest.raises(ArenaError, match="access=.* applies to CUDA arenas"):
+        Arena.create(MiB, "cpu", access="all")
+
+
+def test_close_twice_and_use_after_close():
+    a = Arena.create(MiB, "cpu")
+    a.close()
+    assert a.closed
+    with pytest.raises(ArenaError, match=rf"arena {a.arena_id} is already closed"):
+        a.close()
+    for use in (lambda: a.view(0, 4, "float32"), a.bytes, a.span, a.export, lambda: a.ptr):
+        with pytest.raises(ArenaError, match=rf"arena {a.arena_id} is closed"):
+            use()
+
+
+def test_context_manager_closes():
+    with Arena.create(MiB, "cpu") as a:
+        assert arena_maps()
+    assert a.closed and not [m for m in arena_maps() if a.arena_id in m]
+
+
+def test_dropped_arena_lives_while_views_do_then_is_released_with_a_warning():
+    a = Arena.create(MiB, "cpu")
+    arena_id = a.arena_id
+    v = a.view(0, 8, "int64")
+    v[:] = 42
+    del a
+    gc.collect()
+    assert [m for m in arena_maps() if arena_id in m], "a live view must keep the mapping"
+    assert v.tolist() == [42] * 8
+    with pytest.warns(ResourceWarning, match=f"host arena {arena_id} .* was not closed"):
+        del v
+        gc.collect()
+    assert not [m for m in arena_maps() if arena_id in m]
+
+
+# ---------------------------------------------------------------------------------------------
+# Descriptor, export, open (same process)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_descriptor_is_small_and_round_trips():
+    with Arena.create(MiB, "cpu") as a:
+        d = a.export()
+        assert (d.backend, d.pid, d.nbytes, d.device_index, d.handle_type, d.granularity, d.arena_id, d.fabric_handle) == (
+            "host", os.getpid(), a.nbytes, -1, "memfd", HOST_GRANULARITY, a.arena_id, None)
+        assert pickle.loads(pickle.dumps(d)) == d
+        assert len(pickle.dumps(d)) < 512
+        assert ArenaDescriptor.from_dict(json.loads(json.dumps(d.to_dict()))) == d
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            d.fd = 0
+        with pytest.raises(ArenaError, match=r"missing \['fd'\], unknown \['colour'\]"):
+            ArenaDescriptor.from_dict({**{k: v for k, v in d.to_dict().items() if k != "fd"}, "colour": 1})
+
+
+def test_open_in_same_process_shares_bytes_and_close_keeps_owner_memory():
+    with Arena.create(2 * MiB, "cpu") as a:
+        with Arena.open(a.export()) as b:
+            assert b.imported and b.arena_id == a.arena_id and b.nbytes == a.nbytes
+            assert b.ptr != a.ptr
+            assert b.export() == a.export()  # an importer hands on the descriptor it came from
+            b.bytes()[:1000].numpy()[:] = pattern(1000, 3)
+        assert np.array_equal(a.bytes()[:1000].numpy(), pattern(1000, 3))
+
+
+def test_open_rejects_wrong_fd_and_wrong_device():
+    with Arena.create(MiB, "cpu") as a:
+        d = a.export()
+        r, w = os.pipe()
+        try:
+            with pytest.raises(ArenaError, match=rf"fd {r} of pid {os.getpid()} is not arena {a.arena_id}: it is 'pipe:"):
+                Arena.open(dataclasses.replace(d, fd=r))
+            with pytest.raises(ArenaError, match=rf"fd {w} is not arena {a.arena_id}"):
+                Arena.open(d, fd=w)
+        finally:
+            os.close(r)
+            os.close(w)
+        with pytest.raises(ArenaError, match=rf"process {os.getpid()} has no open fd 987654"):
+            Arena.open(dataclasses.replace(d, fd=987654))
+        with pytest.raises(ArenaError, match="not open"):
+            Arena.open(d, fd=987654)
+        with pytest.raises(FlashBootError):  # a host arena cannot be mapped on a GPU
+            Arena.open(d, "cuda:0")
+        with pytest.raises(ArenaError, match="unknown arena backend 'tpu'"):
+            Arena.open(dataclasses.replace(d, backend="tpu"))
+        with pytest.raises(ArenaError, match="needs an ArenaDescriptor"):
+            Arena.open(d.to_dict())
+    with pytest.raises(ArenaError, match=rf"pid {os.getpid()}"):
+        Arena.open(d)  # the owner closed it: its fd is gone
+
+
+# ---------------------------------------------------------------------------------------------
+# Across real processes
+# ---------------------------------------------------------------------------------------------
+
+
+def test_child_sees_parent_writes_and_parent_sees_child_writes(child):
+    with Arena.create(3 * MiB, "cpu") as a:
+        a.bytes()[:MiB].numpy()[:] = pattern(MiB, 1)
+        reply = child("open", name="p", descriptor=a.export().to_dict())
+        assert reply == {"nbytes": a.nbytes, "imported": True}
+        assert child("check", name="p", offset=0, nbytes=MiB, seed=1)["equal"]
+        assert not child("check", name="p", offset=0, nbytes=MiB, seed=2)["equal"]
+        child("write", name="p", offset=2 * MiB + 5, nbytes=MiB - 5, seed=9)
+        assert np.array_equal(a.bytes()[2 * MiB + 5:3 * MiB].numpy(), pattern(MiB - 5, 9))
+        assert int(a.bytes()[3 * MiB:].sum()) == 0
+        child("close", name="p")
+        assert np.array_equal(a.bytes()[:MiB].numpy(), pattern(MiB, 1))  # importer close freed nothing
+
+
+def test_parent_opens_an_arena_the_child_created(child):
+    d = ArenaDescriptor.from_dict(child("create", name="c", nbytes=MiB)["descriptor"])
+    assert d.pid == child.proc.pid and d.pid != os.getpid()
+    child("write", name="c", offset=0, nbytes=4096, seed=5)
+    with Arena.open(d) as b:
+        assert np.array_equal(b.bytes()[:4096].numpy(), pattern(4096, 5))
+        b.bytes()[4096:8192].numpy()[:] = pattern(4096, 6)
+        assert child("check", name="c", offset=4096, nbytes=4096, seed=6)["equal"]
+    child("close", name="c")
+    with pytest.raises(ArenaError, match=rf"pid {d.pid}: process {d.pid} has no open fd {d.fd}"):
+        Arena.open(d)
+
+
+def test_fd_over_a_unix_socket(child):
+    with Arena.create(MiB, "cpu") as a:
+        a.bytes()[:4096].numpy()[:] = pattern(4096, 11)
+        d = a.export()
+        send_fd(child.sock, d.fd, json.dumps(d.to_dict()).encode())
+        assert child("open_socket", name="s") == {"nbytes": a.nbytes}
+        assert child("check", name="s", offset=0, nbytes=4096, seed=11)["equal"]
+        child("write", name="s", offset=8192, nbytes=100, seed=12)
+        assert np.array_equal(a.bytes()[8192:8292].numpy(), pattern(100, 12))
+        child("close", name="s")
+
+
+def test_descriptor_from_an_exited_process_names_the_pid():
+    src = "import json; from flashboot import Arena; a = Arena.create(1 << 20, 'cpu'); print(json.dumps(a.export().to_dict()))"
+    out = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=120, check=True)
+    d = ArenaDescriptor.from_dict(json.loads(out.stdout))
+    with pytest.raises(ArenaError, match=rf"exported by pid {d.pid}: process {d.pid} has exited"):
+        Arena.open(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# fd passing
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pidfd_getfd_duplicates_an_own_fd():
+    r, w = os.pipe()
+    try:
+        dup = pidfd_getfd(os.getpid(), w)
+        try:
+            os.write(dup, b"hi")
+            assert os.read(r, 2) == b"hi"
+        finally:
+            os.close(dup)
+    finally:
+        os.close(r)
+        os.close(w)
+    with pytest.raises(RendezvousError, match="positive pid"):
+        pidfd_getfd(0, 1)
+
+
+def test_recv_fd_timeout_and_closed_peer():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with pytest.raises(WaitTimeoutError, match="within 0.05 s"):
+        recv_fd(b, timeout_s=0.05)
+    a.close()
+    with pytest.raises(RendezvousError, match="closed the Unix socket before sending an fd"):
+        recv_fd(b, timeout_s=5)
+    b.close()
+
+
+def test_send_fd_round_trip_in_process():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    r, w = os.pipe()
+    try:
+        send_fd(a, w)
+        fd, msg = recv_fd(b, timeout_s=5)
+        assert msg == b"" and fd not in (r, w)
+        os.write(fd, b"x")
+        os.close(fd)
+        assert os.read(r, 1) == b"x"
+    finally:
+        for f in (r, w):
+            os.close(f)
+        a.close()
+        b.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Transactions and leaks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_undo_runs_in_reverse_and_all_steps_run_when_one_fails():
+    order = []
+    u = _Undo("test")
+    u.push("a", lambda: order.append("a"))
+    u.push("b", lambda: (_ for _ in ()).throw(OSError("b broke")))
+    u.push("c", lambda: order.append("c"))
+    with pytest.raises(ArenaError, match="releasing test failed: OSError: b broke"):
+        u.release()
+    assert order == ["c", "a"] and len(u) == 0
+    u.release()  # nothing left: a no-op
+
+
+@pytest.mark.parametrize("step", ["_host_truncate", "_host_mmap", "_host_address"])
+def test_create_failure_halfway_releases_what_was_made(monkeypatch, step):
+    fds_before, maps_before = open_fds(), arena_maps()
+
+    def broken(*args):
+        if step == "_host_address":  # after the mmap: the mapping must be undone too
+            assert [m for m in arena_maps() if m not in maps_before]
+        raise OSError(28, f"injected failure in {step}")
+
+    monkeypatch.setattr(arena_mod, step, broken)
+    with pytest.raises(ArenaError, match=f"creating a 2,097,152-byte host arena failed: .*injected failure in {step}"):
+        Arena.create(MiB, "cpu")
+    assert open_fds() == fds_before
+    assert arena_maps() == maps_before
+
+
+def test_open_failure_halfway_releases_what_was_made(monkeypatch):
+    with Arena.create(MiB, "cpu") as a:
+        fds_before, maps_before = open_fds(), arena_maps()
+        monkeypatch.setattr(arena_mod, "_host_address", lambda mm: (_ for _ in ()).throw(RuntimeError("injected")))
+        with pytest.raises(RuntimeError, match="injected"):
+            Arena.open(a.export())
+        assert open_fds() == fds_before
+        assert arena_maps() == maps_before
+
+
+def test_no_fd_or_mapping_leaks_over_create_export_open_close_cycles(child):
+    gc.collect()
+    fds_before, maps_before = open_fds(), arena_maps()
+    for i in range(5):
+        a = Arena.create(3 * MiB, "cpu")
+        a.view(0, 16, "float32").fill_(i)
+        d = a.export()
+        b = Arena.open(d)
+        c = Arena.open(d, fd=d.fd)
+        assert float(c.view(0, 16, "float32")[3]) == i
+        child("open", name="leak", descriptor=d.to_dict())
+        child("close", name="leak")
+        for x in (c, b, a):
+            x.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]  # all closed explicitly
+    assert open_fds() == fds_before
+    assert arena_maps() == maps_before

@@ -1,0 +1,230 @@
+"""Mover registry invariants over every registered mover, the shared validation in Mover.copy,
+and the host mover byte for byte. GPU copies are in test_arena_gpu.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import flashboot.movers  # noqa: F401  (registers every built-in mover)
+from flashboot import Arena, CapabilityError, Device, MoverError, UnknownNameError
+from flashboot._cuda import cuda_available
+from flashboot.memory import PATHS, Span
+from flashboot.movers import create_mover, list_movers, mover_class, movers_for
+from flashboot.movers.registry import _MOVERS
+
+BUILT_IN = {"copy_engine", "host", "triton_sm", "triton_tma"}
+CPU, GPU0, GPU1 = Device("cpu"), Device("cuda", 0), Device("cuda", 1)
+DEVICES_OF_PATH = {"h2d": (CPU, GPU0), "d2h": (GPU0, CPU), "d2d": (GPU0, GPU0), "p2p": (GPU0, GPU1), "host": (CPU, CPU)}
+"""(source, destination) devices for each path."""
+
+ALL = sorted(_MOVERS)
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    return ((np.arange(nbytes, dtype=np.uint64) * 131 + seed) % 253).astype(np.uint8)
+
+
+def spans_for(path: str, nbytes: int, keep: list) -> tuple[Span, Span]:
+    """(dst, src) spans of ``path`` over real host buffers (validation never touches the bytes,
+    but if it wrongly let a copy through, the pointers are still valid memory)."""
+    src_dev, dst_dev = DEVICES_OF_PATH[path]
+    src, dst = np.zeros(nbytes + 64, np.uint8), np.zeros(nbytes + 64, np.uint8)
+    keep += [src, dst]
+    return Span(dst.ctypes.data, nbytes, dst_dev), Span(src.ctypes.data, nbytes, src_dev)
+
+
+def instance(name: str):
+    """The mover, constructed normally where it can run; else built without its availability
+    check, which is enough to exercise the validation in ``Mover.copy``."""
+    cls = mover_class(name)
+    if cls.availability()[0]:
+        return create_mover(name)
+    return cls.__new__(cls)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry invariants, for every registered mover
+# ---------------------------------------------------------------------------------------------
+
+
+def test_built_in_movers_are_registered():
+    assert BUILT_IN <= set(_MOVERS)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_mover_declares_itself_as_data(name):
+    cls = _MOVERS[name]
+    assert cls.name == name and mover_class(name) is cls
+    assert cls.paths and set(cls.paths) <= set(PATHS), cls.paths
+    assert isinstance(cls.alignment, int) and cls.alignment >= 1
+    ok, reason = cls.availability()
+    assert isinstance(ok, bool) and isinstance(reason, str)
+    assert ok or reason, f"{name} is unavailable but does not say why"
+    assert (cls.__doc__ or "").strip(), f"{name} has no docstring"
+    for path in cls.paths:
+        assert name in movers_for(path)
+
+
+def test_list_movers_matches_the_registry():
+    infos = list_movers()
+    assert [i.name for i in infos] == ALL
+    for info in infos:
+        cls = _MOVERS[info.name]
+        assert set(info.paths) == set(cls.paths)
+        assert (info.available, info.reason) == cls.availability()
+
+
+def test_unknown_name_lists_every_known_name():
+    with pytest.raises(UnknownNameError) as err:
+        create_mover("warp_drive")
+    message = str(err.value)
+    assert "unknown mover 'warp_drive'" in message
+    for name in ALL:
+        assert name in message
+    assert isinstance(err.value, KeyError)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_unavailable_mover_refuses_construction_with_its_reason(name):
+    ok, reason = _MOVERS[name].availability()
+    if ok:
+        assert create_mover(name).name == name
+    else:
+        with pytest.raises(CapabilityError, match=f"mover '{name}' cannot run here: "):
+            create_mover(name)
+
+
+def test_copy_engine_availability_follows_cuda():
+    ok, reason = mover_class("copy_engine").availability()
+    if cuda_available():
+        assert (ok, reason) == (True, "")
+    else:
+        assert (ok, reason) == (False, "no CUDA device; the host mover copies host->host")
+    assert mover_class("copy_engine").paths == {"h2d", "d2h", "d2d", "p2p"}
+    assert mover_class("host").paths == {"host"} and mover_class("host").availability() == (True, "")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_unsupported_path_names_what_is_supported_and_the_alternatives(name):
+    mover, keep = instance(name), []
+    unsupported = [p for p in PATHS if p not in mover.paths]
+    for path in unsupported:
+        dst, src = spans_for(path, 4096, keep)
+        with pytest.raises(MoverError) as err:
+            mover.copy(dst, src, 4096, stream=None)
+        message = str(err.value)
+        assert f"mover '{name}' cannot copy {path}" in message
+        assert f"it supports {', '.join(sorted(mover.paths))}" in message
+        assert f"movers for {path}: {', '.join(movers_for(path)) or 'none'}" in message
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_sizes_are_validated_before_any_copy(name):
+    mover, keep = instance(name), []
+    path = sorted(mover.paths)[0]
+    a = mover.alignment
+    dst, src = spans_for(path, 64 * a, keep)
+    for nbytes in (0, -a, 1.5):
+        with pytest.raises(MoverError, match="nbytes must be a positive int"):
+            mover.copy(dst, src, nbytes, stream=None)
+    with pytest.raises(MoverError, match=rf"copy of {65 * a:,} bytes overruns the {64 * a:,}-byte source"):
+        mover.copy(dst, src, 65 * a, stream=None)
+    with pytest.raises(MoverError, match=rf"overruns the {32 * a:,}-byte destination"):
+        mover.copy(dst.sub(0, 32 * a), src, 64 * a, stream=None)
+    if a > 1:
+        with pytest.raises(MoverError, match=f"needs {a}-byte aligned"):
+            mover.copy(dst, src.sub(1, 32 * a), 32 * a, stream=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The host mover, byte for byte
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nbytes", [1, 7, 4095, 65537, (1 << 20) + 3, 3 * (1 << 20) + 12345])
+@pytest.mark.parametrize("src_offset, dst_offset", [(0, 0), (1, 3), (13, 0)])
+def test_host_mover_is_byte_exact_on_odd_sizes(nbytes, src_offset, dst_offset):
+    src = torch.from_numpy(pattern(nbytes + 32, nbytes))
+    dst = torch.full((nbytes + 64,), 0xEE, dtype=torch.uint8)
+    create_mover("host").copy(dst[dst_offset:dst_offset + nbytes], src[src_offset:src_offset + nbytes])
+    assert torch.equal(dst[dst_offset:dst_offset + nbytes], src[src_offset:src_offset + nbytes])
+    assert bool((dst[:dst_offset] == 0xEE).all()) and bool((dst[dst_offset + nbytes:] == 0xEE).all())
+
+
+def test_host_mover_between_host_arenas_and_arrays():
+    mover = create_mover("host")
+    n = 5 * (1 << 20) + 1
+    with Arena.create(8 << 20, "cpu") as a, Arena.create(8 << 20, "cpu") as b:
+        mover.copy(a.span(1, n), pattern(n, 1), stream=None)
+        mover.copy(b, a)  # whole arena, span_of(arena)
+        out = np.zeros(n, np.uint8)
+        mover.copy(out, b.span(1, n))
+        assert np.array_equal(out, pattern(n, 1))
+        assert int(b.bytes()[0]) == 0 and int(b.bytes()[n + 1:].sum()) == 0
+
+
+@pytest.mark.parametrize("shift", [1, -1, 4097, -(1 << 20) - 5])
+def test_host_mover_handles_overlapping_ranges_like_memmove(shift):
+    n = 3 << 20
+    base = pattern(n + (4 << 20), 7)
+    expected = base.copy()
+    src_off = 2 << 20
+    dst_off = src_off + shift
+    expected[dst_off:dst_off + n] = base[src_off:src_off + n].copy()
+    buf = torch.from_numpy(base)
+    create_mover("host").copy(buf[dst_off:dst_off + n], buf[src_off:src_off + n])
+    assert np.array_equal(buf.numpy(), expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line: `flashboot movers` and `flashboot info`
+# ---------------------------------------------------------------------------------------------
+
+
+def test_movers_command_prints_one_line_per_mover(capsys):
+    from flashboot.cli import main
+
+    assert main(["movers"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == len(ALL)
+    for line, name in zip(lines, ALL):
+        cls = _MOVERS[name]
+        ok, reason = cls.availability()
+        assert line.split()[0] == name
+        assert " ".join(p for p in PATHS if p in cls.paths) in line
+        assert line.endswith("available") if ok else line.endswith(f"unavailable: {reason}")
+    assert main(["movers", "--json"]) == 0
+    import json
+
+    assert [m["name"] for m in json.loads(capsys.readouterr().out)] == ALL
+
+
+def test_info_command_text_and_json(capsys):
+    import json
+
+    from flashboot.cli import main
+
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [m["name"] for m in info["movers"]] == ALL
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert all(name in text for name in ALL)
+    if cuda_available():
+        assert info["arena_backend"]["kind"] == "cuda" and info["devices"]
+    else:
+        assert info["cuda"] is None and info["devices"] == [] and info["no_cuda_reason"]
+        assert info["arena_backend"] == {"kind": "host", "handle_type": "memfd", "granularity": 2 << 20}
+        assert "CUDA: none (" in text and "host backend: memfd shared memory" in text
+
+
+def test_info_without_cuda_names_the_reason(monkeypatch, capsys):
+    import flashboot._cuda as c
+    from flashboot.cli import main
+
+    monkeypatch.setenv("FLASHBOOT_FORCE_HOST", "1")
+    monkeypatch.setattr(c, "cuda_available", lambda: False)
+    assert main(["info"]) == 0
+    assert "CUDA: none (FLASHBOOT_FORCE_HOST=1 hides the CUDA devices)" in capsys.readouterr().out
