@@ -1,0 +1,260 @@
+"""The plan model: a schedule is pure data that an executor (GPU streams, host backend, the
+simulator) runs step by step. See ``README.md`` beside this file for the contract.
+
+A :class:`Plan` names its participants (arenas of identical layout), and lists :class:`Step`
+objects, each copying one byte range ``[offset, offset + nbytes)`` from ``src`` to ``dst`` (same
+offset on both sides). A step may start once every step in ``waits`` has completed and every
+earlier step of the same ``(dst, lane)`` has completed; on completion it raises flag ``signal``
+of its destination.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+from flashboot.errors import FlashBootError
+
+HOST = -1
+"""``src`` of a step that reads the host image (kind ``"h2d"``), not another participant."""
+
+ROLES = ("seed", "clone", "shard")
+KINDS = ("copy", "h2d")
+
+DEFAULT_CHUNK_BYTES = 256 << 20
+"""The chain/ring chunk when none is given. The paper's optimum on GB300 (Figure 18) and close to
+best in our H200 x2 chain measurement (64 MiB 335, 256 MiB 357, 1 GiB 333 GB/s per clone); the
+lead replaces it with the figure of a measured sweep."""
+
+COPY_LANE = 0
+"""Lane of a participant's reads from another participant."""
+H2D_LANE = 1
+"""Lane of a participant's loads from the host image (runs beside the copy lane)."""
+
+
+class PlanError(FlashBootError, ValueError):
+    """A plan (or a request to build one) is malformed; names the step and the numbers."""
+
+
+@dataclass(frozen=True)
+class Participant:
+    """One arena in the plan. ``role``: ``"seed"`` (holds every byte at the start and is only read),
+    ``"clone"`` (star/chain receiver) or ``"shard"`` (ring member, starts empty)."""
+
+    index: int
+    name: str
+    role: str
+
+
+@dataclass(frozen=True)
+class Step:
+    """Copy ``[offset, offset + nbytes)`` of ``src``'s arena into the same range of ``dst``'s.
+
+    ``kind`` is ``"copy"`` (participant to participant) or ``"h2d"`` (``src == HOST``).
+    ``waits``: ids of steps that must have completed before this one starts (their destination
+    holds what this step reads, or any other ordering the schedule needs); always smaller than
+    ``id``. ``lane``: steps with the same ``(dst, lane)`` run one at a time in id order (one
+    stream). ``signal``: the index, in ``dst``'s flag array, of the flag raised on completion;
+    flags of a participant are numbered 0.. in the id order of the steps into it.
+    """
+
+    id: int
+    kind: str
+    src: int
+    dst: int
+    offset: int
+    nbytes: int
+    waits: tuple[int, ...] = ()
+    lane: int = COPY_LANE
+    signal: int = 0
+
+    @property
+    def end(self) -> int:
+        """One past the last byte the step writes."""
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated schedule. Build one with :func:`flashboot.schedulers.build_plan`.
+
+    ``exclusive_sources`` is the schedule's promise that no participant is ever read by two
+    steps at once (chain, ring); star makes no such promise. Host reads are not counted: each
+    participant reaches the host over its own link.
+    """
+
+    schedule: str
+    participants: tuple[Participant, ...]
+    total_bytes: int
+    chunk_bytes: int
+    steps: tuple[Step, ...]
+    exclusive_sources: bool = False
+    _flags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "participants", tuple(self.participants))
+        object.__setattr__(self, "steps", tuple(self.steps))
+        self.validate()
+
+    # -- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise :class:`PlanError` unless the plan is well formed: participants numbered 0..n-1
+        with known roles; every step inside ``[0, total_bytes)``, from a valid source to a
+        non-seed destination, waiting only on earlier steps (so the wait graph, and with lanes in
+        id order the whole graph, has no cycle); flags numbered 0.. per destination."""
+        if not isinstance(self.total_bytes, int) or self.total_bytes <= 0:
+            raise PlanError(f"plan {self.schedule!r}: total_bytes must be a positive int, got {self.total_bytes!r}")
+        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0:
+            raise PlanError(f"plan {self.schedule!r}: chunk_bytes must be a positive int, got {self.chunk_bytes!r}")
+        names = set()
+        for i, p in enumerate(self.participants):
+            if p.index != i:
+                raise PlanError(f"plan {self.schedule!r}: participant {p.name!r} has index {p.index}, expected {i}")
+            if p.role not in ROLES:
+                raise PlanError(f"plan {self.schedule!r}: participant {p.name!r} has role {p.role!r}; roles: {', '.join(ROLES)}")
+            if p.name in names:
+                raise PlanError(f"plan {self.schedule!r}: participant name {p.name!r} used twice")
+            names.add(p.name)
+        n = len(self.participants)
+        next_signal = [0] * n
+        for i, s in enumerate(self.steps):
+            where = f"plan {self.schedule!r} step {i}"
+            if s.id != i:
+                raise PlanError(f"{where}: has id {s.id}; steps must be numbered 0.. in order")
+            if s.kind not in KINDS:
+                raise PlanError(f"{where}: kind {s.kind!r}; kinds: {', '.join(KINDS)}")
+            if (s.kind == "h2d") != (s.src == HOST):
+                raise PlanError(f"{where}: kind {s.kind!r} with src {s.src}; h2d steps and only they read the host (src {HOST})")
+            if not (0 <= s.dst < n) or not (s.src == HOST or 0 <= s.src < n) or s.src == s.dst:
+                raise PlanError(f"{where}: src {s.src} -> dst {s.dst} is not a pair of distinct participants of {n}")
+            if self.participants[s.dst].role == "seed":
+                raise PlanError(f"{where}: writes into seed {self.participants[s.dst].name!r}")
+            if s.nbytes <= 0 or s.offset < 0 or s.end > self.total_bytes:
+                raise PlanError(
+                    f"{where}: bytes {s.offset:,}..{s.end:,} ({s.nbytes:,} bytes) are not inside the "
+                    f"{self.total_bytes:,}-byte image"
+                )
+            if any(not (0 <= w < i) for w in s.waits) or len(set(s.waits)) != len(s.waits):
+                raise PlanError(f"{where}: waits {list(s.waits)} must be distinct ids of earlier steps (< {i})")
+            if s.lane < 0:
+                raise PlanError(f"{where}: lane {s.lane} is negative")
+            if s.signal != next_signal[s.dst]:
+                raise PlanError(f"{where}: signal {s.signal}, expected flag {next_signal[s.dst]} of participant {s.dst}")
+            next_signal[s.dst] += 1
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def n_participants(self) -> int:
+        return len(self.participants)
+
+    def participant(self, name_or_index) -> Participant:
+        """The participant with that index or name; PlanError if none."""
+        for p in self.participants:
+            if p.index == name_or_index or p.name == name_or_index:
+                return p
+        raise PlanError(f"plan {self.schedule!r} has no participant {name_or_index!r}")
+
+    def receivers(self) -> list[Participant]:
+        """Participants that receive bytes (everyone but the seeds), in index order."""
+        return [p for p in self.participants if p.role != "seed"]
+
+    def steps_into(self, dst: int) -> list[Step]:
+        """Steps writing into participant ``dst``, in id order."""
+        return [s for s in self.steps if s.dst == dst]
+
+    def lanes(self) -> dict[tuple[int, int], list[Step]]:
+        """``{(dst, lane): [steps in run order]}``: one stream each."""
+        out: dict[tuple[int, int], list[Step]] = {}
+        for s in self.steps:
+            out.setdefault((s.dst, s.lane), []).append(s)
+        return out
+
+    def flag_count(self, index: int) -> int:
+        """How many flags participant ``index`` needs (one per step into it)."""
+        if not self._flags:
+            counts = [0] * self.n_participants
+            for s in self.steps:
+                counts[s.dst] += 1
+            self._flags.update(enumerate(counts))
+        return self._flags[index]
+
+    def flag_of(self, step_id: int) -> tuple[int, int]:
+        """``(participant, flag index)`` raised when step ``step_id`` completes."""
+        s = self.steps[step_id]
+        return s.dst, s.signal
+
+    def bytes_moved(self) -> int:
+        """Sum of all step sizes (host loads included)."""
+        return sum(s.nbytes for s in self.steps)
+
+    def __iter__(self) -> Iterator[Step]:
+        return iter(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    # -- serialisation (plans cross process boundaries as JSON) --------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; :meth:`from_dict` inverts it."""
+        return {
+            "schedule": self.schedule,
+            "total_bytes": self.total_bytes,
+            "chunk_bytes": self.chunk_bytes,
+            "exclusive_sources": self.exclusive_sources,
+            "participants": [asdict(p) for p in self.participants],
+            "steps": [[s.id, s.kind, s.src, s.dst, s.offset, s.nbytes, list(s.waits), s.lane, s.signal] for s in self.steps],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """Rebuild (and re-validate) a plan from :meth:`to_dict` output."""
+        try:
+            return cls(
+                schedule=data["schedule"],
+                participants=tuple(Participant(**p) for p in data["participants"]),
+                total_bytes=data["total_bytes"],
+                chunk_bytes=data["chunk_bytes"],
+                steps=tuple(
+                    Step(id=i, kind=k, src=src, dst=dst, offset=o, nbytes=nb, waits=tuple(w), lane=lane, signal=sig)
+                    for i, k, src, dst, o, nb, w, lane, sig in data["steps"]
+                ),
+                exclusive_sources=bool(data.get("exclusive_sources", False)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, PlanError):
+                raise
+            raise PlanError(f"not a plan dict: {exc!r}") from exc
+
+
+class PlanBuilder:
+    """Appends steps with consecutive ids and per-destination flag numbers (planners' helper)."""
+
+    def __init__(self, n_participants: int):
+        self.steps: list[Step] = []
+        self._signals = [0] * n_participants
+
+    def add(self, kind: str, src: int, dst: int, offset: int, nbytes: int,
+            waits: tuple[int, ...] = (), lane: int = COPY_LANE) -> int:
+        sid = len(self.steps)
+        self.steps.append(Step(sid, kind, src, dst, offset, nbytes, tuple(waits), lane, self._signals[dst]))
+        self._signals[dst] += 1
+        return sid
+
+
+def check_request(schedule: str, n: int, total_bytes: int, chunk_bytes: int) -> None:
+    """Refuse a nonsensical planner request with the numbers in the message."""
+    for label, value in (("participant count", n), ("total_bytes", total_bytes), ("chunk_bytes", chunk_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise PlanError(f"{schedule}: {label} must be a positive int, got {value!r}")
+
+
+def split_range(offset: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``[(offset, nbytes), ...]`` covering ``[offset, offset + nbytes)`` in pieces of at most
+    ``chunk_bytes`` (the last one shorter); empty for ``nbytes == 0``."""
+    return [(o, min(chunk_bytes, offset + nbytes - o)) for o in range(offset, offset + nbytes, chunk_bytes)]
+
+
+__all__ = [
+    "COPY_LANE", "DEFAULT_CHUNK_BYTES", "H2D_LANE", "HOST", "KINDS", "Participant", "Plan",
+    "PlanBuilder", "PlanError", "ROLES", "Step", "check_request", "split_range",
+]

@@ -1,0 +1,48 @@
+"""The schedule registry: one module per schedule registers its planner by name."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from flashboot.errors import UnknownNameError
+
+from .plan import DEFAULT_CHUNK_BYTES, Plan, PlanError
+
+Planner = Callable[..., Plan]
+_SCHEDULES: dict[str, Planner] = {}
+
+
+def register_schedule(name: str) -> Callable[[Planner], Planner]:
+    """Decorator: register ``planner(n, total_bytes, chunk_bytes, **options) -> Plan`` as ``name``."""
+
+    def deco(planner: Planner) -> Planner:
+        if name in _SCHEDULES and _SCHEDULES[name] is not planner:
+            raise PlanError(f"schedule {name!r} is already registered by {_SCHEDULES[name].__module__}")
+        _SCHEDULES[name] = planner
+        return planner
+
+    return deco
+
+
+def list_schedules() -> list[str]:
+    """Names of the registered schedules, sorted."""
+    return sorted(_SCHEDULES)
+
+
+def build_plan(name: str, n: int, total_bytes: int, chunk_bytes: int | None = None,
+               options: Mapping[str, Any] | None = None, **kwargs: Any) -> Plan:
+    """Build the plan of schedule ``name``.
+
+    ``n`` is the number of clones (star, chain: plus one seed) or of ring members (ring).
+    ``chunk_bytes`` defaults to :data:`DEFAULT_CHUNK_BYTES`. Planner options come as keywords
+    or as a plain dict ``options`` (e.g. ``{"align_bytes": 4096}`` for ring).
+    Raises UnknownNameError for an unknown schedule, PlanError for a bad request.
+    """
+    planner = _SCHEDULES.get(name)
+    if planner is None:
+        raise UnknownNameError("schedule", name, _SCHEDULES)
+    merged = {**(options or {}), **kwargs}
+    return planner(n, total_bytes, DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes, **merged)
+
+
+__all__ = ["build_plan", "list_schedules", "register_schedule"]

@@ -1,0 +1,41 @@
+"""Byte sizes as people write them: ``4096``, ``217e9``, ``217GB``, ``256MiB``, ``1.5 GB``."""
+
+from __future__ import annotations
+
+import re
+
+from .errors import FlashBootError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+
+def parse_bytes(text) -> int:
+    """Parse a byte count. Decimal units (KB, MB, GB, TB) are powers of 10, binary ones (KiB,
+    MiB, GiB, TiB, and bare K/M/G/T) powers of 2. Raises FlashBootError on anything else or a
+    non-positive or fractional byte count."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise FlashBootError(f"cannot parse byte size {text!r}: use e.g. 4096, 217e9, 217GB, 256MiB")
+        number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if number != int(number):
+            raise FlashBootError(f"byte size {text!r} is not a whole number of bytes ({number})")
+        value = int(number)
+    if value <= 0:
+        raise FlashBootError(f"byte size must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(nbytes: int) -> str:
+    """Human-readable decimal size: ``13.76 GB``."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
