@@ -1,0 +1,298 @@
+"""Pre-pack: a Hugging Face safetensors checkpoint -> one image per rank (``flashboot.prepack``).
+
+The job plans every rank's layout from the safetensors headers alone, refuses before writing
+if the output filesystem is short of space, then reads each checkpoint tensor once and writes
+each of its pieces straight to its final offset in every rank's image (``pwrite``; at most one
+source tensor in memory). Everything is written under ``OUT/.tmp-XXXX`` and moved into place
+only when complete; ``prepack.json``, the marker of a complete job, is written last. A crash
+leaves only the temporary directory, which the next run removes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import LayoutError
+
+JOB_LOCK = ".lock"
+
+
+class DiskSpaceError(LayoutError):
+    """The output filesystem cannot hold the images; says bytes needed and free."""
+
+    def __init__(self, path: Path, nbytes_needed: int, nbytes_free: int):
+        self.path, self.nbytes_needed, self.nbytes_free = path, nbytes_needed, nbytes_free
+        super().__init__(f"{path}: the images need {nbytes_needed:,} bytes but the filesystem has only "
+                         f"{nbytes_free:,} free (short by {nbytes_needed - nbytes_free:,}); nothing was written")
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """One written rank."""
+
+    rank: int
+    dir: Path
+    image_nbytes: int
+    expert_nbytes: int
+    non_expert_nbytes: int
+    tensors: int
+
+
+@dataclass
+class PrepackReport:
+    """What a pre-pack wrote, how fast, and what it warned about."""
+
+    out_dir: Path
+    job_id: str
+    family: str
+    model_type: str | None
+    fallback: bool
+    target: str
+    tp_size: int
+    ep_size: int
+    world_size: int
+    key_digest: str
+    ranks: list[RankSummary]
+    read_nbytes: int
+    """Checkpoint bytes read (each tensor once)."""
+    written_nbytes: int
+    """Tensor bytes written over all ranks (padding excluded)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Per phase: plan, write, checksum, commit, total."""
+    warnings: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def image_nbytes(self) -> int:
+        return sum(r.image_nbytes for r in self.ranks)
+
+    @property
+    def write_gbps(self) -> float:
+        s = self.seconds.get("write", 0.0)
+        return self.written_nbytes / s / 1e9 if s > 0 else 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        s = self.seconds.get("write", 0.0)
+        return self.read_nbytes / s / 1e9 if s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"out_dir": str(self.out_dir), "job_id": self.job_id, "family": self.family,
+                "model_type": self.model_type, "fallback": self.fallback, "target": self.target,
+                "tp_size": self.tp_size, "ep_size": self.ep_size, "world_size": self.world_size,
+                "key_digest": self.key_digest, "read_nbytes": self.read_nbytes, "written_nbytes": self.written_nbytes,
+                "image_nbytes": self.image_nbytes, "read_gbps": self.read_gbps, "write_gbps": self.write_gbps,
+                "seconds": self.seconds, "warnings": self.warnings, "skipped": self.skipped,
+                "ranks": [{"rank": r.rank, "dir": str(r.dir), "image_nbytes": r.image_nbytes,
+                           "expert_nbytes": r.expert_nbytes, "non_expert_nbytes": r.non_expert_nbytes,
+                           "tensors": r.tensors} for r in self.ranks]}
+
+
+def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, ep: int = 1, *,
+            target: str = "transformers", family: str | None = None, chunk_bytes: int | None = None,
+            model_id: str | None = None, revision: str | None = None, progress: bool | None = None,
+            tensor_alignment: int | None = None) -> PrepackReport:
+    """Pre-pack the safetensors checkpoint in ``hf_dir`` into ``out_dir`` for ``tp`` x ``ep``.
+
+    Parameters:
+        hf_dir: a Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``).
+        out_dir: the image directory (created; a previous image there is replaced only once
+            the new one is complete).
+        tp, ep: tensor- and expert-parallel sizes; ``max(tp, ep)`` ranks are written.
+        target: ``"transformers"`` (tensor names = the transformers module's parameters) or
+            ``"sglang"`` (FusedMoE ``w13_weight``/``w2_weight``, stacked ``qkv_proj``/``gate_up_proj``).
+        family: force a family rule by name (default: by config.json ``model_type``; unknown
+            types fall back to ``generic`` with a warning).
+        chunk_bytes: checksum chunk size (default 64 MiB; a multiple of 4096).
+        model_id, revision: recorded in the key (default: from the path / config).
+        progress: show a progress bar (default: when stderr is a terminal).
+
+    Raises LayoutError (unsupported dtype, aliased tensors, a layout the family cannot
+    produce, a concurrent pre-pack of ``out_dir``) and DiskSpaceError, all before writing.
+    """
+    from flashboot import __version__
+    from flashboot.layouts.checkpoint import open_checkpoint
+    from flashboot.layouts.families import PlanContext, check_plan, family_for, get_family
+    from flashboot.layouts.format import (
+        DEFAULT_CHUNK_BYTES, FORMAT_VERSION, JOB_FILE, JOB_FORMAT_NAME, TARGETS, TENSOR_ALIGNMENT, FamilyInfo,
+        ImageKey, ImageMetadata, ParallelLayout, SourceInfo, compute_layout,
+    )
+    from flashboot.layouts.image import rank_dir_name
+
+    t_start = time.perf_counter()
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % 4096:
+        raise LayoutError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes!r}")
+    alignment = TENSOR_ALIGNMENT if tensor_alignment is None else tensor_alignment
+    if target not in TARGETS:
+        raise LayoutError(f"target {target!r}; known: {', '.join(TARGETS)}")
+    layouts = ParallelLayout.all_ranks(tp, ep)
+
+    # ---- plan: headers only
+    ckpt = open_checkpoint(hf_dir)
+    if family is None:
+        choice = family_for(ckpt.model_type)
+        fam, fallback, warning = choice.family, choice.fallback, choice.warning
+    else:
+        fam, fallback, warning = get_family(family), False, None
+    warnings = [warning] if warning else []
+    plans, rank_layouts = [], []
+    for p in layouts:
+        plan = fam.plan(PlanContext(ckpt.config, ckpt.tensors, p, target))
+        check_plan(plan, ckpt.tensors, fam.name)
+        rank_layouts.append(compute_layout([t.slot() for t in plan.tensors], tensor_alignment=alignment))
+        plans.append(plan)
+    for w in plans[0].warnings:
+        warnings.append(w)
+    skipped = dict(plans[0].skipped)
+    dtypes = tuple(sorted({t.dtype for plan in plans for t in plan.tensors}))
+    source = SourceInfo(str(hf_dir.resolve()), model_id or ckpt.model_id(), revision or ckpt.revision(),
+                        ckpt.config_hash, ckpt.model_type)
+    key = ImageKey(source.model_id, source.revision, source.config_hash, fam.name, target, tp, ep, dtypes)
+    fam_info = FamilyInfo(fam.name, ckpt.model_type, fallback, warning)
+    job_id = uuid.uuid4().hex
+    t_plan = time.perf_counter()
+
+    # ---- refuse before writing: space, a concurrent job
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(out_dir / JOB_LOCK, "a+")
+    try:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LayoutError(f"{out_dir}: another flashboot prepack is writing here (lock {out_dir / JOB_LOCK})") from None
+        for stale in out_dir.glob(".tmp-*"):  # left by an interrupted run; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        needed = sum(lay.image_nbytes for lay in rank_layouts) + (1 << 20) * len(layouts)
+        free = shutil.disk_usage(out_dir).free
+        if needed > free:
+            raise DiskSpaceError(out_dir, needed, free)
+        tmp = out_dir / f".tmp-{job_id[:12]}"
+        tmp.mkdir()
+
+        # ---- write: each source tensor read once, its pieces to every rank's final offsets
+        from flashboot.layouts.writer import ImageWriter, fsync_dir
+
+        writers = [ImageWriter(tmp / rank_dir_name(p.rank), lay) for p, lay in zip(layouts, rank_layouts)]
+        uses: dict[str, list] = {}
+        for w, plan, lay in zip(writers, plans, rank_layouts):
+            for t in plan.tensors:
+                entry = lay.tensors[t.name]
+                for piece in t.pieces:
+                    uses.setdefault(piece.source, []).append((w, entry, piece))
+        order = sorted(uses, key=lambda n: (ckpt.tensors[n].file, ckpt.tensors[n].data_start))
+        read_nbytes = sum(ckpt.tensors[n].nbytes for n in order)
+        try:
+            _write_all(ckpt, order, uses, read_nbytes, _show_progress(progress))
+            t_write = time.perf_counter()
+            metas = []
+            for w, p, plan, lay in zip(writers, layouts, plans, rank_layouts):
+                meta = ImageMetadata(
+                    flashboot_version=__version__, job_id=job_id, source=source, family=fam_info, target=target,
+                    parallel=p, experts=plan.experts, image_file=w.path.name, image_nbytes=lay.image_nbytes,
+                    regions=lay.regions, tensors=lay.tensors, checksums=w.checksums(chunk_bytes), key=key,
+                    tensor_alignment=alignment, warnings=tuple(warnings))
+                # The writer must produce what the strict reader accepts: check it here, not at load.
+                ImageMetadata.from_dict(json.loads(meta.to_json()), str(w.rank_dir / "metadata.json"))
+                w.finish(meta)
+                metas.append(meta)
+            t_checksum = time.perf_counter()
+        finally:
+            for w in writers:
+                w.close()
+        written = sum(w.written_nbytes for w in writers)
+        job = {
+            "format": JOB_FORMAT_NAME, "format_version": FORMAT_VERSION, "flashboot_version": __version__,
+            "job_id": job_id, "created_unix": time.time(), "world_size": len(layouts), "tp_size": tp,
+            "ep_size": ep, "target": target, "family": fam_info.to_dict(), "source": source.to_dict(),
+            "key": key.to_dict(), "warnings": warnings, "skipped": skipped,
+            "ranks": [{"rank": m.parallel.rank, "dir": rank_dir_name(m.parallel.rank),
+                       "image_nbytes": m.image_nbytes, "tensors": len(m.tensors)} for m in metas],
+        }
+        with open(tmp / JOB_FILE, "w") as f:
+            json.dump(job, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+
+        # ---- commit: unmark the old job, swap rank dirs in, mark the new job last
+        old_job = out_dir / JOB_FILE
+        if old_job.exists():
+            old_job.unlink()
+            fsync_dir(out_dir)
+        from flashboot.layouts.image import list_rank_dirs
+
+        trash = tmp / "replaced"
+        trash.mkdir()
+        for r, old in list_rank_dirs(out_dir).items():
+            os.rename(old, trash / old.name)
+        for p in layouts:
+            os.rename(tmp / rank_dir_name(p.rank), out_dir / rank_dir_name(p.rank))
+        fsync_dir(out_dir)
+        os.rename(tmp / JOB_FILE, out_dir / JOB_FILE)
+        fsync_dir(out_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+        t_commit = time.perf_counter()
+    finally:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+        lock.close()
+
+    ranks = [RankSummary(m.parallel.rank, out_dir / rank_dir_name(m.parallel.rank), m.image_nbytes,
+                         m.regions["experts"].nbytes, m.regions["non_experts"].nbytes, len(m.tensors)) for m in metas]
+    return PrepackReport(
+        out_dir=out_dir, job_id=job_id, family=fam.name, model_type=ckpt.model_type, fallback=fallback,
+        target=target, tp_size=tp, ep_size=ep, world_size=len(layouts), key_digest=key.digest, ranks=ranks,
+        read_nbytes=read_nbytes, written_nbytes=written,
+        seconds={"plan": t_plan - t_start, "write": t_write - t_plan, "checksum": t_checksum - t_write,
+                 "commit": t_commit - t_checksum, "total": t_commit - t_start},
+        warnings=warnings, skipped=skipped)
+
+
+def _show_progress(progress: bool | None) -> bool:
+    return sys.stderr.isatty() if progress is None else progress
+
+
+def _write_all(ckpt, order: list[str], uses: dict[str, list], total_nbytes: int, show: bool) -> None:
+    """Read each source once (checkpoint file order) and write every piece that uses it."""
+    import numpy as np
+    import torch
+
+    _INT_OF_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+    handles: dict[str, Any] = {}
+    bar = None
+    if show:
+        from rich.progress import (
+            BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+        )
+
+        bar = Progress(TextColumn("prepack"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                       TimeRemainingColumn(), transient=False)
+        bar.start()
+        task = bar.add_task("prepack", total=total_nbytes)
+    try:
+        for name in order:
+            tensor = ckpt.read(name, handles)
+            # Slice and copy in numpy on a same-size integer view: dtype-agnostic (bf16, fp8,
+            # bool) and, measured here, ~100x faster than torch's CPU strided copy.
+            arr = tensor.view(_INT_OF_ITEMSIZE[tensor.element_size()]).numpy()
+            for writer, entry, piece in uses[name]:
+                part = arr[tuple(slice(a, b) for a, b in piece.box)]
+                writer.write(entry, piece.dst_elem, np.ascontiguousarray(part).reshape(-1))
+            del arr, tensor
+            if bar is not None:
+                bar.update(task, advance=ckpt.tensors[name].nbytes)
+    finally:
+        if bar is not None:
+            bar.stop()
+        handles.clear()

@@ -1,0 +1,207 @@
+"""A Hugging Face checkpoint directory seen through its safetensors headers.
+
+:func:`open_checkpoint` reads ``config.json`` and every shard's header (nothing else), and
+refuses, before any tensor byte is read, what an image cannot hold: unsupported dtypes, two
+names sharing bytes in a shard, the same name in two shards, an index that disagrees with the
+shards. Tensors are then read one at a time through ``safetensors.safe_open``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flashboot.errors import LayoutError
+
+from .format import DTYPES_BY_SAFETENSORS, DTYPES, config_hash
+
+_HEADER_LIMIT = 100 << 20  # safetensors' own cap on the JSON header
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One tensor of the checkpoint: where its bytes are and what they are."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    data_start: int
+    """Absolute byte offset of the data in ``file``."""
+    nbytes: int
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """The JSON header of one ``.safetensors`` file (``__metadata__`` removed), data offsets
+    made absolute. LayoutError naming the file on anything malformed."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise LayoutError(f"{path}: {size} bytes, too short for a safetensors header")
+        n = struct.unpack("<Q", head)[0]
+        if n > _HEADER_LIMIT or 8 + n > size:
+            raise LayoutError(f"{path}: header claims {n:,} bytes; file has {size:,}")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise LayoutError(f"{path}: header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise LayoutError(f"{path}: header is not a JSON object")
+    header.pop("__metadata__", None)
+    base = 8 + n
+    for name, info in header.items():
+        try:
+            start, end = info["data_offsets"]
+            info["shape"] = [int(d) for d in info["shape"]]
+            info["dtype"] = str(info["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise LayoutError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end and base + end <= size):
+            raise LayoutError(f"{path}: tensor {name!r} data_offsets {info['data_offsets']} fall outside the "
+                              f"file's {size - base:,} data bytes")
+        info["data_offsets"] = (base + start, base + end)
+    return header
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint directory: its config, and every tensor's header entry by name."""
+
+    path: Path
+    config: dict[str, Any]
+    tensors: dict[str, SourceTensor]
+    files: list[str]
+
+    @property
+    def model_type(self) -> str | None:
+        mt = self.config.get("model_type")
+        return mt if isinstance(mt, str) else None
+
+    @property
+    def config_hash(self) -> str:
+        # Keys that describe the writer, not the model (transformers_version, _name_or_path...)
+        # would give the same weights a new hash after a library upgrade.
+        return config_hash({k: v for k, v in self.config.items()
+                            if not k.startswith("_") and k != "transformers_version"})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def model_id(self) -> str:
+        """``_name_or_path`` from the config when it names a hub id, else the directory name
+        (the snapshot's repo for a hub cache path ``models--org--name/snapshots/REV``)."""
+        m = re.search(r"models--([^/]+)--([^/]+)/snapshots/[^/]+/?$", str(self.path.resolve()))
+        if m:
+            return f"{m.group(1)}/{m.group(2)}"
+        name = self.config.get("_name_or_path")
+        if isinstance(name, str) and name and not os.path.isabs(name) and not name.startswith("."):
+            return name
+        return self.path.resolve().name
+
+    def revision(self) -> str | None:
+        """The snapshot hash for a hub cache path, else None."""
+        m = re.search(r"/snapshots/([0-9a-f]{7,64})/?$", str(self.path.resolve()))
+        return m.group(1) if m else None
+
+    def read(self, name: str, handles: dict):
+        """One tensor as a torch tensor, through ``safe_open`` (``handles`` caches open files)."""
+        from safetensors import safe_open
+
+        src = self.tensors[name]
+        f = handles.get(src.file)
+        if f is None:
+            try:
+                f = handles[src.file] = safe_open(str(self.path / src.file), framework="pt")
+            except Exception as exc:  # safetensors raises its own SafetensorError
+                raise LayoutError(f"{self.path / src.file}: safetensors refused the file: {exc}") from exc
+        t = f.get_tensor(name)
+        if tuple(t.shape) != src.shape:
+            raise LayoutError(f"{self.path / src.file}: tensor {name!r} read back with shape {list(t.shape)}, "
+                              f"header says {list(src.shape)}")
+        return t
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read ``config.json`` and all safetensors headers of ``path``; validate before any data.
+
+    Raises LayoutError for: no safetensors files, an unsupported dtype (naming tensor, file and
+    dtype), two tensors sharing bytes within a file, one name in two files, and an index
+    (``model.safetensors.index.json``) naming a file or tensor that is not there.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise LayoutError(f"{path}: not a directory (expected a Hugging Face checkpoint directory)")
+    config: dict[str, Any] = {}
+    cfg_path = path / "config.json"
+    if cfg_path.exists():
+        try:
+            config = json.loads(cfg_path.read_text())
+        except ValueError as exc:
+            raise LayoutError(f"{cfg_path}: not JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise LayoutError(f"{cfg_path}: not a JSON object")
+    index_path = path / "model.safetensors.index.json"
+    weight_map: dict[str, str] | None = None
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LayoutError(f"{index_path}: no readable weight_map ({exc})") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise LayoutError(f"{index_path}: names shard(s) {missing} that do not exist in {path}")
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise LayoutError(f"{path}: no .safetensors files")
+    tensors: dict[str, SourceTensor] = {}
+    bad_dtypes = []
+    for fname in files:
+        header = read_safetensors_header(path / fname)
+        spans = []
+        for name, info in header.items():
+            if name in tensors:
+                raise LayoutError(f"{path}: tensor {name!r} is in two shards ({tensors[name].file} and {fname}); "
+                                  "aliased or duplicated tensors are not supported")
+            start, end = info["data_offsets"]
+            st_dtype = info["dtype"]
+            d = DTYPES_BY_SAFETENSORS.get(st_dtype)
+            if d is None:
+                bad_dtypes.append(f"{name} ({st_dtype}, in {fname})")
+                continue
+            numel = 1
+            for n in info["shape"]:
+                numel *= n
+            if numel * d.itemsize != end - start:
+                raise LayoutError(f"{path / fname}: tensor {name!r} shape {info['shape']} {d.name} needs "
+                                  f"{numel * d.itemsize:,} bytes, header gives {end - start:,}")
+            tensors[name] = SourceTensor(name, fname, d.name, tuple(info["shape"]), start, end - start)
+            if end > start:
+                spans.append((start, end, name))
+        spans.sort()
+        for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
+            if b0 < a1:
+                raise LayoutError(f"{path / fname}: tensors {a!r} and {b!r} share file bytes {b0:,}..{min(a1, b1):,} "
+                                  "(aliased tensors are not supported: save them as separate tensors)")
+    if bad_dtypes:
+        raise LayoutError(f"{path}: unsupported dtype in {len(bad_dtypes)} tensor(s): {', '.join(bad_dtypes[:8])}"
+                          f"{' ...' if len(bad_dtypes) > 8 else ''}; supported: {', '.join(DTYPES)}")
+    if weight_map is not None:
+        for name, fname in weight_map.items():
+            t = tensors.get(name)
+            if t is None or t.file != fname:
+                raise LayoutError(f"{index_path}: maps {name!r} to {fname}, but "
+                                  f"{'no shard holds it' if t is None else 'it is in ' + t.file}")
+    return Checkpoint(path, config, tensors, files)

@@ -1,0 +1,386 @@
+"""Reading, verifying and writing pre-packed images.
+
+The reader is strict: :func:`read_image_metadata` checks the metadata (version, dtypes,
+alignment, regions, bounds, overlaps, checksum table, key), the image file's size, and the
+rank / tp / ep / key the caller expects, all before a byte of the image is read.
+:func:`verify_image` then recomputes the chunk checksums.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from itertools import product
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from flashboot.errors import ChecksumMismatchError, LayoutError
+
+from .format import (
+    FORMAT_VERSION, IMAGE_FILE, JOB_FILE, JOB_FORMAT_NAME, METADATA_FILE, ChecksumTable, ImageKey, ImageMetadata,
+    TensorEntry, _Fields,
+)
+
+_RANK_DIR = re.compile(r"^rank-(\d+)$")
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank-{rank}"
+
+
+# ------------------------------------------------------------------------------------- the job
+@dataclass(frozen=True)
+class JobInfo:
+    """``prepack.json``: the job's ranks and key. Written last: its presence marks a complete job."""
+
+    path: Path
+    job_id: str
+    world_size: int
+    tp_size: int
+    ep_size: int
+    key: ImageKey
+    ranks: dict[int, str]
+    """Rank -> its directory name under the job directory."""
+    raw: dict
+
+
+def read_job(path: str | os.PathLike) -> JobInfo:
+    """Parse ``DIR/prepack.json``. LayoutError if it is missing (an interrupted or never-run
+    pre-pack) or malformed."""
+    path = Path(path)
+    job_path = path / JOB_FILE
+    if not job_path.is_file():
+        leftovers = sorted(p.name for p in path.glob(".tmp-*")) if path.is_dir() else []
+        hint = (f" ({len(leftovers)} unfinished temporary dir(s) {leftovers[:2]}: the pre-pack was interrupted; "
+                "re-run flashboot prepack)" if leftovers else "")
+        raise LayoutError(f"{path}: no {JOB_FILE}: not a complete pre-packed image directory{hint}")
+    where = str(job_path)
+    try:
+        raw = json.loads(job_path.read_text())
+    except ValueError as exc:
+        raise LayoutError(f"{where}: not JSON ({exc})") from None
+    f = _Fields(raw, where, "")
+    if f.get("format", str) != JOB_FORMAT_NAME:
+        raise LayoutError(f"{where}: format {raw.get('format')!r} is not {JOB_FORMAT_NAME!r}")
+    version = f.int("format_version")
+    if version != FORMAT_VERSION:
+        raise LayoutError(f"{where}: format version {version}; this flashboot reads version {FORMAT_VERSION}")
+    ranks = {}
+    for i, r in enumerate(f.get("ranks", list)):
+        rf = _Fields(r, where, f"ranks[{i}]")
+        ranks[rf.int("rank")] = rf.get("dir", str)
+    world = f.int("world_size", minimum=1)
+    if sorted(ranks) != list(range(world)):
+        raise LayoutError(f"{where}: lists ranks {sorted(ranks)} for world_size {world}")
+    return JobInfo(path, f.get("job_id", str), world, f.int("tp_size", minimum=1), f.int("ep_size", minimum=1),
+                   ImageKey.from_dict(f.sub("key")), ranks, raw)
+
+
+def _resolve(path: Path, rank: int | None) -> tuple[Path, JobInfo | None]:
+    """The rank directory to read, and the job it belongs to (None for a lone rank directory)."""
+    if (path / METADATA_FILE).is_file():
+        parent_job = path.parent / JOB_FILE
+        return path, (read_job(path.parent) if parent_job.is_file() else None)
+    if not path.is_dir():
+        raise LayoutError(f"{path}: no such image directory")
+    job = read_job(path)
+    if rank is None:
+        if job.world_size != 1:
+            raise LayoutError(f"{path}: holds {job.world_size} ranks (tp={job.tp_size}, ep={job.ep_size}); "
+                              "say which rank to read")
+        rank = 0
+    if rank not in job.ranks:
+        raise LayoutError(f"{path}: rank {rank} requested, the image has ranks 0..{job.world_size - 1} "
+                          f"(tp={job.tp_size}, ep={job.ep_size})")
+    rank_dir = path / job.ranks[rank]
+    if not (rank_dir / METADATA_FILE).is_file():
+        raise LayoutError(f"{rank_dir}: missing {METADATA_FILE} (incomplete image)")
+    return rank_dir, job
+
+
+# ---------------------------------------------------------------------------------- the reader
+def read_image_metadata(path: str | os.PathLike, rank: int | None = None, *, tp: int | None = None,
+                        ep: int | None = None, expected_key: ImageKey | Mapping[str, Any] | None = None
+                        ) -> ImageMetadata:
+    """Read and validate one rank's ``metadata.json`` and check it against its image file.
+
+    ``path`` is a job directory (``prepack.json`` + ``rank-R/``; pass ``rank`` unless the job
+    has one rank) or one rank's directory. ``tp``/``ep`` and ``expected_key`` (an
+    :class:`ImageKey` or a mapping of some of its fields) are what the caller will load for;
+    any disagreement raises LayoutError naming both sides. Reads no image byte.
+    """
+    path = Path(path)
+    rank_dir, job = _resolve(path, rank)
+    meta_path = rank_dir / METADATA_FILE
+    where = str(meta_path)
+    try:
+        raw = json.loads(meta_path.read_text())
+    except ValueError as exc:
+        raise LayoutError(f"{where}: not JSON ({exc})") from None
+    meta = ImageMetadata.from_dict(raw, where)
+    p = meta.parallel
+    if rank is not None and p.rank != rank:
+        raise LayoutError(f"{where}: holds rank {p.rank} of {p.world_size}, rank {rank} was requested")
+    if tp is not None and tp != p.tp_size:
+        raise LayoutError(f"{where}: packed for tp={p.tp_size} (rank {p.rank} of {p.world_size}), "
+                          f"requested tp={tp}")
+    if ep is not None and ep != p.ep_size:
+        raise LayoutError(f"{where}: packed for ep={p.ep_size} (rank {p.rank} of {p.world_size}), "
+                          f"requested ep={ep}")
+    if job is not None:
+        if job.job_id != meta.job_id:
+            raise LayoutError(f"{where}: written by pre-pack job {meta.job_id}, but {job.path / JOB_FILE} is job "
+                              f"{job.job_id} (mixed or half-replaced image; re-run flashboot prepack)")
+        if job.key.digest != meta.key.digest:
+            raise LayoutError(f"{where}: key {meta.key.describe()} differs from the job's {job.key.describe()}")
+    if expected_key is not None:
+        diffs = meta.key.mismatches(expected_key)
+        if diffs:
+            detail = "; ".join(f"{k}: expected {want!r}, image has {have!r}" for k, want, have in diffs)
+            raise LayoutError(f"{where}: image of {meta.key.describe()} is not the expected model ({detail})")
+    image_path = rank_dir / meta.image_file
+    if not image_path.is_file():
+        raise LayoutError(f"{image_path}: image file missing (metadata expects {meta.image_nbytes:,} bytes)")
+    size = image_path.stat().st_size
+    if size != meta.image_nbytes:
+        cs = meta.checksums
+        chunk = min(size, meta.image_nbytes) // cs.chunk_bytes
+        start, nbytes = cs.chunk_range(chunk, meta.image_nbytes)
+        what = "truncated" if size < meta.image_nbytes else "longer than recorded"
+        raise LayoutError(f"{image_path}: {what}: metadata expects {meta.image_nbytes:,} bytes, the file has "
+                          f"{size:,} (first chunk affected: {chunk}, bytes {start:,}..{start + nbytes:,})")
+    return meta
+
+
+class Image:
+    """One rank's validated image: its metadata, tensor table and the file's bytes.
+
+    ``mmap()`` maps the file privately (copy-on-write: writes never reach the file), and
+    :meth:`view` gives a zero-copy torch view of a tensor at its recorded offset, shape,
+    stride and dtype over that mapping or any other buffer laid out like the image.
+    """
+
+    def __init__(self, dir: Path, metadata: ImageMetadata):
+        self.dir = dir
+        self.metadata = metadata
+        self.path = dir / metadata.image_file
+        self._mmap: mmap.mmap | None = None
+
+    @property
+    def tensors(self) -> dict[str, TensorEntry]:
+        return self.metadata.tensors
+
+    @property
+    def nbytes(self) -> int:
+        return self.metadata.image_nbytes
+
+    @property
+    def rank(self) -> int:
+        return self.metadata.parallel.rank
+
+    def open(self):
+        """The image file, opened for binary reading (the caller closes it)."""
+        return open(self.path, "rb")
+
+    def mmap(self) -> mmap.mmap:
+        if self._mmap is None:
+            if self.nbytes == 0:
+                raise LayoutError(f"{self.path}: empty image, nothing to map")
+            with open(self.path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), self.nbytes, access=mmap.ACCESS_COPY)
+        return self._mmap
+
+    def view(self, name: str, buffer=None):
+        """Tensor ``name`` as a torch view into ``buffer`` (default: this image's mapping)."""
+        import torch
+
+        t = self.tensors.get(name)
+        if t is None:
+            raise LayoutError(f"{self.path}: no tensor {name!r} in the image ({len(self.tensors)} tensors)")
+        dtype = getattr(torch, t.dtype)
+        if t.nbytes == 0:
+            return torch.empty(t.shape, dtype=dtype)
+        raw = torch.frombuffer(self.mmap() if buffer is None else buffer, dtype=torch.uint8,
+                               count=t.nbytes, offset=t.offset)
+        return raw.view(dtype).as_strided(t.shape, t.stride)
+
+    def close(self) -> None:
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # views still alive keep the mapping; it goes when they do
+            self._mmap = None
+
+    def __enter__(self) -> "Image":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        p = self.metadata.parallel
+        return (f"Image({str(self.dir)!r}, rank={p.rank}/{p.world_size}, {self.nbytes:,} bytes, "
+                f"{len(self.tensors)} tensors)")
+
+
+def read_image(path: str | os.PathLike, rank: int | None = None, *, tp: int | None = None, ep: int | None = None,
+               expected_key: ImageKey | Mapping[str, Any] | None = None) -> Image:
+    """The validated :class:`Image` of ``rank`` (see :func:`read_image_metadata`)."""
+    path = Path(path)
+    meta = read_image_metadata(path, rank, tp=tp, ep=ep, expected_key=expected_key)
+    rank_dir, _ = _resolve(path, meta.parallel.rank if rank is None else rank)
+    return Image(rank_dir, meta)
+
+
+def image_ranks(path: str | os.PathLike) -> list[int]:
+    """The ranks of a job directory, or ``[rank]`` of a rank directory."""
+    path = Path(path)
+    if (path / METADATA_FILE).is_file():
+        return [read_image_metadata(path).parallel.rank]
+    return sorted(read_job(path).ranks)
+
+
+# ---------------------------------------------------------------------------------- verify
+@dataclass(frozen=True)
+class VerifyResult:
+    rank: int
+    path: Path
+    nbytes: int
+    chunks: int
+
+
+def verify_image(path: str | os.PathLike, rank: int | None = None, *, progress: bool = False) -> list[VerifyResult]:
+    """Recompute every chunk checksum of one rank (or, ``rank=None`` on a job directory, of all
+    ranks) and compare with the metadata. Raises ChecksumMismatchError naming the first bad
+    chunk (rank, chunk index, byte range), LayoutError for anything the strict reader refuses."""
+    from flashboot.kernels.checksum import checksum_host
+
+    path = Path(path)
+    if rank is None and not (path / METADATA_FILE).is_file():
+        ranks = sorted(read_job(path).ranks)
+    else:
+        ranks = [rank]
+    images = [read_image(path, r) for r in ranks]  # all metadata checked before any byte is read
+    total = sum(im.nbytes for im in images)
+    results = []
+    bar = _progress(progress)
+    with bar:
+        task = bar.add_task("verify", total=total) if bar else None
+        for im in images:
+            cs: ChecksumTable = im.metadata.checksums
+            buf = bytearray(min(cs.chunk_bytes, im.nbytes))
+            with im.open() as f:
+                for k, expected in enumerate(cs.digests):
+                    start, nbytes = cs.chunk_range(k, im.nbytes)
+                    view = memoryview(buf)[:nbytes]
+                    got = f.readinto(view)
+                    if got != nbytes:  # the file shrank after the size check
+                        raise LayoutError(f"{im.path}: chunk {k} (bytes {start:,}..{start + nbytes:,}): read "
+                                          f"{got:,} of {nbytes:,} bytes (file truncated)")
+                    found = checksum_host(view)
+                    view.release()
+                    if found != expected:
+                        raise ChecksumMismatchError(f"{im.path} (rank {im.rank})", k, start, nbytes, expected, found)
+                    if bar:
+                        bar.update(task, advance=nbytes)
+            results.append(VerifyResult(im.rank, im.path, im.nbytes, len(cs.digests)))
+    return results
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return _NoProgress()
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn())
+
+
+class _NoProgress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __bool__(self):
+        return False
+
+
+# ------------------------------------------------------------------------------ reassembly
+def reassemble(shards: Iterable[tuple[TensorEntry, Any]]) -> dict:
+    """Put per-rank tensors back together: ``(entry, tensor)`` pairs from any ranks (torch
+    tensors) -> full tensor by logical name. Fused tensors (``parts``) are split into their
+    members first. Raises LayoutError if a piece is missing or two copies of one piece differ
+    in any byte."""
+    import torch
+
+    pieces: dict[str, list[tuple[tuple, Any]]] = {}
+    for entry, tensor in shards:
+        if tuple(tensor.shape) != entry.shape:
+            raise LayoutError(f"tensor {entry.name!r}: got shape {list(tensor.shape)}, entry says {list(entry.shape)}")
+        if entry.parts:
+            for part in entry.parts:
+                pieces.setdefault(part.name, []).append((part.shard, tensor[part.start:part.stop]))
+        else:
+            pieces.setdefault(entry.name, []).append((entry.shard, tensor))
+    out = {}
+    for name, items in pieces.items():
+        shard0, t0 = items[0]
+        full_shape = list(t0.shape)
+        for s in shard0:
+            full_shape[s.dim] *= s.count
+        full = torch.empty(full_shape, dtype=t0.dtype)
+        seen: dict[tuple, Any] = {}
+        for shard, t in items:
+            if [(s.dim, s.count, s.blocks) for s in shard] != [(s.dim, s.count, s.blocks) for s in shard0]:
+                raise LayoutError(f"tensor {name!r}: ranks disagree on how it is split: {shard} vs {shard0}")
+            key = tuple(s.index for s in shard)
+            if key in seen:
+                if not torch.equal(_bytes_of(seen[key]), _bytes_of(t)):
+                    raise LayoutError(f"tensor {name!r}: two ranks hold shard {key} with different bytes")
+                continue
+            seen[key] = t
+            per_dim = []
+            for s in shard:
+                piece = t.shape[s.dim] // s.blocks
+                per_dim.append([(s.dim, b * piece, (b + 1) * piece, (b * s.count + s.index) * piece)
+                                for b in range(s.blocks)])
+            for combo in product(*per_dim):
+                src = [slice(None)] * t.dim()
+                dst = [slice(None)] * t.dim()
+                for dim, a, b, d in combo:
+                    src[dim], dst[dim] = slice(a, b), slice(d, d + b - a)
+                full[tuple(dst)] = t[tuple(src)]
+        expected = 1
+        for s in shard0:
+            expected *= s.count
+        if len(seen) != expected:
+            raise LayoutError(f"tensor {name!r}: have shards {sorted(seen)}, need all {expected}")
+        out[name] = full
+    return out
+
+
+def _bytes_of(t):
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def list_rank_dirs(path: Path) -> dict[int, Path]:
+    """``rank-R`` directories directly under ``path``."""
+    out = {}
+    if path.is_dir():
+        for p in path.iterdir():
+            m = _RANK_DIR.match(p.name)
+            if m and p.is_dir():
+                out[int(m.group(1))] = p
+    return out
+
+
+__all__ = ["Image", "JobInfo", "VerifyResult", "image_ranks", "list_rank_dirs", "rank_dir_name", "read_image",
+           "read_image_metadata", "read_job", "reassemble", "verify_image", "IMAGE_FILE"]

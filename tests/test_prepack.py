@@ -1,0 +1,325 @@
+"""The pre-pack job: streaming writes read back byte for byte, atomic commit, interrupted runs,
+bad checkpoints refused before writing, space checks, and the prepack/inspect/verify CLI."""
+
+import argparse
+import fcntl
+import json
+import struct
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import flashboot
+from flashboot import _prepack
+from flashboot._prepack import DiskSpaceError, prepack
+from flashboot.commands import prepack as prepack_cmd
+from flashboot.errors import ChecksumMismatchError, LayoutError
+from flashboot.layouts import read_image, read_job, verify_image
+from flashboot.layouts.checkpoint import Checkpoint
+from flashboot.layouts.tiny import save_tiny_model
+from flashboot.layouts.writer import ImageWriter
+
+
+def _mixed_checkpoint(path: Path) -> dict:
+    """Two shards plus an index, every supported dtype, a 0-d and an empty tensor."""
+    g = torch.Generator().manual_seed(3)
+    f32 = torch.randn(7, 9, generator=g)
+    tensors = {
+        "f64": torch.randn(3, 5, generator=g, dtype=torch.float64),
+        "f32": f32,
+        "f16": torch.randn(11, generator=g).half(),
+        "bf16": torch.randn(4, 4, generator=g).bfloat16(),
+        "e4m3": torch.randn(6, 8, generator=g).to(torch.float8_e4m3fn),
+        "e5m2": torch.randn(5, generator=g).to(torch.float8_e5m2),
+        "i64": torch.randint(-9, 9, (3,), generator=g),
+        "i32": torch.randint(-9, 9, (2, 2), generator=g, dtype=torch.int32),
+        "i16": torch.randint(-9, 9, (13,), generator=g, dtype=torch.int16),
+        "i8": torch.randint(-9, 9, (17,), generator=g, dtype=torch.int8),
+        "u8": torch.randint(0, 255, (19,), generator=g, dtype=torch.uint8),
+        "flag": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "big": torch.randn(300, 300, generator=g),  # several 64 KiB chunks
+    }
+    path.mkdir()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for fname, members in shards.items():
+        save_file({n: tensors[n] for n in members}, path / fname)
+        weight_map.update({n: fname for n in members})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps({"model_type": "mixed_bag", "_name_or_path": "org/mixed"}))
+    return tensors
+
+
+def _bytes(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixed")
+    tensors = _mixed_checkpoint(root / "ckpt")
+    return root / "ckpt", tensors
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen")
+    model = save_tiny_model("qwen3_moe", root / "ckpt", seed=11)
+    return root / "ckpt", {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_prepack_api_writes_a_complete_job(mixed, tmp_path):
+    ckpt, tensors = mixed
+    out = tmp_path / "out"
+    report = flashboot.prepack(ckpt, out, chunk_bytes=1 << 16, progress=False)
+    assert isinstance(report, flashboot.PrepackReport)
+    assert report.world_size == 1 and report.fallback and report.family == "generic"
+    assert report.read_nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert report.written_nbytes == report.read_nbytes
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "prepack.json", "rank-0"]
+    job = read_job(out)
+    assert job.world_size == 1 and job.key.model_id == "org/mixed" and job.key.digest == report.key_digest
+    with read_image(out) as im:
+        assert set(im.tensors) == set(tensors)
+        assert im.metadata.key.dtypes == tuple(sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()}))
+        for name, t in tensors.items():
+            view = im.view(name)
+            assert view.dtype == t.dtype and view.shape == t.shape and torch.equal(_bytes(view), _bytes(t)), name
+    assert verify_image(out)[0].chunks == -(-im.nbytes // (1 << 16)) == 6  # the last chunk is short
+
+
+def test_progress_bar_reports_throughput(mixed, tmp_path, capsys):
+    report = prepack(mixed[0], tmp_path / "out", progress=True)
+    out = capsys.readouterr().out
+    assert "prepack" in out and "/s" in out and report.read_gbps > 0
+
+
+def test_each_source_tensor_is_read_once(qwen, tmp_path, monkeypatch):
+    reads = Counter()
+    real = Checkpoint.read
+
+    def counting(self, name, handles):
+        reads[name] += 1
+        return real(self, name, handles)
+
+    monkeypatch.setattr(Checkpoint, "read", counting)
+    prepack(qwen[0], tmp_path / "out", tp=2, ep=1, progress=False)
+    assert reads and set(reads.values()) == {1}  # two ranks, one read per tensor
+    with safe_open(qwen[0] / "model.safetensors", "pt") as f:
+        assert set(reads) == set(f.keys())
+
+
+def test_rerun_replaces_a_previous_image(qwen, tmp_path):
+    out = tmp_path / "out"
+    first = prepack(qwen[0], out, tp=2, progress=False)
+    second = prepack(qwen[0], out, tp=1, progress=False)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("rank-")) == ["rank-0"]
+    assert read_job(out).job_id == second.job_id != first.job_id
+    assert read_image(out).metadata.parallel.tp_size == 1
+    assert not list(out.glob(".tmp-*"))
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+def test_interrupted_prepack_leaves_nothing_that_looks_complete(qwen, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    calls = {"n": 0}
+    real_write = ImageWriter.write
+
+    def crashing(self, entry, elem_offset, data):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise _Crash("power cut")
+        return real_write(self, entry, elem_offset, data)
+
+    monkeypatch.setattr(ImageWriter, "write", crashing)
+    with pytest.raises(_Crash):
+        prepack(qwen[0], out, tp=2, progress=False)
+    leftovers = list(out.glob(".tmp-*"))
+    assert leftovers and (leftovers[0] / "rank-0" / "image.bin").exists()  # the half image exists...
+    assert not (out / "prepack.json").exists() and not (out / "rank-0").exists()
+    with pytest.raises(LayoutError, match="interrupted; re-run flashboot prepack"):
+        read_image(out, 0)  # ...and is never used
+    monkeypatch.setattr(ImageWriter, "write", real_write)
+    report = prepack(qwen[0], out, tp=2, progress=False)
+    assert not list(out.glob(".tmp-*"))
+    assert [r.rank for r in verify_image(out)] == [0, 1]
+    images = [read_image(out, r) for r in range(2)]
+    assert all(im.metadata.job_id == report.job_id for im in images)
+
+
+def test_interrupted_replacement_keeps_the_old_image(qwen, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    old = prepack(qwen[0], out, progress=False)
+    monkeypatch.setattr(ImageWriter, "write", lambda *a, **k: (_ for _ in ()).throw(_Crash("disk gone")))
+    with pytest.raises(_Crash):
+        prepack(qwen[0], out, tp=2, progress=False)
+    assert read_image(out).metadata.job_id == old.job_id  # the old job is untouched
+    verify_image(out)
+
+
+def test_crash_during_commit_is_refused_then_recovered(qwen, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    prepack(qwen[0], out, progress=False)
+    real_rename = _prepack.os.rename
+    seen = {"n": 0}
+
+    def rename(src, dst):
+        if Path(dst).name == "rank-1":
+            raise _Crash("crash between rank renames")
+        seen["n"] += 1
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(_prepack.os, "rename", rename)
+    with pytest.raises(_Crash):
+        prepack(qwen[0], out, tp=2, progress=False)
+    assert (out / "rank-0").exists() and not (out / "prepack.json").exists()
+    with pytest.raises(LayoutError, match="no prepack.json"):
+        read_image(out, 0)
+    monkeypatch.setattr(_prepack.os, "rename", real_rename)
+    prepack(qwen[0], out, tp=2, progress=False)
+    assert len(verify_image(out)) == 2
+
+
+def _write_raw_safetensors(path: Path, header: dict, data: bytes):
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+
+
+def test_aliased_tensors_refused(tmp_path):
+    ckpt = tmp_path / "alias"
+    ckpt.mkdir()
+    header = {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+              "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}
+    _write_raw_safetensors(ckpt / "model.safetensors", header, bytes(16))
+    base = 8 + len(json.dumps(header))
+    with pytest.raises(LayoutError, match=f"tensors 'a' and 'b' share file bytes {base + 8}..{base + 16} .*aliased"):
+        prepack(ckpt, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_same_name_in_two_shards_refused(tmp_path):
+    ckpt = tmp_path / "dup"
+    ckpt.mkdir()
+    save_file({"x": torch.ones(2)}, ckpt / "a.safetensors")
+    save_file({"x": torch.ones(2), "y": torch.ones(1)}, ckpt / "b.safetensors")
+    with pytest.raises(LayoutError, match="tensor 'x' is in two shards \\(a.safetensors and b.safetensors\\)"):
+        prepack(ckpt, tmp_path / "out", progress=False)
+
+
+def test_unsupported_dtypes_refused_naming_them(tmp_path):
+    ckpt = tmp_path / "cplx"
+    ckpt.mkdir()
+    save_file({"ok": torch.ones(2), "z": torch.zeros(3, dtype=torch.complex64),
+               "u": torch.zeros(3, dtype=torch.uint16)}, ckpt / "model.safetensors")
+    with pytest.raises(LayoutError) as exc:
+        prepack(ckpt, tmp_path / "out", progress=False)
+    msg = str(exc.value)
+    assert "unsupported dtype in 2 tensor(s)" in msg and "z (C64, in model.safetensors)" in msg
+    assert "u (U16, in model.safetensors)" in msg and "supported: float64" in msg
+
+
+def test_index_naming_a_missing_shard_refused(mixed, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _mixed_checkpoint(ckpt)
+    (ckpt / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(LayoutError, match=r"names shard\(s\) \['model-00002-of-00002.safetensors'\] that do not exist"):
+        prepack(ckpt, tmp_path / "out", progress=False)
+
+
+def test_too_little_space_refused_before_writing(qwen, tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(_prepack.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 4096, 4096))
+    out = tmp_path / "out"
+    with pytest.raises(DiskSpaceError) as exc:
+        prepack(qwen[0], out, tp=2, progress=False)
+    assert exc.value.nbytes_free == 4096 and exc.value.nbytes_needed > 4096
+    assert f"need {exc.value.nbytes_needed:,} bytes but the filesystem has only 4,096 free" in str(exc.value)
+    assert not list(out.glob("rank-*")) and not list(out.glob(".tmp-*"))
+
+
+def test_concurrent_prepack_refused(qwen, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".lock", "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(LayoutError, match="another flashboot prepack is writing here"):
+            prepack(qwen[0], out, progress=False)
+
+
+def test_bad_options_refused(qwen, tmp_path):
+    with pytest.raises(LayoutError, match="chunk_bytes must be a positive multiple of 4096"):
+        prepack(qwen[0], tmp_path / "o", chunk_bytes=1000, progress=False)
+    with pytest.raises(LayoutError, match="target 'vllm'; known: transformers, sglang"):
+        prepack(qwen[0], tmp_path / "o", target="vllm", progress=False)
+    with pytest.raises(LayoutError, match="not a directory"):
+        prepack(tmp_path / "missing", tmp_path / "o", progress=False)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def _cli(argv):
+    parser = argparse.ArgumentParser(prog="flashboot")
+    prepack_cmd.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_prepack_inspect_verify(qwen, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps to the terminal width
+    out = tmp_path / "img"
+    assert _cli(["prepack", str(qwen[0]), "--out", str(out), "--tp", "2", "--ep", "2", "--chunk-bytes", "64KiB",
+                 "--no-progress", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["world_size"] == 2 and report["family"] == "qwen3_moe" and len(report["ranks"]) == 2
+    assert _cli(["inspect", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["tp_size"] == 2 and summary["ep_size"] == 2 and summary["key"]["digest"] == report["key_digest"]
+    r1 = summary["ranks"][1]
+    assert r1["experts"] == {"num_experts": 8, "local_start": 4, "local_count": 4}
+    assert r1["tensor_counts"] == {"experts": 4, "non_experts": 21} and r1["dtypes"] == {"float32": 25}
+    assert r1["regions"]["non_experts"]["offset"] % 4096 == 0
+    assert _cli(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "qwen3_moe" in text and "tp=2 ep=2" in text and "4..7 of 8" in text
+    assert _cli(["verify", str(out), "--no-progress"]) == 0
+    assert capsys.readouterr().out.count(": OK") == 2
+    # one flipped byte in rank 1: verify fails and names rank, chunk and byte range
+    meta = read_image(out, 1).metadata
+    offset = meta.tensors["model.layers.1.mlp.experts.down_proj"].offset + 70_000
+    with open(out / "rank-1" / "image.bin", "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 1]))
+    assert _cli(["verify", str(out), "--no-progress", "--rank", "0"]) == 0
+    capsys.readouterr()
+    assert _cli(["verify", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    chunk = offset // (64 << 10)
+    assert f"rank-1/image.bin (rank 1): chunk {chunk} (bytes {chunk * 65536:,}..{(chunk + 1) * 65536:,})" in err
+    with pytest.raises(ChecksumMismatchError):
+        verify_image(out, 1)
+
+
+def test_cli_prepack_prints_report_and_warnings(mixed, tmp_path, capsys):
+    assert _cli(["prepack", str(mixed[0]), "--out", str(tmp_path / "o"), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "warning:" in text and "mixed_bag" in text and "GB/s" in text
+
+
+def test_cli_main_turns_layout_errors_into_exit_2(tmp_path, capsys):
+    from flashboot.cli import main
+
+    rc = main(["verify", str(tmp_path)])
+    assert rc == 2 and "no prepack.json" in capsys.readouterr().err
