@@ -1,0 +1,70 @@
+"""``triton_tma``: a Triton copy kernel through tensor descriptors (TMA, compute capability >= 9.0).
+
+Runs on the destination's GPU like ``triton_sm``. TMA addresses 16-byte aligned tiles, so the
+source and destination must be congruent mod 16 (a MoverError names ``triton_sm`` otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flashboot.memory import Span
+
+from .base import Mover
+from .registry import register_mover
+from .triton_sm import cuda_mover_availability, ensure_peer_access
+
+_ALTERNATIVES = "use 'triton_sm' or 'copy_engine' instead"
+
+
+@register_mover
+class TritonTMAMover(Mover):
+    """Triton TMA copy kernel via ``tl.make_tensor_descriptor`` (d2d, p2p; Hopper and later)."""
+
+    name = "triton_tma"
+    paths = frozenset({"d2d", "p2p"})
+    alignment = 1
+
+    def __init__(self, **tuning: Any) -> None:
+        """``tuning`` overrides :data:`flashboot.kernels.copy.TMA_TUNING` (block_bytes, num_warps, ...)."""
+        super().__init__()
+        from flashboot.kernels.copy import TMA_TUNING, _knobs
+
+        self.tuning = _knobs(TMA_TUNING, tuning)
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        from flashboot._cuda import cuda_available
+
+        if not cuda_available():
+            return False, f"no CUDA device; TMA needs a GPU of compute capability >= 9.0; {_ALTERNATIVES} on a GPU machine"
+        from flashboot.kernels.copy import tma_available
+
+        ok, why = tma_available()
+        if not ok:
+            return False, f"{why}; {_ALTERNATIVES}"
+        ok, why = cuda_mover_availability()
+        if not ok:
+            return False, f"{why}; {_ALTERNATIVES}"
+        from flashboot._cuda import check, device_count, driver
+
+        drv = driver()
+        major_attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+        minor_attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+        for i in range(device_count()):
+            dev = check(drv.cuDeviceGet(i), f"cuDeviceGet({i})")
+            major = check(drv.cuDeviceGetAttribute(major_attr, dev), "cuDeviceGetAttribute(CC major)")
+            if major < 9:
+                minor = check(drv.cuDeviceGetAttribute(minor_attr, dev), "cuDeviceGetAttribute(CC minor)")
+                return False, f"cuda:{i} has compute capability {major}.{minor}; TMA needs >= 9.0; {_ALTERNATIVES}"
+        return True, ""
+
+    def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
+        from flashboot.kernels.copy import tma_copy
+
+        if path == "p2p":
+            ensure_peer_access(dst.device.index, src)
+        tma_copy(dst, src, dst.nbytes, stream=stream, **self.tuning)
+
+
+__all__ = ["TritonTMAMover"]

@@ -1,0 +1,203 @@
+"""The checksum: numba host code and Triton kernels against the numpy definition.
+
+Kernel tests run where the kernels run: on CUDA tensors when a GPU is present, otherwise on
+host memory under TRITON_INTERPRET=1 (set by conftest).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from flashboot import FlashBootError
+from flashboot._cuda import cuda_available
+from flashboot.kernels import checksum as ck
+from flashboot.kernels.checksum_spec import GOLDEN32, LENGTH_MUL, M32, M64, MIX_Y, SALT_Y, checksum_reference, fmix32_np
+from flashboot.memory import span_of
+
+KERNEL_DEVICE = "cuda" if cuda_available() else "cpu"
+SMALL = dict(block_words=64)  # many tiles per range under the interpreter
+
+
+def random_bytes(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def formula_digest(raw: np.ndarray, start_word: int) -> int:
+    """The spec's formula with word indices starting at ``start_word`` (Python ints for the indices)."""
+    n = raw.size
+    padded = np.concatenate([raw, np.zeros((-n) % 4, np.uint8)]).view("<u4").astype(np.uint64)
+    idx = np.arange(padded.size, dtype=np.uint64) + np.uint64(start_word)
+    lo, hi = idx & np.uint64(M32), idx >> np.uint64(32)
+    with np.errstate(over="ignore"):
+        x = fmix32_np(padded ^ ((lo * np.uint64(GOLDEN32)) & np.uint64(M32)))
+        y = fmix32_np(((padded + lo * np.uint64(MIX_Y) + hi) & np.uint64(M32)) ^ np.uint64(SALT_Y))
+        terms = int(((x << np.uint64(32)) | y).sum(dtype=np.uint64))
+    return (n * LENGTH_MUL + terms) & M64
+
+
+def on_kernel_device(raw: np.ndarray):
+    """``raw`` as a uint8 tensor where the kernels run, with the span to hash."""
+    t = torch.from_numpy(raw.copy()).to(KERNEL_DEVICE)
+    return t
+
+
+# ------------------------------------------------------------------------------------ host side
+@pytest.mark.parametrize("n", list(range(0, 41)) + [63, 1023, 4097, 65537, 262147])
+def test_host_matches_reference(n):
+    raw = random_bytes(n, seed=n)
+    assert ck.checksum_host(raw) == checksum_reference(raw.tobytes())
+
+
+def test_host_accepts_buffers_and_unaligned_views():
+    raw = random_bytes(10_001)
+    expected = checksum_reference(raw[3:].tobytes())
+    assert ck.checksum_host(raw[3:]) == expected  # unaligned uint32 words
+    assert ck.checksum_host(raw[3:].tobytes()) == expected
+    assert ck.checksum_host(bytearray(raw[3:].tobytes())) == expected
+    assert ck.checksum_host(memoryview(raw)[3:]) == expected
+    assert ck.checksum_host(span_of(raw).sub(3)) == expected
+    assert ck.checksum_host(torch.from_numpy(raw)[3:]) == expected  # torch has no buffer protocol
+    f = raw[:10_000].view(np.float32)
+    assert ck.checksum_host(f) == checksum_reference(raw[:10_000].tobytes())
+
+
+def test_host_word_indices_past_2_32():
+    raw = random_bytes(3 * ck.HOST_BLOCK_WORDS * 4 + 5, seed=7)
+    assert formula_digest(raw, 0) == checksum_reference(raw.tobytes())  # the formula here is the spec
+    for start in (2**32 - ck.HOST_BLOCK_WORDS - 3, 2**32, 5 * 2**32 + 11):
+        got = ck._checksum_host_bytes(raw, start_word=start)
+        assert got == formula_digest(raw, start)
+    # hi enters only y: the same words at 2**32 hash differently from the same words at 0
+    assert ck._checksum_host_bytes(raw, start_word=2**32) != ck._checksum_host_bytes(raw, start_word=0)
+
+
+def test_sensitivity():
+    raw = random_bytes(4096, seed=3)
+    base = ck.checksum_host(raw)
+    flipped = raw.copy()
+    flipped[1234] ^= 0x10
+    swapped = raw.copy().view("<u4")
+    swapped[[10, 11]] = swapped[[11, 10]]
+    assert swapped[10] != swapped[11]
+    assert ck.checksum_host(flipped) != base
+    assert ck.checksum_host(swapped) != base
+    assert ck.checksum_host(np.concatenate([raw, np.zeros(1, np.uint8)])) != base
+    zeros = [ck.checksum_host(np.zeros(n, np.uint8)) for n in range(0, 9)]
+    assert len(set(zeros)) == len(zeros)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3, 4, 6, 64, 1000, 4096, 1 << 20])
+def test_host_chunks_match_reference(chunk_bytes):
+    raw = random_bytes(2_003 if chunk_bytes < 8 else 20_003, seed=chunk_bytes)
+    data = raw.tobytes()
+    expected = [checksum_reference(data[s:s + chunk_bytes]) for s in range(0, len(data), chunk_bytes)]
+    assert ck.chunk_checksums_host(raw, chunk_bytes) == expected
+    assert ck.chunk_checksums(raw, chunk_bytes) == expected
+
+
+def test_chunks_bad_input():
+    assert ck.chunk_checksums_host(b"", 16) == []
+    for bad in (0, -4, 2.5):
+        with pytest.raises(FlashBootError, match="chunk_bytes must be a positive int"):
+            ck.chunk_checksums_host(b"abcd", bad)
+        with pytest.raises(FlashBootError, match="chunk_bytes must be a positive int"):
+            ck.chunk_checksums(b"abcd", bad)
+
+
+def test_checksum_dispatch_on_host_objects():
+    raw = random_bytes(777)
+    expected = checksum_reference(raw.tobytes())
+    assert ck.checksum(raw) == expected
+    assert ck.checksum(torch.from_numpy(raw)) == expected
+    assert ck.checksum(raw.tobytes()) == expected
+    assert ck.checksum(span_of(raw)) == expected
+
+
+def test_word_term_is_the_spec_on_one_word():
+    for n in (1, 2, 3, 4):
+        raw = random_bytes(n, seed=n)
+        word = int.from_bytes(raw.tobytes() + b"\0" * (4 - n), "little")
+        assert (n * LENGTH_MUL + ck.word_term(word, 0)) & M64 == checksum_reference(raw.tobytes())
+
+
+# ---------------------------------------------------------------------------------- Triton side
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65, 255, 256, 257, 4099, 9_001])
+@pytest.mark.parametrize("offset", [0, 1, 4, 6])
+def test_kernel_matches_reference(n, offset):
+    raw = random_bytes(n + offset, seed=n)
+    t = on_kernel_device(raw)
+    span = span_of(t).sub(offset, n)  # offsets 1 and 6 take the byte-load path
+    assert ck.device_checksum(span, **SMALL) == checksum_reference(raw[offset:].tobytes())
+
+
+def test_kernel_empty_range():
+    t = on_kernel_device(random_bytes(16))
+    assert ck.device_checksum(span_of(t).sub(4, 0)) == checksum_reference(b"") == 0
+    assert ck.device_chunk_checksums(span_of(t).sub(4, 0), 8) == []
+
+
+@pytest.mark.parametrize("offset", [0, 4, 1])
+def test_kernel_word_indices_past_2_32(offset):
+    block = SMALL["block_words"]
+    raw = random_bytes(6 * block * 4 + 3 + offset, seed=11)
+    t = on_kernel_device(raw)
+    span = span_of(t).sub(offset)
+    for start in (2**32 - 2 * block, 3 * 2**32):
+        expected = formula_digest(raw[offset:], start)
+        assert ck.device_checksum(span, start_word=start, **SMALL) == expected
+        assert ck._checksum_host_bytes(raw[offset:], start_word=start) == expected
+
+
+def test_kernel_start_word_must_be_tile_aligned():
+    t = on_kernel_device(random_bytes(64))
+    with pytest.raises(FlashBootError, match="multiple of block_words"):
+        ck.device_checksum(span_of(t), start_word=3, **SMALL)
+
+
+@pytest.mark.parametrize("chunk_bytes", [256, 1000, 4096, 6, 50_000])
+@pytest.mark.parametrize("offset", [0, 2])
+def test_kernel_chunks_match_host(chunk_bytes, offset):
+    raw = random_bytes((150 if chunk_bytes < 256 else 10_003) + offset, seed=chunk_bytes)
+    t = on_kernel_device(raw)
+    span = span_of(t).sub(offset)
+    assert ck.device_chunk_checksums(span, chunk_bytes, **SMALL) == ck.chunk_checksums_host(raw[offset:], chunk_bytes)
+
+
+def test_kernel_tuning_knobs_checked():
+    t = on_kernel_device(random_bytes(64))
+    with pytest.raises(FlashBootError, match="unknown checksum knob"):
+        ck.device_checksum(span_of(t), blok_words=64)
+    with pytest.raises(FlashBootError, match="power of two"):
+        ck.device_checksum(span_of(t), block_words=100)
+
+
+# ------------------------------------------------------------------------------------ real GPU
+@pytest.mark.gpu
+def test_gpu_checksum_1gb_matches_host():
+    n = (1 << 30) + 3
+    t = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    host = t.cpu().numpy()
+    expected = ck.checksum_host(host)
+    stream = torch.cuda.Stream()
+    assert ck.checksum(t, stream=stream) == expected
+    assert ck.checksum(span_of(t)) == expected
+    sub = span_of(t).sub(1, 1 << 20)  # unaligned start: byte-load path
+    assert ck.checksum(sub) == ck.checksum_host(host[1:(1 << 20) + 1])
+
+
+@pytest.mark.gpu
+def test_gpu_chunk_checksums_match_host():
+    n = (1 << 30) + 3
+    t = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    host = t.cpu().numpy()
+    for chunk_bytes in (64 << 20, (48 << 20) + 4):
+        assert ck.chunk_checksums(t, chunk_bytes) == ck.chunk_checksums_host(host, chunk_bytes)
+    small = host[: 1 << 20]
+    assert ck.chunk_checksums(t[: 1 << 20], 4097) == ck.chunk_checksums_host(small, 4097)
+
+
+def test_checksum_of_something_that_is_no_buffer():
+    with pytest.raises(FlashBootError, match="cannot take a byte span of dict"):
+        ck.checksum({"a": 1})
+    with pytest.raises(FlashBootError, match="C-contiguous"):
+        ck.checksum(np.zeros((4, 4), np.uint8)[:, 1])

@@ -1,0 +1,151 @@
+"""The Triton copy kernels: byte-exact for any size and offset, nothing written past the range.
+
+They run where kernels run: CUDA tensors on a GPU, host memory under TRITON_INTERPRET=1 otherwise.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from flashboot import FlashBootError, MoverError
+from flashboot._cuda import cuda_available
+from flashboot.kernels import copy as kc
+from flashboot.memory import span_of
+
+KERNEL_DEVICE = "cuda" if cuda_available() else "cpu"
+GUARD = 64
+POISON = 0xA5
+SMALL = dict(block_bytes=256)  # many tiles per copy under the interpreter
+
+
+def make_pair(nbytes, src_off, dst_off, seed=0, device=KERNEL_DEVICE):
+    """Random source bytes and a poisoned destination, each with guard bytes around the range."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, 256, (nbytes + 2 * GUARD,), dtype=torch.uint8, generator=g).to(device)
+    dst = torch.full((nbytes + 2 * GUARD,), POISON, dtype=torch.uint8, device=device)
+    return src, dst, span_of(src).sub(GUARD + src_off, nbytes), span_of(dst).sub(GUARD + dst_off, nbytes)
+
+
+def assert_copied(src, dst, nbytes, src_off, dst_off):
+    s, d = src.cpu().numpy(), dst.cpu().numpy()
+    lo = GUARD + dst_off
+    assert np.array_equal(d[lo:lo + nbytes], s[GUARD + src_off:GUARD + src_off + nbytes])
+    assert (d[:lo] == POISON).all(), "bytes written before the destination range"
+    assert (d[lo + nbytes:] == POISON).all(), "bytes written past the end of the destination range"
+
+
+SIZES = [1, 3, 15, 16, 17, 31, 255, 256, 257, 1000, 4099, 33_333]
+
+
+@pytest.mark.parametrize("nbytes", SIZES)
+@pytest.mark.parametrize("src_off,dst_off", [(0, 0), (3, 3), (8, 8), (1, 5), (2, 10), (8, 0), (4, 12), (15, 31)])
+def test_sm_copy_exact(nbytes, src_off, dst_off):
+    src, dst, s, d = make_pair(nbytes, src_off, dst_off, seed=nbytes)
+    kc.sm_copy(d, s, stream=None, **SMALL)
+    assert_copied(src, dst, nbytes, src_off, dst_off)
+
+
+@pytest.mark.parametrize("nbytes", SIZES)
+@pytest.mark.parametrize("src_off,dst_off", [(0, 0), (3, 3), (5, 21), (0, 16)])
+def test_tma_copy_exact(nbytes, src_off, dst_off):
+    src, dst, s, d = make_pair(nbytes, src_off, dst_off, seed=nbytes)
+    kc.tma_copy(d, s, stream=None, **SMALL)
+    assert_copied(src, dst, nbytes, src_off, dst_off)
+
+
+def test_copy_partial_nbytes_and_default_tuning():
+    src, dst, s, d = make_pair(5000, 0, 0)
+    kc.sm_copy(d, s, 1234, stream=None)
+    assert_copied(src, dst, 1234, 0, 0)
+    src, dst, s, d = make_pair(5000, 0, 0, seed=1)
+    kc.tma_copy(d, s, 4321, stream=None)
+    assert_copied(src, dst, 4321, 0, 0)
+
+
+def test_zero_bytes_writes_nothing():
+    src, dst, s, d = make_pair(64, 0, 0)
+    kc.sm_copy(d, s, 0, stream=None)
+    kc.tma_copy(d, s, 0, stream=None)
+    assert (dst.cpu().numpy() == POISON).all()
+
+
+def test_tma_refuses_pointers_not_congruent_mod_16():
+    _, _, s, d = make_pair(1000, 0, 8)
+    with pytest.raises(MoverError, match=r"differ by 8 mod 16 bytes.*sm_copy"):
+        kc.tma_copy(d, s, stream=None)
+
+
+def test_copy_rejects_overruns():
+    _, _, s, d = make_pair(100, 0, 0)
+    with pytest.raises(FlashBootError, match="cannot copy 101 bytes from a 100-byte source"):
+        kc.sm_copy(d, s, 101, stream=None)
+    with pytest.raises(FlashBootError, match="cannot copy 50 bytes .* to a 40-byte destination"):
+        kc.tma_copy(d.sub(0, 40), s, 50, stream=None)
+
+
+def test_tuning_knobs_checked():
+    _, dst, s, d = make_pair(100, 0, 0)
+    with pytest.raises(FlashBootError, match=r"unknown tuning knob\(s\) \['blocks'\]"):
+        kc.sm_copy(d, s, stream=None, blocks=4)
+    with pytest.raises(FlashBootError, match="block_bytes must be a power of two"):
+        kc.tma_copy(d, s, stream=None, block_bytes=1000)
+    with pytest.raises(FlashBootError, match="num_warps must be a power of two in 1..32, got 3"):
+        kc.sm_copy(d, s, stream=None, num_warps=3)
+    with pytest.raises(FlashBootError, match="programs_per_sm must be a positive int, got 0"):
+        kc.tma_copy(d, s, stream=None, programs_per_sm=0)
+    assert (dst.cpu().numpy() == POISON).all()  # refused before any launch
+
+
+def test_span_tensor_is_a_view():
+    buf = torch.zeros(64, dtype=torch.uint8, device=KERNEL_DEVICE)
+    v = kc.span_tensor(span_of(buf), 4, 8, 16)
+    assert v.dtype == torch.int32 and v.numel() == 4 and v.data_ptr() == buf.data_ptr() + 8
+    v.fill_(-1)
+    host = buf.cpu().numpy()
+    assert (host[8:24] == 255).all() and (host[:8] == 0).all() and (host[24:] == 0).all()
+    with pytest.raises(FlashBootError, match="cannot view 6 bytes as 4-byte integers"):
+        kc.span_tensor(span_of(buf), 4, 0, 6)
+    with pytest.raises(FlashBootError, match="outside the 64-byte span"):
+        kc.span_tensor(span_of(buf), 1, 60, 8)
+
+
+@pytest.mark.skipif(cuda_available(), reason="host memory is refused only when kernels really run on a GPU")
+def test_interpreter_flag_is_what_allows_host_memory(monkeypatch):
+    from flashboot import CapabilityError
+
+    _, _, s, d = make_pair(64, 0, 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(CapabilityError, match="Triton kernels need CUDA memory.*'host' mover"):
+        kc.sm_copy(d, s, stream=None)
+
+
+# ------------------------------------------------------------------------------------ real GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("copy", [kc.sm_copy, kc.tma_copy])
+def test_gpu_d2d_256mb_odd_tail(copy):
+    nbytes = (256 << 20) + 13
+    src = torch.randint(0, 256, (nbytes + 2 * GUARD,), dtype=torch.uint8, device="cuda")
+    dst = torch.full_like(src, POISON)
+    torch.cuda.synchronize()  # the fill ran on the default stream; the copy runs on another
+    stream = torch.cuda.Stream()
+    copy(span_of(dst).sub(GUARD + 3, nbytes), span_of(src).sub(GUARD + 3, nbytes), stream=stream)
+    stream.synchronize()
+    assert torch.equal(dst[GUARD + 3:GUARD + 3 + nbytes], src[GUARD + 3:GUARD + 3 + nbytes])
+    assert (dst[:GUARD + 3] == POISON).all() and (dst[GUARD + 3 + nbytes:] == POISON).all()
+
+
+@pytest.mark.two_gpus
+@pytest.mark.parametrize("copy", [kc.sm_copy, kc.tma_copy])
+def test_p2p_pull_from_peer(copy):
+    from flashboot.movers.triton_sm import ensure_peer_access
+
+    nbytes = (64 << 20) + 5
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
+    dst = torch.full((nbytes,), POISON, dtype=torch.uint8, device="cuda:1")
+    ensure_peer_access(1, span_of(src))
+    for i in (0, 1):
+        torch.cuda.synchronize(i)
+    stream = torch.cuda.Stream(device=1)
+    copy(dst, src, stream=stream)
+    stream.synchronize()
+    assert torch.equal(dst.cpu(), src.cpu())

@@ -1,0 +1,126 @@
+"""The triton_sm and triton_tma movers: registry facts, refusals, and real copies on GPUs."""
+
+import pytest
+import torch
+
+from flashboot import CapabilityError, FlashBootError, MoverError
+from flashboot._cuda import cuda_available
+from flashboot.kernels.checksum import checksum
+from flashboot.memory import span_of
+from flashboot.movers import create_mover, list_movers, mover_class, movers_for
+
+TRITON_MOVERS = ["triton_sm", "triton_tma"]
+
+
+@pytest.mark.parametrize("name", TRITON_MOVERS)
+def test_registered_with_paths(name):
+    cls = mover_class(name)
+    assert cls.name == name
+    assert cls.paths == frozenset({"d2d", "p2p"})
+    assert name in movers_for("d2d") and name in movers_for("p2p")
+    assert name not in movers_for("h2d") and name not in movers_for("host")
+    info = {i.name: i for i in list_movers()}[name]
+    assert info.paths == ("d2d", "p2p")
+    assert info.summary
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the refusal on machines without CUDA")
+def test_without_cuda_refuse_and_name_alternatives():
+    ok, why = mover_class("triton_tma").availability()
+    assert not ok and "no CUDA device" in why and "triton_sm" in why and "copy_engine" in why
+    ok, why = mover_class("triton_sm").availability()
+    assert not ok and "no CUDA device" in why
+    for name in TRITON_MOVERS:
+        with pytest.raises(CapabilityError, match=f"mover '{name}' cannot run here: no CUDA device"):
+            create_mover(name)
+
+
+def test_tma_refuses_when_triton_lacks_descriptors(monkeypatch):
+    import flashboot._cuda as cu
+    import flashboot.kernels.copy as kc
+
+    monkeypatch.setattr(cu, "cuda_available", lambda: True)
+    monkeypatch.delattr(kc.tl, "make_tensor_descriptor")
+    ok, why = mover_class("triton_tma").availability()
+    assert not ok
+    assert "lacks tl.make_tensor_descriptor" in why and "triton_sm" in why and "copy_engine" in why
+
+
+# ------------------------------------------------------------------------------------ real GPU
+def _pair(nbytes, src_dev="cuda:0", dst_dev="cuda:0", src_off=0, dst_off=0):
+    src = torch.randint(0, 256, (nbytes + 64,), dtype=torch.uint8, device=src_dev)
+    dst = torch.full((nbytes + 64,), 0x5A, dtype=torch.uint8, device=dst_dev)
+    for dev in {src_dev, dst_dev}:  # filled on default streams; the movers run on others
+        torch.cuda.synchronize(dev)
+    return src, dst, span_of(src).sub(src_off, nbytes), span_of(dst).sub(dst_off, nbytes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", TRITON_MOVERS)
+def test_gpu_d2d_copy_verified_by_checksum(name):
+    mover = create_mover(name)
+    nbytes = (32 << 20) + 7
+    src, dst, s, d = _pair(nbytes, src_off=16, dst_off=32)
+    stream = torch.cuda.Stream()
+    mover.copy(d, s, stream=stream)
+    stream.synchronize()
+    assert checksum(d) == checksum(s)
+    assert torch.equal(dst[32:32 + nbytes], src[16:16 + nbytes])
+    assert (dst[:32] == 0x5A).all() and (dst[32 + nbytes:] == 0x5A).all()
+
+
+@pytest.mark.gpu
+def test_gpu_sm_any_alignment_tma_refuses_incongruent():
+    src, dst, s, d = _pair(1 << 20, src_off=1, dst_off=6)
+    create_mover("triton_sm").copy(d, s, stream=None)
+    torch.cuda.synchronize()
+    assert torch.equal(dst[6:6 + (1 << 20)], src[1:1 + (1 << 20)])
+    with pytest.raises(MoverError, match="mod 16 bytes"):
+        create_mover("triton_tma").copy(d, s, stream=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", TRITON_MOVERS)
+def test_gpu_refuses_host_paths_and_checks_tuning(name):
+    mover = create_mover(name)
+    host = torch.zeros(64, dtype=torch.uint8)
+    dev = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    with pytest.raises(MoverError, match="cannot copy h2d"):
+        mover.copy(dev, host, stream=None)
+    with pytest.raises(FlashBootError, match="unknown tuning knob"):
+        create_mover(name, no_such_knob=1)
+    tuned = create_mover(name, block_bytes=16384, num_warps=8)
+    assert tuned.tuning["block_bytes"] == 16384 and tuned.tuning["num_warps"] == 8
+
+
+@pytest.mark.gpu
+def test_gpu_tma_available_on_hopper():
+    major, _ = torch.cuda.get_device_capability(0)
+    ok, why = mover_class("triton_tma").availability()
+    assert ok == (major >= 9), why
+
+
+@pytest.mark.two_gpus
+@pytest.mark.parametrize("name", TRITON_MOVERS)
+def test_p2p_copy_verified_by_checksum(name):
+    mover = create_mover(name)
+    nbytes = (256 << 20) + 3
+    src, dst, s, d = _pair(nbytes, "cuda:0", "cuda:1")
+    stream = torch.cuda.Stream(device=1)
+    mover.copy(d, s, stream=stream)
+    stream.synchronize()
+    assert checksum(d) == checksum(s)
+    assert torch.equal(dst[:nbytes].cpu(), src[:nbytes].cpu())
+
+
+def test_p2p_without_peer_access_names_the_alternative(monkeypatch):
+    import cupy
+
+    from flashboot.memory import Device, Span
+    from flashboot.movers import triton_sm
+
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceCanAccessPeer", lambda reader, owner: 0)
+    src = Span(0x7F0000000000, 4096, Device("cuda", 5))
+    with pytest.raises(CapabilityError, match=r"cuda:7 cannot access memory of cuda:5.*'copy_engine'"):
+        triton_sm.ensure_peer_access(7, src)
+    assert (7, 5) not in triton_sm._peer_enabled
