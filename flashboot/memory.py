@@ -139,3 +139,12 @@ def stream_handle(stream: Any) -> int:
         if hasattr(stream, attr):
             return int(getattr(stream, attr))
     raise FlashBootError(f"cannot use {type(stream).__name__} as a CUDA stream")
+
+
+def stream_device(stream: Any) -> int | None:
+    """The CUDA device index a torch or CuPy stream belongs to; None for raw handles and None."""
+    dev = getattr(stream, "device", None)  # torch.cuda.Stream
+    if dev is not None and getattr(dev, "type", None) == "cuda":
+        return dev.index or 0
+    dev_id = getattr(stream, "device_id", None)  # cupy.cuda.Stream
+    return int(dev_id) if isinstance(dev_id, int) and dev_id >= 0 else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from flashboot.errors import CapabilityError, MoverError
-from flashboot.memory import Span, path_between, span_of
+from flashboot.memory import Span, path_between, span_of, stream_device
 
 
 class Mover:
@@ -51,6 +51,13 @@ class Mover:
             raise MoverError(
                 f"mover {self.name!r} cannot copy {path} ({src_span.device} -> {dst_span.device}); "
                 f"it supports {', '.join(sorted(self.paths))}; movers for {path}: {', '.join(movers_for(path)) or 'none'}"
+            )
+        runs_on = src_span.device if path == "d2h" else dst_span.device
+        on = stream_device(stream)
+        if runs_on.is_cuda and on is not None and on != runs_on.index:
+            raise MoverError(
+                f"{self.name}: a {path} copy runs on {runs_on} but the stream belongs to cuda:{on}; "
+                f"pass a stream of {runs_on}"
             )
         a = self.alignment
         if a > 1 and (src_span.ptr % a or dst_span.ptr % a or nbytes % a):

@@ -178,7 +178,7 @@ def test_gpu_checksum_1gb_matches_host():
     t = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
     host = t.cpu().numpy()
     expected = ck.checksum_host(host)
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream(device=0)
     assert ck.checksum(t, stream=stream) == expected
     assert ck.checksum(span_of(t)) == expected
     sub = span_of(t).sub(1, 1 << 20)  # unaligned start: byte-load path

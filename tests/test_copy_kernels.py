@@ -127,7 +127,7 @@ def test_gpu_d2d_256mb_odd_tail(copy):
     src = torch.randint(0, 256, (nbytes + 2 * GUARD,), dtype=torch.uint8, device="cuda")
     dst = torch.full_like(src, POISON)
     torch.cuda.synchronize()  # the fill ran on the default stream; the copy runs on another
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream(device=0)
     copy(span_of(dst).sub(GUARD + 3, nbytes), span_of(src).sub(GUARD + 3, nbytes), stream=stream)
     stream.synchronize()
     assert torch.equal(dst[GUARD + 3:GUARD + 3 + nbytes], src[GUARD + 3:GUARD + 3 + nbytes])

@@ -11,7 +11,7 @@ import flashboot.movers  # noqa: F401  (registers every built-in mover)
 from flashboot import Arena, CapabilityError, Device, MoverError, UnknownNameError
 from flashboot._cuda import cuda_available
 from flashboot.memory import PATHS, Span
-from flashboot.movers import create_mover, list_movers, mover_class, movers_for
+from flashboot.movers import Mover, create_mover, list_movers, mover_class, movers_for
 from flashboot.movers.registry import _MOVERS
 
 BUILT_IN = {"copy_engine", "host", "triton_sm", "triton_tma"}
@@ -228,3 +228,33 @@ def test_info_without_cuda_names_the_reason(monkeypatch, capsys):
     monkeypatch.setattr(c, "cuda_available", lambda: False)
     assert main(["info"]) == 0
     assert "CUDA: none (FLASHBOOT_FORCE_HOST=1 hides the CUDA devices)" in capsys.readouterr().out
+
+
+class _RecordingMover(Mover):
+    """Not registered: exercises the base class's validation without a GPU."""
+
+    name = "recording"
+    paths = frozenset({"d2d", "d2h"})
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def _copy(self, dst, src, path, stream):
+        self.calls.append((dst.nbytes, path))
+
+
+def test_base_refuses_stream_of_another_device():
+    class FakeStream:
+        device = torch.device("cuda", 1)
+
+    mover = _RecordingMover()
+    g0 = Span(1 << 20, 4096, Device("cuda", 0))
+    with pytest.raises(MoverError, match=r"d2d copy runs on cuda:0 but the stream belongs to cuda:1"):
+        mover.copy(g0.sub(0, 2048), g0.sub(2048, 2048), stream=FakeStream())
+    host = Span(1 << 22, 4096, Device("cpu"))
+    with pytest.raises(MoverError, match=r"d2h copy runs on cuda:0 but the stream belongs to cuda:1"):
+        mover.copy(host, g0, stream=FakeStream())
+    assert mover.calls == []
+    mover.copy(host, g0, 100, stream=None)  # raw/default stream: no device to check
+    assert mover.calls == [(100, "d2h")]

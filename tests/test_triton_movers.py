@@ -61,7 +61,7 @@ def test_gpu_d2d_copy_verified_by_checksum(name):
     mover = create_mover(name)
     nbytes = (32 << 20) + 7
     src, dst, s, d = _pair(nbytes, src_off=16, dst_off=32)
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream(device=0)
     mover.copy(d, s, stream=stream)
     stream.synchronize()
     assert checksum(d) == checksum(s)

@@ -1,0 +1,162 @@
+"""``flashboot bench arena``: arena create+map, export + open in another process, checksum rate.
+
+The figures the foundation issue asks for: create+map of a 16 GB arena, export + open of its
+descriptor in a second (already running) process, and the checksum of the whole arena, with the
+device-to-device copy rate of the same GPU measured in the same run as the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+
+from flashboot.units import parse_bytes
+
+
+@dataclass
+class ArenaFigures:
+    device: str
+    nbytes: int
+    create_map_ms: list[float]
+    close_ms: list[float]
+    export_ms: list[float]
+    open_in_child_ms: list[float]
+    roundtrip_ms: list[float]
+    checksum_ms: float
+    checksum_gbps: float
+    d2d_copy_gbps: float
+    checksum_matches_host: bool | None
+
+
+def _child(conn, device):
+    """A warm second process: opens every descriptor it receives, times it, closes it."""
+    from flashboot.arena import Arena
+
+    if device != "cpu":
+        import torch
+
+        torch.cuda.init()
+        torch.empty(1, device=f"cuda:{device}")
+    conn.send("ready")
+    while True:
+        desc = conn.recv()
+        if desc is None:
+            return
+        t0 = time.perf_counter()
+        arena = Arena.open(desc, device=device)
+        ms = (time.perf_counter() - t0) * 1e3
+        first = int(arena.bytes()[:8].cpu().sum())
+        arena.close()
+        conn.send((ms, first))
+
+
+def run(nbytes: int, device, repeats: int = 5, child_device=None) -> ArenaFigures:
+    import torch
+
+    from flashboot.arena import Arena
+    from flashboot.kernels.checksum import checksum
+    from flashboot.benchmarks.timing import time_cuda, time_host
+
+    is_cuda = device != "cpu"
+    if is_cuda:
+        torch.empty(1, device=f"cuda:{device}")
+    create_ms, close_ms = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a = Arena.create(nbytes, device=device)
+        t1 = time.perf_counter()
+        a.close()
+        close_ms.append((time.perf_counter() - t1) * 1e3)
+        create_ms.append((t1 - t0) * 1e3)
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child, args=(child, device if child_device is None else child_device), daemon=True)
+    proc.start()
+    if not parent.poll(120):
+        raise TimeoutError("benchmark child did not start within 120 s")
+    parent.recv()
+    arena = Arena.create(nbytes, device=device)
+    export_ms, open_ms, rt_ms = [], [], []
+    try:
+        arena.bytes()[:8].fill_(1)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            desc = arena.export()
+            t1 = time.perf_counter()
+            parent.send(desc)
+            if not parent.poll(60):
+                raise TimeoutError("benchmark child did not answer within 60 s")
+            ms, first = parent.recv()
+            rt_ms.append((time.perf_counter() - t0) * 1e3)
+            export_ms.append((t1 - t0) * 1e3)
+            open_ms.append(ms)
+            assert first == 8, f"child read {first} from the shared arena, expected 8"
+        parent.send(None)
+        proc.join(30)
+
+        b = arena.bytes()
+        b.view(torch.int64).random_() if is_cuda else b[: min(nbytes, 1 << 28)].view(torch.int64).random_()
+        if is_cuda:
+            t = time_cuda(lambda s: checksum(b, stream=s), device=device, repeats=repeats)
+            half = nbytes // 2
+            other = Arena.create(half, device=device)
+            src, dst = b[:half], other.bytes()[:half]
+            def copy(stream):
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+            d2d = time_cuda(copy, device=device, repeats=repeats)
+            # read + write bytes over time, the convention of hardware.md's D2D ceiling
+            d2d_gbps = 2 * half / (d2d.median_ms * 1e-3) / 1e9
+            other.close()
+            matches = None
+            if nbytes <= (2 << 30):
+                from flashboot.kernels.checksum import checksum_host
+                matches = checksum_host(b.cpu().numpy()) == checksum(b)
+        else:
+            t = time_host(lambda: checksum(b), repeats=repeats)
+            d2d_gbps, matches = 0.0, None
+        return ArenaFigures(str(device), arena.nbytes, create_ms, close_ms, export_ms, open_ms, rt_ms,
+                            t.median_ms, t.gbps(arena.nbytes), d2d_gbps, matches)
+    finally:
+        arena.close()
+        if proc.is_alive():
+            proc.kill()
+
+
+def register_bench(sub) -> None:
+    p = sub.add_parser("arena", help="arena create+map, export+open in another process, checksum rate")
+    p.add_argument("--size", default=None, help="arena bytes (default 16GB on CUDA, 256MB on the host backend)")
+    p.add_argument("--device", default=None, help="cuda index or cpu (default: cuda:0 where present)")
+    p.add_argument("--child-device", default=None, help="device the second process maps on (default: same)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", metavar="FILE")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    import statistics
+
+    from flashboot.memory import Device
+    from flashboot.benchmarks.timing import dump_json, print_table
+
+    dev = Device.parse(args.device)
+    device = dev.index if dev.is_cuda else "cpu"
+    size = parse_bytes(args.size or ("16GB" if dev.is_cuda else "256MB"))
+    child = None if args.child_device is None else (int(args.child_device) if args.child_device != "cpu" else "cpu")
+    f = run(size, device, args.repeats, child)
+    med = statistics.median
+    rows = [
+        ["create+map", f"{med(f.create_map_ms):.2f} ms", "< 10 ms"],
+        ["close (unmap, release)", f"{med(f.close_ms):.2f} ms", ""],
+        ["export", f"{med(f.export_ms):.3f} ms", ""],
+        ["open in another process", f"{med(f.open_in_child_ms):.2f} ms", "export+open < 5 ms"],
+        ["export + send + open + reply", f"{med(f.roundtrip_ms):.2f} ms", ""],
+        ["checksum", f"{f.checksum_gbps:,.0f} GB/s ({f.checksum_ms:.1f} ms)", ">= 1000 GB/s"],
+        ["d2d copy ceiling (read+write)", f"{f.d2d_copy_gbps:,.0f} GB/s", ""],
+    ]
+    print_table(f"arena of {f.nbytes / 1e9:.2f} GB on {f.device}", ["what", "median", "target"], rows)
+    dump_json(f, args.json)
+    return 0

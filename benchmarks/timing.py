@@ -1,0 +1,110 @@
+"""The one timing helper: warm-up, repeats, median; CUDA events on a stream, or the host clock.
+
+Every benchmark reports GB/s and a ratio to a ceiling measured in the same run; this module
+only measures.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+
+_SLEEP_CYCLES_PER_MS = 2.0e6
+"""``torch.cuda._sleep`` spins for cycles; about 2e6 per ms at H100/H200 clocks (only needs to outlast the enqueue)."""
+
+
+@dataclass
+class Timing:
+    """Samples of one measured operation, in milliseconds."""
+
+    samples_ms: list[float] = field(default_factory=list)
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.samples_ms)
+
+    def gbps(self, nbytes: int) -> float:
+        """Bytes per median time, in GB/s (1e9 bytes)."""
+        return nbytes / (self.median_ms * 1e-3) / 1e9
+
+
+def time_cuda(fn: Callable[[Any], None], *, device: int = 0, warmup: int = 2, repeats: int = 7,
+              stream=None, inner: int = 1, gate_ms: float = 5.0) -> Timing:
+    """Time ``fn(stream)`` on the device with CUDA events recorded on ``stream`` (default: a new one).
+
+    ``fn`` must enqueue its work on the stream it is given. Each sample runs ``fn`` ``inner``
+    times back to back and reports the time per call. Before the start event a spin kernel of
+    about ``gate_ms`` keeps the stream busy while the host enqueues, so the sample measures the
+    device executing the copies, not the host's launch latency (serving code enqueues copies
+    ahead in the same way); ``gate_ms=0`` measures host enqueue plus execution instead.
+    """
+    import torch
+
+    with torch.cuda.device(device):
+        stream = stream or torch.cuda.Stream(device=device)
+        cycles = int(gate_ms * _SLEEP_CYCLES_PER_MS) if gate_ms > 0 else 0
+        for _ in range(warmup):
+            fn(stream)
+        stream.synchronize()
+        out = Timing()
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if cycles:
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(cycles)
+            start.record(stream)
+            for _ in range(inner):
+                fn(stream)
+            end.record(stream)
+            end.synchronize()
+            out.samples_ms.append(start.elapsed_time(end) / inner)
+        return out
+
+
+def time_host(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5) -> Timing:
+    """Time a synchronous ``fn()`` with the host's monotonic clock."""
+    for _ in range(warmup):
+        fn()
+    out = Timing()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.samples_ms.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    """A rich table on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right" if col not in ("mover", "path", "loader", "what") else "left")
+    for row in rows:
+        table.add_row(*(f"{v:,.3g}" if isinstance(v, float) else str(v) for v in row))
+    Console(width=160).print(table)
+
+
+def dump_json(obj: Any, path: str | None) -> None:
+    """Write ``obj`` as JSON to ``path`` ('-' for stdout); dataclasses are converted."""
+    if path is None:
+        return
+    def default(o):
+        if hasattr(o, "__dataclass_fields__"):
+            return asdict(o)
+        return str(o)
+    text = json.dumps(obj, indent=2, default=default)
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")

@@ -1,0 +1,489 @@
+"""FlashLoad: one rank's staged image -> an arena in one bulk copy; every weight a view into it.
+
+Paper sections 3.4-3.5. The preloader (:mod:`flashboot.preload`) has put the image in shared
+memory; :func:`load` admits it against the device's free memory (before any allocation),
+creates one arena of the image's size, fills it with a few large copies, and hands out
+zero-copy views at the offsets the image records. :func:`bind` then points a meta-initialised
+torch module's parameters and buffers at those views: one copy of the weights in device memory.
+
+Three ways to pay the pin (``cuMemHostRegister``, about a third of the H2D rate):
+
+* ``load(dir)``: pin on the critical path (map, pin, copy);
+* ``load(dir, staged=flashboot.stage(dir, ...))``: pinned early, while the engine built its model;
+* ``load(dir, served=True)``: the preloader daemon holds the image pinned and copies it into the
+  engine's exported arena; the engine waits only for the descriptor exchange and the copy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import ChecksumMismatchError, FlashBootError, LayoutError, OutOfMemoryError
+from .memory import Device
+from .pinning import device_free_bytes
+
+DEFAULT_CHUNK_BYTES = 1 << 30
+"""H2D chunk: a few large copies keep the copy engine busy (hardware.md: 1 GB chunks, one stream)."""
+ARENA_ROUNDING = 2 << 20
+"""Arenas round up to the 2 MiB allocation granularity; admission counts the rounded size."""
+
+
+# ================================================================================ the report
+@dataclass
+class LoadReport:
+    """Where the time of one load went, as the engine saw it (milliseconds).
+
+    ``wait_ms``: waiting for the staged image (``.ready``, mapping, or what was left of an early
+    pin); ``pin_ms``: pinning on the critical path; ``pinned_early_ms``: pinning paid before
+    ``load`` was called (off the critical path, for reference); ``alloc_ms``: arena creation (and
+    export, served); ``h2d_ms``: the bulk copy including its synchronisation; ``exchange_ms``
+    (served): descriptor exchange and the daemon's mapping of the arena; ``verify_ms``;
+    ``bind_ms``: building the views; ``total_ms``: from the call to the return.
+    """
+
+    mode: str
+    device: str
+    rank: int
+    nbytes: int
+    tensors: int = 0
+    wait_ms: float = 0.0
+    pin_ms: float = 0.0
+    pinned_early_ms: float = 0.0
+    alloc_ms: float = 0.0
+    exchange_ms: float = 0.0
+    h2d_ms: float = 0.0
+    verify_ms: float = 0.0
+    bind_ms: float = 0.0
+    total_ms: float = 0.0
+    chunks: int = 0
+    details: dict = field(default_factory=dict)
+
+    @property
+    def h2d_gbps(self) -> float:
+        """Bytes over the copy time alone."""
+        return self.nbytes / (self.h2d_ms * 1e-3) / 1e9 if self.h2d_ms > 0 else float("inf")
+
+    @property
+    def gbps(self) -> float:
+        """Bytes over the whole engine-visible time."""
+        return self.nbytes / (self.total_ms * 1e-3) / 1e9 if self.total_ms > 0 else float("inf")
+
+    def phases(self) -> dict[str, float]:
+        """The non-zero phases in order, in ms."""
+        names = ("wait", "pin", "alloc", "exchange", "h2d", "verify", "bind")
+        return {n: getattr(self, f"{n}_ms") for n in names if getattr(self, f"{n}_ms") > 0}
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "h2d_gbps": self.h2d_gbps, "gbps": self.gbps}
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in self.phases().items())
+        early = f"; pinned early in {self.pinned_early_ms:.0f} ms" if self.pinned_early_ms else ""
+        return (f"rank {self.rank} -> {self.device} ({self.mode}): {self.nbytes:,} bytes, {self.tensors} tensors in "
+                f"{self.total_ms:.1f} ms ({self.gbps:.1f} GB/s; H2D {self.h2d_gbps:.1f} GB/s) [{parts} ms]{early}")
+
+
+# ============================================================================ the loaded image
+class LoadedImage:
+    """One rank's weights in an arena: ``arena``, ``tensors`` (name -> zero-copy view),
+    ``metadata`` (:class:`~flashboot.layouts.ImageMetadata`), ``report`` (:class:`LoadReport`).
+
+    The views are valid while the arena is open; :meth:`close` (or ``with``) releases it.
+    """
+
+    def __init__(self, arena, tensors: dict, metadata, report: LoadReport, source, release_thread=None):
+        self.arena, self.tensors, self.metadata, self.report = arena, tensors, metadata, report
+        self.source = source
+        self.release_thread = release_thread
+        """The background unpin/unmap of a staged image that :func:`load` made itself (or None);
+        benchmarks join it so one repeat's unpin does not overlap the next one's pin."""
+
+    @property
+    def device(self) -> Device:
+        return self.arena.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.report.nbytes
+
+    def close(self) -> None:
+        """Release the arena (views must not be used afterwards). Idempotent."""
+        self.tensors = {}
+        if not self.arena.closed:
+            self.arena.close()
+
+    def __enter__(self) -> "LoadedImage":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LoadedImage(rank {self.report.rank}, {len(self.tensors)} tensors, {self.nbytes:,} bytes on {self.device})"
+
+
+# ================================================================================ admission
+def admit(nbytes: int, device: Device, *, free_bytes: int | None = None) -> int:
+    """Refuse a load that cannot fit, before anything is allocated.
+
+    ``nbytes`` is rounded up to the arena granularity; ``free_bytes`` defaults to what the device
+    reports (``cuMemGetInfo``; MemAvailable on the host backend). Returns the free bytes seen;
+    raises OutOfMemoryError with bytes needed and free.
+    """
+    needed = -(-nbytes // ARENA_ROUNDING) * ARENA_ROUNDING
+    free = device_free_bytes(device) if free_bytes is None else free_bytes
+    if needed > free:
+        raise OutOfMemoryError(f"loading a {nbytes:,}-byte image into {device}", needed, free)
+    return free
+
+
+# ===================================================================================== load
+def _mover_for(device: Device):
+    """The mover of the bulk copy (created, and its backend imported, before the copy is timed)."""
+    from .movers import create_mover
+
+    return create_mover("copy_engine" if device.is_cuda else "host")
+
+
+def _bulk_copy(mover, arena, src_span, nbytes: int, chunk_bytes: int) -> int:
+    """Copy ``nbytes`` from the staged span into the arena in ``chunk_bytes`` pieces; returns #chunks.
+
+    On the host backend the "H2D" is the host mover's copy into the memfd arena (one call: the
+    mover splits it over its threads)."""
+    if not arena.device.is_cuda:
+        mover.copy(arena.span(0, nbytes), src_span.sub(0, nbytes), stream=None)
+        return 1
+    import cupy
+
+    with cupy.cuda.Device(arena.device.index):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        n = 0
+        for off in range(0, nbytes, chunk_bytes):
+            size = min(chunk_bytes, nbytes - off)
+            mover.copy(arena.span(off, size), src_span.sub(off, size), stream=stream)
+            n += 1
+        stream.synchronize()
+    return n
+
+
+def verify_loaded(arena, metadata, where: str) -> int:
+    """Recompute the image's chunk checksums on the arena's bytes (GPU kernel on CUDA, numba on the
+    host); raises ChecksumMismatchError naming the first bad chunk. Returns the chunk count."""
+    from flashboot.kernels.checksum import chunk_checksums
+
+    cs = metadata.checksums
+    nbytes = metadata.image_nbytes
+    found = chunk_checksums(arena.span(0, nbytes), cs.chunk_bytes)
+    if len(found) != len(cs.digests):
+        raise LayoutError(f"{where}: {len(found)} chunks computed, the metadata records {len(cs.digests)}")
+    for k, (want, got) in enumerate(zip(cs.digests, found)):
+        if int(want) != int(got):
+            start, n = cs.chunk_range(k, nbytes)
+            raise ChecksumMismatchError(where, k, start, n, int(want), int(got))
+    return len(found)
+
+
+def make_views(arena, metadata) -> dict:
+    """name -> a zero-copy view of the arena at the tensor's offset, shape, stride and dtype.
+
+    The same views as ``arena.view(offset, shape, dtype, stride)``, made as ``as_strided`` of one
+    typed view of the arena per dtype: the strict reader has already checked every tensor's
+    bounds and alignment against the image (which fits the arena), and the per-call checks of
+    ``arena.view`` cost ~25 us a tensor, half a second for the 18,722 tensors of checkpoint B.
+    """
+    import torch
+
+    if metadata.image_nbytes > arena.nbytes:
+        raise LayoutError(f"image of {metadata.image_nbytes:,} bytes does not fit the {arena.nbytes:,}-byte arena")
+    flat = arena.bytes()
+    typed: dict[str, tuple[Any, int]] = {}
+    for dtype_name in {t.dtype for t in metadata.tensors.values()}:
+        dtype = getattr(torch, dtype_name)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        typed[dtype_name] = (flat[: arena.nbytes - arena.nbytes % itemsize].view(dtype).as_strided, itemsize)
+    views = {}
+    for name, t in metadata.tensors.items():
+        as_strided, itemsize = typed[t.dtype]
+        views[name] = as_strided(t.shape, t.stride, t.offset // itemsize)
+    return views
+
+
+def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.0, served: bool = False,
+         staged=None, verify: bool = False, shm_dir=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+         tp: int | None = None, ep: int | None = None, expected_key=None) -> LoadedImage:
+    """Load rank ``rank`` of the pre-packed image in ``image_dir`` onto ``device``.
+
+    ``device``: an int, ``"cuda:N"``, ``"cpu"`` (host backend) or None (cuda:0 where present).
+    The rank must be staged by ``flashboot preload`` (waits up to ``timeout_s`` for its
+    ``.ready`` file). ``staged``: a :func:`flashboot.stage` result (pinned early); ``served``:
+    have the running preloader daemon copy into this process's arena. ``verify`` recomputes the
+    chunk checksums on the device. ``tp``/``ep``/``expected_key``: what the caller expects the
+    image to be (LayoutError otherwise).
+
+    Raises LayoutError (bad image, wrong rank/tp/ep/model), OutOfMemoryError before any
+    allocation when the device lacks the bytes, WaitTimeoutError naming what was awaited,
+    ChecksumMismatchError (verify) naming the chunk.
+    """
+    import torch  # noqa: F401  (an engine has it loaded; its import is not part of a load)
+
+    from ._stage import StagedImage
+    from .arena import Arena
+    from .preload import rank_source, served_load
+
+    t_start = time.perf_counter()
+    dev = Device.parse(device)
+    if chunk_bytes <= 0:
+        raise FlashBootError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if served and staged is not None:
+        raise FlashBootError("served=True and staged= exclude each other: the daemon holds the pinned image")
+    if staged is not None:
+        if not isinstance(staged, StagedImage):
+            raise FlashBootError(f"staged must come from flashboot.stage(), got {type(staged).__name__}")
+        if staged.rank != rank or os.path.realpath(staged.image_dir) != os.path.realpath(image_dir):
+            raise FlashBootError(f"staged image is rank {staged.rank} of {staged.image_dir}; load asked for rank "
+                                 f"{rank} of {image_dir}")
+    source = rank_source(image_dir, rank, tp=tp, ep=ep, expected_key=expected_key)
+    meta = source.metadata
+    nbytes = source.nbytes
+    if nbytes == 0:
+        raise LayoutError(f"{source.path}: empty image, nothing to load")
+    admit(nbytes, dev)
+    report = LoadReport(mode="", device=str(dev), rank=rank, nbytes=nbytes, tensors=len(meta.tensors))
+    arena = None
+    own_staged = None
+    try:
+        if served:
+            report.mode = "served"
+            t0 = time.perf_counter()
+            arena = Arena.create(nbytes, dev)
+            arena.export()
+            t1 = time.perf_counter()
+            reply = served_load(arena, source, timeout_s=timeout_s, shm_dir=shm_dir)
+            t2 = time.perf_counter()
+            report.alloc_ms = (t1 - t0) * 1e3
+            report.h2d_ms = reply["h2d_ms"]
+            report.exchange_ms = max(0.0, (t2 - t1) * 1e3 - reply["h2d_ms"])
+            report.pinned_early_ms = reply.get("pin_ms", 0.0)
+            report.chunks = -(-nbytes // (1 << 30))
+            report.details = {"daemon_pid": reply.get("pid"), "daemon_map_ms": reply.get("map_ms"),
+                              "daemon_pinned": reply.get("pinned")}
+        else:
+            if staged is None:
+                own_staged = staged = StagedImage(image_dir, rank, dev, timeout_s=timeout_s, shm_dir=shm_dir,
+                                                  source=source)
+            was_done = staged.done
+            t0 = time.perf_counter()
+            arena = Arena.create(nbytes, dev)  # overlaps the pin when this call staged
+            mover = _mover_for(dev)
+            t1 = time.perf_counter()
+            staged.wait()
+            t2 = time.perf_counter()
+            if staged.nbytes != nbytes:
+                raise LayoutError(f"staged image holds {staged.nbytes:,} bytes, {source.path} has {nbytes:,}")
+            report.alloc_ms = (t1 - t0) * 1e3
+            if own_staged is not None:
+                report.mode = "pin on critical path" if dev.is_cuda else "host"
+                report.wait_ms = own_staged.wait_ms
+                report.pin_ms = own_staged.pin_ms
+            else:
+                report.mode = "pinned early" if dev.is_cuda else "host (staged early)"
+                report.wait_ms = (t2 - t1) * 1e3
+                report.pinned_early_ms = staged.pin_ms
+                report.details["staged_done_before_load"] = was_done
+            if dev.is_cuda and not staged.pinned:
+                report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
+            t3 = time.perf_counter()
+            report.chunks = _bulk_copy(mover, arena, staged.span(), nbytes, chunk_bytes)
+            report.h2d_ms = (time.perf_counter() - t3) * 1e3
+            if staged.ready is not None:
+                report.details.update(io_mode=staged.ready.io_mode, numa_node=staged.ready.numa_node)
+        if verify:
+            t4 = time.perf_counter()
+            verify_loaded(arena, meta, f"{source.path} (rank {rank}) loaded into {dev}")
+            report.verify_ms = (time.perf_counter() - t4) * 1e3
+        t5 = time.perf_counter()
+        tensors = make_views(arena, meta)
+        report.bind_ms = (time.perf_counter() - t5) * 1e3
+    except BaseException:
+        if arena is not None and not arena.closed:
+            arena.close()
+        if own_staged is not None:
+            own_staged.close()
+        raise
+    release = own_staged.close_in_background() if own_staged is not None else None  # not the engine's wait
+    report.total_ms = (time.perf_counter() - t_start) * 1e3
+    return LoadedImage(arena, tensors, meta, report, source, release)
+
+
+# ===================================================================================== bind
+@dataclass
+class BindReport:
+    """What :func:`bind` did: names bound, tied names that share a binding, recomputed buffers,
+    and (non-strict) what did not match."""
+
+    bound: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)
+    recomputed: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    cast: list[str] = field(default_factory=list)
+    """Names copied to the module's dtype (``cast=True``): the only ones not zero-copy."""
+
+
+@dataclass
+class _Slot:
+    module: Any
+    local: str
+    kind: str  # "param" | "buffer"
+    persistent: bool
+
+
+def _slots(module) -> tuple[dict[str, _Slot], dict[str, Any]]:
+    """Every parameter and buffer of ``module`` by full name (tied ones under each of their names)."""
+    slots, tensors = {}, {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for local, p in mod._parameters.items():
+            if p is not None:
+                slots[prefix + local] = _Slot(mod, local, "param", True)
+                tensors[prefix + local] = p
+        for local, b in mod._buffers.items():
+            if b is not None:
+                slots[prefix + local] = _Slot(mod, local, "buffer", local not in mod._non_persistent_buffers_set)
+                tensors[prefix + local] = b
+    return slots, tensors
+
+
+def _listing(title: str, items: list[str], limit: int = 8) -> str:
+    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
+    return f"{len(items)} {title}: {', '.join(items[:limit])}{more}"
+
+
+def bind(module, loaded: LoadedImage, strict: bool = True, *, buffers: dict | None = None,
+         cast: bool = False) -> BindReport:
+    """Point the parameters and buffers of ``module`` (built on the meta device) at ``loaded``'s views.
+
+    Each parameter becomes ``torch.nn.Parameter(view, requires_grad=False)`` on its owning module
+    (no per-parameter storage: the arena is the only copy). Parameters tied to one another (the
+    same Parameter under several names, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``)
+    share one binding. Non-persistent buffers (not in any checkpoint, e.g. rotary ``inv_freq``)
+    are taken from ``buffers`` (name -> tensor) or recomputed on the device: for a transformers
+    model by its own ``_init_weights`` of the buffer's module, as ``from_pretrained`` does.
+
+    ``strict``: raise LayoutError listing missing, unexpected and shape/dtype-mismatched names
+    (nothing is rebound then); otherwise bind what matches and report the rest. ``cast``: a tensor
+    whose shape matches but dtype does not (a router the model keeps in float32 while the image
+    holds bfloat16) is copied to the module's dtype on the device instead of refused; those names
+    are listed in ``report.cast`` and are the only ones outside the arena.
+    """
+    import torch
+
+    slots, current = _slots(module)
+    views = loaded.tensors
+    buffers = dict(buffers or {})
+    groups: dict[int, list[str]] = {}
+    for name, t in current.items():
+        groups.setdefault(id(t), []).append(name)
+
+    report = BindReport()
+    plan: list[tuple[list[str], Any]] = []  # (names sharing one binding, view)
+    used: set[str] = set()
+    for names in groups.values():
+        slot0 = slots[names[0]]
+        if slot0.kind == "buffer" and not slot0.persistent:
+            continue
+        present = [n for n in names if n in views]
+        if not present:
+            if not any(n in buffers for n in names):
+                report.missing.extend(names)
+            continue
+        view = views[present[0]]
+        used.update(present)
+        target = current[names[0]]
+        bad = False
+        for n in present:
+            v = views[n]
+            if tuple(v.shape) != tuple(target.shape) or (v.dtype != target.dtype and not cast):
+                report.mismatched.append(f"{n} (image {list(v.shape)} {v.dtype}, module {list(target.shape)} {target.dtype})")
+                bad = True
+        if not bad and view.dtype != target.dtype:
+            view = view.to(target.dtype)
+            report.cast.append(names[0])
+        if not bad:
+            plan.append((names, view))
+            for n in names[1:]:
+                report.tied[n] = names[0]
+    report.unexpected = sorted(set(views) - used)
+    if strict and (report.missing or report.unexpected or report.mismatched):
+        problems = [_listing(t, l) for t, l in (("missing from the image", report.missing),
+                                                 ("in the image but not in the module", report.unexpected),
+                                                 ("mismatched", report.mismatched)) if l]
+        raise LayoutError(f"cannot bind {type(module).__name__} to {loaded!r}: " + "; ".join(problems))
+
+    for names, view in plan:
+        slot0 = slots[names[0]]
+        value = torch.nn.Parameter(view, requires_grad=False) if slot0.kind == "param" else view
+        for n in names:
+            s = slots[n]
+            (s.module._parameters if s.kind == "param" else s.module._buffers)[s.local] = value
+        report.bound.append(names[0])
+    for name, value in buffers.items():
+        s = slots.get(name)
+        if s is None or s.kind != "buffer":
+            raise LayoutError(f"buffers= names {name!r}, which is not a buffer of {type(module).__name__}")
+        s.module._buffers[s.local] = value.to(str(loaded.device))
+        report.recomputed.append(name)
+    _recompute_buffers(module, slots, loaded.device, set(buffers), report, strict)
+    return report
+
+
+def _recompute_buffers(module, slots: dict[str, _Slot], device: Device, given: set[str], report: BindReport,
+                       strict: bool) -> None:
+    """Materialise non-persistent buffers still on the meta device, the way transformers does after
+    ``from_pretrained``: an empty tensor on the device, then the model's ``_init_weights`` of the
+    owning module (it recomputes rotary ``inv_freq`` from the config). Only modules without
+    parameters of their own are re-initialised, so no bound weight is ever overwritten."""
+    import torch
+
+    pending: dict[int, tuple[Any, list[str]]] = {}
+    for name, s in slots.items():
+        if s.kind != "buffer" or s.persistent or name in given:
+            continue
+        buf = s.module._buffers[s.local]
+        if buf is None or not buf.is_meta:
+            continue
+        pending.setdefault(id(s.module), (s.module, []))[1].append(name)
+    init = getattr(module, "_init_weights", None)
+    failed = []
+    for mod, names in pending.values():
+        if init is None or any(p is not None for p in mod._parameters.values()):
+            failed.extend(names)
+            continue
+        for n in names:
+            s = slots[n]
+            b = s.module._buffers[s.local]
+            fresh = torch.empty(b.shape, dtype=b.dtype, device=str(device))
+            if fresh.is_floating_point():
+                fresh.fill_(float("nan"))  # so an init that skips the buffer is caught below
+            s.module._buffers[s.local] = fresh
+        with torch.no_grad():
+            init(mod)
+        for n in names:
+            s = slots[n]
+            b = s.module._buffers[s.local]
+            if b.is_floating_point() and bool(torch.isnan(b).any()):
+                failed.append(n)
+            else:
+                report.recomputed.append(n)
+    if failed and strict:
+        raise LayoutError(
+            f"cannot recompute non-persistent buffer(s) {', '.join(failed)} of {type(module).__name__} on {device}: "
+            "they are in no checkpoint and the model's _init_weights does not set them; pass buffers={name: tensor}")
+    report.missing.extend(failed)
+
+
+__all__ = ["LoadedImage", "LoadReport", "BindReport", "admit", "bind", "load", "make_views", "verify_loaded"]

@@ -1,0 +1,21 @@
+"""``flashboot bench NAME``: each benchmark module registers one sub-command here."""
+
+from __future__ import annotations
+
+import importlib
+
+# Modules exposing `register_bench(subparsers)`; one per benchmark.
+BENCH_MODULES = [
+    "flashboot.commands.bench_load",
+    "flashboot.benchmarks.movers",
+    "flashboot.benchmarks.arena",
+    "flashboot.benchmarks.tune_kernels",
+    "flashboot.benchmarks.clone",
+]
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks: movers, load, clone (table plus --json)")
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name in BENCH_MODULES:
+        importlib.import_module(name).register_bench(sub)

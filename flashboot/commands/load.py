@@ -1,0 +1,48 @@
+"""``flashboot load DIR --rank R --device D``: FlashLoad one staged rank and print where the time went."""
+
+from __future__ import annotations
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("load", help="load one staged rank into an arena and print the phases",
+                              description="Load rank R of a pre-packed, staged image (flashboot preload) onto "
+                                          "device D and print the per-phase timings.")
+    p.add_argument("image_dir", metavar="DIR")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--device", default=None, help="cuda index, cuda:N or cpu (default: cuda:0 where present)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--served", action="store_true", help="have the running `flashboot preload --serve` copy it")
+    how.add_argument("--pin-early", action="store_true",
+                     help="stage and pin first (flashboot.stage), then time the load alone")
+    p.add_argument("--verify", action="store_true", help="recompute the chunk checksums on the device")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the staged image (default 60)")
+    p.add_argument("--shm-dir", default=None)
+    p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-' for stdout)")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    import flashboot
+    from flashboot.benchmarks.timing import dump_json, print_table
+
+    staged = None
+    if args.pin_early:
+        staged = flashboot.stage(args.image_dir, args.rank, args.device, timeout_s=args.timeout,
+                                 shm_dir=args.shm_dir).wait()
+    try:
+        with flashboot.load(args.image_dir, args.rank, args.device, timeout_s=args.timeout, served=args.served,
+                            staged=staged, verify=args.verify, shm_dir=args.shm_dir) as loaded:
+            r = loaded.report
+            if loaded.release_thread is not None:
+                loaded.release_thread.join()
+    finally:
+        if staged is not None:
+            staged.close()
+    rows = [[phase, ms] for phase, ms in r.phases().items()]
+    rows.append(["total", r.total_ms])
+    print(f"rank {r.rank} -> {r.device} ({r.mode}): {r.nbytes:,} bytes, {r.tensors} tensors")
+    print_table("phases", ["what", "ms"], rows)
+    extra = f"; pinned early in {r.pinned_early_ms:.1f} ms (off the critical path)" if r.pinned_early_ms else ""
+    print(f"{r.gbps:.2f} GB/s end to end, H2D {r.h2d_gbps:.2f} GB/s in {r.chunks} chunk(s){extra}")
+    dump_json(r.to_dict(), args.json)
+    return 0

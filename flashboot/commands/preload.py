@@ -1,0 +1,140 @@
+"""``flashboot preload DIR``: stage rank images into shared memory; optionally serve loads from them."""
+
+from __future__ import annotations
+
+from flashboot.errors import FlashBootError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "preload", help="stage rank images disk -> /dev/shm (O_DIRECT, many threads); --serve keeps them pinned",
+        description="Stage each rank's pre-packed image into shared memory and mark it ready (.ready). With "
+                    "--serve, stay resident: keep the images pinned and copy them into engines' arenas on request "
+                    "(flashboot.load(..., served=True)).")
+    p.add_argument("image_dir", metavar="DIR", help="pre-packed image directory (flashboot prepack --out)")
+    p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks to stage (default: all)")
+    p.add_argument("--shm-dir", default=None, help="staging root (default: $FLASHBOOT_SHM or /dev/shm/flashboot)")
+    p.add_argument("--threads", type=int, default=16, help="reader threads (default 16)")
+    p.add_argument("--io", choices=("auto", "direct", "buffered"), default="auto",
+                   help="auto: O_DIRECT, buffered where the filesystem refuses it (reported); direct: refuse otherwise")
+    p.add_argument("--chunk-bytes", default="64MiB", help="bytes per read (default 64MiB)")
+    p.add_argument("--device", action="append", default=[], metavar="RANK=DEV",
+                   help="GPU a rank loads onto, for NUMA placement (default: cuda:<rank mod #GPUs>)")
+    p.add_argument("--numa-policy", choices=("preferred", "bind"), default="preferred")
+    p.add_argument("--verify", action="store_true", help="recompute the chunk checksums of the staged bytes")
+    p.add_argument("--force", action="store_true", help="re-stage ranks that are already staged")
+    p.add_argument("--serve", action="store_true", help="stay resident: pin once, serve loads on a Unix socket")
+    p.add_argument("--no-pin", action="store_true", help="with --serve: do not pin (copies run at pageable speed)")
+    action = p.add_mutually_exclusive_group()
+    action.add_argument("--background", action="store_true", help="run as a detached service (pid file, log)")
+    action.add_argument("--stop", action="store_true", help="stop the running preloader of DIR")
+    action.add_argument("--status", action="store_true", help="say what is staged and whether a preloader runs")
+    action.add_argument("--unstage", action="store_true", help="remove the staged files of DIR")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for --background/--stop (default 30)")
+    p.set_defaults(func=main)
+
+
+def _config(args):
+    from flashboot.preload import PreloadConfig
+    from flashboot.units import parse_bytes
+
+    devices = {}
+    for spec in args.device:
+        rank, sep, dev = spec.partition("=")
+        if not sep or not rank.strip().isdigit():
+            raise FlashBootError(f"--device wants RANK=DEVICE (e.g. 0=cuda:0), got {spec!r}")
+        devices[int(rank)] = dev.strip()
+    return PreloadConfig(args.image_dir, ranks=args.ranks, shm_dir=args.shm_dir, threads=args.threads, io=args.io,
+                         chunk_bytes=parse_bytes(args.chunk_bytes), devices=devices, numa_policy=args.numa_policy,
+                         verify=args.verify, force=args.force, serve=args.serve, pin=not args.no_pin)
+
+
+def main(args) -> int:
+    from flashboot import preload as pl
+
+    if args.stop:
+        print(pl.stop_service(args.image_dir, args.shm_dir, timeout_s=args.timeout))
+        return 0
+    if args.unstage:
+        removed = pl.unstage(args.image_dir, args.ranks, shm_dir=args.shm_dir)
+        print(f"removed {len(removed)} staged file(s) from {pl.staging_dir(args.image_dir, args.shm_dir)}")
+        return 0
+    if args.status:
+        return _status(args)
+    config = _config(args)
+    if args.background:
+        pid = pl.start_background(config, timeout_s=args.timeout)
+        print(f"preloader started in the background: pid {pid}, pid file {pl.pid_file(config.image_dir, config.shm_dir)}, "
+              f"log {pl.log_file(config.image_dir, config.shm_dir)}")
+        return 0
+    with _Progress() as progress:
+        pl.run_service(config, log=progress.log, progress=progress.update)
+    return 0
+
+
+def _status(args) -> int:
+    from flashboot import preload as pl
+    from flashboot.layouts import image_ranks
+
+    st = pl.service_status(args.image_dir, args.shm_dir)
+    state = (f"running (pid {st.pid}{', serving' if st.serve else ''})" if st.running else
+             f"not running (stale pid file {st.path}, pid {st.pid})" if st.stale else "not running")
+    print(f"preloader for {args.image_dir}: {state}")
+    for rank in args.ranks or image_ranks(args.image_dir):
+        paths = pl.staged_paths(args.image_dir, rank, args.shm_dir)
+        try:
+            info = pl.read_ready(paths.ready)
+            print(f"  rank {rank}: staged {info.nbytes:,} bytes at {info.staged} ({info.io_mode}, "
+                  f"{info.gbps:.2f} GB/s, NUMA {info.numa_node if info.numa_node is not None else '-'})")
+        except FileNotFoundError:
+            print(f"  rank {rank}: not staged ({paths.ready} absent)")
+    if st.running and st.serve:
+        reply = pl.serve_status(args.image_dir, args.shm_dir)
+        for rank, r in sorted(reply["ranks"].items()):
+            print(f"  rank {rank}: {r['state']}" + (f", pinned in {r['pin_ms']:.0f} ms" if r["pin_ms"] else ""))
+    return 0
+
+
+class _Progress:
+    """A rich progress bar per rank (bytes, GB/s), and log lines printed above it."""
+
+    def __enter__(self):
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+        self.tasks = {}
+        self.bar.__enter__()
+        return self
+
+    def update(self, rank: int, done: int, total: int) -> None:
+        if rank not in self.tasks:
+            self.tasks[rank] = self.bar.add_task(f"rank {rank}", total=total)
+        self.bar.update(self.tasks[rank], completed=done)
+
+    def log(self, line: str) -> None:
+        self.bar.console.print(line, highlight=False)
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+
+def standalone(argv: list[str] | None = None) -> int:
+    """``python -m flashboot.commands.preload DIR ...``: the background service's entry point.
+
+    It builds only this command's parser, so the service does not depend on every other
+    command of the console script importing cleanly."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="flashboot")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["preload", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args) or 0)
+    except FlashBootError as exc:
+        print(f"flashboot preload: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone())
