@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .memory import Device
+from .memory import Device, span_of
 from .units import parse_bytes
 
 console = Console(width=140)
@@ -63,7 +63,9 @@ def _mover_round(device: Device, nbytes: int) -> bool:
                 try:
                     target = dst.bytes() if hasattr(dst, "bytes") else dst
                     target.fill_(0xAB)
-                    stream = torch.cuda.Stream(device=device.index) if cuda else None
+                    # The copy runs on the destination's GPU (the source's for d2h): its stream.
+                    runs_on = (source if path == "d2h" else target).device
+                    stream = torch.cuda.Stream(device=runs_on) if cuda else None
                     t0 = time.perf_counter()
                     create_mover(info.name).copy(target, source, nbytes, stream=stream)
                     if stream is not None:
