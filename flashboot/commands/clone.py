@@ -1,0 +1,145 @@
+"""``flashboot seed``, ``flashboot clone`` and ``flashboot hold``: FlashClone from the shell."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _common(p: argparse.ArgumentParser, *, store_required: bool = True) -> None:
+    p.add_argument("--store", required=store_required, metavar="HOST:PORT",
+                   help="rendezvous store (torch.distributed TCPStore)")
+    p.add_argument("--name", default="default", help="namespace in the store (default: default)")
+    p.add_argument("--token-file", help="file holding the shared token (default: $FLASHBOOT_TOKEN)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="bound on every wait (default 60 s)")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("seed", help="publish an image (or a held arena) for cloning; runs until stopped")
+    p.add_argument("dir", nargs="?", help="pre-packed image directory (loaded with FlashLoad when staged)")
+    p.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda:0 where present)")
+    p.add_argument("--rank", type=int, default=0, help="image rank to load (default 0)")
+    p.add_argument("--held", metavar="NAME", help="seed from an arena a holder keeps (with --registry)")
+    p.add_argument("--registry", metavar="DIR", help="holder registry directory (for --held)")
+    p.add_argument("--no-nccl", action="store_true", help="do not answer the NCCL-broadcast fallback")
+    _common(p)
+    p.set_defaults(func=run_seed)
+
+    p = subparsers.add_parser("clone", help="clone the seed published at --store into a new arena")
+    p.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda:0 where present)")
+    p.add_argument("--schedule", default="chain", choices=("chain", "star", "ring"))
+    p.add_argument("--clones", type=int, default=None,
+                   help="how many clones join (start barrier); ring: the member count")
+    p.add_argument("--chunk-bytes", default=None, help="pipeline chunk, e.g. 256MiB")
+    p.add_argument("--mover", default=None, help="registry mover (default copy_engine on CUDA, host on cpu)")
+    p.add_argument("--verify", action="store_true", help="prove the clone byte-exact against the seed's checksums")
+    p.add_argument("--image", default=None, help="host image: ring shard source, or fallback when no source is left")
+    p.add_argument("--transport", default="auto", choices=("auto", "posix_fd", "fabric", "nccl"))
+    p.add_argument("--no-retry", action="store_true", help="fail instead of re-attaching when a source fails")
+    p.add_argument("--serve", action="store_true", help="stay up as a source after cloning, until SIGTERM")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON ('-' for stdout)")
+    _common(p)
+    p.set_defaults(func=run_clone)
+
+    p = subparsers.add_parser("hold", help="keep arenas alive after their engine exits (runs until stopped)")
+    p.add_argument("--registry", metavar="DIR", help="registry directory of held arenas")
+    p.add_argument("--list", action="store_true", help="list what the registry holds and exit")
+    p.add_argument("--release", metavar="NAME", help="ask the running holder to drop NAME and exit")
+    _common(p, store_required=False)
+    p.set_defaults(func=run_hold)
+
+
+def _print(text: str) -> None:
+    print(text, flush=True)
+
+
+def run_seed(args: argparse.Namespace) -> int:
+    from flashboot._clone import seed
+    from flashboot.errors import FlashBootError
+
+    if (args.dir is None) == (args.held is None):
+        raise FlashBootError("seed needs an image DIR or --held NAME (with --registry), not both")
+    owned = None
+    if args.held is not None:
+        from flashboot.holder import open_held
+
+        if args.registry is None:
+            raise FlashBootError("--held needs --registry DIR")
+        owned = source = open_held(args.held, args.device, registry=args.registry)
+    else:
+        source = args.dir
+    try:
+        s = seed(args.store, source, args.device, token_file=args.token_file, name=args.name, rank=args.rank,
+                 timeout_s=args.timeout, serve_nccl=not args.no_nccl)
+    except BaseException:
+        if owned is not None:
+            owned.close()
+        raise
+    role = "hosting" if s.rendezvous.is_server else "joined"
+    _print(f"seed ready: {s.manifest.describe()} on {s.arena.device}; {role} store {s.address} "
+           f"(namespace {args.name!r}, generation {s.generation}); serving until SIGTERM")
+    try:
+        s.serve_forever()
+    finally:
+        if owned is not None:
+            owned.close()
+    _print("seed stopped")
+    return 0
+
+
+def run_clone(args: argparse.Namespace) -> int:
+    from flashboot._clone import clone, linger
+    from flashboot.units import parse_bytes
+
+    chunk = parse_bytes(args.chunk_bytes) if args.chunk_bytes else None
+    result = clone(args.store, args.device, args.schedule, verify=args.verify, timeout_s=args.timeout,
+                   mover=args.mover, chunk_bytes=chunk, token_file=args.token_file, name=args.name,
+                   clones=args.clones, image=args.image, transport=args.transport, retry=not args.no_retry)
+    try:
+        _print(result.report.summary())
+        if args.json:
+            text = json.dumps(result.report.to_dict(), indent=2)
+            if args.json == "-":
+                _print(text)
+            else:
+                with open(args.json, "w") as f:
+                    f.write(text + "\n")
+        if args.serve:
+            _print("serving as a source until SIGTERM")
+            linger(result, forever=True)
+        else:
+            linger(result, timeout_s=args.timeout)  # until a chain successor has read from us
+    finally:
+        result.close()
+    return 0
+
+
+def run_hold(args: argparse.Namespace) -> int:
+    from flashboot.errors import FlashBootError
+    from flashboot.holder import Holder, list_held, release
+
+    if args.list:
+        if args.registry is None:
+            raise FlashBootError("--list needs --registry DIR")
+        for name, rec in list_held(args.registry).items():
+            d = rec.get("descriptor") or {}
+            _print(f"{name}: {d.get('nbytes', 0):,} bytes, {d.get('backend')} arena {d.get('arena_id')}, "
+                   f"holder pid {rec.get('holder_pid')}" if d else f"{name}: {rec.get('error')}")
+        return 0
+    where = {"registry": args.registry} if args.registry else {"store": args.store, "token_file": args.token_file,
+                                                               "namespace": args.name}
+    if args.registry is None and args.store is None:
+        raise FlashBootError("hold needs --registry DIR or --store HOST:PORT")
+    if args.release:
+        release(args.release, timeout_s=args.timeout, **where)
+        _print(f"released {args.release}")
+        return 0
+    holder = Holder(**where) if args.registry else Holder(store=args.store, token_file=args.token_file,
+                                                          namespace=args.name, timeout_s=args.timeout)
+    _print(f"holder ready ({holder.kv.where()}); serving until SIGTERM")
+    holder.serve_forever()
+    for err in holder.errors:
+        print(f"flashboot hold: {err}", file=sys.stderr)
+    _print("holder stopped")
+    return 0

@@ -1,0 +1,737 @@
+"""Run a schedule plan (:mod:`flashboot.schedulers`) in the process of each participant.
+
+Pull model: a process runs the steps whose destination is one of its *local* participants, in
+lanes (one stream or thread per ``(dst, lane)``, steps in id order), reading from the source's
+arena as mapped into this process, after every step in ``waits`` has raised its flag.
+
+Flags are 32-bit words in a small flags arena per participant (created by its owner, exported and
+mapped like the weights). A step raises ``flags[dst][signal] = epoch`` when its copy is done; a
+dependent step waits for ``flags[p][f] >= epoch``. Epochs let one flags arena serve many runs.
+
+* **CUDA**: the whole pipeline is enqueued on streams with no SM and no host round trip:
+  ``cuStreamWaitValue32(flag, epoch, GEQ)`` before a dependent copy, the copy by any registry
+  mover (``copy_engine`` by default), ``cuStreamWriteValue32(flag, epoch)`` after it. The host
+  thread only watches: it polls one event per step with a deadline and the source processes'
+  liveness. On a stall or a dead source it releases the blocked streams by writing the awaited
+  flags from a side stream (so nothing hangs), drains them, and raises :class:`StepFailure`
+  naming the step and the peer; steps whose waits were released (their bytes are not trusted)
+  are left out of ``StepFailure.valid_steps``.
+* **host** (the CPU backend): one thread per lane polls the flag words in the shared memfd
+  (aligned 32-bit loads and stores, atomic on the hosts we run on), copies with the ``host``
+  mover and stores the flag after the copy has returned. A lane stops cleanly at the first wait
+  that runs past its deadline or whose flag owner has exited.
+
+Step issue order is the global step-id order across local lanes: every wait points at a smaller
+id, so even when streams share a hardware queue the flag's writer is queued before its waiter.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from . import _cuda
+from .errors import FlashBootError, WaitTimeoutError
+from .memory import Device, Span
+from .schedulers import HOST, Plan, Step
+
+FLAG_BYTES = 4
+DEFAULT_TIMEOUT_S = 60.0
+"""A step may wait this long for a flag (or a stream this long without progress) before the run fails."""
+DRAIN_TIMEOUT_S = 10.0
+"""After releasing blocked streams, how long the host waits for them to drain before giving up."""
+
+
+class StepFailure(WaitTimeoutError):
+    """A run stopped: a step waited past its deadline or its source process exited.
+
+    ``step``: the step that could not proceed; ``peer``: the participant it waited for (or read
+    from); ``peer_exited``: whether that process is gone; ``valid_steps``: ids of local steps whose
+    bytes are in place and trustworthy (the rest must be redone from another source);
+    ``released``: True when blocked CUDA streams were released by writing flags from the host;
+    ``tainted_steps``: local steps that completed (and raised their flag) with untrusted bytes
+    after such a release -- downstream readers of those ranges must re-read them.
+    """
+
+    def __init__(self, message: str, *, step: Step | None, peer: int | None, peer_exited: bool,
+                 valid_steps: set[int], released: bool = False, tainted_steps: set[int] = frozenset()):
+        super().__init__(message)
+        self.step, self.peer, self.peer_exited = step, peer, peer_exited
+        self.valid_steps, self.released = set(valid_steps), released
+        self.tainted_steps = set(tainted_steps)
+
+
+# ============================================================================================
+# Flags
+# ============================================================================================
+
+
+def create_flags(nflags: int, device: Any, *, access: Any = None) -> "Arena":  # noqa: F821
+    """A zeroed flags arena with room for ``nflags`` 32-bit flags on ``device`` (exportable).
+
+    ``access``: other CUDA devices of this process that wait on these flags (in-process runs that
+    span GPUs); other processes map the flags themselves."""
+    from .arena import Arena
+
+    if not isinstance(nflags, int) or nflags < 0:
+        raise FlashBootError(f"nflags must be a non-negative int, got {nflags!r}")
+    dev = Device.parse(device)
+    arena = Arena.create(max(1, nflags) * FLAG_BYTES, dev, access=access if dev.is_cuda else None)
+    if dev.is_cuda:  # VMM memory is not zeroed on allocation
+        try:
+            _zero_device(arena.ptr, arena.nbytes, dev.index)
+        except BaseException:
+            arena.close()
+            raise
+    return arena
+
+
+def _zero_device(ptr: int, nbytes: int, index: int) -> None:
+    drv = _cuda.driver()
+    _make_current(index)
+    stream = _cuda.check(drv.cuStreamCreate(int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
+    try:
+        _cuda.check(drv.cuMemsetD32Async(drv.CUdeviceptr(ptr), 0, nbytes // FLAG_BYTES, stream), "cuMemsetD32Async(flags)")
+        _cuda.check(drv.cuStreamSynchronize(stream), "cuStreamSynchronize(flags zero)")
+    finally:
+        _cuda.check(drv.cuStreamDestroy(stream), "cuStreamDestroy")
+
+
+_ctx_cache: dict[int, Any] = {}
+_ctx_lock = threading.Lock()
+
+
+def _make_current(index: int) -> None:
+    """Make device ``index``'s primary context (torch's and CuPy's) current in this thread."""
+    with _ctx_lock:
+        ctx = _ctx_cache.get(index)
+        if ctx is None:
+            _ctx_cache[index] = _cuda.primary_context(index)  # retains once per process, sets current
+            return
+    _cuda.check(_cuda.driver().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+class HostFlags:
+    """A participant's flags in a host (memfd) arena, as 32-bit words this process reads/writes."""
+
+    def __init__(self, arena):
+        self.arena = arena
+        n = arena.nbytes // FLAG_BYTES
+        self.words = np.ctypeslib.as_array((ctypes.c_uint32 * n).from_address(arena.ptr))
+
+    def get(self, i: int) -> int:
+        return int(self.words[i])
+
+    def set(self, i: int, value: int) -> None:
+        self.words[i] = value
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+
+# ============================================================================================
+# Endpoints, liveness
+# ============================================================================================
+
+
+@dataclass
+class Endpoint:
+    """One participant as this process sees it.
+
+    ``arena``: its weights, mapped here (None for the host image, :data:`HOST`); ``flags``: its
+    flags arena mapped here (None for a seed, which raises no flags); ``pid``: its process, watched
+    for exit while we depend on it (None: not watched, e.g. local or on another host).
+    """
+
+    index: int
+    name: str
+    arena: Any = None
+    flags: Any = None
+    pid: int | None = None
+
+
+class PeerWatch:
+    """Notices a process's exit through a pidfd (no polling of /proc, no pid-reuse race)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        try:
+            self._fd: int | None = os.pidfd_open(pid)
+            self._exited = False
+        except ProcessLookupError:
+            self._fd, self._exited = None, True
+
+    def exited(self) -> bool:
+        if not self._exited and self._fd is not None:
+            readable, _, _ = select.select([self._fd], [], [], 0)
+            self._exited = bool(readable)
+        return self._exited
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+# ============================================================================================
+# Reports
+# ============================================================================================
+
+
+@dataclass
+class LaneReport:
+    """Timing of one lane: ``seconds`` from its start to its last step's end; ``step_end_s`` for
+    each step (relative to the lane start), for pipeline-fill and tail analysis."""
+
+    participant: int
+    lane: int
+    steps: int
+    nbytes: int
+    seconds: float
+    step_end_s: list[float] = field(default_factory=list)
+    first_start_s: float = 0.0
+    """When the first step's copy could start (its waits satisfied), relative to the lane start."""
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class ExecReport:
+    """What one :meth:`Executor.run` did in this process."""
+
+    schedule: str
+    backend: str  # "cuda" or "host"
+    mover: str
+    epoch: int
+    lanes: list[LaneReport]
+    wall_s: float
+
+    def participant_seconds(self, index: int) -> float:
+        """The slowest lane of participant ``index`` (its time to hold every byte it receives)."""
+        return max((l.seconds for l in self.lanes if l.participant == index), default=0.0)
+
+    def participant_nbytes(self, index: int) -> int:
+        return sum(l.nbytes for l in self.lanes if l.participant == index)
+
+    def participant_gbps(self, index: int) -> float:
+        s = self.participant_seconds(index)
+        return self.participant_nbytes(index) / s / 1e9 if s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"schedule": self.schedule, "backend": self.backend, "mover": self.mover, "epoch": self.epoch,
+                "wall_s": self.wall_s,
+                "lanes": [{"participant": l.participant, "lane": l.lane, "steps": l.steps, "nbytes": l.nbytes,
+                           "seconds": l.seconds, "gbps": l.gbps, "first_start_s": l.first_start_s}
+                          for l in self.lanes]}
+
+
+# ============================================================================================
+# Plan surgery: re-attach upstream
+# ============================================================================================
+
+
+def rewire(plan: Plan, steps: Sequence[Step], lost: int, *, fallback: int | None = None,
+           dead: Iterable[int] = ()) -> list[Step]:
+    """``steps`` with every read from participant ``lost`` redirected upstream.
+
+    A step that read range R from ``lost`` now reads R where ``lost`` got it from: the source of
+    the step (in ``waits``) that brought R into ``lost``, waiting on what that step waited on;
+    repeated while that source is in ``dead``. Where ``lost`` got R from nobody (a seed),
+    ``fallback`` is used instead: another participant holding every byte (no waits) or
+    :data:`HOST` (the host image, an ``h2d`` step). Ids and signals are kept, so the flags
+    downstream participants wait on do not change. Raises FlashBootError when no source is left.
+    """
+    dead = set(dead) | {lost}
+    by_id = plan.steps
+    out = []
+    for s in steps:
+        new = s
+        guard = 0
+        while new.src in dead:
+            guard += 1
+            if guard > len(plan.participants) + 1:
+                raise FlashBootError(f"cannot re-attach step {s.id}: every upstream source is gone")
+            feeders = [by_id[w] for w in new.waits if by_id[w].dst == new.src]
+            others = tuple(w for w in new.waits if by_id[w].dst != new.src)
+            if feeders:
+                f = feeders[0]
+                new = replace(new, src=f.src, kind=f.kind, waits=tuple(sorted(set(others) | set(f.waits))))
+            elif fallback is not None:
+                new = replace(new, src=fallback, kind="h2d" if fallback == HOST else "copy", waits=others)
+            else:
+                raise FlashBootError(
+                    f"step {s.id} (bytes {s.offset:,}..{s.end:,}) read from participant {new.src}, which is gone "
+                    "and holds bytes nobody else upstream has; no fallback source (another full copy or the host image)"
+                )
+        out.append(new)
+    return out
+
+
+# ============================================================================================
+# The executor
+# ============================================================================================
+
+
+class Executor:
+    """Runs the steps of ``plan`` whose destination is in ``local``, in this process.
+
+    ``endpoints``: every participant a local step reads from or waits on, plus the local ones
+    (their ``arena`` and ``flags`` are the ones this process owns). ``mover``: a registry name or
+    a Mover for participant-to-participant copies (default ``copy_engine`` on CUDA, ``host`` on the
+    host backend); ``h2d_mover`` for steps from the host image ``host_image`` (a Span).
+    ``timeout_s``: how long a step may wait for a flag (or a stream go without progress).
+    ``epoch``: the flag value of this run (flags from earlier runs hold smaller values).
+    ``steps``: the local steps to run (default: from the plan; pass rewired ones to re-attach);
+    ``skip``: ids already done. ``step_hook(step)``: called before each step is issued (tests use
+    it to slow a transfer down). ``window``: on CUDA, how many steps a lane may have enqueued
+    ahead of completion (None: all, or 1 with a ``step_hook``).
+    """
+
+    def __init__(self, plan: Plan, endpoints: Mapping[int, Endpoint], local: Sequence[int] | int, *,
+                 mover: Any = None, h2d_mover: Any = None, host_image: Span | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, epoch: int = 1, steps: Sequence[Step] | None = None,
+                 skip: Iterable[int] = (), step_hook: Callable[[Step], None] | None = None,
+                 window: int | None = None):
+        self.plan = plan
+        self.local = [local] if isinstance(local, int) else list(local)
+        self.endpoints = dict(endpoints)
+        self.timeout_s = float(timeout_s)
+        if not 0 < epoch < 2**31:
+            raise FlashBootError(f"epoch must be in 1..2**31-1, got {epoch}")
+        self.epoch = int(epoch)
+        self.host_image = host_image
+        self.step_hook = step_hook
+        skip = set(skip)
+        chosen = list(steps) if steps is not None else [s for s in plan.steps if s.dst in self.local]
+        self.steps = sorted((s for s in chosen if s.id not in skip), key=lambda s: s.id)
+        for s in self.steps:
+            if s.dst not in self.local:
+                raise FlashBootError(f"step {s.id} writes into participant {s.dst}, which is not local ({self.local})")
+        self._check_endpoints()
+        kinds = {self.endpoints[i].arena.device.is_cuda for i in self.local}
+        if len(kinds) != 1:
+            raise FlashBootError("local participants mix the host backend and CUDA")
+        self.device: Device = self.endpoints[self.local[0]].arena.device
+        self.backend = "cuda" if self.device.is_cuda else "host"
+        self.mover = self._mover(mover, "copy_engine" if self.device.is_cuda else "host")
+        self.h2d_mover = self._mover(h2d_mover, "copy_engine" if self.device.is_cuda else "host")
+        self.window = window if window is not None else (1 if step_hook is not None else None)
+
+    # -- setup -----------------------------------------------------------------------------------
+    @staticmethod
+    def _mover(spec: Any, default: str):
+        from flashboot.movers import create_mover
+
+        if spec is None:
+            spec = default
+        return create_mover(spec) if isinstance(spec, str) else spec
+
+    def _check_endpoints(self) -> None:
+        for i in self.local:
+            ep = self.endpoints.get(i)
+            if ep is None or ep.arena is None or ep.flags is None:
+                raise FlashBootError(f"local participant {i} needs an endpoint with its arena and flags")
+        for s in self.steps:
+            if s.kind == "h2d":
+                if self.host_image is None:
+                    raise FlashBootError(f"step {s.id} loads bytes {s.offset:,}..{s.end:,} from the host image; "
+                                         "pass host_image=")
+                if s.end > self.host_image.nbytes:
+                    raise FlashBootError(f"step {s.id} reads to byte {s.end:,} of a {self.host_image.nbytes:,}-byte host image")
+            elif s.src not in self.endpoints or self.endpoints[s.src].arena is None:
+                raise FlashBootError(f"step {s.id} reads from participant {s.src}, which has no mapped arena here")
+            for w in s.waits:
+                p, _ = self.plan.flag_of(w)
+                if p not in self.endpoints or self.endpoints[p].flags is None:
+                    raise FlashBootError(f"step {s.id} waits on step {w} (a flag of participant {p}), whose flags "
+                                         "are not mapped here")
+
+    def _name(self, i: int) -> str:
+        if i == HOST:
+            return "the host image"
+        ep = self.endpoints.get(i)
+        who = ep.name if ep else f"participant {i}"
+        return f"{who} (pid {ep.pid})" if ep is not None and ep.pid else who
+
+    def _source_span(self, s: Step) -> Span:
+        if s.kind == "h2d":
+            return self.host_image.sub(s.offset, s.nbytes)
+        return self.endpoints[s.src].arena.span(s.offset, s.nbytes)
+
+    def _lanes(self) -> dict[tuple[int, int], list[Step]]:
+        lanes: dict[tuple[int, int], list[Step]] = {}
+        for s in self.steps:
+            lanes.setdefault((s.dst, s.lane), []).append(s)
+        return lanes
+
+    def _watches(self) -> dict[int, PeerWatch]:
+        """Watch every non-local process a local step depends on."""
+        pids = {}
+        for s in self.steps:
+            deps = {self.plan.flag_of(w)[0] for w in s.waits}
+            if s.kind == "copy":
+                deps.add(s.src)
+            for p in deps:
+                ep = self.endpoints.get(p)
+                if p not in self.local and ep is not None and ep.pid and ep.pid != os.getpid():
+                    pids[p] = ep.pid
+        return {p: PeerWatch(pid) for p, pid in pids.items()}
+
+    # -- run -------------------------------------------------------------------------------------
+    def run(self) -> ExecReport:
+        """Run every local step; returns the timing report or raises :class:`StepFailure`."""
+        watches = self._watches()
+        try:
+            if self.backend == "cuda":
+                return _CudaRun(self, watches).run()
+            return _HostRun(self, watches).run()
+        finally:
+            for w in watches.values():
+                w.close()
+
+
+# ============================================================================================
+# Host backend
+# ============================================================================================
+
+
+class _HostRun:
+    def __init__(self, ex: Executor, watches: dict[int, PeerWatch]):
+        self.ex = ex
+        self.watches = watches
+        self.flags = {i: HostFlags(ep.flags) for i, ep in ex.endpoints.items() if ep.flags is not None}
+        self.abort = threading.Event()
+        self.failures: list[StepFailure] = []
+        self.done: set[int] = set()
+        self.lock = threading.Lock()
+
+    def _fail(self, message: str, step: Step, peer: int | None, exited: bool) -> None:
+        with self.lock:
+            self.failures.append(StepFailure(message, step=step, peer=peer, peer_exited=exited, valid_steps=set()))
+        self.abort.set()
+
+    def _exited(self, p: int) -> bool:
+        w = self.watches.get(p)
+        return w is not None and w.exited()
+
+    def _await(self, step: Step, w: int) -> bool:
+        """Poll the flag of step ``w`` until it reaches the epoch; False when the run must stop."""
+        ex = self.ex
+        p, f = ex.plan.flag_of(w)
+        flags = self.flags[p]
+        epoch = ex.epoch
+        t0 = time.monotonic()
+        delay = 2e-5
+        while True:
+            if ((flags.get(f) - epoch) & 0xFFFFFFFF) < 0x80000000:  # cyclic >=, as cuStreamWaitValue32 GEQ
+                return True
+            if self.abort.is_set():
+                return False
+            waited = time.monotonic() - t0
+            if self._exited(p):
+                if ((flags.get(f) - epoch) & 0xFFFFFFFF) < 0x80000000:
+                    return True
+                self._fail(f"step {step.id} (bytes {step.offset:,}..{step.end:,} into {ex._name(step.dst)}) waited for "
+                           f"step {w}'s flag {f} of {ex._name(p)}, which exited before raising it", step, p, True)
+                return False
+            if waited > ex.timeout_s:
+                self._fail(f"step {step.id} (bytes {step.offset:,}..{step.end:,} into {ex._name(step.dst)}) waited "
+                           f"{ex.timeout_s:g} s for step {w}'s flag {f} of {ex._name(p)} (still {flags.get(f)}, "
+                           f"needs {epoch})", step, p, False)
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+
+    def _lane(self, key: tuple[int, int], steps: list[Step], report: LaneReport, t_start: float) -> None:
+        ex = self.ex
+        dst, _ = key
+        dst_arena = ex.endpoints[dst].arena
+        own = self.flags[dst]
+        try:
+            for i, s in enumerate(steps):
+                for w in s.waits:
+                    if not self._await(s, w):
+                        return
+                # a source whose flags vouch for the range may have exited since (our mapping keeps
+                # its memory); a source without flags (a seed) is trusted only while it lives
+                vouched = any(ex.plan.flag_of(w)[0] == s.src for w in s.waits)
+                if s.kind == "copy" and not vouched and self._exited(s.src):
+                    self._fail(f"step {s.id} (bytes {s.offset:,}..{s.end:,}) reads from {ex._name(s.src)}, which "
+                               "exited", s, s.src, True)
+                    return
+                if self.abort.is_set():
+                    return
+                if i == 0:
+                    report.first_start_s = time.perf_counter() - t_start
+                if ex.step_hook is not None:
+                    ex.step_hook(s)
+                    if self.abort.is_set():
+                        return
+                src = ex._source_span(s)
+                mover = ex.h2d_mover if s.kind == "h2d" else ex.mover
+                mover.copy(dst_arena.span(s.offset, s.nbytes), src, stream=None)
+                own.set(s.signal, ex.epoch)  # after the copy returned: the bytes are in place
+                with self.lock:
+                    self.done.add(s.id)
+                report.step_end_s.append(time.perf_counter() - t_start)
+                report.steps += 1
+                report.nbytes += s.nbytes
+        except BaseException as exc:  # a mover error: stop everyone, re-raised by run()
+            with self.lock:
+                self.failures.append(exc)  # type: ignore[arg-type]
+            self.abort.set()
+
+    def run(self) -> ExecReport:
+        ex = self.ex
+        lanes = ex._lanes()
+        reports = {k: LaneReport(k[0], k[1], 0, 0, 0.0) for k in lanes}
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=self._lane, args=(k, steps, reports[k], t0), daemon=True,
+                                    name=f"flashboot-lane-{k[0]}.{k[1]}") for k, steps in lanes.items()]
+        for t in threads:
+            t.start()
+        # every lane wait is bounded by timeout_s per flag; the join bound is only a backstop
+        backstop = time.monotonic() + ex.timeout_s * (len(ex.steps) + 1) + 60
+        for t in threads:
+            t.join(max(0.0, backstop - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            self.abort.set()
+            raise WaitTimeoutError(f"host lanes of {ex.plan.schedule} did not finish; abandoned after the backstop")
+        wall = time.perf_counter() - t0
+        for r in reports.values():
+            r.seconds = r.step_end_s[-1] if r.step_end_s else 0.0
+        if self.failures:
+            first = self.failures[0]
+            if not isinstance(first, StepFailure):
+                raise first
+            first.valid_steps = set(self.done)
+            raise first
+        return ExecReport(ex.plan.schedule, "host", ex.mover.name, ex.epoch, list(reports.values()), wall)
+
+
+# ============================================================================================
+# CUDA backend: stream memory operations
+# ============================================================================================
+
+
+class _CudaRun:
+    def __init__(self, ex: Executor, watches: dict[int, PeerWatch]):
+        import cupy
+
+        self.cupy = cupy
+        self.drv = _cuda.driver()
+        self.ex = ex
+        self.watches = watches
+        self.lanes = ex._lanes()
+        # each lane runs on a stream of its destination's device (in-process runs may span GPUs)
+        self.lane_device = {k: ex.endpoints[k[0]].arena.device.index for k in self.lanes}
+        self.streams, self.side = {}, {}
+        for k, dev in self.lane_device.items():
+            _make_current(dev)
+            with cupy.cuda.Device(dev):
+                # non-blocking: the legacy default stream must never serialise with a blocked wait
+                self.streams[k] = cupy.cuda.Stream(non_blocking=True)
+                if dev not in self.side:
+                    self.side[dev] = cupy.cuda.Stream(non_blocking=True)
+        self._final_flags: dict[int, np.ndarray] = {}
+        self.geq = int(self.drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        self.write_default = int(self.drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+
+    def _flag_ptr(self, participant: int, flag: int) -> int:
+        return self.ex.endpoints[participant].flags.ptr + FLAG_BYTES * flag
+
+    def _cu(self, stream) -> Any:
+        return self.drv.CUstream(stream.ptr)
+
+    def _issue(self, s: Step, stream) -> None:
+        ex, drv = self.ex, self.drv
+        cs = self._cu(stream)
+        for w in s.waits:
+            p, f = ex.plan.flag_of(w)
+            _cuda.check(drv.cuStreamWaitValue32(cs, drv.CUdeviceptr(self._flag_ptr(p, f)), ex.epoch, self.geq),
+                        f"cuStreamWaitValue32(step {s.id} waits on step {w})")
+        mover = ex.h2d_mover if s.kind == "h2d" else ex.mover
+        mover.copy(ex.endpoints[s.dst].arena.span(s.offset, s.nbytes), ex._source_span(s), stream=stream)
+        # default flags: the write is ordered after the copy with a memory barrier
+        _cuda.check(drv.cuStreamWriteValue32(cs, drv.CUdeviceptr(self._flag_ptr(s.dst, s.signal)), ex.epoch,
+                                             self.write_default), f"cuStreamWriteValue32(step {s.id} done)")
+
+    def _read_flags(self, participant: int, count: int, dev: int) -> np.ndarray:
+        """The first ``count`` flags of ``participant`` read to the host on ``dev``'s side stream."""
+        out = np.zeros(max(count, 1), np.uint32)
+        drv = self.drv
+        side = self.side[dev]
+        with self.cupy.cuda.Device(dev):
+            _cuda.check(drv.cuMemcpyDtoHAsync(out.ctypes.data, drv.CUdeviceptr(self._flag_ptr(participant, 0)),
+                                              out.nbytes, self._cu(side)), "cuMemcpyDtoHAsync(flags)")
+            side.synchronize()
+        return out
+
+    def run(self) -> ExecReport:
+        cp = self.cupy
+        ex = self.ex
+        order = ex.steps  # global id order (see module doc)
+        key_of = {s.id: (s.dst, s.lane) for s in order}
+        issued: dict[tuple[int, int], list[tuple[Step, Any]]] = {k: [] for k in self.lanes}
+        completed: dict[tuple[int, int], int] = {k: 0 for k in self.lanes}
+        start_ev = {}
+        for k, st in self.streams.items():
+            with cp.cuda.Device(self.lane_device[k]):
+                start_ev[k] = cp.cuda.Event()
+                start_ev[k].record(st)
+        t0 = time.perf_counter()
+        next_i = 0
+        last_progress = time.monotonic()
+        failure: tuple[str, Step | None, int | None, bool] | None = None
+        while True:
+            # issue in global id order, as far as the windows allow
+            while next_i < len(order):
+                s = order[next_i]
+                k = key_of[s.id]
+                if ex.window is not None and len(issued[k]) - completed[k] >= ex.window:
+                    break
+                dead = self._dead_dependency(s)
+                if dead is not None:
+                    failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,}) depends on {ex._name(dead)}, which "
+                               "exited", s, dead, True)
+                    break
+                if ex.step_hook is not None:
+                    ex.step_hook(s)
+                with cp.cuda.Device(self.lane_device[k]):
+                    self._issue(s, self.streams[k])
+                    ev = cp.cuda.Event()
+                    ev.record(self.streams[k])
+                issued[k].append((s, ev))
+                next_i += 1
+            if failure is not None:
+                break
+            progressed = False
+            for k, lst in issued.items():
+                while completed[k] < len(lst) and lst[completed[k]][1].done:
+                    completed[k] += 1
+                    progressed = True
+            if progressed:
+                last_progress = time.monotonic()
+            if next_i == len(order) and all(completed[k] == len(issued[k]) for k in issued):
+                break
+            blocked = [(k, issued[k][completed[k]][0]) for k in issued if completed[k] < len(issued[k])]
+            for k, s in blocked:
+                dead = self._dead_dependency(s)
+                if dead is not None:
+                    failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,}) depends on {ex._name(dead)}, which "
+                               "exited", s, dead, True)
+                    break
+            if failure is not None:
+                break
+            if time.monotonic() - last_progress > ex.timeout_s:
+                k, s = blocked[0] if blocked else (key_of[order[next_i].id], order[next_i])
+                failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,} into {ex._name(s.dst)}) made no progress "
+                           f"for {ex.timeout_s:g} s", s, self._awaited_peer(s, self.lane_device[k]), False)
+                break
+            if not progressed:
+                time.sleep(2e-4)
+        wall = time.perf_counter() - t0
+        if failure is not None:
+            self._release_and_raise(failure, issued, completed)
+        reports = []
+        for k, lst in issued.items():
+            ends = [cp.cuda.get_elapsed_time(start_ev[k], ev) / 1e3 for _, ev in lst]
+            reports.append(LaneReport(k[0], k[1], len(lst), sum(s.nbytes for s, _ in lst),
+                                      ends[-1] if ends else 0.0, ends))
+        return ExecReport(ex.plan.schedule, "cuda", ex.mover.name, ex.epoch, reports, wall)
+
+    def _dead_dependency(self, s: Step) -> int | None:
+        """A participant ``s`` depends on that exited before it could vouch for ``s``'s bytes."""
+        ex = self.ex
+        owners = {ex.plan.flag_of(w)[0] for w in s.waits}
+        for p in owners | ({s.src} if s.kind == "copy" else set()):
+            w = self.watches.get(p)
+            if w is None or not w.exited():
+                continue
+            if p not in owners:
+                return p  # a seed-like source (no flags) is trusted only while it lives
+            # an exited process's flags are final: the wait can still be met if they were raised
+            final = self._final_flags.get(p)
+            if final is None:
+                dev = ex.endpoints[s.dst].arena.device.index
+                final = self._final_flags[p] = self._read_flags(p, ex.plan.flag_count(p), dev)
+            if any(int(final[f]) < ex.epoch for q, f in map(ex.plan.flag_of, s.waits) if q == p):
+                return p
+        return None
+
+    def _awaited_peer(self, s: Step, dev: int) -> int | None:
+        for w in s.waits:
+            p, f = self.ex.plan.flag_of(w)
+            try:
+                if int(self._read_flags(p, f + 1, dev)[f]) < self.ex.epoch:
+                    return p
+            except FlashBootError:
+                return p
+        return s.src if s.kind == "copy" else None
+
+    def _release_and_raise(self, failure, issued, completed) -> None:
+        """Unblock every enqueued wait from the host, drain the streams, raise StepFailure."""
+        ex = self.ex
+        message, step, peer, exited = failure
+        pending = [(k, s) for k, lst in issued.items() for s, _ in lst[completed[k]:]]
+        valid = {s.id for k, lst in issued.items() for s, _ in lst[:completed[k]]}
+        released = False
+        tainted: set[int] = set()
+        legit: dict[tuple[int, int], bool] = {}
+        try:
+            # which awaited flags were raised legitimately, read before we write any
+            need: dict[tuple[int, int], int] = {}
+            for k, s in pending:
+                for w in s.waits:
+                    p, f = ex.plan.flag_of(w)
+                    key = (p, self.lane_device[k])
+                    need[key] = max(need.get(key, 0), f + 1)
+            snapshot = {key: self._read_flags(key[0], n, key[1]) for key, n in need.items()}
+            for k, s in pending:
+                dev = self.lane_device[k]
+                for w in s.waits:
+                    p, f = ex.plan.flag_of(w)
+                    ok = int(snapshot[(p, dev)][f]) >= ex.epoch
+                    legit[(p, f)] = legit.get((p, f), True) and ok
+                    if not ok:
+                        with self.cupy.cuda.Device(dev):
+                            _cuda.check(self.drv.cuStreamWriteValue32(
+                                self._cu(self.side[dev]), self.drv.CUdeviceptr(self._flag_ptr(p, f)), ex.epoch,
+                                self.write_default), f"cuStreamWriteValue32(release flag {f} of participant {p})")
+                        released = True
+            for dev, side in self.side.items():
+                with self.cupy.cuda.Device(dev):
+                    side.synchronize()
+            deadline = time.monotonic() + DRAIN_TIMEOUT_S
+            for k, lst in issued.items():
+                for s, ev in lst[completed[k]:]:
+                    while not ev.done:
+                        if time.monotonic() > deadline:
+                            raise WaitTimeoutError(f"{message}; after releasing its waits the stream of participant "
+                                                   f"{k[0]} did not drain within {DRAIN_TIMEOUT_S:g} s")
+                        time.sleep(1e-3)
+                    # bytes copied after a released wait (or from a source that exited) are not trusted
+                    if all(legit.get(ex.plan.flag_of(w), True) for w in s.waits) and not (
+                            s.kind == "copy" and s.src == peer and exited):
+                        valid.add(s.id)
+                    else:
+                        tainted.add(s.id)
+        except FlashBootError as exc:
+            raise StepFailure(f"{message}; releasing the blocked streams failed: {exc}", step=step, peer=peer,
+                              peer_exited=exited, valid_steps=valid, released=released,
+                              tainted_steps={s.id for _, s in pending} - valid) from exc
+        raise StepFailure(message + ("; blocked streams released from the host" if released else ""), step=step,
+                          peer=peer, peer_exited=exited, valid_steps=valid, released=released, tainted_steps=tainted)
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "Endpoint", "ExecReport", "Executor", "HostFlags", "LaneReport", "PeerWatch",
+           "StepFailure", "create_flags", "rewire"]

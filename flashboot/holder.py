@@ -1,0 +1,365 @@
+"""The holder: keeps an arena alive after the engine that made it exits.
+
+An engine hands its arena to a long-lived holder process (:func:`hand_over`). The holder takes the
+arena's shareable fd out of the engine (``pidfd_getfd``), maps it -- which keeps the physical
+allocation alive -- and re-exports it under a name: the same memory, now described by the
+holder's pid and fd. When the engine restarts (a crash, an upgrade), it re-opens the same weights
+with :func:`open_held` in milliseconds, without a copy (fault recovery no peer offers).
+
+Where the names live (one of):
+
+* a registry **directory** (``registry=DIR``; created mode 0700 and refused if others can write
+  it): ``requests/NAME.json`` from engines, ``held/NAME.json`` from the holder, files replaced
+  atomically;
+* the rendezvous **store** (``store=HOST:PORT``): the same records, authenticated with the shared
+  token (see :mod:`flashboot.rendezvous`), requests numbered by an atomic counter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import stat
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import ArenaError, FlashBootError, WaitTimeoutError
+from .fdshare import pidfd_getfd
+
+DEFAULT_TIMEOUT_S = 30.0
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def _check_name(name: str) -> str:
+    if not isinstance(name, str) or not name or not set(name) <= _NAME_CHARS or name.startswith("."):
+        raise FlashBootError(f"held-arena name must be letters, digits, '.', '_' or '-' (not starting with '.'), "
+                             f"got {name!r}")
+    return name
+
+
+# ============================================================================================
+# Where records live
+# ============================================================================================
+
+
+class _DirKV:
+    """Records as JSON files in a private directory (atomic replace)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise FlashBootError(f"cannot create holder registry {str(self.path)!r}: {exc.strerror}") from None
+        mode = self.path.stat().st_mode
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise FlashBootError(f"holder registry {str(self.path)!r} is writable by others (mode {oct(mode & 0o777)}); "
+                                 "anyone could plant a descriptor there: chmod 700 it")
+        for sub in ("requests", "held"):
+            (self.path / sub).mkdir(mode=0o700, exist_ok=True)
+
+    def where(self) -> str:
+        return f"registry {str(self.path)!r}"
+
+    def put(self, kind: str, name: str, body: dict) -> None:
+        target = self.path / kind / f"{name}.json"
+        tmp = target.with_name(f".{name}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f)
+        os.replace(tmp, target)
+
+    def get(self, kind: str, name: str) -> dict | None:
+        try:
+            return json.loads((self.path / kind / f"{name}.json").read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError as exc:
+            raise FlashBootError(f"{self.where()}: {kind}/{name}.json is not JSON ({exc})") from None
+
+    def delete(self, kind: str, name: str) -> None:
+        try:
+            (self.path / kind / f"{name}.json").unlink()
+        except FileNotFoundError:
+            pass
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(p.stem for p in (self.path / kind).glob("*.json"))
+
+    def close(self) -> None:
+        pass
+
+
+class _StoreKV:
+    """Records in the rendezvous store, signed with the token; requests numbered by a counter."""
+
+    def __init__(self, address: str, *, token=None, token_file=None, namespace: str = "default", host: bool = False,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        from .rendezvous import Rendezvous
+
+        self.rdv = Rendezvous.connect(address, token, token_file=token_file, namespace=namespace, host=host,
+                                      timeout_s=timeout_s)
+        self._seen = 0
+
+    def where(self) -> str:
+        return f"store {self.rdv.address}"
+
+    def put(self, kind: str, name: str, body: dict) -> None:
+        self.rdv.publish(f"hold/{kind}/{name}", body)
+        if kind == "requests":
+            k = self.rdv.add("hold/requests/count", 1)
+            self.rdv.publish(f"hold/requests/#{k}", {"name": name})
+
+    def get(self, kind: str, name: str) -> dict | None:
+        rec = self.rdv.try_read(f"hold/{kind}/{name}")
+        return None if rec is None or rec.body.get("deleted") else rec.body
+
+    def delete(self, kind: str, name: str) -> None:
+        self.rdv.publish(f"hold/{kind}/{name}", {"deleted": True})
+
+    def names(self, kind: str) -> list[str]:
+        if kind != "requests":
+            raise FlashBootError("the store does not list held names; ask for one by name")
+        n = self.rdv.add("hold/requests/count", 0)
+        out = []
+        while self._seen < n:
+            self._seen += 1
+            rec = self.rdv.read(f"hold/requests/#{self._seen}", what=f"holder request #{self._seen}", timeout_s=5.0)
+            out.append(rec.body["name"])
+        return out
+
+    def close(self) -> None:
+        self.rdv.close()
+
+
+def _kv(registry=None, store=None, **kw):
+    if (registry is None) == (store is None):
+        raise FlashBootError("name where held arenas live: registry=DIR or store=HOST:PORT (exactly one)")
+    return _DirKV(registry) if registry is not None else _StoreKV(store, **kw)
+
+
+# ============================================================================================
+# The holder process
+# ============================================================================================
+
+
+@dataclass
+class HeldArena:
+    """One arena the holder keeps: its name, the holder's mapping and the fd it re-exports."""
+
+    name: str
+    arena: Any
+    fd: int
+    descriptor: Any
+    since: float
+
+    def close(self) -> None:
+        try:
+            if not self.arena.closed:
+                self.arena.close()
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+
+class Holder:
+    """Adopts arenas handed over by engines and keeps them until released.
+
+    ``Holder(registry=DIR)`` or ``Holder(store="HOST:PORT")`` (token as for the rendezvous).
+    :meth:`poll_once` handles pending requests; :meth:`serve_forever` loops until SIGTERM/SIGINT or
+    ``stop``. :meth:`close` releases every held arena.
+    """
+
+    def __init__(self, registry=None, store=None, *, poll_s: float = 0.01, **store_options):
+        self.kv = _kv(registry, store, host=True, **store_options) if store is not None else _kv(registry)
+        self.poll_s = poll_s
+        self.held: dict[str, HeldArena] = {}
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+
+    def adopt(self, name: str, descriptor, request: str = "") -> HeldArena:
+        """Take the arena ``descriptor`` names into this process and publish it under ``name``.
+
+        Raises ArenaError when the engine has exited or its fd is not the arena."""
+        from .arena import Arena
+
+        _check_name(name)
+        fd = pidfd_getfd(descriptor.pid, descriptor.fd) if descriptor.pid != os.getpid() else os.dup(descriptor.fd)
+        try:
+            # mapping it keeps the physical allocation alive after the engine is gone
+            arena = Arena.open(descriptor, None if descriptor.backend == "host" else descriptor.device_index, fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        held_desc = replace(descriptor, pid=os.getpid(), fd=fd)
+        old = self.held.pop(name, None)
+        item = HeldArena(name, arena, fd, held_desc, time.time())
+        self.held[name] = item
+        try:
+            self.kv.put("held", name, {"descriptor": held_desc.to_dict(), "request": request, "since": item.since,
+                                       "holder_pid": os.getpid()})
+        except BaseException:
+            self.held.pop(name)
+            item.close()
+            raise
+        if old is not None:
+            old.close()
+        return item
+
+    def release(self, name: str) -> bool:
+        """Stop holding ``name`` (its memory goes when no one else maps it). False if not held."""
+        item = self.held.pop(name, None)
+        self.kv.delete("held", name)
+        if item is None:
+            return False
+        item.close()
+        return True
+
+    def poll_once(self) -> int:
+        """Handle every pending request; returns how many. A failed adoption is recorded in
+        ``errors`` and answered with an error record, so the engine does not wait in vain."""
+        from .arena import ArenaDescriptor
+
+        handled = 0
+        for name in self.kv.names("requests"):
+            req = self.kv.get("requests", name)
+            if req is None:
+                continue
+            handled += 1
+            if req.get("op") == "release":
+                self.release(name)
+                self.kv.delete("requests", name)
+                continue
+            try:
+                self.adopt(name, ArenaDescriptor.from_dict(req["descriptor"]), req.get("request", ""))
+            except FlashBootError as exc:
+                self.errors.append(f"{name}: {exc}")
+                self.kv.put("held", name, {"error": str(exc), "request": req.get("request", "")})
+            self.kv.delete("requests", name)
+        return handled
+
+    def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
+        """Poll for requests until ``stop`` or SIGTERM/SIGINT (main thread), then :meth:`close`."""
+        previous = {}
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, lambda *_: self._stop.set())
+        try:
+            while not self._stop.is_set() and not (stop is not None and stop.is_set()):
+                self.poll_once()
+                self._stop.wait(self.poll_s)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        """Release every held arena and withdraw its name."""
+        for name in list(self.held):
+            try:
+                self.release(name)
+            except FlashBootError as exc:
+                self.errors.append(f"{name}: {exc}")
+        self.kv.close()
+
+    def __enter__(self) -> "Holder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ============================================================================================
+# The engine side
+# ============================================================================================
+
+
+def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+              **store_options):
+    """Ask the holder to keep ``arena`` under ``name``; returns the holder's descriptor once it has
+    mapped it (after which this process may exit). WaitTimeoutError when no holder answers within
+    ``timeout_s``; ArenaError when the holder could not adopt it."""
+    from .arena import ArenaDescriptor
+
+    _check_name(name)
+    kv = _kv(registry, store, **store_options)
+    try:
+        request = secrets.token_hex(8)
+        kv.put("requests", name, {"descriptor": arena.export().to_dict(), "request": request, "pid": os.getpid()})
+        deadline = time.monotonic() + timeout_s
+        delay = 0.001
+        while True:
+            held = kv.get("held", name)
+            if held is not None and held.get("request") == request:
+                if "error" in held:
+                    raise ArenaError(f"the holder ({kv.where()}) could not adopt {name!r}: {held['error']}")
+                return ArenaDescriptor.from_dict(held["descriptor"])
+            if time.monotonic() > deadline:
+                kv.delete("requests", name)
+                raise WaitTimeoutError(f"no holder adopted {name!r} within {timeout_s:g} s ({kv.where()}); "
+                                       "is `flashboot hold` running there?")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+    finally:
+        kv.close()
+
+
+def held_descriptor(name: str, *, registry=None, store=None, **store_options):
+    """The descriptor the holder publishes for ``name``; ArenaError when nothing is held under it."""
+    from .arena import ArenaDescriptor
+
+    _check_name(name)
+    kv = _kv(registry, store, **store_options)
+    try:
+        held = kv.get("held", name)
+        if held is None or "descriptor" not in held:
+            raise ArenaError(f"no arena is held as {name!r} in {kv.where()}"
+                             + (f" (last adoption failed: {held['error']})" if held and "error" in held else ""))
+        return ArenaDescriptor.from_dict(held["descriptor"])
+    finally:
+        kv.close()
+
+
+def open_held(name: str, device: Any = None, *, registry=None, store=None, **store_options):
+    """Map the arena held as ``name`` (the same memory, no copy). ``device`` as for
+    :meth:`flashboot.Arena.open` (default: where it lives). ArenaError when it is not held or the
+    holder has exited."""
+    from .arena import Arena
+
+    desc = held_descriptor(name, registry=registry, store=store, **store_options)
+    if desc.backend == "host":
+        return Arena.open(desc)
+    return Arena.open(desc, device)
+
+
+def release(name: str, *, registry=None, store=None, timeout_s: float = DEFAULT_TIMEOUT_S, **store_options) -> None:
+    """Ask the holder to drop ``name`` and wait until it has. WaitTimeoutError if it does not."""
+    _check_name(name)
+    kv = _kv(registry, store, **store_options)
+    try:
+        kv.put("requests", name, {"op": "release"})
+        deadline = time.monotonic() + timeout_s
+        while kv.get("held", name) is not None:
+            if time.monotonic() > deadline:
+                raise WaitTimeoutError(f"the holder did not release {name!r} within {timeout_s:g} s ({kv.where()})")
+            time.sleep(0.01)
+    finally:
+        kv.close()
+
+
+def list_held(registry) -> dict[str, dict]:
+    """``name -> record`` of everything held in a registry directory."""
+    kv = _DirKV(registry)
+    return {n: kv.get("held", n) for n in kv.names("held")}
+
+
+__all__ = ["Holder", "HeldArena", "hand_over", "held_descriptor", "list_held", "open_held", "release"]

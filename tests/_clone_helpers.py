@@ -1,0 +1,117 @@
+"""Shared by the FlashClone tests: processes, images, waiting. Not a conftest (tests import it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+TOKEN = "flashclone-test-token-0123456789abcdef"
+KiB, MiB = 1 << 10, 1 << 20
+CHUNK = 256 * KiB
+"""Below the host mover's 1 MiB parallel threshold: no numba compile in every child process."""
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def write_raw_image(path: Path, nbytes: int, seed: int) -> np.ndarray:
+    data = pattern(nbytes, seed)
+    path.write_bytes(data.tobytes())
+    return data
+
+
+def make_prepacked_image(root: Path) -> Path:
+    """A small pre-packed image (7 tensors, ~3 MB) made by flashboot.prepack from safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    import flashboot
+
+    ckpt = root / "ckpt"
+    ckpt.mkdir(parents=True)
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"layers.{i}.w": torch.randn(256, 1024, generator=g).bfloat16() for i in range(6)}
+    tensors["embed"] = torch.randn(100, 64, generator=g)
+    save_file(tensors, ckpt / "model.safetensors")
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "tiny_bag", "_name_or_path": "org/tiny"}))
+    flashboot.prepack(ckpt, root / "img", chunk_bytes=MiB, progress=False)
+    return root / "img"
+
+
+def env(token: str = TOKEN, **extra) -> dict:
+    e = dict(os.environ)
+    e["FLASHBOOT_TOKEN"] = token
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def spawn_cli(*args, token: str = TOKEN, **extra_env) -> subprocess.Popen:
+    """``python -m flashboot.cli ARGS`` with the token in its environment."""
+    return subprocess.Popen([sys.executable, "-m", "flashboot.cli", *map(str, args)], env=env(token, **extra_env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def spawn_python(code: str, token: str = TOKEN, **extra_env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], env=env(token, **extra_env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_until(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"process exited ({proc.returncode}) while waiting for {what}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 20) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"process did not finish within {timeout_s} s:\n{out}\n{err}") from None
+    return proc.returncode, out, err
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a process this test started (SIGCONT first, in case it was stopped)."""
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        except ProcessLookupError:
+            pass
+    proc.communicate()
+
+
+def arena_maps(arena_id: str = "") -> list[str]:
+    """This process's mappings of FlashBoot host arenas (of ``arena_id`` when given)."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if f"flashboot-arena-{arena_id}" in line]
+
+
+def arena_fds(arena_id: str = "") -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if f"flashboot-arena-{arena_id}" in target:
+            out.append(target)
+    return out

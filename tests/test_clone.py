@@ -1,0 +1,476 @@
+"""FlashClone on the host backend: the executor on real plans, seed and clones through a real
+TCPStore (in threads and in processes), the ring load, the broadcast fallback, the holder, the
+chunk sweep. GPU versions: tests/test_clone_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import flashboot
+from flashboot.arena import Arena
+from flashboot.errors import FlashBootError, RendezvousError, UnknownNameError
+from flashboot.executor import Endpoint, Executor, StepFailure, create_flags, rewire
+from flashboot.memory import span_of
+from flashboot.rendezvous import Rendezvous, free_port
+from flashboot.schedulers import HOST, build_plan
+
+from _clone_helpers import (
+    CHUNK, MiB, TOKEN, finish, make_prepacked_image, pattern, spawn_cli, stop, wait_until,
+    write_raw_image,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture(autouse=True)
+def _token(monkeypatch):
+    monkeypatch.setenv("FLASHBOOT_TOKEN", TOKEN)
+
+
+@pytest.fixture
+def store():
+    """A store hosted by the test process (it outlives any seed a test kills)."""
+    address = f"127.0.0.1:{free_port()}"
+    rdv = Rendezvous.connect(address, TOKEN, host=True, timeout_s=10)
+    yield address, rdv
+    rdv.close()
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    return make_prepacked_image(tmp_path_factory.mktemp("image"))
+
+
+def _participants(plan, nbytes, data):
+    eps = {}
+    for p in plan.participants:
+        a = Arena.create(nbytes, "cpu")
+        if p.role == "seed":
+            a.bytes().numpy()[:nbytes] = data
+            eps[p.index] = Endpoint(p.index, p.name, a, None)
+        else:
+            eps[p.index] = Endpoint(p.index, p.name, a, create_flags(plan.flag_count(p.index), "cpu"))
+    return eps
+
+
+def _close(eps):
+    for ep in eps.values():
+        for a in (ep.flags, ep.arena):
+            if a is not None and not a.closed:
+                a.close()
+
+
+# ------------------------------------------------------------------------------------- executor
+
+
+@pytest.mark.parametrize("schedule", ["chain", "star", "ring"])
+def test_executor_delivers_every_schedule_byte_exact(schedule):
+    nbytes = 2 * MiB + 12_345
+    data = pattern(nbytes, 1)
+    plan = build_plan(schedule, 3, nbytes, CHUNK)
+    eps = _participants(plan, nbytes, data)
+    try:
+        receivers = [p.index for p in plan.receivers()]
+        rep = Executor(plan, eps, receivers, host_image=span_of(data)).run()
+        for i in receivers:
+            assert np.array_equal(eps[i].arena.bytes().numpy()[:nbytes], data), f"participant {i}"
+            assert rep.participant_nbytes(i) == sum(s.nbytes for s in plan.steps_into(i))
+            assert all(v == 1 for v in np.frombuffer(eps[i].flags.bytes().numpy(), np.uint32)[:plan.flag_count(i)])
+        assert sum(l.steps for l in rep.lanes) == len(plan)
+    finally:
+        _close(eps)
+
+
+def test_flags_of_an_earlier_epoch_do_not_satisfy_a_later_run():
+    nbytes = MiB
+    data = pattern(nbytes, 2)
+    plan = build_plan("chain", 2, nbytes, CHUNK)
+    eps = _participants(plan, nbytes, data)
+    try:
+        Executor(plan, eps, [1, 2], epoch=1).run()
+        eps[2].arena.bytes().numpy()[:] = 0
+        # clone #2 alone at epoch 2: clone #1's flags still say 1, so it must not start
+        with pytest.raises(StepFailure, match=r"waited 0.3 s for step \d+'s flag 0 of clone0 \(still 1, needs 2\)") as e:
+            Executor(plan, eps, 2, epoch=2, timeout_s=0.3).run()
+        assert e.value.peer == 1 and e.value.valid_steps == set() and not e.value.peer_exited
+        assert not eps[2].arena.bytes().numpy().any()
+        Executor(plan, eps, [1, 2], epoch=2).run()
+        assert np.array_equal(eps[2].arena.bytes().numpy()[:nbytes], data)
+    finally:
+        _close(eps)
+
+
+def test_rewire_reattaches_upstream_then_to_a_fallback():
+    plan = build_plan("chain", 3, 4 * CHUNK, CHUNK)
+    mine = plan.steps_into(3)
+    via_seed = rewire(plan, mine, 2, dead={1})  # clones 1 and 2 gone: read from the seed
+    assert [(s.src, s.waits, s.kind) for s in via_seed] == [(0, (), "copy")] * 4
+    assert [(s.id, s.signal, s.offset) for s in via_seed] == [(s.id, s.signal, s.offset) for s in mine]
+    via_1 = rewire(plan, mine, 2)
+    assert all(s.src == 1 and len(s.waits) == 1 and plan.steps[s.waits[0]].dst == 1 for s in via_1)
+    with pytest.raises(FlashBootError, match="no fallback source"):
+        rewire(plan, plan.steps_into(1), 0)
+    from_host = rewire(plan, plan.steps_into(1), 0, fallback=HOST)
+    assert all(s.kind == "h2d" and s.src == HOST for s in from_host)
+
+
+def test_executor_refuses_missing_endpoints_and_unknown_movers():
+    plan = build_plan("chain", 1, MiB, CHUNK)
+    a = Arena.create(MiB, "cpu")
+    f = create_flags(plan.flag_count(1), "cpu")
+    try:
+        with pytest.raises(FlashBootError, match="reads from participant 0, which has no mapped arena"):
+            Executor(plan, {1: Endpoint(1, "c", a, f)}, 1)
+        with pytest.raises(UnknownNameError, match="unknown mover 'warp'"):
+            Executor(plan, {0: Endpoint(0, "s", a), 1: Endpoint(1, "c", a, f)}, 1, mover="warp")
+        ring = build_plan("ring", 2, MiB, CHUNK)
+        with pytest.raises(FlashBootError, match="pass host_image="):
+            Executor(ring, {0: Endpoint(0, "m0", a, f), 1: Endpoint(1, "m1", a, f)}, 0)
+    finally:
+        f.close()
+        a.close()
+
+
+# ------------------------------------------------------------------------------ seed and clones
+
+
+def _seed_arena(nbytes: int, seed: int):
+    a = Arena.create(nbytes, "cpu")
+    data = pattern(a.nbytes, seed)
+    a.bytes().numpy()[:] = data
+    return a, data
+
+
+def _run_clones(address, n, schedule, **kw):
+    results, errors = {}, []
+
+    def one(i):
+        try:
+            results[i] = flashboot.clone(address, "cpu", schedule, clones=n, chunk_bytes=CHUNK, timeout_s=10, **kw)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(25)
+    assert not errors, errors
+    return sorted(results.values(), key=lambda r: r.report.position)
+
+
+@pytest.mark.parametrize("schedule", ["chain", "star"])
+def test_seed_and_clones_in_one_process(store, schedule):
+    address, _ = store
+    a, data = _seed_arena(4 * MiB, 3)
+    s = flashboot.seed(address, a, "cpu", checksum_chunk_bytes=MiB)
+    try:
+        results = _run_clones(address, 3, schedule, verify=True)
+        assert [r.report.position for r in results] == [1, 2, 3]
+        for r in results:
+            assert np.array_equal(r.arena.bytes().numpy(), data)
+            rep = r.report
+            assert rep.transport == "posix_fd" and rep.verified and rep.nbytes == a.nbytes
+            assert rep.chunk_bytes == CHUNK and rep.transfer_ms > 0 and rep.recovered == []
+        expected = ["seed", "clone #1", "clone #2"] if schedule == "chain" else ["seed"] * 3
+        assert [r.report.source for r in results] == expected
+    finally:
+        for r in results:
+            r.close()
+        s.close()
+        a.close()
+
+
+def test_clone_of_a_prepacked_image_carries_its_tensors(store, image):
+    from flashboot.layouts import read_image
+
+    address, _ = store
+    img = read_image(image, 0)
+    s = flashboot.seed(address, image, "cpu")
+    try:
+        assert s.manifest.key_digest == img.metadata.key.digest
+        with flashboot.clone(address, "cpu", "star", expect=img.metadata.key, verify=True, timeout_s=10) as r:
+            assert r.arena.nbytes == 4 * MiB and r.report.nbytes == img.nbytes
+            assert set(r.tensors) == set(img.tensors)
+            for name in img.tensors:
+                assert r.tensors[name].dtype == img.view(name).dtype
+                assert bool((r.tensors[name] == img.view(name)).all()), name
+    finally:
+        s.close()
+        img.close()
+
+
+def test_cli_chain_clones_in_processes(store, image, tmp_path):
+    address, rdv = store
+    seed = flashboot.seed(address, image, "cpu")  # `flashboot seed` runs as a process in test_clone_faults
+    clones = []
+    try:
+        outs = [tmp_path / f"c{i}.json" for i in range(2)]
+        clones = [spawn_cli("clone", "--store", address, "--device", "cpu", "--schedule", "chain", "--clones", 2,
+                            "--chunk-bytes", "256KiB", "--verify", "--json", outs[i], "--timeout", 15) for i in range(2)]
+        reports = []
+        for p, out in zip(clones, outs):
+            rc, stdout, stderr = finish(p, 25)
+            assert rc == 0, stderr
+            assert "verified byte-exact" in stdout
+            reports.append(json.loads(out.read_text()))
+        reports.sort(key=lambda r: r["position"])
+        assert [r["source"] for r in reports] == ["seed", "clone #1"]
+        assert all(r["verified"] and r["transport"] == "posix_fd" for r in reports)
+        assert all(r["stream_gbps"] > 0 and r["exchange_ms"] > 0 for r in reports)
+    finally:
+        for p in clones:
+            stop(p)
+        seed.close()
+
+
+# ------------------------------------------------------------------------------------- ring
+
+
+def test_ring_load_gathers_the_whole_image(store, tmp_path):
+    address, _ = store
+    path = tmp_path / "image.bin"
+    data = write_raw_image(path, 3 * MiB + 777, 4)
+    results, errors = [], []
+
+    def member():
+        try:
+            results.append(flashboot.clone(address, "cpu", "ring", image=path, clones=3, chunk_bytes=CHUNK,
+                                           verify=True, timeout_s=10))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(25)
+    try:
+        assert not errors, errors
+        assert sorted(r.report.position for r in results) == [1, 2, 3]
+        for r in results:
+            assert np.array_equal(r.arena.bytes().numpy()[:data.size], data)
+            assert r.report.verified and r.report.schedule == "ring"
+    finally:
+        for r in results:
+            r.close()
+
+
+def test_ring_members_with_different_images_are_refused(store, tmp_path):
+    address, _ = store
+    paths = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    write_raw_image(paths[0], MiB, 5)
+    write_raw_image(paths[1], MiB, 6)
+    errors = []
+
+    def member(p):
+        try:
+            flashboot.clone(address, "cpu", "ring", image=p, clones=2, chunk_bytes=CHUNK, timeout_s=10)
+        except RendezvousError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=member, args=(p,)) for p in paths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(25)
+    assert len(errors) == 2 and all("holds another image" in e and "refused before any byte moved" in e
+                                    for e in errors)
+
+
+# ------------------------------------------------------------------------------ fallback transport
+
+
+def test_broadcast_fallback_is_used_and_reported(store):
+    address, _ = store
+    a, data = _seed_arena(2 * MiB, 7)
+    s = flashboot.seed(address, a, "cpu", checksum_chunk_bytes=MiB)
+    try:
+        with flashboot.clone(address, "cpu", "star", transport="nccl", verify=True, timeout_s=15) as r:
+            assert r.report.transport == "nccl" and r.report.mover == "gloo"
+            assert r.report.verified
+            assert np.array_equal(r.arena.bytes().numpy(), data)
+        assert s.nccl_served == 1
+    finally:
+        s.close()
+        a.close()
+
+
+def test_choose_transport_explains_fallbacks():
+    from flashboot._clone import _choose_transport
+    from flashboot.arena import ArenaDescriptor
+    from flashboot.memory import CPU
+
+    remote = ArenaDescriptor("host", 1, 3, 2 * MiB, -1, "memfd", 2 * MiB, "x", None, "another-host")
+    assert _choose_transport(remote, CPU, "auto") == ("nccl", "seed on 'another-host' with no fabric handle "
+                                                              "(memfd): gloo broadcast")
+    with pytest.raises(RendezvousError, match="needs the seed on this host"):
+        _choose_transport(remote, CPU, "posix_fd")
+    with pytest.raises(RendezvousError, match="has no fabric handle"):
+        _choose_transport(remote, CPU, "fabric")
+
+
+# ---------------------------------------------------------------------------------- the holder
+
+_ENGINE = """
+import ctypes, sys, numpy as np
+from flashboot.arena import Arena
+from flashboot.holder import hand_over
+a = Arena.create(3 << 20, "cpu")
+data = np.random.default_rng(11).integers(0, 256, a.nbytes, dtype=np.uint8)
+ctypes.memmove(a.ptr, data.ctypes.data, a.nbytes)
+d = hand_over(a, "weights", registry=sys.argv[1], timeout_s=10)
+print(d.arena_id, d.pid)
+a.close()
+"""
+
+_RESTARTED = """
+import ctypes, sys, time, numpy as np
+from flashboot.holder import open_held
+t0 = time.perf_counter()
+a = open_held("weights", registry=sys.argv[1])
+ms = (time.perf_counter() - t0) * 1e3
+got = np.ctypeslib.as_array((ctypes.c_uint8 * a.nbytes).from_address(a.ptr)).copy()
+want = np.random.default_rng(11).integers(0, 256, a.nbytes, dtype=np.uint8)
+print(a.arena_id, bool(np.array_equal(got, want)), f"{ms:.3f}")
+a.close()
+"""
+
+
+def test_holder_keeps_weights_across_an_engine_restart(tmp_path):
+    import subprocess
+    import sys
+
+    registry = tmp_path / "registry"
+    holder = spawn_cli("hold", "--registry", registry)
+    try:
+        wait_until(lambda: (registry / "held").is_dir(), 15, "the holder registry", holder)
+
+        def run(code):
+            p = subprocess.run([sys.executable, "-c", code, str(registry)], capture_output=True, text=True, timeout=25)
+            assert p.returncode == 0, p.stderr
+            return p.stdout.split()
+
+        arena_id, holder_pid = run(_ENGINE)  # the engine hands over, then exits
+        assert int(holder_pid) == holder.pid
+        again_id, same, _ms = run(_RESTARTED)
+        assert again_id == arena_id and same == "True"
+        listing = subprocess.run([sys.executable, "-m", "flashboot.cli", "hold", "--list", "--registry", str(registry)],
+                                 capture_output=True, text=True, timeout=20)
+        assert f"weights: {4 << 20:,} bytes, host arena {arena_id}" in listing.stdout
+        released = subprocess.run([sys.executable, "-m", "flashboot.cli", "hold", "--release", "weights",
+                                   "--registry", str(registry)], capture_output=True, text=True, timeout=20)
+        assert released.returncode == 0 and "released weights" in released.stdout
+        gone = subprocess.run([sys.executable, "-c", _RESTARTED, str(registry)], capture_output=True, text=True,
+                              timeout=25)
+        assert gone.returncode != 0 and "no arena is held as 'weights'" in gone.stderr
+        holder.send_signal(signal.SIGTERM)
+        rc, out, err = finish(holder, 15)
+        assert rc == 0 and "holder stopped" in out, err
+    finally:
+        stop(holder)
+
+
+def test_holder_in_process_refuses_a_writable_registry_and_a_dead_engine(tmp_path):
+    from flashboot.holder import Holder, hand_over
+
+    open_dir = tmp_path / "shared"
+    open_dir.mkdir(mode=0o777)
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(FlashBootError, match="writable by others"):
+        Holder(registry=open_dir)
+    registry = tmp_path / "reg"
+    holder = Holder(registry=registry)
+    stop_ev = threading.Event()
+    t = threading.Thread(target=holder.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
+    t.start()
+    try:
+        a = Arena.create(MiB, "cpu")
+        a.bytes().numpy()[:] = 9
+        d = hand_over(a, "w", registry=registry, timeout_s=10)
+        assert d.pid == os.getpid() and d.fd != a.export().fd
+        a.close()  # the engine's handle is gone; the holder's mapping keeps the memory
+        b = flashboot.holder.open_held("w", registry=registry)
+        assert int(b.bytes().numpy().min()) == 9
+        b.close()
+        from flashboot.arena import ArenaDescriptor
+
+        ghost = ArenaDescriptor("host", 2**22 - 3, 5, MiB, -1, "memfd", 2 * MiB, "dead", None, "")
+        holder.kv.put("requests", "ghost", {"descriptor": ghost.to_dict(), "request": "r1"})
+        wait_until(lambda: holder.kv.get("held", "ghost"), 10, "the holder's answer")
+        with pytest.raises(FlashBootError, match="last adoption failed"):
+            flashboot.holder.open_held("ghost", registry=registry)
+    finally:
+        stop_ev.set()
+        t.join(10)
+    assert holder.held == {}
+
+
+def test_holder_over_the_store_authenticates_its_records(store):
+    from flashboot.holder import Holder, hand_over, open_held, release
+
+    address, rdv = store
+    holder = Holder(store=address, token=TOKEN, timeout_s=5)
+    stop_ev = threading.Event()
+    t = threading.Thread(target=holder.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
+    t.start()
+    try:
+        a = Arena.create(MiB, "cpu")
+        a.bytes().numpy()[:] = 7
+        d = hand_over(a, "w", store=address, token=TOKEN, timeout_s=10)
+        assert d.arena_id == a.arena_id
+        a.close()
+        with open_held("w", store=address, token=TOKEN) as b:
+            assert int(b.bytes().numpy().max()) == 7 and b.arena_id == d.arena_id
+        with pytest.raises(RendezvousError, match="fails authentication"):
+            open_held("w", store=address, token="not-the-holders-token-000")
+        release("w", store=address, token=TOKEN, timeout_s=10)
+        with pytest.raises(FlashBootError, match="no arena is held as 'w'"):
+            open_held("w", store=address, token=TOKEN)
+    finally:
+        stop_ev.set()
+        t.join(10)
+
+
+# ------------------------------------------------------------------------------------- sweep
+
+
+def test_sweep_chunks_on_the_host_backend():
+    from flashboot.benchmarks.clone import sweep_chunks
+
+    rows = sweep_chunks("chain", [CHUNK, 512 * 1024], 2 * MiB, clones=2, devices=["cpu"], repeats=1, timeout_s=10)
+    assert [r["chunk_bytes"] for r in rows] == [CHUNK, 512 * 1024]
+    assert [r["steps"] for r in rows] == [16, 8]
+    for r in rows:
+        assert r["verified"] is True and len(r["per_clone_gbps"]) == 2 and r["min_gbps"] > 0
+        assert r["tail_s"] >= 0 and r["fill_s"] > 0
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_registers_seed_clone_hold_and_bench_clone():
+    from flashboot.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["clone", "--store", "h:1", "--device", "cpu", "--schedule", "star", "--verify"])
+    assert args.schedule == "star" and args.verify and args.func.__name__ == "run_clone"
+    assert parser.parse_args(["seed", "img", "--store", "h:1"]).func.__name__ == "run_seed"
+    assert parser.parse_args(["hold", "--registry", "r"]).func.__name__ == "run_hold"
+    assert parser.parse_args(["bench", "clone", "--device", "cpu"]).func.__module__ == "flashboot.benchmarks.clone"
+
+
+def test_clone_refuses_bad_requests_before_connecting():
+    with pytest.raises(FlashBootError, match="schedule must be one of chain, star, ring"):
+        flashboot.clone("127.0.0.1:1", "cpu", "tree")
+    with pytest.raises(FlashBootError, match="pass image= and clones="):
+        flashboot.clone("127.0.0.1:1", "cpu", "ring")
+    with pytest.raises(UnknownNameError, match="unknown mover"):
+        flashboot.clone("127.0.0.1:1", "cpu", mover="warp")

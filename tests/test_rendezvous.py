@@ -1,0 +1,247 @@
+"""Rendezvous: token, authenticated and sealed records, manifests, the TCPStore connection, barriers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from flashboot.errors import RendezvousError, WaitTimeoutError
+from flashboot.rendezvous import (
+    ENV_TOKEN,
+    ENV_TOKEN_FILE,
+    Manifest,
+    Rendezvous,
+    Token,
+    decode_record,
+    encode_record,
+    free_port,
+    parse_address,
+    resolve_token,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+TOKEN = "rendezvous-test-token-0123456789"
+OTHER = "another-token-entirely-987654321"
+
+
+@pytest.fixture
+def address():
+    return f"127.0.0.1:{free_port()}"
+
+
+@pytest.fixture
+def server(address):
+    rdv = Rendezvous.connect(address, TOKEN, host=True, timeout_s=5)
+    yield rdv
+    rdv.close()
+
+
+# ---------------------------------------------------------------------------------- addresses
+
+
+@pytest.mark.parametrize("text, expected", [("127.0.0.1:29500", ("127.0.0.1", 29500)),
+                                            ("node-7:1234", ("node-7", 1234)),
+                                            ("[::1]:80", ("::1", 80))])
+def test_parse_address(text, expected):
+    assert parse_address(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [("localhost", "HOST:PORT"), ("h:port", "not a number"),
+                                           ("h:0", "outside 1..65535"), ("h:70000", "outside")])
+def test_parse_address_refuses(text, message):
+    with pytest.raises(RendezvousError, match=message):
+        parse_address(text)
+
+
+# ---------------------------------------------------------------------------------- tokens
+
+
+def test_token_sources_in_order(monkeypatch, tmp_path):
+    f = tmp_path / "token"
+    f.write_text(OTHER + "\n")
+    monkeypatch.setenv(ENV_TOKEN, TOKEN)
+    assert resolve_token(TOKEN).source == "the token argument"
+    assert "token file" in resolve_token(token_file=f).source  # an explicit file beats the environment
+    assert resolve_token().source == f"${ENV_TOKEN}"
+    monkeypatch.delenv(ENV_TOKEN)
+    monkeypatch.setenv(ENV_TOKEN_FILE, str(f))
+    tok = resolve_token()
+    assert "token file" in tok.source
+    # the file's trailing newline is not part of the secret: it signs like the bare string
+    assert tok.mac(b"x") == Token(OTHER).mac(b"x")
+    assert OTHER not in repr(tok)
+
+
+def test_missing_short_and_unreadable_tokens_are_refused(monkeypatch, tmp_path):
+    monkeypatch.delenv(ENV_TOKEN, raising=False)
+    monkeypatch.delenv(ENV_TOKEN_FILE, raising=False)
+    with pytest.raises(RendezvousError, match="FLASHBOOT_TOKEN"):
+        resolve_token()
+    with pytest.raises(RendezvousError, match="is 5 bytes; use at least 16"):
+        resolve_token("short")
+    with pytest.raises(RendezvousError, match="cannot read token file"):
+        resolve_token(token_file=tmp_path / "missing")
+
+
+# ---------------------------------------------------------------------------------- records
+
+
+def test_record_round_trip_and_sealed_part_is_encrypted():
+    tok = Token(TOKEN)
+    raw = encode_record(tok, "k/seed", {"pid": 42}, sealed={"fd": 7, "secret": "descriptor-bytes"})
+    assert b"descriptor-bytes" not in raw and b'"fd"' not in raw
+    rec = decode_record(tok, "k/seed", raw)
+    assert rec.body == {"pid": 42} and rec.sealed == {"fd": 7, "secret": "descriptor-bytes"}
+    # same content, fresh nonce: the ciphertexts differ
+    assert encode_record(tok, "k/seed", {"pid": 42}, sealed={"fd": 7}) != encode_record(tok, "k/seed", {"pid": 42},
+                                                                                       sealed={"fd": 7})
+
+
+def test_records_refused_for_wrong_token_tampering_moving_and_garbage():
+    tok = Token(TOKEN)
+    raw = encode_record(tok, "k/seed", {"pid": 42}, sealed={"fd": 7})
+    with pytest.raises(RendezvousError, match="fails authentication"):
+        decode_record(Token(OTHER), "k/seed", raw)
+    with pytest.raises(RendezvousError, match="fails authentication"):
+        decode_record(tok, "k/seed", raw.replace(b'"pid":42', b'"pid":43'))
+    with pytest.raises(RendezvousError, match="moved or replayed"):
+        decode_record(tok, "k/other", raw)  # the key it was written for is covered by the MAC
+    with pytest.raises(RendezvousError, match="not a FlashBoot record"):
+        decode_record(tok, "k/seed", b"{not json")
+    with pytest.raises(RendezvousError, match="not a FlashBoot record"):
+        decode_record(tok, "k/seed", b'{"v": 1}')
+
+
+# ---------------------------------------------------------------------------------- manifests
+
+
+def _manifest(**kw) -> Manifest:
+    base = dict(nbytes=10_000, arena_nbytes=2 << 20, checksum_chunk_bytes=4096, checksums=(1, 2, 3),
+                key={"model_id": "org/a", "tp_size": 2, "dtypes": ["bfloat16"], "digest": "sha256:aa"})
+    base.update(kw)
+    return Manifest(**base)
+
+
+def test_manifest_round_trip_and_digest():
+    m = _manifest()
+    again = Manifest.from_dict(m.to_dict())
+    assert again == m and again.digest == m.digest
+    assert _manifest(checksums=(1, 2, 4)).digest != m.digest
+    assert m.chunk_range(2) == (8192, 10_000 - 8192)
+
+
+def test_manifest_validates_itself():
+    with pytest.raises(RendezvousError, match="has 2 checksums; 10,000 bytes in chunks of 4,096 need 3"):
+        _manifest(checksums=(1, 2))
+    with pytest.raises(RendezvousError, match="smaller than nbytes"):
+        _manifest(arena_nbytes=4096)
+    with pytest.raises(RendezvousError, match="malformed manifest"):
+        Manifest.from_dict({"nbytes": 1})
+
+
+def test_manifest_mismatches_name_every_differing_field():
+    m = _manifest()
+    assert m.mismatches({"model_id": "org/a", "tp_size": 2, "dtypes": ("bfloat16",)}) == []
+    bad = dict((k, (e, f)) for k, e, f in m.mismatches({"model_id": "org/b", "tp_size": 4, "nbytes": 10_000}))
+    assert bad == {"model_id": ("org/b", "org/a"), "tp_size": (4, 2)}
+    other = _manifest(checksums=(1, 2, 4), nbytes=10_001)
+    fields = [k for k, _, _ in m.mismatches(other)]
+    assert fields == ["nbytes", "checksums"]
+    with pytest.raises(RendezvousError, match=r"refused before any byte moved: model_id: expected 'org/b'"):
+        m.require({"model_id": "org/b"}, "the seed")
+    bare = _manifest(key=None)
+    assert bare.mismatches({"model_id": "org/a"}) == [("model_id", "org/a", None)]
+
+
+# ---------------------------------------------------------------------------------- the store
+
+
+def test_host_then_join_and_exchange_records(address, server):
+    assert server.is_server
+    client = Rendezvous.connect(address, TOKEN, host=True, timeout_s=5)  # already served: joins as a client
+    try:
+        assert not client.is_server
+        server.publish("seed", {"pid": 1}, sealed={"fd": 3})
+        rec = client.read("seed", what="the seed")
+        assert rec.body == {"pid": 1} and rec.sealed == {"fd": 3}
+        assert client.try_read("nothing") is None
+        assert [client.add("join"), server.add("join"), client.add("join", 0)] == [1, 2, 2]
+    finally:
+        client.close()
+
+
+def test_wrong_token_and_planted_records_are_refused(address, server):
+    server.publish("seed", {"pid": 1}, sealed={"fd": 3})
+    server.store.set(server.full_key("planted"), b'{"v":1,"key":"x","body":{},"sealed":null,"nonce":"00","mac":"00"}')
+    intruder = Rendezvous.connect(address, OTHER, timeout_s=5)
+    try:
+        with pytest.raises(RendezvousError, match="fails authentication"):
+            intruder.read("seed", what="the seed")
+    finally:
+        intruder.close()
+    with pytest.raises(RendezvousError, match="fails authentication"):
+        server.read("planted", what="a planted record")
+
+
+def test_waits_time_out_naming_what_they_awaited(address, server):
+    t0 = time.monotonic()
+    with pytest.raises(WaitTimeoutError, match=r"waited 0.3 s for the seed's manifest \(store keys \['seed'\]"):
+        server.read("seed", what="the seed's manifest", timeout_s=0.3)
+    assert time.monotonic() - t0 < 5
+
+
+def test_no_store_listening_times_out_with_the_address(address):
+    t0 = time.monotonic()
+    with pytest.raises(WaitTimeoutError, match=f"no rendezvous store listens at {address}"):
+        Rendezvous.connect(address, TOKEN, timeout_s=0.5)
+    assert time.monotonic() - t0 < 5
+
+
+def test_connect_needs_a_token_before_touching_the_network(address, monkeypatch):
+    monkeypatch.delenv(ENV_TOKEN, raising=False)
+    monkeypatch.delenv(ENV_TOKEN_FILE, raising=False)
+    with pytest.raises(RendezvousError, match="no rendezvous token"):
+        Rendezvous.connect(address, host=True)
+
+
+def test_barrier_releases_everyone_and_times_out_with_a_count(address, server):
+    clients = [Rendezvous.connect(address, TOKEN, timeout_s=5) for _ in range(3)]
+    waited = []
+    threads = [threading.Thread(target=lambda c=c: waited.append(c.barrier("start", 3, timeout_s=10))) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert len(waited) == 3
+    with pytest.raises(WaitTimeoutError, match="1 of 2 had arrived"):
+        clients[0].barrier("lonely", 2, timeout_s=0.3)
+    for c in clients:
+        c.close()
+
+
+def test_positions_by_arrival_are_unique(address, server):
+    clients = [Rendezvous.connect(address, TOKEN, timeout_s=5) for _ in range(4)]
+    got = []
+    threads = [threading.Thread(target=lambda c=c: got.extend(c.add("g/x/chain/join") for _ in range(5)))
+               for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(got) == list(range(1, 21))
+    for c in clients:
+        c.close()
+
+
+def test_namespaces_keep_records_apart(address, server):
+    other = Rendezvous.connect(address, TOKEN, namespace="other", timeout_s=5)
+    try:
+        server.publish("seed", {"who": "default"})
+        assert other.try_read("seed") is None
+        with pytest.raises(RendezvousError, match="namespace"):
+            Rendezvous.connect(address, TOKEN, namespace="a/b")
+    finally:
+        other.close()
