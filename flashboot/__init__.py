@@ -29,8 +29,26 @@ __version__ = "0.1.0"
 # Public names re-exported lazily from their modules, so `import flashboot` stays light
 # and a missing optional piece fails only where it is used.
 _LAZY = {
+    "prepack": "flashboot._prepack",
+    "PrepackReport": "flashboot._prepack",
     "Arena": "flashboot.arena",
     "ArenaDescriptor": "flashboot.arena",
+    "load": "flashboot._load",
+    "bind": "flashboot._load",
+    "LoadedImage": "flashboot._load",
+    "LoadReport": "flashboot._load",
+    "stage": "flashboot._stage",
+    "StagedImage": "flashboot._stage",
+    "build_plan": "flashboot.schedulers",
+    "Plan": "flashboot.schedulers",
+    "simulate": "flashboot.sim",
+    "load_topology": "flashboot.sim",
+    "clone": "flashboot._clone",
+    "seed": "flashboot._clone",
+    "CloneResult": "flashboot._clone",
+    "CloneReport": "flashboot._clone",
+    "checksum": "flashboot.kernels.checksum",
+    "chunk_checksums": "flashboot.kernels.checksum",
 }
 
 

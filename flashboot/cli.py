@@ -12,6 +12,13 @@ from .errors import FlashBootError
 # Modules that add sub-commands, in the order `flashboot --help` shows them.
 COMMAND_MODULES = [
     "flashboot.commands.info",
+    "flashboot.commands.prepack",
+    "flashboot.commands.preload",
+    "flashboot.commands.load",
+    "flashboot.commands.clone",
+    "flashboot.commands.bench",
+    "flashboot.commands.demo",
+    "flashboot.commands.sim",
 ]
 
 
