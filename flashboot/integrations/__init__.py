@@ -1,0 +1,53 @@
+"""Engine integrations: FlashBoot as a model loader inside SGLang and vLLM.
+
+``--load-format flashboot`` in either engine (registered by the entry points below) loads the
+engine's own post-processed weights from a pre-packed engine image (or clones them from a running
+seed) into one arena and binds the meta-initialised model to it. The engine-agnostic machinery
+(key, pre-pack writer, reader, binder) is :mod:`flashboot.integrations.engine_prepack`; the
+adapters are :mod:`flashboot.integrations.sglang` and :mod:`flashboot.integrations.vllm` (each
+imports its engine; importing this package imports neither).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "EngineKey": "flashboot.integrations.engine_prepack",
+    "LoaderOptions": "flashboot.integrations.engine_prepack",
+    "check_engine_key": "flashboot.integrations.engine_prepack",
+    "read_engine_section": "flashboot.integrations.engine_prepack",
+    "read_job_engine_key": "flashboot.integrations.engine_prepack",
+    "LOAD_FORMAT": "flashboot.integrations.engine_prepack",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flashboot.integrations' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def _require(engine: str, module: str):
+    from flashboot.errors import CapabilityError
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise CapabilityError(f"the flashboot {engine} plugin needs {engine} importable ({exc})") from None
+
+
+def sglang_plugin() -> None:
+    """Entry point of ``sglang.srt.plugins``: makes ``--load-format flashboot`` valid in SGLang."""
+    _require("sglang", "flashboot.integrations.sglang").register()
+
+
+def vllm_plugin() -> None:
+    """Entry point of ``vllm.general_plugins``: registers the ``flashboot`` load format in vLLM."""
+    _require("vllm", "flashboot.integrations.vllm").register()
+
+
+__all__ = ["sglang_plugin", "vllm_plugin", *_LAZY]

@@ -1,0 +1,572 @@
+"""FlashBoot as an SGLang model loader (flashboot.integrations.sglang) and the engine-image
+machinery both engine loaders share (flashboot.integrations.engine_prepack).
+
+Two layers:
+
+* Engine-agnostic tests run everywhere: they write real engine images from plain torch modules
+  (``PlainEngineLikeModel`` is a plain ``torch.nn.Module``, not an engine model), load them with
+  FlashLoad on the host backend (and FlashClone from an in-process seed), bind them onto a
+  meta-built copy, and check keys, refusals and the job protocol.
+* ``test_real_sglang_*`` run SGLang's own code in a child process (SGLang patches transformers on
+  import, so it never enters this process): its ``DefaultModelLoader``, ``LoadConfig``,
+  ``ModelConfig``, ``DeviceConfig``, model classes, ``get_model_loader``, plugin loader and
+  command-line parser. They are skipped only where SGLang is not installed (the CPU CI venv);
+  docs/engines.md says how to build the venv they run in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashboot.errors import CapabilityError, FlashBootError, LayoutError
+from flashboot.integrations.engine_prepack import (
+    EngineKey, LoaderOptions, RankGroup, bind_engine_model, check_engine_key, check_no_meta_tensors,
+    collect_engine_tensors, load_engine_weights, memory_saver_policy, prepack_engine_model, read_engine_section,
+    read_job_engine_key,
+)
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+TOKEN = "engine-integration-test-token-0123456789"
+
+
+# =============================================================================================
+# A plain torch model with every kind of tensor an engine model holds
+# =============================================================================================
+class _Rotary(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cos_sin_cache", torch.arange(48.0).reshape(12, 4), persistent=False)
+
+
+class PlainEngineLikeModel(torch.nn.Module):
+    """Tied embedding/lm_head, a strided (transposed) weight, a persistent and a shared
+    non-persistent buffer, a tensor attribute (like MLA's ``w_kc``) and a dtype the image format
+    does not name (float8_e8m0fnu block scales)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.embed = torch.nn.Embedding(32, 16)
+        self.embed.weight.data = torch.randn(32, 16, generator=g)
+        self.lm_head = torch.nn.Linear(16, 32, bias=False)
+        self.lm_head.weight = self.embed.weight
+        self.proj = torch.nn.Linear(16, 24, bias=True)
+        self.proj.weight.data = torch.randn(24, 16, generator=g)
+        self.proj.bias.data = torch.randn(24, generator=g)
+        self.w_t = torch.nn.Parameter(torch.randn(16, 24, generator=g).t().contiguous().t(), requires_grad=False)
+        self.w_t.weight_loader = "kept"  # engines hang loaders and shard dims on parameters
+        self.rope = _Rotary()
+        self.rope_again = self.rope  # engines share one cached rotary module between layers
+        self.register_buffer("step", torch.tensor(7, dtype=torch.int64))
+        self.w_kc = torch.randn(4, 8, generator=g)
+        self.scale = torch.nn.Parameter(torch.randint(0, 200, (8,), generator=g, dtype=torch.uint8)
+                                        .view(torch.float8_e8m0fnu), requires_grad=False)
+
+
+def _key(**changes) -> EngineKey:
+    base = EngineKey(engine="sglang", engine_version="0.0.test", model_id="org/plain", revision="abc123",
+                     config_hash="sha256:" + "0" * 64, architecture="PlainEngineLikeModel", dtype="float32",
+                     quantization=None, tp_size=1, ep_size=1, dp_size=1, pp_size=1, gpu_arch="cpu")
+    return dataclasses.replace(base, **changes)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t
+
+
+def _assert_same_tensors(ref: torch.nn.Module, got: torch.nn.Module) -> None:
+    for kind in ("named_parameters", "named_buffers"):
+        a, b = dict(getattr(ref, kind)()), dict(getattr(got, kind)())
+        assert set(a) == set(b), kind
+        for name in a:
+            assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+            assert torch.equal(_bytes(a[name]), _bytes(b[name])), name
+
+
+@pytest.fixture
+def packed(tmp_path):
+    model = PlainEngineLikeModel()
+    out = tmp_path / "img"
+    report = prepack_engine_model(model, out, _key(), RankGroup(), device="cpu", tp_size=1, ep_size=1,
+                                  source_path="/models/plain", model_type="plain", chunk_bytes=4096)
+    return model, out, report
+
+
+def _options(out: Path, tmp_path: Path, **kw) -> LoaderOptions:
+    return LoaderOptions(image_dir=str(out), shm_dir=str(tmp_path / "shm"), **kw)
+
+
+# =============================================================================================
+# Engine-agnostic: image, key, load, bind
+# =============================================================================================
+def test_collect_finds_every_kind_of_tensor_once():
+    got = collect_engine_tensors(PlainEngineLikeModel(), "cpu")
+    kinds = {n: t.kind for n, t in got.tensors.items()}
+    assert kinds == {"embed.weight": "param", "proj.weight": "param", "proj.bias": "param", "w_t": "param",
+                     "scale": "param", "rope.cos_sin_cache": "buffer", "step": "buffer", "w_kc": "extra"}
+    assert got.tensors["rope.cos_sin_cache"].persistent is False and got.tensors["step"].persistent is True
+    assert got.aliases == {"lm_head.weight": {"of": "embed.weight", "kind": "param", "persistent": True},
+                           "rope_again.cos_sin_cache": {"of": "rope.cos_sin_cache", "kind": "buffer",
+                                                        "persistent": False}}
+
+
+def test_collect_refuses_weights_on_another_device():
+    with pytest.raises(LayoutError, match=r"9 parameter\(s\)/buffer\(s\) are not on cuda.*without CPU offload"):
+        collect_engine_tensors(PlainEngineLikeModel(), "cuda")
+
+
+def test_engine_image_is_a_valid_layouts_image_with_an_engine_section(packed):
+    from flashboot.layouts import read_job, verify_image
+
+    model, out, report = packed
+    assert report.tensors == 8 and report.aliases == 2 and report.dir == out / "rank-0"
+    section, meta = read_engine_section(out, 0)
+    assert section.key == _key() and read_job_engine_key(out) == _key()
+    assert meta.key.family == "sglang-engine" and meta.key.target == "sglang"
+    assert meta.tensors["w_t"].stride == (1, 16) and meta.tensors["w_t"].shape == (16, 24)  # strides kept
+    assert meta.tensors["scale"].dtype == "uint8" and section.tensors["scale"]["dtype"] == "float8_e8m0fnu"
+    assert section.tensors["w_kc"]["kind"] == "extra"
+    assert read_job(out).world_size == 1
+    assert [r.chunks for r in verify_image(out)] == [-(-meta.image_nbytes // 4096)]
+    assert not list(out.glob(".tmp-*"))
+
+
+def test_load_and_bind_onto_a_meta_model_serves_the_packed_bytes_from_one_arena(packed, tmp_path):
+    model, out, _ = packed
+    weights = load_engine_weights(_options(out, tmp_path, verify=True), _key(), 0, "cpu", tp_size=1, ep_size=1)
+    try:
+        with torch.device("meta"):
+            target = PlainEngineLikeModel()
+        report = bind_engine_model(target, weights)
+        check_no_meta_tensors(target, "plain")
+        _assert_same_tensors(model, target)
+        assert torch.equal(target.w_kc, model.w_kc) and not target.w_kc.is_meta
+        assert target.lm_head.weight is target.embed.weight  # tied stays tied
+        assert target.rope_again is target.rope and target.rope.cos_sin_cache.data_ptr() != 0
+        assert "cos_sin_cache" in target.rope._non_persistent_buffers_set
+        assert target.w_t.stride() == (1, 16) and target.w_t.weight_loader == "kept"
+        assert target.scale.dtype == torch.float8_e8m0fnu
+        lo, hi = weights.arena.ptr, weights.arena.ptr + weights.arena.nbytes
+        assert all(lo <= t.data_ptr() < hi for t in list(target.parameters()) + list(target.buffers()) + [target.w_kc])
+        assert sorted(report.aliases) == ["lm_head.weight", "rope_again.cos_sin_cache"] and report.added == []
+        assert weights.how == "load" and weights.report.verify_ms > 0
+        assert not any((tmp_path / "shm").rglob("rank-0.img"))  # the copy staged for this load is gone
+    finally:
+        weights.close()
+
+
+@pytest.mark.gpu
+def test_engine_image_round_trip_on_cuda(tmp_path):
+    from flashboot.integrations.engine_prepack import gpu_arch_of
+
+    model = PlainEngineLikeModel().to("cuda:0")
+    model.w_kc = model.w_kc.to("cuda:0")  # .to() moves parameters and buffers, not plain attributes
+    key = _key(gpu_arch=gpu_arch_of("cuda:0"))
+    assert key.gpu_arch.startswith("sm_")
+    out = tmp_path / "img"
+    prepack_engine_model(model, out, key, RankGroup(), device="cuda:0", tp_size=1, ep_size=1,
+                         source_path="/models/plain", model_type="plain")
+    weights = load_engine_weights(_options(out, tmp_path, verify=True), key, 0, "cuda:0", tp_size=1, ep_size=1)
+    try:
+        with torch.device("meta"):
+            target = PlainEngineLikeModel()
+        bind_engine_model(target, weights)
+        check_no_meta_tensors(target, "plain on cuda")
+        _assert_same_tensors(model, target)
+        assert torch.equal(target.w_kc, model.w_kc) and target.w_kc.device == torch.device("cuda", 0)
+        lo, hi = weights.arena.ptr, weights.arena.ptr + weights.arena.nbytes
+        assert all(lo <= t.data_ptr() < hi for t in list(target.parameters()) + list(target.buffers()))
+        x = torch.randint(0, 32, (3,), device="cuda:0")
+        assert torch.equal(target.lm_head(target.embed(x)), model.lm_head(model.embed(x)))  # serves from the arena
+    finally:
+        weights.close()
+
+
+def test_a_different_engine_key_is_refused_naming_both_keys(packed, tmp_path):
+    _, out, _ = packed
+    expected = _key(tp_size=1, dtype="bfloat16", gpu_arch="sm_90")
+    with pytest.raises(LayoutError) as err:
+        load_engine_weights(_options(out, tmp_path), expected, 0, "cpu", tp_size=1, ep_size=1)
+    msg = str(err.value)
+    assert _key().digest[:19] in msg and expected.digest[:19] in msg
+    assert "dtype: engine 'bfloat16', image 'float32'" in msg and "gpu_arch: engine 'sm_90', image 'cpu'" in msg
+    assert not (tmp_path / "shm").exists()  # refused before staging anything
+
+
+def test_a_missing_image_says_how_to_make_one(tmp_path):
+    with pytest.raises(LayoutError, match=r"no complete engine image here \(no prepack.json\). Pre-pack it first"):
+        load_engine_weights(_options(tmp_path / "nothing", tmp_path), _key(), 0, "cpu", tp_size=1, ep_size=1)
+
+
+def test_an_edited_engine_key_is_caught(packed):
+    _, out, _ = packed
+    path = out / "rank-0" / "metadata.json"
+    meta = json.loads(path.read_text())
+    meta["engine"]["key"]["tp_size"] = 2
+    path.write_text(json.dumps(meta))
+    with pytest.raises(LayoutError, match="engine key digest .* does not match its fields"):
+        read_engine_section(out, 0)
+
+
+def test_a_layouts_image_without_an_engine_section_is_refused(tmp_path):
+    import numpy as np
+    from safetensors.torch import save_file
+
+    import flashboot
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({"w": torch.from_numpy(np.arange(64, dtype=np.float32))}, ckpt / "model.safetensors")
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "tiny_bag"}))
+    flashboot.prepack(ckpt, tmp_path / "img", progress=False)
+    with pytest.raises(LayoutError, match="no engine section: this is not an engine image"):
+        read_engine_section(tmp_path / "img", 0)
+    with pytest.raises(LayoutError, match="not an engine image"):
+        read_job_engine_key(tmp_path / "img")
+
+
+def test_bind_refuses_other_shapes_and_leftover_meta_tensors(packed, tmp_path):
+    _, out, _ = packed
+    weights = load_engine_weights(_options(out, tmp_path), _key(), 0, "cpu", tp_size=1, ep_size=1)
+    try:
+        with torch.device("meta"):
+            wider = PlainEngineLikeModel()
+            wider.proj = torch.nn.Linear(16, 48)  # another "quantization layout" of the same name
+        with pytest.raises(LayoutError, match=r"proj.weight \(image \[24, 16\] torch.float32, model \[48, 16\]"):
+            bind_engine_model(wider, weights)
+        with torch.device("meta"):
+            extra = PlainEngineLikeModel()
+            extra.gate = torch.nn.Linear(16, 2)  # something the image does not hold
+        bind_engine_model(extra, weights)
+        with pytest.raises(LayoutError, match=r"2 tensor\(s\) .* would be uninitialised: gate.weight, gate.bias"):
+            check_no_meta_tensors(extra, "plain")
+    finally:
+        weights.close()
+
+
+def _run_two_ranks(out: Path, models) -> tuple[dict, dict]:
+    """prepack_engine_model on two threads (ranks 0 and 1 of tp=2); (reports, errors) by rank."""
+    box, barrier, errors, reports = {}, threading.Barrier(2, timeout=30), {}, {}
+
+    def broadcast(value, r):  # rank 0's value to both, like the engines' broadcast_object(src=0)
+        if r == 0:
+            box["v"] = value
+        barrier.wait()
+        got = box["v"]
+        barrier.wait()  # nobody overwrites the box before both have read it
+        return got
+
+    def rank(r):
+        try:
+            group = RankGroup(r, 2, broadcast=lambda v: broadcast(v, r), barrier=barrier.wait)
+            reports[r] = prepack_engine_model(models[r], out, _key(tp_size=2), group, device="cpu", tp_size=2,
+                                              ep_size=1, source_path="/m", model_type="p")
+        except BaseException as exc:  # returned to the test
+            errors[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank is still waiting"
+    return reports, errors
+
+
+def test_two_ranks_write_one_job_and_rank_zero_commits_it(tmp_path):
+    out = tmp_path / "img"
+    reports, errors = _run_two_ranks(out, [PlainEngineLikeModel(seed=0), PlainEngineLikeModel(seed=1)])
+    assert not errors, errors
+    from flashboot.layouts import read_image_metadata, read_job
+
+    job = read_job(out)
+    assert job.world_size == 2 and job.tp_size == 2 and sorted(job.ranks) == [0, 1]
+    for r in range(2):
+        meta = read_image_metadata(out, r, tp=2)
+        assert meta.job_id == job.job_id and meta.parallel.tp_rank == r
+        section, _ = read_engine_section(out, r)
+        assert section.rank == r and section.key == _key(tp_size=2)
+    with pytest.raises(LayoutError, match="tp=2, ep=1 make 2 ranks but the job's group has 1"):
+        prepack_engine_model(PlainEngineLikeModel(), out, _key(tp_size=2), RankGroup(), device="cpu", tp_size=2,
+                             ep_size=1, source_path="/m", model_type="p")
+
+
+def test_a_rank_that_fails_stops_the_job_without_leaving_anyone_waiting(tmp_path):
+    out = tmp_path / "img"
+    with torch.device("meta"):
+        broken = PlainEngineLikeModel()  # its weights are not on the job's device
+    reports, errors = _run_two_ranks(out, [PlainEngineLikeModel(), broken])
+    assert not reports
+    assert isinstance(errors[1], LayoutError) and "are not on cpu" in str(errors[1])
+    assert isinstance(errors[0], LayoutError) and "ranks [1] of 2 did not write their image" in str(errors[0])
+    assert not (out / "prepack.json").exists()
+
+
+def test_clone_from_an_engine_seed_binds_the_same_bytes(packed, tmp_path, monkeypatch):
+    from flashboot.rendezvous import free_port
+
+    monkeypatch.setenv("FLASHBOOT_TOKEN", TOKEN)
+    model, out, _ = packed
+    address = f"127.0.0.1:{free_port()}"
+    seed = load_engine_weights(_options(out, tmp_path, publish_store=address, timeout_s=20), _key(), 0, "cpu",
+                               tp_size=1, ep_size=1)
+    try:
+        assert seed.seed is not None
+        with pytest.raises(LayoutError, match="dtype: engine 'bfloat16', image 'float32'"):
+            load_engine_weights(LoaderOptions(seed_store=address, timeout_s=20), _key(dtype="bfloat16"), 0, "cpu",
+                                tp_size=1, ep_size=1)
+        clone = load_engine_weights(LoaderOptions(seed_store=address, timeout_s=20, verify=True), _key(), 0, "cpu",
+                                    tp_size=1, ep_size=1)
+        try:
+            assert clone.how == "clone" and clone.report.verified and clone.arena.ptr != seed.arena.ptr
+            with torch.device("meta"):
+                target = PlainEngineLikeModel()
+            bind_engine_model(target, clone)
+            check_no_meta_tensors(target, "clone")
+            _assert_same_tensors(model, target)
+            assert torch.equal(target.w_kc, model.w_kc)
+        finally:
+            clone.close()
+    finally:
+        seed.close()
+
+
+def test_loader_options_validate_themselves():
+    o = LoaderOptions.from_extra_config('{"image_dir": "/img", "verify": true, "mode": "auto"}')
+    assert o.image_dir == "/img" and o.verify and o.mode == "auto" and o.staging == "auto"
+    with pytest.raises(FlashBootError, match=r"unknown flashboot loader option\(s\) \['imagedir'\]; known: image_dir"):
+        LoaderOptions.from_extra_config({"imagedir": "/img"})
+    with pytest.raises(FlashBootError, match="needs image_dir .* or seed_store"):
+        LoaderOptions.from_extra_config({})
+    with pytest.raises(FlashBootError, match="mode='copy'; known: load, prepack, auto"):
+        LoaderOptions(image_dir="/img", mode="copy")
+    with pytest.raises(FlashBootError, match="a ring needs every member's host image"):
+        LoaderOptions(seed_store="h:1", schedule="ring")
+    with pytest.raises(FlashBootError, match="mode='prepack' writes an image: image_dir is required"):
+        LoaderOptions(seed_store="h:1", mode="prepack")
+    with pytest.raises(FlashBootError, match="not JSON"):
+        LoaderOptions.from_extra_config("{image_dir: /img}")
+
+
+def test_memory_saver_refuses_by_default_and_names_the_flag():
+    memory_saver_policy(False, "--enable-memory-saver", LoaderOptions(image_dir="/img"))
+    with pytest.raises(CapabilityError, match="--enable-memory-saver is on.*\"memory_saver\": \"resident\""):
+        memory_saver_policy(True, "--enable-memory-saver", LoaderOptions(image_dir="/img"))
+    memory_saver_policy(True, "--enable-memory-saver", LoaderOptions(image_dir="/img", memory_saver="resident"),
+                        nbytes=1 << 20)
+
+
+def test_check_engine_key_accepts_the_same_key():
+    check_engine_key(_key(), _key(), "x")
+    with pytest.raises(LayoutError, match="ep_size: engine 2, image 1"):
+        check_engine_key(_key(), _key(ep_size=2), "x")
+
+
+# =============================================================================================
+# Plugin entry point
+# =============================================================================================
+def test_sglang_entry_point_resolves_to_the_plugin():
+    eps = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "flashboot"]
+    assert [e.value for e in eps] == ["flashboot.integrations:sglang_plugin"]
+    from flashboot.integrations import sglang_plugin
+
+    assert eps[0].load() is sglang_plugin
+
+
+@pytest.mark.skipif(HAVE_SGLANG, reason="SGLang is installed: the plugin runs in test_real_sglang_*")
+def test_sglang_plugin_without_sglang_says_so():
+    from flashboot.integrations import sglang_plugin
+
+    with pytest.raises(CapabilityError, match="the flashboot sglang plugin needs sglang importable"):
+        sglang_plugin()
+
+
+# =============================================================================================
+# Real SGLang, in a child process
+# =============================================================================================
+SGLANG_SCRIPT = r'''
+import json, os, sys, tempfile, warnings
+warnings.simplefilter("ignore")
+import torch
+model_path, image_dir, shm = sys.argv[1], sys.argv[2], sys.argv[3]
+device = "cuda" if torch.cuda.is_available() else "cpu"
+if device == "cuda":
+    torch.cuda.set_device(0)
+out = {"device": device}
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", sys.argv[4])
+import sglang
+from sglang.srt.distributed import parallel_state
+from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context, get_context
+from sglang.srt.server_args import ServerArgs, prepare_server_args
+out["sglang_version"] = sglang.__version__
+init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+reset_context()
+publish(ServerArgs(model_path=model_path, device=device, tp_size=1, dtype="float32"), role="test",
+        ranks=SpawnRanks(world_rank=0))
+get_parallel().override_permanently(world_group=parallel_state._WORLD)
+initialize_model_parallel(backend="gloo")
+from sglang.srt.configs.device_config import DeviceConfig
+from sglang.srt.configs.load_config import LoadConfig
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.model_loader.loader import DefaultModelLoader, get_model_loader
+
+# SGLang's own plugin loader finds our entry point and runs it
+from sglang.srt.plugins import load_plugins
+load_plugins()
+try:
+    from sglang.srt.arg_groups.choices import LOAD_FORMAT_CHOICES
+except ImportError:
+    from sglang.srt.server_args import LOAD_FORMAT_CHOICES
+out["choices_have_flashboot"] = "flashboot" in LOAD_FORMAT_CHOICES
+cli = prepare_server_args(["--model-path", model_path, "--load-format", "flashboot", "--device", device,
+                           "--model-loader-extra-config", json.dumps({"image_dir": image_dir})])
+from flashboot.integrations.sglang import FlashBootModelLoader
+out["cli_load_format"] = str(cli.load_format)
+out["cli_loader_class"] = LoadConfig(load_format=cli.load_format,
+                                     model_loader_extra_config=cli.model_loader_extra_config).load_format is FlashBootModelLoader
+
+mc = ModelConfig(model_path, dtype="float32")
+dc = DeviceConfig(device, 0)
+ref_loader = get_model_loader(LoadConfig(load_format="auto"), mc)
+out["reference_loader"] = type(ref_loader).__name__
+ref = ref_loader.load_model(model_config=mc, device_config=dc)
+
+def same(a, b):
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    ba, bb = dict(a.named_buffers()), dict(b.named_buffers())
+    return (sorted(pa) == sorted(pb) and sorted(ba) == sorted(bb)
+            and all(torch.equal(pa[k], pb[k]) for k in pa) and all(torch.equal(ba[k], bb[k]) for k in ba))
+
+# 1. pre-pack through the plugin's load-format name: SGLang's own loader, then the dump
+pre = get_model_loader(LoadConfig(load_format="flashboot", model_loader_extra_config=json.dumps(
+    {"image_dir": image_dir, "mode": "prepack", "shm_dir": shm})), mc)
+out["prepack_loader"] = type(pre).__name__
+m_pre = pre.load_model(model_config=mc, device_config=dc)
+out["prepack_tensors"] = pre.prepack_report.tensors
+out["prepack_aliases"] = pre.prepack_report.aliases
+out["prepack_same_as_reference"] = same(ref, m_pre)
+out["param_names"] = sorted(n for n, _ in ref.named_parameters())
+out["buffer_names"] = sorted(n for n, _ in ref.named_buffers())
+
+# 2. load through the class passed as load_format (Engine(load_format=FlashBootModelLoader))
+ld = get_model_loader(LoadConfig(load_format=FlashBootModelLoader, model_loader_extra_config=json.dumps(
+    {"image_dir": image_dir, "shm_dir": shm, "verify": True})), mc)
+m = ld.load_model(model_config=mc, device_config=dc)
+out["load_same_as_reference"] = same(ref, m)
+lo, hi = ld.weights.arena.ptr, ld.weights.arena.ptr + ld.weights.arena.nbytes
+out["all_in_one_arena"] = all(lo <= t.data_ptr() < hi for t in list(m.parameters()) + list(m.buffers()))
+out["no_meta"] = not any(t.is_meta for t in list(m.parameters()) + list(m.buffers()))
+w = m.model.layers[0].self_attn.qkv_proj.weight
+out["weight_loader_kept"] = getattr(w, "weight_loader", None) is not None
+out["model_class"] = type(m).__name__
+out["key"] = ld.key.to_dict()
+out["report"] = ld.weights.report.summary()
+out["how"] = ld.weights.how
+
+# 3. another dtype is another key: refused naming both
+def error_of(extra, config):
+    try:
+        get_model_loader(LoadConfig(load_format="flashboot", model_loader_extra_config=json.dumps(extra)),
+                         config).load_model(model_config=config, device_config=dc)
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+    return None
+mc16 = ModelConfig(model_path, dtype="bfloat16")
+out["mismatch"] = error_of({"image_dir": image_dir, "shm_dir": shm}, mc16)
+out["auto_mismatch"] = error_of({"image_dir": image_dir, "shm_dir": shm, "mode": "auto"}, mc16)
+out["mismatch_engine_key"] = ld.key.__class__.__name__
+
+# 4. memory saver on: refused, naming the flag
+override = get_context().override_server_args(enable_memory_saver=True)
+override.install()
+try:
+    out["memory_saver"] = error_of({"image_dir": image_dir, "shm_dir": shm}, mc)
+finally:
+    override.restore()
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _make_tiny_llama(path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+
+
+def run_engine_script(script: str, tmp_path: Path, env: dict | None = None) -> dict:
+    """Run ``script`` with this interpreter in a child process; its ``RESULT {json}`` line."""
+    from flashboot.rendezvous import free_port
+
+    model = tmp_path / "tiny-llama"
+    _make_tiny_llama(model)
+    path = tmp_path / "engine_script.py"
+    path.write_text(script)
+    proc = subprocess.run([sys.executable, str(path), str(model), str(tmp_path / "image"), str(tmp_path / "shm"),
+                           str(free_port())], capture_output=True, text=True, timeout=280,
+                          env={**os.environ, **(env or {})}, cwd=tmp_path)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def sglang_run(tmp_path_factory):
+    if not HAVE_SGLANG:
+        pytest.skip("SGLang is not installed here (see docs/engines.md for the engine test venv)")
+    return run_engine_script(SGLANG_SCRIPT, tmp_path_factory.mktemp("sglang"))
+
+
+def test_real_sglang_plugin_makes_load_format_flashboot_valid(sglang_run):
+    r = sglang_run
+    assert r["choices_have_flashboot"] and r["cli_load_format"] == "flashboot" and r["cli_loader_class"]
+    assert r["prepack_loader"] == "FlashBootModelLoader"
+
+
+def test_real_sglang_prepack_runs_its_own_loader_and_dumps_every_tensor(sglang_run):
+    r = sglang_run
+    assert r["reference_loader"] == "DefaultModelLoader" and r["prepack_same_as_reference"]
+    assert "model.layers.0.self_attn.qkv_proj.weight" in r["param_names"]  # SGLang's fused names
+    # named_buffers() lists the rotary cache both layers share once; the image writes it once and
+    # keeps the second layer's name as an alias
+    assert r["prepack_tensors"] == len(r["param_names"]) + len(r["buffer_names"]) and r["prepack_aliases"] == 1
+
+
+def test_real_sglang_load_binds_the_engine_model_to_one_arena(sglang_run):
+    r = sglang_run
+    assert r["model_class"] == "LlamaForCausalLM" and r["how"] == "load"
+    assert r["load_same_as_reference"] and r["all_in_one_arena"] and r["no_meta"] and r["weight_loader_kept"]
+    key = r["key"]
+    assert key["engine"] == "sglang" and key["engine_version"] == r["sglang_version"]
+    assert key["dtype"] == "float32" and key["tp_size"] == 1 and key["architecture"] == "LlamaForCausalLM"
+    assert key["gpu_arch"] == ("cpu" if r["device"] == "cpu" else key["gpu_arch"])
+
+
+def test_real_sglang_refuses_an_image_of_another_key(sglang_run):
+    r = sglang_run
+    for case in ("mismatch", "auto_mismatch"):
+        kind, msg = r[case]
+        assert kind == "LayoutError", msg
+        assert "dtype: engine 'bfloat16', image 'float32'" in msg and r["key"]["digest"][:19] in msg
+
+
+def test_real_sglang_refuses_the_memory_saver(sglang_run):
+    kind, msg = sglang_run["memory_saver"]
+    assert kind == "CapabilityError" and "--enable-memory-saver" in msg

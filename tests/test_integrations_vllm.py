@@ -1,0 +1,180 @@
+"""FlashBoot as a vLLM model loader (flashboot.integrations.vllm).
+
+The engine-image machinery both loaders share is tested in test_integrations_sglang.py. Here:
+the ``vllm.general_plugins`` entry point, and ``test_real_vllm_*``, which run vLLM's own code in
+a child process (``VLLM_TARGET_DEVICE=cpu`` on a machine without CUDA): its plugin loader,
+argument parser, ``register_model_loader``/``get_model_loader``, ``DefaultModelLoader``,
+``VllmConfig``/``ModelConfig``/``LoadConfig``, model classes and ``process_weights_after_loading``
+under ``weights_already_processed``. They are skipped only where vLLM is not installed (the CPU CI
+venv); docs/engines.md says how to build the venv they run in.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib.metadata import entry_points
+
+import pytest
+
+from flashboot.errors import CapabilityError
+
+from test_integrations_sglang import run_engine_script
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def test_vllm_entry_point_resolves_to_the_plugin():
+    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "flashboot"]
+    assert [e.value for e in eps] == ["flashboot.integrations:vllm_plugin"]
+    from flashboot.integrations import vllm_plugin
+
+    assert eps[0].load() is vllm_plugin
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed: the plugin runs in test_real_vllm_*")
+def test_vllm_plugin_without_vllm_says_so():
+    from flashboot.integrations import vllm_plugin
+
+    with pytest.raises(CapabilityError, match="the flashboot vllm plugin needs vllm importable"):
+        vllm_plugin()
+
+
+VLLM_SCRIPT = r'''
+import json, os, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+model_path, image_dir, shm, port = sys.argv[1:5]
+device = "cuda" if torch.cuda.is_available() else "cpu"
+if device == "cpu":
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+out = {"device": device}
+import vllm
+out["vllm_version"] = vllm.__version__
+from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.model_loader import get_model_loader
+from vllm.plugins import load_general_plugins
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+except ImportError:
+    from vllm.utils import FlexibleArgumentParser
+
+# vLLM's own plugin loader finds our entry point and registers the load format
+load_general_plugins()
+from flashboot.integrations.vllm import FlashBootModelLoader
+args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+    ["--model", model_path, "--load-format", "flashboot", "--model-loader-extra-config",
+     json.dumps({"image_dir": image_dir})])
+cli_load_config = EngineArgs.from_cli_args(args).create_load_config()
+out["cli_load_format"] = cli_load_config.load_format
+out["cli_loader_class"] = type(get_model_loader(cli_load_config)).__name__
+
+mc = ModelConfig(model=model_path, dtype="float32", skip_tokenizer_init=True)
+def config(fmt, extra, model_config=mc):
+    return VllmConfig(model_config=model_config, load_config=LoadConfig(load_format=fmt, model_loader_extra_config=extra),
+                      device_config=DeviceConfig(device))
+
+def same(a, b):
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    ba, bb = dict(a.named_buffers()), dict(b.named_buffers())
+    return (sorted(pa) == sorted(pb) and sorted(ba) == sorted(bb)
+            and all(torch.equal(pa[k], pb[k]) for k in pa) and all(torch.equal(ba[k], bb[k]) for k in ba))
+
+vc = config("auto", {})
+with set_current_vllm_config(vc):
+    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                 local_rank=0, backend="gloo")
+    ensure_model_parallel_initialized(1, 1)
+    ref_loader = get_model_loader(vc.load_config)
+    out["reference_loader"] = type(ref_loader).__name__
+    ref = ref_loader.load_model(vllm_config=vc, model_config=mc)
+
+vc1 = config("flashboot", {"image_dir": image_dir, "mode": "prepack", "shm_dir": shm})
+with set_current_vllm_config(vc1):
+    pre = get_model_loader(vc1.load_config)
+    m_pre = pre.load_model(vllm_config=vc1, model_config=mc)
+out["prepack_same_as_reference"] = same(ref, m_pre)
+out["prepack_tensors"] = pre.prepack_report.tensors
+from flashboot.integrations.engine_prepack import read_engine_section
+section, _ = read_engine_section(image_dir, 0)
+out["extras"] = sorted(n for n, info in section.tensors.items() if info["kind"] == "extra")
+out["param_names"] = sorted(n for n, _ in ref.named_parameters())
+out["buffer_names"] = sorted(n for n, _ in ref.named_buffers())
+
+vc2 = config("flashboot", {"image_dir": image_dir, "shm_dir": shm, "verify": True})
+with set_current_vllm_config(vc2):
+    ld = get_model_loader(vc2.load_config)
+    m = ld.load_model(vllm_config=vc2, model_config=mc)
+out["load_same_as_reference"] = same(ref, m)
+lo, hi = ld.weights.arena.ptr, ld.weights.arena.ptr + ld.weights.arena.nbytes
+out["all_in_one_arena"] = all(lo <= t.data_ptr() < hi for t in list(m.parameters()) + list(m.buffers()))
+out["model_class"] = type(m).__name__
+out["key"] = ld.key.to_dict()
+out["attrs"] = ld.bind_report.attrs
+out["how"] = ld.weights.how
+
+# in-place reload (vLLM's load_weights): scribble over the served weights, reload them from the image
+with set_current_vllm_config(vc2):
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    ld.load_weights(m, mc)
+out["reload_same_as_reference"] = same(ref, m)
+
+def error_of(extra, model_config):
+    try:
+        v = config("flashboot", extra, model_config)
+        with set_current_vllm_config(v):
+            get_model_loader(v.load_config).load_model(vllm_config=v, model_config=model_config)
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+    return None
+mc16 = ModelConfig(model=model_path, dtype="bfloat16", skip_tokenizer_init=True)
+out["mismatch"] = error_of({"image_dir": image_dir, "shm_dir": shm}, mc16)
+mc.enable_sleep_mode = True  # what --enable-sleep-mode sets (this platform's config check would refuse it first)
+out["sleep_mode"] = error_of({"image_dir": image_dir, "shm_dir": shm}, mc)
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory):
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed here (see docs/engines.md for the engine test venv)")
+    return run_engine_script(VLLM_SCRIPT, tmp_path_factory.mktemp("vllm"))
+
+
+def test_real_vllm_plugin_registers_load_format_flashboot(vllm_run):
+    r = vllm_run
+    assert r["cli_load_format"] == "flashboot" and r["cli_loader_class"] == "FlashBootModelLoader"
+
+
+def test_real_vllm_prepack_runs_its_own_loader_and_dumps_every_tensor(vllm_run):
+    r = vllm_run
+    assert r["reference_loader"] == "DefaultModelLoader" and r["prepack_same_as_reference"]
+    assert "model.layers.0.self_attn.qkv_proj.weight" in r["param_names"]
+    # plus vLLM's per-layer KV-cache placeholder attributes (empty until the runner binds the cache)
+    assert r["extras"] == ["model.layers.0.self_attn.attn.kv_cache", "model.layers.1.self_attn.attn.kv_cache"]
+    assert r["prepack_tensors"] == len(r["param_names"]) + len(r["buffer_names"]) + len(r["extras"])
+
+
+def test_real_vllm_load_binds_the_engine_model_to_one_arena(vllm_run):
+    r = vllm_run
+    assert r["model_class"] == "LlamaForCausalLM" and r["how"] == "load"
+    assert r["load_same_as_reference"] and r["all_in_one_arena"]
+    assert set(r["attrs"]) >= {"has_own_lm_head", "has_own_embed_tokens"}  # vLLM's exported model flags
+    key = r["key"]
+    assert key["engine"] == "vllm" and key["engine_version"] == r["vllm_version"] and key["dtype"] == "float32"
+    assert key["extra"]["model_arch"] == "LlamaForCausalLM" and "kv_cache_dtype" in key["extra"]
+
+
+def test_real_vllm_load_weights_reloads_in_place(vllm_run):
+    assert vllm_run["reload_same_as_reference"]
+
+
+def test_real_vllm_refuses_an_image_of_another_key_and_sleep_mode(vllm_run):
+    kind, msg = vllm_run["mismatch"]
+    assert kind == "LayoutError" and "dtype: engine 'bfloat16', image 'float32'" in msg
+    kind, msg = vllm_run["sleep_mode"]
+    assert kind == "CapabilityError" and "--enable-sleep-mode" in msg
