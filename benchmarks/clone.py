@@ -3,16 +3,26 @@
 Sections, each against a ceiling or peer measured in the same run:
 
 1. **P2P ceiling**: one copy-engine copy of the same bytes GPU0 -> GPU1.
-2. **Descriptor exchange + map**: per clone, reading the seed's record from the store and mapping
-   its arena (``manifest_ms + exchange_ms`` of the clone's report); NCCL's setup beside it.
-3. **Star and chain**: 1..K clone processes (clones alternate between the GPUs, the seed lives in
-   this process on GPU0), per-clone GB/s from each clone's report, every clone byte-exact
-   (``--verify``: per-chunk checksums against the seed's manifest).
-4. **NCCL from process start**: two fresh processes, ``init_process_group`` + one broadcast of the
-   same bytes, and a per-tensor broadcast as SGLang's R-Fork does it; beside it a FlashClone
-   process from its start to weights ready.
-5. **Ring load**: N=2 processes each load half of a host image and gather the rest, against one
-   process loading all of it with the same loader (pin + bulk H2D): the critical paths.
+2. **Descriptor exchange + map**: per clone, from requesting the seed's record to its sources'
+   memory mapped (``exchange_ms`` of the clone's report, split in ``exchange_detail``); the
+   driver's one-time warm-up (``warm_ms``) runs before, overlapped with connecting. NCCL's setup
+   before its first byte (``init_process_group`` + first collective) beside it.
+3. **Star and chain**: 1..K clone processes; the seed lives in this process on GPU0, clone i
+   runs on GPU (1 + i) mod n, so the first clone is always remote and a chain alternates
+   GPU0 -> GPU1 -> GPU0 ... Clones are started one after another, each once the previous one
+   has taken its position, so position i is on the GPU given to it. Per-clone GB/s end to end
+   (bytes over the time from the common start to that clone holding every byte; CUDA events
+   and host clock), each clone's device beside it, every clone byte-exact (``--verify``).
+4. **From process start to weights ready**: the same worker script (same interpreter start and
+   the same imports) on both sides. NCCL: the seed rank is already resident (started first,
+   weights in place), then the receiving process starts: set_device + buffer, then
+   ``init_process_group``, a first collective, one broadcast of the same bytes (and a per-tensor
+   broadcast as SGLang's R-Fork does it). FlashClone: a resident seed, one process that starts,
+   connects, maps and copies. Verification is not part of either (reported separately).
+5. **Ring load**: N=2 processes (separate processes: pinning in one process serialises on its
+   mm lock) each load half of a host image in /dev/shm and gather the rest, against one process
+   loading all of it with the same loader; with the pin on the critical path, and with the
+   shard pinned early (before the start barrier, as FlashLoad's pin-early and served modes).
 
 ``--device cpu`` runs the same orchestration on the host backend (gloo instead of NCCL), with
 small sizes: a check of the machinery, not a measurement. :func:`sweep_chunks` (in-process, the
@@ -129,7 +139,8 @@ def _env(token: str) -> dict:
 
 
 def _spawn_clone(store: str, token: str, device: str, schedule: str, name: str, out: str, *, clones: int | None,
-                 chunk_bytes: int | None, timeout_s: float, verify: bool, image: str | None = None):
+                 chunk_bytes: int | None, timeout_s: float, verify: bool, image: str | None = None,
+                 pin_early: bool = False):
     cmd = [sys.executable, "-m", "flashboot.cli", "clone", "--store", store, "--device", device, "--schedule", schedule,
            "--name", name, "--json", out, "--timeout", str(timeout_s)]
     if clones is not None:
@@ -140,10 +151,12 @@ def _spawn_clone(store: str, token: str, device: str, schedule: str, name: str, 
         cmd.append("--verify")
     if image is not None:
         cmd += ["--image", image]
+    if pin_early:
+        cmd.append("--pin-early")
     return subprocess.Popen(cmd, env=_env(token), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _collect(procs: list, outs: list[str], timeout_s: float, what: str) -> list[dict]:
+def _collect(procs: list, outs: list[str], timeout_s: float, what: str, *, with_logs: bool = False):
     from flashboot.errors import FlashBootError
 
     deadline = time.monotonic() + timeout_s
@@ -161,17 +174,49 @@ def _collect(procs: list, outs: list[str], timeout_s: float, what: str) -> list[
             raise FlashBootError(f"{what}: a process failed (exit {p.returncode}):\n{log[-3000:]}")
         with open(out) as f:
             reports.append(json.load(f))
-    return reports
+    return (reports, logs) if with_logs else reports
+
+
+def clone_device(devices: Sequence[str], i: int) -> str:
+    """The device of clone ``i`` (0-based) when the seed is on ``devices[0]``: ``devices[(1 + i) % n]``,
+    so the first clone is remote and a chain alternates between the GPUs."""
+    return devices[(1 + i) % len(devices)]
+
+
+def _wait_joined(joined, want: int, proc, timeout_s: float, what: str) -> None:
+    """Poll ``joined()`` until it reaches ``want``; FlashBootError if ``proc`` exits first or on timeout."""
+    from flashboot.errors import FlashBootError, WaitTimeoutError
+
+    deadline = time.monotonic() + timeout_s
+    while joined() < want:
+        if proc.poll() is not None:
+            raise FlashBootError(f"{what}: clone {want} exited (code {proc.returncode}) before taking its position:\n"
+                                 f"{(proc.communicate()[0] or '')[-3000:]}")
+        if time.monotonic() > deadline:
+            raise WaitTimeoutError(f"{what}: clone {want} did not take its position within {timeout_s:g} s")
+        time.sleep(0.005)
 
 
 def run_group(store: str, token: str, devices: Sequence[str], schedule: str, clones: int, *, name: str,
-              chunk_bytes: int | None, timeout_s: float, verify: bool = True) -> list[dict]:
+              chunk_bytes: int | None, timeout_s: float, verify: bool = True, joined=None) -> list[dict]:
     """``clones`` clone processes of the seed published under ``name``; clone i on
-    ``devices[(i + 1) % len(devices)]`` (the seed is on ``devices[0]``). Their reports, by position."""
+    :func:`clone_device` (the seed is on ``devices[0]``). Positions go by arrival, so with
+    ``joined`` (a callable returning how many have taken a position) each process is started once
+    the previous one has joined: position i + 1 is then clone i, on the device given to it. They
+    still start copying together (start barrier). Their reports, by position."""
     with tempfile.TemporaryDirectory(prefix="flashboot-bench-") as tmp:
         outs = [os.path.join(tmp, f"clone{i}.json") for i in range(clones)]
-        procs = [_spawn_clone(store, token, devices[(i + 1) % len(devices)], schedule, name, outs[i], clones=clones,
-                              chunk_bytes=chunk_bytes, timeout_s=timeout_s, verify=verify) for i in range(clones)]
+        procs = []
+        try:
+            for i in range(clones):
+                procs.append(_spawn_clone(store, token, clone_device(devices, i), schedule, name, outs[i],
+                                          clones=clones, chunk_bytes=chunk_bytes, timeout_s=timeout_s, verify=verify))
+                if joined is not None and i + 1 < clones:
+                    _wait_joined(joined, i + 1, procs[-1], timeout_s, f"{schedule} with {clones} clone(s)")
+        except BaseException:
+            for p in procs:
+                p.kill()
+            raise
         reports = _collect(procs, outs, timeout_s * 3 + 60, f"{schedule} with {clones} clone(s)")
     return sorted(reports, key=lambda r: r["position"])
 
@@ -180,37 +225,107 @@ def _worker_cmd(cfg: dict) -> list[str]:
     return [sys.executable, "-m", "flashboot.benchmarks.clone", "--worker", json.dumps(cfg)]
 
 
+def _worker_env(token: str | None = None) -> dict:
+    """Workers see every GPU (each picks its own with set_device, so NCCL can use P2P/NVLink
+    between them), never NVLink multicast (NCCL_NVLS_ENABLE=0), and log NCCL's transports."""
+    env = _env(token) if token else dict(os.environ)
+    env["NCCL_NVLS_ENABLE"] = "0"
+    env.setdefault("NCCL_DEBUG", "INFO")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _nccl_transports(log: str) -> list[str]:
+    """The transports NCCL's INFO log names for its channels (``P2P/CUMEM/read``, ``SHM``, ...)."""
+    found = []
+    for line in log.splitlines():
+        if " via " in line and "Channel" in line:
+            t = line.split(" via ", 1)[1].strip()
+            if t not in found:
+                found.append(t)
+    return found
+
+
+def _wait_file(path: str, proc, timeout_s: float, what: str) -> None:
+    from flashboot.errors import FlashBootError, WaitTimeoutError
+
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise FlashBootError(f"{what} exited (code {proc.returncode}) before it was ready:\n"
+                                 f"{(proc.communicate()[0] or '')[-3000:]}")
+        if time.monotonic() > deadline:
+            raise WaitTimeoutError(f"{what} was not ready within {timeout_s:g} s")
+        time.sleep(0.01)
+
+
 def nccl_from_start(devices: Sequence[str], nbytes: int, *, mode: str, tensors: int, timeout_s: float) -> dict:
-    """Two fresh processes: ``init_process_group`` then one broadcast of ``nbytes`` (``mode="bulk"``)
-    or ``tensors`` broadcasts of its pieces (``mode="per_tensor"``, as R-Fork does). Timed from
-    the spawn to the receiver's weights ready."""
+    """NCCL from process start to weights ready, with a resident seed as FlashClone has one.
+
+    Rank 0 (the seed, on ``devices[0]``) starts first and fills its weights; once it is ready the
+    receiver (rank 1, on ``devices[-1]``) is started and timed from its spawn: imports, set_device
+    and its buffer, ``init_process_group``, a first collective (NCCL connects its channels
+    lazily), then one broadcast of ``nbytes`` (``mode="bulk"``) or ``tensors`` broadcasts of its
+    pieces (``mode="per_tensor"``, as R-Fork does). Both processes see every GPU."""
     from flashboot.rendezvous import free_port
 
     port = free_port()
+    pair = [devices[0], devices[-1]]
     with tempfile.TemporaryDirectory(prefix="flashboot-nccl-") as tmp:
         outs = [os.path.join(tmp, f"rank{r}.json") for r in range(2)]
-        t_spawn = time.time()
-        procs = [subprocess.Popen(_worker_cmd({"kind": "nccl", "rank": r, "devices": list(devices[:2]) * (2 // len(devices[:2])),
-                                               "nbytes": nbytes, "mode": mode, "tensors": tensors, "port": port,
-                                               "out": outs[r], "timeout_s": timeout_s}),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-        r0, r1 = _collect(procs, outs, timeout_s * 2 + 60, f"NCCL {mode}")
+        ready = os.path.join(tmp, "seed.ready")
+
+        def spawn(rank):
+            cfg = {"kind": "nccl", "rank": rank, "devices": pair, "nbytes": nbytes, "mode": mode, "tensors": tensors,
+                   "port": port, "out": outs[rank], "timeout_s": timeout_s, "ready_file": ready}
+            return subprocess.Popen(_worker_cmd(cfg), env=_worker_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+
+        procs = [spawn(0)]
+        try:
+            _wait_file(ready, procs[0], timeout_s, "the NCCL seed rank")
+            t_spawn = time.time()
+            procs.append(spawn(1))
+        except BaseException:
+            for p in procs:
+                p.kill()
+            raise
+        (r0, r1), logs = _collect(procs, outs, timeout_s * 2 + 60, f"NCCL {mode}", with_logs=True)
     return {"mode": mode, "tensors": tensors if mode == "per_tensor" else 1, "backend": r1["backend"],
-            "from_start_s": r1["ready_unix"] - t_spawn, "init_ms": r1["init_ms"], "transfer_ms": r1["transfer_ms"],
+            "devices": pair, "visible_gpus": [r0["visible_gpus"], r1["visible_gpus"]],
+            "transports": _nccl_transports(logs[0] + logs[1]),
+            "from_start_s": r1["ready_unix"] - t_spawn, "import_s": r1["imported_unix"] - t_spawn,
+            "buffer_ms": r1["buffer_ms"], "init_ms": r1["init_ms"], "first_collective_ms": r1["first_collective_ms"],
+            "setup_ms": r1["init_ms"] + r1["first_collective_ms"], "transfer_ms": r1["transfer_ms"],
             "transfer_gbps": nbytes / (r1["transfer_ms"] * 1e-3) / 1e9 if r1["transfer_ms"] > 0 else 0.0,
             "byte_exact": r0["checksum"] == r1["checksum"]}
 
 
+def _prelude(cuda: bool) -> None:
+    """The imports both from-start workers make, so neither side is charged for the other's."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    import flashboot._clone  # noqa: F401
+    import flashboot.arena  # noqa: F401
+    from flashboot.movers import create_mover
+
+    create_mover("copy_engine" if cuda else "host")
+
+
 def _nccl_worker(cfg: dict) -> None:
     t_enter = time.time()
+    rank, dev = cfg["rank"], cfg["devices"][cfg["rank"]]
+    cuda = dev.startswith("cuda")
+    _prelude(cuda)
+    t_imported = time.time()
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    rank, dev = cfg["rank"], cfg["devices"][cfg["rank"]]
-    cuda = dev.startswith("cuda")
     nbytes = cfg["nbytes"]
+    tb = time.time()
     if cuda:
         torch.cuda.set_device(torch.device(dev))
     buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -221,10 +336,19 @@ def _nccl_worker(cfg: dict) -> None:
     if cuda:
         torch.cuda.synchronize()
     t0 = time.time()
+    if rank == 0:
+        with open(cfg["ready_file"], "w") as f:
+            f.write("ready\n")
     kw = {"device_id": torch.device(dev)} if cuda else {}
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
                             world_size=2, timeout=datetime.timedelta(seconds=cfg["timeout_s"]), **kw)
     t1 = time.time()
+    # NCCL connects its channels on the first collective (lazily): 64 MiB of the weights, timed on
+    # its own; large enough to take the same ring/Simple path as the bulk broadcast
+    dist.broadcast(buf[: min(nbytes, 64 << 20)], 0)
+    if cuda:
+        torch.cuda.synchronize()
+    t2 = time.time()
     if cfg["mode"] == "bulk":
         dist.broadcast(buf, 0)
     else:
@@ -235,43 +359,72 @@ def _nccl_worker(cfg: dict) -> None:
                 dist.broadcast(buf[lo:hi], 0)
     if cuda:
         torch.cuda.synchronize()
-    t2 = time.time()
+    t3 = time.time()
     from flashboot.kernels.checksum import checksum
 
     digest = checksum(buf)
     with open(cfg["out"], "w") as f:
         json.dump({"rank": rank, "backend": "nccl" if cuda else "gloo", "started_unix": t_enter,
-                   "init_ms": (t1 - t0) * 1e3, "transfer_ms": (t2 - t1) * 1e3, "ready_unix": t2,
-                   "checksum": f"{digest:016x}"}, f)
+                   "imported_unix": t_imported, "visible_gpus": torch.cuda.device_count() if cuda else 0,
+                   "buffer_ms": (t0 - tb) * 1e3, "init_ms": (t1 - t0) * 1e3, "first_collective_ms": (t2 - t1) * 1e3,
+                   "transfer_ms": (t3 - t2) * 1e3, "ready_unix": t3, "checksum": f"{digest:016x}"}, f)
     dist.destroy_process_group()
 
 
+def _flashclone_worker(cfg: dict) -> None:
+    t_enter = time.time()
+    cuda = cfg["device"].startswith("cuda")
+    _prelude(cuda)
+    t_imported = time.time()
+    from flashboot._clone import clone
+
+    with clone(cfg["store"], cfg["device"], "star", name=cfg["name"], timeout_s=cfg["timeout_s"]) as result:
+        rep = result.report.to_dict()
+    rep.update({"started_unix": t_enter, "imported_unix": t_imported})
+    with open(cfg["out"], "w") as f:
+        json.dump(rep, f)
+
+
 def clone_from_start(store: str, token: str, device: str, name: str, timeout_s: float) -> dict:
-    """One FlashClone process from its spawn to weights ready (the seed is already resident)."""
+    """One FlashClone process (the same worker script and imports as the NCCL side) from its spawn
+    to weights ready; the seed is already resident. No verification (none on the NCCL side either)."""
     with tempfile.TemporaryDirectory(prefix="flashboot-bench-") as tmp:
         out = os.path.join(tmp, "clone.json")
+        cfg = {"kind": "flashclone", "store": store, "device": device, "name": name, "timeout_s": timeout_s,
+               "out": out}  # the token travels in the environment, not on the command line
         t_spawn = time.time()
-        p = _spawn_clone(store, token, device, "star", name, out, clones=None, chunk_bytes=None, timeout_s=timeout_s,
-                         verify=False)
+        p = subprocess.Popen(_worker_cmd(cfg), env=_worker_env(token), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
         (r,) = _collect([p], [out], timeout_s + 60, "FlashClone from process start")
-    return {"from_start_s": r["finished_unix"] - t_spawn, "setup_ms": r["connect_ms"] + r["manifest_ms"] +
-            r["alloc_ms"] + r["exchange_ms"], "transfer_ms": r["transfer_ms"], "transfer_gbps": r["gbps"]}
+    return {"device": device, "from_start_s": r["ready_unix"] - t_spawn, "import_s": r["imported_unix"] - t_spawn,
+            "connect_ms": r["connect_ms"], "warm_ms": r["warm_ms"], "exchange_ms": r["exchange_ms"],
+            "alloc_ms": r["alloc_ms"], "setup_ms": r["ready_ms"] - r["transfer_ms"],
+            "transfer_ms": r["transfer_ms"], "transfer_gbps": r["gbps"], "verify_ms": r["verify_ms"]}
 
 
 def ring_load_group(store: str, token: str, devices: Sequence[str], image: str, members: int, *, name: str,
-                    chunk_bytes: int | None, timeout_s: float) -> dict:
-    """``members`` processes ring-loading ``image``; member i on ``devices[i % len(devices)]``.
-    The critical path of a member: arena + descriptor exchange + mapping/pinning its shard + H2D
-    and gather (the start barrier and connecting are left out, as for a single load)."""
+                    chunk_bytes: int | None, timeout_s: float, pin_early: bool = False) -> dict:
+    """``members`` processes (one per member: pinning in one process would serialise on its mm
+    lock) ring-loading ``image``; member i on ``devices[i % len(devices)]``.
+
+    The critical path of a member: arena + descriptor exchange + mapping/pinning its shard (unless
+    ``pin_early``: then that runs before the start barrier and is reported as ``off_path_ms``) +
+    H2D and gather. Connecting, the driver warm-up and the start barrier are left out, as for
+    the single load."""
     with tempfile.TemporaryDirectory(prefix="flashboot-ring-") as tmp:
         outs = [os.path.join(tmp, f"member{i}.json") for i in range(members)]
         procs = [_spawn_clone(store, token, devices[i % len(devices)], "ring", name, outs[i], clones=members,
-                              chunk_bytes=chunk_bytes, timeout_s=timeout_s, verify=True, image=image)
+                              chunk_bytes=chunk_bytes, timeout_s=timeout_s, verify=True, image=image,
+                              pin_early=pin_early)
                  for i in range(members)]
         reports = _collect(procs, outs, timeout_s * 3 + 60, f"ring load with {members} member(s)")
-    paths = [r["alloc_ms"] + r["exchange_ms"] + r["load_ms"] + r["transfer_ms"] for r in reports]
-    return {"members": members, "critical_path_ms": max(paths), "member_paths_ms": paths,
-            "load_ms": [r["load_ms"] for r in reports], "transfer_ms": [r["transfer_ms"] for r in reports],
+    paths = [r["alloc_ms"] + r["exchange_ms"] + (0.0 if pin_early else r["load_ms"]) + r["transfer_ms"]
+             for r in reports]
+    return {"members": members, "pin_early": pin_early, "critical_path_ms": max(paths), "member_paths_ms": paths,
+            "devices": [r["device"] for r in reports], "alloc_ms": [r["alloc_ms"] for r in reports],
+            "exchange_ms": [r["exchange_ms"] for r in reports], "load_ms": [r["load_ms"] for r in reports],
+            "pin_ms": [r["pin_ms"] for r in reports], "transfer_ms": [r["transfer_ms"] for r in reports],
+            "off_path_ms": [r["load_ms"] if pin_early else 0.0 for r in reports],
             "byte_exact": all(r["verified"] for r in reports)}
 
 
@@ -369,7 +522,7 @@ def run(nbytes: int, *, device: str | None = None, clone_counts: Sequence[int] =
         chunk_bytes: int | None = None, tensors: int = 3170, timeout_s: float = 120.0, repeats: int = 5,
         sections: Sequence[str] = ("ceiling", "clone", "nccl", "ring")) -> dict:
     """Every section of ``bench clone``; a JSON-ready dict."""
-    from flashboot._clone import seed
+    from flashboot._clone import _gkey, seed
     from flashboot.arena import Arena
     from flashboot.memory import Device
     from flashboot.rendezvous import Manifest, Rendezvous, free_port
@@ -393,9 +546,11 @@ def run(nbytes: int, *, device: str | None = None, clone_counts: Sequence[int] =
                         for k in clone_counts:
                             name = f"{schedule}{k}-{secrets.token_hex(3)}"
                             with seed(store, arena, dev0, token=token, name=name, nbytes=nbytes, manifest=manifest,
-                                      timeout_s=timeout_s, serve_nccl=False):
+                                      timeout_s=timeout_s, serve_nccl=False) as s:
+                                join_key = _gkey(s.generation, schedule, "join")
                                 reports = run_group(store, token, devices, schedule, k, name=name,
-                                                    chunk_bytes=chunk_bytes, timeout_s=timeout_s)
+                                                    chunk_bytes=chunk_bytes, timeout_s=timeout_s,
+                                                    joined=lambda s=s, key=join_key: s.rendezvous.add(key, 0))
                             out["clone"].append({"schedule": schedule, "clones": k, "reports": reports})
                 if "nccl" in sections:
                     name = f"start-{secrets.token_hex(3)}"
@@ -410,12 +565,15 @@ def run(nbytes: int, *, device: str | None = None, clone_counts: Sequence[int] =
             path = os.path.join(shm, f"flashboot-bench-ring-{secrets.token_hex(4)}.bin")
             try:
                 write_image_file(path, nbytes)
-                single = ring_load_group(store, token, devices, path, 1, name=f"ring1-{secrets.token_hex(3)}",
-                                         chunk_bytes=chunk_bytes, timeout_s=timeout_s)
-                ring = ring_load_group(store, token, devices, path, len(devices), name=f"ringN-{secrets.token_hex(3)}",
-                                       chunk_bytes=chunk_bytes, timeout_s=timeout_s)
-                out["ring"] = {"single": single, "ring": ring,
-                               "ratio": ring["critical_path_ms"] / single["critical_path_ms"]}
+                out["ring"] = {"image": path}
+                for mode, early in (("pin_on_path", False), ("pin_early", True)):
+                    single = ring_load_group(store, token, devices, path, 1, name=f"ring1-{secrets.token_hex(3)}",
+                                             chunk_bytes=chunk_bytes, timeout_s=timeout_s, pin_early=early)
+                    ring = ring_load_group(store, token, devices, path, len(devices),
+                                           name=f"ringN-{secrets.token_hex(3)}", chunk_bytes=chunk_bytes,
+                                           timeout_s=timeout_s, pin_early=early)
+                    out["ring"][mode] = {"single": single, "ring": ring,
+                                         "ratio": ring["critical_path_ms"] / single["critical_path_ms"]}
             finally:
                 if os.path.exists(path):
                     os.unlink(path)
@@ -424,35 +582,73 @@ def run(nbytes: int, *, device: str | None = None, clone_counts: Sequence[int] =
     return out
 
 
+def _breakdown(detail: dict) -> str:
+    keys = ("seed_record_ms", "join_ms", "member_record_ms", "pidfd_getfd_ms", "import_ms", "reserve_map_ms",
+            "set_access_ms", "map_ms", "flags_open_ms")
+    names = {"seed_record_ms": "seed record (get+HMAC+decrypt)", "join_ms": "position", "member_record_ms":
+             "clone record", "pidfd_getfd_ms": "pidfd_getfd", "import_ms": "import", "reserve_map_ms": "reserve+map",
+             "set_access_ms": "set access", "map_ms": "map", "flags_open_ms": "flags arena"}
+    return ", ".join(f"{names[k]} {detail[k]:.2f}" for k in keys if k in detail)
+
+
 def _rows(res: dict) -> list[list]:
     rows = []
     ceiling = res.get("ceiling")
     if ceiling:
         rows.append([f"copy ceiling ({ceiling['path']})", ceiling["gbps"], "GB/s", f"{ceiling['ms']:.2f} ms, byte-exact "
                      f"{ceiling['byte_exact']}"])
+    first_exchange = None
     for group in res.get("clone", []):
         reps = group["reports"]
         gb = [r["stream_gbps"] or r["gbps"] for r in reps]
-        exch = [r["manifest_ms"] + r["exchange_ms"] for r in reps]
-        note = (f"per clone {', '.join(f'{g:.0f}' for g in gb)}; exchange+map {statistics.median(exch):.2f} ms; "
-                f"{'all byte-exact' if all(r['verified'] for r in reps) else 'NOT all verified'}")
+        exch = [r["exchange_ms"] for r in reps]
+        per_clone = ", ".join("%.4g (%s)" % (g, r["device"]) for g, r in zip(gb, reps))
+        host_clock = ", ".join("%.4g" % r["gbps"] for r in reps)
+        note = (f"per clone (CUDA events, common start to all bytes held) {per_clone}; host clock "
+                f"{host_clock}; exchange+map median {statistics.median(exch):.2f} ms "
+                f"(max {max(exch):.2f}); {'all byte-exact' if all(r['verified'] for r in reps) else 'NOT all verified'}")
         if ceiling:
             note += f"; {100 * min(gb) / ceiling['gbps']:.0f}% of ceiling (slowest)"
         rows.append([f"{group['schedule']} x{group['clones']}", statistics.mean(gb), "GB/s/clone", note])
+        if first_exchange is None and reps:
+            first_exchange = (group, reps[0])
+    if first_exchange is not None:
+        group, r = first_exchange
+        rows.append([f"exchange+map, first clone of {group['schedule']} x{group['clones']} on {r['device']}",
+                     r["exchange_ms"], "ms", f"{_breakdown(r.get('exchange_detail', {}))} ms; driver warm-up before it "
+                     f"{r.get('warm_ms', 0):.1f} ms ({r.get('warm_note') or 'nothing to warm'})"])
     fs = res.get("flashclone_from_start")
     if fs:
-        rows.append(["FlashClone, process start -> ready", fs["from_start_s"], "s",
-                     f"setup {fs['setup_ms']:.1f} ms, transfer {fs['transfer_ms']:.1f} ms ({fs['transfer_gbps']:.0f} GB/s)"])
+        rows.append(["FlashClone, process start -> weights ready", fs["from_start_s"], "s",
+                     f"interpreter + imports {fs['import_s']:.2f} s; then connect {fs['connect_ms']:.0f} ms (driver "
+                     f"warm-up {fs['warm_ms']:.0f} ms inside), exchange+map {fs['exchange_ms']:.2f} ms, arena "
+                     f"{fs['alloc_ms']:.0f} ms, transfer {fs['transfer_ms']:.1f} ms ({fs['transfer_gbps']:.0f} GB/s); "
+                     f"resident seed; no verify"])
     for n in res.get("nccl", []):
-        rows.append([f"{n['backend']} {n['mode']} ({n['tensors']} tensors), process start -> ready", n["from_start_s"],
-                     "s", f"init_process_group {n['init_ms']:.0f} ms, transfer {n['transfer_ms']:.1f} ms "
-                          f"({n['transfer_gbps']:.0f} GB/s), byte-exact {n['byte_exact']}"])
+        rows.append([f"{n['backend']} {n['mode']} ({n['tensors']} tensors), process start -> weights ready",
+                     n["from_start_s"], "s",
+                     f"interpreter + imports {n['import_s']:.2f} s; set_device + buffer {n['buffer_ms']:.0f} ms; setup "
+                     f"before the first byte {n['setup_ms']:.0f} ms (init_process_group {n['init_ms']:.0f} + first "
+                     f"collective {n['first_collective_ms']:.0f}); transfer {n['transfer_ms']:.1f} ms "
+                     f"({n['transfer_gbps']:.0f} GB/s); resident seed rank; GPUs visible {n['visible_gpus']}; "
+                     f"transports {', '.join(n['transports']) or '?'}; byte-exact {n['byte_exact']}"])
     ring = res.get("ring")
     if ring:
-        rows.append(["single-process load (pin + H2D)", ring["single"]["critical_path_ms"], "ms",
-                     f"byte-exact {ring['single']['byte_exact']}"])
-        rows.append([f"ring load, {ring['ring']['members']} members", ring["ring"]["critical_path_ms"], "ms",
-                     f"{ring['ratio']:.2f}x the single load; byte-exact {ring['ring']['byte_exact']}"])
+        for mode, label in (("pin_on_path", "pin on the critical path"), ("pin_early", "shard pinned early")):
+            if mode not in ring:
+                continue
+            m = ring[mode]
+            for kind in ("single", "ring"):
+                g = m[kind]
+                what = "single-process load" if kind == "single" else f"ring load, {g['members']} processes"
+                note = (f"{label}; alloc {', '.join(f'{x:.0f}' for x in g['alloc_ms'])}, exchange "
+                        f"{', '.join(f'{x:.1f}' for x in g['exchange_ms'])}, map+pin "
+                        f"{', '.join(f'{x:.0f}' for x in g['load_ms'])} (pin {', '.join(f'{x:.0f}' for x in g['pin_ms'])}"
+                        f"{', off the path' if g['pin_early'] else ''}), H2D+gather "
+                        f"{', '.join(f'{x:.0f}' for x in g['transfer_ms'])} ms; byte-exact {g['byte_exact']}")
+                if kind == "ring":
+                    note = f"{m['ratio']:.2f}x the single load; " + note
+                rows.append([f"{what} ({label})", g["critical_path_ms"], "ms", note])
     return rows
 
 
@@ -496,8 +692,9 @@ def main(args: argparse.Namespace) -> int:
     dump_json(res, args.json)
     exact = [r["verified"] for g in res.get("clone", []) for r in g["reports"]]
     exact += [n["byte_exact"] for n in res.get("nccl", [])]
-    if res.get("ring"):
-        exact += [res["ring"]["single"]["byte_exact"], res["ring"]["ring"]["byte_exact"]]
+    for mode in ("pin_on_path", "pin_early"):
+        if mode in res.get("ring", {}):
+            exact += [res["ring"][mode]["single"]["byte_exact"], res["ring"][mode]["ring"]["byte_exact"]]
     if res.get("ceiling"):
         exact.append(res["ceiling"]["byte_exact"])
     return 0 if all(exact) else 1
@@ -507,6 +704,8 @@ def _worker_main(argv: list[str]) -> None:
     cfg = json.loads(argv[argv.index("--worker") + 1])
     if cfg["kind"] == "nccl":
         _nccl_worker(cfg)
+    elif cfg["kind"] == "flashclone":
+        _flashclone_worker(cfg)
     else:
         raise SystemExit(f"unknown worker kind {cfg['kind']!r}")
 

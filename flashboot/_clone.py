@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .errors import ArenaError, ChecksumMismatchError, FlashBootError, RendezvousError, WaitTimeoutError
+from .errors import (ArenaError, CapabilityError, ChecksumMismatchError, CudaError, FlashBootError, RendezvousError,
+                     WaitTimeoutError)
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from .memory import CPU, Device, Span
 from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous
@@ -66,10 +67,16 @@ class CloneReport:
     """Where one clone's time went (milliseconds) and how it got its bytes.
 
     ``transport``: ``"posix_fd"``, ``"fabric"`` or ``"nccl"`` (``transport_note`` says why a
-    fallback was taken). ``exchange_ms``: reading the source's record and mapping its arena (and
-    flags), the part NCCL's communicator setup would replace. ``transfer_ms``: the copy (from the
-    first step issued to the last byte in place, pipeline fill included). ``recovered``: what
-    happened when a source failed (re-attached where).
+    fallback was taken). ``exchange_ms``: from requesting the seed's record (descriptor) to every
+    source's arena (and flags) mapped and readable: store get + authentication + decryption, taking
+    a position, and per source its record, ``pidfd_getfd``, import, reserve + map, set access and
+    the flags arena (``exchange_detail`` splits it; ``manifest_ms`` is its first part). It is the
+    part NCCL's communicator setup would replace; our own arena's allocation is ``alloc_ms``,
+    after it. ``warm_ms``: the one-time driver warm-up (:func:`flashboot.arena.warm_import`) run
+    before the descriptor is requested, overlapped with connecting. ``transfer_ms``: the copy
+    (from the first step issued to the last byte in place, pipeline fill included).
+    ``ready_ms``: from the call to the weights in place (verification not included; ``verify_ms``
+    is separate, ``total_ms`` includes it). ``recovered``: what happened when a source failed.
     """
 
     schedule: str
@@ -82,20 +89,30 @@ class CloneReport:
     mover: str = ""
     chunk_bytes: int = 0
     connect_ms: float = 0.0
+    warm_ms: float = 0.0
+    warm_note: str = ""
     manifest_ms: float = 0.0
     alloc_ms: float = 0.0
     exchange_ms: float = 0.0
+    exchange_detail: dict = field(default_factory=dict)
     barrier_ms: float = 0.0
     load_ms: float = 0.0
+    pin_ms: float = 0.0
+    pin_early: bool = False
+    """Ring: the shard was mapped and pinned before the start barrier (off the critical path)."""
     transfer_ms: float = 0.0
+    ready_ms: float = 0.0
     verify_ms: float = 0.0
     total_ms: float = 0.0
     verified: bool | None = None
     recovered: list[str] = field(default_factory=list)
     redone_bytes: int = 0
     lanes: list[dict] = field(default_factory=list)
+    ready_unix: float = 0.0
+    """Wall clock (``time.time()``) when the weights were in place (before verification), for
+    "from process start" timings."""
     finished_unix: float = 0.0
-    """Wall clock (``time.time()``) when the weights were ready, for "from process start" timings."""
+    """Wall clock when the call returned (after verification, if asked)."""
 
     @property
     def gbps(self) -> float:
@@ -119,6 +136,7 @@ class CloneReport:
         parts = [f"{self.schedule} #{self.position} on {self.device}: {self.nbytes / 1e9:.3f} GB via {self.transport}",
                  f"from {self.source}" if self.source else "",
                  f"exchange+map {self.exchange_ms:.2f} ms, transfer {self.transfer_ms:.1f} ms ({self.gbps:.1f} GB/s)",
+                 f"ready {self.ready_ms:.1f} ms" + (f" (+ verify {self.verify_ms:.1f} ms)" if self.verify_ms else ""),
                  f"total {self.total_ms:.1f} ms"]
         if self.verified is not None:
             parts.append("verified byte-exact" if self.verified else "NOT verified")
@@ -203,6 +221,72 @@ def _check_mover(dev: Device, mover: Any):
     return m
 
 
+class _Warmup:
+    """:func:`flashboot.arena.warm_import` in a background thread, started before the descriptor is
+    requested (overlapping connecting to the store), joined before it is: the one-time driver cost
+    of a first peer mapping moves off the exchange, which stays timed from request to mapped."""
+
+    def __init__(self, dev: Device):
+        self.result: dict = {}
+        self._thread = None
+        if dev.is_cuda:
+            self._thread = threading.Thread(target=self._run, args=(dev,), name="flashboot-warm-import", daemon=True)
+            self._thread.start()
+
+    def _run(self, dev: Device) -> None:
+        from .arena import warm_import
+
+        try:
+            self.result = warm_import(dev)
+        except Exception as exc:  # noqa: BLE001 - best effort: named in the report; the real open raises its own
+            self.result = {"warm_ms": 0.0, "errors": [f"{type(exc).__name__}: {exc}"]}
+
+    def join(self, report: "CloneReport", timeout_s: float) -> None:
+        if self._thread is None:
+            return
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise WaitTimeoutError(f"the driver warm-up on {report.device} did not finish within {timeout_s:g} s")
+        self._thread = None
+        report.warm_ms = float(self.result.get("warm_ms", 0.0))
+        peers = self.result.get("peers", [])
+        errors = self.result.get("errors", [])
+        report.warm_note = (f"warmed import+map from {', '.join(f'cuda:{p}' for p in peers)}" if peers else "") + \
+            (f"; warm-up failed: {'; '.join(errors)}" if errors else "")
+
+
+def _fs_type(path: str, mounts_file: str = "/proc/self/mounts") -> str:
+    """The filesystem type (``tmpfs``, ``ext4``, ...) holding ``path``: the longest mount point
+    that contains it, or ``"unknown"``."""
+    real = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        with open(mounts_file) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def pin_refused_message(path: str, offset: int, nbytes: int, fs_type: str, error: Any) -> str:
+    """What to say when the driver refuses to page-lock an image's host mapping for DMA."""
+    msg = (f"cannot pin {nbytes:,} bytes at offset {offset:,} of {path} (a {fs_type} file) for DMA: {error}. "
+           "Pinning (cuMemHostRegister) needs anonymous or tmpfs-backed memory; ")
+    if fs_type in ("tmpfs", "ramfs", "hugetlbfs"):
+        return msg + ("this file is on tmpfs already, so the driver refused for another reason (locked-memory "
+                      "limit `ulimit -l`, or too little free memory)")
+    return msg + ("this driver refuses a shared mapping of a file on disk. Stage the image into /dev/shm first "
+                  "(`flashboot preload IMAGE_DIR`, then load the directory again; for a raw file, copy it to "
+                  "/dev/shm) and pass that")
+
+
 class _HostImage:
     """An image's bytes mapped on the host: the preloader's staged copy in /dev/shm when there is
     one (same pages, no copy), else the image file. On CUDA, ``pin`` = (offset, nbytes) is
@@ -258,6 +342,9 @@ class _HostImage:
             hi = min(self.nbytes, -(-(pin[0] + pin[1]) // page) * page)
             try:
                 self._pinned = register_host(self.ptr + lo, hi - lo, device)
+            except CudaError as exc:
+                self.close()
+                raise CapabilityError(pin_refused_message(self.path, lo, hi - lo, _fs_type(self.path), exc)) from exc
             except BaseException:
                 self.close()
                 raise
@@ -278,13 +365,22 @@ class _HostImage:
             self._mm = None
 
 
-def _open_arena(desc, dev: Device, transport: str):
-    """Map an exported arena on ``dev`` by ``transport`` ("posix_fd" or "fabric")."""
+def _open_arena(desc, dev: Device, transport: str, detail: dict | None = None, prefix: str = ""):
+    """Map an exported arena on ``dev`` by ``transport`` ("posix_fd" or "fabric"). ``detail``
+    (optional) accumulates :meth:`Arena.open`'s timings, keys prefixed with ``prefix``."""
     from .arena import Arena
 
+    timings: dict = {}
+    t0 = time.perf_counter()
     if desc.backend == "host":
-        return Arena.open(desc)
-    return Arena.open(desc, dev, via="fabric" if transport == "fabric" else "pidfd")
+        arena = Arena.open(desc, timings=timings)
+    else:
+        arena = Arena.open(desc, dev, via="fabric" if transport == "fabric" else "pidfd", timings=timings)
+    if detail is not None:
+        timings["open_ms"] = (time.perf_counter() - t0) * 1e3
+        for k, v in timings.items():
+            detail[prefix + k] = detail.get(prefix + k, 0.0) + v
+    return arena
 
 
 def _choose_transport(desc, dev: Device, requested: str) -> tuple[str, str]:
@@ -648,7 +744,7 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
           timeout_s: float = DEFAULT_TIMEOUT_S, mover: Any = None, chunk_bytes: int | None = None,
           token=None, token_file=None, name: str = "default", clones: int | None = None, expect: Any = None,
           image: Any = None, rank: int = 0, transport: str = "auto", retry: bool = True,
-          step_delay_s: float | None = None) -> CloneResult:
+          step_delay_s: float | None = None, pin_early: bool = False) -> CloneResult:
     """Clone the seed published at ``store`` (``HOST:PORT``) into a new arena on ``device``.
 
     ``schedule``: ``"chain"`` (default), ``"star"`` or ``"ring"`` (see :func:`ring_load`; needs
@@ -661,7 +757,8 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     or dict of key fields / ``nbytes``): a mismatch is refused before any byte moves.
     ``image``: a host image (directory or file) to fall back to when no source is left.
     ``transport``: ``"auto"`` or one of ``posix_fd``, ``fabric``, ``nccl``. ``retry``: re-attach
-    to another source when one fails mid-transfer. ``timeout_s`` bounds every wait.
+    to another source when one fails mid-transfer. ``timeout_s`` bounds every wait. ``pin_early``
+    (ring): pin the shard before the start barrier (see :func:`ring_load`).
 
     Raises RendezvousError (no store, wrong token, mismatched manifest), WaitTimeoutError naming
     what was awaited, CloneError when a source failed and no other could take over.
@@ -673,18 +770,19 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
             raise FlashBootError("schedule 'ring' loads a shard of a host image on each member: pass image= and clones=")
         return ring_load(store, image, device, members=clones, rank=rank, verify=verify, timeout_s=timeout_s,
                          mover=mover, chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=name,
-                         expect=expect, step_delay_s=step_delay_s)
+                         expect=expect, step_delay_s=step_delay_s, pin_early=pin_early)
     if clones is not None and (not isinstance(clones, int) or clones < 1):
         raise FlashBootError(f"clones must be a positive int, got {clones!r}")
     t_start = time.perf_counter()
     dev = Device.parse(device)
     mover_obj = _check_mover(dev, _default_mover(dev, mover))
+    warm = _Warmup(dev)  # overlaps connecting; joined before the descriptor is requested
     rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=name, host=False, timeout_s=timeout_s)
     session = _Session(rdv)
     try:
         return _clone(session, dev, schedule, mover_obj, t_start, verify=verify, timeout_s=timeout_s,
                       chunk_bytes=chunk_bytes, clones=clones, expect=expect, image=image, rank=rank,
-                      transport=transport, retry=retry, hook=_step_hook(step_delay_s))
+                      transport=transport, retry=retry, hook=_step_hook(step_delay_s), warm=warm)
     except BaseException as exc:
         try:
             if session.status_key is not None and session.rdv is not None:
@@ -710,6 +808,8 @@ class _Sources:
         self.pids: dict[int, int | None] = {}
         """Source process ids, kept after a source is dropped (to tell a dead one from a slow one)."""
         self.host_image: _HostImage | None = None
+        self.detail: dict[str, float] = {}
+        """Where opening sources took its time (ms, summed over sources): see CloneReport.exchange_detail."""
 
     @property
     def rdv(self) -> Rendezvous:
@@ -723,12 +823,14 @@ class _Sources:
         if participant in self.endpoints:
             return self.endpoints[participant]
         if participant == _SEED_INDEX:
-            arena = _open_arena(self.seed_desc, self.dev, self.transport)
+            arena = _open_arena(self.seed_desc, self.dev, self.transport, self.detail)
             self.session.opened[participant] = [arena]
             ep = Endpoint(participant, "seed", arena, None, self._pid_if_local(self.seed_desc, self.seed_pid))
         else:
             key = _gkey(self.gen, self.schedule, "member", participant)
+            tr = time.perf_counter()
             rec = self.rdv.read(key, what=f"the descriptors of clone #{participant}", timeout_s=self.timeout_s)
+            self.detail["member_record_ms"] = self.detail.get("member_record_ms", 0.0) + (time.perf_counter() - tr) * 1e3
             if rec.body.get("manifest_digest") != self.manifest.digest:
                 raise RendezvousError(f"clone #{participant} holds another image (manifest {rec.body.get('manifest_digest')}, "
                                       f"the seed's is {self.manifest.digest}); refusing to read from it")
@@ -736,9 +838,9 @@ class _Sources:
             flags_desc = _descriptor_from(rec.sealed["flags"])
             opened = []
             self.session.opened[participant] = opened
-            arena = _open_arena(arena_desc, self.dev, self.transport)
+            arena = _open_arena(arena_desc, self.dev, self.transport, self.detail)
             opened.append(arena)
-            flags = _open_arena(flags_desc, self.dev, self.transport)
+            flags = _open_arena(flags_desc, self.dev, self.transport, self.detail, prefix="flags_")
             opened.append(flags)
             ep = Endpoint(participant, f"clone #{participant}", arena, flags,
                           self._pid_if_local(arena_desc, int(rec.body["pid"])))
@@ -789,10 +891,14 @@ class _Sources:
 
 def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float, *, verify: bool, timeout_s: float,
            chunk_bytes: int | None, clones: int | None, expect: Any, image: Any, rank: int, transport: str,
-           retry: bool, hook) -> CloneResult:
+           retry: bool, hook, warm: _Warmup | None = None) -> CloneResult:
     from .arena import Arena
 
     rdv = session.rdv
+    report = CloneReport(schedule, 0, str(dev), 0, mover=mover.name)
+    if warm is not None:
+        warm.join(report, timeout_s)
+    # exchange: from here (descriptor requested) to every source mapped; nothing else in between
     t0 = time.perf_counter()
     seed_rec = rdv.read(SEED_KEY, what="the seed's manifest and descriptor")  # authenticates: wrong token stops here
     manifest = Manifest.from_dict(seed_rec.body["manifest"])
@@ -800,40 +906,32 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     gen = str(seed_rec.body["generation"])
     seed_desc = _descriptor_from(seed_rec.sealed["arena"])
     t1 = time.perf_counter()
-    report = CloneReport(schedule, 0, str(dev), manifest.nbytes, mover=mover.name,
-                         connect_ms=(t0 - t_start) * 1e3, manifest_ms=(t1 - t0) * 1e3)
+    report.nbytes = manifest.nbytes
+    report.connect_ms, report.manifest_ms = (t0 - t_start) * 1e3, (t1 - t0) * 1e3
     chosen, note = _choose_transport(seed_desc, dev, transport)
     report.transport, report.transport_note = chosen, note
-    metadata = None
-    if rdv.has(METADATA_KEY):
-        meta_rec = rdv.read(METADATA_KEY, what="the seed's image metadata", timeout_s=timeout_s)
-        if meta_rec.body.get("generation") == gen:
-            metadata = _parse_metadata(meta_rec.body.get("metadata"), f"metadata published at {rdv.address}")
 
     position = rdv.add(_gkey(gen, schedule, "join"), 1)
+    t2 = time.perf_counter()
     report.position = position
     status_key = _gkey(gen, schedule, "status", position)
     session.status_key = status_key
 
+    def read_metadata():
+        if not rdv.has(METADATA_KEY):
+            return None
+        meta_rec = rdv.read(METADATA_KEY, what="the seed's image metadata", timeout_s=timeout_s)
+        if meta_rec.body.get("generation") != gen:
+            return None
+        return _parse_metadata(meta_rec.body.get("metadata"), f"metadata published at {rdv.address}")
+
     if chosen == "nccl":
-        return _clone_nccl(session, dev, manifest, metadata, gen, report, t_start, verify=verify, timeout_s=timeout_s)
+        return _clone_nccl(session, dev, manifest, read_metadata(), gen, report, t_start, verify=verify,
+                           timeout_s=timeout_s)
 
     n = max(position, clones or 1)
     plan = build_plan(schedule, n, manifest.nbytes, chunk_bytes)
     report.chunk_bytes = plan.chunk_bytes
-    ta = time.perf_counter()
-    session.arena = Arena.create(manifest.arena_nbytes, dev)
-    if session.arena.nbytes != manifest.arena_nbytes:
-        raise RendezvousError(f"our arena on {dev} rounds to {session.arena.nbytes:,} bytes, the seed's to "
-                              f"{manifest.arena_nbytes:,} (different allocation granularity)")
-    session.flags = create_flags(plan.flag_count(position), dev)
-    me = Endpoint(position, f"clone #{position}", session.arena, session.flags)
-    rdv.publish(_gkey(gen, schedule, "member", position),
-                {"position": position, "pid": os.getpid(), "host": socket.gethostname(), "device": str(dev),
-                 "manifest_digest": manifest.digest},
-                sealed={"arena": session.arena.export().to_dict(), "flags": session.flags.export().to_dict()})
-    report.alloc_ms = (time.perf_counter() - ta) * 1e3
-
     sources = _Sources(session, dev, gen, schedule, manifest, seed_desc, int(seed_rec.body["pid"]), chosen, timeout_s,
                        rank)
     my_steps = list(plan.steps_into(position))
@@ -849,7 +947,24 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
                                  f"{exc}") from exc
             dead.add(p)
             report.recovered.append(f"source #{p} could not be mapped ({exc}); re-attaching")
-    report.exchange_ms = (time.perf_counter() - tx) * 1e3
+    t3 = time.perf_counter()
+    report.exchange_ms = (t3 - t0) * 1e3
+    report.exchange_detail = {"seed_record_ms": report.manifest_ms, "join_ms": (t2 - t1) * 1e3,
+                              **{k: round(v, 4) for k, v in sources.detail.items()},
+                              "open_sources_ms": (t3 - tx) * 1e3}
+    metadata = read_metadata()
+    ta = time.perf_counter()
+    session.arena = Arena.create(manifest.arena_nbytes, dev)
+    if session.arena.nbytes != manifest.arena_nbytes:
+        raise RendezvousError(f"our arena on {dev} rounds to {session.arena.nbytes:,} bytes, the seed's to "
+                              f"{manifest.arena_nbytes:,} (different allocation granularity)")
+    session.flags = create_flags(plan.flag_count(position), dev)
+    me = Endpoint(position, f"clone #{position}", session.arena, session.flags)
+    rdv.publish(_gkey(gen, schedule, "member", position),
+                {"position": position, "pid": os.getpid(), "host": socket.gethostname(), "device": str(dev),
+                 "manifest_digest": manifest.digest},
+                sealed={"arena": session.arena.export().to_dict(), "flags": session.flags.export().to_dict()})
+    report.alloc_ms = (time.perf_counter() - ta) * 1e3
     if clones is not None:
         report.barrier_ms = rdv.barrier(_gkey(gen, schedule, "start"), clones, timeout_s=timeout_s)
 
@@ -901,6 +1016,8 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
                                    dead)
     redone |= tainted
     report.redone_bytes = sum(plan.steps[i].nbytes for i in redone)
+    report.ready_ms = (time.perf_counter() - t_start) * 1e3
+    report.ready_unix = time.time()
     if verify:
         tv = time.perf_counter()
         _verify(session.arena, manifest, f"clone #{position} on {dev}")
@@ -1064,6 +1181,8 @@ def _clone_nccl(session: _Session, dev: Device, manifest: Manifest, metadata, ge
     finally:
         _shutdown_pg(pg)
     report.transfer_ms = (time.perf_counter() - tt) * 1e3
+    report.ready_ms = (time.perf_counter() - t_start) * 1e3
+    report.ready_unix = time.time()
     report.source = "seed (broadcast)"
     report.mover = _pg_backend(dev)
     if verify:
@@ -1116,13 +1235,17 @@ def linger(result: CloneResult, *, timeout_s: float = DEFAULT_TIMEOUT_S, forever
 def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank: int = 0, verify: bool = False,
               timeout_s: float = DEFAULT_TIMEOUT_S, mover: Any = None, chunk_bytes: int | None = None, token=None,
               token_file=None, name: str = "default", run: str = "ring", expect: Any = None,
-              step_delay_s: float | None = None) -> CloneResult:
+              step_delay_s: float | None = None, pin_early: bool = False) -> CloneResult:
     """Load ``image`` on ``members`` processes at once: each loads a 1/N byte shard from the host
     and gathers the rest from its predecessor in a ring (paper §3.6).
 
     Member positions come by arrival order at the store (the first to arrive hosts it unless one
     listens there already). All members must hold the same image (manifests compared before any
     byte moves). ``run`` names this gathering (use a fresh one per load on a shared store).
+    ``pin_early``: map and pin the shard before the start barrier (off the critical path, as
+    FlashLoad's pin-early and served modes do) instead of after it; ``load_ms``/``pin_ms`` say
+    what it cost either way. Pinning needs the image in anonymous or tmpfs-backed memory (stage
+    it into /dev/shm); a file on disk is refused with a CapabilityError that says so.
     """
     from .arena import Arena
 
@@ -1132,9 +1255,12 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
     dev = Device.parse(device)
     mover_obj = _check_mover(dev, _default_mover(dev, mover))
     hook = _step_hook(step_delay_s)
+    warm = _Warmup(dev)  # overlaps connecting; joined before any descriptor is requested
     rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=name, host=True, timeout_s=timeout_s)
     session = _Session(rdv)
     try:
+        warm_report = CloneReport("ring", 0, str(dev), 0)
+        warm.join(warm_report, timeout_s)
         t0 = time.perf_counter()
         from flashboot.layouts import read_image_metadata
 
@@ -1159,10 +1285,21 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
                                   "use another run name")
         me = position - 1
         report = CloneReport("ring", position, str(dev), manifest.nbytes, mover=mover_obj.name,
-                             connect_ms=(t0 - t_start) * 1e3)
+                             connect_ms=(t0 - t_start) * 1e3, warm_ms=warm_report.warm_ms,
+                             warm_note=warm_report.warm_note, pin_early=pin_early)
         plan = build_plan("ring", members, manifest.nbytes, chunk_bytes)
         report.chunk_bytes = plan.chunk_bytes
         shard_off, shard_n = shard_bounds(manifest.nbytes, members)[me]
+
+        def map_shard() -> _HostImage:
+            tl = time.perf_counter()
+            img = _HostImage(path, dev, rank=rank, pin=(shard_off, shard_n))
+            session.extra.append(img)
+            report.load_ms = (time.perf_counter() - tl) * 1e3  # mapping (and pinning the shard)
+            report.pin_ms = img.pin_ms
+            return img
+
+        img = map_shard() if pin_early else None
         ta = time.perf_counter()
         session.arena = Arena.create(manifest.arena_nbytes, dev)
         session.flags = create_flags(plan.flag_count(me), dev)
@@ -1196,10 +1333,8 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
                 endpoints[j] = Endpoint(j, f"member {j}", opened[0], opened[1],
                                         int(rec.body["pid"]) if _same_host(arena_desc) else None)
         report.exchange_ms = (time.perf_counter() - tx) * 1e3
-        tl = time.perf_counter()
-        img = _HostImage(path, dev, rank=rank, pin=(shard_off, shard_n))
-        session.extra.append(img)
-        report.load_ms = (time.perf_counter() - tl) * 1e3  # mapping (and pinning the shard)
+        if img is None:
+            img = map_shard()
         tt = time.perf_counter()
         try:
             rep = Executor(plan, endpoints, me, mover=mover_obj, host_image=img.span(), timeout_s=timeout_s,
@@ -1216,6 +1351,8 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
             report.recovered.append("loaded the rest from the host image")
         report.transfer_ms = (time.perf_counter() - tt) * 1e3
         report.lanes = [l.__dict__ | {"gbps": l.gbps} for l in rep.lanes]
+        report.ready_ms = (time.perf_counter() - t_start) * 1e3
+        report.ready_unix = time.time()
         report.source = f"host shard {shard_off:,}..{shard_off + shard_n:,} + member {pred}"
         if verify:
             tv = time.perf_counter()

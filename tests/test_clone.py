@@ -181,6 +181,20 @@ def test_seed_and_clones_in_one_process(store, schedule):
             assert rep.chunk_bytes == CHUNK and rep.transfer_ms > 0 and rep.recovered == []
         expected = ["seed", "clone #1", "clone #2"] if schedule == "chain" else ["seed"] * 3
         assert [r.report.source for r in results] == expected
+        for r in results:
+            rep, detail = r.report, r.report.exchange_detail
+            # the exchange runs from the seed-record request to every source mapped, and splits
+            assert detail["seed_record_ms"] == rep.manifest_ms and rep.exchange_ms >= rep.manifest_ms
+            assert detail["pidfd_getfd_ms"] > 0 and detail["map_ms"] > 0 and detail["open_ms"] > 0
+            assert rep.exchange_ms >= detail["seed_record_ms"] + detail["open_sources_ms"]
+            if rep.position > 1 and schedule == "chain":  # read a clone's record and mapped its flags too
+                assert detail["member_record_ms"] > 0 and detail["flags_open_ms"] > 0
+            else:
+                assert "member_record_ms" not in detail and "flags_open_ms" not in detail
+            # weights-ready excludes verification; the total includes it
+            assert 0 < rep.ready_ms <= rep.total_ms - rep.verify_ms + 1e-6 and rep.verify_ms > 0
+            assert 0 < rep.ready_unix <= rep.finished_unix
+            assert rep.warm_ms == 0.0  # nothing to warm on the host backend
     finally:
         for r in results:
             r.close()
@@ -261,6 +275,64 @@ def test_ring_load_gathers_the_whole_image(store, tmp_path):
     finally:
         for r in results:
             r.close()
+
+
+@pytest.mark.parametrize("pin_early", [False, True])
+def test_ring_load_pins_early_or_on_the_path(store, tmp_path, pin_early):
+    address, _ = store
+    path = tmp_path / "image.bin"
+    data = write_raw_image(path, 2 * MiB + 99, 6)
+    results, errors = [], []
+
+    def member():
+        try:
+            results.append(flashboot.clone(address, "cpu", "ring", image=path, clones=2, chunk_bytes=CHUNK,
+                                           verify=True, timeout_s=10, name=f"pin{pin_early}", pin_early=pin_early))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(25)
+    try:
+        assert not errors, errors
+        for r in results:
+            assert np.array_equal(r.arena.bytes().numpy()[:data.size], data)
+            assert r.report.pin_early is pin_early and r.report.load_ms > 0
+            assert r.report.pin_ms == 0.0  # the host backend copies from pageable memory
+            assert r.report.ready_ms <= r.report.total_ms
+    finally:
+        for r in results:
+            r.close()
+
+
+def test_pin_refusal_says_to_stage_into_dev_shm(tmp_path):
+    from flashboot._clone import _fs_type, pin_refused_message
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/sda1 / ext4 rw 0 0\n"
+                      "tmpfs /dev/shm tmpfs rw,nosuid 0 0\n"
+                      "/dev/sdb1 /data\\040disk xfs rw 0 0\n")
+    assert _fs_type("/home/u/img.bin", str(mounts)) == "ext4"
+    assert _fs_type("/dev/shm/x/img.bin", str(mounts)) == "tmpfs"
+    assert _fs_type("/dev/shmother/img.bin", str(mounts)) == "ext4"  # a prefix of a name is not its mount
+    assert _fs_type("/data disk/img.bin", str(mounts)) == "xfs"
+    assert _fs_type("/x", str(tmp_path / "no-such-file")) == "unknown"
+
+    msg = pin_refused_message("/data/img.bin", 4096, 25_165_824, "ext4", "CUDA_ERROR_INVALID_VALUE (1)")
+    assert "25,165,824 bytes at offset 4,096 of /data/img.bin (a ext4 file)" in msg
+    assert "CUDA_ERROR_INVALID_VALUE" in msg and "anonymous or tmpfs-backed" in msg
+    assert "/dev/shm" in msg and "flashboot preload" in msg
+    tmpfs = pin_refused_message("/dev/shm/img.bin", 0, 4096, "tmpfs", "CUDA_ERROR_INVALID_VALUE (1)")
+    assert "on tmpfs already" in tmpfs and "flashboot preload" not in tmpfs
+
+
+def test_warm_import_is_a_no_op_on_the_host_backend():
+    from flashboot.arena import warm_import
+
+    assert warm_import("cpu") == {"warm_ms": 0.0, "context_ms": 0.0, "peers": [], "errors": []}
 
 
 def test_ring_members_with_different_images_are_refused(store, tmp_path):

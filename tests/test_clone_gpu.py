@@ -155,6 +155,11 @@ def test_chain_across_gpus_and_processes(store, tmp_path):
             reports.append(json.loads(out.read_text()))
         assert all(r["verified"] and r["transport"] == "posix_fd" for r in reports)
         assert sorted(r["source"] for r in reports) == ["clone #1", "clone #2", "seed"]
+        for r in reports:  # the driver warm-up ran before the exchange; the exchange splits into its steps
+            assert r["warm_ms"] > 0
+            detail = r["exchange_detail"]
+            assert detail["import_ms"] > 0 and detail["set_access_ms"] > 0 and detail["pidfd_getfd_ms"] > 0
+            assert r["exchange_ms"] >= detail["seed_record_ms"] + detail["open_sources_ms"]
     finally:
         for p in procs:
             stop(p)
@@ -216,12 +221,28 @@ def test_broadcast_fallback_on_gpus(store, tmp_path):
         a.close()
 
 
+@pytest.fixture
+def shm_path():
+    """A file path in /dev/shm (tmpfs), removed afterwards: pinning a shared mapping of a file on a
+    disk filesystem is refused by the driver on our machines (CUDA_ERROR_INVALID_VALUE), as the
+    ring loader's error says; staged images live in /dev/shm."""
+    import os
+    import secrets
+    from pathlib import Path
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm (tmpfs) on this machine")
+    path = Path("/dev/shm") / f"flashboot-test-{secrets.token_hex(6)}.bin"
+    yield path
+    path.unlink(missing_ok=True)
+
+
 @pytest.mark.two_gpus
-def test_ring_load_on_two_gpus(store, tmp_path):
+def test_ring_load_on_two_gpus(store, shm_path):
     from _clone_helpers import write_raw_image
 
     address, _ = store
-    path = tmp_path / "image.bin"
+    path = shm_path
     write_raw_image(path, 48 * MiB + 4096, 9)
     results, errors = [], []
 
@@ -243,6 +264,39 @@ def test_ring_load_on_two_gpus(store, tmp_path):
     finally:
         for r in results:
             r.close()
+
+
+@pytest.mark.gpu
+def test_pinning_a_disk_file_is_refused_with_what_to_do(tmp_path):
+    """Where the driver refuses to pin a shared mapping of a file on disk (ours: ext4 ->
+    CUDA_ERROR_INVALID_VALUE), the error names the path, the bytes and the fix (/dev/shm)."""
+    from _clone_helpers import write_raw_image
+
+    from flashboot._clone import _fs_type, _HostImage
+    from flashboot.errors import CapabilityError
+    from flashboot.memory import Device
+
+    path = tmp_path / "image.bin"
+    write_raw_image(path, 4 * MiB, 2)
+    if _fs_type(str(path)) in ("tmpfs", "ramfs"):
+        pytest.skip(f"{tmp_path} is on tmpfs here: nothing on disk to refuse")
+    try:
+        img = _HostImage(path, Device.parse("cuda:0"), pin=(0, 4 * MiB))
+    except CapabilityError as exc:
+        msg = str(exc)
+        assert str(path) in msg and "4,194,304 bytes" in msg and "/dev/shm" in msg and "flashboot preload" in msg
+    else:  # this driver pins file-backed pages: the loader works from disk too
+        img.close()
+
+
+@pytest.mark.two_gpus
+def test_warm_import_maps_every_peer_and_leaves_nothing():
+    from flashboot.arena import warm_import
+
+    out = warm_import("cuda:1")
+    assert out["errors"] == [] and sorted(out["peers"]) == [0, 1] and out["warm_ms"] > 0
+    again = warm_import("cuda:1", peers=[0])
+    assert again["errors"] == [] and again["peers"] == [0]
 
 
 @pytest.mark.two_gpus

@@ -37,6 +37,8 @@ def register(subparsers) -> None:
     p.add_argument("--image", default=None, help="host image: ring shard source, or fallback when no source is left")
     p.add_argument("--transport", default="auto", choices=("auto", "posix_fd", "fabric", "nccl"))
     p.add_argument("--no-retry", action="store_true", help="fail instead of re-attaching when a source fails")
+    p.add_argument("--pin-early", action="store_true",
+                   help="ring: map and pin the shard before the start barrier (off the critical path)")
     p.add_argument("--serve", action="store_true", help="stay up as a source after cloning, until SIGTERM")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON ('-' for stdout)")
     _common(p)
@@ -95,7 +97,8 @@ def run_clone(args: argparse.Namespace) -> int:
     chunk = parse_bytes(args.chunk_bytes) if args.chunk_bytes else None
     result = clone(args.store, args.device, args.schedule, verify=args.verify, timeout_s=args.timeout,
                    mover=args.mover, chunk_bytes=chunk, token_file=args.token_file, name=args.name,
-                   clones=args.clones, image=args.image, transport=args.transport, retry=not args.no_retry)
+                   clones=args.clones, image=args.image, transport=args.transport, retry=not args.no_retry,
+                   pin_early=args.pin_early)
     try:
         _print(result.report.summary())
         if args.json:
