@@ -115,6 +115,10 @@ def _measure(name: str, once: Callable[[], tuple[float, Any]], cleanup: Callable
     return timing, ok
 
 
+PHASES = ("wait", "pin", "alloc", "exchange", "metadata", "h2d", "bind")
+"""LoadReport phases shown per FlashLoad mode (milliseconds)."""
+
+
 def bench_checkpoint(spec, *, device: str, ckpt_root: Path, image_root: Path, shm_root: Path, warmup: int,
                      repeats: int, log: Callable[[str], None], keep: bool) -> tuple[list[LoaderResult], list[PipelineResult], dict]:
     """All measurements for one checkpoint spec; see the module docstring."""
@@ -213,9 +217,10 @@ def bench_checkpoint(spec, *, device: str, ckpt_root: Path, image_root: Path, sh
         median = sorted(runs[warmup:], key=lambda r: r["total_ms"])[len(runs[warmup:]) // 2]
         reports[name] = median
         results.append(LoaderResult(spec.name, name, image_nbytes, len(ckpt.checksums), timing.median_ms,
-                                    timing.samples_ms, ok, details={"phases_ms": {k: median[f"{k}_ms"] for k in
-                                                                                   ("wait", "pin", "alloc", "exchange", "h2d", "bind")},
-                                                                     "pinned_early_ms": median["pinned_early_ms"]}))
+                                    timing.samples_ms, ok, details={"phases_ms": {k: median[f"{k}_ms"] for k in PHASES},
+                                                                     "pinned_early_ms": median["pinned_early_ms"],
+                                                                     "overlapped": median.get("overlapped"),
+                                                                     "report_details": median.get("details")}))
         log(f"{spec.name}: {name}: {timing.median_ms:.1f} ms, verified={ok}")
 
     flash(FLASH_CRITICAL)

@@ -17,9 +17,12 @@ Three ways to pay the pin (``cuMemHostRegister``, about a third of the H2D rate)
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 from .errors import ChecksumMismatchError, FlashBootError, LayoutError, OutOfMemoryError
 from .memory import Device
@@ -37,11 +40,15 @@ class LoadReport:
     """Where the time of one load went, as the engine saw it (milliseconds).
 
     ``wait_ms``: waiting for the staged image (``.ready``, mapping, or what was left of an early
-    pin); ``pin_ms``: pinning on the critical path; ``pinned_early_ms``: pinning paid before
-    ``load`` was called (off the critical path, for reference); ``alloc_ms``: arena creation (and
-    export, served); ``h2d_ms``: the bulk copy including its synchronisation; ``exchange_ms``
-    (served): descriptor exchange and the daemon's mapping of the arena; ``verify_ms``;
-    ``bind_ms``: building the views; ``total_ms``: from the call to the return.
+    pin; served: reading ``metadata.json``'s bytes and waiting for the ``.ready`` of them);
+    ``metadata_ms``: the strict read and validation of ``metadata.json`` (pinned early: waiting
+    for :func:`flashboot.stage`'s, done in the background); ``pin_ms``: pinning on the critical
+    path; ``pinned_early_ms``: pinning paid before ``load`` was called (off the critical path, for
+    reference); ``alloc_ms``: arena creation (and export, served); ``h2d_ms``: the bulk copy
+    including its synchronisation; ``exchange_ms`` (served): descriptor exchange and the daemon's
+    mapping of the arena; ``verify_ms``; ``bind_ms``: building the views; ``total_ms``: from the
+    call to the return. ``overlapped`` names the phases that ran while the copy was in flight:
+    their time is inside ``h2d_ms`` (or hidden by it), not added to it.
     """
 
     mode: str
@@ -50,6 +57,7 @@ class LoadReport:
     nbytes: int
     tensors: int = 0
     wait_ms: float = 0.0
+    metadata_ms: float = 0.0
     pin_ms: float = 0.0
     pinned_early_ms: float = 0.0
     alloc_ms: float = 0.0
@@ -59,6 +67,7 @@ class LoadReport:
     bind_ms: float = 0.0
     total_ms: float = 0.0
     chunks: int = 0
+    overlapped: list[str] = field(default_factory=list)
     details: dict = field(default_factory=dict)
 
     @property
@@ -73,17 +82,18 @@ class LoadReport:
 
     def phases(self) -> dict[str, float]:
         """The non-zero phases in order, in ms."""
-        names = ("wait", "pin", "alloc", "exchange", "h2d", "verify", "bind")
+        names = ("wait", "metadata", "pin", "alloc", "exchange", "h2d", "verify", "bind")
         return {n: getattr(self, f"{n}_ms") for n in names if getattr(self, f"{n}_ms") > 0}
 
     def to_dict(self) -> dict:
         return {**asdict(self), "h2d_gbps": self.h2d_gbps, "gbps": self.gbps}
 
     def summary(self) -> str:
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in self.phases().items())
+        parts = ", ".join(f"{k} {v:.1f}{'*' if k in self.overlapped else ''}" for k, v in self.phases().items())
+        during = " (*: while the copy ran)" if self.overlapped else ""
         early = f"; pinned early in {self.pinned_early_ms:.0f} ms" if self.pinned_early_ms else ""
         return (f"rank {self.rank} -> {self.device} ({self.mode}): {self.nbytes:,} bytes, {self.tensors} tensors in "
-                f"{self.total_ms:.1f} ms ({self.gbps:.1f} GB/s; H2D {self.h2d_gbps:.1f} GB/s) [{parts} ms]{early}")
+                f"{self.total_ms:.1f} ms ({self.gbps:.1f} GB/s; H2D {self.h2d_gbps:.1f} GB/s) [{parts} ms]{during}{early}")
 
 
 # ============================================================================ the loaded image
@@ -148,25 +158,63 @@ def _mover_for(device: Device):
     return create_mover("copy_engine" if device.is_cuda else "host")
 
 
-def _bulk_copy(mover, arena, src_span, nbytes: int, chunk_bytes: int) -> int:
-    """Copy ``nbytes`` from the staged span into the arena in ``chunk_bytes`` pieces; returns #chunks.
+def _bulk_copy(mover, arena, src_span, nbytes: int, chunk_bytes: int, *, meanwhile=None) -> tuple[int, Any]:
+    """Copy ``nbytes`` from the staged span into the arena in ``chunk_bytes`` pieces, running
+    ``meanwhile()`` while the copy is in flight; returns (#chunks, what ``meanwhile`` returned).
 
-    On the host backend the "H2D" is the host mover's copy into the memfd arena (one call: the
-    mover splits it over its threads)."""
+    CUDA: the chunks are enqueued on one stream, ``meanwhile`` runs on this thread, then the
+    stream is synchronised. Host backend: the host mover's copy into the memfd arena (one call:
+    the mover splits it over its threads, without the GIL) runs on this thread and ``meanwhile``
+    in a helper thread. Either way the copy has ended when this returns or raises (also when
+    ``meanwhile`` failed), so the caller may close the arena.
+    """
     if not arena.device.is_cuda:
-        mover.copy(arena.span(0, nbytes), src_span.sub(0, nbytes), stream=None)
-        return 1
+        side = _Beside(meanwhile) if meanwhile is not None else None
+        try:
+            mover.copy(arena.span(0, nbytes), src_span.sub(0, nbytes), stream=None)
+        finally:
+            result = side.join() if side is not None else None  # the copy's error, if any, wins
+        return 1, result
     import cupy
 
     with cupy.cuda.Device(arena.device.index):
         stream = cupy.cuda.Stream(non_blocking=True)
         n = 0
-        for off in range(0, nbytes, chunk_bytes):
-            size = min(chunk_bytes, nbytes - off)
-            mover.copy(arena.span(off, size), src_span.sub(off, size), stream=stream)
-            n += 1
+        try:
+            for off in range(0, nbytes, chunk_bytes):
+                size = min(chunk_bytes, nbytes - off)
+                mover.copy(arena.span(off, size), src_span.sub(off, size), stream=stream)
+                n += 1
+            result = meanwhile() if meanwhile is not None else None
+        except BaseException:
+            try:
+                stream.synchronize()  # what was enqueued must end before the arena can be released
+            except Exception:
+                pass  # the first error is the one to report
+            raise
         stream.synchronize()
-    return n
+    return n, result
+
+
+class _Beside:
+    """``fn()`` in a helper thread; :meth:`join` returns its result or raises its error."""
+
+    def __init__(self, fn):
+        self._fn, self._result, self._error = fn, None, None
+        self._thread = threading.Thread(target=self._run, name="flashboot-load-views", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._fn()
+        except BaseException as exc:  # handed to join()
+            self._error = exc
+
+    def join(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def verify_loaded(arena, metadata, where: str) -> int:
@@ -189,26 +237,38 @@ def verify_loaded(arena, metadata, where: str) -> int:
 def make_views(arena, metadata) -> dict:
     """name -> a zero-copy view of the arena at the tensor's offset, shape, stride and dtype.
 
-    The same views as ``arena.view(offset, shape, dtype, stride)``, made as ``as_strided`` of one
-    typed view of the arena per dtype: the strict reader has already checked every tensor's
-    bounds and alignment against the image (which fits the arena), and the per-call checks of
-    ``arena.view`` cost ~25 us a tensor, half a second for the 18,722 tensors of checkpoint B.
+    The same views as ``arena.view(offset, shape, dtype, stride)``, made straight from the
+    tensor table's columns as ``as_strided`` of one typed view of the arena per dtype: the strict
+    reader has already checked every tensor's bounds and alignment against the image (which fits
+    the arena), and the per-call checks of ``arena.view`` cost ~25 us a tensor, half a second for
+    the 18,722 tensors of checkpoint B. What is left is torch's ~2 us per view, which
+    :func:`load` spends while the bulk copy runs (nothing reads a view before the copy ends).
     """
     import torch
 
+    from .layouts.format import DTYPE_NAMES, gc_paused
+
     if metadata.image_nbytes > arena.nbytes:
         raise LayoutError(f"image of {metadata.image_nbytes:,} bytes does not fit the {arena.nbytes:,}-byte arena")
+    table = metadata.tensors
+    if not len(table):
+        return {}
     flat = arena.bytes()
-    typed: dict[str, tuple[Any, int]] = {}
-    for dtype_name in {t.dtype for t in metadata.tensors.values()}:
-        dtype = getattr(torch, dtype_name)
+    codes = table.dtype_codes
+    elem_offsets = (table.offsets // table.itemsizes).tolist()
+    strided = {}
+    for code in np.unique(codes).tolist():
+        dtype = getattr(torch, DTYPE_NAMES[code])
         itemsize = torch.empty((), dtype=dtype).element_size()
-        typed[dtype_name] = (flat[: arena.nbytes - arena.nbytes % itemsize].view(dtype).as_strided, itemsize)
-    views = {}
-    for name, t in metadata.tensors.items():
-        as_strided, itemsize = typed[t.dtype]
-        views[name] = as_strided(t.shape, t.stride, t.offset // itemsize)
-    return views
+        strided[code] = flat[: arena.nbytes - arena.nbytes % itemsize].view(dtype).as_strided
+    shapes, strides = table.shapes, table.strides
+    if len(strided) == 1:
+        views = map(next(iter(strided.values())), shapes, strides, elem_offsets)
+    else:
+        views = map(lambda code, shape, stride, off: strided[code](shape, stride, off), codes.tolist(), shapes,
+                    strides, elem_offsets)
+    with gc_paused():
+        return dict(zip(table.names, views))
 
 
 def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.0, served: bool = False,
@@ -223,18 +283,22 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     chunk checksums on the device. ``tp``/``ep``/``expected_key``: what the caller expects the
     image to be (LayoutError otherwise).
 
+    The views are built while the bulk copy runs. Served, the strict read of the metadata runs
+    then too (see :func:`_load_served`), so an image refused for its tp, ep or key is refused
+    after its bytes were copied (into an arena that is then released).
+
     Raises LayoutError (bad image, wrong rank/tp/ep/model), OutOfMemoryError before any
     allocation when the device lacks the bytes, WaitTimeoutError naming what was awaited,
-    ChecksumMismatchError (verify) naming the chunk.
+    ChecksumMismatchError (verify) naming the chunk. A failed load releases its arena.
     """
     import torch  # noqa: F401  (an engine has it loaded; its import is not part of a load)
 
     from ._stage import StagedImage
-    from .arena import Arena
-    from .preload import rank_source, served_load
 
     t_start = time.perf_counter()
     dev = Device.parse(device)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
     if chunk_bytes <= 0:
         raise FlashBootError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if served and staged is not None:
@@ -245,68 +309,84 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
         if staged.rank != rank or os.path.realpath(staged.image_dir) != os.path.realpath(image_dir):
             raise FlashBootError(f"staged image is rank {staged.rank} of {staged.image_dir}; load asked for rank "
                                  f"{rank} of {image_dir}")
-    source = rank_source(image_dir, rank, tp=tp, ep=ep, expected_key=expected_key)
+    if served:
+        return _load_served(image_dir, rank, dev, t_start, timeout_s=timeout_s, verify=verify, shm_dir=shm_dir,
+                            tp=tp, ep=ep, expected_key=expected_key)
+    return _load_staged(image_dir, rank, dev, t_start, staged=staged, timeout_s=timeout_s, verify=verify,
+                        shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp, ep=ep, expected_key=expected_key)
+
+
+def _timed_views(arena, meta, report: LoadReport):
+    """:func:`make_views`, its time recorded as ``bind_ms``."""
+    t0 = time.perf_counter()
+    views = make_views(arena, meta)
+    report.bind_ms = (time.perf_counter() - t0) * 1e3
+    return views
+
+
+def _load_staged(image_dir, rank: int, dev: Device, t_start: float, *, staged, timeout_s: float, verify: bool,
+                 shm_dir, chunk_bytes: int, tp, ep, expected_key) -> LoadedImage:
+    """Pin on the critical path (``staged`` None: this call stages) or pinned early."""
+    from flashboot.layouts.image import check_request
+
+    from ._stage import StagedImage
+    from .arena import Arena
+    from .preload import rank_source
+
+    report = LoadReport(mode="", device=str(dev), rank=rank, nbytes=0)
+    t0 = time.perf_counter()
+    if staged is not None:
+        # stage() validated the metadata in the background (the strict reader, rank and job
+        # checked): only what this call asks for is left to check.
+        source = staged.wait_source()
+        check_request(source.metadata, str(source.image.metadata_path), tp=tp, ep=ep, expected_key=expected_key)
+        report.details["metadata_validated_by"] = "stage()"
+    else:
+        source = rank_source(image_dir, rank, tp=tp, ep=ep, expected_key=expected_key)
+    report.metadata_ms = (time.perf_counter() - t0) * 1e3
     meta = source.metadata
-    nbytes = source.nbytes
+    nbytes = report.nbytes = source.nbytes
+    report.tensors = len(meta.tensors)
     if nbytes == 0:
         raise LayoutError(f"{source.path}: empty image, nothing to load")
     admit(nbytes, dev)
-    report = LoadReport(mode="", device=str(dev), rank=rank, nbytes=nbytes, tensors=len(meta.tensors))
     arena = None
     own_staged = None
     try:
-        if served:
-            report.mode = "served"
-            t0 = time.perf_counter()
-            arena = Arena.create(nbytes, dev)
-            arena.export()
-            t1 = time.perf_counter()
-            reply = served_load(arena, source, timeout_s=timeout_s, shm_dir=shm_dir)
-            t2 = time.perf_counter()
-            report.alloc_ms = (t1 - t0) * 1e3
-            report.h2d_ms = reply["h2d_ms"]
-            report.exchange_ms = max(0.0, (t2 - t1) * 1e3 - reply["h2d_ms"])
-            report.pinned_early_ms = reply.get("pin_ms", 0.0)
-            report.chunks = -(-nbytes // (1 << 30))
-            report.details = {"daemon_pid": reply.get("pid"), "daemon_map_ms": reply.get("map_ms"),
-                              "daemon_pinned": reply.get("pinned")}
+        if staged is None:
+            own_staged = staged = StagedImage(image_dir, rank, dev, timeout_s=timeout_s, shm_dir=shm_dir,
+                                              source=source)
+        was_done = staged.done
+        t0 = time.perf_counter()
+        arena = Arena.create(nbytes, dev)  # overlaps the pin when this call staged
+        mover = _mover_for(dev)
+        t1 = time.perf_counter()
+        staged.wait()
+        t2 = time.perf_counter()
+        report.alloc_ms = (t1 - t0) * 1e3
+        if own_staged is not None:
+            report.mode = "pin on critical path" if dev.is_cuda else "host"
+            report.wait_ms = own_staged.wait_ms
+            report.pin_ms = own_staged.pin_ms
         else:
-            if staged is None:
-                own_staged = staged = StagedImage(image_dir, rank, dev, timeout_s=timeout_s, shm_dir=shm_dir,
-                                                  source=source)
-            was_done = staged.done
-            t0 = time.perf_counter()
-            arena = Arena.create(nbytes, dev)  # overlaps the pin when this call staged
-            mover = _mover_for(dev)
-            t1 = time.perf_counter()
-            staged.wait()
-            t2 = time.perf_counter()
-            if staged.nbytes != nbytes:
-                raise LayoutError(f"staged image holds {staged.nbytes:,} bytes, {source.path} has {nbytes:,}")
-            report.alloc_ms = (t1 - t0) * 1e3
-            if own_staged is not None:
-                report.mode = "pin on critical path" if dev.is_cuda else "host"
-                report.wait_ms = own_staged.wait_ms
-                report.pin_ms = own_staged.pin_ms
-            else:
-                report.mode = "pinned early" if dev.is_cuda else "host (staged early)"
-                report.wait_ms = (t2 - t1) * 1e3
-                report.pinned_early_ms = staged.pin_ms
-                report.details["staged_done_before_load"] = was_done
-            if dev.is_cuda and not staged.pinned:
-                report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
-            t3 = time.perf_counter()
-            report.chunks = _bulk_copy(mover, arena, staged.span(), nbytes, chunk_bytes)
-            report.h2d_ms = (time.perf_counter() - t3) * 1e3
-            if staged.ready is not None:
-                report.details.update(io_mode=staged.ready.io_mode, numa_node=staged.ready.numa_node)
+            report.mode = "pinned early" if dev.is_cuda else "host (staged early)"
+            report.wait_ms = (t2 - t1) * 1e3
+            report.pinned_early_ms = staged.pin_ms
+            report.details["staged_done_before_load"] = was_done
+        if dev.is_cuda and not staged.pinned:
+            report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
+        t3 = time.perf_counter()
+        # Views are only pointers into the arena: they are made while the DMA fills it.
+        report.chunks, tensors = _bulk_copy(mover, arena, staged.span(), nbytes, chunk_bytes,
+                                            meanwhile=lambda: _timed_views(arena, meta, report))
+        report.h2d_ms = (time.perf_counter() - t3) * 1e3
+        report.overlapped = ["bind"]
+        if staged.ready is not None:
+            report.details.update(io_mode=staged.ready.io_mode, numa_node=staged.ready.numa_node)
         if verify:
             t4 = time.perf_counter()
             verify_loaded(arena, meta, f"{source.path} (rank {rank}) loaded into {dev}")
             report.verify_ms = (time.perf_counter() - t4) * 1e3
-        t5 = time.perf_counter()
-        tensors = make_views(arena, meta)
-        report.bind_ms = (time.perf_counter() - t5) * 1e3
     except BaseException:
         if arena is not None and not arena.closed:
             arena.close()
@@ -316,6 +396,92 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     release = own_staged.close_in_background() if own_staged is not None else None  # not the engine's wait
     report.total_ms = (time.perf_counter() - t_start) * 1e3
     return LoadedImage(arena, tensors, meta, report, source, release)
+
+
+def _check_job_request(mf, *, tp, ep, expected_key) -> None:
+    """LayoutError where the job file (``prepack.json``) says the image is not what the caller
+    expects: the checks of :func:`flashboot.layouts.image.check_request` that need no tensor table."""
+    from flashboot.layouts.image import JOB_FILE, check_key
+
+    key, where = mf.job.key, str(mf.job.path / JOB_FILE)
+    if tp is not None and tp != key.tp_size:
+        raise LayoutError(f"{where}: packed for tp={key.tp_size}, requested tp={tp}")
+    if ep is not None and ep != key.ep_size:
+        raise LayoutError(f"{where}: packed for ep={key.ep_size}, requested ep={ep}")
+    check_key(key, where, expected_key)
+
+
+def _load_served(image_dir, rank: int, dev: Device, t_start: float, *, timeout_s: float, verify: bool, shm_dir,
+                 tp, ep, expected_key) -> LoadedImage:
+    """The daemon copies; the strict read of the metadata and the views run meanwhile.
+
+    Why the copy may start before this process has validated the metadata: the bytes of
+    ``metadata.json`` are read first and identified by their sha256; the ``.ready`` the arena
+    is sized from must carry that same sha256, and the preloader writes ``.ready`` only after its
+    strict reader accepted exactly those bytes (and the daemon re-checks the sha256 and size of
+    what it holds before it copies). So the copy is of an image whose metadata has been
+    validated; this process then validates the very bytes it hashed (plus its own rank, tp, ep,
+    key and the job, which only it knows) while the DMA runs. If that fails, the load waits for
+    the daemon to be done with the arena, releases it and raises: no tensor is handed out.
+    """
+    from flashboot.layouts.image import open_image, read_metadata_file
+
+    from .arena import Arena
+    from .preload import RankSource, served_ready, start_served_load
+
+    report = LoadReport(mode="served", device=str(dev), rank=rank, nbytes=0)
+    t0 = time.perf_counter()
+    mf = read_metadata_file(image_dir, rank)  # finds the rank and reads the bytes; parses only prepack.json
+    sha = mf.sha256
+    if mf.job is not None:  # the caller's tp, ep and key are refused before any byte moves
+        _check_job_request(mf, tp=tp, ep=ep, expected_key=expected_key)
+    ready = served_ready(image_dir, rank, sha, mf.where, timeout_s=timeout_s, shm_dir=shm_dir)
+    nbytes = report.nbytes = ready.nbytes
+    report.wait_ms = (time.perf_counter() - t0) * 1e3
+    if nbytes == 0:
+        raise LayoutError(f"{ready.path}: empty image, nothing to load")
+    admit(nbytes, dev)
+    arena = copy = None
+    try:
+        t1 = time.perf_counter()
+        arena = Arena.create(nbytes, dev)
+        arena.export()
+        t2 = time.perf_counter()
+        copy = start_served_load(arena, image_dir=str(image_dir), rank=rank, nbytes=nbytes, metadata_sha256=sha,
+                                 timeout_s=timeout_s, shm_dir=shm_dir)
+        t3 = time.perf_counter()
+        image = open_image(mf, rank, tp=tp, ep=ep, expected_key=expected_key)
+        meta = image.metadata
+        if image.nbytes != nbytes:
+            raise LayoutError(f"{ready.path} records {nbytes:,} bytes, {mf.where} {image.nbytes:,}")
+        t4 = time.perf_counter()
+        tensors = _timed_views(arena, meta, report)
+        t5 = time.perf_counter()
+        reply = copy.wait()
+        t6 = time.perf_counter()
+        report.alloc_ms = (t2 - t1) * 1e3
+        report.metadata_ms = (t4 - t3) * 1e3
+        report.tensors = len(meta.tensors)
+        report.h2d_ms = reply["h2d_ms"]
+        # Request to reply ran beside our own work (metadata + views): the exchange is what exceeds both.
+        report.exchange_ms = max(0.0, (t6 - t2) * 1e3 - max(reply["h2d_ms"], (t5 - t2) * 1e3))
+        report.overlapped = ["metadata", "bind"]
+        report.pinned_early_ms = reply.get("pin_ms", 0.0)
+        report.chunks = -(-nbytes // (1 << 30))
+        report.details = {"daemon_pid": reply.get("pid"), "daemon_map_ms": reply.get("map_ms"),
+                          "daemon_pinned": reply.get("pinned"), "copy_wait_ms": (t6 - t5) * 1e3}
+        if verify:
+            t7 = time.perf_counter()
+            verify_loaded(arena, meta, f"{image.path} (rank {rank}) loaded into {dev}")
+            report.verify_ms = (time.perf_counter() - t7) * 1e3
+    except BaseException:
+        if copy is not None:
+            copy.settle()  # the daemon may still be writing into the arena
+        if arena is not None and not arena.closed:
+            arena.close()
+        raise
+    report.total_ms = (time.perf_counter() - t_start) * 1e3
+    return LoadedImage(arena, tensors, meta, report, RankSource(str(image_dir), rank, image, sha))
 
 
 # ===================================================================================== bind

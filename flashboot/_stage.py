@@ -44,6 +44,9 @@ class StagedImage:
         self._pinned = None
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self._validated = threading.Event()  # self.source is set (or the work failed)
+        if source is not None:
+            self._validated.set()
         self._closed = False
         self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name=f"flashboot-stage-rank{rank}", daemon=True)
@@ -58,6 +61,7 @@ class StagedImage:
             if self.source is None:
                 self.source = rank_source(self.image_dir, self.rank)
             self.nbytes = self.source.nbytes
+            self._validated.set()
             self.ready = wait_ready(self.image_dir, self.rank, timeout_s=self.timeout_s, shm_dir=self.shm_dir)
             check_ready(self.ready, self.source)
             self._mapping = MappedFile(str(staged_paths(self.image_dir, self.rank, self.shm_dir).image), self.nbytes)
@@ -69,6 +73,7 @@ class StagedImage:
         except BaseException as exc:  # handed to whoever waits
             self._error = exc
         finally:
+            self._validated.set()
             self._done.set()
 
     @property
@@ -98,6 +103,19 @@ class StagedImage:
         if self._closed:
             raise FlashBootError(f"staged image of rank {self.rank} of {self.image_dir} is closed")
         return self
+
+    def wait_source(self, timeout_s: float | None = None):
+        """The validated :class:`~flashboot.preload.RankSource` (strict reader, rank checked), as
+        soon as the background work has it: before ``.ready`` appears and the pin ends.
+
+        Raises what the validation raised, or WaitTimeoutError after ``timeout_s`` (default as
+        :meth:`wait`)."""
+        limit = self.timeout_s + PIN_ALLOWANCE_S if timeout_s is None else timeout_s
+        if not self._validated.wait(limit):
+            raise WaitTimeoutError(f"validating rank {self.rank} of {self.image_dir} did not finish within {limit:g} s")
+        if self.source is None:
+            raise self._error
+        return self.source
 
     def span(self) -> Span:
         """The staged bytes as a host :class:`~flashboot.memory.Span` (``pinned`` when registered)."""

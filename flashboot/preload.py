@@ -142,13 +142,11 @@ def rank_source(image_dir, rank: int, *, tp: int | None = None, ep: int | None =
     tp/ep/key that disagrees with the caller's, or an image file whose size is not the recorded one.
     """
     from flashboot.layouts import read_image
-    from flashboot.layouts.format import METADATA_FILE
 
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
     image = read_image(image_dir, rank, tp=tp, ep=ep, expected_key=expected_key)
-    sha = hashlib.sha256((image.dir / METADATA_FILE).read_bytes()).hexdigest()
-    return RankSource(str(image_dir), rank, image, sha)
+    return RankSource(str(image_dir), rank, image, image.metadata_sha256)  # of the very bytes validated
 
 
 def checksum_fingerprint(digests) -> str:
@@ -1162,31 +1160,123 @@ def serve_status(image_dir, shm_dir=None, *, timeout_s: float = 10.0) -> dict:
     return reply
 
 
-def served_load(arena, source: RankSource, *, timeout_s: float, shm_dir=None) -> dict:
-    """Have the daemon for ``source.image_dir`` copy rank ``source.rank`` into ``arena``.
+def served_ready(image_dir, rank: int, metadata_sha256: str, where: str, *, timeout_s: float,
+                 shm_dir=None) -> ReadyInfo:
+    """Wait for the ``.ready`` of rank ``rank`` staged from the metadata whose sha256 is
+    ``metadata_sha256`` (read from ``where``); returns it. The preloader writes ``.ready`` only
+    after its strict reader accepted that metadata and the image was staged, so its ``nbytes``
+    is the validated image size.
 
-    Sends the arena's descriptor with its fd attached; returns the daemon's reply (``map_ms``,
-    ``h2d_ms``...). Every wait is bounded: the socket's appearance and the daemon's staging by
-    ``timeout_s``, the copy by a further allowance of 1 s per GB plus 60 s.
+    A ``.ready`` of another pre-pack is waited out while a preloader runs (it may be re-staging)
+    and refused otherwise, or at ``timeout_s`` (LayoutError naming both). WaitTimeoutError names
+    the ``.ready`` path, and the daemon's socket when none listens.
     """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            info = wait_ready(image_dir, rank, timeout_s=max(0.0, deadline - time.monotonic()), shm_dir=shm_dir)
+        except WaitTimeoutError as exc:
+            sock = socket_path(image_dir, shm_dir)
+            if sock.exists():
+                raise
+            raise WaitTimeoutError(f"{exc}; and no served-load daemon listens at {sock}: is `flashboot preload "
+                                   f"{image_dir} --serve` running?") from None
+        if info.metadata_sha256 == metadata_sha256:
+            return info
+        if _running_pid(pid_file(image_dir, shm_dir)) is None or time.monotonic() >= deadline:
+            raise LayoutError(
+                f"{info.path}: staged rank {rank} is of another pre-pack ({info.nbytes:,} bytes, metadata sha256 "
+                f"{info.metadata_sha256[:12]}) than {where} ({metadata_sha256[:12]}); re-run flashboot preload "
+                f"{image_dir}")
+        time.sleep(_POLL_S)
+
+
+class ServedCopy:
+    """A served load in flight: the request, with the arena's fd, is with the daemon, which maps
+    the arena and copies into it; :meth:`wait` reads its reply. Made by :func:`start_served_load`."""
+
+    def __init__(self, sock: socket.socket, path: Path, rank: int, reply_timeout_s: float):
+        self._sock: socket.socket | None = sock
+        self.path, self.rank, self.reply_timeout_s = path, rank, reply_timeout_s
+        self._reply: dict | None = None
+        self._error: BaseException | None = None
+
+    def wait(self) -> dict:
+        """Block until the daemon answers (at most ``reply_timeout_s``); returns its reply
+        (``h2d_ms``, ``map_ms``, ``pinned``...) or raises the daemon's error with its class."""
+        if self._sock is not None:
+            sock, self._sock = self._sock, None
+            try:
+                sock.settimeout(self.reply_timeout_s)
+                try:
+                    raw = sock.recv(1 << 20)
+                except socket.timeout:
+                    raise WaitTimeoutError(f"the preloader at {self.path} did not answer 'load' for rank {self.rank} "
+                                           f"within {self.reply_timeout_s:g} s") from None
+                if not raw:
+                    raise RendezvousError(f"the preloader at {self.path} closed the connection without answering")
+                reply = json.loads(raw)
+                if not reply.get("ok"):
+                    _raise_remote(reply, f"served load of rank {self.rank} by the preloader at {self.path}")
+                self._reply = reply
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                sock.close()
+        if self._error is not None:
+            raise self._error
+        return self._reply
+
+    def settle(self) -> None:
+        """Wait for the daemon to be done with the arena, ignoring how it went: a failing load
+        calls this before it closes the arena."""
+        try:
+            self.wait()
+        except Exception:
+            pass
+
+
+def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
+                      shm_dir=None) -> ServedCopy:
+    """Send the daemon for ``image_dir`` a request to copy rank ``rank`` (``nbytes``, staged from
+    the metadata with sha256 ``metadata_sha256``) into ``arena``; returns at once.
+
+    The arena's descriptor travels with its fd attached. The daemon refuses a request whose
+    sha256 or size differ from what it holds. The socket's appearance is awaited up to
+    ``timeout_s``; the reply (:meth:`ServedCopy.wait`) up to ``timeout_s`` (the daemon's
+    staging) plus 60 s plus 1 s per GB.
+    """
+    from .fdshare import send_fd
+
     desc = arena.export()
-    req = {"op": "load", "rank": source.rank, "descriptor": desc.to_dict(), "nbytes": source.nbytes,
-           "metadata_sha256": source.metadata_sha256, "timeout_s": timeout_s, "pci_bus_id": None}
+    req = {"op": "load", "rank": rank, "descriptor": desc.to_dict(), "nbytes": nbytes,
+           "metadata_sha256": metadata_sha256, "timeout_s": timeout_s, "pci_bus_id": None}
     if arena.device.is_cuda:
         from .pinning import gpu_pci_bus_id
 
         req["pci_bus_id"] = gpu_pci_bus_id(arena.device)
-    path = socket_path(source.image_dir, shm_dir)
-    reply = _request(path, req, desc.fd, connect_timeout_s=timeout_s,
-                     reply_timeout_s=timeout_s + 60 + source.nbytes / 1e9)
-    if not reply.get("ok"):
-        _raise_remote(reply, f"served load of rank {source.rank} by the preloader at {path}")
-    return reply
+    path = socket_path(image_dir, shm_dir)
+    sock = _connect(path, timeout_s)
+    try:
+        send_fd(sock, desc.fd, json.dumps(req).encode())
+    except BaseException:
+        sock.close()
+        raise
+    return ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9)
+
+
+def served_load(arena, source: RankSource, *, timeout_s: float, shm_dir=None) -> dict:
+    """Have the daemon for ``source.image_dir`` copy rank ``source.rank`` into ``arena`` and wait
+    for it (:func:`start_served_load` then :meth:`ServedCopy.wait`); returns the daemon's reply
+    (``map_ms``, ``h2d_ms``...)."""
+    return start_served_load(arena, image_dir=source.image_dir, rank=source.rank, nbytes=source.nbytes,
+                             metadata_sha256=source.metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir).wait()
 
 
 __all__ = [
-    "PreloadConfig", "PreloadServer", "RankSource", "ReadyInfo", "ServiceStatus", "StageResult", "StagedPaths",
-    "check_ready", "pid_file", "preload", "rank_source", "read_rate", "read_ready", "serve_status", "served_load",
+    "PreloadConfig", "PreloadServer", "RankSource", "ReadyInfo", "ServedCopy", "ServiceStatus", "StageResult",
+    "StagedPaths", "check_ready", "pid_file", "preload", "rank_source", "read_rate", "read_ready", "serve_status",
+    "served_load", "served_ready", "start_served_load",
     "service_status", "shm_root", "socket_path", "stage_rank", "staged_paths", "staging_dir", "start_background",
     "stop_service", "unstage", "run_service", "wait_ready", "config_argv", "log_file",
 ]

@@ -8,6 +8,8 @@ rank / tp / ep / key the caller expects, all before a byte of the image is read.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import mmap
 import os
@@ -21,7 +23,7 @@ from flashboot.errors import ChecksumMismatchError, LayoutError
 
 from .format import (
     FORMAT_VERSION, IMAGE_FILE, JOB_FILE, JOB_FORMAT_NAME, METADATA_FILE, ChecksumTable, ImageKey, ImageMetadata,
-    TensorEntry, _Fields,
+    TensorEntry, _Fields, parse_metadata,
 )
 
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
@@ -102,46 +104,48 @@ def _resolve(path: Path, rank: int | None) -> tuple[Path, JobInfo | None]:
 
 
 # ---------------------------------------------------------------------------------- the reader
-def read_image_metadata(path: str | os.PathLike, rank: int | None = None, *, tp: int | None = None,
-                        ep: int | None = None, expected_key: ImageKey | Mapping[str, Any] | None = None
-                        ) -> ImageMetadata:
-    """Read and validate one rank's ``metadata.json`` and check it against its image file.
+@dataclass(frozen=True)
+class MetadataFile:
+    """One rank's ``metadata.json`` as read from disk, not parsed yet: the rank directory, the
+    job it belongs to (None for a lone rank directory) and the file's bytes."""
 
-    ``path`` is a job directory (``prepack.json`` + ``rank-R/``; pass ``rank`` unless the job
-    has one rank) or one rank's directory. ``tp``/``ep`` and ``expected_key`` (an
-    :class:`ImageKey` or a mapping of some of its fields) are what the caller will load for;
-    any disagreement raises LayoutError naming both sides. Reads no image byte.
-    """
-    path = Path(path)
-    rank_dir, job = _resolve(path, rank)
-    meta_path = rank_dir / METADATA_FILE
-    where = str(meta_path)
-    try:
-        raw = json.loads(meta_path.read_text())
-    except ValueError as exc:
-        raise LayoutError(f"{where}: not JSON ({exc})") from None
-    meta = ImageMetadata.from_dict(raw, where)
-    p = meta.parallel
-    if rank is not None and p.rank != rank:
-        raise LayoutError(f"{where}: holds rank {p.rank} of {p.world_size}, rank {rank} was requested")
-    if tp is not None and tp != p.tp_size:
-        raise LayoutError(f"{where}: packed for tp={p.tp_size} (rank {p.rank} of {p.world_size}), "
-                          f"requested tp={tp}")
-    if ep is not None and ep != p.ep_size:
-        raise LayoutError(f"{where}: packed for ep={p.ep_size} (rank {p.rank} of {p.world_size}), "
-                          f"requested ep={ep}")
+    rank_dir: Path
+    job: JobInfo | None
+    raw: bytes
+
+    @property
+    def where(self) -> str:
+        return str(self.rank_dir / METADATA_FILE)
+
+    @functools.cached_property
+    def sha256(self) -> str:
+        """Hex sha256 of the bytes: what identifies this metadata to the preloader (``.ready``)."""
+        return hashlib.sha256(self.raw).hexdigest()
+
+
+def read_metadata_file(path: str | os.PathLike, rank: int | None = None) -> MetadataFile:
+    """Find rank ``rank``'s ``metadata.json`` under ``path`` (see :func:`read_image_metadata`) and
+    read its bytes. Checks the job file and that the rank exists; parses nothing else."""
+    rank_dir, job = _resolve(Path(path), rank)
+    return MetadataFile(rank_dir, job, (rank_dir / METADATA_FILE).read_bytes())
+
+
+def open_image(mf: MetadataFile, rank: int | None = None, *, tp: int | None = None, ep: int | None = None,
+               expected_key: ImageKey | Mapping[str, Any] | None = None) -> "Image":
+    """Parse and validate ``mf`` (the strict reader, see :func:`read_image_metadata`) and check it
+    against the caller's rank, tp, ep and key, the job and the image file's size."""
+    where = mf.where
+    meta = parse_metadata(mf.raw, where)
+    check_request(meta, where, rank=rank, tp=tp, ep=ep)
+    job = mf.job
     if job is not None:
         if job.job_id != meta.job_id:
             raise LayoutError(f"{where}: written by pre-pack job {meta.job_id}, but {job.path / JOB_FILE} is job "
                               f"{job.job_id} (mixed or half-replaced image; re-run flashboot prepack)")
         if job.key.digest != meta.key.digest:
             raise LayoutError(f"{where}: key {meta.key.describe()} differs from the job's {job.key.describe()}")
-    if expected_key is not None:
-        diffs = meta.key.mismatches(expected_key)
-        if diffs:
-            detail = "; ".join(f"{k}: expected {want!r}, image has {have!r}" for k, want, have in diffs)
-            raise LayoutError(f"{where}: image of {meta.key.describe()} is not the expected model ({detail})")
-    image_path = rank_dir / meta.image_file
+    check_request(meta, where, expected_key=expected_key)
+    image_path = mf.rank_dir / meta.image_file
     if not image_path.is_file():
         raise LayoutError(f"{image_path}: image file missing (metadata expects {meta.image_nbytes:,} bytes)")
     size = image_path.stat().st_size
@@ -152,7 +156,45 @@ def read_image_metadata(path: str | os.PathLike, rank: int | None = None, *, tp:
         what = "truncated" if size < meta.image_nbytes else "longer than recorded"
         raise LayoutError(f"{image_path}: {what}: metadata expects {meta.image_nbytes:,} bytes, the file has "
                           f"{size:,} (first chunk affected: {chunk}, bytes {start:,}..{start + nbytes:,})")
-    return meta
+    return Image(mf.rank_dir, meta, metadata_file=mf)
+
+
+def check_request(meta: ImageMetadata, where: str, *, rank: int | None = None, tp: int | None = None,
+                  ep: int | None = None, expected_key: ImageKey | Mapping[str, Any] | None = None) -> None:
+    """LayoutError, naming both sides, where ``meta`` is not the rank, tp, ep or key the caller asks for."""
+    p = meta.parallel
+    if rank is not None and p.rank != rank:
+        raise LayoutError(f"{where}: holds rank {p.rank} of {p.world_size}, rank {rank} was requested")
+    if tp is not None and tp != p.tp_size:
+        raise LayoutError(f"{where}: packed for tp={p.tp_size} (rank {p.rank} of {p.world_size}), "
+                          f"requested tp={tp}")
+    if ep is not None and ep != p.ep_size:
+        raise LayoutError(f"{where}: packed for ep={p.ep_size} (rank {p.rank} of {p.world_size}), "
+                          f"requested ep={ep}")
+    check_key(meta.key, where, expected_key)
+
+
+def check_key(key: ImageKey, where: str, expected_key: ImageKey | Mapping[str, Any] | None) -> None:
+    """LayoutError naming each differing field where ``key`` is not ``expected_key`` (None: no check)."""
+    if expected_key is None:
+        return
+    diffs = key.mismatches(expected_key)
+    if diffs:
+        detail = "; ".join(f"{k}: expected {want!r}, image has {have!r}" for k, want, have in diffs)
+        raise LayoutError(f"{where}: image of {key.describe()} is not the expected model ({detail})")
+
+
+def read_image_metadata(path: str | os.PathLike, rank: int | None = None, *, tp: int | None = None,
+                        ep: int | None = None, expected_key: ImageKey | Mapping[str, Any] | None = None
+                        ) -> ImageMetadata:
+    """Read and validate one rank's ``metadata.json`` and check it against its image file.
+
+    ``path`` is a job directory (``prepack.json`` + ``rank-R/``; pass ``rank`` unless the job
+    has one rank) or one rank's directory. ``tp``/``ep`` and ``expected_key`` (an
+    :class:`ImageKey` or a mapping of some of its fields) are what the caller will load for;
+    any disagreement raises LayoutError naming both sides. Reads no image byte.
+    """
+    return read_image(path, rank, tp=tp, ep=ep, expected_key=expected_key).metadata
 
 
 class Image:
@@ -163,11 +205,23 @@ class Image:
     stride and dtype over that mapping or any other buffer laid out like the image.
     """
 
-    def __init__(self, dir: Path, metadata: ImageMetadata):
+    def __init__(self, dir: Path, metadata: ImageMetadata, *, metadata_file: MetadataFile | None = None):
         self.dir = dir
         self.metadata = metadata
         self.path = dir / metadata.image_file
         self._mmap: mmap.mmap | None = None
+        self._metadata_file = metadata_file
+
+    @property
+    def metadata_path(self) -> Path:
+        return self.dir / METADATA_FILE
+
+    @property
+    def metadata_sha256(self) -> str:
+        """Hex sha256 of the ``metadata.json`` bytes this image was validated from."""
+        if self._metadata_file is None:
+            self._metadata_file = MetadataFile(self.dir, None, (self.dir / METADATA_FILE).read_bytes())
+        return self._metadata_file.sha256
 
     @property
     def tensors(self) -> dict[str, TensorEntry]:
@@ -230,10 +284,7 @@ class Image:
 def read_image(path: str | os.PathLike, rank: int | None = None, *, tp: int | None = None, ep: int | None = None,
                expected_key: ImageKey | Mapping[str, Any] | None = None) -> Image:
     """The validated :class:`Image` of ``rank`` (see :func:`read_image_metadata`)."""
-    path = Path(path)
-    meta = read_image_metadata(path, rank, tp=tp, ep=ep, expected_key=expected_key)
-    rank_dir, _ = _resolve(path, meta.parallel.rank if rank is None else rank)
-    return Image(rank_dir, meta)
+    return open_image(read_metadata_file(path, rank), rank, tp=tp, ep=ep, expected_key=expected_key)
 
 
 def image_ranks(path: str | os.PathLike) -> list[int]:
@@ -382,5 +433,6 @@ def list_rank_dirs(path: Path) -> dict[int, Path]:
     return out
 
 
-__all__ = ["Image", "JobInfo", "VerifyResult", "image_ranks", "list_rank_dirs", "rank_dir_name", "read_image",
-           "read_image_metadata", "read_job", "reassemble", "verify_image", "IMAGE_FILE"]
+__all__ = ["Image", "JobInfo", "MetadataFile", "VerifyResult", "check_request", "image_ranks", "list_rank_dirs", "open_image",
+           "rank_dir_name", "read_image", "read_image_metadata", "read_job", "read_metadata_file", "reassemble",
+           "verify_image", "IMAGE_FILE"]

@@ -345,3 +345,213 @@ def test_image_key_partial_mismatch():
     key = ImageKey("m", "r1", "sha256:aa", "qwen3_moe", "transformers", 2, 1, ("bfloat16",))
     assert key.mismatches({"model_id": "m", "dtypes": ("bfloat16",)}) == []
     assert key.mismatches({"tp_size": 4}) == [("tp_size", 4, 2)]
+
+
+# ------------------------------------------------------------------------- the tensor table
+def _strided_table(seed: int = 0, count: int = 300) -> dict:
+    """TensorEntries of every dtype with random shapes and strides (permuted, padded, broadcast,
+    0-d, empty), each at the next aligned offset: what an engine pre-pack may record."""
+    rng = random.Random(seed)
+    entries, cursor = {}, 0
+    for i in range(count):
+        dtype = rng.choice(sorted(DTYPES))
+        shape = tuple(rng.choice([0, 1, 2, 3, 5, 8]) if rng.random() < 0.15 else rng.randint(1, 9)
+                      for _ in range(rng.randint(0, 4)))
+        stride = list(torch.empty(shape).stride())
+        if len(shape) > 1 and rng.random() < 0.5:
+            order = list(range(len(shape)))
+            rng.shuffle(order)  # a permuted (transposed) layout
+            acc = 1
+            for d in reversed(order):
+                stride[d] = acc
+                acc *= max(shape[d], 1)
+        stride = tuple(s * rng.choice([1, 1, 3]) if rng.random() < 0.3 else (0 if rng.random() < 0.05 else s)
+                       for s in stride)
+        region = rng.choice(["experts", "non_experts"])
+        cursor = -(-cursor // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
+        e = TensorEntry(f"layers.{i}.w", cursor, shape, stride, dtype, region)
+        entries[e.name] = e
+        cursor += e.nbytes
+    return entries
+
+
+def _metadata_with(base: ImageMetadata, entries: dict) -> ImageMetadata:
+    """``base`` with its tensor table replaced by ``entries`` (experts first, as the format wants)."""
+    from dataclasses import replace
+
+    from flashboot.layouts.format import ChecksumTable, Region, align_up
+
+    ordered = sorted(entries.values(), key=lambda e: (e.region != "experts", e.offset))
+    moved, cursor = {}, 0
+    separator = None
+    for e in ordered:
+        if e.region == "non_experts" and separator is None:
+            separator = cursor = align_up(cursor, SEPARATOR_ALIGNMENT)
+        cursor = align_up(cursor, TENSOR_ALIGNMENT)
+        moved[e.name] = TensorEntry(e.name, cursor, e.shape, e.stride, e.dtype, e.region)
+        cursor += e.nbytes
+    separator = align_up(cursor, SEPARATOR_ALIGNMENT) if separator is None else separator
+    nbytes = max(align_up(cursor, SEPARATOR_ALIGNMENT), separator, SEPARATOR_ALIGNMENT)
+    regions = {"experts": Region(0, separator), "non_experts": Region(separator, nbytes - separator)}
+    chunks = ChecksumTable(CHUNK, (0,) * -(-nbytes // CHUNK))
+    key = replace(base.key, dtypes=tuple(sorted({e.dtype for e in entries.values()})))
+    return replace(base, tensors=moved, regions=regions, image_nbytes=nbytes, checksums=chunks, key=key)
+
+
+def test_table_spans_of_strided_tensors_match_the_definition(packed):
+    from flashboot.layouts.format import TensorTable, span_elems
+
+    meta = _metadata_with(read_image_metadata(packed[0]), _strided_table())
+    assert isinstance(meta.tensors, TensorTable)
+    again = ImageMetadata.from_dict(json.loads(meta.to_json()), "strided")
+    table = again.tensors
+    assert list(table) == list(meta.tensors) and len(table) == 300
+    for name, e in meta.tensors.items():
+        t = table[name]
+        assert t == e and t.nbytes == span_elems(e.shape, e.stride) * DTYPES[e.dtype].itemsize
+        i = table.index(name)
+        assert (int(table.offsets[i]), int(table.nbytes[i]), table.shapes[i], table.strides[i]) == \
+            (e.offset, e.nbytes, e.shape, e.stride)
+    assert any(e.nbytes == 0 for e in table.values()) and any(e.shape == () for e in table.values())
+    assert again == meta
+    assert "layers.0.w" in table and "nope" not in table and table.get("nope") is None
+    with pytest.raises(KeyError):
+        table["nope"]
+
+
+def test_views_of_strided_tensors_are_the_arena_views(packed):
+    from flashboot._load import make_views
+    from flashboot.arena import Arena
+
+    meta = _metadata_with(read_image_metadata(packed[0]), _strided_table(seed=5, count=120))
+    with Arena.create(meta.image_nbytes, "cpu") as arena:
+        g = torch.Generator().manual_seed(2)
+        arena.bytes()[:] = torch.randint(0, 256, (arena.nbytes,), dtype=torch.uint8, generator=g)
+        views = make_views(arena, meta)
+        assert list(views) == list(meta.tensors)
+        for name, e in meta.tensors.items():
+            want = arena.view(e.offset, e.shape, e.dtype, e.stride)
+            got = views[name]
+            assert (got.dtype, tuple(got.shape), got.stride()) == (want.dtype, e.shape, e.stride)
+            if e.nbytes:
+                assert got.data_ptr() == want.data_ptr() == arena.ptr + e.offset
+            raw = [t.contiguous().reshape(-1).view(torch.uint8) for t in (got, want)]
+            assert torch.equal(*raw)  # bytes: random bits make NaNs
+        del views
+
+
+def test_bool_and_float_fields_are_refused(copy):
+    out, meta, write = copy
+    meta["tensors"]["a.weight"]["shape"] = [33, True]
+    write(meta)
+    with pytest.raises(LayoutError, match=r"field 'tensors.a.weight.shape' must be a list of ints >= 0, found \[33, True\]"):
+        read_image(out)
+    meta["tensors"]["a.weight"]["shape"] = [33, 17]
+    meta["tensors"]["c.bf16"]["offset"] = 4096.0
+    write(meta)
+    with pytest.raises(LayoutError, match="field 'tensors.c.bf16.offset' must be int, found 4096.0"):
+        read_image(out)
+
+
+def test_missing_and_malformed_rows_are_refused(copy):
+    out, meta, write = copy
+    good = json.loads(json.dumps(meta))
+    del meta["tensors"]["b.weight"]["offset"]
+    write(meta)
+    with pytest.raises(LayoutError, match="missing field 'tensors.b.weight.offset'"):
+        read_image(out)
+    meta = json.loads(json.dumps(good))
+    meta["tensors"]["b.weight"] = [1, 2]
+    write(meta)
+    with pytest.raises(LayoutError, match="tensors.b.weight must be an object, found list"):
+        read_image(out)
+    meta = json.loads(json.dumps(good))
+    meta["tensors"]["d.int8"]["offset"] = 1 << 70
+    write(meta)
+    with pytest.raises(LayoutError, match=f"'tensors.d.int8.offset' must be >= 0 and below 2\\*\\*63, found {1 << 70}"):
+        read_image(out)
+    meta = json.loads(json.dumps(good))
+    meta["tensors"]["a.weight"]["region"] = "middle"
+    write(meta)
+    with pytest.raises(LayoutError, match="tensor 'a.weight' has region 'middle'; known: experts, non_experts"):
+        read_image(out)
+
+
+def test_strided_span_checked_against_recorded_nbytes(copy):
+    out, meta, write = copy
+    meta["tensors"]["a.weight"]["stride"] = [34, 1]  # rows padded: span 1 + 32 * 34 + 16 elements
+    write(meta)
+    with pytest.raises(LayoutError, match=r"'a.weight' records nbytes 2,244 but shape \[33, 17\], stride \[34, 1\] "
+                                          r"and float32 span 4,420 bytes"):
+        read_image(out)
+
+
+def test_absurd_span_is_refused_without_overflow(copy):
+    out, meta, write = copy
+    meta["tensors"]["a.weight"].update(shape=[1 << 40, 1 << 40], stride=[1 << 40, 1], nbytes=None)
+    write(meta)
+    span = (1 + ((1 << 40) - 1) * (1 << 40) + (1 << 40) - 1) * 4  # exact, beyond int64
+    with pytest.raises(LayoutError, match=f"'a.weight': shape .* span {span:,} bytes, more than an image may hold"):
+        read_image(out)
+
+
+def test_overlap_that_is_not_between_neighbours_in_file_order(copy):
+    out, meta, write = copy
+    a = meta["tensors"]["a.weight"]
+    meta["tensors"]["c.bf16"]["offset"] = a["offset"] + 512  # inside a's 2,244 bytes
+    write(meta)
+    with pytest.raises(LayoutError, match="tensors 'a.weight' .* and 'c.bf16' .* overlap"):
+        read_image(out)
+
+
+def test_empty_tensors_take_no_bytes(copy):
+    out, meta, write = copy
+    a = meta["tensors"]["a.weight"]
+    meta["tensors"]["z.empty"] = {"offset": a["offset"], "nbytes": 0, "shape": [0, 4], "stride": [4, 1],
+                                  "dtype": "float32", "region": "non_experts"}
+    write(meta)
+    with read_image(out) as im:
+        assert im.tensors["z.empty"].nbytes == 0 and im.view("z.empty").shape == (0, 4)
+
+
+def test_shards_are_checked(copy):
+    out, meta, write = copy
+    good = json.loads(json.dumps(meta))
+    meta["tensors"]["a.weight"]["shard"] = [{"dim": 2, "index": 0, "count": 2, "blocks": 1}]
+    write(meta)
+    with pytest.raises(LayoutError, match="tensor 'a.weight': shard dim 2 but the tensor has 2 dims"):
+        read_image(out)
+    meta = json.loads(json.dumps(good))
+    meta["tensors"]["a.weight"]["shard"] = [{"dim": 0, "index": 3, "count": 2, "blocks": 1}]
+    write(meta)
+    with pytest.raises(LayoutError, match="tensors.a.weight.shard: index 3 >= count 2"):
+        read_image(out)
+    meta["tensors"]["a.weight"]["shard"] = [{"dim": 0, "index": 1, "count": 0, "blocks": 1}]
+    write(meta)
+    with pytest.raises(LayoutError, match="field 'tensors.a.weight.shard.count' must be >= 1, found 0"):
+        read_image(out)
+    meta["tensors"]["a.weight"]["shard"] = [{"dim": 1, "index": 1, "count": 2, "blocks": 1}]
+    meta["tensors"]["b.weight"]["shard"] = [{"dim": 1, "index": 1, "count": 2, "blocks": 1}]
+    write(meta)
+    with read_image(out) as im:
+        a, b = im.tensors["a.weight"], im.tensors["b.weight"]
+        assert a.shard == b.shard == (Split(1, 1, 2, 1),) and a.shard[0] is b.shard[0]  # interned
+        assert im.tensors["c.bf16"].shard == ()
+
+
+def test_gc_paused_restores_the_collector():
+    import gc
+
+    from flashboot.layouts.format import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # the caller's choice stays
+    finally:
+        gc.enable()

@@ -182,6 +182,66 @@ def test_truncated_image_is_refused(qwen, tmp_path):
         flashboot.load(image, 0, "cpu", shm_dir=tmp_path / "shm", timeout_s=0.2)
 
 
+def _spy_arenas(monkeypatch) -> list:
+    """Record every arena Arena.create makes (to check a failed load released it)."""
+    from flashboot.arena import Arena
+
+    created = []
+    real_create = Arena.create.__func__
+
+    def spy(cls, *a, **k):
+        created.append(real_create(cls, *a, **k))
+        return created[-1]
+
+    monkeypatch.setattr(Arena, "create", classmethod(spy))
+    return created
+
+
+def test_views_are_built_while_the_copy_runs_and_metadata_is_reported(qwen):
+    with flashboot.load(qwen / "tp1", 0, "cpu", shm_dir=qwen / "shm") as loaded:
+        r = loaded.report
+        assert r.overlapped == ["bind"] and r.metadata_ms > 0 and r.bind_ms > 0
+        assert list(r.phases())[:2] == ["wait", "metadata"] and "(*: while the copy ran)" in r.summary()
+        assert "bind" in r.summary() and r.to_dict()["overlapped"] == ["bind"]
+
+
+def test_a_failing_copy_releases_the_arena_and_raises(qwen, monkeypatch):
+    from flashboot.errors import MoverError
+    from flashboot.movers.host import HostMover
+
+    from flashboot import _load
+
+    views_done = []
+    real_make_views = _load.make_views
+
+    def recording_views(arena, meta):
+        views = real_make_views(arena, meta)
+        views_done.append(len(views))
+        return views
+
+    def broken_copy(self, dst, src, path, stream):
+        time.sleep(0.05)
+        raise MoverError(f"injected: copy of {dst.nbytes:,} bytes failed")
+
+    monkeypatch.setattr(_load, "make_views", recording_views)
+    monkeypatch.setattr(HostMover, "_copy", broken_copy)
+    created = _spy_arenas(monkeypatch)
+    with pytest.raises(MoverError, match="injected: copy of"):
+        flashboot.load(qwen / "tp1", 0, "cpu", shm_dir=qwen / "shm")
+    assert views_done, "the views were built beside the copy"
+    assert len(created) == 1 and created[0].closed, "the arena of a failed load is released"
+
+
+def test_pin_early_checks_what_load_asks_for(qwen):
+    shm = qwen / "shm"
+    with flashboot.stage(qwen / "tp2", 1, "cpu", shm_dir=shm) as staged:
+        with pytest.raises(LayoutError, match="packed for tp=2 .* requested tp=4"):
+            flashboot.load(qwen / "tp2", 1, "cpu", staged=staged, shm_dir=shm, tp=4)
+        with flashboot.load(qwen / "tp2", 1, "cpu", staged=staged, shm_dir=shm, tp=2) as loaded:
+            assert loaded.report.details["metadata_validated_by"] == "stage()"
+            assert loaded.source is staged.source and loaded.metadata.parallel.rank == 1
+
+
 # --------------------------------------------------------------------------------- bind
 def test_bind_gives_bitwise_equal_logits_and_generate_works(qwen, reference):
     model = _meta_model("qwen3_moe")

@@ -360,6 +360,9 @@ def test_served_load_across_processes(image, shm):
         with loaded:
             assert loaded.report.mode == "served"
             assert loaded.report.details["daemon_pid"] == pid != os.getpid()
+            # the strict read of the metadata and the views ran while the daemon copied
+            assert loaded.report.overlapped == ["metadata", "bind"] and loaded.report.metadata_ms > 0
+            assert loaded.source.metadata_sha256 == pl.rank_source(image, 0).metadata_sha256
             assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
             img = read_image(image, 0)
             for name in list(img.tensors)[:20]:
@@ -376,12 +379,47 @@ def test_served_load_across_processes(image, shm):
         with Arena.create(src.nbytes, "cpu") as arena:
             with pytest.raises(LayoutError, match="rank 7"):
                 pl.served_load(arena, replace(src, rank=7), timeout_s=10, shm_dir=shm)
+        # A key the caller does not expect is refused from prepack.json before any arena exists.
+        created = []
+        real_create = Arena.create.__func__
+
+        def spy(cls, *a, **k):
+            created.append(real_create(cls, *a, **k))
+            return created[-1]
+
+        import unittest.mock
+
+        with unittest.mock.patch.object(Arena, "create", classmethod(spy)):
+            with pytest.raises(LayoutError, match="not the expected model"):
+                flashboot.load(image, 0, "cpu", served=True, shm_dir=shm, timeout_s=30,
+                               expected_key={"model_id": "someone/else"})
+        assert not created
+        with flashboot.load(image, 0, "cpu", served=True, shm_dir=shm, timeout_s=30) as again:
+            assert bytes(again.arena.bytes()[:again.nbytes].numpy()) == _image_bytes(image)
+        # metadata.json rewritten after staging: not the bytes the daemon holds, refused unallocated
+        meta_path = image / "rank-0" / "metadata.json"
+        meta_path.write_text(json.dumps(json.loads(meta_path.read_text())))
+        created.clear()
+        with unittest.mock.patch.object(Arena, "create", classmethod(spy)):
+            with pytest.raises(LayoutError, match="is of another pre-pack"):
+                flashboot.load(image, 0, "cpu", served=True, shm_dir=shm, timeout_s=0.5)
+        assert not created
     finally:
         msg = pl.stop_service(image, shm, timeout_s=30)
     assert msg == f"stopped preloader pid {pid}"
     assert not pl.pid_file(image, shm).exists()
     assert not pl.socket_path(image, shm).exists()
     assert "stale" not in pl.stop_service(image, shm) and "no preloader" in pl.stop_service(image, shm)
+
+
+def test_served_ready_refuses_a_ready_of_other_metadata(image, shm):
+    pl.stage_rank(image, 0, shm_dir=shm)
+    src = pl.rank_source(image, 0)
+    assert pl.served_ready(image, 0, src.metadata_sha256, "here", timeout_s=1, shm_dir=shm).nbytes == src.nbytes
+    t0 = time.monotonic()
+    with pytest.raises(LayoutError, match=f"staged rank 0 is of another pre-pack .* than here \\(000000000000\\)"):
+        pl.served_ready(image, 0, "0" * 64, "here", timeout_s=30, shm_dir=shm)
+    assert time.monotonic() - t0 < 10, "no preloader runs: nothing can re-stage it, so no waiting"
 
 
 def test_served_load_without_a_daemon_times_out_naming_the_socket(image, shm):
