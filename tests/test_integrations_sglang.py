@@ -20,8 +20,10 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -177,7 +179,14 @@ def test_engine_image_round_trip_on_cuda(tmp_path):
     out = tmp_path / "img"
     prepack_engine_model(model, out, key, RankGroup(), device="cuda:0", tp_size=1, ep_size=1,
                          source_path="/models/plain", model_type="plain")
-    weights = load_engine_weights(_options(out, tmp_path, verify=True), key, 0, "cuda:0", tp_size=1, ep_size=1)
+    # Staged pages are pinned for the H2D: they must be tmpfs-backed (the driver refuses disk files).
+    shm = Path(tempfile.mkdtemp(prefix="flashboot-test-", dir="/dev/shm"))
+    options = LoaderOptions(image_dir=str(out), shm_dir=str(shm), verify=True)
+    try:
+        weights = load_engine_weights(options, key, 0, "cuda:0", tp_size=1, ep_size=1)
+    except BaseException:
+        shutil.rmtree(shm, ignore_errors=True)
+        raise
     try:
         with torch.device("meta"):
             target = PlainEngineLikeModel()
@@ -191,6 +200,7 @@ def test_engine_image_round_trip_on_cuda(tmp_path):
         assert torch.equal(target.lm_head(target.embed(x)), model.lm_head(model.embed(x)))  # serves from the arena
     finally:
         weights.close()
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_a_different_engine_key_is_refused_naming_both_keys(packed, tmp_path):
