@@ -4,9 +4,7 @@ Sections, each against a ceiling or peer measured in the same run:
 
 1. **P2P ceiling**: one copy-engine copy of the same bytes GPU0 -> GPU1.
 2. **Descriptor exchange + map**: per clone, from requesting the seed's record to its sources'
-   memory mapped and the first chunk readable (``exchange_ms`` of the clone's report, split in
-   ``exchange_detail``); the rest of the mapping's set access runs chunk by chunk while the
-   copies run (``access_ms_overlapped``, with the total beside it); the
+   memory mapped (``exchange_ms`` of the clone's report, split in ``exchange_detail``); the
    driver's one-time warm-up (``warm_ms``) runs before, overlapped with connecting. NCCL's setup
    before its first byte (``init_process_group`` + first collective) beside it.
 3. **Star and chain**: 1..K clone processes; the seed lives in this process on GPU0, clone i
@@ -411,8 +409,7 @@ def ring_load_group(store: str, token: str, devices: Sequence[str], image: str, 
 
     The critical path of a member: arena + descriptor exchange + mapping/pinning its shard (unless
     ``pin_early``: then that runs before the start barrier and is reported as ``off_path_ms``) +
-    H2D and gather. When the member ran the exchange while its shard's H2D did
-    (``exchange_overlapped``), the exchange is inside ``transfer_ms`` and not added again. Connecting, the driver warm-up and the start barrier are left out, as for
+    H2D and gather. Connecting, the driver warm-up and the start barrier are left out, as for
     the single load."""
     with tempfile.TemporaryDirectory(prefix="flashboot-ring-") as tmp:
         outs = [os.path.join(tmp, f"member{i}.json") for i in range(members)]
@@ -421,13 +418,11 @@ def ring_load_group(store: str, token: str, devices: Sequence[str], image: str, 
                               pin_early=pin_early)
                  for i in range(members)]
         reports = _collect(procs, outs, timeout_s * 3 + 60, f"ring load with {members} member(s)")
-    paths = [r["alloc_ms"] + (0.0 if r.get("exchange_overlapped") else r["exchange_ms"])
-             + (0.0 if pin_early else r["load_ms"]) + r["transfer_ms"] for r in reports]
+    paths = [r["alloc_ms"] + r["exchange_ms"] + (0.0 if pin_early else r["load_ms"]) + r["transfer_ms"]
+             for r in reports]
     return {"members": members, "pin_early": pin_early, "critical_path_ms": max(paths), "member_paths_ms": paths,
             "devices": [r["device"] for r in reports], "alloc_ms": [r["alloc_ms"] for r in reports],
             "exchange_ms": [r["exchange_ms"] for r in reports], "load_ms": [r["load_ms"] for r in reports],
-            "exchange_overlapped": [bool(r.get("exchange_overlapped")) for r in reports],
-            "access_ms_overlapped": [r.get("access_ms_overlapped", 0.0) for r in reports],
             "pin_ms": [r["pin_ms"] for r in reports], "transfer_ms": [r["transfer_ms"] for r in reports],
             "off_path_ms": [r["load_ms"] if pin_early else 0.0 for r in reports],
             "byte_exact": all(r["verified"] for r in reports)}
@@ -589,11 +584,10 @@ def run(nbytes: int, *, device: str | None = None, clone_counts: Sequence[int] =
 
 def _breakdown(detail: dict) -> str:
     keys = ("seed_record_ms", "join_ms", "member_record_ms", "pidfd_getfd_ms", "import_ms", "reserve_map_ms",
-            "set_access_ms", "first_access_ms", "map_ms", "flags_open_ms")
+            "set_access_ms", "map_ms", "flags_open_ms")
     names = {"seed_record_ms": "seed record (get+HMAC+decrypt)", "join_ms": "position", "member_record_ms":
              "clone record", "pidfd_getfd_ms": "pidfd_getfd", "import_ms": "import", "reserve_map_ms": "reserve+map",
-             "set_access_ms": "set access", "first_access_ms": "set access (first chunk)", "map_ms": "map",
-             "flags_open_ms": "flags arena"}
+             "set_access_ms": "set access", "map_ms": "map", "flags_open_ms": "flags arena"}
     return ", ".join(f"{names[k]} {detail[k]:.2f}" for k in keys if k in detail)
 
 
@@ -621,9 +615,7 @@ def _rows(res: dict) -> list[list]:
     if first_exchange is not None:
         group, r = first_exchange
         rows.append([f"exchange+map, first clone of {group['schedule']} x{group['clones']} on {r['device']}",
-                     r["exchange_ms"], "ms", f"until the first chunk is readable: {_breakdown(r.get('exchange_detail', {}))} "
-                     f"ms; set access of the later chunks overlapped with the copy {r.get('access_ms_overlapped', 0):.2f} "
-                     f"ms (total set access {r.get('access_ms_total', 0):.2f} ms); driver warm-up before it "
+                     r["exchange_ms"], "ms", f"{_breakdown(r.get('exchange_detail', {}))} ms; driver warm-up before it "
                      f"{r.get('warm_ms', 0):.1f} ms ({r.get('warm_note') or 'nothing to warm'})"])
     fs = res.get("flashclone_from_start")
     if fs:
@@ -649,11 +641,8 @@ def _rows(res: dict) -> list[list]:
             for kind in ("single", "ring"):
                 g = m[kind]
                 what = "single-process load" if kind == "single" else f"ring load, {g['members']} processes"
-                overlapped = any(g.get("exchange_overlapped", []))
                 note = (f"{label}; alloc {', '.join(f'{x:.0f}' for x in g['alloc_ms'])}, exchange "
-                        f"{', '.join(f'{x:.1f}' for x in g['exchange_ms'])}"
-                        f"{' (overlapped with the shard H2D, inside H2D+gather)' if overlapped else ''}, set access "
-                        f"during gather {', '.join(f'{x:.1f}' for x in g.get('access_ms_overlapped', []))}, map+pin "
+                        f"{', '.join(f'{x:.1f}' for x in g['exchange_ms'])}, map+pin "
                         f"{', '.join(f'{x:.0f}' for x in g['load_ms'])} (pin {', '.join(f'{x:.0f}' for x in g['pin_ms'])}"
                         f"{', off the path' if g['pin_early'] else ''}), H2D+gather "
                         f"{', '.join(f'{x:.0f}' for x in g['transfer_ms'])} ms; byte-exact {g['byte_exact']}")

@@ -68,17 +68,11 @@ class CloneReport:
 
     ``transport``: ``"posix_fd"``, ``"fabric"`` or ``"nccl"`` (``transport_note`` says why a
     fallback was taken). ``exchange_ms``: from requesting the seed's record (descriptor) to every
-    source's arena (and flags) mapped and its FIRST chunk readable: store get + authentication +
-    decryption, taking a position, and per source its record, ``pidfd_getfd``, import, reserve +
-    map, access to the first chunk read from it (``first_access_ms``) and the flags arena
-    (``exchange_detail`` splits it; ``manifest_ms`` is its first part). Sources are opened with
-    lazy access: the rest of each source's range is granted chunk by chunk just before that
-    chunk's copy is issued, while earlier copies run; that host time is ``access_ms_overlapped``
-    (inside ``transfer_ms``), and ``access_ms_total`` = ``access_ms_first`` + it (all the set
-    access of the mapping). It is the part NCCL's communicator setup would replace; our own
-    arena's allocation is ``alloc_ms``, after it. Ring (``exchange_overlapped``): the own-shard
-    H2D starts first and the exchange runs while it does, so ``exchange_ms`` is inside
-    ``transfer_ms`` (from the H2D start to every byte in place) and not on the critical path. ``warm_ms``: the one-time driver warm-up (:func:`flashboot.arena.warm_import`) run
+    source's arena (and flags) mapped and readable: store get + authentication + decryption, taking
+    a position, and per source its record, ``pidfd_getfd``, import, reserve + map, set access and
+    the flags arena (``exchange_detail`` splits it; ``manifest_ms`` is its first part). It is the
+    part NCCL's communicator setup would replace; our own arena's allocation is ``alloc_ms``,
+    after it. ``warm_ms``: the one-time driver warm-up (:func:`flashboot.arena.warm_import`) run
     before the descriptor is requested, overlapped with connecting. ``transfer_ms``: the copy
     (from the first step issued to the last byte in place, pipeline fill included).
     ``ready_ms``: from the call to the weights in place (verification not included; ``verify_ms``
@@ -101,14 +95,6 @@ class CloneReport:
     alloc_ms: float = 0.0
     exchange_ms: float = 0.0
     exchange_detail: dict = field(default_factory=dict)
-    access_ms_first: float = 0.0
-    """Set access of the first chunk read from each source (inside ``exchange_ms``)."""
-    access_ms_overlapped: float = 0.0
-    """Set access of every later chunk, from the host while earlier copies run (inside ``transfer_ms``)."""
-    access_ms_total: float = 0.0
-    """``access_ms_first + access_ms_overlapped``: the whole mapping's set access, however split."""
-    exchange_overlapped: bool = False
-    """Ring: the exchange ran while the own shard's H2D did; ``exchange_ms`` is inside ``transfer_ms``."""
     barrier_ms: float = 0.0
     load_ms: float = 0.0
     pin_ms: float = 0.0
@@ -269,30 +255,6 @@ class _Warmup:
             (f"; warm-up failed: {'; '.join(errors)}" if errors else "")
 
 
-class _InBackground:
-    """``fn()`` in a daemon thread; :meth:`join` returns its result or re-raises its error."""
-
-    def __init__(self, fn: Callable[[], Any], name: str):
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self._result = fn()
-        except BaseException as exc:  # re-raised by join() in the caller's thread
-            self._error = exc
-
-    def join(self, timeout_s: float, what: str) -> Any:
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise WaitTimeoutError(f"{what} did not finish within {timeout_s:g} s")
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
 def _fs_type(path: str, mounts_file: str = "/proc/self/mounts") -> str:
     """The filesystem type (``tmpfs``, ``ext4``, ...) holding ``path``: the longest mount point
     that contains it, or ``"unknown"``."""
@@ -403,20 +365,17 @@ class _HostImage:
             self._mm = None
 
 
-def _open_arena(desc, dev: Device, transport: str, detail: dict | None = None, prefix: str = "", *,
-                lazy: bool = False):
+def _open_arena(desc, dev: Device, transport: str, detail: dict | None = None, prefix: str = ""):
     """Map an exported arena on ``dev`` by ``transport`` ("posix_fd" or "fabric"). ``detail``
-    (optional) accumulates :meth:`Arena.open`'s timings, keys prefixed with ``prefix``. ``lazy``:
-    grant no access yet (the executor grants each chunk before its copy; see Arena.grant_access)."""
+    (optional) accumulates :meth:`Arena.open`'s timings, keys prefixed with ``prefix``."""
     from .arena import Arena
 
     timings: dict = {}
     t0 = time.perf_counter()
     if desc.backend == "host":
-        arena = Arena.open(desc, timings=timings, lazy_access=lazy)
+        arena = Arena.open(desc, timings=timings)
     else:
-        arena = Arena.open(desc, dev, via="fabric" if transport == "fabric" else "pidfd", timings=timings,
-                           lazy_access=lazy)
+        arena = Arena.open(desc, dev, via="fabric" if transport == "fabric" else "pidfd", timings=timings)
     if detail is not None:
         timings["open_ms"] = (time.perf_counter() - t0) * 1e3
         for k, v in timings.items():
@@ -864,7 +823,7 @@ class _Sources:
         if participant in self.endpoints:
             return self.endpoints[participant]
         if participant == _SEED_INDEX:
-            arena = _open_arena(self.seed_desc, self.dev, self.transport, self.detail, lazy=True)
+            arena = _open_arena(self.seed_desc, self.dev, self.transport, self.detail)
             self.session.opened[participant] = [arena]
             ep = Endpoint(participant, "seed", arena, None, self._pid_if_local(self.seed_desc, self.seed_pid))
         else:
@@ -879,7 +838,7 @@ class _Sources:
             flags_desc = _descriptor_from(rec.sealed["flags"])
             opened = []
             self.session.opened[participant] = opened
-            arena = _open_arena(arena_desc, self.dev, self.transport, self.detail, lazy=True)
+            arena = _open_arena(arena_desc, self.dev, self.transport, self.detail)
             opened.append(arena)
             flags = _open_arena(flags_desc, self.dev, self.transport, self.detail, prefix="flags_")
             opened.append(flags)
@@ -981,12 +940,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     tx = time.perf_counter()
     for p in sorted(upstream):
         try:
-            ep = sources.open(p)
-            # the first chunk read from p readable now; later chunks are granted by the executor
-            first = min((s for s in my_steps if s.src == p), key=lambda s: s.id)
-            tg = time.perf_counter()
-            ep.arena.grant_access(first.offset, first.nbytes)
-            report.access_ms_first += (time.perf_counter() - tg) * 1e3
+            sources.open(p)
         except (ArenaError, RendezvousError) as exc:
             if not retry:
                 raise CloneError(f"clone #{position}: cannot map its source {'seed' if p == 0 else f'clone #{p}'}: "
@@ -997,7 +951,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     report.exchange_ms = (t3 - t0) * 1e3
     report.exchange_detail = {"seed_record_ms": report.manifest_ms, "join_ms": (t2 - t1) * 1e3,
                               **{k: round(v, 4) for k, v in sources.detail.items()},
-                              "first_access_ms": report.access_ms_first, "open_sources_ms": (t3 - tx) * 1e3}
+                              "open_sources_ms": (t3 - tx) * 1e3}
     metadata = read_metadata()
     ta = time.perf_counter()
     session.arena = Arena.create(manifest.arena_nbytes, dev)
@@ -1031,7 +985,6 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
             ex = Executor(plan, endpoints, position, mover=mover, host_image=host_span, timeout_s=timeout_s,
                           steps=steps, skip=done_ids, step_hook=hook)
             rep = ex.run()
-            report.access_ms_overlapped += rep.access_ms
             lanes += [l.__dict__ | {"gbps": l.gbps} for l in rep.lanes]
             ran.update({s.id: s for s in steps if s.id not in done_ids})
             done_ids |= {s.id for s in steps}
@@ -1056,7 +1009,6 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     else:
         raise CloneError(f"clone #{position}: gave up after {len(plan.participants) + 4} attempts ({report.recovered})")
     report.transfer_ms = (time.perf_counter() - ttx) * 1e3
-    report.access_ms_total = report.access_ms_first + report.access_ms_overlapped
     report.lanes = lanes
 
     # Upstream clones that released blocked streams (CUDA) may have let us copy bytes they later redid.
@@ -1357,12 +1309,10 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
         session.status_key = f"{run}/status/{me}"
         report.alloc_ms = (time.perf_counter() - ta) * 1e3
         report.barrier_ms = rdv.barrier(f"{run}/start", members, timeout_s=timeout_s)
-        # every member must hold the same image before any byte moves (records only: cheap)
+        # every member must hold the same image before any byte moves
         tx = time.perf_counter()
         pred = (me - 1) % members
-        me_ep = Endpoint(me, f"member {me}", session.arena, session.flags)
-        endpoints = {me: me_ep}
-        pred_rec = None
+        endpoints = {me: Endpoint(me, f"member {me}", session.arena, session.flags)}
         for j in range(members):
             if j == me:
                 continue
@@ -1371,68 +1321,36 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
                 raise RendezvousError(f"ring member {j} holds another image (manifest {rec.body.get('manifest_digest')}, "
                                       f"ours {manifest.digest}); refused before any byte moved")
             if j == pred:
-                pred_rec = rec
-        records_ms = (time.perf_counter() - tx) * 1e3
-        if img is None:
-            img = map_shard()
-        # Start our own shard's H2D now and map the predecessor while it runs: the exchange is off
-        # the critical path. Our h2d steps wait on nothing and raise our flags as in the plan.
-        my_steps = list(plan.steps_into(me))
-        h2d_steps = [s for s in my_steps if s.kind == "h2d"]
-        gather_steps = [s for s in my_steps if s.kind != "h2d"]
-        tt = time.perf_counter()
-        h2d = _InBackground(Executor(plan, {me: me_ep}, me, mover=mover_obj, host_image=img.span(),
-                                     timeout_s=timeout_s, steps=h2d_steps, step_hook=hook).run,
-                            f"flashboot-ring-h2d-{me}")
-        reps = []
-        try:
-            tm = time.perf_counter()
-            if pred_rec is not None:
-                arena_desc = _descriptor_from(pred_rec.sealed["arena"])
+                arena_desc = _descriptor_from(rec.sealed["arena"])
                 transport, _ = _choose_transport(arena_desc, dev, "auto")
                 if transport == "nccl":
-                    raise RendezvousError(f"ring member {pred} on {arena_desc.hostname!r} cannot be mapped from here "
+                    raise RendezvousError(f"ring member {j} on {arena_desc.hostname!r} cannot be mapped from here "
                                           "(no fabric); the ring needs mappable peers")
-                opened = [_open_arena(arena_desc, dev, transport, lazy=True)]  # granted chunk by chunk
-                session.opened[pred] = opened
-                opened.append(_open_arena(_descriptor_from(pred_rec.sealed["flags"]), dev, transport))
+                opened = [_open_arena(arena_desc, dev, transport)]
+                session.opened[j] = opened
+                opened.append(_open_arena(_descriptor_from(rec.sealed["flags"]), dev, transport))
                 report.transport = transport
-                endpoints[pred] = Endpoint(pred, f"member {pred}", opened[0], opened[1],
-                                           int(pred_rec.body["pid"]) if _same_host(arena_desc) else None)
-                if gather_steps:
-                    tg = time.perf_counter()
-                    opened[0].grant_access(gather_steps[0].offset, gather_steps[0].nbytes)
-                    report.access_ms_first = (time.perf_counter() - tg) * 1e3
-            report.exchange_ms = records_ms + (time.perf_counter() - tm) * 1e3
-            report.exchange_overlapped = True
-            report.exchange_detail = {"member_records_ms": records_ms, "first_access_ms": report.access_ms_first,
-                                      "map_predecessor_ms": report.exchange_ms - records_ms}
-            if gather_steps:
-                try:
-                    reps.append(Executor(plan, endpoints, me, mover=mover_obj, host_image=img.span(),
-                                         timeout_s=timeout_s, steps=gather_steps, step_hook=hook).run())
-                except StepFailure as failure:
-                    # re-attach upstream: whatever the lost member would have passed on, load from the host image
-                    report.recovered.append(f"member {failure.peer} {'exited' if failure.peer_exited else 'stalled'}")
-                    remaining = [s for s in gather_steps if s.id not in failure.valid_steps]
-                    new = rewire(plan, remaining, failure.peer, fallback=HOST, dead=set(range(members)) - {me})
-                    session.close_opened(failure.peer)
-                    endpoints.pop(failure.peer, None)
-                    reps.append(Executor(plan, endpoints, me, mover=mover_obj, host_image=img.span(),
-                                         timeout_s=timeout_s, steps=new).run())
-                    report.recovered.append("loaded the rest from the host image")
-        except BaseException:
-            # our arena must not be released under a running H2D: wait for it; the first error is reported
-            try:
-                h2d.join(timeout_s * (len(h2d_steps) + 1) + 60, f"the shard H2D of ring member {me}")
-            except BaseException:  # noqa: BLE001 - secondary to the error being raised
-                pass
-            raise
-        reps.insert(0, h2d.join(timeout_s * (len(h2d_steps) + 1) + 60, f"the shard H2D of ring member {me}"))
+                endpoints[j] = Endpoint(j, f"member {j}", opened[0], opened[1],
+                                        int(rec.body["pid"]) if _same_host(arena_desc) else None)
+        report.exchange_ms = (time.perf_counter() - tx) * 1e3
+        if img is None:
+            img = map_shard()
+        tt = time.perf_counter()
+        try:
+            rep = Executor(plan, endpoints, me, mover=mover_obj, host_image=img.span(), timeout_s=timeout_s,
+                           step_hook=hook).run()
+        except StepFailure as failure:
+            # re-attach upstream: whatever the lost member would have passed on, load from the host image
+            report.recovered.append(f"member {failure.peer} {'exited' if failure.peer_exited else 'stalled'}")
+            remaining = [s for s in plan.steps_into(me) if s.id not in failure.valid_steps]
+            new = rewire(plan, remaining, failure.peer, fallback=HOST, dead=set(range(members)) - {me})
+            session.close_opened(failure.peer)
+            endpoints.pop(failure.peer, None)
+            rep = Executor(plan, endpoints, me, mover=mover_obj, host_image=img.span(), timeout_s=timeout_s,
+                           steps=new).run()
+            report.recovered.append("loaded the rest from the host image")
         report.transfer_ms = (time.perf_counter() - tt) * 1e3
-        report.access_ms_overlapped = sum(r.access_ms for r in reps)
-        report.access_ms_total = report.access_ms_first + report.access_ms_overlapped
-        report.lanes = [l.__dict__ | {"gbps": l.gbps} for r in reps for l in r.lanes]
+        report.lanes = [l.__dict__ | {"gbps": l.gbps} for l in rep.lanes]
         report.ready_ms = (time.perf_counter() - t_start) * 1e3
         report.ready_unix = time.time()
         report.source = f"host shard {shard_off:,}..{shard_off + shard_n:,} + member {pred}"

@@ -388,10 +388,9 @@ def _set_access(ptr, nbytes: int, devices: Sequence[int]) -> None:
 
 
 def _map_handle(undo: _Undo, handle, nbytes: int, granularity: int, devices: Sequence[int],
-                timings: dict | None = None, *, set_access: bool = True) -> int:
+                timings: dict | None = None) -> int:
     """Reserve a range, map ``handle`` into it and grant access; each step pushes its release.
-    ``timings`` (optional) receives ``reserve_map_ms`` and ``set_access_ms``. ``set_access=False``
-    leaves the range inaccessible (a lazy open grants it piecewise: :meth:`Arena.grant_access`)."""
+    ``timings`` (optional) receives ``reserve_map_ms`` and ``set_access_ms``."""
     drv = _cuda.driver()
     t0 = time.perf_counter()
     ptr = _cuda.check(drv.cuMemAddressReserve(nbytes, granularity, 0, 0), f"cuMemAddressReserve({nbytes:,})")
@@ -399,12 +398,10 @@ def _map_handle(undo: _Undo, handle, nbytes: int, granularity: int, devices: Seq
     _cuda.check(drv.cuMemMap(ptr, nbytes, 0, handle, 0), f"cuMemMap({nbytes:,})")
     undo.push("cuMemUnmap", lambda: _cuda.check(drv.cuMemUnmap(ptr, nbytes), "cuMemUnmap"))
     t1 = time.perf_counter()
-    if set_access:
-        _set_access(ptr, nbytes, devices)
+    _set_access(ptr, nbytes, devices)
     if timings is not None:
         timings["reserve_map_ms"] = (t1 - t0) * 1e3
-        if set_access:
-            timings["set_access_ms"] = (time.perf_counter() - t1) * 1e3
+        timings["set_access_ms"] = (time.perf_counter() - t1) * 1e3
     return int(ptr)
 
 
@@ -442,11 +439,6 @@ class Arena:
         self._fabric = fabric
         self._flat = None
         self._closed = False
-        # Lazy access (Arena.open(lazy_access=True) on CUDA): devices still to be granted access,
-        # and one byte per granule, 1 once granted. None: every byte is accessible already.
-        self._lazy_devices: list[int] | None = None
-        self._granted: bytearray | None = None
-        self._grant_lock = threading.Lock()
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -525,8 +517,7 @@ class Arena:
 
     @classmethod
     def open(cls, descriptor: ArenaDescriptor, device: Any = None, *, fd: int | None = None,
-             access: Any = None, via: str = "auto", timings: dict | None = None,
-             lazy_access: bool = False) -> "Arena":
+             access: Any = None, via: str = "auto", timings: dict | None = None) -> "Arena":
         """Map another process's arena into this one.
 
         ``device``: the CUDA device that accesses it (default: the exporter's index; a different
@@ -541,11 +532,6 @@ class Arena:
         exited, and for an fd that is not the arena. ``timings`` (optional dict) receives where the
         time went, in ms: ``pidfd_getfd_ms``, ``import_ms`` (CUDA), ``reserve_map_ms``,
         ``set_access_ms`` (CUDA) or ``map_ms`` (host).
-
-        ``lazy_access=True`` (CUDA): map the range but grant no access yet (``cuMemSetAccess``
-        costs ~1.1 ms/GB for a peer mapping on H200); the caller grants the byte ranges it reads
-        with :meth:`grant_access` before reading them (no ``set_access_ms`` then). On the host
-        backend it changes nothing (every byte is readable).
         """
         if not isinstance(descriptor, ArenaDescriptor):
             raise ArenaError(f"Arena.open needs an ArenaDescriptor, got {type(descriptor).__name__}")
@@ -556,13 +542,13 @@ class Arena:
                 raise ArenaError(f"arena {descriptor.arena_id} is a host arena; open it with device='cpu', not {device!r}")
             if access is not None or via == "fabric":
                 raise ArenaError("access= and via='fabric' apply to CUDA arenas; this one is a host arena")
-            return cls._open_host(descriptor, fd, timings)  # lazy_access: nothing to defer on the host
+            return cls._open_host(descriptor, fd, timings)
         if descriptor.backend != "cuda":
             raise ArenaError(f"unknown arena backend {descriptor.backend!r} in descriptor {descriptor.arena_id}")
         dev = Device.parse(descriptor.device_index if device is None else device)
         if not dev.is_cuda:
             raise ArenaError(f"arena {descriptor.arena_id} lives on cuda:{descriptor.device_index}; open it on a CUDA device, not {device!r}")
-        return cls._open_cuda(descriptor, dev, fd, access, via, timings, bool(lazy_access))
+        return cls._open_cuda(descriptor, dev, fd, access, via, timings)
 
     @staticmethod
     def _take_fd(descriptor: ArenaDescriptor, fd: int | None) -> int:
@@ -613,7 +599,7 @@ class Arena:
 
     @classmethod
     def _open_cuda(cls, descriptor: ArenaDescriptor, dev: Device, fd: int | None, access: Any, via: str,
-                   timings: dict | None = None, lazy_access: bool = False) -> "Arena":
+                   timings: dict | None = None) -> "Arena":
         drv = _cuda.driver()
         kind = drv.CUmemAllocationHandleType
         index = dev.index
@@ -654,19 +640,14 @@ class Arena:
                 if timings is not None:
                     timings["import_ms"] = (time.perf_counter() - t1) * 1e3
             undo.push("cuMemRelease", lambda: _cuda.check(drv.cuMemRelease(handle), "cuMemRelease"))
-            ptr = _map_handle(undo, handle, descriptor.nbytes, descriptor.granularity, devices, timings,
-                              set_access=not lazy_access)
+            ptr = _map_handle(undo, handle, descriptor.nbytes, descriptor.granularity, devices, timings)
         except BaseException:
             undo.release()
             raise
-        arena = cls(undo=undo, ptr=ptr, nbytes=descriptor.nbytes, requested_nbytes=descriptor.nbytes, device=dev,
-                    home_device=Device("cuda", home), granularity=descriptor.granularity,
-                    handle_type=descriptor.handle_type, arena_id=descriptor.arena_id, imported=True,
-                    descriptor=descriptor)
-        if lazy_access:
-            arena._lazy_devices = list(devices)
-            arena._granted = bytearray(descriptor.nbytes // descriptor.granularity)
-        return arena
+        return cls(undo=undo, ptr=ptr, nbytes=descriptor.nbytes, requested_nbytes=descriptor.nbytes, device=dev,
+                   home_device=Device("cuda", home), granularity=descriptor.granularity,
+                   handle_type=descriptor.handle_type, arena_id=descriptor.arena_id, imported=True,
+                   descriptor=descriptor)
 
     # ---- lifetime ----------------------------------------------------------------------------
 
@@ -782,53 +763,6 @@ class Arena:
             fabric_bytes = bytes(fh.data)
         return ArenaDescriptor("cuda", os.getpid(), fd, self._nbytes, index, self._handle_type, self._granularity,
                                self._arena_id, fabric_bytes, socket.gethostname())
-
-    # ---- lazy access -------------------------------------------------------------------------
-
-    @property
-    def lazy_access(self) -> bool:
-        """True for a CUDA arena opened with ``lazy_access=True``: bytes are readable only once granted."""
-        return self._granted is not None
-
-    def grant_access(self, offset: int, nbytes: int) -> int:
-        """Make ``[offset, offset + nbytes)`` readable and writable on this arena's devices.
-
-        For an arena opened with ``lazy_access=True`` (CUDA) this runs ``cuMemSetAccess`` on the
-        granules covering the range that were not granted yet (the range is widened to whole
-        granules; access can be set on any granule-aligned sub-range of a mapping). Idempotent;
-        thread-safe. Everywhere else (eager opens, owners, the host backend) every byte is
-        accessible already: the range is only validated. Returns the bytes newly granted (0 when
-        nothing was to do). Raises ArenaError for a range outside the arena or a closed arena.
-        """
-        self._check_open()
-        for name, v in (("offset", offset), ("nbytes", nbytes)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ArenaError(f"grant_access {name} must be a non-negative int, got {v!r}")
-        if offset + nbytes > self._nbytes:
-            raise ArenaError(f"grant_access of {nbytes:,} bytes at offset {offset:,} ends at {offset + nbytes:,}, "
-                             f"past arena {self._arena_id}'s {self._nbytes:,} bytes")
-        if self._granted is None or nbytes == 0:
-            return 0
-        g = self._granularity
-        lo, hi = offset // g, -(-(offset + nbytes) // g)
-        granted = 0
-        with self._grant_lock:
-            if all(self._granted[lo:hi]):
-                return 0
-            _use_device(self._device.index)
-            k = lo
-            while k < hi:  # one cuMemSetAccess per run of granules not granted yet
-                if self._granted[k]:
-                    k += 1
-                    continue
-                end = k
-                while end < hi and not self._granted[end]:
-                    end += 1
-                _set_access(self._ptr + k * g, (end - k) * g, self._lazy_devices)
-                self._granted[k:end] = b"\x01" * (end - k)
-                granted += (end - k) * g
-                k = end
-        return granted
 
     # ---- views -------------------------------------------------------------------------------
 

@@ -21,11 +21,6 @@ dependent step waits for ``flags[p][f] >= epoch``. Epochs let one flags arena se
   mover and stores the flag after the copy has returned. A lane stops cleanly at the first wait
   that runs past its deadline or whose flag owner has exited.
 
-Before a copy step is issued, the host grants access to its source range
-(:meth:`flashboot.arena.Arena.grant_access`: a no-op except on sources opened with
-``lazy_access=True``), so a peer mapping is made readable chunk by chunk while earlier copies run;
-the time it took is ``ExecReport.access_ms``.
-
 Step issue order is the global step-id order across local lanes: every wait points at a smaller
 id, so even when streams share a hardware queue the flag's writer is queued before its waiter.
 """
@@ -219,12 +214,6 @@ class ExecReport:
     epoch: int
     lanes: list[LaneReport]
     wall_s: float
-    access_ms: float = 0.0
-    """Host time spent granting access to source ranges just before their copies were issued
-    (:meth:`flashboot.arena.Arena.grant_access` on lazily opened sources; overlapped with the
-    copies already in flight, except for the first)."""
-    access_bytes: int = 0
-    """Bytes newly granted by those calls (0 when every source was mapped with full access)."""
 
     def participant_seconds(self, index: int) -> float:
         """The slowest lane of participant ``index`` (its time to hold every byte it receives)."""
@@ -239,7 +228,7 @@ class ExecReport:
 
     def to_dict(self) -> dict:
         return {"schedule": self.schedule, "backend": self.backend, "mover": self.mover, "epoch": self.epoch,
-                "wall_s": self.wall_s, "access_ms": self.access_ms, "access_bytes": self.access_bytes,
+                "wall_s": self.wall_s,
                 "lanes": [{"participant": l.participant, "lane": l.lane, "steps": l.steps, "nbytes": l.nbytes,
                            "seconds": l.seconds, "gbps": l.gbps, "first_start_s": l.first_start_s}
                           for l in self.lanes]}
@@ -378,18 +367,6 @@ class Executor:
             return self.host_image.sub(s.offset, s.nbytes)
         return self.endpoints[s.src].arena.span(s.offset, s.nbytes)
 
-    def _grant(self, s: Step) -> tuple[float, int]:
-        """Grant access to the source range of copy step ``s`` (a lazily opened arena maps only what
-        is read, chunk by chunk, just before the chunk's copy is issued); ``(seconds, bytes granted)``."""
-        if s.kind != "copy":
-            return 0.0, 0
-        grant = getattr(self.endpoints[s.src].arena, "grant_access", None)
-        if grant is None:
-            return 0.0, 0
-        t0 = time.perf_counter()
-        granted = grant(s.offset, s.nbytes)
-        return time.perf_counter() - t0, int(granted or 0)
-
     def _lanes(self) -> dict[tuple[int, int], list[Step]]:
         lanes: dict[tuple[int, int], list[Step]] = {}
         for s in self.steps:
@@ -436,8 +413,6 @@ class _HostRun:
         self.failures: list[StepFailure] = []
         self.done: set[int] = set()
         self.lock = threading.Lock()
-        self.access_s = 0.0
-        self.access_bytes = 0
 
     def _fail(self, message: str, step: Step, peer: int | None, exited: bool) -> None:
         with self.lock:
@@ -501,10 +476,6 @@ class _HostRun:
                     ex.step_hook(s)
                     if self.abort.is_set():
                         return
-                dt, granted = ex._grant(s)
-                with self.lock:
-                    self.access_s += dt
-                    self.access_bytes += granted
                 src = ex._source_span(s)
                 mover = ex.h2d_mover if s.kind == "h2d" else ex.mover
                 mover.copy(dst_arena.span(s.offset, s.nbytes), src, stream=None)
@@ -544,8 +515,7 @@ class _HostRun:
                 raise first
             first.valid_steps = set(self.done)
             raise first
-        return ExecReport(ex.plan.schedule, "host", ex.mover.name, ex.epoch, list(reports.values()), wall,
-                          self.access_s * 1e3, self.access_bytes)
+        return ExecReport(ex.plan.schedule, "host", ex.mover.name, ex.epoch, list(reports.values()), wall)
 
 
 # ============================================================================================
@@ -573,8 +543,6 @@ class _CudaRun:
                 if dev not in self.side:
                     self.side[dev] = cupy.cuda.Stream(non_blocking=True)
         self._final_flags: dict[int, np.ndarray] = {}
-        self.access_s = 0.0
-        self.access_bytes = 0
         self.geq = int(self.drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
         self.write_default = int(self.drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
 
@@ -591,10 +559,6 @@ class _CudaRun:
             p, f = ex.plan.flag_of(w)
             _cuda.check(drv.cuStreamWaitValue32(cs, drv.CUdeviceptr(self._flag_ptr(p, f)), ex.epoch, self.geq),
                         f"cuStreamWaitValue32(step {s.id} waits on step {w})")
-        # from the host, while the copies issued before this one run
-        dt, granted = ex._grant(s)
-        self.access_s += dt
-        self.access_bytes += granted
         mover = ex.h2d_mover if s.kind == "h2d" else ex.mover
         mover.copy(ex.endpoints[s.dst].arena.span(s.offset, s.nbytes), ex._source_span(s), stream=stream)
         # default flags: the write is ordered after the copy with a memory barrier
@@ -683,8 +647,7 @@ class _CudaRun:
             ends = [cp.cuda.get_elapsed_time(start_ev[k], ev) / 1e3 for _, ev in lst]
             reports.append(LaneReport(k[0], k[1], len(lst), sum(s.nbytes for s, _ in lst),
                                       ends[-1] if ends else 0.0, ends))
-        return ExecReport(ex.plan.schedule, "cuda", ex.mover.name, ex.epoch, reports, wall, self.access_s * 1e3,
-                          self.access_bytes)
+        return ExecReport(ex.plan.schedule, "cuda", ex.mover.name, ex.epoch, reports, wall)
 
     def _dead_dependency(self, s: Step) -> int | None:
         """A participant ``s`` depends on that exited before it could vouch for ``s``'s bytes."""

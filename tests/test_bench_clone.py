@@ -33,14 +33,3 @@ def test_table_shows_each_clones_device_and_the_exchange_breakdown():
     exch = next(r for r in rows if r[0].startswith("exchange+map"))
     assert exch[1] == 1.2 and "import 0.20" in exch[3] and "set access 0.30" in exch[3] and "cuda:0" in exch[3]
     assert _breakdown({"pidfd_getfd_ms": 0.25, "other": 9}) == "pidfd_getfd 0.25"
-
-
-def test_ring_row_does_not_count_an_overlapped_exchange_twice():
-    g = {"members": 2, "pin_early": True, "critical_path_ms": 95.0, "alloc_ms": [3.0, 3.0],
-         "exchange_ms": [9.0, 8.0], "exchange_overlapped": [True, True], "access_ms_overlapped": [4.5, 4.4],
-         "load_ms": [40.0, 41.0], "pin_ms": [39.0, 40.0], "transfer_ms": [92.0, 91.0], "byte_exact": True}
-    single = dict(g, members=1, critical_path_ms=160.0, exchange_ms=[0.0], exchange_overlapped=[True])
-    rows = _rows({"ring": {"pin_early": {"single": single, "ring": g, "ratio": 95.0 / 160.0}}})
-    ring = next(r for r in rows if r[0].startswith("ring load"))
-    assert ring[1] == 95.0 and "0.59x the single load" in ring[3]
-    assert "overlapped with the shard H2D" in ring[3] and "set access during gather 4.5, 4.4" in ring[3]

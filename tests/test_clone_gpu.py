@@ -355,24 +355,3 @@ def test_holder_keeps_gpu_weights_across_an_engine_restart(tmp_path):
         assert (again_id, again_digest) == (arena_id, digest)
     finally:
         stop(holder)
-
-
-@pytest.mark.two_gpus
-def test_lazy_peer_open_grants_chunk_by_chunk_and_reads_exact():
-    import torch
-
-    from flashboot.arena import Arena
-
-    with _seed_arena(0) as owner:
-        with Arena.open(owner.export(), 1, lazy_access=True) as peer:
-            assert peer.lazy_access and peer.device.index == 1
-            g = peer.granularity
-            assert peer.grant_access(0, g) == g and peer.grant_access(0, g) == 0
-            head = peer.bytes()[:g].clone()
-            torch.cuda.synchronize(1)
-            assert bool((head.cpu() == owner.bytes()[:g].cpu()).all())
-            step = 2 * g
-            for offset in range(g, peer.nbytes, step):
-                peer.grant_access(offset, min(step, peer.nbytes - offset))
-            assert peer.grant_access(0, peer.nbytes) == 0
-            assert _equal(owner, peer)
