@@ -122,8 +122,6 @@ PHASES = ("wait", "pin", "alloc", "exchange", "metadata", "h2d", "bind")
 def bench_checkpoint(spec, *, device: str, ckpt_root: Path, image_root: Path, shm_root: Path, warmup: int,
                      repeats: int, log: Callable[[str], None], keep: bool) -> tuple[list[LoaderResult], list[PipelineResult], dict]:
     """All measurements for one checkpoint spec; see the module docstring."""
-    import torch
-
     import flashboot
     from flashboot.benchmarks.checkpoints import make_checkpoint, tensors_digest
     from flashboot.benchmarks.peers import PEERS

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 from .errors import CapabilityError, CudaError
 
@@ -72,10 +73,18 @@ def device_count() -> int:
     return check(driver().cuDeviceGetCount(), "cuDeviceGetCount")
 
 
-def primary_context(device_index: int):
-    """Retain and make current the device's primary context (the one torch and CuPy use)."""
+_primary_contexts: dict[int, object] = {}
+_primary_contexts_lock = threading.Lock()
+
+
+def use_device(index: int) -> None:
+    """Make device ``index``'s primary context (the one torch and CuPy use) current in this
+    thread. The context is retained once per process and kept: it outlives every arena."""
     drv = driver()
-    dev = check(drv.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
-    ctx = check(drv.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({device_index})")
+    with _primary_contexts_lock:
+        ctx = _primary_contexts.get(index)
+        if ctx is None:
+            dev = check(drv.cuDeviceGet(index), f"cuDeviceGet({index})")
+            ctx = _primary_contexts[index] = check(drv.cuDevicePrimaryCtxRetain(dev),
+                                                   f"cuDevicePrimaryCtxRetain({index})")
     check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    return ctx

@@ -228,18 +228,6 @@ def _host_address(mm: mmap.mmap) -> int:
 # CUDA helpers
 # --------------------------------------------------------------------------------------------
 
-_contexts: dict[int, Any] = {}
-_contexts_lock = threading.Lock()
-
-
-def _use_device(index: int) -> None:
-    """Make the device's primary context (the one torch and CuPy use) current in this thread."""
-    with _contexts_lock:
-        ctx = _contexts.get(index)
-        if ctx is None:
-            ctx = _contexts[index] = _cuda.primary_context(index)  # retained once per process
-            return
-    _cuda.check(_cuda.driver().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
 def _cu_device(index: int):
@@ -314,7 +302,7 @@ def preflight_handle(index: int, handle: str) -> HandleSupport:
     if handle not in ("posix_fd", "fabric"):
         raise ArenaError(f"unknown handle type {handle!r}; known: posix_fd, fabric")
     drv = _cuda.driver()
-    _use_device(index)
+    _cuda.use_device(index)
     attr = ("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED" if handle == "fabric"
             else "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED")
     if not _device_attribute(index, attr):
@@ -491,7 +479,7 @@ class Arena:
     def _create_cuda(cls, nbytes: int, dev: Device, access: Any) -> "Arena":
         drv = _cuda.driver()
         index = dev.index
-        _use_device(index)
+        _cuda.use_device(index)
         devices = _resolve_access(index, access)
         fabric = fabric_preflight(index).supported
         prop = _allocation_prop(index, fabric)
@@ -502,7 +490,7 @@ class Arena:
             raise OutOfMemoryError(f"arena on cuda:{index}", capacity, int(free))
         arena_id = secrets.token_hex(8)
         undo = _Undo(f"CUDA arena {arena_id} ({capacity:,} bytes on cuda:{index})",
-                     before_release=lambda: _use_device(index))
+                     before_release=lambda: _cuda.use_device(index))
         try:
             handle = _cuda.check(drv.cuMemCreate(capacity, prop, 0), f"cuMemCreate({capacity:,} bytes on cuda:{index})")
             undo.push("cuMemRelease", lambda: _cuda.check(drv.cuMemRelease(handle), "cuMemRelease"))
@@ -603,7 +591,7 @@ class Arena:
         drv = _cuda.driver()
         kind = drv.CUmemAllocationHandleType
         index = dev.index
-        _use_device(index)
+        _cuda.use_device(index)
         home = descriptor.device_index
         if not can_access_peer(index, home):
             raise CapabilityError(f"cuda:{index} cannot map arena {descriptor.arena_id}: no peer access to cuda:{home}")
@@ -615,7 +603,7 @@ class Arena:
         if use_fabric and descriptor.fabric_handle is None:
             raise ArenaError(f"arena {descriptor.arena_id} has no fabric handle (handle type {descriptor.handle_type})")
         undo = _Undo(f"opened CUDA arena {descriptor.arena_id} (home cuda:{home}, mapped on cuda:{index})",
-                     before_release=lambda: _use_device(index))
+                     before_release=lambda: _cuda.use_device(index))
         try:
             if use_fabric:
                 fabric = drv.CUmemFabricHandle()
@@ -752,7 +740,7 @@ class Arena:
         drv = _cuda.driver()
         kind = drv.CUmemAllocationHandleType
         index = self._home_device.index
-        _use_device(index)
+        _cuda.use_device(index)
         fd = int(_cuda.check(drv.cuMemExportToShareableHandle(self._cuda_handle, kind.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
                              "cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)"))
         self._undo.push("close exported fd", lambda: os.close(fd))
@@ -867,7 +855,7 @@ def warm_import(device: Any, peers: Any = "all") -> dict[str, Any]:
     t0 = time.perf_counter()
     drv = _cuda.driver()
     index = dev.index
-    _use_device(index)
+    _cuda.use_device(index)
     out["context_ms"] = (time.perf_counter() - t0) * 1e3
     if isinstance(peers, str) and peers == "all":
         targets = [index] + [i for i in range(_cuda.device_count()) if i != index and can_access_peer(index, i)]
@@ -876,7 +864,7 @@ def warm_import(device: Any, peers: Any = "all") -> dict[str, Any]:
     posix = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     for home in targets:
         undo = _Undo(f"warm-up import of a cuda:{home} granule on cuda:{index}",
-                     before_release=lambda: _use_device(index))
+                     before_release=lambda: _cuda.use_device(index))
         try:
             prop = _allocation_prop(home, fabric=False)
             granularity = _granularity(prop)

@@ -64,8 +64,8 @@ def _mover_round(device: Device, nbytes: int) -> bool:
                     target = dst.bytes() if hasattr(dst, "bytes") else dst
                     target.fill_(0xAB)
                     # The copy runs on the destination's GPU (the source's for d2h): its stream.
-                    runs_on = (source if path == "d2h" else target).device
-                    stream = torch.cuda.Stream(device=runs_on) if cuda else None
+                    runs_on = span_of(source if path == "d2h" else target).device
+                    stream = torch.cuda.Stream(device=runs_on.index) if cuda else None
                     t0 = time.perf_counter()
                     create_mover(info.name).copy(target, source, nbytes, stream=stream)
                     if stream is not None:

@@ -95,7 +95,7 @@ def create_flags(nflags: int, device: Any, *, access: Any = None) -> "Arena":  #
 
 def _zero_device(ptr: int, nbytes: int, index: int) -> None:
     drv = _cuda.driver()
-    _make_current(index)
+    _cuda.use_device(index)
     stream = _cuda.check(drv.cuStreamCreate(int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
     try:
         _cuda.check(drv.cuMemsetD32Async(drv.CUdeviceptr(ptr), 0, nbytes // FLAG_BYTES, stream), "cuMemsetD32Async(flags)")
@@ -104,18 +104,6 @@ def _zero_device(ptr: int, nbytes: int, index: int) -> None:
         _cuda.check(drv.cuStreamDestroy(stream), "cuStreamDestroy")
 
 
-_ctx_cache: dict[int, Any] = {}
-_ctx_lock = threading.Lock()
-
-
-def _make_current(index: int) -> None:
-    """Make device ``index``'s primary context (torch's and CuPy's) current in this thread."""
-    with _ctx_lock:
-        ctx = _ctx_cache.get(index)
-        if ctx is None:
-            _ctx_cache[index] = _cuda.primary_context(index)  # retains once per process, sets current
-            return
-    _cuda.check(_cuda.driver().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
 class HostFlags:
@@ -536,7 +524,7 @@ class _CudaRun:
         self.lane_device = {k: ex.endpoints[k[0]].arena.device.index for k in self.lanes}
         self.streams, self.side = {}, {}
         for k, dev in self.lane_device.items():
-            _make_current(dev)
+            _cuda.use_device(dev)
             with cupy.cuda.Device(dev):
                 # non-blocking: the legacy default stream must never serialise with a blocked wait
                 self.streams[k] = cupy.cuda.Stream(non_blocking=True)

@@ -104,18 +104,6 @@ def bind_to_node(addr: int, nbytes: int, node: int, policy: str = "preferred") -
 
 
 # ------------------------------------------------------------------------------------- pinning
-_contexts: dict[int, object] = {}
-_contexts_lock = threading.Lock()
-
-
-def _make_current(index: int) -> None:
-    """Make the device's primary context current in this thread (retained once per process)."""
-    with _contexts_lock:
-        ctx = _contexts.get(index)
-        if ctx is None:
-            _contexts[index] = _cuda.primary_context(index)  # retains and makes it current
-            return
-    _cuda.check(_cuda.driver().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
 @dataclass
@@ -138,7 +126,7 @@ class PinnedRegion:
         with self._lock:
             if not self._registered:
                 return 0.0
-            _make_current(self.device_index)  # the driver call needs a context in this thread too
+            _cuda.use_device(self.device_index)  # the driver call needs a context in this thread too
             t0 = time.perf_counter()
             _cuda.check(_cuda.driver().cuMemHostUnregister(self.ptr), f"cuMemHostUnregister({self.ptr:#x})")
             self._registered = False
@@ -161,7 +149,7 @@ def register_host(ptr: int, nbytes: int, device: Device) -> PinnedRegion:
         raise CapabilityError("pinning host memory needs a CUDA device; the host backend copies from pageable memory")
     if nbytes <= 0:
         raise FlashBootError(f"cannot pin {nbytes} bytes")
-    _make_current(device.index)
+    _cuda.use_device(device.index)
     t0 = time.perf_counter()
     _cuda.check(_cuda.driver().cuMemHostRegister(ptr, nbytes, CU_MEMHOSTREGISTER_PORTABLE),
                 f"cuMemHostRegister({ptr:#x}, {nbytes:,} bytes)")
@@ -171,7 +159,7 @@ def register_host(ptr: int, nbytes: int, device: Device) -> PinnedRegion:
 def device_free_bytes(device: Device) -> int:
     """Bytes free for a new allocation on ``device``: ``cuMemGetInfo`` on CUDA, MemAvailable on the host."""
     if device.is_cuda:
-        _make_current(device.index)
+        _cuda.use_device(device.index)
         free, _total = _cuda.check(_cuda.driver().cuMemGetInfo(), f"cuMemGetInfo({device})")
         return int(free)
     with open("/proc/meminfo") as f:

@@ -18,7 +18,7 @@ import pytest
 
 import flashboot.arena as arena_mod
 from flashboot import Arena, ArenaDescriptor, ArenaError, CapabilityError, Device, OutOfMemoryError
-from flashboot._cuda import check, device_count, driver
+from flashboot._cuda import check, device_count, driver, use_device
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ far below the smallest arena these tests leak-check (512 MiB)."""
 
 
 def gpu_free(index: int) -> int:
-    arena_mod._use_device(index)
+    use_device(index)
     free, _total = check(driver().cuMemGetInfo(), "cuMemGetInfo")
     return int(free)
 

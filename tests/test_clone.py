@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import numpy as np
 import pytest

@@ -278,7 +278,7 @@ def test_stalled_clone_times_out_naming_the_step_and_peer(store, raw):
         first.send_signal(signal.SIGSTOP)  # alive but frozen: only the deadline can tell
         bg.join()
         assert isinstance(bg.error, CloneError) and isinstance(bg.error.__cause__, WaitTimeoutError), bg.error
-        assert f"waited 1 s for step" in str(bg.error) and f"of clone #1 (pid {first.pid})" in str(bg.error)
+        assert "waited 1 s for step" in str(bg.error) and f"of clone #1 (pid {first.pid})" in str(bg.error)
         assert bg.elapsed < 8
     finally:
         stop(first)

@@ -417,7 +417,7 @@ def test_served_ready_refuses_a_ready_of_other_metadata(image, shm):
     src = pl.rank_source(image, 0)
     assert pl.served_ready(image, 0, src.metadata_sha256, "here", timeout_s=1, shm_dir=shm).nbytes == src.nbytes
     t0 = time.monotonic()
-    with pytest.raises(LayoutError, match=f"staged rank 0 is of another pre-pack .* than here \\(000000000000\\)"):
+    with pytest.raises(LayoutError, match="staged rank 0 is of another pre-pack .* than here \\(000000000000\\)"):
         pl.served_ready(image, 0, "0" * 64, "here", timeout_s=30, shm_dir=shm)
     assert time.monotonic() - t0 < 10, "no preloader runs: nothing can re-stage it, so no waiting"
 
