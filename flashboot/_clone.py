@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .errors import (ArenaError, CapabilityError, ChecksumMismatchError, CudaError, FlashBootError, RendezvousError,
+from .errors import (ArenaError, ChecksumMismatchError, FlashBootError, RendezvousError,
                      WaitTimeoutError)
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from .memory import CPU, Device, Span
@@ -255,38 +255,6 @@ class _Warmup:
             (f"; warm-up failed: {'; '.join(errors)}" if errors else "")
 
 
-def _fs_type(path: str, mounts_file: str = "/proc/self/mounts") -> str:
-    """The filesystem type (``tmpfs``, ``ext4``, ...) holding ``path``: the longest mount point
-    that contains it, or ``"unknown"``."""
-    real = os.path.realpath(path)
-    best, kind = "", "unknown"
-    try:
-        with open(mounts_file) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, kind = mnt, parts[2]
-    except OSError:
-        pass
-    return kind
-
-
-def pin_refused_message(path: str, offset: int, nbytes: int, fs_type: str, error: Any) -> str:
-    """What to say when the driver refuses to page-lock an image's host mapping for DMA."""
-    msg = (f"cannot pin {nbytes:,} bytes at offset {offset:,} of {path} (a {fs_type} file) for DMA: {error}. "
-           "Pinning (cuMemHostRegister) needs anonymous or tmpfs-backed memory; ")
-    if fs_type in ("tmpfs", "ramfs", "hugetlbfs"):
-        return msg + ("this file is on tmpfs already, so the driver refused for another reason (locked-memory "
-                      "limit `ulimit -l`, or too little free memory)")
-    return msg + ("this driver refuses a shared mapping of a file on disk. Stage the image into /dev/shm first "
-                  "(`flashboot preload IMAGE_DIR`, then load the directory again; for a raw file, copy it to "
-                  "/dev/shm) and pass that")
-
-
 class _HostImage:
     """An image's bytes mapped on the host: the preloader's staged copy in /dev/shm when there is
     one (same pages, no copy), else the image file. On CUDA, ``pin`` = (offset, nbytes) is
@@ -341,10 +309,7 @@ class _HostImage:
             lo = pin[0] // page * page
             hi = min(self.nbytes, -(-(pin[0] + pin[1]) // page) * page)
             try:
-                self._pinned = register_host(self.ptr + lo, hi - lo, device)
-            except CudaError as exc:
-                self.close()
-                raise CapabilityError(pin_refused_message(self.path, lo, hi - lo, _fs_type(self.path), exc)) from exc
+                self._pinned = register_host(self.ptr + lo, hi - lo, device, path=self.path, offset=lo)
             except BaseException:
                 self.close()
                 raise

@@ -68,7 +68,7 @@ class StagedImage:
             t1 = time.perf_counter()
             self.wait_ms = (t1 - t0) * 1e3
             if self.pin:
-                self._pinned = register_host(self._mapping.ptr, self.nbytes, self.device)
+                self._pinned = register_host(self._mapping.ptr, self.nbytes, self.device, path=self._mapping.path)
                 self.pin_ms = self._pinned.pin_ms
         except BaseException as exc:  # handed to whoever waits
             self._error = exc

@@ -16,9 +16,10 @@ import platform
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from . import _cuda
-from .errors import CapabilityError, FlashBootError
+from .errors import CapabilityError, CudaError, FlashBootError
 from .memory import Device
 
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
@@ -106,6 +107,38 @@ def bind_to_node(addr: int, nbytes: int, node: int, policy: str = "preferred") -
 # ------------------------------------------------------------------------------------- pinning
 
 
+def fs_type(path: str, mounts_file: str = "/proc/self/mounts") -> str:
+    """The filesystem type (``tmpfs``, ``ext4``, ...) holding ``path``: the longest mount point
+    that contains it, or ``"unknown"``."""
+    real = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        with open(mounts_file) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def pin_refused_message(path: str, offset: int, nbytes: int, fs_type: str, error: Any) -> str:
+    """What to say when the driver refuses to page-lock an image's host mapping for DMA."""
+    msg = (f"cannot pin {nbytes:,} bytes at offset {offset:,} of {path} (a {fs_type} file) for DMA: {error}. "
+           "Pinning (cuMemHostRegister) needs anonymous or tmpfs-backed memory; ")
+    if fs_type in ("tmpfs", "ramfs", "hugetlbfs"):
+        return msg + ("this file is on tmpfs already, so the driver refused for another reason (locked-memory "
+                      "limit `ulimit -l`, or too little free memory)")
+    return msg + ("this driver refuses a shared mapping of a file on disk. Stage the image into /dev/shm first "
+                  "(`flashboot preload IMAGE_DIR`, then load the directory again; for a raw file, copy it to "
+                  "/dev/shm) and pass that")
+
+
 @dataclass
 class PinnedRegion:
     """A host range page-locked with ``cuMemHostRegister``; :meth:`unregister` (or ``with``) unpins it."""
@@ -139,11 +172,12 @@ class PinnedRegion:
         self.unregister()
 
 
-def register_host(ptr: int, nbytes: int, device: Device) -> PinnedRegion:
+def register_host(ptr: int, nbytes: int, device: Device, *, path: str | None = None, offset: int = 0) -> PinnedRegion:
     """Page-lock ``[ptr, ptr + nbytes)`` for DMA (portable across contexts). Needs CUDA.
 
     Makes ``device``'s primary context current in the calling thread first (the driver call needs
-    a context). Raises CapabilityError on the host backend and CudaError when the driver refuses.
+    a context). Raises CapabilityError on the host backend; when the driver refuses, CudaError,
+    or, for a mapping of file ``path`` (at ``offset``), CapabilityError saying what to do.
     """
     if not device.is_cuda:
         raise CapabilityError("pinning host memory needs a CUDA device; the host backend copies from pageable memory")
@@ -151,8 +185,13 @@ def register_host(ptr: int, nbytes: int, device: Device) -> PinnedRegion:
         raise FlashBootError(f"cannot pin {nbytes} bytes")
     _cuda.use_device(device.index)
     t0 = time.perf_counter()
-    _cuda.check(_cuda.driver().cuMemHostRegister(ptr, nbytes, CU_MEMHOSTREGISTER_PORTABLE),
-                f"cuMemHostRegister({ptr:#x}, {nbytes:,} bytes)")
+    try:
+        _cuda.check(_cuda.driver().cuMemHostRegister(ptr, nbytes, CU_MEMHOSTREGISTER_PORTABLE),
+                    f"cuMemHostRegister({ptr:#x}, {nbytes:,} bytes)")
+    except CudaError as exc:
+        if path is None:
+            raise
+        raise CapabilityError(pin_refused_message(path, offset, nbytes, fs_type(path), exc)) from exc
     return PinnedRegion(ptr, nbytes, (time.perf_counter() - t0) * 1e3, device.index, threading.Lock())
 
 

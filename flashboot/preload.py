@@ -896,7 +896,7 @@ class PreloadServer:
         res.nbytes, res.metadata_sha256 = src.nbytes, src.metadata_sha256
         dev = self.config.device_for(rank)
         if dev.is_cuda and self.config.pin:
-            res.pinned = register_host(res.mapping.ptr, src.nbytes, dev)
+            res.pinned = register_host(res.mapping.ptr, src.nbytes, dev, path=str(paths.image))
             res.pin_ms = res.pinned.pin_ms
         res.state = "pinned" if res.pinned is not None else "mapped"
 

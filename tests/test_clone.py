@@ -308,7 +308,7 @@ def test_ring_load_pins_early_or_on_the_path(store, tmp_path, pin_early):
 
 
 def test_pin_refusal_says_to_stage_into_dev_shm(tmp_path):
-    from flashboot._clone import _fs_type, pin_refused_message
+    from flashboot.pinning import fs_type as _fs_type, pin_refused_message
 
     mounts = tmp_path / "mounts"
     mounts.write_text("/dev/sda1 / ext4 rw 0 0\n"

@@ -272,7 +272,8 @@ def test_pinning_a_disk_file_is_refused_with_what_to_do(tmp_path):
     CUDA_ERROR_INVALID_VALUE), the error names the path, the bytes and the fix (/dev/shm)."""
     from _clone_helpers import write_raw_image
 
-    from flashboot._clone import _fs_type, _HostImage
+    from flashboot._clone import _HostImage
+    from flashboot.pinning import fs_type as _fs_type
     from flashboot.errors import CapabilityError
     from flashboot.memory import Device
 
