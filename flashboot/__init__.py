@@ -7,8 +7,6 @@ Without CUDA, the same API runs on the host backend (shareable host memory).
 
 from __future__ import annotations
 
-import importlib
-
 from .errors import (
     ArenaError,
     CapabilityError,
@@ -22,6 +20,7 @@ from .errors import (
     UnknownNameError,
     WaitTimeoutError,
 )
+from ._lazy import lazy_getattr
 from .memory import CPU, Device, Span, span_of
 
 __version__ = "0.1.0"
@@ -52,13 +51,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'flashboot' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr('flashboot', _LAZY, globals())
 
 
 __all__ = [

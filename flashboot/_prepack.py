@@ -123,7 +123,7 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
     from flashboot.layouts.checkpoint import open_checkpoint
     from flashboot.layouts.families import PlanContext, check_plan, family_for, get_family
     from flashboot.layouts.format import (
-        DEFAULT_CHUNK_BYTES, FORMAT_VERSION, JOB_FILE, JOB_FORMAT_NAME, TARGETS, TENSOR_ALIGNMENT, FamilyInfo,
+        DEFAULT_CHUNK_BYTES, FORMAT_VERSION, JOB_FORMAT_NAME, TARGETS, TENSOR_ALIGNMENT, FamilyInfo,
         ImageKey, ImageMetadata, ParallelLayout, SourceInfo, compute_layout,
     )
     from flashboot.layouts.image import rank_dir_name
@@ -181,7 +181,7 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
         tmp.mkdir()
 
         # ---- write: each source tensor read once, its pieces to every rank's final offsets
-        from flashboot.layouts.writer import ImageWriter, fsync_dir
+        from flashboot.layouts.writer import ImageWriter, commit_job
 
         writers = [ImageWriter(tmp / rank_dir_name(p.rank), lay) for p, lay in zip(layouts, rank_layouts)]
         uses: dict[str, list] = {}
@@ -219,29 +219,8 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
             "ranks": [{"rank": m.parallel.rank, "dir": rank_dir_name(m.parallel.rank),
                        "image_nbytes": m.image_nbytes, "tensors": len(m.tensors)} for m in metas],
         }
-        with open(tmp / JOB_FILE, "w") as f:
-            json.dump(job, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-
         # ---- commit: unmark the old job, swap rank dirs in, mark the new job last
-        old_job = out_dir / JOB_FILE
-        if old_job.exists():
-            old_job.unlink()
-            fsync_dir(out_dir)
-        from flashboot.layouts.image import list_rank_dirs
-
-        trash = tmp / "replaced"
-        trash.mkdir()
-        for r, old in list_rank_dirs(out_dir).items():
-            os.rename(old, trash / old.name)
-        for p in layouts:
-            os.rename(tmp / rank_dir_name(p.rank), out_dir / rank_dir_name(p.rank))
-        fsync_dir(out_dir)
-        os.rename(tmp / JOB_FILE, out_dir / JOB_FILE)
-        fsync_dir(out_dir)
-        shutil.rmtree(tmp, ignore_errors=True)
+        commit_job(tmp, out_dir, job, [p.rank for p in layouts])
         t_commit = time.perf_counter()
     finally:
         fcntl.flock(lock.fileno(), fcntl.LOCK_UN)

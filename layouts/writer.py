@@ -101,3 +101,38 @@ class ImageWriter:
 
     def __del__(self):
         self.close()
+
+
+def commit_job(tmp: Path, out_dir: Path, job: dict, ranks: list[int]) -> None:
+    """Publish a pre-pack written into ``tmp`` (its ``rank-R/`` directories) as ``out_dir``.
+
+    The order makes a crash at any point safe: the job file is written and synced in ``tmp``;
+    the old job file goes first (an image without it is never taken as complete), the old rank
+    directories are moved aside, the new ones moved in, and the new job file renamed in last.
+    ``tmp`` is removed at the end.
+    """
+    import json
+    import shutil
+
+    from .format import JOB_FILE
+    from .image import list_rank_dirs, rank_dir_name
+
+    with open(tmp / JOB_FILE, "w") as f:
+        json.dump(job, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    old_job = out_dir / JOB_FILE
+    if old_job.exists():
+        old_job.unlink()
+        fsync_dir(out_dir)
+    trash = tmp / "replaced"
+    trash.mkdir()
+    for old in list_rank_dirs(out_dir).values():
+        os.rename(old, trash / old.name)
+    for r in ranks:
+        os.rename(tmp / rank_dir_name(r), out_dir / rank_dir_name(r))
+    fsync_dir(out_dir)
+    os.rename(tmp / JOB_FILE, out_dir / JOB_FILE)
+    fsync_dir(out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 
+from flashboot._lazy import lazy_getattr
+
 _LAZY = {
     "EngineKey": "flashboot.integrations.engine_prepack",
     "LoaderOptions": "flashboot.integrations.engine_prepack",
@@ -22,13 +24,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'flashboot.integrations' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr('flashboot.integrations', _LAZY, globals())
 
 
 def _require(engine: str, module: str):

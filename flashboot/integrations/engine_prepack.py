@@ -640,9 +640,9 @@ def prepack_engine_model(model, out_dir: str | os.PathLike, key: EngineKey, grou
 def _commit_engine_job(out_dir: Path, tmp: Path, job_id: str, key: EngineKey, world: int, tp_size: int,
                        ep_size: int, timeout_s: float) -> None:
     from flashboot import __version__
-    from flashboot.layouts.format import FORMAT_VERSION, JOB_FILE, JOB_FORMAT_NAME, METADATA_FILE
-    from flashboot.layouts.image import list_rank_dirs, rank_dir_name
-    from flashboot.layouts.writer import fsync_dir
+    from flashboot.layouts.format import FORMAT_VERSION, JOB_FORMAT_NAME, METADATA_FILE
+    from flashboot.layouts.image import rank_dir_name
+    from flashboot.layouts.writer import commit_job
 
     deadline = time.monotonic() + timeout_s
     lock = open(out_dir / ".lock", "a+")
@@ -679,25 +679,7 @@ def _commit_engine_job(out_dir: Path, tmp: Path, job_id: str, key: EngineKey, wo
                        "tensors": len(m["tensors"])} for r, m in enumerate(metas)],
             ENGINE_SECTION: {"format": ENGINE_FORMAT, "key": key.to_dict()},
         }
-        with open(tmp / JOB_FILE, "w") as f:
-            json.dump(job, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        old_job = out_dir / JOB_FILE
-        if old_job.exists():
-            old_job.unlink()
-            fsync_dir(out_dir)
-        trash = tmp / "replaced"
-        trash.mkdir()
-        for _, old in list_rank_dirs(out_dir).items():
-            os.rename(old, trash / old.name)
-        for r in range(world):
-            os.rename(tmp / rank_dir_name(r), out_dir / rank_dir_name(r))
-        fsync_dir(out_dir)
-        os.rename(tmp / JOB_FILE, out_dir / JOB_FILE)
-        fsync_dir(out_dir)
-        shutil.rmtree(tmp, ignore_errors=True)
+        commit_job(tmp, out_dir, job, list(range(world)))
     finally:
         fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
         lock.close()
