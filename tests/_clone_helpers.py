@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 TOKEN = "flashclone-test-token-0123456789abcdef"
 KiB, MiB = 1 << 10, 1 << 20
@@ -115,3 +116,20 @@ def arena_fds(arena_id: str = "") -> list[str]:
         if f"flashboot-arena-{arena_id}" in target:
             out.append(target)
     return out
+
+
+@pytest.fixture(autouse=True)
+def _token(monkeypatch):
+    """Every clone test runs with the shared token set, as a deployment would."""
+    monkeypatch.setenv("FLASHBOOT_TOKEN", TOKEN)
+
+
+@pytest.fixture
+def store():
+    """A store hosted by the test process (it outlives any seed a test kills)."""
+    from flashboot.rendezvous import Rendezvous, free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    rdv = Rendezvous.connect(address, TOKEN, host=True, timeout_s=20)
+    yield address, rdv
+    rdv.close()

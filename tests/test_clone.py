@@ -17,29 +17,15 @@ from flashboot.arena import Arena
 from flashboot.errors import FlashBootError, RendezvousError, UnknownNameError
 from flashboot.executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from flashboot.memory import span_of
-from flashboot.rendezvous import Rendezvous, free_port
 from flashboot.schedulers import HOST, build_plan
 
+from _clone_helpers import _token, store  # noqa: F401  (fixtures)
 from _clone_helpers import (
     CHUNK, MiB, TOKEN, finish, make_prepacked_image, pattern, spawn_cli, stop, wait_until,
     write_raw_image,
 )
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture(autouse=True)
-def _token(monkeypatch):
-    monkeypatch.setenv("FLASHBOOT_TOKEN", TOKEN)
-
-
-@pytest.fixture
-def store():
-    """A store hosted by the test process (it outlives any seed a test kills)."""
-    address = f"127.0.0.1:{free_port()}"
-    rdv = Rendezvous.connect(address, TOKEN, host=True, timeout_s=10)
-    yield address, rdv
-    rdv.close()
 
 
 @pytest.fixture(scope="module")

@@ -17,28 +17,16 @@ import pytest
 import flashboot
 from flashboot._clone import CloneError
 from flashboot.errors import RendezvousError, WaitTimeoutError
-from flashboot.rendezvous import Rendezvous, free_port
+from flashboot.rendezvous import free_port
 
+from _clone_helpers import _token, store  # noqa: F401  (fixtures)
 from _clone_helpers import (
-    CHUNK, MiB, TOKEN, arena_fds, arena_maps, finish, make_prepacked_image, spawn_cli, stop, wait_until,
+    CHUNK, MiB, arena_fds, arena_maps, finish, make_prepacked_image, spawn_cli, stop, wait_until,
     write_raw_image,
 )
 
 pytestmark = pytest.mark.timeout(30)
 NBYTES = 4 * MiB  # 16 chunks of 256 KiB
-
-
-@pytest.fixture(autouse=True)
-def _token(monkeypatch):
-    monkeypatch.setenv("FLASHBOOT_TOKEN", TOKEN)
-
-
-@pytest.fixture
-def store():
-    address = f"127.0.0.1:{free_port()}"
-    rdv = Rendezvous.connect(address, TOKEN, host=True, timeout_s=10)
-    yield address, rdv
-    rdv.close()
 
 
 @pytest.fixture

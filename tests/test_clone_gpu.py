@@ -13,26 +13,14 @@ import time
 import pytest
 
 import flashboot
-from flashboot.rendezvous import Rendezvous, free_port
 
-from _clone_helpers import MiB, TOKEN, finish, spawn_cli, stop, wait_until
+from _clone_helpers import _token, store  # noqa: F401  (fixtures)
+from _clone_helpers import MiB, finish, spawn_cli, stop, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 NBYTES = 64 * MiB
 CHUNK = 4 * MiB
 
-
-@pytest.fixture(autouse=True)
-def _token(monkeypatch):
-    monkeypatch.setenv("FLASHBOOT_TOKEN", TOKEN)
-
-
-@pytest.fixture
-def store():
-    address = f"127.0.0.1:{free_port()}"
-    rdv = Rendezvous.connect(address, TOKEN, host=True, timeout_s=20)
-    yield address, rdv
-    rdv.close()
 
 
 def _seed_arena(device, nbytes=NBYTES, seed=1):
