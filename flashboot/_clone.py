@@ -497,17 +497,11 @@ class Seed:
 
     def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
         """Block until ``stop`` is set or SIGTERM/SIGINT arrives (main thread), then :meth:`close`."""
-        previous = {}
-        if handle_signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, lambda *_: self._stop.set())
+        from ._service import serve_until_stopped
+
         try:
-            while not self._stop.wait(0.2):
-                if stop is not None and stop.is_set():
-                    break
+            serve_until_stopped(self._stop, stop, handle_signals=handle_signals)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             self.close()
 
     def stop(self) -> None:

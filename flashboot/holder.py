@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import stat
 import threading
 import time
@@ -246,17 +245,12 @@ class Holder:
 
     def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
         """Poll for requests until ``stop`` or SIGTERM/SIGINT (main thread), then :meth:`close`."""
-        previous = {}
-        if handle_signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, lambda *_: self._stop.set())
+        from ._service import serve_until_stopped
+
         try:
-            while not self._stop.is_set() and not (stop is not None and stop.is_set()):
-                self.poll_once()
-                self._stop.wait(self.poll_s)
+            serve_until_stopped(self._stop, stop, handle_signals=handle_signals, tick=self.poll_once,
+                                period_s=self.poll_s)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             self.close()
 
     def stop(self) -> None:

@@ -1140,12 +1140,16 @@ def _request(path: Path, req: dict, fd: int | None, *, connect_timeout_s: float,
             s.sendall(data)
         else:
             send_fd(s, fd, data)
-        s.settimeout(reply_timeout_s)
-        try:
-            raw = s.recv(1 << 20)
-        except socket.timeout:
-            raise WaitTimeoutError(f"the preloader at {path} did not answer {req.get('op')!r} for rank "
-                                   f"{req.get('rank')} within {reply_timeout_s:g} s") from None
+        return _read_reply(s, path, f"{req.get('op')!r} for rank {req.get('rank')}", reply_timeout_s)
+
+
+def _read_reply(sock: socket.socket, path: Path, what: str, timeout_s: float) -> dict:
+    """The daemon's JSON reply on ``sock``, waiting at most ``timeout_s``; errors name ``what``."""
+    sock.settimeout(timeout_s)
+    try:
+        raw = sock.recv(1 << 20)
+    except socket.timeout:
+        raise WaitTimeoutError(f"the preloader at {path} did not answer {what} within {timeout_s:g} s") from None
     if not raw:
         raise RendezvousError(f"the preloader at {path} closed the connection without answering")
     return json.loads(raw)
@@ -1207,15 +1211,7 @@ class ServedCopy:
         if self._sock is not None:
             sock, self._sock = self._sock, None
             try:
-                sock.settimeout(self.reply_timeout_s)
-                try:
-                    raw = sock.recv(1 << 20)
-                except socket.timeout:
-                    raise WaitTimeoutError(f"the preloader at {self.path} did not answer 'load' for rank {self.rank} "
-                                           f"within {self.reply_timeout_s:g} s") from None
-                if not raw:
-                    raise RendezvousError(f"the preloader at {self.path} closed the connection without answering")
-                reply = json.loads(raw)
+                reply = _read_reply(sock, self.path, f"'load' for rank {self.rank}", self.reply_timeout_s)
                 if not reply.get("ok"):
                     _raise_remote(reply, f"served load of rank {self.rank} by the preloader at {self.path}")
                 self._reply = reply
