@@ -68,11 +68,14 @@ class CloneReport:
 
     ``transport``: ``"posix_fd"``, ``"fabric"`` or ``"nccl"`` (``transport_note`` says why a
     fallback was taken). ``exchange_ms``: from requesting the seed's record (descriptor) to every
-    source's arena (and flags) mapped and readable: store get + authentication + decryption, taking
-    a position, and per source its record, ``pidfd_getfd``, import, reserve + map, set access and
-    the flags arena (``exchange_detail`` splits it; ``manifest_ms`` is its first part). It is the
-    part NCCL's communicator setup would replace; our own arena's allocation is ``alloc_ms``,
-    after it. ``warm_ms``: the one-time driver warm-up (:func:`flashboot.arena.warm_import`) run
+    source's arena (and flags) opened, its first segment mapped and readable: store get +
+    authentication + decryption, taking a position, and per source its record, ``pidfd_getfd`` of
+    every segment, reserve, and the first segment's import, map and set access, and the flags arena
+    (``exchange_detail`` splits it; ``manifest_ms`` is its first part). It is the part NCCL's
+    communicator setup would replace; our own arena's allocation is ``alloc_ms``, after it. The
+    sources' other segments are mapped during the transfer, each just ahead of its first copy:
+    ``map_during_copy_ms`` (host time, overlapped with copies already issued) and
+    ``segments_mapped_during_copy``. ``warm_ms``: the one-time driver warm-up (:func:`flashboot.arena.warm_import`) run
     before the descriptor is requested, overlapped with connecting. ``transfer_ms``: the copy
     (from the first step issued to the last byte in place, pipeline fill included).
     ``ready_ms``: from the call to the weights in place (verification not included; ``verify_ms``
@@ -101,6 +104,8 @@ class CloneReport:
     pin_early: bool = False
     """Ring: the shard was mapped and pinned before the start barrier (off the critical path)."""
     transfer_ms: float = 0.0
+    map_during_copy_ms: float = 0.0
+    segments_mapped_during_copy: int = 0
     ready_ms: float = 0.0
     verify_ms: float = 0.0
     total_ms: float = 0.0
@@ -355,8 +360,8 @@ def _choose_transport(desc, dev: Device, requested: str) -> tuple[str, str]:
     if requested != "auto":
         if requested == "posix_fd" and not _same_host(desc):
             raise RendezvousError(f"transport posix_fd needs the seed on this host; it runs on {desc.hostname!r}")
-        if requested == "fabric" and desc.fabric_handle is None:
-            raise RendezvousError(f"transport fabric asked for, but the seed's arena has no fabric handle "
+        if requested == "fabric" and desc.fabric_handles is None:
+            raise RendezvousError(f"transport fabric asked for, but the seed's arena has no fabric handles "
                                   f"({desc.handle_type})")
         return requested, "asked for"
     if (desc.backend == "host") != (not dev.is_cuda):
@@ -364,7 +369,7 @@ def _choose_transport(desc, dev: Device, requested: str) -> tuple[str, str]:
                               f"(use device {'cpu' if desc.backend == 'host' else 'cuda:N'})")
     if _same_host(desc):
         return "posix_fd", ""
-    if desc.fabric_handle is not None and dev.is_cuda:
+    if desc.fabric_handles is not None and dev.is_cuda:
         from .arena import fabric_preflight
 
         pre = fabric_preflight(dev.index)
@@ -969,6 +974,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
         raise CloneError(f"clone #{position}: gave up after {len(plan.participants) + 4} attempts ({report.recovered})")
     report.transfer_ms = (time.perf_counter() - ttx) * 1e3
     report.lanes = lanes
+    _note_lazy_mapping(report, sources.endpoints.values())
 
     # Upstream clones that released blocked streams (CUDA) may have let us copy bytes they later redid.
     redone = _repair_from_upstream(plan, position, list(ran.values()), sources, session, mover, timeout_s, report,
@@ -1107,6 +1113,16 @@ def _publish_done(rdv: Rendezvous, gen: str, schedule: str, position: int, manif
     rdv.publish(_gkey(gen, "done", k), {"schedule": schedule, "position": position, "pid": os.getpid(),
                                         "host": socket.gethostname(), "manifest_digest": manifest.digest},
                 sealed={"arena": session.arena.export().to_dict()})
+
+
+def _note_lazy_mapping(report: CloneReport, sources) -> None:
+    """Add the sources' segments mapped on first use during the transfer to ``report``."""
+    for ep in sources:
+        for arena in (ep.arena, ep.flags):
+            if arena is not None and not arena.closed:
+                stats = arena.map_stats
+                report.map_during_copy_ms += stats["map_ms"]
+                report.segments_mapped_during_copy += int(stats["segments"])
 
 
 def _verify(arena, manifest: Manifest, where: str) -> None:
@@ -1310,6 +1326,7 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
             report.recovered.append("loaded the rest from the host image")
         report.transfer_ms = (time.perf_counter() - tt) * 1e3
         report.lanes = [l.__dict__ | {"gbps": l.gbps} for l in rep.lanes]
+        _note_lazy_mapping(report, (ep for j, ep in endpoints.items() if j != me))
         report.ready_ms = (time.perf_counter() - t_start) * 1e3
         report.ready_unix = time.time()
         report.source = f"host shard {shard_off:,}..{shard_off + shard_n:,} + member {pred}"

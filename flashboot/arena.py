@@ -1,23 +1,29 @@
-"""The arena: one contiguous, shareable allocation per device; every weight is a zero-copy view into it.
+"""The arena: one contiguous, shareable address range per device; every weight is a zero-copy view into it.
 
-Two backends behind one API:
+Two backends behind one API, both built from **segments**: physical allocations of
+``segment_bytes`` (default :data:`SEGMENT_BYTES`, 256 MiB) mapped back to back into one reserved
+virtual range, so the weights still sit at offsets of one byte range and move as one.
 
-* **CUDA** (``device=int | "cuda:N"``): one physical allocation by ``cuMemCreate``, reserved and
-  mapped as one contiguous virtual range (``cuMemAddressReserve``, ``cuMemMap``,
-  ``cuMemSetAccess``). The capacity is rounded up to the allocation granularity (2 MiB on an
-  H200). The handle is exportable as a POSIX fd, plus a fabric handle where a one-time preflight
-  says fabric is permitted (it is not on machines without an IMEX channel:
-  ``CUDA_ERROR_NOT_PERMITTED``).
-* **host** (``device="cpu"``, the default without CUDA): a ``memfd`` (anonymous shared memory),
-  ``mmap(MAP_SHARED)``, exportable in the same way. Its granularity is fixed at 2 MiB, the CUDA
-  granularity of our GPUs, so an arena asked for the same bytes has the same capacity on both
-  backends (a layout planned on a CPU machine fits the GPU arena). The pages are sparse until
-  touched.
+* **CUDA** (``device=int | "cuda:N"``): ``cuMemCreate`` per segment, one ``cuMemAddressReserve``,
+  ``cuMemMap`` per segment, one ``cuMemSetAccess``. The capacity is rounded up to the allocation
+  granularity (2 MiB on an H200). Each segment is exportable as a POSIX fd, plus a fabric handle
+  where a one-time preflight says fabric is permitted (it is not on machines without an IMEX
+  channel: ``CUDA_ERROR_NOT_PERMITTED``).
+* **host** (``device="cpu"``, the default without CUDA): one ``memfd`` (anonymous shared memory)
+  per segment, mapped with ``MAP_FIXED`` into one reserved range, exportable in the same way. Its
+  granularity is fixed at 2 MiB, the CUDA granularity of our GPUs, so an arena asked for the same
+  bytes has the same capacity and segments on both backends (a layout planned on a CPU machine
+  fits the GPU arena). The pages are sparse until touched.
+
+Why segments: granting a GPU access to a peer's allocation costs ~9.5 ms the first time when the
+allocation is 512 MiB or larger, whatever its size, and ~1 ms below that (measured on H200;
+:data:`SEGMENT_BYTES`). With 256 MiB segments an importer maps the first segment in ~1 ms and the
+rest on first use, each just ahead of its copy, so mapping overlaps the transfer.
 
 An exporter hands out :meth:`Arena.export` (a small picklable :class:`ArenaDescriptor`); another
-process on the host calls :meth:`Arena.open`, which takes the fd with ``pidfd_getfd`` (only pid and
-fd number cross the rendezvous) or uses an fd received over a Unix socket, then imports and maps
-it, possibly on a different GPU than the exporter's (a peer mapping over NVLink).
+process on the host calls :meth:`Arena.open`, which takes the segments' fds with ``pidfd_getfd``
+(only pid and fd numbers cross the rendezvous) or uses fds received over a Unix socket, then
+imports and maps them, possibly on a different GPU than the exporter's (a peer mapping over NVLink).
 
 Setup is transactional: each step pushes its release onto an undo list; a failure halfway runs
 the list in reverse, and :meth:`Arena.close` runs it too. Views do not keep the memory mapped
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import mmap
 import os
 import secrets
@@ -44,6 +51,15 @@ from . import _cuda
 from .errors import ArenaError, CapabilityError, CudaError, FlashBootError, OutOfMemoryError
 from .fdshare import pidfd_getfd
 from .memory import Device, Span
+
+SEGMENT_BYTES = 256 << 20
+"""Default size of an arena's physical allocations (the last one may be shorter).
+
+Measured on H200 x2 (benchmarks/RESULTS.md, "Peer mapping cost"): granting a GPU access to a
+peer's allocation of 512 MiB or more costs ~9.5 ms the first time (whatever the size: 512 MiB and
+8 GiB alike), ~1 ms below that, ~0.05 ms per further segment. Arenas of 256 MiB segments are mapped
+by a clone segment by segment, just ahead of each segment's copy, so the mapping overlaps the copy
+instead of standing before its first byte."""
 
 HOST_GRANULARITY = 2 << 20
 """Capacity rounding of host arenas: 2 MiB, the CUDA VMM granularity on our GPUs (see module doc)."""
@@ -120,38 +136,58 @@ class _Undo:
 class ArenaDescriptor:
     """What another process on this host needs to open an arena: small and picklable.
 
-    ``pid`` and ``fd`` name the exporter's shareable fd (taken with ``pidfd_getfd``);
-    ``fabric_handle`` (64 bytes) is set only for CUDA arenas created with a fabric handle.
+    ``pid`` and ``fds`` name the exporter's shareable fds, one per segment (taken with
+    ``pidfd_getfd``); segment *i* covers bytes ``[i * segment_bytes, min((i + 1) *
+    segment_bytes, nbytes))``. ``fabric_handles`` (64 bytes each, one per segment) are set only
+    for CUDA arenas created with fabric handles.
     """
 
     backend: str  # "cuda" or "host"
     pid: int
-    fd: int
+    fds: tuple[int, ...]
     nbytes: int
     device_index: int  # the exporter's CUDA device; -1 for the host backend
     handle_type: str  # "posix_fd", "fabric+posix_fd" or "memfd"
     granularity: int
+    segment_bytes: int
     arena_id: str
-    fabric_handle: bytes | None = None
+    fabric_handles: tuple[bytes, ...] | None = None
     hostname: str = ""
 
+    def __post_init__(self) -> None:
+        expected = _segment_count(self.nbytes, self.segment_bytes)
+        if len(self.fds) != expected:
+            raise ArenaError(f"arena descriptor {self.arena_id}: {self.nbytes:,} bytes in segments of "
+                             f"{self.segment_bytes:,} need {expected} fds, it lists {len(self.fds)}")
+        if self.fabric_handles is not None and len(self.fabric_handles) != expected:
+            raise ArenaError(f"arena descriptor {self.arena_id}: {expected} segments but "
+                             f"{len(self.fabric_handles)} fabric handles")
+
+    @property
+    def segments(self) -> int:
+        """Number of physical allocations (one fd each)."""
+        return len(self.fds)
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (the fabric handle as hex)."""
+        """A JSON-ready dict (fabric handles as hex)."""
         d = dataclasses.asdict(self)
-        d["fabric_handle"] = self.fabric_handle.hex() if self.fabric_handle is not None else None
+        d["fds"] = list(self.fds)
+        d["fabric_handles"] = [h.hex() for h in self.fabric_handles] if self.fabric_handles is not None else None
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ArenaDescriptor":
         """Inverse of :meth:`to_dict`; ArenaError for missing or unknown fields."""
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = {"backend", "pid", "fd", "nbytes", "device_index", "handle_type", "granularity", "arena_id"} - set(d)
+        missing = {"backend", "pid", "fds", "nbytes", "device_index", "handle_type", "granularity", "segment_bytes",
+                   "arena_id"} - set(d)
         unknown = set(d) - names
         if missing or unknown:
             raise ArenaError(f"bad arena descriptor: missing {sorted(missing)}, unknown {sorted(unknown)}")
         d = dict(d)
-        if d.get("fabric_handle") is not None:
-            d["fabric_handle"] = bytes.fromhex(d["fabric_handle"])
+        d["fds"] = tuple(int(fd) for fd in d["fds"])
+        if d.get("fabric_handles") is not None:
+            d["fabric_handles"] = tuple(bytes.fromhex(h) for h in d["fabric_handles"])
         return cls(**d)
 
 
@@ -204,24 +240,93 @@ def _fd_target(fd: int) -> str:
         return "?"
 
 
-# Host backend steps, module-level so tests can inject a failure into any one of them.
+# Host backend steps, module-level so tests can inject a failure into any one of them. The host
+# backend reserves address space like cuMemAddressReserve (an inaccessible anonymous mapping) and
+# maps each segment's memfd over its part with MAP_FIXED, so both backends share one segment model.
 
-def _host_memfd(arena_id: str) -> int:
-    return os.memfd_create(_MEMFD_PREFIX + arena_id, os.MFD_CLOEXEC)
+_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _mmap_call(addr: int | None, nbytes: int, prot: int, flags: int, fd: int) -> int:
+    out = _libc().mmap(addr, nbytes, prot, flags, fd, 0)
+    if out is None or out == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {nbytes:,} bytes: {os.strerror(err)}")
+    return int(out)
+
+
+def _host_munmap(addr: int, nbytes: int) -> None:
+    if _libc().munmap(addr, nbytes) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"munmap of {nbytes:,} bytes at {addr:#x}: {os.strerror(err)}")
+
+
+def _host_memfd(name: str) -> int:
+    return os.memfd_create(name, os.MFD_CLOEXEC)
 
 
 def _host_truncate(fd: int, nbytes: int) -> None:
     os.ftruncate(fd, nbytes)
 
 
-def _host_mmap(fd: int, nbytes: int) -> mmap.mmap:
-    return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+def _host_reserve(nbytes: int) -> int:
+    return _mmap_call(None, nbytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1)
 
 
-def _host_address(mm: mmap.mmap) -> int:
-    # The ctypes object exports the mmap's buffer only for this line; the address stays valid
-    # until mm.close(), and no lingering export blocks that close.
-    return ctypes.addressof(ctypes.c_char.from_buffer(mm))
+def _host_map_segment(addr: int, fd: int, nbytes: int) -> None:
+    _mmap_call(addr, nbytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED, fd)
+
+
+def _memfd_name(arena_id: str, segment: int) -> str:
+    return f"{_MEMFD_PREFIX}{arena_id}.{segment}"
+
+
+def _segment_count(nbytes: int, segment_bytes: int) -> int:
+    if segment_bytes <= 0:
+        raise ArenaError(f"segment size must be positive, got {segment_bytes:,} bytes")
+    return -(-nbytes // segment_bytes)
+
+
+def _segment_sizes(nbytes: int, segment_bytes: int) -> list[int]:
+    """Sizes of the segments of an ``nbytes`` arena: all ``segment_bytes`` but a shorter last one."""
+    count = _segment_count(nbytes, segment_bytes)
+    return [segment_bytes] * (count - 1) + [nbytes - segment_bytes * (count - 1)]
+
+
+def _check_segment_bytes(segment_bytes: Any, granularity: int) -> int:
+    if segment_bytes is None:
+        return _round_up(SEGMENT_BYTES, granularity)
+    if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes <= 0:
+        raise ArenaError(f"segment_bytes must be a positive int, got {segment_bytes!r}")
+    if segment_bytes % granularity:
+        raise ArenaError(f"segment_bytes {segment_bytes:,} is not a multiple of the allocation granularity "
+                         f"{granularity:,}")
+    return segment_bytes
+
+
+def _make_fd_room(count: int, what: str) -> None:
+    """Raise the soft open-file limit (up to the hard one) so ``count`` more fds fit; ArenaError if not."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    need = in_use + count + 64  # headroom for sockets and files the caller opens next
+    if soft != resource.RLIM_INFINITY and need > soft:
+        if hard != resource.RLIM_INFINITY and need > hard:
+            raise ArenaError(f"{what} needs {count:,} fds (one per segment) and {in_use:,} are open; the hard limit "
+                             f"on open files is {hard:,}: raise it (ulimit -Hn) or use larger segments")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,22 +480,26 @@ def _set_access(ptr, nbytes: int, devices: Sequence[int]) -> None:
     _cuda.check(drv.cuMemSetAccess(ptr, nbytes, descs, len(descs)), f"cuMemSetAccess({list(devices)})")
 
 
-def _map_handle(undo: _Undo, handle, nbytes: int, granularity: int, devices: Sequence[int],
-                timings: dict | None = None) -> int:
-    """Reserve a range, map ``handle`` into it and grant access; each step pushes its release.
-    ``timings`` (optional) receives ``reserve_map_ms`` and ``set_access_ms``."""
+def _reserve(undo: _Undo, nbytes: int, alignment: int) -> int:
+    """Reserve ``nbytes`` of device virtual address space; pushes its release."""
     drv = _cuda.driver()
-    t0 = time.perf_counter()
-    ptr = _cuda.check(drv.cuMemAddressReserve(nbytes, granularity, 0, 0), f"cuMemAddressReserve({nbytes:,})")
+    ptr = _cuda.check(drv.cuMemAddressReserve(nbytes, alignment, 0, 0), f"cuMemAddressReserve({nbytes:,})")
     undo.push("cuMemAddressFree", lambda: _cuda.check(drv.cuMemAddressFree(ptr, nbytes), "cuMemAddressFree"))
-    _cuda.check(drv.cuMemMap(ptr, nbytes, 0, handle, 0), f"cuMemMap({nbytes:,})")
-    undo.push("cuMemUnmap", lambda: _cuda.check(drv.cuMemUnmap(ptr, nbytes), "cuMemUnmap"))
-    t1 = time.perf_counter()
-    _set_access(ptr, nbytes, devices)
-    if timings is not None:
-        timings["reserve_map_ms"] = (t1 - t0) * 1e3
-        timings["set_access_ms"] = (time.perf_counter() - t1) * 1e3
     return int(ptr)
+
+
+def _map_at(undo: _Undo, ptr: int, handle, nbytes: int) -> None:
+    drv = _cuda.driver()
+    _cuda.check(drv.cuMemMap(ptr, nbytes, 0, handle, 0), f"cuMemMap({nbytes:,} at {ptr:#x})")
+    undo.push("cuMemUnmap", lambda: _cuda.check(drv.cuMemUnmap(ptr, nbytes), "cuMemUnmap"))
+
+
+def _map_handle(undo: _Undo, handle, nbytes: int, granularity: int, devices: Sequence[int]) -> int:
+    """Reserve a range, map ``handle`` into it and grant access; each step pushes its release."""
+    ptr = _reserve(undo, nbytes, granularity)
+    _map_at(undo, ptr, handle, nbytes)
+    _set_access(ptr, nbytes, devices)
+    return ptr
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,18 +508,25 @@ def _map_handle(undo: _Undo, handle, nbytes: int, granularity: int, devices: Seq
 
 
 class Arena:
-    """One contiguous shareable allocation on a CUDA device or in host shared memory.
+    """One contiguous shareable address range on a CUDA device or in host shared memory, backed by
+    segments (physical allocations of ``segment_bytes``, see :data:`SEGMENT_BYTES`).
 
     Build one with :meth:`create` (the owner) or :meth:`open` (an importer of another process's
     arena). Attributes: ``nbytes`` (capacity, rounded up to ``granularity``), ``requested_nbytes``,
     ``device`` (where views live: the accessing device), ``home_device`` (where the memory
-    physically is), ``ptr``, ``handle_type``, ``arena_id``, ``imported``.
+    physically is), ``ptr``, ``handle_type``, ``arena_id``, ``imported``, ``segment_bytes``,
+    ``segments``.
+
+    An opened arena maps its segments on first use: :meth:`span`, :meth:`view` and
+    :meth:`bytes` map the segments they cover, :meth:`map_range` maps a range ahead of use and
+    ``ptr`` maps all of it. Its fds are taken at :meth:`open`, so later mappings do not depend on
+    the exporter still running.
     """
 
     def __init__(self, *, undo: _Undo, ptr: int, nbytes: int, requested_nbytes: int, device: Device,
-                 home_device: Device, granularity: int, handle_type: str, arena_id: str,
-                 imported: bool, descriptor: ArenaDescriptor | None = None, cuda_handle: Any = None,
-                 fabric: bool = False):
+                 home_device: Device, granularity: int, segment_bytes: int, handle_type: str, arena_id: str,
+                 imported: bool, descriptor: ArenaDescriptor | None = None, handles: list | None = None,
+                 fabric: bool = False, pending: Callable[[int], None] | None = None):
         # Built by create()/open(); not meant to be called directly.
         self._undo = undo
         self._ptr = ptr
@@ -419,24 +535,33 @@ class Arena:
         self._device = device
         self._home_device = home_device
         self._granularity = granularity
+        self._segment_bytes = segment_bytes
+        self._segment_sizes = _segment_sizes(nbytes, segment_bytes)
         self._handle_type = handle_type
         self._arena_id = arena_id
         self._imported = imported
         self._descriptor = descriptor
-        self._cuda_handle = cuda_handle  # the owner's CUmemGenericAllocationHandle, for export()
+        self._handles = handles  # the owner's CUmemGenericAllocationHandles, for export()
         self._fabric = fabric
+        self._map_segment = pending  # an importer's "map segment i"; None once everything is mapped
+        self._mapped = [pending is None] * len(self._segment_sizes)
+        self._map_lock = threading.Lock()
+        self._map_stats = {"segments": 0, "map_ms": 0.0}
         self._flat = None
         self._closed = False
 
     # ---- construction -----------------------------------------------------------------------
 
     @classmethod
-    def create(cls, nbytes: int, device: Any = None, *, access: Any = None) -> "Arena":
+    def create(cls, nbytes: int, device: Any = None, *, access: Any = None,
+               segment_bytes: int | None = None) -> "Arena":
         """Allocate an arena of at least ``nbytes`` bytes.
 
         ``device``: an int, ``"cuda:N"``, ``"cpu"`` (host backend) or None (``cuda:0`` where CUDA
         exists, else ``cpu``). ``access``: extra CUDA devices given read/write access (an index,
         a list, or ``"all"`` for every peer that can); the owning device always has it.
+        ``segment_bytes``: size of each physical allocation (default :data:`SEGMENT_BYTES`; a
+        multiple of the granularity).
 
         Raises ArenaError for a bad size, OutOfMemoryError (bytes needed and free) before
         allocating, CapabilityError for a device that does not exist, CudaError for a driver failure.
@@ -444,39 +569,45 @@ class Arena:
         nbytes = _check_nbytes(nbytes)
         dev = Device.parse(device)
         if dev.is_cuda:
-            return cls._create_cuda(nbytes, dev, access)
+            return cls._create_cuda(nbytes, dev, access, segment_bytes)
         if access is not None:
             raise ArenaError(f"access={access!r} applies to CUDA arenas; this one is on the host backend")
-        return cls._create_host(nbytes)
+        return cls._create_host(nbytes, segment_bytes)
 
     @classmethod
-    def _create_host(cls, nbytes: int) -> "Arena":
+    def _create_host(cls, nbytes: int, segment_bytes: Any) -> "Arena":
         capacity = _round_up(nbytes, HOST_GRANULARITY)
+        segment_bytes = _check_segment_bytes(segment_bytes, HOST_GRANULARITY)
         available = _host_mem_available()
         if capacity > available:
             raise OutOfMemoryError("host arena (MemAvailable + SwapFree)", capacity, available)
         arena_id = secrets.token_hex(8)
+        sizes = _segment_sizes(capacity, segment_bytes)
+        _make_fd_room(len(sizes), f"a host arena of {capacity:,} bytes")
         undo = _Undo(f"host arena {arena_id} ({capacity:,} bytes)")
+        fds: list[int] = []
         try:
-            fd = _host_memfd(arena_id)
-            undo.push("close memfd", lambda: os.close(fd))
-            _host_truncate(fd, capacity)
-            mm = _host_mmap(fd, capacity)
-            undo.push("munmap", mm.close)
-            ptr = _host_address(mm)
+            ptr = _host_reserve(capacity)
+            undo.push("munmap", lambda: _host_munmap(ptr, capacity))  # also unmaps every segment in it
+            for i, size in enumerate(sizes):
+                fd = _host_memfd(_memfd_name(arena_id, i))
+                undo.push("close memfd", lambda fd=fd: os.close(fd))
+                fds.append(fd)
+                _host_truncate(fd, size)
+                _host_map_segment(ptr + i * segment_bytes, fd, size)
         except BaseException as exc:
             undo.release()
             if isinstance(exc, OSError):
                 raise ArenaError(f"creating a {capacity:,}-byte host arena failed: {exc}") from exc
             raise
-        descriptor = ArenaDescriptor("host", os.getpid(), fd, capacity, -1, HANDLE_MEMFD, HOST_GRANULARITY,
-                                     arena_id, None, socket.gethostname())
+        descriptor = ArenaDescriptor("host", os.getpid(), tuple(fds), capacity, -1, HANDLE_MEMFD, HOST_GRANULARITY,
+                                     segment_bytes, arena_id, None, socket.gethostname())
         return cls(undo=undo, ptr=ptr, nbytes=capacity, requested_nbytes=nbytes, device=Device("cpu"),
-                   home_device=Device("cpu"), granularity=HOST_GRANULARITY, handle_type=HANDLE_MEMFD,
-                   arena_id=arena_id, imported=False, descriptor=descriptor)
+                   home_device=Device("cpu"), granularity=HOST_GRANULARITY, segment_bytes=segment_bytes,
+                   handle_type=HANDLE_MEMFD, arena_id=arena_id, imported=False, descriptor=descriptor)
 
     @classmethod
-    def _create_cuda(cls, nbytes: int, dev: Device, access: Any) -> "Arena":
+    def _create_cuda(cls, nbytes: int, dev: Device, access: Any, segment_bytes: Any) -> "Arena":
         drv = _cuda.driver()
         index = dev.index
         _cuda.use_device(index)
@@ -485,157 +616,241 @@ class Arena:
         prop = _allocation_prop(index, fabric)
         granularity = _granularity(prop)
         capacity = _round_up(nbytes, granularity)
+        segment_bytes = _check_segment_bytes(segment_bytes, granularity)
         free, _total = _cuda.check(drv.cuMemGetInfo(), "cuMemGetInfo")
         if capacity > free:
             raise OutOfMemoryError(f"arena on cuda:{index}", capacity, int(free))
         arena_id = secrets.token_hex(8)
         undo = _Undo(f"CUDA arena {arena_id} ({capacity:,} bytes on cuda:{index})",
                      before_release=lambda: _cuda.use_device(index))
+        handles = []
         try:
-            handle = _cuda.check(drv.cuMemCreate(capacity, prop, 0), f"cuMemCreate({capacity:,} bytes on cuda:{index})")
-            undo.push("cuMemRelease", lambda: _cuda.check(drv.cuMemRelease(handle), "cuMemRelease"))
-            ptr = _map_handle(undo, handle, capacity, granularity, devices)
+            ptr = _reserve(undo, capacity, granularity)
+            for i, size in enumerate(_segment_sizes(capacity, segment_bytes)):
+                handle = _cuda.check(drv.cuMemCreate(size, prop, 0),
+                                     f"cuMemCreate({size:,} bytes on cuda:{index}, segment {i})")
+                undo.push("cuMemRelease", lambda h=handle: _cuda.check(drv.cuMemRelease(h), "cuMemRelease"))
+                handles.append(handle)
+                _map_at(undo, ptr + i * segment_bytes, handle, size)
+            _set_access(ptr, capacity, devices)  # one grant may span many mappings
         except BaseException:
             undo.release()
             raise
         handle_type = HANDLE_FABRIC_POSIX_FD if fabric else HANDLE_POSIX_FD
         return cls(undo=undo, ptr=ptr, nbytes=capacity, requested_nbytes=nbytes, device=dev, home_device=dev,
-                   granularity=granularity, handle_type=handle_type, arena_id=arena_id, imported=False,
-                   cuda_handle=handle, fabric=fabric)
+                   granularity=granularity, segment_bytes=segment_bytes, handle_type=handle_type,
+                   arena_id=arena_id, imported=False, handles=handles, fabric=fabric)
 
     @classmethod
-    def open(cls, descriptor: ArenaDescriptor, device: Any = None, *, fd: int | None = None,
+    def open(cls, descriptor: ArenaDescriptor, device: Any = None, *, fds: Sequence[int] | None = None,
              access: Any = None, via: str = "auto", timings: dict | None = None) -> "Arena":
         """Map another process's arena into this one.
 
         ``device``: the CUDA device that accesses it (default: the exporter's index; a different
-        one maps the memory as a peer), or ``"cpu"``/None for a host arena. ``fd``: an fd already
-        received for it (e.g. :func:`flashboot.fdshare.recv_fd`); the caller keeps owning it.
-        Otherwise the fd is taken from the exporter with ``pidfd_getfd``. ``via``: ``"auto"``,
-        ``"pidfd"`` or ``"fabric"`` (CUDA arenas with a fabric handle; auto uses it when the
-        descriptor comes from another host).
+        one maps the memory as a peer), or ``"cpu"``/None for a host arena. ``fds``: the
+        segments' fds already received (e.g. :func:`flashboot.fdshare.recv_fds`); the caller
+        keeps owning them. Otherwise they are taken from the exporter with ``pidfd_getfd``.
+        ``via``: ``"auto"``, ``"pidfd"`` or ``"fabric"`` (CUDA arenas with fabric handles; auto
+        uses them when the descriptor comes from another host).
 
-        The opened arena is an importer: ``close()`` unmaps it and drops its handle; the
+        The fds are taken and the address range reserved now, and the first segment mapped (so a
+        wrong descriptor fails here); the other segments are mapped on first use (class doc).
+        The opened arena is an importer: ``close()`` unmaps it and drops its handles; the
         exporter's memory stays. Raises ArenaError naming the pid for an exporter that has
         exited, and for an fd that is not the arena. ``timings`` (optional dict) receives where the
-        time went, in ms: ``pidfd_getfd_ms``, ``import_ms`` (CUDA), ``reserve_map_ms``,
-        ``set_access_ms`` (CUDA) or ``map_ms`` (host).
+        time went, in ms: ``pidfd_getfd_ms`` (all segments), ``reserve_ms``, and for the first
+        segment ``import_ms`` (CUDA), ``map_ms``, ``set_access_ms`` (CUDA).
         """
         if not isinstance(descriptor, ArenaDescriptor):
             raise ArenaError(f"Arena.open needs an ArenaDescriptor, got {type(descriptor).__name__}")
         if via not in ("auto", "pidfd", "fabric"):
             raise ArenaError(f"via must be 'auto', 'pidfd' or 'fabric', got {via!r}")
+        if fds is not None and len(fds) != descriptor.segments:
+            raise ArenaError(f"arena {descriptor.arena_id} has {descriptor.segments} segments; {len(fds)} fds were given")
         if descriptor.backend == "host":
             if device is not None and Device.parse(device).is_cuda:
                 raise ArenaError(f"arena {descriptor.arena_id} is a host arena; open it with device='cpu', not {device!r}")
             if access is not None or via == "fabric":
                 raise ArenaError("access= and via='fabric' apply to CUDA arenas; this one is a host arena")
-            return cls._open_host(descriptor, fd, timings)
+            return cls._open(descriptor, Device("cpu"), fds, [], False, timings)
         if descriptor.backend != "cuda":
             raise ArenaError(f"unknown arena backend {descriptor.backend!r} in descriptor {descriptor.arena_id}")
         dev = Device.parse(descriptor.device_index if device is None else device)
         if not dev.is_cuda:
             raise ArenaError(f"arena {descriptor.arena_id} lives on cuda:{descriptor.device_index}; open it on a CUDA device, not {device!r}")
-        return cls._open_cuda(descriptor, dev, fd, access, via, timings)
+        home = descriptor.device_index
+        _cuda.use_device(dev.index)
+        if not can_access_peer(dev.index, home):
+            raise CapabilityError(f"cuda:{dev.index} cannot map arena {descriptor.arena_id}: no peer access to cuda:{home}")
+        devices = _resolve_access(home, access, first=dev.index)
+        use_fabric = via == "fabric" or (
+            via == "auto" and fds is None and descriptor.fabric_handles is not None
+            and descriptor.hostname not in ("", socket.gethostname())
+        )
+        if use_fabric and descriptor.fabric_handles is None:
+            raise ArenaError(f"arena {descriptor.arena_id} has no fabric handles (handle type {descriptor.handle_type})")
+        return cls._open(descriptor, dev, fds, devices, use_fabric, timings)
 
     @staticmethod
-    def _take_fd(descriptor: ArenaDescriptor, fd: int | None) -> int:
-        """An fd for the arena owned by the caller: a dup of ``fd`` or one taken from the exporter."""
-        if fd is not None:
-            try:
-                return os.dup(fd)
-            except OSError as exc:
-                raise ArenaError(f"fd {fd} given for arena {descriptor.arena_id} is not open: {exc.strerror}") from None
-        try:
-            return pidfd_getfd(descriptor.pid, descriptor.fd)
-        except FlashBootError as exc:
-            raise ArenaError(f"cannot open arena {descriptor.arena_id} exported by pid {descriptor.pid}: {exc}") from None
+    def _source(descriptor: ArenaDescriptor, fds: Sequence[int] | None, i: int) -> str:
+        return f"fd {fds[i]}" if fds is not None else f"fd {descriptor.fds[i]} of pid {descriptor.pid}"
 
     @classmethod
-    def _open_host(cls, descriptor: ArenaDescriptor, fd: int | None, timings: dict | None = None) -> "Arena":
-        t0 = time.perf_counter()
-        own_fd = cls._take_fd(descriptor, fd)
-        t1 = time.perf_counter()
-        undo = _Undo(f"opened host arena {descriptor.arena_id}")
-        try:
+    def _take_fds(cls, undo: _Undo, descriptor: ArenaDescriptor, fds: Sequence[int] | None) -> list[int]:
+        """Own fds for every segment (dups of ``fds`` or taken from the exporter); one undo step
+        closes those still open (a segment's fd is closed once it is mapped)."""
+        _make_fd_room(descriptor.segments, f"opening arena {descriptor.arena_id}")
+        own: list[int] = []
+        undo.push("close segment fds", lambda: [os.close(fd) for fd in own if fd >= 0])
+        for i in range(descriptor.segments):
+            if fds is not None:
+                try:
+                    own.append(os.dup(fds[i]))
+                except OSError as exc:
+                    raise ArenaError(f"fd {fds[i]} given for segment {i} of arena {descriptor.arena_id} is not open: "
+                                     f"{exc.strerror}") from None
+                continue
             try:
-                target = _fd_target(own_fd)
-                expected = f"/memfd:{_MEMFD_PREFIX}{descriptor.arena_id}"
-                if not target.startswith(expected):
-                    source = f"fd {fd}" if fd is not None else f"fd {descriptor.fd} of pid {descriptor.pid}"
-                    raise ArenaError(f"{source} is not arena {descriptor.arena_id}: it is {target!r}, expected {expected!r}")
-                size = os.fstat(own_fd).st_size
-                if size < descriptor.nbytes:
-                    raise ArenaError(f"arena {descriptor.arena_id} holds {size:,} bytes; the descriptor says {descriptor.nbytes:,}")
-                mm = _host_mmap(own_fd, descriptor.nbytes)
-                undo.push("munmap", mm.close)
-                ptr = _host_address(mm)
-                if timings is not None:
-                    timings["pidfd_getfd_ms"] = (t1 - t0) * 1e3
-                    timings["map_ms"] = (time.perf_counter() - t1) * 1e3
-            finally:
-                os.close(own_fd)  # the mapping keeps the memory; the fd is not needed any more
+                own.append(pidfd_getfd(descriptor.pid, descriptor.fds[i]))
+            except FlashBootError as exc:
+                raise ArenaError(f"cannot open arena {descriptor.arena_id} exported by pid {descriptor.pid}: {exc}") from None
+        return own
+
+    @classmethod
+    def _open(cls, descriptor: ArenaDescriptor, dev: Device, fds: Sequence[int] | None, devices: list[int],
+              use_fabric: bool, timings: dict | None) -> "Arena":
+        drv = _cuda.driver() if dev.is_cuda else None
+        home = descriptor.device_index
+        where = f"home cuda:{home}, mapped on {dev}" if dev.is_cuda else "host"
+        undo = _Undo(f"opened arena {descriptor.arena_id} ({where})",
+                     before_release=(lambda: _cuda.use_device(dev.index)) if dev.is_cuda else None)
+        sizes = _segment_sizes(descriptor.nbytes, descriptor.segment_bytes)
+        stats = timings if timings is not None else {}
+        try:
+            t0 = time.perf_counter()
+            own = [] if use_fabric else cls._take_fds(undo, descriptor, fds)
+            t1 = time.perf_counter()
+            if dev.is_cuda:
+                base = _reserve(undo, descriptor.nbytes, descriptor.granularity)
+            else:
+                for i, fd in enumerate(own):
+                    cls._check_memfd(descriptor, fds, i, fd, sizes[i])
+                base = _host_reserve(descriptor.nbytes)
+                undo.push("munmap", lambda: _host_munmap(base, descriptor.nbytes))
+            stats["pidfd_getfd_ms"], stats["reserve_ms"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
         except BaseException as exc:
             undo.release()
             if isinstance(exc, OSError):
-                raise ArenaError(f"mapping host arena {descriptor.arena_id} failed: {exc}") from exc
+                raise ArenaError(f"opening arena {descriptor.arena_id} failed: {exc}") from exc
             raise
-        return cls(undo=undo, ptr=ptr, nbytes=descriptor.nbytes, requested_nbytes=descriptor.nbytes,
-                   device=Device("cpu"), home_device=Device("cpu"), granularity=descriptor.granularity,
-                   handle_type=descriptor.handle_type, arena_id=descriptor.arena_id, imported=True,
-                   descriptor=descriptor)
 
-    @classmethod
-    def _open_cuda(cls, descriptor: ArenaDescriptor, dev: Device, fd: int | None, access: Any, via: str,
-                   timings: dict | None = None) -> "Arena":
-        drv = _cuda.driver()
-        kind = drv.CUmemAllocationHandleType
-        index = dev.index
-        _cuda.use_device(index)
-        home = descriptor.device_index
-        if not can_access_peer(index, home):
-            raise CapabilityError(f"cuda:{index} cannot map arena {descriptor.arena_id}: no peer access to cuda:{home}")
-        devices = _resolve_access(home, access, first=index)
-        use_fabric = via == "fabric" or (
-            via == "auto" and fd is None and descriptor.fabric_handle is not None
-            and descriptor.hostname not in ("", socket.gethostname())
-        )
-        if use_fabric and descriptor.fabric_handle is None:
-            raise ArenaError(f"arena {descriptor.arena_id} has no fabric handle (handle type {descriptor.handle_type})")
-        undo = _Undo(f"opened CUDA arena {descriptor.arena_id} (home cuda:{home}, mapped on cuda:{index})",
-                     before_release=lambda: _cuda.use_device(index))
-        try:
+        def map_segment(i: int, out: dict) -> None:
+            """Import, map and grant segment ``i``; its releases join the arena's undo list."""
+            ptr, size = base + i * descriptor.segment_bytes, sizes[i]
+            t = time.perf_counter()
+            if not dev.is_cuda:
+                try:
+                    _host_map_segment(ptr, own[i], size)
+                except OSError as exc:
+                    raise ArenaError(f"mapping segment {i} of host arena {descriptor.arena_id} failed: {exc}") from exc
+                os.close(own[i])  # the mapping keeps the memory
+                own[i] = -1
+                out["map_ms"] = out.get("map_ms", 0.0) + (time.perf_counter() - t) * 1e3
+                return
+            kind = drv.CUmemAllocationHandleType
             if use_fabric:
                 fabric = drv.CUmemFabricHandle()
-                fabric.data = descriptor.fabric_handle
+                fabric.data = descriptor.fabric_handles[i]
                 handle = _cuda.check(drv.cuMemImportFromShareableHandle(fabric, kind.CU_MEM_HANDLE_TYPE_FABRIC),
-                                     "cuMemImportFromShareableHandle(FABRIC)")
+                                     f"cuMemImportFromShareableHandle(FABRIC, segment {i})")
             else:
-                t0 = time.perf_counter()
-                own_fd = cls._take_fd(descriptor, fd)
-                t1 = time.perf_counter()
-                if timings is not None:
-                    timings["pidfd_getfd_ms"] = (t1 - t0) * 1e3
                 try:
-                    handle = _cuda.check(drv.cuMemImportFromShareableHandle(own_fd, kind.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-                                         "cuMemImportFromShareableHandle(POSIX_FILE_DESCRIPTOR)")
+                    handle = _cuda.check(drv.cuMemImportFromShareableHandle(own[i], kind.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                                         f"cuMemImportFromShareableHandle(POSIX_FILE_DESCRIPTOR, segment {i})")
                 except CudaError as exc:
-                    source = f"fd {fd}" if fd is not None else f"fd {descriptor.fd} of pid {descriptor.pid}"
-                    raise ArenaError(f"{source} ({_fd_target(own_fd)}) is not the CUDA memory handle of arena "
-                                     f"{descriptor.arena_id}: {exc}") from exc
-                finally:
-                    os.close(own_fd)  # the imported handle holds the allocation now
-                if timings is not None:
-                    timings["import_ms"] = (time.perf_counter() - t1) * 1e3
+                    raise ArenaError(f"{cls._source(descriptor, fds, i)} ({_fd_target(own[i])}) is not the CUDA memory "
+                                     f"handle of segment {i} of arena {descriptor.arena_id}: {exc}") from exc
+                os.close(own[i])  # the imported handle holds the allocation now
+                own[i] = -1
             undo.push("cuMemRelease", lambda: _cuda.check(drv.cuMemRelease(handle), "cuMemRelease"))
-            ptr = _map_handle(undo, handle, descriptor.nbytes, descriptor.granularity, devices, timings)
+            t1 = time.perf_counter()
+            _map_at(undo, ptr, handle, size)
+            t2 = time.perf_counter()
+            _set_access(ptr, size, devices)
+            t3 = time.perf_counter()
+            for key, ms in (("import_ms", t1 - t), ("map_ms", t2 - t1), ("set_access_ms", t3 - t2)):
+                out[key] = out.get(key, 0.0) + ms * 1e3
+
+        arena = cls(undo=undo, ptr=base, nbytes=descriptor.nbytes, requested_nbytes=descriptor.nbytes, device=dev,
+                    home_device=Device("cuda", home) if dev.is_cuda else dev, granularity=descriptor.granularity,
+                    segment_bytes=descriptor.segment_bytes, handle_type=descriptor.handle_type,
+                    arena_id=descriptor.arena_id, imported=True, descriptor=descriptor, pending=map_segment)
+        try:
+            first: dict = {}
+            arena._map_segments(0, 1, first)
+            stats.update(first)
+            arena._map_stats.update(segments=0, map_ms=0.0)  # map_stats counts what comes after open
         except BaseException:
+            arena._closed = True
             undo.release()
             raise
-        return cls(undo=undo, ptr=ptr, nbytes=descriptor.nbytes, requested_nbytes=descriptor.nbytes, device=dev,
-                   home_device=Device("cuda", home), granularity=descriptor.granularity,
-                   handle_type=descriptor.handle_type, arena_id=descriptor.arena_id, imported=True,
-                   descriptor=descriptor)
+        return arena
+
+    @staticmethod
+    def _check_memfd(descriptor: ArenaDescriptor, fds: Sequence[int] | None, i: int, fd: int, size: int) -> None:
+        target = _fd_target(fd)
+        expected = f"/memfd:{_memfd_name(descriptor.arena_id, i)}"
+        if not (target == expected or target.startswith(expected + " ")):
+            raise ArenaError(f"{Arena._source(descriptor, fds, i)} is not segment {i} of arena {descriptor.arena_id}: "
+                             f"it is {target!r}, expected {expected!r}")
+        found = os.fstat(fd).st_size
+        if found < size:
+            raise ArenaError(f"segment {i} of arena {descriptor.arena_id} holds {found:,} bytes; the descriptor says "
+                             f"{size:,}")
+
+    # ---- mapping on first use ------------------------------------------------------------------
+
+    def _map_segments(self, first: int, last: int, out: dict | None = None) -> None:
+        """Map segments ``first`` .. ``last - 1`` that are not mapped yet (importers only)."""
+        if self._map_segment is None:
+            return
+        with self._map_lock:
+            if self._map_segment is None:
+                return
+            t0 = time.perf_counter()
+            done = 0
+            for i in range(first, last):
+                if not self._mapped[i]:
+                    if self._device.is_cuda:
+                        _cuda.use_device(self._device.index)
+                    self._map_segment(i, out if out is not None else {})
+                    self._mapped[i] = True
+                    done += 1
+            if done:
+                self._map_stats["segments"] += done
+                self._map_stats["map_ms"] += (time.perf_counter() - t0) * 1e3
+            if all(self._mapped):
+                self._map_segment = None
+
+    def map_range(self, offset: int = 0, nbytes: int | None = None) -> None:
+        """Map the segments covering ``[offset, offset + nbytes)`` now (an opened arena maps
+        them on first use otherwise); a no-op on an owner or where mapped already."""
+        self._check_open()
+        end = self._nbytes if nbytes is None else offset + nbytes
+        if offset < 0 or end > self._nbytes or end < offset:
+            raise ArenaError(f"range {offset:,}..{end:,} is outside arena {self._arena_id}'s {self._nbytes:,} bytes")
+        if end > offset:
+            self._map_segments(offset // self._segment_bytes, -(-end // self._segment_bytes))
+
+    @property
+    def mapped_nbytes(self) -> int:
+        """Bytes of the capacity mapped in this process (all of it for an owner)."""
+        return sum(n for n, m in zip(self._segment_sizes, self._mapped) if m)
+
+    @property
+    def map_stats(self) -> dict[str, float]:
+        """Segments mapped after :meth:`open` returned, and the ms it took (``segments``, ``map_ms``)."""
+        return dict(self._map_stats)
 
     # ---- lifetime ----------------------------------------------------------------------------
 
@@ -649,15 +864,17 @@ class Arena:
         return self._closed
 
     def close(self) -> None:
-        """Release everything in reverse order: exported fd, mapping, reservation, handle.
+        """Release everything in reverse order: exported fds, mappings, reservation, handles.
 
-        An importer drops only its own mapping and handle. Closing twice raises ArenaError.
+        An importer drops only its own mappings and handles. Closing twice raises ArenaError.
         Views must not be used after this.
         """
         if self._closed:
             raise ArenaError(f"arena {self._arena_id} is already closed")
         self._closed = True
         self._flat = None
+        with self._map_lock:
+            self._map_segment = None
         self._undo.release()
 
     def __enter__(self) -> "Arena":
@@ -692,14 +909,26 @@ class Arena:
 
     @property
     def ptr(self) -> int:
-        """Base address (a device pointer for CUDA, a host address for the host backend)."""
+        """Base address (a device pointer for CUDA, a host address for the host backend); on an
+        opened arena this maps every segment first (use :meth:`span` to map only a range)."""
         self._check_open()
+        self._map_segments(0, len(self._mapped))
         return self._ptr
 
     @property
     def granularity(self) -> int:
         """Capacity rounding and mapping alignment in bytes (CUDA recommended granularity; 2 MiB on host)."""
         return self._granularity
+
+    @property
+    def segment_bytes(self) -> int:
+        """Size of each physical allocation (the last one may be shorter)."""
+        return self._segment_bytes
+
+    @property
+    def segments(self) -> int:
+        """Number of physical allocations behind the one address range."""
+        return len(self._segment_sizes)
 
     @property
     def handle_type(self) -> str:
@@ -720,14 +949,15 @@ class Arena:
         state = "closed" if self._closed else f"ptr={self._ptr:#x}"
         where = str(self._device) if self._device == self._home_device else f"{self._device} (home {self._home_device})"
         role = "imported" if self._imported else "owner"
-        return f"Arena({self._arena_id}, {self._nbytes:,} bytes on {where}, {self._handle_type}, {role}, {state})"
+        return (f"Arena({self._arena_id}, {self._nbytes:,} bytes in {self.segments} segment(s) on {where}, "
+                f"{self._handle_type}, {role}, {state})")
 
     # ---- sharing -----------------------------------------------------------------------------
 
     def export(self) -> ArenaDescriptor:
         """A descriptor another process on this host passes to :meth:`open`.
 
-        The CUDA fd is exported on first call and kept open until :meth:`close`. On an opened
+        The CUDA fds are exported on first call and kept open until :meth:`close`. On an opened
         arena this returns the descriptor it was opened from (it still names the exporter).
         """
         self._check_open()
@@ -736,33 +966,44 @@ class Arena:
         return self._descriptor
 
     def _export_cuda(self) -> ArenaDescriptor:
-        """Export the POSIX fd (kept open until close) and, where permitted, the fabric handle."""
+        """Export one POSIX fd per segment (kept open until close) and, where permitted, fabric handles."""
         drv = _cuda.driver()
         kind = drv.CUmemAllocationHandleType
         index = self._home_device.index
         _cuda.use_device(index)
-        fd = int(_cuda.check(drv.cuMemExportToShareableHandle(self._cuda_handle, kind.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                             "cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)"))
-        self._undo.push("close exported fd", lambda: os.close(fd))
-        fabric_bytes = None
-        if self._fabric:
-            fh = _cuda.check(drv.cuMemExportToShareableHandle(self._cuda_handle, kind.CU_MEM_HANDLE_TYPE_FABRIC, 0),
-                             "cuMemExportToShareableHandle(FABRIC)")
-            fabric_bytes = bytes(fh.data)
-        return ArenaDescriptor("cuda", os.getpid(), fd, self._nbytes, index, self._handle_type, self._granularity,
-                               self._arena_id, fabric_bytes, socket.gethostname())
+        _make_fd_room(len(self._handles), f"exporting arena {self._arena_id}")
+        fds: list[int] = []
+        self._undo.push("close exported fds", lambda: [os.close(fd) for fd in fds])
+        fabric: list[bytes] = []
+        for i, handle in enumerate(self._handles):
+            fds.append(int(_cuda.check(drv.cuMemExportToShareableHandle(handle, kind.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                                       f"cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR, segment {i})")))
+            if self._fabric:
+                fh = _cuda.check(drv.cuMemExportToShareableHandle(handle, kind.CU_MEM_HANDLE_TYPE_FABRIC, 0),
+                                 f"cuMemExportToShareableHandle(FABRIC, segment {i})")
+                fabric.append(bytes(fh.data))
+        return ArenaDescriptor("cuda", os.getpid(), tuple(fds), self._nbytes, index, self._handle_type,
+                               self._granularity, self._segment_bytes, self._arena_id,
+                               tuple(fabric) if self._fabric else None, socket.gethostname())
 
     # ---- views -------------------------------------------------------------------------------
 
     def span(self, offset: int = 0, nbytes: int | None = None) -> Span:
-        """The byte range ``[offset, offset + nbytes)`` as a :class:`flashboot.memory.Span` (owner: this arena)."""
+        """The byte range ``[offset, offset + nbytes)`` as a :class:`flashboot.memory.Span` (owner:
+        this arena); its segments are mapped first."""
         self._check_open()
-        whole = Span(self._ptr, self._nbytes, self._device, False, self)
-        return whole.sub(offset, nbytes)
+        sub = Span(self._ptr, self._nbytes, self._device, False, self).sub(offset, nbytes)
+        if sub.nbytes:
+            self._map_segments(offset // self._segment_bytes, -(-(offset + sub.nbytes) // self._segment_bytes))
+        return sub
 
     def bytes(self):
-        """The whole capacity as a flat ``torch.uint8`` tensor (zero copy)."""
+        """The whole capacity as a flat ``torch.uint8`` tensor (zero copy; maps every segment)."""
         self._check_open()
+        self._map_segments(0, len(self._mapped))
+        return self._flat_tensor()
+
+    def _flat_tensor(self):
         if self._flat is None:
             self._flat = self._make_flat()
         return self._flat
@@ -821,7 +1062,9 @@ class Arena:
                 f"view of {extent:,} bytes at offset {offset:,} ends at {offset + extent:,}, past the arena's "
                 f"{self._nbytes:,} bytes"
             )
-        typed = self.bytes()[offset:offset + extent].view(dt)
+        if extent:
+            self._map_segments(offset // self._segment_bytes, -(-(offset + extent) // self._segment_bytes))
+        typed = self._flat_tensor()[offset:offset + extent].view(dt)
         return typed.as_strided(shape_t, stride_t)
 
 
@@ -832,16 +1075,24 @@ class Arena:
 # --------------------------------------------------------------------------------------------
 
 
-def warm_import(device: Any, peers: Any = "all") -> dict[str, Any]:
-    """Pay the one-time driver cost of importing and mapping another device's memory now, so a
-    later :meth:`Arena.open` on the critical path does not (measured on H200 x2: the first peer
-    mapping in a fresh process ~10 ms, the same mapping on the owner's device ~0.5 ms).
+_warm_mappings: dict[tuple[int, int], _Undo] = {}
+"""(accessing device, home device) -> the warm-up granule kept mapped (see :func:`warm_import`)."""
+_warm_lock = threading.Lock()
 
-    On CUDA device ``device``: makes its primary context current (creating it if needed), then
-    for each device in ``peers`` (``"all"``: ``device`` and every device it can access as a peer;
-    or an index/name/list) creates one granule there, exports it as a POSIX fd, takes the fd back
-    with ``pidfd_getfd``, imports it, reserves, maps and grants ``device`` access (the steps of
-    :meth:`Arena.open`), copies within it once, and releases all of it. Nothing is kept.
+
+def warm_import(device: Any, peers: Any = "all", *, keep: bool = True) -> dict[str, Any]:
+    """Pay the driver's costs of importing and mapping another device's memory now, so a later
+    :meth:`Arena.open` on the critical path does not.
+
+    Measured on H200 x2: the first peer grant in a process costs ~2 ms, and ~1 ms again whenever
+    no peer mapping from that device is left; while one small mapping stays, granting a 256 MiB
+    segment costs ~0.1 ms. So on CUDA device ``device`` this makes the primary context current,
+    then for each device in ``peers`` (``"all"``: ``device`` and every device it can access as a
+    peer; or an index/name/list) creates one granule there, exports it as a POSIX fd, takes the
+    fd back with ``pidfd_getfd``, imports, reserves, maps and grants ``device`` access (the steps
+    of :meth:`Arena.open`) and copies within it once. With ``keep`` (default) the granule stays
+    mapped until :func:`release_warm_imports` or process exit: one granule (2 MiB on an H200) of
+    each peer's memory per process; a pair already kept is not warmed again.
 
     Best effort by design (it only moves cost earlier): a step that fails is named in
     ``errors`` and the other devices are still warmed; the real open raises its own errors.
@@ -863,6 +1114,10 @@ def warm_import(device: Any, peers: Any = "all") -> dict[str, Any]:
         targets = [Device.parse(p).index for p in ([peers] if isinstance(peers, (int, str, Device)) else peers)]
     posix = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     for home in targets:
+        with _warm_lock:
+            if (index, home) in _warm_mappings:
+                out["peers"].append(home)
+                continue
         undo = _Undo(f"warm-up import of a cuda:{home} granule on cuda:{index}",
                      before_release=lambda: _cuda.use_device(index))
         try:
@@ -883,18 +1138,33 @@ def warm_import(device: Any, peers: Any = "all") -> dict[str, Any]:
             ptr = _map_handle(undo, imported, granularity, granularity, [index])
             half = granularity // 2
             _cuda.check(drv.cuMemcpyDtoD(ptr, ptr + half, half), "cuMemcpyDtoD(warm-up)")
-            _cuda.check(drv.cuCtxSynchronize(), "cuCtxSynchronize(warm-up)")  # done before it is unmapped
+            _cuda.check(drv.cuCtxSynchronize(), "cuCtxSynchronize(warm-up)")  # done before it may be unmapped
             out["peers"].append(home)
+            if keep:
+                with _warm_lock:
+                    _warm_mappings[(index, home)], undo = undo, None
         except Exception as exc:  # noqa: BLE001 - best effort by design: named in the result, never hidden
             out["errors"].append(f"cuda:{home}: {type(exc).__name__}: {exc}")
         finally:
             try:
-                undo.release()
+                if undo is not None:
+                    undo.release()
             except Exception as exc:  # noqa: BLE001 - as above
                 out["errors"].append(f"cuda:{home} release: {type(exc).__name__}: {exc}")
     out["warm_ms"] = (time.perf_counter() - t0) * 1e3
     return out
 
 
+def release_warm_imports() -> int:
+    """Unmap and free every granule :func:`warm_import` kept; returns how many there were."""
+    with _warm_lock:
+        kept = list(_warm_mappings.values())
+        _warm_mappings.clear()
+    for undo in kept:
+        undo.release()
+    return len(kept)
+
+
+
 __all__ = ["Arena", "ArenaDescriptor", "HandleSupport", "fabric_preflight", "preflight_handle", "can_access_peer",
-           "parse_dtype", "HOST_GRANULARITY", "warm_import"]
+           "parse_dtype", "HOST_GRANULARITY", "SEGMENT_BYTES", "release_warm_imports", "warm_import"]

@@ -75,15 +75,23 @@ def _getfd_message(pid: int, fd: int, err: int) -> str:
     return f"pidfd_getfd(pid {pid}, fd {fd}) failed: {name} ({os.strerror(err)})"
 
 
+SCM_MAX_FD = 253
+"""Most fds Linux carries in one ``SCM_RIGHTS`` message; :func:`send_fds` sends more in batches."""
+
+
 def send_fds(sock: socket.socket, fds: list[int], message: bytes = b"") -> None:
     """Send ``fds`` (SCM_RIGHTS) and a short ``message`` over the connected Unix socket ``sock``.
 
-    The sender keeps its fds open; the receiver gets duplicates.
+    More than :data:`SCM_MAX_FD` fds go in several messages, the first carrying ``message``; the
+    receiver collects them with :func:`recv_fds` and then :func:`recv_more_fds`. The sender keeps
+    its fds open; the receiver gets duplicates.
     """
     if not fds:
         raise RendezvousError("send_fds needs at least one fd")
-    # An empty payload would read as end-of-stream on the other side.
-    socket.send_fds(sock, [message or b"\0"], list(fds))
+    fds = list(fds)
+    for i in range(0, len(fds), SCM_MAX_FD):
+        # An empty payload would read as end-of-stream on the other side.
+        socket.send_fds(sock, [(message or b"\0") if i == 0 else b"\0"], fds[i:i + SCM_MAX_FD])
 
 
 def recv_fds(sock: socket.socket, max_fds: int = 1, *, timeout_s: float = 30.0,
@@ -112,6 +120,15 @@ def recv_fds(sock: socket.socket, max_fds: int = 1, *, timeout_s: float = 30.0,
     return list(fds), (b"" if msg == b"\0" else msg)
 
 
+def recv_more_fds(sock: socket.socket, have: list[int], count: int, *, timeout_s: float = 30.0) -> list[int]:
+    """Receive the batches :func:`send_fds` sent after the first until ``have`` holds ``count``
+    fds; returns ``have`` (the caller owns every fd in it, also when this raises)."""
+    while len(have) < count:
+        more, _ = recv_fds(sock, min(SCM_MAX_FD, count - len(have)), timeout_s=timeout_s, bufsize=1)
+        have.extend(more)
+    return have
+
+
 def send_fd(sock: socket.socket, fd: int, message: bytes = b"") -> None:
     """Send one fd and a short message over a connected Unix socket (see :func:`send_fds`)."""
     send_fds(sock, [fd], message)
@@ -123,4 +140,4 @@ def recv_fd(sock: socket.socket, *, timeout_s: float = 30.0) -> tuple[int, bytes
     return fds[0], msg
 
 
-__all__ = ["pidfd_getfd", "send_fd", "recv_fd", "send_fds", "recv_fds", "SYS_PIDFD_GETFD"]
+__all__ = ["pidfd_getfd", "send_fd", "recv_fd", "send_fds", "recv_fds", "recv_more_fds", "SCM_MAX_FD", "SYS_PIDFD_GETFD"]

@@ -149,11 +149,11 @@ def _kv(registry=None, store=None, **kw):
 
 @dataclass
 class HeldArena:
-    """One arena the holder keeps: its name, the holder's mapping and the fd it re-exports."""
+    """One arena the holder keeps: its name, the holder's mapping and the fds it re-exports."""
 
     name: str
     arena: Any
-    fd: int
+    fds: list[int]
     descriptor: Any
     since: float
 
@@ -162,9 +162,9 @@ class HeldArena:
             if not self.arena.closed:
                 self.arena.close()
         finally:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
+            fds, self.fds = self.fds, []
+            for fd in fds:
+                os.close(fd)
 
 
 class Holder:
@@ -189,16 +189,20 @@ class Holder:
         from .arena import Arena
 
         _check_name(name)
-        fd = pidfd_getfd(descriptor.pid, descriptor.fd) if descriptor.pid != os.getpid() else os.dup(descriptor.fd)
+        fds: list[int] = []
         try:
-            # mapping it keeps the physical allocation alive after the engine is gone
-            arena = Arena.open(descriptor, None if descriptor.backend == "host" else descriptor.device_index, fd=fd)
+            for fd in descriptor.fds:
+                fds.append(pidfd_getfd(descriptor.pid, fd) if descriptor.pid != os.getpid() else os.dup(fd))
+            arena = Arena.open(descriptor, None if descriptor.backend == "host" else descriptor.device_index, fds=fds)
+            # mapping every segment keeps the physical allocation alive after the engine is gone
+            arena.map_range()
         except BaseException:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
             raise
-        held_desc = replace(descriptor, pid=os.getpid(), fd=fd)
+        held_desc = replace(descriptor, pid=os.getpid(), fds=tuple(fds))
         old = self.held.pop(name, None)
-        item = HeldArena(name, arena, fd, held_desc, time.time())
+        item = HeldArena(name, arena, fds, held_desc, time.time())
         self.held[name] = item
         try:
             self.kv.put("held", name, {"descriptor": held_desc.to_dict(), "request": request, "since": item.since,

@@ -44,6 +44,7 @@ from .errors import (
     CapabilityError, ChecksumMismatchError, FlashBootError, LayoutError, OutOfMemoryError, RendezvousError,
     WaitTimeoutError,
 )
+from .fdshare import SCM_MAX_FD, recv_more_fds
 from .memory import Device
 
 SHM_ENV = "FLASHBOOT_SHM"
@@ -1005,7 +1006,7 @@ class PreloadServer:
             with conn:
                 try:
                     conn.settimeout(10)
-                    msg, fds, _flags, _ = socket.recv_fds(conn, 1 << 20, 1)
+                    msg, fds, _flags, _ = socket.recv_fds(conn, 1 << 20, SCM_MAX_FD)
                     if not msg:
                         return
                     req = json.loads(msg)
@@ -1015,7 +1016,9 @@ class PreloadServer:
                     elif op == "load":
                         if not fds:
                             raise RendezvousError("load request without the arena's fd attached")
-                        reply = self._serve_load(req, fds[0])
+                        count = len(req.get("descriptor", {}).get("fds", ()))
+                        recv_more_fds(conn, fds, count, timeout_s=10)  # arenas of > SCM_MAX_FD segments
+                        reply = self._serve_load(req, fds)
                     else:
                         raise FlashBootError(f"unknown request op {op!r}; known: load, status")
                 except BaseException as exc:  # every failure goes back to the engine, named
@@ -1039,7 +1042,7 @@ class PreloadServer:
         with self._locks_lock:
             return self._copy_locks.setdefault(key, threading.Lock())
 
-    def _serve_load(self, req: dict, fd: int) -> dict:
+    def _serve_load(self, req: dict, fds: list[int]) -> dict:
         from .arena import Arena, ArenaDescriptor
         from .movers import create_mover
 
@@ -1062,9 +1065,9 @@ class PreloadServer:
         if desc.backend == "cuda":
             index = _device_by_bus_id(req.get("pci_bus_id"), desc.device_index)
             desc = dataclasses.replace(desc, device_index=index)  # the engine's ordinal may differ from ours
-            arena = Arena.open(desc, device=index, fd=fd)
+            arena = Arena.open(desc, device=index, fds=fds)
         else:
-            arena = Arena.open(desc, device="cpu", fd=fd)
+            arena = Arena.open(desc, device="cpu", fds=fds)
         try:
             map_ms = (time.perf_counter() - t0) * 1e3
             if arena.nbytes < res.nbytes:
@@ -1131,15 +1134,9 @@ def _connect(path: Path, timeout_s: float) -> socket.socket:
         time.sleep(_POLL_S)
 
 
-def _request(path: Path, req: dict, fd: int | None, *, connect_timeout_s: float, reply_timeout_s: float) -> dict:
-    from .fdshare import send_fd
-
+def _request(path: Path, req: dict, *, connect_timeout_s: float, reply_timeout_s: float) -> dict:
     with _connect(path, connect_timeout_s) as s:
-        data = json.dumps(req).encode()
-        if fd is None:
-            s.sendall(data)
-        else:
-            send_fd(s, fd, data)
+        s.sendall(json.dumps(req).encode())
         return _read_reply(s, path, f"{req.get('op')!r} for rank {req.get('rank')}", reply_timeout_s)
 
 
@@ -1158,7 +1155,7 @@ def _read_reply(sock: socket.socket, path: Path, what: str, timeout_s: float) ->
 def serve_status(image_dir, shm_dir=None, *, timeout_s: float = 10.0) -> dict:
     """Ask a running served-load daemon what it holds."""
     path = socket_path(image_dir, shm_dir)
-    reply = _request(path, {"op": "status"}, None, connect_timeout_s=timeout_s, reply_timeout_s=timeout_s)
+    reply = _request(path, {"op": "status"}, connect_timeout_s=timeout_s, reply_timeout_s=timeout_s)
     if not reply.get("ok"):
         _raise_remote(reply, f"preloader at {path}")
     return reply
@@ -1242,7 +1239,7 @@ def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha2
     ``timeout_s``; the reply (:meth:`ServedCopy.wait`) up to ``timeout_s`` (the daemon's
     staging) plus 60 s plus 1 s per GB.
     """
-    from .fdshare import send_fd
+    from .fdshare import send_fds
 
     desc = arena.export()
     req = {"op": "load", "rank": rank, "descriptor": desc.to_dict(), "nbytes": nbytes,
@@ -1254,7 +1251,7 @@ def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha2
     path = socket_path(image_dir, shm_dir)
     sock = _connect(path, timeout_s)
     try:
-        send_fd(sock, desc.fd, json.dumps(req).encode())
+        send_fds(sock, list(desc.fds), json.dumps(req).encode())
     except BaseException:
         sock.close()
         raise

@@ -22,8 +22,8 @@ import flashboot.arena as arena_mod
 from flashboot import Arena, ArenaDescriptor, ArenaError, Device, FlashBootError, OutOfMemoryError
 from flashboot import RendezvousError, WaitTimeoutError
 from flashboot._cuda import cuda_available
-from flashboot.arena import HOST_GRANULARITY, _Undo
-from flashboot.fdshare import pidfd_getfd, recv_fd, send_fd
+from flashboot.arena import HOST_GRANULARITY, SEGMENT_BYTES, _Undo
+from flashboot.fdshare import SCM_MAX_FD, pidfd_getfd, recv_fd, send_fd, send_fds
 
 MiB = 1 << 20
 
@@ -61,7 +61,7 @@ CHILD_SRC = textwrap.dedent(
     import json, os, socket, sys
     import numpy as np
     from flashboot import Arena, ArenaDescriptor
-    from flashboot.fdshare import recv_fd
+    from flashboot.fdshare import recv_fds, recv_more_fds
 
     def pattern(nbytes, seed):
         return ((np.arange(nbytes, dtype=np.uint64) * 31 + seed) % 251).astype(np.uint8)
@@ -77,15 +77,17 @@ CHILD_SRC = textwrap.dedent(
                 arenas[req["name"]] = a
                 out = {"nbytes": a.nbytes, "imported": a.imported}
             elif op == "open_socket":
-                fd, msg = recv_fd(sock, timeout_s=30)
+                fds, msg = recv_fds(sock, 253, timeout_s=30)
+                d = ArenaDescriptor.from_dict(json.loads(msg))
                 try:
-                    a = Arena.open(ArenaDescriptor.from_dict(json.loads(msg)), "cpu", fd=fd)
+                    a = Arena.open(d, "cpu", fds=recv_more_fds(sock, fds, d.segments, timeout_s=30))
                 finally:
-                    os.close(fd)
+                    for fd in fds:
+                        os.close(fd)
                 arenas[req["name"]] = a
                 out = {"nbytes": a.nbytes}
             elif op == "create":
-                a = Arena.create(req["nbytes"], "cpu")
+                a = Arena.create(req["nbytes"], "cpu", segment_bytes=req.get("segment_bytes"))
                 arenas[req["name"]] = a
                 out = {"descriptor": a.export().to_dict()}
             elif op == "write":
@@ -316,15 +318,18 @@ def test_dropped_arena_lives_while_views_do_then_is_released_with_a_warning():
 def test_descriptor_is_small_and_round_trips():
     with Arena.create(MiB, "cpu") as a:
         d = a.export()
-        assert (d.backend, d.pid, d.nbytes, d.device_index, d.handle_type, d.granularity, d.arena_id, d.fabric_handle) == (
-            "host", os.getpid(), a.nbytes, -1, "memfd", HOST_GRANULARITY, a.arena_id, None)
+        assert (d.backend, d.pid, d.nbytes, d.device_index, d.handle_type, d.granularity, d.arena_id,
+                d.fabric_handles, d.segments, d.segment_bytes) == (
+            "host", os.getpid(), a.nbytes, -1, "memfd", HOST_GRANULARITY, a.arena_id, None, 1, SEGMENT_BYTES)
         assert pickle.loads(pickle.dumps(d)) == d
         assert len(pickle.dumps(d)) < 512
         assert ArenaDescriptor.from_dict(json.loads(json.dumps(d.to_dict()))) == d
         with pytest.raises(dataclasses.FrozenInstanceError):
-            d.fd = 0
-        with pytest.raises(ArenaError, match=r"missing \['fd'\], unknown \['colour'\]"):
-            ArenaDescriptor.from_dict({**{k: v for k, v in d.to_dict().items() if k != "fd"}, "colour": 1})
+            d.fds = (0,)
+        with pytest.raises(ArenaError, match=r"missing \['fds'\], unknown \['colour'\]"):
+            ArenaDescriptor.from_dict({**{k: v for k, v in d.to_dict().items() if k != "fds"}, "colour": 1})
+        with pytest.raises(ArenaError, match=r"2,097,152 bytes in segments of 268,435,456 need 1 fds, it lists 2"):
+            dataclasses.replace(d, fds=(3, 4))
 
 
 def test_open_in_same_process_shares_bytes_and_close_keeps_owner_memory():
@@ -342,17 +347,19 @@ def test_open_rejects_wrong_fd_and_wrong_device():
         d = a.export()
         r, w = os.pipe()
         try:
-            with pytest.raises(ArenaError, match=rf"fd {r} of pid {os.getpid()} is not arena {a.arena_id}: it is 'pipe:"):
-                Arena.open(dataclasses.replace(d, fd=r))
-            with pytest.raises(ArenaError, match=rf"fd {w} is not arena {a.arena_id}"):
-                Arena.open(d, fd=w)
+            with pytest.raises(ArenaError, match=rf"fd {r} of pid {os.getpid()} is not segment 0 of arena {a.arena_id}: it is 'pipe:"):
+                Arena.open(dataclasses.replace(d, fds=(r,)))
+            with pytest.raises(ArenaError, match=rf"fd {w} is not segment 0 of arena {a.arena_id}"):
+                Arena.open(d, fds=[w])
         finally:
             os.close(r)
             os.close(w)
         with pytest.raises(ArenaError, match=rf"process {os.getpid()} has no open fd 987654"):
-            Arena.open(dataclasses.replace(d, fd=987654))
-        with pytest.raises(ArenaError, match="not open"):
-            Arena.open(d, fd=987654)
+            Arena.open(dataclasses.replace(d, fds=(987654,)))
+        with pytest.raises(ArenaError, match="fd 987654 given for segment 0 .* is not open"):
+            Arena.open(d, fds=[987654])
+        with pytest.raises(ArenaError, match="has 1 segments; 2 fds were given"):
+            Arena.open(d, fds=[1, 2])
         with pytest.raises(FlashBootError):  # a host arena cannot be mapped on a GPU
             Arena.open(d, "cuda:0")
         with pytest.raises(ArenaError, match="unknown arena backend 'tpu'"):
@@ -391,7 +398,7 @@ def test_parent_opens_an_arena_the_child_created(child):
         b.bytes()[4096:8192].numpy()[:] = pattern(4096, 6)
         assert child("check", name="c", offset=4096, nbytes=4096, seed=6)["equal"]
     child("close", name="c")
-    with pytest.raises(ArenaError, match=rf"pid {d.pid}: process {d.pid} has no open fd {d.fd}"):
+    with pytest.raises(ArenaError, match=rf"pid {d.pid}: process {d.pid} has no open fd {d.fds[0]}"):
         Arena.open(d)
 
 
@@ -399,7 +406,7 @@ def test_fd_over_a_unix_socket(child):
     with Arena.create(MiB, "cpu") as a:
         a.bytes()[:4096].numpy()[:] = pattern(4096, 11)
         d = a.export()
-        send_fd(child.sock, d.fd, json.dumps(d.to_dict()).encode())
+        send_fds(child.sock, list(d.fds), json.dumps(d.to_dict()).encode())
         assert child("open_socket", name="s") == {"nbytes": a.nbytes}
         assert child("check", name="s", offset=0, nbytes=4096, seed=11)["equal"]
         child("write", name="s", offset=8192, nbytes=100, seed=12)
@@ -480,42 +487,113 @@ def test_undo_runs_in_reverse_and_all_steps_run_when_one_fails():
     u.release()  # nothing left: a no-op
 
 
-@pytest.mark.parametrize("step", ["_host_truncate", "_host_mmap", "_host_address"])
+@pytest.mark.parametrize("step", ["_host_reserve", "_host_memfd", "_host_truncate", "_host_map_segment"])
 def test_create_failure_halfway_releases_what_was_made(monkeypatch, step):
     fds_before, maps_before = open_fds(), arena_maps()
+    real, calls = getattr(arena_mod, step), []
 
     def broken(*args):
-        if step == "_host_address":  # after the mmap: the mapping must be undone too
-            assert [m for m in arena_maps() if m not in maps_before]
+        calls.append(args)
+        if len(calls) < 2 and step != "_host_reserve":  # let the first segment succeed: it must be undone too
+            return real(*args)
         raise OSError(28, f"injected failure in {step}")
 
     monkeypatch.setattr(arena_mod, step, broken)
-    with pytest.raises(ArenaError, match=f"creating a 2,097,152-byte host arena failed: .*injected failure in {step}"):
-        Arena.create(MiB, "cpu")
+    with pytest.raises(ArenaError, match=f"creating a 6,291,456-byte host arena failed: .*injected failure in {step}"):
+        Arena.create(5 * MiB, "cpu", segment_bytes=2 * MiB)
     assert open_fds() == fds_before
     assert arena_maps() == maps_before
 
 
-def test_open_failure_halfway_releases_what_was_made(monkeypatch):
+@pytest.mark.parametrize("step", ["_host_reserve", "_host_map_segment"])
+def test_open_failure_halfway_releases_what_was_made(monkeypatch, step):
     with Arena.create(MiB, "cpu") as a:
         fds_before, maps_before = open_fds(), arena_maps()
-        monkeypatch.setattr(arena_mod, "_host_address", lambda mm: (_ for _ in ()).throw(RuntimeError("injected")))
-        with pytest.raises(RuntimeError, match="injected"):
+        monkeypatch.setattr(arena_mod, step, lambda *args: (_ for _ in ()).throw(OSError(12, "injected")))
+        with pytest.raises(ArenaError, match="injected"):
             Arena.open(a.export())
         assert open_fds() == fds_before
         assert arena_maps() == maps_before
+
+
+# ---------------------------------------------------------------------------------------------
+# Segments
+# ---------------------------------------------------------------------------------------------
+
+
+def test_segments_are_one_contiguous_range_of_separate_memfds():
+    with Arena.create(5 * MiB, "cpu", segment_bytes=2 * MiB) as a:
+        assert (a.nbytes, a.segments, a.segment_bytes) == (6 * MiB, 3, 2 * MiB)
+        d = a.export()
+        assert d.segments == 3 and len(set(d.fds)) == 3
+        assert [os.fstat(fd).st_size for fd in d.fds] == [2 * MiB] * 3
+        names = [os.readlink(f"/proc/self/fd/{fd}") for fd in d.fds]
+        assert names == [f"/memfd:flashboot-arena-{a.arena_id}.{i} (deleted)" for i in range(3)]
+        # a write across a segment boundary lands in both memfds, at their own offsets
+        a.bytes()[2 * MiB - 3:2 * MiB + 3].numpy()[:] = np.arange(1, 7, dtype=np.uint8)
+        assert os.pread(d.fds[0], 3, 2 * MiB - 3) == bytes([1, 2, 3])
+        assert os.pread(d.fds[1], 3, 0) == bytes([4, 5, 6])
+    for bad, why in ((3 * MiB, "not a multiple of the allocation granularity"), (0, "positive int"),
+                     (True, "positive int")):
+        with pytest.raises(ArenaError, match=why):
+            Arena.create(MiB, "cpu", segment_bytes=bad)
+
+
+def test_an_opened_arena_maps_segments_on_first_use():
+    with Arena.create(7 * MiB, "cpu", segment_bytes=2 * MiB) as a:
+        a.bytes().numpy()[:] = pattern(a.nbytes, 4)
+        with Arena.open(a.export()) as b:
+            assert b.segments == 4 and b.mapped_nbytes == 2 * MiB  # the first one, at open
+            assert b.map_stats == {"segments": 0, "map_ms": 0.0}
+            s = b.span(5 * MiB, 100)  # inside segment 2 only
+            assert b.mapped_nbytes == 4 * MiB and b.map_stats["segments"] == 1
+            assert np.array_equal(np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 100).from_address(s.ptr)),
+                                  pattern(a.nbytes, 4)[5 * MiB:5 * MiB + 100])
+            v = b.view(2 * MiB - 8, (4,), "float32")  # straddles segments 0 and 1
+            assert b.mapped_nbytes == 6 * MiB
+            assert v.numpy().tobytes() == pattern(a.nbytes, 4)[2 * MiB - 8:2 * MiB + 8].tobytes()
+            b.map_range(0, 1)  # mapped already: nothing to do
+            assert b.map_stats["segments"] == 2
+            with pytest.raises(ArenaError, match="outside arena"):
+                b.map_range(7 * MiB, 2 * MiB)
+            b.ptr  # maps the rest
+            assert b.mapped_nbytes == b.nbytes == 8 * MiB and b.map_stats["segments"] == 3
+            assert np.array_equal(b.bytes().numpy(), a.bytes().numpy())
+
+
+def test_segments_mapped_after_the_exporter_exits_hold_its_bytes(child):
+    d = ArenaDescriptor.from_dict(child("create", name="gone", nbytes=6 * MiB, segment_bytes=2 * MiB)["descriptor"])
+    child("write", name="gone", offset=0, nbytes=6 * MiB, seed=8)
+    with Arena.open(d) as b:
+        assert b.mapped_nbytes == 2 * MiB
+        child("close", name="gone")  # the exporter lets go; our fds keep every segment
+        assert np.array_equal(b.bytes().numpy(), pattern(6 * MiB, 8))
+
+
+def test_more_segments_than_one_unix_message_carries(child):
+    n = SCM_MAX_FD + 7
+    with Arena.create(n * 2 * MiB, "cpu", segment_bytes=2 * MiB) as a:
+        a.bytes().numpy()[::MiB] = 7
+        d = a.export()
+        assert d.segments == n
+        send_fds(child.sock, list(d.fds), json.dumps(d.to_dict()).encode())
+        assert child("open_socket", name="many") == {"nbytes": a.nbytes}
+        child("write", name="many", offset=a.nbytes - 100, nbytes=100, seed=3)
+        assert np.array_equal(a.bytes()[a.nbytes - 100:].numpy(), pattern(100, 3))
+        child("close", name="many")
 
 
 def test_no_fd_or_mapping_leaks_over_create_export_open_close_cycles(child):
     gc.collect()
     fds_before, maps_before = open_fds(), arena_maps()
     for i in range(5):
-        a = Arena.create(3 * MiB, "cpu")
+        a = Arena.create(3 * MiB, "cpu", segment_bytes=2 * MiB)
         a.view(0, 16, "float32").fill_(i)
         d = a.export()
         b = Arena.open(d)
-        c = Arena.open(d, fd=d.fd)
+        c = Arena.open(d, fds=d.fds)
         assert float(c.view(0, 16, "float32")[3]) == i
+        c.map_range()
         child("open", name="leak", descriptor=d.to_dict())
         child("close", name="leak")
         for x in (c, b, a):

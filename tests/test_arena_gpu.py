@@ -180,11 +180,11 @@ def test_fabric_preflight_reports_a_clear_fallback():
         d = a.export()
         if support.supported:
             assert a.handle_type == d.handle_type == "fabric+posix_fd"
-            assert isinstance(d.fabric_handle, bytes) and len(d.fabric_handle) == 64
+            assert len(d.fabric_handles) == d.segments and all(len(h) == 64 for h in d.fabric_handles)
         else:
             # On machines without an IMEX channel: CUDA_ERROR_NOT_PERMITTED from the preflight cuMemCreate.
             assert "CUDA_ERROR_" in support.reason or "= 0" in support.reason, support.reason
-            assert a.handle_type == d.handle_type == "posix_fd" and d.fabric_handle is None
+            assert a.handle_type == d.handle_type == "posix_fd" and d.fabric_handles is None
         assert arena_mod.fabric_preflight(0) is support  # cached
 
 
@@ -232,7 +232,7 @@ def test_close_twice_and_wrong_fd():
     r, w = os.pipe()
     try:
         with pytest.raises(ArenaError, match=rf"fd {r} of pid {os.getpid()} .* is not the CUDA memory handle"):
-            Arena.open(dataclasses.replace(d, fd=r), 0)
+            Arena.open(dataclasses.replace(d, fds=(r,)), 0)
     finally:
         os.close(r)
         os.close(w)
@@ -359,6 +359,32 @@ def test_copy_engine_p2p(nbytes):
 def test_access_all_grants_the_peer():
     assert arena_mod._resolve_access(0, "all") == [0] + [i for i in range(1, device_count()) if arena_mod.can_access_peer(i, 0)]
     assert arena_mod._resolve_access(0, [1]) == [0, 1]
+
+
+@pytest.mark.two_gpus
+def test_peer_open_maps_segments_on_first_use_byte_exact():
+    import torch
+
+    from flashboot.memory import span_of
+    from flashboot.movers import create_mover
+
+    with Arena.create(GiB + 3 * MiB, 0) as a:
+        assert (a.segments, a.segment_bytes) == (5, arena_mod.SEGMENT_BYTES)
+        n = a.nbytes // 8
+        a.view(0, n, "int64").copy_(expected_int64(n, 7, "cuda:0"))
+        torch.cuda.synchronize(0)
+        timings: dict = {}
+        with Arena.open(a.export(), 1, timings=timings) as b:
+            assert b.mapped_nbytes == 256 * MiB and timings["set_access_ms"] > 0
+            k = 256 * MiB // 8
+            straddle = b.view((k - 4) * 8, (8,), "int64")  # the last 4 of segment 0, the first 4 of segment 1
+            assert b.mapped_nbytes == 512 * MiB
+            assert torch.equal(straddle.cpu(), expected_int64(n, 7, "cpu")[k - 4:k + 4])
+            dst = torch.empty(a.nbytes, dtype=torch.uint8, device="cuda:1")
+            create_mover("copy_engine").copy(span_of(dst), b.span(), stream=None)  # maps the other three
+            torch.cuda.synchronize(1)
+            assert b.mapped_nbytes == b.nbytes and b.map_stats["segments"] == 4
+            assert torch.equal(dst.view(torch.int64), expected_int64(n, 7, "cuda:1"))
 
 
 def test_info_command_reports_devices_and_handle_types(capsys):

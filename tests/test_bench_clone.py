@@ -23,7 +23,8 @@ def test_nccl_transports_come_from_its_channel_log_lines():
 def test_table_shows_each_clones_device_and_the_exchange_breakdown():
     rep = {"device": "cuda:1", "stream_gbps": 389.0, "gbps": 374.0, "exchange_ms": 1.2, "verified": True,
            "warm_ms": 12.0, "warm_note": "warmed import+map from cuda:1, cuda:0",
-           "exchange_detail": {"seed_record_ms": 0.5, "join_ms": 0.1, "import_ms": 0.2, "set_access_ms": 0.3}}
+           "exchange_detail": {"seed_record_ms": 0.5, "join_ms": 0.1, "import_ms": 0.2, "set_access_ms": 0.3},
+           "segments_mapped_during_copy": 31, "map_during_copy_ms": 4.5}
     rep2 = dict(rep, device="cuda:0", stream_gbps=360.0)
     res = {"ceiling": {"path": "p2p", "gbps": 396.0, "ms": 21.7, "byte_exact": True},
            "clone": [{"schedule": "chain", "clones": 2, "reports": [rep, rep2]}]}
@@ -31,5 +32,6 @@ def test_table_shows_each_clones_device_and_the_exchange_breakdown():
     chain = next(r for r in rows if r[0] == "chain x2")
     assert "389 (cuda:1), 360 (cuda:0)" in chain[3] and "91% of ceiling" in chain[3]
     exch = next(r for r in rows if r[0].startswith("exchange+map"))
-    assert exch[1] == 1.2 and "import 0.20" in exch[3] and "set access 0.30" in exch[3] and "cuda:0" in exch[3]
-    assert _breakdown({"pidfd_getfd_ms": 0.25, "other": 9}) == "pidfd_getfd 0.25"
+    assert exch[1] == 1.2 and "import (first segment) 0.20" in exch[3] and "cuda:0" in exch[3]
+    assert "set access (first segment) 0.30" in exch[3] and "other 31 segments mapped during the copy in 4.50 ms" in exch[3]
+    assert _breakdown({"pidfd_getfd_ms": 0.25, "other": 9}) == "pidfd_getfd (all segments) 0.25"

@@ -365,7 +365,7 @@ def test_choose_transport_explains_fallbacks():
     from flashboot.arena import ArenaDescriptor
     from flashboot.memory import CPU
 
-    remote = ArenaDescriptor("host", 1, 3, 2 * MiB, -1, "memfd", 2 * MiB, "x", None, "another-host")
+    remote = ArenaDescriptor("host", 1, (3,), 2 * MiB, -1, "memfd", 2 * MiB, 2 * MiB, "x", None, "another-host")
     assert _choose_transport(remote, CPU, "auto") == ("nccl", "seed on 'another-host' with no fabric handle "
                                                               "(memfd): gloo broadcast")
     with pytest.raises(RendezvousError, match="needs the seed on this host"):
@@ -452,14 +452,14 @@ def test_holder_in_process_refuses_a_writable_registry_and_a_dead_engine(tmp_pat
         a = Arena.create(MiB, "cpu")
         a.bytes().numpy()[:] = 9
         d = hand_over(a, "w", registry=registry, timeout_s=10)
-        assert d.pid == os.getpid() and d.fd != a.export().fd
+        assert d.pid == os.getpid() and set(d.fds).isdisjoint(a.export().fds)
         a.close()  # the engine's handle is gone; the holder's mapping keeps the memory
         b = flashboot.holder.open_held("w", registry=registry)
         assert int(b.bytes().numpy().min()) == 9
         b.close()
         from flashboot.arena import ArenaDescriptor
 
-        ghost = ArenaDescriptor("host", 2**22 - 3, 5, MiB, -1, "memfd", 2 * MiB, "dead", None, "")
+        ghost = ArenaDescriptor("host", 2**22 - 3, (5,), MiB, -1, "memfd", 2 * MiB, 2 * MiB, "dead", None, "")
         holder.kv.put("requests", "ghost", {"descriptor": ghost.to_dict(), "request": "r1"})
         wait_until(lambda: holder.kv.get("held", "ghost"), 10, "the holder's answer")
         with pytest.raises(FlashBootError, match="last adoption failed"):

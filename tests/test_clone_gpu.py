@@ -279,13 +279,17 @@ def test_pinning_a_disk_file_is_refused_with_what_to_do(tmp_path):
 
 
 @pytest.mark.two_gpus
-def test_warm_import_maps_every_peer_and_leaves_nothing():
-    from flashboot.arena import warm_import
+def test_warm_import_keeps_one_granule_per_peer_until_released():
+    from flashboot.arena import release_warm_imports, warm_import
 
+    release_warm_imports()
     out = warm_import("cuda:1")
     assert out["errors"] == [] and sorted(out["peers"]) == [0, 1] and out["warm_ms"] > 0
-    again = warm_import("cuda:1", peers=[0])
+    again = warm_import("cuda:1", peers=[0])  # kept: nothing to do again
     assert again["errors"] == [] and again["peers"] == [0]
+    assert release_warm_imports() == 2 and release_warm_imports() == 0
+    cold = warm_import("cuda:1", peers=[0], keep=False)
+    assert cold["errors"] == [] and cold["peers"] == [0] and release_warm_imports() == 0
 
 
 @pytest.mark.two_gpus

@@ -24,14 +24,14 @@ def _no_cuda_reason() -> str:
 
 
 def _device_info(index: int) -> dict[str, Any]:
-    from flashboot.arena import _cu_device, _device_attribute, _use_device, preflight_handle
+    from flashboot.arena import _cu_device, _device_attribute, preflight_handle
 
     drv = _cuda.driver()
     dev = _cu_device(index)
     name = _cuda.check(drv.cuDeviceGetName(256, dev), "cuDeviceGetName")
     name = bytes(name).split(b"\0", 1)[0].decode(errors="replace")
     total = int(_cuda.check(drv.cuDeviceTotalMem(dev), "cuDeviceTotalMem"))
-    _use_device(index)
+    _cuda.use_device(index)
     free, _ = _cuda.check(drv.cuMemGetInfo(), "cuMemGetInfo")
     major = _device_attribute(index, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR")
     minor = _device_attribute(index, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR")
