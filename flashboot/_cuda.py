@@ -77,9 +77,9 @@ _primary_contexts: dict[int, object] = {}
 _primary_contexts_lock = threading.Lock()
 
 
-def use_device(index: int) -> None:
-    """Make device ``index``'s primary context (the one torch and CuPy use) current in this
-    thread. The context is retained once per process and kept: it outlives every arena."""
+def _primary_context(index: int):
+    """Device ``index``'s primary context (the one torch and CuPy use), retained once per process
+    and kept: it outlives every arena."""
     drv = driver()
     with _primary_contexts_lock:
         ctx = _primary_contexts.get(index)
@@ -87,4 +87,31 @@ def use_device(index: int) -> None:
             dev = check(drv.cuDeviceGet(index), f"cuDeviceGet({index})")
             ctx = _primary_contexts[index] = check(drv.cuDevicePrimaryCtxRetain(dev),
                                                    f"cuDevicePrimaryCtxRetain({index})")
-    check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return ctx
+
+
+def use_device(index: int) -> None:
+    """Make device ``index``'s primary context current in this thread, and leave it so (for
+    code that owns the thread; library entry points restore the caller's with
+    :func:`keeps_context`)."""
+    check(driver().cuCtxSetCurrent(_primary_context(index)), "cuCtxSetCurrent")
+
+
+def keeps_context(fn):
+    """Decorate a function that may switch the current CUDA context (:func:`use_device`) so its
+    caller's is restored on return: the current context is torch's current device, and a library
+    call must not move it. A no-op without CUDA."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not cuda_available():
+            return fn(*args, **kwargs)
+        drv = driver()
+        previous = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if int(check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")) != int(previous):
+                check(drv.cuCtxSetCurrent(previous), "cuCtxSetCurrent(restore)")
+
+    return wrapper

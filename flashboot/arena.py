@@ -95,6 +95,7 @@ class _Undo:
     def __len__(self) -> int:
         return len(self._steps)
 
+    @_cuda.keeps_context
     def release(self) -> None:
         """Run every release in reverse order; all run even if one fails, the first error is raised."""
         with self._lock:
@@ -394,6 +395,7 @@ class HandleSupport:
 _preflight_cache: dict[tuple[int, str], HandleSupport] = {}
 
 
+@_cuda.keeps_context
 def preflight_handle(index: int, handle: str) -> HandleSupport:
     """Try one tiny allocation with ``handle`` ("posix_fd" or "fabric") on CUDA device ``index``.
 
@@ -553,6 +555,7 @@ class Arena:
     # ---- construction -----------------------------------------------------------------------
 
     @classmethod
+    @_cuda.keeps_context
     def create(cls, nbytes: int, device: Any = None, *, access: Any = None,
                segment_bytes: int | None = None) -> "Arena":
         """Allocate an arena of at least ``nbytes`` bytes.
@@ -642,6 +645,7 @@ class Arena:
                    arena_id=arena_id, imported=False, handles=handles, fabric=fabric)
 
     @classmethod
+    @_cuda.keeps_context
     def open(cls, descriptor: ArenaDescriptor, device: Any = None, *, fds: Sequence[int] | None = None,
              access: Any = None, via: str = "auto", timings: dict | None = None) -> "Arena":
         """Map another process's arena into this one.
@@ -812,8 +816,11 @@ class Arena:
 
     def _map_segments(self, first: int, last: int, out: dict | None = None) -> None:
         """Map segments ``first`` .. ``last - 1`` that are not mapped yet (importers only)."""
-        if self._map_segment is None:
-            return
+        if self._map_segment is not None:
+            self._map_pending(first, last, out)
+
+    @_cuda.keeps_context
+    def _map_pending(self, first: int, last: int, out: dict | None) -> None:
         with self._map_lock:
             if self._map_segment is None:
                 return
@@ -954,6 +961,7 @@ class Arena:
 
     # ---- sharing -----------------------------------------------------------------------------
 
+    @_cuda.keeps_context
     def export(self) -> ArenaDescriptor:
         """A descriptor another process on this host passes to :meth:`open`.
 
@@ -1080,6 +1088,7 @@ _warm_mappings: dict[tuple[int, int], _Undo] = {}
 _warm_lock = threading.Lock()
 
 
+@_cuda.keeps_context
 def warm_import(device: Any, peers: Any = "all", *, keep: bool = True) -> dict[str, Any]:
     """Pay the driver's costs of importing and mapping another device's memory now, so a later
     :meth:`Arena.open` on the critical path does not.
@@ -1155,6 +1164,7 @@ def warm_import(device: Any, peers: Any = "all", *, keep: bool = True) -> dict[s
     return out
 
 
+@_cuda.keeps_context
 def release_warm_imports() -> int:
     """Unmap and free every granule :func:`warm_import` kept; returns how many there were."""
     with _warm_lock:

@@ -93,6 +93,7 @@ def create_flags(nflags: int, device: Any, *, access: Any = None) -> "Arena":  #
     return arena
 
 
+@_cuda.keeps_context
 def _zero_device(ptr: int, nbytes: int, index: int) -> None:
     drv = _cuda.driver()
     _cuda.use_device(index)
@@ -512,6 +513,7 @@ class _HostRun:
 
 
 class _CudaRun:
+    @_cuda.keeps_context
     def __init__(self, ex: Executor, watches: dict[int, PeerWatch]):
         import cupy
 

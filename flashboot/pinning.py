@@ -154,6 +154,7 @@ class PinnedRegion:
     def registered(self) -> bool:
         return self._registered
 
+    @_cuda.keeps_context
     def unregister(self) -> float:
         """Unpin (idempotent); returns the milliseconds it took (about 170 ms per 8 GB)."""
         with self._lock:
@@ -172,6 +173,7 @@ class PinnedRegion:
         self.unregister()
 
 
+@_cuda.keeps_context
 def register_host(ptr: int, nbytes: int, device: Device, *, path: str | None = None, offset: int = 0) -> PinnedRegion:
     """Page-lock ``[ptr, ptr + nbytes)`` for DMA (portable across contexts). Needs CUDA.
 
@@ -195,6 +197,7 @@ def register_host(ptr: int, nbytes: int, device: Device, *, path: str | None = N
     return PinnedRegion(ptr, nbytes, (time.perf_counter() - t0) * 1e3, device.index, threading.Lock())
 
 
+@_cuda.keeps_context
 def device_free_bytes(device: Device) -> int:
     """Bytes free for a new allocation on ``device``: ``cuMemGetInfo`` on CUDA, MemAvailable on the host."""
     if device.is_cuda:

@@ -387,6 +387,30 @@ def test_peer_open_maps_segments_on_first_use_byte_exact():
             assert torch.equal(dst.view(torch.int64), expected_int64(n, 7, "cuda:1"))
 
 
+@pytest.mark.two_gpus
+def test_library_calls_leave_the_callers_current_device_alone():
+    import torch
+
+    from flashboot.arena import release_warm_imports, warm_import
+
+    for mine, other in ((0, 1), (1, 0)):
+        torch.cuda.set_device(mine)
+        with Arena.create(300 * MiB, other) as a:  # two segments
+            assert torch.cuda.current_device() == mine
+            a.export()
+            assert torch.cuda.current_device() == mine
+            with Arena.open(a.export(), mine) as b:
+                assert torch.cuda.current_device() == mine
+                b.span(256 * MiB, MiB)  # maps the second segment on first use
+                assert torch.cuda.current_device() == mine and b.mapped_nbytes == b.nbytes
+            assert torch.cuda.current_device() == mine
+        assert torch.cuda.current_device() == mine
+        warm_import(f"cuda:{other}")
+        release_warm_imports()
+        assert torch.cuda.current_device() == mine
+    torch.cuda.set_device(0)
+
+
 def test_info_command_reports_devices_and_handle_types(capsys):
     from flashboot.cli import main
 

@@ -529,9 +529,16 @@ def run_engine_script(script: str, tmp_path: Path, env: dict | None = None) -> d
     _make_tiny_llama(model)
     path = tmp_path / "engine_script.py"
     path.write_text(script)
-    proc = subprocess.run([sys.executable, str(path), str(model), str(tmp_path / "image"), str(tmp_path / "shm"),
-                           str(free_port())], capture_output=True, text=True, timeout=280,
-                          env={**os.environ, **(env or {})}, cwd=tmp_path)
+    # On CUDA the staged image is pinned for the H2D, and the driver refuses a shared mapping of a
+    # file on disk: stage in /dev/shm (tmpfs) where there is one, as `flashboot preload` does.
+    shm = Path(tempfile.mkdtemp(prefix="flashboot-test-", dir="/dev/shm")) if os.path.isdir("/dev/shm") \
+        else tmp_path / "shm"
+    try:
+        proc = subprocess.run([sys.executable, str(path), str(model), str(tmp_path / "image"), str(shm),
+                               str(free_port())], capture_output=True, text=True, timeout=280,
+                              env={**os.environ, **(env or {})}, cwd=tmp_path)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])

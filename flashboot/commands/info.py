@@ -23,6 +23,7 @@ def _no_cuda_reason() -> str:
     return "the CUDA driver reports no device"
 
 
+@_cuda.keeps_context
 def _device_info(index: int) -> dict[str, Any]:
     from flashboot.arena import _cu_device, _device_attribute, preflight_handle
 
