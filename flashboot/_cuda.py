@@ -100,7 +100,8 @@ def use_device(index: int) -> None:
 def keeps_context(fn):
     """Decorate a function that may switch the current CUDA context (:func:`use_device`) so its
     caller's is restored on return: the current context is torch's current device, and a library
-    call must not move it. A no-op without CUDA."""
+    call must not move it. A thread that had none keeps the one the call made current. A no-op
+    without CUDA."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -111,7 +112,9 @@ def keeps_context(fn):
         try:
             return fn(*args, **kwargs)
         finally:
-            if int(check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")) != int(previous):
+            # A thread with no context yet keeps ours: unbinding it would leave the CUDA runtime
+            # (CuPy, torch) believing in a device whose context is no longer current.
+            if int(previous) and int(check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")) != int(previous):
                 check(drv.cuCtxSetCurrent(previous), "cuCtxSetCurrent(restore)")
 
     return wrapper
