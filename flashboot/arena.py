@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 
 from . import _cuda
 from .errors import ArenaError, CapabilityError, CudaError, FlashBootError, OutOfMemoryError
-from .fdshare import pidfd_getfd
+from .fdshare import pidfd_getfd, take_fds
 from .memory import Device, Span
 
 SEGMENT_BYTES = 256 << 20
@@ -706,18 +706,18 @@ class Arena:
         _make_fd_room(descriptor.segments, f"opening arena {descriptor.arena_id}")
         own: list[int] = []
         undo.push("close segment fds", lambda: [os.close(fd) for fd in own if fd >= 0])
-        for i in range(descriptor.segments):
-            if fds is not None:
-                try:
-                    own.append(os.dup(fds[i]))
-                except OSError as exc:
-                    raise ArenaError(f"fd {fds[i]} given for segment {i} of arena {descriptor.arena_id} is not open: "
-                                     f"{exc.strerror}") from None
-                continue
+        if fds is None:
             try:
-                own.append(pidfd_getfd(descriptor.pid, descriptor.fds[i]))
+                own.extend(take_fds(descriptor.pid, descriptor.fds))
             except FlashBootError as exc:
                 raise ArenaError(f"cannot open arena {descriptor.arena_id} exported by pid {descriptor.pid}: {exc}") from None
+            return own
+        for i, fd in enumerate(fds):
+            try:
+                own.append(os.dup(fd))
+            except OSError as exc:
+                raise ArenaError(f"fd {fd} given for segment {i} of arena {descriptor.arena_id} is not open: "
+                                 f"{exc.strerror}") from None
         return own
 
     @classmethod

@@ -75,6 +75,20 @@ def _getfd_message(pid: int, fd: int, err: int) -> str:
     return f"pidfd_getfd(pid {pid}, fd {fd}) failed: {name} ({os.strerror(err)})"
 
 
+def take_fds(pid: int, fds: "list[int] | tuple[int, ...]") -> list[int]:
+    """:func:`pidfd_getfd` for each of ``fds`` of process ``pid`` (this process included); on a
+    failure the fds already taken are closed and the RendezvousError raised."""
+    own: list[int] = []
+    try:
+        for fd in fds:
+            own.append(pidfd_getfd(pid, fd))
+    except BaseException:
+        for fd in own:
+            os.close(fd)
+        raise
+    return own
+
+
 SCM_MAX_FD = 253
 """Most fds Linux carries in one ``SCM_RIGHTS`` message; :func:`send_fds` sends more in batches."""
 
@@ -140,4 +154,4 @@ def recv_fd(sock: socket.socket, *, timeout_s: float = 30.0) -> tuple[int, bytes
     return fds[0], msg
 
 
-__all__ = ["pidfd_getfd", "send_fd", "recv_fd", "send_fds", "recv_fds", "recv_more_fds", "SCM_MAX_FD", "SYS_PIDFD_GETFD"]
+__all__ = ["pidfd_getfd", "take_fds", "send_fd", "recv_fd", "send_fds", "recv_fds", "recv_more_fds", "SCM_MAX_FD", "SYS_PIDFD_GETFD"]

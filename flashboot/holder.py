@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ArenaError, FlashBootError, WaitTimeoutError
-from .fdshare import pidfd_getfd
+from .fdshare import take_fds
 
 DEFAULT_TIMEOUT_S = 30.0
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -189,10 +189,8 @@ class Holder:
         from .arena import Arena
 
         _check_name(name)
-        fds: list[int] = []
+        fds = take_fds(descriptor.pid, descriptor.fds)
         try:
-            for fd in descriptor.fds:
-                fds.append(pidfd_getfd(descriptor.pid, fd) if descriptor.pid != os.getpid() else os.dup(fd))
             arena = Arena.open(descriptor, None if descriptor.backend == "host" else descriptor.device_index, fds=fds)
             # mapping every segment keeps the physical allocation alive after the engine is gone
             arena.map_range()
