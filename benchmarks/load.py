@@ -122,11 +122,17 @@ PHASES = ("wait", "pin", "alloc", "exchange", "metadata", "h2d", "bind")
 def bench_checkpoint(spec, *, device: str, ckpt_root: Path, image_root: Path, shm_root: Path, warmup: int,
                      repeats: int, log: Callable[[str], None], keep: bool) -> tuple[list[LoaderResult], list[PipelineResult], dict]:
     """All measurements for one checkpoint spec; see the module docstring."""
-    import flashboot
     from flashboot.benchmarks.checkpoints import make_checkpoint, tensors_digest
     from flashboot.benchmarks.peers import PEERS
-    from flashboot.preload import (
-        PreloadConfig, read_rate, serve_status, stage_rank, start_background, stop_service, unstage,
+
+    import flashboot
+    from flashboot.flashload.client import serve_status
+    from flashboot.flashload.service import start_background, stop_service
+    from flashboot.flashload.staging import (
+        PreloadConfig,
+        read_rate,
+        stage_rank,
+        unstage,
     )
 
     ckpt_dir = ckpt_root / f"ckpt-{spec.name}"
@@ -276,6 +282,7 @@ def run(*, scale: float | None = None, checkpoints: list = ("A", "B"), device: s
     ``scale``) or :class:`~flashboot.benchmarks.checkpoints.CheckpointSpec` objects (used as given).
     """
     from flashboot.benchmarks.checkpoints import CHECKPOINTS, CheckpointSpec
+
     from flashboot.memory import Device
 
     dev = str(Device.parse(device))

@@ -7,6 +7,7 @@ Without CUDA, the same API runs on the host backend (shareable host memory).
 
 from __future__ import annotations
 
+from ._lazy import lazy_getattr
 from .errors import (
     ArenaError,
     CapabilityError,
@@ -20,7 +21,6 @@ from .errors import (
     UnknownNameError,
     WaitTimeoutError,
 )
-from ._lazy import lazy_getattr
 from .memory import CPU, Device, Span, span_of
 
 __version__ = "0.1.0"
@@ -28,16 +28,16 @@ __version__ = "0.1.0"
 # Public names re-exported lazily from their modules, so `import flashboot` stays light
 # and a missing optional piece fails only where it is used.
 _LAZY = {
-    "prepack": "flashboot._prepack",
-    "PrepackReport": "flashboot._prepack",
+    "prepack": "flashboot.flashload.prepack",
+    "PrepackReport": "flashboot.flashload.prepack",
     "Arena": "flashboot.arena",
     "ArenaDescriptor": "flashboot.arena",
-    "load": "flashboot._load",
-    "bind": "flashboot._load",
-    "LoadedImage": "flashboot._load",
-    "LoadReport": "flashboot._load",
-    "stage": "flashboot._stage",
-    "StagedImage": "flashboot._stage",
+    "load": "flashboot.flashload.load",
+    "bind": "flashboot.flashload.bind",
+    "LoadedImage": "flashboot.flashload.load",
+    "LoadReport": "flashboot.flashload.load",
+    "stage": "flashboot.flashload.stage",
+    "StagedImage": "flashboot.flashload.stage",
     "build_plan": "flashboot.schedulers",
     "Plan": "flashboot.schedulers",
     "simulate": "flashboot.sim",

@@ -279,7 +279,7 @@ class _HostImage:
             self.metadata = image.metadata
             file_path, self.nbytes = image.path, image.nbytes
             try:
-                from .preload import staged_paths
+                from .flashload.shm import staged_paths
 
                 staged = staged_paths(path, rank)
                 if staged.ready.exists() and staged.image.exists() and staged.image.stat().st_size >= self.nbytes:
@@ -502,7 +502,7 @@ class Seed:
 
     def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
         """Block until ``stop`` is set or SIGTERM/SIGINT arrives (main thread), then :meth:`close`."""
-        from ._service import serve_until_stopped
+        from .service_loop import serve_until_stopped
 
         try:
             serve_until_stopped(self._stop, stop, handle_signals=handle_signals)
@@ -554,13 +554,13 @@ def _load_seed_source(source: Any, dev: Device, rank: int, timeout_s: float):
     if not path.exists():
         raise FlashBootError(f"seed source {str(path)!r} does not exist (pass an image directory or an Arena)")
     try:
-        from .preload import staged_paths
+        from .flashload.shm import staged_paths
 
         staged = staged_paths(path, rank).ready.exists()
     except FlashBootError:
         staged = False
     if staged:
-        from ._load import load
+        from .flashload.load import load
 
         loaded = load(path, rank, dev, timeout_s=timeout_s)
         return loaded.arena, loaded.metadata, [loaded]

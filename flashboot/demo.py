@@ -88,9 +88,9 @@ def _pipeline(device: Device, workdir: Path) -> bool:
 
     from . import bind, load, prepack
     from .benchmarks.timing import print_table
+    from .flashload.staging import stage_rank
     from .layouts import read_image
     from .layouts.tiny import save_tiny_model, tiny_config
-    from .preload import stage_rank
 
     hf = workdir / "hf"
     # Stage where the preloader would: tmpfs, which can be pinned (a disk file may not be).

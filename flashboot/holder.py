@@ -247,7 +247,7 @@ class Holder:
 
     def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
         """Poll for requests until ``stop`` or SIGTERM/SIGINT (main thread), then :meth:`close`."""
-        from ._service import serve_until_stopped
+        from .service_loop import serve_until_stopped
 
         try:
             serve_until_stopped(self._stop, stop, handle_signals=handle_signals, tick=self.poll_once,

@@ -7,18 +7,25 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-from flashboot._prepack import prepack
-from flashboot.errors import LayoutError, UnknownNameError
 from flashboot.layouts import read_image, read_image_metadata, reassemble
 from flashboot.layouts.checkpoint import open_checkpoint
 from flashboot.layouts.families import (
-    Family, PlanContext, RankPlan, check_plan, family_for, get_family, list_families, register_family,
+    Family,
+    PlanContext,
+    RankPlan,
+    check_plan,
+    family_for,
+    get_family,
+    list_families,
+    register_family,
 )
 from flashboot.layouts.families.base import Piece, PlannedTensor
 from flashboot.layouts.format import ParallelLayout
 from flashboot.layouts.tiny import save_tiny_model
+from safetensors.torch import load_file, save_file
+
+from flashboot.errors import LayoutError, UnknownNameError
+from flashboot.flashload.prepack import prepack
 
 MOE = ["qwen3_moe", "mixtral", "deepseek_v3"]
 FAMILIES = MOE + ["llama"]

@@ -8,16 +8,27 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
-from flashboot._prepack import prepack
-from flashboot.errors import ChecksumMismatchError, LayoutError
+from flashboot.kernels.checksum_spec import checksum_reference
 from flashboot.layouts import (
-    DTYPES, ImageKey, ImageMetadata, LayoutSlot, ParallelLayout, Part, Split, TensorEntry, compute_layout,
-    read_image, read_image_metadata, reassemble, verify_image,
+    DTYPES,
+    ImageKey,
+    ImageMetadata,
+    LayoutSlot,
+    ParallelLayout,
+    Part,
+    Split,
+    TensorEntry,
+    compute_layout,
+    read_image,
+    read_image_metadata,
+    reassemble,
+    verify_image,
 )
 from flashboot.layouts.format import SEPARATOR_ALIGNMENT, TENSOR_ALIGNMENT
-from flashboot.kernels.checksum_spec import checksum_reference
+from safetensors.torch import save_file
+
+from flashboot.errors import ChecksumMismatchError, LayoutError
+from flashboot.flashload.prepack import prepack
 
 CHUNK = 4096
 
@@ -420,8 +431,8 @@ def test_table_spans_of_strided_tensors_match_the_definition(packed):
 
 
 def test_views_of_strided_tensors_are_the_arena_views(packed):
-    from flashboot._load import make_views
     from flashboot.arena import Arena
+    from flashboot.flashload.load import make_views
 
     meta = _metadata_with(read_image_metadata(packed[0]), _strided_table(seed=5, count=120))
     with Arena.create(meta.image_nbytes, "cpu") as arena:

@@ -8,16 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import flashboot
-from flashboot import preload as pl
-from flashboot._load import admit
-from flashboot.errors import (
-    ChecksumMismatchError, FlashBootError, LayoutError, OutOfMemoryError, WaitTimeoutError,
-)
 from flashboot.layouts import read_image
 from flashboot.layouts.image import reassemble
 from flashboot.layouts.tiny import save_tiny_model, tiny_config
+
+import flashboot
+from flashboot.errors import (
+    ChecksumMismatchError,
+    FlashBootError,
+    LayoutError,
+    OutOfMemoryError,
+    WaitTimeoutError,
+)
+from flashboot.flashload import client, service, staging
+from flashboot.flashload import shm as shm_files
+from flashboot.flashload.load import admit
 from flashboot.memory import CPU
 
 CHUNK = 16384
@@ -39,8 +44,8 @@ def qwen(tmp_path_factory):
     flashboot.prepack(str(root / "hf"), str(root / "tp1"), chunk_bytes=CHUNK, progress=False)
     flashboot.prepack(str(root / "hf"), str(root / "tp2"), tp=2, chunk_bytes=CHUNK, progress=False)
     shm = root / "shm"
-    pl.preload(pl.PreloadConfig(str(root / "tp1"), shm_dir=str(shm)))
-    pl.preload(pl.PreloadConfig(str(root / "tp2"), shm_dir=str(shm)))
+    staging.preload(staging.PreloadConfig(str(root / "tp1"), shm_dir=str(shm)))
+    staging.preload(staging.PreloadConfig(str(root / "tp2"), shm_dir=str(shm)))
     return root
 
 
@@ -82,7 +87,7 @@ def test_pin_early_returns_at_once_and_load_waits_for_it(qwen, tmp_path):
     shm = tmp_path / "shm"
     staged = flashboot.stage(image, 0, "cpu", timeout_s=30, shm_dir=shm)
     assert not staged.done, "stage() must not wait for the preloader"
-    threading.Timer(0.2, lambda: pl.preload(pl.PreloadConfig(str(image), shm_dir=str(shm)))).start()
+    threading.Timer(0.2, lambda: staging.preload(staging.PreloadConfig(str(image), shm_dir=str(shm)))).start()
     with staged:
         loaded = flashboot.load(image, 0, "cpu", staged=staged, shm_dir=shm, timeout_s=30)
         assert staged.done and loaded.report.mode == "host (staged early)"
@@ -96,7 +101,7 @@ def test_pin_early_returns_at_once_and_load_waits_for_it(qwen, tmp_path):
 
 def test_missing_ready_times_out_naming_the_path(qwen, tmp_path):
     shm = tmp_path / "empty-shm"
-    ready = pl.staged_paths(qwen / "tp1", 0, shm).ready
+    ready = shm_files.staged_paths(qwen / "tp1", 0, shm).ready
     t0 = time.monotonic()
     with pytest.raises(WaitTimeoutError) as e:
         flashboot.load(qwen / "tp1", 0, "cpu", shm_dir=shm, timeout_s=0.3)
@@ -126,8 +131,8 @@ def test_admission_refuses_before_any_allocation(qwen, monkeypatch):
     with pytest.raises(OutOfMemoryError):
         admit(1, CPU, free_bytes=(2 << 20) - 1)
 
-    from flashboot import _load
     from flashboot.arena import Arena
+    from flashboot.flashload import load as _load
 
     def no_alloc(*a, **k):
         raise AssertionError("an arena was allocated before admission")
@@ -150,10 +155,10 @@ def _corrupt(path: Path, offset: int) -> None:
 def test_verify_names_the_corrupted_chunk(qwen, tmp_path):
     image = Path(shutil.copytree(qwen / "tp1", tmp_path / "image"))
     shm = tmp_path / "shm"
-    pl.stage_rank(image, 0, shm_dir=shm)
+    staging.stage_rank(image, 0, shm_dir=shm)
     with flashboot.load(image, 0, "cpu", shm_dir=shm, verify=True) as ok:
         assert ok.report.verify_ms > 0
-    _corrupt(pl.staged_paths(image, 0, shm).image, 3 * CHUNK + 7)  # damage in shared memory
+    _corrupt(shm_files.staged_paths(image, 0, shm).image, 3 * CHUNK + 7)  # damage in shared memory
     from flashboot.arena import Arena
 
     created = []
@@ -206,10 +211,10 @@ def test_views_are_built_while_the_copy_runs_and_metadata_is_reported(qwen):
 
 
 def test_a_failing_copy_releases_the_arena_and_raises(qwen, monkeypatch):
-    from flashboot.errors import MoverError
     from flashboot.movers.host import HostMover
 
-    from flashboot import _load
+    from flashboot.errors import MoverError
+    from flashboot.flashload import load as _load
 
     views_done = []
     real_make_views = _load.make_views
@@ -268,7 +273,7 @@ def test_bind_tied_embeddings_share_one_view(tmp_path):
 
     save_tiny_model("mixtral", tmp_path / "hf", dtype=torch.bfloat16, tie_word_embeddings=True)
     flashboot.prepack(str(tmp_path / "hf"), str(tmp_path / "img"), progress=False)
-    pl.stage_rank(tmp_path / "img", 0, shm_dir=tmp_path / "shm")
+    staging.stage_rank(tmp_path / "img", 0, shm_dir=tmp_path / "shm")
     model = _meta_model("mixtral", tie_word_embeddings=True)
     with flashboot.load(tmp_path / "img", 0, "cpu", shm_dir=tmp_path / "shm") as loaded:
         assert "lm_head.weight" not in loaded.tensors
@@ -344,7 +349,7 @@ def gpu_shm(qwen):
     import tempfile
 
     root = Path(tempfile.mkdtemp(prefix="flashboot-test-", dir="/dev/shm"))
-    pl.preload(pl.PreloadConfig(str(qwen / "tp1"), shm_dir=str(root)))
+    staging.preload(staging.PreloadConfig(str(qwen / "tp1"), shm_dir=str(root)))
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -371,19 +376,19 @@ def test_gpu_pin_on_critical_path_vs_pinned_early(qwen, gpu_shm):
 @pytest.mark.gpu
 def test_gpu_served_load_with_a_pinned_daemon(qwen, gpu_shm):
     shm = gpu_shm
-    cfg = pl.PreloadConfig(str(qwen / "tp1"), shm_dir=str(shm), serve=True, devices={0: "cuda:0"})
-    pl.start_background(cfg, timeout_s=120)
+    cfg = staging.PreloadConfig(str(qwen / "tp1"), shm_dir=str(shm), serve=True, devices={0: "cuda:0"})
+    service.start_background(cfg, timeout_s=120)
     try:
         deadline = time.monotonic() + 120
-        while pl.serve_status(qwen / "tp1", shm)["ranks"]["0"]["state"] not in ("pinned", "failed"):
+        while client.serve_status(qwen / "tp1", shm)["ranks"]["0"]["state"] not in ("pinned", "failed"):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert pl.serve_status(qwen / "tp1", shm)["ranks"]["0"]["state"] == "pinned"
+        assert client.serve_status(qwen / "tp1", shm)["ranks"]["0"]["state"] == "pinned"
         with flashboot.load(qwen / "tp1", 0, "cuda:0", served=True, shm_dir=shm, verify=True) as li:
             assert li.report.mode == "served" and li.report.details["daemon_pinned"] is True
             assert li.report.pinned_early_ms > 0 and li.report.h2d_ms > 0
     finally:
-        pl.stop_service(qwen / "tp1", shm)
+        service.stop_service(qwen / "tp1", shm)
 
 
 @pytest.mark.gpu

@@ -14,14 +14,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
+from flashboot.layouts import read_image
 
 import flashboot
-from flashboot import preload as pl
-from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
 from flashboot.errors import (
-    CapabilityError, ChecksumMismatchError, FlashBootError, LayoutError, OutOfMemoryError, WaitTimeoutError,
+    CapabilityError,
+    ChecksumMismatchError,
+    FlashBootError,
+    LayoutError,
+    OutOfMemoryError,
+    WaitTimeoutError,
 )
-from flashboot.layouts import read_image
+from flashboot.flashload import client, service, staging
+from flashboot.flashload import shm as shm_files
 from flashboot.memory import Device
 
 TINY = CheckpointSpec("tiny", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=32, vocab=64, shards=2)
@@ -54,94 +60,94 @@ def _image_bytes(image_dir, rank=0) -> bytes:
 # ------------------------------------------------------------------------------ staging
 def test_stage_copies_the_image_and_writes_ready(image, shm):
     img = read_image(image, 0)
-    result = pl.stage_rank(image, 0, shm_dir=shm, threads=4, chunk_bytes=8192)
-    paths = pl.staged_paths(image, 0, shm)
+    result = staging.stage_rank(image, 0, shm_dir=shm, threads=4, chunk_bytes=8192)
+    paths = shm_files.staged_paths(image, 0, shm)
     assert Path(result.staged) == paths.image
     assert paths.image.read_bytes() == img.path.read_bytes()
     assert not paths.partial.exists()
-    info = pl.read_ready(paths.ready)
+    info = shm_files.read_ready(paths.ready)
     assert info.nbytes == img.nbytes == result.nbytes
     assert info.rank == 0 and info.threads == 4
     assert info.checksum["chunks"] == len(img.metadata.checksums.digests) > 8
-    assert info.checksum["fingerprint"] == pl.checksum_fingerprint(img.metadata.checksums.digests)
+    assert info.checksum["fingerprint"] == shm_files.checksum_fingerprint(img.metadata.checksums.digests)
     assert info.key_digest == img.metadata.key.digest
     assert info.io_mode == result.io_mode
     assert info.numa_node is None and "host backend" in info.numa_reason
     # The rank directory is keyed by the image directory: a second image gets its own.
-    assert pl.staging_dir(image, shm) != pl.staging_dir(image.parent / "other", shm)
+    assert shm_files.staging_dir(image, shm) != shm_files.staging_dir(image.parent / "other", shm)
 
 
 def test_ready_is_written_atomically_and_last(image, shm, monkeypatch):
     """No reader can see a .ready without the complete image beside it."""
     seen = []
-    real_write = pl._write_atomic
+    real_write = shm_files._write_atomic
 
     def spy(path, text):
-        paths = pl.staged_paths(image, 0, shm)
+        paths = shm_files.staged_paths(image, 0, shm)
         seen.append((paths.image.exists(), paths.partial.exists(), path.exists()))
         real_write(path, text)
 
-    monkeypatch.setattr(pl, "_write_atomic", spy)
-    pl.stage_rank(image, 0, shm_dir=shm)
+    monkeypatch.setattr(staging, "_write_atomic", spy)
+    staging.stage_rank(image, 0, shm_dir=shm)
     assert seen == [(True, False, False)]
-    assert not [p for p in pl.staging_dir(image, shm).iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in shm_files.staging_dir(image, shm).iterdir() if p.name.endswith(".tmp")]
 
 
 def test_restage_is_skipped_unless_forced_and_withdraws_ready_first(image, shm, monkeypatch):
-    first = pl.stage_rank(image, 0, shm_dir=shm)
-    again = pl.stage_rank(image, 0, shm_dir=shm)
+    first = staging.stage_rank(image, 0, shm_dir=shm)
+    again = staging.stage_rank(image, 0, shm_dir=shm)
     assert not first.skipped and again.skipped
-    paths = pl.staged_paths(image, 0, shm)
+    paths = shm_files.staged_paths(image, 0, shm)
 
     def fail(*a, **k):
         assert not paths.ready.exists(), ".ready must be gone before the old image is replaced"
         raise OSError(errno.EIO, "disk error")
 
-    monkeypatch.setattr(pl, "_fallocate", fail)
+    monkeypatch.setattr(staging, "_fallocate", fail)
     with pytest.raises(OSError):
-        pl.stage_rank(image, 0, shm_dir=shm, force=True)
+        staging.stage_rank(image, 0, shm_dir=shm, force=True)
     assert not paths.ready.exists() and not paths.partial.exists() and not paths.image.exists()
 
 
 def test_wait_ready_times_out_naming_the_path(image, shm):
-    path = pl.staged_paths(image, 0, shm).ready
+    path = shm_files.staged_paths(image, 0, shm).ready
     t0 = time.monotonic()
     with pytest.raises(WaitTimeoutError) as e:
-        pl.wait_ready(image, 0, timeout_s=0.2, shm_dir=shm)
+        shm_files.wait_ready(image, 0, timeout_s=0.2, shm_dir=shm)
     assert time.monotonic() - t0 >= 0.2
     assert str(path) in str(e.value) and "no preloader is running" in str(e.value)
 
 
 def test_ready_from_another_prepack_is_refused(image, shm):
-    pl.stage_rank(image, 0, shm_dir=shm)
-    info = pl.read_ready(pl.staged_paths(image, 0, shm).ready)
+    staging.stage_rank(image, 0, shm_dir=shm)
+    info = shm_files.read_ready(shm_files.staged_paths(image, 0, shm).ready)
     meta_path = read_image(image, 0).dir / "metadata.json"
     meta = json.loads(meta_path.read_text())
     meta["warnings"] = ["edited"]  # another pre-pack: same sizes, different metadata
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(LayoutError, match="another pre-pack"):
-        pl.check_ready(info, pl.rank_source(image, 0))
+        shm_files.check_ready(info, shm_files.rank_source(image, 0))
 
 
 def test_malformed_ready_is_a_layout_error(tmp_path):
     p = tmp_path / "rank-0.ready"
     p.write_text("{not json")
     with pytest.raises(LayoutError, match=str(p)):
-        pl.read_ready(p)
-    p.write_text(json.dumps({"format": pl.READY_FORMAT, "rank": 0}))
+        shm_files.read_ready(p)
+    p.write_text(json.dumps({"format": shm_files.READY_FORMAT, "rank": 0}))
     with pytest.raises(LayoutError, match="lacks"):
-        pl.read_ready(p)
+        shm_files.read_ready(p)
 
 
 def test_wrong_rank_and_truncated_image(image, shm):
     with pytest.raises(LayoutError, match="rank 3 requested"):
-        pl.stage_rank(image, 3, shm_dir=shm)
+        staging.stage_rank(image, 3, shm_dir=shm)
     img = read_image(image, 0)
     with open(img.path, "r+b") as f:
         f.truncate(img.nbytes - 4096)
     with pytest.raises(LayoutError, match="truncated"):
-        pl.stage_rank(image, 0, shm_dir=shm)
-    assert not pl.staged_paths(image, 0, shm).ready.exists()
+        staging.stage_rank(image, 0, shm_dir=shm)
+    assert not shm_files.staged_paths(image, 0, shm).ready.exists()
 
 
 def test_verify_names_the_corrupted_chunk_and_leaves_nothing(image, shm):
@@ -152,31 +158,31 @@ def test_verify_names_the_corrupted_chunk_and_leaves_nothing(image, shm):
         f.seek(5 * CHUNK + 100)
         f.write(bytes([b[0] ^ 0xFF]))
     with pytest.raises(ChecksumMismatchError) as e:
-        pl.stage_rank(image, 0, shm_dir=shm, verify=True)
+        staging.stage_rank(image, 0, shm_dir=shm, verify=True)
     assert e.value.chunk == 5 and e.value.offset == 5 * CHUNK
     assert "chunk 5" in str(e.value)
-    paths = pl.staged_paths(image, 0, shm)
+    paths = shm_files.staged_paths(image, 0, shm)
     assert not paths.ready.exists() and not paths.partial.exists() and not paths.image.exists()
 
 
 # ------------------------------------------------------------------------- full /dev/shm
 def test_refuses_before_any_io_when_shm_lacks_space(image, shm, monkeypatch):
-    monkeypatch.setattr(pl, "_fs_free_bytes", lambda path: 10_000)
+    monkeypatch.setattr(staging, "_fs_free_bytes", lambda path: 10_000)
     opened = []
     real_open = os.open
     monkeypatch.setattr(os, "open", lambda p, *a, **k: (opened.append(str(p)), real_open(p, *a, **k))[1])
     nbytes = read_image(image, 0).nbytes
     with pytest.raises(OutOfMemoryError) as e:
-        pl.stage_rank(image, 0, shm_dir=shm)
+        staging.stage_rank(image, 0, shm_dir=shm)
     assert e.value.nbytes_needed == nbytes and e.value.nbytes_free == 10_000
     assert f"{nbytes:,}" in str(e.value) and "10,000" in str(e.value)
     assert not [p for p in opened if p.endswith((".img", ".partial"))]
-    assert list(pl.staging_dir(image, shm).iterdir()) == []
+    assert list(shm_files.staging_dir(image, shm).iterdir()) == []
 
 
 def test_shm_filling_up_mid_copy_removes_the_partial_file(image, shm, monkeypatch):
     written = [0]
-    real_pwrite = pl._pwrite
+    real_pwrite = staging._pwrite
 
     def pwrite(fd, data, off):
         if written[0] >= 16384:
@@ -185,12 +191,12 @@ def test_shm_filling_up_mid_copy_removes_the_partial_file(image, shm, monkeypatc
         written[0] += n
         return n
 
-    monkeypatch.setattr(pl, "_pwrite", pwrite)
+    monkeypatch.setattr(staging, "_pwrite", pwrite)
     with pytest.raises(OutOfMemoryError) as e:
-        pl.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=2)
+        staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=2)
     assert "filled up after" in str(e.value) and "partial file removed" in str(e.value)
     assert e.value.nbytes_needed == read_image(image, 0).nbytes
-    paths = pl.staged_paths(image, 0, shm)
+    paths = shm_files.staged_paths(image, 0, shm)
     assert not paths.partial.exists() and not paths.image.exists() and not paths.ready.exists()
 
 
@@ -198,10 +204,10 @@ def test_fallocate_enospc_is_a_full_shm(image, shm, monkeypatch):
     def full(fd, off, n):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(pl, "_fallocate", full)
+    monkeypatch.setattr(staging, "_fallocate", full)
     with pytest.raises(OutOfMemoryError, match="after 0 of"):
-        pl.stage_rank(image, 0, shm_dir=shm)
-    assert list(pl.staging_dir(image, shm).iterdir()) == []
+        staging.stage_rank(image, 0, shm_dir=shm)
+    assert list(shm_files.staging_dir(image, shm).iterdir()) == []
 
 
 # ------------------------------------------------------------------------------ O_DIRECT
@@ -218,12 +224,12 @@ def _refuse_direct_open(monkeypatch):
 
 def test_o_direct_refused_at_open_falls_back_and_says_so(image, shm, monkeypatch):
     _refuse_direct_open(monkeypatch)
-    r = pl.stage_rank(image, 0, shm_dir=shm)
+    r = staging.stage_rank(image, 0, shm_dir=shm)
     assert r.io_mode == "buffered" and "O_DIRECT" in r.io_reason
-    assert pl.read_ready(pl.staged_paths(image, 0, shm).ready).io_mode == "buffered"
-    assert pl.staged_paths(image, 0, shm).image.read_bytes() == _image_bytes(image)
+    assert shm_files.read_ready(shm_files.staged_paths(image, 0, shm).ready).io_mode == "buffered"
+    assert shm_files.staged_paths(image, 0, shm).image.read_bytes() == _image_bytes(image)
     with pytest.raises(CapabilityError, match="O_DIRECT"):
-        pl.stage_rank(image, 0, shm_dir=shm, io="direct", force=True)
+        staging.stage_rank(image, 0, shm_dir=shm, io="direct", force=True)
 
 
 def test_o_direct_refused_at_read_falls_back(image, shm, monkeypatch):
@@ -239,19 +245,19 @@ def test_o_direct_refused_at_read_falls_back(image, shm, monkeypatch):
         return real_preadv(fd, bufs, off)
 
     monkeypatch.setattr(os, "preadv", fake_preadv)
-    r = pl.stage_rank(image, 0, shm_dir=shm, threads=3, chunk_bytes=8192)
+    r = staging.stage_rank(image, 0, shm_dir=shm, threads=3, chunk_bytes=8192)
     assert tried, "O_DIRECT was tried first"
     assert r.io_mode == "buffered" and "reads" in r.io_reason
-    assert pl.staged_paths(image, 0, shm).image.read_bytes() == _image_bytes(image)
+    assert shm_files.staged_paths(image, 0, shm).image.read_bytes() == _image_bytes(image)
 
 
 def test_buffered_when_asked(image, shm):
-    r = pl.stage_rank(image, 0, shm_dir=shm, io="buffered")
+    r = staging.stage_rank(image, 0, shm_dir=shm, io="buffered")
     assert r.io_mode == "buffered" and r.io_reason == "asked for buffered reads"
 
 
 def test_read_rate(image):
-    gbps, mode = pl.read_rate(read_image(image, 0).path, io="buffered")
+    gbps, mode = staging.read_rate(read_image(image, 0).path, io="buffered")
     assert gbps > 0 and mode == "buffered"
 
 
@@ -303,26 +309,26 @@ def test_staging_binds_pages_to_the_gpu_node(image, shm, monkeypatch):
     monkeypatch.setattr(pinning, "gpu_numa_node", lambda dev: (0, "cuda:0 is on NUMA node 0 of 2"))
     monkeypatch.setattr(pinning, "bind_to_node", lambda a, n, node, policy="preferred": (bound.append((n, node)),
                                                                                          real_bind(a, n, node, policy)))
-    r = pl.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)
+    r = staging.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)
     nbytes = read_image(image, 0).nbytes
     assert r.numa_node == 0 and "(preferred)" in r.numa_reason
     assert (nbytes, 0) in bound  # the staged file's pages
     assert (8192, 0) in bound  # the read buffers
-    assert pl.read_ready(pl.staged_paths(image, 0, shm).ready).numa_node == 0
-    assert pl.staged_paths(image, 0, shm).image.read_bytes() == _image_bytes(image)
+    assert shm_files.read_ready(shm_files.staged_paths(image, 0, shm).ready).numa_node == 0
+    assert shm_files.staged_paths(image, 0, shm).image.read_bytes() == _image_bytes(image)
 
 
 # --------------------------------------------------------------------------- the service
 def test_background_preloader_stages_and_exits(image, shm):
-    cfg = pl.PreloadConfig(str(image), shm_dir=str(shm))
-    pid = pl.start_background(cfg, timeout_s=60)
-    info = pl.wait_ready(image, 0, timeout_s=60, shm_dir=shm)
+    cfg = staging.PreloadConfig(str(image), shm_dir=str(shm))
+    pid = service.start_background(cfg, timeout_s=60)
+    info = shm_files.wait_ready(image, 0, timeout_s=60, shm_dir=shm)
     assert info.pid == pid
     deadline = time.monotonic() + 30
-    while pl.service_status(image, shm).pid is not None and time.monotonic() < deadline:
+    while service.service_status(image, shm).pid is not None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert pl.service_status(image, shm).pid is None, "the pid file is removed when the preloader exits"
-    assert "rank 0: staged" in pl.log_file(image, shm).read_text()
+    assert service.service_status(image, shm).pid is None, "the pid file is removed when the preloader exits"
+    assert "rank 0: staged" in shm_files.log_file(image, shm).read_text()
 
 
 def _dead_pid() -> int:
@@ -332,53 +338,53 @@ def _dead_pid() -> int:
 
 
 def test_stale_pid_file_is_detected_and_replaced(image, shm):
-    path = pl.pid_file(image, shm)
+    path = shm_files.pid_file(image, shm)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"pid": _dead_pid(), "start_time": 1}))
-    st = pl.service_status(image, shm)
+    st = service.service_status(image, shm)
     assert st.stale and not st.running
-    assert "stale pid file" in pl.stop_service(image, shm)
+    assert "stale pid file" in service.stop_service(image, shm)
     assert not path.exists()
     path.write_text(json.dumps({"pid": os.getpid(), "start_time": 1}))  # a live pid, but not the writer
-    assert pl.service_status(image, shm).stale
-    assert pl._claim_pid_file(path, serve=False).startswith("removed stale pid file")
+    assert service.service_status(image, shm).stale
+    assert service._claim_pid_file(path, serve=False).startswith("removed stale pid file")
     assert json.loads(path.read_text())["pid"] == os.getpid()
-    pl._release_pid_file(path)
+    service._release_pid_file(path)
     assert not path.exists()
 
 
 def test_served_load_across_processes(image, shm):
     """A daemon process holds the staged image; this process (the engine) loads from it."""
-    cfg = pl.PreloadConfig(str(image), shm_dir=str(shm), serve=True)
-    pid = pl.start_background(cfg, timeout_s=60)
+    cfg = staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True)
+    pid = service.start_background(cfg, timeout_s=60)
     try:
-        st = pl.service_status(image, shm)
+        st = service.service_status(image, shm)
         assert st.running and st.serve and st.pid == pid
         with pytest.raises(FlashBootError, match="already runs"):
-            pl.start_background(cfg, timeout_s=10)
+            service.start_background(cfg, timeout_s=10)
         loaded = flashboot.load(image, 0, "cpu", served=True, shm_dir=shm, timeout_s=60)
         with loaded:
             assert loaded.report.mode == "served"
             assert loaded.report.details["daemon_pid"] == pid != os.getpid()
             # the strict read of the metadata and the views ran while the daemon copied
             assert loaded.report.overlapped == ["metadata", "bind"] and loaded.report.metadata_ms > 0
-            assert loaded.source.metadata_sha256 == pl.rank_source(image, 0).metadata_sha256
+            assert loaded.source.metadata_sha256 == shm_files.rank_source(image, 0).metadata_sha256
             assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
             img = read_image(image, 0)
             for name in list(img.tensors)[:20]:
                 assert torch.equal(loaded.tensors[name].reshape(-1).view(torch.uint8),
                                    img.view(name).reshape(-1).view(torch.uint8))
-        status = pl.serve_status(image, shm)
+        status = client.serve_status(image, shm)
         assert status["ranks"]["0"]["state"] == "mapped"
         # A rank the daemon does not serve: the daemon's error comes back with its class.
-        src = pl.rank_source(image, 0)
+        src = shm_files.rank_source(image, 0)
         from dataclasses import replace
 
         from flashboot.arena import Arena
 
         with Arena.create(src.nbytes, "cpu") as arena:
             with pytest.raises(LayoutError, match="rank 7"):
-                pl.served_load(arena, replace(src, rank=7), timeout_s=10, shm_dir=shm)
+                client.served_load(arena, replace(src, rank=7), timeout_s=10, shm_dir=shm)
         # A key the caller does not expect is refused from prepack.json before any arena exists.
         created = []
         real_create = Arena.create.__func__
@@ -405,27 +411,27 @@ def test_served_load_across_processes(image, shm):
                 flashboot.load(image, 0, "cpu", served=True, shm_dir=shm, timeout_s=0.5)
         assert not created
     finally:
-        msg = pl.stop_service(image, shm, timeout_s=30)
+        msg = service.stop_service(image, shm, timeout_s=30)
     assert msg == f"stopped preloader pid {pid}"
-    assert not pl.pid_file(image, shm).exists()
-    assert not pl.socket_path(image, shm).exists()
-    assert "stale" not in pl.stop_service(image, shm) and "no preloader" in pl.stop_service(image, shm)
+    assert not shm_files.pid_file(image, shm).exists()
+    assert not shm_files.socket_path(image, shm).exists()
+    assert "stale" not in service.stop_service(image, shm) and "no preloader" in service.stop_service(image, shm)
 
 
 def test_served_ready_refuses_a_ready_of_other_metadata(image, shm):
-    pl.stage_rank(image, 0, shm_dir=shm)
-    src = pl.rank_source(image, 0)
-    assert pl.served_ready(image, 0, src.metadata_sha256, "here", timeout_s=1, shm_dir=shm).nbytes == src.nbytes
+    staging.stage_rank(image, 0, shm_dir=shm)
+    src = shm_files.rank_source(image, 0)
+    assert client.served_ready(image, 0, src.metadata_sha256, "here", timeout_s=1, shm_dir=shm).nbytes == src.nbytes
     t0 = time.monotonic()
     with pytest.raises(LayoutError, match="staged rank 0 is of another pre-pack .* than here \\(000000000000\\)"):
-        pl.served_ready(image, 0, "0" * 64, "here", timeout_s=30, shm_dir=shm)
+        client.served_ready(image, 0, "0" * 64, "here", timeout_s=30, shm_dir=shm)
     assert time.monotonic() - t0 < 10, "no preloader runs: nothing can re-stage it, so no waiting"
 
 
 def test_served_load_without_a_daemon_times_out_naming_the_socket(image, shm):
     with pytest.raises(WaitTimeoutError) as e:
         flashboot.load(image, 0, "cpu", served=True, shm_dir=shm, timeout_s=0.3)
-    assert str(pl.socket_path(image, shm)) in str(e.value)
+    assert str(shm_files.socket_path(image, shm)) in str(e.value)
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -433,12 +439,12 @@ def test_cli_preload_status_unstage(image, shm, capsys):
     from flashboot.cli import main
 
     assert main(["preload", str(image), "--shm-dir", str(shm), "--threads", "2", "--chunk-bytes", "8KiB"]) == 0
-    assert pl.staged_paths(image, 0, shm).ready.exists()
+    assert shm_files.staged_paths(image, 0, shm).ready.exists()
     assert main(["preload", str(image), "--shm-dir", str(shm), "--status"]) == 0
     out = capsys.readouterr().out
     assert "not running" in out and "rank 0: staged" in out
     assert main(["preload", str(image), "--shm-dir", str(shm), "--unstage"]) == 0
-    assert not pl.staged_paths(image, 0, shm).ready.exists()
+    assert not shm_files.staged_paths(image, 0, shm).ready.exists()
     assert main(["preload", str(image), "--shm-dir", str(shm), "--stop"]) == 0
     assert "no preloader runs" in capsys.readouterr().out
     assert main(["preload", str(image), "--shm-dir", str(shm), "--device", "zero"]) == 2
@@ -448,11 +454,11 @@ def test_cli_preload_status_unstage(image, shm, capsys):
 
 def test_config_validates_itself(image):
     with pytest.raises(FlashBootError, match="io must be"):
-        pl.PreloadConfig(str(image), io="fast")
+        staging.PreloadConfig(str(image), io="fast")
     with pytest.raises(FlashBootError, match="unknown preload options"):
-        pl.PreloadConfig.from_dict({"image_dir": str(image), "thread": 3})
+        staging.PreloadConfig.from_dict({"image_dir": str(image), "thread": 3})
     with pytest.raises(LayoutError, match=r"ranks \[2\] requested"):
-        pl.PreloadConfig(str(image), ranks=[0, 2]).resolved_ranks()
-    cfg = pl.PreloadConfig.from_dict({"image_dir": str(image), "threads": 3, "devices": {"0": "cpu"}})
+        staging.PreloadConfig(str(image), ranks=[0, 2]).resolved_ranks()
+    cfg = staging.PreloadConfig.from_dict({"image_dir": str(image), "threads": 3, "devices": {"0": "cpu"}})
     assert cfg.device_for(0) == Device("cpu")
-    assert "--threads" in pl.config_argv(cfg) and "0=cpu" in pl.config_argv(cfg)
+    assert "--threads" in service.config_argv(cfg) and "0=cpu" in service.config_argv(cfg)

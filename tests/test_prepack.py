@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
-import flashboot
-from flashboot import _prepack
-from flashboot._prepack import DiskSpaceError, prepack
-from flashboot.commands import prepack as prepack_cmd
-from flashboot.errors import ChecksumMismatchError, LayoutError
 from flashboot.layouts import read_image, read_job, verify_image
 from flashboot.layouts.checkpoint import Checkpoint
 from flashboot.layouts.tiny import save_tiny_model
 from flashboot.layouts.writer import ImageWriter
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import flashboot
+from flashboot.commands import prepack as prepack_cmd
+from flashboot.errors import ChecksumMismatchError, LayoutError
+from flashboot.flashload import prepack as _prepack
+from flashboot.flashload.prepack import DiskSpaceError, prepack
 
 
 def _mixed_checkpoint(path: Path) -> dict:

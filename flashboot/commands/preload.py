@@ -35,7 +35,7 @@ def register(subparsers) -> None:
 
 
 def _config(args):
-    from flashboot.preload import PreloadConfig
+    from flashboot.flashload.staging import PreloadConfig
     from flashboot.units import parse_bytes
 
     devices = {}
@@ -50,46 +50,48 @@ def _config(args):
 
 
 def main(args) -> int:
-    from flashboot import preload as pl
+    from flashboot.flashload import service, staging
+    from flashboot.flashload import shm as shm_files
 
     if args.stop:
-        print(pl.stop_service(args.image_dir, args.shm_dir, timeout_s=args.timeout))
+        print(service.stop_service(args.image_dir, args.shm_dir, timeout_s=args.timeout))
         return 0
     if args.unstage:
-        removed = pl.unstage(args.image_dir, args.ranks, shm_dir=args.shm_dir)
-        print(f"removed {len(removed)} staged file(s) from {pl.staging_dir(args.image_dir, args.shm_dir)}")
+        removed = staging.unstage(args.image_dir, args.ranks, shm_dir=args.shm_dir)
+        print(f"removed {len(removed)} staged file(s) from {shm_files.staging_dir(args.image_dir, args.shm_dir)}")
         return 0
     if args.status:
         return _status(args)
     config = _config(args)
     if args.background:
-        pid = pl.start_background(config, timeout_s=args.timeout)
-        print(f"preloader started in the background: pid {pid}, pid file {pl.pid_file(config.image_dir, config.shm_dir)}, "
-              f"log {pl.log_file(config.image_dir, config.shm_dir)}")
+        pid = service.start_background(config, timeout_s=args.timeout)
+        print(f"preloader started in the background: pid {pid}, pid file {shm_files.pid_file(config.image_dir, config.shm_dir)}, "
+              f"log {shm_files.log_file(config.image_dir, config.shm_dir)}")
         return 0
     with _Progress() as progress:
-        pl.run_service(config, log=progress.log, progress=progress.update)
+        service.run_service(config, log=progress.log, progress=progress.update)
     return 0
 
 
 def _status(args) -> int:
-    from flashboot import preload as pl
+    from flashboot.flashload import client, service
+    from flashboot.flashload import shm as shm_files
     from flashboot.layouts import image_ranks
 
-    st = pl.service_status(args.image_dir, args.shm_dir)
+    st = service.service_status(args.image_dir, args.shm_dir)
     state = (f"running (pid {st.pid}{', serving' if st.serve else ''})" if st.running else
              f"not running (stale pid file {st.path}, pid {st.pid})" if st.stale else "not running")
     print(f"preloader for {args.image_dir}: {state}")
     for rank in args.ranks or image_ranks(args.image_dir):
-        paths = pl.staged_paths(args.image_dir, rank, args.shm_dir)
+        paths = shm_files.staged_paths(args.image_dir, rank, args.shm_dir)
         try:
-            info = pl.read_ready(paths.ready)
+            info = shm_files.read_ready(paths.ready)
             print(f"  rank {rank}: staged {info.nbytes:,} bytes at {info.staged} ({info.io_mode}, "
                   f"{info.gbps:.2f} GB/s, NUMA {info.numa_node if info.numa_node is not None else '-'})")
         except FileNotFoundError:
             print(f"  rank {rank}: not staged ({paths.ready} absent)")
     if st.running and st.serve:
-        reply = pl.serve_status(args.image_dir, args.shm_dir)
+        reply = client.serve_status(args.image_dir, args.shm_dir)
         for rank, r in sorted(reply["ranks"].items()):
             print(f"  rank {rank}: {r['state']}" + (f", pinned in {r['pin_ms']:.0f} ms" if r["pin_ms"] else ""))
     return 0
@@ -99,7 +101,13 @@ class _Progress:
     """A rich progress bar per rank (bytes, GB/s), and log lines printed above it."""
 
     def __enter__(self):
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TransferSpeedColumn,
+        )
 
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
         self.tasks = {}

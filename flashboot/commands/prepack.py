@@ -39,7 +39,7 @@ def _prepack_main(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from flashboot._prepack import prepack
+    from flashboot.flashload.prepack import prepack
     from flashboot.units import format_bytes, parse_bytes
 
     report = prepack(args.hf_dir, args.out, args.tp, args.ep, target=args.target, family=args.family,

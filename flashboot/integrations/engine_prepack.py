@@ -801,7 +801,9 @@ def _rank_namespace(options: LoaderOptions, rank: int) -> str:
 
 def _stage_if_needed(options: LoaderOptions, rank: int, dev) -> bool:
     """Make sure the preloader's ``.ready`` exists (or will): returns True when we staged inline."""
-    from flashboot.preload import service_status, stage_rank, staged_paths
+    from flashboot.flashload.service import service_status
+    from flashboot.flashload.shm import staged_paths
+    from flashboot.flashload.staging import stage_rank
 
     if options.served or options.staging == "require":
         return False
@@ -841,7 +843,7 @@ def load_engine_weights(options: LoaderOptions, expected: EngineKey, rank: int, 
 def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, dev, *, tp_size: int,
                        ep_size: int) -> EngineWeights:
     import flashboot
-    from flashboot.preload import unstage
+    from flashboot.flashload.staging import unstage
 
     if not image_is_complete(options.image_dir):
         raise LayoutError(

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import LayoutError
+from ..errors import LayoutError
 
 JOB_LOCK = ".lock"
 
@@ -121,10 +121,24 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
     """
     from flashboot import __version__
     from flashboot.layouts.checkpoint import open_checkpoint
-    from flashboot.layouts.families import PlanContext, check_plan, family_for, get_family
+    from flashboot.layouts.families import (
+        PlanContext,
+        check_plan,
+        family_for,
+        get_family,
+    )
     from flashboot.layouts.format import (
-        DEFAULT_CHUNK_BYTES, FORMAT_VERSION, JOB_FORMAT_NAME, TARGETS, TENSOR_ALIGNMENT, FamilyInfo,
-        ImageKey, ImageMetadata, ParallelLayout, SourceInfo, compute_layout,
+        DEFAULT_CHUNK_BYTES,
+        FORMAT_VERSION,
+        JOB_FORMAT_NAME,
+        TARGETS,
+        TENSOR_ALIGNMENT,
+        FamilyInfo,
+        ImageKey,
+        ImageMetadata,
+        ParallelLayout,
+        SourceInfo,
+        compute_layout,
     )
     from flashboot.layouts.image import rank_dir_name
 
@@ -252,7 +266,12 @@ def _write_all(ckpt, order: list[str], uses: dict[str, list], total_nbytes: int,
     bar = None
     if show:
         from rich.progress import (
-            BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
         )
 
         bar = Progress(TextColumn("prepack"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),

@@ -11,8 +11,8 @@ import threading
 import time
 from typing import Any
 
-from .errors import FlashBootError, WaitTimeoutError
-from .memory import CPU, Device, Span
+from ..errors import FlashBootError, WaitTimeoutError
+from ..memory import CPU, Device, Span
 
 PIN_ALLOWANCE_S = 120.0
 """Added to the ``.ready`` timeout when waiting for the pin: 8 GB pin in ~0.4 s, so only a hung
@@ -25,8 +25,8 @@ class StagedImage:
     Built by :func:`stage`. The work runs in a background thread: waiting for the preloader's
     ``.ready`` file, mapping the staged file (same pages, no copy), then ``cuMemHostRegister``.
     :meth:`wait` blocks until it is done and raises what it raised. Attributes once done:
-    ``nbytes``, ``source`` (the validated :class:`~flashboot.preload.RankSource`), ``ready``
-    (:class:`~flashboot.preload.ReadyInfo`), ``wait_ms`` (waiting for ``.ready`` and mapping),
+    ``nbytes``, ``source`` (the validated :class:`~flashboot.flashload.shm.RankSource`), ``ready``
+    (:class:`~flashboot.flashload.shm.ReadyInfo`), ``wait_ms`` (waiting for ``.ready`` and mapping),
     ``pin_ms``, ``pinned``. :meth:`close` unpins and unmaps.
     """
 
@@ -53,8 +53,8 @@ class StagedImage:
         self._thread.start()
 
     def _run(self) -> None:
-        from .pinning import MappedFile, register_host
-        from .preload import check_ready, rank_source, staged_paths, wait_ready
+        from ..pinning import MappedFile, register_host
+        from .shm import check_ready, rank_source, staged_paths, wait_ready
 
         try:
             t0 = time.perf_counter()
@@ -105,7 +105,7 @@ class StagedImage:
         return self
 
     def wait_source(self, timeout_s: float | None = None):
-        """The validated :class:`~flashboot.preload.RankSource` (strict reader, rank checked), as
+        """The validated :class:`~flashboot.flashload.shm.RankSource` (strict reader, rank checked), as
         soon as the background work has it: before ``.ready`` appears and the pin ends.
 
         Raises what the validation raised, or WaitTimeoutError after ``timeout_s`` (default as

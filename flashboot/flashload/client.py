@@ -1,0 +1,175 @@
+"""The engine's side of the served load: wait for the staged rank, hand the daemon an exported
+arena, read its reply."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+from ..errors import (
+    LayoutError,
+    RendezvousError,
+    WaitTimeoutError,
+)
+from .protocol import _raise_remote
+from .shm import (
+    _POLL_S,
+    RankSource,
+    ReadyInfo,
+    _running_pid,
+    pid_file,
+    socket_path,
+    wait_ready,
+)
+
+
+# ========================================================================= the engine's side
+def _connect(path: Path, timeout_s: float) -> socket.socket:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.connect(str(path))
+            return s
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            s.close()
+            last = type(exc).__name__
+        if time.monotonic() >= deadline:
+            raise WaitTimeoutError(f"waited {timeout_s:g} s for the preloader's socket {path} ({last}); is "
+                                   "`flashboot preload DIR --serve` running?")
+        time.sleep(_POLL_S)
+
+
+def _request(path: Path, req: dict, *, connect_timeout_s: float, reply_timeout_s: float) -> dict:
+    with _connect(path, connect_timeout_s) as s:
+        s.sendall(json.dumps(req).encode())
+        return _read_reply(s, path, f"{req.get('op')!r} for rank {req.get('rank')}", reply_timeout_s)
+
+
+def _read_reply(sock: socket.socket, path: Path, what: str, timeout_s: float) -> dict:
+    """The daemon's JSON reply on ``sock``, waiting at most ``timeout_s``; errors name ``what``."""
+    sock.settimeout(timeout_s)
+    try:
+        raw = sock.recv(1 << 20)
+    except socket.timeout:
+        raise WaitTimeoutError(f"the preloader at {path} did not answer {what} within {timeout_s:g} s") from None
+    if not raw:
+        raise RendezvousError(f"the preloader at {path} closed the connection without answering")
+    return json.loads(raw)
+
+
+def serve_status(image_dir, shm_dir=None, *, timeout_s: float = 10.0) -> dict:
+    """Ask a running served-load daemon what it holds."""
+    path = socket_path(image_dir, shm_dir)
+    reply = _request(path, {"op": "status"}, connect_timeout_s=timeout_s, reply_timeout_s=timeout_s)
+    if not reply.get("ok"):
+        _raise_remote(reply, f"preloader at {path}")
+    return reply
+
+
+def served_ready(image_dir, rank: int, metadata_sha256: str, where: str, *, timeout_s: float,
+                 shm_dir=None) -> ReadyInfo:
+    """Wait for the ``.ready`` of rank ``rank`` staged from the metadata whose sha256 is
+    ``metadata_sha256`` (read from ``where``); returns it. The preloader writes ``.ready`` only
+    after its strict reader accepted that metadata and the image was staged, so its ``nbytes``
+    is the validated image size.
+
+    A ``.ready`` of another pre-pack is waited out while a preloader runs (it may be re-staging)
+    and refused otherwise, or at ``timeout_s`` (LayoutError naming both). WaitTimeoutError names
+    the ``.ready`` path, and the daemon's socket when none listens.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            info = wait_ready(image_dir, rank, timeout_s=max(0.0, deadline - time.monotonic()), shm_dir=shm_dir)
+        except WaitTimeoutError as exc:
+            sock = socket_path(image_dir, shm_dir)
+            if sock.exists():
+                raise
+            raise WaitTimeoutError(f"{exc}; and no served-load daemon listens at {sock}: is `flashboot preload "
+                                   f"{image_dir} --serve` running?") from None
+        if info.metadata_sha256 == metadata_sha256:
+            return info
+        if _running_pid(pid_file(image_dir, shm_dir)) is None or time.monotonic() >= deadline:
+            raise LayoutError(
+                f"{info.path}: staged rank {rank} is of another pre-pack ({info.nbytes:,} bytes, metadata sha256 "
+                f"{info.metadata_sha256[:12]}) than {where} ({metadata_sha256[:12]}); re-run flashboot preload "
+                f"{image_dir}")
+        time.sleep(_POLL_S)
+
+
+class ServedCopy:
+    """A served load in flight: the request, with the arena's fd, is with the daemon, which maps
+    the arena and copies into it; :meth:`wait` reads its reply. Made by :func:`start_served_load`."""
+
+    def __init__(self, sock: socket.socket, path: Path, rank: int, reply_timeout_s: float):
+        self._sock: socket.socket | None = sock
+        self.path, self.rank, self.reply_timeout_s = path, rank, reply_timeout_s
+        self._reply: dict | None = None
+        self._error: BaseException | None = None
+
+    def wait(self) -> dict:
+        """Block until the daemon answers (at most ``reply_timeout_s``); returns its reply
+        (``h2d_ms``, ``map_ms``, ``pinned``...) or raises the daemon's error with its class."""
+        if self._sock is not None:
+            sock, self._sock = self._sock, None
+            try:
+                reply = _read_reply(sock, self.path, f"'load' for rank {self.rank}", self.reply_timeout_s)
+                if not reply.get("ok"):
+                    _raise_remote(reply, f"served load of rank {self.rank} by the preloader at {self.path}")
+                self._reply = reply
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                sock.close()
+        if self._error is not None:
+            raise self._error
+        return self._reply
+
+    def settle(self) -> None:
+        """Wait for the daemon to be done with the arena, ignoring how it went: a failing load
+        calls this before it closes the arena."""
+        try:
+            self.wait()
+        except Exception:
+            pass
+
+
+def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
+                      shm_dir=None) -> ServedCopy:
+    """Send the daemon for ``image_dir`` a request to copy rank ``rank`` (``nbytes``, staged from
+    the metadata with sha256 ``metadata_sha256``) into ``arena``; returns at once.
+
+    The arena's descriptor travels with its fd attached. The daemon refuses a request whose
+    sha256 or size differ from what it holds. The socket's appearance is awaited up to
+    ``timeout_s``; the reply (:meth:`ServedCopy.wait`) up to ``timeout_s`` (the daemon's
+    staging) plus 60 s plus 1 s per GB.
+    """
+    from ..fdshare import send_fds
+
+    desc = arena.export()
+    req = {"op": "load", "rank": rank, "descriptor": desc.to_dict(), "nbytes": nbytes,
+           "metadata_sha256": metadata_sha256, "timeout_s": timeout_s, "pci_bus_id": None}
+    if arena.device.is_cuda:
+        from ..pinning import gpu_pci_bus_id
+
+        req["pci_bus_id"] = gpu_pci_bus_id(arena.device)
+    path = socket_path(image_dir, shm_dir)
+    sock = _connect(path, timeout_s)
+    try:
+        send_fds(sock, list(desc.fds), json.dumps(req).encode())
+    except BaseException:
+        sock.close()
+        raise
+    return ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9)
+
+
+def served_load(arena, source: RankSource, *, timeout_s: float, shm_dir=None) -> dict:
+    """Have the daemon for ``source.image_dir`` copy rank ``source.rank`` into ``arena`` and wait
+    for it (:func:`start_served_load` then :meth:`ServedCopy.wait`); returns the daemon's reply
+    (``map_ms``, ``h2d_ms``...)."""
+    return start_served_load(arena, image_dir=source.image_dir, rank=source.rank, nbytes=source.nbytes,
+                             metadata_sha256=source.metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir).wait()

@@ -1,0 +1,205 @@
+"""The preloader as a service: pid file, background start, stop, and the run loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import (
+    FlashBootError,
+    WaitTimeoutError,
+)
+from .server import PreloadServer, _describe_stage
+from .shm import (
+    _proc_start_time,
+    _read_pid_file,
+    _running_pid,
+    _unlink_quietly,
+    log_file,
+    pid_file,
+)
+from .staging import PreloadConfig, StageResult, preload
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    """A preloader's pid file, read: running, stale (its process is gone) or absent."""
+
+    path: Path
+    pid: int | None
+    running: bool
+    stale: bool
+    serve: bool = False
+
+
+def service_status(image_dir, shm_dir=None) -> ServiceStatus:
+    path = pid_file(image_dir, shm_dir)
+    d = _read_pid_file(path)
+    if d is None:
+        return ServiceStatus(path, None, False, False)
+    running = _running_pid(path) is not None
+    return ServiceStatus(path, d["pid"], running, not running, bool(d.get("serve")))
+
+
+def _claim_pid_file(path: Path, serve: bool) -> str:
+    """Write this process's pid file; returns a note about a stale one it replaced.
+
+    Raises FlashBootError when a live preloader holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    note = ""
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            running = _running_pid(path)
+            if running and running != os.getpid():
+                raise FlashBootError(f"a preloader already runs for this image (pid {running}, pid file {path}); "
+                                     "stop it with --stop") from None
+            d = _read_pid_file(path) or {}
+            note = f"removed stale pid file {path} (pid {d.get('pid')} is gone)"
+            _unlink_quietly(path)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump({"pid": os.getpid(), "start_time": _proc_start_time(os.getpid()), "serve": serve,
+                       "argv": sys.argv}, f)
+        return note
+    raise FlashBootError(f"could not claim pid file {path}")
+
+
+def _release_pid_file(path: Path) -> None:
+    d = _read_pid_file(path)
+    if d and d.get("pid") == os.getpid():
+        _unlink_quietly(path)
+
+
+def start_background(config: PreloadConfig, *, timeout_s: float = 30.0, extra_argv: list[str] | None = None) -> int:
+    """Start ``flashboot preload`` for ``config`` as a detached service; returns its pid.
+
+    Waits (up to ``timeout_s``) until the service has claimed its pid file; its output goes to
+    the ``preload.log`` beside it. Raises FlashBootError when one already runs, or with the log's
+    tail when the service dies at start.
+    """
+    status = service_status(config.image_dir, config.shm_dir)
+    if status.running:
+        raise FlashBootError(f"a preloader already runs for {config.image_dir} (pid {status.pid}); stop it with --stop")
+    if status.stale:
+        _unlink_quietly(status.path)
+    log = log_file(config.image_dir, config.shm_dir)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    # The preload command's own entry point: the service needs no other command to import.
+    argv = [sys.executable, "-m", "flashboot.commands.preload", config.image_dir, *config_argv(config),
+            *(extra_argv or [])]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _running_pid(status.path) == proc.pid:
+            return proc.pid
+        code = proc.poll()
+        if code is not None:
+            if code == 0:
+                return proc.pid  # it staged everything and exited already
+            raise FlashBootError(f"background preloader exited with status {code} at start; {log}:\n{_tail(log)}")
+        time.sleep(0.02)
+    raise WaitTimeoutError(f"background preloader (pid {proc.pid}) did not claim {status.path} within {timeout_s:g} s; "
+                           f"see {log}")
+
+
+def _tail(path: Path, nbytes: int = 2000) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return "(no log)"
+    return data[-nbytes:].decode(errors="replace")
+
+
+def config_argv(config: PreloadConfig) -> list[str]:
+    """Command-line options that rebuild ``config`` (for the background service)."""
+    argv = ["--threads", str(config.threads), "--io", config.io, "--chunk-bytes", str(config.chunk_bytes),
+            "--numa-policy", config.numa_policy]
+    if config.ranks is not None:
+        argv += ["--ranks", *map(str, config.ranks)]
+    if config.shm_dir:
+        argv += ["--shm-dir", str(config.shm_dir)]
+    for rank, dev in sorted(config.devices.items()):
+        argv += ["--device", f"{rank}={dev}"]
+    if config.verify:
+        argv.append("--verify")
+    if config.force:
+        argv.append("--force")
+    if config.serve:
+        argv.append("--serve")
+    if not config.pin:
+        argv.append("--no-pin")
+    return argv
+
+
+def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
+    """Stop the preloader of ``image_dir`` (SIGTERM, then wait); returns what happened.
+
+    A stale pid file (its process gone) is removed and reported. Raises WaitTimeoutError when the
+    process does not exit within ``timeout_s``.
+    """
+    status = service_status(image_dir, shm_dir)
+    if status.pid is None:
+        return f"no preloader runs for {image_dir} (no pid file {status.path})"
+    if status.stale:
+        _unlink_quietly(status.path)
+        return f"no preloader runs for {image_dir}: removed stale pid file {status.path} (pid {status.pid} is gone)"
+    pid = status.pid
+    start = _proc_start_time(pid)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except PermissionError:
+        raise FlashBootError(f"not permitted to stop preloader pid {pid} (pid file {status.path}): another user's") from None
+    except ProcessLookupError:
+        return f"preloader pid {pid} exited on its own"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _proc_start_time(pid) != start:
+            if status.path.exists() and _running_pid(status.path) is None:
+                _unlink_quietly(status.path)  # it died without cleaning up
+            return f"stopped preloader pid {pid}"
+        try:  # reap it if it is our child (tests start it from this process)
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.02)
+    raise WaitTimeoutError(f"preloader pid {pid} did not exit within {timeout_s:g} s of SIGTERM")
+
+
+def run_service(config: PreloadConfig, *, log: Callable[[str], None] = print,
+                progress: Callable[[int, int, int], None] | None = None) -> list[StageResult] | None:
+    """Run a preloader in this process: claim the pid file, stage (and with ``config.serve``,
+    serve until SIGTERM), release the pid file. SIGTERM stops it cleanly: a copy in flight is
+    abandoned and its partial file removed. Returns the staging results (None when serving)."""
+    path = pid_file(config.image_dir, config.shm_dir)
+    note = _claim_pid_file(path, config.serve)
+    if note:
+        log(note)
+    stop = threading.Event()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        if config.serve:
+            PreloadServer(config, stop=stop, log=log).run(progress)
+            return None
+        results = preload(config, progress=progress, stop=stop)
+        for r in results:
+            log(_describe_stage(r))
+        return results
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        _release_pid_file(path)
+

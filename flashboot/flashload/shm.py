@@ -1,0 +1,255 @@
+"""What the preloader leaves in shared memory: where a rank is staged, its ``.ready`` file, the
+preloader's pid file, and the validated source on disk.
+
+Staging layout, under the shm root (``$FLASHBOOT_SHM`` or ``/dev/shm/flashboot``)::
+
+    <name>-<sha of the image dir's real path>/
+        rank-R.img          the staged image (rank-R.img.partial while copying)
+        rank-R.ready        JSON: sizes, checksum summary, I/O mode, NUMA node, timings
+        preload.pid         the running preloader (JSON: pid, start time); removed on exit
+        preload.log         output of a background preloader
+        serve.sock          the served-load socket (SOCK_SEQPACKET)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import (
+    LayoutError,
+    WaitTimeoutError,
+)
+
+SHM_ENV = "FLASHBOOT_SHM"
+DEFAULT_SHM_ROOT = "/dev/shm/flashboot"
+READY_FORMAT = "flashboot-ready/1"
+_POLL_S = 0.005
+
+
+# ============================================================================ paths and .ready
+def shm_root(shm_dir: str | os.PathLike | None = None) -> Path:
+    """Where staged images live: ``shm_dir``, else ``$FLASHBOOT_SHM``, else /dev/shm/flashboot."""
+    return Path(shm_dir or os.environ.get(SHM_ENV) or DEFAULT_SHM_ROOT)
+
+
+def staging_dir(image_dir: str | os.PathLike, shm_dir: str | os.PathLike | None = None) -> Path:
+    """The directory under the shm root that holds ``image_dir``'s staged ranks.
+
+    Keyed by the image directory's real path, so two images never share it and any process that
+    names the same directory finds the same staged files."""
+    real = os.path.realpath(image_dir)
+    tag = hashlib.sha256(real.encode()).hexdigest()[:12]
+    return shm_root(shm_dir) / f"{os.path.basename(real.rstrip('/')) or 'image'}-{tag}"
+
+
+@dataclass(frozen=True)
+class StagedPaths:
+    """Files of one staged rank."""
+
+    dir: Path
+    image: Path
+    partial: Path
+    ready: Path
+
+
+def staged_paths(image_dir, rank: int, shm_dir=None) -> StagedPaths:
+    d = staging_dir(image_dir, shm_dir)
+    return StagedPaths(d, d / f"rank-{rank}.img", d / f"rank-{rank}.img.partial", d / f"rank-{rank}.ready")
+
+
+def pid_file(image_dir, shm_dir=None) -> Path:
+    return staging_dir(image_dir, shm_dir) / "preload.pid"
+
+
+def log_file(image_dir, shm_dir=None) -> Path:
+    return staging_dir(image_dir, shm_dir) / "preload.log"
+
+
+def socket_path(image_dir, shm_dir=None) -> Path:
+    return staging_dir(image_dir, shm_dir) / "serve.sock"
+
+
+@dataclass(frozen=True)
+class RankSource:
+    """One rank's image on disk, validated by the strict reader (sizes checked, no byte read)."""
+
+    image_dir: str
+    rank: int
+    image: Any  # flashboot.layouts.Image
+    metadata_sha256: str
+
+    @property
+    def metadata(self):
+        return self.image.metadata
+
+    @property
+    def nbytes(self) -> int:
+        return self.image.nbytes
+
+    @property
+    def path(self) -> Path:
+        return self.image.path
+
+
+def rank_source(image_dir, rank: int, *, tp: int | None = None, ep: int | None = None,
+                expected_key=None) -> RankSource:
+    """Read and validate rank ``rank`` of the pre-packed image in ``image_dir``.
+
+    Raises LayoutError for a missing or malformed image, a rank the image does not have, a
+    tp/ep/key that disagrees with the caller's, or an image file whose size is not the recorded one.
+    """
+    from flashboot.layouts import read_image
+
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
+    image = read_image(image_dir, rank, tp=tp, ep=ep, expected_key=expected_key)
+    return RankSource(str(image_dir), rank, image, image.metadata_sha256)  # of the very bytes validated
+
+
+def checksum_fingerprint(digests) -> str:
+    """One 64-bit hex fingerprint of a chunk checksum table (each digest weighted by its position)."""
+    total = 0
+    for i, d in enumerate(digests):
+        total = (total + int(d) * (2 * i + 1)) & ((1 << 64) - 1)
+    return f"{total:016x}"
+
+
+@dataclass(frozen=True)
+class ReadyInfo:
+    """What a ``.ready`` file says about a staged rank."""
+
+    path: Path
+    rank: int
+    nbytes: int
+    staged: str
+    source: str
+    metadata_sha256: str
+    job_id: str
+    key_digest: str
+    checksum: dict
+    verified: bool
+    io_mode: str
+    io_reason: str
+    numa_node: int | None
+    numa_reason: str
+    threads: int
+    read_s: float
+    staged_at: float
+    pid: int
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.read_s / 1e9 if self.read_s > 0 else float("inf")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("path")
+        return {"format": READY_FORMAT, **d}
+
+
+def read_ready(path: str | os.PathLike) -> ReadyInfo:
+    """Parse a ``.ready`` file; LayoutError naming the file when it is malformed."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise LayoutError(f"{path}: unreadable .ready file ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("format") != READY_FORMAT:
+        raise LayoutError(f"{path}: not a {READY_FORMAT} file")
+    names = [f.name for f in dataclasses.fields(ReadyInfo) if f.name != "path"]
+    missing = [n for n in names if n not in raw]
+    if missing:
+        raise LayoutError(f"{path}: .ready file lacks {missing}")
+    return ReadyInfo(path=path, **{n: raw[n] for n in names})
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary name and rename it into place: readers see all or nothing."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def check_ready(info: ReadyInfo, source: RankSource) -> None:
+    """Refuse a staged copy that is not of ``source`` (another pre-pack of the same directory)."""
+    if info.metadata_sha256 != source.metadata_sha256 or info.nbytes != source.nbytes:
+        raise LayoutError(
+            f"{info.path}: staged rank {info.rank} is of another pre-pack ({info.nbytes:,} bytes, metadata sha256 "
+            f"{info.metadata_sha256[:12]}) than {source.path} ({source.nbytes:,} bytes, {source.metadata_sha256[:12]}); "
+            f"re-run flashboot preload {source.image_dir}"
+        )
+
+
+def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None) -> ReadyInfo:
+    """Block until rank ``rank`` of ``image_dir`` is staged; returns its :class:`ReadyInfo`.
+
+    Raises WaitTimeoutError naming the ``.ready`` path after ``timeout_s`` seconds.
+    """
+    paths = staged_paths(image_dir, rank, shm_dir)
+    deadline = time.monotonic() + timeout_s
+    delay = _POLL_S
+    while True:
+        try:
+            return read_ready(paths.ready)
+        except FileNotFoundError:
+            pass
+        if time.monotonic() >= deadline:
+            running = _running_pid(pid_file(image_dir, shm_dir))
+            who = (f"a preloader is running (pid {running})" if running else
+                   f"no preloader is running: start one with `flashboot preload {image_dir} --ranks {rank}`")
+            raise WaitTimeoutError(f"waited {timeout_s:g} s for {paths.ready} (rank {rank} of {image_dir} staged); {who}")
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.05)
+
+
+
+# ============================================================================ the pid file
+def _proc_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks), None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _read_pid_file(path: Path) -> dict | None:
+    try:
+        d = json.loads(path.read_text())
+        return d if isinstance(d, dict) and isinstance(d.get("pid"), int) else {"pid": -1}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {"pid": -1}
+
+
+def _running_pid(path: Path) -> int | None:
+    """The pid recorded in ``path`` if that process is still the one that wrote it."""
+    d = _read_pid_file(path)
+    if not d or d["pid"] <= 0:
+        return None
+    start = _proc_start_time(d["pid"])
+    return d["pid"] if start is not None and start == d.get("start_time") else None
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+

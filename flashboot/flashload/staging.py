@@ -1,0 +1,430 @@
+"""The preloader's copy: rank images disk -> shared memory ahead of the engine (paper section 3.5).
+
+Many threads, ``O_DIRECT`` where the filesystem allows it, pages bound to the target GPU's NUMA
+node; a ``.ready`` file, created atomically, says the copy is complete and verified against the
+image's sizes (and checksums, ``verify=True``)."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import errno
+import json
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import (
+    CapabilityError,
+    ChecksumMismatchError,
+    FlashBootError,
+    LayoutError,
+    OutOfMemoryError,
+)
+from ..memory import Device
+from .shm import (
+    RankSource,
+    ReadyInfo,
+    _running_pid,
+    _unlink_quietly,
+    _write_atomic,
+    check_ready,
+    checksum_fingerprint,
+    pid_file,
+    rank_source,
+    read_ready,
+    staged_paths,
+    staging_dir,
+)
+
+DEFAULT_THREADS = 16
+DEFAULT_CHUNK_BYTES = 64 << 20
+"""Bytes per read: large enough for the disk's queue, small enough to spread over the threads."""
+DIRECT_ALIGNMENT = 4096
+"""O_DIRECT wants offsets, lengths and buffers aligned to the logical block size (<= 4096)."""
+IO_MODES = ("auto", "direct", "buffered")
+
+# Module-level so tests can simulate a full /dev/shm without mounting a tiny tmpfs.
+_pwrite = os.pwrite
+_fallocate = os.posix_fallocate
+
+
+def _fs_free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+
+# =================================================================================== staging
+@dataclass
+class StageResult:
+    """What staging one rank did: bytes, I/O mode (and why), NUMA placement, time."""
+
+    rank: int
+    nbytes: int
+    staged: str
+    io_mode: str
+    io_reason: str
+    numa_node: int | None
+    numa_reason: str
+    threads: int
+    read_s: float
+    verified: bool
+    skipped: bool = False
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.read_s / 1e9 if self.read_s > 0 else float("inf")
+
+
+class _DirectRefused(Exception):
+    """A read under O_DIRECT failed with EINVAL: the filesystem accepts the flag but not the I/O."""
+
+
+class _Full(Exception):
+    def __init__(self, written: int):
+        self.written = written
+
+
+def _open_source(path: Path, io: str) -> tuple[int, str, str]:
+    """Open ``path`` for reading: ``(fd, mode, reason)``. O_DIRECT unless ``io`` says buffered or
+    the filesystem refuses it (tmpfs does); ``io="direct"`` makes a refusal an error."""
+    if io == "buffered":
+        return os.open(path, os.O_RDONLY), "buffered", "asked for buffered reads"
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT), "o_direct", ""
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        if io == "direct":
+            raise CapabilityError(f"{path}: the filesystem refuses O_DIRECT (open: EINVAL) and io='direct' was asked") from None
+        return os.open(path, os.O_RDONLY), "buffered", "filesystem refuses O_DIRECT (open: EINVAL)"
+
+
+def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads: int, chunk_bytes: int,
+                 progress: Callable[[int, int], None] | None, stop: threading.Event | None,
+                 numa_node: int | None, src_name: str) -> None:
+    """Copy ``nbytes`` from ``src_fd`` to ``dst_fd`` with ``threads`` workers, one chunk at a time each."""
+    from ..pinning import bind_to_node
+
+    n_chunks = -(-nbytes // chunk_bytes)
+    lock = threading.Lock()
+    state = {"next": 0, "done": 0, "error": None}
+
+    def take() -> int | None:
+        with lock:
+            if state["error"] is not None or state["next"] >= n_chunks:
+                return None
+            i = state["next"]
+            state["next"] += 1
+            return i
+
+    def worker() -> None:
+        buf = mmap.mmap(-1, chunk_bytes)  # page-aligned, as O_DIRECT needs
+        view = memoryview(buf)
+        try:
+            if numa_node is not None:  # the bounce buffer too: it is read right after the disk writes it
+                bind_to_node(ctypes.addressof(ctypes.c_char.from_buffer(buf)), chunk_bytes, numa_node)
+            while (i := take()) is not None:
+                if stop is not None and stop.is_set():
+                    raise FlashBootError(f"staging of {src_name} was interrupted")
+                off = i * chunk_bytes
+                want = min(chunk_bytes, nbytes - off)
+                ask = -(-want // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT if direct else want
+                got = 0
+                while got < want:
+                    try:
+                        n = os.preadv(src_fd, [view[got:ask]], off + got)
+                    except OSError as exc:
+                        if direct and exc.errno == errno.EINVAL:
+                            raise _DirectRefused(str(exc)) from None
+                        raise
+                    if n == 0:
+                        raise LayoutError(f"{src_name}: ends at byte {off + got:,}; {nbytes:,} bytes were expected "
+                                          "(the image file shrank while it was staged)")
+                    got += n
+                done = 0
+                while done < want:
+                    try:
+                        done += _pwrite(dst_fd, view[done:want], off + done)
+                    except OSError as exc:
+                        if exc.errno == errno.ENOSPC:
+                            raise _Full(off + done) from None
+                        raise
+                with lock:
+                    state["done"] += want
+                    total = state["done"]
+                if progress is not None:
+                    progress(total, nbytes)
+        except BaseException as exc:
+            with lock:
+                if state["error"] is None:
+                    state["error"] = exc
+        finally:
+            try:
+                view.release()
+                buf.close()
+            except BufferError:
+                pass  # the stored error's traceback still holds a slice; the buffer goes with it
+
+    pool = [threading.Thread(target=worker, name=f"flashboot-preload-{k}", daemon=True)
+            for k in range(max(1, min(threads, n_chunks)))]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if state["error"] is not None:
+        raise state["error"]
+
+
+def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THREADS, io: str = "auto",
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: Any = "cpu", numa_policy: str = "preferred",
+               verify: bool = False, force: bool = False, progress: Callable[[int, int], None] | None = None,
+               stop: threading.Event | None = None) -> StageResult:
+    """Copy rank ``rank`` of ``image_dir`` into shared memory and mark it ready.
+
+    Refuses before any I/O when the shm filesystem lacks the space (OutOfMemoryError with the
+    bytes needed and free). A filesystem that fills up during the copy removes the partial file
+    and raises OutOfMemoryError too. ``io``: ``auto`` (O_DIRECT, buffered where refused; the
+    result says which), ``direct`` or ``buffered``. ``device``: the GPU the rank will load onto;
+    the staged pages are bound to its NUMA node where the machine has more than one.
+    ``verify`` recomputes the chunk checksums of the staged bytes (ChecksumMismatchError naming
+    the chunk). A rank already staged from the same pre-pack is left alone unless ``force``.
+    """
+    if io not in IO_MODES:
+        raise FlashBootError(f"io must be one of {', '.join(IO_MODES)}, got {io!r}")
+    if threads < 1 or chunk_bytes < DIRECT_ALIGNMENT or chunk_bytes % DIRECT_ALIGNMENT:
+        raise FlashBootError(f"need threads >= 1 and chunk_bytes a positive multiple of {DIRECT_ALIGNMENT} "
+                             f"(got {threads}, {chunk_bytes})")
+    from ..pinning import MappedFile, bind_to_node, gpu_numa_node
+
+    src = rank_source(image_dir, rank)
+    paths = staged_paths(image_dir, rank, shm_dir)
+    paths.dir.mkdir(parents=True, exist_ok=True)
+    nbytes = src.nbytes
+    if not force and paths.image.exists():
+        try:
+            info = read_ready(paths.ready)
+            check_ready(info, src)
+            if paths.image.stat().st_size == nbytes:
+                return StageResult(rank, nbytes, str(paths.image), info.io_mode, "already staged", info.numa_node,
+                                   info.numa_reason, info.threads, 0.0, info.verified, skipped=True)
+        except (FileNotFoundError, LayoutError):
+            pass
+    # Withdraw an older copy first: nobody may see .ready beside a half-replaced image.
+    for p in (paths.ready, paths.image, paths.partial):
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+    free = _fs_free_bytes(str(paths.dir))
+    if nbytes > free:
+        raise OutOfMemoryError(f"staging rank {rank} of {image_dir} into {paths.dir}", nbytes, free)
+    dev = Device.parse(device)
+    node, numa_reason = gpu_numa_node(dev)
+    fd = os.open(paths.partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    mapping = None
+    try:
+        os.ftruncate(fd, nbytes)
+        if node is not None:
+            # The policy of a shared tmpfs mapping is the file's: pages written by pwrite land there.
+            mapping = MappedFile(str(paths.partial), nbytes, fd=fd)
+            bind_to_node(mapping.ptr, nbytes, node, numa_policy)
+            numa_reason += f" ({numa_policy})"
+        try:
+            _fallocate(fd, 0, nbytes)  # reserve the pages now, so a full tmpfs fails here, not at byte N
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise _Full(0) from None
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        t0 = time.perf_counter()
+        src_fd, mode, reason = _open_source(src.path, io)
+        try:
+            try:
+                _copy_chunks(src_fd, fd, nbytes, direct=mode == "o_direct", threads=threads, chunk_bytes=chunk_bytes,
+                             progress=progress, stop=stop, numa_node=node, src_name=str(src.path))
+            except _DirectRefused as exc:
+                if io == "direct":
+                    raise CapabilityError(f"{src.path}: reads under O_DIRECT fail ({exc}) and io='direct' was asked") from None
+                os.close(src_fd)
+                src_fd = os.open(src.path, os.O_RDONLY)
+                mode, reason = "buffered", f"filesystem refuses O_DIRECT reads ({exc})"
+                _copy_chunks(src_fd, fd, nbytes, direct=False, threads=threads, chunk_bytes=chunk_bytes,
+                             progress=progress, stop=stop, numa_node=node, src_name=str(src.path))
+        finally:
+            os.close(src_fd)
+        read_s = time.perf_counter() - t0
+        if verify:
+            _verify_staged(fd, nbytes, src, paths.partial)
+        os.rename(paths.partial, paths.image)
+        cs = src.metadata.checksums
+        info = ReadyInfo(
+            path=paths.ready, rank=rank, nbytes=nbytes, staged=str(paths.image), source=str(src.path),
+            metadata_sha256=src.metadata_sha256, job_id=src.metadata.job_id, key_digest=src.metadata.key.digest,
+            checksum={"algorithm": cs.algorithm, "chunk_bytes": cs.chunk_bytes, "chunks": len(cs.digests),
+                      "fingerprint": checksum_fingerprint(cs.digests)},
+            verified=verify, io_mode=mode, io_reason=reason, numa_node=node, numa_reason=numa_reason, threads=threads,
+            read_s=read_s, staged_at=time.time(), pid=os.getpid())
+        _write_atomic(paths.ready, json.dumps(info.to_dict(), indent=1))
+        return StageResult(rank, nbytes, str(paths.image), mode, reason, node, numa_reason, threads, read_s, verify)
+    except _Full as full:
+        _unlink_quietly(paths.partial)
+        now_free = _fs_free_bytes(str(paths.dir))
+        raise OutOfMemoryError(
+            f"staging rank {rank} of {image_dir}: {paths.dir} filled up after {full.written:,} of {nbytes:,} bytes "
+            f"(partial file removed)", nbytes, now_free) from None
+    except BaseException:
+        _unlink_quietly(paths.partial)
+        raise
+    finally:
+        if mapping is not None:
+            mapping.close()
+        os.close(fd)
+
+
+
+def _verify_staged(fd: int, nbytes: int, src: RankSource, where: Path) -> None:
+    from flashboot.kernels.checksum import chunk_checksums_host
+
+    from ..pinning import MappedFile
+
+    cs = src.metadata.checksums
+    with MappedFile(str(where), nbytes, fd=fd) as m:
+        found = chunk_checksums_host(m.array(), cs.chunk_bytes)
+    for k, (want, got) in enumerate(zip(cs.digests, found)):
+        if want != got:
+            start, n = cs.chunk_range(k, nbytes)
+            raise ChecksumMismatchError(f"{where} (staged from {src.path}, rank {src.rank})", k, start, n, want, got)
+
+
+def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[Path]:
+    """Remove staged ranks (all by default) and return the files removed. Refuses while a
+    preloader for the directory runs."""
+    running = _running_pid(pid_file(image_dir, shm_dir))
+    if running:
+        raise FlashBootError(f"a preloader for {image_dir} is running (pid {running}); stop it first (--stop)")
+    d = staging_dir(image_dir, shm_dir)
+    removed = []
+    if not d.is_dir():
+        return removed
+    for p in sorted(d.iterdir()):
+        rank_of = p.name.split(".")[0]
+        if ranks is None or rank_of in {f"rank-{r}" for r in ranks}:
+            if p.is_file() and p.name.startswith("rank-"):
+                p.unlink()
+                removed.append(p)
+    return removed
+
+
+def read_rate(path: str | os.PathLike, *, io: str = "direct", nbytes: int | None = None,
+              block_bytes: int = 16 << 20) -> tuple[float, str]:
+    """Sequential single-stream read rate of ``path`` in GB/s, like ``dd bs=16M iflag=direct``.
+
+    Returns ``(gbps, mode)``; falls back to buffered reads where O_DIRECT is refused (mode says).
+    """
+    fd, mode, _ = _open_source(Path(path), "auto" if io == "direct" else "buffered")
+    size = os.fstat(fd).st_size if nbytes is None else nbytes
+    buf = mmap.mmap(-1, block_bytes)
+    view = memoryview(buf)
+    try:
+        t0 = time.perf_counter()
+        off = 0
+        while off < size:
+            n = os.preadv(fd, [view], off)
+            if n == 0:
+                break
+            off += n
+        dt = time.perf_counter() - t0
+    finally:
+        view.release()
+        buf.close()
+        os.close(fd)
+    return (off / dt / 1e9 if dt > 0 else float("inf")), mode
+
+
+# ============================================================================ configuration
+@dataclass
+class PreloadConfig:
+    """What a preloader does. Validates itself; the CLI and YAML only fill it."""
+
+    image_dir: str
+    ranks: list[int] | None = None
+    shm_dir: str | None = None
+    threads: int = DEFAULT_THREADS
+    io: str = "auto"
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    devices: dict[int, str] = field(default_factory=dict)
+    """Rank -> the device it loads onto (NUMA placement); default ``cuda:<rank mod #GPUs>`` or cpu."""
+    numa_policy: str = "preferred"
+    verify: bool = False
+    force: bool = False
+    serve: bool = False
+    pin: bool = True
+    """Served mode: register (pin) each staged image once (CUDA only)."""
+
+    def __post_init__(self):
+        from ..pinning import NUMA_POLICIES
+
+        self.image_dir = str(self.image_dir)
+        if not os.path.isdir(self.image_dir):
+            raise LayoutError(f"{self.image_dir}: no such image directory")
+        if self.io not in IO_MODES:
+            raise FlashBootError(f"io must be one of {', '.join(IO_MODES)}, got {self.io!r}")
+        if not isinstance(self.threads, int) or self.threads < 1:
+            raise FlashBootError(f"threads must be an int >= 1, got {self.threads!r}")
+        if self.chunk_bytes < DIRECT_ALIGNMENT or self.chunk_bytes % DIRECT_ALIGNMENT:
+            raise FlashBootError(f"chunk_bytes must be a positive multiple of {DIRECT_ALIGNMENT}, got {self.chunk_bytes}")
+        if self.numa_policy not in NUMA_POLICIES:
+            raise FlashBootError(f"numa_policy must be one of {', '.join(NUMA_POLICIES)}, got {self.numa_policy!r}")
+        self.devices = {int(k): str(v) for k, v in (self.devices or {}).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PreloadConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise FlashBootError(f"unknown preload options {sorted(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**d)
+
+    def resolved_ranks(self) -> list[int]:
+        from flashboot.layouts import image_ranks
+
+        have = image_ranks(self.image_dir)
+        if self.ranks is None:
+            return have
+        missing = sorted(set(self.ranks) - set(have))
+        if missing:
+            raise LayoutError(f"{self.image_dir}: ranks {missing} requested; the image has ranks {have}")
+        return sorted(set(self.ranks))
+
+    def device_for(self, rank: int) -> Device:
+        from .._cuda import device_count
+
+        if rank in self.devices:
+            return Device.parse(self.devices[rank])
+        n = device_count()
+        return Device("cuda", rank % n) if n else Device("cpu")
+
+
+def preload(config: PreloadConfig | dict, *, progress: Callable[[int, int, int], None] | None = None,
+            stop: threading.Event | None = None) -> list[StageResult]:
+    """Stage every rank of ``config`` (one after the other, each with many threads).
+
+    ``progress(rank, done_bytes, total_bytes)`` is called as bytes land.
+    """
+    if isinstance(config, dict):
+        config = PreloadConfig.from_dict(config)
+    results = []
+    for rank in config.resolved_ranks():
+        cb = (lambda done, total, r=rank: progress(r, done, total)) if progress else None
+        results.append(stage_rank(config.image_dir, rank, shm_dir=config.shm_dir, threads=config.threads, io=config.io,
+                                  chunk_bytes=config.chunk_bytes, device=config.device_for(rank),
+                                  numa_policy=config.numa_policy, verify=config.verify, force=config.force,
+                                  progress=cb, stop=stop))
+    return results
+
