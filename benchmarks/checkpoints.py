@@ -91,7 +91,11 @@ CHECKPOINT_B = CheckpointSpec("B", layers=48, experts=128, expert_rows=128, expe
                               vocab=32000, shards=8)
 """18,722 tensors, 11.76 GB, 8 files."""
 
-CHECKPOINTS = {"A": CHECKPOINT_A, "B": CHECKPOINT_B}
+CHECKPOINT_C = CheckpointSpec("C", layers=52, experts=256, expert_rows=64, expert_cols=384, hidden=1024,
+                              vocab=32000, shards=8)
+"""40,250 tensors, 2.61 GB, 8 files: the many-experts shape where per-tensor costs dominate."""
+
+CHECKPOINTS = {"A": CHECKPOINT_A, "B": CHECKPOINT_B, "C": CHECKPOINT_C}
 
 
 @dataclass
@@ -214,6 +218,6 @@ def open_checkpoint(root: str) -> SyntheticCheckpoint | None:
 
 
 __all__ = [
-    "CheckpointSpec", "CHECKPOINT_A", "CHECKPOINT_B", "CHECKPOINTS", "SyntheticCheckpoint", "make_checkpoint",
+    "CheckpointSpec", "CHECKPOINT_A", "CHECKPOINT_B", "CHECKPOINT_C", "CHECKPOINTS", "SyntheticCheckpoint", "make_checkpoint",
     "open_checkpoint", "combine_digests", "tensor_checksum", "tensors_digest",
 ]

@@ -37,6 +37,8 @@ _LAZY = {
     "LoadedImage": "flashboot.flashload.load",
     "LoadReport": "flashboot.flashload.load",
     "stage": "flashboot.flashload.stage",
+    "prepare": "flashboot.flashload.boot",
+    "PreparedLoad": "flashboot.flashload.boot",
     "StagedImage": "flashboot.flashload.stage",
     "build_plan": "flashboot.schedulers",
     "Plan": "flashboot.schedulers",

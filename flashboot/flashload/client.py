@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from ..errors import (
+    FlashBootError,
     LayoutError,
     RendezvousError,
     WaitTimeoutError,
@@ -56,6 +57,8 @@ def _read_reply(sock: socket.socket, path: Path, what: str, timeout_s: float) ->
         raw = sock.recv(1 << 20)
     except socket.timeout:
         raise WaitTimeoutError(f"the preloader at {path} did not answer {what} within {timeout_s:g} s") from None
+    except OSError as exc:  # reset: the daemon died or was restarted mid-request
+        raise RendezvousError(f"the preloader at {path} closed the connection before answering {what} ({exc})") from None
     if not raw:
         raise RendezvousError(f"the preloader at {path} closed the connection without answering")
     return json.loads(raw)
@@ -138,21 +141,15 @@ class ServedCopy:
             pass
 
 
-def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
-                      shm_dir=None) -> ServedCopy:
-    """Send the daemon for ``image_dir`` a request to copy rank ``rank`` (``nbytes``, staged from
-    the metadata with sha256 ``metadata_sha256``) into ``arena``; returns at once.
-
-    The arena's descriptor travels with its fd attached. The daemon refuses a request whose
-    sha256 or size differ from what it holds. The socket's appearance is awaited up to
-    ``timeout_s``; the reply (:meth:`ServedCopy.wait`) up to ``timeout_s`` (the daemon's
-    staging) plus 60 s plus 1 s per GB.
-    """
+def _send_arena(op: str, arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
+                shm_dir=None, **extra) -> tuple[socket.socket, Path]:
+    """Connect to the daemon for ``image_dir`` (waiting up to ``timeout_s`` for its socket) and send
+    ``op`` for rank ``rank`` with ``arena``'s descriptor and its fds attached; returns the socket."""
     from ..fdshare import send_fds
 
     desc = arena.export()
-    req = {"op": "load", "rank": rank, "descriptor": desc.to_dict(), "nbytes": nbytes,
-           "metadata_sha256": metadata_sha256, "timeout_s": timeout_s, "pci_bus_id": None}
+    req = {"op": op, "rank": rank, "descriptor": desc.to_dict(), "nbytes": nbytes,
+           "metadata_sha256": metadata_sha256, "timeout_s": timeout_s, "pci_bus_id": None, **extra}
     if arena.device.is_cuda:
         from ..pinning import gpu_pci_bus_id
 
@@ -164,7 +161,84 @@ def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha2
     except BaseException:
         sock.close()
         raise
+    return sock, path
+
+
+def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
+                      shm_dir=None) -> ServedCopy:
+    """Send the daemon for ``image_dir`` a request to copy rank ``rank`` (``nbytes``, staged from
+    the metadata with sha256 ``metadata_sha256``) into ``arena``; returns at once.
+
+    The arena's descriptor travels with its fd attached. The daemon refuses a request whose
+    sha256 or size differ from what it holds. The socket's appearance is awaited up to
+    ``timeout_s``; the reply (:meth:`ServedCopy.wait`) up to ``timeout_s`` (the daemon's
+    staging) plus 60 s plus 1 s per GB.
+    """
+    sock, path = _send_arena("load", arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
+                             metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir)
     return ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9)
+
+
+class ServedSession:
+    """An engine's arena attached to the served-load daemon ahead of its load (made by
+    :func:`attach_served`): the daemon has checked the request, opened and mapped the arena and
+    holds the connection; :meth:`copy` asks for the copy and waits for it."""
+
+    def __init__(self, sock: socket.socket, path: Path, rank: int, nbytes: int, reply: dict):
+        self._sock: socket.socket | None = sock
+        self.path, self.rank, self.nbytes, self.attach_reply = path, rank, nbytes, reply
+        self.used = False
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def copy(self, *, timeout_s: float) -> dict:
+        """Have the daemon copy the rank into the attached arena; its reply (``h2d_ms``...).
+
+        Once per session. RendezvousError when the daemon went away since it attached (it closed
+        the connection), WaitTimeoutError after ``timeout_s`` plus 1 s per GB."""
+        if self._sock is None or self.used:
+            raise FlashBootError(f"the served session of rank {self.rank} at {self.path} is already used or closed")
+        self.used = True
+        sock = self._sock
+        try:
+            try:
+                sock.sendall(json.dumps({"op": "copy"}).encode())
+            except OSError as exc:
+                raise RendezvousError(f"the preloader at {self.path} went away after it attached rank {self.rank}'s "
+                                      f"arena ({exc}); was it restarted?") from None
+            reply = _read_reply(sock, self.path, f"'copy' for rank {self.rank}", timeout_s + self.nbytes / 1e9)
+            if not reply.get("ok"):
+                _raise_remote(reply, f"served copy of rank {self.rank} by the preloader at {self.path}")
+            return reply
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Hang up: the daemon releases its mapping of the arena (idempotent)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def attach_served(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
+                  shm_dir=None, hold_s: float | None = None) -> ServedSession:
+    """Hand ``arena`` to the daemon for ``image_dir`` ahead of the load: it checks rank, size and
+    metadata sha256 against what it holds, opens and maps the arena and answers; the copy waits
+    for :meth:`ServedSession.copy`. ``hold_s``: how long the daemon keeps the arena attached
+    without a copy request (default the daemon's, an hour). Errors as :func:`start_served_load`."""
+    extra = {} if hold_s is None else {"hold_s": float(hold_s)}
+    sock, path = _send_arena("attach", arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
+                             metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir, **extra)
+    try:
+        reply = _read_reply(sock, path, f"'attach' for rank {rank}", timeout_s + 60)
+        if not reply.get("ok"):
+            _raise_remote(reply, f"attaching rank {rank}'s arena to the preloader at {path}")
+    except BaseException:
+        sock.close()
+        raise
+    return ServedSession(sock, path, rank, nbytes, reply)
 
 
 def served_load(arena, source: RankSource, *, timeout_s: float, shm_dir=None) -> dict:

@@ -277,14 +277,18 @@ def make_views(arena, metadata) -> dict:
 
 
 def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.0, served: bool = False,
-         staged=None, verify: bool = False, shm_dir=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+         staged=None, prepared=None, verify: bool = False, shm_dir=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
          tp: int | None = None, ep: int | None = None, expected_key=None) -> LoadedImage:
     """Load rank ``rank`` of the pre-packed image in ``image_dir`` onto ``device``.
 
     ``device``: an int, ``"cuda:N"``, ``"cpu"`` (host backend) or None (cuda:0 where present).
     The rank must be staged by ``flashboot preload`` (waits up to ``timeout_s`` for its
     ``.ready`` file). ``staged``: a :func:`flashboot.stage` result (pinned early); ``served``:
-    have the running preloader daemon copy into this process's arena. ``verify`` recomputes the
+    have the running preloader daemon copy into this process's arena; ``prepared``: a
+    :func:`flashboot.prepare` handle made at engine start-up, which has paid every one-time cost
+    already (metadata, arena, the daemon's attachment or the pin, views): the load is the copy.
+    Without it the report's ``details["one_time_ms"]`` says what this call paid that ``prepare``
+    would have paid at start-up. ``verify`` recomputes the
     chunk checksums on the device. ``tp``/``ep``/``expected_key``: what the caller expects the
     image to be (LayoutError otherwise).
 
@@ -308,6 +312,16 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
         raise FlashBootError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if served and staged is not None:
         raise FlashBootError("served=True and staged= exclude each other: the daemon holds the pinned image")
+    if prepared is not None:
+        from .boot import PreparedLoad
+
+        if not isinstance(prepared, PreparedLoad):
+            raise FlashBootError(f"prepared must come from flashboot.prepare(), got {type(prepared).__name__}")
+        if served or staged is not None:
+            raise FlashBootError("prepared= excludes served= and staged=: the handle already chose its mode "
+                                 f"({prepared.requested_mode})")
+        return _load_prepared(prepared, image_dir, rank, dev, t_start, verify=verify, chunk_bytes=chunk_bytes, tp=tp,
+                              ep=ep, expected_key=expected_key)
     if staged is not None:
         if not isinstance(staged, StagedImage):
             raise FlashBootError(f"staged must come from flashboot.stage(), got {type(staged).__name__}")
@@ -319,6 +333,13 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
                             tp=tp, ep=ep, expected_key=expected_key)
     return _load_staged(image_dir, rank, dev, t_start, staged=staged, timeout_s=timeout_s, verify=verify,
                         shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp, ep=ep, expected_key=expected_key)
+
+
+def _one_time(report: LoadReport, **more: float) -> dict[str, float]:
+    """What a load without :func:`flashboot.prepare` paid itself that ``prepare`` pays at start-up
+    (some of it while the copy ran: see ``overlapped``)."""
+    paid = {"metadata": report.metadata_ms, "arena": report.alloc_ms, "views": report.bind_ms, **more}
+    return {k: round(v, 3) for k, v in paid.items() if v}
 
 
 def _timed_views(arena, meta, report: LoadReport):
@@ -386,6 +407,7 @@ def _load_staged(image_dir, rank: int, dev: Device, t_start: float, *, staged, t
                                             meanwhile=lambda: _timed_views(arena, meta, report))
         report.h2d_ms = (time.perf_counter() - t3) * 1e3
         report.overlapped = ["bind"]
+        report.details["one_time_ms"] = _one_time(report, pin=report.pin_ms)
         if staged.ready is not None:
             report.details.update(io_mode=staged.ready.io_mode, numa_node=staged.ready.numa_node)
         if verify:
@@ -401,6 +423,67 @@ def _load_staged(image_dir, rank: int, dev: Device, t_start: float, *, staged, t
     release = own_staged.close_in_background() if own_staged is not None else None  # not the engine's wait
     report.total_ms = (time.perf_counter() - t_start) * 1e3
     return LoadedImage(arena, tensors, meta, report, source, release)
+
+
+def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, *, verify: bool, chunk_bytes: int,
+                   tp, ep, expected_key) -> LoadedImage:
+    """The copy of a :func:`flashboot.prepare` handle (everything else was paid at start-up)."""
+    from flashboot.layouts.image import check_request
+
+    from .shm import RankSource
+
+    prepared.check_request(image_dir, rank, dev)
+    prepared.claim(f"the load called at {time.strftime('%H:%M:%S')}")
+    report = LoadReport(mode="", device=str(dev), rank=rank, nbytes=0)
+    release = None
+    try:
+        ready_before = prepared.done
+        t0 = time.perf_counter()
+        prepared.wait()
+        report.wait_ms = (time.perf_counter() - t0) * 1e3
+        arena, meta = prepared.arena, prepared.metadata
+        check_request(meta, str(prepared.image.metadata_path), tp=tp, ep=ep, expected_key=expected_key)
+        prepared.check_unchanged()
+        report.nbytes, report.tensors = prepared.nbytes, len(meta.tensors)
+        report.details = {"prepared": dict(prepared.phases_ms), "prepared_mode_why": prepared.why,
+                          "prepare_total_ms": (prepared.finished - prepared.started) * 1e3,
+                          "prepared_before_load": ready_before}
+        t1 = time.perf_counter()
+        if prepared.mode == "served":
+            report.mode = "served, prepared"
+            reply = prepared.session.copy(timeout_s=prepared.timeout_s + 60)
+            report.h2d_ms = reply["h2d_ms"]
+            report.exchange_ms = max(0.0, (time.perf_counter() - t1) * 1e3 - report.h2d_ms)
+            report.pinned_early_ms = reply.get("pin_ms", 0.0)
+            report.chunks = -(-report.nbytes // (1 << 30))
+            report.details.update(daemon_pid=reply.get("pid"), daemon_map_ms=reply.get("map_ms"),
+                                  daemon_pinned=reply.get("pinned"))
+        else:
+            staged = prepared.staged
+            pin_left_before = not staged.done
+            staged.wait()
+            t2 = time.perf_counter()
+            report.wait_ms += (t2 - t1) * 1e3
+            report.mode = ("pinned early, prepared" if staged.pinned else "staged, prepared") if dev.is_cuda else \
+                "host, prepared"
+            report.pinned_early_ms = staged.pin_ms
+            report.details["pin_still_running_at_load"] = pin_left_before
+            if dev.is_cuda and not staged.pinned:
+                report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
+            report.chunks, _ = _bulk_copy(prepared.mover, arena, staged.span(), report.nbytes, chunk_bytes)
+            report.h2d_ms = (time.perf_counter() - t2) * 1e3
+            release = staged.close_in_background()  # unpinning is not the engine's wait
+        if verify:
+            t4 = time.perf_counter()
+            verify_loaded(arena, meta, f"{prepared.image.path} (rank {rank}) loaded into {dev}")
+            report.verify_ms = (time.perf_counter() - t4) * 1e3
+    except BaseException:
+        prepared._release()
+        raise
+    report.total_ms = (time.perf_counter() - t_start) * 1e3
+    source = RankSource(prepared.image_dir, rank, prepared.image, prepared.metadata_sha256)
+    return LoadedImage(arena, prepared.tensors, meta, report, source,
+                       release if prepared.mode == "staged" else None)
 
 
 def _check_job_request(mf, *, tp, ep, expected_key) -> None:
@@ -475,7 +558,8 @@ def _load_served(image_dir, rank: int, dev: Device, t_start: float, *, timeout_s
         report.pinned_early_ms = reply.get("pin_ms", 0.0)
         report.chunks = -(-nbytes // (1 << 30))
         report.details = {"daemon_pid": reply.get("pid"), "daemon_map_ms": reply.get("map_ms"),
-                          "daemon_pinned": reply.get("pinned"), "copy_wait_ms": (t6 - t5) * 1e3}
+                          "daemon_pinned": reply.get("pinned"), "copy_wait_ms": (t6 - t5) * 1e3,
+                          "one_time_ms": _one_time(report, daemon_map=reply.get("map_ms", 0.0))}
         if verify:
             t7 = time.perf_counter()
             verify_loaded(arena, meta, f"{image.path} (rank {rank}) loaded into {dev}")

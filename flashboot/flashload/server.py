@@ -33,6 +33,8 @@ from .staging import PreloadConfig, StageResult, stage_rank
 
 SERVE_CHUNK_BYTES = 1 << 30
 """The daemon's H2D goes in 1 GB chunks (hardware.md: streams and smaller chunks do not help)."""
+DEFAULT_HOLD_S = 3600.0
+"""How long an attached engine (``flashboot.prepare``) may take before it asks for its copy."""
 
 
 # ====================================================================== the served-load daemon
@@ -190,6 +192,7 @@ class PreloadServer:
 
     def _handle(self, conn: socket.socket) -> None:
         fds: list[int] = []
+        attached: _Attached | None = None
         try:
             with conn:
                 try:
@@ -201,24 +204,59 @@ class PreloadServer:
                     op = req.get("op")
                     if op == "status":
                         reply = self.status()
-                    elif op == "load":
+                    elif op in ("load", "attach"):
                         if not fds:
-                            raise RendezvousError("load request without the arena's fd attached")
+                            raise RendezvousError(f"{op} request without the arena's fd attached")
                         count = len(req.get("descriptor", {}).get("fds", ()))
                         recv_more_fds(conn, fds, count, timeout_s=10)  # arenas of > SCM_MAX_FD segments
-                        reply = self._serve_load(req, fds)
+                        attached = self._attach(req, fds)
+                        reply = attached.reply() if op == "attach" else self._copy(attached)
                     else:
-                        raise FlashBootError(f"unknown request op {op!r}; known: load, status")
+                        raise FlashBootError(f"unknown request op {op!r}; known: load, attach, status")
+                except _StagingFailed as exc:  # the staging error's class, with the daemon's words
+                    reply = {**_error_payload(exc.error), "message": str(exc)}
                 except BaseException as exc:  # every failure goes back to the engine, named
                     reply = _error_payload(exc)
                     self.log(f"request failed: {type(exc).__name__}: {exc}")
                 conn.settimeout(10)
                 conn.send(json.dumps(reply).encode())
+                if attached is not None and reply.get("ok") and op == "attach":
+                    self._copy_when_asked(conn, attached, float(req.get("hold_s", DEFAULT_HOLD_S)))
         except OSError as exc:
             self.log(f"engine connection lost: {exc}")
         finally:
+            if attached is not None:
+                attached.arena.close()
             for fd in fds:
                 os.close(fd)
+
+    def _copy_when_asked(self, conn: socket.socket, attached: "_Attached", hold_s: float) -> None:
+        """An attached engine (``flashboot.prepare``) asks for the copy later on the same connection:
+        wait for its ``{"op": "copy"}`` (at most ``hold_s``, or until the daemon stops), copy, answer.
+        A connection closed first (the engine gave up or died) just releases the mapping."""
+        deadline = time.monotonic() + hold_s
+        conn.settimeout(0.2)
+        while True:
+            try:
+                msg = conn.recv(4096)
+                break
+            except socket.timeout:
+                if self.stop.is_set() or time.monotonic() >= deadline:
+                    self.log(f"rank {attached.rank}: attached engine did not ask for its copy within {hold_s:g} s; "
+                             "released its arena")
+                    return
+        if not msg:
+            return
+        try:
+            req = json.loads(msg)
+            if req.get("op") != "copy":
+                raise FlashBootError(f"an attached engine may only ask for 'copy', not {req.get('op')!r}")
+            reply = self._copy(attached)
+        except BaseException as exc:
+            reply = _error_payload(exc)
+            self.log(f"copy failed: {type(exc).__name__}: {exc}")
+        conn.settimeout(10)
+        conn.send(json.dumps(reply).encode())
 
     def status(self) -> dict:
         return {"ok": True, "pid": os.getpid(), "image_dir": self.config.image_dir,
@@ -230,9 +268,10 @@ class PreloadServer:
         with self._locks_lock:
             return self._copy_locks.setdefault(key, threading.Lock())
 
-    def _serve_load(self, req: dict, fds: list[int]) -> dict:
+    def _attach(self, req: dict, fds: list[int]) -> "_Attached":
+        """Check the request against the resident rank, open the engine's arena and map all of it, so
+        that the copy, when asked, is the copy alone."""
         from ..arena import Arena, ArenaDescriptor
-        from ..movers import create_mover
 
         rank = req.get("rank")
         res = self.residents.get(rank)
@@ -243,7 +282,7 @@ class PreloadServer:
             raise WaitTimeoutError(f"rank {rank} of {self.config.image_dir} was not staged and pinned within "
                                    f"{timeout_s:g} s (daemon pid {os.getpid()}, state {res.state})")
         if res.error is not None:
-            return {**_error_payload(res.error), "message": f"staging rank {rank} failed in the daemon: {res.error}"}
+            raise _StagingFailed(rank, res.error)
         if req.get("metadata_sha256") != res.metadata_sha256 or req.get("nbytes") != res.nbytes:
             raise LayoutError(f"the daemon holds rank {rank} of another pre-pack ({res.nbytes:,} bytes, metadata "
                               f"{res.metadata_sha256[:12]}) than the engine asked for ({req.get('nbytes')} bytes, "
@@ -257,31 +296,64 @@ class PreloadServer:
         else:
             arena = Arena.open(desc, device="cpu", fds=fds)
         try:
-            map_ms = (time.perf_counter() - t0) * 1e3
             if arena.nbytes < res.nbytes:
                 raise OutOfMemoryError(f"engine arena {desc.arena_id} for rank {rank}", res.nbytes, arena.nbytes)
-            from ..memory import CPU, Span
+            arena.span(0, res.nbytes)  # maps every segment now, not during the copy
+            stream = None
+            if arena.device.is_cuda:
+                import cupy
 
-            src = Span(res.mapping.ptr, res.nbytes, CPU, pinned=res.pinned is not None, owner=res.mapping)
-            with self._lock_for(str(arena.device)):
-                t1 = time.perf_counter()
-                if arena.device.is_cuda:
-                    import cupy
-
-                    mover = create_mover("copy_engine")
-                    with cupy.cuda.Device(arena.device.index):
-                        stream = cupy.cuda.Stream(non_blocking=True)
-                        for off in range(0, res.nbytes, SERVE_CHUNK_BYTES):
-                            n = min(SERVE_CHUNK_BYTES, res.nbytes - off)
-                            mover.copy(arena.span(off, n), src.sub(off, n), stream=stream)
-                        stream.synchronize()
-                else:
-                    create_mover("host").copy(arena.span(0, res.nbytes), src, stream=None)
-                h2d_ms = (time.perf_counter() - t1) * 1e3
-        finally:
+                with cupy.cuda.Device(arena.device.index):
+                    stream = cupy.cuda.Stream(non_blocking=True)
+        except BaseException:
             arena.close()
-        return {"ok": True, "rank": rank, "nbytes": res.nbytes, "map_ms": map_ms, "h2d_ms": h2d_ms,
-                "pinned": res.pinned is not None, "pin_ms": res.pin_ms, "pid": os.getpid()}
+            raise
+        return _Attached(rank, res, arena, stream, (time.perf_counter() - t0) * 1e3)
+
+    def _copy(self, attached: "_Attached") -> dict:
+        """The resident image into the attached arena, in :data:`SERVE_CHUNK_BYTES` pieces; one copy
+        per device at a time (each GPU has its own link; two copies into one would only share it)."""
+        from ..memory import CPU, Span
+        from ..movers import create_mover
+
+        res, arena = attached.res, attached.arena
+        src = Span(res.mapping.ptr, res.nbytes, CPU, pinned=res.pinned is not None, owner=res.mapping)
+        with self._lock_for(str(arena.device)):
+            t1 = time.perf_counter()
+            if arena.device.is_cuda:
+                import cupy
+
+                mover = create_mover("copy_engine")
+                with cupy.cuda.Device(arena.device.index):
+                    for off in range(0, res.nbytes, SERVE_CHUNK_BYTES):
+                        n = min(SERVE_CHUNK_BYTES, res.nbytes - off)
+                        mover.copy(arena.span(off, n), src.sub(off, n), stream=attached.stream)
+                    attached.stream.synchronize()
+            else:
+                create_mover("host").copy(arena.span(0, res.nbytes), src, stream=None)
+            h2d_ms = (time.perf_counter() - t1) * 1e3
+        return {**attached.reply(), "h2d_ms": h2d_ms}
+
+
+class _StagingFailed(Exception):
+    def __init__(self, rank: int, error: BaseException):
+        super().__init__(f"staging rank {rank} failed in the daemon: {error}")
+        self.error = error
+
+
+@dataclass
+class _Attached:
+    """An engine's arena opened by the daemon for one copy of a resident rank."""
+
+    rank: int
+    res: _Resident
+    arena: Any
+    stream: Any
+    map_ms: float
+
+    def reply(self) -> dict:
+        return {"ok": True, "rank": self.rank, "nbytes": self.res.nbytes, "map_ms": self.map_ms,
+                "pinned": self.res.pinned is not None, "pin_ms": self.res.pin_ms, "pid": os.getpid()}
 
 
 def _device_by_bus_id(bus_id: str | None, fallback: int) -> int:

@@ -1,0 +1,312 @@
+"""``flashboot bench boot``: the first load in a fresh engine process, against the bulk-H2D ceiling.
+
+An engine boots once, so what counts is the first call in a new process (one that already holds
+its CUDA context and has imported its loader, as an engine has), not the best of five after a
+warm-up. For each shape (A: 3,170 tensors / 13.8 GB, B: 18,722 / 11.8 GB, C: 40,250 / 2.6 GB,
+synthetic, generated in /dev/shm), every loader runs in its own fresh process and is timed on its
+first and its second call:
+
+* ``flashload served``: ``flashboot.load(..., served=True)`` with the preloader daemon holding the
+  image pinned, no early call;
+* ``flashload prepared``: ``flashboot.prepare(...)`` at process start (its time reported beside),
+  then ``flashboot.load(..., prepared=handle)``; the second call prepares again first;
+* ``flashload prepared, pinned here``: the same without a daemon (the process pins the staged image);
+* ``safetensors``, ``instanttensor``, ``fastsafetensors`` where installed (from the tmpfs checkpoint).
+
+The ceiling is one pinned bulk H2D of the same bytes in the parent, median of 3 after a warm-up,
+in the same run. Every result is verified (FlashLoad: chunk checksums on the device; peers: the
+source tensors' checksums), outside the timed call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from flashboot.errors import FlashBootError
+
+SHAPES = ("A", "B", "C")
+FLASH_LOADERS = ("flashload served", "flashload prepared", "flashload prepared, pinned here")
+PEER_LOADERS = ("safetensors", "instanttensor", "fastsafetensors")
+CHILD_TIMEOUT_S = 300.0
+
+
+# ================================================================================ the child
+def _child(spec: dict) -> dict:
+    """One loader, first and second call, in this (fresh) process; returns what it measured."""
+    import torch
+
+    dev = spec["device"]
+    if dev.startswith("cuda"):  # an engine holds its context before it loads
+        torch.cuda.set_device(torch.device(dev))
+        torch.zeros(1, device=dev)
+        torch.cuda.synchronize()
+    loader = spec["loader"]
+    calls = []
+    if loader.startswith("flashload"):
+        import flashboot
+        from flashboot.flashload import boot, client, load  # noqa: F401  (an engine imported its loader)
+
+        for _ in range(2):
+            prepared, prepare_ms = None, 0.0
+            if loader != "flashload served":
+                mode = "served" if loader == "flashload prepared" else "staged"
+                t = time.perf_counter()
+                prepared = flashboot.prepare(spec["image"], 0, dev, mode=mode, shm_dir=spec["shm"], timeout_s=60)
+                prepared.wait()  # an engine builds its model meanwhile
+                prepare_ms = (time.perf_counter() - t) * 1e3
+            t = time.perf_counter()
+            li = flashboot.load(spec["image"], 0, dev, served=prepared is None, prepared=prepared,
+                                shm_dir=spec["shm"], timeout_s=60)
+            _sync(dev)
+            ms = (time.perf_counter() - t) * 1e3
+            from flashboot.flashload.load import verify_loaded
+
+            verify_loaded(li.arena, li.metadata, f"{loader} call {len(calls) + 1}")  # raises on a bad chunk
+            calls.append({"ms": ms, "prepare_ms": prepare_ms, "verified": True, "report": li.report.to_dict()})
+            if li.release_thread is not None:
+                li.release_thread.join()
+            li.close()
+            _free(dev)
+    else:
+        from flashboot.benchmarks.checkpoints import open_checkpoint, tensors_digest
+        from flashboot.benchmarks.peers import FastSafetensorsLoader, InstantTensorLoader, SafetensorsLoader
+
+        cls = {c.name: c for c in (SafetensorsLoader, InstantTensorLoader, FastSafetensorsLoader)}[loader]
+        ckpt = open_checkpoint(spec["checkpoint"])
+        expected = ckpt.expected_digest()
+        peer = cls(ckpt.files, dev)
+        peer.prepare()
+        __import__(cls.__module__)
+        for _ in range(2):
+            t = time.perf_counter()
+            out = peer.load()
+            _sync(dev)
+            ms = (time.perf_counter() - t) * 1e3
+            calls.append({"ms": ms, "verified": tensors_digest(out) == expected})
+            del out
+            _free(dev)
+        peer.release()
+    return {"loader": loader, "calls": calls}
+
+
+def _sync(dev: str) -> None:
+    if dev.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(dev)
+
+
+def _free(dev: str) -> None:
+    import gc
+
+    gc.collect()
+    if dev.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def _run_child(spec: dict, log: Callable[[str], None]) -> dict:
+    cmd = [sys.executable, "-m", "flashboot.benchmarks.boot", "--child", json.dumps(spec)]
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"loader": spec["loader"], "error": f"timed out after {CHILD_TIMEOUT_S:g} s"}
+    if p.returncode != 0:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+        return {"loader": spec["loader"], "error": f"exit {p.returncode}: {' | '.join(tail)}"}
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out["process_s"] = time.perf_counter() - t
+    return out
+
+
+# ================================================================================ the parent
+def _ceiling_ms(staged_file: str, nbytes: int, dev: str, repeats: int = 3) -> float:
+    """One bulk H2D of the staged image (pinned here) into a device buffer: median of ``repeats``
+    after one warm-up. On the host backend, one memcpy of it."""
+    import numpy as np
+
+    from flashboot.memory import Device
+    from flashboot.pinning import MappedFile, register_host
+
+    device = Device.parse(dev)
+    with MappedFile(staged_file, nbytes) as mapping:
+        if not device.is_cuda:
+            src, dst = mapping.array(), np.empty(nbytes, np.uint8)
+            samples = []
+            for _ in range(repeats + 1):
+                t = time.perf_counter()
+                np.copyto(dst, src)
+                samples.append((time.perf_counter() - t) * 1e3)
+            return sorted(samples[1:])[len(samples[1:]) // 2]
+        import cupy
+
+        with register_host(mapping.ptr, nbytes, device, path=staged_file), cupy.cuda.Device(device.index):
+            dst = cupy.cuda.alloc(nbytes)
+            stream = cupy.cuda.Stream(non_blocking=True)
+            samples = []
+            for _ in range(repeats + 1):
+                t = time.perf_counter()
+                for off in range(0, nbytes, 1 << 30):
+                    n = min(1 << 30, nbytes - off)
+                    cupy.cuda.runtime.memcpyAsync(dst.ptr + off, mapping.ptr + off, n,
+                                                  cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+                stream.synchronize()
+                samples.append((time.perf_counter() - t) * 1e3)
+            del dst
+        return sorted(samples[1:])[len(samples[1:]) // 2]
+
+
+def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Callable[[str], None]) -> dict:
+    """Every loader on one checkpoint shape; see the module docstring."""
+    import flashboot
+    from flashboot.benchmarks.checkpoints import make_checkpoint
+    from flashboot.flashload.client import serve_status
+    from flashboot.flashload.service import start_background, stop_service
+    from flashboot.flashload.shm import staged_paths
+    from flashboot.flashload.staging import PreloadConfig
+
+    ckpt_dir, img_dir, shm = root / f"ckpt-{spec.name}", root / f"image-{spec.name}", root / "staged"
+    t0 = time.perf_counter()
+    ckpt = make_checkpoint(str(ckpt_dir), spec, device=device if device.startswith("cuda") else "cpu")
+    if not img_dir.exists():
+        flashboot.prepack(str(ckpt_dir), str(img_dir), progress=False)
+    log(f"{spec.name}: {ckpt.tensor_count:,} tensors, {ckpt.nbytes / 1e9:.2f} GB; checkpoint and image in "
+        f"{time.perf_counter() - t0:.1f} s")
+    out: dict = {"shape": spec.name, "tensors": ckpt.tensor_count, "nbytes": ckpt.nbytes, "loaders": []}
+    start_background(PreloadConfig(str(img_dir), ranks=[0], shm_dir=str(shm), serve=True, devices={0: device}),
+                     timeout_s=60)
+    try:
+        deadline = time.monotonic() + 600
+        while (state := serve_status(str(img_dir), str(shm))["ranks"]["0"])["state"] not in ("pinned", "mapped"):
+            if state["state"] == "failed" or time.monotonic() > deadline:
+                raise FlashBootError(f"the served-load daemon did not hold rank 0 of {img_dir}: {state}")
+            time.sleep(0.05)
+        staged_file = str(staged_paths(str(img_dir), 0, str(shm)).image)
+        image_nbytes = os.path.getsize(staged_file)
+        out["image_nbytes"] = image_nbytes
+        out["ceiling_ms"] = _ceiling_ms(staged_file, image_nbytes, device)
+        log(f"{spec.name}: bulk H2D ceiling {out['ceiling_ms']:.1f} ms ({image_nbytes / out['ceiling_ms'] / 1e6:.1f} GB/s)")
+        for loader in loaders:
+            if loader == "flashload prepared, pinned here":
+                continue  # needs the daemon gone: below
+            res = _run_child({"loader": loader, "device": device, "image": str(img_dir), "shm": str(shm),
+                              "checkpoint": str(ckpt_dir)}, log)
+            out["loaders"].append(res)
+            log(_describe(spec.name, res, out["ceiling_ms"]))
+    finally:
+        stop_service(str(img_dir), str(shm))
+    if "flashload prepared, pinned here" in loaders:
+        res = _run_child({"loader": "flashload prepared, pinned here", "device": device, "image": str(img_dir),
+                          "shm": str(shm), "checkpoint": str(ckpt_dir)}, log)
+        out["loaders"].append(res)
+        log(_describe(spec.name, res, out["ceiling_ms"]))
+    for res in out["loaders"]:
+        for c in res.get("calls", ()):
+            c["x_ceiling"] = c["ms"] / out["ceiling_ms"]
+    return out
+
+
+def _describe(shape: str, res: dict, ceiling_ms: float) -> str:
+    if "error" in res:
+        return f"{shape}: {res['loader']}: FAILED: {res['error']}"
+    c = res["calls"]
+    prep = f" (prepare {c[0]['prepare_ms']:.0f} ms before)" if c[0].get("prepare_ms") else ""
+    return (f"{shape}: {res['loader']}: 1st {c[0]['ms']:.1f} ms ({c[0]['ms'] / ceiling_ms:.2f}x){prep}, "
+            f"2nd {c[1]['ms']:.1f} ms ({c[1]['ms'] / ceiling_ms:.2f}x), verified {all(x['verified'] for x in c)}")
+
+
+def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None, root: str | None = None,
+        loaders=None, keep: bool = False, log: Callable[[str], None] = print) -> dict:
+    """The whole benchmark; returns ``{"device", "scale", "shapes": [...]}``."""
+    from flashboot.benchmarks.checkpoints import CHECKPOINTS
+    from flashboot.benchmarks.peers import FastSafetensorsLoader, InstantTensorLoader
+    from flashboot.memory import Device
+
+    dev = str(Device.parse(device))
+    if scale is None:
+        scale = 1.0 if dev.startswith("cuda") else 1e-3
+    unknown = [s for s in shapes if s not in CHECKPOINTS]
+    if unknown:
+        raise FlashBootError(f"unknown shapes {unknown}; known: {', '.join(CHECKPOINTS)}")
+    if loaders is None:
+        loaders = list(FLASH_LOADERS) + ["safetensors"]
+        loaders += [c.name for c in (InstantTensorLoader, FastSafetensorsLoader) if c.availability(dev)[0]]
+    bad = [x for x in loaders if x not in FLASH_LOADERS + PEER_LOADERS]
+    if bad:
+        raise FlashBootError(f"unknown loaders {bad}; known: {', '.join(FLASH_LOADERS + PEER_LOADERS)}")
+    base = Path(root or "/dev/shm/flashboot-boot")
+    base.mkdir(parents=True, exist_ok=True)
+    results = []
+    try:
+        for name in shapes:
+            results.append(bench_shape(CHECKPOINTS[name].scaled(scale), device=dev, root=base, loaders=loaders, log=log))
+            if not keep:
+                for d in base.glob(f"*-{CHECKPOINTS[name].scaled(scale).name}"):
+                    shutil.rmtree(d, ignore_errors=True)
+    finally:
+        if not keep:
+            shutil.rmtree(base, ignore_errors=True)
+    return {"device": dev, "scale": scale, "shapes": results, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def print_results(out: dict) -> None:
+    from flashboot.benchmarks.timing import print_table
+
+    rows = []
+    for s in out["shapes"]:
+        for r in s["loaders"]:
+            if "error" in r:
+                rows.append([s["shape"], r["loader"], "-", "-", "-", "-", "-", f"FAILED: {r['error']}"])
+                continue
+            c1, c2 = r["calls"]
+            rows.append([s["shape"], r["loader"], c1["ms"], c1["x_ceiling"], c2["ms"], c2["x_ceiling"],
+                         c1.get("prepare_ms") or "-", "yes" if all(c["verified"] for c in r["calls"]) else "NO"])
+    print_table(f"first load in a fresh process on {out['device']} (scale {out['scale']:g}); ceiling: one pinned "
+                "bulk H2D, same run", ["shape", "loader", "1st ms", "x ceil", "2nd ms", "x ceil", "prepare ms",
+                                       "verified"], rows)
+    print_table("ceilings", ["shape", "tensors", "bytes", "bulk H2D ms", "GB/s"],
+                [[s["shape"], s["tensors"], s["image_nbytes"], s["ceiling_ms"], s["image_nbytes"] / s["ceiling_ms"] / 1e6]
+                 for s in out["shapes"]])
+
+
+def register_bench(sub) -> None:
+    p = sub.add_parser("boot", help="first load in a fresh process: FlashLoad (served, prepared) vs peers vs bulk H2D",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--scale", type=float, default=None,
+                   help="bytes relative to the full shapes (default 1 on CUDA, 0.001 on the host backend)")
+    p.add_argument("--loaders", nargs="+", default=None, choices=list(FLASH_LOADERS + PEER_LOADERS),
+                   help="default: every FlashLoad mode, safetensors, and the installed peers")
+    p.add_argument("--dir", default=None, help="where checkpoints, images and staged copies go (default /dev/shm/flashboot-boot)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--keep", action="store_true")
+    p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON ('-' for stdout)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from flashboot.benchmarks.timing import dump_json
+
+    out = run(shapes=args.shapes, scale=args.scale, device=args.device, root=args.dir, loaders=args.loaders,
+              keep=args.keep)
+    print_results(out)
+    dump_json(out, args.json)
+    ok = all("error" not in r and all(c["verified"] for c in r["calls"]) for s in out["shapes"] for r in s["loaders"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print(json.dumps(_child(json.loads(sys.argv[2]))))
+    else:
+        raise SystemExit("usage: flashboot bench boot (this module's --child is for the benchmark itself)")

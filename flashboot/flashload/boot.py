@@ -1,0 +1,289 @@
+"""The early call: every one-time cost of a load, paid at engine start-up instead of in the load.
+
+An engine boots once, so its first :func:`flashboot.load` is the one that counts, and a cold load
+pays for reading and validating the metadata, creating and exporting the arena, the daemon's
+mapping of it, tens of thousands of views, and the first copy's set-up. :func:`prepare` starts
+all of that in a background thread as soon as the engine starts (before it builds its model) and
+returns at once; ``flashboot.load(..., prepared=handle)`` (or ``handle.load()``) then pays the
+copy and what cannot overlap with it:
+
+* served (a ``flashboot preload --serve`` daemon holds the image pinned): the arena is created,
+  exported and attached to the daemon, which checks it against what it holds and maps all of it;
+  the load sends one message and waits for the daemon's H2D;
+* pinned early (a preloader staged the rank, no daemon): the staged file is mapped and pinned
+  in this process (:class:`~flashboot.flashload.stage.StagedImage`); the load is the bulk H2D.
+
+In both, the metadata is read and validated, the views are built and the copy path is warmed
+before the load is called. A handle serves one load; it is refused for another image, rank or
+device, or after the image was re-packed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import FlashBootError, LayoutError, WaitTimeoutError
+from ..memory import Device
+
+MODES = ("auto", "served", "staged")
+PREPARE_ALLOWANCE_S = 120.0
+"""Added to the handle's ``timeout_s`` when a load waits for its preparation (a pin of tens of GB)."""
+
+
+def _file_identity(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class PreparedLoad:
+    """A load made ready ahead of time (see the module docstring); built by :func:`prepare`.
+
+    Attributes once :meth:`wait` returns: ``mode`` (``"served"`` or ``"staged"``), ``why`` (how
+    the mode was chosen), ``arena``, ``metadata``, ``tensors`` (the views), ``nbytes`` and
+    ``phases_ms`` (what the preparation paid, by phase). :meth:`close` releases everything if the
+    handle is dropped without a load.
+    """
+
+    def __init__(self, image_dir, rank: int, device: Any, *, mode: str, timeout_s: float, shm_dir, tp, ep,
+                 expected_key, hold_s: float | None):
+        if mode not in MODES:
+            raise FlashBootError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
+        self.image_dir, self.rank, self.device = str(image_dir), rank, Device.parse(device)
+        self.real_dir = os.path.realpath(self.image_dir)
+        self.timeout_s, self.shm_dir, self.hold_s = float(timeout_s), shm_dir, hold_s
+        self.tp, self.ep, self.expected_key = tp, ep, expected_key
+        self.requested_mode, self.mode, self.why = mode, "", ""
+        self.arena = self.metadata = self.image = self.tensors = None
+        self.session = self.staged = self.mover = None
+        self.nbytes = 0
+        self.metadata_sha256 = ""
+        self.phases_ms: dict[str, float] = {}
+        self._identity: dict[Path, tuple[int, int, int]] = {}
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._claim = threading.Lock()
+        self._claimed_by: str | None = None
+        self._closed = False
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+        self._thread = threading.Thread(target=self._run, name=f"flashboot-prepare-rank{rank}", daemon=True)
+        self._thread.start()
+
+    # ---- the background work -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._prepare()
+        except BaseException as exc:  # handed to whoever waits
+            self._error = exc
+            self._release()
+        finally:
+            self.finished = time.perf_counter()
+            self._done.set()
+
+    def _phase(self, name: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.phases_ms[name] = self.phases_ms.get(name, 0.0) + (now - t0) * 1e3
+        return now
+
+    def _prepare(self) -> None:
+        from flashboot.layouts.image import open_image, read_metadata_file
+
+        from ..arena import Arena
+        from .load import _mover_for, admit, make_views
+
+        t = time.perf_counter()
+        mf = read_metadata_file(self.image_dir, self.rank)
+        image = open_image(mf, self.rank, tp=self.tp, ep=self.ep, expected_key=self.expected_key)
+        self.image, self.metadata, self.nbytes = image, image.metadata, image.nbytes
+        self.metadata_sha256 = mf.sha256
+        for path in (image.metadata_path, image.path):
+            self._identity[Path(path)] = _file_identity(Path(path))
+        if self.nbytes == 0:
+            raise LayoutError(f"{image.path}: empty image, nothing to load")
+        t = self._phase("metadata", t)
+        self.mode, self.why = self._choose_mode()
+        admit(self.nbytes, self.device)
+        self.arena = Arena.create(self.nbytes, self.device)
+        t = self._phase("arena", t)
+        if self.mode == "served":
+            self._attach()
+            t = self._phase("attach", t)
+        else:
+            self._stage()
+            t = self._phase("stage_start", t)
+        self.tensors = make_views(self.arena, self.metadata)
+        t = self._phase("views", t)
+        if self.mode == "staged":
+            self.mover = _mover_for(self.device)
+            _warm_copy(self.device, self.mover)
+            t = self._phase("warm", t)
+
+    def _choose_mode(self) -> tuple[str, str]:
+        from .service import service_status
+
+        if self.requested_mode != "auto":
+            return self.requested_mode, "asked for"
+        st = service_status(self.image_dir, self.shm_dir)
+        if st.running and st.serve:
+            return "served", f"a served-load daemon runs (pid {st.pid})"
+        if st.running:
+            return "staged", f"a preloader without --serve runs (pid {st.pid}): pinning here"
+        return "staged", "no served-load daemon runs: pinning the staged image here"
+
+    def _attach(self) -> None:
+        from .client import attach_served, served_ready
+
+        where = str(self.image.metadata_path)
+        served_ready(self.image_dir, self.rank, self.metadata_sha256, where, timeout_s=self.timeout_s,
+                     shm_dir=self.shm_dir)
+        self.session = attach_served(self.arena, image_dir=self.image_dir, rank=self.rank, nbytes=self.nbytes,
+                                     metadata_sha256=self.metadata_sha256, timeout_s=self.timeout_s,
+                                     shm_dir=self.shm_dir, hold_s=self.hold_s)
+        self.phases_ms["daemon_map"] = float(self.session.attach_reply.get("map_ms", 0.0))
+
+    def _stage(self) -> None:
+        from .shm import RankSource
+        from .stage import StagedImage
+
+        source = RankSource(self.image_dir, self.rank, self.image, self.metadata_sha256)
+        self.staged = StagedImage(self.image_dir, self.rank, self.device, timeout_s=self.timeout_s,
+                                  shm_dir=self.shm_dir, source=source)
+
+    def _release(self) -> None:
+        if self.session is not None:
+            self.session.close()
+        if self.staged is not None:
+            self.staged.close_in_background()
+        if self.arena is not None and not self.arena.closed:
+            self.arena.close()
+        self.tensors = None
+
+    # ---- the caller's side -------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> "PreparedLoad":
+        """Block until the preparation is done; returns self or raises what it raised
+        (WaitTimeoutError after ``timeout_s``, default the handle's plus :data:`PREPARE_ALLOWANCE_S`)."""
+        limit = self.timeout_s + PREPARE_ALLOWANCE_S if timeout_s is None else timeout_s
+        if not self._done.wait(limit):
+            raise WaitTimeoutError(f"preparing the load of rank {self.rank} of {self.image_dir} onto {self.device} did "
+                                   f"not finish within {limit:g} s (phases so far: {self._phases_text()})")
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise FlashBootError(f"the prepared load of rank {self.rank} of {self.image_dir} is closed")
+        return self
+
+    def check_request(self, image_dir, rank: int, device: Device) -> None:
+        """FlashBootError naming what differs when a load asks this handle for another image, rank or
+        device than it was prepared for."""
+        diffs = []
+        if os.path.realpath(str(image_dir)) != self.real_dir:
+            diffs.append(f"image {image_dir} (prepared: {self.image_dir})")
+        if rank != self.rank:
+            diffs.append(f"rank {rank} (prepared: {self.rank})")
+        if device != self.device:
+            diffs.append(f"device {device} (prepared: {self.device})")
+        if diffs:
+            raise FlashBootError("this prepared load cannot serve " + "; ".join(diffs))
+
+    def check_unchanged(self) -> None:
+        """LayoutError when the image's files changed since the preparation read them (re-packed)."""
+        for path, seen in self._identity.items():
+            try:
+                now = _file_identity(path)
+            except FileNotFoundError:
+                now = None
+            if now != seen:
+                what = "is gone" if now is None else (f"changed (inode, size, mtime_ns {seen} -> {now})")
+                raise LayoutError(f"{path} {what} since flashboot.prepare read it: the image was re-packed; "
+                                  "prepare again")
+
+    def claim(self, who: str) -> None:
+        """One load per handle: a second one is refused, never interleaved with the first."""
+        with self._claim:
+            if self._claimed_by is not None:
+                raise FlashBootError(f"this prepared load of rank {self.rank} of {self.image_dir} already served "
+                                     f"{self._claimed_by}; a prepared load serves one load (call prepare again)")
+            self._claimed_by = who
+
+    def load(self, *, verify: bool = False):
+        """``flashboot.load(image_dir, rank, device, prepared=self, verify=verify)``."""
+        from .load import load
+
+        return load(self.image_dir, self.rank, self.device, prepared=self, verify=verify)
+
+    def close(self) -> None:
+        """Release the arena, the daemon's attachment and the pin of a handle that no load used
+        (idempotent; a loaded image owns the arena once the load returned)."""
+        self._done.wait(self.timeout_s + PREPARE_ALLOWANCE_S)
+        with self._claim:
+            if self._closed or self._claimed_by is not None:
+                return
+            self._closed = True
+        self._release()
+
+    def __enter__(self) -> "PreparedLoad":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _phases_text(self) -> str:
+        return ", ".join(f"{k} {v:.1f} ms" for k, v in self.phases_ms.items()) or "none"
+
+    def __repr__(self) -> str:
+        state = ("failed" if self._error else "closed" if self._closed else "used" if self._claimed_by else
+                 "ready" if self.done else "preparing")
+        return (f"PreparedLoad(rank {self.rank} of {self.image_dir!r} -> {self.device}, {self.mode or '?'}, "
+                f"{self.nbytes:,} bytes, {state})")
+
+
+def _warm_copy(device: Device, mover) -> None:
+    """One small pinned H2D on a fresh stream of ``device``: the copy path's first-use costs (the
+    stream, the copy engine's first launch) are paid here, not by the load's first chunk. On the
+    host backend: one copy large enough to compile the host mover's parallel loop."""
+    if not device.is_cuda:
+        import numpy as np
+
+        mover.copy(np.zeros(2 << 20, np.uint8), np.ones(2 << 20, np.uint8), stream=None)
+        return
+    import cupy
+
+    with cupy.cuda.Device(device.index):  # this thread's current device only: the caller's is untouched
+        host = cupy.cuda.alloc_pinned_memory(1 << 16)
+        dev = cupy.cuda.alloc(1 << 16)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        dev.copy_from_host_async(host, 1 << 16, stream)
+        stream.synchronize()
+
+
+def prepare(image_dir, rank: int = 0, device: Any = None, *, mode: str = "auto", timeout_s: float = 60.0,
+            shm_dir=None, tp: int | None = None, ep: int | None = None, expected_key=None,
+            hold_s: float | None = None) -> PreparedLoad:
+    """Start making rank ``rank`` of ``image_dir`` ready to load onto ``device``; returns at once.
+
+    Call it when the engine starts, before it builds its model, then pass the handle to
+    ``flashboot.load(image_dir, rank, device, prepared=handle)``. In the background it reads and
+    validates the metadata (refusing a wrong ``tp``/``ep``/``expected_key`` at once), admits the
+    image against the device's free memory, creates the arena, then either attaches it to the
+    served-load daemon (``mode="served"``, or ``"auto"`` when one runs) or starts pinning the
+    staged image here (``"staged"``), builds the views and warms the copy path. ``timeout_s``
+    bounds each wait (the preloader's ``.ready``, the daemon's socket); ``hold_s``: how long the
+    daemon keeps the arena attached waiting for the load (default an hour).
+
+    Errors surface from the load (or :meth:`PreparedLoad.wait`), with their own class.
+    """
+    return PreparedLoad(image_dir, rank, device, mode=mode, timeout_s=timeout_s, shm_dir=shm_dir, tp=tp, ep=ep,
+                        expected_key=expected_key, hold_s=hold_s)
+
+
+__all__ = ["MODES", "PreparedLoad", "prepare"]

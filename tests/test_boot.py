@@ -1,0 +1,210 @@
+"""The early call (flashboot.prepare): one-time costs at start-up, the load is the copy. Host
+backend across real processes (a served-load daemon), and CUDA where present (marked gpu)."""
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
+from flashboot.layouts import read_image
+
+import flashboot
+from flashboot.errors import FlashBootError, LayoutError, RendezvousError
+from flashboot.flashload import client, service, staging
+from flashboot.flashload import shm as shm_files
+from flashboot.memory import Device
+
+TINY = CheckpointSpec("tiny", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=32, vocab=64, shards=2)
+CHUNK = 4096
+
+
+@pytest.fixture(scope="module")
+def image_master(tmp_path_factory):
+    root = tmp_path_factory.mktemp("boot")
+    make_checkpoint(str(root / "ckpt"), TINY, device="cpu")
+    flashboot.prepack(str(root / "ckpt"), str(root / "image"), chunk_bytes=CHUNK, progress=False)
+    return root / "image"
+
+
+@pytest.fixture
+def image(image_master, tmp_path):
+    return Path(shutil.copytree(image_master, tmp_path / "image"))
+
+
+@pytest.fixture
+def shm(tmp_path):
+    return tmp_path / "shm"
+
+
+@pytest.fixture
+def daemon(image, shm):
+    """A served-load daemon process holding rank 0 of ``image``; its pid."""
+    pid = service.start_background(staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True), timeout_s=60)
+    _wait_resident(image, shm)
+    yield pid
+    service.stop_service(image, shm, timeout_s=30)
+
+
+def _wait_resident(image, shm, device_state=("mapped", "pinned")):
+    deadline = time.monotonic() + 60
+    while client.serve_status(image, shm)["ranks"]["0"]["state"] not in device_state:
+        assert time.monotonic() < deadline, "the daemon did not hold rank 0 within 60 s"
+        time.sleep(0.02)
+
+
+def _image_bytes(image_dir) -> bytes:
+    return read_image(image_dir, 0).path.read_bytes()
+
+
+def _daemon_maps(image, shm, arena_id: str) -> int:
+    """How many mappings of the memfds of arena ``arena_id`` the daemon process holds."""
+    pid = service.service_status(image, shm).pid
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(arena_id in line for line in f)
+
+
+def test_prepared_served_load_is_the_copy(image, shm, daemon):
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    handle.wait()
+    assert handle.mode == "served" and f"pid {daemon}" in handle.why
+    assert set(handle.phases_ms) >= {"metadata", "arena", "attach", "views"}
+    assert len(handle.tensors) == len(read_image(image, 0).metadata.tensors)  # views exist before the load
+    with flashboot.load(image, 0, "cpu", prepared=handle, verify=True) as loaded:
+        rep = loaded.report
+        assert rep.mode == "served, prepared" and rep.details["daemon_pid"] == daemon
+        # nothing one-time left on the critical path: no metadata, arena or views phase
+        assert rep.metadata_ms == rep.alloc_ms == rep.bind_ms == 0 and rep.h2d_ms > 0
+        assert rep.details["prepared_before_load"] is True and rep.details["prepared"]["views"] > 0
+        assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
+        img = read_image(image, 0)
+        for name in list(img.tensors)[:10]:
+            assert torch.equal(loaded.tensors[name].reshape(-1).view(torch.uint8),
+                               img.view(name).reshape(-1).view(torch.uint8))
+        with pytest.raises(FlashBootError, match="serves one load"):
+            flashboot.load(image, 0, "cpu", prepared=handle)
+    # the load without the early call says which one-time costs it paid itself
+    with flashboot.load(image, 0, "cpu", served=True, shm_dir=shm) as plain:
+        assert {"metadata", "views"} <= set(plain.report.details["one_time_ms"])
+
+
+def test_prepared_load_pins_here_without_a_daemon(image, shm):
+    staging.stage_rank(image, 0, shm_dir=shm)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    with handle.load(verify=True) as loaded:
+        assert handle.mode == "staged" and "no served-load daemon" in handle.why
+        assert loaded.report.mode == "host, prepared"
+        assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
+        if loaded.release_thread is not None:
+            loaded.release_thread.join()
+
+
+def test_prepared_handle_refuses_another_image_rank_or_device(image, image_master, shm, daemon):
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm).wait()
+    try:
+        with pytest.raises(FlashBootError, match=r"rank 1 \(prepared: 0\)"):
+            flashboot.load(image, 1, "cpu", prepared=handle)
+        with pytest.raises(FlashBootError, match="prepared: "):
+            flashboot.load(image_master, 0, "cpu", prepared=handle)
+        with pytest.raises(FlashBootError, match=r"device cuda:1 \(prepared: cpu\)"):
+            handle.check_request(image, 0, Device("cuda", 1))  # what load() asks first (no GPU here)
+        with pytest.raises(FlashBootError, match="excludes served"):
+            flashboot.load(image, 0, "cpu", prepared=handle, served=True)
+        with pytest.raises(LayoutError, match="requested tp=2"):
+            flashboot.load(image, 0, "cpu", prepared=handle, tp=2)
+    finally:
+        handle.close()
+    # a refused request is not a load: close() releases the arena and the daemon's attachment
+    assert handle.arena.closed and handle.session.closed
+
+
+def test_prepared_handle_refuses_a_repacked_image(image, shm, daemon):
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm).wait()
+    meta = image / "rank-0" / "metadata.json"
+    os.utime(meta, ns=(time.time_ns(), time.time_ns() + 10**9))  # what a re-pack leaves behind
+    with pytest.raises(LayoutError, match="re-packed"):
+        flashboot.load(image, 0, "cpu", prepared=handle)
+    assert handle.arena.closed  # a failed load releases what the handle held
+
+
+def test_prepared_handle_refuses_a_wrong_tp_before_allocating(image, shm, daemon):
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm, tp=4)
+    with pytest.raises(LayoutError, match="requested tp=4"):
+        handle.wait()
+    assert handle.arena is None  # refused from the metadata, before any arena existed
+
+
+def test_preloader_dying_between_prepare_and_load_is_a_clear_error(image, shm, daemon):
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm).wait()
+    os.kill(daemon, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match="preloader at .* (went away|closed the connection)"):
+        flashboot.load(image, 0, "cpu", prepared=handle)
+    assert time.monotonic() - t0 < 30  # no hang: the dead daemon's socket closes at once
+    assert handle.arena.closed
+
+
+def test_unused_handle_releases_the_daemons_attachment(image, shm, daemon):
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm).wait()
+    arena = handle.arena.export().arena_id
+    assert _daemon_maps(image, shm, arena) > 0  # the daemon mapped the attached arena
+    handle.close()
+    deadline = time.monotonic() + 10
+    while _daemon_maps(image, shm, arena):
+        assert time.monotonic() < deadline, "the daemon kept a closed engine's arena"
+        time.sleep(0.05)
+    with flashboot.load(image, 0, "cpu", served=True, shm_dir=shm) as loaded:  # and still serves
+        assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
+
+
+def test_daemon_drops_an_attachment_never_asked_to_copy(image, shm):
+    pid = service.start_background(staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True), timeout_s=60)
+    try:
+        _wait_resident(image, shm)
+        handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm, hold_s=0.5).wait()
+        arena = handle.arena.export().arena_id
+        assert _daemon_maps(image, shm, arena) > 0
+        deadline = time.monotonic() + 10
+        while _daemon_maps(image, shm, arena):
+            assert time.monotonic() < deadline, "the daemon held the attachment past hold_s"
+            time.sleep(0.05)
+        with pytest.raises(RendezvousError):
+            flashboot.load(image, 0, "cpu", prepared=handle)
+        assert "did not ask for its copy within 0.5 s" in shm_files.log_file(image, shm).read_text()
+        assert service.service_status(image, shm).pid == pid  # and it keeps serving
+    finally:
+        service.stop_service(image, shm, timeout_s=30)
+
+
+# ---------------------------------------------------------------------------------- GPU
+@pytest.fixture
+def gpu_shm():
+    root = Path(tempfile.mkdtemp(prefix="flashboot-test-", dir="/dev/shm"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_served_and_pinned_here(image, gpu_shm):
+    cfg = staging.PreloadConfig(str(image), shm_dir=str(gpu_shm), serve=True, devices={0: "cuda:0"})
+    service.start_background(cfg, timeout_s=120)
+    try:
+        _wait_resident(image, gpu_shm, ("pinned",))
+        current = torch.cuda.current_device()
+        handle = flashboot.prepare(image, 0, "cuda:0", shm_dir=gpu_shm)
+        with flashboot.load(image, 0, "cuda:0", prepared=handle, verify=True) as li:
+            assert li.report.mode == "served, prepared" and li.report.details["daemon_pinned"] is True
+            assert bytes(li.arena.bytes()[:li.nbytes].cpu().numpy()) == _image_bytes(image)
+        assert torch.cuda.current_device() == current
+    finally:
+        service.stop_service(image, gpu_shm)
+    handle = flashboot.prepare(image, 0, "cuda:0", shm_dir=gpu_shm)
+    with flashboot.load(image, 0, "cuda:0", prepared=handle, verify=True) as li:
+        assert li.report.mode == "pinned early, prepared" and li.report.pinned_early_ms > 0
+        assert bytes(li.arena.bytes()[:li.nbytes].cpu().numpy()) == _image_bytes(image)
+        if li.release_thread is not None:
+            li.release_thread.join()
