@@ -912,8 +912,10 @@ class ImageMetadata:
         return head[:-2] + ',\n "tensors": {\n' + rows + ("\n }\n}\n" if rows else " }\n}\n")
 
     @classmethod
-    def from_dict(cls, obj: Any, where: str) -> "ImageMetadata":
-        """Parse and validate (everything that needs no file: see :func:`validate_layout`)."""
+    def from_dict(cls, obj: Any, where: str, tensors: "TensorTable | None" = None) -> "ImageMetadata":
+        """Parse and validate (everything that needs no file: see :func:`validate_layout`).
+        ``tensors``: the table, already decoded and checked (from ``tensors.bin``); ``obj``'s own is
+        then ignored."""
         f = _Fields(obj, where, "")
         fmt = f.get("format", str)
         if fmt != FORMAT_NAME:
@@ -935,7 +937,8 @@ class ImageMetadata:
         extra = set(regions_f.obj) - set(REGIONS)
         if extra:
             raise LayoutError(f"{where}: unknown regions {sorted(extra)}; known: {', '.join(REGIONS)}")
-        tensors = TensorTable.from_json(f.get("tensors", dict), where)
+        if tensors is None:
+            tensors = TensorTable.from_json(f.get("tensors", dict), where)
         experts_f = f.sub("experts", optional=True)
         meta = cls(
             flashboot_version=f.get("flashboot_version", str),
@@ -1053,15 +1056,25 @@ def gc_paused():
             gc.enable()
 
 
-def parse_metadata(raw: bytes | str, where: str) -> ImageMetadata:
-    """The text of a ``metadata.json`` -> validated :class:`ImageMetadata` (LayoutError naming ``where``)."""
+def parse_metadata(raw: bytes | str, where: str, table: bytes | None = None, table_where: str = "") -> ImageMetadata:
+    """The text of a ``metadata.json`` -> validated :class:`ImageMetadata` (LayoutError naming ``where``).
+
+    ``table``: the bytes of the ``tensors.bin`` beside it (:mod:`flashboot.layouts.table`): the
+    tensor table then comes from its columns and only the rest of the JSON is parsed."""
+    tensors = None
+    if table is not None:
+        from .table import decode_table
+
+        raw = raw.encode() if isinstance(raw, str) else raw
+        tensors, (start, end) = decode_table(table, raw, table_where or where)
+        raw = raw[:start] + b"{}" + raw[end:]
     with gc_paused():
         try:
             obj = json.loads(raw)
         except ValueError as exc:
             raise LayoutError(f"{where}: not JSON ({exc})") from None
         try:
-            return ImageMetadata.from_dict(obj, where)
+            return ImageMetadata.from_dict(obj, where, tensors)
         finally:
             del obj  # freed before the collector resumes, which would otherwise walk all of it once
 

@@ -25,6 +25,7 @@ from .format import (
     FORMAT_VERSION, IMAGE_FILE, JOB_FILE, JOB_FORMAT_NAME, METADATA_FILE, ChecksumTable, ImageKey, ImageMetadata,
     TensorEntry, _Fields, parse_metadata,
 )
+from .table import TABLE_FILE, tables_agree
 
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 
@@ -112,6 +113,8 @@ class MetadataFile:
     rank_dir: Path
     job: JobInfo | None
     raw: bytes
+    table: bytes | None = None
+    """The ``tensors.bin`` beside it (:mod:`flashboot.layouts.table`), None when there is none."""
 
     @property
     def where(self) -> str:
@@ -127,7 +130,12 @@ def read_metadata_file(path: str | os.PathLike, rank: int | None = None) -> Meta
     """Find rank ``rank``'s ``metadata.json`` under ``path`` (see :func:`read_image_metadata`) and
     read its bytes. Checks the job file and that the rank exists; parses nothing else."""
     rank_dir, job = _resolve(Path(path), rank)
-    return MetadataFile(rank_dir, job, (rank_dir / METADATA_FILE).read_bytes())
+    raw = (rank_dir / METADATA_FILE).read_bytes()
+    try:
+        table = (rank_dir / TABLE_FILE).read_bytes()
+    except FileNotFoundError:
+        table = None
+    return MetadataFile(rank_dir, job, raw, table)
 
 
 def open_image(mf: MetadataFile, rank: int | None = None, *, tp: int | None = None, ep: int | None = None,
@@ -135,7 +143,7 @@ def open_image(mf: MetadataFile, rank: int | None = None, *, tp: int | None = No
     """Parse and validate ``mf`` (the strict reader, see :func:`read_image_metadata`) and check it
     against the caller's rank, tp, ep and key, the job and the image file's size."""
     where = mf.where
-    meta = parse_metadata(mf.raw, where)
+    meta = parse_metadata(mf.raw, where, mf.table, str(mf.rank_dir / TABLE_FILE))
     check_request(meta, where, rank=rank, tp=tp, ep=ep)
     job = mf.job
     if job is not None:
@@ -215,6 +223,12 @@ class Image:
     @property
     def metadata_path(self) -> Path:
         return self.dir / METADATA_FILE
+
+    @property
+    def table_source(self) -> str:
+        """Where the tensor table was read from: ``tensors.bin`` (the binary columns) or ``metadata.json``."""
+        mf = self._metadata_file
+        return TABLE_FILE if mf is not None and mf.table is not None else METADATA_FILE
 
     @property
     def metadata_sha256(self) -> str:
@@ -306,7 +320,8 @@ class VerifyResult:
 
 def verify_image(path: str | os.PathLike, rank: int | None = None, *, progress: bool = False) -> list[VerifyResult]:
     """Recompute every chunk checksum of one rank (or, ``rank=None`` on a job directory, of all
-    ranks) and compare with the metadata. Raises ChecksumMismatchError naming the first bad
+    ranks) and compare with the metadata, after comparing ``tensors.bin`` with the JSON table entry
+    by entry. Raises ChecksumMismatchError naming the first bad
     chunk (rank, chunk index, byte range), LayoutError for anything the strict reader refuses."""
     from flashboot.kernels.checksum import checksum_host
 
@@ -316,6 +331,12 @@ def verify_image(path: str | os.PathLike, rank: int | None = None, *, progress: 
     else:
         ranks = [rank]
     images = [read_image(path, r) for r in ranks]  # all metadata checked before any byte is read
+    for im in images:  # the binary table must say what metadata.json says, entry by entry
+        if im.table_source == TABLE_FILE:
+            json_table = parse_metadata(im.metadata_path.read_bytes(), str(im.metadata_path)).tensors
+            diff = tables_agree(im.metadata.tensors, json_table)
+            if diff is not None:
+                raise LayoutError(f"{im.dir / TABLE_FILE} disagrees with {im.metadata_path}: {diff}")
     total = sum(im.nbytes for im in images)
     results = []
     bar = _progress(progress)

@@ -11,6 +11,7 @@ from flashboot.errors import LayoutError
 from .format import (
     DEFAULT_CHUNK_BYTES, IMAGE_FILE, METADATA_FILE, ChecksumTable, ImageMetadata, Layout, TensorEntry,
 )
+from .table import TABLE_FILE, encode_table
 
 _MAX_PWRITE = 1 << 30  # Linux writes at most ~2 GiB per call; stay well below
 
@@ -86,12 +87,17 @@ class ImageWriter:
             raise LayoutError(f"{self.path}: metadata says {meta.image_nbytes:,} bytes, layout {self.layout.image_nbytes:,}")
         os.fsync(self.fd)
         self.close()
-        tmp = self.rank_dir / (METADATA_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(meta.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.rank_dir / METADATA_FILE)
+        text = meta.to_json().encode()
+        table = encode_table(meta.tensors, text)  # before metadata.json, whose arrival means complete
+        for name, data in ((TABLE_FILE, table), (METADATA_FILE, text)):
+            if data is None:
+                continue
+            tmp = self.rank_dir / (name + ".tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.rank_dir / name)
         fsync_dir(self.rank_dir)
 
     def close(self) -> None:

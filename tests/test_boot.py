@@ -52,7 +52,7 @@ def daemon(image, shm):
 
 def _wait_resident(image, shm, device_state=("mapped", "pinned")):
     deadline = time.monotonic() + 60
-    while client.serve_status(image, shm)["ranks"]["0"]["state"] not in device_state:
+    while client.serve_status(image, shm, timeout_s=60)["ranks"]["0"]["state"] not in device_state:
         assert time.monotonic() < deadline, "the daemon did not hold rank 0 within 60 s"
         time.sleep(0.02)
 

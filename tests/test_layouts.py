@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from flashboot.errors import ChecksumMismatchError, LayoutError
 from flashboot.flashload.prepack import prepack
+from flashboot.layouts.table import TABLE_FILE
 
 CHUNK = 4096
 
@@ -66,8 +67,9 @@ def copy(packed, tmp_path):
     meta_path = out / "rank-0" / "metadata.json"
     meta = json.loads(meta_path.read_text())
 
-    def write(m):
+    def write(m):  # tests of the JSON reader: the binary table of the original would refuse the edit first
         meta_path.write_text(json.dumps(m))
+        (out / "rank-0" / TABLE_FILE).unlink(missing_ok=True)
 
     return out, meta, write
 

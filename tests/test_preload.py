@@ -125,6 +125,7 @@ def test_ready_from_another_prepack_is_refused(image, shm):
     meta = json.loads(meta_path.read_text())
     meta["warnings"] = ["edited"]  # another pre-pack: same sizes, different metadata
     meta_path.write_text(json.dumps(meta))
+    (meta_path.parent / "tensors.bin").unlink()  # a re-pack rewrites both; this one is JSON-only
     with pytest.raises(LayoutError, match="another pre-pack"):
         shm_files.check_ready(info, shm_files.rank_source(image, 0))
 

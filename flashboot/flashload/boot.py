@@ -262,7 +262,7 @@ def _warm_copy(device: Device, mover) -> None:
         host = cupy.cuda.alloc_pinned_memory(1 << 16)
         dev = cupy.cuda.alloc(1 << 16)
         stream = cupy.cuda.Stream(non_blocking=True)
-        dev.copy_from_host_async(host, 1 << 16, stream)
+        cupy.cuda.runtime.memcpyAsync(dev.ptr, host.ptr, 1 << 16, cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
         stream.synchronize()
 
 
