@@ -5,7 +5,7 @@ per-tensor cost of reading an image (json.loads and the checks of 40,000 entries
 an H200 host), so pre-pack also writes the table as fixed-width columns that the reader maps
 with numpy in about a millisecond. The file is bound to the very bytes of ``metadata.json``: it
 records their sha256 and the byte span of the ``"tensors"`` object inside them. The reader
-checks the sha256, parses ``metadata.json`` with that span replaced by ``{}`` (everything but the
+checks the sha256 (and that of its own columns), parses ``metadata.json`` with that span replaced by ``{}`` (everything but the
 table: a few kilobytes) and takes the table from the columns, validated in bulk as strictly as
 the JSON reader validates it. A table that is missing (an image written before it existed, or
 one with fused ``parts``) means the JSON is parsed; one that does not match its metadata, or is
@@ -68,17 +68,18 @@ def encode_table(table: TensorTable, metadata_bytes: bytes) -> bytes | None:
     split_ends = np.cumsum(np.fromiter(map(len, splits), np.int64, n)) if n else np.zeros(0, np.int64)
     split_rows = np.array([(s.dim, s.index, s.count, s.blocks) for row in splits for s in row], _I64).reshape(-1, 4)
     start, end = tensors_span(metadata_bytes)
+    columns = [np.ascontiguousarray(a, _I64).tobytes() for a in (table.offsets, table.nbytes, shapes, strides,
+                                                                split_ends, split_rows)]
+    columns += [np.ascontiguousarray(a, np.uint8).tobytes() for a in (table.dtype_codes, table.region_codes, ndims)]
+    columns.append(names)
+    body = b"".join(columns)
     header = json.dumps({"format": TABLE_FORMAT, "version": 1, "count": n, "ndim": d, "splits": len(split_rows),
                          "names_nbytes": len(names),
                          "metadata_sha256": hashlib.sha256(metadata_bytes).hexdigest(),
+                         "body_sha256": hashlib.sha256(body).hexdigest(),
                          "tensors_span": [start, end]}).encode()
     pad = -(len(MAGIC) + 8 + len(header)) % 8
-    parts = [MAGIC, struct.pack("<Q", len(header) + pad), header, b" " * pad]
-    parts += [np.ascontiguousarray(a, _I64).tobytes() for a in (table.offsets, table.nbytes, shapes, strides,
-                                                               split_ends, split_rows)]
-    parts += [np.ascontiguousarray(a, np.uint8).tobytes() for a in (table.dtype_codes, table.region_codes, ndims)]
-    parts.append(names)
-    return b"".join(parts)
+    return b"".join([MAGIC, struct.pack("<Q", len(header) + pad), header, b" " * pad, body])
 
 
 def decode_table(data: bytes, metadata_bytes: bytes, where: str) -> tuple[TensorTable, tuple[int, int]]:
@@ -95,7 +96,7 @@ def decode_table(data: bytes, metadata_bytes: bytes, where: str) -> tuple[Tensor
     except (ValueError, UnicodeDecodeError) as exc:
         raise LayoutError(f"{where}: header is not JSON ({exc})") from None
     fields = {"format": str, "version": int, "count": int, "ndim": int, "splits": int, "names_nbytes": int,
-              "metadata_sha256": str, "tensors_span": list}
+              "metadata_sha256": str, "body_sha256": str, "tensors_span": list}
     if not isinstance(h, dict):
         raise LayoutError(f"{where}: header must be an object")
     for key, kind in fields.items():
@@ -117,6 +118,10 @@ def decode_table(data: bytes, metadata_bytes: bytes, where: str) -> tuple[Tensor
     expected = body + 8 * (2 * n + 2 * n * d + n + 4 * s) + 3 * n + names_nbytes
     if len(data) != expected:
         raise LayoutError(f"{where}: {len(data):,} bytes, the header implies {expected:,}")
+    found = hashlib.sha256(memoryview(data)[body:]).hexdigest()
+    if found != h["body_sha256"]:
+        raise LayoutError(f"{where}: columns of sha256 {found[:16]}, the header records {h['body_sha256'][:16]} "
+                          "(damaged file)")
     at = body
 
     def take(count: int, dtype) -> np.ndarray:

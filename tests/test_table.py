@@ -1,0 +1,106 @@
+"""The binary tensor table (tensors.bin): the same table as metadata.json, bound to its bytes;
+anything else is refused before a byte is copied."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from flashboot.layouts import read_image
+from flashboot.layouts.format import TensorTable, parse_metadata
+from flashboot.layouts.image import read_metadata_file, verify_image
+from flashboot.layouts.table import TABLE_FILE, decode_table, encode_table, tables_agree
+from flashboot.layouts.tiny import save_tiny_model
+
+import flashboot
+from flashboot.errors import FlashBootError, LayoutError
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("table")
+    save_tiny_model("qwen3_moe", root / "hf", dtype=torch.bfloat16)
+    flashboot.prepack(str(root / "hf"), str(root / "tp1"), chunk_bytes=16384, progress=False)
+    flashboot.prepack(str(root / "hf"), str(root / "tp2"), tp=2, chunk_bytes=16384, progress=False)
+    return root
+
+
+@pytest.fixture
+def image(packed, tmp_path):
+    return shutil.copytree(packed / "tp2", tmp_path / "tp2")
+
+
+@pytest.mark.parametrize("job,rank", [("tp1", 0), ("tp2", 0), ("tp2", 1)])
+def test_binary_table_is_the_json_table(packed, job, rank):
+    img = read_image(packed / job, rank)
+    assert img.table_source == TABLE_FILE
+    from_json = parse_metadata(img.metadata_path.read_bytes(), "json").tensors
+    assert tables_agree(img.metadata.tensors, from_json) is None
+    if job == "tp2":  # sharded tensors carry their splits through the columns
+        assert any(img.metadata.tensors.shard_of(i) for i in range(len(from_json)))
+    assert [e.shape for e in img.metadata.tensors.entries()] == [e.shape for e in from_json.entries()]
+    assert verify_image(packed / job, rank)[0].chunks > 0  # compares the two tables too
+
+
+def test_edited_metadata_with_its_table_is_refused_naming_both_digests(image):
+    meta_path = image / "rank-0" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["tensors"][next(iter(meta["tensors"]))]  # a tensor removed from the JSON table
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(LayoutError, match=r"tensors.bin: written for a metadata.json of sha256 [0-9a-f]{16}, the one "
+                                          r"beside it has [0-9a-f]{16}"):
+        read_image(image, 0)
+
+
+def test_a_self_consistent_but_different_table_is_caught_by_verify(image):
+    """The columns are bound to the JSON's bytes, not to its meaning: a table re-encoded from other
+    entries reads, and `verify` (which compares entry by entry) refuses it."""
+    mf = read_metadata_file(image, 0)
+    t = read_image(image, 0).metadata.tensors
+    swapped = TensorTable(t.names[::-1], t.offsets[::-1], t.nbytes[::-1], t.dtype_codes[::-1], t.region_codes[::-1],
+                          t.shapes[::-1], t.strides[::-1], [t.shard_of(i) or None for i in range(len(t))][::-1])
+    (image / "rank-0" / TABLE_FILE).write_bytes(encode_table(swapped, mf.raw))
+    with pytest.raises(LayoutError, match="disagrees with .*metadata.json: names differ at entry 0"):
+        verify_image(image, 0)
+
+
+def test_damaged_table_bytes_are_refused(image):
+    path = image / "rank-0" / TABLE_FILE
+    good = path.read_bytes()
+    raw = (image / "rank-0" / "metadata.json").read_bytes()
+    rng = random.Random(7)
+    outcomes = {"refused": 0, "same": 0}
+    for _ in range(400):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 3)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.2:
+            data = data[:rng.randrange(len(data))]
+        try:
+            table, _ = decode_table(bytes(data), raw, "fuzz")
+        except FlashBootError:
+            outcomes["refused"] += 1
+            continue
+        # accepted only when the flipped bytes were the header's padding or a no-op flip
+        assert tables_agree(table, decode_table(good, raw, "good")[0]) is None
+        outcomes["same"] += 1
+    assert outcomes["refused"] > 350
+
+
+def test_json_only_image_reads_the_same(image):
+    with_table = read_image(image, 0).metadata
+    (image / "rank-0" / TABLE_FILE).unlink()
+    img = read_image(image, 0)
+    assert img.table_source == "metadata.json"
+    assert tables_agree(img.metadata.tensors, with_table.tensors) is None
+    assert img.metadata.key == with_table.key and img.metadata.checksums == with_table.checksums
+
+
+def test_tables_with_fused_parts_stay_json_only(packed):
+    t = read_image(packed / "tp1", 0).metadata.tensors
+    from flashboot.layouts.format import Part
+
+    fused = TensorTable(t.names, t.offsets, t.nbytes, t.dtype_codes, t.region_codes, t.shapes, t.strides,
+                        parts={0: (Part("a", 0, 1),)})
+    assert encode_table(fused, b'{\n "tensors": {}\n}\n') is None
