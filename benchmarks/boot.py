@@ -226,8 +226,10 @@ def _describe(shape: str, res: dict, ceiling_ms: float) -> str:
 
 
 def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None, root: str | None = None,
-        loaders=None, keep: bool = False, log: Callable[[str], None] = print) -> dict:
-    """The whole benchmark; returns ``{"device", "scale", "shapes": [...]}``."""
+        loaders=None, keep: bool = False, specs=(), log: Callable[[str], None] = print) -> dict:
+    """The whole benchmark; returns ``{"device", "scale", "shapes": [...]}``. ``shapes``: names of
+    :data:`~flashboot.benchmarks.checkpoints.CHECKPOINTS` (scaled by ``scale``); ``specs``: more
+    :class:`~flashboot.benchmarks.checkpoints.CheckpointSpec` objects, used as given."""
     from flashboot.benchmarks.checkpoints import CHECKPOINTS
     from flashboot.benchmarks.peers import FastSafetensorsLoader, InstantTensorLoader
     from flashboot.memory import Device
@@ -248,10 +250,10 @@ def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None,
     base.mkdir(parents=True, exist_ok=True)
     results = []
     try:
-        for name in shapes:
-            results.append(bench_shape(CHECKPOINTS[name].scaled(scale), device=dev, root=base, loaders=loaders, log=log))
+        for spec in [CHECKPOINTS[name].scaled(scale) for name in shapes] + list(specs):
+            results.append(bench_shape(spec, device=dev, root=base, loaders=loaders, log=log))
             if not keep:
-                for d in base.glob(f"*-{CHECKPOINTS[name].scaled(scale).name}"):
+                for d in base.glob(f"*-{spec.name}"):
                     shutil.rmtree(d, ignore_errors=True)
     finally:
         if not keep:

@@ -675,6 +675,13 @@ def register_bench(sub) -> None:
     p.set_defaults(func=main)
 
 
+def print_results(res: dict) -> None:
+    from flashboot.benchmarks.timing import print_table
+
+    print_table(f"FlashClone on {', '.join(res['devices'])}, {res['nbytes'] / 1e9:.2f} GB",
+                ["what", "value", "unit", "note"], _rows(res))
+
+
 def main(args: argparse.Namespace) -> int:
     from flashboot.benchmarks.timing import dump_json, print_table
 
@@ -693,8 +700,7 @@ def main(args: argparse.Namespace) -> int:
     res = run(nbytes, device=args.device, clone_counts=args.clones or DEFAULT_CLONES,
               chunk_bytes=parse_bytes(args.chunk_bytes) if args.chunk_bytes else None, tensors=args.tensors,
               timeout_s=args.timeout, repeats=args.repeats, sections=args.sections or ("ceiling", "clone", "nccl", "ring"))
-    print_table(f"FlashClone on {', '.join(res['devices'])}, {nbytes / 1e9:.2f} GB", ["what", "value", "unit", "note"],
-                _rows(res))
+    print_results(res)
     dump_json(res, args.json)
     exact = [r["verified"] for g in res.get("clone", []) for r in g["reports"]]
     exact += [n["byte_exact"] for n in res.get("nccl", [])]
