@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from flashboot.benchmarks.load import _free_device_memory as _free
+from flashboot.benchmarks.load import _sync
 from flashboot.errors import FlashBootError
 
 SHAPES = ("A", "B", "C")
@@ -95,23 +97,6 @@ def _child(spec: dict) -> dict:
             _free(dev)
         peer.release()
     return {"loader": loader, "calls": calls}
-
-
-def _sync(dev: str) -> None:
-    if dev.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize(dev)
-
-
-def _free(dev: str) -> None:
-    import gc
-
-    gc.collect()
-    if dev.startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
 
 
 def _run_child(spec: dict, log: Callable[[str], None]) -> dict:
