@@ -48,6 +48,9 @@ DEFAULT_THREADS = 4
 ALIGNMENT = 4096
 """O_DIRECT wants buffers, offsets and lengths aligned to the logical block size (<= 4096)."""
 MIN_BUFFER_BYTES = 2 * ALIGNMENT
+MAX_OVERHEAD_BYTES = 4 << 20
+"""Of the cap, what is kept back for the loader's own memory (reader stacks, queues, the views'
+objects: ~0.1-2 MB measured), so that the ring plus that stays under the cap: 1/16 of it, at most this."""
 IO_MODES = ("auto", "direct", "buffered")
 
 _JOIN_S = 30.0
@@ -62,9 +65,10 @@ _preadv = os.preadv
 class StreamConfig:
     """How :func:`flashboot.load` streams an image from disk. Validates itself.
 
-    ``buffer_bytes``: the ring's size, the cap on extra host memory (default
-    :data:`DEFAULT_BUFFER_BYTES`, or ``$FLASHBOOT_STREAM_BUFFER_BYTES``); ``slot_bytes``: one
-    read (default ``min(32 MiB, buffer_bytes / 4)`` rounded down to 4096); ``threads``: reads in
+    ``buffer_bytes``: the cap on extra host memory (default :data:`DEFAULT_BUFFER_BYTES`, or
+    ``$FLASHBOOT_STREAM_BUFFER_BYTES``): the ring takes it less 1/16 (at most 4 MiB) kept for the
+    loader's own objects; ``slot_bytes``: one read (default ``min(32 MiB, ring / 4)`` rounded down
+    to 4096); ``threads``: reads in
     flight; ``io``: ``auto`` (O_DIRECT, buffered where refused; the report says which),
     ``direct`` or ``buffered``; ``stall_timeout_s``: how long the load waits for any one read
     before it gives up (WaitTimeoutError).
@@ -86,12 +90,13 @@ class StreamConfig:
         b = self.buffer_bytes
         if isinstance(b, bool) or not isinstance(b, int) or b < MIN_BUFFER_BYTES:
             raise FlashBootError(f"stream buffer_bytes must be an int >= {MIN_BUFFER_BYTES:,}, got {b!r}")
+        ring = self.ring_bytes
         if self.slot_bytes is None:
-            self.slot_bytes = max(ALIGNMENT, min(MAX_SLOT_BYTES, b // MIN_SLOTS) // ALIGNMENT * ALIGNMENT)
+            self.slot_bytes = max(ALIGNMENT, min(MAX_SLOT_BYTES, ring // MIN_SLOTS) // ALIGNMENT * ALIGNMENT)
         s = self.slot_bytes
-        if isinstance(s, bool) or not isinstance(s, int) or s <= 0 or s % ALIGNMENT or 2 * s > b:
+        if isinstance(s, bool) or not isinstance(s, int) or s <= 0 or s % ALIGNMENT or 2 * s > ring:
             raise FlashBootError(f"stream slot_bytes must be a positive multiple of {ALIGNMENT} and at most half of "
-                                 f"buffer_bytes ({b:,}), got {s!r}")
+                                 f"the ring's {ring:,} bytes (buffer_bytes {b:,}), got {s!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise FlashBootError(f"stream threads must be an int >= 1, got {self.threads!r}")
         if self.io not in IO_MODES:
@@ -117,9 +122,16 @@ class StreamConfig:
         raise FlashBootError(f"stream options must be None, an int (buffer bytes), a dict or a StreamConfig, "
                              f"got {type(value).__name__}")
 
+    @property
+    def ring_bytes(self) -> int:
+        """The most the ring may take: ``buffer_bytes`` less the loader's own allowance
+        (:data:`MAX_OVERHEAD_BYTES`)."""
+        overhead = min(self.buffer_bytes // 16, MAX_OVERHEAD_BYTES) // ALIGNMENT * ALIGNMENT
+        return self.buffer_bytes - overhead
+
     def slots_for(self, nbytes: int) -> int:
         """Slots the ring gets for an image of ``nbytes``: as many as fit, no more than it has chunks."""
-        return max(1, min(self.buffer_bytes // self.slot_bytes, -(-nbytes // self.slot_bytes)))
+        return max(1, min(self.ring_bytes // self.slot_bytes, -(-nbytes // self.slot_bytes)))
 
 
 # ============================================================================ when to stream
