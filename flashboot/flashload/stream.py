@@ -541,6 +541,7 @@ def load_streamed(source, dev: Device, report, t_start: float, *, reason: str, c
     try:
         t0 = time.perf_counter()
         arena = Arena.create(nbytes, dev)
+        arena.bytes()  # its flat tensor made here, not in the views' thread (torch/CuPy device state is per thread)
         report.alloc_ms = (time.perf_counter() - t0) * 1e3
 
         def start_views():
