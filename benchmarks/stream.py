@@ -27,28 +27,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from flashboot.benchmarks.disk import drop_file_cache
 from flashboot.units import format_bytes, parse_bytes
 
 DEFAULT_IMAGE_ROOT = "/var/tmp/flashboot-bench-stream"
 DEFAULT_CKPT_ROOT = "/dev/shm/flashboot-bench-stream"
-
-
-def drop_file_cache(path: str | os.PathLike) -> str:
-    """Evict ``path``'s pages from the page cache; returns how (for the report)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # dirty pages are not dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    how = "posix_fadvise(DONTNEED)"
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1")
-        how += " + drop_caches"
-    except OSError:
-        pass
-    return how
 
 
 def _status() -> dict[str, int]:
@@ -210,4 +193,4 @@ def main(args: argparse.Namespace) -> int:
     return 0 if out["stream"]["verified"] else 1
 
 
-__all__ = ["measure_stream", "drop_file_cache", "run", "print_results", "register_bench", "main"]
+__all__ = ["measure_stream", "run", "print_results", "register_bench", "main"]
