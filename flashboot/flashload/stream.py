@@ -505,6 +505,7 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
             if config.io == "direct":
                 raise CapabilityError(f"{path}: reads under O_DIRECT fail ({exc}) and io='direct' was asked") from None
             os.close(fd)
+            fd = -1
             fd = os.open(path, os.O_RDONLY)
             mode, reason = "buffered", f"filesystem refuses O_DIRECT reads ({exc})"
             seconds, copy_s, chunks = _run(fd, path, nbytes, arena, ring, threads, direct=False,
@@ -514,7 +515,8 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
     finally:
         if ring is not None and not ring.leak:
             ring.close()
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 # ============================================================================ the load
