@@ -99,19 +99,6 @@ def _run_term_sum(words, start_word):
 
 
 @njit(nogil=True, cache=True)
-def _zero_run_term_sum(start_word, count):
-    """The sum of the terms of ``count`` zero words from index ``start_word`` (padding)."""
-    sum_x = np.uint64(0)
-    sum_y = np.uint64(0)
-    zero = np.uint64(0)
-    for j in range(count):
-        x, y = _word_xy(zero, start_word + np.uint64(j))
-        sum_x += x
-        sum_y += y
-    return (sum_x << _U32) + sum_y
-
-
-@njit(nogil=True, cache=True)
 def _scattered_term_sum(values, indices):
     """The sum of the terms of words ``values[k]`` at word indices ``indices[k]``."""
     sum_x = np.uint64(0)
@@ -295,7 +282,8 @@ class ChunkDigests:
             while a < b:
                 c = a // cw
                 end = min(b, (c + 1) * cw)
-                sums[c] = (sums[c] + int(_zero_run_term_sum(np.uint64(a - c * cw), end - a))) & M64
+                zeros = np.zeros(end - a, np.uint32)  # padding: small beside the tensors
+                sums[c] = (sums[c] + int(_run_term_sum(zeros, np.uint64(a - c * cw)))) & M64
                 a = end
         if self._edges:
             # Words only partly written: their bytes, zero elsewhere; counted as zero words above.

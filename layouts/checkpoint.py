@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from flashboot.errors import LayoutError
+from flashboot.fileio import DirectReadRefused, read_exactly
 
 from .format import DTYPES_BY_SAFETENSORS, DTYPES, config_hash
 
@@ -306,7 +307,7 @@ class ShardReader:
         fd, direct = self._fd(batch.file)
         try:
             return self._read(fd, direct, batch, np)
-        except _DirectReadRefused as exc:
+        except DirectReadRefused as exc:
             fd, direct = self._fd(batch.file, refused=f"the filesystem refuses O_DIRECT reads ({exc})")
             return self._read(fd, direct, batch, np)
 
@@ -316,20 +317,9 @@ class ShardReader:
         ask = -(-need // _ALIGN) * _ALIGN if direct else need
         buf = mmap.mmap(-1, max(ask, 1))  # page-aligned, as O_DIRECT needs
         view = memoryview(buf)
-        got = 0
         try:
-            while got < need:
-                try:
-                    n = os.preadv(fd, [view[got:ask]], lo + got)
-                except OSError as exc:
-                    if direct and exc.errno == errno.EINVAL:
-                        raise _DirectReadRefused(str(exc)) from None
-                    raise LayoutError(f"{self.root / batch.file}: reading {ask - got:,} bytes at {lo + got:,} failed: "
-                                      f"{exc.strerror or exc}") from None
-                if n == 0:
-                    raise LayoutError(f"{self.root / batch.file}: ends at byte {lo + got:,}; its header places tensor "
-                                      f"data up to byte {batch.end:,} (the file shrank)")
-                got += n
+            read_exactly(fd, view[:ask], lo, need, direct=direct, path=str(self.root / batch.file),
+                         file_nbytes=batch.end, preadv=os.preadv)
         finally:
             view.release()
         return np.frombuffer(buf, np.uint8, count=batch.nbytes, offset=batch.start - lo)
@@ -345,7 +335,3 @@ class ShardReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _DirectReadRefused(Exception):
-    """A read under O_DIRECT failed with EINVAL: the filesystem takes the flag, not the I/O."""

@@ -23,7 +23,6 @@ Peak extra host memory is the ring (plus a few pages per thread), measured by th
 from __future__ import annotations
 
 import dataclasses
-import errno
 import mmap
 import os
 import queue
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import CapabilityError, FlashBootError, ImageReadError, LayoutError, WaitTimeoutError
+from ..fileio import DirectReadRefused, read_exactly
 from ..memory import CPU, Device, Span
 
 DEFAULT_BUFFER_BYTES = 256 << 20
@@ -301,10 +301,6 @@ def _open(path: str, io: str) -> tuple[int, str, str]:
     return _open_source(Path(path), io)
 
 
-class _DirectRefused(Exception):
-    """A read under O_DIRECT failed with EINVAL: the filesystem takes the flag, not the I/O."""
-
-
 class _Copier:
     """Copies filled slots into the arena: CUDA on one stream with an event per copy, or the host copy."""
 
@@ -407,18 +403,8 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, threads: int, *, di
                 off = i * slot_bytes
                 want = min(slot_bytes, nbytes - off)
                 ask = -(-want // ALIGNMENT) * ALIGNMENT if direct else want
-                got = 0
-                while got < want:
-                    try:
-                        n = _preadv(fd, [slot.view[got:ask]], off + got)
-                    except OSError as exc:
-                        if direct and exc.errno == errno.EINVAL:
-                            raise _DirectRefused(str(exc)) from None
-                        raise ImageReadError(path, off + got, ask - got, f"{exc.strerror or exc} (errno {exc.errno})") from None
-                    if n == 0:
-                        raise LayoutError(f"{path}: ends at byte {off + got:,}; {nbytes:,} bytes were expected "
-                                          f"(found {off + got:,}: the file shrank while it was streamed)")
-                    got += n
+                read_exactly(fd, slot.view[:ask], off, want, direct=direct, path=path, file_nbytes=nbytes,
+                             preadv=_preadv)
                 filled.put((i, slot, want))
         except BaseException as exc:  # handed to the loading thread
             with lock:
@@ -501,7 +487,7 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
         try:
             seconds, copy_s, chunks = _run(fd, path, nbytes, arena, ring, threads, direct=mode == "o_direct",
                                            stall_timeout_s=config.stall_timeout_s, on_start=on_start)
-        except _DirectRefused as exc:
+        except DirectReadRefused as exc:
             if config.io == "direct":
                 raise CapabilityError(f"{path}: reads under O_DIRECT fail ({exc}) and io='direct' was asked") from None
             os.close(fd)
