@@ -343,18 +343,10 @@ def test_checksums_summed_while_writing_equal_a_read_back(mixed, qwen, tmp_path)
 
 
 def test_shards_read_buffered_where_o_direct_is_refused(qwen, tmp_path, monkeypatch):
-    import errno
-    import os
+    from _io_helpers import refuse_direct_open
 
     reference = prepack(qwen[0], tmp_path / "direct", tp=2, progress=False)
-    real_open = os.open
-
-    def no_direct(path, flags, *a, **k):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *a, **k)
-
-    monkeypatch.setattr(os, "open", no_direct)
+    refuse_direct_open(monkeypatch)
     report = prepack(qwen[0], tmp_path / "buffered", tp=2, progress=False)
     assert report.read_io and all(m.startswith("buffered (the filesystem refuses O_DIRECT") for m in report.read_io.values())
     for rank in (0, 1):

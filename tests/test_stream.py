@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _io_helpers import CHUNK, TINY, image, image_master, refuse_direct_open, shm  # noqa: F401  (fixtures)
 from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
 from flashboot.layouts import read_image
 
@@ -24,28 +25,7 @@ from flashboot.flashload import service, staging, stream
 from flashboot.flashload import shm as shm_files
 from flashboot.flashload.stream import StreamConfig, stream_reason
 
-TINY = CheckpointSpec("tiny", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=32, vocab=64, shards=2)
-CHUNK = 4096
 SMALL_RING = 4 * 4096  # 4 slots of one page: the ~127 KB image cycles the ring ~8 times
-
-
-@pytest.fixture(scope="module")
-def image_master(tmp_path_factory):
-    root = tmp_path_factory.mktemp("stream")
-    make_checkpoint(str(root / "ckpt"), TINY, device="cpu")
-    flashboot.prepack(str(root / "ckpt"), str(root / "image"), chunk_bytes=CHUNK, progress=False)
-    return root / "image"
-
-
-@pytest.fixture
-def image(image_master, tmp_path):
-    """A private copy of the tiny image (tests damage theirs)."""
-    return Path(shutil.copytree(image_master, tmp_path / "image"))
-
-
-@pytest.fixture
-def shm(tmp_path):
-    return tmp_path / "shm"
 
 
 def _file_bytes(image_dir, rank=0) -> np.ndarray:
@@ -380,19 +360,8 @@ def test_a_stalled_read_times_out(image, monkeypatch):
     assert _stream_threads() == []
 
 
-def _refuse_direct_open(monkeypatch):
-    real_open = os.open
-
-    def fake(path, flags, *a, **k):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *a, **k)
-
-    monkeypatch.setattr(os, "open", fake)
-
-
 def test_o_direct_refused_at_open_reads_buffered_and_says_so(image, shm, monkeypatch):
-    _refuse_direct_open(monkeypatch)
+    refuse_direct_open(monkeypatch)
     with flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes=SMALL_RING) as loaded:
         d = loaded.report.details
         assert d["io_mode"] == "buffered" and "O_DIRECT" in d["io_reason"] and "(buffered)" in loaded.report.summary()
