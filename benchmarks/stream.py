@@ -65,6 +65,13 @@ def _warm_up(device: str, root: Path, buffer_bytes: int) -> None:
     with flashboot.load(str(root / "warmup-image"), 0, device, shm_dir=str(root / "no-shm"), stream=True,
                         stream_buffer_bytes=min(buffer_bytes, 1 << 20), verify=True):
         pass
+    if device == "cpu":  # the host copy of a full slot runs on numba's thread pool: start it now
+        import numpy as np
+
+        from flashboot.movers.host import host_copy
+
+        a, b = np.zeros(4 << 20, np.uint8), np.ones(4 << 20, np.uint8)
+        host_copy(a.ctypes.data, b.ctypes.data, a.nbytes)
 
 
 def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buffer_bytes: int = 256 << 20,
@@ -128,7 +135,13 @@ def run(*, scale: float | None = None, device: str | None = None, buffer_bytes: 
     out: dict = {"device": dev, "scale": scale}
     root = Path(image_root or DEFAULT_IMAGE_ROOT)
     root.mkdir(parents=True, exist_ok=True)
-    if image_dir is None:
+    from flashboot.pinning import fs_type
+
+    out["image_fs"] = fs_type(str(root))
+    if out["image_fs"] in ("tmpfs", "ramfs"):
+        log(f"warning: {root} is on {out['image_fs']}: this measures memory, not a disk")
+    generated = image_dir is None
+    if generated:
         spec = CHECKPOINT_A.scaled(scale)
         ckpt_dir = Path(ckpt_root or DEFAULT_CKPT_ROOT) / f"ckpt-{spec.name}"
         image_dir = str(root / f"image-{spec.name}")
@@ -146,7 +159,7 @@ def run(*, scale: float | None = None, device: str | None = None, buffer_bytes: 
                                    warm_root=root, log=log)
     if "prepack" in out:
         out["prepack"]["x_disk"] = out["prepack"]["gbps"] / out["stream"]["disk_gbps"]
-    if not keep and image_dir.startswith(str(root)):
+    if generated and not keep:
         shutil.rmtree(image_dir, ignore_errors=True)
     return out
 
