@@ -5,8 +5,9 @@ For each checkpoint (A: 3,170 tensors, ~14 GB; B: 18,722 tensors, ~12 GB; see
 
 1. generate it (safetensors shards, in /dev/shm by default) and pre-pack it (``flashboot.prepack``,
    image on disk by default); time the pre-pack;
-2. measure the disk: one ``dd``-like O_DIRECT sequential read of the image file, then stage it
-   with the preloader (disk -> shm) and time that;
+2. measure the disk: one ``dd``-like O_DIRECT sequential read of the image file and one
+   sequential write with fsync (up to 4 GiB), then stage it with the preloader (disk -> shm) and
+   time that; each step's input is evicted from the page cache first (``posix_fadvise``);
 3. time, median of the repeats after a warm-up: safetensors, InstantTensor and fastsafetensors
    (where installed), per-tensor copies from pinned memory, one bulk pinned copy (the limit),
    FlashLoad with the pin on the critical path, pinned early (``flashboot.stage``), and served
@@ -123,6 +124,7 @@ def bench_checkpoint(spec, *, device: str, ckpt_root: Path, image_root: Path, sh
                      repeats: int, log: Callable[[str], None], keep: bool) -> tuple[list[LoaderResult], list[PipelineResult], dict]:
     """All measurements for one checkpoint spec; see the module docstring."""
     from flashboot.benchmarks.checkpoints import make_checkpoint, tensors_digest
+    from flashboot.benchmarks.disk import drop_file_cache, write_rate
     from flashboot.benchmarks.peers import PEERS
 
     import flashboot
@@ -146,25 +148,37 @@ def bench_checkpoint(spec, *, device: str, ckpt_root: Path, image_root: Path, sh
     extra: dict = {"checkpoint_dir": str(ckpt_dir), "checkpoint_fs": _fs_of(str(ckpt_dir)),
                    "image_dir": str(img_dir), "image_fs": _fs_of(str(image_root)), "shm_dir": str(shm_root)}
 
-    # ---- pre-pack, disk rate, preload ----------------------------------------------------------
+    # ---- pre-pack, disk rates, preload -----------------------------------------------------------
+    # Every step starts cold: the files it reads are evicted from the page cache first (on tmpfs,
+    # where the checkpoint is by default, nothing can be: its detail says so).
+    cache = [drop_file_cache(f) for f in ckpt.files][-1]
     t0 = time.perf_counter()
     rep = flashboot.prepack(str(ckpt_dir), str(img_dir), progress=False)
     prepack_s = time.perf_counter() - t0
     image_nbytes = rep.image_nbytes
     image_file = str(rep.ranks[0].dir / "image.bin")
+    drop_file_cache(image_file)
     disk_gbps, disk_mode = read_rate(image_file, io="direct")
+    write_gbps = write_rate(str(image_root), min(image_nbytes, 4 << 30))
     extra["prepack"] = rep.to_dict()
+    extra["cache_drop"] = cache
     pipeline.append(PipelineResult(spec.name, f"disk read ({disk_mode}, dd-like)", image_nbytes, image_nbytes / disk_gbps / 1e9,
                                    disk_gbps, 1.0, f"{extra['image_fs']} {image_file}"))
+    pipeline.append(PipelineResult(spec.name, "disk write (dd-like, fsync)", image_nbytes, image_nbytes / write_gbps / 1e9,
+                                   write_gbps, write_gbps / disk_gbps, f"{min(image_nbytes, 4 << 30):,} bytes"))
+    modes = sorted(set(rep.read_io.values()))
     pipeline.append(PipelineResult(spec.name, "pre-pack (ckpt -> image)", image_nbytes, prepack_s,
                                    image_nbytes / prepack_s / 1e9, image_nbytes / prepack_s / 1e9 / disk_gbps,
-                                   f"family {rep.family}{' (fallback)' if rep.fallback else ''}"))
+                                   f"family {rep.family}{' (fallback)' if rep.fallback else ''}; "
+                                   f"{image_nbytes / prepack_s / 1e9 / write_gbps:.2f}x disk write; ckpt on "
+                                   f"{extra['checkpoint_fs']} read {', '.join(modes)}"))
     unstage(str(img_dir), shm_dir=str(shm_root))
+    drop_file_cache(image_file)
     staged = stage_rank(str(img_dir), 0, shm_dir=str(shm_root), device=device, force=True)
     pipeline.append(PipelineResult(spec.name, "preload (image -> shm)", image_nbytes, staged.read_s, staged.gbps,
                                    staged.gbps / disk_gbps, f"{staged.io_mode} {staged.io_reason}".strip()))
-    log(f"{spec.name}: disk {disk_gbps:.2f} GB/s ({disk_mode}), pre-pack {image_nbytes / prepack_s / 1e9:.2f} GB/s, "
-        f"preload {staged.gbps:.2f} GB/s ({staged.io_mode})")
+    log(f"{spec.name}: disk read {disk_gbps:.2f} GB/s ({disk_mode}), write {write_gbps:.2f} GB/s, pre-pack "
+        f"{image_nbytes / prepack_s / 1e9:.2f} GB/s, preload {staged.gbps:.2f} GB/s ({staged.io_mode})")
 
     results: list[LoaderResult] = []
 

@@ -14,6 +14,7 @@ from .errors import (
     ChecksumMismatchError,
     CudaError,
     FlashBootError,
+    ImageReadError,
     LayoutError,
     MoverError,
     OutOfMemoryError,
@@ -40,6 +41,7 @@ _LAZY = {
     "prepare": "flashboot.flashload.boot",
     "PreparedLoad": "flashboot.flashload.boot",
     "StagedImage": "flashboot.flashload.stage",
+    "StreamConfig": "flashboot.flashload.stream",
     "build_plan": "flashboot.schedulers",
     "Plan": "flashboot.schedulers",
     "simulate": "flashboot.sim",
@@ -58,6 +60,6 @@ __getattr__ = lazy_getattr('flashboot', _LAZY, globals())
 
 __all__ = [
     "ArenaError", "CapabilityError", "ChecksumMismatchError", "CudaError", "FlashBootError",
-    "LayoutError", "MoverError", "OutOfMemoryError", "RendezvousError", "UnknownNameError",
+    "ImageReadError", "LayoutError", "MoverError", "OutOfMemoryError", "RendezvousError", "UnknownNameError",
     "WaitTimeoutError", "CPU", "Device", "Span", "span_of", "__version__", *_LAZY,
 ]

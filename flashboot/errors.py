@@ -67,6 +67,15 @@ class ChecksumMismatchError(LayoutError):
         )
 
 
+class ImageReadError(FlashBootError):
+    """Reading an image file failed (an I/O error, not a malformed image); names the file, the
+    byte offset and the operating system's error."""
+
+    def __init__(self, path: str, offset: int, nbytes: int, error: str):
+        self.path, self.offset, self.nbytes, self.error = str(path), offset, nbytes, error
+        super().__init__(f"{path}: reading {nbytes:,} bytes at byte {offset:,} failed: {error}")
+
+
 class WaitTimeoutError(FlashBootError, TimeoutError):
     """A wait ran past its timeout; names what was awaited and for how long."""
 

@@ -98,7 +98,7 @@ def test_whole_benchmark_on_the_host_backend(tmp_path):
     assert all(r["gbps"] > 0 and r["x_limit"] > 0 for r in measured)
     assert "safetensors" in rows[FLASH_SERVED]["speedup_vs"]
     assert rows["instanttensor"]["skipped"] and rows["fastsafetensors"]["skipped"]
-    assert [p["step"].split(" (")[0] for p in out["pipeline"]] == ["disk read", "pre-pack", "preload"]
+    assert [p["step"].split(" (")[0] for p in out["pipeline"]] == ["disk read", "disk write", "pre-pack", "preload"]
     assert all(p["gbps"] > 0 for p in out["pipeline"]) and out["pipeline"][0]["vs_disk"] == 1.0
     extra = out["extra"]["S"]
     assert set(extra["flashload_reports"]) == {FLASH_CRITICAL, FLASH_EARLY, FLASH_SERVED}

@@ -113,6 +113,49 @@ def test_checksum_dispatch_on_host_objects():
     assert ck.checksum(span_of(raw)) == expected
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_chunk_digests_summed_from_writes_equal_the_files(seed):
+    """Disjoint writes at unaligned offsets, in random order, with gaps left as zeros: the digests
+    summed from the writes are the chunk checksums of the finished bytes."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 40)) * 4096
+    chunk = int(rng.choice([4096, 12288, 65536]))
+    cuts = sorted(set(rng.integers(0, n, 60).tolist()) | {0, n})
+    pieces = [(a, b) for a, b in zip(cuts, cuts[1:]) if rng.random() < 0.7]
+    rng.shuffle(pieces)
+    buf = np.zeros(n, np.uint8)
+    acc = ck.ChunkDigests(n, chunk)
+    for a, b in pieces:
+        data = random_bytes(b - a, seed=a)
+        buf[a:b] = data
+        acc.add(a, data if a % 2 else data.tobytes())
+    assert acc.digests() == ck.chunk_checksums_host(buf, chunk)
+    assert ck.ChunkDigests(n, chunk).digests() == ck.chunk_checksums_host(np.zeros(n, np.uint8), chunk)
+
+
+def test_chunk_digests_refuse_overlapping_writes():
+    from flashboot.errors import LayoutError
+
+    acc = ck.ChunkDigests(8192, 4096)
+    acc.add(0, random_bytes(100))
+    acc.add(50, random_bytes(100))  # whole words 13..37 overlap the first write's
+    with pytest.raises(LayoutError, match="overlap"):
+        acc.digests()
+    acc = ck.ChunkDigests(8192, 4096)
+    acc.add(1, random_bytes(2))
+    with pytest.raises(LayoutError, match="two writes of byte 2"):
+        acc.add(2, random_bytes(1))
+    acc = ck.ChunkDigests(8192, 4096)
+    acc.add(1, random_bytes(2))  # a word partly written ...
+    acc.add(0, random_bytes(8))  # ... inside another write
+    with pytest.raises(LayoutError, match="partly written word"):
+        acc.digests()
+    with pytest.raises(FlashBootError, match="outside the 8,192-byte file"):
+        acc.add(8190, random_bytes(4))
+    with pytest.raises(FlashBootError, match="multiple of 4"):
+        ck.ChunkDigests(8192, 4098)
+
+
 def test_word_term_is_the_spec_on_one_word():
     for n in (1, 2, 3, 4):
         raw = random_bytes(n, seed=n)

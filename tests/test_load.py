@@ -100,11 +100,12 @@ def test_pin_early_returns_at_once_and_load_waits_for_it(qwen, tmp_path):
 
 
 def test_missing_ready_times_out_naming_the_path(qwen, tmp_path):
+    """With streaming turned off (with it, a rank nobody stages streams: tests/test_stream.py)."""
     shm = tmp_path / "empty-shm"
     ready = shm_files.staged_paths(qwen / "tp1", 0, shm).ready
     t0 = time.monotonic()
     with pytest.raises(WaitTimeoutError) as e:
-        flashboot.load(qwen / "tp1", 0, "cpu", shm_dir=shm, timeout_s=0.3)
+        flashboot.load(qwen / "tp1", 0, "cpu", shm_dir=shm, timeout_s=0.3, stream=False)
     assert time.monotonic() - t0 < 10
     assert str(ready) in str(e.value)
     staged = flashboot.stage(qwen / "tp1", 0, "cpu", timeout_s=0.2, shm_dir=shm)

@@ -6,7 +6,6 @@ import errno
 import json
 import mmap
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
+from _io_helpers import CHUNK, image, image_master, refuse_direct_open, shm  # noqa: F401  (fixtures)
 from flashboot.layouts import read_image
 
 import flashboot
@@ -30,27 +29,6 @@ from flashboot.flashload import client, service, staging
 from flashboot.flashload import shm as shm_files
 from flashboot.memory import Device
 
-TINY = CheckpointSpec("tiny", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=32, vocab=64, shards=2)
-CHUNK = 4096  # checksum chunk of the test images: a ~110 KB image has ~27 chunks
-
-
-@pytest.fixture(scope="module")
-def image_master(tmp_path_factory):
-    root = tmp_path_factory.mktemp("preload")
-    make_checkpoint(str(root / "ckpt"), TINY, device="cpu")
-    flashboot.prepack(str(root / "ckpt"), str(root / "image"), chunk_bytes=CHUNK, progress=False)
-    return root / "image"
-
-
-@pytest.fixture
-def image(image_master, tmp_path):
-    """A private copy of the tiny image (tests corrupt theirs)."""
-    return Path(shutil.copytree(image_master, tmp_path / "image"))
-
-
-@pytest.fixture
-def shm(tmp_path):
-    return tmp_path / "shm"
 
 
 def _image_bytes(image_dir, rank=0) -> bytes:
@@ -212,19 +190,8 @@ def test_fallocate_enospc_is_a_full_shm(image, shm, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ O_DIRECT
-def _refuse_direct_open(monkeypatch):
-    real_open = os.open
-
-    def fake(path, flags, *a, **k):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *a, **k)
-
-    monkeypatch.setattr(os, "open", fake)
-
-
 def test_o_direct_refused_at_open_falls_back_and_says_so(image, shm, monkeypatch):
-    _refuse_direct_open(monkeypatch)
+    refuse_direct_open(monkeypatch)
     r = staging.stage_rank(image, 0, shm_dir=shm)
     assert r.io_mode == "buffered" and "O_DIRECT" in r.io_reason
     assert shm_files.read_ready(shm_files.staged_paths(image, 0, shm).ready).io_mode == "buffered"

@@ -8,10 +8,11 @@ import struct
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from flashboot.layouts import read_image, read_job, verify_image
-from flashboot.layouts.checkpoint import Checkpoint
+from flashboot.layouts.checkpoint import Checkpoint, ShardReader
 from flashboot.layouts.tiny import save_tiny_model
 from flashboot.layouts.writer import ImageWriter
 from safetensors import safe_open
@@ -103,15 +104,18 @@ def test_progress_bar_reports_throughput(mixed, tmp_path, capsys):
 
 def test_each_source_tensor_is_read_once(qwen, tmp_path, monkeypatch):
     reads = Counter()
-    real = Checkpoint.read
+    read_bytes = []
+    real = ShardReader.read
 
-    def counting(self, name, handles):
-        reads[name] += 1
-        return real(self, name, handles)
+    def counting(self, batch):
+        reads.update(batch.names)
+        read_bytes.append(batch.nbytes)
+        return real(self, batch)
 
-    monkeypatch.setattr(Checkpoint, "read", counting)
-    prepack(qwen[0], tmp_path / "out", tp=2, ep=1, progress=False)
+    monkeypatch.setattr(ShardReader, "read", counting)
+    report = prepack(qwen[0], tmp_path / "out", tp=2, ep=1, progress=False)
     assert reads and set(reads.values()) == {1}  # two ranks, one read per tensor
+    assert sum(read_bytes) == report.read_nbytes and len(read_bytes) < len(reads)  # in batches of several tensors
     with safe_open(qwen[0] / "model.safetensors", "pt") as f:
         assert set(reads) == set(f.keys())
 
@@ -323,3 +327,74 @@ def test_cli_main_turns_layout_errors_into_exit_2(tmp_path, capsys):
 
     rc = main(["verify", str(tmp_path)])
     assert rc == 2 and "no prepack.json" in capsys.readouterr().err
+
+
+def test_checksums_summed_while_writing_equal_a_read_back(mixed, qwen, tmp_path):
+    """Pre-pack never reads its image back: the digests it records are those of the file (every
+    dtype, fp8 and bool pieces at unaligned offsets; tp=2 pieces sliced out of the sources)."""
+    from flashboot.kernels.checksum import chunk_checksums_host
+
+    for name, ckpt, tp in (("mixed", mixed[0], 1), ("qwen1", qwen[0], 1), ("qwen2", qwen[0], 2)):
+        prepack(ckpt, tmp_path / name, tp=tp, chunk_bytes=4096, progress=False)
+        for rank in range(tp):
+            img = read_image(tmp_path / name, rank)
+            raw = np.frombuffer(img.path.read_bytes(), np.uint8)
+            assert list(img.metadata.checksums.digests) == chunk_checksums_host(raw, 4096), (name, rank)
+
+
+def test_shards_read_buffered_where_o_direct_is_refused(qwen, tmp_path, monkeypatch):
+    from _io_helpers import refuse_direct_open
+
+    reference = prepack(qwen[0], tmp_path / "direct", tp=2, progress=False)
+    refuse_direct_open(monkeypatch)
+    report = prepack(qwen[0], tmp_path / "buffered", tp=2, progress=False)
+    assert report.read_io and all(m.startswith("buffered (the filesystem refuses O_DIRECT") for m in report.read_io.values())
+    for rank in (0, 1):
+        assert read_image(tmp_path / "buffered", rank).path.read_bytes() == \
+            read_image(tmp_path / "direct", rank).path.read_bytes()
+    assert reference.read_io
+
+
+def test_o_direct_read_refused_midway_rereads_buffered(qwen, tmp_path, monkeypatch):
+    import errno
+    import fcntl
+    import os
+
+    from flashboot.layouts import checkpoint as ckpt_mod
+
+    real = os.preadv
+    tried = []
+
+    def fake(fd, bufs, off):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            tried.append(off)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, off)
+
+    path = qwen[0] / "model.safetensors"
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"the filesystem of {path} refuses O_DIRECT at open (the test above covers it)")
+    monkeypatch.setattr(ckpt_mod.os, "preadv", fake)
+    report = prepack(qwen[0], tmp_path / "out", progress=False)
+    assert tried and all("refuses O_DIRECT reads" in m for m in report.read_io.values())
+    verify_image(tmp_path / "out")
+
+
+def test_a_shard_that_shrank_is_a_layout_error_naming_it(qwen, tmp_path):
+    import shutil
+
+    from flashboot.layouts.checkpoint import open_checkpoint
+
+    src = Path(shutil.copytree(qwen[0], tmp_path / "hf"))
+    checkpoint = open_checkpoint(src)  # headers read while the file was whole
+    shard = src / "model.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 4096)
+    from flashboot.layouts.checkpoint import ShardReader, plan_reads
+
+    batches = plan_reads(checkpoint, sorted(checkpoint.tensors, key=lambda n: checkpoint.tensors[n].data_start))
+    with ShardReader(src) as reader, pytest.raises(LayoutError, match=f"{shard}: ends at byte .*the file shrank"):
+        for b in batches:
+            reader.read(b)

@@ -12,11 +12,12 @@ BENCH_MODULES = [
     "flashboot.benchmarks.tune_kernels",
     "flashboot.benchmarks.clone",
     "flashboot.benchmarks.boot",
+    "flashboot.benchmarks.stream",
 ]
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help="benchmarks: movers, load, clone (table plus --json)")
+    parser = subparsers.add_parser("bench", help="benchmarks: movers, load, clone, stream (table plus --json)")
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name in BENCH_MODULES:
         importlib.import_module(name).register_bench(sub)

@@ -14,6 +14,12 @@ def register(subparsers) -> None:
     how.add_argument("--served", action="store_true", help="have the running `flashboot preload --serve` copy it")
     how.add_argument("--pin-early", action="store_true",
                      help="stage and pin first (flashboot.stage), then time the load alone")
+    how.add_argument("--stream", action="store_true", default=None,
+                     help="read the image straight from disk through a bounded ring (default: when nothing is staged)")
+    how.add_argument("--no-stream", dest="stream", action="store_false",
+                     help="never stream: wait for the preloader's .ready")
+    p.add_argument("--stream-buffer", default=None, metavar="BYTES",
+                   help="ring size of a streamed load, e.g. 256MiB (default 256 MiB or $FLASHBOOT_STREAM_BUFFER_BYTES)")
     p.add_argument("--verify", action="store_true", help="recompute the chunk checksums on the device")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the staged image (default 60)")
     p.add_argument("--shm-dir", default=None)
@@ -24,6 +30,9 @@ def register(subparsers) -> None:
 def main(args) -> int:
     import flashboot
     from flashboot.benchmarks.timing import dump_json, print_table
+    from flashboot.units import parse_bytes
+
+    buffer = parse_bytes(args.stream_buffer) if args.stream_buffer else None
 
     staged = None
     if args.pin_early:
@@ -31,7 +40,8 @@ def main(args) -> int:
                                  shm_dir=args.shm_dir).wait()
     try:
         with flashboot.load(args.image_dir, args.rank, args.device, timeout_s=args.timeout, served=args.served,
-                            staged=staged, verify=args.verify, shm_dir=args.shm_dir) as loaded:
+                            staged=staged, verify=args.verify, shm_dir=args.shm_dir, stream=args.stream,
+                            stream_buffer_bytes=buffer) as loaded:
             r = loaded.report
             if loaded.release_thread is not None:
                 loaded.release_thread.join()
@@ -44,5 +54,7 @@ def main(args) -> int:
     print_table("phases", ["what", "ms"], rows)
     extra = f"; pinned early in {r.pinned_early_ms:.1f} ms (off the critical path)" if r.pinned_early_ms else ""
     print(f"{r.gbps:.2f} GB/s end to end, H2D {r.h2d_gbps:.2f} GB/s in {r.chunks} chunk(s){extra}")
+    if r.details.get("note"):
+        print(r.details["note"])
     dump_json(r.to_dict(), args.json)
     return 0

@@ -97,8 +97,10 @@ class LoadReport:
         parts = ", ".join(f"{k} {v:.1f}{'*' if k in self.overlapped else ''}" for k, v in self.phases().items())
         during = " (*: while the copy ran)" if self.overlapped else ""
         early = f"; pinned early in {self.pinned_early_ms:.0f} ms" if self.pinned_early_ms else ""
+        note = f"; {self.details['note']}" if self.details.get("note") else ""
         return (f"rank {self.rank} -> {self.device} ({self.mode}): {self.nbytes:,} bytes, {self.tensors} tensors in "
-                f"{self.total_ms:.1f} ms ({self.gbps:.1f} GB/s; H2D {self.h2d_gbps:.1f} GB/s) [{parts} ms]{during}{early}")
+                f"{self.total_ms:.1f} ms ({self.gbps:.1f} GB/s; H2D {self.h2d_gbps:.1f} GB/s) [{parts} ms]{during}{early}"
+                f"{note}")
 
 
 # ============================================================================ the loaded image
@@ -278,17 +280,24 @@ def make_views(arena, metadata) -> dict:
 
 def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.0, served: bool = False,
          staged=None, prepared=None, verify: bool = False, shm_dir=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-         tp: int | None = None, ep: int | None = None, expected_key=None) -> LoadedImage:
+         tp: int | None = None, ep: int | None = None, expected_key=None, stream: bool | None = None,
+         stream_buffer_bytes=None) -> LoadedImage:
     """Load rank ``rank`` of the pre-packed image in ``image_dir`` onto ``device``.
 
     ``device``: an int, ``"cuda:N"``, ``"cpu"`` (host backend) or None (cuda:0 where present).
-    The rank must be staged by ``flashboot preload`` (waits up to ``timeout_s`` for its
-    ``.ready`` file). ``staged``: a :func:`flashboot.stage` result (pinned early); ``served``:
-    have the running preloader daemon copy into this process's arena; ``prepared``: a
-    :func:`flashboot.prepare` handle made at engine start-up, which has paid every one-time cost
-    already (metadata, arena, the daemon's attachment or the pin, views): the load is the copy.
-    Without it the report's ``details["one_time_ms"]`` says what this call paid that ``prepare``
-    would have paid at start-up. ``verify`` recomputes the
+    The rank is copied from its staged copy in shared memory (``flashboot preload``); while a
+    preloader stages it, the load waits up to ``timeout_s`` for its ``.ready`` file. When nothing
+    will stage it (no preloader runs, it stages other ranks, shared memory cannot hold the image)
+    the image is streamed straight from disk through a ring buffer of at most
+    ``stream_buffer_bytes`` (default 256 MiB or ``$FLASHBOOT_STREAM_BUFFER_BYTES``; an int, a dict
+    or a :class:`~flashboot.flashload.stream.StreamConfig`), and the report says so and why.
+    ``stream``: True always streams, False never does (waits for ``.ready``). ``staged``: a
+    :func:`flashboot.stage` result (pinned early); ``served``: have the running preloader daemon
+    copy into this process's arena; ``prepared``: a :func:`flashboot.prepare` handle made at
+    engine start-up, which has paid every one-time cost already (metadata, arena, the daemon's
+    attachment or the pin, views): the load is the copy. Without it the report's
+    ``details["one_time_ms"]`` says what this call paid that ``prepare`` would have paid at
+    start-up. ``verify`` recomputes the
     chunk checksums on the device. ``tp``/``ep``/``expected_key``: what the caller expects the
     image to be (LayoutError otherwise).
 
@@ -312,13 +321,15 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
         raise FlashBootError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if served and staged is not None:
         raise FlashBootError("served=True and staged= exclude each other: the daemon holds the pinned image")
+    if stream and (served or staged is not None):
+        raise FlashBootError("stream=True excludes served=True and staged=: a streamed load reads the image from disk")
     if prepared is not None:
         from .boot import PreparedLoad
 
         if not isinstance(prepared, PreparedLoad):
             raise FlashBootError(f"prepared must come from flashboot.prepare(), got {type(prepared).__name__}")
-        if served or staged is not None:
-            raise FlashBootError("prepared= excludes served= and staged=: the handle already chose its mode "
+        if served or staged is not None or stream:
+            raise FlashBootError("prepared= excludes served=, staged= and stream=: the handle already chose its mode "
                                  f"({prepared.requested_mode})")
         return _load_prepared(prepared, image_dir, rank, dev, t_start, verify=verify, chunk_bytes=chunk_bytes, tp=tp,
                               ep=ep, expected_key=expected_key)
@@ -332,7 +343,8 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
         return _load_served(image_dir, rank, dev, t_start, timeout_s=timeout_s, verify=verify, shm_dir=shm_dir,
                             tp=tp, ep=ep, expected_key=expected_key)
     return _load_staged(image_dir, rank, dev, t_start, staged=staged, timeout_s=timeout_s, verify=verify,
-                        shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp, ep=ep, expected_key=expected_key)
+                        shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp, ep=ep, expected_key=expected_key,
+                        stream=stream, stream_buffer_bytes=stream_buffer_bytes)
 
 
 def _one_time(report: LoadReport, **more: float) -> dict[str, float]:
@@ -351,8 +363,10 @@ def _timed_views(arena, meta, report: LoadReport):
 
 
 def _load_staged(image_dir, rank: int, dev: Device, t_start: float, *, staged, timeout_s: float, verify: bool,
-                 shm_dir, chunk_bytes: int, tp, ep, expected_key) -> LoadedImage:
-    """Pin on the critical path (``staged`` None: this call stages) or pinned early."""
+                 shm_dir, chunk_bytes: int, tp, ep, expected_key, stream: bool | None = None,
+                 stream_buffer_bytes=None) -> LoadedImage:
+    """Pin on the critical path (``staged`` None: this call stages) or pinned early; or, when
+    nothing is or will be staged, stream from disk (:mod:`flashboot.flashload.stream`)."""
     from flashboot.layouts.image import check_request
 
     from ..arena import Arena
@@ -376,6 +390,13 @@ def _load_staged(image_dir, rank: int, dev: Device, t_start: float, *, staged, t
     if nbytes == 0:
         raise LayoutError(f"{source.path}: empty image, nothing to load")
     admit(nbytes, dev)
+    if staged is None:
+        from .stream import StreamConfig, load_streamed, stream_reason
+
+        config = StreamConfig.of(stream_buffer_bytes)  # a bad option is refused whether or not it streams
+        why = stream_reason(image_dir, rank, source, shm_dir=shm_dir, stream=stream)
+        if why is not None:
+            return load_streamed(source, dev, report, t_start, reason=why, config=config, verify=verify)
     arena = None
     own_staged = None
     try:

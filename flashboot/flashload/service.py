@@ -49,8 +49,9 @@ def service_status(image_dir, shm_dir=None) -> ServiceStatus:
     return ServiceStatus(path, d["pid"], running, not running, bool(d.get("serve")))
 
 
-def _claim_pid_file(path: Path, serve: bool) -> str:
-    """Write this process's pid file; returns a note about a stale one it replaced.
+def _claim_pid_file(path: Path, serve: bool, ranks: list[int] | None = None) -> str:
+    """Write this process's pid file (with the ranks it stages, None: all of them); returns a
+    note about a stale one it replaced.
 
     Raises FlashBootError when a live preloader holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +70,7 @@ def _claim_pid_file(path: Path, serve: bool) -> str:
             continue
         with os.fdopen(fd, "w") as f:
             json.dump({"pid": os.getpid(), "start_time": _proc_start_time(os.getpid()), "serve": serve,
-                       "argv": sys.argv}, f)
+                       "ranks": None if ranks is None else sorted(ranks), "argv": sys.argv}, f)
         return note
     raise FlashBootError(f"could not claim pid file {path}")
 
@@ -183,7 +184,7 @@ def run_service(config: PreloadConfig, *, log: Callable[[str], None] = print,
     serve until SIGTERM), release the pid file. SIGTERM stops it cleanly: a copy in flight is
     abandoned and its partial file removed. Returns the staging results (None when serving)."""
     path = pid_file(config.image_dir, config.shm_dir)
-    note = _claim_pid_file(path, config.serve)
+    note = _claim_pid_file(path, config.serve, config.ranks)
     if note:
         log(note)
     stop = threading.Event()

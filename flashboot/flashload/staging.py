@@ -25,6 +25,7 @@ from ..errors import (
     LayoutError,
     OutOfMemoryError,
 )
+from ..fileio import DirectReadRefused, read_exactly
 from ..memory import Device
 from .shm import (
     RankSource,
@@ -81,8 +82,7 @@ class StageResult:
         return self.nbytes / self.read_s / 1e9 if self.read_s > 0 else float("inf")
 
 
-class _DirectRefused(Exception):
-    """A read under O_DIRECT failed with EINVAL: the filesystem accepts the flag but not the I/O."""
+_DirectRefused = DirectReadRefused
 
 
 class _Full(Exception):
@@ -135,18 +135,8 @@ def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads
                 off = i * chunk_bytes
                 want = min(chunk_bytes, nbytes - off)
                 ask = -(-want // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT if direct else want
-                got = 0
-                while got < want:
-                    try:
-                        n = os.preadv(src_fd, [view[got:ask]], off + got)
-                    except OSError as exc:
-                        if direct and exc.errno == errno.EINVAL:
-                            raise _DirectRefused(str(exc)) from None
-                        raise
-                    if n == 0:
-                        raise LayoutError(f"{src_name}: ends at byte {off + got:,}; {nbytes:,} bytes were expected "
-                                          "(the image file shrank while it was staged)")
-                    got += n
+                read_exactly(src_fd, view[:ask], off, want, direct=direct, path=src_name, file_nbytes=nbytes,
+                             preadv=os.preadv)
                 done = 0
                 while done < want:
                     try:

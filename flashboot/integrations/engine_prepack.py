@@ -532,7 +532,7 @@ def write_engine_rank(rank_dir: Path, collected: EngineTensors, key: EngineKey, 
         "attrs": collected.attrs,
         "skipped": collected.skipped,
     }
-    writer = ImageWriter(rank_dir, layout)
+    writer = ImageWriter(rank_dir, layout, chunk_bytes)
     try:
         for p in planned:
             raw = _span_bytes(collected.tensors[p.name].tensor, p)

@@ -1,0 +1,49 @@
+"""Reading files in large pieces, ``O_DIRECT`` where the filesystem allows it: what the
+preloader, the streamed load and pre-pack's shard reader share.
+
+``O_DIRECT`` wants the buffer, the offset and the length aligned to the logical block size
+(<= 4096). A filesystem may refuse the flag at ``open`` (EINVAL: tmpfs before Linux 6.6) or only
+at the first read (EINVAL again): callers then reopen the file buffered and say so.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Callable
+
+from .errors import ImageReadError, LayoutError
+
+DIRECT_ALIGNMENT = 4096
+
+
+class DirectReadRefused(Exception):
+    """A read under O_DIRECT failed with EINVAL: the filesystem takes the flag, not the I/O."""
+
+
+def read_exactly(fd: int, view: memoryview, offset: int, need: int, *, direct: bool, path: str,
+                 file_nbytes: int, preadv: Callable = os.preadv) -> None:
+    """Fill at least the first ``need`` bytes of ``view`` from ``fd`` at ``offset``.
+
+    Each read asks for the rest of ``view`` (under O_DIRECT its length is a multiple of 4096, so
+    the file's last read may come back short: only ``need`` bytes are required). Raises
+    DirectReadRefused on EINVAL under O_DIRECT, ImageReadError (naming ``path``, the byte and
+    the system's error) on any other I/O error, and LayoutError when the file ends first (naming
+    where, and the ``file_nbytes`` expected).
+    """
+    got = 0
+    while got < need:
+        try:
+            n = preadv(fd, [view[got:]], offset + got)
+        except OSError as exc:
+            if direct and exc.errno == errno.EINVAL:
+                raise DirectReadRefused(str(exc)) from None
+            raise ImageReadError(path, offset + got, len(view) - got,
+                                 f"{exc.strerror or exc} (errno {exc.errno})") from None
+        if n == 0:
+            raise LayoutError(f"{path}: ends at byte {offset + got:,}; {file_nbytes:,} bytes were expected "
+                              "(the file shrank while it was read)")
+        got += n
+
+
+__all__ = ["DIRECT_ALIGNMENT", "DirectReadRefused", "read_exactly"]

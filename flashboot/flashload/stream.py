@@ -1,0 +1,578 @@
+"""Stream one rank's image straight from disk into its arena, in bounded host memory.
+
+Used by :func:`flashboot.load` when nothing is staged for it to copy from: no preloader runs and
+the rank is not in shared memory, the preloader stages other ranks, the staged copy is of
+another pre-pack, or shared memory cannot hold the image (a container's default /dev/shm is
+64 MB). Waiting for a ``.ready`` file nobody will write would only end in a timeout.
+
+The image is read through a small **ring** of slots (one anonymous mapping, page-aligned as
+``O_DIRECT`` needs, pinned once with ``cuMemHostRegister`` on CUDA), never larger than
+``buffer_bytes`` whatever the image's size. Several reader threads each take the next chunk,
+wait for a free slot, read the chunk into it (``O_DIRECT`` where the filesystem allows it,
+buffered otherwise) and hand it over; the loading thread copies each filled slot to the chunk's
+offset in the arena (CUDA: ``cudaMemcpyAsync`` on one stream and an event recorded after it;
+host backend: the numba host copy into the memfd arena) and returns the slot to the free list.
+On CUDA a reader that takes a slot first synchronises that slot's event, so no slot is
+overwritten while its copy is in flight. Reads of later chunks overlap the copies of earlier
+ones; the disk is the bottleneck, the copy runs ~50x faster than a disk reads.
+
+Peak extra host memory is the ring (plus a few pages per thread), measured by the tests with
+``VmHWM`` in a fresh process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import CapabilityError, FlashBootError, ImageReadError, LayoutError, WaitTimeoutError
+from ..fileio import DirectReadRefused, read_exactly
+from ..memory import CPU, Device, Span
+
+DEFAULT_BUFFER_BYTES = 256 << 20
+"""Ring size by default: enough slots to keep several reads in flight on a disk of ~1-2 GB/s."""
+BUFFER_ENV = "FLASHBOOT_STREAM_BUFFER_BYTES"
+"""Environment variable that overrides :data:`DEFAULT_BUFFER_BYTES` (engines cannot always pass options)."""
+MAX_SLOT_BYTES = 32 << 20
+"""Largest read: large enough for the disk's queue (dd bs=16M reaches the O_DIRECT rate)."""
+MIN_SLOTS = 4
+"""Slots at the least: two reads in flight while one slot is copied and one waits."""
+DEFAULT_THREADS = 4
+"""Reader threads (reads in flight); capped at the slot count minus one."""
+ALIGNMENT = 4096
+"""O_DIRECT wants buffers, offsets and lengths aligned to the logical block size (<= 4096)."""
+MIN_BUFFER_BYTES = 2 * ALIGNMENT
+MAX_OVERHEAD_BYTES = 4 << 20
+"""Of the cap, what is kept back for the loader's own memory (reader stacks, queues, the views'
+objects: ~0.1-2 MB measured), so that the ring plus that stays under the cap: 1/16 of it, at most this."""
+IO_MODES = ("auto", "direct", "buffered")
+
+_JOIN_S = 30.0
+"""How long cleanup waits for a reader to finish a read in progress."""
+
+# Module-level so tests can inject a read error mid-stream.
+_preadv = os.preadv
+
+
+# ============================================================================ configuration
+@dataclass
+class StreamConfig:
+    """How :func:`flashboot.load` streams an image from disk. Validates itself.
+
+    ``buffer_bytes``: the cap on extra host memory (default :data:`DEFAULT_BUFFER_BYTES`, or
+    ``$FLASHBOOT_STREAM_BUFFER_BYTES``): the ring takes it less 1/16 (at most 4 MiB) kept for the
+    loader's own objects; ``slot_bytes``: one read (default ``min(32 MiB, ring / 4)`` rounded down
+    to 4096); ``threads``: reads in
+    flight; ``io``: ``auto`` (O_DIRECT, buffered where refused; the report says which),
+    ``direct`` or ``buffered``; ``stall_timeout_s``: how long the load waits for any one read
+    before it gives up (WaitTimeoutError).
+    """
+
+    buffer_bytes: int | None = None
+    slot_bytes: int | None = None
+    threads: int = DEFAULT_THREADS
+    io: str = "auto"
+    stall_timeout_s: float = 60.0
+
+    def __post_init__(self):
+        if self.buffer_bytes is None:
+            env = os.environ.get(BUFFER_ENV)
+            try:
+                self.buffer_bytes = int(env) if env else DEFAULT_BUFFER_BYTES
+            except ValueError:
+                raise FlashBootError(f"${BUFFER_ENV} must be a number of bytes, got {env!r}") from None
+        b = self.buffer_bytes
+        if isinstance(b, bool) or not isinstance(b, int) or b < MIN_BUFFER_BYTES:
+            raise FlashBootError(f"stream buffer_bytes must be an int >= {MIN_BUFFER_BYTES:,}, got {b!r}")
+        ring = self.ring_bytes
+        if self.slot_bytes is None:
+            self.slot_bytes = max(ALIGNMENT, min(MAX_SLOT_BYTES, ring // MIN_SLOTS) // ALIGNMENT * ALIGNMENT)
+        s = self.slot_bytes
+        if isinstance(s, bool) or not isinstance(s, int) or s <= 0 or s % ALIGNMENT or 2 * s > ring:
+            raise FlashBootError(f"stream slot_bytes must be a positive multiple of {ALIGNMENT} and at most half of "
+                                 f"the ring's {ring:,} bytes (buffer_bytes {b:,}), got {s!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise FlashBootError(f"stream threads must be an int >= 1, got {self.threads!r}")
+        if self.io not in IO_MODES:
+            raise FlashBootError(f"stream io must be one of {', '.join(IO_MODES)}, got {self.io!r}")
+        if not self.stall_timeout_s > 0:
+            raise FlashBootError(f"stream stall_timeout_s must be positive, got {self.stall_timeout_s!r}")
+
+    @classmethod
+    def of(cls, value: Any) -> "StreamConfig":
+        """A config from None (defaults), an int (``buffer_bytes``), a dict or a StreamConfig."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(buffer_bytes=value)
+        if isinstance(value, dict):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = set(value) - known
+            if unknown:
+                raise FlashBootError(f"unknown stream options {sorted(unknown)}; known: {', '.join(sorted(known))}")
+            return cls(**value)
+        raise FlashBootError(f"stream options must be None, an int (buffer bytes), a dict or a StreamConfig, "
+                             f"got {type(value).__name__}")
+
+    @property
+    def ring_bytes(self) -> int:
+        """The most the ring may take: ``buffer_bytes`` less the loader's own allowance
+        (:data:`MAX_OVERHEAD_BYTES`)."""
+        overhead = min(self.buffer_bytes // 16, MAX_OVERHEAD_BYTES) // ALIGNMENT * ALIGNMENT
+        return self.buffer_bytes - overhead
+
+    def slots_for(self, nbytes: int) -> int:
+        """Slots the ring gets for an image of ``nbytes``: as many as fit, no more than it has chunks."""
+        return max(1, min(self.ring_bytes // self.slot_bytes, -(-nbytes // self.slot_bytes)))
+
+
+# ============================================================================ when to stream
+def _shm_free_bytes(path) -> tuple[int, str]:
+    """Free bytes of the filesystem that holds ``path`` (its nearest existing ancestor)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize, p
+
+
+def stream_reason(image_dir, rank: int, source, *, shm_dir=None, stream: bool | None = None) -> str | None:
+    """Why a load of rank ``rank`` should stream from disk; None when it should use (or wait for)
+    the staged copy in shared memory.
+
+    ``stream``: True always streams, False never does (the load waits for ``.ready`` as before),
+    None decides: use the staged copy when its ``.ready`` is there and of this pre-pack; wait for
+    it only when a preloader runs, stages this rank and shared memory can hold it (or it is
+    already writing it); stream otherwise.
+    """
+    from .shm import _read_pid_file, _running_pid, check_ready, pid_file, read_ready, staged_paths
+
+    if stream is True:
+        return "stream=True was asked"
+    if stream is False:
+        return None
+    paths = staged_paths(image_dir, rank, shm_dir)
+    try:
+        check_ready(read_ready(paths.ready), source)
+        return None
+    except FileNotFoundError:
+        staged = f"rank {rank} is not staged"
+    except LayoutError as exc:
+        staged = f"its staged copy is unusable ({exc})"
+    nbytes = source.nbytes
+    free, where = _shm_free_bytes(paths.dir)
+    room = nbytes <= free
+    no_room = f"{where} has {free:,} bytes free, the image needs {nbytes:,}"
+    pid = _running_pid(pid_file(image_dir, shm_dir))
+    if pid is None:
+        return f"no preloader runs for {image_dir} and {staged}" + ("" if room else f"; {no_room}")
+    ranks = (_read_pid_file(pid_file(image_dir, shm_dir)) or {}).get("ranks")
+    if ranks is not None and rank not in ranks:
+        return f"the preloader (pid {pid}) stages ranks {ranks}, not rank {rank}"
+    if staged.startswith("its staged copy"):
+        return f"{staged}; the preloader (pid {pid}) does not replace it"
+    if paths.partial.exists() or room:
+        return None  # the preloader is writing it, or will: wait for .ready
+    return f"the preloader (pid {pid}) cannot stage rank {rank}: {no_room}"
+
+
+# ============================================================================ the ring
+class _Slot:
+    __slots__ = ("index", "ptr", "view", "copied")
+
+    def __init__(self, index: int, ptr: int, view: memoryview):
+        self.index, self.ptr, self.view = index, ptr, view
+        self.copied = None  # CUDA: the event recorded after this slot's last copy
+
+
+class Ring:
+    """``slots`` buffers of ``slot_bytes`` in one page-aligned anonymous mapping; pinned once
+    (``cuMemHostRegister``) for a CUDA ``device``. Counts the slots in use and their peak.
+    :meth:`close` unpins and unmaps (idempotent)."""
+
+    def __init__(self, slots: int, slot_bytes: int, device: Device):
+        import ctypes
+
+        self.slot_bytes, self.nbytes = slot_bytes, slots * slot_bytes
+        self.device = device
+        self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # The ctypes object exports the mmap's buffer only for this line: the slots' views are made
+        # from the address, so an error's traceback holding a slice never blocks close().
+        self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        self.pinned = None
+        self.pin_ms = 0.0
+        self.leak = False
+        """Set when a reader could not be stopped: the mapping is then left in place, not unmapped."""
+        try:
+            if device.is_cuda:
+                from ..pinning import register_host
+
+                self.pinned = register_host(self.ptr, self.nbytes, device)
+                self.pin_ms = self.pinned.pin_ms
+        except BaseException:
+            self._mm.close()
+            raise
+        self.slots = [_Slot(i, p, memoryview((ctypes.c_char * slot_bytes).from_address(p)).cast("B"))
+                      for i, p in ((i, self.ptr + i * slot_bytes) for i in range(slots))]
+        self._lock = threading.Lock()
+        self.in_use = self.peak_in_use = 0
+
+    def acquired(self) -> None:
+        with self._lock:
+            self.in_use += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+
+    def released(self) -> None:
+        with self._lock:
+            self.in_use -= 1
+
+    @property
+    def peak_bytes(self) -> int:
+        """Most bytes of the ring held at once (reading, waiting or being copied)."""
+        return self.peak_in_use * self.slot_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        try:
+            if self.pinned is not None:
+                self.pinned.unregister()
+        finally:
+            self._mm.close()  # the readers have stopped (or the ring is leaked instead of closed)
+            self._mm = None
+
+
+# ============================================================================ the stream
+@dataclass
+class StreamStats:
+    """What one streamed read did: bytes, time, I/O mode (and why), the ring."""
+
+    path: str
+    nbytes: int
+    seconds: float
+    """From the first read issued to the last copy finished (reads and copies overlap)."""
+    io_mode: str
+    io_reason: str
+    buffer_bytes: int
+    """The ring's size: the extra host memory (pinned on CUDA)."""
+    peak_buffer_bytes: int
+    """Most ring bytes in use at once."""
+    buffer_cap_bytes: int
+    slots: int
+    slot_bytes: int
+    threads: int
+    chunks: int
+    copy_s: float
+    """Time the copies out of the ring took (CUDA: sum of event-timed copies; host: of the host copies)."""
+    pin_ms: float = 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    @property
+    def copy_gbps(self) -> float:
+        return self.nbytes / self.copy_s / 1e9 if self.copy_s > 0 else float("inf")
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "read_gbps": self.read_gbps, "copy_gbps": self.copy_gbps}
+
+
+def _open(path: str, io: str) -> tuple[int, str, str]:
+    from pathlib import Path
+
+    from .staging import _open_source
+
+    return _open_source(Path(path), io)
+
+
+class _Copier:
+    """Copies filled slots into the arena: CUDA on one stream with an event per copy, or the host copy."""
+
+    def __init__(self, arena):
+        self.arena = arena
+        self.cuda = arena.device.is_cuda
+        self.copy_s = 0.0
+        self._timed: list = []
+        if self.cuda:
+            import cupy
+
+            with cupy.cuda.Device(arena.device.index):
+                self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    def copy(self, slot: _Slot, offset: int, nbytes: int) -> None:
+        dst = self.arena.span(offset, nbytes)
+        if not self.cuda:
+            from ..movers.host import host_copy
+
+            t0 = time.perf_counter()
+            host_copy(dst.ptr, slot.ptr, nbytes)
+            self.copy_s += time.perf_counter() - t0
+            return
+        import cupy
+
+        from ..movers.copy_engine import _CUDA_MEMCPY_DEFAULT
+
+        with cupy.cuda.Device(self.arena.device.index):
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(self.stream)
+            cupy.cuda.runtime.memcpyAsync(dst.ptr, slot.ptr, nbytes, _CUDA_MEMCPY_DEFAULT, self.stream.ptr)
+            end.record(self.stream)
+        slot.copied = end
+        self._timed.append((start, end))
+
+    def finish(self) -> None:
+        """Wait for every copy; add the CUDA copies' event times to ``copy_s``."""
+        if not self.cuda:
+            return
+        import cupy
+
+        with cupy.cuda.Device(self.arena.device.index):
+            self.stream.synchronize()
+            self.copy_s += sum(cupy.cuda.get_elapsed_time(a, b) for a, b in self._timed) * 1e-3
+        self._timed.clear()
+
+    def settle(self) -> None:
+        """After a failure: wait for what was enqueued (the arena and ring are released next)."""
+        if self.cuda:
+            self.stream.synchronize()
+
+
+def _take_slot(free: queue.Queue, stop: threading.Event) -> _Slot | None:
+    while not stop.is_set():
+        try:
+            return free.get(timeout=0.05)
+        except queue.Empty:
+            continue
+    return None
+
+
+def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, threads: int, *, direct: bool,
+         stall_timeout_s: float, on_start: Callable[[], None] | None) -> tuple[float, float, int]:
+    """Read ``nbytes`` of ``fd`` through ``ring`` into ``arena``; returns (seconds, copy seconds,
+    chunks). When this returns or raises, every reader has stopped and every copy has finished."""
+    slot_bytes = ring.slot_bytes
+    n_chunks = -(-nbytes // slot_bytes)
+    free: queue.Queue = queue.Queue()
+    for s in ring.slots:
+        free.put(s)
+    filled: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    lock = threading.Lock()
+    state = {"next": 0, "error": None}
+    copier = _Copier(arena)
+    failed = object()
+    ring.in_use = 0  # a retry (buffered after O_DIRECT was refused) starts with every slot free
+
+    def take() -> int | None:
+        with lock:
+            if state["next"] >= n_chunks:
+                return None
+            state["next"] += 1
+            return state["next"] - 1
+
+    def reader() -> None:
+        try:
+            if copier.cuda:
+                from .. import _cuda
+
+                _cuda.use_device(arena.device.index)  # this thread owns its context: synchronising events needs one
+            while not stop.is_set() and (i := take()) is not None:
+                slot = _take_slot(free, stop)
+                if slot is None:
+                    return
+                ring.acquired()
+                if slot.copied is not None:
+                    slot.copied.synchronize()  # its previous copy must end before the slot is overwritten
+                    slot.copied = None
+                off = i * slot_bytes
+                want = min(slot_bytes, nbytes - off)
+                ask = -(-want // ALIGNMENT) * ALIGNMENT if direct else want
+                read_exactly(fd, slot.view[:ask], off, want, direct=direct, path=path, file_nbytes=nbytes,
+                             preadv=_preadv)
+                filled.put((i, slot, want))
+        except BaseException as exc:  # handed to the loading thread
+            with lock:
+                if state["error"] is None:
+                    state["error"] = exc
+            stop.set()
+            filled.put(failed)
+
+    pool = [threading.Thread(target=reader, name=f"flashboot-stream-{k}", daemon=True)
+            for k in range(max(1, min(threads, n_chunks)))]
+    t0 = time.perf_counter()
+    try:
+        for t in pool:
+            t.start()
+        if on_start is not None:
+            on_start()
+        done = 0
+        while done < n_chunks:
+            try:
+                item = filled.get(timeout=stall_timeout_s)
+            except queue.Empty:
+                raise WaitTimeoutError(f"{path}: no read completed within {stall_timeout_s:g} s ({done} of {n_chunks} "
+                                       f"chunks of {slot_bytes:,} bytes streamed)") from None
+            if item is failed:
+                raise state["error"]
+            i, slot, want = item
+            copier.copy(slot, i * slot_bytes, want)
+            ring.released()
+            free.put(slot)
+            done += 1
+        copier.finish()
+        return time.perf_counter() - t0, copier.copy_s, n_chunks
+    except BaseException:
+        stop.set()
+        try:
+            copier.settle()
+        except Exception:
+            pass  # the first error is the one to report
+        raise
+    finally:
+        stop.set()
+        for t in pool:
+            t.join(_JOIN_S)
+        stuck = [t.name for t in pool if t.is_alive()]
+        if stuck:  # a read still writes into the ring: it must not be unmapped under it
+            ring.leak = True
+            raise ImageReadError(path, 0, nbytes, f"reader threads {stuck} did not finish within {_JOIN_S:g} s; "
+                                 f"the {ring.nbytes:,}-byte ring buffer is left mapped")
+
+
+def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *,
+                 on_start: Callable[[], None] | None = None) -> StreamStats:
+    """Read the image file ``path`` (``nbytes``, a multiple of 4096 or not) into ``arena`` from
+    byte 0, through a ring of at most ``config.buffer_bytes``.
+
+    ``on_start()`` runs on this thread once the file is open, its size checked and the reads
+    started (the views are built there while the bytes arrive). Raises LayoutError when the file
+    is not ``nbytes`` long (before any read) or ends early; ImageReadError on an I/O error;
+    CapabilityError when ``io='direct'`` and the filesystem refuses O_DIRECT; WaitTimeoutError
+    when no read completes within ``stall_timeout_s``. The ring is released either way; the
+    arena is the caller's.
+    """
+    config = StreamConfig.of(config)
+    path = str(path)
+    if nbytes > arena.nbytes:
+        raise LayoutError(f"{path}: image of {nbytes:,} bytes does not fit the {arena.nbytes:,}-byte arena")
+    try:
+        fd, mode, reason = _open(path, config.io)
+    except OSError as exc:
+        raise ImageReadError(path, 0, nbytes, f"open failed: {exc.strerror or exc}") from None
+    ring = None
+    try:
+        size = os.fstat(fd).st_size
+        if size != nbytes:
+            what = "truncated" if size < nbytes else "longer than recorded"
+            raise LayoutError(f"{path}: {what}: {nbytes:,} bytes expected, the file has {size:,}; nothing was loaded")
+        slots = config.slots_for(nbytes)
+        ring = Ring(slots, config.slot_bytes, arena.device)
+        threads = max(1, min(config.threads, slots - 1 if slots > 1 else 1))
+        try:
+            seconds, copy_s, chunks = _run(fd, path, nbytes, arena, ring, threads, direct=mode == "o_direct",
+                                           stall_timeout_s=config.stall_timeout_s, on_start=on_start)
+        except DirectReadRefused as exc:
+            if config.io == "direct":
+                raise CapabilityError(f"{path}: reads under O_DIRECT fail ({exc}) and io='direct' was asked") from None
+            os.close(fd)
+            fd = -1
+            fd = os.open(path, os.O_RDONLY)
+            mode, reason = "buffered", f"filesystem refuses O_DIRECT reads ({exc})"
+            seconds, copy_s, chunks = _run(fd, path, nbytes, arena, ring, threads, direct=False,
+                                           stall_timeout_s=config.stall_timeout_s, on_start=None)
+        return StreamStats(path, nbytes, seconds, mode, reason, ring.nbytes, ring.peak_bytes, config.buffer_bytes,
+                           slots, ring.slot_bytes, threads, chunks, copy_s, ring.pin_ms)
+    finally:
+        if ring is not None and not ring.leak:
+            ring.close()
+        if fd >= 0:
+            os.close(fd)
+
+
+# ============================================================================ the load
+def load_streamed(source, dev: Device, report, t_start: float, *, reason: str, config: StreamConfig | None,
+                  verify: bool):
+    """The rest of :func:`flashboot.load` for a rank read straight from disk (``source``: the
+    validated :class:`~flashboot.flashload.shm.RankSource`; ``report`` has its metadata time).
+
+    The arena is created, the image streamed into it while the views are built, then (``verify``)
+    its chunk checksums recomputed. A failure releases the arena and the ring; no view is
+    returned. The report says it streamed, why, the read rate, the ring's size and peak, and the
+    copy time a staged load would have (the bulk copy rate measured on the ring's own copies).
+    """
+    from ..arena import Arena
+    from ..units import format_bytes
+    from .load import LoadedImage, _Beside, _timed_views, verify_loaded
+
+    config = StreamConfig.of(config)
+    meta = source.metadata
+    nbytes = source.nbytes
+    report.mode = "streamed from disk"
+    arena = None
+    side = None
+    try:
+        t0 = time.perf_counter()
+        arena = Arena.create(nbytes, dev)
+        arena.bytes()  # its flat tensor made here, not in the views' thread (torch/CuPy device state is per thread)
+        report.alloc_ms = (time.perf_counter() - t0) * 1e3
+
+        def start_views():
+            nonlocal side
+            side = _Beside(lambda: _timed_views(arena, meta, report))
+
+        try:
+            stats = stream_image(source.path, nbytes, arena, config, on_start=start_views)
+        except BaseException:
+            if side is not None:
+                try:
+                    side.join()  # the views go with the arena
+                except BaseException:
+                    pass  # the stream's error is the one to report
+            raise
+        views = side.join() if side is not None else _timed_views(arena, meta, report)
+        report.pin_ms = stats.pin_ms
+        report.h2d_ms = stats.seconds * 1e3
+        report.overlapped = ["bind"]
+        report.chunks = stats.chunks
+        staged_ms = nbytes / (stats.copy_gbps * 1e9) * 1e3 if stats.copy_s > 0 else 0.0
+        faster = report.h2d_ms / staged_ms if staged_ms > 0 else float("inf")
+        report.details.update(
+            streamed_from_disk=True, stream_reason=reason, io_mode=stats.io_mode, io_reason=stats.io_reason,
+            read_gbps=stats.read_gbps, buffer_bytes=stats.buffer_bytes, buffer_cap_bytes=stats.buffer_cap_bytes,
+            peak_buffer_bytes=stats.peak_buffer_bytes, slots=stats.slots, slot_bytes=stats.slot_bytes,
+            threads=stats.threads, bulk_copy_gbps=stats.copy_gbps, staged_copy_ms_estimate=staged_ms,
+            staged_speedup_estimate=faster,
+            note=(f"streamed from disk ({stats.io_mode}) because {reason}: read {stats.read_gbps:.2f} GB/s through "
+                  f"a {format_bytes(stats.buffer_bytes)} ring (peak {format_bytes(stats.peak_buffer_bytes)} in use, "
+                  f"cap {format_bytes(stats.buffer_cap_bytes)}); staged, the copy would take ~{staged_ms:.1f} ms "
+                  f"at {stats.copy_gbps:.1f} GB/s ({faster:.1f}x faster): run `flashboot preload`"))
+        if verify:
+            t1 = time.perf_counter()
+            verify_loaded(arena, meta, f"{source.path} (rank {source.rank}) streamed into {dev}")
+            report.verify_ms = (time.perf_counter() - t1) * 1e3
+    except BaseException:
+        if arena is not None and not arena.closed:
+            arena.close()
+        raise
+    report.total_ms = (time.perf_counter() - t_start) * 1e3
+    return LoadedImage(arena, views, meta, report, source)
+
+
+__all__ = ["StreamConfig", "StreamStats", "Ring", "stream_image", "stream_reason", "load_streamed",
+           "DEFAULT_BUFFER_BYTES", "BUFFER_ENV"]

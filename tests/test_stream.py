@@ -1,0 +1,441 @@
+"""Streaming an image straight from disk (no preloader, nothing staged, no room in /dev/shm):
+byte-exact results, host memory bounded by the ring whatever the image's size (measured with
+VmHWM in a fresh process), when it streams and why, and bad input (truncated file, read errors,
+O_DIRECT refused) refused cleanly with nothing leaked."""
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _io_helpers import CHUNK, TINY, image, image_master, refuse_direct_open, shm  # noqa: F401  (fixtures)
+from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
+from flashboot.layouts import read_image
+
+import flashboot
+from flashboot.errors import CapabilityError, FlashBootError, ImageReadError, LayoutError, WaitTimeoutError
+from flashboot.flashload import service, staging, stream
+from flashboot.flashload import shm as shm_files
+from flashboot.flashload.stream import StreamConfig, stream_reason
+
+SMALL_RING = 4 * 4096  # 4 slots of one page: the ~127 KB image cycles the ring ~8 times
+
+
+def _file_bytes(image_dir, rank=0) -> np.ndarray:
+    return np.frombuffer(read_image(image_dir, rank).path.read_bytes(), np.uint8)
+
+
+def _arena_bytes(loaded) -> np.ndarray:
+    return loaded.arena.bytes().numpy()[: loaded.nbytes]
+
+
+def _spy(monkeypatch, cls, name="create") -> list:
+    """Record every object ``cls.create`` (or ``cls(...)``) makes."""
+    made = []
+    if name == "create":
+        real = cls.create.__func__
+
+        def spy(c, *a, **k):
+            made.append(real(c, *a, **k))
+            return made[-1]
+
+        monkeypatch.setattr(cls, "create", classmethod(spy))
+    else:
+        real_init = cls.__init__
+
+        def init(self, *a, **k):
+            real_init(self, *a, **k)
+            made.append(self)
+
+        monkeypatch.setattr(cls, "__init__", init)
+    return made
+
+
+def _open_fds() -> set:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _stream_threads() -> list:
+    return [t.name for t in threading.enumerate() if t.name.startswith("flashboot-stream")]
+
+
+def _fake_preloader(image, shm, ranks=None) -> Path:
+    """A pid file naming this (live) process as the image's preloader."""
+    path = shm_files.pid_file(image, shm)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pid": os.getpid(), "start_time": shm_files._proc_start_time(os.getpid()),
+                                "serve": False, "ranks": ranks}))
+    return path
+
+
+# ------------------------------------------------------------------------------ the stream
+def test_no_preloader_streams_at_once_byte_exact(image, shm):
+    with flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes=SMALL_RING, verify=True,
+                        timeout_s=3600) as loaded:
+        r = loaded.report
+        assert r.mode == "streamed from disk"
+        assert "no preloader runs" in r.details["stream_reason"] and "rank 0 is not staged" in r.details["stream_reason"]
+        assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
+        assert r.verify_ms > 0 and r.tensors == len(loaded.tensors) == TINY.tensor_count
+        d = r.details
+        assert d["buffer_bytes"] <= SMALL_RING and d["peak_buffer_bytes"] <= d["buffer_bytes"]
+        assert d["slots"] == 4 and d["slot_bytes"] == 4096 and r.chunks == -(-loaded.nbytes // 4096)
+        assert d["io_mode"] in ("o_direct", "buffered") and d["read_gbps"] > 0
+        assert d["staged_speedup_estimate"] > 0 and d["staged_copy_ms_estimate"] > 0
+        assert "streamed from disk" in r.summary() and "flashboot preload" in r.summary()
+        for name, t in loaded.tensors.items():  # the views point at the streamed bytes
+            entry = loaded.metadata.tensors[name]
+            raw = t.contiguous().view(-1).view(torch.uint8).numpy()
+            assert np.array_equal(raw, _file_bytes(image)[entry.offset:entry.offset + raw.size]), name
+    assert not list(shm.glob("**/rank-*")), "streaming stages nothing"
+
+
+def test_default_ring_is_capped_by_the_image_and_the_env(image, shm, monkeypatch):
+    monkeypatch.setenv(stream.BUFFER_ENV, str(64 << 10))
+    cfg = StreamConfig()
+    assert cfg.buffer_bytes == 64 << 10 and cfg.ring_bytes == 60 << 10 and cfg.slot_bytes == 12 << 10
+    assert cfg.slots_for(1 << 30) == 5 and cfg.slots_for(13 << 10) == 2
+    monkeypatch.delenv(stream.BUFFER_ENV)
+    cfg = StreamConfig()
+    assert cfg.buffer_bytes == stream.DEFAULT_BUFFER_BYTES and cfg.slot_bytes == stream.MAX_SLOT_BYTES
+    assert cfg.ring_bytes == cfg.buffer_bytes - stream.MAX_OVERHEAD_BYTES and cfg.slots_for(1 << 40) == 7
+    with flashboot.load(image, 0, "cpu", shm_dir=shm) as loaded:  # a 127 KB image gets one slot, not 256 MiB
+        assert loaded.report.details["buffer_bytes"] == stream.MAX_SLOT_BYTES
+        assert loaded.report.details["slots"] == 1
+        assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
+
+
+def test_config_validates_itself(monkeypatch):
+    with pytest.raises(FlashBootError, match="buffer_bytes must be an int >= 8,192, got 100"):
+        StreamConfig(buffer_bytes=100)
+    with pytest.raises(FlashBootError, match="slot_bytes must be a positive multiple of 4096"):
+        StreamConfig(buffer_bytes=1 << 20, slot_bytes=5000)
+    with pytest.raises(FlashBootError, match="at most half of the ring's 983,040 bytes"):
+        StreamConfig(buffer_bytes=1 << 20, slot_bytes=512 << 10)
+    with pytest.raises(FlashBootError, match="threads"):
+        StreamConfig(threads=0)
+    with pytest.raises(FlashBootError, match="io must be one of"):
+        StreamConfig(io="mmap")
+    with pytest.raises(FlashBootError, match="unknown stream options \\['bufer_bytes'\\]"):
+        StreamConfig.of({"bufer_bytes": 1 << 20})
+    assert StreamConfig.of({"buffer_bytes": 1 << 20, "threads": 2}).threads == 2
+    monkeypatch.setenv(stream.BUFFER_ENV, "lots")
+    with pytest.raises(FlashBootError, match="FLASHBOOT_STREAM_BUFFER_BYTES must be a number"):
+        StreamConfig()
+
+
+_MEASURE = r"""
+import json, sys
+import numpy as np
+import flashboot
+
+def status():
+    d = {}
+    for line in open("/proc/self/status"):
+        k, _, v = line.partition(":")
+        if k in ("VmRSS", "VmHWM"):
+            d[k] = int(v.split()[0]) * 1024
+    return d
+
+image, shm = sys.argv[1], sys.argv[2]
+out = []
+for cap in (16 << 20, 128 << 20, 16 << 20):
+    # the first 16 MiB load warms numba, torch and the allocator; the last one is measured
+    open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
+    before = status()["VmRSS"]
+    with flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes=cap) as li:
+        hwm = status()["VmHWM"]
+        arena = li.arena.bytes().numpy()[: li.nbytes]
+        ok = bool(np.array_equal(arena, np.fromfile(li.source.path, np.uint8)))
+        out.append({"cap": cap, "extra_peak": hwm - before - li.nbytes, "ring": li.report.details["buffer_bytes"],
+                    "peak_in_use": li.report.details["peak_buffer_bytes"], "nbytes": li.nbytes, "equal": ok,
+                    "mode": li.report.mode})
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def big_image(tmp_path_factory):
+    """A ~266 MB image (8 experts of 2048 x 2176, embeddings, attention)."""
+    root = tmp_path_factory.mktemp("stream-big")
+    spec = CheckpointSpec("big", layers=2, experts=4, expert_rows=2048, expert_cols=2176, hidden=1024, vocab=8192,
+                          shards=2)
+    make_checkpoint(str(root / "ckpt"), spec, device="cpu")
+    flashboot.prepack(str(root / "ckpt"), str(root / "image"), progress=False)
+    shutil.rmtree(root / "ckpt")
+    return root / "image"
+
+
+def test_peak_host_memory_stays_under_the_cap(big_image, tmp_path):
+    """Peak RSS beyond the arena's own pages, in a fresh process: under the 16 MiB cap for a
+    266 MB image (38 tensors: the views' objects, ~0.4 KB a tensor, come on top of the cap);
+    the same measurement sees a 128 MiB ring (so it would see a leak or a whole-image buffer)."""
+    res = subprocess.run([sys.executable, "-c", _MEASURE, str(big_image), str(tmp_path / "shm")], capture_output=True,
+                         text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    _, large, small = json.loads(res.stdout.strip().splitlines()[-1])  # the first load warmed up
+    assert small["cap"] == 16 << 20 and large["cap"] == 128 << 20
+    assert small["nbytes"] > 250e6 and small["equal"] and large["equal"]
+    assert small["mode"] == "streamed from disk"
+    assert small["ring"] <= 16 << 20 and small["peak_in_use"] <= small["ring"]
+    assert small["extra_peak"] < 16 << 20, small  # ring, reader threads, views: all of it under the cap
+    assert large["extra_peak"] > 100 << 20, large  # the measurement sees the ring
+
+
+# ------------------------------------------------------------------------------ when and why
+def test_staged_rank_is_copied_from_shm_not_streamed(image, shm):
+    staging.stage_rank(image, 0, shm_dir=shm)
+    src = shm_files.rank_source(image, 0)
+    assert stream_reason(image, 0, src, shm_dir=shm) is None
+    with flashboot.load(image, 0, "cpu", shm_dir=shm) as loaded:
+        assert loaded.report.mode == "host" and "streamed_from_disk" not in loaded.report.details
+    assert stream_reason(image, 0, src, shm_dir=shm, stream=True) == "stream=True was asked"
+    with flashboot.load(image, 0, "cpu", shm_dir=shm, stream=True) as loaded:
+        assert loaded.report.mode == "streamed from disk"
+        assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
+    with flashboot.stage(image, 0, "cpu", shm_dir=shm) as staged:
+        with pytest.raises(FlashBootError, match="stream=True excludes"):
+            flashboot.load(image, 0, "cpu", shm_dir=shm, staged=staged, stream=True)
+
+
+def test_a_preloader_staging_the_rank_is_waited_for(image, shm):
+    """Only then: the load waits for .ready (and times out naming it)."""
+    _fake_preloader(image, shm, ranks=[0])
+    src = shm_files.rank_source(image, 0)
+    assert stream_reason(image, 0, src, shm_dir=shm) is None
+    ready = shm_files.staged_paths(image, 0, shm).ready
+    with pytest.raises(WaitTimeoutError, match=f"{ready}.*a preloader is running \\(pid {os.getpid()}\\)"):
+        flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=0.3)
+    _fake_preloader(image, shm, ranks=None)  # a preloader of every rank (or an older pid file)
+    assert stream_reason(image, 0, src, shm_dir=shm) is None
+
+
+def test_stream_false_waits_as_before(image, shm):
+    with pytest.raises(WaitTimeoutError, match="no preloader is running"):
+        flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=0.3, stream=False)
+
+
+def test_a_preloader_of_other_ranks_is_not_waited_for(image, shm):
+    _fake_preloader(image, shm, ranks=[1, 2])
+    with flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=3600) as loaded:
+        assert loaded.report.details["stream_reason"] == f"the preloader (pid {os.getpid()}) stages ranks [1, 2], not rank 0"
+        assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
+
+
+def test_no_room_in_shm_streams_and_says_how_much(image, shm, monkeypatch):
+    nbytes = read_image(image, 0).nbytes
+    monkeypatch.setattr(stream, "_shm_free_bytes", lambda path: (64 << 10, "/dev/shm"))  # less than the image
+    src = shm_files.rank_source(image, 0)
+    _fake_preloader(image, shm, ranks=[0])
+    why = stream_reason(image, 0, src, shm_dir=shm)
+    assert why == f"the preloader (pid {os.getpid()}) cannot stage rank 0: /dev/shm has 65,536 bytes free, " \
+                  f"the image needs {nbytes:,}"
+    paths = shm_files.staged_paths(image, 0, shm)
+    paths.partial.write_bytes(b"")  # it has already reserved the space and is writing: wait
+    assert stream_reason(image, 0, src, shm_dir=shm) is None
+    paths.partial.unlink()
+    shm_files.pid_file(image, shm).unlink()
+    with flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=3600) as loaded:
+        assert loaded.report.details["stream_reason"].endswith(f"/dev/shm has 65,536 bytes free, the image needs {nbytes:,}")
+
+
+def test_real_free_space_is_read_from_the_nearest_existing_directory(tmp_path):
+    free, where = stream._shm_free_bytes(tmp_path / "not" / "yet")
+    st = os.statvfs(tmp_path)
+    assert where == str(tmp_path) and abs(free - st.f_bavail * st.f_frsize) < (64 << 20)
+
+
+def test_a_staged_copy_of_another_prepack_is_streamed_around(image, shm):
+    staging.stage_rank(image, 0, shm_dir=shm)
+    ready = shm_files.staged_paths(image, 0, shm).ready
+    info = json.loads(ready.read_text())
+    info["metadata_sha256"] = "0" * 64
+    ready.write_text(json.dumps(info))
+    with flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=3600) as loaded:
+        why = loaded.report.details["stream_reason"]
+        assert "its staged copy is unusable" in why and "another pre-pack" in why
+        assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
+
+
+def test_preloader_pid_file_records_its_ranks(image, shm):
+    path = shm_files.pid_file(image, shm)
+    path.parent.mkdir(parents=True)
+    service._claim_pid_file(path, serve=False, ranks=[3, 1])
+    assert json.loads(path.read_text())["ranks"] == [1, 3]
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_truncated_image_is_refused_before_any_arena_or_view(image, shm, monkeypatch):
+    img = read_image(image, 0)
+    with open(img.path, "r+b") as f:
+        f.truncate(img.nbytes - CHUNK)
+    from flashboot.arena import Arena
+
+    created = _spy(monkeypatch, Arena)
+    with pytest.raises(LayoutError) as e:
+        flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=3600)
+    msg = str(e.value)
+    assert str(img.path) in msg and "truncated" in msg and f"{img.nbytes:,}" in msg and f"{img.nbytes - CHUNK:,}" in msg
+    assert created == []
+
+
+def test_image_shorter_than_asked_is_refused_before_any_read(image, monkeypatch):
+    """The size check of the open file (the file may change after the metadata was read)."""
+    from flashboot.arena import Arena
+
+    img = read_image(image, 0)
+    reads = []
+    monkeypatch.setattr(stream, "_preadv", lambda *a: reads.append(a) or 0)
+    started = []
+    with Arena.create(img.nbytes + CHUNK, "cpu") as arena:
+        with pytest.raises(LayoutError, match=f"{img.path}: truncated: {img.nbytes + CHUNK:,} bytes expected, "
+                                              f"the file has {img.nbytes:,}"):
+            stream.stream_image(img.path, img.nbytes + CHUNK, arena, SMALL_RING, on_start=lambda: started.append(1))
+    assert reads == [] and started == []
+
+
+def _failing_preadv(monkeypatch, *, at: int, error: OSError | None):
+    """Reads at offsets >= ``at`` raise ``error`` (None: return 0, end of file)."""
+    real = os.preadv
+
+    def fake(fd, bufs, off):
+        if off >= at:
+            if error is None:
+                return 0
+            raise error
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(stream, "_preadv", fake)
+
+
+@pytest.mark.parametrize("error", [OSError(errno.EIO, "Input/output error"), None], ids=["EIO", "shrank"])
+def test_a_failure_mid_stream_releases_everything(image, shm, monkeypatch, error):
+    from flashboot.arena import Arena
+
+    created = _spy(monkeypatch, Arena)
+    rings = _spy(monkeypatch, stream.Ring, "__init__")
+    fds = _open_fds()
+    at = 5 * 4096
+    _failing_preadv(monkeypatch, at=at, error=error)
+    with pytest.raises(FlashBootError) as e:
+        flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes=SMALL_RING, timeout_s=3600)
+    path = str(read_image(image, 0).path)
+    if error is not None:
+        assert isinstance(e.value, ImageReadError) and e.value.path == path and e.value.offset >= at
+        assert "Input/output error" in str(e.value) and f"at byte {e.value.offset:,}" in str(e.value)
+    else:
+        assert isinstance(e.value, LayoutError) and path in str(e.value) and "shrank" in str(e.value)
+        assert f"{read_image(image, 0).nbytes:,} bytes were expected" in str(e.value)
+    assert len(created) == 1 and created[0].closed, "the arena is released"
+    assert len(rings) == 1 and rings[0].closed, "the ring is unmapped"
+    assert _open_fds() == fds, "no file descriptor left open"
+    assert _stream_threads() == [], "every reader stopped"
+
+
+def test_a_stalled_read_times_out(image, monkeypatch):
+    from flashboot.arena import Arena
+
+    gate = threading.Event()
+    real = os.preadv
+
+    def slow(fd, bufs, off):
+        if off >= 4096:
+            gate.wait(10)
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(stream, "_preadv", slow)
+    img = read_image(image, 0)
+    cfg = StreamConfig(buffer_bytes=SMALL_RING, stall_timeout_s=0.2)
+    threading.Timer(2.0, gate.set).start()  # the stuck reads return later; cleanup waits for them
+    with Arena.create(img.nbytes, "cpu") as arena:
+        with pytest.raises(WaitTimeoutError, match="no read completed within 0.2 s"):
+            stream.stream_image(img.path, img.nbytes, arena, cfg)
+    assert _stream_threads() == []
+
+
+def test_o_direct_refused_at_open_reads_buffered_and_says_so(image, shm, monkeypatch):
+    refuse_direct_open(monkeypatch)
+    with flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes=SMALL_RING) as loaded:
+        d = loaded.report.details
+        assert d["io_mode"] == "buffered" and "O_DIRECT" in d["io_reason"] and "(buffered)" in loaded.report.summary()
+        assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
+    with pytest.raises(CapabilityError, match="O_DIRECT"):
+        flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes={"buffer_bytes": SMALL_RING, "io": "direct"})
+
+
+def test_o_direct_refused_at_read_restarts_buffered(image, shm, monkeypatch):
+    import fcntl
+
+    tried = []
+    real = os.preadv
+
+    def fake(fd, bufs, off):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and off >= 3 * 4096:
+            tried.append(off)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, off)
+
+    path = read_image(image, 0).path
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"the filesystem of {path} refuses O_DIRECT at open (covered by the test above)")
+    monkeypatch.setattr(stream, "_preadv", fake)
+    with flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes=SMALL_RING) as loaded:
+        d = loaded.report.details
+        assert tried, "O_DIRECT was tried first"
+        assert d["io_mode"] == "buffered" and "refuses O_DIRECT reads" in d["io_reason"]
+        assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
+
+
+# ------------------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+def test_gpu_streamed_load_reuses_the_pinned_ring_byte_exact(image, shm):
+    """27+ chunks through a ring of 4 pinned pages: every slot reused many times while copies run."""
+    with flashboot.load(image, 0, "cuda:0", shm_dir=shm, stream_buffer_bytes=SMALL_RING, verify=True) as loaded:
+        r = loaded.report
+        assert r.mode == "streamed from disk" and r.pin_ms > 0 and r.verify_ms > 0
+        got = loaded.arena.bytes()[: loaded.nbytes].cpu().numpy()
+        assert np.array_equal(got, _file_bytes(image))
+
+
+@pytest.mark.gpu
+def test_gpu_streamed_load_of_a_large_image(big_image, tmp_path):
+    with flashboot.load(big_image, 0, "cuda:0", shm_dir=tmp_path / "shm", stream_buffer_bytes=16 << 20,
+                        verify=True) as loaded:
+        r = loaded.report
+        assert r.mode == "streamed from disk" and r.details["buffer_bytes"] <= 16 << 20
+        got = loaded.arena.bytes()[: loaded.nbytes].cpu().numpy()
+        assert np.array_equal(got, np.fromfile(loaded.source.path, np.uint8))
+
+
+def test_cli_load_streams_and_says_why(image, shm, capsys):
+    from flashboot.cli import main
+
+    assert main(["load", str(image), "--device", "cpu", "--shm-dir", str(shm), "--stream-buffer", "16KiB",
+                 "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "streamed from disk" in out and "no preloader runs" in out and "16.38 KB ring" in out
+    assert main(["load", str(image), "--device", "cpu", "--shm-dir", str(shm), "--no-stream", "--timeout",
+                 "0.2"]) != 0
+    assert "no preloader is running" in capsys.readouterr().err
+
+
+def test_bench_stream_measures_against_the_disk(tmp_path):
+    from flashboot.benchmarks.checkpoints import CHECKPOINT_A
+    from flashboot.benchmarks.stream import run
+
+    out = run(scale=2e-4, device="cpu", buffer_bytes=1 << 20, image_root=str(tmp_path / "img"),
+              ckpt_root=str(tmp_path / "ckpt"), log=lambda s: None)
+    s = out["stream"]
+    assert s["verified"] and s["nbytes"] >= CHECKPOINT_A.scaled(2e-4).nbytes and s["tensors"] == 3170
+    assert s["disk_gbps"] > 0 and s["stream_gbps"] > 0 and s["x_disk"] == s["stream_gbps"] / s["disk_gbps"]
+    assert s["ring_bytes"] <= 1 << 20 and s["buffer_cap_bytes"] == 1 << 20
+    assert out["prepack"]["gbps"] > 0 and s["report"]["mode"] == "streamed from disk"
