@@ -11,6 +11,11 @@ first and its second call:
 * ``flashload prepared``: ``flashboot.prepare(...)`` at process start (its time reported beside),
   then ``flashboot.load(..., prepared=handle)``; the second call prepares again first;
 * ``flashload prepared, pinned here``: the same without a daemon (the process pins the staged image);
+* ``flashload streamed``: no preloader at all, the image on a real disk (``--disk-dir``, default
+  /var/tmp), its page cache dropped before each call: the load streams it through the bounded
+  ring (peak extra host memory reported); for shape C only unless ``--stream-shapes`` says more,
+  as a 13.8 GB read from a ~1 GB/s disk takes 14 s a call (``flashboot bench stream`` measures
+  the large image against the disk's O_DIRECT rate);
 * ``safetensors``, ``instanttensor``, ``fastsafetensors`` where installed (from the tmpfs checkpoint).
 
 The ceiling is one pinned bulk H2D of the same bytes in the parent, median of 3 after a warm-up,
@@ -35,7 +40,7 @@ from flashboot.benchmarks.load import _sync
 from flashboot.errors import FlashBootError
 
 SHAPES = ("A", "B", "C")
-FLASH_LOADERS = ("flashload served", "flashload prepared", "flashload prepared, pinned here")
+FLASH_LOADERS = ("flashload served", "flashload prepared", "flashload prepared, pinned here", "flashload streamed")
 PEER_LOADERS = ("safetensors", "instanttensor", "fastsafetensors")
 CHILD_TIMEOUT_S = 300.0
 
@@ -52,7 +57,27 @@ def _child(spec: dict) -> dict:
         torch.cuda.synchronize()
     loader = spec["loader"]
     calls = []
-    if loader.startswith("flashload"):
+    if loader == "flashload streamed":
+        import flashboot
+        from flashboot.benchmarks.disk import drop_file_cache
+        from flashboot.benchmarks.stream import _reset_peak_rss, _status
+        from flashboot.flashload import load, stream  # noqa: F401  (an engine imported its loader)
+        from flashboot.flashload.load import verify_loaded
+
+        for _ in range(2):
+            drop_file_cache(spec["image_file"])
+            _reset_peak_rss()
+            rss0 = _status()["VmRSS"]
+            t = time.perf_counter()
+            li = flashboot.load(spec["image"], 0, dev, shm_dir=spec["shm"], timeout_s=60)
+            _sync(dev)
+            ms = (time.perf_counter() - t) * 1e3
+            peak = _status()["VmHWM"] - rss0 - (0 if li.device.is_cuda else li.nbytes)
+            verify_loaded(li.arena, li.metadata, f"{loader} call {len(calls) + 1}")
+            calls.append({"ms": ms, "verified": True, "peak_extra_host_bytes": peak, "report": li.report.to_dict()})
+            li.close()
+            _free(dev)
+    elif loader.startswith("flashload"):
         import flashboot
         from flashboot.flashload import boot, client, load  # noqa: F401  (an engine imported its loader)
 
@@ -151,7 +176,8 @@ def _ceiling_ms(staged_file: str, nbytes: int, dev: str, repeats: int = 3) -> fl
         return sorted(samples[1:])[len(samples[1:]) // 2]
 
 
-def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Callable[[str], None]) -> dict:
+def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Callable[[str], None],
+                disk_root: Path | None = None, stream: bool = False) -> dict:
     """Every loader on one checkpoint shape; see the module docstring."""
     import flashboot
     from flashboot.benchmarks.checkpoints import make_checkpoint
@@ -182,8 +208,8 @@ def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Calla
         out["ceiling_ms"] = _ceiling_ms(staged_file, image_nbytes, device)
         log(f"{spec.name}: bulk H2D ceiling {out['ceiling_ms']:.1f} ms ({image_nbytes / out['ceiling_ms'] / 1e6:.1f} GB/s)")
         for loader in loaders:
-            if loader == "flashload prepared, pinned here":
-                continue  # needs the daemon gone: below
+            if loader in ("flashload prepared, pinned here", "flashload streamed"):
+                continue  # need the daemon gone: below
             res = _run_child({"loader": loader, "device": device, "image": str(img_dir), "shm": str(shm),
                               "checkpoint": str(ckpt_dir)}, log)
             out["loaders"].append(res)
@@ -195,9 +221,30 @@ def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Calla
                           "shm": str(shm), "checkpoint": str(ckpt_dir)}, log)
         out["loaders"].append(res)
         log(_describe(spec.name, res, out["ceiling_ms"]))
+    if stream and "flashload streamed" in loaders:
+        disk_dir = Path(disk_root or "/var/tmp/flashboot-boot") / f"image-{spec.name}"
+        shutil.rmtree(disk_dir, ignore_errors=True)
+        shutil.copytree(img_dir, disk_dir)
+        try:
+            from flashboot.flashload.staging import read_rate
+            from flashboot.layouts import read_image
+
+            image_file = str(read_image(str(disk_dir), 0).path)
+            res = _run_child({"loader": "flashload streamed", "device": device, "image": str(disk_dir),
+                              "shm": str(root / "no-shm"), "image_file": image_file}, log)
+            from flashboot.benchmarks.disk import drop_file_cache
+
+            drop_file_cache(image_file)
+            out["disk_gbps"], out["disk_mode"] = read_rate(image_file, io="direct")
+            out["loaders"].append(res)
+            log(_describe(spec.name, res, out["ceiling_ms"]) + f"; disk {out['disk_gbps']:.2f} GB/s ({out['disk_mode']})")
+        finally:
+            shutil.rmtree(disk_dir, ignore_errors=True)
     for res in out["loaders"]:
         for c in res.get("calls", ()):
             c["x_ceiling"] = c["ms"] / out["ceiling_ms"]
+            if "disk_gbps" in out and res["loader"] == "flashload streamed":
+                c["x_disk"] = (out["image_nbytes"] / (c["ms"] * 1e-3) / 1e9) / out["disk_gbps"]
     return out
 
 
@@ -211,10 +258,12 @@ def _describe(shape: str, res: dict, ceiling_ms: float) -> str:
 
 
 def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None, root: str | None = None,
-        loaders=None, keep: bool = False, specs=(), log: Callable[[str], None] = print) -> dict:
+        loaders=None, keep: bool = False, specs=(), stream_shapes=("C",), disk_root: str | None = None,
+        log: Callable[[str], None] = print) -> dict:
     """The whole benchmark; returns ``{"device", "scale", "shapes": [...]}``. ``shapes``: names of
     :data:`~flashboot.benchmarks.checkpoints.CHECKPOINTS` (scaled by ``scale``); ``specs``: more
-    :class:`~flashboot.benchmarks.checkpoints.CheckpointSpec` objects, used as given."""
+    :class:`~flashboot.benchmarks.checkpoints.CheckpointSpec` objects, used as given;
+    ``stream_shapes``: the shapes the streamed loader runs on (from ``disk_root``)."""
     from flashboot.benchmarks.checkpoints import CHECKPOINTS
     from flashboot.benchmarks.peers import FastSafetensorsLoader, InstantTensorLoader
     from flashboot.memory import Device
@@ -235,8 +284,10 @@ def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None,
     base.mkdir(parents=True, exist_ok=True)
     results = []
     try:
-        for spec in [CHECKPOINTS[name].scaled(scale) for name in shapes] + list(specs):
-            results.append(bench_shape(spec, device=dev, root=base, loaders=loaders, log=log))
+        named = [(CHECKPOINTS[name].scaled(scale), name in stream_shapes) for name in shapes]
+        for spec, stream in named + [(s, False) for s in specs]:
+            results.append(bench_shape(spec, device=dev, root=base, loaders=loaders, log=log,
+                                       disk_root=Path(disk_root) if disk_root else None, stream=stream))
             if not keep:
                 for d in base.glob(f"*-{spec.name}"):
                     shutil.rmtree(d, ignore_errors=True)
@@ -256,10 +307,14 @@ def print_results(out: dict) -> None:
                 rows.append([s["shape"], r["loader"], "-", "-", "-", "-", "-", f"FAILED: {r['error']}"])
                 continue
             c1, c2 = r["calls"]
-            rows.append([s["shape"], r["loader"], c1["ms"], c1["x_ceiling"], c2["ms"], c2["x_ceiling"],
-                         c1.get("prepare_ms") or "-", "yes" if all(c["verified"] for c in r["calls"]) else "NO"])
+            note = c1.get("prepare_ms") or "-"
+            if "x_disk" in c1:
+                note = (f"{c1['x_disk']:.2f}x disk ({s['disk_gbps']:.2f} GB/s), peak extra host "
+                        f"{c1['peak_extra_host_bytes'] / 2**20:.0f} MiB")
+            rows.append([s["shape"], r["loader"], c1["ms"], c1["x_ceiling"], c2["ms"], c2["x_ceiling"], note,
+                         "yes" if all(c["verified"] for c in r["calls"]) else "NO"])
     print_table(f"first load in a fresh process on {out['device']} (scale {out['scale']:g}); ceiling: one pinned "
-                "bulk H2D, same run", ["shape", "loader", "1st ms", "x ceil", "2nd ms", "x ceil", "prepare ms",
+                "bulk H2D, same run", ["shape", "loader", "1st ms", "x ceil", "2nd ms", "x ceil", "prepare ms / stream",
                                        "verified"], rows)
     print_table("ceilings", ["shape", "tensors", "bytes", "bulk H2D ms", "GB/s"],
                 [[s["shape"], s["tensors"], s["image_nbytes"], s["ceiling_ms"], s["image_nbytes"] / s["ceiling_ms"] / 1e6]
@@ -275,6 +330,9 @@ def register_bench(sub) -> None:
     p.add_argument("--loaders", nargs="+", default=None, choices=list(FLASH_LOADERS + PEER_LOADERS),
                    help="default: every FlashLoad mode, safetensors, and the installed peers")
     p.add_argument("--dir", default=None, help="where checkpoints, images and staged copies go (default /dev/shm/flashboot-boot)")
+    p.add_argument("--disk-dir", default=None, help="a real disk for the streamed loader's image (default /var/tmp/flashboot-boot)")
+    p.add_argument("--stream-shapes", nargs="*", default=["C"], choices=list(SHAPES),
+                   help="shapes the streamed loader runs on (default C)")
     p.add_argument("--device", default=None)
     p.add_argument("--keep", action="store_true")
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON ('-' for stdout)")
@@ -285,7 +343,7 @@ def main(args: argparse.Namespace) -> int:
     from flashboot.benchmarks.timing import dump_json
 
     out = run(shapes=args.shapes, scale=args.scale, device=args.device, root=args.dir, loaders=args.loaders,
-              keep=args.keep)
+              keep=args.keep, stream_shapes=args.stream_shapes, disk_root=args.disk_dir)
     print_results(out)
     dump_json(out, args.json)
     ok = all("error" not in r and all(c["verified"] for c in r["calls"]) for s in out["shapes"] for r in s["loaders"])

@@ -208,3 +208,23 @@ def test_gpu_prepared_served_and_pinned_here(image, gpu_shm):
         assert bytes(li.arena.bytes()[:li.nbytes].cpu().numpy()) == _image_bytes(image)
         if li.release_thread is not None:
             li.release_thread.join()
+
+
+def test_prepared_load_streams_from_disk_when_nothing_is_staged(image, shm):
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes=64 << 10).wait()
+    assert handle.mode == "stream" and "no preloader runs" in handle.why
+    with handle.load(verify=True) as loaded:
+        rep = loaded.report
+        assert rep.mode == "streamed from disk, prepared" and rep.details["streamed_from_disk"] is True
+        assert rep.details["peak_buffer_bytes"] <= 64 << 10 and rep.metadata_ms == rep.bind_ms == 0
+        assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
+
+
+def test_prepare_refuses_a_truncated_image_before_any_view(image, shm):
+    path = read_image(image, 0).path
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 4096)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    with pytest.raises(LayoutError, match="truncated: metadata expects"):
+        handle.wait()
+    assert handle.arena is None and handle.tensors is None

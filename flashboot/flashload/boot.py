@@ -11,7 +11,9 @@ copy and what cannot overlap with it:
   exported and attached to the daemon, which checks it against what it holds and maps all of it;
   the load sends one message and waits for the daemon's H2D;
 * pinned early (a preloader staged the rank, no daemon): the staged file is mapped and pinned
-  in this process (:class:`~flashboot.flashload.stage.StagedImage`); the load is the bulk H2D.
+  in this process (:class:`~flashboot.flashload.stage.StagedImage`); the load is the bulk H2D;
+* streamed (nothing is or will be staged: see :func:`~flashboot.flashload.stream.stream_reason`):
+  the load reads the image from disk through the bounded ring, straight into the ready arena.
 
 In both, the metadata is read and validated, the views are built and the copy path is warmed
 before the load is called. A handle serves one load; it is refused for another image, rank or
@@ -29,7 +31,7 @@ from typing import Any
 from ..errors import FlashBootError, LayoutError, WaitTimeoutError
 from ..memory import Device
 
-MODES = ("auto", "served", "staged")
+MODES = ("auto", "served", "staged", "stream")
 PREPARE_ALLOWANCE_S = 120.0
 """Added to the handle's ``timeout_s`` when a load waits for its preparation (a pin of tens of GB)."""
 
@@ -42,14 +44,14 @@ def _file_identity(path: Path) -> tuple[int, int, int]:
 class PreparedLoad:
     """A load made ready ahead of time (see the module docstring); built by :func:`prepare`.
 
-    Attributes once :meth:`wait` returns: ``mode`` (``"served"`` or ``"staged"``), ``why`` (how
+    Attributes once :meth:`wait` returns: ``mode`` (``"served"``, ``"staged"`` or ``"stream"``), ``why`` (how
     the mode was chosen), ``arena``, ``metadata``, ``tensors`` (the views), ``nbytes`` and
     ``phases_ms`` (what the preparation paid, by phase). :meth:`close` releases everything if the
     handle is dropped without a load.
     """
 
     def __init__(self, image_dir, rank: int, device: Any, *, mode: str, timeout_s: float, shm_dir, tp, ep,
-                 expected_key, hold_s: float | None):
+                 expected_key, hold_s: float | None, stream_buffer_bytes=None):
         if mode not in MODES:
             raise FlashBootError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
@@ -58,6 +60,9 @@ class PreparedLoad:
         self.real_dir = os.path.realpath(self.image_dir)
         self.timeout_s, self.shm_dir, self.hold_s = float(timeout_s), shm_dir, hold_s
         self.tp, self.ep, self.expected_key = tp, ep, expected_key
+        from .stream import StreamConfig
+
+        self.stream_config = StreamConfig.of(stream_buffer_bytes)  # a bad option is refused at once
         self.requested_mode, self.mode, self.why = mode, "", ""
         self.arena = self.metadata = self.image = self.tensors = None
         self.session = self.staged = self.mover = None
@@ -108,15 +113,18 @@ class PreparedLoad:
             raise LayoutError(f"{image.path}: empty image, nothing to load")
         t = self._phase("metadata", t)
         self.mode, self.why = self._choose_mode()
+        t = self._phase("mode", t)
         admit(self.nbytes, self.device)
         self.arena = Arena.create(self.nbytes, self.device)
         t = self._phase("arena", t)
         if self.mode == "served":
             self._attach()
             t = self._phase("attach", t)
-        else:
+        elif self.mode == "staged":
             self._stage()
             t = self._phase("stage_start", t)
+        else:
+            self.arena.bytes()  # the flat tensor made here, as the streamed load's own path does
         self.tensors = make_views(self.arena, self.metadata)
         t = self._phase("views", t)
         if self.mode == "staged":
@@ -126,15 +134,21 @@ class PreparedLoad:
 
     def _choose_mode(self) -> tuple[str, str]:
         from .service import service_status
+        from .shm import RankSource
+        from .stream import stream_reason
 
         if self.requested_mode != "auto":
             return self.requested_mode, "asked for"
         st = service_status(self.image_dir, self.shm_dir)
         if st.running and st.serve:
             return "served", f"a served-load daemon runs (pid {st.pid})"
+        source = RankSource(self.image_dir, self.rank, self.image, self.metadata_sha256)
+        why = stream_reason(self.image_dir, self.rank, source, shm_dir=self.shm_dir)
+        if why is not None:
+            return "stream", why
         if st.running:
-            return "staged", f"a preloader without --serve runs (pid {st.pid}): pinning here"
-        return "staged", "no served-load daemon runs: pinning the staged image here"
+            return "staged", f"a preloader without --serve runs (pid {st.pid}): pinning its staged copy here"
+        return "staged", "no served-load daemon runs: pinning the staged copy here"
 
     def _attach(self) -> None:
         from .client import attach_served, served_ready
@@ -268,22 +282,24 @@ def _warm_copy(device: Device, mover) -> None:
 
 def prepare(image_dir, rank: int = 0, device: Any = None, *, mode: str = "auto", timeout_s: float = 60.0,
             shm_dir=None, tp: int | None = None, ep: int | None = None, expected_key=None,
-            hold_s: float | None = None) -> PreparedLoad:
+            hold_s: float | None = None, stream_buffer_bytes=None) -> PreparedLoad:
     """Start making rank ``rank`` of ``image_dir`` ready to load onto ``device``; returns at once.
 
     Call it when the engine starts, before it builds its model, then pass the handle to
     ``flashboot.load(image_dir, rank, device, prepared=handle)``. In the background it reads and
     validates the metadata (refusing a wrong ``tp``/``ep``/``expected_key`` at once), admits the
     image against the device's free memory, creates the arena, then either attaches it to the
-    served-load daemon (``mode="served"``, or ``"auto"`` when one runs) or starts pinning the
-    staged image here (``"staged"``), builds the views and warms the copy path. ``timeout_s``
+    served-load daemon (``mode="served"``, or ``"auto"`` when one runs), starts pinning the
+    staged image here (``"staged"``, or ``"auto"`` when a preloader staged it), or readies a load
+    streamed from disk (``"stream"``, or ``"auto"`` when nothing is or will be staged; the ring is
+    at most ``stream_buffer_bytes``), builds the views and warms the copy path. ``timeout_s``
     bounds each wait (the preloader's ``.ready``, the daemon's socket); ``hold_s``: how long the
     daemon keeps the arena attached waiting for the load (default an hour).
 
     Errors surface from the load (or :meth:`PreparedLoad.wait`), with their own class.
     """
     return PreparedLoad(image_dir, rank, device, mode=mode, timeout_s=timeout_s, shm_dir=shm_dir, tp=tp, ep=ep,
-                        expected_key=expected_key, hold_s=hold_s)
+                        expected_key=expected_key, hold_s=hold_s, stream_buffer_bytes=stream_buffer_bytes)
 
 
 __all__ = ["MODES", "PreparedLoad", "prepare"]

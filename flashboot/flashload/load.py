@@ -479,6 +479,13 @@ def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, 
             report.chunks = -(-report.nbytes // (1 << 30))
             report.details.update(daemon_pid=reply.get("pid"), daemon_map_ms=reply.get("map_ms"),
                                   daemon_pinned=reply.get("pinned"))
+        elif prepared.mode == "stream":
+            from .stream import report_stream, stream_image
+
+            report.mode = "streamed from disk, prepared"
+            stats = stream_image(prepared.image.path, report.nbytes, arena, prepared.stream_config)
+            report_stream(report, stats, prepared.why, report.nbytes)
+            report.overlapped = []
         else:
             staged = prepared.staged
             pin_left_before = not staged.done

@@ -506,6 +506,29 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
 
 
 # ============================================================================ the load
+def report_stream(report, stats: StreamStats, reason: str, nbytes: int) -> None:
+    """Fill a :class:`~flashboot.flashload.load.LoadReport` with what a streamed load did: the read
+    rate, the ring's size and peak, and how much faster the copy of a staged image would be."""
+    from ..units import format_bytes
+
+    report.pin_ms = stats.pin_ms
+    report.h2d_ms = stats.seconds * 1e3
+    report.overlapped = ["bind"]
+    report.chunks = stats.chunks
+    staged_ms = nbytes / (stats.copy_gbps * 1e9) * 1e3 if stats.copy_s > 0 else 0.0
+    faster = report.h2d_ms / staged_ms if staged_ms > 0 else float("inf")
+    report.details.update(
+        streamed_from_disk=True, stream_reason=reason, io_mode=stats.io_mode, io_reason=stats.io_reason,
+        read_gbps=stats.read_gbps, buffer_bytes=stats.buffer_bytes, buffer_cap_bytes=stats.buffer_cap_bytes,
+        peak_buffer_bytes=stats.peak_buffer_bytes, slots=stats.slots, slot_bytes=stats.slot_bytes,
+        threads=stats.threads, bulk_copy_gbps=stats.copy_gbps, staged_copy_ms_estimate=staged_ms,
+        staged_speedup_estimate=faster,
+        note=(f"streamed from disk ({stats.io_mode}) because {reason}: read {stats.read_gbps:.2f} GB/s through "
+              f"a {format_bytes(stats.buffer_bytes)} ring (peak {format_bytes(stats.peak_buffer_bytes)} in use, "
+              f"cap {format_bytes(stats.buffer_cap_bytes)}); staged, the copy would take ~{staged_ms:.1f} ms "
+              f"at {stats.copy_gbps:.1f} GB/s ({faster:.1f}x faster): run `flashboot preload`"))
+
+
 def load_streamed(source, dev: Device, report, t_start: float, *, reason: str, config: StreamConfig | None,
                   verify: bool):
     """The rest of :func:`flashboot.load` for a rank read straight from disk (``source``: the
@@ -517,7 +540,6 @@ def load_streamed(source, dev: Device, report, t_start: float, *, reason: str, c
     copy time a staged load would have (the bulk copy rate measured on the ring's own copies).
     """
     from ..arena import Arena
-    from ..units import format_bytes
     from .load import LoadedImage, _Beside, _timed_views, verify_loaded
 
     config = StreamConfig.of(config)
@@ -546,22 +568,7 @@ def load_streamed(source, dev: Device, report, t_start: float, *, reason: str, c
                     pass  # the stream's error is the one to report
             raise
         views = side.join() if side is not None else _timed_views(arena, meta, report)
-        report.pin_ms = stats.pin_ms
-        report.h2d_ms = stats.seconds * 1e3
-        report.overlapped = ["bind"]
-        report.chunks = stats.chunks
-        staged_ms = nbytes / (stats.copy_gbps * 1e9) * 1e3 if stats.copy_s > 0 else 0.0
-        faster = report.h2d_ms / staged_ms if staged_ms > 0 else float("inf")
-        report.details.update(
-            streamed_from_disk=True, stream_reason=reason, io_mode=stats.io_mode, io_reason=stats.io_reason,
-            read_gbps=stats.read_gbps, buffer_bytes=stats.buffer_bytes, buffer_cap_bytes=stats.buffer_cap_bytes,
-            peak_buffer_bytes=stats.peak_buffer_bytes, slots=stats.slots, slot_bytes=stats.slot_bytes,
-            threads=stats.threads, bulk_copy_gbps=stats.copy_gbps, staged_copy_ms_estimate=staged_ms,
-            staged_speedup_estimate=faster,
-            note=(f"streamed from disk ({stats.io_mode}) because {reason}: read {stats.read_gbps:.2f} GB/s through "
-                  f"a {format_bytes(stats.buffer_bytes)} ring (peak {format_bytes(stats.peak_buffer_bytes)} in use, "
-                  f"cap {format_bytes(stats.buffer_cap_bytes)}); staged, the copy would take ~{staged_ms:.1f} ms "
-                  f"at {stats.copy_gbps:.1f} GB/s ({faster:.1f}x faster): run `flashboot preload`"))
+        report_stream(report, stats, reason, nbytes)
         if verify:
             t1 = time.perf_counter()
             verify_loaded(arena, meta, f"{source.path} (rank {source.rank}) streamed into {dev}")
@@ -574,5 +581,5 @@ def load_streamed(source, dev: Device, report, t_start: float, *, reason: str, c
     return LoadedImage(arena, views, meta, report, source)
 
 
-__all__ = ["StreamConfig", "StreamStats", "Ring", "stream_image", "stream_reason", "load_streamed",
+__all__ = ["StreamConfig", "StreamStats", "Ring", "stream_image", "stream_reason", "load_streamed", "report_stream",
            "DEFAULT_BUFFER_BYTES", "BUFFER_ENV"]
