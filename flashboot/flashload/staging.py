@@ -366,6 +366,9 @@ class PreloadConfig:
     serve: bool = False
     pin: bool = True
     """Served mode: register (pin) each staged image once (CUDA only)."""
+    allow_group: str | int | None = None
+    """Served mode: a group (name or gid) whose members may ask for loads besides the daemon's own
+    user; the socket is then mode 0660 and of that group. Default: the daemon's user only."""
 
     def __post_init__(self):
         from ..pinning import NUMA_POLICIES
@@ -382,6 +385,23 @@ class PreloadConfig:
         if self.numa_policy not in NUMA_POLICIES:
             raise FlashBootError(f"numa_policy must be one of {', '.join(NUMA_POLICIES)}, got {self.numa_policy!r}")
         self.devices = {int(k): str(v) for k, v in (self.devices or {}).items()}
+        self.allow_gid()  # an unknown group is refused now, not when the socket is made
+
+    def allow_gid(self) -> int | None:
+        """The gid of :attr:`allow_group` (None when not set); FlashBootError naming an unknown group."""
+        import grp
+
+        g = self.allow_group
+        if g is None:
+            return None
+        if isinstance(g, bool) or not isinstance(g, (str, int)):
+            raise FlashBootError(f"allow_group must be a group name or gid, got {g!r}")
+        try:
+            if isinstance(g, int) or g.isdigit():
+                return grp.getgrgid(int(g)).gr_gid
+            return grp.getgrnam(g).gr_gid
+        except (KeyError, OverflowError):
+            raise FlashBootError(f"allow_group {g!r}: no such group on this host") from None
 
     @classmethod
     def from_dict(cls, d: dict) -> "PreloadConfig":
