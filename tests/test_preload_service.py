@@ -119,8 +119,27 @@ def _ask(path: Path, payload: bytes, fds: list[int] | None = None, timeout_s: fl
 def test_socket_is_owner_only_from_the_moment_it_has_its_name(daemon):
     st = os.stat(daemon.path)
     assert oct(st.st_mode & 0o777) == "0o600" and st.st_uid == os.geteuid()
-    # bound in a private directory and renamed into place: nothing of that directory is left
-    assert [p.name for p in daemon.path.parent.iterdir() if p.name.startswith(".serve-")] == []
+
+
+def test_the_socket_is_created_0600_whatever_the_umask(tmp_path, monkeypatch):
+    seen = []
+    real_bind = socket.socket.bind
+
+    def bind(self, address):  # the mode the file has the moment it exists
+        real_bind(self, address)
+        seen.append(oct(os.stat(address).st_mode & 0o777))
+
+    monkeypatch.setattr(socket.socket, "bind", bind)
+    old = os.umask(0)
+    try:
+        s = server._bind_private(tmp_path / "s.sock", None)
+        s.close()
+        assert os.umask(0) == 0, "the process umask is restored"
+    finally:
+        os.umask(old)
+    assert seen == ["0o600"]
+    with pytest.raises(FlashBootError, match="Unix sockets allow 107"):
+        server._bind_private(tmp_path / ("x" * 120), None)
 
 
 def _as_user(fn, uid: int, gid: int) -> dict:

@@ -11,6 +11,7 @@ BENCH_MODULES = [
     "flashboot.benchmarks.arena",
     "flashboot.benchmarks.tune_kernels",
     "flashboot.benchmarks.clone",
+    "flashboot.benchmarks.serve",
 ]
 
 

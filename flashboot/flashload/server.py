@@ -10,7 +10,6 @@ import math
 import os
 import socket
 import struct
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -418,30 +417,36 @@ class PreloadServer:
                 "queue_ms": queue_ms, "pinned": res.pinned is not None, "pin_ms": res.pin_ms, "pid": os.getpid()}
 
 
+_UMASK_LOCK = threading.Lock()
+SUN_PATH_MAX = 107
+"""Longest Unix socket path (sun_path holds 108 bytes with the terminating NUL)."""
+
+
 def _bind_private(path: Path, group: int | None) -> socket.socket:
     """A listening SOCK_SEQPACKET socket at ``path`` that nobody else can reach at any moment.
 
     bind() creates the file with the process umask's mode; a chmod afterwards would leave a
-    window in which another user can connect. So the socket is bound inside a fresh 0700
-    directory, given its mode (0600, or 0660 and the group when one is allowed) there, and only
-    then renamed into place: a connect() resolves the name to the same socket."""
-    private = Path(tempfile.mkdtemp(prefix=".serve-", dir=path.parent))
-    tmp = private / "sock"
+    window in which another user can connect. So the socket is bound under umask 0177 (mode
+    0600 from the start), and only then widened to 0660 for an allowed group."""
+    if len(os.fsencode(path)) > SUN_PATH_MAX:
+        raise FlashBootError(f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow "
+                             f"{SUN_PATH_MAX}: use a shorter --shm-dir")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        s.bind(str(tmp))
+        with _UMASK_LOCK:  # the umask is the process's: restore it at once
+            old = os.umask(0o177)
+            try:
+                s.bind(str(path))
+            finally:
+                os.umask(old)
         if group is not None:
-            os.chown(tmp, -1, group)
-        os.chmod(tmp, 0o660 if group is not None else 0o600)  # requests carry descriptors of GPU memory
+            os.chown(path, -1, group)
+            os.chmod(path, 0o660)  # requests carry descriptors of GPU memory: the group only
         s.listen(64)
         s.settimeout(0.2)
-        os.rename(tmp, path)
     except BaseException:
         s.close()
         raise
-    finally:
-        _unlink_quietly(tmp)
-        private.rmdir()
     return s
 
 
