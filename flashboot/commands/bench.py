@@ -12,6 +12,7 @@ BENCH_MODULES = [
     "flashboot.benchmarks.tune_kernels",
     "flashboot.benchmarks.clone",
     "flashboot.benchmarks.serve",
+    "flashboot.benchmarks.soak",
 ]
 
 
