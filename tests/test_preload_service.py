@@ -30,7 +30,8 @@ from flashboot.errors import FlashBootError, LayoutError, RendezvousError, WaitT
 from flashboot.fdshare import send_fds
 from flashboot.flashload import client, server, staging
 from flashboot.flashload import shm as shm_files
-from flashboot.flashload.server import PreloadServer
+
+from _preload_helpers import Daemon  # noqa: E402  (tests/ is on the path, as for _clone_helpers)
 
 TINY = CheckpointSpec("tiny", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=32, vocab=64, shards=2)
 NOBODY = 65534
@@ -51,46 +52,6 @@ def open_root():
     os.chmod(d, 0o711)
     yield Path(d)
     shutil.rmtree(d, ignore_errors=True)
-
-
-class Daemon:
-    """A PreloadServer serving in a thread of this process, and its log."""
-
-    def __init__(self, image, shm, **config):
-        self.log: list[str] = []
-        cfg = staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True, **config)
-        self.server = PreloadServer(cfg, log=self.log.append)
-        self.server.request_timeout_s = 1.0
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        assert self.server.residents[0].event.wait(60), self.log
-        assert self.server.residents[0].error is None, self.log
-        deadline = time.monotonic() + 30
-        while not any("serving" in line for line in self.log):
-            assert time.monotonic() < deadline, self.log
-            time.sleep(0.01)
-        self.path = self.server.sock_path
-        self.image, self.shm = image, shm
-
-    def idle(self, timeout_s: float = 20) -> None:
-        """Wait until no connection is being handled."""
-        deadline = time.monotonic() + timeout_s
-        while any(t.is_alive() for t in self.server._threads):
-            assert time.monotonic() < deadline, "a connection handler never finished"
-            time.sleep(0.01)
-
-    def load_exact(self) -> dict:
-        """One served load into a fresh arena of this process, checked byte for byte."""
-        src = shm_files.rank_source(self.image, 0)
-        with Arena.create(src.nbytes, "cpu") as arena:
-            reply = client.served_load(arena, src, timeout_s=10, shm_dir=self.shm)
-            assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
-        return reply
-
-    def close(self) -> None:
-        self.server.stop.set()
-        self.thread.join(30)
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture

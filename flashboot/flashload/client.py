@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from ..errors import (
+    FlashBootError,
     LayoutError,
     RendezvousError,
     WaitTimeoutError,
@@ -21,6 +22,7 @@ from .shm import (
     _running_pid,
     pid_file,
     socket_path,
+    staged_paths,
     wait_ready,
 )
 
@@ -56,9 +58,20 @@ def _read_reply(sock: socket.socket, path: Path, what: str, timeout_s: float) ->
         raw = sock.recv(1 << 20)
     except socket.timeout:
         raise WaitTimeoutError(f"the preloader at {path} did not answer {what} within {timeout_s:g} s") from None
+    except OSError as exc:  # ECONNRESET: the daemon died with the request still in its queue
+        raise RendezvousError(f"the preloader at {path} dropped the connection before answering {what} "
+                              f"({type(exc).__name__}); did it exit? see `flashboot preload DIR --status`") from None
     if not raw:
-        raise RendezvousError(f"the preloader at {path} closed the connection without answering")
-    return json.loads(raw)
+        raise RendezvousError(f"the preloader at {path} closed the connection without answering {what}; did it "
+                              "exit? see `flashboot preload DIR --status`")
+    try:
+        reply = json.loads(raw)
+    except ValueError:
+        raise RendezvousError(f"the preloader at {path} answered {what} with {len(raw):,} bytes that are not "
+                              "JSON") from None
+    if not isinstance(reply, dict):
+        raise RendezvousError(f"the preloader at {path} answered {what} with a JSON {type(reply).__name__}")
+    return reply
 
 
 def serve_status(image_dir, shm_dir=None, *, timeout_s: float = 10.0) -> dict:
@@ -84,13 +97,20 @@ def served_ready(image_dir, rank: int, metadata_sha256: str, where: str, *, time
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            info = wait_ready(image_dir, rank, timeout_s=max(0.0, deadline - time.monotonic()), shm_dir=shm_dir)
-        except WaitTimeoutError as exc:
+            # in slices, so a daemon that failed to stage this rank is heard at once, not at the timeout
+            info = wait_ready(image_dir, rank, timeout_s=min(_STATUS_EVERY_S, max(0.0, deadline - time.monotonic())),
+                              shm_dir=shm_dir)
+        except WaitTimeoutError:
             sock = socket_path(image_dir, shm_dir)
-            if sock.exists():
-                raise
-            raise WaitTimeoutError(f"{exc}; and no served-load daemon listens at {sock}: is `flashboot preload "
-                                   f"{image_dir} --serve` running?") from None
+            if time.monotonic() < deadline:
+                _raise_if_staging_failed(sock, rank)
+                continue
+            running = _running_pid(pid_file(image_dir, shm_dir))
+            who = f"a preloader is running (pid {running})" if running else "no preloader is running"
+            listens = (f"its socket is {sock}" if sock.exists() else f"no served-load daemon listens at {sock}: is "
+                       f"`flashboot preload {image_dir} --serve` running?")
+            raise WaitTimeoutError(f"waited {timeout_s:g} s for {staged_paths(image_dir, rank, shm_dir).ready} "
+                                   f"(rank {rank} of {image_dir} staged); {who}; {listens}") from None
         if info.metadata_sha256 == metadata_sha256:
             return info
         if _running_pid(pid_file(image_dir, shm_dir)) is None or time.monotonic() >= deadline:
@@ -99,6 +119,25 @@ def served_ready(image_dir, rank: int, metadata_sha256: str, where: str, *, time
                 f"{info.metadata_sha256[:12]}) than {where} ({metadata_sha256[:12]}); re-run flashboot preload "
                 f"{image_dir}")
         time.sleep(_POLL_S)
+
+
+_STATUS_EVERY_S = 0.25
+"""While a served load waits for ``.ready``, how often it asks the daemon whether staging failed."""
+
+
+def _raise_if_staging_failed(sock: Path, rank: int) -> None:
+    """Raise the daemon's own error (its class, its numbers) when it reports that staging ``rank``
+    failed; return quietly when no daemon answers or it is still staging."""
+    if not sock.exists():
+        return
+    try:
+        reply = _request(sock, {"op": "status"}, connect_timeout_s=0.0, reply_timeout_s=1.0)
+    except FlashBootError:
+        return  # not listening yet, or busy: the wait goes on
+    state = (reply.get("ranks") or {}).get(str(rank)) or {}
+    if state.get("state") == "failed":
+        payload = state.get("error_payload") or {"error": "FlashBootError", "message": state.get("error")}
+        _raise_remote(payload, f"the preloader (pid {reply.get('pid')}) could not stage rank {rank}")
 
 
 class ServedCopy:

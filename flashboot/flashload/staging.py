@@ -48,9 +48,11 @@ DIRECT_ALIGNMENT = 4096
 """O_DIRECT wants offsets, lengths and buffers aligned to the logical block size (<= 4096)."""
 IO_MODES = ("auto", "direct", "buffered")
 
-# Module-level so tests can simulate a full /dev/shm without mounting a tiny tmpfs.
+# Module-level so tests can simulate a full /dev/shm without mounting a tiny tmpfs, and a disk
+# that fails a read.
 _pwrite = os.pwrite
 _fallocate = os.posix_fallocate
+_preadv = os.preadv
 
 
 def _fs_free_bytes(path: str) -> int:
@@ -138,11 +140,14 @@ def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads
                 got = 0
                 while got < want:
                     try:
-                        n = os.preadv(src_fd, [view[got:ask]], off + got)
+                        n = _preadv(src_fd, [view[got:ask]], off + got)
                     except OSError as exc:
                         if direct and exc.errno == errno.EINVAL:
                             raise _DirectRefused(str(exc)) from None
-                        raise
+                        code = errno.errorcode.get(exc.errno, str(exc.errno))
+                        raise LayoutError(f"{src_name}: reading bytes {off + got:,}..{off + want:,} of {nbytes:,} "
+                                          f"failed: {code} ({exc.strerror}); the rank is not staged (partial file "
+                                          "removed)") from None
                     if n == 0:
                         raise LayoutError(f"{src_name}: ends at byte {off + got:,}; {nbytes:,} bytes were expected "
                                           "(the image file shrank while it was staged)")
