@@ -232,6 +232,11 @@ def measure_ceiling(staged: str, nbytes: int, devices: list[str], *, repeats: in
 
 
 # ================================================================================= the run
+def _private_shm(prefix: str) -> str:
+    """A fresh directory in /dev/shm (the temporary directory where the host has no /dev/shm)."""
+    return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
 def _summarise(results: list[dict], nbytes: int, ceilings: dict[tuple, Ceiling]) -> ServeRound:
     ok = [r for r in results if "error" not in r]
     failed = [r["error"] for r in results if "error" in r]
@@ -258,11 +263,13 @@ def _summarise(results: list[dict], nbytes: int, ceilings: dict[tuple, Ceiling])
 
 def run(*, engines=DEFAULT_ENGINES, devices: list[str] | None = None, scale: float | None = None,
         root: str | None = None, repeats: int = 3, timeout_s: float = 120.0, keep: bool = False,
-        spec=None) -> dict:
+        spec=None, shm_root: str | None = None) -> dict:
     """Run the served-load benchmark; returns ``{"ceilings", "rounds", ...}`` (see the module doc).
 
     ``spec``: the checkpoint (a :class:`~flashboot.benchmarks.checkpoints.CheckpointSpec`;
-    default checkpoint A at ``scale``)."""
+    default checkpoint A at ``scale``). ``root``: where it is generated and pre-packed (default a
+    fresh temporary directory); ``shm_root``: the staging root (default a fresh directory in
+    /dev/shm: pinning needs tmpfs pages)."""
     import flashboot
     from flashboot._cuda import device_count
     from flashboot.benchmarks.checkpoints import CHECKPOINT_A, make_checkpoint
@@ -278,7 +285,8 @@ def run(*, engines=DEFAULT_ENGINES, devices: list[str] | None = None, scale: flo
     scale = scale if scale is not None else (0.15 if on_gpu else 0.0005)
     work = Path(root or tempfile.mkdtemp(prefix="flashboot-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
-    image, shm = work / "image", work / "shm"
+    image = work / "image"
+    shm = Path(shm_root or _private_shm("flashboot-bench-serve-"))  # pinning needs tmpfs pages
     procs = None
     started = False
     try:
@@ -326,6 +334,8 @@ def run(*, engines=DEFAULT_ENGINES, devices: list[str] | None = None, scale: flo
             service.stop_service(image, shm, timeout_s=60)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
+            if shm_root is None:
+                shutil.rmtree(shm, ignore_errors=True)
 
 
 def print_results(out: dict) -> None:
@@ -353,7 +363,8 @@ def register_bench(sub) -> None:
     p.add_argument("--devices", nargs="+", default=None, help="engines' devices, round-robin (default: every GPU, else cpu)")
     p.add_argument("--scale", type=float, default=None,
                    help="image bytes relative to checkpoint A, 13.8 GB (default 0.15 on CUDA, 0.0005 on the host)")
-    p.add_argument("--dir", default=None, help="work directory (default: a fresh one in $TMPDIR)")
+    p.add_argument("--dir", default=None, help="where the checkpoint and image go (default: a fresh one in $TMPDIR)")
+    p.add_argument("--shm-dir", default=None, help="staging root (default: a fresh one in /dev/shm)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any one wait may take")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -365,7 +376,7 @@ def main(args: argparse.Namespace) -> int:
     from flashboot.benchmarks.timing import dump_json
 
     out = run(engines=args.engines, devices=args.devices, scale=args.scale, root=args.dir, repeats=args.repeats,
-              timeout_s=args.timeout, keep=args.keep)
+              timeout_s=args.timeout, keep=args.keep, shm_root=args.shm_dir)
     print_results(out)
     dump_json(out, args.json)
     return 0 if all(not r.failed and r.exact == r.engines for r in out["rounds"]) else 1

@@ -285,8 +285,11 @@ def run(*, cycles: int = 500, kinds=KINDS, device: str | None = None, root: str 
     if cycles < 10:
         raise FlashBootError(f"a soak needs 10 cycles at least, got {cycles}")
     device = device or ("cuda:0" if device_count() else "cpu")
+    from flashboot.benchmarks.serve import _private_shm
+
     work = Path(root or tempfile.mkdtemp(prefix="flashboot-soak-"))
     work.mkdir(parents=True, exist_ok=True)
+    shm = Path(_private_shm("flashboot-soak-"))  # pinning (CUDA) needs tmpfs pages
     results = []
     try:
         image = _make_image(work) if {"load", "served"} & set(kinds) else None
@@ -294,11 +297,11 @@ def run(*, cycles: int = 500, kinds=KINDS, device: str | None = None, root: str 
             if kind == "load":
                 from flashboot.flashload.staging import stage_rank
 
-                stage_rank(image, 0, shm_dir=work / "shm", device=device)  # what the preloader would have done
-                results.append(soak(kind, _LoadCycle(image, device, work / "shm", False), cycles,
+                stage_rank(image, 0, shm_dir=shm, device=device)  # what the preloader would have done
+                results.append(soak(kind, _LoadCycle(image, device, shm, False), cycles,
                                     after_cycle=after_cycle, progress=progress))
             elif kind == "served":
-                results.append(_soak_served(image, device, work / "shm", cycles, after_cycle, progress))
+                results.append(_soak_served(image, device, shm, cycles, after_cycle, progress))
             else:
                 cyc = _CloneCycle(device)
                 try:
@@ -307,6 +310,7 @@ def run(*, cycles: int = 500, kinds=KINDS, device: str | None = None, root: str 
                     cyc.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
     return results
 
 
