@@ -31,6 +31,8 @@ from flashboot.fdshare import send_fds
 from flashboot.flashload import client, server, staging
 from flashboot.flashload import shm as shm_files
 
+from flashboot.flashload.server import PreloadServer
+
 from _preload_helpers import Daemon  # noqa: E402  (tests/ is on the path, as for _clone_helpers)
 
 TINY = CheckpointSpec("tiny", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=32, vocab=64, shards=2)
@@ -379,3 +381,15 @@ def test_fifo_lock_grants_in_arrival_order_and_gives_up_a_timed_out_place():
         t.join(10)
     assert order == [0, 1, 2, 3, 4]
     assert lock.acquire(0) and lock.queued == 0
+
+
+def test_each_device_has_its_own_copy_lock(image, tmp_path):
+    """Two GPUs asking at once each copy over their own link: one device's queue never holds up
+    another's."""
+    srv = PreloadServer(staging.PreloadConfig(str(image), shm_dir=str(tmp_path / "shm"), serve=True))
+    a, b = srv._lock_for("cuda:0"), srv._lock_for("cuda:1")
+    assert a is srv._lock_for("cuda:0") and a is not b
+    assert a.acquire(0) and b.acquire(0)  # both held at once
+    assert not a.acquire(0.01)
+    a.release()
+    b.release()

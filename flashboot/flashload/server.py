@@ -306,9 +306,9 @@ class PreloadServer:
     def _handle(self, conn: socket.socket) -> None:
         fds: list[int] = []
         try:
-            if not self._admit(conn):
-                return
             with conn:
+                if not self._admit(conn):
+                    return
                 try:
                     conn.settimeout(self.request_timeout_s)
                     try:
