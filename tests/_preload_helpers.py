@@ -4,13 +4,40 @@ process (so a test can count its fds and threads) and the bytes of a staged rank
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
+from pathlib import Path
 
+import flashboot
 from flashboot.arena import Arena
+from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
 from flashboot.flashload import client, staging
 from flashboot.flashload import shm as shm_files
 from flashboot.flashload.server import PreloadServer
+
+TINY = CheckpointSpec("tiny", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=32, vocab=64, shards=2)
+
+
+def make_tiny_image(root: Path) -> Path:
+    """The tiny MoE checkpoint pre-packed with 4 KiB checksum chunks (~127 KB, ~31 chunks)."""
+    make_checkpoint(str(root / "ckpt"), TINY, device="cpu")
+    flashboot.prepack(str(root / "ckpt"), str(root / "image"), chunk_bytes=4096, progress=False)
+    return root / "image"
+
+
+def enospc_after(nbytes: int):
+    """A stand-in for ``staging._pwrite`` that writes ``nbytes`` and then finds the filesystem full."""
+    written = [0]
+
+    def pwrite(fd, data, off):
+        if written[0] >= nbytes:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        n = staging.os.pwrite(fd, data, off)
+        written[0] += n
+        return n
+
+    return pwrite
 
 
 class Daemon:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,22 +21,17 @@ import pytest
 
 import flashboot
 from flashboot.arena import Arena
-from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
 from flashboot.errors import ArenaError, FlashBootError, LayoutError, OutOfMemoryError, RendezvousError
 from flashboot.flashload import client, service, staging
 from flashboot.flashload import shm as shm_files
 
-from _preload_helpers import Daemon  # noqa: E402
+from _preload_helpers import Daemon, enospc_after, make_tiny_image  # noqa: E402
 
-TINY = CheckpointSpec("tiny", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=32, vocab=64, shards=2)
 
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults")
-    make_checkpoint(str(root / "ckpt"), TINY, device="cpu")
-    flashboot.prepack(str(root / "ckpt"), str(root / "image"), chunk_bytes=4096, progress=False)
-    return root / "image"
+    return make_tiny_image(tmp_path_factory.mktemp("faults"))
 
 
 def _report(fault: str, seconds: float, seen: str) -> None:
@@ -93,14 +87,7 @@ def test_shm_filling_up_mid_stage_fails_the_served_load_at_once(image, tmp_path,
                 return n
             return real_pwrite(fd, data, off)
     else:
-        written, real_pwrite = [0], staging._pwrite
-
-        def pwrite(fd, data, off):
-            if written[0] >= 16384:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            n = real_pwrite(fd, data, off)
-            written[0] += n
-            return n
+        pwrite = enospc_after(16384)
 
     monkeypatch.setattr(staging, "_pwrite", pwrite)
     try:

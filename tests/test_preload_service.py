@@ -11,7 +11,6 @@ import grp
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -20,31 +19,25 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import flashboot
 from flashboot.arena import Arena
-from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
-from flashboot.errors import FlashBootError, LayoutError, RendezvousError, WaitTimeoutError
+from flashboot.errors import FlashBootError
 from flashboot.fdshare import send_fds
 from flashboot.flashload import client, server, staging
 from flashboot.flashload import shm as shm_files
 
 from flashboot.flashload.server import PreloadServer
 
-from _preload_helpers import Daemon  # noqa: E402  (tests/ is on the path, as for _clone_helpers)
+from _preload_helpers import Daemon, make_tiny_image  # noqa: E402  (tests/ is on the path, as for _clone_helpers)
 
-TINY = CheckpointSpec("tiny", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=32, vocab=64, shards=2)
 NOBODY = 65534
 
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory):
-    root = tmp_path_factory.mktemp("service")
-    make_checkpoint(str(root / "ckpt"), TINY, device="cpu")
-    flashboot.prepack(str(root / "ckpt"), str(root / "image"), chunk_bytes=4096, progress=False)
-    return root / "image"
+    return make_tiny_image(tmp_path_factory.mktemp("service"))
 
 
 @pytest.fixture
@@ -129,6 +122,14 @@ def _as_user(fn, uid: int, gid: int) -> dict:
     return json.loads(data)
 
 
+def _status_error(d) -> dict:
+    try:
+        client.serve_status(d.image, d.shm, timeout_s=5)
+    except FlashBootError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None}
+
+
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching a child to another uid needs root")
 
 
@@ -138,8 +139,12 @@ def test_a_stranger_is_refused_logged_and_the_daemon_keeps_serving(image, open_r
     try:
         os.chmod(d.path.parent, 0o711)
         status = json.dumps({"op": "status"}).encode()
-        # the socket's mode keeps another user out before it can say anything
+        # the socket's mode keeps another user out before it can say anything ...
         assert _as_user(lambda: _ask(d.path, status), NOBODY, NOBODY) == {"oserror": 13}  # EACCES
+        # ... and an engine of that user is told why and what to do
+        told = _as_user(lambda: _status_error(d), NOBODY, NOBODY)
+        assert told["error"] == "RendezvousError" and "not permitted to connect" in told["message"]
+        assert "mode 0o600" in told["message"] and "--allow-group" in told["message"]
         # with the mode opened up (a careless chmod), the daemon's own check refuses it by its uid
         os.chmod(d.path, 0o666)
         before = _fds()

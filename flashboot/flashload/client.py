@@ -4,6 +4,7 @@ arena, read its reply."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -39,6 +40,13 @@ def _connect(path: Path, timeout_s: float) -> socket.socket:
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             s.close()
             last = type(exc).__name__
+        except PermissionError:
+            s.close()
+            st = path.stat()
+            raise RendezvousError(f"not permitted to connect to the preloader's socket {path} (owner uid {st.st_uid}, "
+                                  f"group {st.st_gid}, mode {oct(st.st_mode & 0o777)}; this process runs as uid "
+                                  f"{os.geteuid()}): run the engine as the preloader's user, or start the preloader "
+                                  "with --allow-group GROUP") from None
         if time.monotonic() >= deadline:
             raise WaitTimeoutError(f"waited {timeout_s:g} s for the preloader's socket {path} ({last}); is "
                                    "`flashboot preload DIR --serve` running?")
@@ -132,8 +140,8 @@ def _raise_if_staging_failed(sock: Path, rank: int) -> None:
         return
     try:
         reply = _request(sock, {"op": "status"}, connect_timeout_s=0.0, reply_timeout_s=1.0)
-    except FlashBootError:
-        return  # not listening yet, or busy: the wait goes on
+    except (FlashBootError, OSError):
+        return  # not listening yet, busy, or not ours to ask: the wait goes on and says so at its end
     state = (reply.get("ranks") or {}).get(str(rank)) or {}
     if state.get("state") == "failed":
         payload = state.get("error_payload") or {"error": "FlashBootError", "message": state.get("error")}
