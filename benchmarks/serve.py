@@ -84,7 +84,7 @@ def _engine_main(argv: list[str]) -> int:
                 reply = client.served_load(arena, src, timeout_s=300, shm_dir=shm_dir)
                 out.update(t0=t0, t1=time.monotonic(), h2d_ms=reply["h2d_ms"], queue_ms=reply.get("queue_ms", 0.0))
                 out["exact"] = _exact(arena, src, want_sha)
-        except FlashBootError as exc:
+        except Exception as exc:  # reported as this engine's failure; the others go on
             out.update(error=f"{type(exc).__name__}: {exc}")
         print(json.dumps(out), flush=True)
     return 0
