@@ -23,7 +23,7 @@ import pytest
 
 import flashboot
 from flashboot.arena import Arena
-from flashboot.errors import FlashBootError
+from flashboot.errors import FlashBootError, RendezvousError
 from flashboot.fdshare import send_fds
 from flashboot.flashload import client, server, staging
 from flashboot.flashload import shm as shm_files
@@ -176,6 +176,58 @@ def test_a_configured_group_is_admitted_and_other_groups_are_not(image, open_roo
         assert d.server.refused == 1
     finally:
         d.close()
+
+
+def _plant_socket(path: Path, ready_w: int) -> None:
+    """In a child switched to another user: listen at ``path`` and take one connection."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.bind(str(path))
+        s.listen(1)
+        os.write(ready_w, b"1")
+        s.settimeout(20)
+        try:
+            conn, _ = s.accept()
+            conn.settimeout(5)
+            conn.recv(1 << 16)  # a request and its fds would arrive here
+            conn.close()
+        except OSError:
+            pass
+
+
+@needs_root
+@pytest.mark.parametrize("trusted", [False, True])
+def test_an_engine_refuses_a_socket_planted_by_another_user(image, open_root, monkeypatch, trusted):
+    d = shm_files.staging_dir(image, open_root)
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)  # created first by someone else, writable by them
+    path = shm_files.socket_path(image, open_root)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            _plant_socket(path, w)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"1"
+        if trusted:  # the deployment says that user runs the preloader: the engine talks to it
+            monkeypatch.setenv(client.PRELOADER_UID_ENV, str(NOBODY))
+            with pytest.raises(RendezvousError, match="closed the connection without answering"):
+                client.serve_status(image, open_root, timeout_s=5)
+        else:
+            with pytest.raises(RendezvousError, match=f"running as uid {NOBODY}, not by this user") as e:
+                client.serve_status(image, open_root, timeout_s=5)
+            assert client.PRELOADER_UID_ENV in str(e.value)
+    finally:
+        os.close(r)
+        if not trusted:  # release the child's accept()
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                s.connect(str(path))
+        os.waitpid(pid, 0)
 
 
 def test_allow_group_is_validated_and_passed_to_the_service(image):

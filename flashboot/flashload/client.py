@@ -36,6 +36,7 @@ def _connect(path: Path, timeout_s: float) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             s.connect(str(path))
+            _check_daemon(s, path)
             return s
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             s.close()
@@ -51,6 +52,28 @@ def _connect(path: Path, timeout_s: float) -> socket.socket:
             raise WaitTimeoutError(f"waited {timeout_s:g} s for the preloader's socket {path} ({last}); is "
                                    "`flashboot preload DIR --serve` running?")
         time.sleep(_POLL_S)
+
+
+PRELOADER_UID_ENV = "FLASHBOOT_PRELOADER_UID"
+"""Where engines of several users share one preloader (``--allow-group``): the uid it runs as."""
+
+
+def _check_daemon(sock: socket.socket, path: Path) -> None:
+    """Refuse a socket served by another user than this one, root or ``$FLASHBOOT_PRELOADER_UID``:
+    the request hands over the arena's fd, and anyone who could create the staging directory
+    first could listen at its name. Closes ``sock`` when it refuses."""
+    from .server import peer_credentials
+
+    peer = peer_credentials(sock)
+    trusted = {os.geteuid(), 0}
+    extra = os.environ.get(PRELOADER_UID_ENV, "").strip()
+    if extra.isdigit():
+        trusted.add(int(extra))
+    if peer.uid not in trusted:
+        sock.close()
+        raise RendezvousError(f"the preloader socket {path} is served by pid {peer.pid} running as uid {peer.uid}, "
+                              f"not by this user (uid {os.geteuid()}) or root: refusing to hand it an arena (if that "
+                              f"user runs the preloader for your group, set {PRELOADER_UID_ENV}={peer.uid})")
 
 
 def _request(path: Path, req: dict, *, connect_timeout_s: float, reply_timeout_s: float) -> dict:
