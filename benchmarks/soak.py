@@ -209,6 +209,8 @@ class _LoadCycle:
             del module  # the views go before the arena
         finally:
             loaded.close()
+            if loaded.release_thread is not None:  # the background unpin of a load that pinned itself
+                loaded.release_thread.join(60)
         return exact
 
 
