@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test clean
+.PHONY: demo test soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# 500 cycles each of load/bind/close, served load, seed/clone/close; fails on any upward trend.
+soak: $(VENV)/.installed
+	$(VENV)/bin/flashboot bench soak --cycles 500
 
 clean:
 	rm -rf $(VENV) build *.egg-info

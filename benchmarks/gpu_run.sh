@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, then run the named steps, logs and JSON into $OUT.
 # Usage on the device machine (repo root):  bash benchmarks/gpu_run.sh STEP...
-#   STEP = tests:FILES | tune | arena | movers | load | boot | stream | clone | sweep | demo
+#   STEP = tests:FILES | tune | arena | movers | load | boot | stream | clone | sweep | demo | serve | soak
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,5 +25,7 @@ for s in "$@"; do
     boot)   step boot "${BOOT_LIMIT:-420}" flashboot bench boot --json "$OUT/boot.json" ;;
     stream) step stream "${STREAM_LIMIT:-240}" flashboot bench stream --json "$OUT/stream.json" ;;
     demo)   step demo "${DEMO_LIMIT:-120}" flashboot demo ;;
+    serve)  step serve "${SERVE_LIMIT:-110}" flashboot bench serve --repeats 3 --json "$OUT/serve.json" ;;
+    soak)   step soak "${SOAK_LIMIT:-45}" flashboot bench soak --cycles "${SOAK_CYCLES:-50}" --json "$OUT/soak.json" ;;
   esac
 done

@@ -38,8 +38,8 @@ def read_exactly(fd: int, view: memoryview, offset: int, need: int, *, direct: b
         except OSError as exc:
             if direct and exc.errno == errno.EINVAL:
                 raise DirectReadRefused(str(exc)) from None
-            raise ImageReadError(path, offset + got, len(view) - got,
-                                 f"{exc.strerror or exc} (errno {exc.errno})") from None
+            code = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
+            raise ImageReadError(path, offset + got, len(view) - got, f"{code} ({exc.strerror or exc})") from None
         if n == 0:
             raise LayoutError(f"{path}: ends at byte {offset + got:,}; {file_nbytes:,} bytes were expected "
                               "(the file shrank while it was read)")

@@ -160,17 +160,9 @@ def test_refuses_before_any_io_when_shm_lacks_space(image, shm, monkeypatch):
 
 
 def test_shm_filling_up_mid_copy_removes_the_partial_file(image, shm, monkeypatch):
-    written = [0]
-    real_pwrite = staging._pwrite
+    from _preload_helpers import enospc_after
 
-    def pwrite(fd, data, off):
-        if written[0] >= 16384:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        n = real_pwrite(fd, data, off)
-        written[0] += n
-        return n
-
-    monkeypatch.setattr(staging, "_pwrite", pwrite)
+    monkeypatch.setattr(staging, "_pwrite", enospc_after(16384))
     with pytest.raises(OutOfMemoryError) as e:
         staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=2)
     assert "filled up after" in str(e.value) and "partial file removed" in str(e.value)

@@ -13,6 +13,8 @@ BENCH_MODULES = [
     "flashboot.benchmarks.clone",
     "flashboot.benchmarks.boot",
     "flashboot.benchmarks.stream",
+    "flashboot.benchmarks.serve",
+    "flashboot.benchmarks.soak",
 ]
 
 

@@ -25,6 +25,8 @@ def register(subparsers) -> None:
     p.add_argument("--force", action="store_true", help="re-stage ranks that are already staged")
     p.add_argument("--serve", action="store_true", help="stay resident: pin once, serve loads on a Unix socket")
     p.add_argument("--no-pin", action="store_true", help="with --serve: do not pin (copies run at pageable speed)")
+    p.add_argument("--allow-group", default=None, metavar="GROUP",
+                   help="with --serve: members of GROUP (name or gid) may ask for loads too (default: this user only)")
     action = p.add_mutually_exclusive_group()
     action.add_argument("--background", action="store_true", help="run as a detached service (pid file, log)")
     action.add_argument("--stop", action="store_true", help="stop the running preloader of DIR")
@@ -46,7 +48,8 @@ def _config(args):
         devices[int(rank)] = dev.strip()
     return PreloadConfig(args.image_dir, ranks=args.ranks, shm_dir=args.shm_dir, threads=args.threads, io=args.io,
                          chunk_bytes=parse_bytes(args.chunk_bytes), devices=devices, numa_policy=args.numa_policy,
-                         verify=args.verify, force=args.force, serve=args.serve, pin=not args.no_pin)
+                         verify=args.verify, force=args.force, serve=args.serve, pin=not args.no_pin,
+                         allow_group=args.allow_group)
 
 
 def main(args) -> int:

@@ -4,6 +4,7 @@ arena, read its reply."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from .shm import (
     _running_pid,
     pid_file,
     socket_path,
+    staged_paths,
     wait_ready,
 )
 
@@ -34,14 +36,44 @@ def _connect(path: Path, timeout_s: float) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             s.connect(str(path))
+            _check_daemon(s, path)
             return s
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             s.close()
             last = type(exc).__name__
+        except PermissionError:
+            s.close()
+            st = path.stat()
+            raise RendezvousError(f"not permitted to connect to the preloader's socket {path} (owner uid {st.st_uid}, "
+                                  f"group {st.st_gid}, mode {oct(st.st_mode & 0o777)}; this process runs as uid "
+                                  f"{os.geteuid()}): run the engine as the preloader's user, or start the preloader "
+                                  "with --allow-group GROUP") from None
         if time.monotonic() >= deadline:
             raise WaitTimeoutError(f"waited {timeout_s:g} s for the preloader's socket {path} ({last}); is "
                                    "`flashboot preload DIR --serve` running?")
         time.sleep(_POLL_S)
+
+
+PRELOADER_UID_ENV = "FLASHBOOT_PRELOADER_UID"
+"""Where engines of several users share one preloader (``--allow-group``): the uid it runs as."""
+
+
+def _check_daemon(sock: socket.socket, path: Path) -> None:
+    """Refuse a socket served by another user than this one, root or ``$FLASHBOOT_PRELOADER_UID``:
+    the request hands over the arena's fd, and anyone who could create the staging directory
+    first could listen at its name. Closes ``sock`` when it refuses."""
+    from .server import peer_credentials
+
+    peer = peer_credentials(sock)
+    trusted = {os.geteuid(), 0}
+    extra = os.environ.get(PRELOADER_UID_ENV, "").strip()
+    if extra.isdigit():
+        trusted.add(int(extra))
+    if peer.uid not in trusted:
+        sock.close()
+        raise RendezvousError(f"the preloader socket {path} is served by pid {peer.pid} running as uid {peer.uid}, "
+                              f"not by this user (uid {os.geteuid()}) or root: refusing to hand it an arena (if that "
+                              f"user runs the preloader for your group, set {PRELOADER_UID_ENV}={peer.uid})")
 
 
 def _request(path: Path, req: dict, *, connect_timeout_s: float, reply_timeout_s: float) -> dict:
@@ -57,11 +89,20 @@ def _read_reply(sock: socket.socket, path: Path, what: str, timeout_s: float) ->
         raw = sock.recv(1 << 20)
     except socket.timeout:
         raise WaitTimeoutError(f"the preloader at {path} did not answer {what} within {timeout_s:g} s") from None
-    except OSError as exc:  # reset: the daemon died or was restarted mid-request
-        raise RendezvousError(f"the preloader at {path} closed the connection before answering {what} ({exc})") from None
+    except OSError as exc:  # ECONNRESET: the daemon died with the request still in its queue
+        raise RendezvousError(f"the preloader at {path} dropped the connection before answering {what} "
+                              f"({type(exc).__name__}); did it exit? see `flashboot preload DIR --status`") from None
     if not raw:
-        raise RendezvousError(f"the preloader at {path} closed the connection without answering")
-    return json.loads(raw)
+        raise RendezvousError(f"the preloader at {path} closed the connection without answering {what}; did it "
+                              "exit? see `flashboot preload DIR --status`")
+    try:
+        reply = json.loads(raw)
+    except ValueError:
+        raise RendezvousError(f"the preloader at {path} answered {what} with {len(raw):,} bytes that are not "
+                              "JSON") from None
+    if not isinstance(reply, dict):
+        raise RendezvousError(f"the preloader at {path} answered {what} with a JSON {type(reply).__name__}")
+    return reply
 
 
 def serve_status(image_dir, shm_dir=None, *, timeout_s: float = 10.0) -> dict:
@@ -87,13 +128,20 @@ def served_ready(image_dir, rank: int, metadata_sha256: str, where: str, *, time
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            info = wait_ready(image_dir, rank, timeout_s=max(0.0, deadline - time.monotonic()), shm_dir=shm_dir)
-        except WaitTimeoutError as exc:
+            # in slices, so a daemon that failed to stage this rank is heard at once, not at the timeout
+            info = wait_ready(image_dir, rank, timeout_s=min(_STATUS_EVERY_S, max(0.0, deadline - time.monotonic())),
+                              shm_dir=shm_dir)
+        except WaitTimeoutError:
             sock = socket_path(image_dir, shm_dir)
-            if sock.exists():
-                raise
-            raise WaitTimeoutError(f"{exc}; and no served-load daemon listens at {sock}: is `flashboot preload "
-                                   f"{image_dir} --serve` running?") from None
+            if time.monotonic() < deadline:
+                _raise_if_staging_failed(sock, rank)
+                continue
+            running = _running_pid(pid_file(image_dir, shm_dir))
+            who = f"a preloader is running (pid {running})" if running else "no preloader is running"
+            listens = (f"its socket is {sock}" if sock.exists() else f"no served-load daemon listens at {sock}: is "
+                       f"`flashboot preload {image_dir} --serve` running?")
+            raise WaitTimeoutError(f"waited {timeout_s:g} s for {staged_paths(image_dir, rank, shm_dir).ready} "
+                                   f"(rank {rank} of {image_dir} staged); {who}; {listens}") from None
         if info.metadata_sha256 == metadata_sha256:
             return info
         if _running_pid(pid_file(image_dir, shm_dir)) is None or time.monotonic() >= deadline:
@@ -102,6 +150,25 @@ def served_ready(image_dir, rank: int, metadata_sha256: str, where: str, *, time
                 f"{info.metadata_sha256[:12]}) than {where} ({metadata_sha256[:12]}); re-run flashboot preload "
                 f"{image_dir}")
         time.sleep(_POLL_S)
+
+
+_STATUS_EVERY_S = 0.25
+"""While a served load waits for ``.ready``, how often it asks the daemon whether staging failed."""
+
+
+def _raise_if_staging_failed(sock: Path, rank: int) -> None:
+    """Raise the daemon's own error (its class, its numbers) when it reports that staging ``rank``
+    failed; return quietly when no daemon answers or it is still staging."""
+    if not sock.exists():
+        return
+    try:
+        reply = _request(sock, {"op": "status"}, connect_timeout_s=0.0, reply_timeout_s=1.0)
+    except (FlashBootError, OSError):
+        return  # not listening yet, busy, or not ours to ask: the wait goes on and says so at its end
+    state = (reply.get("ranks") or {}).get(str(rank)) or {}
+    if state.get("state") == "failed":
+        payload = state.get("error_payload") or {"error": "FlashBootError", "message": state.get("error")}
+        _raise_remote(payload, f"the preloader (pid {reply.get('pid')}) could not stage rank {rank}")
 
 
 class ServedCopy:

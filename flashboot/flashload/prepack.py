@@ -22,7 +22,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..errors import LayoutError
 

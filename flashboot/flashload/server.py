@@ -3,12 +3,16 @@ exported arenas on request, so an engine pays only the descriptor exchange and t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import math
 import os
 import socket
+import struct
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,6 +39,84 @@ SERVE_CHUNK_BYTES = 1 << 30
 """The daemon's H2D goes in 1 GB chunks (hardware.md: streams and smaller chunks do not help)."""
 DEFAULT_HOLD_S = 3600.0
 """How long an attached engine (``flashboot.prepare``) may take before it asks for its copy."""
+MAX_REQUEST_BYTES = 64 << 10
+"""A request is a few hundred bytes of JSON (a 1,000-segment descriptor is ~40 KB); a longer one
+is refused whole: SOCK_SEQPACKET truncates it and says so (MSG_TRUNC)."""
+MAX_CONNECTIONS = 64
+"""Connections handled at once; one more is answered "busy" and closed, so clients that connect
+and never speak cannot make the daemon start threads without bound."""
+REQUEST_TIMEOUT_S = 10.0
+"""How long a connected client may take to send its request (and the rest of its fds)."""
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+"""The peer's supplementary groups (Linux >= 4.13); Python names it only from 3.13 on some builds."""
+
+
+# ================================================================================= admission
+@dataclass(frozen=True)
+class PeerCredentials:
+    """Who is at the other end of a Unix socket, as the kernel recorded it at connect()."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+
+def peer_credentials(sock: socket.socket) -> PeerCredentials:
+    """The connected peer's pid, uid, gid (``SO_PEERCRED``) and supplementary groups
+    (``SO_PEERGROUPS``, empty where the kernel lacks it)."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 256)
+        groups = struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
+    except OSError:  # ENOPROTOOPT (old kernel) or ERANGE (more than 256 groups): the primary gid still counts
+        groups = ()
+    return PeerCredentials(pid, uid, gid, tuple(groups))
+
+
+def admits(peer: PeerCredentials, *, uid: int, group: int | None) -> bool:
+    """Whether the daemon of user ``uid`` (sharing with group ``group``, or None) serves ``peer``:
+    the same user, or a member of the configured group."""
+    if peer.uid == uid:
+        return True
+    return group is not None and (peer.gid == group or group in peer.groups)
+
+
+class _FifoLock:
+    """A lock granted in arrival order, so a request queued for a device is never overtaken by a
+    later one (``threading.Lock`` promises no order). One per device: a copy has the device's
+    link to itself, and two GPUs, each with its own link, copy at once."""
+
+    def __init__(self):
+        self._mutex = threading.Lock()
+        self._waiting: collections.deque[threading.Event] = collections.deque()
+        self._held = False
+
+    def acquire(self, timeout_s: float) -> bool:
+        me = threading.Event()
+        with self._mutex:
+            if not self._held and not self._waiting:
+                self._held = True
+                return True
+            self._waiting.append(me)
+        if me.wait(timeout_s):
+            return True
+        with self._mutex:
+            if me.is_set():  # granted just as the wait ran out
+                return True
+            self._waiting.remove(me)
+            return False
+
+    def release(self) -> None:
+        with self._mutex:
+            if self._waiting:
+                self._waiting.popleft().set()  # handed straight to the next in line: stays held
+            else:
+                self._held = False
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
 
 
 # ====================================================================== the served-load daemon
@@ -72,8 +154,14 @@ class PreloadServer:
         self.sock_path = socket_path(config.image_dir, config.shm_dir)
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
-        self._copy_locks: dict[str, threading.Lock] = {}
+        self._copy_locks: dict[str, _FifoLock] = {}
         self._locks_lock = threading.Lock()
+        self.uid = os.geteuid()
+        self.group = config.allow_gid()
+        self.request_timeout_s = REQUEST_TIMEOUT_S
+        self.max_connections = MAX_CONNECTIONS
+        self.refused = 0
+        """Connections refused for their credentials (each one logged)."""
 
     # ---- residency ---------------------------------------------------------------------------
     def _make_resident(self, rank: int) -> None:
@@ -168,12 +256,7 @@ class PreloadServer:
     def _listen(self) -> None:
         self.sock_path.parent.mkdir(parents=True, exist_ok=True)
         _unlink_quietly(self.sock_path)  # a leftover of a dead daemon (the pid file says we own the dir)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        s.bind(str(self.sock_path))
-        os.chmod(self.sock_path, 0o600)  # same user only: requests carry descriptors of GPU memory
-        s.listen(64)
-        s.settimeout(0.2)
-        self._listener = s
+        self._listener = _bind_private(self.sock_path, self.group)
 
     def _accept_loop(self) -> None:
         while not self.stop.is_set():
@@ -186,39 +269,81 @@ class PreloadServer:
                 continue
             except OSError:
                 return
+            self._threads = [x for x in self._threads if x.is_alive()]
+            if len(self._threads) >= self.max_connections:
+                self._turn_away(conn, FlashBootError(
+                    f"busy: {len(self._threads)} connections are being handled (at most {self.max_connections}); "
+                    "retry"), wait_s=0.1)
+                continue
             t = threading.Thread(target=self._handle, args=(conn,), name="flashboot-serve-conn", daemon=True)
-            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            self._threads.append(t)
             t.start()
+
+    def _turn_away(self, conn: socket.socket, exc: FlashBootError, wait_s: float) -> None:
+        """Answer ``exc``, log it, and close: the request is read without room for fds, so the kernel
+        discards any it carried and none enters this process. Reading it (up to ``wait_s``) before
+        closing lets the client finish its send and read the answer instead of a broken pipe."""
+        self.log(str(exc))
+        try:
+            conn.settimeout(wait_s)
+            conn.send(json.dumps(_error_payload(exc)).encode())
+            conn.recv(1)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """Whether the peer may talk to this daemon; a stranger is answered, logged and dropped."""
+        peer = peer_credentials(conn)
+        if admits(peer, uid=self.uid, group=self.group):
+            return True
+        self.refused += 1
+        allowed = f"uid {self.uid}" + (f" or group {self.group}" if self.group is not None else "")
+        self._turn_away(conn, RendezvousError(
+            f"refused: pid {peer.pid} runs as uid {peer.uid} (gid {peer.gid}); this preloader serves {allowed} only"),
+            wait_s=self.request_timeout_s)
+        return False
 
     def _handle(self, conn: socket.socket) -> None:
         fds: list[int] = []
         attached: _Attached | None = None
         try:
             with conn:
+                if not self._admit(conn):
+                    return
                 try:
-                    conn.settimeout(10)
-                    msg, fds, _flags, _ = socket.recv_fds(conn, 1 << 20, SCM_MAX_FD)
+                    conn.settimeout(self.request_timeout_s)
+                    try:
+                        msg, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, SCM_MAX_FD)
+                    except socket.timeout:
+                        raise WaitTimeoutError(f"no request arrived within {self.request_timeout_s:g} s of "
+                                               "connecting") from None
+                    if flags & socket.MSG_CTRUNC:
+                        raise RendezvousError(f"a request carried more than {SCM_MAX_FD} fds in one message")
+                    if flags & socket.MSG_TRUNC:
+                        raise RendezvousError(f"a request of more than {MAX_REQUEST_BYTES:,} bytes was refused")
                     if not msg:
-                        return
-                    req = json.loads(msg)
+                        return  # connected and left without a word
+                    req = _parse_request(msg)
                     op = req.get("op")
                     if op == "status":
                         reply = self.status()
                     elif op in ("load", "attach"):
                         if not fds:
                             raise RendezvousError(f"{op} request without the arena's fd attached")
-                        count = len(req.get("descriptor", {}).get("fds", ()))
-                        recv_more_fds(conn, fds, count, timeout_s=10)  # arenas of > SCM_MAX_FD segments
+                        count = _descriptor_fd_count(req)
+                        recv_more_fds(conn, fds, count, timeout_s=self.request_timeout_s)  # > SCM_MAX_FD segments
                         attached = self._attach(req, fds)
                         reply = attached.reply() if op == "attach" else self._copy(attached)
                     else:
-                        raise FlashBootError(f"unknown request op {op!r}; known: load, attach, status")
+                        raise RendezvousError(f"unknown request op {op!r}; known: load, attach, status")
                 except _StagingFailed as exc:  # the staging error's class, with the daemon's words
                     reply = {**_error_payload(exc.error), "message": str(exc)}
                 except BaseException as exc:  # every failure goes back to the engine, named
                     reply = _error_payload(exc)
                     self.log(f"request failed: {type(exc).__name__}: {exc}")
-                conn.settimeout(10)
+                conn.settimeout(self.request_timeout_s)
                 conn.send(json.dumps(reply).encode())
                 if attached is not None and reply.get("ok") and op == "attach":
                     self._copy_when_asked(conn, attached, float(req.get("hold_s", DEFAULT_HOLD_S)))
@@ -238,7 +363,7 @@ class PreloadServer:
         conn.settimeout(0.2)
         while True:
             try:
-                msg = conn.recv(4096)
+                msg = conn.recv(MAX_REQUEST_BYTES)
                 break
             except socket.timeout:
                 if self.stop.is_set() or time.monotonic() >= deadline:
@@ -248,25 +373,26 @@ class PreloadServer:
         if not msg:
             return
         try:
-            req = json.loads(msg)
+            req = _parse_request(msg)
             if req.get("op") != "copy":
                 raise FlashBootError(f"an attached engine may only ask for 'copy', not {req.get('op')!r}")
             reply = self._copy(attached)
         except BaseException as exc:
             reply = _error_payload(exc)
             self.log(f"copy failed: {type(exc).__name__}: {exc}")
-        conn.settimeout(10)
+        conn.settimeout(self.request_timeout_s)
         conn.send(json.dumps(reply).encode())
 
     def status(self) -> dict:
         return {"ok": True, "pid": os.getpid(), "image_dir": self.config.image_dir,
                 "ranks": {str(r): {"state": res.state, "nbytes": res.nbytes, "pin_ms": res.pin_ms,
-                                   "error": str(res.error) if res.error else None}
+                                   "error": str(res.error) if res.error else None,
+                                   "error_payload": _error_payload(res.error) if res.error else None}
                           for r, res in self.residents.items()}}
 
-    def _lock_for(self, key: str) -> threading.Lock:
+    def _lock_for(self, key: str) -> _FifoLock:
         with self._locks_lock:
-            return self._copy_locks.setdefault(key, threading.Lock())
+            return self._copy_locks.setdefault(key, _FifoLock())
 
     def _attach(self, req: dict, fds: list[int]) -> "_Attached":
         """Check the request against the resident rank, open the engine's arena and map all of it, so
@@ -274,10 +400,10 @@ class PreloadServer:
         from ..arena import Arena, ArenaDescriptor
 
         rank = req.get("rank")
-        res = self.residents.get(rank)
+        res = self.residents.get(rank) if isinstance(rank, int) and not isinstance(rank, bool) else None
         if res is None:
             raise LayoutError(f"this preloader serves ranks {self.ranks} of {self.config.image_dir}; rank {rank!r} was asked")
-        timeout_s = float(req.get("timeout_s", 60))
+        timeout_s = _request_timeout_s(req)
         if not res.event.wait(timeout_s):
             raise WaitTimeoutError(f"rank {rank} of {self.config.image_dir} was not staged and pinned within "
                                    f"{timeout_s:g} s (daemon pid {os.getpid()}, state {res.state})")
@@ -308,17 +434,23 @@ class PreloadServer:
         except BaseException:
             arena.close()
             raise
-        return _Attached(rank, res, arena, stream, (time.perf_counter() - t0) * 1e3)
+        return _Attached(rank, res, arena, stream, (time.perf_counter() - t0) * 1e3, timeout_s)
 
     def _copy(self, attached: "_Attached") -> dict:
-        """The resident image into the attached arena, in :data:`SERVE_CHUNK_BYTES` pieces; one copy
-        per device at a time (each GPU has its own link; two copies into one would only share it)."""
+        """The resident image into the attached arena, in :data:`SERVE_CHUNK_BYTES` pieces; copies into
+        one device queue first come, first served (each GPU has its own link: two copies into one
+        would only share it, while two GPUs copy at once)."""
         from ..memory import CPU, Span
         from ..movers import create_mover
 
-        res, arena = attached.res, attached.arena
+        res, arena, rank = attached.res, attached.arena, attached.rank
         src = Span(res.mapping.ptr, res.nbytes, CPU, pinned=res.pinned is not None, owner=res.mapping)
-        with self._lock_for(str(arena.device)):
+        lock = self._lock_for(str(arena.device))
+        t_queue = time.perf_counter()
+        if not lock.acquire(attached.timeout_s + 60):
+            raise WaitTimeoutError(f"rank {rank}: waited {attached.timeout_s + 60:g} s for {arena.device} behind "
+                                   f"{lock.queued} queued copies (daemon pid {os.getpid()})")
+        try:
             t1 = time.perf_counter()
             if arena.device.is_cuda:
                 import cupy
@@ -332,7 +464,9 @@ class PreloadServer:
             else:
                 create_mover("host").copy(arena.span(0, res.nbytes), src, stream=None)
             h2d_ms = (time.perf_counter() - t1) * 1e3
-        return {**attached.reply(), "h2d_ms": h2d_ms}
+        finally:
+            lock.release()
+        return {**attached.reply(), "h2d_ms": h2d_ms, "queue_ms": (t1 - t_queue) * 1e3}
 
 
 class _StagingFailed(Exception):
@@ -350,10 +484,70 @@ class _Attached:
     arena: Any
     stream: Any
     map_ms: float
+    timeout_s: float
 
     def reply(self) -> dict:
         return {"ok": True, "rank": self.rank, "nbytes": self.res.nbytes, "map_ms": self.map_ms,
                 "pinned": self.res.pinned is not None, "pin_ms": self.res.pin_ms, "pid": os.getpid()}
+
+
+_UMASK_LOCK = threading.Lock()
+SUN_PATH_MAX = 107
+"""Longest Unix socket path (sun_path holds 108 bytes with the terminating NUL)."""
+
+
+def _bind_private(path: Path, group: int | None) -> socket.socket:
+    """A listening SOCK_SEQPACKET socket at ``path`` that nobody else can reach at any moment.
+
+    bind() creates the file with the process umask's mode; a chmod afterwards would leave a
+    window in which another user can connect. So the socket is bound under umask 0177 (mode
+    0600 from the start), and only then widened to 0660 for an allowed group."""
+    if len(os.fsencode(path)) > SUN_PATH_MAX:
+        raise FlashBootError(f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow "
+                             f"{SUN_PATH_MAX}: use a shorter --shm-dir")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        with _UMASK_LOCK:  # the umask is the process's: restore it at once
+            old = os.umask(0o177)
+            try:
+                s.bind(str(path))
+            finally:
+                os.umask(old)
+        if group is not None:
+            os.chown(path, -1, group)
+            os.chmod(path, 0o660)  # requests carry descriptors of GPU memory: the group only
+        s.listen(64)
+        s.settimeout(0.2)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def _parse_request(msg: bytes) -> dict:
+    try:
+        req = json.loads(msg)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise RendezvousError(f"a {len(msg):,}-byte request is not JSON ({type(exc).__name__}: "
+                              f"{str(exc)[:200]})") from None
+    if not isinstance(req, dict):
+        raise RendezvousError(f"a request must be a JSON object, got {type(req).__name__}")
+    return req
+
+
+def _descriptor_fd_count(req: dict) -> int:
+    desc = req.get("descriptor")
+    fds = desc.get("fds") if isinstance(desc, dict) else None
+    if not isinstance(fds, list):
+        raise RendezvousError(f"load request without a descriptor listing its fds (got {type(desc).__name__})")
+    return len(fds)
+
+
+def _request_timeout_s(req: dict) -> float:
+    value = req.get("timeout_s", 60)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise RendezvousError(f"timeout_s must be a finite number >= 0, got {value!r}")
+    return min(float(value), 24 * 3600.0)
 
 
 def _device_by_bus_id(bus_id: str | None, fallback: int) -> int:

@@ -141,6 +141,8 @@ def config_argv(config: PreloadConfig) -> list[str]:
         argv.append("--serve")
     if not config.pin:
         argv.append("--no-pin")
+    if config.allow_group is not None:
+        argv += ["--allow-group", str(config.allow_group)]
     return argv
 
 

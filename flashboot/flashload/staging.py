@@ -22,6 +22,7 @@ from ..errors import (
     CapabilityError,
     ChecksumMismatchError,
     FlashBootError,
+    ImageReadError,
     LayoutError,
     OutOfMemoryError,
 )
@@ -49,9 +50,14 @@ DIRECT_ALIGNMENT = 4096
 """O_DIRECT wants offsets, lengths and buffers aligned to the logical block size (<= 4096)."""
 IO_MODES = ("auto", "direct", "buffered")
 
-# Module-level so tests can simulate a full /dev/shm without mounting a tiny tmpfs.
+# Module-level so tests can simulate a full /dev/shm without mounting a tiny tmpfs, and a disk
+# that fails a read.
 _pwrite = os.pwrite
 _fallocate = os.posix_fallocate
+
+
+def _preadv(fd: int, buffers, offset: int) -> int:
+    return os.preadv(fd, buffers, offset)  # looked up per call: a test may patch either name
 
 
 def _fs_free_bytes(path: str) -> int:
@@ -135,8 +141,12 @@ def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads
                 off = i * chunk_bytes
                 want = min(chunk_bytes, nbytes - off)
                 ask = -(-want // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT if direct else want
-                read_exactly(src_fd, view[:ask], off, want, direct=direct, path=src_name, file_nbytes=nbytes,
-                             preadv=os.preadv)
+                try:
+                    read_exactly(src_fd, view[:ask], off, want, direct=direct, path=src_name, file_nbytes=nbytes,
+                                 preadv=_preadv)
+                except ImageReadError as exc:
+                    raise ImageReadError(exc.path, exc.offset, exc.nbytes, f"{exc.error}; the rank is not staged "
+                                         "(partial file removed)") from None
                 done = 0
                 while done < want:
                     try:
@@ -356,6 +366,9 @@ class PreloadConfig:
     serve: bool = False
     pin: bool = True
     """Served mode: register (pin) each staged image once (CUDA only)."""
+    allow_group: str | int | None = None
+    """Served mode: a group (name or gid) whose members may ask for loads besides the daemon's own
+    user; the socket is then mode 0660 and of that group. Default: the daemon's user only."""
 
     def __post_init__(self):
         from ..pinning import NUMA_POLICIES
@@ -372,6 +385,23 @@ class PreloadConfig:
         if self.numa_policy not in NUMA_POLICIES:
             raise FlashBootError(f"numa_policy must be one of {', '.join(NUMA_POLICIES)}, got {self.numa_policy!r}")
         self.devices = {int(k): str(v) for k, v in (self.devices or {}).items()}
+        self.allow_gid()  # an unknown group is refused now, not when the socket is made
+
+    def allow_gid(self) -> int | None:
+        """The gid of :attr:`allow_group` (None when not set); FlashBootError naming an unknown group."""
+        import grp
+
+        g = self.allow_group
+        if g is None:
+            return None
+        if isinstance(g, bool) or not isinstance(g, (str, int)):
+            raise FlashBootError(f"allow_group must be a group name or gid, got {g!r}")
+        try:
+            if isinstance(g, int) or g.isdigit():
+                return grp.getgrgid(int(g)).gr_gid
+            return grp.getgrnam(g).gr_gid
+        except (KeyError, OverflowError):
+            raise FlashBootError(f"allow_group {g!r}: no such group on this host") from None
 
     @classmethod
     def from_dict(cls, d: dict) -> "PreloadConfig":

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from ..errors import CapabilityError, FlashBootError, ImageReadError, LayoutError, WaitTimeoutError
 from ..fileio import DirectReadRefused, read_exactly
-from ..memory import CPU, Device, Span
+from ..memory import Device
 
 DEFAULT_BUFFER_BYTES = 256 << 20
 """Ring size by default: enough slots to keep several reads in flight on a disk of ~1-2 GB/s."""
