@@ -439,3 +439,25 @@ def test_bench_stream_measures_against_the_disk(tmp_path):
     assert s["disk_gbps"] > 0 and s["stream_gbps"] > 0 and s["x_disk"] == s["stream_gbps"] / s["disk_gbps"]
     assert s["ring_bytes"] <= 1 << 20 and s["buffer_cap_bytes"] == 1 << 20
     assert out["prepack"]["gbps"] > 0 and s["report"]["mode"] == "streamed from disk"
+
+
+def test_a_preloader_that_exits_ends_the_wait_with_a_clear_error(image, shm):
+    """Waiting for .ready only while that preloader runs: its exit ends the wait, not the timeout."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    try:
+        path = shm_files.pid_file(image, shm)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        start = shm_files._proc_start_time(child.pid)
+        path.write_text(json.dumps({"pid": child.pid, "start_time": start, "serve": False, "ranks": [0]}))
+        assert stream_reason(image, 0, shm_files.rank_source(image, 0), shm_dir=shm) is None  # it stages rank 0: wait
+        with pytest.raises(shm_files.PreloaderExitedError) as e:
+            flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=120)
+        msg = str(e.value)
+        assert f"the preloader (pid {child.pid}) exited before" in msg and "rank-0.ready" in msg
+        assert isinstance(e.value, WaitTimeoutError) and child.poll() is not None
+        # with it gone, the next load does not wait: it streams
+        with flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=120) as loaded:
+            assert "no preloader runs" in loaded.report.details["stream_reason"]
+    finally:
+        child.kill()
+        child.wait()
