@@ -404,6 +404,11 @@ def test_gpu_streamed_load_reuses_the_pinned_ring_byte_exact(image, shm):
         assert r.mode == "streamed from disk" and r.pin_ms > 0 and r.verify_ms > 0
         got = loaded.arena.bytes()[: loaded.nbytes].cpu().numpy()
         assert np.array_equal(got, _file_bytes(image))
+        for name, t in loaded.tensors.items():  # views made in a helper thread point at the right bytes
+            entry = loaded.metadata.tensors[name]
+            assert t.device.type == "cuda"
+            raw = t.contiguous().view(-1).view(torch.uint8).cpu().numpy()
+            assert np.array_equal(raw, got[entry.offset:entry.offset + raw.size]), name
 
 
 @pytest.mark.gpu
