@@ -291,8 +291,9 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     the image is streamed straight from disk through a ring buffer of at most
     ``stream_buffer_bytes`` (default 256 MiB or ``$FLASHBOOT_STREAM_BUFFER_BYTES``; an int, a dict
     or a :class:`~flashboot.flashload.stream.StreamConfig`), and the report says so and why.
-    ``stream``: True always streams, False never does (waits for ``.ready``). ``staged``: a :func:`flashboot.stage` result (pinned early); ``served``:
-    have the running preloader daemon copy into this process's arena. ``verify`` recomputes the
+    ``stream``: True always streams, False never does (waits for ``.ready``). ``staged``: a
+    :func:`flashboot.stage` result (pinned early); ``served``: have the running preloader daemon
+    copy into this process's arena. ``verify`` recomputes the
     chunk checksums on the device. ``tp``/``ep``/``expected_key``: what the caller expects the
     image to be (LayoutError otherwise).
 
