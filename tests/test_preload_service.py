@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-import flashboot
 from flashboot.arena import Arena
 from flashboot.errors import FlashBootError, RendezvousError
 from flashboot.fdshare import send_fds

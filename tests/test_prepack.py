@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from flashboot.layouts import read_image, read_job, verify_image
-from flashboot.layouts.checkpoint import Checkpoint, ShardReader
+from flashboot.layouts.checkpoint import ShardReader
 from flashboot.layouts.tiny import save_tiny_model
 from flashboot.layouts.writer import ImageWriter
 from safetensors import safe_open

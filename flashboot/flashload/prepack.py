@@ -6,9 +6,10 @@ each of its pieces straight to its final offset in every rank's image (``pwrite`
 the shards are read in large sequential batches (``O_DIRECT`` where allowed) on several
 threads, each batch's pieces written and their chunk checksums summed as they are written (no
 read-back), and the written pages handed to writeback at once, so the disk writes while the
-checkpoint is read. At most ``threads`` batches are in memory. Everything is written under ``OUT/.tmp-XXXX`` and moved into place
-only when complete; ``prepack.json``, the marker of a complete job, is written last. A crash
-leaves only the temporary directory, which the next run removes.
+checkpoint is read. At most ``threads`` batches are in memory. Everything is written under
+``OUT/.tmp-XXXX`` and moved into place only when complete; ``prepack.json``, the marker of a
+complete job, is written last. A crash leaves only the temporary directory, which the next run
+removes.
 """
 
 from __future__ import annotations

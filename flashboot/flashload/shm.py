@@ -193,19 +193,43 @@ def check_ready(info: ReadyInfo, source: RankSource) -> None:
         )
 
 
+class PreloaderExitedError(WaitTimeoutError):
+    """The preloader that was to stage a rank exited before its ``.ready`` appeared: the wait
+    ends then, not at its timeout."""
+
+
+_PID_CHECK_S = 0.25
+"""How often a wait checks that the preloader it waits for still runs."""
+
+
 def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None) -> ReadyInfo:
     """Block until rank ``rank`` of ``image_dir`` is staged; returns its :class:`ReadyInfo`.
 
-    Raises WaitTimeoutError naming the ``.ready`` path after ``timeout_s`` seconds.
+    Raises WaitTimeoutError naming the ``.ready`` path after ``timeout_s`` seconds, or
+    PreloaderExitedError as soon as the preloader that ran when the wait began has exited
+    without writing it (a preloader started later is waited for as before).
     """
     paths = staged_paths(image_dir, rank, shm_dir)
     deadline = time.monotonic() + timeout_s
     delay = _POLL_S
+    running = _running_pid(pid_file(image_dir, shm_dir))
+    checked = time.monotonic()
     while True:
         try:
             return read_ready(paths.ready)
         except FileNotFoundError:
             pass
+        if running and time.monotonic() - checked >= _PID_CHECK_S:
+            checked = time.monotonic()
+            if _running_pid(pid_file(image_dir, shm_dir)) != running:
+                try:
+                    return read_ready(paths.ready)  # written just before it exited
+                except FileNotFoundError:
+                    pass
+                raise PreloaderExitedError(
+                    f"the preloader (pid {running}) exited before {paths.ready} appeared (rank {rank} of {image_dir} "
+                    f"not staged); its log: {log_file(image_dir, shm_dir)}. Restart it, or load with no preloader "
+                    "running: the load then streams the image from disk")
         if time.monotonic() >= deadline:
             running = _running_pid(pid_file(image_dir, shm_dir))
             who = (f"a preloader is running (pid {running})" if running else
@@ -218,13 +242,15 @@ def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None) -> Ready
 
 # ============================================================================ the pid file
 def _proc_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (start time in clock ticks), None when the process is gone."""
+    """Field 22 of /proc/PID/stat (start time in clock ticks), None when the process is gone
+    (or has exited and waits, a zombie, to be reaped by its parent)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _read_pid_file(path: Path) -> dict | None:
