@@ -23,7 +23,7 @@ for s in "$@"; do
     clone)  step clone "${CLONE_LIMIT:-300}" flashboot bench clone --json "$OUT/clone.json" ;;
     sweep)  step sweep "${SWEEP_LIMIT:-150}" flashboot bench clone --sweep 16MiB 64MiB 256MiB 1GiB --json "$OUT/sweep.json" ;;
     boot)   step boot "${BOOT_LIMIT:-420}" flashboot bench boot --json "$OUT/boot.json" ;;
-    stream) step stream "${STREAM_LIMIT:-240}" flashboot bench stream --json "$OUT/stream.json" ;;
+    stream) step stream "${STREAM_LIMIT:-240}" flashboot bench stream ${STREAM_ARGS:-} --json "$OUT/stream.json" ;;
     demo)   step demo "${DEMO_LIMIT:-120}" flashboot demo ;;
     serve)  step serve "${SERVE_LIMIT:-110}" flashboot bench serve --repeats 3 --json "$OUT/serve.json" ;;
     soak)   step soak "${SOAK_LIMIT:-45}" flashboot bench soak --cycles "${SOAK_CYCLES:-50}" --json "$OUT/soak.json" ;;
