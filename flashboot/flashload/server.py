@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
 import threading
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .._json import loads
 from ..errors import (
     FlashBootError,
     LayoutError,
@@ -197,14 +199,14 @@ class PreloadServer:
                     msg, fds, _flags, _ = socket.recv_fds(conn, 1 << 20, SCM_MAX_FD)
                     if not msg:
                         return
-                    req = json.loads(msg)
-                    op = req.get("op")
+                    req = _parse_request(msg)
+                    op = req["op"]
                     if op == "status":
                         reply = self.status()
                     elif op == "load":
                         if not fds:
                             raise RendezvousError("load request without the arena's fd attached")
-                        count = len(req.get("descriptor", {}).get("fds", ()))
+                        count = len(req["descriptor"]["fds"])
                         recv_more_fds(conn, fds, count, timeout_s=10)  # arenas of > SCM_MAX_FD segments
                         reply = self._serve_load(req, fds)
                     else:
@@ -282,6 +284,33 @@ class PreloadServer:
             arena.close()
         return {"ok": True, "rank": rank, "nbytes": res.nbytes, "map_ms": map_ms, "h2d_ms": h2d_ms,
                 "pinned": res.pinned is not None, "pin_ms": res.pin_ms, "pid": os.getpid()}
+
+
+_LOAD_FIELDS = {
+    "rank": ("an int", lambda v: type(v) is int),
+    "descriptor": ("an object with a list of fds", lambda v: type(v) is dict and type(v.get("fds")) is list),
+    "nbytes": ("an int", lambda v: type(v) is int),
+    "metadata_sha256": ("a string", lambda v: type(v) is str),
+    "timeout_s": ("a finite number >= 0", lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0),
+    "pci_bus_id": ("null or a string", lambda v: v is None or type(v) is str),
+}
+"""The fields of a load request, what each must be (in words) and its test; all optional but the
+descriptor (defaults: see :meth:`PreloadServer._serve_load`)."""
+
+
+def _parse_request(msg: bytes) -> dict:
+    """An engine's request: a JSON object with a string ``op`` and, for ``load``, typed fields;
+    RendezvousError naming the field otherwise (the daemon answers it and keeps serving)."""
+    req = loads(msg, "request", RendezvousError)
+    if not isinstance(req, dict) or type(req.get("op")) is not str:
+        raise RendezvousError(f"request must be a JSON object with a string 'op', found {str(req)[:200]}")
+    if req["op"] == "load":
+        if "descriptor" not in req:
+            raise RendezvousError("load request without a descriptor")
+        for name, (what, ok) in _LOAD_FIELDS.items():
+            if name in req and not ok(req[name]):
+                raise RendezvousError(f"load request: {name} must be {what}, found {str(req[name])[:200]}")
+    return req
 
 
 def _device_by_bus_id(bus_id: str | None, fallback: int) -> int:

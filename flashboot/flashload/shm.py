@@ -16,13 +16,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._json import loads
 from ..errors import (
     LayoutError,
     WaitTimeoutError,
@@ -159,18 +162,43 @@ def read_ready(path: str | os.PathLike) -> ReadyInfo:
     """Parse a ``.ready`` file; LayoutError naming the file when it is malformed."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text())
+        text = path.read_bytes()
     except FileNotFoundError:
         raise
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise LayoutError(f"{path}: unreadable .ready file ({exc})") from None
+    raw = loads(text, f"{path}: unreadable .ready file", LayoutError)
     if not isinstance(raw, dict) or raw.get("format") != READY_FORMAT:
         raise LayoutError(f"{path}: not a {READY_FORMAT} file")
     names = [f.name for f in dataclasses.fields(ReadyInfo) if f.name != "path"]
     missing = [n for n in names if n not in raw]
     if missing:
         raise LayoutError(f"{path}: .ready file lacks {missing}")
+    for name in names:
+        what, ok = _READY_FIELDS[name]
+        if not ok(raw[name]):
+            raise LayoutError(f"{path}: .ready field {name!r} must be {what}, found {raw[name]!r}")
     return ReadyInfo(path=path, **{n: raw[n] for n in names})
+
+
+def _int_at_least(minimum: int):
+    return lambda v: type(v) is int and v >= minimum
+
+
+_READY_FIELDS = {
+    **{n: ("an int >= 0", _int_at_least(0)) for n in ("rank", "nbytes")},
+    **{n: ("an int >= 1", _int_at_least(1)) for n in ("threads", "pid")},
+    **{n: ("a string", lambda v: type(v) is str)
+       for n in ("staged", "source", "job_id", "key_digest", "io_mode", "io_reason", "numa_reason")},
+    "metadata_sha256": ("64 hex digits", lambda v: type(v) is str and re.fullmatch(r"[0-9a-f]{64}", v) is not None),
+    "checksum": ("an object", lambda v: type(v) is dict),
+    "verified": ("true or false", lambda v: type(v) is bool),
+    "numa_node": ("null or an int >= 0", lambda v: v is None or _int_at_least(0)(v)),
+    **{n: ("a finite number >= 0", lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0)
+       for n in ("read_s", "staged_at")},
+}
+"""Field -> (what it must be, in words; its test): every field of a ``.ready`` is checked (JSON
+allows any value anywhere; the file is outside bytes)."""
 
 
 def _write_atomic(path: Path, text: str) -> None:
