@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import _cuda
+from ._json import check_fields, int_at_least, is_str
 from .errors import ArenaError, CapabilityError, CudaError, FlashBootError, OutOfMemoryError
 from .fdshare import pidfd_getfd, take_fds
 from .memory import Device, Span
@@ -189,9 +190,7 @@ class ArenaDescriptor:
         if missing or unknown:
             raise ArenaError(f"bad arena descriptor: missing {sorted(missing)}, unknown {sorted(unknown)}")
         d = dict(d)
-        for name, (what, ok) in _DESCRIPTOR_FIELDS.items():
-            if name in d and not ok(d[name]):
-                raise ArenaError(f"bad arena descriptor: {name} must be {what}, found {d[name]!r}")
+        check_fields(d, _DESCRIPTOR_FIELDS, ArenaError, "bad arena descriptor: ")
         d["fds"] = tuple(d["fds"])
         if d.get("fabric_handles") is not None:
             d["fabric_handles"] = tuple(bytes.fromhex(h) for h in d["fabric_handles"])
@@ -201,27 +200,23 @@ class ArenaDescriptor:
 _HANDLE_TYPES = (HANDLE_POSIX_FD, HANDLE_FABRIC_POSIX_FD, HANDLE_MEMFD)
 
 
-def _is_int(v: Any, minimum: int) -> bool:
-    return type(v) is int and v >= minimum
-
-
 def _is_handle(h: Any) -> bool:
     return type(h) is str and len(h) == 128 and all(c in "0123456789abcdef" for c in h)
 
 
 _DESCRIPTOR_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "backend": ("'cuda' or 'host'", lambda v: v in ("cuda", "host")),
-    "pid": ("an int >= 1", lambda v: _is_int(v, 1)),
-    "fds": ("a list of ints >= 0", lambda v: type(v) is list and all(_is_int(fd, 0) for fd in v)),
-    "nbytes": ("an int >= 1", lambda v: _is_int(v, 1)),
-    "device_index": ("an int >= -1", lambda v: _is_int(v, -1)),
+    "pid": ("an int >= 1", int_at_least(1)),
+    "fds": ("a list of ints >= 0", lambda v: type(v) is list and all(map(int_at_least(0), v))),
+    "nbytes": ("an int >= 1", int_at_least(1)),
+    "device_index": ("an int >= -1", int_at_least(-1)),
     "handle_type": (f"one of {_HANDLE_TYPES}", lambda v: v in _HANDLE_TYPES),
-    "granularity": ("an int >= 1", lambda v: _is_int(v, 1)),
-    "segment_bytes": ("an int >= 1", lambda v: _is_int(v, 1)),
-    "arena_id": ("a string", lambda v: type(v) is str),
+    "granularity": ("an int >= 1", int_at_least(1)),
+    "segment_bytes": ("an int >= 1", int_at_least(1)),
+    "arena_id": ("a string", is_str),
     "fabric_handles": ("null or a list of 64-byte hex handles",
-                       lambda v: v is None or (type(v) is list and all(_is_handle(h) for h in v))),
-    "hostname": ("a string", lambda v: type(v) is str),
+                       lambda v: v is None or (type(v) is list and all(map(_is_handle, v)))),
+    "hostname": ("a string", is_str),
 }
 """What each descriptor field must be (in words) and its test; :meth:`ArenaDescriptor.from_dict` checks them."""
 

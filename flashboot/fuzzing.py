@@ -185,7 +185,8 @@ class Reader:
     """One reader of outside bytes: its seeds, how to mutate them and how to feed it one input.
 
     ``feed(data)`` returns the parsed object (or raises); ``check(obj, data)`` returns a broken
-    invariant of a parsed object, or None; ``after(data)`` returns a leak (fd, mapping), or None.
+    invariant of a parsed object, or None; ``leaks`` (a :class:`LeakProbe`) looks for fds and
+    mappings an input left open.
     """
 
     name: str
@@ -193,16 +194,16 @@ class Reader:
     feed: Callable[[bytes], Any]
     check: Callable[[Any, bytes], str | None] = lambda obj, data: None
     mutate: Callable[[bytes, random.Random], bytes] = mutate_document
-    after: Callable[[bytes], str | None] | None = None
+    leaks: "LeakProbe | None" = None
 
     def warm_up(self) -> None:
-        """Feed every seed once (lazy imports, caches), so leak probes compare like with like."""
+        """Feed every seed once (lazy imports, caches): what a first use opens for good is no leak."""
         for s in self.seeds:
             self.run_one(s)
-        if self.after is not None:
-            self.after(b"")  # takes in what the warm-up opened for good
 
     def run_one(self, data: bytes) -> Outcome:
+        if self.leaks is not None:
+            self.leaks.before()
         try:
             obj = self.feed(data)
         except FlashBootError:
@@ -213,8 +214,8 @@ class Reader:
         else:
             problem = self.check(obj, data)
             outcome = Outcome("wrong", problem) if problem else Outcome("parsed")
-        if self.after is not None:
-            leak = self.after(data)
+        if self.leaks is not None:
+            leak = self.leaks.after()
             if leak:
                 outcome = Outcome("crash", f"leak: {leak}")
         return outcome
@@ -296,28 +297,27 @@ def mappings_of(path_part: str) -> int:
         return sum(1 for line in f if path_part in line)
 
 
-def _leak_probe(path_part: str, maps_every: int = 16) -> Callable[[bytes], str | None]:
-    """An ``after`` hook: fds opened since the warm-up (every input) and mappings of files under
-    ``path_part`` (every ``maps_every``-th input: reading /proc/self/maps of a torch process costs ~1 ms)."""
-    fds: set[int] = set()
-    state = {"calls": 0, "maps": 0}
+class LeakProbe:
+    """fds one input left open (every input) and mappings of files whose path contains
+    ``path_part`` (every ``maps_every``-th input: /proc/self/maps of a torch process is ~1 ms)."""
 
-    def after(data: bytes) -> str | None:
-        if not data:  # the warm-up: what is open and mapped now stays so
-            fds.update(open_fds())
-            state["maps"] = mappings_of(path_part)
-            return None
-        state["calls"] += 1
-        leaked = open_fds() - fds
-        maps = mappings_of(path_part) if state["calls"] % maps_every == 0 or leaked else state["maps"]
-        if leaked or maps > state["maps"]:
-            fds.update(leaked)
-            extra, state["maps"] = maps - state["maps"], max(maps, state["maps"])
-            return (f"{len(leaked)} fd(s) ({sorted({_fd_target(fd) for fd in leaked})[:3]}), {extra} more mapping(s) "
-                    f"of {path_part} left open")
+    def __init__(self, path_part: str, maps_every: int = 16):
+        self.path_part, self.maps_every, self.calls = path_part, maps_every, 0
+        self._fds: set[int] = set()
+        self._maps: int | None = None
+
+    def before(self) -> None:
+        self.calls += 1
+        self._fds = open_fds()
+        self._maps = mappings_of(self.path_part) if self.calls % self.maps_every == 0 else None
+
+    def after(self) -> str | None:
+        leaked = open_fds() - self._fds
+        maps = 0 if self._maps is None else mappings_of(self.path_part) - self._maps
+        if leaked or maps > 0:
+            targets = sorted({_fd_target(fd) for fd in leaked})[:3]
+            return f"{len(leaked)} fd(s) {targets} and {maps} mapping(s) of {self.path_part} left open"
         return None
-
-    return after
 
 
 # ============================================================================ the corpus
@@ -486,7 +486,7 @@ def image_reader(image_dir: Path, work: Path) -> Reader:
         finally:
             image.close()
 
-    return Reader("image dir (read_image)", seeds, feed, check, mutate, _leak_probe(str(d.dir)))
+    return Reader("image dir (read_image)", seeds, feed, check, mutate, LeakProbe(str(d.dir)))
 
 
 def lone_rank_reader(image_dir: Path, work: Path) -> Reader:
@@ -511,7 +511,7 @@ def lone_rank_reader(image_dir: Path, work: Path) -> Reader:
         finally:
             image.close()
 
-    return Reader("lone rank dir (read_image)", [original], feed, check, after=_leak_probe(str(lone)))
+    return Reader("lone rank dir (read_image)", [original], feed, check, leaks=LeakProbe(str(lone)))
 
 
 def job_reader(image_dir: Path, work: Path) -> Reader:
@@ -831,7 +831,7 @@ def preloader_reader(image_dir: Path, work: Path) -> tuple[Reader, _Preloader]:
             return None  # an empty message is a closed connection: nothing to answer
         return f"{what} to a {len(data) - 1}-byte request: {reply}"
 
-    return Reader("preloader request + fds (_handle)", seeds, feed, check, mutate, _leak_probe("/memfd:", 64)), p
+    return Reader("preloader request + fds (_handle)", seeds, feed, check, mutate, LeakProbe("/memfd:", 64)), p
 
 
 class _UnnamedReply(Exception):

@@ -135,7 +135,7 @@ def test_ready_fields_are_typed(corpus, tmp_path):
     for name, value in (("nbytes", "12"), ("metadata_sha256", float("inf")), ("verified", 1), ("read_s", "x"),
                         ("numa_node", -1), ("staged", None)):
         path.write_text(json.dumps({**good, name: value}))
-        with pytest.raises(LayoutError, match=rf"\.ready field '{name}' must be"):
+        with pytest.raises(LayoutError, match=rf"\.ready field {name} must be"):
             shm_files.read_ready(path)
 
 

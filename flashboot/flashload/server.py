@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import socket
 import threading
@@ -13,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .._json import loads
+from .._json import check_fields, finite_at_least, is_str, loads
 from ..errors import (
     FlashBootError,
     LayoutError,
@@ -290,9 +289,9 @@ _LOAD_FIELDS = {
     "rank": ("an int", lambda v: type(v) is int),
     "descriptor": ("an object with a list of fds", lambda v: type(v) is dict and type(v.get("fds")) is list),
     "nbytes": ("an int", lambda v: type(v) is int),
-    "metadata_sha256": ("a string", lambda v: type(v) is str),
-    "timeout_s": ("a finite number >= 0", lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0),
-    "pci_bus_id": ("null or a string", lambda v: v is None or type(v) is str),
+    "metadata_sha256": ("a string", is_str),
+    "timeout_s": ("a finite number >= 0", finite_at_least(0)),
+    "pci_bus_id": ("null or a string", lambda v: v is None or is_str(v)),
 }
 """The fields of a load request, what each must be (in words) and its test; all optional but the
 descriptor (defaults: see :meth:`PreloadServer._serve_load`)."""
@@ -307,9 +306,7 @@ def _parse_request(msg: bytes) -> dict:
     if req["op"] == "load":
         if "descriptor" not in req:
             raise RendezvousError("load request without a descriptor")
-        for name, (what, ok) in _LOAD_FIELDS.items():
-            if name in req and not ok(req[name]):
-                raise RendezvousError(f"load request: {name} must be {what}, found {str(req[name])[:200]}")
+        check_fields(req, _LOAD_FIELDS, RendezvousError, "load request: ")
     return req
 
 

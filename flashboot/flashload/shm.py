@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import re
 import threading
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._json import loads
+from .._json import check_fields, finite_at_least, int_at_least, is_str, loads
 from ..errors import (
     LayoutError,
     WaitTimeoutError,
@@ -174,31 +173,23 @@ def read_ready(path: str | os.PathLike) -> ReadyInfo:
     missing = [n for n in names if n not in raw]
     if missing:
         raise LayoutError(f"{path}: .ready file lacks {missing}")
-    for name in names:
-        what, ok = _READY_FIELDS[name]
-        if not ok(raw[name]):
-            raise LayoutError(f"{path}: .ready field {name!r} must be {what}, found {raw[name]!r}")
+    check_fields(raw, _READY_FIELDS, LayoutError, f"{path}: .ready field ")
     return ReadyInfo(path=path, **{n: raw[n] for n in names})
 
 
-def _int_at_least(minimum: int):
-    return lambda v: type(v) is int and v >= minimum
-
-
 _READY_FIELDS = {
-    **{n: ("an int >= 0", _int_at_least(0)) for n in ("rank", "nbytes")},
-    **{n: ("an int >= 1", _int_at_least(1)) for n in ("threads", "pid")},
-    **{n: ("a string", lambda v: type(v) is str)
-       for n in ("staged", "source", "job_id", "key_digest", "io_mode", "io_reason", "numa_reason")},
-    "metadata_sha256": ("64 hex digits", lambda v: type(v) is str and re.fullmatch(r"[0-9a-f]{64}", v) is not None),
+    **{n: ("an int >= 0", int_at_least(0)) for n in ("rank", "nbytes")},
+    **{n: ("an int >= 1", int_at_least(1)) for n in ("threads", "pid")},
+    **{n: ("a string", is_str) for n in ("staged", "source", "job_id", "key_digest", "io_mode", "io_reason",
+                                         "numa_reason")},
+    "metadata_sha256": ("64 hex digits", lambda v: is_str(v) and re.fullmatch(r"[0-9a-f]{64}", v) is not None),
     "checksum": ("an object", lambda v: type(v) is dict),
     "verified": ("true or false", lambda v: type(v) is bool),
-    "numa_node": ("null or an int >= 0", lambda v: v is None or _int_at_least(0)(v)),
-    **{n: ("a finite number >= 0", lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0)
-       for n in ("read_s", "staged_at")},
+    "numa_node": ("null or an int >= 0", lambda v: v is None or int_at_least(0)(v)),
+    **{n: ("a finite number >= 0", finite_at_least(0)) for n in ("read_s", "staged_at")},
 }
-"""Field -> (what it must be, in words; its test): every field of a ``.ready`` is checked (JSON
-allows any value anywhere; the file is outside bytes)."""
+"""Field -> (what it must be, in words; its test): every field of a ``.ready`` is checked (the
+file is outside bytes)."""
 
 
 def _write_atomic(path: Path, text: str) -> None:
