@@ -37,6 +37,8 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 CHECKSUM_ALGORITHM = "flashboot-checksum-v1"
 """The digest of ``flashboot.kernels.checksum_spec.checksum_reference``, per chunk."""
 
+_PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
+"""What ``image.file`` may be: one portable file name (no path, no byte the filesystem may refuse)."""
 REGIONS = ("experts", "non_experts")
 IMAGE_FILE = "image.bin"
 METADATA_FILE = "metadata.json"
@@ -960,8 +962,9 @@ class ImageMetadata:
         bad = _first_not(list(meta.warnings), (str,))
         if bad is not None:
             raise LayoutError(f"{where}: warnings[{bad}] must be str, found {meta.warnings[bad]!r}")
-        if "/" in meta.image_file or meta.image_file in ("", ".", ".."):
-            raise LayoutError(f"{where}: image.file {meta.image_file!r} must be a plain file name")
+        if not _PLAIN_FILE_NAME.fullmatch(meta.image_file) or meta.image_file in (".", ".."):
+            raise LayoutError(f"{where}: image.file {meta.image_file[:300]!r} must be a plain file name "
+                              "(1-255 of A-Z a-z 0-9 . _ -)")
         validate_layout(meta, where)
         return meta
 

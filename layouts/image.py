@@ -13,6 +13,7 @@ import hashlib
 import mmap
 import os
 import re
+import stat
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -174,9 +175,14 @@ def open_image(mf: MetadataFile, rank: int | None = None, *, tp: int | None = No
             raise LayoutError(f"{where}: key {meta.key.describe()} differs from the job's {job.key.describe()}")
     check_request(meta, where, expected_key=expected_key)
     image_path = mf.rank_dir / meta.image_file
-    if not image_path.is_file():
-        raise LayoutError(f"{image_path}: image file missing (metadata expects {meta.image_nbytes:,} bytes)")
-    size = image_path.stat().st_size
+    try:
+        st = image_path.stat()
+    except OSError as exc:
+        raise LayoutError(f"{image_path}: image file missing or unreadable ({exc.strerror}; metadata expects "
+                          f"{meta.image_nbytes:,} bytes)") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise LayoutError(f"{image_path}: not a regular file (metadata expects {meta.image_nbytes:,} bytes)")
+    size = st.st_size
     if size != meta.image_nbytes:
         cs = meta.checksums
         chunk = min(size, meta.image_nbytes) // cs.chunk_bytes

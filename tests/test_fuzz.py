@@ -65,8 +65,8 @@ def test_short_campaign(corpus, name):
 
 def test_every_recorded_finding_is_now_refused_or_parsed(corpus):
     """The inputs that crashed a reader, or were accepted wrongly, before the fixes (found by
-    this campaign, seed 0, 3,000 inputs per reader), replayed: each is refused or parses into a
-    valid object now."""
+    this campaign, seed 0, 3,000 inputs per reader, and the long run), replayed: each is
+    refused or parses into a valid object now."""
     findings = json.loads(gzip.decompress(FINDINGS.read_bytes()))
     by_name = {r.name: r for r in corpus.readers}
     assert {f["kind"] for f in findings} == {"crash", "wrong"}
@@ -101,6 +101,13 @@ def test_num_experts_must_match_the_expert_split(corpus):
     meta["experts"]["num_experts"] = (1 << 40) + 8
     with pytest.raises(LayoutError, match=r"experts 4\.\.7 of 1099511627784, but ep rank 1 of ep=2 .* num_experts "
                                           r"must be local_count x ep \(8\)"):
+        parse_metadata(json.dumps(meta), "m.json")
+
+
+def test_an_image_file_name_the_filesystem_refuses_is_a_layout_error(corpus):
+    meta = _seed_meta(corpus)
+    meta["image"]["file"] = "image.b" + "[" * 300  # stat() raised OSError ENAMETOOLONG (make fuzz, lone rank dir)
+    with pytest.raises(LayoutError, match="must be a plain file name"):
         parse_metadata(json.dumps(meta), "m.json")
 
 
