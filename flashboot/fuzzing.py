@@ -745,7 +745,11 @@ class _Preloader:
         self.other.close()
 
 
-_FD_KINDS = ("arena", "arena", "arena", "none", "other-size", "pipe", "devnull", "socket", "two", "many", "image")
+_FD_KINDS = ("arena", "arena", "arena", "none", "other-size", "pipe", "devnull", "socket", "two", "many", "image",
+             "short")
+"""What a fuzzed request carries: the arena's own fd, none, another (smaller) arena's memfd, a pipe,
+/dev/null, a socket, two arenas' fds, SCM_MAX_FD fds, the image file, a memfd named like the
+arena's segment but shorter (the size check is all that stands between it and a SIGBUS)."""
 
 
 def preloader_reader(image_dir: Path, work: Path) -> tuple[Reader, _Preloader]:
@@ -786,6 +790,12 @@ def preloader_reader(image_dir: Path, work: Path) -> tuple[Reader, _Preloader]:
             return [fa], [fa, fb]
         if kind == "image":
             fd = os.open(p.source.path, os.O_RDONLY)
+            return [fd], [fd]
+        if kind == "short":
+            from flashboot.arena import _memfd_name
+
+            fd = os.memfd_create(_memfd_name(p.desc.arena_id, 0), os.MFD_CLOEXEC)
+            os.ftruncate(fd, max(4096, p.desc.nbytes // 2))
             return [fd], [fd]
         if kind == "two":
             return list(p.desc.fds) + list(p.other_desc.fds), []

@@ -164,10 +164,11 @@ def test_descriptor_and_manifest_fields_are_typed(corpus):
 
 
 def test_the_preloader_answers_garbage_by_name_and_closes_every_fd(corpus):
-    """A request that is not JSON, with another arena's fd and a pipe attached: a RendezvousError
-    comes back and the daemon keeps no fd (the reader's leak probe counts them)."""
+    """Malformed requests with the wrong fds attached (none, another arena's, a pipe, too many, a
+    memfd named like the arena's segment but half its size): refused by name, no fd kept (the
+    reader's leak probe counts them); a request that is not JSON: a RendezvousError comes back."""
     reader = corpus.reader("preloader")
-    for kind in (3, 4, 5, 8):  # no fd, another arena's memfd, a pipe, two arenas' fds
+    for kind in (3, 4, 5, 8, 11):  # no fd, another arena's memfd, a pipe, two arenas' fds, a short look-alike
         for request in (b'{"op": "load", "rank": [0]', b'{"op": "load", "descriptor": {"fds": "x"}}',
                         b'{"op": "load", "rank": 0, "descriptor": {"fds": [1]}, "timeout_s": "soon"}'):
             outcome = reader.run_one(bytes([kind]) + request)
