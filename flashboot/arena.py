@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import mmap
 import os
+import re
 import secrets
 import socket
 import threading
@@ -213,7 +214,7 @@ _DESCRIPTOR_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "handle_type": (f"one of {_HANDLE_TYPES}", lambda v: v in _HANDLE_TYPES),
     "granularity": ("an int >= 1", int_at_least(1)),
     "segment_bytes": ("an int >= 1", int_at_least(1)),
-    "arena_id": ("a string", is_str),
+    "arena_id": ("1-64 hex digits", lambda v: is_str(v) and re.fullmatch(r"[0-9a-f]{1,64}", v) is not None),
     "fabric_handles": ("null or a list of 64-byte hex handles",
                        lambda v: v is None or (type(v) is list and all(map(_is_handle, v)))),
     "hostname": ("a string", is_str),

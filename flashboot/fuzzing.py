@@ -806,7 +806,8 @@ def preloader_reader(image_dir: Path, work: Path) -> tuple[Reader, _Preloader]:
         from flashboot.fdshare import send_fds
 
         data = data or b"\0"
-        kind, msg = _FD_KINDS[data[0] % len(_FD_KINDS)], data[1:]
+        # No client can send more in one SOCK_SEQPACKET message (EMSGSIZE at its end, wmem_default ~208 KiB).
+        kind, msg = _FD_KINDS[data[0] % len(_FD_KINDS)], data[1:_MAX_SEND_BYTES + 1]
         fds, mine = fds_for(kind)
         engine, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -842,6 +843,9 @@ def preloader_reader(image_dir: Path, work: Path) -> tuple[Reader, _Preloader]:
         return f"{what} to a {len(data) - 1}-byte request: {reply}"
 
     return Reader("preloader request + fds (_handle)", seeds, feed, check, mutate, LeakProbe("/memfd:", 64)), p
+
+
+_MAX_SEND_BYTES = 200_000
 
 
 class _UnnamedReply(Exception):

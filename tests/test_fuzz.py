@@ -180,6 +180,16 @@ def test_the_preloader_answers_garbage_by_name_and_closes_every_fd(corpus):
         corpus.preloader.server._handle(daemon)
         reply = json.loads(engine.recv(1 << 16))
     assert reply["ok"] is False and reply["error"] == "RendezvousError" and "request: not JSON" in reply["message"]
+    # An error echoing a 200,000-character field: the reply is cut to fit one message, not lost
+    # (found by make fuzz: the daemon's send failed with EMSGSIZE and the engine got no answer).
+    engine, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with engine:
+        engine.send(json.dumps({"op": "x" * 150_000}).encode())
+        engine.shutdown(socket.SHUT_WR)
+        corpus.preloader.server._handle(daemon)
+        reply = json.loads(engine.recv(1 << 20))
+    assert reply["error"] == "FlashBootError" and reply["message"].startswith("unknown request op 'xxx")
+    assert reply["message"].endswith(" [...]") and len(reply["message"]) < 5000
 
 
 # ----------------------------------------------------------------------------- hypothesis

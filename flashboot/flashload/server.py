@@ -32,6 +32,10 @@ from .shm import (
 )
 from .staging import PreloadConfig, StageResult, stage_rank
 
+_MAX_REPLY_BYTES = 64 << 10
+_MAX_MESSAGE_CHARS = 4096
+"""An error about a request echoes its fields; one of ~200 KB (found by fuzzing: a 200,000-character
+arena id) made a reply longer than one SOCK_SEQPACKET message, and the engine got none."""
 SERVE_CHUNK_BYTES = 1 << 30
 """The daemon's H2D goes in 1 GB chunks (hardware.md: streams and smaller chunks do not help)."""
 
@@ -212,9 +216,13 @@ class PreloadServer:
                         raise FlashBootError(f"unknown request op {op!r}; known: load, status")
                 except BaseException as exc:  # every failure goes back to the engine, named
                     reply = _error_payload(exc)
-                    self.log(f"request failed: {type(exc).__name__}: {exc}")
+                    self.log(f"request failed: {type(exc).__name__}: {str(exc)[:_MAX_MESSAGE_CHARS]}")
                 conn.settimeout(10)
-                conn.send(json.dumps(reply).encode())
+                data = json.dumps(reply).encode()
+                if len(data) > _MAX_REPLY_BYTES and not reply.get("ok"):  # it would not fit one message
+                    reply = {**reply, "message": reply.get("message", "")[:_MAX_MESSAGE_CHARS] + " [...]", "attrs": {}}
+                    data = json.dumps(reply).encode()
+                conn.send(data)
         except OSError as exc:
             self.log(f"engine connection lost: {exc}")
         finally:
