@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import mmap
 import os
+import re
 import secrets
 import socket
 import threading
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import _cuda
+from ._json import check_fields, int_at_least, is_str
 from .errors import ArenaError, CapabilityError, CudaError, FlashBootError, OutOfMemoryError
 from .fdshare import pidfd_getfd, take_fds
 from .memory import Device, Span
@@ -178,7 +180,10 @@ class ArenaDescriptor:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ArenaDescriptor":
-        """Inverse of :meth:`to_dict`; ArenaError for missing or unknown fields."""
+        """Inverse of :meth:`to_dict`; ArenaError naming the field for a missing, unknown or
+        mistyped one (a descriptor arrives from another process: every field is checked)."""
+        if not isinstance(d, dict):
+            raise ArenaError(f"bad arena descriptor: must be an object, found {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         missing = {"backend", "pid", "fds", "nbytes", "device_index", "handle_type", "granularity", "segment_bytes",
                    "arena_id"} - set(d)
@@ -186,10 +191,35 @@ class ArenaDescriptor:
         if missing or unknown:
             raise ArenaError(f"bad arena descriptor: missing {sorted(missing)}, unknown {sorted(unknown)}")
         d = dict(d)
-        d["fds"] = tuple(int(fd) for fd in d["fds"])
+        check_fields(d, _DESCRIPTOR_FIELDS, ArenaError, "bad arena descriptor: ")
+        d["fds"] = tuple(d["fds"])
         if d.get("fabric_handles") is not None:
             d["fabric_handles"] = tuple(bytes.fromhex(h) for h in d["fabric_handles"])
         return cls(**d)
+
+
+_HANDLE_TYPES = (HANDLE_POSIX_FD, HANDLE_FABRIC_POSIX_FD, HANDLE_MEMFD)
+
+
+def _is_handle(h: Any) -> bool:
+    return type(h) is str and len(h) == 128 and all(c in "0123456789abcdef" for c in h)
+
+
+_DESCRIPTOR_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "backend": ("'cuda' or 'host'", lambda v: v in ("cuda", "host")),
+    "pid": ("an int >= 1", int_at_least(1)),
+    "fds": ("a list of ints >= 0", lambda v: type(v) is list and all(map(int_at_least(0), v))),
+    "nbytes": ("an int >= 1", int_at_least(1)),
+    "device_index": ("an int >= -1", int_at_least(-1)),
+    "handle_type": (f"one of {_HANDLE_TYPES}", lambda v: v in _HANDLE_TYPES),
+    "granularity": ("an int >= 1", int_at_least(1)),
+    "segment_bytes": ("an int >= 1", int_at_least(1)),
+    "arena_id": ("1-64 hex digits", lambda v: is_str(v) and re.fullmatch(r"[0-9a-f]{1,64}", v) is not None),
+    "fabric_handles": ("null or a list of 64-byte hex handles",
+                       lambda v: v is None or (type(v) is list and all(map(_is_handle, v)))),
+    "hostname": ("a string", is_str),
+}
+"""What each descriptor field must be (in words) and its test; :meth:`ArenaDescriptor.from_dict` checks them."""
 
 
 # --------------------------------------------------------------------------------------------

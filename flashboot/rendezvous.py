@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import socket
 import time
@@ -177,8 +178,8 @@ def decode_record(token: Token, key: str, raw: bytes, where: str = "the store") 
         mac = bytes.fromhex(envelope.pop("mac"))
         if not isinstance(envelope, dict) or envelope.get("v") != RECORD_VERSION:
             raise ValueError("unknown record version")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise RendezvousError(f"{key!r} in {where} is not a FlashBoot record ({exc})") from None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise RendezvousError(f"{key!r} in {where} is not a FlashBoot record ({type(exc).__name__}: {exc})") from None
     if not hmac.compare_digest(mac, token.mac(_canonical(envelope))):
         raise RendezvousError(
             f"{key!r} in {where} fails authentication: it was written with a different token, or planted by "
@@ -186,18 +187,29 @@ def decode_record(token: Token, key: str, raw: bytes, where: str = "the store") 
         )
     if envelope.get("key") != key:
         raise RendezvousError(f"{key!r} in {where} holds a record written for {envelope.get('key')!r} (moved or replayed)")
+    # Authentic from here on, but still checked: a participant with the token may have a bug.
     sealed = None
-    if envelope.get("sealed") is not None:
-        cipher = bytes.fromhex(envelope["sealed"])
-        plain = bytes(a ^ b for a, b in zip(cipher, token.keystream(bytes.fromhex(envelope["nonce"]), len(cipher))))
-        sealed = json.loads(plain)
-    return Record(key, envelope["body"], sealed)
+    try:
+        if envelope.get("sealed") is not None:
+            cipher = bytes.fromhex(envelope["sealed"])
+            plain = bytes(a ^ b for a, b in zip(cipher, token.keystream(bytes.fromhex(envelope["nonce"]), len(cipher))))
+            sealed = json.loads(plain)
+            if not isinstance(sealed, dict):
+                raise TypeError(f"the sealed part is {type(sealed).__name__}, not an object")
+        body = envelope["body"]
+        if not isinstance(body, dict):
+            raise TypeError(f"the body is {type(body).__name__}, not an object")
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise RendezvousError(f"{key!r} in {where} is an authentic but malformed record "
+                              f"({type(exc).__name__}: {exc})") from None
+    return Record(key, body, sealed)
 
 
 # ============================================================================================
 # Manifest
 # ============================================================================================
 
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 DEFAULT_CHECKSUM_CHUNK_BYTES = 64 << 20
 """Checksum granularity when a seed computes the table itself (a bare arena without an image)."""
 
@@ -243,11 +255,25 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Manifest":
-        try:
-            return cls(int(d["nbytes"]), int(d["arena_nbytes"]), int(d["checksum_chunk_bytes"]),
-                       tuple(int(c, 16) for c in d["checksums"]), d.get("key"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RendezvousError(f"malformed manifest ({type(exc).__name__}: {exc})") from None
+        """Inverse of :meth:`to_dict`; RendezvousError naming the field that is missing or mistyped
+        (ints exactly ints, checksums 16 hex digits each, key null or an object with a digest)."""
+        if not isinstance(d, Mapping):
+            raise RendezvousError(f"malformed manifest: must be an object, found {type(d).__name__}")
+        missing = [k for k in ("nbytes", "arena_nbytes", "checksum_chunk_bytes", "checksums") if k not in d]
+        if missing:
+            raise RendezvousError(f"malformed manifest: missing {missing}")
+        for name in ("nbytes", "arena_nbytes", "checksum_chunk_bytes"):
+            if type(d[name]) is not int:
+                raise RendezvousError(f"malformed manifest: {name} must be an int, found {d[name]!r}")
+        sums = d["checksums"]
+        if type(sums) is not list or not all(type(c) is str and _HEX16.fullmatch(c) for c in sums):
+            raise RendezvousError(f"malformed manifest: checksums must be a list of 16-hex-digit strings, "
+                                  f"found {str(sums)[:200]}")
+        key = d.get("key")
+        if key is not None and not (isinstance(key, dict) and type(key.get("digest")) is str):
+            raise RendezvousError(f"malformed manifest: key must be null or an object with a digest, found "
+                                  f"{str(key)[:200]}")
+        return cls(d["nbytes"], d["arena_nbytes"], d["checksum_chunk_bytes"], tuple(int(c, 16) for c in sums), key)
 
     @property
     def digest(self) -> str:

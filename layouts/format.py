@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from flashboot._json import loads
 from flashboot.errors import LayoutError
 
 FORMAT_NAME = "flashboot-image"
@@ -36,6 +37,8 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 CHECKSUM_ALGORITHM = "flashboot-checksum-v1"
 """The digest of ``flashboot.kernels.checksum_spec.checksum_reference``, per chunk."""
 
+_PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
+"""What ``image.file`` may be: one portable file name (no path, no byte the filesystem may refuse)."""
 REGIONS = ("experts", "non_experts")
 IMAGE_FILE = "image.bin"
 METADATA_FILE = "metadata.json"
@@ -68,7 +71,7 @@ DTYPES_BY_SAFETENSORS = {d.safetensors: d for d in DTYPES.values()}
 
 def dtype_of(name: str, where: str) -> DType:
     """The :class:`DType` called ``name``; LayoutError listing the supported ones otherwise."""
-    d = DTYPES.get(name)
+    d = DTYPES.get(name) if isinstance(name, str) else None
     if d is None:
         raise LayoutError(f"{where}: unsupported dtype {name!r}; supported: {', '.join(DTYPES)}")
     return d
@@ -959,8 +962,12 @@ class ImageMetadata:
             format_version=version,
             warnings=tuple(f.get("warnings", list, optional=True, default=[])),
         )
-        if "/" in meta.image_file or meta.image_file in ("", ".", ".."):
-            raise LayoutError(f"{where}: image.file {meta.image_file!r} must be a plain file name")
+        bad = _first_not(list(meta.warnings), (str,))
+        if bad is not None:
+            raise LayoutError(f"{where}: warnings[{bad}] must be str, found {meta.warnings[bad]!r}")
+        if not _PLAIN_FILE_NAME.fullmatch(meta.image_file) or meta.image_file in (".", ".."):
+            raise LayoutError(f"{where}: image.file {meta.image_file[:300]!r} must be a plain file name "
+                              "(1-255 of A-Z a-z 0-9 . _ -)")
         validate_layout(meta, where)
         return meta
 
@@ -971,10 +978,11 @@ def validate_layout(meta: ImageMetadata, where: str) -> None:
     checksums covering the image, the key agreeing with the rest. Vectorised over the tensor
     table's columns: 10^4 tensors in a few milliseconds."""
     ta, sa = meta.tensor_alignment, meta.separator_alignment
-    if ta < TENSOR_ALIGNMENT or ta & (ta - 1):
-        raise LayoutError(f"{where}: tensor alignment {ta} must be a power of two >= {TENSOR_ALIGNMENT}")
-    if sa < SEPARATOR_ALIGNMENT or sa & (sa - 1):
-        raise LayoutError(f"{where}: separator alignment {sa} must be a power of two >= {SEPARATOR_ALIGNMENT}")
+    # Bounded above too: the checks below take int64 remainders by these.
+    if not TENSOR_ALIGNMENT <= ta <= MAX_IMAGE_NBYTES or ta & (ta - 1):
+        raise LayoutError(f"{where}: tensor alignment {ta} must be a power of two in {TENSOR_ALIGNMENT}..2**56")
+    if not SEPARATOR_ALIGNMENT <= sa <= MAX_IMAGE_NBYTES or sa & (sa - 1):
+        raise LayoutError(f"{where}: separator alignment {sa} must be a power of two in {SEPARATOR_ALIGNMENT}..2**56")
     if meta.image_nbytes > MAX_IMAGE_NBYTES:
         raise LayoutError(f"{where}: image size {meta.image_nbytes:,} exceeds the largest supported, "
                           f"{MAX_IMAGE_NBYTES:,} bytes")
@@ -1026,7 +1034,12 @@ def validate_layout(meta: ImageMetadata, where: str) -> None:
     if len(cs.digests) != n_chunks:
         raise LayoutError(f"{where}: {len(cs.digests)} chunk checksums for {meta.image_nbytes:,} bytes in chunks "
                           f"of {cs.chunk_bytes:,}; expected {n_chunks}")
-    p, k = meta.parallel, meta.key
+    p, k, e = meta.parallel, meta.key, meta.experts
+    if e is not None and (e.num_experts != e.local_count * p.ep_size or e.local_start != p.ep_rank * e.local_count):
+        raise LayoutError(f"{where}: experts {e.local_start}..{e.local_start + e.local_count - 1} of {e.num_experts}, "
+                          f"but ep rank {p.ep_rank} of ep={p.ep_size} holds block {p.ep_rank} of {p.ep_size} equal "
+                          f"blocks: num_experts must be local_count x ep ({e.local_count * p.ep_size}) and local_start "
+                          f"{p.ep_rank * e.local_count}")
     for field_name, recorded, implied in (("tp_size", k.tp_size, p.tp_size), ("ep_size", k.ep_size, p.ep_size),
                                           ("family", k.family, meta.family.name), ("target", k.target, meta.target),
                                           ("config_hash", k.config_hash, meta.source.config_hash),
@@ -1069,10 +1082,7 @@ def parse_metadata(raw: bytes | str, where: str, table: bytes | None = None, tab
         tensors, (start, end) = decode_table(table, raw, table_where or where)
         raw = raw[:start] + b"{}" + raw[end:]
     with gc_paused():
-        try:
-            obj = json.loads(raw)
-        except ValueError as exc:
-            raise LayoutError(f"{where}: not JSON ({exc})") from None
+        obj = loads(raw, where, LayoutError)
         try:
             return ImageMetadata.from_dict(obj, where, tensors)
         finally:

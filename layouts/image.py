@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import mmap
 import os
 import re
+import stat
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from flashboot._json import loads
 from flashboot.errors import ChecksumMismatchError, LayoutError
 
 from .format import (
@@ -28,6 +29,7 @@ from .format import (
 from .table import TABLE_FILE, tables_agree
 
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
 def rank_dir_name(rank: int) -> str:
@@ -48,6 +50,8 @@ class JobInfo:
     ranks: dict[int, str]
     """Rank -> its directory name under the job directory."""
     raw: dict
+    metadata_sha256: dict[int, str]
+    """Rank -> hex sha256 of the ``metadata.json`` the pre-pack wrote for it (tamper evidence)."""
 
 
 def read_job(path: str | os.PathLike) -> JobInfo:
@@ -61,25 +65,29 @@ def read_job(path: str | os.PathLike) -> JobInfo:
                 "re-run flashboot prepack)" if leftovers else "")
         raise LayoutError(f"{path}: no {JOB_FILE}: not a complete pre-packed image directory{hint}")
     where = str(job_path)
-    try:
-        raw = json.loads(job_path.read_text())
-    except ValueError as exc:
-        raise LayoutError(f"{where}: not JSON ({exc})") from None
+    raw = loads(job_path.read_bytes(), where, LayoutError)
     f = _Fields(raw, where, "")
     if f.get("format", str) != JOB_FORMAT_NAME:
         raise LayoutError(f"{where}: format {raw.get('format')!r} is not {JOB_FORMAT_NAME!r}")
     version = f.int("format_version")
     if version != FORMAT_VERSION:
         raise LayoutError(f"{where}: format version {version}; this flashboot reads version {FORMAT_VERSION}")
-    ranks = {}
+    ranks, digests = {}, {}
     for i, r in enumerate(f.get("ranks", list)):
         rf = _Fields(r, where, f"ranks[{i}]")
-        ranks[rf.int("rank")] = rf.get("dir", str)
+        rank, name, sha = rf.int("rank"), rf.get("dir", str), rf.get("metadata_sha256", str)
+        if not _RANK_DIR.match(name):
+            raise LayoutError(f"{where}: ranks[{i}].dir {name!r} is not a rank directory name (rank-N)")
+        if not _SHA256_HEX.match(sha):
+            raise LayoutError(f"{where}: ranks[{i}].metadata_sha256 must be 64 hex digits, found {sha!r}")
+        if rank in ranks:
+            raise LayoutError(f"{where}: rank {rank} is listed twice")
+        ranks[rank], digests[rank] = name, sha
     world = f.int("world_size", minimum=1)
-    if sorted(ranks) != list(range(world)):
+    if len(ranks) != world or sorted(ranks) != list(range(world)):  # len first: world may be 2**62
         raise LayoutError(f"{where}: lists ranks {sorted(ranks)} for world_size {world}")
     return JobInfo(path, f.get("job_id", str), world, f.int("tp_size", minimum=1), f.int("ep_size", minimum=1),
-                   ImageKey.from_dict(f.sub("key")), ranks, raw)
+                   ImageKey.from_dict(f.sub("key")), ranks, raw, digests)
 
 
 def _resolve(path: Path, rank: int | None) -> tuple[Path, JobInfo | None]:
@@ -128,14 +136,35 @@ class MetadataFile:
 
 def read_metadata_file(path: str | os.PathLike, rank: int | None = None) -> MetadataFile:
     """Find rank ``rank``'s ``metadata.json`` under ``path`` (see :func:`read_image_metadata`) and
-    read its bytes. Checks the job file and that the rank exists; parses nothing else."""
+    read its bytes. Checks the job file, that the rank exists and, where a job file is found,
+    that the bytes are the ones the pre-pack wrote (:func:`check_metadata_digest`); parses
+    nothing else."""
     rank_dir, job = _resolve(Path(path), rank)
     raw = (rank_dir / METADATA_FILE).read_bytes()
     try:
         table = (rank_dir / TABLE_FILE).read_bytes()
     except FileNotFoundError:
         table = None
-    return MetadataFile(rank_dir, job, raw, table)
+    mf = MetadataFile(rank_dir, job, raw, table)
+    if job is not None:
+        check_metadata_digest(mf)
+    return mf
+
+
+def check_metadata_digest(mf: MetadataFile) -> None:
+    """LayoutError naming the rank and both digests where ``mf``'s bytes are not the ones its job's
+    ``prepack.json`` recorded: an edited or damaged tensor table (a tensor removed, an offset,
+    shape or count changed) is refused before it is parsed and before any image byte is read."""
+    job = mf.job
+    ranks = [r for r, name in job.ranks.items() if name == mf.rank_dir.name]
+    if not ranks:
+        raise LayoutError(f"{mf.rank_dir}: {job.path / JOB_FILE} lists no rank in a directory named "
+                          f"{mf.rank_dir.name!r} (it lists {sorted(job.ranks.values())})")
+    rank, recorded = ranks[0], job.metadata_sha256[ranks[0]]
+    if mf.sha256 != recorded:
+        raise LayoutError(f"{mf.where}: rank {rank}'s metadata has sha256 {mf.sha256}, but {job.path / JOB_FILE} "
+                          f"records {recorded}: the metadata was edited or damaged after the pre-pack; refused "
+                          "before any image byte was read (re-run flashboot prepack)")
 
 
 def open_image(mf: MetadataFile, rank: int | None = None, *, tp: int | None = None, ep: int | None = None,
@@ -154,9 +183,14 @@ def open_image(mf: MetadataFile, rank: int | None = None, *, tp: int | None = No
             raise LayoutError(f"{where}: key {meta.key.describe()} differs from the job's {job.key.describe()}")
     check_request(meta, where, expected_key=expected_key)
     image_path = mf.rank_dir / meta.image_file
-    if not image_path.is_file():
-        raise LayoutError(f"{image_path}: image file missing (metadata expects {meta.image_nbytes:,} bytes)")
-    size = image_path.stat().st_size
+    try:
+        st = image_path.stat()
+    except OSError as exc:
+        raise LayoutError(f"{image_path}: image file missing or unreadable ({exc.strerror}; metadata expects "
+                          f"{meta.image_nbytes:,} bytes)") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise LayoutError(f"{image_path}: not a regular file (metadata expects {meta.image_nbytes:,} bytes)")
+    size = st.st_size
     if size != meta.image_nbytes:
         cs = meta.checksums
         chunk = min(size, meta.image_nbytes) // cs.chunk_bytes
@@ -454,6 +488,6 @@ def list_rank_dirs(path: Path) -> dict[int, Path]:
     return out
 
 
-__all__ = ["Image", "JobInfo", "MetadataFile", "VerifyResult", "check_request", "image_ranks", "list_rank_dirs", "open_image",
+__all__ = ["Image", "JobInfo", "MetadataFile", "VerifyResult", "check_metadata_digest", "check_request", "image_ranks", "list_rank_dirs", "open_image",
            "rank_dir_name", "read_image", "read_image_metadata", "read_job", "read_metadata_file", "reassemble",
            "verify_image", "IMAGE_FILE"]

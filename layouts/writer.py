@@ -4,6 +4,7 @@ as they are written: no read-back), then the metadata last, each step durable (f
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -153,6 +154,9 @@ class ImageWriter:
 def commit_job(tmp: Path, out_dir: Path, job: dict, ranks: list[int]) -> None:
     """Publish a pre-pack written into ``tmp`` (its ``rank-R/`` directories) as ``out_dir``.
 
+    Each entry of ``job["ranks"]`` gets ``metadata_sha256``, the sha256 of that rank's
+    ``metadata.json`` as written, which every reader checks (tamper evidence, FORMAT.md).
+
     The order makes a crash at any point safe: the job file is written and synced in ``tmp``;
     the old job file goes first (an image without it is never taken as complete), the old rank
     directories are moved aside, the new ones moved in, and the new job file renamed in last.
@@ -164,6 +168,9 @@ def commit_job(tmp: Path, out_dir: Path, job: dict, ranks: list[int]) -> None:
     from .format import JOB_FILE
     from .image import list_rank_dirs, rank_dir_name
 
+    for entry in job["ranks"]:
+        meta = tmp / rank_dir_name(entry["rank"]) / METADATA_FILE
+        entry["metadata_sha256"] = hashlib.sha256(meta.read_bytes()).hexdigest()
     with open(tmp / JOB_FILE, "w") as f:
         json.dump(job, f, indent=1)
         f.flush()

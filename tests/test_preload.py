@@ -29,6 +29,7 @@ from flashboot.flashload import client, service, staging
 from flashboot.flashload import shm as shm_files
 from flashboot.memory import Device
 
+from _image_helpers import rewrite_metadata
 
 
 def _image_bytes(image_dir, rank=0) -> bytes:
@@ -101,9 +102,8 @@ def test_ready_from_another_prepack_is_refused(image, shm):
     info = shm_files.read_ready(shm_files.staged_paths(image, 0, shm).ready)
     meta_path = read_image(image, 0).dir / "metadata.json"
     meta = json.loads(meta_path.read_text())
-    meta["warnings"] = ["edited"]  # another pre-pack: same sizes, different metadata
-    meta_path.write_text(json.dumps(meta))
-    (meta_path.parent / "tensors.bin").unlink()  # a re-pack rewrites both; this one is JSON-only
+    meta["warnings"] = ["edited"]  # another pre-pack: same sizes, different metadata (digest re-recorded)
+    rewrite_metadata(meta_path.parent, meta)
     with pytest.raises(LayoutError, match="another pre-pack"):
         shm_files.check_ready(info, shm_files.rank_source(image, 0))
 
@@ -364,7 +364,7 @@ def test_served_load_across_processes(image, shm):
             assert bytes(again.arena.bytes()[:again.nbytes].numpy()) == _image_bytes(image)
         # metadata.json rewritten after staging: not the bytes the daemon holds, refused unallocated
         meta_path = image / "rank-0" / "metadata.json"
-        meta_path.write_text(json.dumps(json.loads(meta_path.read_text())))
+        rewrite_metadata(meta_path.parent, json.loads(meta_path.read_text()))  # as a re-pre-pack would
         created.clear()
         with unittest.mock.patch.object(Arena, "create", classmethod(spy)):
             with pytest.raises(LayoutError, match="is of another pre-pack"):

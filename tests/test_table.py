@@ -1,6 +1,7 @@
 """The binary tensor table (tensors.bin): the same table as metadata.json, bound to its bytes;
 anything else is refused before a byte is copied."""
 
+import hashlib
 import json
 import random
 import shutil
@@ -47,7 +48,12 @@ def test_edited_metadata_with_its_table_is_refused_naming_both_digests(image):
     meta_path = image / "rank-0" / "metadata.json"
     meta = json.loads(meta_path.read_text())
     del meta["tensors"][next(iter(meta["tensors"]))]  # a tensor removed from the JSON table
-    meta_path.write_text(json.dumps(meta))
+    raw = json.dumps(meta).encode()
+    meta_path.write_bytes(raw)
+    job_path = image / "prepack.json"  # the job's digest re-recorded too: only the table's binding is left
+    job = json.loads(job_path.read_text())
+    next(e for e in job["ranks"] if e["dir"] == "rank-0")["metadata_sha256"] = hashlib.sha256(raw).hexdigest()
+    job_path.write_text(json.dumps(job))
     with pytest.raises(LayoutError, match=r"tensors.bin: written for a metadata.json of sha256 [0-9a-f]{16}, the one "
                                           r"beside it has [0-9a-f]{16}"):
         read_image(image, 0)

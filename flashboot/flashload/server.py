@@ -16,6 +16,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .._json import check_fields, finite_at_least, is_str, loads
 from ..errors import (
     FlashBootError,
     LayoutError,
@@ -35,6 +36,10 @@ from .shm import (
 )
 from .staging import PreloadConfig, StageResult, stage_rank
 
+_MAX_REPLY_BYTES = 64 << 10
+_MAX_MESSAGE_CHARS = 4096
+"""An error about a request echoes its fields; one of ~200 KB (found by fuzzing: a 200,000-character
+arena id) made a reply longer than one SOCK_SEQPACKET message, and the engine got none."""
 SERVE_CHUNK_BYTES = 1 << 30
 """The daemon's H2D goes in 1 GB chunks (hardware.md: streams and smaller chunks do not help)."""
 DEFAULT_HOLD_S = 3600.0
@@ -326,7 +331,7 @@ class PreloadServer:
                     if not msg:
                         return  # connected and left without a word
                     req = _parse_request(msg)
-                    op = req.get("op")
+                    op = req["op"]
                     if op == "status":
                         reply = self.status()
                     elif op in ("load", "attach"):
@@ -342,9 +347,13 @@ class PreloadServer:
                     reply = {**_error_payload(exc.error), "message": str(exc)}
                 except BaseException as exc:  # every failure goes back to the engine, named
                     reply = _error_payload(exc)
-                    self.log(f"request failed: {type(exc).__name__}: {exc}")
+                    self.log(f"request failed: {type(exc).__name__}: {str(exc)[:_MAX_MESSAGE_CHARS]}")
                 conn.settimeout(self.request_timeout_s)
-                conn.send(json.dumps(reply).encode())
+                data = json.dumps(reply).encode()
+                if len(data) > _MAX_REPLY_BYTES and not reply.get("ok"):  # it would not fit one message
+                    reply = {**reply, "message": reply.get("message", "")[:_MAX_MESSAGE_CHARS] + " [...]", "attrs": {}}
+                    data = json.dumps(reply).encode()
+                conn.send(data)
                 if attached is not None and reply.get("ok") and op == "attach":
                     self._copy_when_asked(conn, attached, float(req.get("hold_s", DEFAULT_HOLD_S)))
         except OSError as exc:
@@ -524,17 +533,6 @@ def _bind_private(path: Path, group: int | None) -> socket.socket:
     return s
 
 
-def _parse_request(msg: bytes) -> dict:
-    try:
-        req = json.loads(msg)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise RendezvousError(f"a {len(msg):,}-byte request is not JSON ({type(exc).__name__}: "
-                              f"{str(exc)[:200]})") from None
-    if not isinstance(req, dict):
-        raise RendezvousError(f"a request must be a JSON object, got {type(req).__name__}")
-    return req
-
-
 def _descriptor_fd_count(req: dict) -> int:
     desc = req.get("descriptor")
     fds = desc.get("fds") if isinstance(desc, dict) else None
@@ -548,6 +546,32 @@ def _request_timeout_s(req: dict) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise RendezvousError(f"timeout_s must be a finite number >= 0, got {value!r}")
     return min(float(value), 24 * 3600.0)
+
+
+_LOAD_FIELDS = {
+    "rank": ("an int", lambda v: type(v) is int),
+    "descriptor": ("an object with a list of fds", lambda v: type(v) is dict and type(v.get("fds")) is list),
+    "nbytes": ("an int", lambda v: type(v) is int),
+    "metadata_sha256": ("a string", is_str),
+    "timeout_s": ("a finite number >= 0", finite_at_least(0)),
+    "pci_bus_id": ("null or a string", lambda v: v is None or is_str(v)),
+    "hold_s": ("a finite number >= 0", finite_at_least(0)),
+}
+"""The fields of a load request, what each must be (in words) and its test; all optional but the
+descriptor (defaults: see :meth:`PreloadServer._serve_load`)."""
+
+
+def _parse_request(msg: bytes) -> dict:
+    """An engine's request: a JSON object with a string ``op`` and, for ``load``, typed fields;
+    RendezvousError naming the field otherwise (the daemon answers it and keeps serving)."""
+    req = loads(msg, "request", RendezvousError)
+    if not isinstance(req, dict) or type(req.get("op")) is not str:
+        raise RendezvousError(f"request must be a JSON object with a string 'op', found {str(req)[:200]}")
+    if req["op"] in ("load", "attach"):
+        if "descriptor" not in req:
+            raise RendezvousError(f"{req['op']} request without a descriptor")
+        check_fields(req, _LOAD_FIELDS, RendezvousError, "load request: ")
+    return req
 
 
 def _device_by_bus_id(bus_id: str | None, fallback: int) -> int:

@@ -17,12 +17,14 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._json import check_fields, finite_at_least, int_at_least, is_str, loads
 from ..errors import (
     LayoutError,
     WaitTimeoutError,
@@ -159,18 +161,35 @@ def read_ready(path: str | os.PathLike) -> ReadyInfo:
     """Parse a ``.ready`` file; LayoutError naming the file when it is malformed."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text())
+        text = path.read_bytes()
     except FileNotFoundError:
         raise
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise LayoutError(f"{path}: unreadable .ready file ({exc})") from None
+    raw = loads(text, f"{path}: unreadable .ready file", LayoutError)
     if not isinstance(raw, dict) or raw.get("format") != READY_FORMAT:
         raise LayoutError(f"{path}: not a {READY_FORMAT} file")
     names = [f.name for f in dataclasses.fields(ReadyInfo) if f.name != "path"]
     missing = [n for n in names if n not in raw]
     if missing:
         raise LayoutError(f"{path}: .ready file lacks {missing}")
+    check_fields(raw, _READY_FIELDS, LayoutError, f"{path}: .ready field ")
     return ReadyInfo(path=path, **{n: raw[n] for n in names})
+
+
+_READY_FIELDS = {
+    **{n: ("an int >= 0", int_at_least(0)) for n in ("rank", "nbytes")},
+    **{n: ("an int >= 1", int_at_least(1)) for n in ("threads", "pid")},
+    **{n: ("a string", is_str) for n in ("staged", "source", "job_id", "key_digest", "io_mode", "io_reason",
+                                         "numa_reason")},
+    "metadata_sha256": ("64 hex digits", lambda v: is_str(v) and re.fullmatch(r"[0-9a-f]{64}", v) is not None),
+    "checksum": ("an object", lambda v: type(v) is dict),
+    "verified": ("true or false", lambda v: type(v) is bool),
+    "numa_node": ("null or an int >= 0", lambda v: v is None or int_at_least(0)(v)),
+    **{n: ("a finite number >= 0", finite_at_least(0)) for n in ("read_s", "staged_at")},
+}
+"""Field -> (what it must be, in words; its test): every field of a ``.ready`` is checked (the
+file is outside bytes)."""
 
 
 def _write_atomic(path: Path, text: str) -> None:
