@@ -270,7 +270,7 @@ def nccl_from_start(devices: Sequence[str], nbytes: int, *, mode: str, tensors: 
     and its buffer, ``init_process_group``, a first collective (NCCL connects its channels
     lazily), then one broadcast of ``nbytes`` (``mode="bulk"``) or ``tensors`` broadcasts of its
     pieces (``mode="per_tensor"``, as R-Fork does). Both processes see every GPU."""
-    from flashboot.rendezvous import free_port
+    from flashboot.flashclone.rendezvous import free_port
 
     port = free_port()
     pair = [devices[0], devices[-1]]
@@ -309,7 +309,7 @@ def _prelude(cuda: bool) -> None:
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
-    import flashboot._clone  # noqa: F401
+    import flashboot.flashclone  # noqa: F401
     import flashboot.arena  # noqa: F401
     from flashboot.movers import create_mover
 
@@ -379,7 +379,7 @@ def _flashclone_worker(cfg: dict) -> None:
     cuda = cfg["device"].startswith("cuda")
     _prelude(cuda)
     t_imported = time.time()
-    from flashboot._clone import clone
+    from flashboot.flashclone import clone
 
     with clone(cfg["store"], cfg["device"], "star", name=cfg["name"], timeout_s=cfg["timeout_s"]) as result:
         rep = result.report.to_dict()
@@ -453,7 +453,7 @@ def sweep_chunks(schedule: str = "chain", chunk_sizes: Sequence[int] = DEFAULT_S
     import torch
 
     from flashboot.arena import Arena
-    from flashboot.executor import Endpoint, Executor, create_flags
+    from flashboot.flashclone.executor import Endpoint, Executor, create_flags
     from flashboot.kernels.checksum import checksum
     from flashboot.memory import Device, span_of
     from flashboot.schedulers import build_plan
@@ -525,10 +525,11 @@ def run(nbytes: int, *, device: str | None = None, clone_counts: Sequence[int] =
         chunk_bytes: int | None = None, tensors: int = 3170, timeout_s: float = 120.0, repeats: int = 5,
         sections: Sequence[str] = ("ceiling", "clone", "nccl", "ring")) -> dict:
     """Every section of ``bench clone``; a JSON-ready dict."""
-    from flashboot._clone import _gkey, seed
+    from flashboot.flashclone.common import _gkey
+    from flashboot.flashclone import seed
     from flashboot.arena import Arena
     from flashboot.memory import Device
-    from flashboot.rendezvous import Manifest, Rendezvous, free_port
+    from flashboot.flashclone.rendezvous import Manifest, Rendezvous, free_port
 
     devices = bench_devices(device)
     out: dict[str, Any] = {"devices": devices, "nbytes": nbytes}

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from flashboot.errors import RendezvousError, WaitTimeoutError
-from flashboot.rendezvous import (
+from flashboot.flashclone.rendezvous import (
     ENV_TOKEN,
     ENV_TOKEN_FILE,
     Manifest,

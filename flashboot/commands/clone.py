@@ -57,14 +57,14 @@ def _print(text: str) -> None:
 
 
 def run_seed(args: argparse.Namespace) -> int:
-    from flashboot._clone import seed
+    from flashboot.flashclone import seed
     from flashboot.errors import FlashBootError
 
     if (args.dir is None) == (args.held is None):
         raise FlashBootError("seed needs an image DIR or --held NAME (with --registry), not both")
     owned = None
     if args.held is not None:
-        from flashboot.holder import open_held
+        from flashboot.flashclone.holder import open_held
 
         if args.registry is None:
             raise FlashBootError("--held needs --registry DIR")
@@ -91,7 +91,7 @@ def run_seed(args: argparse.Namespace) -> int:
 
 
 def run_clone(args: argparse.Namespace) -> int:
-    from flashboot._clone import clone, linger
+    from flashboot.flashclone import clone, linger
     from flashboot.units import parse_bytes
 
     chunk = parse_bytes(args.chunk_bytes) if args.chunk_bytes else None
@@ -120,7 +120,7 @@ def run_clone(args: argparse.Namespace) -> int:
 
 def run_hold(args: argparse.Namespace) -> int:
     from flashboot.errors import FlashBootError
-    from flashboot.holder import Holder, list_held, release
+    from flashboot.flashclone.holder import Holder, list_held, release
 
     if args.list:
         if args.registry is None:

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from .errors import RendezvousError, WaitTimeoutError
+from ..errors import RendezvousError, WaitTimeoutError
 
 ENV_TOKEN = "FLASHBOOT_TOKEN"
 ENV_TOKEN_FILE = "FLASHBOOT_TOKEN_FILE"

@@ -1,0 +1,31 @@
+"""FlashClone: replicate a resident arena GPU->GPU by mapping it, with no NCCL communicator.
+
+A **seed** (:func:`seed`) holds the weights in an arena, exports it once, publishes its
+:class:`~flashboot.flashclone.rendezvous.Manifest` and descriptor to the rendezvous store and stays passive.
+A **clone** (:func:`clone`) checks the manifest and the token, takes a position by arrival order,
+creates its own arena (and a small flags arena), maps its source's arena and copies it with a
+registry mover, following a plan from :mod:`flashboot.schedulers`:
+
+* ``star``: every clone reads every chunk from the seed;
+* ``chain``: clone k reads from clone k-1 (the seed for k = 1), chunk by chunk, each chunk as
+  soon as its predecessor's flag says it is in place, so all links run at once;
+* ``ring``: N members each load a 1/N byte shard of a host image, then gather the rest from their
+  predecessor (:func:`ring_load`, or ``clone(schedule="ring", image=..., clones=N)``).
+
+Transport: the source's arena is opened with a POSIX fd taken by ``pidfd_getfd`` on the same host,
+a fabric handle across hosts where an IMEX channel exists, and otherwise through an NCCL
+broadcast from the seed over torch.distributed (gloo on the host backend); the report's
+``transport`` says which, and ``transport_note`` why.
+
+Faults: every wait has a deadline. A source that exits (or stalls) mid-transfer stops the run with
+a named error; with ``retry=True`` (default) the clone re-attaches upstream (the source's own
+source), or to another clone that holds the whole image, or to the host image (``image=``), and
+finishes; otherwise it releases what it mapped and raises.
+"""
+
+from .clone import clone, linger
+from .report import CloneError, CloneReport, CloneResult
+from .ring import ring_load
+from .seed import Seed, seed
+
+__all__ = ["CloneError", "CloneReport", "CloneResult", "Seed", "clone", "linger", "ring_load", "seed"]
