@@ -23,6 +23,8 @@ def register(subparsers) -> None:
     p.add_argument("--held", metavar="NAME", help="seed from an arena a holder keeps (with --registry)")
     p.add_argument("--registry", metavar="DIR", help="holder registry directory (for --held)")
     p.add_argument("--no-nccl", action="store_true", help="do not answer the NCCL-broadcast fallback")
+    p.add_argument("--nixl", action="store_true",
+                   help="also serve NIXL READs (clones on other hosts; needs pip install flashboot[nixl])")
     _common(p)
     p.set_defaults(func=run_seed)
 
@@ -35,7 +37,8 @@ def register(subparsers) -> None:
     p.add_argument("--mover", default=None, help="registry mover (default copy_engine on CUDA, host on cpu)")
     p.add_argument("--verify", action="store_true", help="prove the clone byte-exact against the seed's checksums")
     p.add_argument("--image", default=None, help="host image: ring shard source, or fallback when no source is left")
-    p.add_argument("--transport", default="auto", choices=("auto", "posix_fd", "fabric", "nccl"))
+    p.add_argument("--transport", default="auto", choices=("auto", "posix_fd", "fabric", "nixl", "nccl"),
+                   help="auto (default) takes the first that reaches the seed: posix_fd, fabric, nixl, nccl")
     p.add_argument("--no-retry", action="store_true", help="fail instead of re-attaching when a source fails")
     p.add_argument("--pin-early", action="store_true",
                    help="ring: map and pin the shard before the start barrier (off the critical path)")
@@ -73,7 +76,7 @@ def run_seed(args: argparse.Namespace) -> int:
         source = args.dir
     try:
         s = seed(args.store, source, args.device, token_file=args.token_file, name=args.name, rank=args.rank,
-                 timeout_s=args.timeout, serve_nccl=not args.no_nccl)
+                 timeout_s=args.timeout, serve_nccl=not args.no_nccl, nixl=args.nixl)
     except BaseException:
         if owned is not None:
             owned.close()

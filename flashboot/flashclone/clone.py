@@ -20,8 +20,8 @@ from .report import CloneError, CloneReport, CloneResult
 from .ring import ring_load
 from .session import _Session
 from .sources import _Sources
-from .transports.nccl import _clone_nccl
-from .transports.registry import _choose_transport
+from .session import CloneContext
+from .transports.registry import Seen, choose_transport, transport_class, transport_names
 
 
 def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bool = False,
@@ -40,7 +40,9 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     schedulers' default). ``expect``: what the caller expects (a Manifest, ImageMetadata, ImageKey
     or dict of key fields / ``nbytes``): a mismatch is refused before any byte moves.
     ``image``: a host image (directory or file) to fall back to when no source is left.
-    ``transport``: ``"auto"`` or one of ``posix_fd``, ``fabric``, ``nccl``. ``retry``: re-attach
+    ``transport``: ``"auto"`` or a registered transport (``posix_fd``, ``fabric``, ``nixl``,
+    ``nccl``; see :mod:`flashboot.flashclone.transports`); ``auto`` takes the first that reaches the
+    seed in that order, and the report says which and why. ``retry``: re-attach
     to another source when one fails mid-transfer. ``timeout_s`` bounds every wait. ``pin_early``
     (ring): pin the shard before the start barrier (see :func:`ring_load`).
 
@@ -59,14 +61,25 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
         raise FlashBootError(f"clones must be a positive int, got {clones!r}")
     t_start = time.perf_counter()
     dev = Device.parse(device)
+    if transport != "auto" and transport not in transport_names():
+        transport_class(transport)  # UnknownNameError listing the registered ones
     mover_obj = _check_mover(dev, _default_mover(dev, mover))
+    nixl_warm = None
+    if transport == "nixl":  # the agent's start-up (0.4-1.2 s) overlaps connecting; nothing is registered yet
+        from .transports.nixl import AgentWarmup, nixl_module
+
+        nixl_module()  # not installed: CapabilityError naming the extra, before anything else
+        nixl_warm = AgentWarmup(f"flashboot-clone-{os.getpid()}-{time.time_ns()}")
     warm = _Warmup(dev)  # overlaps connecting; joined before the descriptor is requested
     rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=name, host=False, timeout_s=timeout_s)
     session = _Session(rdv)
+    if nixl_warm is not None:
+        session.extra.append(_JoinOnClose(nixl_warm, timeout_s))
     try:
         return _clone(session, dev, schedule, mover_obj, t_start, verify=verify, timeout_s=timeout_s,
                       chunk_bytes=chunk_bytes, clones=clones, expect=expect, image=image, rank=rank,
-                      transport=transport, retry=retry, hook=_step_hook(step_delay_s), warm=warm)
+                      transport=transport, retry=retry, hook=_step_hook(step_delay_s), warm=warm,
+                      nixl_warm=nixl_warm)
     except BaseException as exc:
         try:
             if session.status_key is not None and session.rdv is not None:
@@ -80,7 +93,7 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
 
 def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float, *, verify: bool, timeout_s: float,
            chunk_bytes: int | None, clones: int | None, expect: Any, image: Any, rank: int, transport: str,
-           retry: bool, hook, warm: _Warmup | None = None) -> CloneResult:
+           retry: bool, hook, warm: _Warmup | None = None, nixl_warm=None) -> CloneResult:
     from ..arena import Arena
 
     rdv = session.rdv
@@ -97,7 +110,9 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     t1 = time.perf_counter()
     report.nbytes = manifest.nbytes
     report.connect_ms, report.manifest_ms = (t0 - t_start) * 1e3, (t1 - t0) * 1e3
-    chosen, note = _choose_transport(seed_desc, dev, transport)
+    offers = {"nccl": bool(seed_rec.body.get("nccl", True)), "nixl": "nixl" in seed_rec.sealed}
+    cls, note = choose_transport(Seen(seed_desc, offers), dev, transport)
+    chosen = cls.name
     report.transport, report.transport_note = chosen, note
 
     position = rdv.add(_gkey(gen, schedule, "join"), 1)
@@ -114,9 +129,9 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
             return None
         return _parse_metadata(meta_rec.body.get("metadata"), f"metadata published at {rdv.address}")
 
-    if chosen == "nccl":
-        return _clone_nccl(session, dev, manifest, read_metadata(), gen, report, t_start, verify=verify,
-                           timeout_s=timeout_s)
+    if not cls.maps:
+        return cls.run(CloneContext(session, dev, schedule, manifest, gen, report, t_start, seed_rec, verify,
+                                    timeout_s, chunk_bytes, clones, retry, hook, read_metadata, nixl_warm))
 
     n = max(position, clones or 1)
     plan = build_plan(schedule, n, manifest.nbytes, chunk_bytes)
@@ -359,3 +374,18 @@ def linger(result: CloneResult, *, timeout_s: float = DEFAULT_TIMEOUT_S, forever
             session.rdv.wait_keys(keys, what="the participants reading from this clone to finish", timeout_s=timeout_s)
         except WaitTimeoutError:
             pass  # they hold their own mapping by now or will re-attach upstream; we only waited to be polite
+
+
+class _JoinOnClose:
+    """Closes the NIXL agent a warm-up created when the clone ends before taking it over."""
+
+    def __init__(self, warm, timeout_s: float):
+        self.warm, self.timeout_s = warm, timeout_s
+
+    def close(self) -> None:
+        try:
+            agent = self.warm.join(self.timeout_s)
+        except FlashBootError:
+            return
+        if agent is not None:
+            agent.close()

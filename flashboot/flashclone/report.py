@@ -15,8 +15,8 @@ class CloneError(RendezvousError):
 class CloneReport:
     """Where one clone's time went (milliseconds) and how it got its bytes.
 
-    ``transport``: ``"posix_fd"``, ``"fabric"`` or ``"nccl"`` (``transport_note`` says why a
-    fallback was taken). ``exchange_ms``: from requesting the seed's record (descriptor) to every
+    ``transport``: a registered transport (``posix_fd``, ``fabric``, ``nixl``, ``nccl``;
+    ``transport_note`` says why ``auto`` took it, naming each one passed over). ``exchange_ms``: from requesting the seed's record (descriptor) to every
     source's arena (and flags) opened, its first segment mapped and readable: store get +
     authentication + decryption, taking a position, and per source its record, ``pidfd_getfd`` of
     every segment, reserve, and the first segment's import, map and set access, and the flags arena
@@ -27,7 +27,10 @@ class CloneReport:
     ``segments_mapped_during_copy``. ``warm_ms``: the one-time driver warm-up (:func:`flashboot.arena.warm_import`) run
     before the descriptor is requested, overlapped with connecting. ``transfer_ms``: the copy
     (from the first step issued to the last byte in place, pipeline fill included).
-    ``ready_ms``: from the call to the weights in place (verification not included; ``verify_ms``
+    ``setup_ms`` (nixl): the transport's
+    setup on the critical path (waiting for the agent created while connecting, registering our
+    arena, adding the sources' agents; ``exchange_detail`` splits it, ``agent_create_ms`` is the
+    agent's creation, overlapped with connecting). ``ready_ms``: from the call to the weights in place (verification not included; ``verify_ms``
     is separate, ``total_ms`` includes it). ``recovered``: what happened when a source failed.
     """
 
@@ -47,6 +50,7 @@ class CloneReport:
     alloc_ms: float = 0.0
     exchange_ms: float = 0.0
     exchange_detail: dict = field(default_factory=dict)
+    setup_ms: float = 0.0
     barrier_ms: float = 0.0
     load_ms: float = 0.0
     pin_ms: float = 0.0

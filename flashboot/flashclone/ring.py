@@ -18,7 +18,7 @@ from .report import CloneReport, CloneResult
 from .session import _Session
 from .sources import _HostImage
 from .transports.posix_fd import _open_arena
-from .transports.registry import _choose_transport
+from .transports.registry import Seen, choose_transport
 
 
 def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank: int = 0, verify: bool = False,
@@ -111,10 +111,12 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
                                       f"ours {manifest.digest}); refused before any byte moved")
             if j == pred:
                 arena_desc = _descriptor_from(rec.sealed["arena"])
-                transport, _ = _choose_transport(arena_desc, dev, "auto")
-                if transport == "nccl":
+                try:  # the ring maps its predecessor: only a mapping transport will do
+                    cls, _ = choose_transport(Seen(arena_desc, {"nccl": False, "nixl": False}), dev, "auto")
+                except RendezvousError as exc:
                     raise RendezvousError(f"ring member {j} on {arena_desc.hostname!r} cannot be mapped from here "
-                                          "(no fabric); the ring needs mappable peers")
+                                          f"({exc}); the ring needs mappable peers") from None
+                transport = cls.name
                 opened = [_open_arena(arena_desc, dev, transport)]
                 session.opened[j] = opened
                 opened.append(_open_arena(_descriptor_from(rec.sealed["flags"]), dev, transport))

@@ -162,7 +162,7 @@ def _load_seed_source(source: Any, dev: Device, rank: int, timeout_s: float):
 
 def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=None, name: str = "default",
          rank: int = 0, nbytes: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, serve_nccl: bool = True,
-         checksum_chunk_bytes: int | None = None, manifest: Manifest | None = None) -> Seed:
+         checksum_chunk_bytes: int | None = None, manifest: Manifest | None = None, nixl: bool = False) -> Seed:
     """Publish an arena for cloning at the rendezvous store ``store`` (``HOST:PORT``).
 
     ``source``: an image directory (rank ``rank``; loaded with :func:`flashboot.load` when the
@@ -170,7 +170,9 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
     how much of it to replicate, default all; ``manifest``: its checksums when already known,
     else they are computed on the device), or a LoadedImage/CloneResult. The seed hosts the
     store at ``store`` unless one already listens there. The token (``token``, ``token_file`` or
-    ``$FLASHBOOT_TOKEN``) signs every record. Returns a :class:`Seed`; call ``serve_forever()``
+    ``$FLASHBOOT_TOKEN``) signs every record. ``nixl``: also register the arena (every segment)
+    with a NIXL agent and publish its metadata, sealed, so clones on other hosts can READ it
+    (``transport="nixl"``; needs ``pip install flashboot[nixl]``). Returns a :class:`Seed`; call ``serve_forever()``
     or keep it open while clones run, then ``close()``.
     """
     dev = Device.parse(device) if device is not None else None
@@ -197,6 +199,13 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
         else:
             manifest = Manifest.of_arena(arena, nbytes, checksum_chunk_bytes or 64 << 20)
         descriptor = arena.export()
+        sealed = {"arena": descriptor.to_dict()}
+        if nixl:
+            from .transports.nixl import Agent
+
+            agent = Agent(f"flashboot-seed-{os.getpid()}-{secrets.token_hex(4)}")
+            owned.append(agent)  # closed before the arena: deregistered, then unmapped
+            sealed["nixl"] = agent.register(arena)
         rdv = Rendezvous.connect(store, tok, namespace=name, host=True, timeout_s=timeout_s)
     except BaseException:
         for obj in reversed(owned):
@@ -208,8 +217,8 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
                                    "metadata": metadata.to_dict() if metadata is not None else None})
         rdv.publish(SEED_KEY, {"generation": generation, "pid": os.getpid(), "host": socket.gethostname(),
                                "device": str(arena.device), "manifest": manifest.to_dict(), "nccl": serve_nccl,
-                               "published_at": time.time()},
-                    sealed={"arena": descriptor.to_dict()})
+                               "nixl": nixl, "published_at": time.time()},
+                    sealed=sealed)
     except BaseException:
         rdv.close()
         for obj in reversed(owned):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from ..errors import FlashBootError
 from .rendezvous import Rendezvous
@@ -60,3 +61,27 @@ class _Session:
             self.rdv = None
         if first is not None:
             raise first
+
+
+@dataclass
+class CloneContext:
+    """What a transport that runs the whole clone itself (``Transport.run``) is handed, once the
+    seed's record checked out and a position is taken."""
+
+    session: _Session
+    dev: Any
+    schedule: str
+    manifest: Any
+    gen: str
+    report: Any
+    t_start: float
+    seed_rec: Any
+    verify: bool
+    timeout_s: float
+    chunk_bytes: int | None
+    clones: int | None
+    retry: bool
+    hook: Callable | None
+    read_metadata: Callable[[], Any]
+    nixl_warm: Any = None
+    """A :class:`~flashboot.flashclone.transports.nixl.AgentWarmup` started while connecting, if any."""

@@ -11,6 +11,7 @@ from ..rendezvous import Manifest, Rendezvous
 from ..common import _gkey, _verify, _views
 from ..report import CloneReport, CloneResult
 from ..session import _Session
+from .registry import Seen, Transport, register_transport
 
 
 def _pg_backend(dev: Device) -> str:
@@ -92,3 +93,37 @@ def _clone_nccl(session: _Session, dev: Device, manifest: Manifest, metadata, ge
     report.total_ms = (time.perf_counter() - t_start) * 1e3
     report.finished_unix = time.time()
     return CloneResult(session.arena, _views(session.arena, metadata), report, metadata=metadata, _session=session)
+
+
+@register_transport
+class Nccl(Transport):
+    """A broadcast from the seed over a fresh 2-rank torch.distributed group (NCCL; gloo on the host backend)."""
+
+    name = "nccl"
+    order = 30
+    reach = "any_host"
+    memory = ("host", "device")
+    setup = "a communicator per clone (NCCL init: hundreds of ms to seconds), on the critical path"
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        try:
+            import torch.distributed as dist
+        except ImportError as exc:
+            return False, f"torch.distributed is missing ({exc})"
+        return (True, "") if dist.is_available() else (False, "torch.distributed is not built in")
+
+    @classmethod
+    def usable(cls, seen: Seen, dev: Device) -> tuple[bool, str]:
+        if not seen.offers.get("nccl", True):
+            return False, "the seed does not answer broadcasts (--no-nccl)"
+        ok, why = cls.availability()
+        if not ok:
+            return False, why
+        return True, (f"seed on {seen.desc.hostname!r}: {_pg_backend(dev).upper() if dev.is_cuda else 'gloo'} "
+                      f"broadcast")
+
+    @classmethod
+    def run(cls, ctx) -> CloneResult:
+        return _clone_nccl(ctx.session, ctx.dev, ctx.manifest, ctx.read_metadata(), ctx.gen, ctx.report, ctx.t_start,
+                           verify=ctx.verify, timeout_s=ctx.timeout_s)
