@@ -29,6 +29,7 @@ import json
 import os
 import secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -374,6 +375,10 @@ class Rendezvous:
         self.is_server = is_server
         self.timeout_s = float(timeout_s)
         self._closed = False
+        self.bounded = False
+        """Bound every store call by ``timeout_s`` (a TCPStore call blocks forever when the link to
+        the store goes down mid-call): set by transports that run across hosts."""
+        self._broken: str | None = None
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -418,11 +423,35 @@ class Rendezvous:
 
         if self._closed:
             raise RendezvousError(f"rendezvous at {self.address} is closed")
+        if self._broken is not None:
+            raise RendezvousError(f"the store at {self.address} stopped answering earlier ({self._broken}); "
+                                  f"not {what}")
         try:
-            return fn(*args)
+            return self._bounded_call(what, fn, args) if self.bounded else fn(*args)
         except DistError as exc:
             raise RendezvousError(f"lost the rendezvous store at {self.address} while {what}: "
                                   f"{str(exc).splitlines()[0]}") from None
+
+    def _bounded_call(self, what: str, fn, args):
+        box: dict = {}
+        done = threading.Event()
+
+        def call():
+            try:
+                box["value"] = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=call, name="flashboot-store-call", daemon=True).start()
+        if not done.wait(self.timeout_s):
+            self._broken = f"{what}: no answer within {self.timeout_s:g} s"
+            raise WaitTimeoutError(f"the store at {self.address} did not answer within {self.timeout_s:g} s while "
+                                   f"{what} (is the link to it down?)")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     # -- records -----------------------------------------------------------------------------
     def publish(self, key: str, body: Mapping[str, Any], sealed: Mapping[str, Any] | None = None) -> None:

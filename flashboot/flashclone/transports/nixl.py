@@ -408,6 +408,7 @@ def _clone(ctx):
 
     session, dev, report, manifest = ctx.session, ctx.dev, ctx.report, ctx.manifest
     rdv, position, timeout_s = session.rdv, report.position, ctx.timeout_s
+    rdv.bounded = True  # the store may sit across the same link as the source: no call may hang on it
     detail: dict[str, float] = {}
     t0 = time.perf_counter()
     # before anything is registered: the seed's NIXL record must describe the manifest's arena
