@@ -361,17 +361,17 @@ def test_broadcast_fallback_is_used_and_reported(store):
 
 
 def test_choose_transport_explains_fallbacks():
-    from flashboot.flashclone.transports.registry import _choose_transport
+    from flashboot.flashclone.transports.registry import Seen, choose_transport
     from flashboot.arena import ArenaDescriptor
     from flashboot.memory import CPU
 
     remote = ArenaDescriptor("host", 1, (3,), 2 * MiB, -1, "memfd", 2 * MiB, 2 * MiB, "x", None, "another-host")
-    assert _choose_transport(remote, CPU, "auto") == ("nccl", "seed on 'another-host' with no fabric handle "
-                                                              "(memfd): gloo broadcast")
-    with pytest.raises(RendezvousError, match="needs the seed on this host"):
-        _choose_transport(remote, CPU, "posix_fd")
+    cls, note = choose_transport(Seen(remote, {"nccl": True}), CPU, "auto")
+    assert cls.name == "nccl" and "no fabric handle (memfd)" in note and note.endswith("gloo broadcast")
+    with pytest.raises(RendezvousError, match="lives on host 'another-host'"):
+        choose_transport(Seen(remote, {}), CPU, "posix_fd")
     with pytest.raises(RendezvousError, match="has no fabric handle"):
-        _choose_transport(remote, CPU, "fabric")
+        choose_transport(Seen(remote, {}), CPU, "fabric")
 
 
 # ---------------------------------------------------------------------------------- the holder
