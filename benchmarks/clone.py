@@ -143,9 +143,9 @@ def _env(token: str) -> dict:
 
 def _spawn_clone(store: str, token: str, device: str, schedule: str, name: str, out: str, *, clones: int | None,
                  chunk_bytes: int | None, timeout_s: float, verify: bool, image: str | None = None,
-                 pin_early: bool = False):
+                 pin_early: bool = False, transport: str = "auto"):
     cmd = [sys.executable, "-m", "flashboot.cli", "clone", "--store", store, "--device", device, "--schedule", schedule,
-           "--name", name, "--json", out, "--timeout", str(timeout_s)]
+           "--name", name, "--json", out, "--timeout", str(timeout_s), "--transport", transport]
     if clones is not None:
         cmd += ["--clones", str(clones)]
     if chunk_bytes:
@@ -201,7 +201,8 @@ def _wait_joined(joined, want: int, proc, timeout_s: float, what: str) -> None:
 
 
 def run_group(store: str, token: str, devices: Sequence[str], schedule: str, clones: int, *, name: str,
-              chunk_bytes: int | None, timeout_s: float, verify: bool = True, joined=None) -> list[dict]:
+              chunk_bytes: int | None, timeout_s: float, verify: bool = True, joined=None,
+              transport: str = "auto") -> list[dict]:
     """``clones`` clone processes of the seed published under ``name``; clone i on
     :func:`clone_device` (the seed is on ``devices[0]``). Positions go by arrival, so with
     ``joined`` (a callable returning how many have taken a position) each process is started once
@@ -213,7 +214,8 @@ def run_group(store: str, token: str, devices: Sequence[str], schedule: str, clo
         try:
             for i in range(clones):
                 procs.append(_spawn_clone(store, token, clone_device(devices, i), schedule, name, outs[i],
-                                          clones=clones, chunk_bytes=chunk_bytes, timeout_s=timeout_s, verify=verify))
+                                          clones=clones, chunk_bytes=chunk_bytes, timeout_s=timeout_s, verify=verify,
+                                          transport=transport))
                 if joined is not None and i + 1 < clones:
                     _wait_joined(joined, i + 1, procs[-1], timeout_s, f"{schedule} with {clones} clone(s)")
         except BaseException:
@@ -517,13 +519,68 @@ def sweep_chunks(schedule: str = "chain", chunk_sizes: Sequence[int] = DEFAULT_S
 
 
 # ============================================================================================
+# Transports side by side
+# ============================================================================================
+
+
+def transports_section(store: str, token: str, devices: Sequence[str], arena, manifest, nbytes: int,
+                       transports: Sequence[str], *, chunk_bytes: int | None, timeout_s: float,
+                       groups: Sequence[tuple[str, int]] = (("star", 1), ("chain", 2))) -> list[dict]:
+    """The same arena's bytes cloned over each transport in turn (one seed serving them all), for
+    each (schedule, clones) of ``groups``: per clone GB/s and the setup apart from the transfer."""
+    from flashboot.flashclone import seed
+    from flashboot.flashclone.common import _gkey
+
+    dev0 = arena.device
+    out = []
+    for transport in transports:
+        for schedule, k in groups:
+            name = f"{transport}-{schedule}{k}-{secrets.token_hex(3)}"
+            t0 = time.perf_counter()
+            with seed(store, arena, dev0, token=token, name=name, nbytes=nbytes, manifest=manifest,
+                      timeout_s=timeout_s, serve_nccl=transport == "nccl", nixl=transport == "nixl") as s:
+                seed_ms = (time.perf_counter() - t0) * 1e3  # the seed's own setup (agent + registration for nixl)
+                join_key = _gkey(s.generation, schedule, "join")
+                reports = run_group(store, token, devices, schedule, k, name=name, chunk_bytes=chunk_bytes,
+                                    timeout_s=timeout_s, transport=transport,
+                                    joined=lambda s=s, key=join_key: s.rendezvous.add(key, 0))
+            out.append({"transport": transport, "schedule": schedule, "clones": k, "seed_setup_ms": seed_ms,
+                        "reports": reports})
+    return out
+
+
+def _transport_rows(res: dict) -> list[list]:
+    rows = []
+    ceiling = res.get("ceiling", {}).get("gbps")
+    for g in res.get("transports", []):
+        reps = g["reports"]
+        gb = [r["gbps"] for r in reps]  # host clock, first byte asked to last byte in: the same for every transport
+        setup = []
+        for r in reps:
+            d = r.get("exchange_detail", {})
+            if r["transport"] == "nixl":
+                setup.append(f"setup {r.get('setup_ms', 0):.1f} ms on the path (register {d.get('register_ms', 0):.1f}, "
+                             f"add_remote {d.get('add_remote_ms', 0):.1f}), agent {d.get('agent_create_ms', 0):.0f} ms "
+                             f"off the path")
+            else:
+                setup.append(f"exchange {r['exchange_ms']:.1f} ms")
+        note = (f"{g['transport']} ({reps[0]['transport'] if reps else '?'}): per clone {', '.join('%.1f' % x for x in gb)} "
+                f"GB/s on {', '.join(r['device'] for r in reps)}"
+                + (f" = {', '.join('%.2f' % (x / ceiling) for x in gb)}x ceiling" if ceiling else "")
+                + f"; {'; '.join(setup)}; seed setup {g['seed_setup_ms']:.0f} ms; "
+                + ("all byte-exact" if all(r["verified"] for r in reps) else "NOT all verified"))
+        rows.append([f"{g['transport']} {g['schedule']} x{g['clones']}", statistics.mean(gb) if gb else 0.0,
+                     "GB/s/clone", note])
+    return rows
+
+
 # The whole run
 # ============================================================================================
 
 
 def run(nbytes: int, *, device: str | None = None, clone_counts: Sequence[int] = DEFAULT_CLONES,
         chunk_bytes: int | None = None, tensors: int = 3170, timeout_s: float = 120.0, repeats: int = 5,
-        sections: Sequence[str] = ("ceiling", "clone", "nccl", "ring")) -> dict:
+        sections: Sequence[str] = ("ceiling", "clone", "nccl", "ring"), transports: Sequence[str] = ()) -> dict:
     """Every section of ``bench clone``; a JSON-ready dict."""
     from flashboot.flashclone.common import _gkey
     from flashboot.flashclone import seed
@@ -561,6 +618,12 @@ def run(nbytes: int, *, device: str | None = None, clone_counts: Sequence[int] =
                     with seed(store, arena, dev0, token=token, name=name, nbytes=nbytes, manifest=manifest,
                               timeout_s=timeout_s, serve_nccl=False):
                         out["flashclone_from_start"] = clone_from_start(store, token, devices[-1], name, timeout_s)
+        if transports:
+            with Arena.create(nbytes, dev0) as arena:
+                fill_random(arena, nbytes, 5)
+                manifest = Manifest.of_arena(arena, nbytes)
+                out["transports"] = transports_section(store, token, devices, arena, manifest, nbytes, transports,
+                                                       chunk_bytes=chunk_bytes, timeout_s=timeout_s)
         if "nccl" in sections:
             out["nccl"] = [nccl_from_start(devices, nbytes, mode="bulk", tensors=1, timeout_s=timeout_s),
                            nccl_from_start(devices, nbytes, mode="per_tensor", tensors=tensors, timeout_s=timeout_s)]
@@ -666,7 +729,10 @@ def register_bench(sub) -> None:
     p.add_argument("--clones", nargs="*", type=int, default=None, help="clone counts (default 1 2 4)")
     p.add_argument("--chunk-bytes", default=None, help="pipeline chunk (default: the schedulers' default)")
     p.add_argument("--tensors", type=int, default=3170, help="tensors of the per-tensor (R-Fork-like) broadcast")
-    p.add_argument("--sections", nargs="*", default=None, help="ceiling clone nccl ring (default: all)")
+    p.add_argument("--sections", nargs="*", default=None,
+                   help="ceiling clone nccl ring (default: all; with --transport: ceiling)")
+    p.add_argument("--transport", nargs="+", default=None, metavar="NAME",
+                   help="side by side, same bytes, same run: posix_fd nixl nccl (one clone, chain of 2 each)")
     p.add_argument("--sweep", nargs="*", default=None, metavar="CHUNK",
                    help="instead: the in-process chunk-size sweep (e.g. 16MiB 64MiB 256MiB 1GiB)")
     p.add_argument("--schedule", default="chain", help="schedule of --sweep")
@@ -691,13 +757,19 @@ def main(args: argparse.Namespace) -> int:
                       r["verified"]] for r in rows])
         dump_json({"sweep": rows}, args.json)
         return 0 if all(r["verified"] is not False for r in rows) else 1
+    if args.transport:
+        from flashboot.flashclone.transports.registry import transport_class
+
+        for name in args.transport:
+            transport_class(name)  # UnknownNameError listing the registered ones
+    sections = args.sections or (("ceiling",) if args.transport else ("ceiling", "clone", "nccl", "ring"))
     res = run(nbytes, device=args.device, clone_counts=args.clones or DEFAULT_CLONES,
               chunk_bytes=parse_bytes(args.chunk_bytes) if args.chunk_bytes else None, tensors=args.tensors,
-              timeout_s=args.timeout, repeats=args.repeats, sections=args.sections or ("ceiling", "clone", "nccl", "ring"))
+              timeout_s=args.timeout, repeats=args.repeats, sections=sections, transports=args.transport or ())
     print_table(f"FlashClone on {', '.join(res['devices'])}, {nbytes / 1e9:.2f} GB", ["what", "value", "unit", "note"],
-                _rows(res))
+                _rows(res) + _transport_rows(res))
     dump_json(res, args.json)
-    exact = [r["verified"] for g in res.get("clone", []) for r in g["reports"]]
+    exact = [r["verified"] for g in res.get("clone", []) + res.get("transports", []) for r in g["reports"]]
     exact += [n["byte_exact"] for n in res.get("nccl", [])]
     for mode in ("pin_on_path", "pin_early"):
         if mode in res.get("ring", {}):

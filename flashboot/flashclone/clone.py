@@ -100,6 +100,8 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     report = CloneReport(schedule, 0, str(dev), 0, mover=mover.name)
     if warm is not None:
         warm.join(report, timeout_s)
+    if nixl_warm is not None:  # like the driver warm-up: joined before the descriptor is requested
+        nixl_warm.join(timeout_s)
     # exchange: from here (descriptor requested) to every source mapped; nothing else in between
     t0 = time.perf_counter()
     seed_rec = rdv.read(SEED_KEY, what="the seed's manifest and descriptor")  # authenticates: wrong token stops here
