@@ -531,21 +531,27 @@ def transports_section(store: str, token: str, devices: Sequence[str], arena, ma
     from flashboot.flashclone import seed
     from flashboot.flashclone.common import _gkey
 
+    from flashboot.errors import FlashBootError
+
     dev0 = arena.device
     out = []
     for transport in transports:
         for schedule, k in groups:
             name = f"{transport}-{schedule}{k}-{secrets.token_hex(3)}"
             t0 = time.perf_counter()
-            with seed(store, arena, dev0, token=token, name=name, nbytes=nbytes, manifest=manifest,
-                      timeout_s=timeout_s, serve_nccl=transport == "nccl", nixl=transport == "nixl") as s:
-                seed_ms = (time.perf_counter() - t0) * 1e3  # the seed's own setup (agent + registration for nixl)
-                join_key = _gkey(s.generation, schedule, "join")
-                reports = run_group(store, token, devices, schedule, k, name=name, chunk_bytes=chunk_bytes,
-                                    timeout_s=timeout_s, transport=transport,
-                                    joined=lambda s=s, key=join_key: s.rendezvous.add(key, 0))
-            out.append({"transport": transport, "schedule": schedule, "clones": k, "seed_setup_ms": seed_ms,
-                        "reports": reports})
+            row = {"transport": transport, "schedule": schedule, "clones": k, "reports": []}
+            try:
+                with seed(store, arena, dev0, token=token, name=name, nbytes=nbytes, manifest=manifest,
+                          timeout_s=timeout_s, serve_nccl=transport == "nccl", nixl=transport == "nixl") as s:
+                    row["seed_setup_ms"] = (time.perf_counter() - t0) * 1e3  # nixl: the seed's agent + registration
+                    join_key = _gkey(s.generation, schedule, "join")
+                    row["reports"] = run_group(store, token, devices, schedule, k, name=name,
+                                               chunk_bytes=chunk_bytes, timeout_s=timeout_s, transport=transport,
+                                               joined=lambda s=s, key=join_key: s.rendezvous.add(key, 0))
+            except FlashBootError as exc:  # one transport failing must not cost the others' figures
+                row["error"] = f"{type(exc).__name__}: {exc}"
+                print(f"{transport} {schedule} x{k} failed: {row['error'][-3000:]}", file=sys.stderr, flush=True)
+            out.append(row)
     return out
 
 
@@ -554,6 +560,9 @@ def _transport_rows(res: dict) -> list[list]:
     ceiling = res.get("ceiling", {}).get("gbps")
     for g in res.get("transports", []):
         reps = g["reports"]
+        if "error" in g:
+            rows.append([f"{g['transport']} {g['schedule']} x{g['clones']}", 0.0, "failed", g["error"][:300]])
+            continue
         gb = [r["gbps"] for r in reps]  # host clock, first byte asked to last byte in: the same for every transport
         setup = []
         for r in reps:
@@ -567,7 +576,7 @@ def _transport_rows(res: dict) -> list[list]:
         note = (f"{g['transport']} ({reps[0]['transport'] if reps else '?'}): per clone {', '.join('%.1f' % x for x in gb)} "
                 f"GB/s on {', '.join(r['device'] for r in reps)}"
                 + (f" = {', '.join('%.2f' % (x / ceiling) for x in gb)}x ceiling" if ceiling else "")
-                + f"; {'; '.join(setup)}; seed setup {g['seed_setup_ms']:.0f} ms; "
+                + f"; {'; '.join(setup)}; seed setup {g.get('seed_setup_ms', 0):.0f} ms; "
                 + ("all byte-exact" if all(r["verified"] for r in reps) else "NOT all verified"))
         rows.append([f"{g['transport']} {g['schedule']} x{g['clones']}", statistics.mean(gb) if gb else 0.0,
                      "GB/s/clone", note])
@@ -770,6 +779,7 @@ def main(args: argparse.Namespace) -> int:
                 _rows(res) + _transport_rows(res))
     dump_json(res, args.json)
     exact = [r["verified"] for g in res.get("clone", []) + res.get("transports", []) for r in g["reports"]]
+    exact += [False for g in res.get("transports", []) if "error" in g]
     exact += [n["byte_exact"] for n in res.get("nccl", [])]
     for mode in ("pin_on_path", "pin_early"):
         if mode in res.get("ring", {}):

@@ -379,6 +379,7 @@ class Rendezvous:
         """Bound every store call by ``timeout_s`` (a TCPStore call blocks forever when the link to
         the store goes down mid-call): set by transports that run across hosts."""
         self._broken: str | None = None
+        self._calls = None
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -433,18 +434,16 @@ class Rendezvous:
                                   f"{str(exc).splitlines()[0]}") from None
 
     def _bounded_call(self, what: str, fn, args):
+        """``fn(*args)`` on this connection's store thread, waited for at most ``timeout_s``."""
+        import queue
+
+        if self._calls is None:
+            self._calls = queue.SimpleQueue()
+            threading.Thread(target=self._serve_calls, args=(self._calls,), name="flashboot-store-calls",
+                             daemon=True).start()
         box: dict = {}
         done = threading.Event()
-
-        def call():
-            try:
-                box["value"] = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-                box["error"] = exc
-            finally:
-                done.set()
-
-        threading.Thread(target=call, name="flashboot-store-call", daemon=True).start()
+        self._calls.put((fn, args, box, done))
         if not done.wait(self.timeout_s):
             self._broken = f"{what}: no answer within {self.timeout_s:g} s"
             raise WaitTimeoutError(f"the store at {self.address} did not answer within {self.timeout_s:g} s while "
@@ -452,6 +451,19 @@ class Rendezvous:
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+    @staticmethod
+    def _serve_calls(calls) -> None:
+        while True:
+            fn, args, box, done = calls.get()
+            if fn is None:
+                return
+            try:
+                box["value"] = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                box["error"] = exc
+            finally:
+                done.set()
 
     # -- records -----------------------------------------------------------------------------
     def publish(self, key: str, body: Mapping[str, Any], sealed: Mapping[str, Any] | None = None) -> None:
@@ -531,6 +543,9 @@ class Rendezvous:
     def close(self) -> None:
         """Drop the connection (a hosting process stops serving when its last reference goes)."""
         self._closed = True
+        if self._calls is not None and self._broken is None:
+            self._calls.put((None, (), {}, None))  # the store thread ends (a stuck one stays, a daemon)
+        self._calls = None
         self.store = None
 
     def __enter__(self) -> "Rendezvous":

@@ -48,6 +48,11 @@ _UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "2M", "UCX_TCP_RX_SEG_SIZE": "2M"}
 """Measured on the 2-core CPU machine between namespaces: 2 MB TCP segments took NIXL from
 0.64-0.75 to 1.5-1.8 GB/s. Set only where the environment does not say otherwise."""
 
+STATUS_EVERY_S = 0.05
+"""A chain source's status is read when its progress has not moved for this long."""
+HELD_EVERY_S = 0.001
+"""The count of bytes we hold is published at most this often (and at the end): each is a store call."""
+
 stats = {"agents": 0, "registrations": 0, "reads_posted": 0}
 """Counters for this process (tests assert what did and did not happen: no registration before the
 token checked out, no READ before the metadata matched the manifest)."""
@@ -349,6 +354,7 @@ class _Sources:
         self.opened: dict[int, tuple[str, dict, str]] = {}
         """participant -> (remote agent name, its NIXL record, who)."""
         self.held: dict[int, int] = {}
+        self._moved: dict[int, float] = {}
 
     def who(self, p: int) -> str:
         return "the seed" if p == 0 else f"clone #{p}"
@@ -380,12 +386,20 @@ class _Sources:
         return self.opened[p]
 
     def refresh(self, p: int) -> None:
-        """Re-read how many leading bytes clone ``p`` holds; _ReadFailed when it failed or left."""
+        """Re-read how many leading bytes clone ``p`` holds; _ReadFailed when it failed or left (checked
+        when it has not moved on for :data:`STATUS_EVERY_S`: two more store calls)."""
         if p == 0:
             return
         ctx = self.ctx
         rdv = ctx.session.rdv
-        self.held[p] = rdv.add(_held_key(ctx.gen, ctx.schedule, p), 0)
+        held = rdv.add(_held_key(ctx.gen, ctx.schedule, p), 0)
+        now = time.monotonic()
+        if held != self.held.get(p):
+            self.held[p], self._moved[p] = held, now
+            return
+        if now - self._moved.get(p, 0.0) < STATUS_EVERY_S:
+            return
+        self._moved[p] = now
         status = rdv.try_read(_status_key(ctx, p))
         if status is not None and status.body.get("state") == "failed":
             raise _ReadFailed(f"it failed: {status.body.get('error', '?')}")
@@ -486,7 +500,8 @@ def _transfer(ctx, agent: Agent, sources: _Sources, arena, todo: deque) -> set[i
     mem = _mem_type(ctx.dev)
     base = arena.ptr
     done: dict[int, int] = {}  # offset -> end of landed pieces not yet counted in `held`
-    held = 0
+    held = published = 0
+    published_at = 0.0
     inflight: dict[int, tuple[Piece, Any, float]] = {}
     used: set[int] = set()
     waiting_since: float | None = None
@@ -577,11 +592,12 @@ def _transfer(ctx, agent: Agent, sources: _Sources, arena, todo: deque) -> set[i
                 raise WaitTimeoutError(f"clone #{position}: the NIXL READ of step {piece.step} (bytes "
                                        f"[{piece.offset:,}, {piece.end:,})) from {sources.who(piece.src)} is still in "
                                        f"progress after {timeout_s:g} s: the link or the source stalled")
-        start = held
         while held in done:
             held = done.pop(held)
-        if held > start:
-            rdv.add(held_key, held - start)
+        now = time.monotonic()
+        if held > published and (now - published_at >= HELD_EVERY_S or not (todo or inflight)):
+            rdv.add(held_key, held - published)
+            published, published_at = held, now
         if not progressed:
             time.sleep(poll_s)
     return used
