@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # NIXL on two GPUs, one device call (under 6 minutes): the NIXL GPU tests, which UCX protocol a
 # VRAM->VRAM READ of an arena takes, then `flashboot bench clone --transport posix_fd nixl nccl`
-# (same 8 GiB, same run, one clone and a chain of 2 each, beside the P2P copy ceiling), then two
-# NIXL tuning variants. Logs and JSON into $OUT; a summary at the end (and in $OUT/summary.txt).
+# (same 8 GiB, same run, one clone and a chain of 2 each, beside the P2P copy ceiling), raw NIXL
+# READs of torch vs arena memory (what UCX does with each), and a UCX_TLS variant.
+# Logs and JSON into $OUT; a summary at the end (and in $OUT/summary.txt).
 # Usage on the 2-GPU machine, repo root, nixl_cu13-1.5.1-cp312-*.whl in .whl/:
 #   bash benchmarks/gpu_nixl.sh
 set -uo pipefail
@@ -26,10 +27,10 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(( $(date +%s) - T0 
          local rc=$?; tail -${TAIL:-25} "$OUT/$name.log"; echo "=== $name rc=$rc"; }
 
 # 1. the tests (VRAM->VRAM clone, chain of 2, every segment registered)
-step tests 80 python3 -m pytest -q -p no:cacheprovider -m two_gpus tests/test_clone_nixl_gpu.py
+step tests 70 python3 -m pytest -q -p no:cacheprovider -m two_gpus tests/test_clone_nixl_gpu.py
 
 # 2. which UCX protocol a READ of one arena takes (cuda_ipc zero-copy, or a staged/emulated fallback)
-TAIL=40 step proto 45 python3 - <<'EOF'
+TAIL=40 step proto 40 python3 - <<'EOF'
 import os, secrets, subprocess, sys
 import flashboot
 from flashboot.arena import Arena
@@ -61,22 +62,23 @@ if ! grep -q "READ_PROTOCOL: cuda_ipc" "$OUT/proto.log"; then
 fi
 
 # 3. side by side, same bytes, same run, with the P2P ceiling
-TAIL=40 step bench 140 flashboot bench clone --nbytes "$NBYTES" --transport posix_fd nixl nccl --repeats 5 \
+TAIL=40 step bench 130 flashboot bench clone --nbytes "$NBYTES" --transport posix_fd nixl nccl --repeats 5 \
   --timeout 60 --json "$OUT/bench.json"
 
-# 4. NIXL variants (each with its own ceiling of the same run): UCX transports named, and READ size/depth
+# 4. raw NIXL READs outside FlashClone: torch (cudaMalloc) memory vs a VMM arena, 64 MiB and 512 MiB pieces
+TAIL=6 step raw 60 python3 -m flashboot.benchmarks.nixl_raw --nbytes 4GiB --memory torch arena \
+  --read-bytes 64MiB 512MiB --json "$OUT/raw.json"
+
+# 5. a NIXL variant (its own ceiling of the same run), time allowing: UCX transports named
 if [ "${VARIANTS:-1}" = 1 ] && [ $(( $(date +%s) - T0 )) -lt 260 ]; then
-TAIL=8 step nixl_tls 40 env UCX_TLS=cuda_ipc,cuda_copy,tcp flashboot bench clone --nbytes "$NBYTES" \
-  --transport nixl --repeats 3 --timeout 40 --json "$OUT/nixl_tls.json"
-[ $(( $(date +%s) - T0 )) -lt 300 ] && TAIL=8 step nixl_big 40 env FLASHBOOT_NIXL_READ_BYTES=268435456 \
-  FLASHBOOT_NIXL_DEPTH=4 flashboot bench clone --nbytes "$NBYTES" --transport nixl --repeats 3 --timeout 40 \
-  --json "$OUT/nixl_big.json"
+  TAIL=8 step nixl_tls 40 env UCX_TLS=cuda_ipc,cuda_copy,tcp flashboot bench clone --nbytes "$NBYTES" \
+    --transport nixl --repeats 3 --timeout 30 --json "$OUT/nixl_tls.json"
 fi
 
 python3 - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
 import json, os, sys
 out = sys.argv[1]
-for name in ("bench", "nixl_tls", "nixl_big"):
+for name in ("bench", "nixl_tls"):
     path = os.path.join(out, name + ".json")
     if not os.path.exists(path):
         print(f"{name}: no JSON (see {name}.log)"); continue
