@@ -92,6 +92,26 @@ def test_flashboot_info_lists_the_transports():
     assert "Clone transports" in text and "nixl      any_host" in text and "posix_fd  same_host" in text
 
 
+@pytest.mark.parametrize("schedule,n", [("chain", 2), ("star", 3)])
+def test_nixl_pieces_cover_each_step_once_and_never_cross_a_segment(schedule, n):
+    from flashboot.schedulers import build_plan
+
+    seg, read = 32 * MiB, 12 * MiB
+    nbytes = 100 * MiB + 12345
+    plan = build_plan(schedule, n, nbytes, 20 * MiB)
+    for dst in range(1, n + 1):
+        steps = [s for s in plan.steps_into(dst) if s.kind == "copy"]
+        got = list(nixl.pieces(steps, seg, read))
+        covered = np.zeros(nbytes, dtype=np.uint8)
+        for p in got:
+            assert 0 < p.nbytes <= read and p.offset // seg == (p.end - 1) // seg
+            covered[p.offset:p.end] += 1
+        assert covered.min() == covered.max() == 1  # every byte exactly once
+        want = {s.id: s.src for s in steps}
+        assert all(want[p.step] == p.src for p in got)
+        assert [p.offset for p in got] == sorted(p.offset for p in got)  # in order: a successor can follow
+
+
 # ----------------------------------------------------------------------------- nixl: bad input
 
 

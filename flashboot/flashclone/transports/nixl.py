@@ -152,53 +152,55 @@ class Agent:
         self.remotes[name] = who
         return name
 
+    def _call(self, fn, *args):
+        """``fn(*args)`` under the lock; NIXL's bare exceptions (e.g. ``NIXL_ERR_REMOTE_DISCONNECT``)
+        become _ReadFailed with NIXL's message."""
+        try:
+            with self._lock:
+                return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - NIXL raises bare exceptions
+            raise _ReadFailed(f"{type(exc).__name__}: {exc}") from exc
+
+    def _best_effort(self, fn, *args) -> None:
+        try:
+            self._call(fn, *args)
+        except _ReadFailed:
+            pass  # teardown: the peer may be gone, a READ still in progress cannot be released
+
     def remove_remote(self, name: str) -> None:
         if self.remotes.pop(name, None) is not None:
-            try:
-                with self._lock:
-                    self._agent.remove_remote_agent(name)
-            except Exception:  # noqa: BLE001 - best effort: the peer may be gone already
-                pass
+            self._best_effort(self._agent.remove_remote_agent, name)
 
     def read(self, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]], mem: str, remote_mem: str,
              remote_agent: str):
         """Post one READ (lists of (address, nbytes, devid)); returns its handle."""
         a = self._agent
-        with self._lock:
+
+        def post():
             handle = a.initialize_xfer("READ", a.get_xfer_descs(local, mem), a.get_xfer_descs(remote, remote_mem),
                                        remote_agent)
-            state = a.transfer(handle)
+            return handle, a.transfer(handle)
+
+        handle, state = self._call(post)
         stats["reads_posted"] += 1
         if state == "ERR":
             raise _ReadFailed("NIXL refused to post the READ")
         return handle
 
     def state(self, handle) -> str:
-        try:
-            with self._lock:
-                state = self._agent.check_xfer_state(handle)
-        except Exception as exc:  # noqa: BLE001 - NIXL raises e.g. NIXL_ERR_REMOTE_DISCONNECT
-            raise _ReadFailed(str(exc)) from exc
+        state = self._call(self._agent.check_xfer_state, handle)
         if state == "ERR":
             raise _ReadFailed("NIXL reports the READ failed")
         return state
 
     def release(self, handle) -> None:
-        try:
-            with self._lock:
-                self._agent.release_xfer_handle(handle)
-        except Exception:  # noqa: BLE001 - a READ still in progress cannot be released; the agent's end frees it
-            pass
+        self._best_effort(self._agent.release_xfer_handle, handle)
 
     def close(self) -> None:
         for name in list(self.remotes):
             self.remove_remote(name)
         for descs in self._registered:
-            try:
-                with self._lock:
-                    self._agent.deregister_memory(descs)
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
+            self._best_effort(self._agent.deregister_memory, descs)
         self._registered = []
 
 
@@ -262,7 +264,7 @@ class AgentWarmup:
         return self.agent
 
 
-def check_record(record: Any, manifest, who: str, want_mem: str | None = None) -> None:
+def check_record(record: Any, manifest, who: str) -> None:
     """Refuse a peer's NIXL record that does not describe the manifest's arena (before any READ)."""
     if not isinstance(record, dict) or not {"agent", "mem", "segments", "nbytes", "metadata", "base"} <= set(record):
         raise RendezvousError(f"{who} publishes no usable NIXL record (keys {sorted(record) if isinstance(record, dict) else record!r}); "
@@ -278,8 +280,8 @@ def check_record(record: Any, manifest, who: str, want_mem: str | None = None) -
         raise RendezvousError(f"the NIXL record of {who} registers {covered:,} bytes of a {record['nbytes']:,}-byte "
                               f"arena; the manifest says {manifest.arena_nbytes:,} (image {manifest.nbytes:,}); "
                               "refused before any READ")
-    if want_mem is not None and record["mem"] != want_mem:
-        raise RendezvousError(f"{who} registered {record['mem']} memory, this clone expects {want_mem}; "
+    if record["mem"] not in ("DRAM", "VRAM"):
+        raise RendezvousError(f"{who} registered {record['mem']!r} memory; only DRAM or VRAM can be READ; "
                               "refused before any READ")
 
 
@@ -330,8 +332,10 @@ class Piece:
         return self.offset + self.nbytes
 
 
-def pieces(steps, segment_bytes: int, read_bytes: int = READ_BYTES) -> deque:
-    """The plan's steps cut into READs of at most ``read_bytes`` that never cross a segment."""
+def pieces(steps, segment_bytes: int, read_bytes: int | None = None) -> deque:
+    """The plan's steps cut into READs of at most ``read_bytes`` (default :data:`READ_BYTES`) that
+    never cross a segment."""
+    read_bytes = read_bytes or READ_BYTES
     out = deque()
     for s in steps:
         o, end = s.offset, s.offset + s.nbytes
@@ -572,9 +576,6 @@ def _transfer(ctx, agent: Agent, sources: _Sources, arena, todo: deque) -> set[i
                 handle = agent.read(local, remote, mem, record["mem"], name)
             except _ReadFailed as exc:
                 fail(piece, str(exc))
-                continue
-            except Exception as exc:  # noqa: BLE001 - NIXL raises bare errors when posting to a dead peer
-                fail(piece, f"{type(exc).__name__}: {exc}")
                 continue
             inflight[piece.offset] = (piece, handle, time.monotonic())
             used.add(piece.src)
