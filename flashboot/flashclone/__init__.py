@@ -12,10 +12,13 @@ registry mover, following a plan from :mod:`flashboot.schedulers`:
 * ``ring``: N members each load a 1/N byte shard of a host image, then gather the rest from their
   predecessor (:func:`ring_load`, or ``clone(schedule="ring", image=..., clones=N)``).
 
-Transport: the source's arena is opened with a POSIX fd taken by ``pidfd_getfd`` on the same host,
-a fabric handle across hosts where an IMEX channel exists, and otherwise through an NCCL
-broadcast from the seed over torch.distributed (gloo on the host backend); the report's
-``transport`` says which, and ``transport_note`` why.
+Transport (:mod:`flashboot.flashclone.transports`, one module each, registered with what they
+reach, which memory they move and what they cost to set up): ``posix_fd`` maps the source's arena
+by POSIX fds taken with ``pidfd_getfd`` on the same host; ``fabric`` by fabric handles across the
+hosts of an NVLink domain with IMEX; ``nixl`` READs it through a NIXL agent from any host (a seed
+started with ``nixl=True``; ``pip install flashboot[nixl]``); ``nccl`` has the seed broadcast it
+over torch.distributed (gloo on the host backend). ``auto`` takes the first that reaches the seed
+in that order; the report's ``transport`` says which, and ``transport_note`` why.
 
 Faults: every wait has a deadline. A source that exits (or stalls) mid-transfer stops the run with
 a named error; with ``retry=True`` (default) the clone re-attaches upstream (the source's own
