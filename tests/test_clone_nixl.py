@@ -177,6 +177,23 @@ def test_seed_killed_mid_chain_fails_naming_the_step_within_the_deadline(hosts):
     assert time.monotonic() - t_kill < 40
 
 
+def test_clone_killed_mid_chain_successor_reattaches_to_the_seed_and_finishes(hosts):
+    store = _store_and_seed(hosts, data_seed=8)
+    slow = _env(FLASHBOOT_TEST_STEP_DELAY_S=0.3, T_TIMEOUT=20)
+    rx1, rx2 = hosts.rx_bytes(1), hosts.rx_bytes(2)
+    c1 = _start(hosts, 1, _CLONE, store, "chain", "nixl", 0, env=slow)  # no start barrier: #1 joins first
+    wait_until(lambda: hosts.rx_bytes(1) - rx1 > CHUNK, 60, "clone #1 to be reading from the seed", c1)
+    c2 = _start(hosts, 2, _CLONE, store, "chain", "nixl", 0, env=_env(T_TIMEOUT=20))
+    wait_until(lambda: hosts.rx_bytes(2) - rx2 > 2 * CHUNK, 60, "clone #2 to have read a few chunks from #1", c2)
+    os.kill(c1.pid, signal.SIGKILL)  # no status published: #2 finds out through NIXL
+    rc, r, err = _report(c2, timeout_s=90)
+    assert rc == 0, (r, err[-3000:])
+    assert r["position"] == 2 and r["sha256"] == _expected_sha(NBYTES, 8) and r["verified"]
+    assert any("clone #1 failed at step" in x for x in r["recovered"]), r["recovered"]
+    assert "re-attached to the seed" in r["recovered"], r["recovered"]
+    assert r["source"] == "the seed, clone #1"
+
+
 def test_link_cut_mid_transfer_ends_by_the_deadline(hosts):
     store = _store_and_seed(hosts, nbytes=48 * MiB)
     env = _env(FLASHBOOT_TEST_STEP_DELAY_S=0.2, T_TIMEOUT=5)

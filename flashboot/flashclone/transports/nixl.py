@@ -53,6 +53,9 @@ POLL_S = float(os.environ["FLASHBOOT_NIXL_POLL_S"]) if os.environ.get("FLASHBOOT
 GPUs; ``$FLASHBOOT_NIXL_POLL_S``)."""
 STATUS_EVERY_S = 0.05
 """A chain source's status is read when its progress has not moved for this long."""
+PROBE_S = 2.0
+"""How long a liveness probe of a stalled chain source may stay in progress before we stop waiting for it
+(the source is then taken as alive but slow; the wait's own deadline still applies)."""
 HELD_EVERY_S = 0.001
 """The count of bytes we hold is published at most this often (and at the end): each is a store call."""
 
@@ -362,6 +365,8 @@ class _Sources:
         """participant -> (remote agent name, its NIXL record, who)."""
         self.held: dict[int, int] = {}
         self._moved: dict[int, float] = {}
+        self.local: tuple[int, int, str] | None = None
+        """Our arena's (base, devid, memory type), once registered: where :meth:`probe` READs into."""
 
     def who(self, p: int) -> str:
         return "the seed" if p == 0 else f"clone #{p}"
@@ -412,6 +417,24 @@ class _Sources:
             raise _ReadFailed(f"it failed: {status.body.get('error', '?')}")
         if rdv.has(_status_key(ctx, p) + "/left"):
             raise _ReadFailed("it left before we finished reading from it")
+        self.probe(p)
+
+    def probe(self, p: int) -> None:
+        """Is ``p`` still there? A killed process publishes no status, so READ its first byte (into
+        ours: either the same byte, or one we have not read yet); a gone peer fails it at once."""
+        if self.local is None:
+            return
+        name, record, _ = self.opened[p]
+        base, devid, mem = self.local
+        handle = self.agent.read([(base, 1, devid)], [(record["base"], 1, record["devid"])], mem, record["mem"], name)
+        deadline = time.monotonic() + PROBE_S
+        try:
+            while self.agent.state(handle) != "DONE" and time.monotonic() < deadline:
+                time.sleep(0.001)
+        except _ReadFailed as exc:
+            raise _ReadFailed(f"it is gone ({exc})") from exc
+        finally:
+            self.agent.release(handle)
 
 
 def _status_key(ctx, p: int) -> str:
@@ -458,6 +481,7 @@ def _clone(ctx):
     report.alloc_ms = (time.perf_counter() - ta) * 1e3
     tr = time.perf_counter()
     mine = agent.register(session.arena)
+    sources.local = (mine["base"], mine["devid"], mine["mem"])
     detail["register_ms"] = (time.perf_counter() - tr) * 1e3
     rdv.publish(_gkey(ctx.gen, ctx.schedule, "member", position),
                 {"position": position, "pid": os.getpid(), "host": socket.gethostname(),
