@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from ... import _cuda
 from ...errors import CapabilityError, FlashBootError, RendezvousError, WaitTimeoutError
 from ...memory import Device
 from .registry import Seen, Transport, register_transport
@@ -125,10 +126,13 @@ class Agent:
         """Remote agent name -> who (for messages)."""
         stats["agents"] += 1
 
+    @_cuda.keeps_context
     def register(self, arena) -> dict:
         """Register every segment of ``arena``; returns the record a peer needs to READ it."""
         t0 = time.perf_counter()
         dev = arena.device
+        if dev.is_cuda:  # UCX works in the calling thread's current context: the arena's device's
+            _cuda.use_device(dev.index)
         devid = dev.index if dev.is_cuda else 0
         base = arena.ptr
         segs = segment_ranges(arena)
@@ -517,6 +521,7 @@ def _clone(ctx):
     return CloneResult(session.arena, _views(session.arena, metadata), report, metadata=metadata, _session=session)
 
 
+@_cuda.keeps_context
 def _transfer(ctx, agent: Agent, sources: _Sources, arena, todo: deque) -> set[int]:
     """READ every piece of ``todo`` into ``arena``, at most :data:`DEPTH` outstanding, each as soon as
     its source holds it; raise the count of leading bytes we hold as pieces land. Re-attaches a
@@ -524,6 +529,8 @@ def _transfer(ctx, agent: Agent, sources: _Sources, arena, todo: deque) -> set[i
     from ..report import CloneError
 
     rdv, report, timeout_s = ctx.session.rdv, ctx.report, ctx.timeout_s
+    if ctx.dev.is_cuda:
+        _cuda.use_device(ctx.dev.index)
     position = report.position
     held_key = _held_key(ctx.gen, ctx.schedule, position)
     poll_s = POLL_S if POLL_S is not None else (0.0002 if ctx.dev.is_cuda else 0.001)
