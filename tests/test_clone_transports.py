@@ -27,7 +27,7 @@ from flashboot.flashclone.transports.registry import (
 from flashboot.memory import CPU
 
 from _clone_helpers import _token, store  # noqa: F401  (fixtures)
-from _clone_helpers import MiB, TOKEN, spawn_python, stop, wait_until
+from _clone_helpers import MiB, spawn_python, stop, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
