@@ -29,7 +29,7 @@ from flashboot.memory import CPU
 from _clone_helpers import _token, store  # noqa: F401  (fixtures)
 from _clone_helpers import MiB, spawn_python, stop, wait_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)  # processes starting under load take their time
 
 
 def _remote(host: str = "another-host") -> ArenaDescriptor:
@@ -209,5 +209,27 @@ def test_remote_agent_gone_between_exchange_and_read(store):
         assert err is not None, "the clone finished although its source died before any READ"
         assert "the seed" in str(err) and "step" in str(err), str(err)
         assert outcome["t"] - t_kill < 30
+    finally:
+        stop(seed)
+
+
+def test_cli_seed_with_nixl_and_a_clone_over_nixl(store, tmp_path):
+    """`flashboot seed DIR --nixl` and `flashboot clone --transport nixl --json -` on one machine."""
+    import json
+
+    from _clone_helpers import finish, make_prepacked_image, spawn_cli
+
+    address, _ = store
+    image = make_prepacked_image(tmp_path)
+    seed = spawn_cli("seed", image, "--device", "cpu", "--store", address, "--nixl", "--timeout", "30")
+    try:
+        assert seed.stdout.readline().startswith("seed ready"), seed.stderr.read() if seed.poll() is not None else ""
+        clone = spawn_cli("clone", "--store", address, "--device", "cpu", "--schedule", "star", "--transport", "nixl",
+                          "--verify", "--json", "-", "--timeout", "30")
+        rc, out, err = finish(clone, 50)
+        assert rc == 0, err[-3000:]
+        report = json.loads(out[out.index("{"):])  # the summary line, then the JSON (NIXL's own log stays quiet)
+        assert report["transport"] == "nixl" and report["verified"] and report["source"] == "the seed"
+        assert report["transport_note"] == "asked for" and report["exchange_detail"]["register_ms"] > 0
     finally:
         stop(seed)
