@@ -10,6 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,hf,notebooks]'
+	$(PY) -m pip install -q --no-deps 'nixl-cu13==1.5.1'  # the [nixl] extra, keeping our torch
 	touch $@
 
 demo: $(VENV)/.installed

@@ -143,9 +143,9 @@ def _env(token: str) -> dict:
 
 def _spawn_clone(store: str, token: str, device: str, schedule: str, name: str, out: str, *, clones: int | None,
                  chunk_bytes: int | None, timeout_s: float, verify: bool, image: str | None = None,
-                 pin_early: bool = False):
+                 pin_early: bool = False, transport: str = "auto"):
     cmd = [sys.executable, "-m", "flashboot.cli", "clone", "--store", store, "--device", device, "--schedule", schedule,
-           "--name", name, "--json", out, "--timeout", str(timeout_s)]
+           "--name", name, "--json", out, "--timeout", str(timeout_s), "--transport", transport]
     if clones is not None:
         cmd += ["--clones", str(clones)]
     if chunk_bytes:
@@ -201,7 +201,8 @@ def _wait_joined(joined, want: int, proc, timeout_s: float, what: str) -> None:
 
 
 def run_group(store: str, token: str, devices: Sequence[str], schedule: str, clones: int, *, name: str,
-              chunk_bytes: int | None, timeout_s: float, verify: bool = True, joined=None) -> list[dict]:
+              chunk_bytes: int | None, timeout_s: float, verify: bool = True, joined=None,
+              transport: str = "auto") -> list[dict]:
     """``clones`` clone processes of the seed published under ``name``; clone i on
     :func:`clone_device` (the seed is on ``devices[0]``). Positions go by arrival, so with
     ``joined`` (a callable returning how many have taken a position) each process is started once
@@ -213,7 +214,8 @@ def run_group(store: str, token: str, devices: Sequence[str], schedule: str, clo
         try:
             for i in range(clones):
                 procs.append(_spawn_clone(store, token, clone_device(devices, i), schedule, name, outs[i],
-                                          clones=clones, chunk_bytes=chunk_bytes, timeout_s=timeout_s, verify=verify))
+                                          clones=clones, chunk_bytes=chunk_bytes, timeout_s=timeout_s, verify=verify,
+                                          transport=transport))
                 if joined is not None and i + 1 < clones:
                     _wait_joined(joined, i + 1, procs[-1], timeout_s, f"{schedule} with {clones} clone(s)")
         except BaseException:
@@ -270,7 +272,7 @@ def nccl_from_start(devices: Sequence[str], nbytes: int, *, mode: str, tensors: 
     and its buffer, ``init_process_group``, a first collective (NCCL connects its channels
     lazily), then one broadcast of ``nbytes`` (``mode="bulk"``) or ``tensors`` broadcasts of its
     pieces (``mode="per_tensor"``, as R-Fork does). Both processes see every GPU."""
-    from flashboot.rendezvous import free_port
+    from flashboot.flashclone.rendezvous import free_port
 
     port = free_port()
     pair = [devices[0], devices[-1]]
@@ -309,7 +311,7 @@ def _prelude(cuda: bool) -> None:
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
-    import flashboot._clone  # noqa: F401
+    import flashboot.flashclone  # noqa: F401
     import flashboot.arena  # noqa: F401
     from flashboot.movers import create_mover
 
@@ -379,7 +381,7 @@ def _flashclone_worker(cfg: dict) -> None:
     cuda = cfg["device"].startswith("cuda")
     _prelude(cuda)
     t_imported = time.time()
-    from flashboot._clone import clone
+    from flashboot.flashclone import clone
 
     with clone(cfg["store"], cfg["device"], "star", name=cfg["name"], timeout_s=cfg["timeout_s"]) as result:
         rep = result.report.to_dict()
@@ -453,7 +455,7 @@ def sweep_chunks(schedule: str = "chain", chunk_sizes: Sequence[int] = DEFAULT_S
     import torch
 
     from flashboot.arena import Arena
-    from flashboot.executor import Endpoint, Executor, create_flags
+    from flashboot.flashclone.executor import Endpoint, Executor, create_flags
     from flashboot.kernels.checksum import checksum
     from flashboot.memory import Device, span_of
     from flashboot.schedulers import build_plan
@@ -517,18 +519,83 @@ def sweep_chunks(schedule: str = "chain", chunk_sizes: Sequence[int] = DEFAULT_S
 
 
 # ============================================================================================
+# Transports side by side
+# ============================================================================================
+
+
+def transports_section(store: str, token: str, devices: Sequence[str], arena, manifest, nbytes: int,
+                       transports: Sequence[str], *, chunk_bytes: int | None, timeout_s: float,
+                       groups: Sequence[tuple[str, int]] = (("star", 1), ("chain", 2))) -> list[dict]:
+    """The same arena's bytes cloned over each transport in turn (one seed serving them all), for
+    each (schedule, clones) of ``groups``: per clone GB/s and the setup apart from the transfer."""
+    from flashboot.flashclone import seed
+    from flashboot.flashclone.common import _gkey
+
+    from flashboot.errors import FlashBootError
+
+    dev0 = arena.device
+    out = []
+    for transport in transports:
+        for schedule, k in groups:
+            name = f"{transport}-{schedule}{k}-{secrets.token_hex(3)}"
+            t0 = time.perf_counter()
+            row = {"transport": transport, "schedule": schedule, "clones": k, "reports": []}
+            try:
+                with seed(store, arena, dev0, token=token, name=name, nbytes=nbytes, manifest=manifest,
+                          timeout_s=timeout_s, serve_nccl=transport == "nccl", nixl=transport == "nixl") as s:
+                    row["seed_setup_ms"] = (time.perf_counter() - t0) * 1e3  # nixl: the seed's agent + registration
+                    join_key = _gkey(s.generation, schedule, "join")
+                    row["reports"] = run_group(store, token, devices, schedule, k, name=name,
+                                               chunk_bytes=chunk_bytes, timeout_s=timeout_s, transport=transport,
+                                               joined=lambda s=s, key=join_key: s.rendezvous.add(key, 0))
+            except FlashBootError as exc:  # one transport failing must not cost the others' figures
+                row["error"] = f"{type(exc).__name__}: {exc}"
+                print(f"{transport} {schedule} x{k} failed: {row['error'][-3000:]}", file=sys.stderr, flush=True)
+            out.append(row)
+    return out
+
+
+def _transport_rows(res: dict) -> list[list]:
+    rows = []
+    ceiling = res.get("ceiling", {}).get("gbps")
+    for g in res.get("transports", []):
+        reps = g["reports"]
+        if "error" in g:
+            rows.append([f"{g['transport']} {g['schedule']} x{g['clones']}", 0.0, "failed", g["error"][:300]])
+            continue
+        gb = [r["gbps"] for r in reps]  # host clock, first byte asked to last byte in: the same for every transport
+        setup = []
+        for r in reps:
+            d = r.get("exchange_detail", {})
+            if r["transport"] == "nixl":
+                setup.append(f"setup {r.get('setup_ms', 0):.1f} ms on the path (register {d.get('register_ms', 0):.1f}, "
+                             f"add_remote {d.get('add_remote_ms', 0):.1f}), agent {d.get('agent_create_ms', 0):.0f} ms "
+                             f"off the path")
+            else:
+                setup.append(f"exchange {r['exchange_ms']:.1f} ms")
+        note = (f"{g['transport']} ({reps[0]['transport'] if reps else '?'}): per clone {', '.join('%.1f' % x for x in gb)} "
+                f"GB/s on {', '.join(r['device'] for r in reps)}"
+                + (f" = {', '.join('%.2f' % (x / ceiling) for x in gb)}x ceiling" if ceiling else "")
+                + f"; {'; '.join(setup)}; seed setup {g.get('seed_setup_ms', 0):.0f} ms; "
+                + ("all byte-exact" if all(r["verified"] for r in reps) else "NOT all verified"))
+        rows.append([f"{g['transport']} {g['schedule']} x{g['clones']}", statistics.mean(gb) if gb else 0.0,
+                     "GB/s/clone", note])
+    return rows
+
+
 # The whole run
 # ============================================================================================
 
 
 def run(nbytes: int, *, device: str | None = None, clone_counts: Sequence[int] = DEFAULT_CLONES,
         chunk_bytes: int | None = None, tensors: int = 3170, timeout_s: float = 120.0, repeats: int = 5,
-        sections: Sequence[str] = ("ceiling", "clone", "nccl", "ring")) -> dict:
+        sections: Sequence[str] = ("ceiling", "clone", "nccl", "ring"), transports: Sequence[str] = ()) -> dict:
     """Every section of ``bench clone``; a JSON-ready dict."""
-    from flashboot._clone import _gkey, seed
+    from flashboot.flashclone.common import _gkey
+    from flashboot.flashclone import seed
     from flashboot.arena import Arena
     from flashboot.memory import Device
-    from flashboot.rendezvous import Manifest, Rendezvous, free_port
+    from flashboot.flashclone.rendezvous import Manifest, Rendezvous, free_port
 
     devices = bench_devices(device)
     out: dict[str, Any] = {"devices": devices, "nbytes": nbytes}
@@ -560,6 +627,12 @@ def run(nbytes: int, *, device: str | None = None, clone_counts: Sequence[int] =
                     with seed(store, arena, dev0, token=token, name=name, nbytes=nbytes, manifest=manifest,
                               timeout_s=timeout_s, serve_nccl=False):
                         out["flashclone_from_start"] = clone_from_start(store, token, devices[-1], name, timeout_s)
+        if transports:
+            with Arena.create(nbytes, dev0) as arena:
+                fill_random(arena, nbytes, 5)
+                manifest = Manifest.of_arena(arena, nbytes)
+                out["transports"] = transports_section(store, token, devices, arena, manifest, nbytes, transports,
+                                                       chunk_bytes=chunk_bytes, timeout_s=timeout_s)
         if "nccl" in sections:
             out["nccl"] = [nccl_from_start(devices, nbytes, mode="bulk", tensors=1, timeout_s=timeout_s),
                            nccl_from_start(devices, nbytes, mode="per_tensor", tensors=tensors, timeout_s=timeout_s)]
@@ -665,7 +738,10 @@ def register_bench(sub) -> None:
     p.add_argument("--clones", nargs="*", type=int, default=None, help="clone counts (default 1 2 4)")
     p.add_argument("--chunk-bytes", default=None, help="pipeline chunk (default: the schedulers' default)")
     p.add_argument("--tensors", type=int, default=3170, help="tensors of the per-tensor (R-Fork-like) broadcast")
-    p.add_argument("--sections", nargs="*", default=None, help="ceiling clone nccl ring (default: all)")
+    p.add_argument("--sections", nargs="*", default=None,
+                   help="ceiling clone nccl ring (default: all; with --transport: ceiling)")
+    p.add_argument("--transport", nargs="+", default=None, metavar="NAME",
+                   help="side by side, same bytes, same run: posix_fd nixl nccl (one clone, chain of 2 each)")
     p.add_argument("--sweep", nargs="*", default=None, metavar="CHUNK",
                    help="instead: the in-process chunk-size sweep (e.g. 16MiB 64MiB 256MiB 1GiB)")
     p.add_argument("--schedule", default="chain", help="schedule of --sweep")
@@ -679,7 +755,7 @@ def print_results(res: dict) -> None:
     from flashboot.benchmarks.timing import print_table
 
     print_table(f"FlashClone on {', '.join(res['devices'])}, {res['nbytes'] / 1e9:.2f} GB",
-                ["what", "value", "unit", "note"], _rows(res))
+                ["what", "value", "unit", "note"], _rows(res) + _transport_rows(res))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -697,12 +773,19 @@ def main(args: argparse.Namespace) -> int:
                       r["verified"]] for r in rows])
         dump_json({"sweep": rows}, args.json)
         return 0 if all(r["verified"] is not False for r in rows) else 1
+    if args.transport:
+        from flashboot.flashclone.transports.registry import transport_class
+
+        for name in args.transport:
+            transport_class(name)  # UnknownNameError listing the registered ones
+    sections = args.sections or (("ceiling",) if args.transport else ("ceiling", "clone", "nccl", "ring"))
     res = run(nbytes, device=args.device, clone_counts=args.clones or DEFAULT_CLONES,
               chunk_bytes=parse_bytes(args.chunk_bytes) if args.chunk_bytes else None, tensors=args.tensors,
-              timeout_s=args.timeout, repeats=args.repeats, sections=args.sections or ("ceiling", "clone", "nccl", "ring"))
+              timeout_s=args.timeout, repeats=args.repeats, sections=sections, transports=args.transport or ())
     print_results(res)
     dump_json(res, args.json)
-    exact = [r["verified"] for g in res.get("clone", []) for r in g["reports"]]
+    exact = [r["verified"] for g in res.get("clone", []) + res.get("transports", []) for r in g["reports"]]
+    exact += [False for g in res.get("transports", []) if "error" in g]
     exact += [n["byte_exact"] for n in res.get("nccl", [])]
     for mode in ("pin_on_path", "pin_early"):
         if mode in res.get("ring", {}):

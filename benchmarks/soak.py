@@ -231,7 +231,7 @@ class _CloneCycle:
 
     def __call__(self) -> bool:
         import flashboot
-        from flashboot.rendezvous import free_port
+        from flashboot.flashclone.rendezvous import free_port
 
         address = f"127.0.0.1:{free_port()}"
         with flashboot.seed(address, self.arena, self.device, token=self.token, checksum_chunk_bytes=1 << 20,

@@ -596,7 +596,7 @@ def _seed_descriptor() -> dict:
 
 def _seed_manifest(image_dir: Path) -> dict:
     from flashboot.layouts.format import parse_metadata
-    from flashboot.rendezvous import Manifest
+    from flashboot.flashclone.rendezvous import Manifest
 
     meta = parse_metadata((image_dir / "rank-0" / "metadata.json").read_bytes(), "seed")
     return Manifest.from_metadata(meta).to_dict()
@@ -657,7 +657,7 @@ class _NotJson(FlashBootError):
 
 def manifest_reader(image_dir: Path) -> Reader:
     """``Manifest.from_dict`` of a mutated manifest (what a clone reads from the seed's record)."""
-    from flashboot.rendezvous import Manifest
+    from flashboot.flashclone.rendezvous import Manifest
 
     return Reader("manifest (from_dict)", [json.dumps(_seed_manifest(image_dir)).encode()],
                   _json_feed(Manifest.from_dict), lambda m, data: _check_manifest(m))
@@ -671,7 +671,7 @@ def record_reader(image_dir: Path, *, sealed_garbage: bool) -> Reader:
     authenticated with the right token (a participant with a bug), then decoded and the manifest
     and sealed descriptor parsed as the clone does."""
     from flashboot.arena import ArenaDescriptor
-    from flashboot.rendezvous import Manifest, Token, decode_record, encode_record
+    from flashboot.flashclone.rendezvous import Manifest, Token, decode_record, encode_record
 
     token = Token(_TOKEN)
     body = {"manifest": _seed_manifest(image_dir), "generation": "g0", "pid": os.getpid()}
@@ -921,7 +921,7 @@ def _atheris_main(name: str, runs: int, work: str) -> None:
         import flashboot.flashload.shm  # noqa: F401
         import flashboot.layouts.format  # noqa: F401
         import flashboot.layouts.image  # noqa: F401
-        import flashboot.rendezvous  # noqa: F401
+        import flashboot.flashclone.rendezvous  # noqa: F401
     corpus = Corpus(work, [name], image_dir=os.environ.get("FLASHBOOT_FUZZ_IMAGE"))
     reader = corpus.readers[0]
     seeds_dir = Path(work) / f"atheris-seeds-{name}"

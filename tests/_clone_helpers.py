@@ -127,7 +127,7 @@ def _token(monkeypatch):
 @pytest.fixture
 def store():
     """A store hosted by the test process (it outlives any seed a test kills)."""
-    from flashboot.rendezvous import Rendezvous, free_port
+    from flashboot.flashclone.rendezvous import Rendezvous, free_port
 
     address = f"127.0.0.1:{free_port()}"
     rdv = Rendezvous.connect(address, TOKEN, host=True, timeout_s=20)

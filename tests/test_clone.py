@@ -15,7 +15,7 @@ import pytest
 import flashboot
 from flashboot.arena import Arena
 from flashboot.errors import FlashBootError, RendezvousError, UnknownNameError
-from flashboot.executor import Endpoint, Executor, StepFailure, create_flags, rewire
+from flashboot.flashclone.executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from flashboot.memory import span_of
 from flashboot.schedulers import HOST, build_plan
 
@@ -361,17 +361,17 @@ def test_broadcast_fallback_is_used_and_reported(store):
 
 
 def test_choose_transport_explains_fallbacks():
-    from flashboot._clone import _choose_transport
+    from flashboot.flashclone.transports.registry import Seen, choose_transport
     from flashboot.arena import ArenaDescriptor
     from flashboot.memory import CPU
 
     remote = ArenaDescriptor("host", 1, (3,), 2 * MiB, -1, "memfd", 2 * MiB, 2 * MiB, "x", None, "another-host")
-    assert _choose_transport(remote, CPU, "auto") == ("nccl", "seed on 'another-host' with no fabric handle "
-                                                              "(memfd): gloo broadcast")
-    with pytest.raises(RendezvousError, match="needs the seed on this host"):
-        _choose_transport(remote, CPU, "posix_fd")
+    cls, note = choose_transport(Seen(remote, {"nccl": True}), CPU, "auto")
+    assert cls.name == "nccl" and "no fabric handle (memfd)" in note and note.endswith("gloo broadcast")
+    with pytest.raises(RendezvousError, match="lives on host 'another-host'"):
+        choose_transport(Seen(remote, {}), CPU, "posix_fd")
     with pytest.raises(RendezvousError, match="has no fabric handle"):
-        _choose_transport(remote, CPU, "fabric")
+        choose_transport(Seen(remote, {}), CPU, "fabric")
 
 
 # ---------------------------------------------------------------------------------- the holder
@@ -379,7 +379,7 @@ def test_choose_transport_explains_fallbacks():
 _ENGINE = """
 import ctypes, sys, numpy as np
 from flashboot.arena import Arena
-from flashboot.holder import hand_over
+from flashboot.flashclone.holder import hand_over
 a = Arena.create(3 << 20, "cpu")
 data = np.random.default_rng(11).integers(0, 256, a.nbytes, dtype=np.uint8)
 ctypes.memmove(a.ptr, data.ctypes.data, a.nbytes)
@@ -390,7 +390,7 @@ a.close()
 
 _RESTARTED = """
 import ctypes, sys, time, numpy as np
-from flashboot.holder import open_held
+from flashboot.flashclone.holder import open_held
 t0 = time.perf_counter()
 a = open_held("weights", registry=sys.argv[1])
 ms = (time.perf_counter() - t0) * 1e3
@@ -436,7 +436,7 @@ def test_holder_keeps_weights_across_an_engine_restart(tmp_path):
 
 
 def test_holder_in_process_refuses_a_writable_registry_and_a_dead_engine(tmp_path):
-    from flashboot.holder import Holder, hand_over
+    from flashboot.flashclone.holder import Holder, hand_over
 
     open_dir = tmp_path / "shared"
     open_dir.mkdir(mode=0o777)
@@ -454,7 +454,7 @@ def test_holder_in_process_refuses_a_writable_registry_and_a_dead_engine(tmp_pat
         d = hand_over(a, "w", registry=registry, timeout_s=10)
         assert d.pid == os.getpid() and set(d.fds).isdisjoint(a.export().fds)
         a.close()  # the engine's handle is gone; the holder's mapping keeps the memory
-        b = flashboot.holder.open_held("w", registry=registry)
+        b = flashboot.flashclone.holder.open_held("w", registry=registry)
         assert int(b.bytes().numpy().min()) == 9
         b.close()
         from flashboot.arena import ArenaDescriptor
@@ -463,7 +463,7 @@ def test_holder_in_process_refuses_a_writable_registry_and_a_dead_engine(tmp_pat
         holder.kv.put("requests", "ghost", {"descriptor": ghost.to_dict(), "request": "r1"})
         wait_until(lambda: holder.kv.get("held", "ghost"), 10, "the holder's answer")
         with pytest.raises(FlashBootError, match="last adoption failed"):
-            flashboot.holder.open_held("ghost", registry=registry)
+            flashboot.flashclone.holder.open_held("ghost", registry=registry)
     finally:
         stop_ev.set()
         t.join(10)
@@ -471,7 +471,7 @@ def test_holder_in_process_refuses_a_writable_registry_and_a_dead_engine(tmp_pat
 
 
 def test_holder_over_the_store_authenticates_its_records(store):
-    from flashboot.holder import Holder, hand_over, open_held, release
+    from flashboot.flashclone.holder import Holder, hand_over, open_held, release
 
     address, rdv = store
     holder = Holder(store=address, token=TOKEN, timeout_s=5)

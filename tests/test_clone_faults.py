@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import flashboot
-from flashboot._clone import CloneError
+from flashboot.flashclone import CloneError
 from flashboot.errors import RendezvousError, WaitTimeoutError
-from flashboot.rendezvous import free_port
+from flashboot.flashclone.rendezvous import free_port
 
 from _clone_helpers import _token, store  # noqa: F401  (fixtures)
 from _clone_helpers import (

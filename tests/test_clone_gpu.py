@@ -43,7 +43,7 @@ def _equal(a, b) -> bool:
 @pytest.mark.parametrize("schedule", ["chain", "star"])
 def test_stream_memop_pipeline_is_byte_exact(schedule):
     from flashboot.arena import Arena
-    from flashboot.executor import Endpoint, Executor, create_flags
+    from flashboot.flashclone.executor import Endpoint, Executor, create_flags
     from flashboot.schedulers import build_plan
 
     plan = build_plan(schedule, 3, NBYTES, CHUNK)
@@ -70,7 +70,7 @@ def test_stream_memop_pipeline_is_byte_exact(schedule):
 @pytest.mark.gpu
 def test_blocked_stream_is_released_from_the_host_and_reported():
     from flashboot.arena import Arena
-    from flashboot.executor import Endpoint, Executor, StepFailure, create_flags
+    from flashboot.flashclone.executor import Endpoint, Executor, StepFailure, create_flags
     from flashboot.schedulers import build_plan
 
     plan = build_plan("chain", 2, NBYTES, CHUNK)
@@ -260,7 +260,7 @@ def test_pinning_a_disk_file_is_refused_with_what_to_do(tmp_path):
     CUDA_ERROR_INVALID_VALUE), the error names the path, the bytes and the fix (/dev/shm)."""
     from _clone_helpers import write_raw_image
 
-    from flashboot._clone import _HostImage
+    from flashboot.flashclone.sources import _HostImage
     from flashboot.pinning import fs_type as _fs_type
     from flashboot.errors import CapabilityError
     from flashboot.memory import Device
@@ -307,7 +307,7 @@ def test_sweep_chunks_on_two_gpus():
 _ENGINE = """
 import sys, torch
 from flashboot.arena import Arena
-from flashboot.holder import hand_over
+from flashboot.flashclone.holder import hand_over
 from flashboot.kernels.checksum import checksum
 a = Arena.create(32 << 20, 0)
 a.bytes().random_(0, 256, generator=torch.Generator(device="cuda:0").manual_seed(5))
@@ -318,7 +318,7 @@ print(d.arena_id, checksum(a.span()))
 
 _RESTARTED = """
 import sys, time
-from flashboot.holder import open_held
+from flashboot.flashclone.holder import open_held
 from flashboot.kernels.checksum import checksum
 t0 = time.perf_counter()
 a = open_held("weights", registry=sys.argv[1])

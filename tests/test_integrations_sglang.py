@@ -328,7 +328,7 @@ def test_a_rank_that_fails_stops_the_job_without_leaving_anyone_waiting(tmp_path
 
 
 def test_clone_from_an_engine_seed_binds_the_same_bytes(packed, tmp_path, monkeypatch):
-    from flashboot.rendezvous import free_port
+    from flashboot.flashclone.rendezvous import free_port
 
     monkeypatch.setenv("FLASHBOOT_TOKEN", TOKEN)
     model, out, _ = packed
@@ -527,7 +527,7 @@ def _make_tiny_llama(path: Path) -> None:
 
 def run_engine_script(script: str, tmp_path: Path, env: dict | None = None) -> dict:
     """Run ``script`` with this interpreter in a child process; its ``RESULT {json}`` line."""
-    from flashboot.rendezvous import free_port
+    from flashboot.flashclone.rendezvous import free_port
 
     model = tmp_path / "tiny-llama"
     _make_tiny_llama(model)

@@ -236,7 +236,7 @@ def test_a_preloader_killed_mid_stage_leaves_no_ready_and_the_next_one_restages(
 # ----------------------------------------------------------------------- the holder restarted
 _CLONE = """
 import hashlib, sys
-from flashboot.holder import open_held
+from flashboot.flashclone.holder import open_held
 a = open_held("w", registry=sys.argv[1])
 print("mapped", flush=True)
 sys.stdin.readline()
@@ -253,7 +253,7 @@ def _holder(registry: Path) -> subprocess.Popen:
 
 
 def test_holder_killed_and_restarted_while_clones_map_its_arena(tmp_path):
-    from flashboot.holder import hand_over, open_held
+    from flashboot.flashclone.holder import hand_over, open_held
 
     registry = tmp_path / "registry"
     data = np.random.default_rng(7).integers(0, 256, 4 << 20, dtype=np.uint8)

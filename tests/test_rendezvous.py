@@ -8,7 +8,7 @@ import time
 import pytest
 
 from flashboot.errors import RendezvousError, WaitTimeoutError
-from flashboot.rendezvous import (
+from flashboot.flashclone.rendezvous import (
     ENV_TOKEN,
     ENV_TOKEN_FILE,
     Manifest,
@@ -245,3 +245,36 @@ def test_namespaces_keep_records_apart(address, server):
             Rendezvous.connect(address, TOKEN, namespace="a/b")
     finally:
         other.close()
+
+
+def test_bounded_store_calls_end_by_the_deadline_when_the_store_stops_answering():
+    """A TCPStore call blocks forever when the store's host stops answering (a cut link): with
+    ``bounded`` every call ends within timeout_s, and later calls fail at once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    address = f"127.0.0.1:{free_port()}"
+    code = ("import sys, time\nfrom flashboot.flashclone.rendezvous import Rendezvous\n"
+            f"r = Rendezvous.connect({address!r}, {TOKEN!r}, host=True, timeout_s=20)\n"
+            "print('ready', flush=True)\ntime.sleep(120)\n")
+    host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().startswith("ready")
+        client = Rendezvous.connect(address, TOKEN, timeout_s=1.0)
+        client.bounded = True
+        assert client.add("k", 2) == 2  # answered normally while the host runs
+        os.kill(host.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WaitTimeoutError, match="did not answer within 1 s while counting 'k'"):
+            client.add("k", 1)
+        assert time.monotonic() - t0 < 5
+        t1 = time.monotonic()
+        with pytest.raises(RendezvousError, match="stopped answering earlier"):
+            client.publish("other", {"x": 1})
+        assert time.monotonic() - t1 < 0.5
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+        host.kill()
+        host.communicate()

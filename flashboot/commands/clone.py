@@ -23,6 +23,8 @@ def register(subparsers) -> None:
     p.add_argument("--held", metavar="NAME", help="seed from an arena a holder keeps (with --registry)")
     p.add_argument("--registry", metavar="DIR", help="holder registry directory (for --held)")
     p.add_argument("--no-nccl", action="store_true", help="do not answer the NCCL-broadcast fallback")
+    p.add_argument("--nixl", action="store_true",
+                   help="also serve NIXL READs (clones on other hosts; needs pip install flashboot[nixl])")
     _common(p)
     p.set_defaults(func=run_seed)
 
@@ -35,7 +37,8 @@ def register(subparsers) -> None:
     p.add_argument("--mover", default=None, help="registry mover (default copy_engine on CUDA, host on cpu)")
     p.add_argument("--verify", action="store_true", help="prove the clone byte-exact against the seed's checksums")
     p.add_argument("--image", default=None, help="host image: ring shard source, or fallback when no source is left")
-    p.add_argument("--transport", default="auto", choices=("auto", "posix_fd", "fabric", "nccl"))
+    p.add_argument("--transport", default="auto", choices=("auto", "posix_fd", "fabric", "nixl", "nccl"),
+                   help="auto (default) takes the first that reaches the seed: posix_fd, fabric, nixl, nccl")
     p.add_argument("--no-retry", action="store_true", help="fail instead of re-attaching when a source fails")
     p.add_argument("--pin-early", action="store_true",
                    help="ring: map and pin the shard before the start barrier (off the critical path)")
@@ -57,14 +60,14 @@ def _print(text: str) -> None:
 
 
 def run_seed(args: argparse.Namespace) -> int:
-    from flashboot._clone import seed
+    from flashboot.flashclone import seed
     from flashboot.errors import FlashBootError
 
     if (args.dir is None) == (args.held is None):
         raise FlashBootError("seed needs an image DIR or --held NAME (with --registry), not both")
     owned = None
     if args.held is not None:
-        from flashboot.holder import open_held
+        from flashboot.flashclone.holder import open_held
 
         if args.registry is None:
             raise FlashBootError("--held needs --registry DIR")
@@ -73,7 +76,7 @@ def run_seed(args: argparse.Namespace) -> int:
         source = args.dir
     try:
         s = seed(args.store, source, args.device, token_file=args.token_file, name=args.name, rank=args.rank,
-                 timeout_s=args.timeout, serve_nccl=not args.no_nccl)
+                 timeout_s=args.timeout, serve_nccl=not args.no_nccl, nixl=args.nixl)
     except BaseException:
         if owned is not None:
             owned.close()
@@ -91,7 +94,7 @@ def run_seed(args: argparse.Namespace) -> int:
 
 
 def run_clone(args: argparse.Namespace) -> int:
-    from flashboot._clone import clone, linger
+    from flashboot.flashclone import clone, linger
     from flashboot.units import parse_bytes
 
     chunk = parse_bytes(args.chunk_bytes) if args.chunk_bytes else None
@@ -120,7 +123,7 @@ def run_clone(args: argparse.Namespace) -> int:
 
 def run_hold(args: argparse.Namespace) -> int:
     from flashboot.errors import FlashBootError
-    from flashboot.holder import Holder, list_held, release
+    from flashboot.flashclone.holder import Holder, list_held, release
 
     if args.list:
         if args.registry is None:

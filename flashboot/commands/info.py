@@ -70,6 +70,9 @@ def collect_info() -> dict[str, Any]:
     else:
         info["no_cuda_reason"] = _no_cuda_reason()
         info["arena_backend"] = {"kind": "host", "handle_type": "memfd", "granularity": HOST_GRANULARITY}
+    from flashboot.flashclone.transports.registry import list_transports
+
+    info["transports"] = [t.to_dict() for t in list_transports()]
     info["movers"] = [
         {"name": m.name, "paths": list(m.paths), "available": m.available, "reason": m.reason, "summary": m.summary}
         for m in list_movers()
@@ -111,9 +114,16 @@ def format_info(info: dict[str, Any]) -> str:
                 lines.append(f"  cuda:{i:<3} {cells}")
         kind = info["arena_backend"]["handle_type"]
         lines.append(f"Arenas: CUDA VMM, shareable as {kind}" if kind else "Arenas: CUDA VMM without a shareable handle type")
+    lines.append("Clone transports (auto tries them in this order):")
+    lines.extend("  " + _transport_line(t) for t in info["transports"])
     lines.append("Movers:")
     lines.extend("  " + _mover_line(m) for m in info["movers"])
     return "\n".join(lines)
+
+
+def _transport_line(t: dict[str, Any]) -> str:
+    state = "works" if t["available"] else f"unavailable: {t['reason']}"
+    return f"{t['name']:<9} {t['reach']:<14} {'+'.join(t['memory']):<12} {state}; setup: {t['setup']}"
 
 
 def _mover_line(m: dict[str, Any]) -> str:

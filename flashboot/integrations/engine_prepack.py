@@ -865,7 +865,7 @@ def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, d
 
 
 def _engine_rendezvous(options: LoaderOptions, rank: int, *, host: bool):
-    from flashboot.rendezvous import Rendezvous
+    from flashboot.flashclone.rendezvous import Rendezvous
 
     return Rendezvous.connect(options.publish_store if host else options.seed_store, None,
                               namespace=_rank_namespace(options, rank), host=host, timeout_s=options.timeout_s)

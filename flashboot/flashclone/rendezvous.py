@@ -30,11 +30,12 @@ import os
 import re
 import secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from .errors import RendezvousError, WaitTimeoutError
+from ..errors import RendezvousError, WaitTimeoutError
 
 ENV_TOKEN = "FLASHBOOT_TOKEN"
 ENV_TOKEN_FILE = "FLASHBOOT_TOKEN_FILE"
@@ -400,6 +401,11 @@ class Rendezvous:
         self.is_server = is_server
         self.timeout_s = float(timeout_s)
         self._closed = False
+        self.bounded = False
+        """Bound every store call by ``timeout_s`` (a TCPStore call blocks forever when the link to
+        the store goes down mid-call): set by transports that run across hosts."""
+        self._broken: str | None = None
+        self._calls = None
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -444,11 +450,46 @@ class Rendezvous:
 
         if self._closed:
             raise RendezvousError(f"rendezvous at {self.address} is closed")
+        if self._broken is not None:
+            raise RendezvousError(f"the store at {self.address} stopped answering earlier ({self._broken}); "
+                                  f"not {what}")
         try:
-            return fn(*args)
+            return self._bounded_call(what, fn, args) if self.bounded else fn(*args)
         except DistError as exc:
             raise RendezvousError(f"lost the rendezvous store at {self.address} while {what}: "
                                   f"{str(exc).splitlines()[0]}") from None
+
+    def _bounded_call(self, what: str, fn, args):
+        """``fn(*args)`` on this connection's store thread, waited for at most ``timeout_s``."""
+        import queue
+
+        if self._calls is None:
+            self._calls = queue.SimpleQueue()
+            threading.Thread(target=self._serve_calls, args=(self._calls,), name="flashboot-store-calls",
+                             daemon=True).start()
+        box: dict = {}
+        done = threading.Event()
+        self._calls.put((fn, args, box, done))
+        if not done.wait(self.timeout_s):
+            self._broken = f"{what}: no answer within {self.timeout_s:g} s"
+            raise WaitTimeoutError(f"the store at {self.address} did not answer within {self.timeout_s:g} s while "
+                                   f"{what} (is the link to it down?)")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    @staticmethod
+    def _serve_calls(calls) -> None:
+        while True:
+            fn, args, box, done = calls.get()
+            if fn is None:
+                return
+            try:
+                box["value"] = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                box["error"] = exc
+            finally:
+                done.set()
 
     # -- records -----------------------------------------------------------------------------
     def publish(self, key: str, body: Mapping[str, Any], sealed: Mapping[str, Any] | None = None) -> None:
@@ -528,6 +569,9 @@ class Rendezvous:
     def close(self) -> None:
         """Drop the connection (a hosting process stops serving when its last reference goes)."""
         self._closed = True
+        if self._calls is not None and self._broken is None:
+            self._calls.put((None, (), {}, None))  # the store thread ends (a stuck one stays, a daemon)
+        self._calls = None
         self.store = None
 
     def __enter__(self) -> "Rendezvous":

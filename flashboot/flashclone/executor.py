@@ -37,10 +37,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import _cuda
-from .errors import FlashBootError, WaitTimeoutError
-from .memory import Device, Span
-from .schedulers import HOST, Plan, Step
+from .. import _cuda
+from ..errors import FlashBootError, WaitTimeoutError
+from ..memory import Device, Span
+from ..schedulers import HOST, Plan, Step
 
 FLAG_BYTES = 4
 DEFAULT_TIMEOUT_S = 60.0
@@ -78,7 +78,7 @@ def create_flags(nflags: int, device: Any, *, access: Any = None) -> "Arena":  #
 
     ``access``: other CUDA devices of this process that wait on these flags (in-process runs that
     span GPUs); other processes map the flags themselves."""
-    from .arena import Arena
+    from ..arena import Arena
 
     if not isinstance(nflags, int) or nflags < 0:
         raise FlashBootError(f"nflags must be a non-negative int, got {nflags!r}")

@@ -12,7 +12,7 @@ Where the names live (one of):
   it): ``requests/NAME.json`` from engines, ``held/NAME.json`` from the holder, files replaced
   atomically;
 * the rendezvous **store** (``store=HOST:PORT``): the same records, authenticated with the shared
-  token (see :mod:`flashboot.rendezvous`), requests numbered by an atomic counter.
+  token (see :mod:`flashboot.flashclone.rendezvous`), requests numbered by an atomic counter.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import ArenaError, FlashBootError, WaitTimeoutError
-from .fdshare import take_fds
+from ..errors import ArenaError, FlashBootError, WaitTimeoutError
+from ..fdshare import take_fds
 
 DEFAULT_TIMEOUT_S = 30.0
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -186,7 +186,7 @@ class Holder:
         """Take the arena ``descriptor`` names into this process and publish it under ``name``.
 
         Raises ArenaError when the engine has exited or its fd is not the arena."""
-        from .arena import Arena
+        from ..arena import Arena
 
         _check_name(name)
         fds = take_fds(descriptor.pid, descriptor.fds)
@@ -225,7 +225,7 @@ class Holder:
     def poll_once(self) -> int:
         """Handle every pending request; returns how many. A failed adoption is recorded in
         ``errors`` and answered with an error record, so the engine does not wait in vain."""
-        from .arena import ArenaDescriptor
+        from ..arena import ArenaDescriptor
 
         handled = 0
         for name in self.kv.names("requests"):
@@ -247,7 +247,7 @@ class Holder:
 
     def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
         """Poll for requests until ``stop`` or SIGTERM/SIGINT (main thread), then :meth:`close`."""
-        from .service_loop import serve_until_stopped
+        from ..service_loop import serve_until_stopped
 
         try:
             serve_until_stopped(self._stop, stop, handle_signals=handle_signals, tick=self.poll_once,
@@ -284,7 +284,7 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
     """Ask the holder to keep ``arena`` under ``name``; returns the holder's descriptor once it has
     mapped it (after which this process may exit). WaitTimeoutError when no holder answers within
     ``timeout_s``; ArenaError when the holder could not adopt it."""
-    from .arena import ArenaDescriptor
+    from ..arena import ArenaDescriptor
 
     _check_name(name)
     kv = _kv(registry, store, **store_options)
@@ -311,7 +311,7 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
 
 def held_descriptor(name: str, *, registry=None, store=None, **store_options):
     """The descriptor the holder publishes for ``name``; ArenaError when nothing is held under it."""
-    from .arena import ArenaDescriptor
+    from ..arena import ArenaDescriptor
 
     _check_name(name)
     kv = _kv(registry, store, **store_options)
@@ -329,7 +329,7 @@ def open_held(name: str, device: Any = None, *, registry=None, store=None, **sto
     """Map the arena held as ``name`` (the same memory, no copy). ``device`` as for
     :meth:`flashboot.Arena.open` (default: where it lives). ArenaError when it is not held or the
     holder has exited."""
-    from .arena import Arena
+    from ..arena import Arena
 
     desc = held_descriptor(name, registry=registry, store=store, **store_options)
     if desc.backend == "host":

@@ -1,0 +1,114 @@
+"""Network namespaces joined by veth pairs: a cross-host stand-in on one machine (root only).
+
+:class:`Hosts` creates ``count`` namespaces, each with one veth (``eth0``, 10.213.0.(i+1)/24)
+whose other end sits on a bridge in a hub namespace, so every pair talks over two veths and a
+bridge and nothing touches the root namespace's interfaces. Each namespace also gets its own UTS
+namespace when processes are started through :meth:`Hosts.popen` (hostname ``fbhost<i>``), so
+FlashBoot sees different hosts. :meth:`Hosts.close` deletes them all (the veths go with them).
+Used by the NIXL tests and by ``python -m flashboot.benchmarks.nixl_netns``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from flashboot.errors import CapabilityError
+
+SUBNET = "10.213.0"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
+
+
+def cannot_create() -> str:
+    """Why this machine cannot create namespaces ("" when it can): probes by creating one."""
+    if shutil.which("ip") is None:
+        return "no `ip` command (iproute2)"
+    if shutil.which("unshare") is None:
+        return "no `unshare` command (util-linux)"
+    if os.geteuid() != 0:
+        return f"not root (uid {os.geteuid()}): ip netns needs CAP_NET_ADMIN"
+    name = f"fbprobe{os.getpid()}"
+    r = _ip("netns", "add", name, check=False)
+    if r.returncode != 0:
+        return f"`ip netns add` failed: {r.stderr.strip()}"
+    _ip("netns", "del", name, check=False)
+    return ""
+
+
+class Hosts:
+    """``count`` namespaces on one bridge; ``address(i)``, ``popen(i, argv)``, ``rx_bytes(i)``, ``close()``."""
+
+    def __init__(self, count: int, tag: str = ""):
+        why = cannot_create()
+        if why:
+            raise CapabilityError(f"cannot create network namespaces: {why}")
+        self.prefix = f"fb{os.getpid()}{tag}"
+        self.hub = f"{self.prefix}h"
+        self.names = [f"{self.prefix}n{i}" for i in range(count)]
+        self._made: list[str] = []
+        try:
+            self._add(self.hub)
+            _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.hub, "link", "set", "br0", "up")
+            for i, ns in enumerate(self.names):
+                self._add(ns)
+                _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{i}", "netns", self.hub)
+                _ip("-n", self.hub, "link", "set", f"p{i}", "master", "br0", "up")
+                _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+                _ip("-n", ns, "link", "set", "eth0", "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def _add(self, ns: str) -> None:
+        _ip("netns", "add", ns)
+        self._made.append(ns)
+
+    @staticmethod
+    def address(i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def argv(self, i: int, argv: list[str]) -> list[str]:
+        """``argv`` run in namespace ``i`` with its own hostname (``fbhost<i>``)."""
+        inner = f"hostname fbhost{i} && exec \"$@\""
+        return ["ip", "netns", "exec", self.names[i], "unshare", "--uts", "sh", "-c", inner, "sh", *argv]
+
+    def popen(self, i: int, argv: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        kw.setdefault("text", True)
+        return subprocess.Popen(self.argv(i, argv), env=env, **kw)
+
+    def python(self, i: int, code: str, env: dict | None = None, **kw) -> subprocess.Popen:
+        return self.popen(i, [sys.executable, "-c", code], env=env, **kw)
+
+    def link(self, i: int, up: bool) -> None:
+        """Bring namespace ``i``'s veth up or down (a cut cable)."""
+        _ip("-n", self.names[i], "link", "set", "eth0", "up" if up else "down")
+
+    def rx_bytes(self, i: int) -> int:
+        """Bytes namespace ``i``'s veth has received (``ip -s link``)."""
+        out = _ip("-n", self.names[i], "-s", "-j", "link", "show", "eth0").stdout
+        return int(json.loads(out)[0]["stats64"]["rx"]["bytes"])
+
+    def tx_bytes(self, i: int) -> int:
+        out = _ip("-n", self.names[i], "-s", "-j", "link", "show", "eth0").stdout
+        return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+
+    def close(self) -> None:
+        for ns in reversed(self._made):
+            _ip("netns", "del", ns, check=False)
+        self._made = []
+
+    def __enter__(self) -> "Hosts":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,34 @@
+"""FlashClone: replicate a resident arena GPU->GPU by mapping it, with no NCCL communicator.
+
+A **seed** (:func:`seed`) holds the weights in an arena, exports it once, publishes its
+:class:`~flashboot.flashclone.rendezvous.Manifest` and descriptor to the rendezvous store and stays passive.
+A **clone** (:func:`clone`) checks the manifest and the token, takes a position by arrival order,
+creates its own arena (and a small flags arena), maps its source's arena and copies it with a
+registry mover, following a plan from :mod:`flashboot.schedulers`:
+
+* ``star``: every clone reads every chunk from the seed;
+* ``chain``: clone k reads from clone k-1 (the seed for k = 1), chunk by chunk, each chunk as
+  soon as its predecessor's flag says it is in place, so all links run at once;
+* ``ring``: N members each load a 1/N byte shard of a host image, then gather the rest from their
+  predecessor (:func:`ring_load`, or ``clone(schedule="ring", image=..., clones=N)``).
+
+Transport (:mod:`flashboot.flashclone.transports`, one module each, registered with what they
+reach, which memory they move and what they cost to set up): ``posix_fd`` maps the source's arena
+by POSIX fds taken with ``pidfd_getfd`` on the same host; ``fabric`` by fabric handles across the
+hosts of an NVLink domain with IMEX; ``nixl`` READs it through a NIXL agent from any host (a seed
+started with ``nixl=True``; ``pip install flashboot[nixl]``); ``nccl`` has the seed broadcast it
+over torch.distributed (gloo on the host backend). ``auto`` takes the first that reaches the seed
+in that order; the report's ``transport`` says which, and ``transport_note`` why.
+
+Faults: every wait has a deadline. A source that exits (or stalls) mid-transfer stops the run with
+a named error; with ``retry=True`` (default) the clone re-attaches upstream (the source's own
+source), or to another clone that holds the whole image, or to the host image (``image=``), and
+finishes; otherwise it releases what it mapped and raises.
+"""
+
+from .clone import clone, linger
+from .report import CloneError, CloneReport, CloneResult
+from .ring import ring_load
+from .seed import Seed, seed
+
+__all__ = ["CloneError", "CloneReport", "CloneResult", "Seed", "clone", "linger", "ring_load", "seed"]

@@ -1,0 +1,393 @@
+"""The clone: check the manifest, take a position, map sources, copy by the plan, re-attach on failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+from ..errors import ArenaError, FlashBootError, RendezvousError, WaitTimeoutError
+from ..memory import Device
+from ..schedulers import HOST, Plan, Step, build_plan
+from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
+from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous
+from .common import METADATA_KEY, SCHEDULES, SEED_KEY, _FALLBACK_INDEX, _SEED_INDEX, _Warmup, _alive, _check_mover, _default_mover, _descriptor_from, _gkey, _note_lazy_mapping, _parse_metadata, _step_hook, _verify, _views
+from .report import CloneError, CloneReport, CloneResult
+from .ring import ring_load
+from .session import _Session
+from .sources import _Sources
+from .session import CloneContext
+from .transports.registry import Seen, choose_transport, transport_class, transport_names
+
+
+def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bool = False,
+          timeout_s: float = DEFAULT_TIMEOUT_S, mover: Any = None, chunk_bytes: int | None = None,
+          token=None, token_file=None, name: str = "default", clones: int | None = None, expect: Any = None,
+          image: Any = None, rank: int = 0, transport: str = "auto", retry: bool = True,
+          step_delay_s: float | None = None, pin_early: bool = False) -> CloneResult:
+    """Clone the seed published at ``store`` (``HOST:PORT``) into a new arena on ``device``.
+
+    ``schedule``: ``"chain"`` (default), ``"star"`` or ``"ring"`` (see :func:`ring_load`; needs
+    ``image`` and ``clones``). Processes calling ``clone`` on the same store join one chain/star
+    in arrival order. ``clones``: how many will join; when given, all start together (a start
+    barrier). ``verify``: recompute the per-chunk checksums and compare with the seed's manifest
+    (ChecksumMismatchError otherwise). ``mover``: a registry mover name (default ``copy_engine``
+    on CUDA, ``host`` on the host backend). ``chunk_bytes``: the pipeline chunk (default the
+    schedulers' default). ``expect``: what the caller expects (a Manifest, ImageMetadata, ImageKey
+    or dict of key fields / ``nbytes``): a mismatch is refused before any byte moves.
+    ``image``: a host image (directory or file) to fall back to when no source is left.
+    ``transport``: ``"auto"`` or a registered transport (``posix_fd``, ``fabric``, ``nixl``,
+    ``nccl``; see :mod:`flashboot.flashclone.transports`); ``auto`` takes the first that reaches the
+    seed in that order, and the report says which and why. ``retry``: re-attach
+    to another source when one fails mid-transfer. ``timeout_s`` bounds every wait. ``pin_early``
+    (ring): pin the shard before the start barrier (see :func:`ring_load`).
+
+    Raises RendezvousError (no store, wrong token, mismatched manifest), WaitTimeoutError naming
+    what was awaited, CloneError when a source failed and no other could take over.
+    """
+    if schedule not in SCHEDULES:
+        raise FlashBootError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if schedule == "ring":
+        if image is None or clones is None:
+            raise FlashBootError("schedule 'ring' loads a shard of a host image on each member: pass image= and clones=")
+        return ring_load(store, image, device, members=clones, rank=rank, verify=verify, timeout_s=timeout_s,
+                         mover=mover, chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=name,
+                         expect=expect, step_delay_s=step_delay_s, pin_early=pin_early)
+    if clones is not None and (not isinstance(clones, int) or clones < 1):
+        raise FlashBootError(f"clones must be a positive int, got {clones!r}")
+    t_start = time.perf_counter()
+    dev = Device.parse(device)
+    if transport != "auto" and transport not in transport_names():
+        transport_class(transport)  # UnknownNameError listing the registered ones
+    mover_obj = _check_mover(dev, _default_mover(dev, mover))
+    nixl_warm = None
+    if transport == "nixl":  # the agent's start-up (0.4-1.2 s) overlaps connecting; nothing is registered yet
+        from .transports.nixl import AgentWarmup, nixl_module
+
+        nixl_module()  # not installed: CapabilityError naming the extra, before anything else
+        nixl_warm = AgentWarmup(f"flashboot-clone-{os.getpid()}-{time.time_ns()}")
+    warm = _Warmup(dev)  # overlaps connecting; joined before the descriptor is requested
+    rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=name, host=False, timeout_s=timeout_s)
+    session = _Session(rdv)
+    if nixl_warm is not None:
+        session.extra.append(_JoinOnClose(nixl_warm, timeout_s))
+    try:
+        return _clone(session, dev, schedule, mover_obj, t_start, verify=verify, timeout_s=timeout_s,
+                      chunk_bytes=chunk_bytes, clones=clones, expect=expect, image=image, rank=rank,
+                      transport=transport, retry=retry, hook=_step_hook(step_delay_s), warm=warm,
+                      nixl_warm=nixl_warm)
+    except BaseException as exc:
+        try:
+            if session.status_key is not None and session.rdv is not None:
+                session.rdv.publish(session.status_key, {"state": "failed", "error": str(exc)[:2000],
+                                                         "pid": os.getpid()})
+        except FlashBootError:
+            pass
+        session.close(keep_arena=False)
+        raise
+
+
+def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float, *, verify: bool, timeout_s: float,
+           chunk_bytes: int | None, clones: int | None, expect: Any, image: Any, rank: int, transport: str,
+           retry: bool, hook, warm: _Warmup | None = None, nixl_warm=None) -> CloneResult:
+    from ..arena import Arena
+
+    rdv = session.rdv
+    report = CloneReport(schedule, 0, str(dev), 0, mover=mover.name)
+    if warm is not None:
+        warm.join(report, timeout_s)
+    if nixl_warm is not None:  # like the driver warm-up: joined before the descriptor is requested
+        nixl_warm.join(timeout_s)
+    # exchange: from here (descriptor requested) to every source mapped; nothing else in between
+    t0 = time.perf_counter()
+    seed_rec = rdv.read(SEED_KEY, what="the seed's manifest and descriptor")  # authenticates: wrong token stops here
+    manifest = Manifest.from_dict(seed_rec.body["manifest"])
+    manifest.require(expect, f"the seed at {rdv.address}")
+    gen = str(seed_rec.body["generation"])
+    seed_desc = _descriptor_from(seed_rec.sealed["arena"])
+    t1 = time.perf_counter()
+    report.nbytes = manifest.nbytes
+    report.connect_ms, report.manifest_ms = (t0 - t_start) * 1e3, (t1 - t0) * 1e3
+    offers = {"nccl": bool(seed_rec.body.get("nccl", True)), "nixl": "nixl" in seed_rec.sealed}
+    cls, note = choose_transport(Seen(seed_desc, offers), dev, transport)
+    chosen = cls.name
+    report.transport, report.transport_note = chosen, note
+
+    position = rdv.add(_gkey(gen, schedule, "join"), 1)
+    t2 = time.perf_counter()
+    report.position = position
+    status_key = _gkey(gen, schedule, "status", position)
+    session.status_key = status_key
+
+    def read_metadata():
+        if not rdv.has(METADATA_KEY):
+            return None
+        meta_rec = rdv.read(METADATA_KEY, what="the seed's image metadata", timeout_s=timeout_s)
+        if meta_rec.body.get("generation") != gen:
+            return None
+        return _parse_metadata(meta_rec.body.get("metadata"), f"metadata published at {rdv.address}")
+
+    if not cls.maps:
+        return cls.run(CloneContext(session, dev, schedule, manifest, gen, report, t_start, seed_rec, verify,
+                                    timeout_s, chunk_bytes, clones, retry, hook, read_metadata, nixl_warm))
+
+    n = max(position, clones or 1)
+    plan = build_plan(schedule, n, manifest.nbytes, chunk_bytes)
+    report.chunk_bytes = plan.chunk_bytes
+    sources = _Sources(session, dev, gen, schedule, manifest, seed_desc, int(seed_rec.body["pid"]), chosen, timeout_s,
+                       rank)
+    my_steps = list(plan.steps_into(position))
+    upstream = {s.src for s in my_steps}
+    dead: set[int] = set()
+    tx = time.perf_counter()
+    for p in sorted(upstream):
+        try:
+            sources.open(p)
+        except (ArenaError, RendezvousError) as exc:
+            if not retry:
+                raise CloneError(f"clone #{position}: cannot map its source {'seed' if p == 0 else f'clone #{p}'}: "
+                                 f"{exc}") from exc
+            dead.add(p)
+            report.recovered.append(f"source #{p} could not be mapped ({exc}); re-attaching")
+    t3 = time.perf_counter()
+    report.exchange_ms = (t3 - t0) * 1e3
+    report.exchange_detail = {"seed_record_ms": report.manifest_ms, "join_ms": (t2 - t1) * 1e3,
+                              **{k: round(v, 4) for k, v in sources.detail.items()},
+                              "open_sources_ms": (t3 - tx) * 1e3}
+    metadata = read_metadata()
+    ta = time.perf_counter()
+    session.arena = Arena.create(manifest.arena_nbytes, dev)
+    if session.arena.nbytes != manifest.arena_nbytes:
+        raise RendezvousError(f"our arena on {dev} rounds to {session.arena.nbytes:,} bytes, the seed's to "
+                              f"{manifest.arena_nbytes:,} (different allocation granularity)")
+    session.flags = create_flags(plan.flag_count(position), dev)
+    me = Endpoint(position, f"clone #{position}", session.arena, session.flags)
+    rdv.publish(_gkey(gen, schedule, "member", position),
+                {"position": position, "pid": os.getpid(), "host": socket.gethostname(), "device": str(dev),
+                 "manifest_digest": manifest.digest},
+                sealed={"arena": session.arena.export().to_dict(), "flags": session.flags.export().to_dict()})
+    report.alloc_ms = (time.perf_counter() - ta) * 1e3
+    if clones is not None:
+        report.barrier_ms = rdv.barrier(_gkey(gen, schedule, "start"), clones, timeout_s=timeout_s)
+
+    steps = my_steps
+    fallback: int | None = None
+    for p in sorted(dead):
+        steps, fallback = _reroute(plan, steps, p, dead, sources, image, report, fallback)
+    done_ids: set[int] = set()
+    tainted: set[int] = set()
+    ran: dict[int, Step] = {}  # the version of each step that put its bytes in place
+    ttx = time.perf_counter()
+    lanes = []
+    for attempt in range(len(plan.participants) + 4):
+        endpoints = dict(sources.endpoints)
+        endpoints[position] = me
+        host_span = sources.host_image.span() if sources.host_image is not None else None
+        try:
+            ex = Executor(plan, endpoints, position, mover=mover, host_image=host_span, timeout_s=timeout_s,
+                          steps=steps, skip=done_ids, step_hook=hook)
+            rep = ex.run()
+            lanes += [l.__dict__ | {"gbps": l.gbps} for l in rep.lanes]
+            ran.update({s.id: s for s in steps if s.id not in done_ids})
+            done_ids |= {s.id for s in steps}
+            break
+        except StepFailure as failure:
+            ran.update({s.id: s for s in steps if s.id in failure.valid_steps and s.id not in done_ids})
+            done_ids |= failure.valid_steps
+            tainted |= failure.tainted_steps
+            if not retry or failure.peer is None:
+                raise CloneError(f"clone #{position} on {dev}: {failure}") from failure
+            lost = failure.peer
+            dead.add(lost)
+            what = "seed" if lost == _SEED_INDEX else sources.endpoints[lost].name if lost in sources.endpoints \
+                else f"source #{lost}"
+            if sources.pids.get(lost):
+                what += f" (pid {sources.pids[lost]})"
+            report.recovered.append(f"{what} {'exited' if failure.peer_exited else 'stalled'} at step "
+                                    f"{failure.step.id if failure.step else '?'}")
+            sources.drop(lost)
+            steps, fallback = _reroute(plan, [s for s in steps if s.id not in done_ids], lost, dead, sources, image,
+                                       report, fallback)
+    else:
+        raise CloneError(f"clone #{position}: gave up after {len(plan.participants) + 4} attempts ({report.recovered})")
+    report.transfer_ms = (time.perf_counter() - ttx) * 1e3
+    report.lanes = lanes
+    _note_lazy_mapping(report, sources.endpoints.values())
+
+    # Upstream clones that released blocked streams (CUDA) may have let us copy bytes they later redid.
+    redone = _repair_from_upstream(plan, position, list(ran.values()), sources, session, mover, timeout_s, report,
+                                   dead)
+    redone |= tainted
+    report.redone_bytes = sum(plan.steps[i].nbytes for i in redone)
+    report.ready_ms = (time.perf_counter() - t_start) * 1e3
+    report.ready_unix = time.time()
+    if verify:
+        tv = time.perf_counter()
+        _verify(session.arena, manifest, f"clone #{position} on {dev}")
+        report.verify_ms = (time.perf_counter() - tv) * 1e3
+        report.verified = True
+    used = sorted({s.src for s in ran.values()})
+    report.source = ", ".join("the host image" if p == HOST else sources.endpoints[p].name if p in sources.endpoints
+                              else ("seed" if p == _SEED_INDEX else f"clone #{p}") for p in used)
+    _publish_done(rdv, gen, schedule, position, manifest, session, redone, plan)
+    if schedule == "chain":
+        def successors() -> list[str]:
+            joined = max(session.rdv.add(_gkey(gen, schedule, "join"), 0), clones or 0)
+            return [_gkey(gen, schedule, "status", position + 1)] if joined > position else []
+        session.dependents_of = successors
+    # mappings of our sources are no longer needed; our own arena and flags stay exported
+    session.close_opened()
+    report.total_ms = (time.perf_counter() - t_start) * 1e3
+    report.finished_unix = time.time()
+    return CloneResult(session.arena, _views(session.arena, metadata), report, metadata=metadata, _session=session)
+
+
+def _reroute(plan: Plan, steps: list[Step], lost: int, dead: set, sources: _Sources, image: Any,
+             report: CloneReport, fallback: int | None) -> tuple[list[Step], int | None]:
+    """Re-attach ``steps`` that read from ``lost``: upstream first, then a full copy elsewhere,
+    then the host image. Opens whatever new source that needs."""
+    for _ in range(len(plan.participants) + 2):
+        try:
+            new = rewire(plan, steps, lost, fallback=fallback, dead={d for d in dead if isinstance(d, int)})
+        except FlashBootError:
+            if fallback is None:
+                found = sources.full_copy(set())
+                if found is not None:
+                    fallback, who = found
+                    report.recovered.append(f"re-attached to {who}")
+                    continue
+                if image is not None:
+                    fallback, who = sources.image(image)
+                    report.recovered.append(f"loading the rest from {who}")
+                    continue
+            raise CloneError(f"clone #{report.position}: its source {'seed' if lost == 0 else f'#{lost}'} is gone "
+                             f"and no other holds the bytes (no finished clone alive, no image=); "
+                             f"history: {'; '.join(report.recovered)}") from None
+        # open any new upstream participant the rewired steps read from or wait on
+        need = {s.src for s in new if s.src != HOST} | {plan.flag_of(w)[0] for s in new for w in s.waits}
+        need.discard(report.position)
+        failed = None
+        for p in sorted(need):
+            if p in sources.endpoints:
+                continue
+            try:
+                sources.open(p)
+            except (ArenaError, RendezvousError) as exc:
+                failed = (p, exc)
+                break
+        if failed is None:
+            srcs = sorted({s.src for s in new})
+            names = [sources.endpoints[p].name if p in sources.endpoints else "the host image" for p in srcs]
+            report.recovered.append(f"re-attached to {', '.join(names)}")
+            return new, fallback
+        p, exc = failed
+        dead.add(p)
+        report.recovered.append(f"{'seed' if p == 0 else f'source #{p}'} could not be mapped ({exc})")
+        steps, lost = new, p
+        if p == fallback:
+            fallback = None
+    raise CloneError(f"clone #{report.position}: no source left ({'; '.join(report.recovered)})")
+
+
+def _repair_from_upstream(plan: Plan, position: int, run_steps: list[Step], sources: _Sources,
+                          session: _Session, mover, timeout_s: float, report: CloneReport, dead: set[int]) -> set[int]:
+    """Re-copy ranges an upstream clone reports as redone (after it released blocked CUDA streams).
+
+    Waits (bounded, and only while it lives) for the final status of each clone we read from; a
+    clone that was killed never released a stream, so the flags it raised were honest. Returns our
+    step ids redone."""
+    rdv = session.rdv
+    gen, schedule = sources.gen, sources.schedule
+    redone: set[int] = set()
+    read_from: dict[int, list[Step]] = {}
+    for s in run_steps:
+        if s.kind == "copy" and 0 < s.src < _FALLBACK_INDEX and s.src not in dead:
+            read_from.setdefault(s.src, []).append(s)
+    for p, steps in read_from.items():
+        key = _gkey(gen, schedule, "status", p)
+        pid = sources.pids.get(p)
+        deadline = time.monotonic() + timeout_s
+        rec = None
+        while rec is None:
+            try:
+                rec = rdv.read(key, what=f"the final status of clone #{p}", timeout_s=0.25)
+            except WaitTimeoutError:
+                if pid is not None and not _alive(pid):
+                    break
+                if time.monotonic() > deadline:
+                    raise WaitTimeoutError(f"clone #{position}: waited {timeout_s:g} s for the final status of its "
+                                           f"source clone #{p} (pid {pid})") from None
+        if rec is None:
+            continue
+        if rec.body.get("state") != "done":
+            raise CloneError(f"clone #{position}: its source clone #{p} failed after we copied from it "
+                             f"({rec.body.get('error', '?')}); its bytes cannot be trusted")
+        ranges = [tuple(r) for r in rec.body.get("redone", [])]
+        bad = [s for s in steps if any(lo < s.end and s.offset < lo + n for lo, n in ranges)]
+        if bad:
+            fixes = [replace(s, waits=()) for s in bad]
+            Executor(plan, {**sources.endpoints, position: Endpoint(position, "self", session.arena, session.flags)},
+                     position, mover=mover, timeout_s=timeout_s, steps=fixes).run()
+            redone |= {s.id for s in bad}
+            report.recovered.append(f"re-copied {len(bad)} chunk(s) clone #{p} redid")
+    return redone
+
+
+def _publish_done(rdv: Rendezvous, gen: str, schedule: str, position: int, manifest: Manifest, session: _Session,
+                  redone: set[int], plan: Plan) -> None:
+    ranges = [[plan.steps[i].offset, plan.steps[i].nbytes] for i in sorted(redone)]
+    rdv.publish(_gkey(gen, schedule, "status", position), {"state": "done", "redone": ranges, "pid": os.getpid()})
+    k = rdv.add(_gkey(gen, "done", "count"), 1)
+    rdv.publish(_gkey(gen, "done", k), {"schedule": schedule, "position": position, "pid": os.getpid(),
+                                        "host": socket.gethostname(), "manifest_digest": manifest.digest},
+                sealed={"arena": session.arena.export().to_dict()})
+
+
+def linger(result: CloneResult, *, timeout_s: float = DEFAULT_TIMEOUT_S, forever: bool = False) -> None:
+    """Keep a finished clone available to those who read from it.
+
+    ``forever``: until SIGTERM/SIGINT (the clone serves as a source, e.g. for retries). Otherwise
+    until the participants that read from it (a chain successor, a ring successor) have reported
+    a final status, at most ``timeout_s``; returns quietly when nobody depends on it.
+    """
+    session = result._session
+    if session is None or session.rdv is None:
+        return
+    if forever:
+        stop = threading.Event()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, lambda *_: stop.set())
+        try:
+            while not stop.wait(0.2):
+                pass
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return
+    keys = list(session.dependents) + (session.dependents_of() if session.dependents_of else [])
+    if keys:
+        try:
+            session.rdv.wait_keys(keys, what="the participants reading from this clone to finish", timeout_s=timeout_s)
+        except WaitTimeoutError:
+            pass  # they hold their own mapping by now or will re-attach upstream; we only waited to be polite
+
+
+class _JoinOnClose:
+    """Closes the NIXL agent a warm-up created when the clone ends before taking it over."""
+
+    def __init__(self, warm, timeout_s: float):
+        self.warm, self.timeout_s = warm, timeout_s
+
+    def close(self) -> None:
+        try:
+            agent = self.warm.join(self.timeout_s)
+        except FlashBootError:
+            return
+        if agent is not None:
+            agent.close()

@@ -1,0 +1,159 @@
+"""Helpers shared by seed, clone and ring: record keys, the step hook, movers, the driver warm-up,
+tensor views, checksum verification."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+from ..errors import ChecksumMismatchError, FlashBootError, WaitTimeoutError
+from ..memory import Device
+from ..schedulers import Step
+from .rendezvous import Manifest
+from .report import CloneReport
+
+
+SEED_KEY = "seed"
+
+
+METADATA_KEY = "metadata"
+
+
+SCHEDULES = ("chain", "star", "ring")
+
+
+ENV_STEP_DELAY = "FLASHBOOT_TEST_STEP_DELAY_S"
+
+
+"""Test hook: seconds to sleep before each step (slows a transfer so a test can kill a peer mid-way)."""
+
+
+_SEED_INDEX = 0
+
+
+_FALLBACK_INDEX = 10_000
+
+
+"""Participant index given to a retry source outside the plan (another clone's full copy)."""
+
+
+def _gkey(generation: str, *parts: Any) -> str:
+    return "/".join(["g", generation, *map(str, parts)])
+
+
+def _descriptor_from(d: Mapping[str, Any]):
+    from ..arena import ArenaDescriptor
+
+    return ArenaDescriptor.from_dict(dict(d))
+
+
+def _same_host(desc) -> bool:
+    return desc.hostname in ("", socket.gethostname())
+
+
+def _step_hook(step_delay_s: float | None) -> Callable[[Step], None] | None:
+    if step_delay_s is None:
+        env = os.environ.get(ENV_STEP_DELAY)
+        step_delay_s = float(env) if env else None
+    if not step_delay_s:
+        return None
+    return lambda _step: time.sleep(step_delay_s)
+
+
+def _default_mover(dev: Device, mover: Any) -> Any:
+    if mover is not None:
+        return mover
+    return "copy_engine" if dev.is_cuda else "host"
+
+
+def _check_mover(dev: Device, mover: Any):
+    """Create the mover now, so a mover that cannot run here fails before anything is published."""
+    from flashboot.movers import create_mover
+
+    m = create_mover(mover) if isinstance(mover, str) else mover
+    need = "host" if not dev.is_cuda else "d2d"
+    if need not in m.paths and not (dev.is_cuda and "p2p" in m.paths):
+        raise FlashBootError(f"mover {m.name!r} cannot copy between {dev} arenas (it supports {sorted(m.paths)})")
+    return m
+
+
+class _Warmup:
+    """:func:`flashboot.arena.warm_import` in a background thread, started before the descriptor is
+    requested (overlapping connecting to the store), joined before it is: the one-time driver cost
+    of a first peer mapping moves off the exchange, which stays timed from request to mapped."""
+
+    def __init__(self, dev: Device):
+        self.result: dict = {}
+        self._thread = None
+        if dev.is_cuda:
+            self._thread = threading.Thread(target=self._run, args=(dev,), name="flashboot-warm-import", daemon=True)
+            self._thread.start()
+
+    def _run(self, dev: Device) -> None:
+        from ..arena import warm_import
+
+        try:
+            self.result = warm_import(dev)
+        except Exception as exc:  # noqa: BLE001 - best effort: named in the report; the real open raises its own
+            self.result = {"warm_ms": 0.0, "errors": [f"{type(exc).__name__}: {exc}"]}
+
+    def join(self, report: "CloneReport", timeout_s: float) -> None:
+        if self._thread is None:
+            return
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise WaitTimeoutError(f"the driver warm-up on {report.device} did not finish within {timeout_s:g} s")
+        self._thread = None
+        report.warm_ms = float(self.result.get("warm_ms", 0.0))
+        peers = self.result.get("peers", [])
+        errors = self.result.get("errors", [])
+        report.warm_note = (f"warmed import+map from {', '.join(f'cuda:{p}' for p in peers)}" if peers else "") + \
+            (f"; warm-up failed: {'; '.join(errors)}" if errors else "")
+
+
+def _views(arena, metadata) -> dict:
+    if metadata is None:
+        return {}
+    return {name: arena.view(t.offset, t.shape, t.dtype, t.stride) for name, t in metadata.tensors.items()}
+
+
+def _parse_metadata(d: Mapping[str, Any] | None, where: str):
+    if d is None:
+        return None
+    from flashboot.layouts import ImageMetadata
+
+    return ImageMetadata.from_dict(d, where)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _note_lazy_mapping(report: CloneReport, sources) -> None:
+    """Add the sources' segments mapped on first use during the transfer to ``report``."""
+    for ep in sources:
+        for arena in (ep.arena, ep.flags):
+            if arena is not None and not arena.closed:
+                stats = arena.map_stats
+                report.map_during_copy_ms += stats["map_ms"]
+                report.segments_mapped_during_copy += int(stats["segments"])
+
+
+def _verify(arena, manifest: Manifest, where: str) -> None:
+    """Per-chunk checksums of ``arena`` against the manifest; ChecksumMismatchError on the first bad one."""
+    from flashboot.kernels.checksum import chunk_checksums
+
+    found = chunk_checksums(arena.span(0, manifest.nbytes), manifest.checksum_chunk_bytes)
+    for k, (want, got) in enumerate(zip(manifest.checksums, found)):
+        if int(want) != int(got):
+            start, n = manifest.chunk_range(k)
+            raise ChecksumMismatchError(where, k, start, n, int(want), int(got))

@@ -1,0 +1,134 @@
+"""A clone's report (where its time went, which transport and why) and its result."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ..errors import RendezvousError
+
+
+class CloneError(RendezvousError):
+    """A clone could not finish: names the step, the peer and what was tried."""
+
+
+@dataclass
+class CloneReport:
+    """Where one clone's time went (milliseconds) and how it got its bytes.
+
+    ``transport``: a registered transport (``posix_fd``, ``fabric``, ``nixl``, ``nccl``;
+    ``transport_note`` says why ``auto`` took it, naming each one passed over). ``exchange_ms``: from requesting the seed's record (descriptor) to every
+    source's arena (and flags) opened, its first segment mapped and readable: store get +
+    authentication + decryption, taking a position, and per source its record, ``pidfd_getfd`` of
+    every segment, reserve, and the first segment's import, map and set access, and the flags arena
+    (``exchange_detail`` splits it; ``manifest_ms`` is its first part). It is the part NCCL's
+    communicator setup would replace; our own arena's allocation is ``alloc_ms``, after it. The
+    sources' other segments are mapped during the transfer, each just ahead of its first copy:
+    ``map_during_copy_ms`` (host time, overlapped with copies already issued) and
+    ``segments_mapped_during_copy``. ``warm_ms``: the one-time driver warm-up (:func:`flashboot.arena.warm_import`) run
+    before the descriptor is requested, overlapped with connecting. ``transfer_ms``: the copy
+    (from the first step issued to the last byte in place, pipeline fill included).
+    ``setup_ms`` (nixl): the transport's
+    setup on the critical path (waiting for the agent created while connecting, registering our
+    arena, adding the sources' agents; ``exchange_detail`` splits it, ``agent_create_ms`` is the
+    agent's creation, overlapped with connecting). ``ready_ms``: from the call to the weights in place (verification not included; ``verify_ms``
+    is separate, ``total_ms`` includes it). ``recovered``: what happened when a source failed.
+    """
+
+    schedule: str
+    position: int
+    device: str
+    nbytes: int
+    transport: str = "posix_fd"
+    transport_note: str = ""
+    source: str = ""
+    mover: str = ""
+    chunk_bytes: int = 0
+    connect_ms: float = 0.0
+    warm_ms: float = 0.0
+    warm_note: str = ""
+    manifest_ms: float = 0.0
+    alloc_ms: float = 0.0
+    exchange_ms: float = 0.0
+    exchange_detail: dict = field(default_factory=dict)
+    setup_ms: float = 0.0
+    barrier_ms: float = 0.0
+    load_ms: float = 0.0
+    pin_ms: float = 0.0
+    pin_early: bool = False
+    """Ring: the shard was mapped and pinned before the start barrier (off the critical path)."""
+    transfer_ms: float = 0.0
+    map_during_copy_ms: float = 0.0
+    segments_mapped_during_copy: int = 0
+    ready_ms: float = 0.0
+    verify_ms: float = 0.0
+    total_ms: float = 0.0
+    verified: bool | None = None
+    recovered: list[str] = field(default_factory=list)
+    redone_bytes: int = 0
+    lanes: list[dict] = field(default_factory=list)
+    ready_unix: float = 0.0
+    """Wall clock (``time.time()``) when the weights were in place (before verification), for
+    "from process start" timings."""
+    finished_unix: float = 0.0
+    """Wall clock when the call returned (after verification, if asked)."""
+
+    @property
+    def gbps(self) -> float:
+        """Bytes over the transfer time as the host saw it (issue to last completion), GB/s (1e9)."""
+        return self.nbytes / (self.transfer_ms * 1e-3) / 1e9 if self.transfer_ms > 0 else 0.0
+
+    @property
+    def stream_gbps(self) -> float:
+        """Bytes over the slowest lane's own time (CUDA events from the lane's start to its last
+        copy, pipeline fill included), GB/s; 0 when the transfer was not a plan run (broadcast)."""
+        seconds = max((l.get("seconds", 0.0) for l in self.lanes), default=0.0)
+        return self.nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["gbps"] = self.gbps
+        d["stream_gbps"] = self.stream_gbps
+        return d
+
+    def summary(self) -> str:
+        parts = [f"{self.schedule} #{self.position} on {self.device}: {self.nbytes / 1e9:.3f} GB via {self.transport}",
+                 f"from {self.source}" if self.source else "",
+                 f"exchange+map {self.exchange_ms:.2f} ms, transfer {self.transfer_ms:.1f} ms ({self.gbps:.1f} GB/s)",
+                 f"ready {self.ready_ms:.1f} ms" + (f" (+ verify {self.verify_ms:.1f} ms)" if self.verify_ms else ""),
+                 f"total {self.total_ms:.1f} ms"]
+        if self.verified is not None:
+            parts.append("verified byte-exact" if self.verified else "NOT verified")
+        if self.recovered:
+            parts.append("recovered: " + "; ".join(self.recovered))
+        return ", ".join(p for p in parts if p)
+
+
+class CloneResult:
+    """A finished clone: ``arena`` (the weights), ``tensors`` (name -> zero-copy view, when the seed
+    published its image metadata), ``report`` (:class:`CloneReport`).
+
+    While it is open, this process keeps serving as a source (later clones may read from it).
+    :meth:`close` withdraws it and releases the arena, its flags and every mapping it made.
+    """
+
+    def __init__(self, arena, tensors: dict, report: CloneReport, *, metadata=None, _session=None):
+        self.arena, self.tensors, self.report, self.metadata = arena, tensors, report, metadata
+        self._session = _session
+
+    def close(self) -> None:
+        """Release everything (idempotent). Views must not be used afterwards."""
+        self.tensors = {}
+        if self._session is not None:
+            self._session.close(keep_arena=False)
+            self._session = None
+        elif not self.arena.closed:
+            self.arena.close()
+
+    def __enter__(self) -> "CloneResult":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CloneResult({self.report.summary()})"

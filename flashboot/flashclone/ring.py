@@ -1,0 +1,164 @@
+"""Ring all-gather load: N members each load a 1/N shard of a host image, then gather the rest."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import FlashBootError, RendezvousError
+from ..memory import CPU, Device
+from ..schedulers import HOST, build_plan, shard_bounds
+from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
+from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous
+from .common import _Warmup, _check_mover, _default_mover, _descriptor_from, _note_lazy_mapping, _same_host, _step_hook, _verify, _views
+from .report import CloneReport, CloneResult
+from .session import _Session
+from .sources import _HostImage
+from .transports.posix_fd import _open_arena
+from .transports.registry import Seen, choose_transport
+
+
+def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank: int = 0, verify: bool = False,
+              timeout_s: float = DEFAULT_TIMEOUT_S, mover: Any = None, chunk_bytes: int | None = None, token=None,
+              token_file=None, name: str = "default", run: str = "ring", expect: Any = None,
+              step_delay_s: float | None = None, pin_early: bool = False) -> CloneResult:
+    """Load ``image`` on ``members`` processes at once: each loads a 1/N byte shard from the host
+    and gathers the rest from its predecessor in a ring (paper §3.6).
+
+    Member positions come by arrival order at the store (the first to arrive hosts it unless one
+    listens there already). All members must hold the same image (manifests compared before any
+    byte moves). ``run`` names this gathering (use a fresh one per load on a shared store).
+    ``pin_early``: map and pin the shard before the start barrier (off the critical path, as
+    FlashLoad's pin-early and served modes do) instead of after it; ``load_ms``/``pin_ms`` say
+    what it cost either way. Pinning needs the image in anonymous or tmpfs-backed memory (stage
+    it into /dev/shm); a file on disk is refused with a CapabilityError that says so.
+    """
+    from ..arena import Arena
+
+    if not isinstance(members, int) or members < 1:
+        raise FlashBootError(f"members must be a positive int, got {members!r}")
+    t_start = time.perf_counter()
+    dev = Device.parse(device)
+    mover_obj = _check_mover(dev, _default_mover(dev, mover))
+    hook = _step_hook(step_delay_s)
+    warm = _Warmup(dev)  # overlaps connecting; joined before any descriptor is requested
+    rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=name, host=True, timeout_s=timeout_s)
+    session = _Session(rdv)
+    try:
+        warm_report = CloneReport("ring", 0, str(dev), 0)
+        warm.join(warm_report, timeout_s)
+        t0 = time.perf_counter()
+        from flashboot.layouts import read_image_metadata
+
+        path = Path(image)
+        meta = read_image_metadata(path, rank) if path.is_dir() else None
+        if meta is not None:
+            manifest = Manifest.from_metadata(meta)
+        else:
+            nbytes = path.stat().st_size
+            from flashboot.kernels.checksum import chunk_checksums
+
+            probe = _HostImage(path, CPU)
+            try:
+                manifest = Manifest(nbytes, -(-nbytes // (2 << 20)) * (2 << 20), 64 << 20,
+                                    tuple(chunk_checksums(probe.span(), 64 << 20)))
+            finally:
+                probe.close()
+        manifest.require(expect, f"image {str(path)!r}")
+        position = rdv.add(f"{run}/join", 1)
+        if position > members:
+            raise RendezvousError(f"ring {run!r} already has its {members} members (this is arrival {position}); "
+                                  "use another run name")
+        me = position - 1
+        report = CloneReport("ring", position, str(dev), manifest.nbytes, mover=mover_obj.name,
+                             connect_ms=(t0 - t_start) * 1e3, warm_ms=warm_report.warm_ms,
+                             warm_note=warm_report.warm_note, pin_early=pin_early)
+        plan = build_plan("ring", members, manifest.nbytes, chunk_bytes)
+        report.chunk_bytes = plan.chunk_bytes
+        shard_off, shard_n = shard_bounds(manifest.nbytes, members)[me]
+
+        def map_shard() -> _HostImage:
+            tl = time.perf_counter()
+            img = _HostImage(path, dev, rank=rank, pin=(shard_off, shard_n))
+            session.extra.append(img)
+            report.load_ms = (time.perf_counter() - tl) * 1e3  # mapping (and pinning the shard)
+            report.pin_ms = img.pin_ms
+            return img
+
+        img = map_shard() if pin_early else None
+        ta = time.perf_counter()
+        session.arena = Arena.create(manifest.arena_nbytes, dev)
+        session.flags = create_flags(plan.flag_count(me), dev)
+        rdv.publish(f"{run}/member/{me}", {"member": me, "pid": os.getpid(), "host": socket.gethostname(),
+                                           "device": str(dev), "manifest_digest": manifest.digest},
+                    sealed={"arena": session.arena.export().to_dict(), "flags": session.flags.export().to_dict()})
+        session.status_key = f"{run}/status/{me}"
+        report.alloc_ms = (time.perf_counter() - ta) * 1e3
+        report.barrier_ms = rdv.barrier(f"{run}/start", members, timeout_s=timeout_s)
+        # every member must hold the same image before any byte moves
+        tx = time.perf_counter()
+        pred = (me - 1) % members
+        endpoints = {me: Endpoint(me, f"member {me}", session.arena, session.flags)}
+        for j in range(members):
+            if j == me:
+                continue
+            rec = rdv.read(f"{run}/member/{j}", what=f"ring member {j}'s descriptors", timeout_s=timeout_s)
+            if rec.body.get("manifest_digest") != manifest.digest:
+                raise RendezvousError(f"ring member {j} holds another image (manifest {rec.body.get('manifest_digest')}, "
+                                      f"ours {manifest.digest}); refused before any byte moved")
+            if j == pred:
+                arena_desc = _descriptor_from(rec.sealed["arena"])
+                try:  # the ring maps its predecessor: only a mapping transport will do
+                    cls, _ = choose_transport(Seen(arena_desc, {"nccl": False, "nixl": False}), dev, "auto")
+                except RendezvousError as exc:
+                    raise RendezvousError(f"ring member {j} on {arena_desc.hostname!r} cannot be mapped from here "
+                                          f"({exc}); the ring needs mappable peers") from None
+                transport = cls.name
+                opened = [_open_arena(arena_desc, dev, transport)]
+                session.opened[j] = opened
+                opened.append(_open_arena(_descriptor_from(rec.sealed["flags"]), dev, transport))
+                report.transport = transport
+                endpoints[j] = Endpoint(j, f"member {j}", opened[0], opened[1],
+                                        int(rec.body["pid"]) if _same_host(arena_desc) else None)
+        report.exchange_ms = (time.perf_counter() - tx) * 1e3
+        if img is None:
+            img = map_shard()
+        tt = time.perf_counter()
+        try:
+            rep = Executor(plan, endpoints, me, mover=mover_obj, host_image=img.span(), timeout_s=timeout_s,
+                           step_hook=hook).run()
+        except StepFailure as failure:
+            # re-attach upstream: whatever the lost member would have passed on, load from the host image
+            report.recovered.append(f"member {failure.peer} {'exited' if failure.peer_exited else 'stalled'}")
+            remaining = [s for s in plan.steps_into(me) if s.id not in failure.valid_steps]
+            new = rewire(plan, remaining, failure.peer, fallback=HOST, dead=set(range(members)) - {me})
+            session.close_opened(failure.peer)
+            endpoints.pop(failure.peer, None)
+            rep = Executor(plan, endpoints, me, mover=mover_obj, host_image=img.span(), timeout_s=timeout_s,
+                           steps=new).run()
+            report.recovered.append("loaded the rest from the host image")
+        report.transfer_ms = (time.perf_counter() - tt) * 1e3
+        report.lanes = [l.__dict__ | {"gbps": l.gbps} for l in rep.lanes]
+        _note_lazy_mapping(report, (ep for j, ep in endpoints.items() if j != me))
+        report.ready_ms = (time.perf_counter() - t_start) * 1e3
+        report.ready_unix = time.time()
+        report.source = f"host shard {shard_off:,}..{shard_off + shard_n:,} + member {pred}"
+        if verify:
+            tv = time.perf_counter()
+            _verify(session.arena, manifest, f"ring member {me} on {dev}")
+            report.verify_ms = (time.perf_counter() - tv) * 1e3
+            report.verified = True
+        rdv.publish(session.status_key, {"state": "done", "pid": os.getpid()})
+        session.dependents = [f"{run}/status/{(me + 1) % members}"] if members > 1 else []
+        session.close_opened()
+        img.close()
+        session.extra.remove(img)
+        report.total_ms = (time.perf_counter() - t_start) * 1e3
+        report.finished_unix = time.time()
+        return CloneResult(session.arena, _views(session.arena, meta), report, metadata=meta, _session=session)
+    except BaseException:
+        session.close(keep_arena=False)
+        raise

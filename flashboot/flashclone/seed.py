@@ -1,0 +1,228 @@
+"""The seed: publish an arena (manifest and sealed descriptor) at the rendezvous store."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import FlashBootError, RendezvousError
+from ..memory import Device
+from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous
+from .common import METADATA_KEY, SEED_KEY, _gkey
+from .sources import _HostImage
+from .transports.nccl import _broadcast, _process_group, _shutdown_pg
+
+
+class Seed:
+    """A published arena. Built by :func:`seed`; passive: clones map its memory themselves.
+
+    ``arena``, ``manifest``, ``generation`` (a fresh id per publication), ``rendezvous``.
+    :meth:`serve_forever` blocks until stopped (SIGTERM/SIGINT or ``stop``); it also answers the
+    NCCL-broadcast fallback for clones that cannot map the arena. :meth:`close` withdraws the
+    records and releases what the seed owns.
+    """
+
+    def __init__(self, rdv: Rendezvous, arena, manifest: Manifest, generation: str, *, metadata=None,
+                 owned: list | None = None, serve_nccl: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.rendezvous, self.arena, self.manifest, self.generation = rdv, arena, manifest, generation
+        self.metadata = metadata
+        self.timeout_s = timeout_s
+        self._owned = owned or []
+        self._stop = threading.Event()
+        self._closed = False
+        self._nccl_error: BaseException | None = None
+        self.nccl_served = 0
+        self._thread = None
+        if serve_nccl:
+            self._thread = threading.Thread(target=self._nccl_service, name="flashboot-seed-nccl", daemon=True)
+            self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return self.rendezvous.address
+
+    def _nccl_service(self) -> None:
+        """Answer broadcast requests (the fallback transport), one at a time."""
+        rdv = self.rendezvous
+        dev = self.arena.device
+        count_key = _gkey(self.generation, "nccl", "count")
+        while not self._stop.wait(0.05):
+            try:
+                n = rdv.add(count_key, 0)
+                while self.nccl_served < n and not self._stop.is_set():
+                    self.nccl_served += 1
+                    rid = self.nccl_served
+                    try:
+                        rdv.read(_gkey(self.generation, "nccl", "req", rid), what=f"broadcast request {rid}",
+                                 timeout_s=self.timeout_s)  # authenticated: no token, no weights
+                        pg = _process_group(rdv, _gkey(self.generation, "nccl", "pg", rid), 0, dev, self.timeout_s)
+                        try:
+                            _broadcast(pg, self.arena.bytes()[: self.manifest.nbytes], dev, self.timeout_s)
+                        finally:
+                            _shutdown_pg(pg)
+                    except FlashBootError as exc:
+                        self._nccl_error = exc  # one bad request must not stop the seed
+            except RendezvousError as exc:
+                self._nccl_error = exc
+                return
+            except Exception as exc:  # noqa: BLE001 - torch.distributed errors; reported by serve_forever
+                self._nccl_error = exc
+
+    def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
+        """Block until ``stop`` is set or SIGTERM/SIGINT arrives (main thread), then :meth:`close`."""
+        from ..service_loop import serve_until_stopped
+
+        try:
+            serve_until_stopped(self._stop, stop, handle_signals=handle_signals)
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        """Withdraw the seed's records, stop the NCCL service, release what it owns (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.timeout_s + 5)
+        try:
+            self.rendezvous.delete(SEED_KEY)
+        except FlashBootError:
+            pass  # the store may be gone already (we might have been hosting it)
+        for obj in reversed(self._owned):
+            try:
+                obj.close()
+            except FlashBootError:
+                pass
+        self.rendezvous.close()
+
+    def __enter__(self) -> "Seed":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Seed({self.manifest.describe()}, on {self.arena.device}, store {self.address}, gen {self.generation})"
+
+
+def _load_seed_source(source: Any, dev: Device, rank: int, timeout_s: float):
+    """``(arena, metadata, owned)`` for a seed: an Arena, a LoadedImage/CloneResult, or an image
+    directory (FlashLoad when the preloader has staged it, else a direct read of the image file)."""
+    from ..arena import Arena
+
+    if isinstance(source, Arena):
+        return source, None, []
+    if hasattr(source, "arena") and hasattr(source, "metadata"):  # LoadedImage, CloneResult
+        return source.arena, source.metadata, []
+    path = Path(source)
+    if not path.exists():
+        raise FlashBootError(f"seed source {str(path)!r} does not exist (pass an image directory or an Arena)")
+    try:
+        from ..flashload.shm import staged_paths
+
+        staged = staged_paths(path, rank).ready.exists()
+    except FlashBootError:
+        staged = False
+    if staged:
+        from ..flashload.load import load
+
+        loaded = load(path, rank, dev, timeout_s=timeout_s)
+        return loaded.arena, loaded.metadata, [loaded]
+    img = _HostImage(path, dev, rank=rank)
+    try:
+        arena = Arena.create(img.nbytes, dev)
+        try:
+            if dev.is_cuda:
+                import torch
+
+                with torch.cuda.device(dev.index):
+                    arena.bytes()[: img.nbytes].copy_(torch.frombuffer(img._mm, dtype=torch.uint8), non_blocking=False)
+                    torch.cuda.synchronize(dev.index)
+            else:
+                import ctypes
+
+                # a one-off load off the critical path: a plain memmove, no thread pool to spin up
+                ctypes.memmove(arena.ptr, img.ptr, img.nbytes)
+        except BaseException:
+            arena.close()
+            raise
+        return arena, img.metadata, [arena]
+    finally:
+        img.close()
+
+
+def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=None, name: str = "default",
+         rank: int = 0, nbytes: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, serve_nccl: bool = True,
+         checksum_chunk_bytes: int | None = None, manifest: Manifest | None = None, nixl: bool = False) -> Seed:
+    """Publish an arena for cloning at the rendezvous store ``store`` (``HOST:PORT``).
+
+    ``source``: an image directory (rank ``rank``; loaded with :func:`flashboot.load` when the
+    preloader staged it, else read from the image file), an :class:`~flashboot.Arena` (``nbytes``:
+    how much of it to replicate, default all; ``manifest``: its checksums when already known,
+    else they are computed on the device), or a LoadedImage/CloneResult. The seed hosts the
+    store at ``store`` unless one already listens there. The token (``token``, ``token_file`` or
+    ``$FLASHBOOT_TOKEN``) signs every record. ``nixl``: also register the arena (every segment)
+    with a NIXL agent and publish its metadata, sealed, so clones on other hosts can READ it
+    (``transport="nixl"``; needs ``pip install flashboot[nixl]``). Returns a :class:`Seed`; call ``serve_forever()``
+    or keep it open while clones run, then ``close()``.
+    """
+    dev = Device.parse(device) if device is not None else None
+    from .rendezvous import resolve_token
+
+    tok = resolve_token(token, token_file)  # before loading anything
+    if dev is None:
+        from ..arena import Arena
+
+        if isinstance(source, Arena):
+            dev = source.device
+        elif hasattr(source, "arena"):
+            dev = source.arena.device
+        else:
+            dev = Device.parse(None)
+    arena, metadata, owned = _load_seed_source(source, dev, rank, timeout_s)
+    try:
+        if manifest is not None:
+            if manifest.arena_nbytes != arena.nbytes:
+                raise RendezvousError(f"the given manifest is for a {manifest.arena_nbytes:,}-byte arena; this one "
+                                      f"holds {arena.nbytes:,}")
+        elif metadata is not None:
+            manifest = Manifest.from_metadata(metadata, arena.nbytes)
+        else:
+            manifest = Manifest.of_arena(arena, nbytes, checksum_chunk_bytes or 64 << 20)
+        descriptor = arena.export()
+        sealed = {"arena": descriptor.to_dict()}
+        if nixl:
+            from .transports.nixl import Agent
+
+            agent = Agent(f"flashboot-seed-{os.getpid()}-{secrets.token_hex(4)}")
+            owned.append(agent)  # closed before the arena: deregistered, then unmapped
+            sealed["nixl"] = agent.register(arena)
+        rdv = Rendezvous.connect(store, tok, namespace=name, host=True, timeout_s=timeout_s)
+    except BaseException:
+        for obj in reversed(owned):
+            obj.close()
+        raise
+    generation = secrets.token_hex(6)
+    try:
+        rdv.publish(METADATA_KEY, {"generation": generation,
+                                   "metadata": metadata.to_dict() if metadata is not None else None})
+        rdv.publish(SEED_KEY, {"generation": generation, "pid": os.getpid(), "host": socket.gethostname(),
+                               "device": str(arena.device), "manifest": manifest.to_dict(), "nccl": serve_nccl,
+                               "nixl": nixl, "published_at": time.time()},
+                    sealed=sealed)
+    except BaseException:
+        rdv.close()
+        for obj in reversed(owned):
+            obj.close()
+        raise
+    return Seed(rdv, arena, manifest, generation, metadata=metadata, owned=owned, serve_nccl=serve_nccl,
+                timeout_s=timeout_s)

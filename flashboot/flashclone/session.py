@@ -1,0 +1,87 @@
+"""What one clone acquired (store connection, arenas, mappings), released in reverse order."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import FlashBootError
+from .rendezvous import Rendezvous
+
+
+class _Session:
+    """Everything one clone acquired, released in reverse order on failure or close."""
+
+    def __init__(self, rdv: Rendezvous):
+        self.rdv = rdv
+        self.arena = None
+        self.flags = None
+        self.opened: dict[int, list] = {}
+        self.extra: list = []
+        self.status_key: str | None = None
+        self.dependents: list[str] = []
+        """Status keys of participants that read from us: :func:`linger` waits for them."""
+        self.dependents_of: Callable[[], list[str]] | None = None
+
+    def close_opened(self, participant: int | None = None) -> None:
+        keys = list(self.opened) if participant is None else [participant]
+        for k in keys:
+            for a in reversed(self.opened.pop(k, [])):
+                if not a.closed:
+                    a.close()
+
+    def close(self, keep_arena: bool) -> None:
+        first: BaseException | None = None
+        try:
+            self.close_opened()
+        except BaseException as exc:  # still release the rest
+            first = exc
+        for obj in reversed(self.extra):
+            try:
+                obj.close()
+            except BaseException as exc:
+                first = first or exc
+        self.extra = []
+        for attr in ("flags",) + (() if keep_arena else ("arena",)):
+            obj = getattr(self, attr)
+            if obj is not None and not obj.closed:
+                try:
+                    obj.close()
+                except BaseException as exc:
+                    first = first or exc
+            setattr(self, attr, None)
+        if self.rdv is not None:
+            if self.status_key is not None and not keep_arena:
+                try:  # no longer a source for anyone
+                    self.rdv.publish(self.status_key + "/left", {"pid": os.getpid()})
+                except FlashBootError:
+                    pass
+            self.rdv.close()
+            self.rdv = None
+        if first is not None:
+            raise first
+
+
+@dataclass
+class CloneContext:
+    """What a transport that runs the whole clone itself (``Transport.run``) is handed, once the
+    seed's record checked out and a position is taken."""
+
+    session: _Session
+    dev: Any
+    schedule: str
+    manifest: Any
+    gen: str
+    report: Any
+    t_start: float
+    seed_rec: Any
+    verify: bool
+    timeout_s: float
+    chunk_bytes: int | None
+    clones: int | None
+    retry: bool
+    hook: Callable | None
+    read_metadata: Callable[[], Any]
+    nixl_warm: Any = None
+    """A :class:`~flashboot.flashclone.transports.nixl.AgentWarmup` started while connecting, if any."""

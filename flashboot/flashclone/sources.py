@@ -1,0 +1,187 @@
+"""The endpoints a clone reads from: the seed, earlier clones, a retry source, the host image."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import FlashBootError, RendezvousError
+from ..memory import CPU, Device, Span
+from ..schedulers import HOST
+from .executor import Endpoint
+from .rendezvous import Manifest, Rendezvous
+from .common import _FALLBACK_INDEX, _SEED_INDEX, _descriptor_from, _gkey, _same_host
+from .session import _Session
+from .transports.posix_fd import _open_arena
+
+
+class _HostImage:
+    """An image's bytes mapped on the host: the preloader's staged copy in /dev/shm when there is
+    one (same pages, no copy), else the image file. On CUDA, ``pin`` = (offset, nbytes) is
+    page-locked so the copy engine can read it (only a ring member's shard, not the whole image)."""
+
+    def __init__(self, source: Any, device: Device, *, rank: int = 0, pin: tuple[int, int] | None = None):
+        import mmap
+
+        self.metadata = None
+        self._mm = None
+        self._pinned = None
+        path = Path(source)
+        if path.is_dir():
+            from flashboot.layouts import read_image
+
+            image = read_image(path, rank)
+            self.metadata = image.metadata
+            file_path, self.nbytes = image.path, image.nbytes
+            try:
+                from ..flashload.shm import staged_paths
+
+                staged = staged_paths(path, rank)
+                if staged.ready.exists() and staged.image.exists() and staged.image.stat().st_size >= self.nbytes:
+                    file_path = staged.image
+            except FlashBootError:
+                pass
+        elif path.is_file():
+            file_path, self.nbytes = path, path.stat().st_size
+        else:
+            raise FlashBootError(f"host image {str(path)!r} is neither an image directory nor a file")
+        if self.nbytes <= 0:
+            raise FlashBootError(f"host image {str(file_path)!r} is empty")
+        self.path = str(file_path)
+        if os.access(file_path, os.W_OK):
+            # shared: the page-cache (or /dev/shm) pages themselves, so pinning copies nothing; never written
+            fd = os.open(file_path, os.O_RDWR)
+            try:
+                self._mm = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        else:
+            with open(file_path, "rb") as f:
+                # private copy-on-write, so its address can be taken (pinning it copies the pages)
+                self._mm = mmap.mmap(f.fileno(), self.nbytes, access=mmap.ACCESS_COPY)
+        import ctypes
+
+        self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        if pin is not None and device.is_cuda and pin[1] > 0:
+            from ..pinning import register_host
+
+            page = mmap.PAGESIZE
+            lo = pin[0] // page * page
+            hi = min(self.nbytes, -(-(pin[0] + pin[1]) // page) * page)
+            try:
+                self._pinned = register_host(self.ptr + lo, hi - lo, device, path=self.path, offset=lo)
+            except BaseException:
+                self.close()
+                raise
+
+    def span(self) -> Span:
+        return Span(self.ptr, self.nbytes, CPU, pinned=self._pinned is not None, owner=self)
+
+    @property
+    def pin_ms(self) -> float:
+        return self._pinned.pin_ms if self._pinned is not None else 0.0
+
+    def close(self) -> None:
+        if self._pinned is not None:
+            self._pinned.unregister()
+            self._pinned = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+
+class _Sources:
+    """Opens and remembers the endpoints a clone reads from: the seed, earlier clones, a retry
+    source, the host image."""
+
+    def __init__(self, session: _Session, dev: Device, generation: str, schedule: str, manifest: Manifest,
+                 seed_desc, seed_pid: int, transport: str, timeout_s: float, rank: int = 0):
+        self.session, self.dev, self.gen, self.schedule = session, dev, generation, schedule
+        self.rank = rank
+        self.manifest, self.seed_desc, self.seed_pid = manifest, seed_desc, seed_pid
+        self.transport, self.timeout_s = transport, timeout_s
+        self.endpoints: dict[int, Endpoint] = {}
+        self.pids: dict[int, int | None] = {}
+        """Source process ids, kept after a source is dropped (to tell a dead one from a slow one)."""
+        self.host_image: _HostImage | None = None
+        self.detail: dict[str, float] = {}
+        """Where opening sources took its time (ms, summed over sources): see CloneReport.exchange_detail."""
+
+    @property
+    def rdv(self) -> Rendezvous:
+        return self.session.rdv
+
+    def _pid_if_local(self, desc, pid: int) -> int | None:
+        return pid if _same_host(desc) else None
+
+    def open(self, participant: int) -> Endpoint:
+        """Map ``participant``'s arena (and flags) on our device; ArenaError/RendezvousError if gone."""
+        if participant in self.endpoints:
+            return self.endpoints[participant]
+        if participant == _SEED_INDEX:
+            arena = _open_arena(self.seed_desc, self.dev, self.transport, self.detail)
+            self.session.opened[participant] = [arena]
+            ep = Endpoint(participant, "seed", arena, None, self._pid_if_local(self.seed_desc, self.seed_pid))
+        else:
+            key = _gkey(self.gen, self.schedule, "member", participant)
+            tr = time.perf_counter()
+            rec = self.rdv.read(key, what=f"the descriptors of clone #{participant}", timeout_s=self.timeout_s)
+            self.detail["member_record_ms"] = self.detail.get("member_record_ms", 0.0) + (time.perf_counter() - tr) * 1e3
+            if rec.body.get("manifest_digest") != self.manifest.digest:
+                raise RendezvousError(f"clone #{participant} holds another image (manifest {rec.body.get('manifest_digest')}, "
+                                      f"the seed's is {self.manifest.digest}); refusing to read from it")
+            arena_desc = _descriptor_from(rec.sealed["arena"])
+            flags_desc = _descriptor_from(rec.sealed["flags"])
+            opened = []
+            self.session.opened[participant] = opened
+            arena = _open_arena(arena_desc, self.dev, self.transport, self.detail)
+            opened.append(arena)
+            flags = _open_arena(flags_desc, self.dev, self.transport, self.detail, prefix="flags_")
+            opened.append(flags)
+            ep = Endpoint(participant, f"clone #{participant}", arena, flags,
+                          self._pid_if_local(arena_desc, int(rec.body["pid"])))
+        self.endpoints[participant] = ep
+        self.pids[participant] = ep.pid
+        return ep
+
+    def drop(self, participant: int) -> None:
+        self.endpoints.pop(participant, None)
+        self.session.close_opened(participant)
+
+    def full_copy(self, dead: set[int]) -> tuple[int, str] | None:
+        """Another live process that holds every byte (a finished clone), opened as a retry source."""
+        n = self.rdv.add(_gkey(self.gen, "done", "count"), 0)
+        for k in range(n, 0, -1):
+            rec = self.rdv.try_read(_gkey(self.gen, "done", k))
+            if rec is None or rec.body.get("manifest_digest") != self.manifest.digest:
+                continue
+            if int(rec.body["pid"]) == os.getpid() or (rec.body["schedule"], rec.body["position"]) in dead:
+                continue
+            if self.rdv.has(_gkey(self.gen, rec.body["schedule"], "status", rec.body["position"], "left")):
+                continue
+            desc = _descriptor_from(rec.sealed["arena"])
+            index = _FALLBACK_INDEX + k
+            try:
+                arena = _open_arena(desc, self.dev, self.transport)
+            except FlashBootError:
+                dead.add((rec.body["schedule"], rec.body["position"]))
+                continue
+            self.session.opened[index] = [arena]
+            who = f"{rec.body['schedule']} clone #{rec.body['position']} (pid {rec.body['pid']})"
+            self.endpoints[index] = Endpoint(index, who, arena, None, self._pid_if_local(desc, int(rec.body["pid"])))
+            return index, who
+        return None
+
+    def image(self, source: Any) -> tuple[int, str]:
+        if self.host_image is None:
+            img = _HostImage(source, self.dev, rank=self.rank, pin=(0, self.manifest.nbytes))
+            self.session.extra.append(img)
+            if img.metadata is not None:
+                self.manifest.require(img.metadata, f"host image {img.path}")
+            elif img.nbytes < self.manifest.nbytes:
+                raise RendezvousError(f"host image {img.path} holds {img.nbytes:,} bytes; the seed's image is "
+                                      f"{self.manifest.nbytes:,}")
+            self.host_image = img
+        return HOST, f"the host image {self.host_image.path}"

@@ -1,0 +1,1 @@
+"""How a clone reads its source's bytes: one module per transport."""

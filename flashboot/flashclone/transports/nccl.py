@@ -1,0 +1,129 @@
+"""The fallback: an NCCL (gloo on the host backend) broadcast from the seed."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ...errors import WaitTimeoutError
+from ...memory import Device
+from ..rendezvous import Manifest, Rendezvous
+from ..common import _gkey, _verify, _views
+from ..report import CloneReport, CloneResult
+from ..session import _Session
+from .registry import Seen, Transport, register_transport
+
+
+def _pg_backend(dev: Device) -> str:
+    return "nccl" if dev.is_cuda else "gloo"
+
+
+def _process_group(rdv: Rendezvous, prefix: str, rank: int, dev: Device, timeout_s: float):
+    """A 2-rank process group (NCCL on CUDA, gloo on the host backend) over the rendezvous store."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.PrefixStore(rdv.full_key(prefix), rdv.store)
+    if dev.is_cuda:
+        import torch
+
+        torch.cuda.set_device(dev.index)
+        return dist.ProcessGroupNCCL(store, rank, 2)
+    return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
+
+
+def _broadcast(pg, tensor, dev: Device, timeout_s: float) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    work = pg.broadcast([tensor], opts)
+    if not work.wait(datetime.timedelta(seconds=timeout_s)):
+        raise WaitTimeoutError(f"broadcast of {tensor.numel():,} bytes did not finish within {timeout_s:g} s")
+    if dev.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(dev.index)
+
+
+def _shutdown_pg(pg) -> None:
+    for name in ("shutdown", "abort"):
+        fn = getattr(pg, name, None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - best effort: the group is finished either way
+                pass
+            return
+
+
+def _clone_nccl(session: _Session, dev: Device, manifest: Manifest, metadata, gen: str, report: CloneReport,
+                t_start: float, *, verify: bool, timeout_s: float) -> CloneResult:
+    """The fallback: ask the seed for a broadcast over a fresh 2-rank process group."""
+    from ...arena import Arena
+
+    rdv = session.rdv
+    ta = time.perf_counter()
+    session.arena = Arena.create(manifest.arena_nbytes, dev)
+    report.alloc_ms = (time.perf_counter() - ta) * 1e3
+    tx = time.perf_counter()
+    rid = rdv.add(_gkey(gen, "nccl", "count"), 1)  # the seed reads (and authenticates) the request next
+    rdv.publish(_gkey(gen, "nccl", "req", rid), {"pid": os.getpid(), "device": str(dev), "position": report.position})
+    pg = _process_group(rdv, _gkey(gen, "nccl", "pg", rid), 1, dev, timeout_s)
+    report.exchange_ms = (time.perf_counter() - tx) * 1e3
+    tt = time.perf_counter()
+    try:
+        _broadcast(pg, session.arena.bytes()[: manifest.nbytes], dev, timeout_s)
+    finally:
+        _shutdown_pg(pg)
+    report.transfer_ms = (time.perf_counter() - tt) * 1e3
+    report.ready_ms = (time.perf_counter() - t_start) * 1e3
+    report.ready_unix = time.time()
+    report.source = "seed (broadcast)"
+    report.mover = _pg_backend(dev)
+    if verify:
+        tv = time.perf_counter()
+        _verify(session.arena, manifest, f"clone #{report.position} on {dev} (broadcast)")
+        report.verify_ms = (time.perf_counter() - tv) * 1e3
+        report.verified = True
+    rdv.publish(session.status_key, {"state": "done", "redone": [], "pid": os.getpid(), "transport": "nccl"})
+    report.total_ms = (time.perf_counter() - t_start) * 1e3
+    report.finished_unix = time.time()
+    return CloneResult(session.arena, _views(session.arena, metadata), report, metadata=metadata, _session=session)
+
+
+@register_transport
+class Nccl(Transport):
+    """A broadcast from the seed over a fresh 2-rank torch.distributed group (NCCL; gloo on the host backend)."""
+
+    name = "nccl"
+    order = 30
+    reach = "any_host"
+    memory = ("host", "device")
+    setup = "a communicator per clone (NCCL init: hundreds of ms to seconds), on the critical path"
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        try:
+            import torch.distributed as dist
+        except ImportError as exc:
+            return False, f"torch.distributed is missing ({exc})"
+        return (True, "") if dist.is_available() else (False, "torch.distributed is not built in")
+
+    @classmethod
+    def usable(cls, seen: Seen, dev: Device) -> tuple[bool, str]:
+        if not seen.offers.get("nccl", True):
+            return False, "the seed does not answer broadcasts (--no-nccl)"
+        ok, why = cls.availability()
+        if not ok:
+            return False, why
+        return True, (f"seed on {seen.desc.hostname!r}: {_pg_backend(dev).upper() if dev.is_cuda else 'gloo'} "
+                      f"broadcast")
+
+    @classmethod
+    def run(cls, ctx) -> CloneResult:
+        return _clone_nccl(ctx.session, ctx.dev, ctx.manifest, ctx.read_metadata(), ctx.gen, ctx.report, ctx.t_start,
+                           verify=ctx.verify, timeout_s=ctx.timeout_s)

@@ -1,0 +1,640 @@
+"""Any host: one-sided NIXL READs (UCX backend) of the source's registered arena.
+
+The seed (``seed(..., nixl=True)``) registers every segment of its arena with a NIXL agent and
+publishes the agent's metadata and the segments, sealed with the token, in its rendezvous record.
+A clone creates its own agent while it connects (off the critical path, like the driver
+warm-up), registers its own arena, adds its source's agent and READs the image in pieces of at
+most :data:`READ_BYTES`, several outstanding at once. Chain and star follow the plan's sources;
+each clone publishes how many leading bytes it holds (a counter in the store, raised per piece),
+and a chain successor READs a piece as soon as its source holds it, so all links run at once.
+
+Every wait is bounded: NIXL leaves a READ in progress forever when the link goes down, so a READ
+outstanding longer than ``timeout_s`` ends the clone with a WaitTimeoutError naming the byte
+range and the source. A source that dies surfaces as a NIXL error (``NIXL_ERR_REMOTE_DISCONNECT``)
+or as its ``failed`` status; the clone then re-attaches upstream (chain) or fails naming the step.
+
+Optional: ``pip install flashboot[nixl]`` (the ``nixl-cu13`` wheel; UCX is bundled). Across
+network namespaces on one machine UCX would copy through ``cma`` and never touch the link: set
+``UCX_TLS=tcp`` there. On GPU machines keep ``cuda_copy`` (and ``cuda_ipc``) in ``UCX_TLS``.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ... import _cuda
+from ...errors import CapabilityError, FlashBootError, RendezvousError, WaitTimeoutError
+from ...memory import Device
+from .registry import Seen, Transport, register_transport
+
+EXTRA = "pip install flashboot[nixl]"
+_MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
+READ_BYTES = int(os.environ.get("FLASHBOOT_NIXL_READ_BYTES", 64 << 20))
+"""Largest single READ: a step of the plan is split into pieces of at most this (and never across a
+segment), so several are outstanding and a chain successor can follow piece by piece
+(``$FLASHBOOT_NIXL_READ_BYTES`` overrides it)."""
+DEPTH = int(os.environ.get("FLASHBOOT_NIXL_DEPTH", 8))
+"""READs outstanding at once (``$FLASHBOOT_NIXL_DEPTH``)."""
+_UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "2M", "UCX_TCP_RX_SEG_SIZE": "2M"}
+"""Measured on the 2-core CPU machine between namespaces: 2 MB TCP segments took NIXL from
+0.64-0.75 to 1.5-1.8 GB/s. Set only where the environment does not say otherwise."""
+
+POLL_S = float(os.environ["FLASHBOOT_NIXL_POLL_S"]) if os.environ.get("FLASHBOOT_NIXL_POLL_S") else None
+"""Sleep between polls of outstanding READs when none completed (default 1 ms on the host, 0.2 ms on
+GPUs; ``$FLASHBOOT_NIXL_POLL_S``)."""
+STATUS_EVERY_S = 0.05
+"""A chain source's status is read when its progress has not moved for this long."""
+PROBE_S = 2.0
+"""How long a liveness probe of a stalled chain source may stay in progress before we stop waiting for it
+(the source is then taken as alive but slow; the wait's own deadline still applies)."""
+HELD_EVERY_S = 0.001
+"""The count of bytes we hold is published at most this often (and at the end): each is a store call."""
+
+stats = {"agents": 0, "registrations": 0, "reads_posted": 0}
+"""Counters for this process (tests assert what did and did not happen: no registration before the
+token checked out, no READ before the metadata matched the manifest)."""
+
+
+def nixl_module():
+    """The installed NIXL Python module; CapabilityError naming the extra when there is none."""
+    for name in _MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(mod, "nixl_agent"):
+            if not os.environ.get("NIXL_LOG_LEVEL"):
+                # NIXL logs INFO lines to stdout, which would mix with `flashboot clone --json -`
+                logging.getLogger("nixl").setLevel(logging.WARNING)
+            return mod
+    raise CapabilityError(f"transport nixl needs NIXL, which is not installed in this Python "
+                          f"(tried modules {', '.join(_MODULES)}): {EXTRA}")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"))
+
+
+def _mem_type(dev: Device) -> str:
+    return "VRAM" if dev.is_cuda else "DRAM"
+
+
+def segment_ranges(arena) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` of each segment of ``arena``."""
+    seg, n = arena.segment_bytes, arena.nbytes
+    return [(i * seg, min(seg, n - i * seg)) for i in range(arena.segments)]
+
+
+class Agent:
+    """One NIXL agent (UCX backend) and the arenas it registered; :meth:`close` releases both.
+
+    NIXL's progress thread (which answers peers' READs over TCP and progresses ours) is created by
+    its Python API with no pause between polls: 0.7 of a core while idle, measured, which starves a
+    2-core machine. The agent is created with a :data:`PROGRESS_DELAY_US` pause instead (idle cost
+    ~1.5 % of a core). One lock serialises our calls into the agent."""
+
+    def __init__(self, name: str):
+        mod = nixl_module()
+        for k, v in _UCX_DEFAULTS.items():
+            os.environ.setdefault(k, v)
+        self._lock = threading.Lock()
+        t0 = time.perf_counter()
+        try:
+            self._agent = _create_agent(mod, name)
+        except Exception as exc:  # noqa: BLE001 - NIXL raises bare exceptions; named here
+            raise CapabilityError(f"NIXL agent {name!r} could not start (UCX backend): {exc}") from exc
+        if "UCX" not in self._agent.backends:
+            raise CapabilityError(f"NIXL agent {name!r} has no UCX backend (plugins: {self._agent.get_plugin_list()})")
+        self.create_ms = (time.perf_counter() - t0) * 1e3
+        self.name = name
+        self._registered: list = []
+        self.remotes: dict[str, str] = {}
+        """Remote agent name -> who (for messages)."""
+        stats["agents"] += 1
+
+    @_cuda.keeps_context
+    def register(self, arena) -> dict:
+        """Register every segment of ``arena``; returns the record a peer needs to READ it."""
+        t0 = time.perf_counter()
+        dev = arena.device
+        if dev.is_cuda:  # UCX works in the calling thread's current context: the arena's device's
+            _cuda.use_device(dev.index)
+        devid = dev.index if dev.is_cuda else 0
+        base = arena.ptr
+        segs = segment_ranges(arena)
+        with self._lock:
+            descs = self._agent.register_memory([(base + o, n, devid, "") for o, n in segs], _mem_type(dev))
+            self._registered.append(descs)
+            metadata = self._agent.get_agent_metadata()
+        stats["registrations"] += 1
+        self.register_ms = (time.perf_counter() - t0) * 1e3
+        return {"agent": self.name, "mem": _mem_type(dev), "devid": devid, "base": base,
+                "segments": [[o, n] for o, n in segs], "nbytes": arena.nbytes, "metadata": _b64(metadata)}
+
+    def add_remote(self, record: dict, who: str) -> str:
+        """Load a peer's agent metadata (from its sealed record); returns the peer agent's name."""
+        try:
+            with self._lock:
+                name = self._agent.add_remote_agent(_unb64(record["metadata"]))
+        except Exception as exc:  # noqa: BLE001
+            raise RendezvousError(f"NIXL refused the agent metadata of {who}: {exc}") from exc
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != record["agent"]:
+            raise RendezvousError(f"the NIXL metadata of {who} names agent {name!r}, its record {record['agent']!r}; "
+                                  "refused before any READ")
+        self.remotes[name] = who
+        return name
+
+    def _call(self, fn, *args):
+        """``fn(*args)`` under the lock; NIXL's bare exceptions (e.g. ``NIXL_ERR_REMOTE_DISCONNECT``)
+        become _ReadFailed with NIXL's message."""
+        try:
+            with self._lock:
+                return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - NIXL raises bare exceptions
+            raise _ReadFailed(f"{type(exc).__name__}: {exc}") from exc
+
+    def _best_effort(self, fn, *args) -> None:
+        try:
+            self._call(fn, *args)
+        except _ReadFailed:
+            pass  # teardown: the peer may be gone, a READ still in progress cannot be released
+
+    def remove_remote(self, name: str) -> None:
+        if self.remotes.pop(name, None) is not None:
+            self._best_effort(self._agent.remove_remote_agent, name)
+
+    def read(self, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]], mem: str, remote_mem: str,
+             remote_agent: str):
+        """Post one READ (lists of (address, nbytes, devid)); returns its handle."""
+        a = self._agent
+
+        def post():
+            handle = a.initialize_xfer("READ", a.get_xfer_descs(local, mem), a.get_xfer_descs(remote, remote_mem),
+                                       remote_agent)
+            return handle, a.transfer(handle)
+
+        handle, state = self._call(post)
+        stats["reads_posted"] += 1
+        if state == "ERR":
+            raise _ReadFailed("NIXL refused to post the READ")
+        return handle
+
+    def state(self, handle) -> str:
+        state = self._call(self._agent.check_xfer_state, handle)
+        if state == "ERR":
+            raise _ReadFailed("NIXL reports the READ failed")
+        return state
+
+    def release(self, handle) -> None:
+        self._best_effort(self._agent.release_xfer_handle, handle)
+
+    def close(self) -> None:
+        for name in list(self.remotes):
+            self.remove_remote(name)
+        for descs in self._registered:
+            self._best_effort(self._agent.deregister_memory, descs)
+        self._registered = []
+
+
+PROGRESS_DELAY_US = int(os.environ.get("FLASHBOOT_NIXL_PROGRESS_DELAY_US", "10"))
+"""Pause between the progress thread's polls (NIXL's ``pthrDelay``; its Python API fixes it at 0).
+Measured on the 2-core machine: 0 costs 0.7 of a core while idle; 10-1000 us about 0.015; between
+namespaces 10 us READ 0.29-0.36 GB/s where 100 us READ 0.23 (same load). ``$FLASHBOOT_NIXL_PROGRESS_DELAY_US``
+overrides it."""
+_CREATE_LOCK = threading.Lock()
+
+
+def _create_agent(mod, name: str):
+    """``mod.nixl_agent`` with the progress thread pausing :data:`PROGRESS_DELAY_US` between polls.
+
+    The Python API builds the C++ config itself and sets ``pthrDelay = 0``; the binding's
+    constructor is wrapped for the duration of the call to raise it. Where the module is laid out
+    differently, the agent is created as the API makes it."""
+    config = mod.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
+    api = sys.modules.get(mod.nixl_agent.__module__)
+    bind = getattr(api, "nixlBind", None)
+    real = getattr(bind, "nixlAgent", None)
+    if real is None:
+        return mod.nixl_agent(name, config)
+
+    def with_delay(agent_name, agent_config):
+        agent_config.pthrDelay = PROGRESS_DELAY_US
+        return real(agent_name, agent_config)
+
+    with _CREATE_LOCK:
+        bind.nixlAgent = with_delay
+        try:
+            return mod.nixl_agent(name, config)
+        finally:
+            bind.nixlAgent = real
+
+
+class _ReadFailed(FlashBootError):
+    """A READ failed on the NIXL side (the message is NIXL's)."""
+
+
+class AgentWarmup:
+    """Create an :class:`Agent` in a background thread (0.5-1.2 s of UCX start-up), started while the
+    clone connects to the store; :meth:`join` hands it over. Registers nothing."""
+
+    def __init__(self, name: str):
+        self.agent: Agent | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(name,), name="flashboot-nixl-agent", daemon=True)
+        self._thread.start()
+
+    def _run(self, name: str) -> None:
+        try:
+            self.agent = Agent(name)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by join
+            self.error = exc
+
+    def join(self, timeout_s: float) -> Agent:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise WaitTimeoutError(f"creating the NIXL agent did not finish within {timeout_s:g} s")
+        if self.error is not None:
+            raise self.error
+        return self.agent
+
+
+def check_record(record: Any, manifest, who: str) -> None:
+    """Refuse a peer's NIXL record that does not describe the manifest's arena (before any READ)."""
+    if not isinstance(record, dict) or not {"agent", "mem", "segments", "nbytes", "metadata", "base"} <= set(record):
+        raise RendezvousError(f"{who} publishes no usable NIXL record (keys {sorted(record) if isinstance(record, dict) else record!r}); "
+                              "refused before any READ")
+    segs = record["segments"]
+    covered = 0
+    for o, n in segs:
+        if o != covered or n <= 0:
+            raise RendezvousError(f"the NIXL segments of {who} are not back to back: segment at {o:,} after "
+                                  f"{covered:,} bytes; refused before any READ")
+        covered += n
+    if covered != record["nbytes"] or covered != manifest.arena_nbytes:
+        raise RendezvousError(f"the NIXL record of {who} registers {covered:,} bytes of a {record['nbytes']:,}-byte "
+                              f"arena; the manifest says {manifest.arena_nbytes:,} (image {manifest.nbytes:,}); "
+                              "refused before any READ")
+    if record["mem"] not in ("DRAM", "VRAM"):
+        raise RendezvousError(f"{who} registered {record['mem']!r} memory; only DRAM or VRAM can be READ; "
+                              "refused before any READ")
+
+
+@register_transport
+class Nixl(Transport):
+    """One-sided READs through a NIXL agent (UCX: RDMA, TCP, cuda_ipc, ...) from the source's registered arena."""
+
+    name = "nixl"
+    order = 20
+    reach = "any_host"
+    memory = ("host", "device")
+    setup = ("agent creation 0.4-1.2 s (while connecting, off the critical path), registration ~1 ms, "
+             "add_remote_agent 10-25 ms")
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        try:
+            mod = nixl_module()
+        except CapabilityError as exc:
+            return False, str(exc)
+        return True, f"module {mod.__name__}"
+
+    @classmethod
+    def usable(cls, seen: Seen, dev: Device) -> tuple[bool, str]:
+        ok, why = cls.availability()
+        if not ok:
+            return False, why
+        if not seen.offers.get("nixl"):
+            return False, "the seed publishes no NIXL agent (start it with --nixl)"
+        return True, f"seed on {seen.desc.hostname!r}: NIXL READs from its registered arena"
+
+    @classmethod
+    def run(cls, ctx) -> Any:
+        return _clone(ctx)
+
+
+@dataclass
+class Piece:
+    """One READ: bytes ``[offset, offset + nbytes)`` (within one segment) from participant ``src``."""
+
+    step: int
+    src: int
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+def pieces(steps, segment_bytes: int, read_bytes: int | None = None) -> deque:
+    """The plan's steps cut into READs of at most ``read_bytes`` (default :data:`READ_BYTES`) that
+    never cross a segment."""
+    read_bytes = read_bytes or READ_BYTES
+    out = deque()
+    for s in steps:
+        o, end = s.offset, s.offset + s.nbytes
+        while o < end:
+            seg_end = (o // segment_bytes + 1) * segment_bytes
+            n = min(end, seg_end, o + read_bytes) - o
+            out.append(Piece(s.id, s.src, o, n))
+            o += n
+    return out
+
+
+def _held_key(gen: str, schedule: str, position: int) -> str:
+    from ..common import _gkey
+
+    return _gkey(gen, schedule, "nixl", "held", position)
+
+
+class _Sources:
+    """The peers a NIXL clone READs from, by participant: the seed (0) and earlier clones."""
+
+    def __init__(self, ctx, agent: Agent, detail: dict):
+        self.ctx, self.agent, self.detail = ctx, agent, detail
+        self.opened: dict[int, tuple[str, dict, str]] = {}
+        """participant -> (remote agent name, its NIXL record, who)."""
+        self.held: dict[int, int] = {}
+        self._moved: dict[int, float] = {}
+        self.local: tuple[int, int, str] | None = None
+        """Our arena's (base, devid, memory type), once registered: where :meth:`probe` READs into."""
+
+    def who(self, p: int) -> str:
+        return "the seed" if p == 0 else f"clone #{p}"
+
+    def open(self, p: int) -> tuple[str, dict, str]:
+        if p in self.opened:
+            return self.opened[p]
+        from ..common import _gkey
+
+        ctx = self.ctx
+        rdv = ctx.session.rdv
+        t0 = time.perf_counter()
+        if p == 0:
+            record, who = ctx.seed_rec.sealed.get("nixl"), f"the seed at {rdv.address}"
+        else:
+            rec = rdv.read(_gkey(ctx.gen, ctx.schedule, "member", p), what=f"the NIXL record of clone #{p}",
+                           timeout_s=ctx.timeout_s)
+            if rec.body.get("manifest_digest") != ctx.manifest.digest:
+                raise RendezvousError(f"clone #{p} holds another image (manifest {rec.body.get('manifest_digest')}, "
+                                      f"the seed's is {ctx.manifest.digest}); refusing to read from it")
+            record, who = rec.sealed.get("nixl"), f"clone #{p} (pid {rec.body.get('pid')} on {rec.body.get('host')})"
+        self.detail["records_ms"] = self.detail.get("records_ms", 0.0) + (time.perf_counter() - t0) * 1e3
+        check_record(record, ctx.manifest, who)
+        t1 = time.perf_counter()
+        name = self.agent.add_remote(record, who)
+        self.detail["add_remote_ms"] = self.detail.get("add_remote_ms", 0.0) + (time.perf_counter() - t1) * 1e3
+        self.opened[p] = (name, record, who)
+        self.held[p] = record["nbytes"] if p == 0 else 0
+        return self.opened[p]
+
+    def refresh(self, p: int) -> None:
+        """Re-read how many leading bytes clone ``p`` holds; _ReadFailed when it failed or left (checked
+        when it has not moved on for :data:`STATUS_EVERY_S`: two more store calls)."""
+        if p == 0:
+            return
+        ctx = self.ctx
+        rdv = ctx.session.rdv
+        held = rdv.add(_held_key(ctx.gen, ctx.schedule, p), 0)
+        now = time.monotonic()
+        if held != self.held.get(p):
+            self.held[p], self._moved[p] = held, now
+            return
+        if now - self._moved.get(p, 0.0) < STATUS_EVERY_S:
+            return
+        self._moved[p] = now
+        status = rdv.try_read(_status_key(ctx, p))
+        if status is not None and status.body.get("state") == "failed":
+            raise _ReadFailed(f"it failed: {status.body.get('error', '?')}")
+        if rdv.has(_status_key(ctx, p) + "/left"):
+            raise _ReadFailed("it left before we finished reading from it")
+        self.probe(p)
+
+    def probe(self, p: int) -> None:
+        """Is ``p`` still there? A killed process publishes no status, so READ its first byte (into
+        ours: either the same byte, or one we have not read yet); a gone peer fails it at once."""
+        if self.local is None:
+            return
+        name, record, _ = self.opened[p]
+        base, devid, mem = self.local
+        handle = self.agent.read([(base, 1, devid)], [(record["base"], 1, record["devid"])], mem, record["mem"], name)
+        deadline = time.monotonic() + PROBE_S
+        try:
+            while self.agent.state(handle) != "DONE" and time.monotonic() < deadline:
+                time.sleep(0.001)
+        except _ReadFailed as exc:
+            raise _ReadFailed(f"it is gone ({exc})") from exc
+        finally:
+            self.agent.release(handle)
+
+
+def _status_key(ctx, p: int) -> str:
+    from ..common import _gkey
+
+    return _gkey(ctx.gen, ctx.schedule, "status", p)
+
+
+def _clone(ctx):
+    """The whole clone over NIXL (called by :func:`flashboot.flashclone.clone` once the seed's record
+    checked out and a position is taken)."""
+    from ...arena import Arena
+    from ...schedulers import build_plan
+    from ..common import _gkey, _verify, _views
+    from ..report import CloneResult
+
+    session, dev, report, manifest = ctx.session, ctx.dev, ctx.report, ctx.manifest
+    rdv, position, timeout_s = session.rdv, report.position, ctx.timeout_s
+    rdv.bounded = True  # the store may sit across the same link as the source: no call may hang on it
+    detail: dict[str, float] = {}
+    t0 = time.perf_counter()
+    # before anything is registered: the seed's NIXL record must describe the manifest's arena
+    check_record(ctx.seed_rec.sealed.get("nixl"), manifest, f"the seed at {rdv.address}")
+    if ctx.nixl_warm is not None:  # created while connecting, joined before the seed's record was read
+        agent = ctx.nixl_warm.join(timeout_s)
+        detail["agent_create_ms"] = agent.create_ms  # off the critical path
+        detail["agent_wait_ms"] = 0.0
+    else:
+        agent = Agent(f"flashboot-clone-{ctx.gen}-{ctx.schedule}-{position}-{os.getpid()}")
+        detail["agent_create_ms"] = detail["agent_wait_ms"] = agent.create_ms  # on the critical path
+    session.extra.append(agent)
+    n = max(position, ctx.clones or 1)
+    plan = build_plan(ctx.schedule, n, manifest.nbytes, ctx.chunk_bytes)
+    report.chunk_bytes = plan.chunk_bytes
+    sources = _Sources(ctx, agent, detail)
+    my_steps = [s for s in plan.steps_into(position) if s.kind == "copy"]
+    for p in sorted({s.src for s in my_steps}):
+        sources.open(p)
+    ta = time.perf_counter()
+    session.arena = Arena.create(manifest.arena_nbytes, dev)
+    if session.arena.nbytes != manifest.arena_nbytes:
+        raise RendezvousError(f"our arena on {dev} rounds to {session.arena.nbytes:,} bytes, the seed's to "
+                              f"{manifest.arena_nbytes:,} (different allocation granularity)")
+    report.alloc_ms = (time.perf_counter() - ta) * 1e3
+    tr = time.perf_counter()
+    mine = agent.register(session.arena)
+    sources.local = (mine["base"], mine["devid"], mine["mem"])
+    detail["register_ms"] = (time.perf_counter() - tr) * 1e3
+    rdv.publish(_gkey(ctx.gen, ctx.schedule, "member", position),
+                {"position": position, "pid": os.getpid(), "host": socket.gethostname(),
+                 "device": str(dev), "manifest_digest": manifest.digest, "transport": "nixl"},
+                sealed={"nixl": mine})
+    report.exchange_ms = (time.perf_counter() - t0) * 1e3 - report.alloc_ms
+    report.exchange_detail = {"seed_record_ms": report.manifest_ms, **{k: round(v, 4) for k, v in detail.items()}}
+    report.setup_ms = report.exchange_ms - detail.get("records_ms", 0.0)
+    if ctx.clones is not None:
+        report.barrier_ms = rdv.barrier(_gkey(ctx.gen, ctx.schedule, "start"), ctx.clones, timeout_s=timeout_s)
+
+    tt = time.perf_counter()
+    used = _transfer(ctx, agent, sources, session.arena, pieces(my_steps, session.arena.segment_bytes))
+    report.transfer_ms = (time.perf_counter() - tt) * 1e3
+    report.ready_ms = (time.perf_counter() - ctx.t_start) * 1e3
+    report.ready_unix = time.time()
+    report.mover = "nixl/UCX"
+    report.source = ", ".join(sources.who(p) for p in sorted(used))
+    if ctx.verify:
+        tv = time.perf_counter()
+        _verify(session.arena, manifest, f"clone #{position} on {dev} (nixl)")
+        report.verify_ms = (time.perf_counter() - tv) * 1e3
+        report.verified = True
+    metadata = ctx.read_metadata()
+    rdv.publish(_status_key(ctx, position), {"state": "done", "redone": [], "pid": os.getpid(), "transport": "nixl"})
+    if ctx.schedule == "chain":
+        def successors() -> list[str]:
+            joined = max(session.rdv.add(_gkey(ctx.gen, ctx.schedule, "join"), 0), ctx.clones or 0)
+            return [_status_key(ctx, position + 1)] if joined > position else []
+        session.dependents_of = successors
+    report.total_ms = (time.perf_counter() - ctx.t_start) * 1e3
+    report.finished_unix = time.time()
+    return CloneResult(session.arena, _views(session.arena, metadata), report, metadata=metadata, _session=session)
+
+
+@_cuda.keeps_context
+def _transfer(ctx, agent: Agent, sources: _Sources, arena, todo: deque) -> set[int]:
+    """READ every piece of ``todo`` into ``arena``, at most :data:`DEPTH` outstanding, each as soon as
+    its source holds it; raise the count of leading bytes we hold as pieces land. Re-attaches a
+    failed clone source's pieces upstream (``retry``); returns the participants read from."""
+    from ..report import CloneError
+
+    rdv, report, timeout_s = ctx.session.rdv, ctx.report, ctx.timeout_s
+    if ctx.dev.is_cuda:
+        _cuda.use_device(ctx.dev.index)
+    position = report.position
+    held_key = _held_key(ctx.gen, ctx.schedule, position)
+    poll_s = POLL_S if POLL_S is not None else (0.0002 if ctx.dev.is_cuda else 0.001)
+    devid = ctx.dev.index if ctx.dev.is_cuda else 0
+    mem = _mem_type(ctx.dev)
+    base = arena.ptr
+    done: dict[int, int] = {}  # offset -> end of landed pieces not yet counted in `held`
+    held = published = 0
+    published_at = 0.0
+    inflight: dict[int, tuple[Piece, Any, float]] = {}
+    used: set[int] = set()
+    waiting_since: float | None = None
+    last_refresh = 0.0
+    hook = ctx.hook
+
+    def fail(piece: Piece, why: str) -> None:
+        """Source of ``piece`` failed: re-attach its pieces upstream, or raise naming the step."""
+        src = piece.src
+        who = sources.who(src)
+        report.recovered.append(f"{who} failed at step {piece.step} (bytes [{piece.offset:,}, {piece.end:,})): {why}")
+        if not ctx.retry or src == 0:
+            raise CloneError(f"clone #{position} on {ctx.dev}: {who} failed at step {piece.step} "
+                             f"(bytes [{piece.offset:,}, {piece.end:,}) over NIXL): {why}"
+                             + ("" if ctx.retry else "; retry is off") + ("; no source upstream of the seed" if src == 0 else ""))
+        for key, (p, h, _) in list(inflight.items()):
+            if p.src == src:
+                agent.release(h)
+                del inflight[key]
+                todo.appendleft(p)
+        for p in todo:
+            if p.src == src:
+                p.src = src - 1
+        ordered = sorted(todo, key=lambda p: p.offset)
+        todo.clear()
+        todo.extend(ordered)
+        if src in sources.opened:
+            agent.remove_remote(sources.opened.pop(src)[0])
+        try:
+            sources.open(src - 1)
+        except (RendezvousError, WaitTimeoutError) as exc:
+            raise CloneError(f"clone #{position}: {who} failed at step {piece.step} and its upstream "
+                             f"{sources.who(src - 1)} cannot be reached: {exc}") from exc
+        report.recovered.append(f"re-attached to {sources.who(src - 1)}")
+
+    while todo or inflight:
+        progressed = False
+        # issue: in order, while the source holds the bytes
+        while todo and len(inflight) < DEPTH:
+            piece = todo[0]
+            if sources.held.get(piece.src, 0) < piece.end:
+                now = time.monotonic()
+                if now - last_refresh >= poll_s:
+                    last_refresh = now
+                    try:
+                        sources.refresh(piece.src)
+                    except _ReadFailed as exc:
+                        fail(piece, str(exc))
+                        break
+                if sources.held.get(piece.src, 0) < piece.end:
+                    waiting_since = waiting_since or now
+                    if now - waiting_since > timeout_s:
+                        raise WaitTimeoutError(f"clone #{position}: step {piece.step} waited {timeout_s:g} s for "
+                                               f"{sources.who(piece.src)} to hold bytes [{piece.offset:,}, "
+                                               f"{piece.end:,}) (it holds {sources.held.get(piece.src, 0):,})")
+                    break
+            waiting_since = None
+            todo.popleft()
+            if hook is not None:
+                hook(piece)
+            name, record, _ = sources.opened[piece.src]
+            local = [(base + piece.offset, piece.nbytes, devid)]
+            remote = [(record["base"] + piece.offset, piece.nbytes, record["devid"])]
+            try:
+                handle = agent.read(local, remote, mem, record["mem"], name)
+            except _ReadFailed as exc:
+                fail(piece, str(exc))
+                continue
+            inflight[piece.offset] = (piece, handle, time.monotonic())
+            used.add(piece.src)
+            progressed = True
+        # complete
+        for key, (piece, handle, t_post) in list(inflight.items()):
+            try:
+                state = agent.state(handle)
+            except _ReadFailed as exc:
+                fail(piece, str(exc))
+                break
+            if state == "DONE":
+                agent.release(handle)
+                del inflight[key]
+                done[piece.offset] = piece.end
+                progressed = True
+            elif time.monotonic() - t_post > timeout_s:
+                raise WaitTimeoutError(f"clone #{position}: the NIXL READ of step {piece.step} (bytes "
+                                       f"[{piece.offset:,}, {piece.end:,})) from {sources.who(piece.src)} is still in "
+                                       f"progress after {timeout_s:g} s: the link or the source stalled")
+        while held in done:
+            held = done.pop(held)
+        now = time.monotonic()
+        if held > published and (now - published_at >= HELD_EVERY_S or not (todo or inflight)):
+            rdv.add(held_key, held - published)
+            published, published_at = held, now
+        if not progressed:
+            time.sleep(poll_s)
+    return used

@@ -1,0 +1,219 @@
+"""FlashClone over NIXL across a real link: network namespaces joined by veths (CPU, root).
+
+Each test creates its namespaces (a bridge in a hub namespace, one veth per namespace, addresses
+10.213.0.x) and deletes them after; processes in them get their own hostname, so FlashBoot sees
+other hosts. ``UCX_TLS=tcp``: by default UCX sees one machine and copies through ``cma``,
+never touching the link. That the bytes did cross it is read from the veths' byte counters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from flashboot.benchmarks.netns import Hosts, cannot_create
+
+from _clone_helpers import TOKEN, MiB, finish, stop, wait_until
+
+NBYTES = 24 * MiB
+CHUNK = 2 * MiB
+STORE_PORT = 29671
+
+_WHY = cannot_create()
+pytestmark = pytest.mark.skipif(bool(_WHY), reason=f"cannot create network namespaces here: {_WHY}")
+
+_STORE = """
+import sys, time
+from flashboot.flashclone.rendezvous import Rendezvous
+r = Rendezvous.connect(sys.argv[1], host=True, timeout_s=30)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+_SEED = """
+import sys, numpy as np, flashboot
+from flashboot.arena import Arena
+a = Arena.create(int(sys.argv[2]), "cpu")
+a.bytes().numpy()[:] = np.random.default_rng(int(sys.argv[3])).integers(0, 256, a.nbytes, dtype=np.uint8)
+s = flashboot.seed(sys.argv[1], a, nixl=True, serve_nccl=False, timeout_s=30)
+print("ready", flush=True)
+s.serve_forever()
+"""
+
+_CLONE = """
+import hashlib, json, os, sys, flashboot
+from flashboot.flashclone.transports import nixl
+store, schedule, transport, clones = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+timeout_s = float(os.environ.get("T_TIMEOUT", "30"))
+try:
+    r = flashboot.clone(store, "cpu", schedule, transport=transport, verify=True, timeout_s=timeout_s,
+                        chunk_bytes=int(os.environ.get("T_CHUNK", 2 << 20)), clones=clones or None,
+                        retry=os.environ.get("T_RETRY", "1") == "1")
+except flashboot.FlashBootError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc), "stats": nixl.stats}), flush=True)
+    sys.exit(3)
+rep = r.report.to_dict()
+rep["sha256"] = hashlib.sha256(r.arena.bytes().numpy()[:rep["nbytes"]].tobytes()).hexdigest()
+rep["stats"] = nixl.stats
+print(json.dumps(rep), flush=True)
+from flashboot.flashclone import linger
+linger(r, timeout_s=timeout_s)
+r.close()
+"""
+
+
+def _env(token: str = TOKEN, **extra) -> dict:
+    e = dict(os.environ)
+    e.update({"FLASHBOOT_TOKEN": token, "UCX_TLS": "tcp"})
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def _expected_sha(nbytes: int, seed: int) -> str:
+    import numpy as np
+
+    return hashlib.sha256(np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()).hexdigest()
+
+
+def _ready(proc, what: str) -> None:
+    line = proc.stdout.readline()
+    if not line.startswith("ready"):
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{what} did not start: {line!r}{out}\n{err[-3000:]}")
+
+
+def _report(proc, timeout_s: float = 90) -> tuple[int, dict, str]:
+    rc, out, err = finish(proc, timeout_s)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert lines, f"no report (rc {rc}):\n{out}\n{err[-3000:]}"
+    return rc, json.loads(lines[0]), err
+
+
+@pytest.fixture
+def hosts():
+    h = Hosts(3)
+    procs: list = []
+    h.procs = procs
+    try:
+        yield h
+    finally:
+        for p in procs:
+            stop(p)
+        h.close()
+
+
+def _start(hosts, i: int, code: str, *args, env=None):
+    p = hosts.popen(i, [sys.executable, "-c", code, *map(str, args)], env=env or _env())
+    hosts.procs.append(p)
+    return p
+
+
+def _store_and_seed(hosts, nbytes: int = NBYTES, data_seed: int = 5, own_store: bool = False) -> str:
+    store = f"{hosts.address(0)}:{STORE_PORT}"
+    if own_store:  # a store that outlives the seed (a test that kills the seed)
+        _ready(_start(hosts, 0, _STORE, store), "store")
+    seed = _start(hosts, 0, _SEED, store, nbytes, data_seed)
+    _ready(seed, "seed")
+    hosts.seed = seed
+    return store
+
+
+def test_nixl_chain_across_three_namespaces_is_byte_exact_and_crosses_the_links(hosts):
+    store = _store_and_seed(hosts)
+    tx0, rx1, rx2 = hosts.tx_bytes(0), hosts.rx_bytes(1), hosts.rx_bytes(2)
+    c1 = _start(hosts, 1, _CLONE, store, "chain", "nixl", 2)
+    c2 = _start(hosts, 2, _CLONE, store, "chain", "nixl", 2)
+    rc1, r1, err1 = _report(c1)
+    rc2, r2, err2 = _report(c2)
+    assert rc1 == 0 and rc2 == 0, (r1, r2, err1[-2000:], err2[-2000:])
+    want = _expected_sha(NBYTES, 5)
+    for r in (r1, r2):
+        assert r["transport"] == "nixl" and r["verified"] and r["sha256"] == want
+        assert r["stats"]["registrations"] == 1 and r["stats"]["reads_posted"] >= NBYTES // CHUNK
+    assert {r1["position"], r2["position"]} == {1, 2}
+    first, second = sorted((r1, r2), key=lambda r: r["position"])
+    assert first["source"] == "the seed" and second["source"] == "clone #1"
+    # every byte came in over each clone's veth; the seed sent the image once, not twice (a chain)
+    assert hosts.rx_bytes(1) - rx1 >= NBYTES and hosts.rx_bytes(2) - rx2 >= NBYTES
+    assert NBYTES <= hosts.tx_bytes(0) - tx0 < 1.5 * NBYTES
+
+
+def test_nixl_star_across_namespaces_auto_picks_nixl_for_another_host(hosts):
+    store = _store_and_seed(hosts, data_seed=6)
+    tx0 = hosts.tx_bytes(0)
+    c1 = _start(hosts, 1, _CLONE, store, "star", "auto", 2)
+    c2 = _start(hosts, 2, _CLONE, store, "star", "auto", 2)
+    reports = [_report(c) for c in (c1, c2)]
+    want = _expected_sha(NBYTES, 6)
+    for rc, r, err in reports:
+        assert rc == 0, (r, err[-2000:])
+        assert r["transport"] == "nixl" and r["sha256"] == want and r["source"] == "the seed"
+        # auto says why: the seed is on another host (fbhost0), so no POSIX fd; no fabric on a CPU
+        assert "not posix_fd" in r["transport_note"] and "'fbhost0'" in r["transport_note"]
+    assert hosts.tx_bytes(0) - tx0 >= 2 * NBYTES  # both read every byte from the seed
+
+
+def test_seed_killed_mid_chain_fails_naming_the_step_within_the_deadline(hosts):
+    store = _store_and_seed(hosts, own_store=True)
+    slow = _env(FLASHBOOT_TEST_STEP_DELAY_S=0.4, T_TIMEOUT=10)
+    rx1 = hosts.rx_bytes(1)
+    c1 = _start(hosts, 1, _CLONE, store, "chain", "nixl", 2, env=slow)
+    c2 = _start(hosts, 2, _CLONE, store, "chain", "nixl", 2, env=slow)
+    wait_until(lambda: hosts.rx_bytes(1) - rx1 > 3 * CHUNK, 60, "clone #1 to have read a few chunks", c1)
+    t_kill = time.monotonic()
+    os.kill(hosts.seed.pid, signal.SIGKILL)  # ip netns exec / unshare / sh exec: the pid is the seed's python
+    for c in (c1, c2):
+        rc, r, err = _report(c, timeout_s=60)
+        assert rc == 3, (r, err[-2000:])
+        assert "step" in r["message"] and "the seed" in r["message"], r
+    # both ended within their deadline (10 s per wait), not by the test's timeout
+    assert time.monotonic() - t_kill < 40
+
+
+def test_clone_killed_mid_chain_successor_reattaches_to_the_seed_and_finishes(hosts):
+    store = _store_and_seed(hosts, data_seed=8)
+    slow = _env(FLASHBOOT_TEST_STEP_DELAY_S=0.3, T_TIMEOUT=20)
+    rx1, rx2 = hosts.rx_bytes(1), hosts.rx_bytes(2)
+    c1 = _start(hosts, 1, _CLONE, store, "chain", "nixl", 0, env=slow)  # no start barrier: #1 joins first
+    wait_until(lambda: hosts.rx_bytes(1) - rx1 > CHUNK, 60, "clone #1 to be reading from the seed", c1)
+    c2 = _start(hosts, 2, _CLONE, store, "chain", "nixl", 0, env=_env(T_TIMEOUT=20))
+    wait_until(lambda: hosts.rx_bytes(2) - rx2 > 2 * CHUNK, 60, "clone #2 to have read a few chunks from #1", c2)
+    os.kill(c1.pid, signal.SIGKILL)  # no status published: #2 finds out through NIXL
+    rc, r, err = _report(c2, timeout_s=90)
+    assert rc == 0, (r, err[-3000:])
+    assert r["position"] == 2 and r["sha256"] == _expected_sha(NBYTES, 8) and r["verified"]
+    assert any("clone #1 failed at step" in x for x in r["recovered"]), r["recovered"]
+    assert "re-attached to the seed" in r["recovered"], r["recovered"]
+    assert r["source"] == "the seed, clone #1"
+
+
+def test_link_cut_mid_transfer_ends_by_the_deadline(hosts):
+    store = _store_and_seed(hosts, nbytes=48 * MiB)
+    env = _env(FLASHBOOT_TEST_STEP_DELAY_S=0.2, T_TIMEOUT=5)
+    rx1 = hosts.rx_bytes(1)
+    c1 = _start(hosts, 1, _CLONE, store, "star", "nixl", 0, env=env)
+    wait_until(lambda: hosts.rx_bytes(1) - rx1 > 2 * CHUNK, 60, "the clone to have read a few chunks", c1)
+    hosts.link(1, up=False)
+    t_cut = time.monotonic()
+    rc, r, err = _report(c1, timeout_s=120)
+    assert rc == 3, (r, err[-2000:])
+    # NIXL leaves the READ in progress forever; our deadline (or the store's, also across the cut link) ends it
+    assert r["error"] in ("WaitTimeoutError", "RendezvousError", "CloneError"), r
+    assert "5 s" in r["message"] or "timed out" in r["message"].lower() or "step" in r["message"], r
+    assert time.monotonic() - t_cut < 100
+
+
+def test_wrong_token_is_refused_before_registration(hosts):
+    store = _store_and_seed(hosts)
+    c1 = _start(hosts, 1, _CLONE, store, "star", "nixl", 0,
+                env=_env(token="not-the-token-0123456789abcdef0123"))
+    rc, r, err = _report(c1)
+    assert rc == 3 and r["error"] == "RendezvousError", r
+    assert r["stats"]["registrations"] == 0 and r["stats"]["reads_posted"] == 0, r
