@@ -27,21 +27,12 @@ from flashboot.flashclone.rendezvous import Rendezvous, StoreLostError, free_por
 
 from _clone_helpers import _token  # noqa: F401  (fixture)
 from _clone_helpers import (
-    MiB, TOKEN, arena_fds, arena_maps, finish, spawn_cli, spawn_python, stop, wait_until, write_raw_image,
+    TOKEN, arena_fds, arena_maps, finish, spawn_cli, spawn_python, stop, wait_until,
 )
-from test_clone_faults import _Background, _member
+from test_clone_faults import _Background, _member, raw  # noqa: F401  (raw: a fixture)
 
 clone_module = importlib.import_module("flashboot.flashclone.clone")  # the package's `clone` is the function
 pytestmark = pytest.mark.timeout(60)
-NBYTES = 4 * MiB  # 16 chunks of 256 KiB
-
-
-@pytest.fixture
-def raw(tmp_path):
-    path = tmp_path / "image.bin"
-    return path, write_raw_image(path, NBYTES, 31)
-
-
 @pytest.fixture
 def store_process():
     """``flashboot store`` in a process of its own; yields its address and a client of it."""

@@ -55,13 +55,10 @@ _SEAL_LABEL = b"flashboot-record-seal-v1"
 
 
 class StoreLostError(RendezvousError):
-    """The connection to the rendezvous store broke (the process hosting it exited, or it stopped
-    answering): names the store and what was being done. Later calls on the same connection
-    fail at once with this error."""
-
-
-class StoreTimeoutError(StoreLostError, WaitTimeoutError):
-    """A bounded store call (``Rendezvous.bounded``) got no answer within its deadline."""
+    """The connection to the rendezvous store broke (the process hosting it exited, the connection
+    was reset): names the store and what was being done. Later calls on the same connection fail
+    at once with this error, as do the calls after a bounded call went unanswered (that one
+    raises WaitTimeoutError)."""
 
 
 # ============================================================================================
@@ -481,7 +478,7 @@ class Rendezvous:
         self._calls.put((fn, args, box, done))
         if not done.wait(self.timeout_s):
             self._broken = f"{what}: no answer within {self.timeout_s:g} s"
-            raise StoreTimeoutError(f"the store at {self.address} did not answer within {self.timeout_s:g} s while "
+            raise WaitTimeoutError(f"the store at {self.address} did not answer within {self.timeout_s:g} s while "
                                    f"{what} (is the link to it down?)")
         if "error" in box:
             raise box["error"]
@@ -595,5 +592,5 @@ class Rendezvous:
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "ENV_TOKEN", "ENV_TOKEN_FILE", "MIN_TOKEN_BYTES", "Manifest", "Record", "Rendezvous",
-    "StoreLostError", "StoreTimeoutError", "Token", "decode_record", "encode_record", "free_port", "parse_address", "resolve_token",
+    "StoreLostError", "Token", "decode_record", "encode_record", "free_port", "parse_address", "resolve_token",
 ]
