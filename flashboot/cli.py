@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "flashboot.commands.preload",
     "flashboot.commands.load",
     "flashboot.commands.clone",
+    "flashboot.commands.store",
     "flashboot.commands.bench",
     "flashboot.commands.demo",
     "flashboot.commands.sim",

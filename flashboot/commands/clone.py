@@ -25,6 +25,8 @@ def register(subparsers) -> None:
     p.add_argument("--no-nccl", action="store_true", help="do not answer the NCCL-broadcast fallback")
     p.add_argument("--nixl", action="store_true",
                    help="also serve NIXL READs (clones on other hosts; needs pip install flashboot[nixl])")
+    p.add_argument("--no-host-store", action="store_true",
+                   help="never host the store: wait for the one at --store (flashboot store, torchrun's) and join it")
     _common(p)
     p.set_defaults(func=run_seed)
 
@@ -76,7 +78,8 @@ def run_seed(args: argparse.Namespace) -> int:
         source = args.dir
     try:
         s = seed(args.store, source, args.device, token_file=args.token_file, name=args.name, rank=args.rank,
-                 timeout_s=args.timeout, serve_nccl=not args.no_nccl, nixl=args.nixl)
+                 timeout_s=args.timeout, serve_nccl=not args.no_nccl, nixl=args.nixl,
+                 host_store=not args.no_host_store)
     except BaseException:
         if owned is not None:
             owned.close()
@@ -84,6 +87,9 @@ def run_seed(args: argparse.Namespace) -> int:
     role = "hosting" if s.rendezvous.is_server else "joined"
     _print(f"seed ready: {s.manifest.describe()} on {s.arena.device}; {role} store {s.address} "
            f"(namespace {args.name!r}, generation {s.generation}); serving until SIGTERM")
+    if s.rendezvous.is_server:
+        print(f"flashboot seed: note: this process hosts the store at {s.address}; if it dies, clones lose the "
+              f"store with it (run `flashboot store {s.address}` first to keep the store apart)", file=sys.stderr)
     try:
         s.serve_forever()
     finally:

@@ -24,11 +24,19 @@ Faults: every wait has a deadline. A source that exits (or stalls) mid-transfer 
 a named error; with ``retry=True`` (default) the clone re-attaches upstream (the source's own
 source), or to another clone that holds the whole image, or to the host image (``image=``), and
 finishes; otherwise it releases what it mapped and raises.
+
+Where the store lives: in a process of its own (``flashboot store HOST:PORT``,
+:class:`StoreServer`) or any TCPStore the caller already runs (torchrun's), so a seed that dies
+takes only its own records with it. A clone that holds every byte when the store disappears
+keeps its weights and says so in ``report.warnings``; one that does not finishes from ``image=``
+when given, else raises naming the step.
 """
 
 from .clone import clone, linger
 from .report import CloneError, CloneReport, CloneResult
 from .ring import ring_load
 from .seed import Seed, seed
+from .store import StoreServer, serve_store
 
-__all__ = ["CloneError", "CloneReport", "CloneResult", "Seed", "clone", "linger", "ring_load", "seed"]
+__all__ = ["CloneError", "CloneReport", "CloneResult", "Seed", "StoreServer", "clone", "linger", "ring_load", "seed",
+           "serve_store"]

@@ -14,7 +14,7 @@ from ..errors import ArenaError, FlashBootError, RendezvousError, WaitTimeoutErr
 from ..memory import Device
 from ..schedulers import HOST, Plan, Step, build_plan
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
-from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous
+from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous, StoreLostError
 from .common import METADATA_KEY, SCHEDULES, SEED_KEY, _FALLBACK_INDEX, _SEED_INDEX, _Warmup, _alive, _check_mover, _default_mover, _descriptor_from, _gkey, _note_lazy_mapping, _parse_metadata, _step_hook, _verify, _views
 from .report import CloneError, CloneReport, CloneResult
 from .ring import ring_load
@@ -219,8 +219,13 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     _note_lazy_mapping(report, sources.endpoints.values())
 
     # Upstream clones that released blocked streams (CUDA) may have let us copy bytes they later redid.
-    redone = _repair_from_upstream(plan, position, list(ran.values()), sources, session, mover, timeout_s, report,
-                                   dead)
+    try:
+        redone = _repair_from_upstream(plan, position, list(ran.values()), sources, session, mover, timeout_s,
+                                       report, dead)
+    except StoreLostError as exc:
+        # their final status is out of reach: the seed's checksums are the proof left
+        report.warnings.append(f"{exc}; verifying against the seed's manifest instead")
+        redone, verify = set(), True
     redone |= tainted
     report.redone_bytes = sum(plan.steps[i].nbytes for i in redone)
     report.ready_ms = (time.perf_counter() - t_start) * 1e3
@@ -233,7 +238,15 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     used = sorted({s.src for s in ran.values()})
     report.source = ", ".join("the host image" if p == HOST else sources.endpoints[p].name if p in sources.endpoints
                               else ("seed" if p == _SEED_INDEX else f"clone #{p}") for p in used)
-    _publish_done(rdv, gen, schedule, position, manifest, session, redone, plan)
+    lost_before = rdv.lost
+    try:
+        _publish_done(rdv, gen, schedule, position, manifest, session, redone, plan)
+    except StoreLostError as exc:
+        # every byte is in place (and verified when asked): losing the store costs later clones a
+        # source, not this clone its weights
+        why = exc if lost_before is None else f"the store at {rdv.address} is gone (see above)"
+        report.warnings.append(f"{why}; kept the weights ({manifest.nbytes:,} bytes"
+                               f"{', verified' if report.verified else ''}), not announced as a source")
     if schedule == "chain":
         def successors() -> list[str]:
             joined = max(session.rdv.add(_gkey(gen, schedule, "join"), 0), clones or 0)
@@ -255,7 +268,12 @@ def _reroute(plan: Plan, steps: list[Step], lost: int, dead: set, sources: _Sour
             new = rewire(plan, steps, lost, fallback=fallback, dead={d for d in dead if isinstance(d, int)})
         except FlashBootError:
             if fallback is None:
-                found = sources.full_copy(set())
+                try:
+                    found = sources.full_copy(set())
+                except StoreLostError as exc:  # the clones that finished cannot be found without it
+                    found = None
+                    report.recovered.append(f"no other full copy can be found: {exc}")
+                    report.warnings.append(str(exc))
                 if found is not None:
                     fallback, who = found
                     report.recovered.append(f"re-attached to {who}")
@@ -264,8 +282,9 @@ def _reroute(plan: Plan, steps: list[Step], lost: int, dead: set, sources: _Sour
                     fallback, who = sources.image(image)
                     report.recovered.append(f"loading the rest from {who}")
                     continue
+            found_none = "the store is lost" if sources.rdv.lost else "no finished clone alive"
             raise CloneError(f"clone #{report.position}: its source {'seed' if lost == 0 else f'#{lost}'} is gone "
-                             f"and no other holds the bytes (no finished clone alive, no image=); "
+                             f"and no other holds the bytes ({found_none}, no image=); "
                              f"history: {'; '.join(report.recovered)}") from None
         # open any new upstream participant the rewired steps read from or wait on
         need = {s.src for s in new if s.src != HOST} | {plan.flag_of(w)[0] for s in new for w in s.waits}
@@ -357,6 +376,7 @@ def linger(result: CloneResult, *, timeout_s: float = DEFAULT_TIMEOUT_S, forever
     session = result._session
     if session is None or session.rdv is None:
         return
+    lost_before = session.rdv.lost
     if forever:
         stop = threading.Event()
         previous = {}
@@ -370,12 +390,15 @@ def linger(result: CloneResult, *, timeout_s: float = DEFAULT_TIMEOUT_S, forever
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return
-    keys = list(session.dependents) + (session.dependents_of() if session.dependents_of else [])
-    if keys:
-        try:
+    try:
+        keys = list(session.dependents) + (session.dependents_of() if session.dependents_of else [])
+        if keys:
             session.rdv.wait_keys(keys, what="the participants reading from this clone to finish", timeout_s=timeout_s)
-        except WaitTimeoutError:
-            pass  # they hold their own mapping by now or will re-attach upstream; we only waited to be polite
+    except StoreLostError as exc:  # nobody can report to us any more; readers hold their own mappings
+        why = exc if lost_before is None else f"the store at {session.rdv.address} is gone"
+        result.report.warnings.append(f"{why}; stopped lingering (readers of this clone cannot report to it)")
+    except WaitTimeoutError:
+        pass  # they hold their own mapping by now or will re-attach upstream; we only waited to be polite
 
 
 class _JoinOnClose:

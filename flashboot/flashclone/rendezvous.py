@@ -3,6 +3,12 @@ torch.distributed's ``TCPStore`` (no home-made server).
 
 Who talks to whom:
 
+* the **store** is a plain ``TCPStore``. Host it in a process of its own (``flashboot store
+  HOST:PORT``, :class:`~flashboot.flashclone.store.StoreServer`), or use one the caller already
+  runs (torchrun's ``MASTER_ADDR:MASTER_PORT`` store, any ``TCPStore(is_master=True)``): then a
+  seed that dies takes only its own records with it. Without one, the seed hosts the store
+  itself, and its death ends the store for everyone (a clone that already holds every byte keeps
+  them and says so in ``report.warnings``);
 * the **seed** hosts the store at ``HOST:PORT`` unless one already listens there (then it joins it
   as a client), and publishes its :class:`Manifest` (image key, sizes, per-chunk checksums) and its
   arena descriptor;
@@ -49,13 +55,21 @@ _MAC_LABEL = b"flashboot-record-mac-v1"
 _SEAL_LABEL = b"flashboot-record-seal-v1"
 
 
+class StoreLostError(RendezvousError):
+    """The connection to the rendezvous store broke (the process hosting it exited, the connection
+    was reset): names the store and what was being done. Later calls on the same connection fail
+    at once with this error, as do the calls after a bounded call went unanswered (that one
+    raises WaitTimeoutError)."""
+
+
 # ============================================================================================
 # Addresses
 # ============================================================================================
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """``"HOST:PORT"`` (or ``"[v6]:PORT"``) -> ``(host, port)``; RendezvousError otherwise."""
+def parse_address(address: str, *, any_port: bool = False) -> tuple[str, int]:
+    """``"HOST:PORT"`` (or ``"[v6]:PORT"``) -> ``(host, port)``; RendezvousError otherwise.
+    ``any_port``: also accept port 0 (a server that lets the kernel pick one)."""
     if not isinstance(address, str) or ":" not in address:
         raise RendezvousError(f"store address must be HOST:PORT, got {address!r}")
     host, _, port_text = address.rpartition(":")
@@ -64,8 +78,9 @@ def parse_address(address: str) -> tuple[str, int]:
         port = int(port_text)
     except ValueError:
         raise RendezvousError(f"store address {address!r}: port {port_text!r} is not a number") from None
-    if not 0 < port < 65536:
-        raise RendezvousError(f"store address {address!r}: port {port} is outside 1..65535")
+    if not (0 if any_port else 1) <= port < 65536:
+        raise RendezvousError(f"store address {address!r}: port {port} is outside "
+                              f"{0 if any_port else 1}..65535")
     return host, port
 
 
@@ -382,8 +397,8 @@ def _wait_for_listener(host: str, port: int, deadline: float, address: str) -> N
             last = exc.strerror or str(exc)
         if time.monotonic() >= deadline:
             raise WaitTimeoutError(
-                f"no rendezvous store listens at {address} ({last}); is the seed running? "
-                "(start one with `flashboot seed DIR --store HOST:PORT`)"
+                f"no rendezvous store listens at {address} ({last}); is the store (`flashboot store HOST:PORT`) "
+                "or the seed that hosts it (`flashboot seed DIR --store HOST:PORT`) running?"
             )
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 0.2)
@@ -414,8 +429,11 @@ class Rendezvous:
         """Connect to the store at ``address`` (``HOST:PORT``).
 
         ``host=True``: host the store in this process unless one already listens there (then join
-        it as a client). Otherwise wait up to ``timeout_s`` for a store to appear. The token is
-        resolved first (RendezvousError without one), so nothing is exchanged without it.
+        it as a client); the store then lives only as long as this process. Otherwise wait up to
+        ``timeout_s`` for a store to appear: one hosted by ``flashboot store``
+        (:class:`~flashboot.flashclone.store.StoreServer`) or any ``TCPStore(is_master=True)``, such
+        as torchrun's at ``MASTER_ADDR:MASTER_PORT``. The token is resolved first (RendezvousError
+        without one), so nothing is exchanged without it.
         """
         tok = resolve_token(token, token_file)
         if not namespace or "/" in namespace:
@@ -450,14 +468,28 @@ class Rendezvous:
 
         if self._closed:
             raise RendezvousError(f"rendezvous at {self.address} is closed")
-        if self._broken is not None:
-            raise RendezvousError(f"the store at {self.address} stopped answering earlier ({self._broken}); "
-                                  f"not {what}")
+        self._check_broken(what)
         try:
             return self._bounded_call(what, fn, args) if self.bounded else fn(*args)
         except DistError as exc:
-            raise RendezvousError(f"lost the rendezvous store at {self.address} while {what}: "
-                                  f"{str(exc).splitlines()[0]}") from None
+            raise self._lost(what, exc) from None
+
+    @property
+    def lost(self) -> str | None:
+        """Why the store connection broke (the call and the error), or None while it works."""
+        return self._broken
+
+    def _check_broken(self, what: str) -> None:
+        if self._broken is not None:
+            raise StoreLostError(f"the store at {self.address} stopped answering earlier ({self._broken}); "
+                                 f"not {what}")
+
+    def _lost(self, what: str, exc: BaseException) -> StoreLostError:
+        """Remember that the store is gone (later calls fail at once, a dead store does not
+        answer a retry either) and name it."""
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        self._broken = f"{what}: {reason}"
+        return StoreLostError(f"lost the rendezvous store at {self.address} while {what}: {reason}")
 
     def _bounded_call(self, what: str, fn, args):
         """``fn(*args)`` on this connection's store thread, waited for at most ``timeout_s``."""
@@ -525,16 +557,15 @@ class Rendezvous:
         t = self.timeout_s if timeout_s is None else float(timeout_s)
         if self._closed:
             raise RendezvousError(f"rendezvous at {self.address} is closed")
+        self._check_broken(f"waiting for {what}")
         try:
             self.store.wait(full, datetime.timedelta(seconds=max(t, 0.001)))
         except DistStoreError as exc:
             if "timeout" in str(exc).lower():
                 raise WaitTimeoutError(f"waited {t:g} s for {what} (store keys {keys} at {self.address})") from None
-            raise RendezvousError(f"store at {self.address} failed while waiting for {what}: "
-                                  f"{str(exc).splitlines()[0]}") from None
+            raise self._lost(f"waiting for {what}", exc) from None
         except DistError as exc:
-            raise RendezvousError(f"lost the rendezvous store at {self.address} while waiting for {what}: "
-                                  f"{str(exc).splitlines()[0]}") from None
+            raise self._lost(f"waiting for {what}", exc) from None
 
     def has(self, key: str) -> bool:
         return bool(self._store_call(f"checking {key!r}", self.store.check, [self.full_key(key)]))
@@ -587,5 +618,5 @@ class Rendezvous:
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "ENV_TOKEN", "ENV_TOKEN_FILE", "MIN_TOKEN_BYTES", "Manifest", "Record", "Rendezvous",
-    "Token", "decode_record", "encode_record", "free_port", "parse_address", "resolve_token",
+    "StoreLostError", "Token", "decode_record", "encode_record", "free_port", "parse_address", "resolve_token",
 ]

@@ -32,6 +32,8 @@ class CloneReport:
     arena, adding the sources' agents; ``exchange_detail`` splits it, ``agent_create_ms`` is the
     agent's creation, overlapped with connecting). ``ready_ms``: from the call to the weights in place (verification not included; ``verify_ms``
     is separate, ``total_ms`` includes it). ``recovered``: what happened when a source failed.
+    ``warnings``: what went wrong without costing the clone its bytes (the rendezvous store lost
+    after the copy: the weights are kept, but later clones cannot find this one as a source).
     """
 
     schedule: str
@@ -64,6 +66,7 @@ class CloneReport:
     total_ms: float = 0.0
     verified: bool | None = None
     recovered: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     redone_bytes: int = 0
     lanes: list[dict] = field(default_factory=list)
     ready_unix: float = 0.0
@@ -100,6 +103,8 @@ class CloneReport:
             parts.append("verified byte-exact" if self.verified else "NOT verified")
         if self.recovered:
             parts.append("recovered: " + "; ".join(self.recovered))
+        if self.warnings:
+            parts.append("WARNING: " + "; ".join(self.warnings))
         return ", ".join(p for p in parts if p)
 
 

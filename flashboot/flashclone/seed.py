@@ -162,14 +162,17 @@ def _load_seed_source(source: Any, dev: Device, rank: int, timeout_s: float):
 
 def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=None, name: str = "default",
          rank: int = 0, nbytes: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, serve_nccl: bool = True,
-         checksum_chunk_bytes: int | None = None, manifest: Manifest | None = None, nixl: bool = False) -> Seed:
+         checksum_chunk_bytes: int | None = None, manifest: Manifest | None = None, nixl: bool = False,
+         host_store: bool = True) -> Seed:
     """Publish an arena for cloning at the rendezvous store ``store`` (``HOST:PORT``).
 
     ``source``: an image directory (rank ``rank``; loaded with :func:`flashboot.load` when the
     preloader staged it, else read from the image file), an :class:`~flashboot.Arena` (``nbytes``:
     how much of it to replicate, default all; ``manifest``: its checksums when already known,
     else they are computed on the device), or a LoadedImage/CloneResult. The seed hosts the
-    store at ``store`` unless one already listens there. The token (``token``, ``token_file`` or
+    store at ``store`` unless one already listens there (then, if this process dies, the store and
+    every record in it die too); ``host_store=False``: never host, wait up to ``timeout_s`` for a
+    store (``flashboot store HOST:PORT``, torchrun's, any TCPStore) and join it. The token (``token``, ``token_file`` or
     ``$FLASHBOOT_TOKEN``) signs every record. ``nixl``: also register the arena (every segment)
     with a NIXL agent and publish its metadata, sealed, so clones on other hosts can READ it
     (``transport="nixl"``; needs ``pip install flashboot[nixl]``). Returns a :class:`Seed`; call ``serve_forever()``
@@ -206,7 +209,7 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
             agent = Agent(f"flashboot-seed-{os.getpid()}-{secrets.token_hex(4)}")
             owned.append(agent)  # closed before the arena: deregistered, then unmapped
             sealed["nixl"] = agent.register(arena)
-        rdv = Rendezvous.connect(store, tok, namespace=name, host=True, timeout_s=timeout_s)
+        rdv = Rendezvous.connect(store, tok, namespace=name, host=host_store, timeout_s=timeout_s)
     except BaseException:
         for obj in reversed(owned):
             obj.close()
