@@ -848,6 +848,9 @@ def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, d
             f"{options.image_dir}: no complete engine image here (no prepack.json). Pre-pack it first: start the "
             "engine once with --model-loader-extra-config '{\"image_dir\": ..., \"mode\": \"prepack\"}' (or "
             "\"auto\": pre-pack when missing, load otherwise)")
+    # The job's key first: a rank the image does not have (another TP size) is refused by the key,
+    # naming both tp sizes, rather than by a missing rank directory.
+    check_engine_key(read_job_engine_key(options.image_dir), expected, str(options.image_dir))
     section, _ = read_engine_section(options.image_dir, rank)
     check_engine_key(section.key, expected, f"{options.image_dir} (rank {rank})")
     staged_here = _stage_if_needed(options, rank, dev)
