@@ -700,6 +700,8 @@ def older_engine_copy(version):
             key = EngineKey(**{**{k: getattr(key, k) for k in EngineKey.FIELDS}, "engine_version": version})
             raw["engine"]["key"] = key.to_dict()
             json.dump(raw, open(path, "w"))
+    if world > 1:
+        torch.distributed.barrier()  # every rank sees the copy
     return dst
 
 def refusals(load):
@@ -874,6 +876,7 @@ def test_real_sglang_refuses_an_image_of_an_older_sglang(sglang_moe):
                                   f"sglang {r['engine_version']}", "sglang 0.5.22")
 
 
+@pytest.mark.timeout(900)  # its fixtures run up to three engine jobs in a row
 def test_real_sglang_tp2_each_rank_loads_its_own_rank_image(sglang_moe_tp2, sglang_moe):
     ranks = sglang_moe_tp2
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["key"]["tp_size"] == 2 for r in ranks)
@@ -893,6 +896,7 @@ def test_real_sglang_tp2_each_rank_loads_its_own_rank_image(sglang_moe_tp2, sgla
         assert not torch.allclose(torch.tensor(parts[0]["head"]), torch.tensor(tp1["head"]), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.timeout(900)  # its fixtures run up to three engine jobs in a row
 def test_real_sglang_tp2_refuses_a_tp1_image_on_every_rank(sglang_moe_tp2):
     for r in sglang_moe_tp2:
         assert_refused_before_staging(r["refused"]["tp1_image"], "tp_size: engine 2, image 1")
