@@ -8,6 +8,9 @@ PY := $(VENV)/bin/python
 # gets this CPU build first (pip finds it on the machine's local wheel cache), so pip never pulls
 # a multi-GB CUDA build for a CPU machine. GPU machines bring their own torch.
 CPU_TORCH ?= torch==2.13.0
+# CuPy for the CUDA major of this machine's driver (cuda12 or cuda13; cuda13 without a driver,
+# where the tests use it on the host paths only).
+CUDA_EXTRA ?= $(if $(filter 12,$(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\)\..*/\1/p' | head -1)),cuda12,cuda13)
 
 ENGINES_VENV ?= .venv-engines
 ENGINES_PY := $(ENGINES_VENV)/bin/python
@@ -20,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q '$(CPU_TORCH)'
-	$(PY) -m pip install -q -e '.[dev,hf,notebooks]'
+	$(PY) -m pip install -q -e '.[dev,hf,notebooks,$(CUDA_EXTRA)]'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -773,26 +773,26 @@ print("RESULT " + json.dumps(out))
 SGLANG_FORWARD = ("model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "model.norm")
 
 
-@pytest.fixture(scope="module")
-def sglang_moe(tmp_path_factory):
+def _sglang_job(tmp_path_factory, kind: str, world: int = 1, **kw) -> list[dict]:
     if not HAVE_SGLANG:
         pytest.skip("SGLang is not installed here (see docs/engines.md for the engine test venv)")
-    return run_engine_ranks(SGLANG_RANK_SCRIPT, tmp_path_factory.mktemp("sglang-moe"), "qwen3_moe", 1,
-                            forward=SGLANG_FORWARD)[0]
+    return run_engine_ranks(SGLANG_RANK_SCRIPT, tmp_path_factory.mktemp(f"sglang-{kind}-tp{world}"), kind, world,
+                            forward=SGLANG_FORWARD, **kw)
+
+
+@pytest.fixture(scope="module")
+def sglang_moe(tmp_path_factory):
+    return _sglang_job(tmp_path_factory, "qwen3_moe")[0]
 
 
 @pytest.fixture(scope="module")
 def sglang_moe_tp2(tmp_path_factory, sglang_moe):
-    return run_engine_ranks(SGLANG_RANK_SCRIPT, tmp_path_factory.mktemp("sglang-moe-tp2"), "qwen3_moe", 2,
-                            refuse=[("tp1_image", sglang_moe["image_dir"])], forward=SGLANG_FORWARD)
+    return _sglang_job(tmp_path_factory, "qwen3_moe", 2, refuse=[("tp1_image", sglang_moe["image_dir"])])
 
 
 @pytest.fixture(scope="module")
 def sglang_mla(tmp_path_factory):
-    if not HAVE_SGLANG:
-        pytest.skip("SGLang is not installed here (see docs/engines.md for the engine test venv)")
-    return run_engine_ranks(SGLANG_RANK_SCRIPT, tmp_path_factory.mktemp("sglang-mla"), "deepseek_v3", 1,
-                            forward=SGLANG_FORWARD)[0]
+    return _sglang_job(tmp_path_factory, "deepseek_v3")[0]
 
 
 @pytest.fixture(scope="session")
