@@ -10,6 +10,8 @@ import pytest
 
 from flashboot._cuda import cuda_available, device_count
 
+pytest_plugins = ["engine_gate"]  # --require-real-engines (make test-engines)
+
 if not cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

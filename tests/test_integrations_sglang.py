@@ -269,6 +269,44 @@ def test_bind_refuses_other_shapes_and_leftover_meta_tensors(packed, tmp_path):
         weights.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class _RoutingConfig:
+    correction_bias: torch.Tensor
+
+
+class _Router(torch.nn.Module):
+    """Holds a reference to another module's parameter in a frozen dataclass, as SGLang's TopK
+    holds the gate's ``e_score_correction_bias`` in its TopKConfig."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.config = _RoutingConfig(bias)
+        self.held = [bias]
+
+
+def test_bind_repoints_references_held_in_module_containers(packed, tmp_path):
+    model, out, _ = packed
+    weights = load_engine_weights(_options(out, tmp_path), _key(), 0, "cpu", tp_size=1, ep_size=1)
+    try:
+        with torch.device("meta"):
+            target = PlainEngineLikeModel()
+        target.router = _Router(target.proj.bias)
+        report = bind_engine_model(target, weights)
+        assert sorted(report.repointed) == ["router.config.correction_bias", "router.held[0]"]
+        assert target.router.config.correction_bias is target.proj.bias is target.router.held[0]
+        assert torch.equal(target.router.config.correction_bias, model.proj.bias)
+        check_no_meta_tensors(target, "plain")
+        with torch.device("meta"):
+            stale = PlainEngineLikeModel()
+        stale.router = _Router(torch.empty(3, device="meta"))  # a held tensor the image cannot provide
+        bind_engine_model(stale, weights)
+        with pytest.raises(LayoutError, match=r"2 tensor\(s\) .* uninitialised: "
+                                              r"router.config\['correction_bias'\], router.held\[0\]"):
+            check_no_meta_tensors(stale, "plain")
+    finally:
+        weights.close()
+
+
 def _run_two_ranks(out: Path, models) -> tuple[dict, dict]:
     """prepack_engine_model on two threads (ranks 0 and 1 of tp=2); (reports, errors) by rank."""
     box, barrier, errors, reports = {}, threading.Barrier(2, timeout=30), {}, {}
@@ -514,41 +552,254 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-def _make_tiny_llama(path: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_tiny_model(kind: str, path: Path) -> Path:
+    """A tiny checkpoint of ``kind`` written by transformers from a config (random weights):
+    ``llama``, ``qwen3_moe`` (FusedMoE: 8 experts, top-2) or ``deepseek_v3`` (MLA attention,
+    one dense layer then an MoE layer with a shared expert)."""
+    import transformers
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False)
-    cfg.architectures = ["LlamaForCausalLM"]
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128, tie_word_embeddings=False)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(num_key_value_heads=2, **common)
+        arch = "LlamaForCausalLM"
+    elif kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8,
+                                          num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True, **common)
+        arch = "Qwen3MoeForCausalLM"
+    elif kind == "deepseek_v3":
+        cfg = transformers.DeepseekV3Config(
+            num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32,
+                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}, **common)
+        # fields of DeepSeek-V3's own config.json that the engines read and transformers does not write
+        cfg.moe_layer_freq, cfg.topk_method, cfg.scoring_func = 1, "noaux_tc", "sigmoid"
+        arch = "DeepseekV3ForCausalLM"
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r}")
+    cfg.architectures = [arch]
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    getattr(transformers, arch)(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _shm_dir(tmp_path: Path) -> Path:
+    # On CUDA the staged image is pinned for the H2D, and the driver refuses a shared mapping of a
+    # file on disk: stage in /dev/shm (tmpfs) where there is one, as `flashboot preload` does.
+    if os.path.isdir("/dev/shm"):
+        return Path(tempfile.mkdtemp(prefix="flashboot-test-", dir="/dev/shm"))
+    return Path(tempfile.mkdtemp(prefix="shm-", dir=tmp_path))
+
+
+def _result_of(proc: subprocess.CompletedProcess, what: str) -> dict:
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, \
+        f"{what}: rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def run_engine_script(script: str, tmp_path: Path, env: dict | None = None) -> dict:
-    """Run ``script`` with this interpreter in a child process; its ``RESULT {json}`` line."""
+    """Run ``script`` with this interpreter in a child process on a tiny Llama; its ``RESULT {json}``
+    line, plus ``image_dir`` (the image it wrote, kept for other tests)."""
     from flashboot.flashclone.rendezvous import free_port
 
-    model = tmp_path / "tiny-llama"
-    _make_tiny_llama(model)
+    model = make_tiny_model("llama", tmp_path / "tiny-llama")
     path = tmp_path / "engine_script.py"
     path.write_text(script)
-    # On CUDA the staged image is pinned for the H2D, and the driver refuses a shared mapping of a
-    # file on disk: stage in /dev/shm (tmpfs) where there is one, as `flashboot preload` does.
-    shm = Path(tempfile.mkdtemp(prefix="flashboot-test-", dir="/dev/shm")) if os.path.isdir("/dev/shm") \
-        else tmp_path / "shm"
+    shm = _shm_dir(tmp_path)
     try:
         proc = subprocess.run([sys.executable, str(path), str(model), str(tmp_path / "image"), str(shm),
                                str(free_port())], capture_output=True, text=True, timeout=280,
                               env={**os.environ, **(env or {})}, cwd=tmp_path)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return {**_result_of(proc, "engine script"), "image_dir": str(tmp_path / "image")}
+
+
+def run_engine_ranks(script: str, tmp_path: Path, kind: str, world: int, *, refuse=(), forward=()) -> list[dict]:
+    """Run ``ENGINE_CHECKS + script`` as ``world`` processes (the ranks of one engine job, gloo) on
+    a tiny ``kind`` model; each rank's ``RESULT`` in rank order. ``refuse``: (label, image_dir)
+    pairs each rank must refuse to load; ``forward``: module names whose forward is compared."""
+    from flashboot.flashclone.rendezvous import free_port
+
+    model = make_tiny_model(kind, tmp_path / f"tiny-{kind}")
+    path = tmp_path / "engine_ranks.py"
+    path.write_text(ENGINE_CHECKS + script)
+    shm, port = _shm_dir(tmp_path), free_port()
+    args = [str(model), str(tmp_path / "image"), str(shm), str(port), str(world), json.dumps(list(refuse)),
+            json.dumps(list(forward))]
+    procs = [subprocess.Popen([sys.executable, str(path), *args, str(rank)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path) for rank in range(world)]
+    try:
+        outs = [p.communicate(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        shutil.rmtree(shm, ignore_errors=True)
+    return [{**_result_of(subprocess.CompletedProcess(p.args, p.returncode, o, e), f"rank {r} of {world}"),
+             "image_dir": str(tmp_path / "image")} for r, (p, (o, e)) in enumerate(zip(procs, outs))]
+
+
+# What both engines' rank scripts check, prepended to them: every parameter, buffer and tensor
+# attribute of our load against the engine's default loader, the arena, module forwards, refusals.
+ENGINE_CHECKS = r"""
+import hashlib, json, os, shutil, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+model_path, image_dir, shm, port, world, refuse, forward, rank = sys.argv[1:9]
+world, rank, refuse, forward = int(world), int(rank), json.loads(refuse), json.loads(forward)
+out = {"rank": rank, "world": world}
+
+def _attr(model, name):
+    for part in name.split("."):
+        model = getattr(model, part)
+    return model
+
+def compare_with_default(ref, m, arena):
+    from flashboot.integrations.engine_prepack import read_engine_section
+    section, _ = read_engine_section(image_dir, rank)
+    pa, pb = dict(ref.named_parameters()), dict(m.named_parameters())
+    ba, bb = dict(ref.named_buffers()), dict(m.named_buffers())
+    extras = sorted(n for n, info in section.tensors.items() if info["kind"] == "extra")
+    out["param_names"], out["buffer_names"], out["extras"] = sorted(pa), sorted(ba), extras
+    out["names_same"] = sorted(pa) == sorted(pb) and sorted(ba) == sorted(bb)
+    ours = {**pb, **bb, **{n: _attr(m, n) for n in extras}}
+    theirs = {**pa, **ba, **{n: _attr(ref, n) for n in extras}}
+    out["compared"] = len(ours)
+    out["unequal"] = sorted(n for n in theirs if n not in ours or not torch.equal(theirs[n], ours[n]))
+    lo, hi = arena.ptr, arena.ptr + arena.nbytes
+    out["outside_arena"] = sorted(n for n, t in ours.items() if t.numel() and not lo <= t.data_ptr() < hi)
+    out["kinds"] = {n: info["kind"] for n, info in section.tensors.items()}
+    out["shapes"] = {n: list(t.shape) for n, t in ours.items()}
+    # what this rank holds, to tell the ranks' images apart
+    out["digest"] = hashlib.sha256(b"".join(ours[n].detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                                           for n in sorted(ours) if ours[n].numel())).hexdigest()
+
+def compare_forwards(ref, m, inputs):
+    # The engine modules' own forward on this CPU, ours against the default loader's, same input.
+    got = {}
+    for name in forward:
+        with torch.no_grad():
+            a, b = _attr(ref, name)(inputs(name)), _attr(m, name)(inputs(name))
+        a, b = (a[0], b[0]) if isinstance(a, tuple) else (a, b)
+        got[name] = {"equal": bool(torch.equal(a, b)), "abs_sum": float(a.abs().sum()), "shape": list(a.shape),
+                     "head": a.flatten()[:8].tolist()}
+    out["forward"] = got
+
+def older_engine_copy(version):
+    # The same image as an older engine version would have written it: its key says so (digest
+    # recomputed, so it is a valid key, not an edited one).
+    from flashboot.integrations.engine_prepack import EngineKey
+    dst = image_dir + "-older"
+    if rank == 0:
+        shutil.copytree(image_dir, dst)
+        for path in [os.path.join(dst, "prepack.json")] + [os.path.join(dst, f"rank-{r}", "metadata.json")
+                                                           for r in range(world)]:
+            raw = json.load(open(path))
+            key = EngineKey.from_dict(raw["engine"]["key"], path)
+            key = EngineKey(**{**{k: getattr(key, k) for k in EngineKey.FIELDS}, "engine_version": version})
+            raw["engine"]["key"] = key.to_dict()
+            json.dump(raw, open(path, "w"))
+    if world > 1:
+        torch.distributed.barrier()  # every rank sees the copy
+    return dst
+
+def refusals(load):
+    # Each case must be refused before anything is staged or allocated: nothing lands in its shm.
+    got = {}
+    for label, path in refuse:
+        where = os.path.join(shm, "refuse-" + label)
+        try:
+            load(path, where)
+            got[label] = None
+        except Exception as exc:
+            got[label] = {"type": type(exc).__name__, "msg": str(exc),
+                          "staged": sorted(os.listdir(where)) if os.path.isdir(where) else []}
+    out["refused"] = got
+"""
+
+
+# One rank of an SGLang job (after ENGINE_CHECKS): the default loader, our pre-pack through SGLang's
+# own loader, our load, then the comparisons and refusals.
+SGLANG_RANK_SCRIPT = r"""
+from sglang.srt.distributed import parallel_state
+from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+from sglang.srt.server_args import ServerArgs
+import sglang
+out["engine_version"] = sglang.__version__
+# SGLang gives every group of more than one rank a PyNccl communicator unless its platform says
+# otherwise; this process has no CUDA, so the groups run on gloo alone.
+_group = parallel_state.init_model_parallel_group
+def _gloo_group(*args, **kwargs):
+    kwargs["use_pynccl"] = False
+    return _group(*args, **kwargs)
+parallel_state.init_model_parallel_group = _gloo_group
+init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                             distributed_init_method=f"tcp://127.0.0.1:{port}")
+reset_context()
+publish(ServerArgs(model_path=model_path, device="cpu", tp_size=world, dtype="float32"), role="test",
+        ranks=SpawnRanks(world_rank=rank))
+get_parallel().override_permanently(world_group=parallel_state._WORLD)
+initialize_model_parallel(backend="gloo")
+from sglang.srt.configs.device_config import DeviceConfig
+from sglang.srt.configs.load_config import LoadConfig
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.model_loader.loader import get_model_loader
+from flashboot.integrations.sglang import FlashBootModelLoader
+
+mc, dc = ModelConfig(model_path, dtype="float32"), DeviceConfig("cpu", 0)
+def flashboot_loader(**extra):
+    return get_model_loader(LoadConfig(load_format=FlashBootModelLoader, model_loader_extra_config=json.dumps(extra)), mc)
+ref_loader = get_model_loader(LoadConfig(load_format="auto"), mc)
+out["reference_loader"] = type(ref_loader).__name__
+ref = ref_loader.load_model(model_config=mc, device_config=dc)
+pre = flashboot_loader(image_dir=image_dir, mode="prepack", shm_dir=shm)
+pre.load_model(model_config=mc, device_config=dc)
+out["prepack_tensors"] = pre.prepack_report.tensors
+ld = flashboot_loader(image_dir=image_dir, shm_dir=shm, verify=True)
+m = ld.load_model(model_config=mc, device_config=dc)
+out["key"] = ld.key.to_dict()
+out["model_class"] = type(m).__name__
+compare_with_default(ref, m, ld.weights.arena)
+hidden = torch.randn(3, mc.hf_config.hidden_size, generator=torch.Generator().manual_seed(1))
+compare_forwards(ref, m, lambda name: torch.tensor([1, 5, 7]) if "embed" in name else hidden.clone())
+if world == 1:
+    refuse.append(["older_engine", older_engine_copy("0.5.22")])
+refusals(lambda path, where: flashboot_loader(image_dir=path, shm_dir=where).load_model(model_config=mc, device_config=dc))
+print("RESULT " + json.dumps(out))
+"""
+
+SGLANG_FORWARD = ("model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "model.norm")
+
+
+def _sglang_job(tmp_path_factory, kind: str, world: int = 1, **kw) -> list[dict]:
+    if not HAVE_SGLANG:
+        pytest.skip("SGLang is not installed here (see docs/engines.md for the engine test venv)")
+    return run_engine_ranks(SGLANG_RANK_SCRIPT, tmp_path_factory.mktemp(f"sglang-{kind}-tp{world}"), kind, world,
+                            forward=SGLANG_FORWARD, **kw)
 
 
 @pytest.fixture(scope="module")
+def sglang_moe(tmp_path_factory):
+    return _sglang_job(tmp_path_factory, "qwen3_moe")[0]
+
+
+@pytest.fixture(scope="module")
+def sglang_moe_tp2(tmp_path_factory, sglang_moe):
+    return _sglang_job(tmp_path_factory, "qwen3_moe", 2, refuse=[("tp1_image", sglang_moe["image_dir"])])
+
+
+@pytest.fixture(scope="module")
+def sglang_mla(tmp_path_factory):
+    return _sglang_job(tmp_path_factory, "deepseek_v3")[0]
+
+
+@pytest.fixture(scope="session")
 def sglang_run(tmp_path_factory):
     if not HAVE_SGLANG:
         pytest.skip("SGLang is not installed here (see docs/engines.md for the engine test venv)")
@@ -591,3 +842,79 @@ def test_real_sglang_refuses_an_image_of_another_key(sglang_run):
 def test_real_sglang_refuses_the_memory_saver(sglang_run):
     kind, msg = sglang_run["memory_saver"]
     assert kind == "CapabilityError" and "--enable-memory-saver" in msg
+
+
+# =============================================================================================
+# Real SGLang: MoE, tensor parallelism, MLA, forwards, refusals (one process per rank, gloo)
+# =============================================================================================
+def assert_same_as_default_loader(r: dict) -> None:
+    """Our load equals the engine's default loader: every parameter, buffer and tensor attribute,
+    all of them views into the one arena."""
+    assert r["names_same"] and r["unequal"] == [], r["unequal"]
+    assert r["compared"] == len(r["param_names"]) + len(r["buffer_names"]) + len(r["extras"])
+    assert r["outside_arena"] == []
+    assert all(f["equal"] and f["abs_sum"] > 0 for f in r["forward"].values()), r["forward"]
+
+
+def assert_refused_before_staging(refusal: dict, *needles: str) -> None:
+    assert refusal is not None, "loaded an image it should have refused"
+    assert refusal["type"] == "LayoutError", refusal
+    assert all(n in refusal["msg"] for n in needles), refusal["msg"]
+    assert refusal["staged"] == [], refusal  # refused before anything was staged or allocated
+
+
+def test_real_sglang_qwen3_moe_serves_its_fused_experts_from_the_image(sglang_moe):
+    r = sglang_moe
+    assert r["reference_loader"] == "DefaultModelLoader" and r["model_class"] == "Qwen3MoeForCausalLM"
+    assert_same_as_default_loader(r)
+    for layer in (0, 1):  # FusedMoE after SGLang's post-processing: experts stacked, gate and up fused
+        w13, w2 = f"model.layers.{layer}.mlp.experts.w13_weight", f"model.layers.{layer}.mlp.experts.w2_weight"
+        assert r["kinds"][w13] == r["kinds"][w2] == "param"
+        assert r["shapes"][w13] == [8, 2 * 32, 64] and r["shapes"][w2] == [8, 64, 32]
+
+
+def test_real_sglang_refuses_an_image_of_an_older_sglang(sglang_moe):
+    r = sglang_moe
+    assert_refused_before_staging(r["refused"]["older_engine"],
+                                  f"engine_version: engine '{r['engine_version']}', image '0.5.22'",
+                                  f"sglang {r['engine_version']}", "sglang 0.5.22")
+
+
+@pytest.mark.timeout(900)  # its fixtures run up to three engine jobs in a row
+def test_real_sglang_tp2_each_rank_loads_its_own_rank_image(sglang_moe_tp2, sglang_moe):
+    ranks = sglang_moe_tp2
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["key"]["tp_size"] == 2 for r in ranks)
+    for r in ranks:
+        assert_same_as_default_loader(r)
+        # each rank holds its half of every expert's intermediate dimension
+        assert r["shapes"]["model.layers.0.mlp.experts.w13_weight"] == [8, 32, 64]
+        assert r["shapes"]["model.layers.0.mlp.experts.w2_weight"] == [8, 64, 16]
+    assert ranks[0]["digest"] != ranks[1]["digest"]  # two rank images, not one twice
+    # each rank's MoE block gives its partial sum (SGLang all-reduces after the block): together
+    # they are the TP=1 model's result
+    for name in ("model.layers.0.mlp", "model.layers.1.mlp"):
+        tp1, parts = sglang_moe["forward"][name], [r["forward"][name] for r in ranks]
+        assert parts[0]["shape"] == tp1["shape"]
+        summed = torch.tensor(parts[0]["head"]) + torch.tensor(parts[1]["head"])
+        assert torch.allclose(summed, torch.tensor(tp1["head"]), rtol=1e-4, atol=1e-6), (summed, tp1["head"])
+        assert not torch.allclose(torch.tensor(parts[0]["head"]), torch.tensor(tp1["head"]), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.timeout(900)  # its fixtures run up to three engine jobs in a row
+def test_real_sglang_tp2_refuses_a_tp1_image_on_every_rank(sglang_moe_tp2):
+    for r in sglang_moe_tp2:
+        assert_refused_before_staging(r["refused"]["tp1_image"], "tp_size: engine 2, image 1")
+
+
+def test_real_sglang_deepseek_v3_mla_tensor_attributes_come_from_the_image(sglang_mla):
+    r = sglang_mla
+    assert r["model_class"] == "DeepseekV3ForCausalLM"
+    assert_same_as_default_loader(r)
+    # SGLang's MLA post-processing splits kv_b_proj into w_kc / w_vc: tensor attributes, not
+    # parameters, written as extras and bound from the arena
+    for layer in (0, 1):
+        for name in ("w_kc", "w_vc"):
+            assert r["kinds"][f"model.layers.{layer}.self_attn.{name}"] == "extra"
+    assert r["shapes"]["model.layers.0.self_attn.w_kc"] == [4, 16, 32]  # heads, qk_nope_head_dim, kv_lora_rank
+    assert r["shapes"]["model.layers.0.self_attn.w_vc"] == [4, 32, 16]  # heads, kv_lora_rank, v_head_dim
+    assert r["shapes"]["model.layers.1.mlp.experts.w13_weight"] == [8, 64, 64]

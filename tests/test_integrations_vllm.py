@@ -18,7 +18,9 @@ import pytest
 
 from flashboot.errors import CapabilityError
 
-from test_integrations_sglang import run_engine_script
+from test_integrations_sglang import (  # noqa: F401 - sglang_run is a fixture used here
+    assert_refused_before_staging, assert_same_as_default_loader, run_engine_ranks, run_engine_script, sglang_run,
+)
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -178,3 +180,86 @@ def test_real_vllm_refuses_an_image_of_another_key_and_sleep_mode(vllm_run):
     assert kind == "LayoutError" and "dtype: engine 'bfloat16', image 'float32'" in msg
     kind, msg = vllm_run["sleep_mode"]
     assert kind == "CapabilityError" and "--enable-sleep-mode" in msg
+
+
+# =============================================================================================
+# Real vLLM: tensor parallelism, forwards, refusals (one process per rank, gloo)
+# =============================================================================================
+# One rank of a vLLM job (after ENGINE_CHECKS): the default loader, our pre-pack through vLLM's own
+# loader, our load, then the comparisons and refusals.
+VLLM_RANK_SCRIPT = r"""
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+import vllm
+out["engine_version"] = vllm.__version__
+from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+from vllm.model_executor.model_loader import get_model_loader
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+mc = ModelConfig(model=model_path, dtype="float32", skip_tokenizer_init=True)
+def config(fmt, extra):
+    return VllmConfig(model_config=mc, load_config=LoadConfig(load_format=fmt, model_loader_extra_config=extra),
+                      device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig(tensor_parallel_size=world))
+def load(fmt, extra):
+    vc = config(fmt, extra)
+    with set_current_vllm_config(vc):
+        loader = get_model_loader(vc.load_config)
+        return loader, loader.load_model(vllm_config=vc, model_config=mc)
+vc = config("auto", {})
+with set_current_vllm_config(vc):
+    init_distributed_environment(world_size=world, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                 local_rank=rank, backend="gloo")
+    ensure_model_parallel_initialized(world, 1)
+ref_loader, ref = load("auto", {})
+out["reference_loader"] = type(ref_loader).__name__
+pre, _ = load("flashboot", {"image_dir": image_dir, "mode": "prepack", "shm_dir": shm})
+out["prepack_tensors"] = pre.prepack_report.tensors
+ld, m = load("flashboot", {"image_dir": image_dir, "shm_dir": shm, "verify": True})
+out["key"] = ld.key.to_dict()
+out["model_class"] = type(m).__name__
+compare_with_default(ref, m, ld.weights.arena)
+hidden = torch.randn(3, mc.hf_config.hidden_size, generator=torch.Generator().manual_seed(1))
+with set_current_vllm_config(vc):
+    compare_forwards(ref, m, lambda name: torch.tensor([1, 5, 7]) if "embed" in name else hidden.clone())
+refuse.append(["older_engine", older_engine_copy("0.32.0")])
+refusals(lambda path, where: load("flashboot", {"image_dir": path, "shm_dir": where}))
+print("RESULT " + json.dumps(out))
+"""
+
+VLLM_FORWARD = ("model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "model.norm")
+
+
+@pytest.fixture(scope="module")
+def vllm_tp2(tmp_path_factory, vllm_run, sglang_run):
+    return run_engine_ranks(VLLM_RANK_SCRIPT, tmp_path_factory.mktemp("vllm-tp2"), "llama", 2,
+                            refuse=[("tp1_image", vllm_run["image_dir"]), ("sglang_image", sglang_run["image_dir"])],
+                            forward=VLLM_FORWARD)
+
+
+@pytest.mark.timeout(900)  # its fixtures run up to three engine jobs in a row
+def test_real_vllm_tp2_each_rank_loads_its_own_rank_image(vllm_tp2):
+    ranks = vllm_tp2
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["key"]["tp_size"] == 2 for r in ranks)
+    for r in ranks:
+        assert r["reference_loader"] == "DefaultModelLoader" and r["model_class"] == "LlamaForCausalLM"
+        assert_same_as_default_loader(r)
+        # vLLM's fused, column-parallel projections: each rank holds half of the heads and of the MLP
+        assert r["shapes"]["model.layers.0.self_attn.qkv_proj.weight"] == [(64 + 2 * 32) // 2, 64]
+        assert r["shapes"]["model.layers.0.mlp.gate_up_proj.weight"] == [128, 64]
+    assert ranks[0]["digest"] != ranks[1]["digest"]  # two rank images, not one twice
+    # vLLM all-reduces inside the row-parallel layers and the vocab-parallel embedding: both ranks
+    # compute the whole result
+    for name in VLLM_FORWARD:
+        assert ranks[0]["forward"][name]["head"] == ranks[1]["forward"][name]["head"], name
+
+
+@pytest.mark.timeout(900)  # its fixtures run up to three engine jobs in a row
+def test_real_vllm_refuses_an_image_of_another_tp_size_engine_version_or_engine(vllm_tp2, vllm_run, sglang_run):
+    for r in vllm_tp2:
+        version = r["engine_version"]
+        assert_refused_before_staging(r["refused"]["tp1_image"], "tp_size: engine 2, image 1")
+        assert_refused_before_staging(r["refused"]["older_engine"], f"engine_version: engine '{version}', image '0.32.0'",
+                                      f"vllm {version}", "vllm 0.32.0")
+        # an image SGLang made of the same checkpoint: named as SGLang's, refused by vLLM
+        assert_refused_before_staging(r["refused"]["sglang_image"], "engine: engine 'vllm', image 'sglang'",
+                                      f"sglang {sglang_run['sglang_version']}", f"vllm {version}")

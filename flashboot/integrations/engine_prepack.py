@@ -850,6 +850,9 @@ def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, d
             f"{options.image_dir}: no complete engine image here (no prepack.json). Pre-pack it first: start the "
             "engine once with --model-loader-extra-config '{\"image_dir\": ..., \"mode\": \"prepack\"}' (or "
             "\"auto\": pre-pack when missing, load otherwise)")
+    # The job's key first: a rank the image does not have (another TP size) is refused by the key,
+    # naming both tp sizes, rather than by a missing rank directory.
+    check_engine_key(read_job_engine_key(options.image_dir), expected, str(options.image_dir))
     section, _ = read_engine_section(options.image_dir, rank)
     check_engine_key(section.key, expected, f"{options.image_dir} (rank {rank})")
     staged_here = _stage_if_needed(options, rank, dev)
@@ -924,6 +927,8 @@ class EngineBindReport:
     added: list[str] = field(default_factory=list)
     """Names the meta model did not have (tensors the engine's post-processing created)."""
     attrs: list[str] = field(default_factory=list)
+    repointed: list[str] = field(default_factory=list)
+    """References held in module containers (dataclass fields, lists, dicts) moved to the bound tensor."""
 
 
 def _materialize(view, info: Mapping[str, Any]):
@@ -954,6 +959,7 @@ def bind_engine_model(model, weights: EngineWeights) -> EngineBindReport:
     modules = dict(model.named_modules(remove_duplicate=False))
     report = EngineBindReport()
     registered: dict[str, Any] = {}
+    replaced: dict[int, tuple[Any, Any]] = {}
     no_module, mismatched = [], []
 
     def register(name: str, value, kind: str, persistent: bool) -> None:
@@ -988,6 +994,8 @@ def bind_engine_model(model, weights: EngineWeights) -> EngineBindReport:
         else:
             object.__setattr__(mod, leaf, value)
         registered[name] = value
+        if old is not None:
+            replaced[id(old)] = (old, value)  # old kept alive: its id must not be reused meanwhile
 
     for name, info in section.tensors.items():
         value = _materialize(weights.tensors[name], info)
@@ -1013,7 +1021,47 @@ def bind_engine_model(model, weights: EngineWeights) -> EngineBindReport:
     for name, value in section.attrs.items():
         setattr(model, name, value)
         report.attrs.append(name)
+    report.repointed = _repoint_held_references(model, replaced)
     return report
+
+
+def _held_containers(mod):
+    """(attribute, container) for a module's plain attributes that hold tensors one level down: a
+    dataclass instance, list, tuple or dict (e.g. SGLang's TopK keeps the gate's
+    ``e_score_correction_bias`` in its ``TopKConfig``)."""
+    for attr, value in vars(mod).items():
+        if attr in ("_parameters", "_buffers", "_modules") or isinstance(value, type):
+            continue
+        if dataclasses.is_dataclass(value) or isinstance(value, (list, tuple, dict)):
+            yield attr, value
+
+
+def _repoint_held_references(model, replaced: dict[int, tuple[Any, Any]]) -> list[str]:
+    """Point references that modules hold in containers at the bound tensors instead of the meta
+    tensors they replaced; the names of the entries re-pointed."""
+    import torch
+
+    done = []
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr, held in _held_containers(mod):
+            if dataclasses.is_dataclass(held):
+                for f in dataclasses.fields(held):
+                    value = getattr(held, f.name)
+                    if isinstance(value, torch.Tensor) and id(value) in replaced:
+                        object.__setattr__(held, f.name, replaced[id(value)][1])  # frozen dataclasses too
+                        done.append(f"{prefix}{attr}.{f.name}")
+            elif isinstance(held, (list, dict)):
+                keys = held.keys() if isinstance(held, dict) else range(len(held))
+                for k in list(keys):
+                    if isinstance(held[k], torch.Tensor) and id(held[k]) in replaced:
+                        held[k] = replaced[id(held[k])][1]
+                        done.append(f"{prefix}{attr}[{k!r}]")
+            elif any(isinstance(v, torch.Tensor) and id(v) in replaced for v in held):
+                setattr(mod, attr, type(held)(replaced[id(v)][1] if isinstance(v, torch.Tensor) and id(v) in replaced
+                                              else v for v in held))
+                done.append(f"{prefix}{attr}")
+    return done
 
 
 def check_no_meta_tensors(model, where: str) -> None:
@@ -1030,6 +1078,10 @@ def check_no_meta_tensors(model, where: str) -> None:
         for leaf, t in vars(mod).items():
             if not leaf.startswith("_") and isinstance(t, torch.Tensor) and t.is_meta:
                 left.append(prefix + leaf)
+        for attr, held in _held_containers(mod):
+            values = ([(f.name, getattr(held, f.name)) for f in dataclasses.fields(held)]
+                      if dataclasses.is_dataclass(held) else held.items() if isinstance(held, dict) else enumerate(held))
+            left += [f"{prefix}{attr}[{k!r}]" for k, t in values if isinstance(t, torch.Tensor) and t.is_meta]
     if left:
         shown = ", ".join(left[:8]) + (f" ... and {len(left) - 8} more" if len(left) > 8 else "")
         raise LayoutError(f"{where}: {len(left)} tensor(s) of the model are not in the engine image and would be "

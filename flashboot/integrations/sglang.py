@@ -267,7 +267,7 @@ class FlashBootModelLoader(BaseModelLoader):
         if replica != 0:  # plain data-parallel replicas hold the same bytes: replica 0 writes them
             logger.info("flashboot: data-parallel replica %d serves without writing (replica 0 pre-packs)", replica)
             return model
-        group = RankGroup(parallel.tp_rank, parallel.tp_size)
+        group = RankGroup()
         if parallel.tp_size > 1:
             from sglang.srt.distributed.parallel_state import get_tp_group
 

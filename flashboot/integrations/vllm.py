@@ -217,7 +217,7 @@ class FlashBootModelLoader(BaseModelLoader):
                             replica)
                 return model
         world = max(parallel.tp_size, parallel.ep_size)
-        group = RankGroup(parallel.rank, world)
+        group = RankGroup()
         if world > 1:
             from vllm.distributed import get_ep_group, get_tp_group
 
