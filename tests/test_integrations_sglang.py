@@ -36,7 +36,7 @@ from flashboot.errors import CapabilityError, FlashBootError, LayoutError
 from flashboot.integrations.engine_prepack import (
     EngineKey, LoaderOptions, RankGroup, bind_engine_model, check_engine_key, check_no_meta_tensors,
     collect_engine_tensors, load_engine_weights, memory_saver_policy, prepack_engine_model, read_engine_section,
-    read_job_engine_key,
+    prepare_engine_load, read_job_engine_key,
 )
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -202,6 +202,30 @@ def test_engine_image_round_trip_on_cuda(tmp_path):
     finally:
         weights.close()
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_the_early_call_prepares_at_engine_start_and_the_load_is_the_copy(packed, tmp_path):
+    """What both loaders do: prepare_engine_load before building the model, the handle into
+    load_engine_weights. No preloader runs here, so the prepared load streams from disk."""
+    model, out, _ = packed
+    prepared = prepare_engine_load(_options(out, tmp_path), _key(), 0, "cpu", tp_size=1, ep_size=1)
+    assert prepared.wait().mode == "stream" and prepared.tensors  # views exist before the engine's model
+    weights = load_engine_weights(_options(out, tmp_path, verify=True), _key(), 0, "cpu", tp_size=1, ep_size=1,
+                                  prepared=prepared)
+    try:
+        assert weights.how == "load" and weights.report.mode == "streamed from disk, prepared"
+        assert weights.report.metadata_ms == weights.report.bind_ms == 0 and weights.report.verify_ms > 0
+        with torch.device("meta"):
+            target = PlainEngineLikeModel()
+        bind_engine_model(target, weights)
+        _assert_same_tensors(model, target)
+    finally:
+        weights.close()
+    # a wrong key is refused by the early call itself, before any arena exists
+    with pytest.raises(LayoutError, match="dtype: engine 'bfloat16', image 'float32'"):
+        prepare_engine_load(_options(out, tmp_path), _key(dtype="bfloat16"), 0, "cpu", tp_size=1, ep_size=1)
+    assert prepare_engine_load(_options(out, tmp_path, staging="inline"), _key(), 0, "cpu", tp_size=1,
+                               ep_size=1) is None  # staging in this process first: nothing to prepare
 
 
 def test_a_different_engine_key_is_refused_naming_both_keys(packed, tmp_path):

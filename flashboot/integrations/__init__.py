@@ -36,14 +36,32 @@ def _require(engine: str, module: str):
         raise CapabilityError(f"the flashboot {engine} plugin needs {engine} importable ({exc})") from None
 
 
+def _warm_imports() -> None:
+    """Import what the loader's early call and load use, in a background thread, as the engine
+    process starts (plugins run at its start): the first load does not pay for these imports."""
+    import threading
+
+    def run() -> None:
+        for name in ("flashboot.flashload.boot", "flashboot.flashload.load", "flashboot.flashload.client",
+                     "flashboot.flashload.stream", "flashboot.arena", "flashboot.layouts.table"):
+            try:
+                importlib.import_module(name)
+            except Exception:  # a warm-up only: the load imports them again and reports what fails
+                return
+
+    threading.Thread(target=run, name="flashboot-warm-imports", daemon=True).start()
+
+
 def sglang_plugin() -> None:
     """Entry point of ``sglang.srt.plugins``: makes ``--load-format flashboot`` valid in SGLang."""
     _require("sglang", "flashboot.integrations.sglang").register()
+    _warm_imports()
 
 
 def vllm_plugin() -> None:
     """Entry point of ``vllm.general_plugins``: registers the ``flashboot`` load format in vLLM."""
     _require("vllm", "flashboot.integrations.vllm").register()
+    _warm_imports()
 
 
 __all__ = ["sglang_plugin", "vllm_plugin", *_LAZY]

@@ -817,12 +817,42 @@ def _stage_if_needed(options: LoaderOptions, rank: int, dev) -> bool:
     return True
 
 
+def prepare_engine_load(options: LoaderOptions, expected: EngineKey, rank: int, device: Any, *, tp_size: int,
+                        ep_size: int):
+    """The early call (:func:`flashboot.prepare`) for an engine's image load, made before the engine
+    builds its model on the meta device: the engine keys are checked at once (a refusal allocates
+    nothing), then the metadata is read, the arena created and attached to a served-load daemon
+    (``served``), the staged copy pinned, or a load streamed from disk readied, and the views built,
+    while the engine builds its model. Returns the handle for :func:`load_engine_weights`, or None
+    where there is nothing to prepare: a clone (``seed_store``), an incomplete image (pre-pack or a
+    clear refusal follow), ``staging="inline"`` (this process stages the image first)."""
+    if options.seed_store is not None or options.staging == "inline" or not image_is_complete(options.image_dir):
+        return None
+    import flashboot
+    from flashboot.memory import Device
+
+    _check_image_keys(options, expected, rank)
+    mode = "served" if options.served else ("staged" if options.staging == "require" else "auto")
+    return flashboot.prepare(options.image_dir, rank, Device.parse(device), mode=mode, timeout_s=options.timeout_s,
+                             shm_dir=options.shm_dir, tp=tp_size, ep=ep_size)
+
+
+def _check_image_keys(options: LoaderOptions, expected: EngineKey, rank: int) -> "EngineSection":
+    """The job's key first: a rank the image does not have (another TP size) is refused by the key,
+    naming both tp sizes, rather than by a missing rank directory; then the rank's own."""
+    check_engine_key(read_job_engine_key(options.image_dir), expected, str(options.image_dir))
+    section, _ = read_engine_section(options.image_dir, rank)
+    check_engine_key(section.key, expected, f"{options.image_dir} (rank {rank})")
+    return section
+
+
 def load_engine_weights(options: LoaderOptions, expected: EngineKey, rank: int, device: Any, *, tp_size: int,
-                        ep_size: int) -> EngineWeights:
+                        ep_size: int, prepared=None) -> EngineWeights:
     """Bring rank ``rank``'s engine weights onto ``device``: clone them from ``options.seed_store``
-    when set, else FlashLoad them from ``options.image_dir``. The engine key is checked first
-    (LayoutError naming both keys; nothing allocated). With ``publish_store``, the arena is then
-    published as a FlashClone seed for other engines.
+    when set, else FlashLoad them from ``options.image_dir`` (with ``prepared``, the handle of
+    :func:`prepare_engine_load` made at engine start, the load is the copy). The engine key is
+    checked first (LayoutError naming both keys; nothing allocated). With ``publish_store``, the
+    arena is then published as a FlashClone seed for other engines.
     """
     from flashboot.memory import Device
 
@@ -830,7 +860,7 @@ def load_engine_weights(options: LoaderOptions, expected: EngineKey, rank: int, 
     if options.seed_store is not None:
         weights = _clone_engine_weights(options, expected, rank, dev)
     else:
-        weights = _load_engine_image(options, expected, rank, dev, tp_size=tp_size, ep_size=ep_size)
+        weights = _load_engine_image(options, expected, rank, dev, tp_size=tp_size, ep_size=ep_size, prepared=prepared)
     if options.publish_store is not None:
         try:
             weights.seed = publish_engine_weights(weights, options, rank)
@@ -841,20 +871,22 @@ def load_engine_weights(options: LoaderOptions, expected: EngineKey, rank: int, 
 
 
 def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, dev, *, tp_size: int,
-                       ep_size: int) -> EngineWeights:
+                       ep_size: int, prepared=None) -> EngineWeights:
     import flashboot
     from flashboot.flashload.staging import unstage
+
+    if prepared is not None:  # keys checked and everything one-time paid by prepare_engine_load
+        section, _ = read_engine_section(options.image_dir, rank)
+        loaded = flashboot.load(options.image_dir, rank, dev, prepared=prepared, verify=options.verify, tp=tp_size,
+                                ep=ep_size)
+        return EngineWeights(loaded.tensors, section, loaded, "load", loaded.report)
 
     if not image_is_complete(options.image_dir):
         raise LayoutError(
             f"{options.image_dir}: no complete engine image here (no prepack.json). Pre-pack it first: start the "
             "engine once with --model-loader-extra-config '{\"image_dir\": ..., \"mode\": \"prepack\"}' (or "
             "\"auto\": pre-pack when missing, load otherwise)")
-    # The job's key first: a rank the image does not have (another TP size) is refused by the key,
-    # naming both tp sizes, rather than by a missing rank directory.
-    check_engine_key(read_job_engine_key(options.image_dir), expected, str(options.image_dir))
-    section, _ = read_engine_section(options.image_dir, rank)
-    check_engine_key(section.key, expected, f"{options.image_dir} (rank {rank})")
+    section = _check_image_keys(options, expected, rank)
     staged_here = _stage_if_needed(options, rank, dev)
     try:
         loaded = flashboot.load(options.image_dir, rank, dev, timeout_s=options.timeout_s, served=options.served,
@@ -1111,5 +1143,5 @@ __all__ = [
     "EngineSection", "EngineTensor", "EngineTensors", "EngineWeights", "LoaderOptions", "RankGroup",
     "bind_engine_model", "check_engine_key", "check_no_meta_tensors", "collect_engine_tensors", "gpu_arch_of",
     "image_is_complete", "load_engine_weights", "memory_saver_policy", "model_identity", "prepack_engine_model",
-    "publish_engine_weights", "read_engine_section", "read_job_engine_key", "write_engine_rank",
+    "prepare_engine_load", "publish_engine_weights", "read_engine_section", "read_job_engine_key", "write_engine_rank",
 ]

@@ -51,7 +51,7 @@ from flashboot.errors import CapabilityError
 from .engine_prepack import (
     LOAD_FORMAT, EngineKey, LoaderOptions, RankGroup, bind_engine_model, check_engine_key, check_no_meta_tensors,
     gpu_arch_of, image_is_complete, load_engine_weights, memory_saver_policy, model_identity, prepack_engine_model,
-    read_job_engine_key,
+    prepare_engine_load, read_job_engine_key,
 )
 
 logger = logging.getLogger("flashboot.integrations.sglang")
@@ -292,6 +292,10 @@ class FlashBootModelLoader(BaseModelLoader):
         memory_saver_policy(memory_saver_enabled(), MEMORY_SAVER_FLAG, o)
         from sglang.srt.model_loader.utils import set_default_torch_dtype
 
+        # The early call: metadata, arena, the daemon's attachment (or the pin), views, all while
+        # SGLang builds the model below; the load after it is the copy.
+        prepared = prepare_engine_load(o, self.key, parallel.tp_rank, device, tp_size=parallel.tp_size,
+                                       ep_size=parallel.ep_size)
         quant_config = _get_quantization_config(model_config, self.load_config)
         try:
             with set_default_torch_dtype(model_config.dtype):
@@ -299,12 +303,14 @@ class FlashBootModelLoader(BaseModelLoader):
                     model = _initialize_model(model_config, self.load_config, quant_config)
         except BaseException:
             _clear_meta_rope_cache()
+            if prepared is not None:
+                prepared.close()
             raise
         t1 = time.perf_counter()
         weights = None
         try:
             weights = load_engine_weights(o, self.key, parallel.tp_rank, device, tp_size=parallel.tp_size,
-                                          ep_size=parallel.ep_size)
+                                          ep_size=parallel.ep_size, prepared=prepared)
             self.bind_report = bind_engine_model(model, weights)
             _rebuild_engine_views(model)
             check_no_meta_tensors(model, f"{type(model).__name__} from {o.image_dir or o.seed_store}")

@@ -37,7 +37,7 @@ from flashboot.errors import CapabilityError, LayoutError
 from .engine_prepack import (
     LOAD_FORMAT, EngineKey, LoaderOptions, RankGroup, _materialize, bind_engine_model, check_engine_key, check_no_meta_tensors,
     gpu_arch_of, image_is_complete, load_engine_weights, memory_saver_policy, model_identity, prepack_engine_model,
-    read_job_engine_key,
+    prepare_engine_load, read_job_engine_key,
 )
 
 logger = logging.getLogger("flashboot.integrations.vllm")
@@ -245,12 +245,21 @@ class FlashBootModelLoader(BaseModelLoader):
         except ImportError:
             raise CapabilityError(f"vLLM {vllm_version()} cannot rebuild a model from pre-processed weights (no "
                                   "weights_already_processed); the flashboot loader needs vLLM >= 0.2x with it") from None
+        # The early call: metadata, arena, the daemon's attachment (or the pin), views, all while
+        # vLLM builds the model below; the load after it is the copy.
+        prepared = prepare_engine_load(o, self.key, parallel.rank, device, tp_size=parallel.tp_size,
+                                       ep_size=parallel.ep_size)
         with set_default_torch_dtype(model_config.dtype):
-            with torch.device("meta"):
-                model = initialize_model(vllm_config=vllm_config, model_config=model_config)
-            check_quantization(model)
+            try:
+                with torch.device("meta"):
+                    model = initialize_model(vllm_config=vllm_config, model_config=model_config)
+                check_quantization(model)
+            except BaseException:
+                if prepared is not None:
+                    prepared.close()
+                raise
             weights = load_engine_weights(o, self.key, parallel.rank, device, tp_size=parallel.tp_size,
-                                          ep_size=parallel.ep_size)
+                                          ep_size=parallel.ep_size, prepared=prepared)
             try:
                 self.bind_report = bind_engine_model(model, weights)
                 # Quant methods rebuild Python-side state only; the tensors are already in final form.
