@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
+from _io_helpers import image, image_master, shm  # noqa: F401  (fixtures)
 from flashboot.layouts import read_image
 
 import flashboot
@@ -18,28 +18,6 @@ from flashboot.errors import FlashBootError, LayoutError, RendezvousError
 from flashboot.flashload import client, service, staging
 from flashboot.flashload import shm as shm_files
 from flashboot.memory import Device
-
-TINY = CheckpointSpec("tiny", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=32, vocab=64, shards=2)
-CHUNK = 4096
-
-
-@pytest.fixture(scope="module")
-def image_master(tmp_path_factory):
-    root = tmp_path_factory.mktemp("boot")
-    make_checkpoint(str(root / "ckpt"), TINY, device="cpu")
-    flashboot.prepack(str(root / "ckpt"), str(root / "image"), chunk_bytes=CHUNK, progress=False)
-    return root / "image"
-
-
-@pytest.fixture
-def image(image_master, tmp_path):
-    return Path(shutil.copytree(image_master, tmp_path / "image"))
-
-
-@pytest.fixture
-def shm(tmp_path):
-    return tmp_path / "shm"
-
 
 @pytest.fixture
 def daemon(image, shm):
