@@ -194,6 +194,22 @@ def test_clone_killed_mid_chain_successor_reattaches_to_the_seed_and_finishes(ho
     assert r["source"] == "the seed, clone #1"
 
 
+def test_a_successor_of_a_clone_that_finished_and_left_reattaches_to_the_seed(hosts):
+    """Found on the H200: clone #1 done and exited, clone #2 joins the chain behind it. Its agent
+    cannot be reached any more: #2 reads from the seed instead, byte-exact, and says so."""
+    store = _store_and_seed(hosts, data_seed=9)
+    c1 = _start(hosts, 1, _CLONE, store, "chain", "nixl", 0)
+    rc1, r1, err1 = _report(c1)
+    assert rc1 == 0 and r1["position"] == 1, (r1, err1[-2000:])
+    c1.wait(timeout=30)  # gone: nothing serves its agent
+    c2 = _start(hosts, 2, _CLONE, store, "chain", "nixl", 0, env=_env(T_TIMEOUT=20))
+    rc2, r2, err2 = _report(c2, timeout_s=90)
+    assert rc2 == 0, (r2, err2[-3000:])
+    assert r2["position"] == 2 and r2["sha256"] == _expected_sha(NBYTES, 9) and r2["verified"]
+    assert r2["source"] == "the seed"
+    assert any("clone #1" in x and "re-attached to the seed" in x for x in r2["recovered"]), r2["recovered"]
+
+
 def test_link_cut_mid_transfer_ends_by_the_deadline(hosts):
     store = _store_and_seed(hosts, nbytes=48 * MiB)
     env = _env(FLASHBOOT_TEST_STEP_DELAY_S=0.2, T_TIMEOUT=5)

@@ -477,8 +477,20 @@ def _clone(ctx):
     report.chunk_bytes = plan.chunk_bytes
     sources = _Sources(ctx, agent, detail)
     my_steps = [s for s in plan.steps_into(position) if s.kind == "copy"]
+    redirect: dict[int, int] = {}  # a source clone that cannot be reached -> the nearest upstream that can
     for p in sorted({s.src for s in my_steps}):
-        sources.open(p)
+        q = p
+        while True:
+            try:
+                sources.open(q)
+                break
+            except RendezvousError as exc:  # e.g. it finished and exited: NIXL cannot reach its agent
+                if q == 0 or not ctx.retry or "holds another image" in str(exc):
+                    raise
+                report.recovered.append(f"{sources.who(q)} cannot be reached ({exc}); re-attached to "
+                                        f"{sources.who(q - 1)}")
+                q -= 1
+        redirect[p] = q
     ta = time.perf_counter()
     session.arena = Arena.create(manifest.arena_nbytes, dev)
     if session.arena.nbytes != manifest.arena_nbytes:
@@ -500,7 +512,10 @@ def _clone(ctx):
         report.barrier_ms = rdv.barrier(_gkey(ctx.gen, ctx.schedule, "start"), ctx.clones, timeout_s=timeout_s)
 
     tt = time.perf_counter()
-    used = _transfer(ctx, agent, sources, session.arena, pieces(my_steps, session.arena.segment_bytes))
+    todo = pieces(my_steps, session.arena.segment_bytes)
+    for piece in todo:
+        piece.src = redirect.get(piece.src, piece.src)
+    used = _transfer(ctx, agent, sources, session.arena, todo)
     report.transfer_ms = (time.perf_counter() - tt) * 1e3
     report.ready_ms = (time.perf_counter() - ctx.t_start) * 1e3
     report.ready_unix = time.time()
