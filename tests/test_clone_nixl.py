@@ -70,7 +70,7 @@ r.close()
 
 def _env(token: str = TOKEN, **extra) -> dict:
     e = dict(os.environ)
-    e.update({"FLASHBOOT_TOKEN": token, "UCX_TLS": "tcp"})
+    e.update({"FLASHBOOT_TOKEN": token, "UCX_TLS": "tcp", "PYTHONFAULTHANDLER": "1"})  # a native crash shows where
     e.update({k: str(v) for k, v in extra.items()})
     return e
 
@@ -162,11 +162,15 @@ def test_nixl_star_across_namespaces_auto_picks_nixl_for_another_host(hosts):
 
 def test_seed_killed_mid_chain_fails_naming_the_step_within_the_deadline(hosts):
     store = _store_and_seed(hosts, own_store=True)
-    slow = _env(FLASHBOOT_TEST_STEP_DELAY_S=0.4, T_TIMEOUT=10)
+    # one READ at a time, 1 s each: clone #1 needs 12 s for the image, so the seed dies while it still
+    # lacks bytes even on a loaded machine (at 0.4 s #1 could finish before #2 had started: CI saw it)
+    slow = _env(FLASHBOOT_TEST_STEP_DELAY_S=1.0, FLASHBOOT_NIXL_DEPTH=1, T_TIMEOUT=10)
     rx1 = hosts.rx_bytes(1)
-    c1 = _start(hosts, 1, _CLONE, store, "chain", "nixl", 2, env=slow)
-    c2 = _start(hosts, 2, _CLONE, store, "chain", "nixl", 2, env=slow)
-    wait_until(lambda: hosts.rx_bytes(1) - rx1 > 3 * CHUNK, 60, "clone #1 to have read a few chunks", c1)
+    c1 = _start(hosts, 1, _CLONE, store, "chain", "nixl", 0, env=slow)  # no start barrier: #1 joins first
+    wait_until(lambda: hosts.rx_bytes(1) - rx1 > CHUNK, 60, "clone #1 to be reading from the seed", c1)
+    tx1 = hosts.tx_bytes(1)
+    c2 = _start(hosts, 2, _CLONE, store, "chain", "nixl", 0, env=slow)
+    wait_until(lambda: hosts.tx_bytes(1) - tx1 > CHUNK, 60, "clone #2 to be reading from clone #1", c2)
     t_kill = time.monotonic()
     os.kill(hosts.seed.pid, signal.SIGKILL)  # ip netns exec / unshare / sh exec: the pid is the seed's python
     for c in (c1, c2):
@@ -179,12 +183,13 @@ def test_seed_killed_mid_chain_fails_naming_the_step_within_the_deadline(hosts):
 
 def test_clone_killed_mid_chain_successor_reattaches_to_the_seed_and_finishes(hosts):
     store = _store_and_seed(hosts, data_seed=8)
-    slow = _env(FLASHBOOT_TEST_STEP_DELAY_S=0.3, T_TIMEOUT=20)
-    rx1, rx2 = hosts.rx_bytes(1), hosts.rx_bytes(2)
+    slow = _env(FLASHBOOT_TEST_STEP_DELAY_S=1.0, FLASHBOOT_NIXL_DEPTH=1, T_TIMEOUT=20)  # #1 needs 12 s
+    rx1 = hosts.rx_bytes(1)
     c1 = _start(hosts, 1, _CLONE, store, "chain", "nixl", 0, env=slow)  # no start barrier: #1 joins first
     wait_until(lambda: hosts.rx_bytes(1) - rx1 > CHUNK, 60, "clone #1 to be reading from the seed", c1)
+    tx1 = hosts.tx_bytes(1)
     c2 = _start(hosts, 2, _CLONE, store, "chain", "nixl", 0, env=_env(T_TIMEOUT=20))
-    wait_until(lambda: hosts.rx_bytes(2) - rx2 > 2 * CHUNK, 60, "clone #2 to have read a few chunks from #1", c2)
+    wait_until(lambda: hosts.tx_bytes(1) - tx1 > 2 * CHUNK, 60, "clone #2 to have read a few chunks from #1", c2)
     os.kill(c1.pid, signal.SIGKILL)  # no status published: #2 finds out through NIXL
     rc, r, err = _report(c2, timeout_s=90)
     assert rc == 0, (r, err[-3000:])

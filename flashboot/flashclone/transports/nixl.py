@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import base64
 import importlib
+import itertools
 import logging
 import os
 import socket
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +59,11 @@ STATUS_EVERY_S = 0.05
 PROBE_S = 2.0
 """How long a liveness probe of a stalled chain source may stay in progress before we stop waiting for it
 (the source is then taken as alive but slow; the wait's own deadline still applies)."""
+OPEN_TRIES = 3
+"""Attempts to load a chain source's agent before it is taken as gone and its upstream is read instead."""
+SETTLE_S = 5.0
+"""How long :meth:`Agent.close` waits for outstanding READs to finish or fail before destroying the
+agent (which aborts them). A killed peer fails them at once; a silent one only when UCX gives up."""
 HELD_EVERY_S = 0.001
 """The count of bytes we hold is published at most this often (and at the end): each is a store call."""
 
@@ -105,7 +112,11 @@ class Agent:
     NIXL's progress thread (which answers peers' READs over TCP and progresses ours) is created by
     its Python API with no pause between polls: 0.7 of a core while idle, measured, which starves a
     2-core machine. The agent is created with a :data:`PROGRESS_DELAY_US` pause instead (idle cost
-    ~1.5 % of a core). One lock serialises our calls into the agent."""
+    ~1.5 % of a core). One lock serialises our calls into the agent.
+
+    :meth:`close` settles every READ still outstanding, then destroys the agent (its progress thread
+    and UCX endpoints), so nothing native touches a registered arena once its owner unmaps it: found
+    in CI, a clone whose source was killed mid-READ unmapped its arena under UCX's thread (SIGSEGV)."""
 
     def __init__(self, name: str):
         mod = nixl_module()
@@ -122,6 +133,10 @@ class Agent:
         self.create_ms = (time.perf_counter() - t0) * 1e3
         self.name = name
         self._registered: list = []
+        self._live: dict[int, Any] = {}
+        """ticket -> NIXL transfer handle not yet released (a READ posted, in progress, failed or aborting)."""
+        self._tickets = itertools.count()
+        self._posted: dict[int, str] = {}
         self.remotes: dict[str, str] = {}
         """Remote agent name -> who (for messages)."""
         stats["agents"] += 1
@@ -147,11 +162,8 @@ class Agent:
 
     def add_remote(self, record: dict, who: str) -> str:
         """Load a peer's agent metadata (from its sealed record); returns the peer agent's name."""
-        try:
-            with self._lock:
-                name = self._agent.add_remote_agent(_unb64(record["metadata"]))
-        except Exception as exc:  # noqa: BLE001
-            raise RendezvousError(f"NIXL refused the agent metadata of {who}: {exc}") from exc
+        name = self._call(self._agent.add_remote_agent, _unb64(record["metadata"]), error=RendezvousError,
+                          what=f"NIXL refused the agent metadata of {who}: ")
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != record["agent"]:
             raise RendezvousError(f"the NIXL metadata of {who} names agent {name!r}, its record {record['agent']!r}; "
@@ -159,14 +171,17 @@ class Agent:
         self.remotes[name] = who
         return name
 
-    def _call(self, fn, *args):
+    def _call(self, fn, *args, error: type[FlashBootError] = None, what: str = ""):
         """``fn(*args)`` under the lock; NIXL's bare exceptions (e.g. ``NIXL_ERR_REMOTE_DISCONNECT``)
-        become _ReadFailed with NIXL's message."""
+        become ``error`` (_ReadFailed) with NIXL's message, raised outside the handler: NIXL's
+        exception, chained, would keep its frames, and through them the agent, alive past :meth:`close`."""
         try:
             with self._lock:
                 return fn(*args)
         except Exception as exc:  # noqa: BLE001 - NIXL raises bare exceptions
-            raise _ReadFailed(f"{type(exc).__name__}: {exc}") from exc
+            why = f"{what}{type(exc).__name__}: {exc}"
+        del fn, args  # the error's traceback keeps this frame: it must not keep NIXL's objects
+        raise (error or _ReadFailed)(why)
 
     def _best_effort(self, fn, *args) -> None:
         try:
@@ -179,36 +194,76 @@ class Agent:
             self._best_effort(self._agent.remove_remote_agent, name)
 
     def read(self, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]], mem: str, remote_mem: str,
-             remote_agent: str):
-        """Post one READ (lists of (address, nbytes, devid)); returns its handle."""
-        a = self._agent
-
-        def post():
-            handle = a.initialize_xfer("READ", a.get_xfer_descs(local, mem), a.get_xfer_descs(remote, remote_mem),
-                                       remote_agent)
-            return handle, a.transfer(handle)
-
-        handle, state = self._call(post)
+             remote_agent: str) -> int:
+        """Post one READ (lists of (address, nbytes, devid)); returns its ticket for :meth:`state` and
+        :meth:`release`. NIXL's handle objects never leave this class: each one keeps the native agent
+        (and its threads) alive, and one caught in a failed frame's traceback would outlive :meth:`close`."""
+        ticket = next(self._tickets)
+        self._call(self._post, ticket, local, remote, mem, remote_mem, remote_agent)
         stats["reads_posted"] += 1
-        if state == "ERR":
+        if self._posted.pop(ticket) == "ERR":
             raise _ReadFailed("NIXL refused to post the READ")
-        return handle
+        return ticket
 
-    def state(self, handle) -> str:
-        state = self._call(self._agent.check_xfer_state, handle)
+    def _post(self, ticket: int, local, remote, mem: str, remote_mem: str, remote_agent: str) -> None:
+        a = self._agent
+        self._live[ticket] = a.initialize_xfer("READ", a.get_xfer_descs(local, mem),
+                                               a.get_xfer_descs(remote, remote_mem), remote_agent)
+        self._posted[ticket] = a.transfer(self._live[ticket])  # released by release(), or settled by close()
+
+    def state(self, ticket: int) -> str:
+        state = self._call(self._agent.check_xfer_state, self._live[ticket])
         if state == "ERR":
             raise _ReadFailed("NIXL reports the READ failed")
         return state
 
-    def release(self, handle) -> None:
-        self._best_effort(self._agent.release_xfer_handle, handle)
+    def release(self, ticket: int) -> bool:
+        """Release the READ; False while NIXL cannot (one still in progress is being aborted: it stays
+        outstanding and :meth:`close` settles it)."""
+        handle = self._live.get(ticket)
+        if handle is None:
+            return True
+        try:
+            self._call(self._agent.release_xfer_handle, handle)
+        except _ReadFailed:
+            return False
+        del self._live[ticket]
+        return True
+
+    def settle(self, timeout_s: float) -> int:
+        """Wait (at most ``timeout_s``) for every outstanding READ to finish or fail, releasing each;
+        returns how many are still in progress."""
+        deadline = time.monotonic() + timeout_s
+        while self._live:
+            for ticket in list(self._live):
+                try:
+                    busy = self.state(ticket) == "PROC"
+                except _ReadFailed:
+                    busy = False
+                if not busy:
+                    self.release(ticket)
+            if not self._live or time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        return len(self._live)
 
     def close(self) -> None:
+        """Settle outstanding READs, drop the peers, deregister, then destroy the agent. Idempotent."""
+        if self._agent is None:
+            return
+        self.settle(SETTLE_S)
         for name in list(self.remotes):
             self.remove_remote(name)
         for descs in self._registered:
             self._best_effort(self._agent.deregister_memory, descs)
         self._registered = []
+        # The last reference to the agent: its destructor stops the progress thread and closes UCX,
+        # aborting whatever settle() could not (NIXL queues an unreleasable handle for exactly this).
+        self._live.clear()
+        native, self._agent = getattr(self._agent, "agent", None), None
+        if native is not None and sys.getrefcount(native) > 2:  # ours and the call's: anything more keeps it alive
+            warnings.warn(f"NIXL agent {self.name!r} is still referenced after close ({sys.getrefcount(native) - 2} "
+                          "more): its progress thread may touch memory that is unmapped next", RuntimeWarning, stacklevel=2)
 
 
 PROGRESS_DELAY_US = int(os.environ.get("FLASHBOOT_NIXL_PROGRESS_DELAY_US", "10"))
@@ -479,7 +534,7 @@ def _clone(ctx):
     my_steps = [s for s in plan.steps_into(position) if s.kind == "copy"]
     redirect: dict[int, int] = {}  # a source clone that cannot be reached -> the nearest upstream that can
     for p in sorted({s.src for s in my_steps}):
-        q = p
+        q, tries = p, 0
         while True:
             try:
                 sources.open(q)
@@ -487,6 +542,11 @@ def _clone(ctx):
             except RendezvousError as exc:  # e.g. it finished and exited: NIXL cannot reach its agent
                 if q == 0 or not ctx.retry or "holds another image" in str(exc):
                     raise
+                tries += 1
+                if tries < OPEN_TRIES:  # seen under load: UCX refused a live peer once (NIXL_ERR_BACKEND)
+                    time.sleep(0.2)
+                    continue
+                tries = 0
                 report.recovered.append(f"{sources.who(q)} cannot be reached ({exc}); re-attached to "
                                         f"{sources.who(q - 1)}")
                 q -= 1
