@@ -31,42 +31,25 @@ import threading
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 from ... import _cuda
 from ...errors import CapabilityError, FlashBootError, RendezvousError, WaitTimeoutError
 from ...memory import Device
+from ._nixl_reads import DEPTH, READ_BYTES, PeerKeys, Peers, ReadFailed, Reader, pieces, read_pieces  # noqa: F401 - the knobs live there
 from .registry import Seen, Transport, register_transport
 
 EXTRA = "pip install flashboot[nixl]"
 _MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
-READ_BYTES = int(os.environ.get("FLASHBOOT_NIXL_READ_BYTES", 64 << 20))
-"""Largest single READ: a step of the plan is split into pieces of at most this (and never across a
-segment), so several are outstanding and a chain successor can follow piece by piece
-(``$FLASHBOOT_NIXL_READ_BYTES`` overrides it)."""
-DEPTH = int(os.environ.get("FLASHBOOT_NIXL_DEPTH", 8))
-"""READs outstanding at once (``$FLASHBOOT_NIXL_DEPTH``)."""
 _UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "2M", "UCX_TCP_RX_SEG_SIZE": "2M"}
 """Measured on the 2-core CPU machine between namespaces: 2 MB TCP segments took NIXL from
 0.64-0.75 to 1.5-1.8 GB/s. Set only where the environment does not say otherwise."""
 
-POLL_S = float(os.environ["FLASHBOOT_NIXL_POLL_S"]) if os.environ.get("FLASHBOOT_NIXL_POLL_S") else None
-"""Sleep between polls of outstanding READs when none completed (default 1 ms on the host, 0.2 ms on
-GPUs; ``$FLASHBOOT_NIXL_POLL_S``)."""
-STATUS_EVERY_S = 0.05
-"""A chain source's status is read when its progress has not moved for this long."""
-PROBE_S = 2.0
-"""How long a liveness probe of a stalled chain source may stay in progress before we stop waiting for it
-(the source is then taken as alive but slow; the wait's own deadline still applies)."""
 OPEN_TRIES = 3
 """Attempts to load a chain source's agent before it is taken as gone and its upstream is read instead."""
 SETTLE_S = 5.0
 """How long :meth:`Agent.close` waits for outstanding READs to finish or fail before destroying the
 agent (which aborts them). A killed peer fails them at once; a silent one only when UCX gives up."""
-HELD_EVERY_S = 0.001
-"""The count of bytes we hold is published at most this often (and at the end): each is a store call."""
-
 stats = {"agents": 0, "registrations": 0, "reads_posted": 0}
 """Counters for this process (tests assert what did and did not happen: no registration before the
 token checked out, no READ before the metadata matched the manifest)."""
@@ -171,9 +154,9 @@ class Agent:
         self.remotes[name] = who
         return name
 
-    def _call(self, fn, *args, error: type[FlashBootError] = None, what: str = ""):
+    def _call(self, fn, *args, error: type[FlashBootError] | None = None, what: str = ""):
         """``fn(*args)`` under the lock; NIXL's bare exceptions (e.g. ``NIXL_ERR_REMOTE_DISCONNECT``)
-        become ``error`` (_ReadFailed) with NIXL's message, raised outside the handler: NIXL's
+        become ``error`` (ReadFailed) with NIXL's message, raised outside the handler: NIXL's
         exception, chained, would keep its frames, and through them the agent, alive past :meth:`close`."""
         try:
             with self._lock:
@@ -181,12 +164,12 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 - NIXL raises bare exceptions
             why = f"{what}{type(exc).__name__}: {exc}"
         del fn, args  # the error's traceback keeps this frame: it must not keep NIXL's objects
-        raise (error or _ReadFailed)(why)
+        raise (error or ReadFailed)(why)
 
     def _best_effort(self, fn, *args) -> None:
         try:
             self._call(fn, *args)
-        except _ReadFailed:
+        except ReadFailed:
             pass  # teardown: the peer may be gone, a READ still in progress cannot be released
 
     def remove_remote(self, name: str) -> None:
@@ -202,7 +185,7 @@ class Agent:
         self._call(self._post, ticket, local, remote, mem, remote_mem, remote_agent)
         stats["reads_posted"] += 1
         if self._posted.pop(ticket) == "ERR":
-            raise _ReadFailed("NIXL refused to post the READ")
+            raise ReadFailed("NIXL refused to post the READ")
         return ticket
 
     def _post(self, ticket: int, local, remote, mem: str, remote_mem: str, remote_agent: str) -> None:
@@ -214,7 +197,7 @@ class Agent:
     def state(self, ticket: int) -> str:
         state = self._call(self._agent.check_xfer_state, self._live[ticket])
         if state == "ERR":
-            raise _ReadFailed("NIXL reports the READ failed")
+            raise ReadFailed("NIXL reports the READ failed")
         return state
 
     def release(self, ticket: int) -> bool:
@@ -225,7 +208,7 @@ class Agent:
             return True
         try:
             self._call(self._agent.release_xfer_handle, handle)
-        except _ReadFailed:
+        except ReadFailed:
             return False
         del self._live[ticket]
         return True
@@ -238,7 +221,7 @@ class Agent:
             for ticket in list(self._live):
                 try:
                     busy = self.state(ticket) == "PROC"
-                except _ReadFailed:
+                except ReadFailed:
                     busy = False
                 if not busy:
                     self.release(ticket)
@@ -297,10 +280,6 @@ def _create_agent(mod, name: str):
             return mod.nixl_agent(name, config)
         finally:
             bind.nixlAgent = real
-
-
-class _ReadFailed(FlashBootError):
-    """A READ failed on the NIXL side (the message is NIXL's)."""
 
 
 class AgentWarmup:
@@ -382,128 +361,6 @@ class Nixl(Transport):
         return _clone(ctx)
 
 
-@dataclass
-class Piece:
-    """One READ: bytes ``[offset, offset + nbytes)`` (within one segment) from participant ``src``."""
-
-    step: int
-    src: int
-    offset: int
-    nbytes: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.nbytes
-
-
-def pieces(steps, segment_bytes: int, read_bytes: int | None = None) -> deque:
-    """The plan's steps cut into READs of at most ``read_bytes`` (default :data:`READ_BYTES`) that
-    never cross a segment."""
-    read_bytes = read_bytes or READ_BYTES
-    out = deque()
-    for s in steps:
-        o, end = s.offset, s.offset + s.nbytes
-        while o < end:
-            seg_end = (o // segment_bytes + 1) * segment_bytes
-            n = min(end, seg_end, o + read_bytes) - o
-            out.append(Piece(s.id, s.src, o, n))
-            o += n
-    return out
-
-
-def _held_key(gen: str, schedule: str, position: int) -> str:
-    from ..common import _gkey
-
-    return _gkey(gen, schedule, "nixl", "held", position)
-
-
-class _Sources:
-    """The peers a NIXL clone READs from, by participant: the seed (0) and earlier clones."""
-
-    def __init__(self, ctx, agent: Agent, detail: dict):
-        self.ctx, self.agent, self.detail = ctx, agent, detail
-        self.opened: dict[int, tuple[str, dict, str]] = {}
-        """participant -> (remote agent name, its NIXL record, who)."""
-        self.held: dict[int, int] = {}
-        self._moved: dict[int, float] = {}
-        self.local: tuple[int, int, str] | None = None
-        """Our arena's (base, devid, memory type), once registered: where :meth:`probe` READs into."""
-
-    def who(self, p: int) -> str:
-        return "the seed" if p == 0 else f"clone #{p}"
-
-    def open(self, p: int) -> tuple[str, dict, str]:
-        if p in self.opened:
-            return self.opened[p]
-        from ..common import _gkey
-
-        ctx = self.ctx
-        rdv = ctx.session.rdv
-        t0 = time.perf_counter()
-        if p == 0:
-            record, who = ctx.seed_rec.sealed.get("nixl"), f"the seed at {rdv.address}"
-        else:
-            rec = rdv.read(_gkey(ctx.gen, ctx.schedule, "member", p), what=f"the NIXL record of clone #{p}",
-                           timeout_s=ctx.timeout_s)
-            if rec.body.get("manifest_digest") != ctx.manifest.digest:
-                raise RendezvousError(f"clone #{p} holds another image (manifest {rec.body.get('manifest_digest')}, "
-                                      f"the seed's is {ctx.manifest.digest}); refusing to read from it")
-            record, who = rec.sealed.get("nixl"), f"clone #{p} (pid {rec.body.get('pid')} on {rec.body.get('host')})"
-        self.detail["records_ms"] = self.detail.get("records_ms", 0.0) + (time.perf_counter() - t0) * 1e3
-        check_record(record, ctx.manifest, who)
-        t1 = time.perf_counter()
-        name = self.agent.add_remote(record, who)
-        self.detail["add_remote_ms"] = self.detail.get("add_remote_ms", 0.0) + (time.perf_counter() - t1) * 1e3
-        self.opened[p] = (name, record, who)
-        self.held[p] = record["nbytes"] if p == 0 else 0
-        return self.opened[p]
-
-    def refresh(self, p: int) -> None:
-        """Re-read how many leading bytes clone ``p`` holds; _ReadFailed when it failed or left (checked
-        when it has not moved on for :data:`STATUS_EVERY_S`: two more store calls)."""
-        if p == 0:
-            return
-        ctx = self.ctx
-        rdv = ctx.session.rdv
-        held = rdv.add(_held_key(ctx.gen, ctx.schedule, p), 0)
-        now = time.monotonic()
-        if held != self.held.get(p):
-            self.held[p], self._moved[p] = held, now
-            return
-        if now - self._moved.get(p, 0.0) < STATUS_EVERY_S:
-            return
-        self._moved[p] = now
-        status = rdv.try_read(_status_key(ctx, p))
-        if status is not None and status.body.get("state") == "failed":
-            raise _ReadFailed(f"it failed: {status.body.get('error', '?')}")
-        if rdv.has(_status_key(ctx, p) + "/left"):
-            raise _ReadFailed("it left before we finished reading from it")
-        self.probe(p)
-
-    def probe(self, p: int) -> None:
-        """Is ``p`` still there? A killed process publishes no status, so READ its first byte (into
-        ours: either the same byte, or one we have not read yet); a gone peer fails it at once."""
-        if self.local is None:
-            return
-        name, record, _ = self.opened[p]
-        base, devid, mem = self.local
-        handle = self.agent.read([(base, 1, devid)], [(record["base"], 1, record["devid"])], mem, record["mem"], name)
-        deadline = time.monotonic() + PROBE_S
-        try:
-            while self.agent.state(handle) != "DONE" and time.monotonic() < deadline:
-                time.sleep(0.001)
-        except _ReadFailed as exc:
-            raise _ReadFailed(f"it is gone ({exc})") from exc
-        finally:
-            self.agent.release(handle)
-
-
-def _status_key(ctx, p: int) -> str:
-    from ..common import _gkey
-
-    return _gkey(ctx.gen, ctx.schedule, "status", p)
-
-
 def _clone(ctx):
     """The whole clone over NIXL (called by :func:`flashboot.flashclone.clone` once the seed's record
     checked out and a position is taken)."""
@@ -530,7 +387,12 @@ def _clone(ctx):
     n = max(position, ctx.clones or 1)
     plan = build_plan(ctx.schedule, n, manifest.nbytes, ctx.chunk_bytes)
     report.chunk_bytes = plan.chunk_bytes
-    sources = _Sources(ctx, agent, detail)
+    keys = PeerKeys(member=lambda p: _gkey(ctx.gen, ctx.schedule, "member", p),
+                    held=lambda p: _gkey(ctx.gen, ctx.schedule, "nixl", "held", p),
+                    status=lambda p: _gkey(ctx.gen, ctx.schedule, "status", p),
+                    who=lambda p: "the seed" if p == 0 else f"clone #{p}")
+    sources = Peers(rdv, agent, manifest, keys, timeout_s, detail,
+                    fixed={0: (ctx.seed_rec.sealed.get("nixl"), f"the seed at {rdv.address}")})
     my_steps = [s for s in plan.steps_into(position) if s.kind == "copy"]
     redirect: dict[int, int] = {}  # a source clone that cannot be reached -> the nearest upstream that can
     for p in sorted({s.src for s in my_steps}):
@@ -575,7 +437,34 @@ def _clone(ctx):
     todo = pieces(my_steps, session.arena.segment_bytes)
     for piece in todo:
         piece.src = redirect.get(piece.src, piece.src)
-    used = _transfer(ctx, agent, sources, session.arena, todo)
+
+    def reattach(piece, why: str, todo: deque) -> None:
+        """A chain source failed: its pieces go to the clone upstream of it (or the clone fails)."""
+        from ..report import CloneError
+
+        src = piece.src
+        who = sources.who(src)
+        report.recovered.append(f"{who} failed at step {piece.step} (bytes [{piece.offset:,}, {piece.end:,})): {why}")
+        if not ctx.retry or src == 0:
+            raise CloneError(f"clone #{position} on {dev}: {who} failed at step {piece.step} "
+                             f"(bytes [{piece.offset:,}, {piece.end:,}) over NIXL): {why}"
+                             + ("" if ctx.retry else "; retry is off") + ("; no source upstream of the seed" if src == 0 else ""))
+        for p in todo:
+            if p.src == src:
+                p.src = src - 1
+        ordered = sorted(todo, key=lambda p: p.offset)
+        todo.clear()
+        todo.extend(ordered)
+        sources.drop(src)
+        try:
+            sources.open(src - 1)
+        except (RendezvousError, WaitTimeoutError) as exc:
+            raise CloneError(f"clone #{position}: {who} failed at step {piece.step} and its upstream "
+                             f"{sources.who(src - 1)} cannot be reached: {exc}") from exc
+        report.recovered.append(f"re-attached to {sources.who(src - 1)}")
+
+    reader = Reader(rdv, dev, position, f"clone #{position}", keys.held(position), timeout_s, ctx.hook, reattach)
+    used = read_pieces(reader, agent, sources, session.arena, todo)
     report.transfer_ms = (time.perf_counter() - tt) * 1e3
     report.ready_ms = (time.perf_counter() - ctx.t_start) * 1e3
     report.ready_unix = time.time()
@@ -587,129 +476,12 @@ def _clone(ctx):
         report.verify_ms = (time.perf_counter() - tv) * 1e3
         report.verified = True
     metadata = ctx.read_metadata()
-    rdv.publish(_status_key(ctx, position), {"state": "done", "redone": [], "pid": os.getpid(), "transport": "nixl"})
+    rdv.publish(keys.status(position), {"state": "done", "redone": [], "pid": os.getpid(), "transport": "nixl"})
     if ctx.schedule == "chain":
         def successors() -> list[str]:
             joined = max(session.rdv.add(_gkey(ctx.gen, ctx.schedule, "join"), 0), ctx.clones or 0)
-            return [_status_key(ctx, position + 1)] if joined > position else []
+            return [keys.status(position + 1)] if joined > position else []
         session.dependents_of = successors
     report.total_ms = (time.perf_counter() - ctx.t_start) * 1e3
     report.finished_unix = time.time()
     return CloneResult(session.arena, _views(session.arena, metadata), report, metadata=metadata, _session=session)
-
-
-@_cuda.keeps_context
-def _transfer(ctx, agent: Agent, sources: _Sources, arena, todo: deque) -> set[int]:
-    """READ every piece of ``todo`` into ``arena``, at most :data:`DEPTH` outstanding, each as soon as
-    its source holds it; raise the count of leading bytes we hold as pieces land. Re-attaches a
-    failed clone source's pieces upstream (``retry``); returns the participants read from."""
-    from ..report import CloneError
-
-    rdv, report, timeout_s = ctx.session.rdv, ctx.report, ctx.timeout_s
-    if ctx.dev.is_cuda:
-        _cuda.use_device(ctx.dev.index)
-    position = report.position
-    held_key = _held_key(ctx.gen, ctx.schedule, position)
-    poll_s = POLL_S if POLL_S is not None else (0.0002 if ctx.dev.is_cuda else 0.001)
-    devid = ctx.dev.index if ctx.dev.is_cuda else 0
-    mem = _mem_type(ctx.dev)
-    base = arena.ptr
-    done: dict[int, int] = {}  # offset -> end of landed pieces not yet counted in `held`
-    held = published = 0
-    published_at = 0.0
-    inflight: dict[int, tuple[Piece, Any, float]] = {}
-    used: set[int] = set()
-    waiting_since: float | None = None
-    last_refresh = 0.0
-    hook = ctx.hook
-
-    def fail(piece: Piece, why: str) -> None:
-        """Source of ``piece`` failed: re-attach its pieces upstream, or raise naming the step."""
-        src = piece.src
-        who = sources.who(src)
-        report.recovered.append(f"{who} failed at step {piece.step} (bytes [{piece.offset:,}, {piece.end:,})): {why}")
-        if not ctx.retry or src == 0:
-            raise CloneError(f"clone #{position} on {ctx.dev}: {who} failed at step {piece.step} "
-                             f"(bytes [{piece.offset:,}, {piece.end:,}) over NIXL): {why}"
-                             + ("" if ctx.retry else "; retry is off") + ("; no source upstream of the seed" if src == 0 else ""))
-        for key, (p, h, _) in list(inflight.items()):
-            if p.src == src:
-                agent.release(h)
-                del inflight[key]
-                todo.appendleft(p)
-        for p in todo:
-            if p.src == src:
-                p.src = src - 1
-        ordered = sorted(todo, key=lambda p: p.offset)
-        todo.clear()
-        todo.extend(ordered)
-        if src in sources.opened:
-            agent.remove_remote(sources.opened.pop(src)[0])
-        try:
-            sources.open(src - 1)
-        except (RendezvousError, WaitTimeoutError) as exc:
-            raise CloneError(f"clone #{position}: {who} failed at step {piece.step} and its upstream "
-                             f"{sources.who(src - 1)} cannot be reached: {exc}") from exc
-        report.recovered.append(f"re-attached to {sources.who(src - 1)}")
-
-    while todo or inflight:
-        progressed = False
-        # issue: in order, while the source holds the bytes
-        while todo and len(inflight) < DEPTH:
-            piece = todo[0]
-            if sources.held.get(piece.src, 0) < piece.end:
-                now = time.monotonic()
-                if now - last_refresh >= poll_s:
-                    last_refresh = now
-                    try:
-                        sources.refresh(piece.src)
-                    except _ReadFailed as exc:
-                        fail(piece, str(exc))
-                        break
-                if sources.held.get(piece.src, 0) < piece.end:
-                    waiting_since = waiting_since or now
-                    if now - waiting_since > timeout_s:
-                        raise WaitTimeoutError(f"clone #{position}: step {piece.step} waited {timeout_s:g} s for "
-                                               f"{sources.who(piece.src)} to hold bytes [{piece.offset:,}, "
-                                               f"{piece.end:,}) (it holds {sources.held.get(piece.src, 0):,})")
-                    break
-            waiting_since = None
-            todo.popleft()
-            if hook is not None:
-                hook(piece)
-            name, record, _ = sources.opened[piece.src]
-            local = [(base + piece.offset, piece.nbytes, devid)]
-            remote = [(record["base"] + piece.offset, piece.nbytes, record["devid"])]
-            try:
-                handle = agent.read(local, remote, mem, record["mem"], name)
-            except _ReadFailed as exc:
-                fail(piece, str(exc))
-                continue
-            inflight[piece.offset] = (piece, handle, time.monotonic())
-            used.add(piece.src)
-            progressed = True
-        # complete
-        for key, (piece, handle, t_post) in list(inflight.items()):
-            try:
-                state = agent.state(handle)
-            except _ReadFailed as exc:
-                fail(piece, str(exc))
-                break
-            if state == "DONE":
-                agent.release(handle)
-                del inflight[key]
-                done[piece.offset] = piece.end
-                progressed = True
-            elif time.monotonic() - t_post > timeout_s:
-                raise WaitTimeoutError(f"clone #{position}: the NIXL READ of step {piece.step} (bytes "
-                                       f"[{piece.offset:,}, {piece.end:,})) from {sources.who(piece.src)} is still in "
-                                       f"progress after {timeout_s:g} s: the link or the source stalled")
-        while held in done:
-            held = done.pop(held)
-        now = time.monotonic()
-        if held > published and (now - published_at >= HELD_EVERY_S or not (todo or inflight)):
-            rdv.add(held_key, held - published)
-            published, published_at = held, now
-        if not progressed:
-            time.sleep(poll_s)
-    return used
