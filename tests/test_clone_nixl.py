@@ -238,3 +238,75 @@ def test_wrong_token_is_refused_before_registration(hosts):
     rc, r, err = _report(c1)
     assert rc == 3 and r["error"] == "RendezvousError", r
     assert r["stats"]["registrations"] == 0 and r["stats"]["reads_posted"] == 0, r
+
+
+_RING = """
+import hashlib, json, os, sys, flashboot
+store, image, members = sys.argv[1], sys.argv[2], int(sys.argv[3])
+timeout_s = float(os.environ.get("T_TIMEOUT", "30"))
+try:
+    r = flashboot.clone(store, "cpu", "ring", image=image, clones=members, transport="nixl", verify=True,
+                        timeout_s=timeout_s, chunk_bytes=int(os.environ.get("T_CHUNK", 2 << 20)), name="ringtest")
+except flashboot.FlashBootError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
+    sys.exit(3)
+rep = r.report.to_dict()
+rep["sha256"] = hashlib.sha256(r.arena.bytes().numpy()[:rep["nbytes"]].tobytes()).hexdigest()
+print(json.dumps(rep), flush=True)
+from flashboot.flashclone import linger
+linger(r, timeout_s=timeout_s)
+r.close()
+"""
+
+
+def _ring_image(tmp_path, nbytes: int, data_seed: int) -> str:
+    """Every member's own copy of the image: one file on the filesystem the namespaces share."""
+    import numpy as np
+
+    path = tmp_path / "image.bin"
+    path.write_bytes(np.random.default_rng(data_seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
+    return str(path)
+
+
+def test_nixl_ring_across_three_namespaces_gathers_every_shard_over_the_links(hosts, tmp_path):
+    """Each member loads its third from its own copy of the image and READs the other two thirds
+    from its predecessor, over its veth; each member is read by exactly one peer."""
+    image = _ring_image(tmp_path, NBYTES, 11)
+    store = f"{hosts.address(0)}:{STORE_PORT}"
+    _ready(_start(hosts, 0, _STORE, store), "store")
+    tx = [hosts.tx_bytes(i) for i in range(3)]
+    rx = [hosts.rx_bytes(i) for i in range(3)]
+    members = [_start(hosts, i, _RING, store, image, 3) for i in range(3)]
+    reports = [_report(m) for m in members]
+    want = _expected_sha(NBYTES, 11)
+    for rc, r, err in reports:
+        assert rc == 0, (r, err[-3000:])
+        assert r["transport"] == "nixl" and r["verified"] and r["sha256"] == want and not r["recovered"], r
+    assert sorted(r["position"] for _, r, _ in reports) == [1, 2, 3]
+    two_thirds = 2 * NBYTES // 3
+    for i in range(3):  # every member received two thirds and sent two thirds: one reader each, not a star
+        assert hosts.rx_bytes(i) - rx[i] >= 0.95 * two_thirds, (i, hosts.rx_bytes(i) - rx[i])
+        assert 0.95 * two_thirds <= hosts.tx_bytes(i) - tx[i] < 1.3 * two_thirds, (i, hosts.tx_bytes(i) - tx[i])
+
+
+def test_nixl_ring_member_killed_its_successor_loads_the_rest_from_its_own_copy(hosts, tmp_path):
+    image = _ring_image(tmp_path, NBYTES, 12)
+    store = f"{hosts.address(0)}:{STORE_PORT}"
+    _ready(_start(hosts, 0, _STORE, store), "store")
+    slow = _env(FLASHBOOT_TEST_STEP_DELAY_S=1.0, FLASHBOOT_NIXL_DEPTH=1, T_TIMEOUT=20)
+    members = [_start(hosts, i, _RING, store, image, 3, env=slow) for i in range(3)]
+    tx1 = hosts.tx_bytes(1)
+    wait_until(lambda: hosts.tx_bytes(1) - tx1 > CHUNK, 60, "the member on host 1 to be read by its successor",
+               members[1])
+    os.kill(members[1].pid, signal.SIGKILL)  # no status published: its successor finds out through NIXL
+    survivors = [_report(m, timeout_s=90) for m in (members[0], members[2])]
+    want = _expected_sha(NBYTES, 12)
+    recovered = 0
+    for rc, r, err in survivors:
+        assert rc == 0, (r, err[-3000:])
+        assert r["sha256"] == want and r["verified"], r
+        if r["recovered"]:
+            recovered += 1
+            assert any("failed at step" in x for x in r["recovered"]), r["recovered"]
+            assert "loaded the rest from the host image" in r["recovered"], r["recovered"]
+    assert recovered == 1  # the killed member's successor, and only it

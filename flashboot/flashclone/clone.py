@@ -56,7 +56,7 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
             raise FlashBootError("schedule 'ring' loads a shard of a host image on each member: pass image= and clones=")
         return ring_load(store, image, device, members=clones, rank=rank, verify=verify, timeout_s=timeout_s,
                          mover=mover, chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=name,
-                         expect=expect, step_delay_s=step_delay_s, pin_early=pin_early)
+                         expect=expect, step_delay_s=step_delay_s, pin_early=pin_early, transport=transport)
     if clones is not None and (not isinstance(clones, int) or clones < 1):
         raise FlashBootError(f"clones must be a positive int, got {clones!r}")
     t_start = time.perf_counter()

@@ -24,7 +24,7 @@ from .transports.registry import Seen, choose_transport
 def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank: int = 0, verify: bool = False,
               timeout_s: float = DEFAULT_TIMEOUT_S, mover: Any = None, chunk_bytes: int | None = None, token=None,
               token_file=None, name: str = "default", run: str = "ring", expect: Any = None,
-              step_delay_s: float | None = None, pin_early: bool = False) -> CloneResult:
+              step_delay_s: float | None = None, pin_early: bool = False, transport: str = "auto") -> CloneResult:
     """Load ``image`` on ``members`` processes at once: each loads a 1/N byte shard from the host
     and gathers the rest from its predecessor in a ring (paper §3.6).
 
@@ -35,6 +35,9 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
     FlashLoad's pin-early and served modes do) instead of after it; ``load_ms``/``pin_ms`` say
     what it cost either way. Pinning needs the image in anonymous or tmpfs-backed memory (stage
     it into /dev/shm); a file on disk is refused with a CapabilityError that says so.
+    ``transport``: how a member reads its predecessor. ``"auto"`` maps it (``posix_fd`` on the same
+    host, ``fabric`` in an NVLink domain), as do those names; ``"nixl"`` READs it through NIXL, on
+    any host (every member passes it; each needs its own copy of the image).
     """
     from ..arena import Arena
 
@@ -43,10 +46,23 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
     t_start = time.perf_counter()
     dev = Device.parse(device)
     mover_obj = _check_mover(dev, _default_mover(dev, mover))
+    if transport not in ("auto", "posix_fd", "fabric", "nixl"):
+        raise FlashBootError(f"a ring reads its predecessor through 'auto', 'posix_fd', 'fabric' or 'nixl', "
+                             f"not {transport!r}")
     hook = _step_hook(step_delay_s)
+    nixl_warm = None
+    if transport == "nixl":  # the agent's start-up (0.4-1.2 s) overlaps connecting
+        from .transports.nixl import AgentWarmup, nixl_module
+
+        nixl_module()  # not installed: CapabilityError naming the extra, before anything else
+        nixl_warm = AgentWarmup(f"flashboot-ring-{os.getpid()}-{time.time_ns()}")
     warm = _Warmup(dev)  # overlaps connecting; joined before any descriptor is requested
     rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=name, host=True, timeout_s=timeout_s)
     session = _Session(rdv)
+    if nixl_warm is not None:
+        from .clone import _JoinOnClose
+
+        session.extra.append(_JoinOnClose(nixl_warm, timeout_s))
     try:
         warm_report = CloneReport("ring", 0, str(dev), 0)
         warm.join(warm_report, timeout_s)
@@ -91,10 +107,17 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
         img = map_shard() if pin_early else None
         ta = time.perf_counter()
         session.arena = Arena.create(manifest.arena_nbytes, dev)
-        session.flags = create_flags(plan.flag_count(me), dev)
+        if nixl_warm is not None:
+            rdv.bounded = True  # the store may sit across the same link as the peers: no call may hang on it
+            agent = nixl_warm.join(timeout_s)
+            session.extra.append(agent)
+            sealed = {"nixl": agent.register(session.arena)}
+        else:
+            session.flags = create_flags(plan.flag_count(me), dev)
+            sealed = {"arena": session.arena.export().to_dict(), "flags": session.flags.export().to_dict()}
         rdv.publish(f"{run}/member/{me}", {"member": me, "pid": os.getpid(), "host": socket.gethostname(),
-                                           "device": str(dev), "manifest_digest": manifest.digest},
-                    sealed={"arena": session.arena.export().to_dict(), "flags": session.flags.export().to_dict()})
+                                           "device": str(dev), "manifest_digest": manifest.digest,
+                                           "transport": transport}, sealed=sealed)
         session.status_key = f"{run}/status/{me}"
         report.alloc_ms = (time.perf_counter() - ta) * 1e3
         report.barrier_ms = rdv.barrier(f"{run}/start", members, timeout_s=timeout_s)
@@ -109,13 +132,13 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
             if rec.body.get("manifest_digest") != manifest.digest:
                 raise RendezvousError(f"ring member {j} holds another image (manifest {rec.body.get('manifest_digest')}, "
                                       f"ours {manifest.digest}); refused before any byte moved")
-            if j == pred:
+            if j == pred and nixl_warm is None:
                 arena_desc = _descriptor_from(rec.sealed["arena"])
                 try:  # the ring maps its predecessor: only a mapping transport will do
-                    cls, _ = choose_transport(Seen(arena_desc, {"nccl": False, "nixl": False}), dev, "auto")
+                    cls, _ = choose_transport(Seen(arena_desc, {"nccl": False, "nixl": False}), dev, transport)
                 except RendezvousError as exc:
                     raise RendezvousError(f"ring member {j} on {arena_desc.hostname!r} cannot be mapped from here "
-                                          f"({exc}); the ring needs mappable peers") from None
+                                          f"({exc}); across hosts run the ring with transport='nixl'") from None
                 transport = cls.name
                 opened = [_open_arena(arena_desc, dev, transport)]
                 session.opened[j] = opened
@@ -127,25 +150,21 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
         if img is None:
             img = map_shard()
         tt = time.perf_counter()
-        try:
-            rep = Executor(plan, endpoints, me, mover=mover_obj, host_image=img.span(), timeout_s=timeout_s,
-                           step_hook=hook).run()
-        except StepFailure as failure:
-            # re-attach upstream: whatever the lost member would have passed on, load from the host image
-            report.recovered.append(f"member {failure.peer} {'exited' if failure.peer_exited else 'stalled'}")
-            remaining = [s for s in plan.steps_into(me) if s.id not in failure.valid_steps]
-            new = rewire(plan, remaining, failure.peer, fallback=HOST, dead=set(range(members)) - {me})
-            session.close_opened(failure.peer)
-            endpoints.pop(failure.peer, None)
-            rep = Executor(plan, endpoints, me, mover=mover_obj, host_image=img.span(), timeout_s=timeout_s,
-                           steps=new).run()
-            report.recovered.append("loaded the rest from the host image")
+        if nixl_warm is not None:
+            from .transports.nixl import ring_member
+
+            report.transport, report.mover = "nixl", "nixl/UCX"
+            used = ring_member(rdv=rdv, agent=agent, run=run, plan=plan, me=me, manifest=manifest, dev=dev,
+                               arena=session.arena, image=img.span(), mover=mover_obj, report=report,
+                               timeout_s=timeout_s, hook=hook)
+        else:
+            used = _executor_ring(plan, endpoints, me, mover_obj, img, timeout_s, hook, report, session, members)
         report.transfer_ms = (time.perf_counter() - tt) * 1e3
-        report.lanes = [l.__dict__ | {"gbps": l.gbps} for l in rep.lanes]
-        _note_lazy_mapping(report, (ep for j, ep in endpoints.items() if j != me))
         report.ready_ms = (time.perf_counter() - t_start) * 1e3
         report.ready_unix = time.time()
         report.source = f"host shard {shard_off:,}..{shard_off + shard_n:,} + member {pred}"
+        if members > 1 and pred not in used:
+            report.source = f"host image (member {pred} was not read)"
         if verify:
             tv = time.perf_counter()
             _verify(session.arena, manifest, f"ring member {me} on {dev}")
@@ -166,3 +185,24 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
     except BaseException:
         session.close(keep_arena=False)
         raise
+
+
+def _executor_ring(plan, endpoints: dict, me: int, mover, img, timeout_s: float, hook, report, session,
+                   members: int) -> set[int]:
+    """The ring over mapped arenas: the executor runs our steps (flags in the arenas' flag arrays).
+    A lost predecessor: whatever it would have passed on comes from the host image."""
+    try:
+        rep = Executor(plan, endpoints, me, mover=mover, host_image=img.span(), timeout_s=timeout_s,
+                       step_hook=hook).run()
+    except StepFailure as failure:
+        report.recovered.append(f"member {failure.peer} {'exited' if failure.peer_exited else 'stalled'}")
+        remaining = [s for s in plan.steps_into(me) if s.id not in failure.valid_steps]
+        new = rewire(plan, remaining, failure.peer, fallback=HOST, dead=set(range(members)) - {me})
+        session.close_opened(failure.peer)
+        endpoints.pop(failure.peer, None)
+        rep = Executor(plan, endpoints, me, mover=mover, host_image=img.span(), timeout_s=timeout_s,
+                       steps=new).run()
+        report.recovered.append("loaded the rest from the host image")
+    report.lanes = [l.__dict__ | {"gbps": l.gbps} for l in rep.lanes]
+    _note_lazy_mapping(report, (ep for j, ep in endpoints.items() if j != me))
+    return {(me - 1) % members} if members > 1 else set()

@@ -122,8 +122,6 @@ class Peers:
         """participant -> (remote agent name, its NIXL record, who)."""
         self.held: dict[int, int] = {}
         self._moved: dict[int, float] = {}
-        self.local: tuple[int, int, str] | None = None
-        """Our arena's (base, devid, memory type), once registered: where :meth:`probe` READs into."""
 
     def who(self, p: int) -> str:
         return self.keys.who(p)
@@ -178,11 +176,9 @@ class Peers:
 
     def probe(self, p: int) -> None:
         """Is ``p`` still there? A killed process publishes no status, so READ its first byte (into
-        ours: either the same byte, or one we have not read yet); a gone peer fails it at once."""
-        if self.local is None:
-            return
+        the agent's scratch buffer); a gone peer fails it at once."""
         name, record, _ = self.opened[p]
-        base, devid, mem = self.local
+        base, devid, mem = self.agent.scratch()
         ticket = self.agent.read([(base, 1, devid)], [(record["base"], 1, record["devid"])], mem, record["mem"], name)
         deadline = time.monotonic() + PROBE_S
         try:
@@ -280,7 +276,8 @@ def read_pieces(r: Reader, agent, peers: Peers, arena, todo: deque) -> set[int]:
                 ticket = agent.read([(base + piece.offset, piece.nbytes, devid)],
                                     [(record["base"] + piece.offset, piece.nbytes, record["devid"])],
                                     mem, record["mem"], name)
-            except ReadFailed as exc:
+            except ReadFailed as exc:  # not posted: the piece goes back to be re-routed with the rest
+                todo.appendleft(piece)
                 fail(piece, str(exc))
                 continue
             inflight[piece.pos] = (piece, ticket, time.monotonic())

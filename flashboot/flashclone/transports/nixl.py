@@ -33,6 +33,8 @@ import warnings
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from ... import _cuda
 from ...errors import CapabilityError, FlashBootError, RendezvousError, WaitTimeoutError
 from ...memory import Device
@@ -119,6 +121,7 @@ class Agent:
         self._live: dict[int, Any] = {}
         """ticket -> NIXL transfer handle not yet released (a READ posted, in progress, failed or aborting)."""
         self._tickets = itertools.count()
+        self._scratch: np.ndarray | None = None
         self._posted: dict[int, str] = {}
         self.remotes: dict[str, str] = {}
         """Remote agent name -> who (for messages)."""
@@ -142,6 +145,17 @@ class Agent:
         self.register_ms = (time.perf_counter() - t0) * 1e3
         return {"agent": self.name, "mem": _mem_type(dev), "devid": devid, "base": base,
                 "segments": [[o, n] for o, n in segs], "nbytes": arena.nbytes, "metadata": _b64(metadata)}
+
+    def scratch(self) -> tuple[int, int, str]:
+        """(address, devid, memory type) of a small registered host buffer that liveness probes READ
+        into: never an arena, where a probed byte could land on one we already hold (a ring member
+        holds bytes its predecessor does not yet have)."""
+        if self._scratch is None:
+            buf = np.zeros(64, np.uint8)
+            with self._lock:
+                self._registered.append(self._agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM"))
+            self._scratch = buf
+        return self._scratch.ctypes.data, 0, "DRAM"
 
     def add_remote(self, record: dict, who: str) -> str:
         """Load a peer's agent metadata (from its sealed record); returns the peer agent's name."""
@@ -421,7 +435,6 @@ def _clone(ctx):
     report.alloc_ms = (time.perf_counter() - ta) * 1e3
     tr = time.perf_counter()
     mine = agent.register(session.arena)
-    sources.local = (mine["base"], mine["devid"], mine["mem"])
     detail["register_ms"] = (time.perf_counter() - tr) * 1e3
     rdv.publish(_gkey(ctx.gen, ctx.schedule, "member", position),
                 {"position": position, "pid": os.getpid(), "host": socket.gethostname(),
@@ -485,3 +498,70 @@ def _clone(ctx):
     report.total_ms = (time.perf_counter() - ctx.t_start) * 1e3
     report.finished_unix = time.time()
     return CloneResult(session.arena, _views(session.arena, metadata), report, metadata=metadata, _session=session)
+
+
+def ring_keys(run: str) -> PeerKeys:
+    """Where a ring over NIXL keeps its members' records and progress in the store."""
+    return PeerKeys(member=lambda p: f"{run}/member/{p}", held=lambda p: f"{run}/nixl/held/{p}",
+                    status=lambda p: f"{run}/status/{p}", who=lambda p: f"ring member {p}")
+
+
+def ring_member(*, rdv, agent: Agent, run: str, plan, me: int, manifest, dev: Device, arena, image,
+                mover, report, timeout_s: float, hook) -> set[int]:
+    """One member's part of a ring over NIXL (called by :func:`flashboot.flashclone.ring.ring_load`
+    after the start barrier): its own shard from its own copy of the image (``image``, a Span),
+    then every other sub-chunk READ from its predecessor as soon as the predecessor's progress
+    covers it, so all rounds and all links run at once. A predecessor that fails or leaves: the
+    rest comes from our own copy of the image, said in the report. Returns the members read from."""
+    from ...schedulers import HOST
+    from ._nixl_reads import progress_starts
+
+    members = len(plan.participants)
+    pred = (me - 1) % members
+    keys = ring_keys(run)
+    detail: dict[str, float] = {}
+    peers = Peers(rdv, agent, manifest, keys, timeout_s, detail)
+    t0 = time.perf_counter()
+    peers.open(pred)
+    report.exchange_detail = {k: round(v, 4) for k, v in detail.items()}
+    report.setup_ms = (time.perf_counter() - t0) * 1e3
+    stream = None
+    if dev.is_cuda:
+        import cupy
+
+        with cupy.cuda.Device(dev.index):
+            stream = cupy.cuda.Stream(non_blocking=True)
+
+    def local_copy(piece) -> None:
+        mover.copy(arena.span(piece.offset, piece.nbytes), image.sub(piece.offset, piece.nbytes), stream=stream)
+        if stream is not None:
+            stream.synchronize()
+
+    steps = sorted(plan.steps_into(me), key=lambda s: s.id)  # our progress order: our shard, then round by round
+    for s in steps:
+        if s.kind == "h2d":
+            local_copy(s)
+            rdv.add(keys.held(me), s.nbytes)
+    held = sum(s.nbytes for s in steps if s.kind == "h2d")
+    ours, theirs = progress_starts(steps), progress_starts(plan.steps_into(pred))
+    by_id = {s.id: s for s in plan.steps}
+
+    def place(s) -> tuple[int, int]:
+        up = by_id[s.waits[0]]  # the step that brought this sub-chunk to our predecessor
+        return ours[s.id], theirs[up.id] + (s.offset - up.offset)
+
+    todo = pieces([s for s in steps if s.kind == "copy"], arena.segment_bytes, place=place)
+
+    def from_own_copy(piece, why: str, todo: deque) -> None:
+        src = piece.src  # captured: the loop below re-routes `piece` itself too
+        report.recovered.append(f"{keys.who(src)} failed at step {piece.step} (bytes [{piece.offset:,}, "
+                                f"{piece.end:,})): {why}")
+        for p in todo:
+            if p.src == src:
+                p.src = HOST
+        peers.drop(src)
+        report.recovered.append("loaded the rest from the host image")
+
+    reader = Reader(rdv, dev, me, f"ring member {me}", keys.held(me), timeout_s, hook, from_own_copy,
+                    local_copy=local_copy, held=held)
+    return read_pieces(reader, agent, peers, arena, todo)
