@@ -12,6 +12,11 @@ Two namespaces joined by veths (:mod:`flashboot.benchmarks.netns`). In one run, 
   critical-path setup apart (``setup_ms``; agent creation, overlapped with connecting, apart again).
   Each clone is verified against the seed's checksums after the timing.
 
+* **ring** (``--ring N``, N >= 2 namespaces): N members, each with its own copy of the image (one
+  file the namespaces share), ``schedule="ring", transport="nixl"``: each loads its 1/N shard and
+  READs the other (N-1)/N from its predecessor over its veth. Its rate is the bytes it gathered
+  over the link divided by its ``transfer_ms``, beside the same socket figure.
+
 Prints a table and the ratio nixl / socket (medians); the veth's received bytes prove the link was used.
 """
 
@@ -77,6 +82,20 @@ print(json.dumps({"seconds": rep.transfer_ms / 1e3, "gbps": rep.gbps, "setup_ms"
 r.close()
 """
 
+_RING = """
+import sys, json, flashboot
+r = flashboot.clone(sys.argv[1], "cpu", "ring", image=sys.argv[2], clones=int(sys.argv[3]), transport="nixl",
+                    verify=True, timeout_s=120, name=sys.argv[4])
+rep = r.report
+gathered = rep.nbytes - (rep.nbytes // int(sys.argv[3]))
+print(json.dumps({"seconds": rep.transfer_ms / 1e3, "gbps": gathered / (rep.transfer_ms / 1e3) / 1e9,
+                  "setup_ms": rep.setup_ms, "detail": rep.exchange_detail, "nbytes": rep.nbytes,
+                  "verified": rep.verified, "recovered": rep.recovered}), flush=True)
+from flashboot.flashclone import linger
+linger(r, timeout_s=60)
+r.close()
+"""
+
 
 def _env(**extra) -> dict:
     e = dict(os.environ)
@@ -88,8 +107,8 @@ def _json_line(out: str) -> dict:
     return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
 
-def run(nbytes: int, repeats: int) -> dict:
-    with Hosts(2, tag="b") as hosts:
+def run(nbytes: int, repeats: int, ring: int = 0) -> dict:
+    with Hosts(max(2, ring), tag="b") as hosts:
         server_addr = hosts.address(0)
         store = f"{server_addr}:{PORT_STORE}"
         sock = hosts.popen(0, [sys.executable, "-c", _SOCKET_SERVER, str(nbytes), str(repeats), server_addr,
@@ -116,6 +135,8 @@ def run(nbytes: int, repeats: int) -> dict:
                 row = _json_line(out)
                 row["veth_rx_bytes"] = hosts.rx_bytes(1) - rx0
                 rows["nixl"].append(row)
+            if ring:
+                rows["ring"] = _ring_rows(hosts, store, nbytes, repeats, ring)
         finally:
             for p in (sock, seed):
                 if p.poll() is None:
@@ -127,7 +148,33 @@ def run(nbytes: int, repeats: int) -> dict:
     med = {k: statistics.median(r["gbps"] for r in v) for k, v in rows.items()}
     return {"nbytes": nbytes, "repeats": repeats, "rows": rows, "median_gbps": med,
             "ratio_nixl_to_socket": med["nixl"] / med["socket"] if med["socket"] else 0.0,
+            "ratio_ring_member_to_socket": med["ring"] / med["socket"] if ring and med["socket"] else None,
             "ucx_tls": "tcp", "cpus": os.cpu_count(), "loadavg": os.getloadavg()}
+
+
+def _ring_rows(hosts, store: str, nbytes: int, repeats: int, members: int) -> list[dict]:
+    """``repeats`` rings of ``members`` (one per namespace), one row per member per ring."""
+    import tempfile
+
+    import numpy as np
+
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        image = os.path.join(d, "image.bin")
+        np.random.default_rng(2).integers(0, 256, nbytes, dtype=np.uint8).tofile(image)
+        for rep in range(repeats):
+            rx0 = [hosts.rx_bytes(i) for i in range(members)]
+            procs = [hosts.popen(i, [sys.executable, "-c", _RING, store, image, str(members), f"ring{rep}"], env=_env())
+                     for i in range(members)]
+            for i, p in enumerate(procs):
+                out, err = p.communicate(timeout=240)
+                if p.returncode:
+                    raise SystemExit(f"ring member failed: {err[-3000:]}")
+                row = _json_line(out)
+                row["veth_rx_bytes"] = hosts.rx_bytes(i) - rx0[i]
+                row["repeat"] = rep
+                rows.append(row)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -135,14 +182,21 @@ def main(argv=None) -> int:
     ap.add_argument("--nbytes", default="512MiB")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ring", type=int, default=0, help="also a ring of N members over NIXL, one per namespace")
     args = ap.parse_args(argv)
-    res = run(parse_bytes(args.nbytes), args.repeats)
+    res = run(parse_bytes(args.nbytes), args.repeats, args.ring)
     print(f"{'run':<8} {'socket GB/s':>12} {'nixl GB/s':>10} {'nixl setup ms':>14} {'agent ms':>9} {'veth rx MB':>11}")
     for i, (s, n) in enumerate(zip(res["rows"]["socket"], res["rows"]["nixl"])):
         print(f"{i:<8} {s['gbps']:>12.2f} {n['gbps']:>10.2f} {n['setup_ms']:>14.1f} "
               f"{n['detail'].get('agent_create_ms', 0):>9.0f} {n['veth_rx_bytes'] / 1e6:>11.0f}")
     print(f"median: socket {res['median_gbps']['socket']:.2f} GB/s, nixl {res['median_gbps']['nixl']:.2f} GB/s, "
           f"ratio {res['ratio_nixl_to_socket']:.2f} ({res['nbytes'] / 2**20:.0f} MiB, load {res['loadavg'][0]:.1f})")
+    if args.ring:
+        for r in res["rows"]["ring"]:
+            print(f"ring {r['repeat']}: member gathered {r['gbps']:.2f} GB/s in {r['seconds'] * 1e3:.0f} ms, "
+                  f"setup {r['setup_ms']:.1f} ms, veth rx {r['veth_rx_bytes'] / 1e6:.0f} MB, verified {r['verified']}")
+        print(f"ring of {args.ring}: median member {res['median_gbps']['ring']:.2f} GB/s, "
+              f"{res['ratio_ring_member_to_socket']:.2f}x the socket")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -159,6 +159,7 @@ class PreloadServer:
         self.sock_path = socket_path(config.image_dir, config.shm_dir)
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
+        self._threads_lock = threading.Lock()
         self._copy_locks: dict[str, _FifoLock] = {}
         self._locks_lock = threading.Lock()
         self.uid = os.geteuid()
@@ -244,7 +245,9 @@ class PreloadServer:
             self._listener.close()
             self._listener = None
             _unlink_quietly(self.sock_path)
-        for t in list(self._threads):
+        with self._threads_lock:
+            threads = list(self._threads)
+        for t in threads:
             t.join(timeout=30)
         for res in self.residents.values():
             if res.pinned is not None:
@@ -281,8 +284,12 @@ class PreloadServer:
                     "retry"), wait_s=0.1)
                 continue
             t = threading.Thread(target=self._handle, args=(conn,), name="flashboot-serve-conn", daemon=True)
-            self._threads.append(t)
-            t.start()
+            with self._threads_lock:  # close() joins only started threads, and none starts after it looked
+                if self.stop.is_set():
+                    conn.close()
+                    return
+                t.start()
+                self._threads.append(t)
 
     def _turn_away(self, conn: socket.socket, exc: FlashBootError, wait_s: float) -> None:
         """Answer ``exc``, log it, and close: the request is read without room for fds, so the kernel

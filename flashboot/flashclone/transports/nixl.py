@@ -4,14 +4,17 @@ The seed (``seed(..., nixl=True)``) registers every segment of its arena with a 
 publishes the agent's metadata and the segments, sealed with the token, in its rendezvous record.
 A clone creates its own agent while it connects (off the critical path, like the driver
 warm-up), registers its own arena, adds its source's agent and READs the image in pieces of at
-most :data:`READ_BYTES`, several outstanding at once. Chain and star follow the plan's sources;
-each clone publishes how many leading bytes it holds (a counter in the store, raised per piece),
-and a chain successor READs a piece as soon as its source holds it, so all links run at once.
+most :data:`READ_BYTES`, several outstanding at once. Chain, star and ring follow the plan's
+sources; each participant publishes its progress (a counter in the store, raised per piece: the
+bytes of its steps it holds as a prefix, in plan order), and a successor READs a piece as soon as
+its source's progress covers it, so all links run at once (see ``_nixl_reads``). A ring member
+loads its own shard from its own copy of the image first (:func:`ring_member`).
 
 Every wait is bounded: NIXL leaves a READ in progress forever when the link goes down, so a READ
 outstanding longer than ``timeout_s`` ends the clone with a WaitTimeoutError naming the byte
 range and the source. A source that dies surfaces as a NIXL error (``NIXL_ERR_REMOTE_DISCONNECT``)
-or as its ``failed`` status; the clone then re-attaches upstream (chain) or fails naming the step.
+or as its ``failed`` status; the clone then re-attaches upstream (chain), loads the rest from its
+own copy of the image (ring) or fails naming the step.
 
 Optional: ``pip install flashboot[nixl]`` (the ``nixl-cu13`` wheel; UCX is bundled). Across
 network namespaces on one machine UCX would copy through ``cma`` and never touch the link: set
