@@ -15,7 +15,9 @@ Two namespaces joined by veths (:mod:`flashboot.benchmarks.netns`). In one run, 
 * **ring** (``--ring N``, N >= 2 namespaces): N members, each with its own copy of the image (one
   file the namespaces share), ``schedule="ring", transport="nixl"``: each loads its 1/N shard and
   READs the other (N-1)/N from its predecessor over its veth. Its rate is the bytes it gathered
-  over the link divided by its ``transfer_ms``, beside the same socket figure.
+  over the link divided by its ``transfer_ms``, beside the same socket figure and beside N plain
+  sockets at once, each namespace pulling the same bytes from its predecessor (the ring's ceiling
+  when N transfers share the machine's cores).
 
 Prints a table and the ratio nixl / socket (medians); the veth's received bytes prove the link was used.
 """
@@ -85,7 +87,7 @@ r.close()
 _RING = """
 import sys, json, flashboot
 r = flashboot.clone(sys.argv[1], "cpu", "ring", image=sys.argv[2], clones=int(sys.argv[3]), transport="nixl",
-                    verify=True, timeout_s=120, name=sys.argv[4])
+                    verify=True, timeout_s=120, name=sys.argv[4], chunk_bytes=int(sys.argv[5]) or None)
 rep = r.report
 gathered = rep.nbytes - (rep.nbytes // int(sys.argv[3]))
 print(json.dumps({"seconds": rep.transfer_ms / 1e3, "gbps": gathered / (rep.transfer_ms / 1e3) / 1e9,
@@ -107,7 +109,7 @@ def _json_line(out: str) -> dict:
     return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
 
-def run(nbytes: int, repeats: int, ring: int = 0) -> dict:
+def run(nbytes: int, repeats: int, ring: int = 0, ring_chunk: int = 0) -> dict:
     with Hosts(max(2, ring), tag="b") as hosts:
         server_addr = hosts.address(0)
         store = f"{server_addr}:{PORT_STORE}"
@@ -136,7 +138,8 @@ def run(nbytes: int, repeats: int, ring: int = 0) -> dict:
                 row["veth_rx_bytes"] = hosts.rx_bytes(1) - rx0
                 rows["nixl"].append(row)
             if ring:
-                rows["ring"] = _ring_rows(hosts, store, nbytes, repeats, ring)
+                rows["ring"] = _ring_rows(hosts, store, nbytes, repeats, ring, ring_chunk)
+                rows["ring_socket"] = [r for _ in range(repeats) for r in _ring_socket_rows(hosts, nbytes, ring)]
         finally:
             for p in (sock, seed):
                 if p.poll() is None:
@@ -149,10 +152,11 @@ def run(nbytes: int, repeats: int, ring: int = 0) -> dict:
     return {"nbytes": nbytes, "repeats": repeats, "rows": rows, "median_gbps": med,
             "ratio_nixl_to_socket": med["nixl"] / med["socket"] if med["socket"] else 0.0,
             "ratio_ring_member_to_socket": med["ring"] / med["socket"] if ring and med["socket"] else None,
+            "ratio_ring_to_ring_socket": med["ring"] / med["ring_socket"] if ring and med["ring_socket"] else None,
             "ucx_tls": "tcp", "cpus": os.cpu_count(), "loadavg": os.getloadavg()}
 
 
-def _ring_rows(hosts, store: str, nbytes: int, repeats: int, members: int) -> list[dict]:
+def _ring_rows(hosts, store: str, nbytes: int, repeats: int, members: int, chunk: int) -> list[dict]:
     """``repeats`` rings of ``members`` (one per namespace), one row per member per ring."""
     import tempfile
 
@@ -164,7 +168,7 @@ def _ring_rows(hosts, store: str, nbytes: int, repeats: int, members: int) -> li
         np.random.default_rng(2).integers(0, 256, nbytes, dtype=np.uint8).tofile(image)
         for rep in range(repeats):
             rx0 = [hosts.rx_bytes(i) for i in range(members)]
-            procs = [hosts.popen(i, [sys.executable, "-c", _RING, store, image, str(members), f"ring{rep}"], env=_env())
+            procs = [hosts.popen(i, [sys.executable, "-c", _RING, store, image, str(members), f"ring{rep}", str(chunk)], env=_env())
                      for i in range(members)]
             for i, p in enumerate(procs):
                 out, err = p.communicate(timeout=240)
@@ -177,14 +181,43 @@ def _ring_rows(hosts, store: str, nbytes: int, repeats: int, members: int) -> li
     return rows
 
 
+def _ring_socket_rows(hosts, nbytes: int, members: int) -> list[dict]:
+    """The ring's ceiling in the same run: every namespace at once pulls what a member gathers,
+    (N-1)/N of the image, from its predecessor over one plain TCP socket."""
+    gathered = nbytes - nbytes // members
+    servers = [hosts.popen(i, [sys.executable, "-c", _SOCKET_SERVER, str(gathered), "1", hosts.address(i),
+                               str(PORT_SOCKET + 1 + i)], env=_env()) for i in range(members)]
+    try:
+        for p in servers:
+            line = p.stdout.readline()
+            if not line.startswith("ready"):
+                raise SystemExit(f"ring socket server did not start: {line}{p.communicate(timeout=10)[1][-2000:]}")
+        pred = [(i - 1) % members for i in range(members)]
+        clients = [hosts.popen(i, [sys.executable, "-c", _SOCKET_CLIENT, str(gathered), hosts.address(pred[i]),
+                                   str(PORT_SOCKET + 1 + pred[i])], env=_env()) for i in range(members)]
+        rows = []
+        for c in clients:
+            out, err = c.communicate(timeout=240)
+            if c.returncode:
+                raise SystemExit(f"ring socket client failed: {err[-2000:]}")
+            rows.append(_json_line(out))
+        return rows
+    finally:
+        for p in servers:
+            if p.poll() is None:
+                p.terminate()
+            p.communicate(timeout=20)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nbytes", default="512MiB")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--ring", type=int, default=0, help="also a ring of N members over NIXL, one per namespace")
+    ap.add_argument("--ring-chunk", default="0", help="the ring's sub-chunk (default: the plan's)")
     args = ap.parse_args(argv)
-    res = run(parse_bytes(args.nbytes), args.repeats, args.ring)
+    res = run(parse_bytes(args.nbytes), args.repeats, args.ring, parse_bytes(args.ring_chunk) if args.ring_chunk != "0" else 0)
     print(f"{'run':<8} {'socket GB/s':>12} {'nixl GB/s':>10} {'nixl setup ms':>14} {'agent ms':>9} {'veth rx MB':>11}")
     for i, (s, n) in enumerate(zip(res["rows"]["socket"], res["rows"]["nixl"])):
         print(f"{i:<8} {s['gbps']:>12.2f} {n['gbps']:>10.2f} {n['setup_ms']:>14.1f} "
@@ -196,7 +229,9 @@ def main(argv=None) -> int:
             print(f"ring {r['repeat']}: member gathered {r['gbps']:.2f} GB/s in {r['seconds'] * 1e3:.0f} ms, "
                   f"setup {r['setup_ms']:.1f} ms, veth rx {r['veth_rx_bytes'] / 1e6:.0f} MB, verified {r['verified']}")
         print(f"ring of {args.ring}: median member {res['median_gbps']['ring']:.2f} GB/s, "
-              f"{res['ratio_ring_member_to_socket']:.2f}x the socket")
+              f"{res['ratio_ring_member_to_socket']:.2f}x one socket alone; {args.ring} sockets at once (each "
+              f"namespace pulling from its predecessor) {res['median_gbps']['ring_socket']:.2f} GB/s each: "
+              f"{res['ratio_ring_to_ring_socket']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
