@@ -24,3 +24,30 @@ def serve_until_stopped(own_stop: threading.Event, stop: threading.Event | None,
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+class Service:
+    """A long-lived object served until stopped (a seed, a store): subclasses set ``self._stop``
+    (a threading.Event) and define :meth:`close`, which must be idempotent."""
+
+    _stop: threading.Event
+
+    def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
+        """Block until ``stop`` is set, :meth:`stop` is called or SIGTERM/SIGINT arrives (main
+        thread), then :meth:`close`."""
+        try:
+            serve_until_stopped(self._stop, stop, handle_signals=handle_signals)
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

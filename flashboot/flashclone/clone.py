@@ -21,6 +21,7 @@ from .ring import ring_load
 from .session import _Session
 from .sources import _Sources
 from .session import CloneContext
+from .transports.nixl import AgentWarmup
 from .transports.registry import Seen, choose_transport, transport_class, transport_names
 
 
@@ -64,17 +65,9 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     if transport != "auto" and transport not in transport_names():
         transport_class(transport)  # UnknownNameError listing the registered ones
     mover_obj = _check_mover(dev, _default_mover(dev, mover))
-    nixl_warm = None
-    if transport == "nixl":  # the agent's start-up (0.4-1.2 s) overlaps connecting; nothing is registered yet
-        from .transports.nixl import AgentWarmup, nixl_module
-
-        nixl_module()  # not installed: CapabilityError naming the extra, before anything else
-        nixl_warm = AgentWarmup(f"flashboot-clone-{os.getpid()}-{time.time_ns()}")
+    nixl_warm = AgentWarmup.start_for(transport, "clone", timeout_s)
     warm = _Warmup(dev)  # overlaps connecting; joined before the descriptor is requested
-    rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=name, host=False, timeout_s=timeout_s)
-    session = _Session(rdv)
-    if nixl_warm is not None:
-        session.extra.append(_JoinOnClose(nixl_warm, timeout_s))
+    session = _Session.connect(store, token, token_file, name, host=False, timeout_s=timeout_s, keep=nixl_warm)
     try:
         return _clone(session, dev, schedule, mover_obj, t_start, verify=verify, timeout_s=timeout_s,
                       chunk_bytes=chunk_bytes, clones=clones, expect=expect, image=image, rank=rank,
@@ -399,18 +392,3 @@ def linger(result: CloneResult, *, timeout_s: float = DEFAULT_TIMEOUT_S, forever
         result.report.warnings.append(f"{why}; stopped lingering (readers of this clone cannot report to it)")
     except WaitTimeoutError:
         pass  # they hold their own mapping by now or will re-attach upstream; we only waited to be polite
-
-
-class _JoinOnClose:
-    """Closes the NIXL agent a warm-up created when the clone ends before taking it over."""
-
-    def __init__(self, warm, timeout_s: float):
-        self.warm, self.timeout_s = warm, timeout_s
-
-    def close(self) -> None:
-        try:
-            agent = self.warm.join(self.timeout_s)
-        except FlashBootError:
-            return
-        if agent is not None:
-            agent.close()

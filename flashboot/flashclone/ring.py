@@ -12,12 +12,13 @@ from ..errors import FlashBootError, RendezvousError
 from ..memory import CPU, Device
 from ..schedulers import HOST, build_plan, shard_bounds
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
-from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous, StoreLostError
+from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, StoreLostError
 from .common import _Warmup, _check_mover, _default_mover, _descriptor_from, _note_lazy_mapping, _same_host, _step_hook, _verify, _views
 from .report import CloneReport, CloneResult
 from .session import _Session
 from .sources import _HostImage
 from .transports.posix_fd import _open_arena
+from .transports.nixl import AgentWarmup
 from .transports.registry import Seen, choose_transport
 
 
@@ -50,19 +51,10 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
         raise FlashBootError(f"a ring reads its predecessor through 'auto', 'posix_fd', 'fabric' or 'nixl', "
                              f"not {transport!r}")
     hook = _step_hook(step_delay_s)
-    nixl_warm = None
-    if transport == "nixl":  # the agent's start-up (0.4-1.2 s) overlaps connecting
-        from .transports.nixl import AgentWarmup, nixl_module
-
-        nixl_module()  # not installed: CapabilityError naming the extra, before anything else
-        nixl_warm = AgentWarmup(f"flashboot-ring-{os.getpid()}-{time.time_ns()}")
+    nixl_warm = AgentWarmup.start_for(transport, "ring", timeout_s)
     warm = _Warmup(dev)  # overlaps connecting; joined before any descriptor is requested
-    rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=name, host=True, timeout_s=timeout_s)
-    session = _Session(rdv)
-    if nixl_warm is not None:
-        from .clone import _JoinOnClose
-
-        session.extra.append(_JoinOnClose(nixl_warm, timeout_s))
+    session = _Session.connect(store, token, token_file, name, host=True, timeout_s=timeout_s, keep=nixl_warm)
+    rdv = session.rdv
     try:
         warm_report = CloneReport("ring", 0, str(dev), 0)
         warm.join(warm_report, timeout_s)

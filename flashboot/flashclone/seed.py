@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..service_loop import Service
 from ..errors import FlashBootError, RendezvousError
 from ..memory import Device
 from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous
@@ -18,7 +19,7 @@ from .sources import _HostImage
 from .transports.nccl import _broadcast, _process_group, _shutdown_pg
 
 
-class Seed:
+class Seed(Service):
     """A published arena. Built by :func:`seed`; passive: clones map its memory themselves.
 
     ``arena``, ``manifest``, ``generation`` (a fresh id per publication), ``rendezvous``.
@@ -73,18 +74,6 @@ class Seed:
             except Exception as exc:  # noqa: BLE001 - torch.distributed errors; reported by serve_forever
                 self._nccl_error = exc
 
-    def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
-        """Block until ``stop`` is set or SIGTERM/SIGINT arrives (main thread), then :meth:`close`."""
-        from ..service_loop import serve_until_stopped
-
-        try:
-            serve_until_stopped(self._stop, stop, handle_signals=handle_signals)
-        finally:
-            self.close()
-
-    def stop(self) -> None:
-        self._stop.set()
-
     def close(self) -> None:
         """Withdraw the seed's records, stop the NCCL service, release what it owns (idempotent)."""
         if self._closed:
@@ -103,12 +92,6 @@ class Seed:
             except FlashBootError:
                 pass
         self.rendezvous.close()
-
-    def __enter__(self) -> "Seed":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"Seed({self.manifest.describe()}, on {self.arena.device}, store {self.address}, gen {self.generation})"

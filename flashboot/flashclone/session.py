@@ -24,6 +24,23 @@ class _Session:
         """Status keys of participants that read from us: :func:`linger` waits for them."""
         self.dependents_of: Callable[[], list[str]] | None = None
 
+    @classmethod
+    def connect(cls, store: str, token, token_file, name: str, *, host: bool, timeout_s: float,
+                keep=None) -> "_Session":
+        """Connect to the store at ``store``; ``keep`` (a NIXL agent warm-up, say) is released with the
+        session, or at once when the store cannot be reached."""
+        try:
+            rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=name, host=host,
+                                     timeout_s=timeout_s)
+        except BaseException:
+            if keep is not None:
+                keep.close()
+            raise
+        session = cls(rdv)
+        if keep is not None:
+            session.extra.append(keep)
+        return session
+
     def close_opened(self, participant: int | None = None) -> None:
         keys = list(self.opened) if participant is None else [participant]
         for k in keys:

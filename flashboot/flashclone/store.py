@@ -24,10 +24,11 @@ import os
 import threading
 
 from .rendezvous import DEFAULT_TIMEOUT_S, parse_address
+from ..service_loop import Service
 from ..errors import RendezvousError
 
 
-class StoreServer:
+class StoreServer(Service):
     """A TCPStore hosted by this process until :meth:`close` (or until :meth:`serve_forever`
     is stopped by SIGTERM/SIGINT or ``stop``).
 
@@ -59,29 +60,10 @@ class StoreServer:
     def closed(self) -> bool:
         return self._store is None
 
-    def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
-        """Block until ``stop`` is set, :meth:`stop` is called or SIGTERM/SIGINT arrives (main
-        thread), then :meth:`close`."""
-        from ..service_loop import serve_until_stopped
-
-        try:
-            serve_until_stopped(self._stop, stop, handle_signals=handle_signals)
-        finally:
-            self.close()
-
-    def stop(self) -> None:
-        self._stop.set()
-
     def close(self) -> None:
         """Stop serving (idempotent): the port closes, and clients' next calls fail."""
         self._stop.set()
         self._store = None  # the server thread ends with the last reference to the master store
-
-    def __enter__(self) -> "StoreServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"listening at {self.address}"

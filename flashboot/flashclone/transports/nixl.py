@@ -301,9 +301,20 @@ def _create_agent(mod, name: str):
 
 class AgentWarmup:
     """Create an :class:`Agent` in a background thread (0.5-1.2 s of UCX start-up), started while the
-    clone connects to the store; :meth:`join` hands it over. Registers nothing."""
+    clone connects to the store; :meth:`join` hands it over. Registers nothing. :meth:`close` (a
+    session's release step) closes the agent whether or not it was taken over."""
 
-    def __init__(self, name: str):
+    @classmethod
+    def start_for(cls, transport: str, role: str, timeout_s: float) -> "AgentWarmup | None":
+        """For ``transport == "nixl"``: NIXL must be installed (CapabilityError naming the extra,
+        before anything else), and the agent starts now, overlapping connecting. None otherwise."""
+        if transport != "nixl":
+            return None
+        nixl_module()
+        return cls(f"flashboot-{role}-{os.getpid()}-{time.time_ns()}", timeout_s)
+
+    def __init__(self, name: str, timeout_s: float = 60.0):
+        self.timeout_s = timeout_s
         self.agent: Agent | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(name,), name="flashboot-nixl-agent", daemon=True)
@@ -322,6 +333,13 @@ class AgentWarmup:
         if self.error is not None:
             raise self.error
         return self.agent
+
+    def close(self) -> None:
+        try:
+            agent = self.join(self.timeout_s)
+        except FlashBootError:
+            return
+        agent.close()  # idempotent: a clone that took it over closes it too
 
 
 def check_record(record: Any, manifest, who: str) -> None:
