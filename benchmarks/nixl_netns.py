@@ -33,6 +33,7 @@ import sys
 from flashboot.units import parse_bytes
 
 from .netns import Hosts
+from .timing import dump_json
 
 TOKEN = "flashboot-bench-netns-token-0123456789"
 PORT_STORE, PORT_SOCKET = 29611, 29612
@@ -232,9 +233,7 @@ def main(argv=None) -> int:
               f"{res['ratio_ring_member_to_socket']:.2f}x one socket alone; {args.ring} sockets at once (each "
               f"namespace pulling from its predecessor) {res['median_gbps']['ring_socket']:.2f} GB/s each: "
               f"{res['ratio_ring_to_ring_socket']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    dump_json(res, args.json)
     return 0
 
 

@@ -23,6 +23,8 @@ import time
 
 from flashboot.units import parse_bytes
 
+from .timing import dump_json
+
 _TARGET = """
 import json, sys, time, torch
 from flashboot.flashclone.transports import nixl
@@ -140,9 +142,7 @@ def main(argv=None) -> int:
                       f"{r['ceiling_gbps']:.1f} GB/s, ratio {r['ratio']:.2f}, byte-exact {r['byte_exact']}, agent "
                       f"{r['agent_ms']:.0f} ms, register {r['register_ms']:.1f} ms, add_remote "
                       f"{r['add_remote_ms']:.1f} ms", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    dump_json(rows, args.json)
     return 0
 
 

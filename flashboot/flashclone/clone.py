@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import threading
 import time
@@ -21,6 +20,7 @@ from .ring import ring_load
 from .session import _Session
 from .sources import _Sources
 from .session import CloneContext
+from ..service_loop import serve_until_stopped
 from .transports.nixl import AgentWarmup
 from .transports.registry import Seen, choose_transport, transport_class, transport_names
 
@@ -371,17 +371,7 @@ def linger(result: CloneResult, *, timeout_s: float = DEFAULT_TIMEOUT_S, forever
         return
     lost_before = session.rdv.lost
     if forever:
-        stop = threading.Event()
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, lambda *_: stop.set())
-        try:
-            while not stop.wait(0.2):
-                pass
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        serve_until_stopped(threading.Event(), None, handle_signals=True)
         return
     try:
         keys = list(session.dependents) + (session.dependents_of() if session.dependents_of else [])

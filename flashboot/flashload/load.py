@@ -224,10 +224,13 @@ class _Beside:
         return self._result
 
 
-def verify_loaded(arena, metadata, where: str) -> int:
+def verify_loaded(arena, metadata, where: str, report=None) -> int:
     """Recompute the image's chunk checksums on the arena's bytes (GPU kernel on CUDA, numba on the
-    host); raises ChecksumMismatchError naming the first bad chunk. Returns the chunk count."""
+    host); raises ChecksumMismatchError naming the first bad chunk. Returns the chunk count; sets
+    ``report.verify_ms`` when a report is given."""
     from flashboot.kernels.checksum import chunk_checksums
+
+    t0 = time.perf_counter()
 
     cs = metadata.checksums
     nbytes = metadata.image_nbytes
@@ -238,6 +241,8 @@ def verify_loaded(arena, metadata, where: str) -> int:
         if int(want) != int(got):
             start, n = cs.chunk_range(k, nbytes)
             raise ChecksumMismatchError(where, k, start, n, int(want), int(got))
+    if report is not None:
+        report.verify_ms = (time.perf_counter() - t0) * 1e3
     return len(found)
 
 
@@ -432,9 +437,7 @@ def _load_staged(image_dir, rank: int, dev: Device, t_start: float, *, staged, t
         if staged.ready is not None:
             report.details.update(io_mode=staged.ready.io_mode, numa_node=staged.ready.numa_node)
         if verify:
-            t4 = time.perf_counter()
-            verify_loaded(arena, meta, f"{source.path} (rank {rank}) loaded into {dev}")
-            report.verify_ms = (time.perf_counter() - t4) * 1e3
+            verify_loaded(arena, meta, f"{source.path} (rank {rank}) loaded into {dev}", report)
     except BaseException:
         if arena is not None and not arena.closed:
             arena.close()
@@ -502,9 +505,7 @@ def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, 
             report.h2d_ms = (time.perf_counter() - t2) * 1e3
             release = staged.close_in_background()  # unpinning is not the engine's wait
         if verify:
-            t4 = time.perf_counter()
-            verify_loaded(arena, meta, f"{prepared.image.path} (rank {rank}) loaded into {dev}")
-            report.verify_ms = (time.perf_counter() - t4) * 1e3
+            verify_loaded(arena, meta, f"{prepared.image.path} (rank {rank}) loaded into {dev}", report)
     except BaseException:
         prepared._release()
         raise
@@ -589,9 +590,7 @@ def _load_served(image_dir, rank: int, dev: Device, t_start: float, *, timeout_s
                           "daemon_pinned": reply.get("pinned"), "copy_wait_ms": (t6 - t5) * 1e3,
                           "one_time_ms": _one_time(report, daemon_map=reply.get("map_ms", 0.0))}
         if verify:
-            t7 = time.perf_counter()
-            verify_loaded(arena, meta, f"{image.path} (rank {rank}) loaded into {dev}")
-            report.verify_ms = (time.perf_counter() - t7) * 1e3
+            verify_loaded(arena, meta, f"{image.path} (rank {rank}) loaded into {dev}", report)
     except BaseException:
         if copy is not None:
             copy.settle()  # the daemon may still be writing into the arena

@@ -571,9 +571,7 @@ def load_streamed(source, dev: Device, report, t_start: float, *, reason: str, c
         views = side.join() if side is not None else _timed_views(arena, meta, report)
         report_stream(report, stats, reason, nbytes)
         if verify:
-            t1 = time.perf_counter()
-            verify_loaded(arena, meta, f"{source.path} (rank {source.rank}) streamed into {dev}")
-            report.verify_ms = (time.perf_counter() - t1) * 1e3
+            verify_loaded(arena, meta, f"{source.path} (rank {source.rank}) streamed into {dev}", report)
     except BaseException:
         if arena is not None and not arena.closed:
             arena.close()

@@ -125,7 +125,6 @@ class Agent:
         """ticket -> NIXL transfer handle not yet released (a READ posted, in progress, failed or aborting)."""
         self._tickets = itertools.count()
         self._scratch: np.ndarray | None = None
-        self._posted: dict[int, str] = {}
         self.remotes: dict[str, str] = {}
         """Remote agent name -> who (for messages)."""
         stats["agents"] += 1
@@ -199,17 +198,17 @@ class Agent:
         :meth:`release`. NIXL's handle objects never leave this class: each one keeps the native agent
         (and its threads) alive, and one caught in a failed frame's traceback would outlive :meth:`close`."""
         ticket = next(self._tickets)
-        self._call(self._post, ticket, local, remote, mem, remote_mem, remote_agent)
+        state = self._call(self._post, ticket, local, remote, mem, remote_mem, remote_agent)
         stats["reads_posted"] += 1
-        if self._posted.pop(ticket) == "ERR":
+        if state == "ERR":
             raise ReadFailed("NIXL refused to post the READ")
         return ticket
 
-    def _post(self, ticket: int, local, remote, mem: str, remote_mem: str, remote_agent: str) -> None:
+    def _post(self, ticket: int, local, remote, mem: str, remote_mem: str, remote_agent: str) -> str:
         a = self._agent
         self._live[ticket] = a.initialize_xfer("READ", a.get_xfer_descs(local, mem),
                                                a.get_xfer_descs(remote, remote_mem), remote_agent)
-        self._posted[ticket] = a.transfer(self._live[ticket])  # released by release(), or settled by close()
+        return a.transfer(self._live[ticket])  # released by release(), or settled by close()
 
     def state(self, ticket: int) -> str:
         state = self._call(self._agent.check_xfer_state, self._live[ticket])
