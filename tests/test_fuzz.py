@@ -226,7 +226,7 @@ def test_any_value_in_any_metadata_field_parses_or_is_a_layout_error(seed_meta, 
     """hypothesis: one field of a real metadata.json (any depth: a tensor's offset, a shard's
     count, the key) replaced by any JSON value: a valid table (re-checked independently of the
     reader) or a LayoutError."""
-    from flashboot.fuzzing import _independent_metadata_check
+    from flashboot.fuzzing.image_readers import _independent_metadata_check
 
     meta, paths = seed_meta
     meta = json.loads(json.dumps(meta))
