@@ -1,0 +1,182 @@
+"""The CUDA backend's driver steps: allocation properties, handle preflight, access grants,
+reservation and mapping (cuMemCreate / cuMemAddressReserve / cuMemMap / cuMemSetAccess)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .. import _cuda
+from ..errors import ArenaError, CapabilityError, CudaError
+from ..memory import Device
+from .undo import _Undo
+
+
+def _cu_device(index: int):
+    return _cuda.check(_cuda.driver().cuDeviceGet(index), f"cuDeviceGet({index})")
+
+
+def _device_attribute(index: int, name: str) -> int:
+    drv = _cuda.driver()
+    attr = getattr(drv.CUdevice_attribute, name)
+    return int(_cuda.check(drv.cuDeviceGetAttribute(attr, _cu_device(index)), f"cuDeviceGetAttribute({name}, {index})"))
+
+
+def can_access_peer(accessor: int, owner: int) -> bool:
+    """True when CUDA device ``accessor`` can map memory that lives on device ``owner``."""
+    if accessor == owner:
+        return True
+    drv = _cuda.driver()
+    return bool(_cuda.check(drv.cuDeviceCanAccessPeer(_cu_device(accessor), _cu_device(owner)),
+                            f"cuDeviceCanAccessPeer({accessor}, {owner})"))
+
+
+_FABRIC_BIT = 0x8  # CU_MEM_HANDLE_TYPE_FABRIC
+_POSIX_BIT = 0x1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+def _allocation_prop(index: int, fabric: bool):
+    """A CUmemAllocationProp for pinned device memory on ``index``, POSIX fd (+ fabric) shareable."""
+    drv = _cuda.driver()
+    prop = drv.CUmemAllocationProp()
+    prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = index
+    prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    if fabric:
+        # requestedHandleTypes is a bitmask in C, but the Python enum refuses FABRIC|POSIX (9).
+        # Write the field in the C struct (offset 4, after `type`); check the offset first by
+        # reading back the POSIX value the setter just stored.
+        field = ctypes.c_uint32.from_address(prop.getPtr() + 4)
+        if field.value != _POSIX_BIT:
+            raise CapabilityError("unexpected CUmemAllocationProp layout; cannot request fabric+posix_fd handles")
+        field.value = _POSIX_BIT | _FABRIC_BIT
+    return prop
+
+
+def _granularity(prop) -> int:
+    drv = _cuda.driver()
+    flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    return int(_cuda.check(drv.cuMemGetAllocationGranularity(prop, flag), "cuMemGetAllocationGranularity"))
+
+
+@dataclass(frozen=True)
+class HandleSupport:
+    """Whether a shareable handle type works on a device, and why not."""
+
+    supported: bool
+    reason: str = ""
+
+
+_preflight_cache: dict[tuple[int, str], HandleSupport] = {}
+
+
+@_cuda.keeps_context
+def preflight_handle(index: int, handle: str) -> HandleSupport:
+    """Try one tiny allocation with ``handle`` ("posix_fd" or "fabric") on CUDA device ``index``.
+
+    The answer is cached per process. Fabric is tried as fabric+posix_fd, exactly what
+    :meth:`Arena.create` would request; on machines without an IMEX channel ``cuMemCreate``
+    answers CUDA_ERROR_NOT_PERMITTED and arenas fall back to POSIX fds only.
+    """
+    key = (index, handle)
+    if key in _preflight_cache:
+        return _preflight_cache[key]
+    if handle not in ("posix_fd", "fabric"):
+        raise ArenaError(f"unknown handle type {handle!r}; known: posix_fd, fabric")
+    drv = _cuda.driver()
+    _cuda.use_device(index)
+    attr = ("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED" if handle == "fabric"
+            else "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED")
+    if not _device_attribute(index, attr):
+        result = HandleSupport(False, f"cuda:{index} reports {attr} = 0")
+    else:
+        try:
+            prop = _allocation_prop(index, fabric=handle == "fabric")
+            size = _granularity(prop)
+            h = _cuda.check(drv.cuMemCreate(size, prop, 0), f"cuMemCreate({handle} preflight)")
+            try:
+                kind = drv.CUmemAllocationHandleType
+                if handle == "fabric":
+                    _cuda.check(drv.cuMemExportToShareableHandle(h, kind.CU_MEM_HANDLE_TYPE_FABRIC, 0),
+                                "cuMemExportToShareableHandle(FABRIC)")
+                else:
+                    fd = _cuda.check(drv.cuMemExportToShareableHandle(h, kind.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                                     "cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)")
+                    os.close(int(fd))
+            finally:
+                _cuda.check(drv.cuMemRelease(h), "cuMemRelease")
+            result = HandleSupport(True, "")
+        except CudaError as exc:
+            result = HandleSupport(False, f"{exc.call} returned {exc.name} ({exc.code})")
+        except CapabilityError as exc:
+            result = HandleSupport(False, str(exc))
+    _preflight_cache[key] = result
+    return result
+
+
+def fabric_preflight(index: int) -> HandleSupport:
+    """Whether arenas on CUDA device ``index`` can carry a fabric handle (cached; see :func:`preflight_handle`)."""
+    if os.environ.get("FLASHBOOT_NO_FABRIC") == "1":
+        return HandleSupport(False, "disabled by FLASHBOOT_NO_FABRIC=1")
+    return preflight_handle(index, "fabric")
+
+
+def _resolve_access(home: int, access: Any, first: int | None = None) -> list[int]:
+    """CUDA device indices given read/write access to memory living on ``home``.
+
+    Always ``first`` (default ``home``: the owner; an importer passes its own device), plus the
+    ones in ``access``: an index, a list, or ``"all"`` (every device that can access ``home``).
+    """
+    devices = [home if first is None else first]
+    if access is None:
+        return devices
+    if isinstance(access, str) and access == "all":
+        return devices + [i for i in range(_cuda.device_count()) if i not in devices and can_access_peer(i, home)]
+    if isinstance(access, (int, str, Device)):
+        access = [access]
+    for spec in access:
+        dev = Device.parse(spec)
+        if not dev.is_cuda:
+            raise ArenaError(f"access lists CUDA devices; got {spec!r}")
+        if dev.index not in devices:
+            if not can_access_peer(dev.index, home):
+                raise CapabilityError(f"cuda:{dev.index} cannot access memory on cuda:{home} (no peer access)")
+            devices.append(dev.index)
+    return devices
+
+
+def _set_access(ptr, nbytes: int, devices: Sequence[int]) -> None:
+    drv = _cuda.driver()
+    descs = []
+    for index in devices:
+        d = drv.CUmemAccessDesc()
+        d.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        d.location.id = index
+        d.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        descs.append(d)
+    _cuda.check(drv.cuMemSetAccess(ptr, nbytes, descs, len(descs)), f"cuMemSetAccess({list(devices)})")
+
+
+def _reserve(undo: _Undo, nbytes: int, alignment: int) -> int:
+    """Reserve ``nbytes`` of device virtual address space; pushes its release."""
+    drv = _cuda.driver()
+    ptr = _cuda.check(drv.cuMemAddressReserve(nbytes, alignment, 0, 0), f"cuMemAddressReserve({nbytes:,})")
+    undo.push("cuMemAddressFree", lambda: _cuda.check(drv.cuMemAddressFree(ptr, nbytes), "cuMemAddressFree"))
+    return int(ptr)
+
+
+def _map_at(undo: _Undo, ptr: int, handle, nbytes: int) -> None:
+    drv = _cuda.driver()
+    _cuda.check(drv.cuMemMap(ptr, nbytes, 0, handle, 0), f"cuMemMap({nbytes:,} at {ptr:#x})")
+    undo.push("cuMemUnmap", lambda: _cuda.check(drv.cuMemUnmap(ptr, nbytes), "cuMemUnmap"))
+
+
+def _map_handle(undo: _Undo, handle, nbytes: int, granularity: int, devices: Sequence[int]) -> int:
+    """Reserve a range, map ``handle`` into it and grant access; each step pushes its release."""
+    ptr = _reserve(undo, nbytes, granularity)
+    _map_at(undo, ptr, handle, nbytes)
+    _set_access(ptr, nbytes, devices)
+    return ptr

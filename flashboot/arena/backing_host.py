@@ -1,0 +1,74 @@
+"""The host backend's physical steps: a reserved range (an inaccessible anonymous mapping, like
+cuMemAddressReserve) and one memfd per segment mapped over its part with MAP_FIXED."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+
+
+_MEMFD_PREFIX = "flashboot-arena-"
+
+
+def _host_mem_available() -> int:
+    """Bytes the kernel says a new shared mapping can take (MemAvailable + SwapFree)."""
+    fields = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            fields[key] = int(rest.split()[0]) * 1024
+    return fields.get("MemAvailable", fields.get("MemFree", 0)) + fields.get("SwapFree", 0)
+
+
+# Host backend steps, module-level so tests can inject a failure into any one of them. The host
+# backend reserves address space like cuMemAddressReserve (an inaccessible anonymous mapping) and
+# maps each segment's memfd over its part with MAP_FIXED, so both backends share one segment model.
+
+_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _mmap_call(addr: int | None, nbytes: int, prot: int, flags: int, fd: int) -> int:
+    out = _libc().mmap(addr, nbytes, prot, flags, fd, 0)
+    if out is None or out == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {nbytes:,} bytes: {os.strerror(err)}")
+    return int(out)
+
+
+def _host_munmap(addr: int, nbytes: int) -> None:
+    if _libc().munmap(addr, nbytes) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"munmap of {nbytes:,} bytes at {addr:#x}: {os.strerror(err)}")
+
+
+def _host_memfd(name: str) -> int:
+    return os.memfd_create(name, os.MFD_CLOEXEC)
+
+
+def _host_truncate(fd: int, nbytes: int) -> None:
+    os.ftruncate(fd, nbytes)
+
+
+def _host_reserve(nbytes: int) -> int:
+    return _mmap_call(None, nbytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1)
+
+
+def _host_map_segment(addr: int, fd: int, nbytes: int) -> None:
+    _mmap_call(addr, nbytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED, fd)
+
+
+def _memfd_name(arena_id: str, segment: int) -> str:
+    return f"{_MEMFD_PREFIX}{arena_id}.{segment}"

@@ -1,0 +1,62 @@
+"""The undo list: releases of everything an arena acquired, run newest first."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Callable
+
+from .. import _cuda
+from ..errors import ArenaError, FlashBootError
+
+
+class _Undo:
+    """Releases of everything an arena acquired, run newest first.
+
+    Owned by an :class:`Arena` and referenced by its views (so the memory outlives the last view
+    when the arena is dropped without ``close()``); never references the arena itself.
+    """
+
+    def __init__(self, what: str, before_release: Callable[[], None] | None = None):
+        self.what = what
+        self._steps: list[tuple[str, Callable[[], None]]] = []
+        self._before_release = before_release
+        self._lock = threading.Lock()
+
+    def push(self, name: str, release: Callable[[], None]) -> None:
+        self._steps.append((name, release))
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    @_cuda.keeps_context
+    def release(self) -> None:
+        """Run every release in reverse order; all run even if one fails, the first error is raised."""
+        with self._lock:
+            steps, self._steps = self._steps, []
+        if not steps:
+            return
+        first: BaseException | None = None
+        if self._before_release is not None:
+            try:
+                self._before_release()
+            except BaseException as exc:  # still release what we can
+                first = exc
+        for name, release in reversed(steps):
+            try:
+                release()
+            except BaseException as exc:
+                if first is None:
+                    first = exc
+        if first is not None:
+            if isinstance(first, FlashBootError):
+                raise first
+            raise ArenaError(f"releasing {self.what} failed: {type(first).__name__}: {first}") from first
+
+    def __del__(self) -> None:
+        if self._steps:
+            warnings.warn(f"{self.what} was not closed; releasing it now", ResourceWarning, stacklevel=2)
+            try:
+                self.release()
+            except FlashBootError:
+                pass  # nobody to report to from a finalizer; the warning above names the arena
