@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-import flashboot.arena.range as arena_range  # where Arena calls the host backend steps
+import flashboot.arena.backing_host as host_backing
 from flashboot import Arena, ArenaDescriptor, ArenaError, Device, FlashBootError, OutOfMemoryError
 from flashboot import RendezvousError, WaitTimeoutError
 from flashboot._cuda import cuda_available
@@ -490,7 +490,7 @@ def test_undo_runs_in_reverse_and_all_steps_run_when_one_fails():
 @pytest.mark.parametrize("step", ["_host_reserve", "_host_memfd", "_host_truncate", "_host_map_segment"])
 def test_create_failure_halfway_releases_what_was_made(monkeypatch, step):
     fds_before, maps_before = open_fds(), arena_maps()
-    real, calls = getattr(arena_range, step), []
+    real, calls = getattr(host_backing, step), []
 
     def broken(*args):
         calls.append(args)
@@ -498,7 +498,7 @@ def test_create_failure_halfway_releases_what_was_made(monkeypatch, step):
             return real(*args)
         raise OSError(28, f"injected failure in {step}")
 
-    monkeypatch.setattr(arena_range, step, broken)
+    monkeypatch.setattr(host_backing, step, broken)
     with pytest.raises(ArenaError, match=f"creating a 6,291,456-byte host arena failed: .*injected failure in {step}"):
         Arena.create(5 * MiB, "cpu", segment_bytes=2 * MiB)
     assert open_fds() == fds_before
@@ -509,7 +509,7 @@ def test_create_failure_halfway_releases_what_was_made(monkeypatch, step):
 def test_open_failure_halfway_releases_what_was_made(monkeypatch, step):
     with Arena.create(MiB, "cpu") as a:
         fds_before, maps_before = open_fds(), arena_maps()
-        monkeypatch.setattr(arena_range, step, lambda *args: (_ for _ in ()).throw(OSError(12, "injected")))
+        monkeypatch.setattr(host_backing, step, lambda *args: (_ for _ in ()).throw(OSError(12, "injected")))
         with pytest.raises(ArenaError, match="injected"):
             Arena.open(a.export())
         assert open_fds() == fds_before

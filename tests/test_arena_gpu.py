@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import flashboot.arena as arena_mod
-import flashboot.arena.range as arena_range  # where Arena.create calls the driver steps
+import flashboot.arena.backing_cuda as cuda_backing
 from flashboot import Arena, ArenaDescriptor, ArenaError, CapabilityError, Device, OutOfMemoryError
 from flashboot._cuda import check, device_count, driver, use_device
 
@@ -216,7 +216,7 @@ def test_failure_halfway_releases_handle_and_reservation(monkeypatch):
     def broken(ptr, nbytes, devices):
         raise CapabilityError("injected failure in cuMemSetAccess")
 
-    monkeypatch.setattr(arena_range, "_set_access", broken)
+    monkeypatch.setattr(cuda_backing, "_set_access", broken)
     for _ in range(3):
         with pytest.raises(CapabilityError, match="injected failure"):
             Arena.create(GiB, 0)

@@ -180,3 +180,20 @@ def _map_handle(undo: _Undo, handle, nbytes: int, granularity: int, devices: Seq
     _map_at(undo, ptr, handle, nbytes)
     _set_access(ptr, nbytes, devices)
     return ptr
+
+
+def attach_segments(undo: _Undo, ptr: int, prop, sizes: list[int], segment_bytes: int, devices: Sequence[int],
+                    index: int) -> list:
+    """``cuMemCreate`` one allocation per segment, ``cuMemMap`` each at its place in the reserved
+    range at ``ptr``, one ``cuMemSetAccess`` over all of it; every step pushes its release onto
+    ``undo`` (releasing it unmaps and frees the segments and leaves the range reserved).
+    Returns the allocation handles; CudaError from the call that failed."""
+    drv = _cuda.driver()
+    handles = []
+    for i, size in enumerate(sizes):
+        handle = _cuda.check(drv.cuMemCreate(size, prop, 0), f"cuMemCreate({size:,} bytes on cuda:{index}, segment {i})")
+        undo.push("cuMemRelease", lambda h=handle: _cuda.check(drv.cuMemRelease(h), "cuMemRelease"))
+        handles.append(handle)
+        _map_at(undo, ptr + i * segment_bytes, handle, size)
+    _set_access(ptr, sum(sizes), devices)  # one grant may span many mappings
+    return handles

@@ -72,3 +72,24 @@ def _host_map_segment(addr: int, fd: int, nbytes: int) -> None:
 
 def _memfd_name(arena_id: str, segment: int) -> str:
     return f"{_MEMFD_PREFIX}{arena_id}.{segment}"
+
+
+def _host_unmap_segment(addr: int, nbytes: int) -> None:
+    """Put the reservation back over one segment (its pages go with the memfd's last reference)."""
+    _mmap_call(addr, nbytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1)
+
+
+def attach_segments(undo, ptr: int, arena_id: str, sizes: list[int], segment_bytes: int) -> list[int]:
+    """Create one memfd per segment and map it over its part of the reserved range at ``ptr``;
+    every step pushes its release onto ``undo`` (releasing it detaches the segments and leaves
+    the range reserved). Returns the memfds; OSError from the step that failed."""
+    fds: list[int] = []
+    for i, size in enumerate(sizes):
+        fd = _host_memfd(_memfd_name(arena_id, i))
+        undo.push("close memfd", lambda fd=fd: os.close(fd))
+        fds.append(fd)
+        _host_truncate(fd, size)
+        addr = ptr + i * segment_bytes
+        _host_map_segment(addr, fd, size)
+        undo.push("unmap segment, keep the reservation", lambda a=addr, n=size: _host_unmap_segment(a, n))
+    return fds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import secrets
 import socket
@@ -14,10 +15,11 @@ from .. import _cuda
 from ..errors import ArenaError, CapabilityError, CudaError, FlashBootError, OutOfMemoryError
 from ..fdshare import take_fds
 from ..memory import Device, Span
+from . import backing_cuda as cuda_backing
+from . import backing_host as host
 from .backing_cuda import (_allocation_prop, _granularity, _map_at, _reserve, _resolve_access, _set_access,
                            can_access_peer, fabric_preflight)
-from .backing_host import (_host_map_segment, _host_mem_available, _host_memfd, _host_munmap, _host_reserve,
-                           _host_truncate, _memfd_name)
+from .backing_host import _memfd_name
 from .descriptor import ArenaDescriptor
 from .segments import (HANDLE_FABRIC_POSIX_FD, HANDLE_MEMFD, HANDLE_POSIX_FD, HOST_GRANULARITY, _check_nbytes,
                        _check_segment_bytes, _fd_target, _make_fd_room, _round_up, _segment_sizes, parse_dtype)
@@ -43,7 +45,8 @@ class Arena:
     def __init__(self, *, undo: _Undo, ptr: int, nbytes: int, requested_nbytes: int, device: Device,
                  home_device: Device, granularity: int, segment_bytes: int, handle_type: str, arena_id: str,
                  imported: bool, descriptor: ArenaDescriptor | None = None, handles: list | None = None,
-                 fabric: bool = False, pending: Callable[[int], None] | None = None):
+                 fabric: bool = False, pending: Callable[[int], None] | None = None, backing: _Undo | None = None,
+                 attach: Callable[[_Undo], list] | None = None):
         # Built by create()/open(); not meant to be called directly.
         self._undo = undo
         self._ptr = ptr
@@ -66,6 +69,13 @@ class Arena:
         self._map_stats = {"segments": 0, "map_ms": 0.0}
         self._flat = None
         self._closed = False
+        # An owner's physical segments apart from its address range (see sleep/wake): ``backing``
+        # releases them, ``attach`` makes new ones at the same addresses.
+        self._backing, self._attach = backing, attach
+        self._exports = _Undo(f"exports of arena {arena_id}")  # the CUDA fds export() handed out
+        undo.push("close exported fds", self._exports.release)
+        self._asleep = False
+        self._shares: set[str] = set()
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -96,33 +106,38 @@ class Arena:
     def _create_host(cls, nbytes: int, segment_bytes: Any) -> "Arena":
         capacity = _round_up(nbytes, HOST_GRANULARITY)
         segment_bytes = _check_segment_bytes(segment_bytes, HOST_GRANULARITY)
-        available = _host_mem_available()
+        available = host._host_mem_available()
         if capacity > available:
             raise OutOfMemoryError("host arena (MemAvailable + SwapFree)", capacity, available)
         arena_id = secrets.token_hex(8)
         sizes = _segment_sizes(capacity, segment_bytes)
         _make_fd_room(len(sizes), f"a host arena of {capacity:,} bytes")
         undo = _Undo(f"host arena {arena_id} ({capacity:,} bytes)")
-        fds: list[int] = []
+        backing = _Undo(f"segments of host arena {arena_id}")
         try:
-            ptr = _host_reserve(capacity)
-            undo.push("munmap", lambda: _host_munmap(ptr, capacity))  # also unmaps every segment in it
-            for i, size in enumerate(sizes):
-                fd = _host_memfd(_memfd_name(arena_id, i))
-                undo.push("close memfd", lambda fd=fd: os.close(fd))
-                fds.append(fd)
-                _host_truncate(fd, size)
-                _host_map_segment(ptr + i * segment_bytes, fd, size)
+            ptr = host._host_reserve(capacity)
+            undo.push("munmap", lambda: host._host_munmap(ptr, capacity))  # also unmaps every segment in it
+            undo.push("release the segments", backing.release)
+
+            def attach(into: _Undo) -> list[int]:
+                return host.attach_segments(into, ptr, arena_id, sizes, segment_bytes)
+
+            fds = attach(backing)
         except BaseException as exc:
             undo.release()
             if isinstance(exc, OSError):
                 raise ArenaError(f"creating a {capacity:,}-byte host arena failed: {exc}") from exc
             raise
-        descriptor = ArenaDescriptor("host", os.getpid(), tuple(fds), capacity, -1, HANDLE_MEMFD, HOST_GRANULARITY,
-                                     segment_bytes, arena_id, None, socket.gethostname())
-        return cls(undo=undo, ptr=ptr, nbytes=capacity, requested_nbytes=nbytes, device=Device("cpu"),
-                   home_device=Device("cpu"), granularity=HOST_GRANULARITY, segment_bytes=segment_bytes,
-                   handle_type=HANDLE_MEMFD, arena_id=arena_id, imported=False, descriptor=descriptor)
+        arena = cls(undo=undo, ptr=ptr, nbytes=capacity, requested_nbytes=nbytes, device=Device("cpu"),
+                    home_device=Device("cpu"), granularity=HOST_GRANULARITY, segment_bytes=segment_bytes,
+                    handle_type=HANDLE_MEMFD, arena_id=arena_id, imported=False, backing=backing, attach=attach)
+        arena._descriptor = arena._host_descriptor(fds)
+        return arena
+
+    def _host_descriptor(self, fds: list[int]) -> ArenaDescriptor:
+        """A host arena's descriptor: its memfds are what it exports."""
+        return ArenaDescriptor("host", os.getpid(), tuple(fds), self._nbytes, -1, HANDLE_MEMFD, HOST_GRANULARITY,
+                               self._segment_bytes, self._arena_id, None, socket.gethostname())
 
     @classmethod
     def _create_cuda(cls, nbytes: int, dev: Device, access: Any, segment_bytes: Any) -> "Arena":
@@ -139,25 +154,25 @@ class Arena:
         if capacity > free:
             raise OutOfMemoryError(f"arena on cuda:{index}", capacity, int(free))
         arena_id = secrets.token_hex(8)
+        sizes = _segment_sizes(capacity, segment_bytes)
         undo = _Undo(f"CUDA arena {arena_id} ({capacity:,} bytes on cuda:{index})",
                      before_release=lambda: _cuda.use_device(index))
-        handles = []
+        backing = _Undo(f"segments of CUDA arena {arena_id}", before_release=lambda: _cuda.use_device(index))
         try:
             ptr = _reserve(undo, capacity, granularity)
-            for i, size in enumerate(_segment_sizes(capacity, segment_bytes)):
-                handle = _cuda.check(drv.cuMemCreate(size, prop, 0),
-                                     f"cuMemCreate({size:,} bytes on cuda:{index}, segment {i})")
-                undo.push("cuMemRelease", lambda h=handle: _cuda.check(drv.cuMemRelease(h), "cuMemRelease"))
-                handles.append(handle)
-                _map_at(undo, ptr + i * segment_bytes, handle, size)
-            _set_access(ptr, capacity, devices)  # one grant may span many mappings
+            undo.push("release the segments", backing.release)
+
+            def attach(into: _Undo) -> list:
+                return cuda_backing.attach_segments(into, ptr, prop, sizes, segment_bytes, devices, index)
+
+            handles = attach(backing)
         except BaseException:
             undo.release()
             raise
         handle_type = HANDLE_FABRIC_POSIX_FD if fabric else HANDLE_POSIX_FD
         return cls(undo=undo, ptr=ptr, nbytes=capacity, requested_nbytes=nbytes, device=dev, home_device=dev,
                    granularity=granularity, segment_bytes=segment_bytes, handle_type=handle_type,
-                   arena_id=arena_id, imported=False, handles=handles, fabric=fabric)
+                   arena_id=arena_id, imported=False, handles=handles, fabric=fabric, backing=backing, attach=attach)
 
     @classmethod
     @_cuda.keeps_context
@@ -254,8 +269,8 @@ class Arena:
             else:
                 for i, fd in enumerate(own):
                     cls._check_memfd(descriptor, fds, i, fd, sizes[i])
-                base = _host_reserve(descriptor.nbytes)
-                undo.push("munmap", lambda: _host_munmap(base, descriptor.nbytes))
+                base = host._host_reserve(descriptor.nbytes)
+                undo.push("munmap", lambda: host._host_munmap(base, descriptor.nbytes))
             stats["pidfd_getfd_ms"], stats["reserve_ms"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
         except BaseException as exc:
             undo.release()
@@ -269,7 +284,7 @@ class Arena:
             t = time.perf_counter()
             if not dev.is_cuda:
                 try:
-                    _host_map_segment(ptr, own[i], size)
+                    host._host_map_segment(ptr, own[i], size)
                 except OSError as exc:
                     raise ArenaError(f"mapping segment {i} of host arena {descriptor.arena_id} failed: {exc}") from exc
                 os.close(own[i])  # the mapping keeps the memory
@@ -399,6 +414,109 @@ class Arena:
             self._map_segment = None
         self._undo.release()
 
+    # ---- sleep and wake: the backing apart from the address range -------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        """True between :meth:`sleep` and :meth:`wake`: the addresses are reserved, nothing backs them."""
+        return self._asleep
+
+    def share(self, who: str) -> None:
+        """Record that another process keeps this arena mapped for as long as it lives (a holder,
+        a seed's clones): :meth:`sleep` is refused by name until :meth:`unshare` (``who``)."""
+        self._check_open()
+        self._shares.add(str(who))
+
+    def unshare(self, who: str) -> None:
+        """Forget :meth:`share` (``who``), once that process has let go of its mapping."""
+        self._shares.discard(str(who))
+
+    @_cuda.keeps_context
+    def sleep(self) -> None:
+        """Release the physical memory and keep the address range: every view, and every pointer a
+        CUDA graph captured, keeps its address; reading one before :meth:`wake` is a fault.
+
+        CUDA: waits for the device's work, then ``cuMemUnmap`` + ``cuMemRelease`` per segment
+        (the ``cuMemAddressReserve`` stays). Host: each segment's mapping becomes the inaccessible
+        reservation again and its memfd is closed. The contents are gone; :meth:`wake` maps new,
+        uninitialised segments (:func:`flashboot.flashload.lifecycle.sleep` keeps the bytes).
+
+        Exports: an arena :meth:`share` d with another process (a holder, a seed) is refused with
+        ArenaError naming who maps it, since releasing it there would keep the memory alive
+        without telling anyone. Otherwise the export is revoked: the exported fds are closed and
+        :meth:`export` after :meth:`wake` hands out the new segments; a process that opened the
+        old descriptor and still maps it keeps the old memory (its copy, never freed memory).
+        Sleeping an asleep arena is a no-op; an opened (imported) arena is refused.
+        """
+        self._check_open()
+        if self._imported:
+            raise ArenaError(f"arena {self._arena_id} is opened from pid {self._descriptor.pid}'s export; only its "
+                             "owner can put it to sleep")
+        with self._map_lock:
+            if self._asleep:
+                return
+            if self._shares:
+                raise ArenaError(f"arena {self._arena_id} cannot sleep: {len(self._shares)} other process(es) map it "
+                                 f"({'; '.join(sorted(self._shares))}); release it there, then unshare()")
+            if self._device.is_cuda:
+                _cuda.use_device(self._home_device.index)
+                _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize(before sleep)")
+            try:
+                self._exports.release()
+            finally:
+                self._descriptor, self._handles, self._asleep = None, None, True
+                self._backing.release()
+
+    @_cuda.keeps_context
+    def wake(self) -> None:
+        """Back the reserved range with new segments at the same addresses (contents undefined).
+
+        One transaction: the new segments' steps go onto their own undo list, which is released
+        if any step fails (the arena stays asleep and can be woken later) and committed to the
+        arena only when all succeeded. Raises OutOfMemoryError with the bytes needed and free
+        when the device (host: MemAvailable + SwapFree) has no room, before or during the
+        allocation. Waking an awake arena is a no-op.
+        """
+        self._check_open()
+        with self._map_lock:
+            if not self._asleep:
+                return
+            where = f"waking arena {self._arena_id} ({self._nbytes:,} bytes in {self.segments} segment(s) on {self._device})"
+            free = self._free_bytes()
+            if self._nbytes > free:
+                raise OutOfMemoryError(where, self._nbytes, free)
+            fresh = _Undo(where, before_release=(lambda i=self._home_device.index: _cuda.use_device(i))
+                          if self._device.is_cuda else None)
+            try:
+                if self._device.is_cuda:
+                    _cuda.use_device(self._home_device.index)
+                made = self._attach(fresh)
+            except BaseException as exc:
+                fresh.release()
+                if isinstance(exc, CudaError) and exc.name == "CUDA_ERROR_OUT_OF_MEMORY" or \
+                        isinstance(exc, OSError) and exc.errno in (errno.ENOMEM, errno.ENOSPC):
+                    raise OutOfMemoryError(f"{where}: {exc}", self._nbytes, self._free_bytes()) from exc
+                if isinstance(exc, OSError):
+                    raise ArenaError(f"{where} failed: {exc}") from exc
+                raise
+            fresh.commit_into(self._backing)
+            if self._device.is_cuda:
+                self._handles = made
+            else:
+                self._descriptor = self._host_descriptor(made)
+            self._asleep = False
+
+    def _free_bytes(self) -> int:
+        if not self._device.is_cuda:
+            return host._host_mem_available()
+        free, _total = _cuda.check(_cuda.driver().cuMemGetInfo(), "cuMemGetInfo")
+        return int(free)
+
+    def _check_awake(self, what: str) -> None:
+        if self._asleep:
+            raise ArenaError(f"arena {self._arena_id} is asleep (its addresses are reserved, nothing backs them): "
+                             f"wake() it before {what}")
+
     def __enter__(self) -> "Arena":
         self._check_open()
         return self
@@ -468,7 +586,7 @@ class Arena:
         return self._imported
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"ptr={self._ptr:#x}"
+        state = "closed" if self._closed else f"ptr={self._ptr:#x}" + (", asleep" if self._asleep else "")
         where = str(self._device) if self._device == self._home_device else f"{self._device} (home {self._home_device})"
         role = "imported" if self._imported else "owner"
         return (f"Arena({self._arena_id}, {self._nbytes:,} bytes in {self.segments} segment(s) on {where}, "
@@ -484,6 +602,7 @@ class Arena:
         arena this returns the descriptor it was opened from (it still names the exporter).
         """
         self._check_open()
+        self._check_awake("exporting it")
         if self._descriptor is None:
             self._descriptor = self._export_cuda()
         return self._descriptor
@@ -496,7 +615,7 @@ class Arena:
         _cuda.use_device(index)
         _make_fd_room(len(self._handles), f"exporting arena {self._arena_id}")
         fds: list[int] = []
-        self._undo.push("close exported fds", lambda: [os.close(fd) for fd in fds])
+        self._exports.push("close exported fds", lambda: [os.close(fd) for fd in fds])
         fabric: list[bytes] = []
         for i, handle in enumerate(self._handles):
             fds.append(int(_cuda.check(drv.cuMemExportToShareableHandle(handle, kind.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
@@ -515,6 +634,7 @@ class Arena:
         """The byte range ``[offset, offset + nbytes)`` as a :class:`flashboot.memory.Span` (owner:
         this arena); its segments are mapped first."""
         self._check_open()
+        self._check_awake("copying into or out of it")
         sub = Span(self._ptr, self._nbytes, self._device, False, self).sub(offset, nbytes)
         if sub.nbytes:
             self._map_segments(offset // self._segment_bytes, -(-(offset + sub.nbytes) // self._segment_bytes))

@@ -29,6 +29,15 @@ class _Undo:
     def __len__(self) -> int:
         return len(self._steps)
 
+    def commit_into(self, owner: "_Undo") -> None:
+        """Move every step of this (transaction) list onto ``owner``, in order; this list is left
+        empty. A multi-step acquisition builds its own list, releases it on failure and commits it
+        on success only (the shape of cuda_core's virtual memory resource)."""
+        with self._lock:
+            steps, self._steps = self._steps, []
+        with owner._lock:
+            owner._steps.extend(steps)
+
     @_cuda.keeps_context
     def release(self) -> None:
         """Run every release in reverse order; all run even if one fails, the first error is raised."""
