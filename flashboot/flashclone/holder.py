@@ -282,8 +282,9 @@ class Holder:
 def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float = DEFAULT_TIMEOUT_S,
               **store_options):
     """Ask the holder to keep ``arena`` under ``name``; returns the holder's descriptor once it has
-    mapped it (after which this process may exit). WaitTimeoutError when no holder answers within
-    ``timeout_s``; ArenaError when the holder could not adopt it."""
+    mapped it (after which this process may exit). From then on ``arena.sleep()`` is refused,
+    naming the holder. WaitTimeoutError when no holder answers within ``timeout_s``; ArenaError
+    when the holder could not adopt it."""
     from ..arena import ArenaDescriptor
 
     _check_name(name)
@@ -298,6 +299,7 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
             if held is not None and held.get("request") == request:
                 if "error" in held:
                     raise ArenaError(f"the holder ({kv.where()}) could not adopt {name!r}: {held['error']}")
+                arena.share(f"holder {name!r} ({kv.where()})")  # its sleep would free nothing the holder maps
                 return ArenaDescriptor.from_dict(held["descriptor"])
             if time.monotonic() > deadline:
                 kv.delete("requests", name)

@@ -109,6 +109,8 @@ class LoadedImage:
     ``metadata`` (:class:`~flashboot.layouts.ImageMetadata`), ``report`` (:class:`LoadReport`).
 
     The views are valid while the arena is open; :meth:`close` (or ``with``) releases it.
+    :meth:`sleep` / :meth:`wake` release the memory and bring it back at the same addresses
+    (:mod:`flashboot.flashload.lifecycle`).
     """
 
     def __init__(self, arena, tensors: dict, metadata, report: LoadReport, source, release_thread=None):
@@ -117,6 +119,7 @@ class LoadedImage:
         self.release_thread = release_thread
         """The background unpin/unmap of a staged image that :func:`load` made itself (or None);
         benchmarks join it so one repeat's unpin does not overlap the next one's pin."""
+        self.lifecycle = None  # what sleep() keeps for wake() (flashboot.flashload.lifecycle)
 
     @property
     def device(self) -> Device:
@@ -126,9 +129,26 @@ class LoadedImage:
     def nbytes(self) -> int:
         return self.report.nbytes
 
+    def sleep(self, level: int = 1):
+        """Release the weights' memory, keeping every view's address; ``level=1`` keeps a host
+        backup first. Returns a SleepReport (see :func:`flashboot.flashload.lifecycle.sleep`)."""
+        from .lifecycle import sleep
+
+        return sleep(self, level)
+
+    def wake(self, **options):
+        """Bring the weights back at the same addresses, from the backup, the daemon or the disk.
+        Returns a WakeReport naming the source (see :func:`flashboot.flashload.lifecycle.wake`)."""
+        from .lifecycle import wake
+
+        return wake(self, **options)
+
     def close(self) -> None:
         """Release the arena (views must not be used afterwards). Idempotent."""
+        from .lifecycle import close_lifecycle
+
         self.tensors = {}
+        close_lifecycle(self)
         if not self.arena.closed:
             self.arena.close()
 

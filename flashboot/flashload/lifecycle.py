@@ -1,0 +1,359 @@
+"""Weights that stay: a loaded image's sleep and wake at stable addresses.
+
+:func:`sleep` optionally keeps the bytes in host memory (``level=1``: one bulk D2H into a pinned
+backup taken by this process; ``level=2``: nothing kept), then the arena releases its physical
+memory and keeps its address range (:meth:`flashboot.Arena.sleep`). :func:`wake` maps new
+segments at the same addresses (:meth:`flashboot.Arena.wake`) and brings the bytes back from the
+first of these sources that has them:
+
+1. ``backup``: the level-1 backup (in this process; no other process involved);
+2. ``served``: the preloader daemon's pinned copy (``flashboot preload --serve``), through the
+   served-load protocol of :mod:`flashboot.flashload.client`;
+3. ``disk``: the image file, streamed (:func:`flashboot.flashload.stream.stream_image`).
+
+The report names the source used and, for each one before it, why it was not used (none taken,
+no daemon, the daemon failed, the image re-packed since the load). Every view keeps its address,
+so tensors bound into a model and pointers captured in a CUDA graph stay valid across the cycle;
+reading one while asleep is a fault.
+
+An arena shared with another process for its lifetime (a holder, see
+:func:`flashboot.flashclone.holder.hand_over`) refuses to sleep, by name: see
+:meth:`flashboot.Arena.sleep`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import FlashBootError, OutOfMemoryError
+from ..memory import Span
+
+SOURCES = ("backup", "served", "disk")
+"""Where :func:`wake` looks for the bytes, in this order (``source="auto"``)."""
+STATUS_TIMEOUT_S = 1.0
+"""How long :func:`wake` waits for the daemon's answer to "what do you hold?" before passing on."""
+
+
+# ============================================================================= the reports
+@dataclass
+class SleepReport:
+    """One :func:`sleep`, in ms: ``backup_ms`` (level 1: the bulk D2H into the backup),
+    ``pin_ms`` (level 1: allocating and pinning the backup; 0 when an earlier one was kept),
+    ``release_ms`` (the arena's unmap and release), ``total_ms``."""
+
+    level: int
+    nbytes: int
+    device: str
+    backup_ms: float = 0.0
+    pin_ms: float = 0.0
+    release_ms: float = 0.0
+    total_ms: float = 0.0
+
+    @property
+    def backup_gbps(self) -> float:
+        return self.nbytes / (self.backup_ms * 1e6) if self.backup_ms > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "backup_gbps": self.backup_gbps}
+
+    def summary(self) -> str:
+        kept = (f"backup {self.backup_ms:.1f} ms ({self.backup_gbps:.1f} GB/s), pin {self.pin_ms:.1f} ms, "
+                if self.level == 1 else "no backup (level 2), ")
+        return f"sleep level {self.level} of {self.nbytes:,} bytes on {self.device}: {kept}release {self.release_ms:.2f} ms"
+
+
+@dataclass
+class WakeReport:
+    """One :func:`wake`: ``source`` (``backup``, ``served`` or ``disk``), ``not_used`` (each
+    source tried or skipped before it -> why), ``map_ms`` (new segments mapped), ``copy_ms`` (the
+    bytes brought back), ``verify_ms``, ``total_ms``; ``details`` from the source (the daemon's
+    own H2D time, the disk's read rate...)."""
+
+    source: str
+    nbytes: int
+    device: str
+    map_ms: float = 0.0
+    copy_ms: float = 0.0
+    verify_ms: float = 0.0
+    total_ms: float = 0.0
+    not_used: dict[str, str] = field(default_factory=dict)
+    details: dict = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / (self.copy_ms * 1e6) if self.copy_ms > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "gbps": self.gbps}
+
+    def summary(self) -> str:
+        skipped = "".join(f"; not {k}: {v}" for k, v in self.not_used.items())
+        return (f"wake of {self.nbytes:,} bytes on {self.device} from {self.source}: map {self.map_ms:.2f} ms, "
+                f"copy {self.copy_ms:.1f} ms ({self.gbps:.1f} GB/s){skipped}")
+
+
+# ============================================================================= the backup
+class HostBackup:
+    """A host copy of an image's bytes: one anonymous mapping, pinned with ``cuMemHostRegister``
+    for a CUDA arena (the D2H and H2D then run at the copy engine's rate). :meth:`close` unpins
+    and unmaps it."""
+
+    def __init__(self, nbytes: int, device):
+        from ..pinning import register_host
+
+        self.nbytes = nbytes
+        t0 = time.perf_counter()
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        import ctypes
+
+        self._buf = (ctypes.c_uint8 * nbytes).from_buffer(self._map)
+        self.ptr = ctypes.addressof(self._buf)
+        self._pinned = None
+        try:
+            if device.is_cuda:
+                self._pinned = register_host(self.ptr, nbytes, device)
+        except BaseException:
+            self.close()
+            raise
+        self.pin_ms = (time.perf_counter() - t0) * 1e3
+
+    def span(self, nbytes: int) -> Span:
+        from ..memory import CPU
+
+        return Span(self.ptr, self.nbytes, CPU, self._pinned is not None, self).sub(0, nbytes)
+
+    def close(self) -> None:
+        if self._pinned is not None:
+            self._pinned.unregister()
+            self._pinned = None
+        if self._map is not None:
+            del self._buf  # the mapping cannot close while a buffer exports it
+            self._map.close()
+            self._map = None
+
+
+class _State:
+    """What :func:`sleep` left for :func:`wake`: the level, and the backup (level 1, or kept)."""
+
+    def __init__(self):
+        self.level = 0
+        self.backup: HostBackup | None = None
+
+    def drop_backup(self) -> None:
+        backup, self.backup = self.backup, None
+        if backup is not None:
+            backup.close()
+
+
+def _state(loaded) -> _State:
+    if loaded.lifecycle is None:
+        loaded.lifecycle = _State()
+    return loaded.lifecycle
+
+
+def close_lifecycle(loaded) -> None:
+    """Release what :func:`sleep` kept for ``loaded`` (its backup); called by ``LoadedImage.close``."""
+    if loaded.lifecycle is not None:
+        loaded.lifecycle.drop_backup()
+
+
+def _synchronize(device) -> None:
+    if device.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(device.index)  # the engine's kernels may still read or write the weights
+
+
+def _copy(dst: Span, src: Span, device) -> None:
+    """One bulk copy (h2d, d2h or host) on the copy engine or the host mover; returns when done."""
+    from .load import _mover_for
+
+    mover = _mover_for(device)
+    if not device.is_cuda:
+        mover.copy(dst, src, stream=None)
+        return
+    import cupy
+
+    with cupy.cuda.Device(device.index):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        mover.copy(dst, src, stream=stream)
+        stream.synchronize()
+
+
+# ================================================================================ sleep
+def sleep(loaded, level: int = 1) -> SleepReport:
+    """Put ``loaded`` (a :class:`~flashboot.flashload.load.LoadedImage`) to sleep.
+
+    ``level=1`` first copies the image's bytes into a host backup in this process (pinned on
+    CUDA; a backup kept by ``wake(keep_backup=True)`` is reused), ``level=2`` keeps nothing (the
+    daemon or the disk brings them back). Then the arena releases its memory and keeps its
+    addresses. Sleeping an asleep image is a no-op (its report says level 0). Raises
+    FlashBootError for a bad level or a closed image, ArenaError when the arena is shared with a
+    holder (named), OutOfMemoryError / CudaError when the backup cannot be allocated (the image
+    stays awake).
+    """
+    if level not in (1, 2):
+        raise FlashBootError(f"sleep level must be 1 (keep a host backup) or 2 (keep nothing), got {level!r}")
+    arena = loaded.arena
+    if arena.closed:
+        raise FlashBootError(f"{loaded!r} is closed; there is nothing to put to sleep")
+    report = SleepReport(level=level, nbytes=loaded.nbytes, device=str(arena.device))
+    if arena.asleep:
+        report.level = 0
+        return report
+    state = _state(loaded)
+    t0 = time.perf_counter()
+    _synchronize(arena.device)
+    if level == 1:
+        if state.backup is None or state.backup.nbytes < loaded.nbytes:
+            state.drop_backup()
+            state.backup = HostBackup(loaded.nbytes, arena.device)
+            report.pin_ms = state.backup.pin_ms
+        t1 = time.perf_counter()
+        _copy(state.backup.span(loaded.nbytes), arena.span(0, loaded.nbytes), arena.device)
+        report.backup_ms = (time.perf_counter() - t1) * 1e3
+    else:
+        state.drop_backup()
+    t2 = time.perf_counter()
+    arena.sleep()
+    report.release_ms = (time.perf_counter() - t2) * 1e3
+    state.level = level
+    report.total_ms = (time.perf_counter() - t0) * 1e3
+    return report
+
+
+# ================================================================================= wake
+def _served_why_not(source, shm_dir) -> str | None:
+    """Why the preloader daemon cannot bring rank ``source.rank`` back (None: it can): asked with
+    a status request, which a stale socket refuses within :data:`STATUS_TIMEOUT_S`."""
+    from .client import serve_status
+    from .shm import socket_path
+
+    sock = socket_path(source.image_dir, shm_dir)
+    if not sock.exists():
+        return f"no preloader serves {source.image_dir} (no socket {sock})"
+    try:
+        status = serve_status(source.image_dir, shm_dir, timeout_s=STATUS_TIMEOUT_S)
+    except FlashBootError as exc:
+        return f"the preloader at {sock} does not answer: {type(exc).__name__}: {exc}"
+    rank = status.get("ranks", {}).get(str(source.rank))
+    if rank is None:
+        return f"the preloader (pid {status.get('pid')}) does not hold rank {source.rank}"
+    if rank.get("error"):
+        return f"the preloader (pid {status.get('pid')}) failed to stage rank {source.rank}: {rank['error']}"
+    return None
+
+
+def _disk_why_not(source) -> str | None:
+    from ..layouts.image import read_metadata_file
+
+    path = source.path
+    if not os.path.exists(path):
+        return f"the image file {path} is gone"
+    try:
+        sha = read_metadata_file(source.image_dir, source.rank).sha256
+    except FlashBootError as exc:
+        return f"the image's metadata cannot be read any more: {exc}"
+    if sha != source.metadata_sha256:
+        return (f"{source.image_dir} was re-packed since the load (metadata {sha[:12]}, loaded "
+                f"{source.metadata_sha256[:12]})")
+    return None
+
+
+def _from_served(loaded, source, report: WakeReport, shm_dir, timeout_s: float) -> None:
+    from .client import served_load
+
+    reply = served_load(loaded.arena, source, timeout_s=timeout_s, shm_dir=shm_dir)
+    report.details.update(daemon_pid=reply.get("pid"), daemon_h2d_ms=reply.get("h2d_ms"),
+                          daemon_map_ms=reply.get("map_ms"), daemon_pinned=reply.get("pinned"))
+
+
+def _from_disk(loaded, source, report: WakeReport, stream_config) -> None:
+    from .stream import stream_image
+
+    stats = stream_image(source.path, loaded.nbytes, loaded.arena, stream_config)
+    report.details.update(io_mode=stats.io_mode, read_gbps=stats.read_gbps, buffer_bytes=stats.buffer_bytes)
+
+
+def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=None, served_timeout_s: float = 10.0,
+         stream_config=None, verify: bool = False) -> WakeReport:
+    """Wake ``loaded``: new segments at the same addresses, then its bytes from the first source
+    that has them (``source="auto"``: backup, served, disk; or name one of :data:`SOURCES`).
+
+    ``keep_backup``: keep the level-1 backup for the next ``sleep(level=1)`` (no new pin then)
+    instead of freeing it. ``shm_dir``: the preloader's staging root, when not the default.
+    ``served_timeout_s``: how long to wait for the daemon's socket. ``verify``: recompute the
+    chunk checksums after the copy. Waking an awake image is a no-op (source ``"awake"``).
+
+    Raises OutOfMemoryError (bytes needed and free) when the device has no room: the image stays
+    asleep and can be woken later. When no source can be used, or every usable one failed,
+    FlashBootError names each source and why, and the image stays asleep. A source that fails
+    (the daemon gone mid-request) passes to the next, and the report says so.
+    """
+    if source != "auto" and source not in SOURCES:
+        raise FlashBootError(f"unknown wake source {source!r}; known: auto, {', '.join(SOURCES)}")
+    arena = loaded.arena
+    if arena.closed:
+        raise FlashBootError(f"{loaded!r} is closed; there is nothing to wake")
+    report = WakeReport(source="awake", nbytes=loaded.nbytes, device=str(arena.device))
+    if not arena.asleep:
+        return report
+    state = _state(loaded)
+    rank_source = loaded.source
+    why_not = {  # asked only when the sources before have not brought the bytes back
+        "backup": lambda: (None if state.backup is not None else
+                           "sleep(level=2) kept no backup" if state.level == 2 else "no backup was taken"),
+        "served": lambda: _served_why_not(rank_source, shm_dir),
+        "disk": lambda: _disk_why_not(rank_source),
+    }
+    where = f"waking rank {rank_source.rank} of {rank_source.image_dir} ({loaded.nbytes:,} bytes on {arena.device})"
+    t0 = time.perf_counter()
+    try:
+        for name in SOURCES if source == "auto" else (source,):
+            why = why_not[name]()
+            if why is not None:
+                report.not_used[name] = why
+                continue
+            if arena.asleep:
+                arena.wake()  # OutOfMemoryError here leaves it asleep
+                report.map_ms = (time.perf_counter() - t0) * 1e3
+            t2 = time.perf_counter()
+            try:
+                if name == "backup":
+                    _copy(arena.span(0, loaded.nbytes), state.backup.span(loaded.nbytes), arena.device)
+                elif name == "served":
+                    _from_served(loaded, rank_source, report, shm_dir, served_timeout_s)
+                else:
+                    _from_disk(loaded, rank_source, report, stream_config)
+            except FlashBootError as exc:
+                if isinstance(exc, OutOfMemoryError):
+                    raise
+                report.not_used[name] = f"failed: {type(exc).__name__}: {exc}"
+                continue
+            report.copy_ms = (time.perf_counter() - t2) * 1e3
+            report.source = name
+            break
+        else:
+            tried = "every source failed" if not arena.asleep else "no source has the bytes"
+            raise FlashBootError(f"{where}: {tried}; " + "; ".join(f"{s}: {why}" for s, why in report.not_used.items()))
+        if verify:
+            from .load import verify_loaded
+
+            tv = time.perf_counter()
+            verify_loaded(arena, loaded.metadata, f"{where}, from {report.source}")
+            report.verify_ms = (time.perf_counter() - tv) * 1e3
+    except BaseException:
+        arena.sleep()  # nothing half-woken is handed back (a no-op when it never woke)
+        raise
+    if not keep_backup:
+        state.drop_backup()
+    state.level = 0
+    report.total_ms = (time.perf_counter() - t0) * 1e3
+    return report
+
+
+__all__ = ["HostBackup", "SOURCES", "SleepReport", "WakeReport", "close_lifecycle", "sleep", "wake"]

@@ -1,0 +1,208 @@
+"""LoadedImage.sleep / wake on the host backend: every source (backup, served daemon, disk), the
+reports, the addresses of views made before the sleep, and the bad inputs of issue 17."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import flashboot
+import flashboot.arena.backing_host as host_backing
+from flashboot.errors import ArenaError, FlashBootError, OutOfMemoryError
+from flashboot.flashload import lifecycle
+
+from _preload_helpers import Daemon, make_tiny_image
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    return make_tiny_image(tmp_path_factory.mktemp("lifecycle"))
+
+
+def streamed(image_dir):
+    """Rank 0 loaded on the host backend straight from disk (nothing staged, no daemon)."""
+    return flashboot.load(image_dir, 0, "cpu", stream=True)
+
+
+def image_bytes(image_dir) -> bytes:
+    return flashboot.layouts.read_image(image_dir, 0).path.read_bytes()
+
+
+def snapshot(loaded) -> dict:
+    """name -> (address, bytes) of every view."""
+    return {n: (t.data_ptr(), bytes(t.contiguous().view(-1).view(torch.uint8).numpy())) for n, t in loaded.tensors.items()}
+
+
+def arena_bytes(loaded) -> bytes:
+    return bytes(loaded.arena.bytes()[:loaded.nbytes].numpy())
+
+
+def test_level1_sleep_and_wake_from_the_backup_keep_every_view(image):
+    with streamed(image) as loaded:
+        before = snapshot(loaded)
+        s = loaded.sleep(level=1)
+        assert (s.level, s.nbytes) == (1, loaded.nbytes) and s.backup_ms > 0 and s.backup_gbps > 0
+        assert loaded.arena.asleep and "level 1" in s.summary()
+        w = loaded.wake()
+        assert w.source == "backup" and w.not_used == {} and w.nbytes == loaded.nbytes and w.copy_ms > 0
+        assert "from backup" in w.summary()
+        assert snapshot(loaded) == before  # same addresses, same bytes
+        assert arena_bytes(loaded) == image_bytes(image)
+        assert loaded.lifecycle.backup is None  # freed at wake unless kept
+
+
+def test_level2_wakes_from_disk_and_names_why_not_the_others(image, tmp_path):
+    with streamed(image) as loaded:
+        before = snapshot(loaded)
+        s = loaded.sleep(level=2)
+        assert s.level == 2 and s.backup_ms == 0 and loaded.lifecycle.backup is None
+        w = loaded.wake(shm_dir=tmp_path / "no-shm", verify=True)
+        assert w.source == "disk" and w.verify_ms > 0 and w.details["read_gbps"] > 0
+        assert w.not_used["backup"] == "sleep(level=2) kept no backup"
+        assert w.not_used["served"].startswith(f"no preloader serves {image}")
+        assert snapshot(loaded) == before
+
+
+def test_level2_wakes_from_the_daemons_copy(image, tmp_path):
+    daemon = Daemon(image, tmp_path / "shm")
+    try:
+        with flashboot.load(image, 0, "cpu", served=True, shm_dir=tmp_path / "shm", timeout_s=30) as loaded:
+            before = snapshot(loaded)
+            loaded.sleep(level=2)
+            w = loaded.wake(shm_dir=tmp_path / "shm")
+            assert w.source == "served" and list(w.not_used) == ["backup"]
+            assert w.details["daemon_h2d_ms"] >= 0 and w.details["daemon_pid"] == os.getpid()
+            assert snapshot(loaded) == before
+            daemon.idle()
+    finally:
+        daemon.close()
+
+
+def test_daemon_gone_at_wake_falls_to_the_disk_and_says_so(image, tmp_path):
+    daemon = Daemon(image, tmp_path / "shm")
+    with flashboot.load(image, 0, "cpu", served=True, shm_dir=tmp_path / "shm", timeout_s=30) as loaded:
+        daemon.idle()
+        loaded.sleep(level=2)
+        daemon.close()
+        w = loaded.wake(shm_dir=tmp_path / "shm")
+        assert w.source == "disk" and "served" in w.not_used
+        assert arena_bytes(loaded) == image_bytes(image)
+
+
+def test_a_source_failing_mid_wake_passes_to_the_next(image, tmp_path, monkeypatch):
+    """The daemon answers its status, then drops the copy request: the disk is used, the failure named."""
+    daemon = Daemon(image, tmp_path / "shm")
+    try:
+        with flashboot.load(image, 0, "cpu", served=True, shm_dir=tmp_path / "shm", timeout_s=30) as loaded:
+            daemon.idle()
+            loaded.sleep(level=2)
+
+            def dropped(*args, **kw):
+                raise flashboot.errors.RendezvousError("the preloader closed the connection without answering")
+
+            monkeypatch.setattr(lifecycle, "_from_served", dropped)
+            w = loaded.wake(shm_dir=tmp_path / "shm")
+            assert w.source == "disk"
+            assert w.not_used["served"] == "failed: RendezvousError: the preloader closed the connection without answering"
+            assert arena_bytes(loaded) == image_bytes(image)
+    finally:
+        daemon.close()
+
+
+def test_no_source_names_what_was_tried_and_stays_asleep(image, tmp_path):
+    copy = shutil.copytree(image, tmp_path / "image")
+    with streamed(copy) as loaded:
+        loaded.sleep(level=2)
+        path = loaded.source.path
+        os.rename(path, str(path) + ".away")
+        with pytest.raises(FlashBootError, match=r"no source has the bytes; backup: sleep\(level=2\) kept no backup; "
+                                                 r"served: no preloader serves .*; disk: the image file .* is gone"):
+            loaded.wake(shm_dir=tmp_path / "no-shm")
+        assert loaded.arena.asleep
+        os.rename(str(path) + ".away", path)
+        assert loaded.wake(shm_dir=tmp_path / "no-shm").source == "disk"
+        assert arena_bytes(loaded) == image_bytes(image)
+
+
+def test_repacked_image_is_not_read_back(image, tmp_path):
+    from _image_helpers import rewrite_metadata
+    import json
+
+    copy = shutil.copytree(image, tmp_path / "image")
+    with streamed(copy) as loaded:
+        loaded.sleep(level=2)
+        rank_dir = loaded.source.path.parent
+        meta = json.loads((rank_dir / "metadata.json").read_text())
+        meta["note"] = "re-packed"
+        rewrite_metadata(rank_dir, meta)
+        with pytest.raises(FlashBootError, match=r"disk: .* was re-packed since the load"):
+            loaded.wake(shm_dir=tmp_path / "no-shm")
+        assert loaded.arena.asleep
+
+
+def test_wake_without_room_stays_asleep_and_keeps_the_backup(image, monkeypatch):
+    with streamed(image) as loaded:
+        loaded.sleep(level=1)
+        monkeypatch.setattr(host_backing, "_host_mem_available", lambda: 1 << 20)
+        with pytest.raises(OutOfMemoryError, match=f"needs {loaded.arena.nbytes:,} bytes but only 1,048,576 are free"):
+            loaded.wake()
+        assert loaded.arena.asleep and loaded.lifecycle.backup is not None
+        monkeypatch.undo()
+        assert loaded.wake().source == "backup"
+        assert arena_bytes(loaded) == image_bytes(image)
+
+
+def test_sleep_twice_and_wake_twice_are_no_ops(image):
+    with streamed(image) as loaded:
+        assert loaded.wake().source == "awake"
+        loaded.sleep(level=1)
+        assert loaded.sleep(level=1).level == 0
+        assert loaded.wake().source == "backup"
+        assert loaded.wake().source == "awake"
+        assert arena_bytes(loaded) == image_bytes(image)
+
+
+def test_kept_backup_is_reused_without_a_new_allocation(image):
+    with streamed(image) as loaded:
+        first = loaded.sleep(level=1)
+        loaded.wake(keep_backup=True)
+        backup = loaded.lifecycle.backup
+        second = loaded.sleep(level=1)
+        assert backup is loaded.lifecycle.backup and second.pin_ms == 0 and first.pin_ms > 0
+        loaded.wake()
+        assert arena_bytes(loaded) == image_bytes(image)
+
+
+def test_held_arena_refuses_sleep_by_name(image):
+    with streamed(image) as loaded:
+        loaded.arena.share("holder 'engine-0' (registry /tmp/reg)")
+        with pytest.raises(ArenaError, match="cannot sleep: .*holder 'engine-0'"):
+            loaded.sleep(level=2)
+        assert not loaded.arena.asleep and arena_bytes(loaded) == image_bytes(image)
+
+
+def test_bad_arguments_are_refused(image):
+    with streamed(image) as loaded:
+        with pytest.raises(FlashBootError, match="sleep level must be 1 .* or 2"):
+            loaded.sleep(level=3)
+        with pytest.raises(FlashBootError, match="unknown wake source 'gpu'; known: auto, backup, served, disk"):
+            loaded.wake(source="gpu")
+        loaded.sleep(level=2)
+        with pytest.raises(FlashBootError, match=r"no source has the bytes; backup: sleep\(level=2\) kept no backup$"):
+            loaded.wake(source="backup")
+        assert loaded.arena.asleep
+    with pytest.raises(FlashBootError, match="is closed"):
+        loaded.sleep()
+
+
+def test_cycles_leave_fds_and_threads_flat(image):
+    with streamed(image) as loaded:
+        loaded.sleep(level=1)
+        loaded.wake()
+        fds, threads = len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+        for i in range(10):
+            loaded.sleep(level=1 + i % 2)
+            loaded.wake(shm_dir="/nonexistent-shm")
+        assert len(os.listdir("/proc/self/fd")) == fds and len(os.listdir("/proc/self/task")) == threads
+        assert arena_bytes(loaded) == image_bytes(image)
