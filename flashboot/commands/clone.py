@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 
 def _common(p: argparse.ArgumentParser, *, store_required: bool = True) -> None:
@@ -134,10 +135,15 @@ def run_hold(args: argparse.Namespace) -> int:
     if args.list:
         if args.registry is None:
             raise FlashBootError("--list needs --registry DIR")
+        now = time.time()
         for name, rec in list_held(args.registry).items():
             d = rec.get("descriptor") or {}
+            image = rec.get("image") or {}
+            what = (f", image {image.get('key')} rank {image.get('rank')} ({image.get('nbytes', 0):,} bytes, metadata "
+                    f"{str(image.get('metadata_sha256'))[:12]}, {image.get('device')})" if image else ", image unknown")
+            age = f", held {now - rec['since']:.0f} s" if isinstance(rec.get("since"), (int, float)) else ""
             _print(f"{name}: {d.get('nbytes', 0):,} bytes, {d.get('backend')} arena {d.get('arena_id')}, "
-                   f"holder pid {rec.get('holder_pid')}" if d else f"{name}: {rec.get('error')}")
+                   f"holder pid {rec.get('holder_pid')}{what}{age}" if d else f"{name}: {rec.get('error')}")
         return 0
     where = {"registry": args.registry} if args.registry else {"store": args.store, "token_file": args.token_file,
                                                                "namespace": args.name}

@@ -182,8 +182,9 @@ class Holder:
         self.errors: list[str] = []
         self._stop = threading.Event()
 
-    def adopt(self, name: str, descriptor, request: str = "") -> HeldArena:
-        """Take the arena ``descriptor`` names into this process and publish it under ``name``.
+    def adopt(self, name: str, descriptor, request: str = "", image: dict | None = None) -> HeldArena:
+        """Take the arena ``descriptor`` names into this process and publish it under ``name``
+        (with ``image``, the engine's identity of the weights, for a restarted engine to check).
 
         Raises ArenaError when the engine has exited or its fd is not the arena."""
         from ..arena import Arena
@@ -204,7 +205,7 @@ class Holder:
         self.held[name] = item
         try:
             self.kv.put("held", name, {"descriptor": held_desc.to_dict(), "request": request, "since": item.since,
-                                       "holder_pid": os.getpid()})
+                                       "holder_pid": os.getpid(), "image": image})
         except BaseException:
             self.held.pop(name)
             item.close()
@@ -238,7 +239,9 @@ class Holder:
                 self.kv.delete("requests", name)
                 continue
             try:
-                self.adopt(name, ArenaDescriptor.from_dict(req["descriptor"]), req.get("request", ""))
+                image = req.get("image")
+                self.adopt(name, ArenaDescriptor.from_dict(req["descriptor"]), req.get("request", ""),
+                           image if isinstance(image, dict) else None)
             except FlashBootError as exc:
                 self.errors.append(f"{name}: {exc}")
                 self.kv.put("held", name, {"error": str(exc), "request": req.get("request", "")})
@@ -280,18 +283,20 @@ class Holder:
 
 
 def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-              **store_options):
+              image: dict | None = None, **store_options):
     """Ask the holder to keep ``arena`` under ``name``; returns the holder's descriptor once it has
     mapped it (after which this process may exit). From then on ``arena.sleep()`` is refused,
     naming the holder. WaitTimeoutError when no holder answers within ``timeout_s``; ArenaError
-    when the holder could not adopt it."""
+    when the holder could not adopt it. ``image``: what the weights are (a JSON-ready dict,
+    :func:`flashboot.flashload.restart.image_identity`), published with the held arena."""
     from ..arena import ArenaDescriptor
 
     _check_name(name)
     kv = _kv(registry, store, **store_options)
     try:
         request = secrets.token_hex(8)
-        kv.put("requests", name, {"descriptor": arena.export().to_dict(), "request": request, "pid": os.getpid()})
+        kv.put("requests", name, {"descriptor": arena.export().to_dict(), "request": request, "pid": os.getpid(),
+                                  "image": image})
         deadline = time.monotonic() + timeout_s
         delay = 0.001
         while True:
@@ -307,6 +312,17 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
                                        "is `flashboot hold` running there?")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+    finally:
+        kv.close()
+
+
+def held_record(name: str, *, registry=None, store=None, **store_options) -> dict | None:
+    """The holder's whole record for ``name`` (descriptor, image, since, holder_pid; or the error
+    of a failed adoption), None when nothing is held under it."""
+    _check_name(name)
+    kv = _kv(registry, store, **store_options)
+    try:
+        return kv.get("held", name)
     finally:
         kv.close()
 
@@ -360,4 +376,4 @@ def list_held(registry) -> dict[str, dict]:
     return {n: kv.get("held", n) for n in kv.names("held")}
 
 
-__all__ = ["Holder", "HeldArena", "hand_over", "held_descriptor", "list_held", "open_held", "release"]
+__all__ = ["Holder", "HeldArena", "hand_over", "held_descriptor", "held_record", "list_held", "open_held", "release"]

@@ -306,7 +306,7 @@ def make_views(arena, metadata) -> dict:
 def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.0, served: bool = False,
          staged=None, prepared=None, verify: bool = False, shm_dir=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
          tp: int | None = None, ep: int | None = None, expected_key=None, stream: bool | None = None,
-         stream_buffer_bytes=None) -> LoadedImage:
+         stream_buffer_bytes=None, holder=None) -> LoadedImage:
     """Load rank ``rank`` of the pre-packed image in ``image_dir`` onto ``device``.
 
     ``device``: an int, ``"cuda:N"``, ``"cpu"`` (host backend) or None (cuda:0 where present).
@@ -324,7 +324,10 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     ``details["one_time_ms"]`` says what this call paid that ``prepare`` would have paid at
     start-up. ``verify`` recomputes the
     chunk checksums on the device. ``tp``/``ep``/``expected_key``: what the caller expects the
-    image to be (LayoutError otherwise).
+    image to be (LayoutError otherwise). ``holder``: a holder registry path (or a dict /
+    :class:`~flashboot.flashload.restart.HolderOption`): a restarted engine maps the arena held for
+    this image instead of loading (no copy), and a fresh load is handed over to the holder
+    (:mod:`flashboot.flashload.restart`).
 
     The views are built while the bulk copy runs. Served, the strict read of the metadata runs
     then too (see :func:`_load_served`), so an image refused for its tp, ep or key is refused
@@ -337,6 +340,14 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     import torch  # noqa: F401  (an engine has it loaded; its import is not part of a load)
 
     from .stage import StagedImage
+
+    if holder is not None:
+        from .restart import load_or_restore
+
+        return load_or_restore(image_dir, rank, device, holder, timeout_s=timeout_s, served=served, staged=staged,
+                               prepared=prepared, verify=verify, shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp,
+                               ep=ep, expected_key=expected_key, stream=stream,
+                               stream_buffer_bytes=stream_buffer_bytes)
 
     t_start = time.perf_counter()
     dev = Device.parse(device)

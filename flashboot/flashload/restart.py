@@ -1,0 +1,163 @@
+"""Restart without a reload: ``flashboot.load(..., holder=...)``.
+
+The first engine loads as usual and then hands its arena to the holder
+(:func:`flashboot.flashclone.holder.hand_over`) with the image's identity: rank, size, the sha256
+of its ``metadata.json`` (a re-pack changes it), the image key's digest and format version, and
+the device. A restarted engine asks the holder for that name first: when the identity matches, it
+maps the held arena (no copy), builds the views and returns; the report's mode says ``held``.
+When it does not match (another image, another pre-pack, another device), or the holder is gone,
+or nothing is held, it warns naming why and loads normally, then hands the new arena over.
+
+An arena handed over refuses :meth:`flashboot.Arena.sleep` (the holder maps it); an arena opened
+from the holder is an importer, which sleep refuses too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import FlashBootError
+from ..memory import Device
+
+IDENTITY_FIELDS = ("rank", "nbytes", "metadata_sha256", "key_digest", "format_version", "device")
+"""What a held arena's identity must equal for a restarted engine to bind it."""
+
+
+@dataclass(frozen=True)
+class HolderOption:
+    """Where the holder keeps arenas (``registry`` directory or ``store`` HOST:PORT, one of them),
+    the ``name`` of this engine's (default: from the image directory, rank and device), and how
+    long the hand-over after a fresh load may wait for the holder (``handover_timeout_s``)."""
+
+    registry: str | None = None
+    store: str | None = None
+    name: str | None = None
+    handover_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if (self.registry is None) == (self.store is None):
+            raise FlashBootError(f"holder= needs exactly one of registry and store, got registry={self.registry!r}, "
+                                 f"store={self.store!r}")
+        if not isinstance(self.handover_timeout_s, (int, float)) or self.handover_timeout_s <= 0:
+            raise FlashBootError(f"holder handover_timeout_s must be a positive number, got {self.handover_timeout_s!r}")
+
+    @classmethod
+    def of(cls, value: Any) -> "HolderOption":
+        """A HolderOption from itself, a registry path, or a dict of its fields."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, (str, os.PathLike)):
+            return cls(registry=os.fspath(value))
+        if isinstance(value, dict):
+            unknown = set(value) - {"registry", "store", "name", "handover_timeout_s"}
+            if unknown:
+                raise FlashBootError(f"unknown holder option(s) {sorted(unknown)}; known: registry, store, name, "
+                                     "handover_timeout_s")
+            return cls(**{k: (os.fspath(v) if k == "registry" and v is not None else v) for k, v in value.items()})
+        raise FlashBootError(f"holder= takes a registry path, a dict or a HolderOption, got {type(value).__name__}")
+
+    def where(self) -> dict:
+        return {"registry": self.registry} if self.registry is not None else {"store": self.store}
+
+    def name_for(self, image_dir, rank: int, device: Device) -> str:
+        if self.name is not None:
+            return self.name
+        base = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(os.path.realpath(image_dir))).lstrip(".") or "image"
+        return f"{base}.rank{rank}.{str(device).replace(':', '')}"
+
+
+def image_identity(source, device: Device) -> dict:
+    """What a held arena must be for this load: see :data:`IDENTITY_FIELDS` (plus the image
+    directory and the key in words, for people reading ``flashboot hold --list``)."""
+    key = source.metadata.key
+    return {"image_dir": os.path.realpath(source.image_dir), "rank": source.rank, "nbytes": source.nbytes,
+            "metadata_sha256": source.metadata_sha256, "key": key.describe(), "key_digest": key.digest,
+            "format_version": key.format_version, "device": str(device)}
+
+
+def _why_not_held(record: dict | None, identity: dict, name: str, where: str) -> str | None:
+    if record is None:
+        return f"nothing is held as {name!r} in {where}"
+    if "error" in record:
+        return f"the holder's last adoption of {name!r} failed: {record['error']}"
+    held = record.get("image") or {}
+    diffs = [f"{k}: held {held.get(k)!r}, wanted {identity[k]!r}" for k in IDENTITY_FIELDS if held.get(k) != identity[k]]
+    if diffs:
+        return f"the arena held as {name!r} is another image or version ({'; '.join(diffs)}): refused before binding"
+    return None
+
+
+def _open_held(record: dict, source, dev: Device, name: str, t_start: float):
+    """Map the held arena, build the views; a LoadedImage whose report's mode is ``held``."""
+    from ..arena import Arena, ArenaDescriptor
+    from .load import LoadedImage, LoadReport, make_views
+
+    t0 = time.perf_counter()
+    desc = ArenaDescriptor.from_dict(record["descriptor"])
+    arena = Arena.open(desc) if desc.backend == "host" else Arena.open(desc, dev)
+    try:
+        arena.map_range()
+        t1 = time.perf_counter()
+        tensors = make_views(arena, source.metadata)
+    except BaseException:
+        arena.close()
+        raise
+    t2 = time.perf_counter()
+    report = LoadReport(mode="held", device=str(dev), rank=source.rank, nbytes=source.nbytes,
+                        tensors=len(source.metadata.tensors), alloc_ms=(t1 - t0) * 1e3, bind_ms=(t2 - t1) * 1e3)
+    report.details = {"holder_name": name, "holder_pid": desc.pid, "map_ms": (t1 - t0) * 1e3,
+                      "held_since": record.get("since")}
+    report.total_ms = (time.perf_counter() - t_start) * 1e3
+    return LoadedImage(arena, tensors, source.metadata, report, source)
+
+
+def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_options):
+    """:func:`flashboot.load` with ``holder=``: map the held arena when it is this image (no copy),
+    otherwise warn why not, load normally and hand the new arena over (a failed hand-over warns
+    too; the load is returned either way). ``load_options`` go to :func:`flashboot.load`."""
+    from ..flashclone import holder as holders
+    from .load import load
+    from .shm import rank_source
+
+    t_start = time.perf_counter()
+    option = HolderOption.of(holder)
+    dev = Device.parse(device)
+    t0 = time.perf_counter()
+    source = rank_source(image_dir, rank, tp=load_options.get("tp"), ep=load_options.get("ep"),
+                         expected_key=load_options.get("expected_key"))
+    metadata_ms = (time.perf_counter() - t0) * 1e3
+    identity = image_identity(source, dev)
+    name = option.name_for(image_dir, rank, dev)
+    where = f"{'registry ' + option.registry if option.registry else 'store ' + option.store}"
+    try:
+        record = holders.held_record(name, **option.where())
+        why = _why_not_held(record, identity, name, where)
+        if why is None:
+            prepared = load_options.get("prepared")
+            loaded = _open_held(record, source, dev, name, t_start)
+            loaded.report.metadata_ms = metadata_ms
+            if prepared is not None:
+                prepared.close()  # its arena and attachment are not needed: the held one is bound
+            return loaded
+    except FlashBootError as exc:  # the holder was killed: its pid is gone, its fds with it
+        why = f"the arena held as {name!r} cannot be mapped: {exc}"
+    warnings.warn(f"flashboot: not restarting from the holder ({why}); loading rank {rank} of {image_dir} normally",
+                  RuntimeWarning, stacklevel=3)
+    loaded = load(image_dir, rank, device, **load_options)
+    loaded.report.details["not_restored"] = why
+    try:
+        holders.hand_over(loaded.arena, name, timeout_s=option.handover_timeout_s, image=identity, **option.where())
+        loaded.report.details["handed_over_as"] = name
+    except FlashBootError as exc:
+        loaded.report.details["hand_over_error"] = str(exc)
+        warnings.warn(f"flashboot: loaded rank {rank} of {image_dir}, but could not hand it to the holder as "
+                      f"{name!r}: {exc}", RuntimeWarning, stacklevel=3)
+    return loaded
+
+
+__all__ = ["HolderOption", "IDENTITY_FIELDS", "image_identity", "load_or_restore"]

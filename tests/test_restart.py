@@ -1,0 +1,123 @@
+"""flashboot.load(..., holder=): an engine restart maps the held arena instead of loading (host
+backend), and every way that cannot happen ends in a warning and a normal load."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+
+import flashboot
+from flashboot.errors import ArenaError, FlashBootError
+from flashboot.flashclone.holder import Holder, held_record
+from flashboot.flashload.restart import HolderOption
+
+from _clone_helpers import spawn_cli, stop, wait_until
+from _image_helpers import rewrite_metadata
+from _preload_helpers import make_tiny_image
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    return make_tiny_image(tmp_path_factory.mktemp("restart"))
+
+
+@pytest.fixture
+def holder(tmp_path):
+    registry = tmp_path / "registry"
+    h = Holder(registry=registry)
+    stop_ev = threading.Event()
+    t = threading.Thread(target=h.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
+    t.start()
+    yield registry
+    stop_ev.set()
+    t.join(10)
+
+
+def image_bytes(image_dir) -> bytes:
+    return flashboot.layouts.read_image(image_dir, 0).path.read_bytes()
+
+
+def views(loaded) -> dict:
+    return {n: bytes(t.contiguous().view(-1).view(torch.uint8).numpy()) for n, t in loaded.tensors.items()}
+
+
+def test_restart_maps_the_held_arena_without_a_copy(image, holder):
+    with pytest.warns(RuntimeWarning, match=r"not restarting from the holder \(nothing is held as 'image.rank0.cpu'"):
+        first = flashboot.load(image, 0, "cpu", stream=True, holder=holder)
+    assert first.report.details["handed_over_as"] == "image.rank0.cpu"
+    with pytest.raises(ArenaError, match="cannot sleep: .*holder 'image.rank0.cpu'"):
+        first.sleep(level=2)  # the holder maps it: refused by name
+    want = views(first)
+    arena_id = first.arena.arena_id
+    first.close()  # the engine exits; the holder keeps the memory
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = flashboot.load(image, 0, "cpu", stream=True, holder={"registry": holder})
+    with again:
+        r = again.report
+        assert r.mode == "held" and r.h2d_ms == 0 and r.details["holder_pid"] == os.getpid()
+        assert again.arena.arena_id == arena_id and again.arena.imported
+        assert views(again) == want
+        assert bytes(again.arena.bytes()[:again.nbytes].numpy()) == image_bytes(image)
+    listing = subprocess.run([sys.executable, "-m", "flashboot.cli", "hold", "--list", "--registry", str(holder)],
+                             capture_output=True, text=True, timeout=60)
+    assert listing.returncode == 0, listing.stderr
+    line = listing.stdout.strip()
+    nbytes = image_bytes(image).__len__()
+    assert line.startswith("image.rank0.cpu: ") and f"rank 0 ({nbytes:,} bytes, metadata " in line
+    assert ", held " in line and line.endswith(" s")
+
+
+def test_another_version_is_refused_by_name_and_loaded_normally(image, holder, tmp_path):
+    with pytest.warns(RuntimeWarning, match="nothing is held"):
+        flashboot.load(image, 0, "cpu", stream=True, holder=HolderOption(registry=str(holder), name="w")).close()
+    repacked = shutil.copytree(image, tmp_path / "image")
+    rank_dir = flashboot.layouts.read_image(repacked, 0).path.parent
+    meta = json.loads((rank_dir / "metadata.json").read_text())
+    meta["note"] = "re-packed"
+    rewrite_metadata(rank_dir, meta)
+    with pytest.warns(RuntimeWarning, match=r"the arena held as 'w' is another image or version \(metadata_sha256: "
+                                            r"held '[0-9a-f]{64}', wanted '[0-9a-f]{64}'\): refused before binding"):
+        loaded = flashboot.load(repacked, 0, "cpu", stream=True, holder={"registry": holder, "name": "w"})
+    with loaded:
+        assert loaded.report.mode.startswith("streamed") and "refused before binding" in loaded.report.details["not_restored"]
+        assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == image_bytes(repacked)
+    record = held_record("w", registry=holder)  # the new version replaced the old one
+    assert record["image"]["image_dir"] == os.path.realpath(repacked)
+
+
+def test_a_killed_holder_means_a_normal_load_with_warnings(image, tmp_path):
+    registry = tmp_path / "registry"
+    proc = spawn_cli("hold", "--registry", registry)
+    try:
+        wait_until(lambda: (registry / "held").is_dir(), 60, "the holder registry", proc)
+        with pytest.warns(RuntimeWarning, match="nothing is held"):
+            flashboot.load(image, 0, "cpu", stream=True, holder=str(registry)).close()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        with pytest.warns(RuntimeWarning) as caught:
+            loaded = flashboot.load(image, 0, "cpu", stream=True,
+                                    holder={"registry": registry, "handover_timeout_s": 0.5})
+        messages = [str(w.message) for w in caught]
+        assert any("cannot be mapped" in m and f"pid {proc.pid}" in m for m in messages), messages
+        assert any("could not hand it to the holder" in m and "no holder adopted" in m for m in messages), messages
+        with loaded:
+            assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == image_bytes(image)
+    finally:
+        stop(proc)
+
+
+def test_holder_option_is_checked():
+    with pytest.raises(FlashBootError, match="exactly one of registry and store"):
+        HolderOption(registry="/tmp/r", store="127.0.0.1:1")
+    with pytest.raises(FlashBootError, match=r"unknown holder option\(s\) \['registery'\]"):
+        HolderOption.of({"registery": "/tmp/r"})
+    with pytest.raises(FlashBootError, match="handover_timeout_s must be a positive number"):
+        HolderOption(registry="/tmp/r", handover_timeout_s=0)
