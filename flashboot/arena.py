@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import fcntl
 import functools
 import mmap
 import os
@@ -304,11 +305,28 @@ def _host_munmap(addr: int, nbytes: int) -> None:
 
 
 def _host_memfd(name: str) -> int:
-    return os.memfd_create(name, os.MFD_CLOEXEC)
+    return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
 
 
 def _host_truncate(fd: int, nbytes: int) -> None:
     os.ftruncate(fd, nbytes)
+
+
+HOST_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+"""A host segment's size is fixed once it is set: a memfd that shrinks under a process that maps it
+kills that process with SIGBUS at its next touch (a served-load daemon, a holder, a clone), so every
+importer refuses a segment without ``F_SEAL_SHRINK`` (:data:`HOST_SEALS_REQUIRED`)."""
+HOST_SEALS_REQUIRED = fcntl.F_SEAL_SHRINK
+
+
+def _host_seal(fd: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, HOST_SEALS)
+
+
+def _seal_names(seals: int) -> str:
+    names = [n for n in ("F_SEAL_SEAL", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE", "F_SEAL_FUTURE_WRITE")
+             if hasattr(fcntl, n) and seals & getattr(fcntl, n)]
+    return "+".join(names) or "none"
 
 
 def _host_reserve(nbytes: int) -> int:
@@ -627,6 +645,7 @@ class Arena:
                 undo.push("close memfd", lambda fd=fd: os.close(fd))
                 fds.append(fd)
                 _host_truncate(fd, size)
+                _host_seal(fd)
                 _host_map_segment(ptr + i * segment_bytes, fd, size)
         except BaseException as exc:
             undo.release()
@@ -841,6 +860,12 @@ class Arena:
         if found < size:
             raise ArenaError(f"segment {i} of arena {descriptor.arena_id} holds {found:,} bytes; the descriptor says "
                              f"{size:,}")
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if seals & HOST_SEALS_REQUIRED != HOST_SEALS_REQUIRED:
+            raise ArenaError(f"{Arena._source(descriptor, fds, i)} (segment {i} of arena {descriptor.arena_id}, "
+                             f"{found:,} bytes) is not sealed against shrinking: seals found: {_seal_names(seals)}; "
+                             f"required: {_seal_names(HOST_SEALS_REQUIRED)} (a shrinking memfd would kill this "
+                             "process with SIGBUS; make host arenas with flashboot.Arena.create)")
 
     # ---- mapping on first use ------------------------------------------------------------------
 
