@@ -370,6 +370,34 @@ def test_open_rejects_wrong_fd_and_wrong_device():
         Arena.open(d)  # the owner closed it: its fd is gone
 
 
+def test_host_segments_cannot_shrink_and_an_unsealed_memfd_is_refused_by_name():
+    """A memfd that shrinks under a process that maps it kills that process (SIGBUS) at its next
+    touch: arenas seal their size, and an importer refuses a look-alike without the seal."""
+    import fcntl
+
+    with Arena.create(MiB, "cpu") as a:
+        d = a.export()
+        with pytest.raises(PermissionError):
+            os.ftruncate(d.fds[0], 0)
+        assert os.fstat(d.fds[0]).st_size == a.nbytes == 2 * MiB
+        with Arena.open(d) as b:  # sealed: an importer maps it
+            assert b.nbytes == a.nbytes
+        fake = os.memfd_create(host_backing._memfd_name(a.arena_id, 0), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fake, a.nbytes)
+            fds_before, maps_before = open_fds(), arena_maps()
+            with pytest.raises(ArenaError, match=rf"fd {fake} \(segment 0 of arena {a.arena_id}, 2,097,152 bytes\) "
+                                                 r"is not sealed against shrinking: seals found: none; "
+                                                 r"required: F_SEAL_SHRINK"):
+                Arena.open(d, fds=[fake])
+            fcntl.fcntl(fake, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            with pytest.raises(ArenaError, match=r"seals found: F_SEAL_SEAL\+F_SEAL_GROW; required: F_SEAL_SHRINK"):
+                Arena.open(d, fds=[fake])
+            assert open_fds() == fds_before and arena_maps() == maps_before
+        finally:
+            os.close(fake)
+
+
 # ---------------------------------------------------------------------------------------------
 # Across real processes
 # ---------------------------------------------------------------------------------------------
@@ -487,7 +515,7 @@ def test_undo_runs_in_reverse_and_all_steps_run_when_one_fails():
     u.release()  # nothing left: a no-op
 
 
-@pytest.mark.parametrize("step", ["_host_reserve", "_host_memfd", "_host_truncate", "_host_map_segment"])
+@pytest.mark.parametrize("step", ["_host_reserve", "_host_memfd", "_host_truncate", "_host_seal", "_host_map_segment"])
 def test_create_failure_halfway_releases_what_was_made(monkeypatch, step):
     fds_before, maps_before = open_fds(), arena_maps()
     real, calls = getattr(host_backing, step), []

@@ -119,7 +119,7 @@ def test_no_seed_means_a_timeout_naming_the_store(store):
     with pytest.raises(WaitTimeoutError, match=r"waited 0.5 s for the seed's manifest and descriptor"):
         flashboot.clone(address, "cpu", timeout_s=0.5)
     unused = f"127.0.0.1:{free_port()}"
-    with pytest.raises(WaitTimeoutError, match=f"no rendezvous store listens at {unused}"):
+    with pytest.raises(WaitTimeoutError, match=f"no rendezvous store answered at {unused}"):
         flashboot.clone(unused, "cpu", timeout_s=0.5)
     assert time.monotonic() - t0 < 10
 

@@ -16,6 +16,9 @@ import importlib
 import json
 import os
 import re
+import socket
+import subprocess
+import threading
 import time
 
 import numpy as np
@@ -243,3 +246,77 @@ def test_a_clone_that_loses_the_store_before_the_copy_names_the_step(raw):
                          str(bg.error)), bg.error
     finally:
         stop(seed)
+
+
+# ------------------------------------------------------ a port that is not (or no longer) a store
+class _Listener:
+    """A TCP port that accepts and then stays silent, or answers every request with ``reply``
+    (an HTTP server, say) and hangs up."""
+
+    def __init__(self, reply: bytes | None):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.reply, self.held = reply, []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.reply is None:
+                self.held.append(conn)  # accepted, never answered
+                continue
+            with conn:
+                conn.recv(1024)
+                conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def _cli_until_done(*args) -> tuple[int, str]:
+    """Run a CLI command to its end; a hang past 120 s fails the test (it used to run > 400 s)."""
+    proc = spawn_cli(*args)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f"`flashboot {' '.join(map(str, args))}` still ran 120 s after it started")
+    return proc.returncode, err
+
+
+@pytest.mark.timeout(300)
+def test_a_store_port_that_accepts_and_never_answers_is_bounded_by_the_timeout(raw):
+    """Defect: torch's TCPStore client waits for its handshake's answer without a bound, so clone
+    and seed --no-host-store ignored --timeout. Both end with one line naming the address."""
+    path, _ = raw
+    silent = _Listener(None)
+    try:
+        for args in (("clone", "--store", silent.address, "--device", "cpu"),
+                     ("seed", path, "--device", "cpu", "--store", silent.address, "--no-host-store")):
+            code, err = _cli_until_done(*args, "--timeout", 5)
+            assert code != 0 and err.count("\n") == 1, err
+            assert (f"no rendezvous store answered at {silent.address} (something listens there but did not answer "
+                    "TCPStore's ping)") in err, err
+    finally:
+        silent.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_port_held_by_something_else_is_named_in_one_line_without_cpp_frames():
+    """Defect: c10d logged its retries with ~75 lines of C++ frames before the final error."""
+    http = _Listener(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+    try:
+        code, err = _cli_until_done("clone", "--store", http.address, "--device", "cpu", "--timeout", 5)
+    finally:
+        http.close()
+    assert code != 0 and err.count("\n") == 1, err
+    assert (f"what listens at {http.address} is not a rendezvous store: it answered TCPStore's ping with "
+            f"{b'HTTP'.hex()} instead of the nonce") in err

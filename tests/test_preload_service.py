@@ -7,6 +7,7 @@ are raw sockets, forked children of another uid, or engine processes."""
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import json
 import os
@@ -22,12 +23,13 @@ from pathlib import Path
 import pytest
 
 from flashboot.arena import Arena
-from flashboot.errors import FlashBootError, RendezvousError
+from flashboot.errors import FlashBootError, LayoutError, RendezvousError
 from flashboot.fdshare import send_fds
 from flashboot.flashload import client, server, staging
 from flashboot.flashload import shm as shm_files
 
 from flashboot.flashload.server import PreloadServer
+from flashboot.flashload.shm import staged_paths
 
 from _preload_helpers import Daemon, make_tiny_image  # noqa: E402  (tests/ is on the path, as for _clone_helpers)
 
@@ -378,23 +380,16 @@ time.sleep(60)
 
 
 def test_an_engine_killed_mid_copy_leaves_nothing_behind(daemon, monkeypatch):
-    import flashboot.movers as movers
-
     started, go = threading.Event(), threading.Event()
-    real = movers.create_mover
+    real = server._read_staged
 
-    class Held:
-        """The daemon's host mover, stopped at the start of the copy until the test says go."""
+    def held(*a, **k):
+        """The daemon's host copy, stopped at its start until the test says go."""
+        started.set()
+        assert go.wait(30)
+        return real(*a, **k)
 
-        def __init__(self, inner):
-            self.inner = inner
-
-        def copy(self, *a, **k):
-            started.set()
-            assert go.wait(30)
-            return self.inner.copy(*a, **k)
-
-    monkeypatch.setattr(movers, "create_mover", lambda name, *a, **k: Held(real(name, *a, **k)))
+    monkeypatch.setattr(server, "_read_staged", held)
     daemon.idle()
     fds_before = _fds()
     engine = subprocess.Popen([sys.executable, "-c", _ENGINE, str(daemon.image), str(daemon.shm)],
@@ -412,7 +407,117 @@ def test_an_engine_killed_mid_copy_leaves_nothing_behind(daemon, monkeypatch):
     daemon.idle()
     assert any("engine connection lost" in line for line in daemon.log), daemon.log
     assert _fds_after_settling(fds_before) == fds_before
-    monkeypatch.setattr(movers, "create_mover", real)
+    monkeypatch.setattr(server, "_read_staged", real)
+    daemon.load_exact()
+
+
+@pytest.fixture
+def daemon_process(image, tmp_path):
+    """``flashboot preload IMAGE --serve`` in its own process: what a client does to memory the
+    daemon maps must not kill it (a thread in this process would take pytest with it)."""
+    shm = tmp_path / "shm"
+    log = open(tmp_path / "daemon.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "flashboot.cli", "preload", str(image), "--serve", "--shm-dir", str(shm)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
+            try:
+                if client.serve_status(image, shm, timeout_s=5)["ranks"]["0"]["state"] in ("mapped", "pinned"):
+                    break
+            except FlashBootError:
+                pass
+            time.sleep(0.05)
+        yield proc, shm, tmp_path / "daemon.log"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+
+
+def _load_exact(image, shm) -> None:
+    src = shm_files.rank_source(image, 0)
+    with Arena.create(src.nbytes, "cpu") as arena:
+        client.served_load(arena, src, timeout_s=10, shm_dir=shm)
+        assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+
+
+def test_a_client_that_shrinks_memory_the_daemon_maps_cannot_kill_it(image, daemon_process):
+    """Defect: an unsealed memfd attached, truncated to 0, then 'copy': the daemon died of SIGBUS.
+    Now the attach is refused by name, a real arena cannot shrink, and a truncated staged image is
+    refused; after each the daemon answers the next client byte-exact."""
+    proc, shm, log = daemon_process
+    src = shm_files.rank_source(image, 0)
+    with Arena.create(src.nbytes, "cpu") as arena:
+        desc = arena.export()
+        fake = os.memfd_create(f"flashboot-arena-{desc.arena_id}.0", os.MFD_CLOEXEC)  # a look-alike, unsealed
+        try:
+            os.ftruncate(fake, desc.nbytes)
+            req = {"op": "attach", "rank": 0, "descriptor": desc.to_dict(), "nbytes": src.nbytes,
+                   "metadata_sha256": src.metadata_sha256, "timeout_s": 5, "pci_bus_id": None}
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                s.connect(str(shm_files.socket_path(image, shm)))
+                send_fds(s, [fake], json.dumps(req).encode())
+                s.settimeout(10)
+                reply = json.loads(s.recv(1 << 20))
+                os.ftruncate(fake, 0)
+                with contextlib.suppress(OSError):  # the attack goes on, refused or not (it was not: SIGBUS)
+                    s.send(json.dumps({"op": "copy"}).encode())
+                    s.recv(1 << 20)
+        finally:
+            os.close(fake)
+        assert reply["ok"] is False and reply["error"] == "ArenaError", reply
+        assert (f"(segment 0 of arena {desc.arena_id}, {desc.nbytes:,} bytes) is not sealed against shrinking: "
+                "seals found: F_SEAL_SEAL; required: F_SEAL_SHRINK") in reply["message"]  # created without MFD_ALLOW_SEALING
+        # a real arena attached: it cannot shrink under the daemon
+        session = client.attach_served(arena, image_dir=image, rank=0, nbytes=src.nbytes,
+                                       metadata_sha256=src.metadata_sha256, timeout_s=10, shm_dir=shm)
+        with pytest.raises(PermissionError):
+            os.ftruncate(desc.fds[0], 0)
+        session.copy(timeout_s=10)
+        assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+    assert proc.poll() is None, log.read_text()
+    # the staged image the daemon holds, truncated by a process of the same uid
+    staged = staged_paths(image, 0, shm).image
+    good = staged.read_bytes()
+    os.truncate(staged, 4096)
+    with Arena.create(src.nbytes, "cpu") as arena:
+        with pytest.raises(LayoutError, match=rf"{staged}: the staged image of rank 0 holds 4,096 bytes; "
+                                              rf"{src.nbytes:,} were staged \(it was truncated since\)"):
+            client.served_load(arena, src, timeout_s=10, shm_dir=shm)
+    assert proc.poll() is None, log.read_text()
+    with open(staged, "r+b") as f:  # the same file again: the daemon holds it open
+        f.write(good)
+    _load_exact(image, shm)
+    assert proc.poll() is None, log.read_text()
+
+
+def test_a_staged_image_that_shrinks_during_the_copy_reads_short_and_the_daemon_keeps_serving(daemon, monkeypatch):
+    """The host backend copies the staged file with pread: truncated between the daemon's size check
+    and its read, the read ends short (an error naming where) where a mapping would have faulted."""
+    from flashboot import fileio
+
+    staged = staged_paths(daemon.image, 0, daemon.shm).image
+    good, real = staged.read_bytes(), fileio.read_exactly
+
+    def shrink_then_read(*a, **k):
+        os.truncate(staged, 4096)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fileio, "read_exactly", shrink_then_read)
+    src = shm_files.rank_source(daemon.image, 0)
+    with Arena.create(src.nbytes, "cpu") as arena:
+        with pytest.raises(LayoutError, match=rf"{staged}: ends at byte 4,096; {src.nbytes:,} bytes were expected "
+                                              r"\(the file shrank while it was read\)"):
+            client.served_load(arena, src, timeout_s=10, shm_dir=daemon.shm)
+    monkeypatch.setattr(fileio, "read_exactly", real)
+    with open(staged, "r+b") as f:
+        f.write(good)
     daemon.load_exact()
 
 

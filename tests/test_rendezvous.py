@@ -195,9 +195,30 @@ def test_waits_time_out_naming_what_they_awaited(address, server):
 
 def test_no_store_listening_times_out_with_the_address(address):
     t0 = time.monotonic()
-    with pytest.raises(WaitTimeoutError, match=f"no rendezvous store listens at {address}"):
+    with pytest.raises(WaitTimeoutError, match=f"no rendezvous store answered at {address}"):
         Rendezvous.connect(address, TOKEN, timeout_s=0.5)
     assert time.monotonic() - t0 < 5
+
+
+def test_the_store_handshake_is_the_one_torchs_tcpstore_answers():
+    """The pre-flight speaks c10d's validate and ping itself: a real TCPStore of the installed torch
+    answers it (a changed protocol fails here, not as a hang), a silent port does not."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    from flashboot.flashclone.rendezvous import _await_store
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    _await_store("127.0.0.1", store.port, time.monotonic() + 10, f"127.0.0.1:{store.port}")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(WaitTimeoutError, match=rf"no rendezvous store answered at {address} \(something listens "
+                                                   r"there but did not answer TCPStore's ping\)"):
+            Rendezvous.connect(address, TOKEN, timeout_s=0.5)
 
 
 def test_connect_needs_a_token_before_touching_the_network(address, monkeypatch):

@@ -140,5 +140,5 @@ def test_seed_and_clone_join_a_plain_tcpstore_the_caller_hosts(tmp_path):
 def test_a_seed_that_must_not_host_waits_for_the_store_then_names_it():
     address = f"127.0.0.1:{free_port()}"
     with flashboot.Arena.create(1 << 20, "cpu") as arena:
-        with pytest.raises(WaitTimeoutError, match=f"no rendezvous store listens at {address}.*flashboot store"):
+        with pytest.raises(WaitTimeoutError, match=f"no rendezvous store answered at {address}.*flashboot store"):
             flashboot.seed(address, arena, "cpu", host_store=False, timeout_s=0.5)

@@ -4,6 +4,7 @@ cuMemAddressReserve) and one memfd per segment mapped over its part with MAP_FIX
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import mmap
 import os
@@ -55,11 +56,28 @@ def _host_munmap(addr: int, nbytes: int) -> None:
 
 
 def _host_memfd(name: str) -> int:
-    return os.memfd_create(name, os.MFD_CLOEXEC)
+    return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
 
 
 def _host_truncate(fd: int, nbytes: int) -> None:
     os.ftruncate(fd, nbytes)
+
+
+HOST_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+"""A host segment's size is fixed once it is set: a memfd that shrinks under a process that maps it
+kills that process with SIGBUS at its next touch (a served-load daemon, a holder, a clone), so every
+importer refuses a segment without ``F_SEAL_SHRINK`` (:data:`HOST_SEALS_REQUIRED`)."""
+HOST_SEALS_REQUIRED = fcntl.F_SEAL_SHRINK
+
+
+def _host_seal(fd: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, HOST_SEALS)
+
+
+def _seal_names(seals: int) -> str:
+    names = [n for n in ("F_SEAL_SEAL", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE", "F_SEAL_FUTURE_WRITE")
+             if hasattr(fcntl, n) and seals & getattr(fcntl, n)]
+    return "+".join(names) or "none"
 
 
 def _host_reserve(nbytes: int) -> int:
@@ -89,6 +107,7 @@ def attach_segments(undo, ptr: int, arena_id: str, sizes: list[int], segment_byt
         undo.push("close memfd", lambda fd=fd: os.close(fd))
         fds.append(fd)
         _host_truncate(fd, size)
+        _host_seal(fd)
         addr = ptr + i * segment_bytes
         _host_map_segment(addr, fd, size)
         undo.push("unmap segment, keep the reservation", lambda a=addr, n=size: _host_unmap_segment(a, n))

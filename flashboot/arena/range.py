@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import secrets
 import socket
@@ -341,6 +342,13 @@ class Arena:
         if found < size:
             raise ArenaError(f"segment {i} of arena {descriptor.arena_id} holds {found:,} bytes; the descriptor says "
                              f"{size:,}")
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if seals & host.HOST_SEALS_REQUIRED != host.HOST_SEALS_REQUIRED:
+            raise ArenaError(f"{Arena._source(descriptor, fds, i)} (segment {i} of arena {descriptor.arena_id}, "
+                             f"{found:,} bytes) is not sealed against shrinking: seals found: "
+                             f"{host._seal_names(seals)}; required: {host._seal_names(host.HOST_SEALS_REQUIRED)} "
+                             "(a shrinking memfd would kill this process with SIGBUS; make host arenas with "
+                             "flashboot.Arena.create)")
 
     # ---- mapping on first use ------------------------------------------------------------------
 

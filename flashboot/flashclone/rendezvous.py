@@ -36,6 +36,7 @@ import os
 import re
 import secrets
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -385,23 +386,61 @@ def _describe_checksums(chunk_bytes: int, digests: tuple[int, ...]) -> str:
 # ============================================================================================
 
 
-def _wait_for_listener(host: str, port: int, deadline: float, address: str) -> None:
-    """Poll with plain TCP connects until something listens (quietly: the c10d client logs every retry)."""
-    delay = 0.01
-    last = ""
+_TCPSTORE_VALIDATE, _TCPSTORE_PING = 0, 13
+"""c10d's ``QueryType`` codes (TCPStoreBackend.hpp, unchanged since torch 2.3): a client's first
+query is VALIDATE with :data:`_TCPSTORE_MAGIC`, then PING with a nonce that the store sends back."""
+_TCPSTORE_MAGIC = 0x3C85F7CE
+
+
+def _await_store(host: str, port: int, deadline: float, address: str) -> None:
+    """Speak TCPStore's own opening (validate, then ping) on a plain socket until a store answers it
+    or ``deadline`` passes. torch's client constructor waits for the ping's answer without a bound
+    and logs every retry with its C++ frames; a store that answers here is then joined at once.
+
+    Raises WaitTimeoutError when nothing listens, or something listens and does not answer, by the
+    deadline; RendezvousError at once when it answers something that is not a store's answer."""
+    nonce = os.getpid() & 0xFFFFFFFF
+    hello = struct.pack("=BIBI", _TCPSTORE_VALIDATE, _TCPSTORE_MAGIC, _TCPSTORE_PING, nonce)
+    delay, last = 0.01, ""
     while True:
         try:
-            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
-                return
+            answer = _store_hello(host, port, hello, deadline)
         except OSError as exc:
             last = exc.strerror or str(exc)
+        else:
+            if answer == struct.pack("=I", nonce):
+                return
+            if answer:
+                raise RendezvousError(
+                    f"what listens at {address} is not a rendezvous store: it answered TCPStore's ping with "
+                    f"{answer.hex()} instead of the nonce {nonce:#x}; is {address} the store's address?")
+            last = ("something listens there but did not answer TCPStore's ping" if answer is None else
+                    "something listens there and closed the connection without answering TCPStore's ping")
         if time.monotonic() >= deadline:
             raise WaitTimeoutError(
-                f"no rendezvous store listens at {address} ({last}); is the store (`flashboot store HOST:PORT`) "
-                "or the seed that hosts it (`flashboot seed DIR --store HOST:PORT`) running?"
+                f"no rendezvous store answered at {address} ({last}); is the store (`flashboot store HOST:PORT`) "
+                "or the seed that hosts it (`flashboot seed DIR --store HOST:PORT`) running there?"
             )
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 0.2)
+
+
+def _store_hello(host: str, port: int, hello: bytes, deadline: float) -> bytes | None:
+    """Connect, send ``hello`` and read the 4-byte answer by ``deadline``: the answer, b"" when the
+    peer closed first, None when it stayed silent. OSError when the connection fails."""
+    with socket.create_connection((host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))) as s:
+        s.sendall(hello)
+        answer = b""
+        while len(answer) < 4:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                part = s.recv(4 - len(answer))
+            except socket.timeout:
+                return None
+            if not part:
+                return answer
+            answer += part
+        return answer
 
 
 class Rendezvous:
@@ -451,7 +490,7 @@ class Rendezvous:
                 if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc):
                     raise RendezvousError(f"cannot host a store at {address}: {str(exc).splitlines()[0]}") from None
                 # someone already serves there: join it as a client
-        _wait_for_listener(h, port, deadline, address)
+        _await_store(h, port, deadline, address)
         remaining = max(0.5, deadline - time.monotonic())
         try:
             store = TCPStore(h, port, is_master=False, timeout=datetime.timedelta(seconds=remaining))

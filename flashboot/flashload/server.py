@@ -4,6 +4,7 @@ exported arenas on request, so an engine pays only the descriptor exchange and t
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import json
 import math
@@ -131,7 +132,12 @@ class _Resident:
 
     rank: int
     event: threading.Event = field(default_factory=threading.Event)
+    path: str = ""
+    fd: int = -1
+    """The staged image, open read-only: its size is checked before each copy, and the host backend
+    copies from it with pread (a truncated file reads short instead of faulting)."""
     mapping: Any = None
+    """CUDA: the staged image mapped, to pin it and copy from it."""
     pinned: Any = None
     nbytes: int = 0
     metadata_sha256: str = ""
@@ -148,6 +154,15 @@ class PreloadServer:
     "timeout_s"}`` with its arena's fd attached (SCM_RIGHTS); the daemon opens the arena, copies,
     synchronises, closes its mapping and answers ``{"ok": true, "map_ms", "h2d_ms", ...}`` or
     ``{"ok": false, "error", "message"}``. ``{"op": "status"}`` answers what it holds.
+
+    What a client does to memory the daemon maps cannot kill it: an engine's host arena must be
+    sealed against shrinking (refused at attach otherwise, :meth:`Arena.open`), and a staged image
+    is checked for its size before each copy; the host backend copies it with pread, so a file
+    truncated during the copy reads short (an error) instead of faulting. Residual windows: a CUDA
+    copy reads the staged file's pinned pages, which a truncation cannot take from the daemon (not
+    yet run on a GPU); under ``--no-pin`` the driver reads the mapping, so a truncation between the
+    size check and the end of the copy can still fault, as it can while the daemon stages and
+    verifies the file itself.
     """
 
     def __init__(self, config: PreloadConfig, *, stop: threading.Event | None = None, log: Callable[[str], None] = print):
@@ -177,9 +192,12 @@ class PreloadServer:
         src = rank_source(self.config.image_dir, rank)
         paths = staged_paths(self.config.image_dir, rank, self.config.shm_dir)
         check_ready(read_ready(paths.ready), src)
-        res.mapping = MappedFile(str(paths.image), src.nbytes)
+        res.path, res.fd = str(paths.image), os.open(paths.image, os.O_RDONLY | os.O_CLOEXEC)
         res.nbytes, res.metadata_sha256 = src.nbytes, src.metadata_sha256
+        _check_staged_size(res)
         dev = self.config.device_for(rank)
+        if dev.is_cuda:
+            res.mapping = MappedFile(res.path, src.nbytes)
         if dev.is_cuda and self.config.pin:
             res.pinned = register_host(res.mapping.ptr, src.nbytes, dev, path=str(paths.image))
             res.pin_ms = res.pinned.pin_ms
@@ -190,17 +208,11 @@ class PreloadServer:
         from .. import arena  # noqa: F401
         from ..movers import create_mover
 
-        devices = {self.config.device_for(r) for r in self.ranks}
-        for dev in devices:
-            mover = create_mover("copy_engine" if dev.is_cuda else "host")
-            if not dev.is_cuda:  # compile the host mover's parallel loop (it runs above 1 MiB)
-                import numpy as np
-
-                a, b = np.zeros(2 << 20, np.uint8), np.ones(2 << 20, np.uint8)
-                mover.copy(a, b, stream=None)
-            else:
+        for dev in {self.config.device_for(r) for r in self.ranks}:
+            if dev.is_cuda:  # the host backend reads the staged file (_read_staged): nothing to warm
                 import cupy
 
+                create_mover("copy_engine")
                 with cupy.cuda.Device(dev.index):
                     cupy.cuda.Stream(non_blocking=True).synchronize()
 
@@ -259,6 +271,9 @@ class PreloadServer:
             if res.mapping is not None:
                 res.mapping.close()
                 res.mapping = None
+            if res.fd >= 0:
+                os.close(res.fd)
+                res.fd = -1
 
     # ---- the socket --------------------------------------------------------------------------
     def _listen(self) -> None:
@@ -460,7 +475,6 @@ class PreloadServer:
         from ..movers import create_mover
 
         res, arena, rank = attached.res, attached.arena, attached.rank
-        src = Span(res.mapping.ptr, res.nbytes, CPU, pinned=res.pinned is not None, owner=res.mapping)
         lock = self._lock_for(str(arena.device))
         t_queue = time.perf_counter()
         if not lock.acquire(attached.timeout_s + 60):
@@ -468,9 +482,11 @@ class PreloadServer:
                                    f"{lock.queued} queued copies (daemon pid {os.getpid()})")
         try:
             t1 = time.perf_counter()
+            _check_staged_size(res)
             if arena.device.is_cuda:
                 import cupy
 
+                src = Span(res.mapping.ptr, res.nbytes, CPU, pinned=res.pinned is not None, owner=res.mapping)
                 mover = create_mover("copy_engine")
                 with cupy.cuda.Device(arena.device.index):
                     for off in range(0, res.nbytes, SERVE_CHUNK_BYTES):
@@ -478,11 +494,44 @@ class PreloadServer:
                         mover.copy(arena.span(off, n), src.sub(off, n), stream=attached.stream)
                     attached.stream.synchronize()
             else:
-                create_mover("host").copy(arena.span(0, res.nbytes), src, stream=None)
+                _read_staged(res, arena.span(0, res.nbytes))
             h2d_ms = (time.perf_counter() - t1) * 1e3
         finally:
             lock.release()
         return {**attached.reply(), "h2d_ms": h2d_ms, "queue_ms": (t1 - t_queue) * 1e3}
+
+
+HOST_READ_CHUNK_BYTES = 64 << 20
+"""The host backend's copy reads the staged file in pieces of this size, several at once."""
+
+
+def _check_staged_size(res: _Resident) -> None:
+    """Refuse a staged image that something shrank since it was staged: a copy from it would read
+    past its end (a mapping's SIGBUS, a pinned copy's stale pages)."""
+    found = os.fstat(res.fd).st_size
+    if found < res.nbytes:
+        raise LayoutError(f"{res.path}: the staged image of rank {res.rank} holds {found:,} bytes; {res.nbytes:,} were "
+                          "staged (it was truncated since); restart the preloader to stage it again")
+
+
+def _read_staged(res: _Resident, dst) -> None:
+    """Host backend: the staged image into ``dst`` (a host Span) with pread, not from a mapping, so
+    that a file truncated during the copy ends the read short (LayoutError naming where) instead of
+    killing the daemon with SIGBUS. The destination cannot shrink: host arenas are sealed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..fileio import read_exactly
+
+    view = memoryview((ctypes.c_uint8 * res.nbytes).from_address(dst.ptr)).cast("B")
+    offsets = range(0, res.nbytes, HOST_READ_CHUNK_BYTES)
+
+    def read(off: int) -> None:
+        n = min(HOST_READ_CHUNK_BYTES, res.nbytes - off)
+        read_exactly(res.fd, view[off:off + n], off, n, direct=False, path=res.path, file_nbytes=res.nbytes)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(offsets), os.cpu_count() or 1))) as pool:
+        for _ in pool.map(read, offsets):
+            pass
 
 
 class _StagingFailed(Exception):
