@@ -450,7 +450,7 @@ def _device_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any
     ``chunk_bytes % 4 == 0``) in one launch; the last chunk's 1-3 trailing bytes are read back."""
     import torch
 
-    from .copy import launch_on, sm_count, span_tensor
+    from .views import launch_on, sm_count, span_tensor
 
     n = span.nbytes
     block = knobs["block_words"]
@@ -490,7 +490,7 @@ def _device_chunk_sums_bytes(span, chunk_bytes: int, stream: Any, knobs: dict[st
     """The byte-load slow path (any start address, any ``chunk_bytes``), all chunks in one launch."""
     import torch
 
-    from .copy import launch_on, sm_count, span_tensor
+    from .views import launch_on, sm_count, span_tensor
 
     block = knobs["block_words"]
     if start_word % block:
