@@ -16,15 +16,17 @@ The tensor views and launch context live in :mod:`flashboot.kernels.views` (re-e
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import triton
 import triton.language as tl
 
 from flashboot.errors import CapabilityError, FlashBootError, MoverError
-from flashboot.memory import Span, span_of
+from flashboot.memory import Span, span_of, stream_handle
 
-from .views import interpreting, launch_on, sm_count, span_tensor
+from .launch import LaunchConfig, launch
+from .views import _NP_NAMES, interpreting, require_kernel_memory, sm_count, span_tensor
 
 SM_TUNING: dict[str, Any] = {
     "block_bytes": 32768,  # bytes per program per loop step (4096 int64: the H200 probe's best)
@@ -139,10 +141,15 @@ def _prepare(dst: Any, src: Any, nbytes: int | None) -> tuple[Span, Span, int]:
     return d, s, nbytes
 
 
-def _copy_ends(d: Span, s: Span, nbytes: int, head: int, body: int) -> None:
+_BYTES_CONFIG = LaunchConfig((), ("uint8", "uint8", None, None, None), num_warps=1, num_stages=1)
+
+
+def _copy_ends(d: Span, s: Span, nbytes: int, head: int, body: int, handle: int) -> None:
     tail = nbytes - head - body
     if head or tail:
-        copy_bytes_kernel[(1,)](span_tensor(d, 1, 0, nbytes), span_tensor(s, 1, 0, nbytes), head, head + body, tail)
+        launch(copy_bytes_kernel, _BYTES_CONFIG, (1,), (d.ptr, s.ptr, head, head + body, tail),
+               device=d.device.index, stream=handle,
+               views=lambda: (span_tensor(d, 1, 0, nbytes), span_tensor(s, 1, 0, nbytes), head, head + body, tail))
 
 
 def _knobs(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -177,20 +184,32 @@ def sm_copy(dst: Any, src: Any, nbytes: int | None = None, *, stream: Any, **tun
     """
     k = _knobs(SM_TUNING, tuning)
     d, s, nbytes = _prepare(dst, src, nbytes)
-    if nbytes == 0:
-        return
+    if nbytes:
+        sm_copy_spans(d, s, nbytes, stream_handle(stream), k)
+
+
+@functools.cache
+def _sm_config(itemsize: int, block: int, load_cache: str, store_cache: str, num_warps: int,
+               num_stages: int) -> LaunchConfig:
+    dtype = _NP_NAMES[itemsize]
+    return LaunchConfig((("BLOCK", block), ("LOAD_CACHE", load_cache), ("STORE_CACHE", store_cache)),
+                        (dtype, dtype, None), num_warps, num_stages)
+
+
+def sm_copy_spans(d: Span, s: Span, nbytes: int, handle: int, k: dict[str, Any]) -> None:
+    """:func:`sm_copy` after validation: ``nbytes > 0`` fits both spans, ``k`` are checked knobs,
+    ``handle`` a raw stream. Per call only the split and the launches (the movers' hot path)."""
+    require_kernel_memory(d)
     head, _, itemsize, body = _split(d, s, nbytes)
-    with launch_on(d, stream):
-        if body:
-            block = max(1, k["block_bytes"] // itemsize)
-            n_elems = body // itemsize
-            grid = (max(1, min(sm_count(d.device.index) * k["programs_per_sm"], triton.cdiv(n_elems, block))),)
-            copy_sm_kernel[grid](
-                span_tensor(d, itemsize, head, body), span_tensor(s, itemsize, head, body), n_elems,
-                BLOCK=block, LOAD_CACHE=k["load_cache"], STORE_CACHE=k["store_cache"],
-                num_warps=k["num_warps"], num_stages=k["num_stages"],
-            )
-        _copy_ends(d, s, nbytes, head, body)
+    if body:
+        block = max(1, k["block_bytes"] // itemsize)
+        n_elems = body // itemsize
+        grid = (max(1, min(sm_count(d.device.index) * k["programs_per_sm"], triton.cdiv(n_elems, block))),)
+        config = _sm_config(itemsize, block, k["load_cache"], k["store_cache"], k["num_warps"], k["num_stages"])
+        launch(copy_sm_kernel, config, grid, (d.ptr + head, s.ptr + head, n_elems), device=d.device.index,
+               stream=handle,
+               views=lambda: (span_tensor(d, itemsize, head, body), span_tensor(s, itemsize, head, body), n_elems))
+    _copy_ends(d, s, nbytes, head, body, handle)
 
 
 def _tma_allocator(size: int, alignment: int, stream: Any):
@@ -231,32 +250,44 @@ def tma_copy(dst: Any, src: Any, nbytes: int | None = None, *, stream: Any, **tu
     ok, why = tma_available()
     if not ok:
         raise CapabilityError(f"tma_copy: {why}; use sm_copy (mover 'triton_sm') or the 'copy_engine' mover")
+    tma_copy_spans(d, s, nbytes, stream_handle(stream), k)
+
+
+@functools.cache
+def _tma_config(block: int, num_warps: int, num_stages: int) -> LaunchConfig:
+    return LaunchConfig((("BLOCK", block),), ("int64", "int64", None), num_warps, num_stages)
+
+
+def tma_copy_spans(d: Span, s: Span, nbytes: int, handle: int, k: dict[str, Any]) -> None:
+    """:func:`tma_copy` after validation (as :func:`sm_copy_spans`); MoverError when the pointers
+    are not congruent mod 16."""
+    require_kernel_memory(d)
     head, align, _, body = _split(d, s, nbytes)
     if align != BULK_ALIGN and body:
         raise MoverError(
             f"tma_copy: source {s.ptr:#x} and destination {d.ptr:#x} differ by {(d.ptr - s.ptr) % 16} mod 16 bytes; "
             "TMA needs both 16-byte aligned. Use sm_copy (mover 'triton_sm') or 'copy_engine' for this pair"
         )
-    with launch_on(d, stream):
-        if body:
-            if d.device.is_cuda:
-                _ensure_tma_allocator()
-            block = max(2, k["block_bytes"] // 8)
-            n_elems = body // 8
-            # Pieces of whole tiles, each addressable by int32 descriptor coordinates.
-            piece = _TMA_MAX_ELEMS // block * block
-            for first in range(0, n_elems, piece):
-                count = min(piece, n_elems - first)
-                grid = (max(1, min(sm_count(d.device.index) * k["programs_per_sm"], triton.cdiv(count, block))),)
-                off = head + first * 8
-                copy_tma_kernel[grid](
-                    span_tensor(d, 8, off, count * 8), span_tensor(s, 8, off, count * 8), count,
-                    BLOCK=block, num_warps=k["num_warps"], num_stages=k["num_stages"],
-                )
-        _copy_ends(d, s, nbytes, head, body)
+    if body:
+        if d.device.is_cuda:
+            _ensure_tma_allocator()
+        block = max(2, k["block_bytes"] // 8)
+        n_elems = body // 8
+        config = _tma_config(block, k["num_warps"], k["num_stages"])
+        # Pieces of whole tiles, each addressable by int32 descriptor coordinates.
+        piece = _TMA_MAX_ELEMS // block * block
+        for first in range(0, n_elems, piece):
+            count = min(piece, n_elems - first)
+            grid = (max(1, min(sm_count(d.device.index) * k["programs_per_sm"], triton.cdiv(count, block))),)
+            off = head + first * 8
+            launch(copy_tma_kernel, config, grid, (d.ptr + off, s.ptr + off, count), device=d.device.index,
+                   stream=handle,
+                   views=lambda off=off, count=count: (span_tensor(d, 8, off, count * 8),
+                                                      span_tensor(s, 8, off, count * 8), count))
+    _copy_ends(d, s, nbytes, head, body, handle)
 
 
 __all__ = [
     "SM_TUNING", "TMA_TUNING", "copy_sm_kernel", "copy_tma_kernel", "copy_bytes_kernel",
-    "sm_copy", "tma_copy", "span_tensor", "sm_count", "tma_available", "interpreting",
+    "sm_copy", "tma_copy", "sm_copy_spans", "tma_copy_spans", "span_tensor", "sm_count", "tma_available", "interpreting",
 ]

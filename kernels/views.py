@@ -68,26 +68,36 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def require_kernel_memory(span: Span) -> None:
+    """CapabilityError unless Triton kernels can touch ``span``: CUDA memory, or host memory
+    under the interpreter."""
+    if not span.device.is_cuda and not interpreting():
+        raise CapabilityError(
+            f"Triton kernels need CUDA memory, got a span on {span.device}; use the 'host' mover for host copies"
+        )
+
+
 @contextlib.contextmanager
 def launch_on(span: Span, stream: Any) -> Iterator[None]:
     """Make ``span``'s device and ``stream`` current for Triton launches (Triton launches on
     torch's current stream of the current device). Host spans only under the interpreter."""
+    require_kernel_memory(span)
     if not span.device.is_cuda:
-        if not interpreting():
-            raise CapabilityError(
-                f"Triton kernels need CUDA memory, got a span on {span.device}; use the 'host' mover for host copies"
-            )
         yield
         return
+    with launch_on_index(span.device.index, stream_handle(stream)):
+        yield
+
+
+@contextlib.contextmanager
+def launch_on_index(index: int, handle: int) -> Iterator[None]:
+    """Make CUDA device ``index`` and the raw stream ``handle`` (0: the default stream) current."""
     import torch
 
-    idx = span.device.index
-    handle = stream_handle(stream)
-    with torch.cuda.device(idx):
-        s = torch.cuda.default_stream(idx) if handle == 0 else torch.cuda.ExternalStream(handle, device=torch.device("cuda", idx))
+    with torch.cuda.device(index):
+        s = torch.cuda.default_stream(index) if handle == 0 else torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))
         with torch.cuda.stream(s):
             yield
 
 
-
-__all__ = ["interpreting", "launch_on", "sm_count", "span_tensor"]
+__all__ = ["interpreting", "launch_on", "launch_on_index", "require_kernel_memory", "sm_count", "span_tensor"]
