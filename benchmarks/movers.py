@@ -127,12 +127,21 @@ def register_bench(sub) -> None:
     p.add_argument("--movers", nargs="*", help="default: every available mover")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", metavar="FILE", help="write rows as JSON ('-' for stdout)")
+    p.add_argument("--chunked", action="store_true",
+                   help="d2d in chunks on one GPU: per call | batched | flag-driven, host and GPU time apart "
+                        "(benchmarks/movers_chunked.py)")
+    p.add_argument("--total", default="1GiB", help="--chunked: bytes copied per row (default 1GiB)")
+    p.add_argument("--chunks", nargs="*", help="--chunked: chunk sizes (default 256KiB .. 256MiB)")
+    p.add_argument("--chain-bytes", default="8GiB", help="--chunked: bytes of the 3-arena chain ('none': skip it)")
+    p.add_argument("--chain-chunk", default="64MiB", help="--chunked: chunk of the chain")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     from flashboot.benchmarks.timing import dump_json, print_table
 
+    if args.chunked:
+        return _main_chunked(args)
     paths = args.paths or default_paths()
     default = DEFAULT_SIZES if paths != ["host"] else ("1MB", "16MB", "256MB")
     sizes = [parse_bytes(s) for s in (args.sizes or default)]
@@ -143,3 +152,19 @@ def main(args: argparse.Namespace) -> int:
                   "yes" if r.verified else "NO"] for r in rows])
     dump_json({"rows": rows}, args.json)
     return 0 if all(r.verified for r in rows) else 1
+
+
+def _main_chunked(args: argparse.Namespace) -> int:
+    from flashboot._cuda import device_count
+    from flashboot.benchmarks import movers_chunked
+    from flashboot.benchmarks.timing import dump_json
+    from flashboot.errors import CapabilityError
+
+    if device_count() == 0:
+        raise CapabilityError("bench movers --chunked measures GPU copies and needs a CUDA device")
+    chunks = [parse_bytes(c) for c in args.chunks] if args.chunks else movers_chunked.DEFAULT_CHUNKS
+    report = movers_chunked.run(parse_bytes(args.total), chunks, args.movers, args.repeats,
+                                chain_bytes=0 if args.chain_bytes == "none" else parse_bytes(args.chain_bytes), chain_chunk=parse_bytes(args.chain_chunk))
+    movers_chunked.print_report(report)
+    dump_json(report, args.json)
+    return 0 if movers_chunked.verified(report) else 1

@@ -340,16 +340,19 @@ def _word_terms(w, lo, hi):
 def checksum_words_kernel(
     words_ptr,
     partial_ptr,
+    copy_ptr,
     n_words: tl.int64,
     chunk_words: tl.int64,
     start_word: tl.int64,
     BLOCK: tl.constexpr,  # words per loop step; a power of two, so no step straddles a 2**32 index boundary
+    COPY: tl.constexpr,  # also store every word read to copy_ptr: a copy that checksums what it writes
 ):
     """Per (chunk, program): the sum mod 2**64 of the word terms of its share of the chunk.
 
     Grid ``(n_chunks, P)``: chunk ``c`` covers words ``[c * chunk_words, ...)`` (the last may be
     short) with indices restarting at ``start_word``; its ``P`` programs stride over its tiles.
-    Writes ``partial[c * P + p]`` (int64 bits of the uint64 sum).
+    Writes ``partial[c * P + p]`` (int64 bits of the uint64 sum). With ``COPY`` the words go to
+    ``copy_ptr`` at the same positions in the same pass: the digests are of the bytes written.
     """
     chunk = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1).to(tl.int64)
@@ -363,7 +366,10 @@ def checksum_words_kernel(
     acc_y = tl.zeros([BLOCK], dtype=tl.uint64)
     for tile in range(p, n_full, n_prog):
         first = tile * BLOCK
-        w = tl.load(words_ptr + chunk_begin + first + offs).to(tl.uint32, bitcast=True)
+        raw = tl.load(words_ptr + chunk_begin + first + offs)
+        if COPY:
+            tl.store(copy_ptr + chunk_begin + first + offs, raw)
+        w = raw.to(tl.uint32, bitcast=True)
         idx = start_word + first
         lo = idx.to(tl.uint32) + offs
         hi = (idx >> 32).to(tl.uint32)
@@ -374,7 +380,10 @@ def checksum_words_kernel(
     first = n_full * BLOCK
     limit = tl.where(p == n_full % n_prog, chunk_len - first, 0)
     mask = offs < limit
-    w = tl.load(words_ptr + chunk_begin + first + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    raw = tl.load(words_ptr + chunk_begin + first + offs, mask=mask, other=0)
+    if COPY:
+        tl.store(copy_ptr + chunk_begin + first + offs, raw, mask=mask)
+    w = raw.to(tl.uint32, bitcast=True)
     idx = start_word + first
     lo = idx.to(tl.uint32) + offs
     hi = (idx >> 32).to(tl.uint32)
@@ -445,12 +454,14 @@ def _sum_partials(partials, n_chunks: int) -> list[int]:
     return [int(v) for v in host.sum(axis=1, dtype=np.uint64)]
 
 
-def _device_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any], start_word: int = 0) -> list[int]:
+def _device_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any], start_word: int = 0,
+                       copy_to=None) -> list[int]:
     """Digests of ``chunk_bytes`` chunks of a word-aligned span (``span.ptr % 4 == 0`` and
-    ``chunk_bytes % 4 == 0``) in one launch; the last chunk's 1-3 trailing bytes are read back."""
+    ``chunk_bytes % 4 == 0``) in one launch; the last chunk's 1-3 trailing bytes are read back.
+    ``copy_to``: a span the bytes are copied into in the same pass (same size, word-aligned)."""
     import torch
 
-    from .copy import launch_on, sm_count, span_tensor
+    from .views import launch_on, sm_count, span_tensor
 
     n = span.nbytes
     block = knobs["block_words"]
@@ -462,18 +473,24 @@ def _device_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any
     tiles_per_chunk = -(-min(chunk_words, max(n_words, 1)) // block)
     target = sm_count(span.device.index) * knobs["programs_per_sm"]
     n_prog = max(1, min(tiles_per_chunk, -(-target // n_chunks), 65535))
+    r = n % 4
     with launch_on(span, stream):
         device = "cuda" if span.device.is_cuda else "cpu"
         partials = torch.empty(n_chunks * n_prog, dtype=torch.int64, device=device)
         if n_words:
+            words = span_tensor(span, 4, 0, n_words * 4)
             checksum_words_kernel[(n_chunks, n_prog)](
-                span_tensor(span, 4, 0, n_words * 4), partials, n_words, chunk_words, start_word, BLOCK=block,
+                words, partials, words if copy_to is None else span_tensor(copy_to, 4, 0, n_words * 4),
+                n_words, chunk_words, start_word, BLOCK=block, COPY=copy_to is not None,
                 num_warps=knobs["num_warps"], num_stages=knobs["num_stages"],
             )
         else:
             partials.zero_()
+        if copy_to is not None and r:
+            from .copy import copy_bytes_kernel
+
+            copy_bytes_kernel[(1,)](span_tensor(copy_to, 1), span_tensor(span, 1), 0, n - r, r)
         sums = _sum_partials(partials, n_chunks)
-        r = n % 4
         tail = span_tensor(span, 1, n - r, r).cpu().numpy() if r else None
     out = []
     for c in range(n_chunks):
@@ -490,7 +507,7 @@ def _device_chunk_sums_bytes(span, chunk_bytes: int, stream: Any, knobs: dict[st
     """The byte-load slow path (any start address, any ``chunk_bytes``), all chunks in one launch."""
     import torch
 
-    from .copy import launch_on, sm_count, span_tensor
+    from .views import launch_on, sm_count, span_tensor
 
     block = knobs["block_words"]
     if start_word % block:

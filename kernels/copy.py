@@ -11,23 +11,22 @@ in :data:`SM_TUNING` and :data:`TMA_TUNING`::
             load_cache="", store_cache="")
     tma_copy(dst, src, stream=s, block_bytes=32768, num_warps=4, programs_per_sm=2, num_stages=3)
 
-:func:`span_tensor` turns a raw span into a torch tensor view (no copy) so Triton, which wants
-objects with ``data_ptr()`` and ``dtype``, can launch on it.
+The tensor views and launch context live in :mod:`flashboot.kernels.views` (re-exported here).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import functools
-import os
-from typing import Any, Iterator
+from typing import Any
 
 import triton
 import triton.language as tl
 
 from flashboot.errors import CapabilityError, FlashBootError, MoverError
 from flashboot.memory import Span, span_of, stream_handle
+
+from .launch import LaunchConfig, launch
+from .views import _NP_NAMES, interpreting, require_kernel_memory, sm_count, span_tensor
 
 SM_TUNING: dict[str, Any] = {
     "block_bytes": 32768,  # bytes per program per loop step (4096 int64: the H200 probe's best)
@@ -120,80 +119,6 @@ def copy_bytes_kernel(
     tl.store(dst_ptr + pos, x, mask=mask)
 
 
-# ------------------------------------------------------------------------------ span -> tensor
-_NP_NAMES = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run under ``TRITON_INTERPRET=1`` (CPU tensors allowed)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def span_tensor(span: Span, itemsize: int = 1, offset: int = 0, nbytes: int | None = None):
-    """A 1-D torch tensor of ``itemsize``-byte integers viewing ``span[offset:offset+nbytes]`` (no copy).
-
-    Host spans become CPU tensors (``torch.frombuffer`` over the memory); CUDA spans go through
-    CuPy's ``UnownedMemory`` and DLPack. ``nbytes`` must be a multiple of ``itemsize``; the view
-    keeps ``span.owner`` alive.
-    """
-    import torch
-
-    if nbytes is None:
-        nbytes = span.nbytes - offset
-    if offset < 0 or nbytes < 0 or offset + nbytes > span.nbytes:
-        raise FlashBootError(f"view [{offset:,}, {offset + nbytes:,}) is outside the {span.nbytes:,}-byte span")
-    if itemsize not in _NP_NAMES or nbytes % itemsize:
-        raise FlashBootError(f"cannot view {nbytes:,} bytes as {itemsize}-byte integers")
-    dtype = getattr(torch, _NP_NAMES[itemsize])
-    ptr = span.ptr + offset
-    if nbytes == 0:
-        return torch.empty(0, dtype=dtype, device=str(span.device))
-    if not span.device.is_cuda:
-        raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
-        t = torch.frombuffer(raw, dtype=dtype)
-    else:
-        import cupy
-
-        mem = cupy.cuda.UnownedMemory(ptr, nbytes, span.owner, span.device.index)
-        arr = cupy.ndarray((nbytes // itemsize,), dtype=_NP_NAMES[itemsize], memptr=cupy.cuda.MemoryPointer(mem, 0))
-        # stream=-1: DLPack's "no synchronisation". torch.from_dlpack(arr) would make torch's current
-        # stream wait on CuPy's (an event on the legacy stream): a dependency the caller never asked for.
-        t = torch.from_dlpack(arr.__dlpack__(stream=-1))
-    t._flashboot_owner = span.owner  # keep whatever backs the memory alive as long as the view
-    return t
-
-
-@functools.cache
-def sm_count(device_index: int) -> int:
-    """Number of SMs of a CUDA device (4 under the interpreter, to exercise the grid stride)."""
-    if interpreting():
-        return 4
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@contextlib.contextmanager
-def launch_on(span: Span, stream: Any) -> Iterator[None]:
-    """Make ``span``'s device and ``stream`` current for Triton launches (Triton launches on
-    torch's current stream of the current device). Host spans only under the interpreter."""
-    if not span.device.is_cuda:
-        if not interpreting():
-            raise CapabilityError(
-                f"Triton kernels need CUDA memory, got a span on {span.device}; use the 'host' mover for host copies"
-            )
-        yield
-        return
-    import torch
-
-    idx = span.device.index
-    handle = stream_handle(stream)
-    with torch.cuda.device(idx):
-        s = torch.cuda.default_stream(idx) if handle == 0 else torch.cuda.ExternalStream(handle, device=torch.device("cuda", idx))
-        with torch.cuda.stream(s):
-            yield
-
-
 # ----------------------------------------------------------------------------------- wrappers
 def _split(dst: Span, src: Span, nbytes: int) -> tuple[int, int, int, int]:
     """``(head, align, itemsize, body)``: bytes before the bulk, the alignment both pointers share
@@ -216,10 +141,15 @@ def _prepare(dst: Any, src: Any, nbytes: int | None) -> tuple[Span, Span, int]:
     return d, s, nbytes
 
 
-def _copy_ends(d: Span, s: Span, nbytes: int, head: int, body: int) -> None:
+_BYTES_CONFIG = LaunchConfig((), ("uint8", "uint8", None, None, None), num_warps=1, num_stages=1)
+
+
+def _copy_ends(d: Span, s: Span, nbytes: int, head: int, body: int, handle: int) -> None:
     tail = nbytes - head - body
     if head or tail:
-        copy_bytes_kernel[(1,)](span_tensor(d, 1, 0, nbytes), span_tensor(s, 1, 0, nbytes), head, head + body, tail)
+        launch(copy_bytes_kernel, _BYTES_CONFIG, (1,), (d.ptr, s.ptr, head, head + body, tail),
+               device=d.device.index, stream=handle,
+               views=lambda: (span_tensor(d, 1, 0, nbytes), span_tensor(s, 1, 0, nbytes), head, head + body, tail))
 
 
 def _knobs(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -254,20 +184,32 @@ def sm_copy(dst: Any, src: Any, nbytes: int | None = None, *, stream: Any, **tun
     """
     k = _knobs(SM_TUNING, tuning)
     d, s, nbytes = _prepare(dst, src, nbytes)
-    if nbytes == 0:
-        return
+    if nbytes:
+        sm_copy_spans(d, s, nbytes, stream_handle(stream), k)
+
+
+@functools.cache
+def _sm_config(itemsize: int, block: int, load_cache: str, store_cache: str, num_warps: int,
+               num_stages: int) -> LaunchConfig:
+    dtype = _NP_NAMES[itemsize]
+    return LaunchConfig((("BLOCK", block), ("LOAD_CACHE", load_cache), ("STORE_CACHE", store_cache)),
+                        (dtype, dtype, None), num_warps, num_stages)
+
+
+def sm_copy_spans(d: Span, s: Span, nbytes: int, handle: int, k: dict[str, Any]) -> None:
+    """:func:`sm_copy` after validation: ``nbytes > 0`` fits both spans, ``k`` are checked knobs,
+    ``handle`` a raw stream. Per call only the split and the launches (the movers' hot path)."""
+    require_kernel_memory(d)
     head, _, itemsize, body = _split(d, s, nbytes)
-    with launch_on(d, stream):
-        if body:
-            block = max(1, k["block_bytes"] // itemsize)
-            n_elems = body // itemsize
-            grid = (max(1, min(sm_count(d.device.index) * k["programs_per_sm"], triton.cdiv(n_elems, block))),)
-            copy_sm_kernel[grid](
-                span_tensor(d, itemsize, head, body), span_tensor(s, itemsize, head, body), n_elems,
-                BLOCK=block, LOAD_CACHE=k["load_cache"], STORE_CACHE=k["store_cache"],
-                num_warps=k["num_warps"], num_stages=k["num_stages"],
-            )
-        _copy_ends(d, s, nbytes, head, body)
+    if body:
+        block = max(1, k["block_bytes"] // itemsize)
+        n_elems = body // itemsize
+        grid = (max(1, min(sm_count(d.device.index) * k["programs_per_sm"], triton.cdiv(n_elems, block))),)
+        config = _sm_config(itemsize, block, k["load_cache"], k["store_cache"], k["num_warps"], k["num_stages"])
+        launch(copy_sm_kernel, config, grid, (d.ptr + head, s.ptr + head, n_elems), device=d.device.index,
+               stream=handle,
+               views=lambda: (span_tensor(d, itemsize, head, body), span_tensor(s, itemsize, head, body), n_elems))
+    _copy_ends(d, s, nbytes, head, body, handle)
 
 
 def _tma_allocator(size: int, alignment: int, stream: Any):
@@ -308,32 +250,44 @@ def tma_copy(dst: Any, src: Any, nbytes: int | None = None, *, stream: Any, **tu
     ok, why = tma_available()
     if not ok:
         raise CapabilityError(f"tma_copy: {why}; use sm_copy (mover 'triton_sm') or the 'copy_engine' mover")
+    tma_copy_spans(d, s, nbytes, stream_handle(stream), k)
+
+
+@functools.cache
+def _tma_config(block: int, num_warps: int, num_stages: int) -> LaunchConfig:
+    return LaunchConfig((("BLOCK", block),), ("int64", "int64", None), num_warps, num_stages)
+
+
+def tma_copy_spans(d: Span, s: Span, nbytes: int, handle: int, k: dict[str, Any]) -> None:
+    """:func:`tma_copy` after validation (as :func:`sm_copy_spans`); MoverError when the pointers
+    are not congruent mod 16."""
+    require_kernel_memory(d)
     head, align, _, body = _split(d, s, nbytes)
     if align != BULK_ALIGN and body:
         raise MoverError(
             f"tma_copy: source {s.ptr:#x} and destination {d.ptr:#x} differ by {(d.ptr - s.ptr) % 16} mod 16 bytes; "
             "TMA needs both 16-byte aligned. Use sm_copy (mover 'triton_sm') or 'copy_engine' for this pair"
         )
-    with launch_on(d, stream):
-        if body:
-            if d.device.is_cuda:
-                _ensure_tma_allocator()
-            block = max(2, k["block_bytes"] // 8)
-            n_elems = body // 8
-            # Pieces of whole tiles, each addressable by int32 descriptor coordinates.
-            piece = _TMA_MAX_ELEMS // block * block
-            for first in range(0, n_elems, piece):
-                count = min(piece, n_elems - first)
-                grid = (max(1, min(sm_count(d.device.index) * k["programs_per_sm"], triton.cdiv(count, block))),)
-                off = head + first * 8
-                copy_tma_kernel[grid](
-                    span_tensor(d, 8, off, count * 8), span_tensor(s, 8, off, count * 8), count,
-                    BLOCK=block, num_warps=k["num_warps"], num_stages=k["num_stages"],
-                )
-        _copy_ends(d, s, nbytes, head, body)
+    if body:
+        if d.device.is_cuda:
+            _ensure_tma_allocator()
+        block = max(2, k["block_bytes"] // 8)
+        n_elems = body // 8
+        config = _tma_config(block, k["num_warps"], k["num_stages"])
+        # Pieces of whole tiles, each addressable by int32 descriptor coordinates.
+        piece = _TMA_MAX_ELEMS // block * block
+        for first in range(0, n_elems, piece):
+            count = min(piece, n_elems - first)
+            grid = (max(1, min(sm_count(d.device.index) * k["programs_per_sm"], triton.cdiv(count, block))),)
+            off = head + first * 8
+            launch(copy_tma_kernel, config, grid, (d.ptr + off, s.ptr + off, count), device=d.device.index,
+                   stream=handle,
+                   views=lambda off=off, count=count: (span_tensor(d, 8, off, count * 8),
+                                                      span_tensor(s, 8, off, count * 8), count))
+    _copy_ends(d, s, nbytes, head, body, handle)
 
 
 __all__ = [
     "SM_TUNING", "TMA_TUNING", "copy_sm_kernel", "copy_tma_kernel", "copy_bytes_kernel",
-    "sm_copy", "tma_copy", "span_tensor", "sm_count", "tma_available", "interpreting",
+    "sm_copy", "tma_copy", "sm_copy_spans", "tma_copy_spans", "span_tensor", "sm_count", "tma_available", "interpreting",
 ]

@@ -7,6 +7,8 @@ from typing import Any, ClassVar
 from flashboot.errors import CapabilityError, MoverError
 from flashboot.memory import Span, path_between, span_of, stream_device
 
+from .batch import ChunkBatch
+
 
 class Mover:
     """Copies a byte range from ``src`` to ``dst``.
@@ -19,6 +21,8 @@ class Mover:
     paths: ClassVar[frozenset[str]] = frozenset()
     alignment: ClassVar[int] = 1
     """Pointers and sizes must be multiples of this (1 for byte-exact backends)."""
+    batched: ClassVar[str] = "one call per chunk"
+    """How :meth:`copy_batch` copies a list of chunks (reports print it)."""
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -46,29 +50,59 @@ class Mover:
                 raise MoverError(f"{self.name}: copy of {nbytes:,} bytes overruns the {span.nbytes:,}-byte {role}")
         path = path_between(src_span.device, dst_span.device)
         if path not in self.paths:
-            from .registry import movers_for
-
-            raise MoverError(
-                f"mover {self.name!r} cannot copy {path} ({src_span.device} -> {dst_span.device}); "
-                f"it supports {', '.join(sorted(self.paths))}; movers for {path}: {', '.join(movers_for(path)) or 'none'}"
-            )
-        runs_on = src_span.device if path == "d2h" else dst_span.device
-        on = stream_device(stream)
-        if runs_on.is_cuda and on is not None and on != runs_on.index:
-            raise MoverError(
-                f"{self.name}: a {path} copy runs on {runs_on} but the stream belongs to cuda:{on}; "
-                f"pass a stream of {runs_on}"
-            )
+            self._check_path(path, src_span.device, dst_span.device)
+        self._check_stream(path, src_span.device, dst_span.device, stream)
         a = self.alignment
         if a > 1 and (src_span.ptr % a or dst_span.ptr % a or nbytes % a):
             raise MoverError(
                 f"{self.name}: needs {a}-byte aligned pointers and size; got src {src_span.ptr:#x}, "
                 f"dst {dst_span.ptr:#x}, nbytes {nbytes:,}"
             )
-        self._copy(dst_span.sub(0, nbytes), src_span.sub(0, nbytes), path, stream)
+        if nbytes != dst_span.nbytes:
+            dst_span = dst_span.sub(0, nbytes)
+        if nbytes != src_span.nbytes:
+            src_span = src_span.sub(0, nbytes)
+        self._copy(dst_span, src_span, path, stream)
+
+    def _check_stream(self, path: str, src: Any, dst: Any, stream: Any) -> None:
+        runs_on = src if path == "d2h" else dst
+        on = stream_device(stream)
+        if runs_on.is_cuda and on is not None and on != runs_on.index:
+            raise MoverError(
+                f"{self.name}: a {path} copy runs on {runs_on} but the stream belongs to cuda:{on}; "
+                f"pass a stream of {runs_on}"
+            )
+
+    def _check_path(self, path: str, src: Any, dst: Any) -> None:
+        if path not in self.paths:
+            from .registry import movers_for
+
+            raise MoverError(
+                f"mover {self.name!r} cannot copy {path} ({src} -> {dst}); "
+                f"it supports {', '.join(sorted(self.paths))}; movers for {path}: {', '.join(movers_for(path)) or 'none'}"
+            )
+
+    def batch(self, dst: Any, src: Any, chunks: Any) -> ChunkBatch:
+        """Validate ``chunks``, a list of ``(dst_offset, src_offset, nbytes)`` into ``dst`` from
+        ``src``, once: the returned :class:`ChunkBatch` copies them all (``run``) or one by one
+        (``copy_chunk``) with no further checks. Raises MoverError naming the first bad entry."""
+        return ChunkBatch(self, span_of(dst), span_of(src), chunks)
+
+    def copy_batch(self, dst: Any, src: Any, chunks: Any, *, stream: Any) -> None:
+        """``self.batch(dst, src, chunks).run(stream=stream)``: every chunk, one call or launch."""
+        self.batch(dst, src, chunks).run(stream=stream)
 
     def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
         raise NotImplementedError
+
+    def _prepare_batch(self, batch: ChunkBatch) -> Any:
+        """What a backend builds once per batch (a descriptor table, pointer lists); None here."""
+        return None
+
+    def _copy_batch(self, batch: ChunkBatch, stream: Any) -> None:
+        """Every entry of a validated batch; this default issues one copy per entry."""
+        for i in range(len(batch)):
+            batch.copy_chunk(i, stream=stream)
 
 
 __all__ = ["Mover"]

@@ -59,10 +59,15 @@ class HostMover(Mover):
     name = "host"
     paths = frozenset({"host"})
     alignment = 1
+    batched = "one synchronous host copy per chunk"
 
     def copy(self, dst: Any, src: Any, nbytes: int | None = None, *, stream: Any = None) -> None:
         """As :meth:`Mover.copy`; ``stream`` may be omitted (host copies are synchronous)."""
         super().copy(dst, src, nbytes, stream=stream)
+
+    def copy_batch(self, dst: Any, src: Any, chunks: Any, *, stream: Any = None) -> None:
+        """As :meth:`Mover.copy_batch`; synchronous, ``stream`` may be omitted."""
+        super().copy_batch(dst, src, chunks, stream=stream)
 
     def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
         host_copy(dst.ptr, src.ptr, dst.nbytes)

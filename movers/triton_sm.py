@@ -11,9 +11,10 @@ from typing import Any
 
 from flashboot import _cuda
 from flashboot.errors import CapabilityError, CudaError
-from flashboot.memory import Span
+from flashboot.memory import Span, stream_handle
 
 from .base import Mover
+from .batch import ChunkBatch
 from .registry import register_mover
 
 _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
@@ -82,24 +83,39 @@ class TritonSMMover(Mover):
     name = "triton_sm"
     paths = frozenset({"d2d", "p2p"})
     alignment = 1
+    batched = "one launch over a device-side descriptor table"
 
     def __init__(self, **tuning: Any) -> None:
         """``tuning`` overrides :data:`flashboot.kernels.copy.SM_TUNING` (block_bytes, num_warps, ...)."""
         super().__init__()
-        from flashboot.kernels.copy import SM_TUNING, _knobs
+        from flashboot.kernels.copy import SM_TUNING, _knobs, sm_copy_spans
 
         self.tuning = _knobs(SM_TUNING, tuning)
+        self._launch = sm_copy_spans  # bound once: the per-call path imports nothing
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
         return cuda_mover_availability()
 
     def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
-        from flashboot.kernels.copy import sm_copy
-
         if path == "p2p":
             ensure_peer_access(dst.device.index, src)
-        sm_copy(dst, src, dst.nbytes, stream=stream, **self.tuning)
+        self._launch(dst, src, dst.nbytes, stream_handle(stream), self.tuning)
+
+    def _prepare_batch(self, batch: ChunkBatch) -> Any:
+        return prepare_table(batch, "sm", self.tuning)
+
+    def _copy_batch(self, batch: ChunkBatch, stream: Any) -> None:
+        batch.prepared.launch(stream_handle(stream))
 
 
-__all__ = ["TritonSMMover", "ensure_peer_access"]
+def prepare_table(batch: ChunkBatch, kind: str, knobs: dict[str, Any]):
+    """The device table of a Triton mover's batch; peer access checked once for a p2p batch."""
+    from flashboot.kernels.copy_table import table_for
+
+    if batch.path == "p2p":
+        ensure_peer_access(batch.dst.device.index, batch.src)
+    return table_for(batch, kind=kind, knobs=knobs)
+
+
+__all__ = ["TritonSMMover", "ensure_peer_access", "prepare_table"]

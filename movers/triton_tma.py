@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from flashboot.memory import Span
+from flashboot.memory import Span, stream_handle
 
 from .base import Mover
+from .batch import ChunkBatch
 from .registry import register_mover
-from .triton_sm import cuda_mover_availability, ensure_peer_access
+from .triton_sm import cuda_mover_availability, ensure_peer_access, prepare_table
 
 _ALTERNATIVES = "use 'triton_sm' or 'copy_engine' instead"
 
@@ -24,13 +25,15 @@ class TritonTMAMover(Mover):
     name = "triton_tma"
     paths = frozenset({"d2d", "p2p"})
     alignment = 1
+    batched = "one launch over a device-side descriptor table (TMA tiles; 16-byte aligned chunks)"
 
     def __init__(self, **tuning: Any) -> None:
         """``tuning`` overrides :data:`flashboot.kernels.copy.TMA_TUNING` (block_bytes, num_warps, ...)."""
         super().__init__()
-        from flashboot.kernels.copy import TMA_TUNING, _knobs
+        from flashboot.kernels.copy import TMA_TUNING, _knobs, tma_copy_spans
 
         self.tuning = _knobs(TMA_TUNING, tuning)
+        self._launch = tma_copy_spans  # bound once: the per-call path imports nothing
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -60,11 +63,15 @@ class TritonTMAMover(Mover):
         return True, ""
 
     def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
-        from flashboot.kernels.copy import tma_copy
-
         if path == "p2p":
             ensure_peer_access(dst.device.index, src)
-        tma_copy(dst, src, dst.nbytes, stream=stream, **self.tuning)
+        self._launch(dst, src, dst.nbytes, stream_handle(stream), self.tuning)
+
+    def _prepare_batch(self, batch: ChunkBatch) -> Any:
+        return prepare_table(batch, "tma", self.tuning)
+
+    def _copy_batch(self, batch: ChunkBatch, stream: Any) -> None:
+        batch.prepared.launch(stream_handle(stream))
 
 
 __all__ = ["TritonTMAMover"]

@@ -244,3 +244,62 @@ def test_checksum_of_something_that_is_no_buffer():
         ck.checksum({"a": 1})
     with pytest.raises(FlashBootError, match="C-contiguous"):
         ck.checksum(np.zeros((4, 4), np.uint8)[:, 1])
+
+
+# ------------------------------------------------------------------------ copy that checksums
+@pytest.mark.parametrize("nbytes,chunk_bytes", [(4096, 1024), (5003, 1024), (3, 64), (70_000, 4096), (1000, 4000)])
+def test_copy_with_checksums_copies_and_matches_the_checksum_kernel(nbytes, chunk_bytes):
+    from flashboot.kernels.copy_verify import copy_with_checksums
+
+    raw = random_bytes(nbytes, seed=nbytes)
+    src = torch.from_numpy(raw).to(KERNEL_DEVICE)
+    dst = torch.full((nbytes + 64,), 0xA5, dtype=torch.uint8, device=KERNEL_DEVICE)
+    found = copy_with_checksums(dst, src, chunk_bytes, stream=None, **SMALL)
+    out = dst.cpu().numpy()
+    assert np.array_equal(out[:nbytes], raw) and (out[nbytes:] == 0xA5).all()
+    # bit-identical to the checksum kernel and to the spec, chunk by chunk
+    assert found == ck.chunk_checksums(span_of(dst).sub(0, nbytes), chunk_bytes, **SMALL)
+    assert found == [checksum_reference(raw[o:o + chunk_bytes].tobytes()) for o in range(0, nbytes, chunk_bytes)]
+
+
+def test_copy_verified_names_the_chunk_that_differs():
+    from flashboot import ChecksumMismatchError
+    from flashboot.kernels.copy_verify import copy_verified
+
+    raw = random_bytes(8192, seed=5)
+    expected = ck.chunk_checksums_host(raw, 2048)
+    dst = torch.zeros(8192, dtype=torch.uint8, device=KERNEL_DEVICE)
+    src = torch.from_numpy(raw).to(KERNEL_DEVICE)
+    assert copy_verified(dst, src, expected, 2048, **SMALL) == expected
+    wrong = list(expected)
+    wrong[2] ^= 1
+    with pytest.raises(ChecksumMismatchError, match=r"clone c1: chunk 2 \(bytes 4,096..6,144\) has checksum "
+                                                    rf"{expected[2]:#018x}, expected {wrong[2]:#018x}") as info:
+        copy_verified(dst, src, wrong, 2048, where="clone c1", **SMALL)
+    assert info.value.chunk == 2 and info.value.offset == 4096
+
+
+def test_copy_with_checksums_refuses_what_it_cannot_do():
+    from flashboot import MoverError
+    from flashboot.kernels.copy_verify import copy_with_checksums
+
+    buf = torch.zeros(4096, dtype=torch.uint8, device=KERNEL_DEVICE)
+    s = span_of(buf)
+    with pytest.raises(MoverError, match="needs 4-byte aligned pointers"):
+        copy_with_checksums(s.sub(2048, 100), s.sub(1, 100), 64)
+    with pytest.raises(MoverError, match="chunk_bytes must be a positive multiple of 4, got 66"):
+        copy_with_checksums(s.sub(2048, 100), s.sub(0, 100), 66)
+    with pytest.raises(MoverError, match="overlap"):
+        copy_with_checksums(s.sub(64, 128), s.sub(0, 128), 64)
+    with pytest.raises(MoverError, match="a 2,048-byte source does not fit the 1,024-byte destination"):
+        copy_with_checksums(s.sub(2048, 1024), s.sub(0, 2048), 64)
+
+
+def test_copy_with_checksums_on_host_memory_without_kernels(monkeypatch):
+    import flashboot.kernels.copy_verify as cv
+
+    monkeypatch.setattr(cv, "interpreting", lambda: False)
+    raw = random_bytes(10_001, seed=9)
+    dst = np.zeros(10_001, np.uint8)
+    found = cv.copy_with_checksums(dst, raw, 4096)
+    assert np.array_equal(dst, raw) and found == ck.chunk_checksums_host(raw, 4096)

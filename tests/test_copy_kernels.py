@@ -149,3 +149,44 @@ def test_p2p_pull_from_peer(copy):
     copy(dst, src, stream=stream)
     stream.synchronize()
     assert torch.equal(dst.cpu(), src.cpu())
+
+
+# --------------------------------------------------------------------- descriptor-table copies
+def _table_case(kind, shift, seed):
+    """A batch of chunks of assorted sizes (many tiles, short last tiles) between two buffers."""
+    from flashboot.movers import create_mover
+
+    sizes = [1, 15, 17, 256, 1000, 4099] if shift % 8 else [16, 48, 256, 1040, 4096, 32]
+    chunks, d, s = [], 0, 8192
+    for n in sizes:
+        chunks.append((d + shift, s + shift, n))
+        d += n + 16 + (-(n + 16)) % 16
+        s -= n + 16 + (-(n + 16)) % 16
+    src, dst, s_span, d_span = make_pair(16384, 0, 0, seed=seed)
+    return src, dst, chunks, create_mover("host").batch(d_span, s_span, chunks)
+
+
+@pytest.mark.parametrize("kind,shift", [("sm", 0), ("sm", 8), ("sm", 3), ("tma", 0)])
+def test_table_copy_moves_every_row_exactly(kind, shift):
+    from flashboot.kernels.copy_table import table_for
+
+    src, dst, chunks, batch = _table_case(kind, shift, seed=shift + len(kind))
+    knobs = {**(kc.TMA_TUNING if kind == "tma" else kc.SM_TUNING), **SMALL}
+    table = table_for(batch, kind=kind, knobs=knobs)
+    assert table.n_entries == len(chunks) and table.n_tiles > table.grid[0]  # programs stride over rows
+    assert table.elem_bytes == {0: 8, 8: 8, 3: 1}[shift] and table.align16 == (shift == 0)
+    table.launch(0)
+    s, d = src.cpu().numpy(), dst.cpu().numpy()
+    expect = np.full_like(d, POISON)
+    for do, so, n in chunks:
+        expect[GUARD + do:GUARD + do + n] = s[GUARD + so:GUARD + so + n]
+    assert np.array_equal(d, expect)
+
+
+def test_tma_table_refuses_an_unaligned_row():
+    from flashboot.kernels.copy_table import table_for
+
+    _, _, _, batch = _table_case("sm", 3, seed=1)
+    with pytest.raises(MoverError, match=r"TMA table: row 0 \(dst 0x[0-9a-f]+, src 0x[0-9a-f]+, nbytes 1\) is not "
+                                         "16-byte aligned.*use 'triton_sm' or 'copy_engine'"):
+        table_for(batch, kind="tma", knobs=kc.TMA_TUNING)

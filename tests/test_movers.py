@@ -258,3 +258,72 @@ def test_base_refuses_stream_of_another_device():
     assert mover.calls == []
     mover.copy(host, g0, 100, stream=None)  # raw/default stream: no device to check
     assert mover.calls == [(100, "d2h")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk batches: validated once, refused before any copy, naming the entry
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_batch_refuses_bad_entries_naming_them(name):
+    mover, keep = instance(name), []
+    path = sorted(mover.paths)[0]
+    dst, src = spans_for(path, 4096, keep)
+    cases = [
+        ([(0, 0, 1024), (1024, 1024, 0)], r"chunk entry 1 \(dst_offset 1,024, src_offset 1,024, nbytes 0\) has no bytes"),
+        ([(0, 0, 1024), (3584, 0, 1024)], r"chunk entry 1 \(dst_offset 3,584, .*\) ends past the 4,096-byte destination"),
+        ([(0, 3584, 1024)], r"chunk entry 0 .* ends past the 4,096-byte source"),
+        ([(0, 0, 1024), (2048, 0, 512), (1536, 512, 1024)],
+         r"chunk entry 2 \(dst_offset 1,536, src_offset 512, nbytes 1,024\) overlaps the destination of chunk "
+         r"entry 1 \(dst_offset 2,048"),
+        ([(-16, 0, 16)], r"chunk entry 0 .* starts before the destination"),
+        ([], r"non-empty list of \(dst_offset, src_offset, nbytes\)"),
+        ([(0, 0)], r"non-empty list"),
+    ]
+    for chunks, message in cases:
+        with pytest.raises(MoverError, match=message):
+            mover.batch(dst, src, chunks)
+
+
+def test_batch_refuses_a_destination_over_another_entrys_source():
+    buf, mover = np.zeros(8192, np.uint8), create_mover("host")
+    span = Span(buf.ctypes.data, buf.nbytes, CPU)
+    with pytest.raises(MoverError, match=r"chunk entry 1 \(dst_offset 4,032, src_offset 100, nbytes 512\) writes over "
+                                         r"the source of chunk entry 0 \(dst_offset 0, src_offset 4,000"):
+        mover.batch(span, span, [(0, 4000, 64), (4032, 100, 512)])
+    mover.batch(span, span, [(0, 4096, 1024), (1024, 4096, 1024)])  # two entries may read the same bytes
+
+
+def test_batch_refuses_misaligned_entries_for_an_aligned_mover():
+    class Aligned(Mover):
+        name, paths, alignment = "aligned_for_test", frozenset({"host"}), 16
+
+    keep = []
+    dst, src = spans_for("host", 4096, keep)
+    with pytest.raises(MoverError, match=r"chunk entry 1 \(dst_offset 1,024, src_offset 1,030, nbytes 16\) is not "
+                                         r"16-byte aligned"):
+        Aligned().batch(dst, src, [(0, 0, 32), (1024, 1030, 16)])
+
+
+@pytest.mark.parametrize("as_array", [False, True])
+def test_host_batch_copies_every_chunk_and_nothing_else(as_array):
+    src_np = pattern(1 << 20, 7)
+    dst_np = np.full(1 << 20, 0xEE, np.uint8)
+    chunks = [(0, 4096, 4096), (8192, 0, 3), (100_000, 500_000, 300_001), (700_001, 1, 65_536)]
+    batch = create_mover("host").batch(dst_np, src_np, np.array(chunks) if as_array else chunks)
+    assert len(batch) == 4 and batch.total_nbytes == sum(n for _, _, n in chunks)
+    batch.run(stream=None)
+    expect = np.full(1 << 20, 0xEE, np.uint8)
+    for d, s, n in chunks:
+        expect[d:d + n] = src_np[s:s + n]
+    assert np.array_equal(dst_np, expect)
+    dst_np[:] = 0xEE
+    batch.copy_chunk(2, stream=None)  # one entry, no checks again
+    assert np.array_equal(dst_np[100_000:400_001], src_np[500_000:800_001])
+    assert (dst_np[:100_000] == 0xEE).all() and (dst_np[400_001:] == 0xEE).all()
+
+
+def test_every_mover_says_how_it_batches():
+    for name in ALL:
+        assert mover_class(name).batched, name

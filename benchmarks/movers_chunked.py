@@ -1,0 +1,296 @@
+"""``flashboot bench movers --chunked``: what a pipeline pays per chunk, mover by mover.
+
+One GPU, d2d between two arenas of ``total`` bytes (default 1 GiB), against the single-copy
+ceiling of the same run (one copy-engine copy of all the bytes, measured before and after the
+rows, so drift shows). For every mover and chunk size, three modes:
+
+- ``per_call``: one call per chunk (``ChunkBatch.copy_chunk``: validated once, then the launch),
+- ``batched``: the whole list in one call (``ChunkBatch.run``: cuMemcpyBatchAsync or one launch
+  over a device-side descriptor table),
+- ``flag``: the flag-driven kernel (:class:`~flashboot.kernels.flag_copy.FlagChainCopy`, the
+  predecessor's flags raised up front): one launch that copies chunk by chunk.
+
+``host_ms`` is the time the host spends issuing a mode's calls (perf_counter around them, the
+stream held busy by a spin kernel so the enqueue never waits on the GPU); ``gpu_ms`` the
+device's time from the first copy to the last (CUDA events, the same gate: work issued ahead, as
+a pipeline issues it). When issuing is slower than copying, ``gpu_ms`` grows with ``host_ms``:
+the comparison of the two says which side bounds a mode.
+
+Also measured: the host cost of one ``mover.copy`` (2,000 back-to-back 4 KiB copies), a copy
+that checksums what it writes against a plain SM copy (digests compared with the checksum
+kernel's), and a chain of three arenas on one GPU (seed -> c1 -> c2): the flag-driven kernels
+against the copy engine ordered by stream memory operations (cuStreamWaitValue32 /
+cuStreamWriteValue32), on the same chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+MiB, GiB = 1 << 20, 1 << 30
+DEFAULT_CHUNKS = (256 << 10, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+PER_CALL_COPIES = 2000
+
+
+@dataclass
+class ChunkRow:
+    mover: str
+    mode: str  # per_call | batched | flag
+    chunk_bytes: int
+    n_chunks: int
+    host_ms: float
+    gpu_ms: float
+    gbps: float
+    ratio: float  # gbps / the single-copy ceiling of the same run
+    verified: bool
+
+
+@dataclass
+class ChunkedReport:
+    total_bytes: int
+    ceiling_gbps_before: float
+    ceiling_gbps_after: float
+    per_call_us: dict[str, float] = field(default_factory=dict)  # mover -> host µs per mover.copy (4 KiB)
+    rows: list[ChunkRow] = field(default_factory=list)
+    checksum: list[dict] = field(default_factory=list)
+    chain: list[dict] = field(default_factory=list)
+
+    @property
+    def ceiling_gbps(self) -> float:
+        return max(self.ceiling_gbps_before, self.ceiling_gbps_after)
+
+
+def _gate(stream, ms: float = 20.0) -> None:
+    """Keep ``stream`` busy for about ``ms`` so the host's enqueue never waits for the GPU."""
+    import torch
+
+    from flashboot.benchmarks.timing import _SLEEP_CYCLES_PER_MS
+
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(ms * _SLEEP_CYCLES_PER_MS))
+
+
+def _timed(issue, stream, repeats: int) -> tuple[float, float]:
+    """Median ``(host_ms, gpu_ms)`` of ``issue(stream)`` over ``repeats`` (one warm-up)."""
+    import statistics
+
+    import torch
+
+    issue(stream)
+    stream.synchronize()
+    hosts, gpus = [], []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        _gate(stream)
+        start.record(stream)
+        t0 = time.perf_counter()
+        issue(stream)
+        hosts.append((time.perf_counter() - t0) * 1e3)
+        end.record(stream)
+        end.synchronize()
+        gpus.append(start.elapsed_time(end))
+    return statistics.median(hosts), statistics.median(gpus)
+
+
+def _ceiling(dst, src, nbytes: int, stream, repeats: int) -> float:
+    from flashboot.movers import create_mover
+
+    mover = create_mover("copy_engine")
+    _, ms = _timed(lambda s: mover.copy(dst, src, nbytes, stream=s), stream, repeats)
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def per_call_cost_us(mover, dst, src, stream, copies: int = PER_CALL_COPIES) -> float:
+    """Host µs per ``mover.copy`` of 4 KiB, ``copies`` back to back (warmed up, stream gated)."""
+    for _ in range(20):
+        mover.copy(dst, src, 4096, stream=stream)
+    stream.synchronize()
+    _gate(stream, 100.0)
+    t0 = time.perf_counter()
+    for _ in range(copies):
+        mover.copy(dst, src, 4096, stream=stream)
+    us = (time.perf_counter() - t0) / copies * 1e6
+    stream.synchronize()
+    return us
+
+
+def run(total: int = GiB, chunk_sizes=DEFAULT_CHUNKS, movers: list[str] | None = None, repeats: int = 5,
+        chain_bytes: int = 8 * GiB, chain_chunk: int = 64 * MiB, checksum_chunk: int = 4 * MiB) -> ChunkedReport:
+    """Measure every available d2d mover (``movers`` to choose) on one GPU; see the module doc."""
+    import torch
+
+    from flashboot.arena import Arena
+    from flashboot.kernels.checksum import checksum, chunk_checksums
+    from flashboot.kernels.flag_copy import FlagChainCopy
+    from flashboot.movers import create_mover, list_movers
+
+    names = [m.name for m in list_movers() if m.available and "d2d" in m.paths and (movers is None or m.name in movers)]
+    stream = torch.cuda.Stream(device=0)
+    with Arena.create(total, device=0) as a, Arena.create(total, device=0) as b:
+        src, dst = a.bytes()[:total], b.bytes()[:total]
+        src.view(torch.int64).random_()
+        torch.cuda.synchronize()
+        expected = checksum(src)
+        report = ChunkedReport(total, _ceiling(dst, src, total, stream, repeats), 0.0)
+        for name in names:
+            report.per_call_us[name] = per_call_cost_us(create_mover(name), dst, src, stream)
+        for chunk in chunk_sizes:
+            chunks = [(o, o, min(chunk, total - o)) for o in range(0, total, chunk)]
+            for name in names:
+                batch = create_mover(name).batch(dst, src, chunks)
+
+                def per_call(s, batch=batch):
+                    for i in range(len(chunks)):
+                        batch.copy_chunk(i, stream=s)
+
+                for mode, issue in (("per_call", per_call), ("batched", lambda s, batch=batch: batch.run(stream=s))):
+                    report.rows.append(_row(name, mode, chunk, len(chunks), issue, stream, repeats, dst, expected,
+                                            total))
+            flags = torch.ones(len(chunks), dtype=torch.int32, device="cuda:0")
+            done = torch.zeros_like(flags)
+            flag_copy = FlagChainCopy(dst, src, chunk, ready=flags, done=done)
+
+            def flag_issue(s, flag_copy=flag_copy):
+                flag_copy.launch(1, stream=s, timeout_s=30.0)  # the ready flags stay at 1: every chunk is ready
+
+            report.rows.append(_row("flag_kernel", "flag", chunk, len(chunks), flag_issue, stream, repeats, dst,
+                                    expected, total))
+        report.checksum = _checksum_rows(dst, src, total, checksum_chunk, stream, repeats, chunk_checksums)
+        report.ceiling_gbps_after = _ceiling(dst, src, total, stream, repeats)
+    ceiling = report.ceiling_gbps
+    for r in report.rows:
+        r.ratio = r.gbps / ceiling
+    if chain_bytes:
+        report.chain = chain_rows(chain_bytes, chain_chunk, repeats=max(1, repeats // 2), ceiling_gbps=ceiling)
+    return report
+
+
+def _row(name, mode, chunk, n_chunks, issue, stream, repeats, dst, expected, total) -> ChunkRow:
+    import torch
+
+    from flashboot.kernels.checksum import checksum
+
+    dst.fill_(0xAB)  # poison: a mode that writes nothing cannot pass the checksum
+    stream.wait_stream(torch.cuda.current_stream())
+    host_ms, gpu_ms = _timed(issue, stream, repeats)
+    stream.synchronize()
+    gbps = total / (gpu_ms * 1e-3) / 1e9
+    return ChunkRow(name, mode, chunk, n_chunks, host_ms, gpu_ms, gbps, 0.0, checksum(dst) == expected)
+
+
+def _checksum_rows(dst, src, total, chunk, stream, repeats, chunk_checksums) -> list[dict]:
+    """Copy + checksum in one pass vs a plain SM copy of the same bytes; digests vs the kernel's."""
+    from flashboot.kernels.copy_verify import copy_with_checksums
+    from flashboot.movers import create_mover
+
+    sm = create_mover("triton_sm")
+    _, plain_ms = _timed(lambda s: sm.copy(dst, src, total, stream=s), stream, repeats)
+    found: list[int] = []
+    _, fused_ms = _timed(lambda s: found.__setitem__(slice(None), copy_with_checksums(dst, src, chunk, stream=s)),
+                         stream, repeats)
+    identical = found == chunk_checksums(dst, chunk)
+    plain, fused = total / plain_ms / 1e6, total / fused_ms / 1e6
+    return [{"what": "copy + checksum (one pass)", "chunk_bytes": chunk, "gpu_ms": fused_ms, "gbps": fused,
+             "plain_copy_gbps": plain, "ratio": fused / plain, "bit_identical": identical}]
+
+
+def chain_rows(nbytes: int, chunk: int, *, repeats: int = 2, ceiling_gbps: float) -> list[dict]:
+    """seed -> c1 -> c2 on one GPU: flag-driven kernels vs copy engine + stream memory operations."""
+    import torch
+
+    from flashboot import _cuda
+    from flashboot.arena import Arena
+    from flashboot.kernels.checksum import checksum
+    from flashboot.kernels.flag_copy import FlagChainCopy
+
+    n = -(-nbytes // chunk)
+    out = []
+    with Arena.create(nbytes, device=0) as a, Arena.create(nbytes, device=0) as b, Arena.create(nbytes, device=0) as c:
+        seed, c1, c2 = a.bytes()[:nbytes], b.bytes()[:nbytes], c.bytes()[:nbytes]
+        seed.view(torch.int64).random_()
+        torch.cuda.synchronize()
+        expected = checksum(seed)
+        s1, s2 = torch.cuda.Stream(device=0), torch.cuda.Stream(device=0)
+        ready = torch.full((n,), -1, dtype=torch.int32, device="cuda:0")
+        f1, f2 = torch.zeros(n, dtype=torch.int32, device="cuda:0"), torch.zeros(n, dtype=torch.int32, device="cuda:0")
+        k1 = FlagChainCopy(c1, seed, chunk, ready=ready, done=f1)
+        k2 = FlagChainCopy(c2, c1, chunk, ready=f1, done=f2)
+        drv = _cuda.driver()
+        geq = int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+
+        def flag_run(epoch: int) -> None:
+            ready.fill_(epoch)
+            torch.cuda.synchronize()
+            k2.launch(epoch, stream=s2, timeout_s=60.0)
+            k1.launch(epoch, stream=s1, timeout_s=60.0)
+
+        def memops_run(epoch: int) -> None:
+            import cupy
+
+            torch.cuda.synchronize()
+            cs1, cs2 = drv.CUstream(s1.cuda_stream), drv.CUstream(s2.cuda_stream)
+            for i in range(n):  # the executor's CUDA backend, on the same chunks
+                lo, nb = i * chunk, min(chunk, nbytes - i * chunk)
+                cupy.cuda.runtime.memcpyAsync(c1.data_ptr() + lo, seed.data_ptr() + lo, nb, 4, s1.cuda_stream)
+                _cuda.check(drv.cuStreamWriteValue32(cs1, drv.CUdeviceptr(f1.data_ptr() + 4 * i), epoch, 0), "write")
+                _cuda.check(drv.cuStreamWaitValue32(cs2, drv.CUdeviceptr(f1.data_ptr() + 4 * i), epoch, geq), "wait")
+                cupy.cuda.runtime.memcpyAsync(c2.data_ptr() + lo, c1.data_ptr() + lo, nb, 4, s2.cuda_stream)
+                _cuda.check(drv.cuStreamWriteValue32(cs2, drv.CUdeviceptr(f2.data_ptr() + 4 * i), epoch, 0), "write")
+
+        for method, fn in (("flag kernels", flag_run), ("copy engine + stream memops", memops_run)):
+            samples = []
+            for rep in range(repeats + 1):
+                epoch = 2 + rep + (100 if method != "flag kernels" else 0)
+                c1.fill_(0xAB)
+                c2.fill_(0xAB)
+                torch.cuda.synchronize()
+                ev = {k: torch.cuda.Event(enable_timing=True) for k in ("s1", "e1", "s2", "e2")}
+                ev["s1"].record(s1)
+                ev["s2"].record(s2)
+                fn(epoch)
+                ev["e1"].record(s1)
+                ev["e2"].record(s2)
+                if method == "flag kernels":
+                    k1.wait()
+                    k2.wait()
+                torch.cuda.synchronize()
+                if rep:  # the first run compiles and warms up
+                    samples.append((ev["s1"].elapsed_time(ev["e1"]), ev["s1"].elapsed_time(ev["e2"])))
+            hop1_ms = sorted(s[0] for s in samples)[len(samples) // 2]
+            total_ms = sorted(s[1] for s in samples)[len(samples) // 2]
+            ok = checksum(c1) == expected and checksum(c2) == expected
+            out.append({"method": method, "nbytes": nbytes, "chunk_bytes": chunk, "hop1_ms": hop1_ms,
+                        "chain_ms": total_ms, "hop1_gbps": nbytes / hop1_ms / 1e6,
+                        "chain_gbps": nbytes / total_ms / 1e6, "hop1_ratio": nbytes / hop1_ms / 1e6 / ceiling_gbps,
+                        "chain_ratio": nbytes / total_ms / 1e6 / ceiling_gbps, "verified": ok})
+    return out
+
+
+def print_report(report: ChunkedReport) -> None:
+    from flashboot.benchmarks.timing import print_table
+
+    print_table(f"host cost of one mover.copy (4 KiB, {PER_CALL_COPIES:,} back to back)", ["mover", "µs per call"],
+                [[m, us] for m, us in report.per_call_us.items()])
+    print_table(f"{report.total_bytes / GiB:g} GiB d2d in chunks; ceiling: one copy-engine copy of it, "
+                f"{report.ceiling_gbps_before:,.0f} GB/s before, {report.ceiling_gbps_after:,.0f} after",
+                ["mover", "mode", "chunk MiB", "chunks", "host ms", "GPU ms", "GB/s", "x ceiling", "verified"],
+                [[r.mover, r.mode, r.chunk_bytes / MiB, r.n_chunks, r.host_ms, r.gpu_ms, r.gbps, r.ratio,
+                  "yes" if r.verified else "NO"] for r in report.rows])
+    if report.checksum:
+        print_table("copy + checksum in one pass vs a plain SM copy", ["what", "GB/s", "plain GB/s", "ratio", "bit-identical"],
+                    [[c["what"], c["gbps"], c["plain_copy_gbps"], c["ratio"], c["bit_identical"]] for c in report.checksum])
+    if report.chain:
+        print_table("chain seed -> c1 -> c2 on one GPU (hops share its memory bandwidth)",
+                    ["what", "GiB", "chunk MiB", "hop 1 GB/s", "chain GB/s", "hop 1 x ceiling", "verified"],
+                    [[c["method"], c["nbytes"] / GiB, c["chunk_bytes"] / MiB, c["hop1_gbps"], c["chain_gbps"],
+                      c["hop1_ratio"], c["verified"]] for c in report.chain])
+
+
+def verified(report: ChunkedReport) -> bool:
+    return (all(r.verified for r in report.rows) and all(c["bit_identical"] for c in report.checksum)
+            and all(c["verified"] for c in report.chain))
+
+
+__all__ = ["ChunkRow", "ChunkedReport", "run", "chain_rows", "per_call_cost_us", "print_report", "verified",
+           "DEFAULT_CHUNKS"]

@@ -1,0 +1,172 @@
+"""One launch for a whole list of copies: Triton kernels that read a device-side descriptor table.
+
+A :class:`CopyTable` holds one int64 row per copy, ``[dst_addr, src_addr, nbytes, first_tile]``,
+in device memory. Rows carry absolute addresses, not offsets into one pair of ranges, so the
+same table describes a batch of chunks between two arenas, a gather of tensors into one packed
+range (refit's pack: one row per contiguous run of a tensor; a strided tensor is one row per
+run), or a scatter back. ``first_tile`` is the prefix sum of the rows' tiles: the persistent
+grid strides over all tiles of all rows, so small and large rows share the SMs evenly.
+
+- :func:`copy_table_kernel` (SM): loads and stores ``ELEM``-wide words, unmasked for whole tiles.
+- :func:`copy_table_tma_kernel` (TMA): per tile, 1-D tensor descriptors over the tile's row.
+
+The element width is the largest power of two (<= 8 bytes) dividing every address and size of
+the table; with 16-byte alignment throughout the kernel is told so and moves 16-byte vectors.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import triton
+import triton.language as tl
+
+from flashboot.errors import MoverError
+
+from .launch import LaunchConfig, launch
+from .views import require_kernel_memory, sm_count
+
+ROW_WORDS = 4
+"""int64 words per table row: dst_addr, src_addr, nbytes, first_tile."""
+
+_ELEM_TYPES = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+
+@triton.jit
+def _row_of_tile(table_ptr, entry, n_entries, tile):
+    """The row holding ``tile``, scanning forward from ``entry`` (a program's tiles only increase)."""
+    while (entry + 1 < n_entries) and (tl.load(table_ptr + (entry + 1) * 4 + 3) <= tile):
+        entry += 1
+    return entry
+
+
+@triton.jit
+def copy_table_kernel(
+    table_ptr,
+    n_entries: tl.int64,
+    n_tiles: tl.int64,
+    ELEM: tl.constexpr,  # element type of the loads and stores
+    ELEM_BYTES: tl.constexpr,  # its width in bytes
+    ALIGN16: tl.constexpr,  # every address and size is a multiple of 16: 16-byte vectors
+    BLOCK: tl.constexpr,  # elements per tile
+):
+    """Copy every row of the table: the persistent grid strides over the tiles of all rows."""
+    pid = tl.program_id(0).to(tl.int64)
+    nprog = tl.num_programs(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    entry = tl.zeros([], tl.int64)
+    for tile in range(pid, n_tiles, nprog):
+        entry = _row_of_tile(table_ptr, entry, n_entries, tile)
+        row = table_ptr + entry * 4
+        dst_addr = tl.load(row)
+        src_addr = tl.load(row + 1)
+        n_elems = tl.load(row + 2) // ELEM_BYTES
+        start = (tile - tl.load(row + 3)) * BLOCK
+        if ALIGN16:
+            dst_addr = tl.multiple_of(dst_addr, 16)
+            src_addr = tl.multiple_of(src_addr, 16)
+        dst = dst_addr.to(tl.pointer_type(ELEM)) + start
+        src = src_addr.to(tl.pointer_type(ELEM)) + start
+        if start + BLOCK <= n_elems:  # a whole tile: unmasked, so the accesses vectorise
+            tl.store(dst + offs, tl.load(src + offs))
+        else:
+            mask = start + offs < n_elems
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def copy_table_tma_kernel(
+    table_ptr,
+    n_entries: tl.int64,
+    n_tiles: tl.int64,
+    BLOCK: tl.constexpr,  # int64 elements per TMA tile
+):
+    """Copy every row through TMA: per tile, descriptors over its row (16-byte aligned rows only);
+    the last tile of a row is zero-padded on load and clipped on store."""
+    pid = tl.program_id(0).to(tl.int64)
+    nprog = tl.num_programs(0).to(tl.int64)
+    entry = tl.zeros([], tl.int64)
+    for tile in range(pid, n_tiles, nprog):
+        entry = _row_of_tile(table_ptr, entry, n_entries, tile)
+        row = table_ptr + entry * 4
+        dst = tl.multiple_of(tl.load(row), 16).to(tl.pointer_type(tl.int64))
+        src = tl.multiple_of(tl.load(row + 1), 16).to(tl.pointer_type(tl.int64))
+        n_elems = (tl.load(row + 2) // 8).to(tl.int32)
+        start = ((tile - tl.load(row + 3)) * BLOCK).to(tl.int32)
+        src_desc = tl.make_tensor_descriptor(src, shape=[n_elems], strides=[1], block_shape=[BLOCK])
+        dst_desc = tl.make_tensor_descriptor(dst, shape=[n_elems], strides=[1], block_shape=[BLOCK])
+        dst_desc.store([start], src_desc.load([start]))
+
+
+class CopyTable:
+    """The device-side table of ``(dst_addr, src_addr, nbytes)`` rows for one kernel's tile size.
+
+    ``kind`` is ``"sm"`` or ``"tma"``; ``block_bytes`` the tile (a power of two). Built once on
+    ``device`` (a flashboot Device: CUDA, or the host under the interpreter); :meth:`launch`
+    then costs one launch. TMA needs every address and size 16-byte aligned and rows of at most
+    8 GiB: MoverError names the first row that is not.
+    """
+
+    def __init__(self, rows: np.ndarray, *, device: Any, kind: str, block_bytes: int, num_warps: int,
+                 num_stages: int, programs_per_sm: int):
+        import torch
+
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        gcd_bits = int(np.bitwise_or.reduce(rows.ravel() | 16))
+        align = gcd_bits & -gcd_bits  # the largest power of two (<= 16) dividing every field
+        if kind == "tma":
+            bad = np.nonzero((rows % 16).any(axis=1) | (rows[:, 2] > 8 << 30))[0]
+            if bad.size:
+                d, s, n = (int(v) for v in rows[int(bad[0])])
+                raise MoverError(f"TMA table: row {int(bad[0])} (dst {d:#x}, src {s:#x}, nbytes {n:,}) is not 16-byte "
+                                 "aligned or exceeds 8 GiB; use 'triton_sm' or 'copy_engine' for it")
+            elem_bytes = 8
+        elif kind == "sm":
+            elem_bytes = min(align, 8)
+        else:
+            raise MoverError(f"unknown copy table kind {kind!r}; known: sm, tma")
+        block = max(2 if kind == "tma" else 1, block_bytes // elem_bytes)
+        tiles = -(-(rows[:, 2] // elem_bytes) // block)
+        first = np.concatenate([[0], np.cumsum(tiles)[:-1]]).astype(np.int64)
+        host = np.concatenate([rows, first[:, None]], axis=1).astype(np.int64)
+        self.device, self.kind, self.n_entries, self.n_tiles = device, kind, int(rows.shape[0]), int(tiles.sum())
+        self.elem_bytes, self.align16, self.block = elem_bytes, align == 16, block
+        self.table = torch.from_numpy(host.ravel().copy())
+        if device.is_cuda:
+            self.table = self.table.to(f"cuda:{device.index}")
+        target = sm_count(device.index if device.is_cuda else 0) * programs_per_sm
+        self.grid = (max(1, min(target, self.n_tiles)),)
+        self.config = _table_config(kind, elem_bytes, self.align16, block, num_warps, num_stages)
+
+    def launch(self, handle: int) -> None:
+        """Copy every row, asynchronously on the raw stream ``handle`` of the table's device."""
+        if self.device.is_cuda and self.kind == "tma":
+            from .copy import _ensure_tma_allocator
+
+            _ensure_tma_allocator()
+        kernel = copy_table_tma_kernel if self.kind == "tma" else copy_table_kernel
+        args = (self.table.data_ptr(), self.n_entries, self.n_tiles)
+        launch(kernel, self.config, self.grid, args, device=self.device.index, stream=handle,
+               views=lambda: (self.table, self.n_entries, self.n_tiles))
+
+
+@functools.cache
+def _table_config(kind: str, elem_bytes: int, align16: bool, block: int, num_warps: int, num_stages: int):
+    if kind == "tma":
+        return LaunchConfig((("BLOCK", block),), ("int64", None, None), num_warps, num_stages)
+    return LaunchConfig((("ELEM", _ELEM_TYPES[elem_bytes]), ("ELEM_BYTES", elem_bytes), ("ALIGN16", align16),
+                         ("BLOCK", block)), ("int64", None, None), num_warps, num_stages)
+
+
+def table_for(batch, *, kind: str, knobs: dict[str, Any]) -> CopyTable:
+    """The :class:`CopyTable` of a validated :class:`~flashboot.movers.batch.ChunkBatch`."""
+    require_kernel_memory(batch.dst)
+    rows = np.stack([batch.dst.ptr + batch.dst_offsets, batch.src.ptr + batch.src_offsets, batch.nbytes], axis=1)
+    return CopyTable(rows, device=batch.dst.device, kind=kind, block_bytes=knobs["block_bytes"],
+                     num_warps=knobs["num_warps"], num_stages=knobs["num_stages"],
+                     programs_per_sm=knobs["programs_per_sm"])
+
+
+__all__ = ["CopyTable", "copy_table_kernel", "copy_table_tma_kernel", "table_for", "ROW_WORDS"]

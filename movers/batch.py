@@ -1,0 +1,140 @@
+"""A validated list of chunk copies between two byte ranges: check once, then copy many times.
+
+A pipeline (chain, ring, refit, streamed load) copies chunk by chunk. :class:`ChunkBatch` checks
+the whole list once -- every entry inside both ranges, no two destinations overlapping, no
+destination over a source another entry reads, the mover's alignment -- and refuses before any
+launch, naming the entry. Afterwards :meth:`ChunkBatch.run` copies every entry at once (one
+batched call or one launch, as the mover can) and :meth:`ChunkBatch.copy_chunk` one entry with
+nothing but the launch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+import numpy as np
+
+from flashboot.errors import MoverError
+from flashboot.memory import Span, path_between
+
+if TYPE_CHECKING:
+    from .base import Mover
+
+
+def _entries(chunks: Any) -> np.ndarray:
+    """``chunks`` as an ``(n, 3)`` int64 array of ``(dst_offset, src_offset, nbytes)``."""
+    try:
+        table = np.asarray(chunks if not isinstance(chunks, Iterable) or isinstance(chunks, np.ndarray)
+                           else list(chunks), dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise MoverError(f"a chunk list must hold (dst_offset, src_offset, nbytes) integers: {exc}") from None
+    if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0:
+        raise MoverError(f"a chunk list must be a non-empty list of (dst_offset, src_offset, nbytes); "
+                         f"got an array of shape {table.shape}")
+    return table
+
+
+def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:
+    """Indices ``(i, j)`` of two intervals ``[start, end)`` that overlap, or None."""
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    reach = np.maximum.accumulate(e)  # furthest end among the intervals sorted before each
+    bad = np.nonzero(s[1:] < reach[:-1])[0]
+    if bad.size == 0:
+        return None
+    k = int(bad[0]) + 1
+    j = int(order[k])
+    i = int(order[int(np.argmax(e[:k] > s[k]))])  # an earlier interval reaching past j's start
+    return i, j
+
+
+class ChunkBatch:
+    """Chunk copies ``dst[d:d+n] <- src[s:s+n]`` for every ``(d, s, n)`` of ``chunks``, validated.
+
+    Built by :meth:`Mover.batch`; raises MoverError naming the entry (index, offsets, bytes) for
+    a chunk outside either range, a non-positive size, two overlapping destinations, a destination
+    over another entry's source (the copies may run in any order), or a chunk the mover's
+    alignment refuses. ``dst_offsets``, ``src_offsets`` and ``nbytes`` are int64 arrays.
+    """
+
+    def __init__(self, mover: "Mover", dst: Span, src: Span, chunks: Any) -> None:
+        self.mover, self.dst, self.src = mover, dst, src
+        table = _entries(chunks)
+        self.dst_offsets, self.src_offsets, self.nbytes = (np.ascontiguousarray(table[:, i]) for i in range(3))
+        self.path = path_between(src.device, dst.device)
+        mover._check_path(self.path, src.device, dst.device)
+        self._check(table)
+        self.total_nbytes = int(self.nbytes.sum())
+        self._chunks: list[tuple[Span, Span]] | None = None
+        self.prepared = mover._prepare_batch(self)
+        """What the mover built once for this batch (a device table, pointer lists), or None."""
+
+    def __len__(self) -> int:
+        return int(self.nbytes.size)
+
+    def _entry(self, i: int) -> str:
+        return (f"entry {i} (dst_offset {int(self.dst_offsets[i]):,}, src_offset {int(self.src_offsets[i]):,}, "
+                f"nbytes {int(self.nbytes[i]):,})")
+
+    def _check(self, table: np.ndarray) -> None:
+        name = self.mover.name
+        d, s, n = self.dst_offsets, self.src_offsets, self.nbytes
+        for bad, why in ((n <= 0, "has no bytes"), (d < 0, "starts before the destination"),
+                         (s < 0, "starts before the source"),
+                         (d + n > self.dst.nbytes, f"ends past the {self.dst.nbytes:,}-byte destination"),
+                         (s + n > self.src.nbytes, f"ends past the {self.src.nbytes:,}-byte source")):
+            hit = np.nonzero(bad)[0]
+            if hit.size:
+                raise MoverError(f"{name}: chunk {self._entry(int(hit[0]))} {why}; nothing was copied")
+        pair = _first_overlap(d, d + n)
+        if pair is not None:
+            i, j = sorted(pair)
+            raise MoverError(f"{name}: chunk {self._entry(j)} overlaps the destination of chunk {self._entry(i)}; "
+                             "nothing was copied")
+        dst_lo, src_lo = self.dst.ptr, self.src.ptr
+        if self.dst.device == self.src.device and dst_lo < src_lo + self.src.nbytes and src_lo < dst_lo + self.dst.nbytes:
+            # one address space: a destination must not cover bytes any entry reads
+            starts = np.concatenate([dst_lo + d, src_lo + s])
+            ends = starts + np.concatenate([n, n])
+            kinds = np.concatenate([np.zeros(n.size, bool), np.ones(n.size, bool)])
+            pair = _first_overlap(starts, ends)
+            while pair is not None:
+                i, j = pair
+                if kinds[i] != kinds[j]:
+                    w, r = (i, j - n.size) if not kinds[i] else (j, i - n.size)
+                    raise MoverError(f"{name}: chunk {self._entry(w)} writes over the source of chunk {self._entry(r)}; "
+                                     "nothing was copied")
+                # two sources may overlap (both only read); drop the later and look again
+                keep = np.ones(starts.size, bool)
+                keep[j] = False
+                starts, ends, kinds = starts[keep], ends[keep], kinds[keep]
+                pair = _first_overlap(starts, ends)
+        a = self.mover.alignment
+        if a > 1:
+            bad = np.nonzero(((self.dst.ptr + d) % a) | ((self.src.ptr + s) % a) | (n % a))[0]
+            if bad.size:
+                raise MoverError(f"{name}: chunk {self._entry(int(bad[0]))} is not {a}-byte aligned "
+                                 f"(pointers and size); nothing was copied")
+
+    def chunk_spans(self, i: int) -> tuple[Span, Span]:
+        """``(dst, src)`` spans of entry ``i`` (built once for all entries)."""
+        if self._chunks is None:
+            dst, src = self.dst, self.src
+            self._chunks = [(Span(dst.ptr + int(do), int(nb), dst.device, dst.pinned, dst.owner),
+                             Span(src.ptr + int(so), int(nb), src.device, src.pinned, src.owner))
+                            for do, so, nb in zip(self.dst_offsets, self.src_offsets, self.nbytes)]
+        return self._chunks[i]
+
+    def run(self, *, stream: Any) -> None:
+        """Copy every entry, asynchronously on ``stream``: one batched call or launch where the
+        mover has one (see its ``batched`` attribute)."""
+        self.mover._check_stream(self.path, self.src.device, self.dst.device, stream)
+        self.mover._copy_batch(self, stream)
+
+    def copy_chunk(self, i: int, *, stream: Any) -> None:
+        """Copy entry ``i`` alone, without validating anything again (the per-chunk hot path)."""
+        dst, src = self.chunk_spans(i)
+        self.mover._copy(dst, src, self.path, stream)
+
+
+__all__ = ["ChunkBatch"]

@@ -1,0 +1,99 @@
+"""The flag-driven chain copy: chunks copied as the predecessor's flags flip, flags raised for the
+next clone, and a predecessor that never raises one ends in a clean timeout naming the chunk.
+
+Runs the kernel on a GPU when there is one, else under TRITON_INTERPRET=1 on host memory
+(programs run one after another there, so a stalled flag is found by counting polls)."""
+
+import pytest
+import torch
+
+from flashboot import MoverError, WaitTimeoutError
+from flashboot._cuda import cuda_available
+from flashboot.kernels.flag_copy import FlagChainCopy
+
+DEVICE = "cuda" if cuda_available() else "cpu"
+SMALL = dict(block_bytes=1024)  # several tiles per chunk under the interpreter
+N, CHUNK = 64 * 1024, 8192
+N_CHUNKS = N // CHUNK
+
+
+def words(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**31, 2**31 - 1, (N // 4,), dtype=torch.int32, generator=g).to(DEVICE)
+
+
+def flags(value=0):
+    return torch.full((N_CHUNKS,), value, dtype=torch.int32, device=DEVICE)
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("epoch", [1, 7, 0x7FFFFFFF, 0x80000001])
+def test_chain_of_two_clones_copies_and_raises_every_flag(epoch):
+    seed = words(epoch % 1000)
+    c1, c2 = torch.zeros_like(seed), torch.zeros_like(seed)
+    as_int32 = torch.tensor([epoch & 0xFFFFFFFF], dtype=torch.int64).to(torch.int32).item()
+    seed_flags, f1, f2 = flags(as_int32), flags(), flags()
+    sync()
+    FlagChainCopy(c1, seed, CHUNK, ready=seed_flags, done=f1, **SMALL).copy(epoch, stream=None, timeout_s=5)
+    FlagChainCopy(c2, c1, CHUNK, ready=f1, done=f2, **SMALL).copy(epoch, stream=None, timeout_s=5)
+    assert torch.equal(c1, seed) and torch.equal(c2, seed)
+    assert f1.tolist() == [as_int32] * N_CHUNKS and f2.tolist() == [as_int32] * N_CHUNKS
+
+
+def test_flag_ahead_of_the_epoch_counts_as_ready_and_behind_does_not():
+    seed, dst = words(3), None
+    dst = torch.zeros_like(seed)
+    ready = flags(9)  # a later epoch already raised: GEQ lets it through
+    ready[5] = 7  # an earlier epoch's flag: not ready for epoch 8
+    sync()
+    copier = FlagChainCopy(dst, seed, CHUNK, ready=ready, done=flags(), **SMALL)
+    with pytest.raises(WaitTimeoutError, match=r"chunk 5 \(bytes 40,960..49,152\) of 8: its ready flag did not reach"):
+        copier.copy(8, stream=None, timeout_s=0.5)
+    assert torch.equal(dst[:5 * CHUNK // 4], seed[:5 * CHUNK // 4])
+
+
+def test_predecessor_that_never_raises_a_flag_ends_in_a_timeout_naming_the_chunk():
+    seed, dst, done = words(4), None, flags()
+    dst = torch.zeros_like(seed)
+    ready = flags(3)
+    ready[2:] = 0  # the predecessor stopped after two chunks
+    sync()
+    with pytest.raises(WaitTimeoutError, match=r"chunk 2 \(bytes 16,384..24,576\) of 8"):
+        FlagChainCopy(dst, seed, CHUNK, ready=ready, done=done, **SMALL).copy(3, stream=None, timeout_s=0.5)
+    assert done.tolist() == [3, 3] + [0] * 6  # only whole chunks raise their flag
+    assert torch.equal(dst[:2 * CHUNK // 4], seed[:2 * CHUNK // 4])
+
+
+def test_bad_arguments_are_refused_with_the_numbers():
+    seed, dst = words(5), None
+    dst = torch.zeros_like(seed)
+    with pytest.raises(MoverError, match=r"chunk_bytes a positive multiple of 16 \(got 1000\)"):
+        FlagChainCopy(dst, seed, 1000, ready=flags(), done=flags())
+    with pytest.raises(MoverError, match=r"the ready flags hold 4 int32 words .* 8 chunks need 8"):
+        FlagChainCopy(dst, seed, CHUNK, ready=flags()[:4], done=flags())
+    with pytest.raises(MoverError, match="timeout_s must be positive"):
+        FlagChainCopy(dst, seed, CHUNK, ready=flags(), done=flags()).launch(1, stream=None, timeout_s=0)
+
+
+@pytest.mark.gpu
+def test_gpu_chain_of_three_kernels_running_at_once():
+    """seed -> c1 -> c2 with both clones' kernels resident together on two streams."""
+    n = 64 << 20
+    seed = torch.randint(-2**31, 2**31 - 1, (n // 4,), dtype=torch.int32, device="cuda")
+    c1, c2 = torch.zeros_like(seed), torch.zeros_like(seed)
+    chunk = 1 << 20
+    ready = torch.full((n // chunk,), 1, dtype=torch.int32, device="cuda")
+    f1, f2 = torch.zeros_like(ready), torch.zeros_like(ready)
+    torch.cuda.synchronize()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    k1 = FlagChainCopy(c1, seed, chunk, ready=ready, done=f1)
+    k2 = FlagChainCopy(c2, c1, chunk, ready=f1, done=f2)
+    k2.launch(1, stream=s2, timeout_s=10)  # the downstream kernel first: it must wait on flags, not order
+    k1.launch(1, stream=s1, timeout_s=10)
+    k1.wait()
+    k2.wait()
+    assert torch.equal(c2, seed) and bool((f2 == 1).all())
