@@ -51,3 +51,25 @@ def test_every_command_names_a_missing_image_directory_in_the_same_words(argv, t
     assert main([a.format(d=missing) for a in argv]) == 2
     assert f"{missing}: no such image directory" in capsys.readouterr().err
     assert not shm_files.staging_dir(missing).exists()
+
+
+def test_movers_says_where_the_triton_kernels_run_and_it_is_true(capsys):
+    import torch
+
+    from flashboot._cuda import cuda_available
+    from flashboot.kernels.copy import interpreting, sm_copy
+
+    assert main(["movers"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    sm_line = next(line for line in lines if line.startswith("triton_sm "))
+    kernels = lines[-1]
+    if cuda_available():
+        assert "available" in sm_line and "compiled for the GPU" in kernels
+        return
+    assert "unavailable" in sm_line and "GPU memory" in kernels
+    assert interpreting()  # the tests' conftest sets TRITON_INTERPRET=1 without CUDA
+    assert "run here under TRITON_INTERPRET=1" in kernels
+    src = torch.arange(10_000, dtype=torch.int32).view(torch.uint8)  # and so they do, on host memory
+    dst = torch.zeros_like(src)
+    sm_copy(dst, src, stream=None, block_bytes=4096)
+    assert torch.equal(dst, src)
