@@ -50,6 +50,8 @@ _LAZY = {
     "seed": "flashboot.flashclone",
     "CloneResult": "flashboot.flashclone",
     "CloneReport": "flashboot.flashclone",
+    "hand_over": "flashboot.flashclone.holder",
+    "open_held": "flashboot.flashclone.holder",
     "checksum": "flashboot.kernels.checksum",
     "chunk_checksums": "flashboot.kernels.checksum",
 }

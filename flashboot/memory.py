@@ -26,7 +26,8 @@ class Device:
 
     @classmethod
     def parse(cls, spec: Any = None) -> "Device":
-        """Accept an int, ``"cuda:N"``, ``"cuda"``, ``"cpu"``, a torch.device or a Device.
+        """Accept an int, a bare index (``"0"``), ``"cuda:N"``, ``"cuda"``, ``"cpu"``, a torch.device
+        or a Device.
 
         ``None`` means ``cuda:0`` where CUDA exists, else the host backend (``cpu``).
         Raises CapabilityError for a CUDA device that does not exist.
@@ -41,10 +42,10 @@ class Device:
             dev = cls("cuda", spec)
         else:
             text = str(spec).strip().lower()
-            m = re.fullmatch(r"(cuda|cpu)(?::(\d+))?", text)
+            m = re.fullmatch(r"(?:(cuda|cpu)(?::(\d+))?|(\d+))", text)  # the command line gives "0" as text
             if not m:
-                raise FlashBootError(f"cannot parse device {spec!r}: use an int, 'cuda:N' or 'cpu'")
-            dev = cls(m.group(1), int(m.group(2) or 0))
+                raise FlashBootError(f"cannot parse device {spec!r}: use an index (0), 'cuda:N' or 'cpu'")
+            dev = cls("cuda", int(m.group(3))) if m.group(3) else cls(m.group(1), int(m.group(2) or 0))
         if dev.kind == "cpu":
             return cls("cpu", 0)
         if dev.index < 0:

@@ -34,8 +34,12 @@ def parse_bytes(text) -> int:
 
 
 def format_bytes(nbytes: int) -> str:
-    """Human-readable decimal size: ``13.76 GB``."""
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+    """Human-readable size in binary units, as the options take them: ``64 MiB``, ``12.82 GiB``.
+
+    Every size the CLI prints goes through here, so one unit system is shown everywhere (rates stay
+    decimal GB/s, as link speeds are quoted)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
+            value = nbytes / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.2f} {unit}"
     return f"{nbytes} B"

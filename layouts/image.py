@@ -57,7 +57,7 @@ class JobInfo:
 def read_job(path: str | os.PathLike) -> JobInfo:
     """Parse ``DIR/prepack.json``. LayoutError if it is missing (an interrupted or never-run
     pre-pack) or malformed."""
-    path = Path(path)
+    path = require_image_dir(path)
     job_path = path / JOB_FILE
     if not job_path.is_file():
         leftovers = sorted(p.name for p in path.glob(".tmp-*")) if path.is_dir() else []
@@ -90,13 +90,21 @@ def read_job(path: str | os.PathLike) -> JobInfo:
                    ImageKey.from_dict(f.sub("key")), ranks, raw, digests)
 
 
+def require_image_dir(path: str | os.PathLike) -> Path:
+    """``path`` as a Path when it is a directory; else the one LayoutError every command gives for
+    an image directory that is not there."""
+    path = Path(path)
+    if not path.is_dir():
+        what = "not a directory" if path.exists() else "no such image directory"
+        raise LayoutError(f"{path}: {what}")
+    return path
+
+
 def _resolve(path: Path, rank: int | None) -> tuple[Path, JobInfo | None]:
     """The rank directory to read, and the job it belongs to (None for a lone rank directory)."""
     if (path / METADATA_FILE).is_file():
         parent_job = path.parent / JOB_FILE
         return path, (read_job(path.parent) if parent_job.is_file() else None)
-    if not path.is_dir():
-        raise LayoutError(f"{path}: no such image directory")
     job = read_job(path)
     if rank is None:
         if job.world_size != 1:

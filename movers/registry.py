@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashboot.errors import FlashBootError, UnknownNameError
+from flashboot.errors import CapabilityError, FlashBootError, UnknownNameError
 
 from .base import Mover
 
@@ -61,3 +61,28 @@ def list_movers() -> list[MoverInfo]:
 def movers_for(path: str) -> list[str]:
     """Names of registered movers that declare ``path``."""
     return sorted(n for n, c in _MOVERS.items() if path in c.paths)
+
+
+PREFERENCE = ("copy_engine", "triton_sm", "triton_tma", "host")
+"""Fastest first, as measured on an H200 (shared/hardware.md: the copy engine leads the Triton
+copies on every path); a mover not listed comes after these, by name."""
+
+
+def best_mover(src, dst=None, **options) -> Mover:
+    """Construct the fastest mover that runs on this machine and copies from device ``src`` to
+    device ``dst`` (default: ``src``): ``copy_engine`` on a GPU, ``host`` on the host backend.
+
+    ``src`` and ``dst`` are anything :meth:`flashboot.Device.parse` takes. Raises
+    CapabilityError naming each mover of that path and why it cannot run here."""
+    from flashboot.memory import Device, path_between
+
+    src_dev = Device.parse(src)
+    path = path_between(src_dev, src_dev if dst is None else Device.parse(dst))
+    ranked = sorted(movers_for(path), key=lambda n: (PREFERENCE.index(n) if n in PREFERENCE else len(PREFERENCE), n))
+    why = {}
+    for name in ranked:
+        ok, why[name] = _MOVERS[name].availability()
+        if ok:
+            return create_mover(name, **options)
+    raise CapabilityError(f"no mover copies {path} on this machine: "
+                          + ("; ".join(f"{n}: {w}" for n, w in why.items()) or "none is registered for it"))

@@ -187,8 +187,8 @@ def test_movers_command_prints_one_line_per_mover(capsys):
     from flashboot.cli import main
 
     assert main(["movers"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == len(ALL)
+    *lines, kernels = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == len(ALL) and kernels.startswith("Triton kernels (copy, checksum): ")
     for line, name in zip(lines, ALL):
         cls = _MOVERS[name]
         ok, reason = cls.availability()
@@ -327,3 +327,32 @@ def test_host_batch_copies_every_chunk_and_nothing_else(as_array):
 def test_every_mover_says_how_it_batches():
     for name in ALL:
         assert mover_class(name).batched, name
+
+
+def test_best_mover_picks_the_first_available_mover_of_the_path_in_preference_order(monkeypatch):
+    import flashboot._cuda as cuda
+    from flashboot.movers import best_mover, registry
+
+    host = best_mover("cpu")
+    assert host.name == "host" and best_mover("cpu", "cpu").name == "host"
+    a, b = np.arange(4096).astype(np.uint8), np.zeros(4096, np.uint8)
+    host.copy(b, a, stream=None)
+    assert np.array_equal(a, b)
+
+    # d2d on a (pretended) GPU: the ranking skips what cannot run here, in PREFERENCE order.
+    monkeypatch.setattr(cuda, "cuda_available", lambda: True)
+    monkeypatch.setattr(cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(registry, "create_mover", lambda name, **options: name)  # rank, do not construct
+    runs = {"copy_engine": False, "triton_sm": True, "triton_tma": True}
+    for name in runs:
+        monkeypatch.setattr(_MOVERS[name], "availability",
+                            classmethod(lambda cls: (runs[cls.name], "" if runs[cls.name] else f"{cls.name} is off")))
+    assert best_mover("cuda:0") == "triton_sm"
+    runs["copy_engine"] = True
+    assert best_mover("cuda:0", "cuda:0") == "copy_engine"
+    runs.update(dict.fromkeys(runs, False))
+    with pytest.raises(CapabilityError) as e:
+        best_mover("cuda:0")
+    assert "no mover copies d2d" in str(e.value)
+    for name in movers_for("d2d"):
+        assert f"{name}: {name} is off" in str(e.value)

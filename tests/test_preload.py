@@ -367,7 +367,7 @@ def test_served_load_across_processes(image, shm):
         rewrite_metadata(meta_path.parent, json.loads(meta_path.read_text()))  # as a re-pre-pack would
         created.clear()
         with unittest.mock.patch.object(Arena, "create", classmethod(spy)):
-            with pytest.raises(LayoutError, match="is of another pre-pack"):
+            with pytest.raises(LayoutError, match="of another pre-pack"):
                 flashboot.load(image, 0, "cpu", served=True, shm_dir=shm, timeout_s=0.5)
         assert not created
     finally:

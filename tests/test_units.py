@@ -18,6 +18,9 @@ def test_parse_bytes_rejects(bad):
         parse_bytes(bad)
 
 
-def test_format_bytes():
-    assert format_bytes(13_760_000_000) == "13.76 GB"
+def test_format_bytes_speaks_the_binary_units_the_options_take():
+    assert format_bytes(13_760_000_000) == "12.81 GiB"
     assert format_bytes(12) == "12 B"
+    for text in ("64MiB", "256MiB", "4KiB", "2GiB"):  # an option's value prints as it was written
+        assert format_bytes(parse_bytes(text)).replace(" ", "") == text
+    assert format_bytes(126_976) == "124 KiB"

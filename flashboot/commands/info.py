@@ -118,6 +118,7 @@ def format_info(info: dict[str, Any]) -> str:
     lines.extend("  " + _transport_line(t) for t in info["transports"])
     lines.append("Movers:")
     lines.extend("  " + _mover_line(m) for m in info["movers"])
+    lines.append("  " + triton_kernels_line())
     return "\n".join(lines)
 
 
@@ -129,6 +130,23 @@ def _transport_line(t: dict[str, Any]) -> str:
 def _mover_line(m: dict[str, Any]) -> str:
     state = "available" if m["available"] else f"unavailable: {m['reason']}"
     return f"{m['name']:<12} {' '.join(m['paths']):<16} {state}"
+
+
+def triton_kernels_line() -> str:
+    """Where the Triton kernels (copy, checksum) run on this machine. Said beside the movers because
+    the two differ without a GPU: the kernels also run under ``TRITON_INTERPRET=1`` on host
+    memory (how GPU-less CI tests them), while the ``triton_*`` movers copy GPU memory and so are
+    unavailable."""
+    from flashboot._cuda import cuda_available
+    from flashboot.kernels.copy import interpreting
+
+    if cuda_available():
+        return "Triton kernels (copy, checksum): compiled for the GPU"
+    if interpreting():
+        return ("Triton kernels (copy, checksum): run here under TRITON_INTERPRET=1, on host memory (how the tests "
+                "check them; slow); the triton_* movers copy GPU memory, so they need a CUDA device")
+    return ("Triton kernels (copy, checksum): no CUDA device, so they run only under TRITON_INTERPRET=1 (on host "
+            "memory, as the tests set it); the triton_* movers copy GPU memory, so they need a CUDA device")
 
 
 def _run_info(args) -> int:
@@ -149,6 +167,7 @@ def _run_movers(args) -> int:
     else:
         for m in movers:
             print(_mover_line(m))
+        print(triton_kernels_line())
     return 0
 
 

@@ -61,7 +61,9 @@ def main(args) -> int:
         return 0
     if args.unstage:
         removed = staging.unstage(args.image_dir, args.ranks, shm_dir=args.shm_dir)
-        print(f"removed {len(removed)} staged file(s) from {shm_files.staging_dir(args.image_dir, args.shm_dir)}")
+        where = shm_files.staging_dir(args.image_dir, args.shm_dir)
+        names = ", ".join(p.name for p in removed if p != where) or "nothing"
+        print(f"removed from {where}: {names}" + ("; and the folder itself" if where in removed else ""))
         return 0
     if args.status:
         return _status(args)
@@ -79,24 +81,20 @@ def main(args) -> int:
 def _status(args) -> int:
     from flashboot.flashload import client, service
     from flashboot.flashload import shm as shm_files
+    from flashboot.flashload.status import rank_states
     from flashboot.layouts import image_ranks
 
     st = service.service_status(args.image_dir, args.shm_dir)
     state = (f"running (pid {st.pid}{', serving' if st.serve else ''})" if st.running else
              f"not running (stale pid file {st.path}, pid {st.pid})" if st.stale else "not running")
     print(f"preloader for {args.image_dir}: {state}")
-    for rank in args.ranks or image_ranks(args.image_dir):
-        paths = shm_files.staged_paths(args.image_dir, rank, args.shm_dir)
-        try:
-            info = shm_files.read_ready(paths.ready)
-            print(f"  rank {rank}: staged {info.nbytes:,} bytes at {info.staged} ({info.io_mode}, "
-                  f"{info.gbps:.2f} GB/s, NUMA {info.numa_node if info.numa_node is not None else '-'})")
-        except FileNotFoundError:
-            print(f"  rank {rank}: not staged ({paths.ready} absent)")
-    if st.running and st.serve:
-        reply = client.serve_status(args.image_dir, args.shm_dir)
-        for rank, r in sorted(reply["ranks"].items()):
-            print(f"  rank {rank}: {r['state']}" + (f", pinned in {r['pin_ms']:.0f} ms" if r["pin_ms"] else ""))
+    warning = shm_files.not_shared_memory_warning(args.shm_dir)
+    if warning:
+        print(f"  {warning}")
+    daemon = client.serve_status(args.image_dir, args.shm_dir) if st.running and st.serve else None
+    for rs in rank_states(args.image_dir, args.ranks or image_ranks(args.image_dir), args.shm_dir, daemon=daemon,
+                          preloader_pid=st.pid if st.running else None):
+        print(f"  {rs.line()}")
     return 0
 
 

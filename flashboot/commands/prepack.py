@@ -35,8 +35,18 @@ def register(subparsers) -> None:
     p.set_defaults(func=_verify_main)
 
 
-def _prepack_main(args) -> int:
+def table_console():
+    """A rich console for a table: the terminal's width on a tty (cells wrap, never cut), and no
+    width limit when the output goes to a file or a pipe (rich would assume 80 columns)."""
     from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=_UNBOUNDED_COLUMNS, soft_wrap=True)
+
+
+_UNBOUNDED_COLUMNS = 10_000
+
+
+def _prepack_main(args) -> int:
     from rich.table import Table
 
     from flashboot.flashload.prepack import prepack
@@ -48,13 +58,13 @@ def _prepack_main(args) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
         return 0
-    console = Console()
+    console = table_console()
     for w in report.warnings:
         console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
     table = Table(title=f"pre-packed {report.family} ({report.target}) tp={report.tp_size} ep={report.ep_size} "
                         f"-> {report.out_dir}")
     for col in ("rank", "image", "experts", "non-experts", "tensors"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")
     for r in report.ranks:
         table.add_row(str(r.rank), format_bytes(r.image_nbytes), format_bytes(r.expert_nbytes),
                       format_bytes(r.non_expert_nbytes), str(r.tensors))
@@ -97,7 +107,6 @@ def summarize(path) -> dict:
 
 
 def _inspect_main(args) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from flashboot.units import format_bytes
@@ -106,7 +115,7 @@ def _inspect_main(args) -> int:
     if args.json:
         print(json.dumps(s, indent=1))
         return 0
-    console = Console()
+    console = table_console()
     key = s["key"]
     console.print(f"[bold]{s['path']}[/bold]: format v{s['format_version']} (flashboot {s['flashboot_version']}), "
                   f"family {s['family']['name']}{' (generic fallback)' if s['family']['fallback'] else ''}, "
@@ -119,7 +128,7 @@ def _inspect_main(args) -> int:
     table = Table()
     for col in ("rank", "tp", "ep", "experts", "image", "expert region", "non-expert region", "tensors", "dtypes",
                 "chunks"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")
     for r in s["ranks"]:
         ex = r["experts"]
         table.add_row(str(r["rank"]), f"{r['tp_rank']}/{r['tp_size']}", f"{r['ep_rank']}/{r['ep_size']}",

@@ -144,6 +144,12 @@ def served_ready(image_dir, rank: int, metadata_sha256: str, where: str, *, time
                                    f"(rank {rank} of {image_dir} staged); {who}; {listens}") from None
         if info.metadata_sha256 == metadata_sha256:
             return info
+        held = _daemon_holds_other_prepack(socket_path(image_dir, shm_dir), rank, metadata_sha256)
+        if held:  # it never re-stages while it serves: refuse now rather than at the timeout
+            raise LayoutError(f"the preloader (pid {held['pid']}) serving {image_dir} holds rank {rank} of another "
+                              f"pre-pack ({held['nbytes']:,} bytes, metadata sha256 {held['metadata_sha256'][:12]}) than "
+                              f"{where} ({metadata_sha256[:12]}): the image was re-packed; restart it: "
+                              f"`flashboot preload {image_dir} --stop`, then `--serve` again")
         if _running_pid(pid_file(image_dir, shm_dir)) is None or time.monotonic() >= deadline:
             raise LayoutError(
                 f"{info.path}: staged rank {rank} is of another pre-pack ({info.nbytes:,} bytes, metadata sha256 "
@@ -156,15 +162,34 @@ _STATUS_EVERY_S = 0.25
 """While a served load waits for ``.ready``, how often it asks the daemon whether staging failed."""
 
 
-def _raise_if_staging_failed(sock: Path, rank: int) -> None:
-    """Raise the daemon's own error (its class, its numbers) when it reports that staging ``rank``
-    failed; return quietly when no daemon answers or it is still staging."""
+def _daemon_holds_other_prepack(sock: Path, rank: int, metadata_sha256: str) -> dict | None:
+    """The daemon's account of ``rank`` (with its ``pid``) when it holds it resident from another
+    pre-pack than ``metadata_sha256``; None when it holds this one, still stages, or none answers."""
+    reply = _daemon_status(sock)
+    held = (reply.get("ranks") or {}).get(str(rank)) or {}
+    if held.get("state") not in ("pinned", "mapped") or not isinstance(held.get("metadata_sha256"), str):
+        return None
+    if held["metadata_sha256"] == metadata_sha256:
+        return None
+    return {**held, "pid": reply.get("pid")}
+
+
+def _daemon_status(sock: Path) -> dict:
+    """The daemon's status reply, or ``{}`` when none answers (absent, not listening yet, busy,
+    or not ours to ask)."""
     if not sock.exists():
-        return
+        return {}
     try:
         reply = _request(sock, {"op": "status"}, connect_timeout_s=0.0, reply_timeout_s=1.0)
     except (FlashBootError, OSError):
-        return  # not listening yet, busy, or not ours to ask: the wait goes on and says so at its end
+        return {}
+    return reply if reply.get("ok") else {}
+
+
+def _raise_if_staging_failed(sock: Path, rank: int) -> None:
+    """Raise the daemon's own error (its class, its numbers) when it reports that staging ``rank``
+    failed; return quietly when no daemon answers or it is still staging."""
+    reply = _daemon_status(sock)  # none answers: the wait goes on and says so at its end
     state = (reply.get("ranks") or {}).get(str(rank)) or {}
     if state.get("state") == "failed":
         payload = state.get("error_payload") or {"error": "FlashBootError", "message": state.get("error")}

@@ -417,6 +417,7 @@ class PreloadServer:
     def status(self) -> dict:
         return {"ok": True, "pid": os.getpid(), "image_dir": self.config.image_dir,
                 "ranks": {str(r): {"state": res.state, "nbytes": res.nbytes, "pin_ms": res.pin_ms,
+                                   "metadata_sha256": res.metadata_sha256,
                                    "error": str(res.error) if res.error else None,
                                    "error_payload": _error_payload(res.error) if res.error else None}
                           for r, res in self.residents.items()}}

@@ -24,7 +24,9 @@ from .shm import (
     _running_pid,
     _unlink_quietly,
     log_file,
+    not_shared_memory_warning,
     pid_file,
+    remove_if_empty,
 )
 from .staging import PreloadConfig, StageResult, preload
 
@@ -187,8 +189,9 @@ def run_service(config: PreloadConfig, *, log: Callable[[str], None] = print,
     abandoned and its partial file removed. Returns the staging results (None when serving)."""
     path = pid_file(config.image_dir, config.shm_dir)
     note = _claim_pid_file(path, config.serve, config.ranks)
-    if note:
-        log(note)
+    for line in (note, not_shared_memory_warning(config.shm_dir)):
+        if line:
+            log(line)
     stop = threading.Event()
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -205,4 +208,5 @@ def run_service(config: PreloadConfig, *, log: Callable[[str], None] = print,
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         _release_pid_file(path)
+        remove_if_empty(path.parent)  # a preload that failed before staging anything leaves no folder
 

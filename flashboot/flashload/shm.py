@@ -42,6 +42,49 @@ def shm_root(shm_dir: str | os.PathLike | None = None) -> Path:
     return Path(shm_dir or os.environ.get(SHM_ENV) or DEFAULT_SHM_ROOT)
 
 
+_MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs", 0x958458F6: "hugetlbfs"}
+"""statfs ``f_type`` magics of filesystems whose files live in memory (linux/magic.h)."""
+
+
+def filesystem_magic(path: str | os.PathLike) -> int:
+    """The ``f_type`` of statfs(2) for ``path``, or of its nearest existing parent (Python's
+    ``os.statvfs`` does not report it)."""
+    import ctypes
+    import errno as errno_mod
+
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if libc.statfs(os.fsencode(path), buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"statfs: {errno_mod.errorcode.get(err, err)}", str(path))
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF  # f_type comes first, a long
+
+
+def not_shared_memory_warning(shm_dir: str | os.PathLike | None = None) -> str | None:
+    """A warning when the staging root is not on a memory filesystem (tmpfs, ramfs, hugetlbfs):
+    staging there writes the image to another disk, and a load reads it back at disk speed."""
+    root = shm_root(shm_dir)
+    magic = filesystem_magic(root)
+    if magic in _MEMORY_FILESYSTEMS:
+        return None
+    via = "--shm-dir" if shm_dir else f"${SHM_ENV}" if os.environ.get(SHM_ENV) else "the default"
+    return (f"warning: the staging root {root} (from {via}) is not shared memory (filesystem magic {magic:#x}, not "
+            f"tmpfs, ramfs or hugetlbfs): staged images go to disk and loads read them at disk speed")
+
+
+def remove_if_empty(directory: str | os.PathLike) -> bool:
+    """Remove ``directory`` when it holds nothing (a staging directory whose last file went);
+    returns whether it was removed."""
+    try:
+        os.rmdir(directory)
+        return True
+    except OSError:  # not empty, absent, or not ours
+        return False
+
+
 def staging_dir(image_dir: str | os.PathLike, shm_dir: str | os.PathLike | None = None) -> Path:
     """The directory under the shm root that holds ``image_dir``'s staged ranks.
 

@@ -36,9 +36,12 @@ from .shm import (
     _write_atomic,
     check_ready,
     checksum_fingerprint,
+    log_file,
     pid_file,
     rank_source,
     read_ready,
+    remove_if_empty,
+    socket_path,
     staged_paths,
     staging_dir,
 )
@@ -303,8 +306,9 @@ def _verify_staged(fd: int, nbytes: int, src: RankSource, where: Path) -> None:
 
 
 def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[Path]:
-    """Remove staged ranks (all by default) and return the files removed. Refuses while a
-    preloader for the directory runs."""
+    """Remove staged ranks (all by default) and return the paths removed. Once no rank is left,
+    the preloader's log, a dead preloader's pid file and socket, and the staging directory itself
+    go too. Refuses while a preloader for the directory runs."""
     running = _running_pid(pid_file(image_dir, shm_dir))
     if running:
         raise FlashBootError(f"a preloader for {image_dir} is running (pid {running}); stop it first (--stop)")
@@ -318,6 +322,13 @@ def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[
             if p.is_file() and p.name.startswith("rank-"):
                 p.unlink()
                 removed.append(p)
+    if not any(p.name.startswith("rank-") for p in d.iterdir()):
+        for p in (log_file(image_dir, shm_dir), pid_file(image_dir, shm_dir), socket_path(image_dir, shm_dir)):
+            if p.exists() or p.is_symlink():
+                p.unlink()
+                removed.append(p)
+        if remove_if_empty(d):
+            removed.append(d)
     return removed
 
 
@@ -373,9 +384,9 @@ class PreloadConfig:
     def __post_init__(self):
         from ..pinning import NUMA_POLICIES
 
-        self.image_dir = str(self.image_dir)
-        if not os.path.isdir(self.image_dir):
-            raise LayoutError(f"{self.image_dir}: no such image directory")
+        from flashboot.layouts.image import require_image_dir
+
+        self.image_dir = str(require_image_dir(self.image_dir))
         if self.io not in IO_MODES:
             raise FlashBootError(f"io must be one of {', '.join(IO_MODES)}, got {self.io!r}")
         if not isinstance(self.threads, int) or self.threads < 1:

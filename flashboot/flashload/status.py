@@ -1,0 +1,95 @@
+"""What a load of each rank would find now: one state per rank, from the staged files, the image on
+disk and (when one serves) the daemon's own account. ``flashboot preload DIR --status`` prints it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import FlashBootError, LayoutError
+from .shm import rank_source, read_ready, staged_paths
+
+STATES = ("not staged", "staging", "staged", "served", "stale", "truncated", "failed", "unreadable")
+"""Every state :func:`rank_states` reports. ``staged``: a load maps the staged copy; ``served``: the
+daemon holds it and copies it on request; ``stale``: staged (or held) from another pre-pack than
+the image now on disk; ``truncated``: the staged file is not the size its ``.ready`` records;
+``failed``: the daemon could not stage it; ``unreadable``: the image or the ``.ready`` is refused."""
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One rank: its state (one of :data:`STATES`) and what it rests on, with the numbers."""
+
+    rank: int
+    state: str
+    detail: str
+
+    def line(self) -> str:
+        return f"rank {self.rank}: {self.state}" + (f": {self.detail}" if self.detail else "")
+
+
+def rank_states(image_dir, ranks: list[int], shm_dir=None, *, daemon: dict | None = None,
+                preloader_pid: int | None = None) -> list[RankState]:
+    """The state of each rank in ``ranks``. ``daemon``: a serving daemon's status reply (its
+    account wins for the ranks it holds); ``preloader_pid``: a running preloader (a rank without
+    ``.ready`` is then staging, not absent)."""
+    held = (daemon or {}).get("ranks") or {}
+    return [_rank_state(image_dir, rank, shm_dir, held.get(str(rank)), daemon, preloader_pid) for rank in ranks]
+
+
+def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict | None,
+                preloader_pid: int | None) -> RankState:
+    paths = staged_paths(image_dir, rank, shm_dir)
+    try:
+        source = rank_source(image_dir, rank)
+    except FlashBootError as exc:
+        return RankState(rank, "unreadable", f"the image on disk is refused: {exc}")
+    if held is not None:
+        return _held_state(image_dir, rank, source, held, daemon)
+    try:
+        info = read_ready(paths.ready)
+    except FileNotFoundError:
+        if preloader_pid is None:
+            return RankState(rank, "not staged", f"{paths.ready} absent")
+        done = _size(paths.partial)
+        so_far = f", {done:,} of {source.nbytes:,} bytes so far" if done is not None else ""
+        return RankState(rank, "staging", f"by preloader pid {preloader_pid}{so_far}")
+    except LayoutError as exc:
+        return RankState(rank, "unreadable", str(exc))
+    if info.metadata_sha256 != source.metadata_sha256 or info.nbytes != source.nbytes:
+        return RankState(rank, "stale", f"{paths.image} was staged from another pre-pack ({info.nbytes:,} bytes, "
+                                        f"metadata sha256 {info.metadata_sha256[:12]}) than {source.path} now holds "
+                                        f"({source.nbytes:,} bytes, {source.metadata_sha256[:12]}); re-stage it: "
+                                        f"`flashboot preload {image_dir}`")
+    size = _size(paths.image)
+    if size != info.nbytes:
+        found = "absent" if size is None else f"{size:,} bytes"
+        return RankState(rank, "truncated", f"{paths.image} is {found}, its .ready records {info.nbytes:,} bytes; "
+                                            f"re-stage it: `flashboot preload {image_dir}`")
+    numa = info.numa_node if info.numa_node is not None else "-"
+    return RankState(rank, "staged", f"{info.nbytes:,} bytes at {info.staged} ({info.io_mode}, {info.gbps:.2f} GB/s, "
+                                     f"NUMA {numa})")
+
+
+def _held_state(image_dir, rank: int, source, held: dict, daemon: dict) -> RankState:
+    pid = daemon.get("pid")
+    state = held.get("state")
+    if state == "failed":
+        return RankState(rank, "failed", f"the daemon (pid {pid}) could not stage it: {held.get('error')}")
+    if state == "staging":
+        return RankState(rank, "staging", f"by the serving daemon (pid {pid})")
+    sha = held.get("metadata_sha256") or ""
+    if sha != source.metadata_sha256 or held.get("nbytes") != source.nbytes:
+        return RankState(rank, "stale", f"the daemon (pid {pid}) holds another pre-pack ({held.get('nbytes'):,} bytes, "
+                                        f"metadata sha256 {sha[:12]}) than {source.path} now holds "
+                                        f"({source.nbytes:,} bytes, {source.metadata_sha256[:12]}); restart it: "
+                                        f"`flashboot preload {image_dir} --stop`, then `--serve` again")
+    pin = f", pinned in {held['pin_ms']:.0f} ms" if held.get("pin_ms") else ""
+    return RankState(rank, "served", f"{source.nbytes:,} bytes {state} by the daemon (pid {pid}){pin}")
+
+
+def _size(path) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,112 @@
+"""What ``preload --status`` says, what ``--unstage`` and a failed preload leave behind, the warning
+for a staging root on disk, and a served load of a re-packed image (host backend)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from _io_helpers import CHUNK, image, image_master, shm  # noqa: F401  (fixtures)
+
+import flashboot
+from flashboot.cli import main
+from flashboot.errors import LayoutError
+from flashboot.flashload import staging
+from flashboot.flashload import shm as shm_files
+from flashboot.flashload.status import STATES, rank_states
+
+
+def _repack(image: Path, image_master: Path) -> str:
+    """Pre-pack the checkpoint again into ``image`` (other chunk size: another pre-pack); returns
+    the new metadata sha256."""
+    flashboot.prepack(str(image_master.parent / "ckpt"), str(image), chunk_bytes=CHUNK * 2, progress=False)
+    return shm_files.rank_source(image, 0).metadata_sha256
+
+
+def _status_lines(image, shm, capsys) -> list[str]:
+    assert main(["preload", str(image), "--shm-dir", str(shm), "--status"]) == 0
+    return [line.strip() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("rank ")]
+
+
+def _wait_for_state(image, shm, capsys, state: str, timeout_s: float = 120) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = _status_lines(image, shm, capsys)
+        assert len(lines) == 1, lines  # one state per rank, never two
+        if lines[0].startswith(f"rank 0: {state}"):
+            return lines
+        assert lines[0].split(":")[1].strip() in ("staging", state), lines
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.1)
+
+
+def test_status_of_a_served_image_is_one_state_per_rank_and_a_repack_is_refused_at_once(image, image_master, shm,
+                                                                                       capsys):
+    old_sha = shm_files.rank_source(image, 0).metadata_sha256
+    assert main(["preload", str(image), "--shm-dir", str(shm), "--serve", "--background", "--timeout", "120"]) == 0
+    try:
+        first = _status_lines(image, shm, capsys)  # right after the start: staging or served, never both
+        assert len(first) == 1 and first[0].split(":")[1].strip() in ("staging", "served"), first
+        served = _wait_for_state(image, shm, capsys, "served")
+        assert f"{shm_files.rank_source(image, 0).nbytes:,} bytes" in served[0]
+
+        new_sha = _repack(image, image_master)
+        (line,) = _status_lines(image, shm, capsys)
+        assert line.startswith("rank 0: stale") and old_sha[:12] in line and new_sha[:12] in line, line
+        # The daemon holds the old pre-pack and never re-stages while it serves: refused at once,
+        # naming both digests, rather than after the load's timeout.
+        with pytest.raises(LayoutError) as e:
+            flashboot.load(image, 0, "cpu", served=True, shm_dir=shm, timeout_s=30)
+        assert "re-packed" in str(e.value) and old_sha[:12] in str(e.value) and new_sha[:12] in str(e.value)
+    finally:
+        assert main(["preload", str(image), "--shm-dir", str(shm), "--stop", "--timeout", "60"]) == 0
+    where = shm_files.staging_dir(image, shm)
+    assert shm_files.log_file(image, shm).exists()
+    assert main(["preload", str(image), "--shm-dir", str(shm), "--unstage"]) == 0
+    assert "preload.log" in capsys.readouterr().out
+    assert not where.exists(), sorted(p.name for p in where.iterdir())
+
+
+def test_status_names_a_stale_or_truncated_staged_copy_with_the_numbers(image, image_master, shm, capsys):
+    (line,) = _status_lines(image, shm, capsys)
+    assert line.startswith("rank 0: not staged")
+    staging.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)
+    nbytes = shm_files.rank_source(image, 0).nbytes
+    (line,) = _status_lines(image, shm, capsys)
+    assert line.startswith(f"rank 0: staged: {nbytes:,} bytes")
+
+    paths = shm_files.staged_paths(image, 0, shm)
+    os.truncate(paths.image, 1000)
+    (line,) = _status_lines(image, shm, capsys)
+    assert line.startswith("rank 0: truncated") and "1,000 bytes" in line and f"{nbytes:,} bytes" in line, line
+
+    staging.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)  # a whole copy again
+    old_sha = shm_files.rank_source(image, 0).metadata_sha256
+    new_sha = _repack(image, image_master)
+    (state,) = rank_states(image, [0], shm)
+    assert state.state == "stale" and state.state in STATES
+    assert old_sha[:12] in state.detail and new_sha[:12] in state.detail and str(paths.image) in state.detail
+
+
+def test_a_failed_preload_leaves_no_empty_folder(image, shm, capsys):
+    (image / "rank-0" / "image.bin").unlink()
+    assert main(["preload", str(image), "--shm-dir", str(shm), "--threads", "2"]) == 2
+    assert "image.bin" in capsys.readouterr().err
+    assert not shm_files.staging_dir(image, shm).exists()
+
+
+def test_a_staging_root_on_disk_is_warned_about(image, shm, capsys, monkeypatch):
+    assert shm_files.filesystem_magic(shm.parent) not in shm_files._MEMORY_FILESYSTEMS  # the tests' tmp is a disk
+    monkeypatch.setenv(shm_files.SHM_ENV, str(shm))
+    assert main(["preload", str(image), "--threads", "2", "--chunk-bytes", "8KiB"]) == 0
+    out = capsys.readouterr().out
+    assert "is not shared memory" in out and str(shm) in out and f"${shm_files.SHM_ENV}" in out
+    assert main(["preload", str(image), "--status"]) == 0
+    assert "is not shared memory" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this machine")
+def test_a_staging_root_in_shared_memory_is_not_warned_about():
+    assert shm_files.not_shared_memory_warning("/dev/shm/flashboot-test-absent/x") is None
