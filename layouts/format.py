@@ -445,6 +445,50 @@ def _spans(lengths: np.ndarray, shape: np.ndarray, stride: np.ndarray, itemsize:
     return nbytes, estimate
 
 
+@dataclass(frozen=True)
+class DimColumns:
+    """Every tensor's shape and stride as columns: ``ndims[i]`` dims, ``shapes[i, :ndims[i]]`` and
+    ``strides[i, :ndims[i]]`` (int64, zero beyond). What ``tensors.bin`` stores; read-only."""
+
+    ndims: np.ndarray
+    shapes: np.ndarray
+    strides: np.ndarray
+
+    @classmethod
+    def of(cls, shapes, strides) -> "DimColumns":
+        n = len(shapes)
+        ndims = np.fromiter(map(len, shapes), np.uint8, n) if n else np.zeros(0, np.uint8)
+        d = int(ndims.max()) if n else 0
+        cols = []
+        for rows in (shapes, strides):
+            a = np.zeros((n, d), np.int64)
+            for k in np.flatnonzero(np.bincount(ndims, minlength=1)).tolist():
+                pick = np.flatnonzero(ndims == k)
+                if k:
+                    a[pick, :k] = [rows[i] for i in pick.tolist()]
+            cols.append(_frozen(a))
+        return cls(_frozen(ndims), *cols)
+
+    def groups(self) -> list[tuple[int, np.ndarray]]:
+        """``(ndim, rows with that many dims)`` for each ndim present."""
+        kinds = np.flatnonzero(np.bincount(self.ndims, minlength=1)).tolist() if len(self.ndims) else []
+        if len(kinds) == 1:
+            return [(kinds[0], np.arange(len(self.ndims)))]
+        return [(k, np.flatnonzero(self.ndims == k)) for k in kinds]
+
+    def rows(self, a: np.ndarray) -> list[tuple[int, ...]]:
+        """Row i of ``a`` (``shapes`` or ``strides``) cut to ``ndims[i]`` entries, as tuples; one
+        bulk conversion per distinct ndim."""
+        groups = self.groups()
+        if len(groups) == 1:
+            return list(map(tuple, a[:, :groups[0][0]].tolist()))
+        out: list = [()] * len(self.ndims)
+        for k, pick in groups:
+            for i, row in zip(pick.tolist(), map(tuple, a[pick, :k].tolist())):
+                out[i] = row
+        return out
+
+
 class TensorTable(Mapping):
     """An image's tensor table: name -> :class:`TensorEntry`, kept as columns.
 
@@ -455,7 +499,7 @@ class TensorTable(Mapping):
     kept. Read-only.
     """
 
-    __slots__ = ("names", "offsets", "nbytes", "dtype_codes", "region_codes", "shapes", "strides",
+    __slots__ = ("names", "offsets", "nbytes", "dtype_codes", "region_codes", "_shapes", "_strides", "_dims",
                  "_shards", "_parts", "_index", "_entries")
 
     def __init__(self, names, offsets, nbytes, dtype_codes, region_codes, shapes, strides, shards=None,
@@ -465,9 +509,13 @@ class TensorTable(Mapping):
         self.nbytes: np.ndarray = _frozen(nbytes)
         self.dtype_codes: np.ndarray = _frozen(dtype_codes)
         self.region_codes: np.ndarray = _frozen(region_codes)
-        # Tuples, not the JSON lists: immutable, and the collector stops tracking them after one look.
-        self.shapes: tuple[tuple[int, ...], ...] = tuple(map(tuple, shapes))
-        self.strides: tuple[tuple[int, ...], ...] = tuple(map(tuple, strides))
+        if isinstance(shapes, DimColumns):  # from tensors.bin: tuples only when someone asks for them
+            self._dims, self._shapes, self._strides = shapes, None, None
+        else:
+            # Tuples, not the JSON lists: immutable, and the collector stops tracking them after one look.
+            self._dims = None
+            self._shapes = tuple(map(tuple, shapes))
+            self._strides = tuple(map(tuple, strides))
         self._shards = shards  # None, or per tensor: None / validated JSON splits / tuple of Split
         self._parts = parts or {}  # index -> tuple of Part
         self._index: dict[str, int] | None = None
@@ -582,6 +630,26 @@ class TensorTable(Mapping):
 
     # ---- columns
     @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Each tensor's shape as a tuple (built from the columns on first use)."""
+        if self._shapes is None:
+            self._shapes = tuple(self._dims.rows(self._dims.shapes))
+        return self._shapes
+
+    @property
+    def strides(self) -> tuple[tuple[int, ...], ...]:
+        """Each tensor's stride in elements, as a tuple (built from the columns on first use)."""
+        if self._strides is None:
+            self._strides = tuple(self._dims.rows(self._dims.strides))
+        return self._strides
+
+    def dim_columns(self) -> "DimColumns":
+        """Shapes and strides as int64 columns (what bulk consumers such as the views want)."""
+        if self._dims is None:
+            self._dims = DimColumns.of(self._shapes, self._strides)
+        return self._dims
+
+    @property
     def ends(self) -> np.ndarray:
         """One past each tensor's last byte."""
         return self.offsets + self.nbytes
@@ -592,7 +660,8 @@ class TensorTable(Mapping):
 
     def dtypes(self) -> set[str]:
         """The dtype names the table uses."""
-        return {DTYPE_NAMES[c] for c in np.unique(self.dtype_codes).tolist()}
+        # bincount, not np.unique: unique's first call imports numpy.ma (~10-40 ms in a fresh process)
+        return {DTYPE_NAMES[c] for c in np.flatnonzero(np.bincount(self.dtype_codes, minlength=1)).tolist()}
 
     def shard_of(self, i: int) -> tuple[Split, ...]:
         raw = None if self._shards is None else self._shards[i]
@@ -646,8 +715,9 @@ class TensorTable(Mapping):
         return f"TensorTable({len(self)} tensors, {int(self.nbytes.sum()):,} bytes)"
 
     def __reduce__(self):  # pickle and copy: rebuilt (and frozen) by the constructor, entries not carried
-        return (TensorTable, (self.names, self.offsets, self.nbytes, self.dtype_codes, self.region_codes, self.shapes,
-                              self.strides, self._shards, self._parts))
+        dims = self._dims if self._shapes is None else self._shapes
+        return (TensorTable, (self.names, self.offsets, self.nbytes, self.dtype_codes, self.region_codes, dims,
+                              self._strides, self._shards, self._parts))
 
 
 def _frozen(a) -> np.ndarray:

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import operator
 import struct
 
 import numpy as np
 
 from flashboot.errors import LayoutError
 
-from .format import _ITEMSIZE, DTYPE_NAMES, MAX_IMAGE_NBYTES, REGIONS, TensorTable, _spans, _split
+from .format import _ITEMSIZE, DTYPE_NAMES, MAX_IMAGE_NBYTES, REGIONS, DimColumns, TensorTable, _spans, _split
 
 TABLE_FILE = "tensors.bin"
 MAGIC = b"FBTENS01"
@@ -56,13 +55,9 @@ def encode_table(table: TensorTable, metadata_bytes: bytes) -> bytes | None:
     if table._parts or any("\0" in name for name in table.names):
         return None
     n = len(table)
-    ndims = np.fromiter(map(len, table.shapes), np.uint8, n) if n else np.zeros(0, np.uint8)
-    d = int(ndims.max()) if n else 0
-    shapes = np.zeros((n, d), _I64)
-    strides = np.zeros((n, d), _I64)
-    for i, (shape, stride) in enumerate(zip(table.shapes, table.strides)):
-        shapes[i, :len(shape)] = shape
-        strides[i, :len(stride)] = stride
+    dims = table.dim_columns()
+    ndims, shapes, strides = dims.ndims, dims.shapes, dims.strides
+    d = shapes.shape[1]
     names = "\0".join(table.names).encode()
     splits = [table.shard_of(i) for i in range(n)]
     split_ends = np.cumsum(np.fromiter(map(len, splits), np.int64, n)) if n else np.zeros(0, np.int64)
@@ -138,13 +133,13 @@ def decode_table(data: bytes, metadata_bytes: bytes, where: str) -> tuple[Tensor
     names_blob = data[at:at + names_nbytes]
     names = _names(names_blob, n, where)
     _check_columns(names, offsets, nbytes, shapes, strides, ndims, dtypes, regions, split_ends, split_rows, where)
-    shape_rows, stride_rows = _rows(shapes, ndims), _rows(strides, ndims)
     shards = None
     if s:
         starts = np.concatenate(([0], split_ends[:-1])).tolist()
         rows = split_rows.tolist()
         shards = [tuple(_split(*rows[k]) for k in range(a, b)) or None for a, b in zip(starts, split_ends.tolist())]
-    return TensorTable(names, offsets.copy(), nbytes.copy(), dtypes.copy(), regions.copy(), shape_rows, stride_rows,
+    # The columns stay views of ``data`` (immutable bytes); shape and stride tuples are built only if asked for.
+    return TensorTable(names, offsets, nbytes, dtypes, regions, DimColumns(ndims, shapes, strides), None,
                        shards), (span[0], span[1])
 
 
@@ -160,20 +155,6 @@ def _names(blob: bytes, n: int, where: str) -> list[str]:
         dup = next(x for x in names if x in seen or seen.add(x))
         raise LayoutError(f"{where}: tensor {dup!r} appears twice")
     return names
-
-
-def _rows(a: np.ndarray, ndims: np.ndarray) -> list[tuple[int, ...]]:
-    """Row i of ``a`` cut to ``ndims[i]`` entries, as tuples; one bulk conversion per distinct ndim."""
-    kinds = np.unique(ndims).tolist()
-    if len(kinds) == 1:
-        return list(map(tuple, a[:, :kinds[0]].tolist()))
-    order = np.argsort(ndims, kind="stable")  # rows grouped by ndim, each group cut and converted at once
-    grouped: list = []
-    for k in kinds:
-        grouped += map(tuple, a[order[ndims[order] == k], :k].tolist())
-    position = np.empty_like(order)
-    position[order] = np.arange(len(order))
-    return list(operator.itemgetter(*position.tolist())(grouped)) if len(order) > 1 else grouped
 
 
 def _check_columns(names, offsets, nbytes, shapes, strides, ndims, dtypes, regions, split_ends, split_rows,

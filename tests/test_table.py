@@ -44,6 +44,30 @@ def test_binary_table_is_the_json_table(packed, job, rank):
     assert verify_image(packed / job, rank)[0].chunks > 0  # compares the two tables too
 
 
+def test_views_from_the_columns_are_the_views_from_the_json_table(packed):
+    """The binary table keeps shapes and strides as columns and the views are made from them in
+    bulk (grouped by dtype and ndim); they must be exactly the views the JSON table's tuples give."""
+    from flashboot.arena import Arena
+    from flashboot.flashload.load import make_views
+
+    img = read_image(packed / "tp1", 0)
+    from_json = parse_metadata(img.metadata_path.read_bytes(), "json")
+    assert len(set(from_json.tensors.dim_columns().ndims.tolist())) > 1  # 1-D norms beside 2-D and 3-D weights
+    with Arena.create(img.nbytes, "cpu") as arena:
+        arena.bytes()[:img.nbytes] = torch.frombuffer(bytearray(img.path.read_bytes()), dtype=torch.uint8)
+        columns, tuples = make_views(arena, img.metadata), make_views(arena, from_json)
+        assert list(columns) == list(tuples) == list(from_json.tensors)
+        for name, want in tuples.items():
+            got = columns[name]
+            assert (got.dtype, got.shape, got.stride(), got.data_ptr()) == \
+                (want.dtype, want.shape, want.stride(), want.data_ptr())
+            assert torch.equal(got.reshape(-1).view(torch.uint8), img.view(name).reshape(-1).view(torch.uint8))
+        del columns, tuples
+    # the tuples, built on demand from the columns, are the JSON table's
+    assert img.metadata.tensors.shapes == from_json.tensors.shapes
+    assert img.metadata.tensors.strides == from_json.tensors.strides
+
+
 def test_edited_metadata_with_its_table_is_refused_naming_both_digests(image):
     meta_path = image / "rank-0" / "metadata.json"
     meta = json.loads(meta_path.read_text())
