@@ -33,7 +33,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
-# 500 cycles each of load/bind/close, served load, seed/clone/close; fails on any upward trend.
+# 500 cycles each of load/bind/close, served load, seed/clone/close, sleep/wake; fails on any upward trend.
 soak: $(VENV)/.installed
 	$(VENV)/bin/flashboot bench soak --cycles 500
 

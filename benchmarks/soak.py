@@ -1,5 +1,5 @@
 """``flashboot bench soak``: many cycles of load -> bind -> close, of a served load -> bind ->
-close, and of seed -> clone -> close, in one process, with the resources it holds sampled after
+close, of seed -> clone -> close, and of sleep -> wake of one bound image, in one process, with the resources it holds sampled after
 every cycle: open fds, memfds, mapped bytes (/proc/self/maps: mappings of files and memfds,
 where arenas, staged images and image files live; anonymous mappings such as malloc's 64 MiB
 per-thread heaps come and go with the allocator and are covered by resident bytes instead),
@@ -32,7 +32,7 @@ from typing import Callable
 
 from flashboot.errors import FlashBootError
 
-KINDS = ("load", "served", "clone")
+KINDS = ("load", "served", "clone", "sleep")
 WARMUP_FRACTION = 0.1
 WINDOW_FRACTION = 0.2
 SLACK = {
@@ -214,6 +214,30 @@ class _LoadCycle:
         return exact
 
 
+class _SleepCycle:
+    """sleep -> wake of one loaded, bound image: level 1 (from the backup) and level 2 (from the
+    disk: no daemon serves it) in turn; the bound parameters are checked after every wake."""
+
+    def __init__(self, image: Path, device: str, no_daemon: Path):
+        import flashboot
+
+        self.loaded = flashboot.load(image, 0, device, stream=True)
+        self.module = _module_for(self.loaded.tensors)
+        flashboot.bind(self.module, self.loaded)
+        self.reference = {n: p.detach().clone() for n, p in self.module.named_parameters()}
+        self.no_daemon, self.cycles = no_daemon, 0
+
+    def __call__(self) -> bool:
+        self.loaded.sleep(level=1 + self.cycles % 2)
+        self.cycles += 1
+        self.loaded.wake(shm_dir=self.no_daemon)
+        return all(_equal(p, self.reference[n]) for n, p in self.module.named_parameters())
+
+    def close(self) -> None:
+        del self.module  # the views go before the arena
+        self.loaded.close()
+
+
 class _CloneCycle:
     """seed -> clone -> close, each cycle on a fresh store the seed hosts."""
 
@@ -294,7 +318,7 @@ def run(*, cycles: int = 500, kinds=KINDS, device: str | None = None, root: str 
     shm = Path(_private_shm("flashboot-soak-"))  # pinning (CUDA) needs tmpfs pages
     results = []
     try:
-        image = _make_image(work) if {"load", "served"} & set(kinds) else None
+        image = _make_image(work) if {"load", "served", "sleep"} & set(kinds) else None
         for kind in kinds:
             if kind == "load":
                 from flashboot.flashload.staging import stage_rank
@@ -304,6 +328,12 @@ def run(*, cycles: int = 500, kinds=KINDS, device: str | None = None, root: str 
                                     after_cycle=after_cycle, progress=progress))
             elif kind == "served":
                 results.append(_soak_served(image, device, shm, cycles, after_cycle, progress))
+            elif kind == "sleep":
+                cyc = _SleepCycle(image, device, work / "no-daemon")
+                try:
+                    results.append(soak(kind, cyc, cycles, after_cycle=after_cycle, progress=progress))
+                finally:
+                    cyc.close()
             else:
                 cyc = _CloneCycle(device)
                 try:
@@ -356,7 +386,8 @@ def print_results(results: list[SoakResult]) -> None:
 
 
 def register_bench(sub) -> None:
-    p = sub.add_parser("soak", help="500 cycles of load/bind/close, served load, seed/clone/close; fails on a leak",
+    p = sub.add_parser("soak", help="500 cycles of load/bind/close, served load, seed/clone/close, sleep/wake; "
+                                    "fails on a leak",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--cycles", type=int, default=500)
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)

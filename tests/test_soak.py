@@ -50,7 +50,7 @@ def test_sample_counts_what_this_process_holds():
 
 def test_a_short_soak_of_every_kind_is_flat_and_exact(tmp_path, capsys):
     results = soak.run(cycles=20, root=str(tmp_path / "w"), device="cpu")
-    assert [r.kind for r in results] == ["load", "served", "clone"]
+    assert [r.kind for r in results] == ["load", "served", "clone", "sleep"]
     for r in results:
         assert r.exact == r.cycles == 20, r.kind
         assert r.leaking == [], (r.kind, [t for t in r.trends if t.rising])

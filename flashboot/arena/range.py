@@ -457,9 +457,9 @@ class Arena:
         reservation again and its memfd is closed. The contents are gone; :meth:`wake` maps new,
         uninitialised segments (:func:`flashboot.flashload.lifecycle.sleep` keeps the bytes).
 
-        Exports: an arena :meth:`share` d with another process (a holder, a seed) is refused with
-        ArenaError naming who maps it, since releasing it there would keep the memory alive
-        without telling anyone. Otherwise the export is revoked: the exported fds are closed and
+        Exports: an arena :meth:`share` d with another process (a holder: :func:`hand_over
+        <flashboot.flashclone.holder.hand_over>` marks it) is refused with ArenaError naming who
+        maps it, since its memory would silently stop being this arena's. Otherwise the export is revoked: the exported fds are closed and
         :meth:`export` after :meth:`wake` hands out the new segments; a process that opened the
         old descriptor and still maps it keeps the old memory (its copy, never freed memory).
         Sleeping an asleep arena is a no-op; an opened (imported) arena is refused.
@@ -525,6 +525,7 @@ class Arena:
     def _free_bytes(self) -> int:
         if not self._device.is_cuda:
             return host._host_mem_available()
+        _cuda.use_device(self._home_device.index)  # cuMemGetInfo answers for the current context's device
         free, _total = _cuda.check(_cuda.driver().cuMemGetInfo(), "cuMemGetInfo")
         return int(free)
 

@@ -1,0 +1,347 @@
+"""``flashboot bench swap``: weights that stay, measured against the bulk copies in the same run.
+
+Two (or more) images on one device, each served by a preloader daemon of this process (a thread):
+
+* **ceilings**, before and after the rest (so drift shows): the bulk H2D and D2H of the image's
+  bytes between a pinned host buffer and an arena, one copy each on the copy engine;
+* **sleep (release only)**: ``sleep(level=2)``; the device's free memory after it against before
+  the load (it must be back within one segment);
+* **wake from the daemon** (``wake()`` after ``sleep(level=2)``) against the bulk H2D;
+* **swap**: image A to sleep, image B awake (from its daemon), against the bulk H2D of B's bytes;
+* **level 1**: ``sleep(level=1)`` (the bulk D2H into a kept pinned backup) against the bulk D2H,
+  and ``wake()`` from that backup against the bulk H2D;
+* **torch baseline**: the per-tensor offload (``t.cpu()``) and reload (``t.copy_(cpu)``) engines
+  do today, on the same parameters;
+* **restart via the holder** (map, metadata, views; no copy) against a served load of the same
+  image, and against the budget of 20 ms + 2 us per tensor.
+
+The second image is a hard-linked copy of the first image's directory (another image to the
+loader and the daemon, no second 14 GB on disk). Every wake is checked byte for byte (host) or
+chunk checksum by chunk checksum (CUDA) against the image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from flashboot.errors import FlashBootError
+
+RESTART_BUDGET_MS, RESTART_PER_TENSOR_MS = 20.0, 0.002
+"""Restart via the holder: 20 ms + 2 us per tensor (the boot issue's budget for the view work)."""
+
+
+def _median(samples: list[float]) -> float:
+    return statistics.median(samples) if samples else float("nan")
+
+
+def _gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e6) if ms > 0 else 0.0
+
+
+def _ceilings(nbytes: int, device, repeats: int) -> dict:
+    """Bulk H2D and D2H of ``nbytes`` between a pinned buffer and an arena (ms, median)."""
+    from flashboot.arena import Arena
+    from flashboot.benchmarks.timing import time_host
+    from flashboot.flashload.lifecycle import HostBackup, _copy
+
+    host = HostBackup(nbytes, device)
+    try:
+        with Arena.create(nbytes, device) as arena:
+            dev_span, host_span = arena.span(0, nbytes), host.span(nbytes)
+            h2d = time_host(lambda: _copy(dev_span, host_span, device), warmup=1, repeats=repeats).median_ms
+            d2h = time_host(lambda: _copy(host_span, dev_span, device), warmup=1, repeats=repeats).median_ms
+    finally:
+        host.close()
+    return {"h2d_ms": h2d, "d2h_ms": d2h, "h2d_gbps": _gbps(nbytes, h2d), "d2h_gbps": _gbps(nbytes, d2h)}
+
+
+class _Daemons:
+    """One served-load daemon per image, in threads of this process."""
+
+    def __init__(self, images: list[Path], shm: Path, device: str):
+        from flashboot.flashload import staging
+        from flashboot.flashload.server import PreloadServer
+
+        self.servers, self.threads, self.logs = [], [], []
+        for image in images:
+            log: list[str] = []
+            server = PreloadServer(staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True,
+                                                         devices={0: device}), log=log.append)
+            thread = threading.Thread(target=server.run, name="flashboot-swap-daemon", daemon=True)
+            thread.start()
+            self.servers.append(server)
+            self.threads.append(thread)
+            self.logs.append(log)
+        for server, log in zip(self.servers, self.logs):
+            if not server.residents[0].event.wait(600) or server.residents[0].error is not None:
+                raise FlashBootError(f"a daemon did not hold its image: {log[-5:]}")
+            deadline = time.monotonic() + 60
+            while not server.sock_path.exists():
+                if time.monotonic() > deadline:
+                    raise FlashBootError(f"a daemon never listened: {log[-5:]}")
+                time.sleep(0.01)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+
+
+def _exact(loaded) -> bool:
+    """The loaded bytes are the image's: every byte (host) or every chunk checksum (CUDA)."""
+    from flashboot.errors import ChecksumMismatchError
+    from flashboot.flashload.load import verify_loaded
+
+    if not loaded.arena.device.is_cuda:
+        return bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == loaded.source.path.read_bytes()
+    try:
+        verify_loaded(loaded.arena, loaded.metadata, "bench swap")
+        return True
+    except ChecksumMismatchError:
+        return False
+
+
+def _torch_baseline(loaded, repeats: int) -> dict:
+    """Per-tensor offload (``.cpu()``) and reload (``copy_``) of every view, as engines do today."""
+    import torch
+
+    dev = loaded.arena.device
+    sync = (lambda: torch.cuda.synchronize(dev.index)) if dev.is_cuda else (lambda: None)
+    off, on = [], []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        backup = {n: t.cpu() for n, t in loaded.tensors.items()}
+        sync()
+        t1 = time.perf_counter()
+        for n, t in loaded.tensors.items():
+            t.copy_(backup[n])
+        sync()
+        t2 = time.perf_counter()
+        del backup
+        off.append((t1 - t0) * 1e3)
+        on.append((t2 - t1) * 1e3)
+    return {"offload_ms": _median(off), "reload_ms": _median(on)}
+
+
+def _restart(image: Path, device: str, shm: Path, registry: Path, repeats: int) -> dict:
+    """A served load of ``image`` handed to a holder, then restarts from the holder against more
+    served loads (each closed before the next, as an engine that exits)."""
+    import warnings
+
+    import flashboot
+    from flashboot.flashclone.holder import Holder
+
+    holder = Holder(registry=registry)
+    stop = threading.Event()
+    thread = threading.Thread(target=holder.serve_forever, args=(stop,), kwargs={"handle_signals": False})
+    thread.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "nothing is held": the first engine's load
+            first = flashboot.load(image, 0, device, served=True, shm_dir=shm, holder=str(registry), timeout_s=120)
+        first.close()
+        held, served, parts = [], [], []
+        for _ in range(repeats):
+            loaded = flashboot.load(image, 0, device, holder=str(registry))
+            if loaded.report.mode != "held":
+                raise FlashBootError(f"the restart did not map the held arena: {loaded.report.details}")
+            held.append(loaded.report.total_ms)
+            parts.append({"metadata_ms": loaded.report.metadata_ms, "map_ms": loaded.report.alloc_ms,
+                          "views_ms": loaded.report.bind_ms})
+            tensors = loaded.report.tensors
+            loaded.close()
+            again = flashboot.load(image, 0, device, served=True, shm_dir=shm, timeout_s=120)
+            served.append(again.report.total_ms)
+            again.close()
+    finally:
+        stop.set()
+        thread.join(60)
+    budget = RESTART_BUDGET_MS + RESTART_PER_TENSOR_MS * tensors
+    best = parts[held.index(sorted(held)[len(held) // 2])]
+    return {"restart_ms": _median(held), "served_load_ms": _median(served), "tensors": tensors,
+            "budget_ms": budget, "within_budget": _median(held) <= budget, **best}
+
+
+def run(*, scale: float | None = None, images: int = 2, device: str | None = None, repeats: int = 3,
+        root: str | None = None) -> dict:
+    """The whole swap benchmark (module doc); returns its figures as a dict."""
+    import flashboot
+    from flashboot._cuda import device_count
+    from flashboot.benchmarks.checkpoints import CHECKPOINT_A, make_checkpoint
+    from flashboot.benchmarks.serve import _private_shm
+    from flashboot.memory import Device
+    from flashboot.pinning import device_free_bytes
+
+    if images < 2:
+        raise FlashBootError(f"a swap needs two images at least, got {images}")
+    if repeats < 1:
+        raise FlashBootError(f"repeats must be >= 1, got {repeats}")
+    device = device or ("cuda:0" if device_count() else "cpu")
+    dev = Device.parse(device)
+    scale = scale if scale is not None else (1.0 if dev.is_cuda else 0.002)
+    work = Path(root or tempfile.mkdtemp(prefix="flashboot-bench-swap-"))
+    work.mkdir(parents=True, exist_ok=True)
+    shm = Path(_private_shm("flashboot-bench-swap-"))
+    daemons = None
+    loaded: list = []
+    out: dict = {"device": str(dev), "images": images, "scale": scale}
+    try:
+        t0 = time.perf_counter()
+        make_checkpoint(str(work / "ckpt"), CHECKPOINT_A.scaled(scale), device=device if dev.is_cuda else "cpu")
+        flashboot.prepack(str(work / "ckpt"), str(work / "image0"), progress=False)
+        shutil.rmtree(work / "ckpt")
+        paths = [work / "image0"]
+        for i in range(1, images):
+            shutil.copytree(work / "image0", work / f"image{i}", copy_function=os.link)
+            paths.append(work / f"image{i}")
+        daemons = _Daemons(paths, shm, device)
+        out["setup_s"] = time.perf_counter() - t0
+        nbytes = flashboot.layouts.read_image(paths[0], 0).nbytes
+        out["nbytes"] = nbytes
+        out["ceiling_before"] = _ceilings(nbytes, dev, repeats)
+
+        free_before = device_free_bytes(dev)
+        loaded = [flashboot.load(p, 0, device, served=True, shm_dir=shm, timeout_s=120) for p in paths]
+        out["tensors"] = loaded[0].report.tensors
+        out["served_load_ms"] = loaded[0].report.total_ms
+        exact = all(_exact(li) for li in loaded)
+        # sleep (release only) of every image but the first, then of the first: the device's free
+        # memory after it against before the loads
+        release, wake_served = [], []
+        for li in loaded[1:]:
+            release.append(li.sleep(level=2).release_ms)
+        for _ in range(repeats):
+            release.append(loaded[0].sleep(level=2).release_ms)
+            free_asleep = device_free_bytes(dev)
+            w = loaded[0].wake(shm_dir=shm)
+            if w.source != "served":
+                raise FlashBootError(f"the wake did not come from the daemon: {w.summary()}")
+            wake_served.append(w.copy_ms)
+            exact &= _exact(loaded[0])
+        out["sleep_release_ms"] = _median(release)
+        out["free_before_load"], out["free_asleep"] = free_before, free_asleep
+        segment = loaded[0].arena.segment_bytes
+        out["free_back_within_segment"] = abs(free_asleep - free_before) <= segment
+        out["wake_served_ms"] = _median(wake_served)
+
+        # swap: A awake, B asleep -> A to sleep, B awake; alternately
+        swaps = []
+        a, b = loaded[0], loaded[1]
+        for _ in range(repeats):
+            t1 = time.perf_counter()
+            a.sleep(level=2)
+            b.wake(shm_dir=shm)
+            swaps.append((time.perf_counter() - t1) * 1e3)
+            exact &= _exact(b)
+            a, b = b, a
+        out["swap_ms"] = _median(swaps)
+
+        # level 1 through the in-process backup (kept, so the pin is paid once, reported apart)
+        target = a  # the awake one
+        backup_ms, wake_backup, pin_ms = [], [], 0.0
+        for _ in range(repeats):
+            s = target.sleep(level=1)
+            pin_ms = max(pin_ms, s.pin_ms)
+            backup_ms.append(s.backup_ms)
+            w = target.wake(keep_backup=True)
+            if w.source != "backup":
+                raise FlashBootError(f"the level-1 wake did not come from the backup: {w.summary()}")
+            wake_backup.append(w.copy_ms)
+            exact &= _exact(target)
+        target.lifecycle.drop_backup()
+        out.update(level1_sleep_ms=_median(backup_ms), level1_wake_ms=_median(wake_backup), level1_pin_ms=pin_ms)
+
+        out["torch"] = _torch_baseline(target, max(1, repeats - 1))
+        exact &= _exact(target)
+        for li in loaded:
+            li.close()
+        loaded = []
+        out["restart"] = _restart(paths[0], device, shm, work / "registry", repeats)
+        out["ceiling_after"] = _ceilings(nbytes, dev, repeats)
+        out["exact"] = exact
+    finally:
+        for li in loaded:
+            li.close()
+        if daemons is not None:
+            daemons.close()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    h2d = min(out["ceiling_before"]["h2d_ms"], out["ceiling_after"]["h2d_ms"])
+    d2h = min(out["ceiling_before"]["d2h_ms"], out["ceiling_after"]["d2h_ms"])
+    out["ratios"] = {
+        "wake_served_x_h2d": h2d / out["wake_served_ms"],
+        "level1_sleep_x_d2h": d2h / out["level1_sleep_ms"],
+        "level1_wake_x_h2d": h2d / out["level1_wake_ms"],
+        "swap_over_h2d": out["swap_ms"] / h2d,
+        "torch_offload_over_d2h": out["torch"]["offload_ms"] / d2h,
+        "torch_reload_over_h2d": out["torch"]["reload_ms"] / h2d,
+    }
+    return out
+
+
+def print_results(out: dict) -> None:
+    from flashboot.benchmarks.timing import print_table
+
+    n = out["nbytes"]
+    cb, ca, r, rs = out["ceiling_before"], out["ceiling_after"], out["ratios"], out["restart"]
+    rows = [
+        ["bulk H2D (ceiling, before / after)", f"{cb['h2d_ms']:.1f} / {ca['h2d_ms']:.1f}",
+         f"{cb['h2d_gbps']:.1f} / {ca['h2d_gbps']:.1f}", "", ""],
+        ["bulk D2H (ceiling, before / after)", f"{cb['d2h_ms']:.1f} / {ca['d2h_ms']:.1f}",
+         f"{cb['d2h_gbps']:.1f} / {ca['d2h_gbps']:.1f}", "", ""],
+        ["wake from the daemon", f"{out['wake_served_ms']:.1f}", f"{_gbps(n, out['wake_served_ms']):.1f}",
+         f"{r['wake_served_x_h2d']:.3f}x H2D", ">= 0.95x"],
+        ["level-1 sleep (D2H backup)", f"{out['level1_sleep_ms']:.1f}", f"{_gbps(n, out['level1_sleep_ms']):.1f}",
+         f"{r['level1_sleep_x_d2h']:.3f}x D2H", ">= 0.90x"],
+        ["level-1 wake (from the backup)", f"{out['level1_wake_ms']:.1f}", f"{_gbps(n, out['level1_wake_ms']):.1f}",
+         f"{r['level1_wake_x_h2d']:.3f}x H2D", ">= 0.95x"],
+        ["sleep (release only)", f"{out['sleep_release_ms']:.2f}", "",
+         f"free memory back: {out['free_back_within_segment']}", "<= 10 ms"],
+        ["swap (A sleeps, B wakes)", f"{out['swap_ms']:.1f}", f"{_gbps(n, out['swap_ms']):.1f}",
+         f"{r['swap_over_h2d']:.3f}x the H2D time", "<= 1.10x"],
+        ["torch per-tensor offload (.cpu())", f"{out['torch']['offload_ms']:.1f}",
+         f"{_gbps(n, out['torch']['offload_ms']):.1f}", f"{r['torch_offload_over_d2h']:.2f}x the D2H time", ""],
+        ["torch per-tensor reload (copy_)", f"{out['torch']['reload_ms']:.1f}",
+         f"{_gbps(n, out['torch']['reload_ms']):.1f}", f"{r['torch_reload_over_h2d']:.2f}x the H2D time", ""],
+        ["restart via the holder", f"{rs['restart_ms']:.2f}", "",
+         f"budget {rs['budget_ms']:.1f} ms: {'met' if rs['within_budget'] else 'MISSED'}", "20 ms + 2 us/tensor"],
+        ["served load of the same image", f"{rs['served_load_ms']:.1f}", "", "", ""],
+    ]
+    print_table(f"swap: {out['images']} images of {n:,} bytes ({out['tensors']:,} tensors) on {out['device']}",
+                ["what", "ms", "GB/s", "against", "target"], rows)
+    print(f"level-1 backup pin (once, kept): {out['level1_pin_ms']:.1f} ms; restart parts: metadata "
+          f"{rs['metadata_ms']:.2f} ms, map {rs['map_ms']:.2f} ms, views {rs['views_ms']:.2f} ms; "
+          f"every wake byte-exact: {out['exact']}")
+
+
+def register_bench(sub) -> None:
+    p = sub.add_parser("swap", help="sleep/wake, model swap, level 1, torch baseline, holder restart vs bulk copies",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--scale", type=float, default=None,
+                   help="checkpoint A scale (default 1.0 = 13.76 GB on a GPU, 0.002 on the host backend)")
+    p.add_argument("--images", type=int, default=2)
+    p.add_argument("--device", default=None, help="default cuda:0 where a GPU exists, else cpu")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON ('-' for stdout)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from flashboot.benchmarks.timing import dump_json
+
+    out = run(scale=args.scale, images=args.images, device=args.device, repeats=args.repeats)
+    print_results(out)
+    dump_json(out, args.json)
+    return 0 if out["exact"] else 1
+
+
+__all__ = ["run", "print_results", "register_bench", "main"]
