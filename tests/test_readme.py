@@ -91,8 +91,9 @@ def _on_this_machine(code: str) -> str:
 
 def test_the_readme_has_the_python_examples_this_test_runs():
     blocks = readme_blocks("python")
-    assert len(blocks) == 3, "a python block was added to or removed from README.md: run it here too"
+    assert len(blocks) == 4, "a python block was added to or removed from README.md: run it here too"
     assert "best_mover" in blocks[0] and "flashboot.prepack" in blocks[1] and "hand_over" in blocks[2]
+    assert "loaded.sleep" in blocks[3]
 
 
 def test_the_arena_and_movers_example_runs_as_written(readme_cwd):
@@ -118,3 +119,13 @@ def test_the_hold_example_hands_an_arena_over_and_reopens_the_same_bytes(readme_
         assert oct((readme_cwd / "held").stat().st_mode & 0o777) == "0o700"
     finally:
         holder.stop()
+
+
+def test_the_sleep_example_wakes_the_same_bytes_at_the_same_addresses(readme_cwd):
+    from flashboot.layouts import read_image
+
+    image = read_image(readme_cwd / "images" / "qwen3", 0)
+    check = (f"\nassert bytes(loaded.arena.bytes()[:{image.nbytes}].cpu().numpy()) == "
+             f"open({str(image.path)!r}, 'rb').read()\nloaded.close()\n")
+    out = _run_python(_on_this_machine(readme_blocks("python")[3]) + check, readme_cwd).stdout
+    assert "backup" in out  # a level-1 sleep wakes from its own backup, and the summary says so
