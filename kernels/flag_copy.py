@@ -93,9 +93,12 @@ def flag_chain_copy_kernel(
                 if stop and not ready:
                     waited = max_wait
             if ready:
-                mask = first + offs < chunk_end
-                x = tl.load(src_ptr + first + offs, mask=mask, cache_modifier=".cg")
-                tl.store(dst_ptr + first + offs, x, mask=mask)
+                if first + BLOCK <= chunk_end:  # a whole tile: unmasked, so the accesses vectorise
+                    tl.store(dst_ptr + first + offs, tl.load(src_ptr + first + offs, cache_modifier=".cg"))
+                else:
+                    mask = first + offs < chunk_end
+                    x = tl.load(src_ptr + first + offs, mask=mask, cache_modifier=".cg")
+                    tl.store(dst_ptr + first + offs, x, mask=mask)
                 tl.debug_barrier()  # every thread's stores precede the release below
                 chunk_len = chunk_end - chunk * chunk_elems
                 chunk_tiles = (chunk_len + BLOCK - 1) // BLOCK
