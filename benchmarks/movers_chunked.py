@@ -267,6 +267,66 @@ def chain_rows(nbytes: int, chunk: int, *, repeats: int = 2, ceiling_gbps: float
     return out
 
 
+def run_host(total: int = 32 * MiB, chunk_sizes=(256 << 10, 1 * MiB, 4 * MiB, 16 * MiB), repeats: int = 5) -> ChunkedReport:
+    """The host backend's version of :func:`run` (the notebook's fallback without a GPU): the
+    ``host`` mover between two host arenas, one call per chunk and batched; times are the host's
+    clock (the copy is synchronous), the ceiling one host copy of all the bytes."""
+    import statistics
+
+    import numpy as np
+
+    from flashboot.arena import Arena
+    from flashboot.kernels.checksum import checksum
+    from flashboot.movers import create_mover
+
+    mover = create_mover("host")
+
+    def median_ms(fn) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(samples)
+
+    with Arena.create(total, device="cpu") as a, Arena.create(total, device="cpu") as b:
+        src, dst = a.bytes().numpy()[:total], b.bytes().numpy()[:total]
+        src[:] = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
+        expected = checksum(src)
+        ceiling = [total / median_ms(lambda: mover.copy(dst, src, total)) / 1e6]
+        report = ChunkedReport(total, ceiling[0], 0.0)
+        for chunk in chunk_sizes:
+            batch = mover.batch(dst, src, [(o, o, min(chunk, total - o)) for o in range(0, total, chunk)])
+
+            def per_call(batch=batch):
+                for i in range(len(batch)):
+                    batch.copy_chunk(i, stream=None)
+
+            for mode, fn in (("per_call", per_call), ("batched", lambda batch=batch: batch.run(stream=None))):
+                dst[:] = 0xAB
+                ms = median_ms(fn)
+                gbps = total / ms / 1e6
+                report.rows.append(ChunkRow("host", mode, chunk, len(batch), ms, ms, gbps, 0.0, checksum(dst) == expected))
+        report.ceiling_gbps_after = total / median_ms(lambda: mover.copy(dst, src, total)) / 1e6
+    for r in report.rows:
+        r.ratio = r.gbps / report.ceiling_gbps
+    return report
+
+
+def load_report(path) -> dict:
+    """A ``--json`` file of ``bench movers --chunked`` as a plain dict (rows as dicts)."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    if "rows" not in data or "total_bytes" not in data:
+        from flashboot.errors import FlashBootError
+
+        raise FlashBootError(f"{path}: not a `bench movers --chunked` report (no rows/total_bytes)")
+    return data
+
+
 def print_report(report: ChunkedReport) -> None:
     from flashboot.benchmarks.timing import print_table
 
@@ -292,5 +352,5 @@ def verified(report: ChunkedReport) -> bool:
             and all(c["verified"] for c in report.chain))
 
 
-__all__ = ["ChunkRow", "ChunkedReport", "run", "chain_rows", "per_call_cost_us", "print_report", "verified",
-           "DEFAULT_CHUNKS"]
+__all__ = ["ChunkRow", "ChunkedReport", "run", "run_host", "load_report", "chain_rows", "per_call_cost_us",
+           "print_report", "verified", "DEFAULT_CHUNKS"]
