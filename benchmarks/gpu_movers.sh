@@ -11,12 +11,14 @@ nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, cupy; from cuda import bindings; print("torch", torch.__version__, "triton", triton.__version__, "cupy", cupy.__version__, "cuda-bindings", bindings.__version__)'
 step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -${TAIL:-30} "$OUT/$name.log"; echo "=== $name rc=$rc"; }
 # Whole files: with CUDA present the kernel tests run on the GPU, so they exercise the cached launches.
-step tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_copy_kernels.py tests/test_flag_copy.py \
-  tests/test_triton_movers.py tests/test_movers.py tests/test_checksum.py -k "not notebook"
-TAIL=80 step movers_chunked 170 flashboot bench movers --chunked --repeats 3 --chunks 256KiB 1MiB 4MiB 16MiB 64MiB 256MiB \
+step tests 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_copy_kernels.py tests/test_flag_copy.py \
+  tests/test_triton_movers.py tests/test_movers.py tests/test_checksum.py
+# The executor now batches the steps no one waits on: its GPU tests (copy engine + stream memops).
+step clone_gpu 60 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_clone_gpu.py
+TAIL=80 step movers_chunked 130 flashboot bench movers --chunked --repeats 3 --chunks 256KiB 1MiB 4MiB 16MiB 64MiB 256MiB \
   --chain-bytes 8GiB --chain-chunk 64MiB --json "$OUT/movers_chunked.json"
 if python3 -c 'import nbclient, matplotlib' 2>/dev/null; then
-  FLASHBOOT_MOVERS_JSON="$OUT/movers_chunked.json" FLASHBOOT_NOTEBOOK_OUT="$OUT" TAIL=15 step notebook 90 \
+  FLASHBOOT_MOVERS_JSON="$OUT/movers_chunked.json" FLASHBOOT_NOTEBOOK_OUT="$OUT" TAIL=15 step notebook 40 \
     python3 -m jupyter nbconvert --to notebook --execute notebooks/chunk_size.ipynb --output-dir "$OUT"
 else
   echo "=== notebook skipped: nbclient/matplotlib not installed here (the JSON above is what it reads)"
