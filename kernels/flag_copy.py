@@ -16,6 +16,7 @@ also bounds its own wait for the kernel (a watchdog that raises the abort word).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -109,6 +110,13 @@ def flag_chain_copy_kernel(
                 failed = tl.full([], 1, tl.int32)
 
 
+@functools.cache
+def _flag_config(block: int, timer: bool, num_warps: int) -> LaunchConfig:
+    # num_stages=1: the loop waits on flags; there is nothing to prefetch across its iterations
+    return LaunchConfig((("BLOCK", block), ("TIMER", timer)), ("int64", "int64") + ("int32",) * 5 + (None,) * 6,
+                        num_warps, 1)
+
+
 class FlagChainCopy:
     """One clone's flag-driven copy of ``src`` into ``dst`` in ``chunk_bytes`` chunks.
 
@@ -151,9 +159,7 @@ class FlagChainCopy:
         self.grid = (max(1, min(sm_count(dev.index if dev.is_cuda else 0) * self.knobs["programs_per_sm"],
                                 self.n_tiles)),)
         self.timer = dev.is_cuda and not interpreting()
-        self.config = LaunchConfig((("BLOCK", block), ("TIMER", self.timer)),
-                                   ("int64", "int64", "int32", "int32", "int32", "int32", "int32")
-                                   + (None,) * 6, self.knobs["num_warps"], 1)
+        self.config = _flag_config(block, self.timer, self.knobs["num_warps"])
         self._timeout_s = 0.0
         self._event = None
         self._handle = 0
