@@ -220,15 +220,12 @@ def chain_rows(nbytes: int, chunk: int, *, repeats: int = 2, ceiling_gbps: float
         geq = int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
 
         def flag_run(epoch: int) -> None:
-            ready.fill_(epoch)
-            torch.cuda.synchronize()
             k2.launch(epoch, stream=s2, timeout_s=60.0)
             k1.launch(epoch, stream=s1, timeout_s=60.0)
 
         def memops_run(epoch: int) -> None:
             import cupy
 
-            torch.cuda.synchronize()
             cs1, cs2 = drv.CUstream(s1.cuda_stream), drv.CUstream(s2.cuda_stream)
             for i in range(n):  # the executor's CUDA backend, on the same chunks
                 lo, nb = i * chunk, min(chunk, nbytes - i * chunk)
@@ -244,6 +241,7 @@ def chain_rows(nbytes: int, chunk: int, *, repeats: int = 2, ceiling_gbps: float
                 epoch = 2 + rep + (100 if method != "flag kernels" else 0)
                 c1.fill_(0xAB)
                 c2.fill_(0xAB)
+                ready.fill_(epoch)  # the seed's flags: every chunk ready (read by the flag kernels only)
                 torch.cuda.synchronize()
                 ev = {k: torch.cuda.Event(enable_timing=True) for k in ("s1", "e1", "s2", "e2")}
                 ev["s1"].record(s1)
