@@ -244,6 +244,7 @@ def chain_rows(nbytes: int, chunk: int, *, repeats: int = 2, ceiling_gbps: float
                 ready.fill_(epoch)  # the seed's flags: every chunk ready (read by the flag kernels only)
                 torch.cuda.synchronize()
                 ev = {k: torch.cuda.Event(enable_timing=True) for k in ("s1", "e1", "s2", "e2")}
+                _gate(s1)  # both methods issue ahead of the copies (the host's enqueue is not timed)
                 ev["s1"].record(s1)
                 ev["s2"].record(s2)
                 fn(epoch)
