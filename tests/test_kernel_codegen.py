@@ -30,7 +30,7 @@ def build(fn, sig, consts, aligned, **opts):
     k = triton.compile(ASTSource(fn, sig, consts, attrs={(i,): D for i in aligned}),
                        target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = k.asm["ptx"]
-    return {"access": sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", ptx))), "globaltimer": "%globaltimer" in ptx,
+    return {"access": sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", ptx))), "globaltimer": "%globaltimer" in ptx, "nanosleep": "nanosleep" in ptx,
             "tma": "cp.async.bulk.tensor" in ptx}
 table_sig = {"table_ptr": "*i64", "n_entries": "i64", "n_tiles": "i64", "ELEM": "constexpr", "ELEM_BYTES": "constexpr",
              "ALIGN16": "constexpr", "BLOCK": "constexpr"}
@@ -60,5 +60,5 @@ def test_gpu_kernels_compile_for_hopper_with_vector_accesses():
     assert {"ld.global.v2.b64", "st.global.v2.b64"} <= set(out["table"]["access"])
     assert {"ld.global.v4.b32", "st.global.v4.b32"} <= set(out["copy_checksum"]["access"])
     assert {"ld.global.cg.v2.b64", "st.global.v2.b64", "ld.global.sys.acquire.b32"} <= set(out["flag"]["access"])
-    assert out["flag"]["globaltimer"]
+    assert out["flag"]["globaltimer"] and out["flag"]["nanosleep"]
     assert out["tma_table"]["tma"] and not out["table"]["tma"]
