@@ -154,6 +154,12 @@ class FlagChainCopy:
         if d.device != s.device and not (d.device.is_cuda and s.device.is_cuda):
             raise MoverError(f"flag chain copy: runs between GPU memory; got {s.device} -> {d.device}")
         require_kernel_memory(d)
+        if d.device.is_cuda:  # the kernel runs on dst's GPU and reads the predecessor's bytes and flags
+            from flashboot.movers.triton_sm import ensure_peer_access
+
+            for remote in (s, r):
+                if remote.device != d.device:
+                    ensure_peer_access(d.device.index, remote)
         self.dst, self.src, self.ready, self.done = d.sub(0, nbytes), s, r, f
         self.nbytes, self.chunk_bytes, self.n_chunks = nbytes, chunk_bytes, n_chunks
         block = max(1, self.knobs["block_bytes"] // 8)
