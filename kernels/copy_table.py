@@ -148,10 +148,17 @@ class CopyTable:
 
     def launch(self, handle: int) -> None:
         """Copy every row, asynchronously on the raw stream ``handle`` of the table's device."""
-        if self.device.is_cuda and self.kind == "tma":
-            from .copy import _ensure_tma_allocator
+        if self.device.is_cuda:
+            import torch
 
-            _ensure_tma_allocator()
+            # the batch (and its table) may be dropped before the kernel has read the table: keep
+            # the caching allocator from handing the block out again until this stream is past it
+            self.table.record_stream(torch.cuda.ExternalStream(handle, device=self.table.device) if handle
+                                     else torch.cuda.default_stream(self.table.device))
+            if self.kind == "tma":
+                from .copy import _ensure_tma_allocator
+
+                _ensure_tma_allocator()
         kernel = copy_table_tma_kernel if self.kind == "tma" else copy_table_kernel
         args = (self.table.data_ptr(), self.n_entries, self.n_tiles)
         launch(kernel, self.config, self.grid, args, device=self.device.index, stream=handle,

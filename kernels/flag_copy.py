@@ -197,6 +197,7 @@ class FlagChainCopy:
                     state[:n].zero_()
                     state[n].fill_(NO_FAILURE)
                     state[n + 1].zero_()
+                state.record_stream(s)  # the copier may be dropped while its kernel still runs
         else:
             state[:n] = 0
             state[n] = NO_FAILURE
