@@ -10,10 +10,10 @@ rows, so drift shows). For every mover and chunk size, three modes:
 - ``flag``: the flag-driven kernel (:class:`~flashboot.kernels.flag_copy.FlagChainCopy`, the
   predecessor's flags raised up front): one launch that copies chunk by chunk.
 
-``host_ms`` is the time the host spends issuing a mode's calls (perf_counter around them, the
-stream held busy by a spin kernel so the enqueue never waits on the GPU); ``gpu_ms`` the
-device's time from the first copy to the last (CUDA events, the same gate: work issued ahead, as
-a pipeline issues it). When issuing is slower than copying, ``gpu_ms`` grows with ``host_ms``:
+``host_ms`` is the time the host spends issuing a mode's calls (perf_counter around them, nothing
+held back); ``gpu_ms`` the device's time from the first copy to the last (CUDA events, in a second
+pass with the stream held by a spin kernel while the host issues: work issued ahead, as a
+pipeline issues it). When issuing is slower than copying, ``gpu_ms`` grows with ``host_ms``:
 the comparison of the two says which side bounds a mode.
 
 Also measured: the host cost of one ``mover.copy`` (2,000 back-to-back 4 KiB copies), a copy
@@ -72,7 +72,11 @@ def _gate(stream, ms: float = 20.0) -> None:
 
 
 def _timed(issue, stream, repeats: int) -> tuple[float, float]:
-    """Median ``(host_ms, gpu_ms)`` of ``issue(stream)`` over ``repeats`` (one warm-up)."""
+    """Median ``(host_ms, gpu_ms)`` of ``issue(stream)`` over ``repeats`` (one warm-up).
+
+    Two passes per repeat: the host's time with nothing held back (a stream held by a gate would
+    fill the launch queue and make the host wait for the GPU), then the device's time with the
+    stream gated, so the copies run back to back as far as the host keeps up."""
     import statistics
 
     import torch
@@ -81,12 +85,14 @@ def _timed(issue, stream, repeats: int) -> tuple[float, float]:
     stream.synchronize()
     hosts, gpus = [], []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        _gate(stream)
-        start.record(stream)
         t0 = time.perf_counter()
         issue(stream)
         hosts.append((time.perf_counter() - t0) * 1e3)
+        stream.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        _gate(stream)
+        start.record(stream)
+        issue(stream)
         end.record(stream)
         end.synchronize()
         gpus.append(start.elapsed_time(end))
@@ -102,11 +108,11 @@ def _ceiling(dst, src, nbytes: int, stream, repeats: int) -> float:
 
 
 def per_call_cost_us(mover, dst, src, stream, copies: int = PER_CALL_COPIES) -> float:
-    """Host µs per ``mover.copy`` of 4 KiB, ``copies`` back to back (warmed up, stream gated)."""
+    """Host µs per ``mover.copy`` of 4 KiB, ``copies`` back to back (warmed up). Not gated: a 4 KiB
+    copy runs faster than it is issued, so the launch queue never fills and the host never waits."""
     for _ in range(20):
         mover.copy(dst, src, 4096, stream=stream)
     stream.synchronize()
-    _gate(stream, 100.0)
     t0 = time.perf_counter()
     for _ in range(copies):
         mover.copy(dst, src, 4096, stream=stream)
@@ -220,15 +226,12 @@ def chain_rows(nbytes: int, chunk: int, *, repeats: int = 2, ceiling_gbps: float
         geq = int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
 
         def flag_run(epoch: int) -> None:
-            ready.fill_(epoch)
-            torch.cuda.synchronize()
             k2.launch(epoch, stream=s2, timeout_s=60.0)
             k1.launch(epoch, stream=s1, timeout_s=60.0)
 
         def memops_run(epoch: int) -> None:
             import cupy
 
-            torch.cuda.synchronize()
             cs1, cs2 = drv.CUstream(s1.cuda_stream), drv.CUstream(s2.cuda_stream)
             for i in range(n):  # the executor's CUDA backend, on the same chunks
                 lo, nb = i * chunk, min(chunk, nbytes - i * chunk)
@@ -244,8 +247,10 @@ def chain_rows(nbytes: int, chunk: int, *, repeats: int = 2, ceiling_gbps: float
                 epoch = 2 + rep + (100 if method != "flag kernels" else 0)
                 c1.fill_(0xAB)
                 c2.fill_(0xAB)
+                ready.fill_(epoch)  # the seed's flags: every chunk ready (read by the flag kernels only)
                 torch.cuda.synchronize()
                 ev = {k: torch.cuda.Event(enable_timing=True) for k in ("s1", "e1", "s2", "e2")}
+                _gate(s1)  # both methods issue ahead of the copies (the host's enqueue is not timed)
                 ev["s1"].record(s1)
                 ev["s2"].record(s2)
                 fn(epoch)
@@ -265,6 +270,66 @@ def chain_rows(nbytes: int, chunk: int, *, repeats: int = 2, ceiling_gbps: float
                         "chain_gbps": nbytes / total_ms / 1e6, "hop1_ratio": nbytes / hop1_ms / 1e6 / ceiling_gbps,
                         "chain_ratio": nbytes / total_ms / 1e6 / ceiling_gbps, "verified": ok})
     return out
+
+
+def run_host(total: int = 32 * MiB, chunk_sizes=(256 << 10, 1 * MiB, 4 * MiB, 16 * MiB), repeats: int = 5) -> ChunkedReport:
+    """The host backend's version of :func:`run` (the notebook's fallback without a GPU): the
+    ``host`` mover between two host arenas, one call per chunk and batched; times are the host's
+    clock (the copy is synchronous), the ceiling one host copy of all the bytes."""
+    import statistics
+
+    import numpy as np
+
+    from flashboot.arena import Arena
+    from flashboot.kernels.checksum import checksum
+    from flashboot.movers import create_mover
+
+    mover = create_mover("host")
+
+    def median_ms(fn) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(samples)
+
+    with Arena.create(total, device="cpu") as a, Arena.create(total, device="cpu") as b:
+        src, dst = a.bytes().numpy()[:total], b.bytes().numpy()[:total]
+        src[:] = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
+        expected = checksum(src)
+        ceiling = [total / median_ms(lambda: mover.copy(dst, src, total)) / 1e6]
+        report = ChunkedReport(total, ceiling[0], 0.0)
+        for chunk in chunk_sizes:
+            batch = mover.batch(dst, src, [(o, o, min(chunk, total - o)) for o in range(0, total, chunk)])
+
+            def per_call(batch=batch):
+                for i in range(len(batch)):
+                    batch.copy_chunk(i, stream=None)
+
+            for mode, fn in (("per_call", per_call), ("batched", lambda batch=batch: batch.run(stream=None))):
+                dst[:] = 0xAB
+                ms = median_ms(fn)
+                gbps = total / ms / 1e6
+                report.rows.append(ChunkRow("host", mode, chunk, len(batch), ms, ms, gbps, 0.0, checksum(dst) == expected))
+        report.ceiling_gbps_after = total / median_ms(lambda: mover.copy(dst, src, total)) / 1e6
+    for r in report.rows:
+        r.ratio = r.gbps / report.ceiling_gbps
+    return report
+
+
+def load_report(path) -> dict:
+    """A ``--json`` file of ``bench movers --chunked`` as a plain dict (rows as dicts)."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    if "rows" not in data or "total_bytes" not in data:
+        from flashboot.errors import FlashBootError
+
+        raise FlashBootError(f"{path}: not a `bench movers --chunked` report (no rows/total_bytes)")
+    return data
 
 
 def print_report(report: ChunkedReport) -> None:
@@ -292,5 +357,5 @@ def verified(report: ChunkedReport) -> bool:
             and all(c["verified"] for c in report.chain))
 
 
-__all__ = ["ChunkRow", "ChunkedReport", "run", "chain_rows", "per_call_cost_us", "print_report", "verified",
-           "DEFAULT_CHUNKS"]
+__all__ = ["ChunkRow", "ChunkedReport", "run", "run_host", "load_report", "chain_rows", "per_call_cost_us",
+           "print_report", "verified", "DEFAULT_CHUNKS"]

@@ -1,8 +1,9 @@
 """The demo behind ``make demo``: every stage of FlashBoot on small data, verified, with a report.
 
 1. movers: create an arena, fill it, copy it with every mover this machine supports on every
-   path it has (warmed up, median of 3, against a bare ``copy_`` of the same bytes), verify each
-   copy by checksum, print a table.
+   path it has (warmed up, median of 3 GPU times as ``bench movers`` measures them, against a
+   bare ``copy_`` of the same bytes, beside each mover's host cost per call), verify each copy by
+   checksum, print a table.
 2. pipeline: a small Qwen3-MoE built with transformers from its config (random weights,
    ``save_pretrained``) is pre-packed (tp=1 and tp=2), staged into shared memory, loaded into an
    arena, bound to a meta-initialised model, and generates; its logits must equal those of the
@@ -31,15 +32,14 @@ from .units import parse_bytes
 console = Console(width=140)
 
 
-def _median_ms(fn, stream, repeats: int = 3) -> float:
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        if stream is not None:
-            stream.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return sorted(samples)[len(samples) // 2]
+def _copy_ms(fn, stream, repeats: int = 3) -> float:
+    """Median ms of ``fn(stream)``: GPU time with CUDA events (``bench movers``' helper) on a
+    stream, the host clock for a synchronous host copy (``stream`` None)."""
+    from .benchmarks.timing import time_cuda, time_host
+
+    if stream is None:
+        return time_host(lambda: fn(None), repeats=repeats).median_ms
+    return time_cuda(lambda s: fn(s), device=stream.device.index, repeats=repeats, stream=stream).median_ms
 
 
 def _mover_round(device: Device, nbytes: int) -> bool:
@@ -48,6 +48,7 @@ def _mover_round(device: Device, nbytes: int) -> bool:
     import torch
 
     from .arena import Arena
+    from .benchmarks.movers_chunked import per_call_cost_us
     from .benchmarks.timing import print_table
     from .kernels.checksum import checksum
     from .movers import create_mover, list_movers
@@ -81,39 +82,43 @@ def _mover_round(device: Device, nbytes: int) -> bool:
                 runs_on = span_of(source if path == "d2h" else target).device
                 stream = torch.cuda.Stream(device=runs_on.index) if cuda else None
 
-                def bare():
-                    with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+                def bare(s=stream):
+                    with torch.cuda.stream(s) if s is not None else _nullcontext():
                         target.copy_(source_t, non_blocking=True)
 
-                bare()
-                ceiling_ms = _median_ms(bare, stream)
+                ceiling_ms = _copy_ms(bare, stream)
                 rows.append(["torch copy_ (ceiling)", path, f"{ceiling_ms:.2f}", f"{nbytes / ceiling_ms / 1e6:.1f}",
-                             "1.00", "-"])
+                             "1.00", "-", "-"])
                 for info in list_movers():
                     if path not in info.paths:
                         continue
                     if not info.available:
-                        rows.append([info.name, path, "-", "-", "-", f"unavailable: {info.reason}"])
+                        rows.append([info.name, path, "-", "-", "-", "-", f"unavailable: {info.reason}"])
                         continue
                     mover = create_mover(info.name)
                     target.fill_(0xAB)
 
-                    def copy(mover=mover):
-                        mover.copy(target, source, nbytes, stream=stream)
+                    def copy(s=stream, mover=mover):
+                        mover.copy(target, source, nbytes, stream=s)
 
                     copy()  # warm-up: compile, first launch
                     if stream is not None:
                         stream.synchronize()
                     ok = checksum(target) == expected
                     ok_all &= ok
-                    ms = _median_ms(copy, stream)
+                    ms = _copy_ms(copy, stream)
+                    per_call = f"{per_call_cost_us(mover, target, source, stream):.1f}" if cuda else "-"
                     rows.append([info.name, path, f"{ms:.2f}", f"{nbytes / ms / 1e6:.1f}", f"{ceiling_ms / ms:.2f}",
-                                 "ok" if ok else "MISMATCH"])
+                                 per_call, "ok" if ok else "MISMATCH"])
             finally:
                 if hasattr(dst, "close"):
                     dst.close()
-        print_table(f"every mover on every path, {nbytes / 1e6:.0f} MB, warmed up, median of 3 (x ceiling: vs a bare "
-                    "copy_ of the same bytes, same run)", ["mover", "path", "ms", "GB/s", "x ceiling", "checksum"], rows)
+        what = ("GPU time of one copy (CUDA events, the copy enqueued behind a spin kernel: what the device "
+                "spends)" if cuda else "wall time of one synchronous copy")
+        print_table(f"every mover on every path, {nbytes / 1e6:.0f} MB, warmed up, median of 3: {what}; x ceiling: "
+                    "vs a bare copy_ of the same bytes, same run; host µs/call: the host's cost of one 4 KiB "
+                    "mover.copy, what a chunked pipeline pays per chunk",
+                    ["mover", "path", "ms", "GB/s", "x ceiling", "host µs/call", "checksum"], rows)
         return ok_all
 
 

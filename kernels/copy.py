@@ -213,10 +213,19 @@ def sm_copy_spans(d: Span, s: Span, nbytes: int, handle: int, k: dict[str, Any])
 
 
 def _tma_allocator(size: int, alignment: int, stream: Any):
-    """Global scratch for device-side tensor descriptors (Triton asks for it at launch)."""
+    """Global scratch for device-side tensor descriptors (Triton asks for it at launch).
+
+    Allocated on the launch's own ``stream``: the scratch is freed when the launch returns, and
+    torch's caching allocator reuses a freed block without waiting only for work on the stream it
+    was allocated on. A cached launch does not make its stream torch's current one, so without
+    this a later allocation elsewhere could overwrite descriptors the kernel still reads.
+    """
     import torch
 
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    handle = stream_handle(stream)
+    on = torch.cuda.ExternalStream(handle) if handle else torch.cuda.default_stream()
+    with torch.cuda.stream(on):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _ensure_tma_allocator() -> None:

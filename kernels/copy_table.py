@@ -33,6 +33,10 @@ ROW_WORDS = 4
 
 _ELEM_TYPES = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
+PROGRAMS_PER_SM = 2
+"""Resident programs per SM: the row scan leaves the loop without software pipelining, so a
+second program per SM keeps loads in flight (the single-copy kernel pipelines instead)."""
+
 
 @triton.jit
 def _row_of_tile(table_ptr, entry, n_entries, tile):
@@ -64,11 +68,13 @@ def copy_table_kernel(
         src_addr = tl.load(row + 1)
         n_elems = tl.load(row + 2) // ELEM_BYTES
         start = (tile - tl.load(row + 3)) * BLOCK
-        if ALIGN16:
-            dst_addr = tl.multiple_of(dst_addr, 16)
-            src_addr = tl.multiple_of(src_addr, 16)
-        dst = dst_addr.to(tl.pointer_type(ELEM)) + start
-        src = src_addr.to(tl.pointer_type(ELEM)) + start
+        dst = dst_addr.to(tl.pointer_type(ELEM))
+        src = src_addr.to(tl.pointer_type(ELEM))
+        if ALIGN16:  # on the pointers: a hint on the integers does not survive the cast
+            dst = tl.multiple_of(dst, 16)
+            src = tl.multiple_of(src, 16)
+        dst += start
+        src += start
         if start + BLOCK <= n_elems:  # a whole tile: unmasked, so the accesses vectorise
             tl.store(dst + offs, tl.load(src + offs))
         else:
@@ -91,8 +97,8 @@ def copy_table_tma_kernel(
     for tile in range(pid, n_tiles, nprog):
         entry = _row_of_tile(table_ptr, entry, n_entries, tile)
         row = table_ptr + entry * 4
-        dst = tl.multiple_of(tl.load(row), 16).to(tl.pointer_type(tl.int64))
-        src = tl.multiple_of(tl.load(row + 1), 16).to(tl.pointer_type(tl.int64))
+        dst = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.int64)), 16)
+        src = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.int64)), 16)
         n_elems = (tl.load(row + 2) // 8).to(tl.int32)
         start = ((tile - tl.load(row + 3)) * BLOCK).to(tl.int32)
         src_desc = tl.make_tensor_descriptor(src, shape=[n_elems], strides=[1], block_shape=[BLOCK])
@@ -110,7 +116,7 @@ class CopyTable:
     """
 
     def __init__(self, rows: np.ndarray, *, device: Any, kind: str, block_bytes: int, num_warps: int,
-                 num_stages: int, programs_per_sm: int):
+                 num_stages: int, programs_per_sm: int = PROGRAMS_PER_SM):
         import torch
 
         rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
@@ -142,10 +148,17 @@ class CopyTable:
 
     def launch(self, handle: int) -> None:
         """Copy every row, asynchronously on the raw stream ``handle`` of the table's device."""
-        if self.device.is_cuda and self.kind == "tma":
-            from .copy import _ensure_tma_allocator
+        if self.device.is_cuda:
+            import torch
 
-            _ensure_tma_allocator()
+            # the batch (and its table) may be dropped before the kernel has read the table: keep
+            # the caching allocator from handing the block out again until this stream is past it
+            self.table.record_stream(torch.cuda.ExternalStream(handle, device=self.table.device) if handle
+                                     else torch.cuda.default_stream(self.table.device))
+            if self.kind == "tma":
+                from .copy import _ensure_tma_allocator
+
+                _ensure_tma_allocator()
         kernel = copy_table_tma_kernel if self.kind == "tma" else copy_table_kernel
         args = (self.table.data_ptr(), self.n_entries, self.n_tiles)
         launch(kernel, self.config, self.grid, args, device=self.device.index, stream=handle,
@@ -161,12 +174,12 @@ def _table_config(kind: str, elem_bytes: int, align16: bool, block: int, num_war
 
 
 def table_for(batch, *, kind: str, knobs: dict[str, Any]) -> CopyTable:
-    """The :class:`CopyTable` of a validated :class:`~flashboot.movers.batch.ChunkBatch`."""
+    """The :class:`CopyTable` of a validated :class:`~flashboot.movers.batch.ChunkBatch` (tile,
+    warps and stages from the mover's ``knobs``)."""
     require_kernel_memory(batch.dst)
     rows = np.stack([batch.dst.ptr + batch.dst_offsets, batch.src.ptr + batch.src_offsets, batch.nbytes], axis=1)
     return CopyTable(rows, device=batch.dst.device, kind=kind, block_bytes=knobs["block_bytes"],
-                     num_warps=knobs["num_warps"], num_stages=knobs["num_stages"],
-                     programs_per_sm=knobs["programs_per_sm"])
+                     num_warps=knobs["num_warps"], num_stages=knobs["num_stages"])
 
 
 __all__ = ["CopyTable", "copy_table_kernel", "copy_table_tma_kernel", "table_for", "ROW_WORDS"]

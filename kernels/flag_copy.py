@@ -16,6 +16,7 @@ also bounds its own wait for the kernel (a watchdog that raises the abort word).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -45,6 +46,13 @@ INTERPRETER_POLLS = 64
 @triton.jit
 def _now_ns():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _backoff():
+    """Sleep the polling thread ~0.5 us: spinning programs leave memory bandwidth to the copies."""
+    return tl.inline_asm_elementwise("nanosleep.u32 500;\n mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                     is_pure=False, pack=1)
 
 
 @triton.jit
@@ -85,6 +93,7 @@ def flag_chain_copy_kernel(
                 flag = tl.atomic_add(ready_ptr + chunk, 0, sem="acquire", scope="sys")
                 ready = (flag - epoch) >= 0
                 if TIMER:
+                    _backoff()
                     waited = _now_ns() - start
                 else:
                     waited += 1
@@ -93,9 +102,12 @@ def flag_chain_copy_kernel(
                 if stop and not ready:
                     waited = max_wait
             if ready:
-                mask = first + offs < chunk_end
-                x = tl.load(src_ptr + first + offs, mask=mask, cache_modifier=".cg")
-                tl.store(dst_ptr + first + offs, x, mask=mask)
+                if first + BLOCK <= chunk_end:  # a whole tile: unmasked, so the accesses vectorise
+                    tl.store(dst_ptr + first + offs, tl.load(src_ptr + first + offs, cache_modifier=".cg"))
+                else:
+                    mask = first + offs < chunk_end
+                    x = tl.load(src_ptr + first + offs, mask=mask, cache_modifier=".cg")
+                    tl.store(dst_ptr + first + offs, x, mask=mask)
                 tl.debug_barrier()  # every thread's stores precede the release below
                 chunk_len = chunk_end - chunk * chunk_elems
                 chunk_tiles = (chunk_len + BLOCK - 1) // BLOCK
@@ -104,6 +116,13 @@ def flag_chain_copy_kernel(
             else:
                 tl.atomic_min(error_ptr, chunk.to(tl.int32))
                 failed = tl.full([], 1, tl.int32)
+
+
+@functools.cache
+def _flag_config(block: int, timer: bool, num_warps: int) -> LaunchConfig:
+    # num_stages=1: the loop waits on flags; there is nothing to prefetch across its iterations
+    return LaunchConfig((("BLOCK", block), ("TIMER", timer)), ("int64", "int64") + ("int32",) * 5 + (None,) * 6,
+                        num_warps, 1)
 
 
 class FlagChainCopy:
@@ -135,6 +154,12 @@ class FlagChainCopy:
         if d.device != s.device and not (d.device.is_cuda and s.device.is_cuda):
             raise MoverError(f"flag chain copy: runs between GPU memory; got {s.device} -> {d.device}")
         require_kernel_memory(d)
+        if d.device.is_cuda:  # the kernel runs on dst's GPU and reads the predecessor's bytes and flags
+            from flashboot.movers.triton_sm import ensure_peer_access
+
+            for remote in (s, r):
+                if remote.device != d.device:
+                    ensure_peer_access(d.device.index, remote)
         self.dst, self.src, self.ready, self.done = d.sub(0, nbytes), s, r, f
         self.nbytes, self.chunk_bytes, self.n_chunks = nbytes, chunk_bytes, n_chunks
         block = max(1, self.knobs["block_bytes"] // 8)
@@ -148,9 +173,7 @@ class FlagChainCopy:
         self.grid = (max(1, min(sm_count(dev.index if dev.is_cuda else 0) * self.knobs["programs_per_sm"],
                                 self.n_tiles)),)
         self.timer = dev.is_cuda and not interpreting()
-        self.config = LaunchConfig((("BLOCK", block), ("TIMER", self.timer)),
-                                   ("int64", "int64", "int32", "int32", "int32", "int32", "int32")
-                                   + (None,) * 6, self.knobs["num_warps"], 1)
+        self.config = _flag_config(block, self.timer, self.knobs["num_warps"])
         self._timeout_s = 0.0
         self._event = None
         self._handle = 0
@@ -174,6 +197,7 @@ class FlagChainCopy:
                     state[:n].zero_()
                     state[n].fill_(NO_FAILURE)
                     state[n + 1].zero_()
+                state.record_stream(s)  # the copier may be dropped while its kernel still runs
         else:
             state[:n] = 0
             state[n] = NO_FAILURE

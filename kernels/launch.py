@@ -21,9 +21,10 @@ from .views import interpreting, launch_on_index
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LaunchConfig:
-    """Everything of a launch that is fixed for a mover: built once, hashed on every launch.
+    """Everything of a launch that is fixed for a mover: built once (``functools.cache`` in the
+    wrappers), so it is hashed by identity on every launch (a field-wise hash costs a microsecond).
 
     ``constexprs``: ``(name, value)`` pairs of the kernel's ``tl.constexpr`` parameters, which
     must come after its runtime parameters. ``pointers``: for each runtime argument, the name of

@@ -45,6 +45,8 @@ class MoverInfo:
     available: bool
     reason: str
     summary: str
+    batched: str = ""
+    """How ``copy_batch`` copies a chunk list (one batched call, one launch, or one call per chunk)."""
 
 
 def list_movers() -> list[MoverInfo]:
@@ -54,7 +56,8 @@ def list_movers() -> list[MoverInfo]:
         cls = _MOVERS[name]
         ok, reason = cls.availability()
         infos.append(MoverInfo(name, tuple(p for p in ("h2d", "d2h", "d2d", "p2p", "host") if p in cls.paths),
-                               ok, reason, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""))
+                               ok, reason, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "",
+                               cls.batched))
     return infos
 
 

@@ -73,6 +73,43 @@ def test_executor_delivers_every_schedule_byte_exact(schedule):
         _close(eps)
 
 
+def test_executor_batches_the_steps_no_one_waits_on():
+    """Star: every step of a clone reads the seed and no step waits on it -> one batch per lane.
+    Chain: every step either waits or is awaited -> one copy per step, each raising its flag."""
+    from flashboot.movers.host import HostMover
+
+    class Counting(HostMover):
+        def __init__(self):
+            super().__init__()
+            self.calls, self.batches = 0, []
+
+        def copy(self, *a, **k):
+            self.calls += 1
+            return super().copy(*a, **k)
+
+        def copy_batch(self, dst, src, chunks, **k):
+            self.batches.append(len(chunks))
+            return super().copy_batch(dst, src, chunks, **k)
+
+    nbytes = 2 * MiB + 12_345
+    data = pattern(nbytes, 2)
+    for schedule in ("star", "chain"):
+        plan = build_plan(schedule, 3, nbytes, CHUNK)
+        eps = _participants(plan, nbytes, data)
+        mover = Counting()
+        try:
+            receivers = [p.index for p in plan.receivers()]
+            Executor(plan, eps, receivers, mover=mover).run()
+            for i in receivers:
+                assert np.array_equal(eps[i].arena.bytes().numpy()[:nbytes], data), (schedule, i)
+            if schedule == "star":
+                assert mover.calls == 0 and sorted(mover.batches) == sorted(len(plan.steps_into(i)) for i in receivers)
+            else:
+                assert mover.batches == [] and mover.calls == len(plan)
+        finally:
+            _close(eps)
+
+
 def test_flags_of_an_earlier_epoch_do_not_satisfy_a_later_run():
     nbytes = MiB
     data = pattern(nbytes, 2)

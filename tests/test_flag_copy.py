@@ -97,3 +97,24 @@ def test_gpu_chain_of_three_kernels_running_at_once():
     k1.wait()
     k2.wait()
     assert torch.equal(c2, seed) and bool((f2 == 1).all())
+
+
+@pytest.mark.two_gpus
+def test_two_gpus_clone_reads_its_predecessor_over_p2p():
+    """c1 on cuda:0 -> c2 on cuda:1: the kernel on cuda:1 polls c1's flags and reads its bytes."""
+    n, chunk = 32 << 20, 1 << 20
+    seed = torch.randint(-2**31, 2**31 - 1, (n // 4,), dtype=torch.int32, device="cuda:0")
+    c1 = torch.zeros_like(seed)
+    c2 = torch.zeros(n // 4, dtype=torch.int32, device="cuda:1")
+    ready = torch.full((n // chunk,), 4, dtype=torch.int32, device="cuda:0")
+    f1 = torch.zeros_like(ready)
+    f2 = torch.zeros(n // chunk, dtype=torch.int32, device="cuda:1")
+    for d in (0, 1):
+        torch.cuda.synchronize(d)
+    k2 = FlagChainCopy(c2, c1, chunk, ready=f1, done=f2)
+    k1 = FlagChainCopy(c1, seed, chunk, ready=ready, done=f1)
+    k2.launch(4, stream=torch.cuda.Stream(device=1), timeout_s=10)
+    k1.launch(4, stream=torch.cuda.Stream(device=0), timeout_s=10)
+    k1.wait()
+    k2.wait()
+    assert torch.equal(c2.cpu(), seed.cpu()) and bool((f2 == 4).all())

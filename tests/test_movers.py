@@ -325,8 +325,11 @@ def test_host_batch_copies_every_chunk_and_nothing_else(as_array):
 
 
 def test_every_mover_says_how_it_batches():
+    infos = {i.name: i for i in list_movers()}
     for name in ALL:
-        assert mover_class(name).batched, name
+        assert mover_class(name).batched and infos[name].batched == mover_class(name).batched, name
+    assert "cuMemcpyBatchAsync" in infos["copy_engine"].batched
+    assert "descriptor table" in infos["triton_sm"].batched and "descriptor table" in infos["triton_tma"].batched
 
 
 def test_best_mover_picks_the_first_available_mover_of_the_path_in_preference_order(monkeypatch):

@@ -73,10 +73,7 @@ def collect_info() -> dict[str, Any]:
     from flashboot.flashclone.transports.registry import list_transports
 
     info["transports"] = [t.to_dict() for t in list_transports()]
-    info["movers"] = [
-        {"name": m.name, "paths": list(m.paths), "available": m.available, "reason": m.reason, "summary": m.summary}
-        for m in list_movers()
-    ]
+    info["movers"] = [_mover_dict(m) for m in list_movers()]
     return info
 
 
@@ -127,6 +124,11 @@ def _transport_line(t: dict[str, Any]) -> str:
     return f"{t['name']:<9} {t['reach']:<14} {'+'.join(t['memory']):<12} {state}; setup: {t['setup']}"
 
 
+def _mover_dict(m) -> dict[str, Any]:
+    return {"name": m.name, "paths": list(m.paths), "available": m.available, "reason": m.reason,
+            "summary": m.summary, "batched": m.batched}
+
+
 def _mover_line(m: dict[str, Any]) -> str:
     state = "available" if m["available"] else f"unavailable: {m['reason']}"
     return f"{m['name']:<12} {' '.join(m['paths']):<16} {state}"
@@ -158,10 +160,7 @@ def _run_info(args) -> int:
 def _run_movers(args) -> int:
     from flashboot.movers import list_movers
 
-    movers = [
-        {"name": m.name, "paths": list(m.paths), "available": m.available, "reason": m.reason, "summary": m.summary}
-        for m in list_movers()
-    ]
+    movers = [_mover_dict(m) for m in list_movers()]
     if args.json:
         print(json.dumps(movers, indent=2))
     else:

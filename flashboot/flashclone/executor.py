@@ -362,6 +362,40 @@ class Executor:
             lanes.setdefault((s.dst, s.lane), []).append(s)
         return lanes
 
+    def _units(self, steps: Sequence[Step]) -> list[list[Step]]:
+        """``steps`` (id order) cut into what goes to a mover in one call: consecutive steps of a
+        lane from one source that wait for nothing and that no step of the plan waits for (their
+        flags order nothing but completion, so raising them together at the batch's end delays no
+        reader) become one validated batch (``Mover.copy_batch``); every other step stays alone.
+        Without batching (a ``step_hook`` sees every step) each step is its own unit."""
+        if self.step_hook is not None:
+            return [[s] for s in steps]
+        awaited = {w for st in (*self.plan.steps, *self.steps) for w in st.waits}  # rewired steps too
+        units: list[list[Step]] = []
+        last: dict[tuple[int, int], list[Step]] = {}
+        for s in steps:
+            key = (s.dst, s.lane)
+            run = last.get(key)
+            batchable = not s.waits and s.id not in awaited
+            if (batchable and run is not None and run is units[-1] and run[-1].kind == s.kind and run[-1].src == s.src
+                    and not run[-1].waits and run[-1].id not in awaited):
+                run.append(s)
+                continue
+            units.append([s])
+            last[key] = units[-1]
+        return units
+
+    def _copy_unit(self, unit: Sequence[Step], stream: Any) -> None:
+        """Copy the steps of one unit: one ``mover.copy`` for a single step, one batch otherwise."""
+        s = unit[0]
+        mover = self.h2d_mover if s.kind == "h2d" else self.mover
+        dst_arena = self.endpoints[s.dst].arena
+        if len(unit) == 1:
+            mover.copy(dst_arena.span(s.offset, s.nbytes), self._source_span(s), stream=stream)
+            return
+        src = self.host_image if s.kind == "h2d" else self.endpoints[s.src].arena.span()
+        mover.copy_batch(dst_arena.span(), src, [(u.offset, u.offset, u.nbytes) for u in unit], stream=stream)
+
     def _watches(self) -> dict[int, PeerWatch]:
         """Watch every non-local process a local step depends on."""
         pids = {}
@@ -443,10 +477,10 @@ class _HostRun:
     def _lane(self, key: tuple[int, int], steps: list[Step], report: LaneReport, t_start: float) -> None:
         ex = self.ex
         dst, _ = key
-        dst_arena = ex.endpoints[dst].arena
         own = self.flags[dst]
         try:
-            for i, s in enumerate(steps):
+            for i, unit in enumerate(ex._units(steps)):
+                s = unit[0]
                 for w in s.waits:
                     if not self._await(s, w):
                         return
@@ -465,15 +499,15 @@ class _HostRun:
                     ex.step_hook(s)
                     if self.abort.is_set():
                         return
-                src = ex._source_span(s)
-                mover = ex.h2d_mover if s.kind == "h2d" else ex.mover
-                mover.copy(dst_arena.span(s.offset, s.nbytes), src, stream=None)
-                own.set(s.signal, ex.epoch)  # after the copy returned: the bytes are in place
+                ex._copy_unit(unit, None)
+                for u in unit:
+                    own.set(u.signal, ex.epoch)  # after the copy returned: the bytes are in place
                 with self.lock:
-                    self.done.add(s.id)
-                report.step_end_s.append(time.perf_counter() - t_start)
-                report.steps += 1
-                report.nbytes += s.nbytes
+                    self.done.update(u.id for u in unit)
+                end = time.perf_counter() - t_start
+                report.step_end_s.extend([end] * len(unit))
+                report.steps += len(unit)
+                report.nbytes += sum(u.nbytes for u in unit)
         except BaseException as exc:  # a mover error: stop everyone, re-raised by run()
             with self.lock:
                 self.failures.append(exc)  # type: ignore[arg-type]
@@ -542,18 +576,18 @@ class _CudaRun:
     def _cu(self, stream) -> Any:
         return self.drv.CUstream(stream.ptr)
 
-    def _issue(self, s: Step, stream) -> None:
+    def _issue(self, unit: list[Step], stream) -> None:
         ex, drv = self.ex, self.drv
         cs = self._cu(stream)
+        s = unit[0]
         for w in s.waits:
             p, f = ex.plan.flag_of(w)
             _cuda.check(drv.cuStreamWaitValue32(cs, drv.CUdeviceptr(self._flag_ptr(p, f)), ex.epoch, self.geq),
                         f"cuStreamWaitValue32(step {s.id} waits on step {w})")
-        mover = ex.h2d_mover if s.kind == "h2d" else ex.mover
-        mover.copy(ex.endpoints[s.dst].arena.span(s.offset, s.nbytes), ex._source_span(s), stream=stream)
-        # default flags: the write is ordered after the copy with a memory barrier
-        _cuda.check(drv.cuStreamWriteValue32(cs, drv.CUdeviceptr(self._flag_ptr(s.dst, s.signal)), ex.epoch,
-                                             self.write_default), f"cuStreamWriteValue32(step {s.id} done)")
+        ex._copy_unit(unit, stream)
+        for u in unit:  # default flags: each write is ordered after the copy with a memory barrier
+            _cuda.check(drv.cuStreamWriteValue32(cs, drv.CUdeviceptr(self._flag_ptr(u.dst, u.signal)), ex.epoch,
+                                                 self.write_default), f"cuStreamWriteValue32(step {u.id} done)")
 
     def _read_flags(self, participant: int, count: int, dev: int) -> np.ndarray:
         """The first ``count`` flags of ``participant`` read to the host on ``dev``'s side stream."""
@@ -569,8 +603,8 @@ class _CudaRun:
     def run(self) -> ExecReport:
         cp = self.cupy
         ex = self.ex
-        order = ex.steps  # global id order (see module doc)
-        key_of = {s.id: (s.dst, s.lane) for s in order}
+        order = ex._units(ex.steps)  # global id order of each unit's first step (see module doc)
+        key_of = {u[0].id: (u[0].dst, u[0].lane) for u in order}
         issued: dict[tuple[int, int], list[tuple[Step, Any]]] = {k: [] for k in self.lanes}
         completed: dict[tuple[int, int], int] = {k: 0 for k in self.lanes}
         start_ev = {}
@@ -585,7 +619,8 @@ class _CudaRun:
         while True:
             # issue in global id order, as far as the windows allow
             while next_i < len(order):
-                s = order[next_i]
+                unit = order[next_i]
+                s = unit[0]
                 k = key_of[s.id]
                 if ex.window is not None and len(issued[k]) - completed[k] >= ex.window:
                     break
@@ -597,10 +632,10 @@ class _CudaRun:
                 if ex.step_hook is not None:
                     ex.step_hook(s)
                 with cp.cuda.Device(self.lane_device[k]):
-                    self._issue(s, self.streams[k])
+                    self._issue(unit, self.streams[k])
                     ev = cp.cuda.Event()
                     ev.record(self.streams[k])
-                issued[k].append((s, ev))
+                issued[k].extend((u, ev) for u in unit)
                 next_i += 1
             if failure is not None:
                 break
@@ -623,7 +658,7 @@ class _CudaRun:
             if failure is not None:
                 break
             if time.monotonic() - last_progress > ex.timeout_s:
-                k, s = blocked[0] if blocked else (key_of[order[next_i].id], order[next_i])
+                k, s = blocked[0] if blocked else (key_of[order[next_i][0].id], order[next_i][0])
                 failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,} into {ex._name(s.dst)}) made no progress "
                            f"for {ex.timeout_s:g} s", s, self._awaited_peer(s, self.lane_device[k]), False)
                 break
