@@ -69,12 +69,14 @@ def launch(kernel, config: LaunchConfig, grid: tuple[int, ...], args: tuple[int,
                                     num_stages=config.num_stages)
         _compiled[key] = compiled
         return
+    # A compiled kernel's runner reads grid[0..2] (``kernel[grid]`` pads the grid itself, it does not).
+    grid3 = (*grid, 1, 1)[:3]
     # the compiled function belongs to ``device``'s context: make it current only when it is not
     if torch.cuda.current_device() != device:
         with torch.cuda.device(device):
-            compiled[grid](*args, *config.constexpr_values, stream=stream)
+            compiled[grid3](*args, *config.constexpr_values, stream=stream)
     else:
-        compiled[grid](*args, *config.constexpr_values, stream=stream)
+        compiled[grid3](*args, *config.constexpr_values, stream=stream)
 
 
 __all__ = ["LaunchConfig", "launch"]

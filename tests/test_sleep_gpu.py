@@ -99,8 +99,6 @@ def test_cuda_graph_replays_bitwise_after_sleep_and_wake(tmp_path, level):
     import torch
 
     image = _mlp_image(tmp_path)
-    torch.cuda.synchronize(0)
-    free_before_load = gpu_free()
     with flashboot.load(image, 0, "cuda:0", stream=True) as loaded:
         w = [loaded.tensors[f"layers.{i}.weight"] for i in range(3)]
         x = torch.randn(64, 1024, device="cuda:0", generator=torch.Generator("cuda:0").manual_seed(1)).bfloat16()
@@ -124,10 +122,14 @@ def test_cuda_graph_replays_bitwise_after_sleep_and_wake(tmp_path, level):
         want = out.clone()
         assert float(want.float().abs().sum()) > 0
 
+        torch.cuda.synchronize(0)
+        free_awake = gpu_free()
         report = loaded.sleep(level=level)
         assert report.level == level and loaded.arena.asleep
         torch.cuda.synchronize(0)
-        assert abs(gpu_free() - free_before_load) <= SEGMENT  # the weights' memory is back
+        # the weights' memory is back (measured around the sleep alone: other tests of this process
+        # may release cached memory while this one runs; bench swap checks the whole load's)
+        assert loaded.arena.nbytes <= gpu_free() - free_awake <= loaded.arena.nbytes + SEGMENT
         woke = loaded.wake(shm_dir=tmp_path / "no-daemon")
         assert woke.source == ("backup" if level == 1 else "disk")
         assert [t.data_ptr() for t in w] == [loaded.tensors[f"layers.{i}.weight"].data_ptr() for i in range(3)]
