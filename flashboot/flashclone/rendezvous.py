@@ -387,8 +387,9 @@ def _describe_checksums(chunk_bytes: int, digests: tuple[int, ...]) -> str:
 
 
 _TCPSTORE_VALIDATE, _TCPSTORE_PING = 0, 13
-"""c10d's ``QueryType`` codes (TCPStoreBackend.hpp, unchanged since torch 2.3): a client's first
-query is VALIDATE with :data:`_TCPSTORE_MAGIC`, then PING with a nonce that the store sends back."""
+"""c10d's ``QueryType`` codes (TCPStoreBackend.hpp, the same in torch 2.13 and 2.14.1, checked by
+test_rendezvous against the installed torch): a client's first query is VALIDATE with
+:data:`_TCPSTORE_MAGIC`, then PING with a nonce that the store sends back."""
 _TCPSTORE_MAGIC = 0x3C85F7CE
 
 
@@ -472,7 +473,9 @@ class Rendezvous:
         ``timeout_s`` for a store to appear: one hosted by ``flashboot store``
         (:class:`~flashboot.flashclone.store.StoreServer`) or any ``TCPStore(is_master=True)``, such
         as torchrun's at ``MASTER_ADDR:MASTER_PORT``. The token is resolved first (RendezvousError
-        without one), so nothing is exchanged without it.
+        without one), so nothing is exchanged without it. Joining is bounded by ``timeout_s``:
+        WaitTimeoutError names the address when nothing there answers TCPStore's handshake in time,
+        RendezvousError when what answers is not a store.
         """
         tok = resolve_token(token, token_file)
         if not namespace or "/" in namespace:
@@ -491,6 +494,8 @@ class Rendezvous:
                     raise RendezvousError(f"cannot host a store at {address}: {str(exc).splitlines()[0]}") from None
                 # someone already serves there: join it as a client
         _await_store(h, port, deadline, address)
+        # a store that answered the pre-flight answers the constructor's own handshake at once (it
+        # could hang only if the store froze in the instant between the two)
         remaining = max(0.5, deadline - time.monotonic())
         try:
             store = TCPStore(h, port, is_master=False, timeout=datetime.timedelta(seconds=remaining))
