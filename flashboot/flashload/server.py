@@ -137,7 +137,7 @@ class _Resident:
     """The staged image, open read-only: its size is checked before each copy, and the host backend
     copies from it with pread (a truncated file reads short instead of faulting)."""
     mapping: Any = None
-    """CUDA: the staged image mapped, to pin it and copy from it."""
+    """The staged image mapped: what copies into CUDA arenas read (pinned where configured)."""
     pinned: Any = None
     nbytes: int = 0
     metadata_sha256: str = ""
@@ -195,9 +195,8 @@ class PreloadServer:
         res.path, res.fd = str(paths.image), os.open(paths.image, os.O_RDONLY | os.O_CLOEXEC)
         res.nbytes, res.metadata_sha256 = src.nbytes, src.metadata_sha256
         _check_staged_size(res)
+        res.mapping = MappedFile(res.path, src.nbytes)
         dev = self.config.device_for(rank)
-        if dev.is_cuda:
-            res.mapping = MappedFile(res.path, src.nbytes)
         if dev.is_cuda and self.config.pin:
             res.pinned = register_host(res.mapping.ptr, src.nbytes, dev, path=str(paths.image))
             res.pin_ms = res.pinned.pin_ms
