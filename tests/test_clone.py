@@ -4,17 +4,19 @@ chunk sweep. GPU versions: tests/test_clone_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import threading
+import types
 
 import numpy as np
 import pytest
 
 import flashboot
 from flashboot.arena import Arena
-from flashboot.errors import FlashBootError, RendezvousError, UnknownNameError
+from flashboot.errors import ArenaError, FlashBootError, RendezvousError, UnknownNameError
 from flashboot.flashclone.executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from flashboot.memory import span_of
 from flashboot.schedulers import HOST, build_plan
@@ -502,6 +504,20 @@ def test_holder_in_process_refuses_a_writable_registry_and_a_dead_engine(tmp_pat
         wait_until(lambda: holder.kv.get("held", "ghost"), 10, "the holder's answer")
         with pytest.raises(FlashBootError, match="last adoption failed"):
             flashboot.flashclone.holder.open_held("ghost", registry=registry)
+        # an engine that hands over a look-alike memfd it could shrink under the holder: refused by name
+        with Arena.create(MiB, "cpu") as c:
+            fake = os.memfd_create(f"flashboot-arena-{c.arena_id}.0", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fake, c.nbytes)
+                lookalike = types.SimpleNamespace(export=lambda: dataclasses.replace(c.export(), fds=(fake,)))
+                with pytest.raises(ArenaError, match=rf"could not adopt 'shrinkable': .*segment 0 of arena "
+                                                     rf"{c.arena_id}, 2,097,152 bytes\) is not sealed against shrinking"):
+                    hand_over(lookalike, "shrinkable", registry=registry, timeout_s=10)
+            finally:
+                os.close(fake)
+        b = flashboot.flashclone.holder.open_held("w", registry=registry)  # still held and served
+        assert int(b.bytes().numpy().min()) == 9
+        b.close()
     finally:
         stop_ev.set()
         t.join(10)
