@@ -428,19 +428,22 @@ def _await_store(host: str, port: int, deadline: float, address: str) -> None:
 
 def _store_hello(host: str, port: int, hello: bytes, deadline: float) -> bytes | None:
     """Connect, send ``hello`` and read the 4-byte answer by ``deadline``: the answer, b"" when the
-    peer closed first, None when it stayed silent. OSError when the connection fails."""
+    peer closed (or reset) the connection first, None when it stayed silent. OSError when the
+    connection cannot be made."""
     with socket.create_connection((host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))) as s:
-        s.sendall(hello)
         answer = b""
-        while len(answer) < 4:
-            s.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
+        try:
+            s.sendall(hello)
+            while len(answer) < 4:
+                s.settimeout(max(0.01, deadline - time.monotonic()))
                 part = s.recv(4 - len(answer))
-            except socket.timeout:
-                return None
-            if not part:
-                return answer
-            answer += part
+                if not part:
+                    break
+                answer += part
+        except socket.timeout:
+            return None
+        except ConnectionError:
+            pass
         return answer
 
 
