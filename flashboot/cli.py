@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import FlashBootError
@@ -31,7 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
+"""c10d logs a warning (two lines, at times with C++ frames) for every store wait that runs out,
+while FlashBoot already raises one error naming what was awaited: commands show c10's errors only,
+unless the user set this variable. It is read once, when torch loads, so it is set before that."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault(CPP_LOG_LEVEL_ENV, "ERROR")
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

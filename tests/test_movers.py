@@ -178,6 +178,22 @@ def test_host_mover_handles_overlapping_ranges_like_memmove(shift):
     assert np.array_equal(buf.numpy(), expected)
 
 
+def test_warming_the_host_mover_compiles_the_loop_its_copies_use():
+    """warm_host_copy (a clone runs it while it connects) compiles the one signature that copies of
+    1 MiB and more call, so a first copy does not compile (~0.6 s: a 2 MB clone's whole transfer)."""
+    from flashboot.kernels.host_copy import copy_chunks
+    from flashboot.movers.host import warm_host_copy
+
+    warm_host_copy()
+    compiled = list(copy_chunks.signatures)
+    assert len(compiled) == 1
+    n = 2 * (1 << 20) + 5
+    out = np.zeros(n, np.uint8)
+    create_mover("host").copy(out, pattern(n, 4))
+    assert np.array_equal(out, pattern(n, 4))
+    assert list(copy_chunks.signatures) == compiled, "the copy compiled another signature than the warm-up's"
+
+
 # ---------------------------------------------------------------------------------------------
 # The command line: `flashboot movers` and `flashboot info`
 # ---------------------------------------------------------------------------------------------

@@ -521,6 +521,32 @@ def test_a_staged_image_that_shrinks_during_the_copy_reads_short_and_the_daemon_
     daemon.load_exact()
 
 
+@pytest.mark.gpu
+def test_gpu_a_truncated_staged_image_is_refused_and_the_pinned_daemon_keeps_serving(image):
+    """CUDA: the daemon copies from the staged file's pinned pages; a file truncated since is refused
+    before the copy (it would serve pages the file no longer has), and the daemon serves on."""
+    shm = Path(tempfile.mkdtemp(prefix="flashboot-test-", dir="/dev/shm"))  # pinning needs tmpfs pages
+    d = Daemon(image, shm, devices={0: "cuda:0"})
+    try:
+        assert d.server.residents[0].state == "pinned"
+        src = shm_files.rank_source(image, 0)
+        staged = staged_paths(image, 0, shm).image
+        good = staged.read_bytes()
+        os.truncate(staged, 4096)
+        with Arena.create(src.nbytes, "cuda:0") as arena:
+            with pytest.raises(LayoutError, match=rf"{staged}: the staged image of rank 0 holds 4,096 bytes"):
+                client.served_load(arena, src, timeout_s=30, shm_dir=shm)
+        with open(staged, "r+b") as f:
+            f.write(good)
+        with Arena.create(src.nbytes, "cuda:0") as arena:
+            client.served_load(arena, src, timeout_s=30, shm_dir=shm)
+            assert bytes(arena.bytes()[:src.nbytes].cpu().numpy()) == good
+        assert d.thread.is_alive()
+    finally:
+        d.close()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 def test_fifo_lock_grants_in_arrival_order_and_gives_up_a_timed_out_place():
     lock = server._FifoLock()
     assert lock.acquire(1)

@@ -221,6 +221,34 @@ def test_the_store_handshake_is_the_one_torchs_tcpstore_answers():
             Rendezvous.connect(address, TOKEN, timeout_s=0.5)
 
 
+def test_a_port_that_hangs_up_at_once_is_retried_until_the_timeout_and_named():
+    import socket
+
+    with socket.socket() as closing:
+        closing.bind(("127.0.0.1", 0))
+        closing.listen(64)
+        address = f"127.0.0.1:{closing.getsockname()[1]}"
+        stop = threading.Event()
+
+        def hang_up():
+            closing.settimeout(0.05)
+            while not stop.is_set():
+                try:
+                    closing.accept()[0].close()
+                except OSError:
+                    pass
+
+        t = threading.Thread(target=hang_up, daemon=True)
+        t.start()
+        try:
+            with pytest.raises(WaitTimeoutError, match=rf"no rendezvous store answered at {address} \(something "
+                                                       r"listens there and closed the connection without answering"):
+                Rendezvous.connect(address, TOKEN, timeout_s=0.5)
+        finally:
+            stop.set()
+            t.join(5)
+
+
 def test_connect_needs_a_token_before_touching_the_network(address, monkeypatch):
     monkeypatch.delenv(ENV_TOKEN, raising=False)
     monkeypatch.delenv(ENV_TOKEN_FILE, raising=False)

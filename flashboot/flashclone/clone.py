@@ -66,7 +66,7 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
         transport_class(transport)  # UnknownNameError listing the registered ones
     mover_obj = _check_mover(dev, _default_mover(dev, mover))
     nixl_warm = AgentWarmup.start_for(transport, "clone", timeout_s)
-    warm = _Warmup(dev)  # overlaps connecting; joined before the descriptor is requested
+    warm = _Warmup(dev, mover_obj)  # overlaps connecting; joined before the descriptor is requested
     session = _Session.connect(store, token, token_file, name, host=False, timeout_s=timeout_s, keep=nixl_warm)
     try:
         return _clone(session, dev, schedule, mover_obj, t_start, verify=verify, timeout_s=timeout_s,
@@ -133,7 +133,12 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     report.chunk_bytes = plan.chunk_bytes
     sources = _Sources(session, dev, gen, schedule, manifest, seed_desc, int(seed_rec.body["pid"]), chosen, timeout_s,
                        rank)
-    my_steps = list(plan.steps_into(position))
+    my_steps, departed = _skip_departed(plan, list(plan.steps_into(position)), sources)
+    if departed:
+        lo, hi = min(departed), max(departed)
+        names = f"clone #{lo}" if lo == hi else f"clones #{lo}..#{hi}" if len(departed) == hi - lo + 1 else \
+            "clones " + ", ".join(f"#{p}" for p in sorted(departed))
+        report.source_note = f"{names} had finished and exited"
     upstream = {s.src for s in my_steps}
     dead: set[int] = set()
     tx = time.perf_counter()
@@ -250,6 +255,19 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     report.total_ms = (time.perf_counter() - t_start) * 1e3
     report.finished_unix = time.time()
     return CloneResult(session.arena, _views(session.arena, metadata), report, metadata=metadata, _session=session)
+
+
+def _skip_departed(plan: Plan, steps: list[Step], sources: _Sources) -> tuple[list[Step], set[int]]:
+    """``steps`` re-wired past upstream clones that finished and exited (a chain run one clone after
+    another: each predecessor is gone by the time its successor joins), and those clones. Not a
+    failure: they said they left, so nothing is tried on them."""
+    departed: set[int] = set()
+    while True:
+        gone = {p for p in {s.src for s in steps} if p not in departed and sources.left(p)}
+        if not gone:
+            return steps, departed
+        departed |= gone
+        steps = rewire(plan, steps, min(gone), dead=departed)
 
 
 def _reroute(plan: Plan, steps: list[Step], lost: int, dead: set, sources: _Sources, image: Any,

@@ -387,8 +387,9 @@ def _describe_checksums(chunk_bytes: int, digests: tuple[int, ...]) -> str:
 
 
 _TCPSTORE_VALIDATE, _TCPSTORE_PING = 0, 13
-"""c10d's ``QueryType`` codes (TCPStoreBackend.hpp, unchanged since torch 2.3): a client's first
-query is VALIDATE with :data:`_TCPSTORE_MAGIC`, then PING with a nonce that the store sends back."""
+"""c10d's ``QueryType`` codes (TCPStoreBackend.hpp, the same in torch 2.13 and 2.14.1, checked by
+test_rendezvous against the installed torch): a client's first query is VALIDATE with
+:data:`_TCPSTORE_MAGIC`, then PING with a nonce that the store sends back."""
 _TCPSTORE_MAGIC = 0x3C85F7CE
 
 
@@ -427,19 +428,22 @@ def _await_store(host: str, port: int, deadline: float, address: str) -> None:
 
 def _store_hello(host: str, port: int, hello: bytes, deadline: float) -> bytes | None:
     """Connect, send ``hello`` and read the 4-byte answer by ``deadline``: the answer, b"" when the
-    peer closed first, None when it stayed silent. OSError when the connection fails."""
+    peer closed (or reset) the connection first, None when it stayed silent. OSError when the
+    connection cannot be made."""
     with socket.create_connection((host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))) as s:
-        s.sendall(hello)
         answer = b""
-        while len(answer) < 4:
-            s.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
+        try:
+            s.sendall(hello)
+            while len(answer) < 4:
+                s.settimeout(max(0.01, deadline - time.monotonic()))
                 part = s.recv(4 - len(answer))
-            except socket.timeout:
-                return None
-            if not part:
-                return answer
-            answer += part
+                if not part:
+                    break
+                answer += part
+        except socket.timeout:
+            return None
+        except ConnectionError:
+            pass
         return answer
 
 
@@ -472,7 +476,9 @@ class Rendezvous:
         ``timeout_s`` for a store to appear: one hosted by ``flashboot store``
         (:class:`~flashboot.flashclone.store.StoreServer`) or any ``TCPStore(is_master=True)``, such
         as torchrun's at ``MASTER_ADDR:MASTER_PORT``. The token is resolved first (RendezvousError
-        without one), so nothing is exchanged without it.
+        without one), so nothing is exchanged without it. Joining is bounded by ``timeout_s``:
+        WaitTimeoutError names the address when nothing there answers TCPStore's handshake in time,
+        RendezvousError when what answers is not a store.
         """
         tok = resolve_token(token, token_file)
         if not namespace or "/" in namespace:
@@ -491,6 +497,8 @@ class Rendezvous:
                     raise RendezvousError(f"cannot host a store at {address}: {str(exc).splitlines()[0]}") from None
                 # someone already serves there: join it as a client
         _await_store(h, port, deadline, address)
+        # a store that answered the pre-flight answers the constructor's own handshake at once (it
+        # could hang only if the store froze in the instant between the two)
         remaining = max(0.5, deadline - time.monotonic())
         try:
             store = TCPStore(h, port, is_master=False, timeout=datetime.timedelta(seconds=remaining))

@@ -24,8 +24,9 @@ class CloneReport:
     communicator setup would replace; our own arena's allocation is ``alloc_ms``, after it. The
     sources' other segments are mapped during the transfer, each just ahead of its first copy:
     ``map_during_copy_ms`` (host time, overlapped with copies already issued) and
-    ``segments_mapped_during_copy``. ``warm_ms``: the one-time driver warm-up (:func:`flashboot.arena.warm_import`) run
-    before the descriptor is requested, overlapped with connecting. ``transfer_ms``: the copy
+    ``segments_mapped_during_copy``. ``warm_ms``: the one-time warm-up run before the descriptor is requested, overlapped with
+    connecting: the driver's (:func:`flashboot.arena.warm_import`) on CUDA, the host mover's
+    compilation on the host backend (``warm_note`` says which). ``transfer_ms``: the copy
     (from the first step issued to the last byte in place, pipeline fill included).
     ``setup_ms`` (nixl): the transport's
     setup on the critical path (waiting for the agent created while connecting, registering our
@@ -43,6 +44,9 @@ class CloneReport:
     transport: str = "posix_fd"
     transport_note: str = ""
     source: str = ""
+    source_note: str = ""
+    """Why the source is not the plan's first choice, when that is not a failure (the upstream clones
+    of a chain run one after another had finished and exited)."""
     mover: str = ""
     chunk_bytes: int = 0
     connect_ms: float = 0.0
@@ -95,7 +99,7 @@ class CloneReport:
 
     def summary(self) -> str:
         parts = [f"{self.schedule} #{self.position} on {self.device}: {self.nbytes / 1e9:.3f} GB via {self.transport}",
-                 f"from {self.source}" if self.source else "",
+                 f"from {self.source}" + (f" ({self.source_note})" if self.source_note else "") if self.source else "",
                  f"exchange+map {self.exchange_ms:.2f} ms, transfer {self.transfer_ms:.1f} ms ({self.gbps:.1f} GB/s)",
                  f"ready {self.ready_ms:.1f} ms" + (f" (+ verify {self.verify_ms:.1f} ms)" if self.verify_ms else ""),
                  f"total {self.total_ms:.1f} ms"]

@@ -52,7 +52,7 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
                              f"not {transport!r}")
     hook = _step_hook(step_delay_s)
     nixl_warm = AgentWarmup.start_for(transport, "ring", timeout_s)
-    warm = _Warmup(dev)  # overlaps connecting; joined before any descriptor is requested
+    warm = _Warmup(dev, mover_obj)  # overlaps connecting; joined before any descriptor is requested
     session = _Session.connect(store, token, token_file, name, host=True, timeout_s=timeout_s, keep=nixl_warm)
     rdv = session.rdv
     try:

@@ -146,6 +146,11 @@ class _Sources:
         self.pids[participant] = ep.pid
         return ep
 
+    def left(self, participant: int) -> bool:
+        """Whether clone ``participant`` of this schedule finished and exited (withdrew as a source)."""
+        return participant not in (_SEED_INDEX, HOST) and self.rdv.has(
+            _gkey(self.gen, self.schedule, "status", participant, "left"))
+
     def drop(self, participant: int) -> None:
         self.endpoints.pop(participant, None)
         self.session.close_opened(participant)

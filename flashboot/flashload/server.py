@@ -134,10 +134,10 @@ class _Resident:
     event: threading.Event = field(default_factory=threading.Event)
     path: str = ""
     fd: int = -1
-    """The staged image, open read-only: its size is checked before each copy, and the host backend
+    """The staged image, kept open: its size is checked before each copy, and the host backend
     copies from it with pread (a truncated file reads short instead of faulting)."""
     mapping: Any = None
-    """CUDA: the staged image mapped, to pin it and copy from it."""
+    """The staged image mapped: what copies into CUDA arenas read (pinned where configured)."""
     pinned: Any = None
     nbytes: int = 0
     metadata_sha256: str = ""
@@ -192,12 +192,11 @@ class PreloadServer:
         src = rank_source(self.config.image_dir, rank)
         paths = staged_paths(self.config.image_dir, rank, self.config.shm_dir)
         check_ready(read_ready(paths.ready), src)
-        res.path, res.fd = str(paths.image), os.open(paths.image, os.O_RDONLY | os.O_CLOEXEC)
+        res.path, res.fd = str(paths.image), os.open(paths.image, os.O_RDWR | os.O_CLOEXEC)
         res.nbytes, res.metadata_sha256 = src.nbytes, src.metadata_sha256
         _check_staged_size(res)
+        res.mapping = MappedFile(res.path, src.nbytes, fd=res.fd)  # the same file the size checks look at
         dev = self.config.device_for(rank)
-        if dev.is_cuda:
-            res.mapping = MappedFile(res.path, src.nbytes)
         if dev.is_cuda and self.config.pin:
             res.pinned = register_host(res.mapping.ptr, src.nbytes, dev, path=str(paths.image))
             res.pin_ms = res.pinned.pin_ms
