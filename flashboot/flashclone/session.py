@@ -16,6 +16,8 @@ class _Session:
     def __init__(self, rdv: Rendezvous):
         self.rdv = rdv
         self.arena = None
+        self.borrowed_arena = False
+        """True when ``arena`` belongs to the caller (``clone(into=...)``): close() leaves it open."""
         self.flags = None
         self.opened: dict[int, list] = {}
         self.extra: list = []
@@ -60,7 +62,7 @@ class _Session:
             except BaseException as exc:
                 first = first or exc
         self.extra = []
-        for attr in ("flags",) + (() if keep_arena else ("arena",)):
+        for attr in ("flags",) + (() if keep_arena or self.borrowed_arena else ("arena",)):
             obj = getattr(self, attr)
             if obj is not None and not obj.closed:
                 try:
