@@ -274,3 +274,38 @@ pub.publish(t, version=1)
         assert loaded.version == 0
     finally:
         loaded.close()
+
+
+def test_two_engines_refit_as_a_chain(model, store):
+    """Two engines of one rank take version 1 together: the second copies from the first."""
+    import threading
+
+    address, _ = store
+    new = _new_weights(model / "ckpt", 0.5, seed=8)
+    engines = [flashboot.load(model / "img", rank=0, device="cpu") for _ in range(2)]
+    reports, errors = {}, []
+
+    def refit(i):
+        try:
+            reports[i] = engines[i].refit(address, 1, schedule="chain", clones=2, timeout_s=60)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    try:
+        with Publisher(model / "img", 0, store=address, device="cpu") as pub:
+            pub.publish(_shuffled(new), version=1)
+            threads = [threading.Thread(target=refit, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(90)
+        assert not errors, errors
+        assert sorted(r.position for r in reports.values()) == [1, 2]
+        assert {r.details["source"] for r in reports.values()} == {"seed", "clone #1"}
+        with _reference(model, "chain", new, rank=0) as ref:
+            want = _snapshot(ref)
+            for e in engines:
+                _equal(_snapshot(e), want)
+    finally:
+        for e in engines:
+            e.close()
