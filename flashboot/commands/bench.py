@@ -15,6 +15,7 @@ BENCH_MODULES = [
     "flashboot.benchmarks.stream",
     "flashboot.benchmarks.serve",
     "flashboot.benchmarks.soak",
+    "flashboot.benchmarks.refit",
 ]
 
 
