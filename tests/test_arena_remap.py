@@ -87,3 +87,37 @@ def test_refused_before_anything_moves():
     assert (live.bytes().numpy() == 1).all()
     for a in (imported, imported_from, unrelated, small, live):
         a.close()
+
+
+@pytest.mark.gpu
+def test_cuda_segments_swap_under_a_captured_cuda_graph():
+    """A CUDA graph captured over a view reads the staging arena's bytes after the swap, with no
+    re-capture; the arena exports its new segments to another mapping."""
+    import torch
+
+    nbytes = 3 * (2 << 20)
+    live = Arena.create(nbytes, "cuda:0", segment_bytes=2 << 20)
+    staging = staging_for(live)
+    live.bytes().fill_(1)
+    staging.bytes().fill_(2)
+    x = live.view(0, (nbytes // 4,), torch.float32)
+    out = torch.empty((), device="cuda:0")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out.copy_(x.sum())  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out.copy_(x.sum())
+    graph.replay()
+    torch.cuda.synchronize()
+    before = out.item()
+    replace_backing(live, staging)
+    staging.close()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = torch.full((nbytes,), 2, dtype=torch.uint8, device="cuda:0").view(torch.float32).sum().item()
+    assert out.item() == want != before
+    other = Arena.open(live.export(), "cuda:0")
+    assert bool((other.bytes() == 2).all())
+    other.close()
+    live.close()

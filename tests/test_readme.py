@@ -91,8 +91,9 @@ def _on_this_machine(code: str) -> str:
 
 def test_the_readme_has_the_python_examples_this_test_runs():
     blocks = readme_blocks("python")
-    assert len(blocks) == 3, "a python block was added to or removed from README.md: run it here too"
+    assert len(blocks) == 4, "a python block was added to or removed from README.md: run it here too"
     assert "best_mover" in blocks[0] and "flashboot.prepack" in blocks[1] and "hand_over" in blocks[2]
+    assert "flashboot.publish" in blocks[3] and "loaded.refit" in blocks[3]
 
 
 def test_the_arena_and_movers_example_runs_as_written(readme_cwd):
@@ -118,3 +119,15 @@ def test_the_hold_example_hands_an_arena_over_and_reopens_the_same_bytes(readme_
         assert oct((readme_cwd / "held").stat().st_mode & 0o777) == "0o700"
     finally:
         holder.stop()
+
+
+def test_the_refit_example_publishes_and_refits_the_trainers_tensors(readme_cwd):
+    from flashboot.flashclone.rendezvous import free_port
+
+    code = _on_this_machine(readme_blocks("python")[3]).replace("127.0.0.1:29650", f"127.0.0.1:{free_port()}")
+    token = "import os\nos.environ['FLASHBOOT_TOKEN'] = 'readme-refit-token-0123456789'\n"
+    check = ("\nimport torch\ncommon = [n for n in loaded.tensors if n in weights]\n"
+             "assert common and loaded.version == 1\n"
+             "assert all(torch.equal(loaded.tensors[n], weights[n]) for n in common)\n")
+    out = _run_python(token + code + check, readme_cwd).stdout
+    assert "published v1" in out and "refit v0 -> v1 (atomic" in out
