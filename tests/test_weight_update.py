@@ -217,6 +217,10 @@ def test_refit_refusals_leave_the_old_weights(model, store, monkeypatch):
             loaded.refit(address, 2, timeout_s=10)
             with pytest.raises(RefitError, match="version 2 is not newer than the live version 2"):
                 loaded.refit(address, 2, timeout_s=10)
+            loaded.arena.share("holder pid 42")
+            with pytest.raises(RefitError, match=r"cannot remap this arena .*\(holder pid 42\).*nothing was copied"):
+                loaded.refit(address, 3, timeout_s=10)
+            loaded.arena.unshare("holder pid 42")
             loaded.sleep(level=2)
             with pytest.raises(RefitError, match="asleep.*wake\\(\\) it, then refit"):
                 loaded.refit(address, 3, timeout_s=10)

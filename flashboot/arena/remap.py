@@ -85,13 +85,22 @@ def staging_for(arena):
     return Arena._create_host(arena.nbytes, arena.segment_bytes, arena_id=arena.arena_id)
 
 
+def check_replaceable(arena, role: str = "live") -> None:
+    """ArenaError unless ``arena``'s segments can be replaced: open, awake, owned by this process
+    and mapped by no other (:meth:`~flashboot.arena.Arena.share`)."""
+    arena._check_open()
+    if arena.imported:
+        raise ArenaError(f"replace_backing: the {role} arena {arena.arena_id} is opened from another process's export; "
+                         "only an owner's segments can move")
+    arena._check_awake(f"moving its segments ({role})")
+    if arena._shares:
+        raise ArenaError(f"arena {arena.arena_id} cannot change its segments: {len(arena._shares)} other process(es) "
+                         f"map it ({'; '.join(sorted(arena._shares))})")
+
+
 def _check_pair(arena, staging) -> None:
-    for a, role in ((arena, "live"), (staging, "staging")):
-        a._check_open()
-        if a.imported:
-            raise ArenaError(f"replace_backing: the {role} arena {a.arena_id} is opened from another process's export; "
-                             "only an owner's segments can move")
-        a._check_awake(f"moving its segments ({role})")
+    check_replaceable(arena)
+    check_replaceable(staging, "staging")
     if (arena.nbytes, arena.segment_bytes, arena.home_device) != (staging.nbytes, staging.segment_bytes,
                                                                    staging.home_device):
         raise ArenaError(f"replace_backing: arena {arena.arena_id} ({arena.nbytes:,} bytes in segments of "
@@ -101,9 +110,6 @@ def _check_pair(arena, staging) -> None:
     if not arena.device.is_cuda and staging.arena_id != arena.arena_id:
         raise ArenaError(f"replace_backing: host staging arena {staging.arena_id} names its memfds after itself, and "
                          f"importers of arena {arena.arena_id} would refuse them; make it with staging_for()")
-    if arena._shares:
-        raise ArenaError(f"arena {arena.arena_id} cannot change its segments: {len(arena._shares)} other process(es) "
-                         f"map it ({'; '.join(sorted(arena._shares))})")
 
 
 @_cuda.keeps_context
@@ -161,4 +167,4 @@ def replace_backing(arena, staging) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-__all__ = ["replace_backing", "staging_for"]
+__all__ = ["check_replaceable", "replace_backing", "staging_for"]

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import FlashBootError, OutOfMemoryError
+from ..errors import ArenaError, FlashBootError, OutOfMemoryError
 from ..flashclone.rendezvous import DEFAULT_TIMEOUT_S
 from .publish import DEFAULT_NAME, check_version, version_namespace
 
@@ -101,7 +101,7 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     not those published. All of them leave the old weights whole and serving, except a failure
     during an ``atomic=False`` copy.
     """
-    from ..arena.remap import replace_backing, staging_for
+    from ..arena.remap import check_replaceable, replace_backing, staging_for
     from ..flashclone.clone import clone
     from ..flashclone.common import SEED_KEY
     from ..flashclone.rendezvous import Rendezvous
@@ -116,6 +116,12 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
         raise RefitError(f"{where}: the engine is asleep (its weights are released); wake() it, then refit")
     if version <= live:
         raise RefitError(f"{where}: version {version} is not newer than the live version {live}; refused")
+    if atomic:
+        try:
+            check_replaceable(arena)
+        except ArenaError as exc:
+            raise RefitError(f"{where}: an atomic refit cannot remap this arena ({exc}); nothing was copied, the old "
+                             "weights are serving") from None
     namespace = version_namespace(name, version)
     rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=namespace, host=False, timeout_s=timeout_s)
     try:
