@@ -313,3 +313,35 @@ def test_two_engines_refit_as_a_chain(model, store):
     finally:
         for e in engines:
             e.close()
+
+
+def test_the_published_arena_changing_during_a_refit_fails_its_checksums(model, store, monkeypatch):
+    """The trainer overwrites its arena's last chunk while the engine is still copying the first
+    ones (each pipeline step slowed): the copy verifies against the published checksums, the refit
+    is refused and the engine keeps the old weights."""
+    import threading
+    import time
+
+    address, _ = store
+    new = _new_weights(model / "ckpt", 0.5, seed=9)
+    loaded = flashboot.load(model / "img", rank=0, device="cpu")
+    before = _snapshot(loaded)
+    monkeypatch.setenv("FLASHBOOT_TEST_STEP_DELAY_S", "0.05")
+    try:
+        with Publisher(model / "img", 0, store=address, device="cpu") as pub:
+            pub.publish(new, version=1)
+            last = loaded.metadata.image_nbytes - 64
+
+            def overwrite():
+                time.sleep(0.15)
+                pub.arena.bytes().numpy()[last:last + 64] ^= 0xFF
+
+            t = threading.Thread(target=overwrite)
+            t.start()
+            with pytest.raises(ChecksumMismatchError, match=r"chunk \d+"):
+                loaded.refit(address, 1, chunk_bytes=64 << 10, timeout_s=30)
+            t.join()
+        _equal(_snapshot(loaded), before)
+        assert loaded.version == 0
+    finally:
+        loaded.close()

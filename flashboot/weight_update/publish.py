@@ -137,7 +137,10 @@ class Publisher:
         table = PackTable(plan, named, self.arena)
         t1 = time.perf_counter()
         self.withdraw()
-        stream = torch.cuda.Stream(device=self.device.index) if self.device.is_cuda else None
+        stream = None
+        if self.device.is_cuda:  # after the trainer's own work on these tensors (its current stream)
+            stream = torch.cuda.Stream(device=self.device.index)
+            stream.wait_stream(torch.cuda.current_stream(self.device.index))
         table.launch(stream=stream)
         if stream is not None:
             stream.synchronize()
