@@ -126,8 +126,8 @@ def test_refit_gives_the_bytes_of_a_fresh_prepack(model, store, atomic, device):
 
 
 def test_pack_kernel_host_numpy_and_per_tensor_copy_agree(model):
-    """The Triton table kernel (interpreter), numpy over the same rows and a copy_ per piece
-    write the same image bytes."""
+    """The Triton table kernel (interpreter, several programs, tile -> row map), numpy over the
+    same rows and a copy_ per piece write the same image bytes."""
     from flashboot.arena import Arena
     from flashboot.kernels.copy_table import CopyTable
     from flashboot.weight_update.pack import pack_rows_host
@@ -139,6 +139,8 @@ def test_pack_kernel_host_numpy_and_per_tensor_copy_agree(model):
         arenas = [Arena.create(meta.image_nbytes, "cpu") for _ in range(3)]
         try:
             tables = [PackTable(plan, new, a) for a in arenas[:2]]
+            rows = tables[0].rows
+            assert (rows[:, 3] < rows[:, 2]).any() and (rows[:, 3] == rows[:, 2]).any()  # strided and whole rows
             k = dict(block_bytes=4096, num_warps=4, num_stages=1, programs_per_sm=1)
             CopyTable(tables[0].rows[:, :3], runs=tables[0].rows[:, 3:], device=arenas[0].device, kind="sm",
                       **k).launch(0)
