@@ -342,7 +342,7 @@ def test_the_published_arena_changing_during_a_refit_fails_its_checksums(model, 
             t.start()
             with pytest.raises(ChecksumMismatchError, match=r"chunk \d+"):
                 loaded.refit(address, 1, chunk_bytes=64 << 10, timeout_s=30)
-            t.join()
+            t.join(30)
         _equal(_snapshot(loaded), before)
         assert loaded.version == 0
     finally:
