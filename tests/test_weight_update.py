@@ -347,3 +347,22 @@ def test_the_published_arena_changing_during_a_refit_fails_its_checksums(model, 
         assert loaded.version == 0
     finally:
         loaded.close()
+
+
+def test_refit_over_a_transport_that_runs_the_copy_itself(model, store):
+    """The transports registry decides: over the broadcast fallback (gloo here) the copy still lands
+    in the staging arena, is verified and remapped under the same views."""
+    address, _ = store
+    new = _new_weights(model / "ckpt", 0.5, seed=10)
+    loaded = flashboot.load(model / "img", rank=1, device="cpu")
+    ptrs = {n: v.data_ptr() for n, v in loaded.tensors.items()}
+    try:
+        with Publisher(model / "img", 1, store=address, device="cpu", serve_nccl=True) as pub:
+            pub.publish(new, version=1)
+            report = loaded.refit(address, 1, transport="nccl", timeout_s=30)
+            assert report.transport == "nccl" and report.remap_ms >= 0 and pub.seed.nccl_served == 1
+        assert {n: v.data_ptr() for n, v in loaded.tensors.items()} == ptrs
+        with _reference(model, "nccl", new, rank=1) as ref:
+            _equal(_snapshot(loaded), _snapshot(ref))
+    finally:
+        loaded.close()

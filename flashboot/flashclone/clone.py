@@ -89,8 +89,6 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
 def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float, *, verify: bool, timeout_s: float,
            chunk_bytes: int | None, clones: int | None, expect: Any, image: Any, rank: int, transport: str,
            retry: bool, hook, warm: _Warmup | None = None, nixl_warm=None, into=None) -> CloneResult:
-    from ..arena import Arena
-
     rdv = session.rdv
     report = CloneReport(schedule, 0, str(dev), 0, mover=mover.name)
     if warm is not None:
@@ -127,11 +125,8 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
         return _parse_metadata(meta_rec.body.get("metadata"), f"metadata published at {rdv.address}")
 
     if not cls.maps:
-        if into is not None:
-            raise CloneError(f"copying into an existing arena needs a transport that maps the source; {chosen!r} "
-                             "does not (use posix_fd or fabric)")
         return cls.run(CloneContext(session, dev, schedule, manifest, gen, report, t_start, seed_rec, verify,
-                                    timeout_s, chunk_bytes, clones, retry, hook, read_metadata, nixl_warm))
+                                    timeout_s, chunk_bytes, clones, retry, hook, read_metadata, nixl_warm, into))
 
     n = max(position, clones or 1)
     plan = build_plan(schedule, n, manifest.nbytes, chunk_bytes)
@@ -158,9 +153,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
                               "open_sources_ms": (t3 - tx) * 1e3}
     metadata = read_metadata()
     ta = time.perf_counter()
-    if into is not None:
-        session.borrowed_arena = True  # the caller's: never closed here
-    session.arena = into if into is not None else Arena.create(manifest.arena_nbytes, dev)
+    session.take_arena(into, manifest.arena_nbytes, dev)
     if session.arena.nbytes != manifest.arena_nbytes:
         raise RendezvousError(f"our arena on {dev} rounds to {session.arena.nbytes:,} bytes, the seed's to "
                               f"{manifest.arena_nbytes:,} (different allocation granularity)")

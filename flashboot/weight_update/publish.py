@@ -78,7 +78,9 @@ class Publisher:
     byte is read); ``rank``: the image rank this trainer process publishes. ``store``: the
     rendezvous store (``HOST:PORT``; hosted here unless one listens, as a seed does). ``config``:
     the model config, when the checkpoint's ``config.json`` recorded at pre-pack is not on this
-    machine. The arena (one image) is allocated once; :meth:`publish` withdraws the previous
+    machine. ``nixl``: also offer the arena to NIXL READs (engines on other hosts,
+    ``refit(transport="nixl")``); ``serve_nccl``: answer the broadcast fallback (``transport="nccl"``).
+    The arena (one image) is allocated once; :meth:`publish` withdraws the previous
     version's record before packing the next into it, so publish a new version once the engines
     have taken the last one (a refit that is still copying then fails its checksums: refused,
     old weights kept).
@@ -86,7 +88,8 @@ class Publisher:
 
     def __init__(self, image: Any, rank: int = 0, *, store: str, device: Any = None, name: str = DEFAULT_NAME,
                  token=None, token_file=None, config: Mapping[str, Any] | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, host_store: bool = True):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, host_store: bool = True, nixl: bool = False,
+                 serve_nccl: bool = False):
         from ..arena import Arena
         from ..flashclone.rendezvous import resolve_token
         from ..layouts import read_image_metadata
@@ -94,7 +97,7 @@ class Publisher:
         self.metadata = read_image_metadata(image, rank)
         self.rank, self.store, self.name, self.config = rank, store, name, config
         self.token = resolve_token(token, token_file)
-        self.timeout_s, self.host_store = timeout_s, host_store
+        self.timeout_s, self.host_store, self.nixl, self.serve_nccl = timeout_s, host_store, nixl, serve_nccl
         self.device = Device.parse(device)
         self.arena = Arena.create(self.metadata.image_nbytes, self.device)
         if self.device.is_cuda:  # padding reads as zeros, as in the image (cuMemCreate does not clear)
@@ -154,8 +157,8 @@ class Publisher:
         manifest = Manifest.of_arena(self.arena, meta.image_nbytes, meta.checksums.chunk_bytes, key=meta.key.to_dict())
         t3 = time.perf_counter()
         self.seed = seed(self.store, self.arena, self.device, token=self.token,
-                         name=version_namespace(self.name, version), timeout_s=self.timeout_s, serve_nccl=False,
-                         manifest=manifest, host_store=self.host_store,
+                         name=version_namespace(self.name, version), timeout_s=self.timeout_s,
+                         serve_nccl=self.serve_nccl, nixl=self.nixl, manifest=manifest, host_store=self.host_store,
                          extra={"refit_version": version, "refit_rank": self.rank})
         t4 = time.perf_counter()
         self.version = version
