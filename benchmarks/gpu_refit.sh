@@ -19,14 +19,14 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeou
 PEER=(); [ "$NGPU" -ge 2 ] && PEER=(--peer cuda:1)
 for s in ${STEPS:-tests A C soak}; do
   case "$s" in
-    tests) TAIL=15 step tests 100 python3 -m pytest -q -x -p no:cacheprovider -m "gpu or two_gpus" \
+    tests) TAIL=15 step tests 90 python3 -m pytest -q -x -p no:cacheprovider -m "gpu or two_gpus" \
              tests/test_weight_update.py tests/test_weight_update_logits.py tests/test_arena_remap.py \
              tests/test_copy_kernels.py ;;
-    A) TAIL=20 step bench_A 130 flashboot bench refit --checkpoint A --scale "${SCALE_A:-1}" --repeats 3 "${PEER[@]}" \
+    A) TAIL=20 step bench_A 110 flashboot bench refit --checkpoint A --scale "${SCALE_A:-1}" --repeats 3 "${PEER[@]}" \
          --json "$OUT/refit_A.json" ;;
-    C) TAIL=20 step bench_C 110 flashboot bench refit --checkpoint C --scale "${SCALE_C:-1}" --repeats 3 \
+    C) TAIL=20 step bench_C 90 flashboot bench refit --checkpoint C --scale "${SCALE_C:-1}" --repeats 3 \
          --json "$OUT/refit_C.json" ;;
-    soak) TAIL=12 step soak 45 flashboot bench soak --kinds refit --cycles 200 --json "$OUT/soak_refit.json" ;;
+    soak) TAIL=12 step soak 60 flashboot bench soak --kinds refit --cycles 200 --json "$OUT/soak_refit.json" ;;
   esac
 done
 echo "=== summary (targets: pack A >= 0.9x D2D, pack C >= 0.8x, refit atomic >= 0.85x + remap <= 5 ms, in place >= 0.9x)"
