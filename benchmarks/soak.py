@@ -1,5 +1,6 @@
 """``flashboot bench soak``: many cycles of load -> bind -> close, of a served load -> bind ->
-close, of seed -> clone -> close, and of sleep -> wake of one bound image, in one process, with the resources it holds sampled after
+close, of seed -> clone -> close, of sleep -> wake of one bound image, and of publish -> refit
+into one resident engine (atomic and in place in turn), in one process, with the resources it holds sampled after
 every cycle: open fds, memfds, mapped bytes (/proc/self/maps: mappings of files and memfds,
 where arenas, staged images and image files live; anonymous mappings such as malloc's 64 MiB
 per-thread heaps come and go with the allocator and are covered by resident bytes instead),
@@ -32,7 +33,7 @@ from typing import Callable
 
 from flashboot.errors import FlashBootError
 
-KINDS = ("load", "served", "clone", "sleep")
+KINDS = ("load", "served", "clone", "sleep", "refit")
 WARMUP_FRACTION = 0.1
 WINDOW_FRACTION = 0.2
 SLACK = {
@@ -267,6 +268,39 @@ class _CloneCycle:
         self.arena.close()
 
 
+class _RefitCycle:
+    """publish version i -> refit the resident engine to it (atomic and in place in turn); the
+    trainer's two weight sets alternate, and the engine's views must hold the one just published."""
+
+    def __init__(self, image: Path, device: str):
+        from safetensors.torch import load_file
+
+        import flashboot
+        from flashboot.flashclone.rendezvous import Rendezvous, free_port
+        from flashboot.weight_update import Publisher
+
+        self.token = secrets.token_hex(16)
+        self.address = f"127.0.0.1:{free_port()}"
+        self.store = Rendezvous.connect(self.address, self.token, host=True, timeout_s=30)
+        base = load_file(image.parent / "ckpt" / "model.safetensors", device=device)
+        self.sets = [base, {n: (t.float() + 1).to(t.dtype) for n, t in base.items()}]
+        self.loaded = flashboot.load(image, 0, device, timeout_s=30)
+        self.publisher = Publisher(image, 0, store=self.address, device=device, token=self.token, timeout_s=30)
+        self.version = 0
+
+    def __call__(self) -> bool:
+        self.version += 1
+        published = self.sets[self.version % 2]
+        self.publisher.publish(published, self.version)
+        self.loaded.refit(self.address, self.version, atomic=self.version % 2 == 1, token=self.token, timeout_s=30)
+        return all(_equal(v, published[n]) for n, v in self.loaded.tensors.items())
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.loaded.close()
+        self.store.close()
+
+
 @dataclass
 class SoakResult:
     kind: str
@@ -318,7 +352,7 @@ def run(*, cycles: int = 500, kinds=KINDS, device: str | None = None, root: str 
     shm = Path(_private_shm("flashboot-soak-"))  # pinning (CUDA) needs tmpfs pages
     results = []
     try:
-        image = _make_image(work) if {"load", "served", "sleep"} & set(kinds) else None
+        image = _make_image(work) if {"load", "served", "sleep", "refit"} & set(kinds) else None
         for kind in kinds:
             if kind == "load":
                 from flashboot.flashload.staging import stage_rank
@@ -335,7 +369,7 @@ def run(*, cycles: int = 500, kinds=KINDS, device: str | None = None, root: str 
                 finally:
                     cyc.close()
             else:
-                cyc = _CloneCycle(device)
+                cyc = _CloneCycle(device) if kind == "clone" else _RefitCycle(image, device)
                 try:
                     results.append(soak(kind, cyc, cycles, after_cycle=after_cycle, progress=progress))
                 finally:
@@ -386,8 +420,8 @@ def print_results(results: list[SoakResult]) -> None:
 
 
 def register_bench(sub) -> None:
-    p = sub.add_parser("soak", help="500 cycles of load/bind/close, served load, seed/clone/close, sleep/wake; "
-                                    "fails on a leak",
+    p = sub.add_parser("soak", help="500 cycles of load/bind/close, served load, seed/clone/close, sleep/wake, "
+                                    "publish/refit; fails on a leak",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--cycles", type=int, default=500)
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)

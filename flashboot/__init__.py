@@ -52,6 +52,9 @@ _LAZY = {
     "CloneReport": "flashboot.flashclone",
     "hand_over": "flashboot.flashclone.holder",
     "open_held": "flashboot.flashclone.holder",
+    "publish": "flashboot.weight_update",
+    "Publisher": "flashboot.weight_update",
+    "refit": "flashboot.weight_update",
     "checksum": "flashboot.kernels.checksum",
     "chunk_checksums": "flashboot.kernels.checksum",
 }

@@ -8,6 +8,12 @@ run), or a scatter back. ``first_tile`` is the prefix sum of the rows' tiles: th
 grid strides over all tiles of all rows, so small and large rows share the SMs evenly.
 
 - :func:`copy_table_kernel` (SM): loads and stores ``ELEM``-wide words, unmasked for whole tiles.
+  With ``STRIDED`` it also gathers: a row may read its source as ``n`` runs of ``row_bytes``
+  every ``src_row_stride`` bytes (a tensor-parallel slice of a trainer's tensor) and writes them
+  back to back; a refit packs thousands of tensors in one launch this way
+  (:mod:`flashboot.weight_update.pack`), each tile finding its row in a tile -> row map
+  (``TILE_MAP``) instead of scanning forward over the rows, which costs one dependent load per
+  row skipped: 40,000 per program for a 40,000-tensor model.
 - :func:`copy_table_tma_kernel` (TMA): per tile, 1-D tensor descriptors over the tile's row.
 
 The element width is the largest power of two (<= 8 bytes) dividing every address and size of
@@ -49,12 +55,16 @@ def _row_of_tile(table_ptr, entry, n_entries, tile):
 @triton.jit
 def copy_table_kernel(
     table_ptr,
+    runs_ptr,
+    tile_rows_ptr,
     n_entries: tl.int64,
     n_tiles: tl.int64,
     ELEM: tl.constexpr,  # element type of the loads and stores
     ELEM_BYTES: tl.constexpr,  # its width in bytes
     ALIGN16: tl.constexpr,  # every address and size is a multiple of 16: 16-byte vectors
     BLOCK: tl.constexpr,  # elements per tile
+    STRIDED: tl.constexpr,  # runs_ptr holds (run_bytes, src_run_stride) per row: gather strided runs
+    TILE_MAP: tl.constexpr,  # tile_rows_ptr holds each tile's row (int32): no forward scan over 40k rows
 ):
     """Copy every row of the table: the persistent grid strides over the tiles of all rows."""
     pid = tl.program_id(0).to(tl.int64)
@@ -62,7 +72,10 @@ def copy_table_kernel(
     offs = tl.arange(0, BLOCK)
     entry = tl.zeros([], tl.int64)
     for tile in range(pid, n_tiles, nprog):
-        entry = _row_of_tile(table_ptr, entry, n_entries, tile)
+        if TILE_MAP:
+            entry = tl.load(tile_rows_ptr + tile).to(tl.int64)
+        else:
+            entry = _row_of_tile(table_ptr, entry, n_entries, tile)
         row = table_ptr + entry * 4
         dst_addr = tl.load(row)
         src_addr = tl.load(row + 1)
@@ -75,11 +88,21 @@ def copy_table_kernel(
             src = tl.multiple_of(src, 16)
         dst += start
         src += start
-        if start + BLOCK <= n_elems:  # a whole tile: unmasked, so the accesses vectorise
-            tl.store(dst + offs, tl.load(src + offs))
+        run_elems = n_elems
+        if STRIDED:
+            run_elems = tl.load(runs_ptr + entry * 2) // ELEM_BYTES
+        if run_elems == n_elems:  # one contiguous run (always so without STRIDED)
+            if start + BLOCK <= n_elems:  # a whole tile: unmasked, so the accesses vectorise
+                tl.store(dst + offs, tl.load(src + offs))
+            else:
+                mask = start + offs < n_elems
+                tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
         else:
-            mask = start + offs < n_elems
-            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+            stride = tl.load(runs_ptr + entry * 2 + 1) // ELEM_BYTES
+            idx = start + offs
+            mask = idx < n_elems
+            src_base = src_addr.to(tl.pointer_type(ELEM))
+            tl.store(dst + offs, tl.load(src_base + (idx // run_elems) * stride + idx % run_elems, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -116,11 +139,17 @@ class CopyTable:
     """
 
     def __init__(self, rows: np.ndarray, *, device: Any, kind: str, block_bytes: int, num_warps: int,
-                 num_stages: int, programs_per_sm: int = PROGRAMS_PER_SM):
+                 num_stages: int, programs_per_sm: int = PROGRAMS_PER_SM, runs: np.ndarray | None = None):
         import torch
 
         rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-        gcd_bits = int(np.bitwise_or.reduce(rows.ravel() | 16))
+        if runs is not None:  # (run_bytes, src_run_stride) per row: the SM kernel gathers
+            runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+            if kind != "sm" or runs.shape[0] != rows.shape[0]:
+                raise MoverError(f"strided runs need the 'sm' table and one (run_bytes, stride) per row; got kind "
+                                 f"{kind!r}, {runs.shape[0]} runs for {rows.shape[0]} rows")
+        gcd_bits = int(np.bitwise_or.reduce(np.concatenate([rows.ravel(), runs.ravel() if runs is not None
+                                                            else rows[:0, 0]]) | 16))
         align = gcd_bits & -gcd_bits  # the largest power of two (<= 16) dividing every field
         if kind == "tma":
             bad = np.nonzero((rows % 16).any(axis=1) | (rows[:, 2] > 8 << 30))[0]
@@ -140,11 +169,19 @@ class CopyTable:
         self.device, self.kind, self.n_entries, self.n_tiles = device, kind, int(rows.shape[0]), int(tiles.sum())
         self.elem_bytes, self.align16, self.block = elem_bytes, align == 16, block
         self.table = torch.from_numpy(host.ravel().copy())
+        self.strided = runs is not None
+        self.runs, self.tile_rows = self.table, self.table  # placeholders the kernel does not read
+        if self.strided:  # a pack's table: thousands of rows, so each tile's row is looked up, not scanned for
+            self.runs = torch.from_numpy(runs.ravel().copy())
+            self.tile_rows = torch.from_numpy(np.repeat(np.arange(rows.shape[0], dtype=np.int32), tiles))
         if device.is_cuda:
-            self.table = self.table.to(f"cuda:{device.index}")
+            where = f"cuda:{device.index}"
+            self.table = self.table.to(where)
+            self.runs = self.runs.to(where) if self.strided else self.table
+            self.tile_rows = self.tile_rows.to(where) if self.strided else self.table
         target = sm_count(device.index if device.is_cuda else 0) * programs_per_sm
         self.grid = (max(1, min(target, self.n_tiles)),)
-        self.config = _table_config(kind, elem_bytes, self.align16, block, num_warps, num_stages)
+        self.config = _table_config(kind, elem_bytes, self.align16, block, num_warps, num_stages, self.strided)
 
     def launch(self, handle: int) -> None:
         """Copy every row, asynchronously on the raw stream ``handle`` of the table's device."""
@@ -159,18 +196,25 @@ class CopyTable:
                 from .copy import _ensure_tma_allocator
 
                 _ensure_tma_allocator()
+        if self.kind == "tma":
+            args = (self.table.data_ptr(), self.n_entries, self.n_tiles)
+            views = lambda: (self.table, self.n_entries, self.n_tiles)  # noqa: E731
+        else:
+            args = (self.table.data_ptr(), self.runs.data_ptr(), self.tile_rows.data_ptr(), self.n_entries,
+                    self.n_tiles)
+            views = lambda: (self.table, self.runs, self.tile_rows, self.n_entries, self.n_tiles)  # noqa: E731
         kernel = copy_table_tma_kernel if self.kind == "tma" else copy_table_kernel
-        args = (self.table.data_ptr(), self.n_entries, self.n_tiles)
-        launch(kernel, self.config, self.grid, args, device=self.device.index, stream=handle,
-               views=lambda: (self.table, self.n_entries, self.n_tiles))
+        launch(kernel, self.config, self.grid, args, device=self.device.index, stream=handle, views=views)
 
 
 @functools.cache
-def _table_config(kind: str, elem_bytes: int, align16: bool, block: int, num_warps: int, num_stages: int):
+def _table_config(kind: str, elem_bytes: int, align16: bool, block: int, num_warps: int, num_stages: int,
+                  strided: bool = False):
     if kind == "tma":
         return LaunchConfig((("BLOCK", block),), ("int64", None, None), num_warps, num_stages)
     return LaunchConfig((("ELEM", _ELEM_TYPES[elem_bytes]), ("ELEM_BYTES", elem_bytes), ("ALIGN16", align16),
-                         ("BLOCK", block)), ("int64", None, None), num_warps, num_stages)
+                         ("BLOCK", block), ("STRIDED", strided), ("TILE_MAP", strided)),
+                        ("int64", "int64", "int32" if strided else "int64", None, None), num_warps, num_stages)
 
 
 def table_for(batch, *, kind: str, knobs: dict[str, Any]) -> CopyTable:

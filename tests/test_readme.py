@@ -91,9 +91,10 @@ def _on_this_machine(code: str) -> str:
 
 def test_the_readme_has_the_python_examples_this_test_runs():
     blocks = readme_blocks("python")
-    assert len(blocks) == 4, "a python block was added to or removed from README.md: run it here too"
+    assert len(blocks) == 5, "a python block was added to or removed from README.md: run it here too"
     assert "best_mover" in blocks[0] and "flashboot.prepack" in blocks[1] and "hand_over" in blocks[2]
     assert "loaded.sleep" in blocks[3]
+    assert "flashboot.publish" in blocks[4] and "loaded.refit" in blocks[4]
 
 
 def test_the_arena_and_movers_example_runs_as_written(readme_cwd):
@@ -129,3 +130,15 @@ def test_the_sleep_example_wakes_the_same_bytes_at_the_same_addresses(readme_cwd
              f"open({str(image.path)!r}, 'rb').read()\nloaded.close()\n")
     out = _run_python(_on_this_machine(readme_blocks("python")[3]) + check, readme_cwd).stdout
     assert "backup" in out  # a level-1 sleep wakes from its own backup, and the summary says so
+
+
+def test_the_refit_example_publishes_and_refits_the_trainers_tensors(readme_cwd):
+    from flashboot.flashclone.rendezvous import free_port
+
+    code = _on_this_machine(readme_blocks("python")[4]).replace("127.0.0.1:29650", f"127.0.0.1:{free_port()}")
+    token = "import os\nos.environ['FLASHBOOT_TOKEN'] = 'readme-refit-token-0123456789'\n"
+    check = ("\nimport torch\ncommon = [n for n in loaded.tensors if n in weights]\n"
+             "assert common and loaded.version == 1\n"
+             "assert all(torch.equal(loaded.tensors[n], weights[n]) for n in common)\n")
+    out = _run_python(token + code + check, readme_cwd).stdout
+    assert "published v1" in out and "refit v0 -> v1 (atomic" in out

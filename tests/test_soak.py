@@ -50,14 +50,15 @@ def test_sample_counts_what_this_process_holds():
 
 def test_a_short_soak_of_every_kind_is_flat_and_exact(tmp_path, capsys):
     results = soak.run(cycles=20, root=str(tmp_path / "w"), device="cpu")
-    assert [r.kind for r in results] == ["load", "served", "clone", "sleep"]
+    assert [r.kind for r in results] == ["load", "served", "clone", "sleep", "refit"]
     for r in results:
         assert r.exact == r.cycles == 20, r.kind
         assert r.leaking == [], (r.kind, [t for t in r.trends if t.rising])
         assert {t.resource for t in r.trends} == set(soak.SLACK)
         assert r.start["fds"] > 0 and r.end["threads"] >= 1
     soak.print_results(results)
-    assert "served: 20 cycles" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "served: 20 cycles" in out and "refit: 20 cycles in" in out
 
 
 def test_a_leak_is_caught(tmp_path):

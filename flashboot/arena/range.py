@@ -112,13 +112,13 @@ class Arena:
         return cls._create_host(nbytes, segment_bytes)
 
     @classmethod
-    def _create_host(cls, nbytes: int, segment_bytes: Any) -> "Arena":
+    def _create_host(cls, nbytes: int, segment_bytes: Any, arena_id: str | None = None) -> "Arena":
         capacity = _round_up(nbytes, HOST_GRANULARITY)
         segment_bytes = _check_segment_bytes(segment_bytes, HOST_GRANULARITY)
         available = host._host_mem_available()
         if capacity > available:
             raise OutOfMemoryError("host arena (MemAvailable + SwapFree)", capacity, available)
-        arena_id = secrets.token_hex(8)
+        arena_id = arena_id or secrets.token_hex(8)  # a staging arena's memfds carry its live arena's id (remap.py)
         sizes = _segment_sizes(capacity, segment_bytes)
         _make_fd_room(len(sizes), f"a host arena of {capacity:,} bytes")
         undo = _Undo(f"host arena {arena_id} ({capacity:,} bytes)")

@@ -16,6 +16,7 @@ BENCH_MODULES = [
     "flashboot.benchmarks.serve",
     "flashboot.benchmarks.soak",
     "flashboot.benchmarks.swap",
+    "flashboot.benchmarks.refit",
 ]
 
 

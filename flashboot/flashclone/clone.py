@@ -29,7 +29,7 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
           timeout_s: float = DEFAULT_TIMEOUT_S, mover: Any = None, chunk_bytes: int | None = None,
           token=None, token_file=None, name: str = "default", clones: int | None = None, expect: Any = None,
           image: Any = None, rank: int = 0, transport: str = "auto", retry: bool = True,
-          step_delay_s: float | None = None, pin_early: bool = False) -> CloneResult:
+          step_delay_s: float | None = None, pin_early: bool = False, into: Any = None) -> CloneResult:
     """Clone the seed published at ``store`` (``HOST:PORT``) into a new arena on ``device``.
 
     ``schedule``: ``"chain"`` (default), ``"star"`` or ``"ring"`` (see :func:`ring_load`; needs
@@ -45,7 +45,9 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     ``nccl``; see :mod:`flashboot.flashclone.transports`); ``auto`` takes the first that reaches the
     seed in that order, and the report says which and why. ``retry``: re-attach
     to another source when one fails mid-transfer. ``timeout_s`` bounds every wait. ``pin_early``
-    (ring): pin the shard before the start barrier (see :func:`ring_load`).
+    (ring): pin the shard before the start barrier (see :func:`ring_load`). ``into``: an open
+    arena of the seed's capacity on ``device`` to copy into instead of a new one (a refit's
+    staging or live arena); the caller keeps owning it, also when the clone fails.
 
     Raises RendezvousError (no store, wrong token, mismatched manifest), WaitTimeoutError naming
     what was awaited, CloneError when a source failed and no other could take over.
@@ -72,7 +74,7 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
         return _clone(session, dev, schedule, mover_obj, t_start, verify=verify, timeout_s=timeout_s,
                       chunk_bytes=chunk_bytes, clones=clones, expect=expect, image=image, rank=rank,
                       transport=transport, retry=retry, hook=_step_hook(step_delay_s), warm=warm,
-                      nixl_warm=nixl_warm)
+                      nixl_warm=nixl_warm, into=into)
     except BaseException as exc:
         try:
             if session.status_key is not None and session.rdv is not None:
@@ -86,9 +88,7 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
 
 def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float, *, verify: bool, timeout_s: float,
            chunk_bytes: int | None, clones: int | None, expect: Any, image: Any, rank: int, transport: str,
-           retry: bool, hook, warm: _Warmup | None = None, nixl_warm=None) -> CloneResult:
-    from ..arena import Arena
-
+           retry: bool, hook, warm: _Warmup | None = None, nixl_warm=None, into=None) -> CloneResult:
     rdv = session.rdv
     report = CloneReport(schedule, 0, str(dev), 0, mover=mover.name)
     if warm is not None:
@@ -126,7 +126,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
 
     if not cls.maps:
         return cls.run(CloneContext(session, dev, schedule, manifest, gen, report, t_start, seed_rec, verify,
-                                    timeout_s, chunk_bytes, clones, retry, hook, read_metadata, nixl_warm))
+                                    timeout_s, chunk_bytes, clones, retry, hook, read_metadata, nixl_warm, into))
 
     n = max(position, clones or 1)
     plan = build_plan(schedule, n, manifest.nbytes, chunk_bytes)
@@ -158,7 +158,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
                               "open_sources_ms": (t3 - tx) * 1e3}
     metadata = read_metadata()
     ta = time.perf_counter()
-    session.arena = Arena.create(manifest.arena_nbytes, dev)
+    session.take_arena(into, manifest.arena_nbytes, dev)
     if session.arena.nbytes != manifest.arena_nbytes:
         raise RendezvousError(f"our arena on {dev} rounds to {session.arena.nbytes:,} bytes, the seed's to "
                               f"{manifest.arena_nbytes:,} (different allocation granularity)")

@@ -146,7 +146,7 @@ def _load_seed_source(source: Any, dev: Device, rank: int, timeout_s: float):
 def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=None, name: str = "default",
          rank: int = 0, nbytes: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, serve_nccl: bool = True,
          checksum_chunk_bytes: int | None = None, manifest: Manifest | None = None, nixl: bool = False,
-         host_store: bool = True) -> Seed:
+         host_store: bool = True, extra: dict | None = None) -> Seed:
     """Publish an arena for cloning at the rendezvous store ``store`` (``HOST:PORT``).
 
     ``source``: an image directory (rank ``rank``; loaded with :func:`flashboot.load` when the
@@ -158,7 +158,8 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
     store (``flashboot store HOST:PORT``, torchrun's, any TCPStore) and join it. The token (``token``, ``token_file`` or
     ``$FLASHBOOT_TOKEN``) signs every record. ``nixl``: also register the arena (every segment)
     with a NIXL agent and publish its metadata, sealed, so clones on other hosts can READ it
-    (``transport="nixl"``; needs ``pip install flashboot[nixl]``). Returns a :class:`Seed`; call ``serve_forever()``
+    (``transport="nixl"``; needs ``pip install flashboot[nixl]``). ``extra``: more fields for the
+    seed record's body (a refit's version and rank). Returns a :class:`Seed`; call ``serve_forever()``
     or keep it open while clones run, then ``close()``.
     """
     dev = Device.parse(device) if device is not None else None
@@ -203,7 +204,7 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
                                    "metadata": metadata.to_dict() if metadata is not None else None})
         rdv.publish(SEED_KEY, {"generation": generation, "pid": os.getpid(), "host": socket.gethostname(),
                                "device": str(arena.device), "manifest": manifest.to_dict(), "nccl": serve_nccl,
-                               "nixl": nixl, "published_at": time.time()},
+                               "nixl": nixl, "published_at": time.time(), **(extra or {})},
                     sealed=sealed)
     except BaseException:
         rdv.close()

@@ -16,6 +16,8 @@ class _Session:
     def __init__(self, rdv: Rendezvous):
         self.rdv = rdv
         self.arena = None
+        self.borrowed_arena = False
+        """True when ``arena`` belongs to the caller (``clone(into=...)``): close() leaves it open."""
         self.flags = None
         self.opened: dict[int, list] = {}
         self.extra: list = []
@@ -41,6 +43,13 @@ class _Session:
             session.extra.append(keep)
         return session
 
+    def take_arena(self, into, nbytes: int, dev) -> None:
+        """The arena to copy into: the caller's ``into`` (never closed here), else a new one."""
+        from ..arena import Arena
+
+        self.borrowed_arena = into is not None
+        self.arena = into if into is not None else Arena.create(nbytes, dev)
+
     def close_opened(self, participant: int | None = None) -> None:
         keys = list(self.opened) if participant is None else [participant]
         for k in keys:
@@ -60,7 +69,7 @@ class _Session:
             except BaseException as exc:
                 first = first or exc
         self.extra = []
-        for attr in ("flags",) + (() if keep_arena else ("arena",)):
+        for attr in ("flags",) + (() if keep_arena or self.borrowed_arena else ("arena",)):
             obj = getattr(self, attr)
             if obj is not None and not obj.closed:
                 try:
@@ -102,3 +111,6 @@ class CloneContext:
     read_metadata: Callable[[], Any]
     nixl_warm: Any = None
     """A :class:`~flashboot.flashclone.transports.nixl.AgentWarmup` started while connecting, if any."""
+    into: Any = None
+    """The caller's arena to copy into (``clone(into=...)``), or None: the transport makes one
+    with :meth:`_Session.take_arena`."""

@@ -121,6 +121,8 @@ class LoadedImage:
         """The background unpin/unmap of a staged image that :func:`load` made itself (or None);
         benchmarks join it so one repeat's unpin does not overlap the next one's pin."""
         self.lifecycle = None  # what sleep() keeps for wake() (flashboot.flashload.lifecycle)
+        self.version = 0
+        """The weights' version: 0 as loaded from the image, then the one each :meth:`refit` made live."""
 
     @property
     def device(self) -> Device:
@@ -143,6 +145,13 @@ class LoadedImage:
         from .lifecycle import wake
 
         return wake(self, **options)
+
+    def refit(self, store: str, version: int, **options):
+        """Take the weights a trainer published as ``version`` at ``store``, in place under the same
+        views; atomic by default. Returns a RefitReport (see :func:`flashboot.weight_update.refit`)."""
+        from flashboot.weight_update.engine import refit
+
+        return refit(self, store, version, **options)
 
     def close(self) -> None:
         """Release the arena (views must not be used afterwards). Idempotent."""

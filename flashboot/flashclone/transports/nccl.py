@@ -61,13 +61,11 @@ def _shutdown_pg(pg) -> None:
 
 
 def _clone_nccl(session: _Session, dev: Device, manifest: Manifest, metadata, gen: str, report: CloneReport,
-                t_start: float, *, verify: bool, timeout_s: float) -> CloneResult:
+                t_start: float, *, verify: bool, timeout_s: float, into=None) -> CloneResult:
     """The fallback: ask the seed for a broadcast over a fresh 2-rank process group."""
-    from ...arena import Arena
-
     rdv = session.rdv
     ta = time.perf_counter()
-    session.arena = Arena.create(manifest.arena_nbytes, dev)
+    session.take_arena(into, manifest.arena_nbytes, dev)
     report.alloc_ms = (time.perf_counter() - ta) * 1e3
     tx = time.perf_counter()
     rid = rdv.add(_gkey(gen, "nccl", "count"), 1)  # the seed reads (and authenticates) the request next
@@ -126,4 +124,4 @@ class Nccl(Transport):
     @classmethod
     def run(cls, ctx) -> CloneResult:
         return _clone_nccl(ctx.session, ctx.dev, ctx.manifest, ctx.read_metadata(), ctx.gen, ctx.report, ctx.t_start,
-                           verify=ctx.verify, timeout_s=ctx.timeout_s)
+                           verify=ctx.verify, timeout_s=ctx.timeout_s, into=ctx.into)

@@ -398,7 +398,6 @@ class Nixl(Transport):
 def _clone(ctx):
     """The whole clone over NIXL (called by :func:`flashboot.flashclone.clone` once the seed's record
     checked out and a position is taken)."""
-    from ...arena import Arena
     from ...schedulers import build_plan
     from ..common import _gkey, _verify, _views
     from ..report import CloneResult
@@ -448,7 +447,7 @@ def _clone(ctx):
                 q -= 1
         redirect[p] = q
     ta = time.perf_counter()
-    session.arena = Arena.create(manifest.arena_nbytes, dev)
+    session.take_arena(ctx.into, manifest.arena_nbytes, dev)
     if session.arena.nbytes != manifest.arena_nbytes:
         raise RendezvousError(f"our arena on {dev} rounds to {session.arena.nbytes:,} bytes, the seed's to "
                               f"{manifest.arena_nbytes:,} (different allocation granularity)")

@@ -1,0 +1,171 @@
+"""Refit (engine side): the published version's arena into a running engine's arena.
+
+The copy is a FlashClone of the trainer's seed record (``clone(into=...)``): chunk-pipelined,
+the transport chosen by the transports registry (posix_fd on one host), engines refitting the
+same version together forming a chain or a star. Nothing moves before the record is checked:
+its version, image key and rank must be the engine's.
+
+``atomic=True`` (default): the copy lands in a staging arena (fresh segments, one image of
+extra memory, held only during the update), its chunk checksums are verified against the
+trainer's, and only then are its segments mapped under the live arena's addresses
+(:func:`flashboot.arena.remap.replace_backing`), so views and CUDA-graph pointers stay valid
+and any failure leaves the old weights whole. ``atomic=False`` copies into the live arena: no
+extra memory, but a failure mid-copy leaves a mix of old and new weights (the checksums are
+still verified before the version is declared live; the version is not advanced then).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ArenaError, FlashBootError, OutOfMemoryError
+from ..flashclone.rendezvous import DEFAULT_TIMEOUT_S
+from .publish import DEFAULT_NAME, check_version, version_namespace
+
+
+class RefitError(FlashBootError):
+    """A refit refused or failed; says why, and whether the old weights are whole."""
+
+
+@dataclass
+class RefitReport:
+    """One refit: ``copy_ms`` (the clone's transfer), ``verify_ms``, ``remap_ms`` (atomic only),
+    ``total_ms``, ``nbytes``; ``transport``, ``schedule``, ``position`` as the clone reports them."""
+
+    version: int
+    previous_version: int
+    atomic: bool
+    nbytes: int
+    wait_ms: float = 0.0
+    copy_ms: float = 0.0
+    verify_ms: float = 0.0
+    remap_ms: float = 0.0
+    total_ms: float = 0.0
+    transport: str = ""
+    schedule: str = ""
+    position: int = 0
+    details: dict = field(default_factory=dict)
+
+    @property
+    def copy_gbps(self) -> float:
+        return self.nbytes / self.copy_ms / 1e6 if self.copy_ms > 0 else 0.0
+
+    def summary(self) -> str:
+        mode = f"atomic, remap {self.remap_ms:.2f} ms" if self.atomic else "in place"
+        return (f"refit v{self.previous_version} -> v{self.version} ({mode}): {self.nbytes:,} bytes copied in "
+                f"{self.copy_ms:.2f} ms ({self.copy_gbps:.1f} GB/s, {self.transport}, {self.schedule} #{self.position}), "
+                f"verified in {self.verify_ms:.2f} ms, total {self.total_ms:.2f} ms")
+
+
+def _check_record(rec, loaded, version: int, where: str):
+    """The published manifest after checking version, key and rank against the engine's."""
+    from ..flashclone.rendezvous import Manifest
+
+    body = rec.body
+    meta = loaded.metadata
+    rank = meta.parallel.rank
+    if body.get("refit_version") != version:
+        raise RefitError(f"{where}: the record is for version {body.get('refit_version')!r}, not {version}; nothing "
+                         "was copied, the old weights are serving")
+    if body.get("refit_rank") != rank:
+        raise RefitError(f"{where}: version {version} was published for rank {body.get('refit_rank')!r}; this engine "
+                         f"serves rank {rank}; nothing was copied, the old weights are serving")
+    manifest = Manifest.from_dict(body["manifest"])
+    if manifest.key_digest != meta.key.digest:
+        theirs = (manifest.key or {}).get("model_id", "?")
+        raise RefitError(f"{where}: version {version} was published for image key {str(manifest.key_digest)[:19]} "
+                         f"({theirs}); this engine serves {meta.key.digest[:19]} ({meta.key.model_id}); nothing was "
+                         "copied, the old weights are serving")
+    if (manifest.nbytes, manifest.arena_nbytes) != (meta.image_nbytes, loaded.arena.nbytes):
+        raise RefitError(f"{where}: version {version} is {manifest.nbytes:,} bytes in a {manifest.arena_nbytes:,}-byte "
+                         f"arena; this engine's image is {meta.image_nbytes:,} in {loaded.arena.nbytes:,}; nothing "
+                         "was copied")
+    return manifest
+
+
+def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
+          name: str = DEFAULT_NAME, schedule: str = "chain", clones: int | None = None, mover: Any = None,
+          chunk_bytes: int | None = None, transport: str = "auto", token=None, token_file=None) -> RefitReport:
+    """Bring ``loaded`` (a :class:`~flashboot.flashload.load.LoadedImage`) to the weights published
+    as ``version`` at ``store`` (see :func:`flashboot.weight_update.publish`). See the module doc for
+    ``atomic``; ``schedule``/``clones``/``mover``/``chunk_bytes``/``transport`` as for
+    :func:`flashboot.clone`. Call it between forward passes: an atomic refit waits for the
+    device's work before it remaps.
+
+    Raises RefitError (a version not newer than the live one, a record for another image key or
+    rank, an engine asleep: wake() it first), WaitTimeoutError naming the step it waited on (the
+    trainer's publish, a source), OutOfMemoryError with the numbers when there is no room for the
+    staging copy (``atomic=False`` needs none), ChecksumMismatchError when the bytes copied are
+    not those published. All of them leave the old weights whole and serving, except a failure
+    during an ``atomic=False`` copy.
+    """
+    from ..arena.remap import check_replaceable, replace_backing, staging_for
+    from ..flashclone.clone import clone
+    from ..flashclone.common import SEED_KEY
+    from ..flashclone.rendezvous import Rendezvous
+
+    t0 = time.perf_counter()
+    check_version(version, "refit")
+    arena, meta = loaded.arena, loaded.metadata
+    live = loaded.version
+    rank = meta.parallel.rank
+    where = f"refit of {meta.key.model_id} rank {rank} on {arena.device} to version {version}"
+    if arena.asleep:
+        raise RefitError(f"{where}: the engine is asleep (its weights are released); wake() it, then refit")
+    if version <= live:
+        raise RefitError(f"{where}: version {version} is not newer than the live version {live}; refused")
+    if atomic:
+        try:
+            check_replaceable(arena)
+        except ArenaError as exc:
+            raise RefitError(f"{where}: an atomic refit cannot remap this arena ({exc}); nothing was copied, the old "
+                             "weights are serving") from None
+    namespace = version_namespace(name, version)
+    rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=namespace, host=False, timeout_s=timeout_s)
+    try:
+        rec = rdv.read(SEED_KEY, what=f"the trainer's publish of version {version} ({meta.key.model_id} rank {rank}, "
+                                      f"namespace {namespace!r})", timeout_s=timeout_s)
+    finally:
+        rdv.close()
+    manifest = _check_record(rec, loaded, version, where)
+    t1 = time.perf_counter()
+    report = RefitReport(version, live, atomic, manifest.nbytes, wait_ms=(t1 - t0) * 1e3)
+    if atomic:
+        try:
+            target = staging_for(arena)
+        except OutOfMemoryError as exc:
+            raise OutOfMemoryError(f"{where}: an atomic refit stages one image beside the live one (the old weights "
+                                   "are serving; refit(..., atomic=False) copies in place with no extra memory)",
+                                   exc.nbytes_needed, exc.nbytes_free) from None
+    else:
+        target = arena
+    try:
+        result = clone(store, arena.device, schedule, verify=True, timeout_s=timeout_s, mover=mover,
+                       chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=namespace, clones=clones,
+                       expect=manifest, transport=transport, into=target)
+        try:
+            rep = result.report
+            report.copy_ms, report.verify_ms = rep.transfer_ms, rep.verify_ms
+            report.transport, report.schedule, report.position = rep.transport, rep.schedule, rep.position
+            report.details = {"clone_total_ms": rep.total_ms, "exchange_ms": rep.exchange_ms,
+                              "chunk_bytes": rep.chunk_bytes, "mover": rep.mover, "source": rep.source}
+            if atomic:
+                report.remap_ms = replace_backing(arena, target)
+        finally:
+            result.close()
+    except FlashBootError as exc:
+        if atomic:
+            raise
+        raise RefitError(f"{where} (atomic=False, in place): {exc}; the arena may hold a mix of versions {live} and "
+                         f"{version}: refit again or reload") from exc
+    finally:
+        if atomic and not target.closed:
+            target.close()
+    loaded.version = version
+    report.total_ms = (time.perf_counter() - t0) * 1e3
+    return report
+
+
+__all__ = ["RefitError", "RefitReport", "refit"]

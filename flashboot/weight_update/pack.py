@@ -1,0 +1,99 @@
+"""Packing a trainer's tensors into an arena laid out as an image: one table, one launch.
+
+:class:`PackTable` turns a :class:`~flashboot.weight_update.plan.PackPlan` and the tensors themselves
+(their addresses and strides) into rows ``(dst, src, nbytes, run_bytes, src_run_stride)``. On a
+GPU the rows become the movers' device-side descriptor table
+(:class:`~flashboot.kernels.copy_table.CopyTable` with strided runs) and every tensor of the
+rank is packed by one launch of ``copy_table_kernel``; under ``TRITON_INTERPRET=1`` the same
+kernel runs on host memory (tests). The host backend packs the same rows with numpy (strided
+views of the addresses, one assignment per row). :func:`pack_per_tensor` is the baseline the benchmark
+compares with: a ``copy_`` per piece into the arena's views.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Mapping
+
+import numpy as np
+
+from .plan import PackPlan, PublishError, box_runs, dtype_name
+
+
+def _check_tensors(plan: PackPlan, tensors: Mapping[str, Any], device) -> None:
+    """Every tensor the plan reads is given, on ``device``, with the planned dtype and shape."""
+    for name, (dtype, shape) in plan.sources.items():
+        t = tensors.get(name)
+        if t is None:
+            raise PublishError(f"publish: tensor {name!r} was planned but is no longer given")
+        if dtype_name(t) != dtype or tuple(t.shape) != tuple(shape):
+            raise PublishError(f"publish: tensor {name!r} is {dtype_name(t)} {list(t.shape)}, planned as {dtype} "
+                               f"{list(shape)}")
+        on = f"cuda:{t.device.index}" if t.device.type == "cuda" else "cpu"
+        if on != str(device):
+            raise PublishError(f"publish: tensor {name!r} is on {on}, the arena on {device}; pack needs them on one "
+                               "device")
+
+
+class PackTable:
+    """The rows that pack ``tensors`` into an arena by ``plan`` (checked: every tensor present,
+    with its planned dtype and shape, on the arena's device). ``rows``: int64 ``(n, 5)``."""
+
+    def __init__(self, plan: PackPlan, tensors: Mapping[str, Any], arena):
+        _check_tensors(plan, tensors, arena.device)
+        self.plan, self.arena, self.tensors = plan, arena, tensors  # the tensors stay alive while the table is used
+        base = arena.span(0, plan.metadata.image_nbytes).ptr
+        rows: list[tuple[int, int, int, int, int]] = []
+        for p in plan.pieces:
+            t = tensors[p.source]
+            for d, s, n, run, stride in box_runs(tuple(t.shape), tuple(t.stride()), p.itemsize, p.box, t.data_ptr(),
+                                                 p.dst_offset, f"tensor {p.source!r}"):
+                rows.append((base + d, s, n, run, stride))
+        self.rows = np.array(rows, dtype=np.int64).reshape(-1, 5)
+        self.nbytes = int(self.rows[:, 2].sum()) if len(rows) else 0
+        self._device_table = None
+
+    def launch(self, *, stream: Any = None) -> None:
+        """Pack: one kernel launch on a GPU (asynchronous on ``stream``); numpy on the host
+        backend (synchronous; the kernel itself runs on host memory under the Triton
+        interpreter, which is for tests, see tests/test_weight_update.py)."""
+        dev = self.arena.device
+        if not len(self.rows):
+            return
+        if dev.is_cuda:
+            from flashboot.kernels.copy import SM_TUNING
+            from flashboot.memory import stream_handle
+
+            if self._device_table is None:
+                from flashboot.kernels.copy_table import CopyTable
+
+                k = SM_TUNING
+                self._device_table = CopyTable(self.rows[:, :3], runs=self.rows[:, 3:], device=dev, kind="sm",
+                                               block_bytes=k["block_bytes"], num_warps=k["num_warps"],
+                                               num_stages=k["num_stages"], programs_per_sm=k["programs_per_sm"])
+            self._device_table.launch(stream_handle(stream))
+            return
+        pack_rows_host(self.rows)
+
+
+def pack_rows_host(rows: np.ndarray) -> None:
+    """The host backend's pack: each row's strided runs assigned through numpy views of the addresses."""
+    for dst, src, nbytes, run, stride in rows.tolist():
+        n_runs = nbytes // run
+        extent = (n_runs - 1) * stride + run
+        s = np.ctypeslib.as_array((ctypes.c_uint8 * extent).from_address(src))
+        d = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(dst))
+        d.reshape(n_runs, run)[...] = np.lib.stride_tricks.as_strided(s, (n_runs, run), (stride, 1))
+
+
+def pack_per_tensor(plan: PackPlan, tensors: Mapping[str, Any], arena) -> None:
+    """The baseline: one ``copy_`` per piece into a view of the arena (what an engine does per
+    parameter today). Asynchronous on the current stream on a GPU."""
+    flat = arena.bytes()
+    for p in plan.pieces:
+        src = tensors[p.source][tuple(slice(a, b) for a, b in p.box)]
+        n = src.numel() * p.itemsize
+        flat[p.dst_offset:p.dst_offset + n].view(src.dtype).view(src.shape).copy_(src)
+
+
+__all__ = ["PackTable", "pack_per_tensor", "pack_rows_host"]

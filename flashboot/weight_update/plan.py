@@ -1,0 +1,188 @@
+"""The publish contract: a trainer's named tensors -> where each of their bytes goes in one
+rank's image, by the same family rule and TP/EP slicing as pre-pack.
+
+The trainer's tensors stand in for the checkpoint's safetensors headers: the image's family
+plans the rank from their names, shapes and dtypes exactly as :func:`flashboot.prepack` planned
+it from the checkpoint (:class:`~flashboot.layouts.families.base.PlanContext`, ``check_plan``,
+``compute_layout``), and the layout that comes out must be the image's, tensor by tensor (name,
+offset, shape, dtype). Anything else is refused before a byte is written, naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import LayoutError
+
+
+class PublishError(LayoutError):
+    """Tensors that do not fit the image they are published for; names the tensor and both sides."""
+
+
+@dataclass(frozen=True)
+class PackPiece:
+    """A box of trainer tensor ``source`` (one (start, stop) per dim) whose C-order bytes land at
+    byte ``dst_offset`` of the image, back to back."""
+
+    source: str
+    box: tuple[tuple[int, int], ...]
+    dst_offset: int
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """One rank's image filled from a trainer's tensors: ``pieces`` in image order, the
+    ``sources`` they read (name -> (dtype, shape)) and the image ``metadata`` (the contract)."""
+
+    metadata: Any
+    sources: dict[str, tuple[str, tuple[int, ...]]]
+    pieces: tuple[PackPiece, ...]
+    skipped: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes packed (padding excluded)."""
+        return sum(math.prod(b - a for a, b in p.box) * p.itemsize for p in self.pieces)
+
+
+def dtype_name(tensor: Any) -> str:
+    """The image vocabulary's name of a torch tensor's dtype (``torch.bfloat16`` -> ``bfloat16``)."""
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _config_for(metadata, config: Mapping[str, Any] | None, where: str) -> dict:
+    """The model config the family plans with: ``config``, else the checkpoint's ``config.json``
+    recorded at pre-pack; either must hash to the image key's ``config_hash``."""
+    from flashboot.layouts.checkpoint import Checkpoint
+
+    if config is None:
+        path = Path(metadata.source.path) / "config.json"
+        if not path.is_file():
+            raise PublishError(f"{where}: the image was pre-packed from {metadata.source.path}, whose config.json is "
+                               "not here; pass config= (the model's config as a dict)")
+        try:
+            config = json.loads(path.read_text())
+        except ValueError as exc:
+            raise PublishError(f"{path}: not JSON ({exc})") from None
+    found = Checkpoint(Path("."), dict(config), {}, []).config_hash
+    if found != metadata.key.config_hash:
+        raise PublishError(f"{where}: the config given hashes to {found[:19]}, the image was pre-packed from "
+                           f"{metadata.key.config_hash[:19]} (another model)")
+    return dict(config)
+
+
+def plan_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]], *,
+              config: Mapping[str, Any] | None = None, where: str = "publish") -> PackPlan:
+    """Plan packing tensors with ``headers`` (name -> (dtype name, shape)) into the image of
+    ``metadata`` (an :class:`~flashboot.layouts.ImageMetadata`).
+
+    Raises PublishError naming the tensor for a name the image lacks, a shape or dtype that
+    differs from the image's, or an image tensor no given tensor fills; LayoutError from the
+    family for a layout it cannot produce (indivisible shapes, missing experts).
+    """
+    from flashboot.layouts.checkpoint import SourceTensor
+    from flashboot.layouts.families import PlanContext, check_plan, get_family
+    from flashboot.layouts.format import DTYPES, compute_layout
+
+    cfg = _config_for(metadata, config, where)
+    sources = {}
+    for name, (dtype, shape) in headers.items():
+        if dtype not in DTYPES:
+            raise PublishError(f"{where}: tensor {name!r} is {dtype}, which no image holds "
+                               f"(supported: {', '.join(DTYPES)})")
+        shape = tuple(int(s) for s in shape)
+        sources[name] = SourceTensor(name, "<trainer>", dtype, shape, 0, math.prod(shape) * DTYPES[dtype].itemsize)
+    family = get_family(metadata.family.name)
+    try:
+        plan = family.plan(PlanContext(cfg, sources, metadata.parallel, metadata.target))
+        check_plan(plan, sources, family.name)
+    except LayoutError as exc:
+        raise PublishError(f"{where}: {exc}") from None
+    layout = compute_layout([t.slot() for t in plan.tensors], tensor_alignment=metadata.tensor_alignment)
+    image = metadata.tensors
+    feeds = {t.name: sorted({p.source for p in t.pieces}) for t in plan.tensors}
+    extra = [t.name for t in plan.tensors if t.name not in image]
+    if extra:
+        names = sorted({s for n in extra for s in feeds[n]})
+        raise PublishError(f"{where}: tensor(s) {', '.join(map(repr, names[:5]))}{' ...' if len(names) > 5 else ''} "
+                           f"are not in the manifest of {metadata.key.model_id} rank {metadata.parallel.rank} "
+                           f"(they would make image tensor {extra[0]!r}); nothing was written")
+    for t in plan.tensors:
+        want, got = image[t.name], layout.tensors[t.name]
+        if (want.dtype, tuple(want.shape)) != (got.dtype, tuple(got.shape)):
+            raise PublishError(f"{where}: tensor {t.name!r} (from {', '.join(map(repr, feeds[t.name]))}) is "
+                               f"{got.dtype} {list(got.shape)} from the tensors given, {want.dtype} "
+                               f"{list(want.shape)} in the image; nothing was written")
+    missing = [n for n in image.names if n not in layout.tensors]
+    if missing:
+        raise PublishError(f"{where}: image tensor(s) {', '.join(map(repr, missing[:5]))}"
+                           f"{' ...' if len(missing) > 5 else ''} get no bytes: their source tensors are missing "
+                           f"from the {len(sources)} tensors given; nothing was written")
+    for t in plan.tensors:  # same names, shapes and dtypes, so the same offsets; checked, being the contract
+        if image[t.name].offset != layout.tensors[t.name].offset:
+            raise PublishError(f"{where}: tensor {t.name!r} lands at offset {layout.tensors[t.name].offset:,}, the "
+                               f"image has it at {image[t.name].offset:,}; nothing was written")
+    pieces = []
+    for t in plan.tensors:
+        entry = image[t.name]
+        itemsize = DTYPES[t.dtype].itemsize
+        pieces += [PackPiece(p.source, p.box, entry.offset + p.dst_elem * itemsize, itemsize)
+                   for p in t.pieces if p.numel]
+    used = {p.source for p in pieces}
+    unused = [n for n in sources if n not in used and n not in plan.skipped]
+    if unused:  # another rank's slice (an expert it holds) is no stranger: ask every rank's plan
+        for other in type(metadata.parallel).all_ranks(metadata.parallel.tp_size, metadata.parallel.ep_size):
+            if other.rank != metadata.parallel.rank and unused:
+                theirs = family.plan(PlanContext(cfg, sources, other, metadata.target))
+                used_there = {p.source for t in theirs.tensors for p in t.pieces}
+                unused = [n for n in unused if n not in used_there]
+    if unused:
+        raise PublishError(f"{where}: tensor {unused[0]!r} is not in the manifest of {metadata.key.model_id} rank "
+                           f"{metadata.parallel.rank} ({len(unused)} such); nothing was written")
+    return PackPlan(metadata, {n: (s.dtype, s.shape) for n, s in sources.items()}, tuple(pieces), dict(plan.skipped))
+
+
+def box_runs(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, box, src_addr: int,
+             dst_offset: int, what: str) -> list[tuple[int, int, int, int, int]]:
+    """A box of a strided tensor (element ``strides``) at ``src_addr`` as table rows
+    ``(dst_offset, src_addr, nbytes, run_bytes, src_run_stride)``: each row is ``nbytes //
+    run_bytes`` runs of ``run_bytes`` read every ``src_run_stride`` bytes and written back to back.
+
+    Inner dimensions the box covers whole and the tensor stores contiguously merge into one run,
+    the next one out strides; any further outer ones become rows of their own (a 3-D slice).
+    PublishError for a tensor whose last dimension is not contiguous (``what`` names it)."""
+    from itertools import product
+
+    nd = len(shape)
+    if nd == 0:
+        return [(dst_offset, src_addr, itemsize, itemsize, itemsize)]
+    if strides[-1] != 1 and shape[-1] > 1:
+        raise PublishError(f"{what}: its last dimension has stride {strides[-1]}, not 1; pass it .contiguous()")
+    k = nd - 1
+    while k > 0 and tuple(box[k]) == (0, shape[k]) and strides[k - 1] == shape[k] * strides[k]:
+        k -= 1
+    run_bytes = math.prod(b - a for a, b in box[k:]) * itemsize
+    if run_bytes == 0:
+        return []
+    if k == 0:
+        return [(dst_offset, src_addr + box[0][0] * strides[0] * itemsize, run_bytes, run_bytes, run_bytes)]
+    r = k - 1
+    n_runs = box[r][1] - box[r][0]
+    nbytes = n_runs * run_bytes
+    inner = sum(box[j][0] * strides[j] for j in range(r, nd)) * itemsize
+    rows = []
+    for i, outer in enumerate(product(*(range(a, b) for a, b in box[:r]))):
+        src = src_addr + inner + sum(o * s for o, s in zip(outer, strides)) * itemsize
+        if n_runs == 1:
+            rows.append((dst_offset + i * nbytes, src, nbytes, nbytes, nbytes))
+        else:
+            rows.append((dst_offset + i * nbytes, src, nbytes, run_bytes, strides[r] * itemsize))
+    return rows
+
+
+__all__ = ["PackPiece", "PackPlan", "PublishError", "box_runs", "dtype_name", "plan_pack"]

@@ -1,0 +1,206 @@
+"""Publish (trainer side): named tensors -> an arena in the engine image's layout -> a FlashClone
+seed record carrying the version, the image key and the rank.
+
+The record lives in namespace ``NAME.vN`` of the rendezvous store, so engines refitting to
+version N find it (or wait for it, bounded) and chain or star from it like clones. Its manifest
+holds the chunk checksums of the packed arena, computed on the device right after the pack;
+engines verify against them before the new version goes live.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from ..errors import FlashBootError
+from ..flashclone.rendezvous import DEFAULT_TIMEOUT_S
+from ..memory import Device
+from .plan import PackPlan, PublishError, dtype_name, plan_pack
+
+DEFAULT_NAME = "refit"
+
+
+def version_namespace(name: str, version: int) -> str:
+    """The store namespace of one published version."""
+    return f"{name}.v{version}"
+
+
+def check_version(version: Any, what: str) -> int:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise FlashBootError(f"{what}: version must be a positive int, got {version!r}")
+    return version
+
+
+@dataclass
+class PublishReport:
+    """One publish: ``pack_ms`` (one launch, or numpy on the host backend), ``checksum_ms`` (on the
+    device), ``publish_ms`` (the seed record), ``nbytes`` packed, ``tensors`` given, ``rows`` of the table."""
+
+    version: int
+    nbytes: int
+    tensors: int
+    rows: int
+    plan_ms: float = 0.0
+    pack_ms: float = 0.0
+    checksum_ms: float = 0.0
+    publish_ms: float = 0.0
+    details: dict = field(default_factory=dict)
+
+    @property
+    def pack_gbps(self) -> float:
+        return self.nbytes / self.pack_ms / 1e6 if self.pack_ms > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"published v{self.version}: {self.tensors} tensors, {self.nbytes:,} bytes packed in {self.pack_ms:.2f} ms "
+                f"({self.pack_gbps:.1f} GB/s, {self.rows} table rows), checksums {self.checksum_ms:.2f} ms, "
+                f"record {self.publish_ms:.2f} ms")
+
+
+def _named(tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> dict[str, Any]:
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    out: dict[str, Any] = {}
+    for item in items:
+        try:
+            name, t = item
+        except (TypeError, ValueError):
+            raise PublishError(f"publish takes (name, tensor) pairs; got {type(item).__name__}") from None
+        if name in out:
+            raise PublishError(f"publish: tensor {name!r} is given twice; nothing was written")
+        out[name] = t
+    return out
+
+
+class Publisher:
+    """A trainer rank's publishing arena for one image rank: pack, checksum, publish, again.
+
+    ``image``: the engines' pre-packed image directory (its manifest is the contract; no image
+    byte is read); ``rank``: the image rank this trainer process publishes. ``store``: the
+    rendezvous store (``HOST:PORT``; hosted here unless one listens, as a seed does). ``config``:
+    the model config, when the checkpoint's ``config.json`` recorded at pre-pack is not on this
+    machine. ``nixl``: also offer the arena to NIXL READs (engines on other hosts,
+    ``refit(transport="nixl")``); ``serve_nccl``: answer the broadcast fallback (``transport="nccl"``).
+    The arena (one image) is allocated once; :meth:`publish` withdraws the previous
+    version's record before packing the next into it, so publish a new version once the engines
+    have taken the last one (a refit that is still copying then fails its checksums: refused,
+    old weights kept).
+    """
+
+    def __init__(self, image: Any, rank: int = 0, *, store: str, device: Any = None, name: str = DEFAULT_NAME,
+                 token=None, token_file=None, config: Mapping[str, Any] | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, host_store: bool = True, nixl: bool = False,
+                 serve_nccl: bool = False):
+        from ..arena import Arena
+        from ..flashclone.rendezvous import resolve_token
+        from ..layouts import read_image_metadata
+
+        self.metadata = read_image_metadata(image, rank)
+        self.rank, self.store, self.name, self.config = rank, store, name, config
+        self.token = resolve_token(token, token_file)
+        self.timeout_s, self.host_store, self.nixl, self.serve_nccl = timeout_s, host_store, nixl, serve_nccl
+        self.device = Device.parse(device)
+        self.arena = Arena.create(self.metadata.image_nbytes, self.device)
+        if self.device.is_cuda:  # padding reads as zeros, as in the image (cuMemCreate does not clear)
+            self.arena.bytes().zero_()
+        self.version = 0
+        self.seed = None
+        self.report: PublishReport | None = None
+        self._plans: dict[tuple, PackPlan] = {}
+        self._table = None  # (plan, tensors' addresses and strides, PackTable) of the last publish
+
+    def plan(self, tensors: Mapping[str, Any]) -> PackPlan:
+        """The checked plan for tensors of these names, dtypes and shapes (cached per header set)."""
+        headers = {n: (dtype_name(t), tuple(t.shape)) for n, t in tensors.items()}
+        key = tuple(sorted((n, d, s) for n, (d, s) in headers.items()))
+        plan = self._plans.get(key)
+        if plan is None:
+            where = f"publish to {self.metadata.key.model_id} rank {self.rank}"
+            plan = plan_pack(self.metadata, headers, config=self.config, where=where)
+            self._plans = {key: plan}
+        return plan
+
+    def publish(self, tensors: Iterable[tuple[str, Any]] | Mapping[str, Any], version: int) -> PublishReport:
+        """Pack ``tensors`` ((HF name, tensor) pairs in any order, on this publisher's device),
+        checksum them and publish version ``version`` (greater than the last one published).
+
+        PublishError naming the tensor (a name the manifest lacks, a wrong shape or dtype, a
+        missing tensor) before anything is written."""
+        import torch
+
+        from ..flashclone.rendezvous import Manifest
+        from ..flashclone.seed import seed
+        from .pack import PackTable
+
+        check_version(version, "publish")
+        if version <= self.version:
+            raise PublishError(f"publish: version {version} is not newer than version {self.version}, published "
+                               "last; nothing was written")
+        named = _named(tensors)
+        t0 = time.perf_counter()
+        plan = self.plan(named)
+        # a trainer updates its parameters in place: the same addresses reuse the device table
+        where = tuple((n, t.data_ptr(), t.stride(), t.device) for n, t in named.items())
+        if self._table is None or self._table[0] is not plan or self._table[1] != where:
+            self._table = (plan, where, PackTable(plan, named, self.arena))
+        table = self._table[2]
+        t1 = time.perf_counter()
+        self.withdraw()
+        stream = None
+        if self.device.is_cuda:  # after the trainer's own work on these tensors (its current stream)
+            stream = torch.cuda.Stream(device=self.device.index)
+            stream.wait_stream(torch.cuda.current_stream(self.device.index))
+        table.launch(stream=stream)
+        if stream is not None:
+            stream.synchronize()
+        t2 = time.perf_counter()
+        meta = self.metadata
+        manifest = Manifest.of_arena(self.arena, meta.image_nbytes, meta.checksums.chunk_bytes, key=meta.key.to_dict())
+        t3 = time.perf_counter()
+        self.seed = seed(self.store, self.arena, self.device, token=self.token,
+                         name=version_namespace(self.name, version), timeout_s=self.timeout_s,
+                         serve_nccl=self.serve_nccl, nixl=self.nixl, manifest=manifest, host_store=self.host_store,
+                         extra={"refit_version": version, "refit_rank": self.rank})
+        t4 = time.perf_counter()
+        self.version = version
+        self.report = PublishReport(version, table.nbytes, len(named), len(table.rows), (t1 - t0) * 1e3,
+                                    (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3)
+        return self.report
+
+    def withdraw(self) -> None:
+        """Withdraw the published version's record (engines that already mapped it keep their mapping)."""
+        if self.seed is not None:
+            self.seed.close()
+            self.seed = None
+
+    def close(self) -> None:
+        """Withdraw the record and release the arena (idempotent)."""
+        self.withdraw()
+        self._table = None  # it holds the trainer's tensors
+        if not self.arena.closed:
+            self.arena.close()
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def publish(tensors: Iterable[tuple[str, Any]] | Mapping[str, Any], image: Any, rank: int = 0, *, store: str,
+            version: int, device: Any = None, **options: Any) -> Publisher:
+    """Pack a trainer's named tensors into an arena in ``image``'s layout for ``rank`` and
+    publish it at ``store`` as version ``version`` (see :class:`Publisher` for ``options``).
+
+    Returns the :class:`Publisher` (``.report``: pack, checksum and publish ms): keep it open
+    while engines refit, then ``close()`` it or :meth:`Publisher.publish` the next version.
+    Raises PublishError naming the tensor before anything is written."""
+    pub = Publisher(image, rank, store=store, device=device, **options)
+    try:
+        pub.publish(tensors, version)
+    except BaseException:
+        pub.close()
+        raise
+    return pub
+
+
+__all__ = ["DEFAULT_NAME", "PublishReport", "Publisher", "publish", "version_namespace"]

@@ -1,0 +1,123 @@
+"""replace_backing on the host backend: a staging arena's segments move under a live arena's
+addresses (views keep their addresses and read the new bytes), and a failure half-way maps the
+old segments back. GPU version: tests/test_weight_update_gpu.py."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from flashboot.arena import Arena
+from flashboot.arena import backing_host
+from flashboot.arena.remap import replace_backing, staging_for
+from flashboot.errors import ArenaError
+
+SEG = 2 << 20
+
+
+def _filled(nbytes: int, value: int, like: Arena | None = None) -> Arena:
+    a = Arena.create(nbytes, "cpu", segment_bytes=SEG) if like is None else staging_for(like)
+    a.bytes().numpy()[:] = value
+    return a
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_staging_segments_replace_the_live_ones_under_the_same_views():
+    live = _filled(3 * SEG, 1)
+    staging = _filled(3 * SEG, 2, like=live)
+    view = live.view(SEG - 8, (16,), "int8")  # spans two segments
+    ptr = view.data_ptr()
+    fds = _fds()
+    ms = replace_backing(live, staging)
+    staging.close()
+    assert ms >= 0 and view.data_ptr() == ptr
+    assert (view.numpy() == 2).all() and (live.bytes().numpy() == 2).all()
+    view[:] = 7  # the live arena owns the memory now: writable, and exported as its own
+    other = Arena.open(live.export(), "cpu")
+    assert (other.bytes().numpy()[SEG - 8:SEG + 8] == 7).all()
+    other.close()
+    live.close()
+    assert _fds() <= fds - 3  # the live arena's dups replaced its old memfds; the staging's are gone
+
+
+def test_a_failure_half_way_maps_the_old_segments_back(monkeypatch):
+    live = _filled(3 * SEG, 1)
+    staging = _filled(3 * SEG, 2, like=live)
+    view = live.view(0, (3 * SEG,), "uint8")
+    real, calls = backing_host._host_map_segment, []
+
+    def fail_second(addr, fd, size):
+        calls.append(addr)
+        if len(calls) == 2:
+            raise OSError(12, "injected mmap failure")
+        real(addr, fd, size)
+
+    monkeypatch.setattr(backing_host, "_host_map_segment", fail_second)
+    with pytest.raises(OSError, match="injected"):
+        replace_backing(live, staging)
+    monkeypatch.undo()
+    assert (view.numpy() == 1).all() and not live.asleep
+    assert (staging.bytes().numpy() == 2).all()
+    view[:] = 3  # still the live arena's own, exportable memory
+    other = Arena.open(live.export(), "cpu")
+    assert (other.bytes().numpy() == 3).all()
+    for a in (other, staging, live):
+        a.close()
+
+
+def test_refused_before_anything_moves():
+    live, small = _filled(2 * SEG, 1), _filled(SEG, 2)
+    imported_from, unrelated = _filled(2 * SEG, 3, like=live), _filled(2 * SEG, 4)
+    imported = Arena.open(imported_from.export(), "cpu")
+    with pytest.raises(ArenaError, match="names its memfds after itself.*staging_for"):
+        replace_backing(live, unrelated)
+    with pytest.raises(ArenaError, match=r"differ"):
+        replace_backing(live, small)
+    with pytest.raises(ArenaError, match="opened from another process's export"):
+        replace_backing(live, imported)
+    live.share("holder pid 1")
+    with pytest.raises(ArenaError, match="other process\\(es\\) map it \\(holder pid 1\\)"):
+        replace_backing(live, imported_from)
+    live.unshare("holder pid 1")
+    assert (live.bytes().numpy() == 1).all()
+    for a in (imported, imported_from, unrelated, small, live):
+        a.close()
+
+
+@pytest.mark.gpu
+def test_cuda_segments_swap_under_a_captured_cuda_graph():
+    """A CUDA graph captured over a view reads the staging arena's bytes after the swap, with no
+    re-capture; the arena exports its new segments to another mapping."""
+    import torch
+
+    nbytes = 3 * (2 << 20)
+    live = Arena.create(nbytes, "cuda:0", segment_bytes=2 << 20)
+    staging = staging_for(live)
+    live.bytes().fill_(1)
+    staging.bytes().fill_(2)
+    x = live.view(0, (nbytes // 4,), torch.float32)
+    out = torch.empty((), device="cuda:0")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out.copy_(x.sum())  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out.copy_(x.sum())
+    graph.replay()
+    torch.cuda.synchronize()
+    before = out.item()
+    replace_backing(live, staging)
+    staging.close()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = torch.full((nbytes,), 2, dtype=torch.uint8, device="cuda:0").view(torch.float32).sum().item()
+    assert out.item() == want != before
+    other = Arena.open(live.export(), "cuda:0")
+    assert bool((other.bytes() == 2).all())
+    other.close()
+    live.close()

@@ -1,0 +1,33 @@
+"""``flashboot bench refit`` on the host backend with a small checkpoint shape: every section
+runs on the same bytes and the engine ends with the trainer's tensors. No time is asserted."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashboot.benchmarks.checkpoints import CheckpointSpec
+from flashboot.benchmarks.refit import rows, run, write_sparse_checkpoint
+
+pytestmark = pytest.mark.timeout(240)
+
+SPEC = CheckpointSpec("T", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=64, vocab=128, shards=1)
+
+
+def test_sparse_checkpoint_reads_as_zeros_of_the_spec(tmp_path):
+    from flashboot.layouts import open_checkpoint
+
+    write_sparse_checkpoint(str(tmp_path), SPEC)
+    ckpt = open_checkpoint(tmp_path)
+    assert [(n, t.shape) for n, t in ckpt.tensors.items()] == [(n, tuple(s)) for n, s in SPEC.tensors()]
+    assert ckpt.nbytes == SPEC.nbytes
+
+
+def test_bench_refit_runs_every_section_on_the_host_backend(tmp_path):
+    res = run(SPEC, "cpu", repeats=2, workdir=str(tmp_path))
+    assert res["tensors"] == SPEC.tensor_count and res["nbytes"] == SPEC.nbytes
+    assert res["refit_bytes_equal_trainer"] is True
+    for mode in ("atomic", "in_place"):
+        assert res[f"refit_{mode}"]["transport"] == "posix_fd"
+    assert res["pack_copy_engine_ms"] is None and res["copy_engine_note"] == "GPU only"
+    table = rows(res)
+    assert table[0][0] == "host copy ceiling (before, after)" and len(table) == 11
