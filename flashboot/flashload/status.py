@@ -80,7 +80,9 @@ def _held_state(image_dir, rank: int, source, held: dict, daemon: dict) -> RankS
         return RankState(rank, "staging", f"by the serving daemon (pid {pid})")
     sha = held.get("metadata_sha256") or ""
     if sha != source.metadata_sha256 or held.get("nbytes") != source.nbytes:
-        return RankState(rank, "stale", f"the daemon (pid {pid}) holds another pre-pack ({held.get('nbytes'):,} bytes, "
+        nbytes = held.get("nbytes")
+        nbytes = f"{nbytes:,}" if isinstance(nbytes, int) else repr(nbytes)  # an older daemon may not say
+        return RankState(rank, "stale", f"the daemon (pid {pid}) holds another pre-pack ({nbytes} bytes, "
                                         f"metadata sha256 {sha[:12]}) than {source.path} now holds "
                                         f"({source.nbytes:,} bytes, {source.metadata_sha256[:12]}); restart it: "
                                         f"`flashboot preload {image_dir} --stop`, then `--serve` again")
