@@ -16,6 +16,7 @@ from flashboot._cuda import cuda_available
 README = Path(__file__).resolve().parents[1] / "README.md"
 DEVICE = "cuda:0" if cuda_available() else "cpu"
 RUN_TIMEOUT_S = 600  # generous: the machine may be shared
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)  # one command may take RUN_TIMEOUT_S
 
 
 def readme_blocks(lang: str) -> list[str]:
@@ -301,6 +302,7 @@ def test_a_readme_bench_line_runs(what, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.timeout(3 * RUN_TIMEOUT_S)  # some forty commands, each a fresh interpreter, on a shared machine
 def test_every_command_line_of_the_readme_runs(tmp_path):
     import socket
 
@@ -359,6 +361,8 @@ def test_every_command_line_of_the_readme_runs(tmp_path):
         served.proc.wait(60)
     run("preload images/qwen3 --serve --background")
     run("preload images/qwen3 --stop")
+    assert "rank 0: staged" in run("preload images/qwen3 --status")
+    assert "rank-0.img" in run("preload images/qwen3 --unstage")
 
     # FlashClone: a store of its own, a seed, clones of every schedule
     store_bg = start(f"store {store}", "store listening")
