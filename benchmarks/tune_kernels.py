@@ -34,6 +34,12 @@ def run(nbytes: int, checksum_nbytes: int, quick: bool = False) -> list[TuneRow]
     from flashboot.kernels.copy import sm_copy, tma_copy, tma_available
     from flashboot.movers import create_mover
 
+    from flashboot._cuda import cuda_available
+    from flashboot.errors import CapabilityError
+
+    if not cuda_available():  # it times kernels against the copy engine; the interpreter has no rate to tune
+        raise CapabilityError("bench tune tunes the Triton copy and checksum kernels on a GPU, against the copy "
+                              "engine; this machine has no CUDA device (bench movers and bench arena run here)")
     rows: list[TuneRow] = []
     ce = create_mover("copy_engine")
     n_gpus = torch.cuda.device_count()

@@ -27,7 +27,7 @@ from pathlib import Path
 from rich.console import Console
 
 from .memory import Device, span_of
-from .units import parse_bytes
+from .units import format_bytes, parse_bytes
 
 console = Console(width=140)
 
@@ -60,7 +60,7 @@ def _mover_round(device: Device, nbytes: int) -> bool:
         data = src.bytes()
         data.view(torch.int64).random_()
         expected = checksum(src)
-        console.print(f"arena: {nbytes / 1e6:.1f} MB on {src.device} ({src.handle_type}), checksum {expected:#018x}")
+        console.print(f"arena: {format_bytes(nbytes)} on {src.device} ({src.handle_type}), checksum {expected:#018x}")
         endpoints = []  # (path, make_dst, source)
         if cuda:
             pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -115,7 +115,7 @@ def _mover_round(device: Device, nbytes: int) -> bool:
                     dst.close()
         what = ("GPU time of one copy (CUDA events, the copy enqueued behind a spin kernel: what the device "
                 "spends)" if cuda else "wall time of one synchronous copy")
-        print_table(f"every mover on every path, {nbytes / 1e6:.0f} MB, warmed up, median of 3: {what}; x ceiling: "
+        print_table(f"every mover on every path, {format_bytes(nbytes)}, warmed up, median of 3: {what}; x ceiling: "
                     "vs a bare copy_ of the same bytes, same run; host µs/call: the host's cost of one 4 KiB "
                     "mover.copy, what a chunked pipeline pays per chunk",
                     ["mover", "path", "ms", "GB/s", "x ceiling", "host µs/call", "checksum"], rows)
@@ -186,10 +186,10 @@ def _pipeline(device: Device, workdir: Path) -> bool:
     for tp in (1, 2):
         rep = prepack(str(hf), str(workdir / f"tp{tp}"), tp=tp, progress=False)
         img = read_image(workdir / f"tp{tp}", 0)
-        rows.append([f"tp={tp}", rep.family, rep.world_size, f"{rep.image_nbytes / 1e6:.2f}",
+        rows.append([f"tp={tp}", rep.family, rep.world_size, format_bytes(rep.image_nbytes),
                      len(img.tensors), f"{rep.seconds.get('total', 0) * 1e3:.0f}"])
     print_table("pre-pack: one image per rank, laid out like the arena",
-                ["layout", "family", "ranks", "image MB", "tensors (rank 0)", "ms"], rows)
+                ["layout", "family", "ranks", "image", "tensors (rank 0)", "ms"], rows)
 
     try:
         staged = stage_rank(workdir / "tp1", 0, shm_dir=shm, device=str(device))
@@ -199,7 +199,7 @@ def _pipeline(device: Device, workdir: Path) -> bool:
         with load(workdir / "tp1", 0, str(device), shm_dir=shm, verify=True) as loaded:
             bound = bind(model, loaded)
             console.print(f"load: {loaded.report.summary()}")
-            console.print(f"bind: {len(loaded.tensors)} tensors are views into one {loaded.arena.nbytes / 1e6:.1f} MB arena "
+            console.print(f"bind: {len(loaded.tensors)} tensors are views into one {format_bytes(loaded.arena.nbytes)} arena "
                           f"({loaded.arena.handle_type}); recomputed buffers: {', '.join(bound.recomputed) or 'none'}")
             ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).to(str(device)).eval()
             prompt = torch.tensor([[1, 5, 9, 14, 3, 7]], device=str(device))

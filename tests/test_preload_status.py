@@ -110,3 +110,14 @@ def test_a_staging_root_on_disk_is_warned_about(image, shm, capsys, monkeypatch)
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this machine")
 def test_a_staging_root_in_shared_memory_is_not_warned_about():
     assert shm_files.not_shared_memory_warning("/dev/shm/flashboot-test-absent/x") is None
+
+
+def test_status_lists_leftover_folders_of_failed_preloads(image, shm, capsys):
+    staging.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)
+    left = shm / "other-0123456789ab"  # what a failed preload of another image left before the clean-up
+    left.mkdir(parents=True)
+    (left / "preload.log").write_text("rank 0: failed\n")
+    assert main(["preload", str(image), "--shm-dir", str(shm), "--status"]) == 0
+    out = capsys.readouterr().out
+    leftovers = [line for line in out.splitlines() if line.startswith("  leftover: ")]
+    assert len(leftovers) == 1 and str(left) in leftovers[0] and "preload.log" in leftovers[0]  # not the staged one

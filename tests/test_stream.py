@@ -427,7 +427,7 @@ def test_cli_load_streams_and_says_why(image, shm, capsys):
     assert main(["load", str(image), "--device", "cpu", "--shm-dir", str(shm), "--stream-buffer", "16KiB",
                  "--verify"]) == 0
     out = capsys.readouterr().out
-    assert "streamed from disk" in out and "no preloader runs" in out and "16.38 KB ring" in out
+    assert "streamed from disk" in out and "no preloader runs" in out and "16 KiB ring" in out
     assert main(["load", str(image), "--device", "cpu", "--shm-dir", str(shm), "--no-stream", "--timeout",
                  "0.2"]) != 0
     assert "no preloader is running" in capsys.readouterr().err

@@ -19,7 +19,7 @@ def _common(p: argparse.ArgumentParser, *, store_required: bool = True) -> None:
 def register(subparsers) -> None:
     p = subparsers.add_parser("seed", help="publish an image (or a held arena) for cloning; runs until stopped")
     p.add_argument("dir", nargs="?", help="pre-packed image directory (loaded with FlashLoad when staged)")
-    p.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda:0 where present)")
+    p.add_argument("--device", default=None, help="cuda index (0), cuda:N or cpu (default: cuda:0 where present)")
     p.add_argument("--rank", type=int, default=0, help="image rank to load (default 0)")
     p.add_argument("--held", metavar="NAME", help="seed from an arena a holder keeps (with --registry)")
     p.add_argument("--registry", metavar="DIR", help="holder registry directory (for --held)")
@@ -32,7 +32,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_seed)
 
     p = subparsers.add_parser("clone", help="clone the seed published at --store into a new arena")
-    p.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda:0 where present)")
+    p.add_argument("--device", default=None, help="cuda index (0), cuda:N or cpu (default: cuda:0 where present)")
     p.add_argument("--schedule", default="chain", choices=("chain", "star", "ring"))
     p.add_argument("--clones", type=int, default=None,
                    help="how many clones join (start barrier); ring: the member count")

@@ -81,7 +81,7 @@ def main(args) -> int:
 def _status(args) -> int:
     from flashboot.flashload import client, service
     from flashboot.flashload import shm as shm_files
-    from flashboot.flashload.status import rank_states
+    from flashboot.flashload.status import leftover_staging_dirs, rank_states
     from flashboot.layouts import image_ranks
 
     st = service.service_status(args.image_dir, args.shm_dir)
@@ -95,6 +95,9 @@ def _status(args) -> int:
     for rs in rank_states(args.image_dir, args.ranks or image_ranks(args.image_dir), args.shm_dir, daemon=daemon,
                           preloader_pid=st.pid if st.running else None):
         print(f"  {rs.line()}")
+    for d in leftover_staging_dirs(args.shm_dir):
+        what = ", ".join(sorted(p.name for p in d.iterdir())) or "empty"
+        print(f"  leftover: {d} ({what}): no staged rank and no preloader; remove it with `rm -r {d}`")
     return 0
 
 

@@ -19,7 +19,7 @@ def register(subparsers) -> None:
 
 def main(args) -> int:
     from flashboot.sim import simulate_schedule
-    from flashboot.units import parse_bytes
+    from flashboot.units import format_bytes, parse_bytes
 
     total = parse_bytes(args.model_bytes)
     chunk = parse_bytes(args.chunk_bytes) if args.chunk_bytes is not None else None
@@ -29,7 +29,7 @@ def main(args) -> int:
         print(json.dumps(result.to_dict()))
         return 0
     print(f"{result.schedule} on {result.topology}: {len(result.receivers)} receivers, "
-          f"{total / 1e9:.2f} GB, chunk {result.chunk_bytes / 2**20:.0f} MiB, {result.n_steps} steps")
+          f"{format_bytes(total)}, chunk {format_bytes(result.chunk_bytes)}, {result.n_steps} steps")
     print(f"{'receiver':<10} {'gpu':>4} {'first byte ms':>14} {'done ms':>10} {'GB/s':>8}")
     seeds = len(result.placement) - len(result.receivers)  # seeds are the first participants
     for k, name in enumerate(result.receivers):

@@ -167,7 +167,8 @@ def _daemon_holds_other_prepack(sock: Path, rank: int, metadata_sha256: str) -> 
     pre-pack than ``metadata_sha256``; None when it holds this one, still stages, or none answers."""
     reply = _daemon_status(sock)
     held = (reply.get("ranks") or {}).get(str(rank)) or {}
-    if held.get("state") not in ("pinned", "mapped") or not isinstance(held.get("metadata_sha256"), str):
+    if (held.get("state") not in ("pinned", "mapped") or not isinstance(held.get("metadata_sha256"), str)
+            or not isinstance(held.get("nbytes"), int)):
         return None
     if held["metadata_sha256"] == metadata_sha256:
         return None

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import FlashBootError, LayoutError
-from .shm import rank_source, read_ready, staged_paths
+from .shm import _running_pid, rank_source, read_ready, shm_root, staged_paths
 
 STATES = ("not staged", "staging", "staged", "served", "stale", "truncated", "failed", "unreadable")
 """Every state :func:`rank_states` reports. ``staged``: a load maps the staged copy; ``served``: the
@@ -80,7 +80,9 @@ def _held_state(image_dir, rank: int, source, held: dict, daemon: dict) -> RankS
         return RankState(rank, "staging", f"by the serving daemon (pid {pid})")
     sha = held.get("metadata_sha256") or ""
     if sha != source.metadata_sha256 or held.get("nbytes") != source.nbytes:
-        return RankState(rank, "stale", f"the daemon (pid {pid}) holds another pre-pack ({held.get('nbytes'):,} bytes, "
+        nbytes = held.get("nbytes")
+        nbytes = f"{nbytes:,}" if isinstance(nbytes, int) else repr(nbytes)  # an older daemon may not say
+        return RankState(rank, "stale", f"the daemon (pid {pid}) holds another pre-pack ({nbytes} bytes, "
                                         f"metadata sha256 {sha[:12]}) than {source.path} now holds "
                                         f"({source.nbytes:,} bytes, {source.metadata_sha256[:12]}); restart it: "
                                         f"`flashboot preload {image_dir} --stop`, then `--serve` again")
@@ -93,3 +95,23 @@ def _size(path) -> int | None:
         return os.stat(path).st_size
     except FileNotFoundError:
         return None
+
+
+def leftover_staging_dirs(shm_dir=None) -> list:
+    """Folders under the staging root that hold no staged rank and belong to no running preloader
+    (a preload of any image that failed, or was interrupted, before this version cleaned up after
+    itself): what ``preload --status`` lists so that they can be removed."""
+    root = shm_root(shm_dir)
+    try:
+        entries = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+    except FileNotFoundError:
+        return []
+    left = []
+    for d in entries:
+        try:
+            names = [p.name for p in d.iterdir()]
+        except OSError:  # not ours to read
+            continue
+        if not any(n.startswith("rank-") for n in names) and not _running_pid(d / "preload.pid"):
+            left.append(d)
+    return left
