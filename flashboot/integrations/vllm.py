@@ -35,10 +35,11 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from flashboot.errors import CapabilityError, LayoutError
 
 from .engine_prepack import (
-    LOAD_FORMAT, EngineKey, LoaderOptions, RankGroup, _materialize, bind_engine_model, check_engine_key, check_no_meta_tensors,
+    LOAD_FORMAT, EngineKey, LoaderOptions, RankGroup, bind_engine_model, check_engine_key, check_no_meta_tensors,
     gpu_arch_of, image_is_complete, load_engine_weights, memory_saver_policy, model_identity, prepack_engine_model,
     prepare_engine_load, read_job_engine_key,
 )
+from .engine_bind import _materialize
 
 logger = logging.getLogger("flashboot.integrations.vllm")
 
