@@ -383,25 +383,7 @@ def check_no_meta_tensors(model, where: str) -> None:
                           f"uninitialised: {shown}. Re-run the pre-pack with this engine version.")
 
 
-def memory_saver_policy(enabled: bool, flag: str, options: LoaderOptions, nbytes: int | None = None) -> None:
-    """Refuse (CapabilityError naming ``flag``) or warn when the engine's memory saver is on.
-
-    The arena is one CUDA VMM allocation made through the driver, outside the engine's hooked
-    allocator, so a memory-saver pause of the weights does not release it.
-    """
-    if not enabled:
-        return
-    if options.memory_saver == "refuse":
-        raise CapabilityError(
-            f"{flag} is on, but FlashBoot's weights live in one CUDA VMM arena allocated through the driver, which "
-            f"the engine's memory saver cannot pause or release. Start the engine without {flag}, or pass "
-            "'\"memory_saver\": \"resident\"' in --model-loader-extra-config to keep the weights resident across "
-            "pauses.")
-    logger.warning("flashboot: %s is on; the %s weight arena stays resident when the engine pauses its weights "
-                   "(memory_saver=resident)", flag, f"{nbytes:,}-byte" if nbytes else "")
-
-
 __all__ = [
     "EngineBindReport", "EngineWeights", "bind_engine_model", "check_no_meta_tensors", "load_engine_weights",
-    "memory_saver_policy", "prepare_engine_load", "publish_engine_weights",
+    "prepare_engine_load", "publish_engine_weights",
 ]

@@ -28,7 +28,7 @@ ENGINE_FORMAT = "flashboot-engine/1"
 ENGINES = ("sglang", "vllm")
 MODES = ("load", "prepack", "auto")
 STAGING = ("auto", "require", "inline")
-MEMORY_SAVER_POLICIES = ("refuse", "resident")
+MEMORY_SAVER_POLICIES = ("sleep", "resident", "refuse")
 LOAD_FORMAT = "flashboot"
 """The ``--load-format`` name both engine plugins register."""
 
@@ -52,9 +52,10 @@ class LoaderOptions:
     rendezvous, ranks of a pre-pack). ``staging``: ``"auto"`` (use a preloader's staged copy when
     one is there or running, else stage in this process), ``"require"`` (wait for ``flashboot
     preload``) or ``"inline"``. ``served``: let a running ``flashboot preload --serve`` daemon copy
-    the image in. ``shm_dir``: the staging root. ``memory_saver``: what to do when the engine's
-    memory saver / sleep mode is on (``"refuse"``, or ``"resident"``: load anyway; the arena is not
-    released by a pause).
+    the image in. ``shm_dir``: the staging root. ``memory_saver``: what the engine's sleep of its
+    weights does with the arena: ``"sleep"`` (FlashBoot's sleep and wake,
+    :mod:`flashboot.integrations.engine_sleep`), ``"resident"`` (nothing: it stays resident) or
+    ``"refuse"`` (refuse to load with the memory saver / sleep mode on).
     """
 
     image_dir: str | None = None
@@ -68,7 +69,7 @@ class LoaderOptions:
     staging: str = "auto"
     served: bool = False
     shm_dir: str | None = None
-    memory_saver: str = "refuse"
+    memory_saver: str = "sleep"
 
     def __post_init__(self):
         if self.image_dir is not None:
