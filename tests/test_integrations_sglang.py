@@ -435,12 +435,67 @@ def test_loader_options_validate_themselves():
         LoaderOptions.from_extra_config("{image_dir: /img}")
 
 
-def test_memory_saver_refuses_by_default_and_names_the_flag():
-    memory_saver_policy(False, "--enable-memory-saver", LoaderOptions(image_dir="/img"))
-    with pytest.raises(CapabilityError, match="--enable-memory-saver is on.*\"memory_saver\": \"resident\""):
-        memory_saver_policy(True, "--enable-memory-saver", LoaderOptions(image_dir="/img"))
-    memory_saver_policy(True, "--enable-memory-saver", LoaderOptions(image_dir="/img", memory_saver="resident"),
-                        nbytes=1 << 20)
+def test_memory_saver_policy_hands_the_weights_to_flashboot_or_says_why_not():
+    image = LoaderOptions(image_dir="/img")
+    assert image.memory_saver == "sleep"
+    assert memory_saver_policy(True, "--enable-memory-saver", image) is True
+    assert memory_saver_policy(False, "--enable-memory-saver", image) is True
+    for options, why in ((LoaderOptions(seed_store="h:1"), "the weights are cloned from a seed .seed_store.: there is no image"),
+                         (LoaderOptions(image_dir="/img", publish_store="h:1"), "the arena is published as a FlashClone seed")):
+        with pytest.raises(CapabilityError, match=f"--enable-memory-saver is on, but FlashBoot cannot put these "
+                                                  f"weights to sleep: {why}.*\"resident\""):
+            memory_saver_policy(True, "--enable-memory-saver", options)
+        assert memory_saver_policy(False, "--enable-memory-saver", options) is False
+    assert memory_saver_policy(True, "--enable-sleep-mode", LoaderOptions(image_dir="/img", memory_saver="resident")) \
+        is False
+    with pytest.raises(CapabilityError, match="--enable-sleep-mode is on and the flashboot option memory_saver is "
+                                              "'refuse'"):
+        memory_saver_policy(True, "--enable-sleep-mode", LoaderOptions(image_dir="/img", memory_saver="refuse"))
+    assert memory_saver_policy(False, "--enable-sleep-mode", LoaderOptions(image_dir="/img", memory_saver="refuse")) \
+        is False
+    with pytest.raises(FlashBootError, match="memory_saver='offload'; known: sleep, resident, refuse"):
+        LoaderOptions(image_dir="/img", memory_saver="offload")
+
+
+def test_weights_handed_to_the_engine_sleep_wake_bitwise_at_the_same_addresses(packed, tmp_path):
+    """What the engines' hooks call (SGLang's adapters, vLLM's sleep-mode backend): every arena
+    handed over in the process sleeps at the level asked and wakes from the backup (level 1) or
+    the disk (level 2), the bound model unchanged; asleep weights refuse an in-place reload."""
+    from flashboot.integrations.engine_sleep import (
+        check_awake, sleep_engine_weights, stay, staying_weights, wake_engine_weights,
+    )
+
+    model, out, _ = packed
+    weights = load_engine_weights(_options(out, tmp_path), _key(), 0, "cpu", tp_size=1, ep_size=1)
+    try:
+        with torch.device("meta"):
+            target = PlainEngineLikeModel()
+        bind_engine_model(target, weights)
+        target._flashboot_weights = weights  # as both loaders keep it
+        stay(weights, shm_dir=str(tmp_path / "shm"))
+        assert staying_weights() == [weights]
+        ptrs = {n: t.data_ptr() for n, t in list(target.named_parameters()) + list(target.named_buffers())}
+        x = torch.tensor([1, 5, 7])
+        before = target.proj(target.embed(x))
+        for level, source in ((1, "backup"), (2, "disk")):
+            [slept] = sleep_engine_weights(level)
+            assert slept.level == level and weights.arena.asleep
+            assert [r.level for r in sleep_engine_weights(level)] == [0]  # asleep already: a no-op
+            with pytest.raises(FlashBootError, match=r"load_weights: the model's [\d,]+-byte weight arena is asleep"):
+                check_awake(target, "load_weights")
+            [woke] = wake_engine_weights()
+            assert woke.source == source and not weights.arena.asleep
+            assert [r.source for r in wake_engine_weights()] == ["awake"]
+            _assert_same_tensors(model, target)
+            assert torch.equal(target.proj(target.embed(x)), before)
+            assert {n: t.data_ptr() for n, t in list(target.named_parameters()) + list(target.named_buffers())} == ptrs
+        check_awake(target, "load_weights")
+        with pytest.raises(FlashBootError, match="sleep level must be 1 .* or 2 .*, got 3"):
+            sleep_engine_weights(3)
+    finally:
+        weights.close()
+    assert staying_weights() == []  # closed weights are not put to sleep any more
+    assert sleep_engine_weights(2) == [] and wake_engine_weights() == []
 
 
 def test_check_engine_key_accepts_the_same_key():
@@ -565,14 +620,101 @@ out["mismatch"] = error_of({"image_dir": image_dir, "shm_dir": shm}, mc16)
 out["auto_mismatch"] = error_of({"image_dir": image_dir, "shm_dir": shm, "mode": "auto"}, mc16)
 out["mismatch_engine_key"] = ld.key.__class__.__name__
 
-# 4. memory saver on: refused, naming the flag
+# 4. memory saver on: what FlashBoot cannot put to sleep is refused, naming the flag
 override = get_context().override_server_args(enable_memory_saver=True)
 override.install()
 try:
-    out["memory_saver"] = error_of({"image_dir": image_dir, "shm_dir": shm}, mc)
+    out["memory_saver_refuse"] = error_of({"image_dir": image_dir, "shm_dir": shm, "memory_saver": "refuse"}, mc)
+    out["memory_saver_published"] = error_of({"image_dir": image_dir, "shm_dir": shm,
+                                              "publish_store": "127.0.0.1:9"}, mc)
 finally:
     override.restore()
+
+# 5. SGLang's own release/resume of the weights tag: its scheduler's weight updater and memory-saver
+# adapter (the no-op one: torch_memory_saver needs CUDA's LD_PRELOAD), FlashBoot's sleep beneath.
+# The level is SGLang's: 1 with --enable-weights-cpu-backup, else 2.
+from types import SimpleNamespace
+from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput
+from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
+updater = SchedulerWeightUpdaterManager(
+    tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=m)), draft_worker=None,
+    memory_saver_adapter=TorchMemorySaverAdapter.create(enable=False), flush_cache=lambda: True,
+    is_fully_idle=lambda **kw: True)
+hidden = torch.randn(3, mc.hf_config.hidden_size, generator=torch.Generator().manual_seed(1))
+outputs = lambda: module_outputs(m, ("model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "model.norm"),
+                                 lambda name: torch.tensor([1, 5, 7]) if "embed" in name else hidden.clone())
+if device == "cpu":
+    # torch here is a CUDA build on a machine without a driver: release_memory_occupation's closing
+    # torch.get_device_module().synchronize() would pick torch.cuda; the device is the CPU
+    _device_module = torch.get_device_module
+    torch.get_device_module = lambda device=None: torch.cpu if device is None else _device_module(device)
+release = lambda: updater.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=["weights"]))
+resume = lambda: updater.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=["weights"]))
+override = get_context().override_server_args(enable_weights_cpu_backup=True)
+override.install()
+try:
+    out["sleep_level1"] = sleep_cycle(m, ld.weights.arena, release, resume, outputs)
+finally:
+    override.restore()
+out["sleep_level2"] = sleep_cycle(m, ld.weights.arena, release, resume, outputs)
 print("RESULT " + json.dumps(out))
+'''
+
+
+# What both engines' single-process scripts use to check a sleep and wake through the engine's own
+# entry points, prepended to them: the arena's pages, module outputs, addresses, the reports logged.
+SLEEP_CHECKS = r'''
+import logging, os
+import torch
+
+class _Logged(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+_logged = _Logged()
+logging.getLogger("flashboot.integrations").addHandler(_logged)
+logging.getLogger("flashboot.integrations").setLevel(logging.INFO)
+
+def arena_pages(arena):
+    # this process's fds and mappings of the arena's segments (host backend: a memfd each)
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += arena.arena_id in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return {"fds": fds, "maps": sum(arena.arena_id in line for line in open("/proc/self/maps"))}
+
+def module_outputs(model, names, inputs):
+    got = {}
+    with torch.no_grad():
+        for name in names:
+            module = model
+            for part in name.split("."):
+                module = getattr(module, part)
+            y = module(inputs(name))
+            got[name] = (y[0] if isinstance(y, tuple) else y).clone()
+    return got
+
+def sleep_cycle(model, arena, release, resume, outputs):
+    # the engine's own release and resume; what FlashBoot's sleep and wake did beneath them
+    def pointers():
+        return {n: t.data_ptr() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    ptrs, before, pages_awake = pointers(), outputs(), arena_pages(arena)
+    _logged.lines.clear()
+    release()
+    got = {"asleep": arena.asleep, "pages_awake": pages_awake, "pages_asleep": arena_pages(arena)}
+    resume()
+    after = outputs()
+    got.update(awake=not arena.asleep, pages_woken=arena_pages(arena), same_addresses=pointers() == ptrs,
+               compared=sorted(before), bitwise_equal=sorted(n for n in before if torch.equal(before[n], after[n])),
+               logged=list(_logged.lines))
+    return got
 '''
 
 
@@ -827,7 +969,7 @@ def sglang_mla(tmp_path_factory):
 def sglang_run(tmp_path_factory):
     if not HAVE_SGLANG:
         pytest.skip("SGLang is not installed here (see docs/engines.md for the engine test venv)")
-    return run_engine_script(SGLANG_SCRIPT, tmp_path_factory.mktemp("sglang"))
+    return run_engine_script(SLEEP_CHECKS + SGLANG_SCRIPT, tmp_path_factory.mktemp("sglang"))
 
 
 def test_real_sglang_plugin_makes_load_format_flashboot_valid(sglang_run):
@@ -863,9 +1005,32 @@ def test_real_sglang_refuses_an_image_of_another_key(sglang_run):
         assert "dtype: engine 'bfloat16', image 'float32'" in msg and r["key"]["digest"][:19] in msg
 
 
-def test_real_sglang_refuses_the_memory_saver(sglang_run):
-    kind, msg = sglang_run["memory_saver"]
-    assert kind == "CapabilityError" and "--enable-memory-saver" in msg
+def test_real_sglang_memory_saver_refuses_what_flashboot_cannot_put_to_sleep(sglang_run):
+    kind, msg = sglang_run["memory_saver_refuse"]
+    assert kind == "CapabilityError" and "--enable-memory-saver is on and the flashboot option memory_saver" in msg
+    kind, msg = sglang_run["memory_saver_published"]
+    assert kind == "CapabilityError" and "published as a FlashClone seed (publish_store)" in msg
+
+
+def assert_slept_and_woke(cycle: dict, level: int, source: str) -> None:
+    """One sleep_cycle (SLEEP_CHECKS) through an engine's own entry points: the arena released
+    (asleep, no fd or mapping of its segments left), woken at the same addresses from ``source``,
+    and the engine modules' outputs bitwise equal to before."""
+    assert cycle["asleep"] and cycle["pages_asleep"] == {"fds": 0, "maps": 0}, cycle
+    assert cycle["pages_awake"]["fds"] > 0 and cycle["pages_woken"] == cycle["pages_awake"], cycle
+    assert cycle["awake"] and cycle["same_addresses"]
+    assert cycle["compared"] and cycle["bitwise_equal"] == cycle["compared"]
+    assert any(line.startswith(f"flashboot: sleep level {level} of ") for line in cycle["logged"]), cycle["logged"]
+    assert any(f" from {source}: " in line for line in cycle["logged"]), cycle["logged"]
+
+
+def test_real_sglang_release_and_resume_of_the_weights_put_the_arena_to_sleep_and_wake_it(sglang_run):
+    # --enable-weights-cpu-backup: level 1, back from the pinned backup
+    assert_slept_and_woke(sglang_run["sleep_level1"], 1, "backup")
+    # without it: level 2, back from the disk (no preloader runs here), no weight update needed
+    cycle = sglang_run["sleep_level2"]
+    assert_slept_and_woke(cycle, 2, "disk")
+    assert any("not backup: sleep(level=2) kept no backup" in line for line in cycle["logged"]), cycle["logged"]
 
 
 # =============================================================================================

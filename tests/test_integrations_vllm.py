@@ -19,7 +19,8 @@ import pytest
 from flashboot.errors import CapabilityError
 
 from test_integrations_sglang import (  # noqa: F401 - sglang_run is a fixture used here
-    assert_refused_before_staging, assert_same_as_default_loader, run_engine_ranks, run_engine_script, sglang_run,
+    SLEEP_CHECKS, assert_refused_before_staging, assert_same_as_default_loader, assert_slept_and_woke,
+    run_engine_ranks, run_engine_script, sglang_run,
 )
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -135,7 +136,43 @@ def error_of(extra, model_config):
 mc16 = ModelConfig(model=model_path, dtype="bfloat16", skip_tokenizer_init=True)
 out["mismatch"] = error_of({"image_dir": image_dir, "shm_dir": shm}, mc16)
 mc.enable_sleep_mode = True  # what --enable-sleep-mode sets (this platform's config check would refuse it first)
-out["sleep_mode"] = error_of({"image_dir": image_dir, "shm_dir": shm}, mc)
+out["sleep_mode"] = error_of({"image_dir": image_dir, "shm_dir": shm}, mc)  # with the default cumem backend
+
+# vLLM's sleep mode with the flashboot backend: the worker resolves its backend from the model config
+# (SleepModeBackendFactory) and calls suspend(level) / resume(tags) / discard(tags) from its own
+# sleep / wake_up / discard (whose CPU worker ignores them, so they are called here as it does)
+mc.sleep_mode_backend = "flashboot"
+vc3 = config("flashboot", {"image_dir": image_dir, "shm_dir": shm})
+with set_current_vllm_config(vc3):
+    ls = get_model_loader(vc3.load_config)
+    ms = ls.load_model(vllm_config=vc3, model_config=mc)
+from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+backend = SleepModeBackendFactory.create_backend(mc)
+out["sleep_backend"] = type(backend).__name__
+hidden = torch.randn(3, mc.hf_config.hidden_size, generator=torch.Generator().manual_seed(1))
+def outputs():
+    with set_current_vllm_config(vc3):
+        return module_outputs(ms, ("model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "model.norm"),
+                              lambda name: torch.tensor([1, 5, 7]) if "embed" in name else hidden.clone())
+arena = ls.weights.arena
+def kv_cache_only_then_weights():
+    backend.resume(["kv_cache"])  # a selective wake: the weights stay asleep
+    out["asleep_after_kv_cache_wake"] = arena.asleep
+    backend.resume(["weights"])
+def reload_while_asleep():
+    backend.suspend(1)
+    try:
+        with set_current_vllm_config(vc3):
+            ls.load_weights(ms, mc)
+    except Exception as exc:
+        out["reload_while_asleep"] = [type(exc).__name__, str(exc)]
+    backend.resume(None)
+out["sleep_level1"] = sleep_cycle(ms, arena, lambda: backend.suspend(1), kv_cache_only_then_weights, outputs)
+out["sleep_level2"] = sleep_cycle(ms, arena, lambda: backend.suspend(2), lambda: backend.resume(None), outputs)
+out["discard"] = sleep_cycle(ms, arena, lambda: backend.discard(("weights",)), lambda: backend.resume(["weights"]),
+                             outputs)
+reload_while_asleep()
+out["backend_state"] = backend.state()
 print("RESULT " + json.dumps(out))
 '''
 
@@ -144,7 +181,7 @@ print("RESULT " + json.dumps(out))
 def vllm_run(tmp_path_factory):
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed here (see docs/engines.md for the engine test venv)")
-    return run_engine_script(VLLM_SCRIPT, tmp_path_factory.mktemp("vllm"))
+    return run_engine_script(SLEEP_CHECKS + VLLM_SCRIPT, tmp_path_factory.mktemp("vllm"))
 
 
 def test_real_vllm_plugin_registers_load_format_flashboot(vllm_run):
@@ -175,11 +212,26 @@ def test_real_vllm_load_weights_reloads_in_place(vllm_run):
     assert vllm_run["reload_same_as_reference"]
 
 
-def test_real_vllm_refuses_an_image_of_another_key_and_sleep_mode(vllm_run):
+def test_real_vllm_refuses_an_image_of_another_key_and_sleep_mode_with_the_cumem_backend(vllm_run):
     kind, msg = vllm_run["mismatch"]
     assert kind == "LayoutError" and "dtype: engine 'bfloat16', image 'float32'" in msg
     kind, msg = vllm_run["sleep_mode"]
-    assert kind == "CapabilityError" and "--enable-sleep-mode" in msg
+    assert kind == "CapabilityError" and "--enable-sleep-mode with --sleep-mode-backend cumem" in msg
+    assert "Add --sleep-mode-backend flashboot" in msg
+
+
+def test_real_vllm_sleep_and_wake_up_put_the_arena_to_sleep_and_wake_it(vllm_run):
+    r = vllm_run
+    assert r["sleep_backend"] == "FlashBootSleepBackend"  # resolved by vLLM's factory from the model config
+    # sleep(level=1): the pinned backup; wake_up(tags=["kv_cache"]) leaves the weights asleep
+    assert_slept_and_woke(r["sleep_level1"], 1, "backup")
+    assert r["asleep_after_kv_cache_wake"] is True
+    # sleep(level=2) then wake_up(): from the disk, right without reload_weights
+    assert_slept_and_woke(r["sleep_level2"], 2, "disk")
+    assert_slept_and_woke(r["discard"], 2, "disk")  # discard(("weights",)): nothing kept
+    kind, msg = r["reload_while_asleep"]
+    assert kind == "FlashBootError" and "load_weights: the model's" in msg and "wake_up(tags=['weights'])" in msg
+    assert r["backend_state"] == "RUNNING"
 
 
 # =============================================================================================

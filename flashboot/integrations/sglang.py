@@ -26,10 +26,12 @@ region, with the parallel groups built):
    post-processing leaves Python-side state are refused (SGLang's IPC allowlist).
 
 Memory saver: the arena is one CUDA VMM allocation made through the driver, which
-``torch_memory_saver`` (LD_PRELOAD hook of cudaMalloc, or torch's pluggable allocator) never sees:
-allocating it inside or outside ``memory_saver_adapter.region("weights")`` is the same, and
-``release_memory_occupation(tags=["weights"])`` cannot release it. With ``--enable-memory-saver``
-the loader therefore refuses unless ``"memory_saver": "resident"`` is given.
+``torch_memory_saver`` never sees. With ``memory_saver="sleep"`` (the default) the loader hands the
+bound weights to :mod:`~flashboot.integrations.engine_sleep` and wraps SGLang's memory-saver
+adapters (:func:`install_memory_saver_hook`): ``release_memory_occupation`` /
+``resume_memory_occupation`` of the weights tag then put the arena to sleep (level 1 with
+``--enable-weights-cpu-backup``, else level 2) and wake it at the same addresses. The KV cache and
+CUDA graphs stay with the memory saver.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ from flashboot.errors import CapabilityError
 from .engine_prepack import (
     LOAD_FORMAT, EngineKey, LoaderOptions, RankGroup, bind_engine_model, check_engine_key, check_no_meta_tensors,
     gpu_arch_of, image_is_complete, load_engine_weights, memory_saver_policy, model_identity, prepack_engine_model,
-    prepare_engine_load, read_job_engine_key,
+    prepare_engine_load, read_job_engine_key, stay,
 )
+from .engine_sleep import WEIGHTS_TAG, sleep_engine_weights, wake_engine_weights
 
 logger = logging.getLogger("flashboot.integrations.sglang")
 
@@ -163,6 +166,55 @@ def memory_saver_enabled() -> bool:
     tms = sys.modules.get("torch_memory_saver")
     # The real adapter enters torch_memory_saver's region around load_model, which initialises it.
     return bool(tms is not None and getattr(getattr(tms, "torch_memory_saver", None), "_impl", None) is not None)
+
+
+def weights_cpu_backup_enabled() -> bool:
+    """Whether SGLang keeps a CPU backup of paused weights (``--enable-weights-cpu-backup``): its
+    pause of the weights tag is then FlashBoot's level 1, else level 2."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return bool(get_exec().features.enable_weights_cpu_backup)
+    except (ImportError, AttributeError, AssertionError, RuntimeError, ValueError):
+        args = _call("sglang.srt.server_args.get_global_server_args")
+        return bool(getattr(args, "enable_weights_cpu_backup", False))
+
+
+def _with_weights(pause, resume):
+    """An adapter's ``pause``/``resume`` that also put FlashBoot's weights to sleep and wake them
+    for the weights tag (``GPU_MEMORY_TYPE_WEIGHTS``)."""
+
+    def pause_weights(self, tag):
+        if tag == WEIGHTS_TAG:
+            sleep_engine_weights(1 if weights_cpu_backup_enabled() else 2)
+        return pause(self, tag)
+
+    def resume_weights(self, tag):
+        result = resume(self, tag)
+        if tag == WEIGHTS_TAG:
+            wake_engine_weights()
+        return result
+
+    pause_weights.__wrapped__, resume_weights.__wrapped__ = pause, resume
+    pause_weights._flashboot = resume_weights._flashboot = True
+    return pause_weights, resume_weights
+
+
+def install_memory_saver_hook() -> None:
+    """Hand the weights tag of SGLang's memory saver to FlashBoot's sleep and wake (idempotent).
+
+    SGLang has no pluggable sleep backend: ``release_memory_occupation`` /
+    ``resume_memory_occupation`` pause and resume each tag through the scheduler's
+    ``TorchMemorySaverAdapter``, so each adapter class (the torch_memory_saver one and the no-op
+    one used without ``--enable-memory-saver``) gets ``pause``/``resume`` that also sleep and wake
+    the arenas :func:`~flashboot.integrations.engine_sleep.stay` holds. Other tags (KV cache, CUDA
+    graphs) and what torch allocated in the weights region stay with the adapter.
+    """
+    from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
+
+    for cls in TorchMemorySaverAdapter.__subclasses__():
+        if not getattr(cls.pause, "_flashboot", False):
+            cls.pause, cls.resume = _with_weights(cls.pause, cls.resume)
 
 
 def check_quantization(model_config) -> None:
@@ -289,7 +341,7 @@ class FlashBootModelLoader(BaseModelLoader):
             # an existing image for another configuration is not silently overwritten
             check_engine_key(read_job_engine_key(o.image_dir), self.key, str(o.image_dir))
         check_quantization(model_config)
-        memory_saver_policy(memory_saver_enabled(), MEMORY_SAVER_FLAG, o)
+        stays = memory_saver_policy(memory_saver_enabled(), MEMORY_SAVER_FLAG, o)
         from sglang.srt.model_loader.utils import set_default_torch_dtype
 
         # The early call: metadata, arena, the daemon's attachment (or the pin), views, all while
@@ -314,6 +366,9 @@ class FlashBootModelLoader(BaseModelLoader):
             self.bind_report = bind_engine_model(model, weights)
             _rebuild_engine_views(model)
             check_no_meta_tensors(model, f"{type(model).__name__} from {o.image_dir or o.seed_store}")
+            if stays:
+                install_memory_saver_hook()
+                stay(weights, shm_dir=o.shm_dir)
         except BaseException:
             if weights is not None:
                 weights.close()
@@ -363,5 +418,5 @@ def register() -> None:
     LoadConfig._verify_load_format = _verify_load_format
 
 
-__all__ = ["FlashBootModelLoader", "SGLangParallel", "check_quantization", "engine_key", "memory_saver_enabled",
-           "register", "sglang_parallel", "target_device"]
+__all__ = ["FlashBootModelLoader", "SGLangParallel", "check_quantization", "engine_key", "install_memory_saver_hook",
+           "memory_saver_enabled", "register", "sglang_parallel", "target_device", "weights_cpu_backup_enabled"]

@@ -15,8 +15,11 @@ only rebuild their Python-side state. ``mode="prepack"`` runs vLLM's own loader 
 ``--load-format auto`` and dumps the result as this rank of an engine image.
 
 Sleep mode: vLLM's ``CuMemAllocator`` offloads and discards only what torch allocated inside its
-``weights`` pool; the arena (a driver VMM allocation) is not in it. With ``--enable-sleep-mode``
-the loader refuses unless ``"memory_saver": "resident"`` is given.
+pools; the arena (a driver VMM allocation) is not in them. :func:`register` adds the ``flashboot``
+sleep-mode backend (:class:`FlashBootSleepBackend`: vLLM's ``cumem`` backend plus the arena) to
+vLLM's ``SleepModeBackendFactory``; with ``--enable-sleep-mode --sleep-mode-backend flashboot``,
+``sleep(level)`` puts the arena to sleep at that level and ``wake_up(tags)`` wakes it at the same
+addresses when the tags name ``weights`` (or none): right weights without ``reload_weights``.
 """
 
 from __future__ import annotations
@@ -29,16 +32,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm.device_allocator.sleep_mode_backend import CuMemBackend
 from vllm.model_executor.model_loader import get_model_loader, register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from flashboot.errors import CapabilityError, LayoutError
 
 from .engine_prepack import (
-    LOAD_FORMAT, EngineKey, LoaderOptions, RankGroup, _materialize, bind_engine_model, check_engine_key, check_no_meta_tensors,
+    LOAD_FORMAT, EngineKey, LoaderOptions, RankGroup, bind_engine_model, check_engine_key, check_no_meta_tensors,
     gpu_arch_of, image_is_complete, load_engine_weights, memory_saver_policy, model_identity, prepack_engine_model,
-    prepare_engine_load, read_job_engine_key,
+    prepare_engine_load, read_job_engine_key, stay,
 )
+from .engine_bind import _materialize
+from .engine_sleep import WEIGHTS_TAG, check_awake, sleep_engine_weights, wake_engine_weights
 
 logger = logging.getLogger("flashboot.integrations.vllm")
 
@@ -169,6 +175,7 @@ class FlashBootModelLoader(BaseModelLoader):
         copied into it; tensor attributes are left as they are."""
         from vllm.config import get_current_vllm_config
 
+        check_awake(model, "load_weights")
         vllm_config = get_current_vllm_config()
         parallel = vllm_parallel(vllm_config)
         device = target_device(vllm_config)
@@ -239,7 +246,16 @@ class FlashBootModelLoader(BaseModelLoader):
         o = self.options
         if o.mode == "auto" and o.seed_store is None:
             check_engine_key(read_job_engine_key(o.image_dir), self.key, str(o.image_dir))
-        memory_saver_policy(bool(getattr(model_config, "enable_sleep_mode", False)), SLEEP_MODE_FLAG, o)
+        sleep_mode = bool(getattr(model_config, "enable_sleep_mode", False))
+        stays = memory_saver_policy(sleep_mode, SLEEP_MODE_FLAG, o)
+        backend = getattr(model_config, "sleep_mode_backend", "cumem")
+        if stays and sleep_mode and backend != SLEEP_BACKEND:
+            raise CapabilityError(
+                f"{SLEEP_MODE_FLAG} with --sleep-mode-backend {backend}: that backend releases what vLLM's allocator "
+                "holds, not FlashBoot's weight arena (one VMM allocation made through the driver). Add "
+                f"--sleep-mode-backend {SLEEP_BACKEND} (FlashBoot puts the weights to sleep and wakes them; the KV "
+                "cache stays with vLLM's cumem pools), or pass '\"memory_saver\": \"resident\"' in "
+                "--model-loader-extra-config to keep them resident.")
         try:
             from vllm.model_executor.utils import weights_already_processed
         except ImportError:
@@ -266,6 +282,8 @@ class FlashBootModelLoader(BaseModelLoader):
                 with weights_already_processed():
                     process_weights_after_loading(model, model_config, device)
                 check_no_meta_tensors(model, f"{type(model).__name__} from {o.image_dir or o.seed_store}")
+                if stays:
+                    stay(weights, shm_dir=o.shm_dir)
             except BaseException:
                 weights.close()
                 raise
@@ -276,14 +294,72 @@ class FlashBootModelLoader(BaseModelLoader):
         return model.eval()
 
 
+# =============================================================================================
+# Sleep mode: the "flashboot" sleep-mode backend
+# =============================================================================================
+SLEEP_BACKEND = "flashboot"
+"""The ``--sleep-mode-backend`` name :func:`register` gives :class:`FlashBootSleepBackend`."""
+
+
+def _platform_allocator() -> bool:
+    """Whether this platform has vLLM's sleep allocator (CUDA, ROCm, XPU): the torch memory the
+    cumem backend releases. The CPU platform has none (vLLM refuses sleep mode there)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+class FlashBootSleepBackend(CuMemBackend):
+    """vLLM's ``cumem`` sleep-mode backend plus the FlashBoot arena of this worker.
+
+    ``suspend(level)``: the arena sleeps at ``level`` (1: a pinned host backup; 2: nothing kept,
+    its wake reads the preloader daemon's copy or the disk), then the cumem pools as vLLM does
+    (the KV cache discarded, the rest by its tags). ``resume(tags)``: the arena wakes at the same
+    addresses when ``tags`` is None or names ``weights``, then the cumem pools. ``discard(tags)``
+    naming ``weights``: a level-2 sleep of the arena. Selected by ``--sleep-mode-backend flashboot``.
+    """
+
+    def suspend(self, level: int = 1) -> None:
+        sleep_engine_weights(level)
+        if _platform_allocator():
+            super().suspend(level)
+        self._state = "SUSPENDED"
+
+    def resume(self, tags: list[str] | None = None) -> None:
+        self._state = "RESUMING"
+        if tags is None or WEIGHTS_TAG in tags:
+            wake_engine_weights()
+        if _platform_allocator():
+            super().resume(tags)
+        self._state = "RUNNING"
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        if WEIGHTS_TAG in tags:
+            sleep_engine_weights(2)
+        if _platform_allocator():
+            super().discard(tags)
+        self._state = "SUSPENDED"
+
+
+def _register_sleep_backend() -> None:
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+    try:
+        SleepModeBackendFactory.get_backend_class(SLEEP_BACKEND)
+    except ValueError:
+        SleepModeBackendFactory.register_backend(SLEEP_BACKEND, __name__, FlashBootSleepBackend.__name__)
+
+
 def register() -> None:
-    """Register :class:`FlashBootModelLoader` as vLLM's ``flashboot`` load format (idempotent)."""
+    """Register :class:`FlashBootModelLoader` as vLLM's ``flashboot`` load format and
+    :class:`FlashBootSleepBackend` as its ``flashboot`` sleep-mode backend (idempotent)."""
     import vllm.model_executor.model_loader as loaders
 
+    _register_sleep_backend()
     if getattr(loaders, "_LOAD_FORMAT_TO_MODEL_LOADER", {}).get(LOAD_FORMAT) is FlashBootModelLoader:
         return
     register_model_loader(LOAD_FORMAT)(FlashBootModelLoader)
 
 
-__all__ = ["FlashBootModelLoader", "VLLMParallel", "check_quantization", "engine_key", "register", "target_device",
-           "vllm_parallel"]
+__all__ = ["FlashBootModelLoader", "FlashBootSleepBackend", "SLEEP_BACKEND", "VLLMParallel", "check_quantization",
+           "engine_key", "register", "target_device", "vllm_parallel"]

@@ -1,0 +1,389 @@
+"""The load-and-bind side of engine images: one rank's weights in an arena, bound to the engine's model.
+
+* :func:`prepare_engine_load` (the early call, at engine start) and :func:`load_engine_weights`:
+  FlashLoad (or FlashClone from a seed) of one rank, the engine key checked first;
+* :func:`publish_engine_weights`: the arena as a FlashClone seed for other engines;
+* :func:`bind_engine_model`: point a meta-initialised engine model at the arena views; nothing is
+  re-processed, nothing is left on the meta device (:func:`check_no_meta_tensors`).
+
+Nothing here imports an engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from flashboot.errors import CapabilityError, LayoutError
+
+from .engine_key import (
+    ENGINE_FORMAT, EngineKey, EngineSection, LoaderOptions, check_engine_key, image_is_complete, read_engine_section,
+    read_job_engine_key,
+)
+
+logger = logging.getLogger("flashboot.integrations")
+
+
+# =============================================================================================
+# Loading and binding
+# =============================================================================================
+@dataclass
+class EngineWeights:
+    """One rank's weights in an arena: ``tensors`` (name -> view), the engine ``section``,
+    ``handle`` (the LoadedImage or CloneResult that owns the arena), ``seed`` (when published),
+    ``how`` ("load" or "clone") and ``report`` (its timing report)."""
+
+    tensors: dict
+    section: EngineSection
+    handle: Any
+    how: str
+    report: Any
+    seed: Any = None
+
+    @property
+    def arena(self):
+        return self.handle.arena
+
+    def close(self) -> None:
+        """Withdraw the seed (if any) and release the arena. Views must not be used afterwards."""
+        if self.seed is not None:
+            self.seed.close()
+            self.seed = None
+        self.handle.close()
+
+
+ENGINE_RECORD = "flashboot-engine"
+"""Rendezvous record (next to FlashClone's own) holding a seed's engine section."""
+
+
+def _rank_namespace(options: LoaderOptions, rank: int) -> str:
+    return f"{options.seed_name}-rank{rank}"
+
+
+def _stage_if_needed(options: LoaderOptions, rank: int, dev) -> bool:
+    """Make sure the preloader's ``.ready`` exists (or will): returns True when we staged inline."""
+    from flashboot.flashload.service import service_status
+    from flashboot.flashload.shm import staged_paths
+    from flashboot.flashload.staging import stage_rank
+
+    if options.served or options.staging == "require":
+        return False
+    ready = staged_paths(options.image_dir, rank, options.shm_dir).ready
+    if options.staging == "auto" and (ready.exists() or service_status(options.image_dir, options.shm_dir).running):
+        return False
+    logger.warning("flashboot: staging rank %d of %s in this process (disk -> shared memory). Run `flashboot preload "
+                   "%s` before starting the engine to take this off the critical path.", rank, options.image_dir,
+                   options.image_dir)
+    stage_rank(options.image_dir, rank, shm_dir=options.shm_dir, device=str(dev) if dev.is_cuda else "cpu")
+    return True
+
+
+def prepare_engine_load(options: LoaderOptions, expected: EngineKey, rank: int, device: Any, *, tp_size: int,
+                        ep_size: int):
+    """The early call (:func:`flashboot.prepare`) for an engine's image load, made before the engine
+    builds its model on the meta device: the engine keys are checked at once (a refusal allocates
+    nothing), then the metadata is read, the arena created and attached to a served-load daemon
+    (``served``), the staged copy pinned, or a load streamed from disk readied, and the views built,
+    while the engine builds its model. Returns the handle for :func:`load_engine_weights`, or None
+    where there is nothing to prepare: a clone (``seed_store``), an incomplete image (pre-pack or a
+    clear refusal follow), ``staging="inline"`` (this process stages the image first)."""
+    if options.seed_store is not None or options.staging == "inline" or not image_is_complete(options.image_dir):
+        return None
+    import flashboot
+    from flashboot.memory import Device
+
+    _check_image_keys(options, expected, rank)
+    mode = "served" if options.served else ("staged" if options.staging == "require" else "auto")
+    return flashboot.prepare(options.image_dir, rank, Device.parse(device), mode=mode, timeout_s=options.timeout_s,
+                             shm_dir=options.shm_dir, tp=tp_size, ep=ep_size)
+
+
+def _check_image_keys(options: LoaderOptions, expected: EngineKey, rank: int) -> "EngineSection":
+    """The job's key first: a rank the image does not have (another TP size) is refused by the key,
+    naming both tp sizes, rather than by a missing rank directory; then the rank's own."""
+    check_engine_key(read_job_engine_key(options.image_dir), expected, str(options.image_dir))
+    section, _ = read_engine_section(options.image_dir, rank)
+    check_engine_key(section.key, expected, f"{options.image_dir} (rank {rank})")
+    return section
+
+
+def load_engine_weights(options: LoaderOptions, expected: EngineKey, rank: int, device: Any, *, tp_size: int,
+                        ep_size: int, prepared=None) -> EngineWeights:
+    """Bring rank ``rank``'s engine weights onto ``device``: clone them from ``options.seed_store``
+    when set, else FlashLoad them from ``options.image_dir`` (with ``prepared``, the handle of
+    :func:`prepare_engine_load` made at engine start, the load is the copy). The engine key is
+    checked first (LayoutError naming both keys; nothing allocated). With ``publish_store``, the
+    arena is then published as a FlashClone seed for other engines.
+    """
+    from flashboot.memory import Device
+
+    dev = Device.parse(device)
+    if options.seed_store is not None:
+        weights = _clone_engine_weights(options, expected, rank, dev)
+    else:
+        weights = _load_engine_image(options, expected, rank, dev, tp_size=tp_size, ep_size=ep_size, prepared=prepared)
+    if options.publish_store is not None:
+        try:
+            weights.seed = publish_engine_weights(weights, options, rank)
+        except BaseException:
+            weights.close()
+            raise
+    return weights
+
+
+def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, dev, *, tp_size: int,
+                       ep_size: int, prepared=None) -> EngineWeights:
+    import flashboot
+    from flashboot.flashload.staging import unstage
+
+    if prepared is not None:  # keys checked and everything one-time paid by prepare_engine_load
+        section, _ = read_engine_section(options.image_dir, rank)
+        loaded = flashboot.load(options.image_dir, rank, dev, prepared=prepared, verify=options.verify, tp=tp_size,
+                                ep=ep_size)
+        return EngineWeights(loaded.tensors, section, loaded, "load", loaded.report)
+
+    if not image_is_complete(options.image_dir):
+        raise LayoutError(
+            f"{options.image_dir}: no complete engine image here (no prepack.json). Pre-pack it first: start the "
+            "engine once with --model-loader-extra-config '{\"image_dir\": ..., \"mode\": \"prepack\"}' (or "
+            "\"auto\": pre-pack when missing, load otherwise)")
+    section = _check_image_keys(options, expected, rank)
+    staged_here = _stage_if_needed(options, rank, dev)
+    try:
+        loaded = flashboot.load(options.image_dir, rank, dev, timeout_s=options.timeout_s, served=options.served,
+                                verify=options.verify, shm_dir=options.shm_dir, tp=tp_size, ep=ep_size)
+        if staged_here and loaded.release_thread is not None:
+            loaded.release_thread.join(options.timeout_s)  # its unmap of the staged copy, before we remove it
+    finally:
+        if staged_here:  # a copy we made only for this load: give the shared memory back
+            unstage(options.image_dir, [rank], shm_dir=options.shm_dir)
+    return EngineWeights(loaded.tensors, section, loaded, "load", loaded.report)
+
+
+def _engine_rendezvous(options: LoaderOptions, rank: int, *, host: bool):
+    from flashboot.flashclone.rendezvous import Rendezvous
+
+    return Rendezvous.connect(options.publish_store if host else options.seed_store, None,
+                              namespace=_rank_namespace(options, rank), host=host, timeout_s=options.timeout_s)
+
+
+def _clone_engine_weights(options: LoaderOptions, expected: EngineKey, rank: int, dev) -> EngineWeights:
+    import flashboot
+
+    where = f"seed at {options.seed_store} (rank {rank}, namespace {_rank_namespace(options, rank)})"
+    rdv = _engine_rendezvous(options, rank, host=False)
+    try:
+        record = rdv.read(ENGINE_RECORD, what=f"the engine record of the {where}", timeout_s=options.timeout_s)
+    finally:
+        rdv.close()
+    section = EngineSection.from_dict(record.body.get("section"), where)
+    check_engine_key(section.key, expected, where)
+    result = flashboot.clone(options.seed_store, dev, options.schedule, verify=options.verify,
+                             timeout_s=options.timeout_s, name=_rank_namespace(options, rank),
+                             expect={"key_digest": record.body.get("image_key_digest")}, rank=rank)
+    if not result.tensors:
+        result.close()
+        raise LayoutError(f"{where}: the seed published no image metadata, so there are no tensors to bind")
+    missing = sorted(set(section.tensors) - set(result.tensors))
+    if missing:
+        result.close()
+        raise LayoutError(f"{where}: the seed's image lacks tensors its engine section names: {missing[:8]}")
+    return EngineWeights(result.tensors, section, result, "clone", result.report)
+
+
+def publish_engine_weights(weights: EngineWeights, options: LoaderOptions, rank: int):
+    """Publish ``weights`` as a FlashClone seed at ``options.publish_store`` (namespace per rank),
+    plus the engine record a cloning engine checks its key against. Returns the Seed (keep it
+    open as long as the engine serves)."""
+    import flashboot
+
+    seed = flashboot.seed(options.publish_store, weights.handle, weights.arena.device,
+                          name=_rank_namespace(options, rank), rank=rank, timeout_s=options.timeout_s)
+    try:
+        metadata = weights.handle.metadata
+        section = {"format": ENGINE_FORMAT, "key": weights.section.key.to_dict(), "rank": weights.section.rank,
+                   "tensors": weights.section.tensors, "aliases": weights.section.aliases,
+                   "attrs": weights.section.attrs, "skipped": weights.section.skipped}
+        seed.rendezvous.publish(ENGINE_RECORD, {"section": section, "image_key_digest": metadata.key.digest})
+    except BaseException:
+        seed.close()
+        raise
+    return seed
+
+
+@dataclass
+class EngineBindReport:
+    """What :func:`bind_engine_model` did."""
+
+    bound: list[str] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)
+    """Names the meta model did not have (tensors the engine's post-processing created)."""
+    attrs: list[str] = field(default_factory=list)
+    repointed: list[str] = field(default_factory=list)
+    """References held in module containers (dataclass fields, lists, dicts) moved to the bound tensor."""
+
+
+def _materialize(view, info: Mapping[str, Any]):
+    """The engine's tensor from an image view: raw (uint8) entries are re-typed and re-strided."""
+    import torch
+
+    if "dtype" not in info:
+        return view
+    dtype = getattr(torch, info["dtype"], None)
+    if not isinstance(dtype, torch.dtype):
+        raise CapabilityError(f"this torch has no dtype {info['dtype']!r} (the image was packed with another torch)")
+    typed = view.view(dtype)
+    return typed.as_strided(tuple(info["shape"]), tuple(info["stride"]), typed.storage_offset())
+
+
+def bind_engine_model(model, weights: EngineWeights) -> EngineBindReport:
+    """Point ``model`` (built on the meta device by the engine's own model class) at the views.
+
+    Parameters keep their class and attributes (``weight_loader``, shard dims...) on a new
+    Parameter over the arena; buffers keep their persistence; tensor attributes are set. Tied
+    names share one object. A tensor whose shape or dtype differs from the meta model's is
+    refused (LayoutError listing them). Leftover meta tensors are checked by
+    :func:`check_no_meta_tensors` once the engine's own hooks ran.
+    """
+    import torch
+
+    section = weights.section
+    modules = dict(model.named_modules(remove_duplicate=False))
+    report = EngineBindReport()
+    registered: dict[str, Any] = {}
+    replaced: dict[int, tuple[Any, Any]] = {}
+    no_module, mismatched = [], []
+
+    def register(name: str, value, kind: str, persistent: bool) -> None:
+        mod_name, _, leaf = name.rpartition(".")
+        mod = modules.get(mod_name)
+        if mod is None:
+            no_module.append(name)
+            return
+        old = mod._parameters.get(leaf) if leaf in mod._parameters else mod._buffers.get(leaf)
+        if old is None and leaf in vars(mod) and isinstance(vars(mod)[leaf], torch.Tensor):
+            old = vars(mod)[leaf]
+        if old is not None and (tuple(old.shape) != tuple(value.shape) or old.dtype != value.dtype):
+            mismatched.append(f"{name} (image {list(value.shape)} {value.dtype}, model {list(old.shape)} {old.dtype})")
+            return
+        if old is None:
+            report.added.append(name)
+        mod._parameters.pop(leaf, None)
+        mod._buffers.pop(leaf, None)
+        mod._non_persistent_buffers_set.discard(leaf)
+        if leaf in vars(mod):
+            delattr(mod, leaf)
+        if kind == "param":
+            if not isinstance(value, torch.nn.Parameter):
+                cls = type(old) if isinstance(old, torch.nn.Parameter) else torch.nn.Parameter
+                param = torch.Tensor._make_subclass(cls, value, False)
+                if isinstance(old, torch.nn.Parameter):
+                    param.__dict__.update(old.__dict__)  # weight_loader, output_dim... set by the layer
+                value = param
+            mod._parameters[leaf] = value
+        elif kind == "buffer":
+            mod.register_buffer(leaf, value, persistent=persistent)
+        else:
+            object.__setattr__(mod, leaf, value)
+        registered[name] = value
+        if old is not None:
+            replaced[id(old)] = (old, value)  # old kept alive: its id must not be reused meanwhile
+
+    for name, info in section.tensors.items():
+        value = _materialize(weights.tensors[name], info)
+        register(name, value, info["kind"], bool(info.get("persistent", True)))
+        report.bound.append(name)
+    for name, info in section.aliases.items():
+        canonical = registered.get(info["of"])
+        if canonical is None:
+            continue  # its canonical tensor was refused above; reported there
+        value = canonical
+        if info["kind"] != "param" and isinstance(value, torch.nn.Parameter):
+            value = value.detach()
+        register(name, value, info["kind"], bool(info.get("persistent", True)))
+        report.aliases.append(name)
+    problems = []
+    if no_module:
+        problems.append(f"{len(no_module)} tensor(s) name modules the model does not have: {', '.join(no_module[:6])}")
+    if mismatched:
+        problems.append(f"{len(mismatched)} tensor(s) differ in shape or dtype from the engine's model (the image "
+                        f"was packed with another quantization or kernel layout): {', '.join(mismatched[:6])}")
+    if problems:
+        raise LayoutError(f"cannot bind {type(model).__name__} to the engine image: " + "; ".join(problems))
+    for name, value in section.attrs.items():
+        setattr(model, name, value)
+        report.attrs.append(name)
+    report.repointed = _repoint_held_references(model, replaced)
+    return report
+
+
+def _held_containers(mod):
+    """(attribute, container) for a module's plain attributes that hold tensors one level down: a
+    dataclass instance, list, tuple or dict (e.g. SGLang's TopK keeps the gate's
+    ``e_score_correction_bias`` in its ``TopKConfig``)."""
+    for attr, value in vars(mod).items():
+        if attr in ("_parameters", "_buffers", "_modules") or isinstance(value, type):
+            continue
+        if dataclasses.is_dataclass(value) or isinstance(value, (list, tuple, dict)):
+            yield attr, value
+
+
+def _repoint_held_references(model, replaced: dict[int, tuple[Any, Any]]) -> list[str]:
+    """Point references that modules hold in containers at the bound tensors instead of the meta
+    tensors they replaced; the names of the entries re-pointed."""
+    import torch
+
+    done = []
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr, held in _held_containers(mod):
+            if dataclasses.is_dataclass(held):
+                for f in dataclasses.fields(held):
+                    value = getattr(held, f.name)
+                    if isinstance(value, torch.Tensor) and id(value) in replaced:
+                        object.__setattr__(held, f.name, replaced[id(value)][1])  # frozen dataclasses too
+                        done.append(f"{prefix}{attr}.{f.name}")
+            elif isinstance(held, (list, dict)):
+                keys = held.keys() if isinstance(held, dict) else range(len(held))
+                for k in list(keys):
+                    if isinstance(held[k], torch.Tensor) and id(held[k]) in replaced:
+                        held[k] = replaced[id(held[k])][1]
+                        done.append(f"{prefix}{attr}[{k!r}]")
+            elif any(isinstance(v, torch.Tensor) and id(v) in replaced for v in held):
+                setattr(mod, attr, type(held)(replaced[id(v)][1] if isinstance(v, torch.Tensor) and id(v) in replaced
+                                              else v for v in held))
+                done.append(f"{prefix}{attr}")
+    return done
+
+
+def check_no_meta_tensors(model, where: str) -> None:
+    """Refuse a model that still holds meta tensors (parameters, buffers or tensor attributes the
+    image did not provide): they would be uninitialised memory at serving time."""
+    import torch
+
+    left = []
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for leaf, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+            if t is not None and t.is_meta:
+                left.append(prefix + leaf)
+        for leaf, t in vars(mod).items():
+            if not leaf.startswith("_") and isinstance(t, torch.Tensor) and t.is_meta:
+                left.append(prefix + leaf)
+        for attr, held in _held_containers(mod):
+            values = ([(f.name, getattr(held, f.name)) for f in dataclasses.fields(held)]
+                      if dataclasses.is_dataclass(held) else held.items() if isinstance(held, dict) else enumerate(held))
+            left += [f"{prefix}{attr}[{k!r}]" for k, t in values if isinstance(t, torch.Tensor) and t.is_meta]
+    if left:
+        shown = ", ".join(left[:8]) + (f" ... and {len(left) - 8} more" if len(left) > 8 else "")
+        raise LayoutError(f"{where}: {len(left)} tensor(s) of the model are not in the engine image and would be "
+                          f"uninitialised: {shown}. Re-run the pre-pack with this engine version.")
+
+
+__all__ = [
+    "EngineBindReport", "EngineWeights", "bind_engine_model", "check_no_meta_tensors", "load_engine_weights",
+    "prepare_engine_load", "publish_engine_weights",
+]

@@ -1,0 +1,151 @@
+"""Engine weights that stay: an engine's sleep of its weights handed to FlashBoot's sleep and wake.
+
+SGLang's memory saver (``torch_memory_saver``) and vLLM's sleep mode (``CuMemAllocator``) release
+what torch allocated through their hooked allocators. FlashBoot's weights are one VMM arena made
+through the driver, which neither sees. So the loader, after binding, hands its weights over here
+(:func:`stay`), and each engine's own per-tag dispatch calls in for its ``weights`` tag:
+
+* SGLang: ``release_memory_occupation`` / ``resume_memory_occupation`` pause and resume the tag
+  through the scheduler's memory-saver adapter; :mod:`flashboot.integrations.sglang` wraps the
+  adapters' ``pause``/``resume`` for the ``weights`` tag.
+* vLLM: ``sleep(level)`` / ``wake_up(tags)`` reach the worker's sleep-mode backend;
+  :mod:`flashboot.integrations.vllm` registers the ``flashboot`` backend.
+
+:func:`sleep_engine_weights` is :meth:`LoadedImage.sleep <flashboot.flashload.load.LoadedImage.sleep>`
+(level 1: a pinned backup in this process; level 2: nothing kept) of every arena handed over in
+this process, and :func:`wake_engine_weights` is its wake (from the backup, the preloader daemon
+or the disk, the report naming which): every view keeps its address, so the model's parameters
+and any CUDA graph captured over them stay valid, and a level-2 wake brings the image's bytes
+back without the engine reloading anything. The KV cache and everything else the engines
+allocate stay with their own mechanism. Nothing here imports an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from flashboot.errors import CapabilityError, FlashBootError
+
+from .engine_key import LoaderOptions
+
+logger = logging.getLogger("flashboot.integrations")
+
+SLEEP_LEVELS = (1, 2)
+WEIGHTS_TAG = "weights"
+"""The memory tag both engines give their weights."""
+
+
+@dataclass
+class _Staying:
+    """One arena handed over: the weights (weakly: the engine's model owns them) and where the
+    preloader stages (for a wake from its pinned copy)."""
+
+    weights: weakref.ref
+    shm_dir: str | None
+
+    def alive(self):
+        weights = self.weights()
+        return weights if weights is not None and not weights.arena.closed else None
+
+
+_lock = threading.Lock()
+_staying: list[_Staying] = []
+
+
+def memory_saver_policy(enabled: bool, flag: str, options: LoaderOptions) -> bool:
+    """Before loading: whether the weights will be handed to FlashBoot's sleep (:func:`stay`).
+
+    ``memory_saver="sleep"`` (default): yes, for an image load; a clone (``seed_store``: no image
+    to wake from) or a published seed (``publish_store``: clones map the arena) cannot, which is
+    a CapabilityError naming ``flag`` when the engine's memory saver / sleep mode is on (and
+    False otherwise). ``"resident"``: no; the arena stays resident when the engine pauses its
+    weights (a warning when ``flag`` is on). ``"refuse"``: CapabilityError naming ``flag`` when it
+    is on.
+    """
+    if options.memory_saver == "refuse":
+        if enabled:
+            raise CapabilityError(f"{flag} is on and the flashboot option memory_saver is 'refuse'; pass "
+                                  "'\"memory_saver\": \"sleep\"' (FlashBoot puts the weights to sleep) or \"resident\"")
+        return False
+    if options.memory_saver == "resident":
+        if enabled:
+            logger.warning("flashboot: %s is on; the weight arena stays resident when the engine pauses its weights "
+                           "(memory_saver=resident)", flag)
+        return False
+    why_not = ("the weights are cloned from a seed (seed_store): there is no image to wake them from"
+               if options.seed_store is not None else
+               "the arena is published as a FlashClone seed (publish_store): clones map it"
+               if options.publish_store is not None else None)
+    if why_not is None:
+        return True
+    if enabled:
+        raise CapabilityError(f"{flag} is on, but FlashBoot cannot put these weights to sleep: {why_not}. Start the "
+                              f"engine without {flag}, or pass '\"memory_saver\": \"resident\"' in "
+                              "--model-loader-extra-config to keep them resident across pauses.")
+    return False
+
+
+def stay(weights, *, shm_dir: str | None = None) -> None:
+    """Hand ``weights`` (an image load's :class:`~.engine_bind.EngineWeights`) to the engine's
+    sleep and wake in this process, for as long as they are open. ``shm_dir``: the preloader's
+    staging root, for a wake from its pinned copy. A clone's weights are refused
+    (CapabilityError: nothing to wake them from)."""
+    if not hasattr(weights.handle, "sleep"):
+        raise CapabilityError(f"{weights.how} weights cannot sleep: only an image load has a source to wake from")
+    with _lock:
+        _staying[:] = [s for s in _staying if s.alive() is not None]
+        _staying.append(_Staying(weakref.ref(weights), shm_dir))
+
+
+def _alive() -> list[tuple[Any, _Staying]]:
+    with _lock:
+        return [(w, s) for s in _staying for w in (s.alive(),) if w is not None]
+
+
+def staying_weights() -> list:
+    """The open weights handed over in this process, in the order they were."""
+    return [w for w, _ in _alive()]
+
+
+def sleep_engine_weights(level: int) -> list:
+    """Put every arena handed over in this process to sleep: ``level`` 1 (pinned backup first) or 2
+    (nothing kept). Returns their SleepReports (level 0 for one already asleep). Raises what
+    :meth:`LoadedImage.sleep` raises (that arena stays awake)."""
+    if level not in SLEEP_LEVELS:
+        raise FlashBootError(f"sleep level must be 1 (keep a host backup) or 2 (keep nothing), got {level!r}")
+    reports = []
+    for weights, _ in _alive():
+        report = weights.handle.sleep(level)
+        logger.info("flashboot: %s", report.summary())
+        reports.append(report)
+    return reports
+
+
+def wake_engine_weights() -> list:
+    """Wake every arena handed over in this process at its addresses, from the first source that
+    has its bytes (backup, served, disk). Returns their WakeReports (source ``awake`` for one
+    already awake). Raises OutOfMemoryError / FlashBootError as :meth:`LoadedImage.wake` does
+    (that arena stays asleep and can be woken later)."""
+    reports = []
+    for weights, staying in _alive():
+        report = weights.handle.wake(shm_dir=staying.shm_dir)
+        logger.info("flashboot: %s", report.summary())
+        reports.append(report)
+    return reports
+
+
+def check_awake(model: Any, what: str) -> None:
+    """Refuse ``what`` on a model whose FlashBoot weights are asleep (its views are unmapped)."""
+    weights = getattr(model, "_flashboot_weights", None)
+    if weights is not None and not weights.arena.closed and weights.arena.asleep:
+        raise FlashBootError(f"{what}: the model's {weights.arena.nbytes:,}-byte weight arena is asleep; wake its "
+                             f"weights first (SGLang: resume_memory_occupation(tags=['{WEIGHTS_TAG}']); vLLM: "
+                             f"wake_up(tags=['{WEIGHTS_TAG}']))")
+
+
+__all__ = ["SLEEP_LEVELS", "WEIGHTS_TAG", "check_awake", "memory_saver_policy", "sleep_engine_weights", "stay",
+           "staying_weights", "wake_engine_weights"]
