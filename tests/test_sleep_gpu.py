@@ -20,6 +20,7 @@ pytestmark = pytest.mark.gpu
 
 MiB, GiB = 1 << 20, 1 << 30
 SEGMENT = 256 * MiB
+GRANULE = 2 * MiB  # the VMM allocation granularity of an H200
 """The tolerance the issue names for "free memory back": one segment."""
 
 
@@ -129,7 +130,8 @@ def test_cuda_graph_replays_bitwise_after_sleep_and_wake(tmp_path, level):
         torch.cuda.synchronize(0)
         # the weights' memory is back (measured around the sleep alone: other tests of this process
         # may release cached memory while this one runs; bench swap checks the whole load's)
-        assert loaded.arena.nbytes <= gpu_free() - free_awake <= loaded.arena.nbytes + SEGMENT
+        # (one 2 MiB granule of slack: level 1's first D2H makes torch take a small device block)
+        assert loaded.arena.nbytes - GRANULE <= gpu_free() - free_awake <= loaded.arena.nbytes + SEGMENT
         woke = loaded.wake(shm_dir=tmp_path / "no-daemon")
         assert woke.source == ("backup" if level == 1 else "disk")
         assert [t.data_ptr() for t in w] == [loaded.tensors[f"layers.{i}.weight"].data_ptr() for i in range(3)]
