@@ -20,8 +20,8 @@ pytestmark = pytest.mark.gpu
 
 MiB, GiB = 1 << 20, 1 << 30
 SEGMENT = 256 * MiB
-GRANULE = 2 * MiB  # the VMM allocation granularity of an H200
 """The tolerance the issue names for "free memory back": one segment."""
+GRANULE = 2 * MiB  # the VMM allocation granularity of an H200
 
 
 def gpu_free(index: int = 0) -> int:
