@@ -458,7 +458,8 @@ def _load_staged(image_dir, rank: int, dev: Device, t_start: float, *, staged, t
 
 def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, *, verify: bool, chunk_bytes: int,
                    tp, ep, expected_key) -> LoadedImage:
-    """The copy of a :func:`flashboot.prepare` handle (everything else was paid at start-up)."""
+    """Wait for the copy a :func:`flashboot.prepare` handle started itself (everything else was
+    paid at start-up), check that the image is still the one it copied, verify."""
     from flashboot.layouts.image import check_request
 
     from .shm import RankSource
@@ -466,7 +467,6 @@ def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, 
     prepared.check_request(image_dir, rank, dev)
     prepared.claim(f"the load called at {time.strftime('%H:%M:%S')}")
     report = LoadReport(mode="", device=str(dev), rank=rank, nbytes=0)
-    release = None
     try:
         ready_before = prepared.done
         t0 = time.perf_counter()
@@ -474,43 +474,37 @@ def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, 
         report.wait_ms = (time.perf_counter() - t0) * 1e3
         arena, meta = prepared.arena, prepared.metadata
         check_request(meta, str(prepared.image.metadata_path), tp=tp, ep=ep, expected_key=expected_key)
-        prepared.check_unchanged()
+        prepared.check_unchanged()  # a re-packed image: the early copy's bytes are discarded with the arena
         report.nbytes, report.tensors = prepared.nbytes, len(meta.tensors)
+        copy = prepared.copy
+        report.h2d_ms = copy["h2d_ms"]
+        report.overlapped = ["h2d"]  # the copy ran before the call or while the load waited: in wait_ms, not added
         report.details = {"prepared": dict(prepared.phases_ms), "prepared_mode_why": prepared.why,
                           "prepare_total_ms": (prepared.finished - prepared.started) * 1e3,
-                          "prepared_before_load": ready_before}
-        t1 = time.perf_counter()
+                          "prepared_before_load": ready_before,
+                          "copy_started_after_prepare_ms": copy["started_after_prepare_ms"],
+                          # > 0: the weights were in place that long before the load was called
+                          "ready_before_load_ms": max(0.0, (t_start - prepared.finished) * 1e3)}
         if prepared.mode == "served":
+            reply = copy["reply"]
             report.mode = "served, prepared"
-            reply = prepared.session.copy(timeout_s=prepared.timeout_s + 60)
-            report.h2d_ms = reply["h2d_ms"]
-            report.exchange_ms = max(0.0, (time.perf_counter() - t1) * 1e3 - report.h2d_ms)
             report.pinned_early_ms = reply.get("pin_ms", 0.0)
             report.chunks = -(-report.nbytes // (1 << 30))
             report.details.update(daemon_pid=reply.get("pid"), daemon_map_ms=reply.get("map_ms"),
                                   daemon_pinned=reply.get("pinned"))
         elif prepared.mode == "stream":
-            from .stream import report_stream, stream_image
+            from .stream import report_stream
 
             report.mode = "streamed from disk, prepared"
-            stats = stream_image(prepared.image.path, report.nbytes, arena, prepared.stream_config)
-            report_stream(report, stats, prepared.why, report.nbytes)
-            report.overlapped = []
+            report_stream(report, copy["stats"], prepared.why, report.nbytes)
+            report.overlapped = ["h2d"]
         else:
-            staged = prepared.staged
-            pin_left_before = not staged.done
-            staged.wait()
-            t2 = time.perf_counter()
-            report.wait_ms += (t2 - t1) * 1e3
-            report.mode = ("pinned early, prepared" if staged.pinned else "staged, prepared") if dev.is_cuda else \
+            report.mode = ("pinned early, prepared" if copy["pinned"] else "staged, prepared") if dev.is_cuda else \
                 "host, prepared"
-            report.pinned_early_ms = staged.pin_ms
-            report.details["pin_still_running_at_load"] = pin_left_before
-            if dev.is_cuda and not staged.pinned:
+            report.pinned_early_ms = copy["pin_ms"]
+            report.chunks = copy["chunks"]
+            if dev.is_cuda and not copy["pinned"]:
                 report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
-            report.chunks, _ = _bulk_copy(prepared.mover, arena, staged.span(), report.nbytes, chunk_bytes)
-            report.h2d_ms = (time.perf_counter() - t2) * 1e3
-            release = staged.close_in_background()  # unpinning is not the engine's wait
         if verify:
             verify_loaded(arena, meta, f"{prepared.image.path} (rank {rank}) loaded into {dev}", report)
     except BaseException:
@@ -518,8 +512,7 @@ def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, 
         raise
     report.total_ms = (time.perf_counter() - t_start) * 1e3
     source = RankSource(prepared.image_dir, rank, prepared.image, prepared.metadata_sha256)
-    return LoadedImage(arena, prepared.tensors, meta, report, source,
-                       release if prepared.mode == "staged" else None)
+    return LoadedImage(arena, prepared.tensors, meta, report, source)
 
 
 def _check_job_request(mf, *, tp, ep, expected_key) -> None:
