@@ -39,3 +39,10 @@ def format_bytes(nbytes: int) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes} B"
+
+
+def format_rate(nbytes: int, ms: float) -> str:
+    """``nbytes`` moved in ``ms`` milliseconds as a readable rate (``54.1 GB/s``, ``17.2 MB/s``)."""
+    if ms <= 0:
+        return "- B/s"
+    return format_bytes(int(nbytes / (ms * 1e-3))) + "/s"

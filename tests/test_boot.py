@@ -310,3 +310,24 @@ def test_interpreter_exit_settles_handles_whose_load_failed_or_never_came(tmp_pa
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 0 and "terminate called" not in p.stderr, (p.returncode, p.stderr[-2000:])
         assert "refused: this prepared load cannot serve rank 1 (prepared: 0)" in p.stdout
+
+
+def test_prepare_verifies_its_early_copy_and_a_flipped_byte_surfaces_from_the_load(image, shm):
+    from flashboot.errors import ChecksumMismatchError
+
+    staging.stage_rank(image, 0, shm_dir=shm)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm, verify=True)
+    with handle.load(verify=True) as loaded:
+        assert "checked by flashboot.prepare once its copy ended" in loaded.report.summary()
+        assert loaded.report.verify_ms == 0 and handle.phases_ms["verify"] > 0
+    staged = shm_files.staged_paths(image, 0, shm).image
+    with open(staged, "r+b") as f:  # one flipped byte in the staged copy
+        f.seek(4099)
+        b = f.read(1)
+        f.seek(4099)
+        f.write(bytes([b[0] ^ 0x01]))
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm, verify=True)
+    with pytest.raises(ChecksumMismatchError) as e:
+        flashboot.load(image, 0, "cpu", prepared=handle)
+    assert e.value.chunk == 1 and "copied into cpu by flashboot.prepare" in str(e.value)
+    assert handle.arena.closed and handle.tensors is None
