@@ -331,3 +331,16 @@ def test_prepare_verifies_its_early_copy_and_a_flipped_byte_surfaces_from_the_lo
         flashboot.load(image, 0, "cpu", prepared=handle)
     assert e.value.chunk == 1 and "copied into cpu by flashboot.prepare" in str(e.value)
     assert handle.arena.closed and handle.tensors is None
+
+
+def test_engine_log_line_says_how_long_the_weights_waited_for_the_engine(image, shm, daemon):
+    from flashboot.integrations.engine_prepack import EngineWeights
+
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm).wait()
+    time.sleep(0.2)  # the engine builds its model
+    with flashboot.load(image, 0, "cpu", prepared=handle) as loaded:
+        note = EngineWeights(loaded.tensors, None, loaded, "load", loaded.report).early_call()
+        ready_ms = float(note.split("weights ready ")[1].split(" ms")[0])
+        assert note.endswith("ms before the engine asked") and ready_ms >= 200
+    with flashboot.load(image, 0, "cpu", served=True, shm_dir=shm) as plain:
+        assert EngineWeights(plain.tensors, None, plain, "load", plain.report).early_call() == "no early call"

@@ -783,6 +783,16 @@ class EngineWeights:
     def arena(self):
         return self.handle.arena
 
+    def early_call(self) -> str:
+        """What the early call (:func:`prepare_engine_load`) won, for the engine's log line: how long
+        the weights were in place before the engine asked for them, or how long it waited."""
+        details = getattr(self.report, "details", {}) or {}
+        if "prepared_before_load" not in details:
+            return "no early call"
+        if details["prepared_before_load"]:
+            return f"weights ready {details['ready_before_load_ms']:.1f} ms before the engine asked"
+        return f"the engine waited {self.report.wait_ms:.1f} ms for the early copy to end"
+
     def close(self) -> None:
         """Withdraw the seed (if any) and release the arena. Views must not be used afterwards."""
         if self.seed is not None:
