@@ -245,3 +245,27 @@ def test_checksum_of_something_that_is_no_buffer():
         ck.checksum({"a": 1})
     with pytest.raises(FlashBootError, match="C-contiguous"):
         ck.checksum(np.zeros((4, 4), np.uint8)[:, 1])
+
+
+def test_flashboot_warm_runs_every_checksum_path(capsys):
+    from flashboot.cli import main
+
+    assert main(["warm", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "checksum (words path)" in out and "checksum (bytes path)" in out
+
+
+@pytest.mark.gpu
+def test_flashboot_warm_fills_tritons_cache_with_both_checksum_kernels(tmp_path):
+    """Compiled ahead of time: a fresh process's first verified load then loads, not compiles."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    p = subprocess.run([sys.executable, "-m", "flashboot.cli", "warm", "--device", "cuda:0"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    names = {f.name for f in (tmp_path / "triton").rglob("*")}
+    assert any(n.startswith("checksum_words_kernel") for n in names)
+    assert any(n.startswith("checksum_bytes_kernel") for n in names)
