@@ -36,7 +36,7 @@ def _views_child(image: str, device: str, descriptor: dict) -> dict:
     _context(device)
     import flashboot  # noqa: F401
     from flashboot.arena import Arena, ArenaDescriptor
-    from flashboot.flashload.load import make_views
+    from flashboot.flashload.views import make_views
     from flashboot.layouts.image import open_image, read_metadata_file
 
     t0 = time.perf_counter()

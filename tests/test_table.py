@@ -48,7 +48,7 @@ def test_views_from_the_columns_are_the_views_from_the_json_table(packed):
     """The binary table keeps shapes and strides as columns and the views are made from them in
     bulk (grouped by dtype and ndim); they must be exactly the views the JSON table's tuples give."""
     from flashboot.arena import Arena
-    from flashboot.flashload.load import make_views
+    from flashboot.flashload.views import make_views
 
     img = read_image(packed / "tp1", 0)
     from_json = parse_metadata(img.metadata_path.read_bytes(), "json")

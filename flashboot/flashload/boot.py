@@ -196,7 +196,7 @@ class PreparedLoad:
             self._phase("verify", t)
 
     def _views(self) -> None:
-        from .load import make_views
+        from .views import make_views
 
         t = time.perf_counter()
         self.tensors = make_views(self.arena, self.metadata)
