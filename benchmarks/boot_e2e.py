@@ -138,7 +138,7 @@ def print_rows(out: dict) -> None:
             rows.append([s["shape"], r["w_s"], "early" if r["early"] else "plain", r["total_ms"], r["w_ms"],
                          r["w_alone_ms"], r["load_ms"], r["x_bound"]])
     if rows:
-        print_table(f"boot end to end on {out['device']} (fresh process: [prepare], W, load; daemon serving; same-run "
+        print_table(f"boot end to end on {out['device']} (fresh process: optional prepare, W, load; daemon serving; same-run "
                     "bulk H2D)", ["shape", "W s", "call", "total ms", "W slowed ms", "W alone ms", "load ms",
                                   "total / max(W alone, bulk)"], rows)
 

@@ -203,12 +203,12 @@ class PreparedLoad:
         self.phases_ms["views"] = (time.perf_counter() - t) * 1e3
 
     def _choose_mode(self) -> tuple[str, str]:
+        if self.requested_mode != "auto":
+            return self.requested_mode, "asked for"
         from .service import service_status
         from .shm import RankSource
         from .stream import stream_reason
 
-        if self.requested_mode != "auto":
-            return self.requested_mode, "asked for"
         st = service_status(self.image_dir, self.shm_dir)
         if st.running and st.serve:
             return "served", f"a served-load daemon runs (pid {st.pid})"
