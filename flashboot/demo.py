@@ -151,7 +151,8 @@ def _headline_load(device: Device) -> bool:
 
     line = headline(out)
     console.print(f"[bold]{line or 'boot end to end: no result'}[/bold]")
-    e2e_ok = line is not None and all("error" not in r for r in out["shapes"][0]["end_to_end"]["rows"])
+    e2e = out["shapes"][0].get("end_to_end") or {}
+    e2e_ok = line is not None and all("error" not in r for r in e2e.get("rows", [{"error": e2e.get("error")}]))
     return e2e_ok and all("error" not in r and all(c["verified"] for c in r["calls"])
                           for r in out["shapes"][0]["loaders"])
 
