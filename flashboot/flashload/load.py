@@ -22,8 +22,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ..errors import (
     ChecksumMismatchError,
     FlashBootError,
