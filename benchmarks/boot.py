@@ -183,7 +183,7 @@ def _ceiling_ms(staged_file: str, nbytes: int, dev: str, repeats: int = 3) -> fl
 
 
 def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Callable[[str], None],
-                disk_root: Path | None = None, stream: bool = False, end_to_end=()) -> dict:
+                disk_root: Path | None = None, stream: bool = False, end_to_end=(), alone_cache=None) -> dict:
     """Every loader on one checkpoint shape; see the module docstring."""
     import flashboot
     from flashboot.benchmarks.checkpoints import make_checkpoint
@@ -225,7 +225,8 @@ def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Calla
 
             out["end_to_end"] = run_shape(lambda s: _run_child(s, log), device=device, image=str(img_dir),
                                           shm=str(shm), ceiling_ms=out["ceiling_ms"], w_levels=end_to_end,
-                                          log=lambda line: log(f"{spec.name}: end to end: {line}"))
+                                          log=lambda line: log(f"{spec.name}: end to end: {line}"),
+                                          alone_cache=alone_cache)
     finally:
         stop_service(str(img_dir), str(shm))
     if "flashload prepared, pinned here" in loaders:
@@ -296,12 +297,13 @@ def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None,
     base = Path(root or "/dev/shm/flashboot-boot")
     base.mkdir(parents=True, exist_ok=True)
     results = []
+    alone_cache: dict = {}  # W alone and the calibration, measured once a run
     try:
         named = [(CHECKPOINTS[name].scaled(scale), name in stream_shapes) for name in shapes]
         for spec, stream in named + [(s, False) for s in specs]:
             results.append(bench_shape(spec, device=dev, root=base, loaders=loaders, log=log,
                                        disk_root=Path(disk_root) if disk_root else None, stream=stream,
-                                       end_to_end=tuple(end_to_end)))
+                                       end_to_end=tuple(end_to_end), alone_cache=alone_cache))
             if not keep:
                 for d in base.glob(f"*-{spec.name}"):
                     shutil.rmtree(d, ignore_errors=True)

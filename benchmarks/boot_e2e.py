@@ -86,17 +86,24 @@ def child(spec: dict) -> dict:
 
 
 def run_shape(run_child: Callable[[dict], dict], *, device: str, image: str, shm: str, ceiling_ms: float,
-              w_levels=W_LEVELS_S, log: Callable[[str], None] = print) -> dict:
-    """Every cell of one shape while the daemon serves ``image``; returns rows and the calibration."""
+              w_levels=W_LEVELS_S, log: Callable[[str], None] = print, alone_cache: dict | None = None) -> dict:
+    """Every cell of one shape while the daemon serves ``image``; returns rows and the calibration.
+    ``alone_cache``: the calibration and W alone of an earlier shape of the same run (they do not
+    depend on the image), filled here when empty."""
     base = {"loader": "end to end", "device": device, "image": image, "shm": shm}
-    cal = run_child({**base, "what": "calibrate"})
-    if "error" in cal:
-        return {"error": f"calibration: {cal['error']}"}
-    rate = cal["steps_per_s"]
+    cache = {} if alone_cache is None else alone_cache
+    if "steps_per_s" not in cache:
+        cal = run_child({**base, "what": "calibrate"})
+        if "error" in cal:
+            return {"error": f"calibration: {cal['error']}"}
+        cache["steps_per_s"] = cal["steps_per_s"]
+    rate = cache["steps_per_s"]
     rows = []
     for w_s in w_levels:
         steps = int(rate * w_s)
-        alone = run_child({**base, "what": "alone", "steps": steps}) if steps else {"w_ms": 0.0}
+        if w_s not in cache:
+            cache[w_s] = run_child({**base, "what": "alone", "steps": steps}) if steps else {"w_ms": 0.0}
+        alone = cache[w_s]
         for early in (False, True):
             res = run_child({**base, "what": "boot", "steps": steps, "early": early})
             row = {"w_s": w_s, "early": early, "w_alone_ms": alone.get("w_ms")}
