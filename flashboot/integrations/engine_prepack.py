@@ -844,7 +844,7 @@ def prepare_engine_load(options: LoaderOptions, expected: EngineKey, rank: int, 
     _check_image_keys(options, expected, rank)
     mode = "served" if options.served else ("staged" if options.staging == "require" else "auto")
     return flashboot.prepare(options.image_dir, rank, Device.parse(device), mode=mode, timeout_s=options.timeout_s,
-                             shm_dir=options.shm_dir, tp=tp_size, ep=ep_size)
+                             shm_dir=options.shm_dir, tp=tp_size, ep=ep_size, verify=options.verify)
 
 
 def _check_image_keys(options: LoaderOptions, expected: EngineKey, rank: int) -> "EngineSection":
