@@ -79,6 +79,7 @@ class PreparedLoad:
         self.requested_mode, self.mode, self.why = mode, "", ""
         self.arena = self.metadata = self.image = self.tensors = None
         self.session = self.staged = self.mover = None
+        self.release_thread: threading.Thread | None = None
         self.nbytes = 0
         self.metadata_sha256 = ""
         self.phases_ms: dict[str, float] = {}
@@ -163,7 +164,7 @@ class PreparedLoad:
             chunks, _ = _bulk_copy_of(self)
             self.copy = {"h2d_ms": (time.perf_counter() - t_copy) * 1e3, "chunks": chunks,
                          "pinned": self.staged.pinned, "pin_ms": self.staged.pin_ms}
-            self.staged.close()  # unpinning on this thread, not the engine's
+            self.release_thread = self.staged.close_in_background()  # the unpin (~170 ms for 8 GB) is nobody's wait
         else:
             from .load import _Beside
             from .stream import stream_image
@@ -244,7 +245,9 @@ class PreparedLoad:
         background thread calls it when it ends, the caller's side only after :meth:`wait`)."""
         if self.session is not None:
             self.session.close()
-        if self.staged is not None:
+        if self.release_thread is not None:
+            self.release_thread.join(CLOSE_TIMEOUT_S)  # the unpin already under way
+        elif self.staged is not None:
             self.staged.close()
         if self.arena is not None and not self.arena.closed:
             self.arena.close()

@@ -518,7 +518,7 @@ def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, 
         raise
     report.total_ms = (time.perf_counter() - t_start) * 1e3
     source = RankSource(prepared.image_dir, rank, prepared.image, prepared.metadata_sha256)
-    return LoadedImage(arena, prepared.tensors, meta, report, source)
+    return LoadedImage(arena, prepared.tensors, meta, report, source, prepared.release_thread)
 
 
 def _check_job_request(mf, *, tp, ep, expected_key) -> None:
