@@ -52,7 +52,8 @@ for line in open(sys.argv[1]):
     if "tensors" in r:
         print(f"{r['image'].rsplit('/', 1)[-1]}: {r['tensors']} tensors: open {r['open_ms']:.1f} ms, metadata "
               f"{r['metadata_ms']:.1f} ms ({r['metadata_us_per_tensor']:.2f} us/t), views {r['views_ms']:.1f} ms "
-              f"({r['views_us_per_tensor']:.2f} us/t; 2nd {r['views_second_us_per_tensor']:.2f}); restart "
+              f"({r['views_us_per_tensor']:.2f} us/t, CPU {r['views_cpu_us_per_tensor']:.2f}; 2nd "
+              f"{r['views_second_us_per_tensor']:.2f}); restart "
               f"{r['restart_ms']:.1f} ms vs target {r['restart_target_ms']:.1f} ms")
     elif "first_call_ms" in r:
         print(f"checksum {line.split()[0]}: import {r['import_ms']:.1f} ms, first call {r['first_call_ms']:.1f} ms, "
