@@ -66,3 +66,18 @@ def test_bench_boot_end_to_end_times_the_boot_in_fresh_processes(capsys):
     printed = capsys.readouterr().out
     assert "boot end to end on cpu" in printed and "total / max(W alone, bulk)" in printed
     assert boot_e2e.headline(out).startswith("boot end to end (C@0.0001): early call + 0.1 s of engine work")
+
+
+def test_first_calls_times_a_restart_in_a_fresh_process(tmp_path):
+    import flashboot
+    from flashboot.benchmarks import first_calls
+
+    tiny = ck.CheckpointSpec("tiny", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=32, vocab=64,
+                             shards=1)
+    ck.make_checkpoint(str(tmp_path / "ckpt"), tiny, device="cpu")
+    flashboot.prepack(str(tmp_path / "ckpt"), str(tmp_path / "image"), progress=False)
+    (row,) = first_calls.views([str(tmp_path / "image")], "cpu")
+    assert "error" not in row, row
+    assert row["tensors"] == tiny.tensor_count and row["views_ms"] > 0 and row["metadata_ms"] > 0
+    assert row["restart_ms"] >= row["open_ms"] + row["metadata_ms"] + row["views_ms"] - 1e-6
+    assert row["restart_target_ms"] == 20 + 2e-3 * tiny.tensor_count
