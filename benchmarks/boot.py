@@ -8,8 +8,10 @@ first and its second call:
 
 * ``flashload served``: ``flashboot.load(..., served=True)`` with the preloader daemon holding the
   image pinned, no early call;
-* ``flashload prepared``: ``flashboot.prepare(...)`` at process start (its time reported beside),
-  then ``flashboot.load(..., prepared=handle)``; the second call prepares again first;
+* ``flashload prepared``: ``flashboot.prepare(...)`` at process start, waited for (its time, the
+  early copy included, reported beside), then ``flashboot.load(..., prepared=handle)``, which
+  only finds the copy done: this column times the call an engine makes after building its model
+  for longer than the copy; ``--end-to-end`` times the whole boot; the second call prepares again first;
 * ``flashload prepared, pinned here``: the same without a daemon (the process pins the staged image);
 * ``flashload streamed``: no preloader at all, the image on a real disk (``--disk-dir``, default
   /var/tmp), its page cache dropped before each call: the load streams it through the bounded
