@@ -8,8 +8,10 @@ first and its second call:
 
 * ``flashload served``: ``flashboot.load(..., served=True)`` with the preloader daemon holding the
   image pinned, no early call;
-* ``flashload prepared``: ``flashboot.prepare(...)`` at process start (its time reported beside),
-  then ``flashboot.load(..., prepared=handle)``; the second call prepares again first;
+* ``flashload prepared``: ``flashboot.prepare(...)`` at process start, waited for (its time, the
+  early copy included, reported beside), then ``flashboot.load(..., prepared=handle)``, which
+  only finds the copy done: this column times the call an engine makes after building its model
+  for longer than the copy; ``--end-to-end`` times the whole boot; the second call prepares again first;
 * ``flashload prepared, pinned here``: the same without a daemon (the process pins the staged image);
 * ``flashload streamed``: no preloader at all, the image on a real disk (``--disk-dir``, default
   /var/tmp), its page cache dropped before each call: the load streams it through the bounded
@@ -56,6 +58,10 @@ def _child(spec: dict) -> dict:
         torch.zeros(1, device=dev)
         torch.cuda.synchronize()
     loader = spec["loader"]
+    if loader == "end to end":
+        from flashboot.benchmarks.boot_e2e import child
+
+        return child(spec)
     calls = []
     if loader == "flashload streamed":
         import flashboot
@@ -69,7 +75,7 @@ def _child(spec: dict) -> dict:
             _reset_peak_rss()
             rss0 = _status()["VmRSS"]
             t = time.perf_counter()
-            li = flashboot.load(spec["image"], 0, dev, shm_dir=spec["shm"], timeout_s=60)
+            li = flashboot.load(spec["image"], 0, dev, shm_dir=spec["shm"], timeout_s=60, verify=False)
             _sync(dev)
             ms = (time.perf_counter() - t) * 1e3
             peak = _status()["VmHWM"] - rss0 - (0 if li.device.is_cuda else li.nbytes)
@@ -86,12 +92,13 @@ def _child(spec: dict) -> dict:
             if loader != "flashload served":
                 mode = "served" if loader == "flashload prepared" else "staged"
                 t = time.perf_counter()
-                prepared = flashboot.prepare(spec["image"], 0, dev, mode=mode, shm_dir=spec["shm"], timeout_s=60)
+                prepared = flashboot.prepare(spec["image"], 0, dev, mode=mode, shm_dir=spec["shm"], timeout_s=60,
+                                             verify=False)
                 prepared.wait()  # an engine builds its model meanwhile
                 prepare_ms = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
             li = flashboot.load(spec["image"], 0, dev, served=prepared is None, prepared=prepared,
-                                shm_dir=spec["shm"], timeout_s=60)
+                                shm_dir=spec["shm"], timeout_s=60, verify=False)
             _sync(dev)
             ms = (time.perf_counter() - t) * 1e3
             from flashboot.flashload.load import verify_loaded
@@ -135,6 +142,7 @@ def _run_child(spec: dict, log: Callable[[str], None]) -> dict:
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
         return {"loader": spec["loader"], "error": f"exit {p.returncode}: {' | '.join(tail)}"}
     out = json.loads(p.stdout.strip().splitlines()[-1])
+    out.setdefault("loader", spec["loader"])
     out["process_s"] = time.perf_counter() - t
     return out
 
@@ -177,7 +185,7 @@ def _ceiling_ms(staged_file: str, nbytes: int, dev: str, repeats: int = 3) -> fl
 
 
 def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Callable[[str], None],
-                disk_root: Path | None = None, stream: bool = False) -> dict:
+                disk_root: Path | None = None, stream: bool = False, end_to_end=(), alone_cache=None) -> dict:
     """Every loader on one checkpoint shape; see the module docstring."""
     import flashboot
     from flashboot.benchmarks.checkpoints import make_checkpoint
@@ -214,6 +222,13 @@ def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Calla
                               "checkpoint": str(ckpt_dir)}, log)
             out["loaders"].append(res)
             log(_describe(spec.name, res, out["ceiling_ms"]))
+        if end_to_end:
+            from flashboot.benchmarks.boot_e2e import run_shape
+
+            out["end_to_end"] = run_shape(lambda s: _run_child(s, log), device=device, image=str(img_dir),
+                                          shm=str(shm), ceiling_ms=out["ceiling_ms"], w_levels=end_to_end,
+                                          log=lambda line: log(f"{spec.name}: end to end: {line}"),
+                                          alone_cache=alone_cache)
     finally:
         stop_service(str(img_dir), str(shm))
     if "flashload prepared, pinned here" in loaders:
@@ -259,11 +274,12 @@ def _describe(shape: str, res: dict, ceiling_ms: float) -> str:
 
 def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None, root: str | None = None,
         loaders=None, keep: bool = False, specs=(), stream_shapes=("C",), disk_root: str | None = None,
-        log: Callable[[str], None] = print) -> dict:
+        end_to_end=(), log: Callable[[str], None] = print) -> dict:
     """The whole benchmark; returns ``{"device", "scale", "shapes": [...]}``. ``shapes``: names of
     :data:`~flashboot.benchmarks.checkpoints.CHECKPOINTS` (scaled by ``scale``); ``specs``: more
     :class:`~flashboot.benchmarks.checkpoints.CheckpointSpec` objects, used as given;
-    ``stream_shapes``: the shapes the streamed loader runs on (from ``disk_root``)."""
+    ``stream_shapes``: the shapes the streamed loader runs on (from ``disk_root``); ``end_to_end``:
+    the engine workloads W (seconds) of :mod:`flashboot.benchmarks.boot_e2e`'s cells, none if empty."""
     from flashboot.benchmarks.checkpoints import CHECKPOINTS
     from flashboot.benchmarks.peers import FastSafetensorsLoader, InstantTensorLoader
     from flashboot.memory import Device
@@ -283,11 +299,13 @@ def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None,
     base = Path(root or "/dev/shm/flashboot-boot")
     base.mkdir(parents=True, exist_ok=True)
     results = []
+    alone_cache: dict = {}  # W alone and the calibration, measured once a run
     try:
         named = [(CHECKPOINTS[name].scaled(scale), name in stream_shapes) for name in shapes]
         for spec, stream in named + [(s, False) for s in specs]:
             results.append(bench_shape(spec, device=dev, root=base, loaders=loaders, log=log,
-                                       disk_root=Path(disk_root) if disk_root else None, stream=stream))
+                                       disk_root=Path(disk_root) if disk_root else None, stream=stream,
+                                       end_to_end=tuple(end_to_end), alone_cache=alone_cache))
             if not keep:
                 for d in base.glob(f"*-{spec.name}"):
                     shutil.rmtree(d, ignore_errors=True)
@@ -316,6 +334,9 @@ def print_results(out: dict) -> None:
     print_table(f"first load in a fresh process on {out['device']} (scale {out['scale']:g}); ceiling: one pinned "
                 "bulk H2D, same run", ["shape", "loader", "1st ms", "x ceil", "2nd ms", "x ceil", "prepare ms / stream",
                                        "verified"], rows)
+    from flashboot.benchmarks.boot_e2e import print_rows
+
+    print_rows(out)
     print_table("ceilings", ["shape", "tensors", "bytes", "bulk H2D ms", "GB/s"],
                 [[s["shape"], s["tensors"], s["image_nbytes"], s["ceiling_ms"], s["image_nbytes"] / s["ceiling_ms"] / 1e6]
                  for s in out["shapes"]])
@@ -333,6 +354,9 @@ def register_bench(sub) -> None:
     p.add_argument("--disk-dir", default=None, help="a real disk for the streamed loader's image (default /var/tmp/flashboot-boot)")
     p.add_argument("--stream-shapes", nargs="*", default=["C"], choices=list(SHAPES),
                    help="shapes the streamed loader runs on (default C)")
+    p.add_argument("--end-to-end", nargs="*", type=float, default=None, metavar="W_S",
+                   help="also time the boot end to end: a fresh process, [prepare], a GIL-bound engine workload of "
+                        "W_S seconds, the load (default W: 0 0.25 1)")
     p.add_argument("--device", default=None)
     p.add_argument("--keep", action="store_true")
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON ('-' for stdout)")
@@ -342,11 +366,16 @@ def register_bench(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     from flashboot.benchmarks.timing import dump_json
 
+    from flashboot.benchmarks.boot_e2e import W_LEVELS_S
+
+    e2e = () if args.end_to_end is None else (tuple(args.end_to_end) or W_LEVELS_S)
     out = run(shapes=args.shapes, scale=args.scale, device=args.device, root=args.dir, loaders=args.loaders,
-              keep=args.keep, stream_shapes=args.stream_shapes, disk_root=args.disk_dir)
+              keep=args.keep, stream_shapes=args.stream_shapes, disk_root=args.disk_dir, end_to_end=e2e)
     print_results(out)
     dump_json(out, args.json)
     ok = all("error" not in r and all(c["verified"] for c in r["calls"]) for s in out["shapes"] for r in s["loaders"])
+    ok &= all("error" not in r for s in out["shapes"] for r in (s.get("end_to_end") or {"rows": [{}]}).get(
+        "rows", [{"error": "-"}]))
     return 0 if ok else 1
 
 

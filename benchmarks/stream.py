@@ -11,9 +11,10 @@ in this process, which already holds its CUDA context (as an engine does):
 3. ``flashboot.load(..., stream=True, stream_buffer_bytes=CAP, verify=True)``: the stream's rate
    and the peak RSS beyond the baseline (the pinned ring is anonymous memory, so it is in the
    RSS; on the host backend the arena's own pages are subtracted);
-4. the page cache dropped again, then one ``dd``-like sequential O_DIRECT read of the whole file
-   (:func:`flashboot.flashload.staging.read_rate`): the ceiling. The stream goes first so any
-   cache below the page cache (a VM host's) favours the ceiling, not the stream.
+4. the page cache dropped again, then O_DIRECT reads of the whole file with the loader's own
+   reads in flight and read size, and (dropped again) one ``dd``-like stream
+   (:func:`flashboot.flashload.staging.read_rate`): the best of the two is the ceiling. The stream
+   goes first so any cache below the page cache (a VM host's) favours the ceiling, not the stream.
 
 :func:`measure_stream` is steps 1-4 on a given image; other benchmarks call it.
 """
@@ -80,7 +81,8 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
     """Streamed load of rank ``rank`` of ``image_dir`` vs the disk's O_DIRECT read rate (same run).
 
     Returns ``nbytes``, ``stream_s``/``stream_gbps`` (first read to last copy), ``total_ms`` of the
-    load, ``disk_gbps``/``disk_mode`` (dd-like read of the whole file), ``x_disk`` (stream rate over
+    load, ``disk_gbps``/``disk_mode`` (the disk's best O_DIRECT rate: the loader's reads in flight
+    and read size, or one stream where that is faster), ``x_disk`` (stream rate over
     disk rate; the target is >= 0.9), ``peak_extra_host_bytes`` (peak RSS beyond the baseline,
     the arena's pages excluded on the host backend), ``buffer_cap_bytes``, ``ring_bytes``,
     ``io_mode``, ``verified`` (chunk checksums recomputed on the device) and the load's report.
@@ -107,12 +109,21 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
     log(f"streamed {format_bytes(r.nbytes)} in {r.h2d_ms / 1e3:.2f} s = {d['read_gbps']:.2f} GB/s ({d['io_mode']}, "
         f"{d['threads']} threads, ring {format_bytes(d['buffer_bytes'])}); peak extra host memory "
         f"{format_bytes(extra) if extra is not None else '?'} (cap {format_bytes(buffer_bytes)})")
+    # The ceiling: the disk's O_DIRECT rate with the loader's own reads in flight and read size (a
+    # single dd-like stream is slower than four reads in flight, so it was no ceiling), and the
+    # best of that and one stream, in case one stream is the faster on this disk.
     drop_file_cache(path)
-    disk_gbps, disk_mode = read_rate(path, io="direct")
-    log(f"disk: {disk_gbps:.2f} GB/s ({disk_mode}, dd-like, whole file); stream / disk = {d['read_gbps'] / disk_gbps:.2f}")
+    deep_gbps, disk_mode = read_rate(path, io="direct", block_bytes=d["slot_bytes"], in_flight=d["threads"])
+    drop_file_cache(path)
+    single_gbps, _ = read_rate(path, io="direct")
+    disk_gbps = max(deep_gbps, single_gbps)
+    log(f"disk: {disk_gbps:.2f} GB/s ({disk_mode}, best of {d['threads']} reads of {format_bytes(d['slot_bytes'])} in "
+        f"flight: {deep_gbps:.2f}, one 16 MiB stream: {single_gbps:.2f}); stream / disk = "
+        f"{d['read_gbps'] / disk_gbps:.2f}")
     return {"device": device, "image": path, "nbytes": r.nbytes, "tensors": r.tensors, "stream_s": r.h2d_ms / 1e3,
             "stream_gbps": d["read_gbps"], "total_ms": r.total_ms, "disk_gbps": disk_gbps, "disk_mode": disk_mode,
-            "x_disk": d["read_gbps"] / disk_gbps, "peak_extra_host_bytes": extra, "rss_baseline_bytes": rss0,
+            "x_disk": d["read_gbps"] / disk_gbps, "disk_in_flight_gbps": deep_gbps, "disk_single_gbps": single_gbps,
+            "disk_in_flight": d["threads"], "disk_read_bytes": d["slot_bytes"], "peak_extra_host_bytes": extra, "rss_baseline_bytes": rss0,
             "buffer_cap_bytes": buffer_bytes, "ring_bytes": d["buffer_bytes"], "peak_ring_in_use_bytes":
             d["peak_buffer_bytes"], "within_cap": extra is not None and extra <= buffer_bytes,
             "io_mode": d["io_mode"], "io_reason": d["io_reason"], "threads": d["threads"], "cache_drop": cache,
@@ -168,7 +179,7 @@ def print_results(out: dict) -> None:
     from flashboot.benchmarks.timing import print_table
 
     s = out["stream"]
-    rows = [["disk read (dd-like, whole file)", s["disk_mode"], s["nbytes"] / s["disk_gbps"] / 1e9, s["disk_gbps"], 1.0, "-"],
+    rows = [[f"disk read (best O_DIRECT, {s.get('disk_in_flight', 1)} in flight)", s["disk_mode"], s["nbytes"] / s["disk_gbps"] / 1e9, s["disk_gbps"], 1.0, "-"],
             ["FlashLoad streamed from disk", s["io_mode"], s["stream_s"], s["stream_gbps"], s["x_disk"],
              f"{format_bytes(s['peak_extra_host_bytes'] or 0)} (cap {format_bytes(s['buffer_cap_bytes'])})"]]
     if "prepack" in out:

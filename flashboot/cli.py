@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "flashboot.commands.bench",
     "flashboot.commands.demo",
     "flashboot.commands.sim",
+    "flashboot.commands.warm",
 ]
 
 

@@ -43,3 +43,10 @@ def format_bytes(nbytes: int) -> str:
             value = nbytes / scale
             return f"{value:.0f} {unit}" if value == int(value) else f"{value:.2f} {unit}"
     return f"{nbytes} B"
+
+
+def format_rate(nbytes: int, ms: float) -> str:
+    """``nbytes`` moved in ``ms`` milliseconds as a readable rate (``54.1 GB/s``, ``17.2 MB/s``)."""
+    if ms <= 0:
+        return "- B/s"
+    return format_bytes(int(nbytes / (ms * 1e-3))) + "/s"

@@ -26,6 +26,22 @@ LENGTH_MUL = 0x9E3779B97F4A7C15
 M64 = (1 << 64) - 1
 
 
+def word_term(word: int, index: int) -> int:
+    """The digest term ``x_i << 32 | y_i`` of one 32-bit ``word`` at word ``index`` (pure Python)."""
+
+    def fmix(h: int) -> int:
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & M32
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & M32
+        return h ^ (h >> 16)
+
+    lo, hi = index & M32, index >> 32
+    x = fmix(word ^ ((lo * GOLDEN32) & M32))
+    y = fmix(((word + lo * MIX_Y + hi) & M32) ^ SALT_Y)
+    return (x << 32) | y
+
+
 def fmix32_np(h: np.ndarray) -> np.ndarray:
     """murmur3 fmix32 on a uint64 array holding 32-bit values."""
     h = h ^ (h >> np.uint64(16))

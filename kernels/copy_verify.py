@@ -14,7 +14,8 @@ from typing import Any, Sequence
 from flashboot.errors import ChecksumMismatchError, MoverError
 from flashboot.memory import span_of
 
-from .checksum import _device_chunk_sums, _gpu_knobs, chunk_checksums_host
+from .checksum_gpu import _device_chunk_sums, _gpu_knobs
+from .checksum_host import chunk_checksums_host
 from .views import interpreting
 
 

@@ -180,7 +180,8 @@ def open_image(mf: MetadataFile, rank: int | None = None, *, tp: int | None = No
     """Parse and validate ``mf`` (the strict reader, see :func:`read_image_metadata`) and check it
     against the caller's rank, tp, ep and key, the job and the image file's size."""
     where = mf.where
-    meta = parse_metadata(mf.raw, where, mf.table, str(mf.rank_dir / TABLE_FILE))
+    meta = parse_metadata(mf.raw, where, mf.table, str(mf.rank_dir / TABLE_FILE),
+                          mf.sha256 if mf.table is not None else None)
     check_request(meta, where, rank=rank, tp=tp, ep=ep)
     job = mf.job
     if job is not None:

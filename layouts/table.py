@@ -77,9 +77,11 @@ def encode_table(table: TensorTable, metadata_bytes: bytes) -> bytes | None:
     return b"".join([MAGIC, struct.pack("<Q", len(header) + pad), header, b" " * pad, body])
 
 
-def decode_table(data: bytes, metadata_bytes: bytes, where: str) -> tuple[TensorTable, tuple[int, int]]:
+def decode_table(data: bytes, metadata_bytes: bytes, where: str,
+                 metadata_sha256: str | None = None) -> tuple[TensorTable, tuple[int, int]]:
     """Validate ``tensors.bin`` (``data``) against ``metadata.json``'s bytes; returns the table and
-    the byte span of the JSON table it stands for. LayoutError naming ``where`` and the field."""
+    the byte span of the JSON table it stands for. LayoutError naming ``where`` and the field.
+    ``metadata_sha256``: the bytes' hex sha256 where the caller has it already (not hashed again)."""
     if len(data) < len(MAGIC) + 8 or data[:len(MAGIC)] != MAGIC:
         raise LayoutError(f"{where}: not a {TABLE_FORMAT} file (magic {data[:len(MAGIC)]!r})")
     (hlen,) = struct.unpack_from("<Q", data, len(MAGIC))
@@ -99,7 +101,7 @@ def decode_table(data: bytes, metadata_bytes: bytes, where: str) -> tuple[Tensor
             raise LayoutError(f"{where}: header field {key!r} must be {kind.__name__}, found {h.get(key)!r}")
     if h["format"] != TABLE_FORMAT or h["version"] != 1:
         raise LayoutError(f"{where}: {h['format']!r} version {h['version']}; this flashboot reads {TABLE_FORMAT} 1")
-    sha = hashlib.sha256(metadata_bytes).hexdigest()
+    sha = metadata_sha256 or hashlib.sha256(metadata_bytes).hexdigest()
     if h["metadata_sha256"] != sha:
         raise LayoutError(f"{where}: written for a metadata.json of sha256 {h['metadata_sha256'][:16]}, the one beside "
                           f"it has {sha[:16]}: the table or the metadata was changed after pre-pack")

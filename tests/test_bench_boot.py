@@ -41,3 +41,43 @@ def test_bench_boot_runs_each_loader_in_a_fresh_process(capsys):
     assert "first load in a fresh process" in capsys.readouterr().out
     assert not root.exists() and not any((root.parent / "disk").iterdir())  # cleaned up
     shutil.rmtree(root.parent)
+
+
+def test_bench_boot_end_to_end_times_the_boot_in_fresh_processes(capsys):
+    from flashboot.benchmarks import boot_e2e
+
+    root = Path(tempfile.mkdtemp(prefix="fbe-")) / "boot"
+    try:
+        out = boot.run(shapes=["C"], scale=1e-4, device="cpu", root=str(root), loaders=["flashload served"],
+                       end_to_end=(0.0, 0.1))
+    finally:
+        shutil.rmtree(root.parent, ignore_errors=True)
+    (shape,) = out["shapes"]
+    e2e = shape["end_to_end"]
+    assert e2e["steps_per_s"] > 0
+    cells = {(r["w_s"], r["early"]): r for r in e2e["rows"]}
+    assert set(cells) == {(0.0, False), (0.0, True), (0.1, False), (0.1, True)}
+    for r in cells.values():
+        assert "error" not in r, r
+        assert r["verified"] and r["total_ms"] >= r["w_ms"] + r["load_ms"] - 1e-6
+        assert r["x_bound"] == r["total_ms"] / max(r["w_alone_ms"], shape["ceiling_ms"])
+    assert cells[(0.1, True)]["w_alone_ms"] > 0 and cells[(0.0, True)]["w_alone_ms"] == 0
+    boot.print_results(out)
+    printed = capsys.readouterr().out
+    assert "boot end to end on cpu" in printed and "total / max(W alone, bulk)" in printed
+    assert boot_e2e.headline(out).startswith("boot end to end (C@0.0001): early call + 0.1 s of engine work")
+
+
+def test_first_calls_times_a_restart_in_a_fresh_process(tmp_path):
+    import flashboot
+    from flashboot.benchmarks import first_calls
+
+    tiny = ck.CheckpointSpec("tiny", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=32, vocab=64,
+                             shards=1)
+    ck.make_checkpoint(str(tmp_path / "ckpt"), tiny, device="cpu")
+    flashboot.prepack(str(tmp_path / "ckpt"), str(tmp_path / "image"), progress=False)
+    (row,) = first_calls.views([str(tmp_path / "image")], "cpu")
+    assert "error" not in row, row
+    assert row["tensors"] == tiny.tensor_count and row["views_ms"] > 0 and row["metadata_ms"] > 0
+    assert row["restart_ms"] >= row["open_ms"] + row["metadata_ms"] + row["views_ms"] - 1e-6
+    assert row["restart_target_ms"] == 20 + 2e-3 * tiny.tensor_count

@@ -5,6 +5,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from _io_helpers import image, image_master, shm  # noqa: F401  (fixtures)
 from flashboot.layouts import read_image
 
 import flashboot
-from flashboot.errors import FlashBootError, LayoutError, RendezvousError
+from flashboot.errors import FlashBootError, LayoutError, RendezvousError, WaitTimeoutError
 from flashboot.flashload import client, service, staging
 from flashboot.flashload import shm as shm_files
 from flashboot.memory import Device
@@ -116,42 +117,65 @@ def test_prepared_handle_refuses_a_wrong_tp_before_allocating(image, shm, daemon
     assert handle.arena is None  # refused from the metadata, before any arena existed
 
 
-def test_preloader_dying_between_prepare_and_load_is_a_clear_error(image, shm, daemon):
-    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm).wait()
-    os.kill(daemon, signal.SIGKILL)
+def test_daemon_dying_during_the_early_copy_is_a_clear_error(image, shm, daemon, monkeypatch):
+    start_copy = client.ServedSession.start_copy
+
+    def die_then_start(session):  # the daemon dies between the attachment and its early copy
+        os.kill(daemon, signal.SIGKILL)
+        start_copy(session)
+
+    monkeypatch.setattr(client.ServedSession, "start_copy", die_then_start)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
     t0 = time.monotonic()
     with pytest.raises(RendezvousError, match="preloader at .* (went away|closed the connection|dropped the connection)"):
         flashboot.load(image, 0, "cpu", prepared=handle)
     assert time.monotonic() - t0 < 30  # no hang: the dead daemon's socket closes at once
-    assert handle.arena.closed
+    assert handle.arena.closed and handle.tensors is None
+
+
+def test_weights_copied_early_survive_the_daemons_exit(image, shm, daemon):
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm).wait()  # the copy has ended here
+    assert handle.copy["h2d_ms"] > 0
+    os.kill(daemon, signal.SIGKILL)
+    with flashboot.load(image, 0, "cpu", prepared=handle, verify=True) as loaded:
+        assert loaded.report.mode == "served, prepared" and loaded.report.wait_ms < 1e3
+        assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
 
 
 def test_unused_handle_releases_the_daemons_attachment(image, shm, daemon):
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm).wait()
     arena = handle.arena.export().arena_id
-    assert _daemon_maps(image, shm, arena) > 0  # the daemon mapped the attached arena
-    handle.close()
+    # the daemon copied early, then hung up: it keeps no mapping of an engine's arena
     deadline = time.monotonic() + 10
     while _daemon_maps(image, shm, arena):
-        assert time.monotonic() < deadline, "the daemon kept a closed engine's arena"
+        assert time.monotonic() < deadline, "the daemon kept the arena after its early copy"
         time.sleep(0.05)
+    handle.close()
+    assert handle.arena.closed and handle.tensors is None
     with flashboot.load(image, 0, "cpu", served=True, shm_dir=shm) as loaded:  # and still serves
         assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
 
 
 def test_daemon_drops_an_attachment_never_asked_to_copy(image, shm):
+    from flashboot.arena import Arena
+    from flashboot.layouts.image import read_metadata_file
+
     pid = service.start_background(staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True), timeout_s=60)
     try:
         _wait_resident(image, shm)
-        handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm, hold_s=0.5).wait()
-        arena = handle.arena.export().arena_id
-        assert _daemon_maps(image, shm, arena) > 0
-        deadline = time.monotonic() + 10
-        while _daemon_maps(image, shm, arena):
-            assert time.monotonic() < deadline, "the daemon held the attachment past hold_s"
-            time.sleep(0.05)
-        with pytest.raises(RendezvousError):
-            flashboot.load(image, 0, "cpu", prepared=handle)
+        nbytes = read_image(image, 0).nbytes
+        with Arena.create(nbytes, "cpu") as arena:
+            session = client.attach_served(arena, image_dir=str(image), rank=0, nbytes=nbytes,
+                                           metadata_sha256=read_metadata_file(image, 0).sha256, timeout_s=30,
+                                           shm_dir=shm, hold_s=0.5)
+            arena_id = arena.export().arena_id
+            assert _daemon_maps(image, shm, arena_id) > 0
+            deadline = time.monotonic() + 10
+            while _daemon_maps(image, shm, arena_id):
+                assert time.monotonic() < deadline, "the daemon held the attachment past hold_s"
+                time.sleep(0.05)
+            with pytest.raises(RendezvousError):
+                session.copy(timeout_s=10)
         assert "did not ask for its copy within 0.5 s" in shm_files.log_file(image, shm).read_text()
         assert service.service_status(image, shm).pid == pid  # and it keeps serving
     finally:
@@ -206,3 +230,117 @@ def test_prepare_refuses_a_truncated_image_before_any_view(image, shm):
     with pytest.raises(LayoutError, match="truncated: metadata expects"):
         handle.wait()
     assert handle.arena is None and handle.tensors is None
+
+
+def test_image_larger_than_the_device_is_refused_before_any_allocation(image, shm, monkeypatch):
+    from flashboot.errors import OutOfMemoryError
+    from flashboot.flashload import load as load_module
+
+    monkeypatch.setattr(load_module, "device_free_bytes", lambda device: 4096)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    nbytes = read_image(image, 0).nbytes
+    with pytest.raises(OutOfMemoryError, match=f"loading a {nbytes:,}-byte image into cpu") as info:
+        handle.wait()
+    assert info.value.nbytes_free == 4096 and info.value.nbytes_needed >= nbytes
+    assert handle.arena is None  # refused from the metadata, nothing allocated
+
+
+def test_two_live_handles_for_one_rank_and_device_both_load(image, shm, daemon):
+    first = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    second = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    with first.load(verify=True) as a, second.load(verify=True) as b:
+        assert a.arena.ptr != b.arena.ptr
+        for loaded in (a, b):
+            assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
+
+
+def test_close_waits_for_a_running_copy_and_never_unmaps_under_it(image, shm, daemon, monkeypatch):
+    wait_copy = client.ServedSession.wait_copy
+    copying = threading.Event()
+
+    def slow_wait(session, **kw):  # the daemon's copy takes a second
+        copying.set()
+        time.sleep(1.0)
+        return wait_copy(session, **kw)
+
+    monkeypatch.setattr(client.ServedSession, "wait_copy", slow_wait)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    assert copying.wait(30)
+    with pytest.raises(WaitTimeoutError, match="its copy still ran after 0.1 s"):
+        handle.close(timeout_s=0.1)
+    assert not handle.arena.closed  # the copy may still write into it
+    handle._done.wait(30)
+    assert handle.arena.closed  # released by the background thread once the copy ended
+    with pytest.raises(FlashBootError, match="closed"):
+        flashboot.load(image, 0, "cpu", prepared=handle)
+
+    copying.clear()
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    assert copying.wait(30)
+    handle.close()  # within the default bound: waits for the copy, then releases
+    assert handle.done and handle.arena.closed
+
+
+_EXIT_SCRIPT = """
+import sys, flashboot
+image, shm = sys.argv[1], sys.argv[2]
+handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)   # nothing staged: it streams from disk
+try:
+    flashboot.load(image, 1, "cpu", prepared=handle)       # refused: the handle is for rank 0
+except flashboot.FlashBootError as exc:
+    print("refused:", exc)
+dropped = flashboot.prepare(image, 0, "cpu", shm_dir=shm)  # never used
+"""
+
+
+def test_interpreter_exit_settles_handles_whose_load_failed_or_never_came(tmp_path):
+    """Issue 21: a refused load, then a normal exit, aborted ("terminate called without an active
+    exception", exit 134, 4 of 6 runs before the fix) while the handle's thread still ran inside
+    torch. 3,170 small tensors: the views take long enough for the exit to meet the thread."""
+    import subprocess
+    import sys
+
+    from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
+
+    many = CheckpointSpec("many", layers=16, experts=64, expert_rows=8, expert_cols=8, hidden=16, vocab=32, shards=1)
+    make_checkpoint(str(tmp_path / "ckpt"), many, device="cpu")
+    flashboot.prepack(str(tmp_path / "ckpt"), str(tmp_path / "image"), progress=False)
+    for _ in range(6):
+        p = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path / "image"), str(tmp_path / "shm")],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and "terminate called" not in p.stderr, (p.returncode, p.stderr[-2000:])
+        assert "refused: this prepared load cannot serve rank 1 (prepared: 0)" in p.stdout
+
+
+def test_prepare_verifies_its_early_copy_and_a_flipped_byte_surfaces_from_the_load(image, shm):
+    from flashboot.errors import ChecksumMismatchError
+
+    staging.stage_rank(image, 0, shm_dir=shm)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm, verify=True)
+    with handle.load(verify=True) as loaded:
+        assert "checked by flashboot.prepare once its copy ended" in loaded.report.summary()
+        assert loaded.report.verify_ms == 0 and handle.phases_ms["verify"] > 0
+    staged = shm_files.staged_paths(image, 0, shm).image
+    with open(staged, "r+b") as f:  # one flipped byte in the staged copy
+        f.seek(4099)
+        b = f.read(1)
+        f.seek(4099)
+        f.write(bytes([b[0] ^ 0x01]))
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm, verify=True)
+    with pytest.raises(ChecksumMismatchError) as e:
+        flashboot.load(image, 0, "cpu", prepared=handle)
+    assert e.value.chunk == 1 and "copied into cpu by flashboot.prepare" in str(e.value)
+    assert handle.arena.closed and handle.tensors is None
+
+
+def test_engine_log_line_says_how_long_the_weights_waited_for_the_engine(image, shm, daemon):
+    from flashboot.integrations.engine_prepack import EngineWeights
+
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm).wait()
+    time.sleep(0.2)  # the engine builds its model
+    with flashboot.load(image, 0, "cpu", prepared=handle) as loaded:
+        note = EngineWeights(loaded.tensors, None, loaded, "load", loaded.report).early_call()
+        ready_ms = float(note.split("weights ready ")[1].split(" ms")[0])
+        assert note.endswith("ms before the engine asked") and ready_ms >= 200
+    with flashboot.load(image, 0, "cpu", served=True, shm_dir=shm) as plain:
+        assert EngineWeights(plain.tensors, None, plain, "load", plain.report).early_call() == "no early call"

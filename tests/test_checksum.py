@@ -11,6 +11,7 @@ import torch
 from flashboot import FlashBootError
 from flashboot._cuda import cuda_available
 from flashboot.kernels import checksum as ck
+from flashboot.kernels import checksum_host as ckh
 from flashboot.kernels.checksum_spec import GOLDEN32, LENGTH_MUL, M32, M64, MIX_Y, SALT_Y, checksum_reference, fmix32_np
 from flashboot.memory import span_of
 
@@ -65,10 +66,10 @@ def test_host_word_indices_past_2_32():
     raw = random_bytes(3 * ck.HOST_BLOCK_WORDS * 4 + 5, seed=7)
     assert formula_digest(raw, 0) == checksum_reference(raw.tobytes())  # the formula here is the spec
     for start in (2**32 - ck.HOST_BLOCK_WORDS - 3, 2**32, 5 * 2**32 + 11):
-        got = ck._checksum_host_bytes(raw, start_word=start)
+        got = ckh._checksum_host_bytes(raw, start_word=start)
         assert got == formula_digest(raw, start)
     # hi enters only y: the same words at 2**32 hash differently from the same words at 0
-    assert ck._checksum_host_bytes(raw, start_word=2**32) != ck._checksum_host_bytes(raw, start_word=0)
+    assert ckh._checksum_host_bytes(raw, start_word=2**32) != ckh._checksum_host_bytes(raw, start_word=0)
 
 
 def test_sensitivity():
@@ -188,7 +189,7 @@ def test_kernel_word_indices_past_2_32(offset):
     for start in (2**32 - 2 * block, 3 * 2**32):
         expected = formula_digest(raw[offset:], start)
         assert ck.device_checksum(span, start_word=start, **SMALL) == expected
-        assert ck._checksum_host_bytes(raw[offset:], start_word=start) == expected
+        assert ckh._checksum_host_bytes(raw[offset:], start_word=start) == expected
 
 
 def test_kernel_start_word_must_be_tile_aligned():
@@ -303,3 +304,27 @@ def test_copy_with_checksums_on_host_memory_without_kernels(monkeypatch):
     dst = np.zeros(10_001, np.uint8)
     found = cv.copy_with_checksums(dst, raw, 4096)
     assert np.array_equal(dst, raw) and found == ck.chunk_checksums_host(raw, 4096)
+
+
+def test_flashboot_warm_runs_every_checksum_path(capsys):
+    from flashboot.cli import main
+
+    assert main(["warm", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "checksum (words path)" in out and "checksum (bytes path)" in out
+
+
+@pytest.mark.gpu
+def test_flashboot_warm_fills_tritons_cache_with_both_checksum_kernels(tmp_path):
+    """Compiled ahead of time: a fresh process's first verified load then loads, not compiles."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    p = subprocess.run([sys.executable, "-m", "flashboot.cli", "warm", "--device", "cuda:0"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    names = {f.name for f in (tmp_path / "triton").rglob("*")}
+    assert any(n.startswith("checksum_words_kernel") for n in names)
+    assert any(n.startswith("checksum_bytes_kernel") for n in names)

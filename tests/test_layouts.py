@@ -434,7 +434,7 @@ def test_table_spans_of_strided_tensors_match_the_definition(packed):
 
 def test_views_of_strided_tensors_are_the_arena_views(packed):
     from flashboot.arena import Arena
-    from flashboot.flashload.load import make_views
+    from flashboot.flashload.views import make_views
 
     meta = _metadata_with(read_image_metadata(packed[0]), _strided_table(seed=5, count=120))
     with Arena.create(meta.image_nbytes, "cpu") as arena:

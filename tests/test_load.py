@@ -179,6 +179,37 @@ def test_verify_names_the_corrupted_chunk(qwen, tmp_path):
     assert created and created[0].closed, "the arena of a failed load is released"
 
 
+def test_report_says_whether_it_verified_and_its_phases_add_up(qwen, tmp_path):
+    image = Path(shutil.copytree(qwen / "tp1", tmp_path / "image"))
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)
+    with flashboot.load(image, 0, "cpu", shm_dir=shm) as plain:  # host backend: off by default (~2x the copy)
+        r = plain.report
+        assert r.verify_ms == 0 and "not verified: off by default on the host backend" in r.summary()
+        counted = sum(ms for name, ms in r.phases().items() if name not in r.overlapped)
+        assert counted == pytest.approx(r.total_ms, rel=1e-9)  # "other" names the rest
+    with flashboot.load(image, 0, "cpu", shm_dir=shm, verify=True) as checked:
+        chunks = len(checked.metadata.checksums.digests)
+        assert f"verified: {chunks} chunks match the pre-pack's checksums" in checked.report.summary()
+    _corrupt(shm_files.staged_paths(image, 0, shm).image, 5)
+    with pytest.raises(ChecksumMismatchError):
+        flashboot.load(image, 0, "cpu", shm_dir=shm, verify=True)
+
+
+@pytest.mark.gpu
+def test_gpu_load_verifies_by_default_and_catches_a_flipped_byte(qwen, tmp_path):
+    image = Path(shutil.copytree(qwen / "tp1", tmp_path / "image"))
+    no_shm = tmp_path / "no-shm"  # nothing staged: streamed from disk
+    with flashboot.load(image, 0, "cuda:0", shm_dir=no_shm) as ok:
+        assert ok.report.verify_ms > 0 and "verified: " in ok.report.summary()
+    _corrupt(read_image(image, 0).path, 2 * CHUNK + 3)
+    with pytest.raises(ChecksumMismatchError) as e:
+        flashboot.load(image, 0, "cuda:0", shm_dir=no_shm)
+    assert e.value.chunk == 2
+    with flashboot.load(image, 0, "cuda:0", shm_dir=no_shm, verify=False) as unchecked:
+        assert "not verified: verify=False" in unchecked.report.summary()
+
+
 def test_truncated_image_is_refused(qwen, tmp_path):
     image = Path(shutil.copytree(qwen / "tp1", tmp_path / "image"))
     img = read_image(image, 0)
@@ -339,6 +370,11 @@ def test_cli_load_prints_the_phases(qwen, capsys):
                  "--verify", "--json", "-"]) == 0
     out = capsys.readouterr().out
     assert "h2d" in out and "verify" in out and '"mode": "host"' in out
+    assert "verified: " in out and "chunks match the pre-pack's checksums" in out
+    assert "0.00 GB/s" not in out and "B/s end to end" in out
+    assert main(["load", str(qwen / "tp1"), "--rank", "0", "--device", "cpu", "--shm-dir", str(qwen / "shm"),
+                 "--no-verify"]) == 0
+    assert "not verified: verify=False" in capsys.readouterr().out
     assert main(["load", str(qwen / "tp1"), "--rank", "5", "--device", "cpu", "--shm-dir", str(qwen / "shm")]) == 2
 
 

@@ -8,6 +8,7 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -219,6 +220,27 @@ def test_buffered_when_asked(image, shm):
 def test_read_rate(image):
     gbps, mode = staging.read_rate(read_image(image, 0).path, io="buffered")
     assert gbps > 0 and mode == "buffered"
+
+
+def test_read_rate_with_reads_in_flight_reads_every_block_once(image, monkeypatch):
+    """bench stream's ceiling: the loader's reads in flight and read size (O_DIRECT where allowed)."""
+    path = read_image(image, 0).path
+    size = path.stat().st_size
+    real, seen, lock = os.preadv, [], threading.Lock()
+
+    def recording(fd, buffers, offset):
+        n = real(fd, buffers, offset)
+        with lock:
+            seen.append((offset, n))
+        return n
+
+    monkeypatch.setattr(os, "preadv", recording)
+    gbps, mode = staging.read_rate(path, block_bytes=8192, in_flight=3)
+    assert gbps > 0 and mode in ("o_direct", "buffered")
+    offsets = sorted(off for off, _ in seen)
+    assert offsets == list(range(0, size, 8192)) and sum(n for _, n in seen) == size
+    with pytest.raises(FlashBootError, match="in_flight must be >= 1"):
+        staging.read_rate(path, in_flight=0)
 
 
 # ---------------------------------------------------------------------------------- NUMA

@@ -419,5 +419,7 @@ def test_every_command_line_of_the_readme_runs(tmp_path):
     finally:
         stop(holder)
 
+    for command in sorted(c for c in expected if c.startswith("warm")):
+        assert "checksum" in run(command)
     run("demo", "--size", "8MB")
     assert not set(expected) - ran, f"README lines this test did not run: {sorted(set(expected) - ran)}"

@@ -44,25 +44,41 @@ def test_binary_table_is_the_json_table(packed, job, rank):
     assert verify_image(packed / job, rank)[0].chunks > 0  # compares the two tables too
 
 
-def test_views_from_the_columns_are_the_views_from_the_json_table(packed):
+def test_views_from_the_columns_are_the_arenas_own_views(packed):
     """The binary table keeps shapes and strides as columns and the views are made from them in
-    bulk (grouped by dtype and ndim); they must be exactly the views the JSON table's tuples give."""
+    bulk (runs of one shape at a constant spacing through one unbind each); they must be exactly
+    what ``arena.view`` gives for each tensor, and the JSON table must give the same."""
     from flashboot.arena import Arena
-    from flashboot.flashload.load import make_views
+    from flashboot.flashload import views as views_module
+    from flashboot.flashload.views import make_views
 
     img = read_image(packed / "tp1", 0)
     from_json = parse_metadata(img.metadata_path.read_bytes(), "json")
     assert len(set(from_json.tensors.dim_columns().ndims.tolist())) > 1  # 1-D norms beside 2-D and 3-D weights
-    with Arena.create(img.nbytes, "cpu") as arena:
-        arena.bytes()[:img.nbytes] = torch.frombuffer(bytearray(img.path.read_bytes()), dtype=torch.uint8)
-        columns, tuples = make_views(arena, img.metadata), make_views(arena, from_json)
-        assert list(columns) == list(tuples) == list(from_json.tensors)
-        for name, want in tuples.items():
-            got = columns[name]
-            assert (got.dtype, got.shape, got.stride(), got.data_ptr()) == \
-                (want.dtype, want.shape, want.stride(), want.data_ptr())
-            assert torch.equal(got.reshape(-1).view(torch.uint8), img.view(name).reshape(-1).view(torch.uint8))
-        del columns, tuples
+    runs = []
+    real_runs = views_module._runs
+
+    def spy(offs):
+        found = real_runs(offs)
+        runs.extend(len(members) for _, _, members in found[0])
+        return found
+
+    views_module._runs = spy
+    try:
+        with Arena.create(img.nbytes, "cpu") as arena:
+            arena.bytes()[:img.nbytes] = torch.frombuffer(bytearray(img.path.read_bytes()), dtype=torch.uint8)
+            columns, tuples = make_views(arena, img.metadata), make_views(arena, from_json)
+            assert list(columns) == list(tuples) == list(from_json.tensors)
+            for name, e in from_json.tensors.items():
+                want = arena.view(e.offset, e.shape, e.dtype, e.stride)
+                for got in (columns[name], tuples[name]):
+                    assert (got.dtype, got.shape, got.stride(), got.data_ptr()) == \
+                        (want.dtype, want.shape, want.stride(), want.data_ptr())
+                    assert torch.equal(got.reshape(-1).view(torch.uint8), img.view(name).reshape(-1).view(torch.uint8))
+            del columns, tuples, want, got
+    finally:
+        views_module._runs = real_runs
+    assert runs and min(runs) >= 2  # some views (the experts' projections) were made as runs, not one by one
     # the tuples, built on demand from the columns, are the JSON table's
     assert img.metadata.tensors.shapes == from_json.tensors.shapes
     assert img.metadata.tensors.strides == from_json.tensors.strides
@@ -134,3 +150,18 @@ def test_tables_with_fused_parts_stay_json_only(packed):
     fused = TensorTable(t.names, t.offsets, t.nbytes, t.dtype_codes, t.region_codes, t.shapes, t.strides,
                         parts={0: (Part("a", 0, 1),)})
     assert encode_table(fused, b'{\n "tensors": {}\n}\n') is None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_view_runs_cover_every_tensor_once_each_run_arithmetic(seed):
+    import numpy as np
+    from flashboot.flashload.views import _runs
+
+    rng = np.random.default_rng(seed)
+    # experts-like: alternating gaps (w1 / w3 of one shape), layers apart, plus stray tensors
+    offs = np.cumsum(rng.choice([256, 512, 768, 4096], size=rng.integers(2, 400), p=[0.4, 0.4, 0.1, 0.1]))
+    runs, rest = _runs(offs)
+    members = np.concatenate([m for _, _, m in runs] + [rest])
+    assert sorted(members.tolist()) == list(range(len(offs)))  # every tensor exactly once
+    for start, step, m in runs:
+        assert len(m) >= 2 and step > 0 and offs[m].tolist() == [start + step * i for i in range(len(m))]

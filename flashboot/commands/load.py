@@ -20,7 +20,10 @@ def register(subparsers) -> None:
                      help="never stream: wait for the preloader's .ready")
     p.add_argument("--stream-buffer", default=None, metavar="BYTES",
                    help="ring size of a streamed load, e.g. 256MiB (default 256 MiB or $FLASHBOOT_STREAM_BUFFER_BYTES)")
-    p.add_argument("--verify", action="store_true", help="recompute the chunk checksums on the device")
+    check = p.add_mutually_exclusive_group()
+    check.add_argument("--verify", action="store_true", default=None,
+                       help="recompute the chunk checksums on the device (default on CUDA, not on the host backend)")
+    check.add_argument("--no-verify", dest="verify", action="store_false", help="skip the checksums")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the staged image (default 60)")
     p.add_argument("--shm-dir", default=None)
     p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-' for stdout)")
@@ -30,7 +33,7 @@ def register(subparsers) -> None:
 def main(args) -> int:
     import flashboot
     from flashboot.benchmarks.timing import dump_json, print_table
-    from flashboot.units import parse_bytes
+    from flashboot.units import format_rate, parse_bytes
 
     buffer = parse_bytes(args.stream_buffer) if args.stream_buffer else None
 
@@ -50,10 +53,14 @@ def main(args) -> int:
             staged.close()
     rows = [[phase, ms] for phase, ms in r.phases().items()]
     rows.append(["total", r.total_ms])
+    if "other" in r.phases():
+        rows[-2][0] = "other (imports, first-use set-up, Python)"
     print(f"rank {r.rank} -> {r.device} ({r.mode}): {r.nbytes:,} bytes, {r.tensors} tensors")
     print_table("phases", ["what", "ms"], rows)
     extra = f"; pinned early in {r.pinned_early_ms:.1f} ms (off the critical path)" if r.pinned_early_ms else ""
-    print(f"{r.gbps:.2f} GB/s end to end, H2D {r.h2d_gbps:.2f} GB/s in {r.chunks} chunk(s){extra}")
+    print(f"{format_rate(r.nbytes, r.total_ms)} end to end, H2D {format_rate(r.nbytes, r.h2d_ms)} in {r.chunks} "
+          f"chunk(s){extra}")
+    print(r.verified_text())
     if r.details.get("note"):
         print(r.details["note"])
     dump_json(r.to_dict(), args.json)

@@ -1,30 +1,36 @@
-"""The early call: every one-time cost of a load, paid at engine start-up instead of in the load.
+"""The early call: every one-time cost of a load, and the copy itself, started at engine start-up.
 
 An engine boots once, so its first :func:`flashboot.load` is the one that counts, and a cold load
 pays for reading and validating the metadata, creating and exporting the arena, the daemon's
 mapping of it, tens of thousands of views, and the first copy's set-up. :func:`prepare` starts
 all of that in a background thread as soon as the engine starts (before it builds its model) and
-returns at once; ``flashboot.load(..., prepared=handle)`` (or ``handle.load()``) then pays the
-copy and what cannot overlap with it:
+returns at once; the copy then starts as soon as it can, so an engine that builds its model for
+longer than the copy takes finds its weights in place. ``flashboot.load(..., prepared=handle)``
+(or ``handle.load()``) only waits for that copy, checks that the image was not re-packed since,
+and verifies:
 
 * served (a ``flashboot preload --serve`` daemon holds the image pinned): the arena is created,
-  exported and attached to the daemon, which checks it against what it holds and maps all of it;
-  the load sends one message and waits for the daemon's H2D;
+  exported and attached to the daemon, which checks it against what it holds, maps it and is
+  asked for its H2D at once; the views are built while it copies;
 * pinned early (a preloader staged the rank, no daemon): the staged file is mapped and pinned
-  in this process (:class:`~flashboot.flashload.stage.StagedImage`); the load is the bulk H2D;
+  in this process (:class:`~flashboot.flashload.stage.StagedImage`); the bulk H2D is issued as
+  soon as the pin is done;
 * streamed (nothing is or will be staged: see :func:`~flashboot.flashload.stream.stream_reason`):
-  the load reads the image from disk through the bounded ring, straight into the ready arena.
+  the reads start at once, straight into the arena through the bounded ring.
 
-In both, the metadata is read and validated, the views are built and the copy path is warmed
-before the load is called. A handle serves one load; it is refused for another image, rank or
-device, or after the image was re-packed.
+The background thread holds the GIL only for the metadata and the views: it waits in blocking
+calls (the daemon's socket, the pin, the stream's reads, the copy's synchronisation) that
+release it. A handle serves one load; it is refused for another image, rank or device, or after
+the image was re-packed (the bytes copied early are then discarded with the arena).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +40,8 @@ from ..memory import Device
 MODES = ("auto", "served", "staged", "stream")
 PREPARE_ALLOWANCE_S = 120.0
 """Added to the handle's ``timeout_s`` when a load waits for its preparation (a pin of tens of GB)."""
+CLOSE_TIMEOUT_S = 30.0
+"""How long :meth:`PreparedLoad.close` (and the exit hook) waits for a copy that is running."""
 
 
 def _file_identity(path: Path) -> tuple[int, int, int]:
@@ -45,13 +53,15 @@ class PreparedLoad:
     """A load made ready ahead of time (see the module docstring); built by :func:`prepare`.
 
     Attributes once :meth:`wait` returns: ``mode`` (``"served"``, ``"staged"`` or ``"stream"``), ``why`` (how
-    the mode was chosen), ``arena``, ``metadata``, ``tensors`` (the views), ``nbytes`` and
-    ``phases_ms`` (what the preparation paid, by phase). :meth:`close` releases everything if the
-    handle is dropped without a load.
+    the mode was chosen), ``arena``, ``metadata``, ``tensors`` (the views), ``nbytes``,
+    ``phases_ms`` (what the preparation paid, by phase, the early copy included) and ``copy``
+    (what the early copy measured: ``h2d_ms``, the daemon's reply or the stream's stats).
+    :meth:`close` releases everything if the handle is dropped without a load; at interpreter
+    exit every live handle is settled the same way (bounded), so no background work outlives it.
     """
 
     def __init__(self, image_dir, rank: int, device: Any, *, mode: str, timeout_s: float, shm_dir, tp, ep,
-                 expected_key, hold_s: float | None, stream_buffer_bytes=None):
+                 expected_key, hold_s: float | None, stream_buffer_bytes=None, verify: bool | None = None):
         if mode not in MODES:
             raise FlashBootError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
@@ -60,23 +70,30 @@ class PreparedLoad:
         self.real_dir = os.path.realpath(self.image_dir)
         self.timeout_s, self.shm_dir, self.hold_s = float(timeout_s), shm_dir, hold_s
         self.tp, self.ep, self.expected_key = tp, ep, expected_key
+        from .load import _verify_default
         from .stream import StreamConfig
+
+        self.verify = _verify_default(self.device) if verify is None else bool(verify)
 
         self.stream_config = StreamConfig.of(stream_buffer_bytes)  # a bad option is refused at once
         self.requested_mode, self.mode, self.why = mode, "", ""
         self.arena = self.metadata = self.image = self.tensors = None
         self.session = self.staged = self.mover = None
+        self.release_thread: threading.Thread | None = None
         self.nbytes = 0
         self.metadata_sha256 = ""
         self.phases_ms: dict[str, float] = {}
+        self.copy: dict[str, Any] = {}
         self._identity: dict[Path, tuple[int, int, int]] = {}
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self._cancel = threading.Event()
         self._claim = threading.Lock()
         self._claimed_by: str | None = None
         self._closed = False
         self.started = time.perf_counter()
         self.finished: float | None = None
+        _live.add(self)
         self._thread = threading.Thread(target=self._run, name=f"flashboot-prepare-rank{rank}", daemon=True)
         self._thread.start()
 
@@ -89,9 +106,16 @@ class PreparedLoad:
             self._release()
         finally:
             self.finished = time.perf_counter()
+            with self._claim:
+                closed_meanwhile = self._closed and self._error is None
+            if closed_meanwhile:  # close() gave up waiting: the memory is released now the copy has ended
+                self._release()
             self._done.set()
 
     def _phase(self, name: str, t0: float) -> float:
+        if self._cancel.is_set():
+            raise FlashBootError(f"the prepared load of rank {self.rank} of {self.image_dir} was closed during "
+                                 f"its {name} phase")
         now = time.perf_counter()
         self.phases_ms[name] = self.phases_ms.get(name, 0.0) + (now - t0) * 1e3
         return now
@@ -100,7 +124,7 @@ class PreparedLoad:
         from flashboot.layouts.image import open_image, read_metadata_file
 
         from ..arena import Arena
-        from .load import _mover_for, admit, make_views
+        from .load import _mover_for, admit
 
         t = time.perf_counter()
         mf = read_metadata_file(self.image_dir, self.rank)
@@ -114,31 +138,78 @@ class PreparedLoad:
         t = self._phase("metadata", t)
         self.mode, self.why = self._choose_mode()
         t = self._phase("mode", t)
-        admit(self.nbytes, self.device)
+        admit(self.nbytes, self.device)  # before any allocation: OutOfMemoryError with the numbers
         self.arena = Arena.create(self.nbytes, self.device)
+        self.arena.bytes()  # the flat tensor made on this thread (torch device state is per thread)
         t = self._phase("arena", t)
+        # Each mode starts its copy as soon as it can and builds the views while it runs.
         if self.mode == "served":
             self._attach()
             t = self._phase("attach", t)
+            self.session.start_copy()
+            t_copy = t
+            self._views()
+            reply = self.session.wait_copy(timeout_s=self.timeout_s + 60)
+            self.copy = {"h2d_ms": reply["h2d_ms"], "reply": reply}
         elif self.mode == "staged":
             self._stage()
             t = self._phase("stage_start", t)
-        else:
-            self.arena.bytes()  # the flat tensor made here, as the streamed load's own path does
-        self.tensors = make_views(self.arena, self.metadata)
-        t = self._phase("views", t)
-        if self.mode == "staged":
             self.mover = _mover_for(self.device)
             _warm_copy(self.device, self.mover)
             t = self._phase("warm", t)
+            self._views()
+            t = time.perf_counter()
+            self.staged.wait()
+            t_copy = self._phase("pin_wait", t)
+            chunks, _ = _bulk_copy_of(self)
+            self.copy = {"h2d_ms": (time.perf_counter() - t_copy) * 1e3, "chunks": chunks,
+                         "pinned": self.staged.pinned, "pin_ms": self.staged.pin_ms}
+            self.release_thread = self.staged.close_in_background()  # the unpin (~170 ms for 8 GB) is nobody's wait
+        else:
+            from .load import _Beside
+            from .stream import stream_image
+
+            side = None
+
+            def start_views():
+                nonlocal side
+                side = _Beside(self._views)
+
+            t_copy = t
+            try:
+                stats = stream_image(self.image.path, self.nbytes, self.arena, self.stream_config,
+                                     on_start=start_views)
+            finally:
+                if side is not None:
+                    side.join()  # the views go with the arena, whether the stream failed or not
+            if side is None:
+                self._views()
+            self.copy = {"h2d_ms": stats.seconds * 1e3, "stats": stats}
+        self.copy["started_after_prepare_ms"] = (t_copy - self.started) * 1e3
+        t = self._phase("copy", t_copy)
+        if self.verify:  # checked here too, so the load has nothing left but to report it
+            from .load import LoadReport, verify_loaded
+
+            checked = LoadReport(mode="", device=str(self.device), rank=self.rank, nbytes=self.nbytes)
+            verify_loaded(self.arena, self.metadata, f"{self.image.path} (rank {self.rank}) copied into "
+                          f"{self.device} by flashboot.prepare", checked)
+            self.copy["verified"] = checked.details["verified"]
+            self._phase("verify", t)
+
+    def _views(self) -> None:
+        from .views import make_views
+
+        t = time.perf_counter()
+        self.tensors = make_views(self.arena, self.metadata)
+        self.phases_ms["views"] = (time.perf_counter() - t) * 1e3
 
     def _choose_mode(self) -> tuple[str, str]:
+        if self.requested_mode != "auto":
+            return self.requested_mode, "asked for"
         from .service import service_status
         from .shm import RankSource
         from .stream import stream_reason
 
-        if self.requested_mode != "auto":
-            return self.requested_mode, "asked for"
         st = service_status(self.image_dir, self.shm_dir)
         if st.running and st.serve:
             return "served", f"a served-load daemon runs (pid {st.pid})"
@@ -170,22 +241,29 @@ class PreparedLoad:
                                   shm_dir=self.shm_dir, source=source)
 
     def _release(self) -> None:
+        """Release what the preparation holds; only once no copy writes into the arena (the
+        background thread calls it when it ends, the caller's side only after :meth:`wait`)."""
         if self.session is not None:
             self.session.close()
-        if self.staged is not None:
-            self.staged.close_in_background()
+        if self.release_thread is not None:
+            self.release_thread.join(CLOSE_TIMEOUT_S)  # the unpin already under way
+        elif self.staged is not None:
+            self.staged.close()
         if self.arena is not None and not self.arena.closed:
             self.arena.close()
         self.tensors = None
+        _live.discard(self)
 
     # ---- the caller's side -------------------------------------------------------------------
     @property
     def done(self) -> bool:
+        """Whether the preparation, the early copy included, has ended (ready or failed)."""
         return self._done.is_set()
 
     def wait(self, timeout_s: float | None = None) -> "PreparedLoad":
-        """Block until the preparation is done; returns self or raises what it raised
-        (WaitTimeoutError after ``timeout_s``, default the handle's plus :data:`PREPARE_ALLOWANCE_S`)."""
+        """Block until the preparation and its early copy are done; returns self or raises what it
+        raised (WaitTimeoutError after ``timeout_s``, default the handle's plus
+        :data:`PREPARE_ALLOWANCE_S`)."""
         limit = self.timeout_s + PREPARE_ALLOWANCE_S if timeout_s is None else timeout_s
         if not self._done.wait(limit):
             raise WaitTimeoutError(f"preparing the load of rank {self.rank} of {self.image_dir} onto {self.device} did "
@@ -218,31 +296,42 @@ class PreparedLoad:
                 now = None
             if now != seen:
                 what = "is gone" if now is None else (f"changed (inode, size, mtime_ns {seen} -> {now})")
-                raise LayoutError(f"{path} {what} since flashboot.prepare read it: the image was re-packed; "
-                                  "prepare again")
+                raise LayoutError(f"{path} {what} since flashboot.prepare read it: the image was re-packed; the "
+                                  "bytes copied early are discarded; prepare again")
 
     def claim(self, who: str) -> None:
         """One load per handle: a second one is refused, never interleaved with the first."""
         with self._claim:
+            if self._closed:
+                raise FlashBootError(f"the prepared load of rank {self.rank} of {self.image_dir} is closed")
             if self._claimed_by is not None:
                 raise FlashBootError(f"this prepared load of rank {self.rank} of {self.image_dir} already served "
                                      f"{self._claimed_by}; a prepared load serves one load (call prepare again)")
             self._claimed_by = who
 
-    def load(self, *, verify: bool = False):
+    def load(self, *, verify: bool | None = None):
         """``flashboot.load(image_dir, rank, device, prepared=self, verify=verify)``."""
         from .load import load
 
         return load(self.image_dir, self.rank, self.device, prepared=self, verify=verify)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Release the arena, the daemon's attachment and the pin of a handle that no load used
-        (idempotent; a loaded image owns the arena once the load returned)."""
-        self._done.wait(self.timeout_s + PREPARE_ALLOWANCE_S)
+        (idempotent; a loaded image owns the arena once the load returned).
+
+        The preparation stops at its next phase; a copy already running (the daemon's H2D, the
+        bulk copy, the stream) cannot be cut short, so this waits for it up to ``timeout_s``. If it
+        is still running then, WaitTimeoutError, and the background thread releases the memory
+        when the copy ends: memory a copy still writes into is never unmapped."""
         with self._claim:
             if self._closed or self._claimed_by is not None:
                 return
             self._closed = True
+        self._cancel.set()
+        if not self._done.wait(timeout_s):
+            raise WaitTimeoutError(f"closing the prepared load of rank {self.rank} of {self.image_dir}: its copy "
+                                   f"still ran after {timeout_s:g} s (phases so far: {self._phases_text()}); it "
+                                   "releases the arena itself when the copy ends")
         self._release()
 
     def __enter__(self) -> "PreparedLoad":
@@ -259,6 +348,30 @@ class PreparedLoad:
                  "ready" if self.done else "preparing")
         return (f"PreparedLoad(rank {self.rank} of {self.image_dir!r} -> {self.device}, {self.mode or '?'}, "
                 f"{self.nbytes:,} bytes, {state})")
+
+
+_live: "weakref.WeakSet[PreparedLoad]" = weakref.WeakSet()
+"""Handles whose background work may still run or hold memory; settled at interpreter exit."""
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    """Stop every live handle's background work before the interpreter tears down: a thread still
+    inside torch or a driver call while the runtime is destroyed aborts the process ("terminate
+    called without an active exception"). Unused handles are closed; used ones have ended."""
+    for handle in list(_live):
+        try:
+            handle.close(timeout_s=CLOSE_TIMEOUT_S)
+        except Exception:  # at exit there is no caller left to tell; the wait was bounded
+            pass
+        handle._thread.join(CLOSE_TIMEOUT_S if handle._thread.is_alive() else 0)
+
+
+def _bulk_copy_of(handle: PreparedLoad):
+    """The staged image -> the arena, in 1 GiB chunks (see :func:`flashboot.flashload.load._bulk_copy`)."""
+    from .load import DEFAULT_CHUNK_BYTES, _bulk_copy
+
+    return _bulk_copy(handle.mover, handle.arena, handle.staged.span(), handle.nbytes, DEFAULT_CHUNK_BYTES)
 
 
 def _warm_copy(device: Device, mover) -> None:
@@ -282,7 +395,7 @@ def _warm_copy(device: Device, mover) -> None:
 
 def prepare(image_dir, rank: int = 0, device: Any = None, *, mode: str = "auto", timeout_s: float = 60.0,
             shm_dir=None, tp: int | None = None, ep: int | None = None, expected_key=None,
-            hold_s: float | None = None, stream_buffer_bytes=None) -> PreparedLoad:
+            hold_s: float | None = None, stream_buffer_bytes=None, verify: bool | None = None) -> PreparedLoad:
     """Start making rank ``rank`` of ``image_dir`` ready to load onto ``device``; returns at once.
 
     Call it when the engine starts, before it builds its model, then pass the handle to
@@ -294,12 +407,16 @@ def prepare(image_dir, rank: int = 0, device: Any = None, *, mode: str = "auto",
     streamed from disk (``"stream"``, or ``"auto"`` when nothing is or will be staged; the ring is
     at most ``stream_buffer_bytes``), builds the views and warms the copy path. ``timeout_s``
     bounds each wait (the preloader's ``.ready``, the daemon's socket); ``hold_s``: how long the
-    daemon keeps the arena attached waiting for the load (default an hour).
+    daemon keeps the arena attached waiting for the load (default an hour). ``verify``: recompute
+    the chunk checksums once the copy ends, in the background too (None: on CUDA, where it costs
+    ~2 % of the copy; not on the host backend, where it costs ~2x); a load asking for it then
+    only reports it, and a mismatch surfaces from the load.
 
     Errors surface from the load (or :meth:`PreparedLoad.wait`), with their own class.
     """
     return PreparedLoad(image_dir, rank, device, mode=mode, timeout_s=timeout_s, shm_dir=shm_dir, tp=tp, ep=ep,
-                        expected_key=expected_key, hold_s=hold_s, stream_buffer_bytes=stream_buffer_bytes)
+                        expected_key=expected_key, hold_s=hold_s, stream_buffer_bytes=stream_buffer_bytes,
+                        verify=verify)
 
 
 __all__ = ["MODES", "PreparedLoad", "prepare"]

@@ -287,21 +287,32 @@ class ServedSession:
         return self._sock is None
 
     def copy(self, *, timeout_s: float) -> dict:
-        """Have the daemon copy the rank into the attached arena; its reply (``h2d_ms``...).
+        """Have the daemon copy the rank into the attached arena; its reply (``h2d_ms``...):
+        :meth:`start_copy` then :meth:`wait_copy`."""
+        self.start_copy()
+        return self.wait_copy(timeout_s=timeout_s)
 
-        Once per session. RendezvousError when the daemon went away since it attached (it closed
-        the connection), WaitTimeoutError after ``timeout_s`` plus 1 s per GB."""
+    def start_copy(self) -> None:
+        """Ask the daemon for the copy and return at once (once per session). RendezvousError when
+        the daemon went away since it attached (it closed the connection)."""
         if self._sock is None or self.used:
             raise FlashBootError(f"the served session of rank {self.rank} at {self.path} is already used or closed")
         self.used = True
-        sock = self._sock
         try:
-            try:
-                sock.sendall(json.dumps({"op": "copy"}).encode())
-            except OSError as exc:
-                raise RendezvousError(f"the preloader at {self.path} went away after it attached rank {self.rank}'s "
-                                      f"arena ({exc}); was it restarted?") from None
-            reply = _read_reply(sock, self.path, f"'copy' for rank {self.rank}", timeout_s + self.nbytes / 1e9)
+            self._sock.sendall(json.dumps({"op": "copy"}).encode())
+        except OSError as exc:
+            self.close()
+            raise RendezvousError(f"the preloader at {self.path} went away after it attached rank {self.rank}'s "
+                                  f"arena ({exc}); was it restarted?") from None
+
+    def wait_copy(self, *, timeout_s: float) -> dict:
+        """The daemon's reply to :meth:`start_copy`, waited for in a blocking receive (no polling,
+        the GIL released) of at most ``timeout_s`` plus 1 s per GB; then hangs up. RendezvousError
+        when the daemon died meanwhile, WaitTimeoutError at the bound."""
+        if self._sock is None or not self.used:
+            raise FlashBootError(f"the served session of rank {self.rank} at {self.path} has no copy to wait for")
+        try:
+            reply = _read_reply(self._sock, self.path, f"'copy' for rank {self.rank}", timeout_s + self.nbytes / 1e9)
             if not reply.get("ok"):
                 _raise_remote(reply, f"served copy of rank {self.rank} by the preloader at {self.path}")
             return reply

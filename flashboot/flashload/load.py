@@ -16,14 +16,11 @@ Three ways to pay the pin (``cuMemHostRegister``, about a third of the H2D rate)
 
 from __future__ import annotations
 
-import operator
 import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-import numpy as np
 
 from ..errors import (
     ChecksumMismatchError,
@@ -33,6 +30,7 @@ from ..errors import (
 )
 from ..memory import Device
 from ..pinning import device_free_bytes
+from .views import make_views
 
 DEFAULT_CHUNK_BYTES = 1 << 30
 """H2D chunk: a few large copies keep the copy engine busy (hardware.md: 1 GB chunks, one stream)."""
@@ -86,22 +84,48 @@ class LoadReport:
         """Bytes over the whole engine-visible time."""
         return self.nbytes / (self.total_ms * 1e-3) / 1e9 if self.total_ms > 0 else float("inf")
 
-    def phases(self) -> dict[str, float]:
-        """The non-zero phases in order, in ms."""
+    @property
+    def other_ms(self) -> float:
+        """What the phases do not account for: the first use of modules this call imported, setting up
+        the copy path, Python between the phases (the total minus the phases not marked overlapped)."""
         names = ("wait", "metadata", "pin", "alloc", "exchange", "h2d", "verify", "bind")
-        return {n: getattr(self, f"{n}_ms") for n in names if getattr(self, f"{n}_ms") > 0}
+        timed = sum(getattr(self, f"{n}_ms") for n in names if n not in self.overlapped)
+        return max(0.0, self.total_ms - timed)
+
+    def phases(self) -> dict[str, float]:
+        """The non-zero phases in order, in ms; ``other`` is :attr:`other_ms` (so the phases not
+        marked overlapped add up to the total)."""
+        names = ("wait", "metadata", "pin", "alloc", "exchange", "h2d", "verify", "bind")
+        out = {n: getattr(self, f"{n}_ms") for n in names if getattr(self, f"{n}_ms") > 0}
+        if self.other_ms >= 0.05:
+            out["other"] = self.other_ms
+        return out
+
+    def verified_text(self) -> str:
+        """"verified: N chunks match ..." or why nothing was checked."""
+        if self.details.get("verified"):
+            return f"verified: {self.details['verified']}"
+        return "not verified: " + self.details.get("verify_skipped", "verify=False")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "h2d_gbps": self.h2d_gbps, "gbps": self.gbps}
 
     def summary(self) -> str:
+        from ..units import format_rate
+
         parts = ", ".join(f"{k} {v:.1f}{'*' if k in self.overlapped else ''}" for k, v in self.phases().items())
-        during = " (*: while the copy ran)" if self.overlapped else ""
+        during = f" (*: {OVERLAP_MEANING.get(self.mode.split(',')[-1].strip(), OVERLAP_MEANING[''])})" \
+            if self.overlapped else ""
         early = f"; pinned early in {self.pinned_early_ms:.0f} ms" if self.pinned_early_ms else ""
         note = f"; {self.details['note']}" if self.details.get("note") else ""
         return (f"rank {self.rank} -> {self.device} ({self.mode}): {self.nbytes:,} bytes, {self.tensors} tensors in "
-                f"{self.total_ms:.1f} ms ({self.gbps:.1f} GB/s; H2D {self.h2d_gbps:.1f} GB/s) [{parts} ms]{during}{early}"
-                f"{note}")
+                f"{self.total_ms:.1f} ms ({format_rate(self.nbytes, self.total_ms)} end to end; H2D "
+                f"{format_rate(self.nbytes, self.h2d_ms)}) [{parts} ms]{during}{early}; {self.verified_text()}{note}")
+
+
+OVERLAP_MEANING = {"": "while the copy ran",
+                   "prepared": "started by flashboot.prepare before the call; the call waited for what was left"}
+"""What a ``*`` on a phase of :meth:`LoadReport.summary` means (by the last word of the mode)."""
 
 
 # ============================================================================ the loaded image
@@ -258,9 +282,8 @@ def verify_loaded(arena, metadata, where: str, report=None) -> int:
     """Recompute the image's chunk checksums on the arena's bytes (GPU kernel on CUDA, numba on the
     host); raises ChecksumMismatchError naming the first bad chunk. Returns the chunk count; sets
     ``report.verify_ms`` when a report is given."""
+    t0 = time.perf_counter()  # the checksum module's import and first call are part of what verify costs
     from flashboot.kernels.checksum import chunk_checksums
-
-    t0 = time.perf_counter()
 
     cs = metadata.checksums
     nbytes = metadata.image_nbytes
@@ -273,54 +296,12 @@ def verify_loaded(arena, metadata, where: str, report=None) -> int:
             raise ChecksumMismatchError(where, k, start, n, int(want), int(got))
     if report is not None:
         report.verify_ms = (time.perf_counter() - t0) * 1e3
+        report.details["verified"] = f"{len(found)} chunks match the pre-pack's checksums"
     return len(found)
 
 
-def make_views(arena, metadata) -> dict:
-    """name -> a zero-copy view of the arena at the tensor's offset, shape, stride and dtype.
-
-    The same views as ``arena.view(offset, shape, dtype, stride)``, made in bulk from the tensor
-    table's columns: one typed view of the arena per dtype, then one ``as_strided`` per tensor,
-    fed with plain lists converted a group (same dtype and ndim) at a time. The strict reader has
-    already checked every tensor's bounds and alignment against the image (which fits the arena),
-    and the per-call checks of ``arena.view`` cost ~25 us a tensor, half a second for the 18,722
-    tensors of checkpoint B. What is left is torch's own cost of a tensor object (~2 us a view),
-    which :func:`load` spends while the bulk copy runs (nothing reads a view before the copy ends).
-    """
-    import torch
-
-    from ..layouts.format import DTYPE_NAMES, gc_paused
-
-    if metadata.image_nbytes > arena.nbytes:
-        raise LayoutError(f"image of {metadata.image_nbytes:,} bytes does not fit the {arena.nbytes:,}-byte arena")
-    table = metadata.tensors
-    n = len(table)
-    if not n:
-        return {}
-    flat = arena.bytes()
-    dims = table.dim_columns()
-    codes = table.dtype_codes
-    elem_offsets = table.offsets // table.itemsizes
-    present = np.flatnonzero(np.bincount(codes)).tolist()
-    picks, made = [], []
-    with gc_paused():
-        for code in present:
-            dtype = getattr(torch, DTYPE_NAMES[code])
-            typed = flat[: arena.nbytes - arena.nbytes % dtype.itemsize].view(dtype)
-            for ndim, rows in dims.groups():
-                pick = rows[codes[rows] == code] if len(present) > 1 else rows
-                picks.append(pick)
-                made += map(typed.as_strided, dims.shapes[pick, :ndim].tolist(), dims.strides[pick, :ndim].tolist(),
-                            elem_offsets[pick].tolist())
-        if len(picks) > 1:  # back to table order: one C-level gather, not a Python loop
-            position = np.empty(n, np.int64)
-            position[np.concatenate(picks)] = np.arange(n)
-            made = operator.itemgetter(*position.tolist())(made) if n > 1 else made
-        return dict(zip(table.names, made))
-
-
 def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.0, served: bool = False,
-         staged=None, prepared=None, verify: bool = False, shm_dir=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+         staged=None, prepared=None, verify: bool | None = None, shm_dir=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
          tp: int | None = None, ep: int | None = None, expected_key=None, stream: bool | None = None,
          stream_buffer_bytes=None, holder=None) -> LoadedImage:
     """Load rank ``rank`` of the pre-packed image in ``image_dir`` onto ``device``.
@@ -339,7 +320,9 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     attachment or the pin, views): the load is the copy. Without it the report's
     ``details["one_time_ms"]`` says what this call paid that ``prepare`` would have paid at
     start-up. ``verify`` recomputes the
-    chunk checksums on the device. ``tp``/``ep``/``expected_key``: what the caller expects the
+    chunk checksums on the device and the report says they passed; None (the default) verifies on
+    CUDA (the kernel costs ~2 % of the copy) and not on the host backend (~2x the copy there; the
+    report says it did not). ``tp``/``ep``/``expected_key``: what the caller expects the
     image to be (LayoutError otherwise). ``holder``: a holder registry path (or a dict /
     :class:`~flashboot.flashload.restart.HolderOption`): a restarted engine maps the arena held for
     this image instead of loading (no copy), and a fresh load is handed over to the holder
@@ -355,8 +338,6 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     """
     import torch  # noqa: F401  (an engine has it loaded; its import is not part of a load)
 
-    from .stage import StagedImage
-
     if holder is not None:
         from .restart import load_or_restore
 
@@ -367,6 +348,7 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
 
     t_start = time.perf_counter()
     dev = Device.parse(device)
+    asked_verify, verify = verify, _verify_default(dev) if verify is None else bool(verify)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
     if chunk_bytes <= 0:
@@ -375,6 +357,7 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
         raise FlashBootError("served=True and staged= exclude each other: the daemon holds the pinned image")
     if stream and (served or staged is not None):
         raise FlashBootError("stream=True excludes served=True and staged=: a streamed load reads the image from disk")
+    _check_staged(staged, image_dir, rank)
     if prepared is not None:
         from .boot import PreparedLoad
 
@@ -383,20 +366,41 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
         if served or staged is not None or stream:
             raise FlashBootError("prepared= excludes served=, staged= and stream=: the handle already chose its mode "
                                  f"({prepared.requested_mode})")
-        return _load_prepared(prepared, image_dir, rank, dev, t_start, verify=verify, chunk_bytes=chunk_bytes, tp=tp,
-                              ep=ep, expected_key=expected_key)
+        loaded = _load_prepared(prepared, image_dir, rank, dev, t_start, verify=verify, chunk_bytes=chunk_bytes,
+                                tp=tp, ep=ep, expected_key=expected_key)
+    elif served:
+        loaded = _load_served(image_dir, rank, dev, t_start, timeout_s=timeout_s, verify=verify, shm_dir=shm_dir,
+                              tp=tp, ep=ep, expected_key=expected_key)
+    else:
+        loaded = _load_staged(image_dir, rank, dev, t_start, staged=staged, timeout_s=timeout_s, verify=verify,
+                              shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp, ep=ep, expected_key=expected_key,
+                              stream=stream, stream_buffer_bytes=stream_buffer_bytes)
+    if not verify:
+        loaded.report.details["verify_skipped"] = ("verify=False" if asked_verify is not None else
+                                                   "off by default on the host backend, where it costs ~2x the "
+                                                   "copy; verify=True checks")
+    return loaded
+
+
+def _check_staged(staged, image_dir, rank: int) -> None:
+    from .stage import StagedImage
+
     if staged is not None:
         if not isinstance(staged, StagedImage):
             raise FlashBootError(f"staged must come from flashboot.stage(), got {type(staged).__name__}")
         if staged.rank != rank or os.path.realpath(staged.image_dir) != os.path.realpath(image_dir):
             raise FlashBootError(f"staged image is rank {staged.rank} of {staged.image_dir}; load asked for rank "
                                  f"{rank} of {image_dir}")
-    if served:
-        return _load_served(image_dir, rank, dev, t_start, timeout_s=timeout_s, verify=verify, shm_dir=shm_dir,
-                            tp=tp, ep=ep, expected_key=expected_key)
-    return _load_staged(image_dir, rank, dev, t_start, staged=staged, timeout_s=timeout_s, verify=verify,
-                        shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp, ep=ep, expected_key=expected_key,
-                        stream=stream, stream_buffer_bytes=stream_buffer_bytes)
+
+
+VERIFY_BY_DEFAULT_ON_HOST = False
+"""The host backend's checksum (numba) runs at about half the host copy's rate (1.2 vs 2.5-3 GB/s
+on 2 cores), so checking costs ~2x the load there: opt in with ``verify=True``. On CUDA the kernel
+runs ~2.7 TB/s against a ~54 GB/s H2D (2 % of the load): on by default."""
+
+
+def _verify_default(dev: Device) -> bool:
+    return dev.is_cuda or VERIFY_BY_DEFAULT_ON_HOST
 
 
 def _one_time(report: LoadReport, **more: float) -> dict[str, float]:
@@ -498,7 +502,8 @@ def _load_staged(image_dir, rank: int, dev: Device, t_start: float, *, staged, t
 
 def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, *, verify: bool, chunk_bytes: int,
                    tp, ep, expected_key) -> LoadedImage:
-    """The copy of a :func:`flashboot.prepare` handle (everything else was paid at start-up)."""
+    """Wait for the copy a :func:`flashboot.prepare` handle started itself (everything else was
+    paid at start-up), check that the image is still the one it copied, verify."""
     from flashboot.layouts.image import check_request
 
     from .shm import RankSource
@@ -506,7 +511,6 @@ def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, 
     prepared.check_request(image_dir, rank, dev)
     prepared.claim(f"the load called at {time.strftime('%H:%M:%S')}")
     report = LoadReport(mode="", device=str(dev), rank=rank, nbytes=0)
-    release = None
     try:
         ready_before = prepared.done
         t0 = time.perf_counter()
@@ -514,52 +518,47 @@ def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, 
         report.wait_ms = (time.perf_counter() - t0) * 1e3
         arena, meta = prepared.arena, prepared.metadata
         check_request(meta, str(prepared.image.metadata_path), tp=tp, ep=ep, expected_key=expected_key)
-        prepared.check_unchanged()
+        prepared.check_unchanged()  # a re-packed image: the early copy's bytes are discarded with the arena
         report.nbytes, report.tensors = prepared.nbytes, len(meta.tensors)
+        copy = prepared.copy
+        report.h2d_ms = copy["h2d_ms"]
+        report.overlapped = ["h2d"]  # the copy ran before the call or while the load waited: in wait_ms, not added
         report.details = {"prepared": dict(prepared.phases_ms), "prepared_mode_why": prepared.why,
                           "prepare_total_ms": (prepared.finished - prepared.started) * 1e3,
-                          "prepared_before_load": ready_before}
-        t1 = time.perf_counter()
+                          "prepared_before_load": ready_before,
+                          "copy_started_after_prepare_ms": copy["started_after_prepare_ms"],
+                          # > 0: the weights were in place that long before the load was called
+                          "ready_before_load_ms": max(0.0, (t_start - prepared.finished) * 1e3)}
         if prepared.mode == "served":
+            reply = copy["reply"]
             report.mode = "served, prepared"
-            reply = prepared.session.copy(timeout_s=prepared.timeout_s + 60)
-            report.h2d_ms = reply["h2d_ms"]
-            report.exchange_ms = max(0.0, (time.perf_counter() - t1) * 1e3 - report.h2d_ms)
             report.pinned_early_ms = reply.get("pin_ms", 0.0)
             report.chunks = -(-report.nbytes // (1 << 30))
             report.details.update(daemon_pid=reply.get("pid"), daemon_map_ms=reply.get("map_ms"),
                                   daemon_pinned=reply.get("pinned"))
         elif prepared.mode == "stream":
-            from .stream import report_stream, stream_image
+            from .stream import report_stream
 
             report.mode = "streamed from disk, prepared"
-            stats = stream_image(prepared.image.path, report.nbytes, arena, prepared.stream_config)
-            report_stream(report, stats, prepared.why, report.nbytes)
-            report.overlapped = []
+            report_stream(report, copy["stats"], prepared.why, report.nbytes)
+            report.overlapped = ["h2d"]
         else:
-            staged = prepared.staged
-            pin_left_before = not staged.done
-            staged.wait()
-            t2 = time.perf_counter()
-            report.wait_ms += (t2 - t1) * 1e3
-            report.mode = ("pinned early, prepared" if staged.pinned else "staged, prepared") if dev.is_cuda else \
+            report.mode = ("pinned early, prepared" if copy["pinned"] else "staged, prepared") if dev.is_cuda else \
                 "host, prepared"
-            report.pinned_early_ms = staged.pin_ms
-            report.details["pin_still_running_at_load"] = pin_left_before
-            if dev.is_cuda and not staged.pinned:
+            report.pinned_early_ms = copy["pin_ms"]
+            report.chunks = copy["chunks"]
+            if dev.is_cuda and not copy["pinned"]:
                 report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
-            report.chunks, _ = _bulk_copy(prepared.mover, arena, staged.span(), report.nbytes, chunk_bytes)
-            report.h2d_ms = (time.perf_counter() - t2) * 1e3
-            release = staged.close_in_background()  # unpinning is not the engine's wait
-        if verify:
+        if verify and copy.get("verified"):
+            report.details["verified"] = copy["verified"] + " (checked by flashboot.prepare once its copy ended)"
+        elif verify:
             verify_loaded(arena, meta, f"{prepared.image.path} (rank {rank}) loaded into {dev}", report)
     except BaseException:
         prepared._release()
         raise
     report.total_ms = (time.perf_counter() - t_start) * 1e3
     source = RankSource(prepared.image_dir, rank, prepared.image, prepared.metadata_sha256)
-    return LoadedImage(arena, prepared.tensors, meta, report, source,
-                       release if prepared.mode == "staged" else None)
+    return LoadedImage(arena, prepared.tensors, meta, report, source, prepared.release_thread)
 
 
 def _check_job_request(mf, *, tp, ep, expected_key) -> None:

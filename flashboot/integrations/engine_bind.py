@@ -46,6 +46,16 @@ class EngineWeights:
     def arena(self):
         return self.handle.arena
 
+    def early_call(self) -> str:
+        """What the early call (:func:`prepare_engine_load`) won, for the engine's log line: how long
+        the weights were in place before the engine asked for them, or how long it waited."""
+        details = getattr(self.report, "details", {}) or {}
+        if "prepared_before_load" not in details:
+            return "no early call"
+        if details["prepared_before_load"]:
+            return f"weights ready {details['ready_before_load_ms']:.1f} ms before the engine asked"
+        return f"the engine waited {self.report.wait_ms:.1f} ms for the early copy to end"
+
     def close(self) -> None:
         """Withdraw the seed (if any) and release the arena. Views must not be used afterwards."""
         if self.seed is not None:
@@ -97,7 +107,7 @@ def prepare_engine_load(options: LoaderOptions, expected: EngineKey, rank: int, 
     _check_image_keys(options, expected, rank)
     mode = "served" if options.served else ("staged" if options.staging == "require" else "auto")
     return flashboot.prepare(options.image_dir, rank, Device.parse(device), mode=mode, timeout_s=options.timeout_s,
-                             shm_dir=options.shm_dir, tp=tp_size, ep=ep_size)
+                             shm_dir=options.shm_dir, tp=tp_size, ep=ep_size, verify=options.verify)
 
 
 def _check_image_keys(options: LoaderOptions, expected: EngineKey, rank: int) -> "EngineSection":

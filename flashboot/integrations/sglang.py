@@ -377,8 +377,8 @@ class FlashBootModelLoader(BaseModelLoader):
         # The model holds the arena (and the seed, when published) for as long as the engine serves.
         model._flashboot_weights = weights
         self.weights = weights
-        logger.info("flashboot: %s rank %d in %.1f ms (build on meta %.1f ms; %s)", weights.how, parallel.tp_rank,
-                    (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3, weights.report.summary())
+        logger.info("flashboot: %s rank %d in %.1f ms (build on meta %.1f ms; %s; %s)", weights.how, parallel.tp_rank,
+                    (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3, weights.early_call(), weights.report.summary())
         return model.eval()
 
 

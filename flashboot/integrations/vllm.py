@@ -289,8 +289,8 @@ class FlashBootModelLoader(BaseModelLoader):
                 raise
         model._flashboot_weights = weights
         self.weights = weights
-        logger.info("flashboot: %s rank %d in %.1f ms (%s)", weights.how, parallel.rank,
-                    (time.perf_counter() - t0) * 1e3, weights.report.summary())
+        logger.info("flashboot: %s rank %d in %.1f ms (%s; %s)", weights.how, parallel.rank,
+                    (time.perf_counter() - t0) * 1e3, weights.early_call(), weights.report.summary())
         return model.eval()
 
 

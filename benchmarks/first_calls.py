@@ -1,0 +1,122 @@
+"""First calls in a fresh process: what a restart and a plain load pay before the copy, and the
+checksum kernel's first call.
+
+``python -m flashboot.benchmarks.first_calls views IMAGE_DIR... --device D``: for each image, a
+parent process creates and exports an arena of its size (what ``flashboot hold`` keeps), then a
+fresh child (CUDA context made, ``flashboot`` imported, as an engine restarting) times
+``Arena.open`` of it (what ``open_held`` does), the strict metadata read (``tensors.bin``) and
+the views, and reports each and microseconds per tensor, against the target 20 ms + 2 us/tensor.
+
+``python -m flashboot.benchmarks.first_calls checksum --device D``: a fresh child times the import
+of the checksum and its first call on 64 MiB of the device, then a second call; run it with an
+empty ``TRITON_CACHE_DIR`` for the cold compile, and again for the cached one.
+
+Both print one JSON line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+
+def _context(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+        torch.zeros(1, device=device)
+        torch.cuda.synchronize()
+
+
+def _views_child(image: str, device: str, descriptor: dict) -> dict:
+    _context(device)
+    import flashboot  # noqa: F401
+    from flashboot.arena import Arena, ArenaDescriptor
+    from flashboot.flashload.views import make_views
+    from flashboot.layouts.image import open_image, read_metadata_file
+
+    t0 = time.perf_counter()
+    desc = ArenaDescriptor.from_dict(descriptor)
+    arena = Arena.open(desc) if desc.backend == "host" else Arena.open(desc, device)
+    t1, c1 = time.perf_counter(), time.thread_time()  # CPU time too: on a busy machine the wall time is not ours
+    meta = open_image(read_metadata_file(image, 0), 0).metadata
+    t2, c2 = time.perf_counter(), time.thread_time()
+    views = make_views(arena, meta)
+    t3, c3 = time.perf_counter(), time.thread_time()
+    again = make_views(arena, meta)
+    t4 = time.perf_counter()
+    n = len(views)
+    del views, again
+    arena.close()
+    total_ms = (t3 - t0) * 1e3
+    return {"image": image, "tensors": n, "open_ms": (t1 - t0) * 1e3, "metadata_ms": (t2 - t1) * 1e3,
+            "views_ms": (t3 - t2) * 1e3, "views_us_per_tensor": (t3 - t2) * 1e6 / max(n, 1),
+            "views_second_us_per_tensor": (t4 - t3) * 1e6 / max(n, 1), "restart_ms": total_ms,
+            "restart_target_ms": 20 + 2e-3 * n, "metadata_us_per_tensor": (t2 - t1) * 1e6 / max(n, 1),
+            "metadata_cpu_ms": (c2 - c1) * 1e3, "views_cpu_us_per_tensor": (c3 - c2) * 1e6 / max(n, 1)}
+
+
+def _checksum_child(device: str) -> dict:
+    _context(device)
+    import torch
+
+    import flashboot  # noqa: F401
+
+    buf = torch.ones(64 << 20, dtype=torch.uint8, device=device)
+    t0 = time.perf_counter()
+    from flashboot.kernels.checksum import chunk_checksums
+
+    t1 = time.perf_counter()
+    chunk_checksums(buf, 1 << 20)
+    t2 = time.perf_counter()
+    chunk_checksums(buf, 1 << 20)
+    t3 = time.perf_counter()
+    return {"device": device, "import_ms": (t1 - t0) * 1e3, "first_call_ms": (t2 - t1) * 1e3,
+            "second_call_ms": (t3 - t2) * 1e3, "first_call_with_import_ms": (t2 - t0) * 1e3}
+
+
+def _child(args: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "flashboot.benchmarks.first_calls", "--child", *args],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode:
+        return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip().splitlines()[-3:]}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def views(images: list[str], device: str) -> list[dict]:
+    """One fresh child per image; see the module docstring."""
+    from flashboot.arena import Arena
+    from flashboot.layouts import read_image
+
+    out = []
+    for image in images:
+        nbytes = read_image(image, 0).nbytes
+        with Arena.create(nbytes, device) as arena:
+            out.append(_child(["views", image, device, json.dumps(arena.export().to_dict())]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        kind = argv[1]
+        res = _views_child(argv[2], argv[3], json.loads(argv[4])) if kind == "views" else _checksum_child(argv[2])
+        print(json.dumps(res))
+        return 0
+    p = argparse.ArgumentParser(prog="python -m flashboot.benchmarks.first_calls", description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=["views", "checksum"])
+    p.add_argument("images", nargs="*")
+    p.add_argument("--device", default="cuda:0")
+    args = p.parse_args(argv)
+    rows = views(args.images, args.device) if args.what == "views" else [_child(["checksum", args.device])]
+    for row in rows:
+        print(json.dumps(row))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

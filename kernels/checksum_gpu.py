@@ -1,0 +1,262 @@
+"""The 64-bit content checksum on the GPU: Triton kernels over a span (see
+:mod:`flashboot.kernels.checksum`, which dispatches here for CUDA memory)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import triton
+import triton.language as tl
+
+from flashboot.errors import FlashBootError
+
+from .checksum_spec import LENGTH_MUL, M64, word_term
+
+
+# ------------------------------------------------------------------------------------------ GPU
+CHECKSUM_TUNING: dict[str, Any] = {
+    "block_words": 2048,  # 32-bit words per program per loop step (a power of two)
+    "num_warps": 8,
+    "programs_per_sm": 2,  # persistent grid = #SMs x this, spread over the chunks; keep it resident
+    "num_stages": 3,  # Triton's default software pipelining of the loop's loads
+}
+"""Defaults of the GPU checksum's knobs; :func:`checksum` and :func:`chunk_checksums` take overrides."""
+
+
+@triton.jit
+def _fmix32_tl(h):
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def _word_terms(w, lo, hi):
+    """``x, y`` of the spec for uint32 words ``w`` at indices ``hi << 32 | lo`` (all uint32; wraps mod 2**32)."""
+    x = _fmix32_tl(w ^ (lo * 0x9E3779B1))
+    y = _fmix32_tl((w + lo * 0x7FEB352D + hi) ^ 0x27D4EB2F)
+    return x, y
+
+
+@triton.jit
+def checksum_words_kernel(
+    words_ptr,
+    partial_ptr,
+    copy_ptr,
+    n_words: tl.int64,
+    chunk_words: tl.int64,
+    start_word: tl.int64,
+    BLOCK: tl.constexpr,  # words per loop step; a power of two, so no step straddles a 2**32 index boundary
+    COPY: tl.constexpr,  # also store every word read to copy_ptr: a copy that checksums what it writes
+):
+    """Per (chunk, program): the sum mod 2**64 of the word terms of its share of the chunk.
+
+    Grid ``(n_chunks, P)``: chunk ``c`` covers words ``[c * chunk_words, ...)`` (the last may be
+    short) with indices restarting at ``start_word``; its ``P`` programs stride over its tiles.
+    Writes ``partial[c * P + p]`` (int64 bits of the uint64 sum). With ``COPY`` the words go to
+    ``copy_ptr`` at the same positions in the same pass: the digests are of the bytes written.
+    """
+    chunk = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1).to(tl.int64)
+    n_prog = tl.num_programs(1).to(tl.int64)
+    chunk_begin = chunk * chunk_words
+    chunk_len = tl.minimum(n_words - chunk_begin, chunk_words)
+    n_full = chunk_len // BLOCK
+    offs = tl.arange(0, BLOCK)
+    # sum(x << 32 | y) = (sum(x) << 32) + sum(y) mod 2**64: x only matters mod 2**32.
+    acc_x = tl.zeros([BLOCK], dtype=tl.uint32)
+    acc_y = tl.zeros([BLOCK], dtype=tl.uint64)
+    for tile in range(p, n_full, n_prog):
+        first = tile * BLOCK
+        raw = tl.load(words_ptr + chunk_begin + first + offs)
+        if COPY:
+            tl.store(copy_ptr + chunk_begin + first + offs, raw)
+        w = raw.to(tl.uint32, bitcast=True)
+        idx = start_word + first
+        lo = idx.to(tl.uint32) + offs
+        hi = (idx >> 32).to(tl.uint32)
+        x, y = _word_terms(w, lo, hi)
+        acc_x += x
+        acc_y += y.to(tl.uint64)
+    # The partial last tile of the chunk, masked, by the program whose turn it would be.
+    first = n_full * BLOCK
+    limit = tl.where(p == n_full % n_prog, chunk_len - first, 0)
+    mask = offs < limit
+    raw = tl.load(words_ptr + chunk_begin + first + offs, mask=mask, other=0)
+    if COPY:
+        tl.store(copy_ptr + chunk_begin + first + offs, raw, mask=mask)
+    w = raw.to(tl.uint32, bitcast=True)
+    idx = start_word + first
+    lo = idx.to(tl.uint32) + offs
+    hi = (idx >> 32).to(tl.uint32)
+    x, y = _word_terms(w, lo, hi)
+    acc_x += tl.where(mask, x, 0)
+    acc_y += tl.where(mask, y, 0).to(tl.uint64)
+    total = (tl.sum(acc_x, axis=0).to(tl.uint64) << 32) + tl.sum(acc_y, axis=0)
+    tl.store(partial_ptr + chunk * n_prog + p, total.to(tl.int64, bitcast=True))
+
+
+@triton.jit
+def checksum_bytes_kernel(
+    bytes_ptr,
+    partial_ptr,
+    n_bytes: tl.int64,
+    chunk_bytes: tl.int64,
+    start_word: tl.int64,
+    BLOCK: tl.constexpr,  # words per loop step (a power of two)
+):
+    """Slow path for ranges or chunks that do not start on a 4-byte boundary: words assembled
+    from byte loads, each chunk's last word zero-padded. Grid ``(n_chunks, P)`` like
+    :func:`checksum_words_kernel`; writes ``partial[c * P + p]``."""
+    chunk = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1).to(tl.int64)
+    n_prog = tl.num_programs(1).to(tl.int64)
+    chunk_begin = chunk * chunk_bytes
+    chunk_len = tl.minimum(n_bytes - chunk_begin, chunk_bytes)
+    n_words = (chunk_len + 3) // 4
+    n_tiles = (n_words + BLOCK - 1) // BLOCK
+    offs = tl.arange(0, BLOCK)
+    acc_x = tl.zeros([BLOCK], dtype=tl.uint32)
+    acc_y = tl.zeros([BLOCK], dtype=tl.uint64)
+    for tile in range(p, n_tiles, n_prog):
+        first = tile * BLOCK
+        byte0 = (first + offs) * 4
+        w = tl.zeros([BLOCK], dtype=tl.uint32)
+        for k in tl.static_range(4):
+            b = tl.load(bytes_ptr + chunk_begin + byte0 + k, mask=byte0 + k < chunk_len, other=0)
+            w |= b.to(tl.uint32) << (8 * k)
+        idx = start_word + first
+        lo = idx.to(tl.uint32) + offs
+        hi = (idx >> 32).to(tl.uint32)
+        x, y = _word_terms(w, lo, hi)
+        valid = first + offs < n_words
+        acc_x += tl.where(valid, x, 0)
+        acc_y += tl.where(valid, y, 0).to(tl.uint64)
+    total = (tl.sum(acc_x, axis=0).to(tl.uint64) << 32) + tl.sum(acc_y, axis=0)
+    tl.store(partial_ptr + chunk * n_prog + p, total.to(tl.int64, bitcast=True))
+
+
+def _gpu_knobs(overrides: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(overrides) - set(CHECKSUM_TUNING)
+    if unknown:
+        raise FlashBootError(f"unknown checksum knob(s) {sorted(unknown)}; known: {sorted(CHECKSUM_TUNING)}")
+    k = {**CHECKSUM_TUNING, **overrides}
+    bw = k["block_words"]
+    if not isinstance(bw, int) or bw < 16 or bw & (bw - 1):
+        raise FlashBootError(f"block_words must be a power of two >= 16, got {bw!r}")
+    from .copy import _check_launch_knobs
+
+    _check_launch_knobs(k)
+    return k
+
+
+def _sum_partials(partials, n_chunks: int) -> list[int]:
+    """Wrap-around uint64 sums of the ``(n_chunks, P)`` partials, fetched to the host."""
+    host = partials.cpu().numpy().view(np.uint64).reshape(n_chunks, -1)
+    return [int(v) for v in host.sum(axis=1, dtype=np.uint64)]
+
+
+def _device_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any], start_word: int = 0,
+                       copy_to=None) -> list[int]:
+    """Digests of ``chunk_bytes`` chunks of a word-aligned span (``span.ptr % 4 == 0`` and
+    ``chunk_bytes % 4 == 0``) in one launch; the last chunk's 1-3 trailing bytes are read back.
+    ``copy_to``: a span the bytes are copied into in the same pass (same size, word-aligned)."""
+    import torch
+
+    from .views import launch_on, sm_count, span_tensor
+
+    n = span.nbytes
+    block = knobs["block_words"]
+    if start_word % block:
+        raise FlashBootError(f"start_word {start_word} must be a multiple of block_words {block}")
+    n_chunks = -(-n // chunk_bytes)
+    n_words = n // 4
+    chunk_words = chunk_bytes // 4
+    tiles_per_chunk = -(-min(chunk_words, max(n_words, 1)) // block)
+    target = sm_count(span.device.index) * knobs["programs_per_sm"]
+    n_prog = max(1, min(tiles_per_chunk, -(-target // n_chunks), 65535))
+    r = n % 4
+    with launch_on(span, stream):
+        device = "cuda" if span.device.is_cuda else "cpu"
+        partials = torch.empty(n_chunks * n_prog, dtype=torch.int64, device=device)
+        if n_words:
+            words = span_tensor(span, 4, 0, n_words * 4)
+            checksum_words_kernel[(n_chunks, n_prog)](
+                words, partials, words if copy_to is None else span_tensor(copy_to, 4, 0, n_words * 4),
+                n_words, chunk_words, start_word, BLOCK=block, COPY=copy_to is not None,
+                num_warps=knobs["num_warps"], num_stages=knobs["num_stages"],
+            )
+        else:
+            partials.zero_()
+        if copy_to is not None and r:
+            from .copy import copy_bytes_kernel
+
+            copy_bytes_kernel[(1,)](span_tensor(copy_to, 1), span_tensor(span, 1), 0, n - r, r)
+        sums = _sum_partials(partials, n_chunks)
+        tail = span_tensor(span, 1, n - r, r).cpu().numpy() if r else None
+    out = []
+    for c in range(n_chunks):
+        nb = min(chunk_bytes, n - c * chunk_bytes)
+        term = sums[c]
+        if tail is not None and c == n_chunks - 1:
+            word = int.from_bytes(tail.tobytes() + b"\0" * (4 - r), "little")
+            term += word_term(word, start_word + (nb // 4))
+        out.append((nb * LENGTH_MUL + term) & M64)
+    return out
+
+
+def _device_chunk_sums_bytes(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any], start_word: int = 0) -> list[int]:
+    """The byte-load slow path (any start address, any ``chunk_bytes``), all chunks in one launch."""
+    import torch
+
+    from .views import launch_on, sm_count, span_tensor
+
+    block = knobs["block_words"]
+    if start_word % block:
+        raise FlashBootError(f"start_word {start_word} must be a multiple of block_words {block}")
+    n = span.nbytes
+    n_chunks = -(-n // chunk_bytes)
+    tiles_per_chunk = -(-(-(-min(chunk_bytes, n) // 4)) // block)
+    target = sm_count(span.device.index) * knobs["programs_per_sm"]
+    n_prog = max(1, min(tiles_per_chunk, -(-target // n_chunks), 65535))
+    with launch_on(span, stream):
+        partials = torch.empty(n_chunks * n_prog, dtype=torch.int64, device="cuda" if span.device.is_cuda else "cpu")
+        checksum_bytes_kernel[(n_chunks, n_prog)](span_tensor(span, 1), partials, n, chunk_bytes, start_word,
+                                                  BLOCK=block, num_warps=knobs["num_warps"], num_stages=knobs["num_stages"])
+        sums = _sum_partials(partials, n_chunks)
+    return [(min(chunk_bytes, n - c * chunk_bytes) * LENGTH_MUL + sums[c]) & M64 for c in range(n_chunks)]
+
+
+def device_checksum(span, *, stream: Any = None, start_word: int = 0, **tuning: Any) -> int:
+    """The digest of a span with the Triton kernels (CUDA spans; host spans under the interpreter).
+
+    ``start_word`` shifts the word indices (tests use it to reach indices past 2**32 without
+    allocating 16 GB); it must be a multiple of ``block_words``.
+    """
+    knobs = _gpu_knobs(tuning)
+    if span.nbytes == 0:
+        return 0
+    if span.ptr % 4:
+        return _device_chunk_sums_bytes(span, span.nbytes, stream, knobs, start_word)[0]
+    # One chunk spanning the range; its stride rounded to whole tiles keeps 16-byte alignment visible.
+    block = knobs["block_words"]
+    stride_bytes = -(-span.nbytes // (4 * block)) * 4 * block
+    return _device_chunk_sums(span, stride_bytes, stream, knobs, start_word)[0]
+
+
+def device_chunk_checksums(span, chunk_bytes: int, *, stream: Any = None, **tuning: Any) -> list[int]:
+    """:func:`chunk_checksums` with the Triton kernels (CUDA spans; host spans under the interpreter)."""
+    knobs = _gpu_knobs(tuning)
+    if span.nbytes == 0:
+        return []
+    if span.ptr % 4 == 0 and chunk_bytes % 4 == 0:
+        return _device_chunk_sums(span, chunk_bytes, stream, knobs)
+    return _device_chunk_sums_bytes(span, chunk_bytes, stream, knobs)
+
+
+__all__ = ["CHECKSUM_TUNING", "checksum_bytes_kernel", "checksum_words_kernel", "device_checksum",
+           "device_chunk_checksums"]
