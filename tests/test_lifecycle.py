@@ -204,5 +204,6 @@ def test_cycles_leave_fds_and_threads_flat(image):
         for i in range(10):
             loaded.sleep(level=1 + i % 2)
             loaded.wake(shm_dir="/nonexistent-shm")
-        assert len(os.listdir("/proc/self/fd")) == fds and len(os.listdir("/proc/self/task")) == threads
+        # a leak grows; the baseline may still hold a short-lived helper of the first cycle (an unpin)
+        assert len(os.listdir("/proc/self/fd")) == fds and len(os.listdir("/proc/self/task")) <= threads
         assert arena_bytes(loaded) == image_bytes(image)
