@@ -33,7 +33,7 @@ DEFAULT_CHUNKS = (256 << 10, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 PER_CALL_COPIES = 2000
 CE_STREAMS = 4
 """Streams the copy engine's extra batched row spreads a batch over (several copy engines at once)."""
-FUSED_KNOBS = ({}, {"programs_per_sm": 1}, {"programs_per_sm": 3}, {"num_warps": 4, "block_words": 1024, "programs_per_sm": 4})
+FUSED_KNOBS = ({}, {"programs_per_sm": 2}, {"programs_per_sm": 6}, {"block_words": 2048, "num_warps": 8, "programs_per_sm": 2})
 """Copy + checksum: the defaults first, then a few other grids (the GPU decides; the first row is the default's)."""
 
 
