@@ -111,10 +111,10 @@ def span_of(obj: Any) -> Span:
     if mod == "torch" or mod.startswith("torch."):  # tensors first: a mover's per-call path
         if not obj.is_contiguous():
             raise FlashBootError(f"tensor of shape {tuple(obj.shape)} is not contiguous; movers copy byte ranges")
-        nbytes = obj.numel() * obj.element_size()
+        nbytes = obj.nbytes
+        if obj.is_cuda:  # plain attributes: ``obj.device`` builds a torch.device every time
+            return Span(obj.data_ptr(), nbytes, cuda_device(obj.get_device()), owner=obj)
         dev = obj.device
-        if dev.type == "cuda":
-            return Span(obj.data_ptr(), nbytes, cuda_device(dev.index or 0), owner=obj)
         if dev.type == "cpu":
             return Span(obj.data_ptr(), nbytes, CPU, pinned=bool(obj.is_pinned()) if nbytes else False, owner=obj)
         raise FlashBootError(f"tensors on {dev} are not supported")
