@@ -92,22 +92,35 @@ class Span:
         return Span(self.ptr + offset, nbytes, self.device, self.pinned, self.owner)
 
 
+_CUDA_DEVICES: dict[int, Device] = {}
+
+
+def cuda_device(index: int) -> Device:
+    """``Device("cuda", index)``, one object per index (the movers' per-call path builds none)."""
+    dev = _CUDA_DEVICES.get(index)
+    if dev is None:
+        dev = _CUDA_DEVICES.setdefault(index, Device("cuda", index))
+    return dev
+
+
 def span_of(obj: Any) -> Span:
     """A span over a Span, an arena, a contiguous torch tensor, a numpy or a CuPy array (no copy)."""
     if isinstance(obj, Span):
         return obj
-    if hasattr(obj, "span") and callable(obj.span):  # Arena
-        return obj.span()
-    mod = type(obj).__module__.split(".")[0]
-    if mod == "torch":
+    mod = type(obj).__module__
+    if mod == "torch" or mod.startswith("torch."):  # tensors first: a mover's per-call path
         if not obj.is_contiguous():
             raise FlashBootError(f"tensor of shape {tuple(obj.shape)} is not contiguous; movers copy byte ranges")
-        nbytes = obj.numel() * obj.element_size()
-        if obj.device.type == "cuda":
-            return Span(obj.data_ptr(), nbytes, Device("cuda", obj.device.index or 0), owner=obj)
-        if obj.device.type == "cpu":
+        nbytes = obj.nbytes
+        if obj.is_cuda:  # plain attributes: ``obj.device`` builds a torch.device every time
+            return Span(obj.data_ptr(), nbytes, cuda_device(obj.get_device()), owner=obj)
+        dev = obj.device
+        if dev.type == "cpu":
             return Span(obj.data_ptr(), nbytes, CPU, pinned=bool(obj.is_pinned()) if nbytes else False, owner=obj)
-        raise FlashBootError(f"tensors on {obj.device} are not supported")
+        raise FlashBootError(f"tensors on {dev} are not supported")
+    if hasattr(obj, "span") and callable(obj.span):  # Arena
+        return obj.span()
+    mod = mod.split(".")[0]
     if mod == "numpy":
         if not obj.flags["C_CONTIGUOUS"]:
             raise FlashBootError("numpy array is not C-contiguous")
@@ -115,7 +128,7 @@ def span_of(obj: Any) -> Span:
     if mod == "cupy":
         if not obj.flags.c_contiguous:
             raise FlashBootError("CuPy array is not C-contiguous")
-        return Span(obj.data.ptr, obj.nbytes, Device("cuda", obj.device.id), owner=obj)
+        return Span(obj.data.ptr, obj.nbytes, cuda_device(obj.device.id), owner=obj)
     raise FlashBootError(f"cannot take a byte span of {type(obj).__name__}")
 
 
@@ -136,15 +149,20 @@ def stream_handle(stream: Any) -> int:
         return 0
     if isinstance(stream, int):
         return stream
-    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
-        if hasattr(stream, attr):
-            return int(getattr(stream, attr))
+    handle = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream
+    if handle is None:
+        handle = getattr(stream, "ptr", None)  # cupy.cuda.Stream
+    if handle is not None:
+        return int(handle)
     raise FlashBootError(f"cannot use {type(stream).__name__} as a CUDA stream")
 
 
 def stream_device(stream: Any) -> int | None:
     """The CUDA device index a torch or CuPy stream belongs to; None for raw handles and None."""
-    dev = getattr(stream, "device", None)  # torch.cuda.Stream
+    index = getattr(stream, "device_index", None)  # torch.cuda.Stream: a plain int (``.device`` builds an object)
+    if isinstance(index, int) and not isinstance(index, bool):
+        return index
+    dev = getattr(stream, "device", None)  # torch streams of other kinds
     if dev is not None and getattr(dev, "type", None) == "cuda":
         return dev.index or 0
     dev_id = getattr(stream, "device_id", None)  # cupy.cuda.Stream

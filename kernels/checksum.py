@@ -31,6 +31,7 @@ _LAZY = {
     "checksum_host": "flashboot.kernels.checksum_host",
     "chunk_checksums_host": "flashboot.kernels.checksum_host",
     "CHECKSUM_TUNING": "flashboot.kernels.checksum_gpu",
+    "PendingDigests": "flashboot.kernels.checksum_gpu",
     "checksum_bytes_kernel": "flashboot.kernels.checksum_gpu",
     "checksum_words_kernel": "flashboot.kernels.checksum_gpu",
     "device_checksum": "flashboot.kernels.checksum_gpu",

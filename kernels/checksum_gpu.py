@@ -16,9 +16,10 @@ from .checksum_spec import LENGTH_MUL, M64, word_term
 
 # ------------------------------------------------------------------------------------------ GPU
 CHECKSUM_TUNING: dict[str, Any] = {
-    "block_words": 2048,  # 32-bit words per program per loop step (a power of two)
-    "num_warps": 8,
-    "programs_per_sm": 2,  # persistent grid = #SMs x this, spread over the chunks; keep it resident
+    "block_words": 1024,  # 32-bit words per program per loop step (a power of two): 8 per thread
+    "num_warps": 4,
+    "programs_per_sm": 4,  # persistent grid = #SMs x this, one wave: 16 warps per SM as 2048 x 8 warps x 2 had,
+    # but ~70 registers a thread where that took ~120 (sm_90, ptxas 13), so all four stay resident
     "num_stages": 3,  # Triton's default software pipelining of the loop's loads
 }
 """Defaults of the GPU checksum's knobs; :func:`checksum` and :func:`chunk_checksums` take overrides."""
@@ -43,61 +44,82 @@ def _word_terms(w, lo, hi):
 
 
 @triton.jit
+def _tile_terms(raw, offs, idx, acc_x, acc_y, mask, MASKED: tl.constexpr):
+    """``acc_x, acc_y`` plus the terms of the tile of words ``raw`` whose first word has index
+    ``idx`` (int64; a multiple of the tile's size, so the tile's ``hi`` is one scalar)."""
+    w = raw.to(tl.uint32, bitcast=True)
+    lo0 = idx.to(tl.uint32)
+    hi = (idx >> 32).to(tl.uint32)
+    offs = offs.to(tl.uint32)
+    # (lo0 + offs) * K = offs * K + lo0 * K mod 2**32: the per-word products are loop-invariant
+    # and the per-tile ones scalars, so a word costs an add where it cost an add and a multiply.
+    x = _fmix32_tl(w ^ (offs * 0x9E3779B1 + lo0 * 0x9E3779B1))
+    y = _fmix32_tl((w + offs * 0x7FEB352D + (lo0 * 0x7FEB352D + hi)) ^ 0x27D4EB2F)
+    if MASKED:
+        x = tl.where(mask, x, 0)
+        y = tl.where(mask, y, 0)
+    return acc_x + x, acc_y + y.to(tl.uint64)
+
+
+@triton.jit
 def checksum_words_kernel(
     words_ptr,
-    partial_ptr,
+    sums_ptr,
     copy_ptr,
     n_words: tl.int64,
     chunk_words: tl.int64,
     start_word: tl.int64,
-    BLOCK: tl.constexpr,  # words per loop step; a power of two, so no step straddles a 2**32 index boundary
+    tiles_per_chunk: tl.int64,
+    n_tiles: tl.int64,
+    BLOCK: tl.constexpr,  # words per tile; a power of two, so no tile straddles a 2**32 index boundary
     COPY: tl.constexpr,  # also store every word read to copy_ptr: a copy that checksums what it writes
 ):
-    """Per (chunk, program): the sum mod 2**64 of the word terms of its share of the chunk.
+    """Per chunk: the sum mod 2**64 of its word terms, added atomically to ``sums[c]`` (zeroed).
 
-    Grid ``(n_chunks, P)``: chunk ``c`` covers words ``[c * chunk_words, ...)`` (the last may be
-    short) with indices restarting at ``start_word``; its ``P`` programs stride over its tiles.
-    Writes ``partial[c * P + p]`` (int64 bits of the uint64 sum). With ``COPY`` the words go to
-    ``copy_ptr`` at the same positions in the same pass: the digests are of the bytes written.
+    Chunk ``c`` covers words ``[c * chunk_words, ...)`` (the last may be short) with indices
+    restarting at ``start_word``; it has ``tiles_per_chunk`` tiles of ``BLOCK`` words (the last
+    of them partial when ``BLOCK`` does not divide the chunk), ``n_tiles`` in all. The grid is
+    persistent (a few programs per SM, one wave): program ``p`` of ``P`` takes the contiguous
+    tiles ``[p * n_tiles // P, (p + 1) * n_tiles // P)``, so every program gets the same work
+    whatever the chunk size, and flushes its sum once per chunk it touches. Full tiles are
+    loaded unmasked (16-byte vectors), the next one while the current one is hashed. With
+    ``COPY`` the words go to ``copy_ptr`` at the same positions: the digests are of the bytes written.
     """
-    chunk = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1).to(tl.int64)
-    n_prog = tl.num_programs(1).to(tl.int64)
-    chunk_begin = chunk * chunk_words
-    chunk_len = tl.minimum(n_words - chunk_begin, chunk_words)
-    n_full = chunk_len // BLOCK
+    p = tl.program_id(0).to(tl.int64)
+    n_prog = tl.num_programs(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    # sum(x << 32 | y) = (sum(x) << 32) + sum(y) mod 2**64: x only matters mod 2**32.
-    acc_x = tl.zeros([BLOCK], dtype=tl.uint32)
-    acc_y = tl.zeros([BLOCK], dtype=tl.uint64)
-    for tile in range(p, n_full, n_prog):
-        first = tile * BLOCK
-        raw = tl.load(words_ptr + chunk_begin + first + offs)
+    t = p * n_tiles // n_prog
+    t_end = (p + 1) * n_tiles // n_prog
+    while t < t_end:
+        c = t // tiles_per_chunk
+        chunk_begin = c * chunk_words
+        chunk_len = tl.minimum(n_words - chunk_begin, chunk_words)
+        n_full = chunk_len // BLOCK
+        j0 = t - c * tiles_per_chunk
+        j1 = tl.minimum(t_end - c * tiles_per_chunk, tiles_per_chunk)  # this program's tiles of chunk c: [j0, j1)
+        j_full = tl.minimum(j1, n_full)
+        acc_x = tl.zeros([BLOCK], dtype=tl.uint32)  # x only matters mod 2**32: (sum x) << 32
+        acc_y = tl.zeros([BLOCK], dtype=tl.uint64)
+        # Prefetch: the first full tile (predicated off, whole, when there is none), then in the
+        # loop the next one (the last one again at the end: in range, and never used).
+        raw = tl.load(words_ptr + chunk_begin + j0 * BLOCK + offs, mask=offs < tl.where(j0 < j_full, BLOCK, 0), other=0)
+        for j in range(j0, j_full):
+            nxt = tl.load(words_ptr + chunk_begin + tl.minimum(j + 1, j_full - 1) * BLOCK + offs)
+            if COPY:
+                tl.store(copy_ptr + chunk_begin + j * BLOCK + offs, raw)
+            acc_x, acc_y = _tile_terms(raw, offs, start_word + j * BLOCK, acc_x, acc_y, offs, False)
+            raw = nxt
+        # The chunk's partial last tile, masked, when it is among this program's tiles.
+        first = n_full * BLOCK
+        limit = tl.where((j0 <= n_full) & (n_full < j1), chunk_len - first, 0)
+        mask = offs < limit
+        raw = tl.load(words_ptr + chunk_begin + first + offs, mask=mask, other=0)
         if COPY:
-            tl.store(copy_ptr + chunk_begin + first + offs, raw)
-        w = raw.to(tl.uint32, bitcast=True)
-        idx = start_word + first
-        lo = idx.to(tl.uint32) + offs
-        hi = (idx >> 32).to(tl.uint32)
-        x, y = _word_terms(w, lo, hi)
-        acc_x += x
-        acc_y += y.to(tl.uint64)
-    # The partial last tile of the chunk, masked, by the program whose turn it would be.
-    first = n_full * BLOCK
-    limit = tl.where(p == n_full % n_prog, chunk_len - first, 0)
-    mask = offs < limit
-    raw = tl.load(words_ptr + chunk_begin + first + offs, mask=mask, other=0)
-    if COPY:
-        tl.store(copy_ptr + chunk_begin + first + offs, raw, mask=mask)
-    w = raw.to(tl.uint32, bitcast=True)
-    idx = start_word + first
-    lo = idx.to(tl.uint32) + offs
-    hi = (idx >> 32).to(tl.uint32)
-    x, y = _word_terms(w, lo, hi)
-    acc_x += tl.where(mask, x, 0)
-    acc_y += tl.where(mask, y, 0).to(tl.uint64)
-    total = (tl.sum(acc_x, axis=0).to(tl.uint64) << 32) + tl.sum(acc_y, axis=0)
-    tl.store(partial_ptr + chunk * n_prog + p, total.to(tl.int64, bitcast=True))
+            tl.store(copy_ptr + chunk_begin + first + offs, raw, mask=mask)
+        acc_x, acc_y = _tile_terms(raw, offs, start_word + first, acc_x, acc_y, mask, True)
+        total = (tl.sum(acc_x, axis=0).to(tl.uint64) << 32) + tl.sum(acc_y, axis=0)
+        tl.atomic_add(sums_ptr + c, total.to(tl.int64, bitcast=True), sem="relaxed")
+        t = c * tiles_per_chunk + j1
 
 
 @triton.jit
@@ -160,11 +182,50 @@ def _sum_partials(partials, n_chunks: int) -> list[int]:
     return [int(v) for v in host.sum(axis=1, dtype=np.uint64)]
 
 
-def _device_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any], start_word: int = 0,
-                       copy_to=None) -> list[int]:
-    """Digests of ``chunk_bytes`` chunks of a word-aligned span (``span.ptr % 4 == 0`` and
-    ``chunk_bytes % 4 == 0``) in one launch; the last chunk's 1-3 trailing bytes are read back.
-    ``copy_to``: a span the bytes are copied into in the same pass (same size, word-aligned)."""
+class PendingDigests:
+    """Chunk digests the device is still computing: :meth:`digests` waits for them (a launch
+    returns at once, so a caller or a benchmark can stop the clock, or queue more work, first)."""
+
+    def __init__(self, span, stream: Any, sums, chunk_bytes: int, start_word: int):
+        self._span, self._stream, self._sums = span, stream, sums
+        self._chunk_bytes, self._start_word = chunk_bytes, start_word
+        self._done: list[int] | None = None
+
+    @classmethod
+    def finished(cls, digests: list[int]) -> "PendingDigests":
+        """Digests already known (a host copy computes them before it returns)."""
+        done = cls(None, None, None, 0, 0)
+        done._done = digests
+        return done
+
+    def digests(self) -> list[int]:
+        """The digests, one per chunk (waits for the launch's stream once)."""
+        if self._done is not None:
+            return self._done
+        from .views import launch_on, span_tensor
+
+        span, n, chunk_bytes = self._span, self._span.nbytes, self._chunk_bytes
+        r = n % 4
+        with launch_on(span, self._stream):  # the read-back is ordered after the kernel on its stream
+            sums = [int(v) for v in self._sums.cpu().numpy().view(np.uint64)]
+            tail = span_tensor(span, 1, n - r, r).cpu().numpy() if r else None
+        out = []
+        for c, term in enumerate(sums):
+            nb = min(chunk_bytes, n - c * chunk_bytes)
+            if tail is not None and c == len(sums) - 1:
+                word = int.from_bytes(tail.tobytes() + b"\0" * (4 - r), "little")
+                term += word_term(word, self._start_word + (nb // 4))
+            out.append((nb * LENGTH_MUL + term) & M64)
+        self._done, self._sums = out, None
+        return out
+
+
+def _start_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any], start_word: int = 0,
+                      copy_to=None) -> PendingDigests:
+    """Launch the digests of ``chunk_bytes`` chunks of a word-aligned span (``span.ptr % 4 == 0``
+    and ``chunk_bytes % 4 == 0``) in one kernel on ``stream``; the last chunk's 1-3 trailing bytes
+    are read back by :meth:`PendingDigests.digests`. ``copy_to``: a span the bytes are copied into
+    in the same pass (same size, word-aligned)."""
     import torch
 
     from .views import launch_on, sm_count, span_tensor
@@ -176,37 +237,31 @@ def _device_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any
     n_chunks = -(-n // chunk_bytes)
     n_words = n // 4
     chunk_words = chunk_bytes // 4
-    tiles_per_chunk = -(-min(chunk_words, max(n_words, 1)) // block)
-    target = sm_count(span.device.index) * knobs["programs_per_sm"]
-    n_prog = max(1, min(tiles_per_chunk, -(-target // n_chunks), 65535))
+    tiles_per_chunk = -(-chunk_words // block)
+    n_tiles = (n_chunks - 1) * tiles_per_chunk + -(-(n_words - (n_chunks - 1) * chunk_words) // block)
+    # One wave of a few programs per SM, each a contiguous share of all chunks' tiles: a grid of
+    # (chunks x programs per chunk) left a second, nearly empty wave behind.
+    n_prog = max(1, min(n_tiles, sm_count(span.device.index) * knobs["programs_per_sm"]))
     r = n % 4
     with launch_on(span, stream):
-        device = "cuda" if span.device.is_cuda else "cpu"
-        partials = torch.empty(n_chunks * n_prog, dtype=torch.int64, device=device)
+        sums = torch.zeros(n_chunks, dtype=torch.int64, device="cuda" if span.device.is_cuda else "cpu")
         if n_words:
             words = span_tensor(span, 4, 0, n_words * 4)
-            checksum_words_kernel[(n_chunks, n_prog)](
-                words, partials, words if copy_to is None else span_tensor(copy_to, 4, 0, n_words * 4),
-                n_words, chunk_words, start_word, BLOCK=block, COPY=copy_to is not None,
+            checksum_words_kernel[(n_prog,)](
+                words, sums, words if copy_to is None else span_tensor(copy_to, 4, 0, n_words * 4),
+                n_words, chunk_words, start_word, tiles_per_chunk, n_tiles, BLOCK=block, COPY=copy_to is not None,
                 num_warps=knobs["num_warps"], num_stages=knobs["num_stages"],
             )
-        else:
-            partials.zero_()
         if copy_to is not None and r:
             from .copy import copy_bytes_kernel
 
             copy_bytes_kernel[(1,)](span_tensor(copy_to, 1), span_tensor(span, 1), 0, n - r, r)
-        sums = _sum_partials(partials, n_chunks)
-        tail = span_tensor(span, 1, n - r, r).cpu().numpy() if r else None
-    out = []
-    for c in range(n_chunks):
-        nb = min(chunk_bytes, n - c * chunk_bytes)
-        term = sums[c]
-        if tail is not None and c == n_chunks - 1:
-            word = int.from_bytes(tail.tobytes() + b"\0" * (4 - r), "little")
-            term += word_term(word, start_word + (nb // 4))
-        out.append((nb * LENGTH_MUL + term) & M64)
-    return out
+    return PendingDigests(span, stream, sums, chunk_bytes, start_word)
+
+
+def _device_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any], start_word: int = 0) -> list[int]:
+    """:func:`_start_chunk_sums`, waited for."""
+    return _start_chunk_sums(span, chunk_bytes, stream, knobs, start_word).digests()
 
 
 def _device_chunk_sums_bytes(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any], start_word: int = 0) -> list[int]:
@@ -258,5 +313,5 @@ def device_chunk_checksums(span, chunk_bytes: int, *, stream: Any = None, **tuni
     return _device_chunk_sums_bytes(span, chunk_bytes, stream, knobs)
 
 
-__all__ = ["CHECKSUM_TUNING", "checksum_bytes_kernel", "checksum_words_kernel", "device_checksum",
+__all__ = ["CHECKSUM_TUNING", "PendingDigests", "checksum_bytes_kernel", "checksum_words_kernel", "device_checksum",
            "device_chunk_checksums"]

@@ -106,27 +106,52 @@ def copy_table_kernel(
 
 
 @triton.jit
+def _row_by_search(table_ptr, n_entries, tile):
+    """The row holding ``tile``: binary search of the rows' first tiles (sorted, every row >= 1 tile)."""
+    lo = tl.zeros([], tl.int64)
+    hi = n_entries - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        go_up = tl.load(table_ptr + mid * 4 + 3) <= tile
+        lo = tl.where(go_up, mid, lo)
+        hi = tl.where(go_up, hi, mid - 1)
+    return lo
+
+
+@triton.jit
 def copy_table_tma_kernel(
     table_ptr,
     n_entries: tl.int64,
     n_tiles: tl.int64,
     BLOCK: tl.constexpr,  # int64 elements per TMA tile
 ):
-    """Copy every row through TMA: per tile, descriptors over its row (16-byte aligned rows only);
-    the last tile of a row is zero-padded on load and clipped on store."""
+    """Copy every row through TMA (16-byte aligned rows only); the last tile of a row is
+    zero-padded on load and clipped on store.
+
+    Program ``p`` of ``P`` takes the contiguous tiles ``[p * n_tiles // P, (p + 1) * n_tiles // P)``
+    and makes a row's descriptors once per run of that row's tiles: a descriptor costs a write
+    and a proxy fence, and made per tile (a grid-strided loop meets a new row almost every tile)
+    it held the batched TMA copy at 0.78-0.82x the copy engine where one TMA copy makes 0.89x.
+    """
     pid = tl.program_id(0).to(tl.int64)
     nprog = tl.num_programs(0).to(tl.int64)
-    entry = tl.zeros([], tl.int64)
-    for tile in range(pid, n_tiles, nprog):
-        entry = _row_of_tile(table_ptr, entry, n_entries, tile)
+    t = pid * n_tiles // nprog
+    t_end = (pid + 1) * n_tiles // nprog
+    entry = _row_by_search(table_ptr, n_entries, t)
+    while t < t_end:
         row = table_ptr + entry * 4
         dst = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.int64)), 16)
         src = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.int64)), 16)
-        n_elems = (tl.load(row + 2) // 8).to(tl.int32)
-        start = ((tile - tl.load(row + 3)) * BLOCK).to(tl.int32)
-        src_desc = tl.make_tensor_descriptor(src, shape=[n_elems], strides=[1], block_shape=[BLOCK])
-        dst_desc = tl.make_tensor_descriptor(dst, shape=[n_elems], strides=[1], block_shape=[BLOCK])
-        dst_desc.store([start], src_desc.load([start]))
+        n_elems = tl.load(row + 2) // 8
+        first = tl.load(row + 3)
+        row_end = tl.minimum(first + (n_elems + BLOCK - 1) // BLOCK, t_end)
+        src_desc = tl.make_tensor_descriptor(src, shape=[n_elems.to(tl.int32)], strides=[1], block_shape=[BLOCK])
+        dst_desc = tl.make_tensor_descriptor(dst, shape=[n_elems.to(tl.int32)], strides=[1], block_shape=[BLOCK])
+        for tile in range(t, row_end):
+            start = ((tile - first) * BLOCK).to(tl.int32)
+            dst_desc.store([start], src_desc.load([start]))
+        t = row_end
+        entry += 1
 
 
 class CopyTable:

@@ -14,19 +14,22 @@ from typing import Any, Sequence
 from flashboot.errors import ChecksumMismatchError, MoverError
 from flashboot.memory import span_of
 
-from .checksum_gpu import _device_chunk_sums, _gpu_knobs
+from .checksum_gpu import PendingDigests, _gpu_knobs, _start_chunk_sums
 from .checksum_host import chunk_checksums_host
 from .views import interpreting
 
 
-def copy_with_checksums(dst: Any, src: Any, chunk_bytes: int, *, stream: Any = None, **tuning: Any) -> list[int]:
-    """Copy all of ``src`` into the start of ``dst`` and return the digests of its consecutive
-    ``chunk_bytes`` chunks (the last may be short), computed from the words as they are written.
+def start_copy_with_checksums(dst: Any, src: Any, chunk_bytes: int, *, stream: Any = None,
+                              **tuning: Any) -> PendingDigests:
+    """Start copying all of ``src`` into the start of ``dst``, with the digests of its consecutive
+    ``chunk_bytes`` chunks (the last may be short) computed from the words as they are written;
+    ``.digests()`` of the result waits for them.
 
-    CUDA memory (host memory under the interpreter): one kernel pass on ``stream``, then the call
-    waits for the digests. Host memory otherwise: the host copy, then the host checksum. Both
-    pointers and ``chunk_bytes`` must be multiples of 4 and the ranges must not overlap
-    (MoverError names the numbers). ``tuning`` overrides :data:`~flashboot.kernels.checksum.CHECKSUM_TUNING`.
+    CUDA memory (host memory under the interpreter): one kernel pass on ``stream``, and this
+    returns once it is launched. Host memory otherwise: the host copy and checksum, done on
+    return. Both pointers and ``chunk_bytes`` must be multiples of 4 and the ranges must not
+    overlap (MoverError names the numbers). ``tuning`` overrides
+    :data:`~flashboot.kernels.checksum.CHECKSUM_TUNING`.
     """
     d, s = span_of(dst), span_of(src)
     if not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % 4:
@@ -39,18 +42,23 @@ def copy_with_checksums(dst: Any, src: Any, chunk_bytes: int, *, stream: Any = N
     if d.device == s.device and d.ptr < s.ptr + s.nbytes and s.ptr < d.ptr + s.nbytes:
         raise MoverError(f"copy_with_checksums: source {s.ptr:#x} and destination {d.ptr:#x} overlap "
                          f"({s.nbytes:,} bytes)")
-    if s.nbytes == 0:
-        return []
     d = d.sub(0, s.nbytes)
-    if d.device.is_cuda or interpreting():
+    if s.nbytes and (d.device.is_cuda or interpreting()):
         if d.device != s.device:
             raise MoverError(f"copy_with_checksums: runs on one device; got {s.device} -> {d.device}; "
                              "copy across devices with a mover, then checksum")
-        return _device_chunk_sums(s, chunk_bytes, stream, _gpu_knobs(tuning), copy_to=d)
+        return _start_chunk_sums(s, chunk_bytes, stream, _gpu_knobs(tuning), copy_to=d)
+    if s.nbytes == 0:
+        return PendingDigests.finished([])
     from flashboot.movers.host import host_copy
 
     host_copy(d.ptr, s.ptr, s.nbytes)
-    return chunk_checksums_host(d, chunk_bytes)
+    return PendingDigests.finished(chunk_checksums_host(d, chunk_bytes))
+
+
+def copy_with_checksums(dst: Any, src: Any, chunk_bytes: int, *, stream: Any = None, **tuning: Any) -> list[int]:
+    """:func:`start_copy_with_checksums`, waited for: the chunk digests of what was written."""
+    return start_copy_with_checksums(dst, src, chunk_bytes, stream=stream, **tuning).digests()
 
 
 def copy_verified(dst: Any, src: Any, expected: Sequence[int], chunk_bytes: int, *, stream: Any = None,
@@ -70,4 +78,4 @@ def copy_verified(dst: Any, src: Any, expected: Sequence[int], chunk_bytes: int,
     return found
 
 
-__all__ = ["copy_with_checksums", "copy_verified"]
+__all__ = ["start_copy_with_checksums", "copy_with_checksums", "copy_verified"]

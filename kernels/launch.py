@@ -13,6 +13,7 @@ Under ``TRITON_INTERPRET=1`` there is nothing to cache: every launch goes throug
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,19 +37,26 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
 
-    @property
+    @functools.cached_property
     def constexpr_values(self) -> tuple[Any, ...]:
         return tuple(v for _, v in self.constexprs)
 
+    @functools.cached_property
+    def is_pointer(self) -> tuple[bool, ...]:
+        return tuple(p is not None for p in self.pointers)
 
-def _specialisation(args: tuple[int, ...], pointers: tuple[Any, ...]) -> tuple:
+
+def _specialisation(args: tuple[int, ...], is_pointer: tuple[bool, ...]) -> tuple:
     """A superset of what Triton specialises the runtime arguments on (a finer key is only a
     second compile, never a wrong kernel)."""
-    return tuple((a % 16 == 0) if p is not None else (a == 1, a % 16 == 0, _I32_MIN <= a <= _I32_MAX)
-                 for a, p in zip(args, pointers))
+    return tuple([(a & 15 == 0) if p else (a == 1, a & 15 == 0, _I32_MIN <= a <= _I32_MAX)
+                  for a, p in zip(args, is_pointer)])
 
 
 _compiled: dict[tuple, Any] = {}
+_runners: dict[tuple, Any] = {}
+"""(compiled-kernel key, grid) -> the compiled kernel's bound runner (``CompiledKernel[grid]``)."""
+_RUNNERS_MAX = 4096
 
 
 def launch(kernel, config: LaunchConfig, grid: tuple[int, ...], args: tuple[int, ...], *, device: int,
@@ -56,27 +64,46 @@ def launch(kernel, config: LaunchConfig, grid: tuple[int, ...], args: tuple[int,
     """Launch ``kernel`` on ``grid`` with runtime ``args`` (pointers as ints) on CUDA ``device``'s
     ``stream`` (a raw handle). ``views()`` returns the same arguments with pointers as tensors:
     used for the first launch of a specialisation (which compiles) and under the interpreter."""
-    if interpreting():
-        kernel[grid](*views(), **dict(config.constexprs), num_warps=config.num_warps, num_stages=config.num_stages)
-        return
-    key = (kernel, config, device, _specialisation(args, config.pointers))
-    compiled = _compiled.get(key)
-    import torch
-
-    if compiled is None:
-        with launch_on_index(device, stream):
-            compiled = kernel[grid](*views(), **dict(config.constexprs), num_warps=config.num_warps,
-                                    num_stages=config.num_stages)
-        _compiled[key] = compiled
-        return
-    # A compiled kernel's runner reads grid[0..2] (``kernel[grid]`` pads the grid itself, it does not).
-    grid3 = (*grid, 1, 1)[:3]
+    key = (id(kernel), config, device, _specialisation(args, config.is_pointer))  # kernels are module globals: id is stable, and a JITFunction's hash is not free
+    runner = _runners.get((key, grid))
+    if runner is None:
+        compiled = _compiled.get(key)
+        if compiled is None:  # the first launch of this specialisation, or the interpreter (never cached)
+            if interpreting():
+                kernel[grid](*views(), **dict(config.constexprs), num_warps=config.num_warps,
+                             num_stages=config.num_stages)
+                return
+            with launch_on_index(device, stream):
+                _compiled[key] = kernel[grid](*views(), **dict(config.constexprs), num_warps=config.num_warps,
+                                              num_stages=config.num_stages)
+            return
+        # A compiled kernel's runner reads grid[0..2] (``kernel[grid]`` pads the grid itself, it does not).
+        runner = compiled[(*grid, 1, 1)[:3]]
+        if len(_runners) >= _RUNNERS_MAX:
+            _runners.clear()
+        _runners[(key, grid)] = runner
     # the compiled function belongs to ``device``'s context: make it current only when it is not
-    if torch.cuda.current_device() != device:
+    if _current_device() != device:
+        import torch
+
         with torch.cuda.device(device):
-            compiled[grid3](*args, *config.constexpr_values, stream=stream)
+            runner(*args, *config.constexpr_values, stream=stream)
     else:
-        compiled[grid3](*args, *config.constexpr_values, stream=stream)
+        runner(*args, *config.constexpr_values, stream=stream)
+
+
+def _current_device() -> int:
+    """The calling thread's current CUDA device (CuPy's ``cudaGetDevice``: the driver's current
+    context, which the launch uses; torch's ``current_device`` costs a microsecond more)."""
+    global _get_device
+    if _get_device is None:
+        import cupy
+
+        _get_device = cupy.cuda.runtime.getDevice
+    return _get_device()
+
+
+_get_device: Callable[[], int] | None = None
 
 
 __all__ = ["LaunchConfig", "launch"]

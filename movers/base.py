@@ -45,9 +45,9 @@ class Mover:
             nbytes = src_span.nbytes
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise MoverError(f"{self.name}: nbytes must be a positive int, got {nbytes!r}")
-        for role, span in (("source", src_span), ("destination", dst_span)):
-            if nbytes > span.nbytes:
-                raise MoverError(f"{self.name}: copy of {nbytes:,} bytes overruns the {span.nbytes:,}-byte {role}")
+        if nbytes > src_span.nbytes or nbytes > dst_span.nbytes:
+            role, span = ("source", src_span) if nbytes > src_span.nbytes else ("destination", dst_span)
+            raise MoverError(f"{self.name}: copy of {nbytes:,} bytes overruns the {span.nbytes:,}-byte {role}")
         path = path_between(src_span.device, dst_span.device)
         if path not in self.paths:
             self._check_path(path, src_span.device, dst_span.device)
@@ -58,10 +58,11 @@ class Mover:
                 f"{self.name}: needs {a}-byte aligned pointers and size; got src {src_span.ptr:#x}, "
                 f"dst {dst_span.ptr:#x}, nbytes {nbytes:,}"
             )
+        # Both bounds are checked above: the sub-ranges are built directly (``sub`` checks again).
         if nbytes != dst_span.nbytes:
-            dst_span = dst_span.sub(0, nbytes)
+            dst_span = Span(dst_span.ptr, nbytes, dst_span.device, dst_span.pinned, dst_span.owner)
         if nbytes != src_span.nbytes:
-            src_span = src_span.sub(0, nbytes)
+            src_span = Span(src_span.ptr, nbytes, src_span.device, src_span.pinned, src_span.owner)
         self._copy(dst_span, src_span, path, stream)
 
     def _check_stream(self, path: str, src: Any, dst: Any, stream: Any) -> None:

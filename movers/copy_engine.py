@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from flashboot._cuda import cuda_available
+from flashboot.errors import MoverError
 from flashboot.memory import Span, stream_handle
 
 from .base import Mover
@@ -18,6 +21,8 @@ from .registry import register_mover
 _CUDA_MEMCPY_DEFAULT = 4
 """``cudaMemcpyDefault``: direction inferred from the pointers (unified virtual addressing)."""
 
+MAX_BATCH_STREAMS = 16
+
 
 @register_mover
 class CopyEngineMover(Mover):
@@ -26,7 +31,8 @@ class CopyEngineMover(Mover):
     name = "copy_engine"
     paths = frozenset({"h2d", "d2h", "d2d", "p2p"})
     alignment = 1
-    batched = "cuMemcpyBatchAsync (CUDA >= 12.8), else one cudaMemcpyAsync per chunk from pre-built lists"
+    batched = ("cuMemcpyBatchAsync (CUDA >= 12.8), else one cudaMemcpyAsync per chunk from pre-built lists; "
+               "batch_streams > 1 spreads the chunks over that many streams")
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -38,20 +44,43 @@ class CopyEngineMover(Mover):
             return False, f"CuPy is not importable ({exc})"
         return True, ""
 
-    def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
+    def __init__(self, batch_streams: int = 1) -> None:
+        """``batch_streams``: how many streams a batch spreads its chunks over (joined to the
+        caller's stream by events), so that copies run on several copy engines at once; 1 issues
+        the whole batch on the caller's stream."""
+        if not isinstance(batch_streams, int) or not 1 <= batch_streams <= MAX_BATCH_STREAMS:
+            raise MoverError(f"copy_engine: batch_streams must be an int in 1..{MAX_BATCH_STREAMS}, got {batch_streams!r}")
+        super().__init__()
+        self.batch_streams = batch_streams
         import cupy
 
+        self._cupy, self._runtime = cupy, cupy.cuda.runtime  # looked up once: the per-call path imports nothing
+
+    def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
         # The copy is issued from the device that owns the stream: the destination for h2d,
         # d2d and p2p (a push from the peer would need the source's stream), the source for d2h.
-        owner = src if path == "d2h" else dst
-        with cupy.cuda.Device(owner.device.index):
-            cupy.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _CUDA_MEMCPY_DEFAULT, stream_handle(stream))
+        owner = (src if path == "d2h" else dst).device.index
+        rt = self._runtime
+        if rt.getDevice() == owner:  # the common case: no device switch (a context manager costs ~2 us)
+            rt.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _CUDA_MEMCPY_DEFAULT, stream_handle(stream))
+            return
+        with self._cupy.cuda.Device(owner):
+            rt.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _CUDA_MEMCPY_DEFAULT, stream_handle(stream))
 
     def _prepare_batch(self, batch: ChunkBatch) -> "_EngineBatch":
-        return _EngineBatch(batch)
+        return _EngineBatch(batch, self.batch_streams)
 
     def _copy_batch(self, batch: ChunkBatch, stream: Any) -> None:
         batch.prepared.run(stream_handle(stream))
+
+
+def stream_groups(nbytes: np.ndarray, streams: int) -> list[tuple[int, int]]:
+    """At most ``streams`` contiguous, non-empty index ranges ``[a, b)`` covering every chunk,
+    cut where the running byte count passes each ``1/streams`` of the total."""
+    n = int(nbytes.size)
+    cuts = np.searchsorted(np.cumsum(nbytes), int(nbytes.sum()) * np.arange(1, streams) / streams, side="right")
+    bounds = [0, *sorted({int(c) for c in cuts} - {0, n}), n]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def _location(drv, span: Span):
@@ -64,9 +93,12 @@ def _location(drv, span: Span):
 
 class _EngineBatch:
     """The driver's arguments of one batch, built once: ``cuMemcpyBatchAsync`` where the driver
-    and the bindings have it (``method`` says which path runs)."""
+    and the bindings have it (``method`` says which path runs), else one ``cudaMemcpyAsync`` per
+    chunk from pre-built lists. With ``streams > 1`` the chunks are split into that many
+    contiguous groups of about equal bytes, each issued on a stream of its own that waits for
+    the caller's stream and that the caller's stream then waits for (events made once here)."""
 
-    def __init__(self, batch: ChunkBatch):
+    def __init__(self, batch: ChunkBatch, streams: int):
         import cupy
 
         from flashboot._cuda import check, driver
@@ -79,26 +111,46 @@ class _EngineBatch:
         self.count = len(sizes)
         version = check(drv.cuDriverGetVersion(), "cuDriverGetVersion")
         self.method = "cuMemcpyBatchAsync" if hasattr(drv, "cuMemcpyBatchAsync") and version >= 12080 else "memcpyAsync loop"
+        groups = stream_groups(batch.nbytes, streams)
         if self.method == "cuMemcpyBatchAsync":
             attrs = drv.CUmemcpyAttributes()
             attrs.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
             attrs.srcLocHint, attrs.dstLocHint = _location(drv, batch.src), _location(drv, batch.dst)
-            self.args = ([drv.CUdeviceptr(p) for p in dsts], [drv.CUdeviceptr(p) for p in srcs], sizes, self.count,
-                         [attrs], [0], 1)
+            self.groups = [([drv.CUdeviceptr(p) for p in dsts[a:b]], [drv.CUdeviceptr(p) for p in srcs[a:b]], sizes[a:b],
+                            b - a, [attrs], [0], 1) for a, b in groups]
             self.drv, self.check = drv, check
         else:
-            self.triples = list(zip(dsts, srcs, sizes))
+            self.groups = [list(zip(dsts[a:b], srcs[a:b], sizes[a:b])) for a, b in groups]
         self.cupy = cupy
+        self.side: list = []
+        if len(self.groups) > 1:
+            with cupy.cuda.Device(self.owner):  # streams and events belong to the owner's context
+                self.side = [cupy.cuda.Stream(non_blocking=True) for _ in self.groups]
+                self.fork = cupy.cuda.Event(disable_timing=True)
+                self.joins = [cupy.cuda.Event(disable_timing=True) for _ in self.groups]
+
+    def _issue(self, group, handle: int) -> None:
+        if self.method == "cuMemcpyBatchAsync":
+            self.check(self.drv.cuMemcpyBatchAsync(*group, self.drv.CUstream(handle)),
+                       f"cuMemcpyBatchAsync({group[3]} of {self.count} copies)")
+            return
+        copy = self.cupy.cuda.runtime.memcpyAsync
+        for d, s, n in group:
+            copy(d, s, n, _CUDA_MEMCPY_DEFAULT, handle)
 
     def run(self, handle: int) -> None:
         with self.cupy.cuda.Device(self.owner):
-            if self.method == "cuMemcpyBatchAsync":
-                self.check(self.drv.cuMemcpyBatchAsync(*self.args, self.drv.CUstream(handle)),
-                           f"cuMemcpyBatchAsync({self.count} copies)")
+            if not self.side:
+                for group in self.groups:
+                    self._issue(group, handle)
                 return
-            copy = self.cupy.cuda.runtime.memcpyAsync
-            for d, s, n in self.triples:
-                copy(d, s, n, _CUDA_MEMCPY_DEFAULT, handle)
+            rt = self.cupy.cuda.runtime
+            rt.eventRecord(self.fork.ptr, handle)  # the side streams start after what the caller queued
+            for group, side, join in zip(self.groups, self.side, self.joins):
+                rt.streamWaitEvent(side.ptr, self.fork.ptr, 0)
+                self._issue(group, side.ptr)
+                rt.eventRecord(join.ptr, side.ptr)
+                rt.streamWaitEvent(handle, join.ptr, 0)  # and the caller's stream goes on after all of them
 
 
-__all__ = ["CopyEngineMover"]
+__all__ = ["CopyEngineMover", "stream_groups", "MAX_BATCH_STREAMS"]

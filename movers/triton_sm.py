@@ -88,10 +88,10 @@ class TritonSMMover(Mover):
     def __init__(self, **tuning: Any) -> None:
         """``tuning`` overrides :data:`flashboot.kernels.copy.SM_TUNING` (block_bytes, num_warps, ...)."""
         super().__init__()
-        from flashboot.kernels.copy import SM_TUNING, _knobs, sm_copy_spans
+        from flashboot.kernels.copy import SM_TUNING, SMCopyLauncher, _knobs
 
         self.tuning = _knobs(SM_TUNING, tuning)
-        self._launch = sm_copy_spans  # bound once: the per-call path imports nothing
+        self._launch = SMCopyLauncher(self.tuning)  # built once: the per-call path is the split and the launch
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -100,7 +100,7 @@ class TritonSMMover(Mover):
     def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
         if path == "p2p":
             ensure_peer_access(dst.device.index, src)
-        self._launch(dst, src, dst.nbytes, stream_handle(stream), self.tuning)
+        self._launch(dst, src, dst.nbytes, stream_handle(stream))
 
     def _prepare_batch(self, batch: ChunkBatch) -> Any:
         return prepare_table(batch, "sm", self.tuning)

@@ -207,6 +207,17 @@ def test_kernel_chunks_match_host(chunk_bytes, offset):
     assert ck.device_chunk_checksums(span, chunk_bytes, **SMALL) == ck.chunk_checksums_host(raw[offset:], chunk_bytes)
 
 
+@pytest.mark.parametrize("programs_per_sm", [1, 2, 3, 5, 64])
+def test_kernel_digests_do_not_depend_on_the_grid(programs_per_sm):
+    # 4 "SMs" under the interpreter: 4 to 256 programs, each a contiguous run of tiles that starts
+    # and ends mid-chunk, crosses chunk ends and partial last tiles (1,000-byte chunks: 250 words,
+    # 3 full tiles of 64 and one of 58), or gets no tile at all.
+    raw = random_bytes(30 * 1000 + 6, seed=programs_per_sm)
+    span = span_of(on_kernel_device(raw))
+    found = ck.device_chunk_checksums(span, 1000, programs_per_sm=programs_per_sm, **SMALL)
+    assert found == ck.chunk_checksums_host(raw, 1000)
+
+
 def test_kernel_tuning_knobs_checked():
     t = on_kernel_device(random_bytes(64))
     with pytest.raises(FlashBootError, match="unknown checksum knob"):
@@ -261,6 +272,19 @@ def test_copy_with_checksums_copies_and_matches_the_checksum_kernel(nbytes, chun
     # bit-identical to the checksum kernel and to the spec, chunk by chunk
     assert found == ck.chunk_checksums(span_of(dst).sub(0, nbytes), chunk_bytes, **SMALL)
     assert found == [checksum_reference(raw[o:o + chunk_bytes].tobytes()) for o in range(0, nbytes, chunk_bytes)]
+
+
+def test_start_copy_with_checksums_returns_pending_digests_of_what_it_wrote():
+    from flashboot.kernels.copy_verify import start_copy_with_checksums
+
+    raw = random_bytes(9_002, seed=3)
+    src = torch.from_numpy(raw).to(KERNEL_DEVICE)
+    dst = torch.zeros(9_002, dtype=torch.uint8, device=KERNEL_DEVICE)
+    pending = start_copy_with_checksums(dst, src, 2048, **SMALL)
+    found = pending.digests()
+    assert np.array_equal(dst.cpu().numpy(), raw)
+    assert found == ck.chunk_checksums_host(raw, 2048) and pending.digests() == found
+    assert start_copy_with_checksums(dst[:0], src[:0], 2048).digests() == []
 
 
 def test_copy_verified_names_the_chunk_that_differs():

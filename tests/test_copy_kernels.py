@@ -184,6 +184,32 @@ def test_table_copy_moves_every_row_exactly(kind, shift):
     assert np.array_equal(d, expect)
 
 
+@pytest.mark.parametrize("programs_per_sm", [1, 3, 40])
+def test_tma_table_programs_find_their_rows_wherever_their_tiles_start(programs_per_sm):
+    # 4 "SMs" under the interpreter: 4, 12 or 160 programs over ~90 tiles of 23 rows, so a program's
+    # contiguous run of tiles starts mid-row (its first row found by binary search), crosses rows,
+    # or is empty.
+    from flashboot.kernels.copy_table import CopyTable
+
+    sizes = [16 * (1 + (7 * i) % 40) for i in range(23)]
+    total = sum(sizes)
+    src, dst, s_span, d_span = make_pair(total, 0, 0, seed=programs_per_sm)
+    rows, off = [], 0
+    for n in sizes:
+        rows.append((d_span.ptr + off, s_span.ptr + total - off - n, n))  # reversed placement
+        off += n
+    table = CopyTable(np.array(rows), device=d_span.device, kind="tma", block_bytes=64, num_warps=4, num_stages=1,
+                      programs_per_sm=programs_per_sm)
+    assert table.n_tiles > 80
+    table.launch(0)
+    s, d = src.cpu().numpy()[GUARD:GUARD + total], dst.cpu().numpy()
+    off, expect = 0, np.full_like(d, POISON)
+    for n in sizes:
+        expect[GUARD + off:GUARD + off + n] = s[total - off - n:total - off]
+        off += n
+    assert np.array_equal(d, expect)
+
+
 def test_tma_table_refuses_an_unaligned_row():
     from flashboot.kernels.copy_table import table_for
 

@@ -375,3 +375,23 @@ def test_best_mover_picks_the_first_available_mover_of_the_path_in_preference_or
     assert "no mover copies d2d" in str(e.value)
     for name in movers_for("d2d"):
         assert f"{name}: {name} is off" in str(e.value)
+
+
+def test_copy_engine_batch_stream_groups_cover_every_chunk_once():
+    from flashboot.movers.copy_engine import stream_groups
+
+    rng = np.random.default_rng(4)
+    for n, streams in ((256, 4), (7, 3), (1, 4), (5, 8), (1000, 16)):
+        sizes = rng.integers(1, 1 << 20, n)
+        groups = stream_groups(sizes, streams)
+        assert 1 <= len(groups) <= streams
+        assert groups[0][0] == 0 and groups[-1][1] == n and all(b > a for a, b in groups)
+        assert all(groups[i][1] == groups[i + 1][0] for i in range(len(groups) - 1))  # contiguous, no gap or overlap
+    equal = stream_groups(np.full(256, 4 << 20), 4)
+    assert equal == [(0, 64), (64, 128), (128, 192), (192, 256)]  # equal chunks: equal shares
+
+
+@pytest.mark.parametrize("bad", [0, 17, 2.0, "4"])
+def test_copy_engine_refuses_a_bad_batch_stream_count(bad):
+    with pytest.raises(MoverError, match=rf"batch_streams must be an int in 1..16, got {bad!r}"):
+        create_mover("copy_engine", batch_streams=bad)

@@ -133,6 +133,28 @@ def test_gpu_batch_and_per_chunk_copies_are_exact(name, aligned):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("streams", [2, 4])
+def test_gpu_copy_engine_batch_on_several_streams_keeps_the_callers_order(streams):
+    """A batch spread over side streams starts after what the caller's stream queued before it
+    (a fill held back by a sleep) and ends before what it queues after (a read-back)."""
+    mover = create_mover("copy_engine", batch_streams=streams)
+    total = 64 << 20
+    src, dst, s, d = _pair(total)
+    chunks = [(o, o, 1 << 20) for o in range(0, total, 1 << 20)]
+    batch = mover.batch(d, s, chunks)
+    stream = torch.cuda.Stream(device=0)
+    out = torch.empty(total, dtype=torch.uint8, device="cuda:0")
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # ~30 ms: the side streams would copy the old bytes without the fork
+        src[:total].fill_(0x3C)
+    batch.run(stream=stream)
+    with torch.cuda.stream(stream):
+        out.copy_(dst[:total])  # would read half-copied bytes without the join
+    stream.synchronize()
+    assert bool((out == 0x3C).all()) and bool((dst[total:] == 0x5A).all())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ALL_D2D)
 def test_gpu_repeated_small_copies_stay_exact(name):
     """The cached launch path: thousands of copies at shifting offsets after the first compiles."""

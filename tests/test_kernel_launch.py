@@ -1,0 +1,82 @@
+"""Cached Triton launches (kernels/launch.py): the first launch of a specialisation compiles
+through ``kernel[grid]`` with tensor views, later ones call the compiled kernel's runner with
+plain ints; anything Triton specialises on (alignment, 1, int32 range) compiles again.
+
+A recording stand-in plays the kernel, so this runs without a GPU; the TMA scratch reuse runs
+on a GPU only (it allocates CUDA memory)."""
+
+import contextlib
+
+import pytest
+import torch
+
+from flashboot.kernels import launch as kl
+
+
+class RecordingKernel:
+    """``kernel[grid](...)`` records a compile and returns a compiled kernel whose runner records launches."""
+
+    def __init__(self):
+        self.compiles, self.launches = [], []
+
+    def __getitem__(self, grid):
+        def compile_and_launch(*args, **kwargs):
+            self.compiles.append((grid, args, kwargs))
+            return Compiled(self, len(self.compiles))
+
+        return compile_and_launch
+
+
+class Compiled:
+    def __init__(self, kernel, n):
+        self.kernel, self.n = kernel, n
+
+    def __getitem__(self, grid):
+        def runner(*args, stream):
+            self.kernel.launches.append((self.n, grid, args, stream))
+
+        return runner
+
+
+@pytest.fixture
+def gpu_less(monkeypatch):
+    monkeypatch.setattr(kl, "interpreting", lambda: False)
+    monkeypatch.setattr(kl, "launch_on_index", lambda device, stream: contextlib.nullcontext())
+    monkeypatch.setattr(kl, "_get_device", lambda: 0)
+    monkeypatch.setattr(kl, "_compiled", {})
+    monkeypatch.setattr(kl, "_runners", {})
+
+
+def test_cached_launch_compiles_once_per_specialisation(gpu_less):
+    k = RecordingKernel()
+    config = kl.LaunchConfig((("BLOCK", 64),), ("int64", "int64", None), num_warps=4, num_stages=3)
+    views = lambda: ("dst-view", "src-view", 4096)  # noqa: E731
+    kl.launch(k, config, (8,), (0x1000, 0x2000, 4096), device=0, stream=7, views=views)
+    assert k.compiles == [((8,), ("dst-view", "src-view", 4096), {"BLOCK": 64, "num_warps": 4, "num_stages": 3})]
+    assert k.launches == []  # the compiling call launched
+    # same specialisation (other pointers, other size, other grid): the runner, with ints and a 3-D grid
+    kl.launch(k, config, (8,), (0x3000, 0x5000, 8192), device=0, stream=7, views=views)
+    kl.launch(k, config, (2,), (0x3000, 0x5000, 8192), device=0, stream=9, views=views)
+    assert k.launches == [(1, (8, 1, 1), (0x3000, 0x5000, 8192, 64), 7), (1, (2, 1, 1), (0x3000, 0x5000, 8192, 64), 9)]
+    assert len(k.compiles) == 1
+    # what Triton specialises on compiles again: a pointer off 16 bytes, a size of 1, a size past int32
+    for args in ((0x3008, 0x5000, 8192), (0x3000, 0x5000, 1), (0x3000, 0x5000, 1 << 33)):
+        kl.launch(k, config, (8,), args, device=0, stream=7, views=views)
+    assert len(k.compiles) == 4 and len(k.launches) == 2
+    # another device is another compiled kernel (its own context)
+    kl.launch(k, config, (8,), (0x3000, 0x5000, 8192), device=1, stream=7, views=views)
+    assert len(k.compiles) == 5
+
+
+@pytest.mark.gpu
+def test_tma_scratch_is_reused_per_stream():
+    from flashboot.kernels.copy import _tma_allocator
+
+    s1, s2 = torch.cuda.Stream(device=0), torch.cuda.Stream(device=0)
+    with torch.cuda.device(0):
+        a = _tma_allocator(4096, 128, s1.cuda_stream)
+        assert _tma_allocator(2048, 128, s1.cuda_stream).data_ptr() == a.data_ptr()  # fits: the same buffer
+        b = _tma_allocator(4096, 128, s2.cuda_stream)
+        assert b.data_ptr() != a.data_ptr()  # another stream may run at the same time: its own
+        c = _tma_allocator(1 << 20, 128, s1.cuda_stream)
+        assert c.numel() >= 1 << 20 and c.data_ptr() % 128 == 0
