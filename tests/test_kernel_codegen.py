@@ -32,10 +32,12 @@ def build(fn, sig, consts, aligned, **opts):
     ptx = k.asm["ptx"]
     return {"access": sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", ptx))), "globaltimer": "%globaltimer" in ptx, "nanosleep": "nanosleep" in ptx,
             "tma": "cp.async.bulk.tensor" in ptx}
-table_sig = {"table_ptr": "*i64", "n_entries": "i64", "n_tiles": "i64", "ELEM": "constexpr", "ELEM_BYTES": "constexpr",
-             "ALIGN16": "constexpr", "BLOCK": "constexpr"}
+table_sig = {"table_ptr": "*i64", "runs_ptr": "*i64", "tile_rows_ptr": "*i64", "n_entries": "i64", "n_tiles": "i64",
+             "ELEM": "constexpr", "ELEM_BYTES": "constexpr", "ALIGN16": "constexpr", "BLOCK": "constexpr",
+             "STRIDED": "constexpr", "TILE_MAP": "constexpr"}
 out = {
-    "table": build(copy_table_kernel, table_sig, {"ELEM": tl.int64, "ELEM_BYTES": 8, "ALIGN16": True, "BLOCK": 4096},
+    "table": build(copy_table_kernel, table_sig, {"ELEM": tl.int64, "ELEM_BYTES": 8, "ALIGN16": True, "BLOCK": 4096,
+                                                    "STRIDED": False, "TILE_MAP": False},
                    [0], num_warps=4, num_stages=3),
     "tma_table": build(copy_table_tma_kernel, {"table_ptr": "*i64", "n_entries": "i64", "n_tiles": "i64",
                        "BLOCK": "constexpr"}, {"BLOCK": 4096}, [0], num_warps=4, num_stages=3),
