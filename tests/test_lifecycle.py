@@ -46,7 +46,10 @@ def test_level1_sleep_and_wake_from_the_backup_keep_every_view(image):
         assert loaded.arena.asleep and "level 1" in s.summary()
         w = loaded.wake()
         assert w.source == "backup" and w.not_used == {} and w.nbytes == loaded.nbytes and w.copy_ms > 0
-        assert "from backup" in w.summary()
+        assert "from backup" in w.summary() and s.release_parts["steps_ms"]["close memfd"] > 0
+        parts = w.details["wake"]  # the copy was issued segment by segment during the arena's wake
+        assert parts["fill_ms"] > 0 and w.map_ms == parts["create_ms"] + parts["map_ms"] > 0
+        assert w.total_ms >= w.probe_ms + parts["wake_ms"] and parts["wake_ms"] >= parts["fill_ms"]
         assert snapshot(loaded) == before  # same addresses, same bytes
         assert arena_bytes(loaded) == image_bytes(image)
         assert loaded.lifecycle.backup is None  # freed at wake unless kept
@@ -108,6 +111,31 @@ def test_a_source_failing_mid_wake_passes_to_the_next(image, tmp_path, monkeypat
             assert arena_bytes(loaded) == image_bytes(image)
     finally:
         daemon.close()
+
+
+def test_a_backup_copy_failing_mid_wake_rolls_back_and_passes_to_the_disk(image, tmp_path, monkeypatch):
+    """The pipelined level-1 wake: the copy into the first segment fails, the new segments are
+    released (asleep again), and the disk brings the bytes back; the report names the failure."""
+    from flashboot.errors import MoverError
+    from flashboot.flashload import load as load_mod
+
+    with streamed(image) as loaded:
+        loaded.sleep(level=1)
+        real, movers = load_mod._mover_for, []
+
+        class Broken:
+            def copy(self, dst, src, *, stream):
+                raise MoverError(f"injected: copy of {dst.nbytes:,} bytes failed")
+
+        def first_broken(device):  # the backup's copy gets the broken mover, the disk's the real one
+            movers.append(device)
+            return Broken() if len(movers) == 1 else real(device)
+
+        monkeypatch.setattr(load_mod, "_mover_for", first_broken)
+        w = loaded.wake(shm_dir=tmp_path / "no-shm")
+        assert w.source == "disk" and movers[0] == loaded.arena.device
+        assert w.not_used["backup"] == f"failed: MoverError: injected: copy of {loaded.nbytes:,} bytes failed"
+        assert "wake" in w.details and arena_bytes(loaded) == image_bytes(image)
 
 
 def test_no_source_names_what_was_tried_and_stays_asleep(image, tmp_path):

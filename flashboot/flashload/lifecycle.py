@@ -41,17 +41,22 @@ STATUS_TIMEOUT_S = 1.0
 # ============================================================================= the reports
 @dataclass
 class SleepReport:
-    """One :func:`sleep`, in ms: ``backup_ms`` (level 1: the bulk D2H into the backup),
-    ``pin_ms`` (level 1: allocating and pinning the backup; 0 when an earlier one was kept),
-    ``release_ms`` (the arena's unmap and release), ``total_ms``."""
+    """One :func:`sleep`, in ms: ``sync_ms`` (waiting for the device's work first),
+    ``backup_ms`` (level 1: the bulk D2H into the backup), ``pin_ms`` (level 1: allocating and
+    pinning the backup; 0 when an earlier one was kept), ``release_ms`` (the arena's
+    :meth:`~flashboot.Arena.sleep`: memory back to the device), ``total_ms``; ``release_parts``:
+    where ``release_ms`` went (the arena's ``timings``: ``sync_ms``, ``revoke_ms``,
+    ``release_ms``, and ``steps_ms`` per driver call such as ``cuMemUnmap``)."""
 
     level: int
     nbytes: int
     device: str
+    sync_ms: float = 0.0
     backup_ms: float = 0.0
     pin_ms: float = 0.0
     release_ms: float = 0.0
     total_ms: float = 0.0
+    release_parts: dict = field(default_factory=dict)
 
     @property
     def backup_gbps(self) -> float:
@@ -69,15 +74,22 @@ class SleepReport:
 @dataclass
 class WakeReport:
     """One :func:`wake`: ``source`` (``backup``, ``served`` or ``disk``), ``not_used`` (each
-    source tried or skipped before it -> why), ``map_ms`` (new segments mapped), ``copy_ms`` (the
-    bytes brought back), ``verify_ms``, ``total_ms``; ``details`` from the source (the daemon's
-    own H2D time, the disk's read rate...)."""
+    source tried or skipped before it -> why), in ms: ``probe_ms`` (asking the sources whether
+    they have the bytes), ``map_ms`` (the new segments created, mapped and granted: the arena's
+    ``create_ms + map_ms + access_ms``), ``copy_ms`` (from the first byte's copy issued to the
+    last byte back), ``sync_ms`` (backup: the wait for the copies once the last segment was
+    mapped; the backup's copies run while the later segments are made, so ``map_ms`` and
+    ``copy_ms`` overlap there), ``verify_ms``, ``total_ms``; ``details`` from the arena's wake
+    (``wake``: its ``timings``) and the source (the daemon's own map and H2D time, the disk's
+    read rate...)."""
 
     source: str
     nbytes: int
     device: str
+    probe_ms: float = 0.0
     map_ms: float = 0.0
     copy_ms: float = 0.0
+    sync_ms: float = 0.0
     verify_ms: float = 0.0
     total_ms: float = 0.0
     not_used: dict[str, str] = field(default_factory=dict)
@@ -92,8 +104,9 @@ class WakeReport:
 
     def summary(self) -> str:
         skipped = "".join(f"; not {k}: {v}" for k, v in self.not_used.items())
-        return (f"wake of {self.nbytes:,} bytes on {self.device} from {self.source}: map {self.map_ms:.2f} ms, "
-                f"copy {self.copy_ms:.1f} ms ({self.gbps:.1f} GB/s){skipped}")
+        return (f"wake of {self.nbytes:,} bytes on {self.device} from {self.source}: {self.total_ms:.1f} ms (map "
+                f"{self.map_ms:.2f} ms, copy {self.copy_ms:.1f} ms at {self.gbps:.1f} GB/s, sync {self.sync_ms:.1f} ms)"
+                f"{skipped}")
 
 
 # ============================================================================= the backup
@@ -168,19 +181,23 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device.index)  # the engine's kernels may still read or write the weights
 
 
+def _stream(device):
+    """A new non-blocking CuPy stream on ``device``; None on the host backend (its mover is synchronous)."""
+    if not device.is_cuda:
+        return None
+    import cupy
+
+    with cupy.cuda.Device(device.index):
+        return cupy.cuda.Stream(non_blocking=True)
+
+
 def _copy(dst: Span, src: Span, device) -> None:
     """One bulk copy (h2d, d2h or host) on the copy engine or the host mover; returns when done."""
     from .load import _mover_for
 
-    mover = _mover_for(device)
-    if not device.is_cuda:
-        mover.copy(dst, src, stream=None)
-        return
-    import cupy
-
-    with cupy.cuda.Device(device.index):
-        stream = cupy.cuda.Stream(non_blocking=True)
-        mover.copy(dst, src, stream=stream)
+    mover, stream = _mover_for(device), _stream(device)
+    mover.copy(dst, src, stream=stream)
+    if stream is not None:
         stream.synchronize()
 
 
@@ -208,6 +225,7 @@ def sleep(loaded, level: int = 1) -> SleepReport:
     state = _state(loaded)
     t0 = time.perf_counter()
     _synchronize(arena.device)
+    report.sync_ms = (time.perf_counter() - t0) * 1e3
     if level == 1:
         if state.backup is None or state.backup.nbytes < loaded.nbytes:
             state.drop_backup()
@@ -219,7 +237,7 @@ def sleep(loaded, level: int = 1) -> SleepReport:
     else:
         state.drop_backup()
     t2 = time.perf_counter()
-    arena.sleep()
+    arena.sleep(timings=report.release_parts)
     report.release_ms = (time.perf_counter() - t2) * 1e3
     state.level = level
     report.total_ms = (time.perf_counter() - t0) * 1e3
@@ -269,7 +287,8 @@ def _from_served(loaded, source, report: WakeReport, shm_dir, timeout_s: float) 
 
     reply = served_load(loaded.arena, source, timeout_s=timeout_s, shm_dir=shm_dir)
     report.details.update(daemon_pid=reply.get("pid"), daemon_h2d_ms=reply.get("h2d_ms"),
-                          daemon_map_ms=reply.get("map_ms"), daemon_pinned=reply.get("pinned"))
+                          daemon_map_ms=reply.get("map_ms"), daemon_copy_map_ms=reply.get("copy_map_ms"),
+                          daemon_pinned=reply.get("pinned"))
 
 
 def _from_disk(loaded, source, report: WakeReport, stream_config) -> None:
@@ -277,6 +296,54 @@ def _from_disk(loaded, source, report: WakeReport, stream_config) -> None:
 
     stats = stream_image(source.path, loaded.nbytes, loaded.arena, stream_config)
     report.details.update(io_mode=stats.io_mode, read_gbps=stats.read_gbps, buffer_bytes=stats.buffer_bytes)
+
+
+def _map_ms(parts: dict) -> float:
+    """Creating, mapping and granting new segments, from :meth:`Arena.wake`'s ``timings`` (the host
+    backend grants nothing)."""
+    return parts["create_ms"] + parts["map_ms"] + parts.get("access_ms", 0.0)
+
+
+class _CopyFailed(Exception):
+    """A copy issued into a segment during the pipelined wake failed (the source's failure, not the arena's)."""
+
+    def __init__(self, error: FlashBootError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _wake_from_backup(loaded, backup: HostBackup, report: WakeReport) -> None:
+    """Wake ``loaded``'s arena and copy the backup into it, pipelined: each segment's copy is
+    issued as soon as the segment is mapped, while the next ones are created, then the copies
+    are awaited. A failed copy ends the wake rolled back (asleep) and raises _CopyFailed; the
+    arena's own failures (OutOfMemoryError, CudaError) pass through as they are."""
+    from .load import _mover_for
+
+    arena, device, nbytes = loaded.arena, loaded.arena.device, loaded.nbytes
+    mover, stream, src = _mover_for(device), _stream(device), backup.span(nbytes)
+    first_issued: list[float] = []
+
+    def fill(offset: int, segment: Span) -> None:
+        n = min(segment.nbytes, nbytes - offset)
+        if n <= 0:
+            return  # capacity past the image's bytes
+        if not first_issued:
+            first_issued.append(time.perf_counter())
+        try:
+            mover.copy(segment.sub(0, n), src.sub(offset, n), stream=stream)
+        except FlashBootError as exc:
+            raise _CopyFailed(exc) from exc
+
+    parts: dict = {}
+    arena.wake(fill, settle=stream.synchronize if stream is not None else None, timings=parts)
+    t = time.perf_counter()
+    if stream is not None:
+        stream.synchronize()
+    done = time.perf_counter()
+    report.map_ms = _map_ms(parts)
+    report.sync_ms = (done - t) * 1e3
+    report.copy_ms = (done - first_issued[0]) * 1e3 if first_issued else 0.0
+    report.details["wake"] = parts
 
 
 def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=None, served_timeout_s: float = 10.0,
@@ -314,16 +381,28 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     t0 = time.perf_counter()
     try:
         for name in SOURCES if source == "auto" else (source,):
+            tp = time.perf_counter()
             why = why_not[name]()
+            report.probe_ms += (time.perf_counter() - tp) * 1e3
             if why is not None:
                 report.not_used[name] = why
                 continue
+            if name == "backup" and arena.asleep:
+                try:
+                    _wake_from_backup(loaded, state.backup, report)  # OutOfMemoryError here leaves it asleep
+                except _CopyFailed as exc:
+                    report.not_used[name] = f"failed: {type(exc.error).__name__}: {exc.error}"
+                    continue
+                report.source = name
+                break
             if arena.asleep:
-                arena.wake()  # OutOfMemoryError here leaves it asleep
-                report.map_ms = (time.perf_counter() - t0) * 1e3
+                parts: dict = {}
+                arena.wake(timings=parts)  # OutOfMemoryError here leaves it asleep
+                report.map_ms = _map_ms(parts)
+                report.details["wake"] = parts
             t2 = time.perf_counter()
             try:
-                if name == "backup":
+                if name == "backup":  # the arena woke for a source that failed after it
                     _copy(arena.span(0, loaded.nbytes), state.backup.span(loaded.nbytes), arena.device)
                 elif name == "served":
                     _from_served(loaded, rank_source, report, shm_dir, served_timeout_s)
