@@ -234,3 +234,42 @@ def test_cycles_leave_fds_and_threads_flat(image):
             loaded.wake(shm_dir="/nonexistent-shm")
         assert len(os.listdir("/proc/self/fd")) == fds and len(os.listdir("/proc/self/task")) == threads
         assert arena_bytes(loaded) == image_bytes(image)
+
+
+def test_swap_releases_the_outgoing_image_during_the_incoming_wake(image, tmp_path):
+    second = shutil.copytree(image, tmp_path / "second")
+    with streamed(image) as a, streamed(second) as b:
+        want_b = snapshot(b)
+        b.sleep(level=1)
+        r = lifecycle.swap(a, b, level=2)
+        assert r.released_during_wake and r.why_released_first == ""
+        assert a.arena.asleep and not b.arena.asleep and r.sleep.level == 2 and r.wake.source == "backup"
+        assert snapshot(b) == want_b and r.total_ms >= r.wake.total_ms
+        back = lifecycle.swap(b, a, level=1, shm_dir=tmp_path / "no-shm")  # a from disk, b keeps a backup
+        assert back.released_during_wake and back.wake.source == "disk" and back.sleep.level == 1
+        assert arena_bytes(a) == image_bytes(image) and b.arena.asleep and b.lifecycle.backup is not None
+
+
+def test_swap_without_room_releases_first_and_says_why(image, tmp_path, monkeypatch):
+    import flashboot.pinning
+
+    second = shutil.copytree(image, tmp_path / "second")
+    with streamed(image) as a, streamed(second) as b:
+        b.sleep(level=1)
+        monkeypatch.setattr(flashboot.pinning, "device_free_bytes", lambda device: 4096)
+        r = lifecycle.swap(a, b)
+        assert not r.released_during_wake and a.arena.asleep and not b.arena.asleep
+        assert r.why_released_first == (f"cpu has 4,096 bytes free; the incoming arena needs {b.arena.nbytes:,} "
+                                        "beside the outgoing one's")
+
+
+def test_swap_whose_release_fails_leaves_both_as_they_were_and_raises_it(image, tmp_path):
+    second = shutil.copytree(image, tmp_path / "second")
+    with streamed(image) as a, streamed(second) as b:
+        b.sleep(level=1)
+        a.arena.share("holder 'engine-0'")
+        with pytest.raises(ArenaError, match=r"cannot sleep: 1 other process\(es\) map it \(holder 'engine-0'"):
+            lifecycle.swap(a, b)
+        assert not a.arena.asleep and b.arena.asleep and b.lifecycle.backup is not None
+        a.arena.unshare("holder 'engine-0'")
+        assert lifecycle.swap(a, b).wake.source == "backup" and arena_bytes(b) == image_bytes(image)

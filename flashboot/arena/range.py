@@ -452,7 +452,7 @@ class Arena:
         self._shares.discard(str(who))
 
     @_cuda.keeps_context
-    def sleep(self, *, timings: dict | None = None) -> None:
+    def sleep(self, *, synchronize: bool = True, timings: dict | None = None) -> None:
         """Release the physical memory and keep the address range: every view, and every pointer a
         CUDA graph captured, keeps its address; reading one before :meth:`wake` is a fault.
 
@@ -468,7 +468,9 @@ class Arena:
         revoked: the exported fds are closed and :meth:`export` after :meth:`wake` hands out the
         new segments; a process that opened the old descriptor and still maps it keeps the old
         memory (its copy, never freed memory). Sleeping an asleep arena is a no-op; an opened
-        (imported) arena is refused. ``timings`` (optional dict) gains ``sync_ms``,
+        (imported) arena is refused. ``synchronize=False``: the caller has already waited for
+        every use of this memory (so a copy into another arena on the device may go on meanwhile).
+        ``timings`` (optional dict) gains ``sync_ms``,
         ``revoke_ms`` (the exported fds closed), ``release_ms`` (the segments) and
         ``steps_ms`` (the release's ms per driver or system call, e.g. ``cuMemUnmap``).
         """
@@ -485,7 +487,8 @@ class Arena:
             t0 = time.perf_counter()
             if self._device.is_cuda:
                 _cuda.use_device(self._home_device.index)
-                _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize(before sleep)")
+                if synchronize:
+                    _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize(before sleep)")
             t1 = time.perf_counter()
             steps: dict[str, float] = {}
             try:

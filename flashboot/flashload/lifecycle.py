@@ -27,7 +27,7 @@ import mmap
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import FlashBootError, OutOfMemoryError
 from ..memory import Span
@@ -213,6 +213,12 @@ def sleep(loaded, level: int = 1) -> SleepReport:
     holder (named), OutOfMemoryError / CudaError when the backup cannot be allocated (the image
     stays awake).
     """
+    return _sleep(loaded, level, synchronize=True)
+
+
+def _sleep(loaded, level: int, *, synchronize: bool) -> SleepReport:
+    """:func:`sleep`; ``synchronize=False`` when the caller has already waited for the device's
+    work on these weights (:func:`swap`, whose incoming copy may be running meanwhile)."""
     if level not in (1, 2):
         raise FlashBootError(f"sleep level must be 1 (keep a host backup) or 2 (keep nothing), got {level!r}")
     arena = loaded.arena
@@ -224,7 +230,8 @@ def sleep(loaded, level: int = 1) -> SleepReport:
         return report
     state = _state(loaded)
     t0 = time.perf_counter()
-    _synchronize(arena.device)
+    if synchronize:
+        _synchronize(arena.device)
     report.sync_ms = (time.perf_counter() - t0) * 1e3
     if level == 1:
         if state.backup is None or state.backup.nbytes < loaded.nbytes:
@@ -237,7 +244,7 @@ def sleep(loaded, level: int = 1) -> SleepReport:
     else:
         state.drop_backup()
     t2 = time.perf_counter()
-    arena.sleep(timings=report.release_parts)
+    arena.sleep(synchronize=synchronize, timings=report.release_parts)
     report.release_ms = (time.perf_counter() - t2) * 1e3
     state.level = level
     report.total_ms = (time.perf_counter() - t0) * 1e3
@@ -282,10 +289,17 @@ def _disk_why_not(source) -> str | None:
     return None
 
 
-def _from_served(loaded, source, report: WakeReport, shm_dir, timeout_s: float) -> None:
-    from .client import served_load
+def _from_served(loaded, source, report: WakeReport, shm_dir, timeout_s: float, meanwhile: "_Once") -> None:
+    from .client import start_served_load
 
-    reply = served_load(loaded.arena, source, timeout_s=timeout_s, shm_dir=shm_dir)
+    copy = start_served_load(loaded.arena, image_dir=source.image_dir, rank=source.rank, nbytes=source.nbytes,
+                             metadata_sha256=source.metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir)
+    try:
+        meanwhile()  # while the daemon copies
+    except BaseException:
+        copy.settle()  # the daemon may still be writing into the arena
+        raise
+    reply = copy.wait()
     report.details.update(daemon_pid=reply.get("pid"), daemon_h2d_ms=reply.get("h2d_ms"),
                           daemon_map_ms=reply.get("map_ms"), daemon_copy_map_ms=reply.get("copy_map_ms"),
                           daemon_pinned=reply.get("pinned"))
@@ -304,6 +318,30 @@ def _map_ms(parts: dict) -> float:
     return parts["create_ms"] + parts["map_ms"] + parts.get("access_ms", 0.0)
 
 
+class _MeanwhileFailed(Exception):
+    """``meanwhile`` failed: the wake ends (asleep) and its error is raised as it was, never taken
+    for a source's failure."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Once:
+    """``meanwhile`` of :func:`wake`, run at most once, at the first point where the copy is in flight."""
+
+    def __init__(self, fn: Callable[[], None] | None):
+        self._fn = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            try:
+                fn()
+            except Exception as exc:
+                raise _MeanwhileFailed(exc) from exc
+
+
 class _CopyFailed(Exception):
     """A copy issued into a segment during the pipelined wake failed (the source's failure, not the arena's)."""
 
@@ -312,7 +350,7 @@ class _CopyFailed(Exception):
         self.error = error
 
 
-def _wake_from_backup(loaded, backup: HostBackup, report: WakeReport) -> None:
+def _wake_from_backup(loaded, backup: HostBackup, report: WakeReport, meanwhile: _Once) -> None:
     """Wake ``loaded``'s arena and copy the backup into it, pipelined: each segment's copy is
     issued as soon as the segment is mapped, while the next ones are created, then the copies
     are awaited. A failed copy ends the wake rolled back (asleep) and raises _CopyFailed; the
@@ -335,19 +373,25 @@ def _wake_from_backup(loaded, backup: HostBackup, report: WakeReport) -> None:
             raise _CopyFailed(exc) from exc
 
     parts: dict = {}
+    t0 = time.perf_counter()
     arena.wake(fill, settle=stream.synchronize if stream is not None else None, timings=parts)
-    t = time.perf_counter()
-    if stream is not None:
-        stream.synchronize()
+    try:
+        meanwhile()  # while the copy engine drains the copies issued
+    finally:
+        t = time.perf_counter()
+        if stream is not None:
+            stream.synchronize()  # also when meanwhile failed: the caller releases these segments next
     done = time.perf_counter()
     report.map_ms = _map_ms(parts)
     report.sync_ms = (done - t) * 1e3
     report.copy_ms = (done - first_issued[0]) * 1e3 if first_issued else 0.0
     report.details["wake"] = parts
+    if first_issued:
+        report.details["first_copy_issued_ms"] = (first_issued[0] - t0) * 1e3
 
 
 def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=None, served_timeout_s: float = 10.0,
-         stream_config=None, verify: bool = False) -> WakeReport:
+         stream_config=None, verify: bool = False, meanwhile: Callable[[], None] | None = None) -> WakeReport:
     """Wake ``loaded``: new segments at the same addresses, then its bytes from the first source
     that has them (``source="auto"``: backup, served, disk; or name one of :data:`SOURCES`).
 
@@ -355,6 +399,10 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     instead of freeing it. ``shm_dir``: the preloader's staging root, when not the default.
     ``served_timeout_s``: how long to wait for the daemon's socket. ``verify``: recompute the
     chunk checksums after the copy. Waking an awake image is a no-op (source ``"awake"``).
+    ``meanwhile``: called once while the bytes are being copied (served: while the daemon copies;
+    backup: once every segment's copy is issued), or after a source that copies synchronously
+    (disk); never when the wake fails before a copy starts or the image is awake (:func:`swap`
+    releases the outgoing image there).
 
     Raises OutOfMemoryError (bytes needed and free) when the device has no room: the image stays
     asleep and can be woken later. When no source can be used, or every usable one failed,
@@ -378,6 +426,7 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
         "disk": lambda: _disk_why_not(rank_source),
     }
     where = f"waking rank {rank_source.rank} of {rank_source.image_dir} ({loaded.nbytes:,} bytes on {arena.device})"
+    meanwhile = _Once(meanwhile)
     t0 = time.perf_counter()
     try:
         for name in SOURCES if source == "auto" else (source,):
@@ -389,7 +438,7 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
                 continue
             if name == "backup" and arena.asleep:
                 try:
-                    _wake_from_backup(loaded, state.backup, report)  # OutOfMemoryError here leaves it asleep
+                    _wake_from_backup(loaded, state.backup, report, meanwhile)  # OutOfMemoryError: still asleep
                 except _CopyFailed as exc:
                     report.not_used[name] = f"failed: {type(exc.error).__name__}: {exc.error}"
                     continue
@@ -405,7 +454,7 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
                 if name == "backup":  # the arena woke for a source that failed after it
                     _copy(arena.span(0, loaded.nbytes), state.backup.span(loaded.nbytes), arena.device)
                 elif name == "served":
-                    _from_served(loaded, rank_source, report, shm_dir, served_timeout_s)
+                    _from_served(loaded, rank_source, report, shm_dir, served_timeout_s, meanwhile)
                 else:
                     _from_disk(loaded, rank_source, report, stream_config)
             except FlashBootError as exc:
@@ -414,6 +463,7 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
                 report.not_used[name] = f"failed: {type(exc).__name__}: {exc}"
                 continue
             report.copy_ms = (time.perf_counter() - t2) * 1e3
+            meanwhile()  # a no-op where it ran during the copy
             report.source = name
             break
         else:
@@ -425,8 +475,10 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
             tv = time.perf_counter()
             verify_loaded(arena, loaded.metadata, f"{where}, from {report.source}")
             report.verify_ms = (time.perf_counter() - tv) * 1e3
-    except BaseException:
+    except BaseException as exc:
         arena.sleep()  # nothing half-woken is handed back (a no-op when it never woke)
+        if isinstance(exc, _MeanwhileFailed):
+            raise exc.error from None
         raise
     if not keep_backup:
         state.drop_backup()
@@ -435,4 +487,65 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     return report
 
 
-__all__ = ["HostBackup", "SOURCES", "SleepReport", "WakeReport", "close_lifecycle", "sleep", "wake"]
+# ================================================================================= swap
+@dataclass
+class SwapReport:
+    """One :func:`swap`: the outgoing image's ``sleep`` and the incoming one's ``wake`` reports;
+    ``released_during_wake`` (the outgoing memory was released while the incoming bytes were
+    copied; after them for a disk source) or ``why_released_first``; ``total_ms``."""
+
+    sleep: SleepReport
+    wake: WakeReport
+    released_during_wake: bool
+    why_released_first: str = ""
+    total_ms: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"sleep": self.sleep.to_dict(), "wake": self.wake.to_dict(),
+                "released_during_wake": self.released_during_wake, "why_released_first": self.why_released_first,
+                "total_ms": self.total_ms}
+
+
+def swap(outgoing, incoming, *, level: int = 2, **wake_options) -> SwapReport:
+    """Put ``outgoing`` to sleep (``level``) and wake ``incoming`` (``wake_options`` as :func:`wake`).
+
+    The outgoing model's work on the device is waited for first. Where ``incoming``'s device has
+    room for its arena beside ``outgoing``'s memory, ``incoming``'s wake starts first and
+    ``outgoing`` is put to sleep while its bytes are copied (:func:`wake`'s ``meanwhile``), so
+    the release (and a level-1 backup, the other direction of the link) hides behind the copy;
+    otherwise ``outgoing`` sleeps first, and the report says why. Errors as :func:`sleep` and
+    :func:`wake`; when the wake fails, ``incoming`` stays asleep and ``outgoing`` is asleep if
+    its sleep had run (its report is lost with the error; :attr:`Arena.asleep` tells).
+    """
+    from ..pinning import device_free_bytes
+
+    for what, loaded in (("outgoing", outgoing), ("incoming", incoming)):
+        if loaded.arena.closed:
+            raise FlashBootError(f"{what} {loaded!r} is closed; there is nothing to swap")
+    if outgoing is incoming:
+        raise FlashBootError(f"swap needs two images; {outgoing!r} was given as both")
+    t0 = time.perf_counter()
+    _synchronize(outgoing.arena.device)  # the outgoing model's kernels end before its memory goes
+    slept: list[SleepReport] = []
+
+    def release() -> None:
+        slept.append(_sleep(outgoing, level, synchronize=False))
+
+    incoming_arena = incoming.arena
+    need = incoming_arena.nbytes if incoming_arena.asleep else 0
+    free = device_free_bytes(incoming_arena.device)
+    why_not = ("the outgoing image is asleep already" if outgoing.arena.asleep else
+               "the incoming image is awake already" if not need else
+               f"{incoming_arena.device} has {free:,} bytes free; the incoming arena needs {need:,} beside the "
+               "outgoing one's" if need > free else "")
+    if why_not:
+        release()
+        woke = wake(incoming, **wake_options)
+    else:
+        woke = wake(incoming, meanwhile=release, **wake_options)
+    return SwapReport(sleep=slept[0], wake=woke, released_during_wake=not why_not, why_released_first=why_not,
+                      total_ms=(time.perf_counter() - t0) * 1e3)
+
+
+__all__ = ["HostBackup", "SOURCES", "SleepReport", "SwapReport", "WakeReport", "close_lifecycle", "sleep", "swap",
+           "wake"]
