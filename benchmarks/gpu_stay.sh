@@ -5,7 +5,8 @@
 #    arena's own GPU tests (the backing seam changed how segments are made);
 # 2. flashboot bench swap on two images of checkpoint A (SWAP_SCALE, default 1.0 = 13.76 GB each);
 # 3. flashboot bench soak --kinds sleep: 200 sleep/wake cycles, GPU memory, fds, threads flat.
-# Logs and JSON go to $OUT; the summary is printed. Finishes in about 4-5 minutes.
+# Logs and JSON go to $OUT; the summary is printed, with where each sleep and wake went (the
+# *_parts of swap.json). Finishes in about 4-5 minutes.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,12 +28,14 @@ except (OSError, ValueError) as exc:
     sys.exit(f"no swap figures: {exc}")
 r, rs = o["ratios"], o["restart"]
 print(f"SUMMARY {o['images']} images x {o['nbytes'] / 1e9:.2f} GB, {o['tensors']} tensors, exact={o['exact']}")
-print(f"  wake from daemon   {o['wake_served_ms']:.1f} ms = {r['wake_served_x_h2d']:.3f}x bulk H2D (>= 0.95)")
+print(f"  wake from daemon   {o['wake_served_ms']:.1f} ms (whole wake) = {r['wake_served_x_h2d']:.3f}x bulk H2D (>= 0.95)")
 print(f"  level-1 sleep      {o['level1_sleep_ms']:.1f} ms = {r['level1_sleep_x_d2h']:.3f}x bulk D2H (>= 0.90); pin once {o['level1_pin_ms']:.0f} ms")
-print(f"  level-1 wake       {o['level1_wake_ms']:.1f} ms = {r['level1_wake_x_h2d']:.3f}x bulk H2D (>= 0.95)")
+print(f"  level-1 wake       {o['level1_wake_ms']:.1f} ms (whole wake) = {r['level1_wake_x_h2d']:.3f}x bulk H2D (>= 0.95)")
 print(f"  sleep (release)    {o['sleep_release_ms']:.2f} ms (<= 10); free memory back within a segment: {o['free_back_within_segment']}")
 print(f"  swap               {o['swap_ms']:.1f} ms = {r['swap_over_h2d']:.3f}x bulk H2D time (<= 1.10)")
 print(f"  torch per-tensor   offload {o['torch']['offload_ms']:.0f} ms, reload {o['torch']['reload_ms']:.0f} ms")
 print(f"  holder restart     {rs['restart_ms']:.2f} ms vs budget {rs['budget_ms']:.1f} ms (20 ms + 2 us x {rs['tensors']}): "
       f"{'met' if rs['within_budget'] else 'MISSED'}; served load {rs['served_load_ms']:.1f} ms")
+from flashboot.benchmarks.swap import print_parts
+print_parts(o)  # where each sleep and wake went: the arena's driver calls, the copy, the waits
 PY

@@ -6,10 +6,17 @@ Two (or more) images on one device, each served by a preloader daemon of this pr
   bytes between a pinned host buffer and an arena, one copy each on the copy engine;
 * **sleep (release only)**: ``sleep(level=2)``; the device's free memory after it against before
   the load (it must be back within one segment);
-* **wake from the daemon** (``wake()`` after ``sleep(level=2)``) against the bulk H2D;
-* **swap**: image A to sleep, image B awake (from its daemon), against the bulk H2D of B's bytes;
+* **wake from the daemon** (the whole ``wake()`` after ``sleep(level=2)``: sources probed, new
+  segments created and mapped, the daemon's copy) against the bulk H2D;
+* **swap**: image A to sleep, image B awake (from its daemon) with
+  :func:`flashboot.flashload.lifecycle.swap` (A released during B's copy), against the bulk H2D
+  of B's bytes;
 * **level 1**: ``sleep(level=1)`` (the bulk D2H into a kept pinned backup) against the bulk D2H,
-  and ``wake()`` from that backup against the bulk H2D;
+  and the whole ``wake()`` from that backup (each segment's copy issued once it is mapped)
+  against the bulk H2D;
+* **where the time went** (``*_parts`` in the JSON, printed under the table): each sleep's sync,
+  revoke and driver calls (``cuMemUnmap``, ``cuMemRelease``), each wake's probe, create, map,
+  access, copy and final wait, the daemon's own open, mapping during the copy and H2D;
 * **torch baseline**: the per-tensor offload (``t.cpu()``) and reload (``t.copy_(cpu)``) engines
   do today, on the same parameters;
 * **restart via the holder** (map, metadata, views; no copy) against a served load of the same
@@ -109,6 +116,39 @@ def _exact(loaded) -> bool:
         return False
 
 
+def _median_parts(rows: list[dict]) -> dict:
+    """The median of each key over ``rows`` (nested dicts key by key; keys missing in a row skipped)."""
+    out: dict = {}
+    for key in dict.fromkeys(k for row in rows for k in row):
+        values = [row[key] for row in rows if key in row]
+        if all(isinstance(v, dict) for v in values):
+            out[key] = _median_parts(values)
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = _median(values)
+    return out
+
+
+def _sleep_parts(report) -> dict:
+    """Where a sleep's time went: the engine sync, the backup, the release and its driver calls."""
+    rp = report.release_parts
+    return {"total_ms": report.total_ms, "sync_ms": report.sync_ms, "backup_ms": report.backup_ms,
+            "release_ms": report.release_ms, "release_sync_ms": rp.get("sync_ms", 0.0),
+            "revoke_ms": rp.get("revoke_ms", 0.0), "steps_ms": dict(rp.get("steps_ms", {}))}
+
+
+def _wake_parts(report) -> dict:
+    """Where a wake's time went: probing the sources, the arena's create / map / access (and the
+    copies issued from inside it, pipelined), the copy, the final wait; the daemon's own parts."""
+    arena = report.details.get("wake", {})
+    out = {"total_ms": report.total_ms, "probe_ms": report.probe_ms, "create_map_access_ms": report.map_ms,
+           "copy_ms": report.copy_ms, "sync_ms": report.sync_ms,
+           **{f"arena_{k}": v for k, v in arena.items()}}
+    for key in ("first_copy_issued_ms", "daemon_map_ms", "daemon_copy_map_ms", "daemon_h2d_ms"):
+        if isinstance(report.details.get(key), (int, float)):
+            out[key] = report.details[key]
+    return out
+
+
 def _torch_baseline(loaded, repeats: int) -> dict:
     """Per-tensor offload (``.cpu()``) and reload (``copy_``) of every view, as engines do today."""
     import torch
@@ -176,6 +216,7 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
     """The whole swap benchmark (module doc); returns its figures as a dict."""
     import flashboot
     from flashboot._cuda import device_count
+    from flashboot.flashload.lifecycle import swap as swap_images
     from flashboot.benchmarks.checkpoints import CHECKPOINT_A, make_checkpoint
     from flashboot.benchmarks.serve import _private_shm
     from flashboot.memory import Device
@@ -216,38 +257,51 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
         exact = all(_exact(li) for li in loaded)
         # sleep (release only) of every image but the first, then of the first: the device's free
         # memory after it against before the loads
-        release, wake_served = [], []
+        release, wake_served, sleep_parts, wake_parts = [], [], [], []
         for li in loaded[1:]:
-            release.append(li.sleep(level=2).release_ms)
+            s = li.sleep(level=2)
+            release.append(s.release_ms)
+            sleep_parts.append(_sleep_parts(s))
         for _ in range(repeats):
-            release.append(loaded[0].sleep(level=2).release_ms)
+            s = loaded[0].sleep(level=2)
+            release.append(s.release_ms)
+            sleep_parts.append(_sleep_parts(s))
             free_asleep = device_free_bytes(dev)
             w = loaded[0].wake(shm_dir=shm)
             if w.source != "served":
                 raise FlashBootError(f"the wake did not come from the daemon: {w.summary()}")
-            wake_served.append(w.copy_ms)
+            wake_served.append(w.total_ms)
+            wake_parts.append(_wake_parts(w))
             exact &= _exact(loaded[0])
         out["sleep_release_ms"] = _median(release)
+        out["sleep_release_parts"] = _median_parts(sleep_parts)
+        out["wake_served_parts"] = _median_parts(wake_parts)
         out["free_before_load"], out["free_asleep"] = free_before, free_asleep
         segment = loaded[0].arena.segment_bytes
         out["free_back_within_segment"] = abs(free_asleep - free_before) <= segment
         out["wake_served_ms"] = _median(wake_served)
 
-        # swap: A awake, B asleep -> A to sleep, B awake; alternately
-        swaps = []
+        # swap: A awake, B asleep -> A to sleep, B awake (lifecycle.swap: A released during B's
+        # copy where the device has room for both); alternately
+        swaps, swap_parts, released_during = [], [], []
         a, b = loaded[0], loaded[1]
         for _ in range(repeats):
             t1 = time.perf_counter()
-            a.sleep(level=2)
-            b.wake(shm_dir=shm)
+            r = swap_images(a, b, level=2, shm_dir=shm)
             swaps.append((time.perf_counter() - t1) * 1e3)
+            if r.wake.source != "served":
+                raise FlashBootError(f"the swap's wake did not come from the daemon: {r.wake.summary()}")
+            swap_parts.append({"sleep": _sleep_parts(r.sleep), "wake": _wake_parts(r.wake)})
+            released_during.append(r.why_released_first or "during the wake")
             exact &= _exact(b)
             a, b = b, a
         out["swap_ms"] = _median(swaps)
+        out["swap_parts"] = _median_parts(swap_parts)
+        out["swap_released"] = sorted(set(released_during))
 
         # level 1 through the in-process backup (kept, so the pin is paid once, reported apart)
         target = a  # the awake one
-        backup_ms, wake_backup, pin_ms = [], [], 0.0
+        backup_ms, wake_backup, pin_ms, level1_parts = [], [], 0.0, []
         for _ in range(repeats):
             s = target.sleep(level=1)
             pin_ms = max(pin_ms, s.pin_ms)
@@ -255,10 +309,12 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
             w = target.wake(keep_backup=True)
             if w.source != "backup":
                 raise FlashBootError(f"the level-1 wake did not come from the backup: {w.summary()}")
-            wake_backup.append(w.copy_ms)
+            wake_backup.append(w.total_ms)
+            level1_parts.append(_wake_parts(w))
             exact &= _exact(target)
         target.lifecycle.drop_backup()
-        out.update(level1_sleep_ms=_median(backup_ms), level1_wake_ms=_median(wake_backup), level1_pin_ms=pin_ms)
+        out.update(level1_sleep_ms=_median(backup_ms), level1_wake_ms=_median(wake_backup), level1_pin_ms=pin_ms,
+                   level1_wake_parts=_median_parts(level1_parts))
 
         out["torch"] = _torch_baseline(target, max(1, repeats - 1))
         exact &= _exact(target)
@@ -318,9 +374,34 @@ def print_results(out: dict) -> None:
     ]
     print_table(f"swap: {out['images']} images of {n:,} bytes ({out['tensors']:,} tensors) on {out['device']}",
                 ["what", "ms", "GB/s", "against", "target"], rows)
+    print_parts(out)
     print(f"level-1 backup pin (once, kept): {out['level1_pin_ms']:.1f} ms; restart parts: metadata "
           f"{rs['metadata_ms']:.2f} ms, map {rs['map_ms']:.2f} ms, views {rs['views_ms']:.2f} ms; "
           f"every wake byte-exact: {out['exact']}")
+
+
+def print_parts(out: dict) -> None:
+    """Where each sleep and wake went (medians): the lines the figures above are judged by."""
+    def f(d: dict, key: str) -> str:
+        return f"{d.get(key, 0.0):.2f}"
+
+    sp, wp, lp = out["sleep_release_parts"], out["wake_served_parts"], out["level1_wake_parts"]
+    steps = ", ".join(f"{k} {v:.2f}" for k, v in sp.get("steps_ms", {}).items())
+    print(f"sleep (release only) parts, ms: arena sync {f(sp, 'release_sync_ms')}, exports revoked "
+          f"{f(sp, 'revoke_ms')}, segments released {f(sp, 'release_ms')} ({steps})")
+    print(f"wake from the daemon parts, ms: total {f(wp, 'total_ms')} = sources probed {f(wp, 'probe_ms')} + "
+          f"create+map {f(wp, 'create_map_access_ms')} (create {f(wp, 'arena_create_ms')}, map {f(wp, 'arena_map_ms')}, "
+          f"access {f(wp, 'arena_access_ms')}) + served copy {f(wp, 'copy_ms')} (daemon: open {f(wp, 'daemon_map_ms')}, "
+          f"map during the copy {f(wp, 'daemon_copy_map_ms')}, H2D {f(wp, 'daemon_h2d_ms')})")
+    print(f"level-1 wake parts, ms: total {f(lp, 'total_ms')} = arena wake {f(lp, 'arena_wake_ms')} (create "
+          f"{f(lp, 'arena_create_ms')}, map {f(lp, 'arena_map_ms')}, access {f(lp, 'arena_access_ms')}, copies issued "
+          f"{f(lp, 'arena_fill_ms')}; first copy issued at {f(lp, 'first_copy_issued_ms')}) + wait for the copies "
+          f"{f(lp, 'sync_ms')}; the copy from its first byte issued to its last {f(lp, 'copy_ms')}")
+    sw = out["swap_parts"]
+    print(f"swap parts, ms: outgoing released {'; '.join(out['swap_released'])}: sleep {f(sw['sleep'], 'total_ms')} "
+          f"(release {f(sw['sleep'], 'release_ms')}); incoming wake {f(sw['wake'], 'total_ms')} (probe "
+          f"{f(sw['wake'], 'probe_ms')}, create+map {f(sw['wake'], 'create_map_access_ms')}, served copy "
+          f"{f(sw['wake'], 'copy_ms')}, daemon H2D {f(sw['wake'], 'daemon_h2d_ms')})")
 
 
 def register_bench(sub) -> None:
