@@ -16,7 +16,9 @@ Two (or more) images on one device, each served by a preloader daemon of this pr
   against the bulk H2D;
 * **where the time went** (``*_parts`` in the JSON, printed under the table): each sleep's sync,
   revoke and driver calls (``cuMemUnmap``, ``cuMemRelease``), each wake's probe, create, map,
-  access, copy and final wait, the daemon's own open, mapping during the copy and H2D;
+  access, copy and final wait, the daemon's own open, mapping during the copy and H2D; and the
+  wake from the daemon again after a rest of :data:`REST_S` (what the driver's release of the
+  segments just freed costs a wake right after the sleep);
 * **torch baseline**: the per-tensor offload (``t.cpu()``) and reload (``t.copy_(cpu)``) engines
   do today, on the same parameters;
 * **restart via the holder** (map, metadata, views; no copy) against a served load of the same
@@ -40,6 +42,8 @@ from pathlib import Path
 
 from flashboot.errors import FlashBootError
 
+REST_S = 0.5
+"""The rest between a sleep and the rested wake (the driver's release of the old segments is over by then)."""
 RESTART_BUDGET_MS, RESTART_PER_TENSOR_MS = 20.0, 0.002
 """Restart via the holder: 20 ms + 2 us per tensor (the boot issue's budget for the view work)."""
 
@@ -276,6 +280,16 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
         out["sleep_release_ms"] = _median(release)
         out["sleep_release_parts"] = _median_parts(sleep_parts)
         out["wake_served_parts"] = _median_parts(wake_parts)
+        # the same wake after a rest: what of its create / map / access is the driver still
+        # releasing the segments the sleep just gave back (benchmarks/RESULTS.md: a create right
+        # after a close of many segments waits for it)
+        rested = []
+        for _ in range(repeats):
+            loaded[0].sleep(level=2)
+            time.sleep(REST_S)
+            rested.append(_wake_parts(loaded[0].wake(shm_dir=shm)))
+            exact &= _exact(loaded[0])
+        out["wake_served_rested_parts"] = _median_parts(rested)
         out["free_before_load"], out["free_asleep"] = free_before, free_asleep
         segment = loaded[0].arena.segment_bytes
         out["free_back_within_segment"] = abs(free_asleep - free_before) <= segment
@@ -397,6 +411,10 @@ def print_parts(out: dict) -> None:
           f"{f(lp, 'arena_create_ms')}, map {f(lp, 'arena_map_ms')}, access {f(lp, 'arena_access_ms')}, copies issued "
           f"{f(lp, 'arena_fill_ms')}; first copy issued at {f(lp, 'first_copy_issued_ms')}) + wait for the copies "
           f"{f(lp, 'sync_ms')}; the copy from its first byte issued to its last {f(lp, 'copy_ms')}")
+    rp = out["wake_served_rested_parts"]
+    print(f"  the same wake {REST_S:g} s after the sleep: total {f(rp, 'total_ms')}, create+map "
+          f"{f(rp, 'create_map_access_ms')} (create {f(rp, 'arena_create_ms')}, map {f(rp, 'arena_map_ms')}, access "
+          f"{f(rp, 'arena_access_ms')}), served copy {f(rp, 'copy_ms')} (daemon H2D {f(rp, 'daemon_h2d_ms')})")
     sw = out["swap_parts"]
     print(f"swap parts, ms: outgoing released {'; '.join(out['swap_released'])}: sleep {f(sw['sleep'], 'total_ms')} "
           f"(release {f(sw['sleep'], 'release_ms')}); incoming wake {f(sw['wake'], 'total_ms')} (probe "

@@ -14,6 +14,7 @@ def test_a_small_swap_run_reports_every_figure(tmp_path, capsys):
     served, level1 = out["wake_served_parts"], out["level1_wake_parts"]
     assert served["total_ms"] >= served["probe_ms"] + served["copy_ms"] and served["daemon_h2d_ms"] > 0
     assert level1["arena_fill_ms"] > 0 and level1["first_copy_issued_ms"] > 0 and "arena_create_ms" in level1
+    assert out["wake_served_rested_parts"]["daemon_h2d_ms"] > 0
     assert out["swap_released"] == ["during the wake"] and out["swap_parts"]["wake"]["total_ms"] > 0
     assert out["torch"]["offload_ms"] > 0 and out["torch"]["reload_ms"] > 0
     assert out["restart"]["tensors"] == 3170 and out["restart"]["restart_ms"] > 0
