@@ -197,9 +197,9 @@ def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 class _Mappings:
     """The segments mapped into one reserved range, unmapped together by :meth:`unmap`: one
     ``cuMemUnmap`` per run of adjacent mappings, since the driver unmaps a range spanning many
-    mappings in one call (as CUDA's vectorAddMMAP sample frees its striped allocation) and each
-    call pays its own fixed price (52 segments unmapped and released one by one: 10.5 ms on an
-    H200, benchmarks/RESULTS.md)."""
+    mappings in one call (CUDA's vectorAddMMAP sample frees its striped allocation so), and a
+    sleep should pay a call's fixed cost once, not once per segment (an arena of 60 segments
+    unmapped and released one by one closed in 11.0 ms on an H200, benchmarks/RESULTS.md)."""
 
     def __init__(self):
         self._spans: list[tuple[int, int]] = []
