@@ -249,6 +249,7 @@ def attach_segments(undo: _Undo, ptr: int, prop, sizes: list[int], segment_bytes
                 _set_access(addr, size, devices)
                 t3 = time.perf_counter()
                 ready(i)
+                _cuda.use_device(index)  # ready's copy may have made another device's context current
                 stats["access_ms"] += (t3 - t2) * 1e3
                 stats["ready_ms"] += (time.perf_counter() - t3) * 1e3
         if ready is None:
