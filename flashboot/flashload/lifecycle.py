@@ -244,7 +244,7 @@ def _sleep(loaded, level: int, *, synchronize: bool) -> SleepReport:
     else:
         state.drop_backup()
     t2 = time.perf_counter()
-    arena.sleep(synchronize=synchronize, timings=report.release_parts)
+    arena.sleep(synchronize=False, timings=report.release_parts)  # waited above (or by swap), and the backup's copy
     report.release_ms = (time.perf_counter() - t2) * 1e3
     state.level = level
     report.total_ms = (time.perf_counter() - t0) * 1e3
