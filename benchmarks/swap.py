@@ -9,8 +9,8 @@ Two (or more) images on one device, each served by a preloader daemon of this pr
 * **wake from the daemon** (the whole ``wake()`` after ``sleep(level=2)``: sources probed, new
   segments created and mapped, the daemon's copy) against the bulk H2D;
 * **swap**: image A to sleep, image B awake (from its daemon) with
-  :func:`flashboot.flashload.lifecycle.swap` (A released during B's copy), against the bulk H2D
-  of B's bytes;
+  :func:`flashboot.flashload.lifecycle.swap`, against the bulk H2D of B's bytes: A released during
+  B's copy (the default, the headline), after it, and before B's wake (plain sleep then wake);
 * **level 1**: ``sleep(level=1)`` (the bulk D2H into a kept pinned backup) against the bulk D2H,
   and the whole ``wake()`` from that backup (each segment's copy issued once it is mapped)
   against the bulk H2D;
@@ -220,7 +220,7 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
     """The whole swap benchmark (module doc); returns its figures as a dict."""
     import flashboot
     from flashboot._cuda import device_count
-    from flashboot.flashload.lifecycle import swap as swap_images
+    from flashboot.flashload.lifecycle import SWAP_RELEASES, swap as swap_images
     from flashboot.benchmarks.checkpoints import CHECKPOINT_A, make_checkpoint
     from flashboot.benchmarks.serve import _private_shm
     from flashboot.memory import Device
@@ -295,23 +295,25 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
         out["free_back_within_segment"] = abs(free_asleep - free_before) <= segment
         out["wake_served_ms"] = _median(wake_served)
 
-        # swap: A awake, B asleep -> A to sleep, B awake (lifecycle.swap: A released during B's
-        # copy where the device has room for both); alternately
-        swaps, swap_parts, released_during = [], [], []
+        # swap: A awake, B asleep -> A to sleep, B awake, alternately, with lifecycle.swap releasing
+        # A during B's copy (the default), after it, or before B's wake (plain sleep then wake)
         a, b = loaded[0], loaded[1]
-        for _ in range(repeats):
-            t1 = time.perf_counter()
-            r = swap_images(a, b, level=2, shm_dir=shm)
-            swaps.append((time.perf_counter() - t1) * 1e3)
-            if r.wake.source != "served":
-                raise FlashBootError(f"the swap's wake did not come from the daemon: {r.wake.summary()}")
-            swap_parts.append({"sleep": _sleep_parts(r.sleep), "wake": _wake_parts(r.wake)})
-            released_during.append(r.why_released_first or "during the wake")
-            exact &= _exact(b)
-            a, b = b, a
-        out["swap_ms"] = _median(swaps)
-        out["swap_parts"] = _median_parts(swap_parts)
-        out["swap_released"] = sorted(set(released_during))
+        out["swap_modes"] = {}
+        for mode in SWAP_RELEASES:
+            swaps, swap_parts, released = [], [], []
+            for _ in range(repeats):
+                t1 = time.perf_counter()
+                r = swap_images(a, b, level=2, release=mode, shm_dir=shm)
+                swaps.append((time.perf_counter() - t1) * 1e3)
+                if r.wake.source != "served":
+                    raise FlashBootError(f"the swap's wake did not come from the daemon: {r.wake.summary()}")
+                swap_parts.append({"sleep": _sleep_parts(r.sleep), "wake": _wake_parts(r.wake)})
+                released.append(r.released + (f" ({r.why})" if r.why else ""))
+                exact &= _exact(b)
+                a, b = b, a
+            out["swap_modes"][mode] = {"ms": _median(swaps), "parts": _median_parts(swap_parts),
+                                       "released": sorted(set(released))}
+        out["swap_ms"] = out["swap_modes"]["during"]["ms"]
 
         # level 1 through the in-process backup (kept, so the pin is paid once, reported apart)
         target = a  # the awake one
@@ -352,6 +354,7 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
         "level1_sleep_x_d2h": d2h / out["level1_sleep_ms"],
         "level1_wake_x_h2d": h2d / out["level1_wake_ms"],
         "swap_over_h2d": out["swap_ms"] / h2d,
+        **{f"swap_release_{mode}_over_h2d": m["ms"] / h2d for mode, m in out["swap_modes"].items()},
         "torch_offload_over_d2h": out["torch"]["offload_ms"] / d2h,
         "torch_reload_over_h2d": out["torch"]["reload_ms"] / h2d,
     }
@@ -378,6 +381,9 @@ def print_results(out: dict) -> None:
          f"free memory back: {out['free_back_within_segment']}", "<= 10 ms"],
         ["swap (A sleeps, B wakes)", f"{out['swap_ms']:.1f}", f"{_gbps(n, out['swap_ms']):.1f}",
          f"{r['swap_over_h2d']:.3f}x the H2D time", "<= 1.10x"],
+        *[[f"  swap, A released {mode} B's copy" if mode != "before" else "  swap, A released before B's wake",
+           f"{m['ms']:.1f}", f"{_gbps(n, m['ms']):.1f}", f"{r[f'swap_release_{mode}_over_h2d']:.3f}x the H2D time", ""]
+          for mode, m in out["swap_modes"].items()],
         ["torch per-tensor offload (.cpu())", f"{out['torch']['offload_ms']:.1f}",
          f"{_gbps(n, out['torch']['offload_ms']):.1f}", f"{r['torch_offload_over_d2h']:.2f}x the D2H time", ""],
         ["torch per-tensor reload (copy_)", f"{out['torch']['reload_ms']:.1f}",
@@ -415,11 +421,13 @@ def print_parts(out: dict) -> None:
     print(f"  the same wake {REST_S:g} s after the sleep: total {f(rp, 'total_ms')}, create+map "
           f"{f(rp, 'create_map_access_ms')} (create {f(rp, 'arena_create_ms')}, map {f(rp, 'arena_map_ms')}, access "
           f"{f(rp, 'arena_access_ms')}), served copy {f(rp, 'copy_ms')} (daemon H2D {f(rp, 'daemon_h2d_ms')})")
-    sw = out["swap_parts"]
-    print(f"swap parts, ms: outgoing released {'; '.join(out['swap_released'])}: sleep {f(sw['sleep'], 'total_ms')} "
-          f"(release {f(sw['sleep'], 'release_ms')}); incoming wake {f(sw['wake'], 'total_ms')} (probe "
-          f"{f(sw['wake'], 'probe_ms')}, create+map {f(sw['wake'], 'create_map_access_ms')}, served copy "
-          f"{f(sw['wake'], 'copy_ms')}, daemon H2D {f(sw['wake'], 'daemon_h2d_ms')})")
+    for mode, m in out["swap_modes"].items():
+        sw = m["parts"]
+        print(f"swap parts (release {mode}), ms: total {m['ms']:.2f}; released {'; '.join(m['released'])}: sleep "
+              f"{f(sw['sleep'], 'total_ms')} (release {f(sw['sleep'], 'release_ms')}); incoming wake "
+              f"{f(sw['wake'], 'total_ms')} (probe {f(sw['wake'], 'probe_ms')}, create+map "
+              f"{f(sw['wake'], 'create_map_access_ms')}, served copy {f(sw['wake'], 'copy_ms')}, daemon H2D "
+              f"{f(sw['wake'], 'daemon_h2d_ms')})")
 
 
 def register_bench(sub) -> None:

@@ -253,12 +253,20 @@ def test_swap_releases_the_outgoing_image_during_the_incoming_wake(image, tmp_pa
         want_b = snapshot(b)
         b.sleep(level=1)
         r = lifecycle.swap(a, b, level=2)
-        assert r.released_during_wake and r.why_released_first == ""
+        assert r.released == "during" and r.why == ""
         assert a.arena.asleep and not b.arena.asleep and r.sleep.level == 2 and r.wake.source == "backup"
         assert snapshot(b) == want_b and r.total_ms >= r.wake.total_ms
         back = lifecycle.swap(b, a, level=1, shm_dir=tmp_path / "no-shm")  # a from disk, b keeps a backup
-        assert back.released_during_wake and back.wake.source == "disk" and back.sleep.level == 1
+        assert back.released == "during" and back.wake.source == "disk" and back.sleep.level == 1
         assert arena_bytes(a) == image_bytes(image) and b.arena.asleep and b.lifecycle.backup is not None
+        out, into = a, b
+        for release in ("after", "before"):
+            r = lifecycle.swap(out, into, release=release, shm_dir=tmp_path / "no-shm")
+            assert r.released == release and r.why == "" and out.arena.asleep and not into.arena.asleep
+            out, into = into, out
+        assert arena_bytes(a) == image_bytes(image) and b.arena.asleep
+        with pytest.raises(FlashBootError, match="unknown swap release 'never'; known: during, after, before"):
+            lifecycle.swap(a, b, release="never")
 
 
 def test_swap_without_room_releases_first_and_says_why(image, tmp_path, monkeypatch):
@@ -268,10 +276,10 @@ def test_swap_without_room_releases_first_and_says_why(image, tmp_path, monkeypa
     with streamed(image) as a, streamed(second) as b:
         b.sleep(level=1)
         monkeypatch.setattr(flashboot.pinning, "device_free_bytes", lambda device: 4096)
-        r = lifecycle.swap(a, b)
-        assert not r.released_during_wake and a.arena.asleep and not b.arena.asleep
-        assert r.why_released_first == (f"cpu has 4,096 bytes free; the incoming arena needs {b.arena.nbytes:,} "
-                                        "beside the outgoing one's")
+        r = lifecycle.swap(a, b, release="after")
+        assert r.released == "before" and a.arena.asleep and not b.arena.asleep
+        assert r.why == (f"cpu has 4,096 bytes free; the incoming arena needs {b.arena.nbytes:,} beside the outgoing "
+                         "one's")
 
 
 def test_swap_whose_release_fails_leaves_both_as_they_were_and_raises_it(image, tmp_path):

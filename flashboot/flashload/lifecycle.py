@@ -488,37 +488,43 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
 
 
 # ================================================================================= swap
+SWAP_RELEASES = ("during", "after", "before")
+"""When :func:`swap` releases the outgoing image's memory, relative to the incoming image's copy."""
+
+
 @dataclass
 class SwapReport:
     """One :func:`swap`: the outgoing image's ``sleep`` and the incoming one's ``wake`` reports;
-    ``released_during_wake`` (the outgoing memory was released while the incoming bytes were
-    copied; after them for a disk source) or ``why_released_first``; ``total_ms``."""
+    ``released``: when the outgoing memory was released (one of :data:`SWAP_RELEASES`), and
+    ``why`` when that is not what was asked; ``total_ms``."""
 
     sleep: SleepReport
     wake: WakeReport
-    released_during_wake: bool
-    why_released_first: str = ""
+    released: str
+    why: str = ""
     total_ms: float = 0.0
 
     def to_dict(self) -> dict:
-        return {"sleep": self.sleep.to_dict(), "wake": self.wake.to_dict(),
-                "released_during_wake": self.released_during_wake, "why_released_first": self.why_released_first,
-                "total_ms": self.total_ms}
+        return {"sleep": self.sleep.to_dict(), "wake": self.wake.to_dict(), "released": self.released,
+                "why": self.why, "total_ms": self.total_ms}
 
 
-def swap(outgoing, incoming, *, level: int = 2, **wake_options) -> SwapReport:
+def swap(outgoing, incoming, *, level: int = 2, release: str = "during", **wake_options) -> SwapReport:
     """Put ``outgoing`` to sleep (``level``) and wake ``incoming`` (``wake_options`` as :func:`wake`).
 
-    The outgoing model's work on the device is waited for first. Where ``incoming``'s device has
-    room for its arena beside ``outgoing``'s memory, ``incoming``'s wake starts first and
-    ``outgoing`` is put to sleep while its bytes are copied (:func:`wake`'s ``meanwhile``), so
-    the release (and a level-1 backup, the other direction of the link) hides behind the copy;
-    otherwise ``outgoing`` sleeps first, and the report says why. Errors as :func:`sleep` and
-    :func:`wake`; when the wake fails, ``incoming`` stays asleep and ``outgoing`` is asleep if
-    its sleep had run (its report is lost with the error; :attr:`Arena.asleep` tells).
+    The outgoing model's work on the device is waited for first. ``release``: when the outgoing
+    memory goes, where the device has room for ``incoming``'s arena beside it:
+    ``"during"`` the incoming copy (:func:`wake`'s ``meanwhile``: the release's host time, and a
+    level-1 backup on the link's other direction, hide behind the copy), ``"after"`` it (the
+    copy runs before the driver starts on the freed memory), or ``"before"`` the wake (the
+    plain sleep-then-wake). Without that room it is ``"before"``, and the report says why.
+    Errors as :func:`sleep` and :func:`wake`; when the wake fails, ``incoming`` stays asleep and
+    ``outgoing`` is asleep if its sleep had run (:attr:`Arena.asleep` tells).
     """
     from ..pinning import device_free_bytes
 
+    if release not in SWAP_RELEASES:
+        raise FlashBootError(f"unknown swap release {release!r}; known: {', '.join(SWAP_RELEASES)}")
     for what, loaded in (("outgoing", outgoing), ("incoming", incoming)):
         if loaded.arena.closed:
             raise FlashBootError(f"{what} {loaded!r} is closed; there is nothing to swap")
@@ -528,24 +534,25 @@ def swap(outgoing, incoming, *, level: int = 2, **wake_options) -> SwapReport:
     _synchronize(outgoing.arena.device)  # the outgoing model's kernels end before its memory goes
     slept: list[SleepReport] = []
 
-    def release() -> None:
+    def release_outgoing() -> None:
         slept.append(_sleep(outgoing, level, synchronize=False))
 
     incoming_arena = incoming.arena
     need = incoming_arena.nbytes if incoming_arena.asleep else 0
     free = device_free_bytes(incoming_arena.device)
-    why_not = ("the outgoing image is asleep already" if outgoing.arena.asleep else
-               "the incoming image is awake already" if not need else
-               f"{incoming_arena.device} has {free:,} bytes free; the incoming arena needs {need:,} beside the "
-               "outgoing one's" if need > free else "")
-    if why_not:
-        release()
-        woke = wake(incoming, **wake_options)
-    else:
-        woke = wake(incoming, meanwhile=release, **wake_options)
-    return SwapReport(sleep=slept[0], wake=woke, released_during_wake=not why_not, why_released_first=why_not,
-                      total_ms=(time.perf_counter() - t0) * 1e3)
+    why = "" if release == "before" else (
+        "the outgoing image is asleep already" if outgoing.arena.asleep else
+        "the incoming image is awake already" if not need else
+        f"{incoming_arena.device} has {free:,} bytes free; the incoming arena needs {need:,} beside the outgoing "
+        "one's" if need > free else "")
+    released = "before" if why else release
+    if released == "before":
+        release_outgoing()
+    woke = wake(incoming, meanwhile=release_outgoing if released == "during" else None, **wake_options)
+    if released == "after":
+        release_outgoing()
+    return SwapReport(sleep=slept[0], wake=woke, released=released, why=why, total_ms=(time.perf_counter() - t0) * 1e3)
 
 
-__all__ = ["HostBackup", "SOURCES", "SleepReport", "SwapReport", "WakeReport", "close_lifecycle", "sleep", "swap",
-           "wake"]
+__all__ = ["HostBackup", "SOURCES", "SWAP_RELEASES", "SleepReport", "SwapReport", "WakeReport", "close_lifecycle",
+           "sleep", "swap", "wake"]
