@@ -225,13 +225,14 @@ def test_bad_arguments_are_refused(image):
         loaded.sleep()
 
 
-def threads_settled_at(want: int, timeout_s: float = 5.0) -> int:
-    """This process's thread count once it is ``want`` or ``timeout_s`` passed: a joined helper
-    thread leaves /proc/self/task a moment after join() returns."""
+def threads_started_since(before: set[str], timeout_s: float = 5.0) -> set[str]:
+    """This process's threads (task ids) that were not in ``before`` and are still alive after up
+    to ``timeout_s``: a joined helper leaves /proc/self/task a moment after join() returns, and a
+    thread of an earlier test that ends meanwhile is no leak of this one."""
     deadline = time.monotonic() + timeout_s
-    while (found := len(os.listdir("/proc/self/task"))) != want and time.monotonic() < deadline:
+    while (new := set(os.listdir("/proc/self/task")) - before) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return found
+    return new
 
 
 def test_cycles_leave_fds_and_threads_flat(image):
@@ -239,11 +240,11 @@ def test_cycles_leave_fds_and_threads_flat(image):
         for level in (1, 2):  # warm-up of both paths: a pool that a first use starts is not a leak
             loaded.sleep(level=level)
             loaded.wake(shm_dir="/nonexistent-shm")
-        fds, threads = len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+        fds, threads = len(os.listdir("/proc/self/fd")), set(os.listdir("/proc/self/task"))
         for i in range(10):
             loaded.sleep(level=1 + i % 2)
             loaded.wake(shm_dir="/nonexistent-shm")
-        assert len(os.listdir("/proc/self/fd")) == fds and threads_settled_at(threads) == threads
+        assert len(os.listdir("/proc/self/fd")) == fds and threads_started_since(threads) == set()
         assert arena_bytes(loaded) == image_bytes(image)
 
 
