@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,nohea
 step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -${TAIL:-25} "$OUT/$name.log"; echo "=== $name rc=$rc"; }
 step tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sleep_gpu.py tests/test_arena_gpu.py
 # importers unmap their segments in runs now: a seed's clones and a holder's restart on this GPU
-TAIL=5 step tests_clone 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_clone_gpu.py \
+TAIL=5 step tests_clone 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_clone_gpu.py \
   -k "seed_and_clones_in_one_process or holder_keeps_gpu_weights"
 TAIL=20 step swap "${SWAP_LIMIT:-290}" flashboot bench swap --scale "${SWAP_SCALE:-1.0}" --repeats 3 --json "$OUT/swap.json"
 TAIL=6 step soak 80 flashboot bench soak --kinds sleep --cycles 200 --json "$OUT/soak.json"
