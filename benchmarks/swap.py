@@ -6,10 +6,19 @@ Two (or more) images on one device, each served by a preloader daemon of this pr
   bytes between a pinned host buffer and an arena, one copy each on the copy engine;
 * **sleep (release only)**: ``sleep(level=2)``; the device's free memory after it against before
   the load (it must be back within one segment);
-* **wake from the daemon** (``wake()`` after ``sleep(level=2)``) against the bulk H2D;
-* **swap**: image A to sleep, image B awake (from its daemon), against the bulk H2D of B's bytes;
+* **wake from the daemon** (the whole ``wake()`` after ``sleep(level=2)``: sources probed, new
+  segments created and mapped, the daemon's copy) against the bulk H2D;
+* **swap**: image A to sleep, image B awake (from its daemon) with
+  :func:`flashboot.flashload.lifecycle.swap`, against the bulk H2D of B's bytes: A released during
+  B's copy (the default, the headline), after it, and before B's wake (plain sleep then wake);
 * **level 1**: ``sleep(level=1)`` (the bulk D2H into a kept pinned backup) against the bulk D2H,
-  and ``wake()`` from that backup against the bulk H2D;
+  and the whole ``wake()`` from that backup (each segment's copy issued once it is mapped)
+  against the bulk H2D;
+* **where the time went** (``*_parts`` in the JSON, printed under the table): each sleep's sync,
+  revoke and driver calls (``cuMemUnmap``, ``cuMemRelease``), each wake's probe, create, map,
+  access, copy and final wait, the daemon's own open, mapping during the copy and H2D; and the
+  wake from the daemon again after a rest of :data:`REST_S` (what the driver's release of the
+  segments just freed costs a wake right after the sleep);
 * **torch baseline**: the per-tensor offload (``t.cpu()``) and reload (``t.copy_(cpu)``) engines
   do today, on the same parameters;
 * **restart via the holder** (map, metadata, views; no copy) against a served load of the same
@@ -33,6 +42,8 @@ from pathlib import Path
 
 from flashboot.errors import FlashBootError
 
+REST_S = 0.5
+"""The rest between a sleep and the rested wake (the driver's release of the old segments is over by then)."""
 RESTART_BUDGET_MS, RESTART_PER_TENSOR_MS = 20.0, 0.002
 """Restart via the holder: 20 ms + 2 us per tensor (the boot issue's budget for the view work)."""
 
@@ -109,6 +120,39 @@ def _exact(loaded) -> bool:
         return False
 
 
+def _median_parts(rows: list[dict]) -> dict:
+    """The median of each key over ``rows`` (nested dicts key by key; keys missing in a row skipped)."""
+    out: dict = {}
+    for key in dict.fromkeys(k for row in rows for k in row):
+        values = [row[key] for row in rows if key in row]
+        if all(isinstance(v, dict) for v in values):
+            out[key] = _median_parts(values)
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = _median(values)
+    return out
+
+
+def _sleep_parts(report) -> dict:
+    """Where a sleep's time went: the engine sync, the backup, the release and its driver calls."""
+    rp = report.release_parts
+    return {"total_ms": report.total_ms, "sync_ms": report.sync_ms, "backup_ms": report.backup_ms,
+            "release_ms": report.release_ms, "release_sync_ms": rp.get("sync_ms", 0.0),
+            "revoke_ms": rp.get("revoke_ms", 0.0), "steps_ms": dict(rp.get("steps_ms", {}))}
+
+
+def _wake_parts(report) -> dict:
+    """Where a wake's time went: probing the sources, the arena's create / map / access (and the
+    copies issued from inside it, pipelined), the copy, the final wait; the daemon's own parts."""
+    arena = report.details.get("wake", {})
+    out = {"total_ms": report.total_ms, "probe_ms": report.probe_ms, "create_map_access_ms": report.map_ms,
+           "copy_ms": report.copy_ms, "sync_ms": report.sync_ms,
+           **{f"arena_{k}": v for k, v in arena.items()}}
+    for key in ("first_copy_issued_ms", "daemon_map_ms", "daemon_copy_map_ms", "daemon_h2d_ms"):
+        if isinstance(report.details.get(key), (int, float)):
+            out[key] = report.details[key]
+    return out
+
+
 def _torch_baseline(loaded, repeats: int) -> dict:
     """Per-tensor offload (``.cpu()``) and reload (``copy_``) of every view, as engines do today."""
     import torch
@@ -176,6 +220,7 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
     """The whole swap benchmark (module doc); returns its figures as a dict."""
     import flashboot
     from flashboot._cuda import device_count
+    from flashboot.flashload.lifecycle import SWAP_RELEASES, swap as swap_images
     from flashboot.benchmarks.checkpoints import CHECKPOINT_A, make_checkpoint
     from flashboot.benchmarks.serve import _private_shm
     from flashboot.memory import Device
@@ -216,38 +261,63 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
         exact = all(_exact(li) for li in loaded)
         # sleep (release only) of every image but the first, then of the first: the device's free
         # memory after it against before the loads
-        release, wake_served = [], []
+        release, wake_served, sleep_parts, wake_parts = [], [], [], []
         for li in loaded[1:]:
-            release.append(li.sleep(level=2).release_ms)
+            s = li.sleep(level=2)
+            release.append(s.release_ms)
+            sleep_parts.append(_sleep_parts(s))
         for _ in range(repeats):
-            release.append(loaded[0].sleep(level=2).release_ms)
+            s = loaded[0].sleep(level=2)
+            release.append(s.release_ms)
+            sleep_parts.append(_sleep_parts(s))
             free_asleep = device_free_bytes(dev)
             w = loaded[0].wake(shm_dir=shm)
             if w.source != "served":
                 raise FlashBootError(f"the wake did not come from the daemon: {w.summary()}")
-            wake_served.append(w.copy_ms)
+            wake_served.append(w.total_ms)
+            wake_parts.append(_wake_parts(w))
             exact &= _exact(loaded[0])
         out["sleep_release_ms"] = _median(release)
+        out["sleep_release_parts"] = _median_parts(sleep_parts)
+        out["wake_served_parts"] = _median_parts(wake_parts)
+        # the same wake after a rest: what of its create / map / access is the driver still
+        # releasing the segments the sleep just gave back (benchmarks/RESULTS.md: a create right
+        # after a close of many segments waits for it)
+        rested = []
+        for _ in range(repeats):
+            loaded[0].sleep(level=2)
+            time.sleep(REST_S)
+            rested.append(_wake_parts(loaded[0].wake(shm_dir=shm)))
+            exact &= _exact(loaded[0])
+        out["wake_served_rested_parts"] = _median_parts(rested)
         out["free_before_load"], out["free_asleep"] = free_before, free_asleep
         segment = loaded[0].arena.segment_bytes
         out["free_back_within_segment"] = abs(free_asleep - free_before) <= segment
         out["wake_served_ms"] = _median(wake_served)
 
-        # swap: A awake, B asleep -> A to sleep, B awake; alternately
-        swaps = []
+        # swap: A awake, B asleep -> A to sleep, B awake, alternately, with lifecycle.swap releasing
+        # A during B's copy (the default), after it, or before B's wake (plain sleep then wake)
         a, b = loaded[0], loaded[1]
-        for _ in range(repeats):
-            t1 = time.perf_counter()
-            a.sleep(level=2)
-            b.wake(shm_dir=shm)
-            swaps.append((time.perf_counter() - t1) * 1e3)
-            exact &= _exact(b)
-            a, b = b, a
-        out["swap_ms"] = _median(swaps)
+        out["swap_modes"] = {}
+        for mode in SWAP_RELEASES:
+            swaps, swap_parts, released = [], [], []
+            for _ in range(repeats):
+                t1 = time.perf_counter()
+                r = swap_images(a, b, level=2, release=mode, shm_dir=shm)
+                swaps.append((time.perf_counter() - t1) * 1e3)
+                if r.wake.source != "served":
+                    raise FlashBootError(f"the swap's wake did not come from the daemon: {r.wake.summary()}")
+                swap_parts.append({"sleep": _sleep_parts(r.sleep), "wake": _wake_parts(r.wake)})
+                released.append(r.released + (f" ({r.why})" if r.why else ""))
+                exact &= _exact(b)
+                a, b = b, a
+            out["swap_modes"][mode] = {"ms": _median(swaps), "parts": _median_parts(swap_parts),
+                                       "released": sorted(set(released))}
+        out["swap_ms"] = out["swap_modes"]["during"]["ms"]
 
         # level 1 through the in-process backup (kept, so the pin is paid once, reported apart)
         target = a  # the awake one
-        backup_ms, wake_backup, pin_ms = [], [], 0.0
+        backup_ms, wake_backup, pin_ms, level1_parts = [], [], 0.0, []
         for _ in range(repeats):
             s = target.sleep(level=1)
             pin_ms = max(pin_ms, s.pin_ms)
@@ -255,10 +325,12 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
             w = target.wake(keep_backup=True)
             if w.source != "backup":
                 raise FlashBootError(f"the level-1 wake did not come from the backup: {w.summary()}")
-            wake_backup.append(w.copy_ms)
+            wake_backup.append(w.total_ms)
+            level1_parts.append(_wake_parts(w))
             exact &= _exact(target)
         target.lifecycle.drop_backup()
-        out.update(level1_sleep_ms=_median(backup_ms), level1_wake_ms=_median(wake_backup), level1_pin_ms=pin_ms)
+        out.update(level1_sleep_ms=_median(backup_ms), level1_wake_ms=_median(wake_backup), level1_pin_ms=pin_ms,
+                   level1_wake_parts=_median_parts(level1_parts))
 
         out["torch"] = _torch_baseline(target, max(1, repeats - 1))
         exact &= _exact(target)
@@ -282,6 +354,7 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
         "level1_sleep_x_d2h": d2h / out["level1_sleep_ms"],
         "level1_wake_x_h2d": h2d / out["level1_wake_ms"],
         "swap_over_h2d": out["swap_ms"] / h2d,
+        **{f"swap_release_{mode}_over_h2d": m["ms"] / h2d for mode, m in out["swap_modes"].items()},
         "torch_offload_over_d2h": out["torch"]["offload_ms"] / d2h,
         "torch_reload_over_h2d": out["torch"]["reload_ms"] / h2d,
     }
@@ -308,6 +381,9 @@ def print_results(out: dict) -> None:
          f"free memory back: {out['free_back_within_segment']}", "<= 10 ms"],
         ["swap (A sleeps, B wakes)", f"{out['swap_ms']:.1f}", f"{_gbps(n, out['swap_ms']):.1f}",
          f"{r['swap_over_h2d']:.3f}x the H2D time", "<= 1.10x"],
+        *[[f"  swap, A released {mode} B's copy" if mode != "before" else "  swap, A released before B's wake",
+           f"{m['ms']:.1f}", f"{_gbps(n, m['ms']):.1f}", f"{r[f'swap_release_{mode}_over_h2d']:.3f}x the H2D time", ""]
+          for mode, m in out["swap_modes"].items()],
         ["torch per-tensor offload (.cpu())", f"{out['torch']['offload_ms']:.1f}",
          f"{_gbps(n, out['torch']['offload_ms']):.1f}", f"{r['torch_offload_over_d2h']:.2f}x the D2H time", ""],
         ["torch per-tensor reload (copy_)", f"{out['torch']['reload_ms']:.1f}",
@@ -318,9 +394,40 @@ def print_results(out: dict) -> None:
     ]
     print_table(f"swap: {out['images']} images of {n:,} bytes ({out['tensors']:,} tensors) on {out['device']}",
                 ["what", "ms", "GB/s", "against", "target"], rows)
+    print_parts(out)
     print(f"level-1 backup pin (once, kept): {out['level1_pin_ms']:.1f} ms; restart parts: metadata "
           f"{rs['metadata_ms']:.2f} ms, map {rs['map_ms']:.2f} ms, views {rs['views_ms']:.2f} ms; "
           f"every wake byte-exact: {out['exact']}")
+
+
+def print_parts(out: dict) -> None:
+    """Where each sleep and wake went (medians): the lines the figures above are judged by."""
+    def f(d: dict, key: str) -> str:
+        return f"{d.get(key, 0.0):.2f}"
+
+    sp, wp, lp = out["sleep_release_parts"], out["wake_served_parts"], out["level1_wake_parts"]
+    steps = ", ".join(f"{k} {v:.2f}" for k, v in sp.get("steps_ms", {}).items())
+    print(f"sleep (release only) parts, ms: arena sync {f(sp, 'release_sync_ms')}, exports revoked "
+          f"{f(sp, 'revoke_ms')}, segments released {f(sp, 'release_ms')} ({steps})")
+    print(f"wake from the daemon parts, ms: total {f(wp, 'total_ms')} = sources probed {f(wp, 'probe_ms')} + "
+          f"create+map {f(wp, 'create_map_access_ms')} (create {f(wp, 'arena_create_ms')}, map {f(wp, 'arena_map_ms')}, "
+          f"access {f(wp, 'arena_access_ms')}) + served copy {f(wp, 'copy_ms')} (daemon: open {f(wp, 'daemon_map_ms')}, "
+          f"map during the copy {f(wp, 'daemon_copy_map_ms')}, H2D {f(wp, 'daemon_h2d_ms')})")
+    print(f"level-1 wake parts, ms: total {f(lp, 'total_ms')} = arena wake {f(lp, 'arena_wake_ms')} (create "
+          f"{f(lp, 'arena_create_ms')}, map {f(lp, 'arena_map_ms')}, access {f(lp, 'arena_access_ms')}, copies issued "
+          f"{f(lp, 'arena_fill_ms')}; first copy issued at {f(lp, 'first_copy_issued_ms')}) + wait for the copies "
+          f"{f(lp, 'sync_ms')}; the copy from its first byte issued to its last {f(lp, 'copy_ms')}")
+    rp = out["wake_served_rested_parts"]
+    print(f"  the same wake {REST_S:g} s after the sleep: total {f(rp, 'total_ms')}, create+map "
+          f"{f(rp, 'create_map_access_ms')} (create {f(rp, 'arena_create_ms')}, map {f(rp, 'arena_map_ms')}, access "
+          f"{f(rp, 'arena_access_ms')}), served copy {f(rp, 'copy_ms')} (daemon H2D {f(rp, 'daemon_h2d_ms')})")
+    for mode, m in out["swap_modes"].items():
+        sw = m["parts"]
+        print(f"swap parts (release {mode}), ms: total {m['ms']:.2f}; released {'; '.join(m['released'])}: sleep "
+              f"{f(sw['sleep'], 'total_ms')} (release {f(sw['sleep'], 'release_ms')}); incoming wake "
+              f"{f(sw['wake'], 'total_ms')} (probe {f(sw['wake'], 'probe_ms')}, create+map "
+              f"{f(sw['wake'], 'create_map_access_ms')}, served copy {f(sw['wake'], 'copy_ms')}, daemon H2D "
+              f"{f(sw['wake'], 'daemon_h2d_ms')})")
 
 
 def register_bench(sub) -> None:

@@ -5,6 +5,7 @@ addresses in one transaction. These tests check the addresses, the release (fds 
 gone), the bytes written after wake through views made before the sleep, and the refusals.
 """
 
+import ctypes
 import errno
 import os
 
@@ -174,3 +175,62 @@ def test_opened_arena_cannot_sleep():
     with Arena.create(2 * MiB, "cpu") as a, Arena.open(a.export()) as b:
         with pytest.raises(ArenaError, match="only its owner can put it to sleep"):
             b.sleep()
+
+
+def test_wake_fills_each_segment_as_soon_as_it_is_mapped():
+    """fill(offset, span) sees every new segment, in order, mapped (writable) before the next is made."""
+    with Arena.create(5 * MiB, "cpu", segment_bytes=2 * MiB) as a:
+        views = [a.view(off, 4, torch.int64) for off in (0, 2 * MiB, 4 * MiB)]
+        a.sleep()
+        seen = []
+
+        def fill(offset, span):
+            seen.append((offset, span.ptr, span.nbytes, len(memfds(a))))
+            buf = torch.frombuffer((ctypes.c_uint8 * span.nbytes).from_address(span.ptr), dtype=torch.int64)
+            buf.fill_(100 + offset // MiB)  # written through the raw span, read back through the old views
+
+        parts = {}
+        a.wake(fill, timings=parts)
+        base = views[0].data_ptr()
+        assert seen == [(0, base, 2 * MiB, 1), (2 * MiB, base + 2 * MiB, 2 * MiB, 2), (4 * MiB, base + 4 * MiB, 2 * MiB, 3)]
+        assert [int(v[0]) for v in views] == [100, 102, 104]
+        assert set(parts) == {"create_ms", "map_ms", "fill_ms", "wake_ms"}
+        assert parts["wake_ms"] >= parts["create_ms"] + parts["map_ms"] + parts["fill_ms"] > 0
+
+
+def test_a_failing_fill_settles_its_copies_before_the_rollback():
+    """fill fails on the third segment: settle runs while the new segments are still mapped (no
+    copy may write freed memory), then they are released and the arena stays asleep."""
+    with Arena.create(6 * MiB, "cpu", segment_bytes=2 * MiB) as a:
+        a.sleep()
+        fds_asleep = sorted(os.listdir("/proc/self/fd"))
+        mapped_at_settle = []
+
+        def fill(offset, span):
+            if offset == 4 * MiB:
+                raise ArenaError("injected copy failure at segment 2")
+
+        with pytest.raises(ArenaError, match="injected copy failure at segment 2"):
+            a.wake(fill, settle=lambda: mapped_at_settle.append(len(segment_maps(a))))
+        assert mapped_at_settle == [3]  # all three segments were still mapped when settle ran
+        assert a.asleep and segment_maps(a) == [] and sorted(os.listdir("/proc/self/fd")) == fds_asleep
+        a.wake()
+        assert not a.asleep and len(memfds(a)) == 3
+
+
+def test_sleep_reports_where_its_time_went():
+    with Arena.create(4 * MiB, "cpu", segment_bytes=2 * MiB) as a:
+        parts = {}
+        a.sleep(timings=parts)
+        assert set(parts) == {"sync_ms", "revoke_ms", "release_ms", "steps_ms"}
+        assert set(parts["steps_ms"]) == {"close memfd", "unmap segment, keep the reservation"}
+        assert parts["release_ms"] >= sum(parts["steps_ms"].values()) > 0
+
+
+def test_mapped_runs_merge_adjacent_segments_only():
+    """The CUDA backend unmaps one run of adjacent mappings per cuMemUnmap (pure Python, no driver)."""
+    from flashboot.arena.backing_cuda import _runs
+
+    assert _runs([(0x400000, 2 * MiB), (0, 2 * MiB), (2 * MiB, 2 * MiB)]) == [(0, 6 * MiB)]
+    assert _runs([(0, 2 * MiB), (4 * MiB, 2 * MiB), (6 * MiB, 1 * MiB)]) == [(0, 2 * MiB), (4 * MiB, 3 * MiB)]
+    assert _runs([]) == []

@@ -3,6 +3,7 @@ reports, the addresses of views made before the sleep, and the bad inputs of iss
 
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -46,7 +47,10 @@ def test_level1_sleep_and_wake_from_the_backup_keep_every_view(image):
         assert loaded.arena.asleep and "level 1" in s.summary()
         w = loaded.wake()
         assert w.source == "backup" and w.not_used == {} and w.nbytes == loaded.nbytes and w.copy_ms > 0
-        assert "from backup" in w.summary()
+        assert "from backup" in w.summary() and s.release_parts["steps_ms"]["close memfd"] > 0
+        parts = w.details["wake"]  # the copy was issued segment by segment during the arena's wake
+        assert parts["fill_ms"] > 0 and w.map_ms == parts["create_ms"] + parts["map_ms"] > 0
+        assert w.total_ms >= w.probe_ms + parts["wake_ms"] and parts["wake_ms"] >= parts["fill_ms"]
         assert snapshot(loaded) == before  # same addresses, same bytes
         assert arena_bytes(loaded) == image_bytes(image)
         assert loaded.lifecycle.backup is None  # freed at wake unless kept
@@ -108,6 +112,31 @@ def test_a_source_failing_mid_wake_passes_to_the_next(image, tmp_path, monkeypat
             assert arena_bytes(loaded) == image_bytes(image)
     finally:
         daemon.close()
+
+
+def test_a_backup_copy_failing_mid_wake_rolls_back_and_passes_to_the_disk(image, tmp_path, monkeypatch):
+    """The pipelined level-1 wake: the copy into the first segment fails, the new segments are
+    released (asleep again), and the disk brings the bytes back; the report names the failure."""
+    from flashboot.errors import MoverError
+    from flashboot.flashload import load as load_mod
+
+    with streamed(image) as loaded:
+        loaded.sleep(level=1)
+        real, movers = load_mod._mover_for, []
+
+        class Broken:
+            def copy(self, dst, src, *, stream):
+                raise MoverError(f"injected: copy of {dst.nbytes:,} bytes failed")
+
+        def first_broken(device):  # the backup's copy gets the broken mover, the disk's the real one
+            movers.append(device)
+            return Broken() if len(movers) == 1 else real(device)
+
+        monkeypatch.setattr(load_mod, "_mover_for", first_broken)
+        w = loaded.wake(shm_dir=tmp_path / "no-shm")
+        assert w.source == "disk" and movers[0] == loaded.arena.device
+        assert w.not_used["backup"] == f"failed: MoverError: injected: copy of {loaded.nbytes:,} bytes failed"
+        assert "wake" in w.details and arena_bytes(loaded) == image_bytes(image)
 
 
 def test_no_source_names_what_was_tried_and_stays_asleep(image, tmp_path):
@@ -196,14 +225,71 @@ def test_bad_arguments_are_refused(image):
         loaded.sleep()
 
 
+def threads_started_since(before: set[str], timeout_s: float = 5.0) -> set[str]:
+    """This process's threads (task ids) that were not in ``before`` and are still alive after up
+    to ``timeout_s``: a joined helper leaves /proc/self/task a moment after join() returns, and a
+    thread of an earlier test that ends meanwhile is no leak of this one."""
+    deadline = time.monotonic() + timeout_s
+    while (new := set(os.listdir("/proc/self/task")) - before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return new
+
+
 def test_cycles_leave_fds_and_threads_flat(image):
     with streamed(image) as loaded:
-        loaded.sleep(level=1)
-        loaded.wake()
-        fds, threads = len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+        for level in (1, 2):  # warm-up of both paths: a pool that a first use starts is not a leak
+            loaded.sleep(level=level)
+            loaded.wake(shm_dir="/nonexistent-shm")
+        fds, threads = len(os.listdir("/proc/self/fd")), set(os.listdir("/proc/self/task"))
         for i in range(10):
             loaded.sleep(level=1 + i % 2)
             loaded.wake(shm_dir="/nonexistent-shm")
-        # a leak grows; the baseline may still hold a short-lived helper of the first cycle (an unpin)
-        assert len(os.listdir("/proc/self/fd")) == fds and len(os.listdir("/proc/self/task")) <= threads
+        assert len(os.listdir("/proc/self/fd")) == fds and threads_started_since(threads) == set()
         assert arena_bytes(loaded) == image_bytes(image)
+
+
+def test_swap_releases_the_outgoing_image_during_the_incoming_wake(image, tmp_path):
+    second = shutil.copytree(image, tmp_path / "second")
+    with streamed(image) as a, streamed(second) as b:
+        want_b = snapshot(b)
+        b.sleep(level=1)
+        r = lifecycle.swap(a, b, level=2)
+        assert r.released == "during" and r.why == ""
+        assert a.arena.asleep and not b.arena.asleep and r.sleep.level == 2 and r.wake.source == "backup"
+        assert snapshot(b) == want_b and r.total_ms >= r.wake.total_ms
+        back = lifecycle.swap(b, a, level=1, shm_dir=tmp_path / "no-shm")  # a from disk, b keeps a backup
+        assert back.released == "during" and back.wake.source == "disk" and back.sleep.level == 1
+        assert arena_bytes(a) == image_bytes(image) and b.arena.asleep and b.lifecycle.backup is not None
+        out, into = a, b
+        for release in ("after", "before"):
+            r = lifecycle.swap(out, into, release=release, shm_dir=tmp_path / "no-shm")
+            assert r.released == release and r.why == "" and out.arena.asleep and not into.arena.asleep
+            out, into = into, out
+        assert arena_bytes(a) == image_bytes(image) and b.arena.asleep
+        with pytest.raises(FlashBootError, match="unknown swap release 'never'; known: during, after, before"):
+            lifecycle.swap(a, b, release="never")
+
+
+def test_swap_without_room_releases_first_and_says_why(image, tmp_path, monkeypatch):
+    import flashboot.pinning
+
+    second = shutil.copytree(image, tmp_path / "second")
+    with streamed(image) as a, streamed(second) as b:
+        b.sleep(level=1)
+        monkeypatch.setattr(flashboot.pinning, "device_free_bytes", lambda device: 4096)
+        r = lifecycle.swap(a, b, release="after")
+        assert r.released == "before" and a.arena.asleep and not b.arena.asleep
+        assert r.why == (f"cpu has 4,096 bytes free; the incoming arena needs {b.arena.nbytes:,} beside the outgoing "
+                         "one's")
+
+
+def test_swap_whose_release_fails_leaves_both_as_they_were_and_raises_it(image, tmp_path):
+    second = shutil.copytree(image, tmp_path / "second")
+    with streamed(image) as a, streamed(second) as b:
+        b.sleep(level=1)
+        a.arena.share("holder 'engine-0'")
+        with pytest.raises(ArenaError, match=r"cannot sleep: 1 other process\(es\) map it \(holder 'engine-0'"):
+            lifecycle.swap(a, b)
+        assert not a.arena.asleep and b.arena.asleep and b.lifecycle.backup is not None
+        a.arena.unshare("holder 'engine-0'")
+        assert lifecycle.swap(a, b).wake.source == "backup" and arena_bytes(b) == image_bytes(image)

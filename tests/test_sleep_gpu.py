@@ -6,6 +6,7 @@ Every test here needs a CUDA device (``gpu``)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 
 import pytest
@@ -61,15 +62,15 @@ def test_wake_failing_halfway_rolls_back_and_stays_asleep(monkeypatch):
         view = a.view(0, 16, torch.int64)
         a.sleep()
         asleep = gpu_free()
-        real, calls = cuda_backing._map_at, []
+        real, calls = cuda_backing._Mappings.map, []
 
-        def broken(undo, ptr, handle, nbytes):
+        def broken(self, ptr, handle, nbytes):
             calls.append(ptr)
             if len(calls) < 3:
-                return real(undo, ptr, handle, nbytes)
+                return real(self, ptr, handle, nbytes)
             raise CudaError("cuMemMap", 2, "CUDA_ERROR_OUT_OF_MEMORY", "injected")
 
-        monkeypatch.setattr(cuda_backing, "_map_at", broken)
+        monkeypatch.setattr(cuda_backing._Mappings, "map", broken)
         with pytest.raises(OutOfMemoryError, match=f"waking arena {a.arena_id}.*injected.*needs 1,073,741,824 bytes"):
             a.wake()
         assert a.asleep and abs(gpu_free() - asleep) <= SEGMENT // 4  # the two segments made are released
@@ -78,6 +79,53 @@ def test_wake_failing_halfway_rolls_back_and_stays_asleep(monkeypatch):
         view.fill_(3)
         assert int(view.sum()) == 48
     assert abs(gpu_free() - before) <= SEGMENT
+
+
+def test_pipelined_wake_copies_each_segment_once_mapped_and_a_failed_copy_rolls_back():
+    """wake(fill): the copy into each 256 MiB segment is issued on a stream as soon as it is mapped
+    and granted; the bytes arrive exact. A fill failing at the third segment settles the copies
+    already issued, then releases the new segments: asleep, memory back."""
+    import cupy
+    import torch
+
+    from flashboot.flashload.lifecycle import HostBackup, _stream
+    from flashboot.memory import Device
+    from flashboot.movers import create_mover
+
+    nbytes = 4 * SEGMENT
+    backup = HostBackup(nbytes, Device.parse("cuda:0"))
+    try:
+        host = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(backup.ptr), dtype=torch.uint8)
+        host.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
+        with Arena.create(nbytes, 0, segment_bytes=SEGMENT) as a:
+            a.sleep()
+            asleep = gpu_free()
+            mover, stream, src = create_mover("copy_engine"), _stream(a.device), backup.span(nbytes)
+            issued = []
+
+            def fill(offset, span):
+                issued.append(offset)
+                mover.copy(span, src.sub(offset, span.nbytes), stream=stream)
+
+            parts = {}
+            a.wake(fill, settle=stream.synchronize, timings=parts)
+            stream.synchronize()
+            assert issued == [0, SEGMENT, 2 * SEGMENT, 3 * SEGMENT] and parts["access_ms"] > 0
+            assert torch.equal(a.bytes().cpu(), host)
+            a.sleep()
+
+            def failing(offset, span):
+                if offset == 2 * SEGMENT:
+                    raise CudaError("cuMemcpyAsync", 1, "CUDA_ERROR_INVALID_VALUE", "injected")
+                fill(offset, span)
+
+            with pytest.raises(CudaError, match="injected"):
+                a.wake(failing, settle=stream.synchronize)
+            assert a.asleep and abs(gpu_free() - asleep) <= SEGMENT // 4
+            with cupy.cuda.Device(0):
+                cupy.cuda.runtime.deviceSynchronize()  # no copy faulted on released memory
+    finally:
+        backup.close()
 
 
 def _mlp_image(tmp_path):

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .. import _cuda
 from ..errors import ArenaError, CapabilityError, CudaError
@@ -182,18 +183,80 @@ def _map_handle(undo: _Undo, handle, nbytes: int, granularity: int, devices: Seq
     return ptr
 
 
+def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(ptr, nbytes)`` spans merged into runs of adjacent ones, in address order."""
+    runs: list[list[int]] = []
+    for ptr, n in sorted(spans):
+        if runs and runs[-1][0] + runs[-1][1] == ptr:
+            runs[-1][1] += n
+        else:
+            runs.append([ptr, n])
+    return [(p, n) for p, n in runs]
+
+
+class _Mappings:
+    """The segments mapped into one reserved range, unmapped together by :meth:`unmap`: one
+    ``cuMemUnmap`` per run of adjacent mappings, since the driver unmaps a range spanning many
+    mappings in one call (CUDA's vectorAddMMAP sample frees its striped allocation so), and a
+    sleep should pay a call's fixed cost once, not once per segment (an arena of 60 segments
+    unmapped and released one by one closed in 11.0 ms on an H200, benchmarks/RESULTS.md)."""
+
+    def __init__(self):
+        self._spans: list[tuple[int, int]] = []
+
+    def map(self, ptr: int, handle, nbytes: int) -> None:
+        drv = _cuda.driver()
+        _cuda.check(drv.cuMemMap(ptr, nbytes, 0, handle, 0), f"cuMemMap({nbytes:,} at {ptr:#x})")
+        self._spans.append((ptr, nbytes))
+
+    def unmap(self) -> None:
+        drv = _cuda.driver()
+        runs, self._spans = _runs(self._spans), []
+        for ptr, n in runs:
+            _cuda.check(drv.cuMemUnmap(ptr, n), f"cuMemUnmap({n:,} at {ptr:#x})")
+
+
 def attach_segments(undo: _Undo, ptr: int, prop, sizes: list[int], segment_bytes: int, devices: Sequence[int],
-                    index: int) -> list:
-    """``cuMemCreate`` one allocation per segment, ``cuMemMap`` each at its place in the reserved
-    range at ``ptr``, one ``cuMemSetAccess`` over all of it; every step pushes its release onto
-    ``undo`` (releasing it unmaps and frees the segments and leaves the range reserved).
+                    index: int, ready: Callable[[int], None] | None = None, timings: dict | None = None) -> list:
+    """``cuMemCreate`` one allocation per segment and ``cuMemMap`` each at its place in the reserved
+    range at ``ptr``; every step pushes its release onto ``undo`` (releasing it unmaps and frees the
+    segments, one ``cuMemUnmap`` for all, and leaves the range reserved).
+
+    Without ``ready``: one ``cuMemSetAccess`` over all of it at the end. With ``ready``: each
+    segment is granted as soon as it is mapped and ``ready(i)`` is called, so a caller can issue
+    the copy into segment ``i`` while the next ones are created (a copy needs its destination
+    mapped and granted when it is enqueued). ``timings`` (optional dict) gains ``create_ms``,
+    ``map_ms``, ``access_ms`` and ``ready_ms`` (time spent in ``ready``), summed.
     Returns the allocation handles; CudaError from the call that failed."""
     drv = _cuda.driver()
+    stats = {"create_ms": 0.0, "map_ms": 0.0, "access_ms": 0.0, "ready_ms": 0.0}
+    mappings = _Mappings()
+    undo.push("cuMemUnmap", mappings.unmap)  # runs after the releases: a mapping keeps its memory until then
     handles = []
-    for i, size in enumerate(sizes):
-        handle = _cuda.check(drv.cuMemCreate(size, prop, 0), f"cuMemCreate({size:,} bytes on cuda:{index}, segment {i})")
-        undo.push("cuMemRelease", lambda h=handle: _cuda.check(drv.cuMemRelease(h), "cuMemRelease"))
-        handles.append(handle)
-        _map_at(undo, ptr + i * segment_bytes, handle, size)
-    _set_access(ptr, sum(sizes), devices)  # one grant may span many mappings
+    try:
+        for i, size in enumerate(sizes):
+            addr = ptr + i * segment_bytes
+            t0 = time.perf_counter()
+            handle = _cuda.check(drv.cuMemCreate(size, prop, 0), f"cuMemCreate({size:,} bytes on cuda:{index}, segment {i})")
+            undo.push("cuMemRelease", lambda h=handle: _cuda.check(drv.cuMemRelease(h), "cuMemRelease"))
+            handles.append(handle)
+            t1 = time.perf_counter()
+            mappings.map(addr, handle, size)
+            t2 = time.perf_counter()
+            stats["create_ms"] += (t1 - t0) * 1e3
+            stats["map_ms"] += (t2 - t1) * 1e3
+            if ready is not None:
+                _set_access(addr, size, devices)
+                t3 = time.perf_counter()
+                ready(i)
+                _cuda.use_device(index)  # ready's copy may have made another device's context current
+                stats["access_ms"] += (t3 - t2) * 1e3
+                stats["ready_ms"] += (time.perf_counter() - t3) * 1e3
+        if ready is None:
+            t0 = time.perf_counter()
+            _set_access(ptr, sum(sizes), devices)  # one grant may span many mappings
+            stats["access_ms"] += (time.perf_counter() - t0) * 1e3
+    finally:
+        if timings is not None:
+            timings.update(stats)
     return handles

@@ -18,7 +18,7 @@ from ..fdshare import take_fds
 from ..memory import Device, Span
 from . import backing_cuda as cuda_backing
 from . import backing_host as host
-from .backing_cuda import (_allocation_prop, _granularity, _map_at, _reserve, _resolve_access, _set_access,
+from .backing_cuda import (_allocation_prop, _granularity, _Mappings, _reserve, _resolve_access, _set_access,
                            can_access_peer, fabric_preflight)
 from .backing_host import _memfd_name
 from .descriptor import ArenaDescriptor
@@ -55,7 +55,7 @@ class Arena:
                  home_device: Device, granularity: int, segment_bytes: int, handle_type: str, arena_id: str,
                  imported: bool, descriptor: ArenaDescriptor | None = None, handles: list | None = None,
                  fabric: bool = False, pending: Callable[[int], None] | None = None, backing: _Undo | None = None,
-                 attach: Callable[[_Undo], list] | None = None):
+                 attach: Callable[..., list] | None = None):
         # Built by create()/open(); not meant to be called directly.
         self._undo = undo
         self._ptr = ptr
@@ -79,7 +79,8 @@ class Arena:
         self._flat = None
         self._closed = False
         # An owner's physical segments apart from its address range (see sleep/wake): ``backing``
-        # releases them, ``attach`` makes new ones at the same addresses.
+        # releases them, ``attach(into, ready=None, timings=None)`` makes new ones at the same
+        # addresses (the backends' attach_segments).
         self._backing, self._attach = backing, attach
         self._exports = _Undo(f"exports of arena {arena_id}")  # the CUDA fds export() handed out
         undo.push("close exported fds", self._exports.release)
@@ -128,8 +129,8 @@ class Arena:
             undo.push("munmap", lambda: host._host_munmap(ptr, capacity))  # also unmaps every segment in it
             undo.push("release the segments", backing.release)
 
-            def attach(into: _Undo) -> list[int]:
-                return host.attach_segments(into, ptr, arena_id, sizes, segment_bytes)
+            def attach(into: _Undo, ready=None, timings=None) -> list[int]:
+                return host.attach_segments(into, ptr, arena_id, sizes, segment_bytes, ready, timings)
 
             fds = attach(backing)
         except BaseException as exc:
@@ -171,8 +172,9 @@ class Arena:
             ptr = _reserve(undo, capacity, granularity)
             undo.push("release the segments", backing.release)
 
-            def attach(into: _Undo) -> list:
-                return cuda_backing.attach_segments(into, ptr, prop, sizes, segment_bytes, devices, index)
+            def attach(into: _Undo, ready=None, timings=None) -> list:
+                return cuda_backing.attach_segments(into, ptr, prop, sizes, segment_bytes, devices, index, ready,
+                                                    timings)
 
             handles = attach(backing)
         except BaseException:
@@ -273,8 +275,10 @@ class Arena:
             t0 = time.perf_counter()
             own = [] if use_fabric else cls._take_fds(undo, descriptor, fds)
             t1 = time.perf_counter()
+            mappings = _Mappings()
             if dev.is_cuda:
                 base = _reserve(undo, descriptor.nbytes, descriptor.granularity)
+                undo.push("cuMemUnmap", mappings.unmap)  # after the handles' releases: the mappings hold the memory
             else:
                 for i, fd in enumerate(own):
                     cls._check_memfd(descriptor, fds, i, fd, sizes[i])
@@ -317,7 +321,7 @@ class Arena:
                 own[i] = -1
             undo.push("cuMemRelease", lambda: _cuda.check(drv.cuMemRelease(handle), "cuMemRelease"))
             t1 = time.perf_counter()
-            _map_at(undo, ptr, handle, size)
+            mappings.map(ptr, handle, size)
             t2 = time.perf_counter()
             _set_access(ptr, size, devices)
             t3 = time.perf_counter()
@@ -448,21 +452,27 @@ class Arena:
         self._shares.discard(str(who))
 
     @_cuda.keeps_context
-    def sleep(self) -> None:
+    def sleep(self, *, synchronize: bool = True, timings: dict | None = None) -> None:
         """Release the physical memory and keep the address range: every view, and every pointer a
         CUDA graph captured, keeps its address; reading one before :meth:`wake` is a fault.
 
-        CUDA: waits for the device's work, then ``cuMemUnmap`` + ``cuMemRelease`` per segment
-        (the ``cuMemAddressReserve`` stays). Host: each segment's mapping becomes the inaccessible
-        reservation again and its memfd is closed. The contents are gone; :meth:`wake` maps new,
-        uninitialised segments (:func:`flashboot.flashload.lifecycle.sleep` keeps the bytes).
+        CUDA: waits for the device's work, then ``cuMemRelease`` per segment and one
+        ``cuMemUnmap`` over the whole range, which frees them (the ``cuMemAddressReserve``
+        stays). Host: each segment's mapping becomes the inaccessible reservation again and its
+        memfd is closed. The contents are gone; :meth:`wake` maps new, uninitialised segments
+        (:func:`flashboot.flashload.lifecycle.sleep` keeps the bytes).
 
         Exports: an arena :meth:`share` d with another process (a holder: :func:`hand_over
         <flashboot.flashclone.holder.hand_over>` marks it) is refused with ArenaError naming who
-        maps it, since its memory would silently stop being this arena's. Otherwise the export is revoked: the exported fds are closed and
-        :meth:`export` after :meth:`wake` hands out the new segments; a process that opened the
-        old descriptor and still maps it keeps the old memory (its copy, never freed memory).
-        Sleeping an asleep arena is a no-op; an opened (imported) arena is refused.
+        maps it, since its memory would silently stop being this arena's. Otherwise the export is
+        revoked: the exported fds are closed and :meth:`export` after :meth:`wake` hands out the
+        new segments; a process that opened the old descriptor and still maps it keeps the old
+        memory (its copy, never freed memory). Sleeping an asleep arena is a no-op; an opened
+        (imported) arena is refused. ``synchronize=False``: the caller has already waited for
+        every use of this memory (so a copy into another arena on the device may go on meanwhile).
+        ``timings`` (optional dict) gains ``sync_ms``,
+        ``revoke_ms`` (the exported fds closed), ``release_ms`` (the segments) and
+        ``steps_ms`` (the release's ms per driver or system call, e.g. ``cuMemUnmap``).
         """
         self._check_open()
         if self._imported:
@@ -474,41 +484,75 @@ class Arena:
             if self._shares:
                 raise ArenaError(f"arena {self._arena_id} cannot sleep: {len(self._shares)} other process(es) map it "
                                  f"({'; '.join(sorted(self._shares))}); release it there, then unshare()")
+            t0 = time.perf_counter()
             if self._device.is_cuda:
                 _cuda.use_device(self._home_device.index)
-                _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize(before sleep)")
+                if synchronize:
+                    _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize(before sleep)")
+            t1 = time.perf_counter()
+            steps: dict[str, float] = {}
             try:
                 self._exports.release()
             finally:
+                t2 = time.perf_counter()
                 self._descriptor, self._handles, self._asleep = None, None, True
-                self._backing.release()
+                try:
+                    self._backing.release(steps)
+                finally:
+                    if timings is not None:
+                        timings.update(sync_ms=(t1 - t0) * 1e3, revoke_ms=(t2 - t1) * 1e3,
+                                       release_ms=(time.perf_counter() - t2) * 1e3, steps_ms=steps)
 
     @_cuda.keeps_context
-    def wake(self) -> None:
+    def wake(self, fill: Callable[[int, Span], None] | None = None, *, settle: Callable[[], None] | None = None,
+             timings: dict | None = None) -> None:
         """Back the reserved range with new segments at the same addresses (contents undefined).
 
+        ``fill(offset, span)``, when given, is called for each new segment in order as soon as it
+        is mapped and accessible (``span``: the segment, starting at byte ``offset`` of the arena),
+        so the caller can issue the copy of its bytes while the next segments are created; the
+        copy engine then starts on the first segment instead of after the last. ``settle()``
+        waits until every copy ``fill`` issued has ended: a failed wake calls it before it
+        releases the new segments, so no copy writes freed memory. ``timings`` (optional dict)
+        gains ``create_ms``, ``map_ms``, ``access_ms``, ``fill_ms`` (time spent in ``fill``),
+        summed over the segments, and ``wake_ms`` (all of it).
+
         One transaction: the new segments' steps go onto their own undo list, which is released
-        if any step fails (the arena stays asleep and can be woken later) and committed to the
-        arena only when all succeeded. Raises OutOfMemoryError with the bytes needed and free
-        when the device (host: MemAvailable + SwapFree) has no room, before or during the
-        allocation. Waking an awake arena is a no-op.
+        if any step (or ``fill``) fails (the arena stays asleep and can be woken later) and
+        committed to the arena only when all succeeded. Raises OutOfMemoryError with the bytes
+        needed and free when the device (host: MemAvailable + SwapFree) has no room, before or
+        during the allocation. Waking an awake arena is a no-op (``fill`` is not called).
         """
         self._check_open()
         with self._map_lock:
             if not self._asleep:
                 return
+            t0 = time.perf_counter()
             where = f"waking arena {self._arena_id} ({self._nbytes:,} bytes in {self.segments} segment(s) on {self._device})"
             free = self._free_bytes()
             if self._nbytes > free:
                 raise OutOfMemoryError(where, self._nbytes, free)
             fresh = _Undo(where, before_release=(lambda i=self._home_device.index: _cuda.use_device(i))
                           if self._device.is_cuda else None)
+            ready = None
+            if fill is not None:
+                def ready(i: int) -> None:
+                    offset = i * self._segment_bytes
+                    fill(offset, Span(self._ptr + offset, self._segment_sizes[i], self._device, False, self))
+
+            stats: dict = {}
             try:
                 if self._device.is_cuda:
                     _cuda.use_device(self._home_device.index)
-                made = self._attach(fresh)
+                made = self._attach(fresh, ready, stats)
             except BaseException as exc:
-                fresh.release()
+                try:
+                    if settle is not None:
+                        settle()  # the copies already issued end before their memory is released
+                except BaseException as again:
+                    exc.add_note(f"waiting for the copies issued into the new segments failed too: {again!r}")
+                finally:
+                    fresh.release()
                 if isinstance(exc, CudaError) and exc.name == "CUDA_ERROR_OUT_OF_MEMORY" or \
                         isinstance(exc, OSError) and exc.errno in (errno.ENOMEM, errno.ENOSPC):
                     raise OutOfMemoryError(f"{where}: {exc}", self._nbytes, self._free_bytes()) from exc
@@ -521,6 +565,9 @@ class Arena:
             else:
                 self._descriptor = self._host_descriptor(made)
             self._asleep = False
+            if timings is not None:
+                stats["fill_ms"] = stats.pop("ready_ms", 0.0)
+                timings.update(stats, wake_ms=(time.perf_counter() - t0) * 1e3)
 
     def _free_bytes(self) -> int:
         if not self._device.is_cuda:

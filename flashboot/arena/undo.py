@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from typing import Callable
 
@@ -39,8 +40,11 @@ class _Undo:
             owner._steps.extend(steps)
 
     @_cuda.keeps_context
-    def release(self) -> None:
-        """Run every release in reverse order; all run even if one fails, the first error is raised."""
+    def release(self, timings: dict[str, float] | None = None) -> None:
+        """Run every release in reverse order; all run even if one fails, the first error is raised.
+
+        ``timings`` (optional dict) gains the ms each step took, summed by step name (what a
+        sleep's report shows of its unmap and release)."""
         with self._lock:
             steps, self._steps = self._steps, []
         if not steps:
@@ -52,11 +56,14 @@ class _Undo:
             except BaseException as exc:  # still release what we can
                 first = exc
         for name, release in reversed(steps):
+            t0 = time.perf_counter()
             try:
                 release()
             except BaseException as exc:
                 if first is None:
                     first = exc
+            if timings is not None:
+                timings[name] = timings.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
         if first is not None:
             if isinstance(first, FlashBootError):
                 raise first

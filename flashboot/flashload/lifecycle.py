@@ -27,7 +27,7 @@ import mmap
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import FlashBootError, OutOfMemoryError
 from ..memory import Span
@@ -41,17 +41,22 @@ STATUS_TIMEOUT_S = 1.0
 # ============================================================================= the reports
 @dataclass
 class SleepReport:
-    """One :func:`sleep`, in ms: ``backup_ms`` (level 1: the bulk D2H into the backup),
-    ``pin_ms`` (level 1: allocating and pinning the backup; 0 when an earlier one was kept),
-    ``release_ms`` (the arena's unmap and release), ``total_ms``."""
+    """One :func:`sleep`, in ms: ``sync_ms`` (waiting for the device's work first),
+    ``backup_ms`` (level 1: the bulk D2H into the backup), ``pin_ms`` (level 1: allocating and
+    pinning the backup; 0 when an earlier one was kept), ``release_ms`` (the arena's
+    :meth:`~flashboot.Arena.sleep`: memory back to the device), ``total_ms``; ``release_parts``:
+    where ``release_ms`` went (the arena's ``timings``: ``sync_ms``, ``revoke_ms``,
+    ``release_ms``, and ``steps_ms`` per driver call such as ``cuMemUnmap``)."""
 
     level: int
     nbytes: int
     device: str
+    sync_ms: float = 0.0
     backup_ms: float = 0.0
     pin_ms: float = 0.0
     release_ms: float = 0.0
     total_ms: float = 0.0
+    release_parts: dict = field(default_factory=dict)
 
     @property
     def backup_gbps(self) -> float:
@@ -69,15 +74,22 @@ class SleepReport:
 @dataclass
 class WakeReport:
     """One :func:`wake`: ``source`` (``backup``, ``served`` or ``disk``), ``not_used`` (each
-    source tried or skipped before it -> why), ``map_ms`` (new segments mapped), ``copy_ms`` (the
-    bytes brought back), ``verify_ms``, ``total_ms``; ``details`` from the source (the daemon's
-    own H2D time, the disk's read rate...)."""
+    source tried or skipped before it -> why), in ms: ``probe_ms`` (asking the sources whether
+    they have the bytes), ``map_ms`` (the new segments created, mapped and granted: the arena's
+    ``create_ms + map_ms + access_ms``), ``copy_ms`` (from the first byte's copy issued to the
+    last byte back), ``sync_ms`` (backup: the wait for the copies once the last segment was
+    mapped; the backup's copies run while the later segments are made, so ``map_ms`` and
+    ``copy_ms`` overlap there), ``verify_ms``, ``total_ms``; ``details`` from the arena's wake
+    (``wake``: its ``timings``) and the source (the daemon's own map and H2D time, the disk's
+    read rate...)."""
 
     source: str
     nbytes: int
     device: str
+    probe_ms: float = 0.0
     map_ms: float = 0.0
     copy_ms: float = 0.0
+    sync_ms: float = 0.0
     verify_ms: float = 0.0
     total_ms: float = 0.0
     not_used: dict[str, str] = field(default_factory=dict)
@@ -92,8 +104,9 @@ class WakeReport:
 
     def summary(self) -> str:
         skipped = "".join(f"; not {k}: {v}" for k, v in self.not_used.items())
-        return (f"wake of {self.nbytes:,} bytes on {self.device} from {self.source}: map {self.map_ms:.2f} ms, "
-                f"copy {self.copy_ms:.1f} ms ({self.gbps:.1f} GB/s){skipped}")
+        return (f"wake of {self.nbytes:,} bytes on {self.device} from {self.source}: {self.total_ms:.1f} ms (map "
+                f"{self.map_ms:.2f} ms, copy {self.copy_ms:.1f} ms at {self.gbps:.1f} GB/s, sync {self.sync_ms:.1f} ms)"
+                f"{skipped}")
 
 
 # ============================================================================= the backup
@@ -168,19 +181,23 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device.index)  # the engine's kernels may still read or write the weights
 
 
+def _stream(device):
+    """A new non-blocking CuPy stream on ``device``; None on the host backend (its mover is synchronous)."""
+    if not device.is_cuda:
+        return None
+    import cupy
+
+    with cupy.cuda.Device(device.index):
+        return cupy.cuda.Stream(non_blocking=True)
+
+
 def _copy(dst: Span, src: Span, device) -> None:
     """One bulk copy (h2d, d2h or host) on the copy engine or the host mover; returns when done."""
     from .load import _mover_for
 
-    mover = _mover_for(device)
-    if not device.is_cuda:
-        mover.copy(dst, src, stream=None)
-        return
-    import cupy
-
-    with cupy.cuda.Device(device.index):
-        stream = cupy.cuda.Stream(non_blocking=True)
-        mover.copy(dst, src, stream=stream)
+    mover, stream = _mover_for(device), _stream(device)
+    mover.copy(dst, src, stream=stream)
+    if stream is not None:
         stream.synchronize()
 
 
@@ -196,6 +213,12 @@ def sleep(loaded, level: int = 1) -> SleepReport:
     holder (named), OutOfMemoryError / CudaError when the backup cannot be allocated (the image
     stays awake).
     """
+    return _sleep(loaded, level, synchronize=True)
+
+
+def _sleep(loaded, level: int, *, synchronize: bool) -> SleepReport:
+    """:func:`sleep`; ``synchronize=False`` when the caller has already waited for the device's
+    work on these weights (:func:`swap`, whose incoming copy may be running meanwhile)."""
     if level not in (1, 2):
         raise FlashBootError(f"sleep level must be 1 (keep a host backup) or 2 (keep nothing), got {level!r}")
     arena = loaded.arena
@@ -207,7 +230,9 @@ def sleep(loaded, level: int = 1) -> SleepReport:
         return report
     state = _state(loaded)
     t0 = time.perf_counter()
-    _synchronize(arena.device)
+    if synchronize:
+        _synchronize(arena.device)
+    report.sync_ms = (time.perf_counter() - t0) * 1e3
     if level == 1:
         if state.backup is None or state.backup.nbytes < loaded.nbytes:
             state.drop_backup()
@@ -219,7 +244,7 @@ def sleep(loaded, level: int = 1) -> SleepReport:
     else:
         state.drop_backup()
     t2 = time.perf_counter()
-    arena.sleep()
+    arena.sleep(synchronize=False, timings=report.release_parts)  # waited above (or by swap), and the backup's copy
     report.release_ms = (time.perf_counter() - t2) * 1e3
     state.level = level
     report.total_ms = (time.perf_counter() - t0) * 1e3
@@ -264,12 +289,20 @@ def _disk_why_not(source) -> str | None:
     return None
 
 
-def _from_served(loaded, source, report: WakeReport, shm_dir, timeout_s: float) -> None:
-    from .client import served_load
+def _from_served(loaded, source, report: WakeReport, shm_dir, timeout_s: float, meanwhile: "_Once") -> None:
+    from .client import start_served_load
 
-    reply = served_load(loaded.arena, source, timeout_s=timeout_s, shm_dir=shm_dir)
+    copy = start_served_load(loaded.arena, image_dir=source.image_dir, rank=source.rank, nbytes=source.nbytes,
+                             metadata_sha256=source.metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir)
+    try:
+        meanwhile()  # while the daemon copies
+    except BaseException:
+        copy.settle()  # the daemon may still be writing into the arena
+        raise
+    reply = copy.wait()
     report.details.update(daemon_pid=reply.get("pid"), daemon_h2d_ms=reply.get("h2d_ms"),
-                          daemon_map_ms=reply.get("map_ms"), daemon_pinned=reply.get("pinned"))
+                          daemon_map_ms=reply.get("map_ms"), daemon_copy_map_ms=reply.get("copy_map_ms"),
+                          daemon_pinned=reply.get("pinned"))
 
 
 def _from_disk(loaded, source, report: WakeReport, stream_config) -> None:
@@ -279,8 +312,86 @@ def _from_disk(loaded, source, report: WakeReport, stream_config) -> None:
     report.details.update(io_mode=stats.io_mode, read_gbps=stats.read_gbps, buffer_bytes=stats.buffer_bytes)
 
 
+def _map_ms(parts: dict) -> float:
+    """Creating, mapping and granting new segments, from :meth:`Arena.wake`'s ``timings`` (the host
+    backend grants nothing)."""
+    return parts["create_ms"] + parts["map_ms"] + parts.get("access_ms", 0.0)
+
+
+class _MeanwhileFailed(Exception):
+    """``meanwhile`` failed: the wake ends (asleep) and its error is raised as it was, never taken
+    for a source's failure."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Once:
+    """``meanwhile`` of :func:`wake`, run at most once, at the first point where the copy is in flight."""
+
+    def __init__(self, fn: Callable[[], None] | None):
+        self._fn = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            try:
+                fn()
+            except Exception as exc:
+                raise _MeanwhileFailed(exc) from exc
+
+
+class _CopyFailed(Exception):
+    """A copy issued into a segment during the pipelined wake failed (the source's failure, not the arena's)."""
+
+    def __init__(self, error: FlashBootError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _wake_from_backup(loaded, backup: HostBackup, report: WakeReport, meanwhile: _Once) -> None:
+    """Wake ``loaded``'s arena and copy the backup into it, pipelined: each segment's copy is
+    issued as soon as the segment is mapped, while the next ones are created, then the copies
+    are awaited. A failed copy ends the wake rolled back (asleep) and raises _CopyFailed; the
+    arena's own failures (OutOfMemoryError, CudaError) pass through as they are."""
+    from .load import _mover_for
+
+    arena, device, nbytes = loaded.arena, loaded.arena.device, loaded.nbytes
+    mover, stream, src = _mover_for(device), _stream(device), backup.span(nbytes)
+    first_issued: list[float] = []
+
+    def fill(offset: int, segment: Span) -> None:
+        n = min(segment.nbytes, nbytes - offset)
+        if n <= 0:
+            return  # capacity past the image's bytes
+        if not first_issued:
+            first_issued.append(time.perf_counter())
+        try:
+            mover.copy(segment.sub(0, n), src.sub(offset, n), stream=stream)
+        except FlashBootError as exc:
+            raise _CopyFailed(exc) from exc
+
+    parts: dict = {}
+    t0 = time.perf_counter()
+    arena.wake(fill, settle=stream.synchronize if stream is not None else None, timings=parts)
+    try:
+        meanwhile()  # while the copy engine drains the copies issued
+    finally:
+        t = time.perf_counter()
+        if stream is not None:
+            stream.synchronize()  # also when meanwhile failed: the caller releases these segments next
+    done = time.perf_counter()
+    report.map_ms = _map_ms(parts)
+    report.sync_ms = (done - t) * 1e3
+    report.copy_ms = (done - first_issued[0]) * 1e3 if first_issued else 0.0
+    report.details["wake"] = parts
+    if first_issued:
+        report.details["first_copy_issued_ms"] = (first_issued[0] - t0) * 1e3
+
+
 def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=None, served_timeout_s: float = 10.0,
-         stream_config=None, verify: bool = False) -> WakeReport:
+         stream_config=None, verify: bool = False, meanwhile: Callable[[], None] | None = None) -> WakeReport:
     """Wake ``loaded``: new segments at the same addresses, then its bytes from the first source
     that has them (``source="auto"``: backup, served, disk; or name one of :data:`SOURCES`).
 
@@ -288,6 +399,10 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     instead of freeing it. ``shm_dir``: the preloader's staging root, when not the default.
     ``served_timeout_s``: how long to wait for the daemon's socket. ``verify``: recompute the
     chunk checksums after the copy. Waking an awake image is a no-op (source ``"awake"``).
+    ``meanwhile``: called once while the bytes are being copied (served: while the daemon copies;
+    backup: once every segment's copy is issued), or after a source that copies synchronously
+    (disk); never when the wake fails before a copy starts or the image is awake (:func:`swap`
+    releases the outgoing image there).
 
     Raises OutOfMemoryError (bytes needed and free) when the device has no room: the image stays
     asleep and can be woken later. When no source can be used, or every usable one failed,
@@ -311,22 +426,35 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
         "disk": lambda: _disk_why_not(rank_source),
     }
     where = f"waking rank {rank_source.rank} of {rank_source.image_dir} ({loaded.nbytes:,} bytes on {arena.device})"
+    meanwhile = _Once(meanwhile)
     t0 = time.perf_counter()
     try:
         for name in SOURCES if source == "auto" else (source,):
+            tp = time.perf_counter()
             why = why_not[name]()
+            report.probe_ms += (time.perf_counter() - tp) * 1e3
             if why is not None:
                 report.not_used[name] = why
                 continue
+            if name == "backup" and arena.asleep:
+                try:
+                    _wake_from_backup(loaded, state.backup, report, meanwhile)  # OutOfMemoryError: still asleep
+                except _CopyFailed as exc:
+                    report.not_used[name] = f"failed: {type(exc.error).__name__}: {exc.error}"
+                    continue
+                report.source = name
+                break
             if arena.asleep:
-                arena.wake()  # OutOfMemoryError here leaves it asleep
-                report.map_ms = (time.perf_counter() - t0) * 1e3
+                parts: dict = {}
+                arena.wake(timings=parts)  # OutOfMemoryError here leaves it asleep
+                report.map_ms = _map_ms(parts)
+                report.details["wake"] = parts
             t2 = time.perf_counter()
             try:
-                if name == "backup":
+                if name == "backup":  # the arena woke for a source that failed after it
                     _copy(arena.span(0, loaded.nbytes), state.backup.span(loaded.nbytes), arena.device)
                 elif name == "served":
-                    _from_served(loaded, rank_source, report, shm_dir, served_timeout_s)
+                    _from_served(loaded, rank_source, report, shm_dir, served_timeout_s, meanwhile)
                 else:
                     _from_disk(loaded, rank_source, report, stream_config)
             except FlashBootError as exc:
@@ -335,6 +463,7 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
                 report.not_used[name] = f"failed: {type(exc).__name__}: {exc}"
                 continue
             report.copy_ms = (time.perf_counter() - t2) * 1e3
+            meanwhile()  # a no-op where it ran during the copy
             report.source = name
             break
         else:
@@ -346,8 +475,10 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
             tv = time.perf_counter()
             verify_loaded(arena, loaded.metadata, f"{where}, from {report.source}")
             report.verify_ms = (time.perf_counter() - tv) * 1e3
-    except BaseException:
+    except BaseException as exc:
         arena.sleep()  # nothing half-woken is handed back (a no-op when it never woke)
+        if isinstance(exc, _MeanwhileFailed):
+            raise exc.error from None
         raise
     if not keep_backup:
         state.drop_backup()
@@ -356,4 +487,72 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     return report
 
 
-__all__ = ["HostBackup", "SOURCES", "SleepReport", "WakeReport", "close_lifecycle", "sleep", "wake"]
+# ================================================================================= swap
+SWAP_RELEASES = ("during", "after", "before")
+"""When :func:`swap` releases the outgoing image's memory, relative to the incoming image's copy."""
+
+
+@dataclass
+class SwapReport:
+    """One :func:`swap`: the outgoing image's ``sleep`` and the incoming one's ``wake`` reports;
+    ``released``: when the outgoing memory was released (one of :data:`SWAP_RELEASES`), and
+    ``why`` when that is not what was asked; ``total_ms``."""
+
+    sleep: SleepReport
+    wake: WakeReport
+    released: str
+    why: str = ""
+    total_ms: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"sleep": self.sleep.to_dict(), "wake": self.wake.to_dict(), "released": self.released,
+                "why": self.why, "total_ms": self.total_ms}
+
+
+def swap(outgoing, incoming, *, level: int = 2, release: str = "during", **wake_options) -> SwapReport:
+    """Put ``outgoing`` to sleep (``level``) and wake ``incoming`` (``wake_options`` as :func:`wake`).
+
+    The outgoing model's work on the device is waited for first. ``release``: when the outgoing
+    memory goes, where the device has room for ``incoming``'s arena beside it:
+    ``"during"`` the incoming copy (:func:`wake`'s ``meanwhile``: the release's host time, and a
+    level-1 backup on the link's other direction, hide behind the copy), ``"after"`` it (the
+    copy runs before the driver starts on the freed memory), or ``"before"`` the wake (the
+    plain sleep-then-wake). Without that room it is ``"before"``, and the report says why.
+    Errors as :func:`sleep` and :func:`wake`; when the wake fails, ``incoming`` stays asleep and
+    ``outgoing`` is asleep if its sleep had run (:attr:`Arena.asleep` tells).
+    """
+    from ..pinning import device_free_bytes
+
+    if release not in SWAP_RELEASES:
+        raise FlashBootError(f"unknown swap release {release!r}; known: {', '.join(SWAP_RELEASES)}")
+    for what, loaded in (("outgoing", outgoing), ("incoming", incoming)):
+        if loaded.arena.closed:
+            raise FlashBootError(f"{what} {loaded!r} is closed; there is nothing to swap")
+    if outgoing is incoming:
+        raise FlashBootError(f"swap needs two images; {outgoing!r} was given as both")
+    t0 = time.perf_counter()
+    _synchronize(outgoing.arena.device)  # the outgoing model's kernels end before its memory goes
+    slept: list[SleepReport] = []
+
+    def release_outgoing() -> None:
+        slept.append(_sleep(outgoing, level, synchronize=False))
+
+    incoming_arena = incoming.arena
+    need = incoming_arena.nbytes if incoming_arena.asleep else 0
+    free = device_free_bytes(incoming_arena.device)
+    why = "" if release == "before" else (
+        "the outgoing image is asleep already" if outgoing.arena.asleep else
+        "the incoming image is awake already" if not need else
+        f"{incoming_arena.device} has {free:,} bytes free; the incoming arena needs {need:,} beside the outgoing "
+        "one's" if need > free else "")
+    released = "before" if why else release
+    if released == "before":
+        release_outgoing()
+    woke = wake(incoming, meanwhile=release_outgoing if released == "during" else None, **wake_options)
+    if released == "after":
+        release_outgoing()
+    return SwapReport(sleep=slept[0], wake=woke, released=released, why=why, total_ms=(time.perf_counter() - t0) * 1e3)
+
+
+__all__ = ["HostBackup", "SOURCES", "SWAP_RELEASES", "SleepReport", "SwapReport", "WakeReport", "close_lifecycle",
+           "sleep", "swap", "wake"]

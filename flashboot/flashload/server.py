@@ -360,7 +360,7 @@ class PreloadServer:
                             raise RendezvousError(f"{op} request without the arena's fd attached")
                         count = _descriptor_fd_count(req)
                         recv_more_fds(conn, fds, count, timeout_s=self.request_timeout_s)  # > SCM_MAX_FD segments
-                        attached = self._attach(req, fds)
+                        attached = self._attach(req, fds, premap=op == "attach")
                         reply = attached.reply() if op == "attach" else self._copy(attached)
                     else:
                         raise RendezvousError(f"unknown request op {op!r}; known: load, attach, status")
@@ -425,9 +425,11 @@ class PreloadServer:
         with self._locks_lock:
             return self._copy_locks.setdefault(key, _FifoLock())
 
-    def _attach(self, req: dict, fds: list[int]) -> "_Attached":
-        """Check the request against the resident rank, open the engine's arena and map all of it, so
-        that the copy, when asked, is the copy alone."""
+    def _attach(self, req: dict, fds: list[int], *, premap: bool) -> "_Attached":
+        """Check the request against the resident rank and open the engine's arena. ``premap``
+        (an attach ahead of the load): map all of it now, so that the copy, when asked, is the
+        copy alone; otherwise (a load) :meth:`_copy` maps each chunk's segments just before
+        issuing its copy, so the mapping of the next chunk overlaps the copy of this one."""
         from ..arena import Arena, ArenaDescriptor
 
         rank = req.get("rank")
@@ -455,7 +457,8 @@ class PreloadServer:
         try:
             if arena.nbytes < res.nbytes:
                 raise OutOfMemoryError(f"engine arena {desc.arena_id} for rank {rank}", res.nbytes, arena.nbytes)
-            arena.span(0, res.nbytes)  # maps every segment now, not during the copy
+            if premap:
+                arena.map_range(0, res.nbytes)
             stream = None
             if arena.device.is_cuda:
                 import cupy
@@ -468,9 +471,11 @@ class PreloadServer:
         return _Attached(rank, res, arena, stream, (time.perf_counter() - t0) * 1e3, timeout_s)
 
     def _copy(self, attached: "_Attached") -> dict:
-        """The resident image into the attached arena, in :data:`SERVE_CHUNK_BYTES` pieces; copies into
-        one device queue first come, first served (each GPU has its own link: two copies into one
-        would only share it, while two GPUs copy at once)."""
+        """The resident image into the attached arena, in :data:`SERVE_CHUNK_BYTES` pieces, each
+        chunk's segments mapped (where not yet) just before its copy is issued; copies into one
+        device queue first come, first served (each GPU has its own link: two copies into one
+        would only share it, while two GPUs copy at once). The reply's ``copy_map_ms``: mapping
+        done during the copy."""
         from ..memory import CPU, Span
         from ..movers import create_mover
 
@@ -482,6 +487,7 @@ class PreloadServer:
                                    f"{lock.queued} queued copies (daemon pid {os.getpid()})")
         try:
             t1 = time.perf_counter()
+            mapped_ms = arena.map_stats["map_ms"]
             _check_staged_size(res)
             if arena.device.is_cuda:
                 import cupy
@@ -498,7 +504,8 @@ class PreloadServer:
             h2d_ms = (time.perf_counter() - t1) * 1e3
         finally:
             lock.release()
-        return {**attached.reply(), "h2d_ms": h2d_ms, "queue_ms": (t1 - t_queue) * 1e3}
+        return {**attached.reply(), "h2d_ms": h2d_ms, "queue_ms": (t1 - t_queue) * 1e3,
+                "copy_map_ms": arena.map_stats["map_ms"] - mapped_ms}
 
 
 HOST_READ_CHUNK_BYTES = 64 << 20
