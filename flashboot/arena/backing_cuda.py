@@ -182,18 +182,39 @@ def _map_handle(undo: _Undo, handle, nbytes: int, granularity: int, devices: Seq
     return ptr
 
 
+def map_segments(undo: _Undo, ptr: int, handles: Sequence, sizes: Sequence[int], segment_bytes: int,
+                 devices: Sequence[int]) -> None:
+    """``cuMemMap`` each of ``handles`` at its place in the reserved range at ``ptr``, then one
+    ``cuMemSetAccess`` over all of it; pushes one ``cuMemUnmap`` of the whole range onto ``undo``.
+
+    One grant and one unmap instead of one per segment: the driver accepts a range spanning many
+    mappings (NVIDIA's vectorAddMMAP sample does both), and each call pays a page-table update
+    and TLB invalidation of its own. A failure part-way unmaps what was mapped, one by one."""
+    drv = _cuda.driver()
+    total = sum(sizes)
+    mapped = _Undo(f"mappings at {ptr:#x}")
+    try:
+        for i, (handle, size) in enumerate(zip(handles, sizes)):
+            _map_at(mapped, ptr + i * segment_bytes, handle, size)
+        _set_access(ptr, total, devices)
+    except BaseException:
+        mapped.release()
+        raise
+    mapped.forget()  # replaced by the one unmap below
+    undo.push("cuMemUnmap (all segments)", lambda: _cuda.check(drv.cuMemUnmap(ptr, total), f"cuMemUnmap({total:,} at {ptr:#x})"))
+
+
 def attach_segments(undo: _Undo, ptr: int, prop, sizes: list[int], segment_bytes: int, devices: Sequence[int],
                     index: int) -> list:
-    """``cuMemCreate`` one allocation per segment, ``cuMemMap`` each at its place in the reserved
-    range at ``ptr``, one ``cuMemSetAccess`` over all of it; every step pushes its release onto
-    ``undo`` (releasing it unmaps and frees the segments and leaves the range reserved).
-    Returns the allocation handles; CudaError from the call that failed."""
+    """``cuMemCreate`` one allocation per segment, then :func:`map_segments` (one grant, one
+    unmap); every step pushes its release onto ``undo`` (releasing it unmaps and frees the
+    segments and leaves the range reserved). Returns the allocation handles; CudaError from the
+    call that failed."""
     drv = _cuda.driver()
     handles = []
     for i, size in enumerate(sizes):
         handle = _cuda.check(drv.cuMemCreate(size, prop, 0), f"cuMemCreate({size:,} bytes on cuda:{index}, segment {i})")
         undo.push("cuMemRelease", lambda h=handle: _cuda.check(drv.cuMemRelease(h), "cuMemRelease"))
         handles.append(handle)
-        _map_at(undo, ptr + i * segment_bytes, handle, size)
-    _set_access(ptr, sum(sizes), devices)  # one grant may span many mappings
+    map_segments(undo, ptr, handles, sizes, segment_bytes, devices)
     return handles
