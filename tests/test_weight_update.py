@@ -139,6 +139,8 @@ def test_pack_kernel_host_numpy_and_per_tensor_copy_agree(model):
         arenas = [Arena.create(meta.image_nbytes, "cpu") for _ in range(3)]
         try:
             tables = [PackTable(plan, new, a) for a in arenas[:2]]
+            with pytest.raises(PublishError, match=r"unknown knob\(s\) \['warps'\]"):
+                PackTable(plan, new, arenas[0], tuning={"warps": 8})
             rows = tables[0].rows
             assert (rows[:, 3] < rows[:, 2]).any() and (rows[:, 3] == rows[:, 2]).any()  # strided and whole rows
             k = dict(block_bytes=4096, num_warps=4, num_stages=1, programs_per_sm=1)
