@@ -12,6 +12,12 @@ trainer's, and only then are its segments mapped under the live arena's addresse
 and any failure leaves the old weights whole. ``atomic=False`` copies into the live arena: no
 extra memory, but a failure mid-copy leaves a mix of old and new weights (the checksums are
 still verified before the version is declared live; the version is not advanced then).
+
+The engine keeps the trainer's arena mapped between refits (``LoadedImage.refit_sources``): a
+trainer publishes every version from one arena, so the next refit copies at once instead of
+importing and mapping every segment again (about as long as the copy itself on one H200). The
+mapping keeps that memory alive after the trainer releases it, until the engine refits from
+another arena, a refit fails, or the engine is closed.
 """
 
 from __future__ import annotations
@@ -115,6 +121,7 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     from ..arena.remap import check_replaceable, replace_backing, staging_for
     from ..flashclone.clone import clone
     from ..flashclone.common import SEED_KEY
+    from ..flashclone.sources import release_held_sources
     from ..flashclone.rendezvous import Rendezvous
 
     t0 = time.perf_counter()
@@ -157,9 +164,13 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     steps["staging_create_ms"] = (time.perf_counter() - t1) * 1e3
     try:
         tc = time.perf_counter()
-        result = clone(store, arena.device, schedule, verify=True, timeout_s=timeout_s, mover=mover,
-                       chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=namespace, clones=clones,
-                       expect=manifest, transport=transport, into=target)
+        try:
+            result = clone(store, arena.device, schedule, verify=True, timeout_s=timeout_s, mover=mover,
+                           chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=namespace, clones=clones,
+                           expect=manifest, transport=transport, into=target, held_sources=loaded.refit_sources)
+        except BaseException:
+            release_held_sources(loaded.refit_sources)  # a trainer that failed us is not mapped again
+            raise
         steps["clone_ms"] = (time.perf_counter() - tc) * 1e3
         try:
             rep = result.report
