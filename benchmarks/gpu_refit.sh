@@ -24,9 +24,9 @@ for s in ${STEPS:-tests A C soak}; do
     tests) TAIL=15 step tests 150 python3 -m pytest -q -x -p no:cacheprovider -m "gpu or two_gpus" \
              tests/test_weight_update.py tests/test_weight_update_logits.py tests/test_arena_remap.py \
              tests/test_arena_gpu.py tests/test_copy_kernels.py ;;
-    A) TAIL=20 step bench_A 110 flashboot bench refit --checkpoint A --scale "${SCALE_A:-1}" --repeats 3 ${PEER[@]+"${PEER[@]}"} \
+    A) TAIL=20 step bench_A 140 flashboot bench refit --checkpoint A --scale "${SCALE_A:-1}" --repeats 3 ${PEER[@]+"${PEER[@]}"} \
          --json "$OUT/refit_A.json" ;;
-    C) TAIL=20 step bench_C 90 flashboot bench refit --checkpoint C --scale "${SCALE_C:-1}" --repeats 3 \
+    C) TAIL=20 step bench_C 120 flashboot bench refit --checkpoint C --scale "${SCALE_C:-1}" --repeats 3 \
          --json "$OUT/refit_C.json" ;;
     soak) TAIL=12 step soak 60 flashboot bench soak --kinds refit --cycles 200 --json "$OUT/soak_refit.json" ;;
   esac
