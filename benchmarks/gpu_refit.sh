@@ -49,8 +49,9 @@ for name, target in (("A", 0.9), ("C", 0.8)):
           + (f" | P2P {r['p2p']['vs_p2p']:.2f}x" if "p2p" in r else ""))
     t = r.get("pack_table", {})
     print(f"  pack table: {t.get('elem_bytes')}-byte words, align16 {t.get('align16')}, grid {t.get('grid')}, "
-          f"{t.get('tiles')} tiles, tuning {t.get('tuning')}; sweep (per SM/warps: x D2D): "
-          + ", ".join(f"{s['programs_per_sm']}/{s['num_warps']}: {s['vs_d2d']:.2f}" for s in r.get("pack_sweep", [])))
+          f"{t.get('tiles')} tiles, tuning {t.get('tuning')}; sweep (per SM/warps/KiB: x D2D): "
+          + ", ".join(f"{s['programs_per_sm']}/{s['num_warps']}/{s['block_bytes'] >> 10}: {s['vs_d2d']:.2f}"
+                      for s in r.get("pack_sweep", [])))
     for mode in ("atomic", "in_place"):
         m = r[f"refit_{mode}"]
         print(f"  {mode} first refit: copy {m['first']['copy_ms']:.2f} ms, total {m['first']['total_ms']:.2f} ms; "

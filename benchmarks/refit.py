@@ -94,8 +94,11 @@ def _copy_engine_pack(table, device):
     return lambda stream: batch.run(stream=stream)
 
 
-PACK_SWEEP = [{"programs_per_sm": p, "num_warps": w} for p, w in ((1, 4), (2, 4), (4, 4), (2, 8))]
-"""Launch settings of the pack's table kernel tried beside the default (PACK_TUNING), same rows."""
+PACK_SWEEP = [{"programs_per_sm": p, "num_warps": w, "block_bytes": b}
+              for p, w, b in ((1, 4, 32768), (2, 4, 32768), (4, 4, 32768), (2, 8, 32768), (2, 4, 16384),
+                              (4, 4, 16384))]
+"""Launch settings of the pack's table kernel tried beside the default (PACK_TUNING), same rows; 16 KiB
+tiles divide checkpoint C's 48 KiB experts, which 32 KiB tiles end with a masked half tile."""
 
 
 def _pack_sweep(plan, tensors, arena, table, time_ms, repeats: int) -> tuple[dict, list[dict]]:
@@ -271,7 +274,8 @@ def rows(res: dict) -> list[list]:
     if res.get("pack_sweep"):
         best = max(res["pack_sweep"], key=lambda r: r["vs_d2d"])
         t = res["pack_table"]
-        out.append([f"pack sweep best: {best['programs_per_sm']}/SM, {best['num_warps']} warps "
+        out.append([f"pack sweep best: {best['programs_per_sm']}/SM, {best['num_warps']} warps, "
+                    f"{best['block_bytes'] >> 10} KiB tiles "
                     f"({'16B' if t['align16'] else str(t['elem_bytes']) + 'B'} words)", f"{best['ms']:.2f} ms",
                     f"{gb / best['ms'] * 1e3:.1f} GB/s", f"{best['vs_d2d']:.2f}x"])
     p = res["publish"]
