@@ -150,6 +150,24 @@ def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
             Executor(plan, eps, 1, mover=mover, epoch=2).run()  # mapped now: the run is one batch
             assert mover.batches == [4] and len(mover.copies) == 4
             assert np.array_equal(dst.bytes().numpy(), data)
+        # chunks smaller than a segment: one batch per segment, each mapped just before it
+        half = build_plan("star", 1, nbytes, seg // 2)
+        with Arena.open(owner.export()) as source, Arena.create(nbytes, "cpu", segment_bytes=seg) as dst, \
+                create_flags(half.flag_count(1), "cpu") as flags:
+            mover = Recording(source, dst)
+            seen = []
+            real = mover.copy_batch
+
+            def batch(d, src, chunks, **k):
+                seen.append((src.ptr - source.span(0, 1).ptr, source.mapped_nbytes))
+                return real(d, src, chunks, **k)
+
+            mover.copy_batch = batch
+            Executor(half, {0: Endpoint(0, "seed", source, None), 1: Endpoint(1, "clone", dst, flags)}, 1,
+                     mover=mover).run()
+            assert mover.batches == [2] * 4 and mover.copies == []
+            assert seen == [(k * seg, (k + 1) * seg) for k in range(4)]
+            assert np.array_equal(dst.bytes().numpy(), data)
 
 
 def test_flags_of_an_earlier_epoch_do_not_satisfy_a_later_run():
