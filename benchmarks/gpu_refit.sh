@@ -4,6 +4,8 @@
 # bitwise equal to a from-scratch load), `bench refit` on checkpoint shapes A (3,170 tensors /
 # 13.8 GB) and C (40,250 tensors / 2.6 GB), 200 refit soak cycles, then one summary against the
 # issue's targets. Usage (repo root, device machine):  bash benchmarks/gpu_refit.sh  -> $OUT
+# The summary adds the pack table's word width and grid, the pack launch sweep, the first refit
+# (which maps the trainer's arena) and each refit's median breakdown of its total.
 # STEPS="tests A C soak" (default) picks steps; SCALE_A / SCALE_C shrink the bytes (tensor counts kept).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -19,12 +21,12 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeou
 PEER=(); [ "$NGPU" -ge 2 ] && PEER=(--peer cuda:1)
 for s in ${STEPS:-tests A C soak}; do
   case "$s" in
-    tests) TAIL=15 step tests 90 python3 -m pytest -q -x -p no:cacheprovider -m "gpu or two_gpus" \
+    tests) TAIL=15 step tests 150 python3 -m pytest -q -x -p no:cacheprovider -m "gpu or two_gpus" \
              tests/test_weight_update.py tests/test_weight_update_logits.py tests/test_arena_remap.py \
-             tests/test_copy_kernels.py ;;
-    A) TAIL=20 step bench_A 110 flashboot bench refit --checkpoint A --scale "${SCALE_A:-1}" --repeats 3 ${PEER[@]+"${PEER[@]}"} \
+             tests/test_arena_gpu.py tests/test_copy_kernels.py ;;
+    A) TAIL=20 step bench_A 140 flashboot bench refit --checkpoint A --scale "${SCALE_A:-1}" --repeats 3 ${PEER[@]+"${PEER[@]}"} \
          --json "$OUT/refit_A.json" ;;
-    C) TAIL=20 step bench_C 90 flashboot bench refit --checkpoint C --scale "${SCALE_C:-1}" --repeats 3 \
+    C) TAIL=20 step bench_C 120 flashboot bench refit --checkpoint C --scale "${SCALE_C:-1}" --repeats 3 \
          --json "$OUT/refit_C.json" ;;
     soak) TAIL=12 step soak 60 flashboot bench soak --kinds refit --cycles 200 --json "$OUT/soak_refit.json" ;;
   esac
@@ -45,5 +47,14 @@ for name, target in (("A", 0.9), ("C", 0.8)):
           f"in place {i['copy_vs_d2d']:.2f}x | baseline {r['baseline_per_parameter_ms']:.1f} ms, speed-up copy "
           f"{r['speedup_vs_baseline']['copy_atomic']:.2f}x, pack+refit {r['speedup_vs_baseline']['pack_plus_refit_atomic']:.2f}x"
           + (f" | P2P {r['p2p']['vs_p2p']:.2f}x" if "p2p" in r else ""))
+    t = r.get("pack_table", {})
+    print(f"  pack table: {t.get('elem_bytes')}-byte words, align16 {t.get('align16')}, grid {t.get('grid')}, "
+          f"{t.get('tiles')} tiles, tuning {t.get('tuning')}; sweep (per SM/warps/KiB: x D2D): "
+          + ", ".join(f"{s['programs_per_sm']}/{s['num_warps']}/{s['block_bytes'] >> 10}: {s['vs_d2d']:.2f}"
+                      for s in r.get("pack_sweep", [])))
+    for mode in ("atomic", "in_place"):
+        m = r[f"refit_{mode}"]
+        print(f"  {mode} first refit: copy {m['first']['copy_ms']:.2f} ms, total {m['first']['total_ms']:.2f} ms; "
+              "median breakdown (ms): " + ", ".join(f"{k.replace('_ms', '')} {v:.2f}" for k, v in m["breakdown"].items()))
 PY
 ls -la "$OUT"

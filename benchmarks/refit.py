@@ -94,6 +94,28 @@ def _copy_engine_pack(table, device):
     return lambda stream: batch.run(stream=stream)
 
 
+PACK_SWEEP = [{"programs_per_sm": p, "num_warps": w, "block_bytes": b}
+              for p, w, b in ((1, 4, 32768), (2, 4, 32768), (4, 4, 32768), (2, 8, 32768), (2, 4, 16384),
+                              (4, 4, 16384))]
+"""Launch settings of the pack's table kernel tried beside the default (PACK_TUNING), same rows; 16 KiB
+tiles divide checkpoint C's 48 KiB experts, which 32 KiB tiles end with a masked half tile."""
+
+
+def _pack_sweep(plan, tensors, arena, table, time_ms, repeats: int) -> tuple[dict, list[dict]]:
+    """The default pack table's shape (element width, 16-byte vectors, grid, tiles) and the pack
+    timed under each of :data:`PACK_SWEEP` (same rows, same arena)."""
+    from flashboot.weight_update.pack import PackTable
+
+    t = table._device_table
+    shape = {"elem_bytes": t.elem_bytes, "align16": t.align16, "grid": t.grid[0], "tiles": t.n_tiles,
+             "tuning": dict(table.tuning)}
+    sweep = []
+    for knobs in PACK_SWEEP:
+        other = PackTable(plan, tensors, arena, tuning=knobs)
+        sweep.append({**knobs, "ms": time_ms(lambda s, o=other: o.launch(stream=s), repeats)})
+    return shape, sweep
+
+
 def run(spec, device_name: str, *, repeats: int = 5, store: str | None = None, peer: str | None = None,
         workdir: str | None = None) -> dict[str, Any]:
     """Every section for ``spec`` on ``device_name``; returns the results as a dict."""
@@ -136,6 +158,9 @@ def run(spec, device_name: str, *, repeats: int = 5, store: str | None = None, p
             try:
                 ceiling_before = _ceiling_ms(pub.arena, other, image_nbytes, time_ms, repeats)
                 res["pack_kernel_ms"] = time_ms(lambda s: table.launch(stream=s), repeats)
+                if dev.is_cuda:
+                    res["pack_table"], res["pack_sweep"] = _pack_sweep(plan, tensors, pub.arena, table, time_ms,
+                                                                       repeats)
 
                 def per_tensor(stream, arena=pub.arena):
                     if stream is None:
@@ -169,6 +194,11 @@ def run(spec, device_name: str, *, repeats: int = 5, store: str | None = None, p
                 res[f"refit_{mode}"] = {k: statistics.median(getattr(r, k) for r in reps)
                                         for k in ("copy_ms", "verify_ms", "remap_ms", "total_ms")}
                 res[f"refit_{mode}"]["transport"] = reps[-1].transport
+                # the first refit of this run maps the trainer's arena; the later ones read it held
+                res[f"refit_{mode}"]["first"] = {k: getattr(reps[0], k) for k in ("copy_ms", "total_ms")}
+                # where total_ms went (median of each step; see flashboot.weight_update.engine.refit)
+                res[f"refit_{mode}"]["breakdown"] = {k: statistics.median(r.breakdown.get(k, 0.0) for r in reps)
+                                                     for k in reps[-1].breakdown}
         finally:
             pub.close()
         if peer is not None:
@@ -216,6 +246,8 @@ def _ratios(res: dict) -> None:
     for key in ("pack_kernel_ms", "pack_copy_per_tensor_ms", "pack_copy_engine_ms", "baseline_per_parameter_ms"):
         if res.get(key):
             res[key.replace("_ms", "_vs_d2d")] = ceiling / res[key]
+    for row in res.get("pack_sweep", []):
+        row["vs_d2d"] = ceiling / row["ms"]
     for mode in ("atomic", "in_place"):
         r = res[f"refit_{mode}"]
         r["copy_vs_d2d"] = ceiling / r["copy_ms"] if r["copy_ms"] else 0.0
@@ -239,6 +271,13 @@ def rows(res: dict) -> list[list]:
         ms = res.get(f"{key}_ms")
         out.append([what, f"{ms:.2f} ms" if ms else "n/a", f"{gb / ms * 1e3:.1f} GB/s" if ms else "",
                     f"{res[f'{key}_vs_d2d']:.2f}x" if ms else res["copy_engine_note"]])
+    if res.get("pack_sweep"):
+        best = max(res["pack_sweep"], key=lambda r: r["vs_d2d"])
+        t = res["pack_table"]
+        out.append([f"pack sweep best: {best['programs_per_sm']}/SM, {best['num_warps']} warps, "
+                    f"{best['block_bytes'] >> 10} KiB tiles "
+                    f"({'16B' if t['align16'] else str(t['elem_bytes']) + 'B'} words)", f"{best['ms']:.2f} ms",
+                    f"{gb / best['ms'] * 1e3:.1f} GB/s", f"{best['vs_d2d']:.2f}x"])
     p = res["publish"]
     out.append(["publish: checksums / record", f"{p['checksum_ms']:.2f} / {p['publish_ms']:.2f} ms", "", ""])
     for mode in ("atomic", "in_place"):
@@ -247,6 +286,13 @@ def rows(res: dict) -> list[list]:
                     f"{r['copy_gbps']:.1f} GB/s", f"{r['copy_vs_d2d']:.2f}x"])
         out.append([f"refit {mode.replace('_', ' ')}: verify / remap / total",
                     f"{r['verify_ms']:.2f} / {r['remap_ms']:.2f} / {r['total_ms']:.2f} ms", "", ""])
+        b = r.get("breakdown", {})
+        if b:
+            out.append([f"refit {mode.replace('_', ' ')}: record / staging / exchange / closes",
+                        f"{b.get('record_ms', 0):.2f} / {b.get('staging_create_ms', 0):.2f} / "
+                        f"{b.get('clone_exchange_ms', 0):.2f} / "
+                        f"{b.get('clone_close_ms', 0) + b.get('staging_close_ms', 0):.2f} ms",
+                        f"copy lanes {b.get('copy_gpu_ms', 0):.2f} ms", ""])
     s = res["speedup_vs_baseline"]
     out.append(["speed-up over the baseline", f"copy {s['copy_atomic']:.2f}x",
                 f"pack+refit {s['pack_plus_refit_atomic']:.2f}x", ""])

@@ -29,5 +29,14 @@ def test_bench_refit_runs_every_section_on_the_host_backend(tmp_path):
     for mode in ("atomic", "in_place"):
         assert res[f"refit_{mode}"]["transport"] == "posix_fd"
     assert res["pack_copy_engine_ms"] is None and res["copy_engine_note"] == "GPU only"
+    # where each refit's total went: every step present and non-negative; only atomic remaps
+    for mode in ("atomic", "in_place"):
+        b = res[f"refit_{mode}"]["breakdown"]
+        assert {"record_ms", "staging_create_ms", "clone_ms", "clone_exchange_ms", "copy_ms", "verify_ms",
+                "clone_other_ms", "clone_close_ms"} <= set(b)
+        assert all(v >= 0 for v in b.values()), b
+    assert {"remap_ms", "remap_unmap_ms", "remap_map_ms", "remap_release_old_ms", "staging_close_ms"} <= \
+        set(res["refit_atomic"]["breakdown"])
+    assert "remap_ms" not in res["refit_in_place"]["breakdown"]
     table = rows(res)
-    assert table[0][0] == "host copy ceiling (before, after)" and len(table) == 11
+    assert table[0][0] == "host copy ceiling (before, after)" and len(table) == 13

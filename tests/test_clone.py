@@ -112,6 +112,64 @@ def test_executor_batches_the_steps_no_one_waits_on():
             _close(eps)
 
 
+def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
+    """A source opened from an export maps its segments on first use: a batchable run of steps
+    from it is copied step by step, each step's segment mapped just before its copy (so on a GPU
+    the mapping of one segment overlaps the copy of the one before); once mapped, one batch."""
+    from flashboot.movers.host import HostMover
+
+    seg = 2 * MiB
+    nbytes = 4 * seg
+    data = pattern(nbytes, 3)
+
+    class Recording(HostMover):
+        def __init__(self, source, target):
+            super().__init__()
+            self.source, self.target, self.copies, self.batches = source, target, [], []
+
+        def copy(self, dst, src, **k):  # (offset, source bytes mapped so far); the source's ptr would map it all
+            self.copies.append((dst.ptr - self.target.ptr, self.source.mapped_nbytes))
+            return super().copy(dst, src, **k)
+
+        def copy_batch(self, dst, src, chunks, **k):
+            self.batches.append(len(chunks))
+            return super().copy_batch(dst, src, chunks, **k)
+
+    plan = build_plan("star", 1, nbytes, seg)
+    with Arena.create(nbytes, "cpu", segment_bytes=seg) as owner:
+        owner.bytes().numpy()[:] = data
+        with Arena.open(owner.export()) as source, Arena.create(nbytes, "cpu", segment_bytes=seg) as dst, \
+                create_flags(plan.flag_count(1), "cpu") as flags:
+            eps = {0: Endpoint(0, "seed", source, None), 1: Endpoint(1, "clone", dst, flags)}
+            mover = Recording(source, dst)
+            Executor(plan, eps, 1, mover=mover).run()
+            assert mover.batches == []
+            assert mover.copies == [(k * seg, (k + 1) * seg) for k in range(4)]  # mapped one step ahead, no more
+            assert np.array_equal(dst.bytes().numpy(), data)
+            dst.bytes().numpy()[:] = 0
+            Executor(plan, eps, 1, mover=mover, epoch=2).run()  # mapped now: the run is one batch
+            assert mover.batches == [4] and len(mover.copies) == 4
+            assert np.array_equal(dst.bytes().numpy(), data)
+        # chunks smaller than a segment: one batch per segment, each mapped just before it
+        half = build_plan("star", 1, nbytes, seg // 2)
+        with Arena.open(owner.export()) as source, Arena.create(nbytes, "cpu", segment_bytes=seg) as dst, \
+                create_flags(half.flag_count(1), "cpu") as flags:
+            mover = Recording(source, dst)
+            seen = []
+            real = mover.copy_batch
+
+            def batch(d, src, chunks, **k):
+                seen.append((src.ptr - source.span(0, 1).ptr, source.mapped_nbytes))
+                return real(d, src, chunks, **k)
+
+            mover.copy_batch = batch
+            Executor(half, {0: Endpoint(0, "seed", source, None), 1: Endpoint(1, "clone", dst, flags)}, 1,
+                     mover=mover).run()
+            assert mover.batches == [2] * 4 and mover.copies == []
+            assert seen == [(k * seg, (k + 1) * seg) for k in range(4)]
+            assert np.array_equal(dst.bytes().numpy(), data)
+
+
 def test_flags_of_an_earlier_epoch_do_not_satisfy_a_later_run():
     nbytes = MiB
     data = pattern(nbytes, 2)

@@ -139,6 +139,8 @@ def test_pack_kernel_host_numpy_and_per_tensor_copy_agree(model):
         arenas = [Arena.create(meta.image_nbytes, "cpu") for _ in range(3)]
         try:
             tables = [PackTable(plan, new, a) for a in arenas[:2]]
+            with pytest.raises(PublishError, match=r"unknown knob\(s\) \['warps'\]"):
+                PackTable(plan, new, arenas[0], tuning={"warps": 8})
             rows = tables[0].rows
             assert (rows[:, 3] < rows[:, 2]).any() and (rows[:, 3] == rows[:, 2]).any()  # strided and whole rows
             k = dict(block_bytes=4096, num_warps=4, num_stages=1, programs_per_sm=1)
@@ -344,9 +346,38 @@ def test_the_published_arena_changing_during_a_refit_fails_its_checksums(model, 
                 loaded.refit(address, 1, chunk_bytes=64 << 10, timeout_s=30)
             t.join(30)
         _equal(_snapshot(loaded), before)
-        assert loaded.version == 0
+        assert loaded.version == 0 and loaded.refit_sources == {}  # a trainer that failed us is not kept mapped
     finally:
         loaded.close()
+
+
+def test_the_trainers_arena_stays_mapped_from_one_version_to_the_next(model, store):
+    """A trainer publishes every version from one arena: the engine maps it once, the next refit
+    reads the same mapping (no segment mapped again) and gets the new bytes; a trainer's new arena
+    replaces the mapping, and closing the engine releases it."""
+    address, _ = store
+    loaded = flashboot.load(model / "img", rank=0, device="cpu")
+    try:
+        with Publisher(model / "img", 0, store=address, device="cpu") as pub:
+            pub.publish(_new_weights(model / "ckpt", 0.5, seed=11), version=1)
+            loaded.refit(address, 1, timeout_s=30)
+            [held] = loaded.refit_sources.values()
+            assert held.mapped_nbytes == held.nbytes
+            mapped = held.map_stats["segments"]
+            v2 = _new_weights(model / "ckpt", 0.5, seed=12)
+            pub.publish(v2, version=2)
+            loaded.refit(address, 2, atomic=False, timeout_s=30)
+            assert list(loaded.refit_sources.values()) == [held] and held.map_stats["segments"] == mapped
+            with _reference(model, "held", v2, rank=0) as ref:
+                _equal(_snapshot(loaded), _snapshot(ref))
+        with Publisher(model / "img", 0, store=address, device="cpu") as other:
+            other.publish(_new_weights(model / "ckpt", 0.5, seed=13), version=3)
+            loaded.refit(address, 3, timeout_s=30)
+            [now] = loaded.refit_sources.values()
+            assert now is not held and held.closed and now.arena_id == other.arena.arena_id
+    finally:
+        loaded.close()
+    assert loaded.refit_sources == {} and now.closed
 
 
 def test_refit_over_a_transport_that_runs_the_copy_itself(model, store):

@@ -216,6 +216,28 @@ class _Mappings:
             _cuda.check(drv.cuMemUnmap(ptr, n), f"cuMemUnmap({n:,} at {ptr:#x})")
 
 
+def map_segments(undo: _Undo, ptr: int, handles: Sequence, sizes: Sequence[int], segment_bytes: int,
+                 devices: Sequence[int]) -> None:
+    """``cuMemMap`` each of ``handles`` at its place in the reserved range at ``ptr``, then one
+    ``cuMemSetAccess`` over all of it; pushes one ``cuMemUnmap`` of the whole range onto ``undo``.
+
+    One grant and one unmap instead of one per segment: the driver accepts a range spanning many
+    mappings (NVIDIA's vectorAddMMAP sample does both), and each call pays a page-table update
+    and TLB invalidation of its own. A failure part-way unmaps what was mapped, one by one."""
+    drv = _cuda.driver()
+    total = sum(sizes)
+    mapped = _Undo(f"mappings at {ptr:#x}")
+    try:
+        for i, (handle, size) in enumerate(zip(handles, sizes)):
+            _map_at(mapped, ptr + i * segment_bytes, handle, size)
+        _set_access(ptr, total, devices)
+    except BaseException:
+        mapped.release()
+        raise
+    mapped.forget()  # replaced by the one unmap below
+    undo.push("cuMemUnmap (all segments)", lambda: _cuda.check(drv.cuMemUnmap(ptr, total), f"cuMemUnmap({total:,} at {ptr:#x})"))
+
+
 def attach_segments(undo: _Undo, ptr: int, prop, sizes: list[int], segment_bytes: int, devices: Sequence[int],
                     index: int, ready: Callable[[int], None] | None = None, timings: dict | None = None) -> list:
     """``cuMemCreate`` one allocation per segment and ``cuMemMap`` each at its place in the reserved

@@ -43,12 +43,11 @@ class _CudaSegments:
         _cuda.check(self.drv.cuMemRelease(handle), "cuMemRelease")
 
     def attach(self, into: _Undo, arena, refs: list) -> None:
-        from .backing_cuda import _map_at, _set_access
+        from .backing_cuda import map_segments
 
-        for i, (ref, size) in enumerate(zip(refs, arena._segment_sizes)):
+        for ref in refs:
             into.push("cuMemRelease", lambda h=ref: self.release(h))
-            _map_at(into, arena._ptr + i * arena._segment_bytes, ref, size)
-        _set_access(arena._ptr, arena._nbytes, self.devices)
+        map_segments(into, arena._ptr, refs, arena._segment_sizes, arena._segment_bytes, self.devices)
 
     def adopt(self, arena, refs: list) -> None:
         arena._handles = refs  # export() exports these from now on
@@ -113,22 +112,30 @@ def _check_pair(arena, staging) -> None:
 
 
 @_cuda.keeps_context
-def replace_backing(arena, staging) -> float:
+def replace_backing(arena, staging, timings: dict | None = None) -> float:
     """Map ``staging``'s segments under ``arena``'s addresses and release ``arena``'s old ones;
-    returns the ms it took. ``staging`` stays usable (its own mapping of the same memory) until
-    the caller closes it. The device's work is waited for first: call it between kernels that
-    read the weights (the range is unmapped for the moment of the swap).
+    returns the ms of the swap (from the device wait to the new segments mapped and granted).
+    ``staging`` stays usable (its own mapping of the same memory) until the caller closes it.
+    The device's work is waited for first: call it between kernels that read the weights (the
+    range is unmapped for the moment of the swap).
+
+    ``timings`` (optional dict) receives where the time went, in ms: ``sync_ms`` (the device
+    wait), ``unmap_ms`` (the old segments, one ``cuMemUnmap`` over the range), ``map_ms`` (the
+    new ones, one grant), and ``release_old_ms``: freeing the old segments' memory, done after
+    the swap and not part of its ms (nothing maps them any more).
 
     On failure the old segments are mapped back (ArenaError or CudaError from the step that
     failed, the arena unchanged); ArenaError before anything moves for an importer, an asleep or
     shared arena, or arenas of different sizes, segment sizes or devices.
     """
     _check_pair(arena, staging)
+    stats = timings if timings is not None else {}
     t0 = time.perf_counter()
     cuda = arena.device.is_cuda
     if cuda:
         _cuda.use_device(arena.home_device.index)
         _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize(before replacing segments)")
+    t_sync = time.perf_counter()
     seg = _CudaSegments(arena) if cuda else _HostSegments()
     where = f"segments of arena {arena.arena_id} (from staging arena {staging.arena_id})"
     before = (lambda i=arena.home_device.index: _cuda.use_device(i)) if cuda else None
@@ -143,7 +150,9 @@ def replace_backing(arena, staging) -> float:
             raise
         arena._exports.release()  # descriptors handed out name the old segments
         arena._descriptor = None
+        t_unmap = time.perf_counter()
         arena._backing.release()  # unmaps the old segments; their memory lives on through ``old``
+        t_map = time.perf_counter()
         fresh = _Undo(where, before_release=before)
         try:
             seg.attach(fresh, arena, new)
@@ -162,9 +171,13 @@ def replace_backing(arena, staging) -> float:
             raise
         fresh.commit_into(arena._backing)
         seg.adopt(arena, new)
+        t_done = time.perf_counter()
         for r in old:
             seg.release(r)
-    return (time.perf_counter() - t0) * 1e3
+    t_released = time.perf_counter()
+    stats.update(sync_ms=(t_sync - t0) * 1e3, unmap_ms=(t_map - t_unmap) * 1e3, map_ms=(t_done - t_map) * 1e3,
+                 release_old_ms=(t_released - t_done) * 1e3)
+    return (t_done - t0) * 1e3
 
 
 __all__ = ["check_replaceable", "replace_backing", "staging_for"]

@@ -39,6 +39,11 @@ class _Undo:
         with owner._lock:
             owner._steps.extend(steps)
 
+    def forget(self) -> None:
+        """Drop every step without running it: another step now releases the same resources."""
+        with self._lock:
+            self._steps = []
+
     @_cuda.keeps_context
     def release(self, timings: dict[str, float] | None = None) -> None:
         """Run every release in reverse order; all run even if one fails, the first error is raised.

@@ -14,7 +14,7 @@ from ..memory import Device
 from ..schedulers import HOST, Plan, Step, build_plan
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous, StoreLostError
-from .common import METADATA_KEY, SCHEDULES, SEED_KEY, _FALLBACK_INDEX, _SEED_INDEX, _Warmup, _alive, _check_mover, _default_mover, _descriptor_from, _gkey, _note_lazy_mapping, _parse_metadata, _step_hook, _verify, _views
+from .common import METADATA_KEY, SCHEDULES, SEED_KEY, _FALLBACK_INDEX, _SEED_INDEX, _Warmup, _alive, _check_mover, _default_mover, _descriptor_from, _gkey, _map_stats_of, _note_lazy_mapping, _parse_metadata, _step_hook, _verify, _views
 from .report import CloneError, CloneReport, CloneResult
 from .ring import ring_load
 from .session import _Session
@@ -29,7 +29,8 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
           timeout_s: float = DEFAULT_TIMEOUT_S, mover: Any = None, chunk_bytes: int | None = None,
           token=None, token_file=None, name: str = "default", clones: int | None = None, expect: Any = None,
           image: Any = None, rank: int = 0, transport: str = "auto", retry: bool = True,
-          step_delay_s: float | None = None, pin_early: bool = False, into: Any = None) -> CloneResult:
+          step_delay_s: float | None = None, pin_early: bool = False, into: Any = None,
+          held_sources: dict | None = None) -> CloneResult:
     """Clone the seed published at ``store`` (``HOST:PORT``) into a new arena on ``device``.
 
     ``schedule``: ``"chain"`` (default), ``"star"`` or ``"ring"`` (see :func:`ring_load`; needs
@@ -48,6 +49,12 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     (ring): pin the shard before the start barrier (see :func:`ring_load`). ``into``: an open
     arena of the seed's capacity on ``device`` to copy into instead of a new one (a refit's
     staging or live arena); the caller keeps owning it, also when the clone fails.
+    ``held_sources``: a dict the caller keeps from one clone to the next (a refit's engine): the
+    seed's arena, once mapped here, stays in it, and a later clone of the same exported arena
+    (same process, same arena id: a trainer publishing versions from one arena) reads it without
+    mapping it again; a seed of another arena closes what it held first. The caller closes what
+    it holds (:func:`~flashboot.flashclone.sources.release_held_sources`); a held mapping keeps
+    the exporter's memory alive.
 
     Raises RendezvousError (no store, wrong token, mismatched manifest), WaitTimeoutError naming
     what was awaited, CloneError when a source failed and no other could take over.
@@ -74,7 +81,7 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
         return _clone(session, dev, schedule, mover_obj, t_start, verify=verify, timeout_s=timeout_s,
                       chunk_bytes=chunk_bytes, clones=clones, expect=expect, image=image, rank=rank,
                       transport=transport, retry=retry, hook=_step_hook(step_delay_s), warm=warm,
-                      nixl_warm=nixl_warm, into=into)
+                      nixl_warm=nixl_warm, into=into, held_sources=held_sources)
     except BaseException as exc:
         try:
             if session.status_key is not None and session.rdv is not None:
@@ -88,7 +95,8 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
 
 def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float, *, verify: bool, timeout_s: float,
            chunk_bytes: int | None, clones: int | None, expect: Any, image: Any, rank: int, transport: str,
-           retry: bool, hook, warm: _Warmup | None = None, nixl_warm=None, into=None) -> CloneResult:
+           retry: bool, hook, warm: _Warmup | None = None, nixl_warm=None, into=None,
+           held_sources: dict | None = None) -> CloneResult:
     rdv = session.rdv
     report = CloneReport(schedule, 0, str(dev), 0, mover=mover.name)
     if warm is not None:
@@ -132,7 +140,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     plan = build_plan(schedule, n, manifest.nbytes, chunk_bytes)
     report.chunk_bytes = plan.chunk_bytes
     sources = _Sources(session, dev, gen, schedule, manifest, seed_desc, int(seed_rec.body["pid"]), chosen, timeout_s,
-                       rank)
+                       rank, held=held_sources)
     my_steps, departed = _skip_departed(plan, list(plan.steps_into(position)), sources)
     if departed:
         lo, hi = min(departed), max(departed)
@@ -179,6 +187,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     done_ids: set[int] = set()
     tainted: set[int] = set()
     ran: dict[int, Step] = {}  # the version of each step that put its bytes in place
+    mapped_before = _map_stats_of(sources.endpoints.values())
     ttx = time.perf_counter()
     lanes = []
     for attempt in range(len(plan.participants) + 4):
@@ -214,7 +223,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
         raise CloneError(f"clone #{position}: gave up after {len(plan.participants) + 4} attempts ({report.recovered})")
     report.transfer_ms = (time.perf_counter() - ttx) * 1e3
     report.lanes = lanes
-    _note_lazy_mapping(report, sources.endpoints.values())
+    _note_lazy_mapping(report, sources.endpoints.values(), mapped_before)
 
     # Upstream clones that released blocked streams (CUDA) may have let us copy bytes they later redid.
     try:

@@ -152,14 +152,22 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _note_lazy_mapping(report: CloneReport, sources) -> None:
-    """Add the sources' segments mapped on first use during the transfer to ``report``."""
+def _note_lazy_mapping(report: CloneReport, sources, before: dict | None = None) -> None:
+    """Add the sources' segments mapped on first use during the transfer to ``report``;
+    ``before``: :func:`_map_stats_of` the sources as the transfer started (a source held from an
+    earlier clone has mapped segments then)."""
+    before = before or {}
     for ep in sources:
         for arena in (ep.arena, ep.flags):
             if arena is not None and not arena.closed:
-                stats = arena.map_stats
-                report.map_during_copy_ms += stats["map_ms"]
-                report.segments_mapped_during_copy += int(stats["segments"])
+                stats, was = arena.map_stats, before.get(id(arena), {"map_ms": 0.0, "segments": 0})
+                report.map_during_copy_ms += stats["map_ms"] - was["map_ms"]
+                report.segments_mapped_during_copy += int(stats["segments"] - was["segments"])
+
+
+def _map_stats_of(sources) -> dict:
+    """Each source arena's (and flags arena's) ``map_stats``, by ``id``."""
+    return {id(a): a.map_stats for ep in sources for a in (ep.arena, ep.flags) if a is not None and not a.closed}
 
 
 def _verify(arena, manifest: Manifest, where: str) -> None:

@@ -386,15 +386,43 @@ class Executor:
         return units
 
     def _copy_unit(self, unit: Sequence[Step], stream: Any) -> None:
-        """Copy the steps of one unit: one ``mover.copy`` for a single step, one batch otherwise."""
+        """Copy the steps of one unit: one ``mover.copy`` for a single step, batches otherwise."""
         s = unit[0]
         mover = self.h2d_mover if s.kind == "h2d" else self.mover
         dst_arena = self.endpoints[s.dst].arena
         if len(unit) == 1:
             mover.copy(dst_arena.span(s.offset, s.nbytes), self._source_span(s), stream=stream)
             return
-        src = self.host_image if s.kind == "h2d" else self.endpoints[s.src].arena.span()
-        mover.copy_batch(dst_arena.span(), src, [(u.offset, u.offset, u.nbytes) for u in unit], stream=stream)
+        if s.kind == "h2d":
+            mover.copy_batch(dst_arena.span(), self.host_image, [(u.offset, u.offset, u.nbytes) for u in unit],
+                             stream=stream)
+            return
+        for group in self._mapping_groups(unit):
+            lo, hi = min(u.offset for u in group), max(u.end for u in group)
+            src = self.endpoints[s.src].arena.span(lo, hi - lo)  # maps the segments this group reads
+            if len(group) == 1:
+                mover.copy(dst_arena.span(lo, hi - lo), src, stream=stream)
+            else:
+                mover.copy_batch(dst_arena.span(), src, [(u.offset, u.offset - lo, u.nbytes) for u in group],
+                                 stream=stream)
+
+    def _mapping_groups(self, unit: Sequence[Step]) -> list[list[Step]]:
+        """``unit`` as one group, or, where its source still maps segments on first use (opened
+        from another process), cut where a step ends in another source segment: each group's
+        segments are mapped just before its copies are issued, so mapping segment k+1 overlaps
+        the copy of segment k. One batch would map them all before any copy: a same-GPU refit of
+        13.8 GB (52 segments) ran at half the copy rate that way."""
+        arena = self.endpoints[unit[0].src].arena
+        if arena.mapped_nbytes == arena.nbytes:
+            return [list(unit)]
+        seg = arena.segment_bytes
+        groups: list[list[Step]] = []
+        for u in unit:
+            if groups and (groups[-1][-1].end - 1) // seg == (u.end - 1) // seg:
+                groups[-1].append(u)
+            else:
+                groups.append([u])
+        return groups
 
     def _watches(self) -> dict[int, PeerWatch]:
         """Watch every non-local process a local step depends on."""

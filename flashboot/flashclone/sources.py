@@ -97,8 +97,10 @@ class _Sources:
     source, the host image."""
 
     def __init__(self, session: _Session, dev: Device, generation: str, schedule: str, manifest: Manifest,
-                 seed_desc, seed_pid: int, transport: str, timeout_s: float, rank: int = 0):
+                 seed_desc, seed_pid: int, transport: str, timeout_s: float, rank: int = 0, held: dict | None = None):
         self.session, self.dev, self.gen, self.schedule = session, dev, generation, schedule
+        self.held = held
+        """The caller's seed mappings kept between clones (``clone(held_sources=...)``), or None."""
         self.rank = rank
         self.manifest, self.seed_desc, self.seed_pid = manifest, seed_desc, seed_pid
         self.transport, self.timeout_s = transport, timeout_s
@@ -121,8 +123,11 @@ class _Sources:
         if participant in self.endpoints:
             return self.endpoints[participant]
         if participant == _SEED_INDEX:
-            arena = _open_arena(self.seed_desc, self.dev, self.transport, self.detail)
-            self.session.opened[participant] = [arena]
+            if self.held is not None:
+                arena = self._held_seed()
+            else:
+                arena = _open_arena(self.seed_desc, self.dev, self.transport, self.detail)
+                self.session.opened[participant] = [arena]
             ep = Endpoint(participant, "seed", arena, None, self._pid_if_local(self.seed_desc, self.seed_pid))
         else:
             key = _gkey(self.gen, self.schedule, "member", participant)
@@ -145,6 +150,18 @@ class _Sources:
         self.endpoints[participant] = ep
         self.pids[participant] = ep.pid
         return ep
+
+    def _held_seed(self):
+        """The seed's arena from the caller's held mappings, mapped (and held) if it is not there;
+        a held mapping of another arena is closed first (its exporter publishes from a new one)."""
+        d = self.seed_desc
+        key = (d.hostname, d.pid, d.arena_id, str(self.dev), self.transport)
+        arena = self.held.get(key)
+        if arena is None or arena.closed:
+            release_held_sources(self.held)
+            arena = _open_arena(d, self.dev, self.transport, self.detail)
+            self.held[key] = arena
+        return arena
 
     def left(self, participant: int) -> bool:
         """Whether clone ``participant`` of this schedule finished and exited (withdrew as a source)."""
@@ -190,3 +207,12 @@ class _Sources:
                                       f"{self.manifest.nbytes:,}")
             self.host_image = img
         return HOST, f"the host image {self.host_image.path}"
+
+
+def release_held_sources(held: dict) -> None:
+    """Close every mapping in ``held`` (see ``clone(held_sources=...)``) and empty it."""
+    arenas = list(held.values())
+    held.clear()
+    for arena in arenas:
+        if not arena.closed:
+            arena.close()

@@ -147,6 +147,8 @@ class LoadedImage:
         self.lifecycle = None  # what sleep() keeps for wake() (flashboot.flashload.lifecycle)
         self.version = 0
         """The weights' version: 0 as loaded from the image, then the one each :meth:`refit` made live."""
+        self.refit_sources: dict = {}
+        """The trainer's arena as :meth:`refit` mapped it, kept for the next version (released by :meth:`close`)."""
 
     @property
     def device(self) -> Device:
@@ -181,7 +183,10 @@ class LoadedImage:
         """Release the arena (views must not be used afterwards). Idempotent."""
         from .lifecycle import close_lifecycle
 
+        from flashboot.flashclone.sources import release_held_sources
+
         self.tensors = {}
+        release_held_sources(self.refit_sources)
         close_lifecycle(self)
         if not self.arena.closed:
             self.arena.close()

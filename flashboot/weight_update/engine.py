@@ -12,6 +12,12 @@ trainer's, and only then are its segments mapped under the live arena's addresse
 and any failure leaves the old weights whole. ``atomic=False`` copies into the live arena: no
 extra memory, but a failure mid-copy leaves a mix of old and new weights (the checksums are
 still verified before the version is declared live; the version is not advanced then).
+
+The engine keeps the trainer's arena mapped between refits (``LoadedImage.refit_sources``): a
+trainer publishes every version from one arena, so the next refit copies at once instead of
+importing and mapping every segment again (about as long as the copy itself on one H200). The
+mapping keeps that memory alive after the trainer releases it, until the engine refits from
+another arena, a refit fails, or the engine is closed.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ class RefitError(FlashBootError):
 
 @dataclass
 class RefitReport:
-    """One refit: ``copy_ms`` (the clone's transfer), ``verify_ms``, ``remap_ms`` (atomic only),
-    ``total_ms``, ``nbytes``; ``transport``, ``schedule``, ``position`` as the clone reports them."""
+    """One refit: ``copy_ms`` (the clone's transfer), ``verify_ms``, ``remap_ms`` (atomic only:
+    the swap, from the device wait to the new segments mapped), ``total_ms``, ``nbytes``;
+    ``transport``, ``schedule``, ``position`` as the clone reports them. ``breakdown``: where
+    ``total_ms`` went, in ms (see :func:`refit`)."""
 
     version: int
     previous_version: int
@@ -47,6 +55,7 @@ class RefitReport:
     schedule: str = ""
     position: int = 0
     details: dict = field(default_factory=dict)
+    breakdown: dict = field(default_factory=dict)
 
     @property
     def copy_gbps(self) -> float:
@@ -100,10 +109,19 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     staging copy (``atomic=False`` needs none), ChecksumMismatchError when the bytes copied are
     not those published. All of them leave the old weights whole and serving, except a failure
     during an ``atomic=False`` copy.
+
+    The report's ``breakdown`` splits ``total_ms``: ``record_ms`` (connect, read and check the
+    trainer's record), ``staging_create_ms``, ``clone_ms`` (the clone call: its
+    ``clone_connect_ms``, ``clone_exchange_ms`` (map the trainer's arena), ``clone_alloc_ms``,
+    ``copy_ms`` (host wall time; ``copy_gpu_ms`` on the device, ``map_during_copy_ms`` of the
+    source's segments overlapped with it), ``verify_ms``, ``clone_other_ms``), then
+    ``remap_ms`` (with ``remap_sync_ms``, ``remap_unmap_ms``, ``remap_map_ms``, and
+    ``remap_release_old_ms`` after the swap), ``clone_close_ms`` and ``staging_close_ms``.
     """
     from ..arena.remap import check_replaceable, replace_backing, staging_for
     from ..flashclone.clone import clone
     from ..flashclone.common import SEED_KEY
+    from ..flashclone.sources import release_held_sources
     from ..flashclone.rendezvous import Rendezvous
 
     t0 = time.perf_counter()
@@ -132,6 +150,8 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     manifest = _check_record(rec, loaded, version, where)
     t1 = time.perf_counter()
     report = RefitReport(version, live, atomic, manifest.nbytes, wait_ms=(t1 - t0) * 1e3)
+    steps = report.breakdown
+    steps["record_ms"] = report.wait_ms
     if atomic:
         try:
             target = staging_for(arena)
@@ -141,20 +161,37 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
                                    exc.nbytes_needed, exc.nbytes_free) from None
     else:
         target = arena
+    steps["staging_create_ms"] = (time.perf_counter() - t1) * 1e3
     try:
-        result = clone(store, arena.device, schedule, verify=True, timeout_s=timeout_s, mover=mover,
-                       chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=namespace, clones=clones,
-                       expect=manifest, transport=transport, into=target)
+        tc = time.perf_counter()
+        try:
+            result = clone(store, arena.device, schedule, verify=True, timeout_s=timeout_s, mover=mover,
+                           chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=namespace, clones=clones,
+                           expect=manifest, transport=transport, into=target, held_sources=loaded.refit_sources)
+        except BaseException:
+            release_held_sources(loaded.refit_sources)  # a trainer that failed us is not mapped again
+            raise
+        steps["clone_ms"] = (time.perf_counter() - tc) * 1e3
         try:
             rep = result.report
             report.copy_ms, report.verify_ms = rep.transfer_ms, rep.verify_ms
             report.transport, report.schedule, report.position = rep.transport, rep.schedule, rep.position
             report.details = {"clone_total_ms": rep.total_ms, "exchange_ms": rep.exchange_ms,
                               "chunk_bytes": rep.chunk_bytes, "mover": rep.mover, "source": rep.source}
+            gpu_s = max((lane["seconds"] for lane in rep.lanes), default=0.0)
+            steps.update(clone_connect_ms=rep.connect_ms, clone_exchange_ms=rep.exchange_ms,
+                         clone_alloc_ms=rep.alloc_ms, copy_ms=rep.transfer_ms, copy_gpu_ms=gpu_s * 1e3,
+                         map_during_copy_ms=rep.map_during_copy_ms, verify_ms=rep.verify_ms,
+                         clone_other_ms=steps["clone_ms"] - rep.connect_ms - rep.exchange_ms - rep.alloc_ms
+                         - rep.transfer_ms - rep.verify_ms)
             if atomic:
-                report.remap_ms = replace_backing(arena, target)
+                remap: dict = {}
+                report.remap_ms = replace_backing(arena, target, remap)
+                steps.update({f"remap_{k}": v for k, v in remap.items()}, remap_ms=report.remap_ms)
         finally:
+            tr = time.perf_counter()
             result.close()
+            steps["clone_close_ms"] = (time.perf_counter() - tr) * 1e3
     except FlashBootError as exc:
         if atomic:
             raise
@@ -162,7 +199,9 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
                          f"{version}: refit again or reload") from exc
     finally:
         if atomic and not target.closed:
+            ts = time.perf_counter()
             target.close()
+            steps["staging_close_ms"] = (time.perf_counter() - ts) * 1e3
     loaded.version = version
     report.total_ms = (time.perf_counter() - t0) * 1e3
     return report

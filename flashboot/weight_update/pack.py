@@ -35,12 +35,29 @@ def _check_tensors(plan: PackPlan, tensors: Mapping[str, Any], device) -> None:
                                "device")
 
 
+PACK_TUNING: dict[str, Any] = {
+    "block_bytes": 32768,  # bytes per tile (4096 int64), the movers' SM tile
+    "num_warps": 4,
+    "num_stages": 3,
+    "programs_per_sm": 2,  # the movers' table grid (0.91x batched on H200); see below
+}
+"""The pack's table-kernel launch. Each tile reads its row (tile -> row map, then the row) before
+its data, a chain of dependent loads the pipeliner cannot overlap across tiles; with one program
+per SM (the single-copy kernel's setting, which pipelines) the pack ran at 0.72-0.75x the D2D
+copy on H200, so it takes the table kernel's grid of two programs per SM."""
+
+
 class PackTable:
     """The rows that pack ``tensors`` into an arena by ``plan`` (checked: every tensor present,
-    with its planned dtype and shape, on the arena's device). ``rows``: int64 ``(n, 5)``."""
+    with its planned dtype and shape, on the arena's device). ``rows``: int64 ``(n, 5)``.
+    ``tuning`` overrides :data:`PACK_TUNING` (the benchmark sweeps it)."""
 
-    def __init__(self, plan: PackPlan, tensors: Mapping[str, Any], arena):
+    def __init__(self, plan: PackPlan, tensors: Mapping[str, Any], arena, tuning: Mapping[str, Any] | None = None):
         _check_tensors(plan, tensors, arena.device)
+        unknown = set(tuning or {}) - set(PACK_TUNING)
+        if unknown:
+            raise PublishError(f"pack tuning: unknown knob(s) {sorted(unknown)}; known: {sorted(PACK_TUNING)}")
+        self.tuning = {**PACK_TUNING, **(tuning or {})}
         self.plan, self.arena, self.tensors = plan, arena, tensors  # the tensors stay alive while the table is used
         base = arena.span(0, plan.metadata.image_nbytes).ptr
         rows: list[tuple[int, int, int, int, int]] = []
@@ -61,13 +78,12 @@ class PackTable:
         if not len(self.rows):
             return
         if dev.is_cuda:
-            from flashboot.kernels.copy import SM_TUNING
             from flashboot.memory import stream_handle
 
             if self._device_table is None:
                 from flashboot.kernels.copy_table import CopyTable
 
-                k = SM_TUNING
+                k = self.tuning
                 self._device_table = CopyTable(self.rows[:, :3], runs=self.rows[:, 3:], device=dev, kind="sm",
                                                block_bytes=k["block_bytes"], num_warps=k["num_warps"],
                                                num_stages=k["num_stages"], programs_per_sm=k["programs_per_sm"])
@@ -96,4 +112,4 @@ def pack_per_tensor(plan: PackPlan, tensors: Mapping[str, Any], arena) -> None:
         flat[p.dst_offset:p.dst_offset + n].view(src.dtype).view(src.shape).copy_(src)
 
 
-__all__ = ["PackTable", "pack_per_tensor", "pack_rows_host"]
+__all__ = ["PACK_TUNING", "PackTable", "pack_per_tensor", "pack_rows_host"]
