@@ -18,8 +18,8 @@ from .checksum_spec import LENGTH_MUL, M64, word_term
 CHECKSUM_TUNING: dict[str, Any] = {
     "block_words": 1024,  # 32-bit words per program per loop step (a power of two): 8 per thread
     "num_warps": 4,
-    "programs_per_sm": 4,  # persistent grid = #SMs x this, one wave: 16 warps per SM as 2048 x 8 warps x 2 had,
-    # but ~70 registers a thread where that took ~120 (sm_90, ptxas 13), so all four stay resident
+    "programs_per_sm": 6,  # persistent grid = #SMs x this, one wave (~70 registers a thread, sm_90, ptxas 13):
+    # copy + checksum of 1 GiB on the H200 ran 0.87x a plain copy at 4, 0.99x at 6, 0.63x at 2 (RESULTS.md)
     "num_stages": 3,  # Triton's default software pipelining of the loop's loads
 }
 """Defaults of the GPU checksum's knobs; :func:`checksum` and :func:`chunk_checksums` take overrides."""

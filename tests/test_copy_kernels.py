@@ -174,7 +174,8 @@ def test_table_copy_moves_every_row_exactly(kind, shift):
     src, dst, chunks, batch = _table_case(kind, shift, seed=shift + len(kind))
     knobs = {**(kc.TMA_TUNING if kind == "tma" else kc.SM_TUNING), **SMALL}
     table = table_for(batch, kind=kind, knobs=knobs)
-    assert table.n_entries == len(chunks) and table.n_tiles > table.grid[0]  # programs stride over rows
+    # no more programs than tiles (the interpreter's grid is smaller than the tiles: programs stride over rows)
+    assert table.n_entries == len(chunks) and table.grid[0] <= table.n_tiles
     assert table.elem_bytes == {0: 8, 8: 8, 3: 1}[shift] and table.align16 == (shift == 0)
     table.launch(0)
     s, d = src.cpu().numpy(), dst.cpu().numpy()
