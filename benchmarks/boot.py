@@ -299,7 +299,7 @@ def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None,
     base = Path(root or "/dev/shm/flashboot-boot")
     base.mkdir(parents=True, exist_ok=True)
     results = []
-    alone_cache: dict = {}  # W alone and the calibration, measured once a run
+    alone_cache: dict = {}  # W alone (each W calibrated in its own process), measured once a run
     try:
         named = [(CHECKPOINTS[name].scaled(scale), name in stream_shapes) for name in shapes]
         for spec, stream in named + [(s, False) for s in specs]:
