@@ -142,6 +142,8 @@ class _Resident:
     nbytes: int = 0
     metadata_sha256: str = ""
     pin_ms: float = 0.0
+    checksum_chunk_bytes: int = 0
+    """The chunk size of the image's checksums (its metadata): a verifying copy digests these."""
     error: BaseException | None = None
     state: str = "staging"
 
@@ -151,9 +153,13 @@ class PreloadServer:
 
     Protocol (``SOCK_SEQPACKET``, one JSON message each way): the engine sends
     ``{"op": "load", "rank", "descriptor", "pci_bus_id", "nbytes", "metadata_sha256",
-    "timeout_s"}`` with its arena's fd attached (SCM_RIGHTS); the daemon opens the arena, copies,
-    synchronises, closes its mapping and answers ``{"ok": true, "map_ms", "h2d_ms", ...}`` or
-    ``{"ok": false, "error", "message"}``. ``{"op": "status"}`` answers what it holds.
+    "timeout_s", "verify"}`` with its arena's fd attached (SCM_RIGHTS); the daemon opens the arena,
+    copies, synchronises, closes its mapping and answers ``{"ok": true, "map_ms", "h2d_ms", ...}``
+    or ``{"ok": false, "error", "message"}``. With ``"verify": true`` the reply also carries the
+    chunk checksums of the bytes it copied, computed in the arena after the copy (``digests``,
+    ``checksum_chunk_bytes``, ``checksum_ms``): the engine compares them with its metadata, so
+    it never loads a checksum kernel itself (this daemon warmed its own once, at start).
+    ``{"op": "status"}`` answers what it holds.
 
     What a client does to memory the daemon maps cannot kill it: an engine's host arena must be
     sealed against shrinking (refused at attach otherwise, :meth:`Arena.open`), and a staged image
@@ -194,6 +200,7 @@ class PreloadServer:
         check_ready(read_ready(paths.ready), src)
         res.path, res.fd = str(paths.image), os.open(paths.image, os.O_RDWR | os.O_CLOEXEC)
         res.nbytes, res.metadata_sha256 = src.nbytes, src.metadata_sha256
+        res.checksum_chunk_bytes = src.metadata.checksums.chunk_bytes
         _check_staged_size(res)
         res.mapping = MappedFile(res.path, src.nbytes, fd=res.fd)  # the same file the size checks look at
         dev = self.config.device_for(rank)
@@ -203,17 +210,24 @@ class PreloadServer:
         res.state = "pinned" if res.pinned is not None else "mapped"
 
     def _warm_up(self) -> None:
-        """Import and construct what a request needs, so the first engine does not pay for it."""
+        """Import and construct what a request needs, so the first engine does not pay for it; on
+        CUDA that includes the checksum kernel a verifying copy runs (its first call in a process
+        costs ~1 s of Triton). The host backend reads the staged file (_read_staged) and digests
+        with numba only when an engine asks (verify is off by default there): nothing to warm."""
         from .. import arena  # noqa: F401
         from ..movers import create_mover
 
         for dev in {self.config.device_for(r) for r in self.ranks}:
-            if dev.is_cuda:  # the host backend reads the staged file (_read_staged): nothing to warm
+            if dev.is_cuda:
                 import cupy
+
+                from flashboot.kernels.checksum import chunk_checksums
 
                 create_mover("copy_engine")
                 with cupy.cuda.Device(dev.index):
-                    cupy.cuda.Stream(non_blocking=True).synchronize()
+                    stream = cupy.cuda.Stream(non_blocking=True)
+                    chunk_checksums(cupy.zeros(1 << 16, dtype=cupy.uint8), 1 << 14, stream=stream)
+                    stream.synchronize()
 
     def run(self, progress: Callable[[int, int, int], None] | None = None) -> None:
         """Listen, stage every rank and make it resident, then serve until :attr:`stop` is set."""
@@ -468,14 +482,17 @@ class PreloadServer:
         except BaseException:
             arena.close()
             raise
-        return _Attached(rank, res, arena, stream, (time.perf_counter() - t0) * 1e3, timeout_s)
+        return _Attached(rank, res, arena, stream, (time.perf_counter() - t0) * 1e3, timeout_s,
+                         verify=req.get("verify") is True)
 
     def _copy(self, attached: "_Attached") -> dict:
         """The resident image into the attached arena, in :data:`SERVE_CHUNK_BYTES` pieces, each
         chunk's segments mapped (where not yet) just before its copy is issued; copies into one
         device queue first come, first served (each GPU has its own link: two copies into one
         would only share it, while two GPUs copy at once). The reply's ``copy_map_ms``: mapping
-        done during the copy."""
+        done during the copy. A verifying request (``attached.verify``) gets the chunk digests of
+        the arena's bytes, computed after the copy outside the device's queue (the checksum reads
+        device memory, not the link the next copy needs)."""
         from ..memory import CPU, Span
         from ..movers import create_mover
 
@@ -504,8 +521,11 @@ class PreloadServer:
             h2d_ms = (time.perf_counter() - t1) * 1e3
         finally:
             lock.release()
-        return {**attached.reply(), "h2d_ms": h2d_ms, "queue_ms": (t1 - t_queue) * 1e3,
-                "copy_map_ms": arena.map_stats["map_ms"] - mapped_ms}
+        reply = {**attached.reply(), "h2d_ms": h2d_ms, "queue_ms": (t1 - t_queue) * 1e3,
+                 "copy_map_ms": arena.map_stats["map_ms"] - mapped_ms}
+        if attached.verify:
+            reply.update(_digest_copied(attached))
+        return reply
 
 
 HOST_READ_CHUNK_BYTES = 64 << 20
@@ -541,6 +561,25 @@ def _read_staged(res: _Resident, dst) -> None:
             pass
 
 
+def _digest_copied(attached: "_Attached") -> dict:
+    """The chunk checksums of the bytes just copied into the engine's arena (on its device, on the
+    copy's stream), for the engine to compare with its metadata."""
+    from flashboot.kernels.checksum import chunk_checksums
+
+    res = attached.res
+    t0 = time.perf_counter()
+    if attached.stream is not None:
+        import cupy
+
+        with cupy.cuda.Device(attached.arena.device.index):
+            digests = chunk_checksums(attached.arena.span(0, res.nbytes), res.checksum_chunk_bytes,
+                                      stream=attached.stream)
+    else:
+        digests = chunk_checksums(attached.arena.span(0, res.nbytes), res.checksum_chunk_bytes)
+    return {"digests": [int(d) for d in digests], "checksum_chunk_bytes": res.checksum_chunk_bytes,
+            "checksum_ms": (time.perf_counter() - t0) * 1e3}
+
+
 class _StagingFailed(Exception):
     def __init__(self, rank: int, error: BaseException):
         super().__init__(f"staging rank {rank} failed in the daemon: {error}")
@@ -557,6 +596,8 @@ class _Attached:
     stream: Any
     map_ms: float
     timeout_s: float
+    verify: bool = False
+    """The engine asked for the chunk digests of what was copied (see :func:`_digest_copied`)."""
 
     def reply(self) -> dict:
         return {"ok": True, "rank": self.rank, "nbytes": self.res.nbytes, "map_ms": self.map_ms,
