@@ -15,7 +15,7 @@ from ..errors import (
     RendezvousError,
     WaitTimeoutError,
 )
-from .protocol import _raise_remote
+from .protocol import _raise_remote, peer_credentials
 from .shm import (
     _POLL_S,
     RankSource,
@@ -62,8 +62,6 @@ def _check_daemon(sock: socket.socket, path: Path) -> None:
     """Refuse a socket served by another user than this one, root or ``$FLASHBOOT_PRELOADER_UID``:
     the request hands over the arena's fd, and anyone who could create the staging directory
     first could listen at its name. Closes ``sock`` when it refuses."""
-    from .server import peer_credentials
-
     peer = peer_credentials(sock)
     trusted = {os.geteuid(), 0}
     extra = os.environ.get(PRELOADER_UID_ENV, "").strip()

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import socket
-import struct
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from ..errors import (
     WaitTimeoutError,
 )
 from ..fdshare import SCM_MAX_FD, recv_more_fds
-from .protocol import _error_payload
+from .protocol import PeerCredentials, _error_payload, peer_credentials
 from .shm import (
     _unlink_quietly,
     check_ready,
@@ -53,33 +52,9 @@ MAX_CONNECTIONS = 64
 and never speak cannot make the daemon start threads without bound."""
 REQUEST_TIMEOUT_S = 10.0
 """How long a connected client may take to send its request (and the rest of its fds)."""
-SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-"""The peer's supplementary groups (Linux >= 4.13); Python names it only from 3.13 on some builds."""
 
 
 # ================================================================================= admission
-@dataclass(frozen=True)
-class PeerCredentials:
-    """Who is at the other end of a Unix socket, as the kernel recorded it at connect()."""
-
-    pid: int
-    uid: int
-    gid: int
-    groups: tuple[int, ...] = ()
-
-
-def peer_credentials(sock: socket.socket) -> PeerCredentials:
-    """The connected peer's pid, uid, gid (``SO_PEERCRED``) and supplementary groups
-    (``SO_PEERGROUPS``, empty where the kernel lacks it)."""
-    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 256)
-        groups = struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
-    except OSError:  # ENOPROTOOPT (old kernel) or ERANGE (more than 256 groups): the primary gid still counts
-        groups = ()
-    return PeerCredentials(pid, uid, gid, tuple(groups))
-
-
 def admits(peer: PeerCredentials, *, uid: int, group: int | None) -> bool:
     """Whether the daemon of user ``uid`` (sharing with group ``group``, or None) serves ``peer``:
     the same user, or a member of the configured group."""
