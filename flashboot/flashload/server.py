@@ -47,6 +47,10 @@ DEFAULT_HOLD_S = 3600.0
 MAX_REQUEST_BYTES = 64 << 10
 """A request is a few hundred bytes of JSON (a 1,000-segment descriptor is ~40 KB); a longer one
 is refused whole: SOCK_SEQPACKET truncates it and says so (MSG_TRUNC)."""
+MAX_REPLY_DIGESTS = 8192
+"""A verifying copy's reply holds one JSON int per checksum chunk (~20 bytes): 8,192 keep it within
+one SOCK_SEQPACKET message under the default socket buffer (~208 KB); at the default 64 MiB chunks
+that is 512 GiB a rank."""
 MAX_CONNECTIONS = 64
 """Connections handled at once; one more is answered "busy" and closed, so clients that connect
 and never speak cannot make the daemon start threads without bound."""
@@ -545,6 +549,11 @@ def _digest_copied(attached: "_Attached") -> dict:
     from flashboot.kernels.checksum import chunk_checksums
 
     res = attached.res
+    chunks = -(-res.nbytes // res.checksum_chunk_bytes)
+    if chunks > MAX_REPLY_DIGESTS:
+        raise LayoutError(f"rank {attached.rank}: {chunks:,} checksum chunks of {res.checksum_chunk_bytes:,} bytes; a "
+                          f"verifying served reply carries at most {MAX_REPLY_DIGESTS:,} digests (one socket "
+                          "message): re-pack with larger chunks, or load with verify=False and call verify_loaded")
     t0 = time.perf_counter()
     if attached.stream is not None:
         import cupy
