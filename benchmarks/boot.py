@@ -273,7 +273,18 @@ def _describe(shape: str, res: dict, ceiling_ms: float) -> str:
     c = res["calls"]
     prep = f" (prepare {c[0]['prepare_ms']:.0f} ms before)" if c[0].get("prepare_ms") else ""
     return (f"{shape}: {res['loader']}: 1st {c[0]['ms']:.1f} ms ({c[0]['ms'] / ceiling_ms:.2f}x){prep}, "
-            f"2nd {c[1]['ms']:.1f} ms ({c[1]['ms'] / ceiling_ms:.2f}x), verified {all(x['verified'] for x in c)}")
+            f"2nd {c[1]['ms']:.1f} ms ({c[1]['ms'] / ceiling_ms:.2f}x), verified {_verified_cell(c)}"
+            + "".join(f"; {n} call: {_phases_text(x)}" for n, x in zip(("1st", "2nd"), c) if x.get("report")))
+
+
+def _phases_text(call: dict) -> str:
+    """A FlashLoad call's phases and the served path's own split of its first-call costs, in ms."""
+    r = call["report"]
+    parts = [f"{k} {r[k + '_ms']:.1f}" for k in ("wait", "metadata", "alloc", "exchange", "h2d", "verify", "bind")
+             if r.get(k + "_ms")]
+    d = r.get("details", {})
+    parts += [f"{k[:-3]} {d[k]:.1f}" for k in ("setup_ms", "request_ms", "copy_wait_ms") if isinstance(d.get(k), float)]
+    return ", ".join(parts)
 
 
 def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None, root: str | None = None,
