@@ -208,8 +208,9 @@ class PreloadServer:
                 create_mover("copy_engine")
                 with cupy.cuda.Device(dev.index):
                     stream = cupy.cuda.Stream(non_blocking=True)
-                    chunk_checksums(cupy.zeros(1 << 16, dtype=cupy.uint8), 1 << 14, stream=stream)
-                    stream.synchronize()
+                    with stream:
+                        probe = cupy.zeros(1 << 16, dtype=cupy.uint8)
+                    chunk_checksums(probe, 1 << 14, stream=stream)  # returns once the digests are read back
 
     def run(self, progress: Callable[[int, int, int], None] | None = None) -> None:
         """Listen, stage every rank and make it resident, then serve until :attr:`stop` is set."""
