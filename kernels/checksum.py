@@ -18,6 +18,7 @@ CUDA memory never loads numba.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from flashboot._lazy import lazy_getattr
@@ -38,6 +39,14 @@ _LAZY = {
     "device_chunk_checksums": "flashboot.kernels.checksum_gpu",
 }
 __getattr__ = lazy_getattr("flashboot.kernels.checksum", _LAZY, globals())
+
+
+def gpu_checksum_loaded(device_index: int) -> bool:
+    """Whether this process has already run the GPU chunk checksum on CUDA device
+    ``device_index``, so that another call costs ~1 ms rather than the ~1 s of a first call
+    (Triton's import, launcher and cache). Imports nothing."""
+    gpu = sys.modules.get("flashboot.kernels.checksum_gpu")
+    return gpu is not None and device_index in gpu.LAUNCHED_ON
 
 
 def _span_or_buffer(obj: Any):
@@ -86,4 +95,4 @@ def chunk_checksums(obj: Any, chunk_bytes: int, *, stream: Any = None, **tuning:
     return device_chunk_checksums(span, chunk_bytes, stream=stream, **tuning)
 
 
-__all__ = ["checksum", "chunk_checksums", "word_term", *_LAZY]
+__all__ = ["checksum", "chunk_checksums", "gpu_checksum_loaded", "word_term", *_LAZY]

@@ -24,6 +24,10 @@ CHECKSUM_TUNING: dict[str, Any] = {
 }
 """Defaults of the GPU checksum's knobs; :func:`checksum` and :func:`chunk_checksums` take overrides."""
 
+LAUNCHED_ON: set[int] = set()
+"""Devices this process has launched the word checksum kernel on (a verify's kernel): its first
+launch in a process costs ~1 s of Triton, later ones ~1 ms (see :func:`~flashboot.kernels.checksum.gpu_checksum_loaded`)."""
+
 
 @triton.jit
 def _fmix32_tl(h):
@@ -252,6 +256,8 @@ def _start_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any]
                 n_words, chunk_words, start_word, tiles_per_chunk, n_tiles, BLOCK=block, COPY=copy_to is not None,
                 num_warps=knobs["num_warps"], num_stages=knobs["num_stages"],
             )
+            if copy_to is None and span.device.is_cuda:
+                LAUNCHED_ON.add(span.device.index)
         if copy_to is not None and r:
             from .copy import copy_bytes_kernel
 

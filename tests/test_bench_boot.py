@@ -54,13 +54,14 @@ def test_bench_boot_end_to_end_times_the_boot_in_fresh_processes(capsys):
         shutil.rmtree(root.parent, ignore_errors=True)
     (shape,) = out["shapes"]
     e2e = shape["end_to_end"]
-    assert e2e["steps_per_s"] > 0
+    assert e2e["steps_per_s"][0.1] > 0  # W's rate, calibrated in the W-alone process itself
     cells = {(r["w_s"], r["early"]): r for r in e2e["rows"]}
     assert set(cells) == {(0.0, False), (0.0, True), (0.1, False), (0.1, True)}
     for r in cells.values():
         assert "error" not in r, r
         assert r["verified"] and r["total_ms"] >= r["w_ms"] + r["load_ms"] - 1e-6
         assert r["x_bound"] == r["total_ms"] / max(r["w_alone_ms"], shape["ceiling_ms"])
+        assert (r["steps_per_s"] > 0) == (r["w_s"] > 0)  # each boot cell calibrated its own W
     assert cells[(0.1, True)]["w_alone_ms"] > 0 and cells[(0.0, True)]["w_alone_ms"] == 0
     boot.print_results(out)
     printed = capsys.readouterr().out

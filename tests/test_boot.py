@@ -198,8 +198,9 @@ def test_gpu_prepared_served_and_pinned_here(image, gpu_shm):
         _wait_resident(image, gpu_shm, ("pinned",))
         current = torch.cuda.current_device()
         handle = flashboot.prepare(image, 0, "cuda:0", shm_dir=gpu_shm)
-        with flashboot.load(image, 0, "cuda:0", prepared=handle, verify=True) as li:
+        with flashboot.load(image, 0, "cuda:0", prepared=handle) as li:  # served: verified by the daemon by default
             assert li.report.mode == "served, prepared" and li.report.details["daemon_pinned"] is True
+            assert "(verified by the daemon)" in li.report.details["verified"]
             assert bytes(li.arena.bytes()[:li.nbytes].cpu().numpy()) == _image_bytes(image)
         assert torch.cuda.current_device() == current
     finally:

@@ -197,11 +197,22 @@ def test_report_says_whether_it_verified_and_its_phases_add_up(qwen, tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_load_verifies_by_default_and_catches_a_flipped_byte(qwen, tmp_path):
+def test_gpu_load_verifies_by_default_once_the_kernel_is_loaded_and_catches_a_flipped_byte(qwen, tmp_path,
+                                                                                           monkeypatch):
+    from flashboot.kernels import checksum_gpu
+
     image = Path(shutil.copytree(qwen / "tp1", tmp_path / "image"))
     no_shm = tmp_path / "no-shm"  # nothing staged: streamed from disk
-    with flashboot.load(image, 0, "cuda:0", shm_dir=no_shm) as ok:
-        assert ok.report.verify_ms > 0 and "verified: " in ok.report.summary()
+    with monkeypatch.context() as m:  # as in a fresh process: the kernel's first call would cost ~1 s
+        m.setattr(checksum_gpu, "LAUNCHED_ON", set())
+        with flashboot.load(image, 0, "cuda:0", shm_dir=no_shm) as cold:
+            assert "not verified: off by default for a load in this process" in cold.report.summary()
+            assert cold.report.verify_ms == 0
+        with flashboot.load(image, 0, "cuda:0", shm_dir=no_shm, verify=True) as asked:
+            assert asked.report.verify_ms > 0 and "verified: " in asked.report.summary()
+        assert 0 in checksum_gpu.LAUNCHED_ON
+        with flashboot.load(image, 0, "cuda:0", shm_dir=no_shm) as ok:  # the kernel is loaded now: on by default
+            assert ok.report.verify_ms > 0 and "verified: " in ok.report.summary()
     _corrupt(read_image(image, 0).path, 2 * CHUNK + 3)
     with pytest.raises(ChecksumMismatchError) as e:
         flashboot.load(image, 0, "cuda:0", shm_dir=no_shm)
@@ -421,9 +432,14 @@ def test_gpu_served_load_with_a_pinned_daemon(qwen, gpu_shm):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert client.serve_status(qwen / "tp1", shm)["ranks"]["0"]["state"] == "pinned"
-        with flashboot.load(qwen / "tp1", 0, "cuda:0", served=True, shm_dir=shm, verify=True) as li:
+        with flashboot.load(qwen / "tp1", 0, "cuda:0", served=True, shm_dir=shm) as li:  # verified by default
             assert li.report.mode == "served" and li.report.details["daemon_pinned"] is True
             assert li.report.pinned_early_ms > 0 and li.report.h2d_ms > 0
+            assert li.report.details["verified"].endswith("(verified by the daemon)") and li.report.verify_ms > 0
+        _corrupt(shm_files.staged_paths(qwen / "tp1", 0, shm).image, CHUNK + 11)  # the daemon's pinned pages
+        with pytest.raises(ChecksumMismatchError) as e:
+            flashboot.load(qwen / "tp1", 0, "cuda:0", served=True, shm_dir=shm)
+        assert e.value.chunk == 1 and e.value.offset == CHUNK
     finally:
         service.stop_service(qwen / "tp1", shm)
 

@@ -335,6 +335,44 @@ def test_stale_pid_file_is_detected_and_replaced(image, shm):
     assert not path.exists()
 
 
+def test_served_load_is_verified_by_the_daemon_and_a_flipped_staged_byte_is_named(image, shm, monkeypatch):
+    """verify=True on a served load: the daemon digests the bytes it copied into the arena and
+    replies with them; this process only compares (it runs no checksum itself)."""
+    from flashboot.kernels import checksum
+
+    def no_checksum_here(*a, **k):
+        raise AssertionError("the engine computed a checksum: the daemon should have")
+
+    monkeypatch.setattr(checksum, "chunk_checksums", no_checksum_here)  # this process only; the daemon is another
+    meta = read_image(image, 0).metadata
+    chunk = meta.checksums.chunk_bytes
+    assert len(meta.checksums.digests) >= 2
+    service.start_background(staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True), timeout_s=60)
+    try:
+        with flashboot.load(image, 0, "cpu", served=True, shm_dir=shm, timeout_s=60, verify=True) as ok:
+            n = len(meta.checksums.digests)
+            assert ok.report.details["verified"] == f"{n} chunks match the pre-pack's checksums (verified by the daemon)"
+            assert ok.report.verify_ms > 0
+        with flashboot.load(image, 0, "cpu", served=True, shm_dir=shm, timeout_s=60) as plain:
+            assert "not verified: off by default on the host backend" in plain.report.summary()
+        staged = shm_files.staged_paths(image, 0, shm).image
+        with open(staged, "r+b") as f:  # one flipped byte in the daemon's staged copy, in chunk 1
+            f.seek(chunk + 9)
+            b = f.read(1)
+            f.seek(chunk + 9)
+            f.write(bytes([b[0] ^ 0x01]))
+        with pytest.raises(ChecksumMismatchError) as e:
+            flashboot.load(image, 0, "cpu", served=True, shm_dir=shm, timeout_s=60, verify=True)
+        assert e.value.chunk == 1 and e.value.offset == chunk and "rank 0" in str(e.value)
+        handle = flashboot.prepare(image, 0, "cpu", mode="served", shm_dir=shm, timeout_s=60, verify=True)
+        with pytest.raises(ChecksumMismatchError) as e:
+            flashboot.load(image, 0, "cpu", prepared=handle)
+        assert e.value.chunk == 1 and "copied into cpu by flashboot.prepare" in str(e.value)
+        assert handle.arena.closed
+    finally:
+        service.stop_service(image, shm)
+
+
 def test_served_load_across_processes(image, shm):
     """A daemon process holds the staged image; this process (the engine) loads from it."""
     cfg = staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True)

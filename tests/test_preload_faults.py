@@ -310,3 +310,22 @@ def test_holder_killed_and_restarted_while_clones_map_its_arena(tmp_path):
             if p.poll() is None:
                 p.kill()
             p.communicate()
+
+
+def test_a_verifying_served_load_of_too_many_checksum_chunks_is_refused_by_name(image, tmp_path, monkeypatch):
+    """The daemon's digests travel in one socket message: past its bound the load is refused with
+    the numbers (and the arena released), not answered with a reply the socket cannot carry."""
+    from flashboot.errors import LayoutError
+    from flashboot.flashload import server
+
+    monkeypatch.setattr(server, "MAX_REPLY_DIGESTS", 3)  # the daemon runs in this process (a thread)
+    daemon = Daemon(image, tmp_path / "shm")
+    try:
+        chunks = len(shm_files.rank_source(image, 0).metadata.checksums.digests)
+        assert chunks > 3
+        with pytest.raises(LayoutError, match=rf"rank 0: {chunks:,} checksum chunks .* at most 3 digests"):
+            flashboot.load(image, 0, "cpu", served=True, shm_dir=tmp_path / "shm", timeout_s=30, verify=True)
+        with flashboot.load(image, 0, "cpu", served=True, shm_dir=tmp_path / "shm", timeout_s=30) as unchecked:
+            assert unchecked.report.details["verify_skipped"].startswith("off by default on the host backend")
+    finally:
+        daemon.close()

@@ -22,7 +22,8 @@ def register(subparsers) -> None:
                    help="ring size of a streamed load, e.g. 256MiB (default 256 MiB or $FLASHBOOT_STREAM_BUFFER_BYTES)")
     check = p.add_mutually_exclusive_group()
     check.add_argument("--verify", action="store_true", default=None,
-                       help="recompute the chunk checksums on the device (default on CUDA, not on the host backend)")
+                       help="recompute the chunk checksums on the device (default: served loads on CUDA, by the daemon; "
+                            "in-process loads on CUDA once the kernel is loaded; not on the host backend)")
     check.add_argument("--no-verify", dest="verify", action="store_false", help="skip the checksums")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the staged image (default 60)")
     p.add_argument("--shm-dir", default=None)

@@ -70,10 +70,11 @@ class PreparedLoad:
         self.real_dir = os.path.realpath(self.image_dir)
         self.timeout_s, self.shm_dir, self.hold_s = float(timeout_s), shm_dir, hold_s
         self.tp, self.ep, self.expected_key = tp, ep, expected_key
-        from .load import _verify_default
         from .stream import StreamConfig
 
-        self.verify = _verify_default(self.device) if verify is None else bool(verify)
+        # None: chosen once the mode is known (a served copy is verified by the daemon, cheaply)
+        self.asked_verify = None if verify is None else bool(verify)
+        self.verify, self.verify_skipped = bool(verify), "verify=False"
 
         self.stream_config = StreamConfig.of(stream_buffer_bytes)  # a bad option is refused at once
         self.requested_mode, self.mode, self.why = mode, "", ""
@@ -137,6 +138,10 @@ class PreparedLoad:
             raise LayoutError(f"{image.path}: empty image, nothing to load")
         t = self._phase("metadata", t)
         self.mode, self.why = self._choose_mode()
+        if self.asked_verify is None:
+            from .load import _verify_default
+
+            self.verify, self.verify_skipped = _verify_default(self.device, by_daemon=self.mode == "served")
         t = self._phase("mode", t)
         admit(self.nbytes, self.device)  # before any allocation: OutOfMemoryError with the numbers
         self.arena = Arena.create(self.nbytes, self.device)
@@ -191,8 +196,13 @@ class PreparedLoad:
             from .load import LoadReport, verify_loaded
 
             checked = LoadReport(mode="", device=str(self.device), rank=self.rank, nbytes=self.nbytes)
-            verify_loaded(self.arena, self.metadata, f"{self.image.path} (rank {self.rank}) copied into "
-                          f"{self.device} by flashboot.prepare", checked)
+            where = f"{self.image.path} (rank {self.rank}) copied into {self.device} by flashboot.prepare"
+            if self.mode == "served":
+                from .client import check_daemon_digests
+
+                check_daemon_digests(self.copy["reply"], self.metadata, where, checked)
+            else:
+                verify_loaded(self.arena, self.metadata, where, checked)
             self.copy["verified"] = checked.details["verified"]
             self._phase("verify", t)
 
@@ -229,7 +239,7 @@ class PreparedLoad:
                      shm_dir=self.shm_dir)
         self.session = attach_served(self.arena, image_dir=self.image_dir, rank=self.rank, nbytes=self.nbytes,
                                      metadata_sha256=self.metadata_sha256, timeout_s=self.timeout_s,
-                                     shm_dir=self.shm_dir, hold_s=self.hold_s)
+                                     shm_dir=self.shm_dir, hold_s=self.hold_s, verify=self.verify)
         self.phases_ms["daemon_map"] = float(self.session.attach_reply.get("map_ms", 0.0))
 
     def _stage(self) -> None:

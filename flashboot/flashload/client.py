@@ -15,7 +15,7 @@ from ..errors import (
     RendezvousError,
     WaitTimeoutError,
 )
-from .protocol import _raise_remote
+from .protocol import _raise_remote, peer_credentials
 from .shm import (
     _POLL_S,
     RankSource,
@@ -62,8 +62,6 @@ def _check_daemon(sock: socket.socket, path: Path) -> None:
     """Refuse a socket served by another user than this one, root or ``$FLASHBOOT_PRELOADER_UID``:
     the request hands over the arena's fd, and anyone who could create the staging directory
     first could listen at its name. Closes ``sock`` when it refuses."""
-    from .server import peer_credentials
-
     peer = peer_credentials(sock)
     trusted = {os.geteuid(), 0}
     extra = os.environ.get(PRELOADER_UID_ENV, "").strip()
@@ -258,17 +256,18 @@ def _send_arena(op: str, arena, *, image_dir, rank: int, nbytes: int, metadata_s
 
 
 def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
-                      shm_dir=None) -> ServedCopy:
+                      shm_dir=None, verify: bool = False) -> ServedCopy:
     """Send the daemon for ``image_dir`` a request to copy rank ``rank`` (``nbytes``, staged from
     the metadata with sha256 ``metadata_sha256``) into ``arena``; returns at once.
 
     The arena's descriptor travels with its fd attached. The daemon refuses a request whose
     sha256 or size differ from what it holds. The socket's appearance is awaited up to
     ``timeout_s``; the reply (:meth:`ServedCopy.wait`) up to ``timeout_s`` (the daemon's
-    staging) plus 60 s plus 1 s per GB.
+    staging) plus 60 s plus 1 s per GB. ``verify``: the reply carries the chunk digests of the
+    copied bytes, computed by the daemon (check them with :func:`check_daemon_digests`).
     """
     sock, path = _send_arena("load", arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
-                             metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir)
+                             metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir, verify=verify)
     return ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9)
 
 
@@ -327,12 +326,13 @@ class ServedSession:
 
 
 def attach_served(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
-                  shm_dir=None, hold_s: float | None = None) -> ServedSession:
+                  shm_dir=None, hold_s: float | None = None, verify: bool = False) -> ServedSession:
     """Hand ``arena`` to the daemon for ``image_dir`` ahead of the load: it checks rank, size and
     metadata sha256 against what it holds, opens and maps the arena and answers; the copy waits
     for :meth:`ServedSession.copy`. ``hold_s``: how long the daemon keeps the arena attached
-    without a copy request (default the daemon's, an hour). Errors as :func:`start_served_load`."""
-    extra = {} if hold_s is None else {"hold_s": float(hold_s)}
+    without a copy request (default the daemon's, an hour). ``verify``: the copy's reply carries the
+    daemon's chunk digests. Errors as :func:`start_served_load`."""
+    extra = {"verify": bool(verify)} if hold_s is None else {"hold_s": float(hold_s), "verify": bool(verify)}
     sock, path = _send_arena("attach", arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
                              metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir, **extra)
     try:
@@ -343,6 +343,29 @@ def attach_served(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: 
         sock.close()
         raise
     return ServedSession(sock, path, rank, nbytes, reply)
+
+
+def check_daemon_digests(reply: dict, metadata, where: str, report=None) -> int:
+    """Compare the chunk digests a verifying daemon computed in the arena after its copy (its
+    ``reply``) with the image's metadata checksums: ChecksumMismatchError naming the first bad chunk,
+    as :func:`~flashboot.flashload.load.verify_loaded` does; RendezvousError for a reply without
+    them or of another chunk size. Returns the chunk count; fills ``report`` (``verify_ms``: the
+    daemon's checksum time) when given."""
+    from .load import compare_digests
+
+    digests, chunk_bytes = reply.get("digests"), reply.get("checksum_chunk_bytes")
+    want = metadata.checksums.chunk_bytes
+    if not isinstance(digests, list) or not all(isinstance(d, int) for d in digests):
+        raise RendezvousError(f"{where}: the preloader's reply carries no chunk digests although verify was asked "
+                              "(an older preloader? restart it)")
+    if chunk_bytes != want:
+        raise RendezvousError(f"{where}: the preloader digested chunks of {chunk_bytes} bytes, the metadata records "
+                              f"{want:,}")
+    count = compare_digests(digests, metadata, where)
+    if report is not None:
+        report.verify_ms = float(reply.get("checksum_ms", 0.0))
+        report.details["verified"] = f"{count} chunks match the pre-pack's checksums (verified by the daemon)"
+    return count
 
 
 def served_load(arena, source: RankSource, *, timeout_s: float, shm_dir=None) -> dict:

@@ -290,18 +290,24 @@ def verify_loaded(arena, metadata, where: str, report=None) -> int:
     t0 = time.perf_counter()  # the checksum module's import and first call are part of what verify costs
     from flashboot.kernels.checksum import chunk_checksums
 
-    cs = metadata.checksums
-    nbytes = metadata.image_nbytes
-    found = chunk_checksums(arena.span(0, nbytes), cs.chunk_bytes)
+    found = chunk_checksums(arena.span(0, metadata.image_nbytes), metadata.checksums.chunk_bytes)
+    count = compare_digests(found, metadata, where)
+    if report is not None:
+        report.verify_ms = (time.perf_counter() - t0) * 1e3
+        report.details["verified"] = f"{count} chunks match the pre-pack's checksums"
+    return count
+
+
+def compare_digests(found, metadata, where: str) -> int:
+    """``found`` (chunk digests of the loaded bytes) against the metadata's: ChecksumMismatchError
+    naming the first bad chunk, LayoutError for another chunk count. Returns the count."""
+    cs, nbytes = metadata.checksums, metadata.image_nbytes
     if len(found) != len(cs.digests):
         raise LayoutError(f"{where}: {len(found)} chunks computed, the metadata records {len(cs.digests)}")
     for k, (want, got) in enumerate(zip(cs.digests, found)):
         if int(want) != int(got):
             start, n = cs.chunk_range(k, nbytes)
             raise ChecksumMismatchError(where, k, start, n, int(want), int(got))
-    if report is not None:
-        report.verify_ms = (time.perf_counter() - t0) * 1e3
-        report.details["verified"] = f"{len(found)} chunks match the pre-pack's checksums"
     return len(found)
 
 
@@ -353,7 +359,10 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
 
     t_start = time.perf_counter()
     dev = Device.parse(device)
-    asked_verify, verify = verify, _verify_default(dev) if verify is None else bool(verify)
+    if verify is not None:
+        verify, why_not = bool(verify), "verify=False"
+    elif prepared is None:  # a prepared handle chose when it knew its mode: _load_prepared takes its choice
+        verify, why_not = _verify_default(dev, by_daemon=served)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
     if chunk_bytes <= 0:
@@ -380,10 +389,8 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
         loaded = _load_staged(image_dir, rank, dev, t_start, staged=staged, timeout_s=timeout_s, verify=verify,
                               shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp, ep=ep, expected_key=expected_key,
                               stream=stream, stream_buffer_bytes=stream_buffer_bytes)
-    if not verify:
-        loaded.report.details["verify_skipped"] = ("verify=False" if asked_verify is not None else
-                                                   "off by default on the host backend, where it costs ~2x the "
-                                                   "copy; verify=True checks")
+    if "verified" not in loaded.report.details:
+        loaded.report.details["verify_skipped"] = prepared.verify_skipped if verify is None else why_not
     return loaded
 
 
@@ -401,11 +408,24 @@ def _check_staged(staged, image_dir, rank: int) -> None:
 VERIFY_BY_DEFAULT_ON_HOST = False
 """The host backend's checksum (numba) runs at about half the host copy's rate (1.2 vs 2.5-3 GB/s
 on 2 cores), so checking costs ~2x the load there: opt in with ``verify=True``. On CUDA the kernel
-runs ~2.7 TB/s against a ~54 GB/s H2D (2 % of the load): on by default."""
+runs ~2.7 TB/s against a ~54 GB/s H2D (2 % of the load), but its first call in a process costs
+~1 s (Triton's import, launcher, cache; 0.95-1.3 s on the H200 machine): so a served load is
+verified by default by the daemon, which warmed its kernel once, and an in-process load only
+where this process has run the kernel already."""
 
 
-def _verify_default(dev: Device) -> bool:
-    return dev.is_cuda or VERIFY_BY_DEFAULT_ON_HOST
+def _verify_default(dev: Device, *, by_daemon: bool) -> tuple[bool, str]:
+    """Whether a load verifies when the caller did not say; when not, why (the report's
+    ``verify_skipped``). ``by_daemon``: the served-load daemon computes the digests."""
+    if not dev.is_cuda:
+        return VERIFY_BY_DEFAULT_ON_HOST, ("off by default on the host backend, where it costs ~2x the copy; "
+                                           "verify=True checks")
+    from flashboot.kernels.checksum import gpu_checksum_loaded
+
+    if by_daemon or gpu_checksum_loaded(dev.index):
+        return True, ""
+    return False, ("off by default for a load in this process: the checksum kernel's first call in a process "
+                   "costs ~1 s, more than the load (a served load is verified by the daemon); verify=True checks")
 
 
 def _one_time(report: LoadReport, **more: float) -> dict[str, float]:
@@ -505,10 +525,11 @@ def _load_staged(image_dir, rank: int, dev: Device, t_start: float, *, staged, t
     return LoadedImage(arena, tensors, meta, report, source, release)
 
 
-def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, *, verify: bool, chunk_bytes: int,
+def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, *, verify: bool | None, chunk_bytes: int,
                    tp, ep, expected_key) -> LoadedImage:
     """Wait for the copy a :func:`flashboot.prepare` handle started itself (everything else was
-    paid at start-up), check that the image is still the one it copied, verify."""
+    paid at start-up), check that the image is still the one it copied, verify (``None``: as the
+    handle chose once it knew its mode)."""
     from flashboot.layouts.image import check_request
 
     from .shm import RankSource
@@ -521,6 +542,8 @@ def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, 
         t0 = time.perf_counter()
         prepared.wait()
         report.wait_ms = (time.perf_counter() - t0) * 1e3
+        if verify is None:
+            verify = prepared.verify
         arena, meta = prepared.arena, prepared.metadata
         check_request(meta, str(prepared.image.metadata_path), tp=tp, ep=ep, expected_key=expected_key)
         prepared.check_unchanged()  # a re-packed image: the early copy's bytes are discarded with the arena
@@ -617,7 +640,7 @@ def _load_served(image_dir, rank: int, dev: Device, t_start: float, *, timeout_s
         arena.export()
         t2 = time.perf_counter()
         copy = start_served_load(arena, image_dir=str(image_dir), rank=rank, nbytes=nbytes, metadata_sha256=sha,
-                                 timeout_s=timeout_s, shm_dir=shm_dir)
+                                 timeout_s=timeout_s, shm_dir=shm_dir, verify=verify)
         t3 = time.perf_counter()
         image = open_image(mf, rank, tp=tp, ep=ep, expected_key=expected_key)
         meta = image.metadata
@@ -632,16 +655,22 @@ def _load_served(image_dir, rank: int, dev: Device, t_start: float, *, timeout_s
         report.metadata_ms = (t4 - t3) * 1e3
         report.tensors = len(meta.tensors)
         report.h2d_ms = reply["h2d_ms"]
+        daemon_ms = reply["h2d_ms"] + reply.get("checksum_ms", 0.0)
         # Request to reply ran beside our own work (metadata + views): the exchange is what exceeds both.
-        report.exchange_ms = max(0.0, (t6 - t2) * 1e3 - max(reply["h2d_ms"], (t5 - t2) * 1e3))
+        report.exchange_ms = max(0.0, (t6 - t2) * 1e3 - max(daemon_ms, (t5 - t2) * 1e3))
         report.overlapped = ["metadata", "bind"]
         report.pinned_early_ms = reply.get("pin_ms", 0.0)
         report.chunks = -(-nbytes // (1 << 30))
         report.details = {"daemon_pid": reply.get("pid"), "daemon_map_ms": reply.get("map_ms"),
                           "daemon_pinned": reply.get("pinned"), "copy_wait_ms": (t6 - t5) * 1e3,
+                          # where a first call's extra time hides (H200, shape C: 503 ms first, 130 ms second):
+                          # before the phases (imports, argument checks) and connecting + sending the request
+                          "setup_ms": (t0 - t_start) * 1e3, "request_ms": (t3 - t2) * 1e3,
                           "one_time_ms": _one_time(report, daemon_map=reply.get("map_ms", 0.0))}
-        if verify:
-            verify_loaded(arena, meta, f"{image.path} (rank {rank}) loaded into {dev}", report)
+        if verify:  # the daemon digested what it copied, in the arena; no kernel runs in this process
+            from .client import check_daemon_digests
+
+            check_daemon_digests(reply, meta, f"{image.path} (rank {rank}) loaded into {dev}", report)
     except BaseException:
         if copy is not None:
             copy.settle()  # the daemon may still be writing into the arena

@@ -1,6 +1,12 @@
-"""The served-load socket's errors: a failure travels as JSON and is raised again with its class."""
+"""What both ends of the served-load socket share: who is at the other end (the kernel's
+credentials), and errors, which travel as JSON and are raised again with their class. The
+engine's client imports this, not the daemon's module."""
 
 from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
 
 from .. import errors as _errors
 from ..errors import (
@@ -22,3 +28,28 @@ def _raise_remote(reply: dict, who: str) -> None:
     exc.__dict__.update(reply.get("attrs") or {})
     raise exc
 
+
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+"""The peer's supplementary groups (Linux >= 4.13); Python names it only from 3.13 on some builds."""
+
+
+@dataclass(frozen=True)
+class PeerCredentials:
+    """Who is at the other end of a Unix socket, as the kernel recorded it at connect()."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+
+def peer_credentials(sock: socket.socket) -> PeerCredentials:
+    """The connected peer's pid, uid, gid (``SO_PEERCRED``) and supplementary groups
+    (``SO_PEERGROUPS``, empty where the kernel lacks it)."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 256)
+        groups = struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
+    except OSError:  # ENOPROTOOPT (old kernel) or ERANGE (more than 256 groups): the primary gid still counts
+        groups = ()
+    return PeerCredentials(pid, uid, gid, tuple(groups))

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import socket
-import struct
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from ..errors import (
     WaitTimeoutError,
 )
 from ..fdshare import SCM_MAX_FD, recv_more_fds
-from .protocol import _error_payload
+from .protocol import PeerCredentials, _error_payload, peer_credentials
 from .shm import (
     _unlink_quietly,
     check_ready,
@@ -48,38 +47,18 @@ DEFAULT_HOLD_S = 3600.0
 MAX_REQUEST_BYTES = 64 << 10
 """A request is a few hundred bytes of JSON (a 1,000-segment descriptor is ~40 KB); a longer one
 is refused whole: SOCK_SEQPACKET truncates it and says so (MSG_TRUNC)."""
+MAX_REPLY_DIGESTS = 8192
+"""A verifying copy's reply holds one JSON int per checksum chunk (~20 bytes): 8,192 keep it within
+one SOCK_SEQPACKET message under the default socket buffer (~208 KB); at the default 64 MiB chunks
+that is 512 GiB a rank."""
 MAX_CONNECTIONS = 64
 """Connections handled at once; one more is answered "busy" and closed, so clients that connect
 and never speak cannot make the daemon start threads without bound."""
 REQUEST_TIMEOUT_S = 10.0
 """How long a connected client may take to send its request (and the rest of its fds)."""
-SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-"""The peer's supplementary groups (Linux >= 4.13); Python names it only from 3.13 on some builds."""
 
 
 # ================================================================================= admission
-@dataclass(frozen=True)
-class PeerCredentials:
-    """Who is at the other end of a Unix socket, as the kernel recorded it at connect()."""
-
-    pid: int
-    uid: int
-    gid: int
-    groups: tuple[int, ...] = ()
-
-
-def peer_credentials(sock: socket.socket) -> PeerCredentials:
-    """The connected peer's pid, uid, gid (``SO_PEERCRED``) and supplementary groups
-    (``SO_PEERGROUPS``, empty where the kernel lacks it)."""
-    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 256)
-        groups = struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
-    except OSError:  # ENOPROTOOPT (old kernel) or ERANGE (more than 256 groups): the primary gid still counts
-        groups = ()
-    return PeerCredentials(pid, uid, gid, tuple(groups))
-
-
 def admits(peer: PeerCredentials, *, uid: int, group: int | None) -> bool:
     """Whether the daemon of user ``uid`` (sharing with group ``group``, or None) serves ``peer``:
     the same user, or a member of the configured group."""
@@ -142,6 +121,8 @@ class _Resident:
     nbytes: int = 0
     metadata_sha256: str = ""
     pin_ms: float = 0.0
+    checksum_chunk_bytes: int = 0
+    """The chunk size of the image's checksums (its metadata): a verifying copy digests these."""
     error: BaseException | None = None
     state: str = "staging"
 
@@ -151,9 +132,13 @@ class PreloadServer:
 
     Protocol (``SOCK_SEQPACKET``, one JSON message each way): the engine sends
     ``{"op": "load", "rank", "descriptor", "pci_bus_id", "nbytes", "metadata_sha256",
-    "timeout_s"}`` with its arena's fd attached (SCM_RIGHTS); the daemon opens the arena, copies,
-    synchronises, closes its mapping and answers ``{"ok": true, "map_ms", "h2d_ms", ...}`` or
-    ``{"ok": false, "error", "message"}``. ``{"op": "status"}`` answers what it holds.
+    "timeout_s", "verify"}`` with its arena's fd attached (SCM_RIGHTS); the daemon opens the arena,
+    copies, synchronises, closes its mapping and answers ``{"ok": true, "map_ms", "h2d_ms", ...}``
+    or ``{"ok": false, "error", "message"}``. With ``"verify": true`` the reply also carries the
+    chunk checksums of the bytes it copied, computed in the arena after the copy (``digests``,
+    ``checksum_chunk_bytes``, ``checksum_ms``): the engine compares them with its metadata, so
+    it never loads a checksum kernel itself (this daemon warmed its own once, at start).
+    ``{"op": "status"}`` answers what it holds.
 
     What a client does to memory the daemon maps cannot kill it: an engine's host arena must be
     sealed against shrinking (refused at attach otherwise, :meth:`Arena.open`), and a staged image
@@ -194,6 +179,7 @@ class PreloadServer:
         check_ready(read_ready(paths.ready), src)
         res.path, res.fd = str(paths.image), os.open(paths.image, os.O_RDWR | os.O_CLOEXEC)
         res.nbytes, res.metadata_sha256 = src.nbytes, src.metadata_sha256
+        res.checksum_chunk_bytes = src.metadata.checksums.chunk_bytes
         _check_staged_size(res)
         res.mapping = MappedFile(res.path, src.nbytes, fd=res.fd)  # the same file the size checks look at
         dev = self.config.device_for(rank)
@@ -203,17 +189,28 @@ class PreloadServer:
         res.state = "pinned" if res.pinned is not None else "mapped"
 
     def _warm_up(self) -> None:
-        """Import and construct what a request needs, so the first engine does not pay for it."""
-        from .. import arena  # noqa: F401
+        """Import and construct what a request needs, so the first engine does not pay for it; on
+        CUDA that includes the checksum kernel a verifying copy runs (its first call in a process
+        costs ~1 s of Triton). The host backend reads the staged file (_read_staged) and digests
+        with numba only when an engine asks (verify is off by default there): nothing to warm."""
+        from ..arena import warm_import
         from ..movers import create_mover
 
         for dev in {self.config.device_for(r) for r in self.ranks}:
-            if dev.is_cuda:  # the host backend reads the staged file (_read_staged): nothing to warm
+            if dev.is_cuda:
                 import cupy
 
+                from flashboot.kernels.checksum import chunk_checksums
+
+                # the first import and mapping of an engine's memory: 8.4 ms in the first served load on
+                # the H200, 0.7 ms after (best effort: a failed step shows again in the real open)
+                warm_import(dev, peers=[dev.index])
                 create_mover("copy_engine")
                 with cupy.cuda.Device(dev.index):
-                    cupy.cuda.Stream(non_blocking=True).synchronize()
+                    stream = cupy.cuda.Stream(non_blocking=True)
+                    with stream:
+                        probe = cupy.zeros(1 << 16, dtype=cupy.uint8)
+                    chunk_checksums(probe, 1 << 14, stream=stream)  # returns once the digests are read back
 
     def run(self, progress: Callable[[int, int, int], None] | None = None) -> None:
         """Listen, stage every rank and make it resident, then serve until :attr:`stop` is set."""
@@ -468,14 +465,17 @@ class PreloadServer:
         except BaseException:
             arena.close()
             raise
-        return _Attached(rank, res, arena, stream, (time.perf_counter() - t0) * 1e3, timeout_s)
+        return _Attached(rank, res, arena, stream, (time.perf_counter() - t0) * 1e3, timeout_s,
+                         verify=req.get("verify") is True)
 
     def _copy(self, attached: "_Attached") -> dict:
         """The resident image into the attached arena, in :data:`SERVE_CHUNK_BYTES` pieces, each
         chunk's segments mapped (where not yet) just before its copy is issued; copies into one
         device queue first come, first served (each GPU has its own link: two copies into one
         would only share it, while two GPUs copy at once). The reply's ``copy_map_ms``: mapping
-        done during the copy."""
+        done during the copy. A verifying request (``attached.verify``) gets the chunk digests of
+        the arena's bytes, computed after the copy outside the device's queue (the checksum reads
+        device memory, not the link the next copy needs)."""
         from ..memory import CPU, Span
         from ..movers import create_mover
 
@@ -504,8 +504,11 @@ class PreloadServer:
             h2d_ms = (time.perf_counter() - t1) * 1e3
         finally:
             lock.release()
-        return {**attached.reply(), "h2d_ms": h2d_ms, "queue_ms": (t1 - t_queue) * 1e3,
-                "copy_map_ms": arena.map_stats["map_ms"] - mapped_ms}
+        reply = {**attached.reply(), "h2d_ms": h2d_ms, "queue_ms": (t1 - t_queue) * 1e3,
+                 "copy_map_ms": arena.map_stats["map_ms"] - mapped_ms}
+        if attached.verify:
+            reply.update(_digest_copied(attached))
+        return reply
 
 
 HOST_READ_CHUNK_BYTES = 64 << 20
@@ -541,6 +544,30 @@ def _read_staged(res: _Resident, dst) -> None:
             pass
 
 
+def _digest_copied(attached: "_Attached") -> dict:
+    """The chunk checksums of the bytes just copied into the engine's arena (on its device, on the
+    copy's stream), for the engine to compare with its metadata."""
+    from flashboot.kernels.checksum import chunk_checksums
+
+    res = attached.res
+    chunks = -(-res.nbytes // res.checksum_chunk_bytes)
+    if chunks > MAX_REPLY_DIGESTS:
+        raise LayoutError(f"rank {attached.rank}: {chunks:,} checksum chunks of {res.checksum_chunk_bytes:,} bytes; a "
+                          f"verifying served reply carries at most {MAX_REPLY_DIGESTS:,} digests (one socket "
+                          "message): re-pack with larger chunks, or load with verify=False and call verify_loaded")
+    t0 = time.perf_counter()
+    if attached.stream is not None:
+        import cupy
+
+        with cupy.cuda.Device(attached.arena.device.index):
+            digests = chunk_checksums(attached.arena.span(0, res.nbytes), res.checksum_chunk_bytes,
+                                      stream=attached.stream)
+    else:
+        digests = chunk_checksums(attached.arena.span(0, res.nbytes), res.checksum_chunk_bytes)
+    return {"digests": [int(d) for d in digests], "checksum_chunk_bytes": res.checksum_chunk_bytes,
+            "checksum_ms": (time.perf_counter() - t0) * 1e3}
+
+
 class _StagingFailed(Exception):
     def __init__(self, rank: int, error: BaseException):
         super().__init__(f"staging rank {rank} failed in the daemon: {error}")
@@ -557,6 +584,8 @@ class _Attached:
     stream: Any
     map_ms: float
     timeout_s: float
+    verify: bool = False
+    """The engine asked for the chunk digests of what was copied (see :func:`_digest_copied`)."""
 
     def reply(self) -> dict:
         return {"ok": True, "rank": self.rank, "nbytes": self.res.nbytes, "map_ms": self.map_ms,

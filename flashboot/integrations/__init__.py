@@ -42,12 +42,12 @@ def _warm_imports() -> None:
     import threading
 
     def run() -> None:
-        for name in ("flashboot.flashload.boot", "flashboot.flashload.load", "flashboot.flashload.client",
-                     "flashboot.flashload.stream", "flashboot.arena", "flashboot.layouts.table"):
-            try:
-                importlib.import_module(name)
-            except Exception:  # a warm-up only: the load imports them again and reports what fails
-                return
+        try:
+            from flashboot.flashload.warm import import_loader
+
+            import_loader()
+        except Exception:  # a warm-up only: the load imports them again and reports what fails
+            return
 
     threading.Thread(target=run, name="flashboot-warm-imports", daemon=True).start()
 
