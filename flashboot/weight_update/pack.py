@@ -36,7 +36,7 @@ def _check_tensors(plan: PackPlan, tensors: Mapping[str, Any], device) -> None:
 
 
 PACK_TUNING: dict[str, Any] = {
-    "block_bytes": 32768,  # bytes per tile (4096 int64), the movers' SM tile
+    "block_bytes": 16384,  # bytes per tile (2048 int64): 0.91x the D2D copy on H200 vs 0.87x at 32 KiB
     "num_warps": 4,
     "num_stages": 3,
     "programs_per_sm": 2,  # the movers' table grid (0.91x batched on H200); see below
@@ -44,7 +44,9 @@ PACK_TUNING: dict[str, Any] = {
 """The pack's table-kernel launch. Each tile reads its row (tile -> row map, then the row) before
 its data, a chain of dependent loads the pipeliner cannot overlap across tiles; with one program
 per SM (the single-copy kernel's setting, which pipelines) the pack ran at 0.72-0.75x the D2D
-copy on H200, so it takes the table kernel's grid of two programs per SM."""
+copy on H200, so it takes the table kernel's grid of two programs per SM. The sweep of the
+13:20 UTC H200 run (checkpoint A, x D2D; programs per SM / warps / tile KiB): 1/4/32 0.75,
+2/4/32 0.87, 4/4/32 0.88, 2/8/32 0.76, 2/4/16 0.91, 4/4/16 0.82 (benchmarks/RESULTS.md)."""
 
 
 class PackTable:
