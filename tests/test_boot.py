@@ -345,3 +345,37 @@ def test_engine_log_line_says_how_long_the_weights_waited_for_the_engine(image, 
         assert note.endswith("ms before the engine asked") and ready_ms >= 200
     with flashboot.load(image, 0, "cpu", served=True, shm_dir=shm) as plain:
         assert EngineWeights(plain.tensors, None, plain, "load", plain.report).early_call() == "no early call"
+
+
+def test_the_early_call_hands_the_gil_over_promptly_while_it_works_and_restores_the_interval(image, shm,
+                                                                                            monkeypatch):
+    """Beside an engine's GIL-bound Python every driver call of the prepare thread would wait the
+    5 ms switch interval to get the GIL back: the interval is lowered while a prepare works (shared
+    by concurrent prepares) and restored after, and a value the engine set meanwhile is kept."""
+    import sys
+
+    from flashboot.flashload import boot
+
+    seen, real = [], boot.PreparedLoad._prepare
+
+    def recording(self):
+        seen.append(sys.getswitchinterval())
+        return real(self)
+
+    monkeypatch.setattr(boot.PreparedLoad, "_prepare", recording)
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        handles = [flashboot.prepare(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes=64 << 10) for _ in range(2)]
+        for h in handles:
+            h.wait()
+        assert seen == [boot.PREPARE_SWITCH_INTERVAL_S] * 2
+        assert sys.getswitchinterval() == 0.005  # the last prepare out restored it
+        for h in handles:
+            with h.load() as loaded:
+                assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
+        with boot._prompt_gil_handover():
+            sys.setswitchinterval(0.002)  # the engine's own choice, made meanwhile, stays
+        assert sys.getswitchinterval() == 0.002
+    finally:
+        sys.setswitchinterval(before)
