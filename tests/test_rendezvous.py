@@ -304,13 +304,19 @@ def test_bounded_store_calls_end_by_the_deadline_when_the_store_stops_answering(
     import subprocess
     import sys
 
-    address = f"127.0.0.1:{free_port()}"
-    code = ("import sys, time\nfrom flashboot.flashclone.rendezvous import Rendezvous\n"
-            f"r = Rendezvous.connect({address!r}, {TOKEN!r}, host=True, timeout_s=20)\n"
-            "print('ready', flush=True)\ntime.sleep(120)\n")
-    host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    for _ in range(3):  # the stopped process must be the store itself, not a client of one already there
+        address = f"127.0.0.1:{free_port()}"
+        code = ("import sys, time\nfrom flashboot.flashclone.rendezvous import Rendezvous\n"
+                f"r = Rendezvous.connect({address!r}, {TOKEN!r}, host=True, timeout_s=20)\n"
+                "print('ready', r.is_server, flush=True)\ntime.sleep(120)\n")
+        host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        line = host.stdout.readline()
+        if line.split() == ["ready", "True"]:
+            break
+        host.kill()
+        host.communicate()
     try:
-        assert host.stdout.readline().startswith("ready")
+        assert line.split() == ["ready", "True"], f"no free port to host a store on: {line!r}"
         client = Rendezvous.connect(address, TOKEN, timeout_s=1.0)
         client.bounded = True
         assert client.add("k", 2) == 2  # answered normally while the host runs
