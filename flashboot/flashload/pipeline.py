@@ -53,14 +53,12 @@ from typing import Any
 
 from ..errors import FlashBootError, LayoutError, WaitTimeoutError
 from ..memory import Device
-from .choose import PREPARED_SOURCES, choose_prepared
+from .choose import choose, choose_prepared
 from .landing import DEFAULT_CHUNK_BYTES, admit, verify_loaded
 from .report import LoadedImage, LoadReport
-from .sources import disk as disk_source
-from .sources import pinned as pinned_source
-from .sources import served as served_source
+from .sources import source_for_mode
 from .stream import StreamConfig
-from .want import check_staged, verify_default
+from .want import LoadRequest, Want, load_request, verify_default
 
 
 # ===================================================================================== load
@@ -110,53 +108,38 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
                                ep=ep, expected_key=expected_key, stream=stream,
                                stream_buffer_bytes=stream_buffer_bytes)
 
-    t_start = time.perf_counter()
-    dev = Device.parse(device)
-    if verify is not None:
-        verify, why_not = bool(verify), "verify=False"
-    elif prepared is None:  # a prepared handle chose when it knew its mode: _load_prepared takes its choice
-        verify, why_not = verify_default(dev, by_daemon=served)
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-        raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
-    if chunk_bytes <= 0:
-        raise FlashBootError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    if served and staged is not None:
-        raise FlashBootError("served=True and staged= exclude each other: the daemon holds the pinned image")
-    if stream and (served or staged is not None):
-        raise FlashBootError("stream=True excludes served=True and staged=: a streamed load reads the image from disk")
-    check_staged(staged, image_dir, rank)
+    request = load_request(image_dir, rank, device, t_start=time.perf_counter(), timeout_s=timeout_s, served=served,
+                           staged=staged, prepared=prepared, verify=verify, shm_dir=shm_dir, chunk_bytes=chunk_bytes,
+                           tp=tp, ep=ep, expected_key=expected_key, stream=stream,
+                           stream_buffer_bytes=stream_buffer_bytes, prepared_class=PreparedLoad)
     if prepared is not None:
-        if not isinstance(prepared, PreparedLoad):
-            raise FlashBootError(f"prepared must come from flashboot.prepare(), got {type(prepared).__name__}")
-        if served or staged is not None or stream:
-            raise FlashBootError("prepared= excludes served=, staged= and stream=: the handle already chose its mode "
-                                 f"({prepared.requested_mode})")
-        loaded = _load_prepared(prepared, image_dir, rank, dev, t_start, verify=verify, chunk_bytes=chunk_bytes,
-                                tp=tp, ep=ep, expected_key=expected_key)
-    elif served:
-        loaded = served_source.load_served(image_dir, rank, dev, t_start, timeout_s=timeout_s, verify=verify,
-                                           shm_dir=shm_dir, tp=tp, ep=ep, expected_key=expected_key)
+        loaded = _load_prepared(request)
+    elif served:  # the daemon's copy starts before this process has read the metadata: the source reads it
+        loaded = source_for_mode("served").load(request, None, None, "served=True was asked")
     else:
-        loaded = _load_staged(image_dir, rank, dev, t_start, staged=staged, timeout_s=timeout_s, verify=verify,
-                              shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp, ep=ep, expected_key=expected_key,
-                              stream=stream, stream_buffer_bytes=stream_buffer_bytes)
+        rank_source, report = _begin(request)
+        if staged is not None:
+            source, why = source_for_mode("staged"), "staged= was given"
+        else:
+            request.stream_config = StreamConfig.of(stream_buffer_bytes)  # refused whether or not it streams
+            source, why, _ = choose(Want(image_dir, rank, rank_source, shm_dir=shm_dir, stream=stream))
+        loaded = source.load(request, rank_source, report, why)
     if "verified" not in loaded.report.details:
-        loaded.report.details["verify_skipped"] = prepared.verify_skipped if verify is None else why_not
+        loaded.report.details["verify_skipped"] = prepared.verify_skipped if request.verify is None else \
+            request.why_not_verified
     return loaded
 
 
-def _load_staged(image_dir, rank: int, dev: Device, t_start: float, *, staged, timeout_s: float, verify: bool,
-                 shm_dir, chunk_bytes: int, tp, ep, expected_key, stream: bool | None = None,
-                 stream_buffer_bytes=None) -> LoadedImage:
-    """The metadata (read here, or validated by :func:`flashboot.stage`), admission, then the
-    staged copy pinned here (:mod:`~flashboot.flashload.sources.pinned`: on the critical path, or
-    pinned early) or, when nothing is or will be staged, the disk
-    (:mod:`~flashboot.flashload.sources.disk`)."""
+def _begin(request: LoadRequest):
+    """(the validated :class:`~flashboot.flashload.shm.RankSource`, the report with its metadata
+    time): the metadata read here (or validated by :func:`flashboot.stage`), the image admitted
+    against the device's free memory before any allocation."""
     from flashboot.layouts.image import check_request
 
     from .shm import rank_source
 
-    report = LoadReport(mode="", device=str(dev), rank=rank, nbytes=0)
+    staged, tp, ep, expected_key = request.staged, request.tp, request.ep, request.expected_key
+    report = LoadReport(mode="", device=str(request.device), rank=request.rank, nbytes=0)
     t0 = time.perf_counter()
     if staged is not None:
         # stage() validated the metadata in the background (the strict reader, rank and job
@@ -165,25 +148,17 @@ def _load_staged(image_dir, rank: int, dev: Device, t_start: float, *, staged, t
         check_request(source.metadata, str(source.image.metadata_path), tp=tp, ep=ep, expected_key=expected_key)
         report.details["metadata_validated_by"] = "stage()"
     else:
-        source = rank_source(image_dir, rank, tp=tp, ep=ep, expected_key=expected_key)
+        source = rank_source(request.image_dir, request.rank, tp=tp, ep=ep, expected_key=expected_key)
     report.metadata_ms = (time.perf_counter() - t0) * 1e3
-    meta = source.metadata
     nbytes = report.nbytes = source.nbytes
-    report.tensors = len(meta.tensors)
+    report.tensors = len(source.metadata.tensors)
     if nbytes == 0:
         raise LayoutError(f"{source.path}: empty image, nothing to load")
-    admit(nbytes, dev)
-    if staged is None:
-        config = StreamConfig.of(stream_buffer_bytes)  # a bad option is refused whether or not it streams
-        why = disk_source.stream_reason(image_dir, rank, source, shm_dir=shm_dir, stream=stream)
-        if why is not None:
-            return disk_source.load_streamed(source, dev, report, t_start, reason=why, config=config, verify=verify)
-    return pinned_source.load_pinned(source, report, dev, t_start, staged=staged, image_dir=image_dir, rank=rank,
-                                     timeout_s=timeout_s, verify=verify, shm_dir=shm_dir, chunk_bytes=chunk_bytes)
+    admit(nbytes, request.device)
+    return source, report
 
 
-def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, *, verify: bool | None, chunk_bytes: int,
-                   tp, ep, expected_key) -> LoadedImage:
+def _load_prepared(request: LoadRequest) -> LoadedImage:
     """Wait for the copy a :func:`flashboot.prepare` handle started itself (everything else was
     paid at start-up), check that the image is still the one it copied, verify (``None``: as the
     handle chose once it knew its mode)."""
@@ -191,6 +166,9 @@ def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, 
 
     from .shm import RankSource
 
+    prepared, image_dir, rank, dev, t_start = (request.prepared, request.image_dir, request.rank, request.device,
+                                               request.t_start)
+    verify, tp, ep, expected_key = request.verify, request.tp, request.ep, request.expected_key
     prepared.check_request(image_dir, rank, dev)
     prepared.claim(f"the load called at {time.strftime('%H:%M:%S')}")
     report = LoadReport(mode="", device=str(dev), rank=rank, nbytes=0)
@@ -214,7 +192,7 @@ def _load_prepared(prepared, image_dir, rank: int, dev: Device, t_start: float, 
                           "copy_started_after_prepare_ms": copy["started_after_prepare_ms"],
                           # > 0: the weights were in place that long before the load was called
                           "ready_before_load_ms": max(0.0, (t_start - prepared.finished) * 1e3)}
-        PREPARED_SOURCES[prepared.mode].report_prepared(report, prepared, dev)
+        prepared.load_source.report_prepared(report, prepared, dev)
         if verify and copy.get("verified"):
             report.details["verified"] = copy["verified"] + " (checked by flashboot.prepare once its copy ended)"
         elif verify:
@@ -308,6 +286,7 @@ class PreparedLoad:
 
         self.stream_config = StreamConfig.of(stream_buffer_bytes)  # a bad option is refused at once
         self.requested_mode, self.mode, self.why = mode, "", ""
+        self.load_source = None  # the Source chosen (sources/), once the metadata is read
         self.arena = self.metadata = self.image = self.tensors = None
         self.session = self.staged = self.mover = None
         self.release_thread: threading.Thread | None = None
@@ -368,11 +347,11 @@ class PreparedLoad:
         if self.nbytes == 0:
             raise LayoutError(f"{image.path}: empty image, nothing to load")
         t = self.phase("metadata", t)
-        self.mode, self.why = choose_prepared(self.requested_mode, self.image_dir, self.rank, self.image,
-                                              self.metadata_sha256, self.shm_dir)
-        source = PREPARED_SOURCES[self.mode]
+        source, self.why = choose_prepared(self.requested_mode, self.image_dir, self.rank, self.image,
+                                           self.metadata_sha256, self.shm_dir)
+        self.load_source, self.mode = source, source.mode
         if self.asked_verify is None:
-            self.verify, self.verify_skipped = verify_default(self.device, by_daemon=self.mode == "served")
+            self.verify, self.verify_skipped = verify_default(self.device, by_daemon=source.verified_by_daemon)
         t = self.phase("mode", t)
         admit(self.nbytes, self.device)  # before any allocation: OutOfMemoryError with the numbers
         self.arena = Arena.create(self.nbytes, self.device)

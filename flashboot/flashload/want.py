@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 from ..errors import FlashBootError, LayoutError
 from ..memory import Device
@@ -57,4 +59,80 @@ def check_job_request(mf, *, tp, ep, expected_key) -> None:
     check_key(key, where, expected_key)
 
 
-__all__ = ["VERIFY_BY_DEFAULT_ON_HOST", "check_job_request", "check_staged", "verify_default"]
+@dataclass
+class LoadRequest:
+    """One call of :func:`flashboot.load` (no ``holder=``), its options checked once by
+    :func:`load_request`: what every source's plain load reads. ``verify`` is None only for a
+    prepared load (the handle chose when it knew its source); ``why_not_verified`` is the report's
+    ``verify_skipped`` otherwise. ``stream_config`` is set once the choice of source needs it."""
+
+    image_dir: Any
+    rank: int
+    device: Device
+    t_start: float
+    timeout_s: float
+    verify: bool | None
+    why_not_verified: str
+    shm_dir: Any
+    chunk_bytes: int
+    tp: int | None
+    ep: int | None
+    expected_key: Any
+    served: bool
+    staged: Any
+    stream: bool | None
+    stream_buffer_bytes: Any
+    prepared: Any
+    stream_config: Any = None
+
+
+def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, served: bool, staged, prepared,
+                 verify: bool | None, shm_dir, chunk_bytes: int, tp, ep, expected_key, stream: bool | None,
+                 stream_buffer_bytes, prepared_class: type) -> LoadRequest:
+    """The options of :func:`flashboot.load` checked (LayoutError for a bad rank, FlashBootError
+    naming the options that exclude each other, a bad ``staged=`` or a ``prepared=`` that is no
+    ``prepared_class``), the device parsed and the default of ``verify`` chosen (see
+    :func:`verify_default`)."""
+    dev = Device.parse(device)
+    why_not = ""
+    if verify is not None:
+        verify, why_not = bool(verify), "verify=False"
+    elif prepared is None:  # a prepared handle chose when it knew its source: the load takes its choice
+        verify, why_not = verify_default(dev, by_daemon=served)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
+    if chunk_bytes <= 0:
+        raise FlashBootError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if served and staged is not None:
+        raise FlashBootError("served=True and staged= exclude each other: the daemon holds the pinned image")
+    if stream and (served or staged is not None):
+        raise FlashBootError("stream=True excludes served=True and staged=: a streamed load reads the image from disk")
+    check_staged(staged, image_dir, rank)
+    if prepared is not None:
+        if not isinstance(prepared, prepared_class):
+            raise FlashBootError(f"prepared must come from flashboot.prepare(), got {type(prepared).__name__}")
+        if served or staged is not None or stream:
+            raise FlashBootError("prepared= excludes served=, staged= and stream=: the handle already chose its mode "
+                                 f"({prepared.requested_mode})")
+    return LoadRequest(image_dir, rank, dev, t_start, timeout_s, verify, why_not, shm_dir, chunk_bytes, tp, ep,
+                       expected_key, bool(served), staged, stream, stream_buffer_bytes, prepared)
+
+
+@dataclass(frozen=True)
+class Want:
+    """What the choice of a source looks at (:mod:`flashboot.flashload.choose`): the image and
+    rank, where the preloader stages (``shm_dir``), the caller's ``stream=`` (True, False or
+    None: decide), the validated :class:`~flashboot.flashload.shm.RankSource` and the preloader's
+    status (None where the caller did not ask for it: a plain load takes the daemon only when
+    ``served=True`` says so)."""
+
+    image_dir: str
+    rank: int
+    source: Any
+    shm_dir: Any = None
+    stream: bool | None = None
+    daemon: Any = None
+
+
+__all__ = ["VERIFY_BY_DEFAULT_ON_HOST", "LoadRequest", "Want", "check_job_request", "check_staged", "load_request",
+           "verify_default"]

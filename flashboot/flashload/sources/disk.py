@@ -14,6 +14,8 @@ from ...memory import Device
 from ..landing import Beside, timed_views, verify_loaded
 from ..report import LoadedImage
 from ..stream import StreamConfig, StreamStats, stream_image
+from ..want import LoadRequest, Want
+from .base import Offer, Source, register_source
 
 
 # ============================================================================ when to stream
@@ -142,39 +144,45 @@ def load_streamed(source, dev: Device, report, t_start: float, *, reason: str, c
     return LoadedImage(arena, views, meta, report, source)
 
 
-# ============================================================================ prepared
-def start_prepared(handle, t: float) -> float:
-    """:func:`flashboot.prepare`'s copy: the reads start at once, the views are built beside them
-    (the arena exists); returns when the copy was started."""
-    side = None
+# ============================================================================ the source
+@register_source
+class DiskSource(Source):
+    """The image file streamed into the arena through the bounded ring."""
 
-    def start_views():
-        nonlocal side
-        side = Beside(handle.build_views)
+    name, mode, order = "disk", "stream", 1
 
-    t_copy = t
-    try:
-        stats = stream_image(handle.image.path, handle.nbytes, handle.arena, handle.stream_config,
-                             on_start=start_views)
-    finally:
-        if side is not None:
-            side.join()  # the views go with the arena, whether the stream failed or not
-    if side is None:
-        handle.build_views()
-    handle.copy = {"h2d_ms": stats.seconds * 1e3, "stats": stats}
-    return t_copy
+    def offer(self, want: Want) -> Offer:
+        why = stream_reason(want.image_dir, want.rank, want.source, shm_dir=want.shm_dir, stream=want.stream)
+        return Offer(True, why) if why is not None else Offer(False, "the staged copy is (or will be) in shared memory")
+
+    def load(self, request: LoadRequest, rank_source, report, why: str) -> LoadedImage:
+        return load_streamed(rank_source, request.device, report, request.t_start, reason=why,
+                             config=request.stream_config, verify=request.verify)
+
+    def start_prepared(self, handle, t: float) -> float:
+        """The reads start at once; the views are built beside them (the arena exists)."""
+        side = None
+
+        def start_views():
+            nonlocal side
+            side = Beside(handle.build_views)
+
+        t_copy = t
+        try:
+            stats = stream_image(handle.image.path, handle.nbytes, handle.arena, handle.stream_config,
+                                 on_start=start_views)
+        finally:
+            if side is not None:
+                side.join()  # the views go with the arena, whether the stream failed or not
+        if side is None:
+            handle.build_views()
+        handle.copy = {"h2d_ms": stats.seconds * 1e3, "stats": stats}
+        return t_copy
+
+    def report_prepared(self, report, prepared, dev: Device) -> None:
+        report.mode = "streamed from disk, prepared"
+        report_stream(report, prepared.copy["stats"], prepared.why, report.nbytes)
+        report.overlapped = ["h2d"]
 
 
-def verify_prepared(handle, where: str, checked) -> None:
-    """The chunk checksums recomputed on the arena, in this process."""
-    verify_loaded(handle.arena, handle.metadata, where, checked)
-
-
-def report_prepared(report, prepared, dev: Device) -> None:
-    """What a load of a prepared stream reports about its copy."""
-    report.mode = "streamed from disk, prepared"
-    report_stream(report, prepared.copy["stats"], prepared.why, report.nbytes)
-    report.overlapped = ["h2d"]
-
-
-__all__ = ["load_streamed", "report_prepared", "report_stream", "start_prepared", "stream_reason", "verify_prepared"]
+__all__ = ["DiskSource", "load_streamed", "report_stream", "stream_reason"]

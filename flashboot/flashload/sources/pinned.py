@@ -10,6 +10,8 @@ import time
 from ...memory import Device
 from ..landing import DEFAULT_CHUNK_BYTES, bulk_copy, mover_for, one_time_costs, timed_views, verify_loaded, warm_copy
 from ..report import LoadedImage
+from ..want import LoadRequest, Want
+from .base import Offer, Source, register_source
 
 
 def load_pinned(source, report, dev: Device, t_start: float, *, staged, image_dir, rank: int, timeout_s: float,
@@ -69,46 +71,58 @@ def load_pinned(source, report, dev: Device, t_start: float, *, staged, image_di
     return LoadedImage(arena, tensors, meta, report, source, release)
 
 
-# ============================================================================ prepared
-def start_prepared(handle, t: float) -> float:
-    """:func:`flashboot.prepare`'s copy: the pin of the staged file starts in the background, the
-    copy path is warmed and the views built meanwhile; the bulk H2D is issued once the pin is
-    done. Returns when the copy started."""
-    from ..shm import RankSource
-    from ..stage import StagedImage
+# ============================================================================ the source
+@register_source
+class PinnedSource(Source):
+    """The staged image in shared memory, pinned in this process and copied in bulk."""
 
-    source = RankSource(handle.image_dir, handle.rank, handle.image, handle.metadata_sha256)
-    handle.staged = StagedImage(handle.image_dir, handle.rank, handle.device, timeout_s=handle.timeout_s,
-                                shm_dir=handle.shm_dir, source=source)
-    t = handle.phase("stage_start", t)
-    handle.mover = mover_for(handle.device)
-    warm_copy(handle.device, handle.mover)
-    t = handle.phase("warm", t)
-    handle.build_views()
-    t = time.perf_counter()
-    handle.staged.wait()
-    t_copy = handle.phase("pin_wait", t)
-    chunks, _ = bulk_copy(handle.mover, handle.arena, handle.staged.span(), handle.nbytes, DEFAULT_CHUNK_BYTES)
-    handle.copy = {"h2d_ms": (time.perf_counter() - t_copy) * 1e3, "chunks": chunks,
-                   "pinned": handle.staged.pinned, "pin_ms": handle.staged.pin_ms}
-    handle.release_thread = handle.staged.close_in_background()  # the unpin (~170 ms for 8 GB) is nobody's wait
-    return t_copy
+    name, mode, order = "pinned", "staged", 2
+
+    def offer(self, want: Want) -> Offer:
+        daemon = want.daemon
+        if daemon is None:
+            return Offer(True, "the staged copy is (or will be) in shared memory")
+        if daemon.running:
+            return Offer(True, f"a preloader without --serve runs (pid {daemon.pid}): pinning its staged copy here")
+        return Offer(True, "no served-load daemon runs: pinning the staged copy here")
+
+    def load(self, request: LoadRequest, rank_source, report, why: str) -> LoadedImage:
+        r = request
+        return load_pinned(rank_source, report, r.device, r.t_start, staged=r.staged, image_dir=r.image_dir,
+                           rank=r.rank, timeout_s=r.timeout_s, verify=r.verify, shm_dir=r.shm_dir,
+                           chunk_bytes=r.chunk_bytes)
+
+    def start_prepared(self, handle, t: float) -> float:
+        """The pin of the staged file starts in the background, the copy path is warmed and the
+        views built meanwhile; the bulk H2D is issued once the pin is done."""
+        from ..shm import RankSource
+        from ..stage import StagedImage
+
+        source = RankSource(handle.image_dir, handle.rank, handle.image, handle.metadata_sha256)
+        handle.staged = StagedImage(handle.image_dir, handle.rank, handle.device, timeout_s=handle.timeout_s,
+                                    shm_dir=handle.shm_dir, source=source)
+        t = handle.phase("stage_start", t)
+        handle.mover = mover_for(handle.device)
+        warm_copy(handle.device, handle.mover)
+        t = handle.phase("warm", t)
+        handle.build_views()
+        t = time.perf_counter()
+        handle.staged.wait()
+        t_copy = handle.phase("pin_wait", t)
+        chunks, _ = bulk_copy(handle.mover, handle.arena, handle.staged.span(), handle.nbytes, DEFAULT_CHUNK_BYTES)
+        handle.copy = {"h2d_ms": (time.perf_counter() - t_copy) * 1e3, "chunks": chunks,
+                       "pinned": handle.staged.pinned, "pin_ms": handle.staged.pin_ms}
+        handle.release_thread = handle.staged.close_in_background()  # the unpin (~170 ms for 8 GB) is nobody's wait
+        return t_copy
+
+    def report_prepared(self, report, prepared, dev: Device) -> None:
+        copy = prepared.copy
+        report.mode = ("pinned early, prepared" if copy["pinned"] else "staged, prepared") if dev.is_cuda else \
+            "host, prepared"
+        report.pinned_early_ms = copy["pin_ms"]
+        report.chunks = copy["chunks"]
+        if dev.is_cuda and not copy["pinned"]:
+            report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
 
 
-def verify_prepared(handle, where: str, checked) -> None:
-    """The chunk checksums recomputed on the arena, in this process."""
-    verify_loaded(handle.arena, handle.metadata, where, checked)
-
-
-def report_prepared(report, prepared, dev: Device) -> None:
-    """What a load of a prepared pinned copy reports about it."""
-    copy = prepared.copy
-    report.mode = ("pinned early, prepared" if copy["pinned"] else "staged, prepared") if dev.is_cuda else \
-        "host, prepared"
-    report.pinned_early_ms = copy["pin_ms"]
-    report.chunks = copy["chunks"]
-    if dev.is_cuda and not copy["pinned"]:
-        report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
-
-
-__all__ = ["load_pinned", "report_prepared", "start_prepared", "verify_prepared"]
+__all__ = ["PinnedSource", "load_pinned"]

@@ -10,7 +10,8 @@ from ...errors import LayoutError
 from ...memory import Device
 from ..landing import admit, one_time_costs, timed_views
 from ..report import LoadedImage, LoadReport
-from ..want import check_job_request
+from ..want import LoadRequest, Want, check_job_request
+from .base import Offer, Source, register_source
 
 
 def load_served(image_dir, rank: int, dev: Device, t_start: float, *, timeout_s: float, verify: bool, shm_dir,
@@ -92,47 +93,60 @@ def load_served(image_dir, rank: int, dev: Device, t_start: float, *, timeout_s:
     return LoadedImage(arena, tensors, meta, report, RankSource(str(image_dir), rank, image, sha))
 
 
-# ============================================================================ prepared
-def _attach(handle) -> None:
-    from ..client import attach_served, served_ready
+# ============================================================================ the source
+@register_source
+class ServedSource(Source):
+    """The preloader daemon's copy into this process's exported arena."""
 
-    where = str(handle.image.metadata_path)
-    served_ready(handle.image_dir, handle.rank, handle.metadata_sha256, where, timeout_s=handle.timeout_s,
-                 shm_dir=handle.shm_dir)
-    handle.session = attach_served(handle.arena, image_dir=handle.image_dir, rank=handle.rank, nbytes=handle.nbytes,
-                                   metadata_sha256=handle.metadata_sha256, timeout_s=handle.timeout_s,
-                                   shm_dir=handle.shm_dir, hold_s=handle.hold_s, verify=handle.verify)
-    handle.phases_ms["daemon_map"] = float(handle.session.attach_reply.get("map_ms", 0.0))
+    name, mode, order = "served", "served", 0
+    verified_by_daemon = True
+
+    def offer(self, want: Want) -> Offer:
+        daemon = want.daemon
+        if daemon is None:
+            return Offer(False, "a load takes the daemon when served=True asks for it")
+        if daemon.running and daemon.serve:
+            return Offer(True, f"a served-load daemon runs (pid {daemon.pid})")
+        return Offer(False, "no served-load daemon runs")
+
+    def load(self, request: LoadRequest, rank_source, report, why: str) -> LoadedImage:
+        r = request
+        return load_served(r.image_dir, r.rank, r.device, r.t_start, timeout_s=r.timeout_s, verify=r.verify,
+                           shm_dir=r.shm_dir, tp=r.tp, ep=r.ep, expected_key=r.expected_key)
+
+    def start_prepared(self, handle, t: float) -> float:
+        """The arena is attached to the daemon, which maps it and is asked for its H2D at once;
+        the views are built while it copies."""
+        from ..client import attach_served, served_ready
+
+        served_ready(handle.image_dir, handle.rank, handle.metadata_sha256, str(handle.image.metadata_path),
+                     timeout_s=handle.timeout_s, shm_dir=handle.shm_dir)
+        handle.session = attach_served(handle.arena, image_dir=handle.image_dir, rank=handle.rank,
+                                       nbytes=handle.nbytes, metadata_sha256=handle.metadata_sha256,
+                                       timeout_s=handle.timeout_s, shm_dir=handle.shm_dir, hold_s=handle.hold_s,
+                                       verify=handle.verify)
+        handle.phases_ms["daemon_map"] = float(handle.session.attach_reply.get("map_ms", 0.0))
+        t = handle.phase("attach", t)
+        handle.session.start_copy()
+        t_copy = t
+        handle.build_views()
+        reply = handle.session.wait_copy(timeout_s=handle.timeout_s + 60)
+        handle.copy = {"h2d_ms": reply["h2d_ms"], "reply": reply}
+        return t_copy
+
+    def verify_prepared(self, handle, where: str, checked: LoadReport) -> None:
+        """The daemon digested what it copied, in the arena: its digests are compared."""
+        from ..client import check_daemon_digests
+
+        check_daemon_digests(handle.copy["reply"], handle.metadata, where, checked)
+
+    def report_prepared(self, report, prepared, dev: Device) -> None:
+        reply = prepared.copy["reply"]
+        report.mode = "served, prepared"
+        report.pinned_early_ms = reply.get("pin_ms", 0.0)
+        report.chunks = -(-report.nbytes // (1 << 30))
+        report.details.update(daemon_pid=reply.get("pid"), daemon_map_ms=reply.get("map_ms"),
+                              daemon_pinned=reply.get("pinned"))
 
 
-def start_prepared(handle, t: float) -> float:
-    """:func:`flashboot.prepare`'s copy: the arena is attached to the daemon, which maps it and is
-    asked for its H2D at once; the views are built while it copies. Returns when the copy started."""
-    _attach(handle)
-    t = handle.phase("attach", t)
-    handle.session.start_copy()
-    t_copy = t
-    handle.build_views()
-    reply = handle.session.wait_copy(timeout_s=handle.timeout_s + 60)
-    handle.copy = {"h2d_ms": reply["h2d_ms"], "reply": reply}
-    return t_copy
-
-
-def verify_prepared(handle, where: str, checked: LoadReport) -> None:
-    """The daemon digested what it copied, in the arena: compare its digests."""
-    from ..client import check_daemon_digests
-
-    check_daemon_digests(handle.copy["reply"], handle.metadata, where, checked)
-
-
-def report_prepared(report, prepared, dev: Device) -> None:
-    """What a load of a prepared served copy reports about it."""
-    reply = prepared.copy["reply"]
-    report.mode = "served, prepared"
-    report.pinned_early_ms = reply.get("pin_ms", 0.0)
-    report.chunks = -(-report.nbytes // (1 << 30))
-    report.details.update(daemon_pid=reply.get("pid"), daemon_map_ms=reply.get("map_ms"),
-                          daemon_pinned=reply.get("pinned"))
-
-
-__all__ = ["load_served", "report_prepared", "start_prepared", "verify_prepared"]
+__all__ = ["ServedSource", "load_served"]
