@@ -33,8 +33,8 @@ _LAZY = {
     "chunk_checksums_host": "flashboot.kernels.checksum_host",
     "CHECKSUM_TUNING": "flashboot.kernels.checksum_gpu",
     "PendingDigests": "flashboot.kernels.checksum_gpu",
-    "checksum_bytes_kernel": "flashboot.kernels.checksum_gpu",
-    "checksum_words_kernel": "flashboot.kernels.checksum_gpu",
+    "checksum_bytes_kernel": "flashboot.kernels.checksum_triton",
+    "checksum_words_kernel": "flashboot.kernels.checksum_triton",
     "device_checksum": "flashboot.kernels.checksum_gpu",
     "device_chunk_checksums": "flashboot.kernels.checksum_gpu",
 }
