@@ -1,16 +1,29 @@
 """The 64-bit content checksum on the GPU: Triton kernels over a span (see
-:mod:`flashboot.kernels.checksum`, which dispatches here for CUDA memory)."""
+:mod:`flashboot.kernels.checksum`, which dispatches here for CUDA memory).
+
+The word kernel (every aligned span) launches from a cubin compiled ahead of time
+(:mod:`flashboot.kernels.cubin`), so a fresh process checksums without importing Triton: the
+cubin is built by ``flashboot warm``, by :func:`prepare_checksum_kernels` (a seed's start, a
+clone's early call) or, loudly, by the first call that finds none. Triton's own launch
+(:mod:`flashboot.kernels.checksum_triton`) stays the reference, and the path for unaligned spans,
+chunk sizes that are not whole 16-word groups, and the interpreter.
+"""
 
 from __future__ import annotations
 
+import functools
+import threading
+import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from flashboot.errors import FlashBootError
 
+from . import cubin
 from .checksum_spec import LENGTH_MUL, M64, word_term
-from .checksum_triton import checksum_bytes_kernel, checksum_words_kernel
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -24,8 +37,91 @@ CHECKSUM_TUNING: dict[str, Any] = {
 """Defaults of the GPU checksum's knobs; :func:`checksum` and :func:`chunk_checksums` take overrides."""
 
 LAUNCHED_ON: set[int] = set()
-"""Devices this process has launched the word checksum kernel on (a verify's kernel): its first
-launch in a process costs ~1 s of Triton, later ones ~1 ms (see :func:`~flashboot.kernels.checksum.gpu_checksum_loaded`)."""
+"""Devices this process has launched the word checksum kernel on (a verify's kernel): a first
+launch through Triton costs ~1 s (its import, launcher and cache), from a cached cubin a few ms,
+later ones ~1 ms (see :func:`~flashboot.kernels.checksum.gpu_checksum_loaded`)."""
+
+
+_KERNEL_SOURCE = Path(__file__).with_name("checksum_triton.py")
+WORDS_ALIGNED_ARGS = ("words_ptr", "sums_ptr", "copy_ptr", "chunk_words")
+"""The word kernel's arguments its cubin assumes divisible by 16 (16-byte aligned pointers; whole
+16-word groups per chunk, so full tiles load as 16-byte vectors); the others stay runtime values,
+so one cubin fits every size. Spans that break this launch through Triton."""
+_launchers: dict[tuple, cubin.CubinLauncher | None] = {}
+_launchers_lock = threading.Lock()
+
+
+@functools.cache
+def _arch(device: int) -> int:
+    """Device ``device``'s compute capability as Triton's target number (90 for sm_90)."""
+    from flashboot._cuda import check, driver
+
+    drv = driver()
+    dev = check(drv.cuDeviceGet(device), f"cuDeviceGet({device})")
+    attr = drv.CUdevice_attribute
+    major = check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cuDeviceGetAttribute")
+    minor = check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute")
+    return major * 10 + minor
+
+
+def words_kernel_key(arch: int, knobs: dict[str, Any], copy: bool) -> cubin.KernelKey:
+    """The cache key of the word kernel's cubin for ``arch`` and the launch knobs ``knobs``."""
+    build = {"BLOCK": knobs["block_words"], "COPY": copy, "num_warps": knobs["num_warps"],
+             "num_stages": knobs["num_stages"], "divisible_by_16": list(WORDS_ALIGNED_ARGS)}
+    variant = f"b{build['BLOCK']}-{'copy' if copy else 'read'}-w{build['num_warps']}-s{build['num_stages']}"
+    return cubin.KernelKey("checksum_words_kernel", cubin.source_sha256(_KERNEL_SOURCE), arch,
+                           cubin.triton_version() or "none", variant, build)
+
+
+def _build_words_cubin(key: cubin.KernelKey) -> cubin.CachedKernel:
+    from .checksum_triton import compile_words_kernel
+
+    b = key.build
+    compiled = compile_words_kernel(key.arch, block=b["BLOCK"], copy=b["COPY"], num_warps=b["num_warps"],
+                                    num_stages=b["num_stages"], divisible_by_16=tuple(b["divisible_by_16"]))
+    return cubin.save(key, compiled)
+
+
+def _words_launcher(device: int, knobs: dict[str, Any], copy: bool, *, quiet: bool = False) -> cubin.CubinLauncher | None:
+    """The word kernel's cubin for ``device`` and ``knobs``, loaded; built (and cached on disk)
+    when there is none, loudly unless ``quiet`` (an early call that builds it on purpose).
+    None when it cannot be built: the caller launches through Triton, which said why."""
+    k = (device, knobs["block_words"], knobs["num_warps"], knobs["num_stages"], copy)
+    if k in _launchers:
+        return _launchers[k]
+    with _launchers_lock:
+        if k in _launchers:
+            return _launchers[k]
+        key = words_kernel_key(_arch(device), knobs, copy)
+        cached, why = cubin.load(key)
+        if cached is None:
+            if not quiet:
+                warnings.warn(f"flashboot: {why}; compiling the checksum kernel ({key.variant}, sm_{key.arch}) now, "
+                              "once (`flashboot warm` does it ahead of time)", RuntimeWarning, stacklevel=4)
+            try:
+                cached = _build_words_cubin(key)
+            except (FlashBootError, ImportError, RuntimeError, OSError) as exc:
+                warnings.warn(f"flashboot: the checksum kernel ({key.variant}, sm_{key.arch}) could not be compiled "
+                              f"ahead of time ({type(exc).__name__}: {exc}); launching it through Triton",
+                              RuntimeWarning, stacklevel=4)
+        launcher = _launchers[k] = None if cached is None else cubin.CubinLauncher(cached)
+    return launcher
+
+
+def prepare_checksum_kernels(device: int, **tuning: Any) -> dict[str, float]:
+    """Make the checksum's first call on CUDA device ``device`` cheap: build its cubins where the
+    cache has none (Triton, once per machine and version) and load them into the device's
+    context. For a process's early call (a seed's start, a clone before it knows its source).
+    Returns ms per kernel variant ("read", "copy")."""
+    knobs = _gpu_knobs(tuning)
+    out = {}
+    for copy in (False, True):
+        t0 = time.perf_counter()
+        launcher = _words_launcher(device, knobs, copy, quiet=True)
+        if launcher is not None:
+            launcher.function(device)
+        out["copy" if copy else "read"] = (time.perf_counter() - t0) * 1e3
+    return out
 
 
 def _gpu_knobs(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -36,9 +132,9 @@ def _gpu_knobs(overrides: dict[str, Any]) -> dict[str, Any]:
     bw = k["block_words"]
     if not isinstance(bw, int) or bw < 16 or bw & (bw - 1):
         raise FlashBootError(f"block_words must be a power of two >= 16, got {bw!r}")
-    from .copy import _check_launch_knobs
+    from .launch import check_launch_knobs
 
-    _check_launch_knobs(k)
+    check_launch_knobs(k)
     return k
 
 
@@ -87,11 +183,13 @@ class PendingDigests:
 
 
 def _start_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any], start_word: int = 0,
-                      copy_to=None) -> PendingDigests:
+                      copy_to=None, via: str = "auto") -> PendingDigests:
     """Launch the digests of ``chunk_bytes`` chunks of a word-aligned span (``span.ptr % 4 == 0``
     and ``chunk_bytes % 4 == 0``) in one kernel on ``stream``; the last chunk's 1-3 trailing bytes
     are read back by :meth:`PendingDigests.digests`. ``copy_to``: a span the bytes are copied into
-    in the same pass (same size, word-aligned)."""
+    in the same pass (same size, word-aligned). ``via``: "auto" (the cubin where the span fits
+    :data:`WORDS_ALIGNED_ARGS`, else Triton), "triton" (the reference) or "cubin" (FlashBootError
+    where it cannot)."""
     import torch
 
     from .views import launch_on, sm_count, span_tensor
@@ -109,17 +207,32 @@ def _start_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any]
     # (chunks x programs per chunk) left a second, nearly empty wave behind.
     n_prog = max(1, min(n_tiles, sm_count(span.device.index) * knobs["programs_per_sm"]))
     r = n % 4
+    launcher = None
+    if via != "triton" and span.device.is_cuda and n_words:
+        dst_ptr = span.ptr if copy_to is None else copy_to.ptr
+        if span.ptr % 16 == 0 and dst_ptr % 16 == 0 and chunk_words % 16 == 0:
+            launcher = _words_launcher(span.device.index, knobs, copy_to is not None)
+        if launcher is None and via == "cubin":
+            raise FlashBootError(f"no checksum cubin for this launch (source {span.ptr:#x}, destination {dst_ptr:#x}, "
+                                 f"{chunk_bytes:,}-byte chunks; it needs 16-byte aligned pointers and chunks of "
+                                 "whole 64 bytes, and a cubin that could be built)")
     with launch_on(span, stream):
         sums = torch.zeros(n_chunks, dtype=torch.int64, device="cuda" if span.device.is_cuda else "cpu")
-        if n_words:
+        if launcher is not None:
+            launcher.launch((n_prog,), (span.ptr, sums.data_ptr(), dst_ptr, n_words, chunk_words, start_word,
+                                        tiles_per_chunk, n_tiles),
+                            device=span.device.index, stream=torch.cuda.current_stream().cuda_stream)
+        elif n_words:
+            from .checksum_triton import checksum_words_kernel
+
             words = span_tensor(span, 4, 0, n_words * 4)
             checksum_words_kernel[(n_prog,)](
                 words, sums, words if copy_to is None else span_tensor(copy_to, 4, 0, n_words * 4),
                 n_words, chunk_words, start_word, tiles_per_chunk, n_tiles, BLOCK=block, COPY=copy_to is not None,
                 num_warps=knobs["num_warps"], num_stages=knobs["num_stages"],
             )
-            if copy_to is None and span.device.is_cuda:
-                LAUNCHED_ON.add(span.device.index)
+        if n_words and copy_to is None and span.device.is_cuda:
+            LAUNCHED_ON.add(span.device.index)
         if copy_to is not None and r:
             from .copy import copy_bytes_kernel
 
@@ -148,6 +261,8 @@ def _device_chunk_sums_bytes(span, chunk_bytes: int, stream: Any, knobs: dict[st
     n_prog = max(1, min(tiles_per_chunk, -(-target // n_chunks), 65535))
     with launch_on(span, stream):
         partials = torch.empty(n_chunks * n_prog, dtype=torch.int64, device="cuda" if span.device.is_cuda else "cpu")
+        from .checksum_triton import checksum_bytes_kernel
+
         checksum_bytes_kernel[(n_chunks, n_prog)](span_tensor(span, 1), partials, n, chunk_bytes, start_word,
                                                   BLOCK=block, num_warps=knobs["num_warps"], num_stages=knobs["num_stages"])
         sums = _sum_partials(partials, n_chunks)
@@ -181,4 +296,5 @@ def device_chunk_checksums(span, chunk_bytes: int, *, stream: Any = None, **tuni
     return _device_chunk_sums_bytes(span, chunk_bytes, stream, knobs)
 
 
-__all__ = ["CHECKSUM_TUNING", "PendingDigests", "device_checksum", "device_chunk_checksums"]
+__all__ = ["CHECKSUM_TUNING", "PendingDigests", "WORDS_ALIGNED_ARGS", "device_checksum", "device_chunk_checksums",
+           "prepare_checksum_kernels", "words_kernel_key"]

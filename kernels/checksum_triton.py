@@ -147,4 +147,23 @@ def checksum_bytes_kernel(
     tl.store(partial_ptr + chunk * n_prog + p, total.to(tl.int64, bitcast=True))
 
 
-__all__ = ["checksum_bytes_kernel", "checksum_words_kernel"]
+def compile_words_kernel(arch: int, *, block: int, copy: bool, num_warps: int, num_stages: int,
+                         divisible_by_16: tuple[str, ...]):
+    """Triton's ``CompiledKernel`` of :func:`checksum_words_kernel` for CUDA arch ``arch`` (90:
+    sm_90), told that the arguments ``divisible_by_16`` are (as Triton's JIT specialises such
+    values) and nothing about the others. Compiles on the host (no GPU needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = checksum_words_kernel
+    names = fn.arg_names
+    signature = {"words_ptr": "*i32", "sums_ptr": "*i64", "copy_ptr": "*i32", "n_words": "i64", "chunk_words": "i64",
+                 "start_word": "i64", "tiles_per_chunk": "i64", "n_tiles": "i64", "BLOCK": "constexpr",
+                 "COPY": "constexpr"}
+    assert list(signature) == list(names), f"checksum_words_kernel's parameters changed: {names}"
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible_by_16}
+    src = ASTSource(fn, signature, {(names.index("BLOCK"),): block, (names.index("COPY"),): copy}, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+__all__ = ["checksum_bytes_kernel", "checksum_words_kernel", "compile_words_kernel"]
