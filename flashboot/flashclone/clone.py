@@ -14,8 +14,9 @@ from ..memory import Device
 from ..schedulers import HOST, Plan, Step, build_plan
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous, StoreLostError
-from .common import METADATA_KEY, SCHEDULES, SEED_KEY, _FALLBACK_INDEX, _SEED_INDEX, _Warmup, _alive, _check_mover, _default_mover, _descriptor_from, _gkey, _map_stats_of, _note_lazy_mapping, _parse_metadata, _step_hook, _verify, _views
+from .common import METADATA_KEY, SCHEDULES, SEED_KEY, _FALLBACK_INDEX, _SEED_INDEX, _alive, _check_mover, _default_mover, _descriptor_from, _gkey, _map_stats_of, _note_lazy_mapping, _parse_metadata, _step_hook, _verify, _views
 from .report import CloneError, CloneReport, CloneResult
+from .warmup import _Warmup
 from .ring import ring_load
 from .session import _Session
 from .sources import _Sources

@@ -13,8 +13,9 @@ from ..memory import CPU, Device
 from ..schedulers import HOST, build_plan, shard_bounds
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, StoreLostError
-from .common import _Warmup, _check_mover, _default_mover, _descriptor_from, _note_lazy_mapping, _same_host, _step_hook, _verify, _views
+from .common import _check_mover, _default_mover, _descriptor_from, _note_lazy_mapping, _same_host, _step_hook, _verify, _views
 from .report import CloneReport, CloneResult
+from .warmup import _Warmup
 from .session import _Session
 from .sources import _HostImage
 from .transports.posix_fd import _open_arena
