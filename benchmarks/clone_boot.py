@@ -67,6 +67,7 @@ def engine_main(store: str, early_s: float | None, device: str) -> dict:
     result = flashboot.clone(store, device, "star", verify=True, timeout_s=60, prepared=warm)
     call_ms = (time.perf_counter() - t_call) * 1e3
     rep = result.report
+    triton_imported = "triton" in sys.modules  # the verify's checksum ran from the cubin when False
     from flashboot.benchmarks.clone import copy_ceiling
 
     nbytes = rep.nbytes
@@ -79,7 +80,8 @@ def engine_main(store: str, early_s: float | None, device: str) -> dict:
             "stream_gbps": rep.stream_gbps, "d2d_ceiling_gbps": ceiling["gbps"],
             "transfer_vs_ceiling": rep.gbps / ceiling["gbps"] if ceiling["gbps"] else 0.0, "target_ratio": 0.85,
             "phases_ms": {k: round(v, 2) for k, v in rep.phases().items()}, "warm_detail": rep.warm_detail,
-            "connect_detail": rep.connect_detail, "verified": rep.verified, "summary": rep.summary()}
+            "connect_detail": rep.connect_detail, "verified": rep.verified, "triton_imported": triton_imported,
+            "summary": rep.summary()}
 
 
 def _spawn_s(cmd: list[str], env: dict, timeout_s: float) -> tuple[float, str]:
@@ -114,16 +116,39 @@ def cli_main(store: str, repeats: int, device: str) -> dict:
             "target_over_bare_ms": 150.0, "runs": clone, "summaries": lines}
 
 
+def show(row: dict) -> str:
+    """A result line for people (the JSON line is for the record)."""
+    r = row
+    if r["mode"] == "engine":
+        return (f"engine early={r['early_s']}: ready {r['ready_ms']:.1f} + verify {r['verify_ms']:.1f} = "
+                f"{r['ready_plus_verify_ms']:.1f} ms (target 100); transfer {r['transfer_gbps']:.0f} GB/s = "
+                f"{r['transfer_vs_ceiling']:.3f}x D2D {r['d2d_ceiling_gbps']:.0f} GB/s (target 0.85); clone call "
+                f"{r['call_ms']:.1f} ms; Triton imported: {r['triton_imported']}\n  phases {r['phases_ms']}\n"
+                f"  warm-up {r['warm_detail']}\n  {r['summary']}")
+    runs = "\n".join(f"  connect {c['connect_detail']} warm-up {c['warm_detail']}\n  {line}"
+                     for c, line in zip(r["runs"], r["summaries"]))
+    return (f"bare torch + context {[round(x, 3) for x in r['bare_torch_context_s']]} s; clone --verify to verified "
+            f"{[round(x, 3) for x in r['clone_verified_s']]} s; median over bare {r['over_bare_ms']:.0f} ms "
+            f"(target 150)\n{runs}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashboot.benchmarks.clone_boot", description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=["seed", "engine", "cli"])
-    p.add_argument("--store", required=True)
+    p.add_argument("mode", choices=["seed", "engine", "cli", "show"], help="show: JSON lines on stdin, for people")
+    p.add_argument("--store")
     p.add_argument("--bytes", type=int, default=13_760_000_000)
     p.add_argument("--ready", default=None)
     p.add_argument("--early", type=float, default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a dry run on the host backend")
     args = p.parse_args(argv)
+    if args.mode == "show":
+        for line in sys.stdin:
+            if line.strip():
+                print(show(json.loads(line)))
+        return 0
+    if args.store is None:
+        p.error("--store is required")
     if args.mode == "seed":
         seed_main(args.store, args.bytes, args.ready, args.device)
         return 0

@@ -46,16 +46,11 @@ if [ -f "$SCRATCH/ready" ]; then
   echo "seed ready: $(cat "$SCRATCH/ready")"
   for early in "" "--early 0.5"; do
     timeout 90 python3 -m flashboot.benchmarks.clone_boot engine --store "$STORE" $early | tee -a "$OUT/clone_boot.jsonl" \
-      | python3 -c 'import json,sys
-for l in sys.stdin:
-    r=json.loads(l); print(f"engine early={r[\"early_s\"]}: ready {r[\"ready_ms\"]:.1f} + verify {r[\"verify_ms\"]:.1f} = {r[\"ready_plus_verify_ms\"]:.1f} ms (target 100); transfer {r[\"transfer_gbps\"]:.0f} GB/s = {r[\"transfer_vs_ceiling\"]:.3f}x D2D {r[\"d2d_ceiling_gbps\"]:.0f} GB/s (target 0.85); clone call {r[\"call_ms\"]:.1f} ms\n  phases {r[\"phases_ms\"]}\n  warm {r[\"warm_detail\"]}\n  {r[\"summary\"]}")'
+      | python3 -m flashboot.benchmarks.clone_boot show
   done
   echo "=== 4. fresh flashboot clone --verify vs bare torch + CUDA context ($(date +%T))"
   timeout 150 python3 -m flashboot.benchmarks.clone_boot cli --store "$STORE" --repeats "${REPEATS:-3}" \
-    | tee -a "$OUT/clone_boot.jsonl" | python3 -c 'import json,sys
-for l in sys.stdin:
-    r=json.loads(l); print(f"bare torch+context {[round(x,3) for x in r[\"bare_torch_context_s\"]]} s; clone --verify to verified {[round(x,3) for x in r[\"clone_verified_s\"]]} s; median over bare {r[\"over_bare_ms\"]:.0f} ms (target 150)")
-    for c, s in zip(r["runs"], r["summaries"]): print(f"  connect {c[\"connect_detail\"]} warm {c[\"warm_detail\"]}\n  {s}")'
+    | tee -a "$OUT/clone_boot.jsonl" | python3 -m flashboot.benchmarks.clone_boot show
 else
   echo "seed did not come up:"; tail -20 "$OUT/seed.log"
 fi
