@@ -3,7 +3,7 @@
 In a fresh process a clone's first call pays, besides importing torch for the store: the CUDA
 context (~0.3 s on an H200 host), the driver's first peer import and mapping, CuPy's import and
 its first stream and event (the copy engine's), torch's CUDA state (the views, the digests'
-buffer) and, when it verifies, the checksum kernel (its cubin: a few ms; through Triton ~1 s).
+buffer) and the store's client (``torch.distributed``, ~0.1 s in a process that has torch) and, when it verifies, the checksum kernel (its cubin: a few ms; through Triton ~1 s).
 None of these needs the source, so they run in a background thread started as early as the
 caller can (an engine at its start, the CLI before it connects to the store), mostly in driver
 calls and imports that overlap the caller's own work, and the clone joins the thread before it
@@ -80,6 +80,7 @@ class CloneWarmup:
 
     def _torch(self) -> None:
         import torch
+        import torch.distributed  # noqa: F401  (the store's client, which the clone imports next)
 
         torch.empty(1, device=str(self.device))  # torch's lazy CUDA init and its allocator's first block
 
