@@ -8,8 +8,9 @@ fresh child (CUDA context made, ``flashboot`` imported, as an engine restarting)
 the views, and reports each and microseconds per tensor, against the target 20 ms + 2 us/tensor.
 
 ``python -m flashboot.benchmarks.first_calls checksum --device D``: a fresh child times the import
-of the checksum and its first call on 64 MiB of the device, then a second call; run it with an
-empty ``TRITON_CACHE_DIR`` for the cold compile, and again for the cached one.
+of the checksum and its first call on 64 MiB of the device, then a second call, and whether
+Triton was imported; run it with an empty ``FLASHBOOT_KERNEL_CACHE`` and ``TRITON_CACHE_DIR`` for
+the cold compile, and after ``flashboot warm`` for the cubin launched without Triton.
 
 Both print one JSON line per measurement.
 """
@@ -76,7 +77,8 @@ def _checksum_child(device: str) -> dict:
     chunk_checksums(buf, 1 << 20)
     t3 = time.perf_counter()
     return {"device": device, "import_ms": (t1 - t0) * 1e3, "first_call_ms": (t2 - t1) * 1e3,
-            "second_call_ms": (t3 - t2) * 1e3, "first_call_with_import_ms": (t2 - t0) * 1e3}
+            "second_call_ms": (t3 - t2) * 1e3, "first_call_with_import_ms": (t2 - t0) * 1e3,
+            "triton_imported": "triton" in sys.modules}
 
 
 def _child(args: list[str]) -> dict:

@@ -25,7 +25,7 @@ import triton.language as tl
 from flashboot.errors import CapabilityError, FlashBootError, MoverError
 from flashboot.memory import Span, span_of, stream_handle
 
-from .launch import LaunchConfig, launch
+from .launch import LaunchConfig, check_launch_knobs, launch
 from .views import _NP_NAMES, interpreting, require_kernel_memory, sm_count, span_tensor
 
 SM_TUNING: dict[str, Any] = {
@@ -160,19 +160,8 @@ def _knobs(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
     bb = knobs["block_bytes"]
     if not isinstance(bb, int) or bb < 16 or bb & (bb - 1):
         raise FlashBootError(f"block_bytes must be a power of two >= 16, got {bb!r}")
-    _check_launch_knobs(knobs)
+    check_launch_knobs(knobs)
     return knobs
-
-
-def _check_launch_knobs(knobs: dict[str, Any]) -> None:
-    """num_warps a power of two, programs_per_sm and num_stages positive ints."""
-    w = knobs["num_warps"]
-    if not isinstance(w, int) or w < 1 or w & (w - 1) or w > 32:
-        raise FlashBootError(f"num_warps must be a power of two in 1..32, got {w!r}")
-    for name in ("programs_per_sm", "num_stages"):
-        v = knobs[name]
-        if not isinstance(v, int) or v < 1:
-            raise FlashBootError(f"{name} must be a positive int, got {v!r}")
 
 
 def sm_copy(dst: Any, src: Any, nbytes: int | None = None, *, stream: Any, **tuning: Any) -> None:

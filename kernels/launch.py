@@ -17,6 +17,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from flashboot.errors import FlashBootError
+
 from .views import interpreting, launch_on_index
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
@@ -92,6 +94,17 @@ def launch(kernel, config: LaunchConfig, grid: tuple[int, ...], args: tuple[int,
         runner(*args, *config.constexpr_values, stream=stream)
 
 
+def check_launch_knobs(knobs: dict[str, Any]) -> None:
+    """num_warps a power of two, programs_per_sm and num_stages positive ints."""
+    w = knobs["num_warps"]
+    if not isinstance(w, int) or w < 1 or w & (w - 1) or w > 32:
+        raise FlashBootError(f"num_warps must be a power of two in 1..32, got {w!r}")
+    for name in ("programs_per_sm", "num_stages"):
+        v = knobs[name]
+        if not isinstance(v, int) or v < 1:
+            raise FlashBootError(f"{name} must be a positive int, got {v!r}")
+
+
 def _current_device() -> int:
     """The calling thread's current CUDA device (CuPy's ``cudaGetDevice``: the driver's current
     context, which the launch uses; torch's ``current_device`` costs a microsecond more)."""
@@ -106,4 +119,4 @@ def _current_device() -> int:
 _get_device: Callable[[], int] | None = None
 
 
-__all__ = ["LaunchConfig", "launch"]
+__all__ = ["LaunchConfig", "check_launch_knobs", "launch"]
