@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 19 (views, metadata, restart) on one GPU, one device call (< 3 min): makes images A and C
+# in /dev/shm, runs the GPU tests of the arena, views, restart and load, then times a restart in
+# fresh processes (open an exported arena and map it, metadata from tensors.bin, views) per shape
+# against the target 20 ms + 2 us/tensor, and the views against 2 us/tensor.
+# Usage (repo root, on the GPU machine):  bash benchmarks/gpu_views.sh
+#   SHAPES="C A" (default) | TESTS=0 | REPEATS=2 (fresh processes per shape)
+# Logs and JSON go to $OUT (3 files).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SHAPES=${SHAPES:-C A}; ROOT=/dev/shm/fb-gpu-views
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+  || { tail -20 "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+T0=$(date +%s)
+rm -rf "$ROOT"; mkdir -p "$ROOT"
+
+echo "=== images $SHAPES in $ROOT ($(date +%T))"
+for s in $SHAPES; do
+  timeout 100 python3 - "$ROOT" "$s" <<'PY' 2>&1 | tail -2
+import shutil, sys, time
+import flashboot
+from flashboot.benchmarks.checkpoints import CHECKPOINTS, make_checkpoint
+root, name = sys.argv[1], sys.argv[2]
+t = time.perf_counter()
+make_checkpoint(f"{root}/ckpt-{name}", CHECKPOINTS[name], device="cuda:0")
+flashboot.prepack(f"{root}/ckpt-{name}", f"{root}/image-{name}", progress=False)
+shutil.rmtree(f"{root}/ckpt-{name}")
+print(f"image {name}: {CHECKPOINTS[name].tensor_count} tensors in {time.perf_counter() - t:.1f} s")
+PY
+done
+
+if [ "${TESTS:-1}" != 0 ]; then
+echo "=== GPU tests of the arena, views, restart and load ($(date +%T))"
+timeout 75 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_arena_gpu.py tests/test_restart.py \
+  tests/test_load.py tests/test_layouts.py >"$OUT/tests.log" 2>&1
+echo "tests rc=$? :: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10
+fi
+
+echo "=== restart in a fresh process: open + map an exported arena, metadata (tensors.bin), views ($(date +%T))"
+imgs=$(for s in $SHAPES; do [ -d "$ROOT/image-$s" ] && echo "$ROOT/image-$s"; done)
+: >"$OUT/views.jsonl"
+if [ -n "$imgs" ]; then
+  for r in $(seq "${REPEATS:-2}"); do
+    timeout 60 python3 -m flashboot.benchmarks.first_calls views $imgs --device cuda:0 >>"$OUT/views.jsonl"
+  done
+  python3 - "$OUT/views.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if "error" in r:
+        print("FAILED:", r["error"]); continue
+    n = r["tensors"]
+    print(f"{r['image'].rsplit('-', 1)[-1]}: {n} tensors: restart {r['restart_ms']:.1f} ms vs target "
+          f"{r['restart_target_ms']:.1f} = open {r['open_ms']:.1f} (first segment {r['open_first_segment_ms']:.1f}, "
+          f"other {r['segments'] - 1} segments {r['map_rest_ms']:.1f}; {r['open_timings_ms']}) + metadata "
+          f"{r['metadata_ms']:.1f} ({r['metadata_us_per_tensor']:.2f} us/t, CPU {r['metadata_cpu_ms']:.1f} ms) + views "
+          f"{r['views_ms']:.1f} ({r['views_us_per_tensor']:.2f} us/t vs 2.00, CPU {r['views_cpu_us_per_tensor']:.2f}; "
+          f"2nd {r['views_second_us_per_tensor']:.2f}); warm-up before {r['warm_ms']:.0f} ms")
+PY
+fi
+rm -rf "$ROOT"
+echo "=== done in $(( $(date +%s) - T0 )) s"
