@@ -90,6 +90,8 @@ def _runs(offs: np.ndarray) -> tuple[list[tuple[int, int, np.ndarray]], np.ndarr
     make); returns ``[(first offset, step, member positions)]`` and the positions in no run."""
     best = None
     for k in range(1, min(MAX_PERIOD, len(offs) - 1) + 1):
+        if best is not None and best[0] <= k:
+            break  # k phases make at least k views: no larger k can do better
         phases = [_phase_runs(offs, np.arange(phase, len(offs), k)) for phase in range(k)]
         cost = sum(int(valid.sum()) + int(lengths[~valid].sum()) for _, _, lengths, valid, _ in phases)
         if best is None or cost < best[0]:
