@@ -5,7 +5,7 @@
 # 2 us/tensor, measures torch's own cost of a view on CPU and CUDA, then runs the GPU tests of the
 # arena, views, restart and load in the time left (every step bounded; 175 s in all).
 # Usage (repo root, on the GPU machine):  bash benchmarks/gpu_views.sh
-#   SHAPES="C A" (default) | TESTS=0 | REPEATS=2 (fresh processes per shape)
+#   SHAPES="C A" (default) | TESTS=0 | REPEATS=2 (fresh processes per shape) | VIEW_THREADS="1 4"
 # Logs and JSON go to $OUT (4 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -40,7 +40,10 @@ imgs=$(for s in $SHAPES; do [ -d "$ROOT/image-$s" ] && echo "$ROOT/image-$s"; do
 : >"$OUT/views.jsonl"
 if [ -n "$imgs" ]; then
   for r in $(seq "${REPEATS:-2}"); do
-    timeout "$(limit 30)" python3 -m flashboot.benchmarks.first_calls views $imgs --device cuda:0 >>"$OUT/views.jsonl"
+    for vt in ${VIEW_THREADS:-1 4}; do
+      timeout "$(limit 30)" python3 -m flashboot.benchmarks.first_calls views $imgs --device cuda:0 --view-threads "$vt" \
+        >>"$OUT/views.jsonl"
+    done
   done
   python3 - "$OUT/views.jsonl" <<'PY'
 import json, sys
@@ -49,7 +52,7 @@ for line in open(sys.argv[1]):
     if "error" in r:
         print("FAILED:", r["error"]); continue
     n = r["tensors"]
-    print(f"{r['image'].rsplit('-', 1)[-1]}: {n} tensors: restart {r['restart_ms']:.1f} ms vs target "
+    print(f"{r['image'].rsplit('-', 1)[-1]}, {r['view_threads']} view thread(s): {n} tensors: restart {r['restart_ms']:.1f} ms vs target "
           f"{r['restart_target_ms']:.1f} = open {r['open_ms']:.1f} (first segment {r['open_first_segment_ms']:.1f}, "
           f"other {r['segments'] - 1} segments {r['map_rest_ms']:.1f}; {r['open_timings_ms']}) + metadata "
           f"{r['metadata_ms']:.1f} ({r['metadata_us_per_tensor']:.2f} us/t, CPU {r['metadata_cpu_ms']:.1f} ms) + views "

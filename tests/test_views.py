@@ -61,9 +61,9 @@ def _metadata(entries: dict, from_table_file: bool):
     return SimpleNamespace(tensors=table, image_nbytes=-(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT)
 
 
-def _check_against_reference(arena, meta) -> None:
+def _check_against_reference(arena, meta, threads: int = 1) -> None:
     flat = arena.bytes()
-    views = make_views(arena, meta)
+    views = make_views(arena, meta, threads=threads)
     assert list(views) == list(meta.tensors.names)
     for e in meta.tensors.entries():
         dtype = getattr(torch, e.dtype)
@@ -78,13 +78,13 @@ def _check_against_reference(arena, meta) -> None:
         assert torch.equal(*raw), e.name  # bytes: random bits make NaNs
 
 
-@pytest.mark.parametrize("from_table_file", [False, True])
-def test_bulk_views_equal_per_tensor_as_strided(from_table_file):
+@pytest.mark.parametrize("from_table_file, threads", [(False, 1), (True, 1), (True, 3)])
+def test_bulk_views_equal_per_tensor_as_strided(from_table_file, threads):
     meta = _metadata(_entries(seed=3), from_table_file)
     with Arena.create(meta.image_nbytes, "cpu") as arena:
         g = torch.Generator().manual_seed(1)
         arena.bytes()[:] = torch.randint(0, 256, (arena.nbytes,), dtype=torch.uint8, generator=g)
-        _check_against_reference(arena, meta)
+        _check_against_reference(arena, meta, threads)
 
 
 @pytest.mark.gpu
@@ -101,3 +101,26 @@ def test_bulk_views_of_an_opened_multi_segment_cuda_arena_equal_the_reference():
             assert opened.mapped_nbytes == opened.nbytes and opened.map_stats["segments"] == 3
             assert torch.equal(opened.bytes(), owner.bytes())
             _check_against_reference(opened, meta)
+            _check_against_reference(opened, meta, threads=4)
+
+
+def test_an_error_in_a_view_thread_reaches_the_caller(monkeypatch):
+    from flashboot.flashload import views as views_mod
+
+    meta = _metadata(_entries(seed=6), True)
+    real, calls = views_mod._run_views, []
+
+    def failing_late(typed, size, stride, start):
+        calls.append(size)
+        if len(calls) == 5:  # a job in a worker's share, not the caller's first
+            raise RuntimeError(f"injected: views of {size} at {start}")
+        return real(typed, size, stride, start)
+
+    monkeypatch.setattr(views_mod, "_run_views", failing_late)
+    with Arena.create(meta.image_nbytes, "cpu") as arena:
+        with pytest.raises(RuntimeError, match="injected: views of"):
+            make_views(arena, meta, threads=3)
+        import threading
+
+        assert len(calls) > 5  # the other shares ran on
+        assert not [t for t in threading.enumerate() if t.name.startswith("flashboot-views")]  # all joined
