@@ -327,15 +327,19 @@ class Arena:
                 out[key] = out.get(key, 0.0) + ms * 1e3
 
         def map_segments(indices: list[int], out: dict) -> None:
-            """Import and map segments ``indices`` (ascending), then grant access with one
-            ``cuMemSetAccess`` per run of adjacent ones: a grant may span many mappings (as in
-            :func:`~flashboot.arena.backing_cuda.map_segments`), and each call pays its own
-            page-table update, so mapping a held arena of 54 segments grants once, not 54 times."""
+            """Import and map segments ``indices`` (ascending), then grant access. Where only the
+            home device is granted, one ``cuMemSetAccess`` per run of adjacent ones: a grant may
+            span many mappings (as in :func:`~flashboot.arena.backing_cuda.map_segments`), and
+            each call pays its own page-table update, so mapping a held arena of 54 segments
+            grants once, not 54 times. A grant to a peer goes segment by segment, as measured
+            (benchmarks/RESULTS.md, "Peer mapping cost": a peer's grant is dear from 512 MiB on;
+            whether one spanning many smaller allocations counts as large is not measured)."""
             for i in indices:
                 import_segment(i, out)
             if dev.is_cuda:
                 t = time.perf_counter()
-                for first, last in _adjacent_runs(indices):
+                runs = _adjacent_runs(indices) if set(devices) == {home} else [(i, i + 1) for i in indices]
+                for first, last in runs:
                     start = base + first * descriptor.segment_bytes
                     _set_access(start, base + (last - 1) * descriptor.segment_bytes + sizes[last - 1] - start, devices)
                 out["set_access_ms"] = out.get("set_access_ms", 0.0) + (time.perf_counter() - t) * 1e3
