@@ -134,6 +134,8 @@ def decode_table(data: bytes, metadata_bytes: bytes, where: str,
 
 THREAD_HASH_NBYTES = 1 << 20
 """From this size on, :func:`sha256_beside` hashes in a thread (starting one costs ~0.1 ms)."""
+HASH_TIMEOUT_S = 120.0
+"""How long the waiter waits for such a hash (~2 GB/s: a 100 MB table takes 50 ms)."""
 
 
 def sha256_beside(data) -> Callable[[], str]:
@@ -156,7 +158,9 @@ def sha256_beside(data) -> Callable[[], str]:
     thread.start()
 
     def result() -> str:
-        thread.join()  # bounded: hashing a buffer in memory, no I/O and no lock
+        thread.join(HASH_TIMEOUT_S)
+        if not out:
+            raise LayoutError(f"hashing {len(data):,} bytes took over {HASH_TIMEOUT_S:g} s")
         if isinstance(out[0], BaseException):
             raise out[0]
         return out[0]

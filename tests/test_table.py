@@ -202,3 +202,24 @@ def test_spans_of_padded_columns_equal_the_flattened_ones():
     nbytes, estimate = _padded_spans(shapes, strides, live, itemsize)
     assert (want_nbytes == 0).sum() > 100 and (ndims == 0).sum() > 100
     assert np.array_equal(nbytes, want_nbytes) and np.array_equal(estimate, want_estimate)
+
+
+def test_a_hash_past_its_timeout_is_named(image, monkeypatch):
+    import time
+
+    from flashboot.layouts import table as table_mod
+
+    class SlowHash:
+        @staticmethod
+        def sha256(data):
+            time.sleep(0.5)
+            return hashlib.sha256(data)
+
+    good = (image / "rank-0" / TABLE_FILE).read_bytes()
+    raw = (image / "rank-0" / "metadata.json").read_bytes()
+    monkeypatch.setattr(table_mod, "THREAD_HASH_NBYTES", 0)
+    monkeypatch.setattr(table_mod, "HASH_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(table_mod, "hashlib", SlowHash)
+    with pytest.raises(LayoutError, match=r"hashing [\d,]+ bytes took over 0.05 s"):
+        decode_table(good, raw, "slow", hashlib.sha256(raw).hexdigest())
+    time.sleep(0.6)  # the hash thread ends before the patch is undone

@@ -124,3 +124,27 @@ def test_an_error_in_a_view_thread_reaches_the_caller(monkeypatch):
 
         assert len(calls) > 5  # the other shares ran on
         assert not [t for t in threading.enumerate() if t.name.startswith("flashboot-views")]  # all joined
+
+
+def test_a_view_thread_past_its_timeout_is_named(monkeypatch):
+    import threading
+    import time
+
+    from flashboot.errors import FlashBootError
+    from flashboot.flashload import views as views_mod
+
+    meta = _metadata(_entries(seed=7), True)
+    real, calls = views_mod._run_views, []
+
+    def slow_late(typed, size, stride, start):
+        if threading.current_thread() is not threading.main_thread() and not calls:
+            calls.append(size)
+            time.sleep(1.0)  # once, in a worker's share: the caller's own share runs in the main thread
+        return real(typed, size, stride, start)
+
+    monkeypatch.setattr(views_mod, "_run_views", slow_late)
+    monkeypatch.setattr(views_mod, "VIEW_THREAD_TIMEOUT_S", 0.05)
+    with Arena.create(meta.image_nbytes, "cpu") as arena:
+        with pytest.raises(FlashBootError, match=r"flashboot-views-\d did not make its share of the [\d,]+ views in 0.05 s"):
+            make_views(arena, meta, threads=3)
+        time.sleep(1.2)  # the slow share ends on its own before the arena closes

@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 
-from ..errors import LayoutError
+from ..errors import FlashBootError, LayoutError
 
 MAX_PERIOD = 4
 """Runs are looked for among every k-th tensor of a shape, k <= this (w1 and w3 share a shape and
@@ -25,6 +25,8 @@ VIEW_THREADS = 1
 """Threads that make the views. torch releases the GIL inside ``unbind`` (the C++ loop that makes
 a run's tensors) and takes it back only to wrap each result, so on a host with spare cores the
 runs' C++ parts can overlap; benchmarks/first_calls.py ``--view-threads`` measures it."""
+VIEW_THREAD_TIMEOUT_S = 120.0
+"""How long the caller waits for a view thread (each makes its share of ~1 us views and waits on nothing)."""
 
 
 def make_views(arena, metadata, *, threads: int | None = None) -> dict:
@@ -105,8 +107,8 @@ def _lone_views(typed, shapes: list, strides: list, offsets: list) -> list:
 
 def _run_jobs(jobs: list, threads: int) -> list:
     """Every job's views, in job order; with ``threads`` > 1, contiguous shares of about equal
-    tensor counts run in that many threads (joined before returning: a job only builds tensors,
-    it waits on nothing, so the join is bounded by the work)."""
+    tensor counts run in that many threads, joined before returning (a job only builds tensors
+    and waits on nothing; :data:`VIEW_THREAD_TIMEOUT_S` bounds the wait all the same)."""
     if threads <= 1 or len(jobs) < 2:
         made: list = []
         for _, call, args in jobs:
@@ -128,7 +130,10 @@ def _run_jobs(jobs: list, threads: int) -> list:
         w.start()
     work(0)
     for w in workers:
-        w.join()
+        w.join(VIEW_THREAD_TIMEOUT_S)
+        if w.is_alive():
+            raise FlashBootError(f"{w.name} did not make its share of the {sum(c for c, _, _ in jobs):,} views "
+                                 f"in {VIEW_THREAD_TIMEOUT_S:g} s")
     made = []
     for part in results:
         if isinstance(part, BaseException):
