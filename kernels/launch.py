@@ -60,10 +60,15 @@ _RUNNERS_MAX = 4096
 
 
 def launch(kernel, config: LaunchConfig, grid: tuple[int, ...], args: tuple[int, ...], *, device: int,
-           stream: int, views: Callable[[], tuple]) -> None:
+           stream: int, views: Callable[[], tuple]) -> Callable[..., None] | None:
     """Launch ``kernel`` on ``grid`` with runtime ``args`` (pointers as ints) on CUDA ``device``'s
     ``stream`` (a raw handle). ``views()`` returns the same arguments with pointers as tensors:
-    used for the first launch of a specialisation (which compiles) and under the interpreter."""
+    used for the first launch of a specialisation (which compiles) and under the interpreter.
+
+    Returns the compiled kernel's runner that launched (None when this launch compiled or
+    interpreted): a caller that knows its next launches have the same specialisation and grid
+    may keep it and call ``runner(*args, *config.constexpr_values, stream=handle)`` itself,
+    while :func:`current_device` is ``device`` (a mover's hot path: no key to build)."""
     key = (id(kernel), config, device, _specialisation(args, config.is_pointer))  # kernels are module globals: id is stable, and a JITFunction's hash is not free
     runner = _runners.get((key, grid))
     if runner is None:
@@ -72,27 +77,28 @@ def launch(kernel, config: LaunchConfig, grid: tuple[int, ...], args: tuple[int,
             if interpreting():
                 kernel[grid](*views(), **dict(config.constexprs), num_warps=config.num_warps,
                              num_stages=config.num_stages)
-                return
+                return None
             with launch_on_index(device, stream):
                 _compiled[key] = kernel[grid](*views(), **dict(config.constexprs), num_warps=config.num_warps,
                                               num_stages=config.num_stages)
-            return
+            return None
         # A compiled kernel's runner reads grid[0..2] (``kernel[grid]`` pads the grid itself, it does not).
         runner = compiled[(*grid, 1, 1)[:3]]
         if len(_runners) >= _RUNNERS_MAX:
             _runners.clear()
         _runners[(key, grid)] = runner
     # the compiled function belongs to ``device``'s context: make it current only when it is not
-    if _current_device() != device:
+    if current_device() != device:
         import torch
 
         with torch.cuda.device(device):
             runner(*args, *config.constexpr_values, stream=stream)
     else:
         runner(*args, *config.constexpr_values, stream=stream)
+    return runner
 
 
-def _current_device() -> int:
+def current_device() -> int:
     """The calling thread's current CUDA device (CuPy's ``cudaGetDevice``: the driver's current
     context, which the launch uses; torch's ``current_device`` costs a microsecond more)."""
     global _get_device
@@ -106,4 +112,4 @@ def _current_device() -> int:
 _get_device: Callable[[], int] | None = None
 
 
-__all__ = ["LaunchConfig", "launch"]
+__all__ = ["LaunchConfig", "current_device", "launch"]

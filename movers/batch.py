@@ -134,7 +134,7 @@ class ChunkBatch:
     def copy_chunk(self, i: int, *, stream: Any) -> None:
         """Copy entry ``i`` alone, without validating anything again (the per-chunk hot path)."""
         dst, src = self.chunk_spans(i)
-        self.mover._copy(dst, src, self.path, stream)
+        self.mover._copy(dst, src, dst.nbytes, self.path, stream)
 
 
 __all__ = ["ChunkBatch"]

@@ -56,16 +56,16 @@ class CopyEngineMover(Mover):
 
         self._cupy, self._runtime = cupy, cupy.cuda.runtime  # looked up once: the per-call path imports nothing
 
-    def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
+    def _copy(self, dst: Span, src: Span, nbytes: int, path: str, stream: Any) -> None:
         # The copy is issued from the device that owns the stream: the destination for h2d,
         # d2d and p2p (a push from the peer would need the source's stream), the source for d2h.
         owner = (src if path == "d2h" else dst).device.index
         rt = self._runtime
         if rt.getDevice() == owner:  # the common case: no device switch (a context manager costs ~2 us)
-            rt.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _CUDA_MEMCPY_DEFAULT, stream_handle(stream))
+            rt.memcpyAsync(dst.ptr, src.ptr, nbytes, _CUDA_MEMCPY_DEFAULT, stream_handle(stream))
             return
         with self._cupy.cuda.Device(owner):
-            rt.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _CUDA_MEMCPY_DEFAULT, stream_handle(stream))
+            rt.memcpyAsync(dst.ptr, src.ptr, nbytes, _CUDA_MEMCPY_DEFAULT, stream_handle(stream))
 
     def _prepare_batch(self, batch: ChunkBatch) -> "_EngineBatch":
         return _EngineBatch(batch, self.batch_streams)

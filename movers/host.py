@@ -70,8 +70,8 @@ class HostMover(Mover):
         """As :meth:`Mover.copy_batch`; synchronous, ``stream`` may be omitted."""
         super().copy_batch(dst, src, chunks, stream=stream)
 
-    def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
-        host_copy(dst.ptr, src.ptr, dst.nbytes)
+    def _copy(self, dst: Span, src: Span, nbytes: int, path: str, stream: Any) -> None:
+        host_copy(dst.ptr, src.ptr, nbytes)
 
 
 __all__ = ["HostMover", "host_copy", "warm_host_copy", "CHUNK_BYTES"]

@@ -80,3 +80,37 @@ def test_tma_scratch_is_reused_per_stream():
         assert b.data_ptr() != a.data_ptr()  # another stream may run at the same time: its own
         c = _tma_allocator(1 << 20, 128, s1.cuda_stream)
         assert c.numel() >= 1 << 20 and c.data_ptr() % 128 == 0
+
+
+@pytest.mark.parametrize("kind", ["sm", "tma"])
+def test_mover_launchers_call_the_kept_runner_for_aligned_copies(gpu_less, monkeypatch, kind):
+    """The movers' hot path: a 16-byte aligned copy calls the runner the launcher kept for its
+    grid with plain ints, without building a launch key; other copies go through ``launch``."""
+    from flashboot.kernels import copy as kc
+    from flashboot.memory import Span, cuda_device
+
+    k = RecordingKernel()
+    monkeypatch.setattr(kc, "copy_sm_kernel" if kind == "sm" else "copy_tma_kernel", k)
+    monkeypatch.setattr(kc, "sm_count", lambda index: 4)
+    monkeypatch.setattr(kc, "current_device", lambda: 0)
+    monkeypatch.setattr(kc, "_ensure_tma_allocator", lambda: None)
+    monkeypatch.setattr(kc, "span_tensor", lambda span, itemsize, offset, nbytes: ("view", span.ptr + offset, nbytes))
+    launcher = kc.SMCopyLauncher(kc.SM_TUNING) if kind == "sm" else kc.TMACopyLauncher(kc.TMA_TUNING)
+    consts = (4096, "", "") if kind == "sm" else (4096,)  # BLOCK (32 KiB of int64) and the cache modifiers
+    dev = cuda_device(0)
+    dst, src = Span(0x100000, 1 << 20, dev), Span(0x300000, 1 << 20, dev)
+    launcher(dst, src, 4096, 7)  # compiles
+    launcher(dst, src, 4096, 7)  # launch's cached runner, which the launcher keeps
+    assert len(k.compiles) == 1 and k.launches == [(1, (1, 1, 1), (0x100000, 0x300000, 512, *consts), 7)]
+    kl._runners.clear()
+    kl._compiled.clear()  # launch's caches are gone: only the kept runner can launch without compiling
+    launcher(dst.sub(65536), src.sub(131072), 8192, 9)
+    assert len(k.compiles) == 1
+    assert k.launches[-1] == (1, (1, 1, 1), (0x100000 + 65536, 0x300000 + 131072, 1024, *consts), 9)
+    # another grid (3 tiles of 4096 int64): through launch, which compiles again (its caches were cleared)
+    launcher(dst, src, 3 * 32768, 7)
+    assert len(k.compiles) == 2 and k.compiles[-1][0] == (3,)
+    # a pointer off 16 bytes is not the hot path: launch's split (the SM kernel then moves 8-byte words)
+    if kind == "sm":
+        launcher(dst.sub(8), src, 4096, 7)
+        assert len(k.compiles) == 3 and k.compiles[-1][1][2] == 512 and k.compiles[-1][2]["BLOCK"] == 4096

@@ -256,8 +256,8 @@ class _RecordingMover(Mover):
         super().__init__()
         self.calls = []
 
-    def _copy(self, dst, src, path, stream):
-        self.calls.append((dst.nbytes, path))
+    def _copy(self, dst, src, nbytes, path, stream):
+        self.calls.append((nbytes, path))
 
 
 def test_base_refuses_stream_of_another_device():
