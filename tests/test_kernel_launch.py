@@ -114,3 +114,44 @@ def test_mover_launchers_call_the_kept_runner_for_aligned_copies(gpu_less, monke
     if kind == "sm":
         launcher(dst.sub(8), src, 4096, 7)
         assert len(k.compiles) == 3 and k.compiles[-1][1][2] == 512 and k.compiles[-1][2]["BLOCK"] == 4096
+
+
+class LauncherCompiled(Compiled):
+    """A compiled kernel with Triton's launcher attributes: ``run(gridX, ..., *args)``."""
+
+    function, packed_metadata = "cu-function", ("packed",)
+
+    def __init__(self, kernel, n, signature_ok=True):
+        super().__init__(kernel, n)
+        self.direct = []
+        if signature_ok:
+            def run(gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata, launch_enter_hook,
+                    launch_exit_hook, *args):
+                self.direct.append(((gridX, gridY, gridZ), stream, function, kernel_metadata, launch_metadata,
+                                    launch_enter_hook, launch_exit_hook, args))
+        else:
+            def run(grid, stream, *args):
+                raise AssertionError("a launcher of unknown signature must not be called directly")
+        self.run = run
+
+
+@pytest.mark.parametrize("signature_ok", [True, False])
+def test_cached_launch_calls_tritons_launcher_directly_unless_hooks_are_installed(gpu_less, monkeypatch, signature_ok):
+    from triton import knobs
+
+    k = RecordingKernel()
+    compiled = LauncherCompiled(k, 1, signature_ok)
+    config = kl.LaunchConfig((("BLOCK", 64),), ("int64", "int64", None), num_warps=4, num_stages=3)
+    key = (id(k), config, 0, kl._specialisation((0x1000, 0x2000, 4096), config.is_pointer))
+    kl._compiled[key] = compiled  # as after the compiling launch
+    kl.launch(k, config, (8,), (0x1000, 0x2000, 4096), device=0, stream=7, views=None)
+    if signature_ok:  # no hook metadata, no hooks: the launcher with the grid, stream and ints
+        assert compiled.direct == [((8, 1, 1), 7, "cu-function", ("packed",), None, None, None, (0x1000, 0x2000, 4096, 64))]
+        assert k.launches == []
+    else:  # another Triton's launcher: the compiled kernel's own runner
+        assert k.launches == [(1, (8, 1, 1), (0x1000, 0x2000, 4096, 64), 7)]
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: seen.append(metadata))
+    kl.launch(k, config, (8,), (0x1000, 0x2000, 4096), device=0, stream=9, views=None)
+    assert k.launches[-1] == (1, (8, 1, 1), (0x1000, 0x2000, 4096, 64), 9)  # a profiler's hook: the runner, hooks and all
+    assert len(compiled.direct) == (1 if signature_ok else 0)
