@@ -100,10 +100,12 @@ def launch(kernel, config: LaunchConfig, grid: tuple[int, ...], args: tuple[int,
     return runner
 
 
-_LAUNCHER_PARAMS = ("gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
-                    "launch_enter_hook", "launch_exit_hook")
-"""The leading parameters of Triton's CUDA launcher (``CompiledKernel.run``), which the runner of
-``CompiledKernel[grid]`` calls after building the launch hooks' metadata (Triton 3.3 to 3.9)."""
+_LAUNCHER_PARAMS = ("gridX", "gridY", "gridZ", "stream", "function")
+_LAUNCHER_NAMED = ("kernel_metadata", "launch_metadata", "launch_enter_hook", "launch_exit_hook")
+"""Triton's CUDA launcher (``CompiledKernel.run``) takes ``gridX, gridY, gridZ, stream,
+function``, then the packed metadata, the hooks' metadata and the two hooks, named (Triton 3.7
+and later) or as the first of ``*args`` (before), then the kernel's arguments: the runner of
+``CompiledKernel[grid]`` calls it so in every Triton 3."""
 
 
 def _direct_runner(compiled: Any, grid3: tuple[int, int, int], runner: Callable[..., None]) -> Callable[..., None] | None:
@@ -123,10 +125,12 @@ def _direct_runner(compiled: Any, grid3: tuple[int, int, int], runner: Callable[
     if run is None or function is None or not hasattr(knobs, "runtime"):
         return None
     try:
-        params = tuple(inspect.signature(run).parameters)
+        params = list(inspect.signature(run).parameters.values())
     except (TypeError, ValueError):
         return None
-    if params[:len(_LAUNCHER_PARAMS)] != _LAUNCHER_PARAMS:
+    names, rest = tuple(p.name for p in params[:5]), params[5:]
+    named = tuple(p.name for p in rest[:4]) == _LAUNCHER_NAMED
+    if names != _LAUNCHER_PARAMS or not rest or not (named or rest[0].kind is inspect.Parameter.VAR_POSITIONAL):
         return None
     runtime = knobs.runtime
     gx, gy, gz = grid3

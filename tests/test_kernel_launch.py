@@ -121,26 +121,30 @@ class LauncherCompiled(Compiled):
 
     function, packed_metadata = "cu-function", ("packed",)
 
-    def __init__(self, kernel, n, signature_ok=True):
+    def __init__(self, kernel, n, signature):
         super().__init__(kernel, n)
         self.direct = []
-        if signature_ok:
+        if signature == "named":  # Triton 3.7 and later
             def run(gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata, launch_enter_hook,
                     launch_exit_hook, *args):
                 self.direct.append(((gridX, gridY, gridZ), stream, function, kernel_metadata, launch_metadata,
                                     launch_enter_hook, launch_exit_hook, args))
+        elif signature == "positional":  # before: the same arguments, in *args
+            def run(gridX, gridY, gridZ, stream, function, *args):
+                self.direct.append(((gridX, gridY, gridZ), stream, function, *args[:4], args[4:]))
         else:
             def run(grid, stream, *args):
                 raise AssertionError("a launcher of unknown signature must not be called directly")
         self.run = run
 
 
-@pytest.mark.parametrize("signature_ok", [True, False])
-def test_cached_launch_calls_tritons_launcher_directly_unless_hooks_are_installed(gpu_less, monkeypatch, signature_ok):
+@pytest.mark.parametrize("signature", ["named", "positional", "unknown"])
+def test_cached_launch_calls_tritons_launcher_directly_unless_hooks_are_installed(gpu_less, monkeypatch, signature):
     from triton import knobs
 
     k = RecordingKernel()
-    compiled = LauncherCompiled(k, 1, signature_ok)
+    compiled = LauncherCompiled(k, 1, signature)
+    signature_ok = signature != "unknown"
     config = kl.LaunchConfig((("BLOCK", 64),), ("int64", "int64", None), num_warps=4, num_stages=3)
     key = (id(k), config, 0, kl._specialisation((0x1000, 0x2000, 4096), config.is_pointer))
     kl._compiled[key] = compiled  # as after the compiling launch
