@@ -17,8 +17,9 @@ nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, cupy; from cuda import bindings; print("torch", torch.__version__, "triton", triton.__version__, "cupy", cupy.__version__, "cuda-bindings", bindings.__version__, "gpus", torch.cuda.device_count())'
 step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -${TAIL:-30} "$OUT/$name.log"; echo "=== $name rc=$rc"; }
 # Whole files: with CUDA present the kernel tests run on the GPU, so they exercise the kept runners.
-step tests 90 python3 -m pytest -q -x -p no:cacheprovider tests/test_copy_kernels.py tests/test_flag_copy.py \
-  tests/test_triton_movers.py tests/test_movers.py tests/test_checksum.py tests/test_kernel_launch.py tests/test_mover_fit.py
+step tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_copy_kernels.py tests/test_flag_copy.py \
+  tests/test_triton_movers.py tests/test_movers.py tests/test_checksum.py tests/test_kernel_launch.py tests/test_mover_fit.py \
+  tests/test_bench_movers.py
 # The executor batches the steps no one waits on (a batch now merges contiguous chunks): its GPU tests.
 step clone_gpu 45 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_clone_gpu.py
 # 1, 4 and 64 MiB chunks (the targets' sizes and a large one) keep the whole script near 3 minutes.
