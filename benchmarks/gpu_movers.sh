@@ -17,15 +17,15 @@ nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, cupy; from cuda import bindings; print("torch", torch.__version__, "triton", triton.__version__, "cupy", cupy.__version__, "cuda-bindings", bindings.__version__, "gpus", torch.cuda.device_count())'
 step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -${TAIL:-30} "$OUT/$name.log"; echo "=== $name rc=$rc"; }
 # Whole files: with CUDA present the kernel tests run on the GPU, so they exercise the kept runners.
-step tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_copy_kernels.py tests/test_flag_copy.py \
+step tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_copy_kernels.py tests/test_flag_copy.py \
   tests/test_triton_movers.py tests/test_movers.py tests/test_checksum.py tests/test_kernel_launch.py tests/test_mover_fit.py \
   tests/test_bench_movers.py
 # The executor batches the steps no one waits on (a batch now merges contiguous chunks): its GPU tests.
-step clone_gpu 45 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_clone_gpu.py
+step clone_gpu 40 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_clone_gpu.py
 # 1, 4 and 64 MiB chunks (the targets' sizes and a large one) keep the whole script near 3 minutes.
-TAIL=100 step movers_chunked 130 flashboot bench movers --chunked --repeats 3 --chunks 1MiB 4MiB 64MiB \
+TAIL=100 step movers_chunked 120 flashboot bench movers --chunked --repeats 3 --chunks 1MiB 4MiB 64MiB \
   --chain-bytes 8GiB --chain-chunk 64MiB --json "$OUT/movers_chunked.json"
-TAIL=40 step summary 20 python3 - "$OUT/movers_chunked.json" <<'EOF'
+TAIL=40 step summary 15 python3 - "$OUT/movers_chunked.json" <<'EOF'
 import sys
 from flashboot.benchmarks.movers_chunked import load_report
 from flashboot.sim.mover_fit import predict_measured_chains
@@ -51,7 +51,7 @@ for p in predict_measured_chains(r):
         print(f"model {p['method']}: {p['why']}")
 EOF
 if python3 -c 'import nbclient, nbformat, ipykernel, matplotlib' 2>/dev/null; then
-  FLASHBOOT_MOVERS_JSON="$OUT/movers_chunked.json" FLASHBOOT_NOTEBOOK_OUT=/tmp/figures TAIL=15 step notebook 40 \
+  FLASHBOOT_MOVERS_JSON="$OUT/movers_chunked.json" FLASHBOOT_NOTEBOOK_OUT=/tmp/figures TAIL=15 step notebook 35 \
     python3 -c "import nbformat, nbclient; nb = nbformat.read('notebooks/chunk_size.ipynb', as_version=4); \
 nbclient.NotebookClient(nb, timeout=30, resources={'metadata': {'path': 'notebooks'}}).execute(); \
 nbformat.write(nb, '$OUT/chunk_size.ipynb'); print('executed notebook written')"
