@@ -73,6 +73,7 @@ class ChunkedReport:
     checksum: list[dict] = field(default_factory=list)
     concurrent: list[dict] = field(default_factory=list)
     chain: list[dict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # a section that raised: named here, and the run fails
     format: int = REPORT_FORMAT
 
     @property
@@ -192,8 +193,10 @@ def run(total: int = GiB, chunk_sizes=DEFAULT_CHUNKS, movers: list[str] | None =
 
             report.rows.append(_row("flag_kernel", "flag", chunk, len(chunks), flag_issue, stream, repeats, dst,
                                     expected, total, 1))
-        report.checksum = _checksum_rows(dst, src, total, checksum_chunk, stream, repeats, chunk_checksums)
-        report.concurrent = concurrent_rows(dst, src, total, chain_chunk, stream, repeats, expected)
+        report.checksum = _section(report, "copy + checksum", lambda: _checksum_rows(
+            dst, src, total, checksum_chunk, stream, repeats, chunk_checksums))
+        report.concurrent = _section(report, "two copies at once", lambda: concurrent_rows(
+            dst, src, total, chain_chunk, stream, repeats, expected))
         report.ceiling_gbps_after = _ceiling(dst, src, total, stream, repeats)
     ceiling = report.ceiling_gbps
     for r in report.rows:
@@ -201,10 +204,26 @@ def run(total: int = GiB, chunk_sizes=DEFAULT_CHUNKS, movers: list[str] | None =
     for c in report.concurrent:
         c["ratio"] = c["aggregate_gbps"] / ceiling
     if chain_bytes:
-        report.chain = chain_rows(chain_bytes, chain_chunk, repeats=max(1, repeats // 2), ceiling_gbps=ceiling)
+        chain_repeats = max(1, repeats // 2)
+        report.chain = _section(report, "chain on one GPU", lambda: chain_rows(
+            chain_bytes, chain_chunk, repeats=chain_repeats, ceiling_gbps=ceiling))
         if torch.cuda.device_count() >= 2:
-            report.chain += chain_rows(chain_bytes, chain_chunk, repeats=max(1, repeats // 2), devices=(0, 1, 0))
+            report.chain += _section(report, "chain over two GPUs", lambda: chain_rows(
+                chain_bytes, chain_chunk, repeats=chain_repeats, devices=(0, 1, 0)))
     return report
+
+
+def _section(report: ChunkedReport, name: str, measure) -> list[dict]:
+    """``measure()``'s rows; a section that raises leaves its rows out and its error in
+    ``report.errors`` (printed, in the JSON, and the run fails), so the rows measured before it
+    still come back from a one-shot GPU run."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - reported, not swallowed: verified() fails on it
+        import traceback
+
+        report.errors.append(f"{name}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
+        return []
 
 
 def _row(name, mode, chunk, n_chunks, issue, stream, repeats, dst, expected, total, copies) -> ChunkRow:
@@ -503,6 +522,8 @@ def print_report(report: ChunkedReport) -> None:
         print_table("two copies at once on one GPU (half the bytes each, two streams): the aggregate two hops share",
                     ["mover", "GPU ms", "aggregate GB/s", "x ceiling", "verified"],
                     [[c["mover"], c["gpu_ms"], c["aggregate_gbps"], c["ratio"], c["verified"]] for c in report.concurrent])
+    for error in report.errors:
+        print(f"FAILED section {error}")
     if report.chain:
         print_table("chain seed -> c1 -> c2: each hop in the chain, the first hop alone on the same plan, and the two "
                     "hops' aggregate (2 x bytes / chain time), against the ceiling (one GPU: one copy-engine copy; "
@@ -516,7 +537,7 @@ def print_report(report: ChunkedReport) -> None:
 
 
 def verified(report: ChunkedReport) -> bool:
-    return (all(r.verified for r in report.rows) and all(c["bit_identical"] for c in report.checksum)
+    return (not report.errors and all(r.verified for r in report.rows) and all(c["bit_identical"] for c in report.checksum)
             and all(c["verified"] for c in report.concurrent) and all(c["verified"] for c in report.chain))
 
 

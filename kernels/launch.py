@@ -14,6 +14,7 @@ Under ``TRITON_INTERPRET=1`` there is nothing to cache: every launch goes throug
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -134,13 +135,20 @@ def _direct_runner(compiled: Any, grid3: tuple[int, int, int], runner: Callable[
         return None
     runtime = knobs.runtime
     gx, gy, gz = grid3
+    refused: list[str] = []
 
     def direct(*args: Any, stream: int) -> None:
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-        if _hooked(enter) or _hooked(leave):
+        if refused or _hooked(enter) or _hooked(leave):
             runner(*args, stream=stream)
             return
-        run(gx, gy, gz, stream, function, packed, None, None, None, *args)
+        try:
+            run(gx, gy, gz, stream, function, packed, None, None, None, *args)
+        except TypeError as exc:  # the launcher parses its arguments before it launches: nothing ran
+            refused.append(str(exc))
+            warnings.warn(f"Triton's launcher refused the direct call ({exc}); this kernel launches through its "
+                          "compiled runner from now on", RuntimeWarning, stacklevel=2)
+            runner(*args, stream=stream)
 
     return direct
 

@@ -132,6 +132,10 @@ class LauncherCompiled(Compiled):
         elif signature == "positional":  # before: the same arguments, in *args
             def run(gridX, gridY, gridZ, stream, function, *args):
                 self.direct.append(((gridX, gridY, gridZ), stream, function, *args[:4], args[4:]))
+        elif signature == "refusing":  # the known signature, but the launcher rejects the arguments
+            def run(gridX, gridY, gridZ, stream, function, *args):
+                self.direct.append("refused")
+                raise TypeError("launch() takes 14 positional arguments")
         else:
             def run(grid, stream, *args):
                 raise AssertionError("a launcher of unknown signature must not be called directly")
@@ -159,3 +163,15 @@ def test_cached_launch_calls_tritons_launcher_directly_unless_hooks_are_installe
     kl.launch(k, config, (8,), (0x1000, 0x2000, 4096), device=0, stream=9, views=None)
     assert k.launches[-1] == (1, (8, 1, 1), (0x1000, 0x2000, 4096, 64), 9)  # a profiler's hook: the runner, hooks and all
     assert len(compiled.direct) == (1 if signature_ok else 0)
+
+
+def test_a_launcher_that_refuses_the_direct_call_is_warned_about_and_the_runner_launches(gpu_less):
+    k = RecordingKernel()
+    compiled = LauncherCompiled(k, 1, "refusing")
+    config = kl.LaunchConfig((("BLOCK", 64),), ("int64", "int64", None), num_warps=4, num_stages=3)
+    kl._compiled[(id(k), config, 0, kl._specialisation((0x1000, 0x2000, 4096), config.is_pointer))] = compiled
+    with pytest.warns(RuntimeWarning, match=r"refused the direct call \(launch\(\) takes 14 positional arguments\)"):
+        kl.launch(k, config, (8,), (0x1000, 0x2000, 4096), device=0, stream=7, views=None)
+    kl.launch(k, config, (8,), (0x1000, 0x2000, 4096), device=0, stream=9, views=None)
+    assert compiled.direct == ["refused"]  # tried once, then the runner only
+    assert [launch[3] for launch in k.launches] == [7, 9]
