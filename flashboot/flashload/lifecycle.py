@@ -1,8 +1,9 @@
 """Weights that stay: a loaded image's sleep and wake at stable addresses.
 
-:func:`sleep` optionally keeps the bytes in host memory (``level=1``: one bulk D2H into a pinned
-backup taken by this process; ``level=2``: nothing kept), then the arena releases its physical
-memory and keeps its address range (:meth:`flashboot.Arena.sleep`). :func:`wake` maps new
+:func:`sleep` optionally keeps the bytes in host memory (``level=1``: a D2H into a pinned
+backup taken by this process, each segment released as soon as its bytes are out; ``level=2``:
+nothing kept), then the arena releases its physical memory and keeps its address range
+(:meth:`flashboot.Arena.sleep`). :func:`wake` maps new
 segments at the same addresses (:meth:`flashboot.Arena.wake`) and brings the bytes back from the
 first of these sources that has them:
 
