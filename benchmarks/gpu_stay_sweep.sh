@@ -20,8 +20,8 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -${TAIL:-25} "$OUT/$name.log"; echo "=== $name rc=$rc"; }
-TAIL=15 step tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sleep_gpu.py
-TAIL=45 step swap 185 flashboot bench swap --scale 1.0 --repeats 2 --json "$OUT/swap.json"
+TAIL=15 step tests 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sleep_gpu.py
+TAIL=45 step swap $(( 290 - ($(date +%s) - START) )) flashboot bench swap --scale 1.0 --repeats 2 --json "$OUT/swap.json"
 LEFT=$(( 290 - ($(date +%s) - START) ))
 if [ "$LEFT" -gt 45 ]; then
   TAIL=30 step sweep "$LEFT" python3 -m flashboot.benchmarks.stay_sweep --repeats 2 --json "$OUT/sweep.json"
