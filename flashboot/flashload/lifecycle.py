@@ -238,11 +238,7 @@ def _sleep(loaded, level: int, *, synchronize: bool) -> SleepReport:
     report.sync_ms = (time.perf_counter() - t0) * 1e3
     drain = settle = None
     if level == 1:
-        if state.backup is None or state.backup.nbytes < loaded.nbytes:
-            state.drop_backup()
-            state.backup = HostBackup(loaded.nbytes, arena.device)
-            report.pin_ms = state.backup.pin_ms
-        drain, settle = _drain_into(state.backup, loaded.nbytes, arena.device)
+        drain, settle = _drain_into(_backup_for(loaded, report), loaded.nbytes, arena.device)
     else:
         state.drop_backup()
     t2 = time.perf_counter()
@@ -261,6 +257,17 @@ def _sleep(loaded, level: int, *, synchronize: bool) -> SleepReport:
     state.level = level
     report.total_ms = (time.perf_counter() - t0) * 1e3
     return report
+
+
+def _backup_for(loaded, report: SleepReport) -> HostBackup:
+    """``loaded``'s level-1 backup: the one kept, when it is large enough, else a new one (its
+    allocation and pin time go into ``report.pin_ms``)."""
+    state = _state(loaded)
+    if state.backup is None or state.backup.nbytes < loaded.nbytes:
+        state.drop_backup()
+        state.backup = HostBackup(loaded.nbytes, loaded.arena.device)
+        report.pin_ms = state.backup.pin_ms
+    return state.backup
 
 
 def _drain_into(backup: HostBackup, nbytes: int, device):
@@ -564,18 +571,15 @@ def _why_no_handover(outgoing, incoming) -> str:
 def _handover_sleep(outgoing, level: int) -> SleepReport:
     """The outgoing side of a handover before the incoming wake takes its segments: level 1's
     backup (one bulk D2H: the segments stay mapped until the incoming arena takes them)."""
-    state, arena = _state(outgoing), outgoing.arena
+    arena = outgoing.arena
     report = SleepReport(level=level, nbytes=outgoing.nbytes, device=str(arena.device))
     if level == 1:
-        if state.backup is None or state.backup.nbytes < outgoing.nbytes:
-            state.drop_backup()
-            state.backup = HostBackup(outgoing.nbytes, arena.device)
-            report.pin_ms = state.backup.pin_ms
+        backup = _backup_for(outgoing, report)
         t0 = time.perf_counter()
-        _copy(state.backup.span(outgoing.nbytes), arena.span(0, outgoing.nbytes), arena.device)
+        _copy(backup.span(outgoing.nbytes), arena.span(0, outgoing.nbytes), arena.device)
         report.backup_ms = (time.perf_counter() - t0) * 1e3
     else:
-        state.drop_backup()
+        _state(outgoing).drop_backup()
     return report
 
 
