@@ -43,7 +43,6 @@ def _release_handed(handles: list | None) -> None:
 class SleepWake:
     """Sleep, wake and sharing of an :class:`~flashboot.arena.Arena` (mixed into it)."""
 
-
     @property
     def asleep(self) -> bool:
         """True between :meth:`sleep` and :meth:`wake`: the addresses are reserved, nothing backs them."""
@@ -107,29 +106,29 @@ class SleepWake:
                 _cuda.use_device(self._home_device.index)
                 if synchronize:
                     _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize(before sleep)")
-            t1 = time.perf_counter()
+            t_synced = time.perf_counter()
             waits = [] if drain is None else [drain(i * self._segment_bytes, self._segment_span(i))
                                               for i in range(self.segments)]
-            tr = time.perf_counter()
+            t_issued = time.perf_counter()
             self._exports.release()  # before any release: an exported fd would keep a segment's memory
             self._descriptor = None
-            t2 = time.perf_counter()
+            t_revoked = time.perf_counter()
             segments, steps = self._segments, {}
             self._segments, self._asleep = None, True
             try:
                 if waits:
                     self._release_drained(segments, waits)
             finally:
-                t3 = time.perf_counter()
+                t_drained = time.perf_counter()
                 try:
                     self._backing.release()
                 finally:
                     steps.update(segments.steps_ms)
                     if timings is not None:
-                        timings.update(sync_ms=(t1 - t0) * 1e3, revoke_ms=(t2 - tr) * 1e3,
-                                       release_ms=(time.perf_counter() - t3) * 1e3, steps_ms=steps)
+                        timings.update(sync_ms=(t_synced - t0) * 1e3, revoke_ms=(t_revoked - t_issued) * 1e3,
+                                       release_ms=(time.perf_counter() - t_drained) * 1e3, steps_ms=steps)
                         if drain is not None:
-                            timings["drain_ms"] = (tr - t1 + t3 - t2) * 1e3
+                            timings["drain_ms"] = (t_issued - t_synced + t_drained - t_revoked) * 1e3
 
     def _check_sleepable(self) -> None:
         self._check_open()
