@@ -234,3 +234,88 @@ def test_mapped_runs_merge_adjacent_segments_only():
     assert _runs([(0x400000, 2 * MiB), (0, 2 * MiB), (2 * MiB, 2 * MiB)]) == [(0, 6 * MiB)]
     assert _runs([(0, 2 * MiB), (4 * MiB, 2 * MiB), (6 * MiB, 1 * MiB)]) == [(0, 2 * MiB), (4 * MiB, 3 * MiB)]
     assert _runs([]) == []
+
+
+def test_drained_sleep_releases_each_segment_once_its_copy_ended():
+    """sleep(drain): every segment's copy is issued before any release; then each segment is
+    released when its wait returns, the later ones still mapped, and the bytes are all out."""
+    with Arena.create(6 * MiB, "cpu", segment_bytes=2 * MiB) as a:
+        a.bytes().copy_(torch.arange(6 * MiB, dtype=torch.int64).to(torch.uint8))
+        want = bytes(a.bytes().numpy())
+        a.export()
+        out, issued, mapped_at_wait = bytearray(6 * MiB), [], []
+
+        def drain(offset, span):
+            issued.append(offset)
+            out[offset:offset + span.nbytes] = (ctypes.c_uint8 * span.nbytes).from_address(span.ptr)
+
+            def wait():
+                mapped_at_wait.append((offset, len(segment_maps(a)), len(issued)))
+            return wait
+
+        parts = {}
+        a.sleep(drain=drain, timings=parts)
+        assert a.asleep and bytes(out) == want and issued == [0, 2 * MiB, 4 * MiB]
+        assert mapped_at_wait == [(0, 3, 3), (2 * MiB, 2, 3), (4 * MiB, 1, 3)]  # released one by one behind the waits
+        assert memfds(a) == [] and segment_maps(a) == []  # the export was revoked first: nothing holds the pages
+        assert parts["drain_ms"] > 0 and set(parts) == {"sync_ms", "revoke_ms", "drain_ms", "release_ms", "steps_ms"}
+        a.wake()
+        assert len(memfds(a)) == 3
+
+
+def test_a_drain_failing_to_start_leaves_the_arena_awake_and_whole():
+    with Arena.create(4 * MiB, "cpu", segment_bytes=2 * MiB) as a:
+        v = a.view(2 * MiB, 4, torch.int64)
+        v.fill_(11)
+
+        def drain(offset, span):
+            if offset:
+                raise ArenaError("injected: no stream for segment 1")
+            return None
+
+        with pytest.raises(ArenaError, match="injected: no stream for segment 1"):
+            a.sleep(drain=drain)
+        assert not a.asleep and len(segment_maps(a)) == 2 and v.tolist() == [11] * 4
+        assert a.export().arena_id == a.arena_id  # exported anew
+
+
+def test_a_drained_copy_failing_puts_the_arena_to_sleep_and_names_the_segment():
+    """The wait of segment 1 fails: segment 2's copy is still waited for before anything more is
+    freed, every segment is released (asleep: the bytes from segment 1 on are not all out), and the
+    ArenaError names the segment and its bytes."""
+    with Arena.create(6 * MiB, "cpu", segment_bytes=2 * MiB) as a:
+        waited = []
+
+        def drain(offset, span):
+            def wait():
+                waited.append((offset, len(segment_maps(a))))
+                if offset == 2 * MiB:
+                    raise OSError(errno.EIO, "injected copy failure")
+            return wait
+
+        with pytest.raises(ArenaError, match=r"copy out of segment 1 \(bytes 2,097,152\.\.4,194,304\) failed: OSError.*"
+                                             r"injected copy failure.*asleep.*from segment 1 on"):
+            a.sleep(drain=drain)
+        assert waited == [(0, 3), (2 * MiB, 2), (4 * MiB, 2)]
+        assert a.asleep and memfds(a) == [] and segment_maps(a) == []
+        a.wake()
+        assert not a.asleep and len(segment_maps(a)) == 3
+
+
+def test_wake_refuses_a_donor_it_cannot_take_before_anything_moves():
+    """Segments are handed over between CUDA arenas only (the GPU tests cover the handover): a host
+    donor, the arena itself or a non-arena are refused by name, and both arenas stay as they were."""
+    with Arena.create(4 * MiB, "cpu", segment_bytes=2 * MiB) as a, Arena.create(4 * MiB, "cpu", segment_bytes=2 * MiB) as b:
+        b.sleep()
+        with pytest.raises(ArenaError, match=f"arena {b.arena_id} cannot take the segments of arena {a.arena_id}: only "
+                                             "CUDA arenas hand segments over"):
+            b.wake(donor=a)
+        with pytest.raises(ArenaError, match="wake\\(donor=...\\) needs another Arena"):
+            b.wake(donor=b)
+        with pytest.raises(ArenaError, match="needs another Arena, got 'a'"):
+            b.wake(donor="a")
+        assert b.asleep and not a.asleep and len(segment_maps(a)) == 2
+        a.share("holder 'h'")
+        with pytest.raises(ArenaError, match=r"cannot hand its segments over: 1 other process\(es\) map it"):
+            b.wake(donor=a)
+        assert b.asleep and not a.asleep

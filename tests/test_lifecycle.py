@@ -253,11 +253,11 @@ def test_swap_releases_the_outgoing_image_during_the_incoming_wake(image, tmp_pa
     with streamed(image) as a, streamed(second) as b:
         want_b = snapshot(b)
         b.sleep(level=1)
-        r = lifecycle.swap(a, b, level=2)
+        r = lifecycle.swap(a, b, level=2, release="during")
         assert r.released == "during" and r.why == ""
         assert a.arena.asleep and not b.arena.asleep and r.sleep.level == 2 and r.wake.source == "backup"
         assert snapshot(b) == want_b and r.total_ms >= r.wake.total_ms
-        back = lifecycle.swap(b, a, level=1, shm_dir=tmp_path / "no-shm")  # a from disk, b keeps a backup
+        back = lifecycle.swap(b, a, level=1, release="during", shm_dir=tmp_path / "no-shm")  # a from disk, b keeps a backup
         assert back.released == "during" and back.wake.source == "disk" and back.sleep.level == 1
         assert arena_bytes(a) == image_bytes(image) and b.arena.asleep and b.lifecycle.backup is not None
         out, into = a, b
@@ -266,8 +266,19 @@ def test_swap_releases_the_outgoing_image_during_the_incoming_wake(image, tmp_pa
             assert r.released == release and r.why == "" and out.arena.asleep and not into.arena.asleep
             out, into = into, out
         assert arena_bytes(a) == image_bytes(image) and b.arena.asleep
-        with pytest.raises(FlashBootError, match="unknown swap release 'never'; known: during, after, before"):
+        with pytest.raises(FlashBootError, match="unknown swap release 'never'; known: handover, during, after, before"):
             lifecycle.swap(a, b, release="never")
+
+
+def test_swap_by_handover_on_the_host_backend_releases_first_and_says_why(image, tmp_path):
+    """The default handover needs CUDA arenas (their segments move without a copy; the GPU tests
+    cover it): on the host backend the outgoing image sleeps before the wake, and the report says why."""
+    second = shutil.copytree(image, tmp_path / "second")
+    with streamed(image) as a, streamed(second) as b:
+        b.sleep(level=1)
+        r = lifecycle.swap(a, b)
+        assert r.released == "before" and r.why.startswith("the host backend's segments are memfds named after")
+        assert a.arena.asleep and not b.arena.asleep and arena_bytes(b) == image_bytes(second)
 
 
 def test_swap_without_room_releases_first_and_says_why(image, tmp_path, monkeypatch):
@@ -281,6 +292,27 @@ def test_swap_without_room_releases_first_and_says_why(image, tmp_path, monkeypa
         assert r.released == "before" and a.arena.asleep and not b.arena.asleep
         assert r.why == (f"cpu has 4,096 bytes free; the incoming arena needs {b.arena.nbytes:,} beside the outgoing "
                          "one's")
+
+
+def test_a_level1_backup_copy_failing_at_sleep_leaves_the_image_awake(image, monkeypatch):
+    """The host mover's copy into the backup fails (the CUDA copies fail in their wait instead; the
+    arena tests cover that): nothing was released, every view still holds its bytes, and the next
+    level-1 cycle works from the same backup."""
+    from flashboot.movers.host import HostMover
+
+    with streamed(image) as loaded:
+        before = snapshot(loaded)
+
+        def broken(self, dst, src, nbytes, path, stream):
+            raise FlashBootError("injected D2H failure")
+
+        monkeypatch.setattr(HostMover, "_copy", broken)
+        with pytest.raises(FlashBootError, match="injected D2H failure"):
+            loaded.sleep(level=1)
+        monkeypatch.undo()
+        assert not loaded.arena.asleep and snapshot(loaded) == before
+        loaded.sleep(level=1)
+        assert loaded.wake().source == "backup" and snapshot(loaded) == before
 
 
 def test_swap_whose_release_fails_leaves_both_as_they_were_and_raises_it(image, tmp_path):

@@ -15,7 +15,7 @@ import flashboot
 import flashboot.arena.backing_cuda as cuda_backing
 from flashboot import Arena, OutOfMemoryError
 from flashboot._cuda import check, driver, use_device
-from flashboot.errors import CudaError
+from flashboot.errors import ArenaError, CudaError
 
 pytestmark = pytest.mark.gpu
 
@@ -187,3 +187,99 @@ def test_cuda_graph_replays_bitwise_after_sleep_and_wake(tmp_path, level):
         torch.cuda.synchronize(0)
         assert torch.equal(out, want)  # bitwise: same pointers, same bytes
         del graph, out
+
+
+def test_drained_sleep_frees_each_segment_behind_its_copy():
+    """sleep(drain): the D2H of every 256 MiB segment is issued on one stream, each segment is
+    released once its event has passed, and the backup holds every byte; the memory is back."""
+    import cupy
+    import torch
+
+    from flashboot.flashload.lifecycle import HostBackup, _drain_into
+    from flashboot.memory import Device
+
+    nbytes = 4 * SEGMENT
+    backup = HostBackup(nbytes, Device.parse("cuda:0"))
+    try:
+        with Arena.create(nbytes, 0, segment_bytes=SEGMENT) as a:
+            flat = a.bytes()
+            flat.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0",
+                                     generator=torch.Generator("cuda:0").manual_seed(5)))
+            want = flat.cpu()
+            torch.cuda.synchronize(0)
+            awake = gpu_free()
+            drain, settle = _drain_into(backup, nbytes, a.device)
+            parts = {}
+            a.sleep(drain=drain, timings=parts)
+            settle()
+            assert a.asleep and parts["drain_ms"] > 0
+            assert nbytes - GRANULE <= gpu_free() - awake <= nbytes + SEGMENT
+            host = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(backup.ptr), dtype=torch.uint8)
+            assert torch.equal(host, want)
+            with cupy.cuda.Device(0):
+                cupy.cuda.runtime.deviceSynchronize()  # no copy faulted on a released segment
+    finally:
+        backup.close()
+
+
+def test_wake_with_a_donor_takes_its_segments_without_freeing_or_allocating():
+    """B (asleep) takes A's segments: A is asleep, B reads A's bytes (the memory moved, no copy),
+    the device's free memory did not change, B exports its new segments; a B with fewer full
+    segments creates its short last one and releases the donor's two it has no place for."""
+    import torch
+
+    with Arena.create(4 * SEGMENT, 0, segment_bytes=SEGMENT) as a, \
+            Arena.create(4 * SEGMENT, 0, segment_bytes=SEGMENT) as b, \
+            Arena.create(2 * SEGMENT + SEGMENT // 2, 0, segment_bytes=SEGMENT) as small:
+        a.bytes().copy_(torch.arange(4 * SEGMENT // 8, dtype=torch.int64, device="cuda:0").view(torch.uint8))
+        want = a.bytes().cpu()
+        views = (a.view(0, 8, torch.int64), b.view(SEGMENT, 8, torch.int64))
+        b.sleep()
+        small.sleep()
+        torch.cuda.synchronize(0)
+        before = gpu_free()
+        parts = {}
+        b.wake(donor=a, timings=parts)
+        assert a.asleep and not b.asleep and parts["reused"] == 4 and parts["donor_ms"] > 0
+        assert abs(gpu_free() - before) <= SEGMENT // 4  # nothing freed, nothing allocated
+        assert torch.equal(b.bytes().cpu(), want) and views[1].tolist() == list(range(SEGMENT // 8, SEGMENT // 8 + 8))
+        assert b.export().arena_id == b.arena_id
+        with pytest.raises(ArenaError, match="asleep"):
+            small.wake(donor=a)
+        small.wake(donor=b, timings=parts)
+        assert b.asleep and parts["reused"] == 2  # the two full segments; the short last one is new
+        assert gpu_free() - before >= 4 * SEGMENT - (2 * SEGMENT + SEGMENT // 2) - SEGMENT // 4  # the other two freed
+        assert torch.equal(small.bytes()[:2 * SEGMENT].cpu(), want[:2 * SEGMENT])
+        a.wake()
+        views[0].fill_(1)
+        assert int(views[0].sum()) == 8
+
+
+def test_swap_by_handover_keeps_bytes_graph_pointers_and_memory(tmp_path):
+    """lifecycle.swap's default on CUDA: the incoming image takes the outgoing one's segments and
+    gets its bytes from the backup; the device's free memory is unchanged, and a swap back wakes
+    the first image from the disk byte for byte."""
+    import shutil
+
+    import torch
+
+    from flashboot.flashload import lifecycle
+    from flashboot.flashload.landing import verify_loaded
+
+    image = _mlp_image(tmp_path)
+    second = shutil.copytree(image, tmp_path / "second")
+    with flashboot.load(image, 0, "cuda:0", stream=True) as a, flashboot.load(second, 0, "cuda:0", stream=True) as b:
+        want = {n: t.clone() for n, t in b.tensors.items()}
+        b.sleep(level=1)
+        torch.cuda.synchronize(0)
+        before = gpu_free()
+        r = lifecycle.swap(a, b)
+        assert r.released == "handover" and r.why == "" and r.wake.source == "backup"
+        assert r.wake.details["wake"]["reused"] == b.arena.segments and r.sleep.release_ms > 0
+        assert a.arena.asleep and not b.arena.asleep
+        assert all(torch.equal(b.tensors[n], t) for n, t in want.items())
+        torch.cuda.synchronize(0)
+        assert abs(gpu_free() - before) <= SEGMENT // 4
+        back = lifecycle.swap(b, a, shm_dir=tmp_path / "no-daemon")
+        assert back.released == "handover" and back.wake.source == "disk" and b.arena.asleep
+        verify_loaded(a.arena, a.metadata, "after the swap back")

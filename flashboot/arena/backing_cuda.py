@@ -209,6 +209,14 @@ class _Mappings:
         _cuda.check(drv.cuMemMap(ptr, nbytes, 0, handle, 0), f"cuMemMap({nbytes:,} at {ptr:#x})")
         self._spans.append((ptr, nbytes))
 
+    def unmap_one(self, ptr: int) -> None:
+        """Unmap the one mapping at ``ptr`` (a no-op where nothing is mapped there)."""
+        for span in self._spans:
+            if span[0] == ptr:
+                self._spans.remove(span)
+                _cuda.check(_cuda.driver().cuMemUnmap(*span), f"cuMemUnmap({span[1]:,} at {ptr:#x})")
+                return
+
     def unmap(self) -> None:
         drv = _cuda.driver()
         runs, self._spans = _runs(self._spans), []
@@ -216,54 +224,104 @@ class _Mappings:
             _cuda.check(drv.cuMemUnmap(ptr, n), f"cuMemUnmap({n:,} at {ptr:#x})")
 
 
-def map_segments(undo: _Undo, ptr: int, handles: Sequence, sizes: Sequence[int], segment_bytes: int,
-                 devices: Sequence[int]) -> None:
-    """``cuMemMap`` each of ``handles`` at its place in the reserved range at ``ptr``, then one
-    ``cuMemSetAccess`` over all of it; pushes one ``cuMemUnmap`` of the whole range onto ``undo``.
+class _Backing:
+    """An owner's physical segments in its reserved range: segment ``i``'s allocation handle and
+    its mapping at ``ptr + i * segment_bytes``. Released all at once (:meth:`release`: sleep,
+    close, a failed wake), one segment at a time (:meth:`release_segment`: a level-1 sleep frees
+    each segment as soon as its bytes are copied out, so the driver's work on the freed memory
+    overlaps the rest of the copy), or detached (:meth:`detach`: the handles go to another arena,
+    a swap's handover). ``steps_ms``: the ms of the last release, per driver call."""
 
-    One grant and one unmap instead of one per segment: the driver accepts a range spanning many
-    mappings (NVIDIA's vectorAddMMAP sample does both), and each call pays a page-table update
-    and TLB invalidation of its own. A failure part-way unmaps what was mapped, one by one."""
-    drv = _cuda.driver()
-    total = sum(sizes)
-    mapped = _Undo(f"mappings at {ptr:#x}")
-    try:
-        for i, (handle, size) in enumerate(zip(handles, sizes)):
-            _map_at(mapped, ptr + i * segment_bytes, handle, size)
-        _set_access(ptr, total, devices)
-    except BaseException:
-        mapped.release()
-        raise
-    mapped.forget()  # replaced by the one unmap below
-    undo.push("cuMemUnmap (all segments)", lambda: _cuda.check(drv.cuMemUnmap(ptr, total), f"cuMemUnmap({total:,} at {ptr:#x})"))
+    def __init__(self, ptr: int, segment_bytes: int, sizes: Sequence[int]):
+        self.ptr, self.segment_bytes, self.sizes = ptr, segment_bytes, list(sizes)
+        self.handles: list = [None] * len(self.sizes)
+        self._mappings = _Mappings()
+        self.steps_ms: dict[str, float] = {}
+
+    def add(self, i: int, handle) -> None:
+        """Own ``handle`` as segment ``i``'s allocation (made here or handed over by another arena)."""
+        self.handles[i] = handle
+
+    def map(self, i: int) -> None:
+        self._mappings.map(self.ptr + i * self.segment_bytes, self.handles[i], self.sizes[i])
+
+    def release_segment(self, i: int) -> None:
+        """Unmap segment ``i`` and release its handle: its memory goes back to the device now."""
+        handle, self.handles[i] = self.handles[i], None
+        try:
+            self._mappings.unmap_one(self.ptr + i * self.segment_bytes)
+        finally:
+            if handle is not None:
+                _cuda.check(_cuda.driver().cuMemRelease(handle), f"cuMemRelease(segment {i})")
+
+    def release(self) -> None:
+        """Release every handle, then unmap (one ``cuMemUnmap`` per run), which frees the memory.
+
+        That order measured fastest on an H200 (13.96 GB in 52 segments: 6.5 ms, against 7-9 ms
+        unmapping first, 6.5-10.4 ms segment by segment, and no gain from releasing on 2-4
+        threads; benchmarks/RESULTS.md, "Issue 17 again"). All steps run; the first error is raised."""
+        drv = _cuda.driver()
+        handles, self.handles = self.handles, [None] * len(self.sizes)
+        first: BaseException | None = None
+        t0 = time.perf_counter()
+        for i, handle in enumerate(handles):
+            if handle is not None:
+                try:
+                    _cuda.check(drv.cuMemRelease(handle), f"cuMemRelease(segment {i})")
+                except BaseException as exc:
+                    first = first or exc
+        t1 = time.perf_counter()
+        try:
+            self._mappings.unmap()
+        except BaseException as exc:
+            first = first or exc
+        self.steps_ms = {"cuMemRelease": (t1 - t0) * 1e3, "cuMemUnmap": (time.perf_counter() - t1) * 1e3}
+        if first is not None:
+            raise first
+
+    def detach(self) -> list[tuple[Any, int]]:
+        """Unmap every segment and give up its handle, still allocated: ``(handle, nbytes)`` per
+        segment that had one, in order. Nothing is freed; the caller owns the handles now."""
+        t0 = time.perf_counter()
+        self._mappings.unmap()
+        handed = [(h, n) for h, n in zip(self.handles, self.sizes) if h is not None]
+        self.handles = [None] * len(self.sizes)
+        self.steps_ms = {"cuMemUnmap": (time.perf_counter() - t0) * 1e3}
+        return handed
 
 
 def attach_segments(undo: _Undo, ptr: int, prop, sizes: list[int], segment_bytes: int, devices: Sequence[int],
-                    index: int, ready: Callable[[int], None] | None = None, timings: dict | None = None) -> list:
+                    index: int, ready: Callable[[int], None] | None = None, timings: dict | None = None,
+                    reuse: list[tuple[Any, int]] | None = None) -> _Backing:
     """``cuMemCreate`` one allocation per segment and ``cuMemMap`` each at its place in the reserved
-    range at ``ptr``; every step pushes its release onto ``undo`` (releasing it unmaps and frees the
-    segments, one ``cuMemUnmap`` for all, and leaves the range reserved).
+    range at ``ptr``; one step on ``undo`` releases them all (it unmaps and frees the segments,
+    one ``cuMemUnmap`` per run, and leaves the range reserved).
 
-    Without ``ready``: one ``cuMemSetAccess`` over all of it at the end. With ``ready``: each
-    segment is granted as soon as it is mapped and ``ready(i)`` is called, so a caller can issue
-    the copy into segment ``i`` while the next ones are created (a copy needs its destination
-    mapped and granted when it is enqueued). ``timings`` (optional dict) gains ``create_ms``,
-    ``map_ms``, ``access_ms`` and ``ready_ms`` (time spent in ``ready``), summed.
-    Returns the allocation handles; CudaError from the call that failed."""
+    ``reuse``: ``(handle, nbytes)`` allocations handed over by another arena (a swap); a segment
+    takes the first one of its size instead of a new allocation (they are taken off the list, the
+    rest stay the caller's). Without ``ready``: one ``cuMemSetAccess`` over all of it at the end.
+    With ``ready``: each segment is granted as soon as it is mapped and ``ready(i)`` is called, so
+    a caller can issue the copy into segment ``i`` while the next ones are created (a copy needs
+    its destination mapped and granted when it is enqueued). ``timings`` (optional dict) gains
+    ``create_ms``, ``map_ms``, ``access_ms`` and ``ready_ms`` (time spent in ``ready``), summed,
+    and ``reused`` (segments handed over). Returns the segments; CudaError from the call that failed."""
     drv = _cuda.driver()
-    stats = {"create_ms": 0.0, "map_ms": 0.0, "access_ms": 0.0, "ready_ms": 0.0}
-    mappings = _Mappings()
-    undo.push("cuMemUnmap", mappings.unmap)  # runs after the releases: a mapping keeps its memory until then
-    handles = []
+    stats = {"create_ms": 0.0, "map_ms": 0.0, "access_ms": 0.0, "ready_ms": 0.0, "reused": 0}
+    backing = _Backing(ptr, segment_bytes, sizes)
+    undo.push("release the segments", backing.release)
     try:
         for i, size in enumerate(sizes):
             addr = ptr + i * segment_bytes
             t0 = time.perf_counter()
-            handle = _cuda.check(drv.cuMemCreate(size, prop, 0), f"cuMemCreate({size:,} bytes on cuda:{index}, segment {i})")
-            undo.push("cuMemRelease", lambda h=handle: _cuda.check(drv.cuMemRelease(h), "cuMemRelease"))
-            handles.append(handle)
+            handed = next((k for k, (_h, n) in enumerate(reuse or ()) if n == size), None)
+            if handed is not None:
+                backing.add(i, reuse.pop(handed)[0])
+                stats["reused"] += 1
+            else:
+                backing.add(i, _cuda.check(drv.cuMemCreate(size, prop, 0),
+                                           f"cuMemCreate({size:,} bytes on cuda:{index}, segment {i})"))
             t1 = time.perf_counter()
-            mappings.map(addr, handle, size)
+            backing.map(i)
             t2 = time.perf_counter()
             stats["create_ms"] += (t1 - t0) * 1e3
             stats["map_ms"] += (t2 - t1) * 1e3
@@ -281,4 +339,4 @@ def attach_segments(undo: _Undo, ptr: int, prop, sizes: list[int], segment_bytes
     finally:
         if timings is not None:
             timings.update(stats)
-    return handles
+    return backing

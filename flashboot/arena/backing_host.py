@@ -99,27 +99,77 @@ def _host_unmap_segment(addr: int, nbytes: int) -> None:
     _mmap_call(addr, nbytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1)
 
 
+class _HostBacking:
+    """A host arena's segments: segment ``i``'s memfd and its ``MAP_FIXED`` mapping over its part
+    of the reserved range, released all at once (:meth:`release`) or one at a time
+    (:meth:`release_segment`), as the CUDA backend's ``_Backing``. ``steps_ms``: the ms of the
+    last release, per system call."""
+
+    def __init__(self, ptr: int, segment_bytes: int, sizes: list[int]):
+        self.ptr, self.segment_bytes, self.sizes = ptr, segment_bytes, list(sizes)
+        self.fds: list[int | None] = [None] * len(self.sizes)
+        self.mapped = [False] * len(self.sizes)
+        self.steps_ms: dict[str, float] = {}
+
+    def add(self, i: int, fd: int) -> None:
+        self.fds[i] = fd
+
+    def map(self, i: int) -> None:
+        _host_map_segment(self.ptr + i * self.segment_bytes, self.fds[i], self.sizes[i])
+        self.mapped[i] = True
+
+    def _release(self, i: int, steps: dict[str, float]) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self.mapped[i]:
+                self.mapped[i] = False
+                _host_unmap_segment(self.ptr + i * self.segment_bytes, self.sizes[i])
+        finally:
+            t1 = time.perf_counter()
+            fd, self.fds[i] = self.fds[i], None
+            if fd is not None:
+                os.close(fd)
+            steps["unmap segment, keep the reservation"] = steps.get("unmap segment, keep the reservation", 0.0) + \
+                (t1 - t0) * 1e3
+            steps["close memfd"] = steps.get("close memfd", 0.0) + (time.perf_counter() - t1) * 1e3
+
+    def release_segment(self, i: int) -> None:
+        """Put the reservation back over segment ``i`` and close its memfd (its pages go with it)."""
+        self._release(i, {})
+
+    def release(self) -> None:
+        """Release every segment still held; all run, the first error is raised."""
+        steps: dict[str, float] = {}
+        first: BaseException | None = None
+        for i in range(len(self.sizes)):
+            try:
+                self._release(i, steps)
+            except BaseException as exc:
+                first = first or exc
+        self.steps_ms = steps
+        if first is not None:
+            raise first
+
+
 def attach_segments(undo, ptr: int, arena_id: str, sizes: list[int], segment_bytes: int,
-                    ready: Callable[[int], None] | None = None, timings: dict | None = None) -> list[int]:
+                    ready: Callable[[int], None] | None = None, timings: dict | None = None) -> _HostBacking:
     """Create one memfd per segment and map it over its part of the reserved range at ``ptr``;
-    every step pushes its release onto ``undo`` (releasing it detaches the segments and leaves
-    the range reserved). ``ready(i)``, when given, is called as soon as segment ``i`` is mapped
-    (as the CUDA backend does). ``timings`` (optional dict) gains ``create_ms``, ``map_ms`` and
-    ``ready_ms``, summed. Returns the memfds; OSError from the step that failed."""
+    one step on ``undo`` releases them (it detaches the segments and leaves the range reserved).
+    ``ready(i)``, when given, is called as soon as segment ``i`` is mapped (as the CUDA backend
+    does). ``timings`` (optional dict) gains ``create_ms``, ``map_ms`` and ``ready_ms``, summed.
+    Returns the segments (``fds``: the memfds); OSError from the step that failed."""
     stats = {"create_ms": 0.0, "map_ms": 0.0, "ready_ms": 0.0}
-    fds: list[int] = []
+    backing = _HostBacking(ptr, segment_bytes, sizes)
+    undo.push("release the segments", backing.release)
     try:
         for i, size in enumerate(sizes):
             t0 = time.perf_counter()
             fd = _host_memfd(_memfd_name(arena_id, i))
-            undo.push("close memfd", lambda fd=fd: os.close(fd))
-            fds.append(fd)
+            backing.add(i, fd)
             _host_truncate(fd, size)
             _host_seal(fd)
             t1 = time.perf_counter()
-            addr = ptr + i * segment_bytes
-            _host_map_segment(addr, fd, size)
-            undo.push("unmap segment, keep the reservation", lambda a=addr, n=size: _host_unmap_segment(a, n))
+            backing.map(i)
             t2 = time.perf_counter()
             stats["create_ms"] += (t1 - t0) * 1e3
             stats["map_ms"] += (t2 - t1) * 1e3
@@ -129,4 +179,4 @@ def attach_segments(undo, ptr: int, arena_id: str, sizes: list[int], segment_byt
     finally:
         if timings is not None:
             timings.update(stats)
-    return fds
+    return backing

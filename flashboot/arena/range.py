@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import errno
 import fcntl
 import os
 import secrets
@@ -25,6 +24,7 @@ from .descriptor import ArenaDescriptor
 from .segments import (HANDLE_FABRIC_POSIX_FD, HANDLE_MEMFD, HANDLE_POSIX_FD, HOST_GRANULARITY, _adjacent_runs,
                        _check_nbytes, _check_segment_bytes, _fd_target, _make_fd_room, _round_up, _segment_sizes,
                        parse_dtype)
+from .sleep import SleepWake
 from .undo import _Undo
 
 
@@ -36,7 +36,7 @@ class _DeviceRange:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
 
-class Arena:
+class Arena(SleepWake):
     """One contiguous shareable address range on a CUDA device or in host shared memory, backed by
     segments (physical allocations of ``segment_bytes``, see :data:`SEGMENT_BYTES`).
 
@@ -54,7 +54,7 @@ class Arena:
 
     def __init__(self, *, undo: _Undo, ptr: int, nbytes: int, requested_nbytes: int, device: Device,
                  home_device: Device, granularity: int, segment_bytes: int, handle_type: str, arena_id: str,
-                 imported: bool, descriptor: ArenaDescriptor | None = None, handles: list | None = None,
+                 imported: bool, descriptor: ArenaDescriptor | None = None, segments: Any = None,
                  fabric: bool = False, pending: Callable[[list[int], dict], None] | None = None, backing: _Undo | None = None,
                  attach: Callable[..., list] | None = None):
         # Built by create()/open(); not meant to be called directly.
@@ -71,7 +71,7 @@ class Arena:
         self._arena_id = arena_id
         self._imported = imported
         self._descriptor = descriptor
-        self._handles = handles  # the owner's CUmemGenericAllocationHandles, for export()
+        self._segments = segments  # an owner's physical segments (the backends' _Backing): export(), sleep()
         self._fabric = fabric
         self._map_segment = pending  # an importer's "map segments [i, ...]"; None once everything is mapped
         self._mapped = [pending is None] * len(self._segment_sizes)
@@ -81,7 +81,7 @@ class Arena:
         self._closed = False
         # An owner's physical segments apart from its address range (see sleep/wake): ``backing``
         # releases them, ``attach(into, ready=None, timings=None)`` makes new ones at the same
-        # addresses (the backends' attach_segments).
+        # addresses (the backends' attach_segments; it returns the new segments).
         self._backing, self._attach = backing, attach
         self._exports = _Undo(f"exports of arena {arena_id}")  # the CUDA fds export() handed out
         undo.push("close exported fds", self._exports.release)
@@ -130,10 +130,10 @@ class Arena:
             undo.push("munmap", lambda: host._host_munmap(ptr, capacity))  # also unmaps every segment in it
             undo.push("release the segments", backing.release)
 
-            def attach(into: _Undo, ready=None, timings=None) -> list[int]:
+            def attach(into: _Undo, ready=None, timings=None, reuse=None) -> host._HostBacking:
                 return host.attach_segments(into, ptr, arena_id, sizes, segment_bytes, ready, timings)
 
-            fds = attach(backing)
+            made = attach(backing)
         except BaseException as exc:
             undo.release()
             if isinstance(exc, OSError):
@@ -141,8 +141,9 @@ class Arena:
             raise
         arena = cls(undo=undo, ptr=ptr, nbytes=capacity, requested_nbytes=nbytes, device=Device("cpu"),
                     home_device=Device("cpu"), granularity=HOST_GRANULARITY, segment_bytes=segment_bytes,
-                    handle_type=HANDLE_MEMFD, arena_id=arena_id, imported=False, backing=backing, attach=attach)
-        arena._descriptor = arena._host_descriptor(fds)
+                    handle_type=HANDLE_MEMFD, arena_id=arena_id, imported=False, segments=made, backing=backing,
+                    attach=attach)
+        arena._descriptor = arena._host_descriptor(made.fds)
         return arena
 
     def _host_descriptor(self, fds: list[int]) -> ArenaDescriptor:
@@ -173,18 +174,18 @@ class Arena:
             ptr = _reserve(undo, capacity, granularity)
             undo.push("release the segments", backing.release)
 
-            def attach(into: _Undo, ready=None, timings=None) -> list:
+            def attach(into: _Undo, ready=None, timings=None, reuse=None) -> cuda_backing._Backing:
                 return cuda_backing.attach_segments(into, ptr, prop, sizes, segment_bytes, devices, index, ready,
-                                                    timings)
+                                                    timings, reuse)
 
-            handles = attach(backing)
+            made = attach(backing)
         except BaseException:
             undo.release()
             raise
         handle_type = HANDLE_FABRIC_POSIX_FD if fabric else HANDLE_POSIX_FD
         return cls(undo=undo, ptr=ptr, nbytes=capacity, requested_nbytes=nbytes, device=dev, home_device=dev,
                    granularity=granularity, segment_bytes=segment_bytes, handle_type=handle_type,
-                   arena_id=arena_id, imported=False, handles=handles, fabric=fabric, backing=backing, attach=attach)
+                   arena_id=arena_id, imported=False, segments=made, fabric=fabric, backing=backing, attach=attach)
 
     @classmethod
     @_cuda.keeps_context
@@ -329,7 +330,7 @@ class Arena:
         def map_segments(indices: list[int], out: dict) -> None:
             """Import and map segments ``indices`` (ascending), then grant access. Where only the
             home device is granted, one ``cuMemSetAccess`` per run of adjacent ones: a grant may
-            span many mappings (as in :func:`~flashboot.arena.backing_cuda.map_segments`), and
+            span many mappings (as an owner's in :func:`~flashboot.arena.backing_cuda.attach_segments`), and
             each call pays its own page-table update, so mapping a held arena of 54 segments
             grants once, not 54 times. A grant to a peer goes segment by segment, as measured
             (benchmarks/RESULTS.md, "Peer mapping cost": a peer's grant is dear from 512 MiB on;
@@ -448,153 +449,6 @@ class Arena:
             self._map_segment = None
         self._undo.release()
 
-    # ---- sleep and wake: the backing apart from the address range -------------------------------
-
-    @property
-    def asleep(self) -> bool:
-        """True between :meth:`sleep` and :meth:`wake`: the addresses are reserved, nothing backs them."""
-        return self._asleep
-
-    def share(self, who: str) -> None:
-        """Record that another process keeps this arena mapped for as long as it lives (a holder,
-        a seed's clones): :meth:`sleep` is refused by name until :meth:`unshare` (``who``)."""
-        self._check_open()
-        self._shares.add(str(who))
-
-    def unshare(self, who: str) -> None:
-        """Forget :meth:`share` (``who``), once that process has let go of its mapping."""
-        self._shares.discard(str(who))
-
-    @_cuda.keeps_context
-    def sleep(self, *, synchronize: bool = True, timings: dict | None = None) -> None:
-        """Release the physical memory and keep the address range: every view, and every pointer a
-        CUDA graph captured, keeps its address; reading one before :meth:`wake` is a fault.
-
-        CUDA: waits for the device's work, then ``cuMemRelease`` per segment and one
-        ``cuMemUnmap`` over the whole range, which frees them (the ``cuMemAddressReserve``
-        stays). Host: each segment's mapping becomes the inaccessible reservation again and its
-        memfd is closed. The contents are gone; :meth:`wake` maps new, uninitialised segments
-        (:func:`flashboot.flashload.lifecycle.sleep` keeps the bytes).
-
-        Exports: an arena :meth:`share` d with another process (a holder: :func:`hand_over
-        <flashboot.flashclone.holder.hand_over>` marks it) is refused with ArenaError naming who
-        maps it, since its memory would silently stop being this arena's. Otherwise the export is
-        revoked: the exported fds are closed and :meth:`export` after :meth:`wake` hands out the
-        new segments; a process that opened the old descriptor and still maps it keeps the old
-        memory (its copy, never freed memory). Sleeping an asleep arena is a no-op; an opened
-        (imported) arena is refused. ``synchronize=False``: the caller has already waited for
-        every use of this memory (so a copy into another arena on the device may go on meanwhile).
-        ``timings`` (optional dict) gains ``sync_ms``,
-        ``revoke_ms`` (the exported fds closed), ``release_ms`` (the segments) and
-        ``steps_ms`` (the release's ms per driver or system call, e.g. ``cuMemUnmap``).
-        """
-        self._check_open()
-        if self._imported:
-            raise ArenaError(f"arena {self._arena_id} is opened from pid {self._descriptor.pid}'s export; only its "
-                             "owner can put it to sleep")
-        with self._map_lock:
-            if self._asleep:
-                return
-            if self._shares:
-                raise ArenaError(f"arena {self._arena_id} cannot sleep: {len(self._shares)} other process(es) map it "
-                                 f"({'; '.join(sorted(self._shares))}); release it there, then unshare()")
-            t0 = time.perf_counter()
-            if self._device.is_cuda:
-                _cuda.use_device(self._home_device.index)
-                if synchronize:
-                    _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize(before sleep)")
-            t1 = time.perf_counter()
-            steps: dict[str, float] = {}
-            try:
-                self._exports.release()
-            finally:
-                t2 = time.perf_counter()
-                self._descriptor, self._handles, self._asleep = None, None, True
-                try:
-                    self._backing.release(steps)
-                finally:
-                    if timings is not None:
-                        timings.update(sync_ms=(t1 - t0) * 1e3, revoke_ms=(t2 - t1) * 1e3,
-                                       release_ms=(time.perf_counter() - t2) * 1e3, steps_ms=steps)
-
-    @_cuda.keeps_context
-    def wake(self, fill: Callable[[int, Span], None] | None = None, *, settle: Callable[[], None] | None = None,
-             timings: dict | None = None) -> None:
-        """Back the reserved range with new segments at the same addresses (contents undefined).
-
-        ``fill(offset, span)``, when given, is called for each new segment in order as soon as it
-        is mapped and accessible (``span``: the segment, starting at byte ``offset`` of the arena),
-        so the caller can issue the copy of its bytes while the next segments are created; the
-        copy engine then starts on the first segment instead of after the last. ``settle()``
-        waits until every copy ``fill`` issued has ended: a failed wake calls it before it
-        releases the new segments, so no copy writes freed memory. ``timings`` (optional dict)
-        gains ``create_ms``, ``map_ms``, ``access_ms``, ``fill_ms`` (time spent in ``fill``),
-        summed over the segments, and ``wake_ms`` (all of it).
-
-        One transaction: the new segments' steps go onto their own undo list, which is released
-        if any step (or ``fill``) fails (the arena stays asleep and can be woken later) and
-        committed to the arena only when all succeeded. Raises OutOfMemoryError with the bytes
-        needed and free when the device (host: MemAvailable + SwapFree) has no room, before or
-        during the allocation. Waking an awake arena is a no-op (``fill`` is not called).
-        """
-        self._check_open()
-        with self._map_lock:
-            if not self._asleep:
-                return
-            t0 = time.perf_counter()
-            where = f"waking arena {self._arena_id} ({self._nbytes:,} bytes in {self.segments} segment(s) on {self._device})"
-            free = self._free_bytes()
-            if self._nbytes > free:
-                raise OutOfMemoryError(where, self._nbytes, free)
-            fresh = _Undo(where, before_release=(lambda i=self._home_device.index: _cuda.use_device(i))
-                          if self._device.is_cuda else None)
-            ready = None
-            if fill is not None:
-                def ready(i: int) -> None:
-                    offset = i * self._segment_bytes
-                    fill(offset, Span(self._ptr + offset, self._segment_sizes[i], self._device, False, self))
-
-            stats: dict = {}
-            try:
-                if self._device.is_cuda:
-                    _cuda.use_device(self._home_device.index)
-                made = self._attach(fresh, ready, stats)
-            except BaseException as exc:
-                try:
-                    if settle is not None:
-                        settle()  # the copies already issued end before their memory is released
-                except BaseException as again:
-                    exc.add_note(f"waiting for the copies issued into the new segments failed too: {again!r}")
-                finally:
-                    fresh.release()
-                if isinstance(exc, CudaError) and exc.name == "CUDA_ERROR_OUT_OF_MEMORY" or \
-                        isinstance(exc, OSError) and exc.errno in (errno.ENOMEM, errno.ENOSPC):
-                    raise OutOfMemoryError(f"{where}: {exc}", self._nbytes, self._free_bytes()) from exc
-                if isinstance(exc, OSError):
-                    raise ArenaError(f"{where} failed: {exc}") from exc
-                raise
-            fresh.commit_into(self._backing)
-            if self._device.is_cuda:
-                self._handles = made
-            else:
-                self._descriptor = self._host_descriptor(made)
-            self._asleep = False
-            if timings is not None:
-                stats["fill_ms"] = stats.pop("ready_ms", 0.0)
-                timings.update(stats, wake_ms=(time.perf_counter() - t0) * 1e3)
-
-    def _free_bytes(self) -> int:
-        if not self._device.is_cuda:
-            return host._host_mem_available()
-        _cuda.use_device(self._home_device.index)  # cuMemGetInfo answers for the current context's device
-        free, _total = _cuda.check(_cuda.driver().cuMemGetInfo(), "cuMemGetInfo")
-        return int(free)
-
-    def _check_awake(self, what: str) -> None:
-        if self._asleep:
-            raise ArenaError(f"arena {self._arena_id} is asleep (its addresses are reserved, nothing backs them): "
-                             f"wake() it before {what}")
-
     def __enter__(self) -> "Arena":
         self._check_open()
         return self
@@ -691,11 +545,12 @@ class Arena:
         kind = drv.CUmemAllocationHandleType
         index = self._home_device.index
         _cuda.use_device(index)
-        _make_fd_room(len(self._handles), f"exporting arena {self._arena_id}")
+        handles = self._segments.handles
+        _make_fd_room(len(handles), f"exporting arena {self._arena_id}")
         fds: list[int] = []
         self._exports.push("close exported fds", lambda: [os.close(fd) for fd in fds])
         fabric: list[bytes] = []
-        for i, handle in enumerate(self._handles):
+        for i, handle in enumerate(handles):
             fds.append(int(_cuda.check(drv.cuMemExportToShareableHandle(handle, kind.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
                                        f"cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR, segment {i})")))
             if self._fabric:

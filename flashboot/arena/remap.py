@@ -42,15 +42,22 @@ class _CudaSegments:
     def release(self, handle) -> None:
         _cuda.check(self.drv.cuMemRelease(handle), "cuMemRelease")
 
-    def attach(self, into: _Undo, arena, refs: list) -> None:
-        from .backing_cuda import map_segments
+    def attach(self, into: _Undo, arena, refs: list):
+        """Map ``refs`` (owned from now on by the returned segments, released by ``into``) under
+        ``arena``'s range, then one grant over all of it."""
+        from .backing_cuda import _Backing, _set_access
 
-        for ref in refs:
-            into.push("cuMemRelease", lambda h=ref: self.release(h))
-        map_segments(into, arena._ptr, refs, arena._segment_sizes, arena._segment_bytes, self.devices)
+        backing = _Backing(arena._ptr, arena._segment_bytes, arena._segment_sizes)
+        into.push("release the segments", backing.release)
+        for i, ref in enumerate(refs):
+            backing.add(i, ref)
+        for i in range(len(refs)):
+            backing.map(i)
+        _set_access(arena._ptr, arena._nbytes, self.devices)
+        return backing
 
-    def adopt(self, arena, refs: list) -> None:
-        arena._handles = refs  # export() exports these from now on
+    def adopt(self, arena, backing) -> None:
+        arena._segments = backing  # export() exports these from now on; sleep releases them
 
 
 class _HostSegments:
@@ -62,15 +69,18 @@ class _HostSegments:
     def release(self, fd: int) -> None:
         os.close(fd)
 
-    def attach(self, into: _Undo, arena, refs: list) -> None:
-        for i, (fd, size) in enumerate(zip(refs, arena._segment_sizes)):
-            into.push("close memfd", lambda fd=fd: os.close(fd))
-            addr = arena._ptr + i * arena._segment_bytes
-            host._host_map_segment(addr, fd, size)
-            into.push("unmap segment, keep the reservation", lambda a=addr, n=size: host._host_unmap_segment(a, n))
+    def attach(self, into: _Undo, arena, refs: list):
+        backing = host._HostBacking(arena._ptr, arena._segment_bytes, arena._segment_sizes)
+        into.push("release the segments", backing.release)
+        for i, fd in enumerate(refs):
+            backing.add(i, fd)
+        for i in range(len(refs)):
+            backing.map(i)
+        return backing
 
-    def adopt(self, arena, refs: list) -> None:
-        arena._descriptor = arena._host_descriptor(list(refs))
+    def adopt(self, arena, backing) -> None:
+        arena._segments = backing
+        arena._descriptor = arena._host_descriptor(list(backing.fds))
 
 
 def staging_for(arena):
@@ -155,22 +165,22 @@ def replace_backing(arena, staging, timings: dict | None = None) -> float:
         t_map = time.perf_counter()
         fresh = _Undo(where, before_release=before)
         try:
-            seg.attach(fresh, arena, new)
+            made = seg.attach(fresh, arena, new)
         except BaseException as exc:
             fresh.release()  # unmaps what was mapped, drops the new references
             back = _Undo(f"old segments of arena {arena.arena_id}", before_release=before)
             try:
-                seg.attach(back, arena, old)
+                restored = seg.attach(back, arena, old)
             except BaseException:
                 back.release()
                 arena._asleep = True  # nothing backs the range: reads fault, wake() maps new segments
                 raise ArenaError(f"replacing {where} failed ({exc}) and the old segments could not be mapped back; "
                                  "the arena is asleep (wake() it and reload)") from exc
             back.commit_into(arena._backing)
-            seg.adopt(arena, old)
+            seg.adopt(arena, restored)
             raise
         fresh.commit_into(arena._backing)
-        seg.adopt(arena, new)
+        seg.adopt(arena, made)
         t_done = time.perf_counter()
         for r in old:
             seg.release(r)

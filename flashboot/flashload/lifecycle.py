@@ -1,8 +1,9 @@
 """Weights that stay: a loaded image's sleep and wake at stable addresses.
 
-:func:`sleep` optionally keeps the bytes in host memory (``level=1``: one bulk D2H into a pinned
-backup taken by this process; ``level=2``: nothing kept), then the arena releases its physical
-memory and keeps its address range (:meth:`flashboot.Arena.sleep`). :func:`wake` maps new
+:func:`sleep` optionally keeps the bytes in host memory (``level=1``: a D2H into a pinned
+backup taken by this process, each segment released as soon as its bytes are out; ``level=2``:
+nothing kept), then the arena releases its physical memory and keeps its address range
+(:meth:`flashboot.Arena.sleep`). :func:`wake` maps new
 segments at the same addresses (:meth:`flashboot.Arena.wake`) and brings the bytes back from the
 first of these sources that has them:
 
@@ -42,11 +43,13 @@ STATUS_TIMEOUT_S = 1.0
 @dataclass
 class SleepReport:
     """One :func:`sleep`, in ms: ``sync_ms`` (waiting for the device's work first),
-    ``backup_ms`` (level 1: the bulk D2H into the backup), ``pin_ms`` (level 1: allocating and
-    pinning the backup; 0 when an earlier one was kept), ``release_ms`` (the arena's
+    ``backup_ms`` (level 1: the D2H into the backup, from its first copy issued to the last
+    segment released behind its copy), ``pin_ms`` (level 1: allocating and pinning the backup; 0
+    when an earlier one was kept), ``release_ms`` (the rest of the arena's
     :meth:`~flashboot.Arena.sleep`: memory back to the device), ``total_ms``; ``release_parts``:
-    where ``release_ms`` went (the arena's ``timings``: ``sync_ms``, ``revoke_ms``,
-    ``release_ms``, and ``steps_ms`` per driver call such as ``cuMemUnmap``)."""
+    where the arena's sleep went (its ``timings``: ``sync_ms``, ``revoke_ms``, ``drain_ms``,
+    ``release_ms``, and ``steps_ms`` per driver call such as ``cuMemUnmap``; for the outgoing
+    image of a :func:`swap` by handover, ``donor_ms``: its segments unmapped for the incoming one)."""
 
     level: int
     nbytes: int
@@ -233,22 +236,63 @@ def _sleep(loaded, level: int, *, synchronize: bool) -> SleepReport:
     if synchronize:
         _synchronize(arena.device)
     report.sync_ms = (time.perf_counter() - t0) * 1e3
+    drain = settle = None
     if level == 1:
-        if state.backup is None or state.backup.nbytes < loaded.nbytes:
-            state.drop_backup()
-            state.backup = HostBackup(loaded.nbytes, arena.device)
-            report.pin_ms = state.backup.pin_ms
-        t1 = time.perf_counter()
-        _copy(state.backup.span(loaded.nbytes), arena.span(0, loaded.nbytes), arena.device)
-        report.backup_ms = (time.perf_counter() - t1) * 1e3
+        drain, settle = _drain_into(_backup_for(loaded, report), loaded.nbytes, arena.device)
     else:
         state.drop_backup()
     t2 = time.perf_counter()
-    arena.sleep(synchronize=False, timings=report.release_parts)  # waited above (or by swap), and the backup's copy
-    report.release_ms = (time.perf_counter() - t2) * 1e3
+    try:
+        # waited above (or by swap); level 1: each segment is released once its bytes are in the backup
+        arena.sleep(synchronize=False, timings=report.release_parts, drain=drain)
+    except BaseException:
+        if settle is not None:
+            settle()  # the copies issued end before the backup they write can go
+        if arena.asleep:  # a copy out failed part-way: the backup lacks bytes, the daemon or the disk has them
+            state.drop_backup()
+            state.level = 2
+        raise
+    report.backup_ms = report.release_parts.get("drain_ms", 0.0)
+    report.release_ms = (time.perf_counter() - t2) * 1e3 - report.backup_ms
     state.level = level
     report.total_ms = (time.perf_counter() - t0) * 1e3
     return report
+
+
+def _backup_for(loaded, report: SleepReport) -> HostBackup:
+    """``loaded``'s level-1 backup: the one kept, when it is large enough, else a new one (its
+    allocation and pin time go into ``report.pin_ms``)."""
+    state = _state(loaded)
+    if state.backup is None or state.backup.nbytes < loaded.nbytes:
+        state.drop_backup()
+        state.backup = HostBackup(loaded.nbytes, loaded.arena.device)
+        report.pin_ms = state.backup.pin_ms
+    return state.backup
+
+
+def _drain_into(backup: HostBackup, nbytes: int, device):
+    """``(drain, settle)`` for :meth:`Arena.sleep`: ``drain`` issues the copy of one segment's
+    bytes into ``backup`` on one stream and returns the wait for it (an event; None on the host
+    backend, whose mover copies synchronously); ``settle`` waits for every copy issued."""
+    from .landing import mover_for
+
+    mover, stream, dst = mover_for(device), _stream(device), backup.span(nbytes)
+
+    def drain(offset: int, segment: Span):
+        n = min(segment.nbytes, nbytes - offset)
+        if n <= 0:
+            return None  # capacity past the image's bytes
+        mover.copy(dst.sub(offset, n), segment.sub(0, n), stream=stream)
+        if stream is None:
+            return None
+        import cupy
+
+        with cupy.cuda.Device(device.index):
+            done = cupy.cuda.Event(disable_timing=True)
+            done.record(stream)
+        return done.synchronize
+
+    return drain, (stream.synchronize if stream is not None else (lambda: None))
 
 
 # ================================================================================= wake
@@ -350,7 +394,7 @@ class _CopyFailed(Exception):
         self.error = error
 
 
-def _wake_from_backup(loaded, backup: HostBackup, report: WakeReport, meanwhile: _Once) -> None:
+def _wake_from_backup(loaded, backup: HostBackup, report: WakeReport, meanwhile: _Once, donor) -> None:
     """Wake ``loaded``'s arena and copy the backup into it, pipelined: each segment's copy is
     issued as soon as the segment is mapped, while the next ones are created, then the copies
     are awaited. A failed copy ends the wake rolled back (asleep) and raises _CopyFailed; the
@@ -374,7 +418,7 @@ def _wake_from_backup(loaded, backup: HostBackup, report: WakeReport, meanwhile:
 
     parts: dict = {}
     t0 = time.perf_counter()
-    arena.wake(fill, settle=stream.synchronize if stream is not None else None, timings=parts)
+    arena.wake(fill, settle=stream.synchronize if stream is not None else None, timings=parts, donor=donor)
     try:
         meanwhile()  # while the copy engine drains the copies issued
     finally:
@@ -391,7 +435,8 @@ def _wake_from_backup(loaded, backup: HostBackup, report: WakeReport, meanwhile:
 
 
 def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=None, served_timeout_s: float = 10.0,
-         stream_config=None, verify: bool = False, meanwhile: Callable[[], None] | None = None) -> WakeReport:
+         stream_config=None, verify: bool = False, meanwhile: Callable[[], None] | None = None,
+         _donor=None) -> WakeReport:
     """Wake ``loaded``: new segments at the same addresses, then its bytes from the first source
     that has them (``source="auto"``: backup, served, disk; or name one of :data:`SOURCES`).
 
@@ -407,7 +452,9 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     Raises OutOfMemoryError (bytes needed and free) when the device has no room: the image stays
     asleep and can be woken later. When no source can be used, or every usable one failed,
     FlashBootError names each source and why, and the image stays asleep. A source that fails
-    (the daemon gone mid-request) passes to the next, and the report says so.
+    (the daemon gone mid-request) passes to the next, and the report says so. ``_donor``
+    (private, :func:`swap`'s handover): an awake arena whose segments the arena takes as it
+    wakes (:meth:`Arena.wake`'s ``donor``).
     """
     if source != "auto" and source not in SOURCES:
         raise FlashBootError(f"unknown wake source {source!r}; known: auto, {', '.join(SOURCES)}")
@@ -438,7 +485,7 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
                 continue
             if name == "backup" and arena.asleep:
                 try:
-                    _wake_from_backup(loaded, state.backup, report, meanwhile)  # OutOfMemoryError: still asleep
+                    _wake_from_backup(loaded, state.backup, report, meanwhile, _donor)  # OutOfMemoryError: still asleep
                 except _CopyFailed as exc:
                     report.not_used[name] = f"failed: {type(exc.error).__name__}: {exc.error}"
                     continue
@@ -446,7 +493,7 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
                 break
             if arena.asleep:
                 parts: dict = {}
-                arena.wake(timings=parts)  # OutOfMemoryError here leaves it asleep
+                arena.wake(timings=parts, donor=_donor)  # OutOfMemoryError here leaves it asleep
                 report.map_ms = _map_ms(parts)
                 report.details["wake"] = parts
             t2 = time.perf_counter()
@@ -488,14 +535,15 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
 
 
 # ================================================================================= swap
-SWAP_RELEASES = ("during", "after", "before")
-"""When :func:`swap` releases the outgoing image's memory, relative to the incoming image's copy."""
+SWAP_RELEASES = ("handover", "during", "after", "before")
+"""How :func:`swap` gives the outgoing image's memory up: its segments handed to the incoming
+image (no memory freed or allocated), or released during, after or before the incoming copy."""
 
 
 @dataclass
 class SwapReport:
     """One :func:`swap`: the outgoing image's ``sleep`` and the incoming one's ``wake`` reports;
-    ``released``: when the outgoing memory was released (one of :data:`SWAP_RELEASES`), and
+    ``released``: how the outgoing memory was given up (one of :data:`SWAP_RELEASES`), and
     ``why`` when that is not what was asked; ``total_ms``."""
 
     sleep: SleepReport
@@ -509,22 +557,53 @@ class SwapReport:
                 "why": self.why, "total_ms": self.total_ms}
 
 
-def swap(outgoing, incoming, *, level: int = 2, release: str = "during", **wake_options) -> SwapReport:
+def _why_no_handover(outgoing, incoming) -> str:
+    """Why ``incoming`` cannot take ``outgoing``'s segments ("" when it can)."""
+    a, b = outgoing.arena, incoming.arena
+    if not (a.device.is_cuda and b.device.is_cuda):
+        return "the host backend's segments are memfds named after their arena (importers check it)"
+    if a.home_device != b.home_device or a.segment_bytes != b.segment_bytes:
+        return (f"the outgoing arena has {a.segment_bytes:,}-byte segments on {a.home_device}, the incoming one "
+                f"{b.segment_bytes:,}-byte segments on {b.home_device}")
+    return ""
+
+
+def _handover_sleep(outgoing, level: int) -> SleepReport:
+    """The outgoing side of a handover before the incoming wake takes its segments: level 1's
+    backup (one bulk D2H: the segments stay mapped until the incoming arena takes them)."""
+    arena = outgoing.arena
+    report = SleepReport(level=level, nbytes=outgoing.nbytes, device=str(arena.device))
+    if level == 1:
+        backup = _backup_for(outgoing, report)
+        t0 = time.perf_counter()
+        _copy(backup.span(outgoing.nbytes), arena.span(0, outgoing.nbytes), arena.device)
+        report.backup_ms = (time.perf_counter() - t0) * 1e3
+    else:
+        _state(outgoing).drop_backup()
+    return report
+
+
+def swap(outgoing, incoming, *, level: int = 2, release: str = "handover", **wake_options) -> SwapReport:
     """Put ``outgoing`` to sleep (``level``) and wake ``incoming`` (``wake_options`` as :func:`wake`).
 
-    The outgoing model's work on the device is waited for first. ``release``: when the outgoing
-    memory goes, where the device has room for ``incoming``'s arena beside it:
-    ``"during"`` the incoming copy (:func:`wake`'s ``meanwhile``: the release's host time, and a
-    level-1 backup on the link's other direction, hide behind the copy), ``"after"`` it (the
-    copy runs before the driver starts on the freed memory), or ``"before"`` the wake (the
-    plain sleep-then-wake). Without that room it is ``"before"``, and the report says why.
-    Errors as :func:`sleep` and :func:`wake`; when the wake fails, ``incoming`` stays asleep and
-    ``outgoing`` is asleep if its sleep had run (:attr:`Arena.asleep` tells).
+    The outgoing model's work on the device is waited for first. ``release``: how the outgoing
+    memory goes. ``"handover"`` (the default): the incoming arena takes the outgoing one's
+    segments as it wakes (:meth:`Arena.wake`'s ``donor``), so nothing is freed or allocated and
+    the driver's work on freed memory (~25 ms of the copy engine per 14 GB on an H200) does not
+    slow the incoming copy; on the host backend, or between arenas of other devices or segment
+    sizes, it is ``"before"`` and the report says why. Where the device has room for
+    ``incoming``'s arena beside the outgoing one: ``"during"`` the incoming copy (:func:`wake`'s
+    ``meanwhile``), ``"after"`` it, or ``"before"`` the wake (the plain sleep-then-wake); without
+    that room it is ``"before"``, and the report says why. Errors as :func:`sleep` and
+    :func:`wake`; when the wake fails, ``incoming`` stays asleep and ``outgoing`` is asleep if its
+    sleep had run or its segments were handed over (:attr:`Arena.asleep` tells).
     """
     from ..pinning import device_free_bytes
 
     if release not in SWAP_RELEASES:
         raise FlashBootError(f"unknown swap release {release!r}; known: {', '.join(SWAP_RELEASES)}")
+    if level not in (1, 2):
+        raise FlashBootError(f"sleep level must be 1 (keep a host backup) or 2 (keep nothing), got {level!r}")
     for what, loaded in (("outgoing", outgoing), ("incoming", incoming)):
         if loaded.arena.closed:
             raise FlashBootError(f"{what} {loaded!r} is closed; there is nothing to swap")
@@ -539,18 +618,31 @@ def swap(outgoing, incoming, *, level: int = 2, release: str = "during", **wake_
 
     incoming_arena = incoming.arena
     need = incoming_arena.nbytes if incoming_arena.asleep else 0
-    free = device_free_bytes(incoming_arena.device)
-    why = "" if release == "before" else (
-        "the outgoing image is asleep already" if outgoing.arena.asleep else
-        "the incoming image is awake already" if not need else
-        f"{incoming_arena.device} has {free:,} bytes free; the incoming arena needs {need:,} beside the outgoing "
-        "one's" if need > free else "")
+    asleep_already = ("the outgoing image is asleep already" if outgoing.arena.asleep else
+                      "the incoming image is awake already" if not need else "")
+    if release == "handover":
+        why = asleep_already or _why_no_handover(outgoing, incoming)
+    else:
+        free = device_free_bytes(incoming_arena.device)
+        why = "" if release == "before" else asleep_already or (
+            f"{incoming_arena.device} has {free:,} bytes free; the incoming arena needs {need:,} beside the outgoing "
+            "one's" if need > free else "")
     released = "before" if why else release
-    if released == "before":
-        release_outgoing()
-    woke = wake(incoming, meanwhile=release_outgoing if released == "during" else None, **wake_options)
-    if released == "after":
-        release_outgoing()
+    if released == "handover":
+        handing = _handover_sleep(outgoing, level)
+        woke = wake(incoming, _donor=outgoing.arena, **wake_options)
+        _state(outgoing).level = level
+        parts = woke.details.get("wake", {})
+        handing.release_ms = parts.get("donor_ms", 0.0)
+        handing.release_parts = {"donor_ms": handing.release_ms}
+        handing.total_ms = handing.backup_ms + handing.release_ms
+        slept.append(handing)
+    else:
+        if released == "before":
+            release_outgoing()
+        woke = wake(incoming, meanwhile=release_outgoing if released == "during" else None, **wake_options)
+        if released == "after":
+            release_outgoing()
     return SwapReport(sleep=slept[0], wake=woke, released=released, why=why, total_ms=(time.perf_counter() - t0) * 1e3)
 
 
