@@ -57,7 +57,7 @@ def test_choose_takes_the_first_that_fits_and_says_why_not_the_others():
 
 
 def test_a_mode_asked_for_is_taken_without_asking_the_daemon():
-    source, why = choose_prepared("stream", "/images/x", 0, None, "", None)  # nothing read: no image exists
+    source, why = choose_prepared("stream", None, None)  # nothing read: no image exists
     assert source.name == "disk" and why == "asked for"
 
 
