@@ -331,17 +331,15 @@ class PreparedLoad:
         return now
 
     def _prepare(self) -> None:
-        from flashboot.layouts.image import open_image, read_metadata_file
-
         from ..arena import Arena
-        from .shm import RankSource
+        from .shm import rank_source
 
         t = time.perf_counter()
-        mf = read_metadata_file(self.image_dir, self.rank)
-        image = open_image(mf, self.rank, tp=self.tp, ep=self.ep, expected_key=self.expected_key)
+        self.rank_source = rank_source(self.image_dir, self.rank, tp=self.tp, ep=self.ep,
+                                       expected_key=self.expected_key)  # as a plain load reads it
+        image = self.rank_source.image
         self.image, self.metadata, self.nbytes = image, image.metadata, image.nbytes
-        self.metadata_sha256 = mf.sha256
-        self.rank_source = RankSource(self.image_dir, self.rank, image, mf.sha256)
+        self.metadata_sha256 = self.rank_source.metadata_sha256
         for path in (image.metadata_path, image.path):
             self._identity[Path(path)] = _file_identity(Path(path))
         if self.nbytes == 0:

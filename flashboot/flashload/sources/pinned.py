@@ -14,6 +14,11 @@ from ..want import LoadRequest, Want
 from .base import Offer, Source, register_source
 
 
+def _note_pageable(report, dev: Device, pinned: bool) -> None:
+    if dev.is_cuda and not pinned:
+        report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
+
+
 @register_source
 class PinnedSource(Source):
     """The staged image in shared memory, pinned in this process and copied in bulk."""
@@ -59,8 +64,7 @@ class PinnedSource(Source):
                 report.wait_ms = (t2 - t1) * 1e3
                 report.pinned_early_ms = staged.pin_ms
                 report.details["staged_done_before_load"] = was_done
-            if dev.is_cuda and not staged.pinned:
-                report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
+            _note_pageable(report, dev, staged.pinned)
             t3 = time.perf_counter()
             # Views are only pointers into the arena: they are made while the DMA fills it.
             report.chunks, tensors = bulk_copy(mover, arena, staged.span(), nbytes, request.chunk_bytes,
@@ -109,8 +113,7 @@ class PinnedSource(Source):
             "host, prepared"
         report.pinned_early_ms = copy["pin_ms"]
         report.chunks = copy["chunks"]
-        if dev.is_cuda and not copy["pinned"]:
-            report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
+        _note_pageable(report, dev, copy["pinned"])
 
 
 __all__ = ["PinnedSource"]
