@@ -91,8 +91,9 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     (:mod:`flashboot.flashload.restart`).
 
     The views are built while the bulk copy runs. Served, the strict read of the metadata runs
-    then too (see :func:`~flashboot.flashload.sources.served.load_served`), so an image refused for its tp, ep or key is refused
-    after its bytes were copied (into an arena that is then released).
+    then too (see :meth:`~flashboot.flashload.sources.served.ServedSource.load`), so an image refused
+    for its tp, ep or key is refused after its bytes were copied (into an arena that is then
+    released). Which source fills the arena: :mod:`flashboot.flashload.choose`.
 
     Raises LayoutError (bad image, wrong rank/tp/ep/model), OutOfMemoryError before any
     allocation when the device lacks the bytes, WaitTimeoutError naming what was awaited,
