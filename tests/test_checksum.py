@@ -340,15 +340,18 @@ def test_flashboot_warm_runs_every_checksum_path(capsys):
 
 @pytest.mark.gpu
 def test_flashboot_warm_fills_tritons_cache_with_both_checksum_kernels(tmp_path):
-    """Compiled ahead of time: a fresh process's first verified load then loads, not compiles."""
+    """Compiled ahead of time: a fresh process's first verified load then loads, not compiles
+    (the word kernel's cubins in FlashBoot's cache, the byte kernel in Triton's)."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "FLASHBOOT_KERNEL_CACHE": str(tmp_path / "k")}
     p = subprocess.run([sys.executable, "-m", "flashboot.cli", "warm", "--device", "cuda:0"], env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     names = {f.name for f in (tmp_path / "triton").rglob("*")}
     assert any(n.startswith("checksum_words_kernel") for n in names)
     assert any(n.startswith("checksum_bytes_kernel") for n in names)
+    entries = sorted(p.parent.name.rsplit("-", 3)[1] for p in (tmp_path / "k").glob("*/kernel.cubin"))
+    assert entries == ["copy", "read"], entries
