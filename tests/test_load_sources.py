@@ -1,6 +1,8 @@
-"""The load sources' registry and the choice among them (pure Python: no image is read).
+"""The load sources' registry and the choice among them (pure Python: no image is read), and one
+invariant over every registered source on real data: it fills the arena with the image's bytes,
+prepared and plain (host backend, a served-load daemon in its own process).
 
-The loads through each source run in test_load.py (pinned, served), test_stream.py (disk) and
+Each source's own cases run in test_load.py (pinned, served), test_stream.py (disk) and
 test_boot.py (each source's early copy)."""
 
 from __future__ import annotations
@@ -8,7 +10,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from _io_helpers import image, image_master, shm  # noqa: F401  (fixtures)
+from flashboot.layouts import read_image
+from test_boot import daemon  # noqa: F401  (fixture: a served-load daemon holding rank 0)
 
+import flashboot
 from flashboot.errors import FlashBootError
 from flashboot.flashload.choose import choose, choose_prepared
 from flashboot.flashload.pipeline import MODES
@@ -29,9 +35,9 @@ def test_every_mode_of_prepare_is_one_registered_source_and_back():
         assert source_for_mode(source.mode) is source
 
 
-@pytest.mark.parametrize("daemon", [None, _daemon(False, False), _daemon(True, False), _daemon(True, True)])
-def test_every_source_answers_an_offer_with_a_reason(daemon):
-    want = Want("/images/x", 0, source=None, stream=False, daemon=daemon)  # stream=False: no file is looked at
+@pytest.mark.parametrize("status", [None, _daemon(False, False), _daemon(True, False), _daemon(True, True)])
+def test_every_source_answers_an_offer_with_a_reason(status):
+    want = Want("/images/x", 0, source=None, stream=False, daemon=status)  # stream=False: no file is looked at
     for source in registered_sources():
         offer = source.offer(want)
         assert isinstance(offer, Offer) and isinstance(offer.fits, bool) and offer.why, source
@@ -57,7 +63,7 @@ def test_choose_takes_the_first_that_fits_and_says_why_not_the_others():
 
 
 def test_a_mode_asked_for_is_taken_without_asking_the_daemon():
-    source, why = choose_prepared("stream", "/images/x", 0, None, "", None)  # nothing read: no image exists
+    source, why = choose_prepared("stream", None, None)  # nothing read: no image exists
     assert source.name == "disk" and why == "asked for"
 
 
@@ -94,3 +100,25 @@ def test_no_source_fitting_is_an_error_naming_each_reason(monkeypatch):
     register_source(Never)
     with pytest.raises(FlashBootError, match="no load source fits rank 3 of /images/x: never: not today"):
         choose(Want("/images/x", 3, source=None))
+
+
+PLAIN_LOAD = {"served": ({"served": True}, "served"), "pinned": ({}, "host"),
+              "disk": ({"stream": True}, "streamed from disk")}
+"""How a plain load reaches each registered source, and the report's mode on the host backend
+(pinned: the daemon staged the rank, so the choice takes the staged copy)."""
+
+
+def test_every_registered_source_fills_the_arena_with_the_image_prepared_and_plain(image, shm, daemon):
+    expected = read_image(image, 0).path.read_bytes()
+    assert set(PLAIN_LOAD) == {s.name for s in registered_sources()}  # a new source adds its case here
+    for source in registered_sources():
+        handle = flashboot.prepare(image, 0, "cpu", mode=source.mode, shm_dir=shm)
+        with handle.load(verify=True) as loaded:
+            assert handle.load_source is source and handle.why == "asked for"
+            assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == expected, source
+            assert loaded.report.details["verified"].startswith(f"{len(loaded.metadata.checksums.digests)} chunks")
+        options, mode = PLAIN_LOAD[source.name]
+        with flashboot.load(image, 0, "cpu", shm_dir=shm, verify=True, **options) as loaded:
+            assert loaded.report.mode == mode
+            assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == expected, source
+            assert "verified" in loaded.report.details, source

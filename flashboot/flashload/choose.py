@@ -22,17 +22,16 @@ def choose(want: Want) -> tuple[Source, str, dict[str, str]]:
                          + "; ".join(f"{name}: {why}" for name, why in why_not.items()))
 
 
-def choose_prepared(requested_mode: str, image_dir, rank: int, image, metadata_sha256: str,
-                    shm_dir) -> tuple[Source, str]:
-    """(source, why) for :func:`flashboot.prepare`: the one whose mode was asked for, or
+def choose_prepared(requested_mode: str, rank_source, shm_dir) -> tuple[Source, str]:
+    """(source, why) for :func:`flashboot.prepare` of ``rank_source`` (a validated
+    :class:`~flashboot.flashload.shm.RankSource`): the one whose mode was asked for, or
     (``"auto"``) :func:`choose`'s answer knowing whether a preloader (daemon) runs."""
     if requested_mode != "auto":
         return source_for_mode(requested_mode), "asked for"
     from .service import service_status
-    from .shm import RankSource
 
-    want = Want(image_dir, rank, RankSource(image_dir, rank, image, metadata_sha256), shm_dir=shm_dir,
-                daemon=service_status(image_dir, shm_dir))
+    image_dir = rank_source.image_dir
+    want = Want(image_dir, rank_source.rank, rank_source, shm_dir=shm_dir, daemon=service_status(image_dir, shm_dir))
     source, why, _ = choose(want)
     return source, why
 

@@ -91,8 +91,9 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     (:mod:`flashboot.flashload.restart`).
 
     The views are built while the bulk copy runs. Served, the strict read of the metadata runs
-    then too (see :func:`~flashboot.flashload.sources.served.load_served`), so an image refused for its tp, ep or key is refused
-    after its bytes were copied (into an arena that is then released).
+    then too (see :meth:`~flashboot.flashload.sources.served.ServedSource.load`), so an image refused
+    for its tp, ep or key is refused after its bytes were copied (into an arena that is then
+    released). Which source fills the arena: :mod:`flashboot.flashload.choose`.
 
     Raises LayoutError (bad image, wrong rank/tp/ep/model), OutOfMemoryError before any
     allocation when the device lacks the bytes, WaitTimeoutError naming what was awaited,
@@ -164,8 +165,6 @@ def _load_prepared(request: LoadRequest) -> LoadedImage:
     handle chose once it knew its mode)."""
     from flashboot.layouts.image import check_request
 
-    from .shm import RankSource
-
     prepared, image_dir, rank, dev, t_start = (request.prepared, request.image_dir, request.rank, request.device,
                                                request.t_start)
     verify, tp, ep, expected_key = request.verify, request.tp, request.ep, request.expected_key
@@ -201,8 +200,7 @@ def _load_prepared(request: LoadRequest) -> LoadedImage:
         prepared._release()
         raise
     report.total_ms = (time.perf_counter() - t_start) * 1e3
-    source = RankSource(prepared.image_dir, rank, prepared.image, prepared.metadata_sha256)
-    return LoadedImage(arena, prepared.tensors, meta, report, source, prepared.release_thread)
+    return LoadedImage(arena, prepared.tensors, meta, report, prepared.rank_source, prepared.release_thread)
 
 
 # ============================================================================ the early call
@@ -263,8 +261,9 @@ class PreparedLoad:
     """A load made ready ahead of time (see the module docstring); built by :func:`prepare`.
 
     Attributes once :meth:`wait` returns: ``mode`` (``"served"``, ``"staged"`` or ``"stream"``), ``why`` (how
-    the mode was chosen), ``arena``, ``metadata``, ``tensors`` (the views), ``nbytes``,
-    ``phases_ms`` (what the preparation paid, by phase, the early copy included) and ``copy``
+    the mode was chosen), ``load_source`` (the :class:`~flashboot.flashload.sources.base.Source`
+    of that mode), ``rank_source`` (the validated image), ``arena``, ``metadata``, ``tensors``
+    (the views), ``nbytes``, ``phases_ms`` (what the preparation paid, by phase, the early copy included) and ``copy``
     (what the early copy measured: ``h2d_ms``, the daemon's reply or the stream's stats).
     :meth:`close` releases everything if the handle is dropped without a load; at interpreter
     exit every live handle is settled the same way (bounded), so no background work outlives it.
@@ -287,7 +286,7 @@ class PreparedLoad:
         self.stream_config = StreamConfig.of(stream_buffer_bytes)  # a bad option is refused at once
         self.requested_mode, self.mode, self.why = mode, "", ""
         self.load_source = None  # the Source chosen (sources/), once the metadata is read
-        self.arena = self.metadata = self.image = self.tensors = None
+        self.arena = self.metadata = self.image = self.tensors = self.rank_source = None
         self.session = self.staged = self.mover = None
         self.release_thread: threading.Thread | None = None
         self.nbytes = 0
@@ -333,22 +332,21 @@ class PreparedLoad:
         return now
 
     def _prepare(self) -> None:
-        from flashboot.layouts.image import open_image, read_metadata_file
-
         from ..arena import Arena
+        from .shm import rank_source
 
         t = time.perf_counter()
-        mf = read_metadata_file(self.image_dir, self.rank)
-        image = open_image(mf, self.rank, tp=self.tp, ep=self.ep, expected_key=self.expected_key)
+        self.rank_source = rank_source(self.image_dir, self.rank, tp=self.tp, ep=self.ep,
+                                       expected_key=self.expected_key)  # as a plain load reads it
+        image = self.rank_source.image
         self.image, self.metadata, self.nbytes = image, image.metadata, image.nbytes
-        self.metadata_sha256 = mf.sha256
+        self.metadata_sha256 = self.rank_source.metadata_sha256
         for path in (image.metadata_path, image.path):
             self._identity[Path(path)] = _file_identity(Path(path))
         if self.nbytes == 0:
             raise LayoutError(f"{image.path}: empty image, nothing to load")
         t = self.phase("metadata", t)
-        source, self.why = choose_prepared(self.requested_mode, self.image_dir, self.rank, self.image,
-                                           self.metadata_sha256, self.shm_dir)
+        source, self.why = choose_prepared(self.requested_mode, self.rank_source, self.shm_dir)
         self.load_source, self.mode = source, source.mode
         if self.asked_verify is None:
             self.verify, self.verify_skipped = verify_default(self.device, by_daemon=source.verified_by_daemon)

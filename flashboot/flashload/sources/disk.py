@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from ...errors import LayoutError
 from ...memory import Device
@@ -95,53 +96,27 @@ def report_stream(report, stats: StreamStats, reason: str, nbytes: int) -> None:
               f"at {stats.copy_gbps:.1f} GB/s ({faster:.1f}x faster): run `flashboot preload`"))
 
 
-def load_streamed(source, dev: Device, report, t_start: float, *, reason: str, config: StreamConfig | None,
-                  verify: bool):
-    """The rest of :func:`flashboot.load` for a rank read straight from disk (``source``: the
-    validated :class:`~flashboot.flashload.shm.RankSource`; ``report`` has its metadata time).
-
-    The arena is created, the image streamed into it while the views are built, then (``verify``)
-    its chunk checksums recomputed. A failure releases the arena and the ring; no view is
-    returned. The report says it streamed, why, the read rate, the ring's size and peak, and the
-    copy time a staged load would have (the bulk copy rate measured on the ring's own copies).
-    """
-    from ...arena import Arena
-
-    config = StreamConfig.of(config)
-    meta = source.metadata
-    nbytes = source.nbytes
-    report.mode = "streamed from disk"
-    arena = None
+def _stream_beside_views(path, nbytes: int, arena, config: StreamConfig, build_views) -> tuple[StreamStats, Any]:
+    """Stream the image into ``arena`` while ``build_views()`` runs in a helper thread, started once
+    the reads are; returns (the stream's stats, what ``build_views`` returned). The helper has
+    ended when this returns or raises (the views go with the arena); the stream's error is the
+    one raised when both fail."""
     side = None
+
+    def start_views():
+        nonlocal side
+        side = Beside(build_views)
+
     try:
-        t0 = time.perf_counter()
-        arena = Arena.create(nbytes, dev)
-        arena.bytes()  # its flat tensor made here, not in the views' thread (torch/CuPy device state is per thread)
-        report.alloc_ms = (time.perf_counter() - t0) * 1e3
-
-        def start_views():
-            nonlocal side
-            side = Beside(lambda: timed_views(arena, meta, report))
-
-        try:
-            stats = stream_image(source.path, nbytes, arena, config, on_start=start_views)
-        except BaseException:
-            if side is not None:
-                try:
-                    side.join()  # the views go with the arena
-                except BaseException:
-                    pass  # the stream's error is the one to report
-            raise
-        views = side.join() if side is not None else timed_views(arena, meta, report)
-        report_stream(report, stats, reason, nbytes)
-        if verify:
-            verify_loaded(arena, meta, f"{source.path} (rank {source.rank}) streamed into {dev}", report)
+        stats = stream_image(path, nbytes, arena, config, on_start=start_views)
     except BaseException:
-        if arena is not None and not arena.closed:
-            arena.close()
+        if side is not None:
+            try:
+                side.join()
+            except BaseException:
+                pass  # the stream's error is the one to report
         raise
-    report.total_ms = (time.perf_counter() - t_start) * 1e3
-    return LoadedImage(arena, views, meta, report, source)
+    return stats, (side.join() if side is not None else build_views())
 
 
 # ============================================================================ the source
@@ -156,28 +131,39 @@ class DiskSource(Source):
         return Offer(True, why) if why is not None else Offer(False, "the staged copy is (or will be) in shared memory")
 
     def load(self, request: LoadRequest, rank_source, report, why: str) -> LoadedImage:
-        return load_streamed(rank_source, request.device, report, request.t_start, reason=why,
-                             config=request.stream_config, verify=request.verify)
+        """The arena is created, the image streamed into it while the views are built, then
+        (``verify``) its chunk checksums recomputed. A failure releases the arena and the ring; no
+        view is returned. The report says it streamed, why, the read rate, the ring's size and
+        peak, and the copy time a staged load would have (the bulk copy rate measured on the
+        ring's own copies)."""
+        from ...arena import Arena
+
+        dev, meta, nbytes = request.device, rank_source.metadata, rank_source.nbytes
+        report.mode = "streamed from disk"
+        arena = None
+        try:
+            t0 = time.perf_counter()
+            arena = Arena.create(nbytes, dev)
+            arena.bytes()  # its flat tensor made here, not in the views' thread (torch/CuPy device state is per thread)
+            report.alloc_ms = (time.perf_counter() - t0) * 1e3
+            stats, views = _stream_beside_views(rank_source.path, nbytes, arena, StreamConfig.of(request.stream_config),
+                                                lambda: timed_views(arena, meta, report))
+            report_stream(report, stats, why, nbytes)
+            if request.verify:
+                verify_loaded(arena, meta, f"{rank_source.path} (rank {rank_source.rank}) streamed into {dev}", report)
+        except BaseException:
+            if arena is not None and not arena.closed:
+                arena.close()
+            raise
+        report.total_ms = (time.perf_counter() - request.t_start) * 1e3
+        return LoadedImage(arena, views, meta, report, rank_source)
 
     def start_prepared(self, handle, t: float) -> float:
         """The reads start at once; the views are built beside them (the arena exists)."""
-        side = None
-
-        def start_views():
-            nonlocal side
-            side = Beside(handle.build_views)
-
-        t_copy = t
-        try:
-            stats = stream_image(handle.image.path, handle.nbytes, handle.arena, handle.stream_config,
-                                 on_start=start_views)
-        finally:
-            if side is not None:
-                side.join()  # the views go with the arena, whether the stream failed or not
-        if side is None:
-            handle.build_views()
+        stats, _ = _stream_beside_views(handle.image.path, handle.nbytes, handle.arena, handle.stream_config,
+                                        handle.build_views)
         handle.copy = {"h2d_ms": stats.seconds * 1e3, "stats": stats}
-        return t_copy
+        return t
 
     def report_prepared(self, report, prepared, dev: Device) -> None:
         report.mode = "streamed from disk, prepared"
@@ -185,4 +171,4 @@ class DiskSource(Source):
         report.overlapped = ["h2d"]
 
 
-__all__ = ["DiskSource", "load_streamed", "report_stream", "stream_reason"]
+__all__ = ["DiskSource", "report_stream", "stream_reason"]

@@ -14,64 +14,11 @@ from ..want import LoadRequest, Want
 from .base import Offer, Source, register_source
 
 
-def load_pinned(source, report, dev: Device, t_start: float, *, staged, image_dir, rank: int, timeout_s: float,
-                verify: bool, shm_dir, chunk_bytes: int) -> LoadedImage:
-    """The rest of :func:`flashboot.load` for a staged rank (``source``: the validated
-    :class:`~flashboot.flashload.shm.RankSource`, admitted; ``report`` has its metadata time):
-    pin here (``staged`` None: this call stages) or take the early pin, create the arena
-    meanwhile, copy in bulk while the views are built, verify."""
-    from ...arena import Arena
-    from ..stage import StagedImage
-
-    meta, nbytes = source.metadata, source.nbytes
-    arena = None
-    own_staged = None
-    try:
-        if staged is None:
-            own_staged = staged = StagedImage(image_dir, rank, dev, timeout_s=timeout_s, shm_dir=shm_dir,
-                                              source=source)
-        was_done = staged.done
-        t0 = time.perf_counter()
-        arena = Arena.create(nbytes, dev)  # overlaps the pin when this call staged
-        mover = mover_for(dev)
-        t1 = time.perf_counter()
-        staged.wait()
-        t2 = time.perf_counter()
-        report.alloc_ms = (t1 - t0) * 1e3
-        if own_staged is not None:
-            report.mode = "pin on critical path" if dev.is_cuda else "host"
-            report.wait_ms = own_staged.wait_ms
-            report.pin_ms = own_staged.pin_ms
-        else:
-            report.mode = "pinned early" if dev.is_cuda else "host (staged early)"
-            report.wait_ms = (t2 - t1) * 1e3
-            report.pinned_early_ms = staged.pin_ms
-            report.details["staged_done_before_load"] = was_done
-        if dev.is_cuda and not staged.pinned:
-            report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
-        t3 = time.perf_counter()
-        # Views are only pointers into the arena: they are made while the DMA fills it.
-        report.chunks, tensors = bulk_copy(mover, arena, staged.span(), nbytes, chunk_bytes,
-                                           meanwhile=lambda: timed_views(arena, meta, report))
-        report.h2d_ms = (time.perf_counter() - t3) * 1e3
-        report.overlapped = ["bind"]
-        report.details["one_time_ms"] = one_time_costs(report, pin=report.pin_ms)
-        if staged.ready is not None:
-            report.details.update(io_mode=staged.ready.io_mode, numa_node=staged.ready.numa_node)
-        if verify:
-            verify_loaded(arena, meta, f"{source.path} (rank {rank}) loaded into {dev}", report)
-    except BaseException:
-        if arena is not None and not arena.closed:
-            arena.close()
-        if own_staged is not None:
-            own_staged.close()
-        raise
-    release = own_staged.close_in_background() if own_staged is not None else None  # not the engine's wait
-    report.total_ms = (time.perf_counter() - t_start) * 1e3
-    return LoadedImage(arena, tensors, meta, report, source, release)
+def _note_pageable(report, dev: Device, pinned: bool) -> None:
+    if dev.is_cuda and not pinned:
+        report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
 
 
-# ============================================================================ the source
 @register_source
 class PinnedSource(Source):
     """The staged image in shared memory, pinned in this process and copied in bulk."""
@@ -87,20 +34,65 @@ class PinnedSource(Source):
         return Offer(True, "no served-load daemon runs: pinning the staged copy here")
 
     def load(self, request: LoadRequest, rank_source, report, why: str) -> LoadedImage:
-        r = request
-        return load_pinned(rank_source, report, r.device, r.t_start, staged=r.staged, image_dir=r.image_dir,
-                           rank=r.rank, timeout_s=r.timeout_s, verify=r.verify, shm_dir=r.shm_dir,
-                           chunk_bytes=r.chunk_bytes)
+        """Pin here (no ``staged=``: this call stages) or take the early pin, create the arena
+        meanwhile, copy in bulk while the views are built, verify."""
+        from ...arena import Arena
+        from ..stage import StagedImage
+
+        source, dev, staged, rank = rank_source, request.device, request.staged, request.rank
+        meta, nbytes = source.metadata, source.nbytes
+        arena = None
+        own_staged = None
+        try:
+            if staged is None:
+                own_staged = staged = StagedImage(request.image_dir, rank, dev, timeout_s=request.timeout_s,
+                                                  shm_dir=request.shm_dir, source=source)
+            was_done = staged.done
+            t0 = time.perf_counter()
+            arena = Arena.create(nbytes, dev)  # overlaps the pin when this call staged
+            mover = mover_for(dev)
+            t1 = time.perf_counter()
+            staged.wait()
+            t2 = time.perf_counter()
+            report.alloc_ms = (t1 - t0) * 1e3
+            if own_staged is not None:
+                report.mode = "pin on critical path" if dev.is_cuda else "host"
+                report.wait_ms = own_staged.wait_ms
+                report.pin_ms = own_staged.pin_ms
+            else:
+                report.mode = "pinned early" if dev.is_cuda else "host (staged early)"
+                report.wait_ms = (t2 - t1) * 1e3
+                report.pinned_early_ms = staged.pin_ms
+                report.details["staged_done_before_load"] = was_done
+            _note_pageable(report, dev, staged.pinned)
+            t3 = time.perf_counter()
+            # Views are only pointers into the arena: they are made while the DMA fills it.
+            report.chunks, tensors = bulk_copy(mover, arena, staged.span(), nbytes, request.chunk_bytes,
+                                               meanwhile=lambda: timed_views(arena, meta, report))
+            report.h2d_ms = (time.perf_counter() - t3) * 1e3
+            report.overlapped = ["bind"]
+            report.details["one_time_ms"] = one_time_costs(report, pin=report.pin_ms)
+            if staged.ready is not None:
+                report.details.update(io_mode=staged.ready.io_mode, numa_node=staged.ready.numa_node)
+            if request.verify:
+                verify_loaded(arena, meta, f"{source.path} (rank {rank}) loaded into {dev}", report)
+        except BaseException:
+            if arena is not None and not arena.closed:
+                arena.close()
+            if own_staged is not None:
+                own_staged.close()
+            raise
+        release = own_staged.close_in_background() if own_staged is not None else None  # not the engine's wait
+        report.total_ms = (time.perf_counter() - request.t_start) * 1e3
+        return LoadedImage(arena, tensors, meta, report, source, release)
 
     def start_prepared(self, handle, t: float) -> float:
         """The pin of the staged file starts in the background, the copy path is warmed and the
         views built meanwhile; the bulk H2D is issued once the pin is done."""
-        from ..shm import RankSource
         from ..stage import StagedImage
 
-        source = RankSource(handle.image_dir, handle.rank, handle.image, handle.metadata_sha256)
         handle.staged = StagedImage(handle.image_dir, handle.rank, handle.device, timeout_s=handle.timeout_s,
-                                    shm_dir=handle.shm_dir, source=source)
+                                    shm_dir=handle.shm_dir, source=handle.rank_source)
         t = handle.phase("stage_start", t)
         handle.mover = mover_for(handle.device)
         warm_copy(handle.device, handle.mover)
@@ -121,8 +113,7 @@ class PinnedSource(Source):
             "host, prepared"
         report.pinned_early_ms = copy["pin_ms"]
         report.chunks = copy["chunks"]
-        if dev.is_cuda and not copy["pinned"]:
-            report.details["pageable"] = "the staged image is not pinned: the copy runs at pageable speed"
+        _note_pageable(report, dev, copy["pinned"])
 
 
-__all__ = ["PinnedSource", "load_pinned"]
+__all__ = ["PinnedSource"]

@@ -14,86 +14,6 @@ from ..want import LoadRequest, Want, check_job_request
 from .base import Offer, Source, register_source
 
 
-def load_served(image_dir, rank: int, dev: Device, t_start: float, *, timeout_s: float, verify: bool, shm_dir,
-                 tp, ep, expected_key) -> LoadedImage:
-    """The daemon copies; the strict read of the metadata and the views run meanwhile.
-
-    Why the copy may start before this process has validated the metadata: the bytes of
-    ``metadata.json`` are read first and identified by their sha256; the ``.ready`` the arena
-    is sized from must carry that same sha256, and the preloader writes ``.ready`` only after its
-    strict reader accepted exactly those bytes (and the daemon re-checks the sha256 and size of
-    what it holds before it copies). So the copy is of an image whose metadata has been
-    validated; this process then validates the very bytes it hashed (plus its own rank, tp, ep,
-    key and the job, which only it knows) while the DMA runs. If that fails, the load waits for
-    the daemon to be done with the arena, releases it and raises: no tensor is handed out.
-    """
-    from flashboot.layouts.image import open_image, read_metadata_file
-
-    from ...arena import Arena
-    from ..client import served_ready, start_served_load
-    from ..shm import RankSource
-
-    report = LoadReport(mode="served", device=str(dev), rank=rank, nbytes=0)
-    t0 = time.perf_counter()
-    mf = read_metadata_file(image_dir, rank)  # finds the rank and reads the bytes; parses only prepack.json
-    sha = mf.sha256
-    if mf.job is not None:  # the caller's tp, ep and key are refused before any byte moves
-        check_job_request(mf, tp=tp, ep=ep, expected_key=expected_key)
-    ready = served_ready(image_dir, rank, sha, mf.where, timeout_s=timeout_s, shm_dir=shm_dir)
-    nbytes = report.nbytes = ready.nbytes
-    report.wait_ms = (time.perf_counter() - t0) * 1e3
-    if nbytes == 0:
-        raise LayoutError(f"{ready.path}: empty image, nothing to load")
-    admit(nbytes, dev)
-    arena = copy = None
-    try:
-        t1 = time.perf_counter()
-        arena = Arena.create(nbytes, dev)
-        arena.export()
-        t2 = time.perf_counter()
-        copy = start_served_load(arena, image_dir=str(image_dir), rank=rank, nbytes=nbytes, metadata_sha256=sha,
-                                 timeout_s=timeout_s, shm_dir=shm_dir, verify=verify)
-        t3 = time.perf_counter()
-        image = open_image(mf, rank, tp=tp, ep=ep, expected_key=expected_key)
-        meta = image.metadata
-        if image.nbytes != nbytes:
-            raise LayoutError(f"{ready.path} records {nbytes:,} bytes, {mf.where} {image.nbytes:,}")
-        t4 = time.perf_counter()
-        tensors = timed_views(arena, meta, report)
-        t5 = time.perf_counter()
-        reply = copy.wait()
-        t6 = time.perf_counter()
-        report.alloc_ms = (t2 - t1) * 1e3
-        report.metadata_ms = (t4 - t3) * 1e3
-        report.tensors = len(meta.tensors)
-        report.h2d_ms = reply["h2d_ms"]
-        daemon_ms = reply["h2d_ms"] + reply.get("checksum_ms", 0.0)
-        # Request to reply ran beside our own work (metadata + views): the exchange is what exceeds both.
-        report.exchange_ms = max(0.0, (t6 - t2) * 1e3 - max(daemon_ms, (t5 - t2) * 1e3))
-        report.overlapped = ["metadata", "bind"]
-        report.pinned_early_ms = reply.get("pin_ms", 0.0)
-        report.chunks = -(-nbytes // (1 << 30))
-        report.details = {"daemon_pid": reply.get("pid"), "daemon_map_ms": reply.get("map_ms"),
-                          "daemon_pinned": reply.get("pinned"), "copy_wait_ms": (t6 - t5) * 1e3,
-                          # where a first call's extra time hides (H200, shape C: 503 ms first, 130 ms second):
-                          # before the phases (imports, argument checks) and connecting + sending the request
-                          "setup_ms": (t0 - t_start) * 1e3, "request_ms": (t3 - t2) * 1e3,
-                          "one_time_ms": one_time_costs(report, daemon_map=reply.get("map_ms", 0.0))}
-        if verify:  # the daemon digested what it copied, in the arena; no kernel runs in this process
-            from ..client import check_daemon_digests
-
-            check_daemon_digests(reply, meta, f"{image.path} (rank {rank}) loaded into {dev}", report)
-    except BaseException:
-        if copy is not None:
-            copy.settle()  # the daemon may still be writing into the arena
-        if arena is not None and not arena.closed:
-            arena.close()
-        raise
-    report.total_ms = (time.perf_counter() - t_start) * 1e3
-    return LoadedImage(arena, tensors, meta, report, RankSource(str(image_dir), rank, image, sha))
-
-
-# ============================================================================ the source
 @register_source
 class ServedSource(Source):
     """The preloader daemon's copy into this process's exported arena."""
@@ -110,9 +30,84 @@ class ServedSource(Source):
         return Offer(False, "no served-load daemon runs")
 
     def load(self, request: LoadRequest, rank_source, report, why: str) -> LoadedImage:
-        r = request
-        return load_served(r.image_dir, r.rank, r.device, r.t_start, timeout_s=r.timeout_s, verify=r.verify,
-                           shm_dir=r.shm_dir, tp=r.tp, ep=r.ep, expected_key=r.expected_key)
+        """The daemon copies; the strict read of the metadata and the views run meanwhile.
+
+        Why the copy may start before this process has validated the metadata: the bytes of
+        ``metadata.json`` are read first and identified by their sha256; the ``.ready`` the arena
+        is sized from must carry that same sha256, and the preloader writes ``.ready`` only after its
+        strict reader accepted exactly those bytes (and the daemon re-checks the sha256 and size of
+        what it holds before it copies). So the copy is of an image whose metadata has been
+        validated; this process then validates the very bytes it hashed (plus its own rank, tp, ep,
+        key and the job, which only it knows) while the DMA runs. If that fails, the load waits for
+        the daemon to be done with the arena, releases it and raises: no tensor is handed out.
+        """
+        from flashboot.layouts.image import open_image, read_metadata_file
+
+        from ...arena import Arena
+        from ..client import served_ready, start_served_load
+        from ..shm import RankSource
+
+        image_dir, rank, dev, t_start = request.image_dir, request.rank, request.device, request.t_start
+        timeout_s, verify, shm_dir = request.timeout_s, request.verify, request.shm_dir
+        tp, ep, expected_key = request.tp, request.ep, request.expected_key
+        report = LoadReport(mode="served", device=str(dev), rank=rank, nbytes=0)
+        t0 = time.perf_counter()
+        mf = read_metadata_file(image_dir, rank)  # finds the rank and reads the bytes; parses only prepack.json
+        sha = mf.sha256
+        if mf.job is not None:  # the caller's tp, ep and key are refused before any byte moves
+            check_job_request(mf, tp=tp, ep=ep, expected_key=expected_key)
+        ready = served_ready(image_dir, rank, sha, mf.where, timeout_s=timeout_s, shm_dir=shm_dir)
+        nbytes = report.nbytes = ready.nbytes
+        report.wait_ms = (time.perf_counter() - t0) * 1e3
+        if nbytes == 0:
+            raise LayoutError(f"{ready.path}: empty image, nothing to load")
+        admit(nbytes, dev)
+        arena = copy = None
+        try:
+            t1 = time.perf_counter()
+            arena = Arena.create(nbytes, dev)
+            arena.export()
+            t2 = time.perf_counter()
+            copy = start_served_load(arena, image_dir=str(image_dir), rank=rank, nbytes=nbytes, metadata_sha256=sha,
+                                     timeout_s=timeout_s, shm_dir=shm_dir, verify=verify)
+            t3 = time.perf_counter()
+            image = open_image(mf, rank, tp=tp, ep=ep, expected_key=expected_key)
+            meta = image.metadata
+            if image.nbytes != nbytes:
+                raise LayoutError(f"{ready.path} records {nbytes:,} bytes, {mf.where} {image.nbytes:,}")
+            t4 = time.perf_counter()
+            tensors = timed_views(arena, meta, report)
+            t5 = time.perf_counter()
+            reply = copy.wait()
+            t6 = time.perf_counter()
+            report.alloc_ms = (t2 - t1) * 1e3
+            report.metadata_ms = (t4 - t3) * 1e3
+            report.tensors = len(meta.tensors)
+            report.h2d_ms = reply["h2d_ms"]
+            daemon_ms = reply["h2d_ms"] + reply.get("checksum_ms", 0.0)
+            # Request to reply ran beside our own work (metadata + views): the exchange is what exceeds both.
+            report.exchange_ms = max(0.0, (t6 - t2) * 1e3 - max(daemon_ms, (t5 - t2) * 1e3))
+            report.overlapped = ["metadata", "bind"]
+            report.pinned_early_ms = reply.get("pin_ms", 0.0)
+            report.chunks = -(-nbytes // (1 << 30))
+            report.details = {"daemon_pid": reply.get("pid"), "daemon_map_ms": reply.get("map_ms"),
+                              "daemon_pinned": reply.get("pinned"), "copy_wait_ms": (t6 - t5) * 1e3,
+                              # where a first call's extra time hides (H200, shape C: 503 ms first, 130 ms second):
+                              # before the phases (imports, argument checks) and connecting + sending the request
+                              "setup_ms": (t0 - t_start) * 1e3, "request_ms": (t3 - t2) * 1e3,
+                              "one_time_ms": one_time_costs(report, daemon_map=reply.get("map_ms", 0.0))}
+            if verify:  # the daemon digested what it copied, in the arena; no kernel runs in this process
+                from ..client import check_daemon_digests
+
+                check_daemon_digests(reply, meta, f"{image.path} (rank {rank}) loaded into {dev}", report)
+        except BaseException:
+            if copy is not None:
+                copy.settle()  # the daemon may still be writing into the arena
+            if arena is not None and not arena.closed:
+                arena.close()
+            raise
+        report.total_ms = (time.perf_counter() - t_start) * 1e3
+        return LoadedImage(arena, tensors, meta, report, RankSource(str(image_dir), rank, image, sha))
 
     def start_prepared(self, handle, t: float) -> float:
         """The arena is attached to the daemon, which maps it and is asked for its H2D at once;
@@ -149,4 +144,4 @@ class ServedSource(Source):
                               daemon_pinned=reply.get("pinned"))
 
 
-__all__ = ["ServedSource", "load_served"]
+__all__ = ["ServedSource"]
