@@ -121,6 +121,8 @@ class _Resident:
     nbytes: int = 0
     metadata_sha256: str = ""
     pin_ms: float = 0.0
+    warm_ms: float = 0.0
+    """Stage-time warm-up of this rank's first copy and verify (:meth:`PreloadServer._warm_rank`)."""
     checksum_chunk_bytes: int = 0
     """The chunk size of the image's checksums (its metadata): a verifying copy digests these."""
     error: BaseException | None = None
@@ -186,7 +188,47 @@ class PreloadServer:
         if dev.is_cuda and self.config.pin:
             res.pinned = register_host(res.mapping.ptr, src.nbytes, dev, path=str(paths.image))
             res.pin_ms = res.pinned.pin_ms
+        if dev.is_cuda:
+            self._warm_rank(res, dev)
         res.state = "pinned" if res.pinned is not None else "mapped"
+
+    def _warm_rank(self, res: _Resident, dev) -> None:
+        """Pay now, at stage time, what the rank's first served copy would pay on an engine's
+        critical path: the checksum kernel compiled for exactly the shapes its verify launches
+        (Triton specialises on sizes: the probe of :meth:`_warm_up` left ~290 ms in the first
+        verified load of 40,250 tensors), and a first H2D from this staged mapping with the
+        stream and event a pipelined verify uses. Best effort: a failure is logged and shows
+        again, named, in the copy itself."""
+        t0 = time.perf_counter()
+        try:
+            import cupy
+
+            from flashboot.kernels.checksum import warm_chunk_checksums
+
+            from ..memory import CPU, Span
+            from ..movers import create_mover
+
+            if _pipelined_digests(res):
+                shapes = sorted({n for _, n in serve_pieces(res.nbytes, res.checksum_chunk_bytes)})
+            else:
+                shapes = [res.nbytes]
+            for nbytes in shapes:
+                warm_chunk_checksums(dev.index, nbytes, res.checksum_chunk_bytes)
+            n = min(res.nbytes, 1 << 16)
+            if n:
+                src = Span(res.mapping.ptr, n, CPU, pinned=res.pinned is not None, owner=res.mapping)
+                with cupy.cuda.Device(dev.index):
+                    copy_stream, other = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+                    scratch = cupy.empty(n, dtype=cupy.uint8)
+                    create_mover("copy_engine").copy(scratch, src, stream=copy_stream)
+                    copied = cupy.cuda.Event(disable_timing=True)
+                    copied.record(copy_stream)
+                    other.wait_event(copied)
+                    other.synchronize()
+            res.warm_ms = (time.perf_counter() - t0) * 1e3
+        except Exception as exc:  # noqa: BLE001 - a warm-up; the copy reports its own failure
+            self.log(f"rank {res.rank}: warming its first copy failed ({type(exc).__name__}: {exc}); the first "
+                     "served load pays it")
 
     def _warm_up(self) -> None:
         """Import and construct what a request needs, so the first engine does not pay for it; on
@@ -229,7 +271,8 @@ class PreloadServer:
                                    verify=self.config.verify, force=self.config.force, progress=cb, stop=self.stop)
                     self.log(_describe_stage(r))
                     self._make_resident(rank)
-                    self.log(f"rank {rank}: resident ({res.state}{f', pinned in {res.pin_ms:.0f} ms' if res.pinned else ''})")
+                    self.log(f"rank {rank}: resident ({res.state}{f', pinned in {res.pin_ms:.0f} ms' if res.pinned else ''}"
+                             f"{f', first copy warmed in {res.warm_ms:.0f} ms' if res.warm_ms else ''})")
                 except BaseException as exc:
                     res.error, res.state = exc, "failed"
                     self.log(f"rank {rank}: failed: {type(exc).__name__}: {exc}")
@@ -443,6 +486,9 @@ class PreloadServer:
             raise LayoutError(f"the daemon holds rank {rank} of another pre-pack ({res.nbytes:,} bytes, metadata "
                               f"{res.metadata_sha256[:12]}) than the engine asked for ({req.get('nbytes')} bytes, "
                               f"{str(req.get('metadata_sha256'))[:12]}); restart the preloader")
+        verify = req.get("verify") is True
+        if verify:
+            _check_reply_digests(res)
         desc = ArenaDescriptor.from_dict(req["descriptor"])
         t0 = time.perf_counter()
         if desc.backend == "cuda":
@@ -456,26 +502,29 @@ class PreloadServer:
                 raise OutOfMemoryError(f"engine arena {desc.arena_id} for rank {rank}", res.nbytes, arena.nbytes)
             if premap:
                 arena.map_range(0, res.nbytes)
-            stream = None
+            stream = verify_stream = None
             if arena.device.is_cuda:
                 import cupy
 
                 with cupy.cuda.Device(arena.device.index):
                     stream = cupy.cuda.Stream(non_blocking=True)
+                    if verify and _pipelined_digests(res):
+                        verify_stream = cupy.cuda.Stream(non_blocking=True)
         except BaseException:
             arena.close()
             raise
         return _Attached(rank, res, arena, stream, (time.perf_counter() - t0) * 1e3, timeout_s,
-                         verify=req.get("verify") is True)
+                         verify=verify, verify_stream=verify_stream)
 
     def _copy(self, attached: "_Attached") -> dict:
-        """The resident image into the attached arena, in :data:`SERVE_CHUNK_BYTES` pieces, each
-        chunk's segments mapped (where not yet) just before its copy is issued; copies into one
-        device queue first come, first served (each GPU has its own link: two copies into one
-        would only share it, while two GPUs copy at once). The reply's ``copy_map_ms``: mapping
-        done during the copy. A verifying request (``attached.verify``) gets the chunk digests of
-        the arena's bytes, computed after the copy outside the device's queue (the checksum reads
-        device memory, not the link the next copy needs)."""
+        """The resident image into the attached arena, in :func:`serve_pieces`, each piece's
+        segments mapped (where not yet) just before its copy is issued; copies into one device
+        queue first come, first served (each GPU has its own link: two copies into one would only
+        share it, while two GPUs copy at once). The reply's ``copy_map_ms``: mapping done during
+        the copy. A verifying request (``attached.verify``) gets the chunk digests of the arena's
+        bytes: on CUDA each piece is digested on its own stream as soon as it is copied, while the
+        next one copies (SMs beside the copy engine), so only the last piece's digest follows the
+        copy; otherwise after the copy, outside the device's queue."""
         from ..memory import CPU, Span
         from ..movers import create_mover
 
@@ -489,15 +538,18 @@ class PreloadServer:
             t1 = time.perf_counter()
             mapped_ms = arena.map_stats["map_ms"]
             _check_staged_size(res)
+            pending = []
             if arena.device.is_cuda:
                 import cupy
 
                 src = Span(res.mapping.ptr, res.nbytes, CPU, pinned=res.pinned is not None, owner=res.mapping)
                 mover = create_mover("copy_engine")
+                pieces = serve_pieces(res.nbytes, res.checksum_chunk_bytes)
                 with cupy.cuda.Device(arena.device.index):
-                    for off in range(0, res.nbytes, SERVE_CHUNK_BYTES):
-                        n = min(SERVE_CHUNK_BYTES, res.nbytes - off)
+                    for off, n in pieces:
                         mover.copy(arena.span(off, n), src.sub(off, n), stream=attached.stream)
+                        if attached.verify_stream is not None:  # piece k digested while k + 1 is copied
+                            pending.append(_start_piece_digests(attached, off, n))
                     attached.stream.synchronize()
             else:
                 _read_staged(res, arena.span(0, res.nbytes))
@@ -507,7 +559,7 @@ class PreloadServer:
         reply = {**attached.reply(), "h2d_ms": h2d_ms, "queue_ms": (t1 - t_queue) * 1e3,
                  "copy_map_ms": arena.map_stats["map_ms"] - mapped_ms}
         if attached.verify:
-            reply.update(_digest_copied(attached))
+            reply.update(_collect_digests(attached, pending, t1 + h2d_ms / 1e3) if pending else _digest_copied(attached))
         return reply
 
 
@@ -544,17 +596,59 @@ def _read_staged(res: _Resident, dst) -> None:
             pass
 
 
+def serve_pieces(nbytes: int, checksum_chunk_bytes: int) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` of the pieces a CUDA served copy issues: about :data:`SERVE_CHUNK_BYTES`,
+    in whole checksum chunks, so a verifying copy digests each piece on its own while the next
+    one is copied (a chunk's digest does not depend on where its piece starts). The daemon warms
+    the checksum kernel for exactly these shapes when the rank becomes resident."""
+    piece = max(1, SERVE_CHUNK_BYTES // checksum_chunk_bytes) * checksum_chunk_bytes
+    return [(off, min(piece, nbytes - off)) for off in range(0, nbytes, piece)]
+
+
+def _pipelined_digests(res: "_Resident") -> bool:
+    """Whether a verifying CUDA copy of ``res`` digests piece by piece during the copy: the word
+    kernel needs chunks of whole 4-byte words; other chunk sizes are digested after the copy."""
+    return res.checksum_chunk_bytes % 4 == 0 and res.nbytes > 0
+
+
+def _start_piece_digests(attached: "_Attached", off: int, n: int):
+    """Launch the digests of the piece ``[off, off + n)`` on the verify stream, after the copy
+    issued so far on the copy stream (an event between them: the two run on different engines)."""
+    import cupy
+
+    from flashboot.kernels.checksum import start_device_chunk_checksums
+
+    copied = cupy.cuda.Event(disable_timing=True)
+    copied.record(attached.stream)
+    attached.verify_stream.wait_event(copied)
+    return start_device_chunk_checksums(attached.arena.span(off, n), attached.res.checksum_chunk_bytes,
+                                        stream=attached.verify_stream)
+
+
+def _collect_digests(attached: "_Attached", pending: list, copied_at: float) -> dict:
+    """The digests launched during the copy, read back in order; ``checksum_ms``: how long after
+    the copy's end they were all in (the rest overlapped the copy)."""
+    res = attached.res
+    digests = [d for piece in pending for d in piece.digests()]
+    return {"digests": [int(d) for d in digests], "checksum_chunk_bytes": res.checksum_chunk_bytes,
+            "checksum_ms": max(0.0, (time.perf_counter() - copied_at) * 1e3), "checksum_overlapped": True}
+
+
+def _check_reply_digests(res: "_Resident") -> None:
+    """Refuse a verifying request before any byte moves when its digests would not fit one reply."""
+    chunks = -(-res.nbytes // res.checksum_chunk_bytes)
+    if chunks > MAX_REPLY_DIGESTS:
+        raise LayoutError(f"rank {res.rank}: {chunks:,} checksum chunks of {res.checksum_chunk_bytes:,} bytes; a "
+                          f"verifying served reply carries at most {MAX_REPLY_DIGESTS:,} digests (one socket "
+                          "message): re-pack with larger chunks, or load with verify=False and call verify_loaded")
+
+
 def _digest_copied(attached: "_Attached") -> dict:
     """The chunk checksums of the bytes just copied into the engine's arena (on its device, on the
     copy's stream), for the engine to compare with its metadata."""
     from flashboot.kernels.checksum import chunk_checksums
 
     res = attached.res
-    chunks = -(-res.nbytes // res.checksum_chunk_bytes)
-    if chunks > MAX_REPLY_DIGESTS:
-        raise LayoutError(f"rank {attached.rank}: {chunks:,} checksum chunks of {res.checksum_chunk_bytes:,} bytes; a "
-                          f"verifying served reply carries at most {MAX_REPLY_DIGESTS:,} digests (one socket "
-                          "message): re-pack with larger chunks, or load with verify=False and call verify_loaded")
     t0 = time.perf_counter()
     if attached.stream is not None:
         import cupy
@@ -586,6 +680,8 @@ class _Attached:
     timeout_s: float
     verify: bool = False
     """The engine asked for the chunk digests of what was copied (see :func:`_digest_copied`)."""
+    verify_stream: Any = None
+    """CUDA: the stream the digests of each copied piece run on, beside the copy's."""
 
     def reply(self) -> dict:
         return {"ok": True, "rank": self.rank, "nbytes": self.res.nbytes, "map_ms": self.map_ms,
