@@ -197,14 +197,16 @@ class PreloadServer:
         critical path: the checksum kernel compiled for exactly the shapes its verify launches
         (Triton specialises on sizes: the probe of :meth:`_warm_up` left ~290 ms in the first
         verified load of 40,250 tensors), and a first H2D from this staged mapping with the
-        stream and event a pipelined verify uses. Best effort: a failure is logged and shows
-        again, named, in the copy itself."""
+        stream and event a pipelined verify uses, into an arena of this process exported and
+        opened again as an engine's is (the Python and driver path of :meth:`_attach`). Best
+        effort: a failure is logged and shows again, named, in the copy itself."""
         t0 = time.perf_counter()
         try:
             import cupy
 
             from flashboot.kernels.checksum import warm_chunk_checksums
 
+            from ..arena import Arena
             from ..memory import CPU, Span
             from ..movers import create_mover
 
@@ -215,16 +217,21 @@ class PreloadServer:
             for nbytes in shapes:
                 warm_chunk_checksums(dev.index, nbytes, res.checksum_chunk_bytes)
             n = min(res.nbytes, 1 << 16)
-            if n:
-                src = Span(res.mapping.ptr, n, CPU, pinned=res.pinned is not None, owner=res.mapping)
-                with cupy.cuda.Device(dev.index):
-                    copy_stream, other = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
-                    scratch = cupy.empty(n, dtype=cupy.uint8)
-                    create_mover("copy_engine").copy(scratch, src, stream=copy_stream)
-                    copied = cupy.cuda.Event(disable_timing=True)
-                    copied.record(copy_stream)
-                    other.wait_event(copied)
-                    other.synchronize()
+            src = Span(res.mapping.ptr, n, CPU, pinned=res.pinned is not None, owner=res.mapping)
+            with Arena.create(n, dev) as own:
+                desc = own.export()
+                fds = [os.dup(fd) for fd in desc.fds]  # as received from an engine: ours to close
+                try:
+                    with Arena.open(desc, device=dev.index, fds=fds) as opened, cupy.cuda.Device(dev.index):
+                        copy_stream, other = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+                        create_mover("copy_engine").copy(opened.span(0, n), src, stream=copy_stream)
+                        copied = cupy.cuda.Event(disable_timing=True)
+                        copied.record(copy_stream)
+                        other.wait_event(copied)
+                        other.synchronize()
+                finally:
+                    for fd in fds:
+                        os.close(fd)
             res.warm_ms = (time.perf_counter() - t0) * 1e3
         except Exception as exc:  # noqa: BLE001 - a warm-up; the copy reports its own failure
             self.log(f"rank {res.rank}: warming its first copy failed ({type(exc).__name__}: {exc}); the first "
