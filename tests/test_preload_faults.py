@@ -331,6 +331,22 @@ def test_a_verifying_served_load_of_too_many_checksum_chunks_is_refused_by_name(
         daemon.close()
 
 
+def test_the_daemon_warms_a_ranks_first_copy_at_stage_time_and_leaks_nothing(image, tmp_path):
+    """At stage time the daemon opens an arena of its own as it opens an engine's (on the host
+    backend that is the whole warm-up): logged as done, no failure, every fd it made closed again,
+    and the engine's first served load gets the image's bytes."""
+    fds_before = set(os.listdir("/proc/self/fd"))
+    daemon = Daemon(image, tmp_path / "shm")
+    try:
+        assert not any("warming its first copy failed" in line for line in daemon.log), daemon.log
+        assert any("first copy warmed" in line for line in daemon.log), daemon.log
+        with flashboot.load(image, 0, "cpu", served=True, shm_dir=tmp_path / "shm", timeout_s=30) as li:
+            assert _loaded_bytes(li) == _image_bytes(image)
+    finally:
+        daemon.close()
+    assert set(os.listdir("/proc/self/fd")) - fds_before == set()
+
+
 @pytest.mark.gpu
 def test_gpu_a_verifying_served_copy_digests_piece_by_piece_and_names_a_flipped_byte(image, tmp_path, monkeypatch):
     """The daemon digests each copied piece while the next one copies (pieces of 3 checksum chunks
