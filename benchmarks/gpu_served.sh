@@ -55,8 +55,8 @@ for w in 1 0.25; do
     "$OUT/gil_$w.log" | grep -v "^$" | head -45
 done
 
-echo "=== the engine's first alloc + export of 13.8 GB in a fresh process: cold, then after warm_import ($(date +%T))"
-for warm in 0 1; do
+echo "=== the engine's first alloc + export of 13.8 GB in a fresh process: cold, after warm_import, after a 2 MiB arena ($(date +%T))"
+for warm in none warm_import small_arena; do
   timeout 30 python3 - "$warm" <<'EOF'
 import sys, time, torch
 torch.cuda.set_device(0); torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
@@ -64,14 +64,17 @@ from flashboot.flashload.warm import import_loader
 import_loader("cuda:0")
 from flashboot.arena import Arena
 t = time.perf_counter()
-if sys.argv[1] == "1":
+if sys.argv[1] == "warm_import":
     from flashboot.arena import warm_import
     warm_import("cuda:0", peers=[0])
+elif sys.argv[1] == "small_arena":
+    with Arena.create(2 << 20, "cuda:0") as small:
+        small.export()
 warm_ms = (time.perf_counter() - t) * 1e3
 for call in (1, 2):
     t0 = time.perf_counter(); a = Arena.create(13_760_000_000, "cuda:0"); t1 = time.perf_counter()
     a.export(); t2 = time.perf_counter(); a.close(); t3 = time.perf_counter()
-    print(f"warm_import first {sys.argv[1] == '1'} ({warm_ms:.1f} ms): call {call}: create {(t1 - t0) * 1e3:.1f} ms, "
+    print(f"first {sys.argv[1]} ({warm_ms:.1f} ms): call {call}: create {(t1 - t0) * 1e3:.1f} ms, "
           f"export {(t2 - t1) * 1e3:.1f} ms, close {(t3 - t2) * 1e3:.1f} ms")
 EOF
 done
