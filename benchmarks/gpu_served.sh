@@ -78,5 +78,34 @@ for call in (1, 2):
           f"export {(t2 - t1) * 1e3:.1f} ms, close {(t3 - t2) * 1e3:.1f} ms")
 EOF
 done
+echo "=== convoy: Arena.create(13.8 GB) + export in a thread beside a GIL-bound loop, by switch interval ($(date +%T))"
+timeout 60 python3 - <<'EOF'
+import sys, threading, time, torch
+torch.cuda.set_device(0); torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
+from flashboot.flashload.warm import import_loader
+import_loader("cuda:0")
+from flashboot.arena import Arena
+from flashboot.benchmarks.boot_e2e import calibrate_steps_per_s, engine_workload
+Arena.create(2 << 20, "cuda:0").close()
+steps = int(calibrate_steps_per_s() * 0.3)
+t = time.perf_counter(); engine_workload(steps); alone_ms = (time.perf_counter() - t) * 1e3
+a = Arena.create(13_760_000_000, "cuda:0"); a.export(); a.close()
+t = time.perf_counter(); a = Arena.create(13_760_000_000, "cuda:0"); a.export(); a.close()
+create_alone_ms = (time.perf_counter() - t) * 1e3
+print(f"W alone {alone_ms:.0f} ms; create + export + close alone {create_alone_ms:.1f} ms")
+for interval in (0.005, 0.0005, 0.0002, 0.0001, 0.00005):
+    for rep in range(2):
+        sys.setswitchinterval(interval)
+        took = {}
+        def work():
+            t0 = time.perf_counter(); b = Arena.create(13_760_000_000, "cuda:0"); b.export()
+            took["create"] = (time.perf_counter() - t0) * 1e3; b.close()
+        th = threading.Thread(target=work)
+        t = time.perf_counter(); th.start(); engine_workload(steps); w_ms = (time.perf_counter() - t) * 1e3
+        th.join()
+        sys.setswitchinterval(0.005)
+        print(f"interval {interval * 1e3:.2f} ms: create + export beside W took {took['create']:.1f} ms; "
+              f"W {w_ms:.0f} ms (+{w_ms - alone_ms:.0f})")
+EOF
 rm -rf "$ROOT"
 echo "=== done in $(( $(date +%s) - T0 )) s"
