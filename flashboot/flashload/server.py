@@ -392,7 +392,7 @@ class PreloadServer:
                             raise RendezvousError(f"{op} request without the arena's fd attached")
                         count = _descriptor_fd_count(req)
                         recv_more_fds(conn, fds, count, timeout_s=self.request_timeout_s)  # > SCM_MAX_FD segments
-                        attached = self._attach(req, fds, premap=op == "attach")
+                        attached = self._attach(req, fds)
                         reply = attached.reply() if op == "attach" else self._copy(attached)
                     else:
                         raise RendezvousError(f"unknown request op {op!r}; known: load, attach, status")
@@ -457,11 +457,12 @@ class PreloadServer:
         with self._locks_lock:
             return self._copy_locks.setdefault(key, _FifoLock())
 
-    def _attach(self, req: dict, fds: list[int], *, premap: bool) -> "_Attached":
-        """Check the request against the resident rank and open the engine's arena. ``premap``
-        (an attach ahead of the load): map all of it now, so that the copy, when asked, is the
-        copy alone; otherwise (a load) :meth:`_copy` maps each chunk's segments just before
-        issuing its copy, so the mapping of the next chunk overlaps the copy of this one."""
+    def _attach(self, req: dict, fds: list[int]) -> "_Attached":
+        """Check the request against the resident rank and open the engine's arena (its first
+        segment mapped); :meth:`_copy` maps each piece's segments just before issuing its copy,
+        so the mapping of the next piece overlaps the copy of this one. An attach ahead of the
+        load maps no more than a load: ``flashboot.prepare`` asks for its copy at once, and
+        mapping all of a 13.8 GB arena first only delayed the copy's start."""
         from ..arena import Arena, ArenaDescriptor
 
         rank = req.get("rank")
@@ -492,8 +493,6 @@ class PreloadServer:
         try:
             if arena.nbytes < res.nbytes:
                 raise OutOfMemoryError(f"engine arena {desc.arena_id} for rank {rank}", res.nbytes, arena.nbytes)
-            if premap:
-                arena.map_range(0, res.nbytes)
             stream = verify_stream = None
             if arena.device.is_cuda:
                 import cupy
