@@ -69,8 +69,8 @@ def _child(spec: dict) -> dict:
         import flashboot
         from flashboot.benchmarks.disk import drop_file_cache
         from flashboot.benchmarks.stream import _reset_peak_rss, _status
-        from flashboot.flashload import load, stream  # noqa: F401  (an engine imported its loader)
-        from flashboot.flashload.load import verify_loaded
+        from flashboot.flashload import pipeline, stream  # noqa: F401  (an engine imported its loader)
+        from flashboot.flashload.landing import verify_loaded
 
         for _ in range(2):
             drop_file_cache(spec["image_file"])
@@ -105,7 +105,7 @@ def _child(spec: dict) -> dict:
                                 shm_dir=spec["shm"], timeout_s=60)
             _sync(dev)
             ms = (time.perf_counter() - t) * 1e3
-            from flashboot.flashload.load import verify_loaded
+            from flashboot.flashload.landing import verify_loaded
 
             verify_loaded(li.arena, li.metadata, f"{loader} call {len(calls) + 1}")  # raises on a bad chunk
             calls.append({"ms": ms, "prepare_ms": prepare_ms, "verified": True, "report": li.report.to_dict()})

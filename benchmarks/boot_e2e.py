@@ -70,7 +70,7 @@ def child(spec: dict) -> dict:
     import_loader(dev)  # as the engine plugins do at engine start
 
     from flashboot.benchmarks.load import _sync
-    from flashboot.flashload.load import verify_loaded
+    from flashboot.flashload.landing import verify_loaded
 
     rate = calibrate_steps_per_s() if spec["w_s"] else 0.0
     steps = int(rate * spec["w_s"])

@@ -93,7 +93,7 @@ def _engine_main(argv: list[str]) -> int:
 def _exact(arena, src, want_sha: str) -> bool:
     if arena.device.is_cuda:
         from flashboot.errors import ChecksumMismatchError
-        from flashboot.flashload.load import verify_loaded
+        from flashboot.flashload.landing import verify_loaded
 
         try:
             verify_loaded(arena, src.metadata, f"engine {os.getpid()}")

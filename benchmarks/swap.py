@@ -109,7 +109,7 @@ class _Daemons:
 def _exact(loaded) -> bool:
     """The loaded bytes are the image's: every byte (host) or every chunk checksum (CUDA)."""
     from flashboot.errors import ChecksumMismatchError
-    from flashboot.flashload.load import verify_loaded
+    from flashboot.flashload.landing import verify_loaded
 
     if not loaded.arena.device.is_cuda:
         return bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == loaded.source.path.read_bytes()

@@ -235,9 +235,9 @@ def test_prepare_refuses_a_truncated_image_before_any_view(image, shm):
 
 def test_image_larger_than_the_device_is_refused_before_any_allocation(image, shm, monkeypatch):
     from flashboot.errors import OutOfMemoryError
-    from flashboot.flashload import load as load_module
+    from flashboot.flashload import landing
 
-    monkeypatch.setattr(load_module, "device_free_bytes", lambda device: 4096)
+    monkeypatch.setattr(landing, "device_free_bytes", lambda device: 4096)
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
     nbytes = read_image(image, 0).nbytes
     with pytest.raises(OutOfMemoryError, match=f"loading a {nbytes:,}-byte image into cpu") as info:
@@ -354,7 +354,7 @@ def test_the_early_call_hands_the_gil_over_promptly_while_it_works_and_restores_
     by concurrent prepares) and restored after, and a value the engine set meanwhile is kept."""
     import sys
 
-    from flashboot.flashload import boot
+    from flashboot.flashload import pipeline as boot
 
     seen, real = [], boot.PreparedLoad._prepare
 

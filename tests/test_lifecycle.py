@@ -118,11 +118,11 @@ def test_a_backup_copy_failing_mid_wake_rolls_back_and_passes_to_the_disk(image,
     """The pipelined level-1 wake: the copy into the first segment fails, the new segments are
     released (asleep again), and the disk brings the bytes back; the report names the failure."""
     from flashboot.errors import MoverError
-    from flashboot.flashload import load as load_mod
+    from flashboot.flashload import landing as load_mod
 
     with streamed(image) as loaded:
         loaded.sleep(level=1)
-        real, movers = load_mod._mover_for, []
+        real, movers = load_mod.mover_for, []
 
         class Broken:
             def copy(self, dst, src, *, stream):
@@ -132,7 +132,7 @@ def test_a_backup_copy_failing_mid_wake_rolls_back_and_passes_to_the_disk(image,
             movers.append(device)
             return Broken() if len(movers) == 1 else real(device)
 
-        monkeypatch.setattr(load_mod, "_mover_for", first_broken)
+        monkeypatch.setattr(load_mod, "mover_for", first_broken)
         w = loaded.wake(shm_dir=tmp_path / "no-shm")
         assert w.source == "disk" and movers[0] == loaded.arena.device
         assert w.not_used["backup"] == f"failed: MoverError: injected: copy of {loaded.nbytes:,} bytes failed"

@@ -22,7 +22,7 @@ from flashboot.errors import (
 )
 from flashboot.flashload import client, service, staging
 from flashboot.flashload import shm as shm_files
-from flashboot.flashload.load import admit
+from flashboot.flashload.landing import admit
 from flashboot.memory import CPU
 
 CHUNK = 16384
@@ -133,7 +133,7 @@ def test_admission_refuses_before_any_allocation(qwen, monkeypatch):
         admit(1, CPU, free_bytes=(2 << 20) - 1)
 
     from flashboot.arena import Arena
-    from flashboot.flashload import load as _load
+    from flashboot.flashload import landing as _load
 
     def no_alloc(*a, **k):
         raise AssertionError("an arena was allocated before admission")
@@ -260,7 +260,7 @@ def test_a_failing_copy_releases_the_arena_and_raises(qwen, monkeypatch):
     from flashboot.movers.host import HostMover
 
     from flashboot.errors import MoverError
-    from flashboot.flashload import load as _load
+    from flashboot.flashload import landing as _load
 
     views_done = []
     real_make_views = _load.make_views

@@ -23,7 +23,9 @@ import flashboot
 from flashboot.errors import CapabilityError, FlashBootError, ImageReadError, LayoutError, WaitTimeoutError
 from flashboot.flashload import service, staging, stream
 from flashboot.flashload import shm as shm_files
-from flashboot.flashload.stream import StreamConfig, stream_reason
+from flashboot.flashload.sources import disk
+from flashboot.flashload.sources.disk import stream_reason
+from flashboot.flashload.stream import StreamConfig
 
 SMALL_RING = 4 * 4096  # 4 slots of one page: the ~127 KB image cycles the ring ~8 times
 
@@ -231,7 +233,7 @@ def test_a_preloader_of_other_ranks_is_not_waited_for(image, shm):
 
 def test_no_room_in_shm_streams_and_says_how_much(image, shm, monkeypatch):
     nbytes = read_image(image, 0).nbytes
-    monkeypatch.setattr(stream, "_shm_free_bytes", lambda path: (64 << 10, "/dev/shm"))  # less than the image
+    monkeypatch.setattr(disk, "_shm_free_bytes", lambda path: (64 << 10, "/dev/shm"))  # less than the image
     src = shm_files.rank_source(image, 0)
     _fake_preloader(image, shm, ranks=[0])
     why = stream_reason(image, 0, src, shm_dir=shm)
@@ -247,7 +249,7 @@ def test_no_room_in_shm_streams_and_says_how_much(image, shm, monkeypatch):
 
 
 def test_real_free_space_is_read_from_the_nearest_existing_directory(tmp_path):
-    free, where = stream._shm_free_bytes(tmp_path / "not" / "yet")
+    free, where = disk._shm_free_bytes(tmp_path / "not" / "yet")
     st = os.statvfs(tmp_path)
     assert where == str(tmp_path) and abs(free - st.f_bavail * st.f_frsize) < (64 << 20)
 

@@ -116,7 +116,7 @@ def _load_seed_source(source: Any, dev: Device, rank: int, timeout_s: float):
     except FlashBootError:
         staged = False
     if staged:
-        from ..flashload.load import load
+        from ..flashload.pipeline import load
 
         loaded = load(path, rank, dev, timeout_s=timeout_s)
         return loaded.arena, loaded.metadata, [loaded]

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import LayoutError
 from ..memory import Device
-from .load import LoadedImage
+from .report import LoadedImage
 
 
 # ===================================================================================== bind

@@ -364,10 +364,10 @@ def attach_served(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: 
 def check_daemon_digests(reply: dict, metadata, where: str, report=None) -> int:
     """Compare the chunk digests a verifying daemon computed in the arena after its copy (its
     ``reply``) with the image's metadata checksums: ChecksumMismatchError naming the first bad chunk,
-    as :func:`~flashboot.flashload.load.verify_loaded` does; RendezvousError for a reply without
+    as :func:`~flashboot.flashload.landing.verify_loaded` does; RendezvousError for a reply without
     them or of another chunk size. Returns the chunk count; fills ``report`` (``verify_ms``: the
     daemon's checksum time) when given."""
-    from .load import compare_digests
+    from .landing import compare_digests
 
     digests, chunk_bytes = reply.get("digests"), reply.get("checksum_chunk_bytes")
     want = metadata.checksums.chunk_bytes

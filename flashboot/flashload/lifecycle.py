@@ -193,9 +193,9 @@ def _stream(device):
 
 def _copy(dst: Span, src: Span, device) -> None:
     """One bulk copy (h2d, d2h or host) on the copy engine or the host mover; returns when done."""
-    from .load import _mover_for
+    from .landing import mover_for
 
-    mover, stream = _mover_for(device), _stream(device)
+    mover, stream = mover_for(device), _stream(device)
     mover.copy(dst, src, stream=stream)
     if stream is not None:
         stream.synchronize()
@@ -203,7 +203,7 @@ def _copy(dst: Span, src: Span, device) -> None:
 
 # ================================================================================ sleep
 def sleep(loaded, level: int = 1) -> SleepReport:
-    """Put ``loaded`` (a :class:`~flashboot.flashload.load.LoadedImage`) to sleep.
+    """Put ``loaded`` (a :class:`~flashboot.flashload.report.LoadedImage`) to sleep.
 
     ``level=1`` first copies the image's bytes into a host backup in this process (pinned on
     CUDA; a backup kept by ``wake(keep_backup=True)`` is reused), ``level=2`` keeps nothing (the
@@ -355,10 +355,10 @@ def _wake_from_backup(loaded, backup: HostBackup, report: WakeReport, meanwhile:
     issued as soon as the segment is mapped, while the next ones are created, then the copies
     are awaited. A failed copy ends the wake rolled back (asleep) and raises _CopyFailed; the
     arena's own failures (OutOfMemoryError, CudaError) pass through as they are."""
-    from .load import _mover_for
+    from .landing import mover_for
 
     arena, device, nbytes = loaded.arena, loaded.arena.device, loaded.nbytes
-    mover, stream, src = _mover_for(device), _stream(device), backup.span(nbytes)
+    mover, stream, src = mover_for(device), _stream(device), backup.span(nbytes)
     first_issued: list[float] = []
 
     def fill(offset: int, segment: Span) -> None:
@@ -470,7 +470,7 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
             tried = "every source failed" if not arena.asleep else "no source has the bytes"
             raise FlashBootError(f"{where}: {tried}; " + "; ".join(f"{s}: {why}" for s, why in report.not_used.items()))
         if verify:
-            from .load import verify_loaded
+            from .landing import verify_loaded
 
             tv = time.perf_counter()
             verify_loaded(arena, loaded.metadata, f"{where}, from {report.source}")

@@ -95,7 +95,8 @@ def _why_not_held(record: dict | None, identity: dict, name: str, where: str) ->
 def _open_held(record: dict, source, dev: Device, name: str, t_start: float):
     """Map the held arena, build the views; a LoadedImage whose report's mode is ``held``."""
     from ..arena import Arena, ArenaDescriptor
-    from .load import LoadedImage, LoadReport, make_views
+    from .landing import make_views
+    from .report import LoadedImage, LoadReport
 
     t0 = time.perf_counter()
     desc = ArenaDescriptor.from_dict(record["descriptor"])
@@ -121,7 +122,7 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
     otherwise warn why not, load normally and hand the new arena over (a failed hand-over warns
     too; the load is returned either way). ``load_options`` go to :func:`flashboot.load`."""
     from ..flashclone import holder as holders
-    from .load import load
+    from .pipeline import load
     from .shm import rank_source
 
     t_start = time.perf_counter()

@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 LOADER_MODULES = (
-    "flashboot.flashload.boot", "flashboot.flashload.load", "flashboot.flashload.client",
-    "flashboot.flashload.stream", "flashboot.flashload.stage", "flashboot.flashload.views",
+    "flashboot.flashload.pipeline", "flashboot.flashload.client", "flashboot.flashload.stream",
+    "flashboot.flashload.stage", "flashboot.flashload.views",
     "flashboot.arena", "flashboot.layouts.image", "flashboot.layouts.table", "flashboot.fdshare",
     "flashboot.fileio", "flashboot.pinning",
 )

@@ -11,7 +11,7 @@ through the driver, which neither sees. So the loader, after binding, hands its 
 * vLLM: ``sleep(level)`` / ``wake_up(tags)`` reach the worker's sleep-mode backend;
   :mod:`flashboot.integrations.vllm` registers the ``flashboot`` backend.
 
-:func:`sleep_engine_weights` is :meth:`LoadedImage.sleep <flashboot.flashload.load.LoadedImage.sleep>`
+:func:`sleep_engine_weights` is :meth:`LoadedImage.sleep <flashboot.flashload.report.LoadedImage.sleep>`
 (level 1: a pinned backup in this process; level 2: nothing kept) of every arena handed over in
 this process, and :func:`wake_engine_weights` is its wake (from the backup, the preloader daemon
 or the disk, the report naming which): every view keeps its address, so the model's parameters

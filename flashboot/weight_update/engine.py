@@ -97,7 +97,7 @@ def _check_record(rec, loaded, version: int, where: str):
 def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
           name: str = DEFAULT_NAME, schedule: str = "chain", clones: int | None = None, mover: Any = None,
           chunk_bytes: int | None = None, transport: str = "auto", token=None, token_file=None) -> RefitReport:
-    """Bring ``loaded`` (a :class:`~flashboot.flashload.load.LoadedImage`) to the weights published
+    """Bring ``loaded`` (a :class:`~flashboot.flashload.report.LoadedImage`) to the weights published
     as ``version`` at ``store`` (see :func:`flashboot.weight_update.publish`). See the module doc for
     ``atomic``; ``schedule``/``clones``/``mover``/``chunk_bytes``/``transport`` as for
     :func:`flashboot.clone`. Call it between forward passes: an atomic refit waits for the

@@ -1,13 +1,28 @@
-"""The early call: every one-time cost of a load, and the copy itself, started at engine start-up.
+"""FlashLoad as one pipeline: one rank's pre-packed image -> an arena, every weight a view into it.
 
-An engine boots once, so its first :func:`flashboot.load` is the one that counts, and a cold load
-pays for reading and validating the metadata, creating and exporting the arena, the daemon's
-mapping of it, tens of thousands of views, and the first copy's set-up. :func:`prepare` starts
-all of that in a background thread as soon as the engine starts (before it builds its model) and
-returns at once; the copy then starts as soon as it can, so an engine that builds its model for
-longer than the copy takes finds its weights in place. ``flashboot.load(..., prepared=handle)``
-(or ``handle.load()``) only waits for that copy, checks that the image was not re-packed since,
-and verifies:
+Paper sections 3.4-3.5. Whatever the bytes come from (:mod:`flashboot.flashload.sources`: the
+served-load daemon, the staged image pinned here, the disk), a load runs the same steps: read and
+validate the metadata, admit the image against the device's free memory before any allocation
+(:mod:`flashboot.flashload.landing`), create one arena of the image's size, have the source fill
+it while the views are built, verify, report (:mod:`flashboot.flashload.report`). :func:`bind`
+then points a meta-initialised torch module's parameters and buffers at those views: one copy of
+the weights in device memory.
+
+Three ways to pay the pin (``cuMemHostRegister``, about a third of the H2D rate):
+
+* ``load(dir)``: pin on the critical path (map, pin, copy);
+* ``load(dir, staged=flashboot.stage(dir, ...))``: pinned early, while the engine built its model;
+* ``load(dir, served=True)``: the preloader daemon holds the image pinned and copies it into the
+  engine's exported arena; the engine waits only for the descriptor exchange and the copy.
+
+**The early call.** An engine boots once, so its first :func:`flashboot.load` is the one that
+counts, and a cold load pays for reading and validating the metadata, creating and exporting the
+arena, the daemon's mapping of it, tens of thousands of views, and the first copy's set-up.
+:func:`prepare` starts all of that in a background thread as soon as the engine starts (before it
+builds its model) and returns at once; the chosen source (:mod:`flashboot.flashload.choose`) then
+starts the copy as soon as it can, so an engine that builds its model for longer than the copy
+takes finds its weights in place. ``flashboot.load(..., prepared=handle)`` (or ``handle.load()``)
+only waits for that copy, checks that the image was not re-packed since, and verifies:
 
 * served (a ``flashboot preload --serve`` daemon holds the image pinned): the arena is created,
   exported and attached to the daemon, which checks it against what it holds, maps it and is
@@ -15,7 +30,7 @@ and verifies:
 * pinned early (a preloader staged the rank, no daemon): the staged file is mapped and pinned
   in this process (:class:`~flashboot.flashload.stage.StagedImage`); the bulk H2D is issued as
   soon as the pin is done;
-* streamed (nothing is or will be staged: see :func:`~flashboot.flashload.stream.stream_reason`):
+* streamed (nothing is or will be staged: see :func:`~flashboot.flashload.sources.disk.stream_reason`):
   the reads start at once, straight into the arena through the bounded ring.
 
 The background thread holds the GIL only for the metadata and the views: it waits in blocking
@@ -38,7 +53,159 @@ from typing import Any
 
 from ..errors import FlashBootError, LayoutError, WaitTimeoutError
 from ..memory import Device
+from .choose import choose, choose_prepared
+from .landing import DEFAULT_CHUNK_BYTES, admit, verify_loaded
+from .report import LoadedImage, LoadReport
+from .sources import source_for_mode
+from .stream import StreamConfig
+from .want import LoadRequest, Want, load_request, verify_default
 
+
+# ===================================================================================== load
+def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.0, served: bool = False,
+         staged=None, prepared=None, verify: bool | None = None, shm_dir=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+         tp: int | None = None, ep: int | None = None, expected_key=None, stream: bool | None = None,
+         stream_buffer_bytes=None, holder=None) -> LoadedImage:
+    """Load rank ``rank`` of the pre-packed image in ``image_dir`` onto ``device``.
+
+    ``device``: an int, ``"cuda:N"``, ``"cpu"`` (host backend) or None (cuda:0 where present).
+    The rank is copied from its staged copy in shared memory (``flashboot preload``); while a
+    preloader stages it, the load waits up to ``timeout_s`` for its ``.ready`` file. When nothing
+    will stage it (no preloader runs, it stages other ranks, shared memory cannot hold the image)
+    the image is streamed straight from disk through a ring buffer of at most
+    ``stream_buffer_bytes`` (default 256 MiB or ``$FLASHBOOT_STREAM_BUFFER_BYTES``; an int, a dict
+    or a :class:`~flashboot.flashload.stream.StreamConfig`), and the report says so and why.
+    ``stream``: True always streams, False never does (waits for ``.ready``). ``staged``: a
+    :func:`flashboot.stage` result (pinned early); ``served``: have the running preloader daemon
+    copy into this process's arena; ``prepared``: a :func:`flashboot.prepare` handle made at
+    engine start-up, which has paid every one-time cost already (metadata, arena, the daemon's
+    attachment or the pin, views): the load is the copy. Without it the report's
+    ``details["one_time_ms"]`` says what this call paid that ``prepare`` would have paid at
+    start-up. ``verify`` recomputes the
+    chunk checksums on the device and the report says they passed; None (the default) verifies on
+    CUDA (the kernel costs ~2 % of the copy) and not on the host backend (~2x the copy there; the
+    report says it did not). ``tp``/``ep``/``expected_key``: what the caller expects the
+    image to be (LayoutError otherwise). ``holder``: a holder registry path (or a dict /
+    :class:`~flashboot.flashload.restart.HolderOption`): a restarted engine maps the arena held for
+    this image instead of loading (no copy), and a fresh load is handed over to the holder
+    (:mod:`flashboot.flashload.restart`).
+
+    The views are built while the bulk copy runs. Served, the strict read of the metadata runs
+    then too (see :func:`~flashboot.flashload.sources.served.load_served`), so an image refused for its tp, ep or key is refused
+    after its bytes were copied (into an arena that is then released).
+
+    Raises LayoutError (bad image, wrong rank/tp/ep/model), OutOfMemoryError before any
+    allocation when the device lacks the bytes, WaitTimeoutError naming what was awaited,
+    ChecksumMismatchError (verify) naming the chunk. A failed load releases its arena.
+    """
+    import torch  # noqa: F401  (an engine has it loaded; its import is not part of a load)
+
+    if holder is not None:
+        from .restart import load_or_restore
+
+        return load_or_restore(image_dir, rank, device, holder, timeout_s=timeout_s, served=served, staged=staged,
+                               prepared=prepared, verify=verify, shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp,
+                               ep=ep, expected_key=expected_key, stream=stream,
+                               stream_buffer_bytes=stream_buffer_bytes)
+
+    request = load_request(image_dir, rank, device, t_start=time.perf_counter(), timeout_s=timeout_s, served=served,
+                           staged=staged, prepared=prepared, verify=verify, shm_dir=shm_dir, chunk_bytes=chunk_bytes,
+                           tp=tp, ep=ep, expected_key=expected_key, stream=stream,
+                           stream_buffer_bytes=stream_buffer_bytes, prepared_class=PreparedLoad)
+    if prepared is not None:
+        loaded = _load_prepared(request)
+    elif served:  # the daemon's copy starts before this process has read the metadata: the source reads it
+        loaded = source_for_mode("served").load(request, None, None, "served=True was asked")
+    else:
+        rank_source, report = _begin(request)
+        if staged is not None:
+            source, why = source_for_mode("staged"), "staged= was given"
+        else:
+            request.stream_config = StreamConfig.of(stream_buffer_bytes)  # refused whether or not it streams
+            source, why, _ = choose(Want(image_dir, rank, rank_source, shm_dir=shm_dir, stream=stream))
+        loaded = source.load(request, rank_source, report, why)
+    if "verified" not in loaded.report.details:
+        loaded.report.details["verify_skipped"] = prepared.verify_skipped if request.verify is None else \
+            request.why_not_verified
+    return loaded
+
+
+def _begin(request: LoadRequest):
+    """(the validated :class:`~flashboot.flashload.shm.RankSource`, the report with its metadata
+    time): the metadata read here (or validated by :func:`flashboot.stage`), the image admitted
+    against the device's free memory before any allocation."""
+    from flashboot.layouts.image import check_request
+
+    from .shm import rank_source
+
+    staged, tp, ep, expected_key = request.staged, request.tp, request.ep, request.expected_key
+    report = LoadReport(mode="", device=str(request.device), rank=request.rank, nbytes=0)
+    t0 = time.perf_counter()
+    if staged is not None:
+        # stage() validated the metadata in the background (the strict reader, rank and job
+        # checked): only what this call asks for is left to check.
+        source = staged.wait_source()
+        check_request(source.metadata, str(source.image.metadata_path), tp=tp, ep=ep, expected_key=expected_key)
+        report.details["metadata_validated_by"] = "stage()"
+    else:
+        source = rank_source(request.image_dir, request.rank, tp=tp, ep=ep, expected_key=expected_key)
+    report.metadata_ms = (time.perf_counter() - t0) * 1e3
+    nbytes = report.nbytes = source.nbytes
+    report.tensors = len(source.metadata.tensors)
+    if nbytes == 0:
+        raise LayoutError(f"{source.path}: empty image, nothing to load")
+    admit(nbytes, request.device)
+    return source, report
+
+
+def _load_prepared(request: LoadRequest) -> LoadedImage:
+    """Wait for the copy a :func:`flashboot.prepare` handle started itself (everything else was
+    paid at start-up), check that the image is still the one it copied, verify (``None``: as the
+    handle chose once it knew its mode)."""
+    from flashboot.layouts.image import check_request
+
+    from .shm import RankSource
+
+    prepared, image_dir, rank, dev, t_start = (request.prepared, request.image_dir, request.rank, request.device,
+                                               request.t_start)
+    verify, tp, ep, expected_key = request.verify, request.tp, request.ep, request.expected_key
+    prepared.check_request(image_dir, rank, dev)
+    prepared.claim(f"the load called at {time.strftime('%H:%M:%S')}")
+    report = LoadReport(mode="", device=str(dev), rank=rank, nbytes=0)
+    try:
+        ready_before = prepared.done
+        t0 = time.perf_counter()
+        prepared.wait()
+        report.wait_ms = (time.perf_counter() - t0) * 1e3
+        if verify is None:
+            verify = prepared.verify
+        arena, meta = prepared.arena, prepared.metadata
+        check_request(meta, str(prepared.image.metadata_path), tp=tp, ep=ep, expected_key=expected_key)
+        prepared.check_unchanged()  # a re-packed image: the early copy's bytes are discarded with the arena
+        report.nbytes, report.tensors = prepared.nbytes, len(meta.tensors)
+        copy = prepared.copy
+        report.h2d_ms = copy["h2d_ms"]
+        report.overlapped = ["h2d"]  # the copy ran before the call or while the load waited: in wait_ms, not added
+        report.details = {"prepared": dict(prepared.phases_ms), "prepared_mode_why": prepared.why,
+                          "prepare_total_ms": (prepared.finished - prepared.started) * 1e3,
+                          "prepared_before_load": ready_before,
+                          "copy_started_after_prepare_ms": copy["started_after_prepare_ms"],
+                          # > 0: the weights were in place that long before the load was called
+                          "ready_before_load_ms": max(0.0, (t_start - prepared.finished) * 1e3)}
+        prepared.load_source.report_prepared(report, prepared, dev)
+        if verify and copy.get("verified"):
+            report.details["verified"] = copy["verified"] + " (checked by flashboot.prepare once its copy ended)"
+        elif verify:
+            verify_loaded(arena, meta, f"{prepared.image.path} (rank {rank}) loaded into {dev}", report)
+    except BaseException:
+        prepared._release()
+        raise
+    report.total_ms = (time.perf_counter() - t_start) * 1e3
+    source = RankSource(prepared.image_dir, rank, prepared.image, prepared.metadata_sha256)
+    return LoadedImage(arena, prepared.tensors, meta, report, source, prepared.release_thread)
+
+
+# ============================================================================ the early call
 MODES = ("auto", "served", "staged", "stream")
 PREPARE_ALLOWANCE_S = 120.0
 """Added to the handle's ``timeout_s`` when a load waits for its preparation (a pin of tens of GB)."""
@@ -113,14 +280,13 @@ class PreparedLoad:
         self.real_dir = os.path.realpath(self.image_dir)
         self.timeout_s, self.shm_dir, self.hold_s = float(timeout_s), shm_dir, hold_s
         self.tp, self.ep, self.expected_key = tp, ep, expected_key
-        from .stream import StreamConfig
-
         # None: chosen once the mode is known (a served copy is verified by the daemon, cheaply)
         self.asked_verify = None if verify is None else bool(verify)
         self.verify, self.verify_skipped = bool(verify), "verify=False"
 
         self.stream_config = StreamConfig.of(stream_buffer_bytes)  # a bad option is refused at once
         self.requested_mode, self.mode, self.why = mode, "", ""
+        self.load_source = None  # the Source chosen (sources/), once the metadata is read
         self.arena = self.metadata = self.image = self.tensors = None
         self.session = self.staged = self.mover = None
         self.release_thread: threading.Thread | None = None
@@ -157,7 +323,8 @@ class PreparedLoad:
                 self._release()
             self._done.set()
 
-    def _phase(self, name: str, t0: float) -> float:
+    def phase(self, name: str, t0: float) -> float:
+        """Add the time since ``t0`` to phase ``name``; returns now. Refuses to go on once closed."""
         if self._cancel.is_set():
             raise FlashBootError(f"the prepared load of rank {self.rank} of {self.image_dir} was closed during "
                                  f"its {name} phase")
@@ -169,7 +336,6 @@ class PreparedLoad:
         from flashboot.layouts.image import open_image, read_metadata_file
 
         from ..arena import Arena
-        from .load import _mover_for, admit
 
         t = time.perf_counter()
         mf = read_metadata_file(self.image_dir, self.rank)
@@ -180,119 +346,35 @@ class PreparedLoad:
             self._identity[Path(path)] = _file_identity(Path(path))
         if self.nbytes == 0:
             raise LayoutError(f"{image.path}: empty image, nothing to load")
-        t = self._phase("metadata", t)
-        self.mode, self.why = self._choose_mode()
+        t = self.phase("metadata", t)
+        source, self.why = choose_prepared(self.requested_mode, self.image_dir, self.rank, self.image,
+                                           self.metadata_sha256, self.shm_dir)
+        self.load_source, self.mode = source, source.mode
         if self.asked_verify is None:
-            from .load import _verify_default
-
-            self.verify, self.verify_skipped = _verify_default(self.device, by_daemon=self.mode == "served")
-        t = self._phase("mode", t)
+            self.verify, self.verify_skipped = verify_default(self.device, by_daemon=source.verified_by_daemon)
+        t = self.phase("mode", t)
         admit(self.nbytes, self.device)  # before any allocation: OutOfMemoryError with the numbers
         self.arena = Arena.create(self.nbytes, self.device)
         self.arena.bytes()  # the flat tensor made on this thread (torch device state is per thread)
-        t = self._phase("arena", t)
-        # Each mode starts its copy as soon as it can and builds the views while it runs.
-        if self.mode == "served":
-            self._attach()
-            t = self._phase("attach", t)
-            self.session.start_copy()
-            t_copy = t
-            self._views()
-            reply = self.session.wait_copy(timeout_s=self.timeout_s + 60)
-            self.copy = {"h2d_ms": reply["h2d_ms"], "reply": reply}
-        elif self.mode == "staged":
-            self._stage()
-            t = self._phase("stage_start", t)
-            self.mover = _mover_for(self.device)
-            _warm_copy(self.device, self.mover)
-            t = self._phase("warm", t)
-            self._views()
-            t = time.perf_counter()
-            self.staged.wait()
-            t_copy = self._phase("pin_wait", t)
-            chunks, _ = _bulk_copy_of(self)
-            self.copy = {"h2d_ms": (time.perf_counter() - t_copy) * 1e3, "chunks": chunks,
-                         "pinned": self.staged.pinned, "pin_ms": self.staged.pin_ms}
-            self.release_thread = self.staged.close_in_background()  # the unpin (~170 ms for 8 GB) is nobody's wait
-        else:
-            from .load import _Beside
-            from .stream import stream_image
-
-            side = None
-
-            def start_views():
-                nonlocal side
-                side = _Beside(self._views)
-
-            t_copy = t
-            try:
-                stats = stream_image(self.image.path, self.nbytes, self.arena, self.stream_config,
-                                     on_start=start_views)
-            finally:
-                if side is not None:
-                    side.join()  # the views go with the arena, whether the stream failed or not
-            if side is None:
-                self._views()
-            self.copy = {"h2d_ms": stats.seconds * 1e3, "stats": stats}
+        t = self.phase("arena", t)
+        # Each source starts its copy as soon as it can and builds the views while it runs.
+        t_copy = source.start_prepared(self, t)
         self.copy["started_after_prepare_ms"] = (t_copy - self.started) * 1e3
-        t = self._phase("copy", t_copy)
+        t = self.phase("copy", t_copy)
         if self.verify:  # checked here too, so the load has nothing left but to report it
-            from .load import LoadReport, verify_loaded
-
             checked = LoadReport(mode="", device=str(self.device), rank=self.rank, nbytes=self.nbytes)
             where = f"{self.image.path} (rank {self.rank}) copied into {self.device} by flashboot.prepare"
-            if self.mode == "served":
-                from .client import check_daemon_digests
-
-                check_daemon_digests(self.copy["reply"], self.metadata, where, checked)
-            else:
-                verify_loaded(self.arena, self.metadata, where, checked)
+            source.verify_prepared(self, where, checked)
             self.copy["verified"] = checked.details["verified"]
-            self._phase("verify", t)
+            self.phase("verify", t)
 
-    def _views(self) -> None:
+    def build_views(self) -> None:
+        """The views of the arena, timed as the ``views`` phase (the sources call it while their copy runs)."""
         from .views import make_views
 
         t = time.perf_counter()
         self.tensors = make_views(self.arena, self.metadata)
         self.phases_ms["views"] = (time.perf_counter() - t) * 1e3
-
-    def _choose_mode(self) -> tuple[str, str]:
-        if self.requested_mode != "auto":
-            return self.requested_mode, "asked for"
-        from .service import service_status
-        from .shm import RankSource
-        from .stream import stream_reason
-
-        st = service_status(self.image_dir, self.shm_dir)
-        if st.running and st.serve:
-            return "served", f"a served-load daemon runs (pid {st.pid})"
-        source = RankSource(self.image_dir, self.rank, self.image, self.metadata_sha256)
-        why = stream_reason(self.image_dir, self.rank, source, shm_dir=self.shm_dir)
-        if why is not None:
-            return "stream", why
-        if st.running:
-            return "staged", f"a preloader without --serve runs (pid {st.pid}): pinning its staged copy here"
-        return "staged", "no served-load daemon runs: pinning the staged copy here"
-
-    def _attach(self) -> None:
-        from .client import attach_served, served_ready
-
-        where = str(self.image.metadata_path)
-        served_ready(self.image_dir, self.rank, self.metadata_sha256, where, timeout_s=self.timeout_s,
-                     shm_dir=self.shm_dir)
-        self.session = attach_served(self.arena, image_dir=self.image_dir, rank=self.rank, nbytes=self.nbytes,
-                                     metadata_sha256=self.metadata_sha256, timeout_s=self.timeout_s,
-                                     shm_dir=self.shm_dir, hold_s=self.hold_s, verify=self.verify)
-        self.phases_ms["daemon_map"] = float(self.session.attach_reply.get("map_ms", 0.0))
-
-    def _stage(self) -> None:
-        from .shm import RankSource
-        from .stage import StagedImage
-
-        source = RankSource(self.image_dir, self.rank, self.image, self.metadata_sha256)
-        self.staged = StagedImage(self.image_dir, self.rank, self.device, timeout_s=self.timeout_s,
-                                  shm_dir=self.shm_dir, source=source)
 
     def _release(self) -> None:
         """Release what the preparation holds; only once no copy writes into the arena (the
@@ -365,8 +447,6 @@ class PreparedLoad:
 
     def load(self, *, verify: bool | None = None):
         """``flashboot.load(image_dir, rank, device, prepared=self, verify=verify)``."""
-        from .load import load
-
         return load(self.image_dir, self.rank, self.device, prepared=self, verify=verify)
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
@@ -421,32 +501,6 @@ def _settle_at_exit() -> None:
         handle._thread.join(CLOSE_TIMEOUT_S if handle._thread.is_alive() else 0)
 
 
-def _bulk_copy_of(handle: PreparedLoad):
-    """The staged image -> the arena, in 1 GiB chunks (see :func:`flashboot.flashload.load._bulk_copy`)."""
-    from .load import DEFAULT_CHUNK_BYTES, _bulk_copy
-
-    return _bulk_copy(handle.mover, handle.arena, handle.staged.span(), handle.nbytes, DEFAULT_CHUNK_BYTES)
-
-
-def _warm_copy(device: Device, mover) -> None:
-    """One small pinned H2D on a fresh stream of ``device``: the copy path's first-use costs (the
-    stream, the copy engine's first launch) are paid here, not by the load's first chunk. On the
-    host backend: one copy large enough to compile the host mover's parallel loop."""
-    if not device.is_cuda:
-        import numpy as np
-
-        mover.copy(np.zeros(2 << 20, np.uint8), np.ones(2 << 20, np.uint8), stream=None)
-        return
-    import cupy
-
-    with cupy.cuda.Device(device.index):  # this thread's current device only: the caller's is untouched
-        host = cupy.cuda.alloc_pinned_memory(1 << 16)
-        dev = cupy.cuda.alloc(1 << 16)
-        stream = cupy.cuda.Stream(non_blocking=True)
-        cupy.cuda.runtime.memcpyAsync(dev.ptr, host.ptr, 1 << 16, cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        stream.synchronize()
-
-
 def prepare(image_dir, rank: int = 0, device: Any = None, *, mode: str = "auto", timeout_s: float = 60.0,
             shm_dir=None, tp: int | None = None, ep: int | None = None, expected_key=None,
             hold_s: float | None = None, stream_buffer_bytes=None, verify: bool | None = None) -> PreparedLoad:
@@ -473,4 +527,4 @@ def prepare(image_dir, rank: int = 0, device: Any = None, *, mode: str = "auto",
                         verify=verify)
 
 
-__all__ = ["MODES", "PreparedLoad", "prepare"]
+__all__ = ["MODES", "LoadedImage", "LoadReport", "PreparedLoad", "load", "prepare"]

@@ -1,0 +1,40 @@
+"""Which source a load takes: every registered source is asked in its order
+(:func:`~flashboot.flashload.sources.base.registered_sources`), the first that fits is taken, and
+the others' reasons are kept: the daemon when one serves the image, the disk when nothing is or
+will be staged, the staged copy pinned here otherwise."""
+
+from __future__ import annotations
+
+from ..errors import FlashBootError
+from .sources import Source, registered_sources, source_for_mode
+from .want import Want
+
+
+def choose(want: Want) -> tuple[Source, str, dict[str, str]]:
+    """(the first registered source whose offer fits ``want``, why, why not each one before it)."""
+    why_not: dict[str, str] = {}
+    for source in registered_sources():
+        offer = source.offer(want)
+        if offer.fits:
+            return source, offer.why, why_not
+        why_not[source.name] = offer.why
+    raise FlashBootError(f"no load source fits rank {want.rank} of {want.image_dir}: "
+                         + "; ".join(f"{name}: {why}" for name, why in why_not.items()))
+
+
+def choose_prepared(requested_mode: str, image_dir, rank: int, image, metadata_sha256: str,
+                    shm_dir) -> tuple[Source, str]:
+    """(source, why) for :func:`flashboot.prepare`: the one whose mode was asked for, or
+    (``"auto"``) :func:`choose`'s answer knowing whether a preloader (daemon) runs."""
+    if requested_mode != "auto":
+        return source_for_mode(requested_mode), "asked for"
+    from .service import service_status
+    from .shm import RankSource
+
+    want = Want(image_dir, rank, RankSource(image_dir, rank, image, metadata_sha256), shm_dir=shm_dir,
+                daemon=service_status(image_dir, shm_dir))
+    source, why, _ = choose(want)
+    return source, why
+
+
+__all__ = ["choose", "choose_prepared"]

@@ -1,0 +1,188 @@
+"""The disk source: the image file streamed straight into the arena through the bounded ring of
+:mod:`flashboot.flashload.stream`, when nothing is or will be staged in shared memory (no
+preloader runs, it stages other ranks, the staged copy is of another pre-pack, or shared memory
+cannot hold the image). Waiting for a ``.ready`` file nobody will write would only end in a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ...errors import LayoutError
+from ...memory import Device
+from ..landing import Beside, timed_views, verify_loaded
+from ..report import LoadedImage
+from ..stream import StreamConfig, StreamStats, stream_image
+from ..want import LoadRequest, Want
+from .base import Offer, Source, register_source
+
+
+# ============================================================================ when to stream
+def _shm_free_bytes(path) -> tuple[int, str]:
+    """Free bytes of the filesystem that holds ``path`` (its nearest existing ancestor)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize, p
+
+
+def stream_reason(image_dir, rank: int, source, *, shm_dir=None, stream: bool | None = None) -> str | None:
+    """Why a load of rank ``rank`` should stream from disk; None when it should use (or wait for)
+    the staged copy in shared memory.
+
+    ``stream``: True always streams, False never does (the load waits for ``.ready`` as before),
+    None decides: use the staged copy when its ``.ready`` is there and of this pre-pack; wait for
+    it only when a preloader runs, stages this rank and shared memory can hold it (or it is
+    already writing it); stream otherwise.
+    """
+    from ..shm import _read_pid_file, _running_pid, check_ready, pid_file, read_ready, staged_paths
+
+    if stream is True:
+        return "stream=True was asked"
+    if stream is False:
+        return None
+    paths = staged_paths(image_dir, rank, shm_dir)
+    try:
+        check_ready(read_ready(paths.ready), source)
+        return None
+    except FileNotFoundError:
+        staged = f"rank {rank} is not staged"
+    except LayoutError as exc:
+        staged = f"its staged copy is unusable ({exc})"
+    nbytes = source.nbytes
+    free, where = _shm_free_bytes(paths.dir)
+    room = nbytes <= free
+    no_room = f"{where} has {free:,} bytes free, the image needs {nbytes:,}"
+    pid = _running_pid(pid_file(image_dir, shm_dir))
+    if pid is None:
+        return f"no preloader runs for {image_dir} and {staged}" + ("" if room else f"; {no_room}")
+    ranks = (_read_pid_file(pid_file(image_dir, shm_dir)) or {}).get("ranks")
+    if ranks is not None and rank not in ranks:
+        return f"the preloader (pid {pid}) stages ranks {ranks}, not rank {rank}"
+    if staged.startswith("its staged copy"):
+        return f"{staged}; the preloader (pid {pid}) does not replace it"
+    if paths.partial.exists() or room:
+        return None  # the preloader is writing it, or will: wait for .ready
+    return f"the preloader (pid {pid}) cannot stage rank {rank}: {no_room}"
+
+
+# ============================================================================ the load
+def report_stream(report, stats: StreamStats, reason: str, nbytes: int) -> None:
+    """Fill a :class:`~flashboot.flashload.report.LoadReport` with what a streamed load did: the read
+    rate, the ring's size and peak, and how much faster the copy of a staged image would be."""
+    from ...units import format_bytes
+
+    report.pin_ms = stats.pin_ms
+    report.h2d_ms = stats.seconds * 1e3
+    report.overlapped = ["bind"]
+    report.chunks = stats.chunks
+    staged_ms = nbytes / (stats.copy_gbps * 1e9) * 1e3 if stats.copy_s > 0 else 0.0
+    faster = report.h2d_ms / staged_ms if staged_ms > 0 else float("inf")
+    report.details.update(
+        streamed_from_disk=True, stream_reason=reason, io_mode=stats.io_mode, io_reason=stats.io_reason,
+        read_gbps=stats.read_gbps, buffer_bytes=stats.buffer_bytes, buffer_cap_bytes=stats.buffer_cap_bytes,
+        peak_buffer_bytes=stats.peak_buffer_bytes, slots=stats.slots, slot_bytes=stats.slot_bytes,
+        threads=stats.threads, bulk_copy_gbps=stats.copy_gbps, staged_copy_ms_estimate=staged_ms,
+        staged_speedup_estimate=faster,
+        note=(f"streamed from disk ({stats.io_mode}) because {reason}: read {stats.read_gbps:.2f} GB/s through "
+              f"a {format_bytes(stats.buffer_bytes)} ring (peak {format_bytes(stats.peak_buffer_bytes)} in use, "
+              f"cap {format_bytes(stats.buffer_cap_bytes)}); staged, the copy would take ~{staged_ms:.1f} ms "
+              f"at {stats.copy_gbps:.1f} GB/s ({faster:.1f}x faster): run `flashboot preload`"))
+
+
+def load_streamed(source, dev: Device, report, t_start: float, *, reason: str, config: StreamConfig | None,
+                  verify: bool):
+    """The rest of :func:`flashboot.load` for a rank read straight from disk (``source``: the
+    validated :class:`~flashboot.flashload.shm.RankSource`; ``report`` has its metadata time).
+
+    The arena is created, the image streamed into it while the views are built, then (``verify``)
+    its chunk checksums recomputed. A failure releases the arena and the ring; no view is
+    returned. The report says it streamed, why, the read rate, the ring's size and peak, and the
+    copy time a staged load would have (the bulk copy rate measured on the ring's own copies).
+    """
+    from ...arena import Arena
+
+    config = StreamConfig.of(config)
+    meta = source.metadata
+    nbytes = source.nbytes
+    report.mode = "streamed from disk"
+    arena = None
+    side = None
+    try:
+        t0 = time.perf_counter()
+        arena = Arena.create(nbytes, dev)
+        arena.bytes()  # its flat tensor made here, not in the views' thread (torch/CuPy device state is per thread)
+        report.alloc_ms = (time.perf_counter() - t0) * 1e3
+
+        def start_views():
+            nonlocal side
+            side = Beside(lambda: timed_views(arena, meta, report))
+
+        try:
+            stats = stream_image(source.path, nbytes, arena, config, on_start=start_views)
+        except BaseException:
+            if side is not None:
+                try:
+                    side.join()  # the views go with the arena
+                except BaseException:
+                    pass  # the stream's error is the one to report
+            raise
+        views = side.join() if side is not None else timed_views(arena, meta, report)
+        report_stream(report, stats, reason, nbytes)
+        if verify:
+            verify_loaded(arena, meta, f"{source.path} (rank {source.rank}) streamed into {dev}", report)
+    except BaseException:
+        if arena is not None and not arena.closed:
+            arena.close()
+        raise
+    report.total_ms = (time.perf_counter() - t_start) * 1e3
+    return LoadedImage(arena, views, meta, report, source)
+
+
+# ============================================================================ the source
+@register_source
+class DiskSource(Source):
+    """The image file streamed into the arena through the bounded ring."""
+
+    name, mode, order = "disk", "stream", 1
+
+    def offer(self, want: Want) -> Offer:
+        why = stream_reason(want.image_dir, want.rank, want.source, shm_dir=want.shm_dir, stream=want.stream)
+        return Offer(True, why) if why is not None else Offer(False, "the staged copy is (or will be) in shared memory")
+
+    def load(self, request: LoadRequest, rank_source, report, why: str) -> LoadedImage:
+        return load_streamed(rank_source, request.device, report, request.t_start, reason=why,
+                             config=request.stream_config, verify=request.verify)
+
+    def start_prepared(self, handle, t: float) -> float:
+        """The reads start at once; the views are built beside them (the arena exists)."""
+        side = None
+
+        def start_views():
+            nonlocal side
+            side = Beside(handle.build_views)
+
+        t_copy = t
+        try:
+            stats = stream_image(handle.image.path, handle.nbytes, handle.arena, handle.stream_config,
+                                 on_start=start_views)
+        finally:
+            if side is not None:
+                side.join()  # the views go with the arena, whether the stream failed or not
+        if side is None:
+            handle.build_views()
+        handle.copy = {"h2d_ms": stats.seconds * 1e3, "stats": stats}
+        return t_copy
+
+    def report_prepared(self, report, prepared, dev: Device) -> None:
+        report.mode = "streamed from disk, prepared"
+        report_stream(report, prepared.copy["stats"], prepared.why, report.nbytes)
+        report.overlapped = ["h2d"]
+
+
+__all__ = ["DiskSource", "load_streamed", "report_stream", "stream_reason"]

@@ -1,0 +1,138 @@
+"""What a load asks for, checked before any byte moves: the options that exclude each other, a
+``staged=`` handle of the right rank, the job's tp/ep/key, and whether it verifies by default."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import FlashBootError, LayoutError
+from ..memory import Device
+
+
+def check_staged(staged, image_dir, rank: int) -> None:
+    """FlashBootError unless ``staged`` is None or a :func:`flashboot.stage` handle of this rank and image."""
+    from .stage import StagedImage
+
+    if staged is not None:
+        if not isinstance(staged, StagedImage):
+            raise FlashBootError(f"staged must come from flashboot.stage(), got {type(staged).__name__}")
+        if staged.rank != rank or os.path.realpath(staged.image_dir) != os.path.realpath(image_dir):
+            raise FlashBootError(f"staged image is rank {staged.rank} of {staged.image_dir}; load asked for rank "
+                                 f"{rank} of {image_dir}")
+
+
+VERIFY_BY_DEFAULT_ON_HOST = False
+"""The host backend's checksum (numba) runs at about half the host copy's rate (1.2 vs 2.5-3 GB/s
+on 2 cores), so checking costs ~2x the load there: opt in with ``verify=True``. On CUDA the kernel
+runs ~2.7 TB/s against a ~54 GB/s H2D (2 % of the load), but its first call in a process costs
+~1 s (Triton's import, launcher, cache; 0.95-1.3 s on the H200 machine): so a served load is
+verified by default by the daemon, which warmed its kernel once, and an in-process load only
+where this process has run the kernel already."""
+
+
+def verify_default(dev: Device, *, by_daemon: bool) -> tuple[bool, str]:
+    """Whether a load verifies when the caller did not say; when not, why (the report's
+    ``verify_skipped``). ``by_daemon``: the served-load daemon computes the digests."""
+    if not dev.is_cuda:
+        return VERIFY_BY_DEFAULT_ON_HOST, ("off by default on the host backend, where it costs ~2x the copy; "
+                                           "verify=True checks")
+    from flashboot.kernels.checksum import gpu_checksum_loaded
+
+    if by_daemon or gpu_checksum_loaded(dev.index):
+        return True, ""
+    return False, ("off by default for a load in this process: the checksum kernel's first call in a process "
+                   "costs ~1 s, more than the load (a served load is verified by the daemon); verify=True checks")
+
+
+def check_job_request(mf, *, tp, ep, expected_key) -> None:
+    """LayoutError where the job file (``prepack.json``) says the image is not what the caller
+    expects: the checks of :func:`flashboot.layouts.image.check_request` that need no tensor table."""
+    from flashboot.layouts.image import JOB_FILE, check_key
+
+    key, where = mf.job.key, str(mf.job.path / JOB_FILE)
+    if tp is not None and tp != key.tp_size:
+        raise LayoutError(f"{where}: packed for tp={key.tp_size}, requested tp={tp}")
+    if ep is not None and ep != key.ep_size:
+        raise LayoutError(f"{where}: packed for ep={key.ep_size}, requested ep={ep}")
+    check_key(key, where, expected_key)
+
+
+@dataclass
+class LoadRequest:
+    """One call of :func:`flashboot.load` (no ``holder=``), its options checked once by
+    :func:`load_request`: what every source's plain load reads. ``verify`` is None only for a
+    prepared load (the handle chose when it knew its source); ``why_not_verified`` is the report's
+    ``verify_skipped`` otherwise. ``stream_config`` is set once the choice of source needs it."""
+
+    image_dir: Any
+    rank: int
+    device: Device
+    t_start: float
+    timeout_s: float
+    verify: bool | None
+    why_not_verified: str
+    shm_dir: Any
+    chunk_bytes: int
+    tp: int | None
+    ep: int | None
+    expected_key: Any
+    served: bool
+    staged: Any
+    stream: bool | None
+    stream_buffer_bytes: Any
+    prepared: Any
+    stream_config: Any = None
+
+
+def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, served: bool, staged, prepared,
+                 verify: bool | None, shm_dir, chunk_bytes: int, tp, ep, expected_key, stream: bool | None,
+                 stream_buffer_bytes, prepared_class: type) -> LoadRequest:
+    """The options of :func:`flashboot.load` checked (LayoutError for a bad rank, FlashBootError
+    naming the options that exclude each other, a bad ``staged=`` or a ``prepared=`` that is no
+    ``prepared_class``), the device parsed and the default of ``verify`` chosen (see
+    :func:`verify_default`)."""
+    dev = Device.parse(device)
+    why_not = ""
+    if verify is not None:
+        verify, why_not = bool(verify), "verify=False"
+    elif prepared is None:  # a prepared handle chose when it knew its source: the load takes its choice
+        verify, why_not = verify_default(dev, by_daemon=served)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
+    if chunk_bytes <= 0:
+        raise FlashBootError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if served and staged is not None:
+        raise FlashBootError("served=True and staged= exclude each other: the daemon holds the pinned image")
+    if stream and (served or staged is not None):
+        raise FlashBootError("stream=True excludes served=True and staged=: a streamed load reads the image from disk")
+    check_staged(staged, image_dir, rank)
+    if prepared is not None:
+        if not isinstance(prepared, prepared_class):
+            raise FlashBootError(f"prepared must come from flashboot.prepare(), got {type(prepared).__name__}")
+        if served or staged is not None or stream:
+            raise FlashBootError("prepared= excludes served=, staged= and stream=: the handle already chose its mode "
+                                 f"({prepared.requested_mode})")
+    return LoadRequest(image_dir, rank, dev, t_start, timeout_s, verify, why_not, shm_dir, chunk_bytes, tp, ep,
+                       expected_key, bool(served), staged, stream, stream_buffer_bytes, prepared)
+
+
+@dataclass(frozen=True)
+class Want:
+    """What the choice of a source looks at (:mod:`flashboot.flashload.choose`): the image and
+    rank, where the preloader stages (``shm_dir``), the caller's ``stream=`` (True, False or
+    None: decide), the validated :class:`~flashboot.flashload.shm.RankSource` and the preloader's
+    status (None where the caller did not ask for it: a plain load takes the daemon only when
+    ``served=True`` says so)."""
+
+    image_dir: str
+    rank: int
+    source: Any
+    shm_dir: Any = None
+    stream: bool | None = None
+    daemon: Any = None
+
+
+__all__ = ["VERIFY_BY_DEFAULT_ON_HOST", "LoadRequest", "Want", "check_job_request", "check_staged", "load_request",
+           "verify_default"]
