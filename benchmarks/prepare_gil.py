@@ -42,10 +42,10 @@ def _child(spec: dict) -> dict:
     import io
     import pstats
 
-    from flashboot.flashload import boot
+    from flashboot.flashload.pipeline import PreparedLoad
 
     profile = cProfile.Profile()
-    run, phase, views = boot.PreparedLoad._run, boot.PreparedLoad._phase, boot.PreparedLoad._views
+    run, phase, views = PreparedLoad._run, PreparedLoad.phase, PreparedLoad.build_views
     cpu_ms: dict[str, float] = {}
     last = [0.0]
 
@@ -70,7 +70,7 @@ def _child(spec: dict) -> dict:
         views(self)
         cpu_ms["views"] = (time.thread_time() - t) * 1e3
 
-    boot.PreparedLoad._run, boot.PreparedLoad._phase, boot.PreparedLoad._views = profiled, timed_phase, timed_views
+    PreparedLoad._run, PreparedLoad.phase, PreparedLoad.build_views = profiled, timed_phase, timed_views
     from flashboot.benchmarks.boot_e2e import child
 
     out = child({**spec, "what": "boot", "early": True})

@@ -115,8 +115,8 @@ class ServedSource(Source):
                            shm_dir=r.shm_dir, tp=r.tp, ep=r.ep, expected_key=r.expected_key)
 
     def start_prepared(self, handle, t: float) -> float:
-        """The arena is attached to the daemon, which maps it and is asked for its H2D at once;
-        the views are built while it copies."""
+        """The arena is attached to the daemon, which is asked for its H2D at once (it maps the
+        segments piece by piece during the copy); the views are built while it copies."""
         from ..client import attach_served, served_ready
 
         served_ready(handle.image_dir, handle.rank, handle.metadata_sha256, str(handle.image.metadata_path),
