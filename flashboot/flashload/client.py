@@ -371,9 +371,9 @@ def check_daemon_digests(reply: dict, metadata, where: str, report=None) -> int:
 
     digests, chunk_bytes = reply.get("digests"), reply.get("checksum_chunk_bytes")
     want = metadata.checksums.chunk_bytes
-    if not isinstance(digests, list) or not all(isinstance(d, int) for d in digests):
-        raise RendezvousError(f"{where}: the preloader's reply carries no chunk digests although verify was asked "
-                              "(an older preloader? restart it)")
+    if not isinstance(digests, list) or not all(type(d) is int and 0 <= d < 1 << 64 for d in digests):
+        raise RendezvousError(f"{where}: the preloader's reply carries no chunk digests (64-bit unsigned ints) "
+                              "although verify was asked (an older preloader? restart it)")
     if chunk_bytes != want:
         raise RendezvousError(f"{where}: the preloader digested chunks of {chunk_bytes} bytes, the metadata records "
                               f"{want:,}")
