@@ -491,13 +491,13 @@ def test_served_copy_pieces_cover_the_image_in_whole_checksum_chunks(monkeypatch
     digests, concatenated, are the image's."""
     import numpy as np
 
-    from flashboot.flashload import server
+    from flashboot.flashload import serve_copy
     from flashboot.kernels.checksum import chunk_checksums_host
 
-    monkeypatch.setattr(server, "SERVE_CHUNK_BYTES", serve_chunk_bytes)
+    monkeypatch.setattr(serve_copy, "SERVE_CHUNK_BYTES", serve_chunk_bytes)
     raw = np.random.default_rng(1).integers(0, 256, 50_003, dtype=np.uint8)
     for chunk_bytes in (1024, 4096, 3000, 1 << 15, 1 << 17):
-        pieces = server.serve_pieces(raw.size, chunk_bytes)
+        pieces = serve_copy.serve_pieces(raw.size, chunk_bytes)
         assert [off for off, _ in pieces] == list(np.cumsum([0] + [n for _, n in pieces[:-1]]))
         assert sum(n for _, n in pieces) == raw.size
         assert all(n % chunk_bytes == 0 and n <= max(serve_chunk_bytes, chunk_bytes) for _, n in pieces[:-1])

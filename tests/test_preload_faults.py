@@ -353,9 +353,9 @@ def test_gpu_a_verifying_served_copy_digests_piece_by_piece_and_names_a_flipped_
     here, so ~11 of them): the digests it returns are the image's, a byte flipped in a later piece
     is named by its chunk, and the stage-time warm-up ran without a logged failure."""
     from flashboot.errors import ChecksumMismatchError
-    from flashboot.flashload import server
+    from flashboot.flashload import serve_copy
 
-    monkeypatch.setattr(server, "SERVE_CHUNK_BYTES", 3 * 4096)  # the daemon runs in this process (a thread)
+    monkeypatch.setattr(serve_copy, "SERVE_CHUNK_BYTES", 3 * 4096)  # the daemon runs in this process (a thread)
     shm = tmp_path / "shm"
     daemon = Daemon(image, shm, devices={0: "cuda:0"})
     try:
