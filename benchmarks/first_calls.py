@@ -3,13 +3,17 @@ checksum kernel's first call.
 
 ``python -m flashboot.benchmarks.first_calls views IMAGE_DIR... --device D``: for each image, a
 parent process creates and exports an arena of its size (what ``flashboot hold`` keeps), then a
-fresh child (CUDA context made, ``flashboot`` imported, as an engine restarting) times
-``Arena.open`` of it (what ``open_held`` does), the strict metadata read (``tensors.bin``) and
-the views, and reports each and microseconds per tensor, against the target 20 ms + 2 us/tensor.
+fresh child (CUDA context made, ``flashboot`` imported and the loader's import warm-up run, as
+an engine restarting whose plugin ran it at start; ``warm_ms`` reports it) times ``Arena.open`` of
+it and the mapping of every segment (what ``open_held`` does: ``open_ms``, split into the first
+segment at open and ``map_rest_ms``), the strict metadata read (``tensors.bin``) and the views,
+and reports each and microseconds per tensor, against the target 20 ms + 2 us/tensor.
+``--view-threads N``: the views made by N threads (:data:`flashboot.flashload.views.VIEW_THREADS`).
 
 ``python -m flashboot.benchmarks.first_calls checksum --device D``: a fresh child times the import
-of the checksum and its first call on 64 MiB of the device, then a second call; run it with an
-empty ``TRITON_CACHE_DIR`` for the cold compile, and again for the cached one.
+of the checksum and its first call on 64 MiB of the device, then a second call, and whether
+Triton was imported; run it with an empty ``FLASHBOOT_KERNEL_CACHE`` and ``TRITON_CACHE_DIR`` for
+the cold compile, and after ``flashboot warm`` for the cubin launched without Triton.
 
 Both print one JSON line per measurement.
 """
@@ -32,29 +36,40 @@ def _context(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _views_child(image: str, device: str, descriptor: dict) -> dict:
+def _views_child(image: str, device: str, descriptor: dict, threads: int) -> dict:
     _context(device)
     import flashboot  # noqa: F401
     from flashboot.arena import Arena, ArenaDescriptor
     from flashboot.flashload.views import make_views
+    from flashboot.flashload.warm import import_loader
     from flashboot.layouts.image import open_image, read_metadata_file
 
+    warm_ms = import_loader(device)  # what the engine plugins run at engine start, before any load
     t0 = time.perf_counter()
     desc = ArenaDescriptor.from_dict(descriptor)
-    arena = Arena.open(desc) if desc.backend == "host" else Arena.open(desc, device)
+    timings: dict = {}
+    arena = Arena.open(desc, timings=timings) if desc.backend == "host" else Arena.open(desc, device, timings=timings)
+    t_open = time.perf_counter()
+    arena.map_range()  # as restart's _open_held: every segment mapped before the views
     t1, c1 = time.perf_counter(), time.thread_time()  # CPU time too: on a busy machine the wall time is not ours
     meta = open_image(read_metadata_file(image, 0), 0).metadata
     t2, c2 = time.perf_counter(), time.thread_time()
-    views = make_views(arena, meta)
+    arena.bytes()  # the flat tensor the views are made of (torch wraps the range once): timed apart
+    t_flat = time.perf_counter()
+    views = make_views(arena, meta, threads=threads)
     t3, c3 = time.perf_counter(), time.thread_time()
-    again = make_views(arena, meta)
+    again = make_views(arena, meta, threads=threads)
     t4 = time.perf_counter()
     n = len(views)
     del views, again
+    map_stats = arena.map_stats
     arena.close()
     total_ms = (t3 - t0) * 1e3
-    return {"image": image, "tensors": n, "open_ms": (t1 - t0) * 1e3, "metadata_ms": (t2 - t1) * 1e3,
-            "views_ms": (t3 - t2) * 1e3, "views_us_per_tensor": (t3 - t2) * 1e6 / max(n, 1),
+    return {"image": image, "tensors": n, "view_threads": threads, "warm_ms": warm_ms, "open_ms": (t1 - t0) * 1e3,
+            "open_first_segment_ms": (t_open - t0) * 1e3, "map_rest_ms": (t1 - t_open) * 1e3,
+            "segments": desc.segments, "open_timings_ms": {k: round(v, 3) for k, v in timings.items()},
+            "map_stats": map_stats, "metadata_ms": (t2 - t1) * 1e3,
+            "views_ms": (t3 - t2) * 1e3, "views_flat_ms": (t_flat - t2) * 1e3, "views_us_per_tensor": (t3 - t2) * 1e6 / max(n, 1),
             "views_second_us_per_tensor": (t4 - t3) * 1e6 / max(n, 1), "restart_ms": total_ms,
             "restart_target_ms": 20 + 2e-3 * n, "metadata_us_per_tensor": (t2 - t1) * 1e6 / max(n, 1),
             "metadata_cpu_ms": (c2 - c1) * 1e3, "views_cpu_us_per_tensor": (c3 - c2) * 1e6 / max(n, 1)}
@@ -76,7 +91,8 @@ def _checksum_child(device: str) -> dict:
     chunk_checksums(buf, 1 << 20)
     t3 = time.perf_counter()
     return {"device": device, "import_ms": (t1 - t0) * 1e3, "first_call_ms": (t2 - t1) * 1e3,
-            "second_call_ms": (t3 - t2) * 1e3, "first_call_with_import_ms": (t2 - t0) * 1e3}
+            "second_call_ms": (t3 - t2) * 1e3, "first_call_with_import_ms": (t2 - t0) * 1e3,
+            "triton_imported": "triton" in sys.modules}
 
 
 def _child(args: list[str]) -> dict:
@@ -87,7 +103,7 @@ def _child(args: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def views(images: list[str], device: str) -> list[dict]:
+def views(images: list[str], device: str, threads: int = 1) -> list[dict]:
     """One fresh child per image; see the module docstring."""
     from flashboot.arena import Arena
     from flashboot.layouts import read_image
@@ -96,7 +112,7 @@ def views(images: list[str], device: str) -> list[dict]:
     for image in images:
         nbytes = read_image(image, 0).nbytes
         with Arena.create(nbytes, device) as arena:
-            out.append(_child(["views", image, device, json.dumps(arena.export().to_dict())]))
+            out.append(_child(["views", image, device, json.dumps(arena.export().to_dict()), str(threads)]))
     return out
 
 
@@ -104,15 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
         kind = argv[1]
-        res = _views_child(argv[2], argv[3], json.loads(argv[4])) if kind == "views" else _checksum_child(argv[2])
+        res = (_views_child(argv[2], argv[3], json.loads(argv[4]), int(argv[5])) if kind == "views"
+               else _checksum_child(argv[2]))
         print(json.dumps(res))
         return 0
     p = argparse.ArgumentParser(prog="python -m flashboot.benchmarks.first_calls", description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["views", "checksum"])
     p.add_argument("images", nargs="*")
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--view-threads", type=int, default=1, help="threads that make the views (views.make_views)")
     args = p.parse_args(argv)
-    rows = views(args.images, args.device) if args.what == "views" else [_child(["checksum", args.device])]
+    rows = views(args.images, args.device, args.view_threads) if args.what == "views" else [_child(["checksum", args.device])]
     for row in rows:
         print(json.dumps(row))
     return 0 if all("error" not in r for r in rows) else 1

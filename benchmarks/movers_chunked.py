@@ -16,11 +16,20 @@ pass with the stream held by a spin kernel while the host issues: work issued ah
 pipeline issues it). When issuing is slower than copying, ``gpu_ms`` grows with ``host_ms``:
 the comparison of the two says which side bounds a mode.
 
+The copy engine's batch merges runs of chunks contiguous in both ranges into one copy (as NIXL
+and UCX do with descriptor lists), so its ``copy_engine`` batched row of an in-order chunk list
+issues one copy (``copies`` says how many went out); ``copy_engine unmerged`` keeps one copy per
+chunk, which shows the engine's per-copy cost (~5 us of device time on an H200), also spread
+over 4 and 8 streams. The SM descriptor-table kernel is the ``triton_sm`` batched row.
+
 Also measured: the host cost of one ``mover.copy`` (2,000 back-to-back 4 KiB copies), a copy
 that checksums what it writes against a plain SM copy (digests compared with the checksum
-kernel's), and a chain of three arenas on one GPU (seed -> c1 -> c2): the flag-driven kernels
-against the copy engine ordered by stream memory operations (cuStreamWaitValue32 /
-cuStreamWriteValue32), on the same chunks.
+kernel's), two copies at once on one GPU per mover a chain uses (``concurrent``: the aggregate
+two hops share there, which the chunk-size notebook's model reads), and a chain of three arenas
+on one GPU (seed -> c1 -> c2): the flag-driven kernels against the copy engine ordered by stream
+memory operations (cuStreamWaitValue32 / cuStreamWriteValue32), on the same chunks, each beside
+its first hop alone on the same plan and the two hops' aggregate; with two GPUs also the flag
+chain seed (GPU 0) -> c1 (GPU 1) -> c2 (GPU 0), whose hops are P2P.
 """
 
 from __future__ import annotations
@@ -31,8 +40,11 @@ from dataclasses import dataclass, field
 MiB, GiB = 1 << 20, 1 << 30
 DEFAULT_CHUNKS = (256 << 10, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 PER_CALL_COPIES = 2000
-CE_STREAMS = 4
-"""Streams the copy engine's extra batched row spreads a batch over (several copy engines at once)."""
+CE_STREAMS = (4, 8)
+"""Streams the copy engine's extra batched rows spread a batch over (several copy engines at once)."""
+REPORT_FORMAT = 2
+"""2: rows carry ``copies``; ``concurrent`` rows; chain rows carry ``model``, ``hops``, ``devices``,
+the hop alone and the aggregate. :func:`load_report` reads format 1 too."""
 FUSED_KNOBS = ({}, {"programs_per_sm": 2}, {"programs_per_sm": 6}, {"block_words": 2048, "num_warps": 8, "programs_per_sm": 2})
 """Copy + checksum: the defaults first, then a few other grids (the GPU decides; the first row is the default's)."""
 
@@ -48,6 +60,7 @@ class ChunkRow:
     gbps: float
     ratio: float  # gbps / the single-copy ceiling of the same run
     verified: bool
+    copies: int = 0  # copies or launches issued for all chunks (a merged batch issues fewer copies than chunks)
 
 
 @dataclass
@@ -58,7 +71,10 @@ class ChunkedReport:
     per_call_us: dict[str, float] = field(default_factory=dict)  # mover -> host µs per mover.copy (4 KiB)
     rows: list[ChunkRow] = field(default_factory=list)
     checksum: list[dict] = field(default_factory=list)
+    concurrent: list[dict] = field(default_factory=list)
     chain: list[dict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # a section that raised: named here, and the run fails
+    format: int = REPORT_FORMAT
 
     @property
     def ceiling_gbps(self) -> float:
@@ -145,10 +161,14 @@ def run(total: int = GiB, chunk_sizes=DEFAULT_CHUNKS, movers: list[str] | None =
         report = ChunkedReport(total, _ceiling(dst, src, total, stream, repeats), 0.0)
         for name in names:
             report.per_call_us[name] = per_call_cost_us(create_mover(name), dst, src, stream)
-        # (row label, mover, its options, modes): the copy engine also batched over 4 streams
+        # (row label, mover, its options, modes): the copy engine also unmerged, and over several streams
         variants = [(name, name, {}, ("per_call", "batched")) for name in names]
         if "copy_engine" in names:
-            variants.append((f"copy_engine x{CE_STREAMS} streams", "copy_engine", {"batch_streams": CE_STREAMS},
+            variants.append(("copy_engine unmerged", "copy_engine", {"merge_contiguous": False}, ("batched",)))
+            for k in CE_STREAMS:
+                variants.append((f"copy_engine unmerged x{k} streams", "copy_engine",
+                                 {"batch_streams": k, "merge_contiguous": False}, ("batched",)))
+            variants.append((f"copy_engine x{CE_STREAMS[0]} streams", "copy_engine", {"batch_streams": CE_STREAMS[0]},
                              ("batched",)))
         for chunk in chunk_sizes:
             chunks = [(o, o, min(chunk, total - o)) for o in range(0, total, chunk)]
@@ -161,8 +181,9 @@ def run(total: int = GiB, chunk_sizes=DEFAULT_CHUNKS, movers: list[str] | None =
 
                 issuers = {"per_call": per_call, "batched": lambda s, batch=batch: batch.run(stream=s)}
                 for mode in modes:
+                    copies = len(chunks) if mode == "per_call" else getattr(batch.prepared, "copies", 1)
                     report.rows.append(_row(label, mode, chunk, len(chunks), issuers[mode], stream, repeats, dst,
-                                            expected, total))
+                                            expected, total, copies))
             flags = torch.ones(len(chunks), dtype=torch.int32, device="cuda:0")
             done = torch.zeros_like(flags)
             flag_copy = FlagChainCopy(dst, src, chunk, ready=flags, done=done)
@@ -171,18 +192,41 @@ def run(total: int = GiB, chunk_sizes=DEFAULT_CHUNKS, movers: list[str] | None =
                 flag_copy.launch(1, stream=s, timeout_s=30.0)  # the ready flags stay at 1: every chunk is ready
 
             report.rows.append(_row("flag_kernel", "flag", chunk, len(chunks), flag_issue, stream, repeats, dst,
-                                    expected, total))
-        report.checksum = _checksum_rows(dst, src, total, checksum_chunk, stream, repeats, chunk_checksums)
+                                    expected, total, 1))
+        report.checksum = _section(report, "copy + checksum", lambda: _checksum_rows(
+            dst, src, total, checksum_chunk, stream, repeats, chunk_checksums))
+        report.concurrent = _section(report, "two copies at once", lambda: concurrent_rows(
+            dst, src, total, chain_chunk, stream, repeats, expected))
         report.ceiling_gbps_after = _ceiling(dst, src, total, stream, repeats)
     ceiling = report.ceiling_gbps
     for r in report.rows:
         r.ratio = r.gbps / ceiling
+    for c in report.concurrent:
+        c["ratio"] = c["aggregate_gbps"] / ceiling
     if chain_bytes:
-        report.chain = chain_rows(chain_bytes, chain_chunk, repeats=max(1, repeats // 2), ceiling_gbps=ceiling)
+        chain_repeats = max(1, repeats // 2)
+        report.chain = _section(report, "chain on one GPU", lambda: chain_rows(
+            chain_bytes, chain_chunk, repeats=chain_repeats, ceiling_gbps=ceiling))
+        if torch.cuda.device_count() >= 2:
+            report.chain += _section(report, "chain over two GPUs", lambda: chain_rows(
+                chain_bytes, chain_chunk, repeats=chain_repeats, devices=(0, 1, 0)))
     return report
 
 
-def _row(name, mode, chunk, n_chunks, issue, stream, repeats, dst, expected, total) -> ChunkRow:
+def _section(report: ChunkedReport, name: str, measure) -> list[dict]:
+    """``measure()``'s rows; a section that raises leaves its rows out and its error in
+    ``report.errors`` (printed, in the JSON, and the run fails), so the rows measured before it
+    still come back from a one-shot GPU run."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - reported, not swallowed: verified() fails on it
+        import traceback
+
+        report.errors.append(f"{name}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}")
+        return []
+
+
+def _row(name, mode, chunk, n_chunks, issue, stream, repeats, dst, expected, total, copies) -> ChunkRow:
     import torch
 
     from flashboot.kernels.checksum import checksum
@@ -192,7 +236,58 @@ def _row(name, mode, chunk, n_chunks, issue, stream, repeats, dst, expected, tot
     host_ms, gpu_ms = _timed(issue, stream, repeats)
     stream.synchronize()
     gbps = total / (gpu_ms * 1e-3) / 1e9
-    return ChunkRow(name, mode, chunk, n_chunks, host_ms, gpu_ms, gbps, 0.0, checksum(dst) == expected)
+    return ChunkRow(name, mode, chunk, n_chunks, host_ms, gpu_ms, gbps, 0.0, checksum(dst) == expected, copies)
+
+
+def concurrent_rows(dst, src, total: int, chunk: int, stream, repeats: int, expected: int) -> list[dict]:
+    """Two copies at once on one GPU, each of half the bytes on a stream of its own, per mover a
+    chain uses (``copy_engine``; ``flag_kernel``: two flag-driven kernels, every flag raised) and
+    ``triton_sm``: the aggregate GB/s they reach together is what two hops of a chain share on
+    that GPU (the chunk-size notebook's model reads it)."""
+    import statistics
+
+    import torch
+
+    from flashboot.kernels.checksum import checksum
+    from flashboot.kernels.flag_copy import FlagChainCopy
+    from flashboot.movers import create_mover
+
+    half = total // 32 * 16  # 16-byte aligned halves (the flag kernel's requirement)
+    parts = [(dst[:half], src[:half]), (dst[half:total], src[half:total])]
+    s1, s2 = torch.cuda.Stream(device=0), torch.cuda.Stream(device=0)
+    ce, sm = create_mover("copy_engine"), create_mover("triton_sm")
+    flags = []
+    for d, s in parts:
+        n = -(-d.numel() // chunk)
+        flags.append(FlagChainCopy(d, s, chunk, ready=torch.ones(n, dtype=torch.int32, device="cuda:0"),
+                                   done=torch.zeros(n, dtype=torch.int32, device="cuda:0")))
+    issuers = {
+        "copy_engine": lambda: [ce.copy(d, s, stream=st) for (d, s), st in zip(parts, (s1, s2))],
+        "flag_kernel": lambda: [f.launch(1, stream=st, timeout_s=30.0) for f, st in zip(flags, (s1, s2))],
+        "triton_sm": lambda: [sm.copy(d, s, stream=st) for (d, s), st in zip(parts, (s1, s2))],
+    }
+    out = []
+    for mover, issue in issuers.items():
+        dst.fill_(0xAB)
+        torch.cuda.synchronize()
+        samples = []
+        for rep in range(repeats + 1):  # the first run warms up
+            _gate(stream)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            s1.wait_event(start)
+            s2.wait_event(start)
+            issue()
+            stream.wait_stream(s1)
+            stream.wait_stream(s2)
+            end.record(stream)
+            end.synchronize()
+            if rep:
+                samples.append(start.elapsed_time(end))
+        ms = statistics.median(samples)
+        out.append({"mover": mover, "copies": 2, "nbytes": total, "gpu_ms": ms, "aggregate_gbps": total / ms / 1e6,
+                    "ratio": 0.0, "verified": checksum(dst) == expected})
+    return out
 
 
 def _checksum_rows(dst, src, total, chunk, stream, repeats, chunk_checksums) -> list[dict]:
@@ -222,8 +317,23 @@ def _checksum_rows(dst, src, total, chunk, stream, repeats, chunk_checksums) -> 
     return rows
 
 
-def chain_rows(nbytes: int, chunk: int, *, repeats: int = 2, ceiling_gbps: float) -> list[dict]:
-    """seed -> c1 -> c2 on one GPU: flag-driven kernels vs copy engine + stream memory operations."""
+def chain_rows(nbytes: int, chunk: int, *, repeats: int = 2, ceiling_gbps: float | None = None,
+               devices: tuple[int, int, int] = (0, 0, 0)) -> list[dict]:
+    """seed -> c1 -> c2 with the arenas on ``devices``: the flag-driven kernels and (all on one
+    GPU) the copy engine ordered by stream memory operations, on the same chunks.
+
+    Per method: both hops at once (``hop1_*``: the first hop's own time in the chain, ``chain_*``:
+    until the last byte of c2), then the first hop alone on the same plan (seed -> c1 only,
+    ``alone_*``), and the two hops' ``aggregate_gbps`` (2 x bytes / chain time), each against the
+    ceiling: one copy-engine copy of the bytes on one GPU (``ceiling_gbps``), or seed -> c1 over
+    P2P measured here when the hops cross GPUs. A hop alone near the ceiling and an aggregate near
+    it too say that the hops are limited by the memory bandwidth they share, not by the mover.
+    """
+    import contextlib
+    import itertools
+    import statistics
+
+    import cupy
     import torch
 
     from flashboot import _cuda
@@ -231,65 +341,94 @@ def chain_rows(nbytes: int, chunk: int, *, repeats: int = 2, ceiling_gbps: float
     from flashboot.kernels.checksum import checksum
     from flashboot.kernels.flag_copy import FlagChainCopy
 
+    seed_dev, c1_dev, c2_dev = devices
+    gpus = sorted(set(devices))
     n = -(-nbytes // chunk)
     out = []
-    with Arena.create(nbytes, device=0) as a, Arena.create(nbytes, device=0) as b, Arena.create(nbytes, device=0) as c:
-        seed, c1, c2 = a.bytes()[:nbytes], b.bytes()[:nbytes], c.bytes()[:nbytes]
+    with contextlib.ExitStack() as arenas:
+        seed, c1, c2 = (arenas.enter_context(Arena.create(nbytes, device=d, access=[g for g in gpus if g != d] or None))
+                        .bytes()[:nbytes] for d in devices)
         seed.view(torch.int64).random_()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(seed_dev)
         expected = checksum(seed)
-        s1, s2 = torch.cuda.Stream(device=0), torch.cuda.Stream(device=0)
-        ready = torch.full((n,), -1, dtype=torch.int32, device="cuda:0")
-        f1, f2 = torch.zeros(n, dtype=torch.int32, device="cuda:0"), torch.zeros(n, dtype=torch.int32, device="cuda:0")
+        s1, s2 = torch.cuda.Stream(device=c1_dev), torch.cuda.Stream(device=c2_dev)
+        if len(gpus) > 1 or ceiling_gbps is None:  # P2P: the copy engine's seed -> c1 of this run
+            ceiling_gbps = _ceiling(c1, seed, nbytes, s1, repeats)
+        ready = torch.full((n,), -1, dtype=torch.int32, device=f"cuda:{seed_dev}")
+        f1 = torch.zeros(n, dtype=torch.int32, device=f"cuda:{c1_dev}")
+        f2 = torch.zeros(n, dtype=torch.int32, device=f"cuda:{c2_dev}")
         k1 = FlagChainCopy(c1, seed, chunk, ready=ready, done=f1)
         k2 = FlagChainCopy(c2, c1, chunk, ready=f1, done=f2)
         drv = _cuda.driver()
         geq = int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        epochs = itertools.count(2)  # every run raises the flags to a new epoch
 
-        def flag_run(epoch: int) -> None:
-            k2.launch(epoch, stream=s2, timeout_s=60.0)
+        def flag_run(epoch: int, hops: int) -> None:
+            if hops == 2:
+                k2.launch(epoch, stream=s2, timeout_s=60.0)  # the downstream kernel first: it waits on flags
             k1.launch(epoch, stream=s1, timeout_s=60.0)
 
-        def memops_run(epoch: int) -> None:
-            import cupy
+        def flag_wait(hops: int) -> None:
+            k1.wait()
+            if hops == 2:
+                k2.wait()
 
+        def memops_run(epoch: int, hops: int) -> None:
             cs1, cs2 = drv.CUstream(s1.cuda_stream), drv.CUstream(s2.cuda_stream)
             for i in range(n):  # the executor's CUDA backend, on the same chunks
                 lo, nb = i * chunk, min(chunk, nbytes - i * chunk)
                 cupy.cuda.runtime.memcpyAsync(c1.data_ptr() + lo, seed.data_ptr() + lo, nb, 4, s1.cuda_stream)
                 _cuda.check(drv.cuStreamWriteValue32(cs1, drv.CUdeviceptr(f1.data_ptr() + 4 * i), epoch, 0), "write")
-                _cuda.check(drv.cuStreamWaitValue32(cs2, drv.CUdeviceptr(f1.data_ptr() + 4 * i), epoch, geq), "wait")
-                cupy.cuda.runtime.memcpyAsync(c2.data_ptr() + lo, c1.data_ptr() + lo, nb, 4, s2.cuda_stream)
-                _cuda.check(drv.cuStreamWriteValue32(cs2, drv.CUdeviceptr(f2.data_ptr() + 4 * i), epoch, 0), "write")
+                if hops == 2:
+                    _cuda.check(drv.cuStreamWaitValue32(cs2, drv.CUdeviceptr(f1.data_ptr() + 4 * i), epoch, geq), "wait")
+                    cupy.cuda.runtime.memcpyAsync(c2.data_ptr() + lo, c1.data_ptr() + lo, nb, 4, s2.cuda_stream)
+                    _cuda.check(drv.cuStreamWriteValue32(cs2, drv.CUdeviceptr(f2.data_ptr() + 4 * i), epoch, 0), "write")
 
-        for method, fn in (("flag kernels", flag_run), ("copy engine + stream memops", memops_run)):
-            samples = []
-            for rep in range(repeats + 1):
-                epoch = 2 + rep + (100 if method != "flag kernels" else 0)
-                c1.fill_(0xAB)
-                c2.fill_(0xAB)
-                ready.fill_(epoch)  # the seed's flags: every chunk ready (read by the flag kernels only)
-                torch.cuda.synchronize()
-                ev = {k: torch.cuda.Event(enable_timing=True) for k in ("s1", "e1", "s2", "e2")}
-                _gate(s1)  # both methods issue ahead of the copies (the host's enqueue is not timed)
-                ev["s1"].record(s1)
-                ev["s2"].record(s2)
-                fn(epoch)
-                ev["e1"].record(s1)
-                ev["e2"].record(s2)
-                if method == "flag kernels":
-                    k1.wait()
-                    k2.wait()
-                torch.cuda.synchronize()
-                if rep:  # the first run compiles and warms up
-                    samples.append((ev["s1"].elapsed_time(ev["e1"]), ev["s1"].elapsed_time(ev["e2"])))
-            hop1_ms = sorted(s[0] for s in samples)[len(samples) // 2]
-            total_ms = sorted(s[1] for s in samples)[len(samples) // 2]
-            ok = checksum(c1) == expected and checksum(c2) == expected
-            out.append({"method": method, "nbytes": nbytes, "chunk_bytes": chunk, "hop1_ms": hop1_ms,
-                        "chain_ms": total_ms, "hop1_gbps": nbytes / hop1_ms / 1e6,
-                        "chain_gbps": nbytes / total_ms / 1e6, "hop1_ratio": nbytes / hop1_ms / 1e6 / ceiling_gbps,
-                        "chain_ratio": nbytes / total_ms / 1e6 / ceiling_gbps, "verified": ok})
+        methods = [("flag kernels", ("flag_kernel", "flag"), flag_run, flag_wait)]
+        if len(gpus) == 1:  # the stream-memop chain is the one-GPU comparison (its waits poll local memory)
+            methods.append(("copy engine + stream memops", ("copy_engine", "per_call"), memops_run, None))
+
+        def sync_all() -> None:
+            for g in gpus:
+                torch.cuda.synchronize(g)
+
+        for method, model, run_once, wait in methods:
+            row: dict = {"method": method, "model": list(model), "hops": 2, "devices": list(devices), "nbytes": nbytes,
+                         "chunk_bytes": chunk, "ceiling_gbps": ceiling_gbps}
+            ok = True
+            for hops in (2, 1):
+                samples = []
+                for rep in range(repeats + 1):  # the first run compiles and warms up
+                    epoch = next(epochs)
+                    c1.fill_(0xAB)
+                    c2.fill_(0xAB)
+                    ready.fill_(epoch)  # the seed's flags: every chunk ready (read by the flag kernels only)
+                    sync_all()
+                    ev = {k: torch.cuda.Event(enable_timing=True) for k in ("s1", "e1", "s2", "e2")}
+                    _gate(s1)  # both methods issue ahead of the copies (the host's enqueue is not timed)
+                    ev["s1"].record(s1)
+                    s2.wait_event(ev["s1"])  # c2's clock starts with c1's, on c2's own GPU
+                    ev["s2"].record(s2)
+                    run_once(epoch, hops)
+                    ev["e1"].record(s1)
+                    ev["e2"].record(s2)
+                    if wait is not None:
+                        wait(hops)
+                    sync_all()
+                    if rep:
+                        samples.append((ev["s1"].elapsed_time(ev["e1"]), ev["s2"].elapsed_time(ev["e2"])))
+                hop1_ms = statistics.median(s[0] for s in samples)
+                ok = ok and checksum(c1) == expected and (hops == 1 or checksum(c2) == expected)
+                if hops == 2:
+                    chain_ms = statistics.median(s[1] for s in samples)
+                    row.update(hop1_ms=hop1_ms, chain_ms=chain_ms, hop1_gbps=nbytes / hop1_ms / 1e6,
+                               chain_gbps=nbytes / chain_ms / 1e6, aggregate_gbps=2 * nbytes / chain_ms / 1e6)
+                else:
+                    row.update(alone_ms=hop1_ms, alone_gbps=nbytes / hop1_ms / 1e6)
+            for key in ("hop1", "chain", "alone", "aggregate"):
+                row[f"{key}_ratio"] = row[f"{key}_gbps"] / ceiling_gbps
+            row["verified"] = ok
+            out.append(row)
     return out
 
 
@@ -333,7 +472,9 @@ def run_host(total: int = 32 * MiB, chunk_sizes=(256 << 10, 1 * MiB, 4 * MiB, 16
                 dst[:] = 0xAB
                 ms = median_ms(fn)
                 gbps = total / ms / 1e6
-                report.rows.append(ChunkRow("host", mode, chunk, len(batch), ms, ms, gbps, 0.0, checksum(dst) == expected))
+                copies = len(batch) if mode == "per_call" else len(batch.runs()[2])
+                report.rows.append(ChunkRow("host", mode, chunk, len(batch), ms, ms, gbps, 0.0, checksum(dst) == expected,
+                                            copies))
         report.ceiling_gbps_after = total / median_ms(lambda: mover.copy(dst, src, total)) / 1e6
     for r in report.rows:
         r.ratio = r.gbps / report.ceiling_gbps
@@ -341,8 +482,12 @@ def run_host(total: int = 32 * MiB, chunk_sizes=(256 << 10, 1 * MiB, 4 * MiB, 16
 
 
 def load_report(path) -> dict:
-    """A ``--json`` file of ``bench movers --chunked`` as a plain dict (rows as dicts)."""
+    """A ``--json`` file of ``bench movers --chunked`` as a plain dict (rows as dicts). A format-1
+    report (before ``concurrent`` and the chain rows' ``model``) reads with ``concurrent`` empty
+    and each chain's model from :data:`flashboot.sim.mover_fit.CHAIN_MODELS`."""
     import json
+
+    from flashboot.sim.mover_fit import CHAIN_MODELS
 
     with open(path) as f:
         data = json.load(f)
@@ -350,6 +495,12 @@ def load_report(path) -> dict:
         from flashboot.errors import FlashBootError
 
         raise FlashBootError(f"{path}: not a `bench movers --chunked` report (no rows/total_bytes)")
+    data.setdefault("format", 1)
+    data.setdefault("concurrent", [])
+    for chain in data.get("chain", []):
+        chain.setdefault("hops", 2)
+        if "model" not in chain and chain.get("method") in CHAIN_MODELS:
+            chain["model"] = list(CHAIN_MODELS[chain["method"]])
     return data
 
 
@@ -359,24 +510,36 @@ def print_report(report: ChunkedReport) -> None:
     print_table(f"host cost of one mover.copy (4 KiB, {PER_CALL_COPIES:,} back to back)", ["mover", "µs per call"],
                 [[m, us] for m, us in report.per_call_us.items()])
     print_table(f"{report.total_bytes / GiB:g} GiB d2d in chunks; ceiling: one copy-engine copy of it, "
-                f"{report.ceiling_gbps_before:,.0f} GB/s before, {report.ceiling_gbps_after:,.0f} after",
-                ["mover", "mode", "chunk MiB", "chunks", "host ms", "GPU ms", "GB/s", "x ceiling", "verified"],
-                [[r.mover, r.mode, r.chunk_bytes / MiB, r.n_chunks, r.host_ms, r.gpu_ms, r.gbps, r.ratio,
+                f"{report.ceiling_gbps_before:,.0f} GB/s before, {report.ceiling_gbps_after:,.0f} after "
+                "(copy_engine batched merges contiguous chunks: 'copies' went out)",
+                ["mover", "mode", "chunk MiB", "chunks", "copies", "host ms", "GPU ms", "GB/s", "x ceiling", "verified"],
+                [[r.mover, r.mode, r.chunk_bytes / MiB, r.n_chunks, r.copies, r.host_ms, r.gpu_ms, r.gbps, r.ratio,
                   "yes" if r.verified else "NO"] for r in report.rows])
     if report.checksum:
         print_table("copy + checksum in one pass vs a plain SM copy", ["what", "GB/s", "plain GB/s", "ratio", "bit-identical"],
                     [[c["what"], c["gbps"], c["plain_copy_gbps"], c["ratio"], c["bit_identical"]] for c in report.checksum])
+    if report.concurrent:
+        print_table("two copies at once on one GPU (half the bytes each, two streams): the aggregate two hops share",
+                    ["mover", "GPU ms", "aggregate GB/s", "x ceiling", "verified"],
+                    [[c["mover"], c["gpu_ms"], c["aggregate_gbps"], c["ratio"], c["verified"]] for c in report.concurrent])
+    for error in report.errors:
+        print(f"FAILED section {error}")
     if report.chain:
-        print_table("chain seed -> c1 -> c2 on one GPU (hops share its memory bandwidth)",
-                    ["what", "GiB", "chunk MiB", "hop 1 GB/s", "chain GB/s", "hop 1 x ceiling", "verified"],
-                    [[c["method"], c["nbytes"] / GiB, c["chunk_bytes"] / MiB, c["hop1_gbps"], c["chain_gbps"],
-                      c["hop1_ratio"], c["verified"]] for c in report.chain])
+        print_table("chain seed -> c1 -> c2: each hop in the chain, the first hop alone on the same plan, and the two "
+                    "hops' aggregate (2 x bytes / chain time), against the ceiling (one GPU: one copy-engine copy; "
+                    "across GPUs: the copy engine's P2P seed -> c1)",
+                    ["what", "GPUs", "GiB", "chunk MiB", "hop 1 GB/s", "x ceiling", "chain GB/s", "x ceiling",
+                     "alone GB/s", "x ceiling", "aggregate GB/s", "x ceiling", "ceiling GB/s", "verified"],
+                    [[c["method"], "->".join(map(str, c["devices"])), c["nbytes"] / GiB, c["chunk_bytes"] / MiB,
+                      c["hop1_gbps"], c["hop1_ratio"], c["chain_gbps"], c["chain_ratio"], c["alone_gbps"],
+                      c["alone_ratio"], c["aggregate_gbps"], c["aggregate_ratio"], c["ceiling_gbps"], c["verified"]]
+                     for c in report.chain])
 
 
 def verified(report: ChunkedReport) -> bool:
-    return (all(r.verified for r in report.rows) and all(c["bit_identical"] for c in report.checksum)
-            and all(c["verified"] for c in report.chain))
+    return (not report.errors and all(r.verified for r in report.rows) and all(c["bit_identical"] for c in report.checksum)
+            and all(c["verified"] for c in report.concurrent) and all(c["verified"] for c in report.chain))
 
 
-__all__ = ["ChunkRow", "ChunkedReport", "run", "run_host", "load_report", "chain_rows", "per_call_cost_us",
+__all__ = ["ChunkRow", "ChunkedReport", "run", "run_host", "load_report", "chain_rows", "concurrent_rows", "per_call_cost_us",
            "print_report", "verified", "DEFAULT_CHUNKS"]

@@ -48,6 +48,7 @@ _LAZY = {
     "load_topology": "flashboot.sim",
     "clone": "flashboot.flashclone",
     "seed": "flashboot.flashclone",
+    "prepare_clone": "flashboot.flashclone",
     "CloneResult": "flashboot.flashclone",
     "CloneReport": "flashboot.flashclone",
     "hand_over": "flashboot.flashclone.holder",

@@ -36,6 +36,11 @@ class OutOfMemoryError(ArenaError):
         )
 
 
+class KernelCacheError(FlashBootError):
+    """A kernel compiled ahead of time is unreadable: a cubin whose size or hash is not the one
+    its cache entry records, or an entry that cannot be parsed. Names the path and the numbers."""
+
+
 class MoverError(FlashBootError):
     """A mover was asked for something it cannot do."""
 

@@ -9,7 +9,8 @@ Public entry points:
   (:mod:`~flashboot.kernels.checksum_host`).
 - :class:`ChunkDigests`: the chunk digests of a file summed from its writes (pre-pack, no read-back).
 - :func:`checksum` / :func:`chunk_checksums`: dispatch on where the bytes live (host -> numba,
-  CUDA -> Triton in :mod:`~flashboot.kernels.checksum_gpu`), for spans, arenas, tensors and arrays.
+  CUDA -> :mod:`~flashboot.kernels.checksum_gpu`: the word kernel's cubin compiled ahead of time,
+  else Triton), for spans, arenas, tensors and arrays.
 
 This module imports neither numba nor Triton: each backend is imported by the first call that
 needs it, so a process that checks only host memory never loads Triton, and one that checks only
@@ -33,8 +34,8 @@ _LAZY = {
     "chunk_checksums_host": "flashboot.kernels.checksum_host",
     "CHECKSUM_TUNING": "flashboot.kernels.checksum_gpu",
     "PendingDigests": "flashboot.kernels.checksum_gpu",
-    "checksum_bytes_kernel": "flashboot.kernels.checksum_gpu",
-    "checksum_words_kernel": "flashboot.kernels.checksum_gpu",
+    "checksum_bytes_kernel": "flashboot.kernels.checksum_triton",
+    "checksum_words_kernel": "flashboot.kernels.checksum_triton",
     "device_checksum": "flashboot.kernels.checksum_gpu",
     "device_chunk_checksums": "flashboot.kernels.checksum_gpu",
     "start_device_chunk_checksums": "flashboot.kernels.checksum_gpu",
@@ -45,8 +46,8 @@ __getattr__ = lazy_getattr("flashboot.kernels.checksum", _LAZY, globals())
 
 def gpu_checksum_loaded(device_index: int) -> bool:
     """Whether this process has already run the GPU chunk checksum on CUDA device
-    ``device_index``, so that another call costs ~1 ms rather than the ~1 s of a first call
-    (Triton's import, launcher and cache). Imports nothing."""
+    ``device_index``, so that another call costs ~1 ms rather than what a first call costs
+    (loading the cubin, or ~1 s of Triton's import, launcher and cache without one). Imports nothing."""
     gpu = sys.modules.get("flashboot.kernels.checksum_gpu")
     return gpu is not None and device_index in gpu.LAUNCHED_ON
 

@@ -1,16 +1,28 @@
 """The 64-bit content checksum on the GPU: Triton kernels over a span (see
-:mod:`flashboot.kernels.checksum`, which dispatches here for CUDA memory)."""
+:mod:`flashboot.kernels.checksum`, which dispatches here for CUDA memory).
+
+The word kernel (every aligned span) launches from a cubin compiled ahead of time
+(:mod:`flashboot.kernels.cubin`), so a fresh process checksums without importing Triton: the
+cubin is built by ``flashboot warm``, by :func:`prepare_checksum_kernels` (a seed's start, a
+clone's early call) or, loudly, by the first call that finds none. Triton's own launch
+(:mod:`flashboot.kernels.checksum_triton`) stays the reference, and the path for unaligned spans,
+chunk sizes that are not whole 16-word groups, and the interpreter.
+"""
 
 from __future__ import annotations
 
+import functools
+import threading
+import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-import triton
-import triton.language as tl
 
 from flashboot.errors import FlashBootError
 
+from . import cubin
 from .checksum_spec import LENGTH_MUL, M64, word_term
 
 
@@ -25,145 +37,91 @@ CHECKSUM_TUNING: dict[str, Any] = {
 """Defaults of the GPU checksum's knobs; :func:`checksum` and :func:`chunk_checksums` take overrides."""
 
 LAUNCHED_ON: set[int] = set()
-"""Devices this process has launched the word checksum kernel on (a verify's kernel): its first
-launch in a process costs ~1 s of Triton, later ones ~1 ms (see :func:`~flashboot.kernels.checksum.gpu_checksum_loaded`)."""
+"""Devices this process has launched the word checksum kernel on (a verify's kernel): a first
+launch through Triton costs ~1 s (its import, launcher and cache), from a cached cubin a few ms,
+later ones ~1 ms (see :func:`~flashboot.kernels.checksum.gpu_checksum_loaded`)."""
 
 
-@triton.jit
-def _fmix32_tl(h):
-    h ^= h >> 16
-    h *= 0x85EBCA6B
-    h ^= h >> 13
-    h *= 0xC2B2AE35
-    h ^= h >> 16
-    return h
+_KERNEL_SOURCE = Path(__file__).with_name("checksum_triton.py")
+WORDS_ALIGNED_ARGS = ("words_ptr", "sums_ptr", "copy_ptr", "chunk_words")
+"""The word kernel's arguments its cubin assumes divisible by 16 (16-byte aligned pointers; whole
+16-word groups per chunk, so full tiles load as 16-byte vectors); the others stay runtime values,
+so one cubin fits every size. Spans that break this launch through Triton."""
+_launchers: dict[tuple, cubin.CubinLauncher | None] = {}
+_launchers_lock = threading.Lock()
 
 
-@triton.jit
-def _word_terms(w, lo, hi):
-    """``x, y`` of the spec for uint32 words ``w`` at indices ``hi << 32 | lo`` (all uint32; wraps mod 2**32)."""
-    x = _fmix32_tl(w ^ (lo * 0x9E3779B1))
-    y = _fmix32_tl((w + lo * 0x7FEB352D + hi) ^ 0x27D4EB2F)
-    return x, y
+@functools.cache
+def _arch(device: int) -> int:
+    """Device ``device``'s compute capability as Triton's target number (90 for sm_90)."""
+    from flashboot._cuda import check, driver
+
+    drv = driver()
+    dev = check(drv.cuDeviceGet(device), f"cuDeviceGet({device})")
+    attr = drv.CUdevice_attribute
+    major = check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cuDeviceGetAttribute")
+    minor = check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute")
+    return major * 10 + minor
 
 
-@triton.jit
-def _tile_terms(raw, offs, idx, acc_x, acc_y, mask, MASKED: tl.constexpr):
-    """``acc_x, acc_y`` plus the terms of the tile of words ``raw`` whose first word has index
-    ``idx`` (int64; a multiple of the tile's size, so the tile's ``hi`` is one scalar)."""
-    w = raw.to(tl.uint32, bitcast=True)
-    lo0 = idx.to(tl.uint32)
-    hi = (idx >> 32).to(tl.uint32)
-    offs = offs.to(tl.uint32)
-    # (lo0 + offs) * K = offs * K + lo0 * K mod 2**32: the per-word products are loop-invariant
-    # and the per-tile ones scalars, so a word costs an add where it cost an add and a multiply.
-    x = _fmix32_tl(w ^ (offs * 0x9E3779B1 + lo0 * 0x9E3779B1))
-    y = _fmix32_tl((w + offs * 0x7FEB352D + (lo0 * 0x7FEB352D + hi)) ^ 0x27D4EB2F)
-    if MASKED:
-        x = tl.where(mask, x, 0)
-        y = tl.where(mask, y, 0)
-    return acc_x + x, acc_y + y.to(tl.uint64)
+def words_kernel_key(arch: int, knobs: dict[str, Any], copy: bool) -> cubin.KernelKey:
+    """The cache key of the word kernel's cubin for ``arch`` and the launch knobs ``knobs``."""
+    build = {"BLOCK": knobs["block_words"], "COPY": copy, "num_warps": knobs["num_warps"],
+             "num_stages": knobs["num_stages"], "divisible_by_16": list(WORDS_ALIGNED_ARGS)}
+    variant = f"b{build['BLOCK']}-{'copy' if copy else 'read'}-w{build['num_warps']}-s{build['num_stages']}"
+    return cubin.KernelKey("checksum_words_kernel", cubin.source_sha256(_KERNEL_SOURCE), arch,
+                           cubin.triton_version() or "none", variant, build)
 
 
-@triton.jit
-def checksum_words_kernel(
-    words_ptr,
-    sums_ptr,
-    copy_ptr,
-    n_words: tl.int64,
-    chunk_words: tl.int64,
-    start_word: tl.int64,
-    tiles_per_chunk: tl.int64,
-    n_tiles: tl.int64,
-    BLOCK: tl.constexpr,  # words per tile; a power of two, so no tile straddles a 2**32 index boundary
-    COPY: tl.constexpr,  # also store every word read to copy_ptr: a copy that checksums what it writes
-):
-    """Per chunk: the sum mod 2**64 of its word terms, added atomically to ``sums[c]`` (zeroed).
+def _build_words_cubin(key: cubin.KernelKey) -> cubin.CachedKernel:
+    from .checksum_triton import compile_words_kernel
 
-    Chunk ``c`` covers words ``[c * chunk_words, ...)`` (the last may be short) with indices
-    restarting at ``start_word``; it has ``tiles_per_chunk`` tiles of ``BLOCK`` words (the last
-    of them partial when ``BLOCK`` does not divide the chunk), ``n_tiles`` in all. The grid is
-    persistent (a few programs per SM, one wave): program ``p`` of ``P`` takes the contiguous
-    tiles ``[p * n_tiles // P, (p + 1) * n_tiles // P)``, so every program gets the same work
-    whatever the chunk size, and flushes its sum once per chunk it touches. Full tiles are
-    loaded unmasked (16-byte vectors), the next one while the current one is hashed. With
-    ``COPY`` the words go to ``copy_ptr`` at the same positions: the digests are of the bytes written.
-    """
-    p = tl.program_id(0).to(tl.int64)
-    n_prog = tl.num_programs(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    t = p * n_tiles // n_prog
-    t_end = (p + 1) * n_tiles // n_prog
-    while t < t_end:
-        c = t // tiles_per_chunk
-        chunk_begin = c * chunk_words
-        chunk_len = tl.minimum(n_words - chunk_begin, chunk_words)
-        n_full = chunk_len // BLOCK
-        j0 = t - c * tiles_per_chunk
-        j1 = tl.minimum(t_end - c * tiles_per_chunk, tiles_per_chunk)  # this program's tiles of chunk c: [j0, j1)
-        j_full = tl.minimum(j1, n_full)
-        acc_x = tl.zeros([BLOCK], dtype=tl.uint32)  # x only matters mod 2**32: (sum x) << 32
-        acc_y = tl.zeros([BLOCK], dtype=tl.uint64)
-        # Prefetch: the first full tile (predicated off, whole, when there is none), then in the
-        # loop the next one (the last one again at the end: in range, and never used).
-        raw = tl.load(words_ptr + chunk_begin + j0 * BLOCK + offs, mask=offs < tl.where(j0 < j_full, BLOCK, 0), other=0)
-        for j in range(j0, j_full):
-            nxt = tl.load(words_ptr + chunk_begin + tl.minimum(j + 1, j_full - 1) * BLOCK + offs)
-            if COPY:
-                tl.store(copy_ptr + chunk_begin + j * BLOCK + offs, raw)
-            acc_x, acc_y = _tile_terms(raw, offs, start_word + j * BLOCK, acc_x, acc_y, offs, False)
-            raw = nxt
-        # The chunk's partial last tile, masked, when it is among this program's tiles.
-        first = n_full * BLOCK
-        limit = tl.where((j0 <= n_full) & (n_full < j1), chunk_len - first, 0)
-        mask = offs < limit
-        raw = tl.load(words_ptr + chunk_begin + first + offs, mask=mask, other=0)
-        if COPY:
-            tl.store(copy_ptr + chunk_begin + first + offs, raw, mask=mask)
-        acc_x, acc_y = _tile_terms(raw, offs, start_word + first, acc_x, acc_y, mask, True)
-        total = (tl.sum(acc_x, axis=0).to(tl.uint64) << 32) + tl.sum(acc_y, axis=0)
-        tl.atomic_add(sums_ptr + c, total.to(tl.int64, bitcast=True), sem="relaxed")
-        t = c * tiles_per_chunk + j1
+    b = key.build
+    compiled = compile_words_kernel(key.arch, block=b["BLOCK"], copy=b["COPY"], num_warps=b["num_warps"],
+                                    num_stages=b["num_stages"], divisible_by_16=tuple(b["divisible_by_16"]))
+    return cubin.save(key, compiled)
 
 
-@triton.jit
-def checksum_bytes_kernel(
-    bytes_ptr,
-    partial_ptr,
-    n_bytes: tl.int64,
-    chunk_bytes: tl.int64,
-    start_word: tl.int64,
-    BLOCK: tl.constexpr,  # words per loop step (a power of two)
-):
-    """Slow path for ranges or chunks that do not start on a 4-byte boundary: words assembled
-    from byte loads, each chunk's last word zero-padded. Grid ``(n_chunks, P)`` like
-    :func:`checksum_words_kernel`; writes ``partial[c * P + p]``."""
-    chunk = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1).to(tl.int64)
-    n_prog = tl.num_programs(1).to(tl.int64)
-    chunk_begin = chunk * chunk_bytes
-    chunk_len = tl.minimum(n_bytes - chunk_begin, chunk_bytes)
-    n_words = (chunk_len + 3) // 4
-    n_tiles = (n_words + BLOCK - 1) // BLOCK
-    offs = tl.arange(0, BLOCK)
-    acc_x = tl.zeros([BLOCK], dtype=tl.uint32)
-    acc_y = tl.zeros([BLOCK], dtype=tl.uint64)
-    for tile in range(p, n_tiles, n_prog):
-        first = tile * BLOCK
-        byte0 = (first + offs) * 4
-        w = tl.zeros([BLOCK], dtype=tl.uint32)
-        for k in tl.static_range(4):
-            b = tl.load(bytes_ptr + chunk_begin + byte0 + k, mask=byte0 + k < chunk_len, other=0)
-            w |= b.to(tl.uint32) << (8 * k)
-        idx = start_word + first
-        lo = idx.to(tl.uint32) + offs
-        hi = (idx >> 32).to(tl.uint32)
-        x, y = _word_terms(w, lo, hi)
-        valid = first + offs < n_words
-        acc_x += tl.where(valid, x, 0)
-        acc_y += tl.where(valid, y, 0).to(tl.uint64)
-    total = (tl.sum(acc_x, axis=0).to(tl.uint64) << 32) + tl.sum(acc_y, axis=0)
-    tl.store(partial_ptr + chunk * n_prog + p, total.to(tl.int64, bitcast=True))
+def _words_launcher(device: int, knobs: dict[str, Any], copy: bool, *, quiet: bool = False) -> cubin.CubinLauncher | None:
+    """The word kernel's cubin for ``device`` and ``knobs``, loaded; built (and cached on disk)
+    when there is none, loudly unless ``quiet`` (an early call that builds it on purpose).
+    None when it cannot be built: the caller launches through Triton, which said why."""
+    k = (device, knobs["block_words"], knobs["num_warps"], knobs["num_stages"], copy)
+    if k in _launchers:
+        return _launchers[k]
+    with _launchers_lock:
+        if k in _launchers:
+            return _launchers[k]
+        key = words_kernel_key(_arch(device), knobs, copy)
+        cached, why = cubin.load(key)
+        if cached is None:
+            if not quiet:
+                warnings.warn(f"flashboot: {why}; compiling the checksum kernel ({key.variant}, sm_{key.arch}) now, "
+                              "once (`flashboot warm` does it ahead of time)", RuntimeWarning, stacklevel=4)
+            try:
+                cached = _build_words_cubin(key)
+            except (FlashBootError, ImportError, RuntimeError, OSError) as exc:
+                warnings.warn(f"flashboot: the checksum kernel ({key.variant}, sm_{key.arch}) could not be compiled "
+                              f"ahead of time ({type(exc).__name__}: {exc}); launching it through Triton",
+                              RuntimeWarning, stacklevel=4)
+        launcher = _launchers[k] = None if cached is None else cubin.CubinLauncher(cached)
+    return launcher
+
+
+def prepare_checksum_kernels(device: int, **tuning: Any) -> dict[str, float]:
+    """Make the checksum's first call on CUDA device ``device`` cheap: build its cubins where the
+    cache has none (Triton, once per machine and version) and load them into the device's
+    context. For a process's early call (a seed's start, a clone before it knows its source).
+    Returns ms per kernel variant ("read", "copy")."""
+    knobs = _gpu_knobs(tuning)
+    out = {}
+    for copy in (False, True):
+        t0 = time.perf_counter()
+        launcher = _words_launcher(device, knobs, copy, quiet=True)
+        if launcher is not None:
+            launcher.function(device)
+        out["copy" if copy else "read"] = (time.perf_counter() - t0) * 1e3
+    return out
 
 
 def _gpu_knobs(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -174,9 +132,9 @@ def _gpu_knobs(overrides: dict[str, Any]) -> dict[str, Any]:
     bw = k["block_words"]
     if not isinstance(bw, int) or bw < 16 or bw & (bw - 1):
         raise FlashBootError(f"block_words must be a power of two >= 16, got {bw!r}")
-    from .copy import _check_launch_knobs
+    from .launch import check_launch_knobs
 
-    _check_launch_knobs(k)
+    check_launch_knobs(k)
     return k
 
 
@@ -249,11 +207,13 @@ def _words_sizes_args(sizes: tuple[int, int, int, int], start_word: int) -> tupl
 
 
 def _start_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any], start_word: int = 0,
-                      copy_to=None) -> PendingDigests:
+                      copy_to=None, via: str = "auto") -> PendingDigests:
     """Launch the digests of ``chunk_bytes`` chunks of a word-aligned span (``span.ptr % 4 == 0``
     and ``chunk_bytes % 4 == 0``) in one kernel on ``stream``; the last chunk's 1-3 trailing bytes
     are read back by :meth:`PendingDigests.digests`. ``copy_to``: a span the bytes are copied into
-    in the same pass (same size, word-aligned)."""
+    in the same pass (same size, word-aligned). ``via``: "auto" (the cubin where the span fits
+    :data:`WORDS_ALIGNED_ARGS`, else Triton), "triton" (the reference) or "cubin" (FlashBootError
+    where it cannot)."""
     import torch
 
     from .views import launch_on, span_tensor
@@ -264,19 +224,34 @@ def _start_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any]
         raise FlashBootError(f"start_word {start_word} must be a multiple of block_words {block}")
     n_chunks = -(-n // chunk_bytes)
     grid, sizes = _words_launch(n, chunk_bytes, block, knobs["programs_per_sm"], span.device.index)
-    n_words = sizes[0]
+    (n_prog,), (n_words, chunk_words, tiles_per_chunk, n_tiles) = grid, sizes
     r = n % 4
+    launcher = None
+    if via != "triton" and span.device.is_cuda and n_words:
+        dst_ptr = span.ptr if copy_to is None else copy_to.ptr
+        if span.ptr % 16 == 0 and dst_ptr % 16 == 0 and chunk_words % 16 == 0:
+            launcher = _words_launcher(span.device.index, knobs, copy_to is not None)
+        if launcher is None and via == "cubin":
+            raise FlashBootError(f"no checksum cubin for this launch (source {span.ptr:#x}, destination {dst_ptr:#x}, "
+                                 f"{chunk_bytes:,}-byte chunks; it needs 16-byte aligned pointers and chunks of "
+                                 "whole 64 bytes, and a cubin that could be built)")
     with launch_on(span, stream):
         sums = torch.zeros(n_chunks, dtype=torch.int64, device="cuda" if span.device.is_cuda else "cpu")
-        if n_words:
+        if launcher is not None:
+            launcher.launch((n_prog,), (span.ptr, sums.data_ptr(), dst_ptr, n_words, chunk_words, start_word,
+                                        tiles_per_chunk, n_tiles),
+                            device=span.device.index, stream=torch.cuda.current_stream().cuda_stream)
+        elif n_words:
+            from .checksum_triton import checksum_words_kernel
+
             words = span_tensor(span, 4, 0, n_words * 4)
             checksum_words_kernel[grid](
                 words, sums, words if copy_to is None else span_tensor(copy_to, 4, 0, n_words * 4),
                 *_words_sizes_args(sizes, start_word), BLOCK=block, COPY=copy_to is not None,
                 num_warps=knobs["num_warps"], num_stages=knobs["num_stages"],
             )
-            if copy_to is None and span.device.is_cuda:
-                LAUNCHED_ON.add(span.device.index)
+        if n_words and copy_to is None and span.device.is_cuda:
+            LAUNCHED_ON.add(span.device.index)
         if copy_to is not None and r:
             from .copy import copy_bytes_kernel
 
@@ -305,6 +280,8 @@ def _device_chunk_sums_bytes(span, chunk_bytes: int, stream: Any, knobs: dict[st
     n_prog = max(1, min(tiles_per_chunk, -(-target // n_chunks), 65535))
     with launch_on(span, stream):
         partials = torch.empty(n_chunks * n_prog, dtype=torch.int64, device="cuda" if span.device.is_cuda else "cpu")
+        from .checksum_triton import checksum_bytes_kernel
+
         checksum_bytes_kernel[(n_chunks, n_prog)](span_tensor(span, 1), partials, n, chunk_bytes, start_word,
                                                   BLOCK=block, num_warps=knobs["num_warps"], num_stages=knobs["num_stages"])
         sums = _sum_partials(partials, n_chunks)
@@ -352,9 +329,11 @@ def start_device_chunk_checksums(span, chunk_bytes: int, *, stream: Any, **tunin
 def warm_chunk_checksums(device_index: int, nbytes: int, chunk_bytes: int, **tuning: Any) -> None:
     """Compile and load the kernel that :func:`chunk_checksums` of ``nbytes`` at a 16-byte aligned
     address (an arena, a piece of one) in ``chunk_bytes`` chunks on CUDA device ``device_index``
-    launches, without launching it: Triton specialises on its sizes (1, multiples of 16), so a
-    probe of another shape leaves a first call of this one to compile (~290 ms in a served load
-    of 40,250 tensors, hardware.md). Touches a few bytes of scratch memory, not ``nbytes``."""
+    launches, without launching it. Chunks of whole 64 bytes take the cubin (one for every size:
+    built where the cache has none, and loaded); others launch through Triton, which specialises
+    on the sizes (1, multiples of 16): a probe of another shape left ~290 ms of compiling to a
+    served load of 40,250 tensors, so that exact launch is compiled. Touches a few bytes of
+    scratch memory, not ``nbytes``."""
     import contextlib
 
     import torch
@@ -365,13 +344,21 @@ def warm_chunk_checksums(device_index: int, nbytes: int, chunk_bytes: int, **tun
     if nbytes <= 0 or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise FlashBootError(f"warm_chunk_checksums needs nbytes > 0 and chunk_bytes > 0, got {nbytes!r}, "
                              f"{chunk_bytes!r}")
+    on_host = interpreting()  # the interpreter compiles nothing; its launches are what tests compare
+    words = chunk_bytes % 4 == 0 and nbytes >= 4
+    if words and not on_host and (chunk_bytes // 4) % 16 == 0:  # the cubin's launch: one for every size
+        launcher = _words_launcher(device_index, knobs, False, quiet=True)
+        if launcher is not None:
+            launcher.function(device_index)
+            return
+    from .checksum_triton import checksum_bytes_kernel, checksum_words_kernel
+
     block = knobs["block_words"]
     n_chunks = -(-nbytes // chunk_bytes)
-    on_host = interpreting()  # the interpreter compiles nothing; its launches are what tests compare
     with contextlib.nullcontext() if on_host else torch.cuda.device(device_index):
         # 16-byte aligned, as an arena: pointers specialise on it too
         scratch = torch.zeros(16, dtype=torch.int64, device="cpu" if on_host else f"cuda:{device_index}")
-        if chunk_bytes % 4 == 0 and nbytes >= 4:
+        if words:
             grid, sizes = _words_launch(nbytes, chunk_bytes, block, knobs["programs_per_sm"], device_index)
             compiled = checksum_words_kernel.warmup(
                 scratch.view(torch.int32), scratch, scratch.view(torch.int32), *_words_sizes_args(sizes, 0),
@@ -386,5 +373,5 @@ def warm_chunk_checksums(device_index: int, nbytes: int, chunk_bytes: int, **tun
         init_handles()
 
 
-__all__ = ["CHECKSUM_TUNING", "PendingDigests", "checksum_bytes_kernel", "checksum_words_kernel", "device_checksum",
-           "device_chunk_checksums", "start_device_chunk_checksums", "warm_chunk_checksums"]
+__all__ = ["CHECKSUM_TUNING", "PendingDigests", "WORDS_ALIGNED_ARGS", "device_checksum", "device_chunk_checksums",
+           "prepare_checksum_kernels", "start_device_chunk_checksums", "warm_chunk_checksums", "words_kernel_key"]

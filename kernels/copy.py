@@ -21,11 +21,12 @@ from typing import Any
 
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from flashboot.errors import CapabilityError, FlashBootError, MoverError
 from flashboot.memory import Span, span_of, stream_handle
 
-from .launch import LaunchConfig, launch
+from .launch import LaunchConfig, check_launch_knobs, current_device, launch
 from .views import _NP_NAMES, interpreting, require_kernel_memory, sm_count, span_tensor
 
 SM_TUNING: dict[str, Any] = {
@@ -160,19 +161,8 @@ def _knobs(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
     bb = knobs["block_bytes"]
     if not isinstance(bb, int) or bb < 16 or bb & (bb - 1):
         raise FlashBootError(f"block_bytes must be a power of two >= 16, got {bb!r}")
-    _check_launch_knobs(knobs)
+    check_launch_knobs(knobs)
     return knobs
-
-
-def _check_launch_knobs(knobs: dict[str, Any]) -> None:
-    """num_warps a power of two, programs_per_sm and num_stages positive ints."""
-    w = knobs["num_warps"]
-    if not isinstance(w, int) or w < 1 or w & (w - 1) or w > 32:
-        raise FlashBootError(f"num_warps must be a power of two in 1..32, got {w!r}")
-    for name in ("programs_per_sm", "num_stages"):
-        v = knobs[name]
-        if not isinstance(v, int) or v < 1:
-            raise FlashBootError(f"{name} must be a positive int, got {v!r}")
 
 
 def sm_copy(dst: Any, src: Any, nbytes: int | None = None, *, stream: Any, **tuning: Any) -> None:
@@ -203,10 +193,17 @@ def sm_copy_spans(d: Span, s: Span, nbytes: int, handle: int, k: dict[str, Any])
     SMCopyLauncher(k)(d, s, nbytes, handle)
 
 
+_I32_MAX = (1 << 31) - 1
+
+
 class SMCopyLauncher:
     """:func:`sm_copy_spans` for fixed knobs, with everything that depends only on them (the
-    launch configuration per element width, the tile size, the programs per SM) computed once:
-    per call only the split and the launches (the movers' hot path)."""
+    launch configuration per element width, the tile size, the programs per SM) computed once.
+
+    Per call: a copy whose pointers and size are 16-byte aligned (every chunk of an arena) calls
+    the compiled kernel's runner kept for its grid and specialisation, with plain ints (the
+    movers' hot path); any other copy, and the first of each grid, goes through :func:`launch`
+    (the split into a vector bulk and byte ends, the cache key)."""
 
     def __init__(self, k: dict[str, Any]):
         self.programs_per_sm = k["programs_per_sm"]
@@ -215,23 +212,52 @@ class SMCopyLauncher:
             block = max(1, k["block_bytes"] // itemsize)
             self.by_itemsize[itemsize] = (block, _sm_config(itemsize, block, k["load_cache"], k["store_cache"],
                                                             k["num_warps"], k["num_stages"]))
+        self._block8, config8 = self.by_itemsize[8]
+        self._consts8 = config8.constexpr_values
+        self._grid_cap: dict[int, int] = {}
+        self._runners: dict[tuple, Any] = {}
+        """(device, grid, n % 16 == 0, n in int32) -> the runner of a 16-byte aligned copy of n int64."""
 
     def __call__(self, d: Span, s: Span, nbytes: int, handle: int) -> None:
+        dptr, sptr = d.ptr, s.ptr
+        if not (dptr | sptr | nbytes) & 15 and d.device.is_cuda:
+            index = d.device.index
+            n = nbytes >> 3
+            cap = self._grid_cap.get(index)
+            if cap is None:
+                cap = self._grid_cap[index] = sm_count(index) * self.programs_per_sm
+            grid = min(cap, -(-n // self._block8))
+            key = (index, grid, not n & 15, n <= _I32_MAX)
+            runner = self._runners.get(key)
+            if runner is not None and current_device() == index:
+                runner(dptr, sptr, n, *self._consts8, stream=handle)
+                return
+            runner = self._launch(d, s, nbytes, handle)
+            if runner is not None:
+                self._runners[key] = runner
+            return
+        self._launch(d, s, nbytes, handle)
+
+    def _launch(self, d: Span, s: Span, nbytes: int, handle: int):
+        """Any copy: the split, then the bulk's launch (returns its runner) and the ends'."""
         require_kernel_memory(d)
         head, _, itemsize, body = _split(d, s, nbytes)
+        runner = None
         if body:
             block, config = self.by_itemsize[itemsize]
             n_elems = body // itemsize
             index = d.device.index
             grid = (max(1, min(sm_count(index) * self.programs_per_sm, -(-n_elems // block))),)
-            launch(copy_sm_kernel, config, grid, (d.ptr + head, s.ptr + head, n_elems), device=index, stream=handle,
-                   views=lambda: (span_tensor(d, itemsize, head, body), span_tensor(s, itemsize, head, body), n_elems))
+            runner = launch(copy_sm_kernel, config, grid, (d.ptr + head, s.ptr + head, n_elems), device=index,
+                            stream=handle, views=lambda: (span_tensor(d, itemsize, head, body),
+                                                          span_tensor(s, itemsize, head, body), n_elems))
         if nbytes != body:
             _copy_ends(d, s, nbytes, head, body, handle)
+        return runner
 
 
-_TMA_SCRATCH: dict[tuple[int, int], Any] = {}
-"""(device, stream handle) -> the scratch of the last TMA launch on that stream."""
+_TMA_SCRATCH: dict[tuple[int, int], tuple[Any, int, int]] = {}
+"""(device, stream handle) -> (tensor, bytes, address): the scratch of the last TMA launch on that stream."""
 _TMA_SCRATCH_STREAMS = 64
 """Streams whose scratch is kept (the oldest is dropped beyond: a pipeline uses a handful)."""
 
@@ -246,19 +272,18 @@ def _tma_allocator(size: int, alignment: int, stream: Any):
     again without waiting only for work on the stream it was allocated on, so a buffer dropped
     here is never given to another stream while a kernel may still read it.
     """
+    handle = stream if type(stream) is int else stream_handle(stream)
+    key = (current_device(), handle)  # the launch's device is current (Triton launches in its context)
+    kept = _TMA_SCRATCH.get(key)
+    if kept is not None and kept[1] >= size and kept[2] % alignment == 0:
+        return kept[0]
     import torch
 
-    handle = stream_handle(stream)
-    device = torch.cuda.current_device()
-    key = (device, handle)
-    buf = _TMA_SCRATCH.get(key)
-    if buf is not None and buf.numel() >= size and buf.data_ptr() % alignment == 0:
-        return buf
     on = torch.cuda.ExternalStream(handle) if handle else torch.cuda.default_stream()
     with torch.cuda.stream(on):
-        buf = torch.empty(max(size, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int8, device="cuda")
+        buf = torch.empty(max(size, 2 * (kept[1] if kept is not None else 0)), dtype=torch.int8, device="cuda")
     _TMA_SCRATCH.pop(key, None)
-    _TMA_SCRATCH[key] = buf
+    _TMA_SCRATCH[key] = (buf, buf.numel(), buf.data_ptr())
     while len(_TMA_SCRATCH) > _TMA_SCRATCH_STREAMS:
         _TMA_SCRATCH.pop(next(iter(_TMA_SCRATCH)))
     return buf
@@ -267,8 +292,6 @@ def _tma_allocator(size: int, alignment: int, stream: Any):
 def _ensure_tma_allocator() -> None:
     # triton.set_allocator is per context (a ContextVar): set it in every thread that launches,
     # but leave an allocator the application installed alone.
-    from triton.runtime import _allocation
-
     current = _allocation._allocator.get() if hasattr(_allocation._allocator, "get") else None
     if current is None or isinstance(current, _allocation.NullAllocator):
         triton.set_allocator(_tma_allocator)
@@ -306,33 +329,71 @@ def _tma_config(block: int, num_warps: int, num_stages: int) -> LaunchConfig:
 def tma_copy_spans(d: Span, s: Span, nbytes: int, handle: int, k: dict[str, Any]) -> None:
     """:func:`tma_copy` after validation (as :func:`sm_copy_spans`); MoverError when the pointers
     are not congruent mod 16."""
-    require_kernel_memory(d)
-    head, align, _, body = _split(d, s, nbytes)
-    if align != BULK_ALIGN and body:
-        raise MoverError(
-            f"tma_copy: source {s.ptr:#x} and destination {d.ptr:#x} differ by {(d.ptr - s.ptr) % 16} mod 16 bytes; "
-            "TMA needs both 16-byte aligned. Use sm_copy (mover 'triton_sm') or 'copy_engine' for this pair"
-        )
-    if body:
-        if d.device.is_cuda:
-            _ensure_tma_allocator()
-        block = max(2, k["block_bytes"] // 8)
-        n_elems = body // 8
-        config = _tma_config(block, k["num_warps"], k["num_stages"])
-        # Pieces of whole tiles, each addressable by int32 descriptor coordinates.
-        piece = _TMA_MAX_ELEMS // block * block
-        for first in range(0, n_elems, piece):
-            count = min(piece, n_elems - first)
-            grid = (max(1, min(sm_count(d.device.index) * k["programs_per_sm"], -(-count // block))),)
-            off = head + first * 8
-            launch(copy_tma_kernel, config, grid, (d.ptr + off, s.ptr + off, count), device=d.device.index,
-                   stream=handle,
-                   views=lambda off=off, count=count: (span_tensor(d, 8, off, count * 8),
-                                                      span_tensor(s, 8, off, count * 8), count))
-    _copy_ends(d, s, nbytes, head, body, handle)
+    TMACopyLauncher(k)(d, s, nbytes, handle)
+
+
+class TMACopyLauncher:
+    """:func:`tma_copy_spans` for fixed knobs (as :class:`SMCopyLauncher`): a 16-byte aligned copy
+    of at most one descriptor's reach calls the runner kept for its grid and specialisation."""
+
+    def __init__(self, k: dict[str, Any]):
+        self.programs_per_sm = k["programs_per_sm"]
+        self.block = max(2, k["block_bytes"] // 8)
+        self.config = _tma_config(self.block, k["num_warps"], k["num_stages"])
+        self._consts = self.config.constexpr_values
+        self._piece = _TMA_MAX_ELEMS // self.block * self.block  # whole tiles addressable by int32 coordinates
+        self._grid_cap: dict[int, int] = {}
+        self._runners: dict[tuple, Any] = {}
+        """(device, grid, n % 16 == 0, n == 1) -> the runner of a 16-byte aligned copy of n int64."""
+
+    def __call__(self, d: Span, s: Span, nbytes: int, handle: int) -> None:
+        dptr, sptr = d.ptr, s.ptr
+        n = nbytes >> 3
+        if not (dptr | sptr | nbytes) & 15 and n <= self._piece and d.device.is_cuda:
+            index = d.device.index
+            cap = self._grid_cap.get(index)
+            if cap is None:
+                cap = self._grid_cap[index] = sm_count(index) * self.programs_per_sm
+            grid = min(cap, -(-n // self.block))
+            key = (index, grid, not n & 15, n == 1)
+            runner = self._runners.get(key)
+            if runner is not None and current_device() == index:
+                _ensure_tma_allocator()
+                runner(dptr, sptr, n, *self._consts, stream=handle)
+                return
+            runner = self._launch(d, s, nbytes, handle)
+            if runner is not None:
+                self._runners[key] = runner
+            return
+        self._launch(d, s, nbytes, handle)
+
+    def _launch(self, d: Span, s: Span, nbytes: int, handle: int):
+        """Any copy: the split, the bulk in pieces (returns the runner when there is one piece), the ends."""
+        require_kernel_memory(d)
+        head, align, _, body = _split(d, s, nbytes)
+        if align != BULK_ALIGN and body:
+            raise MoverError(
+                f"tma_copy: source {s.ptr:#x} and destination {d.ptr:#x} differ by {(d.ptr - s.ptr) % 16} mod 16 bytes; "
+                "TMA needs both 16-byte aligned. Use sm_copy (mover 'triton_sm') or 'copy_engine' for this pair"
+            )
+        runners = []
+        if body:
+            if d.device.is_cuda:
+                _ensure_tma_allocator()
+            block, n_elems = self.block, body // 8
+            for first in range(0, n_elems, self._piece):
+                count = min(self._piece, n_elems - first)
+                grid = (max(1, min(sm_count(d.device.index) * self.programs_per_sm, -(-count // block))),)
+                off = head + first * 8
+                runners.append(launch(copy_tma_kernel, self.config, grid, (d.ptr + off, s.ptr + off, count),
+                                      device=d.device.index, stream=handle,
+                                      views=lambda off=off, count=count: (span_tensor(d, 8, off, count * 8),
+                                                                         span_tensor(s, 8, off, count * 8), count)))
+        _copy_ends(d, s, nbytes, head, body, handle)
+        return runners[0] if len(runners) == 1 else None
 
 
 __all__ = [
     "SM_TUNING", "TMA_TUNING", "copy_sm_kernel", "copy_tma_kernel", "copy_bytes_kernel",
-    "sm_copy", "tma_copy", "sm_copy_spans", "tma_copy_spans", "SMCopyLauncher", "span_tensor", "sm_count", "tma_available", "interpreting",
+    "sm_copy", "tma_copy", "sm_copy_spans", "tma_copy_spans", "SMCopyLauncher", "TMACopyLauncher", "span_tensor", "sm_count", "tma_available", "interpreting",
 ]

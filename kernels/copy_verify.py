@@ -15,7 +15,6 @@ from flashboot.errors import ChecksumMismatchError, MoverError
 from flashboot.memory import span_of
 
 from .checksum_gpu import PendingDigests, _gpu_knobs, _start_chunk_sums
-from .checksum_host import chunk_checksums_host
 from .views import interpreting
 
 
@@ -51,6 +50,8 @@ def start_copy_with_checksums(dst: Any, src: Any, chunk_bytes: int, *, stream: A
     if s.nbytes == 0:
         return PendingDigests.finished([])
     from flashboot.movers.host import host_copy
+
+    from .checksum_host import chunk_checksums_host
 
     host_copy(d.ptr, s.ptr, s.nbytes)
     return PendingDigests.finished(chunk_checksums_host(d, chunk_bytes))

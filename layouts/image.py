@@ -14,7 +14,7 @@ import mmap
 import os
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -26,7 +26,7 @@ from .format import (
     FORMAT_VERSION, IMAGE_FILE, JOB_FILE, JOB_FORMAT_NAME, METADATA_FILE, ChecksumTable, ImageKey, ImageMetadata,
     TensorEntry, _Fields, parse_metadata,
 )
-from .table import TABLE_FILE, tables_agree
+from .table import TABLE_FILE, sha256_beside, tables_agree
 
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -131,6 +131,8 @@ class MetadataFile:
     raw: bytes
     table: bytes | None = None
     """The ``tensors.bin`` beside it (:mod:`flashboot.layouts.table`), None when there is none."""
+    raw_sha256: str | None = field(default=None, repr=False, compare=False)
+    """:attr:`sha256` where the reader hashed ``raw`` already."""
 
     @property
     def where(self) -> str:
@@ -139,7 +141,7 @@ class MetadataFile:
     @functools.cached_property
     def sha256(self) -> str:
         """Hex sha256 of the bytes: what identifies this metadata to the preloader (``.ready``)."""
-        return hashlib.sha256(self.raw).hexdigest()
+        return self.raw_sha256 or hashlib.sha256(self.raw).hexdigest()
 
 
 def read_metadata_file(path: str | os.PathLike, rank: int | None = None) -> MetadataFile:
@@ -149,11 +151,12 @@ def read_metadata_file(path: str | os.PathLike, rank: int | None = None) -> Meta
     nothing else."""
     rank_dir, job = _resolve(Path(path), rank)
     raw = (rank_dir / METADATA_FILE).read_bytes()
+    digest = sha256_beside(raw)  # 6.6 MB for 40,000 tensors: hashed while tensors.bin is read
     try:
         table = (rank_dir / TABLE_FILE).read_bytes()
     except FileNotFoundError:
         table = None
-    mf = MetadataFile(rank_dir, job, raw, table)
+    mf = MetadataFile(rank_dir, job, raw, table, digest())
     if job is not None:
         check_metadata_digest(mf)
     return mf

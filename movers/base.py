@@ -58,12 +58,8 @@ class Mover:
                 f"{self.name}: needs {a}-byte aligned pointers and size; got src {src_span.ptr:#x}, "
                 f"dst {dst_span.ptr:#x}, nbytes {nbytes:,}"
             )
-        # Both bounds are checked above: the sub-ranges are built directly (``sub`` checks again).
-        if nbytes != dst_span.nbytes:
-            dst_span = Span(dst_span.ptr, nbytes, dst_span.device, dst_span.pinned, dst_span.owner)
-        if nbytes != src_span.nbytes:
-            src_span = Span(src_span.ptr, nbytes, src_span.device, src_span.pinned, src_span.owner)
-        self._copy(dst_span, src_span, path, stream)
+        # Both bounds are checked above; the spans go on whole (no sub-span per call) with the count.
+        self._copy(dst_span, src_span, nbytes, path, stream)
 
     def _check_stream(self, path: str, src: Any, dst: Any, stream: Any) -> None:
         runs_on = src if path == "d2h" else dst
@@ -93,7 +89,8 @@ class Mover:
         """``self.batch(dst, src, chunks).run(stream=stream)``: every chunk, one call or launch."""
         self.batch(dst, src, chunks).run(stream=stream)
 
-    def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
+    def _copy(self, dst: Span, src: Span, nbytes: int, path: str, stream: Any) -> None:
+        """Copy the first ``nbytes`` of ``src`` to the start of ``dst`` (validated: both hold them)."""
         raise NotImplementedError
 
     def _prepare_batch(self, batch: ChunkBatch) -> Any:

@@ -15,6 +15,7 @@ import numpy as np
 from flashboot.memory import Span
 
 from .base import Mover
+from .batch import ChunkBatch
 from .registry import register_mover
 
 CHUNK_BYTES = 1 << 20
@@ -60,7 +61,7 @@ class HostMover(Mover):
     name = "host"
     paths = frozenset({"host"})
     alignment = 1
-    batched = "one synchronous host copy per chunk"
+    batched = "one synchronous host copy per run of contiguous chunks"
 
     def copy(self, dst: Any, src: Any, nbytes: int | None = None, *, stream: Any = None) -> None:
         """As :meth:`Mover.copy`; ``stream`` may be omitted (host copies are synchronous)."""
@@ -70,8 +71,12 @@ class HostMover(Mover):
         """As :meth:`Mover.copy_batch`; synchronous, ``stream`` may be omitted."""
         super().copy_batch(dst, src, chunks, stream=stream)
 
-    def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
-        host_copy(dst.ptr, src.ptr, dst.nbytes)
+    def _copy(self, dst: Span, src: Span, nbytes: int, path: str, stream: Any) -> None:
+        host_copy(dst.ptr, src.ptr, nbytes)
+
+    def _copy_batch(self, batch: ChunkBatch, stream: Any) -> None:
+        for d, s, n in zip(*(a.tolist() for a in batch.runs())):
+            host_copy(batch.dst.ptr + d, batch.src.ptr + s, n)
 
 
 __all__ = ["HostMover", "host_copy", "warm_host_copy", "CHUNK_BYTES"]

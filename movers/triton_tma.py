@@ -30,10 +30,10 @@ class TritonTMAMover(Mover):
     def __init__(self, **tuning: Any) -> None:
         """``tuning`` overrides :data:`flashboot.kernels.copy.TMA_TUNING` (block_bytes, num_warps, ...)."""
         super().__init__()
-        from flashboot.kernels.copy import TMA_TUNING, _knobs, tma_copy_spans
+        from flashboot.kernels.copy import TMA_TUNING, TMACopyLauncher, _knobs
 
         self.tuning = _knobs(TMA_TUNING, tuning)
-        self._launch = tma_copy_spans  # bound once: the per-call path imports nothing
+        self._launch = TMACopyLauncher(self.tuning)  # built once: an aligned call is the kept runner's launch
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -62,10 +62,10 @@ class TritonTMAMover(Mover):
                 return False, f"cuda:{i} has compute capability {major}.{minor}; TMA needs >= 9.0; {_ALTERNATIVES}"
         return True, ""
 
-    def _copy(self, dst: Span, src: Span, path: str, stream: Any) -> None:
+    def _copy(self, dst: Span, src: Span, nbytes: int, path: str, stream: Any) -> None:
         if path == "p2p":
             ensure_peer_access(dst.device.index, src)
-        self._launch(dst, src, dst.nbytes, stream_handle(stream), self.tuning)
+        self._launch(dst, src, nbytes, stream if type(stream) is int else stream_handle(stream))
 
     def _prepare_batch(self, batch: ChunkBatch) -> Any:
         return prepare_table(batch, "tma", self.tuning)

@@ -632,3 +632,12 @@ def test_no_fd_or_mapping_leaks_over_create_export_open_close_cycles(child):
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)]  # all closed explicitly
     assert open_fds() == fds_before
     assert arena_maps() == maps_before
+
+
+def test_segments_to_map_are_granted_per_run_of_adjacent_ones():
+    from flashboot.arena.segments import _adjacent_runs
+
+    assert _adjacent_runs([]) == []
+    assert _adjacent_runs([3]) == [(3, 4)]
+    assert _adjacent_runs([1, 2, 3, 5, 7, 8]) == [(1, 4), (5, 6), (7, 9)]
+    assert _adjacent_runs(list(range(1, 54))) == [(1, 54)]

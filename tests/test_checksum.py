@@ -276,11 +276,11 @@ def test_warm_chunk_checksums_prepares_the_launch_of_exactly_that_shape(monkeypa
     per specialisation of the sizes (1, multiples of 16) and pointers (16-byte aligned), so the
     warm-up must present the same grid, sizes, constants and aligned pointers as the real launch
     of that shape, or the engine's first verified load compiles again."""
-    from flashboot.kernels import checksum_gpu
+    from flashboot.kernels import checksum_gpu, checksum_triton
 
     calls = []
-    monkeypatch.setattr(checksum_gpu, "checksum_words_kernel", _RecordingKernel(calls))
-    monkeypatch.setattr(checksum_gpu, "checksum_bytes_kernel", _RecordingKernel(calls))
+    monkeypatch.setattr(checksum_triton, "checksum_words_kernel", _RecordingKernel(calls))
+    monkeypatch.setattr(checksum_triton, "checksum_bytes_kernel", _RecordingKernel(calls))
     monkeypatch.setattr(checksum_gpu, "_sum_partials", lambda partials, n: [0] * n)
     t = on_kernel_device(random_bytes(nbytes))
     assert t.data_ptr() % 16 == 0
@@ -300,16 +300,24 @@ def test_warm_chunk_checksums_prepares_the_launch_of_exactly_that_shape(monkeypa
 
 
 @pytest.mark.gpu
-def test_gpu_warm_chunk_checksums_leaves_nothing_to_compile_for_that_shape():
-    """After the warm-up of a shape, a checksum of that shape compiles nothing and matches the host."""
-    from flashboot.kernels import checksum_gpu
+def test_gpu_warm_chunk_checksums_leaves_nothing_to_build_for_that_shape():
+    """After the warm-up of a shape, a checksum of that shape builds nothing more and matches the
+    host: chunks of whole 64 bytes find the cubin loaded; others (Triton) compile nothing."""
+    from flashboot.kernels import checksum_gpu, checksum_triton
 
-    nbytes, chunk_bytes = (5 << 20) + 12, 1 << 20  # sizes a probe of another shape does not specialise like
-    checksum_gpu.warm_chunk_checksums(torch.cuda.current_device(), nbytes, chunk_bytes)
-    cache = checksum_gpu.checksum_words_kernel.device_caches[torch.cuda.current_device()][0]
-    compiled = len(cache)
+    dev = torch.cuda.current_device()
+    nbytes = (5 << 20) + 12
     t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
-    assert ck.chunk_checksums(t, chunk_bytes) == ck.chunk_checksums_host(t.cpu().numpy(), chunk_bytes)
+    knobs = checksum_gpu.CHECKSUM_TUNING
+    checksum_gpu.warm_chunk_checksums(dev, nbytes, 1 << 20)
+    key = (dev, knobs["block_words"], knobs["num_warps"], knobs["num_stages"], False)
+    assert checksum_gpu._launchers.get(key) is not None  # built or found, and loaded
+    assert ck.chunk_checksums(t, 1 << 20) == ck.chunk_checksums_host(t.cpu().numpy(), 1 << 20)
+    odd = (1 << 20) + 4  # not whole 16-word groups: Triton's launch, specialised on these sizes
+    checksum_gpu.warm_chunk_checksums(dev, nbytes, odd)
+    cache = checksum_triton.checksum_words_kernel.device_caches[dev][0]
+    compiled = len(cache)
+    assert ck.chunk_checksums(t, odd) == ck.chunk_checksums_host(t.cpu().numpy(), odd)
     assert len(cache) == compiled
 
 
@@ -402,15 +410,18 @@ def test_flashboot_warm_runs_every_checksum_path(capsys):
 
 @pytest.mark.gpu
 def test_flashboot_warm_fills_tritons_cache_with_both_checksum_kernels(tmp_path):
-    """Compiled ahead of time: a fresh process's first verified load then loads, not compiles."""
+    """Compiled ahead of time: a fresh process's first verified load then loads, not compiles
+    (the word kernel's cubins in FlashBoot's cache, the byte kernel in Triton's)."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "FLASHBOOT_KERNEL_CACHE": str(tmp_path / "k")}
     p = subprocess.run([sys.executable, "-m", "flashboot.cli", "warm", "--device", "cuda:0"], env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     names = {f.name for f in (tmp_path / "triton").rglob("*")}
     assert any(n.startswith("checksum_words_kernel") for n in names)
     assert any(n.startswith("checksum_bytes_kernel") for n in names)
+    entries = sorted(p.parent.name.rsplit("-", 3)[1] for p in (tmp_path / "k").glob("*/kernel.cubin"))
+    assert entries == ["copy", "read"], entries

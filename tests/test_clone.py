@@ -284,6 +284,44 @@ def test_seed_and_clones_in_one_process(store, schedule):
         a.close()
 
 
+def test_an_early_call_pays_the_clones_one_time_costs_and_the_report_names_them(store):
+    address, _ = store
+    a, data = _seed_arena(4 * MiB, 5)
+    s = flashboot.seed(address, a, "cpu", checksum_chunk_bytes=MiB)
+    try:
+        warm = flashboot.prepare_clone("cpu", verify=True, mover="host")  # before the clone knows its source
+        with flashboot.clone(address, "cpu", "star", verify=True, timeout_s=10, prepared=warm) as r:
+            assert np.array_equal(r.arena.bytes().numpy(), data)
+            rep = r.report
+            assert set(rep.warm_detail) == {"host copy", "host checksum"}  # the numba copy and checksum
+            assert rep.warm_ms >= max(rep.warm_detail.values()) and rep.warm_wait_ms <= rep.connect_ms
+            d = rep.connect_detail
+            assert set(d) == {"import_ms", "store_ms", "warm_wait_ms", "other_ms"}
+            assert sum(d.values()) == pytest.approx(rep.connect_ms, abs=0.01)
+            assert sum(rep.phases().values()) == pytest.approx(rep.ready_ms, abs=0.01)
+    finally:
+        s.close()
+        a.close()
+
+
+def test_the_summary_names_every_phase_over_5_percent_of_ready():
+    from flashboot.flashclone import CloneReport
+
+    rep = CloneReport("star", 1, "cuda:0", 13_760_000_000, source="seed", connect_ms=3_650.0,
+                      connect_detail={"import_ms": 3_300.0, "store_ms": 4.0, "warm_wait_ms": 340.0, "other_ms": 6.0},
+                      warm_ms=700.0, warm_detail={"CUDA context": 330.0, "peer import": 2.0, "cupy + stream": 150.0},
+                      exchange_ms=25.0, alloc_ms=9.0, transfer_ms=8.6, ready_ms=3_700.0, verify_ms=6.0,
+                      total_ms=3_706.0, verified=True)
+    line = rep.summary()
+    assert "ready 3700.0 ms (import torch 3300.0 ms, warm-up wait (of its 700 ms: CUDA context 330) 340.0 ms)" in line
+    assert "store" not in line and "alloc" not in line  # under 5 % of ready
+    assert "exchange+map 25.00 ms, transfer 8.6 ms" in line and "+ verify 6.0 ms" in line
+    assert sum(rep.phases().values()) == pytest.approx(rep.ready_ms)
+    # a clone whose connect is not split (a ring member): the whole connect is one phase
+    ring = CloneReport("ring", 2, "cpu", 1, connect_ms=50.0, load_ms=40.0, transfer_ms=10.0, ready_ms=100.0)
+    assert "ready 100.0 ms (connect, other 50.0 ms, load 40.0 ms)" in ring.summary()
+
+
 def test_clone_of_a_prepacked_image_carries_its_tensors(store, image):
     from flashboot.layouts import read_image
 
@@ -348,8 +386,11 @@ def test_cli_chain_clones_run_one_after_another_read_calmly_from_the_seed(store,
         assert [r["source_note"] for r in reports] == ["", "clone #1 had finished and exited",
                                                       "clones #1..#2 had finished and exited"]
         assert all(r["recovered"] == [] and r["warnings"] == [] for r in reports)
-        # the host mover's compile ran while connecting, not in the transfer (issue 21: 0.6 s of a 2 MB clone)
+        # the host mover's compile ran while connecting, not in the transfer (issue 21: 0.6 s of a 2 MB clone),
+        # and with the host checksum in the CLI's early call
         assert all(r["warm_note"] == "compiled the host mover's parallel loop" for r in reports)
+        assert all(set(r["warm_detail"]) == {"host copy", "host checksum"} for r in reports)
+        assert all(set(r["connect_detail"]) == {"import_ms", "store_ms", "warm_wait_ms", "other_ms"} for r in reports)
         assert "from seed (clones #1..#2 had finished and exited)" in stdout
     finally:
         seed.close()
@@ -680,3 +721,6 @@ def test_clone_refuses_bad_requests_before_connecting():
         flashboot.clone("127.0.0.1:1", "cpu", "ring")
     with pytest.raises(UnknownNameError, match="unknown mover"):
         flashboot.clone("127.0.0.1:1", "cpu", mover="warp")
+    warm = flashboot.prepare_clone("cpu")  # the check clone() makes first on a prepared warm-up
+    with pytest.raises(FlashBootError, match="the clone warm-up was prepared for cpu, not for cuda:1"):
+        warm.check_device(flashboot.Device("cuda", 1))

@@ -34,3 +34,48 @@ def test_cupy_triton_and_numba_are_imported_only_where_needed(image, shm):
     assert lines["import"] == "]"
     assert lines["prepare+load"] == "]"  # the stream's copy is numpy's; the views are torch's
     assert lines["verified load"] == "'numba']"  # the host checksum; never Triton for host memory
+
+
+_CLONE_SCRIPT = """
+import sys
+HEAVY = ("cupy", "triton", "numba")
+
+def loaded():
+    return sorted({m.split(".")[0] for m in sys.modules} & set(HEAVY))
+
+import flashboot, flashboot.flashclone, flashboot.cli
+from flashboot.commands import clone as clone_command  # noqa: F401  (flashboot seed / clone / hold)
+print("import", loaded())
+from flashboot.arena import Arena
+from flashboot.flashclone.rendezvous import Manifest
+from flashboot.kernels.checksum_spec import checksum_reference
+
+arena = Arena.create(1 << 20, "cpu")
+data = arena.bytes().numpy()
+data[:] = 7
+chunk = 1 << 18
+sums = tuple(checksum_reference(data[i:i + chunk]) for i in range(0, 1 << 20, chunk))
+seed = flashboot.seed(sys.argv[1], arena, "cpu", manifest=Manifest(1 << 20, arena.nbytes, chunk, sums))
+print("seed", loaded())
+with flashboot.clone(sys.argv[1], "cpu", "star", verify=True, timeout_s=30) as r:
+    assert bytes(r.arena.bytes().numpy()[:16]) == bytes([7] * 16)
+print("clone", loaded())
+seed.close()
+"""
+
+
+def test_clone_and_seed_import_no_cupy_triton_or_numba_until_a_mover_or_kernel_needs_it():
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "FLASHBOOT_TOKEN": "lazy-imports-test-token-0123456789"}
+    p = subprocess.run([sys.executable, "-c", _CLONE_SCRIPT, f"127.0.0.1:{port}"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = dict(line.split(" [", 1) for line in p.stdout.splitlines() if " [" in line)
+    assert lines["import"] == "]"
+    assert lines["seed"] == "]"  # its manifest given: nothing to checksum
+    assert lines["clone"] == "'numba']"  # the host mover's copy and the host checksum; never CuPy or Triton

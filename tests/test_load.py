@@ -270,9 +270,9 @@ def test_a_failing_copy_releases_the_arena_and_raises(qwen, monkeypatch):
         views_done.append(len(views))
         return views
 
-    def broken_copy(self, dst, src, path, stream):
+    def broken_copy(self, dst, src, nbytes, path, stream):
         time.sleep(0.05)
-        raise MoverError(f"injected: copy of {dst.nbytes:,} bytes failed")
+        raise MoverError(f"injected: copy of {nbytes:,} bytes failed")
 
     monkeypatch.setattr(_load, "make_views", recording_views)
     monkeypatch.setattr(HostMover, "_copy", broken_copy)

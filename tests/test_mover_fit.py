@@ -3,7 +3,7 @@
 import pytest
 
 from flashboot import FlashBootError
-from flashboot.sim.mover_fit import MoverFit, fit_chunked, predict_chain_s
+from flashboot.sim.mover_fit import MoverFit, fit_chunked, predict_chain_s, predict_measured_chains
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -35,8 +35,39 @@ def test_fit_needs_two_chunk_counts():
 def test_chain_prediction_counts_the_pipeline_fill_and_the_shared_memory():
     f = MoverFit("m", "flag", per_call_s=0.0, gbps=1000.0, points=2)
     chunk_s = 64 * MiB / 1e12
-    # 8 GiB in 64 MiB chunks = 128 chunks; two hops: 129 chunk times
-    assert predict_chain_s(f, 8 * GiB, 64 * MiB, 2, shared_memory=False) == pytest.approx(129 * chunk_s)
-    assert predict_chain_s(f, 8 * GiB, 64 * MiB, 2, shared_memory=True) == pytest.approx(129 * 2 * chunk_s)
+    # 8 GiB in 64 MiB chunks = 128 chunks; two hops: 129 steps, one hop alone in the first and the last
+    assert predict_chain_s(f, 8 * GiB, 64 * MiB, 2) == pytest.approx(129 * chunk_s)
+    # one GPU whose two copies at once reach 1,500 GB/s: the 127 steps with both hops take 2 chunks / 1,500 GB/s
+    shared = predict_chain_s(f, 8 * GiB, 64 * MiB, 2, aggregate_gbps=1500.0)
+    assert shared == pytest.approx(2 * chunk_s + 127 * 2 * 64 * MiB / 1.5e12)
+    # an aggregate at or below one copy's rate: every shared step moves its two chunks at that rate
+    assert predict_chain_s(f, 8 * GiB, 64 * MiB, 2, aggregate_gbps=1000.0) == pytest.approx(2 * chunk_s + 127 * 2 * chunk_s)
+    # the per-call cost is paid once per step (the hops' calls overlap); three hops: 130 steps
+    g = MoverFit("m", "per_call", per_call_s=5e-6, gbps=1000.0, points=2)
+    assert predict_chain_s(g, 8 * GiB, 64 * MiB, 3) == pytest.approx(130 * 5e-6 + 130 * chunk_s)
     with pytest.raises(FlashBootError, match="hops >= 1"):
-        predict_chain_s(f, GiB, MiB, 0, shared_memory=True)
+        predict_chain_s(f, GiB, MiB, 0)
+    with pytest.raises(FlashBootError, match=r"aggregate bandwidth must be positive, got 0.0 GB/s"):
+        predict_chain_s(f, GiB, MiB, 2, aggregate_gbps=0.0)
+
+
+def test_measured_chains_are_predicted_from_their_hops_curve_and_the_concurrent_aggregate():
+    rows = rows_of(0.5e-6, 1950, mover="flag_kernel", mode="flag") + rows_of(5e-6, 2100, mover="copy_engine")
+    chain = {"method": "flag kernels", "nbytes": 8 * GiB, "chunk_bytes": 64 * MiB, "chain_ms": 9.2,
+             "model": ["flag_kernel", "flag"], "hops": 2}
+    report = {"rows": rows, "chain": [chain, {"method": "copy engine + stream memops", "nbytes": 8 * GiB,
+                                              "chunk_bytes": 64 * MiB, "chain_ms": 8.1}],
+              "concurrent": [{"mover": "flag_kernel", "copies": 2, "aggregate_gbps": 1880.0}]}
+    flag, memops = predict_measured_chains(report)
+    expect = predict_chain_s(MoverFit("", "", 0.5e-6, 1950.0, 4), 8 * GiB, 64 * MiB, 2, aggregate_gbps=1880.0)
+    assert flag["predicted_s"] == pytest.approx(expect, rel=1e-6) and "1,880 GB/s measured" in flag["aggregate"]
+    assert flag["error"] == pytest.approx((expect - 9.2e-3) / 9.2e-3, rel=1e-6)
+    # a row without a model (older reports) takes the known one; without an aggregate, the fit's bandwidth
+    assert memops["fit"].mover == "copy_engine" and memops["fit"].mode == "per_call"
+    assert memops["aggregate"].startswith("not measured")
+    assert memops["predicted_s"] == pytest.approx(
+        predict_chain_s(memops["fit"], 8 * GiB, 64 * MiB, 2, aggregate_gbps=memops["fit"].gbps))
+    missing = predict_measured_chains({"rows": rows, "chain": [dict(chain, model=["triton_tma", "flag"])]})
+    assert missing == [{"method": "flag kernels", "fit": None, "why": "no rows of triton_tma (flag)"}]
+    across = predict_measured_chains({"rows": rows, "chain": [dict(chain, devices=[0, 1, 0])]})
+    assert across == [{"method": "flag kernels", "fit": None, "why": "hops across GPUs: the report has no P2P curve"}]

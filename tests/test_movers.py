@@ -256,8 +256,8 @@ class _RecordingMover(Mover):
         super().__init__()
         self.calls = []
 
-    def _copy(self, dst, src, path, stream):
-        self.calls.append((dst.nbytes, path))
+    def _copy(self, dst, src, nbytes, path, stream):
+        self.calls.append((nbytes, path))
 
 
 def test_base_refuses_stream_of_another_device():
@@ -395,3 +395,67 @@ def test_copy_engine_batch_stream_groups_cover_every_chunk_once():
 def test_copy_engine_refuses_a_bad_batch_stream_count(bad):
     with pytest.raises(MoverError, match=rf"batch_streams must be an int in 1..16, got {bad!r}"):
         create_mover("copy_engine", batch_streams=bad)
+
+
+def test_contiguous_runs_merge_only_entries_that_continue_both_ranges():
+    from flashboot.movers.batch import contiguous_runs
+
+    def runs(chunks):
+        t = np.array(chunks, dtype=np.int64)
+        return [tuple(map(int, r)) for r in zip(*contiguous_runs(t[:, 0], t[:, 1], t[:, 2]))]
+
+    assert runs([(0, 100, 10), (10, 110, 20), (30, 130, 5)]) == [(0, 100, 35)]
+    assert runs([(0, 100, 10), (10, 111, 20)]) == [(0, 100, 10), (10, 111, 20)]  # the source jumps
+    assert runs([(0, 100, 10), (11, 110, 20)]) == [(0, 100, 10), (11, 110, 20)]  # the destination jumps
+    assert runs([(10, 110, 10), (0, 100, 10)]) == [(10, 110, 10), (0, 100, 10)]  # permuted: no merge
+    assert runs([(0, 0, 4), (4, 4, 4), (100, 8, 4), (104, 12, 4), (108, 16, 4)]) == [(0, 0, 8), (100, 8, 12)]
+    assert runs([(5, 6, 7)]) == [(5, 6, 7)]
+
+
+def test_host_batch_merges_contiguous_chunks_byte_exact(monkeypatch):
+    from flashboot.movers import host
+
+    issued = []
+    real = host.host_copy
+    monkeypatch.setattr(host, "host_copy", lambda d, s, n: (issued.append(n), real(d, s, n)))
+    total, chunk = 1 << 20, 64 << 10
+    src_np, dst_np = pattern(total + 4096, 11), np.full(total, 0xEE, np.uint8)
+    chunks = [(o, o + 4096, chunk) for o in range(0, total, chunk)]
+    chunks[5], chunks[6] = chunks[6], chunks[5]  # one pair out of order: three runs
+    create_mover("host").batch(dst_np, src_np, chunks).run(stream=None)
+    assert np.array_equal(dst_np, src_np[4096:])
+    assert issued == [5 * chunk, chunk, chunk, total - 7 * chunk]
+
+
+def test_overlap_is_refused_before_runs_are_merged():
+    buf = np.full(1 << 16, 0xEE, np.uint8)
+    src = pattern(1 << 16, 12)
+    # entries 0 and 1 would merge into one run; entry 2 lands on entry 1's destination
+    with pytest.raises(MoverError, match=r"chunk entry 2 \(dst_offset 1,536, src_offset 8,192, nbytes 1,024\) overlaps "
+                                         r"the destination of chunk entry 1 \(dst_offset 1,024"):
+        create_mover("host").batch(buf, src, [(0, 0, 1024), (1024, 1024, 1024), (1536, 8192, 1024)])
+    assert (buf == 0xEE).all()
+
+
+def test_copy_engine_batch_issues_merged_runs_per_stream():
+    """What the copy engine's batch issues (no GPU needed to build it): 256 contiguous chunks
+    merge into one copy per stream group; unmerged, one copy per chunk; a permuted order stays apart."""
+    from flashboot.movers.copy_engine import engine_copies
+
+    total, chunk = 1 << 30, 4 << 20
+    dst, src = Span(1 << 40, total, Device("cpu")), Span(2 << 40, total, Device("cpu"))
+    chunks = [(o, o, chunk) for o in range(0, total, chunk)]
+    batch = create_mover("host").batch(dst, src, chunks)
+    assert engine_copies(batch, 1, True) == [([1 << 40], [2 << 40], [total])]
+    four = engine_copies(batch, 4, True)
+    assert [g[2] for g in four] == [[total // 4]] * 4 and [g[0][0] - (1 << 40) for g in four] == [0, 1 << 28, 2 << 28, 3 << 28]
+    unmerged = engine_copies(batch, 1, False)
+    assert len(unmerged[0][2]) == 256 and unmerged[0][0][:2] == [1 << 40, (1 << 40) + chunk]
+    permuted = create_mover("host").batch(dst, src, chunks[::-1])
+    assert len(engine_copies(permuted, 1, True)[0][2]) == 256
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_copy_engine_refuses_a_bad_merge_flag(bad):
+    with pytest.raises(MoverError, match=rf"merge_contiguous must be a bool, got {bad!r}"):
+        create_mover("copy_engine", merge_contiguous=bad)

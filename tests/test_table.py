@@ -134,6 +134,24 @@ def test_damaged_table_bytes_are_refused(image):
     assert outcomes["refused"] > 350
 
 
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_damaged_column_is_named_a_damaged_file_hashed_inline_or_beside(image, monkeypatch, threaded):
+    from flashboot.layouts import table as table_mod
+
+    monkeypatch.setattr(table_mod, "THREAD_HASH_NBYTES", 0 if threaded else 1 << 40)
+    good = (image / "rank-0" / TABLE_FILE).read_bytes()
+    raw = (image / "rank-0" / "metadata.json").read_bytes()
+    reference, _ = decode_table(good, raw, "good")
+    assert tables_agree(decode_table(good, raw, "again")[0], reference) is None
+    n = len(reference)
+    names_nbytes = len("\0".join(reference.names).encode())
+    dtype_at = len(good) - names_nbytes - 3 * n  # the first tensor's dtype code
+    data = bytearray(good)
+    data[dtype_at] = 250  # an invalid dtype, which the column checks would name: the hash is named first
+    with pytest.raises(LayoutError, match=r"fuzz: columns of sha256 \w+, the header records \w+ \(damaged file\)"):
+        decode_table(bytes(data), raw, "fuzz")
+
+
 def test_json_only_image_reads_the_same(image):
     with_table = read_image(image, 0).metadata
     (image / "rank-0" / TABLE_FILE).unlink()
@@ -165,3 +183,43 @@ def test_view_runs_cover_every_tensor_once_each_run_arithmetic(seed):
     assert sorted(members.tolist()) == list(range(len(offs)))  # every tensor exactly once
     for start, step, m in runs:
         assert len(m) >= 2 and step > 0 and offs[m].tolist() == [start + step * i for i in range(len(m))]
+
+
+def test_spans_of_padded_columns_equal_the_flattened_ones():
+    import numpy as np
+
+    from flashboot.layouts.table import _padded_spans
+    from flashboot.layouts.tensor_table import _ITEMSIZE, _spans
+
+    rng = np.random.default_rng(5)
+    n, d = 2000, 5
+    ndims = rng.integers(0, d + 1, n)
+    live = np.arange(d)[None, :] < ndims[:, None]
+    shapes = np.where(live, rng.integers(0, 9, (n, d)), 0)  # zeros in ~1/9 of the live dims: empty tensors
+    strides = np.where(live, rng.integers(0, 50, (n, d)), 0)
+    itemsize = _ITEMSIZE[rng.integers(0, len(_ITEMSIZE), n)]
+    want_nbytes, want_estimate = _spans(ndims, shapes[live], strides[live], itemsize)
+    nbytes, estimate = _padded_spans(shapes, strides, live, itemsize)
+    assert (want_nbytes == 0).sum() > 100 and (ndims == 0).sum() > 100
+    assert np.array_equal(nbytes, want_nbytes) and np.array_equal(estimate, want_estimate)
+
+
+def test_a_hash_past_its_timeout_is_named(image, monkeypatch):
+    import time
+
+    from flashboot.layouts import table as table_mod
+
+    class SlowHash:
+        @staticmethod
+        def sha256(data):
+            time.sleep(0.5)
+            return hashlib.sha256(data)
+
+    good = (image / "rank-0" / TABLE_FILE).read_bytes()
+    raw = (image / "rank-0" / "metadata.json").read_bytes()
+    monkeypatch.setattr(table_mod, "THREAD_HASH_NBYTES", 0)
+    monkeypatch.setattr(table_mod, "HASH_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(table_mod, "hashlib", SlowHash)
+    with pytest.raises(LayoutError, match=r"hashing [\d,]+ bytes took over 0.05 s"):
+        decode_table(good, raw, "slow", hashlib.sha256(raw).hexdigest())
+    time.sleep(0.6)  # the hash thread ends before the patch is undone

@@ -22,8 +22,9 @@ from .backing_cuda import (_allocation_prop, _granularity, _Mappings, _reserve, 
                            can_access_peer, fabric_preflight)
 from .backing_host import _memfd_name
 from .descriptor import ArenaDescriptor
-from .segments import (HANDLE_FABRIC_POSIX_FD, HANDLE_MEMFD, HANDLE_POSIX_FD, HOST_GRANULARITY, _check_nbytes,
-                       _check_segment_bytes, _fd_target, _make_fd_room, _round_up, _segment_sizes, parse_dtype)
+from .segments import (HANDLE_FABRIC_POSIX_FD, HANDLE_MEMFD, HANDLE_POSIX_FD, HOST_GRANULARITY, _adjacent_runs,
+                       _check_nbytes, _check_segment_bytes, _fd_target, _make_fd_room, _round_up, _segment_sizes,
+                       parse_dtype)
 from .undo import _Undo
 
 
@@ -54,7 +55,7 @@ class Arena:
     def __init__(self, *, undo: _Undo, ptr: int, nbytes: int, requested_nbytes: int, device: Device,
                  home_device: Device, granularity: int, segment_bytes: int, handle_type: str, arena_id: str,
                  imported: bool, descriptor: ArenaDescriptor | None = None, handles: list | None = None,
-                 fabric: bool = False, pending: Callable[[int], None] | None = None, backing: _Undo | None = None,
+                 fabric: bool = False, pending: Callable[[list[int], dict], None] | None = None, backing: _Undo | None = None,
                  attach: Callable[..., list] | None = None):
         # Built by create()/open(); not meant to be called directly.
         self._undo = undo
@@ -72,7 +73,7 @@ class Arena:
         self._descriptor = descriptor
         self._handles = handles  # the owner's CUmemGenericAllocationHandles, for export()
         self._fabric = fabric
-        self._map_segment = pending  # an importer's "map segment i"; None once everything is mapped
+        self._map_segment = pending  # an importer's "map segments [i, ...]"; None once everything is mapped
         self._mapped = [pending is None] * len(self._segment_sizes)
         self._map_lock = threading.Lock()
         self._map_stats = {"segments": 0, "map_ms": 0.0}
@@ -291,8 +292,8 @@ class Arena:
                 raise ArenaError(f"opening arena {descriptor.arena_id} failed: {exc}") from exc
             raise
 
-        def map_segment(i: int, out: dict) -> None:
-            """Import, map and grant segment ``i``; its releases join the arena's undo list."""
+        def import_segment(i: int, out: dict) -> None:
+            """Import and map segment ``i`` (CUDA: not granted yet); its releases join the undo list."""
             ptr, size = base + i * descriptor.segment_bytes, sizes[i]
             t = time.perf_counter()
             if not dev.is_cuda:
@@ -322,16 +323,31 @@ class Arena:
             undo.push("cuMemRelease", lambda: _cuda.check(drv.cuMemRelease(handle), "cuMemRelease"))
             t1 = time.perf_counter()
             mappings.map(ptr, handle, size)
-            t2 = time.perf_counter()
-            _set_access(ptr, size, devices)
-            t3 = time.perf_counter()
-            for key, ms in (("import_ms", t1 - t), ("map_ms", t2 - t1), ("set_access_ms", t3 - t2)):
+            for key, ms in (("import_ms", t1 - t), ("map_ms", time.perf_counter() - t1)):
                 out[key] = out.get(key, 0.0) + ms * 1e3
+
+        def map_segments(indices: list[int], out: dict) -> None:
+            """Import and map segments ``indices`` (ascending), then grant access. Where only the
+            home device is granted, one ``cuMemSetAccess`` per run of adjacent ones: a grant may
+            span many mappings (as in :func:`~flashboot.arena.backing_cuda.map_segments`), and
+            each call pays its own page-table update, so mapping a held arena of 54 segments
+            grants once, not 54 times. A grant to a peer goes segment by segment, as measured
+            (benchmarks/RESULTS.md, "Peer mapping cost": a peer's grant is dear from 512 MiB on;
+            whether one spanning many smaller allocations counts as large is not measured)."""
+            for i in indices:
+                import_segment(i, out)
+            if dev.is_cuda:
+                t = time.perf_counter()
+                runs = _adjacent_runs(indices) if set(devices) == {home} else [(i, i + 1) for i in indices]
+                for first, last in runs:
+                    start = base + first * descriptor.segment_bytes
+                    _set_access(start, base + (last - 1) * descriptor.segment_bytes + sizes[last - 1] - start, devices)
+                out["set_access_ms"] = out.get("set_access_ms", 0.0) + (time.perf_counter() - t) * 1e3
 
         arena = cls(undo=undo, ptr=base, nbytes=descriptor.nbytes, requested_nbytes=descriptor.nbytes, device=dev,
                     home_device=Device("cuda", home) if dev.is_cuda else dev, granularity=descriptor.granularity,
                     segment_bytes=descriptor.segment_bytes, handle_type=descriptor.handle_type,
-                    arena_id=descriptor.arena_id, imported=True, descriptor=descriptor, pending=map_segment)
+                    arena_id=descriptor.arena_id, imported=True, descriptor=descriptor, pending=map_segments)
         try:
             first: dict = {}
             arena._map_segments(0, 1, first)
@@ -375,16 +391,14 @@ class Arena:
             if self._map_segment is None:
                 return
             t0 = time.perf_counter()
-            done = 0
-            for i in range(first, last):
-                if not self._mapped[i]:
-                    if self._device.is_cuda:
-                        _cuda.use_device(self._device.index)
-                    self._map_segment(i, out if out is not None else {})
+            todo = [i for i in range(first, last) if not self._mapped[i]]
+            if todo:
+                if self._device.is_cuda:
+                    _cuda.use_device(self._device.index)
+                self._map_segment(todo, out if out is not None else {})
+                for i in todo:
                     self._mapped[i] = True
-                    done += 1
-            if done:
-                self._map_stats["segments"] += done
+                self._map_stats["segments"] += len(todo)
                 self._map_stats["map_ms"] += (time.perf_counter() - t0) * 1e3
             if all(self._mapped):
                 self._map_segment = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from ..errors import ArenaError
 
@@ -69,6 +69,17 @@ def _segment_sizes(nbytes: int, segment_bytes: int) -> list[int]:
     """Sizes of the segments of an ``nbytes`` arena: all ``segment_bytes`` but a shorter last one."""
     count = _segment_count(nbytes, segment_bytes)
     return [segment_bytes] * (count - 1) + [nbytes - segment_bytes * (count - 1)]
+
+
+def _adjacent_runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Ascending segment ``indices`` as ``[(first, last + 1), ...]`` runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return [(a, b) for a, b in runs]
 
 
 def _check_segment_bytes(segment_bytes: Any, granularity: int) -> int:

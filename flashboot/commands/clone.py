@@ -101,14 +101,17 @@ def run_seed(args: argparse.Namespace) -> int:
 
 
 def run_clone(args: argparse.Namespace) -> int:
-    from flashboot.flashclone import clone, linger
+    from flashboot.flashclone import clone, linger, prepare_clone
     from flashboot.units import parse_bytes
 
+    # first thing: the CUDA context, CuPy, the checksum kernel... load while torch is imported
+    # and the store is reached
+    prepared = prepare_clone(args.device, verify=args.verify, mover=args.mover)
     chunk = parse_bytes(args.chunk_bytes) if args.chunk_bytes else None
     result = clone(args.store, args.device, args.schedule, verify=args.verify, timeout_s=args.timeout,
                    mover=args.mover, chunk_bytes=chunk, token_file=args.token_file, name=args.name,
                    clones=args.clones, image=args.image, transport=args.transport, retry=not args.no_retry,
-                   pin_early=args.pin_early)
+                   pin_early=args.pin_early, prepared=prepared)
     try:
         _print(result.report.summary())
         if args.json:

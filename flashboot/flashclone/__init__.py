@@ -20,6 +20,10 @@ started with ``nixl=True``; ``pip install flashboot[nixl]``); ``nccl`` has the s
 over torch.distributed (gloo on the host backend). ``auto`` takes the first that reaches the seed
 in that order; the report's ``transport`` says which, and ``transport_note`` why.
 
+The early call: :func:`prepare_clone` starts the one-time costs a clone can pay before it knows
+its source (the CUDA context, CuPy, the checksum kernel...) in a background thread;
+``clone(..., prepared=...)`` joins it. The CLI's ``flashboot clone`` makes it first thing.
+
 Faults: every wait has a deadline. A source that exits (or stalls) mid-transfer stops the run with
 a named error; with ``retry=True`` (default) the clone re-attaches upstream (the source's own
 source), or to another clone that holds the whole image, or to the host image (``image=``), and
@@ -37,6 +41,7 @@ from .report import CloneError, CloneReport, CloneResult
 from .ring import ring_load
 from .seed import Seed, seed
 from .store import StoreServer, serve_store
+from .warmup import CloneWarmup, prepare_clone
 
-__all__ = ["CloneError", "CloneReport", "CloneResult", "Seed", "StoreServer", "clone", "linger", "ring_load", "seed",
-           "serve_store"]
+__all__ = ["CloneError", "CloneReport", "CloneResult", "CloneWarmup", "Seed", "StoreServer", "clone", "linger",
+           "prepare_clone", "ring_load", "seed", "serve_store"]

@@ -14,8 +14,9 @@ from ..memory import Device
 from ..schedulers import HOST, Plan, Step, build_plan
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous, StoreLostError
-from .common import METADATA_KEY, SCHEDULES, SEED_KEY, _FALLBACK_INDEX, _SEED_INDEX, _Warmup, _alive, _check_mover, _default_mover, _descriptor_from, _gkey, _map_stats_of, _note_lazy_mapping, _parse_metadata, _step_hook, _verify, _views
+from .common import METADATA_KEY, SCHEDULES, SEED_KEY, _FALLBACK_INDEX, _SEED_INDEX, _alive, _check_mover, _default_mover, _descriptor_from, _gkey, _map_stats_of, _note_lazy_mapping, _parse_metadata, _step_hook, _verify, _views
 from .report import CloneError, CloneReport, CloneResult
+from .warmup import CloneWarmup
 from .ring import ring_load
 from .session import _Session
 from .sources import _Sources
@@ -30,7 +31,7 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
           token=None, token_file=None, name: str = "default", clones: int | None = None, expect: Any = None,
           image: Any = None, rank: int = 0, transport: str = "auto", retry: bool = True,
           step_delay_s: float | None = None, pin_early: bool = False, into: Any = None,
-          held_sources: dict | None = None) -> CloneResult:
+          held_sources: dict | None = None, prepared: CloneWarmup | None = None) -> CloneResult:
     """Clone the seed published at ``store`` (``HOST:PORT``) into a new arena on ``device``.
 
     ``schedule``: ``"chain"`` (default), ``"star"`` or ``"ring"`` (see :func:`ring_load`; needs
@@ -54,7 +55,9 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     (same process, same arena id: a trainer publishing versions from one arena) reads it without
     mapping it again; a seed of another arena closes what it held first. The caller closes what
     it holds (:func:`~flashboot.flashclone.sources.release_held_sources`); a held mapping keeps
-    the exporter's memory alive.
+    the exporter's memory alive. ``prepared``: the early call's warm-up
+    (:func:`~flashboot.flashclone.prepare_clone` for ``device``); without it the clone starts its
+    own as it begins, overlapping only the connection to the store.
 
     Raises RendezvousError (no store, wrong token, mismatched manifest), WaitTimeoutError naming
     what was awaited, CloneError when a source failed and no other could take over.
@@ -66,22 +69,33 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
             raise FlashBootError("schedule 'ring' loads a shard of a host image on each member: pass image= and clones=")
         return ring_load(store, image, device, members=clones, rank=rank, verify=verify, timeout_s=timeout_s,
                          mover=mover, chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=name,
-                         expect=expect, step_delay_s=step_delay_s, pin_early=pin_early, transport=transport)
+                         expect=expect, step_delay_s=step_delay_s, pin_early=pin_early, transport=transport,
+                         prepared=prepared)
     if clones is not None and (not isinstance(clones, int) or clones < 1):
         raise FlashBootError(f"clones must be a positive int, got {clones!r}")
     t_start = time.perf_counter()
     dev = Device.parse(device)
+    if prepared is not None:
+        prepared.check_device(dev)
     if transport != "auto" and transport not in transport_names():
         transport_class(transport)  # UnknownNameError listing the registered ones
+    # overlaps importing torch and connecting; joined before the descriptor is requested
+    warm = prepared if prepared is not None else CloneWarmup(dev, verify=verify, mover=_default_mover(dev, mover))
     mover_obj = _check_mover(dev, _default_mover(dev, mover))
     nixl_warm = AgentWarmup.start_for(transport, "clone", timeout_s)
-    warm = _Warmup(dev, mover_obj)  # overlaps connecting; joined before the descriptor is requested
+    t_import = time.perf_counter()
+    import torch.distributed  # noqa: F401  (the store's client: in a fresh process, torch itself)
+
+    t_store = time.perf_counter()
     session = _Session.connect(store, token, token_file, name, host=False, timeout_s=timeout_s, keep=nixl_warm)
+    t_connected = time.perf_counter()
+    connect_detail = {"import_ms": (t_store - t_import) * 1e3, "store_ms": (t_connected - t_store) * 1e3,
+                      "before_ms": (t_import - t_start) * 1e3}
     try:
         return _clone(session, dev, schedule, mover_obj, t_start, verify=verify, timeout_s=timeout_s,
                       chunk_bytes=chunk_bytes, clones=clones, expect=expect, image=image, rank=rank,
                       transport=transport, retry=retry, hook=_step_hook(step_delay_s), warm=warm,
-                      nixl_warm=nixl_warm, into=into, held_sources=held_sources)
+                      nixl_warm=nixl_warm, into=into, held_sources=held_sources, connect_detail=connect_detail)
     except BaseException as exc:
         try:
             if session.status_key is not None and session.rdv is not None:
@@ -95,8 +109,8 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
 
 def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float, *, verify: bool, timeout_s: float,
            chunk_bytes: int | None, clones: int | None, expect: Any, image: Any, rank: int, transport: str,
-           retry: bool, hook, warm: _Warmup | None = None, nixl_warm=None, into=None,
-           held_sources: dict | None = None) -> CloneResult:
+           retry: bool, hook, warm: CloneWarmup | None = None, nixl_warm=None, into=None,
+           held_sources: dict | None = None, connect_detail: dict | None = None) -> CloneResult:
     rdv = session.rdv
     report = CloneReport(schedule, 0, str(dev), 0, mover=mover.name)
     if warm is not None:
@@ -113,6 +127,11 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     t1 = time.perf_counter()
     report.nbytes = manifest.nbytes
     report.connect_ms, report.manifest_ms = (t0 - t_start) * 1e3, (t1 - t0) * 1e3
+    if connect_detail is not None:
+        d = {k: connect_detail[k] for k in ("import_ms", "store_ms")}
+        d["warm_wait_ms"] = report.warm_wait_ms
+        d["other_ms"] = max(0.0, report.connect_ms - sum(d.values()))
+        report.connect_detail = {k: round(v, 3) for k, v in d.items()}
     offers = {"nccl": bool(seed_rec.body.get("nccl", True)), "nixl": "nixl" in seed_rec.sealed}
     cls, note = choose_transport(Seen(seed_desc, offers), dev, transport)
     chosen = cls.name

@@ -1,15 +1,14 @@
-"""Helpers shared by seed, clone and ring: record keys, the step hook, movers, the driver warm-up,
-tensor views, checksum verification."""
+"""Helpers shared by seed, clone and ring: record keys, the step hook, movers, tensor views,
+checksum verification."""
 
 from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 from typing import Any, Callable, Mapping
 
-from ..errors import ChecksumMismatchError, FlashBootError, WaitTimeoutError
+from ..errors import ChecksumMismatchError, FlashBootError
 from ..memory import Device
 from ..schedulers import Step
 from .rendezvous import Manifest
@@ -78,54 +77,6 @@ def _check_mover(dev: Device, mover: Any):
     if need not in m.paths and not (dev.is_cuda and "p2p" in m.paths):
         raise FlashBootError(f"mover {m.name!r} cannot copy between {dev} arenas (it supports {sorted(m.paths)})")
     return m
-
-
-class _Warmup:
-    """A one-time cost paid in a background thread, started before the descriptor is requested
-    (overlapping connecting to the store), joined before it is, so that neither the exchange nor
-    the transfer pays it: on CUDA :func:`flashboot.arena.warm_import` (a first peer mapping's
-    driver cost), with the host mover its parallel loop's compilation (numba: ~0.6 s, which was a
-    2 MB clone's whole transfer time)."""
-
-    def __init__(self, dev: Device, mover=None):
-        self.result: dict = {}
-        self._thread = None
-        if dev.is_cuda:
-            self._thread = threading.Thread(target=self._run, args=(dev,), name="flashboot-warm-import", daemon=True)
-        elif getattr(mover, "name", None) == "host":
-            self._thread = threading.Thread(target=self._run_host, name="flashboot-warm-host-copy", daemon=True)
-        if self._thread is not None:
-            self._thread.start()
-
-    def _run(self, dev: Device) -> None:
-        from ..arena import warm_import
-
-        try:
-            self.result = warm_import(dev)
-        except Exception as exc:  # noqa: BLE001 - best effort: named in the report; the real open raises its own
-            self.result = {"warm_ms": 0.0, "errors": [f"{type(exc).__name__}: {exc}"]}
-
-    def _run_host(self) -> None:
-        from ..movers.host import warm_host_copy
-
-        try:
-            self.result = {"warm_ms": warm_host_copy(), "note": "compiled the host mover's parallel loop"}
-        except Exception as exc:  # noqa: BLE001 - best effort, as above: the copy compiles it itself
-            self.result = {"warm_ms": 0.0, "errors": [f"{type(exc).__name__}: {exc}"]}
-
-    def join(self, report: "CloneReport", timeout_s: float) -> None:
-        if self._thread is None:
-            return
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise WaitTimeoutError(f"the warm-up on {report.device} did not finish within {timeout_s:g} s")
-        self._thread = None
-        report.warm_ms = float(self.result.get("warm_ms", 0.0))
-        peers = self.result.get("peers", [])
-        errors = self.result.get("errors", [])
-        report.warm_note = (f"warmed import+map from {', '.join(f'cuda:{p}' for p in peers)}" if peers
-                            else self.result.get("note", "")) + \
-            (f"; warm-up failed: {'; '.join(errors)}" if errors else "")
 
 
 def _views(arena, metadata) -> dict:

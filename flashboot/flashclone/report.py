@@ -26,7 +26,8 @@ class CloneReport:
     ``map_during_copy_ms`` (host time, overlapped with copies already issued) and
     ``segments_mapped_during_copy``. ``warm_ms``: the one-time warm-up run before the descriptor is requested, overlapped with
     connecting: the driver's (:func:`flashboot.arena.warm_import`) on CUDA, the host mover's
-    compilation on the host backend (``warm_note`` says which). ``transfer_ms``: the copy
+    compilation on the host backend (``warm_note`` says which; :func:`~flashboot.flashclone.prepare_clone`
+starts it earlier). ``transfer_ms``: the copy
     (from the first step issued to the last byte in place, pipeline fill included).
     ``setup_ms`` (nixl): the transport's
     setup on the critical path (waiting for the agent created while connecting, registering our
@@ -50,7 +51,14 @@ class CloneReport:
     mover: str = ""
     chunk_bytes: int = 0
     connect_ms: float = 0.0
+    connect_detail: dict = field(default_factory=dict)
+    """``connect_ms`` split: ``import_ms`` (importing torch's store client, in a fresh process
+    torch itself), ``store_ms`` (reaching the store), ``warm_wait_ms`` (waiting for the warm-up),
+    ``other_ms`` (checks, the mover's creation)."""
     warm_ms: float = 0.0
+    warm_wait_ms: float = 0.0
+    warm_detail: dict = field(default_factory=dict)
+    """The warm-up's parts, ms each (the CUDA context, the peer import, the checksum kernel, ...)."""
     warm_note: str = ""
     manifest_ms: float = 0.0
     alloc_ms: float = 0.0
@@ -97,11 +105,32 @@ class CloneReport:
         d["stream_gbps"] = self.stream_gbps
         return d
 
+    def phases(self) -> dict[str, float]:
+        """Where ``ready_ms`` went, in order, ms each: the parts of connecting (importing torch,
+        the store, the wait for the warm-up with the warm-up's largest part named), the exchange,
+        our arena, the start barrier, the transfer and what is left (``other``)."""
+        d = self.connect_detail
+        wait = "warm-up wait"
+        if self.warm_detail:
+            top = max(self.warm_detail, key=self.warm_detail.get)
+            wait += f" (of its {self.warm_ms:.0f} ms: {top} {self.warm_detail[top]:.0f})"
+        out = {"import torch": d.get("import_ms", 0.0), "store": d.get("store_ms", 0.0),
+               wait: d.get("warm_wait_ms", 0.0),
+               "connect, other": d.get("other_ms", 0.0) if d else self.connect_ms,
+               "exchange+map": self.exchange_ms, "setup": self.setup_ms, "alloc": self.alloc_ms,
+               "barrier": self.barrier_ms, "load": self.load_ms, "transfer": self.transfer_ms}
+        out["other"] = max(0.0, self.ready_ms - sum(out.values()))
+        return out
+
     def summary(self) -> str:
+        """One line; names every phase over 5 % of ``ready`` (the exchange and the transfer always)."""
+        big = [f"{name} {ms:.1f} ms" for name, ms in self.phases().items()
+               if name not in ("exchange+map", "transfer") and ms > 0.05 * self.ready_ms]
         parts = [f"{self.schedule} #{self.position} on {self.device}: {self.nbytes / 1e9:.3f} GB via {self.transport}",
                  f"from {self.source}" + (f" ({self.source_note})" if self.source_note else "") if self.source else "",
                  f"exchange+map {self.exchange_ms:.2f} ms, transfer {self.transfer_ms:.1f} ms ({self.gbps:.1f} GB/s)",
-                 f"ready {self.ready_ms:.1f} ms" + (f" (+ verify {self.verify_ms:.1f} ms)" if self.verify_ms else ""),
+                 f"ready {self.ready_ms:.1f} ms" + (f" ({', '.join(big)})" if big else "")
+                 + (f" + verify {self.verify_ms:.1f} ms" if self.verify_ms else ""),
                  f"total {self.total_ms:.1f} ms"]
         if self.verified is not None:
             parts.append("verified byte-exact" if self.verified else "NOT verified")

@@ -13,8 +13,9 @@ from ..memory import CPU, Device
 from ..schedulers import HOST, build_plan, shard_bounds
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, StoreLostError
-from .common import _Warmup, _check_mover, _default_mover, _descriptor_from, _note_lazy_mapping, _same_host, _step_hook, _verify, _views
+from .common import _check_mover, _default_mover, _descriptor_from, _note_lazy_mapping, _same_host, _step_hook, _verify, _views
 from .report import CloneReport, CloneResult
+from .warmup import CloneWarmup
 from .session import _Session
 from .sources import _HostImage
 from .transports.posix_fd import _open_arena
@@ -25,7 +26,8 @@ from .transports.registry import Seen, choose_transport
 def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank: int = 0, verify: bool = False,
               timeout_s: float = DEFAULT_TIMEOUT_S, mover: Any = None, chunk_bytes: int | None = None, token=None,
               token_file=None, name: str = "default", run: str = "ring", expect: Any = None,
-              step_delay_s: float | None = None, pin_early: bool = False, transport: str = "auto") -> CloneResult:
+              step_delay_s: float | None = None, pin_early: bool = False, transport: str = "auto",
+              prepared: CloneWarmup | None = None) -> CloneResult:
     """Load ``image`` on ``members`` processes at once: each loads a 1/N byte shard from the host
     and gathers the rest from its predecessor in a ring (paper §3.6).
 
@@ -38,7 +40,8 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
     it into /dev/shm); a file on disk is refused with a CapabilityError that says so.
     ``transport``: how a member reads its predecessor. ``"auto"`` maps it (``posix_fd`` on the same
     host, ``fabric`` in an NVLink domain), as do those names; ``"nixl"`` READs it through NIXL, on
-    any host (every member passes it; each needs its own copy of the image).
+    any host (every member passes it; each needs its own copy of the image). ``prepared``: the
+    early call's warm-up (:func:`~flashboot.flashclone.prepare_clone`), as for :func:`clone`.
     """
     from ..arena import Arena
 
@@ -52,7 +55,10 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
                              f"not {transport!r}")
     hook = _step_hook(step_delay_s)
     nixl_warm = AgentWarmup.start_for(transport, "ring", timeout_s)
-    warm = _Warmup(dev, mover_obj)  # overlaps connecting; joined before any descriptor is requested
+    if prepared is not None:
+        prepared.check_device(dev)
+    # overlaps connecting; joined before any descriptor is requested
+    warm = prepared if prepared is not None else CloneWarmup(dev, verify=verify, mover=mover_obj)
     session = _Session.connect(store, token, token_file, name, host=True, timeout_s=timeout_s, keep=nixl_warm)
     rdv = session.rdv
     try:

@@ -175,6 +175,12 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
             dev = source.arena.device
         else:
             dev = Device.parse(None)
+    if dev.is_cuda:
+        # the checksum's cubin (built here when this machine has none yet): clones in fresh
+        # processes then verify without Triton, and this seed's manifest is computed with it
+        from flashboot.kernels.checksum_gpu import prepare_checksum_kernels
+
+        prepare_checksum_kernels(dev.index)
     arena, metadata, owned = _load_seed_source(source, dev, rank, timeout_s)
     try:
         if manifest is not None:

@@ -10,23 +10,33 @@ one ``as_strided`` with a leading run dimension, then ``unbind``; tensors in no 
 from __future__ import annotations
 
 import operator
+import threading
 
 import numpy as np
 
-from ..errors import LayoutError
+from ..errors import FlashBootError, LayoutError
 
 MAX_PERIOD = 4
 """Runs are looked for among every k-th tensor of a shape, k <= this (w1 and w3 share a shape and
 alternate: k = 2)."""
 
 
-def make_views(arena, metadata) -> dict:
+VIEW_THREADS = 1
+"""Threads that make the views. torch releases the GIL inside ``unbind`` (the C++ loop that makes
+a run's tensors) and takes it back only to wrap each result, so on a host with spare cores the
+runs' C++ parts can overlap; benchmarks/first_calls.py ``--view-threads`` measures it."""
+VIEW_THREAD_TIMEOUT_S = 120.0
+"""How long the caller waits for a view thread (each makes its share of ~1 us views and waits on nothing)."""
+
+
+def make_views(arena, metadata, *, threads: int | None = None) -> dict:
     """name -> a zero-copy view of the arena at the tensor's offset, shape, stride and dtype.
 
     The same views as ``arena.view(offset, shape, dtype, stride)`` (same data pointer, shape,
     stride and dtype), made in bulk from the tensor table's columns (see the module docstring).
     The strict reader has already checked every tensor's bounds and alignment against the image
     (which fits the arena), and the per-call checks of ``arena.view`` cost ~25 us a tensor.
+    ``threads``: how many threads make them (default :data:`VIEW_THREADS`).
     """
     import torch
 
@@ -43,7 +53,7 @@ def make_views(arena, metadata) -> dict:
     codes = table.dtype_codes
     elem_offsets = table.offsets // table.itemsizes
     present = np.flatnonzero(np.bincount(codes)).tolist()
-    order, made = [], []
+    order, jobs = [], []
     with gc_paused():
         for code in present:
             dtype = getattr(torch, DTYPE_NAMES[code])
@@ -51,18 +61,20 @@ def make_views(arena, metadata) -> dict:
             for ndim, rows in dims.groups():
                 pick = rows[codes[rows] == code] if len(present) > 1 else rows
                 if len(pick):
-                    _views_of(typed, pick, dims.shapes[pick, :ndim], dims.strides[pick, :ndim], elem_offsets[pick],
-                              order, made)
+                    _plan(typed, pick, dims.shapes[pick, :ndim], dims.strides[pick, :ndim], elem_offsets[pick],
+                          order, jobs)
+        made = _run_jobs(jobs, VIEW_THREADS if threads is None else threads)
         position = np.empty(n, np.int64)  # back to table order: one C-level gather, not a Python loop
         position[np.concatenate(order)] = np.arange(n)
         made = operator.itemgetter(*position.tolist())(made) if n > 1 else made
         return dict(zip(table.names, made))
 
 
-def _views_of(typed, pick: np.ndarray, shapes: np.ndarray, strides: np.ndarray, offsets: np.ndarray,
-              order: list, made: list) -> None:
-    """Views of the tensors ``pick`` (one dtype and ndim) appended to ``made``, their table
-    indices to ``order`` in the same order."""
+def _plan(typed, pick: np.ndarray, shapes: np.ndarray, strides: np.ndarray, offsets: np.ndarray,
+          order: list, jobs: list) -> None:
+    """Jobs making the views of the tensors ``pick`` (one dtype and ndim) appended to ``jobs``,
+    their table indices to ``order`` in the order the jobs make them. A job is ``(count, call,
+    args)``: ``call(*args)`` returns ``count`` views."""
     # one segment per distinct (shape, stride), each sorted by offset
     by = np.lexsort((offsets, *strides.T[::-1], *shapes.T[::-1]))
     dims = np.concatenate((shapes, strides), axis=1)[by]
@@ -76,12 +88,58 @@ def _views_of(typed, pick: np.ndarray, shapes: np.ndarray, strides: np.ndarray, 
         runs, rest = _runs(offsets[seg])
         for start, step, members in runs:
             order.append(pick[seg[members]])
-            made += typed.as_strided((len(members), *shape), (step, *stride), start).unbind(0)
+            jobs.append((len(members), _run_views, (typed, (len(members), *shape), (step, *stride), start)))
         lone.append(seg[rest])
     lone = np.concatenate(lone) if lone else np.zeros(0, np.int64)
     if len(lone):
         order.append(pick[lone])
-        made += map(typed.as_strided, shapes[lone].tolist(), strides[lone].tolist(), offsets[lone].tolist())
+        jobs.append((len(lone), _lone_views, (typed, shapes[lone].tolist(), strides[lone].tolist(),
+                                              offsets[lone].tolist())))
+
+
+def _run_views(typed, size: tuple, stride: tuple, start: int):
+    return typed.as_strided(size, stride, start).unbind(0)
+
+
+def _lone_views(typed, shapes: list, strides: list, offsets: list) -> list:
+    return list(map(typed.as_strided, shapes, strides, offsets))
+
+
+def _run_jobs(jobs: list, threads: int) -> list:
+    """Every job's views, in job order; with ``threads`` > 1, contiguous shares of about equal
+    tensor counts run in that many threads, joined before returning (a job only builds tensors
+    and waits on nothing; :data:`VIEW_THREAD_TIMEOUT_S` bounds the wait all the same)."""
+    if threads <= 1 or len(jobs) < 2:
+        made: list = []
+        for _, call, args in jobs:
+            made += call(*args)
+        return made
+    ends = np.searchsorted(np.cumsum([count for count, _, _ in jobs]),
+                           np.linspace(0, sum(count for count, _, _ in jobs), threads + 1)[1:-1], side="right")
+    shares = [jobs[a:b] for a, b in zip([0, *ends.tolist()], [*ends.tolist(), len(jobs)]) if b > a]
+    results: list = [None] * len(shares)
+
+    def work(i: int) -> None:
+        try:
+            results[i] = _run_jobs(shares[i], 1)
+        except BaseException as exc:  # raised by the caller below
+            results[i] = exc
+
+    workers = [threading.Thread(target=work, args=(i,), name=f"flashboot-views-{i}") for i in range(1, len(shares))]
+    for w in workers:
+        w.start()
+    work(0)
+    for w in workers:
+        w.join(VIEW_THREAD_TIMEOUT_S)
+        if w.is_alive():
+            raise FlashBootError(f"{w.name} did not make its share of the {sum(c for c, _, _ in jobs):,} views "
+                                 f"in {VIEW_THREAD_TIMEOUT_S:g} s")
+    made = []
+    for part in results:
+        if isinstance(part, BaseException):
+            raise part
+        made += part
+    return made
 
 
 def _runs(offs: np.ndarray) -> tuple[list[tuple[int, int, np.ndarray]], np.ndarray]:
@@ -90,6 +148,8 @@ def _runs(offs: np.ndarray) -> tuple[list[tuple[int, int, np.ndarray]], np.ndarr
     make); returns ``[(first offset, step, member positions)]`` and the positions in no run."""
     best = None
     for k in range(1, min(MAX_PERIOD, len(offs) - 1) + 1):
+        if best is not None and best[0] <= k:
+            break  # k phases make at least k views: no larger k can do better
         phases = [_phase_runs(offs, np.arange(phase, len(offs), k)) for phase in range(k)]
         cost = sum(int(valid.sum()) + int(lengths[~valid].sum()) for _, _, lengths, valid, _ in phases)
         if best is None or cost < best[0]:

@@ -3,7 +3,8 @@
 Copying ``total`` bytes in ``n`` chunks costs ``n * per_call_s + total / bandwidth``: a fixed
 price per chunk (host issue, launch, synchronisation) and a rate. :func:`fit_chunked` fits both
 by least squares to the rows of ``bench movers --chunked`` (one mover and mode, several chunk
-sizes); :func:`predict_chain_s` turns a fit into the time of a chunk-pipelined chain.
+sizes); :func:`predict_chain_s` turns a fit into the time of a chunk-pipelined chain, whose hops
+share one GPU's memory bandwidth when they run on it (the measured aggregate of copies at once).
 """
 
 from __future__ import annotations
@@ -64,21 +65,68 @@ def fit_chunked(rows: Iterable[Any]) -> dict[tuple[str, str], MoverFit]:
     return fits
 
 
-def predict_chain_s(fit: MoverFit, total_bytes: int, chunk_bytes: int, hops: int, *, shared_memory: bool) -> float:
+def predict_chain_s(fit: MoverFit, total_bytes: int, chunk_bytes: int, hops: int, *,
+                    aggregate_gbps: float | None = None) -> float:
     """Time for ``hops`` chained copies of ``total_bytes`` pipelined in ``chunk_bytes`` chunks.
 
-    Each chunk crosses the hops one after another; once the pipe is full every hop works on its
-    own chunk, so the chain takes ``(n_chunks + hops - 1)`` chunk times. With ``shared_memory``
-    (all hops on one GPU) the hops split its memory bandwidth while they overlap, so a chunk time
-    is ``per_call + hops * chunk / rate``; on separate links it is ``per_call + chunk / rate``.
+    The chain advances in steps: in step ``k`` (1 .. n_chunks + hops - 1) the
+    ``a_k = min(k, hops, n_chunks, n_chunks + hops - k)`` hops that hold a chunk copy one each,
+    at once, so a step costs ``per_call + a_k * chunk / rate(a_k)`` (the hops' per-call costs
+    overlap). Hops on links of their own (``aggregate_gbps`` None) each run at the fit's
+    bandwidth: ``rate(a) = a * gbps``. Hops on one GPU share its memory bandwidth:
+    ``rate(a) = min(a * gbps, aggregate_gbps)``, with the aggregate that copies running at once
+    on that GPU were measured to reach (``bench movers --chunked``'s ``concurrent`` rows).
     """
     if hops < 1 or chunk_bytes <= 0 or total_bytes <= 0:
         raise FlashBootError(f"a chain needs hops >= 1 and positive sizes; got hops={hops}, chunk={chunk_bytes}, "
                              f"total={total_bytes}")
+    if aggregate_gbps is not None and aggregate_gbps <= 0:
+        raise FlashBootError(f"the aggregate bandwidth must be positive, got {aggregate_gbps!r} GB/s")
     n = -(-total_bytes // chunk_bytes)
-    share = hops if shared_memory else 1
-    chunk_s = fit.per_call_s + share * min(chunk_bytes, total_bytes) / (fit.gbps * 1e9)
-    return (n + hops - 1) * chunk_s
+    chunk = total_bytes / n  # the mean chunk: the steps move exactly total_bytes per hop
+    k = np.arange(1, n + hops)
+    active = np.minimum.reduce([k, np.full_like(k, hops), np.full_like(k, n), n + hops - k])
+    rate = active * fit.gbps * 1e9
+    if aggregate_gbps is not None:
+        rate = np.minimum(rate, aggregate_gbps * 1e9)
+    return float(np.sum(fit.per_call_s + active * chunk / rate))
 
 
-__all__ = ["MoverFit", "fit_chunked", "predict_chain_s"]
+CHAIN_MODELS = {"flag kernels": ("flag_kernel", "flag"), "copy engine + stream memops": ("copy_engine", "per_call")}
+"""For a chain row of a report without its own ``model``: the mover and mode whose chunked
+curve prices its hops (the flag kernels' own rows; the copy engine issues one copy per chunk)."""
+
+
+def predict_measured_chains(report: Mapping[str, Any], fits: Mapping[tuple[str, str], MoverFit] | None = None
+                            ) -> list[dict[str, Any]]:
+    """Each measured chain of a ``bench movers --chunked`` report beside the time the model
+    predicts for it, with the fit of its hops' curve (``model``: mover and mode) and the
+    aggregate of two copies at once on that GPU (``concurrent`` rows, by mover). Where the
+    report has no such aggregate (reports before it was measured) the prediction takes the
+    fit's bandwidth as the aggregate and ``aggregate`` says so."""
+    fits = fit_chunked(report["rows"]) if fits is None else fits
+    aggregates = {c["mover"]: c["aggregate_gbps"] for c in report.get("concurrent", [])}
+    out = []
+    for chain in report.get("chain", []):
+        mover, mode = chain.get("model") or CHAIN_MODELS.get(chain["method"], ("", ""))
+        fit = fits.get((mover, mode))
+        if len(set(chain.get("devices", [0]))) > 1:  # the rows are one GPU's d2d curves
+            out.append({"method": chain["method"], "fit": None, "why": "hops across GPUs: the report has no P2P curve"})
+            continue
+        if fit is None:
+            out.append({"method": chain["method"], "fit": None, "why": f"no rows of {mover or '?'} ({mode or '?'})"})
+            continue
+        hops = int(chain.get("hops", 2))
+        aggregate = aggregates.get(mover)
+        predicted_s = predict_chain_s(fit, int(chain["nbytes"]), int(chain["chunk_bytes"]), hops,
+                                      aggregate_gbps=aggregate if aggregate is not None else fit.gbps)
+        measured_s = chain["chain_ms"] / 1e3
+        out.append({"method": chain["method"], "fit": fit, "hops": hops, "nbytes": chain["nbytes"],
+                    "chunk_bytes": chain["chunk_bytes"], "measured_s": measured_s, "predicted_s": predicted_s,
+                    "error": (predicted_s - measured_s) / measured_s,
+                    "aggregate": (f"{aggregate:,.0f} GB/s measured ({hops} copies at once)" if aggregate is not None
+                                  else "not measured in this report: the fit's bandwidth")})
+    return out
+
+
+__all__ = ["CHAIN_MODELS", "MoverFit", "fit_chunked", "predict_chain_s", "predict_measured_chains"]

@@ -1,0 +1,162 @@
+"""A clone's boot as an engine and as the CLI see it (issue 19), against a seed on the same GPU.
+
+``python -m flashboot.benchmarks.clone_boot seed --store H:P --bytes N --ready FILE``: a seed of N
+random bytes on ``--device`` (cuda:0; cpu for a dry run; hosting the store), serving until SIGTERM; FILE appears once it is published.
+
+``python -m flashboot.benchmarks.clone_boot engine --store H:P [--early W_S]``: an engine-like
+fresh process: torch imported and its CUDA context made, ``flashboot`` imported, then (with
+``--early``) the early call :func:`flashboot.prepare_clone` and W_S seconds of the engine's own
+work, then a verified star clone. Prints ready, verify, ready + verify (target 100 ms), the
+transfer's GB/s against a D2D copy of the same size in the same process (target 0.85x), the
+clone's phases and its summary line: one JSON line.
+
+``python -m flashboot.benchmarks.clone_boot cli --store H:P [--repeats N]``: N times, alternating,
+a bare ``import torch; torch.zeros(1, device='cuda')`` process and a fresh ``flashboot clone
+--verify`` process, each timed from its spawn (to its CUDA context, and to verified weights):
+the target is clone <= bare + 150 ms. One JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def seed_main(store: str, nbytes: int, ready: str, device: str) -> None:
+    import flashboot
+    from flashboot.arena import Arena
+    from flashboot.benchmarks.clone import fill_random
+
+    arena = Arena.create(nbytes, device)
+    fill_random(arena, nbytes, 3)
+    s = flashboot.seed(store, arena, device, nbytes=nbytes)
+    with open(ready + ".tmp", "w") as f:
+        json.dump({"generation": s.generation, "nbytes": nbytes}, f)
+    os.replace(ready + ".tmp", ready)
+    try:
+        s.serve_forever()
+    finally:
+        s.close()
+        arena.close()
+
+
+def engine_main(store: str, early_s: float | None, device: str) -> dict:
+    t_start = time.perf_counter()
+    import torch
+
+    torch.zeros(1, device=device)
+    t_context = time.perf_counter()
+    import flashboot
+    import flashboot.flashclone  # noqa: F401
+
+    t_imported = time.perf_counter()
+    warm = None
+    if early_s is not None:
+        warm = flashboot.prepare_clone(device, verify=True)
+        t_w = time.perf_counter()
+        x = 0
+        while time.perf_counter() - t_w < early_s:  # the engine's own GIL-bound start-up work
+            x += 1
+    t_call = time.perf_counter()
+    result = flashboot.clone(store, device, "star", verify=True, timeout_s=60, prepared=warm)
+    call_ms = (time.perf_counter() - t_call) * 1e3
+    rep = result.report
+    triton_imported = "triton" in sys.modules  # the verify's checksum ran from the cubin when False
+    from flashboot.benchmarks.clone import copy_ceiling
+
+    nbytes = rep.nbytes
+    result.close()  # room for the ceiling's two arenas
+    ceiling = copy_ceiling([device], nbytes, repeats=3)
+    return {"mode": "engine", "early_s": early_s, "nbytes": nbytes, "context_ms": (t_context - t_start) * 1e3,
+            "import_flashboot_ms": (t_imported - t_context) * 1e3, "call_ms": call_ms, "ready_ms": rep.ready_ms,
+            "verify_ms": rep.verify_ms, "ready_plus_verify_ms": rep.ready_ms + rep.verify_ms,
+            "target_ms": 100.0, "transfer_ms": rep.transfer_ms, "transfer_gbps": rep.gbps,
+            "stream_gbps": rep.stream_gbps, "d2d_ceiling_gbps": ceiling["gbps"],
+            "transfer_vs_ceiling": rep.gbps / ceiling["gbps"] if ceiling["gbps"] else 0.0, "target_ratio": 0.85,
+            "phases_ms": {k: round(v, 2) for k, v in rep.phases().items()}, "warm_detail": rep.warm_detail,
+            "connect_detail": rep.connect_detail, "verified": rep.verified, "triton_imported": triton_imported,
+            "summary": rep.summary()}
+
+
+def _spawn_s(cmd: list[str], env: dict, timeout_s: float) -> tuple[float, str]:
+    t0 = time.time()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if p.returncode:
+        raise RuntimeError(f"{cmd[:4]} exited {p.returncode}: {(p.stderr or p.stdout)[-1500:]}")
+    return t0, p.stdout
+
+
+def cli_main(store: str, repeats: int, device: str) -> dict:
+    env = dict(os.environ)
+    bare, clone, lines = [], [], []
+    bare_cmd = [sys.executable, "-c", f"import time, torch; torch.zeros(1, device={device!r}); print(time.time())"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(repeats):
+            t0, out = _spawn_s(bare_cmd, env, 120)
+            bare.append(float(out.strip().splitlines()[-1]) - t0)
+            js = os.path.join(tmp, f"clone{i}.json")
+            t0, out = _spawn_s([sys.executable, "-m", "flashboot.cli", "clone", "--store", store, "--device", device,
+                                "--schedule", "star", "--verify", "--json", js, "--timeout", "60"], env, 180)
+            rep = json.load(open(js))
+            clone.append({"to_ready_s": rep["ready_unix"] - t0, "to_verified_s": rep["finished_unix"] - t0,
+                          "ready_ms": rep["ready_ms"], "verify_ms": rep["verify_ms"],
+                          "connect_detail": rep["connect_detail"], "warm_detail": rep["warm_detail"],
+                          "warm_wait_ms": rep["warm_wait_ms"]})
+            lines.append(out.strip().splitlines()[0])
+    bare_s = statistics.median(bare)
+    verified_s = statistics.median(c["to_verified_s"] for c in clone)
+    return {"mode": "cli", "bare_torch_context_s": bare, "clone_verified_s": [c["to_verified_s"] for c in clone],
+            "bare_median_s": bare_s, "clone_median_s": verified_s, "over_bare_ms": (verified_s - bare_s) * 1e3,
+            "target_over_bare_ms": 150.0, "runs": clone, "summaries": lines}
+
+
+def show(row: dict) -> str:
+    """A result line for people (the JSON line is for the record)."""
+    r = row
+    if r["mode"] == "engine":
+        return (f"engine early={r['early_s']}: ready {r['ready_ms']:.1f} + verify {r['verify_ms']:.1f} = "
+                f"{r['ready_plus_verify_ms']:.1f} ms (target 100); transfer {r['transfer_gbps']:.0f} GB/s = "
+                f"{r['transfer_vs_ceiling']:.3f}x D2D {r['d2d_ceiling_gbps']:.0f} GB/s (target 0.85); clone call "
+                f"{r['call_ms']:.1f} ms; Triton imported: {r['triton_imported']}\n  phases {r['phases_ms']}\n"
+                f"  warm-up {r['warm_detail']}\n  {r['summary']}")
+    runs = "\n".join(f"  connect {c['connect_detail']} warm-up {c['warm_detail']}\n  {line}"
+                     for c, line in zip(r["runs"], r["summaries"]))
+    return (f"bare torch + context {[round(x, 3) for x in r['bare_torch_context_s']]} s; clone --verify to verified "
+            f"{[round(x, 3) for x in r['clone_verified_s']]} s; median over bare {r['over_bare_ms']:.0f} ms "
+            f"(target 150)\n{runs}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flashboot.benchmarks.clone_boot", description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", choices=["seed", "engine", "cli", "show"], help="show: JSON lines on stdin, for people")
+    p.add_argument("--store")
+    p.add_argument("--bytes", type=int, default=13_760_000_000)
+    p.add_argument("--ready", default=None)
+    p.add_argument("--early", type=float, default=None)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a dry run on the host backend")
+    args = p.parse_args(argv)
+    if args.mode == "show":
+        for line in sys.stdin:
+            if line.strip():
+                print(show(json.loads(line)))
+        return 0
+    if args.store is None:
+        p.error("--store is required")
+    if args.mode == "seed":
+        seed_main(args.store, args.bytes, args.ready, args.device)
+        return 0
+    res = (engine_main(args.store, args.early, args.device) if args.mode == "engine"
+           else cli_main(args.store, args.repeats, args.device))
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""A clone's one-time costs paid before it knows its source: :func:`prepare_clone`, the early call.
+
+In a fresh process a clone's first call pays, besides importing torch for the store: the CUDA
+context (~0.3 s on an H200 host), the driver's first peer import and mapping, CuPy's import and
+its first stream and event (the copy engine's), torch's CUDA state (the views, the digests'
+buffer) and the store's client (``torch.distributed``, ~0.1 s in a process that has torch) and, when it verifies, the checksum kernel (its cubin: a few ms; through Triton ~1 s).
+None of these needs the source, so they run in a background thread started as early as the
+caller can (an engine at its start, the CLI before it connects to the store), mostly in driver
+calls and imports that overlap the caller's own work, and the clone joins the thread before it
+requests the seed's descriptor. The report names each part (``warm_detail``) and how long the
+clone waited for them (``warm_wait_ms``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from ..errors import FlashBootError, WaitTimeoutError
+from ..memory import Device
+from .report import CloneReport
+
+
+class CloneWarmup:
+    """The warm-up of clones into ``device`` (see :func:`prepare_clone`): a background thread,
+    started on construction; :meth:`join` waits for it (bounded) and fills a report's warm-up
+    fields. Best effort: a part that fails is named in the report (``warm_note``) and the clone
+    pays that cost itself, raising its own error if it is a real one."""
+
+    def __init__(self, device: Any = None, *, verify: bool = False, mover: Any = None):
+        self.device = Device.parse(device)
+        self.verify = verify
+        name = getattr(mover, "name", mover) or ("copy_engine" if self.device.is_cuda else "host")
+        self.parts: dict[str, float] = {}
+        self.peers: list[int] = []
+        self.errors: list[str] = []
+        self.notes: list[str] = []
+        self.warm_ms = 0.0
+        self._steps = self._plan(name)
+        self._thread: threading.Thread | None = None
+        if self._steps:
+            self._thread = threading.Thread(target=self._run, name="flashboot-clone-warmup", daemon=True)
+            self._thread.start()
+
+    def _plan(self, mover: str) -> list[tuple[str, Callable[[], None]]]:
+        dev = self.device
+        if not dev.is_cuda:
+            steps = [("host copy", self._host_copy)] if mover == "host" else []
+            return steps + ([("host checksum", self._host_checksum)] if self.verify else [])
+        steps = [("CUDA context + peer import", self._driver)]
+        if self.verify:
+            steps.append(("checksum kernel", self._checksum))
+        if mover == "copy_engine":
+            steps.append(("cupy + stream", self._cupy))
+        return steps + [("torch CUDA", self._torch)]
+
+    # ------------------------------------------------------------------ parts (background thread)
+    def _driver(self) -> None:
+        from ..arena import warm_import
+
+        res = warm_import(self.device)
+        self.peers = list(res.get("peers", []))
+        self.errors += [f"peer import: {e}" for e in res.get("errors", [])]
+        self.parts["CUDA context"] = float(res.get("context_ms", 0.0))
+
+    def _checksum(self) -> None:
+        from flashboot.kernels.checksum_gpu import prepare_checksum_kernels
+
+        prepare_checksum_kernels(self.device.index)
+
+    def _cupy(self) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self.device.index):
+            stream = cupy.cuda.Stream(non_blocking=True)
+            event = cupy.cuda.Event()
+            event.record(stream)
+            event.synchronize()
+
+    def _torch(self) -> None:
+        import torch
+        import torch.distributed  # noqa: F401  (the store's client, which the clone imports next)
+
+        torch.empty(1, device=str(self.device))  # torch's lazy CUDA init and its allocator's first block
+
+    def _host_copy(self) -> None:
+        from ..movers.host import warm_host_copy
+
+        warm_host_copy()
+        self.notes.append("compiled the host mover's parallel loop")
+
+    def _host_checksum(self) -> None:
+        import numpy as np
+
+        from flashboot.kernels.checksum_host import chunk_checksums_host
+
+        chunk_checksums_host(np.zeros(1 << 12, np.uint8), 1 << 10)
+
+    def _run(self) -> None:
+        t_all = time.perf_counter()
+        for name, step in self._steps:
+            t0 = time.perf_counter()
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - best effort: named in the report; the clone raises its own
+                self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            self.parts[name] = (time.perf_counter() - t0) * 1e3
+        if "CUDA context" in self.parts:
+            self.parts["CUDA context + peer import"] -= self.parts["CUDA context"]
+            self.parts["peer import"] = self.parts.pop("CUDA context + peer import")
+        self.warm_ms = (time.perf_counter() - t_all) * 1e3
+
+    # ------------------------------------------------------------------------------ the caller
+    def check_device(self, device: Device) -> None:
+        if device != self.device:
+            raise FlashBootError(f"the clone warm-up was prepared for {self.device}, not for {device}")
+
+    def join(self, report: CloneReport, timeout_s: float) -> None:
+        """Wait for the warm-up (WaitTimeoutError past ``timeout_s``) and record it in ``report``:
+        ``warm_ms`` (its own time), ``warm_wait_ms`` (what the caller waited), ``warm_detail``."""
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise WaitTimeoutError(f"the clone warm-up on {self.device} did not finish within {timeout_s:g} s "
+                                       f"(done so far: {sorted(self.parts)})")
+            self._thread = None
+        report.warm_wait_ms = (time.perf_counter() - t0) * 1e3
+        report.warm_ms = self.warm_ms
+        report.warm_detail = {k: round(v, 3) for k, v in self.parts.items()}
+        note = [f"warmed import+map from {', '.join(f'cuda:{p}' for p in self.peers)}"] if self.peers else []
+        report.warm_note = "; ".join(note + self.notes) + (f"; warm-up failed: {'; '.join(self.errors)}"
+                                                          if self.errors else "")
+
+
+def prepare_clone(device: Any = None, *, verify: bool = False, mover: Any = None) -> CloneWarmup:
+    """The early call of a clone into ``device``: start paying its one-time costs now, in a
+    background thread (the CUDA context, the driver's peer import, CuPy and its first stream,
+    torch's CUDA state and, with ``verify``, the checksum kernel; the host mover's and the host
+    checksum's compilation on the host backend). Call it as early as possible (before the engine
+    builds its model, before connecting to the store), then pass it as
+    ``clone(..., prepared=...)``, which joins it before requesting the seed's descriptor.
+    ``mover``: the mover the clone will use (default as :func:`~flashboot.flashclone.clone`)."""
+    return CloneWarmup(device, verify=verify, mover=mover)
+
+
+__all__ = ["CloneWarmup", "prepare_clone"]

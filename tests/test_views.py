@@ -1,0 +1,150 @@
+"""The bulk views against a per-tensor ``as_strided`` reference, on the host and on a GPU."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flashboot import Arena
+from flashboot.flashload.views import make_views
+from flashboot.layouts.entries import DTYPES, TENSOR_ALIGNMENT, TensorEntry
+from flashboot.layouts.table import decode_table, encode_table
+from flashboot.layouts.tensor_table import TensorTable
+
+MiB = 1 << 20
+
+
+def _entries(seed: int) -> dict[str, TensorEntry]:
+    """Every dtype; 0-d, 1-d, empty, permuted, padded and broadcast strides; and MoE-like runs:
+    experts of one shape at a constant spacing, two shapes alternating (w1/w3 around w2), a run
+    whose spacing changes half-way, all in shuffled table order."""
+    rng = random.Random(seed)
+    entries, cursor = [], 0
+
+    def add(name, shape, stride, dtype):
+        nonlocal cursor
+        cursor = -(-cursor // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
+        e = TensorEntry(name, cursor, tuple(shape), tuple(stride), dtype, "experts")
+        entries.append(e)
+        cursor += max(e.nbytes, 1)
+
+    for i, dtype in enumerate(sorted(DTYPES) * 3):
+        shape = [rng.choice([0, 1, 3, 5]) if rng.random() < 0.2 else rng.randint(1, 7) for _ in range(i % 5)]
+        stride = list(torch.empty(shape).stride())
+        if len(shape) > 1 and i % 3 == 0:
+            stride = list(torch.empty(shape[::-1]).stride())[::-1]  # a transposed layout
+        if stride and i % 4 == 1:
+            stride[0] *= 3  # padded rows
+        if stride and i % 7 == 2:
+            stride[-1] = 0  # broadcast
+        add(f"odd.{i}.{dtype}", shape, stride, dtype)
+    for layer in range(3):
+        for e in range(9):
+            for w, shape in (("w1", (8, 4)), ("w2", (4, 8)), ("w3", (8, 4))):
+                add(f"layers.{layer}.experts.{e}.{w}", shape, torch.empty(shape).stride(), "bfloat16")
+        add(f"layers.{layer}.norm", (16,), (1,), "float32")
+        if layer == 1:
+            cursor += 3 * TENSOR_ALIGNMENT  # the next layer's spacing differs
+    rng.shuffle(entries)
+    return {e.name: e for e in entries}
+
+
+def _metadata(entries: dict, from_table_file: bool):
+    table = TensorTable.from_entries(entries)
+    if from_table_file:  # as the reader makes it from tensors.bin: columns, no tuples
+        meta_bytes = b'{\n "tensors": {}}'
+        table, _ = decode_table(encode_table(table, meta_bytes), meta_bytes, "tensors.bin")
+    nbytes = max(e.offset + e.nbytes for e in entries.values())
+    return SimpleNamespace(tensors=table, image_nbytes=-(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT)
+
+
+def _check_against_reference(arena, meta, threads: int = 1) -> None:
+    flat = arena.bytes()
+    views = make_views(arena, meta, threads=threads)
+    assert list(views) == list(meta.tensors.names)
+    for e in meta.tensors.entries():
+        dtype = getattr(torch, e.dtype)
+        typed = flat[: arena.nbytes - arena.nbytes % dtype.itemsize].view(dtype)
+        want = typed.as_strided(e.shape, e.stride, e.offset // dtype.itemsize)
+        got = views[e.name]
+        assert (got.dtype, got.shape, got.stride(), got.storage_offset(), got.device) == \
+               (want.dtype, want.shape, want.stride(), want.storage_offset(), want.device), e.name
+        if got.numel():  # an empty tensor's data_ptr is 0
+            assert got.data_ptr() == want.data_ptr() == arena.ptr + e.offset, e.name
+        raw = [t.reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8) for t in (got, want)]
+        assert torch.equal(*raw), e.name  # bytes: random bits make NaNs
+
+
+@pytest.mark.parametrize("from_table_file, threads", [(False, 1), (True, 1), (True, 3)])
+def test_bulk_views_equal_per_tensor_as_strided(from_table_file, threads):
+    meta = _metadata(_entries(seed=3), from_table_file)
+    with Arena.create(meta.image_nbytes, "cpu") as arena:
+        g = torch.Generator().manual_seed(1)
+        arena.bytes()[:] = torch.randint(0, 256, (arena.nbytes,), dtype=torch.uint8, generator=g)
+        _check_against_reference(arena, meta, threads)
+
+
+@pytest.mark.gpu
+def test_bulk_views_of_an_opened_multi_segment_cuda_arena_equal_the_reference():
+    meta = _metadata(_entries(seed=4), True)
+    nbytes = max(meta.image_nbytes, 7 * MiB)
+    with Arena.create(nbytes, "cuda:0", segment_bytes=2 * MiB) as owner:
+        g = torch.Generator().manual_seed(2)
+        owner.bytes().copy_(torch.randint(0, 256, (owner.nbytes,), dtype=torch.uint8, generator=g))
+        torch.cuda.synchronize()
+        with Arena.open(owner.export(), "cuda:0") as opened:
+            assert opened.segments == 4 and opened.mapped_nbytes == 2 * MiB
+            opened.map_range()  # the three others at once: one grant over their run
+            assert opened.mapped_nbytes == opened.nbytes and opened.map_stats["segments"] == 3
+            assert torch.equal(opened.bytes(), owner.bytes())
+            _check_against_reference(opened, meta)
+            _check_against_reference(opened, meta, threads=4)
+
+
+def test_an_error_in_a_view_thread_reaches_the_caller(monkeypatch):
+    from flashboot.flashload import views as views_mod
+
+    meta = _metadata(_entries(seed=6), True)
+    real, calls = views_mod._run_views, []
+
+    def failing_late(typed, size, stride, start):
+        calls.append(size)
+        if len(calls) == 5:  # a job in a worker's share, not the caller's first
+            raise RuntimeError(f"injected: views of {size} at {start}")
+        return real(typed, size, stride, start)
+
+    monkeypatch.setattr(views_mod, "_run_views", failing_late)
+    with Arena.create(meta.image_nbytes, "cpu") as arena:
+        with pytest.raises(RuntimeError, match="injected: views of"):
+            make_views(arena, meta, threads=3)
+        import threading
+
+        assert len(calls) > 5  # the other shares ran on
+        assert not [t for t in threading.enumerate() if t.name.startswith("flashboot-views")]  # all joined
+
+
+def test_a_view_thread_past_its_timeout_is_named(monkeypatch):
+    import threading
+    import time
+
+    from flashboot.errors import FlashBootError
+    from flashboot.flashload import views as views_mod
+
+    meta = _metadata(_entries(seed=7), True)
+    real, calls = views_mod._run_views, []
+
+    def slow_late(typed, size, stride, start):
+        if threading.current_thread() is not threading.main_thread() and not calls:
+            calls.append(size)
+            time.sleep(1.0)  # once, in a worker's share: the caller's own share runs in the main thread
+        return real(typed, size, stride, start)
+
+    monkeypatch.setattr(views_mod, "_run_views", slow_late)
+    monkeypatch.setattr(views_mod, "VIEW_THREAD_TIMEOUT_S", 0.05)
+    with Arena.create(meta.image_nbytes, "cpu") as arena:
+        with pytest.raises(FlashBootError, match=r"flashboot-views-\d did not make its share of the [\d,]+ views in 0.05 s"):
+            make_views(arena, meta, threads=3)
+        time.sleep(1.2)  # the slow share ends on its own before the arena closes
