@@ -545,10 +545,16 @@ class PreloadServer:
                 mover = create_mover("copy_engine")
                 pieces = serve_pieces(res.nbytes, res.checksum_chunk_bytes)
                 with cupy.cuda.Device(arena.device.index):
-                    for off, n in pieces:
-                        mover.copy(arena.span(off, n), src.sub(off, n), stream=attached.stream)
-                        if attached.verify_stream is not None:  # piece k digested while k + 1 is copied
-                            pending.append(_start_piece_digests(attached, off, n))
+                    try:
+                        for off, n in pieces:
+                            mover.copy(arena.span(off, n), src.sub(off, n), stream=attached.stream)
+                            if attached.verify_stream is not None:  # piece k digested while k + 1 is copied
+                                pending.append(_start_piece_digests(attached, off, n))
+                    except BaseException:  # nothing may still read or write the arena the caller closes
+                        for stream in (attached.stream, attached.verify_stream):
+                            if stream is not None:
+                                stream.synchronize()
+                        raise
                     attached.stream.synchronize()
             else:
                 _read_staged(res, arena.span(0, res.nbytes))
