@@ -375,26 +375,3 @@ def test_gpu_a_verifying_served_copy_digests_piece_by_piece_and_names_a_flipped_
         assert e.value.chunk == 25 and e.value.offset == 25 * 4096
     finally:
         daemon.close()
-
-
-def test_a_served_copy_closed_before_its_reply_is_refused_by_name_and_the_daemon_keeps_serving(image, tmp_path):
-    """An engine that hangs up on a served copy (a prepared load closed mid-copy): waiting on it
-    afterwards raises a named error, the arena can be released at once, and the daemon serves the
-    next load unharmed."""
-    src = shm_files.rank_source(image, 0)
-    daemon = Daemon(image, tmp_path / "shm")
-    try:
-        arena = Arena.create(src.nbytes, "cpu")
-        copy = client.start_served_load(arena, image_dir=str(image), rank=0, nbytes=src.nbytes,
-                                        metadata_sha256=src.metadata_sha256, timeout_s=30,
-                                        shm_dir=tmp_path / "shm")
-        copy.close()
-        assert copy.closed
-        arena.close()
-        with pytest.raises(RendezvousError, match="closed before the daemon answered"):
-            copy.wait()
-        daemon.idle()
-        with flashboot.load(image, 0, "cpu", served=True, shm_dir=tmp_path / "shm", timeout_s=30) as li:
-            assert _loaded_bytes(li) == _image_bytes(image)
-    finally:
-        daemon.close()

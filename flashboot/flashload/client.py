@@ -231,21 +231,6 @@ class ServedCopy:
         except Exception:
             pass
 
-    @property
-    def closed(self) -> bool:
-        return self._sock is None
-
-    def close(self) -> None:
-        """Hang up without waiting for the reply (idempotent). The daemon finishes the copy it
-        started in its own mapping, which keeps the memory alive until it is done, then releases
-        it; a later :meth:`wait` raises RendezvousError."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-            if self._reply is None and self._error is None:
-                self._error = RendezvousError(f"the served load of rank {self.rank} at {self.path} was closed "
-                                              "before the daemon answered")
-
 
 def _send_arena(op: str, arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
                 shm_dir=None, **extra) -> tuple[socket.socket, Path]:
