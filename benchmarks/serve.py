@@ -157,7 +157,7 @@ def _copy_fn(src, nbytes: int, device: str):
     from flashboot.memory import Device
     from flashboot.movers import create_mover
 
-    from flashboot.flashload.server import SERVE_CHUNK_BYTES
+    from flashboot.flashload.serve_copy import SERVE_CHUNK_BYTES
 
     dev = Device.parse(device)
     if not dev.is_cuda:

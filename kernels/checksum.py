@@ -38,6 +38,8 @@ _LAZY = {
     "checksum_words_kernel": "flashboot.kernels.checksum_triton",
     "device_checksum": "flashboot.kernels.checksum_gpu",
     "device_chunk_checksums": "flashboot.kernels.checksum_gpu",
+    "start_device_chunk_checksums": "flashboot.kernels.checksum_gpu",
+    "warm_chunk_checksums": "flashboot.kernels.checksum_gpu",
 }
 __getattr__ = lazy_getattr("flashboot.kernels.checksum", _LAZY, globals())
 

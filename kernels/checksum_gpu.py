@@ -182,6 +182,30 @@ class PendingDigests:
         return out
 
 
+def _words_launch(nbytes: int, chunk_bytes: int, block: int, programs_per_sm: int,
+                  device_index: int) -> tuple[tuple[int], tuple[int, int, int, int]]:
+    """The word kernel's grid and sizes (``n_words, chunk_words, tiles_per_chunk, n_tiles``) for
+    ``chunk_bytes`` chunks of ``nbytes``: what a launch passes, and what Triton specialises on
+    (an int that is 1 or a multiple of 16 compiles another kernel), so a warm-up can match it."""
+    from .views import sm_count
+
+    n_chunks = -(-nbytes // chunk_bytes)
+    n_words = nbytes // 4
+    chunk_words = chunk_bytes // 4
+    tiles_per_chunk = -(-chunk_words // block)
+    n_tiles = (n_chunks - 1) * tiles_per_chunk + -(-(n_words - (n_chunks - 1) * chunk_words) // block)
+    # One wave of a few programs per SM, each a contiguous share of all chunks' tiles: a grid of
+    # (chunks x programs per chunk) left a second, nearly empty wave behind.
+    n_prog = max(1, min(n_tiles, sm_count(device_index) * programs_per_sm))
+    return (n_prog,), (n_words, chunk_words, tiles_per_chunk, n_tiles)
+
+
+def _words_sizes_args(sizes: tuple[int, int, int, int], start_word: int) -> tuple[int, ...]:
+    """The word kernel's int arguments in its parameter order."""
+    n_words, chunk_words, tiles_per_chunk, n_tiles = sizes
+    return n_words, chunk_words, start_word, tiles_per_chunk, n_tiles
+
+
 def _start_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any], start_word: int = 0,
                       copy_to=None, via: str = "auto") -> PendingDigests:
     """Launch the digests of ``chunk_bytes`` chunks of a word-aligned span (``span.ptr % 4 == 0``
@@ -192,20 +216,15 @@ def _start_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any]
     where it cannot)."""
     import torch
 
-    from .views import launch_on, sm_count, span_tensor
+    from .views import launch_on, span_tensor
 
     n = span.nbytes
     block = knobs["block_words"]
     if start_word % block:
         raise FlashBootError(f"start_word {start_word} must be a multiple of block_words {block}")
     n_chunks = -(-n // chunk_bytes)
-    n_words = n // 4
-    chunk_words = chunk_bytes // 4
-    tiles_per_chunk = -(-chunk_words // block)
-    n_tiles = (n_chunks - 1) * tiles_per_chunk + -(-(n_words - (n_chunks - 1) * chunk_words) // block)
-    # One wave of a few programs per SM, each a contiguous share of all chunks' tiles: a grid of
-    # (chunks x programs per chunk) left a second, nearly empty wave behind.
-    n_prog = max(1, min(n_tiles, sm_count(span.device.index) * knobs["programs_per_sm"]))
+    grid, sizes = _words_launch(n, chunk_bytes, block, knobs["programs_per_sm"], span.device.index)
+    (n_prog,), (n_words, chunk_words, tiles_per_chunk, n_tiles) = grid, sizes
     r = n % 4
     launcher = None
     if via != "triton" and span.device.is_cuda and n_words:
@@ -226,9 +245,9 @@ def _start_chunk_sums(span, chunk_bytes: int, stream: Any, knobs: dict[str, Any]
             from .checksum_triton import checksum_words_kernel
 
             words = span_tensor(span, 4, 0, n_words * 4)
-            checksum_words_kernel[(n_prog,)](
+            checksum_words_kernel[grid](
                 words, sums, words if copy_to is None else span_tensor(copy_to, 4, 0, n_words * 4),
-                n_words, chunk_words, start_word, tiles_per_chunk, n_tiles, BLOCK=block, COPY=copy_to is not None,
+                *_words_sizes_args(sizes, start_word), BLOCK=block, COPY=copy_to is not None,
                 num_warps=knobs["num_warps"], num_stages=knobs["num_stages"],
             )
         if n_words and copy_to is None and span.device.is_cuda:
@@ -296,5 +315,63 @@ def device_chunk_checksums(span, chunk_bytes: int, *, stream: Any = None, **tuni
     return _device_chunk_sums_bytes(span, chunk_bytes, stream, knobs)
 
 
+def start_device_chunk_checksums(span, chunk_bytes: int, *, stream: Any, **tuning: Any) -> PendingDigests:
+    """:func:`device_chunk_checksums` launched on ``stream`` and not waited for: the digests of a
+    word-aligned span (``span.ptr`` and ``chunk_bytes`` multiples of 4), read by
+    :meth:`PendingDigests.digests`. A caller checksums a piece while the next one is copied."""
+    if span.ptr % 4 or chunk_bytes % 4 or span.nbytes == 0:
+        raise FlashBootError(f"start_device_chunk_checksums needs a non-empty span at a 4-byte aligned address "
+                             f"and chunks of a multiple of 4 bytes; got {span.nbytes:,} bytes at {span.ptr:#x} in "
+                             f"chunks of {chunk_bytes:,}")
+    return _start_chunk_sums(span, chunk_bytes, stream, _gpu_knobs(tuning))
+
+
+def warm_chunk_checksums(device_index: int, nbytes: int, chunk_bytes: int, **tuning: Any) -> None:
+    """Compile and load the kernel that :func:`chunk_checksums` of ``nbytes`` at a 16-byte aligned
+    address (an arena, a piece of one) in ``chunk_bytes`` chunks on CUDA device ``device_index``
+    launches, without launching it. Chunks of whole 64 bytes take the cubin (one for every size:
+    built where the cache has none, and loaded); others launch through Triton, which specialises
+    on the sizes (1, multiples of 16): a probe of another shape left ~290 ms of compiling to a
+    served load of 40,250 tensors, so that exact launch is compiled. Touches a few bytes of
+    scratch memory, not ``nbytes``."""
+    import contextlib
+
+    import torch
+
+    from .views import interpreting
+
+    knobs = _gpu_knobs(tuning)
+    if nbytes <= 0 or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise FlashBootError(f"warm_chunk_checksums needs nbytes > 0 and chunk_bytes > 0, got {nbytes!r}, "
+                             f"{chunk_bytes!r}")
+    on_host = interpreting()  # the interpreter compiles nothing; its launches are what tests compare
+    words = chunk_bytes % 4 == 0 and nbytes >= 4
+    if words and not on_host and (chunk_bytes // 4) % 16 == 0:  # the cubin's launch: one for every size
+        launcher = _words_launcher(device_index, knobs, False, quiet=True)
+        if launcher is not None:
+            launcher.function(device_index)
+            return
+    from .checksum_triton import checksum_bytes_kernel, checksum_words_kernel
+
+    block = knobs["block_words"]
+    n_chunks = -(-nbytes // chunk_bytes)
+    with contextlib.nullcontext() if on_host else torch.cuda.device(device_index):
+        # 16-byte aligned, as an arena: pointers specialise on it too
+        scratch = torch.zeros(16, dtype=torch.int64, device="cpu" if on_host else f"cuda:{device_index}")
+        if words:
+            grid, sizes = _words_launch(nbytes, chunk_bytes, block, knobs["programs_per_sm"], device_index)
+            compiled = checksum_words_kernel.warmup(
+                scratch.view(torch.int32), scratch, scratch.view(torch.int32), *_words_sizes_args(sizes, 0),
+                BLOCK=block, COPY=False, num_warps=knobs["num_warps"], num_stages=knobs["num_stages"], grid=grid)
+        else:
+            compiled = checksum_bytes_kernel.warmup(
+                scratch.view(torch.uint8), scratch, nbytes, chunk_bytes, 0, BLOCK=block,
+                num_warps=knobs["num_warps"], num_stages=knobs["num_stages"], grid=(n_chunks, 1))
+    # the module load and launcher a first launch would make lazily (Triton's CompiledKernel)
+    init_handles = getattr(compiled, "_init_handles", None)
+    if init_handles is not None:
+        init_handles()
+
+
 __all__ = ["CHECKSUM_TUNING", "PendingDigests", "WORDS_ALIGNED_ARGS", "device_checksum", "device_chunk_checksums",
-           "prepare_checksum_kernels", "words_kernel_key"]
+           "prepare_checksum_kernels", "start_device_chunk_checksums", "warm_chunk_checksums", "words_kernel_key"]

@@ -101,6 +101,37 @@ def test_prepared_handle_refuses_another_image_rank_or_device(image, image_maste
     assert handle.arena.closed and handle.session.closed
 
 
+def test_a_served_prepare_asks_for_the_copy_before_it_parses_the_metadata(image, shm, daemon, monkeypatch):
+    """As a plain served load: the daemon's .ready vouches for the metadata bytes, so the copy is
+    asked for first and the strict read and the views run beside it; a refusal by that read (here
+    injected) waits for the daemon to be done with the arena, releases it, and the daemon serves on."""
+    from flashboot.flashload.pipeline import PreparedLoad
+
+    open_metadata = PreparedLoad.open_metadata
+    seen = []
+
+    def record(handle, *args):
+        seen.append(handle.session is not None and handle.session.used)
+        return open_metadata(handle, *args)
+
+    monkeypatch.setattr(PreparedLoad, "open_metadata", record)
+    with flashboot.load(image, 0, "cpu", prepared=flashboot.prepare(image, 0, "cpu", shm_dir=shm), verify=True) as li:
+        assert bytes(li.arena.bytes()[:li.nbytes].numpy()) == _image_bytes(image)
+    assert seen == [True]
+
+    def refuse(handle, *args):
+        raise LayoutError("injected: the strict read refuses the metadata")
+
+    monkeypatch.setattr(PreparedLoad, "open_metadata", refuse)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    with pytest.raises(LayoutError, match="injected"):
+        handle.wait()
+    assert handle.arena.closed and handle.session.closed and handle.tensors is None
+    monkeypatch.setattr(PreparedLoad, "open_metadata", open_metadata)
+    with flashboot.load(image, 0, "cpu", prepared=flashboot.prepare(image, 0, "cpu", shm_dir=shm), verify=True) as li:
+        assert bytes(li.arena.bytes()[:li.nbytes].numpy()) == _image_bytes(image)
+
+
 def test_prepared_handle_refuses_a_repacked_image(image, shm, daemon):
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm).wait()
     meta = image / "rank-0" / "metadata.json"

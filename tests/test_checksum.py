@@ -251,6 +251,76 @@ def test_gpu_chunk_checksums_match_host():
     assert ck.chunk_checksums(t[: 1 << 20], 4097) == ck.chunk_checksums_host(small, 4097)
 
 
+class _RecordingKernel:
+    """Stands in for a Triton kernel: records launches (``kernel[grid](...)``) and warm-ups."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append(("launch", grid, args, kw))
+
+    def warmup(self, *args, grid, **kw):
+        self.calls.append(("warmup", grid, args, kw))
+
+
+@pytest.mark.parametrize("nbytes, chunk_bytes", [
+    (3 * 4096 + 12, 4096),  # sizes that are no multiple of 16 words
+    (1 << 20, 1 << 16),  # all multiples of 16
+    (4 * 1024 * 16, 4 * 1024 * 16),  # one chunk of exactly 16 tiles
+    (4100, 4),  # one-word chunks: chunk_words == 1 and tiles_per_chunk == 1 specialise as constants
+    (12_345, 1000),  # byte kernel: chunks of no whole word
+])
+def test_warm_chunk_checksums_prepares_the_launch_of_exactly_that_shape(monkeypatch, nbytes, chunk_bytes):
+    """The served daemon warms the checksum for an image's own shapes at stage time. Triton compiles
+    per specialisation of the sizes (1, multiples of 16) and pointers (16-byte aligned), so the
+    warm-up must present the same grid, sizes, constants and aligned pointers as the real launch
+    of that shape, or the engine's first verified load compiles again."""
+    from flashboot.kernels import checksum_gpu, checksum_triton
+
+    calls = []
+    monkeypatch.setattr(checksum_triton, "checksum_words_kernel", _RecordingKernel(calls))
+    monkeypatch.setattr(checksum_triton, "checksum_bytes_kernel", _RecordingKernel(calls))
+    monkeypatch.setattr(checksum_gpu, "_sum_partials", lambda partials, n: [0] * n)
+    t = on_kernel_device(random_bytes(nbytes))
+    assert t.data_ptr() % 16 == 0
+    checksum_gpu.device_chunk_checksums(span_of(t), chunk_bytes)  # the kernel path, on the host under the interpreter
+    checksum_gpu.warm_chunk_checksums(0, nbytes, chunk_bytes)
+    (kind, grid, args, kw), (warm_kind, warm_grid, warm_args, warm_kw) = calls
+    assert (kind, warm_kind) == ("launch", "warmup")
+    pointers = [a for a in args if isinstance(a, torch.Tensor)]
+    warm_pointers = [a for a in warm_args if isinstance(a, torch.Tensor)]
+    assert [p.dtype for p in pointers] == [p.dtype for p in warm_pointers]
+    assert all(p.data_ptr() % 16 == 0 for p in pointers + warm_pointers)
+    sizes = [a for a in args if not isinstance(a, torch.Tensor)]
+    assert sizes == [a for a in warm_args if not isinstance(a, torch.Tensor)] and sizes
+    assert kw == warm_kw
+    if chunk_bytes % 4 == 0:  # the word kernel's grid is fixed by the sizes; the byte kernel's is not specialised on
+        assert grid == warm_grid
+
+
+@pytest.mark.gpu
+def test_gpu_warm_chunk_checksums_leaves_nothing_to_build_for_that_shape():
+    """After the warm-up of a shape, a checksum of that shape builds nothing more and matches the
+    host: chunks of whole 64 bytes find the cubin loaded; others (Triton) compile nothing."""
+    from flashboot.kernels import checksum_gpu, checksum_triton
+
+    dev = torch.cuda.current_device()
+    nbytes = (5 << 20) + 12
+    t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    knobs = checksum_gpu.CHECKSUM_TUNING
+    checksum_gpu.warm_chunk_checksums(dev, nbytes, 1 << 20)
+    key = (dev, knobs["block_words"], knobs["num_warps"], knobs["num_stages"], False)
+    assert checksum_gpu._launchers.get(key) is not None  # built or found, and loaded
+    assert ck.chunk_checksums(t, 1 << 20) == ck.chunk_checksums_host(t.cpu().numpy(), 1 << 20)
+    odd = (1 << 20) + 4  # not whole 16-word groups: Triton's launch, specialised on these sizes
+    checksum_gpu.warm_chunk_checksums(dev, nbytes, odd)
+    cache = checksum_triton.checksum_words_kernel.device_caches[dev][0]
+    compiled = len(cache)
+    assert ck.chunk_checksums(t, odd) == ck.chunk_checksums_host(t.cpu().numpy(), odd)
+    assert len(cache) == compiled
+
+
 def test_checksum_of_something_that_is_no_buffer():
     with pytest.raises(FlashBootError, match="cannot take a byte span of dict"):
         ck.checksum({"a": 1})

@@ -482,3 +482,24 @@ def test_config_validates_itself(image):
     cfg = staging.PreloadConfig.from_dict({"image_dir": str(image), "threads": 3, "devices": {"0": "cpu"}})
     assert cfg.device_for(0) == Device("cpu")
     assert "--threads" in service.config_argv(cfg) and "0=cpu" in service.config_argv(cfg)
+
+
+@pytest.mark.parametrize("serve_chunk_bytes", [1 << 12, 10_000, 1 << 16])
+def test_served_copy_pieces_cover_the_image_in_whole_checksum_chunks(monkeypatch, serve_chunk_bytes):
+    """A verifying CUDA served copy digests each piece while the next one copies: the pieces cover
+    the image once, in order, each (but the last) a whole number of checksum chunks, so the pieces'
+    digests, concatenated, are the image's."""
+    import numpy as np
+
+    from flashboot.flashload import serve_copy
+    from flashboot.kernels.checksum import chunk_checksums_host
+
+    monkeypatch.setattr(serve_copy, "SERVE_CHUNK_BYTES", serve_chunk_bytes)
+    raw = np.random.default_rng(1).integers(0, 256, 50_003, dtype=np.uint8)
+    for chunk_bytes in (1024, 4096, 3000, 1 << 15, 1 << 17):
+        pieces = serve_copy.serve_pieces(raw.size, chunk_bytes)
+        assert [off for off, _ in pieces] == list(np.cumsum([0] + [n for _, n in pieces[:-1]]))
+        assert sum(n for _, n in pieces) == raw.size
+        assert all(n % chunk_bytes == 0 and n <= max(serve_chunk_bytes, chunk_bytes) for _, n in pieces[:-1])
+        digests = [d for off, n in pieces for d in chunk_checksums_host(raw[off:off + n], chunk_bytes)]
+        assert digests == chunk_checksums_host(raw, chunk_bytes)

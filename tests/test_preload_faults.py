@@ -329,3 +329,49 @@ def test_a_verifying_served_load_of_too_many_checksum_chunks_is_refused_by_name(
             assert unchecked.report.details["verify_skipped"].startswith("off by default on the host backend")
     finally:
         daemon.close()
+
+
+def test_the_daemon_warms_a_ranks_first_copy_at_stage_time_and_leaks_nothing(image, tmp_path):
+    """At stage time the daemon opens an arena of its own as it opens an engine's (on the host
+    backend that is the whole warm-up): logged as done, no failure, every fd it made closed again,
+    and the engine's first served load gets the image's bytes."""
+    fds_before = set(os.listdir("/proc/self/fd"))
+    daemon = Daemon(image, tmp_path / "shm")
+    try:
+        assert not any("warming its first copy failed" in line for line in daemon.log), daemon.log
+        assert any("first copy warmed" in line for line in daemon.log), daemon.log
+        with flashboot.load(image, 0, "cpu", served=True, shm_dir=tmp_path / "shm", timeout_s=30) as li:
+            assert _loaded_bytes(li) == _image_bytes(image)
+    finally:
+        daemon.close()
+    assert set(os.listdir("/proc/self/fd")) - fds_before == set()
+
+
+@pytest.mark.gpu
+def test_gpu_a_verifying_served_copy_digests_piece_by_piece_and_names_a_flipped_byte(image, tmp_path, monkeypatch):
+    """The daemon digests each copied piece while the next one copies (pieces of 3 checksum chunks
+    here, so ~11 of them): the digests it returns are the image's, a byte flipped in a later piece
+    is named by its chunk, and the stage-time warm-up ran without a logged failure."""
+    from flashboot.errors import ChecksumMismatchError
+    from flashboot.flashload import serve_copy
+
+    monkeypatch.setattr(serve_copy, "SERVE_CHUNK_BYTES", 3 * 4096)  # the daemon runs in this process (a thread)
+    shm = tmp_path / "shm"
+    daemon = Daemon(image, shm, devices={0: "cuda:0"})
+    try:
+        assert not any("warming its first copy failed" in line for line in daemon.log), daemon.log
+        assert daemon.server.residents[0].warm_ms > 0
+        with flashboot.load(image, 0, "cuda:0", served=True, shm_dir=shm, timeout_s=30, verify=True) as li:
+            assert li.report.details["verified"].endswith("(verified by the daemon)")
+            assert bytes(li.arena.bytes()[:li.nbytes].cpu().numpy()) == _image_bytes(image)
+        staged = shm_files.staged_paths(image, 0, shm).image
+        with open(staged, "r+b") as f:  # the daemon's pinned pages: chunk 25, in the 9th piece
+            f.seek(25 * 4096 + 7)
+            b = f.read(1)
+            f.seek(25 * 4096 + 7)
+            f.write(bytes([b[0] ^ 0x5A]))
+        with pytest.raises(ChecksumMismatchError) as e:
+            flashboot.load(image, 0, "cuda:0", served=True, shm_dir=shm, timeout_s=30, verify=True)
+        assert e.value.chunk == 25 and e.value.offset == 25 * 4096
+    finally:
+        daemon.close()

@@ -36,4 +36,24 @@ def choose_prepared(requested_mode: str, rank_source, shm_dir) -> tuple[Source, 
     return source, why
 
 
-__all__ = ["choose", "choose_prepared"]
+def choose_copy_first(requested_mode: str, image_dir, rank: int, shm_dir) -> tuple[Source, str] | None:
+    """(source, why) when :func:`flashboot.prepare` takes a source whose copy starts before this
+    process parses the metadata (:attr:`Source.copies_before_metadata`): the one asked for, or
+    (``"auto"``) the first registered one that fits, asked before any source that needs the
+    parsed metadata to decide; None otherwise (the metadata is parsed first)."""
+    if requested_mode != "auto":
+        source = source_for_mode(requested_mode)
+        return (source, "asked for") if source.copies_before_metadata else None
+    from .service import service_status
+
+    want = Want(image_dir, rank, None, shm_dir=shm_dir, daemon=service_status(image_dir, shm_dir))
+    for source in registered_sources():
+        if not source.copies_before_metadata:
+            return None
+        offer = source.offer(want)  # such a source decides without the metadata (rank_source None)
+        if offer.fits:
+            return source, offer.why
+    return None
+
+
+__all__ = ["choose", "choose_copy_first", "choose_prepared"]

@@ -273,8 +273,9 @@ def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha2
 
 class ServedSession:
     """An engine's arena attached to the served-load daemon ahead of its load (made by
-    :func:`attach_served`): the daemon has checked the request, opened and mapped the arena and
-    holds the connection; :meth:`copy` asks for the copy and waits for it."""
+    :func:`attach_served`): the daemon has checked the request, opened the arena (its segments
+    are mapped during the copy) and holds the connection; :meth:`copy` asks for the copy and
+    waits for it."""
 
     def __init__(self, sock: socket.socket, path: Path, rank: int, nbytes: int, reply: dict):
         self._sock: socket.socket | None = sock
@@ -328,7 +329,7 @@ class ServedSession:
 def attach_served(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
                   shm_dir=None, hold_s: float | None = None, verify: bool = False) -> ServedSession:
     """Hand ``arena`` to the daemon for ``image_dir`` ahead of the load: it checks rank, size and
-    metadata sha256 against what it holds, opens and maps the arena and answers; the copy waits
+    metadata sha256 against what it holds, opens the arena and answers; the copy waits
     for :meth:`ServedSession.copy`. ``hold_s``: how long the daemon keeps the arena attached
     without a copy request (default the daemon's, an hour). ``verify``: the copy's reply carries the
     daemon's chunk digests. Errors as :func:`start_served_load`."""
@@ -355,9 +356,9 @@ def check_daemon_digests(reply: dict, metadata, where: str, report=None) -> int:
 
     digests, chunk_bytes = reply.get("digests"), reply.get("checksum_chunk_bytes")
     want = metadata.checksums.chunk_bytes
-    if not isinstance(digests, list) or not all(isinstance(d, int) for d in digests):
-        raise RendezvousError(f"{where}: the preloader's reply carries no chunk digests although verify was asked "
-                              "(an older preloader? restart it)")
+    if not isinstance(digests, list) or not all(type(d) is int and 0 <= d < 1 << 64 for d in digests):
+        raise RendezvousError(f"{where}: the preloader's reply carries no chunk digests (64-bit unsigned ints) "
+                              "although verify was asked (an older preloader? restart it)")
     if chunk_bytes != want:
         raise RendezvousError(f"{where}: the preloader digested chunks of {chunk_bytes} bytes, the metadata records "
                               f"{want:,}")

@@ -24,9 +24,11 @@ starts the copy as soon as it can, so an engine that builds its model for longer
 takes finds its weights in place. ``flashboot.load(..., prepared=handle)`` (or ``handle.load()``)
 only waits for that copy, checks that the image was not re-packed since, and verifies:
 
-* served (a ``flashboot preload --serve`` daemon holds the image pinned): the arena is created,
-  exported and attached to the daemon, which checks it against what it holds, maps it and is
-  asked for its H2D at once; the views are built while it copies;
+* served (a ``flashboot preload --serve`` daemon holds the image pinned): as a plain served
+  load, the copy comes first (the daemon's ``.ready`` vouches for the metadata bytes): the arena
+  is created at the ``.ready``'s size, exported and attached to the daemon, which checks it
+  against what it holds and is asked for its H2D at once (mapping the segments piece by piece
+  as it copies); the strict read of the metadata and the views run while it copies;
 * pinned early (a preloader staged the rank, no daemon): the staged file is mapped and pinned
   in this process (:class:`~flashboot.flashload.stage.StagedImage`); the bulk H2D is issued as
   soon as the pin is done;
@@ -53,12 +55,12 @@ from typing import Any
 
 from ..errors import FlashBootError, LayoutError, WaitTimeoutError
 from ..memory import Device
-from .choose import choose, choose_prepared
+from .choose import choose, choose_copy_first, choose_prepared
 from .landing import DEFAULT_CHUNK_BYTES, admit, verify_loaded
 from .report import LoadedImage, LoadReport
 from .sources import source_for_mode
 from .stream import StreamConfig
-from .want import LoadRequest, Want, load_request, verify_default
+from .want import LoadRequest, Want, check_job_request, load_request, verify_default
 
 
 # ===================================================================================== load
@@ -287,6 +289,7 @@ class PreparedLoad:
         self.requested_mode, self.mode, self.why = mode, "", ""
         self.load_source = None  # the Source chosen (sources/), once the metadata is read
         self.arena = self.metadata = self.image = self.tensors = self.rank_source = None
+        self.metadata_file = None  # the metadata bytes, read first (layouts.image.MetadataFile)
         self.session = self.staged = self.mover = None
         self.release_thread: threading.Thread | None = None
         self.nbytes = 0
@@ -332,29 +335,30 @@ class PreparedLoad:
         return now
 
     def _prepare(self) -> None:
-        from ..arena import Arena
-        from .shm import rank_source
+        from flashboot.layouts.image import read_metadata_file
 
         t = time.perf_counter()
-        self.rank_source = rank_source(self.image_dir, self.rank, tp=self.tp, ep=self.ep,
-                                       expected_key=self.expected_key)  # as a plain load reads it
-        image = self.rank_source.image
-        self.image, self.metadata, self.nbytes = image, image.metadata, image.nbytes
-        self.metadata_sha256 = self.rank_source.metadata_sha256
-        for path in (image.metadata_path, image.path):
-            self._identity[Path(path)] = _file_identity(Path(path))
-        if self.nbytes == 0:
-            raise LayoutError(f"{image.path}: empty image, nothing to load")
-        t = self.phase("metadata", t)
-        source, self.why = choose_prepared(self.requested_mode, self.rank_source, self.shm_dir)
+        self.metadata_file = mf = read_metadata_file(self.image_dir, self.rank)
+        self.metadata_sha256 = mf.sha256
+        first = choose_copy_first(self.requested_mode, self.image_dir, self.rank, self.shm_dir)
+        if first is not None:
+            # the daemon's .ready vouches for these bytes: its copy starts first, the strict read
+            # runs beside it (as a plain served load); the job's tp/ep/key are refused before
+            if mf.job is not None:
+                check_job_request(mf, tp=self.tp, ep=self.ep, expected_key=self.expected_key)
+            t = self.phase("metadata", t)  # the bytes, hashed; the strict read is added to it later
+            source, self.why = first
+        else:
+            self.open_metadata()
+            t = self.phase("metadata", t)
+            source, self.why = choose_prepared(self.requested_mode, self.rank_source, self.shm_dir)
         self.load_source, self.mode = source, source.mode
         if self.asked_verify is None:
             self.verify, self.verify_skipped = verify_default(self.device, by_daemon=source.verified_by_daemon)
         t = self.phase("mode", t)
-        admit(self.nbytes, self.device)  # before any allocation: OutOfMemoryError with the numbers
-        self.arena = Arena.create(self.nbytes, self.device)
-        self.arena.bytes()  # the flat tensor made on this thread (torch device state is per thread)
-        t = self.phase("arena", t)
+        if first is None:
+            self.create_arena(self.nbytes)
+            t = self.phase("arena", t)
         # Each source starts its copy as soon as it can and builds the views while it runs.
         t_copy = source.start_prepared(self, t)
         self.copy["started_after_prepare_ms"] = (t_copy - self.started) * 1e3
@@ -365,6 +369,36 @@ class PreparedLoad:
             source.verify_prepared(self, where, checked)
             self.copy["verified"] = checked.details["verified"]
             self.phase("verify", t)
+
+    def open_metadata(self, nbytes: int | None = None) -> None:
+        """The strict read of the metadata bytes read first (:attr:`metadata_file`): image,
+        metadata, size and the files' identity (a re-pack is refused at the load). ``nbytes``:
+        the size the arena was made for (a copy-first source's), which the image must have."""
+        from flashboot.layouts.image import open_image
+
+        from .shm import RankSource
+
+        mf = self.metadata_file
+        image = open_image(mf, self.rank, tp=self.tp, ep=self.ep, expected_key=self.expected_key)
+        if nbytes is not None and image.nbytes != nbytes:
+            raise LayoutError(f"the arena was made for {nbytes:,} bytes (the preloader's .ready); {mf.where} records "
+                              f"{image.nbytes:,}")
+        self.image, self.metadata, self.nbytes = image, image.metadata, image.nbytes
+        self.rank_source = RankSource(str(self.image_dir), self.rank, image, mf.sha256)  # as a plain load reads it
+        for path in (image.metadata_path, image.path):
+            self._identity[Path(path)] = _file_identity(Path(path))
+        if self.nbytes == 0:
+            raise LayoutError(f"{image.path}: empty image, nothing to load")
+
+    def create_arena(self, nbytes: int) -> None:
+        """Admit ``nbytes`` on the device (OutOfMemoryError with the numbers, before any
+        allocation), then create the arena."""
+        from ..arena import Arena
+
+        admit(nbytes, self.device)
+        self.nbytes = nbytes
+        self.arena = Arena.create(nbytes, self.device)
+        self.arena.bytes()  # the flat tensor made on this thread (torch device state is per thread)
 
     def build_views(self) -> None:
         """The views of the arena, timed as the ``views`` phase (the sources call it while their copy runs)."""

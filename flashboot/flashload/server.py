@@ -4,7 +4,6 @@ exported arenas on request, so an engine pays only the descriptor exchange and t
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import json
 import math
@@ -34,14 +33,23 @@ from .shm import (
     socket_path,
     staged_paths,
 )
+from .serve_copy import (
+    SERVE_CHUNK_BYTES,
+    _check_staged_size,
+    _collect_digests,
+    _digest_copied,
+    _pipelined_digests,
+    _read_staged,
+    _start_piece_digests,
+    _warm_cuda_copy,
+    serve_pieces,
+)
 from .staging import PreloadConfig, StageResult, stage_rank
 
 _MAX_REPLY_BYTES = 64 << 10
 _MAX_MESSAGE_CHARS = 4096
 """An error about a request echoes its fields; one of ~200 KB (found by fuzzing: a 200,000-character
 arena id) made a reply longer than one SOCK_SEQPACKET message, and the engine got none."""
-SERVE_CHUNK_BYTES = 1 << 30
-"""The daemon's H2D goes in 1 GB chunks (hardware.md: streams and smaller chunks do not help)."""
 DEFAULT_HOLD_S = 3600.0
 """How long an attached engine (``flashboot.prepare``) may take before it asks for its copy."""
 MAX_REQUEST_BYTES = 64 << 10
@@ -121,6 +129,8 @@ class _Resident:
     nbytes: int = 0
     metadata_sha256: str = ""
     pin_ms: float = 0.0
+    warm_ms: float = 0.0
+    """Stage-time warm-up of this rank's first copy and verify (:meth:`PreloadServer._warm_rank`)."""
     checksum_chunk_bytes: int = 0
     """The chunk size of the image's checksums (its metadata): a verifying copy digests these."""
     error: BaseException | None = None
@@ -186,7 +196,39 @@ class PreloadServer:
         if dev.is_cuda and self.config.pin:
             res.pinned = register_host(res.mapping.ptr, src.nbytes, dev, path=str(paths.image))
             res.pin_ms = res.pinned.pin_ms
+        self._warm_rank(res, dev)
         res.state = "pinned" if res.pinned is not None else "mapped"
+
+    def _warm_rank(self, res: _Resident, dev) -> None:
+        """Pay now, at stage time, what the rank's first served copy would pay on an engine's
+        critical path: an arena of this process exported and opened again as an engine's is (the
+        Python and driver path of :meth:`_attach`: 89 ms of a first served load of 40,250 tensors
+        on the host backend, 0.2 ms in the second), and on CUDA the checksum kernel compiled for
+        exactly the shapes the rank's verify launches (Triton specialises on sizes: the probe of
+        :meth:`_warm_up` left ~290 ms in the first verified load of 40,250 tensors) and a first
+        H2D from this staged mapping into that arena, with the second stream and the event a
+        pipelined verify uses. Best effort: a failure is logged and shows again, named, in the
+        copy itself."""
+        t0 = time.perf_counter()
+        try:
+            from ..arena import Arena
+
+            n = min(res.nbytes, 1 << 16)
+            with Arena.create(n, dev) as own:
+                desc = own.export()
+                fds = [os.dup(fd) for fd in desc.fds]  # as received from an engine: ours to close
+                try:
+                    with Arena.open(desc, device=dev.index if dev.is_cuda else "cpu", fds=fds) as opened:
+                        opened.map_range(0, n)
+                        if dev.is_cuda:
+                            _warm_cuda_copy(res, dev, opened.span(0, n))
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+            res.warm_ms = (time.perf_counter() - t0) * 1e3
+        except Exception as exc:  # noqa: BLE001 - a warm-up; the copy reports its own failure
+            self.log(f"rank {res.rank}: warming its first copy failed ({type(exc).__name__}: {exc}); the first "
+                     "served load pays it")
 
     def _warm_up(self) -> None:
         """Import and construct what a request needs, so the first engine does not pay for it; on
@@ -229,7 +271,8 @@ class PreloadServer:
                                    verify=self.config.verify, force=self.config.force, progress=cb, stop=self.stop)
                     self.log(_describe_stage(r))
                     self._make_resident(rank)
-                    self.log(f"rank {rank}: resident ({res.state}{f', pinned in {res.pin_ms:.0f} ms' if res.pinned else ''})")
+                    self.log(f"rank {rank}: resident ({res.state}{f', pinned in {res.pin_ms:.0f} ms' if res.pinned else ''}"
+                             f"{f', first copy warmed in {res.warm_ms:.0f} ms' if res.warm_ms else ''})")
                 except BaseException as exc:
                     res.error, res.state = exc, "failed"
                     self.log(f"rank {rank}: failed: {type(exc).__name__}: {exc}")
@@ -357,7 +400,7 @@ class PreloadServer:
                             raise RendezvousError(f"{op} request without the arena's fd attached")
                         count = _descriptor_fd_count(req)
                         recv_more_fds(conn, fds, count, timeout_s=self.request_timeout_s)  # > SCM_MAX_FD segments
-                        attached = self._attach(req, fds, premap=op == "attach")
+                        attached = self._attach(req, fds)
                         reply = attached.reply() if op == "attach" else self._copy(attached)
                     else:
                         raise RendezvousError(f"unknown request op {op!r}; known: load, attach, status")
@@ -422,11 +465,12 @@ class PreloadServer:
         with self._locks_lock:
             return self._copy_locks.setdefault(key, _FifoLock())
 
-    def _attach(self, req: dict, fds: list[int], *, premap: bool) -> "_Attached":
-        """Check the request against the resident rank and open the engine's arena. ``premap``
-        (an attach ahead of the load): map all of it now, so that the copy, when asked, is the
-        copy alone; otherwise (a load) :meth:`_copy` maps each chunk's segments just before
-        issuing its copy, so the mapping of the next chunk overlaps the copy of this one."""
+    def _attach(self, req: dict, fds: list[int]) -> "_Attached":
+        """Check the request against the resident rank and open the engine's arena (its first
+        segment mapped); :meth:`_copy` maps each piece's segments just before issuing its copy,
+        so the mapping of the next piece overlaps the copy of this one. An attach ahead of the
+        load maps no more than a load: ``flashboot.prepare`` asks for its copy at once, and
+        mapping all of a 13.8 GB arena first only delayed the copy's start."""
         from ..arena import Arena, ArenaDescriptor
 
         rank = req.get("rank")
@@ -443,6 +487,9 @@ class PreloadServer:
             raise LayoutError(f"the daemon holds rank {rank} of another pre-pack ({res.nbytes:,} bytes, metadata "
                               f"{res.metadata_sha256[:12]}) than the engine asked for ({req.get('nbytes')} bytes, "
                               f"{str(req.get('metadata_sha256'))[:12]}); restart the preloader")
+        verify = req.get("verify") is True
+        if verify:
+            _check_reply_digests(res)
         desc = ArenaDescriptor.from_dict(req["descriptor"])
         t0 = time.perf_counter()
         if desc.backend == "cuda":
@@ -454,28 +501,29 @@ class PreloadServer:
         try:
             if arena.nbytes < res.nbytes:
                 raise OutOfMemoryError(f"engine arena {desc.arena_id} for rank {rank}", res.nbytes, arena.nbytes)
-            if premap:
-                arena.map_range(0, res.nbytes)
-            stream = None
+            stream = verify_stream = None
             if arena.device.is_cuda:
                 import cupy
 
                 with cupy.cuda.Device(arena.device.index):
                     stream = cupy.cuda.Stream(non_blocking=True)
+                    if verify and _pipelined_digests(res):
+                        verify_stream = cupy.cuda.Stream(non_blocking=True)
         except BaseException:
             arena.close()
             raise
         return _Attached(rank, res, arena, stream, (time.perf_counter() - t0) * 1e3, timeout_s,
-                         verify=req.get("verify") is True)
+                         verify=verify, verify_stream=verify_stream)
 
     def _copy(self, attached: "_Attached") -> dict:
-        """The resident image into the attached arena, in :data:`SERVE_CHUNK_BYTES` pieces, each
-        chunk's segments mapped (where not yet) just before its copy is issued; copies into one
-        device queue first come, first served (each GPU has its own link: two copies into one
-        would only share it, while two GPUs copy at once). The reply's ``copy_map_ms``: mapping
-        done during the copy. A verifying request (``attached.verify``) gets the chunk digests of
-        the arena's bytes, computed after the copy outside the device's queue (the checksum reads
-        device memory, not the link the next copy needs)."""
+        """The resident image into the attached arena, in :func:`serve_pieces`, each piece's
+        segments mapped (where not yet) just before its copy is issued; copies into one device
+        queue first come, first served (each GPU has its own link: two copies into one would only
+        share it, while two GPUs copy at once). The reply's ``copy_map_ms``: mapping done during
+        the copy. A verifying request (``attached.verify``) gets the chunk digests of the arena's
+        bytes: on CUDA each piece is digested on its own stream as soon as it is copied, while the
+        next one copies (SMs beside the copy engine), so only the last piece's digest follows the
+        copy; otherwise after the copy, outside the device's queue."""
         from ..memory import CPU, Span
         from ..movers import create_mover
 
@@ -489,15 +537,24 @@ class PreloadServer:
             t1 = time.perf_counter()
             mapped_ms = arena.map_stats["map_ms"]
             _check_staged_size(res)
+            pending = []
             if arena.device.is_cuda:
                 import cupy
 
                 src = Span(res.mapping.ptr, res.nbytes, CPU, pinned=res.pinned is not None, owner=res.mapping)
                 mover = create_mover("copy_engine")
+                pieces = serve_pieces(res.nbytes, res.checksum_chunk_bytes)
                 with cupy.cuda.Device(arena.device.index):
-                    for off in range(0, res.nbytes, SERVE_CHUNK_BYTES):
-                        n = min(SERVE_CHUNK_BYTES, res.nbytes - off)
-                        mover.copy(arena.span(off, n), src.sub(off, n), stream=attached.stream)
+                    try:
+                        for off, n in pieces:
+                            mover.copy(arena.span(off, n), src.sub(off, n), stream=attached.stream)
+                            if attached.verify_stream is not None:  # piece k digested while k + 1 is copied
+                                pending.append(_start_piece_digests(attached, off, n))
+                    except BaseException:  # nothing may still read or write the arena the caller closes
+                        for stream in (attached.stream, attached.verify_stream):
+                            if stream is not None:
+                                stream.synchronize()
+                        raise
                     attached.stream.synchronize()
             else:
                 _read_staged(res, arena.span(0, res.nbytes))
@@ -507,65 +564,17 @@ class PreloadServer:
         reply = {**attached.reply(), "h2d_ms": h2d_ms, "queue_ms": (t1 - t_queue) * 1e3,
                  "copy_map_ms": arena.map_stats["map_ms"] - mapped_ms}
         if attached.verify:
-            reply.update(_digest_copied(attached))
+            reply.update(_collect_digests(attached, pending, t1 + h2d_ms / 1e3) if pending else _digest_copied(attached))
         return reply
 
 
-HOST_READ_CHUNK_BYTES = 64 << 20
-"""The host backend's copy reads the staged file in pieces of this size, several at once."""
-
-
-def _check_staged_size(res: _Resident) -> None:
-    """Refuse a staged image that something shrank since it was staged: a copy from it would read
-    past its end (a mapping's SIGBUS, a pinned copy's stale pages)."""
-    found = os.fstat(res.fd).st_size
-    if found < res.nbytes:
-        raise LayoutError(f"{res.path}: the staged image of rank {res.rank} holds {found:,} bytes; {res.nbytes:,} were "
-                          "staged (it was truncated since); restart the preloader to stage it again")
-
-
-def _read_staged(res: _Resident, dst) -> None:
-    """Host backend: the staged image into ``dst`` (a host Span) with pread, not from a mapping, so
-    that a file truncated during the copy ends the read short (LayoutError naming where) instead of
-    killing the daemon with SIGBUS. The destination cannot shrink: host arenas are sealed."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..fileio import read_exactly
-
-    view = memoryview((ctypes.c_uint8 * res.nbytes).from_address(dst.ptr)).cast("B")
-    offsets = range(0, res.nbytes, HOST_READ_CHUNK_BYTES)
-
-    def read(off: int) -> None:
-        n = min(HOST_READ_CHUNK_BYTES, res.nbytes - off)
-        read_exactly(res.fd, view[off:off + n], off, n, direct=False, path=res.path, file_nbytes=res.nbytes)
-
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(offsets), os.cpu_count() or 1))) as pool:
-        for _ in pool.map(read, offsets):
-            pass
-
-
-def _digest_copied(attached: "_Attached") -> dict:
-    """The chunk checksums of the bytes just copied into the engine's arena (on its device, on the
-    copy's stream), for the engine to compare with its metadata."""
-    from flashboot.kernels.checksum import chunk_checksums
-
-    res = attached.res
+def _check_reply_digests(res: "_Resident") -> None:
+    """Refuse a verifying request before any byte moves when its digests would not fit one reply."""
     chunks = -(-res.nbytes // res.checksum_chunk_bytes)
     if chunks > MAX_REPLY_DIGESTS:
-        raise LayoutError(f"rank {attached.rank}: {chunks:,} checksum chunks of {res.checksum_chunk_bytes:,} bytes; a "
+        raise LayoutError(f"rank {res.rank}: {chunks:,} checksum chunks of {res.checksum_chunk_bytes:,} bytes; a "
                           f"verifying served reply carries at most {MAX_REPLY_DIGESTS:,} digests (one socket "
                           "message): re-pack with larger chunks, or load with verify=False and call verify_loaded")
-    t0 = time.perf_counter()
-    if attached.stream is not None:
-        import cupy
-
-        with cupy.cuda.Device(attached.arena.device.index):
-            digests = chunk_checksums(attached.arena.span(0, res.nbytes), res.checksum_chunk_bytes,
-                                      stream=attached.stream)
-    else:
-        digests = chunk_checksums(attached.arena.span(0, res.nbytes), res.checksum_chunk_bytes)
-    return {"digests": [int(d) for d in digests], "checksum_chunk_bytes": res.checksum_chunk_bytes,
-            "checksum_ms": (time.perf_counter() - t0) * 1e3}
 
 
 class _StagingFailed(Exception):
@@ -586,6 +595,8 @@ class _Attached:
     timeout_s: float
     verify: bool = False
     """The engine asked for the chunk digests of what was copied (see :func:`_digest_copied`)."""
+    verify_stream: Any = None
+    """CUDA: the stream the digests of each copied piece run on, beside the copy's."""
 
     def reply(self) -> dict:
         return {"ok": True, "rank": self.rank, "nbytes": self.res.nbytes, "map_ms": self.map_ms,

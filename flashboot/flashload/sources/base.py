@@ -40,6 +40,13 @@ class Source:
     """Whether the chunk digests come from the process that copies (cheap to check here: a load
     then verifies by default; see :func:`~flashboot.flashload.want.verify_default`)."""
 
+    copies_before_metadata = False
+    """Whether its copy may start before this process parses the metadata (the daemon's
+    ``.ready`` vouches for the bytes): :func:`flashboot.prepare` then calls :meth:`start_prepared`
+    with no arena and no parsed metadata, and the source creates the arena
+    (``handle.create_arena``) and parses them (``handle.open_metadata``) beside its copy; its
+    :meth:`offer` decides from ``want.daemon`` alone."""
+
     def offer(self, want: Want) -> Offer:
         """Whether this source can fill the arena for ``want``, and why (or why not)."""
         raise NotImplementedError

@@ -20,6 +20,7 @@ class ServedSource(Source):
 
     name, mode, order = "served", "served", 0
     verified_by_daemon = True
+    copies_before_metadata = True
 
     def offer(self, want: Want) -> Offer:
         daemon = want.daemon
@@ -110,21 +111,37 @@ class ServedSource(Source):
         return LoadedImage(arena, tensors, meta, report, RankSource(str(image_dir), rank, image, sha))
 
     def start_prepared(self, handle, t: float) -> float:
-        """The arena is attached to the daemon, which maps it and is asked for its H2D at once;
-        the views are built while it copies."""
+        """Copy first (:attr:`copies_before_metadata`), as a plain served load: wait for the
+        ``.ready`` of these metadata bytes, create the arena of its size, attach it and ask the
+        daemon for its H2D at once (it maps the segments piece by piece during the copy); the
+        strict read of the metadata and the views run while it copies. A refusal of the
+        metadata waits for the daemon to be done with the arena before it is released."""
         from ..client import attach_served, served_ready
 
-        served_ready(handle.image_dir, handle.rank, handle.metadata_sha256, str(handle.image.metadata_path),
-                     timeout_s=handle.timeout_s, shm_dir=handle.shm_dir)
+        mf = handle.metadata_file
+        ready = served_ready(handle.image_dir, handle.rank, mf.sha256, mf.where, timeout_s=handle.timeout_s,
+                             shm_dir=handle.shm_dir)
+        if ready.nbytes == 0:
+            raise LayoutError(f"{ready.path}: empty image, nothing to load")
+        t = handle.phase("wait", t)
+        handle.create_arena(ready.nbytes)
+        t = handle.phase("arena", t)
         handle.session = attach_served(handle.arena, image_dir=handle.image_dir, rank=handle.rank,
-                                       nbytes=handle.nbytes, metadata_sha256=handle.metadata_sha256,
-                                       timeout_s=handle.timeout_s, shm_dir=handle.shm_dir, hold_s=handle.hold_s,
-                                       verify=handle.verify)
+                                       nbytes=ready.nbytes, metadata_sha256=mf.sha256, timeout_s=handle.timeout_s,
+                                       shm_dir=handle.shm_dir, hold_s=handle.hold_s, verify=handle.verify)
         handle.phases_ms["daemon_map"] = float(handle.session.attach_reply.get("map_ms", 0.0))
-        t = handle.phase("attach", t)
         handle.session.start_copy()
-        t_copy = t
-        handle.build_views()
+        t_copy = handle.phase("attach", t)
+        try:
+            handle.open_metadata(ready.nbytes)
+            handle.phase("metadata", t_copy)
+            handle.build_views()
+        except BaseException:
+            try:
+                handle.session.wait_copy(timeout_s=handle.timeout_s + 60)  # the daemon may still write into it
+            except Exception:  # noqa: BLE001 - the metadata's refusal is the error to raise
+                pass
+            raise
         reply = handle.session.wait_copy(timeout_s=handle.timeout_s + 60)
         handle.copy = {"h2d_ms": reply["h2d_ms"], "reply": reply}
         return t_copy
