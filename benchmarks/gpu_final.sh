@@ -4,7 +4,8 @@
 #   tests   the GPU tests of this session's new code (served pieces, cubin, views, drained sleep)
 #   boot    `flashboot bench boot --shapes $SHAPES` served + prepared, end to end at W = 0 0.25 1,
 #           then restart (open + metadata + views) in fresh processes on the same images
-#   movers  `flashboot bench movers --chunked` via benchmarks/gpu_movers.sh's summary
+#   movers  benchmarks/gpu_movers.sh (tests, bench movers --chunked, summary); movers_bench: without the tests
+#   views_ab the bulk views of 4f616cb against today's, on CUDA, fresh processes
 #   swap    `flashboot bench swap --scale 1.0 --repeats 1`
 #   clone   benchmarks/gpu_clone_boot.sh (checksum first call, engine-like clone, CLI clone)
 #   refit   `flashboot bench refit --checkpoint A --repeats 3`
@@ -37,21 +38,39 @@ if has boot; then
   echo "=== restart in fresh processes: open + metadata + views ($(date +%T))"
   imgs=$(ls -d "$ROOT"/image-* 2>/dev/null)
   [ -n "$imgs" ] && for threads in 1 4; do
-    timeout 60 python3 -m flashboot.benchmarks.first_calls views $imgs --device cuda:0 --view-threads $threads \
-      | tee -a "$OUT/views.jsonl" | python3 -c '
-import json, sys
-for line in sys.stdin:
-    r = json.loads(line)
-    print(f"threads {r.get(\"view_threads\", \"?\")} {r[\"image\"].rsplit(\"/\", 1)[-1]}: {r[\"tensors\"]} tensors: open {r[\"open_ms\"]:.1f}, "
-          f"metadata {r[\"metadata_ms\"]:.1f} ({r[\"metadata_us_per_tensor\"]:.2f} us/t), views {r[\"views_ms\"]:.1f} "
-          f"({r[\"views_us_per_tensor\"]:.2f} us/t; 2nd {r[\"views_second_us_per_tensor\"]:.2f}), restart {r[\"restart_ms\"]:.1f} "
-          f"vs {r[\"restart_target_ms\"]:.1f} ms")'
+    timeout 60 python3 -m flashboot.benchmarks.first_calls views $imgs --device cuda:0 --view-threads $threads >>"$OUT/views.jsonl"
   done
+  python3 - "$OUT/views.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"threads {r.get('view_threads')} {r['image'].rsplit('/', 1)[-1]}: {r['tensors']} tensors: open {r['open_ms']:.1f}, "
+          f"metadata {r['metadata_ms']:.1f} ({r['metadata_us_per_tensor']:.2f} us/t), views {r['views_ms']:.1f} "
+          f"({r['views_us_per_tensor']:.2f} us/t; 2nd {r['views_second_us_per_tensor']:.2f}), restart {r['restart_ms']:.1f} "
+          f"vs {r['restart_target_ms']:.1f} ms")
+PY
   rm -rf "$ROOT"
 fi
 
+if has views_ab; then
+  echo "=== views A/B on a CUDA arena, shape C's 40,250 tensors, fresh processes ($(date +%T))"
+  AB=$(mktemp -d); timeout 60 python3 -m flashboot.benchmarks.views_ab make "$AB" >/dev/null 2>&1
+  for which in benchmarks/views_4f616cb.py.txt installed benchmarks/views_4f616cb.py.txt installed; do
+    timeout 30 python3 -m flashboot.benchmarks.views_ab run "$AB" "$which" 1
+  done
+  timeout 30 python3 -m flashboot.benchmarks.views_ab run "$AB" installed 4
+  rm -rf "$AB"
+fi
 if has movers; then
   echo "=== movers ($(date +%T))"; timeout "${MOVERS_LIMIT:-240}" bash benchmarks/gpu_movers.sh 2>&1 | tail -60
+fi
+if has movers_bench; then  # the chunked benchmark and its summary alone (gpu_movers.sh without its tests)
+  echo "=== movers: bench movers --chunked ($(date +%T))"
+  timeout "${MOVERS_LIMIT:-110}" flashboot bench movers --chunked --repeats 3 --chunks 1MiB 4MiB 64MiB \
+    --chain-bytes 8GiB --chain-chunk 64MiB --json "$OUT/movers_chunked.json" >"$OUT/movers_chunked.log" 2>&1
+  echo "movers rc=$?"; tail -5 "$OUT/movers_chunked.log"
+  sed -n "/^TAIL=40 step summary/,/^EOF$/p" benchmarks/gpu_movers.sh | sed '1d;$d' >"$OUT/summary.py"
+  timeout 15 python3 "$OUT/summary.py" "$OUT/movers_chunked.json"; rm -f "$OUT/summary.py"
 fi
 if has swap; then
   echo "=== bench swap ($(date +%T))"

@@ -11,8 +11,10 @@ import errno
 import hashlib
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -356,7 +358,7 @@ def test_gpu_a_verifying_served_copy_digests_piece_by_piece_and_names_a_flipped_
     from flashboot.flashload import serve_copy
 
     monkeypatch.setattr(serve_copy, "SERVE_CHUNK_BYTES", 3 * 4096)  # the daemon runs in this process (a thread)
-    shm = tmp_path / "shm"
+    shm = Path(tempfile.mkdtemp(prefix="flashboot-test-", dir="/dev/shm"))  # pinning needs tmpfs, not tmp_path's disk
     daemon = Daemon(image, shm, devices={0: "cuda:0"})
     try:
         assert not any("warming its first copy failed" in line for line in daemon.log), daemon.log
@@ -375,3 +377,4 @@ def test_gpu_a_verifying_served_copy_digests_piece_by_piece_and_names_a_flipped_
         assert e.value.chunk == 25 and e.value.offset == 25 * 4096
     finally:
         daemon.close()
+        shutil.rmtree(shm, ignore_errors=True)
