@@ -147,6 +147,51 @@ def plan_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]], *,
     return PackPlan(metadata, {n: (s.dtype, s.shape) for n, s in sources.items()}, tuple(pieces), dict(plan.skipped))
 
 
+def plan_engine_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]], aliases: Mapping[str, str], *,
+                     where: str = "publish") -> PackPlan:
+    """Plan packing tensors with ``headers`` (name -> (dtype name, shape)) into an engine image
+    (:mod:`flashboot.integrations.engine_dump`: an engine's own post-processed tensors, named as
+    the engine names them). No family rule re-plans them (the engine did, before the dump): each
+    tensor is given whole, by the image's name, dtype and shape. ``aliases`` (another name of an
+    image tensor -> that tensor: tied weights, shared rotary caches) are accepted and skipped.
+
+    Raises PublishError naming the tensor for a name the image lacks, another dtype or shape, an
+    image tensor stored strided (its bytes are the engine's layout, not a C-order tensor), or a
+    non-empty image tensor no given tensor fills."""
+    from flashboot.layouts.format import DTYPES
+
+    image = metadata.tensors
+    model = f"{metadata.key.model_id} rank {metadata.parallel.rank}"
+    pieces, skipped = [], {}
+    for name, (dtype, shape) in headers.items():
+        shape = tuple(int(s) for s in shape)
+        if name not in image:
+            if name in aliases:
+                skipped[name] = f"another name of image tensor {aliases[name]!r}"
+                continue
+            raise PublishError(f"{where}: tensor {name!r} is not in the manifest of {model} (an engine image: "
+                               "tensors are named as the engine names them); nothing was written")
+        entry = image[name]
+        if (dtype, shape) != (entry.dtype, tuple(entry.shape)):
+            raise PublishError(f"{where}: tensor {name!r} is {dtype} {list(shape)} from the tensors given, "
+                               f"{entry.dtype} {list(entry.shape)} in the image; nothing was written")
+        if entry.numel and entry.nbytes != entry.numel * entry.itemsize:
+            raise PublishError(f"{where}: image tensor {name!r} is stored strided (stride {list(entry.stride)}, "
+                               f"{entry.nbytes:,} bytes for {entry.numel:,} elements): publish fills C-order "
+                               "tensors only; nothing was written")
+        if entry.numel:
+            pieces.append(PackPiece(name, tuple((0, s) for s in shape), entry.offset, DTYPES[dtype].itemsize))
+    missing = [n for n in image.names if n not in headers and image[n].numel]
+    if missing:
+        raise PublishError(f"{where}: image tensor(s) {', '.join(map(repr, missing[:5]))}"
+                           f"{' ...' if len(missing) > 5 else ''} get no bytes: they are missing from the "
+                           f"{len(headers)} tensors given (an engine image is published whole: parameters, "
+                           "buffers and tensor attributes); nothing was written")
+    pieces.sort(key=lambda p: p.dst_offset)
+    sources = {n: (d, tuple(int(s) for s in shape)) for n, (d, shape) in headers.items() if n not in skipped}
+    return PackPlan(metadata, sources, tuple(pieces), skipped)
+
+
 def box_runs(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, box, src_addr: int,
              dst_offset: int, what: str) -> list[tuple[int, int, int, int, int]]:
     """A box of a strided tensor (element ``strides``) at ``src_addr`` as table rows
@@ -185,4 +230,4 @@ def box_runs(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, bo
     return rows
 
 
-__all__ = ["PackPiece", "PackPlan", "PublishError", "box_runs", "dtype_name", "plan_pack"]
+__all__ = ["PackPiece", "PackPlan", "PublishError", "box_runs", "dtype_name", "plan_engine_pack", "plan_pack"]

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 from ..errors import FlashBootError
 from ..flashclone.rendezvous import DEFAULT_TIMEOUT_S
 from ..memory import Device
-from .plan import PackPlan, PublishError, dtype_name, plan_pack
+from .plan import PackPlan, PublishError, dtype_name, plan_engine_pack, plan_pack
 
 DEFAULT_NAME = "refit"
 
@@ -57,6 +57,17 @@ class PublishReport:
                 f"record {self.publish_ms:.2f} ms")
 
 
+def _engine_aliases(image: Any, rank: int, metadata) -> dict[str, str] | None:
+    """For an engine image (an engine's own tensors, :mod:`flashboot.integrations.engine_dump`):
+    its aliases (name -> the image tensor it names); None for a checkpoint image."""
+    from ..integrations.engine_key import is_engine_family, read_engine_section
+
+    if not is_engine_family(metadata.family.name):
+        return None
+    section, _ = read_engine_section(image, rank)
+    return {name: info["of"] for name, info in section.aliases.items()}
+
+
 def _named(tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> dict[str, Any]:
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     out: dict[str, Any] = {}
@@ -95,6 +106,7 @@ class Publisher:
         from ..layouts import read_image_metadata
 
         self.metadata = read_image_metadata(image, rank)
+        self.engine_aliases = _engine_aliases(image, rank, self.metadata)
         self.rank, self.store, self.name, self.config = rank, store, name, config
         self.token = resolve_token(token, token_file)
         self.timeout_s, self.host_store, self.nixl, self.serve_nccl = timeout_s, host_store, nixl, serve_nccl
@@ -115,7 +127,10 @@ class Publisher:
         plan = self._plans.get(key)
         if plan is None:
             where = f"publish to {self.metadata.key.model_id} rank {self.rank}"
-            plan = plan_pack(self.metadata, headers, config=self.config, where=where)
+            if self.engine_aliases is not None:
+                plan = plan_engine_pack(self.metadata, headers, self.engine_aliases, where=where)
+            else:
+                plan = plan_pack(self.metadata, headers, config=self.config, where=where)
             self._plans = {key: plan}
         return plan
 
