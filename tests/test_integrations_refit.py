@@ -110,8 +110,18 @@ def test_engine_refit_gives_a_fresh_load_of_the_new_weights_bitwise(tmp_path, st
             assert all(torch.equal(got[n], want[n]) for n in want)
             ids = torch.tensor([1, 5, 7])
             assert torch.equal(model(ids), fresh(ids)) and not torch.equal(model(ids), old(ids))
+            # a level-1 sleep keeps the refit's version in its backup
+            weights.handle.sleep(1)
+            woke = weights.handle.wake()
+            assert woke.source == "backup" and weights.handle.version == 1 and torch.equal(model(ids), fresh(ids))
         finally:
             fresh_weights.close()
+        # a level-2 sleep keeps nothing: the wake brings the image's weights (version 0) back and says so
+        weights.handle.sleep(2)
+        woke = weights.handle.wake()
+        assert woke.source == "disk" and woke.details["refit_version_lost"] == 1 and weights.handle.version == 0
+        assert "the image's weights (version 0) replace refit version 1: refit again" in woke.summary()
+        assert torch.equal(model.qkv.weight, old.qkv.weight) and torch.equal(model.w_kc, old.w_kc)
     finally:
         weights.close()
 
@@ -161,3 +171,319 @@ def test_engine_refit_refusals_leave_the_served_weights(tmp_path, store):
         weights.close()
     with pytest.raises(CapabilityError, match="TinyEngineModel was not loaded by the flashboot loader"):
         refit_engine_model(TinyEngineModel(), address, 1, what="test refit")
+
+
+# =============================================================================================
+# The real engines (child processes): load A with our loader, a trainer publishes B, the engine's
+# own update entry point refits, its modules' forward equals a fresh load of B, bitwise.
+# =============================================================================================
+REFIT_CHECKS = r'''
+import json, os, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+model_a, model_b, image_a, image_b, shm, port, store_port = sys.argv[1:8]
+store = f"127.0.0.1:{store_port}"
+device = "cuda" if torch.cuda.is_available() else "cpu"
+out = {"device": device}
+FORWARD = ("model.embed_tokens", "model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp", "model.layers.1.mlp",
+           "model.norm", "lm_head")
+
+def _attr(model, name):
+    for part in name.split("."):
+        model = getattr(model, part)
+    return model
+
+def tensors(m):
+    got = dict(m.named_parameters())
+    got.update(m.named_buffers())
+    return got
+
+def forwards(m):
+    # the engine modules' own forward (lm_head: the logits' matmul, as the engines' logits processor runs it)
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    got = {}
+    with torch.no_grad():
+        for name in FORWARD:
+            module = _attr(m, name)
+            if name == "lm_head":
+                y = torch.nn.functional.linear(hidden, module.weight)
+            else:
+                y = module(torch.tensor([1, 5, 7], device=device) if "embed" in name else hidden.clone())
+            got[name] = (y[0] if isinstance(y, tuple) else y).clone()
+    return got
+
+def compare(m, fresh, old_outputs):
+    a, b = tensors(m), tensors(fresh)
+    fa, fb = forwards(m), forwards(fresh)
+    return {"names_same": sorted(a) == sorted(b), "compared": len(b),
+            "unequal": sorted(n for n in b if n not in a or not torch.equal(a[n], b[n])),
+            "forward_equal": sorted(n for n in fb if torch.equal(fa[n], fb[n])),
+            "forward_changed": sorted(n for n in fb if not torch.equal(fa[n], old_outputs[n]))}
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+    return None
+
+def digest(m):
+    return sorted((n, float(t.double().abs().sum())) for n, t in tensors(m).items())
+'''
+
+VLLM_REFIT_SCRIPT = r'''
+if device == "cpu":
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+from vllm.model_executor.model_loader import get_model_loader
+from vllm.plugins import load_general_plugins
+
+load_general_plugins()  # vLLM's plugin loader: our entry point registers the load format and the backend
+from flashboot.integrations.vllm_weight_transfer import EngineModuleSource, FlashBootTrainerInitInfo
+
+mc_a = ModelConfig(model=model_a, dtype="float32", skip_tokenizer_init=True)
+mc_b = ModelConfig(model=model_b, dtype="float32", skip_tokenizer_init=True)
+def config(mc, extra):
+    return VllmConfig(model_config=mc, load_config=LoadConfig(load_format="flashboot", model_loader_extra_config=extra),
+                      device_config=DeviceConfig(device))
+def load(mc, extra):
+    vc = config(mc, extra)
+    with set_current_vllm_config(vc):
+        loader = get_model_loader(vc.load_config)
+        return vc, loader, loader.load_model(vllm_config=vc, model_config=mc)
+
+with set_current_vllm_config(config(mc_a, {})):
+    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                 local_rank=0, backend="gloo")
+    ensure_model_parallel_initialized(1, 1)
+load(mc_a, {"image_dir": image_a, "mode": "prepack", "shm_dir": shm})
+_, _, trainer_model = load(mc_b, {"image_dir": image_b, "mode": "prepack", "shm_dir": shm})  # B by vLLM's loader
+mc_a.sleep_mode_backend = "flashboot"
+vc, ld, m = load(mc_a, {"image_dir": image_a, "shm_dir": shm})
+old_outputs = forwards(m)
+ptrs = {n: t.data_ptr() for n, t in tensors(m).items()}
+
+# the worker's engine as vLLM's worker builds it, and a control-plane client that calls it as the worker does
+wt = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="flashboot"), vc, torch.device(device), m)
+out["engine_class"] = type(wt).__name__
+class Client:
+    def init_weight_transfer_engine(self, init_info):
+        with set_current_vllm_config(vc):
+            wt.init_transfer_engine(wt.parse_init_info(init_info))
+    def start_weight_update(self):
+        wt.start_weight_update()
+    def update_weights(self, update_info):
+        with set_current_vllm_config(vc):
+            wt.update_weights(update_info)
+    def finish_weight_update(self, weight_version=None):
+        wt.finish_weight_update()
+client = Client()
+trainer = WeightTransferTrainerFactory.trainer_init(
+    FlashBootTrainerInitInfo(image=image_a, store=store, device=device, timeout_s=60, rank=0), client=client,
+    source=EngineModuleSource(trainer_model))
+out["trainer_class"] = type(trainer).__name__
+trainer.send_weights()
+out["report"] = wt.last_report.summary()
+out["version"] = ld.weights.handle.version
+out["same_addresses"] = {n: t.data_ptr() for n, t in tensors(m).items()} == ptrs
+_, _, fresh = load(mc_b, {"image_dir": image_b, "shm_dir": shm})
+out["after_refit"] = compare(m, fresh, old_outputs)
+
+# bad input, each through the engine's route, the served weights unchanged
+served = digest(m)
+out["older"] = error_of(lambda: client.update_weights({"version": 1}))
+from flashboot.integrations.engine_refit import engine_publisher
+other = engine_publisher(image_b, 0, store=store, device=device)  # B's image: another key (another model path)
+other.publish(EngineModuleSource(trainer_model).iter_full(), version=2)
+out["other_key"] = error_of(lambda: client.update_weights({"version": 2}))
+other.close()
+out["unchanged_after_refusals"] = digest(m) == served
+from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+backend = SleepModeBackendFactory.create_backend(mc_a)
+# published while the engine is awake: in this one process vLLM's cached rotary module is shared by
+# every model built with its config, so the trainer's model holds the engine arena's cache
+trainer.publisher.publish(EngineModuleSource(trainer_model).iter_full(), version=3)
+backend.suspend(1)  # vLLM's sleep(level=1) through the flashboot sleep-mode backend
+out["asleep"] = error_of(lambda: client.update_weights({"version": 3}))
+backend.resume(None)
+out["after_wake"] = {"version": ld.weights.handle.version, "same_as_served": digest(m) == served}
+client.update_weights({"version": 3})  # awake: the version published above is taken
+out["version_after_update"] = ld.weights.handle.version
+out["after_second_refit"] = compare(m, fresh, old_outputs)
+trainer.shutdown()
+print("RESULT " + json.dumps(out))
+'''
+
+SGLANG_REFIT_SCRIPT = r'''
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", port)
+from sglang.srt.distributed import parallel_state
+from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+from sglang.srt.runtime_context import SpawnRanks, get_model, get_parallel, publish, reset_context
+from sglang.srt.server_args import ServerArgs
+from flashboot.integrations.sglang import FlashBootModelLoader, REFIT_LOADER, refit_request
+
+init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+reset_context()
+publish(ServerArgs(model_path=model_a, device=device, tp_size=1, dtype="float32", custom_weight_loader=[REFIT_LOADER]),
+        role="test", ranks=SpawnRanks(world_rank=0))
+get_parallel().override_permanently(world_group=parallel_state._WORLD)
+initialize_model_parallel(backend="gloo")
+from sglang.srt.configs.device_config import DeviceConfig
+from sglang.srt.configs.load_config import LoadConfig
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.model_loader.loader import get_model_loader
+
+mc_a, mc_b, dc = ModelConfig(model_a, dtype="float32"), ModelConfig(model_b, dtype="float32"), DeviceConfig(device, 0)
+def load(mc, **extra):
+    loader = get_model_loader(LoadConfig(load_format=FlashBootModelLoader, model_loader_extra_config=json.dumps(extra)), mc)
+    return loader, loader.load_model(model_config=mc, device_config=dc)
+load(mc_a, image_dir=image_a, mode="prepack", shm_dir=shm)
+_, trainer_model = load(mc_b, image_dir=image_b, mode="prepack", shm_dir=shm)  # B by SGLang's own loader
+ld, m = load(mc_a, image_dir=image_a, shm_dir=shm)
+old_outputs = forwards(m)
+ptrs = {n: t.data_ptr() for n, t in tensors(m).items()}
+
+# SGLang's model-runner weight updater: update_weights_from_tensor dispatches on load_format to the
+# --custom-weight-loader functions the server was started with
+from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+updater = WeightUpdater(tp_rank=0, device=device, gpu_id=0, model_config=mc_a,
+                        custom_weight_loaders=get_model().custom_weight_loader, get_model=lambda: m,
+                        update_model_fields=lambda **kw: None, recapture_cuda_graph=lambda: None,
+                        get_model_runner=lambda: None)
+update = lambda version: updater.update_weights_from_tensor(refit_request(store, version, timeout_s=60),
+                                                             load_format=REFIT_LOADER)
+
+from flashboot.integrations.engine_refit import engine_publisher, engine_tensors_to_publish
+trainer = engine_publisher(image_a, 0, store=store, device=device)  # the trainer, publishing B's tensors
+trainer.publish(engine_tensors_to_publish(trainer_model, device), version=1)
+out["update"] = list(update(1))
+out["version"] = ld.weights.handle.version
+out["same_addresses"] = {n: t.data_ptr() for n, t in tensors(m).items()} == ptrs
+_, fresh = load(mc_b, image_dir=image_b, shm_dir=shm)
+out["after_refit"] = compare(m, fresh, old_outputs)
+
+served = digest(m)
+out["older"] = error_of(lambda: update(1))
+other = engine_publisher(image_b, 0, store=store, device=device)
+other.publish(engine_tensors_to_publish(trainer_model, device), version=2)
+out["other_key"] = error_of(lambda: update(2))
+other.close()
+out["unchanged_after_refusals"] = digest(m) == served
+# SGLang's own release of the weights tag (the scheduler's updater, the no-op memory-saver adapter)
+from types import SimpleNamespace
+from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput
+from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
+scheduler = SchedulerWeightUpdaterManager(
+    tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=m)), draft_worker=None,
+    memory_saver_adapter=TorchMemorySaverAdapter.create(enable=False), flush_cache=lambda: True,
+    is_fully_idle=lambda **kw: True)
+if device == "cpu":  # as in test_integrations_sglang: the closing synchronize must pick the CPU
+    _device_module = torch.get_device_module
+    torch.get_device_module = lambda device=None: torch.cpu if device is None else _device_module(device)
+trainer.publish(engine_tensors_to_publish(trainer_model, device), version=3)
+# without --enable-weights-cpu-backup SGLang's release is a level-2 sleep: the wake reads the image (version 0)
+scheduler.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=["weights"]))
+out["asleep"] = error_of(lambda: update(3))
+scheduler.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=["weights"]))
+woken = forwards(m)
+out["after_wake"] = {"version": ld.weights.handle.version,
+                     "image_weights": sorted(n for n in woken if torch.equal(woken[n], old_outputs[n]))}
+update(3)
+out["version_after_update"] = ld.weights.handle.version
+out["after_second_refit"] = compare(m, fresh, old_outputs)
+trainer.close()
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _run_refit(script: str, tmp_path) -> dict:
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from _clone_helpers import TOKEN
+    from flashboot.flashclone.rendezvous import free_port
+    from test_integrations_sglang import _result_of, _shm_dir, make_tiny_model
+
+    model_a = make_tiny_model("llama", tmp_path / "tiny-llama-a", seed=0)
+    model_b = make_tiny_model("llama", tmp_path / "tiny-llama-b", seed=1)
+    path = tmp_path / "refit_script.py"
+    path.write_text(REFIT_CHECKS + script)
+    shm = _shm_dir(tmp_path)
+    try:
+        proc = subprocess.run([sys.executable, str(path), str(model_a), str(model_b), str(tmp_path / "image-a"),
+                               str(tmp_path / "image-b"), str(shm), str(free_port()), str(free_port())],
+                              capture_output=True, text=True, timeout=400, cwd=tmp_path,
+                              env={**os.environ, "FLASHBOOT_TOKEN": TOKEN})
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    result = _result_of(proc, "refit script")
+    print(json.dumps(result, indent=1))
+    return result
+
+
+@pytest.fixture(scope="module")
+def vllm_refit(tmp_path_factory):
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed here (see docs/engines.md for the engine test venv)")
+    return _run_refit(VLLM_REFIT_SCRIPT, tmp_path_factory.mktemp("vllm-refit"))
+
+
+@pytest.fixture(scope="module")
+def sglang_refit(tmp_path_factory):
+    if not HAVE_SGLANG:
+        pytest.skip("SGLang is not installed here (see docs/engines.md for the engine test venv)")
+    return _run_refit(SGLANG_REFIT_SCRIPT, tmp_path_factory.mktemp("sglang-refit"))
+
+
+def _assert_refit_equals_a_fresh_load(r: dict) -> None:
+    got = r["after_refit"]
+    assert got["names_same"] and got["compared"] > 10 and got["unequal"] == []
+    forward = ["lm_head", "model.embed_tokens", "model.layers.0.mlp", "model.layers.0.self_attn.qkv_proj",
+               "model.layers.1.mlp", "model.norm"]
+    assert got["forward_equal"] == forward  # bitwise equal to a fresh load of the new weights
+    assert set(got["forward_changed"]) >= set(forward) - {"model.norm"}  # and not the old ones (norms start at 1)
+    assert r["version"] == 1 and r["same_addresses"]
+
+
+def _assert_refusals(r: dict) -> None:
+    assert r["older"][0] == "RefitError" and "version 1 is not newer than the live version 1" in r["older"][1]
+    assert r["other_key"][0] == "RefitError" and "was published for image key" in r["other_key"][1]
+    assert "nothing was copied" in r["other_key"][1]
+    assert r["asleep"][0] == "RefitError" and "weight arena is asleep; wake its weights first" in r["asleep"][1]
+    assert "nothing was copied" in r["asleep"][1] and r["unchanged_after_refusals"]
+    assert r["version_after_update"] == 3 and r["after_second_refit"]["unequal"] == []
+
+
+def test_real_vllm_weight_transfer_backend_refits_to_a_fresh_load_of_the_new_weights(vllm_refit):
+    r = vllm_refit
+    assert r["engine_class"] == "FlashBootWeightTransferEngine"
+    assert r["trainer_class"] == "FlashBootTrainerWeightTransferEngine"
+    assert "refit v0 -> v1 (atomic" in r["report"]
+    _assert_refit_equals_a_fresh_load(r)
+
+
+def test_real_vllm_weight_transfer_refuses_bad_updates_before_a_byte_moves(vllm_refit):
+    r = vllm_refit
+    _assert_refusals(r)
+    assert r["after_wake"] == {"version": 1, "same_as_served": True}  # level 1: the backup held version 1
+
+
+def test_real_sglang_update_weights_from_tensor_refits_to_a_fresh_load_of_the_new_weights(sglang_refit):
+    r = sglang_refit
+    assert r["update"] == [True, "Success"]
+    _assert_refit_equals_a_fresh_load(r)
+
+
+def test_real_sglang_update_route_refuses_bad_updates_before_a_byte_moves(sglang_refit):
+    r = sglang_refit
+    _assert_refusals(r)
+    # level 2 (no CPU backup): the wake brought the image's weights back, version 0, and the refit after it took v3
+    assert r["after_wake"]["version"] == 0 and len(r["after_wake"]["image_weights"]) == 6

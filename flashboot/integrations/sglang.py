@@ -32,6 +32,10 @@ adapters (:func:`install_memory_saver_hook`): ``release_memory_occupation`` /
 ``resume_memory_occupation`` of the weights tag then put the arena to sleep (level 1 with
 ``--enable-weights-cpu-backup``, else level 2) and wake it at the same addresses. The KV cache and
 CUDA graphs stay with the memory saver.
+
+Refit (RL weight sync): :func:`refit_weights`, a ``--custom-weight-loader`` that SGLang's
+``update_weights_from_tensor`` dispatches to by ``load_format`` (:func:`refit_request` builds
+its one named tensor), refits the arena and repairs the views as the load does.
 """
 
 from __future__ import annotations
@@ -469,5 +473,6 @@ def register() -> None:
     LoadConfig._verify_load_format = _verify_load_format
 
 
-__all__ = ["FlashBootModelLoader", "REFIT_LOADER", "REFIT_REQUEST", "SGLangParallel", "check_quantization", "engine_key", "install_memory_saver_hook",
-           "memory_saver_enabled", "refit_request", "refit_weights", "register", "sglang_parallel", "target_device", "weights_cpu_backup_enabled"]
+__all__ = ["FlashBootModelLoader", "REFIT_LOADER", "REFIT_REQUEST", "SGLangParallel", "check_quantization", "engine_key",
+           "install_memory_saver_hook", "memory_saver_enabled", "refit_request", "refit_weights", "register",
+           "sglang_parallel", "target_device", "weights_cpu_backup_enabled"]

@@ -20,6 +20,10 @@ sleep-mode backend (:class:`FlashBootSleepBackend`: vLLM's ``cumem`` backend plu
 vLLM's ``SleepModeBackendFactory``; with ``--enable-sleep-mode --sleep-mode-backend flashboot``,
 ``sleep(level)`` puts the arena to sleep at that level and ``wake_up(tags)`` wakes it at the same
 addresses when the tags name ``weights`` (or none): right weights without ``reload_weights``.
+
+Weight transfer (RL weight sync): :func:`register` also adds the ``flashboot`` backend of vLLM's
+weight-transfer interface (:mod:`flashboot.integrations.vllm_weight_transfer`): a refit of the
+arena, then :func:`finish_bound_model` again.
 """
 
 from __future__ import annotations
