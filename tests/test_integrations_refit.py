@@ -11,6 +11,11 @@ SGLang's own code in a child process (skipped only where the engine is not insta
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -48,6 +53,11 @@ class TinyEngineModel(torch.nn.Module):
         self.w_kc = torch.randn(4, 8, generator=g)
         self.kv_cache = torch.empty(0)
 
+    def _apply(self, fn, recurse=True):  # .to(device) moves the tensor attributes too, as an engine's would be
+        super()._apply(fn, recurse)
+        self.w_kc, self.kv_cache = fn(self.w_kc), fn(self.kv_cache)
+        return self
+
     def forward(self, ids):
         return self.lm_head(self.qkv(self.embed(ids))[:, :16])
 
@@ -61,15 +71,15 @@ def _key(**changes) -> EngineKey:
     return dataclasses.replace(base, **changes)
 
 
-def _prepack(model, out, key):
-    prepack_engine_model(model, out, key, RankGroup(), device="cpu", tp_size=1, ep_size=1,
+def _prepack(model, out, key, device="cpu"):
+    prepack_engine_model(model, out, key, RankGroup(), device=device, tp_size=1, ep_size=1,
                          source_path="/models/tiny", model_type="tiny", chunk_bytes=4096)
     return out
 
 
-def _serve(out, tmp_path, key):
+def _serve(out, shm, key, device="cpu"):
     """An engine's model as the loaders leave it: built on meta, bound to the arena's views."""
-    weights = load_engine_weights(LoaderOptions(image_dir=str(out), shm_dir=str(tmp_path / "shm")), key, 0, "cpu",
+    weights = load_engine_weights(LoaderOptions(image_dir=str(out), shm_dir=str(shm)), key, 0, device,
                                   tp_size=1, ep_size=1)
     with torch.device("meta"):
         model = TinyEngineModel()
@@ -85,16 +95,20 @@ def _tensors(model):
     return named
 
 
-def test_engine_refit_gives_a_fresh_load_of_the_new_weights_bitwise(tmp_path, store):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_engine_refit_gives_a_fresh_load_of_the_new_weights_bitwise(tmp_path, store, device):
+    from test_integrations_sglang import _shm_dir
+
     address, _ = store
-    old, new = TinyEngineModel(0), TinyEngineModel(1)
-    image = _prepack(old, tmp_path / "img", _key())
-    model, weights = _serve(image, tmp_path, _key())
+    shm = _shm_dir(tmp_path)  # /dev/shm where there is one: the driver pins only shared memory there
+    old, new = TinyEngineModel(0).to(device), TinyEngineModel(1).to(device)
+    image = _prepack(old, tmp_path / "img", _key(), device)
+    model, weights = _serve(image, shm, _key(), device)
     ptrs = {n: t.data_ptr() for n, t in _tensors(model).items()}
     reprocessed = []
     try:
-        with engine_publisher(image, 0, store=address, device="cpu") as pub:
-            trainer = dict(engine_tensors_to_publish(new, "cpu"))
+        with engine_publisher(image, 0, store=address, device=device) as pub:
+            trainer = dict(engine_tensors_to_publish(new, device))
             assert "lm_head.weight" not in trainer and "rope_again.cos_sin_cache" not in trainer  # aliases, once
             pub.publish(trainer, version=1)
             assert pub.name == refit_name("refit", 0)
@@ -102,13 +116,13 @@ def test_engine_refit_gives_a_fresh_load_of_the_new_weights_bitwise(tmp_path, st
                                         timeout_s=30)
         assert report.version == 1 and report.atomic and reprocessed == [1] and weights.handle.version == 1
         assert {n: t.data_ptr() for n, t in _tensors(model).items()} == ptrs  # the same views, new bytes
-        fresh_image = _prepack(new, tmp_path / "img-new", _key())
-        fresh, fresh_weights = _serve(fresh_image, tmp_path, _key())
+        fresh_image = _prepack(new, tmp_path / "img-new", _key(), device)
+        fresh, fresh_weights = _serve(fresh_image, shm, _key(), device)
         try:
             got, want = _tensors(model), _tensors(fresh)
             assert sorted(got) == sorted(want)
             assert all(torch.equal(got[n], want[n]) for n in want)
-            ids = torch.tensor([1, 5, 7])
+            ids = torch.tensor([1, 5, 7], device=device)
             assert torch.equal(model(ids), fresh(ids)) and not torch.equal(model(ids), old(ids))
             # a level-1 sleep keeps the refit's version in its backup
             weights.handle.sleep(1)
@@ -124,6 +138,7 @@ def test_engine_refit_gives_a_fresh_load_of_the_new_weights_bitwise(tmp_path, st
         assert torch.equal(model.qkv.weight, old.qkv.weight) and torch.equal(model.w_kc, old.w_kc)
     finally:
         weights.close()
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_engine_refit_refusals_leave_the_served_weights(tmp_path, store):
@@ -132,7 +147,7 @@ def test_engine_refit_refusals_leave_the_served_weights(tmp_path, store):
     address, _ = store
     image = _prepack(TinyEngineModel(0), tmp_path / "img", _key())
     other = _prepack(TinyEngineModel(0), tmp_path / "img-other", _key(model_id="org/other"))
-    model, weights = _serve(image, tmp_path, _key())
+    model, weights = _serve(image, tmp_path / "shm", _key())
     before = {n: t.clone() for n, t in _tensors(model).items()}
     new = dict(engine_tensors_to_publish(TinyEngineModel(2), "cpu"))
     try:
@@ -339,7 +354,8 @@ from sglang.srt.model_loader.loader import get_model_loader
 
 mc_a, mc_b, dc = ModelConfig(model_a, dtype="float32"), ModelConfig(model_b, dtype="float32"), DeviceConfig(device, 0)
 def load(mc, **extra):
-    loader = get_model_loader(LoadConfig(load_format=FlashBootModelLoader, model_loader_extra_config=json.dumps(extra)), mc)
+    config = LoadConfig(load_format=FlashBootModelLoader, model_loader_extra_config=json.dumps(extra))
+    loader = get_model_loader(config, mc)
     return loader, loader.load_model(model_config=mc, device_config=dc)
 load(mc_a, image_dir=image_a, mode="prepack", shm_dir=shm)
 _, trainer_model = load(mc_b, image_dir=image_b, mode="prepack", shm_dir=shm)  # B by SGLang's own loader
@@ -402,12 +418,6 @@ print("RESULT " + json.dumps(out))
 
 
 def _run_refit(script: str, tmp_path) -> dict:
-    import json
-    import os
-    import shutil
-    import subprocess
-    import sys
-
     from _clone_helpers import TOKEN
     from flashboot.flashclone.rendezvous import free_port
     from test_integrations_sglang import _result_of, _shm_dir, make_tiny_model

@@ -473,6 +473,6 @@ def register() -> None:
     LoadConfig._verify_load_format = _verify_load_format
 
 
-__all__ = ["FlashBootModelLoader", "REFIT_LOADER", "REFIT_REQUEST", "SGLangParallel", "check_quantization", "engine_key",
-           "install_memory_saver_hook", "memory_saver_enabled", "refit_request", "refit_weights", "register",
+__all__ = ["FlashBootModelLoader", "REFIT_LOADER", "REFIT_REQUEST", "SGLangParallel", "check_quantization",
+           "engine_key", "install_memory_saver_hook", "memory_saver_enabled", "refit_request", "refit_weights", "register",
            "sglang_parallel", "target_device", "weights_cpu_backup_enabled"]
