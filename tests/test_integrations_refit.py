@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from _clone_helpers import _token, store  # noqa: F401  (fixtures)
-from flashboot.errors import CapabilityError
+from flashboot.errors import CapabilityError, WaitTimeoutError
 from flashboot.integrations.engine_prepack import (
     EngineKey, LoaderOptions, RankGroup, bind_engine_model, load_engine_weights, prepack_engine_model,
 )
@@ -147,6 +147,7 @@ def test_engine_refit_refusals_leave_the_served_weights(tmp_path, store):
     address, _ = store
     image = _prepack(TinyEngineModel(0), tmp_path / "img", _key())
     other = _prepack(TinyEngineModel(0), tmp_path / "img-other", _key(model_id="org/other"))
+    older = _prepack(TinyEngineModel(0), tmp_path / "img-older", _key(engine_version="0.0.older"))  # same layouts key
     model, weights = _serve(image, tmp_path / "shm", _key())
     before = {n: t.clone() for n, t in _tensors(model).items()}
     new = dict(engine_tensors_to_publish(TinyEngineModel(2), "cpu"))
@@ -166,6 +167,12 @@ def test_engine_refit_refusals_leave_the_served_weights(tmp_path, store):
             with pytest.raises(RefitError, match=r"version 2 was published for image key .* \(org/other\); this engine "
                                                  r"serves .* \(org/tiny\); nothing was copied"):
                 refit_engine_model(model, address, 2, what="test refit", timeout_s=30)
+        with engine_publisher(older, 0, store=address, device="cpu") as pub:
+            pub.publish(new, version=2)
+            with pytest.raises(RefitError, match=r"version 2 was published for vllm 0.0.older: .*, this engine is "
+                                                 r"vllm 0.0.test: .* \(engine_version: engine '0.0.test', published "
+                                                 r"'0.0.older'\); nothing was copied"):
+                refit_engine_model(model, address, 2, what="test refit", timeout_s=30)
         with engine_publisher(image, 0, store=address, device="cpu") as pub:
             pub.publish(new, version=3)
             stay(weights, shm_dir=str(tmp_path / "shm"))
@@ -180,6 +187,10 @@ def test_engine_refit_refusals_leave_the_served_weights(tmp_path, store):
             with pytest.raises(RefitError, match="version 3 is not newer than the live version 3; refused"):
                 refit_engine_model(model, address, 3, what="test refit", timeout_s=30)
         assert torch.equal(model.qkv.weight, new["qkv.weight"])
+        with pytest.raises(WaitTimeoutError, match=r"the trainer's publish of version 4 \(org/tiny rank 0, namespace "
+                                                   r"'refit-rank0.v4'\)"):
+            refit_engine_model(model, address, 4, what="test refit", timeout_s=1)  # a trainer that never publishes
+        assert weights.handle.version == 3 and torch.equal(model.qkv.weight, new["qkv.weight"])
         with pytest.raises(RefitError, match=r"unknown refit option\(s\) \['atomicity'\]"):
             refit_engine_model(model, address, 4, what="test refit", atomicity=False)
     finally:

@@ -20,10 +20,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable, Mapping
 
-from flashboot.errors import CapabilityError
+from flashboot.errors import CapabilityError, LayoutError
 from flashboot.weight_update import RefitError, RefitReport
 from flashboot.weight_update.publish import DEFAULT_NAME
 
+from .engine_key import EngineKey
 from .engine_sleep import check_awake
 
 logger = logging.getLogger("flashboot.integrations")
@@ -83,13 +84,30 @@ def refit_engine_model(model, store: str, version: int, *, what: str, name: str 
     :data:`REFIT_OPTIONS`.
 
     Raises CapabilityError (a model not served from an image load), RefitError (weights asleep:
-    named, with the engine's wake call; an older version; a record for another image key or
-    rank; all before a byte moves) and whatever :func:`flashboot.weight_update.refit` raises."""
+    named, with the engine's wake call; an older version; a record for another image key, engine
+    key (another engine version, GPU architecture, kernel backend) or rank; all before a byte
+    moves) and whatever :func:`flashboot.weight_update.refit` raises."""
     weights = served_weights(model, what)
     options = check_refit_options(options, what)
     check_awake(model, f"{what}: refused, nothing was copied", RefitError)
     rank = weights.handle.metadata.parallel.rank
-    report = weights.handle.refit(store, version, name=refit_name(name, rank), **options)
+
+    def same_engine_key(record: dict) -> None:
+        # the layouts key names model, layout and dtypes; the engine key also its version, GPU and kernels
+        ours = weights.section.key
+        try:
+            theirs = EngineKey.from_dict(record.get("refit_engine_key"), f"{what}: version {version}'s record")
+        except LayoutError as exc:
+            raise RefitError(f"{exc}: not published from an engine image (engine_publisher); nothing was "
+                             "copied, the old weights are serving") from None
+        diffs = ours.mismatches(theirs)
+        if diffs:
+            detail = "; ".join(f"{k}: engine {want!r}, published {have!r}" for k, want, have in diffs)
+            raise RefitError(f"{what}: version {version} was published for {theirs.describe()}, this engine is "
+                             f"{ours.describe()} ({detail}); nothing was copied, the old weights are serving")
+
+    report = weights.handle.refit(store, version, name=refit_name(name, rank), check_record=same_engine_key,
+                                  **options)
     if reprocess is not None:
         reprocess()
     logger.info("flashboot: %s", report.summary())

@@ -57,15 +57,14 @@ class PublishReport:
                 f"record {self.publish_ms:.2f} ms")
 
 
-def _engine_aliases(image: Any, rank: int, metadata) -> dict[str, str] | None:
-    """For an engine image (an engine's own tensors, :mod:`flashboot.integrations.engine_dump`):
-    its aliases (name -> the image tensor it names); None for a checkpoint image."""
+def _engine_section(image: Any, rank: int, metadata):
+    """An engine image's engine section (its key, aliases; :mod:`flashboot.integrations.engine_dump`),
+    None for a checkpoint image."""
     from ..integrations.engine_key import is_engine_family, read_engine_section
 
     if not is_engine_family(metadata.family.name):
         return None
-    section, _ = read_engine_section(image, rank)
-    return {name: info["of"] for name, info in section.aliases.items()}
+    return read_engine_section(image, rank)[0]
 
 
 def _named(tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> dict[str, Any]:
@@ -106,7 +105,7 @@ class Publisher:
         from ..layouts import read_image_metadata
 
         self.metadata = read_image_metadata(image, rank)
-        self.engine_aliases = _engine_aliases(image, rank, self.metadata)
+        self.engine_section = _engine_section(image, rank, self.metadata)
         self.rank, self.store, self.name, self.config = rank, store, name, config
         self.token = resolve_token(token, token_file)
         self.timeout_s, self.host_store, self.nixl, self.serve_nccl = timeout_s, host_store, nixl, serve_nccl
@@ -127,8 +126,9 @@ class Publisher:
         plan = self._plans.get(key)
         if plan is None:
             where = f"publish to {self.metadata.key.model_id} rank {self.rank}"
-            if self.engine_aliases is not None:
-                plan = plan_engine_pack(self.metadata, headers, self.engine_aliases, where=where)
+            if self.engine_section is not None:
+                aliases = {alias: info["of"] for alias, info in self.engine_section.aliases.items()}
+                plan = plan_engine_pack(self.metadata, headers, aliases, where=where)
             else:
                 plan = plan_pack(self.metadata, headers, config=self.config, where=where)
             self._plans = {key: plan}
@@ -174,12 +174,18 @@ class Publisher:
         self.seed = seed(self.store, self.arena, self.device, token=self.token,
                          name=version_namespace(self.name, version), timeout_s=self.timeout_s,
                          serve_nccl=self.serve_nccl, nixl=self.nixl, manifest=manifest, host_store=self.host_store,
-                         extra={"refit_version": version, "refit_rank": self.rank})
+                         extra=self._record_extra(version))
         t4 = time.perf_counter()
         self.version = version
         self.report = PublishReport(version, table.nbytes, len(named), len(table.rows), (t1 - t0) * 1e3,
                                     (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3)
         return self.report
+
+    def _record_extra(self, version: int) -> dict:
+        extra = {"refit_version": version, "refit_rank": self.rank}
+        if self.engine_section is not None:  # the engine's whole key: its version, GPU, kernels...
+            extra["refit_engine_key"] = self.engine_section.key.to_dict()
+        return extra
 
     def withdraw(self) -> None:
         """Withdraw the published version's record (engines that already mapped it keep their mapping)."""
