@@ -50,13 +50,17 @@ class TinyEngineModel(torch.nn.Module):
         self.rope = torch.nn.Module()
         self.rope.register_buffer("cos_sin_cache", torch.arange(48.0).reshape(12, 4), persistent=False)
         self.rope_again = self.rope
-        self.w_kc = torch.randn(4, 8, generator=g)
+        self.w_kc = torch.empty(4, 8)
+        self.post_load_weights()
         self.kv_cache = torch.empty(0)
 
     def _apply(self, fn, recurse=True):  # .to(device) moves the tensor attributes too, as an engine's would be
         super()._apply(fn, recurse)
         self.w_kc, self.kv_cache = fn(self.w_kc), fn(self.kv_cache)
         return self
+
+    def post_load_weights(self):  # as SGLang's MLA models derive w_kc: written into the bound tensor in place
+        self.w_kc.copy_(self.qkv.weight[:4, :8] * 2)
 
     def forward(self, ids):
         return self.lm_head(self.qkv(self.embed(ids))[:, :16])
@@ -110,11 +114,13 @@ def test_engine_refit_gives_a_fresh_load_of_the_new_weights_bitwise(tmp_path, st
         with engine_publisher(image, 0, store=address, device=device) as pub:
             trainer = dict(engine_tensors_to_publish(new, device))
             assert "lm_head.weight" not in trainer and "rope_again.cos_sin_cache" not in trainer  # aliases, once
+            assert "w_kc" not in trainer  # a tensor attribute: the engine derives it
             pub.publish(trainer, version=1)
             assert pub.name == refit_name("refit", 0)
             report = refit_engine_model(model, address, 1, what="test refit", reprocess=lambda: reprocessed.append(1),
-                                        timeout_s=30)
+                                        derive=model.post_load_weights, timeout_s=30)
         assert report.version == 1 and report.atomic and reprocessed == [1] and weights.handle.version == 1
+        assert report.details["derived"] == ["w_kc"]
         assert {n: t.data_ptr() for n, t in _tensors(model).items()} == ptrs  # the same views, new bytes
         fresh_image = _prepack(new, tmp_path / "img-new", _key(), device)
         fresh, fresh_weights = _serve(fresh_image, shm, _key(), device)
@@ -183,9 +189,14 @@ def test_engine_refit_refusals_leave_the_served_weights(tmp_path, store):
                 refit_engine_model(model, address, 3, what="test refit", timeout_s=30)
             wake_engine_weights()
             assert all(torch.equal(t, before[n]) for n, t in _tensors(model).items())
-            refit_engine_model(model, address, 3, what="test refit", timeout_s=30)
+            with pytest.raises(RefitError, match=r"version 3 leaves 1 tensor attribute\(s\) to the engine \(w_kc\), "
+                                                 "which this engine's integration cannot derive; publish them too"):
+                refit_engine_model(model, address, 3, what="test refit", timeout_s=30)
+            assert all(torch.equal(t, before[n]) for n, t in _tensors(model).items())
+            refit_engine_model(model, address, 3, what="test refit", derive=model.post_load_weights, timeout_s=30)
             with pytest.raises(RefitError, match="version 3 is not newer than the live version 3; refused"):
                 refit_engine_model(model, address, 3, what="test refit", timeout_s=30)
+            assert torch.equal(model.w_kc, new["qkv.weight"][:4, :8] * 2)
         assert torch.equal(model.qkv.weight, new["qkv.weight"])
         with pytest.raises(WaitTimeoutError, match=r"the trainer's publish of version 4 \(org/tiny rank 0, namespace "
                                                    r"'refit-rank0.v4'\)"):
@@ -343,7 +354,7 @@ trainer.shutdown()
 print("RESULT " + json.dumps(out))
 '''
 
-SGLANG_REFIT_SCRIPT = r'''
+SGLANG_SETUP = r'''
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", port)
 from sglang.srt.distributed import parallel_state
@@ -371,6 +382,9 @@ def load(mc, **extra):
 load(mc_a, image_dir=image_a, mode="prepack", shm_dir=shm)
 _, trainer_model = load(mc_b, image_dir=image_b, mode="prepack", shm_dir=shm)  # B by SGLang's own loader
 ld, m = load(mc_a, image_dir=image_a, shm_dir=shm)
+'''
+
+SGLANG_REFIT_SCRIPT = SGLANG_SETUP + r'''
 old_outputs = forwards(m)
 ptrs = {n: t.data_ptr() for n, t in tensors(m).items()}
 
@@ -427,14 +441,44 @@ trainer.close()
 print("RESULT " + json.dumps(out))
 '''
 
+# DeepSeek-V3 (MLA): the trainer publishes parameters and buffers; w_kc / w_vc (tensor attributes SGLang's
+# post_load_weights derives from kv_b_proj, stored strided) are derived by the engine into their arena views
+SGLANG_MLA_REFIT_SCRIPT = SGLANG_SETUP + r'''
+FORWARD = ("model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "model.norm", "lm_head")
+old_outputs = forwards(m)
+from flashboot.integrations.engine_prepack import read_engine_section
+extras = sorted(n for n, info in read_engine_section(image_a, 0)[0].tensors.items() if info["kind"] == "extra")
+views = {n: _attr(m, n).data_ptr() for n in extras}
+old_extras = {n: _attr(m, n).clone() for n in extras}
+from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+updater = WeightUpdater(tp_rank=0, device=device, gpu_id=0, model_config=mc_a,
+                        custom_weight_loaders=get_model().custom_weight_loader, get_model=lambda: m,
+                        update_model_fields=lambda **kw: None, recapture_cuda_graph=lambda: None,
+                        get_model_runner=lambda: None)
+from flashboot.integrations.engine_refit import engine_publisher, engine_tensors_to_publish
+trainer = engine_publisher(image_a, 0, store=store, device=device)
+published = dict(engine_tensors_to_publish(trainer_model, device))
+out["published_extras"] = sorted(n for n in extras if n in published)
+trainer.publish(published, version=1)
+out["update"] = list(updater.update_weights_from_tensor(refit_request(store, 1, timeout_s=60), load_format=REFIT_LOADER))
+_, fresh = load(mc_b, image_dir=image_b, shm_dir=shm)
+out["extras"] = extras
+out["extras_equal_fresh"] = sorted(n for n in extras if torch.equal(_attr(m, n), _attr(fresh, n)))
+out["extras_changed"] = sorted(n for n in extras if not torch.equal(_attr(m, n), old_extras[n]))
+out["extras_same_views"] = all(_attr(m, n).data_ptr() == views[n] for n in extras)
+out["after_refit"] = compare(m, fresh, old_outputs)
+trainer.close()
+print("RESULT " + json.dumps(out))
+'''
 
-def _run_refit(script: str, tmp_path) -> dict:
+
+def _run_refit(script: str, tmp_path, kind: str = "llama") -> dict:
     from _clone_helpers import TOKEN
     from flashboot.flashclone.rendezvous import free_port
     from test_integrations_sglang import _result_of, _shm_dir, make_tiny_model
 
-    model_a = make_tiny_model("llama", tmp_path / "tiny-llama-a", seed=0)
-    model_b = make_tiny_model("llama", tmp_path / "tiny-llama-b", seed=1)
+    model_a = make_tiny_model(kind, tmp_path / f"tiny-{kind}-a", seed=0)
+    model_b = make_tiny_model(kind, tmp_path / f"tiny-{kind}-b", seed=1)
     path = tmp_path / "refit_script.py"
     path.write_text(REFIT_CHECKS + script)
     shm = _shm_dir(tmp_path)
@@ -508,3 +552,24 @@ def test_real_sglang_update_route_refuses_bad_updates_before_a_byte_moves(sglang
     _assert_refusals(r)
     # level 2 (no CPU backup): the wake brought the image's weights back, version 0, and the refit after it took v3
     assert r["after_wake"]["version"] == 0 and len(r["after_wake"]["image_weights"]) == 6
+
+
+@pytest.fixture(scope="module")
+def sglang_mla_refit(tmp_path_factory):
+    if not HAVE_SGLANG:
+        pytest.skip("SGLang is not installed here (see docs/engines.md for the engine test venv)")
+    return _run_refit(SGLANG_MLA_REFIT_SCRIPT, tmp_path_factory.mktemp("sglang-mla-refit"), "deepseek_v3")
+
+
+def test_real_sglang_mla_refit_derives_w_kc_w_vc_into_their_arena_views(sglang_mla_refit):
+    r = sglang_mla_refit
+    assert r["update"] == [True, "Success"] and r["published_extras"] == []
+    mla = ["model.layers.0.self_attn.w_kc", "model.layers.0.self_attn.w_vc", "model.layers.1.self_attn.w_kc",
+           "model.layers.1.self_attn.w_vc"]
+    assert set(mla) <= set(r["extras"])
+    assert set(mla) <= set(r["extras_equal_fresh"]) and set(mla) <= set(r["extras_changed"])
+    assert r["extras_same_views"]
+    got = r["after_refit"]
+    assert got["names_same"] and got["unequal"] == []
+    assert got["forward_equal"] == ["lm_head", "model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp",
+                                    "model.norm"]

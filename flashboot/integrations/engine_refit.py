@@ -49,12 +49,13 @@ def engine_publisher(image: Any, rank: int = 0, *, store: str, name: str = DEFAU
 
 
 def engine_tensors_to_publish(model, device: Any) -> Iterable[tuple[str, Any]]:
-    """``(name, tensor)`` of every tensor an engine image of ``model`` holds (a model in the
-    engine's layout: the engine's model class, or a trainer's copy of it), as the pre-pack dump
-    names them; another name of the same tensor (tied weights) is given once."""
+    """``(name, tensor)`` of every parameter and buffer of ``model`` (a model in the engine's
+    layout: the engine's model class, or a trainer's copy of it) as the pre-pack dump names them;
+    another name of the same tensor (tied weights) is given once. Tensor attributes (MLA's
+    ``w_kc``) are left to the engine, which derives them after the copy."""
     from .engine_dump import collect_engine_tensors
 
-    return [(name, t.tensor) for name, t in collect_engine_tensors(model, device).tensors.items()]
+    return [(name, t.tensor) for name, t in collect_engine_tensors(model, device, extras=False).tensors.items()]
 
 
 def check_refit_options(options: Mapping[str, Any], what: str) -> dict:
@@ -77,10 +78,21 @@ def served_weights(model, what: str):
     return weights
 
 
+def _attr(model, name: str):
+    for part in name.split("."):
+        model = getattr(model, part)
+    return model
+
+
 def refit_engine_model(model, store: str, version: int, *, what: str, name: str = DEFAULT_NAME,
-                       reprocess: Callable[[], None] | None = None, **options: Any) -> RefitReport:
+                       reprocess: Callable[[], None] | None = None, derive: Callable[[], None] | None = None,
+                       **options: Any) -> RefitReport:
     """Refit ``model`` (bound by a flashboot loader) to ``version`` as published at ``store`` for
-    its image rank, then run ``reprocess`` (the integration's post-load step). ``options``: see
+    its image rank, then run ``reprocess`` (the integration's post-load step) and, when the
+    trainer left tensor attributes to the engine (the record's ``refit_derived``: MLA's
+    ``w_kc``/``w_vc``), ``derive``: the engine's own post-processing, which must write them into
+    their arena views in place (SGLang's ``post_load_weights`` does: ``bind_or_assign``); a version
+    that needs it is refused before a byte moves where there is none. ``options``: see
     :data:`REFIT_OPTIONS`.
 
     Raises CapabilityError (a model not served from an image load), RefitError (weights asleep:
@@ -105,11 +117,26 @@ def refit_engine_model(model, store: str, version: int, *, what: str, name: str 
             detail = "; ".join(f"{k}: engine {want!r}, published {have!r}" for k, want, have in diffs)
             raise RefitError(f"{what}: version {version} was published for {theirs.describe()}, this engine is "
                              f"{ours.describe()} ({detail}); nothing was copied, the old weights are serving")
+        derived[:] = record.get("refit_derived", [])
+        if derived and derive is None:
+            raise RefitError(f"{what}: version {version} leaves {len(derived)} tensor attribute(s) to the engine "
+                             f"({', '.join(derived[:3])}), which this engine's integration cannot derive; publish "
+                             "them too. Nothing was copied, the old weights are serving")
 
+    derived: list[str] = []
     report = weights.handle.refit(store, version, name=refit_name(name, rank), check_record=same_engine_key,
                                   **options)
     if reprocess is not None:
         reprocess()
+    if derived:
+        views = {n: weights.tensors[n] for n in derived}
+        derive()
+        moved = [n for n, view in views.items() if _attr(model, n).data_ptr() != view.data_ptr()]
+        if moved:  # served from outside the arena from now on: a sleep or the next refit would miss them
+            raise RefitError(f"{what}: version {version}'s post-processing replaced tensor attribute(s) {moved[:3]} "
+                             "instead of writing into their arena views; the weights are version "
+                             f"{version} but those tensors live outside the arena: reload the engine")
+        report.details["derived"] = derived
     logger.info("flashboot: %s", report.summary())
     return report
 

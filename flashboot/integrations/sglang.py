@@ -415,7 +415,9 @@ def refit_weights(model, named_tensors) -> None:
     flashboot.integrations.sglang.refit_weights``; SGLang's ``update_weights_from_tensor``
     dispatches to it by ``load_format``): refits the arena ``model`` serves from to the version a
     trainer published for this rank (:func:`~flashboot.integrations.engine_refit.refit_engine_model`),
-    then repairs the views taken at construction as the loader does at load. ``named_tensors``:
+    then repairs the views taken at construction as the loader does at load, and, when the trainer
+    left tensor attributes to the engine (MLA's ``w_kc``/``w_vc``), runs the model's own
+    ``post_load_weights``, which writes them into their arena views. ``named_tensors``:
     :func:`refit_request`'s. Raises RefitError for anything else, naming what came."""
     import json
 
@@ -433,8 +435,10 @@ def refit_weights(model, named_tensors) -> None:
         store, version, name = request.pop("store"), request.pop("version"), request.pop("name")
     except (ValueError, KeyError, AttributeError) as exc:
         raise RefitError(f"{what}: malformed refit request {names[0]!r} ({exc})") from None
+    # SGLang's own post-processing derives tensor attributes (MLA's w_kc/w_vc) into the bound views in place
+    derive = getattr(model, "post_load_weights", None)
     refit_engine_model(model, store, version, what=what, name=name, reprocess=lambda: _rebuild_engine_views(model),
-                       **request)
+                       derive=derive, **request)
 
 
 # =============================================================================================

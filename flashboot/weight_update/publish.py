@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 from ..errors import FlashBootError
 from ..flashclone.rendezvous import DEFAULT_TIMEOUT_S
 from ..memory import Device
-from .plan import PackPlan, PublishError, dtype_name, plan_engine_pack, plan_pack
+from .plan import DERIVED, PackPlan, PublishError, dtype_name, plan_engine_pack, plan_pack
 
 DEFAULT_NAME = "refit"
 
@@ -127,8 +127,10 @@ class Publisher:
         if plan is None:
             where = f"publish to {self.metadata.key.model_id} rank {self.rank}"
             if self.engine_section is not None:
-                aliases = {alias: info["of"] for alias, info in self.engine_section.aliases.items()}
-                plan = plan_engine_pack(self.metadata, headers, aliases, where=where)
+                section = self.engine_section
+                aliases = {alias: info["of"] for alias, info in section.aliases.items()}
+                attributes = [n for n, info in section.tensors.items() if info["kind"] == "extra"]
+                plan = plan_engine_pack(self.metadata, headers, aliases, attributes, where=where)
             else:
                 plan = plan_pack(self.metadata, headers, config=self.config, where=where)
             self._plans = {key: plan}
@@ -174,17 +176,18 @@ class Publisher:
         self.seed = seed(self.store, self.arena, self.device, token=self.token,
                          name=version_namespace(self.name, version), timeout_s=self.timeout_s,
                          serve_nccl=self.serve_nccl, nixl=self.nixl, manifest=manifest, host_store=self.host_store,
-                         extra=self._record_extra(version))
+                         extra=self._record_extra(version, plan))
         t4 = time.perf_counter()
         self.version = version
         self.report = PublishReport(version, table.nbytes, len(named), len(table.rows), (t1 - t0) * 1e3,
                                     (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3)
         return self.report
 
-    def _record_extra(self, version: int) -> dict:
+    def _record_extra(self, version: int, plan: PackPlan) -> dict:
         extra = {"refit_version": version, "refit_rank": self.rank}
         if self.engine_section is not None:  # the engine's whole key: its version, GPU, kernels...
             extra["refit_engine_key"] = self.engine_section.key.to_dict()
+            extra["refit_derived"] = sorted(n for n, why in plan.skipped.items() if why == DERIVED)
         return extra
 
     def withdraw(self) -> None:
