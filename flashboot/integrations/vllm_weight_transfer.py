@@ -168,10 +168,10 @@ class FlashBootTrainerWeightTransferEngine(TrainerWeightTransferEngine[FlashBoot
 
 
 class EngineModuleSource(WeightSource):
-    """A ``WeightSource`` over every tensor an engine image of ``module`` holds (a model in the
-    engine's layout): parameters, buffers and tensor attributes by the engine's names, as
-    :func:`~flashboot.integrations.engine_refit.engine_tensors_to_publish` collects them.
-    vLLM's ``ModuleSource`` yields parameters only; an engine image has buffers too (rotary caches)."""
+    """A ``WeightSource`` over the parameters and buffers of ``module`` (a model in the engine's
+    layout) by the engine's names, as :func:`~flashboot.integrations.engine_refit.engine_tensors_to_publish`
+    collects them. vLLM's ``ModuleSource`` yields parameters only; an engine image has buffers too
+    (rotary caches)."""
 
     def __init__(self, module, device: Any = None) -> None:
         self._module, self._device = module, device
