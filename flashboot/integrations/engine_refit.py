@@ -78,10 +78,9 @@ def served_weights(model, what: str):
     return weights
 
 
-def _attr(model, name: str):
-    for part in name.split("."):
-        model = getattr(model, part)
-    return model
+def _tensor_attribute(model, name: str):
+    module, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(module), leaf)
 
 
 def refit_engine_model(model, store: str, version: int, *, what: str, name: str = DEFAULT_NAME,
@@ -131,7 +130,7 @@ def refit_engine_model(model, store: str, version: int, *, what: str, name: str 
     if derived:
         views = {n: weights.tensors[n] for n in derived}
         derive()
-        moved = [n for n, view in views.items() if _attr(model, n).data_ptr() != view.data_ptr()]
+        moved = [n for n, view in views.items() if _tensor_attribute(model, n).data_ptr() != view.data_ptr()]
         if moved:  # served from outside the arena from now on: a sleep or the next refit would miss them
             raise RefitError(f"{what}: version {version}'s post-processing replaced tensor attribute(s) {moved[:3]} "
                              "instead of writing into their arena views; the weights are version "
