@@ -573,3 +573,20 @@ def test_real_sglang_mla_refit_derives_w_kc_w_vc_into_their_arena_views(sglang_m
     assert got["names_same"] and got["unequal"] == []
     assert got["forward_equal"] == ["lm_head", "model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp",
                                     "model.norm"]
+
+
+def test_engine_publish_refuses_a_tensor_the_image_stores_strided(tmp_path):
+    """A transposed parameter (dense, but not in C order) is the engine's layout, not a C-order
+    tensor: the trainer cannot fill it by name; refused before anything is written, naming it."""
+    from test_integrations_sglang import PlainEngineLikeModel
+    from test_integrations_sglang import _key as sglang_key
+
+    image = tmp_path / "img"
+    prepack_engine_model(PlainEngineLikeModel(), image, sglang_key(), RankGroup(), device="cpu", tp_size=1, ep_size=1,
+                         source_path="/models/plain", model_type="plain", chunk_bytes=4096)
+    new = dict(engine_tensors_to_publish(PlainEngineLikeModel(1), "cpu"))
+    with engine_publisher(image, 0, store="127.0.0.1:1", device="cpu", token="x" * 16, host_store=False) as pub:
+        with pytest.raises(PublishError, match=r"image tensor 'w_t' is stored strided \(shape \[16, 24\], stride "
+                                               r"\[1, 16\]\): publish fills C-order tensors only"):
+            pub.publish({"w_t": new["w_t"]}, version=1)
+        assert pub.version == 0 and pub.seed is None

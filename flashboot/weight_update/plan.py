@@ -147,6 +147,16 @@ def plan_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]], *,
     return PackPlan(metadata, {n: (s.dtype, s.shape) for n, s in sources.items()}, tuple(pieces), dict(plan.skipped))
 
 
+def _c_order(shape, stride) -> bool:
+    """Whether a tensor of ``shape`` and element ``stride`` is laid out in C order (size-1 dims aside)."""
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride)):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
 DERIVED = "derived by the engine's post-processing after the copy"
 """``PackPlan.skipped`` reason of an engine image's tensor attribute left to the engine."""
 
@@ -181,10 +191,9 @@ def plan_engine_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]
         if (dtype, shape) != (entry.dtype, tuple(entry.shape)):
             raise PublishError(f"{where}: tensor {name!r} is {dtype} {list(shape)} from the tensors given, "
                                f"{entry.dtype} {list(entry.shape)} in the image; nothing was written")
-        if entry.numel and entry.nbytes != entry.numel * entry.itemsize:
-            raise PublishError(f"{where}: image tensor {name!r} is stored strided (stride {list(entry.stride)}, "
-                               f"{entry.nbytes:,} bytes for {entry.numel:,} elements): publish fills C-order "
-                               "tensors only; nothing was written")
+        if entry.numel and not _c_order(entry.shape, entry.stride):
+            raise PublishError(f"{where}: image tensor {name!r} is stored strided (shape {list(entry.shape)}, stride "
+                               f"{list(entry.stride)}): publish fills C-order tensors only; nothing was written")
         if entry.numel:
             pieces.append(PackPiece(name, tuple((0, s) for s in shape), entry.offset, DTYPES[dtype].itemsize))
     derived = set(derived)
