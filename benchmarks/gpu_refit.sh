@@ -25,12 +25,12 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeou
 PEER=(); [ "$NGPU" -ge 2 ] && PEER=(--peer cuda:1)
 for s in ${STEPS:-tests A C}; do
   case "$s" in
-    tests) TAIL=15 step tests 80 python3 -m pytest -q -p no:cacheprovider -m "gpu or two_gpus" \
+    tests) TAIL=15 step tests 110 python3 -m pytest -q -p no:cacheprovider -m "gpu or two_gpus" \
              tests/test_weight_update.py tests/test_weight_update_logits.py tests/test_arena_remap.py \
              tests/test_integrations_refit.py ;;
-    A) TAIL=22 step bench_A 170 flashboot bench refit --checkpoint A --scale "${SCALE_A:-1}" --repeats 3 --sweep \
+    A) TAIL=22 step bench_A 160 flashboot bench refit --checkpoint A --scale "${SCALE_A:-1}" --repeats 3 --sweep \
          ${PEER[@]+"${PEER[@]}"} --json "$OUT/refit_A.json" ;;
-    C) TAIL=20 step bench_C 70 flashboot bench refit --checkpoint C --scale "${SCALE_C:-1}" --repeats 3 \
+    C) TAIL=20 step bench_C 65 flashboot bench refit --checkpoint C --scale "${SCALE_C:-1}" --repeats 3 \
          --json "$OUT/refit_C.json" ;;
     soak) TAIL=12 step soak 60 flashboot bench soak --kinds refit --cycles 200 --json "$OUT/soak_refit.json" ;;
   esac
