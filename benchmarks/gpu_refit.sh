@@ -6,11 +6,11 @@
 # issue's targets. Usage (repo root, device machine):  bash benchmarks/gpu_refit.sh  -> $OUT
 # The summary adds the pack table's word width and grid, the pack launch sweep, the first refit
 # (which maps the trainer's arena) and each refit's median breakdown of its total. A runs with
-# --sweep: 48 pack launch settings (programs/SM x warps x tile x stages) and the refit copy's mover x
+# --sweep: 16 pack launch settings (programs/SM x warps x tile x stages) and the refit copy's mover x
 # chunk (atomic and in place), so the defaults can be picked from this one run. The tests include
 # the engine refit (tests/test_integrations_refit.py: a bound model refit on cuda:0, bitwise).
-# STEPS="tests A C" (default; add soak) picks steps; SCALE_A / SCALE_C shrink the bytes (tensor
-# counts kept). About 5 minutes, each step bounded by timeout.
+# STEPS="tests A C" (default; add logits, soak) picks steps; SCALE_A / SCALE_C shrink the bytes
+# (tensor counts kept). At most 4 minutes: each step bounded by timeout (40 + 130 + 50 s).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,16 +21,16 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -${TAIL:-25} "$OUT/$name.log"; echo "=== $name rc=$rc"; }
+step() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -${TAIL:-25} "$OUT/$name.log"; echo "=== $name rc=$rc"; }
 PEER=(); [ "$NGPU" -ge 2 ] && PEER=(--peer cuda:1)
 for s in ${STEPS:-tests A C}; do
   case "$s" in
-    tests) TAIL=15 step tests 110 python3 -m pytest -q -p no:cacheprovider -m "gpu or two_gpus" \
-             tests/test_weight_update.py tests/test_weight_update_logits.py tests/test_arena_remap.py \
-             tests/test_integrations_refit.py ;;
-    A) TAIL=22 step bench_A 160 flashboot bench refit --checkpoint A --scale "${SCALE_A:-1}" --repeats 3 --sweep \
+    tests) TAIL=15 step tests 40 python3 -m pytest -q -p no:cacheprovider -m "gpu or two_gpus" \
+             tests/test_integrations_refit.py tests/test_weight_update.py tests/test_arena_remap.py ;;
+    logits) TAIL=10 step logits 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_weight_update_logits.py ;;
+    A) TAIL=22 step bench_A 130 flashboot bench refit --checkpoint A --scale "${SCALE_A:-1}" --repeats 3 --sweep \
          ${PEER[@]+"${PEER[@]}"} --json "$OUT/refit_A.json" ;;
-    C) TAIL=20 step bench_C 65 flashboot bench refit --checkpoint C --scale "${SCALE_C:-1}" --repeats 3 \
+    C) TAIL=20 step bench_C 50 flashboot bench refit --checkpoint C --scale "${SCALE_C:-1}" --repeats 3 \
          --json "$OUT/refit_C.json" ;;
     soak) TAIL=12 step soak 60 flashboot bench soak --kinds refit --cycles 200 --json "$OUT/soak_refit.json" ;;
   esac

@@ -100,9 +100,12 @@ PACK_SWEEP = [{"programs_per_sm": p, "num_warps": w, "block_bytes": b}
 """Launch settings of the pack's table kernel tried beside the default (PACK_TUNING), same rows; 16 KiB
 tiles divide checkpoint C's 48 KiB experts, which 32 KiB tiles end with a masked half tile."""
 
-PACK_SWEEP_WIDE = [{"programs_per_sm": p, "num_warps": w, "block_bytes": b, "num_stages": st}
-                   for p in (1, 2, 3, 4) for w in (4, 8) for b in (8192, 16384, 32768) for st in (2, 3)]
-"""``--sweep``: the grid around the default to pick it from one run (48 settings)."""
+PACK_SWEEP_WIDE = ([{"programs_per_sm": p, "num_warps": 4, "block_bytes": b, "num_stages": 3}
+                    for p in (1, 2, 3, 4) for b in (8192, 16384, 32768)]
+                   + [{"programs_per_sm": 2, "num_warps": 8, "block_bytes": b, "num_stages": 3} for b in (8192, 16384)]
+                   + [{"programs_per_sm": p, "num_warps": 4, "block_bytes": 16384, "num_stages": 2} for p in (2, 4)])
+"""``--sweep``: the grid around the default (2/SM, 4 warps, 16 KiB, 3 stages) to pick it from one run
+(16 settings, 6 compiled variants: a device call is short)."""
 
 REFIT_SWEEP = [{"mover": m, "chunk_bytes": c} for m in ("copy_engine", "triton_sm")
                for c in (64 << 20, 256 << 20, 1 << 30, 4 << 30)]
