@@ -100,25 +100,58 @@ PACK_SWEEP = [{"programs_per_sm": p, "num_warps": w, "block_bytes": b}
 """Launch settings of the pack's table kernel tried beside the default (PACK_TUNING), same rows; 16 KiB
 tiles divide checkpoint C's 48 KiB experts, which 32 KiB tiles end with a masked half tile."""
 
+PACK_SWEEP_WIDE = ([{"programs_per_sm": p, "num_warps": 4, "block_bytes": b, "num_stages": 3}
+                    for p in (1, 2, 3, 4) for b in (8192, 16384, 32768)]
+                   + [{"programs_per_sm": 2, "num_warps": 8, "block_bytes": b, "num_stages": 3} for b in (8192, 16384)]
+                   + [{"programs_per_sm": p, "num_warps": 4, "block_bytes": 16384, "num_stages": 2} for p in (2, 4)])
+"""``--sweep``: the grid around the default (2/SM, 4 warps, 16 KiB, 3 stages) to pick it from one run
+(16 settings, 6 compiled variants: a device call is short)."""
 
-def _pack_sweep(plan, tensors, arena, table, time_ms, repeats: int) -> tuple[dict, list[dict]]:
+REFIT_SWEEP = [{"mover": m, "chunk_bytes": c} for m in ("copy_engine", "triton_sm")
+               for c in (64 << 20, 256 << 20, 1 << 30, 4 << 30)]
+"""``--sweep``: the refit copy's mover and pipeline chunk (default copy_engine, 256 MiB), each atomic and in place."""
+
+
+def _pack_sweep(plan, tensors, arena, table, time_ms, repeats: int, wide: bool = False) -> tuple[dict, list[dict]]:
     """The default pack table's shape (element width, 16-byte vectors, grid, tiles) and the pack
-    timed under each of :data:`PACK_SWEEP` (same rows, same arena)."""
+    timed under each of :data:`PACK_SWEEP` (:data:`PACK_SWEEP_WIDE` with ``wide``; same rows, same arena)."""
     from flashboot.weight_update.pack import PackTable
 
     t = table._device_table
     shape = {"elem_bytes": t.elem_bytes, "align16": t.align16, "grid": t.grid[0], "tiles": t.n_tiles,
              "tuning": dict(table.tuning)}
     sweep = []
-    for knobs in PACK_SWEEP:
+    for knobs in PACK_SWEEP_WIDE if wide else PACK_SWEEP:
         other = PackTable(plan, tensors, arena, tuning=knobs)
         sweep.append({**knobs, "ms": time_ms(lambda s, o=other: o.launch(stream=s), repeats)})
     return shape, sweep
 
 
+def _refit_sweep(pub, loaded, tensors, store: str, version: int, repeats: int) -> tuple[list[dict], int]:
+    """Refit copies under each of :data:`REFIT_SWEEP`, atomic and in place (a new version each);
+    the median copy (host wall and lanes' GPU time) per setting, and the last version published."""
+    from flashboot.movers import create_mover
+
+    out = []
+    for knobs in REFIT_SWEEP:
+        mover = create_mover(knobs["mover"])
+        for mode in ("atomic", "in_place"):
+            reps = []
+            for _ in range(repeats):
+                version += 1
+                pub.publish(tensors, version)
+                reps.append(loaded.refit(store, version, atomic=mode == "atomic", timeout_s=120, mover=mover,
+                                         chunk_bytes=knobs["chunk_bytes"]))
+            out.append({**knobs, "mode": mode, "copy_ms": statistics.median(r.copy_ms for r in reps),
+                        "copy_gpu_ms": statistics.median(r.breakdown.get("copy_gpu_ms", 0.0) for r in reps),
+                        "total_ms": statistics.median(r.total_ms for r in reps)})
+    return out, version
+
+
 def run(spec, device_name: str, *, repeats: int = 5, store: str | None = None, peer: str | None = None,
-        workdir: str | None = None) -> dict[str, Any]:
-    """Every section for ``spec`` on ``device_name``; returns the results as a dict."""
+        workdir: str | None = None, sweep: bool = False) -> dict[str, Any]:
+    """Every section for ``spec`` on ``device_name``; returns the results as a dict. ``sweep``
+    (CUDA): the wide pack sweep and the refit copy sweep, to pick defaults from one run."""
     import torch
 
     import flashboot
@@ -160,7 +193,7 @@ def run(spec, device_name: str, *, repeats: int = 5, store: str | None = None, p
                 res["pack_kernel_ms"] = time_ms(lambda s: table.launch(stream=s), repeats)
                 if dev.is_cuda:
                     res["pack_table"], res["pack_sweep"] = _pack_sweep(plan, tensors, pub.arena, table, time_ms,
-                                                                       repeats)
+                                                                       repeats, wide=sweep)
 
                 def per_tensor(stream, arena=pub.arena):
                     if stream is None:
@@ -199,6 +232,8 @@ def run(spec, device_name: str, *, repeats: int = 5, store: str | None = None, p
                 # where total_ms went (median of each step; see flashboot.weight_update.engine.refit)
                 res[f"refit_{mode}"]["breakdown"] = {k: statistics.median(r.breakdown.get(k, 0.0) for r in reps)
                                                      for k in reps[-1].breakdown}
+            if sweep and dev.is_cuda:
+                res["refit_sweep"], version = _refit_sweep(pub, loaded, tensors, store, version, repeats)
         finally:
             pub.close()
         if peer is not None:
@@ -248,6 +283,9 @@ def _ratios(res: dict) -> None:
             res[key.replace("_ms", "_vs_d2d")] = ceiling / res[key]
     for row in res.get("pack_sweep", []):
         row["vs_d2d"] = ceiling / row["ms"]
+    for row in res.get("refit_sweep", []):
+        row["vs_d2d"] = ceiling / row["copy_ms"] if row["copy_ms"] else 0.0
+        row["gpu_vs_d2d"] = ceiling / row["copy_gpu_ms"] if row["copy_gpu_ms"] else 0.0
     for mode in ("atomic", "in_place"):
         r = res[f"refit_{mode}"]
         r["copy_vs_d2d"] = ceiling / r["copy_ms"] if r["copy_ms"] else 0.0
@@ -293,6 +331,13 @@ def rows(res: dict) -> list[list]:
                         f"{b.get('clone_exchange_ms', 0):.2f} / "
                         f"{b.get('clone_close_ms', 0) + b.get('staging_close_ms', 0):.2f} ms",
                         f"copy lanes {b.get('copy_gpu_ms', 0):.2f} ms", ""])
+    for mode in ("atomic", "in_place"):
+        best = max((r for r in res.get("refit_sweep", []) if r["mode"] == mode), key=lambda r: r["vs_d2d"],
+                   default=None)
+        if best is not None:
+            out.append([f"refit sweep best, {mode.replace('_', ' ')}: {best['mover']}, "
+                        f"{best['chunk_bytes'] >> 20} MiB chunks", f"{best['copy_ms']:.2f} ms",
+                        f"GPU {best['copy_gpu_ms']:.2f} ms", f"{best['vs_d2d']:.2f}x"])
     s = res["speedup_vs_baseline"]
     out.append(["speed-up over the baseline", f"copy {s['copy_atomic']:.2f}x",
                 f"pack+refit {s['pack_plus_refit_atomic']:.2f}x", ""])
@@ -311,6 +356,9 @@ def register_bench(sub) -> None:
     p.add_argument("--device", default=None, help="cuda:N (default) or cpu (the host backend, small sizes)")
     p.add_argument("--peer", default=None, help="also refit from a trainer on this GPU (P2P), e.g. cuda:1")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--sweep", action="store_true",
+                   help="CUDA: also sweep the pack kernel's grid/warps/tiles/stages and the refit copy's mover "
+                        "and chunk size (pick defaults from one run)")
     p.add_argument("--json", metavar="FILE", help="write results as JSON ('-' for stdout)")
     p.set_defaults(func=main)
 
@@ -325,7 +373,7 @@ def main(args: argparse.Namespace) -> int:
     results = []
     for name in args.checkpoint:
         spec = CHECKPOINTS[name].scaled(scale)
-        res = run(spec, device, repeats=args.repeats, peer=args.peer)
+        res = run(spec, device, repeats=args.repeats, peer=args.peer, sweep=args.sweep)
         results.append(res)
         print_table(f"refit, checkpoint {spec.name}: {res['tensors']:,} tensors, {res['nbytes'] / 1e9:.2f} GB on "
                     f"{device} ({res['rows']:,} table rows)", ["what", "time", "rate", "vs ceiling"], rows(res))

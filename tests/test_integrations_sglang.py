@@ -718,8 +718,8 @@ def sleep_cycle(model, arena, release, resume, outputs):
 '''
 
 
-def make_tiny_model(kind: str, path: Path) -> Path:
-    """A tiny checkpoint of ``kind`` written by transformers from a config (random weights):
+def make_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
+    """A tiny checkpoint of ``kind`` written by transformers from a config (random weights from ``seed``):
     ``llama``, ``qwen3_moe`` (FusedMoE: 8 experts, top-2) or ``deepseek_v3`` (MLA attention,
     one dense layer then an MoE layer with a shared expert)."""
     import transformers
@@ -746,7 +746,7 @@ def make_tiny_model(kind: str, path: Path) -> Path:
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}")
     cfg.architectures = [arch]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     getattr(transformers, arch)(cfg).save_pretrained(path, safe_serialization=True)
     return path
 

@@ -107,9 +107,11 @@ class WakeReport:
 
     def summary(self) -> str:
         skipped = "".join(f"; not {k}: {v}" for k, v in self.not_used.items())
+        lost = self.details.get("refit_version_lost")
+        lost = (f"; the image's weights (version 0) replace refit version {lost}: refit again" if lost else "")
         return (f"wake of {self.nbytes:,} bytes on {self.device} from {self.source}: {self.total_ms:.1f} ms (map "
                 f"{self.map_ms:.2f} ms, copy {self.copy_ms:.1f} ms at {self.gbps:.1f} GB/s, sync {self.sync_ms:.1f} ms)"
-                f"{skipped}")
+                f"{skipped}{lost}")
 
 
 # ============================================================================= the backup
@@ -455,6 +457,10 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     (the daemon gone mid-request) passes to the next, and the report says so. ``_donor``
     (private, :func:`swap`'s handover): an awake arena whose segments the arena takes as it
     wakes (:meth:`Arena.wake`'s ``donor``).
+
+    After a refit (``loaded.version`` > 0), only the backup holds that version: a wake from the
+    daemon or the disk brings the image's weights back, sets ``loaded.version`` to 0 and says so
+    (``details["refit_version_lost"]``, the summary); refit again then.
     """
     if source != "auto" and source not in SOURCES:
         raise FlashBootError(f"unknown wake source {source!r}; known: auto, {', '.join(SOURCES)}")
@@ -530,6 +536,10 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     if not keep_backup:
         state.drop_backup()
     state.level = 0
+    if report.source != "backup" and loaded.version:
+        # the daemon and the disk hold the image as pre-packed: a refit's version did not survive
+        report.details["refit_version_lost"] = loaded.version
+        loaded.version = 0
     report.total_ms = (time.perf_counter() - t0) * 1e3
     return report
 

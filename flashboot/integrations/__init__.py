@@ -3,7 +3,8 @@
 ``--load-format flashboot`` in either engine (registered by the entry points below) loads the
 engine's own post-processed weights from a pre-packed engine image (or clones them from a running
 seed) into one arena and binds the meta-initialised model to it. The engine-agnostic machinery
-(key, pre-pack writer, reader, binder, the engines' sleep of the weights) is
+(key, pre-pack writer, reader, binder, the engines' sleep of the weights, refit through their
+update calls: :mod:`flashboot.integrations.engine_refit`) is
 :mod:`flashboot.integrations.engine_prepack` and the modules it re-exports; the adapters are :mod:`flashboot.integrations.sglang` and :mod:`flashboot.integrations.vllm` (each
 imports its engine; importing this package imports neither).
 """

@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 
 from flashboot.errors import FlashBootError, LayoutError, WaitTimeoutError
 
-from .engine_key import ENGINE_FORMAT, ENGINE_SECTION, EngineKey
+from .engine_key import ENGINE_FORMAT, ENGINE_SECTION, EngineKey, engine_family
 
 
 # =============================================================================================
@@ -277,7 +277,7 @@ def write_engine_rank(rank_dir: Path, collected: EngineTensors, key: EngineKey, 
     parallel = ParallelLayout(rank, tp_size, ep_size)
     # The layouts format names whose tensor names an image follows; an engine's are its own.
     target = key.engine if key.engine in TARGETS else "sglang"
-    family = f"{key.engine}-engine"
+    family = engine_family(key.engine)
     dtypes = tuple(sorted({e.dtype for e in layout.tensors.values()}))
     image_key = ImageKey(key.model_id, key.revision, key.config_hash, family, target, tp_size, ep_size, dtypes)
     source = SourceInfo(source_path, key.model_id, key.revision, key.config_hash, model_type)

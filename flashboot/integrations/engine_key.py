@@ -25,6 +25,17 @@ from flashboot.errors import FlashBootError, LayoutError
 
 ENGINE_SECTION = "engine"
 ENGINE_FORMAT = "flashboot-engine/1"
+ENGINE_FAMILY_SUFFIX = "-engine"
+"""An engine image's layouts family is ``<engine>-engine`` (its tensors are the engine's own)."""
+
+
+def engine_family(engine: str) -> str:
+    return f"{engine}{ENGINE_FAMILY_SUFFIX}"
+
+
+def is_engine_family(family: str) -> bool:
+    """Whether a layouts family name is an engine image's (no checkpoint family rule plans it)."""
+    return family.endswith(ENGINE_FAMILY_SUFFIX)
 ENGINES = ("sglang", "vllm")
 MODES = ("load", "prepack", "auto")
 STAGING = ("auto", "require", "inline")
@@ -333,6 +344,7 @@ def read_job_engine_key(image_dir: str | os.PathLike) -> EngineKey:
 
 
 __all__ = [
+    "engine_family", "is_engine_family",
     "ENGINES", "ENGINE_FORMAT", "ENGINE_SECTION", "LOAD_FORMAT", "MEMORY_SAVER_POLICIES", "MODES", "STAGING",
     "EngineKey", "EngineSection", "LoaderOptions", "check_engine_key", "gpu_arch_of", "image_is_complete",
     "model_identity", "read_engine_section", "read_job_engine_key",

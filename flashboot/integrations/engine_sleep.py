@@ -138,11 +138,12 @@ def wake_engine_weights() -> list:
     return reports
 
 
-def check_awake(model: Any, what: str) -> None:
-    """Refuse ``what`` on a model whose FlashBoot weights are asleep (its views are unmapped)."""
+def check_awake(model: Any, what: str, error: type[FlashBootError] = FlashBootError) -> None:
+    """Refuse ``what`` (raising ``error``) on a model whose FlashBoot weights are asleep (its views
+    are unmapped)."""
     weights = getattr(model, "_flashboot_weights", None)
     if weights is not None and not weights.arena.closed and weights.arena.asleep:
-        raise FlashBootError(f"{what}: the model's {weights.arena.nbytes:,}-byte weight arena is asleep; wake its "
+        raise error(f"{what}: the model's {weights.arena.nbytes:,}-byte weight arena is asleep; wake its "
                              f"weights first (SGLang: resume_memory_occupation(tags=['{WEIGHTS_TAG}']); vLLM: "
                              f"wake_up(tags=['{WEIGHTS_TAG}']))")
 

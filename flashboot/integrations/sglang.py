@@ -32,6 +32,10 @@ adapters (:func:`install_memory_saver_hook`): ``release_memory_occupation`` /
 ``resume_memory_occupation`` of the weights tag then put the arena to sleep (level 1 with
 ``--enable-weights-cpu-backup``, else level 2) and wake it at the same addresses. The KV cache and
 CUDA graphs stay with the memory saver.
+
+Refit (RL weight sync): :func:`refit_weights`, a ``--custom-weight-loader`` that SGLang's
+``update_weights_from_tensor`` dispatches to by ``load_format`` (:func:`refit_request` builds
+its one named tensor), refits the arena and repairs the views as the load does.
 """
 
 from __future__ import annotations
@@ -383,6 +387,61 @@ class FlashBootModelLoader(BaseModelLoader):
 
 
 # =============================================================================================
+# Refit through SGLang's weight-update entry point
+# =============================================================================================
+REFIT_LOADER = "flashboot.integrations.sglang.refit_weights"
+"""The ``--custom-weight-loader`` (and ``load_format`` of ``update_weights_from_tensor``) that refits."""
+REFIT_REQUEST = "flashboot.refit"
+"""The name prefix of :func:`refit_request`'s one entry; the rest of the name is the request as JSON."""
+
+
+def refit_request(store: str, version: int, *, name: str = "refit", **options: Any) -> list[tuple[str, torch.Tensor]]:
+    """The ``named_tensors`` of an ``update_weights_from_tensor(..., load_format=REFIT_LOADER)``
+    call that refits every rank of the engine to ``version`` as published at ``store`` (see
+    :func:`refit_weights`): one entry whose name carries the request, with an empty tensor (the
+    weights move GPU to GPU through FlashClone, not through SGLang's control plane).
+    ``options``: :data:`~flashboot.integrations.engine_refit.REFIT_OPTIONS`."""
+    import json
+
+    from .engine_refit import check_refit_options
+
+    request = {"store": store, "version": version, "name": name,
+               **check_refit_options(options, "refit_request")}
+    return [(REFIT_REQUEST + json.dumps(request, sort_keys=True), torch.empty(0))]
+
+
+def refit_weights(model, named_tensors) -> None:
+    """SGLang custom weight loader (start the engine with ``--custom-weight-loader
+    flashboot.integrations.sglang.refit_weights``; SGLang's ``update_weights_from_tensor``
+    dispatches to it by ``load_format``): refits the arena ``model`` serves from to the version a
+    trainer published for this rank (:func:`~flashboot.integrations.engine_refit.refit_engine_model`),
+    then repairs the views taken at construction as the loader does at load, and, when the trainer
+    left tensor attributes to the engine (MLA's ``w_kc``/``w_vc``), runs the model's own
+    ``post_load_weights``, which writes them into their arena views. ``named_tensors``:
+    :func:`refit_request`'s. Raises RefitError for anything else, naming what came."""
+    import json
+
+    from flashboot.weight_update import RefitError
+
+    from .engine_refit import refit_engine_model
+
+    what = f"SGLang update_weights_from_tensor (load_format={REFIT_LOADER}) of {type(model).__name__}"
+    names = [n for n, _ in named_tensors]
+    if len(names) != 1 or not names[0].startswith(REFIT_REQUEST):
+        raise RefitError(f"{what}: expects the one entry of flashboot.integrations.sglang.refit_request(...), got "
+                         f"{len(names)} named tensor(s) {names[:3]}")
+    try:
+        request = json.loads(names[0][len(REFIT_REQUEST):])
+        store, version, name = request.pop("store"), request.pop("version"), request.pop("name")
+    except (ValueError, KeyError, AttributeError) as exc:
+        raise RefitError(f"{what}: malformed refit request {names[0]!r} ({exc})") from None
+    # SGLang's own post-processing derives tensor attributes (MLA's w_kc/w_vc) into the bound views in place
+    derive = getattr(model, "post_load_weights", None)
+    refit_engine_model(model, store, version, what=what, name=name, reprocess=lambda: _rebuild_engine_views(model),
+                       derive=derive, **request)
+
+
+# =============================================================================================
 # The plugin
 # =============================================================================================
 def _resolve_load_format(load_config) -> None:
@@ -418,5 +477,6 @@ def register() -> None:
     LoadConfig._verify_load_format = _verify_load_format
 
 
-__all__ = ["FlashBootModelLoader", "SGLangParallel", "check_quantization", "engine_key", "install_memory_saver_hook",
-           "memory_saver_enabled", "register", "sglang_parallel", "target_device", "weights_cpu_backup_enabled"]
+__all__ = ["FlashBootModelLoader", "REFIT_LOADER", "REFIT_REQUEST", "SGLangParallel", "check_quantization",
+           "engine_key", "install_memory_saver_hook", "memory_saver_enabled", "refit_request", "refit_weights", "register",
+           "sglang_parallel", "target_device", "weights_cpu_backup_enabled"]

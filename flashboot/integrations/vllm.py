@@ -20,6 +20,10 @@ sleep-mode backend (:class:`FlashBootSleepBackend`: vLLM's ``cumem`` backend plu
 vLLM's ``SleepModeBackendFactory``; with ``--enable-sleep-mode --sleep-mode-backend flashboot``,
 ``sleep(level)`` puts the arena to sleep at that level and ``wake_up(tags)`` wakes it at the same
 addresses when the tags name ``weights`` (or none): right weights without ``reload_weights``.
+
+Weight transfer (RL weight sync): :func:`register` also adds the ``flashboot`` backend of vLLM's
+weight-transfer interface (:mod:`flashboot.integrations.vllm_weight_transfer`): a refit of the
+arena, then :func:`finish_bound_model` again.
 """
 
 from __future__ import annotations
@@ -143,6 +147,17 @@ def _model_attrs(model) -> dict:
     return export_model_attrs(model)
 
 
+def finish_bound_model(model, model_config, device) -> None:
+    """vLLM's post-load step for a model bound to weights already in final form (after a load,
+    and again after a refit): ``process_weights_after_loading`` under ``weights_already_processed``,
+    so quantization methods rebuild their Python-side state only."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.utils import weights_already_processed
+
+    with weights_already_processed():
+        process_weights_after_loading(model, model_config, device)
+
+
 class FlashBootModelLoader(BaseModelLoader):
     """vLLM ``BaseModelLoader`` serving an engine image from one FlashBoot arena (see module doc).
 
@@ -239,7 +254,7 @@ class FlashBootModelLoader(BaseModelLoader):
         return model
 
     def _load(self, vllm_config, model_config, device, parallel: VLLMParallel) -> nn.Module:
-        from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+        from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         t0 = time.perf_counter()
@@ -278,9 +293,7 @@ class FlashBootModelLoader(BaseModelLoader):
                                           ep_size=parallel.ep_size, prepared=prepared)
             try:
                 self.bind_report = bind_engine_model(model, weights)
-                # Quant methods rebuild Python-side state only; the tensors are already in final form.
-                with weights_already_processed():
-                    process_weights_after_loading(model, model_config, device)
+                finish_bound_model(model, model_config, device)
                 check_no_meta_tensors(model, f"{type(model).__name__} from {o.image_dir or o.seed_store}")
                 if stays:
                     stay(weights, shm_dir=o.shm_dir)
@@ -351,15 +364,19 @@ def _register_sleep_backend() -> None:
 
 
 def register() -> None:
-    """Register :class:`FlashBootModelLoader` as vLLM's ``flashboot`` load format and
-    :class:`FlashBootSleepBackend` as its ``flashboot`` sleep-mode backend (idempotent)."""
+    """Register :class:`FlashBootModelLoader` as vLLM's ``flashboot`` load format,
+    :class:`FlashBootSleepBackend` as its ``flashboot`` sleep-mode backend and the ``flashboot``
+    weight-transfer backend (:mod:`flashboot.integrations.vllm_weight_transfer`) (idempotent)."""
     import vllm.model_executor.model_loader as loaders
 
+    from .vllm_weight_transfer import register as register_weight_transfer
+
     _register_sleep_backend()
+    register_weight_transfer()
     if getattr(loaders, "_LOAD_FORMAT_TO_MODEL_LOADER", {}).get(LOAD_FORMAT) is FlashBootModelLoader:
         return
     register_model_loader(LOAD_FORMAT)(FlashBootModelLoader)
 
 
 __all__ = ["FlashBootModelLoader", "FlashBootSleepBackend", "SLEEP_BACKEND", "VLLMParallel", "check_quantization",
-           "engine_key", "register", "target_device", "vllm_parallel"]
+           "engine_key", "finish_bound_model", "register", "target_device", "vllm_parallel"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ArenaError, FlashBootError, OutOfMemoryError
 from ..flashclone.rendezvous import DEFAULT_TIMEOUT_S
@@ -96,12 +96,15 @@ def _check_record(rec, loaded, version: int, where: str):
 
 def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
           name: str = DEFAULT_NAME, schedule: str = "chain", clones: int | None = None, mover: Any = None,
-          chunk_bytes: int | None = None, transport: str = "auto", token=None, token_file=None) -> RefitReport:
+          chunk_bytes: int | None = None, transport: str = "auto", token=None, token_file=None,
+          check_record: Callable[[dict], None] | None = None) -> RefitReport:
     """Bring ``loaded`` (a :class:`~flashboot.flashload.report.LoadedImage`) to the weights published
     as ``version`` at ``store`` (see :func:`flashboot.weight_update.publish`). See the module doc for
     ``atomic``; ``schedule``/``clones``/``mover``/``chunk_bytes``/``transport`` as for
     :func:`flashboot.clone`. Call it between forward passes: an atomic refit waits for the
-    device's work before it remaps.
+    device's work before it remaps. ``check_record``: called with the trainer's record (its
+    ``extra`` fields included) after the version, key and rank checks, before a byte moves; it
+    raises to refuse (the engine integrations check the engine key there).
 
     Raises RefitError (a version not newer than the live one, a record for another image key or
     rank, an engine asleep: wake() it first), WaitTimeoutError naming the step it waited on (the
@@ -148,6 +151,8 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     finally:
         rdv.close()
     manifest = _check_record(rec, loaded, version, where)
+    if check_record is not None:
+        check_record(rec.body)
     t1 = time.perf_counter()
     report = RefitReport(version, live, atomic, manifest.nbytes, wait_ms=(t1 - t0) * 1e3)
     steps = report.breakdown

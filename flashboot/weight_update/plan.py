@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from ..errors import LayoutError
 
@@ -147,6 +147,70 @@ def plan_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]], *,
     return PackPlan(metadata, {n: (s.dtype, s.shape) for n, s in sources.items()}, tuple(pieces), dict(plan.skipped))
 
 
+def _c_order(shape, stride) -> bool:
+    """Whether a tensor of ``shape`` and element ``stride`` is laid out in C order (size-1 dims aside)."""
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride)):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
+DERIVED = "derived by the engine's post-processing after the copy"
+"""``PackPlan.skipped`` reason of an engine image's tensor attribute left to the engine."""
+
+
+def plan_engine_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]], aliases: Mapping[str, str],
+                     derived: Collection[str] = (), *, where: str = "publish") -> PackPlan:
+    """Plan packing tensors with ``headers`` (name -> (dtype name, shape)) into an engine image
+    (:mod:`flashboot.integrations.engine_dump`: an engine's own post-processed tensors, named as
+    the engine names them). No family rule re-plans them (the engine did, before the dump): each
+    tensor is given whole, by the image's name, dtype and shape. ``aliases`` (another name of an
+    image tensor -> that tensor: tied weights, shared rotary caches) are accepted and skipped.
+
+    Raises PublishError naming the tensor for a name the image lacks, another dtype or shape, an
+    image tensor stored strided (its bytes are the engine's layout, not a C-order tensor), or a
+    non-empty image tensor no given tensor fills, unless it is in ``derived`` (tensor attributes
+    the engine's post-processing derives from the others, MLA's ``w_kc``: left out, they are in
+    ``skipped`` and the engine derives them after the copy)."""
+    from flashboot.layouts.format import DTYPES
+
+    image = metadata.tensors
+    model = f"{metadata.key.model_id} rank {metadata.parallel.rank}"
+    pieces, skipped = [], {}
+    for name, (dtype, shape) in headers.items():
+        shape = tuple(int(s) for s in shape)
+        if name not in image:
+            if name in aliases:
+                skipped[name] = f"another name of image tensor {aliases[name]!r}"
+                continue
+            raise PublishError(f"{where}: tensor {name!r} is not in the manifest of {model} (an engine image: "
+                               "tensors are named as the engine names them); nothing was written")
+        entry = image[name]
+        if (dtype, shape) != (entry.dtype, tuple(entry.shape)):
+            raise PublishError(f"{where}: tensor {name!r} is {dtype} {list(shape)} from the tensors given, "
+                               f"{entry.dtype} {list(entry.shape)} in the image; nothing was written")
+        if entry.numel and not _c_order(entry.shape, entry.stride):
+            raise PublishError(f"{where}: image tensor {name!r} is stored strided (shape {list(entry.shape)}, stride "
+                               f"{list(entry.stride)}): publish fills C-order tensors only; nothing was written")
+        if entry.numel:
+            pieces.append(PackPiece(name, tuple((0, s) for s in shape), entry.offset, DTYPES[dtype].itemsize))
+    derived = set(derived)
+    for n in image.names:
+        if n in derived and n not in headers and image[n].numel:
+            skipped[n] = DERIVED
+    missing = [n for n in image.names if n not in headers and n not in skipped and image[n].numel]
+    if missing:
+        raise PublishError(f"{where}: image tensor(s) {', '.join(map(repr, missing[:5]))}"
+                           f"{' ...' if len(missing) > 5 else ''} get no bytes: they are missing from the "
+                           f"{len(headers)} tensors given (an engine image is published whole: parameters and "
+                           "buffers); nothing was written")
+    pieces.sort(key=lambda p: p.dst_offset)
+    sources = {n: (d, tuple(int(s) for s in shape)) for n, (d, shape) in headers.items() if n not in skipped}
+    return PackPlan(metadata, sources, tuple(pieces), skipped)
+
+
 def box_runs(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, box, src_addr: int,
              dst_offset: int, what: str) -> list[tuple[int, int, int, int, int]]:
     """A box of a strided tensor (element ``strides``) at ``src_addr`` as table rows
@@ -185,4 +249,4 @@ def box_runs(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, bo
     return rows
 
 
-__all__ = ["PackPiece", "PackPlan", "PublishError", "box_runs", "dtype_name", "plan_pack"]
+__all__ = ["DERIVED", "PackPiece", "PackPlan", "PublishError", "box_runs", "dtype_name", "plan_engine_pack", "plan_pack"]

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 from ..errors import FlashBootError
 from ..flashclone.rendezvous import DEFAULT_TIMEOUT_S
 from ..memory import Device
-from .plan import PackPlan, PublishError, dtype_name, plan_pack
+from .plan import DERIVED, PackPlan, PublishError, dtype_name, plan_engine_pack, plan_pack
 
 DEFAULT_NAME = "refit"
 
@@ -57,6 +57,16 @@ class PublishReport:
                 f"record {self.publish_ms:.2f} ms")
 
 
+def _engine_section(image: Any, rank: int, metadata):
+    """An engine image's engine section (its key, aliases; :mod:`flashboot.integrations.engine_dump`),
+    None for a checkpoint image."""
+    from ..integrations.engine_key import is_engine_family, read_engine_section
+
+    if not is_engine_family(metadata.family.name):
+        return None
+    return read_engine_section(image, rank)[0]
+
+
 def _named(tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> dict[str, Any]:
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     out: dict[str, Any] = {}
@@ -95,6 +105,7 @@ class Publisher:
         from ..layouts import read_image_metadata
 
         self.metadata = read_image_metadata(image, rank)
+        self.engine_section = _engine_section(image, rank, self.metadata)
         self.rank, self.store, self.name, self.config = rank, store, name, config
         self.token = resolve_token(token, token_file)
         self.timeout_s, self.host_store, self.nixl, self.serve_nccl = timeout_s, host_store, nixl, serve_nccl
@@ -115,7 +126,13 @@ class Publisher:
         plan = self._plans.get(key)
         if plan is None:
             where = f"publish to {self.metadata.key.model_id} rank {self.rank}"
-            plan = plan_pack(self.metadata, headers, config=self.config, where=where)
+            if self.engine_section is not None:
+                section = self.engine_section
+                aliases = {alias: info["of"] for alias, info in section.aliases.items()}
+                attributes = [n for n, info in section.tensors.items() if info["kind"] == "extra"]
+                plan = plan_engine_pack(self.metadata, headers, aliases, attributes, where=where)
+            else:
+                plan = plan_pack(self.metadata, headers, config=self.config, where=where)
             self._plans = {key: plan}
         return plan
 
@@ -159,12 +176,19 @@ class Publisher:
         self.seed = seed(self.store, self.arena, self.device, token=self.token,
                          name=version_namespace(self.name, version), timeout_s=self.timeout_s,
                          serve_nccl=self.serve_nccl, nixl=self.nixl, manifest=manifest, host_store=self.host_store,
-                         extra={"refit_version": version, "refit_rank": self.rank})
+                         extra=self._record_extra(version, plan))
         t4 = time.perf_counter()
         self.version = version
         self.report = PublishReport(version, table.nbytes, len(named), len(table.rows), (t1 - t0) * 1e3,
                                     (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3)
         return self.report
+
+    def _record_extra(self, version: int, plan: PackPlan) -> dict:
+        extra = {"refit_version": version, "refit_rank": self.rank}
+        if self.engine_section is not None:  # the engine's whole key: its version, GPU, kernels...
+            extra["refit_engine_key"] = self.engine_section.key.to_dict()
+            extra["refit_derived"] = sorted(n for n, why in plan.skipped.items() if why == DERIVED)
+        return extra
 
     def withdraw(self) -> None:
         """Withdraw the published version's record (engines that already mapped it keep their mapping)."""
