@@ -5,7 +5,7 @@
 #   boot    `flashboot bench boot --shapes $SHAPES` served + prepared, end to end at W = 0 0.25 1,
 #           then restart (open + metadata + views) in fresh processes on the same images
 #   movers  benchmarks/gpu_movers.sh (tests, bench movers --chunked, summary); movers_bench: without the tests
-#   views_ab the bulk views of 4f616cb against today's, on CUDA, fresh processes
+#   views_ab the bulk views made by 1 and by 4 threads, on CUDA, fresh processes
 #   swap    `flashboot bench swap --scale 1.0 --repeats 1`
 #   clone   benchmarks/gpu_clone_boot.sh (checksum first call, engine-like clone, CLI clone)
 #   refit   `flashboot bench refit --checkpoint A --repeats 3`
@@ -55,10 +55,7 @@ fi
 if has views_ab; then
   echo "=== views A/B on a CUDA arena, shape C's 40,250 tensors, fresh processes ($(date +%T))"
   AB=$(mktemp -d); timeout 60 python3 -m flashboot.benchmarks.views_ab make "$AB" >/dev/null 2>&1
-  for which in benchmarks/views_4f616cb.py.txt installed benchmarks/views_4f616cb.py.txt installed; do
-    timeout 30 python3 -m flashboot.benchmarks.views_ab run "$AB" "$which" 1
-  done
-  timeout 30 python3 -m flashboot.benchmarks.views_ab run "$AB" installed 4
+  for threads in 1 4 1 4; do timeout 30 python3 -m flashboot.benchmarks.views_ab run "$AB" installed $threads; done
   rm -rf "$AB"
 fi
 if has movers; then

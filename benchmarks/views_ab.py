@@ -1,9 +1,10 @@
-"""A/B of the bulk views in a fresh process (the session's closing check): the views module of a
-given file (e.g. an older commit's) against the installed one, on a CUDA arena with shape C's
-40,250 tensors at a small scale (the views' cost does not depend on the bytes).
+"""A/B of the bulk views in a fresh process: the installed views module or another file's (a
+``.py`` path, e.g. an older commit's ``git show REV:flashboot/flashload/views.py``), by 1 or N
+threads, on a CUDA arena with shape C's 40,250 tensors at a small scale (the views' cost does not
+depend on the bytes).
 
 ``python -m flashboot.benchmarks.views_ab make DIR`` once, then per fresh process
-``python -m flashboot.benchmarks.views_ab run DIR {installed|PATH} [threads]``: one JSON line."""
+``python -m flashboot.benchmarks.views_ab run DIR {installed|PATH.py} [threads]``: one JSON line."""
 
 from __future__ import annotations
 
