@@ -16,7 +16,7 @@ import pytest
 
 import flashboot
 from flashboot.arena import Arena
-from flashboot.errors import ArenaError, FlashBootError, RendezvousError, UnknownNameError
+from flashboot.errors import ArenaError, FlashBootError, RendezvousError, UnknownNameError, WaitTimeoutError
 from flashboot.flashclone.executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from flashboot.memory import span_of
 from flashboot.schedulers import HOST, build_plan
@@ -294,8 +294,8 @@ def test_an_early_call_pays_the_clones_one_time_costs_and_the_report_names_them(
             assert np.array_equal(r.arena.bytes().numpy(), data)
             rep = r.report
             assert set(rep.warm_detail) == {"host copy", "host checksum"}  # the numba copy and checksum
-            assert rep.warm_ms >= max(rep.warm_detail.values()) and rep.warm_wait_ms <= rep.connect_ms
             d = rep.connect_detail
+            assert rep.warm_ms >= max(rep.warm_detail.values()) and d["warm_wait_ms"] <= rep.warm_wait_ms
             assert set(d) == {"import_ms", "store_ms", "warm_wait_ms", "other_ms"}
             assert sum(d.values()) == pytest.approx(rep.connect_ms, abs=0.01)
             assert sum(rep.phases().values()) == pytest.approx(rep.ready_ms, abs=0.01)
@@ -721,6 +721,36 @@ def test_clone_refuses_bad_requests_before_connecting():
         flashboot.clone("127.0.0.1:1", "cpu", "ring")
     with pytest.raises(UnknownNameError, match="unknown mover"):
         flashboot.clone("127.0.0.1:1", "cpu", mover="warp")
+    with pytest.raises(FlashBootError, match="mover 'copy_engine' cannot copy between cpu arenas"):
+        flashboot.clone("127.0.0.1:1", "cpu", mover="copy_engine")  # refused on its class: CuPy is not imported
     warm = flashboot.prepare_clone("cpu")  # the check clone() makes first on a prepared warm-up
     with pytest.raises(FlashBootError, match="the clone warm-up was prepared for cpu, not for cuda:1"):
         warm.check_device(flashboot.Device("cuda", 1))
+
+
+def test_the_warm_up_is_waited_for_stage_by_stage(monkeypatch):
+    """A clone waits for each part of its warm-up only where it needs it: the mapping part does not
+    wait for the copy's imports, a stage not done in time is named, and the waits add up."""
+    from flashboot.flashclone.report import CloneReport
+    from flashboot.flashclone.warmup import CloneWarmup
+
+    release = threading.Event()
+    ran = []
+    plan = [("driver", "map", lambda: ran.append("driver")),
+            ("mover imports", "copy", lambda: (release.wait(30), ran.append("mover imports"))),
+            ("checksum kernel", "verify", lambda: ran.append("checksum kernel"))]
+    monkeypatch.setattr(CloneWarmup, "_plan", lambda self, mover: plan)
+    warm = CloneWarmup("cpu")
+    rep = CloneReport("star", 1, "cpu", 0)
+    warm.join(rep, 10, "map")
+    assert ran == ["driver"] and "mover imports" not in warm.parts
+    with pytest.raises(WaitTimeoutError, match="did not finish its 'copy' parts within 0.2 s"):
+        warm.join(rep, 0.2, "copy")
+    waited = rep.warm_wait_ms
+    release.set()
+    warm.join(rep, 10)
+    assert ran == ["driver", "mover imports", "checksum kernel"]
+    assert set(rep.warm_detail) == {"driver", "mover imports", "checksum kernel"}
+    assert rep.warm_wait_ms > waited and rep.warm_ms >= rep.warm_detail["mover imports"]
+    with pytest.raises(FlashBootError, match="stage must be one of map, copy, verify, got 'load'"):
+        warm.join(rep, 1, "load")
