@@ -296,6 +296,9 @@ def test_an_early_call_pays_the_clones_one_time_costs_and_the_report_names_them(
             assert set(rep.warm_detail) == {"host copy", "host checksum"}  # the numba copy and checksum
             d = rep.connect_detail
             assert rep.warm_ms >= max(rep.warm_detail.values()) and d["warm_wait_ms"] <= rep.warm_wait_ms
+            assert set(rep.warm_waits) == {"map", "copy", "verify"}  # waited for where each part is needed
+            assert sum(rep.warm_waits.values()) == pytest.approx(rep.warm_wait_ms)
+            assert rep.phases()["warm-up wait before the copy"] == rep.warm_waits["copy"]
             assert set(d) == {"import_ms", "store_ms", "warm_wait_ms", "other_ms"}
             assert sum(d.values()) == pytest.approx(rep.connect_ms, abs=0.01)
             assert sum(rep.phases().values()) == pytest.approx(rep.ready_ms, abs=0.01)

@@ -57,6 +57,9 @@ starts it earlier). ``transfer_ms``: the copy
     ``other_ms`` (checks, the mover's creation)."""
     warm_ms: float = 0.0
     warm_wait_ms: float = 0.0
+    warm_waits: dict = field(default_factory=dict)
+    """``warm_wait_ms`` by stage of :data:`~flashboot.flashclone.warmup.STAGES`: ``map`` (in
+    ``connect_ms``), ``copy`` (before the transfer, after our arena) and ``verify`` (in ``verify_ms``)."""
     warm_detail: dict = field(default_factory=dict)
     """The warm-up's parts, ms each (the CUDA context, the peer import, the checksum kernel, ...)."""
     warm_note: str = ""
@@ -108,7 +111,8 @@ starts it earlier). ``transfer_ms``: the copy
     def phases(self) -> dict[str, float]:
         """Where ``ready_ms`` went, in order, ms each: the parts of connecting (importing torch,
         the store, the wait for the warm-up with the warm-up's largest part named), the exchange,
-        our arena, the start barrier, the transfer and what is left (``other``)."""
+        our arena, the start barrier, the wait for the warm-up's copy parts (the mover's imports),
+        the transfer and what is left (``other``)."""
         d = self.connect_detail
         wait = "warm-up wait"
         if self.warm_detail:
@@ -118,7 +122,8 @@ starts it earlier). ``transfer_ms``: the copy
                wait: d.get("warm_wait_ms", 0.0),
                "connect, other": d.get("other_ms", 0.0) if d else self.connect_ms,
                "exchange+map": self.exchange_ms, "setup": self.setup_ms, "alloc": self.alloc_ms,
-               "barrier": self.barrier_ms, "load": self.load_ms, "transfer": self.transfer_ms}
+               "barrier": self.barrier_ms, "warm-up wait before the copy": self.warm_waits.get("copy", 0.0),
+               "load": self.load_ms, "transfer": self.transfer_ms}
         out["other"] = max(0.0, self.ready_ms - sum(out.values()))
         return out
 

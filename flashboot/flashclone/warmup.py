@@ -149,7 +149,9 @@ class CloneWarmup:
             if stage == STAGES[-1]:
                 self._thread.join(timeout_s)  # past its last event: only returning is left
                 self._thread = None
-        report.warm_wait_ms += (time.perf_counter() - t0) * 1e3
+        waited = (time.perf_counter() - t0) * 1e3
+        report.warm_wait_ms += waited
+        report.warm_waits[stage] = report.warm_waits.get(stage, 0.0) + waited
         report.warm_ms = self.warm_ms
         report.warm_detail = {k: round(v, 3) for k, v in self.parts.items()}
         note = [f"warmed import+map from {', '.join(f'cuda:{p}' for p in self.peers)}"] if self.peers else []
