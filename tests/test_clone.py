@@ -114,12 +114,15 @@ def test_executor_batches_the_steps_no_one_waits_on():
 
 def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
     """A source opened from an export maps its segments on first use: a batchable run of steps
-    from it is copied step by step, each step's segment mapped just before its copy (so on a GPU
-    the mapping of one segment overlaps the copy of the one before); once mapped, one batch."""
+    from it is copied in groups of 1, 2, 4, 4, ... segments (MAP_GROUP_MAX_SEGMENTS), each
+    group's segments mapped just before its copies (so on a GPU the mapping of one group overlaps
+    the copy of the one before); once mapped, one batch."""
+    from flashboot.flashclone.executor import MAP_GROUP_MAX_SEGMENTS
     from flashboot.movers.host import HostMover
 
+    assert MAP_GROUP_MAX_SEGMENTS == 4  # the groups below
     seg = 2 * MiB
-    nbytes = 4 * seg
+    nbytes = 10 * seg
     data = pattern(nbytes, 3)
 
     class Recording(HostMover):
@@ -132,7 +135,7 @@ def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
             return super().copy(dst, src, **k)
 
         def copy_batch(self, dst, src, chunks, **k):
-            self.batches.append(len(chunks))
+            self.batches.append((len(chunks), self.source.mapped_nbytes // seg))
             return super().copy_batch(dst, src, chunks, **k)
 
     plan = build_plan("star", 1, nbytes, seg)
@@ -143,12 +146,12 @@ def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
             eps = {0: Endpoint(0, "seed", source, None), 1: Endpoint(1, "clone", dst, flags)}
             mover = Recording(source, dst)
             Executor(plan, eps, 1, mover=mover).run()
-            assert mover.batches == []
-            assert mover.copies == [(k * seg, (k + 1) * seg) for k in range(4)]  # mapped one step ahead, no more
+            assert mover.copies == [(0, seg)]  # the first segment alone, mapped at open
+            assert mover.batches == [(2, 3), (4, 7), (3, 10)]  # (steps, segments mapped): one group ahead, no more
             assert np.array_equal(dst.bytes().numpy(), data)
             dst.bytes().numpy()[:] = 0
             Executor(plan, eps, 1, mover=mover, epoch=2).run()  # mapped now: the run is one batch
-            assert mover.batches == [4] and len(mover.copies) == 4
+            assert mover.batches[3:] == [(10, 10)] and len(mover.copies) == 1
             assert np.array_equal(dst.bytes().numpy(), data)
         # chunks smaller than a segment: one batch per segment, each mapped just before it
         half = build_plan("star", 1, nbytes, seg // 2)
@@ -165,8 +168,8 @@ def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
             mover.copy_batch = batch
             Executor(half, {0: Endpoint(0, "seed", source, None), 1: Endpoint(1, "clone", dst, flags)}, 1,
                      mover=mover).run()
-            assert mover.batches == [2] * 4 and mover.copies == []
-            assert seen == [(k * seg, (k + 1) * seg) for k in range(4)]
+            assert [n for n, _ in mover.batches] == [2, 4, 8, 6] and mover.copies == []
+            assert seen == [(0, seg), (seg, 3 * seg), (3 * seg, 7 * seg), (7 * seg, 10 * seg)]
             assert np.array_equal(dst.bytes().numpy(), data)
 
 
