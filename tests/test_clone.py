@@ -760,3 +760,40 @@ def test_the_warm_up_is_waited_for_stage_by_stage(monkeypatch):
     assert rep.warm_wait_ms > waited and rep.warm_ms >= rep.warm_detail["mover imports"]
     with pytest.raises(FlashBootError, match="stage must be one of map, copy, verify, got 'load'"):
         warm.join(rep, 1, "load")
+
+
+def test_the_clones_arena_is_made_during_the_exchange_and_released_if_never_taken(monkeypatch):
+    """``start_arena`` makes the arena in a background thread, ``take_arena`` takes that one (or
+    raises its error); a session closed before taking it (a failed exchange) releases it."""
+    from flashboot.flashclone.session import _Session
+
+    made = []
+    real = Arena.create
+
+    def create(nbytes, device=None, **kw):
+        made.append((threading.current_thread().name, real(nbytes, device, **kw)))
+        return made[-1][1]
+
+    monkeypatch.setattr(Arena, "create", create)
+    cpu = flashboot.Device("cpu")
+    s = _Session(None)
+    s.start_arena(None, 2 * MiB, cpu)
+    s.take_arena(None, 2 * MiB, cpu)
+    assert made[0][0] == "flashboot-clone-arena" and s.arena is made[0][1] and s.arena.nbytes >= 2 * MiB
+    s.close(keep_arena=False)
+    assert made[0][1].closed
+    s = _Session(None)
+    s.start_arena(None, 2 * MiB, cpu)  # the exchange fails: never taken
+    s.close(keep_arena=False)
+    assert len(made) == 2 and made[1][1].closed
+    s = _Session(None)
+    s.start_arena(None, 0, cpu)
+    with pytest.raises(ArenaError, match="0"):
+        s.take_arena(None, 0, cpu)
+    s.close(keep_arena=False)
+    with Arena.create(MiB, "cpu") as mine:  # the caller's arena: nothing made, never closed here
+        s = _Session(None)
+        s.start_arena(mine, MiB, cpu)
+        s.take_arena(mine, MiB, cpu)
+        s.close(keep_arena=False)
+        assert s.arena is mine and not mine.closed and len(made) == 3  # 3: ours, made above

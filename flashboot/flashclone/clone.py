@@ -157,6 +157,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
         return cls.run(CloneContext(session, dev, schedule, manifest, gen, report, t_start, seed_rec, verify,
                                     timeout_s, chunk_bytes, clones, retry, hook, read_metadata, nixl_warm, into))
 
+    session.start_arena(into, manifest.arena_nbytes, dev)  # made during the exchange, taken after it
     n = max(position, clones or 1)
     plan = build_plan(schedule, n, manifest.nbytes, chunk_bytes)
     report.chunk_bytes = plan.chunk_bytes

@@ -21,7 +21,8 @@ class CloneReport:
     authentication + decryption, taking a position, and per source its record, ``pidfd_getfd`` of
     every segment, reserve, and the first segment's import, map and set access, and the flags arena
     (``exchange_detail`` splits it; ``manifest_ms`` is its first part). It is the part NCCL's
-    communicator setup would replace; our own arena's allocation is ``alloc_ms``, after it. The
+    communicator setup would replace; our own arena is made in the background during it, and
+    ``alloc_ms`` (after it) is what is left of that, with our flags and our record. The
     sources' other segments are mapped during the transfer, each just ahead of its first copy:
     ``map_during_copy_ms`` (host time, overlapped with copies already issued) and
     ``segments_mapped_during_copy``. ``warm_ms``: the one-time warm-up run before the descriptor is requested, overlapped with
