@@ -749,13 +749,13 @@ def test_the_warm_up_is_waited_for_stage_by_stage(monkeypatch):
     warm = CloneWarmup("cpu")
     rep = CloneReport("star", 1, "cpu", 0)
     warm.join(rep, 10, "map")
-    assert ran == ["driver"] and "mover imports" not in warm.parts
+    assert "driver" in ran and "mover imports" not in warm.parts  # the checksum's thread may have run too
     with pytest.raises(WaitTimeoutError, match="did not finish its 'copy' parts within 0.2 s"):
         warm.join(rep, 0.2, "copy")
     waited = rep.warm_wait_ms
     release.set()
     warm.join(rep, 10)
-    assert ran == ["driver", "mover imports", "checksum kernel"]
+    assert sorted(ran) == ["checksum kernel", "driver", "mover imports"]
     assert set(rep.warm_detail) == {"driver", "mover imports", "checksum kernel"}
     assert rep.warm_wait_ms > waited and rep.warm_ms >= rep.warm_detail["mover imports"]
     with pytest.raises(FlashBootError, match="stage must be one of map, copy, verify, got 'load'"):

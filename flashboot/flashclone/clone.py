@@ -81,7 +81,8 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
         transport_class(transport)  # UnknownNameError listing the registered ones
     # overlaps importing torch, connecting, the exchange and our arena; joined by stage (warmup.STAGES)
     warm = prepared if prepared is not None else CloneWarmup(dev, verify=verify, mover=_default_mover(dev, mover))
-    mover_obj = _check_mover(dev, _default_mover(dev, mover), create=False)  # a name: created after the warm-up's imports
+    # checked by its class: created (its imports paid) after the warm-up's copy stage
+    mover_obj = _check_mover(dev, _default_mover(dev, mover), create=False)
     nixl_warm = AgentWarmup.start_for(transport, "clone", timeout_s)
     t_import = time.perf_counter()
     import torch.distributed  # noqa: F401  (the store's client: in a fresh process, torch itself)
