@@ -98,7 +98,7 @@ def _checksum_child(device: str) -> dict:
 
 def _checksum_parts_child(device: str) -> dict:
     """The checksum's first call taken apart, each part timed as it is first paid: the import of
-    ``cuda.bindings`` (the driver), the launch knobs, the SM count (torch's device properties), the
+    ``cuda.bindings`` (the driver), the launch knobs, the SM count, the
     compute capability, the cache key (the kernel source's sha256, Triton's version read from its
     package), the cubin read and checked, ``cuModuleLoadData`` + ``cuModuleGetFunction``, then
     the call itself (its output buffer, the launch, the wait and the read-back) and a second call."""
@@ -128,7 +128,7 @@ def _checksum_parts_child(device: str) -> dict:
     knobs = checksum_gpu._gpu_knobs({})
     mark("launch knobs")
     sm_count(dev)
-    mark("sm count (torch device properties)")
+    mark("sm count (driver attribute)")
     arch = checksum_gpu._arch(dev)
     mark("compute capability")
     key = checksum_gpu.words_kernel_key(arch, knobs, False)
