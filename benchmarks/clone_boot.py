@@ -73,6 +73,7 @@ def engine_main(store: str, early_s: float | None, device: str) -> dict:
     nbytes = rep.nbytes
     result.close()  # room for the ceiling's two arenas
     ceiling = copy_ceiling([device], nbytes, repeats=3)
+    groups = _map_group_sweep(store, device)
     return {"mode": "engine", "early_s": early_s, "nbytes": nbytes, "context_ms": (t_context - t_start) * 1e3,
             "import_flashboot_ms": (t_imported - t_context) * 1e3, "call_ms": call_ms, "ready_ms": rep.ready_ms,
             "verify_ms": rep.verify_ms, "ready_plus_verify_ms": rep.ready_ms + rep.verify_ms,
@@ -81,7 +82,38 @@ def engine_main(store: str, early_s: float | None, device: str) -> dict:
             "transfer_vs_ceiling": rep.gbps / ceiling["gbps"] if ceiling["gbps"] else 0.0, "target_ratio": 0.85,
             "phases_ms": {k: round(v, 2) for k, v in rep.phases().items()}, "warm_detail": rep.warm_detail,
             "connect_detail": rep.connect_detail, "verified": rep.verified, "triton_imported": triton_imported,
-            "summary": rep.summary()}
+            **_fine(rep.to_dict()), "map_group_sweep": groups, "summary": rep.summary()}
+
+
+def _fine(rep: dict) -> dict:
+    """The report's fine breakdown: the exchange's parts (seed record, join, the seed's fds,
+    reserve, its first segment's import/map/grant), the warm-up's waits by stage and the source
+    segments mapped during the copy."""
+    return {"exchange_detail": {k: round(v, 3) for k, v in rep["exchange_detail"].items()},
+            "warm_waits": {k: round(v, 3) for k, v in rep["warm_waits"].items()},
+            "map_during_copy": [round(rep["map_during_copy_ms"], 3), rep["segments_mapped_during_copy"]],
+            "alloc_ms": round(rep["alloc_ms"], 3), "chunk_bytes": rep["chunk_bytes"]}
+
+
+def _map_group_sweep(store: str, device: str) -> dict:
+    """Clones again in this (now warm) process, one per ``MAP_GROUP_MAX_SEGMENTS`` (source segments
+    mapped before their copies are issued): transfer GB/s and the mapping's host time for each."""
+    import flashboot
+    from flashboot.flashclone import executor
+
+    out, default = {}, executor.MAP_GROUP_MAX_SEGMENTS
+    try:
+        for width in (1, default, 16):
+            executor.MAP_GROUP_MAX_SEGMENTS = width
+            with flashboot.clone(store, device, "star", timeout_s=60) as r:
+                rep = r.report
+                out[width] = {"transfer_ms": round(rep.transfer_ms, 3), "gbps": round(rep.gbps, 1),
+                              "map_during_copy_ms": round(rep.map_during_copy_ms, 3),
+                              "ready_ms": round(rep.ready_ms, 3), "alloc_ms": round(rep.alloc_ms, 3),
+                              "exchange_ms": round(rep.exchange_ms, 3)}
+    finally:
+        executor.MAP_GROUP_MAX_SEGMENTS = default
+    return out
 
 
 def _spawn_s(cmd: list[str], env: dict, timeout_s: float) -> tuple[float, str]:
@@ -105,7 +137,8 @@ def cli_main(store: str, repeats: int, device: str) -> dict:
                                 "--schedule", "star", "--verify", "--json", js, "--timeout", "60"], env, 180)
             rep = json.load(open(js))
             clone.append({"to_ready_s": rep["ready_unix"] - t0, "to_verified_s": rep["finished_unix"] - t0,
-                          "ready_ms": rep["ready_ms"], "verify_ms": rep["verify_ms"],
+                          "before_clone_ms": round((rep["ready_unix"] - t0) * 1e3 - rep["ready_ms"], 3),
+                          "ready_ms": rep["ready_ms"], "verify_ms": rep["verify_ms"], **_fine(rep),
                           "connect_detail": rep["connect_detail"], "warm_detail": rep["warm_detail"],
                           "warm_wait_ms": rep["warm_wait_ms"]})
             lines.append(out.strip().splitlines()[0])
@@ -124,8 +157,11 @@ def show(row: dict) -> str:
                 f"{r['ready_plus_verify_ms']:.1f} ms (target 100); transfer {r['transfer_gbps']:.0f} GB/s = "
                 f"{r['transfer_vs_ceiling']:.3f}x D2D {r['d2d_ceiling_gbps']:.0f} GB/s (target 0.85); clone call "
                 f"{r['call_ms']:.1f} ms; Triton imported: {r['triton_imported']}\n  phases {r['phases_ms']}\n"
-                f"  warm-up {r['warm_detail']}\n  {r['summary']}")
-    runs = "\n".join(f"  connect {c['connect_detail']} warm-up {c['warm_detail']}\n  {line}"
+                f"  warm-up {r['warm_detail']} waits {r['warm_waits']}\n  exchange {r['exchange_detail']}\n"
+                f"  alloc {r['alloc_ms']} ms; source segments mapped during the copy (ms, count) {r['map_during_copy']}"
+                f"\n  map group sweep (segments: ...) {r['map_group_sweep']}\n  {r['summary']}")
+    runs = "\n".join(f"  spawn to clone() {c['before_clone_ms']} ms; connect {c['connect_detail']} warm-up "
+                     f"{c['warm_detail']} waits {c['warm_waits']}\n  exchange {c['exchange_detail']}\n  {line}"
                      for c, line in zip(r["runs"], r["summaries"]))
     return (f"bare torch + context {[round(x, 3) for x in r['bare_torch_context_s']]} s; clone --verify to verified "
             f"{[round(x, 3) for x in r['clone_verified_s']]} s; median over bare {r['over_bare_ms']:.0f} ms "

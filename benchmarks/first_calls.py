@@ -14,6 +14,7 @@ and reports each and microseconds per tensor, against the target 20 ms + 2 us/te
 of the checksum and its first call on 64 MiB of the device, then a second call, and whether
 Triton was imported; run it with an empty ``FLASHBOOT_KERNEL_CACHE`` and ``TRITON_CACHE_DIR`` for
 the cold compile, and after ``flashboot warm`` for the cubin launched without Triton.
+``checksum-parts``: the same first call after ``flashboot warm``, taken apart (``parts_ms``).
 
 Both print one JSON line per measurement.
 """
@@ -95,6 +96,59 @@ def _checksum_child(device: str) -> dict:
             "triton_imported": "triton" in sys.modules}
 
 
+def _checksum_parts_child(device: str) -> dict:
+    """The checksum's first call taken apart, each part timed as it is first paid: the import of
+    ``cuda.bindings`` (the driver), the launch knobs, the SM count, the
+    compute capability, the cache key (the kernel source's sha256, Triton's version read from its
+    package), the cubin read and checked, ``cuModuleLoadData`` + ``cuModuleGetFunction``, then
+    the call itself (its output buffer, the launch, the wait and the read-back) and a second call."""
+    _context(device)
+    import torch
+
+    import flashboot  # noqa: F401
+
+    buf = torch.ones(64 << 20, dtype=torch.uint8, device=device)
+    dev = torch.device(device).index or 0
+    parts: dict[str, float] = {}
+    t = time.perf_counter()
+
+    def mark(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        parts[name] = round((now - t) * 1e3, 3)
+        t = now
+
+    from flashboot.kernels import checksum_gpu, cubin
+    from flashboot.kernels.checksum import chunk_checksums
+    from flashboot.kernels.views import sm_count
+    mark("import checksum modules")
+    from flashboot._cuda import driver
+    driver()
+    mark("import cuda.bindings (driver)")
+    knobs = checksum_gpu._gpu_knobs({})
+    mark("launch knobs")
+    sm_count(dev)
+    mark("sm count (driver attribute)")
+    arch = checksum_gpu._arch(dev)
+    mark("compute capability")
+    key = checksum_gpu.words_kernel_key(arch, knobs, False)
+    mark("cache key (source sha256, triton version)")
+    cached, why = cubin.load(key)
+    mark("cubin read + sha256")
+    if cached is None:
+        return {"device": device, "parts_ms": parts, "error": why}
+    cubin.CubinLauncher(cached).function(dev)
+    mark("cuModuleLoadData + GetFunction")
+    checksum_gpu._words_launcher(dev, knobs, False)  # the module's own cache, loaded again by the call
+    mark("launcher cache")
+    chunk_checksums(buf, 1 << 20)
+    mark("first call (buffer, launch, wait, read-back)")
+    chunk_checksums(buf, 1 << 20)
+    mark("second call")
+    return {"device": device, "parts_ms": parts, "sum_before_second_ms": round(sum(parts.values()) - parts["second call"], 3),
+            "triton_imported": "triton" in sys.modules}
+
+
 def _child(args: list[str]) -> dict:
     proc = subprocess.run([sys.executable, "-m", "flashboot.benchmarks.first_calls", "--child", *args],
                           capture_output=True, text=True, timeout=300)
@@ -121,16 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--child":
         kind = argv[1]
         res = (_views_child(argv[2], argv[3], json.loads(argv[4]), int(argv[5])) if kind == "views"
-               else _checksum_child(argv[2]))
+               else _checksum_parts_child(argv[2]) if kind == "checksum-parts" else _checksum_child(argv[2]))
         print(json.dumps(res))
         return 0
     p = argparse.ArgumentParser(prog="python -m flashboot.benchmarks.first_calls", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["views", "checksum"])
+    p.add_argument("what", choices=["views", "checksum", "checksum-parts"])
     p.add_argument("images", nargs="*")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--view-threads", type=int, default=1, help="threads that make the views (views.make_views)")
     args = p.parse_args(argv)
-    rows = views(args.images, args.device, args.view_threads) if args.what == "views" else [_child(["checksum", args.device])]
+    rows = views(args.images, args.device, args.view_threads) if args.what == "views" else [_child([args.what, args.device])]
     for row in rows:
         print(json.dumps(row))
     return 0 if all("error" not in r for r in rows) else 1

@@ -9,9 +9,12 @@
 #     imported) cloning it verified, plain and with the early call: ready + verify (target 100 ms),
 #     transfer vs the same run's D2D ceiling (target 0.85x);
 #  4. fresh `flashboot clone --verify` processes vs bare `import torch; torch.zeros(1, device='cuda')`
-#     (target: clone <= bare + 150 ms).
+#     (target: clone <= bare + 150 ms), then one more under `-X importtime` (its largest imports).
+# Fine breakdown (clone2): the checksum's first call taken apart (checksum-parts); per clone the
+# exchange's parts, the warm-up's waits by stage, the source segments mapped during the copy, the
+# CLI's spawn-to-clone() time, and a sweep of MAP_GROUP_MAX_SEGMENTS (1, 4, 16) in the engine process.
 # Usage (repo root, GPU machine):  OUT=/some/dir bash benchmarks/gpu_clone_boot.sh
-# $OUT gets install.log, tests.log, first_calls.jsonl, seed.log, clone_boot.jsonl (5 files).
+# $OUT gets install.log, tests.log, first_calls.jsonl, seed.log, clone_boot.jsonl, cli_importtime.log (6 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -40,6 +43,8 @@ for i in 1 2; do  # an empty Triton cache each time: the cubin alone must do
   FLASHBOOT_KERNEL_CACHE=$SCRATCH/k-warm TRITON_CACHE_DIR=$SCRATCH/t-empty$i timeout "$(lim 20)" \
     python3 -m flashboot.benchmarks.first_calls checksum --device cuda:0 | sed 's/^/after-warm  /' | tee -a "$OUT/first_calls.jsonl"
 done
+FLASHBOOT_KERNEL_CACHE=$SCRATCH/k-warm TRITON_CACHE_DIR=$SCRATCH/t-empty3 timeout "$(lim 20)" \
+  python3 -m flashboot.benchmarks.first_calls checksum-parts --device cuda:0 | sed 's/^/parts       /' | tee -a "$OUT/first_calls.jsonl"
 
 echo "=== 3. seed of 13.76 GB on cuda:0, engine-like clones, verified ($(date +%T))"
 timeout "$(lim 200)" python3 -m flashboot.benchmarks.clone_boot seed --store "$STORE" --ready "$SCRATCH/ready" \
@@ -55,6 +60,10 @@ if [ -f "$SCRATCH/ready" ]; then
   echo "=== 4. fresh flashboot clone --verify vs bare torch + CUDA context ($(date +%T))"
   timeout "$(lim 80)" python3 -m flashboot.benchmarks.clone_boot cli --store "$STORE" --repeats "${REPEATS:-2}" \
     | tee -a "$OUT/clone_boot.jsonl" | python3 -m flashboot.benchmarks.clone_boot show
+  echo "=== 5. one more fresh clone --verify under -X importtime: the largest imports (cumulative us) ($(date +%T))"
+  timeout "$(lim 30)" python3 -X importtime -m flashboot.cli clone --store "$STORE" --device cuda:0 --schedule star \
+    --verify --timeout 60 2>"$SCRATCH/importtime.log" | head -1
+  sort -t'|' -k2 -n "$SCRATCH/importtime.log" | tail -25 | tee "$OUT/cli_importtime.log"
 else
   echo "seed did not come up:"; tail -20 "$OUT/seed.log"
 fi

@@ -16,7 +16,7 @@ import pytest
 
 import flashboot
 from flashboot.arena import Arena
-from flashboot.errors import ArenaError, FlashBootError, RendezvousError, UnknownNameError
+from flashboot.errors import ArenaError, FlashBootError, RendezvousError, UnknownNameError, WaitTimeoutError
 from flashboot.flashclone.executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from flashboot.memory import span_of
 from flashboot.schedulers import HOST, build_plan
@@ -114,12 +114,15 @@ def test_executor_batches_the_steps_no_one_waits_on():
 
 def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
     """A source opened from an export maps its segments on first use: a batchable run of steps
-    from it is copied step by step, each step's segment mapped just before its copy (so on a GPU
-    the mapping of one segment overlaps the copy of the one before); once mapped, one batch."""
+    from it is copied in groups of 1, 2, 4, 4, ... segments (MAP_GROUP_MAX_SEGMENTS), each
+    group's segments mapped just before its copies (so on a GPU the mapping of one group overlaps
+    the copy of the one before); once mapped, one batch."""
+    from flashboot.flashclone.executor import MAP_GROUP_MAX_SEGMENTS
     from flashboot.movers.host import HostMover
 
+    assert MAP_GROUP_MAX_SEGMENTS == 4  # the groups below
     seg = 2 * MiB
-    nbytes = 4 * seg
+    nbytes = 10 * seg
     data = pattern(nbytes, 3)
 
     class Recording(HostMover):
@@ -132,7 +135,7 @@ def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
             return super().copy(dst, src, **k)
 
         def copy_batch(self, dst, src, chunks, **k):
-            self.batches.append(len(chunks))
+            self.batches.append((len(chunks), self.source.mapped_nbytes // seg))
             return super().copy_batch(dst, src, chunks, **k)
 
     plan = build_plan("star", 1, nbytes, seg)
@@ -143,12 +146,12 @@ def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
             eps = {0: Endpoint(0, "seed", source, None), 1: Endpoint(1, "clone", dst, flags)}
             mover = Recording(source, dst)
             Executor(plan, eps, 1, mover=mover).run()
-            assert mover.batches == []
-            assert mover.copies == [(k * seg, (k + 1) * seg) for k in range(4)]  # mapped one step ahead, no more
+            assert mover.copies == [(0, seg)]  # the first segment alone, mapped at open
+            assert mover.batches == [(2, 3), (4, 7), (3, 10)]  # (steps, segments mapped): one group ahead, no more
             assert np.array_equal(dst.bytes().numpy(), data)
             dst.bytes().numpy()[:] = 0
             Executor(plan, eps, 1, mover=mover, epoch=2).run()  # mapped now: the run is one batch
-            assert mover.batches == [4] and len(mover.copies) == 4
+            assert mover.batches[3:] == [(10, 10)] and len(mover.copies) == 1
             assert np.array_equal(dst.bytes().numpy(), data)
         # chunks smaller than a segment: one batch per segment, each mapped just before it
         half = build_plan("star", 1, nbytes, seg // 2)
@@ -165,8 +168,8 @@ def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
             mover.copy_batch = batch
             Executor(half, {0: Endpoint(0, "seed", source, None), 1: Endpoint(1, "clone", dst, flags)}, 1,
                      mover=mover).run()
-            assert mover.batches == [2] * 4 and mover.copies == []
-            assert seen == [(k * seg, (k + 1) * seg) for k in range(4)]
+            assert [n for n, _ in mover.batches] == [2, 4, 8, 6] and mover.copies == []
+            assert seen == [(0, seg), (seg, 3 * seg), (3 * seg, 7 * seg), (7 * seg, 10 * seg)]
             assert np.array_equal(dst.bytes().numpy(), data)
 
 
@@ -294,8 +297,11 @@ def test_an_early_call_pays_the_clones_one_time_costs_and_the_report_names_them(
             assert np.array_equal(r.arena.bytes().numpy(), data)
             rep = r.report
             assert set(rep.warm_detail) == {"host copy", "host checksum"}  # the numba copy and checksum
-            assert rep.warm_ms >= max(rep.warm_detail.values()) and rep.warm_wait_ms <= rep.connect_ms
             d = rep.connect_detail
+            assert rep.warm_ms >= max(rep.warm_detail.values()) and d["warm_wait_ms"] <= rep.warm_wait_ms
+            assert set(rep.warm_waits) == {"map", "copy", "verify"}  # waited for where each part is needed
+            assert sum(rep.warm_waits.values()) == pytest.approx(rep.warm_wait_ms)
+            assert rep.phases()["warm-up wait before the copy"] == rep.warm_waits["copy"]
             assert set(d) == {"import_ms", "store_ms", "warm_wait_ms", "other_ms"}
             assert sum(d.values()) == pytest.approx(rep.connect_ms, abs=0.01)
             assert sum(rep.phases().values()) == pytest.approx(rep.ready_ms, abs=0.01)
@@ -721,6 +727,73 @@ def test_clone_refuses_bad_requests_before_connecting():
         flashboot.clone("127.0.0.1:1", "cpu", "ring")
     with pytest.raises(UnknownNameError, match="unknown mover"):
         flashboot.clone("127.0.0.1:1", "cpu", mover="warp")
+    with pytest.raises(FlashBootError, match="mover 'copy_engine' cannot copy between cpu arenas"):
+        flashboot.clone("127.0.0.1:1", "cpu", mover="copy_engine")  # refused on its class: CuPy is not imported
     warm = flashboot.prepare_clone("cpu")  # the check clone() makes first on a prepared warm-up
     with pytest.raises(FlashBootError, match="the clone warm-up was prepared for cpu, not for cuda:1"):
         warm.check_device(flashboot.Device("cuda", 1))
+
+
+def test_the_warm_up_is_waited_for_stage_by_stage(monkeypatch):
+    """A clone waits for each part of its warm-up only where it needs it: the mapping part does not
+    wait for the copy's imports, a stage not done in time is named, and the waits add up."""
+    from flashboot.flashclone.report import CloneReport
+    from flashboot.flashclone.warmup import CloneWarmup
+
+    release = threading.Event()
+    ran = []
+    plan = [("driver", "map", lambda: ran.append("driver")),
+            ("mover imports", "copy", lambda: (release.wait(30), ran.append("mover imports"))),
+            ("checksum kernel", "verify", lambda: ran.append("checksum kernel"))]
+    monkeypatch.setattr(CloneWarmup, "_plan", lambda self, mover: plan)
+    warm = CloneWarmup("cpu")
+    rep = CloneReport("star", 1, "cpu", 0)
+    warm.join(rep, 10, "map")
+    assert "driver" in ran and "mover imports" not in warm.parts  # the checksum's thread may have run too
+    with pytest.raises(WaitTimeoutError, match="did not finish its 'copy' parts within 0.2 s"):
+        warm.join(rep, 0.2, "copy")
+    waited = rep.warm_wait_ms
+    release.set()
+    warm.join(rep, 10)
+    assert sorted(ran) == ["checksum kernel", "driver", "mover imports"]
+    assert set(rep.warm_detail) == {"driver", "mover imports", "checksum kernel"}
+    assert rep.warm_wait_ms > waited and rep.warm_ms >= rep.warm_detail["mover imports"]
+    with pytest.raises(FlashBootError, match="stage must be one of map, copy, verify, got 'load'"):
+        warm.join(rep, 1, "load")
+
+
+def test_the_clones_arena_is_made_during_the_exchange_and_released_if_never_taken(monkeypatch):
+    """``start_arena`` makes the arena in a background thread, ``take_arena`` takes that one (or
+    raises its error); a session closed before taking it (a failed exchange) releases it."""
+    from flashboot.flashclone.session import _Session
+
+    made = []
+    real = Arena.create
+
+    def create(nbytes, device=None, **kw):
+        made.append((threading.current_thread().name, real(nbytes, device, **kw)))
+        return made[-1][1]
+
+    monkeypatch.setattr(Arena, "create", create)
+    cpu = flashboot.Device("cpu")
+    s = _Session(None)
+    s.start_arena(None, 2 * MiB, cpu)
+    s.take_arena(None, 2 * MiB, cpu)
+    assert made[0][0] == "flashboot-clone-arena" and s.arena is made[0][1] and s.arena.nbytes >= 2 * MiB
+    s.close(keep_arena=False)
+    assert made[0][1].closed
+    s = _Session(None)
+    s.start_arena(None, 2 * MiB, cpu)  # the exchange fails: never taken
+    s.close(keep_arena=False)
+    assert len(made) == 2 and made[1][1].closed
+    s = _Session(None)
+    s.start_arena(None, 0, cpu)
+    with pytest.raises(ArenaError, match="0"):
+        s.take_arena(None, 0, cpu)
+    s.close(keep_arena=False)
+    with Arena.create(MiB, "cpu") as mine:  # the caller's arena: nothing made, never closed here
+        s = _Session(None)
+        s.start_arena(mine, MiB, cpu)
+        s.take_arena(mine, MiB, cpu)
+        s.close(keep_arena=False)
+        assert s.arena is mine and not mine.closed and len(made) == 3  # 3: ours, made above

@@ -165,3 +165,14 @@ print(sorted({m.split('.')[0] for m in sys.modules} & {'triton', 'cupy'}))
     host = np.arange(1 << 22, dtype=np.int32).view(np.uint8)
     assert digests == str(chunk_checksums_host(host, 1 << 20))
     assert modules == "[]"
+
+
+@pytest.mark.gpu
+def test_the_sm_count_from_the_driver_is_torchs():
+    """The launch grids' SM count is one driver attribute; it must agree with torch's device properties."""
+    import torch
+
+    from flashboot.kernels.views import sm_count
+
+    for index in range(torch.cuda.device_count()):
+        assert sm_count(index) == torch.cuda.get_device_properties(index).multi_processor_count

@@ -79,9 +79,10 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
         prepared.check_device(dev)
     if transport != "auto" and transport not in transport_names():
         transport_class(transport)  # UnknownNameError listing the registered ones
-    # overlaps importing torch and connecting; joined before the descriptor is requested
+    # overlaps importing torch, connecting, the exchange and our arena; joined by stage (warmup.STAGES)
     warm = prepared if prepared is not None else CloneWarmup(dev, verify=verify, mover=_default_mover(dev, mover))
-    mover_obj = _check_mover(dev, _default_mover(dev, mover))
+    # checked by its class: created (its imports paid) after the warm-up's copy stage
+    mover_obj = _check_mover(dev, _default_mover(dev, mover), create=False)
     nixl_warm = AgentWarmup.start_for(transport, "clone", timeout_s)
     t_import = time.perf_counter()
     import torch.distributed  # noqa: F401  (the store's client: in a fresh process, torch itself)
@@ -112,9 +113,9 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
            retry: bool, hook, warm: CloneWarmup | None = None, nixl_warm=None, into=None,
            held_sources: dict | None = None, connect_detail: dict | None = None) -> CloneResult:
     rdv = session.rdv
-    report = CloneReport(schedule, 0, str(dev), 0, mover=mover.name)
+    report = CloneReport(schedule, 0, str(dev), 0, mover=getattr(mover, "name", mover))
     if warm is not None:
-        warm.join(report, timeout_s)
+        warm.join(report, timeout_s, "map")
     if nixl_warm is not None:  # like the driver warm-up: joined before the descriptor is requested
         nixl_warm.join(timeout_s)
     # exchange: from here (descriptor requested) to every source mapped; nothing else in between
@@ -152,9 +153,12 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
         return _parse_metadata(meta_rec.body.get("metadata"), f"metadata published at {rdv.address}")
 
     if not cls.maps:
+        if warm is not None:
+            warm.join(report, timeout_s)
         return cls.run(CloneContext(session, dev, schedule, manifest, gen, report, t_start, seed_rec, verify,
                                     timeout_s, chunk_bytes, clones, retry, hook, read_metadata, nixl_warm, into))
 
+    session.start_arena(into, manifest.arena_nbytes, dev)  # made during the exchange, taken after it
     n = max(position, clones or 1)
     plan = build_plan(schedule, n, manifest.nbytes, chunk_bytes)
     report.chunk_bytes = plan.chunk_bytes
@@ -199,6 +203,9 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     if clones is not None:
         report.barrier_ms = rdv.barrier(_gkey(gen, schedule, "start"), clones, timeout_s=timeout_s)
 
+    if warm is not None:
+        warm.join(report, timeout_s, "copy")
+    mover = _check_mover(dev, mover)
     steps = my_steps
     fallback: int | None = None
     for p in sorted(dead):
@@ -257,7 +264,9 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     report.ready_ms = (time.perf_counter() - t_start) * 1e3
     report.ready_unix = time.time()
     if verify:
-        tv = time.perf_counter()
+        tv = time.perf_counter()  # the wait for the checksum kernel counts in verify_ms
+        if warm is not None:
+            warm.join(report, timeout_s)
         _verify(session.arena, manifest, f"clone #{position} on {dev}")
         report.verify_ms = (time.perf_counter() - tv) * 1e3
         report.verified = True

@@ -68,15 +68,19 @@ def _default_mover(dev: Device, mover: Any) -> Any:
     return "copy_engine" if dev.is_cuda else "host"
 
 
-def _check_mover(dev: Device, mover: Any):
-    """Create the mover now, so a mover that cannot run here fails before anything is published."""
-    from flashboot.movers import create_mover
+def _check_mover(dev: Device, mover: Any, *, create: bool = True):
+    """The mover, checked against ``dev`` before anything is published: created now, or with
+    ``create=False`` a registered name checked on its class alone (nothing of what it runs on is
+    imported: a clone creates it once its warm-up has imported that, off its own thread)."""
+    from flashboot.movers import create_mover, mover_class
 
-    m = create_mover(mover) if isinstance(mover, str) else mover
+    m = mover_class(mover) if isinstance(mover, str) else mover
     need = "host" if not dev.is_cuda else "d2d"
     if need not in m.paths and not (dev.is_cuda and "p2p" in m.paths):
         raise FlashBootError(f"mover {m.name!r} cannot copy between {dev} arenas (it supports {sorted(m.paths)})")
-    return m
+    if not isinstance(mover, str):
+        return mover
+    return create_mover(mover) if create else mover
 
 
 def _views(arena, metadata) -> dict:

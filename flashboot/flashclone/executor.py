@@ -46,6 +46,12 @@ FLAG_BYTES = 4
 DEFAULT_TIMEOUT_S = 60.0
 """A step may wait this long for a flag (or a stream this long without progress) before the run fails."""
 DRAIN_TIMEOUT_S = 10.0
+MAP_GROUP_MAX_SEGMENTS = 4
+"""The most source segments mapped (and granted, in one ``cuMemSetAccess`` where only the home
+device is) before the copies that read them are issued: groups of 1, 2, 4, 4, ... segments, so
+the first copy starts after one segment and later mapping overlaps copies at a few driver calls
+and one batch per 1 GiB (per-segment groups left a same-GPU clone's copy waiting on the host's
+mapping and issue: 0.59-0.73x D2D on an H200)."""
 """After releasing blocked streams, how long the host waits for them to drain before giving up."""
 
 
@@ -408,20 +414,25 @@ class Executor:
 
     def _mapping_groups(self, unit: Sequence[Step]) -> list[list[Step]]:
         """``unit`` as one group, or, where its source still maps segments on first use (opened
-        from another process), cut where a step ends in another source segment: each group's
-        segments are mapped just before its copies are issued, so mapping segment k+1 overlaps
-        the copy of segment k. One batch would map them all before any copy: a same-GPU refit of
-        13.8 GB (52 segments) ran at half the copy rate that way."""
+        from another process), cut into groups ending in 1, 2, 4, ... up to
+        :data:`MAP_GROUP_MAX_SEGMENTS` source segments: each group's segments are mapped just
+        before its copies are issued, so mapping group k+1 overlaps the copy of group k. One batch
+        would map them all before any copy: a same-GPU refit of 13.8 GB (52 segments) ran at half
+        the copy rate that way."""
         arena = self.endpoints[unit[0].src].arena
         if arena.mapped_nbytes == arena.nbytes:
             return [list(unit)]
         seg = arena.segment_bytes
         groups: list[list[Step]] = []
+        width, last_seg = 0, -1  # segments the current group may end in, up to last_seg
         for u in unit:
-            if groups and (groups[-1][-1].end - 1) // seg == (u.end - 1) // seg:
+            end_seg = (u.end - 1) // seg
+            if groups and end_seg <= last_seg:
                 groups[-1].append(u)
-            else:
-                groups.append([u])
+                continue
+            width = min(max(1, 2 * width), MAP_GROUP_MAX_SEGMENTS)
+            last_seg = max(end_seg, (u.offset // seg) + width - 1)
+            groups.append([u])
         return groups
 
     def _watches(self) -> dict[int, PeerWatch]:

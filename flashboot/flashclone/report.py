@@ -21,13 +21,15 @@ class CloneReport:
     authentication + decryption, taking a position, and per source its record, ``pidfd_getfd`` of
     every segment, reserve, and the first segment's import, map and set access, and the flags arena
     (``exchange_detail`` splits it; ``manifest_ms`` is its first part). It is the part NCCL's
-    communicator setup would replace; our own arena's allocation is ``alloc_ms``, after it. The
+    communicator setup would replace; our own arena is made in the background during it, and
+    ``alloc_ms`` (after it) is what is left of that, with our flags and our record. The
     sources' other segments are mapped during the transfer, each just ahead of its first copy:
     ``map_during_copy_ms`` (host time, overlapped with copies already issued) and
-    ``segments_mapped_during_copy``. ``warm_ms``: the one-time warm-up run before the descriptor is requested, overlapped with
-    connecting: the driver's (:func:`flashboot.arena.warm_import`) on CUDA, the host mover's
-    compilation on the host backend (``warm_note`` says which; :func:`~flashboot.flashclone.prepare_clone`
-starts it earlier). ``transfer_ms``: the copy
+    ``segments_mapped_during_copy``. ``warm_ms``: the one-time warm-up (:mod:`~flashboot.flashclone.warmup`), overlapped with
+    connecting and the exchange: the driver's (:func:`flashboot.arena.warm_import`), CuPy's and
+    torch's on CUDA, the host mover's compilation on the host backend (``warm_note`` says which;
+    :func:`~flashboot.flashclone.prepare_clone` starts it earlier; ``warm_waits`` is what the clone
+    waited for it, by stage). ``transfer_ms``: the copy
     (from the first step issued to the last byte in place, pipeline fill included).
     ``setup_ms`` (nixl): the transport's
     setup on the critical path (waiting for the agent created while connecting, registering our
@@ -57,6 +59,9 @@ starts it earlier). ``transfer_ms``: the copy
     ``other_ms`` (checks, the mover's creation)."""
     warm_ms: float = 0.0
     warm_wait_ms: float = 0.0
+    warm_waits: dict = field(default_factory=dict)
+    """``warm_wait_ms`` by stage of :data:`~flashboot.flashclone.warmup.STAGES`: ``map`` (in
+    ``connect_ms``), ``copy`` (before the transfer, after our arena) and ``verify`` (in ``verify_ms``)."""
     warm_detail: dict = field(default_factory=dict)
     """The warm-up's parts, ms each (the CUDA context, the peer import, the checksum kernel, ...)."""
     warm_note: str = ""
@@ -108,7 +113,8 @@ starts it earlier). ``transfer_ms``: the copy
     def phases(self) -> dict[str, float]:
         """Where ``ready_ms`` went, in order, ms each: the parts of connecting (importing torch,
         the store, the wait for the warm-up with the warm-up's largest part named), the exchange,
-        our arena, the start barrier, the transfer and what is left (``other``)."""
+        our arena, the start barrier, the wait for the warm-up's copy parts (the mover's imports),
+        the transfer and what is left (``other``)."""
         d = self.connect_detail
         wait = "warm-up wait"
         if self.warm_detail:
@@ -118,7 +124,8 @@ starts it earlier). ``transfer_ms``: the copy
                wait: d.get("warm_wait_ms", 0.0),
                "connect, other": d.get("other_ms", 0.0) if d else self.connect_ms,
                "exchange+map": self.exchange_ms, "setup": self.setup_ms, "alloc": self.alloc_ms,
-               "barrier": self.barrier_ms, "load": self.load_ms, "transfer": self.transfer_ms}
+               "barrier": self.barrier_ms, "warm-up wait before the copy": self.warm_waits.get("copy", 0.0),
+               "load": self.load_ms, "transfer": self.transfer_ms}
         out["other"] = max(0.0, self.ready_ms - sum(out.values()))
         return out
 

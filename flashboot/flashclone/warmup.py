@@ -4,11 +4,14 @@ In a fresh process a clone's first call pays, besides importing torch for the st
 context (~0.3 s on an H200 host), the driver's first peer import and mapping, CuPy's import and
 its first stream and event (the copy engine's), torch's CUDA state (the views, the digests'
 buffer) and the store's client (``torch.distributed``, ~0.1 s in a process that has torch) and, when it verifies, the checksum kernel (its cubin: a few ms; through Triton ~1 s).
-None of these needs the source, so they run in a background thread started as early as the
-caller can (an engine at its start, the CLI before it connects to the store), mostly in driver
-calls and imports that overlap the caller's own work, and the clone joins the thread before it
-requests the seed's descriptor. The report names each part (``warm_detail``) and how long the
-clone waited for them (``warm_wait_ms``).
+None of these needs the source, so they run in background threads (one per stage) started as
+early as the caller can (an engine at its start, the CLI before it connects to the store), mostly in driver
+calls and imports that overlap the caller's own work. The clone waits for each part only where it
+first needs it (:data:`STAGES`): the driver's part before it maps its sources, CuPy and torch
+before the transfer (so they overlap the exchange and its own arena), the checksum kernel before
+verifying. Nothing of it runs in the clone's own thread before the store is reached. The report
+names each part (``warm_detail``) and how long the clone waited for them (``warm_wait_ms``, by
+stage ``warm_waits``).
 """
 
 from __future__ import annotations
@@ -21,10 +24,15 @@ from ..errors import FlashBootError, WaitTimeoutError
 from ..memory import Device
 from .report import CloneReport
 
+STAGES = ("map", "copy", "verify")
+"""Where a clone waits for its warm-up, in order: before mapping its sources (the driver's
+context and first peer import), before the transfer (the mover's imports, torch's CUDA state),
+before verifying (the checksum kernel). Each wait covers the stages before it."""
+
 
 class CloneWarmup:
-    """The warm-up of clones into ``device`` (see :func:`prepare_clone`): a background thread,
-    started on construction; :meth:`join` waits for it (bounded) and fills a report's warm-up
+    """The warm-up of clones into ``device`` (see :func:`prepare_clone`): background threads, one
+    per stage, started on construction; :meth:`join` waits for a stage (bounded) and fills a report's warm-up
     fields. Best effort: a part that fails is named in the report (``warm_note``) and the clone
     pays that cost itself, raising its own error if it is a real one."""
 
@@ -38,22 +46,32 @@ class CloneWarmup:
         self.notes: list[str] = []
         self.warm_ms = 0.0
         self._steps = self._plan(name)
-        self._thread: threading.Thread | None = None
-        if self._steps:
-            self._thread = threading.Thread(target=self._run, name="flashboot-clone-warmup", daemon=True)
-            self._thread.start()
+        self._stage_done = {stage: threading.Event() for stage in STAGES}
+        self._t_start = time.perf_counter()
+        self._running = len(STAGES)
+        self._lock = threading.Lock()
+        # one thread per stage, all at once: the driver's part (calls that release the GIL) runs
+        # beside the copy's imports, so the copy's parts are not queued behind the mapping's
+        self._threads = [threading.Thread(target=self._run, args=(stage,), name=f"flashboot-clone-warmup-{stage}",
+                                          daemon=True) for stage in STAGES]
+        for t in self._threads:
+            t.start()
 
-    def _plan(self, mover: str) -> list[tuple[str, Callable[[], None]]]:
+    def _plan(self, mover: str) -> list[tuple[str, str, Callable[[], None]]]:
+        """``(part, stage, step)``; ``stage`` (one of :data:`STAGES`) is the first thing of the clone
+        that needs the part: the clone waits for a stage only there. Each stage's parts run in
+        order in a thread of their own, the stages side by side."""
         dev = self.device
         if not dev.is_cuda:
-            steps = [("host copy", self._host_copy)] if mover == "host" else []
-            return steps + ([("host checksum", self._host_checksum)] if self.verify else [])
-        steps = [("CUDA context + peer import", self._driver)]
-        if self.verify:
-            steps.append(("checksum kernel", self._checksum))
+            steps = [("host copy", "copy", self._host_copy)] if mover == "host" else []
+            return steps + ([("host checksum", "verify", self._host_checksum)] if self.verify else [])
+        steps = [("CUDA context + peer import", "map", self._driver)]
         if mover == "copy_engine":
-            steps.append(("cupy + stream", self._cupy))
-        return steps + [("torch CUDA", self._torch)]
+            steps.append(("cupy + stream", "copy", self._cupy))
+        steps.append(("torch CUDA", "copy", self._torch))
+        if self.verify:
+            steps.append(("checksum kernel", "verify", self._checksum))
+        return steps
 
     # ------------------------------------------------------------------ parts (background thread)
     def _driver(self) -> None:
@@ -97,36 +115,48 @@ class CloneWarmup:
 
         chunk_checksums_host(np.zeros(1 << 12, np.uint8), 1 << 10)
 
-    def _run(self) -> None:
-        t_all = time.perf_counter()
-        for name, step in self._steps:
-            t0 = time.perf_counter()
-            try:
-                step()
-            except Exception as exc:  # noqa: BLE001 - best effort: named in the report; the clone raises its own
-                self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
-            self.parts[name] = (time.perf_counter() - t0) * 1e3
-        if "CUDA context" in self.parts:
-            self.parts["CUDA context + peer import"] -= self.parts["CUDA context"]
-            self.parts["peer import"] = self.parts.pop("CUDA context + peer import")
-        self.warm_ms = (time.perf_counter() - t_all) * 1e3
+    def _run(self, stage: str) -> None:
+        try:
+            for name, step_stage, step in self._steps:
+                if step_stage != stage:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    step()
+                except Exception as exc:  # noqa: BLE001 - best effort: named in the report; the clone raises its own
+                    self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                self.parts[name] = (time.perf_counter() - t0) * 1e3
+                if name == "CUDA context + peer import" and "CUDA context" in self.parts:
+                    self.parts["peer import"] = self.parts.pop(name) - self.parts["CUDA context"]
+        finally:
+            with self._lock:
+                self._running -= 1
+                if self._running == 0:
+                    self.warm_ms = (time.perf_counter() - self._t_start) * 1e3
+            self._stage_done[stage].set()
 
     # ------------------------------------------------------------------------------ the caller
     def check_device(self, device: Device) -> None:
         if device != self.device:
             raise FlashBootError(f"the clone warm-up was prepared for {self.device}, not for {device}")
 
-    def join(self, report: CloneReport, timeout_s: float) -> None:
-        """Wait for the warm-up (WaitTimeoutError past ``timeout_s``) and record it in ``report``:
-        ``warm_ms`` (its own time), ``warm_wait_ms`` (what the caller waited), ``warm_detail``."""
+    def join(self, report: CloneReport, timeout_s: float, stage: str = "verify") -> None:
+        """Wait (WaitTimeoutError past ``timeout_s``) until every part the clone needs at
+        ``stage`` (one of :data:`STAGES`: ``"map"`` before mapping its sources, ``"copy"`` before
+        the transfer, ``"verify"``, the default, for all) is done, and record it in ``report``:
+        ``warm_wait_ms`` (what the caller waited, added up over the stages), ``warm_ms`` (the
+        warm-up's own time, once it is over) and ``warm_detail``."""
+        if stage not in STAGES:
+            raise FlashBootError(f"warm-up stage must be one of {', '.join(STAGES)}, got {stage!r}")
         t0 = time.perf_counter()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                raise WaitTimeoutError(f"the clone warm-up on {self.device} did not finish within {timeout_s:g} s "
-                                       f"(done so far: {sorted(self.parts)})")
-            self._thread = None
-        report.warm_wait_ms = (time.perf_counter() - t0) * 1e3
+        deadline = time.monotonic() + timeout_s
+        for earlier in STAGES[:STAGES.index(stage) + 1]:  # a stage's parts may use the earlier ones'
+            if not self._stage_done[earlier].wait(max(0.0, deadline - time.monotonic())):
+                raise WaitTimeoutError(f"the clone warm-up on {self.device} did not finish its {earlier!r} parts "
+                                       f"within {timeout_s:g} s (done so far: {sorted(self.parts)})")
+        waited = (time.perf_counter() - t0) * 1e3
+        report.warm_wait_ms += waited
+        report.warm_waits[stage] = report.warm_waits.get(stage, 0.0) + waited
         report.warm_ms = self.warm_ms
         report.warm_detail = {k: round(v, 3) for k, v in self.parts.items()}
         note = [f"warmed import+map from {', '.join(f'cuda:{p}' for p in self.peers)}"] if self.peers else []
@@ -136,7 +166,7 @@ class CloneWarmup:
 
 def prepare_clone(device: Any = None, *, verify: bool = False, mover: Any = None) -> CloneWarmup:
     """The early call of a clone into ``device``: start paying its one-time costs now, in a
-    background thread (the CUDA context, the driver's peer import, CuPy and its first stream,
+    background threads (the CUDA context, the driver's peer import, CuPy and its first stream,
     torch's CUDA state and, with ``verify``, the checksum kernel; the host mover's and the host
     checksum's compilation on the host backend). Call it as early as possible (before the engine
     builds its model, before connecting to the store), then pass it as
