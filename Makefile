@@ -15,7 +15,9 @@ CUDA_EXTRA ?= $(if $(filter 12,$(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA
 ENGINES_VENV ?= .venv-engines
 ENGINES_PY := $(ENGINES_VENV)/bin/python
 ENGINES_REQUIREMENTS := requirements/engines.txt
-ENGINE_TESTS := tests/test_integrations_sglang.py tests/test_integrations_vllm.py tests/test_integrations_refit.py \
+ENGINE_TESTS := tests/test_integrations_engine_image.py tests/test_integrations_engine_load.py \
+	tests/test_integrations_sglang_loader.py tests/test_integrations_sglang_sleep.py \
+	tests/test_integrations_sglang_models.py tests/test_integrations_vllm.py tests/test_integrations_refit.py \
 	tests/test_engine_gate.py
 
 .PHONY: demo test test-engines soak fuzz clean

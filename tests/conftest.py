@@ -25,3 +25,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "two_gpus" in item.keywords and n < 2:
             item.add_marker(skip_two)
+
+
+@pytest.fixture(scope="session")
+def sglang_run(tmp_path_factory):
+    """Real SGLang in one child process (_engine_helpers.SGLANG_SCRIPT): its plugin, pre-pack, load,
+    refusals and release/resume of the weights. Here so that the SGLang tests and the vLLM tests
+    (which refuse its image) share one run a session."""
+    from _engine_helpers import HAVE_SGLANG, SGLANG_SCRIPT, SLEEP_CHECKS, run_engine_script
+
+    if not HAVE_SGLANG:
+        pytest.skip("SGLang is not installed here (see docs/engines.md for the engine test venv)")
+    return run_engine_script(SLEEP_CHECKS + SGLANG_SCRIPT, tmp_path_factory.mktemp("sglang"))
