@@ -101,7 +101,7 @@ def _tensors(model):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_engine_refit_gives_a_fresh_load_of_the_new_weights_bitwise(tmp_path, store, device):
-    from test_integrations_sglang import _shm_dir
+    from _engine_helpers import _shm_dir
 
     address, _ = store
     shm = _shm_dir(tmp_path)  # /dev/shm where there is one: the driver pins only shared memory there
@@ -423,7 +423,7 @@ scheduler = SchedulerWeightUpdaterManager(
     tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=m)), draft_worker=None,
     memory_saver_adapter=TorchMemorySaverAdapter.create(enable=False), flush_cache=lambda: True,
     is_fully_idle=lambda **kw: True)
-if device == "cpu":  # as in test_integrations_sglang: the closing synchronize must pick the CPU
+if device == "cpu":  # as in _engine_helpers.SGLANG_SCRIPT: the closing synchronize must pick the CPU
     _device_module = torch.get_device_module
     torch.get_device_module = lambda device=None: torch.cpu if device is None else _device_module(device)
 trainer.publish(engine_tensors_to_publish(trainer_model, device), version=3)
@@ -475,7 +475,7 @@ print("RESULT " + json.dumps(out))
 def _run_refit(script: str, tmp_path, kind: str = "llama") -> dict:
     from _clone_helpers import TOKEN
     from flashboot.flashclone.rendezvous import free_port
-    from test_integrations_sglang import _result_of, _shm_dir, make_tiny_model
+    from _engine_helpers import _result_of, _shm_dir, make_tiny_model
 
     model_a = make_tiny_model(kind, tmp_path / f"tiny-{kind}-a", seed=0)
     model_b = make_tiny_model(kind, tmp_path / f"tiny-{kind}-b", seed=1)
@@ -578,8 +578,8 @@ def test_real_sglang_mla_refit_derives_w_kc_w_vc_into_their_arena_views(sglang_m
 def test_engine_publish_refuses_a_tensor_the_image_stores_strided(tmp_path):
     """A transposed parameter (dense, but not in C order) is the engine's layout, not a C-order
     tensor: the trainer cannot fill it by name; refused before anything is written, naming it."""
-    from test_integrations_sglang import PlainEngineLikeModel
-    from test_integrations_sglang import _key as sglang_key
+    from _engine_helpers import PlainEngineLikeModel
+    from _engine_helpers import _key as sglang_key
 
     image = tmp_path / "img"
     prepack_engine_model(PlainEngineLikeModel(), image, sglang_key(), RankGroup(), device="cpu", tp_size=1, ep_size=1,

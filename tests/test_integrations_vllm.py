@@ -1,6 +1,7 @@
 """FlashBoot as a vLLM model loader (flashboot.integrations.vllm).
 
-The engine-image machinery both loaders share is tested in test_integrations_sglang.py. Here:
+The engine-image machinery both loaders share is tested in test_integrations_engine_image.py and
+test_integrations_engine_load.py. Here:
 the ``vllm.general_plugins`` entry point, and ``test_real_vllm_*``, which run vLLM's own code in
 a child process (``VLLM_TARGET_DEVICE=cpu`` on a machine without CUDA): its plugin loader,
 argument parser, ``register_model_loader``/``get_model_loader``, ``DefaultModelLoader``,
@@ -18,9 +19,9 @@ import pytest
 
 from flashboot.errors import CapabilityError
 
-from test_integrations_sglang import (  # noqa: F401 - sglang_run is a fixture used here
+from _engine_helpers import (  # sglang_run, a fixture used here, is in conftest.py
     SLEEP_CHECKS, assert_refused_before_staging, assert_same_as_default_loader, assert_slept_and_woke,
-    run_engine_ranks, run_engine_script, sglang_run,
+    run_engine_ranks, run_engine_script,
 )
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
