@@ -22,31 +22,37 @@ def choose(want: Want) -> tuple[Source, str, dict[str, str]]:
                          + "; ".join(f"{name}: {why}" for name, why in why_not.items()))
 
 
-def choose_prepared(requested_mode: str, rank_source, shm_dir) -> tuple[Source, str]:
+def choose_prepared(requested_mode: str, rank_source, shm_dir, daemon=None) -> tuple[Source, str]:
     """(source, why) for :func:`flashboot.prepare` of ``rank_source`` (a validated
     :class:`~flashboot.flashload.shm.RankSource`): the one whose mode was asked for, or
-    (``"auto"``) :func:`choose`'s answer knowing whether a preloader (daemon) runs."""
+    (``"auto"``) :func:`choose`'s answer knowing whether a preloader (daemon) runs (``daemon``:
+    its :func:`~flashboot.flashload.service.service_status` when the caller already read it)."""
     if requested_mode != "auto":
         return source_for_mode(requested_mode), "asked for"
     from .service import service_status
 
     image_dir = rank_source.image_dir
-    want = Want(image_dir, rank_source.rank, rank_source, shm_dir=shm_dir, daemon=service_status(image_dir, shm_dir))
+    if daemon is None:
+        daemon = service_status(image_dir, shm_dir)
+    want = Want(image_dir, rank_source.rank, rank_source, shm_dir=shm_dir, daemon=daemon)
     source, why, _ = choose(want)
     return source, why
 
 
-def choose_copy_first(requested_mode: str, image_dir, rank: int, shm_dir) -> tuple[Source, str] | None:
+def choose_copy_first(requested_mode: str, image_dir, rank: int, shm_dir, daemon=None) -> tuple[Source, str] | None:
     """(source, why) when :func:`flashboot.prepare` takes a source whose copy starts before this
     process parses the metadata (:attr:`Source.copies_before_metadata`): the one asked for, or
     (``"auto"``) the first registered one that fits, asked before any source that needs the
-    parsed metadata to decide; None otherwise (the metadata is parsed first)."""
+    parsed metadata to decide; None otherwise (the metadata is parsed first). ``daemon`` as for
+    :func:`choose_prepared`."""
     if requested_mode != "auto":
         source = source_for_mode(requested_mode)
         return (source, "asked for") if source.copies_before_metadata else None
     from .service import service_status
 
-    want = Want(image_dir, rank, None, shm_dir=shm_dir, daemon=service_status(image_dir, shm_dir))
+    if daemon is None:
+        daemon = service_status(image_dir, shm_dir)
+    want = Want(image_dir, rank, None, shm_dir=shm_dir, daemon=daemon)
     for source in registered_sources():
         if not source.copies_before_metadata:
             return None

@@ -340,7 +340,12 @@ class PreparedLoad:
         t = time.perf_counter()
         self.metadata_file = mf = read_metadata_file(self.image_dir, self.rank)
         self.metadata_sha256 = mf.sha256
-        first = choose_copy_first(self.requested_mode, self.image_dir, self.rank, self.shm_dir)
+        daemon = None  # the preloader's status, read once for both choices
+        if self.requested_mode == "auto":
+            from .service import service_status
+
+            daemon = service_status(self.image_dir, self.shm_dir)
+        first = choose_copy_first(self.requested_mode, self.image_dir, self.rank, self.shm_dir, daemon)
         if first is not None:
             # the daemon's .ready vouches for these bytes: its copy starts first, the strict read
             # runs beside it (as a plain served load); the job's tp/ep/key are refused before
@@ -351,7 +356,7 @@ class PreparedLoad:
         else:
             self.open_metadata()
             t = self.phase("metadata", t)
-            source, self.why = choose_prepared(self.requested_mode, self.rank_source, self.shm_dir)
+            source, self.why = choose_prepared(self.requested_mode, self.rank_source, self.shm_dir, daemon)
         self.load_source, self.mode = source, source.mode
         if self.asked_verify is None:
             self.verify, self.verify_skipped = verify_default(self.device, by_daemon=source.verified_by_daemon)
