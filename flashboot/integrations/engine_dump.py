@@ -100,24 +100,16 @@ def collect_engine_tensors(model, device: Any, *, extras: bool = True,
             by_identity[ident] = name
         out.tensors[name] = EngineTensor(name, t, kind, persistent)
 
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        prefix = f"{mod_name}." if mod_name else ""
-        for leaf, p in mod._parameters.items():
-            if p is None:
-                continue
-            if not same_device(p):
-                off_device.append(f"{prefix}{leaf} ({p.device})")
-                continue
-            add(prefix + leaf, p, "param")
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        prefix = f"{mod_name}." if mod_name else ""
-        for leaf, b in mod._buffers.items():
-            if b is None:
-                continue
-            if not same_device(b):
-                off_device.append(f"{prefix}{leaf} ({b.device})")
-                continue
-            add(prefix + leaf, b, "buffer", leaf not in mod._non_persistent_buffers_set)
+    for kind in ("param", "buffer"):  # every parameter first: a buffer aliasing one is named as its alias
+        for mod_name, mod in model.named_modules(remove_duplicate=False):
+            prefix = f"{mod_name}." if mod_name else ""
+            for leaf, t in (mod._parameters if kind == "param" else mod._buffers).items():
+                if t is None:
+                    continue
+                if not same_device(t):
+                    off_device.append(f"{prefix}{leaf} ({t.device})")
+                    continue
+                add(prefix + leaf, t, kind, kind == "param" or leaf not in mod._non_persistent_buffers_set)
     if off_device:
         shown = ", ".join(off_device[:6]) + (f" ... and {len(off_device) - 6} more" if len(off_device) > 6 else "")
         raise LayoutError(f"{len(off_device)} parameter(s)/buffer(s) are not on {want} ({shown}): an engine image "
