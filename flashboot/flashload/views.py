@@ -27,6 +27,9 @@ VIEW_THREADS = min(4, os.cpu_count() or 1)
 a run's tensors) and takes it back only to wrap each result, so on a host with spare cores the
 runs' C++ parts overlap: on the H200 machine (16 cores), shape C's 40,250 views in a fresh process
 took 1.11 us each with 4 threads against 1.40-2.16 with one (benchmarks/views_ab.py, 16:04)."""
+VIEW_THREAD_MIN_TENSORS = 1000
+"""The default uses a thread per this many tensors at most (starting one costs ~0.1 ms: more than
+a small model's views take)."""
 VIEW_THREAD_TIMEOUT_S = 120.0
 """How long the caller waits for a view thread (each makes its share of ~1 us views and waits on nothing)."""
 
@@ -38,7 +41,8 @@ def make_views(arena, metadata, *, threads: int | None = None) -> dict:
     stride and dtype), made in bulk from the tensor table's columns (see the module docstring).
     The strict reader has already checked every tensor's bounds and alignment against the image
     (which fits the arena), and the per-call checks of ``arena.view`` cost ~25 us a tensor.
-    ``threads``: how many threads make them (default :data:`VIEW_THREADS`).
+    ``threads``: how many threads make them (default :data:`VIEW_THREADS`, one per
+    :data:`VIEW_THREAD_MIN_TENSORS` tensors at most).
     """
     import torch
 
@@ -65,7 +69,9 @@ def make_views(arena, metadata, *, threads: int | None = None) -> dict:
                 if len(pick):
                     _plan(typed, pick, dims.shapes[pick, :ndim], dims.strides[pick, :ndim], elem_offsets[pick],
                           order, jobs)
-        made = _run_jobs(jobs, VIEW_THREADS if threads is None else threads)
+        if threads is None:
+            threads = max(1, min(VIEW_THREADS, n // VIEW_THREAD_MIN_TENSORS))
+        made = _run_jobs(jobs, threads)
         position = np.empty(n, np.int64)  # back to table order: one C-level gather, not a Python loop
         position[np.concatenate(order)] = np.arange(n)
         made = operator.itemgetter(*position.tolist())(made) if n > 1 else made
