@@ -143,6 +143,52 @@ def recv_more_fds(sock: socket.socket, have: list[int], count: int, *, timeout_s
     return have
 
 
+class FdStream:
+    """The fds of a hand-over whose sender sends them in batches after its first message (each
+    batch as :func:`send_fds` sends more than :data:`SCM_MAX_FD`), taken from the socket in order
+    as they are asked for: ``stream[i]`` blocks until fd ``i`` has arrived, at most ``timeout_s``
+    per batch. ``len()`` is the count announced; :attr:`received` the fds that arrived so far,
+    which the caller owns (and closes, also when a receive raised). ``what`` names the hand-over
+    in errors."""
+
+    def __init__(self, sock: socket.socket, first: list[int], count: int, *, timeout_s: float, what: str):
+        self.sock, self.count, self.timeout_s, self.what = sock, count, timeout_s, what
+        self.received = first
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> int:
+        if not 0 <= i < self.count:
+            raise IndexError(f"{self.what}: fd {i} of {self.count}")
+        while len(self.received) <= i:
+            try:
+                more, _ = recv_fds(self.sock, min(SCM_MAX_FD, self.count - len(self.received)),
+                                   timeout_s=self.timeout_s, bufsize=1)
+            except WaitTimeoutError:
+                raise WaitTimeoutError(f"{self.what}: {len(self.received)} of {self.count} fds arrived, then none "
+                                       f"within {self.timeout_s:g} s") from None
+            except RendezvousError as exc:
+                raise RendezvousError(f"{self.what}: {len(self.received)} of {self.count} fds arrived, then: "
+                                      f"{exc}") from None
+            self.received.extend(more)
+        return self.received[i]
+
+    def drain(self) -> None:
+        """Take the fds still to come, ignoring a sender that stopped sending: a Unix socket closed
+        with messages unread resets the connection, and an answer sent just before is lost."""
+        try:
+            self.receive_all()
+        except (RendezvousError, WaitTimeoutError, OSError):
+            pass
+
+    def receive_all(self) -> list[int]:
+        """Every fd (waits for those still to come); returns :attr:`received`."""
+        if self.count:
+            self[self.count - 1]
+        return self.received
+
+
 def send_fd(sock: socket.socket, fd: int, message: bytes = b"") -> None:
     """Send one fd and a short message over a connected Unix socket (see :func:`send_fds`)."""
     send_fds(sock, [fd], message)
@@ -154,4 +200,4 @@ def recv_fd(sock: socket.socket, *, timeout_s: float = 30.0) -> tuple[int, bytes
     return fds[0], msg
 
 
-__all__ = ["pidfd_getfd", "take_fds", "send_fd", "recv_fd", "send_fds", "recv_fds", "recv_more_fds", "SCM_MAX_FD", "SYS_PIDFD_GETFD"]
+__all__ = ["pidfd_getfd", "take_fds", "FdStream", "send_fd", "recv_fd", "send_fds", "recv_fds", "recv_more_fds", "SCM_MAX_FD", "SYS_PIDFD_GETFD"]

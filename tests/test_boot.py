@@ -36,6 +36,14 @@ def _wait_resident(image, shm, device_state=("mapped", "pinned")):
         time.sleep(0.02)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _image_bytes(image_dir) -> bytes:
     return read_image(image_dir, 0).path.read_bytes()
 
@@ -111,11 +119,13 @@ def test_a_served_prepare_asks_for_the_copy_before_it_parses_the_metadata(image,
     seen = []
 
     def record(handle, *args):
-        seen.append(handle.session is not None and handle.session.used)
+        seen.append(handle.session is not None)  # made once the request, with the arena, went out
         return open_metadata(handle, *args)
 
     monkeypatch.setattr(PreparedLoad, "open_metadata", record)
-    with flashboot.load(image, 0, "cpu", prepared=flashboot.prepare(image, 0, "cpu", shm_dir=shm), verify=True) as li:
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    assert handle.session is not None  # prepare returned with the copy asked for
+    with flashboot.load(image, 0, "cpu", prepared=handle, verify=True) as li:
         assert bytes(li.arena.bytes()[:li.nbytes].numpy()) == _image_bytes(image)
     assert seen == [True]
 
@@ -149,13 +159,17 @@ def test_prepared_handle_refuses_a_wrong_tp_before_allocating(image, shm, daemon
 
 
 def test_daemon_dying_during_the_early_copy_is_a_clear_error(image, shm, daemon, monkeypatch):
-    start_copy = client.ServedSession.start_copy
+    connect = client._connect
 
-    def die_then_start(session):  # the daemon dies between the attachment and its early copy
+    def connect_then_die(path, timeout_s):  # the daemon dies as the early copy is asked for
+        sock = connect(path, timeout_s)
         os.kill(daemon, signal.SIGKILL)
-        start_copy(session)
+        deadline = time.monotonic() + 10
+        while _alive(daemon) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return sock
 
-    monkeypatch.setattr(client.ServedSession, "start_copy", die_then_start)
+    monkeypatch.setattr(client, "_connect", connect_then_die)
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
     t0 = time.monotonic()
     with pytest.raises(RendezvousError, match="preloader at .* (went away|closed the connection|dropped the connection)"):
@@ -287,15 +301,15 @@ def test_two_live_handles_for_one_rank_and_device_both_load(image, shm, daemon):
 
 
 def test_close_waits_for_a_running_copy_and_never_unmaps_under_it(image, shm, daemon, monkeypatch):
-    wait_copy = client.ServedSession.wait_copy
+    wait_copy = client.ServedCopy.wait
     copying = threading.Event()
 
-    def slow_wait(session, **kw):  # the daemon's copy takes a second
+    def slow_wait(copy):  # the daemon's copy takes a second
         copying.set()
         time.sleep(1.0)
-        return wait_copy(session, **kw)
+        return wait_copy(copy)
 
-    monkeypatch.setattr(client.ServedSession, "wait_copy", slow_wait)
+    monkeypatch.setattr(client.ServedCopy, "wait", slow_wait)
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
     assert copying.wait(30)
     with pytest.raises(WaitTimeoutError, match="its copy still ran after 0.1 s"):

@@ -586,3 +586,108 @@ def test_each_device_has_its_own_copy_lock(image, tmp_path):
     assert not a.acquire(0.01)
     a.release()
     b.release()
+
+
+@pytest.fixture(scope="module")
+def multi_segment_image(tmp_path_factory):
+    """An image of ~12 MB: several 2 MiB host segments, so a load hands its arena over in batches."""
+    from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
+
+    import flashboot
+
+    root = tmp_path_factory.mktemp("service-segments")
+    spec = CheckpointSpec("segments", layers=2, experts=4, expert_rows=512, expert_cols=512, hidden=64, vocab=64,
+                          shards=1)
+    make_checkpoint(str(root / "ckpt"), spec, device="cpu")
+    flashboot.prepack(str(root / "ckpt"), str(root / "image"), progress=False)
+    return root / "image"
+
+
+@pytest.fixture
+def batches(monkeypatch):
+    """One 2 MiB segment per batch; records how many fds each message the engine sends carries."""
+    from flashboot import fdshare
+    from flashboot.arena.segments import HOST_GRANULARITY
+
+    monkeypatch.setattr(client, "STREAM_BATCH_BYTES", HOST_GRANULARITY)
+    sent: list[int] = []
+    real = fdshare.send_fds
+
+    def counting(sock, fds, message=b""):
+        sent.append(len(fds))
+        return real(sock, fds, message)
+
+    monkeypatch.setattr(fdshare, "send_fds", counting)
+    return sent
+
+
+def _segmented_arena(nbytes: int) -> Arena:
+    from flashboot.arena.segments import HOST_GRANULARITY
+
+    return Arena.create(nbytes, "cpu", segment_bytes=HOST_GRANULARITY)
+
+
+def test_a_load_hands_its_arena_over_batch_by_batch_and_the_copy_is_exact(multi_segment_image, tmp_path, batches):
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        fds_before = _fds()
+        src = shm_files.rank_source(multi_segment_image, 0)
+        with _segmented_arena(src.nbytes) as arena:
+            assert arena.segments >= 4
+            client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
+            assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+            assert batches == [1] * arena.segments  # the request with the first fd, then one message each
+        d.idle()
+        assert _fds_after_settling(fds_before) == fds_before
+    finally:
+        d.close()
+
+
+def test_an_export_failing_mid_hand_over_stops_the_daemon_before_the_error_is_raised(multi_segment_image, tmp_path,
+                                                                                       batches, monkeypatch):
+    """The engine's export of a later batch fails: the daemon, waiting for those fds, is told (the
+    socket's write side shut), stops and answers; only then does the error reach the caller, so
+    the daemon no longer writes into the arena the caller releases. It keeps serving."""
+    from flashboot.errors import ArenaError
+
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        fds_before = _fds()
+        src = shm_files.rank_source(multi_segment_image, 0)
+        real = Arena.export_segments
+
+        def failing(arena, first, last):
+            if first >= 2:
+                raise ArenaError(f"injected: exporting segment {first} failed")
+            return real(arena, first, last)
+
+        monkeypatch.setattr(Arena, "export_segments", failing)
+        with _segmented_arena(src.nbytes) as arena:
+            with pytest.raises(ArenaError, match="injected: exporting segment 2"):
+                client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
+            assert batches == [1, 1]
+        d.idle()  # the daemon had answered before the error was raised: nothing of it still runs
+        assert any("2 of" in line and "fds arrived, then" in line for line in d.log), d.log
+        assert _fds_after_settling(fds_before) == fds_before
+        monkeypatch.setattr(Arena, "export_segments", real)
+        with _segmented_arena(src.nbytes) as arena:
+            client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
+            assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+    finally:
+        d.close()
+
+
+def test_a_daemon_that_refuses_a_batched_load_is_heard_by_name(multi_segment_image, tmp_path, batches):
+    """A request the daemon refuses at once (another pre-pack's sha256): it answers and hangs up
+    while the engine may still be sending fds; the engine raises the daemon's reason, not a broken pipe."""
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        src = shm_files.rank_source(multi_segment_image, 0)
+        with _segmented_arena(src.nbytes) as arena:
+            with pytest.raises(LayoutError, match="holds rank 0 of another pre-pack"):
+                client.start_served_load(arena, image_dir=multi_segment_image, rank=0, nbytes=src.nbytes,
+                                         metadata_sha256="0" * 64, timeout_s=10, shm_dir=d.shm).wait()
+        d.idle()
+        d.load_exact()
+    finally:
+        d.close()

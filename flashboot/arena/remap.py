@@ -158,8 +158,7 @@ def replace_backing(arena, staging, timings: dict | None = None) -> float:
             for r in new + old:
                 seg.release(r)
             raise
-        arena._exports.release()  # descriptors handed out name the old segments
-        arena._descriptor = None
+        arena._revoke_exports()  # descriptors handed out name the old segments
         t_unmap = time.perf_counter()
         arena._backing.release()  # unmaps the old segments; their memory lives on through ``old``
         t_map = time.perf_counter()

@@ -110,8 +110,7 @@ class SleepWake:
             waits = [] if drain is None else [drain(i * self._segment_bytes, self._segment_span(i))
                                               for i in range(self.segments)]
             t_issued = time.perf_counter()
-            self._exports.release()  # before any release: an exported fd would keep a segment's memory
-            self._descriptor = None
+            self._revoke_exports()  # before any release: an exported fd would keep a segment's memory
             t_revoked = time.perf_counter()
             segments, steps = self._segments, {}
             self._segments, self._asleep = None, True
@@ -168,9 +167,9 @@ class SleepWake:
             t0 = time.perf_counter()
             _cuda.use_device(self._home_device.index)
             segments = self._segments
-            self._segments, self._descriptor, self._asleep = None, None, True
+            self._segments, self._asleep = None, True
             try:
-                self._exports.release()
+                self._revoke_exports()
                 handed = segments.detach()
             finally:
                 self._backing.release()  # the detached segments' step: nothing left to release

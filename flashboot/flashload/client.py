@@ -231,16 +231,48 @@ class ServedCopy:
         except Exception:
             pass
 
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def close(self) -> None:
+        """Hang up without the reply (idempotent): only once the daemon is done with the arena
+        (after :meth:`wait` or :meth:`settle`, which close it themselves)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+STREAM_BATCH_BYTES = 1 << 30
+"""A load's arena is handed to the daemon in batches of segments of this many bytes (the daemon's
+copy pieces, :data:`~flashboot.flashload.serve_copy.SERVE_CHUNK_BYTES`): the request carries the
+first batch, and the daemon copies it while the next ones are exported (30 ms of exports for
+13.8 GB on the H200, once before the copy's first byte)."""
+
 
 def _send_arena(op: str, arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
                 shm_dir=None, **extra) -> tuple[socket.socket, Path]:
     """Connect to the daemon for ``image_dir`` (waiting up to ``timeout_s`` for its socket) and send
-    ``op`` for rank ``rank`` with ``arena``'s descriptor and its fds attached; returns the socket."""
+    ``op`` for rank ``rank`` with ``arena``'s descriptor and its fds attached; returns the socket.
+
+    A ``load`` of more than one batch (:data:`STREAM_BATCH_BYTES`) sends the fds of the first batch
+    with the request (``fds_follow``) and the others as they are exported; if an export fails
+    meanwhile, the daemon is told (the socket's write side shut) and its answer awaited, so it
+    no longer copies into the arena when the error reaches the caller."""
     from ..fdshare import send_fds
 
-    desc = arena.export()
+    segments = arena.segments
+    per = max(1, STREAM_BATCH_BYTES // arena.segment_bytes)
+    streamed = op == "load" and segments > per
+    if streamed:
+        desc, first = arena.socket_descriptor(), arena.export_segments(0, per)
+    else:
+        desc = arena.export()
+        first = list(desc.fds)
     req = {"op": op, "rank": rank, "descriptor": desc.to_dict(), "nbytes": nbytes,
            "metadata_sha256": metadata_sha256, "timeout_s": timeout_s, "pci_bus_id": None, **extra}
+    if streamed:
+        req["fds_follow"] = True
     if arena.device.is_cuda:
         from ..pinning import gpu_pci_bus_id
 
@@ -248,11 +280,42 @@ def _send_arena(op: str, arena, *, image_dir, rank: int, nbytes: int, metadata_s
     path = socket_path(image_dir, shm_dir)
     sock = _connect(path, timeout_s)
     try:
-        send_fds(sock, list(desc.fds), json.dumps(req).encode())
-    except BaseException:
+        send_fds(sock, first, json.dumps(req).encode())
+    except BaseException as exc:
         sock.close()
+        if isinstance(exc, OSError):
+            raise _went_away(path, rank, exc) from None
         raise
+    if streamed:
+        try:
+            for lo in range(per, segments, per):
+                send_fds(sock, arena.export_segments(lo, min(segments, lo + per)))
+        except BaseException as exc:
+            reply = _stop_streamed(sock, path, rank, timeout_s + 60 + nbytes / 1e9)
+            if isinstance(exc, OSError):
+                if reply is not None and not reply.get("ok"):  # it refused the request and hung up: its reason
+                    _raise_remote(reply, f"served load of rank {rank} by the preloader at {path}")
+                raise _went_away(path, rank, exc) from None
+            raise
     return sock, path
+
+
+def _went_away(path: Path, rank: int, exc: OSError) -> RendezvousError:
+    return RendezvousError(f"the preloader at {path} went away while rank {rank}'s arena was handed to it "
+                           f"({type(exc).__name__}); did it exit? see `flashboot preload DIR --status`")
+
+
+def _stop_streamed(sock: socket.socket, path: Path, rank: int, timeout_s: float) -> dict | None:
+    """A streamed hand-over broke off on this side: shut the write side (the daemon's next fd
+    receive ends, it stops copying and answers), wait for that answer and hang up; returns the
+    answer, or None when the daemon is gone. Either way it no longer writes into the arena."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        return _read_reply(sock, path, f"the broken-off 'load' for rank {rank}", timeout_s)
+    except (FlashBootError, OSError):
+        return None
+    finally:
+        sock.close()
 
 
 def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,

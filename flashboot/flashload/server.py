@@ -23,7 +23,7 @@ from ..errors import (
     RendezvousError,
     WaitTimeoutError,
 )
-from ..fdshare import SCM_MAX_FD, recv_more_fds
+from ..fdshare import SCM_MAX_FD, FdStream, recv_more_fds
 from .protocol import PeerCredentials, _error_payload, peer_credentials
 from .shm import (
     _unlink_quietly,
@@ -373,6 +373,7 @@ class PreloadServer:
 
     def _handle(self, conn: socket.socket) -> None:
         fds: list[int] = []
+        supply: FdStream | list[int] = fds
         attached: _Attached | None = None
         try:
             with conn:
@@ -399,8 +400,14 @@ class PreloadServer:
                         if not fds:
                             raise RendezvousError(f"{op} request without the arena's fd attached")
                         count = _descriptor_fd_count(req)
-                        recv_more_fds(conn, fds, count, timeout_s=self.request_timeout_s)  # > SCM_MAX_FD segments
-                        attached = self._attach(req, fds)
+                        if req.get("fds_follow"):  # the engine exports the rest while the copy starts
+                            if op != "load":
+                                raise RendezvousError(f"fds_follow applies to a 'load' request, not {op!r}")
+                            supply = FdStream(conn, fds, count, timeout_s=self.request_timeout_s,
+                                              what=f"the arena of rank {req.get('rank')}'s load")
+                        else:
+                            supply = recv_more_fds(conn, fds, count, timeout_s=self.request_timeout_s)  # > SCM_MAX_FD segments
+                        attached = self._attach(req, supply)
                         reply = attached.reply() if op == "attach" else self._copy(attached)
                     else:
                         raise RendezvousError(f"unknown request op {op!r}; known: load, attach, status")
@@ -415,6 +422,8 @@ class PreloadServer:
                     reply = {**reply, "message": reply.get("message", "")[:_MAX_MESSAGE_CHARS] + " [...]", "attrs": {}}
                     data = json.dumps(reply).encode()
                 conn.send(data)
+                if isinstance(supply, FdStream):  # the rest, unused: closing on unread ones would lose the answer
+                    supply.drain()
                 if attached is not None and reply.get("ok") and op == "attach":
                     self._copy_when_asked(conn, attached, float(req.get("hold_s", DEFAULT_HOLD_S)))
         except OSError as exc:
@@ -659,6 +668,7 @@ _LOAD_FIELDS = {
     "timeout_s": ("a finite number >= 0", finite_at_least(0)),
     "pci_bus_id": ("null or a string", lambda v: v is None or is_str(v)),
     "hold_s": ("a finite number >= 0", finite_at_least(0)),
+    "fds_follow": ("true (the fds after the first batch follow the request)", lambda v: v is True),
 }
 """The fields of a load request, what each must be (in words) and its test; all optional but the
 descriptor (defaults: see :meth:`PreloadServer._serve_load`)."""

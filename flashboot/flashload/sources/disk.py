@@ -160,6 +160,7 @@ class DiskSource(Source):
 
     def start_prepared(self, handle, t: float) -> float:
         """The reads start at once; the views are built beside them (the arena exists)."""
+        handle.copy_issued()
         stats, _ = _stream_beside_views(handle.image.path, handle.nbytes, handle.arena, handle.stream_config,
                                         handle.build_views)
         handle.copy = {"h2d_ms": stats.seconds * 1e3, "stats": stats}

@@ -94,6 +94,7 @@ class PinnedSource(Source):
         handle.staged = StagedImage(handle.image_dir, handle.rank, handle.device, timeout_s=handle.timeout_s,
                                     shm_dir=handle.shm_dir, source=handle.rank_source)
         t = handle.phase("stage_start", t)
+        handle.copy_issued()  # the pin runs in the driver; the copy follows it
         handle.mover = mover_for(handle.device)
         warm_copy(handle.device, handle.mover)
         t = handle.phase("warm", t)

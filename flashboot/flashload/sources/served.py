@@ -67,8 +67,7 @@ class ServedSource(Source):
         try:
             t1 = time.perf_counter()
             arena = Arena.create(nbytes, dev)
-            arena.export()
-            t2 = time.perf_counter()
+            t2 = time.perf_counter()  # the exports go with the request, batch by batch (client.STREAM_BATCH_BYTES)
             copy = start_served_load(arena, image_dir=str(image_dir), rank=rank, nbytes=nbytes, metadata_sha256=sha,
                                      timeout_s=timeout_s, shm_dir=shm_dir, verify=verify)
             t3 = time.perf_counter()
@@ -112,11 +111,12 @@ class ServedSource(Source):
 
     def start_prepared(self, handle, t: float) -> float:
         """Copy first (:attr:`copies_before_metadata`), as a plain served load: wait for the
-        ``.ready`` of these metadata bytes, create the arena of its size, attach it and ask the
-        daemon for its H2D at once (it maps the segments piece by piece during the copy); the
-        strict read of the metadata and the views run while it copies. A refusal of the
-        metadata waits for the daemon to be done with the arena before it is released."""
-        from ..client import attach_served, served_ready
+        ``.ready`` of these metadata bytes, create the arena of its size and hand it to the
+        daemon, which copies at once (the fds of later batches follow while the first ones
+        copy, and it maps the segments piece by piece); the strict read of the metadata and the
+        views run while it copies. A refusal of the metadata waits for the daemon to be done
+        with the arena before it is released."""
+        from ..client import served_ready, start_served_load
 
         mf = handle.metadata_file
         ready = served_ready(handle.image_dir, handle.rank, mf.sha256, mf.where, timeout_s=handle.timeout_s,
@@ -126,23 +126,20 @@ class ServedSource(Source):
         t = handle.phase("wait", t)
         handle.create_arena(ready.nbytes)
         t = handle.phase("arena", t)
-        handle.session = attach_served(handle.arena, image_dir=handle.image_dir, rank=handle.rank,
-                                       nbytes=ready.nbytes, metadata_sha256=mf.sha256, timeout_s=handle.timeout_s,
-                                       shm_dir=handle.shm_dir, hold_s=handle.hold_s, verify=handle.verify)
-        handle.phases_ms["daemon_map"] = float(handle.session.attach_reply.get("map_ms", 0.0))
-        handle.session.start_copy()
+        handle.session = start_served_load(handle.arena, image_dir=handle.image_dir, rank=handle.rank,
+                                           nbytes=ready.nbytes, metadata_sha256=mf.sha256,
+                                           timeout_s=handle.timeout_s, shm_dir=handle.shm_dir, verify=handle.verify)
         t_copy = handle.phase("attach", t)
+        handle.copy_issued()
         try:
             handle.open_metadata(ready.nbytes)
             handle.phase("metadata", t_copy)
             handle.build_views()
         except BaseException:
-            try:
-                handle.session.wait_copy(timeout_s=handle.timeout_s + 60)  # the daemon may still write into it
-            except Exception:  # noqa: BLE001 - the metadata's refusal is the error to raise
-                pass
+            handle.session.settle()  # the daemon may still write into it
             raise
-        reply = handle.session.wait_copy(timeout_s=handle.timeout_s + 60)
+        reply = handle.session.wait()
+        handle.phases_ms["daemon_map"] = float(reply.get("map_ms", 0.0))
         handle.copy = {"h2d_ms": reply["h2d_ms"], "reply": reply}
         return t_copy
 
