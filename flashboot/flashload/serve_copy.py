@@ -91,6 +91,18 @@ def _pipelined_digests(res: "_Resident") -> bool:
     return res.checksum_chunk_bytes % 4 == 0 and res.nbytes > 0
 
 
+def wait_without_spinning(stream) -> None:
+    """Wait for the work queued on the CuPy ``stream`` through a blocking-sync event: the thread
+    sleeps until the device signals, where ``stream.synchronize()`` would spin a CPU core for the
+    whole copy (CUDA spins when the cores outnumber the GPUs). An engine builds its model beside
+    the daemon's copy, and a spinning thread takes a core, or an SMT sibling, from it."""
+    import cupy
+
+    done = cupy.cuda.Event(block=True, disable_timing=True)
+    done.record(stream)
+    done.synchronize()
+
+
 def _start_piece_digests(attached: "_Attached", off: int, n: int):
     """Launch the digests of the piece ``[off, off + n)`` on the verify stream, after the copy
     issued so far on the copy stream (an event between them: the two run on different engines)."""
@@ -109,6 +121,7 @@ def _collect_digests(attached: "_Attached", pending: list, copied_at: float) -> 
     """The digests launched during the copy, read back in order; ``checksum_ms``: how long after
     the copy's end they were all in (the rest overlapped the copy)."""
     res = attached.res
+    wait_without_spinning(attached.verify_stream)  # the read-backs below then find the digests done
     digests = [d for piece in pending for d in piece.digests()]
     return {"digests": [int(d) for d in digests], "checksum_chunk_bytes": res.checksum_chunk_bytes,
             "checksum_ms": max(0.0, (time.perf_counter() - copied_at) * 1e3), "checksum_overlapped": True}

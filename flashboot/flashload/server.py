@@ -43,6 +43,7 @@ from .serve_copy import (
     _start_piece_digests,
     _warm_cuda_copy,
     serve_pieces,
+    wait_without_spinning,
 )
 from .staging import PreloadConfig, StageResult, stage_rank
 
@@ -564,7 +565,7 @@ class PreloadServer:
                             if stream is not None:
                                 stream.synchronize()
                         raise
-                    attached.stream.synchronize()
+                    wait_without_spinning(attached.stream)
             else:
                 _read_staged(res, arena.span(0, res.nbytes))
             h2d_ms = (time.perf_counter() - t1) * 1e3
