@@ -201,32 +201,6 @@ def test_unused_handle_releases_the_daemons_attachment(image, shm, daemon):
         assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
 
 
-def test_daemon_drops_an_attachment_never_asked_to_copy(image, shm):
-    from flashboot.arena import Arena
-    from flashboot.layouts.image import read_metadata_file
-
-    pid = service.start_background(staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True), timeout_s=60)
-    try:
-        _wait_resident(image, shm)
-        nbytes = read_image(image, 0).nbytes
-        with Arena.create(nbytes, "cpu") as arena:
-            session = client.attach_served(arena, image_dir=str(image), rank=0, nbytes=nbytes,
-                                           metadata_sha256=read_metadata_file(image, 0).sha256, timeout_s=30,
-                                           shm_dir=shm, hold_s=0.5)
-            arena_id = arena.export().arena_id
-            assert _daemon_maps(image, shm, arena_id) > 0
-            deadline = time.monotonic() + 10
-            while _daemon_maps(image, shm, arena_id):
-                assert time.monotonic() < deadline, "the daemon held the attachment past hold_s"
-                time.sleep(0.05)
-            with pytest.raises(RendezvousError):
-                session.copy(timeout_s=10)
-        assert "did not ask for its copy within 0.5 s" in shm_files.log_file(image, shm).read_text()
-        assert service.service_status(image, shm).pid == pid  # and it keeps serving
-    finally:
-        service.stop_service(image, shm, timeout_s=30)
-
-
 # ---------------------------------------------------------------------------------- GPU
 @pytest.fixture
 def gpu_shm():

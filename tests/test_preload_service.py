@@ -7,7 +7,6 @@ are raw sockets, forked children of another uid, or engine processes."""
 
 from __future__ import annotations
 
-import contextlib
 import grp
 import json
 import os
@@ -458,28 +457,22 @@ def test_a_client_that_shrinks_memory_the_daemon_maps_cannot_kill_it(image, daem
         fake = os.memfd_create(f"flashboot-arena-{desc.arena_id}.0", os.MFD_CLOEXEC)  # a look-alike, unsealed
         try:
             os.ftruncate(fake, desc.nbytes)
-            req = {"op": "attach", "rank": 0, "descriptor": desc.to_dict(), "nbytes": src.nbytes,
+            req = {"op": "load", "rank": 0, "descriptor": desc.to_dict(), "nbytes": src.nbytes,
                    "metadata_sha256": src.metadata_sha256, "timeout_s": 5, "pci_bus_id": None}
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
                 s.connect(str(shm_files.socket_path(image, shm)))
                 send_fds(s, [fake], json.dumps(req).encode())
                 s.settimeout(10)
                 reply = json.loads(s.recv(1 << 20))
-                os.ftruncate(fake, 0)
-                with contextlib.suppress(OSError):  # the attack goes on, refused or not (it was not: SIGBUS)
-                    s.send(json.dumps({"op": "copy"}).encode())
-                    s.recv(1 << 20)
         finally:
             os.close(fake)
         assert reply["ok"] is False and reply["error"] == "ArenaError", reply
         assert (f"(segment 0 of arena {desc.arena_id}, {desc.nbytes:,} bytes) is not sealed against shrinking: "
                 "seals found: F_SEAL_SEAL; required: F_SEAL_SHRINK") in reply["message"]  # created without MFD_ALLOW_SEALING
-        # a real arena attached: it cannot shrink under the daemon
-        session = client.attach_served(arena, image_dir=image, rank=0, nbytes=src.nbytes,
-                                       metadata_sha256=src.metadata_sha256, timeout_s=10, shm_dir=shm)
+        # a real arena: it cannot shrink under the daemon, which copies into it
         with pytest.raises(PermissionError):
             os.ftruncate(desc.fds[0], 0)
-        session.copy(timeout_s=10)
+        client.served_load(arena, src, timeout_s=10, shm_dir=shm)
         assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
     assert proc.poll() is None, log.read_text()
     # the staged image the daemon holds, truncated by a process of the same uid
@@ -688,6 +681,30 @@ def test_a_daemon_that_refuses_a_batched_load_is_heard_by_name(multi_segment_ima
                 client.start_served_load(arena, image_dir=multi_segment_image, rank=0, nbytes=src.nbytes,
                                          metadata_sha256="0" * 64, timeout_s=10, shm_dir=d.shm).wait()
         d.idle()
+        d.load_exact()
+    finally:
+        d.close()
+
+
+def test_a_load_whose_fds_stop_coming_times_out_by_name_and_nothing_leaks(multi_segment_image, tmp_path):
+    """A client announces its arena's fds in batches, sends the first and goes silent: the daemon
+    waits for the next at most its request timeout, answers naming how many arrived, and keeps serving."""
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        fds_before = _fds()
+        src = shm_files.rank_source(multi_segment_image, 0)
+        with _segmented_arena(src.nbytes) as arena:
+            req = {"op": "load", "rank": 0, "descriptor": arena.socket_descriptor().to_dict(), "nbytes": src.nbytes,
+                   "metadata_sha256": src.metadata_sha256, "timeout_s": 5, "pci_bus_id": None, "fds_follow": True}
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                s.connect(str(d.path))
+                send_fds(s, arena.export_segments(0, 1), json.dumps(req).encode())
+                s.settimeout(30)
+                reply = json.loads(s.recv(1 << 20))
+        assert reply["ok"] is False and reply["error"] == "WaitTimeoutError", reply
+        assert f"1 of {arena.segments} fds arrived, then none within 1 s" in reply["message"], reply
+        d.idle()
+        assert _fds_after_settling(fds_before) == fds_before
         d.load_exact()
     finally:
         d.close()

@@ -280,14 +280,14 @@ class PreparedLoad:
     """
 
     def __init__(self, image_dir, rank: int, device: Any, *, mode: str, timeout_s: float, shm_dir, tp, ep,
-                 expected_key, hold_s: float | None, stream_buffer_bytes=None, verify: bool | None = None):
+                 expected_key, stream_buffer_bytes=None, verify: bool | None = None):
         if mode not in MODES:
             raise FlashBootError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
         self.image_dir, self.rank, self.device = str(image_dir), rank, Device.parse(device)
         self.real_dir = os.path.realpath(self.image_dir)
-        self.timeout_s, self.shm_dir, self.hold_s = float(timeout_s), shm_dir, hold_s
+        self.timeout_s, self.shm_dir = float(timeout_s), shm_dir
         self.tp, self.ep, self.expected_key = tp, ep, expected_key
         # None: chosen once the mode is known (a served copy is verified by the daemon, cheaply)
         self.asked_verify = None if verify is None else bool(verify)
@@ -576,7 +576,7 @@ def prepare(image_dir, rank: int = 0, device: Any = None, *, mode: str = "auto",
     Errors surface from the load (or :meth:`PreparedLoad.wait`), with their own class.
     """
     handle = PreparedLoad(image_dir, rank, device, mode=mode, timeout_s=timeout_s, shm_dir=shm_dir, tp=tp, ep=ep,
-                          expected_key=expected_key, hold_s=hold_s, stream_buffer_bytes=stream_buffer_bytes,
+                          expected_key=expected_key, stream_buffer_bytes=stream_buffer_bytes,
                           verify=verify)
     handle._issued.wait(PREPARE_RETURN_S)
     return handle

@@ -51,8 +51,6 @@ _MAX_REPLY_BYTES = 64 << 10
 _MAX_MESSAGE_CHARS = 4096
 """An error about a request echoes its fields; one of ~200 KB (found by fuzzing: a 200,000-character
 arena id) made a reply longer than one SOCK_SEQPACKET message, and the engine got none."""
-DEFAULT_HOLD_S = 3600.0
-"""How long an attached engine (``flashboot.prepare``) may take before it asks for its copy."""
 MAX_REQUEST_BYTES = 64 << 10
 """A request is a few hundred bytes of JSON (a 1,000-segment descriptor is ~40 KB); a longer one
 is refused whole: SOCK_SEQPACKET truncates it and says so (MSG_TRUNC)."""
@@ -397,21 +395,19 @@ class PreloadServer:
                     op = req["op"]
                     if op == "status":
                         reply = self.status()
-                    elif op in ("load", "attach"):
+                    elif op == "load":
                         if not fds:
-                            raise RendezvousError(f"{op} request without the arena's fd attached")
+                            raise RendezvousError("load request without the arena's fd attached")
                         count = _descriptor_fd_count(req)
                         if req.get("fds_follow"):  # the engine exports the rest while the copy starts
-                            if op != "load":
-                                raise RendezvousError(f"fds_follow applies to a 'load' request, not {op!r}")
                             supply = FdStream(conn, fds, count, timeout_s=self.request_timeout_s,
                                               what=f"the arena of rank {req.get('rank')}'s load")
                         else:
                             supply = recv_more_fds(conn, fds, count, timeout_s=self.request_timeout_s)  # > SCM_MAX_FD segments
                         attached = self._attach(req, supply)
-                        reply = attached.reply() if op == "attach" else self._copy(attached)
+                        reply = self._copy(attached)
                     else:
-                        raise RendezvousError(f"unknown request op {op!r}; known: load, attach, status")
+                        raise RendezvousError(f"unknown request op {op!r}; known: load, status")
                 except _StagingFailed as exc:  # the staging error's class, with the daemon's words
                     reply = {**_error_payload(exc.error), "message": str(exc)}
                 except BaseException as exc:  # every failure goes back to the engine, named
@@ -425,8 +421,6 @@ class PreloadServer:
                 conn.send(data)
                 if isinstance(supply, FdStream):  # the rest, unused: closing on unread ones would lose the answer
                     supply.drain()
-                if attached is not None and reply.get("ok") and op == "attach":
-                    self._copy_when_asked(conn, attached, float(req.get("hold_s", DEFAULT_HOLD_S)))
         except OSError as exc:
             self.log(f"engine connection lost: {exc}")
         finally:
@@ -434,34 +428,6 @@ class PreloadServer:
                 attached.arena.close()
             for fd in fds:
                 os.close(fd)
-
-    def _copy_when_asked(self, conn: socket.socket, attached: "_Attached", hold_s: float) -> None:
-        """An attached engine (``flashboot.prepare``) asks for the copy later on the same connection:
-        wait for its ``{"op": "copy"}`` (at most ``hold_s``, or until the daemon stops), copy, answer.
-        A connection closed first (the engine gave up or died) just releases the mapping."""
-        deadline = time.monotonic() + hold_s
-        conn.settimeout(0.2)
-        while True:
-            try:
-                msg = conn.recv(MAX_REQUEST_BYTES)
-                break
-            except socket.timeout:
-                if self.stop.is_set() or time.monotonic() >= deadline:
-                    self.log(f"rank {attached.rank}: attached engine did not ask for its copy within {hold_s:g} s; "
-                             "released its arena")
-                    return
-        if not msg:
-            return
-        try:
-            req = _parse_request(msg)
-            if req.get("op") != "copy":
-                raise FlashBootError(f"an attached engine may only ask for 'copy', not {req.get('op')!r}")
-            reply = self._copy(attached)
-        except BaseException as exc:
-            reply = _error_payload(exc)
-            self.log(f"copy failed: {type(exc).__name__}: {exc}")
-        conn.settimeout(self.request_timeout_s)
-        conn.send(json.dumps(reply).encode())
 
     def status(self) -> dict:
         return {"ok": True, "pid": os.getpid(), "image_dir": self.config.image_dir,
@@ -475,12 +441,12 @@ class PreloadServer:
         with self._locks_lock:
             return self._copy_locks.setdefault(key, _FifoLock())
 
-    def _attach(self, req: dict, fds: list[int]) -> "_Attached":
+    def _attach(self, req: dict, fds: "list[int] | FdStream") -> "_Attached":
         """Check the request against the resident rank and open the engine's arena (its first
         segment mapped); :meth:`_copy` maps each piece's segments just before issuing its copy,
-        so the mapping of the next piece overlaps the copy of this one. An attach ahead of the
-        load maps no more than a load: ``flashboot.prepare`` asks for its copy at once, and
-        mapping all of a 13.8 GB arena first only delayed the copy's start."""
+        so the mapping of the next piece overlaps the copy of this one (mapping all of a 13.8 GB
+        arena first only delayed the copy's start). ``fds``: a list, or an
+        :class:`~flashboot.fdshare.FdStream` whose later fds arrive while the first pieces copy."""
         from ..arena import Arena, ArenaDescriptor
 
         rank = req.get("rank")
@@ -668,7 +634,6 @@ _LOAD_FIELDS = {
     "metadata_sha256": ("a string", is_str),
     "timeout_s": ("a finite number >= 0", finite_at_least(0)),
     "pci_bus_id": ("null or a string", lambda v: v is None or is_str(v)),
-    "hold_s": ("a finite number >= 0", finite_at_least(0)),
     "fds_follow": ("true (the fds after the first batch follow the request)", lambda v: v is True),
 }
 """The fields of a load request, what each must be (in words) and its test; all optional but the
@@ -681,7 +646,7 @@ def _parse_request(msg: bytes) -> dict:
     req = loads(msg, "request", RendezvousError)
     if not isinstance(req, dict) or type(req.get("op")) is not str:
         raise RendezvousError(f"request must be a JSON object with a string 'op', found {str(req)[:200]}")
-    if req["op"] in ("load", "attach"):
+    if req["op"] == "load":
         if "descriptor" not in req:
             raise RendezvousError(f"{req['op']} request without a descriptor")
         check_fields(req, _LOAD_FIELDS, RendezvousError, "load request: ")
