@@ -51,14 +51,17 @@ def test_prepared_served_load_is_the_copy(image, shm, daemon):
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
     handle.wait()
     assert handle.mode == "served" and f"pid {daemon}" in handle.why
-    assert set(handle.phases_ms) >= {"metadata", "arena", "attach", "views"}
-    assert len(handle.tensors) == len(read_image(image, 0).metadata.tensors)  # views exist before the load
+    assert set(handle.phases_ms) >= {"metadata", "arena", "attach"}
+    # the views are the load's (made with the GIL held: not in the thread beside the engine's work)
+    assert "views" not in handle.phases_ms and handle.tensors is None
     with flashboot.load(image, 0, "cpu", prepared=handle, verify=True) as loaded:
         rep = loaded.report
         assert rep.mode == "served, prepared" and rep.details["daemon_pid"] == daemon
-        # nothing one-time left on the critical path: no metadata, arena or views phase
-        assert rep.metadata_ms == rep.alloc_ms == rep.bind_ms == 0 and rep.h2d_ms > 0
-        assert rep.details["prepared_before_load"] is True and rep.details["prepared"]["views"] > 0
+        # nothing one-time left on the critical path but the views: no metadata or arena phase
+        assert rep.metadata_ms == rep.alloc_ms == 0 and rep.bind_ms > 0 and rep.h2d_ms > 0
+        assert rep.details["prepared_before_load"] is True
+        assert list(loaded.tensors) == list(read_image(image, 0).metadata.tensors)
+        assert handle.tensors is loaded.tensors
         assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
         img = read_image(image, 0)
         for name in list(img.tensors)[:10]:
@@ -250,7 +253,7 @@ def test_prepared_load_streams_from_disk_when_nothing_is_staged(image, shm):
     with handle.load(verify=True) as loaded:
         rep = loaded.report
         assert rep.mode == "streamed from disk, prepared" and rep.details["streamed_from_disk"] is True
-        assert rep.details["peak_buffer_bytes"] <= 64 << 10 and rep.metadata_ms == rep.bind_ms == 0
+        assert rep.details["peak_buffer_bytes"] <= 64 << 10 and rep.metadata_ms == 0 < rep.bind_ms
         assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
 
 

@@ -114,8 +114,8 @@ class ServedSource(Source):
         """Copy first (:attr:`copies_before_metadata`), as a plain served load: wait for the
         ``.ready`` of these metadata bytes, create the arena of its size, attach it and ask the
         daemon for its H2D at once (it maps the segments piece by piece during the copy); the
-        strict read of the metadata and the views run while it copies. A refusal of the
-        metadata waits for the daemon to be done with the arena before it is released."""
+        strict read of the metadata runs while it copies (the load makes the views). A refusal
+        of the metadata waits for the daemon to be done with the arena before it is released."""
         from ..client import attach_served, served_ready
 
         mf = handle.metadata_file
@@ -135,7 +135,6 @@ class ServedSource(Source):
         try:
             handle.open_metadata(ready.nbytes)
             handle.phase("metadata", t_copy)
-            handle.build_views()
         except BaseException:
             try:
                 handle.session.wait_copy(timeout_s=handle.timeout_s + 60)  # the daemon may still write into it
