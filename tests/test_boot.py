@@ -135,6 +135,49 @@ def test_a_served_prepare_asks_for_the_copy_before_it_parses_the_metadata(image,
         assert bytes(li.arena.bytes()[:li.nbytes].numpy()) == _image_bytes(image)
 
 
+def test_a_load_called_during_the_early_copy_makes_the_views_meanwhile(image, shm, daemon, monkeypatch):
+    """The load makes the views, not the prepare thread; called while the copy still runs (here
+    held for 1 s), it makes them then and waits for the copy after; a copy that fails after the
+    views were made is raised from the load, and the arena is released."""
+    from flashboot.flashload import client as client_mod
+    from flashboot.flashload import pipeline
+
+    events = []
+    wait_copy, make_views = client_mod.ServedSession.wait_copy, pipeline.make_views
+
+    def slow_copy(session, *, timeout_s):
+        reply = wait_copy(session, timeout_s=timeout_s)
+        time.sleep(1.0)
+        events.append("copy ended")
+        return reply
+
+    def views(arena, metadata):
+        out = make_views(arena, metadata)
+        events.append("views made")
+        return out
+
+    monkeypatch.setattr(client_mod.ServedSession, "wait_copy", slow_copy)
+    monkeypatch.setattr(pipeline, "make_views", views)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    with flashboot.load(image, 0, "cpu", prepared=handle, verify=True) as loaded:
+        assert events == ["views made", "copy ended"] and loaded.report.bind_ms > 0
+        assert loaded.report.details["prepared_before_load"] is False
+        assert loaded.tensors is handle.tensors and list(loaded.tensors) == list(loaded.metadata.tensors)
+        assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
+
+    def failed_copy(session, *, timeout_s):
+        wait_copy(session, timeout_s=timeout_s)
+        time.sleep(0.5)
+        raise RendezvousError("injected: the daemon went away during the copy")
+
+    events.clear()
+    monkeypatch.setattr(client_mod.ServedSession, "wait_copy", failed_copy)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    with pytest.raises(RendezvousError, match="injected"):
+        flashboot.load(image, 0, "cpu", prepared=handle)
+    assert events == ["views made"] and handle.arena.closed and handle.tensors is None
+
+
 def test_prepared_handle_refuses_a_repacked_image(image, shm, daemon):
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm).wait()
     meta = image / "rank-0" / "metadata.json"
