@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Branch cviews on one GPU, in one device call of under 4 minutes (each step's timeout: 60 + 130 + 2 x 20 s): the Python of a load of many
-# tensors (shape C: 40,250 tensors, 2.6 GB). Steps, each bounded by `timeout`:
+# Branch cviews on one GPU, in one device call of under 4 minutes: the Python of a load of many
+# tensors (shape C: 40,250 tensors, 2.6 GB). Steps, each bounded by `timeout` (60 + 130 + 2 x 20 s):
 #   tests  the GPU tests of the views and of the load paths whose views moved (prepare -> load)
 #   boot   `flashboot bench boot --shapes $SHAPES` served + prepared, end to end at W = 0 0.25 1
 #          (W slowed by the early call, total / max(W alone, bulk), the load, the pass after it)
