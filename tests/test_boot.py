@@ -279,6 +279,13 @@ def test_gpu_prepared_served_and_pinned_here(image, gpu_shm):
             assert li.report.mode == "served, prepared" and li.report.details["daemon_pinned"] is True
             assert "(verified by the daemon)" in li.report.details["verified"]
             assert bytes(li.arena.bytes()[:li.nbytes].cpu().numpy()) == _image_bytes(image)
+            img = read_image(image, 0)  # the views the load made, on the device, at their offsets
+            assert list(li.tensors) == list(img.tensors) and li.report.bind_ms > 0
+            for name, t in li.tensors.items():
+                e = img.tensors[name]
+                assert t.device == torch.device("cuda:0") and (tuple(t.shape), t.stride()) == (e.shape, e.stride)
+                assert t.numel() == 0 or t.data_ptr() == li.arena.ptr + e.offset, name
+                assert torch.equal(t.cpu().reshape(-1).view(torch.uint8), img.view(name).reshape(-1).view(torch.uint8))
         assert torch.cuda.current_device() == current
     finally:
         service.stop_service(image, gpu_shm)
