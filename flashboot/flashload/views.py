@@ -176,8 +176,9 @@ def _runs(offs: np.ndarray) -> tuple[list[tuple[int, int, np.ndarray]], np.ndarr
 
 def _phase_runs(x: np.ndarray):
     """Runs in ``x`` (every k-th offset, from one phase): a run ends where the step changes and the
-    next one starts after that entry. Returns ``(starts, lengths, valid, steps)`` (positions in
-    ``x``; valid: 2+ entries, step > 0)."""
+    next one starts after that entry, or with it where the step after it continues (the first
+    expert of the next layer). Returns ``(starts, lengths, valid, steps)`` (positions in ``x``;
+    valid: 2+ entries, step > 0)."""
     if len(x) < 2:
         one = np.zeros(len(x), np.int64)
         return one, one + 1, np.zeros(len(x), bool), one
@@ -185,6 +186,15 @@ def _phase_runs(x: np.ndarray):
     starts = np.concatenate(([0], np.flatnonzero(d[1:] != d[:-1]) + 2))
     starts = starts[starts < len(x)]
     lengths = np.diff(np.concatenate((starts, [len(x)])))
+    # The entry just after a jump (the first expert of the next layer) starts a run of one under
+    # that rule; where the step after it is the next run's step, that run starts with it.
+    lone = starts[(lengths == 1) & (starts + 2 < len(x))]
+    joined = lone[d[lone] == d[lone + 1]] + 1
+    if len(joined):
+        dropped = np.zeros(len(x), bool)
+        dropped[joined] = True
+        starts = starts[~dropped[starts]]
+        lengths = np.diff(np.concatenate((starts, [len(x)])))
     steps = d[np.minimum(starts, len(d) - 1)]
     return starts, lengths, (lengths >= 2) & (steps > 0), steps
 
