@@ -30,7 +30,8 @@ grep -E "ceiling|served:|prepared:|end to end:|FAILED|Error" "$OUT/boot.log" | h
 echo "=== restart in fresh processes: open + metadata + views ($(date +%T))"
 imgs=$(ls -d "$ROOT"/image-* 2>/dev/null)
 [ -n "$imgs" ] && for threads in 1 4; do
-  timeout 20 python3 -m flashboot.benchmarks.first_calls views $imgs --device cuda:0 --view-threads $threads >>"$OUT/views.jsonl"
+  timeout 20 python3 -m flashboot.benchmarks.first_calls views $imgs --device cuda:0 --view-threads $threads \
+    >>"$OUT/views.jsonl"
 done
 [ -s "$OUT/views.jsonl" ] && timeout 10 python3 - "$OUT/views.jsonl" <<'PY'
 import json, sys

@@ -178,6 +178,23 @@ def test_a_load_called_during_the_early_copy_makes_the_views_meanwhile(image, sh
     assert events == ["views made"] and handle.arena.closed and handle.tensors is None
 
 
+def test_waiting_for_the_views_is_bounded(image, shm, daemon, monkeypatch):
+    from flashboot.flashload.pipeline import PreparedLoad
+
+    open_metadata = PreparedLoad.open_metadata
+
+    def slow(handle, *args):
+        time.sleep(1.0)
+        return open_metadata(handle, *args)
+
+    monkeypatch.setattr(PreparedLoad, "open_metadata", slow)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    with pytest.raises(WaitTimeoutError, match=r"rank 0 of .* had not its arena and metadata within 0.05 s \(phases"):
+        handle.wait_viewable(0.05)
+    assert handle.wait_viewable() is True and handle.wait().tensors is None
+    handle.close()
+
+
 def test_prepared_handle_refuses_a_repacked_image(image, shm, daemon):
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm).wait()
     meta = image / "rank-0" / "metadata.json"

@@ -166,7 +166,8 @@ def test_runs_find_the_period_of_interleaved_experts(period):
     members = np.sort(np.concatenate([m for _, _, m in runs]))
     assert members.tolist() == list(range(len(offs)))
     for start, step, m in runs:
-        assert len(m) == experts and step == period * gap and offs[m].tolist() == [start + step * i for i in range(experts)]
+        assert len(m) == experts and step == period * gap
+        assert offs[m].tolist() == [start + step * i for i in range(experts)]
 
 
 def test_runs_never_join_tensors_at_one_offset():

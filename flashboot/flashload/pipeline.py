@@ -19,9 +19,9 @@ Three ways to pay the pin (``cuMemHostRegister``, about a third of the H2D rate)
 counts, and a cold load pays for reading and validating the metadata, creating and exporting the
 arena, the daemon's mapping of it, tens of thousands of views, and the first copy's set-up.
 :func:`prepare` starts all of that but the views in a background thread as soon as the engine
-starts (before it builds its model) and returns at once; the chosen source (:mod:`flashboot.flashload.choose`) then
-starts the copy as soon as it can, so an engine that builds its model for longer than the copy
-takes finds its weights in place. ``flashboot.load(..., prepared=handle)`` (or ``handle.load()``)
+starts (before it builds its model) and returns at once; the chosen source
+(:mod:`flashboot.flashload.choose`) then starts the copy as soon as it can, so an engine that
+builds its model for longer than the copy takes finds its weights in place. ``flashboot.load(..., prepared=handle)`` (or ``handle.load()``)
 makes the views (while the copy runs, if it still does: :meth:`PreparedLoad.wait_viewable` says
 why there), waits for that copy, checks that the image was not re-packed since, and verifies:
 
@@ -58,10 +58,10 @@ from ..errors import FlashBootError, LayoutError, WaitTimeoutError
 from ..memory import Device
 from .choose import choose, choose_copy_first, choose_prepared
 from .landing import DEFAULT_CHUNK_BYTES, admit, verify_loaded
-from .views import make_views
 from .report import LoadedImage, LoadReport
 from .sources import source_for_mode
 from .stream import StreamConfig
+from .views import make_views
 from .want import LoadRequest, Want, check_job_request, load_request, verify_default
 
 
@@ -275,8 +275,9 @@ class PreparedLoad:
     Attributes once :meth:`wait` returns: ``mode`` (``"served"``, ``"staged"`` or ``"stream"``), ``why`` (how
     the mode was chosen), ``load_source`` (the :class:`~flashboot.flashload.sources.base.Source`
     of that mode), ``rank_source`` (the validated image), ``arena``, ``metadata``, ``tensors``
-    (the views, once the load made them: :meth:`wait_viewable`), ``nbytes``, ``phases_ms`` (what the preparation paid, by phase, the early copy included) and ``copy``
-    (what the early copy measured: ``h2d_ms``, the daemon's reply or the stream's stats).
+    (the views, once the load made them: :meth:`wait_viewable`), ``nbytes``, ``phases_ms`` (what
+    the preparation paid, by phase, the early copy included) and ``copy`` (what the early copy
+    measured: ``h2d_ms``, the daemon's reply or the stream's stats).
     :meth:`close` releases everything if the handle is dropped without a load; at interpreter
     exit every live handle is settled the same way (bounded), so no background work outlives it.
     """
@@ -431,9 +432,11 @@ class PreparedLoad:
         made with the GIL held (1-2 us apiece), so in the background they take that long from
         the engine's own start-up work and more (every hand-over of the GIL costs it a wait),
         while in the load they cost exactly their time, and run while the copy does if it has
-        not ended. The bound is :meth:`wait`'s."""
+        not ended. WaitTimeoutError after :meth:`wait`'s bound."""
         limit = self.timeout_s + PREPARE_ALLOWANCE_S if timeout_s is None else timeout_s
-        self._viewable.wait(limit)
+        if not self._viewable.wait(limit):
+            raise WaitTimeoutError(f"preparing the load of rank {self.rank} of {self.image_dir} onto {self.device} had "
+                                   f"not its arena and metadata within {limit:g} s (phases so far: {self._phases_text()})")
         with self._claim:
             return self._error is None and self.arena is not None and self.metadata is not None and \
                 not self.arena.closed
