@@ -85,10 +85,10 @@ def _plan(typed, pick: np.ndarray, shapes: np.ndarray, strides: np.ndarray, offs
     args)``: ``call(*args)`` returns ``count`` views."""
     # one segment per distinct (shape, stride), each sorted by offset
     by = np.lexsort((offsets, *strides.T[::-1], *shapes.T[::-1]))
-    dims = np.concatenate((shapes, strides), axis=1)[by]
     change = np.zeros(max(len(by) - 1, 0), bool)
-    for k in range(dims.shape[1]):  # a column at a time: numpy reduces short rows slowly (any(axis=1))
-        change |= dims[1:, k] != dims[:-1, k]
+    for column in (*shapes.T, *strides.T):  # a column at a time: numpy reduces short rows slowly (any(axis=1))
+        ranked = column[by]
+        change |= ranked[1:] != ranked[:-1]
     cut = np.flatnonzero(change) + 1
     lone = []
     for seg in np.split(by, cut):
