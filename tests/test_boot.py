@@ -178,6 +178,28 @@ def test_a_load_called_during_the_early_copy_makes_the_views_meanwhile(image, sh
     assert events == ["views made"] and handle.arena.closed and handle.tensors is None
 
 
+def test_a_load_refused_during_the_early_copy_releases_the_arena_after_the_copy(image, shm, daemon, monkeypatch):
+    """The load checks the caller's tp before it makes the views, possibly while the copy still
+    runs (here held for 1 s): the refusal waits for the copy to end before the arena goes."""
+    from flashboot.flashload import client as client_mod
+
+    wait_copy = client_mod.ServedSession.wait_copy
+    arena_open_at_copy_end = []
+
+    def slow_copy(session, *, timeout_s):
+        reply = wait_copy(session, timeout_s=timeout_s)
+        time.sleep(1.0)
+        arena_open_at_copy_end.append(not handle.arena.closed)
+        return reply
+
+    monkeypatch.setattr(client_mod.ServedSession, "wait_copy", slow_copy)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    with pytest.raises(LayoutError, match="requested tp=2"):
+        flashboot.load(image, 0, "cpu", prepared=handle, tp=2)
+    assert arena_open_at_copy_end == [True] and handle.done
+    assert handle.arena.closed and handle.session.closed and handle.tensors is None
+
+
 def test_waiting_for_the_views_is_bounded(image, shm, daemon, monkeypatch):
     from flashboot.flashload.pipeline import PreparedLoad
 

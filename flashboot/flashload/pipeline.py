@@ -209,7 +209,7 @@ def _load_prepared(request: LoadRequest) -> LoadedImage:
         elif verify:
             verify_loaded(arena, meta, f"{prepared.image.path} (rank {rank}) loaded into {dev}", report)
     except BaseException:
-        prepared._release()
+        prepared._release_when_done()  # refused while the copy ran (its tp, say): the copy ends first
         raise
     report.total_ms = (time.perf_counter() - t_start) * 1e3
     return LoadedImage(arena, tensors, meta, report, prepared.rank_source, prepared.release_thread)
@@ -454,6 +454,16 @@ class PreparedLoad:
             self.arena.close()
         self.tensors = None
         _live.discard(self)
+
+    def _release_when_done(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Release what the preparation holds once its background work (the copy) has ended: here
+        if it ends within ``timeout_s``, else by the background thread when it does. Memory a copy
+        still writes into is never unmapped."""
+        with self._claim:
+            self._closed = True  # the thread's end releases it if this stops waiting first
+        self._cancel.set()
+        if self._done.wait(timeout_s):
+            self._release()
 
     # ---- the caller's side -------------------------------------------------------------------
     @property
