@@ -105,10 +105,13 @@ def _child(spec: dict) -> dict:
                                 shm_dir=spec["shm"], timeout_s=60)
             _sync(dev)
             ms = (time.perf_counter() - t) * 1e3
+            from flashboot.benchmarks.boot_e2e import binding_pass_ms
             from flashboot.flashload.landing import verify_loaded
 
+            pass_ms = binding_pass_ms(li.tensors)
             verify_loaded(li.arena, li.metadata, f"{loader} call {len(calls) + 1}")  # raises on a bad chunk
-            calls.append({"ms": ms, "prepare_ms": prepare_ms, "verified": True, "report": li.report.to_dict()})
+            calls.append({"ms": ms, "prepare_ms": prepare_ms, "pass_ms": pass_ms, "verified": True,
+                          "report": li.report.to_dict()})
             if li.release_thread is not None:
                 li.release_thread.join()
             li.close()
@@ -284,6 +287,8 @@ def _phases_text(call: dict) -> str:
              if r.get(k + "_ms")]
     d = r.get("details", {})
     parts += [f"{k[:-3]} {d[k]:.1f}" for k in ("setup_ms", "request_ms", "copy_wait_ms") if isinstance(d.get(k), float)]
+    if "pass_ms" in call:  # after the call, outside its time: what touching every tensor then costs
+        parts.append(f"then a pass over every tensor {call['pass_ms']:.1f}")
     return ", ".join(parts)
 
 

@@ -45,7 +45,7 @@ def _child(spec: dict) -> dict:
     from flashboot.flashload.pipeline import PreparedLoad
 
     profile = cProfile.Profile()
-    run, phase, views = PreparedLoad._run, PreparedLoad.phase, PreparedLoad.build_views
+    run, phase = PreparedLoad._run, PreparedLoad.phase
     cpu_ms: dict[str, float] = {}
     last = [0.0]
 
@@ -65,12 +65,7 @@ def _child(spec: dict) -> dict:
         last[0] = now
         return phase(self, name, t0)
 
-    def timed_views(self):
-        t = time.thread_time()
-        views(self)
-        cpu_ms["views"] = (time.thread_time() - t) * 1e3
-
-    PreparedLoad._run, PreparedLoad.phase, PreparedLoad.build_views = profiled, timed_phase, timed_views
+    PreparedLoad._run, PreparedLoad.phase = profiled, timed_phase
     from flashboot.benchmarks.boot_e2e import child
 
     out = child({**spec, "what": "boot", "early": True})
@@ -131,8 +126,8 @@ def run(*, device: str, w_s: float, repeats: int, profile: bool, root: Path, sca
             prof = _run_child({**base, "what": "profile"})
             print("prepare thread under cProfile (own time; C calls that release the GIL included):")
             print(prof["profile"])
-            print(f"prepare thread CPU time by phase (under cProfile; an upper bound of its GIL time; views are "
-                  f"inside copy for a served load): {json.dumps(prof['thread_cpu_ms'])}")
+            print(f"prepare thread CPU time by phase (under cProfile; an upper bound of its GIL time; the load "
+                  f"makes the views): {json.dumps(prof['thread_cpu_ms'])}")
     finally:
         stop_service(str(img_dir), str(shm))
     slow = statistics.median(r["slowdown_ms"] for r in rows)

@@ -200,7 +200,7 @@ def _names(blob: bytes, n: int, where: str) -> list[str]:
         names = blob.decode().split("\0") if n else []
     except UnicodeDecodeError as exc:
         raise LayoutError(f"{where}: tensor names are not UTF-8 ({exc})") from None
-    if len(names) != n or (n and (b"\0\0" in blob or blob[:1] in (b"", b"\0") or blob[-1:] == b"\0")):
+    if len(names) != n or "" in names:  # a list's "in" compares lengths first: ~3x faster than a search of the blob
         raise LayoutError(f"{where}: the name blob holds {len(names)} names (or an empty one) for {n} tensors")
     if len(set(names)) != n:
         seen: set[str] = set()
@@ -222,13 +222,17 @@ def _check_columns(names, offsets, nbytes, shapes, strides, ndims, dtypes, regio
         bad = first(mask)
         if bad is not None:
             raise LayoutError(f"{where}: tensor {names[bad]!r} has an invalid {label}")
-    live = np.arange(d)[None, :] < ndims[:, None]
-    either = shapes | strides  # negative where either is; zero where both are
-    bad = first(((either < 0) | ((either != 0) & ~live)).any(axis=1))
+    # one column at a time: numpy reduces short rows slowly (any(axis=1) over 40,000 rows of 2
+    # took ~0.8 ms; a column is a pass at memory speed)
+    bad_dims = np.zeros(n, bool)
+    for k in range(d):
+        either = shapes[:, k] | strides[:, k]  # negative where either is; zero where both are
+        bad_dims |= (either < 0) | ((either != 0) & (ndims <= k))
+    bad = first(bad_dims)
     if bad is not None:
         raise LayoutError(f"{where}: tensor {names[bad]!r}: shape {shapes[bad].tolist()} / stride "
                           f"{strides[bad].tolist()} must be ints >= 0 within its {int(ndims[bad])} dims")
-    span, estimate = _padded_spans(shapes, strides, live, _ITEMSIZE[dtypes])
+    span, estimate = _padded_spans(shapes, strides, ndims, _ITEMSIZE[dtypes])
     bad = first((estimate > MAX_IMAGE_NBYTES) | (span != nbytes))
     if bad is not None:
         raise LayoutError(f"{where}: tensor {names[bad]!r} records nbytes {int(nbytes[bad]):,} but shape "
@@ -246,15 +250,22 @@ def _check_columns(names, offsets, nbytes, shapes, strides, ndims, dtypes, regio
                               f"{split_rows[bad].tolist()} (dim, index, count, blocks)")
 
 
-def _padded_spans(shapes: np.ndarray, strides: np.ndarray, live: np.ndarray, itemsize: np.ndarray
+def _padded_spans(shapes: np.ndarray, strides: np.ndarray, ndims: np.ndarray, itemsize: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`~flashboot.layouts.tensor_table._spans` of the ``(n, d)`` columns, whose dims beyond
-    each tensor's ``ndim`` (``~live``) are 0 in both (checked before): there ``(0 - 1) * 0`` adds
-    nothing, so the sums run over whole rows without flattening."""
-    term = (shapes - 1) * strides  # may wrap for absurd values: the float estimate catches them
-    nbytes = (1 + term.sum(axis=1)) * itemsize
-    estimate = (1 + ((shapes - 1.0) * strides).sum(axis=1)) * itemsize
-    empty = ((shapes == 0) & live).any(axis=1)
+    each tensor's ``ndim`` are 0 in both (checked before): there ``(0 - 1) * 0`` adds nothing, so
+    the sums run over whole rows without flattening, a column at a time."""
+    n, d = shapes.shape
+    elems = np.ones(n, np.int64)  # may wrap for absurd values: the float estimate catches them
+    estimate = np.ones(n)
+    empty = np.zeros(n, bool)
+    for k in range(d):
+        shape, stride = shapes[:, k], strides[:, k]
+        elems += (shape - 1) * stride
+        estimate += (shape - 1.0) * stride
+        empty |= (shape == 0) & (ndims > k)
+    nbytes = elems * itemsize
+    estimate *= itemsize
     nbytes[empty] = 0
     estimate[empty] = 0.0
     return nbytes, estimate

@@ -33,6 +33,7 @@ def test_bench_boot_runs_each_loader_in_a_fresh_process(capsys):
     assert served["mode"] == "served" and served["metadata_ms"] > 0
     assert prepared["report"]["mode"] == "served, prepared" and prepared["prepare_ms"] > 0
     assert prepared["report"]["metadata_ms"] == 0  # paid in prepare, before the load
+    assert prepared["report"]["bind_ms"] > 0 and prepared["pass_ms"] > 0  # the load made the views; a pass after
     assert by["flashload prepared, pinned here"]["calls"][0]["report"]["mode"] == "host, prepared"
     streamed = by["flashload streamed"]["calls"][0]
     assert streamed["report"]["mode"] == "streamed from disk" and streamed["x_disk"] > 0 and shape["disk_gbps"] > 0
@@ -62,6 +63,7 @@ def test_bench_boot_end_to_end_times_the_boot_in_fresh_processes(capsys):
         assert r["verified"] and r["total_ms"] >= r["w_ms"] + r["load_ms"] - 1e-6
         assert r["x_bound"] == r["total_ms"] / max(r["w_alone_ms"], shape["ceiling_ms"])
         assert (r["steps_per_s"] > 0) == (r["w_s"] > 0)  # each boot cell calibrated its own W
+        assert r["pass_ms"] > 0  # every tensor touched after the load, as an engine's binding does
     assert cells[(0.1, True)]["w_alone_ms"] > 0 and cells[(0.0, True)]["w_alone_ms"] == 0
     boot.print_results(out)
     printed = capsys.readouterr().out

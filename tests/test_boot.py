@@ -59,14 +59,17 @@ def test_prepared_served_load_is_the_copy(image, shm, daemon):
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
     handle.wait()
     assert handle.mode == "served" and f"pid {daemon}" in handle.why
-    assert set(handle.phases_ms) >= {"metadata", "arena", "attach", "views"}
-    assert len(handle.tensors) == len(read_image(image, 0).metadata.tensors)  # views exist before the load
+    assert set(handle.phases_ms) >= {"metadata", "arena", "attach"}
+    # the views are the load's (made with the GIL held: not in the thread beside the engine's work)
+    assert "views" not in handle.phases_ms and handle.tensors is None
     with flashboot.load(image, 0, "cpu", prepared=handle, verify=True) as loaded:
         rep = loaded.report
         assert rep.mode == "served, prepared" and rep.details["daemon_pid"] == daemon
-        # nothing one-time left on the critical path: no metadata, arena or views phase
-        assert rep.metadata_ms == rep.alloc_ms == rep.bind_ms == 0 and rep.h2d_ms > 0
-        assert rep.details["prepared_before_load"] is True and rep.details["prepared"]["views"] > 0
+        # nothing one-time left on the critical path but the views: no metadata or arena phase
+        assert rep.metadata_ms == rep.alloc_ms == 0 and rep.bind_ms > 0 and rep.h2d_ms > 0
+        assert rep.details["prepared_before_load"] is True
+        assert list(loaded.tensors) == list(read_image(image, 0).metadata.tensors)
+        assert handle.tensors is loaded.tensors
         assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
         img = read_image(image, 0)
         for name in list(img.tensors)[:10]:
@@ -140,6 +143,88 @@ def test_a_served_prepare_asks_for_the_copy_before_it_parses_the_metadata(image,
     monkeypatch.setattr(PreparedLoad, "open_metadata", open_metadata)
     with flashboot.load(image, 0, "cpu", prepared=flashboot.prepare(image, 0, "cpu", shm_dir=shm), verify=True) as li:
         assert bytes(li.arena.bytes()[:li.nbytes].numpy()) == _image_bytes(image)
+
+
+def test_a_load_called_during_the_early_copy_makes_the_views_meanwhile(image, shm, daemon, monkeypatch):
+    """The load makes the views, not the prepare thread; called while the copy still runs (here
+    held for 1 s), it makes them then and waits for the copy after; a copy that fails after the
+    views were made is raised from the load, and the arena is released."""
+    from flashboot.flashload import client as client_mod
+    from flashboot.flashload import pipeline
+
+    events = []
+    wait_copy, make_views = client_mod.ServedSession.wait_copy, pipeline.make_views
+
+    def slow_copy(session, *, timeout_s):
+        reply = wait_copy(session, timeout_s=timeout_s)
+        time.sleep(1.0)
+        events.append("copy ended")
+        return reply
+
+    def views(arena, metadata):
+        out = make_views(arena, metadata)
+        events.append("views made")
+        return out
+
+    monkeypatch.setattr(client_mod.ServedSession, "wait_copy", slow_copy)
+    monkeypatch.setattr(pipeline, "make_views", views)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    with flashboot.load(image, 0, "cpu", prepared=handle, verify=True) as loaded:
+        assert events == ["views made", "copy ended"] and loaded.report.bind_ms > 0
+        assert loaded.report.details["prepared_before_load"] is False
+        assert loaded.tensors is handle.tensors and list(loaded.tensors) == list(loaded.metadata.tensors)
+        assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
+
+    def failed_copy(session, *, timeout_s):
+        wait_copy(session, timeout_s=timeout_s)
+        time.sleep(0.5)
+        raise RendezvousError("injected: the daemon went away during the copy")
+
+    events.clear()
+    monkeypatch.setattr(client_mod.ServedSession, "wait_copy", failed_copy)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    with pytest.raises(RendezvousError, match="injected"):
+        flashboot.load(image, 0, "cpu", prepared=handle)
+    assert events == ["views made"] and handle.arena.closed and handle.tensors is None
+
+
+def test_a_load_refused_during_the_early_copy_releases_the_arena_after_the_copy(image, shm, daemon, monkeypatch):
+    """The load checks the caller's tp before it makes the views, possibly while the copy still
+    runs (here held for 1 s): the refusal waits for the copy to end before the arena goes."""
+    from flashboot.flashload import client as client_mod
+
+    wait_copy = client_mod.ServedSession.wait_copy
+    arena_open_at_copy_end = []
+
+    def slow_copy(session, *, timeout_s):
+        reply = wait_copy(session, timeout_s=timeout_s)
+        time.sleep(1.0)
+        arena_open_at_copy_end.append(not handle.arena.closed)
+        return reply
+
+    monkeypatch.setattr(client_mod.ServedSession, "wait_copy", slow_copy)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    with pytest.raises(LayoutError, match="requested tp=2"):
+        flashboot.load(image, 0, "cpu", prepared=handle, tp=2)
+    assert arena_open_at_copy_end == [True] and handle.done
+    assert handle.arena.closed and handle.session.closed and handle.tensors is None
+
+
+def test_waiting_for_the_views_is_bounded(image, shm, daemon, monkeypatch):
+    from flashboot.flashload.pipeline import PreparedLoad
+
+    open_metadata = PreparedLoad.open_metadata
+
+    def slow(handle, *args):
+        time.sleep(1.0)
+        return open_metadata(handle, *args)
+
+    monkeypatch.setattr(PreparedLoad, "open_metadata", slow)
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    with pytest.raises(WaitTimeoutError, match=r"rank 0 of .* had not its arena and metadata within 0.05 s \(phases"):
+        handle.wait_viewable(0.05)
+    assert handle.wait_viewable() is True and handle.wait().tensors is None
+    handle.close()
 
 
 def test_prepared_handle_refuses_a_repacked_image(image, shm, daemon):
@@ -221,6 +306,13 @@ def test_gpu_prepared_served_and_pinned_here(image, gpu_shm):
             assert li.report.mode == "served, prepared" and li.report.details["daemon_pinned"] is True
             assert "(verified by the daemon)" in li.report.details["verified"]
             assert bytes(li.arena.bytes()[:li.nbytes].cpu().numpy()) == _image_bytes(image)
+            img = read_image(image, 0)  # the views the load made, on the device, at their offsets
+            assert list(li.tensors) == list(img.tensors) and li.report.bind_ms > 0
+            for name, t in li.tensors.items():
+                e = img.tensors[name]
+                assert t.device == torch.device("cuda:0") and (tuple(t.shape), t.stride()) == (e.shape, e.stride)
+                assert t.numel() == 0 or t.data_ptr() == li.arena.ptr + e.offset, name
+                assert torch.equal(t.cpu().reshape(-1).view(torch.uint8), img.view(name).reshape(-1).view(torch.uint8))
         assert torch.cuda.current_device() == current
     finally:
         service.stop_service(image, gpu_shm)
@@ -238,7 +330,7 @@ def test_prepared_load_streams_from_disk_when_nothing_is_staged(image, shm):
     with handle.load(verify=True) as loaded:
         rep = loaded.report
         assert rep.mode == "streamed from disk, prepared" and rep.details["streamed_from_disk"] is True
-        assert rep.details["peak_buffer_bytes"] <= 64 << 10 and rep.metadata_ms == rep.bind_ms == 0
+        assert rep.details["peak_buffer_bytes"] <= 64 << 10 and rep.metadata_ms == 0 < rep.bind_ms
         assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
 
 

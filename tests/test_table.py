@@ -199,7 +199,7 @@ def test_spans_of_padded_columns_equal_the_flattened_ones():
     strides = np.where(live, rng.integers(0, 50, (n, d)), 0)
     itemsize = _ITEMSIZE[rng.integers(0, len(_ITEMSIZE), n)]
     want_nbytes, want_estimate = _spans(ndims, shapes[live], strides[live], itemsize)
-    nbytes, estimate = _padded_spans(shapes, strides, live, itemsize)
+    nbytes, estimate = _padded_spans(shapes, strides, ndims, itemsize)
     assert (want_nbytes == 0).sum() > 100 and (ndims == 0).sum() > 100
     assert np.array_equal(nbytes, want_nbytes) and np.array_equal(estimate, want_estimate)
 
@@ -223,3 +223,23 @@ def test_a_hash_past_its_timeout_is_named(image, monkeypatch):
     with pytest.raises(LayoutError, match=r"hashing [\d,]+ bytes took over 0.05 s"):
         decode_table(good, raw, "slow", hashlib.sha256(raw).hexdigest())
     time.sleep(0.6)  # the hash thread ends before the patch is undone
+
+
+@pytest.mark.parametrize("names, refusal", [
+    (["a", "", "c"], r"the name blob holds 3 names \(or an empty one\) for 3 tensors"),
+    (["", "b", "c"], r"the name blob holds 3 names \(or an empty one\) for 3 tensors"),
+    (["a", "b", ""], r"the name blob holds 3 names \(or an empty one\) for 3 tensors"),
+    (["a", "b", "a"], r"tensor 'a' appears twice"),
+])
+def test_an_empty_or_repeated_name_is_refused(names, refusal):
+    import numpy as np
+
+    n = len(names)
+    table = TensorTable(names, np.arange(n) * 64, np.full(n, 16), np.zeros(n, np.uint8), np.zeros(n, np.uint8),
+                        [(2,)] * n, [(1,)] * n)
+    meta_bytes = b'{\n "tensors": {}}'
+    with pytest.raises(LayoutError, match=refusal):
+        decode_table(encode_table(table, meta_bytes), meta_bytes, "tensors.bin")
+    fine = TensorTable(["a", "b", "c"], table.offsets, table.nbytes, table.dtype_codes, table.region_codes,
+                       [(2,)] * n, [(1,)] * n)  # the same table with three names is read back
+    assert tables_agree(decode_table(encode_table(fine, meta_bytes), meta_bytes, "tensors.bin")[0], fine) is None

@@ -148,3 +148,35 @@ def test_a_view_thread_past_its_timeout_is_named(monkeypatch):
         with pytest.raises(FlashBootError, match=r"flashboot-views-\d did not make its share of the [\d,]+ views in 0.05 s"):
             make_views(arena, meta, threads=3)
         time.sleep(1.2)  # the slow share ends on its own before the arena closes
+
+
+@pytest.mark.parametrize("period", [1, 2, 3, 4])
+def test_runs_find_the_period_of_interleaved_experts(period):
+    """``period`` projections of one shape per expert, interleaved in memory (w1 and w3 around w2
+    make 2), over 3 layers spaced apart: one run per projection and layer, nothing left over."""
+    import numpy as np
+
+    from flashboot.flashload.views import _runs
+
+    experts, gap = 16, 96
+    offs = np.array(sorted(layer * 100_000 + e * period * gap + p * gap + p * p * 8  # no shorter period
+                           for layer in range(3) for e in range(experts) for p in range(period)), np.int64)
+    runs, rest = _runs(offs)
+    assert len(rest) == 0 and len(runs) == 3 * period
+    members = np.sort(np.concatenate([m for _, _, m in runs]))
+    assert members.tolist() == list(range(len(offs)))
+    for start, step, m in runs:
+        assert len(m) == experts and step == period * gap
+        assert offs[m].tolist() == [start + step * i for i in range(experts)]
+
+
+def test_runs_never_join_tensors_at_one_offset():
+    """Zero-size tensors may share an offset: a step of 0 makes no run."""
+    import numpy as np
+
+    from flashboot.flashload.views import _runs
+
+    runs, rest = _runs(np.array([0, 0, 0, 64, 64, 128], np.int64))
+    for start, step, m in runs:
+        assert step > 0 and len(m) >= 2
+    assert sorted(np.concatenate([m for _, _, m in runs] + [rest]).tolist()) == list(range(6))

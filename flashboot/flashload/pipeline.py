@@ -18,24 +18,25 @@ Three ways to pay the pin (``cuMemHostRegister``, about a third of the H2D rate)
 **The early call.** An engine boots once, so its first :func:`flashboot.load` is the one that
 counts, and a cold load pays for reading and validating the metadata, creating and exporting the
 arena, the daemon's mapping of it, tens of thousands of views, and the first copy's set-up.
-:func:`prepare` starts all of that in a background thread as soon as the engine starts (before it
-builds its model) and returns at once; the chosen source (:mod:`flashboot.flashload.choose`) then
-starts the copy as soon as it can, so an engine that builds its model for longer than the copy
-takes finds its weights in place. ``flashboot.load(..., prepared=handle)`` (or ``handle.load()``)
-only waits for that copy, checks that the image was not re-packed since, and verifies:
+:func:`prepare` starts all of that but the views in a background thread as soon as the engine
+starts (before it builds its model) and returns at once; the chosen source
+(:mod:`flashboot.flashload.choose`) then starts the copy as soon as it can, so an engine that
+builds its model for longer than the copy takes finds its weights in place. ``flashboot.load(..., prepared=handle)`` (or ``handle.load()``)
+makes the views (while the copy runs, if it still does: :meth:`PreparedLoad.wait_viewable` says
+why there), waits for that copy, checks that the image was not re-packed since, and verifies:
 
 * served (a ``flashboot preload --serve`` daemon holds the image pinned): as a plain served
   load, the copy comes first (the daemon's ``.ready`` vouches for the metadata bytes): the arena
   is created at the ``.ready``'s size, exported and attached to the daemon, which checks it
   against what it holds and is asked for its H2D at once (mapping the segments piece by piece
-  as it copies); the strict read of the metadata and the views run while it copies;
+  as it copies); the strict read of the metadata runs while it copies;
 * pinned early (a preloader staged the rank, no daemon): the staged file is mapped and pinned
   in this process (:class:`~flashboot.flashload.stage.StagedImage`); the bulk H2D is issued as
   soon as the pin is done;
 * streamed (nothing is or will be staged: see :func:`~flashboot.flashload.sources.disk.stream_reason`):
   the reads start at once, straight into the arena through the bounded ring.
 
-The background thread holds the GIL only for the metadata and the views: it waits in blocking
+The background thread holds the GIL only for the metadata: it waits in blocking
 calls (the daemon's socket, the pin, the stream's reads, the copy's synchronisation) that
 release it. A handle serves one load; it is refused for another image, rank or device, or after
 the image was re-packed (the bytes copied early are then discarded with the arena).
@@ -60,6 +61,7 @@ from .landing import DEFAULT_CHUNK_BYTES, admit, verify_loaded
 from .report import LoadedImage, LoadReport
 from .sources import source_for_mode
 from .stream import StreamConfig
+from .views import make_views
 from .want import LoadRequest, Want, check_job_request, load_request, verify_default
 
 
@@ -80,8 +82,8 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     ``stream``: True always streams, False never does (waits for ``.ready``). ``staged``: a
     :func:`flashboot.stage` result (pinned early); ``served``: have the running preloader daemon
     copy into this process's arena; ``prepared``: a :func:`flashboot.prepare` handle made at
-    engine start-up, which has paid every one-time cost already (metadata, arena, the daemon's
-    attachment or the pin, views): the load is the copy. Without it the report's
+    engine start-up, which has paid the one-time costs already (metadata, arena, the daemon's
+    attachment or the pin): the load makes the views and waits for the copy. Without it the report's
     ``details["one_time_ms"]`` says what this call paid that ``prepare`` would have paid at
     start-up. ``verify`` recomputes the
     chunk checksums on the device and the report says they passed; None (the default) verifies on
@@ -176,8 +178,16 @@ def _load_prepared(request: LoadRequest) -> LoadedImage:
     try:
         ready_before = prepared.done
         t0 = time.perf_counter()
+        tensors = None
+        if prepared.wait_viewable():  # the views are made here, while the copy runs (see PreparedLoad.wait_viewable)
+            check_request(prepared.metadata, str(prepared.image.metadata_path), tp=tp, ep=ep,
+                          expected_key=expected_key)
+            t1 = time.perf_counter()
+            tensors = make_views(prepared.arena, prepared.metadata)
+            report.bind_ms = (time.perf_counter() - t1) * 1e3
         prepared.wait()
-        report.wait_ms = (time.perf_counter() - t0) * 1e3
+        prepared.tensors = tensors
+        report.wait_ms = (time.perf_counter() - t0) * 1e3 - report.bind_ms
         if verify is None:
             verify = prepared.verify
         arena, meta = prepared.arena, prepared.metadata
@@ -199,10 +209,10 @@ def _load_prepared(request: LoadRequest) -> LoadedImage:
         elif verify:
             verify_loaded(arena, meta, f"{prepared.image.path} (rank {rank}) loaded into {dev}", report)
     except BaseException:
-        prepared._release()
+        prepared._release_when_done()  # refused while the copy ran (its tp, say): the copy ends first
         raise
     report.total_ms = (time.perf_counter() - t_start) * 1e3
-    return LoadedImage(arena, prepared.tensors, meta, report, prepared.rank_source, prepared.release_thread)
+    return LoadedImage(arena, tensors, meta, report, prepared.rank_source, prepared.release_thread)
 
 
 # ============================================================================ the early call
@@ -273,8 +283,9 @@ class PreparedLoad:
     Attributes once :meth:`wait` returns: ``mode`` (``"served"``, ``"staged"`` or ``"stream"``), ``why`` (how
     the mode was chosen), ``load_source`` (the :class:`~flashboot.flashload.sources.base.Source`
     of that mode), ``rank_source`` (the validated image), ``arena``, ``metadata``, ``tensors``
-    (the views), ``nbytes``, ``phases_ms`` (what the preparation paid, by phase, the early copy included) and ``copy``
-    (what the early copy measured: ``h2d_ms``, the daemon's reply or the stream's stats).
+    (the views, once the load made them: :meth:`wait_viewable`), ``nbytes``, ``phases_ms`` (what
+    the preparation paid, by phase, the early copy included) and ``copy`` (what the early copy
+    measured: ``h2d_ms``, the daemon's reply or the stream's stats).
     :meth:`close` releases everything if the handle is dropped without a load; at interpreter
     exit every live handle is settled the same way (bounded), so no background work outlives it.
     """
@@ -308,6 +319,7 @@ class PreparedLoad:
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._issued = threading.Event()  # the copy runs (or failed): what prepare() returns after
+        self._viewable = threading.Event()  # the arena and the validated metadata exist, or the preparation ended
         self._cancel = threading.Event()
         self._claim = threading.Lock()
         self._claimed_by: str | None = None
@@ -328,6 +340,7 @@ class PreparedLoad:
             self._release()
         finally:
             self._issued.set()
+            self._viewable.set()
             self.finished = time.perf_counter()
             with self._claim:
                 closed_meanwhile = self._closed and self._error is None
@@ -379,7 +392,7 @@ class PreparedLoad:
         if first is None:
             self.create_arena(self.nbytes)
             t = self.phase("arena", t)
-        # Each source starts its copy as soon as it can and builds the views while it runs.
+        # Each source starts its copy as soon as it can (the load makes the views meanwhile).
         t_copy = source.start_prepared(self, t)
         self.copy["started_after_prepare_ms"] = (t_copy - self.started) * 1e3
         t = self.phase("copy", t_copy)
@@ -409,6 +422,7 @@ class PreparedLoad:
             self._identity[Path(path)] = _file_identity(Path(path))
         if self.nbytes == 0:
             raise LayoutError(f"{image.path}: empty image, nothing to load")
+        self._note_viewable()
 
     def create_arena(self, nbytes: int) -> None:
         """Admit ``nbytes`` on the device (OutOfMemoryError with the numbers, before any
@@ -419,14 +433,28 @@ class PreparedLoad:
         self.nbytes = nbytes
         self.arena = Arena.create(nbytes, self.device)
         self.arena.bytes()  # the flat tensor made on this thread (torch device state is per thread)
+        self._note_viewable()
 
-    def build_views(self) -> None:
-        """The views of the arena, timed as the ``views`` phase (the sources call it while their copy runs)."""
-        from .views import make_views
+    def _note_viewable(self) -> None:
+        if self.arena is not None and self.metadata is not None:
+            self._viewable.set()
 
-        t = time.perf_counter()
-        self.tensors = make_views(self.arena, self.metadata)
-        self.phases_ms["views"] = (time.perf_counter() - t) * 1e3
+    def wait_viewable(self, timeout_s: float | None = None) -> bool:
+        """Block until the views can be made (the arena and the validated metadata exist; the
+        copy may still run) or the preparation has ended; True in the first case.
+
+        The load makes the views, not this handle's thread: the views are one torch tensor each,
+        made with the GIL held (1-2 us apiece), so in the background they take that long from
+        the engine's own start-up work and more (every hand-over of the GIL costs it a wait),
+        while in the load they cost exactly their time, and run while the copy does if it has
+        not ended. WaitTimeoutError after :meth:`wait`'s bound."""
+        limit = self.timeout_s + PREPARE_ALLOWANCE_S if timeout_s is None else timeout_s
+        if not self._viewable.wait(limit):
+            raise WaitTimeoutError(f"preparing the load of rank {self.rank} of {self.image_dir} onto {self.device} had "
+                                   f"not its arena and metadata within {limit:g} s (phases so far: {self._phases_text()})")
+        with self._claim:
+            return self._error is None and self.arena is not None and self.metadata is not None and \
+                not self.arena.closed
 
     def _release(self) -> None:
         """Release what the preparation holds; only once no copy writes into the arena (the
@@ -441,6 +469,16 @@ class PreparedLoad:
             self.arena.close()
         self.tensors = None
         _live.discard(self)
+
+    def _release_when_done(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Release what the preparation holds once its background work (the copy) has ended: here
+        if it ends within ``timeout_s``, else by the background thread when it does. Memory a copy
+        still writes into is never unmapped."""
+        with self._claim:
+            self._closed = True  # the thread's end releases it if this stops waiting first
+        self._cancel.set()
+        if self._done.wait(timeout_s):
+            self._release()
 
     # ---- the caller's side -------------------------------------------------------------------
     @property
@@ -566,7 +604,7 @@ def prepare(image_dir, rank: int = 0, device: Any = None, *, mode: str = "auto",
     served-load daemon, which copies at once (``mode="served"``, or ``"auto"`` when one runs), starts pinning the
     staged image here (``"staged"``, or ``"auto"`` when a preloader staged it), or readies a load
     streamed from disk (``"stream"``, or ``"auto"`` when nothing is or will be staged; the ring is
-    at most ``stream_buffer_bytes``), builds the views and warms the copy path. ``timeout_s``
+    at most ``stream_buffer_bytes``) and warms the copy path (the load makes the views). ``timeout_s``
     bounds each wait (the preloader's ``.ready``, the daemon's socket); ``hold_s``: no longer used
     (the daemon copies at once; kept so existing callers work). ``verify``: recompute
     the chunk checksums once the copy ends, in the background too (None: on CUDA, where it costs

@@ -85,8 +85,11 @@ def _plan(typed, pick: np.ndarray, shapes: np.ndarray, strides: np.ndarray, offs
     args)``: ``call(*args)`` returns ``count`` views."""
     # one segment per distinct (shape, stride), each sorted by offset
     by = np.lexsort((offsets, *strides.T[::-1], *shapes.T[::-1]))
-    dims = np.concatenate((shapes, strides), axis=1)[by]
-    cut = np.flatnonzero((dims[1:] != dims[:-1]).any(axis=1)) + 1 if len(by) > 1 else np.zeros(0, np.int64)
+    change = np.zeros(max(len(by) - 1, 0), bool)
+    for column in (*shapes.T, *strides.T):  # a column at a time: numpy reduces short rows slowly (any(axis=1))
+        ranked = column[by]
+        change |= ranked[1:] != ranked[:-1]
+    cut = np.flatnonzero(change) + 1
     lone = []
     for seg in np.split(by, cut):
         if len(seg) < 2:
@@ -152,37 +155,48 @@ def _run_jobs(jobs: list, threads: int) -> list:
 
 def _runs(offs: np.ndarray) -> tuple[list[tuple[int, int, np.ndarray]], np.ndarray]:
     """Split sorted ``offs`` (element offsets of tensors of one shape) into arithmetic runs of at
-    least 2, among every k-th entry (the k of 1..:data:`MAX_PERIOD` leaving the fewest views to
-    make); returns ``[(first offset, step, member positions)]`` and the positions in no run."""
-    best = None
-    for k in range(1, min(MAX_PERIOD, len(offs) - 1) + 1):
-        if best is not None and best[0] <= k:
-            break  # k phases make at least k views: no larger k can do better
-        phases = [_phase_runs(offs, np.arange(phase, len(offs), k)) for phase in range(k)]
-        cost = sum(int(valid.sum()) + int(lengths[~valid].sum()) for _, _, lengths, valid, _ in phases)
-        if best is None or cost < best[0]:
-            best = (cost, phases)
+    least 2, among every k-th entry; returns ``[(first offset, step, member positions)]`` and the
+    positions in no run. k (1..:data:`MAX_PERIOD`) is the one under which most entries continue
+    their run (the step from the entry k before repeats): w1 and w3 alternating make k = 2."""
+    period = min(MAX_PERIOD, len(offs) - 1)
+    continued = []
+    for k in range(1, period + 1):
+        dk = offs[k:] - offs[:-k]
+        continued.append(int(np.count_nonzero((dk[k:] == dk[:-k]) & (dk[k:] > 0))))
+    k = 1 + int(np.argmax(continued))  # the first of equals: fewer phases
     runs, rest = [], []
-    for idx, starts, lengths, valid, steps in best[1]:
+    for phase in range(k):
+        starts, lengths, valid, steps = _phase_runs(offs[phase::k])
         for a, n, step in zip(starts[valid].tolist(), lengths[valid].tolist(), steps[valid].tolist()):
-            runs.append((int(offs[idx[a]]), step, idx[a:a + n]))
-        rest.append(idx[~np.repeat(valid, lengths)])
+            first = phase + k * a
+            runs.append((int(offs[first]), step, np.arange(first, first + k * n, k)))
+        rest.append(np.arange(phase, len(offs), k)[~np.repeat(valid, lengths)])
     return runs, np.concatenate(rest)
 
 
-def _phase_runs(offs: np.ndarray, idx: np.ndarray):
-    """Runs among ``offs[idx]``: a run ends where the step changes and the next one starts after
-    that entry. Returns ``(idx, starts, lengths, valid, steps)`` (valid: 2+ entries, step > 0)."""
-    x = offs[idx]
+def _phase_runs(x: np.ndarray):
+    """Runs in ``x`` (every k-th offset, from one phase): a run ends where the step changes and the
+    next one starts after that entry, or with it where the step after it continues (the first
+    expert of the next layer). Returns ``(starts, lengths, valid, steps)`` (positions in ``x``;
+    valid: 2+ entries, step > 0)."""
     if len(x) < 2:
         one = np.zeros(len(x), np.int64)
-        return idx, one, one + 1, np.zeros(len(x), bool), one
+        return one, one + 1, np.zeros(len(x), bool), one
     d = np.diff(x)
     starts = np.concatenate(([0], np.flatnonzero(d[1:] != d[:-1]) + 2))
     starts = starts[starts < len(x)]
     lengths = np.diff(np.concatenate((starts, [len(x)])))
+    # The entry just after a jump (the first expert of the next layer) starts a run of one under
+    # that rule; where the step after it is the next run's step, that run starts with it.
+    lone = starts[(lengths == 1) & (starts + 2 < len(x))]
+    joined = lone[d[lone] == d[lone + 1]] + 1
+    if len(joined):
+        dropped = np.zeros(len(x), bool)
+        dropped[joined] = True
+        starts = starts[~dropped[starts]]
+        lengths = np.diff(np.concatenate((starts, [len(x)])))
     steps = d[np.minimum(starts, len(d) - 1)]
-    return idx, starts, lengths, (lengths >= 2) & (steps > 0), steps
+    return starts, lengths, (lengths >= 2) & (steps > 0), steps
 
 
 __all__ = ["make_views"]

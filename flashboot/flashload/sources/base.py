@@ -60,8 +60,9 @@ class Source:
         raise NotImplementedError
 
     def start_prepared(self, handle, t: float) -> float:
-        """:func:`flashboot.prepare`'s copy into ``handle.arena``, the views built while it runs
-        (``handle.build_views()``); fills ``handle.copy`` and returns when the copy started."""
+        """:func:`flashboot.prepare`'s copy into ``handle.arena`` (the load makes the views, while
+        it runs: :meth:`~flashboot.flashload.pipeline.PreparedLoad.wait_viewable`); fills
+        ``handle.copy`` and returns when the copy started."""
         raise NotImplementedError
 
     def verify_prepared(self, handle, where: str, checked) -> None:

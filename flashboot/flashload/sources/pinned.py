@@ -87,8 +87,8 @@ class PinnedSource(Source):
         return LoadedImage(arena, tensors, meta, report, source, release)
 
     def start_prepared(self, handle, t: float) -> float:
-        """The pin of the staged file starts in the background, the copy path is warmed and the
-        views built meanwhile; the bulk H2D is issued once the pin is done."""
+        """The pin of the staged file starts in the background and the copy path is warmed
+        meanwhile; the bulk H2D is issued once the pin is done."""
         from ..stage import StagedImage
 
         handle.staged = StagedImage(handle.image_dir, handle.rank, handle.device, timeout_s=handle.timeout_s,
@@ -98,8 +98,6 @@ class PinnedSource(Source):
         handle.mover = mover_for(handle.device)
         warm_copy(handle.device, handle.mover)
         t = handle.phase("warm", t)
-        handle.build_views()
-        t = time.perf_counter()
         handle.staged.wait()
         t_copy = handle.phase("pin_wait", t)
         chunks, _ = bulk_copy(handle.mover, handle.arena, handle.staged.span(), handle.nbytes, DEFAULT_CHUNK_BYTES)

@@ -113,9 +113,9 @@ class ServedSource(Source):
         """Copy first (:attr:`copies_before_metadata`), as a plain served load: wait for the
         ``.ready`` of these metadata bytes, create the arena of its size and hand it to the
         daemon, which copies at once (the fds of later batches follow while the first ones
-        copy, and it maps the segments piece by piece); the strict read of the metadata and the
-        views run while it copies. A refusal of the metadata waits for the daemon to be done
-        with the arena before it is released."""
+        copy, and it maps the segments piece by piece); the strict read of the metadata runs
+        while it copies (the load makes the views). A refusal of the metadata waits for the
+        daemon to be done with the arena before it is released."""
         from ..client import served_ready, start_served_load
 
         mf = handle.metadata_file
@@ -134,7 +134,6 @@ class ServedSource(Source):
         try:
             handle.open_metadata(ready.nbytes)
             handle.phase("metadata", t_copy)
-            handle.build_views()
         except BaseException:
             handle.session.settle()  # the daemon may still write into it
             raise
