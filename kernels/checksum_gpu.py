@@ -23,6 +23,7 @@ import numpy as np
 from flashboot.errors import FlashBootError
 
 from . import cubin
+from .knobs import check_launch_knobs
 from .checksum_spec import LENGTH_MUL, M64, word_term
 
 
@@ -132,8 +133,6 @@ def _gpu_knobs(overrides: dict[str, Any]) -> dict[str, Any]:
     bw = k["block_words"]
     if not isinstance(bw, int) or bw < 16 or bw & (bw - 1):
         raise FlashBootError(f"block_words must be a power of two >= 16, got {bw!r}")
-    from .launch import check_launch_knobs
-
     check_launch_knobs(k)
     return k
 
