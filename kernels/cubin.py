@@ -27,6 +27,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -126,8 +127,6 @@ def save(key: KernelKey, compiled: Any, root: Path | None = None) -> CachedKerne
     entry = {"format": _ENTRY_FORMAT, "key": key.as_json(), "cubin_bytes": len(cubin),
              "cubin_sha256": hashlib.sha256(cubin).hexdigest(), "function": md.name, "params": params,
              "num_warps": md.num_warps, "shared": md.shared, "scratch_pointers": scratch}
-    import tempfile
-
     path = key.path(root)
     path.mkdir(parents=True, exist_ok=True)
     for name, data in (("kernel.cubin", cubin), ("entry.json", json.dumps(entry, indent=1).encode())):
