@@ -46,12 +46,12 @@ MULTIPROCESSOR_COUNT, COMPUTE_CAPABILITY_MAJOR, COMPUTE_CAPABILITY_MINOR = 16, 7
 
 def bind(functions) -> SimpleNamespace:
     """The driver calls of :data:`PROTOTYPES` bound to ``functions``: a ``ctypes.CDLL`` (the
-    driver) or a mapping of name to Python callable (a test's fake driver, called through the
-    same C types as the real one)."""
+    driver) or a dict of name to Python callable (a test's fake driver, called through the same
+    C types as the real one)."""
     calls = {}
     for name, argtypes in PROTOTYPES.items():
         proto = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)
-        calls[name] = proto((name, functions)) if isinstance(functions, ctypes.CDLL) else proto(functions[name])
+        calls[name] = proto(functions[name]) if isinstance(functions, dict) else proto((name, functions))
     return SimpleNamespace(**calls)
 
 
@@ -61,7 +61,10 @@ def _driver() -> SimpleNamespace:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
         raise CapabilityError(f"no CUDA driver on this machine: libcuda.so.1 cannot be loaded ({exc})") from None
-    drv = bind(lib)
+    try:
+        drv = bind(lib)
+    except AttributeError as exc:  # a driver older than any CUDA FlashBoot supports
+        raise CapabilityError(f"libcuda.so.1 lacks a driver call the kernel launch needs ({exc})") from None
     err = drv.cuInit(0)
     if err:
         raise CapabilityError(f"cuInit failed: {_error_text(drv.cuGetErrorName, err) or 'unknown CUresult'} ({err})")

@@ -256,6 +256,15 @@ def test_the_device_attributes_are_the_drivers_numbers(fake_driver):
     assert (launch_ctypes.sm_count(0), launch_ctypes.compute_capability(0)) == (132, 90)
 
 
+def test_a_library_without_the_driver_calls_is_a_capability_error(monkeypatch):
+    libc = ctypes.CDLL("libc.so.6")  # a real library, without cuInit and the others
+    launch_ctypes._driver.cache_clear()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: libc)
+    with pytest.raises(CapabilityError, match="libcuda.so.1 lacks a driver call the kernel launch needs .*cuInit"):
+        launch_ctypes.device_attribute(0, launch_ctypes.MULTIPROCESSOR_COUNT)
+    launch_ctypes._driver.cache_clear()
+
+
 def test_no_driver_library_is_a_capability_error(monkeypatch):
     def no_library(name, *args, **kwargs):
         raise OSError(f"{name}: cannot open shared object file: No such file or directory")
