@@ -3,10 +3,10 @@
 device's primary context, ``cuModuleLoadData`` / ``cuModuleGetFunction`` and ``cuLaunchKernel``.
 
 Why ctypes and not ``cuda.bindings``: the checksum kernel's first call in a fresh process has a
-20 ms budget, and importing ``cuda.bindings.driver`` alone cost 17.5 ms of it on an H200 host.
-torch does not import it, but has loaded ``libcuda.so.1``, so opening it here costs a ``dlopen``
-of a library already mapped. The rest of FlashBoot (arenas, VMM) keeps ``cuda.bindings``
-(:mod:`flashboot._cuda`).
+20 ms budget, and importing ``cuda.bindings.driver`` alone cost 17.5 ms of it on an H200 host,
+whose torch had not imported it. torch has loaded ``libcuda.so.1`` with its CUDA context, so
+opening it here costs a ``dlopen`` of a library already mapped. The rest of FlashBoot (arenas,
+VMM) keeps ``cuda.bindings`` (:mod:`flashboot._cuda`).
 
 Every result goes through :func:`check`, which raises :class:`~flashboot.errors.CudaError` naming
 the call and the driver's error (``cuGetErrorName``, ``cuGetErrorString``).
