@@ -3,11 +3,12 @@
 # with its import, after `flashboot warm` built the cubin; the launch through ctypes, no
 # cuda.bindings, no Triton. One device call on one GPU, < 3 min (each step bounded by `timeout`
 # and by what is left of BUDGET_S=170 s after the install):
-#  1. `flashboot warm` into a fresh kernel cache (what builds the cubin);
+#  1. `flashboot warm` into a fresh kernel cache (it builds the cubin and writes the bytecode of
+#     the first call's modules), saying whether that bytecode was there before;
 #  2. the GPU tests of tests/test_kernel_cubin.py and tests/test_checksum.py;
 #  3. 3 fresh processes of `first_calls checksum` and one `checksum-parts` (an empty Triton cache:
-#     the cubin alone must do), with FlashBoot's bytecode as this machine left it; where it had
-#     none (PYTHONDONTWRITEBYTECODE), the same again after `compileall` (what a wheel's install does).
+#     the cubin alone must do) after warm ("after-warm"), then the same with the kernels'
+#     bytecode deleted and PYTHONDONTWRITEBYTECODE=1 ("no-bytecode": every process compiles them).
 # Usage (repo root, GPU machine):  OUT=/some/dir bash benchmarks/gpu_ckfirst.sh
 # $OUT gets install.log, warm.log, tests.log, first_calls.jsonl (4 files).
 set -uo pipefail
@@ -23,9 +24,10 @@ export FLASHBOOT_KERNEL_CACHE=$SCRATCH/kernels   # a fresh cubin cache, built be
 T0=$(date +%s); BUDGET_S=${BUDGET_S:-170}
 lim() { local left=$((BUDGET_S - ($(date +%s) - T0))); [ "$left" -lt 5 ] && left=5; [ "$1" -lt "$left" ] && left=$1; echo "$left"; }
 
-echo "=== 1. flashboot warm ($(date +%T))"
+bytecode() { ls kernels/__pycache__/launch_ctypes.*.pyc >/dev/null 2>&1 && echo yes || echo no; }
+echo "=== 1. flashboot warm ($(date +%T)); the first call's bytecode before it: $(bytecode)"
 TRITON_CACHE_DIR=$SCRATCH/t-warm timeout "$(lim 60)" flashboot warm --device cuda:0 >"$OUT/warm.log" 2>&1
-echo "warm rc=$? :: $(tr '\n' ' ' <"$OUT/warm.log" | cut -c1-300)"
+echo "warm rc=$? :: $(tr '\n' ' ' <"$OUT/warm.log" | cut -c1-400) :: bytecode after it: $(bytecode)"
 
 echo "=== 2. GPU tests: cubin, checksum ($(date +%T))"
 timeout "$(lim 80)" python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_kernel_cubin.py tests/test_checksum.py \
@@ -41,15 +43,11 @@ first_calls() {  # $1: a label for the rows
   TRITON_CACHE_DIR=$SCRATCH/t-empty-$1-parts timeout "$(lim 30)" python3 -m flashboot.benchmarks.first_calls \
     checksum-parts --device cuda:0 | sed "s/^/{\"mode\": \"$1\", \"row\": /; s/\$/}/" >>"$OUT/first_calls.jsonl"
 }
-bytecode() { ls kernels/__pycache__/launch_ctypes.*.pyc >/dev/null 2>&1 && echo yes || echo no; }
 echo "=== 3. the checksum's first call in fresh processes (64 MiB, 1 MiB chunks; target 20 ms) ($(date +%T))"
-HAD=$(bytecode); echo "FlashBoot's bytecode before: $HAD"
-first_calls "bytecode-$HAD"
-if [ "$HAD" = no ]; then
-  timeout "$(lim 30)" python3 -m compileall -q flashboot kernels movers layouts >/dev/null 2>&1
-  echo "compileall: bytecode now $(bytecode)"
-  first_calls "bytecode-compiled"
-fi
+first_calls after-warm
+rm -f kernels/__pycache__/*.pyc
+PYTHONDONTWRITEBYTECODE=1 first_calls no-bytecode
+echo "bytecode after the no-bytecode runs: $(bytecode)"
 rm -rf "$SCRATCH"
 
 python3 - "$OUT/first_calls.jsonl" <<'PY'
