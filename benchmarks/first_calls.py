@@ -11,8 +11,8 @@ and reports each and microseconds per tensor, against the target 20 ms + 2 us/te
 ``--view-threads N``: the views made by N threads (:data:`flashboot.flashload.views.VIEW_THREADS`).
 
 ``python -m flashboot.benchmarks.first_calls checksum --device D``: a fresh child times the import
-of the checksum and its first call on 64 MiB of the device, then a second call, whether Triton
-and ``cuda.bindings`` were imported, and the garbage collector's share of the first call
+of the checksum and its first call on 64 MiB of the device, then a second call, whether the
+checksum imported Triton or ``cuda.bindings``, and the garbage collector's share of the first call
 (``gc_ms``); run it with an empty ``FLASHBOOT_KERNEL_CACHE`` and ``TRITON_CACHE_DIR`` for the
 cold compile, and after ``flashboot warm`` for the cubin launched without Triton (target:
 ``first_call_with_import_ms`` <= 20 ms). ``checksum-parts``: the same first call after
@@ -104,8 +104,11 @@ class _GcClock:
         return {"gc_ms": round(self.ms, 3), "gc_collections": self.collections}
 
 
-def _imported() -> dict:
-    return {"triton_imported": "triton" in sys.modules, "cuda_bindings_imported": "cuda.bindings" in sys.modules}
+def _imported(before: set[str]) -> dict:
+    """Whether the checksum imported Triton or ``cuda.bindings`` (``before``: the modules loaded
+    before it; some torch builds import ``cuda.bindings`` themselves)."""
+    added = set(sys.modules) - before
+    return {"triton_imported": "triton" in added, "cuda_bindings_imported": "cuda.bindings" in added}
 
 
 def _checksum_child(device: str) -> dict:
@@ -115,6 +118,7 @@ def _checksum_child(device: str) -> dict:
     import flashboot  # noqa: F401
 
     buf = torch.ones(64 << 20, dtype=torch.uint8, device=device)
+    before = set(sys.modules)
     gc_clock = _GcClock()
     t0 = time.perf_counter()
     from flashboot.kernels.checksum import chunk_checksums
@@ -127,7 +131,7 @@ def _checksum_child(device: str) -> dict:
     t3 = time.perf_counter()
     return {"device": device, "import_ms": (t1 - t0) * 1e3, "first_call_ms": (t2 - t1) * 1e3,
             "second_call_ms": (t3 - t2) * 1e3, "first_call_with_import_ms": (t2 - t0) * 1e3,
-            "target_ms": FIRST_CALL_TARGET_MS, **gc_first, **_imported()}
+            "target_ms": FIRST_CALL_TARGET_MS, **gc_first, **_imported(before)}
 
 
 def _checksum_parts_child(device: str) -> dict:
@@ -146,6 +150,7 @@ def _checksum_parts_child(device: str) -> dict:
     buf = torch.ones(64 << 20, dtype=torch.uint8, device=device)
     dev = torch.device(device).index or 0
     parts: dict[str, float] = {}
+    before = set(sys.modules)
     gc_clock = _GcClock()
     t = time.perf_counter()
 
@@ -185,7 +190,7 @@ def _checksum_parts_child(device: str) -> dict:
     repeated = parts["cache key (source sha256, triton version)"] + parts["cubin read + sha256"]
     first = sum(parts.values()) - parts["second call"] - repeated
     return {"device": device, "parts_ms": parts, "first_call_ms": round(first, 3), "repeated_ms": round(repeated, 3),
-            "target_ms": FIRST_CALL_TARGET_MS, **gc_first, **_imported()}
+            "target_ms": FIRST_CALL_TARGET_MS, **gc_first, **_imported(before)}
 
 
 def _child(args: list[str]) -> dict:

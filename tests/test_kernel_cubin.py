@@ -328,10 +328,12 @@ def test_a_fresh_process_checksums_from_the_cubin_without_triton(cache):
     checksum_gpu.prepare_checksum_kernels(0)
     code = """
 import sys, numpy as np, torch
-from flashboot.kernels.checksum import chunk_checksums
 t = torch.arange(1 << 22, dtype=torch.int32, device="cuda").view(torch.uint8)
+before = set(sys.modules)  # some torch builds import cuda.bindings themselves: what the checksum adds counts
+from flashboot.kernels.checksum import chunk_checksums
 print(chunk_checksums(t, 1 << 20))
-print(sorted({m for m in sys.modules if m.split('.')[0] in ('triton', 'cupy')} | {'cuda.bindings'} & set(sys.modules)))
+added = set(sys.modules) - before
+print(sorted({m for m in added if m.split('.')[0] in ('triton', 'cupy')} | {'cuda.bindings'} & added))
 """
     env = {**os.environ, "FLASHBOOT_KERNEL_CACHE": str(cache)}
     p = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], env=env, capture_output=True,
