@@ -1,7 +1,10 @@
 """Access to the CUDA driver through ``cuda.bindings.driver``, with one checker for every result.
 
 The driver is loaded lazily: importing FlashBoot on a machine without CUDA must work, and
-:func:`cuda_available` says whether the host backend will be used instead.
+:func:`cuda_available` says whether the host backend will be used instead. The launches of
+kernels compiled ahead of time (the checksum's cubin) and the SM count make their few calls
+through ctypes instead (:mod:`flashboot.kernels.launch_ctypes`): this module's import costs more
+than a fresh process's first checksum may.
 """
 
 from __future__ import annotations

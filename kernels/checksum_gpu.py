@@ -11,7 +11,6 @@ chunk sizes that are not whole 16-word groups, and the interpreter.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 import warnings
@@ -24,6 +23,8 @@ from flashboot.errors import FlashBootError
 
 from . import cubin
 from .checksum_spec import LENGTH_MUL, M64, word_term
+from .knobs import check_launch_knobs
+from .launch_ctypes import compute_capability
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -49,19 +50,6 @@ WORDS_ALIGNED_ARGS = ("words_ptr", "sums_ptr", "copy_ptr", "chunk_words")
 so one cubin fits every size. Spans that break this launch through Triton."""
 _launchers: dict[tuple, cubin.CubinLauncher | None] = {}
 _launchers_lock = threading.Lock()
-
-
-@functools.cache
-def _arch(device: int) -> int:
-    """Device ``device``'s compute capability as Triton's target number (90 for sm_90)."""
-    from flashboot._cuda import check, driver
-
-    drv = driver()
-    dev = check(drv.cuDeviceGet(device), f"cuDeviceGet({device})")
-    attr = drv.CUdevice_attribute
-    major = check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cuDeviceGetAttribute")
-    minor = check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute")
-    return major * 10 + minor
 
 
 def words_kernel_key(arch: int, knobs: dict[str, Any], copy: bool) -> cubin.KernelKey:
@@ -92,7 +80,7 @@ def _words_launcher(device: int, knobs: dict[str, Any], copy: bool, *, quiet: bo
     with _launchers_lock:
         if k in _launchers:
             return _launchers[k]
-        key = words_kernel_key(_arch(device), knobs, copy)
+        key = words_kernel_key(compute_capability(device), knobs, copy)
         cached, why = cubin.load(key)
         if cached is None:
             if not quiet:
@@ -132,8 +120,6 @@ def _gpu_knobs(overrides: dict[str, Any]) -> dict[str, Any]:
     bw = k["block_words"]
     if not isinstance(bw, int) or bw < 16 or bw & (bw - 1):
         raise FlashBootError(f"block_words must be a power of two >= 16, got {bw!r}")
-    from .launch import check_launch_knobs
-
     check_launch_knobs(k)
     return k
 

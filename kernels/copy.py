@@ -26,7 +26,8 @@ from triton.runtime import _allocation
 from flashboot.errors import CapabilityError, FlashBootError, MoverError
 from flashboot.memory import Span, span_of, stream_handle
 
-from .launch import LaunchConfig, check_launch_knobs, current_device, launch
+from .knobs import check_launch_knobs
+from .launch import LaunchConfig, current_device, launch
 from .views import _NP_NAMES, interpreting, require_kernel_memory, sm_count, span_tensor
 
 SM_TUNING: dict[str, Any] = {

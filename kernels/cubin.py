@@ -10,7 +10,9 @@ sha256, and what a launch needs from Triton's compiled metadata (the parameter l
 shared memory, the scratch pointers Triton appends). A stale entry (another source hash,
 another key) is refused and rebuilt by the caller; a corrupt one raises :class:`KernelCacheError`.
 
-The launch reproduces Triton's own (``backends/nvidia/driver.c``): grid as given,
+The launch reproduces Triton's own (``backends/nvidia/driver.c``), its driver calls made through
+ctypes (:mod:`flashboot.kernels.launch_ctypes`: ``cuda.bindings``' import alone would exceed a
+first call's budget): grid as given,
 ``32 * num_warps`` threads, the metadata's dynamic shared memory, the kernel's non-constexpr
 arguments in order, then one null pointer per scratch buffer Triton appends (global, and from
 3.5 on profile). Kernels that need more (clusters, cooperative or PDL launches, scratch memory,
@@ -20,16 +22,15 @@ over 48 KiB of shared memory) are not cached: they keep Triton's launcher.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import importlib.util
 import json
 import os
-import re
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from flashboot.errors import FlashBootError, KernelCacheError
 
@@ -49,21 +50,30 @@ def cache_dir() -> Path:
     return Path(base) / "flashboot" / "kernels"
 
 
+@functools.cache
 def triton_version() -> str | None:
-    """The installed Triton's version, read from its package without importing it (None: not installed)."""
+    """The installed Triton's version as ``triton.__version__`` says it, read from that line of
+    its package without importing it (None: not installed): 0.2-0.3 ms of a fresh process's
+    first checksum on a 2-core host, where importing Triton costs seconds and
+    ``importlib.metadata.version`` 0.5-0.7 ms. An upgraded Triton gives another key, so its
+    cubins are rebuilt."""
     spec = importlib.util.find_spec("triton")
     if spec is None or spec.origin is None:
         return None
-    m = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", Path(spec.origin).read_text(), re.M)
-    return m.group(1) if m else None
+    for line in Path(spec.origin).read_text().splitlines():
+        name, eq, value = line.partition("=")
+        if eq and name.strip() == "__version__":
+            return value.strip().strip("\"'") or None
+    return None
 
 
 def source_sha256(path: str | os.PathLike) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-@dataclass(frozen=True)
-class KernelKey:
+# NamedTuples, not dataclasses: defining a dataclass costs about a millisecond, paid by a fresh
+# process's first checksum, which imports this module (budget: 20 ms for the whole call).
+class KernelKey(NamedTuple):
     """What a cubin was built for; a cached entry is used only for an equal key."""
 
     kernel: str
@@ -77,12 +87,10 @@ class KernelKey:
         return (root or cache_dir()) / f"{self.kernel}-sm{self.arch}-triton{self.triton}-{self.variant}"
 
     def as_json(self) -> dict:
-        return {"kernel": self.kernel, "source_sha256": self.source_sha256, "arch": self.arch,
-                "triton": self.triton, "variant": self.variant, "build": self.build}
+        return self._asdict()
 
 
-@dataclass(frozen=True)
-class CachedKernel:
+class CachedKernel(NamedTuple):
     """A cubin and what launching it needs."""
 
     key: KernelKey
@@ -166,53 +174,50 @@ def load(key: KernelKey, root: Path | None = None) -> tuple[CachedKernel | None,
 
 class CubinLauncher:
     """A cached kernel loaded into each device's primary context on first use, launched with
-    ``cuLaunchKernel`` as Triton would launch it."""
+    ``cuLaunchKernel`` as Triton would launch it (the driver through ctypes:
+    :mod:`flashboot.kernels.launch_ctypes`)."""
 
     def __init__(self, cached: CachedKernel):
         self.cached = cached
-        self._functions: dict[int, Any] = {}
+        self._functions: dict[int, int] = {}
         self._lock = threading.Lock()
         self._types = [ctypes.c_uint64 if t.startswith("*") else _CTYPES[t] for _, t in cached.params]
         self._types += [ctypes.c_uint64] * cached.scratch_pointers
 
-    def function(self, device: int):
+    def function(self, device: int) -> int:
         """The kernel's ``CUfunction`` in device ``device``'s primary context (loaded once)."""
         fn = self._functions.get(device)
         if fn is None:
-            from flashboot._cuda import check, driver, keeps_context, use_device
-
-            @keeps_context
-            def load_module():
-                use_device(device)
-                drv = driver()
-                where = f"{self.cached.path / 'kernel.cubin'} on cuda:{device}"
-                module = check(drv.cuModuleLoadData(self.cached.cubin), f"cuModuleLoadData({where})")
-                return check(drv.cuModuleGetFunction(module, self.cached.function.encode()),
-                             f"cuModuleGetFunction({self.cached.function!r}, {where})")
+            from .launch_ctypes import load_function
 
             with self._lock:
                 fn = self._functions.get(device)
                 if fn is None:
-                    fn = self._functions[device] = load_module()
+                    fn = self._functions[device] = load_function(self.cached.cubin, self.cached.function, device,
+                                                                 str(self.cached.path / "kernel.cubin"))
         return fn
 
-    def launch(self, grid: tuple[int, ...], args: tuple, *, device: int, stream: int) -> None:
-        """Launch on ``grid`` (1-3 dims) with the kernel's non-constexpr ``args`` (pointers as
-        ints) on ``device``'s raw ``stream`` handle."""
-        from flashboot._cuda import check, driver
-
+    def pack(self, args: tuple) -> tuple[ctypes.Array, list]:
+        """``cuLaunchKernel``'s ``kernelParams`` for the kernel's non-constexpr ``args`` (pointers
+        as ints), then a null pointer per scratch buffer: an array of pointers to each value, and
+        the values, which must outlive the launch."""
         if len(args) != len(self.cached.params):
             raise FlashBootError(f"{self.cached.key.kernel}: {len(args)} arguments for its {len(self.cached.params)} "
                                  f"parameters {[n for n, _ in self.cached.params]}")
         values = [t(a) for t, a in zip(self._types, (*args, *[0] * self.cached.scratch_pointers))]
-        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        return (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values]), values
+
+    def launch(self, grid: tuple[int, ...], args: tuple, *, device: int, stream: int) -> None:
+        """Launch on ``grid`` (1-3 dims) with the kernel's non-constexpr ``args`` (pointers as
+        ints) on ``device``'s raw ``stream`` handle, ``device``'s context current."""
+        from .launch_ctypes import launch_kernel
+
+        params, _keep = self.pack(args)  # the values the params point at, alive until the driver read them
         gx, gy, gz = (*grid, 1, 1)[:3]
         if gx * gy * gz == 0:
             return
-        drv = driver()
-        check(drv.cuLaunchKernel(self.function(device), gx, gy, gz, 32 * self.cached.num_warps, 1, 1,
-                                 self.cached.shared, drv.CUstream(stream), ctypes.addressof(params), 0),
-              f"cuLaunchKernel({self.cached.function}, grid {gx}x{gy}x{gz})")
+        launch_kernel(self.function(device), (gx, gy, gz), 32 * self.cached.num_warps, self.cached.shared, stream,
+                      params, f"cuLaunchKernel({self.cached.function}, grid {gx}x{gy}x{gz})")
 
 
 __all__ = ["CachedKernel", "CubinLauncher", "KernelKey", "cache_dir", "load", "save",

@@ -18,8 +18,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from flashboot.errors import FlashBootError
-
 from .views import interpreting, launch_on_index
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
@@ -103,17 +101,6 @@ def launch(kernel, config: LaunchConfig, grid: tuple[int, ...], args: tuple[int,
     return runner
 
 
-def check_launch_knobs(knobs: dict[str, Any]) -> None:
-    """num_warps a power of two, programs_per_sm and num_stages positive ints."""
-    w = knobs["num_warps"]
-    if not isinstance(w, int) or w < 1 or w & (w - 1) or w > 32:
-        raise FlashBootError(f"num_warps must be a power of two in 1..32, got {w!r}")
-    for name in ("programs_per_sm", "num_stages"):
-        v = knobs[name]
-        if not isinstance(v, int) or v < 1:
-            raise FlashBootError(f"{name} must be a positive int, got {v!r}")
-
-
 _LAUNCHER_PARAMS = ("gridX", "gridY", "gridZ", "stream", "function")
 _LAUNCHER_NAMED = ("kernel_metadata", "launch_metadata", "launch_enter_hook", "launch_exit_hook")
 """Triton's CUDA launcher (``CompiledKernel.run``) takes ``gridX, gridY, gridZ, stream,
@@ -188,4 +175,4 @@ def current_device() -> int:
 _get_device: Callable[[], int] | None = None
 
 
-__all__ = ["LaunchConfig", "check_launch_knobs", "current_device", "launch"]
+__all__ = ["LaunchConfig", "current_device", "launch"]

@@ -63,19 +63,9 @@ def sm_count(device_index: int) -> int:
     """Number of SMs of a CUDA device (4 under the interpreter, to exercise the grid stride)."""
     if interpreting():
         return 4
-    return _cuda_sm_count(device_index)
+    from .launch_ctypes import sm_count as cuda_sm_count
 
-
-@functools.cache
-def _cuda_sm_count(device_index: int) -> int:
-    # one driver attribute, not torch's device properties (cudaGetDeviceProperties fills every
-    # field on its first call: part of a checksum's first call in a fresh process)
-    from flashboot._cuda import check, driver
-
-    drv = driver()
-    dev = check(drv.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
-    return int(check(drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
-                     "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))
+    return cuda_sm_count(device_index)
 
 
 def require_kernel_memory(span: Span) -> None:

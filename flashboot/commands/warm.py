@@ -6,7 +6,8 @@ from __future__ import annotations
 def register(subparsers) -> None:
     p = subparsers.add_parser("warm", help="compile the checksum kernels ahead of time (Triton / numba caches)",
                               description="Run each checksum path once on DEVICE so a fresh process's first "
-                                          "verified load finds it compiled. Once per machine and version.")
+                                          "verified load finds it compiled (on CUDA: the cubins, and the bytecode "
+                                          "of the modules its first call imports). Once per machine and version.")
     p.add_argument("--device", default=None, help="cuda index, cuda:N or cpu (default: cuda:0 where present)")
     p.set_defaults(func=main)
 
