@@ -315,7 +315,7 @@ def test_the_summary_names_every_phase_over_5_percent_of_ready():
 
     rep = CloneReport("star", 1, "cuda:0", 13_760_000_000, source="seed", connect_ms=3_650.0,
                       connect_detail={"import_ms": 3_300.0, "store_ms": 4.0, "warm_wait_ms": 340.0, "other_ms": 6.0},
-                      warm_ms=700.0, warm_detail={"CUDA context": 330.0, "peer import": 2.0, "cupy + stream": 150.0},
+                      warm_ms=700.0, warm_detail={"CUDA context": 330.0, "peer import": 2.0, "copy stream": 150.0},
                       exchange_ms=25.0, alloc_ms=9.0, transfer_ms=8.6, ready_ms=3_700.0, verify_ms=6.0,
                       total_ms=3_706.0, verified=True)
     line = rep.summary()
