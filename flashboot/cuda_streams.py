@@ -40,6 +40,7 @@ class Stream:
         self.ptr = int(self.handle)
         self._finalizer = weakref.finalize(self, _destroy, drv.cuStreamDestroy, self.handle, device_index,
                                            f"cuStreamDestroy(cuda:{device_index})")
+        self._finalizer.atexit = False  # the process's exit frees it; the driver may be going by then
 
     def synchronize(self) -> None:
         """Block until everything queued on the stream has run (the driver's own wait)."""
@@ -66,6 +67,7 @@ class Event:
         self._ready, self._not_ready = drv.CUresult.CUDA_SUCCESS, drv.CUresult.CUDA_ERROR_NOT_READY
         self._finalizer = weakref.finalize(self, _destroy, drv.cuEventDestroy, self.handle, device_index,
                                            f"cuEventDestroy(cuda:{device_index})")
+        self._finalizer.atexit = False
 
     def record(self, stream: Any) -> None:
         """Capture the work queued so far on ``stream`` (anything :func:`stream_handle` takes)."""
