@@ -18,17 +18,17 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/
   || { tail -20 "$OUT/install.log"; exit 1; }
 
 echo "=== 1. GPU tests: copy engine through the driver, cuda_streams ($(date +%T))"
-timeout 45 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_streams.py tests/test_arena_gpu.py \
+timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_streams.py tests/test_arena_gpu.py \
   tests/test_triton_movers.py -k "copy_engine or cuda_streams" >"$OUT/movers_tests.log" 2>&1
 echo "tests rc=$? (124: out of time) :: $(tail -1 "$OUT/movers_tests.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/movers_tests.log" | head -10
 
 echo "=== 2. gpu_clone_boot.sh (clone GPU tests, checksum first call, engine-like clone) ($(date +%T))"
-BUDGET_S=150 TESTS_LIMIT=60 REPEATS=1 timeout 170 bash benchmarks/gpu_clone_boot.sh
+BUDGET_S=135 TESTS_LIMIT=60 REPEATS=1 timeout 150 bash benchmarks/gpu_clone_boot.sh
 echo "gpu_clone_boot rc=$?"
 
 echo "=== 3. host us per mover.copy of 4 KiB (target <= 15) ($(date +%T))"
-timeout 40 python3 - "$OUT/per_call.json" <<'EOF'
+timeout 30 python3 - "$OUT/per_call.json" <<'EOF'
 import json, statistics, sys, time
 import torch
 import cupy
