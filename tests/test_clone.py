@@ -728,7 +728,7 @@ def test_clone_refuses_bad_requests_before_connecting():
     with pytest.raises(UnknownNameError, match="unknown mover"):
         flashboot.clone("127.0.0.1:1", "cpu", mover="warp")
     with pytest.raises(FlashBootError, match="mover 'copy_engine' cannot copy between cpu arenas"):
-        flashboot.clone("127.0.0.1:1", "cpu", mover="copy_engine")  # refused on its class: CuPy is not imported
+        flashboot.clone("127.0.0.1:1", "cpu", mover="copy_engine")  # refused on its class, before any driver call
     warm = flashboot.prepare_clone("cpu")  # the check clone() makes first on a prepared warm-up
     with pytest.raises(FlashBootError, match="the clone warm-up was prepared for cpu, not for cuda:1"):
         warm.check_device(flashboot.Device("cuda", 1))
