@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from flashboot.errors import CapabilityError
+from flashboot.errors import CapabilityError, CudaError
 
 MiB = 1 << 20
 
@@ -54,8 +54,13 @@ def test_an_event_orders_a_second_stream_after_the_first_and_times_it():
     mover.copy(c, b, stream=second)
     second.synchronize()
     assert mid.done and torch.equal(c, a)
-    assert start.elapsed_ms(mid) > 0.0  # 256 MiB takes the engine a measurable time
-    for obj in (first, second, start, mid):
+    assert start.elapsed_ms(mid) > 0.0  # the timestamps are kept: 256 MiB lies between them
+    untimed = Event(0)
+    untimed.record(second)
+    second.synchronize()
+    with pytest.raises(CudaError, match="cuEventElapsedTime"):  # an event made without timing has none
+        start.elapsed_ms(untimed)
+    for obj in (first, second, start, mid, untimed):
         obj.close()
         obj.close()  # a second close does nothing
 
