@@ -165,4 +165,4 @@ def test_a_verified_clone_on_a_gpu_imports_no_cupy():
                        timeout=240, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "cupy False" in p.stdout, p.stdout
-    assert "'copy stream'" in p.stdout and "warm-up failed" not in p.stdout, p.stdout
+    assert "'copy stream'" in p.stdout and "copy stream:" not in p.stdout, p.stdout  # the part ran, and did not fail
