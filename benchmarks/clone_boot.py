@@ -68,6 +68,7 @@ def engine_main(store: str, early_s: float | None, device: str) -> dict:
     call_ms = (time.perf_counter() - t_call) * 1e3
     rep = result.report
     triton_imported = "triton" in sys.modules  # the verify's checksum ran from the cubin when False
+    cupy_imported = "cupy" in sys.modules  # the clone's CUDA path imports none (~0.2 s, GIL held)
     from flashboot.benchmarks.clone import copy_ceiling
 
     nbytes = rep.nbytes
@@ -82,6 +83,7 @@ def engine_main(store: str, early_s: float | None, device: str) -> dict:
             "transfer_vs_ceiling": rep.gbps / ceiling["gbps"] if ceiling["gbps"] else 0.0, "target_ratio": 0.85,
             "phases_ms": {k: round(v, 2) for k, v in rep.phases().items()}, "warm_detail": rep.warm_detail,
             "connect_detail": rep.connect_detail, "verified": rep.verified, "triton_imported": triton_imported,
+            "cupy_imported": cupy_imported,
             **_fine(rep.to_dict()), "map_group_sweep": groups, "summary": rep.summary()}
 
 
@@ -156,7 +158,8 @@ def show(row: dict) -> str:
         return (f"engine early={r['early_s']}: ready {r['ready_ms']:.1f} + verify {r['verify_ms']:.1f} = "
                 f"{r['ready_plus_verify_ms']:.1f} ms (target 100); transfer {r['transfer_gbps']:.0f} GB/s = "
                 f"{r['transfer_vs_ceiling']:.3f}x D2D {r['d2d_ceiling_gbps']:.0f} GB/s (target 0.85); clone call "
-                f"{r['call_ms']:.1f} ms; Triton imported: {r['triton_imported']}\n  phases {r['phases_ms']}\n"
+                f"{r['call_ms']:.1f} ms; Triton imported: {r['triton_imported']}; CuPy imported: "
+                f"{r.get('cupy_imported', '?')}\n  phases {r['phases_ms']}\n"
                 f"  warm-up {r['warm_detail']} waits {r['warm_waits']}\n  exchange {r['exchange_detail']}\n"
                 f"  alloc {r['alloc_ms']} ms; source segments mapped during the copy (ms, count) {r['map_during_copy']}"
                 f"\n  map group sweep (segments: ...) {r['map_group_sweep']}\n  {r['summary']}")

@@ -1,7 +1,9 @@
-"""The ``copy_engine`` mover: ``cudaMemcpyAsync`` through CuPy, on the caller's stream.
+"""The ``copy_engine`` mover: ``cuMemcpyAsync`` through the driver (cuda-bindings), on the caller's stream.
 
 The copy engines (DMA) move the bytes, so no SM is used: this is the ceiling the other movers
 are judged against (H2D 54 GB/s pinned, D2D ~2.1 TB/s, P2P ~394 GB/s over NVLink on an H200).
+It imports no CuPy (a clone in an engine's process would pay ~0.2 s for it, GIL held): copies,
+side streams and events go through the driver, which the arena already uses.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from flashboot import _cuda
 from flashboot._cuda import cuda_available
+from flashboot.cuda_streams import Event, Stream, wait_event
 from flashboot.errors import MoverError
 from flashboot.memory import Span, stream_handle
 
@@ -19,30 +23,26 @@ from .batch import ChunkBatch
 from .registry import register_mover
 
 _CUDA_MEMCPY_DEFAULT = 4
-"""``cudaMemcpyDefault``: direction inferred from the pointers (unified virtual addressing)."""
+"""``cudaMemcpyDefault`` (direction from the pointers), for callers that copy through the runtime."""
 
 MAX_BATCH_STREAMS = 16
 
 
 @register_mover
 class CopyEngineMover(Mover):
-    """cudaMemcpyAsync on the copy engines (h2d, d2h, d2d, p2p); no SMs used."""
+    """cuMemcpyAsync on the copy engines (h2d, d2h, d2d, p2p); no SMs used."""
 
     name = "copy_engine"
     paths = frozenset({"h2d", "d2h", "d2d", "p2p"})
     alignment = 1
     batched = ("runs of contiguous chunks merged into one copy each, then cuMemcpyBatchAsync (CUDA >= 12.8), "
-               "else one cudaMemcpyAsync per copy from pre-built lists; batch_streams > 1 spreads the chunks "
+               "else one cuMemcpyAsync per copy from pre-built lists; batch_streams > 1 spreads the chunks "
                "over that many streams")
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
         if not cuda_available():
             return False, "no CUDA device; the host mover copies host->host"
-        try:
-            import cupy  # noqa: F401
-        except ImportError as exc:  # pragma: no cover - CuPy is a dependency
-            return False, f"CuPy is not importable ({exc})"
         return True, ""
 
     def __init__(self, batch_streams: int = 1, merge_contiguous: bool = True) -> None:
@@ -57,26 +57,47 @@ class CopyEngineMover(Mover):
             raise MoverError(f"copy_engine: merge_contiguous must be a bool, got {merge_contiguous!r}")
         super().__init__()
         self.batch_streams, self.merge_contiguous = batch_streams, merge_contiguous
-        import cupy
+        drv = _cuda.driver()
+        # looked up once: the per-call path is two driver calls taking plain ints (the bindings
+        # wrap them in C), compared by identity with the success code
+        self._ctx_device, self._memcpy, self._ok = drv.cuCtxGetDevice, drv.cuMemcpyAsync, drv.CUresult.CUDA_SUCCESS
+        self._device_handles: dict[int, int] = {}
 
-        self._cupy, self._runtime = cupy, cupy.cuda.runtime  # looked up once: the per-call path imports nothing
+    def _device_handle(self, index: int) -> int:
+        handle = self._device_handles.get(index)
+        if handle is None:
+            handle = self._device_handles[index] = int(_cuda.check(_cuda.driver().cuDeviceGet(index),
+                                                                   f"cuDeviceGet({index})"))
+        return handle
 
     def _copy(self, dst: Span, src: Span, nbytes: int, path: str, stream: Any) -> None:
         # The copy is issued from the device that owns the stream: the destination for h2d,
         # d2d and p2p (a push from the peer would need the source's stream), the source for d2h.
         owner = (src if path == "d2h" else dst).device.index
-        rt = self._runtime
-        if rt.getDevice() == owner:  # the common case: no device switch (a context manager costs ~2 us)
-            rt.memcpyAsync(dst.ptr, src.ptr, nbytes, _CUDA_MEMCPY_DEFAULT, stream_handle(stream))
-            return
-        with self._cupy.cuda.Device(owner):
-            rt.memcpyAsync(dst.ptr, src.ptr, nbytes, _CUDA_MEMCPY_DEFAULT, stream_handle(stream))
+        handle = stream_handle(stream)
+        err, current = self._ctx_device()  # fails (no context) in a thread that has none yet
+        if err is self._ok and int(current) == self._device_handles.get(owner, -1):  # the common case: no switch
+            result = self._memcpy(dst.ptr, src.ptr, nbytes, handle)
+        else:
+            self._device_handle(owner)
+            result = _copy_on(owner, self._memcpy, dst.ptr, src.ptr, nbytes, handle)
+        if result[0] is not self._ok:
+            _cuda.check(result, f"cuMemcpyAsync({path}, dst {dst.ptr:#x}, src {src.ptr:#x}, {nbytes:,} bytes, "
+                                f"stream {handle:#x}, cuda:{owner})")
 
     def _prepare_batch(self, batch: ChunkBatch) -> "_EngineBatch":
         return _EngineBatch(batch, self.batch_streams, self.merge_contiguous)
 
     def _copy_batch(self, batch: ChunkBatch, stream: Any) -> None:
         batch.prepared.run(stream_handle(stream))
+
+
+@_cuda.keeps_context
+def _copy_on(owner: int, memcpy, dst: int, src: int, nbytes: int, handle: int):
+    """``memcpy`` issued from device ``owner``'s context, the caller's restored after (as a
+    CuPy device scope did); returns the driver's result."""
+    _cuda.use_device(owner)
+    return memcpy(dst, src, nbytes, handle)
 
 
 def stream_groups(nbytes: np.ndarray, streams: int) -> list[tuple[int, int]]:
@@ -110,62 +131,57 @@ def engine_copies(batch: ChunkBatch, streams: int, merge_contiguous: bool) -> li
 
 class _EngineBatch:
     """The driver's arguments of one batch, built once: ``cuMemcpyBatchAsync`` where the driver
-    and the bindings have it (``method`` says which path runs), else one ``cudaMemcpyAsync`` per
+    and the bindings have it (``method`` says which path runs), else one ``cuMemcpyAsync`` per
     copy from pre-built lists; the copies are :func:`engine_copies` (``copies`` counts them).
     With ``streams > 1`` the chunks are split into that many contiguous groups of about equal
     bytes, each issued on a stream of its own that waits for the caller's stream and that the
-    caller's stream then waits for (events made once here)."""
+    caller's stream then waits for (streams and events made once here, destroyed with the batch)."""
 
     def __init__(self, batch: ChunkBatch, streams: int, merge_contiguous: bool = True):
-        import cupy
-
-        from flashboot._cuda import check, driver
-
-        drv = driver()
+        drv = _cuda.driver()
+        self.drv = drv
         self.owner = (batch.src if batch.path == "d2h" else batch.dst).device.index
         per_stream = engine_copies(batch, streams, merge_contiguous)
         self.copies = sum(len(n) for _, _, n in per_stream)
-        version = check(drv.cuDriverGetVersion(), "cuDriverGetVersion")
-        self.method = "cuMemcpyBatchAsync" if hasattr(drv, "cuMemcpyBatchAsync") and version >= 12080 else "memcpyAsync loop"
+        version = _cuda.check(drv.cuDriverGetVersion(), "cuDriverGetVersion")
+        self.method = "cuMemcpyBatchAsync" if hasattr(drv, "cuMemcpyBatchAsync") and version >= 12080 else "cuMemcpyAsync loop"
         if self.method == "cuMemcpyBatchAsync":
             attrs = drv.CUmemcpyAttributes()
             attrs.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
             attrs.srcLocHint, attrs.dstLocHint = _location(drv, batch.src), _location(drv, batch.dst)
             self.groups = [([drv.CUdeviceptr(p) for p in dsts], [drv.CUdeviceptr(p) for p in srcs], sizes,
                             len(sizes), [attrs], [0], 1) for dsts, srcs, sizes in per_stream]
-            self.drv, self.check = drv, check
         else:
             self.groups = [list(zip(dsts, srcs, sizes)) for dsts, srcs, sizes in per_stream]
-        self.cupy = cupy
-        self.side: list = []
-        if len(self.groups) > 1:
-            with cupy.cuda.Device(self.owner):  # streams and events belong to the owner's context
-                self.side = [cupy.cuda.Stream(non_blocking=True) for _ in self.groups]
-                self.fork = cupy.cuda.Event(disable_timing=True)
-                self.joins = [cupy.cuda.Event(disable_timing=True) for _ in self.groups]
+        self.side: list[Stream] = []
+        if len(self.groups) > 1:  # streams and events belong to the owner's context
+            self.side = [Stream(self.owner) for _ in self.groups]
+            self.fork = Event(self.owner)
+            self.joins = [Event(self.owner) for _ in self.groups]
 
     def _issue(self, group, handle: int) -> None:
+        drv = self.drv
         if self.method == "cuMemcpyBatchAsync":
-            self.check(self.drv.cuMemcpyBatchAsync(*group, self.drv.CUstream(handle)),
-                       f"cuMemcpyBatchAsync({group[3]} of {self.copies} copies)")
+            _cuda.check(drv.cuMemcpyBatchAsync(*group, drv.CUstream(handle)),
+                        f"cuMemcpyBatchAsync({group[3]} of {self.copies} copies)")
             return
-        copy = self.cupy.cuda.runtime.memcpyAsync
+        copy = drv.cuMemcpyAsync
         for d, s, n in group:
-            copy(d, s, n, _CUDA_MEMCPY_DEFAULT, handle)
+            _cuda.check(copy(d, s, n, handle), f"cuMemcpyAsync(dst {d:#x}, src {s:#x}, {n:,} bytes, of a batch)")
 
+    @_cuda.keeps_context
     def run(self, handle: int) -> None:
-        with self.cupy.cuda.Device(self.owner):
-            if not self.side:
-                for group in self.groups:
-                    self._issue(group, handle)
-                return
-            rt = self.cupy.cuda.runtime
-            rt.eventRecord(self.fork.ptr, handle)  # the side streams start after what the caller queued
-            for group, side, join in zip(self.groups, self.side, self.joins):
-                rt.streamWaitEvent(side.ptr, self.fork.ptr, 0)
-                self._issue(group, side.ptr)
-                rt.eventRecord(join.ptr, side.ptr)
-                rt.streamWaitEvent(handle, join.ptr, 0)  # and the caller's stream goes on after all of them
+        _cuda.use_device(self.owner)
+        if not self.side:
+            for group in self.groups:
+                self._issue(group, handle)
+            return
+        self.fork.record(handle)  # the side streams start after what the caller queued
+        for group, side, join in zip(self.groups, self.side, self.joins):
+            wait_event(side, self.fork)
+            self._issue(group, side.ptr)
+            join.record(side)
+            wait_event(handle, join)  # and the caller's stream goes on after all of them
 
 
 __all__ = ["CopyEngineMover", "engine_copies", "stream_groups", "MAX_BATCH_STREAMS"]

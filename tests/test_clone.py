@@ -315,7 +315,7 @@ def test_the_summary_names_every_phase_over_5_percent_of_ready():
 
     rep = CloneReport("star", 1, "cuda:0", 13_760_000_000, source="seed", connect_ms=3_650.0,
                       connect_detail={"import_ms": 3_300.0, "store_ms": 4.0, "warm_wait_ms": 340.0, "other_ms": 6.0},
-                      warm_ms=700.0, warm_detail={"CUDA context": 330.0, "peer import": 2.0, "cupy + stream": 150.0},
+                      warm_ms=700.0, warm_detail={"CUDA context": 330.0, "peer import": 2.0, "copy stream": 150.0},
                       exchange_ms=25.0, alloc_ms=9.0, transfer_ms=8.6, ready_ms=3_700.0, verify_ms=6.0,
                       total_ms=3_706.0, verified=True)
     line = rep.summary()
@@ -728,7 +728,7 @@ def test_clone_refuses_bad_requests_before_connecting():
     with pytest.raises(UnknownNameError, match="unknown mover"):
         flashboot.clone("127.0.0.1:1", "cpu", mover="warp")
     with pytest.raises(FlashBootError, match="mover 'copy_engine' cannot copy between cpu arenas"):
-        flashboot.clone("127.0.0.1:1", "cpu", mover="copy_engine")  # refused on its class: CuPy is not imported
+        flashboot.clone("127.0.0.1:1", "cpu", mover="copy_engine")  # refused on its class, before any driver call
     warm = flashboot.prepare_clone("cpu")  # the check clone() makes first on a prepared warm-up
     with pytest.raises(FlashBootError, match="the clone warm-up was prepared for cpu, not for cuda:1"):
         warm.check_device(flashboot.Device("cuda", 1))

@@ -79,3 +79,36 @@ def test_clone_and_seed_import_no_cupy_triton_or_numba_until_a_mover_or_kernel_n
     assert lines["import"] == "]"
     assert lines["seed"] == "]"  # its manifest given: nothing to checksum
     assert lines["clone"] == "'numba']"  # the host mover's copy and the host checksum; never CuPy or Triton
+
+
+def _imports_cupy(path) -> list[int]:
+    """Lines of ``path`` that import CuPy, at module level or inside a function."""
+    import ast
+
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        if any(n == "cupy" or n.startswith("cupy.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_clones_cuda_path_has_no_cupy_import_anywhere(tmp_path):
+    """What a clone or a seed on a GPU runs (the copy-engine mover, its streams, the executor, the
+    warm-up, the transports, the arena) imports no CuPy, not even lazily: a CuPy import in a clone
+    costs ~0.2 s with the GIL held."""
+    from pathlib import Path
+
+    import flashboot
+    import flashboot.movers
+
+    root, movers = Path(flashboot.__file__).parent, Path(flashboot.movers.__file__).parent
+    files = [*(root / "flashclone").rglob("*.py"), *(root / "arena").glob("*.py"), root / "cuda_streams.py",
+             root / "_cuda.py", *(movers / n for n in ("base.py", "batch.py", "copy_engine.py", "registry.py"))]
+    assert len(files) > 20 and all(f.exists() for f in files)
+    found = {str(f.relative_to(root.parent)): _imports_cupy(f) for f in files}
+    assert {f: lines for f, lines in found.items() if lines} == {}
+    lazy = tmp_path / "lazy.py"  # the check sees an import inside a function, and a from-import
+    lazy.write_text("import os\n\ndef f():\n    import cupy.cuda\n\nfrom cupy import ndarray\n")
+    assert sorted(_imports_cupy(lazy)) == [4, 6]

@@ -21,7 +21,7 @@ over torch.distributed (gloo on the host backend). ``auto`` takes the first that
 in that order; the report's ``transport`` says which, and ``transport_note`` why.
 
 The early call: :func:`prepare_clone` starts the one-time costs a clone can pay before it knows
-its source (the CUDA context, CuPy, the checksum kernel...) in a background thread;
+its source (the CUDA context, the copy engine's first stream, the checksum kernel...) in a background thread;
 ``clone(..., prepared=...)`` joins it. The CLI's ``flashboot clone`` makes it first thing.
 
 Faults: every wait has a deadline. A source that exits (or stalls) mid-transfer stops the run with

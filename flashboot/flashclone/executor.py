@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from .. import _cuda
+from ..cuda_streams import Event, Stream
 from ..errors import FlashBootError, WaitTimeoutError
 from ..memory import Device, Span
 from ..schedulers import HOST, Plan, Step
@@ -588,9 +589,6 @@ class _HostRun:
 class _CudaRun:
     @_cuda.keeps_context
     def __init__(self, ex: Executor, watches: dict[int, PeerWatch]):
-        import cupy
-
-        self.cupy = cupy
         self.drv = _cuda.driver()
         self.ex = ex
         self.watches = watches
@@ -599,12 +597,11 @@ class _CudaRun:
         self.lane_device = {k: ex.endpoints[k[0]].arena.device.index for k in self.lanes}
         self.streams, self.side = {}, {}
         for k, dev in self.lane_device.items():
-            _cuda.use_device(dev)
-            with cupy.cuda.Device(dev):
-                # non-blocking: the legacy default stream must never serialise with a blocked wait
-                self.streams[k] = cupy.cuda.Stream(non_blocking=True)
-                if dev not in self.side:
-                    self.side[dev] = cupy.cuda.Stream(non_blocking=True)
+            # private non-blocking streams (not torch's shared pool): the legacy default stream,
+            # or another library's work, must never serialise with a blocked wait
+            self.streams[k] = Stream(dev)
+            if dev not in self.side:
+                self.side[dev] = Stream(dev)
         self._final_flags: dict[int, np.ndarray] = {}
         self.geq = int(self.drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
         self.write_default = int(self.drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
@@ -612,8 +609,8 @@ class _CudaRun:
     def _flag_ptr(self, participant: int, flag: int) -> int:
         return self.ex.endpoints[participant].flags.ptr + FLAG_BYTES * flag
 
-    def _cu(self, stream) -> Any:
-        return self.drv.CUstream(stream.ptr)
+    def _cu(self, stream: Stream) -> Any:
+        return stream.handle
 
     def _issue(self, unit: list[Step], stream) -> None:
         ex, drv = self.ex, self.drv
@@ -628,19 +625,20 @@ class _CudaRun:
             _cuda.check(drv.cuStreamWriteValue32(cs, drv.CUdeviceptr(self._flag_ptr(u.dst, u.signal)), ex.epoch,
                                                  self.write_default), f"cuStreamWriteValue32(step {u.id} done)")
 
+    @_cuda.keeps_context
     def _read_flags(self, participant: int, count: int, dev: int) -> np.ndarray:
         """The first ``count`` flags of ``participant`` read to the host on ``dev``'s side stream."""
         out = np.zeros(max(count, 1), np.uint32)
         drv = self.drv
         side = self.side[dev]
-        with self.cupy.cuda.Device(dev):
-            _cuda.check(drv.cuMemcpyDtoHAsync(out.ctypes.data, drv.CUdeviceptr(self._flag_ptr(participant, 0)),
-                                              out.nbytes, self._cu(side)), "cuMemcpyDtoHAsync(flags)")
-            side.synchronize()
+        _cuda.use_device(dev)
+        _cuda.check(drv.cuMemcpyDtoHAsync(out.ctypes.data, drv.CUdeviceptr(self._flag_ptr(participant, 0)),
+                                          out.nbytes, self._cu(side)), "cuMemcpyDtoHAsync(flags)")
+        side.synchronize()
         return out
 
+    @_cuda.keeps_context
     def run(self) -> ExecReport:
-        cp = self.cupy
         ex = self.ex
         order = ex._units(ex.steps)  # global id order of each unit's first step (see module doc)
         key_of = {u[0].id: (u[0].dst, u[0].lane) for u in order}
@@ -648,9 +646,8 @@ class _CudaRun:
         completed: dict[tuple[int, int], int] = {k: 0 for k in self.lanes}
         start_ev = {}
         for k, st in self.streams.items():
-            with cp.cuda.Device(self.lane_device[k]):
-                start_ev[k] = cp.cuda.Event()
-                start_ev[k].record(st)
+            start_ev[k] = Event(self.lane_device[k], timing=True)
+            start_ev[k].record(st)
         t0 = time.perf_counter()
         next_i = 0
         last_progress = time.monotonic()
@@ -670,10 +667,10 @@ class _CudaRun:
                     break
                 if ex.step_hook is not None:
                     ex.step_hook(s)
-                with cp.cuda.Device(self.lane_device[k]):
-                    self._issue(unit, self.streams[k])
-                    ev = cp.cuda.Event()
-                    ev.record(self.streams[k])
+                _cuda.use_device(self.lane_device[k])
+                self._issue(unit, self.streams[k])
+                ev = Event(self.lane_device[k], timing=True)
+                ev.record(self.streams[k])
                 issued[k].extend((u, ev) for u in unit)
                 next_i += 1
             if failure is not None:
@@ -708,7 +705,7 @@ class _CudaRun:
             self._release_and_raise(failure, issued, completed)
         reports = []
         for k, lst in issued.items():
-            ends = [cp.cuda.get_elapsed_time(start_ev[k], ev) / 1e3 for _, ev in lst]
+            ends = [start_ev[k].elapsed_ms(ev) / 1e3 for _, ev in lst]
             reports.append(LaneReport(k[0], k[1], len(lst), sum(s.nbytes for s, _ in lst),
                                       ends[-1] if ends else 0.0, ends))
         return ExecReport(ex.plan.schedule, "cuda", ex.mover.name, ex.epoch, reports, wall)
@@ -767,14 +764,13 @@ class _CudaRun:
                     ok = int(snapshot[(p, dev)][f]) >= ex.epoch
                     legit[(p, f)] = legit.get((p, f), True) and ok
                     if not ok:
-                        with self.cupy.cuda.Device(dev):
-                            _cuda.check(self.drv.cuStreamWriteValue32(
-                                self._cu(self.side[dev]), self.drv.CUdeviceptr(self._flag_ptr(p, f)), ex.epoch,
-                                self.write_default), f"cuStreamWriteValue32(release flag {f} of participant {p})")
+                        _cuda.use_device(dev)
+                        _cuda.check(self.drv.cuStreamWriteValue32(
+                            self._cu(self.side[dev]), self.drv.CUdeviceptr(self._flag_ptr(p, f)), ex.epoch,
+                            self.write_default), f"cuStreamWriteValue32(release flag {f} of participant {p})")
                         released = True
-            for dev, side in self.side.items():
-                with self.cupy.cuda.Device(dev):
-                    side.synchronize()
+            for side in self.side.values():
+                side.synchronize()
             deadline = time.monotonic() + DRAIN_TIMEOUT_S
             for k, lst in issued.items():
                 for s, ev in lst[completed[k]:]:

@@ -26,8 +26,8 @@ class CloneReport:
     sources' other segments are mapped during the transfer, each just ahead of its first copy:
     ``map_during_copy_ms`` (host time, overlapped with copies already issued) and
     ``segments_mapped_during_copy``. ``warm_ms``: the one-time warm-up (:mod:`~flashboot.flashclone.warmup`), overlapped with
-    connecting and the exchange: the driver's (:func:`flashboot.arena.warm_import`), CuPy's and
-    torch's on CUDA, the host mover's compilation on the host backend (``warm_note`` says which;
+    connecting and the exchange: the driver's (:func:`flashboot.arena.warm_import`), the copy
+    engine's first stream and copy and torch's on CUDA, the host mover's compilation on the host backend (``warm_note`` says which;
     :func:`~flashboot.flashclone.prepare_clone` starts it earlier; ``warm_waits`` is what the clone
     waited for it, by stage). ``transfer_ms``: the copy
     (from the first step issued to the last byte in place, pipeline fill included).

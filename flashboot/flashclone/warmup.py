@@ -1,14 +1,14 @@
 """A clone's one-time costs paid before it knows its source: :func:`prepare_clone`, the early call.
 
 In a fresh process a clone's first call pays, besides importing torch for the store: the CUDA
-context (~0.3 s on an H200 host), the driver's first peer import and mapping, CuPy's import and
-its first stream and event (the copy engine's), torch's CUDA state (the views, the digests'
+context (~0.3 s on an H200 host), the driver's first peer import and mapping, the copy engine's
+first driver stream and copy, torch's CUDA state (the views, the digests'
 buffer) and the store's client (``torch.distributed``, ~0.1 s in a process that has torch) and, when it verifies, the checksum kernel (its cubin: a few ms; through Triton ~1 s).
 None of these needs the source, so they run in background threads (one per stage) started as
 early as the caller can (an engine at its start, the CLI before it connects to the store), mostly in driver
 calls and imports that overlap the caller's own work. The clone waits for each part only where it
-first needs it (:data:`STAGES`): the driver's part before it maps its sources, CuPy and torch
-before the transfer (so they overlap the exchange and its own arena), the checksum kernel before
+first needs it (:data:`STAGES`): the driver's part before it maps its sources, the copy engine's
+stream and torch before the transfer (so they overlap the exchange and its own arena), the checksum kernel before
 verifying. Nothing of it runs in the clone's own thread before the store is reached. The report
 names each part (``warm_detail``) and how long the clone waited for them (``warm_wait_ms``, by
 stage ``warm_waits``).
@@ -67,7 +67,7 @@ class CloneWarmup:
             return steps + ([("host checksum", "verify", self._host_checksum)] if self.verify else [])
         steps = [("CUDA context + peer import", "map", self._driver)]
         if mover == "copy_engine":
-            steps.append(("cupy + stream", "copy", self._cupy))
+            steps.append(("copy stream", "copy", self._copy_stream))
         steps.append(("torch CUDA", "copy", self._torch))
         if self.verify:
             steps.append(("checksum kernel", "verify", self._checksum))
@@ -87,14 +87,30 @@ class CloneWarmup:
 
         prepare_checksum_kernels(self.device.index)
 
-    def _cupy(self) -> None:
-        import cupy
+    def _copy_stream(self) -> None:
+        # what the copy engine's first copy pays, paid here: its module and bound driver calls,
+        # a private stream and event, and the driver's first cuMemcpyAsync (4 bytes within an
+        # 8-byte scratch allocation of the device)
+        from .. import _cuda
+        from ..cuda_streams import Event, Stream
+        from ..memory import Span, cuda_device
+        from ..movers import create_mover
 
-        with cupy.cuda.Device(self.device.index):
-            stream = cupy.cuda.Stream(non_blocking=True)
-            event = cupy.cuda.Event()
-            event.record(stream)
-            event.synchronize()
+        index = self.device.index
+        drv = _cuda.driver()
+        _cuda.use_device(index)  # this thread is ours
+        mover = create_mover("copy_engine")
+        stream, done = Stream(index), Event(index)
+        scratch = int(_cuda.check(drv.cuMemAlloc(8), "cuMemAlloc(8, warm-up scratch)"))
+        try:
+            dev = cuda_device(index)
+            mover.copy(Span(scratch, 4, dev), Span(scratch + 4, 4, dev), stream=stream)
+            done.record(stream)
+            stream.synchronize()
+        finally:
+            _cuda.check(drv.cuMemFree(scratch), "cuMemFree(warm-up scratch)")
+            stream.close()
+            done.close()
 
     def _torch(self) -> None:
         import torch
@@ -166,7 +182,7 @@ class CloneWarmup:
 
 def prepare_clone(device: Any = None, *, verify: bool = False, mover: Any = None) -> CloneWarmup:
     """The early call of a clone into ``device``: start paying its one-time costs now, in a
-    background threads (the CUDA context, the driver's peer import, CuPy and its first stream,
+    background threads (the CUDA context, the driver's peer import, the copy engine's first stream and copy,
     torch's CUDA state and, with ``verify``, the checksum kernel; the host mover's and the host
     checksum's compilation on the host backend). Call it as early as possible (before the engine
     builds its model, before connecting to the store), then pass it as

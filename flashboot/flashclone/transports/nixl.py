@@ -546,10 +546,9 @@ def ring_member(*, rdv, agent: Agent, run: str, plan, me: int, manifest, dev: De
     report.setup_ms = (time.perf_counter() - t0) * 1e3
     stream = None
     if dev.is_cuda:
-        import cupy
+        from ...cuda_streams import Stream
 
-        with cupy.cuda.Device(dev.index):
-            stream = cupy.cuda.Stream(non_blocking=True)
+        stream = Stream(dev.index)
 
     def local_copy(piece) -> None:
         mover.copy(arena.span(piece.offset, piece.nbytes), image.sub(piece.offset, piece.nbytes), stream=stream)

@@ -1,0 +1,106 @@
+"""Private CUDA streams and events through the driver (``cuda.bindings``), for code that must not
+import CuPy or share torch's stream pool.
+
+The clone's executor parks ``cuStreamWaitValue32`` waits on its streams, and the copy-engine
+mover forks a batch over side streams: both need streams of their own (torch hands out streams
+from a small per-device pool that the engine's own work may share) and neither may cost a CuPy
+import (~0.2 s with the GIL held, measured in a clone). Each object belongs to the primary
+context of its device, is destroyed by :meth:`close` or when it is dropped, and is usable
+wherever FlashBoot takes a stream (:func:`flashboot.memory.stream_handle` reads ``.ptr``,
+:func:`flashboot.memory.stream_device` reads ``.device_index``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from . import _cuda
+from .memory import stream_handle
+
+
+@_cuda.keeps_context
+def _destroy(destroy, handle, device_index: int, call: str) -> None:
+    _cuda.use_device(device_index)  # in the owner's context, whichever thread drops the last reference
+    _cuda.check(destroy(handle), call)
+
+
+class Stream:
+    """A non-blocking stream on CUDA device ``device_index``: it never waits for the legacy
+    default stream, nor the legacy stream for it (a blocked ``cuStreamWaitValue32`` on it must
+    never stall another library's work)."""
+
+    @_cuda.keeps_context
+    def __init__(self, device_index: int):
+        drv = _cuda.driver()
+        _cuda.use_device(device_index)
+        self.device_index = device_index
+        self.handle = _cuda.check(drv.cuStreamCreate(int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)),
+                                  f"cuStreamCreate(cuda:{device_index}, non-blocking)")
+        self.ptr = int(self.handle)
+        self._finalizer = weakref.finalize(self, _destroy, drv.cuStreamDestroy, self.handle, device_index,
+                                           f"cuStreamDestroy(cuda:{device_index})")
+        self._finalizer.atexit = False  # the process's exit frees it; the driver may be going by then
+
+    def synchronize(self) -> None:
+        """Block until everything queued on the stream has run (the driver's own wait)."""
+        _cuda.check(_cuda.driver().cuStreamSynchronize(self.handle), f"cuStreamSynchronize(cuda:{self.device_index})")
+
+    def close(self) -> None:
+        """Destroy the stream (work already queued still runs); a second call does nothing."""
+        self._finalizer()
+
+
+class Event:
+    """An event of CUDA device ``device_index``; ``timing`` keeps its timestamp for
+    :meth:`elapsed_ms` (without it, recording and waiting cost the device less)."""
+
+    @_cuda.keeps_context
+    def __init__(self, device_index: int, *, timing: bool = False):
+        drv = _cuda.driver()
+        _cuda.use_device(device_index)
+        self.device_index = device_index
+        flags = drv.CUevent_flags.CU_EVENT_DEFAULT if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.handle = _cuda.check(drv.cuEventCreate(int(flags)), f"cuEventCreate(cuda:{device_index})")
+        self.ptr = int(self.handle)
+        self._query = drv.cuEventQuery
+        self._ready, self._not_ready = drv.CUresult.CUDA_SUCCESS, drv.CUresult.CUDA_ERROR_NOT_READY
+        self._finalizer = weakref.finalize(self, _destroy, drv.cuEventDestroy, self.handle, device_index,
+                                           f"cuEventDestroy(cuda:{device_index})")
+        self._finalizer.atexit = False
+
+    def record(self, stream: Any) -> None:
+        """Capture the work queued so far on ``stream`` (anything :func:`stream_handle` takes)."""
+        drv = _cuda.driver()
+        _cuda.check(drv.cuEventRecord(self.handle, drv.CUstream(stream_handle(stream))),
+                    f"cuEventRecord(cuda:{self.device_index})")
+
+    @property
+    def done(self) -> bool:
+        """Whether the captured work has run (a poll; raises CudaError on a device fault)."""
+        result = self._query(self.handle)
+        if result[0] is self._ready:
+            return True
+        if result[0] is self._not_ready:
+            return False
+        _cuda.check(result, f"cuEventQuery(cuda:{self.device_index})")
+        return True  # pragma: no cover - check raised
+
+    def elapsed_ms(self, end: "Event") -> float:
+        """Milliseconds from this event to ``end`` (both recorded with ``timing``, both done)."""
+        return float(_cuda.check(_cuda.driver().cuEventElapsedTime(self.handle, end.handle),
+                                 f"cuEventElapsedTime(cuda:{self.device_index})"))
+
+    def close(self) -> None:
+        """Destroy the event; a second call does nothing."""
+        self._finalizer()
+
+
+def wait_event(stream: Any, event: Event) -> None:
+    """Make ``stream`` (anything :func:`stream_handle` takes) wait for ``event`` on the device."""
+    drv = _cuda.driver()
+    _cuda.check(drv.cuStreamWaitEvent(drv.CUstream(stream_handle(stream)), event.handle, 0),
+                f"cuStreamWaitEvent(cuda:{event.device_index})")
+
+
+__all__ = ["Event", "Stream", "wait_event"]

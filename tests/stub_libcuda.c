@@ -1,0 +1,25 @@
+/* A do-nothing CUDA driver for GPU-less tests of FlashBoot's driver paths (tests/test_cuda_path_stub.py).
+ * cuda-bindings resolves every entry point through cuGetProcAddress_v2: the ones defined here answer,
+ * every other returns CUDA_SUCCESS and writes nothing. No memory is touched: nothing is copied. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static int generic(void) { return 0; }
+int cuInit(unsigned flags) { return 0; }
+int cuDriverGetVersion(int *version) { *version = 13000; return 0; }
+int cuDeviceGetCount(int *count) { *count = 1; return 0; }
+int cuDeviceGet(int *device, int ordinal) { *device = ordinal; return 0; }
+int cuCtxGetDevice(int *device) { *device = 0; return 0; }
+/* STUB_NOT_READY set: no queued work ever completes (a stream blocked for good). */
+int cuEventQuery(void *event) { return getenv("STUB_NOT_READY") ? 600 /* CUDA_ERROR_NOT_READY */ : 0; }
+int cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status) {
+  void *p = dlsym(RTLD_DEFAULT, symbol);
+  *pfn = p ? p : (void *)generic;
+  if (status) *status = 0;
+  return 0;
+}
+int cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags) {
+  return cuGetProcAddress_v2(symbol, pfn, version, flags, 0);
+}

@@ -1,0 +1,124 @@
+"""The clone's CUDA path without a GPU: a do-nothing CUDA driver (tests/stub_libcuda.c, compiled
+here) answers cuda-bindings, so the copy-engine mover, its batches over side streams, the clone's
+warm-up and the executor's stream pipeline (and its release-and-drain path) run their real Python
+in a fresh interpreter. Nothing is copied: these check the calls' plumbing, the counts, the
+errors, and that none of it imports CuPy. Byte-exact behaviour is checked on GPUs
+(tests/test_cuda_streams.py, tests/test_clone_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_PRELUDE = """
+import sys
+from flashboot._cuda import cuda_available
+assert cuda_available(), "the stub driver was not loaded"
+from flashboot.memory import Span, cuda_device
+dev = cuda_device(0)
+
+class FakeArena:  # what the executor reads of an arena; the addresses are never touched
+    def __init__(self, base, nbytes):
+        self.ptr, self.nbytes, self.device = base, nbytes, dev
+        self.mapped_nbytes, self.segment_bytes = nbytes, 1 << 28
+    def span(self, off=0, n=None):
+        return Span(self.ptr + off, self.nbytes - off if n is None else n, dev)
+"""
+
+_MOVER_AND_WARMUP = _PRELUDE + """
+import gc
+from flashboot.cuda_streams import Event, Stream, wait_event
+from flashboot.flashclone.warmup import CloneWarmup
+from flashboot.movers import create_mover
+
+a, b = FakeArena(1 << 40, 64 << 20), FakeArena(2 << 40, 64 << 20)
+class TorchLikeStream:
+    cuda_stream, device_index = 12345, 0
+for stream in (None, 7, TorchLikeStream(), Stream(0)):
+    create_mover("copy_engine").copy(a.span(), b.span(), 4096, stream=stream)
+mover = create_mover("copy_engine", batch_streams=4)
+batch = mover.batch(a.span(), b.span(), [(o, o, 1 << 20) for o in range(0, 16 << 20, 2 << 20)])
+batch.run(stream=Stream(0))
+prepared = batch.prepared
+print("batch", prepared.method, prepared.copies, len(prepared.side))
+finalizers = [s._finalizer for s in prepared.side] + [e._finalizer for e in (prepared.fork, *prepared.joins)]
+del batch, prepared
+gc.collect()
+print("alive after drop", sum(f.alive for f in finalizers), "of", len(finalizers))
+warm = CloneWarmup.__new__(CloneWarmup)  # its plan and the copy's part, without its threads: torch's part
+warm.device, warm.verify = dev, False    # would initialise CUDA in torch, which a stub driver cannot serve
+steps = {name: (stage, step) for name, stage, step in warm._plan("copy_engine")}
+stage, step = steps["copy stream"]
+step()
+print("warm parts", sorted(steps), "copy stream at", stage)
+print("cupy", "cupy" in sys.modules)
+"""
+
+_EXECUTOR = _PRELUDE + """
+import os
+import flashboot.flashclone.executor as executor
+from flashboot.flashclone.executor import Endpoint, Executor, StepFailure
+from flashboot.schedulers import build_plan
+
+executor.DRAIN_TIMEOUT_S = 1.0
+for schedule in ("chain", "star"):
+    plan = build_plan(schedule, 3, 64 << 20, 4 << 20)
+    eps = {0: Endpoint(0, "seed", FakeArena(1 << 40, 64 << 20))}
+    for p in plan.receivers():
+        eps[p.index] = Endpoint(p.index, p.name, FakeArena((p.index + 2) << 40, 64 << 20),
+                                FakeArena((p.index + 10) << 40, 4096))
+    try:
+        rep = Executor(plan, eps, [1, 2, 3], timeout_s=0.3).run()
+        print(schedule, "ran", rep.backend, rep.mover, sum(l.steps for l in rep.lanes), "of", len(plan))
+    except StepFailure as e:
+        print(schedule, "failed", e.step.id, e.released, "|", str(e))
+print("cupy", "cupy" in sys.modules)
+"""
+
+
+@pytest.fixture(scope="module")
+def stub_driver(tmp_path_factory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stub CUDA driver")
+    out = tmp_path_factory.mktemp("stub-driver")
+    src = Path(__file__).with_name("stub_libcuda.c")
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out / "libcuda.so.1"), str(src), "-ldl"], check=True,
+                   capture_output=True, timeout=120)
+    return out
+
+
+def _run(script: str, lib: Path, **env) -> str:
+    e = {k: v for k, v in os.environ.items() if k not in ("FLASHBOOT_FORCE_HOST", "STUB_NOT_READY")}
+    e.update(LD_LIBRARY_PATH=f"{lib}:{os.environ.get('LD_LIBRARY_PATH', '')}", **env)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=e)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
+def test_copy_engine_batches_and_warmup_run_through_the_driver_without_cupy(stub_driver):
+    out = _run(_MOVER_AND_WARMUP, stub_driver)
+    assert "batch cuMemcpyBatchAsync 8 4" in out  # 8 non-contiguous chunks, over 4 side streams
+    assert "alive after drop 0 of 9" in out  # 4 streams, the fork and 4 join events destroyed with the batch
+    assert "warm parts ['CUDA context + peer import', 'copy stream', 'torch CUDA'] copy stream at copy" in out
+    assert "cupy False" in out
+
+
+def test_executor_runs_every_step_on_driver_streams_without_cupy(stub_driver):
+    out = _run(_EXECUTOR, stub_driver)
+    assert "chain ran cuda copy_engine 48 of 48" in out and "star ran cuda copy_engine 48 of 48" in out
+    assert "cupy False" in out
+
+
+def test_executor_releases_and_names_a_stream_that_never_completes(stub_driver):
+    out = _run(_EXECUTOR, stub_driver, STUB_NOT_READY="1")
+    for schedule in ("chain", "star"):
+        line = next(x for x in out.splitlines() if x.startswith(f"{schedule} failed"))
+        assert "step 0 (bytes 0..4,194,304 into clone0) made no progress for 0.3 s" in line
+        assert "did not drain within 1 s" in line  # the release was tried, and the drain bounded
+    assert "cupy False" in out
