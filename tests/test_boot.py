@@ -153,10 +153,10 @@ def test_a_load_called_during_the_early_copy_makes_the_views_meanwhile(image, sh
     from flashboot.flashload import pipeline
 
     events = []
-    wait_copy, make_views = client_mod.ServedSession.wait_copy, pipeline.make_views
+    wait_copy, make_views = client_mod.ServedCopy.wait, pipeline.make_views
 
-    def slow_copy(session, *, timeout_s):
-        reply = wait_copy(session, timeout_s=timeout_s)
+    def slow_copy(copy):
+        reply = wait_copy(copy)
         time.sleep(1.0)
         events.append("copy ended")
         return reply
@@ -166,7 +166,7 @@ def test_a_load_called_during_the_early_copy_makes_the_views_meanwhile(image, sh
         events.append("views made")
         return out
 
-    monkeypatch.setattr(client_mod.ServedSession, "wait_copy", slow_copy)
+    monkeypatch.setattr(client_mod.ServedCopy, "wait", slow_copy)
     monkeypatch.setattr(pipeline, "make_views", views)
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
     with flashboot.load(image, 0, "cpu", prepared=handle, verify=True) as loaded:
@@ -175,13 +175,13 @@ def test_a_load_called_during_the_early_copy_makes_the_views_meanwhile(image, sh
         assert loaded.tensors is handle.tensors and list(loaded.tensors) == list(loaded.metadata.tensors)
         assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
 
-    def failed_copy(session, *, timeout_s):
-        wait_copy(session, timeout_s=timeout_s)
+    def failed_copy(copy):
+        wait_copy(copy)
         time.sleep(0.5)
         raise RendezvousError("injected: the daemon went away during the copy")
 
     events.clear()
-    monkeypatch.setattr(client_mod.ServedSession, "wait_copy", failed_copy)
+    monkeypatch.setattr(client_mod.ServedCopy, "wait", failed_copy)
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
     with pytest.raises(RendezvousError, match="injected"):
         flashboot.load(image, 0, "cpu", prepared=handle)
@@ -193,16 +193,16 @@ def test_a_load_refused_during_the_early_copy_releases_the_arena_after_the_copy(
     runs (here held for 1 s): the refusal waits for the copy to end before the arena goes."""
     from flashboot.flashload import client as client_mod
 
-    wait_copy = client_mod.ServedSession.wait_copy
+    wait_copy = client_mod.ServedCopy.wait
     arena_open_at_copy_end = []
 
-    def slow_copy(session, *, timeout_s):
-        reply = wait_copy(session, timeout_s=timeout_s)
+    def slow_copy(copy):
+        reply = wait_copy(copy)
         time.sleep(1.0)
         arena_open_at_copy_end.append(not handle.arena.closed)
         return reply
 
-    monkeypatch.setattr(client_mod.ServedSession, "wait_copy", slow_copy)
+    monkeypatch.setattr(client_mod.ServedCopy, "wait", slow_copy)
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
     with pytest.raises(LayoutError, match="requested tp=2"):
         flashboot.load(image, 0, "cpu", prepared=handle, tp=2)
