@@ -45,6 +45,7 @@ def test_an_event_orders_a_second_stream_after_the_first_and_times_it():
     a = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0")
     b = torch.zeros_like(a)
     c = torch.zeros_like(a)
+    torch.cuda.synchronize(0)  # filled on torch's stream: our non-blocking streams do not wait for it
     first, second = Stream(0), Stream(0)
     start, mid = Event(0, timing=True), Event(0, timing=True)
     start.record(first)
@@ -102,6 +103,7 @@ def test_copy_engine_takes_every_kind_of_stream():
     ours = Stream(0)
     for stream in (None, torch_stream, cupy_stream, ours, ours.ptr, torch_stream.cuda_stream):
         dst = torch.zeros_like(src)
+        torch.cuda.synchronize(0)  # src and dst filled on torch's stream before a non-blocking one copies
         mover.copy(dst, src, stream=stream)
         torch.cuda.synchronize(0)
         assert torch.equal(dst, src), type(stream).__name__
@@ -144,6 +146,7 @@ from flashboot.arena import Arena
 warm = flashboot.prepare_clone(0, verify=True)
 arena = Arena.create(64 << 20, 0)
 arena.bytes().copy_(torch.randint(0, 255, (arena.nbytes,), dtype=torch.uint8, device="cuda:0"))
+torch.cuda.synchronize(0)  # the seed's weights are final before clones read them on their own streams
 seed = flashboot.seed(sys.argv[1], arena, 0)
 with flashboot.clone(sys.argv[1], 0, "star", verify=True, timeout_s=60, prepared=warm) as r:
     assert r.report.verified and torch.equal(r.arena.bytes(), arena.bytes())
