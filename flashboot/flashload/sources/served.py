@@ -128,9 +128,9 @@ class ServedSource(Source):
         t = handle.phase("arena", t)
         handle.session = start_served_load(handle.arena, image_dir=handle.image_dir, rank=handle.rank,
                                            nbytes=ready.nbytes, metadata_sha256=mf.sha256,
-                                           timeout_s=handle.timeout_s, shm_dir=handle.shm_dir, verify=handle.verify)
+                                           timeout_s=handle.timeout_s, shm_dir=handle.shm_dir, verify=handle.verify,
+                                           started=handle.copy_issued)  # prepare() returns: the daemon copies
         t_copy = handle.phase("attach", t)
-        handle.copy_issued()
         try:
             handle.open_metadata(ready.nbytes)
             handle.phase("metadata", t_copy)
