@@ -296,6 +296,12 @@ def test_namespaces_keep_records_apart(address, server):
         other.close()
 
 
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (T: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_bounded_store_calls_end_by_the_deadline_when_the_store_stops_answering():
     """A TCPStore call blocks forever when the store's host stops answering (a cut link): with
     ``bounded`` every call ends within timeout_s, and later calls fail at once."""
@@ -321,6 +327,10 @@ def test_bounded_store_calls_end_by_the_deadline_when_the_store_stops_answering(
         client.bounded = True
         assert client.add("k", 2) == 2  # answered normally while the host runs
         os.kill(host.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10  # a signal lands asynchronously: a call sent at once was once answered
+        while _state(host.pid) != "T":
+            assert time.monotonic() < deadline, f"the store's process {host.pid} did not stop"
+            time.sleep(0.005)
         t0 = time.monotonic()
         with pytest.raises(WaitTimeoutError, match="did not answer within 1 s while counting 'k'"):
             client.add("k", 1)
