@@ -137,10 +137,7 @@ def recv_fds(sock: socket.socket, max_fds: int = 1, *, timeout_s: float = 30.0,
 def recv_more_fds(sock: socket.socket, have: list[int], count: int, *, timeout_s: float = 30.0) -> list[int]:
     """Receive the batches :func:`send_fds` sent after the first until ``have`` holds ``count``
     fds; returns ``have`` (the caller owns every fd in it, also when this raises)."""
-    while len(have) < count:
-        more, _ = recv_fds(sock, min(SCM_MAX_FD, count - len(have)), timeout_s=timeout_s, bufsize=1)
-        have.extend(more)
-    return have
+    return FdStream(sock, have, count, timeout_s=timeout_s, what="the fds sent in batches").receive_all()
 
 
 class FdStream:

@@ -251,10 +251,10 @@ first batch, and the daemon copies it while the next ones are exported (30 ms of
 13.8 GB on the H200, once before the copy's first byte)."""
 
 
-def _send_arena(op: str, arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
+def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
                 shm_dir=None, started: Callable[[], None] | None = None, **extra) -> tuple[socket.socket, Path]:
     """Connect to the daemon for ``image_dir`` (waiting up to ``timeout_s`` for its socket) and send
-    ``op`` for rank ``rank`` with ``arena``'s descriptor and its fds attached; returns the socket.
+    a load of rank ``rank`` with ``arena``'s descriptor and its fds attached; returns the socket.
 
     A ``load`` of more than one batch (:data:`STREAM_BATCH_BYTES`) sends the fds of the first batch
     with the request (``fds_follow``) and the others as they are exported; if an export fails
@@ -265,13 +265,13 @@ def _send_arena(op: str, arena, *, image_dir, rank: int, nbytes: int, metadata_s
 
     segments = arena.segments
     per = max(1, STREAM_BATCH_BYTES // arena.segment_bytes)
-    streamed = op == "load" and segments > per
+    streamed = segments > per
     if streamed:
         desc, first = arena.socket_descriptor(), arena.export_segments(0, per)
     else:
         desc = arena.export()
         first = list(desc.fds)
-    req = {"op": op, "rank": rank, "descriptor": desc.to_dict(), "nbytes": nbytes,
+    req = {"op": "load", "rank": rank, "descriptor": desc.to_dict(), "nbytes": nbytes,
            "metadata_sha256": metadata_sha256, "timeout_s": timeout_s, "pci_bus_id": None, **extra}
     if streamed:
         req["fds_follow"] = True
@@ -335,7 +335,7 @@ def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha2
     ``started``: called as soon as the request is out, while the arena's later batches are still
     exported and sent (see :func:`_send_arena`).
     """
-    sock, path = _send_arena("load", arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
+    sock, path = _send_arena(arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
                              metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir, verify=verify,
                              started=started)
     return ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9)

@@ -23,7 +23,7 @@ from ..errors import (
     RendezvousError,
     WaitTimeoutError,
 )
-from ..fdshare import SCM_MAX_FD, FdStream, recv_more_fds
+from ..fdshare import SCM_MAX_FD, FdStream
 from .protocol import PeerCredentials, _error_payload, peer_credentials
 from .shm import (
     _unlink_quietly,
@@ -372,7 +372,7 @@ class PreloadServer:
 
     def _handle(self, conn: socket.socket) -> None:
         fds: list[int] = []
-        supply: FdStream | list[int] = fds
+        supply: FdStream | None = None
         attached: _Attached | None = None
         try:
             with conn:
@@ -399,12 +399,11 @@ class PreloadServer:
                         if not fds:
                             raise RendezvousError("load request without the arena's fd attached")
                         count = _descriptor_fd_count(req)
-                        if req.get("fds_follow"):  # the engine exports the rest while the copy starts
-                            supply = FdStream(conn, fds, count, timeout_s=self.request_timeout_s,
-                                              what=f"the arena of rank {req.get('rank')}'s load")
-                        else:
-                            supply = recv_more_fds(conn, fds, count, timeout_s=self.request_timeout_s)  # > SCM_MAX_FD segments
-                        attached = self._attach(req, supply)
+                        supply = FdStream(conn, fds, count, timeout_s=self.request_timeout_s,
+                                          what=f"the arena of rank {req.get('rank')}'s load")
+                        # fds_follow: the engine exports the rest while the copy starts; otherwise all were
+                        # sent at once (in batches past SCM_MAX_FD) and are taken now
+                        attached = self._attach(req, supply if req.get("fds_follow") else supply.receive_all())
                         reply = self._copy(attached)
                     else:
                         raise RendezvousError(f"unknown request op {op!r}; known: load, status")
