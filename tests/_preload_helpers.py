@@ -19,11 +19,16 @@ from flashboot.flashload.server import PreloadServer
 TINY = CheckpointSpec("tiny", layers=2, experts=4, expert_rows=64, expert_cols=32, hidden=32, vocab=64, shards=2)
 
 
+def make_image(root: Path, spec: CheckpointSpec, **prepack_options) -> Path:
+    """``spec``'s checkpoint made under ``root`` and pre-packed to ``root / "image"``."""
+    make_checkpoint(str(root / "ckpt"), spec, device="cpu")
+    flashboot.prepack(str(root / "ckpt"), str(root / "image"), progress=False, **prepack_options)
+    return root / "image"
+
+
 def make_tiny_image(root: Path) -> Path:
     """The tiny MoE checkpoint pre-packed with 4 KiB checksum chunks (~127 KB, ~31 chunks)."""
-    make_checkpoint(str(root / "ckpt"), TINY, device="cpu")
-    flashboot.prepack(str(root / "ckpt"), str(root / "image"), chunk_bytes=4096, progress=False)
-    return root / "image"
+    return make_image(root, TINY, chunk_bytes=4096)
 
 
 def enospc_after(nbytes: int):

@@ -30,7 +30,7 @@ from flashboot.flashload import shm as shm_files
 from flashboot.flashload.server import PreloadServer
 from flashboot.flashload.shm import staged_paths
 
-from _preload_helpers import Daemon, make_tiny_image  # noqa: E402  (tests/ is on the path, as for _clone_helpers)
+from _preload_helpers import Daemon, make_image, make_tiny_image  # noqa: E402  (tests/ is on the path, as for _clone_helpers)
 
 NOBODY = 65534
 
@@ -584,16 +584,11 @@ def test_each_device_has_its_own_copy_lock(image, tmp_path):
 @pytest.fixture(scope="module")
 def multi_segment_image(tmp_path_factory):
     """An image of ~12 MB: several 2 MiB host segments, so a load hands its arena over in batches."""
-    from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
+    from flashboot.benchmarks.checkpoints import CheckpointSpec
 
-    import flashboot
-
-    root = tmp_path_factory.mktemp("service-segments")
     spec = CheckpointSpec("segments", layers=2, experts=4, expert_rows=512, expert_cols=512, hidden=64, vocab=64,
                           shards=1)
-    make_checkpoint(str(root / "ckpt"), spec, device="cpu")
-    flashboot.prepack(str(root / "ckpt"), str(root / "image"), progress=False)
-    return root / "image"
+    return make_image(tmp_path_factory.mktemp("service-segments"), spec)
 
 
 @pytest.fixture
