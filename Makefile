@@ -12,6 +12,11 @@ CPU_TORCH ?= torch==2.13.0
 # where the tests use it on the host paths only).
 CUDA_EXTRA ?= $(if $(filter 12,$(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\)\..*/\1/p' | head -1)),cuda12,cuda13)
 
+# Every download retries: a broken connection to PyPI should cost a retry, not a CI run.
+RETRY := requirements/retry.sh
+export PIP_RETRIES ?= 10
+export PIP_RESUME_RETRIES ?= 10
+
 ENGINES_VENV ?= .venv-engines
 ENGINES_PY := $(ENGINES_VENV)/bin/python
 ENGINES_REQUIREMENTS := requirements/engines.txt
@@ -24,10 +29,10 @@ ENGINE_TESTS := tests/test_integrations_engine_image.py tests/test_integrations_
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q '$(CPU_TORCH)'
-	$(PY) -m pip install -q -e '.[dev,hf,notebooks,$(CUDA_EXTRA)]'
-	$(PY) -m pip install -q --no-deps 'nixl-cu13==1.5.1'  # the [nixl] extra, keeping our torch
+	$(RETRY) $(PY) -m pip install -q --upgrade pip
+	$(PY) -c 'import torch' 2>/dev/null || $(RETRY) $(PY) -m pip install -q '$(CPU_TORCH)'
+	$(RETRY) $(PY) -m pip install -q -e '.[dev,hf,notebooks,$(CUDA_EXTRA)]'
+	$(RETRY) $(PY) -m pip install -q --no-deps 'nixl-cu13==1.5.1'  # the [nixl] extra, keeping our torch
 	touch $@
 
 demo: $(VENV)/.installed
@@ -50,14 +55,14 @@ fuzz: $(VENV)/.installed
 $(ENGINES_VENV)/.installed: $(ENGINES_REQUIREMENTS)
 	rm -rf $(ENGINES_VENV)
 	$(PYTHON) -m venv $(ENGINES_VENV)
-	$(ENGINES_PY) -m pip install -q --no-deps -r $(ENGINES_REQUIREMENTS)
+	$(RETRY) $(ENGINES_PY) -m pip install -q --no-deps -r $(ENGINES_REQUIREMENTS)
 	touch $@
 
 # Installs FlashBoot into the engine venv *with* its dependencies, as a user would beside an
 # engine, and fails if that changed the engine's torch; then every test_real_* test must pass
 # (--require-real-engines: a skipped one fails the run).
 test-engines: $(ENGINES_VENV)/.installed
-	$(ENGINES_PY) -m pip install -q -e .
+	$(RETRY) $(ENGINES_PY) -m pip install -q -e .
 	@want=$$(sed -n 's/^torch==//p' $(ENGINES_REQUIREMENTS)); \
 	have=$$($(ENGINES_PY) -c 'import torch; print(torch.__version__.split("+")[0])'); \
 	if [ "$$want" != "$$have" ]; then \
