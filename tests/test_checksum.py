@@ -400,53 +400,19 @@ def test_copy_with_checksums_on_host_memory_without_kernels(monkeypatch):
     assert np.array_equal(dst, raw) and found == ck.chunk_checksums_host(raw, 4096)
 
 
-def test_flashboot_warm_runs_every_checksum_path(capsys):
+def test_flashboot_warm_writes_the_bytecode_and_runs_every_checksum_path(capsys, tmp_path, monkeypatch):
+    import sys
+
+    from flashboot.bytecode import sources
     from flashboot.cli import main
 
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "pyc"))  # not the checkout's __pycache__
     assert main(["warm", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
+    assert f"bytecode of {len(sources())} modules written" in out
     assert "checksum (words path)" in out and "checksum (bytes path)" in out
 
 
-def test_the_first_calls_modules_are_the_ones_warm_byte_compiles():
-    """What a fresh process imports for its first CUDA checksum beyond ``flashboot`` (the dispatch,
-    the GPU path, its views) is exactly what ``flashboot warm`` writes the bytecode of."""
-    import subprocess
-    import sys
-
-    code = ("import sys, torch, flashboot; before = set(sys.modules)\n"
-            "from flashboot.kernels import checksum, checksum_gpu, views\n"
-            "print(' '.join(sorted(m for m in set(sys.modules) - before if m.startswith('flashboot'))))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    from flashboot.kernels.warm import FIRST_CALL_MODULES
-
-    assert p.stdout.split() == sorted(FIRST_CALL_MODULES)
-
-
-def test_warm_writes_the_first_calls_bytecode_where_python_reads_it(tmp_path, monkeypatch):
-    import importlib.util
-    import marshal
-    import sys
-
-    from flashboot.kernels.warm import FIRST_CALL_MODULES, compile_first_call_bytecode
-
-    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "pyc"))
-    written = compile_first_call_bytecode()
-    assert len(written) == len(FIRST_CALL_MODULES)
-    for name, path in zip(FIRST_CALL_MODULES, written):
-        source = importlib.util.find_spec(name).origin
-        assert path == importlib.util.cache_from_source(source) and path.startswith(str(tmp_path / "pyc"))
-        raw = open(path, "rb").read()
-        assert raw[:4] == importlib.util.MAGIC_NUMBER and marshal.loads(raw[16:]).co_filename == source
-    (tmp_path / "file").write_text("")
-    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "file"))  # a directory that cannot be made
-    with pytest.warns(RuntimeWarning) as warned:
-        assert compile_first_call_bytecode() == []
-    messages = [str(w.message) for w in warned]
-    assert len(messages) == len(FIRST_CALL_MODULES) and all(f"cannot write {tmp_path / 'file'}" in m for m in messages)
-    assert any(m.endswith("a fresh process compiles flashboot.kernels.checksum_gpu at its first checksum")
-               for m in messages)
 
 
 @pytest.mark.gpu
