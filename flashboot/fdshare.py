@@ -28,8 +28,11 @@ SYS_PIDFD_GETFD = 438
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
+def _libc() -> ctypes.PyDLL:
+    # PyDLL: the call keeps the GIL. A pidfd_getfd takes microseconds, and a thread that gives the
+    # GIL away for each of an arena's 52 fds waits to get it back behind any GIL-bound thread
+    # (an engine's start-up, a warm-up's imports): up to a switch interval (5 ms) per fd.
+    libc = ctypes.PyDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
     return libc
 
@@ -40,22 +43,25 @@ def pidfd_getfd(pid: int, fd: int) -> int:
     The new fd is close-on-exec and owned by the caller. Raises RendezvousError when the process
     has exited (ESRCH), has no such fd (EBADF), or the caller may not take it (EPERM).
     """
-    if not isinstance(pid, int) or pid <= 0 or not isinstance(fd, int) or fd < 0:
-        raise RendezvousError(f"pidfd_getfd needs a positive pid and a non-negative fd, got pid {pid!r}, fd {fd!r}")
+    return take_fds(pid, [fd])[0]
+
+
+def _pidfd_open(pid: int, fds) -> int:
+    if not isinstance(pid, int) or pid <= 0 or not all(isinstance(fd, int) and fd >= 0 for fd in fds):
+        raise RendezvousError(f"pidfd_getfd needs a positive pid and non-negative fds, got pid {pid!r}, "
+                              f"fds {list(fds)!r}")
     try:
-        pidfd = os.pidfd_open(pid)
+        return os.pidfd_open(pid)
     except ProcessLookupError:
-        raise RendezvousError(f"process {pid} has exited (pidfd_open: ESRCH); its fd {fd} is gone") from None
+        raise RendezvousError(f"process {pid} has exited (pidfd_open: ESRCH); {_fds_gone(fds)}") from None
     except OSError as exc:
         raise RendezvousError(f"pidfd_open({pid}) failed: {errno.errorcode.get(exc.errno, exc.errno)} ({exc.strerror})") from None
-    try:
-        new_fd = _libc().syscall(ctypes.c_long(SYS_PIDFD_GETFD), ctypes.c_long(pidfd), ctypes.c_long(fd), ctypes.c_long(0))
-        if new_fd < 0:
-            err = ctypes.get_errno()
-            raise RendezvousError(_getfd_message(pid, fd, err))
-        return int(new_fd)
-    finally:
-        os.close(pidfd)
+
+
+def _fds_gone(fds) -> str:
+    if len(fds) == 1:
+        return f"the fd {fds[0]} it shared is gone"
+    return f"the {len(fds)} fds it shared ({fds[0]}..{fds[-1]}) are gone"
 
 
 def _getfd_message(pid: int, fd: int, err: int) -> str:
@@ -76,17 +82,68 @@ def _getfd_message(pid: int, fd: int, err: int) -> str:
 
 
 def take_fds(pid: int, fds: "list[int] | tuple[int, ...]") -> list[int]:
-    """:func:`pidfd_getfd` for each of ``fds`` of process ``pid`` (this process included); on a
-    failure the fds already taken are closed and the RendezvousError raised."""
+    """:func:`pidfd_getfd` for each of ``fds`` of process ``pid`` (this process included), through
+    one pidfd, holding the GIL (see :func:`_libc`); on a failure the fds already taken are closed
+    and the RendezvousError raised. The fd table is grown first (:func:`grow_fd_table`), so no
+    take waits for the kernel to grow it while holding the GIL."""
+    fds = list(fds)
+    if not fds:
+        return []
+    grow_fd_table(len(fds))
+    pidfd = _pidfd_open(pid, fds)
     own: list[int] = []
+    getfd, syscall = ctypes.c_long(SYS_PIDFD_GETFD), _libc().syscall
     try:
         for fd in fds:
-            own.append(pidfd_getfd(pid, fd))
+            new_fd = syscall(getfd, ctypes.c_long(pidfd), ctypes.c_long(fd), ctypes.c_long(0))
+            if new_fd < 0:
+                raise RendezvousError(_getfd_message(pid, fd, ctypes.get_errno()))
+            own.append(int(new_fd))
     except BaseException:
         for fd in own:
             os.close(fd)
         raise
+    finally:
+        os.close(pidfd)
     return own
+
+
+FD_TABLE_ROOM = 1024
+"""Fds :func:`grow_fd_table` makes room for by default: one per segment of the arenas a process
+takes at once (a 140 GB arena is 522 segments of 256 MiB), with room to spare. The table costs 8
+bytes a slot."""
+
+
+def grow_fd_table(count: int = FD_TABLE_ROOM) -> int:
+    """Grow this process's fd table now so that ``count`` more fds than its highest open one fit;
+    returns the table's slots (at least that many). To be called early, off the critical path.
+
+    Why: the kernel doubles the table when an fd past its end is opened, and in a process with
+    threads (every CUDA process) each doubling waits for an RCU grace period: 8-21 ms measured on
+    a 2-core host at the 256th fd, paid by whichever call took the fd that crossed (an arena's
+    import of 52 segment fds, a daemon's first hand-over). The table never shrinks, so this is
+    paid once per process. Bounded by the soft open-file limit (the table never needs to be
+    larger); raising that limit is :func:`~flashboot.arena.segments._make_fd_room`'s job.
+    """
+    import fcntl
+    import resource
+
+    if not isinstance(count, int) or count < 0:
+        raise RendezvousError(f"grow_fd_table needs a non-negative fd count, got {count!r}")
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max((int(name) for name in os.listdir("/proc/self/fd")), default=2)
+    target = highest + count
+    if soft != resource.RLIM_INFINITY:
+        target = min(target, soft - 1)
+    base = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if target <= base:
+            return base + 1
+        # F_DUPFD takes the lowest free fd >= target: it never replaces an open one (dup2 would)
+        os.close(fcntl.fcntl(base, fcntl.F_DUPFD_CLOEXEC, target))
+    finally:
+        os.close(base)
+    return target + 1
 
 
 SCM_MAX_FD = 253
@@ -197,4 +254,4 @@ def recv_fd(sock: socket.socket, *, timeout_s: float = 30.0) -> tuple[int, bytes
     return fds[0], msg
 
 
-__all__ = ["pidfd_getfd", "take_fds", "FdStream", "send_fd", "recv_fd", "send_fds", "recv_fds", "recv_more_fds", "SCM_MAX_FD", "SYS_PIDFD_GETFD"]
+__all__ = ["pidfd_getfd", "take_fds", "grow_fd_table", "FD_TABLE_ROOM", "FdStream", "send_fd", "recv_fd", "send_fds", "recv_fds", "recv_more_fds", "SCM_MAX_FD", "SYS_PIDFD_GETFD"]

@@ -296,7 +296,8 @@ def test_an_early_call_pays_the_clones_one_time_costs_and_the_report_names_them(
         with flashboot.clone(address, "cpu", "star", verify=True, timeout_s=10, prepared=warm) as r:
             assert np.array_equal(r.arena.bytes().numpy(), data)
             rep = r.report
-            assert set(rep.warm_detail) == {"host copy", "host checksum"}  # the numba copy and checksum
+            # the numba copy and checksum, and the fd table's room for the seed's segment fds
+            assert set(rep.warm_detail) == {"fd table", "host copy", "host checksum"}
             d = rep.connect_detail
             assert rep.warm_ms >= max(rep.warm_detail.values()) and d["warm_wait_ms"] <= rep.warm_wait_ms
             assert set(rep.warm_waits) == {"map", "copy", "verify"}  # waited for where each part is needed
@@ -395,7 +396,7 @@ def test_cli_chain_clones_run_one_after_another_read_calmly_from_the_seed(store,
         # the host mover's compile ran while connecting, not in the transfer (issue 21: 0.6 s of a 2 MB clone),
         # and with the host checksum in the CLI's early call
         assert all(r["warm_note"] == "compiled the host mover's parallel loop" for r in reports)
-        assert all(set(r["warm_detail"]) == {"host copy", "host checksum"} for r in reports)
+        assert all(set(r["warm_detail"]) == {"fd table", "host copy", "host checksum"} for r in reports)
         assert all(set(r["connect_detail"]) == {"import_ms", "store_ms", "warm_wait_ms", "other_ms"} for r in reports)
         assert "from seed (clones #1..#2 had finished and exited)" in stdout
     finally:

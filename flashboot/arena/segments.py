@@ -94,8 +94,11 @@ def _check_segment_bytes(segment_bytes: Any, granularity: int) -> int:
 
 
 def _make_fd_room(count: int, what: str) -> None:
-    """Raise the soft open-file limit (up to the hard one) so ``count`` more fds fit; ArenaError if not."""
+    """Raise the soft open-file limit (up to the hard one) so ``count`` more fds fit, and grow the
+    fd table for them (:func:`~flashboot.fdshare.grow_fd_table`); ArenaError if they cannot fit."""
     import resource
+
+    from ..fdshare import grow_fd_table
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     in_use = len(os.listdir("/proc/self/fd"))
@@ -105,3 +108,4 @@ def _make_fd_room(count: int, what: str) -> None:
             raise ArenaError(f"{what} needs {count:,} fds (one per segment) and {in_use:,} are open; the hard limit "
                              f"on open files is {hard:,}: raise it (ulimit -Hn) or use larger segments")
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    grow_fd_table(count + 64)

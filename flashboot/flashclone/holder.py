@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ArenaError, FlashBootError, WaitTimeoutError
-from ..fdshare import take_fds
+from ..fdshare import grow_fd_table, take_fds
 
 DEFAULT_TIMEOUT_S = 30.0
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -177,6 +177,7 @@ class Holder:
 
     def __init__(self, registry=None, store=None, *, poll_s: float = 0.01, **store_options):
         self.kv = _kv(registry, store, host=True, **store_options) if store is not None else _kv(registry)
+        grow_fd_table()  # each adopted arena arrives as fds: the table's growth is paid here, not by an adoption
         self.poll_s = poll_s
         self.held: dict[str, HeldArena] = {}
         self.errors: list[str] = []

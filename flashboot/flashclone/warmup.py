@@ -1,7 +1,8 @@
 """A clone's one-time costs paid before it knows its source: :func:`prepare_clone`, the early call.
 
 In a fresh process a clone's first call pays, besides importing torch for the store: the CUDA
-context (~0.3 s on an H200 host), the driver's first peer import and mapping, the copy engine's
+context (~0.3 s on an H200 host), the fd table's growth for the source's segment fds (a wait
+for an RCU grace period in a threaded process), the driver's first peer import and mapping, the copy engine's
 first driver stream and copy, torch's CUDA state (the views, the digests'
 buffer) and the store's client (``torch.distributed``, ~0.1 s in a process that has torch) and, when it verifies, the checksum kernel (its cubin: a few ms; through Triton ~1 s).
 None of these needs the source, so they run in background threads (one per stage) started as
@@ -62,10 +63,11 @@ class CloneWarmup:
         that needs the part: the clone waits for a stage only there. Each stage's parts run in
         order in a thread of their own, the stages side by side."""
         dev = self.device
+        steps = [("fd table", "map", self._fd_table)]
         if not dev.is_cuda:
-            steps = [("host copy", "copy", self._host_copy)] if mover == "host" else []
+            steps += [("host copy", "copy", self._host_copy)] if mover == "host" else []
             return steps + ([("host checksum", "verify", self._host_checksum)] if self.verify else [])
-        steps = [("CUDA context + peer import", "map", self._driver)]
+        steps.append(("CUDA context + peer import", "map", self._driver))
         if mover == "copy_engine":
             steps.append(("copy stream", "copy", self._copy_stream))
         steps.append(("torch CUDA", "copy", self._torch))
@@ -74,6 +76,12 @@ class CloneWarmup:
         return steps
 
     # ------------------------------------------------------------------ parts (background thread)
+    def _fd_table(self) -> None:
+        # the source's segment fds arrive during the exchange: room for them is made now
+        from ..fdshare import grow_fd_table
+
+        grow_fd_table()
+
     def _driver(self) -> None:
         from ..arena import warm_import
 

@@ -235,8 +235,10 @@ class PreloadServer:
         costs ~1 s of Triton). The host backend reads the staged file (_read_staged) and digests
         with numba only when an engine asks (verify is off by default there): nothing to warm."""
         from ..arena import warm_import
+        from ..fdshare import grow_fd_table
         from ..movers import create_mover
 
+        grow_fd_table()  # every engine's arena arrives as fds: the table's growth is paid here, once
         for dev in {self.config.device_for(r) for r in self.ranks}:
             if dev.is_cuda:
                 import cupy

@@ -19,7 +19,8 @@ of it these imports, against 12.5 ms once they were imported (11 ms for a second
 
 def import_loader(device: Any = None) -> float:
     """Import :data:`LOADER_MODULES` and, for a CUDA ``device``, the driver bindings an arena uses
-    (``cuda.bindings``, which torch does not load); returns the milliseconds spent. The engine
+    (``cuda.bindings``, which torch does not load), and grow the fd table for an arena's segment
+    fds (:func:`~flashboot.fdshare.grow_fd_table`); returns the milliseconds spent. The engine
     plugins run this in a thread at engine start; import errors propagate (the load would raise
     the same)."""
     from ..memory import Device
@@ -27,6 +28,9 @@ def import_loader(device: Any = None) -> float:
     t0 = time.perf_counter()
     for name in LOADER_MODULES:
         importlib.import_module(name)
+    from ..fdshare import grow_fd_table
+
+    grow_fd_table()
     if device is not None and Device.parse(device).is_cuda:
         from .. import _cuda
 

@@ -1,0 +1,99 @@
+"""Taking another process's fds (pidfd_getfd) and making room for them in the fd table ahead of time."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flashboot.errors import RendezvousError
+from flashboot.fdshare import FD_TABLE_ROOM, grow_fd_table, take_fds
+
+
+def _fd_table_size() -> int:
+    """FDSize: the slots of this process's fd table (the kernel grows it by doubling, never shrinks it)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("FDSize:"):
+            return int(line.split()[1])
+    raise AssertionError("no FDSize in /proc/self/status")
+
+
+def _open_fds() -> set[int]:
+    return {int(n) for n in os.listdir("/proc/self/fd")}
+
+
+# An engine-like process (threads: the kernel then waits for an RCU grace period at each growth):
+# an exporter child holds N fds; the table is grown first, then the take must not grow it again.
+_TAKE_AFTER_GROW = """
+import os, subprocess, sys, threading
+from flashboot.fdshare import grow_fd_table, take_fds
+def size():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('FDSize:')).split()[1])
+stop = threading.Event()
+threading.Thread(target=stop.wait, daemon=True).start()
+n = int(sys.argv[1])
+child = subprocess.Popen([sys.executable, "-c",
+    "import os, sys; fds = [os.open('/dev/null', os.O_RDONLY) for _ in range(%d)]; "
+    "print(' '.join(map(str, fds)), flush=True); sys.stdin.read()" % n], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+theirs = [int(x) for x in child.stdout.readline().split()]
+before = size()
+slots = grow_fd_table(n)
+grown = size()
+mine = take_fds(child.pid, theirs)
+after = size()
+print(before, slots, grown, after, len(mine), len(set(mine)), max(int(f) for f in os.listdir('/proc/self/fd')))
+child.stdin.close(); child.wait()
+"""
+
+
+def test_the_table_grown_ahead_holds_a_whole_arenas_fds_without_growing_again():
+    p = subprocess.run([sys.executable, "-c", _TAKE_AFTER_GROW, "600"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    before, slots, grown, after, taken, distinct, highest = map(int, p.stdout.split())
+    assert grown >= slots > 600 and grown > before  # 600 fds did not fit the table the process started with
+    assert after == grown and taken == distinct == 600 and highest < grown
+
+
+def test_grow_fd_table_opens_nothing_and_a_second_call_changes_nothing():
+    fds = _open_fds()
+    slots = grow_fd_table(300)
+    assert _fd_table_size() >= slots >= max(fds) + 300
+    assert _open_fds() == fds
+    size = _fd_table_size()
+    assert grow_fd_table(10) <= size and _fd_table_size() == size and _open_fds() == fds
+
+
+def test_grow_fd_table_stays_within_the_soft_open_file_limit():
+    code = ("import resource; from flashboot.fdshare import grow_fd_table\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (200, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+            f"print(grow_fd_table({FD_TABLE_ROOM}))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert int(p.stdout) <= 200  # no fd past the limit: an fd the process could not open anyway
+
+
+def test_grow_fd_table_refuses_a_negative_count():
+    with pytest.raises(RendezvousError, match="non-negative fd count, got -1"):
+        grow_fd_table(-1)
+
+
+def test_a_take_that_fails_midway_closes_what_it_took_and_names_the_fd():
+    r, w = os.pipe()
+    try:
+        fds = _open_fds()
+        with pytest.raises(RendezvousError, match=rf"process {os.getpid()} has no open fd 99999 \(pidfd_getfd: EBADF\)"):
+            take_fds(os.getpid(), [r, w, 99999, r])
+        assert _open_fds() == fds
+        assert take_fds(os.getpid(), []) == []
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_take_from_an_exited_process_names_its_fds():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    with pytest.raises(RendezvousError, match=rf"process {child.pid} has exited .*the 3 fds it shared \(5\.\.7\) are gone"):
+        take_fds(child.pid, [5, 6, 7])
