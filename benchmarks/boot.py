@@ -332,7 +332,11 @@ def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None,
     finally:
         if not keep:
             shutil.rmtree(base, ignore_errors=True)
-    return {"device": dev, "scale": scale, "shapes": results, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    from flashboot.bytecode import bytecode_status
+
+    # whether the processes imported FlashBoot from bytecode (a wheel's install) or compiled it
+    return {"device": dev, "scale": scale, "shapes": results, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "bytecode": bytecode_status()}
 
 
 def _verified_cell(calls: list[dict]) -> str:
@@ -350,6 +354,11 @@ def _verified_cell(calls: list[dict]) -> str:
 
 def print_results(out: dict) -> None:
     from flashboot.benchmarks.timing import print_table
+
+    if "bytecode" in out:
+        b = out["bytecode"]
+        print(f"FlashBoot's bytecode: {b['with_bytecode']} of {b['modules']} modules current"
+              + ("" if b["with_bytecode"] == b["modules"] else " (run `flashboot warm`: the rest compile in every process)"))
 
     rows = []
     for s in out["shapes"]:

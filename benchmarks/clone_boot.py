@@ -70,6 +70,7 @@ def engine_main(store: str, early_s: float | None, device: str) -> dict:
     triton_imported = "triton" in sys.modules  # the verify's checksum ran from the cubin when False
     cupy_imported = "cupy" in sys.modules  # the clone's CUDA path imports none (~0.2 s, GIL held)
     from flashboot.benchmarks.clone import copy_ceiling
+    from flashboot.bytecode import bytecode_status
 
     nbytes = rep.nbytes
     result.close()  # room for the ceiling's two arenas
@@ -83,7 +84,7 @@ def engine_main(store: str, early_s: float | None, device: str) -> dict:
             "transfer_vs_ceiling": rep.gbps / ceiling["gbps"] if ceiling["gbps"] else 0.0, "target_ratio": 0.85,
             "phases_ms": {k: round(v, 2) for k, v in rep.phases().items()}, "warm_detail": rep.warm_detail,
             "connect_detail": rep.connect_detail, "verified": rep.verified, "triton_imported": triton_imported,
-            "cupy_imported": cupy_imported,
+            "cupy_imported": cupy_imported, "bytecode": bytecode_status(),
             **_fine(rep.to_dict()), "map_group_sweep": groups, "summary": rep.summary()}
 
 
