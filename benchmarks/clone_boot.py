@@ -94,6 +94,7 @@ def _fine(rep: dict) -> dict:
     segments mapped during the copy."""
     return {"exchange_detail": {k: round(v, 3) for k, v in rep["exchange_detail"].items()},
             "warm_waits": {k: round(v, 3) for k, v in rep["warm_waits"].items()},
+            "map_ahead": [round(rep["map_ahead_ms"], 3), rep["segments_mapped_ahead"]],
             "map_during_copy": [round(rep["map_during_copy_ms"], 3), rep["segments_mapped_during_copy"]],
             "alloc_ms": round(rep["alloc_ms"], 3), "chunk_bytes": rep["chunk_bytes"]}
 
@@ -112,6 +113,7 @@ def _map_group_sweep(store: str, device: str) -> dict:
                 rep = r.report
                 out[width] = {"transfer_ms": round(rep.transfer_ms, 3), "gbps": round(rep.gbps, 1),
                               "map_during_copy_ms": round(rep.map_during_copy_ms, 3),
+                              "mapped_ahead": rep.segments_mapped_ahead,
                               "ready_ms": round(rep.ready_ms, 3), "alloc_ms": round(rep.alloc_ms, 3),
                               "exchange_ms": round(rep.exchange_ms, 3)}
     finally:
@@ -162,7 +164,8 @@ def show(row: dict) -> str:
                 f"{r['call_ms']:.1f} ms; Triton imported: {r['triton_imported']}; CuPy imported: "
                 f"{r.get('cupy_imported', '?')}\n  phases {r['phases_ms']}\n"
                 f"  warm-up {r['warm_detail']} waits {r['warm_waits']}\n  exchange {r['exchange_detail']}\n"
-                f"  alloc {r['alloc_ms']} ms; source segments mapped during the copy (ms, count) {r['map_during_copy']}"
+                f"  alloc {r['alloc_ms']} ms; source segments mapped while our arena was made (ms, count) "
+                f"{r.get('map_ahead')}, during the copy {r['map_during_copy']}"
                 f"\n  map group sweep (segments: ...) {r['map_group_sweep']}\n  {r['summary']}")
     runs = "\n".join(f"  spawn to clone() {c['before_clone_ms']} ms; connect {c['connect_detail']} warm-up "
                      f"{c['warm_detail']} waits {c['warm_waits']}\n  exchange {c['exchange_detail']}\n  {line}"

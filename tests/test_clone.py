@@ -311,6 +311,45 @@ def test_an_early_call_pays_the_clones_one_time_costs_and_the_report_names_them(
         a.close()
 
 
+@pytest.mark.parametrize("ours", ["made in the background", "given"])
+def test_the_sources_segments_are_mapped_while_our_arena_is_still_being_made(store, monkeypatch, ours):
+    """Our own arena is made in the background during the exchange; while it is, the seed's
+    segments are mapped in the order the copy reads them (the copy then maps none). An arena the
+    caller gives (a refit's) leaves them to the copy, one group ahead of its copies, as before."""
+    import time
+
+    address, _ = store
+    seed_arena = Arena.create(16 * MiB, "cpu", segment_bytes=2 * MiB)  # 8 segments (the host's granularity)
+    data = pattern(seed_arena.nbytes, 11)
+    seed_arena.bytes().numpy()[:] = data
+    into = Arena.create(16 * MiB, "cpu") if ours == "given" else None
+    real_create = Arena.create
+
+    def slow_create(*args, **kwargs):
+        time.sleep(0.6)  # the driver's calls for a large arena
+        return real_create(*args, **kwargs)
+
+    monkeypatch.setattr(Arena, "create", staticmethod(slow_create))
+    s = flashboot.seed(address, seed_arena, "cpu", checksum_chunk_bytes=MiB)
+    try:
+        with flashboot.clone(address, "cpu", "star", verify=True, chunk_bytes=2 * MiB, timeout_s=10, into=into) as r:
+            assert np.array_equal(r.arena.bytes().numpy(), data)
+            rep = r.report
+            if into is None:
+                assert rep.segments_mapped_ahead == 7 and rep.segments_mapped_during_copy == 0  # the 1st: at open
+                assert 0 < rep.map_ahead_ms <= rep.alloc_ms
+                assert rep.phases()["map ahead (our arena still being made)"] == rep.map_ahead_ms
+            else:
+                assert rep.segments_mapped_ahead == 0 and rep.segments_mapped_during_copy == 7
+                assert rep.map_ahead_ms == 0
+            assert sum(rep.phases().values()) == pytest.approx(rep.ready_ms, abs=0.01)
+    finally:
+        s.close()
+        seed_arena.close()
+        if into is not None:
+            into.close()
+
+
 def test_the_summary_names_every_phase_over_5_percent_of_ready():
     from flashboot.flashclone import CloneReport
 

@@ -189,6 +189,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
                               "open_sources_ms": (t3 - tx) * 1e3}
     metadata = read_metadata()
     ta = time.perf_counter()
+    _map_ahead(session, [s for s in my_steps if s.src not in dead], sources, report)
     session.take_arena(into, manifest.arena_nbytes, dev)
     if session.arena.nbytes != manifest.arena_nbytes:
         raise RendezvousError(f"our arena on {dev} rounds to {session.arena.nbytes:,} bytes, the seed's to "
@@ -292,6 +293,41 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     report.total_ms = (time.perf_counter() - t_start) * 1e3
     report.finished_unix = time.time()
     return CloneResult(session.arena, _views(session.arena, metadata), report, metadata=metadata, _session=session)
+
+
+def _map_ahead(session: _Session, steps: list[Step], sources: _Sources, report: CloneReport) -> None:
+    """Map the segments ``steps`` read from their sources, in the order they read them, while our
+    own arena is still being made in the background (its driver calls: ~20 ms for 13.8 GB on an
+    H200), and stop as soon as it is done: the rest are mapped during the copy, as before. Mapped
+    there, one group just ahead of its copies, the host's mapping paced a same-GPU clone at
+    0.55-0.6x the copy rate. A segment that fails to map is left to the copy, which names its
+    source and re-attaches elsewhere (as for any segment mapped on first use)."""
+    if not session.arena_in_progress:
+        return
+    t0 = time.perf_counter()
+    arenas = {id(ep.arena): ep.arena for ep in sources.endpoints.values() if ep.arena is not None}
+    before = {k: a.map_stats["segments"] for k, a in arenas.items()}
+    seen: set[tuple[int, int]] = set()
+    for s in steps:
+        ep = sources.endpoints.get(s.src)
+        if s.kind != "copy" or ep is None or ep.arena is None or ep.arena.closed:
+            continue
+        arena, seg = ep.arena, ep.arena.segment_bytes
+        for i in range(s.offset // seg, -(-s.end // seg)):
+            if (id(arena), i) in seen:
+                continue
+            seen.add((id(arena), i))
+            if not session.arena_in_progress:
+                break
+            try:
+                arena.map_range(i * seg, min(seg, arena.nbytes - i * seg))
+            except FlashBootError:
+                break  # the copy maps it again and fails over from there
+        if not session.arena_in_progress:
+            break
+    report.map_ahead_ms = (time.perf_counter() - t0) * 1e3
+    report.segments_mapped_ahead = sum(a.map_stats["segments"] - before[k] for k, a in arenas.items()
+                                       if not a.closed)
 
 
 def _skip_departed(plan: Plan, steps: list[Step], sources: _Sources) -> tuple[list[Step], set[int]]:

@@ -22,10 +22,11 @@ class CloneReport:
     every segment, reserve, and the first segment's import, map and set access, and the flags arena
     (``exchange_detail`` splits it; ``manifest_ms`` is its first part). It is the part NCCL's
     communicator setup would replace; our own arena is made in the background during it, and
-    ``alloc_ms`` (after it) is what is left of that, with our flags and our record. The
-    sources' other segments are mapped during the transfer, each just ahead of its first copy:
-    ``map_during_copy_ms`` (host time, overlapped with copies already issued) and
-    ``segments_mapped_during_copy``. ``warm_ms``: the one-time warm-up (:mod:`~flashboot.flashclone.warmup`), overlapped with
+    ``alloc_ms`` (after it) is what is left of that, with our flags and our record. While our arena
+    is still being made, the sources' other segments are mapped in the order the copy reads them
+    (``map_ahead_ms``, within ``alloc_ms``, and ``segments_mapped_ahead``); those still unmapped when it is done are mapped
+    during the transfer, each just ahead of its first copy: ``map_during_copy_ms`` (host time,
+    overlapped with copies already issued) and ``segments_mapped_during_copy``. ``warm_ms``: the one-time warm-up (:mod:`~flashboot.flashclone.warmup`), overlapped with
     connecting and the exchange: the driver's (:func:`flashboot.arena.warm_import`), the copy
     engine's first stream and copy and torch's on CUDA, the host mover's compilation on the host backend (``warm_note`` says which;
     :func:`~flashboot.flashclone.prepare_clone` starts it earlier; ``warm_waits`` is what the clone
@@ -76,6 +77,8 @@ class CloneReport:
     pin_early: bool = False
     """Ring: the shard was mapped and pinned before the start barrier (off the critical path)."""
     transfer_ms: float = 0.0
+    map_ahead_ms: float = 0.0
+    segments_mapped_ahead: int = 0
     map_during_copy_ms: float = 0.0
     segments_mapped_during_copy: int = 0
     ready_ms: float = 0.0
@@ -123,7 +126,8 @@ class CloneReport:
         out = {"import torch": d.get("import_ms", 0.0), "store": d.get("store_ms", 0.0),
                wait: d.get("warm_wait_ms", 0.0),
                "connect, other": d.get("other_ms", 0.0) if d else self.connect_ms,
-               "exchange+map": self.exchange_ms, "setup": self.setup_ms, "alloc": self.alloc_ms,
+               "exchange+map": self.exchange_ms, "setup": self.setup_ms,
+               "map ahead (our arena still being made)": self.map_ahead_ms, "alloc": self.alloc_ms - self.map_ahead_ms,
                "barrier": self.barrier_ms, "warm-up wait before the copy": self.warm_waits.get("copy", 0.0),
                "load": self.load_ms, "transfer": self.transfer_ms}
         out["other"] = max(0.0, self.ready_ms - sum(out.values()))

@@ -66,6 +66,11 @@ class _Session:
         thread.start()
         self._pending_arena = (thread, box, nbytes, dev)
 
+    @property
+    def arena_in_progress(self) -> bool:
+        """Whether the arena :meth:`start_arena` began is still being made."""
+        return self._pending_arena is not None and self._pending_arena[0].is_alive()
+
     def _finish_arena(self):
         """The arena :meth:`start_arena` made, waited for at most the session's timeout; its error
         when it failed (WaitTimeoutError naming the size and device when it did not finish)."""
