@@ -129,7 +129,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     report.nbytes = manifest.nbytes
     report.connect_ms, report.manifest_ms = (t0 - t_start) * 1e3, (t1 - t0) * 1e3
     if connect_detail is not None:
-        d = {k: connect_detail[k] for k in ("import_ms", "store_ms")}
+        d = {"start_ms": connect_detail["before_ms"], **{k: connect_detail[k] for k in ("import_ms", "store_ms")}}
         d["warm_wait_ms"] = report.warm_wait_ms
         d["other_ms"] = max(0.0, report.connect_ms - sum(d.values()))
         report.connect_detail = {k: round(v, 3) for k, v in d.items()}

@@ -55,9 +55,10 @@ class CloneReport:
     chunk_bytes: int = 0
     connect_ms: float = 0.0
     connect_detail: dict = field(default_factory=dict)
-    """``connect_ms`` split: ``import_ms`` (importing torch's store client, in a fresh process
-    torch itself), ``store_ms`` (reaching the store), ``warm_wait_ms`` (waiting for the warm-up),
-    ``other_ms`` (checks, the mover's creation)."""
+    """``connect_ms`` split: ``start_ms`` (starting the warm-up's threads, checking the mover and
+    the transport, starting NIXL's agent where asked), ``import_ms`` (importing torch's store
+    client, in a fresh process torch itself), ``store_ms`` (reaching the store), ``warm_wait_ms``
+    (waiting for the warm-up), ``other_ms`` (the rest)."""
     warm_ms: float = 0.0
     warm_wait_ms: float = 0.0
     warm_waits: dict = field(default_factory=dict)
@@ -123,7 +124,7 @@ class CloneReport:
         if self.warm_detail:
             top = max(self.warm_detail, key=self.warm_detail.get)
             wait += f" (of its {self.warm_ms:.0f} ms: {top} {self.warm_detail[top]:.0f})"
-        out = {"import torch": d.get("import_ms", 0.0), "store": d.get("store_ms", 0.0),
+        out = {"start": d.get("start_ms", 0.0), "import torch": d.get("import_ms", 0.0), "store": d.get("store_ms", 0.0),
                wait: d.get("warm_wait_ms", 0.0),
                "connect, other": d.get("other_ms", 0.0) if d else self.connect_ms,
                "exchange+map": self.exchange_ms, "setup": self.setup_ms,
