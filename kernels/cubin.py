@@ -39,6 +39,7 @@ _CTYPES = {"i1": ctypes.c_int8, "i8": ctypes.c_int8, "i16": ctypes.c_int16, "i32
            "i64": ctypes.c_int64, "u1": ctypes.c_uint8, "u8": ctypes.c_uint8, "u16": ctypes.c_uint16,
            "u32": ctypes.c_uint32, "u64": ctypes.c_uint64, "fp32": ctypes.c_float, "fp64": ctypes.c_double}
 _MAX_STATIC_SHARED = 48 << 10  # above this Triton opts the function into more (cuFuncSetAttribute): not cached
+_MAX_SHARED = 228 << 10  # above this Triton's launch adds a shared-memory-mode attribute
 
 
 def cache_dir() -> Path:
@@ -103,26 +104,55 @@ class CachedKernel(NamedTuple):
     scratch_pointers: int  # null pointers Triton's launcher appends (global / profile scratch)
 
 
-def save(key: KernelKey, compiled: Any, root: Path | None = None) -> CachedKernel:
-    """Write Triton's ``CompiledKernel`` (from ``triton.compile``) as the entry of ``key``,
-    atomically (a reader sees the old entry or the new one). FlashBootError when the kernel needs
-    a launch feature this module does not reproduce."""
+class LaunchLayout(NamedTuple):
+    """How Triton's launcher passes a compiled kernel's arguments to ``cuLaunchKernel``."""
+
+    params: tuple[tuple[str, str], ...]
+    """(name, Triton type) of the arguments passed, in order: the non-constexpr ones Triton did
+    not specialise into constants."""
+    positions: tuple[int, ...]
+    """Each param's position among the kernel's declared arguments (a runner's ``*args``)."""
+    scratch_pointers: int
+    """Pointers Triton appends after them: global scratch, and from Triton 3.5 on profile scratch."""
+    needs: tuple[str, ...]
+    """What the launch needs beyond a plain ``cuLaunchKernel`` of the function (then only
+    Triton's launcher launches it): clusters, a cooperative grid, PDL, profile scratch,
+    oversized shared memory, instrumentation, arguments of types not reproduced here."""
+
+
+def launch_layout(compiled: Any) -> LaunchLayout:
+    """The :class:`LaunchLayout` of Triton's ``CompiledKernel`` (``.src``, ``.metadata``)."""
     md = compiled.metadata
     refuse = {"num_ctas": getattr(md, "num_ctas", 1) != 1,
               "cooperative grid": bool(getattr(md, "launch_cooperative_grid", False)),
               "PDL": bool(getattr(md, "launch_pdl", False)),
-              "global scratch": getattr(md, "global_scratch_size", 0) > 0,
               "profile scratch": getattr(md, "profile_scratch_size", 0) > 0,
-              f"shared memory over {_MAX_STATIC_SHARED:,} bytes": md.shared > _MAX_STATIC_SHARED}
-    needs = [what for what, yes in refuse.items() if yes]
+              f"shared memory over {_MAX_SHARED:,} bytes": md.shared > _MAX_SHARED,
+              "instrumentation": bool(getattr(md, "instrumentation_mode", "")),
+              "host tensor descriptors": bool(getattr(md, "tensordesc_meta", None))}
     signature = compiled.src.signature
     names = list(signature)
     constants = {names[k[0]] if isinstance(k, tuple) else k for k in compiled.src.constants}
     params = [(n, t) for n, t in signature.items() if t != "constexpr" and n not in constants]
     unknown = [f"{n}: {t}" for n, t in params if not t.startswith("*") and t not in _CTYPES]
-    if needs or unknown:
-        raise FlashBootError(f"{key.kernel}: cannot launch it without Triton (needs {', '.join(needs + unknown)})")
     scratch = sum(hasattr(md, f) for f in ("global_scratch_size", "profile_scratch_size"))
+    return LaunchLayout(tuple(map(tuple, params)), tuple(names.index(n) for n, _ in params), scratch,
+                        tuple([what for what, yes in refuse.items() if yes] + unknown))
+
+
+def save(key: KernelKey, compiled: Any, root: Path | None = None) -> CachedKernel:
+    """Write Triton's ``CompiledKernel`` (from ``triton.compile``) as the entry of ``key``,
+    atomically (a reader sees the old entry or the new one). FlashBootError when the kernel needs
+    a launch feature this module does not reproduce."""
+    md = compiled.metadata
+    layout = launch_layout(compiled)
+    needs = list(layout.needs)
+    needs += ["global scratch"] if getattr(md, "global_scratch_size", 0) > 0 else []
+    # a module loaded here has no attribute raised past the static limit (Triton's own load sets it)
+    needs += [f"shared memory over {_MAX_STATIC_SHARED:,} bytes"] if md.shared > _MAX_STATIC_SHARED else []
+    if needs:
+        raise FlashBootError(f"{key.kernel}: cannot launch it without Triton (needs {', '.join(needs)})")
+    params, scratch = [list(p) for p in layout.params], layout.scratch_pointers
     cubin = compiled.asm["cubin"]
     entry = {"format": _ENTRY_FORMAT, "key": key.as_json(), "cubin_bytes": len(cubin),
              "cubin_sha256": hashlib.sha256(cubin).hexdigest(), "function": md.name, "params": params,
@@ -220,5 +250,5 @@ class CubinLauncher:
                       params, f"cuLaunchKernel({self.cached.function}, grid {gx}x{gy}x{gz})")
 
 
-__all__ = ["CachedKernel", "CubinLauncher", "KernelKey", "cache_dir", "load", "save",
-           "source_sha256", "triton_version"]
+__all__ = ["CachedKernel", "CubinLauncher", "KernelKey", "LaunchLayout", "cache_dir", "launch_layout", "load",
+           "save", "source_sha256", "triton_version"]

@@ -6,6 +6,8 @@ A recording stand-in plays the kernel, so this runs without a GPU; the TMA scrat
 on a GPU only (it allocates CUDA memory)."""
 
 import contextlib
+import ctypes
+import types
 
 import pytest
 import torch
@@ -175,3 +177,125 @@ def test_a_launcher_that_refuses_the_direct_call_is_warned_about_and_the_runner_
     kl.launch(k, config, (8,), (0x1000, 0x2000, 4096), device=0, stream=9, views=None)
     assert compiled.direct == ["refused"]  # tried once, then the runner only
     assert [launch[3] for launch in k.launches] == [7, 9]
+
+
+class DriverCompiled(Compiled):
+    """A compiled kernel as Triton leaves it once loaded: its ``CUfunction`` (an int), metadata and
+    source signature (the SM copy kernel's: two pointers, an int64, a constexpr)."""
+
+    function = 0xF00D
+
+    def __init__(self, kernel, n, **metadata):
+        super().__init__(kernel, n)
+        md = {"num_warps": 8, "shared": 1024, "num_ctas": 1, "launch_cooperative_grid": False, "launch_pdl": False,
+              "global_scratch_size": 0, "global_scratch_align": 1, "profile_scratch_size": 0,
+              "profile_scratch_align": 1, "name": "copy_sm_kernel", **metadata}
+        self.metadata = types.SimpleNamespace(**md)
+        self.src = types.SimpleNamespace(signature={"dst_ptr": "*i64", "src_ptr": "*i64", "n_elems": "i64",
+                                                    "BLOCK": "constexpr"}, constants={})
+
+
+class FakeDriver:
+    """``cuLaunchKernel`` as ctypes calls it (ints), reading each parameter back through its pointer."""
+
+    def __init__(self, result: int = 0):
+        self.launches, self.result = [], result
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        ptrs = (ctypes.c_void_p * 5).from_address(params)
+        values = [ctypes.c_uint64.from_address(ptrs[i]).value if ptrs[i] else None for i in range(3)]
+        scratch = [ctypes.c_uint64.from_address(ptrs[i]).value for i in (3, 4)]
+        self.launches.append((function, (gx, gy, gz), (bx, by, bz), shared, stream, values, scratch, extra))
+        return self.result
+
+    def cuGetErrorName(self, code, out):
+        return 1  # an unknown code: no name
+
+    cuGetErrorString = cuGetErrorName
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    from flashboot.kernels import launch_ctypes
+
+    drv = FakeDriver()
+    monkeypatch.setattr(launch_ctypes, "_driver", lambda: drv)
+    monkeypatch.delenv(kl.DRIVER_LAUNCH_ENV, raising=False)
+    return drv
+
+
+def _compiled_for(k, config, args, **metadata):
+    compiled = DriverCompiled(k, 1, **metadata)
+    kl._compiled[(id(k), config, 0, kl._specialisation(args, config.is_pointer))] = compiled  # as after its first launch
+    return compiled
+
+
+CONFIG = kl.LaunchConfig((("BLOCK", 64),), ("int64", "int64", None), num_warps=8, num_stages=3)
+
+
+def test_a_cached_launch_goes_to_the_driver_with_the_arguments_as_tritons_launcher_lays_them(gpu_less, fake_driver):
+    k = RecordingKernel()
+    _compiled_for(k, CONFIG, (0x1000, 0x2000, 4096))
+    kl.launch(k, CONFIG, (8,), (0x1000, 0x2000, 4096), device=0, stream=7, views=None)
+    kl.launch(k, CONFIG, (8,), (0x3000, 0x5000, 1 << 20), device=0, stream=9, views=None)
+    # the function, the grid, 32 threads a warp, the metadata's shared memory, the stream; then
+    # the runtime arguments (the constexpr is not passed) and two null scratch pointers
+    assert fake_driver.launches == [
+        (0xF00D, (8, 1, 1), (256, 1, 1), 1024, 7, [0x1000, 0x2000, 4096], [0, 0], None),
+        (0xF00D, (8, 1, 1), (256, 1, 1), 1024, 9, [0x3000, 0x5000, 1 << 20], [0, 0], None)]
+    assert k.launches == [] and k.compiles == []
+
+
+def test_global_scratch_is_asked_once_per_stream_and_passed_after_the_arguments(gpu_less, fake_driver, monkeypatch):
+    from triton.runtime import _allocation
+
+    asked = []
+
+    class Buffer:
+        def __init__(self, n):
+            self.address = 0x7000000 + 0x100000 * n
+
+        def data_ptr(self):
+            return self.address
+
+    def allocate(size, align, stream):
+        asked.append((size, align, stream))
+        return Buffer(len(asked))
+
+    monkeypatch.setattr(_allocation, "_allocator", types.SimpleNamespace(get=lambda: allocate))
+    k = RecordingKernel()
+    _compiled_for(k, CONFIG, (0x1000, 0x2000, 4096), global_scratch_size=128, global_scratch_align=64,
+                  name="copy_tma_kernel")
+    for stream in (7, 7, 9, 7):
+        kl.launch(k, CONFIG, (4,), (0x1000, 0x2000, 4096), device=0, stream=stream, views=None)
+    assert asked == [(4 * 128, 64, 7), (4 * 128, 64, 9)]  # grid x scratch per program, once per stream
+    assert [l[6] for l in fake_driver.launches] == [[0x7100000, 0], [0x7100000, 0], [0x7200000, 0], [0x7100000, 0]]
+
+
+@pytest.mark.parametrize("why", ["clusters", "profile scratch", "oversized shared memory", "a float argument",
+                                 "the environment", "a profiler's hooks"])
+def test_a_kernel_the_driver_runner_does_not_reproduce_launches_through_triton(gpu_less, fake_driver, monkeypatch, why):
+    from triton import knobs
+
+    k = RecordingKernel()
+    metadata = {"clusters": {"num_ctas": 2}, "profile scratch": {"profile_scratch_size": 64},
+                "oversized shared memory": {"shared": 229 << 10}}.get(why, {})
+    compiled = _compiled_for(k, CONFIG, (0x1000, 0x2000, 4096), **metadata)
+    if why == "a float argument":
+        compiled.src.signature["n_elems"] = "fp16"
+    if why == "the environment":
+        monkeypatch.setenv(kl.DRIVER_LAUNCH_ENV, "triton")
+    if why == "a profiler's hooks":
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    kl.launch(k, CONFIG, (8,), (0x1000, 0x2000, 4096), device=0, stream=7, views=None)
+    assert fake_driver.launches == [] and k.launches == [(1, (8, 1, 1), (0x1000, 0x2000, 4096, 64), 7)]
+
+
+def test_a_driver_error_names_the_launch(gpu_less, fake_driver):
+    from flashboot.errors import CudaError
+
+    fake_driver.result = 701  # CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+    k = RecordingKernel()
+    _compiled_for(k, CONFIG, (0x1000, 0x2000, 4096))
+    with pytest.raises(CudaError, match=r"cuLaunchKernel\(copy_sm_kernel, grid 8x1x1\)"):
+        kl.launch(k, CONFIG, (8,), (0x1000, 0x2000, 4096), device=0, stream=7, views=None)
