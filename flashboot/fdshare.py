@@ -123,7 +123,9 @@ def grow_fd_table(count: int = FD_TABLE_ROOM) -> int:
     a 2-core host at the 256th fd, paid by whichever call took the fd that crossed (an arena's
     import of 52 segment fds, a daemon's first hand-over). The table never shrinks, so this is
     paid once per process. Bounded by the soft open-file limit (the table never needs to be
-    larger); raising that limit is :func:`~flashboot.arena.segments._make_fd_room`'s job.
+    larger); raising that limit is :func:`~flashboot.arena.segments._make_fd_room`'s job. Best
+    effort: where the kernel refuses (no fd left under the limit), the table grows when the fds
+    arrive, as without this call, and the slots it already has are returned.
     """
     import fcntl
     import resource
@@ -135,12 +137,17 @@ def grow_fd_table(count: int = FD_TABLE_ROOM) -> int:
     target = highest + count
     if soft != resource.RLIM_INFINITY:
         target = min(target, soft - 1)
-    base = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        base = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no fd left at all: the caller's own open fails next, naming it
+        return highest + 1
     try:
         if target <= base:
             return base + 1
         # F_DUPFD takes the lowest free fd >= target: it never replaces an open one (dup2 would)
         os.close(fcntl.fcntl(base, fcntl.F_DUPFD_CLOEXEC, target))
+    except OSError:
+        return highest + 1
     finally:
         os.close(base)
     return target + 1

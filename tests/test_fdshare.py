@@ -97,3 +97,19 @@ def test_a_take_from_an_exited_process_names_its_fds():
     child.wait()
     with pytest.raises(RendezvousError, match=rf"process {child.pid} has exited .*the 3 fds it shared \(5\.\.7\) are gone"):
         take_fds(child.pid, [5, 6, 7])
+
+
+def test_grow_fd_table_with_no_fd_left_returns_instead_of_raising():
+    code = ("import os, resource; from flashboot.fdshare import grow_fd_table\n"
+            "highest = max(int(n) for n in os.listdir('/proc/self/fd'))\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+            "held = []\n"
+            "try:\n"
+            "    while True:\n"
+            "        held.append(os.open('/dev/null', os.O_RDONLY))\n"
+            "except OSError as exc:\n"
+            "    print('full', exc.errno)\n"
+            "print('slots', grow_fd_table(100) > 0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["full", "24", "slots", "True"]  # EMFILE, then no exception
