@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
 import os
+import resource
 import socket
 
 from .errors import RendezvousError, WaitTimeoutError
@@ -127,9 +129,6 @@ def grow_fd_table(count: int = FD_TABLE_ROOM) -> int:
     effort: where the kernel refuses (no fd left under the limit), the table grows when the fds
     arrive, as without this call, and the slots it already has are returned.
     """
-    import fcntl
-    import resource
-
     if not isinstance(count, int) or count < 0:
         raise RendezvousError(f"grow_fd_table needs a non-negative fd count, got {count!r}")
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
