@@ -132,7 +132,10 @@ def grow_fd_table(count: int = FD_TABLE_ROOM) -> int:
     if not isinstance(count, int) or count < 0:
         raise RendezvousError(f"grow_fd_table needs a non-negative fd count, got {count!r}")
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    highest = max((int(name) for name in os.listdir("/proc/self/fd")), default=2)
+    try:
+        highest = max((int(name) for name in os.listdir("/proc/self/fd")), default=2)
+    except OSError:  # no fd left to list them with: the caller's own open fails next, naming it
+        return 0
     target = highest + count
     if soft != resource.RLIM_INFINITY:
         target = min(target, soft - 1)
