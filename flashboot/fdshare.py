@@ -127,7 +127,8 @@ def grow_fd_table(count: int = FD_TABLE_ROOM) -> int:
     paid once per process. Bounded by the soft open-file limit (the table never needs to be
     larger); raising that limit is :func:`~flashboot.arena.segments._make_fd_room`'s job. Best
     effort: where the kernel refuses (no fd left under the limit), the table grows when the fds
-    arrive, as without this call, and the slots it already has are returned.
+    arrive, as without this call, and the slots known to exist are returned (0 where not even the
+    open fds could be listed).
     """
     if not isinstance(count, int) or count < 0:
         raise RendezvousError(f"grow_fd_table needs a non-negative fd count, got {count!r}")
