@@ -12,7 +12,9 @@
 #      of 13.76 GB (no early call: target ready + verify <= 100 ms; its "fd table" warm-up part and
 #      pidfd_getfd_ms show whether the table's growth was the 28-31 ms), the fresh CLI clone;
 #   4. `flashboot bench boot --shapes $SHAPES`, served + prepared, end to end at $LEVELS;
-#   5. host us per mover.copy of 4 KiB for every mover (target <= 15), from bench movers' chunked mode.
+#   5. host us per mover.copy of 4 KiB for every mover (target <= 15): the Triton movers through the
+#      driver runner (kernels/launch.py, new) and through Triton's launcher (FLASHBOOT_TRITON_LAUNCH=triton),
+#      same run; then bench movers' chunked mode.
 # Usage (repo root, GPU machine): OUT=/some/dir bash benchmarks/gpu_session7.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -36,7 +38,7 @@ echo "=== 1. GPU tests ($(date +%T))"
 timeout "${TESTS_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_cubin.py tests/test_checksum.py \
   tests/test_views.py tests/test_boot.py tests/test_load.py tests/test_preload_service.py tests/test_preload_faults.py \
   tests/test_cuda_streams.py tests/test_arena_gpu.py tests/test_sleep_gpu.py tests/test_clone_gpu.py \
-  tests/test_triton_movers.py >"$OUT/tests.log" 2>&1
+  tests/test_triton_movers.py tests/test_kernel_launch.py tests/test_copy_kernels.py tests/test_flag_copy.py >"$OUT/tests.log" 2>&1
 echo "tests rc=$? :: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12
 
 echo "=== 2. fd table probe ($(date +%T))"
@@ -57,7 +59,28 @@ timeout "${BOOT_LIMIT:-200}" flashboot bench boot --shapes $SHAPES --loaders "fl
 echo "bench boot rc=$?"; grep -E "bytecode|ceiling|served:|prepared:|end to end:|FAILED|Error" "$OUT/boot.log" | head -30
 rm -rf "$ROOT"
 
-echo "=== 5. host us per mover.copy, every mover ($(date +%T))"
+echo "=== 5. host us per mover.copy, every mover, driver runner vs Triton's launcher ($(date +%T))"
+for launch in driver triton; do
+  FLASHBOOT_TRITON_LAUNCH=$launch timeout 60 python3 - "$launch" <<'EOF' | tee -a "$OUT/per_call.jsonl"
+import json, statistics, sys
+import torch
+from flashboot.arena import Arena
+from flashboot.benchmarks.movers_chunked import per_call_cost_us
+from flashboot.movers import create_mover, list_movers
+stream, out = torch.cuda.Stream(device=0), {"launch": sys.argv[1]}
+with Arena.create(64 << 20, 0) as a, Arena.create(64 << 20, 0) as b:
+    a.bytes().random_(0, 255)
+    for m in list_movers():
+        if m.available and "d2d" in m.paths:
+            mover = create_mover(m.name)
+            out[m.name] = round(statistics.median(per_call_cost_us(mover, b.span(), a.span(), stream) for _ in range(5)), 2)
+            b.bytes().zero_()
+            mover.copy(b.span(), a.span(), 1 << 20, stream=stream)
+            stream.synchronize()
+            out[m.name + " exact"] = bool(torch.equal(b.bytes()[:1 << 20], a.bytes()[:1 << 20]))
+print(json.dumps(out))
+EOF
+done
 left=$(( 560 - ($(date +%s) - T0) )); [ "$left" -lt 20 ] && left=20
 timeout "$left" flashboot bench movers --chunked --repeats 3 --chunks 1MiB 4MiB --chain-bytes 2GiB --chain-chunk 64MiB \
   --json "$OUT/movers_chunked.json" >"$OUT/movers_chunked.log" 2>&1
