@@ -96,7 +96,7 @@ def _fine(rep: dict) -> dict:
             "warm_waits": {k: round(v, 3) for k, v in rep["warm_waits"].items()},
             "map_ahead": [round(rep["map_ahead_ms"], 3), rep["segments_mapped_ahead"]],
             "map_during_copy": [round(rep["map_during_copy_ms"], 3), rep["segments_mapped_during_copy"]],
-            "alloc_ms": round(rep["alloc_ms"], 3), "chunk_bytes": rep["chunk_bytes"]}
+            "alloc_ms": round(rep["alloc_ms"], 3), "alloc_detail": rep["alloc_detail"], "chunk_bytes": rep["chunk_bytes"]}
 
 
 def _map_group_sweep(store: str, device: str) -> dict:
@@ -164,7 +164,7 @@ def show(row: dict) -> str:
                 f"{r['call_ms']:.1f} ms; Triton imported: {r['triton_imported']}; CuPy imported: "
                 f"{r.get('cupy_imported', '?')}\n  phases {r['phases_ms']}\n"
                 f"  warm-up {r['warm_detail']} waits {r['warm_waits']}\n  exchange {r['exchange_detail']}\n"
-                f"  alloc {r['alloc_ms']} ms; source segments mapped while our arena was made (ms, count) "
+                f"  alloc {r['alloc_ms']} ms {r.get('alloc_detail')}; source segments mapped while our arena was made (ms, count) "
                 f"{r.get('map_ahead')}, during the copy {r['map_during_copy']}"
                 f"\n  map group sweep (segments: ...) {r['map_group_sweep']}\n  {r['summary']}")
     runs = "\n".join(f"  spawn to clone() {c['before_clone_ms']} ms; connect {c['connect_detail']} warm-up "

@@ -335,9 +335,12 @@ def test_the_sources_segments_are_mapped_while_our_arena_is_still_being_made(sto
         with flashboot.clone(address, "cpu", "star", verify=True, chunk_bytes=2 * MiB, timeout_s=10, into=into) as r:
             assert np.array_equal(r.arena.bytes().numpy(), data)
             rep = r.report
+            d = rep.alloc_detail  # the rest of alloc_ms, split
+            assert set(d) == {"our_arena_ms", "flags_ms", "export_ms", "record_ms"} and min(d.values()) >= 0
+            assert sum(d.values()) + rep.map_ahead_ms == pytest.approx(rep.alloc_ms, abs=0.1)
             if into is None:
                 assert rep.segments_mapped_ahead == 7 and rep.segments_mapped_during_copy == 0  # the 1st: at open
-                assert 0 < rep.map_ahead_ms <= rep.alloc_ms
+                assert 0 < rep.map_ahead_ms <= rep.alloc_ms and d["our_arena_ms"] > 0
                 assert rep.phases()["map ahead (our arena still being made)"] == rep.map_ahead_ms
             else:
                 assert rep.segments_mapped_ahead == 0 and rep.segments_mapped_during_copy == 7

@@ -194,13 +194,19 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     if session.arena.nbytes != manifest.arena_nbytes:
         raise RendezvousError(f"our arena on {dev} rounds to {session.arena.nbytes:,} bytes, the seed's to "
                               f"{manifest.arena_nbytes:,} (different allocation granularity)")
+    tf = time.perf_counter()
     session.flags = create_flags(plan.flag_count(position), dev)
     me = Endpoint(position, f"clone #{position}", session.arena, session.flags)
+    te = time.perf_counter()
+    sealed = {"arena": session.arena.export().to_dict(), "flags": session.flags.export().to_dict()}
+    tp = time.perf_counter()
     rdv.publish(_gkey(gen, schedule, "member", position),
                 {"position": position, "pid": os.getpid(), "host": socket.gethostname(), "device": str(dev),
-                 "manifest_digest": manifest.digest},
-                sealed={"arena": session.arena.export().to_dict(), "flags": session.flags.export().to_dict()})
+                 "manifest_digest": manifest.digest}, sealed=sealed)
     report.alloc_ms = (time.perf_counter() - ta) * 1e3
+    report.alloc_detail = {"our_arena_ms": round((tf - ta) * 1e3 - report.map_ahead_ms, 3),
+                           "flags_ms": round((te - tf) * 1e3, 3), "export_ms": round((tp - te) * 1e3, 3),
+                           "record_ms": round((time.perf_counter() - tp) * 1e3, 3)}
     if clones is not None:
         report.barrier_ms = rdv.barrier(_gkey(gen, schedule, "start"), clones, timeout_s=timeout_s)
 

@@ -69,6 +69,10 @@ class CloneReport:
     warm_note: str = ""
     manifest_ms: float = 0.0
     alloc_ms: float = 0.0
+    alloc_detail: dict = field(default_factory=dict)
+    """``alloc_ms`` but ``map_ahead_ms`` split: ``our_arena_ms`` (waiting for our arena, made in the
+    background), ``flags_ms`` (our flags), ``export_ms`` (our arena and flags exported for later
+    clones: each segment's first export costs the driver time), ``record_ms`` (our record published)."""
     exchange_ms: float = 0.0
     exchange_detail: dict = field(default_factory=dict)
     setup_ms: float = 0.0
