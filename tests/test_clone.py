@@ -841,3 +841,21 @@ def test_the_clones_arena_is_made_during_the_exchange_and_released_if_never_take
         s.take_arena(mine, MiB, cpu)
         s.close(keep_arena=False)
         assert s.arena is mine and not mine.closed and len(made) == 3  # 3: ours, made above
+    # made and exported in the background (the record later clones read carries the export) ...
+    s = _Session(None)
+    s.start_arena(None, 2 * MiB, cpu)
+    s.take_arena(None, 2 * MiB, cpu)
+    assert s.arena._descriptor is not None  # exported already: the record costs no export
+    s.close(keep_arena=False)
+    # ... and an export that fails is raised by take_arena, the arena released
+
+    def refuse(self):
+        raise ArenaError("export refused (test)")
+
+    monkeypatch.setattr(Arena, "export", refuse)
+    s = _Session(None)
+    s.start_arena(None, 2 * MiB, cpu)
+    with pytest.raises(ArenaError, match="export refused"):
+        s.take_arena(None, 2 * MiB, cpu)
+    assert made[-1][1].closed
+    s.close(keep_arena=False)
