@@ -859,3 +859,28 @@ def test_the_clones_arena_is_made_during_the_exchange_and_released_if_never_take
         s.take_arena(None, 2 * MiB, cpu)
     assert made[-1][1].closed
     s.close(keep_arena=False)
+
+
+def test_the_warm_up_threads_start_after_the_packages_they_share_with_the_clone_are_imported():
+    """A warm-up thread importing ``flashboot.movers.host`` while the clone's thread ran
+    ``flashboot.movers``' __init__ ended in Python's _DeadlockError (CI, 2026-12-01): the packages
+    both import are imported before any warm-up thread starts."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from flashboot.flashclone import warmup\n"
+            "from flashboot.flashclone.report import CloneReport\n"
+            "assert 'flashboot.movers' not in sys.modules and 'flashboot.arena' not in sys.modules\n"
+            "seen = []\n"
+            "run = warmup.CloneWarmup._run\n"
+            "def recording(self, stage):\n"
+            "    seen.append(all(p in sys.modules for p in ('flashboot.movers', 'flashboot.arena')))\n"
+            "    return run(self, stage)\n"
+            "warmup.CloneWarmup._run = recording\n"
+            "warm = warmup.CloneWarmup('cpu', verify=True, mover='host')\n"
+            "warm.join(CloneReport('star', 1, 'cpu', 0), 120)\n"
+            "print(seen, sorted(warm.parts), warm.errors)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[True, True, True] ['fd table', 'host checksum', 'host copy'] []"

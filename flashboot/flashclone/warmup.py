@@ -49,6 +49,14 @@ class CloneWarmup:
         self._steps = self._plan(name)
         self._stage_done = {stage: threading.Event() for stage in STAGES}
         self._t_start = time.perf_counter()
+        # The packages whose __init__ imports their submodules, imported here before any thread
+        # starts: the clone's thread imports them too (the mover's check, its arena), and a thread
+        # importing a submodule while another runs the package's __init__ can end in Python's
+        # _DeadlockError (seen in CI: flashboot.movers.host against flashboot.movers). From
+        # bytecode they cost a few ms, which the threads' imports would have held the GIL for anyway.
+        import flashboot.arena  # noqa: F401
+        import flashboot.movers  # noqa: F401
+
         self._running = len(STAGES)
         self._lock = threading.Lock()
         # one thread per stage, all at once: the driver's part (calls that release the GIL) runs

@@ -27,7 +27,12 @@ def import_loader(device: Any = None) -> float:
 
     t0 = time.perf_counter()
     for name in LOADER_MODULES:
-        importlib.import_module(name)
+        # each package before its modules: a package another thread is still initialising is
+        # waited for, where importing its module straight away races that thread's __init__
+        # (which can end in Python's _DeadlockError: seen in CI for a clone's warm-up thread)
+        parts = name.split(".")
+        for i in range(2, len(parts) + 1):
+            importlib.import_module(".".join(parts[:i]))
     from ..fdshare import grow_fd_table
 
     grow_fd_table()
