@@ -86,12 +86,12 @@ def _getfd_message(pid: int, fd: int, err: int) -> str:
 def take_fds(pid: int, fds: "list[int] | tuple[int, ...]") -> list[int]:
     """:func:`pidfd_getfd` for each of ``fds`` of process ``pid`` (this process included), through
     one pidfd, holding the GIL (see :func:`_libc`); on a failure the fds already taken are closed
-    and the RendezvousError raised. The fd table is grown first (:func:`grow_fd_table`), so no
-    take waits for the kernel to grow it while holding the GIL."""
+    and the RendezvousError raised. Callers make room in the fd table first (an arena's
+    ``_make_fd_room``, a daemon's or holder's :func:`grow_fd_table` at start), so no take waits
+    for the kernel to grow it while holding the GIL."""
     fds = list(fds)
     if not fds:
         return []
-    grow_fd_table(len(fds))
     pidfd = _pidfd_open(pid, fds)
     own: list[int] = []
     getfd, syscall = ctypes.c_long(SYS_PIDFD_GETFD), _libc().syscall
@@ -116,7 +116,7 @@ takes at once (a 140 GB arena is 522 segments of 256 MiB), with room to spare. T
 bytes a slot."""
 
 
-def grow_fd_table(count: int = FD_TABLE_ROOM) -> int:
+def grow_fd_table(count: int = FD_TABLE_ROOM, *, highest: int | None = None) -> int:
     """Grow this process's fd table now so that ``count`` more fds than its highest open one fit;
     returns the table's slots (at least that many). To be called early, off the critical path.
 
@@ -128,15 +128,17 @@ def grow_fd_table(count: int = FD_TABLE_ROOM) -> int:
     larger); raising that limit is :func:`~flashboot.arena.segments._make_fd_room`'s job. Best
     effort: where the kernel refuses (no fd left under the limit), the table grows when the fds
     arrive, as without this call, and the slots known to exist are returned (0 where not even the
-    open fds could be listed).
+    open fds could be listed). ``highest``: the highest open fd, where the caller has just listed
+    them (otherwise they are listed here).
     """
     if not isinstance(count, int) or count < 0:
         raise RendezvousError(f"grow_fd_table needs a non-negative fd count, got {count!r}")
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        highest = max((int(name) for name in os.listdir("/proc/self/fd")), default=2)
-    except OSError:  # no fd left to list them with: the caller's own open fails next, naming it
-        return 0
+    if highest is None:
+        try:
+            highest = max((int(name) for name in os.listdir("/proc/self/fd")), default=2)
+        except OSError:  # no fd left to list them with: the caller's own open fails next, naming it
+            return 0
     target = highest + count
     if soft != resource.RLIM_INFINITY:
         target = min(target, soft - 1)

@@ -101,11 +101,12 @@ def _make_fd_room(count: int, what: str) -> None:
     from ..fdshare import grow_fd_table
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    in_use = len(os.listdir("/proc/self/fd"))
+    open_fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    in_use = len(open_fds)
     need = in_use + count + 64  # headroom for sockets and files the caller opens next
     if soft != resource.RLIM_INFINITY and need > soft:
         if hard != resource.RLIM_INFINITY and need > hard:
             raise ArenaError(f"{what} needs {count:,} fds (one per segment) and {in_use:,} are open; the hard limit "
                              f"on open files is {hard:,}: raise it (ulimit -Hn) or use larger segments")
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    grow_fd_table(count + 64)
+    grow_fd_table(count + 64, highest=max(open_fds, default=2))
