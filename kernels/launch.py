@@ -197,10 +197,9 @@ def _driver_runner(compiled: Any, grid3: tuple[int, int, int], runner: Callable[
         return None
     if layout.needs:
         return None
-    values = [ctypes.c_uint64() if t.startswith("*") else cubin._CTYPES[t]() for _, t in layout.params]
-    scratch = [ctypes.c_uint64() for _ in range(layout.scratch_pointers)]
-    kernel_params = (ctypes.c_void_p * (len(values) + len(scratch)))(*[ctypes.addressof(v) for v in values + scratch])
-    params_ptr = ctypes.addressof(kernel_params)  # the array, the values and scratch live as long as ``direct``
+    kernel_params, values = cubin.param_values(layout.params, layout.scratch_pointers)
+    params_ptr = ctypes.addressof(kernel_params)  # the array and its values live as long as ``direct``
+    scratch = values[len(layout.params):]
     slots = tuple(zip(values, layout.positions))
     threads, shared = 32 * md.num_warps, md.shared
     scratch_bytes = gx * gy * gz * getattr(md, "global_scratch_size", 0)
@@ -221,7 +220,7 @@ def _driver_runner(compiled: Any, grid3: tuple[int, int, int], runner: Callable[
                 kept.pop(next(iter(kept)))
         return got[1]
 
-    def direct(*args: Any, stream: int, _keep=(kernel_params, values, scratch)) -> None:
+    def direct(*args: Any, stream: int, _keep=(kernel_params, values)) -> None:
         if _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
             runner(*args, stream=stream)
             return
