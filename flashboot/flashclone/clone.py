@@ -313,24 +313,20 @@ def _map_ahead(session: _Session, steps: list[Step], sources: _Sources, report: 
     t0 = time.perf_counter()
     arenas = {id(ep.arena): ep.arena for ep in sources.endpoints.values() if ep.arena is not None}
     before = {k: a.map_stats["segments"] for k, a in arenas.items()}
-    seen: set[tuple[int, int]] = set()
+    order: dict[tuple[int, int], Any] = {}  # (arena, segment) in the order the steps read them
     for s in steps:
         ep = sources.endpoints.get(s.src)
-        if s.kind != "copy" or ep is None or ep.arena is None or ep.arena.closed:
-            continue
-        arena, seg = ep.arena, ep.arena.segment_bytes
-        for i in range(s.offset // seg, -(-s.end // seg)):
-            if (id(arena), i) in seen:
-                continue
-            seen.add((id(arena), i))
-            if not session.arena_in_progress:
-                break
-            try:
-                arena.map_range(i * seg, min(seg, arena.nbytes - i * seg))
-            except FlashBootError:
-                break  # the copy maps it again and fails over from there
+        if s.kind == "copy" and ep is not None and ep.arena is not None and not ep.arena.closed:
+            seg = ep.arena.segment_bytes
+            order.update(((id(ep.arena), i), ep.arena) for i in range(s.offset // seg, -(-s.end // seg)))
+    for (_, i), arena in order.items():
         if not session.arena_in_progress:
             break
+        seg = arena.segment_bytes
+        try:
+            arena.map_range(i * seg, min(seg, arena.nbytes - i * seg))
+        except FlashBootError:
+            break  # the copy maps it again and fails over from there
     report.map_ahead_ms = (time.perf_counter() - t0) * 1e3
     report.segments_mapped_ahead = sum(a.map_stats["segments"] - before[k] for k, a in arenas.items()
                                        if not a.closed)
