@@ -5,13 +5,14 @@ from __future__ import annotations
 import importlib.util
 import marshal
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from flashboot.bytecode import bytecode_status, compile_bytecode, package_dirs, sources
+
+from _python import run_python  # noqa: E402  (tests/ is on the path)
 
 
 def test_every_module_a_process_imports_is_among_the_sources_compiled():
@@ -20,9 +21,7 @@ def test_every_module_a_process_imports_is_among_the_sources_compiled():
             "flashboot.cli\n"
             "print('\\n'.join(sorted(m.__file__ for n, m in list(sys.modules.items())\n"
             "                        if n.split('.')[0] == 'flashboot' and getattr(m, '__file__', None))))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    imported = {Path(f).resolve() for f in p.stdout.split()}
+    imported = {Path(f).resolve() for f in run_python("-c", code, timeout=300).split()}
     assert len(imported) > 50
     assert imported <= set(sources()), sorted(imported - set(sources()))
     dirs = package_dirs()
@@ -75,14 +74,8 @@ def test_a_fresh_process_under_dont_write_bytecode_reads_what_warm_wrote(tmp_pat
     """PYTHONDONTWRITEBYTECODE stops imports writing bytecode, not reading it: after ``flashboot
     warm`` such a process finds every module's bytecode current."""
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": str(tmp_path / "pyc")}
-    status = [sys.executable, "-c", "import json; from flashboot.bytecode import bytecode_status; "
-                                    "print(json.dumps(bytecode_status()))"]
-    before = subprocess.run(status, env=env, capture_output=True, text=True, timeout=120)
-    assert before.returncode == 0, before.stderr[-2000:]
-    assert '"with_bytecode": 0' in before.stdout
-    warm = subprocess.run([sys.executable, "-m", "flashboot.cli", "warm", "--device", "cpu"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert warm.returncode == 0, warm.stderr[-2000:]
-    after = subprocess.run(status, env=env, capture_output=True, text=True, timeout=120)
+    status = ("-c", "import json; from flashboot.bytecode import bytecode_status; print(json.dumps(bytecode_status()))")
+    assert '"with_bytecode": 0' in run_python(*status, env=env)
+    run_python("-m", "flashboot.cli", "warm", "--device", "cpu", env=env, timeout=600)
     n = len(sources())
-    assert f'{{"modules": {n}, "with_bytecode": {n}}}' in after.stdout
+    assert f'{{"modules": {n}, "with_bytecode": {n}}}' in run_python(*status, env=env)

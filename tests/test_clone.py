@@ -865,8 +865,7 @@ def test_the_warm_up_threads_start_after_the_packages_they_share_with_the_clone_
     """A warm-up thread importing ``flashboot.movers.host`` while the clone's thread ran
     ``flashboot.movers``' __init__ ended in Python's _DeadlockError (CI, 2026-12-01): the packages
     both import are imported before any warm-up thread starts."""
-    import subprocess
-    import sys
+    from _python import run_python
 
     code = ("import sys\n"
             "from flashboot.flashclone import warmup\n"
@@ -881,6 +880,4 @@ def test_the_warm_up_threads_start_after_the_packages_they_share_with_the_clone_
             "warm = warmup.CloneWarmup('cpu', verify=True, mover='host')\n"
             "warm.join(CloneReport('star', 1, 'cpu', 0), 120)\n"
             "print(seen, sorted(warm.parts), warm.errors)")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.strip() == "[True, True, True] ['fd table', 'host checksum', 'host copy'] []"
+    assert run_python("-c", code, timeout=300).strip() == "[True, True, True] ['fd table', 'host checksum', 'host copy'] []"

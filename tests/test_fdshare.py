@@ -11,6 +11,8 @@ import pytest
 from flashboot.errors import RendezvousError
 from flashboot.fdshare import FD_TABLE_ROOM, grow_fd_table, take_fds
 
+from _python import run_python  # noqa: E402  (tests/ is on the path)
+
 
 def _fd_table_size() -> int:
     """FDSize: the slots of this process's fd table (the kernel grows it by doubling, never shrinks it)."""
@@ -49,9 +51,7 @@ child.stdin.close(); child.wait()
 
 
 def test_the_table_grown_ahead_holds_a_whole_arenas_fds_without_growing_again():
-    p = subprocess.run([sys.executable, "-c", _TAKE_AFTER_GROW, "600"], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    before, slots, grown, after, taken, distinct, highest = map(int, p.stdout.split())
+    before, slots, grown, after, taken, distinct, highest = map(int, run_python("-c", _TAKE_AFTER_GROW, "600").split())
     assert grown >= slots > 600 and grown > before  # 600 fds did not fit the table the process started with
     assert after == grown and taken == distinct == 600 and highest < grown
 
@@ -69,9 +69,7 @@ def test_grow_fd_table_stays_within_the_soft_open_file_limit():
     code = ("import resource; from flashboot.fdshare import grow_fd_table\n"
             "resource.setrlimit(resource.RLIMIT_NOFILE, (200, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
             f"print(grow_fd_table({FD_TABLE_ROOM}))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert int(p.stdout) <= 200  # no fd past the limit: an fd the process could not open anyway
+    assert int(run_python("-c", code, timeout=60)) <= 200  # no fd past the limit: an fd the process could not open anyway
 
 
 def test_grow_fd_table_refuses_a_negative_count():
@@ -110,6 +108,4 @@ def test_grow_fd_table_with_no_fd_left_returns_instead_of_raising():
             "except OSError as exc:\n"
             "    print('full', exc.errno)\n"
             "print('slots', grow_fd_table(100) >= 0)")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.split() == ["full", "24", "slots", "True"]  # EMFILE, then no exception
+    assert run_python("-c", code, timeout=60).split() == ["full", "24", "slots", "True"]  # EMFILE, then no exception

@@ -120,15 +120,11 @@ def test_no_import_cycle_in_flashload_but_the_named_hand_overs():
 def test_a_load_and_its_close_import_nothing_of_flashclone(tmp_path):
     """An engine that loads and closes (a swap, a restart) does not pay FlashClone's import
     (26-78 ms in a fresh process); only a refit, which holds the trainer's mappings, needs it."""
-    import subprocess
-    import sys
-
     from _preload_helpers import make_tiny_image
+    from _python import run_python
 
     image = make_tiny_image(tmp_path)
     code = (f"import sys, flashboot\nli = flashboot.load({str(image)!r}, 0, 'cpu', timeout_s=30)\n"
             "assert li.tensors\nli.close()\n"
             "print(sorted(m for m in sys.modules if m.startswith('flashboot.flashclone')))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.strip() == "[]"
+    assert run_python("-c", code).strip() == "[]"
