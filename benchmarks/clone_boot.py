@@ -76,6 +76,7 @@ def engine_main(store: str, early_s: float | None, device: str) -> dict:
     result.close()  # room for the ceiling's two arenas
     ceiling = copy_ceiling([device], nbytes, repeats=3)
     groups = _map_group_sweep(store, device)
+    chunks = _chunk_sweep(store, device)
     return {"mode": "engine", "early_s": early_s, "nbytes": nbytes, "context_ms": (t_context - t_start) * 1e3,
             "import_flashboot_ms": (t_imported - t_context) * 1e3, "call_ms": call_ms, "ready_ms": rep.ready_ms,
             "verify_ms": rep.verify_ms, "ready_plus_verify_ms": rep.ready_ms + rep.verify_ms,
@@ -85,7 +86,8 @@ def engine_main(store: str, early_s: float | None, device: str) -> dict:
             "phases_ms": {k: round(v, 2) for k, v in rep.phases().items()}, "warm_detail": rep.warm_detail,
             "connect_detail": rep.connect_detail, "verified": rep.verified, "triton_imported": triton_imported,
             "cupy_imported": cupy_imported, "bytecode": bytecode_status(),
-            **_fine(rep.to_dict()), "map_group_sweep": groups, "summary": rep.summary()}
+            **_fine(rep.to_dict()), "map_group_sweep": groups, "chunk_sweep": chunks,
+            "d2d_ceiling_ms": nbytes / ceiling["gbps"] / 1e6 if ceiling["gbps"] else 0.0, "summary": rep.summary()}
 
 
 def _fine(rep: dict) -> dict:
@@ -118,6 +120,26 @@ def _map_group_sweep(store: str, device: str) -> dict:
                               "exchange_ms": round(rep.exchange_ms, 3)}
     finally:
         executor.MAP_GROUP_MAX_SEGMENTS = default
+    return out
+
+
+CHUNK_SWEEP = (256 << 20, 1 << 30, 4 << 30)
+"""The star clone's chunk (default: :func:`~flashboot.schedulers.plan.default_chunk_bytes`) tried in the engine process."""
+
+
+def _chunk_sweep(store: str, device: str) -> dict:
+    """Clones again in this (now warm) process, one per chunk of :data:`CHUNK_SWEEP`: the
+    transfer's host time and GB/s, and the lanes' own GPU time (``stream_gbps``), for each."""
+    import flashboot
+
+    out = {}
+    for chunk in CHUNK_SWEEP:
+        with flashboot.clone(store, device, "star", timeout_s=60, chunk_bytes=chunk) as r:
+            rep = r.report
+            out[f"{chunk >> 20} MiB"] = {"transfer_ms": round(rep.transfer_ms, 3), "gbps": round(rep.gbps, 1),
+                                         "stream_gbps": round(rep.stream_gbps, 1),
+                                         "steps": sum(lane.get("steps", 0) for lane in rep.lanes),
+                                         "lanes": len(rep.lanes)}
     return out
 
 
@@ -166,7 +188,8 @@ def show(row: dict) -> str:
                 f"  warm-up {r['warm_detail']} waits {r['warm_waits']}\n  exchange {r['exchange_detail']}\n"
                 f"  alloc {r['alloc_ms']} ms {r.get('alloc_detail')}; source segments mapped while our arena was made (ms, count) "
                 f"{r.get('map_ahead')}, during the copy {r['map_during_copy']}"
-                f"\n  map group sweep (segments: ...) {r['map_group_sweep']}\n  {r['summary']}")
+                f"\n  map group sweep (segments: ...) {r['map_group_sweep']}\n  chunk sweep {r.get('chunk_sweep')}"
+                f"\n  {r['summary']}")
     runs = "\n".join(f"  spawn to clone() {c['before_clone_ms']} ms; connect {c['connect_detail']} warm-up "
                      f"{c['warm_detail']} waits {c['warm_waits']}\n  exchange {c['exchange_detail']}\n  {line}"
                      for c, line in zip(r["runs"], r["summaries"]))

@@ -162,9 +162,13 @@ class _EngineBatch:
     def _issue(self, group, handle: int) -> None:
         drv = self.drv
         if self.method == "cuMemcpyBatchAsync":
-            _cuda.check(drv.cuMemcpyBatchAsync(*group, drv.CUstream(handle)),
-                        f"cuMemcpyBatchAsync({group[3]} of {self.copies} copies)")
-            return
+            if handle != 0:
+                _cuda.check(drv.cuMemcpyBatchAsync(*group, drv.CUstream(handle)),
+                            f"cuMemcpyBatchAsync({group[3]} of {self.copies} copies)")
+                return
+            # the driver refuses a batch on the legacy default stream (CUDA_ERROR_INVALID_VALUE):
+            # there the same copies go one by one, in the same stream order
+            group = list(zip((int(p) for p in group[0]), (int(p) for p in group[1]), group[2]))
         copy = drv.cuMemcpyAsync
         for d, s, n in group:
             _cuda.check(copy(d, s, n, handle), f"cuMemcpyAsync(dst {d:#x}, src {s:#x}, {n:,} bytes, of a batch)")

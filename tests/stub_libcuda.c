@@ -32,16 +32,5 @@ int cuCtxGetCurrent(void **ctx) { *ctx = (void *)0x1; return 0; }
 int cuCtxSetCurrent(void *ctx) { return 0; }
 int cuModuleLoadData(void **module, const void *image) { *module = (void *)0x2; return 0; }
 int cuModuleGetFunction(void **function, void *module, const char *name) { *function = (void *)0x3; return 0; }
-/* cuLaunchKernel records its launch; stub_last_launch(out) reads it back: function, grid x/y/z,
- * block x, shared bytes, stream, then the first $STUB_LAUNCH_PARAMS kernel parameters (8 bytes each). */
-static uint64_t last_launch[24];
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                   unsigned shared, void *stream, void **params, void **extra) {
-  const char *n_env = getenv("STUB_LAUNCH_PARAMS");
-  int n = n_env ? atoi(n_env) : 0;
-  last_launch[0] = (uint64_t)f; last_launch[1] = gx; last_launch[2] = gy; last_launch[3] = gz;
-  last_launch[4] = bx; last_launch[5] = shared; last_launch[6] = (uint64_t)stream;
-  for (int i = 0; i < n && i < 17; i++) last_launch[7 + i] = params[i] ? *(uint64_t *)params[i] : 0;
-  return 0;
-}
-void stub_last_launch(uint64_t *out) { for (int i = 0; i < 24; i++) out[i] = last_launch[i]; }
+                   unsigned shared, void *stream, void **params, void **extra) { return 0; }

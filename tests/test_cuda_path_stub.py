@@ -122,30 +122,3 @@ def test_executor_releases_and_names_a_stream_that_never_completes(stub_driver):
         assert "step 0 (bytes 0..4,194,304 into clone0) made no progress for 0.3 s" in line
         assert "did not drain within 1 s" in line  # the release was tried, and the drain bounded
     assert "cupy False" in out
-
-
-_DRIVER_LAUNCH = """
-import ctypes, types
-from flashboot.kernels import launch as kl
-md = types.SimpleNamespace(num_warps=4, shared=2048, num_ctas=1, launch_cooperative_grid=False, launch_pdl=False,
-                           global_scratch_size=0, global_scratch_align=1, profile_scratch_size=0,
-                           profile_scratch_align=1, name="copy_sm_kernel")
-src = types.SimpleNamespace(signature={"dst_ptr": "*i64", "src_ptr": "*i64", "n_elems": "i64", "BLOCK": "constexpr"},
-                            constants={})
-compiled = types.SimpleNamespace(function=0xF00D, metadata=md, src=src)
-direct = kl._driver_runner(compiled, (6, 1, 1), lambda *args, stream: print("triton's runner"))
-direct(0x1000, 0x2000, (1 << 40) + 3, 4096, stream=0x55)
-out = (ctypes.c_uint64 * 24)()
-ctypes.CDLL("libcuda.so.1").stub_last_launch(out)
-print("launch", [hex(v) for v in out[:12]])
-"""
-
-
-def test_the_driver_runner_launches_through_the_loaded_libcuda(stub_driver):
-    """The ctypes ``cuLaunchKernel`` a cached Triton launch makes (kernels/launch.py's driver
-    runner) reaches the driver with the function, grid, block, shared bytes, stream, and a
-    parameter array whose entries point at the values: the stub driver reads them back."""
-    out = _run(_DRIVER_LAUNCH, stub_driver, STUB_LAUNCH_PARAMS="5")
-    assert "launch ['0xf00d', '0x6', '0x1', '0x1', '0x80', '0x800', '0x55', '0x1000', '0x2000', '0x10000000003', " \
-           "'0x0', '0x0']" in out, out
-    assert "triton's runner" not in out

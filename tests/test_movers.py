@@ -455,6 +455,34 @@ def test_copy_engine_batch_issues_merged_runs_per_stream():
     assert len(engine_copies(permuted, 1, True)[0][2]) == 256
 
 
+def test_copy_engine_batch_on_the_legacy_default_stream_goes_copy_by_copy(monkeypatch):
+    """The driver refuses cuMemcpyBatchAsync on the legacy default stream (handle 0: what a
+    ``stream=None`` run passes) with CUDA_ERROR_INVALID_VALUE: there the same copies go one
+    cuMemcpyAsync each, in order; any other stream gets the one batched call."""
+    from flashboot.movers import copy_engine
+
+    calls = []
+
+    class Driver:
+        CUstream = staticmethod(lambda handle: handle)
+
+        def cuMemcpyBatchAsync(self, *args):
+            calls.append(("batch", args[3], args[-1]))
+            return (0,)
+
+        def cuMemcpyAsync(self, dst, src, nbytes, handle):
+            calls.append(("copy", dst, src, nbytes, handle))
+            return (0,)
+
+    engine = copy_engine._EngineBatch.__new__(copy_engine._EngineBatch)  # the driver's arguments, as built
+    engine.drv, engine.method, engine.copies = Driver(), "cuMemcpyBatchAsync", 2
+    monkeypatch.setattr(copy_engine._cuda, "check", lambda result, what: None)
+    group = ([0x1000, 0x3000], [0x2000, 0x4000], [16, 32], 2, ["attrs"], [0], 1)
+    engine._issue(group, 7)
+    engine._issue(group, 0)
+    assert calls == [("batch", 2, 7), ("copy", 0x1000, 0x2000, 16, 0), ("copy", 0x3000, 0x4000, 32, 0)]
+
+
 @pytest.mark.parametrize("bad", [1, "yes", None])
 def test_copy_engine_refuses_a_bad_merge_flag(bad):
     with pytest.raises(MoverError, match=rf"merge_contiguous must be a bool, got {bad!r}"):

@@ -26,6 +26,17 @@ DEFAULT_CHUNK_BYTES = 256 << 20
 best in our H200 x2 chain measurement (64 MiB 335, 256 MiB 357, 1 GiB 333 GB/s per clone); the
 lead replaces it with the figure of a measured sweep."""
 
+SINGLE_HOP_CHUNK_BYTES = 1 << 30
+"""The chunk when none is given and no clone feeds another (a star, or a chain of one clone):
+there a chunk pipelines nothing downstream and costs a copy's per-call overhead. Refit of 13.76 GB
+on one H200 (a chain of one, 2026-12-01), copy wall time x the D2D ceiling for 64 MiB / 256 MiB /
+1 GiB / 4 GiB chunks: atomic 0.72 / 0.85 / 0.87 / 0.85, in place 0.72 / 0.82 / 0.87 / 0.88."""
+
+
+def default_chunk_bytes(schedule: str, n: int) -> int:
+    """:data:`SINGLE_HOP_CHUNK_BYTES` for a star or a chain of one clone, else :data:`DEFAULT_CHUNK_BYTES`."""
+    return SINGLE_HOP_CHUNK_BYTES if schedule == "star" or (schedule == "chain" and n == 1) else DEFAULT_CHUNK_BYTES
+
 COPY_LANE = 0
 """Lane of a participant's reads from another participant."""
 H2D_LANE = 1

@@ -6,7 +6,7 @@ from typing import Any, Callable, Mapping
 
 from flashboot.errors import UnknownNameError
 
-from .plan import DEFAULT_CHUNK_BYTES, Plan, PlanError
+from .plan import Plan, PlanError, default_chunk_bytes
 
 Planner = Callable[..., Plan]
 _SCHEDULES: dict[str, Planner] = {}
@@ -34,7 +34,7 @@ def build_plan(name: str, n: int, total_bytes: int, chunk_bytes: int | None = No
     """Build the plan of schedule ``name``.
 
     ``n`` is the number of clones (star, chain: plus one seed) or of ring members (ring).
-    ``chunk_bytes`` defaults to :data:`DEFAULT_CHUNK_BYTES`. Planner options come as keywords
+    ``chunk_bytes`` defaults to :func:`~flashboot.schedulers.plan.default_chunk_bytes`. Planner options come as keywords
     or as a plain dict ``options`` (e.g. ``{"align_bytes": 4096}`` for ring).
     Raises UnknownNameError for an unknown schedule, PlanError for a bad request.
     """
@@ -42,7 +42,8 @@ def build_plan(name: str, n: int, total_bytes: int, chunk_bytes: int | None = No
     if planner is None:
         raise UnknownNameError("schedule", name, _SCHEDULES)
     merged = {**(options or {}), **kwargs}
-    return planner(n, total_bytes, DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes, **merged)
+    chunk = default_chunk_bytes(name, n) if chunk_bytes is None else chunk_bytes
+    return planner(n, total_bytes, chunk, **merged)
 
 
 __all__ = ["build_plan", "list_schedules", "register_schedule"]
