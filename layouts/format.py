@@ -408,18 +408,19 @@ def validate_layout(meta: ImageMetadata, where: str) -> None:
 
 
 def parse_metadata(raw: bytes | str, where: str, table: bytes | None = None, table_where: str = "",
-                   metadata_sha256: str | None = None) -> ImageMetadata:
+                   metadata_sha256: str | None = None, decoded=None) -> ImageMetadata:
     """The text of a ``metadata.json`` -> validated :class:`ImageMetadata` (LayoutError naming ``where``).
 
     ``table``: the bytes of the ``tensors.bin`` beside it (:mod:`flashboot.layouts.table`): the
     tensor table then comes from its columns and only the rest of the JSON is parsed;
-    ``metadata_sha256``: the hex sha256 of ``raw`` where the caller computed it already."""
+    ``metadata_sha256``: the hex sha256 of ``raw`` where the caller computed it already;
+    ``decoded``: the table's :func:`~flashboot.layouts.table.predecode_table`, made while ``raw`` was read."""
     tensors = None
     if table is not None:
         from .table import decode_table
 
         raw = raw.encode() if isinstance(raw, str) else raw
-        tensors, (start, end) = decode_table(table, raw, table_where or where, metadata_sha256)
+        tensors, (start, end) = decode_table(table, raw, table_where or where, metadata_sha256, decoded)
         raw = raw[:start] + b"{}" + raw[end:]
     with gc_paused():
         obj = loads(raw, where, LayoutError)

@@ -25,6 +25,7 @@ import hashlib
 import json
 import struct
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -79,11 +80,60 @@ def encode_table(table: TensorTable, metadata_bytes: bytes) -> bytes | None:
     return b"".join([MAGIC, struct.pack("<Q", len(header) + pad), header, b" " * pad, body])
 
 
-def decode_table(data: bytes, metadata_bytes: bytes, where: str,
-                 metadata_sha256: str | None = None) -> tuple[TensorTable, tuple[int, int]]:
+@dataclass(frozen=True)
+class DecodedTable:
+    """``tensors.bin`` decoded before the ``metadata.json`` it binds is read (:func:`predecode_table`):
+    its header and table, or the error to raise. ``header_error`` comes before the metadata's
+    sha256 is compared, ``error`` after, the order in which :func:`decode_table` names them."""
+
+    header: dict | None
+    table: TensorTable | None
+    span: tuple[int, int] | None
+    header_error: Exception | None = None
+    error: Exception | None = None
+
+
+def predecode_table(data: bytes, where: str, metadata_nbytes: int) -> DecodedTable:
+    """Everything :func:`decode_table` checks of ``data`` but the sha256 of the metadata it binds,
+    given only that metadata's size: the columns (names, bounds, the body's sha256) can then be
+    decoded while ``metadata.json`` is still being read and hashed (both release the GIL).
+    Raises nothing: the errors are kept for :func:`decode_table` to raise in its order."""
+    try:
+        h, body = _header(data, where)
+    except LayoutError as exc:
+        return DecodedTable(None, None, None, header_error=exc)
+    try:
+        table, span = _body(data, h, body, where, metadata_nbytes)
+    except Exception as exc:  # noqa: BLE001 - raised by decode_table after the sha256 comparison
+        return DecodedTable(h, None, None, error=exc)
+    return DecodedTable(h, table, span)
+
+
+def decode_table(data: bytes, metadata_bytes: bytes, where: str, metadata_sha256: str | None = None,
+                 decoded: DecodedTable | None = None) -> tuple[TensorTable, tuple[int, int]]:
     """Validate ``tensors.bin`` (``data``) against ``metadata.json``'s bytes; returns the table and
     the byte span of the JSON table it stands for. LayoutError naming ``where`` and the field.
-    ``metadata_sha256``: the bytes' hex sha256 where the caller has it already (not hashed again)."""
+    ``metadata_sha256``: the bytes' hex sha256 where the caller has it already (not hashed again);
+    ``decoded``: :func:`predecode_table` of ``data`` made before the metadata bytes were read."""
+    if decoded is None:
+        decoded = predecode_table(data, where, len(metadata_bytes))
+    if decoded.header_error is not None:
+        raise decoded.header_error
+    h = decoded.header
+    sha = metadata_sha256 or hashlib.sha256(metadata_bytes).hexdigest()
+    if h["metadata_sha256"] != sha:
+        raise LayoutError(f"{where}: written for a metadata.json of sha256 {h['metadata_sha256'][:16]}, the one beside "
+                          f"it has {sha[:16]}: the table or the metadata was changed after pre-pack")
+    if decoded.error is not None:
+        raise decoded.error
+    span = decoded.span
+    if span[1] > len(metadata_bytes):  # the size the pre-decode was given was not the size read
+        raise LayoutError(f"{where}: tensors_span {list(span)!r} is not inside the {len(metadata_bytes):,}-byte metadata")
+    return decoded.table, span
+
+
+def _header(data: bytes, where: str) -> tuple[dict, int]:
+    """The header of ``tensors.bin`` checked field by field, and where its body starts."""
     if len(data) < len(MAGIC) + 8 or data[:len(MAGIC)] != MAGIC:
         raise LayoutError(f"{where}: not a {TABLE_FORMAT} file (magic {data[:len(MAGIC)]!r})")
     (hlen,) = struct.unpack_from("<Q", data, len(MAGIC))
@@ -103,17 +153,20 @@ def decode_table(data: bytes, metadata_bytes: bytes, where: str,
             raise LayoutError(f"{where}: header field {key!r} must be {kind.__name__}, found {h.get(key)!r}")
     if h["format"] != TABLE_FORMAT or h["version"] != 1:
         raise LayoutError(f"{where}: {h['format']!r} version {h['version']}; this flashboot reads {TABLE_FORMAT} 1")
-    sha = metadata_sha256 or hashlib.sha256(metadata_bytes).hexdigest()
-    if h["metadata_sha256"] != sha:
-        raise LayoutError(f"{where}: written for a metadata.json of sha256 {h['metadata_sha256'][:16]}, the one beside "
-                          f"it has {sha[:16]}: the table or the metadata was changed after pre-pack")
+    return h, body
+
+
+def _body(data: bytes, h: dict, body: int, where: str, metadata_nbytes: int
+          ) -> tuple[TensorTable, tuple[int, int]]:
+    """The columns after the header ``h``: counts, the table's span in a metadata of
+    ``metadata_nbytes`` bytes, the file's size, the body's sha256, then the columns themselves."""
     n, d, s, names_nbytes = h["count"], h["ndim"], h["splits"], h["names_nbytes"]
     span = h["tensors_span"]
     if min(n, d, s, names_nbytes) < 0 or d > 64:
         raise LayoutError(f"{where}: header counts out of range (count {n}, ndim {d}, splits {s}, names "
                           f"{names_nbytes})")
-    if len(span) != 2 or not all(type(x) is int for x in span) or not 0 <= span[0] < span[1] <= len(metadata_bytes):
-        raise LayoutError(f"{where}: tensors_span {span!r} is not inside the {len(metadata_bytes):,}-byte metadata")
+    if len(span) != 2 or not all(type(x) is int for x in span) or not 0 <= span[0] < span[1] <= metadata_nbytes:
+        raise LayoutError(f"{where}: tensors_span {span!r} is not inside the {metadata_nbytes:,}-byte metadata")
     expected = body + 8 * (2 * n + 2 * n * d + n + 4 * s) + 3 * n + names_nbytes
     if len(data) != expected:
         raise LayoutError(f"{where}: {len(data):,} bytes, the header implies {expected:,}")
@@ -286,4 +339,4 @@ def tables_agree(a: TensorTable, b: TensorTable) -> str | None:
     return None
 
 
-__all__ = ["TABLE_FILE", "decode_table", "encode_table", "tables_agree", "tensors_span"]
+__all__ = ["TABLE_FILE", "DecodedTable", "decode_table", "encode_table", "predecode_table", "tables_agree", "tensors_span"]

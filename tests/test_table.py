@@ -10,7 +10,7 @@ import pytest
 import torch
 from flashboot.layouts import read_image
 from flashboot.layouts.format import TensorTable, parse_metadata
-from flashboot.layouts.image import read_metadata_file, verify_image
+from flashboot.layouts.image import open_image, read_metadata_file, verify_image
 from flashboot.layouts.table import TABLE_FILE, decode_table, encode_table, tables_agree
 from flashboot.layouts.tiny import save_tiny_model
 
@@ -132,6 +132,42 @@ def test_damaged_table_bytes_are_refused(image):
         assert tables_agree(table, decode_table(good, raw, "good")[0]) is None
         outcomes["same"] += 1
     assert outcomes["refused"] > 350
+
+
+def test_the_table_decoded_while_the_metadata_is_read_reads_and_refuses_as_after_it(image):
+    """read_metadata_file(decode=True) decodes tensors.bin while metadata.json is read and hashed
+    in a thread: every damaged table (and an edited metadata.json) ends the same as decoding after
+    the read, the same error first, and a good one reads the same table."""
+    table_path, meta_path = image / "rank-0" / TABLE_FILE, image / "rank-0" / "metadata.json"
+    good, raw = table_path.read_bytes(), meta_path.read_bytes()
+    reference = read_image(image, 0).metadata.tensors
+
+    def outcome(decode: bool):
+        try:
+            mf = read_metadata_file(image, 0, decode=decode)
+            assert (mf.decoded is not None) == decode
+            return "read", tables_agree(open_image(mf, 0).metadata.tensors, reference)
+        except FlashBootError as exc:
+            return "refused", str(exc)
+
+    assert outcome(True) == outcome(False) == ("read", None)
+    rng = random.Random(11)
+    refused = 0
+    for _ in range(120):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 3)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.2:
+            data = data[:rng.randrange(len(data))]
+        table_path.write_bytes(bytes(data))
+        early = outcome(True)
+        assert early == outcome(False)
+        refused += early[0] == "refused"
+    assert refused > 100
+    table_path.write_bytes(good)
+    meta_path.write_bytes(raw.replace(b'"format_version": 1', b'"format_version":  1'))  # same JSON, other bytes
+    early = outcome(True)
+    assert early == outcome(False) and early[0] == "refused" and "the metadata was edited or damaged" in early[1]
 
 
 @pytest.mark.parametrize("threaded", [False, True])

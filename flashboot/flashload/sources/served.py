@@ -53,7 +53,7 @@ class ServedSource(Source):
         tp, ep, expected_key = request.tp, request.ep, request.expected_key
         report = LoadReport(mode="served", device=str(dev), rank=rank, nbytes=0)
         t0 = time.perf_counter()
-        mf = read_metadata_file(image_dir, rank)  # finds the rank and reads the bytes; parses only prepack.json
+        mf = read_metadata_file(image_dir, rank, decode=True)  # the bytes, hashed; the table decoded meanwhile
         sha = mf.sha256
         if mf.job is not None:  # the caller's tp, ep and key are refused before any byte moves
             check_job_request(mf, tp=tp, ep=ep, expected_key=expected_key)
