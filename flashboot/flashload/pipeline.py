@@ -366,7 +366,7 @@ class PreparedLoad:
         from flashboot.layouts.image import read_metadata_file
 
         t = time.perf_counter()
-        self.metadata_file = mf = read_metadata_file(self.image_dir, self.rank, decode=True)
+        self.metadata_file = mf = read_metadata_file(self.image_dir, self.rank)  # not decoded: the copy starts first
         self.metadata_sha256 = mf.sha256
         daemon = None  # the preloader's status, read once for both choices
         if self.requested_mode == "auto":
