@@ -138,7 +138,12 @@ def run_shape(run_child: Callable[[dict], dict], *, device: str, image: str, shm
                                                 "verified", "steps_per_s", "w_after_ms")})
                 row["x_bound"] = res["total_ms"] / max(alone["w_ms"], ceiling_ms)
                 row["x_bound_same"] = res["total_ms"] / max(res["w_after_ms"], ceiling_ms)
-                row["ready_before_load_ms"] = res["report"]["details"].get("ready_before_load_ms")
+                rep = res["report"]
+                row["ready_before_load_ms"] = rep["details"].get("ready_before_load_ms")
+                # where the load went (its phases; with the early call, what prepare's thread paid by phase)
+                row["load_phases_ms"] = {k: round(rep.get(f"{k}_ms", 0.0), 2) for k in ("wait", "metadata", "bind", "h2d")}
+                if rep["details"].get("prepared"):
+                    row["prepare_phases_ms"] = {k: round(v, 2) for k, v in rep["details"]["prepared"].items()}
             rows.append(row)
             log(describe(row))
     rates = {w: a["steps_per_s"] for w, a in cache.items() if isinstance(a, dict) and a.get("steps_per_s")}
@@ -152,7 +157,8 @@ def describe(row: dict) -> str:
     return (f"{head}: total {row['total_ms']:.0f} ms ({row['x_bound']:.2f}x max(W alone, bulk)), W "
             f"{row['w_ms']:.0f} ms (alone {row['w_alone_ms']:.0f}; {row['w_after_ms']:.0f} in the same process after "
             f"the boot: {row['x_bound_same']:.2f}x), load {row['load_ms']:.1f} ms, then a pass over every tensor "
-            f"{row['pass_ms']:.1f} ms")
+            f"{row['pass_ms']:.1f} ms; load phases {row.get('load_phases_ms')}"
+            + (f", prepare's {row['prepare_phases_ms']}" if row.get("prepare_phases_ms") else ""))
 
 
 def print_rows(out: dict) -> None:
