@@ -6,7 +6,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-SHAPES=${SHAPES:-C A B}; LEVELS=${LEVELS:-0 0.25 1}
+SHAPES=${SHAPES:-C B A}; LEVELS=${LEVELS:-0 0.25 1}
 T0=$(date +%s)
 S="$OUT/summary.txt"
 say() { echo "$*" | tee -a "$S"; }
