@@ -34,12 +34,15 @@ chain seed (GPU 0) -> c1 (GPU 1) -> c2 (GPU 0), whose hops are P2P.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
 MiB, GiB = 1 << 20, 1 << 30
 DEFAULT_CHUNKS = (256 << 10, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 PER_CALL_COPIES = 2000
+PER_CALL_SAMPLES = 5
+"""Samples of :func:`per_call_cost_us` per mover; the median is reported."""
 CE_STREAMS = (4, 8)
 """Streams the copy engine's extra batched rows spread a batch over (several copy engines at once)."""
 REPORT_FORMAT = 2
@@ -68,7 +71,8 @@ class ChunkedReport:
     total_bytes: int
     ceiling_gbps_before: float
     ceiling_gbps_after: float
-    per_call_us: dict[str, float] = field(default_factory=dict)  # mover -> host µs per mover.copy (4 KiB)
+    per_call_us: dict[str, float] = field(default_factory=dict)  # mover -> host µs per mover.copy (4 KiB, spans)
+    per_call_tensor_us: dict[str, float] = field(default_factory=dict)  # the same with torch tensors as arguments
     rows: list[ChunkRow] = field(default_factory=list)
     checksum: list[dict] = field(default_factory=list)
     concurrent: list[dict] = field(default_factory=list)
@@ -159,8 +163,12 @@ def run(total: int = GiB, chunk_sizes=DEFAULT_CHUNKS, movers: list[str] | None =
         torch.cuda.synchronize()
         expected = checksum(src)
         report = ChunkedReport(total, _ceiling(dst, src, total, stream, repeats), 0.0)
-        for name in names:
-            report.per_call_us[name] = per_call_cost_us(create_mover(name), dst, src, stream)
+        for name in names:  # spans, as the schedules pass them; then tensors, the convenience path
+            mover = create_mover(name)
+            report.per_call_us[name] = statistics.median(
+                per_call_cost_us(mover, b.span(), a.span(), stream) for _ in range(PER_CALL_SAMPLES))
+            report.per_call_tensor_us[name] = statistics.median(
+                per_call_cost_us(mover, dst, src, stream) for _ in range(PER_CALL_SAMPLES))
         # (row label, mover, its options, modes): the copy engine also unmerged, and over several streams
         variants = [(name, name, {}, ("per_call", "batched")) for name in names]
         if "copy_engine" in names:
@@ -507,8 +515,9 @@ def load_report(path) -> dict:
 def print_report(report: ChunkedReport) -> None:
     from flashboot.benchmarks.timing import print_table
 
-    print_table(f"host cost of one mover.copy (4 KiB, {PER_CALL_COPIES:,} back to back)", ["mover", "µs per call"],
-                [[m, us] for m, us in report.per_call_us.items()])
+    print_table(f"host cost of one mover.copy (4 KiB, {PER_CALL_COPIES:,} back to back, median of "
+                f"{PER_CALL_SAMPLES})", ["mover", "µs per call (spans)", "µs per call (torch tensors)"],
+                [[m, us, report.per_call_tensor_us.get(m, float("nan"))] for m, us in report.per_call_us.items()])
     print_table(f"{report.total_bytes / GiB:g} GiB d2d in chunks; ceiling: one copy-engine copy of it, "
                 f"{report.ceiling_gbps_before:,.0f} GB/s before, {report.ceiling_gbps_after:,.0f} after "
                 "(copy_engine batched merges contiguous chunks: 'copies' went out)",
