@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# 2026-12-02, eighth session, second call (<= CAP_S = 330 s + 20): the GPU tests of this session's changes,
+# 2026-12-02, eighth session, second call (<= CAP_S = 300 s + 10): the GPU tests of this session's changes,
 # then `flashboot bench boot` on shapes $SHAPES (C, A, B) with the end-to-end cells at W = $LEVELS,
 # after prepare() decodes the binary table while the metadata is hashed (before it returns).
 # $OUT gets 4 files (summary.txt, tests.log, boot.log, boot.json): the device returns only a few.
@@ -20,7 +20,7 @@ timeout "${TESTS_LIMIT:-110}" python3 -m pytest -q -p no:cacheprovider -m gpu te
 say "=== GPU tests rc=$? :: $(tail -1 "$OUT/tests.log") ($(date +%T))"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12 | tee -a "$S"
 ROOT=/dev/shm/fb-s8b; rm -rf "$ROOT"
-left=$(( ${CAP_S:-330} - ($(date +%s) - T0) )); [ "$left" -lt 60 ] && left=60
+left=$(( ${CAP_S:-300} - ($(date +%s) - T0) )); [ "$left" -lt 60 ] && left=60
 timeout "$left" flashboot bench boot --shapes $SHAPES --loaders "flashload served" "flashload prepared" \
   --end-to-end $LEVELS --dir "$ROOT" --json "$OUT/boot.json" >"$OUT/boot.log" 2>&1
 say "=== bench boot rc=$? ($(date +%T))"
