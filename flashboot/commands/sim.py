@@ -11,7 +11,7 @@ def register(subparsers) -> None:
     p.add_argument("--schedule", required=True, help="chain, star or ring")
     p.add_argument("--clones", required=True, type=int, help="number of clones (ring: members)")
     p.add_argument("--model-bytes", required=True, help="image bytes per rank: 217e9, 217GB, 41.4GB, 256MiB")
-    p.add_argument("--chunk-bytes", default=None, help="chunk size (default: the schedulers' default, 256 MiB)")
+    p.add_argument("--chunk-bytes", default=None, help="chunk size (default: 256 MiB; 1 GiB for a star or a chain of one clone)")
     p.add_argument("--pin", action="store_true", help="host loads pay the pin (cudaHostRegister) on the critical path")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=main)
