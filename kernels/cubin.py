@@ -140,15 +140,6 @@ def launch_layout(compiled: Any) -> LaunchLayout:
                         tuple([what for what, yes in refuse.items() if yes] + unknown))
 
 
-def param_values(params: tuple[tuple[str, str], ...] | list, scratch_pointers: int) -> tuple[ctypes.Array, list]:
-    """``cuLaunchKernel``'s ``kernelParams`` for ``params`` (pointers as ``c_uint64``) and the
-    scratch pointers after them: the array of pointers to each value, and the values (zero; set
-    them before a launch), which must outlive every launch that uses the array."""
-    values = [ctypes.c_uint64() if t.startswith("*") else _CTYPES[t]() for _, t in params]
-    values += [ctypes.c_uint64() for _ in range(scratch_pointers)]
-    return (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values]), values
-
-
 def save(key: KernelKey, compiled: Any, root: Path | None = None) -> CachedKernel:
     """Write Triton's ``CompiledKernel`` (from ``triton.compile``) as the entry of ``key``,
     atomically (a reader sees the old entry or the new one). FlashBootError when the kernel needs
@@ -220,6 +211,8 @@ class CubinLauncher:
         self.cached = cached
         self._functions: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._types = [ctypes.c_uint64 if t.startswith("*") else _CTYPES[t] for _, t in cached.params]
+        self._types += [ctypes.c_uint64] * cached.scratch_pointers
 
     def function(self, device: int) -> int:
         """The kernel's ``CUfunction`` in device ``device``'s primary context (loaded once)."""
@@ -241,10 +234,8 @@ class CubinLauncher:
         if len(args) != len(self.cached.params):
             raise FlashBootError(f"{self.cached.key.kernel}: {len(args)} arguments for its {len(self.cached.params)} "
                                  f"parameters {[n for n, _ in self.cached.params]}")
-        params, values = param_values(self.cached.params, self.cached.scratch_pointers)
-        for value, arg in zip(values, args):
-            value.value = arg
-        return params, values
+        values = [t(a) for t, a in zip(self._types, (*args, *[0] * self.cached.scratch_pointers))]
+        return (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values]), values
 
     def launch(self, grid: tuple[int, ...], args: tuple, *, device: int, stream: int) -> None:
         """Launch on ``grid`` (1-3 dims) with the kernel's non-constexpr ``args`` (pointers as
@@ -260,4 +251,4 @@ class CubinLauncher:
 
 
 __all__ = ["CachedKernel", "CubinLauncher", "KernelKey", "LaunchLayout", "cache_dir", "launch_layout", "load",
-           "param_values", "save", "source_sha256", "triton_version"]
+           "save", "source_sha256", "triton_version"]

@@ -17,7 +17,7 @@ import stat
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from flashboot._json import loads
 from flashboot.errors import ChecksumMismatchError, LayoutError
@@ -26,7 +26,7 @@ from .format import (
     FORMAT_VERSION, IMAGE_FILE, JOB_FILE, JOB_FORMAT_NAME, METADATA_FILE, ChecksumTable, ImageKey, ImageMetadata,
     TensorEntry, _Fields, parse_metadata,
 )
-from .table import TABLE_FILE, sha256_beside, tables_agree
+from .table import TABLE_FILE, run_beside, sha256_beside, tables_agree
 
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -158,7 +158,7 @@ def read_metadata_file(path: str | os.PathLike, rank: int | None = None, *, deco
     rank_dir, job = _resolve(Path(path), rank)
     meta_path, table_path = rank_dir / METADATA_FILE, rank_dir / TABLE_FILE
     if decode:
-        read_json = _MetadataRead(meta_path)
+        meta_nbytes, read_json = _read_and_hash_beside(meta_path)
     else:
         raw = meta_path.read_bytes()
         digest = sha256_beside(raw)  # 6.6 MB for 40,000 tensors: hashed while tensors.bin is read
@@ -171,7 +171,7 @@ def read_metadata_file(path: str | os.PathLike, rank: int | None = None, *, deco
         if table is not None:
             from .table import predecode_table
 
-            decoded = predecode_table(table, str(table_path), read_json.nbytes)
+            decoded = predecode_table(table, str(table_path), meta_nbytes)
         raw, sha = read_json()
     else:
         sha = digest()
@@ -181,37 +181,18 @@ def read_metadata_file(path: str | os.PathLike, rank: int | None = None, *, deco
     return mf
 
 
-class _MetadataRead:
-    """``path``'s bytes and their hex sha256, read and hashed in a thread (``nbytes``: its size
-    when opened); calling it waits (at most :data:`~flashboot.layouts.table.HASH_TIMEOUT_S`)."""
+def _read_and_hash_beside(path: Path) -> tuple[int, Callable[[], tuple[bytes, str]]]:
+    """``path``'s size when opened, and the call that waits for its bytes and their hex sha256,
+    read and hashed in a thread (:func:`~flashboot.layouts.table.run_beside`)."""
+    f = open(path, "rb")  # opened here: a missing file is raised in the caller's thread
+    nbytes = os.fstat(f.fileno()).st_size
 
-    def __init__(self, path: Path):
-        import threading
+    def work() -> tuple[bytes, str]:
+        with f:
+            raw = f.read()
+        return raw, hashlib.sha256(raw).hexdigest()
 
-        self.path = path
-        self._f = open(path, "rb")  # opened here: a missing file is raised by the caller's thread
-        self.nbytes = os.fstat(self._f.fileno()).st_size
-        self._out: list = []
-        self._thread = threading.Thread(target=self._run, name="flashboot-metadata-read", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            with self._f:
-                raw = self._f.read()
-            self._out.append((raw, hashlib.sha256(raw).hexdigest()))
-        except BaseException as exc:  # handed to the caller
-            self._out.append(exc)
-
-    def __call__(self) -> tuple[bytes, str]:
-        from .table import HASH_TIMEOUT_S
-
-        self._thread.join(HASH_TIMEOUT_S)
-        if not self._out:
-            raise LayoutError(f"{self.path}: reading and hashing {self.nbytes:,} bytes took over {HASH_TIMEOUT_S:g} s")
-        if isinstance(self._out[0], BaseException):
-            raise self._out[0]
-        return self._out[0]
+    return nbytes, run_beside(work, f"{path}: reading and hashing {nbytes:,} bytes")
 
 
 def check_metadata_digest(mf: MetadataFile) -> None:

@@ -26,7 +26,7 @@ import json
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -39,6 +39,7 @@ MAGIC = b"FBTENS01"
 TABLE_FORMAT = "flashboot-tensor-table"
 MAX_HEADER_NBYTES = 1 << 16
 _I64 = np.dtype("<i8")
+T = TypeVar("T")
 
 
 def tensors_span(metadata_bytes: bytes) -> tuple[int, int]:
@@ -199,21 +200,28 @@ def sha256_beside(data) -> Callable[[], str]:
     if len(data) < THREAD_HASH_NBYTES:
         digest = hashlib.sha256(data).hexdigest()
         return lambda: digest
+    return run_beside(lambda: hashlib.sha256(data).hexdigest(), f"hashing {len(data):,} bytes")
+
+
+def run_beside(work: Callable[[], T], what: str) -> Callable[[], T]:
+    """Start ``work()`` in a daemon thread (work that releases the GIL: file reads, hashing);
+    returns the call that waits for its result (at most :data:`HASH_TIMEOUT_S`, then LayoutError
+    saying ``what`` took too long) and raises what it raised."""
     out: list = []
 
     def run() -> None:
         try:
-            out.append(hashlib.sha256(data).hexdigest())
+            out.append(work())
         except BaseException as exc:  # handed to the waiter
             out.append(exc)
 
-    thread = threading.Thread(target=run, name="flashboot-sha256", daemon=True)
+    thread = threading.Thread(target=run, name="flashboot-beside", daemon=True)
     thread.start()
 
-    def result() -> str:
+    def result() -> T:
         thread.join(HASH_TIMEOUT_S)
         if not out:
-            raise LayoutError(f"hashing {len(data):,} bytes took over {HASH_TIMEOUT_S:g} s")
+            raise LayoutError(f"{what} took over {HASH_TIMEOUT_S:g} s")
         if isinstance(out[0], BaseException):
             raise out[0]
         return out[0]
@@ -339,4 +347,5 @@ def tables_agree(a: TensorTable, b: TensorTable) -> str | None:
     return None
 
 
-__all__ = ["TABLE_FILE", "DecodedTable", "decode_table", "encode_table", "predecode_table", "tables_agree", "tensors_span"]
+__all__ = ["TABLE_FILE", "DecodedTable", "decode_table", "encode_table", "predecode_table", "run_beside", "tables_agree",
+           "tensors_span"]
