@@ -162,12 +162,13 @@ class _EngineBatch:
     def _issue(self, group, handle: int) -> None:
         drv = self.drv
         if self.method == "cuMemcpyBatchAsync":
-            if handle != 0:
+            if handle != 0 and group[3] > 1:
                 _cuda.check(drv.cuMemcpyBatchAsync(*group, drv.CUstream(handle)),
                             f"cuMemcpyBatchAsync({group[3]} of {self.copies} copies)")
                 return
-            # the driver refuses a batch on the legacy default stream (CUDA_ERROR_INVALID_VALUE):
-            # there the same copies go one by one, in the same stream order
+            # one copy (chunks merged into one run: a refit's or a star's whole image) is a plain
+            # cuMemcpyAsync, the ceiling's own call; and the driver refuses a batch on the legacy
+            # default stream (CUDA_ERROR_INVALID_VALUE): there the copies go one by one, in order
             group = list(zip((int(p) for p in group[0]), (int(p) for p in group[1]), group[2]))
         copy = drv.cuMemcpyAsync
         for d, s, n in group:

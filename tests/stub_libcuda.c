@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 static int generic(void) { return 0; }
 int cuInit(unsigned flags) { return 0; }
@@ -14,6 +15,10 @@ int cuDeviceGet(int *device, int ordinal) { *device = ordinal; return 0; }
 int cuCtxGetDevice(int *device) { *device = 0; return 0; }
 /* STUB_NOT_READY set: no queued work ever completes (a stream blocked for good). */
 int cuEventQuery(void *event) { return getenv("STUB_NOT_READY") ? 600 /* CUDA_ERROR_NOT_READY */ : 0; }
+int cuEventSynchronize(void *event) {
+  while (getenv("STUB_NOT_READY")) pause(); /* blocks for good, as the driver would on such a stream */
+  return 0;
+}
 int cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status) {
   void *p = dlsym(RTLD_DEFAULT, symbol);
   *pfn = p ? p : (void *)generic;

@@ -169,3 +169,48 @@ def test_a_verified_clone_on_a_gpu_imports_no_cupy():
     assert p.returncode == 0, p.stderr[-3000:]
     assert "cupy False" in p.stdout, p.stdout
     assert "'copy stream'" in p.stdout and "copy stream:" not in p.stdout, p.stdout  # the part ran, and did not fail
+
+
+def test_wait_events_wakes_when_the_work_ends_raises_its_error_and_bounds_a_stuck_wait():
+    """wait_events (the clone's wait for plain copies): True once every event has passed, the
+    driver's error raised in the caller, False after the timeout on an event that never passes,
+    and a later wait served by a fresh thread while the stuck one stays blocked."""
+    from flashboot.cuda_streams import wait_events
+    from flashboot.errors import CudaError
+
+    passed, release = [], threading.Event()
+
+    class Ev:
+        def __init__(self, name, block=None, error=None):
+            self.name, self.block, self.error = name, block, error
+
+        def synchronize(self):
+            if self.block is not None:
+                self.block.wait()
+            if self.error is not None:
+                raise self.error
+            passed.append(self.name)
+
+    assert wait_events([Ev("a"), Ev("b")], 5.0) is True and passed == ["a", "b"]
+    with pytest.raises(CudaError, match="device fault"):
+        wait_events([Ev("c", error=CudaError("cuEventSynchronize", 700, "CUDA_ERROR_ILLEGAL_ADDRESS", "device fault"))], 5.0)
+    assert wait_events([Ev("stuck", block=release)], 0.2) is False
+    assert wait_events([Ev("d")], 5.0) is True and passed[-1] == "d"  # not queued behind the stuck one
+    release.set()
+
+
+@pytest.mark.gpu
+def test_wait_events_returns_once_a_real_copy_has_ended():
+    import torch
+
+    from flashboot.cuda_streams import Event, Stream, wait_events
+    from flashboot.movers import create_mover
+
+    a = torch.randint(0, 255, (512 * MiB,), dtype=torch.uint8, device="cuda:0")
+    b = torch.zeros_like(a)
+    torch.cuda.synchronize(0)
+    s, ev = Stream(0), Event(0)
+    create_mover("copy_engine").copy(b, a, stream=s)
+    ev.record(s)
+    assert wait_events([ev], 30.0) is True
+    assert ev.done and torch.equal(a, b)

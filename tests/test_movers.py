@@ -458,7 +458,8 @@ def test_copy_engine_batch_issues_merged_runs_per_stream():
 def test_copy_engine_batch_on_the_legacy_default_stream_goes_copy_by_copy(monkeypatch):
     """The driver refuses cuMemcpyBatchAsync on the legacy default stream (handle 0: what a
     ``stream=None`` run passes) with CUDA_ERROR_INVALID_VALUE: there the same copies go one
-    cuMemcpyAsync each, in order; any other stream gets the one batched call."""
+    cuMemcpyAsync each, in order; any other stream gets the one batched call. A group of one copy
+    (a refit's whole image, its chunks merged) is a plain cuMemcpyAsync on any stream."""
     from flashboot.movers import copy_engine
 
     calls = []
@@ -480,7 +481,9 @@ def test_copy_engine_batch_on_the_legacy_default_stream_goes_copy_by_copy(monkey
     group = ([0x1000, 0x3000], [0x2000, 0x4000], [16, 32], 2, ["attrs"], [0], 1)
     engine._issue(group, 7)
     engine._issue(group, 0)
-    assert calls == [("batch", 2, 7), ("copy", 0x1000, 0x2000, 16, 0), ("copy", 0x3000, 0x4000, 32, 0)]
+    engine._issue(([0x5000], [0x6000], [64], 1, ["attrs"], [0], 1), 7)
+    assert calls == [("batch", 2, 7), ("copy", 0x1000, 0x2000, 16, 0), ("copy", 0x3000, 0x4000, 32, 0),
+                     ("copy", 0x5000, 0x6000, 64, 7)]
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])

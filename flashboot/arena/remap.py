@@ -129,8 +129,9 @@ def replace_backing(arena, staging, timings: dict | None = None) -> float:
     The device's work is waited for first: call it between kernels that read the weights (the
     range is unmapped for the moment of the swap).
 
-    ``timings`` (optional dict) receives where the time went, in ms: ``sync_ms`` (the device
-    wait), ``unmap_ms`` (the old segments, one ``cuMemUnmap`` over the range), ``map_ms`` (the
+    ``timings`` (optional dict) receives where the time went, in ms: ``prepare_ms`` (references
+    to both sets of segments taken and the old exports revoked, before the device wait and not
+    part of the swap's ms: the weights stay mapped meanwhile), ``sync_ms`` (the device wait), ``unmap_ms`` (the old segments, one ``cuMemUnmap`` over the range), ``map_ms`` (the
     new ones, one grant), and ``release_old_ms``: freeing the old segments' memory, done after
     the swap and not part of its ms (nothing maps them any more).
 
@@ -140,16 +141,16 @@ def replace_backing(arena, staging, timings: dict | None = None) -> float:
     """
     _check_pair(arena, staging)
     stats = timings if timings is not None else {}
-    t0 = time.perf_counter()
     cuda = arena.device.is_cuda
     if cuda:
         _cuda.use_device(arena.home_device.index)
-        _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize(before replacing segments)")
-    t_sync = time.perf_counter()
     seg = _CudaSegments(arena) if cuda else _HostSegments()
     where = f"segments of arena {arena.arena_id} (from staging arena {staging.arena_id})"
     before = (lambda i=arena.home_device.index: _cuda.use_device(i)) if cuda else None
     with arena._map_lock:
+        # what the swap needs is gathered before the device wait: the range is unmapped only
+        # from the unmap to the grant, and nothing here touches the weights' mapping
+        t_prep = time.perf_counter()
         new, old = [], []
         try:
             new += [seg.retain(staging, i) for i in range(staging.segments)]
@@ -159,6 +160,9 @@ def replace_backing(arena, staging, timings: dict | None = None) -> float:
                 seg.release(r)
             raise
         arena._revoke_exports()  # descriptors handed out name the old segments
+        t0 = time.perf_counter()
+        if cuda:
+            _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize(before replacing segments)")
         t_unmap = time.perf_counter()
         arena._backing.release()  # unmaps the old segments; their memory lives on through ``old``
         t_map = time.perf_counter()
@@ -184,8 +188,8 @@ def replace_backing(arena, staging, timings: dict | None = None) -> float:
         for r in old:
             seg.release(r)
     t_released = time.perf_counter()
-    stats.update(sync_ms=(t_sync - t0) * 1e3, unmap_ms=(t_map - t_unmap) * 1e3, map_ms=(t_done - t_map) * 1e3,
-                 release_old_ms=(t_released - t_done) * 1e3)
+    stats.update(prepare_ms=(t0 - t_prep) * 1e3, sync_ms=(t_unmap - t0) * 1e3, unmap_ms=(t_map - t_unmap) * 1e3,
+                 map_ms=(t_done - t_map) * 1e3, release_old_ms=(t_released - t_done) * 1e3)
     return (t_done - t0) * 1e3
 
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from .. import _cuda
-from ..cuda_streams import Event, Stream
+from ..cuda_streams import Event, Stream, wait_events
 from ..errors import FlashBootError, WaitTimeoutError
 from ..memory import Device, Span
 from ..schedulers import HOST, Plan, Step
@@ -674,6 +674,19 @@ class _CudaRun:
                 issued[k].extend((u, ev) for u in unit)
                 next_i += 1
             if failure is not None:
+                break
+            if next_i == len(order) and not any(s.waits for k, lst in issued.items() for s, _ in lst[completed[k]:]):
+                # every step left is a plain copy (no flag to wait on): wait for the lanes' last
+                # events in the driver, the GIL released, and wake as they pass, not up to a poll later
+                left = {k: lst for k, lst in issued.items() if completed[k] < len(lst)}
+                if wait_events([lst[-1][1] for lst in left.values()], ex.timeout_s):
+                    for k, lst in left.items():
+                        completed[k] = len(lst)
+                    break
+                k, lst = next(iter(left.items()))
+                s = lst[completed[k]][0]
+                failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,} into {ex._name(s.dst)}) did not end within "
+                           f"{ex.timeout_s:g} s", s, self._awaited_peer(s, self.lane_device[k]), False)
                 break
             progressed = False
             for k, lst in issued.items():

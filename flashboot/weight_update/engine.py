@@ -118,8 +118,9 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     ``clone_connect_ms``, ``clone_exchange_ms`` (map the trainer's arena), ``clone_alloc_ms``,
     ``copy_ms`` (host wall time; ``copy_gpu_ms`` on the device, ``map_during_copy_ms`` of the
     source's segments overlapped with it), ``verify_ms``, ``clone_other_ms``), then
-    ``remap_ms`` (with ``remap_sync_ms``, ``remap_unmap_ms``, ``remap_map_ms``, and
-    ``remap_release_old_ms`` after the swap), ``clone_close_ms`` and ``staging_close_ms``.
+    ``remap_prepare_ms`` (segment references and revoked exports, the weights still mapped),
+    ``remap_ms`` (with ``remap_sync_ms``, ``remap_unmap_ms``, ``remap_map_ms``), and
+    ``remap_release_old_ms`` after the swap, ``clone_close_ms`` and ``staging_close_ms``.
     """
     from ..arena.remap import check_replaceable, replace_backing, staging_for
     from ..flashclone.clone import clone
