@@ -76,8 +76,10 @@ def test_executor_delivers_every_schedule_byte_exact(schedule):
 
 
 def test_executor_batches_the_steps_no_one_waits_on():
-    """Star: every step of a clone reads the seed and no step waits on it -> one batch per lane.
-    Chain: every step either waits or is awaited -> one copy per step, each raising its flag."""
+    """Star: every step of a clone reads the seed and no step waits on it -> one unit per lane,
+    and its steps continue one another, so one copy per lane (what a batch would merge them
+    into). Chain: every step either waits or is awaited -> one copy per step, each raising its flag.
+    A unit whose steps leave gaps is one batch."""
     from flashboot.movers.host import HostMover
 
     class Counting(HostMover):
@@ -105,18 +107,31 @@ def test_executor_batches_the_steps_no_one_waits_on():
             for i in receivers:
                 assert np.array_equal(eps[i].arena.bytes().numpy()[:nbytes], data), (schedule, i)
             if schedule == "star":
-                assert mover.calls == 0 and sorted(mover.batches) == sorted(len(plan.steps_into(i)) for i in receivers)
+                assert mover.batches == [] and mover.calls == len(receivers)
             else:
                 assert mover.batches == [] and mover.calls == len(plan)
         finally:
             _close(eps)
+    plan = build_plan("star", 1, nbytes, CHUNK)
+    eps = _participants(plan, nbytes, data)
+    mover = Counting()
+    try:
+        steps = plan.steps_into(1)
+        gappy = [st for j, st in enumerate(steps) if j != 1]  # the second chunk left out: two runs
+        Executor(plan, eps, [1], mover=mover, steps=gappy).run()
+        got = eps[1].arena.bytes().numpy()
+        for st in gappy:
+            assert np.array_equal(got[st.offset:st.end], data[st.offset:st.end])
+        assert mover.calls == 0 and mover.batches == [len(gappy)]
+    finally:
+        _close(eps)
 
 
 def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
     """A source opened from an export maps its segments on first use: a batchable run of steps
     from it is copied in groups of 1, 2, 4, 4, ... segments (MAP_GROUP_MAX_SEGMENTS), each
-    group's segments mapped just before its copies (so on a GPU the mapping of one group overlaps
-    the copy of the one before); once mapped, one batch."""
+    group's segments mapped just before its copy (so on a GPU the mapping of one group overlaps
+    the copy of the one before); once mapped, one copy."""
     from flashboot.flashclone.executor import MAP_GROUP_MAX_SEGMENTS
     from flashboot.movers.host import HostMover
 
@@ -146,30 +161,25 @@ def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
             eps = {0: Endpoint(0, "seed", source, None), 1: Endpoint(1, "clone", dst, flags)}
             mover = Recording(source, dst)
             Executor(plan, eps, 1, mover=mover).run()
-            assert mover.copies == [(0, seg)]  # the first segment alone, mapped at open
-            assert mover.batches == [(2, 3), (4, 7), (3, 10)]  # (steps, segments mapped): one group ahead, no more
+            # (offset, source bytes mapped): the first segment alone, mapped at open, then groups
+            # of 2, 4 and 3 segments, each one copy (its steps continue one another), each group
+            # mapped just before its copy: one group ahead, no more
+            assert mover.copies == [(0, seg), (seg, 3 * seg), (3 * seg, 7 * seg), (7 * seg, 10 * seg)]
+            assert mover.batches == []
             assert np.array_equal(dst.bytes().numpy(), data)
             dst.bytes().numpy()[:] = 0
-            Executor(plan, eps, 1, mover=mover, epoch=2).run()  # mapped now: the run is one batch
-            assert mover.batches[3:] == [(10, 10)] and len(mover.copies) == 1
+            Executor(plan, eps, 1, mover=mover, epoch=2).run()  # mapped now: the run is one copy
+            assert mover.copies[4:] == [(0, 10 * seg)] and mover.batches == []
             assert np.array_equal(dst.bytes().numpy(), data)
-        # chunks smaller than a segment: one batch per segment, each mapped just before it
+        # chunks smaller than a segment: the same groups of segments, each one copy mapped just before it
         half = build_plan("star", 1, nbytes, seg // 2)
         with Arena.open(owner.export()) as source, Arena.create(nbytes, "cpu", segment_bytes=seg) as dst, \
                 create_flags(half.flag_count(1), "cpu") as flags:
             mover = Recording(source, dst)
-            seen = []
-            real = mover.copy_batch
-
-            def batch(d, src, chunks, **k):
-                seen.append((src.ptr - source.span(0, 1).ptr, source.mapped_nbytes))
-                return real(d, src, chunks, **k)
-
-            mover.copy_batch = batch
             Executor(half, {0: Endpoint(0, "seed", source, None), 1: Endpoint(1, "clone", dst, flags)}, 1,
                      mover=mover).run()
-            assert [n for n, _ in mover.batches] == [2, 4, 8, 6] and mover.copies == []
-            assert seen == [(0, seg), (seg, 3 * seg), (3 * seg, 7 * seg), (7 * seg, 10 * seg)]
+            assert mover.copies == [(0, seg), (seg, 3 * seg), (3 * seg, 7 * seg), (7 * seg, 10 * seg)]
+            assert mover.batches == []
             assert np.array_equal(dst.bytes().numpy(), data)
 
 

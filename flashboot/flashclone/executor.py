@@ -277,6 +277,11 @@ def rewire(plan: Plan, steps: Sequence[Step], lost: int, *, fallback: int | None
 # ============================================================================================
 
 
+def _contiguous(steps: Sequence[Step]) -> bool:
+    """Whether each step starts where the one before it ends (the same offsets at both ends)."""
+    return all(a.end == b.offset for a, b in zip(steps, steps[1:]))
+
+
 class Executor:
     """Runs the steps of ``plan`` whose destination is in ``local``, in this process.
 
@@ -393,7 +398,10 @@ class Executor:
         return units
 
     def _copy_unit(self, unit: Sequence[Step], stream: Any) -> None:
-        """Copy the steps of one unit: one ``mover.copy`` for a single step, batches otherwise."""
+        """Copy the steps of one unit: one ``mover.copy`` for a single step or a run of steps that
+        continue one another (nothing waits between them: a star's or a refit's whole image is
+        one copy, as the copy engine's batch would merge it, without building a batch), batches
+        otherwise."""
         s = unit[0]
         mover = self.h2d_mover if s.kind == "h2d" else self.mover
         dst_arena = self.endpoints[s.dst].arena
@@ -401,13 +409,17 @@ class Executor:
             mover.copy(dst_arena.span(s.offset, s.nbytes), self._source_span(s), stream=stream)
             return
         if s.kind == "h2d":
+            if _contiguous(unit):
+                lo, hi = unit[0].offset, unit[-1].end
+                mover.copy(dst_arena.span(lo, hi - lo), self.host_image.sub(lo, hi - lo), stream=stream)
+                return
             mover.copy_batch(dst_arena.span(), self.host_image, [(u.offset, u.offset, u.nbytes) for u in unit],
                              stream=stream)
             return
         for group in self._mapping_groups(unit):
             lo, hi = min(u.offset for u in group), max(u.end for u in group)
             src = self.endpoints[s.src].arena.span(lo, hi - lo)  # maps the segments this group reads
-            if len(group) == 1:
+            if _contiguous(group):
                 mover.copy(dst_arena.span(lo, hi - lo), src, stream=stream)
             else:
                 mover.copy_batch(dst_arena.span(), src, [(u.offset, u.offset - lo, u.nbytes) for u in group],
@@ -718,7 +730,9 @@ class _CudaRun:
             self._release_and_raise(failure, issued, completed)
         reports = []
         for k, lst in issued.items():
-            ends = [start_ev[k].elapsed_ms(ev) / 1e3 for _, ev in lst]
+            at: dict[int, float] = {}  # one event per unit: asked once
+            ends = [at[id(ev)] if id(ev) in at else at.setdefault(id(ev), start_ev[k].elapsed_ms(ev) / 1e3)
+                    for _, ev in lst]
             reports.append(LaneReport(k[0], k[1], len(lst), sum(s.nbytes for s, _ in lst),
                                       ends[-1] if ends else 0.0, ends))
         return ExecReport(ex.plan.schedule, "cuda", ex.mover.name, ex.epoch, reports, wall)
