@@ -48,6 +48,17 @@ TMA_TUNING: dict[str, Any] = {
 }
 """Defaults of :func:`tma_copy`'s knobs. Measured on H200 (probe): tile 4096 int64, grid = 2 x #SMs: 89 % of d2d copy engine."""
 
+TMA_TABLE_TUNING: dict[str, Any] = {
+    "block_bytes": 65536,
+    "num_warps": 4,
+    "programs_per_sm": 3,
+    "num_stages": 3,
+}
+"""The ``triton_tma`` mover's batches (one launch over a descriptor table): 64 KiB tiles and 3
+programs per SM. H200, 1 GiB in 4 MiB chunks (benchmarks/probes/tma_box.py, 2026-12-02): 0.90x the
+copy engine against 0.88x with the single copy's knobs (32 KiB, 2 per SM); 3 per SM led the sweep
+at every tile size. A mover made with tuning overrides uses them for both."""
+
 BULK_ALIGN = 16
 """The fast paths move 16-byte vectors; pointers congruent mod 16 get a 16-byte-aligned bulk."""
 

@@ -244,11 +244,13 @@ def _table_config(kind: str, elem_bytes: int, align16: bool, block: int, num_war
 
 def table_for(batch, *, kind: str, knobs: dict[str, Any]) -> CopyTable:
     """The :class:`CopyTable` of a validated :class:`~flashboot.movers.batch.ChunkBatch` (tile,
-    warps and stages from the mover's ``knobs``)."""
+    warps and stages from the mover's ``knobs``; programs per SM too for TMA, while the SM table
+    keeps :data:`PROGRAMS_PER_SM`)."""
     require_kernel_memory(batch.dst)
     rows = np.stack([batch.dst.ptr + batch.dst_offsets, batch.src.ptr + batch.src_offsets, batch.nbytes], axis=1)
+    per_sm = knobs["programs_per_sm"] if kind == "tma" else PROGRAMS_PER_SM  # the SM table keeps 2 (its doc)
     return CopyTable(rows, device=batch.dst.device, kind=kind, block_bytes=knobs["block_bytes"],
-                     num_warps=knobs["num_warps"], num_stages=knobs["num_stages"])
+                     num_warps=knobs["num_warps"], num_stages=knobs["num_stages"], programs_per_sm=per_sm)
 
 
 __all__ = ["CopyTable", "copy_table_kernel", "copy_table_tma_kernel", "table_for", "ROW_WORDS"]

@@ -28,11 +28,14 @@ class TritonTMAMover(Mover):
     batched = "one launch over a device-side descriptor table (TMA tiles; 16-byte aligned chunks)"
 
     def __init__(self, **tuning: Any) -> None:
-        """``tuning`` overrides :data:`flashboot.kernels.copy.TMA_TUNING` (block_bytes, num_warps, ...)."""
+        """``tuning`` overrides :data:`flashboot.kernels.copy.TMA_TUNING` (block_bytes, num_warps, ...)
+        for single copies and batches alike; without it, batches use
+        :data:`~flashboot.kernels.copy.TMA_TABLE_TUNING`."""
         super().__init__()
-        from flashboot.kernels.copy import TMA_TUNING, TMACopyLauncher, _knobs
+        from flashboot.kernels.copy import TMA_TABLE_TUNING, TMA_TUNING, TMACopyLauncher, _knobs
 
         self.tuning = _knobs(TMA_TUNING, tuning)
+        self.table_tuning = self.tuning if tuning else dict(TMA_TABLE_TUNING)
         self._launch = TMACopyLauncher(self.tuning)  # built once: an aligned call is the kept runner's launch
 
     @classmethod
@@ -68,7 +71,7 @@ class TritonTMAMover(Mover):
         self._launch(dst, src, nbytes, stream if type(stream) is int else stream_handle(stream))
 
     def _prepare_batch(self, batch: ChunkBatch) -> Any:
-        return prepare_table(batch, "tma", self.tuning)
+        return prepare_table(batch, "tma", self.table_tuning)
 
     def _copy_batch(self, batch: ChunkBatch, stream: Any) -> None:
         batch.prepared.launch(stream_handle(stream))

@@ -218,3 +218,27 @@ def test_tma_table_refuses_an_unaligned_row():
     with pytest.raises(MoverError, match=r"TMA table: row 0 \(dst 0x[0-9a-f]+, src 0x[0-9a-f]+, nbytes 1\) is not "
                                          "16-byte aligned.*use 'triton_sm' or 'copy_engine'"):
         table_for(batch, kind="tma", knobs=kc.TMA_TUNING)
+
+
+def test_tma_tables_take_their_programs_per_sm_and_sm_tables_keep_theirs():
+    """table_for: a TMA table's grid follows its knobs' programs per SM (TMA_TABLE_TUNING's 3 for
+    the mover's batches); the SM table keeps PROGRAMS_PER_SM whatever its knobs say."""
+    from flashboot.kernels.copy_table import PROGRAMS_PER_SM, table_for
+    from flashboot.kernels.views import sm_count
+
+    _, _, _, batch = _table_case("tma", 0, seed=5)
+    sms = sm_count(batch.dst.device.index if batch.dst.device.is_cuda else 0)
+    for per_sm in (1, kc.TMA_TABLE_TUNING["programs_per_sm"]):
+        table = table_for(batch, kind="tma", knobs={**kc.TMA_TABLE_TUNING, **SMALL, "programs_per_sm": per_sm})
+        assert table.grid[0] == min(sms * per_sm, table.n_tiles)
+    sm_table = table_for(batch, kind="sm", knobs={**kc.SM_TUNING, **SMALL, "programs_per_sm": 1})
+    assert sm_table.grid[0] == min(sms * PROGRAMS_PER_SM, sm_table.n_tiles)
+
+
+@pytest.mark.gpu
+def test_tma_mover_batches_take_the_table_knobs_unless_it_is_tuned():
+    from flashboot.movers.triton_tma import TritonTMAMover
+
+    assert TritonTMAMover().table_tuning == kc.TMA_TABLE_TUNING
+    tuned = TritonTMAMover(block_bytes=4096, programs_per_sm=1)
+    assert tuned.table_tuning == tuned.tuning and tuned.tuning["block_bytes"] == 4096
