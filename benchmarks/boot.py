@@ -192,7 +192,8 @@ def _ceiling_ms(staged_file: str, nbytes: int, dev: str, repeats: int = 3) -> fl
 
 
 def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Callable[[str], None],
-                disk_root: Path | None = None, stream: bool = False, end_to_end=(), alone_cache=None) -> dict:
+                disk_root: Path | None = None, stream: bool = False, end_to_end=(), alone_cache=None,
+                e2e_repeats: int = 1) -> dict:
     """Every loader on one checkpoint shape; see the module docstring."""
     import flashboot
     from flashboot.benchmarks.checkpoints import make_checkpoint
@@ -235,7 +236,7 @@ def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Calla
             out["end_to_end"] = run_shape(lambda s: _run_child(s, log), device=device, image=str(img_dir),
                                           shm=str(shm), ceiling_ms=out["ceiling_ms"], w_levels=end_to_end,
                                           log=lambda line: log(f"{spec.name}: end to end: {line}"),
-                                          alone_cache=alone_cache)
+                                          alone_cache=alone_cache, repeats=e2e_repeats)
     finally:
         stop_service(str(img_dir), str(shm))
     if "flashload prepared, pinned here" in loaders:
@@ -294,7 +295,7 @@ def _phases_text(call: dict) -> str:
 
 def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None, root: str | None = None,
         loaders=None, keep: bool = False, specs=(), stream_shapes=("C",), disk_root: str | None = None,
-        end_to_end=(), log: Callable[[str], None] = print) -> dict:
+        end_to_end=(), e2e_repeats: int = 1, log: Callable[[str], None] = print) -> dict:
     """The whole benchmark; returns ``{"device", "scale", "shapes": [...]}``. ``shapes``: names of
     :data:`~flashboot.benchmarks.checkpoints.CHECKPOINTS` (scaled by ``scale``); ``specs``: more
     :class:`~flashboot.benchmarks.checkpoints.CheckpointSpec` objects, used as given;
@@ -325,7 +326,8 @@ def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None,
         for spec, stream in named + [(s, False) for s in specs]:
             results.append(bench_shape(spec, device=dev, root=base, loaders=loaders, log=log,
                                        disk_root=Path(disk_root) if disk_root else None, stream=stream,
-                                       end_to_end=tuple(end_to_end), alone_cache=alone_cache))
+                                       end_to_end=tuple(end_to_end), alone_cache=alone_cache,
+                                       e2e_repeats=e2e_repeats))
             if not keep:
                 for d in base.glob(f"*-{spec.name}"):
                     shutil.rmtree(d, ignore_errors=True)
@@ -399,6 +401,8 @@ def register_bench(sub) -> None:
     p.add_argument("--end-to-end", nargs="*", type=float, default=None, metavar="W_S",
                    help="also time the boot end to end: a fresh process, [prepare], a GIL-bound engine workload of "
                         "W_S seconds, the load (default W: 0 0.25 1)")
+    p.add_argument("--e2e-repeats", type=int, default=1, metavar="N",
+                   help="fresh processes per end-to-end cell, plain and early alternating; the row is the median total")
     p.add_argument("--device", default=None)
     p.add_argument("--keep", action="store_true")
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON ('-' for stdout)")
@@ -411,8 +415,11 @@ def main(args: argparse.Namespace) -> int:
     from flashboot.benchmarks.boot_e2e import W_LEVELS_S
 
     e2e = () if args.end_to_end is None else (tuple(args.end_to_end) or W_LEVELS_S)
+    if args.e2e_repeats < 1:
+        raise FlashBootError(f"--e2e-repeats must be at least 1, got {args.e2e_repeats}")
     out = run(shapes=args.shapes, scale=args.scale, device=args.device, root=args.dir, loaders=args.loaders,
-              keep=args.keep, stream_shapes=args.stream_shapes, disk_root=args.disk_dir, end_to_end=e2e)
+              keep=args.keep, stream_shapes=args.stream_shapes, disk_root=args.disk_dir, end_to_end=e2e,
+              e2e_repeats=args.e2e_repeats)
     print_results(out)
     dump_json(out, args.json)
     ok = all("error" not in r and all(c["verified"] for c in r["calls"]) for s in out["shapes"] for r in s["loaders"])

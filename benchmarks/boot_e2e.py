@@ -117,10 +117,14 @@ def child(spec: dict) -> dict:
 
 
 def run_shape(run_child: Callable[[dict], dict], *, device: str, image: str, shm: str, ceiling_ms: float,
-              w_levels=W_LEVELS_S, log: Callable[[str], None] = print, alone_cache: dict | None = None) -> dict:
+              w_levels=W_LEVELS_S, log: Callable[[str], None] = print, alone_cache: dict | None = None,
+              repeats: int = 1) -> dict:
     """Every cell of one shape while the daemon serves ``image``; returns rows and the rates of W
     measured in the W-alone processes. ``alone_cache``: W alone of an earlier shape of the same run
-    (it does not depend on the image), filled here when empty."""
+    (it does not depend on the image), filled here when empty. ``repeats``: fresh processes per
+    cell, plain and early call alternating; a row is the process of the median total, with
+    every total in ``totals_ms`` (one process's speed varies from the next by up to 25 % on the
+    H200 machine: a difference of a few ms between two single processes says little)."""
     base = {"loader": "end to end", "device": device, "image": image, "shm": shm}
     cache = {} if alone_cache is None else alone_cache
     rows = []
@@ -128,33 +132,48 @@ def run_shape(run_child: Callable[[dict], dict], *, device: str, image: str, shm
         if w_s not in cache:
             cache[w_s] = run_child({**base, "what": "alone", "w_s": w_s}) if w_s else {"w_ms": 0.0}
         alone = cache[w_s]
+        runs: dict[bool, list[dict]] = {False: [], True: []}
+        for _ in range(repeats):
+            for early in (False, True):
+                runs[early].append(run_child({**base, "what": "boot", "w_s": w_s, "early": early}))
         for early in (False, True):
-            res = run_child({**base, "what": "boot", "w_s": w_s, "early": early})
-            row = {"w_s": w_s, "early": early, "w_alone_ms": alone.get("w_ms")}
-            if "error" in res or "error" in alone:
-                row["error"] = res.get("error") or alone.get("error")
-            else:
-                row.update({k: res[k] for k in ("total_ms", "w_ms", "load_ms", "prepare_call_ms", "pass_ms",
-                                                "verified", "steps_per_s", "w_after_ms")})
-                row["x_bound"] = res["total_ms"] / max(alone["w_ms"], ceiling_ms)
-                row["x_bound_same"] = res["total_ms"] / max(res["w_after_ms"], ceiling_ms)
-                rep = res["report"]
-                row["ready_before_load_ms"] = rep["details"].get("ready_before_load_ms")
-                # where the load went (its phases; with the early call, what prepare's thread paid by phase)
-                row["load_phases_ms"] = {k: round(rep.get(f"{k}_ms", 0.0), 2) for k in ("wait", "metadata", "bind", "h2d")}
-                if rep["details"].get("prepared"):
-                    row["prepare_phases_ms"] = {k: round(v, 2) for k, v in rep["details"]["prepared"].items()}
+            row = _row(runs[early], alone, w_s, early, ceiling_ms)
             rows.append(row)
             log(describe(row))
     rates = {w: a["steps_per_s"] for w, a in cache.items() if isinstance(a, dict) and a.get("steps_per_s")}
     return {"steps_per_s": rates, "rows": rows}
 
 
+def _row(results: list[dict], alone: dict, w_s: float, early: bool, ceiling_ms: float) -> dict:
+    """One cell's row from its processes' results: the one of the median total (the lower middle
+    of an even count), or the first error."""
+    row = {"w_s": w_s, "early": early, "w_alone_ms": alone.get("w_ms"), "repeats": len(results)}
+    failed = [r for r in results if "error" in r]
+    if failed or "error" in alone:
+        row["error"] = failed[0]["error"] if failed else alone["error"]
+        return row
+    ranked = sorted(results, key=lambda r: r["total_ms"])
+    res = ranked[(len(ranked) - 1) // 2]
+    row.update({k: res[k] for k in ("total_ms", "w_ms", "load_ms", "prepare_call_ms", "pass_ms", "verified",
+                                    "steps_per_s", "w_after_ms")})
+    row["totals_ms"] = [round(r["total_ms"], 2) for r in results]
+    row["x_bound"] = res["total_ms"] / max(alone["w_ms"], ceiling_ms)
+    row["x_bound_same"] = res["total_ms"] / max(res["w_after_ms"], ceiling_ms)
+    rep = res["report"]
+    row["ready_before_load_ms"] = rep["details"].get("ready_before_load_ms")
+    # where the load went (its phases; with the early call, what prepare's thread paid by phase)
+    row["load_phases_ms"] = {k: round(rep.get(f"{k}_ms", 0.0), 2) for k in ("wait", "metadata", "bind", "h2d")}
+    if rep["details"].get("prepared"):
+        row["prepare_phases_ms"] = {k: round(v, 2) for k, v in rep["details"]["prepared"].items()}
+    return row
+
+
 def describe(row: dict) -> str:
     head = f"W {row['w_s']:g} s, {'early call' if row['early'] else 'plain served'}"
     if "error" in row:
         return f"{head}: FAILED: {row['error']}"
-    return (f"{head}: total {row['total_ms']:.0f} ms ({row['x_bound']:.2f}x max(W alone, bulk)), W "
+    many = f" (median of {row['repeats']}: {row['totals_ms']})" if row.get("repeats", 1) > 1 else ""
+    return (f"{head}: total {row['total_ms']:.0f} ms{many} ({row['x_bound']:.2f}x max(W alone, bulk)), W "
             f"{row['w_ms']:.0f} ms (alone {row['w_alone_ms']:.0f}; {row['w_after_ms']:.0f} in the same process after "
             f"the boot: {row['x_bound_same']:.2f}x), load {row['load_ms']:.1f} ms, then a pass over every tensor "
             f"{row['pass_ms']:.1f} ms; load phases {row.get('load_phases_ms')}"

@@ -71,6 +71,24 @@ def test_bench_boot_end_to_end_times_the_boot_in_fresh_processes(capsys):
     assert boot_e2e.headline(out).startswith("boot end to end (C@0.0001): early call + 0.1 s of engine work")
 
 
+def test_an_end_to_end_cell_of_several_processes_is_the_one_of_the_median_total():
+    from flashboot.benchmarks.boot_e2e import _row
+
+    def res(total):
+        return {"total_ms": total, "w_ms": total - 5, "load_ms": 5.0, "prepare_call_ms": 0.0, "pass_ms": 1.0,
+                "verified": True, "steps_per_s": 1e6, "w_after_ms": 40.0 + total,
+                "report": {"details": {"ready_before_load_ms": total}, "wait_ms": 1.0}}
+
+    alone = {"w_ms": 50.0}
+    row = _row([res(30.0), res(10.0), res(20.0)], alone, 0.25, True, ceiling_ms=25.0)
+    assert row["total_ms"] == 20.0 and row["totals_ms"] == [30.0, 10.0, 20.0] and row["repeats"] == 3
+    assert row["x_bound"] == 20.0 / 50.0 and row["x_bound_same"] == 20.0 / 60.0
+    assert row["ready_before_load_ms"] == 20.0 and row["load_phases_ms"]["wait"] == 1.0
+    assert _row([res(30.0), res(10.0)], alone, 0.25, False, 25.0)["total_ms"] == 10.0  # the lower middle
+    failed = _row([res(10.0), {"error": "the daemon died"}], alone, 0.25, True, 25.0)
+    assert failed["error"] == "the daemon died" and "total_ms" not in failed
+
+
 def test_first_calls_times_a_restart_in_a_fresh_process(tmp_path):
     import flashboot
     from flashboot.benchmarks import first_calls

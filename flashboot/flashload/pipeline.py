@@ -366,17 +366,20 @@ class PreparedLoad:
         from flashboot.layouts.image import read_metadata_file
 
         t = time.perf_counter()
-        # The table decoded while the JSON is read and hashed, before prepare() returns: decoded
-        # after the copy started, shape C's ~20 ms of it ran beside the engine's start-up work (H200,
-        # W = 0.25 s: W took 280 ms against 245 alone); here it delays the copy's start a few ms.
-        self.metadata_file = mf = read_metadata_file(self.image_dir, self.rank, decode=True)
-        self.metadata_sha256 = mf.sha256
         daemon = None  # the preloader's status, read once for both choices
         if self.requested_mode == "auto":
             from .service import service_status
 
             daemon = service_status(self.image_dir, self.shm_dir)
         first = choose_copy_first(self.requested_mode, self.image_dir, self.rank, self.shm_dir, daemon)
+        # A source that copies first needs only the metadata's bytes and digest to start: its table
+        # is decoded while it copies, before prepare() returns (ServedSource.start_prepared). Any
+        # other source needs the metadata parsed first: its table is decoded while the JSON is
+        # read and hashed. Either way before prepare() returns: decoded beside the engine's start-up
+        # work, shape C's ~20 ms of it took more from the engine (H200, W = 0.25 s: W took 280 ms
+        # against 245 alone).
+        self.metadata_file = mf = read_metadata_file(self.image_dir, self.rank, decode=first is None)
+        self.metadata_sha256 = mf.sha256
         if first is not None:
             # the daemon's .ready vouches for these bytes: its copy starts first, the strict read
             # runs beside it (as a plain served load); the job's tp/ep/key are refused before
@@ -598,7 +601,8 @@ def prepare(image_dir, rank: int = 0, device: Any = None, *, mode: str = "auto",
             shm_dir=None, tp: int | None = None, ep: int | None = None, expected_key=None,
             hold_s: float | None = None, stream_buffer_bytes=None, verify: bool | None = None) -> PreparedLoad:
     """Start making rank ``rank`` of ``image_dir`` ready to load onto ``device``; returns once its
-    copy is under way (at most :data:`PREPARE_RETURN_S`; the rest runs in the background).
+    copy is under way and, served, its metadata read while the daemon copies (at most
+    :data:`PREPARE_RETURN_S`; the rest runs in the background).
 
     Call it when the engine starts, before it builds its model, then pass the handle to
     ``flashboot.load(image_dir, rank, device, prepared=handle)``. In the background it reads and
