@@ -458,11 +458,12 @@ def test_engine_log_line_says_how_long_the_weights_waited_for_the_engine(image, 
         assert EngineWeights(plain.tensors, None, plain, "load", plain.report).early_call() == "no early call"
 
 
-def test_the_early_call_hands_the_gil_over_promptly_while_it_works_and_restores_the_interval(image, shm,
+def test_the_early_call_hands_the_gil_over_promptly_while_it_works_and_restores_the_interval(image, shm, daemon,
                                                                                             monkeypatch):
     """Beside an engine's GIL-bound Python every driver call of the prepare thread would wait the
     5 ms switch interval to get the GIL back: the interval is lowered while a prepare works (shared
-    by concurrent prepares) and restored after, and a value the engine set meanwhile is kept."""
+    by concurrent prepares) and restored after (served: once the daemon copies), and a value the
+    engine set meanwhile is kept."""
     import sys
 
     from flashboot.flashload import pipeline as boot
@@ -485,8 +486,21 @@ def test_the_early_call_hands_the_gil_over_promptly_while_it_works_and_restores_
         for h in handles:
             with h.load() as loaded:
                 assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
-        with boot._prompt_gil_handover():
+        # served: the interval is back as soon as the daemon copies (the thread then waits in C),
+        # before the load's views are made
+        served = flashboot.prepare(image, 0, "cpu", mode="served", shm_dir=shm)
+        assert served._issued.wait(60) and sys.getswitchinterval() == 0.005
+        with served.load() as loaded:
+            assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
+        with boot._PromptHandover():
             sys.setswitchinterval(0.002)  # the engine's own choice, made meanwhile, stays
         assert sys.getswitchinterval() == 0.002
+        sys.setswitchinterval(0.005)
+        with boot._PromptHandover() as early:
+            assert sys.getswitchinterval() == boot.PREPARE_SWITCH_INTERVAL_S
+            early.release()  # the thread only waits in C from here: the interval is back at once
+            assert sys.getswitchinterval() == 0.005
+            early.release()  # idempotent; the exit does not release twice either
+        assert sys.getswitchinterval() == 0.005
     finally:
         sys.setswitchinterval(before)

@@ -45,7 +45,6 @@ the image was re-packed (the bytes copied early are then discarded with the aren
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import sys
 import threading
@@ -247,29 +246,43 @@ _handover_users = 0
 _handover_saved: tuple[float, float] | None = None  # (the interval before, the one we set)
 
 
-@contextlib.contextmanager
-def _prompt_gil_handover():
-    """Lower the switch interval to :data:`PREPARE_SWITCH_INTERVAL_S` for the duration (shared by
-    concurrent prepares: the last one out restores the interval it found, unless someone else has
-    changed it meanwhile)."""
-    global _handover_users, _handover_saved
-    with _handover_lock:
-        if _handover_users == 0:
-            before = sys.getswitchinterval()
-            ours = min(before, PREPARE_SWITCH_INTERVAL_S)
-            sys.setswitchinterval(ours)
-            _handover_saved = (before, ours)
-        _handover_users += 1
-    try:
-        yield
-    finally:
+class _PromptHandover:
+    """Lowers the switch interval to :data:`PREPARE_SWITCH_INTERVAL_S` from entry until
+    :meth:`release` or exit, whichever comes first (shared by concurrent prepares: the last one
+    out restores the interval it found, unless someone else has changed it meanwhile). A prepare
+    releases it as soon as its thread only waits in C (served: once the daemon copies), so the
+    load's own threads (the views) run at the interval the engine chose."""
+
+    def __init__(self):
+        self._held = False
+
+    def __enter__(self) -> "_PromptHandover":
+        global _handover_users, _handover_saved
         with _handover_lock:
+            if _handover_users == 0:
+                before = sys.getswitchinterval()
+                ours = min(before, PREPARE_SWITCH_INTERVAL_S)
+                sys.setswitchinterval(ours)
+                _handover_saved = (before, ours)
+            _handover_users += 1
+            self._held = True
+        return self
+
+    def release(self) -> None:
+        global _handover_users, _handover_saved
+        with _handover_lock:
+            if not self._held:
+                return
+            self._held = False
             _handover_users -= 1
             if _handover_users == 0 and _handover_saved is not None:
                 before, ours = _handover_saved
                 if sys.getswitchinterval() == ours:
                     sys.setswitchinterval(before)
                 _handover_saved = None
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def _file_identity(path: Path) -> tuple[int, int, int]:
@@ -324,6 +337,7 @@ class PreparedLoad:
         self._claim = threading.Lock()
         self._claimed_by: str | None = None
         self._closed = False
+        self._handover = _PromptHandover()
         self.started = time.perf_counter()
         self.finished: float | None = None
         _live.add(self)
@@ -333,7 +347,7 @@ class PreparedLoad:
     # ---- the background work -----------------------------------------------------------------
     def _run(self) -> None:
         try:
-            with _prompt_gil_handover():
+            with self._handover:
                 self._prepare()
         except BaseException as exc:  # handed to whoever waits
             self._error = exc
@@ -348,9 +362,13 @@ class PreparedLoad:
                 self._release()
             self._done.set()
 
-    def copy_issued(self) -> None:
+    def copy_issued(self, *, waits_in_c: bool = False) -> None:
         """Called by the source once its copy runs without this process's Python (the daemon
-        copies, the pin or the reads are under way): :func:`prepare` returns then."""
+        copies, the pin or the reads are under way): :func:`prepare` returns then.
+        ``waits_in_c``: from here the thread only waits in C (the daemon's reply), so the
+        lowered switch interval (:class:`_PromptHandover`) is restored now, not when it ends."""
+        if waits_in_c:
+            self._handover.release()
         self._issued.set()
 
     def phase(self, name: str, t0: float) -> float:
@@ -372,13 +390,12 @@ class PreparedLoad:
 
             daemon = service_status(self.image_dir, self.shm_dir)
         first = choose_copy_first(self.requested_mode, self.image_dir, self.rank, self.shm_dir, daemon)
-        # A source that copies first needs only the metadata's bytes and digest to start: its table
-        # is decoded while it copies, before prepare() returns (ServedSource.start_prepared). Any
-        # other source needs the metadata parsed first: its table is decoded while the JSON is
-        # read and hashed. Either way before prepare() returns: decoded beside the engine's start-up
-        # work, shape C's ~20 ms of it took more from the engine (H200, W = 0.25 s: W took 280 ms
-        # against 245 alone).
-        self.metadata_file = mf = read_metadata_file(self.image_dir, self.rank, decode=first is None)
+        # The table decoded while the JSON is read and hashed, before prepare() returns: decoded
+        # after the copy started, shape C's ~20 ms of it ran beside the engine's start-up work (H200,
+        # W = 0.25 s: W took 280 ms against 245 alone). Decoded after the daemon's copy started and
+        # before prepare() returned, it is no longer beside the hash: prepare() blocked ~10 ms longer
+        # (B: 26 against 16.6 ms) and C's boot at W = 0 was ~8 ms slower (2026-12-02 02:09).
+        self.metadata_file = mf = read_metadata_file(self.image_dir, self.rank, decode=True)
         self.metadata_sha256 = mf.sha256
         if first is not None:
             # the daemon's .ready vouches for these bytes: its copy starts first, the strict read

@@ -131,18 +131,16 @@ class ServedSource(Source):
                                            timeout_s=handle.timeout_s, shm_dir=handle.shm_dir, verify=handle.verify)
         t_copy = handle.phase("attach", t)
         try:
-            # The strict read (the table decoded, the metadata validated) runs while the daemon
-            # copies, and prepare() returns after it: before the copy, it delayed the copy's start
-            # by its time (shape C: ~4 ms later than a plain served load); after prepare()
-            # returned, it would run beside the engine's GIL-bound start-up and slow it more than
-            # its own time.
+            # The strict read of the decoded table runs while the daemon copies, and prepare()
+            # returns after it (~2 ms): after prepare() returned, it would run beside the engine's
+            # GIL-bound start-up, where every hand-over of the GIL costs the engine more than it.
             handle.open_metadata(ready.nbytes)
             handle.phase("metadata", t_copy)
         except BaseException:
             handle.session.settle()  # the daemon may still write into it
             raise
         finally:
-            handle.copy_issued()  # prepare() returns: the daemon copies, the metadata is read
+            handle.copy_issued(waits_in_c=True)  # prepare() returns; the thread waits for the daemon's reply
         reply = handle.session.wait()
         handle.phases_ms["daemon_map"] = float(reply.get("map_ms", 0.0))
         handle.copy = {"h2d_ms": reply["h2d_ms"], "reply": reply}
