@@ -65,7 +65,8 @@ import flashboot.flashclone.executor as executor
 from flashboot.flashclone.executor import Endpoint, Executor, StepFailure
 from flashboot.schedulers import build_plan
 
-executor.DRAIN_TIMEOUT_S = 1.0
+import flashboot.flashclone.lanes as lanes
+lanes.DRAIN_TIMEOUT_S = 1.0
 for schedule in ("chain", "star"):
     plan = build_plan(schedule, 3, 64 << 20, 4 << 20)
     eps = {0: Endpoint(0, "seed", FakeArena(1 << 40, 64 << 20))}
