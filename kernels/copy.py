@@ -56,8 +56,10 @@ TMA_TABLE_TUNING: dict[str, Any] = {
 }
 """The ``triton_tma`` mover's batches (one launch over a descriptor table): 64 KiB tiles and 3
 programs per SM. H200, 1 GiB in 4 MiB chunks (benchmarks/probes/tma_box.py, 2026-12-02): 0.90x the
-copy engine against 0.88x with the single copy's knobs (32 KiB, 2 per SM); 3 per SM led the sweep
-at every tile size. A mover made with tuning overrides uses them for both."""
+copy engine against 0.88x with the single copy's knobs (32 KiB, 2 per SM) in the same process; 3
+per SM led the sweep at every tile size. ``bench movers --chunked`` in another run measured 0.891x
+(0.893x with the old knobs in an earlier one): no gain shown beyond the runs' noise.
+A mover made with tuning overrides uses them for both."""
 
 BULK_ALIGN = 16
 """The fast paths move 16-byte vectors; pointers congruent mod 16 get a 16-byte-aligned bulk."""
