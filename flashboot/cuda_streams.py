@@ -12,8 +12,6 @@ wherever FlashBoot takes a stream (:func:`flashboot.memory.stream_handle` reads 
 
 from __future__ import annotations
 
-import os
-import queue
 import threading
 import weakref
 from typing import Any, Sequence
@@ -111,46 +109,25 @@ def wait_event(stream: Any, event: Event) -> None:
                 f"cuStreamWaitEvent(cuda:{event.device_index})")
 
 
-class _Waiter:
-    """One daemon thread per process that blocks in ``cuEventSynchronize`` for
-    :func:`wait_events`, so the caller can wait with a timeout and wake when the work ends, not
-    up to a poll later."""
-
-    def __init__(self):
-        self.pid = os.getpid()
-        self.requests: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="flashboot-event-waiter", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            events, done, failure = self.requests.get()
-            try:
-                for ev in events:
-                    ev.synchronize()
-            except BaseException as exc:  # handed to the waiting caller, who raises it
-                failure.append(exc)
-            done.set()
-
-
-_waiter: _Waiter | None = None
-_waiter_lock = threading.Lock()
-
-
 def wait_events(events: Sequence[Event], timeout_s: float) -> bool:
     """Wait until every event's captured work has run, for at most ``timeout_s``: True when it
     has (the driver's error, a device fault, raised as CudaError), False on the timeout. The
-    wait costs no Python meanwhile: a thread blocks in the driver with the GIL released and wakes
-    the caller as the last event passes. After a timeout that thread stays blocked in the
-    driver on those events (the caller releases the stuck streams); later waits get a new one."""
-    global _waiter
-    with _waiter_lock:
-        if _waiter is None or _waiter.pid != os.getpid() or getattr(_waiter, "stuck", False):
-            _waiter = _Waiter()  # none yet, inherited over a fork (its thread is not in this process), or stuck
-        waiter = _waiter
+    wait costs no Python meanwhile: a thread of its own blocks in ``cuEventSynchronize`` with the
+    GIL released and wakes the caller as the last event passes (a poll would notice it up to a
+    period later). After a timeout that thread stays blocked in the driver until the events pass
+    (the caller releases the stuck streams); it is a daemon thread and holds nothing else."""
     done, failure = threading.Event(), []
-    waiter.requests.put((list(events), done, failure))
+
+    def wait() -> None:
+        try:
+            for ev in events:
+                ev.synchronize()
+        except BaseException as exc:  # handed to the waiting caller, who raises it
+            failure.append(exc)
+        done.set()
+
+    threading.Thread(target=wait, name="flashboot-event-wait", daemon=True).start()
     if not done.wait(timeout_s):
-        waiter.stuck = True
         return False
     if failure:
         raise failure[0]

@@ -174,7 +174,7 @@ def test_a_verified_clone_on_a_gpu_imports_no_cupy():
 def test_wait_events_wakes_when_the_work_ends_raises_its_error_and_bounds_a_stuck_wait():
     """wait_events (the clone's wait for plain copies): True once every event has passed, the
     driver's error raised in the caller, False after the timeout on an event that never passes,
-    and a later wait served by a fresh thread while the stuck one stays blocked."""
+    and a later wait not held up by the stuck one."""
     from flashboot.cuda_streams import wait_events
     from flashboot.errors import CudaError
 
@@ -195,7 +195,7 @@ def test_wait_events_wakes_when_the_work_ends_raises_its_error_and_bounds_a_stuc
     with pytest.raises(CudaError, match="device fault"):
         wait_events([Ev("c", error=CudaError("cuEventSynchronize", 700, "CUDA_ERROR_ILLEGAL_ADDRESS", "device fault"))], 5.0)
     assert wait_events([Ev("stuck", block=release)], 0.2) is False
-    assert wait_events([Ev("d")], 5.0) is True and passed[-1] == "d"  # not queued behind the stuck one
+    assert wait_events([Ev("d")], 5.0) is True and passed[-1] == "d"  # its own thread: not behind the stuck one
     release.set()
 
 
