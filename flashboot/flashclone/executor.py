@@ -13,7 +13,8 @@ dependent step waits for ``flags[p][f] >= epoch``. Epochs let one flags arena se
   mover (``copy_engine`` by default), ``cuStreamWriteValue32(flag, epoch)`` after it. The host
   thread only watches: it polls one event per step with a deadline and the source processes'
   liveness; once every step left is a plain copy (no flag to wait on), it waits for their end in
-  the driver instead (:func:`~flashboot.cuda_streams.wait_events`, bounded by the same deadline). On a stall or a dead source it releases the blocked streams by writing the awaited
+  the driver instead (:func:`~flashboot.cuda_streams.wait_events`, bounded by the same deadline).
+  On a stall or a dead source it releases the blocked streams by writing the awaited
   flags from a side stream (so nothing hangs), drains them, and raises :class:`StepFailure`
   naming the step and the peer; steps whose waits were released (their bytes are not trusted)
   are left out of ``StepFailure.valid_steps``.
