@@ -60,13 +60,14 @@ print("cupy", "cupy" in sys.modules)
 """
 
 _EXECUTOR = _PRELUDE + """
-import os
-import flashboot.flashclone.executor as executor
+import threading
+import time
+import flashboot.flashclone.lanes as lanes
 from flashboot.flashclone.executor import Endpoint, Executor, StepFailure
 from flashboot.schedulers import build_plan
 
-import flashboot.flashclone.lanes as lanes
 lanes.DRAIN_TIMEOUT_S = 1.0
+threads_before = threading.active_count()
 for schedule in ("chain", "star"):
     plan = build_plan(schedule, 3, 64 << 20, 4 << 20)
     eps = {0: Endpoint(0, "seed", FakeArena(1 << 40, 64 << 20))}
@@ -78,6 +79,8 @@ for schedule in ("chain", "star"):
         print(schedule, "ran", rep.backend, rep.mover, sum(l.steps for l in rep.lanes), "of", len(plan))
     except StepFailure as e:
         print(schedule, "failed", e.step.id, e.released, "|", str(e))
+time.sleep(0.2)  # a finished wait's thread has returned; a stuck one stays blocked in the driver
+print("threads left", threading.active_count() - threads_before)
 print("cupy", "cupy" in sys.modules)
 """
 
@@ -113,6 +116,7 @@ def test_copy_engine_batches_and_warmup_run_through_the_driver_without_cupy(stub
 def test_executor_runs_every_step_on_driver_streams_without_cupy(stub_driver):
     out = _run(_EXECUTOR, stub_driver)
     assert "chain ran cuda copy_engine 48 of 48" in out and "star ran cuda copy_engine 48 of 48" in out
+    assert "threads left 0" in out  # each end-of-copy wait's thread is gone once the run returns
     assert "cupy False" in out
 
 
@@ -124,4 +128,5 @@ def test_executor_releases_and_names_a_stream_that_never_completes(stub_driver):
         line = next(x for x in out.splitlines() if x.startswith(f"{schedule} failed"))
         assert f"step 0 (bytes 0..4,194,304 into clone0) {why}" in line
         assert "did not drain within 1 s" in line  # the release was tried, and the drain bounded
+    assert "threads left 1" in out  # the star's stuck wait, blocked in the driver (as documented)
     assert "cupy False" in out
