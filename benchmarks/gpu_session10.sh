@@ -8,17 +8,7 @@
 #   - bench movers --chunked's per-call cost with spans (never run on an H200).
 # The device returns the last 12,000 characters and few files: key lines go to $OUT/summary.txt.
 # Usage (repo root, GPU machine): OUT=/some/dir bash benchmarks/gpu_session10.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-S="$OUT/summary.txt"
-say() { echo "$*" | tee -a "$S"; }
-T0=$(date +%s)
-left() { local l=$(( ${BUDGET_S:-560} - ($(date +%s) - T0) )); [ "$l" -lt 10 ] && l=10; [ "$1" -lt "$l" ] && l=$1; echo "$l"; }
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 \
-  || { tail -20 /tmp/install.log; exit 1; }
-timeout 120 flashboot warm --device cuda:0 >/tmp/warm.log 2>&1
-say "=== warm rc=$? :: $(head -1 /tmp/warm.log) ($(date +%T)) commit $(git rev-parse --short HEAD 2>/dev/null)"
+source "$(dirname "$0")/gpu_prelude.sh"
 
 say "=== 1. GPU tests ($(date +%T))"
 timeout "$(left 110)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_streams.py tests/test_clone_gpu.py \
@@ -29,21 +19,7 @@ say "tests rc=$? :: $(tail -1 /tmp/tests.log)"; grep -E "^(FAILED|ERROR)" /tmp/t
 say "=== 2. bench refit A ($(date +%T))"
 timeout "$(left 110)" flashboot bench refit --checkpoint A --repeats 3 --json "$OUT/refit_A.json" >/tmp/refit.log 2>&1
 say "bench refit rc=$?"
-OUT="$OUT" python3 - <<'PY' 2>&1 | tee -a "$S"
-import json, os
-try:
-    r = json.load(open(os.path.join(os.environ["OUT"], "refit_A.json")))["refit"][0]
-except Exception as exc:
-    print("no refit result:", exc); raise SystemExit
-print(f"D2D ceiling {r['d2d_ceiling_ms']} ms, {r['d2d_ceiling_gbps']:.0f} GB/s; pack kernel {r['pack_kernel_vs_d2d']:.3f}x")
-for mode in ("atomic", "in_place"):
-    m = r[f"refit_{mode}"]
-    b = m["breakdown"]
-    print(f"{mode}: copy {m['copy_ms']:.3f} ms = {m['copy_vs_d2d']:.3f}x (gpu {b.get('copy_gpu_ms', 0):.3f} ms), "
-          f"remap {m['remap_ms']:.3f} ms, verify {m['verify_ms']:.2f}, total {m['total_ms']:.1f}, first {m['first']}")
-    print("   ", {k: round(v, 3) for k, v in b.items() if k.startswith("remap") or k in ("clone_other_ms", "map_during_copy_ms")})
-print("speed-up", r.get("speedup_vs_baseline"))
-PY
+refit_summary
 
 say "=== 3. TMA 2-D boxes probe ($(date +%T))"
 timeout "$(left 150)" python3 benchmarks/probes/tma_box.py >"$OUT/tma_box.jsonl" 2>/tmp/tma_box.err

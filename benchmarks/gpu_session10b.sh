@@ -6,17 +6,7 @@
 # engine-like clone (issue 19: ready + verify, transfer vs D2D), and the TMA tables' sweep
 # (benchmarks/probes/tma_box.py, run 2). Key lines go to $OUT/summary.txt.
 # Usage (repo root, GPU machine): OUT=/some/dir bash benchmarks/gpu_session10b.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-S="$OUT/summary.txt"
-say() { echo "$*" | tee -a "$S"; }
-T0=$(date +%s)
-left() { local l=$(( ${BUDGET_S:-560} - ($(date +%s) - T0) )); [ "$l" -lt 10 ] && l=10; [ "$1" -lt "$l" ] && l=$1; echo "$l"; }
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 \
-  || { tail -20 /tmp/install.log; exit 1; }
-timeout 120 flashboot warm --device cuda:0 >/tmp/warm.log 2>&1
-say "=== warm rc=$? :: $(head -1 /tmp/warm.log) ($(date +%T))"
+source "$(dirname "$0")/gpu_prelude.sh"
 
 say "=== 1. GPU tests ($(date +%T))"
 timeout "$(left 100)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_streams.py tests/test_clone_gpu.py \
@@ -26,8 +16,7 @@ say "tests rc=$? :: $(tail -1 /tmp/tests.log)"; grep -E "^(FAILED|ERROR)" /tmp/t
 say "=== 2. bench refit A ($(date +%T))"
 timeout "$(left 110)" flashboot bench refit --checkpoint A --repeats 3 --json "$OUT/refit_A.json" >/tmp/refit.log 2>&1
 say "bench refit rc=$?"
-sed -n '/^OUT="\$OUT" python3 - <<.PY. 2>&1 | tee -a "\$S"$/,/^PY$/p' benchmarks/gpu_session10.sh | sed '1d;$d' >/tmp/refit_summary.py
-OUT="$OUT" python3 /tmp/refit_summary.py 2>&1 | tee -a "$S"
+refit_summary
 
 say "=== 3. the engine-like clone ($(date +%T))"
 mkdir -p /tmp/cb

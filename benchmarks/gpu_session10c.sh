@@ -6,17 +6,8 @@
 # GPU tests, bench movers --chunked, and bench boot --shapes A C B end to end at W = 0, 0.25, 1 s,
 # 2 processes per cell (A first: its W > 0 cells were not measured on the eighth session's code).
 # Usage (repo root, GPU machine): OUT=/some/dir bash benchmarks/gpu_session10c.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-S="$OUT/summary.txt"
-say() { echo "$*" | tee -a "$S"; }
-T0=$(date +%s)
-left() { local l=$(( ${BUDGET_S:-565} - ($(date +%s) - T0) )); [ "$l" -lt 10 ] && l=10; [ "$1" -lt "$l" ] && l=$1; echo "$l"; }
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 \
-  || { tail -20 /tmp/install.log; exit 1; }
-timeout 120 flashboot warm --device cuda:0 >/tmp/warm.log 2>&1
-say "=== warm rc=$? :: $(head -1 /tmp/warm.log) ($(date +%T))"
+BUDGET_S=${BUDGET_S:-565}
+source "$(dirname "$0")/gpu_prelude.sh"
 
 say "=== 1. GPU tests ($(date +%T))"
 timeout "$(left 75)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_boot.py tests/test_load.py \

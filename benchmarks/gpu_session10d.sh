@@ -7,17 +7,7 @@
 # Measured: the GPU tests of boot and load, then bench boot --shapes C B A end to end at W = 0 and
 # 0.25 s, 3 fresh processes per cell (the median reported, every total listed).
 # Usage (repo root, GPU machine): OUT=/some/dir bash benchmarks/gpu_session10d.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-S="$OUT/summary.txt"
-say() { echo "$*" | tee -a "$S"; }
-T0=$(date +%s)
-left() { local l=$(( ${BUDGET_S:-560} - ($(date +%s) - T0) )); [ "$l" -lt 10 ] && l=10; [ "$1" -lt "$l" ] && l=$1; echo "$l"; }
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 \
-  || { tail -20 /tmp/install.log; exit 1; }
-timeout 120 flashboot warm --device cuda:0 >/tmp/warm.log 2>&1
-say "=== warm rc=$? :: $(head -1 /tmp/warm.log) ($(date +%T))"
+source "$(dirname "$0")/gpu_prelude.sh"
 
 say "=== 1. GPU tests ($(date +%T))"
 timeout "$(left 60)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_boot.py tests/test_load.py >/tmp/tests.log 2>&1

@@ -8,17 +8,10 @@
 #   4. with two GPUs (nvidia-h200-x2): bench refit --peer cuda:1 on A (issue 18's P2P row) and
 #      bench movers --chunked's two-GPU chain (issue 20).
 # Usage (repo root, GPU machine): OUT=/some/dir bash benchmarks/gpu_session9.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-S="$OUT/summary.txt"
-say() { echo "$*" | tee -a "$S"; }
-T0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 \
-  || { tail -20 /tmp/install.log; exit 1; }
-timeout 120 flashboot warm --device cuda:0 >/tmp/warm.log 2>&1
+BUDGET_S=${BUDGET_S:-540}
+source "$(dirname "$0")/gpu_prelude.sh"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-say "=== warm rc=$? :: $(head -1 /tmp/warm.log); GPUs: $NGPU ($(date +%T))"
+say "GPUs: $NGPU"
 
 say "=== 1. checkpoint C's copy-engine pack batch ($(date +%T))"
 timeout 100 python3 benchmarks/probes/batch_copy.py C 2>&1 | tail -6 | cut -c1-2000 | tee -a "$S"
@@ -38,8 +31,7 @@ rm -rf "$ROOT"
 
 if [ "$NGPU" -ge 2 ]; then
   say "=== 4. two GPUs: refit from cuda:1 ($(date +%T))"
-  left=$(( 540 - ($(date +%s) - T0) )); [ "$left" -lt 30 ] && left=30
-  timeout "$left" flashboot bench refit --checkpoint A --repeats 3 --peer cuda:1 --json "$OUT/refit_p2p.json" \
+  timeout "$(left 540)" flashboot bench refit --checkpoint A --repeats 3 --peer cuda:1 --json "$OUT/refit_p2p.json" \
     >/tmp/refit_p2p.log 2>&1
   say "bench refit --peer rc=$?"; grep -iE "p2p|peer|ceiling" /tmp/refit_p2p.log | head -8 | tee -a "$S"
 fi

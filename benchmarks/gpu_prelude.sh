@@ -1,0 +1,39 @@
+# Sourced by the benchmarks/gpu_session*.sh scripts (repo root, on the GPU machine), one device
+# call each. The device returns only the last 12,000 characters of output and a few files, so each
+# step's key lines go to $OUT/summary.txt through `say`.
+# Sets OUT (default /tmp/out), S (the summary) and T0; defines
+#   say LINE...      the line to stdout and the summary;
+#   left N           N, or the seconds left of the call's BUDGET_S if fewer (at least 10): a step's timeout;
+#   refit_summary    bench refit's $OUT/refit_A.json in a few lines (ceiling, copies, remap, breakdown).
+# Installs the checkout; unless WARM=0, writes FlashBoot's bytecode and caches first (`flashboot warm`).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+S="$OUT/summary.txt"
+BUDGET_S=${BUDGET_S:-560}
+T0=$(date +%s)
+say() { echo "$*" | tee -a "$S"; }
+left() { local l=$(( BUDGET_S - ($(date +%s) - T0) )); [ "$l" -lt 10 ] && l=10; [ "$1" -lt "$l" ] && l=$1; echo "$l"; }
+refit_summary() {
+  OUT="$OUT" python3 - <<'PY' 2>&1 | tee -a "$S"
+import json, os
+try:
+    r = json.load(open(os.path.join(os.environ["OUT"], "refit_A.json")))["refit"][0]
+except Exception as exc:
+    print("no refit result:", exc); raise SystemExit
+print(f"D2D ceiling {r['d2d_ceiling_ms']} ms, {r['d2d_ceiling_gbps']:.0f} GB/s; pack kernel {r['pack_kernel_vs_d2d']:.3f}x")
+for mode in ("atomic", "in_place"):
+    m = r[f"refit_{mode}"]
+    b = m["breakdown"]
+    print(f"{mode}: copy {m['copy_ms']:.3f} ms = {m['copy_vs_d2d']:.3f}x (gpu {b.get('copy_gpu_ms', 0):.3f} ms), "
+          f"remap {m['remap_ms']:.3f} ms, verify {m['verify_ms']:.2f}, total {m['total_ms']:.1f}, first {m['first']}")
+    print("   ", {k: round(v, 3) for k, v in b.items() if k.startswith("remap") or k in ("clone_other_ms", "map_during_copy_ms")})
+print("speed-up", r.get("speedup_vs_baseline"))
+PY
+}
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 \
+  || { tail -20 /tmp/install.log; exit 1; }
+if [ "${WARM:-1}" = 1 ]; then
+  timeout 120 flashboot warm --device cuda:0 >/tmp/warm.log 2>&1
+  say "=== warm rc=$? :: $(head -1 /tmp/warm.log) ($(date +%T))"
+fi
