@@ -131,9 +131,10 @@ def replace_backing(arena, staging, timings: dict | None = None) -> float:
 
     ``timings`` (optional dict) receives where the time went, in ms: ``prepare_ms`` (references
     to both sets of segments taken and the old exports revoked, before the device wait and not
-    part of the swap's ms: the weights stay mapped meanwhile), ``sync_ms`` (the device wait), ``unmap_ms`` (the old segments, one ``cuMemUnmap`` over the range), ``map_ms`` (the
-    new ones, one grant), and ``release_old_ms``: freeing the old segments' memory, done after
-    the swap and not part of its ms (nothing maps them any more).
+    part of the swap's ms: the weights stay mapped meanwhile), ``sync_ms`` (the device wait),
+    ``unmap_ms`` (the old segments, one ``cuMemUnmap`` over the range), ``map_ms`` (the new
+    ones, one grant), and ``release_old_ms``: freeing the old segments' memory, done after the
+    swap and not part of its ms (nothing maps them any more).
 
     On failure the old segments are mapped back (ArenaError or CudaError from the step that
     failed, the arena unchanged); ArenaError before anything moves for an importer, an asleep or

@@ -8,7 +8,6 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Callable
 
 from ..errors import (
     FlashBootError,
@@ -252,15 +251,14 @@ first batch, and the daemon copies it while the next ones are exported (30 ms of
 
 
 def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
-                shm_dir=None, started: Callable[[], None] | None = None, **extra) -> tuple[socket.socket, Path]:
+                shm_dir=None, **extra) -> tuple[socket.socket, Path]:
     """Connect to the daemon for ``image_dir`` (waiting up to ``timeout_s`` for its socket) and send
     a load of rank ``rank`` with ``arena``'s descriptor and its fds attached; returns the socket.
 
     A ``load`` of more than one batch (:data:`STREAM_BATCH_BYTES`) sends the fds of the first batch
     with the request (``fds_follow``) and the others as they are exported; if an export fails
     meanwhile, the daemon is told (the socket's write side shut) and its answer awaited, so it
-    no longer copies into the arena when the error reaches the caller. ``started``: called once
-    the request went out (the daemon copies from then on), before the later batches."""
+    no longer copies into the arena when the error reaches the caller."""
     from ..fdshare import send_fds
 
     segments = arena.segments
@@ -288,8 +286,6 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
         if isinstance(exc, OSError):
             raise _went_away(path, rank, exc) from None
         raise
-    if started is not None:
-        started()
     if streamed:
         try:
             for lo in range(per, segments, per):
@@ -323,7 +319,7 @@ def _stop_streamed(sock: socket.socket, path: Path, rank: int, timeout_s: float)
 
 
 def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
-                      shm_dir=None, verify: bool = False, started: Callable[[], None] | None = None) -> ServedCopy:
+                      shm_dir=None, verify: bool = False) -> ServedCopy:
     """Send the daemon for ``image_dir`` a request to copy rank ``rank`` (``nbytes``, staged from
     the metadata with sha256 ``metadata_sha256``) into ``arena``; returns at once.
 
@@ -332,12 +328,9 @@ def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha2
     ``timeout_s``; the reply (:meth:`ServedCopy.wait`) up to ``timeout_s`` (the daemon's
     staging) plus 60 s plus 1 s per GB. ``verify``: the reply carries the chunk digests of the
     copied bytes, computed by the daemon (check them with :func:`check_daemon_digests`).
-    ``started``: called as soon as the request is out, while the arena's later batches are still
-    exported and sent (see :func:`_send_arena`).
     """
     sock, path = _send_arena(arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
-                             metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir, verify=verify,
-                             started=started)
+                             metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir, verify=verify)
     return ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9)
 
 

@@ -384,19 +384,19 @@ class PreparedLoad:
         from flashboot.layouts.image import read_metadata_file
 
         t = time.perf_counter()
+        # The table decoded while the JSON is read and hashed, before prepare() returns: decoded
+        # after the copy started, shape C's ~20 ms of it ran beside the engine's start-up work (H200,
+        # W = 0.25 s: W took 280 ms against 245 alone); here it delays the copy's start a few ms.
+        # (Decoded after the daemon's copy started, not beside the hash, prepare() blocked ~10 ms
+        # longer and C's boot at W = 0 was ~8 ms slower: H200, 2026-12-02.)
+        self.metadata_file = mf = read_metadata_file(self.image_dir, self.rank, decode=True)
+        self.metadata_sha256 = mf.sha256
         daemon = None  # the preloader's status, read once for both choices
         if self.requested_mode == "auto":
             from .service import service_status
 
             daemon = service_status(self.image_dir, self.shm_dir)
         first = choose_copy_first(self.requested_mode, self.image_dir, self.rank, self.shm_dir, daemon)
-        # The table decoded while the JSON is read and hashed, before prepare() returns: decoded
-        # after the copy started, shape C's ~20 ms of it ran beside the engine's start-up work (H200,
-        # W = 0.25 s: W took 280 ms against 245 alone). Decoded after the daemon's copy started and
-        # before prepare() returned, it is no longer beside the hash: prepare() blocked ~10 ms longer
-        # (B: 26 against 16.6 ms) and C's boot at W = 0 was ~8 ms slower (2026-12-02 02:09).
-        self.metadata_file = mf = read_metadata_file(self.image_dir, self.rank, decode=True)
-        self.metadata_sha256 = mf.sha256
         if first is not None:
             # the daemon's .ready vouches for these bytes: its copy starts first, the strict read
             # runs beside it (as a plain served load); the job's tp/ep/key are refused before

@@ -114,8 +114,9 @@ class ServedSource(Source):
         ``.ready`` of these metadata bytes, create the arena of its size and hand it to the
         daemon, which copies at once (the fds of later batches follow while the first ones
         copy, and it maps the segments piece by piece); the strict read of the metadata runs
-        while it copies, before :func:`flashboot.prepare` returns (the load makes the views). A refusal of the metadata waits for the
-        daemon to be done with the arena before it is released."""
+        while it copies, before :func:`flashboot.prepare` returns (the load makes the views). A
+        refusal of the metadata waits for the daemon to be done with the arena before it is
+        released."""
         from ..client import served_ready, start_served_load
 
         mf = handle.metadata_file
