@@ -238,7 +238,7 @@ class CudaRun:
                 # every step left is a plain copy (no flag to wait on): wait for the lanes' last
                 # events in the driver, the GIL released, and wake as they pass, not up to a poll later
                 left = {k: lst for k, lst in issued.items() if completed[k] < len(lst)}
-                if wait_events([lst[-1][1] for lst in left.values()], ex.timeout_s):
+                if not left or wait_events([lst[-1][1] for lst in left.values()], ex.timeout_s):
                     for k, lst in left.items():
                         completed[k] = len(lst)
                     break
