@@ -64,10 +64,16 @@ def test_bench_boot_end_to_end_times_the_boot_in_fresh_processes(capsys):
         assert r["x_bound"] == r["total_ms"] / max(r["w_alone_ms"], shape["ceiling_ms"])
         assert (r["steps_per_s"] > 0) == (r["w_s"] > 0)  # each boot cell calibrated its own W
         assert r["pass_ms"] > 0  # every tensor touched after the load, as an engine's binding does
+        assert r["copy_request_ms"] > 0  # the daemon's request went out that long after the call
+        # W > 0: W ran once more beside a second, bare daemon copy into the loaded arena
+        assert (r.get("w_beside_copy_ms", 0) > 0) == (r["w_s"] > 0)
+    early = cells[(0.1, True)]
+    assert early["w_taken_by_prepare_ms"] == early["w_ms"] - early["w_beside_copy_ms"]
+    assert early["x_bound_beside_copy"] == early["total_ms"] / max(early["w_beside_copy_ms"], shape["ceiling_ms"])
     assert cells[(0.1, True)]["w_alone_ms"] > 0 and cells[(0.0, True)]["w_alone_ms"] == 0
     boot.print_results(out)
     printed = capsys.readouterr().out
-    assert "boot end to end on cpu" in printed and "total / max(W alone, bulk)" in printed
+    assert "boot end to end on cpu" in printed and "x: total / max(W, bulk)" in printed and "x, W beside copy" in printed
     assert boot_e2e.headline(out).startswith("boot end to end (C@0.0001): early call + 0.1 s of engine work")
 
 
@@ -76,14 +82,16 @@ def test_an_end_to_end_cell_of_several_processes_is_the_one_of_the_median_total(
 
     def res(total):
         return {"total_ms": total, "w_ms": total - 5, "load_ms": 5.0, "prepare_call_ms": 0.0, "pass_ms": 1.0,
-                "verified": True, "steps_per_s": 1e6, "w_after_ms": 40.0 + total,
-                "report": {"details": {"ready_before_load_ms": total}, "wait_ms": 1.0}}
+                "verified": True, "steps_per_s": 1e6, "w_after_ms": 40.0 + total, "w_beside_copy_ms": 2 * total,
+                "copy_request_ms": 3.0, "report": {"details": {"ready_before_load_ms": total}, "wait_ms": 1.0}}
 
     alone = {"w_ms": 50.0}
     row = _row([res(30.0), res(10.0), res(20.0)], alone, 0.25, True, ceiling_ms=25.0)
     assert row["total_ms"] == 20.0 and row["totals_ms"] == [30.0, 10.0, 20.0] and row["repeats"] == 3
     assert row["x_bound"] == 20.0 / 50.0 and row["x_bound_same"] == 20.0 / 60.0
     assert row["ready_before_load_ms"] == 20.0 and row["load_phases_ms"]["wait"] == 1.0
+    assert row["w_beside_copy_ms"] == 40.0 and row["x_bound_beside_copy"] == 20.0 / 40.0
+    assert row["w_taken_by_prepare_ms"] == 15.0 - 40.0 and row["copy_request_ms"] == 3.0
     assert _row([res(30.0), res(10.0)], alone, 0.25, False, 25.0)["total_ms"] == 10.0  # the lower middle
     failed = _row([res(10.0), {"error": "the daemon died"}], alone, 0.25, True, 25.0)
     assert failed["error"] == "the daemon died" and "total_ms" not in failed
