@@ -38,9 +38,11 @@ def verify_default(dev: Device, *, by_daemon: bool) -> tuple[bool, str]:
     if not dev.is_cuda:
         return VERIFY_BY_DEFAULT_ON_HOST, ("off by default on the host backend, where it costs ~2x the copy; "
                                            "verify=True checks")
-    from flashboot.kernels.checksum import gpu_checksum_loaded
+    if by_daemon:
+        return True, ""
+    from flashboot.kernels.checksum import gpu_checksum_loaded  # (its import costs ~0.7 ms: not before a served copy)
 
-    if by_daemon or gpu_checksum_loaded(dev.index):
+    if gpu_checksum_loaded(dev.index):
         return True, ""
     return False, ("off by default for a load in this process: the checksum kernel's first call in a process "
                    "costs ~1 s, more than the load (a served load is verified by the daemon); verify=True checks")

@@ -125,13 +125,14 @@ class ServedSource(Source):
         if ready.nbytes == 0:
             raise LayoutError(f"{ready.path}: empty image, nothing to load")
         t = handle.phase("wait", t)
-        handle.create_arena(ready.nbytes)
+        handle.create_arena(ready.nbytes, flat=False)  # the daemon copies through its own mapping
         t = handle.phase("arena", t)
         handle.session = start_served_load(handle.arena, image_dir=handle.image_dir, rank=handle.rank,
                                            nbytes=ready.nbytes, metadata_sha256=mf.sha256,
                                            timeout_s=handle.timeout_s, shm_dir=handle.shm_dir, verify=handle.verify)
         t_copy = handle.phase("attach", t)
         try:
+            handle.arena.bytes()  # the flat tensor the views are cut from, made while the daemon copies
             # The strict read of the decoded table runs while the daemon copies, and prepare()
             # returns after it (~2 ms): after prepare() returned, it would run beside the engine's
             # GIL-bound start-up, where every hand-over of the GIL costs the engine more than it.
