@@ -211,6 +211,7 @@ def test_a_load_refused_during_the_early_copy_releases_the_arena_after_the_copy(
 
 
 def test_waiting_for_the_views_is_bounded(image, shm, daemon, monkeypatch):
+    from flashboot.flashload import client as client_mod
     from flashboot.flashload.pipeline import PreparedLoad
 
     open_metadata = PreparedLoad.open_metadata
@@ -220,6 +221,8 @@ def test_waiting_for_the_views_is_bounded(image, shm, daemon, monkeypatch):
         return open_metadata(handle, *args)
 
     monkeypatch.setattr(PreparedLoad, "open_metadata", slow)
+    # as if the preloader were still staging: the background thread takes the steps over
+    monkeypatch.setattr(client_mod, "served_ready_now", lambda *a, **k: None)
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
     with pytest.raises(WaitTimeoutError, match=r"rank 0 of .* had not its arena and metadata within 0.05 s \(phases"):
         handle.wait_viewable(0.05)
@@ -461,27 +464,31 @@ def test_engine_log_line_says_how_long_the_weights_waited_for_the_engine(image, 
 def test_the_early_call_hands_the_gil_over_promptly_while_it_works_and_restores_the_interval(image, shm, daemon,
                                                                                             monkeypatch):
     """Beside an engine's GIL-bound Python every driver call of the prepare thread would wait the
-    5 ms switch interval to get the GIL back: the interval is lowered while a prepare works (shared
-    by concurrent prepares) and restored after (served: once the daemon copies), and a value the
+    5 ms switch interval to get the GIL back: the interval is lowered while a prepare's background
+    thread works towards the copy (shared by concurrent prepares) and restored after (served: the
+    steps to the copy run on the caller's thread, with nothing to hand over), and a value the
     engine set meanwhile is kept."""
     import sys
+    import threading
 
     from flashboot.flashload import pipeline as boot
 
-    seen, real = [], boot.PreparedLoad._prepare
+    seen, real = [], boot.PreparedLoad.create_arena
 
-    def recording(self):
-        seen.append(sys.getswitchinterval())
-        return real(self)
+    def recording(self, *args, **kw):
+        seen.append((sys.getswitchinterval(), threading.current_thread().name))
+        return real(self, *args, **kw)
 
-    monkeypatch.setattr(boot.PreparedLoad, "_prepare", recording)
+    monkeypatch.setattr(boot.PreparedLoad, "create_arena", recording)
     before = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
-        handles = [flashboot.prepare(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes=64 << 10) for _ in range(2)]
+        handles = [flashboot.prepare(image, 0, "cpu", mode="stream", shm_dir=shm, stream_buffer_bytes=64 << 10)
+                   for _ in range(2)]
         for h in handles:
             h.wait()
-        assert seen == [boot.PREPARE_SWITCH_INTERVAL_S] * 2
+        # a streamed prepare makes its arena in the background thread, at the lowered interval
+        assert seen == [(boot.PREPARE_SWITCH_INTERVAL_S, "flashboot-prepare-rank0")] * 2
         assert sys.getswitchinterval() == 0.005  # the last prepare out restored it
         for h in handles:
             with h.load() as loaded:
@@ -490,6 +497,7 @@ def test_the_early_call_hands_the_gil_over_promptly_while_it_works_and_restores_
         # before the load's views are made
         served = flashboot.prepare(image, 0, "cpu", mode="served", shm_dir=shm)
         assert served._issued.wait(60) and sys.getswitchinterval() == 0.005
+        assert seen[-1] == (0.005, threading.current_thread().name)  # served: the caller's thread made it
         with served.load() as loaded:
             assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
         with boot._PromptHandover():

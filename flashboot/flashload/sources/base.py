@@ -59,11 +59,15 @@ class Source:
         the metadata beside its copy (served) gets None for both. ``why``: why it was chosen."""
         raise NotImplementedError
 
-    def start_prepared(self, handle, t: float) -> float:
+    def start_prepared(self, handle, t: float):
         """:func:`flashboot.prepare`'s copy into ``handle.arena`` (the load makes the views, while
         it runs: :meth:`~flashboot.flashload.pipeline.PreparedLoad.wait_viewable`); fills
-        ``handle.copy`` and returns when the copy started."""
+        ``handle.copy``. A generator, started on the caller's thread: each ``yield`` hands what
+        follows to the handle's background thread (before anything that may block: a wait for
+        the preloader, a pin, the copy's end); it returns (``StopIteration.value``) the time the
+        copy started, having called ``handle.copy_issued()`` once it runs."""
         raise NotImplementedError
+        yield  # noqa: unreachable: makes this a generator, as every source's is
 
     def verify_prepared(self, handle, where: str, checked) -> None:
         """Check the early copy's bytes against the pre-pack's chunk checksums (fills ``checked``)."""

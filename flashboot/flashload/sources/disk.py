@@ -158,8 +158,9 @@ class DiskSource(Source):
         report.total_ms = (time.perf_counter() - request.t_start) * 1e3
         return LoadedImage(arena, views, meta, report, rank_source)
 
-    def start_prepared(self, handle, t: float) -> float:
-        """The reads start at once (the arena exists)."""
+    def start_prepared(self, handle, t: float):
+        """The reads start at once (the arena exists), in the background thread."""
+        yield
         handle.copy_issued()
         stats = stream_image(handle.image.path, handle.nbytes, handle.arena, handle.stream_config)
         handle.copy = {"h2d_ms": stats.seconds * 1e3, "stats": stats}

@@ -86,10 +86,13 @@ class PinnedSource(Source):
         report.total_ms = (time.perf_counter() - request.t_start) * 1e3
         return LoadedImage(arena, tensors, meta, report, source, release)
 
-    def start_prepared(self, handle, t: float) -> float:
+    def start_prepared(self, handle, t: float):
         """The pin of the staged file starts in the background and the copy path is warmed
-        meanwhile; the bulk H2D is issued once the pin is done."""
+        meanwhile; the bulk H2D is issued once the pin is done. All of it runs in the background
+        thread (the arena was made there too: a thread's CUDA state stays with it)."""
         from ..stage import StagedImage
+
+        yield
 
         handle.staged = StagedImage(handle.image_dir, handle.rank, handle.device, timeout_s=handle.timeout_s,
                                     shm_dir=handle.shm_dir, source=handle.rank_source)

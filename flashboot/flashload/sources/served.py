@@ -109,19 +109,23 @@ class ServedSource(Source):
         report.total_ms = (time.perf_counter() - t_start) * 1e3
         return LoadedImage(arena, tensors, meta, report, RankSource(str(image_dir), rank, image, sha))
 
-    def start_prepared(self, handle, t: float) -> float:
-        """Copy first (:attr:`copies_before_metadata`), as a plain served load: wait for the
-        ``.ready`` of these metadata bytes, create the arena of its size and hand it to the
-        daemon, which copies at once (the fds of later batches follow while the first ones
-        copy, and it maps the segments piece by piece); the strict read of the metadata runs
-        while it copies, before :func:`flashboot.prepare` returns (the load makes the views). A
-        refusal of the metadata waits for the daemon to be done with the arena before it is
-        released."""
-        from ..client import served_ready, start_served_load
+    def start_prepared(self, handle, t: float):
+        """Copy first (:attr:`copies_before_metadata`), as a plain served load: the ``.ready`` of
+        these metadata bytes, the arena of its size handed to the daemon, which copies at once
+        (the fds of later batches follow while the first ones copy, and it maps the segments
+        piece by piece); the strict read of the metadata runs while it copies, before
+        :func:`flashboot.prepare` returns (the load makes the views). All of that runs on the
+        caller's thread unless the ``.ready`` is not there yet (then it is waited for in the
+        background); the wait for the daemon's reply is handed to the background. A refusal of
+        the metadata waits for the daemon to be done with the arena before it is released."""
+        from ..client import served_ready, served_ready_now, start_served_load
 
         mf = handle.metadata_file
-        ready = served_ready(handle.image_dir, handle.rank, mf.sha256, mf.where, timeout_s=handle.timeout_s,
-                             shm_dir=handle.shm_dir)
+        ready = served_ready_now(handle.image_dir, handle.rank, mf.sha256, shm_dir=handle.shm_dir)
+        if ready is None:  # still staging (or another pre-pack's): waited for off the caller's thread
+            yield
+            ready = served_ready(handle.image_dir, handle.rank, mf.sha256, mf.where, timeout_s=handle.timeout_s,
+                                 shm_dir=handle.shm_dir)
         if ready.nbytes == 0:
             raise LayoutError(f"{ready.path}: empty image, nothing to load")
         t = handle.phase("wait", t)
@@ -142,7 +146,8 @@ class ServedSource(Source):
             handle.session.settle()  # the daemon may still write into it
             raise
         finally:
-            handle.copy_issued(waits_in_c=True)  # prepare() returns; the thread waits for the daemon's reply
+            handle.copy_issued(waits_in_c=True)  # prepare() returns; the daemon's reply is awaited in the background
+        yield
         reply = handle.session.wait()
         handle.phases_ms["daemon_map"] = float(reply.get("map_ms", 0.0))
         handle.copy = {"h2d_ms": reply["h2d_ms"], "reply": reply}
