@@ -2,13 +2,13 @@
 # 2026-12-02, tenth session, second device call (<= 9.5 min). Issue 19's boot end to end with
 # the new control: each W > 0 process also runs W beside a bare daemon copy of the same image
 # (no early call), so W's slowdown splits into the copy's own (host memory shared with its DMA)
-# and the early call's thread's. Fresh processes, 3 per cell, W = 0 and 0.25 s, shapes C B A.
+# and the early call's thread's. Fresh processes, REPEATS per cell (3), W = WS (0 0.25 s), shapes SHAPES (C B A).
 # Usage (repo root, GPU machine): OUT=/some/dir bash benchmarks/gpu_session11b.sh
 BUDGET_S=${BUDGET_S:-570}
 source "$(dirname "$0")/gpu_prelude.sh"
 
 say "=== 1. bench boot --end-to-end ($(date +%T))"
-timeout "$(left 520)" flashboot bench boot --shapes C B A --loaders "flashload served" --end-to-end 0 0.25 \
+timeout "$(left 520)" flashboot bench boot --shapes ${SHAPES:-C B A} --loaders "flashload served" --end-to-end ${WS:-0 0.25} \
   --e2e-repeats "${REPEATS:-3}" --json "$OUT/boot.json" >/tmp/boot.log 2>&1
 say "bench boot rc=$? ($(date +%T))"
 grep -E "end to end|1st|ceiling" /tmp/boot.log | cut -c1-700 | tee -a "$S"
