@@ -20,7 +20,11 @@ with no early call ("W beside a bare daemon copy"): the copy's DMA shares the ho
 the CPU that runs W, so this is the W that any boot overlapping the copy with W can have; W slowed
 minus it is what the early call's own thread took (``w_taken_by_prepare_ms``, issue 19's GIL
 budget), and the last ratio is total / max(W beside the copy, bulk). ``copy_request_ms``: from the
-call that starts the copy (prepare, or the plain load) to the daemon's request sent. The load verifies as
+call that starts the copy (prepare, or the plain load) to the daemon's request sent. The GIL the
+early call holds is also bounded directly, free of the machine's drift: its call (on the caller's
+thread, before W) plus its background thread's CPU time (``prepare_gil_bound_ms``, against
+:data:`GIL_BUDGET_MS` + 1 us per tensor). W's own speed drifts within one process on the H200
+machine (the same loop 150-370 ms apart seconds later), so W-based ratios are noisy there. The load verifies as
 by default (on CUDA the daemon digests what it copied, inside the timed load); the weights are
 verified again after the timed section (chunk checksums on the device), as in the other columns.
 """
@@ -31,6 +35,8 @@ import time
 from typing import Callable
 
 W_LEVELS_S = (0.0, 0.25, 1.0)
+GIL_BUDGET_MS, GIL_BUDGET_US_PER_TENSOR = 20.0, 1.0
+"""Issue 19's budget for the GIL the early call holds: 20 ms plus 1 us per tensor."""
 CALIBRATE_WINDOW_S = 0.05
 """The calibration times windows of this length until two in a row agree (the first ones run while
 the CPU's clock and the interpreter's caches warm up)."""
@@ -207,6 +213,10 @@ def _row(results: list[dict], alone: dict, w_s: float, early: bool, ceiling_ms: 
     row["load_phases_ms"] = {k: round(rep.get(f"{k}_ms", 0.0), 2) for k in ("wait", "metadata", "bind", "h2d")}
     if rep["details"].get("prepared"):
         row["prepare_phases_ms"] = {k: round(v, 2) for k, v in rep["details"]["prepared"].items()}
+    if early:  # the GIL the early call held: its call (before W), at most its thread's CPU time (beside W)
+        row["prepare_thread_cpu_ms"] = rep["details"].get("prepare_thread_cpu_ms", 0.0)
+        row["prepare_gil_bound_ms"] = row["prepare_call_ms"] + row["prepare_thread_cpu_ms"]
+        row["prepare_gil_budget_ms"] = GIL_BUDGET_MS + GIL_BUDGET_US_PER_TENSOR * rep.get("tensors", 0) / 1e3
     return row
 
 
@@ -222,6 +232,9 @@ def describe(row: dict) -> str:
                if "w_beside_copy_ms" in row else "")
             + (f"; the early call's thread took {row['w_taken_by_prepare_ms']:.1f} ms of W beyond the copy's effect"
                if "w_taken_by_prepare_ms" in row else "")
+            + (f"; GIL held by the early call <= {row['prepare_gil_bound_ms']:.1f} ms (call "
+               f"{row['prepare_call_ms']:.1f} + its thread's CPU {row['prepare_thread_cpu_ms']:.1f}; budget "
+               f"{row['prepare_gil_budget_ms']:.1f})" if "prepare_gil_bound_ms" in row else "")
             + f"), copy requested {row['copy_request_ms'] or 0:.1f} ms after the call, load {row['load_ms']:.1f} ms, "
             f"then a pass over every tensor "
             f"{row['pass_ms']:.1f} ms; load phases {row.get('load_phases_ms')}"

@@ -201,6 +201,8 @@ def _load_prepared(request: LoadRequest) -> LoadedImage:
         report.overlapped = ["h2d"]  # the copy ran before the call or while the load waited: in wait_ms, not added
         report.details = {"prepared": dict(prepared.phases_ms), "prepared_mode_why": prepared.why,
                           "prepare_total_ms": (prepared.finished - prepared.started) * 1e3,
+                          # the GIL prepare held: its call on the caller's thread, and at most this in its own
+                          "prepare_thread_cpu_ms": prepared.thread_cpu_ms,
                           "prepared_before_load": ready_before,
                           "copy_started_after_prepare_ms": copy["started_after_prepare_ms"],
                           # > 0: the weights were in place that long before the load was called
@@ -344,6 +346,7 @@ class PreparedLoad:
         self.started = time.perf_counter()
         self.finished: float | None = None
         self._thread: threading.Thread | None = None
+        self.thread_cpu_ms = 0.0  # the background thread's CPU time (see _run)
         _live.add(self)
         self._start()
 
@@ -373,6 +376,7 @@ class PreparedLoad:
 
     def _run(self, steps) -> None:
         error = None
+        cpu0 = time.thread_time()
         try:
             # the switch interval lowered only while steps before the copy's start run here
             with self._handover if not self._issued.is_set() else contextlib.nullcontext():
@@ -380,6 +384,8 @@ class PreparedLoad:
                     pass
         except BaseException as exc:  # handed to whoever waits
             error = exc
+        # this thread's CPU time: a bound on the GIL it can have taken from the engine meanwhile
+        self.thread_cpu_ms = (time.thread_time() - cpu0) * 1e3
         self._finish(error)
 
     def _finish(self, error: BaseException | None) -> None:
