@@ -4,7 +4,8 @@
 # Sets OUT (default /tmp/out), S (the summary) and T0; defines
 #   say LINE...      the line to stdout and the summary;
 #   left N           N, or the seconds left of the call's BUDGET_S if fewer (at least 10): a step's timeout;
-#   refit_summary    bench refit's $OUT/refit_A.json in a few lines (ceiling, copies, remap, breakdown).
+#   refit_summary    bench refit's $OUT/refit_A.json in a few lines (ceiling, copies, remap, breakdown);
+#   movers_chunked   issue 20's `bench movers --chunked` (1 and 4 MiB, a 2 GiB chain), its key lines.
 # Installs the checkout; unless WARM=0, writes FlashBoot's bytecode and caches first (`flashboot warm`).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -30,6 +31,12 @@ for mode in ("atomic", "in_place"):
     print("   ", {k: round(v, 3) for k, v in b.items() if k.startswith("remap") or k in ("clone_other_ms", "map_during_copy_ms")})
 print("speed-up", r.get("speedup_vs_baseline"))
 PY
+}
+movers_chunked() {
+  timeout "$(left 150)" flashboot bench movers --chunked --repeats 3 --chunks 1MiB 4MiB --chain-bytes 2GiB \
+    --chain-chunk 64MiB --json "$OUT/movers_chunked.json" >/tmp/movers_chunked.log 2>&1
+  say "bench movers rc=$?"; grep -A8 "host cost of one mover.copy" /tmp/movers_chunked.log | tee -a "$S"
+  grep -E "batched" /tmp/movers_chunked.log | grep -vE "unmerged|streams" | tee -a "$S"
 }
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 \
   || { tail -20 /tmp/install.log; exit 1; }

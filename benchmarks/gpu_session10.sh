@@ -40,8 +40,5 @@ for what in ("2d single", "2d table 4 MiB"):
 PY
 
 say "=== 4. bench movers --chunked ($(date +%T))"
-timeout "$(left 150)" flashboot bench movers --chunked --repeats 3 --chunks 1MiB 4MiB --chain-bytes 2GiB --chain-chunk 64MiB \
-  --json "$OUT/movers_chunked.json" >/tmp/movers_chunked.log 2>&1
-say "bench movers rc=$?"; grep -A8 "host cost of one mover.copy" /tmp/movers_chunked.log | tee -a "$S"
-grep -E "batched" /tmp/movers_chunked.log | grep -vE "unmerged|streams" | tee -a "$S"
+movers_chunked
 say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"
