@@ -1,15 +1,11 @@
 """FlashClone on the host backend: the executor on real plans, seed and clones through a real
-TCPStore (in threads and in processes), the ring load, the broadcast fallback, the holder, the
-chunk sweep. GPU versions: tests/test_clone_gpu.py."""
+TCPStore (in threads and in processes), the ring load, the broadcast fallback, the chunk sweep.
+GPU versions: tests/test_clone_gpu.py; the holder: tests/test_holder.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
-import signal
 import threading
-import types
 
 import numpy as np
 import pytest
@@ -23,8 +19,7 @@ from flashboot.schedulers import HOST, build_plan
 
 from _clone_helpers import _token, store  # noqa: F401  (fixtures)
 from _clone_helpers import (
-    CHUNK, MiB, TOKEN, finish, make_prepacked_image, pattern, spawn_cli, stop, wait_until,
-    write_raw_image,
+    CHUNK, MiB, finish, make_prepacked_image, pattern, spawn_cli, stop, write_raw_image,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -608,142 +603,6 @@ def test_choose_transport_explains_fallbacks():
         choose_transport(Seen(remote, {}), CPU, "posix_fd")
     with pytest.raises(RendezvousError, match="has no fabric handle"):
         choose_transport(Seen(remote, {}), CPU, "fabric")
-
-
-# ---------------------------------------------------------------------------------- the holder
-
-_ENGINE = """
-import ctypes, sys, numpy as np
-from flashboot.arena import Arena
-from flashboot.flashclone.holder import hand_over
-a = Arena.create(3 << 20, "cpu")
-data = np.random.default_rng(11).integers(0, 256, a.nbytes, dtype=np.uint8)
-ctypes.memmove(a.ptr, data.ctypes.data, a.nbytes)
-d = hand_over(a, "weights", registry=sys.argv[1], timeout_s=10)
-print(d.arena_id, d.pid)
-a.close()
-"""
-
-_RESTARTED = """
-import ctypes, sys, time, numpy as np
-from flashboot.flashclone.holder import open_held
-t0 = time.perf_counter()
-a = open_held("weights", registry=sys.argv[1])
-ms = (time.perf_counter() - t0) * 1e3
-got = np.ctypeslib.as_array((ctypes.c_uint8 * a.nbytes).from_address(a.ptr)).copy()
-want = np.random.default_rng(11).integers(0, 256, a.nbytes, dtype=np.uint8)
-print(a.arena_id, bool(np.array_equal(got, want)), f"{ms:.3f}")
-a.close()
-"""
-
-
-def test_holder_keeps_weights_across_an_engine_restart(tmp_path):
-    import subprocess
-    import sys
-
-    registry = tmp_path / "registry"
-    holder = spawn_cli("hold", "--registry", registry)
-    try:
-        wait_until(lambda: (registry / "held").is_dir(), 15, "the holder registry", holder)
-
-        def run(code):
-            p = subprocess.run([sys.executable, "-c", code, str(registry)], capture_output=True, text=True, timeout=25)
-            assert p.returncode == 0, p.stderr
-            return p.stdout.split()
-
-        arena_id, holder_pid = run(_ENGINE)  # the engine hands over, then exits
-        assert int(holder_pid) == holder.pid
-        again_id, same, _ms = run(_RESTARTED)
-        assert again_id == arena_id and same == "True"
-        listing = subprocess.run([sys.executable, "-m", "flashboot.cli", "hold", "--list", "--registry", str(registry)],
-                                 capture_output=True, text=True, timeout=20)
-        assert f"weights: {4 << 20:,} bytes, host arena {arena_id}" in listing.stdout
-        released = subprocess.run([sys.executable, "-m", "flashboot.cli", "hold", "--release", "weights",
-                                   "--registry", str(registry)], capture_output=True, text=True, timeout=20)
-        assert released.returncode == 0 and "released weights" in released.stdout
-        gone = subprocess.run([sys.executable, "-c", _RESTARTED, str(registry)], capture_output=True, text=True,
-                              timeout=25)
-        assert gone.returncode != 0 and "no arena is held as 'weights'" in gone.stderr
-        holder.send_signal(signal.SIGTERM)
-        rc, out, err = finish(holder, 15)
-        assert rc == 0 and "holder stopped" in out, err
-    finally:
-        stop(holder)
-
-
-def test_holder_in_process_refuses_a_writable_registry_and_a_dead_engine(tmp_path):
-    from flashboot.flashclone.holder import Holder, hand_over
-
-    open_dir = tmp_path / "shared"
-    open_dir.mkdir(mode=0o777)
-    os.chmod(open_dir, 0o777)
-    with pytest.raises(FlashBootError, match="writable by others"):
-        Holder(registry=open_dir)
-    registry = tmp_path / "reg"
-    holder = Holder(registry=registry)
-    stop_ev = threading.Event()
-    t = threading.Thread(target=holder.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
-    t.start()
-    try:
-        a = Arena.create(MiB, "cpu")
-        a.bytes().numpy()[:] = 9
-        d = hand_over(a, "w", registry=registry, timeout_s=10)
-        assert d.pid == os.getpid() and set(d.fds).isdisjoint(a.export().fds)
-        a.close()  # the engine's handle is gone; the holder's mapping keeps the memory
-        b = flashboot.flashclone.holder.open_held("w", registry=registry)
-        assert int(b.bytes().numpy().min()) == 9
-        b.close()
-        from flashboot.arena import ArenaDescriptor
-
-        ghost = ArenaDescriptor("host", 2**22 - 3, (5,), MiB, -1, "memfd", 2 * MiB, 2 * MiB, "dead", None, "")
-        holder.kv.put("requests", "ghost", {"descriptor": ghost.to_dict(), "request": "r1"})
-        wait_until(lambda: holder.kv.get("held", "ghost"), 10, "the holder's answer")
-        with pytest.raises(FlashBootError, match="last adoption failed"):
-            flashboot.flashclone.holder.open_held("ghost", registry=registry)
-        # an engine that hands over a look-alike memfd it could shrink under the holder: refused by name
-        with Arena.create(MiB, "cpu") as c:
-            fake = os.memfd_create(f"flashboot-arena-{c.arena_id}.0", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fake, c.nbytes)
-                lookalike = types.SimpleNamespace(export=lambda: dataclasses.replace(c.export(), fds=(fake,)))
-                with pytest.raises(ArenaError, match=rf"could not adopt 'shrinkable': .*segment 0 of arena "
-                                                     rf"{c.arena_id}, 2,097,152 bytes\) is not sealed against shrinking"):
-                    hand_over(lookalike, "shrinkable", registry=registry, timeout_s=10)
-            finally:
-                os.close(fake)
-        b = flashboot.flashclone.holder.open_held("w", registry=registry)  # still held and served
-        assert int(b.bytes().numpy().min()) == 9
-        b.close()
-    finally:
-        stop_ev.set()
-        t.join(10)
-    assert holder.held == {}
-
-
-def test_holder_over_the_store_authenticates_its_records(store):
-    from flashboot.flashclone.holder import Holder, hand_over, open_held, release
-
-    address, rdv = store
-    holder = Holder(store=address, token=TOKEN, timeout_s=5)
-    stop_ev = threading.Event()
-    t = threading.Thread(target=holder.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
-    t.start()
-    try:
-        a = Arena.create(MiB, "cpu")
-        a.bytes().numpy()[:] = 7
-        d = hand_over(a, "w", store=address, token=TOKEN, timeout_s=10)
-        assert d.arena_id == a.arena_id
-        a.close()
-        with open_held("w", store=address, token=TOKEN) as b:
-            assert int(b.bytes().numpy().max()) == 7 and b.arena_id == d.arena_id
-        with pytest.raises(RendezvousError, match="fails authentication"):
-            open_held("w", store=address, token="not-the-holders-token-000")
-        release("w", store=address, token=TOKEN, timeout_s=10)
-        with pytest.raises(FlashBootError, match="no arena is held as 'w'"):
-            open_held("w", store=address, token=TOKEN)
-    finally:
-        stop_ev.set()
-        t.join(10)
 
 
 # ------------------------------------------------------------------------------------- sweep
