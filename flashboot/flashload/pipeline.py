@@ -19,7 +19,8 @@ Three ways to pay the pin (``cuMemHostRegister``, about a third of the H2D rate)
 counts, and a cold load pays for reading and validating the metadata, creating and exporting the
 arena, the daemon's mapping of it, tens of thousands of views, and the first copy's set-up.
 :func:`prepare` starts all of that but the views as soon as the engine starts (before it builds
-its model) and returns once the copy runs (at most :data:`PREPARE_RETURN_S`); the chosen source
+its model) and returns once the copy runs (or, where a step has to wait, after at most
+:data:`PREPARE_RETURN_S`, the rest going on in the background); the chosen source
 (:mod:`flashboot.flashload.choose`) then starts the copy as soon as it can, so an engine that
 builds its model for longer than the copy takes finds its weights in place. ``flashboot.load(..., prepared=handle)`` (or ``handle.load()``)
 makes the views (while the copy runs, if it still does: :meth:`PreparedLoad.wait_viewable` says
@@ -39,9 +40,10 @@ why there), waits for that copy, checks that the image was not re-packed since, 
 The steps up to the copy's start run on the caller's thread (prepare() waits for them anyway,
 and a fresh thread ran them ~2 ms slower), unless one would wait (the preloader still staging,
 a pin, the stream): from there, and for the wait for the copy's end, a background thread takes
-over. It holds the GIL only for the metadata: it waits in blocking calls (the daemon's socket, the
-pin, the stream's reads, the copy's synchronisation) that release it. A handle serves one load; it is refused for another image, rank or device, or after
-the image was re-packed (the bytes copied early are then discarded with the arena).
+over. It holds the GIL only for the metadata: it waits in blocking calls (the daemon's socket,
+the pin, the stream's reads, the copy's synchronisation) that release it. A handle serves one
+load; it is refused for another image, rank or device, or after the image was re-packed (the
+bytes copied early are then discarded with the arena).
 """
 
 from __future__ import annotations
