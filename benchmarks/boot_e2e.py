@@ -24,7 +24,10 @@ call that starts the copy (prepare, or the plain load) to the daemon's request s
 early call holds is also bounded directly, free of the machine's drift: its call (on the caller's
 thread, before W) plus its background thread's CPU time (``prepare_gil_bound_ms``, against
 :data:`GIL_BUDGET_MS` + 1 us per tensor). W's own speed drifts within one process on the H200
-machine (the same loop 150-370 ms apart seconds later), so W-based ratios are noisy there. The load verifies as
+machine (the same loop 150-370 ms apart seconds later), so W-based ratios are noisy there; each W
+is also timed in its thread's CPU time (``w_cpu_ms`` ...): ``w_off_cpu_ms``, W's wall time less
+its CPU time during the boot, is what W waited for the GIL or the machine, whatever the CPU's
+clock did (:func:`timed_workload`). The load verifies as
 by default (on CUDA the daemon digests what it copied, inside the timed load); the weights are
 verified again after the timed section (chunk checksums on the device), as in the other columns.
 """
@@ -51,6 +54,16 @@ def engine_workload(steps: int) -> int:
     for _ in range(steps):
         x = (x * 1103515245 + 12345) & 0xFFFFFFFF
     return x
+
+
+def timed_workload(steps: int) -> tuple[float, float]:
+    """(wall ms, this thread's CPU ms) of :func:`engine_workload`. Their difference is the time W's
+    thread was off the CPU: waiting for the GIL (another thread of the process held it) or
+    descheduled by the machine. The CPU time is as slow as the CPU's clock, so a drift of the
+    clock moves both and leaves their difference."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    engine_workload(steps)
+    return (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
 
 
 def binding_pass_ms(tensors) -> float:
@@ -99,17 +112,16 @@ def child(spec: dict) -> dict:
     rate = calibrate_steps_per_s() if spec["w_s"] else 0.0
     steps = int(rate * spec["w_s"])
     if spec["what"] == "alone":
-        t0 = time.perf_counter()
-        engine_workload(steps)
-        return {"w_ms": (time.perf_counter() - t0) * 1e3, "steps_per_s": rate, "steps": steps}
+        w_ms, w_cpu_ms = timed_workload(steps)
+        return {"w_ms": w_ms, "w_cpu_ms": w_cpu_ms, "steps_per_s": rate, "steps": steps}
 
     t0 = time.perf_counter()
     handle = None
     if spec["early"]:
         handle = flashboot.prepare(spec["image"], 0, dev, mode="served", shm_dir=spec["shm"], timeout_s=60)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.thread_time()
     engine_workload(steps)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.thread_time()
     li = flashboot.load(spec["image"], 0, dev, served=handle is None, prepared=handle, shm_dir=spec["shm"],
                         timeout_s=60)  # verified as by default: on CUDA by the daemon
     _sync(dev)
@@ -117,22 +129,21 @@ def child(spec: dict) -> dict:
     pass_ms = binding_pass_ms(li.tensors)
     verify_loaded(li.arena, li.metadata, f"end to end, early call {spec['early']}")  # raises on a bad chunk
     out = {"total_ms": (t3 - t0) * 1e3, "w_ms": (t2 - t1) * 1e3, "load_ms": (t3 - t2) * 1e3,
-           "prepare_call_ms": (t1 - t0) * 1e3, "pass_ms": pass_ms, "verified": True, "report": li.report.to_dict(),
+           "prepare_call_ms": (t1 - t0) * 1e3, "w_cpu_ms": (c2 - c1) * 1e3, "pass_ms": pass_ms, "verified": True,
+           "report": li.report.to_dict(),
            "steps_per_s": rate, "steps": steps}
     out["copy_request_ms"] = _copy_request_ms(li.report.details, li.report)
     # W alone again, in this process once its boot is over: the H200 machine's processes ran the same
     # loop at 5-10 M steps/s from one to the next, so W alone from another process is a noisy bound
-    t4 = time.perf_counter()
-    engine_workload(steps)
-    out["w_after_ms"] = (time.perf_counter() - t4) * 1e3
+    out["w_after_ms"], out["w_after_cpu_ms"] = timed_workload(steps)
     if steps:
-        out["w_beside_copy_ms"] = w_beside_daemon_copy(li, spec, steps)
+        out["w_beside_copy_ms"], out["w_beside_copy_cpu_ms"] = w_beside_daemon_copy(li, spec, steps)
     li.close()
     return out
 
 
-def w_beside_daemon_copy(li, spec: dict, steps: int) -> float:
-    """W (ms) while the daemon copies the same image into the loaded arena again, as it did during
+def w_beside_daemon_copy(li, spec: dict, steps: int) -> tuple[float, float]:
+    """W (wall and CPU ms, :func:`timed_workload`) while the daemon copies the same image into the loaded arena again, as it did during
     the boot, with no early call's thread in this process: what the copy alone does to W. Its DMA
     reads the pinned image from host memory at the H2D rate, which the CPU running W shares; so
     "W slowed" minus this is what the early call's own thread took from W (issue 19's GIL budget)."""
@@ -142,11 +153,9 @@ def w_beside_daemon_copy(li, spec: dict, steps: int) -> float:
     copy = start_served_load(li.arena, image_dir=spec["image"], rank=src.rank, nbytes=src.nbytes,
                              metadata_sha256=src.metadata_sha256, timeout_s=60, shm_dir=spec["shm"],
                              verify=spec["device"].startswith("cuda"))  # the daemon digests as in the boot
-    t0 = time.perf_counter()
-    engine_workload(steps)
-    w_ms = (time.perf_counter() - t0) * 1e3
+    timed = timed_workload(steps)
     copy.wait()
-    return w_ms
+    return timed
 
 
 def _copy_request_ms(details: dict, report) -> float | None:
@@ -199,6 +208,13 @@ def _row(results: list[dict], alone: dict, w_s: float, early: bool, ceiling_ms: 
     row.update({k: res[k] for k in ("total_ms", "w_ms", "load_ms", "prepare_call_ms", "pass_ms", "verified",
                                     "steps_per_s", "w_after_ms")})
     row["copy_request_ms"] = res.get("copy_request_ms")
+    for k in ("w_cpu_ms", "w_after_cpu_ms", "w_beside_copy_cpu_ms"):
+        if res.get(k) is not None:
+            row[k] = res[k]
+    if res.get("w_cpu_ms") is not None:  # W's thread off the CPU during the boot: GIL waits or descheduled
+        row["w_off_cpu_ms"] = res["w_ms"] - res["w_cpu_ms"]
+    if alone.get("w_cpu_ms") is not None:
+        row["w_alone_cpu_ms"] = alone["w_cpu_ms"]
     row["totals_ms"] = [round(r["total_ms"], 2) for r in results]
     row["x_bound"] = res["total_ms"] / max(alone["w_ms"], ceiling_ms)
     row["x_bound_same"] = res["total_ms"] / max(res["w_after_ms"], ceiling_ms)
@@ -232,6 +248,8 @@ def describe(row: dict) -> str:
                if "w_beside_copy_ms" in row else "")
             + (f"; the early call's thread took {row['w_taken_by_prepare_ms']:.1f} ms of W beyond the copy's effect"
                if "w_taken_by_prepare_ms" in row else "")
+            + (f"; W's thread off the CPU {row['w_off_cpu_ms']:.1f} ms of it (GIL waits or descheduled; W's CPU "
+               f"{row['w_cpu_ms']:.0f}, alone {row.get('w_alone_cpu_ms') or 0:.0f})" if row.get("w_s") else "")
             + (f"; GIL held by the early call <= {row['prepare_gil_bound_ms']:.1f} ms (call "
                f"{row['prepare_call_ms']:.1f} + its thread's CPU {row['prepare_thread_cpu_ms']:.1f}; budget "
                f"{row['prepare_gil_budget_ms']:.1f})" if "prepare_gil_bound_ms" in row else "")

@@ -69,6 +69,9 @@ def test_bench_boot_end_to_end_times_the_boot_in_fresh_processes(capsys):
         assert (r.get("w_beside_copy_ms", 0) > 0) == (r["w_s"] > 0)
     early = cells[(0.1, True)]
     assert early["w_taken_by_prepare_ms"] == early["w_ms"] - early["w_beside_copy_ms"]
+    # each W in wall and CPU time: what W's thread spent off the CPU during the boot
+    assert 0 < early["w_cpu_ms"] and early["w_off_cpu_ms"] == early["w_ms"] - early["w_cpu_ms"]
+    assert early["w_alone_cpu_ms"] > 0 and early["w_after_cpu_ms"] > 0 and early["w_beside_copy_cpu_ms"] > 0
     # the GIL the early call held, bounded by its call and its background thread's CPU time
     assert early["prepare_gil_bound_ms"] == early["prepare_call_ms"] + early["prepare_thread_cpu_ms"]
     assert early["prepare_thread_cpu_ms"] > 0 and early["prepare_gil_budget_ms"] == 20.0 + 40_250 / 1e3
