@@ -143,10 +143,11 @@ def child(spec: dict) -> dict:
 
 
 def w_beside_daemon_copy(li, spec: dict, steps: int) -> tuple[float, float]:
-    """W (wall and CPU ms, :func:`timed_workload`) while the daemon copies the same image into the loaded arena again, as it did during
-    the boot, with no early call's thread in this process: what the copy alone does to W. Its DMA
-    reads the pinned image from host memory at the H2D rate, which the CPU running W shares; so
-    "W slowed" minus this is what the early call's own thread took from W (issue 19's GIL budget)."""
+    """W (wall and CPU ms, :func:`timed_workload`) while the daemon copies the same image into the
+    loaded arena again, as it did during the boot, with no early call's thread in this process:
+    what the copy alone does to W. Its DMA reads the pinned image from host memory at the H2D rate,
+    which the CPU running W shares; so "W slowed" minus this is what the early call's own thread
+    took from W (issue 19's GIL budget)."""
     from flashboot.flashload.client import start_served_load
 
     src = li.source
