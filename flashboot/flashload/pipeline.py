@@ -230,8 +230,9 @@ CLOSE_TIMEOUT_S = 30.0
 
 
 PREPARE_RETURN_S = 0.25
-"""How long :func:`prepare` waits (GIL released) for its thread to set the copy going before it
-returns. Why it waits at all: the steps before the copy (metadata bytes, arena, exports, the
+"""How long :func:`prepare` waits (GIL released) for its background thread to set the copy going
+before it returns, where a step had to wait and the thread took the rest over (otherwise the
+steps ran on the caller's thread and the copy is going already). Why it waits at all: the steps before the copy (metadata bytes, arena, exports, the
 daemon's request) are ~150 short driver calls and some Python; beside an engine's GIL-bound start-up
 they crawl (H200, 13.8 GB: the copy started ~145 ms after prepare with W = 0.25 s, against ~30 ms
 alone), and every ms the copy starts later is a ms the engine waits at its load. Waiting here
