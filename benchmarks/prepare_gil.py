@@ -10,8 +10,8 @@ pure-Python loop W of ``w_s`` seconds (calibrated in that process, as
 * ``alone``: W only;
 * ``early``: ``flashboot.prepare`` then W then the load (W as slowed is what counts);
 * ``profile`` (``--profile``): the same with the prepare's background thread (what follows its
-  call) under cProfile, printing the
-  functions with the most own time (its Python; time blocked in C shows too, marked by name).
+  call) under cProfile, printing the functions with the most own time (its Python; time blocked
+  in C shows too, marked by name).
 
 Usage: ``python -m flashboot.benchmarks.prepare_gil [--device cpu] [--w 1] [--repeats 3] [--profile]``.
 Prints one line per cell and a summary (W slowed - W alone, against the budget), and with
