@@ -32,6 +32,14 @@ def _seed_arena(device, nbytes=NBYTES, seed=1):
     return a
 
 
+def _flags(endpoint, count: int) -> list[int]:
+    """The first ``count`` flag words of ``endpoint``, as the host reads them."""
+    import torch
+
+    torch.cuda.synchronize()
+    return endpoint.flags.bytes()[:4 * count].view(torch.int32).cpu().tolist()
+
+
 def _equal(a, b) -> bool:
     return bool((a.bytes() == b.bytes().to(a.bytes().device)).all())
 
@@ -55,11 +63,15 @@ def test_stream_memop_pipeline_is_byte_exact(schedule):
         assert rep.backend == "cuda" and sum(l.steps for l in rep.lanes) == len(plan)
         for i in (1, 2, 3):
             assert _equal(eps[0].arena, eps[i].arena), i
-        # a second run on the same flags needs a new epoch, and works with one
+            assert _flags(eps[i], plan.flag_count(i)) == [1] * plan.flag_count(i), i
+        # a second run on the same flags needs a new epoch, and works with one (on streams and
+        # events the first run handed back to the pool)
         for i in (1, 2, 3):
             eps[i].arena.bytes().zero_()
         Executor(plan, eps, [1, 2, 3], epoch=2).run()
         assert all(_equal(eps[0].arena, eps[i].arena) for i in (1, 2, 3))
+        # a star's steps wait for nothing: each receiver's flags are raised by one memset
+        assert all(_flags(eps[i], plan.flag_count(i)) == [2] * plan.flag_count(i) for i in (1, 2, 3))
     finally:
         for ep in eps.values():
             for a in (ep.flags, ep.arena):

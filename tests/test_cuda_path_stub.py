@@ -56,6 +56,13 @@ steps = {name: (stage, step) for name, stage, step in warm._plan("copy_engine")}
 stage, step = steps["copy stream"]
 step()
 print("warm parts", sorted(steps), "copy stream at", stage)
+from flashboot.cuda_streams import POOL_KEEP, give_back, lend_event, lend_stream
+lent = lend_stream(0)
+give_back(lent)
+print("stream reused", lend_stream(0) is lent, "new one", lend_stream(0) is not lent)
+events = [lend_event(0, timing=True) for _ in range(POOL_KEEP + 3)]
+give_back(*events)
+print("events kept", sum(e._finalizer.alive for e in events), "untimed apart", lend_event(0) not in events)
 print("cupy", "cupy" in sys.modules)
 """
 
@@ -77,6 +84,8 @@ for schedule in ("chain", "star"):
     try:
         rep = Executor(plan, eps, [1, 2, 3], timeout_s=0.3).run()
         print(schedule, "ran", rep.backend, rep.mover, sum(l.steps for l in rep.lanes), "of", len(plan))
+        from flashboot import cuda_streams
+        print(schedule, "idle streams", len(cuda_streams._idle.get(("stream", 0), [])))
     except StepFailure as e:
         print(schedule, "failed", e.step.id, e.released, "|", str(e))
 time.sleep(0.2)  # a finished wait's thread has returned; a stuck one stays blocked in the driver
@@ -110,6 +119,10 @@ def test_copy_engine_batches_and_warmup_run_through_the_driver_without_cupy(stub
     assert "batch cuMemcpyBatchAsync 8 4" in out  # 8 non-contiguous chunks, over 4 side streams
     assert "alive after drop 0 of 9" in out  # 4 streams, the fork and 4 join events destroyed with the batch
     assert "warm parts ['CUDA context + peer import', 'copy stream', 'fd table', 'torch CUDA'] copy stream at copy" in out
+    # the pool lends back what was handed back, keeps at most POOL_KEEP of a kind, and keeps timed
+    # events apart from untimed ones
+    assert "stream reused True new one True" in out
+    assert "events kept 16 untimed apart True" in out
     assert "cupy False" in out
 
 
@@ -117,6 +130,8 @@ def test_executor_runs_every_step_on_driver_streams_without_cupy(stub_driver):
     out = _run(_EXECUTOR, stub_driver)
     assert "chain ran cuda copy_engine 48 of 48" in out and "star ran cuda copy_engine 48 of 48" in out
     assert "threads left 0" in out  # each end-of-copy wait's thread is gone once the run returns
+    # a run that ended cleanly hands its three lanes' streams and its side stream back; the next reuses them
+    assert "chain idle streams 4" in out and "star idle streams 4" in out
     assert "cupy False" in out
 
 

@@ -313,7 +313,9 @@ class Executor:
         self.step_hook = step_hook
         skip = set(skip)
         chosen = list(steps) if steps is not None else [s for s in plan.steps if s.dst in self.local]
-        self.steps = sorted((s for s in chosen if s.id not in skip), key=lambda s: s.id)
+        self.steps = [s for s in chosen if s.id not in skip]
+        if any(a.id > b.id for a, b in zip(self.steps, self.steps[1:])):
+            self.steps.sort(key=lambda s: s.id)
         for s in self.steps:
             if s.dst not in self.local:
                 raise FlashBootError(f"step {s.id} writes into participant {s.dst}, which is not local ({self.local})")
@@ -382,7 +384,7 @@ class Executor:
         Without batching (a ``step_hook`` sees every step) each step is its own unit."""
         if self.step_hook is not None:
             return [[s] for s in steps]
-        awaited = {w for st in (*self.plan.steps, *self.steps) for w in st.waits}  # rewired steps too
+        awaited = self.plan.awaited() | {w for st in self.steps for w in st.waits}  # rewired steps too
         units: list[list[Step]] = []
         last: dict[tuple[int, int], list[Step]] = {}
         for s in steps:

@@ -101,6 +101,7 @@ class Plan:
     steps: tuple[Step, ...]
     exclusive_sources: bool = False
     _flags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _awaited: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "participants", tuple(self.participants))
@@ -188,6 +189,12 @@ class Plan:
                 counts[s.dst] += 1
             self._flags.update(enumerate(counts))
         return self._flags[index]
+
+    def awaited(self) -> frozenset[int]:
+        """Ids of the steps some step waits for (computed once: an executor asks on every run)."""
+        if not self._awaited:
+            self._awaited.append(frozenset(w for s in self.steps for w in s.waits))
+        return self._awaited[0]
 
     def flag_of(self, step_id: int) -> tuple[int, int]:
         """``(participant, flag index)`` raised when step ``step_id`` completes."""
