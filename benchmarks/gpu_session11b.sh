@@ -22,7 +22,8 @@ for s in out["shapes"]:
     for r in (s.get("end_to_end") or {}).get("rows", []):
         keys = ("w_s", "early", "total_ms", "totals_ms", "w_ms", "w_alone_ms", "w_after_ms", "w_beside_copy_ms",
                 "w_taken_by_prepare_ms", "x_bound", "x_bound_same", "x_bound_beside_copy", "copy_request_ms",
-                "load_ms", "error")
+                "load_ms", "prepare_call_ms", "prepare_thread_cpu_ms", "prepare_gil_bound_ms", "w_cpu_ms",
+                "w_off_cpu_ms", "w_alone_cpu_ms", "w_after_cpu_ms", "w_beside_copy_cpu_ms", "error")
         print(s["shape"], {k: (round(r[k], 2) if isinstance(r.get(k), float) else r.get(k)) for k in keys if k in r})
 PY
 say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"
