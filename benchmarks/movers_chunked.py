@@ -171,6 +171,8 @@ def run(total: int = GiB, chunk_sizes=DEFAULT_CHUNKS, movers: list[str] | None =
                 per_call_cost_us(mover, dst, src, stream) for _ in range(PER_CALL_SAMPLES))
         # (row label, mover, its options, modes): the copy engine also unmerged, and over several streams
         variants = [(name, name, {}, ("per_call", "batched")) for name in names]
+        if "triton_tma" in names:  # the batches' kernel before the Gluon ring, in the same run
+            variants.append(("triton_tma table", "triton_tma", {"batch_kernel": "table"}, ("batched",)))
         if "copy_engine" in names:
             variants.append(("copy_engine unmerged", "copy_engine", {"merge_contiguous": False}, ("batched",)))
             for k in CE_STREAMS:

@@ -2,12 +2,19 @@
 
 Runs on the destination's GPU like ``triton_sm``. TMA addresses 16-byte aligned tiles, so the
 source and destination must be congruent mod 16 (a MoverError names ``triton_sm`` otherwise).
+A batch sends its chunks' whole 32 KiB boxes through the Gluon ring of
+:mod:`flashboot.kernels.tma_ring` (TMA loads and stores straight through shared memory) and the
+rest through the descriptor table of :mod:`flashboot.kernels.copy_table`; ``batch.prepared.kernel``
+says which ran.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from flashboot.errors import MoverError
 from flashboot.memory import Span, stream_handle
 
 from .base import Mover
@@ -25,15 +32,21 @@ class TritonTMAMover(Mover):
     name = "triton_tma"
     paths = frozenset({"d2d", "p2p"})
     alignment = 1
-    batched = "one launch over a device-side descriptor table (TMA tiles; 16-byte aligned chunks)"
+    batched = ("one launch of a Gluon TMA ring over the chunks' whole 32 KiB boxes (shared memory straight "
+               "to global), the rest through a device-side descriptor table; 16-byte aligned chunks")
 
-    def __init__(self, **tuning: Any) -> None:
+    def __init__(self, *, batch_kernel: str = "ring", **tuning: Any) -> None:
         """``tuning`` overrides :data:`flashboot.kernels.copy.TMA_TUNING` (block_bytes, num_warps, ...)
-        for single copies and batches alike; without it, batches use
-        :data:`~flashboot.kernels.copy.TMA_TABLE_TUNING`."""
+        for single copies and the descriptor table alike; without it, the table uses
+        :data:`~flashboot.kernels.copy.TMA_TABLE_TUNING`. ``batch_kernel``: ``"ring"`` (batches'
+        whole boxes through :mod:`flashboot.kernels.tma_ring`, where this Triton has Gluon) or
+        ``"table"`` (every chunk through the descriptor table: the kernel to compare with)."""
         super().__init__()
         from flashboot.kernels.copy import TMA_TABLE_TUNING, TMA_TUNING, TMACopyLauncher, _knobs
 
+        if batch_kernel not in ("ring", "table"):
+            raise MoverError(f"triton_tma: batch_kernel must be 'ring' or 'table', got {batch_kernel!r}")
+        self.batch_kernel = batch_kernel
         self.tuning = _knobs(TMA_TUNING, tuning)
         self.table_tuning = self.tuning if tuning else dict(TMA_TABLE_TUNING)
         self._launch = TMACopyLauncher(self.tuning)  # built once: an aligned call is the kept runner's launch
@@ -71,7 +84,30 @@ class TritonTMAMover(Mover):
         self._launch(dst, src, nbytes, stream if type(stream) is int else stream_handle(stream))
 
     def _prepare_batch(self, batch: ChunkBatch) -> Any:
-        return prepare_table(batch, "tma", self.table_tuning)
+        from flashboot.kernels.tma_ring import (RING_TUNING, ROW_BYTES, RingAndTable, RingCopy, ring_available,
+                                                split_for_ring)
+
+        why = "batch_kernel='table'" if self.batch_kernel == "table" else \
+            "" if batch.dst.device.is_cuda else "host memory (Triton's interpreter)"
+        if not why:
+            ok, why = ring_available()
+        if why:
+            return RingAndTable(None, prepare_table(batch, "tma", self.table_tuning), why)
+        if batch.path == "p2p":
+            ensure_peer_access(batch.dst.device.index, batch.src)
+        ring, rest = split_for_ring(batch.dst.ptr, batch.src.ptr, batch.dst_offsets, batch.src_offsets, batch.nbytes,
+                                    RING_TUNING["rows"] * ROW_BYTES)
+        ring_copy = RingCopy(batch.dst, batch.src, ring, device_index=batch.dst.device.index) if len(ring) else None
+        rest_table = None
+        if len(rest):  # a chunk's last partial box, or a chunk off the 128-byte grid
+            from flashboot.kernels.copy_table import CopyTable
+
+            k = self.table_tuning
+            rows = np.stack([batch.dst.ptr + rest[:, 0], batch.src.ptr + rest[:, 1], rest[:, 2]], axis=1)
+            rest_table = CopyTable(rows, device=batch.dst.device, kind="tma", block_bytes=k["block_bytes"],
+                                   num_warps=k["num_warps"], num_stages=k["num_stages"],
+                                   programs_per_sm=k["programs_per_sm"])
+        return RingAndTable(ring_copy, rest_table)
 
     def _copy_batch(self, batch: ChunkBatch, stream: Any) -> None:
         batch.prepared.launch(stream_handle(stream))
