@@ -4,6 +4,8 @@
 # Sets OUT (default /tmp/out), S (the summary) and T0; defines
 #   say LINE...      the line to stdout and the summary;
 #   left N           N, or the seconds left of the call's BUDGET_S if fewer (at least 10): a step's timeout;
+#   soak_refit       200 refit cycles (`bench soak --kinds refit`), its last lines;
+#   bench_refit N    bench refit on checkpoint A with N repeats, then refit_summary;
 #   refit_summary    bench refit's $OUT/refit_A.json in a few lines (ceiling, copies, remap, breakdown);
 #   movers_chunked   issue 20's `bench movers --chunked` (1 and 4 MiB, a 2 GiB chain), its key lines.
 # Installs the checkout; unless WARM=0, writes FlashBoot's bytecode and caches first (`flashboot warm`).
@@ -15,6 +17,15 @@ BUDGET_S=${BUDGET_S:-560}
 T0=$(date +%s)
 say() { echo "$*" | tee -a "$S"; }
 left() { local l=$(( BUDGET_S - ($(date +%s) - T0) )); [ "$l" -lt 10 ] && l=10; [ "$1" -lt "$l" ] && l=$1; echo "$l"; }
+soak_refit() {
+  timeout "$(left 70)" flashboot bench soak --kinds refit --cycles 200 --json "$OUT/soak_refit.json" >/tmp/soak.log 2>&1
+  say "soak rc=$?"; grep -vE "^\s*$" /tmp/soak.log | tail -8 | cut -c1-240 | tee -a "$S"
+}
+bench_refit() {
+  timeout "$(left 110)" flashboot bench refit --checkpoint A --repeats "$1" --json "$OUT/refit_A.json" >/tmp/refit.log 2>&1
+  say "bench refit rc=$?"
+  refit_summary
+}
 refit_summary() {
   OUT="$OUT" python3 - <<'PY' 2>&1 | tee -a "$S"
 import json, os

@@ -19,13 +19,10 @@ say "tests rc=$? :: $(tail -1 /tmp/tests.log)"; grep -E "^(FAILED|ERROR)" /tmp/t
 say "=== 2. logits after a refit, 200 refits ($(date +%T))"
 timeout "$(left 90)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_weight_update_logits.py >/tmp/logits.log 2>&1
 say "logits rc=$? :: $(tail -1 /tmp/logits.log)"; grep -E "^(FAILED|ERROR)|bitwise" /tmp/logits.log | head -6 | tee -a "$S"
-timeout "$(left 70)" flashboot bench soak --kinds refit --cycles 200 --json "$OUT/soak_refit.json" >/tmp/soak.log 2>&1
-say "soak rc=$?"; grep -vE "^\s*$" /tmp/soak.log | tail -8 | cut -c1-240 | tee -a "$S"
+soak_refit
 
 say "=== 3. bench refit A ($(date +%T))"
-timeout "$(left 110)" flashboot bench refit --checkpoint A --repeats 3 --json "$OUT/refit_A.json" >/tmp/refit.log 2>&1
-say "bench refit rc=$?"
-refit_summary
+bench_refit 3
 
 say "=== 4. bench movers --chunked ($(date +%T))"
 movers_chunked

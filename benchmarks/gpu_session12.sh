@@ -16,19 +16,14 @@ timeout "$(left 110)" python3 -m pytest -q -p no:cacheprovider -m "gpu or two_gp
 say "tests rc=$? :: $(tail -1 /tmp/tests.log)"; grep -E "^(FAILED|ERROR)" /tmp/tests.log | head -12 | tee -a "$S"
 
 say "=== 2. 200 refits ($(date +%T))"
-timeout "$(left 70)" flashboot bench soak --kinds refit --cycles 200 --json "$OUT/soak_refit.json" >/tmp/soak.log 2>&1
-say "soak rc=$?"; grep -vE "^\s*$" /tmp/soak.log | tail -8 | cut -c1-240 | tee -a "$S"
+soak_refit
 
 say "=== 3. bench refit A ($(date +%T))"
-timeout "$(left 110)" flashboot bench refit --checkpoint A --repeats 5 --json "$OUT/refit_A.json" >/tmp/refit.log 2>&1
-say "bench refit rc=$?"
-refit_summary
+bench_refit 5
 
-if [ -f benchmarks/probes/tma_gluon.py ]; then
-  say "=== 4. Gluon TMA probe ($(date +%T))"
-  timeout "$(left 100)" python3 benchmarks/probes/tma_gluon.py >"$OUT/tma_gluon.jsonl" 2>/tmp/tma_gluon.err
-  say "tma_gluon rc=$?"; tail -3 /tmp/tma_gluon.err | cut -c1-300 | tee -a "$S"; tail -2 "$OUT/tma_gluon.jsonl" | cut -c1-1500 | tee -a "$S"
-fi
+say "=== 4. Gluon TMA probe ($(date +%T))"
+timeout "$(left 100)" python3 benchmarks/probes/tma_gluon.py >"$OUT/tma_gluon.jsonl" 2>/tmp/tma_gluon.err
+say "tma_gluon rc=$?"; tail -3 /tmp/tma_gluon.err | cut -c1-300 | tee -a "$S"; tail -2 "$OUT/tma_gluon.jsonl" | cut -c1-1500 | tee -a "$S"
 
 say "=== 5. bench movers --chunked ($(date +%T))"
 movers_chunked

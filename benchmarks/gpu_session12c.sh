@@ -13,11 +13,8 @@ timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider -m "gpu or two_gp
 say "tests rc=$? :: $(tail -1 /tmp/tests.log)"; grep -E "^(FAILED|ERROR)|Error" /tmp/tests.log | head -12 | cut -c1-400 | tee -a "$S"
 
 say "=== 2. bench movers --chunked ($(date +%T))"
-movers_chunked
-grep -E "triton_tma table" /tmp/movers_chunked.log | tee -a "$S"
+movers_chunked  # its batched rows include "triton_tma table"
 
 say "=== 3. bench refit A ($(date +%T))"
-timeout "$(left 110)" flashboot bench refit --checkpoint A --repeats 5 --json "$OUT/refit_A.json" >/tmp/refit.log 2>&1
-say "bench refit rc=$?"
-refit_summary
+bench_refit 5
 say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"

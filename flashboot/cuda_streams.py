@@ -109,24 +109,28 @@ _idle: dict[tuple, list] = {}
 _idle_lock = threading.Lock()
 
 
+def _pool_key(obj: Stream | Event) -> tuple:
+    return ("stream", obj.device_index) if isinstance(obj, Stream) else ("event", obj.device_index, obj.timing)
+
+
+def _lend(key: tuple, make):
+    with _idle_lock:
+        idle = _idle.get(key)
+        if idle:
+            return idle.pop()
+    return make()
+
+
 def lend_stream(device_index: int) -> Stream:
     """A private non-blocking stream of device ``device_index``: an idle one this process made
     before, or a new one. A refit repeats thousands of times, and making and destroying its
     streams and events cost ~0.2 ms of host time per run, before its copy and after its end."""
-    with _idle_lock:
-        idle = _idle.get(("stream", device_index))
-        if idle:
-            return idle.pop()
-    return Stream(device_index)
+    return _lend(("stream", device_index), lambda: Stream(device_index))
 
 
 def lend_event(device_index: int, *, timing: bool = False) -> Event:
     """An event of device ``device_index`` (as :class:`Event`), idle from an earlier borrower or new."""
-    with _idle_lock:
-        idle = _idle.get(("event", device_index, timing))
-        if idle:
-            return idle.pop()
-    return Event(device_index, timing=timing)
+    return _lend(("event", device_index, timing), lambda: Event(device_index, timing=timing))
 
 
 def give_back(*objects: Stream | Event) -> None:
@@ -135,9 +139,7 @@ def give_back(*objects: Stream | Event) -> None:
     wait or an event someone may still query must be dropped instead."""
     with _idle_lock:
         for obj in objects:
-            key = ("stream", obj.device_index) if isinstance(obj, Stream) else \
-                ("event", obj.device_index, obj.timing)
-            idle = _idle.setdefault(key, [])
+            idle = _idle.setdefault(_pool_key(obj), [])
             if len(idle) < POOL_KEEP and obj._finalizer.alive and obj not in idle:
                 idle.append(obj)
                 continue

@@ -242,12 +242,14 @@ def _table_config(kind: str, elem_bytes: int, align16: bool, block: int, num_war
                         ("int64", "int64", "int32" if strided else "int64", None, None), num_warps, num_stages)
 
 
-def table_for(batch, *, kind: str, knobs: dict[str, Any]) -> CopyTable:
+def table_for(batch, *, kind: str, knobs: dict[str, Any], entries: np.ndarray | None = None) -> CopyTable:
     """The :class:`CopyTable` of a validated :class:`~flashboot.movers.batch.ChunkBatch` (tile,
     warps and stages from the mover's ``knobs``; programs per SM too for TMA, while the SM table
-    keeps :data:`PROGRAMS_PER_SM`)."""
+    keeps :data:`PROGRAMS_PER_SM`). ``entries``: ``(dst_offset, src_offset, nbytes)`` rows to
+    copy instead of the batch's own (pieces of its chunks: what the TMA ring leaves)."""
     require_kernel_memory(batch.dst)
-    rows = np.stack([batch.dst.ptr + batch.dst_offsets, batch.src.ptr + batch.src_offsets, batch.nbytes], axis=1)
+    d, s, n = (batch.dst_offsets, batch.src_offsets, batch.nbytes) if entries is None else entries.T
+    rows = np.stack([batch.dst.ptr + d, batch.src.ptr + s, n], axis=1)
     per_sm = knobs["programs_per_sm"] if kind == "tma" else PROGRAMS_PER_SM  # the SM table keeps 2 (its doc)
     return CopyTable(rows, device=batch.dst.device, kind=kind, block_bytes=knobs["block_bytes"],
                      num_warps=knobs["num_warps"], num_stages=knobs["num_stages"], programs_per_sm=per_sm)

@@ -109,13 +109,14 @@ class TritonSMMover(Mover):
         batch.prepared.launch(stream_handle(stream))
 
 
-def prepare_table(batch: ChunkBatch, kind: str, knobs: dict[str, Any]):
-    """The device table of a Triton mover's batch; peer access checked once for a p2p batch."""
+def prepare_table(batch: ChunkBatch, kind: str, knobs: dict[str, Any], entries=None):
+    """The device table of a Triton mover's batch (or of ``entries``, pieces of its chunks: see
+    :func:`~flashboot.kernels.copy_table.table_for`); peer access checked once for a p2p batch."""
     from flashboot.kernels.copy_table import table_for
 
     if batch.path == "p2p":
         ensure_peer_access(batch.dst.device.index, batch.src)
-    return table_for(batch, kind=kind, knobs=knobs)
+    return table_for(batch, kind=kind, knobs=knobs, entries=entries)
 
 
 __all__ = ["TritonSMMover", "ensure_peer_access", "prepare_table"]

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from flashboot.errors import MoverError
 from flashboot.memory import Span, stream_handle
 
@@ -87,26 +85,21 @@ class TritonTMAMover(Mover):
         from flashboot.kernels.tma_ring import (RING_TUNING, ROW_BYTES, RingAndTable, RingCopy, ring_available,
                                                 split_for_ring)
 
-        why = "batch_kernel='table'" if self.batch_kernel == "table" else \
-            "" if batch.dst.device.is_cuda else "host memory (Triton's interpreter)"
-        if not why:
-            ok, why = ring_available()
+        if self.batch_kernel == "table":
+            why = "batch_kernel='table'"
+        elif not batch.dst.device.is_cuda:
+            why = "host memory (Triton's interpreter)"
+        else:
+            why = ring_available()[1]
         if why:
             return RingAndTable(None, prepare_table(batch, "tma", self.table_tuning), why)
         if batch.path == "p2p":
-            ensure_peer_access(batch.dst.device.index, batch.src)
+            ensure_peer_access(batch.dst.device.index, batch.src)  # the ring reads the peer's memory too
         ring, rest = split_for_ring(batch.dst.ptr, batch.src.ptr, batch.dst_offsets, batch.src_offsets, batch.nbytes,
                                     RING_TUNING["rows"] * ROW_BYTES)
         ring_copy = RingCopy(batch.dst, batch.src, ring, device_index=batch.dst.device.index) if len(ring) else None
-        rest_table = None
-        if len(rest):  # a chunk's last partial box, or a chunk off the 128-byte grid
-            from flashboot.kernels.copy_table import CopyTable
-
-            k = self.table_tuning
-            rows = np.stack([batch.dst.ptr + rest[:, 0], batch.src.ptr + rest[:, 1], rest[:, 2]], axis=1)
-            rest_table = CopyTable(rows, device=batch.dst.device, kind="tma", block_bytes=k["block_bytes"],
-                                   num_warps=k["num_warps"], num_stages=k["num_stages"],
-                                   programs_per_sm=k["programs_per_sm"])
+        # the rest: a chunk's last partial box, or a chunk off the 128-byte grid
+        rest_table = prepare_table(batch, "tma", self.table_tuning, entries=rest) if len(rest) else None
         return RingAndTable(ring_copy, rest_table)
 
     def _copy_batch(self, batch: ChunkBatch, stream: Any) -> None:

@@ -242,3 +242,19 @@ def test_tma_mover_batches_take_the_table_knobs_unless_it_is_tuned():
     assert TritonTMAMover().table_tuning == kc.TMA_TABLE_TUNING
     tuned = TritonTMAMover(block_bytes=4096, programs_per_sm=1)
     assert tuned.table_tuning == tuned.tuning and tuned.tuning["block_bytes"] == 4096
+
+
+def test_a_table_of_pieces_copies_those_pieces_only():
+    """table_for(entries=...): the rows the TMA ring leaves (pieces of the batch's chunks) and no other byte."""
+    from flashboot.kernels.copy_table import table_for
+
+    src, dst, chunks, batch = _table_case("tma", 0, seed=9)
+    pieces = np.array([(d + n // 32 * 16, s + n // 32 * 16, n - n // 32 * 16) for d, s, n in chunks], dtype=np.int64)
+    table = table_for(batch, kind="tma", knobs={**kc.TMA_TABLE_TUNING, **SMALL}, entries=pieces)
+    assert table.n_entries == len(pieces)
+    table.launch(0)
+    s, d = src.cpu().numpy(), dst.cpu().numpy()
+    expect = np.full_like(d, POISON)
+    for do, so, n in pieces:
+        expect[GUARD + do:GUARD + do + n] = s[GUARD + so:GUARD + so + n]
+    assert np.array_equal(d, expect)

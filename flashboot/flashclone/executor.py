@@ -384,7 +384,7 @@ class Executor:
         Without batching (a ``step_hook`` sees every step) each step is its own unit."""
         if self.step_hook is not None:
             return [[s] for s in steps]
-        awaited = self.plan.awaited() | {w for st in self.steps for w in st.waits}  # rewired steps too
+        awaited = self.plan.awaited | {w for st in self.steps for w in st.waits}  # rewired steps too
         units: list[list[Step]] = []
         last: dict[tuple[int, int], list[Step]] = {}
         for s in steps:

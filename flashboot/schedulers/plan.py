@@ -10,6 +10,7 @@ of its destination.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -101,7 +102,6 @@ class Plan:
     steps: tuple[Step, ...]
     exclusive_sources: bool = False
     _flags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    _awaited: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "participants", tuple(self.participants))
@@ -190,11 +190,10 @@ class Plan:
             self._flags.update(enumerate(counts))
         return self._flags[index]
 
+    @functools.cached_property
     def awaited(self) -> frozenset[int]:
         """Ids of the steps some step waits for (computed once: an executor asks on every run)."""
-        if not self._awaited:
-            self._awaited.append(frozenset(w for s in self.steps for w in s.waits))
-        return self._awaited[0]
+        return frozenset(w for s in self.steps for w in s.waits)
 
     def flag_of(self, step_id: int) -> tuple[int, int]:
         """``(participant, flag index)`` raised when step ``step_id`` completes."""
