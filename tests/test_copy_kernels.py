@@ -167,6 +167,15 @@ def _table_case(kind, shift, seed):
     return src, dst, chunks, create_mover(checker).batch(d_span, s_span, chunks)
 
 
+def assert_rows_copied(src, dst, rows):
+    """Each ``(dst_offset, src_offset, nbytes)`` row landed (offsets past the guard) and no other byte changed."""
+    s, d = src.cpu().numpy(), dst.cpu().numpy()
+    expect = np.full_like(d, POISON)
+    for do, so, n in rows:
+        expect[GUARD + do:GUARD + do + n] = s[GUARD + so:GUARD + so + n]
+    assert np.array_equal(d, expect)
+
+
 @pytest.mark.parametrize("kind,shift", [("sm", 0), ("sm", 8), ("sm", 3), ("tma", 0)])
 def test_table_copy_moves_every_row_exactly(kind, shift):
     from flashboot.kernels.copy_table import table_for
@@ -178,11 +187,7 @@ def test_table_copy_moves_every_row_exactly(kind, shift):
     assert table.n_entries == len(chunks) and table.grid[0] <= table.n_tiles
     assert table.elem_bytes == {0: 8, 8: 8, 3: 1}[shift] and table.align16 == (shift == 0)
     table.launch(0)
-    s, d = src.cpu().numpy(), dst.cpu().numpy()
-    expect = np.full_like(d, POISON)
-    for do, so, n in chunks:
-        expect[GUARD + do:GUARD + do + n] = s[GUARD + so:GUARD + so + n]
-    assert np.array_equal(d, expect)
+    assert_rows_copied(src, dst, chunks)
 
 
 @pytest.mark.parametrize("programs_per_sm", [1, 3, 40])
@@ -253,8 +258,4 @@ def test_a_table_of_pieces_copies_those_pieces_only():
     table = table_for(batch, kind="tma", knobs={**kc.TMA_TABLE_TUNING, **SMALL}, entries=pieces)
     assert table.n_entries == len(pieces)
     table.launch(0)
-    s, d = src.cpu().numpy(), dst.cpu().numpy()
-    expect = np.full_like(d, POISON)
-    for do, so, n in pieces:
-        expect[GUARD + do:GUARD + do + n] = s[GUARD + so:GUARD + so + n]
-    assert np.array_equal(d, expect)
+    assert_rows_copied(src, dst, pieces)
