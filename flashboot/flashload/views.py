@@ -22,11 +22,12 @@ MAX_PERIOD = 4
 alternate: k = 2)."""
 
 
-VIEW_THREADS = min(4, os.cpu_count() or 1)
+VIEW_THREADS = min(8, os.cpu_count() or 1)
 """Threads that make the views. torch releases the GIL inside ``unbind`` (the C++ loop that makes
 a run's tensors) and takes it back only to wrap each result, so on a host with spare cores the
-runs' C++ parts overlap: on the H200 machine (16 cores), shape C's 40,250 views in a fresh process
-took 1.11 us each with 4 threads against 1.40-2.16 with one (benchmarks/views_ab.py, 16:04)."""
+runs' C++ parts overlap. Shape C's 40,250 views, first call in fresh processes on the H200
+machine (16 cores; benchmarks/probes/early_call_parts.py, 2026-12-02 13:29, three rounds): 1
+thread 1.10-1.80 us each, 2: 1.20-1.37, 4: 0.84-1.18, 8: 0.79-1.11, 12: 0.85-1.08."""
 VIEW_THREAD_MIN_TENSORS = 1000
 """The default uses a thread per this many tensors at most (starting one costs ~0.1 ms: more than
 a small model's views take)."""
