@@ -8,7 +8,9 @@ an engine restarting whose plugin ran it at start; ``warm_ms`` reports it) times
 it and the mapping of every segment (what ``open_held`` does: ``open_ms``, split into the first
 segment at open and ``map_rest_ms``), the strict metadata read (``tensors.bin``) and the views,
 and reports each and microseconds per tensor, against the target 20 ms + 2 us/tensor.
-``--view-threads N``: the views made by N threads (:data:`flashboot.flashload.views.VIEW_THREADS`).
+The metadata is read as restart reads it (``read_image``: the table decoded beside the hash) and
+the views made with ``make_views``' default threads (:data:`flashboot.flashload.views.VIEW_THREADS`);
+``--view-threads N`` makes them by N threads instead.
 
 ``python -m flashboot.benchmarks.first_calls checksum --device D``: a fresh child times the import
 of the checksum and its first call on 64 MiB of the device, then a second call, whether the
@@ -45,13 +47,13 @@ def _context(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _views_child(image: str, device: str, descriptor: dict, threads: int) -> dict:
+def _views_child(image: str, device: str, descriptor: dict, threads: int | None) -> dict:
     _context(device)
     import flashboot  # noqa: F401
     from flashboot.arena import Arena, ArenaDescriptor
     from flashboot.flashload.views import make_views
     from flashboot.flashload.warm import import_loader
-    from flashboot.layouts.image import open_image, read_metadata_file
+    from flashboot.layouts import read_image
 
     warm_ms = import_loader(device)  # what the engine plugins run at engine start, before any load
     t0 = time.perf_counter()
@@ -61,13 +63,14 @@ def _views_child(image: str, device: str, descriptor: dict, threads: int) -> dic
     t_open = time.perf_counter()
     arena.map_range()  # as restart's _open_held: every segment mapped before the views
     t1, c1 = time.perf_counter(), time.thread_time()  # CPU time too: on a busy machine the wall time is not ours
-    meta = open_image(read_metadata_file(image, 0), 0).metadata
+    meta = read_image(image, 0).metadata  # as restart reads it (shm.rank_source): the table decoded beside the hash
     t2, c2 = time.perf_counter(), time.thread_time()
     arena.bytes()  # the flat tensor the views are made of (torch wraps the range once): timed apart
     t_flat = time.perf_counter()
-    views = make_views(arena, meta, threads=threads)
+    kw = {} if threads is None else {"threads": threads}  # None: the product's default, as restart makes them
+    views = make_views(arena, meta, **kw)
     t3, c3 = time.perf_counter(), time.thread_time()
-    again = make_views(arena, meta, threads=threads)
+    again = make_views(arena, meta, **kw)
     t4 = time.perf_counter()
     n = len(views)
     del views, again
@@ -201,7 +204,7 @@ def _child(args: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def views(images: list[str], device: str, threads: int = 1) -> list[dict]:
+def views(images: list[str], device: str, threads: int | None = None) -> list[dict]:
     """One fresh child per image; see the module docstring."""
     from flashboot.arena import Arena
     from flashboot.layouts import read_image
@@ -210,7 +213,7 @@ def views(images: list[str], device: str, threads: int = 1) -> list[dict]:
     for image in images:
         nbytes = read_image(image, 0).nbytes
         with Arena.create(nbytes, device) as arena:
-            out.append(_child(["views", image, device, json.dumps(arena.export().to_dict()), str(threads)]))
+            out.append(_child(["views", image, device, json.dumps(arena.export().to_dict()), str(threads or 0)]))
     return out
 
 
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
         kind = argv[1]
-        res = (_views_child(argv[2], argv[3], json.loads(argv[4]), int(argv[5])) if kind == "views"
+        res = (_views_child(argv[2], argv[3], json.loads(argv[4]), int(argv[5]) or None) if kind == "views"
                else _checksum_parts_child(argv[2]) if kind == "checksum-parts" else _checksum_child(argv[2]))
         print(json.dumps(res))
         return 0
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("what", choices=["views", "checksum", "checksum-parts"])
     p.add_argument("images", nargs="*")
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--view-threads", type=int, default=1, help="threads that make the views (views.make_views)")
+    p.add_argument("--view-threads", type=int, default=None,
+                   help="threads that make the views (default: make_views' own, as a restart makes them)")
     args = p.parse_args(argv)
     rows = views(args.images, args.device, args.view_threads) if args.what == "views" else [_child([args.what, args.device])]
     for row in rows:

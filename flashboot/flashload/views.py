@@ -22,8 +22,9 @@ MAX_PERIOD = 4
 alternate: k = 2)."""
 
 
-VIEW_THREADS = min(8, os.cpu_count() or 1)
-"""Threads that make the views. torch releases the GIL inside ``unbind`` (the C++ loop that makes
+VIEW_THREADS = int(os.environ.get("FLASHBOOT_VIEW_THREADS") or min(8, os.cpu_count() or 1))
+"""Threads that make the views (``FLASHBOOT_VIEW_THREADS`` overrides: an engine that keeps its
+cores busy may want fewer). torch releases the GIL inside ``unbind`` (the C++ loop that makes
 a run's tensors) and takes it back only to wrap each result, so on a host with spare cores the
 runs' C++ parts overlap. Shape C's 40,250 views, first call in fresh processes on the H200
 machine (16 cores; benchmarks/probes/early_call_parts.py, 2026-12-02 13:29, three rounds): 1
