@@ -6,12 +6,11 @@ The interpreter replaces ``triton.jit`` at import, so this compiles in a child p
 ``TRITON_INTERPRET``."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from _python import run_compiling
 
 triton = pytest.importorskip("triton")
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -56,10 +55,7 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton wheel carries no ptxas to compile with")
 def test_gpu_kernels_compile_for_hopper_with_vector_accesses():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(run_compiling(SCRIPT).strip().splitlines()[-1])
     assert {"ld.global.v2.b64", "st.global.v2.b64"} <= set(out["table"]["access"])
     assert {"ld.global.v4.b32", "st.global.v4.b32"} <= set(out["copy_checksum"]["access"])
     assert {"ld.global.cg.v2.b64", "st.global.v2.b64", "ld.global.sys.acquire.b32"} <= set(out["flag"]["access"])

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from _python import run_compiling
 from flashboot.errors import CapabilityError, CudaError, FlashBootError, KernelCacheError
 from flashboot.kernels import checksum_gpu, cubin, launch_ctypes
 
@@ -30,13 +31,8 @@ def _key(copy=False, arch=90):
 def _compile(code: str, cache=None) -> str:
     """Run ``code`` (Triton compiling for sm_90) in a fresh interpreter: this one may run Triton's
     interpreter (no GPU), whose kernels cannot be compiled."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if cache is not None:
-        env["FLASHBOOT_KERNEL_CACHE"] = str(cache)
-    p = subprocess.run([sys.executable, "-c", "from flashboot.kernels import checksum_gpu as g\n" + code], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return p.stdout
+    return run_compiling("from flashboot.kernels import checksum_gpu as g\n" + code, timeout=300,
+                         env=None if cache is None else {"FLASHBOOT_KERNEL_CACHE": str(cache)})
 
 
 def _build(cache, copy=False, source_sha256=None):

@@ -3,11 +3,13 @@ programs walk, that the kernel lowers to TMA alone for Hopper, and byte-exact ba
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
 import pytest
 
+from _python import run_compiling
 from flashboot.kernels.tma_ring import ROW_BYTES, ring_available, ring_table, split_for_ring
 
 BOX = 256 * ROW_BYTES
@@ -85,28 +87,34 @@ def test_every_program_starts_at_its_row_and_every_box_is_copied_once(programs):
     assert sorted(_walk(table, starts, rows)) == expect
 
 
+RING_PTX = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from flashboot.kernels.tma_ring_kernel import copy_ring_kernel
+
+layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=64, rank=2)
+desc = f"tensordesc<i64[256, 16],{layout!r}>"
+sig = {"src_desc": desc, "dst_desc": desc, "table_ptr": "*i64", "starts_ptr": "*i64", "n_tiles": "i64",
+       "STAGES": "constexpr"}
+k = triton.compile(GluonASTSource(copy_ring_kernel, sig, {"STAGES": 4}), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4})
+print(json.dumps({"ptx": k.asm["ptx"], "shared": k.metadata.shared}))
+"""
+
+
 @pytest.mark.skipif(not ring_available()[0], reason="this Triton has no Gluon Hopper TMA")
 def test_the_ring_kernel_lowers_to_tma_loads_and_stores_without_registers_for_hopper():
-    """Compiled for sm_90a here (Triton ships ptxas; no GPU needed): bulk tensor copies both ways,
-    and no ld.shared / st.shared (the data never passes through registers)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from flashboot.kernels.tma_ring_kernel import copy_ring_kernel
-
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=64, rank=2)
-    desc = f"tensordesc<i64[256, 16],{layout!r}>"
-    sig = {"src_desc": desc, "dst_desc": desc, "table_ptr": "*i64", "starts_ptr": "*i64", "n_tiles": "i64",
-           "STAGES": "constexpr"}
-    k = triton.compile(GluonASTSource(copy_ring_kernel, sig, {"STAGES": 4}), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4})
-    ptx = k.asm["ptx"]
+    """Compiled for sm_90a in a child process (Triton ships ptxas; no GPU needed): bulk tensor
+    copies both ways, and no ld.shared / st.shared (the data never passes through registers)."""
+    out = json.loads(run_compiling(RING_PTX).strip().splitlines()[-1])
+    ptx = out["ptx"]
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", ptx)  # TMA stores from shared memory
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx)  # TMA loads into it
     assert not re.search(r"\b(?:ld|st)\.shared\.", ptx)
-    assert k.metadata.shared >= 4 * BOX  # the ring: 4 boxes of 32 KiB
+    assert out["shared"] >= 4 * BOX  # the ring: 4 boxes of 32 KiB
 
 
 @pytest.mark.gpu
