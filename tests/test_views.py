@@ -61,7 +61,8 @@ def _metadata(entries: dict, from_table_file: bool):
     return SimpleNamespace(tensors=table, image_nbytes=-(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT)
 
 
-def _check_against_reference(arena, meta, threads: int = 1) -> None:
+def _check_against_reference(arena, meta, threads: int | None = 1) -> None:
+    """``make_views`` by ``threads`` threads (None: its default) against per-tensor ``as_strided``."""
     flat = arena.bytes()
     views = make_views(arena, meta, threads=threads)
     assert list(views) == list(meta.tensors.names)
@@ -180,3 +181,26 @@ def test_runs_never_join_tensors_at_one_offset():
     for start, step, m in runs:
         assert step > 0 and len(m) >= 2
     assert sorted(np.concatenate([m for _, _, m in runs] + [rest]).tolist()) == list(range(6))
+
+
+def test_the_thread_count_comes_from_the_environment_and_a_bad_one_is_refused(monkeypatch):
+    from flashboot import FlashBootError
+    from flashboot.flashload import views as views_mod
+
+    meta = _metadata(_entries(seed=7), True)
+    used = []
+    real = views_mod._run_jobs
+    monkeypatch.setattr(views_mod, "VIEW_THREAD_MIN_TENSORS", 1)  # the table is small: let it use them all
+    monkeypatch.setattr(views_mod, "_run_jobs", lambda jobs, threads: used.append(threads) or real(jobs, threads))
+    with Arena.create(meta.image_nbytes, "cpu") as arena:
+        monkeypatch.setenv("FLASHBOOT_VIEW_THREADS", "3")
+        _check_against_reference(arena, meta, threads=None)
+        assert used[0] == 3  # the first call: the shares then run with one thread each
+        monkeypatch.delenv("FLASHBOOT_VIEW_THREADS")
+        used.clear()
+        make_views(arena, meta)
+        assert used[0] == min(views_mod.VIEW_THREADS, len(meta.tensors))
+        for bad in ("0", "-2", "four"):
+            monkeypatch.setenv("FLASHBOOT_VIEW_THREADS", bad)
+            with pytest.raises(FlashBootError, match=rf"\$FLASHBOOT_VIEW_THREADS must be a positive number.*'{bad}'"):
+                make_views(arena, meta)

@@ -22,13 +22,15 @@ MAX_PERIOD = 4
 alternate: k = 2)."""
 
 
-VIEW_THREADS = int(os.environ.get("FLASHBOOT_VIEW_THREADS") or min(8, os.cpu_count() or 1))
-"""Threads that make the views (``FLASHBOOT_VIEW_THREADS`` overrides: an engine that keeps its
+VIEW_THREADS = min(8, os.cpu_count() or 1)
+"""Threads that make the views (``$FLASHBOOT_VIEW_THREADS`` overrides: an engine that keeps its
 cores busy may want fewer). torch releases the GIL inside ``unbind`` (the C++ loop that makes
 a run's tensors) and takes it back only to wrap each result, so on a host with spare cores the
 runs' C++ parts overlap. Shape C's 40,250 views, first call in fresh processes on the H200
 machine (16 cores; benchmarks/probes/early_call_parts.py, 2026-12-02 13:29, three rounds): 1
-thread 1.10-1.80 us each, 2: 1.20-1.37, 4: 0.84-1.18, 8: 0.79-1.11, 12: 0.85-1.08."""
+thread 1.10-1.80 us each, 2: 1.20-1.37, 4: 0.84-1.18, 8: 0.79-1.11, 12: 0.85-1.08; inside the
+load, beside the daemon's DMA, 8 made them as fast as 4 or faster (benchmarks/RESULTS.md)."""
+THREADS_ENV = "FLASHBOOT_VIEW_THREADS"
 VIEW_THREAD_MIN_TENSORS = 1000
 """The default uses a thread per this many tensors at most (starting one costs ~0.1 ms: more than
 a small model's views take)."""
@@ -43,7 +45,7 @@ def make_views(arena, metadata, *, threads: int | None = None) -> dict:
     stride and dtype), made in bulk from the tensor table's columns (see the module docstring).
     The strict reader has already checked every tensor's bounds and alignment against the image
     (which fits the arena), and the per-call checks of ``arena.view`` cost ~25 us a tensor.
-    ``threads``: how many threads make them (default :data:`VIEW_THREADS`, one per
+    ``threads``: how many threads make them (default :func:`view_threads`, one per
     :data:`VIEW_THREAD_MIN_TENSORS` tensors at most).
     """
     import torch
@@ -72,12 +74,27 @@ def make_views(arena, metadata, *, threads: int | None = None) -> dict:
                     _plan(typed, pick, dims.shapes[pick, :ndim], dims.strides[pick, :ndim], elem_offsets[pick],
                           order, jobs)
         if threads is None:
-            threads = max(1, min(VIEW_THREADS, n // VIEW_THREAD_MIN_TENSORS))
+            threads = max(1, min(view_threads(), n // VIEW_THREAD_MIN_TENSORS))
         made = _run_jobs(jobs, threads)
         position = np.empty(n, np.int64)  # back to table order: one C-level gather, not a Python loop
         position[np.concatenate(order)] = np.arange(n)
         made = operator.itemgetter(*position.tolist())(made) if n > 1 else made
         return dict(zip(table.names, made))
+
+
+def view_threads() -> int:
+    """:data:`VIEW_THREADS`, or ``$FLASHBOOT_VIEW_THREADS`` where set (a positive int; anything
+    else is refused by name, not ignored)."""
+    env = os.environ.get(THREADS_ENV)
+    if not env:
+        return VIEW_THREADS
+    try:
+        threads = int(env)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise FlashBootError(f"${THREADS_ENV} must be a positive number of threads, got {env!r}")
+    return threads
 
 
 def _plan(typed, pick: np.ndarray, shapes: np.ndarray, strides: np.ndarray, offsets: np.ndarray,
