@@ -20,7 +20,7 @@ cold compile, and after ``flashboot warm`` for the cubin launched without Triton
 ``first_call_with_import_ms`` <= 20 ms). ``checksum-parts``: the same first call after
 ``flashboot warm``, taken apart (``parts_ms``).
 
-Both print one JSON line per measurement.
+Both print one JSON line per measurement; ``summary FILE...`` prints such files' lines in words.
 """
 
 from __future__ import annotations
@@ -217,6 +217,25 @@ def views(images: list[str], device: str, threads: int | None = None) -> list[di
     return out
 
 
+def summary_lines(rows: list[dict]) -> list[str]:
+    """One line per measurement of :func:`views` or the checksum, against its target."""
+    lines = []
+    for r in rows:
+        if "tensors" in r:
+            lines.append(f"{r['image'].rsplit('/', 1)[-1]} (view threads {r['view_threads'] or 'default'}): "
+                         f"{r['tensors']} tensors: open {r['open_ms']:.1f} ms, metadata {r['metadata_ms']:.1f} ms, "
+                         f"views {r['views_ms']:.1f} ms ({r['views_us_per_tensor']:.2f} us/t; 2nd "
+                         f"{r['views_second_us_per_tensor']:.2f}); restart {r['restart_ms']:.1f} ms vs target "
+                         f"{r['restart_target_ms']:.1f} ms")
+        elif "first_call_ms" in r:
+            lines.append(f"checksum: import {r.get('import_ms', 0.0):.1f} ms, first call {r['first_call_ms']:.1f} ms, "
+                         f"with import {r.get('first_call_with_import_ms', float('nan')):.1f} ms, second "
+                         f"{r.get('second_call_ms', float('nan')):.2f} ms (target {FIRST_CALL_TARGET_MS:g} ms)")
+        elif "error" in r:
+            lines.append(f"error: {r['error']}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
@@ -226,12 +245,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res))
         return 0
     p = argparse.ArgumentParser(prog="python -m flashboot.benchmarks.first_calls", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["views", "checksum", "checksum-parts"])
+    p.add_argument("what", choices=["views", "checksum", "checksum-parts", "summary"])
     p.add_argument("images", nargs="*")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--view-threads", type=int, default=None,
                    help="threads that make the views (default: make_views' own, as a restart makes them)")
     args = p.parse_args(argv)
+    if args.what == "summary":  # IMAGES: JSON-lines files of the other commands (a line may carry a label first)
+        for path in args.images:
+            with open(path) as f:
+                for line in filter(str.strip, f):
+                    label = line[:line.index("{")].strip()
+                    print(*[f"{label} {x}" if label else x for x in summary_lines([json.loads(line[len(label):])])],
+                          sep="\n")
+        return 0
     rows = views(args.images, args.device, args.view_threads) if args.what == "views" else [_child([args.what, args.device])]
     for row in rows:
         print(json.dumps(row))

@@ -45,20 +45,7 @@ echo "=== restart in a fresh process: open an exported arena + metadata (tensors
 imgs=$(ls -d "$ROOT"/image-* 2>/dev/null)
 if [ -n "$imgs" ]; then
   timeout 90 python3 -m flashboot.benchmarks.first_calls views $imgs --device cuda:0 | tee -a "$OUT/first_calls.jsonl"
-  python3 - "$OUT/first_calls.jsonl" <<'EOF'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line.split(" ", 1)[1] if line.startswith(("cold", "cached")) else line)
-    if "tensors" in r:
-        print(f"{r['image'].rsplit('/', 1)[-1]}: {r['tensors']} tensors: open {r['open_ms']:.1f} ms, metadata "
-              f"{r['metadata_ms']:.1f} ms ({r['metadata_us_per_tensor']:.2f} us/t), views {r['views_ms']:.1f} ms "
-              f"({r['views_us_per_tensor']:.2f} us/t, CPU {r['views_cpu_us_per_tensor']:.2f}; 2nd "
-              f"{r['views_second_us_per_tensor']:.2f}); restart "
-              f"{r['restart_ms']:.1f} ms vs target {r['restart_target_ms']:.1f} ms")
-    elif "first_call_ms" in r:
-        print(f"checksum {line.split()[0]}: import {r['import_ms']:.1f} ms, first call {r['first_call_ms']:.1f} ms, "
-              f"second {r['second_call_ms']:.2f} ms (target: first call <= 20 ms)")
-EOF
+  python3 -m flashboot.benchmarks.first_calls summary "$OUT/first_calls.jsonl"
 fi
 rm -rf "$ROOT"
 echo "=== done in $(( $(date +%s) - T0 )) s"

@@ -25,16 +25,5 @@ say "restart rc=$?"; tail -2 /tmp/first_calls.err | cut -c1-300 | tee -a "$S"
 say "=== 3. checksum first call ($(date +%T))"
 timeout "$(left 40)" python3 -m flashboot.benchmarks.first_calls checksum --device cuda:0 >>"$OUT/first_calls.jsonl" 2>>/tmp/first_calls.err
 say "checksum rc=$?"
-python3 - "$OUT/first_calls.jsonl" <<'PY' 2>&1 | tee -a "$S"
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if "tensors" in r:
-        print(f"{r['image'].rsplit('/', 1)[-1]}: {r['tensors']} tensors: open {r['open_ms']:.1f} ms, metadata "
-              f"{r['metadata_ms']:.1f} ms, views {r['views_ms']:.1f} ms ({r['views_us_per_tensor']:.2f} us/t; 2nd "
-              f"{r['views_second_us_per_tensor']:.2f}); restart {r['restart_ms']:.1f} ms vs target {r['restart_target_ms']:.1f} ms")
-    elif "first_call_ms" in r:
-        print(f"checksum: import {r['import_ms']:.1f} ms, first call {r['first_call_ms']:.1f} ms, with import "
-              f"{r.get('first_call_with_import_ms', float('nan')):.1f} ms, second {r['second_call_ms']:.2f} ms (target 20 ms)")
-PY
+python3 -m flashboot.benchmarks.first_calls summary "$OUT/first_calls.jsonl" 2>&1 | tee -a "$S"
 say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"

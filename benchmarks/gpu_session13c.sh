@@ -25,15 +25,7 @@ for th in "" 4; do
     >>"$OUT/first_calls.jsonl" 2>>/tmp/first_calls.err
   say "restart (threads ${th:-default}) rc=$?"
 done
-python3 - "$OUT/first_calls.jsonl" <<'PY' 2>&1 | tee -a "$S"
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if "tensors" in r:
-        print(f"{r['image'].rsplit('/', 1)[-1]} threads {r['view_threads']}: {r['tensors']} tensors: open {r['open_ms']:.1f} ms, "
-              f"metadata {r['metadata_ms']:.1f} ms, views {r['views_ms']:.1f} ms ({r['views_us_per_tensor']:.2f} us/t; 2nd "
-              f"{r['views_second_us_per_tensor']:.2f}); restart {r['restart_ms']:.1f} ms vs target {r['restart_target_ms']:.1f} ms")
-PY
+python3 -m flashboot.benchmarks.first_calls summary "$OUT/first_calls.jsonl" 2>&1 | tee -a "$S"
 
 say "=== 3. views' threads in the load, C at W = 0 ($(date +%T))"
 for round in 1 2; do
