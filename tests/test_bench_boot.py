@@ -116,3 +116,7 @@ def test_first_calls_times_a_restart_in_a_fresh_process(tmp_path):
     assert row["tensors"] == tiny.tensor_count and row["views_ms"] > 0 and row["metadata_ms"] > 0
     assert row["restart_ms"] >= row["open_ms"] + row["metadata_ms"] + row["views_ms"] - 1e-6
     assert row["restart_target_ms"] == 20 + 2e-3 * tiny.tensor_count
+    assert row["view_threads"] is None  # measured as restart makes them: make_views' own default
+    (line,) = first_calls.summary_lines([row, {"note": "neither kind"}])
+    assert line.startswith("image (view threads default): ") and f"{tiny.tensor_count} tensors" in line
+    assert f"restart {row['restart_ms']:.1f} ms vs target {row['restart_target_ms']:.1f} ms" in line
