@@ -67,10 +67,9 @@ def _views_child(image: str, device: str, descriptor: dict, threads: int | None)
     t2, c2 = time.perf_counter(), time.thread_time()
     arena.bytes()  # the flat tensor the views are made of (torch wraps the range once): timed apart
     t_flat = time.perf_counter()
-    kw = {} if threads is None else {"threads": threads}  # None: the product's default, as restart makes them
-    views = make_views(arena, meta, **kw)
+    views = make_views(arena, meta, threads=threads)  # None: make_views' default, as restart makes them
     t3, c3 = time.perf_counter(), time.thread_time()
-    again = make_views(arena, meta, **kw)
+    again = make_views(arena, meta, threads=threads)
     t4 = time.perf_counter()
     n = len(views)
     del views, again
