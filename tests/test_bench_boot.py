@@ -80,6 +80,7 @@ def test_bench_boot_end_to_end_times_the_boot_in_fresh_processes(capsys):
     boot.print_results(out)
     printed = capsys.readouterr().out
     assert "boot end to end on cpu" in printed and "x: total / max(W, bulk)" in printed and "x, W beside copy" in printed
+    assert "x, W's CPU" in printed
     assert boot_e2e.headline(out).startswith("boot end to end (C@0.0001): early call + 0.1 s of engine work")
 
 
@@ -89,12 +90,14 @@ def test_an_end_to_end_cell_of_several_processes_is_the_one_of_the_median_total(
     def res(total):
         return {"total_ms": total, "w_ms": total - 5, "load_ms": 5.0, "prepare_call_ms": 0.0, "pass_ms": 1.0,
                 "verified": True, "steps_per_s": 1e6, "w_after_ms": 40.0 + total, "w_beside_copy_ms": 2 * total,
+                "w_cpu_ms": total - 7,
                 "copy_request_ms": 3.0, "report": {"details": {"ready_before_load_ms": total}, "wait_ms": 1.0}}
 
     alone = {"w_ms": 50.0}
     row = _row([res(30.0), res(10.0), res(20.0)], alone, 0.25, True, ceiling_ms=25.0)
     assert row["total_ms"] == 20.0 and row["totals_ms"] == [30.0, 10.0, 20.0] and row["repeats"] == 3
     assert row["x_bound"] == 20.0 / 50.0 and row["x_bound_same"] == 20.0 / 60.0
+    assert row["x_bound_cpu"] == 20.0 / 25.0 and row["w_off_cpu_ms"] == 2.0  # W's CPU 13 ms < bulk 25 ms
     assert row["ready_before_load_ms"] == 20.0 and row["load_phases_ms"]["wait"] == 1.0
     assert row["w_beside_copy_ms"] == 40.0 and row["x_bound_beside_copy"] == 20.0 / 40.0
     assert row["w_taken_by_prepare_ms"] == 15.0 - 40.0 and row["copy_request_ms"] == 3.0

@@ -239,6 +239,26 @@ def test_prepared_handle_refuses_a_repacked_image(image, shm, daemon):
     assert handle.arena.closed  # a failed load releases what the handle held
 
 
+def test_prepared_copy_of_a_stale_staged_image_is_discarded(image, shm, daemon):
+    """The daemon's copy starts from the .ready before the metadata is read; metadata.json
+    rewritten after staging (as a re-pack would) is not the .ready's bytes: that copy is
+    discarded with its arena and the preparation refuses by name, holding nothing."""
+    import json
+
+    from _image_helpers import rewrite_metadata
+
+    meta_path = image / "rank-0" / "metadata.json"
+    rewrite_metadata(meta_path.parent, json.loads(meta_path.read_text()))
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm, timeout_s=0.5)
+    with pytest.raises(LayoutError, match="of another pre-pack"):
+        handle.wait()
+    assert handle.arena is not None and handle.arena.closed and handle.session is None  # copied, then discarded
+    deadline = time.monotonic() + 10  # the daemon lets go of the discarded arena (host arenas are memfds)
+    while _daemon_maps(image, shm, "flashboot-arena-"):
+        assert time.monotonic() < deadline, "the daemon kept the discarded arena mapped"
+        time.sleep(0.05)
+
+
 def test_prepared_handle_refuses_a_wrong_tp_before_allocating(image, shm, daemon):
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm, tp=4)
     with pytest.raises(LayoutError, match="requested tp=4"):

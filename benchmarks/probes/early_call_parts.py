@@ -40,7 +40,7 @@ def run(root: str, threads: int) -> dict:
 
     img = Path(root) / "img"
     t = time.perf_counter()
-    rank_dir, _job = image_mod._resolve(img, 0)
+    rank_dir, _job = image_mod.resolve_rank(img, 0)
     t = lap("resolve_ms", t)
     _, read_json = image_mod._read_and_hash_beside(rank_dir / "metadata.json")
     raw, _sha = read_json()

@@ -113,14 +113,15 @@ def serve_status(image_dir, shm_dir=None, *, timeout_s: float = 10.0) -> dict:
     return reply
 
 
-def served_ready_now(image_dir, rank: int, metadata_sha256: str, *, shm_dir=None) -> ReadyInfo | None:
+def served_ready_now(image_dir, rank: int, metadata_sha256: str | None = None, *, shm_dir=None) -> ReadyInfo | None:
     """The ``.ready`` of rank ``rank`` when it is there now and staged from the metadata whose
-    sha256 is ``metadata_sha256``; None otherwise (:func:`served_ready` waits for it, or refuses)."""
+    sha256 is ``metadata_sha256`` (None: whichever it was staged from; the caller compares it with
+    the metadata it reads next); None otherwise (:func:`served_ready` waits for it, or refuses)."""
     try:
         info = read_ready(staged_paths(image_dir, rank, shm_dir).ready)
     except (FileNotFoundError, LayoutError):
         return None
-    return info if info.metadata_sha256 == metadata_sha256 else None
+    return info if metadata_sha256 in (None, info.metadata_sha256) else None
 
 
 def served_ready(image_dir, rank: int, metadata_sha256: str, where: str, *, timeout_s: float,

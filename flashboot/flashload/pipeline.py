@@ -27,10 +27,11 @@ makes the views (while the copy runs, if it still does: :meth:`PreparedLoad.wait
 why there), waits for that copy, checks that the image was not re-packed since, and verifies:
 
 * served (a ``flashboot preload --serve`` daemon holds the image pinned): as a plain served
-  load, the copy comes first (the daemon's ``.ready`` vouches for the metadata bytes): the arena
-  is created at the ``.ready``'s size, exported and attached to the daemon, which checks it
-  against what it holds and is asked for its H2D at once (mapping the segments piece by piece
-  as it copies); the strict read of the metadata runs while it copies;
+  load, the copy comes first, before the metadata is read (the daemon's ``.ready`` vouches for
+  the metadata bytes it was staged from): the arena is created at the ``.ready``'s size, exported
+  and attached to the daemon, which checks it against what it holds and is asked for its H2D at
+  once (mapping the segments piece by piece as it copies); the metadata is read (it must be the
+  ``.ready``'s bytes, or that copy is discarded) and strictly validated while it copies;
 * pinned early (a preloader staged the rank, no daemon): the staged file is mapped and pinned
   in this process (:class:`~flashboot.flashload.stage.StagedImage`); the bulk H2D is issued as
   soon as the pin is done;
@@ -329,7 +330,8 @@ class PreparedLoad:
         self.requested_mode, self.mode, self.why = mode, "", ""
         self.load_source = None  # the Source chosen (sources/), once the metadata is read
         self.arena = self.metadata = self.image = self.tensors = self.rank_source = None
-        self.metadata_file = None  # the metadata bytes, read first (layouts.image.MetadataFile)
+        self.metadata_file = None  # the metadata bytes (layouts.image.MetadataFile): read first, or beside the copy
+        self.resolved = None  # the rank directory and its job (layouts.image.resolve_rank)
         self.session = self.staged = self.mover = None
         self.release_thread: threading.Thread | None = None
         self.nbytes = 0
@@ -424,16 +426,10 @@ class PreparedLoad:
 
     def _prepare(self):
         """The steps, a generator: each ``yield`` hands what follows to the background thread."""
-        from flashboot.layouts.image import read_metadata_file
+        from flashboot.layouts.image import resolve_rank
 
         t = time.perf_counter()
-        # The table decoded while the JSON is read and hashed, before prepare() returns: decoded
-        # after the copy started, shape C's ~20 ms of it ran beside the engine's start-up work (H200,
-        # W = 0.25 s: W took 280 ms against 245 alone); here it delays the copy's start a few ms.
-        # (Decoded after the daemon's copy started, not beside the hash, prepare() blocked ~10 ms
-        # longer and C's boot at W = 0 was ~8 ms slower: H200, 2026-12-02.)
-        self.metadata_file = mf = read_metadata_file(self.image_dir, self.rank, decode=True)
-        self.metadata_sha256 = mf.sha256
+        self.resolved = resolve_rank(self.image_dir, self.rank)
         daemon = None  # the preloader's status, read once for both choices
         if self.requested_mode == "auto":
             from .service import service_status
@@ -441,13 +437,16 @@ class PreparedLoad:
             daemon = service_status(self.image_dir, self.shm_dir)
         first = choose_copy_first(self.requested_mode, self.image_dir, self.rank, self.shm_dir, daemon)
         if first is not None:
-            # the daemon's .ready vouches for these bytes: its copy starts first, the strict read
-            # runs beside it (as a plain served load); the job's tp/ep/key are refused before
-            if mf.job is not None:
-                check_job_request(mf, tp=self.tp, ep=self.ep, expected_key=self.expected_key)
-            t = self.phase("metadata", t)  # the bytes, hashed; the strict read is added to it later
+            # The daemon's .ready vouches for the bytes it holds: its copy starts first, and the
+            # metadata is read (it must be the .ready's bytes) and strictly validated while it
+            # copies (as a plain served load); the job's tp/ep/key are refused before.
+            job = self.resolved[1]
+            if job is not None:
+                check_job_request(job, tp=self.tp, ep=self.ep, expected_key=self.expected_key)
+            t = self.phase("metadata", t)  # the bytes are read beside the copy: added to it there
             source, self.why = first
         else:
+            self.read_metadata_file()
             self.open_metadata()
             t = self.phase("metadata", t)
             source, self.why = choose_prepared(self.requested_mode, self.rank_source, self.shm_dir, daemon)
@@ -469,6 +468,14 @@ class PreparedLoad:
             source.verify_prepared(self, where, checked)
             self.copy["verified"] = checked.details["verified"]
             self.phase("verify", t)
+
+    def read_metadata_file(self) -> None:
+        """The metadata bytes read and hashed, the table decoded beside the hash
+        (:attr:`metadata_file`, :attr:`metadata_sha256`)."""
+        from flashboot.layouts.image import read_metadata_file
+
+        self.metadata_file = read_metadata_file(self.image_dir, self.rank, decode=True, resolved=self.resolved)
+        self.metadata_sha256 = self.metadata_file.sha256
 
     def open_metadata(self, nbytes: int | None = None) -> None:
         """The strict read of the metadata bytes read first (:attr:`metadata_file`): image,

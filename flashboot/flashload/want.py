@@ -48,12 +48,13 @@ def verify_default(dev: Device, *, by_daemon: bool) -> tuple[bool, str]:
                    "costs ~1 s, more than the load (a served load is verified by the daemon); verify=True checks")
 
 
-def check_job_request(mf, *, tp, ep, expected_key) -> None:
-    """LayoutError where the job file (``prepack.json``) says the image is not what the caller
-    expects: the checks of :func:`flashboot.layouts.image.check_request` that need no tensor table."""
+def check_job_request(job, *, tp, ep, expected_key) -> None:
+    """LayoutError where the job file (``prepack.json``, ``job``: its
+    :class:`~flashboot.layouts.image.JobInfo`) says the image is not what the caller expects: the
+    checks of :func:`flashboot.layouts.image.check_request` that need no tensor table."""
     from flashboot.layouts.image import JOB_FILE, check_key
 
-    key, where = mf.job.key, str(mf.job.path / JOB_FILE)
+    key, where = job.key, str(job.path / JOB_FILE)
     if tp is not None and tp != key.tp_size:
         raise LayoutError(f"{where}: packed for tp={key.tp_size}, requested tp={tp}")
     if ep is not None and ep != key.ep_size:

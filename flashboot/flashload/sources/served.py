@@ -5,6 +5,8 @@ copy, and reads the metadata and builds the views meanwhile."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from ...errors import LayoutError
 from ...memory import Device
@@ -12,6 +14,92 @@ from ..landing import admit, one_time_costs, timed_views
 from ..report import LoadedImage, LoadReport
 from ..want import LoadRequest, Want, check_job_request
 from .base import Offer, Source, register_source
+
+
+@dataclass
+class StartedCopy:
+    """What :func:`copy_first` started: the arena the daemon copies into, its request, the
+    ``.ready`` it was sized from, the metadata bytes read (and checked against the ``.ready``), and
+    the milliseconds of each step: before the arena (``wait_ms``, the ``.ready`` awaited),
+    ``alloc_ms``, ``request_ms`` (exports and request sent), ``metadata_ms`` (read, hashed and the
+    table decoded: beside the copy where ``metadata_beside_copy``)."""
+
+    arena: Any
+    copy: Any
+    ready: Any
+    metadata_file: Any
+    wait_ms: float
+    alloc_ms: float
+    request_ms: float
+    metadata_ms: float
+    requested_at: float
+    metadata_beside_copy: bool
+
+
+def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, verify: bool, resolved,
+               ready=None, metadata_file=None, make_arena: Callable[[int], Any] | None = None) -> StartedCopy:
+    """Start the daemon's copy of rank ``rank`` into a new arena before this process reads the
+    metadata, then read it (the bytes hashed, the table decoded) while the daemon copies.
+
+    The arena is sized from the rank's ``.ready`` as it is now (``ready``: one already read); the
+    request names the ``.ready``'s metadata sha256, which the daemon checks against what it holds.
+    The metadata read next must be those bytes; where it is not (the image was re-packed since
+    it was staged), the copy is discarded (the daemon done with the arena, the arena released) and
+    the load goes the other way round: the metadata first, then the ``.ready`` of those bytes
+    awaited (:func:`~flashboot.flashload.client.served_ready`: waited for while a preloader
+    re-stages, refused otherwise). With no ``.ready`` yet, that order from the start.
+    ``metadata_file``: bytes already read (then its ``.ready`` is the one awaited). ``resolved``:
+    :func:`~flashboot.layouts.image.resolve_rank`'s result. ``make_arena(nbytes)``: how the arena
+    is made (default: admitted on ``dev``, then created). A failure releases what it made."""
+    from flashboot.layouts.image import read_metadata_file
+
+    from ...arena import Arena
+    from ..client import served_ready, served_ready_now, start_served_load
+
+    if make_arena is None:
+        def make_arena(nbytes: int):
+            admit(nbytes, dev)
+            return Arena.create(nbytes, dev)
+
+    t0 = time.perf_counter()
+    mf, metadata_ms = metadata_file, 0.0
+    if ready is None and mf is None:
+        ready = served_ready_now(image_dir, rank, shm_dir=shm_dir)
+    while True:
+        if ready is None:  # nothing staged yet, or staged from other bytes: the metadata first, then its .ready
+            if mf is None:
+                tm = time.perf_counter()
+                mf = read_metadata_file(image_dir, rank, decode=True, resolved=resolved)
+                metadata_ms += (time.perf_counter() - tm) * 1e3
+            ready = served_ready(image_dir, rank, mf.sha256, mf.where, timeout_s=timeout_s, shm_dir=shm_dir)
+        if ready.nbytes == 0:
+            raise LayoutError(f"{ready.path}: empty image, nothing to load")
+        t1 = time.perf_counter()
+        arena = make_arena(ready.nbytes)
+        copy = None
+        try:
+            t2 = time.perf_counter()  # the exports go with the request, batch by batch (client.STREAM_BATCH_BYTES)
+            copy = start_served_load(arena, image_dir=str(image_dir), rank=rank, nbytes=ready.nbytes,
+                                     metadata_sha256=ready.metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir,
+                                     verify=verify)
+            t3 = time.perf_counter()
+            beside = mf is None
+            if beside:  # the bytes hashed, the table decoded, while the daemon copies
+                mf = read_metadata_file(image_dir, rank, decode=True, resolved=resolved)
+                metadata_ms += (time.perf_counter() - t3) * 1e3
+        except BaseException:
+            if copy is not None:
+                copy.settle()  # the daemon may still be writing into the arena
+            if not arena.closed:
+                arena.close()
+            raise
+        if mf.sha256 == ready.metadata_sha256:
+            return StartedCopy(arena, copy, ready, mf, wait_ms=(t1 - t0) * 1e3, alloc_ms=(t2 - t1) * 1e3,
+                               request_ms=(t3 - t2) * 1e3, metadata_ms=metadata_ms, requested_at=t3,
+                               metadata_beside_copy=beside)
+        copy.settle()  # re-packed since it was staged: these bytes are another pre-pack's, never served
+        arena.close()
+        ready = None
 
 
 @register_source
@@ -31,21 +119,22 @@ class ServedSource(Source):
         return Offer(False, "no served-load daemon runs")
 
     def load(self, request: LoadRequest, rank_source, report, why: str) -> LoadedImage:
-        """The daemon copies; the strict read of the metadata and the views run meanwhile.
+        """The daemon copies; the metadata is read and validated and the views built meanwhile.
 
-        Why the copy may start before this process has validated the metadata: the bytes of
-        ``metadata.json`` are read first and identified by their sha256; the ``.ready`` the arena
-        is sized from must carry that same sha256, and the preloader writes ``.ready`` only after its
-        strict reader accepted exactly those bytes (and the daemon re-checks the sha256 and size of
-        what it holds before it copies). So the copy is of an image whose metadata has been
-        validated; this process then validates the very bytes it hashed (plus its own rank, tp, ep,
-        key and the job, which only it knows) while the DMA runs. If that fails, the load waits for
-        the daemon to be done with the arena, releases it and raises: no tensor is handed out.
+        Why the copy may start before this process has read the metadata: the preloader writes a
+        rank's ``.ready`` only after its strict reader accepted the metadata bytes whose sha256 it
+        records there, and the daemon re-checks that sha256 and the size of what it holds before
+        it copies. So the arena is sized from the ``.ready`` and the daemon asked at once, naming
+        that sha256 (:func:`copy_first`); this process then reads the metadata bytes, which must be
+        those very bytes (else the image was re-packed since it was staged: that copy is
+        discarded and the load goes on as if no ``.ready`` had been there, waiting for the
+        re-staged one or refusing), validates them and its own rank, tp, ep, key and job, and
+        builds the views, all while the DMA runs. The job file's tp, ep and key are checked before
+        any byte moves. If a check fails, the load waits for the daemon to be done with the
+        arena, releases it and raises: no tensor is handed out.
         """
-        from flashboot.layouts.image import open_image, read_metadata_file
+        from flashboot.layouts.image import open_image, resolve_rank
 
-        from ...arena import Arena
-        from ..client import served_ready, start_served_load
         from ..shm import RankSource
 
         image_dir, rank, dev, t_start = request.image_dir, request.rank, request.device, request.t_start
@@ -53,23 +142,16 @@ class ServedSource(Source):
         tp, ep, expected_key = request.tp, request.ep, request.expected_key
         report = LoadReport(mode="served", device=str(dev), rank=rank, nbytes=0)
         t0 = time.perf_counter()
-        mf = read_metadata_file(image_dir, rank, decode=True)  # the bytes, hashed; the table decoded meanwhile
-        sha = mf.sha256
-        if mf.job is not None:  # the caller's tp, ep and key are refused before any byte moves
-            check_job_request(mf, tp=tp, ep=ep, expected_key=expected_key)
-        ready = served_ready(image_dir, rank, sha, mf.where, timeout_s=timeout_s, shm_dir=shm_dir)
-        nbytes = report.nbytes = ready.nbytes
-        report.wait_ms = (time.perf_counter() - t0) * 1e3
-        if nbytes == 0:
-            raise LayoutError(f"{ready.path}: empty image, nothing to load")
-        admit(nbytes, dev)
         arena = copy = None
         try:
-            t1 = time.perf_counter()
-            arena = Arena.create(nbytes, dev)
-            t2 = time.perf_counter()  # the exports go with the request, batch by batch (client.STREAM_BATCH_BYTES)
-            copy = start_served_load(arena, image_dir=str(image_dir), rank=rank, nbytes=nbytes, metadata_sha256=sha,
-                                     timeout_s=timeout_s, shm_dir=shm_dir, verify=verify)
+            resolved = resolve_rank(image_dir, rank)
+            if resolved[1] is not None:  # the caller's tp, ep and key are refused before any byte moves
+                check_job_request(resolved[1], tp=tp, ep=ep, expected_key=expected_key)
+            started = copy_first(image_dir, rank, dev, shm_dir=shm_dir, timeout_s=timeout_s, verify=verify,
+                                 resolved=resolved)
+            arena, copy, ready, mf = started.arena, started.copy, started.ready, started.metadata_file
+            nbytes = report.nbytes = ready.nbytes
+            report.wait_ms, report.alloc_ms = started.wait_ms, started.alloc_ms
             t3 = time.perf_counter()
             image = open_image(mf, rank, tp=tp, ep=ep, expected_key=expected_key)
             meta = image.metadata
@@ -80,8 +162,8 @@ class ServedSource(Source):
             t5 = time.perf_counter()
             reply = copy.wait()
             t6 = time.perf_counter()
-            report.alloc_ms = (t2 - t1) * 1e3
-            report.metadata_ms = (t4 - t3) * 1e3
+            t2 = started.requested_at
+            report.metadata_ms = started.metadata_ms + (t4 - t3) * 1e3
             report.tensors = len(meta.tensors)
             report.h2d_ms = reply["h2d_ms"]
             daemon_ms = reply["h2d_ms"] + reply.get("checksum_ms", 0.0)
@@ -94,7 +176,8 @@ class ServedSource(Source):
                               "daemon_pinned": reply.get("pinned"), "copy_wait_ms": (t6 - t5) * 1e3,
                               # where a first call's extra time hides (H200, shape C: 503 ms first, 130 ms second):
                               # before the phases (imports, argument checks) and connecting + sending the request
-                              "setup_ms": (t0 - t_start) * 1e3, "request_ms": (t3 - t2) * 1e3,
+                              "setup_ms": (t0 - t_start) * 1e3, "request_ms": started.request_ms,
+                              "metadata_beside_copy": started.metadata_beside_copy,
                               "one_time_ms": one_time_costs(report, daemon_map=reply.get("map_ms", 0.0))}
             if verify:  # the daemon digested what it copied, in the arena; no kernel runs in this process
                 from ..client import check_daemon_digests
@@ -107,41 +190,50 @@ class ServedSource(Source):
                 arena.close()
             raise
         report.total_ms = (time.perf_counter() - t_start) * 1e3
-        return LoadedImage(arena, tensors, meta, report, RankSource(str(image_dir), rank, image, sha))
+        return LoadedImage(arena, tensors, meta, report, RankSource(str(image_dir), rank, image, mf.sha256))
 
     def start_prepared(self, handle, t: float):
-        """Copy first (:attr:`copies_before_metadata`), as a plain served load: the ``.ready`` of
-        these metadata bytes, the arena of its size handed to the daemon, which copies at once
-        (the fds of later batches follow while the first ones copy, and it maps the segments
-        piece by piece); the strict read of the metadata runs while it copies, before
-        :func:`flashboot.prepare` returns (the load makes the views). All of that runs on the
-        caller's thread unless the ``.ready`` is not there yet (then it is waited for in the
-        background); the wait for the daemon's reply is handed to the background. A refusal of
-        the metadata waits for the daemon to be done with the arena before it is released."""
-        from ..client import served_ready, served_ready_now, start_served_load
+        """Copy first (:attr:`copies_before_metadata`), as a plain served load (:func:`copy_first`):
+        the arena of the ``.ready``'s size handed to the daemon, which copies at once (the fds of
+        later batches follow while the first ones copy, and it maps the segments piece by piece);
+        the metadata is read, checked against the ``.ready`` and strictly validated while it
+        copies, before :func:`flashboot.prepare` returns (the load makes the views). All of that
+        runs on the caller's thread unless the ``.ready`` is not there yet (then it is waited for
+        in the background); the wait for the daemon's reply is handed to the background. A
+        refusal of the metadata waits for the daemon to be done with the arena before it is
+        released."""
+        from ..client import served_ready, served_ready_now
 
-        mf = handle.metadata_file
-        ready = served_ready_now(handle.image_dir, handle.rank, mf.sha256, shm_dir=handle.shm_dir)
-        if ready is None:  # still staging (or another pre-pack's): waited for off the caller's thread
+        ready = served_ready_now(handle.image_dir, handle.rank, shm_dir=handle.shm_dir)
+        if ready is None:  # still staging (or none yet): waited for off the caller's thread, the metadata first
             yield
+            handle.read_metadata_file()
+            mf = handle.metadata_file
             ready = served_ready(handle.image_dir, handle.rank, mf.sha256, mf.where, timeout_s=handle.timeout_s,
                                  shm_dir=handle.shm_dir)
-        if ready.nbytes == 0:
-            raise LayoutError(f"{ready.path}: empty image, nothing to load")
         t = handle.phase("wait", t)
-        handle.create_arena(ready.nbytes, flat=False)  # the daemon copies through its own mapping
-        t = handle.phase("arena", t)
-        handle.session = start_served_load(handle.arena, image_dir=handle.image_dir, rank=handle.rank,
-                                           nbytes=ready.nbytes, metadata_sha256=mf.sha256,
-                                           timeout_s=handle.timeout_s, shm_dir=handle.shm_dir, verify=handle.verify)
-        t_copy = handle.phase("attach", t)
+
+        def make_arena(nbytes: int):
+            handle.create_arena(nbytes, flat=False)  # the daemon copies through its own mapping
+            return handle.arena
+
+        started = copy_first(handle.image_dir, handle.rank, handle.device, shm_dir=handle.shm_dir,
+                             timeout_s=handle.timeout_s, verify=handle.verify, resolved=handle.resolved, ready=ready,
+                             metadata_file=handle.metadata_file, make_arena=make_arena)
+        handle.session, handle.metadata_file = started.copy, started.metadata_file
+        handle.metadata_sha256 = started.metadata_file.sha256
+        handle.phases_ms["arena"] = handle.phases_ms.get("arena", 0.0) + started.alloc_ms
+        handle.phases_ms["attach"] = handle.phases_ms.get("attach", 0.0) + started.request_ms
+        t_copy = started.requested_at
         try:
+            t = time.perf_counter()
             handle.arena.bytes()  # the flat tensor the views are cut from, made while the daemon copies
             # The strict read of the decoded table runs while the daemon copies, and prepare()
             # returns after it (~2 ms): after prepare() returned, it would run beside the engine's
             # GIL-bound start-up, where every hand-over of the GIL costs the engine more than it.
             handle.open_metadata(ready.nbytes)
-            handle.phase("metadata", t_copy)
+            handle.phases_ms["metadata"] = handle.phases_ms.get("metadata", 0.0) + started.metadata_ms
+            handle.phase("metadata", t)
         except BaseException:
             handle.session.settle()  # the daemon may still write into it
             raise
