@@ -192,7 +192,7 @@ def _ceiling_ms(staged_file: str, nbytes: int, dev: str, repeats: int = 3) -> fl
 
 
 def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Callable[[str], None],
-                disk_root: Path | None = None, stream: bool = False, end_to_end=(), alone_cache=None,
+                disk_root: Path | None = None, stream: bool = False, end_to_end=(),
                 e2e_repeats: int = 1) -> dict:
     """Every loader on one checkpoint shape; see the module docstring."""
     import flashboot
@@ -236,7 +236,7 @@ def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Calla
             out["end_to_end"] = run_shape(lambda s: _run_child(s, log), device=device, image=str(img_dir),
                                           shm=str(shm), ceiling_ms=out["ceiling_ms"], w_levels=end_to_end,
                                           log=lambda line: log(f"{spec.name}: end to end: {line}"),
-                                          alone_cache=alone_cache, repeats=e2e_repeats)
+                                          repeats=e2e_repeats)
     finally:
         stop_service(str(img_dir), str(shm))
     if "flashload prepared, pinned here" in loaders:
@@ -320,14 +320,12 @@ def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None,
     base = Path(root or "/dev/shm/flashboot-boot")
     base.mkdir(parents=True, exist_ok=True)
     results = []
-    alone_cache: dict = {}  # W alone (each W calibrated in its own process), measured once a run
     try:
         named = [(CHECKPOINTS[name].scaled(scale), name in stream_shapes) for name in shapes]
         for spec, stream in named + [(s, False) for s in specs]:
             results.append(bench_shape(spec, device=dev, root=base, loaders=loaders, log=log,
                                        disk_root=Path(disk_root) if disk_root else None, stream=stream,
-                                       end_to_end=tuple(end_to_end), alone_cache=alone_cache,
-                                       e2e_repeats=e2e_repeats))
+                                       end_to_end=tuple(end_to_end), e2e_repeats=e2e_repeats))
             if not keep:
                 for d in base.glob(f"*-{spec.name}"):
                     shutil.rmtree(d, ignore_errors=True)

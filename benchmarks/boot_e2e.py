@@ -176,37 +176,50 @@ def _copy_request_ms(details: dict, report) -> float | None:
 
 
 def run_shape(run_child: Callable[[dict], dict], *, device: str, image: str, shm: str, ceiling_ms: float,
-              w_levels=W_LEVELS_S, log: Callable[[str], None] = print, alone_cache: dict | None = None,
-              repeats: int = 1) -> dict:
+              w_levels=W_LEVELS_S, log: Callable[[str], None] = print, repeats: int = 1) -> dict:
     """Every cell of one shape while the daemon serves ``image``; returns rows and the rates of W
-    measured in the W-alone processes. ``alone_cache``: W alone of an earlier shape of the same run
-    (it does not depend on the image), filled here when empty. ``repeats``: fresh processes per
-    cell, plain and early call alternating; a row is the process of the median total, with
-    every total in ``totals_ms`` (one process's speed varies from the next by up to 25 % on the
-    H200 machine: a difference of a few ms between two single processes says little)."""
+    measured in the W-alone processes. ``repeats``: fresh processes per cell, a W-alone process,
+    the plain load and the early call alternating, so that W alone is measured beside the boots it
+    bounds (the H200 machine's speed drifts over a run: a W alone measured once, minutes before,
+    bounded later cells at another speed); a row is the process of the median total, with every
+    total in ``totals_ms``, and W alone the median of its processes (one process's speed varies
+    from the next by up to 25 % on the H200 machine: a difference of a few ms between two single
+    processes says little)."""
     base = {"loader": "end to end", "device": device, "image": image, "shm": shm}
-    cache = {} if alone_cache is None else alone_cache
-    rows = []
+    rows, medians = [], {}
     for w_s in w_levels:
-        if w_s not in cache:
-            cache[w_s] = run_child({**base, "what": "alone", "w_s": w_s}) if w_s else {"w_ms": 0.0}
-        alone = cache[w_s]
+        alones: list[dict] = []
         runs: dict[bool, list[dict]] = {False: [], True: []}
         for _ in range(repeats):
+            if w_s:
+                alones.append(run_child({**base, "what": "alone", "w_s": w_s}))
             for early in (False, True):
                 runs[early].append(run_child({**base, "what": "boot", "w_s": w_s, "early": early}))
+        alone = medians[w_s] = _median_alone(alones) if w_s else {"w_ms": 0.0}
         for early in (False, True):
             row = _row(runs[early], alone, w_s, early, ceiling_ms)
             rows.append(row)
             log(describe(row))
-    rates = {w: a["steps_per_s"] for w, a in cache.items() if isinstance(a, dict) and a.get("steps_per_s")}
+    rates = {w: a["steps_per_s"] for w, a in medians.items() if a.get("steps_per_s")}
     return {"steps_per_s": rates, "rows": rows}
+
+
+def _median_alone(alones: list[dict]) -> dict:
+    """The W-alone process of the median W (the lower middle of an even count), with every one's
+    W in ``w_all_ms``; the first error if one failed."""
+    failed = [a for a in alones if "error" in a]
+    if failed:
+        return failed[0]
+    ranked = sorted(alones, key=lambda a: a["w_ms"])
+    return {**ranked[(len(ranked) - 1) // 2], "w_all_ms": [round(a["w_ms"], 2) for a in alones]}
 
 
 def _row(results: list[dict], alone: dict, w_s: float, early: bool, ceiling_ms: float) -> dict:
     """One cell's row from its processes' results: the one of the median total (the lower middle
     of an even count), or the first error."""
     row = {"w_s": w_s, "early": early, "w_alone_ms": alone.get("w_ms"), "repeats": len(results)}
+    if alone.get("w_all_ms"):
+        row["w_alone_all_ms"] = alone["w_all_ms"]
     failed = [r for r in results if "error" in r]
     if failed or "error" in alone:
         row["error"] = failed[0]["error"] if failed else alone["error"]

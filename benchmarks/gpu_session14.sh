@@ -10,10 +10,12 @@ BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/gpu_prelude.sh"
 ROOT=/dev/shm/fb14; rm -rf "$ROOT"
 
+if [ "${TESTS:-1}" = 1 ]; then
 say "=== 1. GPU tests ($(date +%T))"
 timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider -m "gpu or two_gpus" tests/test_boot.py tests/test_load.py \
   tests/test_views.py tests/test_load_sources.py >/tmp/tests.log 2>&1
 say "tests rc=$? :: $(tail -1 /tmp/tests.log)"; grep -E "^(FAILED|ERROR)|Error" /tmp/tests.log | head -12 | cut -c1-400 | tee -a "$S"
+fi
 
 if [ "${VIEWS_PROBE:-1}" = 1 ]; then
   say "=== 2. views beside W ($(date +%T))"

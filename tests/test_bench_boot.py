@@ -106,6 +106,30 @@ def test_an_end_to_end_cell_of_several_processes_is_the_one_of_the_median_total(
     assert failed["error"] == "the daemon died" and "total_ms" not in failed
 
 
+def test_w_alone_is_measured_beside_each_repeat_and_its_median_bounds_the_cell():
+    """W alone runs in its own process once per repeat, interleaved with the boots it bounds (the
+    machine's speed drifts over a run), and the cell's bound is the median of those."""
+    from flashboot.benchmarks import boot_e2e
+
+    order, alone_w = [], iter([300.0, 100.0, 200.0])
+
+    def run_child(spec):
+        order.append(spec["what"] if spec["what"] == "alone" else ("early" if spec["early"] else "plain"))
+        if spec["what"] == "alone":
+            return {"w_ms": next(alone_w), "w_cpu_ms": 1.0, "steps_per_s": 5.0, "steps": 1}
+        return {"total_ms": 250.0, "w_ms": 240.0, "load_ms": 10.0, "prepare_call_ms": 0.0, "pass_ms": 1.0,
+                "verified": True, "steps_per_s": 5.0, "w_after_ms": 230.0, "w_cpu_ms": 240.0,
+                "report": {"details": {}, "wait_ms": 0.0}}
+
+    out = boot_e2e.run_shape(run_child, device="cpu", image="i", shm="s", ceiling_ms=50.0, w_levels=(0.0, 0.25),
+                             log=lambda line: None, repeats=3)
+    assert order == ["plain", "early"] * 3 + ["alone", "plain", "early"] * 3  # no W alone at W = 0
+    rows = [r for r in out["rows"] if r["w_s"] == 0.25]
+    assert all(r["w_alone_ms"] == 200.0 and r["w_alone_all_ms"] == [300.0, 100.0, 200.0] for r in rows)
+    assert rows[0]["x_bound"] == 250.0 / 200.0 and out["steps_per_s"] == {0.25: 5.0}
+    assert boot_e2e._median_alone([{"error": "boom"}, {"w_ms": 1.0}]) == {"error": "boom"}
+
+
 def test_first_calls_times_a_restart_in_a_fresh_process(tmp_path):
     import flashboot
     from flashboot.benchmarks import first_calls
