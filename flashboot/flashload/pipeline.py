@@ -67,7 +67,7 @@ from .report import LoadedImage, LoadReport
 from .sources import source_for_mode
 from .stream import StreamConfig
 from .views import make_views
-from .want import LoadRequest, Want, check_job_request, load_request, verify_default
+from .want import LoadRequest, Want, load_request, verify_default
 
 
 # ===================================================================================== load
@@ -440,9 +440,6 @@ class PreparedLoad:
             # The daemon's .ready vouches for the bytes it holds: its copy starts first, and the
             # metadata is read (it must be the .ready's bytes) and strictly validated while it
             # copies (as a plain served load); the job's tp/ep/key are refused before.
-            job = self.resolved[1]
-            if job is not None:
-                check_job_request(job, tp=self.tp, ep=self.ep, expected_key=self.expected_key)
             t = self.phase("metadata", t)  # the bytes are read beside the copy: added to it there
             source, self.why = first
         else:

@@ -36,8 +36,8 @@ class StartedCopy:
     metadata_beside_copy: bool
 
 
-def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, verify: bool, resolved,
-               ready=None, metadata_file=None, make_arena: Callable[[int], Any] | None = None) -> StartedCopy:
+def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, verify: bool, resolved, tp, ep,
+               expected_key, ready=None, make_arena: Callable[[int], Any] | None = None) -> StartedCopy:
     """Start the daemon's copy of rank ``rank`` into a new arena before this process reads the
     metadata, then read it (the bytes hashed, the table decoded) while the daemon copies.
 
@@ -47,10 +47,11 @@ def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, 
     it was staged), the copy is discarded (the daemon done with the arena, the arena released) and
     the load goes the other way round: the metadata first, then the ``.ready`` of those bytes
     awaited (:func:`~flashboot.flashload.client.served_ready`: waited for while a preloader
-    re-stages, refused otherwise). With no ``.ready`` yet, that order from the start.
-    ``metadata_file``: bytes already read (then its ``.ready`` is the one awaited). ``resolved``:
-    :func:`~flashboot.layouts.image.resolve_rank`'s result. ``make_arena(nbytes)``: how the arena
-    is made (default: admitted on ``dev``, then created). A failure releases what it made."""
+    re-stages, refused otherwise). With no ``.ready`` yet, that order from the start. Before
+    any of it, the job file's tp, ep and key are checked against ``tp``, ``ep`` and
+    ``expected_key`` (``resolved``: :func:`~flashboot.layouts.image.resolve_rank`'s result), so
+    those are refused before any byte moves. ``make_arena(nbytes)``: how the arena is made
+    (default: admitted on ``dev``, then created). A failure releases what it made."""
     from flashboot.layouts.image import read_metadata_file
 
     from ...arena import Arena
@@ -62,8 +63,10 @@ def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, 
             return Arena.create(nbytes, dev)
 
     t0 = time.perf_counter()
-    mf, metadata_ms = metadata_file, 0.0
-    if ready is None and mf is None:
+    if resolved[1] is not None:
+        check_job_request(resolved[1], tp=tp, ep=ep, expected_key=expected_key)
+    mf, metadata_ms = None, 0.0
+    if ready is None:
         ready = served_ready_now(image_dir, rank, shm_dir=shm_dir)
     while True:
         if ready is None:  # nothing staged yet, or staged from other bytes: the metadata first, then its .ready
@@ -75,6 +78,7 @@ def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, 
         if ready.nbytes == 0:
             raise LayoutError(f"{ready.path}: empty image, nothing to load")
         t1 = time.perf_counter()
+        waited_ms = (t1 - t0) * 1e3 - metadata_ms  # the metadata read before the arena is metadata_ms's
         arena = make_arena(ready.nbytes)
         copy = None
         try:
@@ -94,7 +98,7 @@ def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, 
                 arena.close()
             raise
         if mf.sha256 == ready.metadata_sha256:
-            return StartedCopy(arena, copy, ready, mf, wait_ms=(t1 - t0) * 1e3, alloc_ms=(t2 - t1) * 1e3,
+            return StartedCopy(arena, copy, ready, mf, wait_ms=waited_ms, alloc_ms=(t2 - t1) * 1e3,
                                request_ms=(t3 - t2) * 1e3, metadata_ms=metadata_ms, requested_at=t3,
                                metadata_beside_copy=beside)
         copy.settle()  # re-packed since it was staged: these bytes are another pre-pack's, never served
@@ -144,11 +148,8 @@ class ServedSource(Source):
         t0 = time.perf_counter()
         arena = copy = None
         try:
-            resolved = resolve_rank(image_dir, rank)
-            if resolved[1] is not None:  # the caller's tp, ep and key are refused before any byte moves
-                check_job_request(resolved[1], tp=tp, ep=ep, expected_key=expected_key)
             started = copy_first(image_dir, rank, dev, shm_dir=shm_dir, timeout_s=timeout_s, verify=verify,
-                                 resolved=resolved)
+                                 resolved=resolve_rank(image_dir, rank), tp=tp, ep=ep, expected_key=expected_key)
             arena, copy, ready, mf = started.arena, started.copy, started.ready, started.metadata_file
             nbytes = report.nbytes = ready.nbytes
             report.wait_ms, report.alloc_ms = started.wait_ms, started.alloc_ms
@@ -162,13 +163,13 @@ class ServedSource(Source):
             t5 = time.perf_counter()
             reply = copy.wait()
             t6 = time.perf_counter()
-            t2 = started.requested_at
+            t_requested = started.requested_at
             report.metadata_ms = started.metadata_ms + (t4 - t3) * 1e3
             report.tensors = len(meta.tensors)
             report.h2d_ms = reply["h2d_ms"]
             daemon_ms = reply["h2d_ms"] + reply.get("checksum_ms", 0.0)
             # Request to reply ran beside our own work (metadata + views): the exchange is what exceeds both.
-            report.exchange_ms = max(0.0, (t6 - t2) * 1e3 - max(daemon_ms, (t5 - t2) * 1e3))
+            report.exchange_ms = max(0.0, (t6 - t_requested) * 1e3 - max(daemon_ms, (t5 - t_requested) * 1e3))
             report.overlapped = ["metadata", "bind"]
             report.pinned_early_ms = reply.get("pin_ms", 0.0)
             report.chunks = -(-nbytes // (1 << 30))
@@ -202,15 +203,11 @@ class ServedSource(Source):
         in the background); the wait for the daemon's reply is handed to the background. A
         refusal of the metadata waits for the daemon to be done with the arena before it is
         released."""
-        from ..client import served_ready, served_ready_now
+        from ..client import served_ready_now
 
         ready = served_ready_now(handle.image_dir, handle.rank, shm_dir=handle.shm_dir)
-        if ready is None:  # still staging (or none yet): waited for off the caller's thread, the metadata first
+        if ready is None:  # still staging (or none yet): copy_first waits for it, off the caller's thread
             yield
-            handle.read_metadata_file()
-            mf = handle.metadata_file
-            ready = served_ready(handle.image_dir, handle.rank, mf.sha256, mf.where, timeout_s=handle.timeout_s,
-                                 shm_dir=handle.shm_dir)
         t = handle.phase("wait", t)
 
         def make_arena(nbytes: int):
@@ -218,12 +215,13 @@ class ServedSource(Source):
             return handle.arena
 
         started = copy_first(handle.image_dir, handle.rank, handle.device, shm_dir=handle.shm_dir,
-                             timeout_s=handle.timeout_s, verify=handle.verify, resolved=handle.resolved, ready=ready,
-                             metadata_file=handle.metadata_file, make_arena=make_arena)
+                             timeout_s=handle.timeout_s, verify=handle.verify, resolved=handle.resolved, tp=handle.tp,
+                             ep=handle.ep, expected_key=handle.expected_key, ready=ready, make_arena=make_arena)
         handle.session, handle.metadata_file = started.copy, started.metadata_file
         handle.metadata_sha256 = started.metadata_file.sha256
-        handle.phases_ms["arena"] = handle.phases_ms.get("arena", 0.0) + started.alloc_ms
-        handle.phases_ms["attach"] = handle.phases_ms.get("attach", 0.0) + started.request_ms
+        for name, ms in (("wait", started.wait_ms), ("arena", started.alloc_ms), ("attach", started.request_ms),
+                         ("metadata", started.metadata_ms)):
+            handle.phases_ms[name] = handle.phases_ms.get(name, 0.0) + ms
         t_copy = started.requested_at
         try:
             t = time.perf_counter()
@@ -231,8 +229,7 @@ class ServedSource(Source):
             # The strict read of the decoded table runs while the daemon copies, and prepare()
             # returns after it (~2 ms): after prepare() returned, it would run beside the engine's
             # GIL-bound start-up, where every hand-over of the GIL costs the engine more than it.
-            handle.open_metadata(ready.nbytes)
-            handle.phases_ms["metadata"] = handle.phases_ms.get("metadata", 0.0) + started.metadata_ms
+            handle.open_metadata(started.ready.nbytes)
             handle.phase("metadata", t)
         except BaseException:
             handle.session.settle()  # the daemon may still write into it
