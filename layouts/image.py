@@ -159,28 +159,56 @@ def read_metadata_file(path: str | os.PathLike, rank: int | None = None, *, deco
     (~10 ms) beside ~20 ms of decoding, which came after it. Errors are raised in the order of
     :func:`open_image`: the metadata's digest first, then the table's own. ``resolved``: what
     :func:`resolve_rank` returned for ``path`` and ``rank``, where the caller has it already."""
+    if decode:
+        return begin_metadata_read(path, rank, resolved=resolved).finish()
     rank_dir, job = resolved if resolved is not None else resolve_rank(path, rank)
-    meta_path, table_path = rank_dir / METADATA_FILE, rank_dir / TABLE_FILE
-    if decode:
-        meta_nbytes, read_json = _read_and_hash_beside(meta_path)
-    else:
-        raw = meta_path.read_bytes()
-        digest = sha256_beside(raw)  # 6.6 MB for 40,000 tensors: hashed while tensors.bin is read
-    try:
-        table = table_path.read_bytes()
-    except FileNotFoundError:
-        table = None
-    decoded = None
-    if decode:
+    raw = (rank_dir / METADATA_FILE).read_bytes()
+    digest = sha256_beside(raw)  # 6.6 MB for 40,000 tensors: hashed while tensors.bin is read
+    table = _read_table(rank_dir / TABLE_FILE)
+    return _checked(MetadataFile(rank_dir, job, raw, table, digest(), None))
+
+
+class PendingMetadata:
+    """:func:`read_metadata_file` with ``decode``, started: both files are read (and
+    ``metadata.json`` hashed) in threads, which release the GIL, so the caller can do other work
+    that does too (create an arena, ask the daemon for a copy) before :meth:`finish` decodes the
+    table and waits for the rest."""
+
+    def __init__(self, rank_dir: Path, job: JobInfo | None):
+        self.rank_dir, self.job = rank_dir, job
+        self._meta_nbytes, self._read_json = _read_and_hash_beside(rank_dir / METADATA_FILE)
+        table_path = rank_dir / TABLE_FILE
+        self._table = run_beside(lambda: _read_table(table_path), f"{table_path}: reading")
+
+    def finish(self) -> MetadataFile:
+        """The :class:`MetadataFile`, its table's columns decoded (:func:`predecode_table`) while
+        ``metadata.json`` is still being read and hashed; the job's digest checked."""
+        table, decoded = self._table(), None
         if table is not None:
             from .table import predecode_table
 
-            decoded = predecode_table(table, str(table_path), meta_nbytes)
-        raw, sha = read_json()
-    else:
-        sha = digest()
-    mf = MetadataFile(rank_dir, job, raw, table, sha, decoded)
-    if job is not None:
+            decoded = predecode_table(table, str(self.rank_dir / TABLE_FILE), self._meta_nbytes)
+        raw, sha = self._read_json()
+        return _checked(MetadataFile(self.rank_dir, self.job, raw, table, sha, decoded))
+
+
+def begin_metadata_read(path: str | os.PathLike, rank: int | None = None, *,
+                        resolved: tuple[Path, JobInfo | None] | None = None) -> PendingMetadata:
+    """Start :func:`read_metadata_file` with ``decode``; :meth:`PendingMetadata.finish` ends it.
+    A missing rank or ``metadata.json`` is raised here, in the caller's thread."""
+    rank_dir, job = resolved if resolved is not None else resolve_rank(path, rank)
+    return PendingMetadata(rank_dir, job)
+
+
+def _read_table(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _checked(mf: MetadataFile) -> MetadataFile:
+    if mf.job is not None:
         check_metadata_digest(mf)
     return mf
 
@@ -537,6 +565,6 @@ def list_rank_dirs(path: Path) -> dict[int, Path]:
     return out
 
 
-__all__ = ["Image", "JobInfo", "MetadataFile", "VerifyResult", "check_metadata_digest", "check_request", "image_ranks", "list_rank_dirs", "open_image", "resolve_rank",
+__all__ = ["Image", "JobInfo", "MetadataFile", "PendingMetadata", "VerifyResult", "begin_metadata_read", "check_metadata_digest", "check_request", "image_ranks", "list_rank_dirs", "open_image", "resolve_rank",
            "rank_dir_name", "read_image", "read_image_metadata", "read_job", "read_metadata_file", "reassemble",
            "verify_image", "IMAGE_FILE"]

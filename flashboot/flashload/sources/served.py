@@ -52,7 +52,7 @@ def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, 
     ``expected_key`` (``resolved``: :func:`~flashboot.layouts.image.resolve_rank`'s result), so
     those are refused before any byte moves. ``make_arena(nbytes)``: how the arena is made
     (default: admitted on ``dev``, then created). A failure releases what it made."""
-    from flashboot.layouts.image import read_metadata_file
+    from flashboot.layouts.image import begin_metadata_read, read_metadata_file
 
     from ...arena import Arena
     from ..client import served_ready, served_ready_now, start_served_load
@@ -79,6 +79,10 @@ def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, 
             raise LayoutError(f"{ready.path}: empty image, nothing to load")
         t1 = time.perf_counter()
         waited_ms = (t1 - t0) * 1e3 - metadata_ms  # the metadata read before the arena is metadata_ms's
+        beside = mf is None
+        # both files read (and hashed) in threads while the arena is made and the copy asked for:
+        # those release the GIL too; the table is decoded once the daemon copies
+        pending = begin_metadata_read(image_dir, rank, resolved=resolved) if beside else None
         arena = make_arena(ready.nbytes)
         copy = None
         try:
@@ -87,9 +91,8 @@ def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, 
                                      metadata_sha256=ready.metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir,
                                      verify=verify)
             t3 = time.perf_counter()
-            beside = mf is None
-            if beside:  # the bytes hashed, the table decoded, while the daemon copies
-                mf = read_metadata_file(image_dir, rank, decode=True, resolved=resolved)
+            if beside:
+                mf = pending.finish()
                 metadata_ms += (time.perf_counter() - t3) * 1e3
         except BaseException:
             if copy is not None:
