@@ -92,26 +92,37 @@ def _why_not_held(record: dict | None, identity: dict, name: str, where: str) ->
     return None
 
 
-def _open_held(record: dict, source, dev: Device, name: str, t_start: float):
-    """Map the held arena, build the views; a LoadedImage whose report's mode is ``held``."""
+def _map_held(record: dict, dev: Device):
+    """The held arena, opened and mapped (the caller closes it where it is not this image)."""
     from ..arena import Arena, ArenaDescriptor
-    from .landing import make_views
-    from .report import LoadedImage, LoadReport
 
-    t0 = time.perf_counter()
     desc = ArenaDescriptor.from_dict(record["descriptor"])
     arena = Arena.open(desc) if desc.backend == "host" else Arena.open(desc, dev)
     try:
         arena.map_range()
-        t1 = time.perf_counter()
+    except BaseException:
+        arena.close()
+        raise
+    return arena
+
+
+def _bind_held(arena, record: dict, source, dev: Device, name: str, t_start: float, map_ms: float,
+               metadata_ms: float):
+    """The views of the mapped held arena; a LoadedImage whose report's mode is ``held``."""
+    from .landing import make_views
+    from .report import LoadedImage, LoadReport
+
+    t1 = time.perf_counter()
+    try:
         tensors = make_views(arena, source.metadata)
     except BaseException:
         arena.close()
         raise
     t2 = time.perf_counter()
     report = LoadReport(mode="held", device=str(dev), rank=source.rank, nbytes=source.nbytes,
-                        tensors=len(source.metadata.tensors), alloc_ms=(t1 - t0) * 1e3, bind_ms=(t2 - t1) * 1e3)
-    report.details = {"holder_name": name, "holder_pid": desc.pid, "map_ms": (t1 - t0) * 1e3,
+                        tensors=len(source.metadata.tensors), alloc_ms=map_ms, bind_ms=(t2 - t1) * 1e3)
+    report.metadata_ms = metadata_ms
+    report.details = {"holder_name": name, "holder_pid": record["descriptor"].get("pid"), "map_ms": map_ms,
                       "held_since": record.get("since")}
     report.total_ms = (time.perf_counter() - t_start) * 1e3
     return LoadedImage(arena, tensors, source.metadata, report, source)
@@ -120,33 +131,56 @@ def _open_held(record: dict, source, dev: Device, name: str, t_start: float):
 def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_options):
     """:func:`flashboot.load` with ``holder=``: map the held arena when it is this image (no copy),
     otherwise warn why not, load normally and hand the new arena over (a failed hand-over warns
-    too; the load is returned either way). ``load_options`` go to :func:`flashboot.load`."""
+    too; the load is returned either way). ``load_options`` go to :func:`flashboot.load`.
+
+    The held arena is looked up and mapped while the metadata files are read and hashed (both
+    release the GIL); it is bound only once the metadata says it is this image, and closed (the
+    holder keeps it) where it is not."""
     from ..flashclone import holder as holders
     from .pipeline import load
-    from .shm import rank_source
+    from .shm import begin_rank_source
 
     t_start = time.perf_counter()
     option = HolderOption.of(holder)
     dev = Device.parse(device)
-    t0 = time.perf_counter()
-    source = rank_source(image_dir, rank, tp=load_options.get("tp"), ep=load_options.get("ep"),
-                         expected_key=load_options.get("expected_key"))
-    metadata_ms = (time.perf_counter() - t0) * 1e3
-    identity = image_identity(source, dev)
+    finish_source = begin_rank_source(image_dir, rank, tp=load_options.get("tp"), ep=load_options.get("ep"),
+                                      expected_key=load_options.get("expected_key"))
     name = option.name_for(image_dir, rank, dev)
     where = f"{'registry ' + option.registry if option.registry else 'store ' + option.store}"
+    record, arena, map_ms, map_error = None, None, 0.0, None
     try:
         record = holders.held_record(name, **option.where())
-        why = _why_not_held(record, identity, name, where)
-        if why is None:
+        held = (record or {}).get("image") or {}
+        if "descriptor" in (record or {}) and (held.get("rank"), held.get("device")) == (rank, str(dev)):
+            t0 = time.perf_counter()
+            arena = _map_held(record, dev)
+            map_ms = (time.perf_counter() - t0) * 1e3
+    except FlashBootError as exc:  # the holder was killed: its pid is gone, its fds with it
+        map_error = exc
+    t0 = time.perf_counter()
+    try:
+        source = finish_source()
+    except BaseException:
+        if arena is not None:
+            arena.close()
+        raise
+    metadata_ms = (time.perf_counter() - t0) * 1e3
+    identity = image_identity(source, dev)
+    why = None if record is None and map_error is not None else _why_not_held(record, identity, name, where)
+    if why is None and map_error is not None:
+        why = f"the arena held as {name!r} cannot be mapped: {map_error}"
+    if why is None:
+        try:
+            loaded = _bind_held(arena, record, source, dev, name, t_start, map_ms, metadata_ms)
+            arena = None
             prepared = load_options.get("prepared")
-            loaded = _open_held(record, source, dev, name, t_start)
-            loaded.report.metadata_ms = metadata_ms
             if prepared is not None:
                 prepared.close()  # its arena and attachment are not needed: the held one is bound
             return loaded
-    except FlashBootError as exc:  # the holder was killed: its pid is gone, its fds with it
-        why = f"the arena held as {name!r} cannot be mapped: {exc}"
+        except FlashBootError as exc:
+            why = f"the arena held as {name!r} cannot be bound: {exc}"
+    if arena is not None:
+        arena.close()  # another image's, or not bound: the holder keeps it
     warnings.warn(f"flashboot: not restarting from the holder ({why}); loading rank {rank} of {image_dir} normally",
                   RuntimeWarning, stacklevel=3)
     loaded = load(image_dir, rank, device, **load_options)

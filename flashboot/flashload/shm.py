@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .._json import check_fields, finite_at_least, int_at_least, is_str, loads
 from ..errors import (
@@ -151,12 +151,25 @@ def rank_source(image_dir, rank: int, *, tp: int | None = None, ep: int | None =
     Raises LayoutError for a missing or malformed image, a rank the image does not have, a
     tp/ep/key that disagrees with the caller's, or an image file whose size is not the recorded one.
     """
-    from flashboot.layouts import read_image
+    return begin_rank_source(image_dir, rank, tp=tp, ep=ep, expected_key=expected_key)()
+
+
+def begin_rank_source(image_dir, rank: int, *, tp: int | None = None, ep: int | None = None,
+                      expected_key=None) -> Callable[[], RankSource]:
+    """:func:`rank_source` started: the metadata files are read (and hashed) in threads
+    (:func:`~flashboot.layouts.image.begin_metadata_read`) while the caller does work that
+    releases the GIL too; the call returned decodes, validates and returns the source."""
+    from flashboot.layouts.image import begin_metadata_read, open_image
 
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
-    image = read_image(image_dir, rank, tp=tp, ep=ep, expected_key=expected_key)
-    return RankSource(str(image_dir), rank, image, image.metadata_sha256)  # of the very bytes validated
+    pending = begin_metadata_read(image_dir, rank)
+
+    def finish() -> RankSource:
+        image = open_image(pending.finish(), rank, tp=tp, ep=ep, expected_key=expected_key)
+        return RankSource(str(image_dir), rank, image, image.metadata_sha256)  # of the very bytes validated
+
+    return finish
 
 
 def checksum_fingerprint(digests) -> str:
