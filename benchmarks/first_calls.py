@@ -6,9 +6,10 @@ parent process creates and exports an arena of its size (what ``flashboot hold``
 fresh child (CUDA context made, ``flashboot`` imported and the loader's import warm-up run, as
 an engine restarting whose plugin ran it at start; ``warm_ms`` reports it) times ``Arena.open`` of
 it and the mapping of every segment (what ``open_held`` does: ``open_ms``, split into the first
-segment at open and ``map_rest_ms``), the strict metadata read (``tensors.bin``) and the views,
+segment at open and ``map_rest_ms``; the metadata files are read and hashed in threads meanwhile,
+as restart does), the rest of the strict metadata read (``tensors.bin`` decoded) and the views,
 and reports each and microseconds per tensor, against the target 20 ms + 2 us/tensor.
-The metadata is read as restart reads it (``read_image``: the table decoded beside the hash) and
+The metadata is read as restart reads it (``shm.begin_rank_source``) and
 the views made with ``make_views``' default threads (:data:`flashboot.flashload.views.VIEW_THREADS`);
 ``--view-threads N`` makes them by N threads instead.
 
@@ -52,18 +53,19 @@ def _views_child(image: str, device: str, descriptor: dict, threads: int | None)
     import flashboot  # noqa: F401
     from flashboot.arena import Arena, ArenaDescriptor
     from flashboot.flashload.views import make_views
+    from flashboot.flashload.shm import begin_rank_source
     from flashboot.flashload.warm import import_loader
-    from flashboot.layouts import read_image
 
     warm_ms = import_loader(device)  # what the engine plugins run at engine start, before any load
     t0 = time.perf_counter()
+    finish_source = begin_rank_source(image, 0)  # as restart: the files read and hashed while the arena is mapped
     desc = ArenaDescriptor.from_dict(descriptor)
     timings: dict = {}
     arena = Arena.open(desc, timings=timings) if desc.backend == "host" else Arena.open(desc, device, timings=timings)
     t_open = time.perf_counter()
-    arena.map_range()  # as restart's _open_held: every segment mapped before the views
+    arena.map_range()  # as restart's _map_held: every segment mapped before the views
     t1, c1 = time.perf_counter(), time.thread_time()  # CPU time too: on a busy machine the wall time is not ours
-    meta = read_image(image, 0).metadata  # as restart reads it (shm.rank_source): the table decoded beside the hash
+    meta = finish_source().metadata  # the table decoded, the strict read, beside the files' hash
     t2, c2 = time.perf_counter(), time.thread_time()
     arena.bytes()  # the flat tensor the views are made of (torch wraps the range once): timed apart
     t_flat = time.perf_counter()
