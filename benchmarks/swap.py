@@ -280,6 +280,8 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
             wake_parts.append(_wake_parts(w))
             exact &= _exact(loaded[0])
         out["sleep_release_ms"] = _median(release)
+        out["sleep_release_samples_ms"] = [round(x, 3) for x in release]  # the median hides the driver's spread
+        out["wake_served_samples_ms"] = [round(x, 3) for x in wake_served]
         out["sleep_release_parts"] = _median_parts(sleep_parts)
         out["wake_served_parts"] = _median_parts(wake_parts)
         # the same wake after a rest: what of its create / map / access is the driver still
@@ -411,7 +413,8 @@ def print_parts(out: dict) -> None:
     sp, wp, lp = out["sleep_release_parts"], out["wake_served_parts"], out["level1_wake_parts"]
     steps = ", ".join(f"{k} {v:.2f}" for k, v in sp.get("steps_ms", {}).items())
     print(f"sleep (release only) parts, ms: arena sync {f(sp, 'release_sync_ms')}, exports revoked "
-          f"{f(sp, 'revoke_ms')}, segments released {f(sp, 'release_ms')} ({steps})")
+          f"{f(sp, 'revoke_ms')}, segments released {f(sp, 'release_ms')} ({steps}); every sleep "
+          f"{out.get('sleep_release_samples_ms')}, every wake right after one {out.get('wake_served_samples_ms')}")
     print(f"wake from the daemon parts, ms: total {f(wp, 'total_ms')} = sources probed {f(wp, 'probe_ms')} + "
           f"create+map {f(wp, 'create_map_access_ms')} (create {f(wp, 'arena_create_ms')}, map {f(wp, 'arena_map_ms')}, "
           f"access {f(wp, 'arena_access_ms')}) + served copy {f(wp, 'copy_ms')} (daemon: open {f(wp, 'daemon_map_ms')}, "
