@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# 2026-12-03, fifteenth session: where a same-GPU star clone's transfer loses time (issue 19, 0.85x D2D).
+#   1. a seed of 13.76 GB on cuda:0 (benchmarks/clone_boot.py seed);
+#   2. benchmarks/probes/clone_gaps.py: the clone's copies and gaps by CUDA events, the mapping
+#      during the transfer, in modes first / again / all-ahead / chunk4g, then the D2D ceiling;
+#   3. (ENGINE=1) the engine-like clone of clone_boot (plain and with the early call).
+# Usage (repo root, GPU machine): OUT=/some/dir [MODES="..."] [ENGINE=0] bash benchmarks/gpu_session16.sh
+BUDGET_S=${BUDGET_S:-300}
+WARM=${WARM:-0}
+source "$(dirname "$0")/gpu_prelude.sh"
+export FLASHBOOT_TOKEN=gpu-session16-token-0123456789abcdef
+STORE=127.0.0.1:${PORT:-29733}
+SCRATCH=$(mktemp -d)
+say "=== 1. seed ($(date +%T))"
+timeout "$(left 280)" python3 -m flashboot.benchmarks.clone_boot seed --store "$STORE" --ready "$SCRATCH/ready" \
+  >"$OUT/seed.log" 2>&1 &
+SEED=$!
+for _ in $(seq 90); do [ -f "$SCRATCH/ready" ] || ! kill -0 $SEED 2>/dev/null && break; sleep 0.5; done
+if [ -f "$SCRATCH/ready" ]; then
+  say "seed ready: $(cat "$SCRATCH/ready")"
+  for round in 1 2; do
+    say "=== 2. clone gaps, fresh process $round ($(date +%T))"
+    timeout "$(left 60)" python3 benchmarks/probes/clone_gaps.py --store "$STORE" ${MODES:+--modes "$MODES"} $( [ "$round" = 1 ] && [ -n "${PROFILE:-}" ] && echo --profile "$OUT/profile.txt") \
+      >"$OUT/clone_gaps$round.jsonl" 2>/tmp/gaps.err
+    say "probe rc=$?"; tail -3 /tmp/gaps.err | cut -c1-300 | tee -a "$S"
+    python3 - "$OUT/clone_gaps$round.jsonl" <<'PY' 2>&1 | tee -a "$S"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r["mode"] == "ceiling":
+        print("ceiling", r); continue
+    print(r["mode"], {k: r[k] for k in ("transfer_ms", "gbps", "stream_gbps", "ready_ms", "alloc_ms", "map_ahead",
+                                       "map_during_copy", "copies", "gpu_copy_ms", "gpu_gap_ms")})
+    print("   gaps", r["gaps_ms"][:16], "copies", r["copy_ms_each"][:16], "MiB", r["copy_mb_each"][:16])
+    print("   issue", r["issue_host_ms"][:16], "executor", r["executor"], "profiled", r["profiled"])
+PY
+  done
+  if [ "${ENGINE:-1}" = 1 ]; then
+    for early in "" "--early 0.5"; do
+      say "=== 3. engine-like clone ${early:-plain} ($(date +%T))"
+      timeout "$(left 45)" python3 -m flashboot.benchmarks.clone_boot engine --store "$STORE" $early \
+        | tee -a "$OUT/clone_boot.jsonl" | python3 -m flashboot.benchmarks.clone_boot show | tee -a "$S"
+    done
+  fi
+else
+  say "seed did not come up:"; tail -20 "$OUT/seed.log" | tee -a "$S"
+fi
+kill $SEED 2>/dev/null; wait $SEED 2>/dev/null
+rm -rf "$SCRATCH"
+say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"
