@@ -3,8 +3,9 @@
 #   1. a seed of 13.76 GB on cuda:0 (benchmarks/clone_boot.py seed);
 #   2. benchmarks/probes/clone_gaps.py: the clone's copies and gaps by CUDA events, the mapping
 #      during the transfer, in modes first / again / all-ahead / chunk4g, then the D2D ceiling;
-#   3. (ENGINE=1) the engine-like clone of clone_boot (plain and with the early call).
-# Usage (repo root, GPU machine): OUT=/some/dir [MODES="..."] [ENGINE=0] bash benchmarks/gpu_session16.sh
+#   3. (ENGINE=1) the engine-like clone of clone_boot (plain and with the early call);
+#   4. (CLI=1) fresh `flashboot clone --verify` processes against bare torch + CUDA context, CLI_REPEATS pairs.
+# Usage (repo root, GPU machine): OUT=/some/dir [GAPS=0] [MODES="..."] [ENGINE=0] [CLI=1] bash benchmarks/gpu_session16.sh
 BUDGET_S=${BUDGET_S:-300}
 WARM=${WARM:-0}
 source "$(dirname "$0")/gpu_prelude.sh"
@@ -18,7 +19,7 @@ SEED=$!
 for _ in $(seq 90); do [ -f "$SCRATCH/ready" ] || ! kill -0 $SEED 2>/dev/null && break; sleep 0.5; done
 if [ -f "$SCRATCH/ready" ]; then
   say "seed ready: $(cat "$SCRATCH/ready")"
-  for round in 1 2; do
+  for round in $( [ "${GAPS:-1}" = 1 ] && echo 1 2); do
     say "=== 2. clone gaps, fresh process $round ($(date +%T))"
     timeout "$(left 60)" python3 benchmarks/probes/clone_gaps.py --store "$STORE" ${MODES:+--modes "$MODES"} $( [ "$round" = 1 ] && [ -n "${PROFILE:-}" ] && echo --profile "$OUT/profile.txt") \
       >"$OUT/clone_gaps$round.jsonl" 2>/tmp/gaps.err
@@ -41,6 +42,11 @@ PY
       timeout "$(left 45)" python3 -m flashboot.benchmarks.clone_boot engine --store "$STORE" $early \
         | tee -a "$OUT/clone_boot.jsonl" | python3 -m flashboot.benchmarks.clone_boot show | tee -a "$S"
     done
+  fi
+  if [ "${CLI:-0}" = 1 ]; then
+    say "=== 4. fresh flashboot clone --verify vs bare torch + CUDA context, ${CLI_REPEATS:-5} pairs ($(date +%T))"
+    timeout "$(left 200)" python3 -m flashboot.benchmarks.clone_boot cli --store "$STORE" --repeats "${CLI_REPEATS:-5}" \
+      | tee -a "$OUT/clone_cli.jsonl" | python3 -m flashboot.benchmarks.clone_boot show | cut -c1-400 | tee -a "$S"
   fi
 else
   say "seed did not come up:"; tail -20 "$OUT/seed.log" | tee -a "$S"
