@@ -4,14 +4,40 @@
 #   2. benchmarks/probes/clone_gaps.py: the clone's copies and gaps by CUDA events, the mapping
 #      during the transfer, in modes first / again / all-ahead / chunk4g, then the D2D ceiling;
 #   3. (ENGINE=1) the engine-like clone of clone_boot (plain and with the early call);
-#   4. (CLI=1) fresh `flashboot clone --verify` processes against bare torch + CUDA context, CLI_REPEATS pairs.
-# Usage (repo root, GPU machine): OUT=/some/dir [GAPS=0] [MODES="..."] [ENGINE=0] [CLI=1] bash benchmarks/gpu_session16.sh
+#   4. (CLI=1) fresh `flashboot clone --verify` processes against bare torch + CUDA context, CLI_REPEATS pairs;
+#   5. (START=1) benchmarks/probes/clone_start.py: a plain clone's first phase in parts, 3 processes and one profiled;
+#   6. (TESTS=1) every one-GPU test, in two groups (each bounded by its own timeout).
+# With SEED=0 no seed is started (steps 2-4 need it).
+# Usage (repo root, GPU machine): OUT=/some/dir [SEED=0] [GAPS=0] [MODES="..."] [ENGINE=0] [CLI=1] [START=1] [TESTS=1] bash benchmarks/gpu_session16.sh
 BUDGET_S=${BUDGET_S:-300}
 WARM=${WARM:-0}
 source "$(dirname "$0")/gpu_prelude.sh"
 export FLASHBOOT_TOKEN=gpu-session16-token-0123456789abcdef
 STORE=127.0.0.1:${PORT:-29733}
 SCRATCH=$(mktemp -d)
+if [ "${START:-0}" = 1 ]; then
+  say "=== 5. a plain clone's first phase in parts ($(date +%T))"
+  for i in 1 2 3; do timeout "$(left 30)" python3 benchmarks/probes/clone_start.py | tee -a "$OUT/clone_start.jsonl" >>"$S"; done
+  timeout "$(left 30)" python3 benchmarks/probes/clone_start.py --profile >"$OUT/clone_start_profile.txt" 2>&1
+  tail -1 "$OUT/clone_start_profile.txt" >>"$S"
+fi
+if [ "${TESTS:-0}" = 1 ]; then
+  say "=== 6. every one-GPU test ($(date +%T))"
+  G1="tests/test_arena_gpu.py tests/test_arena_remap.py tests/test_sleep_gpu.py tests/test_boot.py tests/test_load.py
+      tests/test_views.py tests/test_stream.py tests/test_preload_faults.py tests/test_preload_service.py
+      tests/test_checksum.py tests/test_kernel_cubin.py tests/test_clone_gpu.py tests/test_cuda_streams.py
+      tests/test_weight_update.py"
+  G2="tests/test_triton_movers.py tests/test_copy_kernels.py tests/test_tma_ring.py tests/test_bench_movers.py
+      tests/test_flag_copy.py tests/test_kernel_launch.py tests/test_weight_update_logits.py
+      tests/test_integrations_refit.py tests/test_clone_nixl_gpu.py tests/test_integrations_engine_load.py"
+  for g in G1 G2; do
+    timeout "$(left "${TESTS_LIMIT:-250}")" python3 -m pytest -q -p no:cacheprovider -rfE -m "gpu or two_gpus" ${!g} \
+      >"$OUT/tests_$g.log" 2>&1
+    say "tests $g rc=$? (124: out of time) :: $(tail -1 "$OUT/tests_$g.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests_$g.log" | head -12 | cut -c1-400 | tee -a "$S"
+  done
+fi
+[ "${SEED:-1}" = 1 ] || { rm -rf "$SCRATCH"; say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"; exit 0; }
 say "=== 1. seed ($(date +%T))"
 timeout "$(left 280)" python3 -m flashboot.benchmarks.clone_boot seed --store "$STORE" --ready "$SCRATCH/ready" \
   >"$OUT/seed.log" 2>&1 &
