@@ -118,7 +118,8 @@ def test_copy_engine_batches_and_warmup_run_through_the_driver_without_cupy(stub
     out = _run(_MOVER_AND_WARMUP, stub_driver)
     assert "batch cuMemcpyBatchAsync 8 4" in out  # 8 non-contiguous chunks, over 4 side streams
     assert "alive after drop 0 of 9" in out  # 4 streams, the fork and 4 join events destroyed with the batch
-    assert "warm parts ['CUDA context + peer import', 'copy stream', 'fd table', 'torch CUDA'] copy stream at copy" in out
+    assert ("warm parts ['CUDA context + peer import', 'copy stream', 'executor lanes', 'fd table', 'torch CUDA'] "
+            "copy stream at copy") in out
     # the pool lends back what was handed back, keeps at most POOL_KEEP of a kind, and keeps timed
     # events apart from untimed ones
     assert "stream reused True new one True" in out
