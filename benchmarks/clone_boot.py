@@ -176,6 +176,12 @@ def cli_main(store: str, repeats: int, device: str) -> dict:
             "target_over_bare_ms": 150.0, "runs": clone, "summaries": lines}
 
 
+def _bytecode(row: dict) -> str:
+    """``"M of N"`` (without it every module is compiled from source in the timed call: see flashboot.bytecode)."""
+    b = row.get("bytecode") or {}
+    return f"{b.get('with_bytecode', '?')} of {b.get('modules', '?')}"
+
+
 def show(row: dict) -> str:
     """A result line for people (the JSON line is for the record)."""
     r = row
@@ -184,7 +190,8 @@ def show(row: dict) -> str:
                 f"{r['ready_plus_verify_ms']:.1f} ms (target 100); transfer {r['transfer_gbps']:.0f} GB/s = "
                 f"{r['transfer_vs_ceiling']:.3f}x D2D {r['d2d_ceiling_gbps']:.0f} GB/s (target 0.85); clone call "
                 f"{r['call_ms']:.1f} ms; Triton imported: {r['triton_imported']}; CuPy imported: "
-                f"{r.get('cupy_imported', '?')}\n  phases {r['phases_ms']}\n"
+                f"{r.get('cupy_imported', '?')}; FlashBoot modules with bytecode: {_bytecode(r)}\n"
+                f"  phases {r['phases_ms']}\n"
                 f"  warm-up {r['warm_detail']} waits {r['warm_waits']}\n  exchange {r['exchange_detail']}\n"
                 f"  alloc {r['alloc_ms']} ms {r.get('alloc_detail')}; source segments mapped while our arena was made (ms, count) "
                 f"{r.get('map_ahead')}, during the copy {r['map_during_copy']}"
