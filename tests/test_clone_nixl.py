@@ -70,7 +70,9 @@ r.close()
 
 def _env(token: str = TOKEN, **extra) -> dict:
     e = dict(os.environ)
-    e.update({"FLASHBOOT_TOKEN": token, "UCX_TLS": "tcp", "PYTHONFAULTHANDLER": "1"})  # a native crash shows where
+    # A native crash shows where: Python's frames (faulthandler) and the crashing thread's native
+    # frames (UCX's handler; a crash in NIXL's or UCX's own threads shows no Python frame at all).
+    e.update({"FLASHBOOT_TOKEN": token, "UCX_TLS": "tcp", "PYTHONFAULTHANDLER": "1", "UCX_HANDLE_ERRORS": "bt"})
     e.update({k: str(v) for k, v in extra.items()})
     return e
 
@@ -89,10 +91,10 @@ def _ready(proc, what: str) -> None:
         raise AssertionError(f"{what} did not start: {line!r}{out}\n{err[-3000:]}")
 
 
-def _report(proc, timeout_s: float = 90) -> tuple[int, dict, str]:
+def _report(proc, timeout_s: float = 90, who: str = "") -> tuple[int, dict, str]:
     rc, out, err = finish(proc, timeout_s)
     lines = [line for line in out.splitlines() if line.startswith("{")]
-    assert lines, f"no report (rc {rc}):\n{out}\n{err[-3000:]}"
+    assert lines, f"no report from {who or 'the process'} (rc {rc}):\n{out}\n{err[-10000:]}"
     return rc, json.loads(lines[0]), err
 
 
@@ -277,7 +279,7 @@ def test_nixl_ring_across_three_namespaces_gathers_every_shard_over_the_links(ho
     tx = [hosts.tx_bytes(i) for i in range(3)]
     rx = [hosts.rx_bytes(i) for i in range(3)]
     members = [_start(hosts, i, _RING, store, image, 3) for i in range(3)]
-    reports = [_report(m) for m in members]
+    reports = [_report(m, who=f"ring member on host {i}") for i, m in enumerate(members)]
     want = _expected_sha(NBYTES, 11)
     for rc, r, err in reports:
         assert rc == 0, (r, err[-3000:])
@@ -299,7 +301,7 @@ def test_nixl_ring_member_killed_its_successor_loads_the_rest_from_its_own_copy(
     wait_until(lambda: hosts.tx_bytes(1) - tx1 > CHUNK, 60, "the member on host 1 to be read by its successor",
                members[1])
     os.kill(members[1].pid, signal.SIGKILL)  # no status published: its successor finds out through NIXL
-    survivors = [_report(m, timeout_s=90) for m in (members[0], members[2])]
+    survivors = [_report(members[i], timeout_s=90, who=f"ring member on host {i}") for i in (0, 2)]
     want = _expected_sha(NBYTES, 12)
     recovered = 0
     for rc, r, err in survivors:
