@@ -233,3 +233,78 @@ def test_cli_seed_with_nixl_and_a_clone_over_nixl(store, tmp_path):
         assert report["transport_note"] == "asked for" and report["exchange_detail"]["register_ms"] > 0
     finally:
         stop(seed)
+
+
+class _NativeAgent:
+    """NIXL's agent as the transport calls it, recording what it was asked; a READ's handle can be
+    held 'still aborting' (its release refused, as NIXL refuses one in progress)."""
+
+    backends = ["UCX"]
+
+    def __init__(self):
+        self.removed: list[str] = []
+        self.aborting: set[int] = set()
+        self.handles = 0
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        return metadata
+
+    def get_xfer_descs(self, descs, mem):
+        return descs
+
+    def initialize_xfer(self, op, local, remote, peer) -> int:
+        self.handles += 1
+        return self.handles
+
+    def transfer(self, handle) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, handle) -> str:
+        return "ERR"
+
+    def release_xfer_handle(self, handle) -> None:
+        if handle in self.aborting:
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.removed.append(name)
+
+
+def test_a_dropped_peer_stays_loaded_until_its_aborting_read_is_released(monkeypatch):
+    """Unloading a dead peer while UCX still aborts a READ of it frees what UCX's threads use
+    (ai-dynamo/nixl#1868): the agent defers the unload to that READ's release."""
+    native = _NativeAgent()
+    monkeypatch.setattr(nixl, "nixl_module", lambda: None)
+    monkeypatch.setattr(nixl, "_create_agent", lambda mod, name: native)
+    agent = nixl.Agent("defer-test")
+    record = {"agent": "dead-peer", "metadata": nixl._b64(b"dead-peer")}
+    assert agent.add_remote(record, "the dead peer") == "dead-peer"
+    assert agent.add_remote({"agent": "idle-peer", "metadata": nixl._b64(b"idle-peer")}, "the idle peer") == "idle-peer"
+    ticket = agent.read([(0, 1, 0)], [(0, 1, 0)], "DRAM", "DRAM", "dead-peer")
+    native.aborting.add(agent._live[ticket])
+    with pytest.raises(nixl.ReadFailed, match="READ failed"):
+        agent.state(ticket)
+    assert agent.release(ticket) is False  # NIXL is still aborting it
+    agent.remove_remote("dead-peer")
+    agent.remove_remote("idle-peer")
+    assert native.removed == ["idle-peer"]  # no READ of it: unloaded at once; the dead one waits
+    with pytest.raises(RendezvousError, match=r"'dead-peer'\) was dropped and a READ of it is still being aborted"):
+        agent.add_remote(record, "the dead peer")
+    native.aborting.clear()
+    assert agent.release(ticket) is True
+    assert native.removed == ["idle-peer", "dead-peer"]
+    agent.close()
+    assert native.removed == ["idle-peer", "dead-peer"]  # not twice
+
+
+def test_close_leaves_a_peer_with_an_unreleasable_read_to_the_agents_destructor(monkeypatch):
+    native = _NativeAgent()
+    monkeypatch.setattr(nixl, "nixl_module", lambda: None)
+    monkeypatch.setattr(nixl, "_create_agent", lambda mod, name: native)
+    monkeypatch.setattr(nixl, "SETTLE_S", 0.05)
+    agent = nixl.Agent("close-test")
+    agent.add_remote({"agent": "dead-peer", "metadata": nixl._b64(b"dead-peer")}, "the dead peer")
+    ticket = agent.read([(0, 1, 0)], [(0, 1, 0)], "DRAM", "DRAM", "dead-peer")
+    native.aborting.add(agent._live[ticket])
+    agent.close()
+    assert native.removed == []  # the destructor unloads it after aborting the READ

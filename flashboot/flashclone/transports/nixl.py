@@ -123,6 +123,10 @@ class Agent:
         self._registered: list = []
         self._live: dict[int, Any] = {}
         """ticket -> NIXL transfer handle not yet released (a READ posted, in progress, failed or aborting)."""
+        self._peer_of: dict[int, str] = {}
+        """ticket -> the remote agent its READ targets (while the ticket is live)."""
+        self._leaving: set[str] = set()
+        """Dropped peers whose metadata stays loaded until their last READ is released (see :meth:`remove_remote`)."""
         self._tickets = itertools.count()
         self._scratch: np.ndarray | None = None
         self.remotes: dict[str, str] = {}
@@ -161,6 +165,9 @@ class Agent:
 
     def add_remote(self, record: dict, who: str) -> str:
         """Load a peer's agent metadata (from its sealed record); returns the peer agent's name."""
+        if record.get("agent") in self._leaving:
+            raise RendezvousError(f"{who} (NIXL agent {record['agent']!r}) was dropped and a READ of it is still being "
+                                  "aborted: it is not loaded again")
         name = self._call(self._agent.add_remote_agent, _unb64(record["metadata"]), error=RendezvousError,
                           what=f"NIXL refused the agent metadata of {who}: ")
         name = name.decode() if isinstance(name, bytes) else str(name)
@@ -189,7 +196,18 @@ class Agent:
             pass  # teardown: the peer may be gone, a READ still in progress cannot be released
 
     def remove_remote(self, name: str) -> None:
-        if self.remotes.pop(name, None) is not None:
+        """Stop using peer ``name``; its metadata is unloaded now, or once its last READ is released.
+
+        A READ of a peer that died may still be aborting inside UCX (:meth:`release` cannot release
+        it yet). Unloading the peer's metadata meanwhile tears down the endpoint and remote keys
+        that UCX's threads still use: NIXL's race of that kind (ai-dynamo/nixl#1868: the rkey freed
+        under ``ucp_get_nbx``) is a SIGSEGV of the whole process. So the peer stays loaded until
+        then, or until :meth:`close` destroys the agent, which aborts in the right order."""
+        if self.remotes.pop(name, None) is None:
+            return
+        if name in self._peer_of.values():
+            self._leaving.add(name)
+        else:
             self._best_effort(self._agent.remove_remote_agent, name)
 
     def read(self, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]], mem: str, remote_mem: str,
@@ -208,6 +226,7 @@ class Agent:
         a = self._agent
         self._live[ticket] = a.initialize_xfer("READ", a.get_xfer_descs(local, mem),
                                                a.get_xfer_descs(remote, remote_mem), remote_agent)
+        self._peer_of[ticket] = remote_agent
         return a.transfer(self._live[ticket])  # released by release(), or settled by close()
 
     def state(self, ticket: int) -> str:
@@ -227,6 +246,10 @@ class Agent:
         except ReadFailed:
             return False
         del self._live[ticket]
+        peer = self._peer_of.pop(ticket, None)
+        if peer in self._leaving and peer not in self._peer_of.values():
+            self._leaving.discard(peer)
+            self._best_effort(self._agent.remove_remote_agent, peer)
         return True
 
     def settle(self, timeout_s: float) -> int:
@@ -257,8 +280,11 @@ class Agent:
             self._best_effort(self._agent.deregister_memory, descs)
         self._registered = []
         # The last reference to the agent: its destructor stops the progress thread and closes UCX,
-        # aborting whatever settle() could not (NIXL queues an unreleasable handle for exactly this).
+        # aborting whatever settle() could not (NIXL queues an unreleasable handle for exactly this),
+        # and unloads the peers still leaving.
         self._live.clear()
+        self._peer_of.clear()
+        self._leaving.clear()
         native, self._agent = getattr(self._agent, "agent", None), None
         if native is not None and sys.getrefcount(native) > 2:  # ours and the call's: anything more keeps it alive
             warnings.warn(f"NIXL agent {self.name!r} is still referenced after close ({sys.getrefcount(native) - 2} "
