@@ -568,3 +568,33 @@ def test_gc_paused_restores_the_collector():
         assert not gc.isenabled()  # the caller's choice stays
     finally:
         gc.enable()
+
+
+def test_gc_paused_promotes_what_it_made_to_the_oldest_generation_unless_the_caller_froze():
+    import gc
+
+    from flashboot.layouts.format import gc_paused
+
+    def generation_of(obj) -> int | None:
+        return next((g for g in range(3) if any(o is obj for o in gc.get_objects(generation=g))), None)
+
+    try:
+        with gc_paused(promote=True):
+            made = [[i] for i in range(1000)]
+        gc.disable()  # no collection may move anything while we look
+        assert generation_of(made) == 2 and generation_of(made[-1]) == 2  # no young collection walks them
+        gc.enable()
+        with gc_paused():
+            young = [[i] for i in range(10)]
+        gc.disable()
+        assert generation_of(young) == 0
+        gc.freeze()  # an engine froze its heap: it stays frozen, and what the block makes stays young
+        frozen = gc.get_freeze_count()
+        gc.enable()
+        with gc_paused(promote=True):
+            later = [[i] for i in range(10)]
+        gc.disable()
+        assert gc.get_freeze_count() == frozen and generation_of(later) == 0
+    finally:
+        gc.unfreeze()
+        gc.enable()

@@ -64,7 +64,7 @@ def make_views(arena, metadata, *, threads: int | None = None) -> dict:
     elem_offsets = table.offsets // table.itemsizes
     present = np.flatnonzero(np.bincount(codes)).tolist()
     order, jobs = [], []
-    with gc_paused():
+    with gc_paused(promote=True):
         for code in present:
             dtype = getattr(torch, DTYPE_NAMES[code])
             typed = flat[: arena.nbytes - arena.nbytes % dtype.itemsize].view(dtype)
