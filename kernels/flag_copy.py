@@ -217,7 +217,8 @@ class FlagChainCopy:
 
             with cupy.cuda.Device(self.dst.device.index):
                 self._event = cupy.cuda.Event()
-                self._event.record(cupy.cuda.ExternalStream(handle) if handle else cupy.cuda.Stream.null)
+                # recorded on the raw handle: CuPy 14 deprecates wrapping one in ExternalStream
+                cupy.cuda.runtime.eventRecord(self._event.ptr, handle)
 
     def abort(self) -> None:
         """Raise the abort word: waiting programs give up at their next poll."""
