@@ -270,12 +270,18 @@ class _NativeAgent:
         self.removed.append(name)
 
 
-def test_a_dropped_peer_stays_loaded_until_its_aborting_read_is_released(monkeypatch):
+@pytest.fixture
+def native(monkeypatch) -> _NativeAgent:
+    """The stand-in every nixl.Agent made in the test wraps."""
+    stand_in = _NativeAgent()
+    monkeypatch.setattr(nixl, "nixl_module", lambda: None)
+    monkeypatch.setattr(nixl, "_create_agent", lambda mod, name: stand_in)
+    return stand_in
+
+
+def test_a_dropped_peer_stays_loaded_until_its_aborting_read_is_released(native):
     """Unloading a dead peer while UCX still aborts a READ of it frees what UCX's threads use
     (ai-dynamo/nixl#1868): the agent defers the unload to that READ's release."""
-    native = _NativeAgent()
-    monkeypatch.setattr(nixl, "nixl_module", lambda: None)
-    monkeypatch.setattr(nixl, "_create_agent", lambda mod, name: native)
     agent = nixl.Agent("defer-test")
     record = {"agent": "dead-peer", "metadata": nixl._b64(b"dead-peer")}
     assert agent.add_remote(record, "the dead peer") == "dead-peer"
@@ -297,10 +303,7 @@ def test_a_dropped_peer_stays_loaded_until_its_aborting_read_is_released(monkeyp
     assert native.removed == ["idle-peer", "dead-peer"]  # not twice
 
 
-def test_close_leaves_a_peer_with_an_unreleasable_read_to_the_agents_destructor(monkeypatch):
-    native = _NativeAgent()
-    monkeypatch.setattr(nixl, "nixl_module", lambda: None)
-    monkeypatch.setattr(nixl, "_create_agent", lambda mod, name: native)
+def test_close_leaves_a_peer_with_an_unreleasable_read_to_the_agents_destructor(native, monkeypatch):
     monkeypatch.setattr(nixl, "SETTLE_S", 0.05)
     agent = nixl.Agent("close-test")
     agent.add_remote({"agent": "dead-peer", "metadata": nixl._b64(b"dead-peer")}, "the dead peer")
