@@ -43,19 +43,19 @@ def _child(spec: dict) -> dict:
     import io
     import pstats
 
-    from flashboot.flashload.pipeline import PreparedLoad
+    from flashboot.flashload.prepared import PreparedLoad
 
     profile = cProfile.Profile()
     run, phase = PreparedLoad._run, PreparedLoad.phase
     cpu_ms: dict[str, float] = {}
     last = [0.0]
 
-    def profiled(self, steps):  # the background part (what ran on the caller's thread is prepare()'s own time)
+    def profiled(self, *args):  # the background part (what ran on the caller's thread is prepare()'s own time)
         last[0] = time.thread_time()
         t0 = last[0]
         profile.enable()
         try:
-            run(self, steps)
+            run(self, *args)
         finally:
             profile.disable()
             cpu_ms["thread"] = (time.thread_time() - t0) * 1e3

@@ -116,7 +116,7 @@ def test_a_served_prepare_asks_for_the_copy_before_it_parses_the_metadata(image,
     """As a plain served load: the daemon's .ready vouches for the metadata bytes, so the copy is
     asked for first and the strict read and the views run beside it; a refusal by that read (here
     injected) waits for the daemon to be done with the arena, releases it, and the daemon serves on."""
-    from flashboot.flashload.pipeline import PreparedLoad
+    from flashboot.flashload.prepared import PreparedLoad
 
     open_metadata = PreparedLoad.open_metadata
     seen = []
@@ -150,10 +150,10 @@ def test_a_load_called_during_the_early_copy_makes_the_views_meanwhile(image, sh
     held for 1 s), it makes them then and waits for the copy after; a copy that fails after the
     views were made is raised from the load, and the arena is released."""
     from flashboot.flashload import client as client_mod
-    from flashboot.flashload import pipeline
+    from flashboot.flashload import prepared
 
     events = []
-    wait_copy, make_views = client_mod.ServedCopy.wait, pipeline.make_views
+    wait_copy, make_views = client_mod.ServedCopy.wait, prepared.make_views
 
     def slow_copy(copy):
         reply = wait_copy(copy)
@@ -167,7 +167,7 @@ def test_a_load_called_during_the_early_copy_makes_the_views_meanwhile(image, sh
         return out
 
     monkeypatch.setattr(client_mod.ServedCopy, "wait", slow_copy)
-    monkeypatch.setattr(pipeline, "make_views", views)
+    monkeypatch.setattr(prepared, "make_views", views)
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
     with flashboot.load(image, 0, "cpu", prepared=handle, verify=True) as loaded:
         assert events == ["views made", "copy ended"] and loaded.report.bind_ms > 0
@@ -186,6 +186,51 @@ def test_a_load_called_during_the_early_copy_makes_the_views_meanwhile(image, sh
     with pytest.raises(RendezvousError, match="injected"):
         flashboot.load(image, 0, "cpu", prepared=handle)
     assert events == ["views made"] and handle.arena.closed and handle.tensors is None
+
+
+def test_a_load_waiting_for_the_early_copy_takes_the_daemons_reply_on_its_own_thread(image, shm, monkeypatch):
+    """A load that waits for the early copy's end blocks on the daemon's socket itself: the
+    background thread hands its last steps over, so the reply wakes the engine's thread, not a
+    thread that would then wake it. Where the reply came first, the background thread took it."""
+    from _preload_helpers import Daemon
+
+    daemon = Daemon(image, shm)  # in this process, so its copy can be held back
+    gate = threading.Event()
+    copy = daemon.server._copy
+
+    def gated(attached):
+        assert gate.wait(30)
+        return copy(attached)
+
+    waited_on = []
+    wait = client.ServedCopy.wait
+
+    def recording(served_copy):
+        waited_on.append(threading.current_thread().name)
+        return wait(served_copy)
+
+    monkeypatch.setattr(daemon.server, "_copy", gated)
+    monkeypatch.setattr(client.ServedCopy, "wait", recording)
+    try:
+        handle = flashboot.prepare(image, 0, "cpu", mode="served", shm_dir=shm)
+        threading.Timer(0.3, gate.set).start()
+        with flashboot.load(image, 0, "cpu", prepared=handle, verify=True) as loaded:
+            assert loaded.report.details["prepared_before_load"] is False
+            assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
+        assert waited_on == [threading.current_thread().name]
+        handle._thread.join(5)
+        assert not handle._thread.is_alive()
+
+        waited_on.clear()
+        handle = flashboot.prepare(image, 0, "cpu", mode="served", shm_dir=shm).wait()
+        assert waited_on == ["flashboot-prepare-rank0"]
+        with flashboot.load(image, 0, "cpu", prepared=handle, verify=True) as loaded:
+            assert loaded.report.details["prepared_before_load"] is True
+            assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
+        assert waited_on == ["flashboot-prepare-rank0"]
+    finally:
+        gate.set()
+        daemon.close()
 
 
 def test_a_load_refused_during_the_early_copy_releases_the_arena_after_the_copy(image, shm, daemon, monkeypatch):
@@ -212,7 +257,7 @@ def test_a_load_refused_during_the_early_copy_releases_the_arena_after_the_copy(
 
 def test_waiting_for_the_views_is_bounded(image, shm, daemon, monkeypatch):
     from flashboot.flashload import client as client_mod
-    from flashboot.flashload.pipeline import PreparedLoad
+    from flashboot.flashload.prepared import PreparedLoad
 
     open_metadata = PreparedLoad.open_metadata
 
@@ -491,7 +536,7 @@ def test_the_early_call_hands_the_gil_over_promptly_while_it_works_and_restores_
     import sys
     import threading
 
-    from flashboot.flashload import pipeline as boot
+    from flashboot.flashload import prepared as boot
 
     seen, real = [], boot.PreparedLoad.create_arena
 

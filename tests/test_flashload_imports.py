@@ -1,5 +1,5 @@
 """FlashLoad's imports point one way (layout.md, "FlashLoad as one pipeline over sources"):
-lifecycle -> pipeline -> choose -> sources/* -> {client, stream, shm, landing} -> {want, report}.
+lifecycle -> pipeline -> prepared -> choose -> sources/* -> {client, stream, shm, landing} -> {want, report}.
 
 Read from the source (every ``import``, at module level or inside a function), so a lazy import
 that closes a circle is caught as well as a module-level one.
@@ -16,7 +16,7 @@ ROOT = Path(flashboot.flashload.__file__).parent
 
 LAYER = {
     "lifecycle": 7, "restart": 7,
-    "pipeline": 6,
+    "pipeline": 6, "prepared": 6,
     "choose": 5,
     "sources": 4, "sources.served": 4, "sources.pinned": 4, "sources.disk": 4, "sources.base": 4,
     "client": 3, "stream": 3, "landing": 3, "service": 3,
@@ -30,6 +30,7 @@ order; they are listed where the load path reaches them."""
 UPWARD_ALLOWED = {
     ("report", "lifecycle"): "LoadedImage.sleep/wake/close hand the call to the lifecycle (public methods)",
     ("pipeline", "restart"): "load(holder=...) hands the call to the restart path, which wraps load itself",
+    ("prepared", "pipeline"): "PreparedLoad.load() is flashboot.load(..., prepared=handle)",
 }
 
 

@@ -17,7 +17,7 @@ from test_boot import daemon  # noqa: F401  (fixture: a served-load daemon holdi
 import flashboot
 from flashboot.errors import FlashBootError
 from flashboot.flashload.choose import choose, choose_prepared
-from flashboot.flashload.pipeline import MODES
+from flashboot.flashload.prepared import MODES
 from flashboot.flashload.sources import Offer, Source, register_source, registered_sources, source_for_mode
 from flashboot.flashload.sources import base as sources_base
 from flashboot.flashload.want import Want

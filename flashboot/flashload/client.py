@@ -81,9 +81,11 @@ def _request(path: Path, req: dict, *, connect_timeout_s: float, reply_timeout_s
         return _read_reply(s, path, f"{req.get('op')!r} for rank {req.get('rank')}", reply_timeout_s)
 
 
-def _read_reply(sock: socket.socket, path: Path, what: str, timeout_s: float) -> dict:
-    """The daemon's JSON reply on ``sock``, waiting at most ``timeout_s``; errors name ``what``."""
-    sock.settimeout(timeout_s)
+def _read_reply(sock: socket.socket, path: Path, what: str, timeout_s: float, *,
+                deadline: float | None = None) -> dict:
+    """The daemon's JSON reply on ``sock``, waiting at most ``timeout_s`` (or until ``deadline``,
+    a ``time.monotonic()``, where the wait began earlier); errors name ``what``."""
+    sock.settimeout(timeout_s if deadline is None else max(1e-3, deadline - time.monotonic()))
     try:
         raw = sock.recv(1 << 20)
     except socket.timeout:
@@ -214,16 +216,22 @@ class ServedCopy:
     def __init__(self, sock: socket.socket, path: Path, rank: int, reply_timeout_s: float):
         self._sock: socket.socket | None = sock
         self.path, self.rank, self.reply_timeout_s = path, rank, reply_timeout_s
+        self.deadline = time.monotonic() + reply_timeout_s  # the reply is due by then, however it is awaited
         self._reply: dict | None = None
         self._error: BaseException | None = None
 
+    def fileno(self) -> int:
+        """The socket the reply arrives on (for ``select``), while it is awaited; -1 after."""
+        return -1 if self._sock is None else self._sock.fileno()
+
     def wait(self) -> dict:
-        """Block until the daemon answers (at most ``reply_timeout_s``); returns its reply
-        (``h2d_ms``, ``map_ms``, ``pinned``...) or raises the daemon's error with its class."""
+        """Block until the daemon answers (at most ``reply_timeout_s`` from the request); returns
+        its reply (``h2d_ms``, ``map_ms``, ``pinned``...) or raises the daemon's error with its class."""
         if self._sock is not None:
             sock, self._sock = self._sock, None
             try:
-                reply = _read_reply(sock, self.path, f"'load' for rank {self.rank}", self.reply_timeout_s)
+                reply = _read_reply(sock, self.path, f"'load' for rank {self.rank}", self.reply_timeout_s,
+                                    deadline=self.deadline)
                 if not reply.get("ok"):
                     _raise_remote(reply, f"served load of rank {self.rank} by the preloader at {self.path}")
                 self._reply = reply

@@ -61,11 +61,14 @@ class Source:
 
     def start_prepared(self, handle, t: float):
         """:func:`flashboot.prepare`'s copy into ``handle.arena`` (the load makes the views, while
-        it runs: :meth:`~flashboot.flashload.pipeline.PreparedLoad.wait_viewable`); fills
+        it runs: :meth:`~flashboot.flashload.prepared.PreparedLoad.wait_viewable`); fills
         ``handle.copy``. A generator, started on the caller's thread: each ``yield`` hands what
         follows to the handle's background thread (before anything that may block: a wait for
         the preloader, a pin, the copy's end); it returns (``StopIteration.value``) the time the
-        copy started, having called ``handle.copy_issued()`` once it runs."""
+        copy started, having called ``handle.copy_issued()`` once it runs. A step that next
+        blocks on a file alone (the daemon's reply) may yield that file (``fileno()`` and a
+        ``deadline`` in ``time.monotonic()``): the rest then runs on the load's thread if the
+        load already waits (:meth:`~flashboot.flashload.prepared.PreparedLoad.wait_in_load`)."""
         raise NotImplementedError
         yield  # noqa: unreachable: makes this a generator, as every source's is
 

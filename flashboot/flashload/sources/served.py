@@ -239,7 +239,7 @@ class ServedSource(Source):
             raise
         finally:
             handle.copy_issued(waits_in_c=True)  # prepare() returns; the daemon's reply is awaited in the background
-        yield
+        yield handle.session  # (or on the load's thread, if the load waits for it first)
         reply = handle.session.wait()
         handle.phases_ms["daemon_map"] = float(reply.get("map_ms", 0.0))
         handle.copy = {"h2d_ms": reply["h2d_ms"], "reply": reply}
