@@ -256,6 +256,8 @@ def _row(results: list[dict], alone: dict, w_s: float, early: bool, ceiling_ms: 
         row["prepare_thread_cpu_ms"] = rep["details"].get("prepare_thread_cpu_ms", 0.0)
         row["prepare_gil_bound_ms"] = row["prepare_call_ms"] + row["prepare_thread_cpu_ms"]
         row["prepare_gil_budget_ms"] = GIL_BUDGET_MS + GIL_BUDGET_US_PER_TENSOR * rep.get("tensors", 0) / 1e3
+        # per boot: did the load wait for the copy's end on its own thread (it came before the reply)?
+        row["copy_end_awaited_on"] = [r["report"]["details"].get("copy_end_awaited_on") for r in results]
     return row
 
 

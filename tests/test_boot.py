@@ -216,6 +216,7 @@ def test_a_load_waiting_for_the_early_copy_takes_the_daemons_reply_on_its_own_th
         threading.Timer(0.3, gate.set).start()
         with flashboot.load(image, 0, "cpu", prepared=handle, verify=True) as loaded:
             assert loaded.report.details["prepared_before_load"] is False
+            assert loaded.report.details["copy_end_awaited_on"] == "load"
             assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
         assert waited_on == [threading.current_thread().name]
         handle._thread.join(5)
@@ -226,6 +227,7 @@ def test_a_load_waiting_for_the_early_copy_takes_the_daemons_reply_on_its_own_th
         assert waited_on == ["flashboot-prepare-rank0"]
         with flashboot.load(image, 0, "cpu", prepared=handle, verify=True) as loaded:
             assert loaded.report.details["prepared_before_load"] is True
+            assert loaded.report.details["copy_end_awaited_on"] == "prepare's thread"
             assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
         assert waited_on == ["flashboot-prepare-rank0"]
     finally:

@@ -186,6 +186,7 @@ class PreparedLoad:
         # select, and set once the thread has ended or handed its steps over.
         self._parked = None
         self._load_waits = False
+        self.handed_to_load = False  # whether the load's thread ran the steps from the copy's end on
         self._nudge: int | None = None
         self._turn = threading.Event()
         _live.add(self)
@@ -255,7 +256,7 @@ class PreparedLoad:
                     self._nudge = None
         with self._claim:
             if self._load_waits:
-                self._parked = steps
+                self._parked, self.handed_to_load = steps, True
                 self._turn.set()
                 return True
         return False  # readable (or its deadline passed: the step's own wait says so)
@@ -639,6 +640,8 @@ def load_prepared(request: LoadRequest) -> LoadedImage:
                           # the GIL prepare held: its call on the caller's thread, and at most this in its own
                           "prepare_thread_cpu_ms": prepared.thread_cpu_ms,
                           "prepared_before_load": ready_before,
+                          # "load": the copy's end was awaited on the load's thread (wait_in_load)
+                          "copy_end_awaited_on": "load" if prepared.handed_to_load else "prepare's thread",
                           "copy_started_after_prepare_ms": copy["started_after_prepare_ms"],
                           # > 0: the weights were in place that long before the load was called
                           "ready_before_load_ms": max(0.0, (t_start - prepared.finished) * 1e3)}
