@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from flashboot.benchmarks.clone import _breakdown, _nccl_transports, _rows, clone_device
+from flashboot.benchmarks.clone import _breakdown, _rows, clone_device
+from flashboot.benchmarks.clone_from_start import _nccl_transports
 
 
 def test_first_clone_is_remote_and_a_chain_alternates_gpus():
