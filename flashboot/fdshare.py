@@ -21,6 +21,7 @@ import fcntl
 import functools
 import os
 import resource
+import select
 import socket
 
 from .errors import RendezvousError, WaitTimeoutError
@@ -255,6 +256,16 @@ class FdStream:
         return self.received
 
 
+def readable(fds, timeout_s: float | None) -> list[int]:
+    """Those of ``fds`` that are readable (or hung up) within ``timeout_s`` (0: now; None: no
+    bound), waited for in ``poll`` with the GIL released. Not ``select``: it refuses fd numbers
+    past 1,024, which an engine's process reaches (arena exports, NCCL, the engine's own)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(None if timeout_s is None else max(0.0, timeout_s) * 1e3)]
+
+
 def send_fd(sock: socket.socket, fd: int, message: bytes = b"") -> None:
     """Send one fd and a short message over a connected Unix socket (see :func:`send_fds`)."""
     send_fds(sock, [fd], message)
@@ -266,4 +277,4 @@ def recv_fd(sock: socket.socket, *, timeout_s: float = 30.0) -> tuple[int, bytes
     return fds[0], msg
 
 
-__all__ = ["pidfd_getfd", "take_fds", "grow_fd_table", "FD_TABLE_ROOM", "FdStream", "send_fd", "recv_fd", "send_fds", "recv_fds", "recv_more_fds", "SCM_MAX_FD", "SYS_PIDFD_GETFD"]
+__all__ = ["pidfd_getfd", "readable", "take_fds", "grow_fd_table", "FD_TABLE_ROOM", "FdStream", "send_fd", "recv_fd", "send_fds", "recv_fds", "recv_more_fds", "SCM_MAX_FD", "SYS_PIDFD_GETFD"]

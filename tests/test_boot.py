@@ -188,12 +188,26 @@ def test_a_load_called_during_the_early_copy_makes_the_views_meanwhile(image, sh
     assert events == ["views made"] and handle.arena.closed and handle.tensors is None
 
 
-def test_a_load_waiting_for_the_early_copy_takes_the_daemons_reply_on_its_own_thread(image, shm, monkeypatch):
+@pytest.mark.parametrize("crowded", [False, True], ids=["few_fds", "fds_past_1024"])
+def test_a_load_waiting_for_the_early_copy_takes_the_daemons_reply_on_its_own_thread(image, shm, monkeypatch,
+                                                                                   crowded):
     """A load that waits for the early copy's end blocks on the daemon's socket itself: the
     background thread hands its last steps over, so the reply wakes the engine's thread, not a
-    thread that would then wake it. Where the reply came first, the background thread took it."""
+    thread that would then wake it. Where the reply came first, the background thread took it.
+    ``crowded``: the process holds over 1,024 fds, as an engine can (select() fails there)."""
+    import resource
+
     from _preload_helpers import Daemon
 
+    fillers, limit = [], resource.getrlimit(resource.RLIMIT_NOFILE)
+    if crowded:
+        soft, hard = limit
+        if soft != resource.RLIM_INFINITY and soft < 1400:
+            if hard != resource.RLIM_INFINITY and hard < 1400:
+                pytest.skip(f"the open-file limit ({hard}) leaves no room past fd 1,024")
+            resource.setrlimit(resource.RLIMIT_NOFILE, (1400, hard))
+        # the lowest free numbers taken: every fd opened from here on (socket, eventfd) is past 1,100
+        fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100 - len(os.listdir("/proc/self/fd")))]
     daemon = Daemon(image, shm)  # in this process, so its copy can be held back
     gate = threading.Event()
     copy = daemon.server._copy
@@ -233,6 +247,9 @@ def test_a_load_waiting_for_the_early_copy_takes_the_daemons_reply_on_its_own_th
     finally:
         gate.set()
         daemon.close()
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, limit)
 
 
 def test_a_load_refused_during_the_early_copy_releases_the_arena_after_the_copy(image, shm, daemon, monkeypatch):

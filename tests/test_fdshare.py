@@ -109,3 +109,37 @@ def test_grow_fd_table_with_no_fd_left_returns_instead_of_raising():
             "    print('full', exc.errno)\n"
             "print('slots', grow_fd_table(100) >= 0)")
     assert run_python("-c", code, timeout=60).split() == ["full", "24", "slots", "True"]  # EMFILE, then no exception
+
+
+# A process holding more than 1,024 fds, as an engine can (arena exports, NCCL): select() refuses
+# such fd numbers; readable() and the clone's PeerWatch must still answer.
+_PAST_1024 = """
+import os, resource, subprocess, sys
+from flashboot.fdshare import readable
+from flashboot.flashclone.executor import PeerWatch
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+if soft != resource.RLIM_INFINITY and soft < 1400:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1400, hard))
+fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100 - len(os.listdir('/proc/self/fd')))]
+r, w = os.pipe()
+before = readable([r], 0)
+os.write(w, b"x")
+after = readable([r], 1.0)
+child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+watch = PeerWatch(child.pid)
+alive = watch.exited()
+child.stdin.close(); child.wait()
+print(r, before == [], after == [r], watch._fd > 1024, alive, watch.exited())
+"""
+
+
+def test_readable_and_peer_watch_answer_for_fd_numbers_past_1024():
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves no room past fd 1,024")
+    fd, nothing_yet, written, watch_past_1024, alive_exited, dead_exited = run_python("-c", _PAST_1024).split()
+    assert int(fd) > 1024 and watch_past_1024 == "True"
+    assert (nothing_yet, written) == ("True", "True")
+    assert (alive_exited, dead_exited) == ("False", "True")

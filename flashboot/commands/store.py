@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ def run_store(args: argparse.Namespace) -> int:
 
 def _start_in_background(address: str, timeout_s: float) -> int:
     from flashboot.errors import RendezvousError, WaitTimeoutError
+    from flashboot.fdshare import readable
 
     read_fd, write_fd = os.pipe()
     try:
@@ -64,8 +64,7 @@ def _start_in_background(address: str, timeout_s: float) -> int:
                 proc.kill()
                 proc.wait()
                 raise WaitTimeoutError(f"the store for {address} did not listen within {timeout_s:g} s")
-            ready, _, _ = select.select([read_fd], [], [], left)
-            if ready:
+            if readable([read_fd], left):
                 chunk = os.read(read_fd, 256)
                 if not chunk:  # it exited before listening: say why
                     err = proc.stderr.read().decode(errors="replace").strip().splitlines()

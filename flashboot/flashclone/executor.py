@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import select
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -42,6 +40,7 @@ import numpy as np
 
 from .. import _cuda
 from ..errors import FlashBootError, WaitTimeoutError
+from ..fdshare import readable
 from ..memory import Device, Span
 from ..schedulers import HOST, Plan, Step
 
@@ -166,8 +165,7 @@ class PeerWatch:
 
     def exited(self) -> bool:
         if not self._exited and self._fd is not None:
-            readable, _, _ = select.select([self._fd], [], [], 0)
-            self._exited = bool(readable)
+            self._exited = bool(readable([self._fd], 0))
         return self._exited
 
     def close(self) -> None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import select
 import sys
 import threading
 import time
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FlashBootError, LayoutError, WaitTimeoutError
+from ..fdshare import readable
 from ..memory import Device
 from .choose import choose_copy_first, choose_prepared
 from .landing import admit, verify_loaded
@@ -183,7 +183,7 @@ class PreparedLoad:
         self.thread_cpu_ms = 0.0  # the background thread's CPU time (see _run)
         # The load's wait for the copy's end (see wait_in_load): the steps the background thread
         # hands to the load's thread, whether the load waits, the eventfd that wakes the thread's
-        # select, and set once the thread has ended or handed its steps over.
+        # poll, and set once the thread has ended or handed its steps over.
         self._parked = None
         self._load_waits = False
         self.handed_to_load = False  # whether the load's thread ran the steps from the copy's end on
@@ -239,7 +239,8 @@ class PreparedLoad:
             self._finish(error)
 
     def _handed_to_load(self, steps, waiting) -> bool:
-        """Wait (GIL released) until ``waiting`` (a file: the daemon's reply) is readable or the
+        """Wait (GIL released) until ``waiting`` (a file: the daemon's reply; ``fileno()`` and a
+        ``deadline`` in ``time.monotonic()``) is readable, its deadline passes, or the
         load waits for the copy's end; True when the load waits: the steps are then parked for
         its thread (:meth:`wait_in_load`), which blocks on that file itself. Why: the reply then
         wakes the thread the engine waits in, not this one, which would have to hand the GIL and
@@ -249,7 +250,7 @@ class PreparedLoad:
                 self._nudge = os.eventfd(0, os.EFD_CLOEXEC)
         if self._nudge is not None:
             try:
-                select.select([waiting, self._nudge], [], [], max(0.0, waiting.deadline - time.monotonic()))
+                readable([waiting.fileno(), self._nudge], waiting.deadline - time.monotonic())
             finally:
                 with self._claim:
                     os.close(self._nudge)
