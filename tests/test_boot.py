@@ -208,7 +208,9 @@ def test_a_load_waiting_for_the_early_copy_takes_the_daemons_reply_on_its_own_th
             resource.setrlimit(resource.RLIMIT_NOFILE, (1400, hard))
         # the lowest free numbers taken: every fd opened from here on (socket, eventfd) is past 1,100
         fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100 - len(os.listdir("/proc/self/fd")))]
-    daemon = Daemon(image, shm)  # in this process, so its copy can be held back
+    # in this process, so its copy can be held back; a host daemon (a GPU machine's would pin the
+    # test's staged file, which a tmp dir on disk refuses)
+    daemon = Daemon(image, shm, devices={0: "cpu"}, pin=False)
     gate = threading.Event()
     copy = daemon.server._copy
 
