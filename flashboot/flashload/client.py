@@ -221,7 +221,7 @@ class ServedCopy:
         self._error: BaseException | None = None
 
     def fileno(self) -> int:
-        """The socket the reply arrives on (for ``select``), while it is awaited; -1 after."""
+        """The socket the reply arrives on (for ``poll``), while it is awaited; -1 after."""
         return -1 if self._sock is None else self._sock.fileno()
 
     def wait(self) -> dict:

@@ -1,5 +1,5 @@
-"""The early call (paper section 3.5, issue 19). An engine boots once, so its first :func:`flashboot.load` is the one that
-counts, and a cold load pays for reading and validating the metadata, creating and exporting the
+"""The early call (paper section 3.5, issue 19). An engine boots once, so its first
+:func:`flashboot.load` is the one that counts, and a cold load pays for reading and validating the metadata, creating and exporting the
 arena, the daemon's mapping of it, tens of thousands of views, and the first copy's set-up.
 :func:`prepare` starts all of that but the views as soon as the engine starts (before it builds
 its model) and returns once the copy runs (or, where a step has to wait, after at most
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import os
 import sys
 import threading
@@ -225,12 +226,10 @@ class PreparedLoad:
         try:
             # the switch interval lowered only while steps before the copy's start run here
             with self._handover if not self._issued.is_set() else contextlib.nullcontext():
-                while not handed:
-                    handed = waiting is not None and self._handed_to_load(steps, waiting)
-                    if not handed:
-                        waiting = next(steps)
-        except StopIteration:
-            pass
+                for waiting in itertools.chain((waiting,), steps):
+                    if waiting is not None and self._handed_to_load(steps, waiting):
+                        handed = True
+                        break
         except BaseException as exc:  # handed to whoever waits
             error = exc
         # this thread's CPU time: a bound on the GIL it can have taken from the engine meanwhile
