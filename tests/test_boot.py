@@ -82,6 +82,21 @@ def test_prepared_served_load_is_the_copy(image, shm, daemon):
         assert {"metadata", "views"} <= set(plain.report.details["one_time_ms"])
 
 
+def test_a_served_early_call_imports_nothing_the_loaders_warm_up_did_not(image, shm, daemon):
+    """An engine imports the loader at start (``import_loader``, as the plugins do); the early
+    call then imports nothing on its way to the daemon's request: reading whether a daemon runs
+    pulled in the daemon's own modules (service, server, staging), ~4 ms before the first byte
+    of a first early call on the 2-core host."""
+    from _python import run_python
+
+    code = ("import sys, flashboot\nfrom flashboot.flashload.warm import import_loader\n"
+            "import_loader('cpu')\nbefore = set(sys.modules)\n"
+            f"h = flashboot.prepare({str(image)!r}, 0, 'cpu', shm_dir={str(shm)!r}, timeout_s=30)\n"
+            "h.wait()\nassert h.mode == 'served', h.why\n"
+            "print(sorted(m for m in set(sys.modules) - before if m.startswith('flashboot')))")
+    assert run_python("-c", code).strip() == "[]"
+
+
 def test_prepared_load_pins_here_without_a_daemon(image, shm):
     staging.stage_rank(image, 0, shm_dir=shm)
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)

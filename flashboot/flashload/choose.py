@@ -26,10 +26,10 @@ def choose_prepared(requested_mode: str, rank_source, shm_dir, daemon=None) -> t
     """(source, why) for :func:`flashboot.prepare` of ``rank_source`` (a validated
     :class:`~flashboot.flashload.shm.RankSource`): the one whose mode was asked for, or
     (``"auto"``) :func:`choose`'s answer knowing whether a preloader (daemon) runs (``daemon``:
-    its :func:`~flashboot.flashload.service.service_status` when the caller already read it)."""
+    its :func:`~flashboot.flashload.shm.service_status` when the caller already read it)."""
     if requested_mode != "auto":
         return source_for_mode(requested_mode), "asked for"
-    from .service import service_status
+    from .shm import service_status
 
     image_dir = rank_source.image_dir
     if daemon is None:
@@ -48,7 +48,7 @@ def choose_copy_first(requested_mode: str, image_dir, rank: int, shm_dir, daemon
     if requested_mode != "auto":
         source = source_for_mode(requested_mode)
         return (source, "asked for") if source.copies_before_metadata else None
-    from .service import service_status
+    from .shm import service_status
 
     if daemon is None:
         daemon = service_status(image_dir, shm_dir)

@@ -301,7 +301,7 @@ class PreparedLoad:
         self.resolved = resolve_rank(self.image_dir, self.rank)
         daemon = None  # the preloader's status, read once for both choices
         if self.requested_mode == "auto":
-            from .service import service_status
+            from .shm import service_status
 
             daemon = service_status(self.image_dir, self.shm_dir)
         first = choose_copy_first(self.requested_mode, self.image_dir, self.rank, self.shm_dir, daemon)

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -27,28 +26,9 @@ from .shm import (
     not_shared_memory_warning,
     pid_file,
     remove_if_empty,
+    service_status,
 )
 from .staging import PreloadConfig, StageResult, preload
-
-
-@dataclass(frozen=True)
-class ServiceStatus:
-    """A preloader's pid file, read: running, stale (its process is gone) or absent."""
-
-    path: Path
-    pid: int | None
-    running: bool
-    stale: bool
-    serve: bool = False
-
-
-def service_status(image_dir, shm_dir=None) -> ServiceStatus:
-    path = pid_file(image_dir, shm_dir)
-    d = _read_pid_file(path)
-    if d is None:
-        return ServiceStatus(path, None, False, False)
-    running = _running_pid(path) is not None
-    return ServiceStatus(path, d["pid"], running, not running, bool(d.get("serve")))
 
 
 def _claim_pid_file(path: Path, serve: bool, ranks: list[int] | None = None) -> str:
