@@ -43,6 +43,7 @@ CHECKSUM_ALGORITHM = "flashboot-checksum-v1"
 """The digest of ``flashboot.kernels.checksum_spec.checksum_reference``, per chunk."""
 
 _PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
+_CHUNK_DIGEST = re.compile(r"[0-9a-f]{16}")  # compiled at import, not in a first load
 """What ``image.file`` may be: one portable file name (no path, no byte the filesystem may refuse)."""
 IMAGE_FILE = "image.bin"
 METADATA_FILE = "metadata.json"
@@ -73,7 +74,7 @@ class ChecksumTable:
             raise LayoutError(f"{f.where}: checksum algorithm {algorithm!r}; this flashboot knows {CHECKSUM_ALGORITHM!r}")
         digests = []
         for i, text in enumerate(f.get("chunks", list)):
-            if not isinstance(text, str) or not re.fullmatch(r"[0-9a-f]{16}", text):
+            if not isinstance(text, str) or not _CHUNK_DIGEST.fullmatch(text):
                 raise LayoutError(f"{f.where}: checksums.chunks[{i}] must be 16 hex digits, found {text!r}")
             digests.append(int(text, 16))
         return cls(f.int("chunk_bytes", minimum=1), tuple(digests), algorithm)

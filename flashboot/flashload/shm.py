@@ -233,12 +233,13 @@ def read_ready(path: str | os.PathLike) -> ReadyInfo:
     return ReadyInfo(path=path, **{n: raw[n] for n in names})
 
 
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # compiled at import, not in a first load
 _READY_FIELDS = {
     **{n: ("an int >= 0", int_at_least(0)) for n in ("rank", "nbytes")},
     **{n: ("an int >= 1", int_at_least(1)) for n in ("threads", "pid")},
     **{n: ("a string", is_str) for n in ("staged", "source", "job_id", "key_digest", "io_mode", "io_reason",
                                          "numa_reason")},
-    "metadata_sha256": ("64 hex digits", lambda v: is_str(v) and re.fullmatch(r"[0-9a-f]{64}", v) is not None),
+    "metadata_sha256": ("64 hex digits", lambda v: is_str(v) and _SHA256_HEX.fullmatch(v) is not None),
     "checksum": ("an object", lambda v: type(v) is dict),
     "verified": ("true or false", lambda v: type(v) is bool),
     "numa_node": ("null or an int >= 0", lambda v: v is None or int_at_least(0)(v)),
