@@ -289,6 +289,56 @@ def test_close_twice_and_use_after_close():
             use()
 
 
+def test_an_arena_made_with_segments_now_makes_the_rest_when_first_needed():
+    """``segments_now``: the first segments at once, each other one when an export, a view or a
+    span needs it, all of them for bytes(), ptr, export() (a served load hands the daemon the first
+    batch while the rest are made)."""
+    seg = HOST_GRANULARITY
+    with Arena.create(5 * seg, "cpu", segment_bytes=seg, segments_now=2) as a:
+        assert a.segments == 5 and a.mapped_nbytes == 2 * seg
+        assert len([m for m in arena_maps() if a.arena_id in m]) == 2
+        assert len(a.export_segments(2, 3)) == 1 and a.mapped_nbytes == 3 * seg  # those an export needs
+        v = a.view(4 * seg, (seg // 4,), "float32")  # the one a view needs, and no other
+        assert a.mapped_nbytes == 4 * seg
+        v.fill_(2.5)
+        data = pattern(a.nbytes, 7)
+        a.bytes().numpy()[:] = data  # every segment, the rest made now
+        assert a.mapped_nbytes == a.nbytes
+        assert np.array_equal(a.bytes().numpy(), data)
+        desc = a.export()
+        assert len(desc.fds) == 5 and len(set(desc.fds)) == 5
+        with Arena.open(desc, "cpu") as other:
+            assert np.array_equal(other.bytes().numpy(), data)
+
+
+def test_closing_an_arena_with_segments_still_to_make_releases_what_it_made():
+    fds, maps = arena_fds(), arena_maps()
+    a = Arena.create(6 * HOST_GRANULARITY, "cpu", segment_bytes=HOST_GRANULARITY, segments_now=1)
+    a.export_segments(0, 3)
+    assert len(arena_fds()) == len(fds) + 3
+    a.close()
+    assert arena_fds() == fds and arena_maps() == maps
+    with pytest.raises(ArenaError, match="is closed"):
+        a.export_segments(3, 4)
+
+
+def test_an_arena_with_segments_still_to_make_sleeps_and_wakes_whole():
+    seg = HOST_GRANULARITY
+    with Arena.create(4 * seg, "cpu", segment_bytes=seg, segments_now=1) as a:
+        a.sleep()  # makes the rest first, then releases every segment
+        assert a.asleep and not [m for m in arena_maps() if a.arena_id in m]
+        a.wake()
+        data = pattern(a.nbytes, 3)
+        a.bytes().numpy()[:] = data
+        assert np.array_equal(a.bytes().numpy(), data) and len(a.export().fds) == 4
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "2"])
+def test_segments_now_must_be_a_positive_int(bad):
+    with pytest.raises(ArenaError, match="segments_now must be a positive int"):
+        Arena.create(4 * HOST_GRANULARITY, "cpu", segments_now=bad)
+
+
 def test_context_manager_closes():
     with Arena.create(MiB, "cpu") as a:
         assert arena_maps()

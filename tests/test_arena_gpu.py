@@ -227,6 +227,32 @@ def test_failure_halfway_releases_handle_and_reservation(monkeypatch):
         assert int(a.view(0, 8, "int64").sum()) == 8
 
 
+def test_an_arena_made_with_segments_now_makes_the_rest_on_first_need_and_frees_all_at_close():
+    """CUDA ``segments_now``: the first segments at once (device memory taken for those only), each
+    other one made (created, mapped, granted) when an export, a view or bytes() needs it; an
+    importer sees every byte; close frees all, whether every segment was made or not."""
+    import torch
+
+    seg = 64 * MiB
+    torch.cuda.synchronize(0)
+    before = gpu_free(0)
+    a = Arena.create(8 * seg, 0, segment_bytes=seg, segments_now=2)
+    assert a.mapped_nbytes == 2 * seg and before - gpu_free(0) < 2 * seg + LEAK_TOLERANCE
+    assert len(a.export_segments(0, 4)) == 4 and a.mapped_nbytes == 4 * seg
+    n = a.nbytes // 8
+    a.bytes().view(torch.int64).copy_(expected_int64(n, 5, "cuda:0"))  # every segment, the rest made now
+    torch.cuda.synchronize(0)
+    assert a.mapped_nbytes == a.nbytes
+    with Arena.open(a.export(), 0) as b:
+        assert torch.equal(b.bytes().view(torch.int64), expected_int64(n, 5, "cuda:0"))
+    a.close()
+    c = Arena.create(8 * seg, 0, segment_bytes=seg, segments_now=1)
+    c.export_segments(0, 3)
+    c.close()  # three of eight made
+    torch.cuda.synchronize(0)
+    assert abs(gpu_free(0) - before) < LEAK_TOLERANCE
+
+
 def test_close_twice_and_wrong_fd():
     a = Arena.create(4 * MiB, 0)
     d = a.export()

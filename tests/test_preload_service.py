@@ -631,6 +631,113 @@ def test_a_load_hands_its_arena_over_batch_by_batch_and_the_copy_is_exact(multi_
         d.close()
 
 
+def test_an_arena_made_batch_by_batch_is_handed_over_as_it_is_made(multi_segment_image, tmp_path, batches,
+                                                                   monkeypatch):
+    """A served load's arena makes only the request's batch at once; each later batch's segments
+    are made just before they are sent, while the daemon copies (the copy's first byte no longer
+    waits for the whole arena). The copy is exact and nothing leaks."""
+    import flashboot.arena.backing_host as host_backing
+    from flashboot.arena.segments import HOST_GRANULARITY
+
+    events: list = []
+    real_make = host_backing.make_segments
+
+    def logging_make(backing, indices, *args, **kwargs):
+        events.append(("make", list(indices)))
+        return real_make(backing, indices, *args, **kwargs)
+
+    monkeypatch.setattr(host_backing, "make_segments", logging_make)
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        fds_before = _fds()
+        src = shm_files.rank_source(multi_segment_image, 0)
+        first = client.first_batch_segments()
+        assert first == 1  # one 2 MiB segment per batch here (the batches fixture)
+        events.clear()  # the daemon's own
+        with Arena.create(src.nbytes, "cpu", segment_bytes=HOST_GRANULARITY, segments_now=first) as arena:
+            assert arena.segments >= 4 and events == [("make", [0])]
+            before_request = len(events)
+            client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
+            made_after = [e for e in events[before_request:] if e[0] == "make"]
+            assert made_after == [("make", [k]) for k in range(1, arena.segments)]  # one batch at a time
+            assert batches == [1] * arena.segments
+            assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+        d.idle()
+        assert _fds_after_settling(fds_before) == fds_before
+    finally:
+        d.close()
+
+
+def test_a_served_load_and_an_early_call_make_their_arena_as_they_hand_it_over(multi_segment_image, tmp_path,
+                                                                               batches, monkeypatch):
+    """Through flashboot.load(served=True) and flashboot.prepare: the arena makes the request's
+    batch, then each later one as it is handed over; the weights are exact."""
+    import flashboot
+    import flashboot.arena.backing_host as host_backing
+    from flashboot.arena import segments
+    from flashboot.layouts import read_image
+
+    monkeypatch.setattr(segments, "SEGMENT_BYTES", segments.HOST_GRANULARITY)  # arenas of several segments here
+    events: list = []
+    real_make = host_backing.make_segments
+
+    def logging_make(backing, indices, *args, **kwargs):
+        events.append(list(indices))
+        return real_make(backing, indices, *args, **kwargs)
+
+    monkeypatch.setattr(host_backing, "make_segments", logging_make)
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    want = read_image(multi_segment_image, 0).path.read_bytes()
+    try:
+        for early in (False, True):
+            events.clear()
+            if early:
+                handle = flashboot.prepare(multi_segment_image, 0, "cpu", shm_dir=d.shm, mode="served", timeout_s=10)
+                loaded = flashboot.load(multi_segment_image, 0, "cpu", prepared=handle)
+            else:
+                loaded = flashboot.load(multi_segment_image, 0, "cpu", shm_dir=d.shm, served=True, timeout_s=10)
+            with loaded:
+                n = loaded.arena.segments
+                assert n >= 4 and events == [[k] for k in range(n)], (early, events)
+                assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == want
+    finally:
+        d.close()
+
+
+def test_making_a_later_batch_failing_stops_the_daemon_before_the_error_is_raised(multi_segment_image, tmp_path,
+                                                                                  batches, monkeypatch):
+    """The segments of a later batch cannot be made (the device is full, say): handled as a failed
+    export, the daemon is told and answers before the error reaches the caller, and the arena's
+    release frees what was made."""
+    import flashboot.arena.backing_host as host_backing
+    from flashboot.arena.segments import HOST_GRANULARITY
+    from flashboot.errors import ArenaError
+
+    real_make = host_backing.make_segments
+
+    def failing(backing, indices, *args, **kwargs):
+        if min(indices) >= 2:
+            raise OSError(28, f"injected: no space for segment {min(indices)}")
+        return real_make(backing, indices, *args, **kwargs)
+
+    monkeypatch.setattr(host_backing, "make_segments", failing)
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        fds_before = _fds()
+        src = shm_files.rank_source(multi_segment_image, 0)
+        with Arena.create(src.nbytes, "cpu", segment_bytes=HOST_GRANULARITY, segments_now=1) as arena:
+            with pytest.raises(ArenaError, match=r"making segment\(s\) \[2\] of host arena .*injected: no space"):
+                client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
+            assert batches == [1, 1]
+        d.idle()
+        assert any("2 of" in line and "fds arrived, then" in line for line in d.log), d.log
+        assert _fds_after_settling(fds_before) == fds_before
+        monkeypatch.setattr(host_backing, "make_segments", real_make)
+        d.load_exact()
+    finally:
+        d.close()
+
+
 def test_an_export_failing_mid_hand_over_stops_the_daemon_before_the_error_is_raised(multi_segment_image, tmp_path,
                                                                                        batches, monkeypatch):
     """The engine's export of a later batch fails: the daemon, waiting for those fds, is told (the

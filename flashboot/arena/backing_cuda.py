@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 from .. import _cuda
 from ..errors import ArenaError, CapabilityError, CudaError
 from ..memory import Device
+from .segments import _adjacent_runs
 from .undo import _Undo
 
 
@@ -292,10 +293,11 @@ class _Backing:
 
 def attach_segments(undo: _Undo, ptr: int, prop, sizes: list[int], segment_bytes: int, devices: Sequence[int],
                     index: int, ready: Callable[[int], None] | None = None, timings: dict | None = None,
-                    reuse: list[tuple[Any, int]] | None = None) -> _Backing:
+                    reuse: list[tuple[Any, int]] | None = None, upto: int | None = None) -> _Backing:
     """``cuMemCreate`` one allocation per segment and ``cuMemMap`` each at its place in the reserved
     range at ``ptr``; one step on ``undo`` releases them all (it unmaps and frees the segments,
-    one ``cuMemUnmap`` per run, and leaves the range reserved).
+    one ``cuMemUnmap`` per run, and leaves the range reserved). ``upto``: only the first ``upto``
+    segments now, the others by :func:`make_segments` later (the step on ``undo`` releases those too).
 
     ``reuse``: ``(handle, nbytes)`` allocations handed over by another arena (a swap); a segment
     takes the first one of its size instead of a new allocation (they are taken off the list, the
@@ -305,12 +307,23 @@ def attach_segments(undo: _Undo, ptr: int, prop, sizes: list[int], segment_bytes
     its destination mapped and granted when it is enqueued). ``timings`` (optional dict) gains
     ``create_ms``, ``map_ms``, ``access_ms`` and ``ready_ms`` (time spent in ``ready``), summed,
     and ``reused`` (segments handed over). Returns the segments; CudaError from the call that failed."""
-    drv = _cuda.driver()
-    stats = {"create_ms": 0.0, "map_ms": 0.0, "access_ms": 0.0, "ready_ms": 0.0, "reused": 0}
     backing = _Backing(ptr, segment_bytes, sizes)
     undo.push("release the segments", backing.release)
+    make_segments(backing, range(len(sizes) if upto is None else min(upto, len(sizes))), prop, devices, index, ready, timings, reuse)
+    return backing
+
+
+def make_segments(backing: _Backing, indices: Sequence[int], prop, devices: Sequence[int], index: int,
+                  ready: Callable[[int], None] | None = None, timings: dict | None = None,
+                  reuse: list[tuple[Any, int]] | None = None) -> None:
+    """Create, map and grant segments ``indices`` (ascending) of ``backing``, as :func:`attach_segments`
+    describes; without ``ready``, one ``cuMemSetAccess`` per run of adjacent ones."""
+    drv = _cuda.driver()
+    stats = {"create_ms": 0.0, "map_ms": 0.0, "access_ms": 0.0, "ready_ms": 0.0, "reused": 0}
+    ptr, segment_bytes, sizes = backing.ptr, backing.segment_bytes, backing.sizes
     try:
-        for i, size in enumerate(sizes):
+        for i in indices:
+            size = sizes[i]
             addr = ptr + i * segment_bytes
             t0 = time.perf_counter()
             handed = next((k for k, (_h, n) in enumerate(reuse or ()) if n == size), None)
@@ -334,9 +347,11 @@ def attach_segments(undo: _Undo, ptr: int, prop, sizes: list[int], segment_bytes
                 stats["ready_ms"] += (time.perf_counter() - t3) * 1e3
         if ready is None:
             t0 = time.perf_counter()
-            _set_access(ptr, sum(sizes), devices)  # one grant may span many mappings
+            for first, last in _adjacent_runs(list(indices)):  # one grant may span many mappings
+                start = ptr + first * segment_bytes
+                _set_access(start, ptr + (last - 1) * segment_bytes + sizes[last - 1] - start, devices)
             stats["access_ms"] += (time.perf_counter() - t0) * 1e3
     finally:
         if timings is not None:
-            timings.update(stats)
-    return backing
+            for key, value in stats.items():
+                timings[key] = timings.get(key, 0) + value

@@ -152,21 +152,30 @@ class _HostBacking:
 
 
 def attach_segments(undo, ptr: int, arena_id: str, sizes: list[int], segment_bytes: int,
-                    ready: Callable[[int], None] | None = None, timings: dict | None = None) -> _HostBacking:
+                    ready: Callable[[int], None] | None = None, timings: dict | None = None,
+                    upto: int | None = None) -> _HostBacking:
     """Create one memfd per segment and map it over its part of the reserved range at ``ptr``;
     one step on ``undo`` releases them (it detaches the segments and leaves the range reserved).
+    ``upto``: only the first ``upto`` segments now, the others by :func:`make_segments` later.
     ``ready(i)``, when given, is called as soon as segment ``i`` is mapped (as the CUDA backend
     does). ``timings`` (optional dict) gains ``create_ms``, ``map_ms`` and ``ready_ms``, summed.
     Returns the segments (``fds``: the memfds); OSError from the step that failed."""
-    stats = {"create_ms": 0.0, "map_ms": 0.0, "ready_ms": 0.0}
     backing = _HostBacking(ptr, segment_bytes, sizes)
     undo.push("release the segments", backing.release)
+    make_segments(backing, range(len(sizes) if upto is None else min(upto, len(sizes))), arena_id, ready, timings)
+    return backing
+
+
+def make_segments(backing: _HostBacking, indices, arena_id: str, ready: Callable[[int], None] | None = None,
+                  timings: dict | None = None) -> None:
+    """Create and map segments ``indices`` of ``backing``, as :func:`attach_segments` describes."""
+    stats = {"create_ms": 0.0, "map_ms": 0.0, "ready_ms": 0.0}
     try:
-        for i, size in enumerate(sizes):
+        for i in indices:
             t0 = time.perf_counter()
             fd = _host_memfd(_memfd_name(arena_id, i))
             backing.add(i, fd)
-            _host_truncate(fd, size)
+            _host_truncate(fd, backing.sizes[i])
             _host_seal(fd)
             t1 = time.perf_counter()
             backing.map(i)
@@ -178,5 +187,5 @@ def attach_segments(undo, ptr: int, arena_id: str, sizes: list[int], segment_byt
                 stats["ready_ms"] += (time.perf_counter() - t2) * 1e3
     finally:
         if timings is not None:
-            timings.update(stats)
-    return backing
+            for key, value in stats.items():
+                timings[key] = timings.get(key, 0) + value

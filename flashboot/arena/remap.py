@@ -141,6 +141,8 @@ def replace_backing(arena, staging, timings: dict | None = None) -> float:
     shared arena, or arenas of different sizes, segment sizes or devices.
     """
     _check_pair(arena, staging)
+    for a in (arena, staging):
+        a._make_all()  # one made with segments_now: every segment moves
     stats = timings if timings is not None else {}
     cuda = arena.device.is_cuda
     if cuda:

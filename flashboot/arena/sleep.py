@@ -95,6 +95,7 @@ class SleepWake:
         per driver or system call, e.g. ``cuMemUnmap``).
         """
         self._check_sleepable()
+        self._make_all()  # an arena made with segments_now releases every segment
         with self._map_lock:
             if self._asleep:
                 return
@@ -180,6 +181,7 @@ class SleepWake:
         """ArenaError unless this arena can hand its segments to another: an awake owner, unshared."""
         self._check_sleepable()
         self._check_awake("handing its segments over")
+        self._make_all()  # an arena made with segments_now hands over every segment
         if self._shares:
             raise ArenaError(f"arena {self._arena_id} cannot hand its segments over: {len(self._shares)} other "
                              f"process(es) map it ({'; '.join(sorted(self._shares))})")

@@ -270,13 +270,23 @@ first batch, and the daemon copies it while the next ones are exported (30 ms of
 13.8 GB on the H200, once before the copy's first byte)."""
 
 
+def first_batch_segments() -> int:
+    """How many segments an arena made for a served load makes at once (``Arena.create``'s
+    ``segments_now``): the request's batch. The others are made as their batches are handed over
+    (:func:`_send_arena` exports them), while the daemon copies the first."""
+    from ..arena.segments import SEGMENT_BYTES
+
+    return max(1, STREAM_BATCH_BYTES // SEGMENT_BYTES)
+
+
 def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
                 shm_dir=None, **extra) -> tuple[socket.socket, Path]:
     """Connect to the daemon for ``image_dir`` (waiting up to ``timeout_s`` for its socket) and send
     a load of rank ``rank`` with ``arena``'s descriptor and its fds attached; returns the socket.
 
     A ``load`` of more than one batch (:data:`STREAM_BATCH_BYTES`) sends the fds of the first batch
-    with the request (``fds_follow``) and the others as they are exported; if an export fails
+    with the request (``fds_follow``) and the others as they are exported (an arena made with
+    ``segments_now`` makes each batch's segments first); if an export fails
     meanwhile, the daemon is told (the socket's write side shut) and its answer awaited, so it
     no longer copies into the arena when the error reaches the caller."""
     from ..fdshare import send_fds

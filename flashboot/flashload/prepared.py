@@ -364,16 +364,17 @@ class PreparedLoad:
             raise LayoutError(f"{image.path}: empty image, nothing to load")
         self._note_viewable()
 
-    def create_arena(self, nbytes: int, *, flat: bool = True) -> None:
+    def create_arena(self, nbytes: int, *, flat: bool = True, segments_now: int | None = None) -> None:
         """Admit ``nbytes`` on the device (OutOfMemoryError with the numbers, before any
         allocation), then create the arena and (``flat``) its flat tensor, which the views are cut
         from. A source whose copy needs no tensor here (the daemon's) passes False and makes it
-        once the copy runs: its first call in a process costs ~1-2 ms, before the copy otherwise."""
+        once the copy runs: its first call in a process costs ~1-2 ms, before the copy otherwise.
+        ``segments_now``: as ``Arena.create``'s (the daemon's copy starts on the first ones)."""
         from ..arena import Arena
 
         admit(nbytes, self.device)
         self.nbytes = nbytes
-        self.arena = Arena.create(nbytes, self.device)
+        self.arena = Arena.create(nbytes, self.device, segments_now=segments_now)
         if flat:
             self.arena.bytes()
         self._note_viewable()

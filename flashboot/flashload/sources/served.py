@@ -55,12 +55,12 @@ def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, 
     from flashboot.layouts.image import begin_metadata_read, read_metadata_file
 
     from ...arena import Arena
-    from ..client import served_ready, served_ready_now, start_served_load
+    from ..client import first_batch_segments, served_ready, served_ready_now, start_served_load
 
     if make_arena is None:
         def make_arena(nbytes: int):
             admit(nbytes, dev)
-            return Arena.create(nbytes, dev)
+            return Arena.create(nbytes, dev, segments_now=first_batch_segments())
 
     t0 = time.perf_counter()
     if resolved[1] is not None:
@@ -206,7 +206,7 @@ class ServedSource(Source):
         in the background); the wait for the daemon's reply is handed to the background. A
         refusal of the metadata waits for the daemon to be done with the arena before it is
         released."""
-        from ..client import served_ready_now
+        from ..client import first_batch_segments, served_ready_now
 
         ready = served_ready_now(handle.image_dir, handle.rank, shm_dir=handle.shm_dir)
         if ready is None:  # still staging (or none yet): copy_first waits for it, off the caller's thread
@@ -214,7 +214,9 @@ class ServedSource(Source):
         t = handle.phase("wait", t)
 
         def make_arena(nbytes: int):
-            handle.create_arena(nbytes, flat=False)  # the daemon copies through its own mapping
+            # the daemon copies through its own mapping; the first batch's segments are made now,
+            # the rest as they are handed over (client.first_batch_segments)
+            handle.create_arena(nbytes, flat=False, segments_now=first_batch_segments())
             return handle.arena
 
         started = copy_first(handle.image_dir, handle.rank, handle.device, shm_dir=handle.shm_dir,

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# 2026-12-03, nineteenth session, one device call (<= 9.5 min): the arena made batch by batch while
+# the daemon copies, the early call without the daemon's modules.
+#   1. GPU tests: arena (segments_now), boot, load, views, load sources;
+#   2. bench boot: first served load of SHAPES and the boot end to end at W = WS (REPEATS fresh processes per cell);
+#   3. restart views by 1, 2, 4 threads and the default (VIEWS=1), on the bench's images.
+# Usage (repo root, GPU machine): OUT=/some/dir [SHAPES="B A C"] [WS="0 0.25"] [REPEATS=3] bash benchmarks/gpu_session19.sh
+BUDGET_S=${BUDGET_S:-560}
+source "$(dirname "$0")/gpu_prelude.sh"
+ROOT=/dev/shm/fb19; rm -rf "$ROOT"
+
+if [ "${TESTS:-1}" = 1 ]; then
+  say "=== 1. GPU tests ($(date +%T))"
+  timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider -m "gpu or two_gpus" tests/test_arena_gpu.py \
+    tests/test_boot.py tests/test_load.py tests/test_views.py tests/test_load_sources.py >/tmp/tests.log 2>&1
+  say "tests rc=$? :: $(tail -1 /tmp/tests.log)"; grep -E "^(FAILED|ERROR)|Error" /tmp/tests.log | head -12 | cut -c1-400 | tee -a "$S"
+fi
+
+say "=== 2. bench boot --end-to-end ${WS:-0 0.25} ($(date +%T))"
+timeout "$(left 480)" flashboot bench boot --shapes ${SHAPES:-B A C} --loaders "flashload served" --end-to-end ${WS:-0 0.25} \
+  --e2e-repeats "${REPEATS:-3}" --dir "$ROOT" --keep --json "$OUT/boot.json" >/tmp/boot.log 2>&1
+say "bench boot rc=$? ($(date +%T))"
+grep -E "end to end|1st|ceiling" /tmp/boot.log | cut -c1-1200 | tee -a "$S"
+sed -n '/boot end to end on/,$p' /tmp/boot.log | tee -a "$S"
+
+if [ "${VIEWS:-1}" = 1 ]; then
+  say "=== 3. restart views by 1, 2, 4 threads and the default ($(date +%T))"
+  imgs=$(ls -d "$ROOT"/image-* 2>/dev/null)
+  for t in 1 2 4 0; do
+    [ -n "$imgs" ] && timeout "$(left 40)" python3 -m flashboot.benchmarks.first_calls views $imgs --device cuda:0 \
+      $([ "$t" != 0 ] && echo "--view-threads $t") >"$OUT/first_calls_t$t.jsonl" 2>/tmp/first_calls.err
+    say "threads ${t/#0/default} rc=$?"; python3 -m flashboot.benchmarks.first_calls summary "$OUT/first_calls_t$t.jsonl" 2>&1 | tee -a "$S"
+  done
+fi
+say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"
