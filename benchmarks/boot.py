@@ -287,7 +287,7 @@ def _phases_text(call: dict) -> str:
     parts = [f"{k} {r[k + '_ms']:.1f}" for k in ("wait", "metadata", "alloc", "exchange", "h2d", "verify", "bind")
              if r.get(k + "_ms")]
     d = r.get("details", {})
-    parts += [f"{k[:-3]} {d[k]:.1f}" for k in ("setup_ms", "request_ms", "copy_wait_ms") if isinstance(d.get(k), float)]
+    parts += [f"{k[:-3]} {d[k]:.1f}" for k in ("setup_ms", "request_ms", "handover_ms", "copy_wait_ms") if isinstance(d.get(k), float)]
     if "pass_ms" in call:  # after the call, outside its time: what touching every tensor then costs
         parts.append(f"then a pass over every tensor {call['pass_ms']:.1f}")
     return ", ".join(parts)

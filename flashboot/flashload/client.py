@@ -213,9 +213,10 @@ class ServedCopy:
     """A served load in flight: the request, with the arena's fd, is with the daemon, which maps
     the arena and copies into it; :meth:`wait` reads its reply. Made by :func:`start_served_load`."""
 
-    def __init__(self, sock: socket.socket, path: Path, rank: int, reply_timeout_s: float):
+    def __init__(self, sock: socket.socket, path: Path, rank: int, reply_timeout_s: float, sent_at: float = 0.0):
         self._sock: socket.socket | None = sock
         self.path, self.rank, self.reply_timeout_s = path, rank, reply_timeout_s
+        self.sent_at = sent_at  # perf_counter when the request (with the first batch's fds) went out
         self.deadline = time.monotonic() + reply_timeout_s  # the reply is due by then, however it is awaited
         self._reply: dict | None = None
         self._error: BaseException | None = None
@@ -280,7 +281,7 @@ def first_batch_segments() -> int:
 
 
 def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
-                shm_dir=None, **extra) -> tuple[socket.socket, Path]:
+                shm_dir=None, **extra) -> tuple[socket.socket, Path, float]:
     """Connect to the daemon for ``image_dir`` (waiting up to ``timeout_s`` for its socket) and send
     a load of rank ``rank`` with ``arena``'s descriptor and its fds attached; returns the socket.
 
@@ -288,7 +289,8 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
     with the request (``fds_follow``) and the others as they are exported (an arena made with
     ``segments_now`` makes each batch's segments first); if an export fails
     meanwhile, the daemon is told (the socket's write side shut) and its answer awaited, so it
-    no longer copies into the arena when the error reaches the caller."""
+    no longer copies into the arena when the error reaches the caller. Returns the socket, its
+    path and when the request went out (``time.perf_counter()``)."""
     from ..fdshare import send_fds
 
     segments = arena.segments
@@ -311,6 +313,7 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
     sock = _connect(path, timeout_s)
     try:
         send_fds(sock, first, json.dumps(req).encode())
+        sent_at = time.perf_counter()
     except BaseException as exc:
         sock.close()
         if isinstance(exc, OSError):
@@ -327,7 +330,7 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
                     _raise_remote(reply, f"served load of rank {rank} by the preloader at {path}")
                 raise _went_away(path, rank, exc) from None
             raise
-    return sock, path
+    return sock, path, sent_at
 
 
 def _went_away(path: Path, rank: int, exc: OSError) -> RendezvousError:
@@ -359,9 +362,10 @@ def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha2
     staging) plus 60 s plus 1 s per GB. ``verify``: the reply carries the chunk digests of the
     copied bytes, computed by the daemon (check them with :func:`check_daemon_digests`).
     """
-    sock, path = _send_arena(arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
-                             metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir, verify=verify)
-    return ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9)
+    sock, path, sent_at = _send_arena(arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
+                                      metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir,
+                                      verify=verify)
+    return ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9, sent_at)
 
 
 def check_daemon_digests(reply: dict, metadata, where: str, report=None) -> int:

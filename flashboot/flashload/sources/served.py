@@ -21,8 +21,10 @@ class StartedCopy:
     """What :func:`copy_first` started: the arena the daemon copies into, its request, the
     ``.ready`` it was sized from, the metadata bytes read (and checked against the ``.ready``), and
     the milliseconds of each step: before the arena (``wait_ms``, the ``.ready`` awaited),
-    ``alloc_ms``, ``request_ms`` (exports and request sent), ``metadata_ms`` (read, hashed and the
-    table decoded: beside the copy where ``metadata_beside_copy``)."""
+    ``alloc_ms`` (the first batch's segments), ``request_ms`` (its exports and the request sent:
+    the copy starts, at ``requested_at``), ``handover_ms`` (the later batches made, exported and
+    sent, while the daemon copies), ``metadata_ms`` (read, hashed and the table decoded: beside
+    the copy where ``metadata_beside_copy``)."""
 
     arena: Any
     copy: Any
@@ -31,6 +33,7 @@ class StartedCopy:
     wait_ms: float
     alloc_ms: float
     request_ms: float
+    handover_ms: float
     metadata_ms: float
     requested_at: float
     metadata_beside_copy: bool
@@ -102,8 +105,8 @@ def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, 
             raise
         if mf.sha256 == ready.metadata_sha256:
             return StartedCopy(arena, copy, ready, mf, wait_ms=waited_ms, alloc_ms=(t2 - t1) * 1e3,
-                               request_ms=(t3 - t2) * 1e3, metadata_ms=metadata_ms, requested_at=t3,
-                               metadata_beside_copy=beside)
+                               request_ms=(copy.sent_at - t2) * 1e3, handover_ms=(t3 - copy.sent_at) * 1e3,
+                               metadata_ms=metadata_ms, requested_at=copy.sent_at, metadata_beside_copy=beside)
         copy.settle()  # re-packed since it was staged: these bytes are another pre-pack's, never served
         arena.close()
         ready = None
@@ -181,6 +184,7 @@ class ServedSource(Source):
                               # where a first call's extra time hides (H200, shape C: 503 ms first, 130 ms second):
                               # before the phases (imports, argument checks) and connecting + sending the request
                               "setup_ms": (t0 - t_start) * 1e3, "request_ms": started.request_ms,
+                              "handover_ms": started.handover_ms,
                               "metadata_beside_copy": started.metadata_beside_copy,
                               "one_time_ms": one_time_costs(report, daemon_map=reply.get("map_ms", 0.0))}
             if verify:  # the daemon digested what it copied, in the arena; no kernel runs in this process
@@ -225,7 +229,7 @@ class ServedSource(Source):
         handle.session, handle.metadata_file = started.copy, started.metadata_file
         handle.metadata_sha256 = started.metadata_file.sha256
         for name, ms in (("wait", started.wait_ms), ("arena", started.alloc_ms), ("attach", started.request_ms),
-                         ("metadata", started.metadata_ms)):
+                         ("handover", started.handover_ms), ("metadata", started.metadata_ms)):
             handle.phases_ms[name] = handle.phases_ms.get(name, 0.0) + ms
         t_copy = started.requested_at
         try:
