@@ -3,7 +3,7 @@
 # the daemon copies, the early call without the daemon's modules.
 #   1. GPU tests: arena (segments_now), boot, load, views, load sources;
 #   2. bench boot: first served load of SHAPES and the boot end to end at W = WS (REPEATS fresh processes per cell);
-#   3. restart views by 1, 2, 4 threads and the default (VIEWS=1), on the bench's images.
+#   3. restart views by each of THREADS (default "1 2 4 0"; 0: the default count) (VIEWS=1), on the bench's images.
 # Usage (repo root, GPU machine): OUT=/some/dir [SHAPES="B A C"] [WS="0 0.25"] [REPEATS=3] bash benchmarks/gpu_session19.sh
 BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/gpu_prelude.sh"
@@ -24,12 +24,14 @@ grep -E "end to end|1st|ceiling" /tmp/boot.log | cut -c1-1200 | tee -a "$S"
 sed -n '/boot end to end on/,$p' /tmp/boot.log | tee -a "$S"
 
 if [ "${VIEWS:-1}" = 1 ]; then
-  say "=== 3. restart views by 1, 2, 4 threads and the default ($(date +%T))"
+  say "=== 3. restart views by ${THREADS:-1 2 4 0} threads (0: the default) ($(date +%T))"
   imgs=$(ls -d "$ROOT"/image-* 2>/dev/null)
-  for t in 1 2 4 0; do
+  k=0
+  for t in ${THREADS:-1 2 4 0}; do
+    k=$((k + 1))
     [ -n "$imgs" ] && timeout "$(left 40)" python3 -m flashboot.benchmarks.first_calls views $imgs --device cuda:0 \
-      $([ "$t" != 0 ] && echo "--view-threads $t") >"$OUT/first_calls_t$t.jsonl" 2>/tmp/first_calls.err
-    say "threads ${t/#0/default} rc=$?"; python3 -m flashboot.benchmarks.first_calls summary "$OUT/first_calls_t$t.jsonl" 2>&1 | tee -a "$S"
+      $([ "$t" != 0 ] && echo "--view-threads $t") >"$OUT/first_calls_$k.t$t.jsonl" 2>/tmp/first_calls.err
+    say "threads ${t/#0/default} rc=$?"; python3 -m flashboot.benchmarks.first_calls summary "$OUT/first_calls_$k.t$t.jsonl" 2>&1 | tee -a "$S"
   done
 fi
 say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"

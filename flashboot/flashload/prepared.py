@@ -11,9 +11,10 @@ why there), waits for that copy, checks that the image was not re-packed since, 
 
 * served (a ``flashboot preload --serve`` daemon holds the image pinned): as a plain served
   load, the copy comes first, before the metadata is read (the daemon's ``.ready`` vouches for
-  the metadata bytes it was staged from): the arena is created at the ``.ready``'s size, exported
-  and attached to the daemon, which checks it against what it holds and is asked for its H2D at
-  once (mapping the segments piece by piece as it copies); the metadata is read (it must be the
+  the metadata bytes it was staged from): the arena is created at the ``.ready``'s size with its
+  first batch of segments, which is exported and attached to the daemon; the daemon checks it
+  against what it holds and is asked for its H2D at once (mapping the segments piece by piece as
+  it copies), while the later batches are made and handed over; the metadata is read (it must be the
   ``.ready``'s bytes, or that copy is discarded) and strictly validated while it copies;
 * pinned early (a preloader staged the rank, no daemon): the staged file is mapped and pinned
   in this process (:class:`~flashboot.flashload.stage.StagedImage`); the bulk H2D is issued as
