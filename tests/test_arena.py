@@ -333,6 +333,30 @@ def test_an_arena_with_segments_still_to_make_sleeps_and_wakes_whole():
         assert np.array_equal(a.bytes().numpy(), data) and len(a.export().fds) == 4
 
 
+def test_a_segment_that_cannot_be_made_later_releases_the_others_of_its_call_and_a_retry_works(monkeypatch):
+    seg = HOST_GRANULARITY
+    fds = arena_fds()
+    with Arena.create(4 * seg, "cpu", segment_bytes=seg, segments_now=1) as a:
+        real_seal, calls = host_backing._host_seal, []
+
+        def failing_seal(fd):
+            calls.append(fd)
+            if len(calls) == 2:  # the second segment of the call: the first one is made by then
+                raise OSError(28, "injected: no space")
+            return real_seal(fd)
+
+        monkeypatch.setattr(host_backing, "_host_seal", failing_seal)
+        with pytest.raises(ArenaError, match=r"making segment\(s\) \[1, 2\] .*injected: no space"):
+            a.export_segments(0, 3)
+        assert a.mapped_nbytes == seg and len(arena_fds()) == len(fds) + 1  # segment 1 released again
+        monkeypatch.undo()
+        data = pattern(a.nbytes, 11)
+        a.bytes().numpy()[:] = data
+        assert np.array_equal(a.bytes().numpy(), data) and len(arena_fds()) == len(fds) + 4
+        assert len(set(a.export().fds)) == 4
+    assert arena_fds() == fds
+
+
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "2"])
 def test_segments_now_must_be_a_positive_int(bad):
     with pytest.raises(ArenaError, match="segments_now must be a positive int"):

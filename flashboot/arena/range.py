@@ -421,10 +421,25 @@ class Arena(SleepWake):
 
     def _make_later(self, make: Callable[[list[int], dict], None]) -> None:
         """An owner made with ``segments_now``: the segments not made yet are made by ``make``
-        when first needed, through the importers' map-on-first-use (:meth:`_map_segments`)."""
-        made = [h is not None for h in (self._segments.handles if self._device.is_cuda else self._segments.fds)]
-        if not all(made):
-            self._mapped, self._map_segment = made, make
+        when first needed, through the importers' map-on-first-use (:meth:`_map_segments`). A
+        call that fails releases what it made, so a later one starts from a clean slate (no
+        segment mapped but never granted, no handle left behind)."""
+        segments = self._segments
+        held = segments.handles if self._device.is_cuda else segments.fds
+        made = [h is not None for h in held]
+        if all(made):
+            return
+
+        def make_all_or_none(todo: list[int], out: dict) -> None:
+            try:
+                make(todo, out)
+            except BaseException:
+                for i in todo:
+                    if held[i] is not None:
+                        segments.release_segment(i)
+                raise
+
+        self._mapped, self._map_segment = made, make_all_or_none
 
     def _make_all(self) -> None:
         """Every segment made (and, on an importer, mapped): before anything that hands over,
