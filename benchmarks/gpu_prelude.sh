@@ -7,7 +7,9 @@
 #   soak_refit       200 refit cycles (`bench soak --kinds refit`), its last lines;
 #   bench_refit N    bench refit on checkpoint A with N repeats, then refit_summary;
 #   refit_summary    bench refit's $OUT/refit_A.json in a few lines (ceiling, copies, remap, breakdown);
-#   movers_chunked   issue 20's `bench movers --chunked` (1 and 4 MiB, a 2 GiB chain), its key lines.
+#   movers_chunked   issue 20's `bench movers --chunked` (1 and 4 MiB, a 2 GiB chain), its key lines;
+#   bench_boot_e2e N issue 19's `bench boot` (served, first loads and the boot end to end at $WS, $REPEATS
+#                    fresh processes per cell, shapes $SHAPES, images under $ROOT), at most N s, its key lines.
 # Installs the checkout; unless WARM=0, writes FlashBoot's bytecode and caches first (`flashboot warm`).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -48,6 +50,13 @@ movers_chunked() {
     --chain-chunk 64MiB --json "$OUT/movers_chunked.json" >/tmp/movers_chunked.log 2>&1
   say "bench movers rc=$?"; grep -A8 "host cost of one mover.copy" /tmp/movers_chunked.log | tee -a "$S"
   grep -E "batched" /tmp/movers_chunked.log | grep -vE "unmerged|streams" | tee -a "$S"
+}
+bench_boot_e2e() {
+  timeout "$(left "$1")" flashboot bench boot --shapes ${SHAPES:-B A C} --loaders "flashload served" \
+    --end-to-end ${WS:-0 0.25} --e2e-repeats "${REPEATS:-3}" --dir "$ROOT" --keep --json "$OUT/boot.json" >/tmp/boot.log 2>&1
+  say "bench boot rc=$? ($(date +%T))"
+  grep -E "end to end|1st|ceiling" /tmp/boot.log | cut -c1-1200 | tee -a "$S"
+  sed -n '/boot end to end on/,$p' /tmp/boot.log | tee -a "$S"
 }
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 \
   || { tail -20 /tmp/install.log; exit 1; }

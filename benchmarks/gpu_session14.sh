@@ -4,7 +4,7 @@
 #   1. GPU tests of boot, load, views;
 #   2. views made beside W in a background thread vs after W on the caller's (16 cores, host arena;
 #      benchmarks/probes/views_beside_w.py, shape B's 18,722 tensors);
-#   3. bench boot: first served load of C, B, A and the boot end to end at W = WS (3 fresh processes per cell).
+#   3. bench boot: first served load of B, A, C (SHAPES) and the boot end to end at W = WS (3 fresh processes per cell).
 # Usage (repo root, GPU machine): OUT=/some/dir [WS="0 0.25"] bash benchmarks/gpu_session14.sh
 BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/gpu_prelude.sh"
@@ -29,11 +29,7 @@ if [ "${VIEWS_PROBE:-1}" = 1 ]; then
 fi
 
 say "=== 3. bench boot --end-to-end ${WS:-0 0.25} ($(date +%T))"
-timeout "$(left 520)" flashboot bench boot --shapes ${SHAPES:-C B A} --loaders "flashload served" --end-to-end ${WS:-0 0.25} \
-  --e2e-repeats "${REPEATS:-3}" --dir "$ROOT" --keep --json "$OUT/boot.json" >/tmp/boot.log 2>&1
-say "bench boot rc=$? ($(date +%T))"
-grep -E "end to end|1st|ceiling" /tmp/boot.log | cut -c1-900 | tee -a "$S"
-sed -n '/boot end to end on/,$p' /tmp/boot.log | tee -a "$S"
+bench_boot_e2e 520
 if [ "${RESTART:-0}" = 1 ]; then
   say "=== 4. restart: open + metadata + views ($(date +%T))"
   imgs=$(ls -d "$ROOT"/image-* 2>/dev/null)

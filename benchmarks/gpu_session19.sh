@@ -17,11 +17,7 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 
 say "=== 2. bench boot --end-to-end ${WS:-0 0.25} ($(date +%T))"
-timeout "$(left 480)" flashboot bench boot --shapes ${SHAPES:-B A C} --loaders "flashload served" --end-to-end ${WS:-0 0.25} \
-  --e2e-repeats "${REPEATS:-3}" --dir "$ROOT" --keep --json "$OUT/boot.json" >/tmp/boot.log 2>&1
-say "bench boot rc=$? ($(date +%T))"
-grep -E "end to end|1st|ceiling" /tmp/boot.log | cut -c1-1200 | tee -a "$S"
-sed -n '/boot end to end on/,$p' /tmp/boot.log | tee -a "$S"
+bench_boot_e2e 480
 
 if [ "${VIEWS:-1}" = 1 ]; then
   say "=== 3. restart views by ${THREADS:-1 2 4 0} threads (0: the default) ($(date +%T))"

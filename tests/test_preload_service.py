@@ -609,6 +609,32 @@ def batches(monkeypatch):
     return sent
 
 
+class _MadeSegments:
+    """What an arena's host backend was asked to make, call by call (``calls``: the segment
+    indices of each); from segment ``fail_from`` on (when set), the call fails with ENOSPC."""
+
+    def __init__(self):
+        self.calls: list[list[int]] = []
+        self.fail_from: int | None = None
+
+
+@pytest.fixture
+def made_segments(monkeypatch):
+    import flashboot.arena.backing_host as host_backing
+
+    made, real = _MadeSegments(), host_backing.make_segments
+
+    def recording(backing, indices, *args, **kwargs):
+        indices = list(indices)
+        made.calls.append(indices)
+        if made.fail_from is not None and min(indices) >= made.fail_from:
+            raise OSError(28, f"injected: no space for segment {min(indices)}")
+        return real(backing, indices, *args, **kwargs)
+
+    monkeypatch.setattr(host_backing, "make_segments", recording)
+    return made
+
+
 def _segmented_arena(nbytes: int) -> Arena:
     from flashboot.arena.segments import HOST_GRANULARITY
 
@@ -632,34 +658,23 @@ def test_a_load_hands_its_arena_over_batch_by_batch_and_the_copy_is_exact(multi_
 
 
 def test_an_arena_made_batch_by_batch_is_handed_over_as_it_is_made(multi_segment_image, tmp_path, batches,
-                                                                   monkeypatch):
+                                                                   made_segments):
     """A served load's arena makes only the request's batch at once; each later batch's segments
     are made just before they are sent, while the daemon copies (the copy's first byte no longer
     waits for the whole arena). The copy is exact and nothing leaks."""
-    import flashboot.arena.backing_host as host_backing
     from flashboot.arena.segments import HOST_GRANULARITY
 
-    events: list = []
-    real_make = host_backing.make_segments
-
-    def logging_make(backing, indices, *args, **kwargs):
-        events.append(("make", list(indices)))
-        return real_make(backing, indices, *args, **kwargs)
-
-    monkeypatch.setattr(host_backing, "make_segments", logging_make)
     d = Daemon(multi_segment_image, tmp_path / "shm")
     try:
         fds_before = _fds()
         src = shm_files.rank_source(multi_segment_image, 0)
         first = client.first_batch_segments()
         assert first == 1  # one 2 MiB segment per batch here (the batches fixture)
-        events.clear()  # the daemon's own
+        made_segments.calls.clear()  # the daemon's own
         with Arena.create(src.nbytes, "cpu", segment_bytes=HOST_GRANULARITY, segments_now=first) as arena:
-            assert arena.segments >= 4 and events == [("make", [0])]
-            before_request = len(events)
+            assert arena.segments >= 4 and made_segments.calls == [[0]]
             client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
-            made_after = [e for e in events[before_request:] if e[0] == "make"]
-            assert made_after == [("make", [k]) for k in range(1, arena.segments)]  # one batch at a time
+            assert made_segments.calls == [[k] for k in range(arena.segments)]  # one batch at a time
             assert batches == [1] * arena.segments
             assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
         d.idle()
@@ -669,28 +684,20 @@ def test_an_arena_made_batch_by_batch_is_handed_over_as_it_is_made(multi_segment
 
 
 def test_a_served_load_and_an_early_call_make_their_arena_as_they_hand_it_over(multi_segment_image, tmp_path,
-                                                                               batches, monkeypatch):
+                                                                               batches, made_segments,
+                                                                               monkeypatch):
     """Through flashboot.load(served=True) and flashboot.prepare: the arena makes the request's
     batch, then each later one as it is handed over; the weights are exact."""
     import flashboot
-    import flashboot.arena.backing_host as host_backing
     from flashboot.arena import segments
     from flashboot.layouts import read_image
 
     monkeypatch.setattr(segments, "SEGMENT_BYTES", segments.HOST_GRANULARITY)  # arenas of several segments here
-    events: list = []
-    real_make = host_backing.make_segments
-
-    def logging_make(backing, indices, *args, **kwargs):
-        events.append(list(indices))
-        return real_make(backing, indices, *args, **kwargs)
-
-    monkeypatch.setattr(host_backing, "make_segments", logging_make)
     d = Daemon(multi_segment_image, tmp_path / "shm")
     want = read_image(multi_segment_image, 0).path.read_bytes()
     try:
         for early in (False, True):
-            events.clear()
+            made_segments.calls.clear()
             if early:
                 handle = flashboot.prepare(multi_segment_image, 0, "cpu", shm_dir=d.shm, mode="served", timeout_s=10)
                 loaded = flashboot.load(multi_segment_image, 0, "cpu", prepared=handle)
@@ -698,7 +705,7 @@ def test_a_served_load_and_an_early_call_make_their_arena_as_they_hand_it_over(m
                 loaded = flashboot.load(multi_segment_image, 0, "cpu", shm_dir=d.shm, served=True, timeout_s=10)
             with loaded:
                 n = loaded.arena.segments
-                assert n >= 4 and events == [[k] for k in range(n)], (early, events)
+                assert n >= 4 and made_segments.calls == [[k] for k in range(n)], (early, made_segments.calls)
                 # the copy was asked for with the first batch; the later ones were handed over after
                 later = handle.phases_ms["handover"] if early else loaded.report.details["handover_ms"]
                 assert later > 0
@@ -708,22 +715,14 @@ def test_a_served_load_and_an_early_call_make_their_arena_as_they_hand_it_over(m
 
 
 def test_making_a_later_batch_failing_stops_the_daemon_before_the_error_is_raised(multi_segment_image, tmp_path,
-                                                                                  batches, monkeypatch):
+                                                                                  batches, made_segments):
     """The segments of a later batch cannot be made (the device is full, say): handled as a failed
     export, the daemon is told and answers before the error reaches the caller, and the arena's
     release frees what was made."""
-    import flashboot.arena.backing_host as host_backing
     from flashboot.arena.segments import HOST_GRANULARITY
     from flashboot.errors import ArenaError
 
-    real_make = host_backing.make_segments
-
-    def failing(backing, indices, *args, **kwargs):
-        if min(indices) >= 2:
-            raise OSError(28, f"injected: no space for segment {min(indices)}")
-        return real_make(backing, indices, *args, **kwargs)
-
-    monkeypatch.setattr(host_backing, "make_segments", failing)
+    made_segments.fail_from = 2
     d = Daemon(multi_segment_image, tmp_path / "shm")
     try:
         fds_before = _fds()
@@ -735,7 +734,7 @@ def test_making_a_later_batch_failing_stops_the_daemon_before_the_error_is_raise
         d.idle()
         assert any("2 of" in line and "fds arrived, then" in line for line in d.log), d.log
         assert _fds_after_settling(fds_before) == fds_before
-        monkeypatch.setattr(host_backing, "make_segments", real_make)
+        made_segments.fail_from = None
         d.load_exact()
     finally:
         d.close()
