@@ -253,6 +253,30 @@ def test_an_arena_made_with_segments_now_makes_the_rest_on_first_need_and_frees_
     assert abs(gpu_free(0) - before) < LEAK_TOLERANCE
 
 
+def test_later_segments_that_cannot_be_granted_are_released_and_a_retry_works(monkeypatch):
+    """A call that makes an arena's later segments and fails (here its grant) unmaps and frees
+    what it made: the device memory comes back, and the next need makes them again, usable."""
+    import torch
+
+    seg = 64 * MiB
+    torch.cuda.synchronize(0)
+    with Arena.create(6 * seg, 0, segment_bytes=seg, segments_now=1) as a:
+        after_first = gpu_free(0)
+
+        def broken(ptr, nbytes, devices):
+            raise CapabilityError("injected failure in cuMemSetAccess")
+
+        monkeypatch.setattr(cuda_backing, "_set_access", broken)
+        with pytest.raises(CapabilityError, match="injected failure"):
+            a.export_segments(0, 4)
+        monkeypatch.undo()
+        assert a.mapped_nbytes == seg and abs(gpu_free(0) - after_first) < LEAK_TOLERANCE
+        n = a.nbytes // 8
+        a.bytes().view(torch.int64).copy_(expected_int64(n, 9, "cuda:0"))
+        torch.cuda.synchronize(0)
+        assert torch.equal(a.bytes().view(torch.int64), expected_int64(n, 9, "cuda:0"))
+
+
 def test_close_twice_and_wrong_fd():
     a = Arena.create(4 * MiB, 0)
     d = a.export()
