@@ -478,7 +478,8 @@ class Arena(SleepWake):
 
     @property
     def mapped_nbytes(self) -> int:
-        """Bytes of the capacity mapped in this process (all of it for an owner)."""
+        """Bytes of the capacity mapped in this process (all of it for an owner, but for segments that
+        ``segments_now`` left to make)."""
         return sum(n for n, m in zip(self._segment_sizes, self._mapped) if m)
 
     @property
