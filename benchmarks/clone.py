@@ -187,18 +187,19 @@ def clone_device(devices: Sequence[str], i: int) -> str:
     return devices[(1 + i) % len(devices)]
 
 
-def _wait_joined(joined, want: int, proc, timeout_s: float, what: str) -> None:
-    """Poll ``joined()`` until it reaches ``want``; FlashBootError if ``proc`` exits first or on timeout."""
+def _wait_until(ready, proc, timeout_s: float, what: str, *, poll_s: float = 0.005) -> None:
+    """Poll ``ready()`` until true; FlashBootError (with its output's tail) if ``proc`` exits
+    first, WaitTimeoutError after ``timeout_s``. ``what``: what is awaited, in both messages."""
     from flashboot.errors import FlashBootError, WaitTimeoutError
 
     deadline = time.monotonic() + timeout_s
-    while joined() < want:
+    while not ready():
         if proc.poll() is not None:
-            raise FlashBootError(f"{what}: clone {want} exited (code {proc.returncode}) before taking its position:\n"
+            raise FlashBootError(f"{what}: its process exited (code {proc.returncode}) first:\n"
                                  f"{(proc.communicate()[0] or '')[-3000:]}")
         if time.monotonic() > deadline:
-            raise WaitTimeoutError(f"{what}: clone {want} did not take its position within {timeout_s:g} s")
-        time.sleep(0.005)
+            raise WaitTimeoutError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(poll_s)
 
 
 def run_group(store: str, token: str, devices: Sequence[str], schedule: str, clones: int, *, name: str,
@@ -218,7 +219,8 @@ def run_group(store: str, token: str, devices: Sequence[str], schedule: str, clo
                                           clones=clones, chunk_bytes=chunk_bytes, timeout_s=timeout_s, verify=verify,
                                           transport=transport))
                 if joined is not None and i + 1 < clones:
-                    _wait_joined(joined, i + 1, procs[-1], timeout_s, f"{schedule} with {clones} clone(s)")
+                    _wait_until(lambda want=i + 1: joined() >= want, procs[-1], timeout_s,
+                                f"{schedule} with {clones} clone(s): clone {i + 1} taking its position")
         except BaseException:
             for p in procs:
                 p.kill()

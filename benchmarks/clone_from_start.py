@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Sequence
 
-from flashboot.benchmarks.clone import _collect, _env
+from flashboot.benchmarks.clone import _collect, _env, _wait_until
 
 
 def _worker_cmd(cfg: dict) -> list[str]:
@@ -46,19 +46,6 @@ def _nccl_transports(log: str) -> list[str]:
     return found
 
 
-def _wait_file(path: str, proc, timeout_s: float, what: str) -> None:
-    from flashboot.errors import FlashBootError, WaitTimeoutError
-
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
-        if proc.poll() is not None:
-            raise FlashBootError(f"{what} exited (code {proc.returncode}) before it was ready:\n"
-                                 f"{(proc.communicate()[0] or '')[-3000:]}")
-        if time.monotonic() > deadline:
-            raise WaitTimeoutError(f"{what} was not ready within {timeout_s:g} s")
-        time.sleep(0.01)
-
-
 def nccl_from_start(devices: Sequence[str], nbytes: int, *, mode: str, tensors: int, timeout_s: float) -> dict:
     """NCCL from process start to weights ready, with a resident seed as FlashClone has one.
 
@@ -83,7 +70,8 @@ def nccl_from_start(devices: Sequence[str], nbytes: int, *, mode: str, tensors: 
 
         procs = [spawn(0)]
         try:
-            _wait_file(ready, procs[0], timeout_s, "the NCCL seed rank")
+            _wait_until(lambda: os.path.exists(ready), procs[0], timeout_s, "the NCCL seed rank being ready",
+                        poll_s=0.01)
             t_spawn = time.time()
             procs.append(spawn(1))
         except BaseException:
