@@ -105,7 +105,8 @@ class Arena(SleepWake):
         now (at least one) and each other one when it is first needed: exported, viewed, spanned,
         or all of them for :meth:`bytes`, ``ptr``, a sleep or a hand-over. A served load hands
         the daemon the first batch at once and makes the rest while the daemon copies it (the
-        segments took 5-7 ms of the 8-10 ms before the first byte of a 12-14 GB load, H200).
+        request now goes out 3-4 ms after the call, and the later batches, 5-11 ms of making and
+        exporting for 12-14 GB on an H200, overlap the copy; benchmarks/RESULTS.md).
 
         Raises ArenaError for a bad size, OutOfMemoryError (bytes needed and free) before
         allocating, CapabilityError for a device that does not exist, CudaError for a driver failure.
