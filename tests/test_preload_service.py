@@ -7,6 +7,7 @@ are raw sockets, forked children of another uid, or engine processes."""
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import json
 import os
@@ -410,10 +411,9 @@ def test_an_engine_killed_mid_copy_leaves_nothing_behind(daemon, monkeypatch):
     daemon.load_exact()
 
 
-@pytest.fixture
-def daemon_process(image, tmp_path):
-    """``flashboot preload IMAGE --serve`` in its own process: what a client does to memory the
-    daemon maps must not kill it (a thread in this process would take pytest with it)."""
+@contextlib.contextmanager
+def _daemon_process_of(image, tmp_path):
+    """``flashboot preload IMAGE --serve`` in its own process, once it holds rank 0: ``(proc, shm, log path)``."""
     shm = tmp_path / "shm"
     log = open(tmp_path / "daemon.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "flashboot.cli", "preload", str(image), "--serve", "--shm-dir", str(shm)],
@@ -437,6 +437,14 @@ def daemon_process(image, tmp_path):
             if proc.poll() is None:
                 proc.kill()
             log.close()
+
+
+@pytest.fixture
+def daemon_process(image, tmp_path):
+    """The daemon in its own process: what a client does to memory the daemon maps must not kill
+    it (a thread in this process would take pytest with it)."""
+    with _daemon_process_of(image, tmp_path) as running:
+        yield running
 
 
 def _load_exact(image, shm) -> None:
@@ -738,6 +746,46 @@ def test_making_a_later_batch_failing_stops_the_daemon_before_the_error_is_raise
         d.load_exact()
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["plain", "early"])
+def test_a_daemon_killed_mid_hand_over_is_a_clear_error_and_the_arena_is_released(multi_segment_image, tmp_path,
+                                                                                   monkeypatch, early):
+    """The daemon dies after the request went out with the first batch, while the later batches
+    are made and handed over: the load (plain, or an early call's) raises naming the preloader at
+    once, its arena is released and no fd is left behind."""
+    import flashboot
+    from flashboot import fdshare
+    from flashboot.arena import segments
+
+    monkeypatch.setattr(segments, "SEGMENT_BYTES", segments.HOST_GRANULARITY)  # arenas of several segments here
+    monkeypatch.setattr(client, "STREAM_BATCH_BYTES", segments.HOST_GRANULARITY)  # one segment a batch
+    with _daemon_process_of(multi_segment_image, tmp_path) as (proc, shm, _log):
+        real, sent = fdshare.send_fds, []
+
+        def killed_after_the_request(sock, fds, message=b""):
+            sent.append(len(fds))
+            if len(sent) == 2:  # the first later batch: the daemon has the request and copies
+                proc.kill()
+                proc.wait(30)
+            return real(sock, fds, message)
+
+        monkeypatch.setattr(fdshare, "send_fds", killed_after_the_request)
+        fds_before, handle = _fds(), None
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError, match=r"the preloader at .* went away while rank 0's arena was handed to "
+                                                  r"it \((BrokenPipeError|ConnectionResetError)\)"):
+            if early:
+                handle = flashboot.prepare(multi_segment_image, 0, "cpu", shm_dir=shm, mode="served", timeout_s=10)
+                flashboot.load(multi_segment_image, 0, "cpu", prepared=handle)
+            else:
+                flashboot.load(multi_segment_image, 0, "cpu", shm_dir=shm, served=True, timeout_s=10)
+        assert time.monotonic() - t0 < 10  # at once: no wait for a reply that cannot come
+        assert sent == [1, 1]
+        if early:
+            assert handle.arena.closed and handle.tensors is None
+            handle.close()
+        assert _fds_after_settling(fds_before) == fds_before
 
 
 def test_an_export_failing_mid_hand_over_stops_the_daemon_before_the_error_is_raised(multi_segment_image, tmp_path,
