@@ -4,7 +4,11 @@ process (so a test can count its fds and threads) and the bytes of a staged rank
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,6 +16,7 @@ from pathlib import Path
 import flashboot
 from flashboot.arena import Arena
 from flashboot.benchmarks.checkpoints import CheckpointSpec, make_checkpoint
+from flashboot.errors import FlashBootError
 from flashboot.flashload import client, staging
 from flashboot.flashload import shm as shm_files
 from flashboot.flashload.server import PreloadServer
@@ -92,3 +97,42 @@ class Daemon:
         assert not self.thread.is_alive()
 
 
+def fds_after_settling(want: set[str], timeout_s: float = 10) -> set[str]:
+    """This process's fds once the daemon has caught up: a connection the test closed may still sit
+    in the listener's backlog when no handler runs (CI saw its fd an instant later). A leak never settles."""
+    deadline = time.monotonic() + timeout_s
+    while (got := open_fds()) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@contextlib.contextmanager
+def daemon_process_of(image, tmp_path):
+    """``flashboot preload IMAGE --serve`` in its own process, once it holds rank 0: ``(proc, shm, log path)``."""
+    shm = tmp_path / "shm"
+    log = open(tmp_path / "daemon.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "flashboot.cli", "preload", str(image), "--serve", "--shm-dir", str(shm)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
+            try:
+                if client.serve_status(image, shm, timeout_s=5)["ranks"]["0"]["state"] in ("mapped", "pinned"):
+                    break
+            except FlashBootError:
+                pass
+            time.sleep(0.05)
+        yield proc, shm, tmp_path / "daemon.log"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()

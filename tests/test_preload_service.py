@@ -7,7 +7,6 @@ are raw sockets, forked children of another uid, or engine processes."""
 
 from __future__ import annotations
 
-import contextlib
 import grp
 import json
 import os
@@ -31,7 +30,7 @@ from flashboot.flashload import shm as shm_files
 from flashboot.flashload.server import PreloadServer
 from flashboot.flashload.shm import staged_paths
 
-from _preload_helpers import Daemon, make_image, make_tiny_image  # noqa: E402  (tests/ is on the path, as for _clone_helpers)
+from _preload_helpers import Daemon, daemon_process_of, fds_after_settling, make_tiny_image, open_fds  # noqa: E402  (tests/ is on the path, as for _clone_helpers)
 
 NOBODY = 65534
 
@@ -55,19 +54,6 @@ def daemon(image, tmp_path):
     d = Daemon(image, tmp_path / "shm")
     yield d
     d.close()
-
-
-def _fds_after_settling(want: set[str], timeout_s: float = 10) -> set[str]:
-    """This process's fds once the daemon has caught up: a connection the test closed may still sit
-    in the listener's backlog when no handler runs (CI saw its fd an instant later). A leak never settles."""
-    deadline = time.monotonic() + timeout_s
-    while (got := _fds()) != want and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return got
-
-
-def _fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
 
 
 def _ask(path: Path, payload: bytes, fds: list[int] | None = None, timeout_s: float = 10) -> dict:
@@ -157,14 +143,14 @@ def test_a_stranger_is_refused_logged_and_the_daemon_keeps_serving(image, open_r
         assert "mode 0o600" in told["message"] and "--allow-group" in told["message"]
         # with the mode opened up (a careless chmod), the daemon's own check refuses it by its uid
         os.chmod(d.path, 0o666)
-        before = _fds()
+        before = open_fds()
         reply = _as_user(lambda: _ask(d.path, status), NOBODY, NOBODY)
         assert reply.get("ok") is False and reply["error"] == "RendezvousError", reply
         assert f"runs as uid {NOBODY}" in reply["message"] and f"serves uid {os.geteuid()} only" in reply["message"]
         assert d.server.refused == 1 and any(f"uid {NOBODY}" in line and "refused" in line for line in d.log)
         d.load_exact()  # and goes on serving its own user
         d.idle()
-        assert _fds_after_settling(before) == before
+        assert fds_after_settling(before) == before
     finally:
         d.close()
 
@@ -268,7 +254,7 @@ def test_peer_credentials_of_a_real_connection():
 def test_garbage_half_sent_and_oversized_requests_are_answered_and_nothing_leaks(daemon):
     daemon.load_exact()  # the first load maps what later loads reuse
     daemon.idle()
-    fds_before, threads_before = _fds(), threading.active_count()
+    fds_before, threads_before = open_fds(), threading.active_count()
     cases = {
         b"not json at all": "not JSON",
         b"\xff\xfe\xfd": "not JSON",
@@ -321,13 +307,13 @@ def test_garbage_half_sent_and_oversized_requests_are_answered_and_nothing_leaks
         assert not arena.bytes().numpy().any()
     daemon.load_exact()
     daemon.idle()
-    assert _fds_after_settling(fds_before) == fds_before
+    assert fds_after_settling(fds_before) == fds_before
     assert threading.active_count() == threads_before
     assert daemon.thread.is_alive()
 
 
 def test_a_silent_client_times_out_while_others_are_served(daemon):
-    fds_before = _fds()
+    fds_before = open_fds()
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     silent.connect(str(daemon.path))
     try:
@@ -344,7 +330,7 @@ def test_a_silent_client_times_out_while_others_are_served(daemon):
     finally:
         silent.close()
     daemon.idle()
-    assert _fds_after_settling(fds_before) == fds_before
+    assert fds_after_settling(fds_before) == fds_before
 
 
 def test_connections_beyond_the_limit_are_told_busy(daemon):
@@ -391,7 +377,7 @@ def test_an_engine_killed_mid_copy_leaves_nothing_behind(daemon, monkeypatch):
 
     monkeypatch.setattr(server, "_read_staged", held)
     daemon.idle()
-    fds_before = _fds()
+    fds_before = open_fds()
     engine = subprocess.Popen([sys.executable, "-c", _ENGINE, str(daemon.image), str(daemon.shm)],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -406,44 +392,16 @@ def test_an_engine_killed_mid_copy_leaves_nothing_behind(daemon, monkeypatch):
     go.set()
     daemon.idle()
     assert any("engine connection lost" in line for line in daemon.log), daemon.log
-    assert _fds_after_settling(fds_before) == fds_before
+    assert fds_after_settling(fds_before) == fds_before
     monkeypatch.setattr(server, "_read_staged", real)
     daemon.load_exact()
-
-
-@contextlib.contextmanager
-def _daemon_process_of(image, tmp_path):
-    """``flashboot preload IMAGE --serve`` in its own process, once it holds rank 0: ``(proc, shm, log path)``."""
-    shm = tmp_path / "shm"
-    log = open(tmp_path / "daemon.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "flashboot.cli", "preload", str(image), "--serve", "--shm-dir", str(shm)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
-            try:
-                if client.serve_status(image, shm, timeout_s=5)["ranks"]["0"]["state"] in ("mapped", "pinned"):
-                    break
-            except FlashBootError:
-                pass
-            time.sleep(0.05)
-        yield proc, shm, tmp_path / "daemon.log"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.close()
 
 
 @pytest.fixture
 def daemon_process(image, tmp_path):
     """The daemon in its own process: what a client does to memory the daemon maps must not kill
     it (a thread in this process would take pytest with it)."""
-    with _daemon_process_of(image, tmp_path) as running:
+    with daemon_process_of(image, tmp_path) as running:
         yield running
 
 
@@ -587,276 +545,3 @@ def test_each_device_has_its_own_copy_lock(image, tmp_path):
     assert not a.acquire(0.01)
     a.release()
     b.release()
-
-
-@pytest.fixture(scope="module")
-def multi_segment_image(tmp_path_factory):
-    """An image of ~12 MB: several 2 MiB host segments, so a load hands its arena over in batches."""
-    from flashboot.benchmarks.checkpoints import CheckpointSpec
-
-    spec = CheckpointSpec("segments", layers=2, experts=4, expert_rows=512, expert_cols=512, hidden=64, vocab=64,
-                          shards=1)
-    return make_image(tmp_path_factory.mktemp("service-segments"), spec)
-
-
-@pytest.fixture
-def batches(monkeypatch):
-    """One 2 MiB segment per batch; records how many fds each message the engine sends carries."""
-    from flashboot import fdshare
-    from flashboot.arena.segments import HOST_GRANULARITY
-
-    monkeypatch.setattr(client, "STREAM_BATCH_BYTES", HOST_GRANULARITY)
-    sent: list[int] = []
-    real = fdshare.send_fds
-
-    def counting(sock, fds, message=b""):
-        sent.append(len(fds))
-        return real(sock, fds, message)
-
-    monkeypatch.setattr(fdshare, "send_fds", counting)
-    return sent
-
-
-class _MadeSegments:
-    """What an arena's host backend was asked to make, call by call (``calls``: the segment
-    indices of each); from segment ``fail_from`` on (when set), the call fails with ENOSPC."""
-
-    def __init__(self):
-        self.calls: list[list[int]] = []
-        self.fail_from: int | None = None
-
-
-@pytest.fixture
-def made_segments(monkeypatch):
-    import flashboot.arena.backing_host as host_backing
-
-    made, real = _MadeSegments(), host_backing.make_segments
-
-    def recording(backing, indices, *args, **kwargs):
-        indices = list(indices)
-        made.calls.append(indices)
-        if made.fail_from is not None and min(indices) >= made.fail_from:
-            raise OSError(28, f"injected: no space for segment {min(indices)}")
-        return real(backing, indices, *args, **kwargs)
-
-    monkeypatch.setattr(host_backing, "make_segments", recording)
-    return made
-
-
-def _segmented_arena(nbytes: int) -> Arena:
-    from flashboot.arena.segments import HOST_GRANULARITY
-
-    return Arena.create(nbytes, "cpu", segment_bytes=HOST_GRANULARITY)
-
-
-def test_a_load_hands_its_arena_over_batch_by_batch_and_the_copy_is_exact(multi_segment_image, tmp_path, batches):
-    d = Daemon(multi_segment_image, tmp_path / "shm")
-    try:
-        fds_before = _fds()
-        src = shm_files.rank_source(multi_segment_image, 0)
-        with _segmented_arena(src.nbytes) as arena:
-            assert arena.segments >= 4
-            client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
-            assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
-            assert batches == [1] * arena.segments  # the request with the first fd, then one message each
-        d.idle()
-        assert _fds_after_settling(fds_before) == fds_before
-    finally:
-        d.close()
-
-
-def test_an_arena_made_batch_by_batch_is_handed_over_as_it_is_made(multi_segment_image, tmp_path, batches,
-                                                                   made_segments):
-    """A served load's arena makes only the request's batch at once; each later batch's segments
-    are made just before they are sent, while the daemon copies (the copy's first byte no longer
-    waits for the whole arena). The copy is exact and nothing leaks."""
-    from flashboot.arena.segments import HOST_GRANULARITY
-
-    d = Daemon(multi_segment_image, tmp_path / "shm")
-    try:
-        fds_before = _fds()
-        src = shm_files.rank_source(multi_segment_image, 0)
-        first = client.first_batch_segments()
-        assert first == 1  # one 2 MiB segment per batch here (the batches fixture)
-        made_segments.calls.clear()  # the daemon's own
-        with Arena.create(src.nbytes, "cpu", segment_bytes=HOST_GRANULARITY, segments_now=first) as arena:
-            assert arena.segments >= 4 and made_segments.calls == [[0]]
-            client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
-            assert made_segments.calls == [[k] for k in range(arena.segments)]  # one batch at a time
-            assert batches == [1] * arena.segments
-            assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
-        d.idle()
-        assert _fds_after_settling(fds_before) == fds_before
-    finally:
-        d.close()
-
-
-def test_a_served_load_and_an_early_call_make_their_arena_as_they_hand_it_over(multi_segment_image, tmp_path,
-                                                                               batches, made_segments,
-                                                                               monkeypatch):
-    """Through flashboot.load(served=True) and flashboot.prepare: the arena makes the request's
-    batch, then each later one as it is handed over; the weights are exact."""
-    import flashboot
-    from flashboot.arena import segments
-    from flashboot.layouts import read_image
-
-    monkeypatch.setattr(segments, "SEGMENT_BYTES", segments.HOST_GRANULARITY)  # arenas of several segments here
-    d = Daemon(multi_segment_image, tmp_path / "shm")
-    want = read_image(multi_segment_image, 0).path.read_bytes()
-    try:
-        for early in (False, True):
-            made_segments.calls.clear()
-            if early:
-                handle = flashboot.prepare(multi_segment_image, 0, "cpu", shm_dir=d.shm, mode="served", timeout_s=10)
-                loaded = flashboot.load(multi_segment_image, 0, "cpu", prepared=handle)
-            else:
-                loaded = flashboot.load(multi_segment_image, 0, "cpu", shm_dir=d.shm, served=True, timeout_s=10)
-            with loaded:
-                n = loaded.arena.segments
-                assert n >= 4 and made_segments.calls == [[k] for k in range(n)], (early, made_segments.calls)
-                # the copy was asked for with the first batch; the later ones were handed over after
-                later = handle.phases_ms["handover"] if early else loaded.report.details["handover_ms"]
-                assert later > 0
-                assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == want
-    finally:
-        d.close()
-
-
-def test_making_a_later_batch_failing_stops_the_daemon_before_the_error_is_raised(multi_segment_image, tmp_path,
-                                                                                  batches, made_segments):
-    """The segments of a later batch cannot be made (the device is full, say): handled as a failed
-    export, the daemon is told and answers before the error reaches the caller, and the arena's
-    release frees what was made."""
-    from flashboot.arena.segments import HOST_GRANULARITY
-    from flashboot.errors import ArenaError
-
-    made_segments.fail_from = 2
-    d = Daemon(multi_segment_image, tmp_path / "shm")
-    try:
-        fds_before = _fds()
-        src = shm_files.rank_source(multi_segment_image, 0)
-        with Arena.create(src.nbytes, "cpu", segment_bytes=HOST_GRANULARITY, segments_now=1) as arena:
-            with pytest.raises(ArenaError, match=r"making segment\(s\) \[2\] of host arena .*injected: no space"):
-                client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
-            assert batches == [1, 1]
-        d.idle()
-        assert any("2 of" in line and "fds arrived, then" in line for line in d.log), d.log
-        assert _fds_after_settling(fds_before) == fds_before
-        made_segments.fail_from = None
-        d.load_exact()
-    finally:
-        d.close()
-
-
-@pytest.mark.parametrize("early", [False, True], ids=["plain", "early"])
-def test_a_daemon_killed_mid_hand_over_is_a_clear_error_and_the_arena_is_released(multi_segment_image, tmp_path,
-                                                                                   monkeypatch, early):
-    """The daemon dies after the request went out with the first batch, while the later batches
-    are made and handed over: the load (plain, or an early call's) raises naming the preloader at
-    once, its arena is released and no fd is left behind."""
-    import flashboot
-    from flashboot import fdshare
-    from flashboot.arena import segments
-
-    monkeypatch.setattr(segments, "SEGMENT_BYTES", segments.HOST_GRANULARITY)  # arenas of several segments here
-    monkeypatch.setattr(client, "STREAM_BATCH_BYTES", segments.HOST_GRANULARITY)  # one segment a batch
-    with _daemon_process_of(multi_segment_image, tmp_path) as (proc, shm, _log):
-        real, sent = fdshare.send_fds, []
-
-        def killed_after_the_request(sock, fds, message=b""):
-            sent.append(len(fds))
-            if len(sent) == 2:  # the first later batch: the daemon has the request and copies
-                proc.kill()
-                proc.wait(30)
-            return real(sock, fds, message)
-
-        monkeypatch.setattr(fdshare, "send_fds", killed_after_the_request)
-        fds_before, handle = _fds(), None
-        t0 = time.monotonic()
-        with pytest.raises(RendezvousError, match=r"the preloader at .* went away while rank 0's arena was handed to "
-                                                  r"it \((BrokenPipeError|ConnectionResetError)\)"):
-            if early:
-                handle = flashboot.prepare(multi_segment_image, 0, "cpu", shm_dir=shm, mode="served", timeout_s=10)
-                flashboot.load(multi_segment_image, 0, "cpu", prepared=handle)
-            else:
-                flashboot.load(multi_segment_image, 0, "cpu", shm_dir=shm, served=True, timeout_s=10)
-        assert time.monotonic() - t0 < 10  # at once: no wait for a reply that cannot come
-        assert sent == [1, 1]
-        if early:
-            assert handle.arena.closed and handle.tensors is None
-            handle.close()
-        assert _fds_after_settling(fds_before) == fds_before
-
-
-def test_an_export_failing_mid_hand_over_stops_the_daemon_before_the_error_is_raised(multi_segment_image, tmp_path,
-                                                                                       batches, monkeypatch):
-    """The engine's export of a later batch fails: the daemon, waiting for those fds, is told (the
-    socket's write side shut), stops and answers; only then does the error reach the caller, so
-    the daemon no longer writes into the arena the caller releases. It keeps serving."""
-    from flashboot.errors import ArenaError
-
-    d = Daemon(multi_segment_image, tmp_path / "shm")
-    try:
-        fds_before = _fds()
-        src = shm_files.rank_source(multi_segment_image, 0)
-        real = Arena.export_segments
-
-        def failing(arena, first, last):
-            if first >= 2:
-                raise ArenaError(f"injected: exporting segment {first} failed")
-            return real(arena, first, last)
-
-        monkeypatch.setattr(Arena, "export_segments", failing)
-        with _segmented_arena(src.nbytes) as arena:
-            with pytest.raises(ArenaError, match="injected: exporting segment 2"):
-                client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
-            assert batches == [1, 1]
-        d.idle()  # the daemon had answered before the error was raised: nothing of it still runs
-        assert any("2 of" in line and "fds arrived, then" in line for line in d.log), d.log
-        assert _fds_after_settling(fds_before) == fds_before
-        monkeypatch.setattr(Arena, "export_segments", real)
-        with _segmented_arena(src.nbytes) as arena:
-            client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
-            assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
-    finally:
-        d.close()
-
-
-def test_a_daemon_that_refuses_a_batched_load_is_heard_by_name(multi_segment_image, tmp_path, batches):
-    """A request the daemon refuses at once (another pre-pack's sha256): it answers and hangs up
-    while the engine may still be sending fds; the engine raises the daemon's reason, not a broken pipe."""
-    d = Daemon(multi_segment_image, tmp_path / "shm")
-    try:
-        src = shm_files.rank_source(multi_segment_image, 0)
-        with _segmented_arena(src.nbytes) as arena:
-            with pytest.raises(LayoutError, match="holds rank 0 of another pre-pack"):
-                client.start_served_load(arena, image_dir=multi_segment_image, rank=0, nbytes=src.nbytes,
-                                         metadata_sha256="0" * 64, timeout_s=10, shm_dir=d.shm).wait()
-        d.idle()
-        d.load_exact()
-    finally:
-        d.close()
-
-
-def test_a_load_whose_fds_stop_coming_times_out_by_name_and_nothing_leaks(multi_segment_image, tmp_path):
-    """A client announces its arena's fds in batches, sends the first and goes silent: the daemon
-    waits for the next at most its request timeout, answers naming how many arrived, and keeps serving."""
-    d = Daemon(multi_segment_image, tmp_path / "shm")
-    try:
-        fds_before = _fds()
-        src = shm_files.rank_source(multi_segment_image, 0)
-        with _segmented_arena(src.nbytes) as arena:
-            req = {"op": "load", "rank": 0, "descriptor": arena.socket_descriptor().to_dict(), "nbytes": src.nbytes,
-                   "metadata_sha256": src.metadata_sha256, "timeout_s": 5, "pci_bus_id": None, "fds_follow": True}
-            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-                s.connect(str(d.path))
-                send_fds(s, arena.export_segments(0, 1), json.dumps(req).encode())
-                s.settimeout(30)
-                reply = json.loads(s.recv(1 << 20))
-        assert reply["ok"] is False and reply["error"] == "WaitTimeoutError", reply
-        assert f"1 of {arena.segments} fds arrived, then none within 1 s" in reply["message"], reply
-        d.idle()
-        assert _fds_after_settling(fds_before) == fds_before
-        d.load_exact()
-    finally:
-        d.close()

@@ -1,0 +1,293 @@
+"""The served load's hand-over of its arena to the daemon, batch by batch (1 GiB of segments a
+message; here one 2 MiB host segment a batch): the arena made as it is handed over, exact copies,
+and every way the hand-over can break off (a batch that cannot be made or exported, a refusal, a
+client gone silent, the daemon killed) answered by name with nothing leaked."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from flashboot.arena import Arena
+from flashboot.errors import LayoutError, RendezvousError
+from flashboot.fdshare import send_fds
+from flashboot.flashload import client
+from flashboot.flashload import shm as shm_files
+
+from _preload_helpers import Daemon, daemon_process_of, fds_after_settling, make_image, open_fds  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def multi_segment_image(tmp_path_factory):
+    """An image of ~12 MB: several 2 MiB host segments, so a load hands its arena over in batches."""
+    from flashboot.benchmarks.checkpoints import CheckpointSpec
+
+    spec = CheckpointSpec("segments", layers=2, experts=4, expert_rows=512, expert_cols=512, hidden=64, vocab=64,
+                          shards=1)
+    return make_image(tmp_path_factory.mktemp("service-segments"), spec)
+
+
+@pytest.fixture
+def batches(monkeypatch):
+    """One 2 MiB segment per batch; records how many fds each message the engine sends carries."""
+    from flashboot import fdshare
+    from flashboot.arena.segments import HOST_GRANULARITY
+
+    monkeypatch.setattr(client, "STREAM_BATCH_BYTES", HOST_GRANULARITY)
+    sent: list[int] = []
+    real = fdshare.send_fds
+
+    def counting(sock, fds, message=b""):
+        sent.append(len(fds))
+        return real(sock, fds, message)
+
+    monkeypatch.setattr(fdshare, "send_fds", counting)
+    return sent
+
+
+class _MadeSegments:
+    """What an arena's host backend was asked to make, call by call (``calls``: the segment
+    indices of each); from segment ``fail_from`` on (when set), the call fails with ENOSPC."""
+
+    def __init__(self):
+        self.calls: list[list[int]] = []
+        self.fail_from: int | None = None
+
+
+@pytest.fixture
+def made_segments(monkeypatch):
+    import flashboot.arena.backing_host as host_backing
+
+    made, real = _MadeSegments(), host_backing.make_segments
+
+    def recording(backing, indices, *args, **kwargs):
+        indices = list(indices)
+        made.calls.append(indices)
+        if made.fail_from is not None and min(indices) >= made.fail_from:
+            raise OSError(28, f"injected: no space for segment {min(indices)}")
+        return real(backing, indices, *args, **kwargs)
+
+    monkeypatch.setattr(host_backing, "make_segments", recording)
+    return made
+
+
+def _segmented_arena(nbytes: int) -> Arena:
+    from flashboot.arena.segments import HOST_GRANULARITY
+
+    return Arena.create(nbytes, "cpu", segment_bytes=HOST_GRANULARITY)
+
+
+def test_a_load_hands_its_arena_over_batch_by_batch_and_the_copy_is_exact(multi_segment_image, tmp_path, batches):
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        fds_before = open_fds()
+        src = shm_files.rank_source(multi_segment_image, 0)
+        with _segmented_arena(src.nbytes) as arena:
+            assert arena.segments >= 4
+            client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
+            assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+            assert batches == [1] * arena.segments  # the request with the first fd, then one message each
+        d.idle()
+        assert fds_after_settling(fds_before) == fds_before
+    finally:
+        d.close()
+
+
+def test_an_arena_made_batch_by_batch_is_handed_over_as_it_is_made(multi_segment_image, tmp_path, batches,
+                                                                   made_segments):
+    """A served load's arena makes only the request's batch at once; each later batch's segments
+    are made just before they are sent, while the daemon copies (the copy's first byte no longer
+    waits for the whole arena). The copy is exact and nothing leaks."""
+    from flashboot.arena.segments import HOST_GRANULARITY
+
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        fds_before = open_fds()
+        src = shm_files.rank_source(multi_segment_image, 0)
+        first = client.first_batch_segments()
+        assert first == 1  # one 2 MiB segment per batch here (the batches fixture)
+        made_segments.calls.clear()  # the daemon's own
+        with Arena.create(src.nbytes, "cpu", segment_bytes=HOST_GRANULARITY, segments_now=first) as arena:
+            assert arena.segments >= 4 and made_segments.calls == [[0]]
+            client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
+            assert made_segments.calls == [[k] for k in range(arena.segments)]  # one batch at a time
+            assert batches == [1] * arena.segments
+            assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+        d.idle()
+        assert fds_after_settling(fds_before) == fds_before
+    finally:
+        d.close()
+
+
+def test_a_served_load_and_an_early_call_make_their_arena_as_they_hand_it_over(multi_segment_image, tmp_path,
+                                                                               batches, made_segments,
+                                                                               monkeypatch):
+    """Through flashboot.load(served=True) and flashboot.prepare: the arena makes the request's
+    batch, then each later one as it is handed over; the weights are exact."""
+    import flashboot
+    from flashboot.arena import segments
+    from flashboot.layouts import read_image
+
+    monkeypatch.setattr(segments, "SEGMENT_BYTES", segments.HOST_GRANULARITY)  # arenas of several segments here
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    want = read_image(multi_segment_image, 0).path.read_bytes()
+    try:
+        for early in (False, True):
+            made_segments.calls.clear()
+            if early:
+                handle = flashboot.prepare(multi_segment_image, 0, "cpu", shm_dir=d.shm, mode="served", timeout_s=10)
+                loaded = flashboot.load(multi_segment_image, 0, "cpu", prepared=handle)
+            else:
+                loaded = flashboot.load(multi_segment_image, 0, "cpu", shm_dir=d.shm, served=True, timeout_s=10)
+            with loaded:
+                n = loaded.arena.segments
+                assert n >= 4 and made_segments.calls == [[k] for k in range(n)], (early, made_segments.calls)
+                # the copy was asked for with the first batch; the later ones were handed over after
+                later = handle.phases_ms["handover"] if early else loaded.report.details["handover_ms"]
+                assert later > 0
+                assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == want
+    finally:
+        d.close()
+
+
+def test_making_a_later_batch_failing_stops_the_daemon_before_the_error_is_raised(multi_segment_image, tmp_path,
+                                                                                  batches, made_segments):
+    """The segments of a later batch cannot be made (the device is full, say): handled as a failed
+    export, the daemon is told and answers before the error reaches the caller, and the arena's
+    release frees what was made."""
+    from flashboot.arena.segments import HOST_GRANULARITY
+    from flashboot.errors import ArenaError
+
+    made_segments.fail_from = 2
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        fds_before = open_fds()
+        src = shm_files.rank_source(multi_segment_image, 0)
+        with Arena.create(src.nbytes, "cpu", segment_bytes=HOST_GRANULARITY, segments_now=1) as arena:
+            with pytest.raises(ArenaError, match=r"making segment\(s\) \[2\] of host arena .*injected: no space"):
+                client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
+            assert batches == [1, 1]
+        d.idle()
+        assert any("2 of" in line and "fds arrived, then" in line for line in d.log), d.log
+        assert fds_after_settling(fds_before) == fds_before
+        made_segments.fail_from = None
+        d.load_exact()
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["plain", "early"])
+def test_a_daemon_killed_mid_hand_over_is_a_clear_error_and_the_arena_is_released(multi_segment_image, tmp_path,
+                                                                                   monkeypatch, early):
+    """The daemon dies after the request went out with the first batch, while the later batches
+    are made and handed over: the load (plain, or an early call's) raises naming the preloader at
+    once, its arena is released and no fd is left behind."""
+    import flashboot
+    from flashboot import fdshare
+    from flashboot.arena import segments
+
+    monkeypatch.setattr(segments, "SEGMENT_BYTES", segments.HOST_GRANULARITY)  # arenas of several segments here
+    monkeypatch.setattr(client, "STREAM_BATCH_BYTES", segments.HOST_GRANULARITY)  # one segment a batch
+    with daemon_process_of(multi_segment_image, tmp_path) as (proc, shm, _log):
+        real, sent = fdshare.send_fds, []
+
+        def killed_after_the_request(sock, fds, message=b""):
+            sent.append(len(fds))
+            if len(sent) == 2:  # the first later batch: the daemon has the request and copies
+                proc.kill()
+                proc.wait(30)
+            return real(sock, fds, message)
+
+        monkeypatch.setattr(fdshare, "send_fds", killed_after_the_request)
+        fds_before, handle = open_fds(), None
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError, match=r"the preloader at .* went away while rank 0's arena was handed to "
+                                                  r"it \((BrokenPipeError|ConnectionResetError)\)"):
+            if early:
+                handle = flashboot.prepare(multi_segment_image, 0, "cpu", shm_dir=shm, mode="served", timeout_s=10)
+                flashboot.load(multi_segment_image, 0, "cpu", prepared=handle)
+            else:
+                flashboot.load(multi_segment_image, 0, "cpu", shm_dir=shm, served=True, timeout_s=10)
+        assert time.monotonic() - t0 < 10  # at once: no wait for a reply that cannot come
+        assert sent == [1, 1]
+        if early:
+            assert handle.arena.closed and handle.tensors is None
+            handle.close()
+        assert fds_after_settling(fds_before) == fds_before
+
+
+def test_an_export_failing_mid_hand_over_stops_the_daemon_before_the_error_is_raised(multi_segment_image, tmp_path,
+                                                                                       batches, monkeypatch):
+    """The engine's export of a later batch fails: the daemon, waiting for those fds, is told (the
+    socket's write side shut), stops and answers; only then does the error reach the caller, so
+    the daemon no longer writes into the arena the caller releases. It keeps serving."""
+    from flashboot.errors import ArenaError
+
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        fds_before = open_fds()
+        src = shm_files.rank_source(multi_segment_image, 0)
+        real = Arena.export_segments
+
+        def failing(arena, first, last):
+            if first >= 2:
+                raise ArenaError(f"injected: exporting segment {first} failed")
+            return real(arena, first, last)
+
+        monkeypatch.setattr(Arena, "export_segments", failing)
+        with _segmented_arena(src.nbytes) as arena:
+            with pytest.raises(ArenaError, match="injected: exporting segment 2"):
+                client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
+            assert batches == [1, 1]
+        d.idle()  # the daemon had answered before the error was raised: nothing of it still runs
+        assert any("2 of" in line and "fds arrived, then" in line for line in d.log), d.log
+        assert fds_after_settling(fds_before) == fds_before
+        monkeypatch.setattr(Arena, "export_segments", real)
+        with _segmented_arena(src.nbytes) as arena:
+            client.served_load(arena, src, timeout_s=10, shm_dir=d.shm)
+            assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+    finally:
+        d.close()
+
+
+def test_a_daemon_that_refuses_a_batched_load_is_heard_by_name(multi_segment_image, tmp_path, batches):
+    """A request the daemon refuses at once (another pre-pack's sha256): it answers and hangs up
+    while the engine may still be sending fds; the engine raises the daemon's reason, not a broken pipe."""
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        src = shm_files.rank_source(multi_segment_image, 0)
+        with _segmented_arena(src.nbytes) as arena:
+            with pytest.raises(LayoutError, match="holds rank 0 of another pre-pack"):
+                client.start_served_load(arena, image_dir=multi_segment_image, rank=0, nbytes=src.nbytes,
+                                         metadata_sha256="0" * 64, timeout_s=10, shm_dir=d.shm).wait()
+        d.idle()
+        d.load_exact()
+    finally:
+        d.close()
+
+
+def test_a_load_whose_fds_stop_coming_times_out_by_name_and_nothing_leaks(multi_segment_image, tmp_path):
+    """A client announces its arena's fds in batches, sends the first and goes silent: the daemon
+    waits for the next at most its request timeout, answers naming how many arrived, and keeps serving."""
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        fds_before = open_fds()
+        src = shm_files.rank_source(multi_segment_image, 0)
+        with _segmented_arena(src.nbytes) as arena:
+            req = {"op": "load", "rank": 0, "descriptor": arena.socket_descriptor().to_dict(), "nbytes": src.nbytes,
+                   "metadata_sha256": src.metadata_sha256, "timeout_s": 5, "pci_bus_id": None, "fds_follow": True}
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                s.connect(str(d.path))
+                send_fds(s, arena.export_segments(0, 1), json.dumps(req).encode())
+                s.settimeout(30)
+                reply = json.loads(s.recv(1 << 20))
+        assert reply["ok"] is False and reply["error"] == "WaitTimeoutError", reply
+        assert f"1 of {arena.segments} fds arrived, then none within 1 s" in reply["message"], reply
+        d.idle()
+        assert fds_after_settling(fds_before) == fds_before
+        d.load_exact()
+    finally:
+        d.close()
