@@ -50,6 +50,27 @@ def test_staging_segments_replace_the_live_ones_under_the_same_views():
     assert _fds() <= fds - 3  # the live arena's dups replaced its old memfds; the staging's are gone
 
 
+def test_an_arena_with_segments_still_to_make_swaps_every_segment():
+    """A live arena made with ``segments_now`` (a served load's arena is) makes the rest before the
+    swap, so every segment moves and none is left unmade under the live addresses."""
+    live = Arena.create(4 * SEG, "cpu", segment_bytes=SEG, segments_now=1)
+    first = live.view(0, (16,), "int8")  # only segment 0 exists for it
+    first[:] = 1
+    assert live.mapped_nbytes == SEG
+    staging = _filled(4 * SEG, 5, like=live)
+    fds = _fds()
+    replace_backing(live, staging)
+    staging.close()
+    assert live.mapped_nbytes == live.nbytes
+    assert (first.numpy() == 5).all() and (live.bytes().numpy() == 5).all()
+    desc = live.export()
+    assert len(set(desc.fds)) == 4
+    with Arena.open(desc, "cpu") as other:
+        assert (other.bytes().numpy() == 5).all()
+    live.close()
+    assert _fds() <= fds - 4  # nothing of either arena is left open
+
+
 def test_a_failure_half_way_maps_the_old_segments_back(monkeypatch):
     live = _filled(3 * SEG, 1)
     staging = _filled(3 * SEG, 2, like=live)
