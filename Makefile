@@ -12,6 +12,11 @@ CPU_TORCH ?= torch==2.13.0
 # where the tests use it on the host paths only).
 CUDA_EXTRA ?= $(if $(filter 12,$(shell nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\)\..*/\1/p' | head -1)),cuda12,cuda13)
 
+# The checkout's root stays off sys.path (here and in every child process): `python -m` from it
+# would put the top-level kernels/ folder (installed as flashboot.kernels) in front of Hugging
+# Face's `kernels` package, which transformers >= 5.25 imports, and break it.
+export PYTHONSAFEPATH := 1
+
 # Every download retries: a broken connection to PyPI should cost a retry, not a CI run.
 RETRY := requirements/retry.sh
 export PIP_RETRIES ?= 10

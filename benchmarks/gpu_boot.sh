@@ -7,7 +7,7 @@
 #   SHAPES="A C" (default) | W="0 0.25 1" | BOOT_LIMIT=190 | TESTS_LIMIT=90 | TESTS=0 | COLD=0
 # Logs and JSON go to $OUT (at most 6 files).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SHAPES=${SHAPES:-A C}; W=${W:-0 0.25 1}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \

@@ -16,7 +16,7 @@
 # Usage (repo root, GPU machine):  OUT=/some/dir bash benchmarks/gpu_clone_boot.sh
 # $OUT gets install.log, tests.log, first_calls.jsonl, seed.log, clone_boot.jsonl, cli_importtime.log (6 files).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
   || { tail -20 "$OUT/install.log"; exit 1; }

@@ -11,7 +11,7 @@
 #   refit   `flashboot bench refit --checkpoint A --repeats 3`
 # Usage (repo root, GPU machine): STEPS="tests boot" bash benchmarks/gpu_final.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-tests boot movers swap clone refit}; SHAPES=${SHAPES:-C A}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \

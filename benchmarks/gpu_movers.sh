@@ -10,7 +10,7 @@
 # -> $OUT: tests.log, clone_gpu.log, movers_chunked.log, movers_chunked.json (commit it as
 # notebooks/data/movers_chunked.json), summary.log, notebook.log, chunk_size.ipynb (executed on it).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || { tail -20 /tmp/install.log; exit 1; }
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader

@@ -7,7 +7,7 @@
 # Usage on the 2-GPU machine, repo root, nixl_cu13-1.5.1-cp312-*.whl in .whl/:
 #   bash benchmarks/gpu_nixl.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NBYTES=${NBYTES:-8GiB}
 T0=$(date +%s)

@@ -13,6 +13,7 @@
 # Installs the checkout; unless WARM=0, writes FlashBoot's bytecode and caches first (`flashboot warm`).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONSAFEPATH=1  # the checkout root off sys.path: its kernels/ would shadow the kernels package transformers imports
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 S="$OUT/summary.txt"
 BUDGET_S=${BUDGET_S:-560}

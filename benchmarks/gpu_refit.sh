@@ -12,7 +12,7 @@
 # STEPS="tests A C" (default; add logits, soak) picks steps; SCALE_A / SCALE_C shrink the bytes
 # (tensor counts kept). At most 4 minutes: each step bounded by timeout (40 + 130 + 50 s).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

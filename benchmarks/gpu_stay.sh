@@ -9,7 +9,7 @@
 # Logs and JSON go to $OUT; the summary is printed, with where each sleep and wake went (the
 # *_parts of swap.json). Finishes in about 4-5 minutes.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

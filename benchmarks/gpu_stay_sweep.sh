@@ -10,7 +10,7 @@
 #    right after one, swap released before / during / after or handed over).
 # Logs and JSON go to $OUT. Each step is bounded; the whole finishes in under 4 minutes.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 START=$(date +%s)
 if [ -d .whl ]; then

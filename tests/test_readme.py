@@ -36,9 +36,10 @@ def readme_blocks(lang: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(README.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
+    """This process's environment, the checkout's root kept off the children's ``sys.path``
+    (``PYTHONSAFEPATH``): its ``kernels/`` folder would shadow Hugging Face's ``kernels``, which
+    transformers >= 5.25 imports. The examples get FlashBoot as a user does, installed."""
+    return dict(os.environ, PYTHONSAFEPATH="1")
 
 
 @pytest.fixture(scope="module")
