@@ -43,8 +43,8 @@ CHECKSUM_ALGORITHM = "flashboot-checksum-v1"
 """The digest of ``flashboot.kernels.checksum_spec.checksum_reference``, per chunk."""
 
 _PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
-_CHUNK_DIGEST = re.compile(r"[0-9a-f]{16}")  # compiled at import, not in a first load
 """What ``image.file`` may be: one portable file name (no path, no byte the filesystem may refuse)."""
+_CHUNK_DIGEST = re.compile(r"[0-9a-f]{16}")  # compiled at import, not in a first load
 IMAGE_FILE = "image.bin"
 METADATA_FILE = "metadata.json"
 JOB_FILE = "prepack.json"

@@ -125,7 +125,7 @@ def daemon_process_of(image, tmp_path):
                 if client.serve_status(image, shm, timeout_s=5)["ranks"]["0"]["state"] in ("mapped", "pinned"):
                     break
             except FlashBootError:
-                pass
+                pass  # not listening yet: asked again until the deadline above
             time.sleep(0.05)
         yield proc, shm, tmp_path / "daemon.log"
     finally:

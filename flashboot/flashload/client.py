@@ -213,7 +213,7 @@ class ServedCopy:
     """A served load in flight: the request, with the arena's fd, is with the daemon, which maps
     the arena and copies into it; :meth:`wait` reads its reply. Made by :func:`start_served_load`."""
 
-    def __init__(self, sock: socket.socket, path: Path, rank: int, reply_timeout_s: float, sent_at: float = 0.0):
+    def __init__(self, sock: socket.socket, path: Path, rank: int, reply_timeout_s: float, sent_at: float):
         self._sock: socket.socket | None = sock
         self.path, self.rank, self.reply_timeout_s = path, rank, reply_timeout_s
         self.sent_at = sent_at  # perf_counter when the request (with the first batch's fds) went out

@@ -74,8 +74,7 @@ def _rank_namespace(options: LoaderOptions, rank: int) -> str:
 
 def _stage_if_needed(options: LoaderOptions, rank: int, dev) -> bool:
     """Make sure the preloader's ``.ready`` exists (or will): returns True when we staged inline."""
-    from flashboot.flashload.shm import service_status
-    from flashboot.flashload.shm import staged_paths
+    from flashboot.flashload.shm import service_status, staged_paths
     from flashboot.flashload.staging import stage_rank
 
     if options.served or options.staging == "require":
