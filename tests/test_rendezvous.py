@@ -249,6 +249,38 @@ def test_a_port_that_hangs_up_at_once_is_retried_until_the_timeout_and_named():
             t.join(5)
 
 
+def test_a_join_refused_after_the_store_answered_is_asked_again_within_the_bound(address, server, monkeypatch):
+    """torch's client gives up on a refused connect as soon as its backoff outlasts the time left
+    (CI once saw a join fail so, right after the store answered the pre-flight): the join asks
+    again until its bound, then names the address, the bound and torch's error."""
+    import torch.distributed as dist
+
+    real, calls = dist.TCPStore, []
+
+    def refusing(times):
+        def make(*args, **kwargs):
+            calls.append(kwargs.get("is_master"))
+            if len(calls) <= times:
+                raise dist.DistNetworkError("The client socket has timed out after 999ms while trying to connect")
+            return real(*args, **kwargs)
+        return make
+
+    monkeypatch.setattr(dist, "TCPStore", refusing(2))
+    client = Rendezvous.connect(address, TOKEN, timeout_s=5)
+    try:
+        server.publish("seed", {"pid": 7})
+        assert client.read("seed", what="the seed").body == {"pid": 7}
+        assert calls == [False, False, False]
+    finally:
+        client.close()
+    monkeypatch.setattr(dist, "TCPStore", refusing(10**6))
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=rf"cannot join the store at {address} within 0.5 s: The client socket "
+                                              "has timed out after 999ms"):
+        Rendezvous.connect(address, TOKEN, timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - t0 < 5 and len(calls) > 4
+
+
 def test_connect_needs_a_token_before_touching_the_network(address, monkeypatch):
     monkeypatch.delenv(ENV_TOKEN, raising=False)
     monkeypatch.delenv(ENV_TOKEN_FILE, raising=False)

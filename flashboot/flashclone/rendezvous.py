@@ -496,14 +496,20 @@ class Rendezvous:
                 if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc):
                     raise RendezvousError(f"cannot host a store at {address}: {str(exc).splitlines()[0]}") from None
                 # someone already serves there: join it as a client
-        _await_store(h, port, deadline, address)
-        # a store that answered the pre-flight answers the constructor's own handshake at once (it
-        # could hang only if the store froze in the instant between the two)
-        remaining = max(0.5, deadline - time.monotonic())
-        try:
-            store = TCPStore(h, port, is_master=False, timeout=datetime.timedelta(seconds=remaining))
-        except DistError as exc:
-            raise RendezvousError(f"cannot join the store at {address}: {str(exc).splitlines()[0]}") from None
+        while True:
+            _await_store(h, port, deadline, address)
+            remaining = max(0.5, deadline - time.monotonic())
+            try:
+                store = TCPStore(h, port, is_master=False, timeout=datetime.timedelta(seconds=remaining))
+                break
+            except DistError as exc:
+                # the store answered the pre-flight a moment ago, so a refused or unanswered connect
+                # now is a store too busy to accept (torch's own retries give up early, its backoff
+                # longer than what is left): ask again while the bound allows
+                if time.monotonic() >= deadline:
+                    raise RendezvousError(f"cannot join the store at {address} within {float(timeout_s):g} s: "
+                                          f"{str(exc).splitlines()[0]}") from None
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         return cls(store, address, tok, namespace, False, timeout_s)
 
     # -- keys ------------------------------------------------------------------------------------
