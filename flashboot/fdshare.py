@@ -200,7 +200,8 @@ def recv_fds(sock: socket.socket, max_fds: int = 1, *, timeout_s: float = 30.0,
     if not fds:
         if not msg:
             raise RendezvousError("the peer closed the Unix socket before sending an fd")
-        raise RendezvousError(f"a {len(msg)}-byte message arrived without an fd")
+        size = f"more than {len(msg)}" if flags & socket.MSG_TRUNC else f"{len(msg)}"  # a batch reads 1 byte
+        raise RendezvousError(f"a message of {size} byte(s) arrived without an fd")
     return list(fds), (b"" if msg == b"\0" else msg)
 
 

@@ -6,6 +6,7 @@ client gone silent, the daemon killed) answered by name with nothing leaked."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -286,6 +287,74 @@ def test_a_load_whose_fds_stop_coming_times_out_by_name_and_nothing_leaks(multi_
                 reply = json.loads(s.recv(1 << 20))
         assert reply["ok"] is False and reply["error"] == "WaitTimeoutError", reply
         assert f"1 of {arena.segments} fds arrived, then none within 1 s" in reply["message"], reply
+        d.idle()
+        assert fds_after_settling(fds_before) == fds_before
+        d.load_exact()
+    finally:
+        d.close()
+
+
+_LATER_BATCHES = {
+    "pipe": r"ArenaError: fd \d+ is not segment 1 of arena \w+: it is 'pipe:\[\d+\]', expected '/memfd:flashboot-arena-",
+    "short memfd": r"ArenaError: segment 1 of arena \w+ holds 4,096 bytes; the descriptor says 2,097,152",
+    "another arena's segment": r"ArenaError: fd \d+ is not segment 1 of arena (\w+): it is '/memfd:flashboot-arena-"
+                               r"(?!\1)\w+\.1",
+    "segment 0 again": r"ArenaError: fd \d+ is not segment 1 of arena (\w+): it is '/memfd:flashboot-arena-\1\.0",
+    "no fd": r"RendezvousError: the arena of rank 0's load: 1 of (\d+) fds arrived, then: a message of more than 1 "
+             r"byte\(s\) arrived without an fd",
+    "too many fds": r"RendezvousError: the arena of rank 0's load: 1 of \d+ fds arrived, then: the peer sent more "
+                    r"than \d+ fd\(s\)",
+    "hang-up": r"RendezvousError: the arena of rank 0's load: 1 of \d+ fds arrived, then: the peer closed the Unix "
+               r"socket before sending an fd",
+}
+
+
+@pytest.mark.parametrize("later", list(_LATER_BATCHES))
+def test_a_hostile_later_batch_is_refused_by_name_and_nothing_leaks(multi_segment_image, tmp_path, later):
+    """After a good request and its first fd, the next batch carries the wrong thing (a pipe, a
+    memfd named like the segment but too short to map, another arena's segment, the first segment
+    again, a message without an fd, more fds than announced, or nothing: the client hangs up).
+    The daemon answers naming it, closes every fd it took, and serves the next load exactly."""
+    import os
+
+    from flashboot.arena import _memfd_name
+
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        fds_before = open_fds()
+        src = shm_files.rank_source(multi_segment_image, 0)
+        with _segmented_arena(src.nbytes) as arena, _segmented_arena(src.nbytes) as other:
+            desc = arena.socket_descriptor()
+            req = {"op": "load", "rank": 0, "descriptor": desc.to_dict(), "nbytes": src.nbytes,
+                   "metadata_sha256": src.metadata_sha256, "timeout_s": 5, "pci_bus_id": None, "fds_follow": True}
+            ours: list[int] = []  # fds this test opened, closed after the answer
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                s.connect(str(d.path))
+                send_fds(s, arena.export_segments(0, 1), json.dumps(req).encode())
+                if later == "pipe":
+                    ours += os.pipe()
+                    send_fds(s, ours[:1])
+                elif later == "short memfd":
+                    ours.append(os.memfd_create(_memfd_name(desc.arena_id, 1), os.MFD_CLOEXEC))
+                    os.ftruncate(ours[0], 4096)
+                    send_fds(s, ours)
+                elif later == "another arena's segment":
+                    send_fds(s, other.export_segments(1, 2))
+                elif later == "segment 0 again":
+                    send_fds(s, arena.export_segments(0, 1))
+                elif later == "no fd":
+                    s.send(b"garbage")
+                elif later == "too many fds":
+                    ours.append(os.open(os.devnull, os.O_RDONLY))
+                    send_fds(s, ours * (arena.segments + 2))
+                else:
+                    s.shutdown(socket.SHUT_WR)
+                s.settimeout(30)
+                reply = json.loads(s.recv(1 << 20))
+            for fd in ours:
+                os.close(fd)
+        assert reply["ok"] is False, reply
+        assert re.match(_LATER_BATCHES[later], f"{reply['error']}: {reply['message']}"), reply
         d.idle()
         assert fds_after_settling(fds_before) == fds_before
         d.load_exact()
