@@ -67,7 +67,9 @@ def preloader_reader(image_dir: Path, work: Path) -> tuple[Reader, _Preloader]:
     p = _Preloader(image_dir, work)
     load = {"op": "load", "rank": 0, "descriptor": p.desc.to_dict(), "nbytes": p.source.nbytes,
             "metadata_sha256": p.source.metadata_sha256, "timeout_s": 5, "pci_bus_id": None}
-    seeds = [bytes([k]) + json.dumps(load).encode() for k in range(len(_FD_KINDS))]
+    # fds_follow: the hand-over's stream of later batches (FdStream), fed the same fds as the first message
+    seeds = [bytes([k]) + json.dumps(req).encode() for req in (load, {**load, "fds_follow": True})
+             for k in range(len(_FD_KINDS))]
     seeds.append(bytes([0]) + json.dumps({"op": "status"}).encode())
     from flashboot import errors as _errors
 
