@@ -393,6 +393,11 @@ test_rendezvous against the installed torch): a client's first query is VALIDATE
 _TCPSTORE_MAGIC = 0x3C85F7CE
 
 
+JOIN_ATTEMPTS = 5
+"""How many times a join asks TCPStore's client to connect to a store that answered the pre-flight
+(a store that keeps refusing after that is not busy: it is refusing)."""
+
+
 def _await_store(host: str, port: int, deadline: float, address: str) -> None:
     """Speak TCPStore's own opening (validate, then ping) on a plain socket until a store answers it
     or ``deadline`` passes. torch's client constructor waits for the ping's answer without a bound
@@ -496,7 +501,7 @@ class Rendezvous:
                 if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc):
                     raise RendezvousError(f"cannot host a store at {address}: {str(exc).splitlines()[0]}") from None
                 # someone already serves there: join it as a client
-        while True:
+        for attempt in range(1, JOIN_ATTEMPTS + 1):
             _await_store(h, port, deadline, address)
             remaining = max(0.5, deadline - time.monotonic())
             try:
@@ -505,10 +510,11 @@ class Rendezvous:
             except DistError as exc:
                 # the store answered the pre-flight a moment ago, so a refused or unanswered connect
                 # now is a store too busy to accept (torch's own retries give up early, its backoff
-                # longer than what is left): ask again while the bound allows
-                if time.monotonic() >= deadline:
-                    raise RendezvousError(f"cannot join the store at {address} within {float(timeout_s):g} s: "
-                                          f"{str(exc).splitlines()[0]}") from None
+                # longer than what is left): ask again while the bound allows, a few times
+                if attempt == JOIN_ATTEMPTS or time.monotonic() >= deadline:
+                    raise RendezvousError(f"cannot join the store at {address} ({attempt} attempt(s) in "
+                                          f"{float(timeout_s) - (deadline - time.monotonic()):.1f} s of "
+                                          f"{float(timeout_s):g}): {str(exc).splitlines()[0]}") from None
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         return cls(store, address, tok, namespace, False, timeout_s)
 
