@@ -491,7 +491,8 @@ class Rendezvous:
         h, port = parse_address(address)
         from torch.distributed import DistError, TCPStore
 
-        deadline = time.monotonic() + float(timeout_s)
+        started = time.monotonic()
+        deadline = started + float(timeout_s)
         td = datetime.timedelta(seconds=float(timeout_s))
         if host:
             try:
@@ -513,8 +514,8 @@ class Rendezvous:
                 # longer than what is left): ask again while the bound allows, a few times
                 if attempt == JOIN_ATTEMPTS or time.monotonic() >= deadline:
                     raise RendezvousError(f"cannot join the store at {address} ({attempt} attempt(s) in "
-                                          f"{float(timeout_s) - (deadline - time.monotonic()):.1f} s of "
-                                          f"{float(timeout_s):g}): {str(exc).splitlines()[0]}") from None
+                                          f"{time.monotonic() - started:.1f} s of {float(timeout_s):g}): "
+                                          f"{str(exc).splitlines()[0]}") from None
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         return cls(store, address, tok, namespace, False, timeout_s)
 
