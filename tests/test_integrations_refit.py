@@ -222,6 +222,10 @@ warnings.simplefilter("ignore")
 import torch
 model_a, model_b, image_a, image_b, shm, port, store_port = sys.argv[1:8]
 store = f"127.0.0.1:{store_port}"
+# Hosted now, before the engine starts: the parent only found the port free, and the engine's own
+# listeners (gloo's) take ephemeral ports later and once took this one. The trainers join this store.
+from flashboot.flashclone.rendezvous import Rendezvous
+store_host = Rendezvous.connect(store, host=True, timeout_s=60)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 out = {"device": device}
 FORWARD = ("model.embed_tokens", "model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp", "model.layers.1.mlp",
