@@ -216,8 +216,10 @@ class TensorTable(Mapping):
 
     # ---- building
     @classmethod
-    def from_entries(cls, entries: Mapping[str, TensorEntry]) -> "TensorTable":
-        """The table of ``entries`` (as :func:`compute_layout` makes them)."""
+    def from_entries(cls, entries: Mapping[str, TensorEntry], *, run_order: bool = True) -> "TensorTable":
+        """The table of ``entries`` (as :func:`compute_layout` makes them), listed run by run
+        (:func:`~flashboot.layouts.view_order.view_order`: what pre-pack writes, so that a load
+        makes the views in table order), or in the order given where ``run_order`` is False."""
         es = list(entries.values())
         names = list(entries)
         for name, e in zip(names, es):
@@ -225,10 +227,22 @@ class TensorTable(Mapping):
                 raise LayoutError(f"tensor table: entry {e.name!r} filed under {name!r}")
             if e.region not in _REGION_CODE:
                 raise LayoutError(f"tensor {name!r} has region {e.region!r}; known: {', '.join(REGIONS)}")
+        table = cls._of_entries(es)
+        if run_order and len(es) > 1:
+            from .view_order import view_order
+
+            dims = table.dim_columns()
+            order = view_order(table.dtype_codes, dims.ndims, dims.shapes, dims.strides, table.offsets // table.itemsizes)
+            if (order != np.arange(len(es))).any():
+                table = cls._of_entries([es[i] for i in order.tolist()])
+        return table
+
+    @classmethod
+    def _of_entries(cls, es: list[TensorEntry]) -> "TensorTable":
         n = len(es)
         shards = [e.shard or None for e in es]
         reuse = all(type(e.shape) is tuple and type(e.stride) is tuple for e in es)
-        return cls(names, np.fromiter((e.offset for e in es), np.int64, n),
+        return cls([e.name for e in es], np.fromiter((e.offset for e in es), np.int64, n),
                    np.fromiter((e.nbytes for e in es), np.int64, n),
                    np.fromiter((_DTYPE_CODE[e.dtype] for e in es), np.uint8, n),
                    np.fromiter((_REGION_CODE[e.region] for e in es), np.uint8, n),

@@ -56,14 +56,13 @@ def test_views_from_the_columns_are_the_arenas_own_views(packed):
     from_json = parse_metadata(img.metadata_path.read_bytes(), "json")
     assert len(set(from_json.tensors.dim_columns().ndims.tolist())) > 1  # 1-D norms beside 2-D and 3-D weights
     runs = []
-    real_runs = views_module._runs
+    real_runs = views_module._run_views
 
-    def spy(offs):
-        found = real_runs(offs)
-        runs.extend(len(members) for _, _, members in found[0])
-        return found
+    def spy(typed, size, stride, start):
+        runs.append(size[0])
+        return real_runs(typed, size, stride, start)
 
-    views_module._runs = spy
+    views_module._run_views = spy
     try:
         with Arena.create(img.nbytes, "cpu") as arena:
             arena.bytes()[:img.nbytes] = torch.frombuffer(bytearray(img.path.read_bytes()), dtype=torch.uint8)
@@ -77,7 +76,7 @@ def test_views_from_the_columns_are_the_arenas_own_views(packed):
                     assert torch.equal(got.reshape(-1).view(torch.uint8), img.view(name).reshape(-1).view(torch.uint8))
             del columns, tuples, want, got
     finally:
-        views_module._runs = real_runs
+        views_module._run_views = real_runs
     assert runs and min(runs) >= 2  # some views (the experts' projections) were made as runs, not one by one
     # the tuples, built on demand from the columns, are the JSON table's
     assert img.metadata.tensors.shapes == from_json.tensors.shapes
@@ -209,15 +208,16 @@ def test_tables_with_fused_parts_stay_json_only(packed):
 @pytest.mark.parametrize("seed", range(5))
 def test_view_runs_cover_every_tensor_once_each_run_arithmetic(seed):
     import numpy as np
-    from flashboot.flashload.views import _runs
+    from flashboot.layouts.view_order import _runs
 
     rng = np.random.default_rng(seed)
     # experts-like: alternating gaps (w1 / w3 of one shape), layers apart, plus stray tensors
     offs = np.cumsum(rng.choice([256, 512, 768, 4096], size=rng.integers(2, 400), p=[0.4, 0.4, 0.1, 0.1]))
     runs, rest = _runs(offs)
-    members = np.concatenate([m for _, _, m in runs] + [rest])
+    members = np.concatenate(runs + [rest])
     assert sorted(members.tolist()) == list(range(len(offs)))  # every tensor exactly once
-    for start, step, m in runs:
+    for m in runs:
+        start, step = offs[m[0]], offs[m[1]] - offs[m[0]]
         assert len(m) >= 2 and step > 0 and offs[m].tolist() == [start + step * i for i in range(len(m))]
 
 

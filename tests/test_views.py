@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,8 +53,10 @@ def _entries(seed: int) -> dict[str, TensorEntry]:
     return {e.name: e for e in entries}
 
 
-def _metadata(entries: dict, from_table_file: bool):
-    table = TensorTable.from_entries(entries)
+def _metadata(entries: dict, from_table_file: bool, run_order: bool = True):
+    """``run_order`` False: the table in the entries' own (shuffled) order, as an image pre-packed
+    before the run order lists its tensors by offset: the views are then planned."""
+    table = TensorTable.from_entries(entries, run_order=run_order)
     if from_table_file:  # as the reader makes it from tensors.bin: columns, no tuples
         meta_bytes = b'{\n "tensors": {}}'
         table, _ = decode_table(encode_table(table, meta_bytes), meta_bytes, "tensors.bin")
@@ -79,9 +82,10 @@ def _check_against_reference(arena, meta, threads: int | None = 1) -> None:
         assert torch.equal(*raw), e.name  # bytes: random bits make NaNs
 
 
+@pytest.mark.parametrize("run_order", [True, False])
 @pytest.mark.parametrize("from_table_file, threads", [(False, 1), (True, 1), (True, 3)])
-def test_bulk_views_equal_per_tensor_as_strided(from_table_file, threads):
-    meta = _metadata(_entries(seed=3), from_table_file)
+def test_bulk_views_equal_per_tensor_as_strided(from_table_file, threads, run_order):
+    meta = _metadata(_entries(seed=3), from_table_file, run_order)
     with Arena.create(meta.image_nbytes, "cpu") as arena:
         g = torch.Generator().manual_seed(1)
         arena.bytes()[:] = torch.randint(0, 256, (arena.nbytes,), dtype=torch.uint8, generator=g)
@@ -89,8 +93,9 @@ def test_bulk_views_equal_per_tensor_as_strided(from_table_file, threads):
 
 
 @pytest.mark.gpu
-def test_bulk_views_of_an_opened_multi_segment_cuda_arena_equal_the_reference():
-    meta = _metadata(_entries(seed=4), True)
+@pytest.mark.parametrize("run_order", [True, False])
+def test_bulk_views_of_an_opened_multi_segment_cuda_arena_equal_the_reference(run_order):
+    meta = _metadata(_entries(seed=4), True, run_order)
     nbytes = max(meta.image_nbytes, 7 * MiB)
     with Arena.create(nbytes, "cuda:0", segment_bytes=2 * MiB) as owner:
         g = torch.Generator().manual_seed(2)
@@ -157,16 +162,17 @@ def test_runs_find_the_period_of_interleaved_experts(period):
     make 2), over 3 layers spaced apart: one run per projection and layer, nothing left over."""
     import numpy as np
 
-    from flashboot.flashload.views import _runs
+    from flashboot.layouts.view_order import _runs
 
     experts, gap = 16, 96
     offs = np.array(sorted(layer * 100_000 + e * period * gap + p * gap + p * p * 8  # no shorter period
                            for layer in range(3) for e in range(experts) for p in range(period)), np.int64)
     runs, rest = _runs(offs)
     assert len(rest) == 0 and len(runs) == 3 * period
-    members = np.sort(np.concatenate([m for _, _, m in runs]))
+    members = np.sort(np.concatenate(runs))
     assert members.tolist() == list(range(len(offs)))
-    for start, step, m in runs:
+    for m in runs:
+        start, step = offs[m[0]], offs[m[1]] - offs[m[0]]
         assert len(m) == experts and step == period * gap
         assert offs[m].tolist() == [start + step * i for i in range(experts)]
 
@@ -175,12 +181,13 @@ def test_runs_never_join_tensors_at_one_offset():
     """Zero-size tensors may share an offset: a step of 0 makes no run."""
     import numpy as np
 
-    from flashboot.flashload.views import _runs
+    from flashboot.layouts.view_order import _runs
 
-    runs, rest = _runs(np.array([0, 0, 0, 64, 64, 128], np.int64))
-    for start, step, m in runs:
-        assert step > 0 and len(m) >= 2
-    assert sorted(np.concatenate([m for _, _, m in runs] + [rest]).tolist()) == list(range(6))
+    offs = np.array([0, 0, 0, 64, 64, 128], np.int64)
+    runs, rest = _runs(offs)
+    for m in runs:
+        assert offs[m[1]] > offs[m[0]] and len(m) >= 2
+    assert sorted(np.concatenate(runs + [rest]).tolist()) == list(range(6))
 
 
 def test_the_thread_count_comes_from_the_environment_and_a_bad_one_is_refused(monkeypatch):
@@ -204,3 +211,82 @@ def test_the_thread_count_comes_from_the_environment_and_a_bad_one_is_refused(mo
             monkeypatch.setenv("FLASHBOOT_VIEW_THREADS", bad)
             with pytest.raises(FlashBootError, match=rf"\$FLASHBOOT_VIEW_THREADS must be a positive number.*'{bad}'"):
                 make_views(arena, meta)
+
+
+def _moe_layout(layers: int = 4, experts: int = 24):
+    """A MoE model's layout as pre-pack computes it (tensors placed in name order): per layer a
+    norm, attention, and per expert w1 / w2 / w3 (w1 and w3 of one shape, around w2), the layers'
+    expert counts uneven and a small tensor after each layer's experts, so that the spacing
+    between one layer's experts and the next changes."""
+    from flashboot.layouts.format import LayoutSlot, compute_layout
+
+    slots = []
+    for layer in range(layers):
+        p = f"model.layers.{layer}"
+        for e in sorted(range(experts + layer), key=str):  # name order: 0, 1, 10, 11, ...
+            for w, shape in (("w1", (16, 8)), ("w2", (8, 16)), ("w3", (16, 8))):
+                slots.append(LayoutSlot(f"{p}.mlp.experts.{e}.{w}.weight", "bfloat16", shape, "experts"))
+        slots.append(LayoutSlot(f"{p}.mlp.experts.scale", "float32", (1 + layer % 2, 8), "experts"))
+        slots.append(LayoutSlot(f"{p}.input_layernorm.weight", "float32", (8,), "non_experts"))
+        for proj, shape in (("q", (8, 8)), ("k", (4, 8)), ("v", (4, 8)), ("o", (8, 8))):
+            slots.append(LayoutSlot(f"{p}.self_attn.{proj}_proj.weight", "bfloat16", shape, "non_experts"))
+    slots.append(LayoutSlot("model.embed_tokens.weight", "bfloat16", (32, 8), "non_experts"))
+    return compute_layout(slots)
+
+
+def _columns(table):
+    dims = table.dim_columns()
+    return table.dtype_codes, dims.ndims, dims.shapes, dims.strides, table.offsets // table.itemsizes
+
+
+def test_pre_pack_lists_the_tensors_run_by_run_and_the_load_finds_the_same_runs(monkeypatch):
+    """The table pre-pack writes lists each run's tensors one after another, so the load finds
+    exactly the planner's runs between neighbouring rows and makes the views in table order
+    without planning; the same layout listed by offset (an older image) is planned, and both
+    give the reference views."""
+    from flashboot.layouts import view_order
+
+    layout = _moe_layout()
+    by_offset = TensorTable.from_entries(layout.tensors, run_order=False)
+    by_runs = TensorTable.from_entries(layout.tensors)
+    assert sorted(by_runs.names) == sorted(by_offset.names) and list(by_runs.names) != list(by_offset.names)
+    planned = view_order.plan_runs(*_columns(by_offset))
+    runs_planned = [len(rows) for rows, is_run in planned if is_run]
+    singles = sum(len(rows) for rows, is_run in planned if not is_run)
+    assert len(runs_planned) >= 4 * 3 + 5 and singles >= 1  # each layer's w1, w2, w3; norms, attention; the embedding
+    starts = view_order.table_runs(*_columns(by_runs))
+    lengths = np.diff(np.append(starts, len(by_runs)))
+    assert sorted(lengths[lengths > 1].tolist()) == sorted(runs_planned) and (lengths == 1).sum() == singles
+    nbytes = layout.image_nbytes
+    real, calls = view_order.plan_runs, []
+    for table, plans in ((by_runs, False), (by_offset, True)):
+        calls.clear()
+        monkeypatch.setattr(view_order, "plan_runs", lambda *a: calls.append(1) or real(*a))
+        with Arena.create(nbytes, "cpu") as arena:
+            g = torch.Generator().manual_seed(5)
+            arena.bytes()[:] = torch.randint(0, 256, (arena.nbytes,), dtype=torch.uint8, generator=g)
+            _check_against_reference(arena, SimpleNamespace(tensors=table, image_nbytes=nbytes))
+        assert bool(calls) == plans
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_run_found_between_neighbours_is_a_run_whatever_the_order(seed):
+    """``table_runs`` trusts no order: on tables listed at random, by offset or run by run, each
+    run it reports is consecutive rows of one dtype, shape and stride at one spacing > 0."""
+    from flashboot.layouts import view_order
+
+    entries = _entries(seed)
+    for run_order in (True, False):
+        table = TensorTable.from_entries(entries, run_order=run_order)
+        codes, ndims, shapes, strides, offs = _columns(table)
+        starts = view_order.table_runs(codes, ndims, shapes, strides, offs)
+        assert starts[0] == 0 and (np.diff(starts) > 0).all()
+        for a, b in zip(starts.tolist(), np.append(starts[1:], len(table)).tolist()):
+            if b - a < 2:
+                continue
+            for col in (codes, ndims, shapes, strides):
+                assert (col[a:b] == col[a]).all()
+            step = np.diff(offs[a:b])
+            assert step[0] > 0 and (step == step[0]).all()
+        if run_order:
+            assert len(starts) < len(table) // 2  # the experts' runs were found

@@ -1,14 +1,16 @@
 """The views: every tensor of an image as a zero-copy view of the arena, made in bulk.
 
-A torch view costs ~1.3 us through ``as_strided`` (mostly argument parsing) but ~0.6 us when
-``unbind`` makes many at once in C++. A MoE image is mostly runs of tensors of one shape at a
-constant spacing (the same projection of consecutive experts), so the views are made per run:
-one ``as_strided`` with a leading run dimension, then ``unbind``; tensors in no run get their own
-``as_strided``. Everything per tensor is numpy; Python loops over runs, not tensors. The new
-tensors then go straight to the collector's oldest generation (``gc_paused(promote=True)``): the
-young collection that would otherwise walk them at the first allocation after the bulk cost B's
-18,722 views 2.5-5.6 ms on the host backend (~0.1 ms promoted); C's restart views on the H200 went
-from 1.12 to 0.61 us a tensor (two runs of 2026-12-03, before and after).
+A torch view costs ~0.8 us through ``as_strided`` (mostly argument parsing) but ~0.4 us when
+``unbind`` makes many at once in C++. So the views are made by runs
+(:mod:`flashboot.layouts.view_order`): one ``as_strided`` with a leading run dimension, then
+``unbind``; tensors in no run get their own ``as_strided``. An image pre-packed run by run has its
+runs between neighbouring rows of its table (found in a few numpy passes, views made in table
+order); any other table is planned by shape and offset and its views put back in table order.
+Everything per tensor is numpy; Python loops over runs, not tensors. The new tensors then go
+straight to the collector's oldest generation (``gc_paused(promote=True)``): the young collection
+that would otherwise walk them at the first allocation after the bulk cost B's 18,722 views
+2.5-5.6 ms on the host backend (~0.1 ms promoted); C's restart views on the H200 went from 1.12 to
+0.61 us a tensor (two runs of 2026-12-03, before and after).
 """
 
 from __future__ import annotations
@@ -20,11 +22,6 @@ import threading
 import numpy as np
 
 from ..errors import FlashBootError, LayoutError
-
-MAX_PERIOD = 4
-"""Runs are looked for among every k-th tensor of a shape, k <= this (w1 and w3 share a shape and
-alternate: k = 2)."""
-
 
 VIEW_THREADS = min(8, os.cpu_count() or 1)
 """Threads that make the views (``$FLASHBOOT_VIEW_THREADS`` overrides: an engine that keeps its
@@ -42,8 +39,14 @@ VIEW_THREAD_TIMEOUT_S = 120.0
 """How long the caller waits for a view thread (each makes its share of ~1 us views and waits on nothing)."""
 
 
+MIN_MEAN_RUN = 8
+"""A table whose neighbouring rows form runs of at least this many tensors on average is made in
+table order; any other (listed by offset: an image pre-packed before the run order) is planned."""
+
+
 def make_views(arena, metadata, *, threads: int | None = None) -> dict:
-    """name -> a zero-copy view of the arena at the tensor's offset, shape, stride and dtype.
+    """name -> a zero-copy view of the arena at the tensor's offset, shape, stride and dtype, in
+    table order.
 
     The same views as ``arena.view(offset, shape, dtype, stride)`` (same data pointer, shape,
     stride and dtype), made in bulk from the tensor table's columns (see the module docstring).
@@ -54,7 +57,8 @@ def make_views(arena, metadata, *, threads: int | None = None) -> dict:
     """
     import torch
 
-    from ..layouts.format import DTYPE_NAMES, gc_paused
+    from flashboot.layouts.format import DTYPE_NAMES, gc_paused
+    from flashboot.layouts.view_order import plan_runs, table_runs
 
     if metadata.image_nbytes > arena.nbytes:
         raise LayoutError(f"image of {metadata.image_nbytes:,} bytes does not fit the {arena.nbytes:,}-byte arena")
@@ -64,26 +68,69 @@ def make_views(arena, metadata, *, threads: int | None = None) -> dict:
         return {}
     flat = arena.bytes()
     dims = table.dim_columns()
-    codes = table.dtype_codes
-    elem_offsets = table.offsets // table.itemsizes
-    present = np.flatnonzero(np.bincount(codes)).tolist()
-    order, jobs = [], []
+    columns = (table.dtype_codes, dims.ndims, dims.shapes, dims.strides, table.offsets // table.itemsizes)
+    typed = {}  # dtype code -> the arena as that dtype
+    for code in np.flatnonzero(np.bincount(table.dtype_codes)).tolist():
+        dtype = getattr(torch, DTYPE_NAMES[code])
+        typed[code] = flat[: arena.nbytes - arena.nbytes % dtype.itemsize].view(dtype)
     with gc_paused(promote=True):
-        for code in present:
-            dtype = getattr(torch, DTYPE_NAMES[code])
-            typed = flat[: arena.nbytes - arena.nbytes % dtype.itemsize].view(dtype)
-            for ndim, rows in dims.groups():
-                pick = rows[codes[rows] == code] if len(present) > 1 else rows
-                if len(pick):
-                    _plan(typed, pick, dims.shapes[pick, :ndim], dims.strides[pick, :ndim], elem_offsets[pick],
-                          order, jobs)
+        starts = table_runs(*columns)
+        if len(starts) * MIN_MEAN_RUN <= n:  # listed run by run: the views come out in table order
+            groups, order = _neighbour_groups(starts, n), None
+        else:
+            groups = plan_runs(*columns)
+            order = [rows for rows, _ in groups]
+        jobs = _jobs_of(typed, columns, groups)
         if threads is None:
             threads = max(1, min(view_threads(), n // VIEW_THREAD_MIN_TENSORS))
         made = _run_jobs(jobs, threads)
-        position = np.empty(n, np.int64)  # back to table order: one C-level gather, not a Python loop
-        position[np.concatenate(order)] = np.arange(n)
-        made = operator.itemgetter(*position.tolist())(made) if n > 1 else made
+        if order is not None:  # back to table order: one C-level gather, not a Python loop
+            position = np.empty(n, np.int64)
+            position[np.concatenate(order)] = np.arange(n)
+            made = operator.itemgetter(*position.tolist())(made) if n > 1 else made
         return dict(zip(table.names, made))
+
+
+def _neighbour_groups(starts: np.ndarray, n: int) -> list[tuple[np.ndarray, bool]]:
+    """``table_runs``' runs as ``(rows, is_run)`` groups in table order; neighbouring rows in no
+    run (runs of one) go together in one group."""
+    ends = np.append(starts[1:], n)
+    groups: list[tuple[np.ndarray, bool]] = []
+    single_from = None
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        if b - a == 1:
+            if single_from is None:
+                single_from = a
+            continue
+        if single_from is not None:
+            groups.append((np.arange(single_from, a), False))
+            single_from = None
+        groups.append((np.arange(a, b), True))
+    if single_from is not None:
+        groups.append((np.arange(single_from, n), False))
+    return groups
+
+
+def _jobs_of(typed: dict, columns, groups: list) -> list:
+    """A job per ``(rows, is_run)`` group: ``(count, call, args)``, ``call(*args)`` returning the
+    views of those rows in order. A run (2+ rows of one dtype, shape and stride at a constant
+    spacing > 0, as ``view_order`` finds them) is one ``as_strided``, then ``unbind``; other rows
+    get an ``as_strided`` each."""
+    codes, ndims, shapes, strides, offsets = columns
+    jobs = []
+    for rows, is_run in groups:
+        if is_run:
+            first = int(rows[0])
+            k = int(ndims[first])
+            shape, stride = tuple(shapes[first, :k].tolist()), tuple(strides[first, :k].tolist())
+            step = int(offsets[rows[1]] - offsets[first])
+            jobs.append((len(rows), _run_views, (typed[int(codes[first])], (len(rows), *shape), (step, *stride),
+                                                 int(offsets[first]))))
+        else:
+            jobs.append((len(rows), _lone_views, (typed, codes[rows].tolist(), ndims[rows].tolist(),
+                                                  shapes[rows].tolist(), strides[rows].tolist(),
+                                                  offsets[rows].tolist())))
+    return jobs
 
 
 def view_threads() -> int:
@@ -101,42 +148,13 @@ def view_threads() -> int:
     return threads
 
 
-def _plan(typed, pick: np.ndarray, shapes: np.ndarray, strides: np.ndarray, offsets: np.ndarray,
-          order: list, jobs: list) -> None:
-    """Jobs making the views of the tensors ``pick`` (one dtype and ndim) appended to ``jobs``,
-    their table indices to ``order`` in the order the jobs make them. A job is ``(count, call,
-    args)``: ``call(*args)`` returns ``count`` views."""
-    # one segment per distinct (shape, stride), each sorted by offset
-    by = np.lexsort((offsets, *strides.T[::-1], *shapes.T[::-1]))
-    change = np.zeros(max(len(by) - 1, 0), bool)
-    for column in (*shapes.T, *strides.T):  # a column at a time: numpy reduces short rows slowly (any(axis=1))
-        ranked = column[by]
-        change |= ranked[1:] != ranked[:-1]
-    cut = np.flatnonzero(change) + 1
-    lone = []
-    for seg in np.split(by, cut):
-        if len(seg) < 2:
-            lone.append(seg)
-            continue
-        shape, stride = tuple(shapes[seg[0]].tolist()), tuple(strides[seg[0]].tolist())
-        runs, rest = _runs(offsets[seg])
-        for start, step, members in runs:
-            order.append(pick[seg[members]])
-            jobs.append((len(members), _run_views, (typed, (len(members), *shape), (step, *stride), start)))
-        lone.append(seg[rest])
-    lone = np.concatenate(lone) if lone else np.zeros(0, np.int64)
-    if len(lone):
-        order.append(pick[lone])
-        jobs.append((len(lone), _lone_views, (typed, shapes[lone].tolist(), strides[lone].tolist(),
-                                              offsets[lone].tolist())))
-
-
 def _run_views(typed, size: tuple, stride: tuple, start: int):
     return typed.as_strided(size, stride, start).unbind(0)
 
 
-def _lone_views(typed, shapes: list, strides: list, offsets: list) -> list:
-    return list(map(typed.as_strided, shapes, strides, offsets))
+def _lone_views(typed: dict, codes: list, ndims: list, shapes: list, strides: list, offsets: list) -> list:
+    return [typed[c].as_strided(shape[:k], stride[:k], offset)
+            for c, k, shape, stride, offset in zip(codes, ndims, shapes, strides, offsets)]
 
 
 def _run_jobs(jobs: list, threads: int) -> list:
@@ -174,52 +192,6 @@ def _run_jobs(jobs: list, threads: int) -> list:
             raise part
         made += part
     return made
-
-
-def _runs(offs: np.ndarray) -> tuple[list[tuple[int, int, np.ndarray]], np.ndarray]:
-    """Split sorted ``offs`` (element offsets of tensors of one shape) into arithmetic runs of at
-    least 2, among every k-th entry; returns ``[(first offset, step, member positions)]`` and the
-    positions in no run. k (1..:data:`MAX_PERIOD`) is the one under which most entries continue
-    their run (the step from the entry k before repeats): w1 and w3 alternating make k = 2."""
-    period = min(MAX_PERIOD, len(offs) - 1)
-    continued = []
-    for k in range(1, period + 1):
-        dk = offs[k:] - offs[:-k]
-        continued.append(int(np.count_nonzero((dk[k:] == dk[:-k]) & (dk[k:] > 0))))
-    k = 1 + int(np.argmax(continued))  # the first of equals: fewer phases
-    runs, rest = [], []
-    for phase in range(k):
-        starts, lengths, valid, steps = _phase_runs(offs[phase::k])
-        for a, n, step in zip(starts[valid].tolist(), lengths[valid].tolist(), steps[valid].tolist()):
-            first = phase + k * a
-            runs.append((int(offs[first]), step, np.arange(first, first + k * n, k)))
-        rest.append(np.arange(phase, len(offs), k)[~np.repeat(valid, lengths)])
-    return runs, np.concatenate(rest)
-
-
-def _phase_runs(x: np.ndarray):
-    """Runs in ``x`` (every k-th offset, from one phase): a run ends where the step changes and the
-    next one starts after that entry, or with it where the step after it continues (the first
-    expert of the next layer). Returns ``(starts, lengths, valid, steps)`` (positions in ``x``;
-    valid: 2+ entries, step > 0)."""
-    if len(x) < 2:
-        one = np.zeros(len(x), np.int64)
-        return one, one + 1, np.zeros(len(x), bool), one
-    d = np.diff(x)
-    starts = np.concatenate(([0], np.flatnonzero(d[1:] != d[:-1]) + 2))
-    starts = starts[starts < len(x)]
-    lengths = np.diff(np.concatenate((starts, [len(x)])))
-    # The entry just after a jump (the first expert of the next layer) starts a run of one under
-    # that rule; where the step after it is the next run's step, that run starts with it.
-    lone = starts[(lengths == 1) & (starts + 2 < len(x))]
-    joined = lone[d[lone] == d[lone + 1]] + 1
-    if len(joined):
-        dropped = np.zeros(len(x), bool)
-        dropped[joined] = True
-        starts = starts[~dropped[starts]]
-        lengths = np.diff(np.concatenate((starts, [len(x)])))
-    steps = d[np.minimum(starts, len(d) - 1)]
-    return starts, lengths, (lengths >= 2) & (steps > 0), steps
 
 
 __all__ = ["make_views"]

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# 2026-12-03, twenty-first session, one device call (<= 9.5 min): issue 19's noisy cells again,
+# with more fresh processes per cell, and the fresh CLI clone with more pairs.
+#   1. (TESTS=1) GPU tests: arena, boot, load, views, load sources;
+#   2. bench boot: first served load of SHAPES and the boot end to end at WS (REPEATS fresh processes per cell);
+#   3. (CLONE=1) a 13.76 GB seed on cuda:0, then CLONE_PAIRS alternating pairs of a bare
+#      `import torch` + CUDA context process and a fresh `flashboot clone --verify` (target: +150 ms).
+# Usage (repo root, GPU machine): OUT=/some/dir [SHAPES="C B"] [WS="0 0.25"] [REPEATS=5] bash benchmarks/gpu_session21.sh
+BUDGET_S=${BUDGET_S:-560}
+source "$(dirname "$0")/gpu_prelude.sh"
+ROOT=/dev/shm/fb21; rm -rf "$ROOT"
+
+if [ "${TESTS:-0}" = 1 ]; then
+  say "=== 1. GPU tests ($(date +%T))"
+  timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider -m "gpu or two_gpus" tests/test_arena_gpu.py \
+    tests/test_boot.py tests/test_load.py tests/test_views.py tests/test_load_sources.py >/tmp/tests.log 2>&1
+  say "tests rc=$? :: $(tail -1 /tmp/tests.log)"; grep -E "^(FAILED|ERROR)|Error" /tmp/tests.log | head -12 | cut -c1-400 | tee -a "$S"
+fi
+
+say "=== 2. bench boot --end-to-end ${WS:-0 0.25} ($(date +%T))"
+bench_boot_e2e "${BOOT_S:-400}"
+rm -rf "$ROOT"
+
+if [ "${CLONE:-1}" = 1 ]; then
+  say "=== 3. fresh flashboot clone --verify vs bare torch + context, ${CLONE_PAIRS:-6} pairs ($(date +%T))"
+  SCRATCH=$(mktemp -d)
+  export FLASHBOOT_TOKEN=gpu-session21-token-0123456789abcdef TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  STORE=127.0.0.1:${PORT:-29731}
+  timeout "$(left 200)" python3 -m flashboot.benchmarks.clone_boot seed --store "$STORE" --ready "$SCRATCH/ready" \
+    >"$OUT/seed.log" 2>&1 &
+  SEED=$!
+  for _ in $(seq 120); do [ -f "$SCRATCH/ready" ] || ! kill -0 $SEED 2>/dev/null && break; sleep 0.5; done
+  if [ -f "$SCRATCH/ready" ]; then
+    timeout "$(left 150)" python3 -m flashboot.benchmarks.clone_boot cli --store "$STORE" --repeats "${CLONE_PAIRS:-6}" \
+      | tee -a "$OUT/clone_cli.jsonl" | python3 -m flashboot.benchmarks.clone_boot show 2>&1 | tee -a "$S"
+  else
+    say "seed did not come up:"; tail -20 "$OUT/seed.log" | tee -a "$S"
+  fi
+  kill $SEED 2>/dev/null; wait $SEED 2>/dev/null
+  rm -rf "$SCRATCH"
+fi
+say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"
