@@ -3,6 +3,7 @@
 # with more fresh processes per cell, and the fresh CLI clone with more pairs.
 #   1. (TESTS=1) GPU tests: arena, boot, load, views, load sources;
 #   2. bench boot: first served load of SHAPES and the boot end to end at WS (REPEATS fresh processes per cell);
+#   2b. (HANDOVER=1) benchmarks/probes/handover_parts.py: the later batches' hand-over taken apart;
 #   3. (CLONE=1) a 13.76 GB seed on cuda:0, then CLONE_PAIRS alternating pairs of a bare
 #      `import torch` + CUDA context process and a fresh `flashboot clone --verify` (target: +150 ms).
 # Usage (repo root, GPU machine): OUT=/some/dir [SHAPES="C B"] [WS="0 0.25"] [REPEATS=5] bash benchmarks/gpu_session21.sh
@@ -17,9 +18,15 @@ if [ "${TESTS:-0}" = 1 ]; then
   say "tests rc=$? :: $(tail -1 /tmp/tests.log)"; grep -E "^(FAILED|ERROR)|Error" /tmp/tests.log | head -12 | cut -c1-400 | tee -a "$S"
 fi
 
-say "=== 2. bench boot --end-to-end ${WS:-0 0.25} ($(date +%T))"
-bench_boot_e2e "${BOOT_S:-400}"
-rm -rf "$ROOT"
+if [ "${HANDOVER:-0}" = 1 ]; then
+  say "=== 2b. the later batches' hand-over in parts ($(date +%T))"
+  timeout "$(left 60)" python3 benchmarks/probes/handover_parts.py 2>&1 | tail -3 | tee "$OUT/handover_parts.jsonl" | tee -a "$S"
+fi
+if [ "${BOOT:-1}" = 1 ]; then
+  say "=== 2. bench boot --end-to-end ${WS:-0 0.25} ($(date +%T))"
+  bench_boot_e2e "${BOOT_S:-400}"
+  rm -rf "$ROOT"
+fi
 
 if [ "${CLONE:-1}" = 1 ]; then
   say "=== 3. fresh flashboot clone --verify vs bare torch + context, ${CLONE_PAIRS:-6} pairs ($(date +%T))"
