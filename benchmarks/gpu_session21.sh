@@ -3,6 +3,7 @@
 # with more fresh processes per cell, and the fresh CLI clone with more pairs.
 #   1. (TESTS=1) GPU tests: arena, boot, load, views, load sources;
 #   2. bench boot: first served load of SHAPES and the boot end to end at WS (REPEATS fresh processes per cell);
+#   2c. (VIEWS=1) restart (open_held + metadata + views) on the bench's images;
 #   2b. (HANDOVER=1) benchmarks/probes/handover_parts.py: the later batches' hand-over taken apart;
 #   3. (CLONE=1) a 13.76 GB seed on cuda:0, then CLONE_PAIRS alternating pairs of a bare
 #      `import torch` + CUDA context process and a fresh `flashboot clone --verify` (target: +150 ms).
@@ -25,6 +26,12 @@ fi
 if [ "${BOOT:-1}" = 1 ]; then
   say "=== 2. bench boot --end-to-end ${WS:-0 0.25} ($(date +%T))"
   bench_boot_e2e "${BOOT_S:-400}"
+  if [ "${VIEWS:-0}" = 1 ]; then  # restart (open_held + metadata + views) on the bench's images, default view threads
+    say "=== 2c. restart views ($(date +%T))"
+    timeout "$(left 60)" python3 -m flashboot.benchmarks.first_calls views $(ls -d "$ROOT"/image-*) --device cuda:0 \
+      >"$OUT/first_calls.jsonl" 2>/tmp/first_calls.err
+    say "rc=$?"; python3 -m flashboot.benchmarks.first_calls summary "$OUT/first_calls.jsonl" 2>&1 | tee -a "$S"
+  fi
   rm -rf "$ROOT"
 fi
 
