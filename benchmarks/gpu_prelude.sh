@@ -8,6 +8,7 @@
 #   bench_refit N    bench refit on checkpoint A with N repeats, then refit_summary;
 #   refit_summary    bench refit's $OUT/refit_A.json in a few lines (ceiling, copies, remap, breakdown);
 #   movers_chunked   issue 20's `bench movers --chunked` (1 and 4 MiB, a 2 GiB chain), its key lines;
+#   load_gpu_tests N the GPU tests of the load path (arena, boot, load, views, load sources), at most N s, their result;
 #   bench_boot_e2e N issue 19's `bench boot` (served, first loads and the boot end to end at $WS, $REPEATS
 #                    fresh processes per cell, shapes $SHAPES, images under $ROOT), at most N s, its key lines.
 # Installs the checkout; unless WARM=0, writes FlashBoot's bytecode and caches first (`flashboot warm`).
@@ -51,6 +52,11 @@ movers_chunked() {
     --chain-chunk 64MiB --json "$OUT/movers_chunked.json" >/tmp/movers_chunked.log 2>&1
   say "bench movers rc=$?"; grep -A8 "host cost of one mover.copy" /tmp/movers_chunked.log | tee -a "$S"
   grep -E "batched" /tmp/movers_chunked.log | grep -vE "unmerged|streams" | tee -a "$S"
+}
+load_gpu_tests() {
+  timeout "$(left "$1")" python3 -m pytest -q -p no:cacheprovider -m "gpu or two_gpus" tests/test_arena_gpu.py \
+    tests/test_boot.py tests/test_load.py tests/test_views.py tests/test_load_sources.py >/tmp/tests.log 2>&1
+  say "tests rc=$? :: $(tail -1 /tmp/tests.log)"; grep -E "^(FAILED|ERROR)|Error" /tmp/tests.log | head -12 | cut -c1-400 | tee -a "$S"
 }
 bench_boot_e2e() {
   timeout "$(left "$1")" flashboot bench boot --shapes ${SHAPES:-B A C} --loaders "flashload served" \

@@ -13,9 +13,7 @@ ROOT=/dev/shm/fb19; rm -rf "$ROOT"
 
 if [ "${TESTS:-1}" = 1 ]; then
   say "=== 1. GPU tests ($(date +%T))"
-  timeout "$(left 150)" python3 -m pytest -q -p no:cacheprovider -m "gpu or two_gpus" tests/test_arena_gpu.py \
-    tests/test_boot.py tests/test_load.py tests/test_views.py tests/test_load_sources.py >/tmp/tests.log 2>&1
-  say "tests rc=$? :: $(tail -1 /tmp/tests.log)"; grep -E "^(FAILED|ERROR)|Error" /tmp/tests.log | head -12 | cut -c1-400 | tee -a "$S"
+  load_gpu_tests 150
 fi
 
 say "=== 2. bench boot --end-to-end ${WS:-0 0.25} ($(date +%T))"

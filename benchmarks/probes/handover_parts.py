@@ -52,10 +52,10 @@ def main(sizes):
                 steps["export_ms"] += (s2 - s1) * 1e3
                 steps["send_ms"] += (s3 - s2) * 1e3
             t2 = time.perf_counter()
+            b.setblocking(False)
             while True:  # drain what the socket pair holds (the received fds are closed)
-                b.setblocking(False)
                 try:
-                    msg, anc, _flags, _ = b.recvmsg(1 << 16, socket.CMSG_SPACE(4 * 64))
+                    _msg, anc, _flags, _ = b.recvmsg(1 << 16, socket.CMSG_SPACE(4 * 64))
                 except BlockingIOError:
                     break
                 for level, kind, data in anc:

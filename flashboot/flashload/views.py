@@ -57,8 +57,8 @@ def make_views(arena, metadata, *, threads: int | None = None) -> dict:
     """
     import torch
 
-    from flashboot.layouts.format import DTYPE_NAMES, gc_paused
-    from flashboot.layouts.view_order import plan_runs, table_runs
+    from ..layouts.format import DTYPE_NAMES, gc_paused
+    from ..layouts.view_order import plan_runs, table_runs
 
     if metadata.image_nbytes > arena.nbytes:
         raise LayoutError(f"image of {metadata.image_nbytes:,} bytes does not fit the {arena.nbytes:,}-byte arena")
