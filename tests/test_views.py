@@ -92,6 +92,27 @@ def test_bulk_views_equal_per_tensor_as_strided(from_table_file, threads, run_or
         _check_against_reference(arena, meta, threads)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_views_are_plain_tensors_over_the_arena_and_writes_through_them_land_there(threads):
+    """Made below torch's view tracking: no autograd view record, yet the arena's storage itself,
+    so a write through a view (a refit) is in the arena and in every other tensor over those bytes."""
+    meta = _metadata(_entries(seed=5), True)
+    with Arena.create(meta.image_nbytes, "cpu") as arena:
+        arena.bytes().zero_()
+        views = make_views(arena, meta, threads=threads)
+        flat = arena.bytes()
+        assert not any(v._is_view() or v.requires_grad for v in views.values())
+        assert {v.untyped_storage().data_ptr() for v in views.values()} == {flat.untyped_storage().data_ptr()}
+        name = next(n for n in meta.tensors.names if n.endswith("experts.4.w2"))
+        entry = next(e for e in meta.tensors.entries() if e.name == name)
+        views[name].fill_(1.5)
+        again = make_views(arena, meta, threads=1)[name]
+        assert torch.equal(again, torch.full((4, 8), 1.5, dtype=torch.bfloat16))
+        span = flat[entry.offset: entry.offset + entry.nbytes]
+        assert torch.equal(span.view(torch.bfloat16), torch.full((32,), 1.5, dtype=torch.bfloat16))
+        assert int(flat.count_nonzero()) == int(span.count_nonzero())  # nothing else written
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("run_order", [True, False])
 def test_bulk_views_of_an_opened_multi_segment_cuda_arena_equal_the_reference(run_order):
