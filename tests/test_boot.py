@@ -566,9 +566,9 @@ def test_the_early_call_hands_the_gil_over_promptly_while_it_works_and_restores_
                                                                                             monkeypatch):
     """Beside an engine's GIL-bound Python every driver call of the prepare thread would wait the
     5 ms switch interval to get the GIL back: the interval is lowered while a prepare's background
-    thread works towards the copy (shared by concurrent prepares) and restored after (served: the
-    steps to the copy run on the caller's thread, with nothing to hand over), and a value the
-    engine set meanwhile is kept."""
+    thread works towards the copy or hands the arena over (shared by concurrent prepares) and
+    restored after (served: the steps to the copy's request run on the caller's thread), and a
+    value the engine set meanwhile is kept."""
     import sys
     import threading
 
@@ -594,10 +594,10 @@ def test_the_early_call_hands_the_gil_over_promptly_while_it_works_and_restores_
         for h in handles:
             with h.load() as loaded:
                 assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
-        # served: the interval is back as soon as the daemon copies (the thread then waits in C),
-        # before the load's views are made
+        # served: the interval is back once the background thread has handed the arena over and
+        # read the metadata files (then only Python and the wait in C), before the load's views
         served = flashboot.prepare(image, 0, "cpu", mode="served", shm_dir=shm)
-        assert served._issued.wait(60) and sys.getswitchinterval() == 0.005
+        assert served.wait_viewable(60) and sys.getswitchinterval() == 0.005
         assert seen[-1] == (0.005, threading.current_thread().name)  # served: the caller's thread made it
         with served.load() as loaded:
             assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)

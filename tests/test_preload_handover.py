@@ -155,6 +155,72 @@ def test_a_served_load_and_an_early_call_make_their_arena_as_they_hand_it_over(m
         d.close()
 
 
+def test_an_early_call_returns_once_the_copy_is_asked_for_and_hands_the_later_batches_over_behind(
+        multi_segment_image, tmp_path, batches, monkeypatch):
+    """prepare() returns once the request with the first batch is out: its background thread
+    makes, exports and sends the later batches (and reads the metadata) while the engine goes on.
+    Here that thread is held at its first later batch until prepare() has returned: the caller
+    has then sent the request alone, and the weights still arrive exact."""
+    import threading
+
+    import flashboot
+    from flashboot import fdshare
+    from flashboot.arena import segments
+    from flashboot.layouts import read_image
+
+    monkeypatch.setattr(segments, "SEGMENT_BYTES", segments.HOST_GRANULARITY)  # arenas of several segments here
+    returned, senders = threading.Event(), []
+    counting = fdshare.send_fds  # the batches fixture's
+
+    def gated(sock, fds, message=b""):
+        senders.append(threading.current_thread().name)
+        if threading.current_thread() is not threading.main_thread():
+            assert returned.wait(10), "prepare() did not return before its later batches were handed over"
+        return counting(sock, fds, message)
+
+    monkeypatch.setattr(fdshare, "send_fds", gated)
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    want = read_image(multi_segment_image, 0).path.read_bytes()
+    try:
+        handle = flashboot.prepare(multi_segment_image, 0, "cpu", shm_dir=d.shm, mode="served", timeout_s=10)
+        assert batches == [1] and senders[0] == threading.main_thread().name  # the request alone, from the caller
+        returned.set()
+        with flashboot.load(multi_segment_image, 0, "cpu", prepared=handle) as loaded:
+            n = loaded.arena.segments
+            assert n >= 4 and batches == [1] * n
+            assert set(senders[1:]) == {"flashboot-prepare-rank0"}
+            assert handle.phases_ms["handover"] > 0
+            assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == want
+    finally:
+        returned.set()
+        d.close()
+
+
+def test_a_request_whose_later_batches_never_follow_is_broken_off_by_settle(multi_segment_image, tmp_path, batches):
+    """A copy asked for with ``rest_later`` whose later batches are never handed over (its early
+    call given up): settle() breaks the hand-over off, so the daemon stops and answers before the
+    arena can go; waiting on it is then an error by name, and nothing leaks."""
+    from flashboot.errors import FlashBootError
+
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        fds_before = open_fds()
+        src = shm_files.rank_source(multi_segment_image, 0)
+        with _segmented_arena(src.nbytes) as arena:
+            copy = client.start_served_load(arena, image_dir=src.image_dir, rank=0, nbytes=src.nbytes,
+                                            metadata_sha256=src.metadata_sha256, timeout_s=10, shm_dir=d.shm,
+                                            rest_later=True)
+            assert batches == [1] and not copy.closed  # the request alone
+            copy.settle()
+            assert copy.closed and batches == [1]
+            with pytest.raises(FlashBootError, match="broken off before its later batches were handed over"):
+                copy.wait()
+        d.idle()
+        assert fds_after_settling(fds_before) == fds_before
+    finally:
+        d.close()
+
+
 def test_making_a_later_batch_failing_stops_the_daemon_before_the_error_is_raised(multi_segment_image, tmp_path,
                                                                                   batches, made_segments):
     """The segments of a later batch cannot be made (the device is full, say): handled as a failed

@@ -8,6 +8,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Callable
 
 from ..errors import (
     FlashBootError,
@@ -213,10 +214,13 @@ class ServedCopy:
     """A served load in flight: the request, with the arena's fd, is with the daemon, which maps
     the arena and copies into it; :meth:`wait` reads its reply. Made by :func:`start_served_load`."""
 
-    def __init__(self, sock: socket.socket, path: Path, rank: int, reply_timeout_s: float, sent_at: float):
+    def __init__(self, sock: socket.socket, path: Path, rank: int, reply_timeout_s: float, sent_at: float,
+                 rest=None):
         self._sock: socket.socket | None = sock
         self.path, self.rank, self.reply_timeout_s = path, rank, reply_timeout_s
         self.sent_at = sent_at  # perf_counter when the request (with the first batch's fds) went out
+        self._rest = rest  # the later batches' hand-over, where the caller runs it (hand_over_rest)
+        self.handover_ms = 0.0
         self.deadline = time.monotonic() + reply_timeout_s  # the reply is due by then, however it is awaited
         self._reply: dict | None = None
         self._error: BaseException | None = None
@@ -227,7 +231,10 @@ class ServedCopy:
 
     def wait(self) -> dict:
         """Block until the daemon answers (at most ``reply_timeout_s`` from the request); returns
-        its reply (``h2d_ms``, ``map_ms``, ``pinned``...) or raises the daemon's error with its class."""
+        its reply (``h2d_ms``, ``map_ms``, ``pinned``...) or raises the daemon's error with its class.
+        Later batches not handed over yet are handed over first (the daemon copies them all)."""
+        if self._rest is not None:
+            self.hand_over_rest()
         if self._sock is not None:
             sock, self._sock = self._sock, None
             try:
@@ -246,11 +253,36 @@ class ServedCopy:
 
     def settle(self) -> None:
         """Wait for the daemon to be done with the arena, ignoring how it went: a failing load
-        calls this before it closes the arena."""
+        calls this before it closes the arena. Batches not handed over yet are not: the hand-over
+        is broken off (the daemon stops copying and answers)."""
+        if self._rest is not None and self._sock is not None:
+            self._rest, sock, self._sock = None, self._sock, None
+            self._error = FlashBootError(f"the served load of rank {self.rank} was broken off before its later "
+                                         "batches were handed over")
+            _stop_streamed(sock, self.path, self.rank, self.reply_timeout_s)
+            return
         try:
             self.wait()
         except Exception:
             pass
+
+    def hand_over_rest(self) -> None:
+        """Make, export and send the later batches of the arena (a request sent with
+        ``rest_later``; a no-op otherwise or once done). On a failure the daemon has stopped
+        copying and answered before this raises (:func:`_stop_streamed`); :meth:`wait` raises
+        the same error."""
+        rest, self._rest = self._rest, None
+        if rest is None or self._sock is None:
+            return
+        t0 = time.perf_counter()
+        sock = self._sock
+        try:
+            rest(sock)
+        except BaseException as exc:
+            self._sock, self._error = None, exc  # the socket was closed once the daemon answered
+            raise
+        finally:
+            self.handover_ms = (time.perf_counter() - t0) * 1e3
 
     @property
     def closed(self) -> bool:
@@ -281,7 +313,7 @@ def first_batch_segments() -> int:
 
 
 def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
-                shm_dir=None, **extra) -> tuple[socket.socket, Path, float]:
+                shm_dir=None, rest_later: bool = False, **extra) -> tuple[socket.socket, Path, float, Callable | None]:
     """Connect to the daemon for ``image_dir`` (waiting up to ``timeout_s`` for its socket) and send
     a load of rank ``rank`` with ``arena``'s descriptor and its fds attached; returns the socket.
 
@@ -290,7 +322,9 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
     ``segments_now`` makes each batch's segments first); if an export fails
     meanwhile, the daemon is told (the socket's write side shut) and its answer awaited, so it
     no longer copies into the arena when the error reaches the caller. Returns the socket, its
-    path and when the request went out (``time.perf_counter()``)."""
+    path, when the request went out (``time.perf_counter()``) and, with ``rest_later``, the
+    hand-over of the later batches (``rest(sock)``; None when there are none), which the caller
+    then runs (:meth:`ServedCopy.hand_over_rest`); without it, they are handed over here."""
     from ..fdshare import send_fds
 
     segments = arena.segments
@@ -320,17 +354,22 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
             raise _went_away(path, rank, exc) from None
         raise
     if streamed:
-        try:
-            for lo in range(per, segments, per):
-                send_fds(sock, arena.export_segments(lo, min(segments, lo + per)))
-        except BaseException as exc:
-            reply = _stop_streamed(sock, path, rank, timeout_s + 60 + nbytes / 1e9)
-            if isinstance(exc, OSError):
-                if reply is not None and not reply.get("ok"):  # it refused the request and hung up: its reason
-                    _raise_remote(reply, f"served load of rank {rank} by the preloader at {path}")
-                raise _went_away(path, rank, exc) from None
-            raise
-    return sock, path, sent_at
+        def later(sock: socket.socket) -> None:
+            try:
+                for lo in range(per, segments, per):
+                    send_fds(sock, arena.export_segments(lo, min(segments, lo + per)))
+            except BaseException as exc:
+                reply = _stop_streamed(sock, path, rank, timeout_s + 60 + nbytes / 1e9)
+                if isinstance(exc, OSError):
+                    if reply is not None and not reply.get("ok"):  # it refused the request and hung up: its reason
+                        _raise_remote(reply, f"served load of rank {rank} by the preloader at {path}")
+                    raise _went_away(path, rank, exc) from None
+                raise
+
+        if rest_later:
+            return sock, path, sent_at, later
+        later(sock)
+    return sock, path, sent_at, None
 
 
 def _went_away(path: Path, rank: int, exc: OSError) -> RendezvousError:
@@ -352,7 +391,7 @@ def _stop_streamed(sock: socket.socket, path: Path, rank: int, timeout_s: float)
 
 
 def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
-                      shm_dir=None, verify: bool = False) -> ServedCopy:
+                      shm_dir=None, verify: bool = False, rest_later: bool = False) -> ServedCopy:
     """Send the daemon for ``image_dir`` a request to copy rank ``rank`` (``nbytes``, staged from
     the metadata with sha256 ``metadata_sha256``) into ``arena``; returns at once.
 
@@ -361,11 +400,17 @@ def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha2
     ``timeout_s``; the reply (:meth:`ServedCopy.wait`) up to ``timeout_s`` (the daemon's
     staging) plus 60 s plus 1 s per GB. ``verify``: the reply carries the chunk digests of the
     copied bytes, computed by the daemon (check them with :func:`check_daemon_digests`).
+    ``rest_later``: return once the request with the first batch is out; the later batches are
+    handed over by :meth:`ServedCopy.hand_over_rest` (an early call's background thread), or by
+    :meth:`ServedCopy.wait` at the latest.
     """
-    sock, path, sent_at = _send_arena(arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
-                                      metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir,
-                                      verify=verify)
-    return ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9, sent_at)
+    sock, path, sent_at, rest = _send_arena(arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
+                                            metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir,
+                                            verify=verify, rest_later=rest_later)
+    copy = ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9, sent_at, rest)
+    if not rest_later:
+        copy.handover_ms = (time.perf_counter() - sent_at) * 1e3
+    return copy
 
 
 def check_daemon_digests(reply: dict, metadata, where: str, report=None) -> int:

@@ -14,8 +14,9 @@ why there), waits for that copy, checks that the image was not re-packed since, 
   the metadata bytes it was staged from): the arena is created at the ``.ready``'s size with its
   first batch of segments, which is exported and attached to the daemon; the daemon checks it
   against what it holds and is asked for its H2D at once (mapping the segments piece by piece as
-  it copies), while the later batches are made and handed over; the metadata is read (it must be the
-  ``.ready``'s bytes, or that copy is discarded) and strictly validated while it copies;
+  it copies); prepare() returns then, and the background thread makes and hands over the later
+  batches and reads the metadata (it must be the ``.ready``'s bytes, or that copy is discarded)
+  and validates it strictly, while the daemon copies and the engine goes on;
 * pinned early (a preloader staged the rank, no daemon): the staged file is mapped and pinned
   in this process (:class:`~flashboot.flashload.stage.StagedImage`); the bulk H2D is issued as
   soon as the pin is done;
@@ -25,8 +26,9 @@ why there), waits for that copy, checks that the image was not re-packed since, 
 The steps up to the copy's start run on the caller's thread (prepare() waits for them anyway,
 and a fresh thread ran them ~2 ms slower), unless one would wait (the preloader still staging,
 a pin, the stream): from there, and for the wait for the copy's end, a background thread takes
-over. It holds the GIL only for the metadata: it waits in blocking calls (the daemon's socket,
-the pin, the stream's reads, the copy's synchronisation) that release it. A handle serves one
+over. It holds the GIL only for the metadata and the driver calls' Python: it waits in blocking
+calls (the driver, the daemon's socket, the files' reads and hashes, the pin, the stream's reads,
+the copy's synchronisation) that release it. A handle serves one
 load; it is refused for another image, rank or device, or after the image was re-packed (the
 bytes copied early are then discarded with the arena).
 """
@@ -173,6 +175,7 @@ class PreparedLoad:
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._issued = threading.Event()  # the copy runs (or failed): what prepare() returns after
+        self._waits_in_c = False  # the background thread has only C waits left (copy_issued)
         self._viewable = threading.Event()  # the arena and the validated metadata exist, or the preparation ended
         self._cancel = threading.Event()
         self._claim = threading.Lock()
@@ -226,7 +229,7 @@ class PreparedLoad:
         cpu0 = time.thread_time()
         try:
             # the switch interval lowered only while steps before the copy's start run here
-            with self._handover if not self._issued.is_set() else contextlib.nullcontext():
+            with self._handover if not self._waits_in_c else contextlib.nullcontext():
                 for waiting in itertools.chain((waiting,), steps):
                     if waiting is not None and self._handed_to_load(steps, waiting):
                         handed = True
@@ -279,9 +282,11 @@ class PreparedLoad:
     def copy_issued(self, *, waits_in_c: bool = False) -> None:
         """Called by the source once its copy runs without this process's Python (the daemon
         copies, the pin or the reads are under way): :func:`prepare` returns then.
-        ``waits_in_c``: from here the thread only waits in C (the daemon's reply), so the
-        lowered switch interval (:class:`_PromptHandover`) is restored now, not when it ends."""
+        ``waits_in_c``: from here the thread makes no more runs of GIL-releasing calls (only
+        Python, or a wait in C: the daemon's reply), so the lowered switch interval
+        (:class:`_PromptHandover`) is restored now, not when it ends."""
         if waits_in_c:
+            self._waits_in_c = True
             self._handover.release()
         self._issued.set()
 

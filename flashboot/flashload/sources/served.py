@@ -39,10 +39,26 @@ class StartedCopy:
     metadata_beside_copy: bool
 
 
-def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, verify: bool, resolved, tp, ep,
-               expected_key, ready=None, make_arena: Callable[[int], Any] | None = None) -> StartedCopy:
+def copy_first(image_dir, rank: int, dev: Device, **kwargs) -> StartedCopy:
+    """:func:`copy_first_steps` run through on the caller's thread (a plain served load)."""
+    steps = copy_first_steps(image_dir, rank, dev, **kwargs)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def copy_first_steps(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, verify: bool, resolved, tp,
+                     ep, expected_key, ready=None, make_arena: Callable[[int], Any] | None = None,
+                     rest_later: bool = False):
     """Start the daemon's copy of rank ``rank`` into a new arena before this process reads the
-    metadata, then read it (the bytes hashed, the table decoded) while the daemon copies.
+    metadata, then read it (the bytes hashed, the table decoded) while the daemon copies. A
+    generator whose value is the :class:`StartedCopy`; with ``rest_later`` it yields the
+    :class:`~flashboot.flashload.client.ServedCopy` once, as soon as the request with the
+    arena's first batch is out: what follows (the later batches made, exported and handed over,
+    the metadata read and checked) is then the next step's, which an early call runs in its
+    background thread beside the engine (their driver calls and file reads release the GIL).
 
     The arena is sized from the rank's ``.ready`` as it is now (``ready``: one already read); the
     request names the ``.ready``'s metadata sha256, which the daemon checks against what it holds.
@@ -92,7 +108,11 @@ def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, 
             t2 = time.perf_counter()  # the exports go with the request, batch by batch (client.STREAM_BATCH_BYTES)
             copy = start_served_load(arena, image_dir=str(image_dir), rank=rank, nbytes=ready.nbytes,
                                      metadata_sha256=ready.metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir,
-                                     verify=verify)
+                                     verify=verify, rest_later=rest_later)
+            if rest_later:
+                rest_later = False  # once: a retry below runs through
+                yield copy
+                copy.hand_over_rest()
             t3 = time.perf_counter()
             if beside:
                 mf = pending.finish()
@@ -105,7 +125,7 @@ def copy_first(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, 
             raise
         if mf.sha256 == ready.metadata_sha256:
             return StartedCopy(arena, copy, ready, mf, wait_ms=waited_ms, alloc_ms=(t2 - t1) * 1e3,
-                               request_ms=(copy.sent_at - t2) * 1e3, handover_ms=(t3 - copy.sent_at) * 1e3,
+                               request_ms=(copy.sent_at - t2) * 1e3, handover_ms=copy.handover_ms,
                                metadata_ms=metadata_ms, requested_at=copy.sent_at, metadata_beside_copy=beside)
         copy.settle()  # re-packed since it was staged: these bytes are another pre-pack's, never served
         arena.close()
@@ -202,14 +222,17 @@ class ServedSource(Source):
 
     def start_prepared(self, handle, t: float):
         """Copy first (:attr:`copies_before_metadata`), as a plain served load (:func:`copy_first`):
-        the arena of the ``.ready``'s size handed to the daemon, which copies at once (the fds of
-        later batches follow while the first ones copy, and it maps the segments piece by piece);
-        the metadata is read, checked against the ``.ready`` and strictly validated while it
-        copies, before :func:`flashboot.prepare` returns (the load makes the views). All of that
-        runs on the caller's thread unless the ``.ready`` is not there yet (then it is waited for
-        in the background); the wait for the daemon's reply is handed to the background. A
-        refusal of the metadata waits for the daemon to be done with the arena before it is
-        released."""
+        the arena of the ``.ready``'s size handed to the daemon, which copies at once (it maps the
+        segments piece by piece). Up to that request the steps run on the caller's thread (unless
+        the ``.ready`` is not there yet: then it is waited for in the background), and
+        :func:`flashboot.prepare` returns. The background thread then makes, exports and hands
+        over the later batches while the first ones copy, reads the metadata, checks it against
+        the ``.ready`` and validates it strictly (the load makes the views), and waits for the
+        daemon's reply. Why not on the caller's thread: those are ~50 driver calls, file reads
+        and a hash that release the GIL (B, 11.8 GB: 7-8 ms of hand-over and ~4 ms of the
+        metadata's reads on the H200), which beside the engine's start-up cost it only their
+        Python. A refusal of the metadata waits for the daemon to be done with the arena before
+        it is released."""
         from ..client import first_batch_segments, served_ready_now
 
         ready = served_ready_now(handle.image_dir, handle.rank, shm_dir=handle.shm_dir)
@@ -223,9 +246,25 @@ class ServedSource(Source):
             handle.create_arena(nbytes, flat=False, segments_now=first_batch_segments())
             return handle.arena
 
-        started = copy_first(handle.image_dir, handle.rank, handle.device, shm_dir=handle.shm_dir,
-                             timeout_s=handle.timeout_s, verify=handle.verify, resolved=handle.resolved, tp=handle.tp,
-                             ep=handle.ep, expected_key=handle.expected_key, ready=ready, make_arena=make_arena)
+        steps = copy_first_steps(handle.image_dir, handle.rank, handle.device, shm_dir=handle.shm_dir,
+                                 timeout_s=handle.timeout_s, verify=handle.verify, resolved=handle.resolved,
+                                 tp=handle.tp, ep=handle.ep, expected_key=handle.expected_key, ready=ready,
+                                 make_arena=make_arena, rest_later=True)
+        try:
+            handle.session = next(steps)  # the request is out with the arena's first batch: the daemon copies
+        except StopIteration as done:  # (a copy that never streams: one batch)
+            started = done.value
+        else:
+            # prepare() returns now; the later batches and the metadata follow in the background
+            # thread, at the lowered switch interval (their driver calls and reads release the GIL)
+            handle.copy_issued()
+            yield
+            try:
+                started = yield from steps
+            except BaseException:
+                handle.session = None  # settled and released by copy_first_steps
+                raise
+            handle.copy_issued(waits_in_c=True)  # the interval back: the strict read is pure Python
         handle.session, handle.metadata_file = started.copy, started.metadata_file
         handle.metadata_sha256 = started.metadata_file.sha256
         for name, ms in (("wait", started.wait_ms), ("arena", started.alloc_ms), ("attach", started.request_ms),
@@ -235,16 +274,13 @@ class ServedSource(Source):
         try:
             t = time.perf_counter()
             handle.arena.bytes()  # the flat tensor the views are cut from, made while the daemon copies
-            # The strict read of the decoded table runs while the daemon copies, and prepare()
-            # returns after it (~2 ms): after prepare() returned, it would run beside the engine's
-            # GIL-bound start-up, where every hand-over of the GIL costs the engine more than it.
-            handle.open_metadata(started.ready.nbytes)
+            handle.open_metadata(started.ready.nbytes)  # the strict read of the decoded table
             handle.phase("metadata", t)
         except BaseException:
             handle.session.settle()  # the daemon may still write into it
             raise
         finally:
-            handle.copy_issued(waits_in_c=True)  # prepare() returns; the daemon's reply is awaited in the background
+            handle.copy_issued(waits_in_c=True)  # only the daemon's reply is left to wait for
         yield handle.session  # (or on the load's thread, if the load waits for it first)
         reply = handle.session.wait()
         handle.phases_ms["daemon_map"] = float(reply.get("map_ms", 0.0))
