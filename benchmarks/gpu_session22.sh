@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# 2026-12-03, twenty-second session, one device call (<= 9.5 min): issue 19 after the views made below
+# torch's view tracking and the early call's hand-over and metadata moved to its background thread.
+#   1. (TESTS=1) the one-GPU tests of every path that loads, clones, sleeps or refits (gpu_session16.sh's first group);
+#   2. bench boot: first served load of SHAPES and the boot end to end at WS (REPEATS fresh processes per cell);
+#   2c. (VIEWS=1) restart (open_held + metadata + views) on the bench's images;
+#   2b. (HANDOVER=1) benchmarks/probes/handover_parts.py: the later batches' hand-over taken apart;
+#   3. (CLONE=1) a 13.76 GB seed on cuda:0, then CLONE_PAIRS alternating pairs of a bare
+#      `import torch` + CUDA context process and a fresh `flashboot clone --verify` (target: +150 ms).
+# Usage (repo root, GPU machine): OUT=/some/dir [SHAPES="C B"] [WS="0 0.25"] [REPEATS=5] bash benchmarks/gpu_session22.sh
+BUDGET_S=${BUDGET_S:-560}
+source "$(dirname "$0")/gpu_prelude.sh"
+ROOT=/dev/shm/fb22; rm -rf "$ROOT"
+
+if [ "${TESTS:-0}" = 1 ]; then
+  say "=== 1. every one-GPU test of the load, clone, sleep and refit paths ($(date +%T))"
+  timeout "$(left "${TESTS_S:-220}")" python3 -m pytest -q -p no:cacheprovider -rfE -m "gpu or two_gpus" \
+    tests/test_arena_gpu.py tests/test_arena_remap.py tests/test_sleep_gpu.py tests/test_boot.py tests/test_load.py \
+    tests/test_views.py tests/test_stream.py tests/test_preload_faults.py tests/test_preload_service.py \
+    tests/test_checksum.py tests/test_kernel_cubin.py tests/test_clone_gpu.py tests/test_cuda_streams.py \
+    tests/test_weight_update.py >"$OUT/tests.log" 2>&1
+  say "tests rc=$? (124: out of time) :: $(tail -1 "$OUT/tests.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12 | cut -c1-400 | tee -a "$S"
+fi
+
+if [ "${HANDOVER:-0}" = 1 ]; then
+  say "=== 2b. the later batches' hand-over in parts ($(date +%T))"
+  timeout "$(left 60)" python3 benchmarks/probes/handover_parts.py 2>&1 | tail -3 | tee "$OUT/handover_parts.jsonl" | tee -a "$S"
+fi
+if [ "${BOOT:-1}" = 1 ]; then
+  say "=== 2. bench boot --end-to-end ${WS:-0 0.25} ($(date +%T))"
+  bench_boot_e2e "${BOOT_S:-400}"
+  if [ "${VIEWS:-0}" = 1 ]; then  # restart (open_held + metadata + views) on the bench's images, default view threads
+    say "=== 2c. restart views ($(date +%T))"
+    timeout "$(left 60)" python3 -m flashboot.benchmarks.first_calls views $(ls -d "$ROOT"/image-*) --device cuda:0 \
+      >"$OUT/first_calls.jsonl" 2>/tmp/first_calls.err
+    say "rc=$?"; python3 -m flashboot.benchmarks.first_calls summary "$OUT/first_calls.jsonl" 2>&1 | tee -a "$S"
+  fi
+  rm -rf "$ROOT"
+fi
+
+if [ "${CLONE:-1}" = 1 ]; then
+  say "=== 3. fresh flashboot clone --verify vs bare torch + context, ${CLONE_PAIRS:-6} pairs ($(date +%T))"
+  SCRATCH=$(mktemp -d)
+  export FLASHBOOT_TOKEN=gpu-session22-token-0123456789abcdef TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  STORE=127.0.0.1:${PORT:-29731}
+  timeout "$(left 200)" python3 -m flashboot.benchmarks.clone_boot seed --store "$STORE" --ready "$SCRATCH/ready" \
+    >"$OUT/seed.log" 2>&1 &
+  SEED=$!
+  for _ in $(seq 120); do [ -f "$SCRATCH/ready" ] || ! kill -0 $SEED 2>/dev/null && break; sleep 0.5; done
+  if [ -f "$SCRATCH/ready" ]; then
+    timeout "$(left 150)" python3 -m flashboot.benchmarks.clone_boot cli --store "$STORE" --repeats "${CLONE_PAIRS:-6}" \
+      | tee -a "$OUT/clone_cli.jsonl" | python3 -m flashboot.benchmarks.clone_boot show 2>&1 | tee -a "$S"
+  else
+    say "seed did not come up:"; tail -20 "$OUT/seed.log" | tee -a "$S"
+  fi
+  kill $SEED 2>/dev/null; wait $SEED 2>/dev/null
+  rm -rf "$SCRATCH"
+fi
+say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"
