@@ -4,6 +4,7 @@
 #   1. (TESTS=1) the one-GPU tests of every path that loads, clones, sleeps or refits (gpu_session16.sh's first group);
 #   2. bench boot: first served load of SHAPES and the boot end to end at WS (REPEATS fresh processes per cell);
 #   2c. (VIEWS=1) restart (open_held + metadata + views) on the bench's images;
+#   2d. (VIEW_SWEEP=1) the same with 1, 2, 4 and 8 view threads, two rounds;
 #   2b. (HANDOVER=1) benchmarks/probes/handover_parts.py: the later batches' hand-over taken apart;
 #   3. (CLONE=1) a 13.76 GB seed on cuda:0, then CLONE_PAIRS alternating pairs of a bare
 #      `import torch` + CUDA context process and a fresh `flashboot clone --verify` (target: +150 ms).
@@ -35,6 +36,14 @@ if [ "${BOOT:-1}" = 1 ]; then
     timeout "$(left 60)" python3 -m flashboot.benchmarks.first_calls views $(ls -d "$ROOT"/image-*) --device cuda:0 \
       >"$OUT/first_calls.jsonl" 2>/tmp/first_calls.err
     say "rc=$?"; python3 -m flashboot.benchmarks.first_calls summary "$OUT/first_calls.jsonl" 2>&1 | tee -a "$S"
+  fi
+  if [ "${VIEW_SWEEP:-0}" = 1 ]; then  # the same restart with 1, 2, 4 and 8 view threads, twice each (fresh processes)
+    say "=== 2d. restart views by thread count ($(date +%T))"
+    for round in 1 2; do for t in 1 2 4 8; do
+      timeout "$(left 40)" python3 -m flashboot.benchmarks.first_calls views $(ls -d "$ROOT"/image-*) --device cuda:0 \
+        --view-threads "$t" >>"$OUT/view_sweep.jsonl" 2>>/tmp/first_calls.err
+    done; done
+    python3 -m flashboot.benchmarks.first_calls summary "$OUT/view_sweep.jsonl" 2>&1 | tee -a "$S"
   fi
   rm -rf "$ROOT"
 fi
