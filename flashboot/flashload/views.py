@@ -28,14 +28,16 @@ import numpy as np
 
 from ..errors import FlashBootError, LayoutError
 
-VIEW_THREADS = min(8, os.cpu_count() or 1)
+VIEW_THREADS = min(4, os.cpu_count() or 1)
 """Threads that make the views (``$FLASHBOOT_VIEW_THREADS`` overrides: an engine that keeps its
 cores busy may want fewer). torch releases the GIL inside ``unbind`` (the C++ loop that makes
 a run's tensors) and takes it back only to wrap each result, so on a host with spare cores the
-runs' C++ parts overlap. Shape C's 40,250 views, first call in fresh processes on the H200
-machine (16 cores; benchmarks/probes/early_call_parts.py, 2026-12-02 13:29, three rounds): 1
-thread 1.10-1.80 us each, 2: 1.20-1.37, 4: 0.84-1.18, 8: 0.79-1.11, 12: 0.85-1.08; inside the
-load, beside the daemon's DMA, 8 made them as fast as 4 or faster (benchmarks/RESULTS.md)."""
+runs' C++ parts overlap. Restart views on the H200 machine (16 cores; ``first_calls views
+--view-threads``, fresh processes, two rounds, 2026-12-03 21:42, views made below the view
+tracking), us a tensor: B's 18,722 by 1 thread 1.14-1.24, 2: 0.73-0.98, 4: 0.72-0.80, 8:
+0.89-0.91; C's 40,250 by 1: 0.83-1.24, 2: 0.77-1.03, 4: 0.70-0.79, 8: 0.72-0.77. Beyond 4 the
+threads' turns at the GIL cost more than their C++ parts overlap (8 had been best, or as good
+as 4, while each view also made its autograd view record: 2026-12-02)."""
 THREADS_ENV = "FLASHBOOT_VIEW_THREADS"
 VIEW_THREAD_MIN_TENSORS = 1000
 """The default uses a thread per this many tensors at most (starting one costs ~0.1 ms: more than
