@@ -313,7 +313,7 @@ def first_batch_segments() -> int:
 
 
 def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
-                shm_dir=None, rest_later: bool = False, **extra) -> tuple[socket.socket, Path, float, Callable | None]:
+                shm_dir=None, **extra) -> tuple[socket.socket, Path, float, Callable | None]:
     """Connect to the daemon for ``image_dir`` (waiting up to ``timeout_s`` for its socket) and send
     a load of rank ``rank`` with ``arena``'s descriptor and its fds attached; returns the socket.
 
@@ -322,9 +322,9 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
     ``segments_now`` makes each batch's segments first); if an export fails
     meanwhile, the daemon is told (the socket's write side shut) and its answer awaited, so it
     no longer copies into the arena when the error reaches the caller. Returns the socket, its
-    path, when the request went out (``time.perf_counter()``) and, with ``rest_later``, the
-    hand-over of the later batches (``rest(sock)``; None when there are none), which the caller
-    then runs (:meth:`ServedCopy.hand_over_rest`); without it, they are handed over here."""
+    path, when the request went out (``time.perf_counter()``) and the hand-over of the later
+    batches (``later(sock)``; None when there are none), which the caller runs
+    (:meth:`ServedCopy.hand_over_rest`)."""
     from ..fdshare import send_fds
 
     segments = arena.segments
@@ -353,23 +353,22 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
         if isinstance(exc, OSError):
             raise _went_away(path, rank, exc) from None
         raise
-    if streamed:
-        def later(sock: socket.socket) -> None:
-            try:
-                for lo in range(per, segments, per):
-                    send_fds(sock, arena.export_segments(lo, min(segments, lo + per)))
-            except BaseException as exc:
-                reply = _stop_streamed(sock, path, rank, timeout_s + 60 + nbytes / 1e9)
-                if isinstance(exc, OSError):
-                    if reply is not None and not reply.get("ok"):  # it refused the request and hung up: its reason
-                        _raise_remote(reply, f"served load of rank {rank} by the preloader at {path}")
-                    raise _went_away(path, rank, exc) from None
-                raise
+    if not streamed:
+        return sock, path, sent_at, None
 
-        if rest_later:
-            return sock, path, sent_at, later
-        later(sock)
-    return sock, path, sent_at, None
+    def later(sock: socket.socket) -> None:
+        try:
+            for lo in range(per, segments, per):
+                send_fds(sock, arena.export_segments(lo, min(segments, lo + per)))
+        except BaseException as exc:
+            reply = _stop_streamed(sock, path, rank, timeout_s + 60 + nbytes / 1e9)
+            if isinstance(exc, OSError):
+                if reply is not None and not reply.get("ok"):  # it refused the request and hung up: its reason
+                    _raise_remote(reply, f"served load of rank {rank} by the preloader at {path}")
+                raise _went_away(path, rank, exc) from None
+            raise
+
+    return sock, path, sent_at, later
 
 
 def _went_away(path: Path, rank: int, exc: OSError) -> RendezvousError:
@@ -404,12 +403,12 @@ def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha2
     handed over by :meth:`ServedCopy.hand_over_rest` (an early call's background thread), or by
     :meth:`ServedCopy.wait` at the latest.
     """
-    sock, path, sent_at, rest = _send_arena(arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
-                                            metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir,
-                                            verify=verify, rest_later=rest_later)
-    copy = ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9, sent_at, rest)
+    sock, path, sent_at, later = _send_arena(arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
+                                             metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir,
+                                             verify=verify)
+    copy = ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9, sent_at, later)
     if not rest_later:
-        copy.handover_ms = (time.perf_counter() - sent_at) * 1e3
+        copy.hand_over_rest()
     return copy
 
 

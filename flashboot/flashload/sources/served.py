@@ -250,21 +250,17 @@ class ServedSource(Source):
                                  timeout_s=handle.timeout_s, verify=handle.verify, resolved=handle.resolved,
                                  tp=handle.tp, ep=handle.ep, expected_key=handle.expected_key, ready=ready,
                                  make_arena=make_arena, rest_later=True)
+        handle.session = next(steps)  # the request is out with the arena's first batch: the daemon copies
+        # prepare() returns now; the later batches and the metadata follow in the background
+        # thread, at the lowered switch interval (their driver calls and reads release the GIL)
+        handle.copy_issued()
+        yield
         try:
-            handle.session = next(steps)  # the request is out with the arena's first batch: the daemon copies
-        except StopIteration as done:  # (a copy that never streams: one batch)
-            started = done.value
-        else:
-            # prepare() returns now; the later batches and the metadata follow in the background
-            # thread, at the lowered switch interval (their driver calls and reads release the GIL)
-            handle.copy_issued()
-            yield
-            try:
-                started = yield from steps
-            except BaseException:
-                handle.session = None  # settled and released by copy_first_steps
-                raise
-            handle.copy_issued(waits_in_c=True)  # the interval back: the strict read is pure Python
+            started = yield from steps
+        except BaseException:
+            handle.session = None  # settled and released by copy_first_steps
+            raise
+        handle.copy_issued(waits_in_c=True)  # the interval back: the strict read is pure Python
         handle.session, handle.metadata_file = started.copy, started.metadata_file
         handle.metadata_sha256 = started.metadata_file.sha256
         for name, ms in (("wait", started.wait_ms), ("arena", started.alloc_ms), ("attach", started.request_ms),
@@ -279,8 +275,6 @@ class ServedSource(Source):
         except BaseException:
             handle.session.settle()  # the daemon may still write into it
             raise
-        finally:
-            handle.copy_issued(waits_in_c=True)  # only the daemon's reply is left to wait for
         yield handle.session  # (or on the load's thread, if the load waits for it first)
         reply = handle.session.wait()
         handle.phases_ms["daemon_map"] = float(reply.get("map_ms", 0.0))
