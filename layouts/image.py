@@ -172,32 +172,43 @@ class PendingMetadata:
     """:func:`read_metadata_file` with ``decode``, started: both files are read (and
     ``metadata.json`` hashed) in threads, which release the GIL, so the caller can do other work
     that does too (create an arena, ask the daemon for a copy) before :meth:`finish` decodes the
-    table and waits for the rest."""
+    table and waits for the rest. ``beside=False``: no threads; :meth:`finish` opens, reads,
+    hashes and decodes in its own thread, one after the other (the early call's background thread, beside
+    an engine's Python: every thread started or joined there is one more wait for the GIL, and
+    nothing waits for its reads)."""
 
-    def __init__(self, rank_dir: Path, job: JobInfo | None):
-        self.rank_dir, self.job = rank_dir, job
-        self._meta_nbytes, self._read_json = _read_and_hash_beside(rank_dir / METADATA_FILE)
+    def __init__(self, rank_dir: Path, job: JobInfo | None, *, beside: bool = True):
+        self.rank_dir, self.job, self.beside = rank_dir, job, beside
         table_path = rank_dir / TABLE_FILE
-        self._table = run_beside(lambda: _read_table(table_path), f"{table_path}: reading")
+        if beside:
+            self._meta_nbytes, self._read_json = _read_and_hash_beside(rank_dir / METADATA_FILE)
+            self._table = run_beside(lambda: _read_table(table_path), f"{table_path}: reading")
+        else:  # finish() opens and reads both
+            self._table = functools.partial(_read_table, table_path)
 
     def finish(self) -> MetadataFile:
         """The :class:`MetadataFile`, its table's columns decoded (:func:`predecode_table`) while
         ``metadata.json`` is still being read and hashed; the job's digest checked."""
+        if not self.beside:
+            meta = open(self.rank_dir / METADATA_FILE, "rb")
+            self._meta_nbytes = os.fstat(meta.fileno()).st_size
+            self._read_json = functools.partial(_read_and_hash, meta)
         table, decoded = self._table(), None
         if table is not None:
             from .table import predecode_table
 
-            decoded = predecode_table(table, str(self.rank_dir / TABLE_FILE), self._meta_nbytes)
+            decoded = predecode_table(table, str(self.rank_dir / TABLE_FILE), self._meta_nbytes, beside=self.beside)
         raw, sha = self._read_json()
         return _checked(MetadataFile(self.rank_dir, self.job, raw, table, sha, decoded))
 
 
 def begin_metadata_read(path: str | os.PathLike, rank: int | None = None, *,
-                        resolved: tuple[Path, JobInfo | None] | None = None) -> PendingMetadata:
+                        resolved: tuple[Path, JobInfo | None] | None = None, beside: bool = True) -> PendingMetadata:
     """Start :func:`read_metadata_file` with ``decode``; :meth:`PendingMetadata.finish` ends it.
-    A missing rank or ``metadata.json`` is raised here, in the caller's thread."""
+    A missing rank or ``metadata.json`` is raised here, in the caller's thread. ``beside``: as
+    :class:`PendingMetadata`'s."""
     rank_dir, job = resolved if resolved is not None else resolve_rank(path, rank)
-    return PendingMetadata(rank_dir, job)
+    return PendingMetadata(rank_dir, job, beside=beside)
 
 
 def _read_table(path: Path) -> bytes | None:
@@ -218,13 +229,14 @@ def _read_and_hash_beside(path: Path) -> tuple[int, Callable[[], tuple[bytes, st
     read and hashed in a thread (:func:`~flashboot.layouts.table.run_beside`)."""
     f = open(path, "rb")  # opened here: a missing file is raised in the caller's thread
     nbytes = os.fstat(f.fileno()).st_size
+    return nbytes, run_beside(functools.partial(_read_and_hash, f), f"{path}: reading and hashing {nbytes:,} bytes")
 
-    def work() -> tuple[bytes, str]:
-        with f:
-            raw = f.read()
-        return raw, hashlib.sha256(raw).hexdigest()
 
-    return nbytes, run_beside(work, f"{path}: reading and hashing {nbytes:,} bytes")
+def _read_and_hash(f) -> tuple[bytes, str]:
+    """The bytes of the open file ``f`` (closed after) and their hex sha256."""
+    with f:
+        raw = f.read()
+    return raw, hashlib.sha256(raw).hexdigest()
 
 
 def check_metadata_digest(mf: MetadataFile) -> None:

@@ -21,6 +21,7 @@ Layout (little-endian)::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -94,17 +95,19 @@ class DecodedTable:
     error: Exception | None = None
 
 
-def predecode_table(data: bytes, where: str, metadata_nbytes: int) -> DecodedTable:
+def predecode_table(data: bytes, where: str, metadata_nbytes: int, *, beside: bool = True) -> DecodedTable:
     """Everything :func:`decode_table` checks of ``data`` but the sha256 of the metadata it binds,
     given only that metadata's size: the columns (names, bounds, the body's sha256) can then be
     decoded while ``metadata.json`` is still being read and hashed (both release the GIL).
-    Raises nothing: the errors are kept for :func:`decode_table` to raise in its order."""
+    ``beside``: the body hashed in a thread while the columns are decoded (:func:`sha256_beside`);
+    False: hashed in this thread, after. Raises nothing: the errors are kept for
+    :func:`decode_table` to raise in its order."""
     try:
         h, body = _header(data, where)
     except LayoutError as exc:
         return DecodedTable(None, None, None, header_error=exc)
     try:
-        table, span = _body(data, h, body, where, metadata_nbytes)
+        table, span = _body(data, h, body, where, metadata_nbytes, beside)
     except Exception as exc:  # noqa: BLE001 - raised by decode_table after the sha256 comparison
         return DecodedTable(h, None, None, error=exc)
     return DecodedTable(h, table, span)
@@ -157,7 +160,7 @@ def _header(data: bytes, where: str) -> tuple[dict, int]:
     return h, body
 
 
-def _body(data: bytes, h: dict, body: int, where: str, metadata_nbytes: int
+def _body(data: bytes, h: dict, body: int, where: str, metadata_nbytes: int, beside: bool = True
           ) -> tuple[TensorTable, tuple[int, int]]:
     """The columns after the header ``h``: counts, the table's span in a metadata of
     ``metadata_nbytes`` bytes, the file's size, the body's sha256, then the columns themselves."""
@@ -171,7 +174,7 @@ def _body(data: bytes, h: dict, body: int, where: str, metadata_nbytes: int
     expected = body + 8 * (2 * n + 2 * n * d + n + 4 * s) + 3 * n + names_nbytes
     if len(data) != expected:
         raise LayoutError(f"{where}: {len(data):,} bytes, the header implies {expected:,}")
-    body_digest = sha256_beside(memoryview(data)[body:])
+    body_digest = sha256_beside(memoryview(data)[body:]) if beside else functools.partial(_sha256, memoryview(data)[body:])
     try:
         table = _columns(data, body, n, d, s, names_nbytes, where)
         column_error = None
@@ -198,9 +201,13 @@ def sha256_beside(data) -> Callable[[], str]:
     column checks, 10-20 ms for 40,000 tensors) runs beside the hash instead of after it (2.7 ms
     for the 4 MB of such a table). Below :data:`THREAD_HASH_NBYTES`, hashed at once."""
     if len(data) < THREAD_HASH_NBYTES:
-        digest = hashlib.sha256(data).hexdigest()
+        digest = _sha256(data)
         return lambda: digest
     return run_beside(lambda: hashlib.sha256(data).hexdigest(), f"hashing {len(data):,} bytes")
+
+
+def _sha256(data) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def run_beside(work: Callable[[], T], what: str) -> Callable[[], T]:

@@ -160,7 +160,9 @@ def test_an_early_call_returns_once_the_copy_is_asked_for_and_hands_the_later_ba
     """prepare() returns once the request with the first batch is out: its background thread
     makes, exports and sends the later batches (and reads the metadata) while the engine goes on.
     Here that thread is held at its first later batch until prepare() has returned: the caller
-    has then sent the request alone, and the weights still arrive exact."""
+    has then sent the request alone, and the weights still arrive exact. The only thread started
+    is that background thread: the metadata's files are read in it, not by reader threads of
+    their own (each would wait for the engine's GIL to start and to be joined)."""
     import threading
 
     import flashboot
@@ -181,8 +183,17 @@ def test_an_early_call_returns_once_the_copy_is_asked_for_and_hands_the_later_ba
     monkeypatch.setattr(fdshare, "send_fds", gated)
     d = Daemon(multi_segment_image, tmp_path / "shm")
     want = read_image(multi_segment_image, 0).path.read_bytes()
+    started, start = [], threading.Thread.start  # by this process's loader (the daemon here runs in-process)
+
+    def recording_start(self):
+        if threading.current_thread().name in ("MainThread", "flashboot-prepare-rank0"):
+            started.append(self.name)
+        return start(self)
+
     try:
+        monkeypatch.setattr(threading.Thread, "start", recording_start)
         handle = flashboot.prepare(multi_segment_image, 0, "cpu", shm_dir=d.shm, mode="served", timeout_s=10)
+        assert started == ["flashboot-prepare-rank0"]
         assert batches == [1] and senders[0] == threading.main_thread().name  # the request alone, from the caller
         returned.set()
         with flashboot.load(multi_segment_image, 0, "cpu", prepared=handle) as loaded:
@@ -190,6 +201,7 @@ def test_an_early_call_returns_once_the_copy_is_asked_for_and_hands_the_later_ba
             assert n >= 4 and batches == [1] * n
             assert set(senders[1:]) == {"flashboot-prepare-rank0"}
             assert handle.phases_ms["handover"] > 0
+            assert started[0] == "flashboot-prepare-rank0" and "flashboot-beside" not in started
             assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == want
     finally:
         returned.set()

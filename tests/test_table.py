@@ -141,32 +141,39 @@ def test_damaged_table_bytes_are_refused(image):
 def test_the_table_decoded_while_the_metadata_is_read_reads_and_refuses_as_after_it(image):
     """read_metadata_file(decode=True) decodes tensors.bin while metadata.json is read and hashed
     in a thread: every damaged table (and an edited metadata.json) ends the same as decoding after
-    the read, the same error first, and a good one reads the same table."""
+    the read, the same error first, and a good one reads the same table. So does the early call's
+    read without threads (``begin_metadata_read(beside=False)``: read, hashed and decoded in turn)."""
+    from flashboot.layouts.image import begin_metadata_read
+
     table_path, meta_path = image / "rank-0" / TABLE_FILE, image / "rank-0" / "metadata.json"
     good, raw = table_path.read_bytes(), meta_path.read_bytes()
     reference = read_image(image, 0).metadata.tensors
 
-    def outcome(decode: bool):
+    def outcome(decode):
         try:
-            mf = read_metadata_file(image, 0, decode=decode)
-            assert (mf.decoded is not None) == decode
+            if decode == "inline":
+                mf = begin_metadata_read(image, 0, beside=False).finish()
+            else:
+                mf = read_metadata_file(image, 0, decode=decode)
+            assert (mf.decoded is not None) == bool(decode)
             return "read", tables_agree(open_image(mf, 0).metadata.tensors, reference)
         except FlashBootError as exc:
             return "refused", str(exc)
 
-    assert outcome(True) == outcome(False) == ("read", None)
+    assert outcome(True) == outcome(False) == outcome("inline") == ("read", None)
     rng = random.Random(11)
     refused = 0
     for _ in range(120):
         table_path.write_bytes(_damaged(good, rng))
         early = outcome(True)
-        assert early == outcome(False)
+        assert early == outcome(False) == outcome("inline")
         refused += early[0] == "refused"
     assert refused > 100
     table_path.write_bytes(good)
     meta_path.write_bytes(raw.replace(b'"format_version": 1', b'"format_version":  1'))  # same JSON, other bytes
     early = outcome(True)
-    assert early == outcome(False) and early[0] == "refused" and "the metadata was edited or damaged" in early[1]
+    assert early == outcome(False) == outcome("inline") and early[0] == "refused"
+    assert "the metadata was edited or damaged" in early[1]
 
 
 @pytest.mark.parametrize("threaded", [False, True])

@@ -57,7 +57,7 @@ def copy_first_steps(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: f
     generator whose value is the :class:`StartedCopy`; with ``rest_later`` it yields the
     :class:`~flashboot.flashload.client.ServedCopy` once, as soon as the request with the
     arena's first batch is out: what follows (the later batches made, exported and handed over,
-    the metadata read and checked) is then the next step's, which an early call runs in its
+    the metadata read, without threads of its own, and checked) is then the next step's, which an early call runs in its
     background thread beside the engine (their driver calls and file reads release the GIL).
 
     The arena is sized from the rank's ``.ready`` as it is now (``ready``: one already read); the
@@ -82,6 +82,7 @@ def copy_first_steps(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: f
             return Arena.create(nbytes, dev, segments_now=first_batch_segments())
 
     t0 = time.perf_counter()
+    reads_later = rest_later
     if resolved[1] is not None:
         check_job_request(resolved[1], tp=tp, ep=ep, expected_key=expected_key)
     mf, metadata_ms = None, 0.0
@@ -100,8 +101,11 @@ def copy_first_steps(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: f
         waited_ms = (t1 - t0) * 1e3 - metadata_ms  # the metadata read before the arena is metadata_ms's
         beside = mf is None
         # both files read (and hashed) in threads while the arena is made and the copy asked for:
-        # those release the GIL too; the table is decoded once the daemon copies
-        pending = begin_metadata_read(image_dir, rank, resolved=resolved) if beside else None
+        # those release the GIL too; the table is decoded once the daemon copies. The early call
+        # reads them in its background thread after the hand-over instead, without threads of
+        # their own: nothing waits for them there, and beside the engine's Python each thread
+        # started or joined is another wait for the GIL (and the caller's return is sooner)
+        pending = begin_metadata_read(image_dir, rank, resolved=resolved) if beside and not reads_later else None
         arena = make_arena(ready.nbytes)
         copy = None
         try:
@@ -115,7 +119,7 @@ def copy_first_steps(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: f
                 copy.hand_over_rest()
             t3 = time.perf_counter()
             if beside:
-                mf = pending.finish()
+                mf = (pending or begin_metadata_read(image_dir, rank, resolved=resolved, beside=False)).finish()
                 metadata_ms += (time.perf_counter() - t3) * 1e3
         except BaseException:
             if copy is not None:

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# 2026-12-03, twenty-third session, one device call (<= 9.5 min): issue 19, shape B at W = 0.25 s.
+#   1. (TESTS=1) the one-GPU tests of every path that loads, clones, sleeps or refits (gpu_session16.sh's first group);
+#   2. (BOOT=1) bench boot: first served load of SHAPES and the boot end to end at WS (REPEATS fresh processes per cell);
+#      (VIEWS=1) then the restart (open_held + metadata + views) on the bench's images;
+#   3. (TIMELINE=1) shape B's image (step 2's, or made), then benchmarks/probes/boot_timeline.py (W's stalls put
+#      against the early call's steps; with VARIANTS=1 also the hand-over, or everything but the reply's wait, in prepare()).
+# Usage (repo root, GPU machine): OUT=/some/dir [TIMELINE=1] [BOOT=1 SHAPES="B C" WS="0 0.25" REPEATS=5] bash benchmarks/gpu_session23.sh
+BUDGET_S=${BUDGET_S:-560}
+source "$(dirname "$0")/gpu_prelude.sh"
+ROOT=/dev/shm/fb23; rm -rf "$ROOT"
+
+if [ "${TESTS:-0}" = 1 ]; then
+  say "=== 1. every one-GPU test of the load, clone, sleep and refit paths ($(date +%T))"
+  timeout "$(left "${TESTS_S:-220}")" python3 -m pytest -q -p no:cacheprovider -rfE -m "gpu or two_gpus" \
+    tests/test_arena_gpu.py tests/test_arena_remap.py tests/test_sleep_gpu.py tests/test_boot.py tests/test_load.py \
+    tests/test_views.py tests/test_stream.py tests/test_preload_faults.py tests/test_preload_service.py \
+    tests/test_checksum.py tests/test_kernel_cubin.py tests/test_clone_gpu.py tests/test_cuda_streams.py \
+    tests/test_weight_update.py >"$OUT/tests.log" 2>&1
+  say "tests rc=$? (124: out of time) :: $(tail -1 "$OUT/tests.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12 | cut -c1-400 | tee -a "$S"
+fi
+
+if [ "${BOOT:-0}" = 1 ]; then
+  say "=== 2. bench boot --end-to-end ${WS:-0 0.25} ($(date +%T))"
+  bench_boot_e2e "${BOOT_S:-400}"
+  if [ "${VIEWS:-0}" = 1 ]; then
+    say "=== 2b. restart views ($(date +%T))"
+    timeout "$(left 60)" python3 -m flashboot.benchmarks.first_calls views $(ls -d "$ROOT"/image-*) --device cuda:0 \
+      >"$OUT/first_calls.jsonl" 2>/tmp/first_calls.err
+    say "rc=$?"; python3 -m flashboot.benchmarks.first_calls summary "$OUT/first_calls.jsonl" 2>&1 | tee -a "$S"
+  fi
+fi
+if [ "${TIMELINE:-0}" = 1 ]; then
+  say "=== 3. shape B's image (unless step 2 made it), then the boot's timeline at W = ${TW:-0.25} s ($(date +%T))"
+  [ -d "$ROOT/image-B" ] || timeout "$(left 150)" python3 - "$ROOT" <<'PY' 2>&1 | tail -3 | tee -a "$S"
+import sys, time, flashboot
+from flashboot.benchmarks.checkpoints import CHECKPOINTS, make_checkpoint
+t = time.perf_counter()
+make_checkpoint(f"{sys.argv[1]}/ckpt-B", CHECKPOINTS["B"], device="cuda:0")
+flashboot.prepack(f"{sys.argv[1]}/ckpt-B", f"{sys.argv[1]}/image-B", progress=False)
+print(f"image B made in {time.perf_counter() - t:.1f} s")
+PY
+  rm -rf "$ROOT/ckpt-B"
+  timeout "$(left "${TIMELINE_S:-240}")" python3 benchmarks/probes/boot_timeline.py "$ROOT/image-B" --shm "$ROOT/shm" \
+    --w "${TW:-0.25}" --repeats "${TREPEATS:-5}" $([ "${VARIANTS:-1}" = 1 ] && echo --variants) >"$OUT/timeline.jsonl" 2>/tmp/timeline.err
+  say "timeline rc=$?"; grep medians "$OUT/timeline.jsonl" | tee -a "$S"; tail -3 /tmp/timeline.err | tee -a "$S"
+  rm -rf "$ROOT"
+fi
+
+rm -rf "$ROOT"
+say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"
