@@ -136,9 +136,9 @@ def test_a_served_prepare_asks_for_the_copy_before_it_parses_the_metadata(image,
     open_metadata = PreparedLoad.open_metadata
     seen = []
 
-    def record(handle, *args):
+    def record(handle, *args, **kwargs):
         seen.append(handle.session is not None)  # made once the request, with the arena, went out
-        return open_metadata(handle, *args)
+        return open_metadata(handle, *args, **kwargs)
 
     monkeypatch.setattr(PreparedLoad, "open_metadata", record)
     handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
@@ -147,7 +147,7 @@ def test_a_served_prepare_asks_for_the_copy_before_it_parses_the_metadata(image,
         assert bytes(li.arena.bytes()[:li.nbytes].numpy()) == _image_bytes(image)
     assert seen == [True]
 
-    def refuse(handle, *args):
+    def refuse(handle, *args, **kwargs):
         raise LayoutError("injected: the strict read refuses the metadata")
 
     monkeypatch.setattr(PreparedLoad, "open_metadata", refuse)
@@ -297,9 +297,9 @@ def test_waiting_for_the_views_is_bounded(image, shm, daemon, monkeypatch):
 
     open_metadata = PreparedLoad.open_metadata
 
-    def slow(handle, *args):
+    def slow(handle, *args, **kwargs):
         time.sleep(1.0)
-        return open_metadata(handle, *args)
+        return open_metadata(handle, *args, **kwargs)
 
     monkeypatch.setattr(PreparedLoad, "open_metadata", slow)
     # as if the preloader were still staging: the background thread takes the steps over
@@ -581,6 +581,13 @@ def test_the_early_call_hands_the_gil_over_promptly_while_it_works_and_restores_
         return real(self, *args, **kw)
 
     monkeypatch.setattr(boot.PreparedLoad, "create_arena", recording)
+    strict, real_open = [], boot.PreparedLoad.open_metadata
+
+    def recording_open(self, *args, **kw):
+        strict.append((sys.getswitchinterval(), threading.current_thread().name))
+        return real_open(self, *args, **kw)
+
+    monkeypatch.setattr(boot.PreparedLoad, "open_metadata", recording_open)
     before = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
@@ -595,9 +602,12 @@ def test_the_early_call_hands_the_gil_over_promptly_while_it_works_and_restores_
             with h.load() as loaded:
                 assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)
         # served: the interval is back once the background thread has handed the arena over and
-        # read the metadata files (then only Python and the wait in C), before the load's views
+        # read and validated the metadata (then only the wait in C), before the load's views;
+        # the strict read ran at the lowered one (its numpy passes release the GIL too)
+        strict.clear()
         served = flashboot.prepare(image, 0, "cpu", mode="served", shm_dir=shm)
         assert served.wait_viewable(60) and sys.getswitchinterval() == 0.005
+        assert strict == [(boot.PREPARE_SWITCH_INTERVAL_S, "flashboot-prepare-rank0")]
         assert seen[-1] == (0.005, threading.current_thread().name)  # served: the caller's thread made it
         with served.load() as loaded:
             assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == _image_bytes(image)

@@ -92,7 +92,7 @@ class _PromptHandover:
     """Lowers the switch interval to :data:`PREPARE_SWITCH_INTERVAL_S` from entry until
     :meth:`release` or exit, whichever comes first (shared by concurrent prepares: the last one
     out restores the interval it found, unless someone else has changed it meanwhile). A prepare
-    releases it as soon as its thread only waits in C (served: once the daemon copies), so the
+    releases it as soon as its thread only waits in C (served: once the metadata is validated), so the
     load's own threads (the views) run at the interval the engine chose."""
 
     def __init__(self):
@@ -282,12 +282,14 @@ class PreparedLoad:
     def copy_issued(self, *, waits_in_c: bool = False) -> None:
         """Called by the source once its copy runs without this process's Python (the daemon
         copies, the pin or the reads are under way): :func:`prepare` returns then.
-        ``waits_in_c``: from here the thread makes no more runs of GIL-releasing calls (only
-        Python, or a wait in C: the daemon's reply), so the lowered switch interval
-        (:class:`_PromptHandover`) is restored now, not when it ends."""
+        ``waits_in_c``: from here the thread makes no more GIL-releasing calls (driver calls,
+        reads, numpy passes) but its wait in C (the daemon's reply), so the lowered switch
+        interval (:class:`_PromptHandover`) is restored now, not when it ends, and then the
+        views can be made (a metadata opened with ``viewable=False``)."""
         if waits_in_c:
             self._waits_in_c = True
             self._handover.release()
+            self._note_viewable()
         self._issued.set()
 
     def phase(self, name: str, t0: float) -> float:
@@ -349,10 +351,11 @@ class PreparedLoad:
         self.metadata_file = read_metadata_file(self.image_dir, self.rank, decode=True, resolved=self.resolved)
         self.metadata_sha256 = self.metadata_file.sha256
 
-    def open_metadata(self, nbytes: int | None = None) -> None:
+    def open_metadata(self, nbytes: int | None = None, *, viewable: bool = True) -> None:
         """The strict read of the metadata bytes read first (:attr:`metadata_file`): image,
         metadata, size and the files' identity (a re-pack is refused at the load). ``nbytes``:
-        the size the arena was made for (a copy-first source's), which the image must have."""
+        the size the arena was made for (a copy-first source's), which the image must have.
+        ``viewable=False``: the views wait for :meth:`copy_issued` (``waits_in_c``)."""
         from flashboot.layouts.image import open_image
 
         from .shm import RankSource
@@ -368,7 +371,8 @@ class PreparedLoad:
             self._identity[Path(path)] = _file_identity(Path(path))
         if self.nbytes == 0:
             raise LayoutError(f"{image.path}: empty image, nothing to load")
-        self._note_viewable()
+        if viewable:
+            self._note_viewable()
 
     def create_arena(self, nbytes: int, *, flat: bool = True, segments_now: int | None = None) -> None:
         """Admit ``nbytes`` on the device (OutOfMemoryError with the numbers, before any

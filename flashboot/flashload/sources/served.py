@@ -264,7 +264,6 @@ class ServedSource(Source):
         except BaseException:
             handle.session = None  # settled and released by copy_first_steps
             raise
-        handle.copy_issued(waits_in_c=True)  # the interval back: the strict read is pure Python
         handle.session, handle.metadata_file = started.copy, started.metadata_file
         handle.metadata_sha256 = started.metadata_file.sha256
         for name, ms in (("wait", started.wait_ms), ("arena", started.alloc_ms), ("attach", started.request_ms),
@@ -274,11 +273,15 @@ class ServedSource(Source):
         try:
             t = time.perf_counter()
             handle.arena.bytes()  # the flat tensor the views are cut from, made while the daemon copies
-            handle.open_metadata(started.ready.nbytes)  # the strict read of the decoded table
+            # the strict read of the decoded table, still at the lowered interval: its numpy passes
+            # release the GIL too, and at the engine's 5 ms each took that long to get it back (B
+            # on the H200: ~110 ms for ~4 ms of work, ending as W = 0.25 s did, so the load waited)
+            handle.open_metadata(started.ready.nbytes, viewable=False)
             handle.phase("metadata", t)
         except BaseException:
             handle.session.settle()  # the daemon may still write into it
             raise
+        handle.copy_issued(waits_in_c=True)  # the interval back (only the wait in C is left), then viewable
         yield handle.session  # (or on the load's thread, if the load waits for it first)
         reply = handle.session.wait()
         handle.phases_ms["daemon_map"] = float(reply.get("map_ms", 0.0))
