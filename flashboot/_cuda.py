@@ -58,23 +58,15 @@ def check(result, call: str):
 
 @functools.cache
 def cuda_available() -> bool:
-    """True when a CUDA driver is present and reports at least one device (and
-    ``$FLASHBOOT_FORCE_HOST`` is not 1)."""
-    return os.environ.get("FLASHBOOT_FORCE_HOST") != "1" and _driver_devices() > 0
-
-
-@functools.cache
-def _driver_devices() -> int:
-    """The driver's device count (0 without a driver), asked once: a process's devices do not
-    change, and :func:`keeps_context` asks around every call it wraps, from threads that run
-    beside an engine's Python, where each driver call hands the GIL over and waits to get it
-    back (the early call's hand-over made ~10 such calls per batch of segments)."""
+    """True when a CUDA driver is present and reports at least one device."""
+    if os.environ.get("FLASHBOOT_FORCE_HOST") == "1":
+        return False
     try:
         drv = _load_driver()
     except CapabilityError:
-        return 0
+        return False
     err, count = drv.cuDeviceGetCount()
-    return count if int(err) == 0 else 0
+    return int(err) == 0 and count > 0
 
 
 def device_count() -> int:

@@ -21,7 +21,6 @@ Layout (little-endian)::
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import struct
@@ -174,7 +173,8 @@ def _body(data: bytes, h: dict, body: int, where: str, metadata_nbytes: int, bes
     expected = body + 8 * (2 * n + 2 * n * d + n + 4 * s) + 3 * n + names_nbytes
     if len(data) != expected:
         raise LayoutError(f"{where}: {len(data):,} bytes, the header implies {expected:,}")
-    body_digest = sha256_beside(memoryview(data)[body:]) if beside else functools.partial(_sha256, memoryview(data)[body:])
+    columns = memoryview(data)[body:]
+    body_digest = sha256_beside(columns) if beside else lambda: hashlib.sha256(columns).hexdigest()
     try:
         table = _columns(data, body, n, d, s, names_nbytes, where)
         column_error = None
@@ -201,13 +201,9 @@ def sha256_beside(data) -> Callable[[], str]:
     column checks, 10-20 ms for 40,000 tensors) runs beside the hash instead of after it (2.7 ms
     for the 4 MB of such a table). Below :data:`THREAD_HASH_NBYTES`, hashed at once."""
     if len(data) < THREAD_HASH_NBYTES:
-        digest = _sha256(data)
+        digest = hashlib.sha256(data).hexdigest()
         return lambda: digest
     return run_beside(lambda: hashlib.sha256(data).hexdigest(), f"hashing {len(data):,} bytes")
-
-
-def _sha256(data) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def run_beside(work: Callable[[], T], what: str) -> Callable[[], T]:
