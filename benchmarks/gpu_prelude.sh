@@ -9,6 +9,8 @@
 #   refit_summary    bench refit's $OUT/refit_A.json in a few lines (ceiling, copies, remap, breakdown);
 #   movers_chunked   issue 20's `bench movers --chunked` (1 and 4 MiB, a 2 GiB chain), its key lines;
 #   load_gpu_tests N the GPU tests of the load path (arena, boot, load, views, load sources), at most N s, their result;
+#   loading_gpu_tests N  the one-GPU tests of every path that loads, clones, sleeps or refits, at most N s, into
+#                    $OUT/tests.log, their result and failures;
 #   bench_boot_e2e N issue 19's `bench boot` (served, first loads and the boot end to end at $WS, $REPEATS
 #                    fresh processes per cell, shapes $SHAPES, images under $ROOT), at most N s, its key lines.
 # Installs the checkout; unless WARM=0, writes FlashBoot's bytecode and caches first (`flashboot warm`).
@@ -57,6 +59,16 @@ load_gpu_tests() {
   timeout "$(left "$1")" python3 -m pytest -q -p no:cacheprovider -m "gpu or two_gpus" tests/test_arena_gpu.py \
     tests/test_boot.py tests/test_load.py tests/test_views.py tests/test_load_sources.py >/tmp/tests.log 2>&1
   say "tests rc=$? :: $(tail -1 /tmp/tests.log)"; grep -E "^(FAILED|ERROR)|Error" /tmp/tests.log | head -12 | cut -c1-400 | tee -a "$S"
+}
+loading_gpu_tests() {
+  say "=== the one-GPU tests of every path that loads, clones, sleeps or refits ($(date +%T))"
+  timeout "$(left "$1")" python3 -m pytest -q -p no:cacheprovider -rfE -m "gpu or two_gpus" \
+    tests/test_arena_gpu.py tests/test_arena_remap.py tests/test_sleep_gpu.py tests/test_boot.py tests/test_load.py \
+    tests/test_views.py tests/test_stream.py tests/test_preload_faults.py tests/test_preload_service.py \
+    tests/test_checksum.py tests/test_kernel_cubin.py tests/test_clone_gpu.py tests/test_cuda_streams.py \
+    tests/test_weight_update.py >"$OUT/tests.log" 2>&1
+  say "tests rc=$? (124: out of time) :: $(tail -1 "$OUT/tests.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12 | cut -c1-400 | tee -a "$S"
 }
 bench_boot_e2e() {
   timeout "$(left "$1")" flashboot bench boot --shapes ${SHAPES:-B A C} --loaders "flashload served" \

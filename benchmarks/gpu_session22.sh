@@ -13,16 +13,7 @@ BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/gpu_prelude.sh"
 ROOT=/dev/shm/fb22; rm -rf "$ROOT"
 
-if [ "${TESTS:-0}" = 1 ]; then
-  say "=== 1. every one-GPU test of the load, clone, sleep and refit paths ($(date +%T))"
-  timeout "$(left "${TESTS_S:-220}")" python3 -m pytest -q -p no:cacheprovider -rfE -m "gpu or two_gpus" \
-    tests/test_arena_gpu.py tests/test_arena_remap.py tests/test_sleep_gpu.py tests/test_boot.py tests/test_load.py \
-    tests/test_views.py tests/test_stream.py tests/test_preload_faults.py tests/test_preload_service.py \
-    tests/test_checksum.py tests/test_kernel_cubin.py tests/test_clone_gpu.py tests/test_cuda_streams.py \
-    tests/test_weight_update.py >"$OUT/tests.log" 2>&1
-  say "tests rc=$? (124: out of time) :: $(tail -1 "$OUT/tests.log")"
-  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12 | cut -c1-400 | tee -a "$S"
-fi
+[ "${TESTS:-0}" = 1 ] && loading_gpu_tests "${TESTS_S:-220}"
 
 if [ "${HANDOVER:-0}" = 1 ]; then
   say "=== 2b. the later batches' hand-over in parts ($(date +%T))"

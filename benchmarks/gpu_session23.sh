@@ -10,16 +10,7 @@ BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/gpu_prelude.sh"
 ROOT=/dev/shm/fb23; rm -rf "$ROOT"
 
-if [ "${TESTS:-0}" = 1 ]; then
-  say "=== 1. every one-GPU test of the load, clone, sleep and refit paths ($(date +%T))"
-  timeout "$(left "${TESTS_S:-220}")" python3 -m pytest -q -p no:cacheprovider -rfE -m "gpu or two_gpus" \
-    tests/test_arena_gpu.py tests/test_arena_remap.py tests/test_sleep_gpu.py tests/test_boot.py tests/test_load.py \
-    tests/test_views.py tests/test_stream.py tests/test_preload_faults.py tests/test_preload_service.py \
-    tests/test_checksum.py tests/test_kernel_cubin.py tests/test_clone_gpu.py tests/test_cuda_streams.py \
-    tests/test_weight_update.py >"$OUT/tests.log" 2>&1
-  say "tests rc=$? (124: out of time) :: $(tail -1 "$OUT/tests.log")"
-  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12 | cut -c1-400 | tee -a "$S"
-fi
+[ "${TESTS:-0}" = 1 ] && loading_gpu_tests "${TESTS_S:-220}"
 
 if [ "${BOOT:-0}" = 1 ]; then
   say "=== 2. bench boot --end-to-end ${WS:-0 0.25} ($(date +%T))"
@@ -45,7 +36,6 @@ PY
   timeout "$(left "${TIMELINE_S:-240}")" python3 benchmarks/probes/boot_timeline.py "$ROOT/image-B" --shm "$ROOT/shm" \
     --w "${TW:-0.25}" --repeats "${TREPEATS:-5}" $([ "${VARIANTS:-1}" = 1 ] && echo --variants) >"$OUT/timeline.jsonl" 2>/tmp/timeline.err
   say "timeline rc=$?"; grep medians "$OUT/timeline.jsonl" | tee -a "$S"; tail -3 /tmp/timeline.err | tee -a "$S"
-  rm -rf "$ROOT"
 fi
 
 rm -rf "$ROOT"
