@@ -12,7 +12,12 @@
 #   loading_gpu_tests N  the one-GPU tests of every path that loads, clones, sleeps or refits, at most N s, into
 #                    $OUT/tests.log, their result and failures;
 #   bench_boot_e2e N issue 19's `bench boot` (served, first loads and the boot end to end at $WS, $REPEATS
-#                    fresh processes per cell, shapes $SHAPES, images under $ROOT), at most N s, its key lines.
+#                    fresh processes per cell, shapes $SHAPES, images under $ROOT), at most N s, its key lines;
+#   restart_views    the restart (open_held + metadata + views) on the images under $ROOT, fresh processes;
+#   clone_figures P E  a 13.76 GB seed on cuda:0; with E=1 engine-like clones (plain, then with the early call);
+#                    then P alternating pairs of a bare `import torch` + CUDA context process and a fresh
+#                    `flashboot clone --verify` (target: +150 ms);
+#   serve_engines    many engines at once from one daemon (`bench serve --engines $ENGINES`), its table.
 # Installs the checkout; unless WARM=0, writes FlashBoot's bytecode and caches first (`flashboot warm`).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -76,6 +81,39 @@ bench_boot_e2e() {
   say "bench boot rc=$? ($(date +%T))"
   grep -E "end to end|1st|ceiling" /tmp/boot.log | cut -c1-1200 | tee -a "$S"
   sed -n '/boot end to end on/,$p' /tmp/boot.log | tee -a "$S"
+}
+restart_views() {
+  timeout "$(left 60)" python3 -m flashboot.benchmarks.first_calls views $(ls -d "$ROOT"/image-*) --device cuda:0 \
+    >"$OUT/first_calls.jsonl" 2>/tmp/first_calls.err
+  say "restart views rc=$?"; python3 -m flashboot.benchmarks.first_calls summary "$OUT/first_calls.jsonl" 2>&1 | tee -a "$S"
+}
+clone_figures() {
+  local scratch seed store=127.0.0.1:${PORT:-29731}
+  scratch=$(mktemp -d)
+  export FLASHBOOT_TOKEN=gpu-session-token-0123456789abcdef TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  timeout "$(left 240)" python3 -m flashboot.benchmarks.clone_boot seed --store "$store" --ready "$scratch/ready" \
+    >"$OUT/seed.log" 2>&1 &
+  seed=$!
+  for _ in $(seq 120); do [ -f "$scratch/ready" ] || ! kill -0 $seed 2>/dev/null && break; sleep 0.5; done
+  if [ -f "$scratch/ready" ]; then
+    if [ "$2" = 1 ]; then
+      for early in "" "--early 0.5"; do
+        timeout "$(left 45)" python3 -m flashboot.benchmarks.clone_boot engine --store "$store" $early \
+          | tee -a "$OUT/clone_engine.jsonl" | python3 -m flashboot.benchmarks.clone_boot show 2>&1 | tee -a "$S"
+      done
+    fi
+    timeout "$(left 150)" python3 -m flashboot.benchmarks.clone_boot cli --store "$store" --repeats "$1" \
+      | tee -a "$OUT/clone_cli.jsonl" | python3 -m flashboot.benchmarks.clone_boot show 2>&1 | tee -a "$S"
+  else
+    say "seed did not come up:"; tail -20 "$OUT/seed.log" | tee -a "$S"
+  fi
+  kill $seed 2>/dev/null; wait $seed 2>/dev/null
+  rm -rf "$scratch"
+}
+serve_engines() {
+  timeout "$(left 150)" flashboot bench serve --engines ${ENGINES:-1 2 4 8} --scale 0.15 --repeats 1 \
+    --json "$OUT/serve.json" >/tmp/serve.log 2>&1
+  say "bench serve rc=$?"; grep -E "^│|ceiling" /tmp/serve.log | tee -a "$S"
 }
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 \
   || { tail -20 /tmp/install.log; exit 1; }

@@ -32,8 +32,6 @@ if [ "${VIEWS:-1}" = 1 ]; then
 fi
 if [ "${SERVE:-0}" = 1 ]; then
   say "=== 4. bench serve --engines ${ENGINES:-1 2 4 8} ($(date +%T))"
-  timeout "$(left 150)" flashboot bench serve --engines ${ENGINES:-1 2 4 8} --scale 0.15 --repeats 1 \
-    --json "$OUT/serve.json" >/tmp/serve.log 2>&1
-  say "bench serve rc=$?"; grep -E "^│|ceiling" /tmp/serve.log | tee -a "$S"
+  serve_engines
 fi
 say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"

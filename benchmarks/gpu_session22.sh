@@ -24,9 +24,7 @@ if [ "${BOOT:-1}" = 1 ]; then
   bench_boot_e2e "${BOOT_S:-400}"
   if [ "${VIEWS:-0}" = 1 ]; then  # restart (open_held + metadata + views) on the bench's images, default view threads
     say "=== 2c. restart views ($(date +%T))"
-    timeout "$(left 60)" python3 -m flashboot.benchmarks.first_calls views $(ls -d "$ROOT"/image-*) --device cuda:0 \
-      >"$OUT/first_calls.jsonl" 2>/tmp/first_calls.err
-    say "rc=$?"; python3 -m flashboot.benchmarks.first_calls summary "$OUT/first_calls.jsonl" 2>&1 | tee -a "$S"
+    restart_views
   fi
   if [ "${VIEW_SWEEP:-0}" = 1 ]; then  # the same restart with 1, 2, 4 and 8 view threads, twice each (fresh processes)
     say "=== 2d. restart views by thread count ($(date +%T))"
@@ -41,20 +39,6 @@ fi
 
 if [ "${CLONE:-1}" = 1 ]; then
   say "=== 3. fresh flashboot clone --verify vs bare torch + context, ${CLONE_PAIRS:-6} pairs ($(date +%T))"
-  SCRATCH=$(mktemp -d)
-  export FLASHBOOT_TOKEN=gpu-session22-token-0123456789abcdef TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-  STORE=127.0.0.1:${PORT:-29731}
-  timeout "$(left 200)" python3 -m flashboot.benchmarks.clone_boot seed --store "$STORE" --ready "$SCRATCH/ready" \
-    >"$OUT/seed.log" 2>&1 &
-  SEED=$!
-  for _ in $(seq 120); do [ -f "$SCRATCH/ready" ] || ! kill -0 $SEED 2>/dev/null && break; sleep 0.5; done
-  if [ -f "$SCRATCH/ready" ]; then
-    timeout "$(left 150)" python3 -m flashboot.benchmarks.clone_boot cli --store "$STORE" --repeats "${CLONE_PAIRS:-6}" \
-      | tee -a "$OUT/clone_cli.jsonl" | python3 -m flashboot.benchmarks.clone_boot show 2>&1 | tee -a "$S"
-  else
-    say "seed did not come up:"; tail -20 "$OUT/seed.log" | tee -a "$S"
-  fi
-  kill $SEED 2>/dev/null; wait $SEED 2>/dev/null
-  rm -rf "$SCRATCH"
+  clone_figures "${CLONE_PAIRS:-6}" 0
 fi
 say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"

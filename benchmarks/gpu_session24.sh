@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# 2026-12-04, twenty-fourth session, one device call (<= 9.5 min): issue 19's figures, each step optional.
+#   1. (TESTS=1) the one-GPU tests of every path that loads, clones, sleeps or refits;
+#   2. (BOOT=1) bench boot: first served load of SHAPES and the boot end to end at WS (REPEATS fresh processes per cell);
+#      (VIEWS=1) then the restart (open_held + metadata + views) on the bench's images;
+#   3. (TIMELINE=1) shape B's image (step 2's, or made), then benchmarks/probes/boot_timeline.py at W = TW
+#      (W's stalls put against the early call's steps; VARIANTS=1 adds the hand-over or all but the reply's wait in prepare());
+#   4. (CLONE=1) a 13.76 GB seed on cuda:0; (ENGINE_CLONE=1) engine-like clones, plain and early; CLONE_PAIRS pairs of
+#      a bare `import torch` + CUDA context process and a fresh `flashboot clone --verify`;
+#   5. (SERVE=1) many engines at once from one daemon (ENGINES).
+# Usage (repo root, GPU machine): OUT=/some/dir [TESTS=1] [BOOT=1 SHAPES="B C" WS="0 0.25" REPEATS=5] [CLONE=1] bash benchmarks/gpu_session24.sh
+BUDGET_S=${BUDGET_S:-560}
+source "$(dirname "$0")/gpu_prelude.sh"
+ROOT=/dev/shm/fb24; rm -rf "$ROOT"
+
+[ "${TESTS:-0}" = 1 ] && loading_gpu_tests "${TESTS_S:-220}"
+
+if [ "${BOOT:-0}" = 1 ]; then
+  say "=== 2. bench boot --end-to-end ${WS:-0 0.25} ($(date +%T))"
+  bench_boot_e2e "${BOOT_S:-400}"
+  [ "${VIEWS:-0}" = 1 ] && { say "=== 2b. restart views ($(date +%T))"; restart_views; }
+fi
+if [ "${TIMELINE:-0}" = 1 ]; then
+  say "=== 3. shape B's image (unless step 2 made it), then the boot's timeline at W = ${TW:-0.25} s ($(date +%T))"
+  [ -d "$ROOT/image-B" ] || timeout "$(left 150)" python3 - "$ROOT" <<'PY' 2>&1 | tail -3 | tee -a "$S"
+import sys, time, flashboot
+from flashboot.benchmarks.checkpoints import CHECKPOINTS, make_checkpoint
+t = time.perf_counter()
+make_checkpoint(f"{sys.argv[1]}/ckpt-B", CHECKPOINTS["B"], device="cuda:0")
+flashboot.prepack(f"{sys.argv[1]}/ckpt-B", f"{sys.argv[1]}/image-B", progress=False)
+print(f"image B made in {time.perf_counter() - t:.1f} s")
+PY
+  rm -rf "$ROOT/ckpt-B"
+  timeout "$(left "${TIMELINE_S:-240}")" python3 benchmarks/probes/boot_timeline.py "$ROOT/image-B" --shm "$ROOT/shm" \
+    --w "${TW:-0.25}" --repeats "${TREPEATS:-5}" $([ "${VARIANTS:-0}" = 1 ] && echo --variants) >"$OUT/timeline.jsonl" 2>/tmp/timeline.err
+  say "timeline rc=$?"; grep medians "$OUT/timeline.jsonl" | tee -a "$S"; tail -3 /tmp/timeline.err | tee -a "$S"
+fi
+rm -rf "$ROOT"
+if [ "${CLONE:-0}" = 1 ]; then
+  say "=== 4. clone: seed of 13.76 GB on cuda:0, engine-like clones (${ENGINE_CLONE:-1}), ${CLONE_PAIRS:-6} CLI pairs ($(date +%T))"
+  clone_figures "${CLONE_PAIRS:-6}" "${ENGINE_CLONE:-1}"
+fi
+if [ "${SERVE:-0}" = 1 ]; then
+  say "=== 5. bench serve --engines ${ENGINES:-1 2 4 8} ($(date +%T))"
+  serve_engines
+fi
+say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"
