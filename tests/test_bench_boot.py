@@ -75,6 +75,7 @@ def test_bench_boot_end_to_end_times_the_boot_in_fresh_processes(capsys):
     # the GIL the early call held, bounded by its call and its background thread's CPU time
     assert early["prepare_gil_bound_ms"] == early["prepare_call_ms"] + early["prepare_thread_cpu_ms"]
     assert early["prepare_thread_cpu_ms"] > 0 and early["prepare_gil_budget_ms"] == 20.0 + 40_250 / 1e3
+    assert 0 <= early["prepare_handover_cpu_ms"] <= early["prepare_thread_cpu_ms"]  # its part of that CPU
     assert early["x_bound_beside_copy"] == early["total_ms"] / max(early["w_beside_copy_ms"], shape["ceiling_ms"])
     assert cells[(0.1, True)]["w_alone_ms"] > 0 and cells[(0.0, True)]["w_alone_ms"] == 0
     boot.print_results(out)

@@ -150,6 +150,9 @@ def test_a_served_load_and_an_early_call_make_their_arena_as_they_hand_it_over(m
                 # the copy was asked for with the first batch; the later ones were handed over after
                 later = handle.phases_ms["handover"] if early else loaded.report.details["handover_ms"]
                 assert later > 0
+                if early:  # its CPU time on prepare's thread, part of that thread's (the GIL bound's split)
+                    cpu = loaded.report.details["prepare_handover_cpu_ms"]
+                    assert 0 < cpu <= loaded.report.details["prepare_thread_cpu_ms"]
                 assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == want
     finally:
         d.close()

@@ -221,6 +221,9 @@ class ServedCopy:
         self.sent_at = sent_at  # perf_counter when the request (with the first batch's fds) went out
         self._rest = rest  # the later batches' hand-over, where the caller runs it (hand_over_rest)
         self.handover_ms = 0.0
+        # the hand-over's CPU time on the thread that ran it: its driver calls (segments made and
+        # exported) and sends, which release the GIL, and the Python between them
+        self.handover_cpu_ms = 0.0
         self.deadline = time.monotonic() + reply_timeout_s  # the reply is due by then, however it is awaited
         self._reply: dict | None = None
         self._error: BaseException | None = None
@@ -274,7 +277,7 @@ class ServedCopy:
         rest, self._rest = self._rest, None
         if rest is None or self._sock is None:
             return
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         sock = self._sock
         try:
             rest(sock)
@@ -283,6 +286,7 @@ class ServedCopy:
             raise
         finally:
             self.handover_ms = (time.perf_counter() - t0) * 1e3
+            self.handover_cpu_ms = (time.thread_time() - cpu0) * 1e3
 
     @property
     def closed(self) -> bool:

@@ -266,6 +266,7 @@ class ServedSource(Source):
             raise
         handle.session, handle.metadata_file = started.copy, started.metadata_file
         handle.metadata_sha256 = started.metadata_file.sha256
+        handle.handover_cpu_ms = started.copy.handover_cpu_ms  # part of its thread's CPU: see PreparedLoad
         for name, ms in (("wait", started.wait_ms), ("arena", started.alloc_ms), ("attach", started.request_ms),
                          ("handover", started.handover_ms), ("metadata", started.metadata_ms)):
             handle.phases_ms[name] = handle.phases_ms.get(name, 0.0) + ms
