@@ -158,24 +158,36 @@ def test_a_served_load_and_an_early_call_make_their_arena_as_they_hand_it_over(m
         d.close()
 
 
+@pytest.mark.parametrize("load_waits", [False, True], ids=["engine-busy", "load-waiting"])
 def test_an_early_call_returns_once_the_copy_is_asked_for_and_hands_the_later_batches_over_behind(
-        multi_segment_image, tmp_path, batches, monkeypatch):
+        multi_segment_image, tmp_path, batches, monkeypatch, load_waits):
     """prepare() returns once the request with the first batch is out: its background thread
     makes, exports and sends the later batches (and reads the metadata) while the engine goes on.
-    Here that thread is held at its first later batch until prepare() has returned: the caller
-    has then sent the request alone, and the weights still arrive exact. The only thread started
-    is that background thread: the metadata's files are read in it, not by reader threads of
-    their own (each would wait for the engine's GIL to start and to be joined)."""
+    Here that thread is held at its first later batch until prepare() has returned (and, with
+    ``load_waits``, until the load has been called): the caller has then sent the request alone,
+    and the weights still arrive exact. While the engine is busy, the only thread started is that
+    background thread: the metadata's files are read in it, not by reader threads of their own
+    (each would wait for the engine's GIL to start and to be joined). Once the load waits for
+    them, with nothing of the engine's to run, they are read in threads, as a plain load does."""
     import threading
 
     import flashboot
     from flashboot import fdshare
     from flashboot.arena import segments
+    from flashboot.flashload.prepared import PreparedLoad
     from flashboot.layouts import read_image
 
     monkeypatch.setattr(segments, "SEGMENT_BYTES", segments.HOST_GRANULARITY)  # arenas of several segments here
     returned, senders = threading.Event(), []
     counting = fdshare.send_fds  # the batches fixture's
+    if load_waits:
+        claim = PreparedLoad.claim
+
+        def claiming(self, who):
+            claim(self, who)
+            returned.set()
+
+        monkeypatch.setattr(PreparedLoad, "claim", claiming)
 
     def gated(sock, fds, message=b""):
         senders.append(threading.current_thread().name)
@@ -198,13 +210,17 @@ def test_an_early_call_returns_once_the_copy_is_asked_for_and_hands_the_later_ba
         handle = flashboot.prepare(multi_segment_image, 0, "cpu", shm_dir=d.shm, mode="served", timeout_s=10)
         assert started == ["flashboot-prepare-rank0"]
         assert batches == [1] and senders[0] == threading.main_thread().name  # the request alone, from the caller
-        returned.set()
+        if not load_waits:
+            returned.set()
+            assert handle.wait_viewable(10)  # the metadata read and validated before the load is called
         with flashboot.load(multi_segment_image, 0, "cpu", prepared=handle) as loaded:
             n = loaded.arena.segments
             assert n >= 4 and batches == [1] * n
             assert set(senders[1:]) == {"flashboot-prepare-rank0"}
             assert handle.phases_ms["handover"] > 0
-            assert started[0] == "flashboot-prepare-rank0" and "flashboot-beside" not in started
+            assert started[0] == "flashboot-prepare-rank0"
+            # the metadata.json read and hashed beside the table's read and decode, and its hash
+            assert ("flashboot-beside" in started) == load_waits, started
             assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == want
     finally:
         returned.set()

@@ -523,6 +523,11 @@ class PreparedLoad:
                                      f"{self._claimed_by}; a prepared load serves one load (call prepare again)")
             self._claimed_by = who
 
+    @property
+    def load_called(self) -> bool:
+        """Whether a load has claimed this handle (it then waits for what is left of the preparation)."""
+        return self._claimed_by is not None
+
     def load(self, *, verify: bool | None = None):
         """``flashboot.load(image_dir, rank, device, prepared=self, verify=verify)``."""
         from .pipeline import load
