@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # 2026-12-04, twenty-fourth session, one device call (<= 9.5 min): issue 19's figures, each step optional.
-#   1. (TESTS=1) the one-GPU tests of every path that loads, clones, sleeps or refits;
+#   1. (TESTS=1) the one-GPU tests of every path that loads, clones, sleeps or refits; (LOAD_TESTS=1) the load path's only;
 #   2. (BOOT=1) bench boot: first served load of SHAPES and the boot end to end at WS (REPEATS fresh processes per cell);
 #      (VIEWS=1) then the restart (open_held + metadata + views) on the bench's images;
 #   3. (TIMELINE=1) shape B's image (step 2's, or made), then benchmarks/probes/boot_timeline.py at W = TW
@@ -14,6 +14,7 @@ source "$(dirname "$0")/gpu_prelude.sh"
 ROOT=/dev/shm/fb24; rm -rf "$ROOT"
 
 [ "${TESTS:-0}" = 1 ] && loading_gpu_tests "${TESTS_S:-220}"
+[ "${LOAD_TESTS:-0}" = 1 ] && load_gpu_tests "${TESTS_S:-90}"
 
 if [ "${BOOT:-0}" = 1 ]; then
   say "=== 2. bench boot --end-to-end ${WS:-0 0.25} ($(date +%T))"
