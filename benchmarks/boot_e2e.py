@@ -25,7 +25,7 @@ early call holds is also bounded directly, free of the machine's drift: its call
 thread, before W) plus its background thread's CPU time (``prepare_gil_bound_ms``, against
 :data:`GIL_BUDGET_MS` + 1 us per tensor). That CPU time includes the served hand-over's driver
 calls, which make and export the later segments with the GIL released (``prepare_handover_cpu_ms``:
-~15 ms for A's 13.8 GB), so the bound is loose for large images. W's own speed drifts within one process on the H200
+7.8 ms for A's 13.8 GB on the H200), so the bound is loose for large images. W's own speed drifts within one process on the H200
 machine (the same loop 150-370 ms apart seconds later), so W-based ratios are noisy there; each W
 is also timed in its thread's CPU time (``w_cpu_ms`` ...): ``w_off_cpu_ms``, W's wall time less
 its CPU time during the boot, is what W waited for the GIL or the machine, whatever the CPU's
