@@ -227,6 +227,57 @@ def test_an_early_call_returns_once_the_copy_is_asked_for_and_hands_the_later_ba
         d.close()
 
 
+def test_an_early_call_whose_load_waits_already_reads_the_metadata_beside_the_hand_over(
+        multi_segment_image, tmp_path, batches, monkeypatch):
+    """A load called before the early call's background thread has run at all (an engine with
+    no start-up work of its own): the metadata's files are read in threads started before the
+    later batches are handed over, so they are read meanwhile; the weights arrive exact."""
+    import threading
+
+    import flashboot
+    from flashboot import fdshare
+    from flashboot.arena import segments
+    from flashboot.flashload.prepared import PreparedLoad
+    from flashboot.layouts import read_image
+
+    monkeypatch.setattr(segments, "SEGMENT_BYTES", segments.HOST_GRANULARITY)  # arenas of several segments here
+    claimed, events = threading.Event(), []
+    claim, run, counting, start = PreparedLoad.claim, PreparedLoad._run, fdshare.send_fds, threading.Thread.start
+
+    def claiming(self, who):
+        claim(self, who)
+        claimed.set()
+
+    def held_run(self, *args):  # the background thread goes on only once the load has claimed the handle
+        assert claimed.wait(10), "the load was not called"
+        return run(self, *args)
+
+    def sending(sock, fds, message=b""):
+        events.append(("send", threading.current_thread().name))
+        return counting(sock, fds, message)
+
+    def recording_start(self):
+        events.append(("start", self.name))
+        return start(self)
+
+    monkeypatch.setattr(PreparedLoad, "claim", claiming)
+    monkeypatch.setattr(PreparedLoad, "_run", held_run)
+    monkeypatch.setattr(fdshare, "send_fds", sending)
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    want = read_image(multi_segment_image, 0).path.read_bytes()
+    try:
+        monkeypatch.setattr(threading.Thread, "start", recording_start)
+        handle = flashboot.prepare(multi_segment_image, 0, "cpu", shm_dir=d.shm, mode="served", timeout_s=10)
+        with flashboot.load(multi_segment_image, 0, "cpu", prepared=handle) as loaded:
+            assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == want
+        later = [i for i, e in enumerate(events) if e == ("send", "flashboot-prepare-rank0")]
+        readers = [i for i, e in enumerate(events) if e == ("start", "flashboot-beside")]
+        assert len(later) >= 3 and readers, events
+        assert readers[0] < later[0], events  # the reads started before the first later batch went out
+    finally:
+        d.close()
+
+
 def test_a_request_whose_later_batches_never_follow_is_broken_off_by_settle(multi_segment_image, tmp_path, batches):
     """A copy asked for with ``rest_later`` whose later batches are never handed over (its early
     call given up): settle() breaks the hand-over off, so the daemon stops and answers before the

@@ -71,8 +71,9 @@ def copy_first_steps(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: f
     ``expected_key`` (``resolved``: :func:`~flashboot.layouts.image.resolve_rank`'s result), so
     those are refused before any byte moves. ``make_arena(nbytes)``: how the arena is made
     (default: admitted on ``dev``, then created). ``read_beside()``: asked, with ``rest_later``,
-    once the later batches are handed over: True reads the metadata's files in threads of their
-    own after all (the load is waiting for them, with nothing of the engine's to run beside).
+    before and after the later batches are handed over: True reads the metadata's files in
+    threads of their own after all (the load is waiting for them, with nothing of the engine's to
+    run beside), before the hand-over if it says so then, so that they are read meanwhile.
     A failure releases what it made."""
     from flashboot.layouts.image import begin_metadata_read, read_metadata_file
 
@@ -120,6 +121,8 @@ def copy_first_steps(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: f
             if rest_later:
                 rest_later = False  # once: a retry below runs through
                 yield copy
+                if beside and read_beside is not None and read_beside():  # the load waits already: the
+                    pending = begin_metadata_read(image_dir, rank, resolved=resolved)  # reads beside the hand-over
                 copy.hand_over_rest()
             t3 = time.perf_counter()
             if beside:
