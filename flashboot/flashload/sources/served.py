@@ -51,7 +51,7 @@ def copy_first(image_dir, rank: int, dev: Device, **kwargs) -> StartedCopy:
 
 def copy_first_steps(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: float, verify: bool, resolved, tp,
                      ep, expected_key, ready=None, make_arena: Callable[[int], Any] | None = None,
-                     rest_later: bool = False, read_beside: Callable[[], bool] | None = None):
+                     rest_later: bool = False, read_beside: Callable[[], bool] = lambda: False):
     """Start the daemon's copy of rank ``rank`` into a new arena before this process reads the
     metadata, then read it (the bytes hashed, the table decoded) while the daemon copies. A
     generator whose value is the :class:`StartedCopy`; with ``rest_later`` it yields the
@@ -121,7 +121,7 @@ def copy_first_steps(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: f
             if rest_later:
                 rest_later = False  # once: a retry below runs through
                 yield copy
-                if beside and read_beside is not None and read_beside():  # the load waits already: the
+                if beside and read_beside():  # the load waits already: the
                     pending = begin_metadata_read(image_dir, rank, resolved=resolved)  # reads beside the hand-over
                 copy.hand_over_rest()
             t3 = time.perf_counter()
@@ -129,8 +129,7 @@ def copy_first_steps(image_dir, rank: int, dev: Device, *, shm_dir, timeout_s: f
                 # in threads after all once the load waits for them (an engine with no start-up
                 # work of its own), as a plain load does: C's 40,250 tensors at W = 0 on the H200
                 # took 30 ms in turn, 21.5 in threads
-                mf = (pending or begin_metadata_read(image_dir, rank, resolved=resolved,
-                                                     beside=bool(read_beside and read_beside()))).finish()
+                mf = (pending or begin_metadata_read(image_dir, rank, resolved=resolved, beside=read_beside())).finish()
                 metadata_ms += (time.perf_counter() - t3) * 1e3
         except BaseException:
             if copy is not None:
