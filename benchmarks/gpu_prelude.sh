@@ -17,7 +17,9 @@
 #   clone_figures P E  a 13.76 GB seed on cuda:0; with E=1 engine-like clones (plain, then with the early call);
 #                    then P alternating pairs of a bare `import torch` + CUDA context process and a fresh
 #                    `flashboot clone --verify` (target: +150 ms);
-#   serve_engines    many engines at once from one daemon (`bench serve --engines $ENGINES`), its table.
+#   serve_engines    many engines at once from one daemon (`bench serve --engines $ENGINES`), its table;
+#   stream_disk F    `bench stream --scale F` on the machine's disk (/var/tmp), its key lines;
+#   swap_figures F   `bench swap --scale F` (sleep/wake and swap of two images of checkpoint A), its ratios.
 # Installs the checkout; unless WARM=0, writes FlashBoot's bytecode and caches first (`flashboot warm`).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -114,6 +116,14 @@ serve_engines() {
   timeout "$(left 150)" flashboot bench serve --engines ${ENGINES:-1 2 4 8} --scale 0.15 --repeats 1 \
     --json "$OUT/serve.json" >/tmp/serve.log 2>&1
   say "bench serve rc=$?"; grep -E "^│|ceiling" /tmp/serve.log | tee -a "$S"
+}
+stream_disk() {
+  timeout "$(left 300)" flashboot bench stream --scale "$1" --json "$OUT/stream.json" >/tmp/stream.log 2>&1
+  say "bench stream rc=$?"; grep -vE "^[┏┡└]" /tmp/stream.log | tail -14 | tee -a "$S"
+}
+swap_figures() {
+  timeout "$(left 290)" flashboot bench swap --scale "$1" --repeats 3 --json "$OUT/swap.json" >/tmp/swap.log 2>&1
+  say "bench swap rc=$?"; tail -20 /tmp/swap.log | tee -a "$S"
 }
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 \
   || { tail -20 /tmp/install.log; exit 1; }

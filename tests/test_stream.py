@@ -450,6 +450,11 @@ def test_bench_stream_measures_against_the_disk(tmp_path):
     assert s["disk_read_bytes"] == s["report"]["details"]["slot_bytes"]
     assert s["ring_bytes"] <= 1 << 20 and s["buffer_cap_bytes"] == 1 << 20
     assert out["prepack"]["gbps"] > 0 and s["report"]["mode"] == "streamed from disk"
+    # the first load ran in a fresh process, on the same bytes, against the same ceiling
+    first = s["first"]
+    assert first["stream_gbps"] > 0 and first["x_disk"] == first["stream_gbps"] / s["disk_gbps"]
+    assert first["total_ms"] >= first["stream_s"] * 1e3 and first["verify_ms"] > 0
+    assert (first["threads"], first["slot_bytes"]) == (s["disk_in_flight"], s["disk_read_bytes"])
 
 
 def test_a_preloader_that_exits_ends_the_wait_with_a_clear_error(image, shm):

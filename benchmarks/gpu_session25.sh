@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# 2026-12-04, twenty-fourth session, one device call (<= 9.5 min): issue 19's figures, each step optional.
+# 2026-12-04, twenty-fifth session, one device call (<= 9.5 min): issue 19's figures, each step optional.
 #   1. (TESTS=1) the one-GPU tests of every path that loads, clones, sleeps or refits; (LOAD_TESTS=1) the load path's only;
 #   2. (BOOT=1) bench boot: first served load of SHAPES and the boot end to end at WS (REPEATS fresh processes per cell);
 #      (VIEWS=1) then the restart (open_held + metadata + views) on the bench's images;
@@ -7,11 +7,14 @@
 #      (W's stalls put against the early call's steps; VARIANTS=1 adds the hand-over or all but the reply's wait in prepare());
 #   4. (CLONE=1) a 13.76 GB seed on cuda:0; (ENGINE_CLONE=1) engine-like clones, plain and early; CLONE_PAIRS pairs of
 #      a bare `import torch` + CUDA context process and a fresh `flashboot clone --verify`;
-#   5. (SERVE=1) many engines at once from one daemon (ENGINES).
-# Usage (repo root, GPU machine): OUT=/some/dir [TESTS=1] [BOOT=1 SHAPES="B C" WS="0 0.25" REPEATS=5] [CLONE=1] bash benchmarks/gpu_session24.sh
+#   5. (SERVE=1) many engines at once from one daemon (ENGINES);
+#   6. (STREAM=1) bench stream: checkpoint A (STREAM_SCALE) streamed from the machine's disk, the first load in a fresh
+#      process and one after a warm-up, against the disk's best O_DIRECT rate at the loader's reads in flight;
+#   7. (SWAP=1) bench swap: sleep/wake (level 1, from the daemon) and swap of two images of checkpoint A.
+# Usage (repo root, GPU machine): OUT=/some/dir [TESTS=1] [BOOT=1 SHAPES="B C" WS="0 0.25" REPEATS=5] [CLONE=1] [STREAM=1] bash benchmarks/gpu_session25.sh
 BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/gpu_prelude.sh"
-ROOT=/dev/shm/fb24; rm -rf "$ROOT"
+ROOT=/dev/shm/fb25; rm -rf "$ROOT"
 
 [ "${TESTS:-0}" = 1 ] && loading_gpu_tests "${TESTS_S:-220}"
 [ "${LOAD_TESTS:-0}" = 1 ] && load_gpu_tests "${TESTS_S:-90}"
@@ -44,5 +47,13 @@ fi
 if [ "${SERVE:-0}" = 1 ]; then
   say "=== 5. bench serve --engines ${ENGINES:-1 2 4 8} ($(date +%T))"
   serve_engines
+fi
+if [ "${STREAM:-0}" = 1 ]; then
+  say "=== 6. bench stream --scale ${STREAM_SCALE:-1} ($(date +%T))"
+  stream_disk "${STREAM_SCALE:-1}"
+fi
+if [ "${SWAP:-0}" = 1 ]; then
+  say "=== 7. bench swap --scale ${SWAP_SCALE:-1} ($(date +%T))"
+  swap_figures "${SWAP_SCALE:-1}"
 fi
 say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"
