@@ -132,6 +132,12 @@ class StreamConfig:
         """Slots the ring gets for an image of ``nbytes``: as many as fit, no more than it has chunks."""
         return max(1, min(self.ring_bytes // self.slot_bytes, -(-nbytes // self.slot_bytes)))
 
+    def readers_for(self, nbytes: int) -> int:
+        """Reader threads (reads in flight) for an image of ``nbytes``: :attr:`threads`, but fewer
+        than the slots, so one slot is always free to be copied."""
+        slots = self.slots_for(nbytes)
+        return max(1, min(self.threads, slots - 1 if slots > 1 else 1))
+
 
 # ============================================================================ the ring
 class _Slot:
@@ -429,7 +435,7 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
             raise LayoutError(f"{path}: {what}: {nbytes:,} bytes expected, the file has {size:,}; nothing was loaded")
         slots = config.slots_for(nbytes)
         ring = Ring(slots, config.slot_bytes, arena.device)
-        threads = max(1, min(config.threads, slots - 1 if slots > 1 else 1))
+        threads = config.readers_for(nbytes)
         try:
             seconds, copy_s, chunks = _run(fd, path, nbytes, arena, ring, threads, direct=mode == "o_direct",
                                            stall_timeout_s=config.stall_timeout_s, on_start=on_start)
