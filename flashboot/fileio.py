@@ -9,12 +9,32 @@ at the first read (EINVAL again): callers then reopen the file buffered and say 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from typing import Callable
 
 from .errors import ImageReadError, LayoutError
 
 DIRECT_ALIGNMENT = 4096
+
+
+def io_buffer(nbytes: int) -> mmap.mmap:
+    """A page-aligned buffer of ``nbytes`` for ``O_DIRECT`` reads (and the writes after them): a
+    private anonymous mapping with huge pages asked for (``MADV_HUGEPAGE``).
+
+    The disk's DMA then lands in 2 MiB pages, so a 32 MiB read is a few large segments, not 8,192
+    pages to pin and describe one by one. Reads of 4 x 32 MiB in flight from the CPU machine's
+    virtio disk (2026-12-04): 1.65-1.84 GB/s into shared anonymous pages (``mmap(-1, n)``'s
+    default), 1.88-2.11 into private ones, 2.94-3.15 with the advice. Where the kernel has no
+    transparent huge pages the advice is refused and the pages stay small: only slower, never wrong."""
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            buf.madvise(advice)
+        except OSError:  # EINVAL without transparent huge pages
+            pass
+    return buf
 
 
 class DirectReadRefused(Exception):
@@ -46,4 +66,4 @@ def read_exactly(fd: int, view: memoryview, offset: int, need: int, *, direct: b
         got += n
 
 
-__all__ = ["DIRECT_ALIGNMENT", "DirectReadRefused", "read_exactly"]
+__all__ = ["DIRECT_ALIGNMENT", "DirectReadRefused", "io_buffer", "read_exactly"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import re
 import struct
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flashboot.errors import LayoutError
-from flashboot.fileio import DirectReadRefused, read_exactly
+from flashboot.fileio import DirectReadRefused, io_buffer, read_exactly
 
 from .format import DTYPES_BY_SAFETENSORS, DTYPES, config_hash
 
@@ -315,7 +314,7 @@ class ShardReader:
         lo = batch.start // _ALIGN * _ALIGN if direct else batch.start
         need = batch.end - lo
         ask = -(-need // _ALIGN) * _ALIGN if direct else need
-        buf = mmap.mmap(-1, max(ask, 1))  # page-aligned, as O_DIRECT needs
+        buf = io_buffer(ask)
         view = memoryview(buf)
         try:
             read_exactly(fd, view[:ask], lo, need, direct=direct, path=str(self.root / batch.file),

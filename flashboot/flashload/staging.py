@@ -11,7 +11,6 @@ import dataclasses
 import errno
 import itertools
 import json
-import mmap
 import os
 import threading
 import time
@@ -27,7 +26,7 @@ from ..errors import (
     LayoutError,
     OutOfMemoryError,
 )
-from ..fileio import DirectReadRefused, read_exactly
+from ..fileio import DirectReadRefused, io_buffer, read_exactly
 from ..memory import Device
 from .shm import (
     RankSource,
@@ -134,7 +133,7 @@ def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads
             return i
 
     def worker() -> None:
-        buf = mmap.mmap(-1, chunk_bytes)  # page-aligned, as O_DIRECT needs
+        buf = io_buffer(chunk_bytes)
         view = memoryview(buf)
         try:
             if numa_node is not None:  # the bounce buffer too: it is read right after the disk writes it
@@ -334,17 +333,24 @@ def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[
 
 
 def read_rate(path: str | os.PathLike, *, io: str = "direct", nbytes: int | None = None,
-              block_bytes: int = 16 << 20, in_flight: int = 1) -> tuple[float, str]:
+              block_bytes: int = 16 << 20, in_flight: int = 1, buffers: list | None = None) -> tuple[float, str]:
     """Read rate of the whole of ``path`` in GB/s: ``block_bytes`` reads, ``in_flight`` of them at
     once (threads taking the next block in file order, the GIL released in the read); one in flight
     is ``dd bs=16M iflag=direct``. Returns ``(gbps, mode)``; falls back to buffered reads where
     O_DIRECT is refused (mode says). A streamed load's own ceiling is this at its reader count and
-    read size: the disk's rate with the same reads in flight, not a single stream's."""
+    read size: the disk's rate with the same reads in flight, not a single stream's. The reads
+    land in :func:`~flashboot.fileio.io_buffer` buffers, as the loader's do, or in ``buffers``
+    (``in_flight`` writable buffers of ``block_bytes`` each, page-aligned, the caller's: the
+    stream's own ring slots)."""
     if in_flight < 1:
         raise FlashBootError(f"in_flight must be >= 1, got {in_flight}")
+    if buffers is not None and (len(buffers) != in_flight or any(len(b) != block_bytes for b in buffers)):
+        raise FlashBootError(f"read_rate wants {in_flight} buffers of {block_bytes:,} bytes, got "
+                             f"{[len(b) for b in buffers]}")
     fd, mode, _ = _open_source(Path(path), "auto" if io == "direct" else "buffered")
     size = os.fstat(fd).st_size if nbytes is None else nbytes
-    bufs = [mmap.mmap(-1, block_bytes) for _ in range(in_flight)]
+    owned = buffers is None
+    bufs = [io_buffer(block_bytes) for _ in range(in_flight)] if owned else list(buffers)
     done = [0] * in_flight
     errors: list[BaseException] = []
     next_block = itertools.count()
@@ -372,8 +378,9 @@ def read_rate(path: str | os.PathLike, *, io: str = "direct", nbytes: int | None
                 t.join()
         dt = time.perf_counter() - t0
     finally:
-        for b in bufs:
-            b.close()
+        if owned:
+            for b in bufs:
+                b.close()
         os.close(fd)
     if errors:
         raise errors[0]

@@ -21,7 +21,6 @@ Peak extra host memory is the ring (plus a few pages per thread), measured by th
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
 import queue
 import threading
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import CapabilityError, FlashBootError, ImageReadError, LayoutError, WaitTimeoutError
-from ..fileio import DirectReadRefused, read_exactly
+from ..fileio import DirectReadRefused, io_buffer, read_exactly
 from ..memory import Device
 
 DEFAULT_BUFFER_BYTES = 256 << 20
@@ -158,7 +157,7 @@ class Ring:
 
         self.slot_bytes, self.nbytes = slot_bytes, slots * slot_bytes
         self.device = device
-        self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._mm = io_buffer(self.nbytes)
         # The ctypes object exports the mmap's buffer only for this line: the slots' views are made
         # from the address, so an error's traceback holding a slice never blocks close().
         self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
