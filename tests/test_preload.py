@@ -243,6 +243,62 @@ def test_read_rate_with_reads_in_flight_reads_every_block_once(image, monkeypatc
         staging.read_rate(path, in_flight=0)
 
 
+def test_read_rate_reads_into_the_callers_buffers_and_leaves_them_open(image):
+    """bench stream's ceiling reads into a ring's slots, as the stream does: every byte of the
+    file passes through them, and they are the caller's to close."""
+    from flashboot.fileio import io_buffer
+
+    path = read_image(image, 0).path
+    size = path.stat().st_size
+    bufs = [io_buffer(8192) for _ in range(2)]
+    try:
+        gbps, _ = staging.read_rate(path, block_bytes=8192, in_flight=2, buffers=[memoryview(b) for b in bufs])
+        assert gbps > 0 and not any(b.closed for b in bufs)
+        last = (-(-size // 8192) - 1) * 8192  # the last block landed in one of the two buffers
+        tail = path.read_bytes()[last:]
+        assert any(bytes(b[:len(tail)]) == tail for b in bufs)
+        with pytest.raises(FlashBootError, match=r"wants 2 buffers of 8,192 bytes, got \[8192\]"):
+            staging.read_rate(path, block_bytes=8192, in_flight=2, buffers=[memoryview(bufs[0])])
+    finally:
+        for b in bufs:
+            b.close()
+
+
+def test_io_buffers_are_private_page_aligned_and_survive_a_refused_huge_page_advice(monkeypatch):
+    import ctypes
+
+    from flashboot import fileio
+
+    buf = fileio.io_buffer(3 << 20)
+    try:
+        start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        assert len(buf) == 3 << 20 and start % 4096 == 0
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+        if thp.exists() and "[never]" not in thp.read_text():  # the kernel took the advice: VmFlags "hg"
+            smaps = Path("/proc/self/smaps").read_text().split("\n")
+            head = next(i for i, line in enumerate(smaps) if line.startswith(f"{start:x}-"))
+            flags = next(line for line in smaps[head:] if line.startswith("VmFlags:")).split()[1:]
+            assert "hg" in flags
+        buf[:5] = b"bytes"
+        child = os.fork()
+        if child == 0:  # a private mapping: the child's write is its own
+            buf[:5] = b"child"
+            os._exit(0)
+        os.waitpid(child, 0)
+        assert buf[:5] == b"bytes"
+    finally:
+        buf.close()
+
+    class NoHugePages(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(fileio.mmap, "mmap", NoHugePages)
+    small = fileio.io_buffer(0)  # no transparent huge pages: the buffer all the same; a length of 0 still maps a byte
+    assert len(small) == 1
+    small.close()
+
+
 # ---------------------------------------------------------------------------------- NUMA
 def test_mbind_sets_the_policy_of_a_mapping():
     from flashboot.pinning import bind_to_node
