@@ -124,7 +124,7 @@ def _fresh_child(spec: dict) -> dict:
     d = report.details
     return {"total_ms": report.total_ms, "stream_s": report.h2d_ms / 1e3, "stream_gbps": d["read_gbps"],
             "verify_ms": report.verify_ms, "peak_extra_host_bytes": extra, "io_mode": d["io_mode"],
-            "threads": d["threads"], "slot_bytes": d["slot_bytes"]}
+            "threads": d["threads"], "slot_bytes": d["slot_bytes"], "report": report.to_dict()}
 
 
 def first_in_fresh_process(image_dir: str | os.PathLike, *, device: str, rank: int, shm_dir: str | os.PathLike,
@@ -187,8 +187,11 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
     in_flight, block = plan.readers_for(image.nbytes), plan.slot_bytes
     before_gbps, _ = _ring_read_rate(path, in_flight, block, device)
     first = first_in_fresh_process(image_dir, device=device, rank=rank, shm_dir=no_shm, config=config)
+    rf = first["report"]
     log(f"first streamed load in a fresh process: {first['total_ms'] / 1e3:.2f} s for the call, stream "
-        f"{first['stream_gbps']:.2f} GB/s, verified in {first['verify_ms']:.0f} ms")
+        f"{first['stream_gbps']:.2f} GB/s, verified in {first['verify_ms']:.0f} ms; outside the stream "
+        f"{first['total_ms'] - rf['h2d_ms']:.0f} ms (metadata {rf['metadata_ms']:.0f}, ring pin {rf['pin_ms']:.0f}, "
+        f"arena {rf['alloc_ms']:.0f}, views {rf['bind_ms']:.0f} beside the reads)")
     _warm_up(device, warm_root, buffer_bytes)
     cache = drop_file_cache(path)
     r, extra, rss0 = _stream_once(str(image_dir), rank, device, no_shm, config)

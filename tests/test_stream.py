@@ -456,6 +456,7 @@ def test_bench_stream_measures_against_the_disk(tmp_path):
     assert first["stream_gbps"] > 0 and first["x_disk"] == first["stream_gbps"] / s["disk_gbps"]
     assert first["total_ms"] >= first["stream_s"] * 1e3 and first["verify_ms"] > 0
     assert (first["threads"], first["slot_bytes"]) == (s["disk_in_flight"], s["disk_read_bytes"])
+    assert first["report"]["total_ms"] == first["total_ms"] and first["report"]["mode"] == "streamed from disk"
 
 
 def test_a_preloader_that_exits_ends_the_wait_with_a_clear_error(image, shm):
