@@ -1,9 +1,9 @@
 """The clone's CUDA path without a GPU: a do-nothing CUDA driver (tests/stub_libcuda.c, compiled
 here) answers cuda-bindings, so the copy-engine mover, its batches over side streams, the clone's
-warm-up and the executor's stream pipeline (and its release-and-drain path) run their real Python
-in a fresh interpreter. Nothing is copied: these check the calls' plumbing, the counts, the
+warm-up, the executor's stream pipeline (and its release-and-drain path) and the streamed load's
+ring and copies run their real Python in a fresh interpreter. Nothing is copied: these check the calls' plumbing, the counts, the
 errors, and that none of it imports CuPy. Byte-exact behaviour is checked on GPUs
-(tests/test_cuda_streams.py, tests/test_clone_gpu.py)."""
+(tests/test_cuda_streams.py, tests/test_clone_gpu.py, tests/test_stream.py)."""
 
 from __future__ import annotations
 
@@ -94,6 +94,28 @@ print("cupy", "cupy" in sys.modules)
 """
 
 
+_STREAMED = _PRELUDE + """
+import threading
+from flashboot import cuda_streams
+from flashboot.flashload.stream import StreamConfig, stream_image
+
+path, nbytes = sys.argv[1], int(sys.argv[2])
+arena = FakeArena(1 << 40, 1 << 30)
+threads_before = threading.active_count()
+stats = stream_image(path, nbytes, arena, StreamConfig(buffer_bytes=1 << 20, slot_bytes=64 << 10, threads=3))
+print("streamed", stats.chunks, "chunks", stats.io_mode, "slots", stats.slots, "readers", stats.threads)
+from flashboot.flashload.landing import bulk_copy, mover_for, warm_copy
+from flashboot.memory import CPU
+mover = mover_for(dev)
+warm_copy(dev, mover)
+staged = Span(4 << 40, 10 << 20, CPU, pinned=True)
+print("pinned-here chunks", bulk_copy(mover, arena, staged, 10 << 20, 4 << 20, meanwhile=lambda: "views"))
+print("idle streams", len(cuda_streams._idle.get(("stream", 0), [])))
+print("threads left", threading.active_count() - threads_before)
+print("cupy", "cupy" in sys.modules)
+"""
+
+
 @pytest.fixture(scope="module")
 def stub_driver(tmp_path_factory) -> Path:
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -145,4 +167,21 @@ def test_executor_releases_and_names_a_stream_that_never_completes(stub_driver):
         assert f"step 0 (bytes 0..4,194,304 into clone0) {why}" in line
         assert "did not drain within 1 s" in line  # the release was tried, and the drain bounded
     assert "threads left 1" in out  # the star's stuck wait, blocked in the driver (as documented)
+    assert "cupy False" in out
+
+
+def test_a_streamed_load_copies_its_slots_through_the_driver_without_cupy(stub_driver, tmp_path):
+    """The streamed load's CUDA copies (the ring pinned, a private stream, a timed pair of events
+    per copy, each slot's last copy awaited before a reader refills it) go through the driver, and
+    so do the pinned-here load's warm-up and chunked bulk copy: an engine's first streamed or
+    pinned-here load pays no CuPy import."""
+    image = tmp_path / "image.bin"
+    nbytes = (1 << 20) + 12345  # 17 chunks of 64 KiB, the last one short
+    image.write_bytes(os.urandom(nbytes))
+    script = _STREAMED.replace("path, nbytes = sys.argv[1], int(sys.argv[2])", f"path, nbytes = {str(image)!r}, {nbytes}")
+    out = _run(script, stub_driver)
+    assert "streamed 17 chunks" in out and "slots 14 readers 3" in out
+    assert "idle streams 1" in out  # the copy stream went back to the pool once its copies had run
+    assert "pinned-here chunks (3, 'views')" in out
+    assert "threads left 0" in out
     assert "cupy False" in out

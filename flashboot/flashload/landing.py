@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any
 
+from .. import _cuda
 from ..errors import ChecksumMismatchError, LayoutError, OutOfMemoryError
 from ..memory import Device
 from ..pinning import device_free_bytes
@@ -62,24 +63,24 @@ def bulk_copy(mover, arena, src_span, nbytes: int, chunk_bytes: int, *, meanwhil
         finally:
             result = side.join() if side is not None else None  # the copy's error, if any, wins
         return 1, result
-    import cupy
+    from ..cuda_streams import give_back, lend_stream
 
-    with cupy.cuda.Device(arena.device.index):
-        stream = cupy.cuda.Stream(non_blocking=True)
-        n = 0
+    stream = lend_stream(arena.device.index)  # the driver's: an engine's first copy pays no CuPy import
+    n = 0
+    try:
+        for off in range(0, nbytes, chunk_bytes):
+            size = min(chunk_bytes, nbytes - off)
+            mover.copy(arena.span(off, size), src_span.sub(off, size), stream=stream)
+            n += 1
+        result = meanwhile() if meanwhile is not None else None
+    except BaseException:
         try:
-            for off in range(0, nbytes, chunk_bytes):
-                size = min(chunk_bytes, nbytes - off)
-                mover.copy(arena.span(off, size), src_span.sub(off, size), stream=stream)
-                n += 1
-            result = meanwhile() if meanwhile is not None else None
-        except BaseException:
-            try:
-                stream.synchronize()  # what was enqueued must end before the arena can be released
-            except Exception:
-                pass  # the first error is the one to report
-            raise
-        stream.synchronize()
+            stream.synchronize()  # what was enqueued must end before the arena can be released
+        except Exception:
+            pass  # the first error is the one to report
+        raise
+    stream.synchronize()
+    give_back(stream)
     return n, result
 
 
@@ -128,14 +129,31 @@ def warm_copy(device: Device, mover) -> None:
 
         mover.copy(np.zeros(2 << 20, np.uint8), np.ones(2 << 20, np.uint8), stream=None)
         return
-    import cupy
+    _warm_driver_copy(device.index, mover)
 
-    with cupy.cuda.Device(device.index):  # this thread's current device only: the caller's is untouched
-        host = cupy.cuda.alloc_pinned_memory(1 << 16)
-        dev = cupy.cuda.alloc(1 << 16)
-        stream = cupy.cuda.Stream(non_blocking=True)
-        cupy.cuda.runtime.memcpyAsync(dev.ptr, host.ptr, 1 << 16, cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        stream.synchronize()
+
+@_cuda.keeps_context  # the caller's current context is restored
+def _warm_driver_copy(index: int, mover) -> None:
+    """:func:`warm_copy` on CUDA, through the driver (no CuPy): 64 KiB of page-locked host memory
+    copied into 64 KiB of the device by ``mover`` on a private stream."""
+    from ..cuda_streams import give_back, lend_stream
+    from ..memory import CPU, Span, cuda_device
+
+    drv = _cuda.driver()
+    _cuda.use_device(index)
+    nbytes = 1 << 16
+    host = _cuda.check(drv.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc(64 KiB, copy warm-up)")
+    try:
+        dev = int(_cuda.check(drv.cuMemAlloc(nbytes), "cuMemAlloc(64 KiB, copy warm-up)"))
+        try:
+            stream = lend_stream(index)
+            mover.copy(Span(dev, nbytes, cuda_device(index)), Span(int(host), nbytes, CPU, pinned=True), stream=stream)
+            stream.synchronize()
+            give_back(stream)
+        finally:
+            _cuda.check(drv.cuMemFree(dev), "cuMemFree(copy warm-up)")
+    finally:
+        _cuda.check(drv.cuMemFreeHost(host), "cuMemFreeHost(copy warm-up)")
 
 
 # ================================================================================ verify

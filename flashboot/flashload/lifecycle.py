@@ -187,13 +187,13 @@ def _synchronize(device) -> None:
 
 
 def _stream(device):
-    """A new non-blocking CuPy stream on ``device``; None on the host backend (its mover is synchronous)."""
+    """A new private non-blocking stream on ``device``, through the driver (no CuPy import in the
+    engine); None on the host backend (its mover is synchronous)."""
     if not device.is_cuda:
         return None
-    import cupy
+    from ..cuda_streams import Stream
 
-    with cupy.cuda.Device(device.index):
-        return cupy.cuda.Stream(non_blocking=True)
+    return Stream(device.index)
 
 
 def _copy(dst: Span, src: Span, device) -> None:
@@ -287,11 +287,10 @@ def _drain_into(backup: HostBackup, nbytes: int, device):
         mover.copy(dst.sub(offset, n), segment.sub(0, n), stream=stream)
         if stream is None:
             return None
-        import cupy
+        from ..cuda_streams import Event
 
-        with cupy.cuda.Device(device.index):
-            done = cupy.cuda.Event(disable_timing=True)
-            done.record(stream)
+        done = Event(device.index)
+        done.record(stream)
         return done.synchronize
 
     return drain, (stream.synchronize if stream is not None else (lambda: None))

@@ -253,7 +253,9 @@ def _open(path: str, io: str) -> tuple[int, str, str]:
 
 
 class _Copier:
-    """Copies filled slots into the arena: CUDA on one stream with an event per copy, or the host copy."""
+    """Copies filled slots into the arena: CUDA on one private stream with a timed pair of events
+    per copy (through the driver, :mod:`flashboot.cuda_streams`: no CuPy, whose import and first
+    use an engine would pay inside its first streamed load), or the host copy."""
 
     def __init__(self, arena):
         self.arena = arena
@@ -261,10 +263,9 @@ class _Copier:
         self.copy_s = 0.0
         self._timed: list = []
         if self.cuda:
-            import cupy
+            from ..cuda_streams import lend_stream
 
-            with cupy.cuda.Device(arena.device.index):
-                self.stream = cupy.cuda.Stream(non_blocking=True)
+            self.stream = lend_stream(arena.device.index)
 
     def copy(self, slot: _Slot, offset: int, nbytes: int) -> None:
         dst = self.arena.span(offset, nbytes)
@@ -275,33 +276,53 @@ class _Copier:
             host_copy(dst.ptr, slot.ptr, nbytes)
             self.copy_s += time.perf_counter() - t0
             return
-        import cupy
-
-        from ..movers.copy_engine import _CUDA_MEMCPY_DEFAULT
-
-        with cupy.cuda.Device(self.arena.device.index):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(self.stream)
-            cupy.cuda.runtime.memcpyAsync(dst.ptr, slot.ptr, nbytes, _CUDA_MEMCPY_DEFAULT, self.stream.ptr)
-            end.record(self.stream)
+        start, end = self._issue(dst.ptr, slot.ptr, nbytes)
         slot.copied = end
         self._timed.append((start, end))
 
+    def _issue(self, dst: int, src: int, nbytes: int):
+        """``cuMemcpyAsync`` of the slot at ``src`` to ``dst`` between two recorded events, in the
+        arena's device context (the caller's current context is restored: this runs on the loading
+        thread, which may be the engine's)."""
+        from .. import _cuda
+        from ..cuda_streams import Event
+
+        index = self.arena.device.index
+
+        @_cuda.keeps_context
+        def issue():
+            _cuda.use_device(index)
+            start, end = Event(index, timing=True), Event(index, timing=True)
+            start.record(self.stream)
+            _cuda.check(_cuda.driver().cuMemcpyAsync(dst, src, nbytes, self.stream.ptr),
+                        f"cuMemcpyAsync({nbytes:,} bytes of a stream slot to cuda:{index})")
+            end.record(self.stream)
+            return start, end
+
+        return issue()
+
     def finish(self) -> None:
-        """Wait for every copy; add the CUDA copies' event times to ``copy_s``."""
+        """Wait for every copy; add the CUDA copies' event times to ``copy_s``; hand the stream back."""
         if not self.cuda:
             return
-        import cupy
-
-        with cupy.cuda.Device(self.arena.device.index):
-            self.stream.synchronize()
-            self.copy_s += sum(cupy.cuda.get_elapsed_time(a, b) for a, b in self._timed) * 1e-3
-        self._timed.clear()
+        self.stream.synchronize()
+        self.copy_s += sum(a.elapsed_ms(b) for a, b in self._timed) * 1e-3
+        self._release()
 
     def settle(self) -> None:
         """After a failure: wait for what was enqueued (the arena and ring are released next)."""
         if self.cuda:
             self.stream.synchronize()
+            self._release()
+
+    def _release(self) -> None:
+        from ..cuda_streams import give_back
+
+        for pair in self._timed:
+            for ev in pair:
+                ev.close()
+        self._timed.clear()
+        give_back(self.stream)  # its work has run
 
 
 def _take_slot(free: queue.Queue, stop: threading.Event) -> _Slot | None:
@@ -399,6 +420,8 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, threads: int, *, di
         stop.set()
         for t in pool:
             t.join(_JOIN_S)
+        for each in ring.slots:  # the copies' events are closed: a retry through this ring must not wait on them
+            each.copied = None
         stuck = [t.name for t in pool if t.is_alive()]
         if stuck:  # a read still writes into the ring: it must not be unmapped under it
             ring.leak = True
