@@ -129,3 +129,24 @@ def test_a_load_and_its_close_import_nothing_of_flashclone(tmp_path):
             "assert li.tensors\nli.close()\n"
             "print(sorted(m for m in sys.modules if m.startswith('flashboot.flashclone')))")
     assert run_python("-c", code).strip() == "[]"
+
+
+DAEMON_MODULES = {"server", "serve_copy"}
+"""The preload daemon's own modules: its process imports CuPy once for its copies and verifies."""
+
+
+def test_the_engine_side_of_flashload_never_imports_cupy():
+    """An engine's load (served, pinned here, streamed), its early call and its sleep and wake copy
+    through the driver's streams and events (flashboot.cuda_streams): importing CuPy in the engine
+    cost 108-167 ms with the GIL held (issue 19), inside its first load. Only the daemon's modules
+    may import it. Read from the source, lazy imports included."""
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        if module in DAEMON_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            offenders += [f"{module}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "cupy"]
+    assert not offenders, offenders
