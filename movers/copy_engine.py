@@ -22,9 +22,6 @@ from .base import Mover
 from .batch import ChunkBatch
 from .registry import register_mover
 
-_CUDA_MEMCPY_DEFAULT = 4
-"""``cudaMemcpyDefault`` (direction from the pointers), for callers that copy through the runtime."""
-
 MAX_BATCH_STREAMS = 16
 
 
