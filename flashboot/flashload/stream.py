@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .. import _cuda
 from ..errors import CapabilityError, FlashBootError, ImageReadError, LayoutError, WaitTimeoutError
 from ..fileio import DirectReadRefused, io_buffer, read_exactly
 from ..memory import Device
@@ -280,26 +281,20 @@ class _Copier:
         slot.copied = end
         self._timed.append((start, end))
 
+    @_cuda.keeps_context  # this runs on the loading thread, which may be the engine's
     def _issue(self, dst: int, src: int, nbytes: int):
         """``cuMemcpyAsync`` of the slot at ``src`` to ``dst`` between two recorded events, in the
-        arena's device context (the caller's current context is restored: this runs on the loading
-        thread, which may be the engine's)."""
-        from .. import _cuda
+        arena's device context; returns the events."""
         from ..cuda_streams import Event
 
         index = self.arena.device.index
-
-        @_cuda.keeps_context
-        def issue():
-            _cuda.use_device(index)
-            start, end = Event(index, timing=True), Event(index, timing=True)
-            start.record(self.stream)
-            _cuda.check(_cuda.driver().cuMemcpyAsync(dst, src, nbytes, self.stream.ptr),
-                        f"cuMemcpyAsync({nbytes:,} bytes of a stream slot to cuda:{index})")
-            end.record(self.stream)
-            return start, end
-
-        return issue()
+        _cuda.use_device(index)
+        start, end = Event(index, timing=True), Event(index, timing=True)
+        start.record(self.stream)
+        _cuda.check(_cuda.driver().cuMemcpyAsync(dst, src, nbytes, self.stream.ptr),
+                    f"cuMemcpyAsync({nbytes:,} bytes of a stream slot to cuda:{index})")
+        end.record(self.stream)
+        return start, end
 
     def finish(self) -> None:
         """Wait for every copy; add the CUDA copies' event times to ``copy_s``; hand the stream back."""
@@ -361,8 +356,6 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, threads: int, *, di
     def reader() -> None:
         try:
             if copier.cuda:
-                from .. import _cuda
-
                 _cuda.use_device(arena.device.index)  # this thread owns its context: synchronising events needs one
             while not stop.is_set() and (i := take()) is not None:
                 slot = _take_slot(free, stop)
