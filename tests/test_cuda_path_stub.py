@@ -111,6 +111,14 @@ warm_copy(dev, mover)
 staged = Span(4 << 40, 10 << 20, CPU, pinned=True)
 print("pinned-here chunks", bulk_copy(mover, arena, staged, 10 << 20, 4 << 20, meanwhile=lambda: "views"))
 print("idle streams", len(cuda_streams._idle.get(("stream", 0), [])))
+from pathlib import Path
+from flashboot.flashload.lifecycle import HostBackup
+backup = HostBackup(6 << 20, dev)  # a level-1 sleep's backup: populated by threads, then pinned
+smaps = Path("/proc/self/smaps").read_text().split("\\n")
+head = next(i for i, line in enumerate(smaps) if line.startswith(f"{backup.ptr:x}-"))
+rss = int(next(line for line in smaps[head:] if line.startswith("Rss:")).split()[1]) * 1024
+print("backup resident", rss >= 6 << 20, "pinned", backup._pinned is not None)
+backup.close()
 print("threads left", threading.active_count() - threads_before)
 print("cupy", "cupy" in sys.modules)
 """
@@ -183,5 +191,6 @@ def test_a_streamed_load_copies_its_slots_through_the_driver_without_cupy(stub_d
     assert "streamed 17 chunks" in out and "slots 14 readers 3" in out
     assert "idle streams 1" in out  # the copy stream went back to the pool once its copies had run
     assert "pinned-here chunks (3, 'views')" in out
+    assert "backup resident True pinned True" in out
     assert "threads left 0" in out
     assert "cupy False" in out

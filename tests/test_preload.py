@@ -561,3 +561,37 @@ def test_served_copy_pieces_cover_the_image_in_whole_checksum_chunks(monkeypatch
         assert all(n % chunk_bytes == 0 and n <= max(serve_chunk_bytes, chunk_bytes) for _, n in pieces[:-1])
         digests = [d for off, n in pieces for d in chunk_checksums_host(raw[off:off + n], chunk_bytes)]
         assert digests == chunk_checksums_host(raw, chunk_bytes)
+
+
+def _resident_bytes(start: int) -> int:
+    """Rss of the mapping that begins at ``start``, from /proc/self/smaps."""
+    smaps = Path("/proc/self/smaps").read_text().split("\n")
+    head = next(i for i, line in enumerate(smaps) if line.startswith(f"{start:x}-"))
+    return int(next(line for line in smaps[head:] if line.startswith("Rss:")).split()[1]) * 1024
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_populate_faults_in_every_page_of_a_buffer_on_its_threads(monkeypatch, threads):
+    """What a buffer about to be pinned gets first (cuMemHostRegister then pins pages that exist):
+    every page resident, the bytes zero, shared out over the threads asked for."""
+    import ctypes
+    import threading
+
+    from flashboot import fileio, pinning
+
+    monkeypatch.setattr(pinning, "POPULATE_SHARE_BYTES", 1 << 20)
+    started = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), real_start(self))[1])
+    nbytes = (3 << 20) + 4096 * 5  # not a multiple of a share: the last thread's share is short
+    buf = fileio.io_buffer(nbytes)
+    try:
+        start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        before = _resident_bytes(start)
+        assert before < nbytes
+        pinning.populate(buf, threads=threads)
+        assert _resident_bytes(start) >= nbytes
+        assert buf[:] == bytes(nbytes)
+        assert len([n for n in started if n.startswith("flashboot-populate-")]) == threads - 1
+    finally:
+        buf.close()

@@ -24,7 +24,6 @@ An arena shared with another process for its lifetime (a holder, see
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -116,23 +115,26 @@ class WakeReport:
 
 # ============================================================================= the backup
 class HostBackup:
-    """A host copy of an image's bytes: one anonymous mapping, pinned with ``cuMemHostRegister``
-    for a CUDA arena (the D2H and H2D then run at the copy engine's rate). :meth:`close` unpins
-    and unmaps it."""
+    """A host copy of an image's bytes: one private anonymous mapping (huge pages asked for),
+    for a CUDA arena populated by several threads and then pinned with ``cuMemHostRegister`` (the
+    D2H and H2D then run at the copy engine's rate; see :func:`~flashboot.pinning.populate` for
+    why populated first). :meth:`close` unpins and unmaps it."""
 
     def __init__(self, nbytes: int, device):
-        from ..pinning import register_host
+        import ctypes
+
+        from ..fileio import io_buffer
+        from ..pinning import populate, register_host
 
         self.nbytes = nbytes
         t0 = time.perf_counter()
-        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        import ctypes
-
+        self._map = io_buffer(nbytes)
         self._buf = (ctypes.c_uint8 * nbytes).from_buffer(self._map)
         self.ptr = ctypes.addressof(self._buf)
         self._pinned = None
         try:
             if device.is_cuda:
+                populate(self._map)
                 self._pinned = register_host(self.ptr, nbytes, device)
         except BaseException:
             self.close()
