@@ -21,8 +21,8 @@
 #   stream_disk F    `bench stream --scale F` on the machine's disk (/var/tmp), its key lines;
 #   swap_figures F   `bench swap --scale F` (sleep/wake and swap of two images of checkpoint A), its ratios;
 #   probe_figures G D  benchmarks/probes/view_faults.py (shape B, 3 fresh processes per arena device in
-#                    $VIEW_DEVICES and view thread count in $VIEW_THREADS), backup_pin.py (G GiB; 0: none),
-#                    disk_depth.py (a D GiB file on /var/tmp; 0: none), into $OUT/probes.jsonl.
+#                    $VIEW_DEVICES and view thread count in $VIEW_THREADS), backup_pin.py (G GiB, $PIN_WAYS; 0: none),
+#                    disk_depth.py (a D GiB file on /var/tmp; 0: none; $DISK_CONFIGS: its CONFIGS ROUNDS), into $OUT/probes.jsonl.
 # Installs the checkout; unless WARM=0, writes FlashBoot's bytecode and caches first (`flashboot warm`).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -131,14 +131,14 @@ swap_figures() {
 probe_figures() {
   local P="$OUT/probes.jsonl" R=/dev/shm/fb-probes
   rm -rf "$R"; timeout "$(left 60)" python3 benchmarks/probes/view_faults.py make "$R" B >/tmp/probe.log 2>&1 || tail -3 /tmp/probe.log
-  for k in 1 2 3; do for d in ${VIEW_DEVICES:-cuda:0}; do for t in ${VIEW_THREADS:-1 4}; do
+  [ -n "${VIEW_DEVICES-x}" ] && for k in 1 2 3; do for d in ${VIEW_DEVICES:-cuda:0}; do for t in ${VIEW_THREADS:-1 4}; do
     timeout "$(left 30)" python3 benchmarks/probes/view_faults.py run "$R" "$d" "$t" 2>>/tmp/probe.log | tee -a "$P" | tee -a "$S"
   done; done; done
   rm -rf "$R"
-  [ "$1" != 0 ] && timeout "$(left 120)" python3 benchmarks/probes/backup_pin.py "$1" 2>>/tmp/probe.log | tee -a "$P" | tee -a "$S"
+  [ "$1" != 0 ] && timeout "$(left 120)" python3 benchmarks/probes/backup_pin.py "$1" cuda:0 ${PIN_WAYS:-small,huge,huge+touch} 2>>/tmp/probe.log | tee -a "$P" | tee -a "$S"
   if [ "$2" != 0 ]; then
     dd if=/dev/zero of=/var/tmp/fb-depth.bin bs=64M count=$(( $2 * 16 )) oflag=direct status=none
-    timeout "$(left 200)" python3 benchmarks/probes/disk_depth.py /var/tmp/fb-depth.bin cuda:0 2>>/tmp/probe.log | tee -a "$P" | tee -a "$S"
+    timeout "$(left 200)" python3 benchmarks/probes/disk_depth.py /var/tmp/fb-depth.bin cuda:0 $DISK_CONFIGS 2>>/tmp/probe.log | tee -a "$P" | tee -a "$S"
     rm -f /var/tmp/fb-depth.bin
   fi
   tail -3 /tmp/probe.log | tee -a "$S"

@@ -2,11 +2,12 @@
 session's `bench stream` found one 16 MiB stream at 2.40 GB/s against 1.93-2.02 with the stream's
 own 4 reads of 32 MiB in flight, on the same file, minutes apart).
 
-``python benchmarks/probes/disk_depth.py FILE [DEVICE]``: FILE's cache dropped before each read
-of all of it, through :func:`flashboot.flashload.staging.read_rate`; the configurations in a fixed
-order, then the first two again (the disk's rate drifts). ``pinned``: into ring slots such as the
-stream's (pinned on CUDA) rather than unpinned :func:`~flashboot.fileio.io_buffer` buffers. One
-JSON line per read.
+``python benchmarks/probes/disk_depth.py FILE [DEVICE [CONFIGS ROUNDS]]``: FILE's cache dropped
+before each read of all of it, through :func:`flashboot.flashload.staging.read_rate`. Without
+CONFIGS, :data:`CONFIGS` in that order, then the first two again (the disk's rate drifts), then
+two reads into ring slots such as the stream's (``pinned`` on CUDA) rather than unpinned
+:func:`~flashboot.fileio.io_buffer` buffers. With CONFIGS (``1x16,4x32``: reads in flight x MiB),
+those in turn ROUNDS times, so that each is measured beside the others' drift. One JSON line per read.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ def main() -> None:
 
     path = sys.argv[1]
     device = sys.argv[2] if len(sys.argv) > 2 else None
-    runs = [(k, m, False) for k, m in CONFIGS] + ([(4, 32, True), (1, 16, True)] if device else [])
+    if len(sys.argv) > 3:
+        pairs = [tuple(int(x) for x in c.split("x")) for c in sys.argv[3].split(",")]
+        runs = [(k, m, False) for _ in range(int(sys.argv[4])) for k, m in pairs]
+    else:
+        runs = [(k, m, False) for k, m in CONFIGS] + ([(4, 32, True), (1, 16, True)] if device else [])
     for in_flight, mib, pinned in runs:
         ring = None
         if pinned:
