@@ -52,13 +52,10 @@ CHILD_TIMEOUT_S = 300.0
 # ================================================================================ the child
 def _child(spec: dict) -> dict:
     """One loader, first and second call, in this (fresh) process; returns what it measured."""
-    import torch
+    from flashboot.benchmarks.timing import engine_context
 
     dev = spec["device"]
-    if dev.startswith("cuda"):  # an engine holds its context before it loads
-        torch.cuda.set_device(torch.device(dev))
-        torch.zeros(1, device=dev)
-        torch.cuda.synchronize()
+    engine_context(dev)
     loader = spec["loader"]
     if loader == "end to end":
         from flashboot.benchmarks.boot_e2e import child

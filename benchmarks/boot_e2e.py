@@ -103,17 +103,11 @@ def calibrate_steps_per_s() -> float:
 def child(spec: dict) -> dict:
     """One cell in this (fresh) process; see the module docstring. ``spec["what"]``: "alone" (W
     only) or "boot" (``early``: bool); ``spec["w_s"]``: W's seconds, calibrated here."""
-    import torch
+    from flashboot.benchmarks.timing import engine_context
 
     dev = spec["device"]
-    if dev.startswith("cuda"):  # an engine holds its context before it loads
-        torch.cuda.set_device(torch.device(dev))
-        torch.zeros(1, device=dev)
-        torch.cuda.synchronize()
+    engine_context(dev, loader=True)
     import flashboot
-    from flashboot.flashload.warm import import_loader
-
-    import_loader(dev)  # as the engine plugins do at engine start
 
     from flashboot.benchmarks.load import _sync
     from flashboot.flashload.landing import verify_loaded

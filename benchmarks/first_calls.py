@@ -33,23 +33,16 @@ import subprocess
 import sys
 import time
 
+from flashboot.benchmarks.timing import engine_context
+
 
 FIRST_CALL_TARGET_MS = 20.0
 """Issue 19: the checksum's first call in a fresh process (torch and its CUDA context there,
 after ``flashboot warm``), its import included."""
 
 
-def _context(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-        torch.zeros(1, device=device)
-        torch.cuda.synchronize()
-
-
 def _views_child(image: str, device: str, descriptor: dict, threads: int | None) -> dict:
-    _context(device)
+    engine_context(device)
     import flashboot  # noqa: F401
     from flashboot.arena import Arena, ArenaDescriptor
     from flashboot.flashload.views import make_views
@@ -116,7 +109,7 @@ def _imported(before: set[str]) -> dict:
 
 
 def _checksum_child(device: str) -> dict:
-    _context(device)
+    engine_context(device)
     import torch
 
     import flashboot  # noqa: F401
@@ -146,7 +139,7 @@ def _checksum_parts_child(device: str) -> dict:
     the call uses (key and entry again: ``repeated_ms``), ``cuModuleLoadData`` +
     ``cuModuleGetFunction``, then the call itself (its output buffer, the launch, the wait and the
     read-back) and a second call. ``first_call_ms`` is the parts' sum less what was repeated."""
-    _context(device)
+    engine_context(device)
     import torch
 
     import flashboot  # noqa: F401

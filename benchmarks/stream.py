@@ -110,16 +110,10 @@ def _stream_once(image_dir: str, rank: int, device: str, shm_dir: str, config: d
 def _fresh_child(spec: dict) -> dict:
     """:func:`first_in_fresh_process`'s child: the CUDA context and the loader's imports first (not
     timed), then one verified streamed load (its report's ``total_ms``: the call, verify included)."""
-    import torch
-
-    from flashboot.flashload.warm import import_loader
+    from flashboot.benchmarks.timing import engine_context
 
     device = spec["device"]
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-        torch.zeros(1, device=device)
-        torch.cuda.synchronize()
-    import_loader(device)
+    engine_context(device, loader=True)
     report, extra, _ = _stream_once(spec["image"], spec["rank"], device, spec["shm"], spec["config"])
     d = report.details
     return {"total_ms": report.total_ms, "stream_s": report.h2d_ms / 1e3, "stream_gbps": d["read_gbps"],

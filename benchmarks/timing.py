@@ -81,6 +81,23 @@ def time_host(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5) -> Ti
     return out
 
 
+def engine_context(device: str, *, loader: bool = False) -> None:
+    """Make this fresh process engine-like before anything is timed: ``device``'s CUDA context
+    created and current (an engine holds it before it loads; nothing on the host backend), and
+    with ``loader`` FlashBoot's loader imported as the engine plugins import it at start
+    (:func:`flashboot.flashload.warm.import_loader`). Nothing else is warmed."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+        torch.zeros(1, device=device)
+        torch.cuda.synchronize()
+    if loader:
+        from flashboot.flashload.warm import import_loader
+
+        import_loader(device)
+
+
 def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     """A rich table on stdout."""
     from rich.console import Console

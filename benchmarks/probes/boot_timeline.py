@@ -101,18 +101,15 @@ def _variant(name: str) -> None:
 
 
 def child(spec: dict) -> dict:
-    import torch
+    from flashboot.benchmarks.timing import engine_context
 
     dev = spec["device"]
-    if dev.startswith("cuda"):
-        torch.cuda.set_device(torch.device(dev))
-        torch.zeros(1, device=dev)
-        torch.cuda.synchronize()
+    engine_context(dev, loader=True)
+    import torch
+
     import flashboot
     from flashboot.benchmarks.boot_e2e import calibrate_steps_per_s
-    from flashboot.flashload.warm import import_loader
 
-    import_loader(dev)
     _variant(spec["what"])
     events: list = []
     _hook(events)

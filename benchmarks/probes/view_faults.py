@@ -33,18 +33,12 @@ def make(root: str, shape: str) -> None:
 
 
 def run(root: str, device: str, threads: int) -> dict:
-    import torch
+    from flashboot.benchmarks.timing import engine_context
 
-    if device.startswith("cuda"):  # an engine holds its context before it loads
-        torch.cuda.set_device(torch.device(device))
-        torch.zeros(1, device=device)
-        torch.cuda.synchronize()
+    engine_context(device, loader=True)
     from flashboot.arena import Arena
     from flashboot.flashload.views import make_views
-    from flashboot.flashload.warm import import_loader
     from flashboot.layouts import read_image
-
-    import_loader(device)
     image = read_image(f"{root}/img", 0)
     arena = Arena.create(image.nbytes, device)
     out: dict = {"device": device, "threads": threads, "tensors": len(image.metadata.tensors)}
