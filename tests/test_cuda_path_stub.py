@@ -119,6 +119,14 @@ head = next(i for i, line in enumerate(smaps) if line.startswith(f"{backup.ptr:x
 rss = int(next(line for line in smaps[head:] if line.startswith("Rss:")).split()[1]) * 1024
 print("backup resident", rss >= 6 << 20, "pinned", backup._pinned is not None)
 backup.close()
+import flashboot.pinning
+from flashboot.errors import OutOfMemoryError
+flashboot.pinning.device_free_bytes = lambda device: 4 << 20  # the host has less than the backup needs
+maps_before = Path("/proc/self/maps").read_text().count("\\n")
+try:
+    HostBackup(6 << 20, dev)
+except OutOfMemoryError as exc:
+    print("backup refused:", exc, "| mappings added", Path("/proc/self/maps").read_text().count("\\n") - maps_before)
 print("threads left", threading.active_count() - threads_before)
 print("cupy", "cupy" in sys.modules)
 """
@@ -192,5 +200,7 @@ def test_a_streamed_load_copies_its_slots_through_the_driver_without_cupy(stub_d
     assert "idle streams 1" in out  # the copy stream went back to the pool once its copies had run
     assert "pinned-here chunks (3, 'views')" in out
     assert "backup resident True pinned True" in out
+    assert ("backup refused: a level-1 sleep's host backup (MemAvailable; level 2 keeps nothing on the host): "
+            "needs 6,291,456 bytes but only 4,194,304 are free (short by 2,097,152) | mappings added 0") in out
     assert "threads left 0" in out
     assert "cupy False" in out

@@ -124,10 +124,16 @@ class HostBackup:
         import ctypes
 
         from ..fileio import io_buffer
-        from ..pinning import populate, register_host
+        from ..memory import CPU
+        from ..pinning import device_free_bytes, populate, register_host
 
         self.nbytes = nbytes
         t0 = time.perf_counter()
+        if device.is_cuda:  # populating memory the host lacks would wake the OOM killer, not raise
+            free = device_free_bytes(CPU)
+            if nbytes > free:
+                raise OutOfMemoryError(f"a level-1 sleep's host backup (MemAvailable; level 2 keeps nothing on the "
+                                       f"host)", nbytes, free)
         self._map = io_buffer(nbytes)
         self._buf = (ctypes.c_uint8 * nbytes).from_buffer(self._map)
         self.ptr = ctypes.addressof(self._buf)
