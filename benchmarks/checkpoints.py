@@ -196,6 +196,17 @@ def make_checkpoint(root: str, spec: CheckpointSpec, *, seed: int = 0, device: s
     return SyntheticCheckpoint(root, spec, files, total, len(names), checksums)
 
 
+def make_small_image(root: str, shape: str, scale: float = 0.002) -> str:
+    """Shape ``shape``'s checkpoint at ``scale`` of its bytes, its tensor count kept (what per-tensor
+    costs such as the views depend on), drawn on the CPU into ``root/ckpt`` and pre-packed into
+    ``root/img``; returns the image's directory. For probes of per-tensor costs."""
+    import flashboot
+
+    make_checkpoint(f"{root}/ckpt", CHECKPOINTS[shape].scaled(scale), device="cpu")
+    flashboot.prepack(f"{root}/ckpt", f"{root}/img", progress=False)
+    return f"{root}/img"
+
+
 def _manifest(root: str) -> dict:
     try:
         with open(os.path.join(root, MANIFEST)) as f:
@@ -218,6 +229,6 @@ def open_checkpoint(root: str) -> SyntheticCheckpoint | None:
 
 
 __all__ = [
-    "CheckpointSpec", "CHECKPOINT_A", "CHECKPOINT_B", "CHECKPOINT_C", "CHECKPOINTS", "SyntheticCheckpoint", "make_checkpoint",
+    "CheckpointSpec", "CHECKPOINT_A", "CHECKPOINT_B", "CHECKPOINT_C", "CHECKPOINTS", "SyntheticCheckpoint", "make_checkpoint", "make_small_image",
     "open_checkpoint", "combine_digests", "tensor_checksum", "tensors_digest",
 ]

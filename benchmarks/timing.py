@@ -82,13 +82,13 @@ def time_host(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5) -> Ti
 
 
 def engine_context(device: str, *, loader: bool = False) -> None:
-    """Make this fresh process engine-like before anything is timed: ``device``'s CUDA context
-    created and current (an engine holds it before it loads; nothing on the host backend), and
-    with ``loader`` FlashBoot's loader imported as the engine plugins import it at start
+    """Make this fresh process engine-like before anything is timed: torch imported and, on CUDA,
+    ``device``'s context created and current (an engine holds both before it loads), and with
+    ``loader`` FlashBoot's loader imported as the engine plugins import it at start
     (:func:`flashboot.flashload.warm.import_loader`). Nothing else is warmed."""
-    if device.startswith("cuda"):
-        import torch
+    import torch
 
+    if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
         torch.zeros(1, device=device)
         torch.cuda.synchronize()

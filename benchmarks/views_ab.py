@@ -14,14 +14,6 @@ import sys
 import time
 
 
-def make(root: str) -> None:
-    import flashboot
-    from flashboot.benchmarks.checkpoints import CHECKPOINTS, make_checkpoint
-
-    make_checkpoint(f"{root}/ckpt", CHECKPOINTS["C"].scaled(0.002), device="cpu")
-    flashboot.prepack(f"{root}/ckpt", f"{root}/img", progress=False)
-
-
 def run(root: str, which: str, threads: int) -> dict:
     import torch
 
@@ -53,6 +45,8 @@ def run(root: str, which: str, threads: int) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1] == "make":
-        make(sys.argv[2])
+        from flashboot.benchmarks.checkpoints import make_small_image
+
+        make_small_image(sys.argv[2], "C")
     else:
         print(json.dumps(run(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 1)))

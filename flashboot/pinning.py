@@ -199,9 +199,6 @@ def populate(buf, *, threads: int | None = None) -> None:
     threads = max(1, min(threads, len(pages) * 4096 // POPULATE_SHARE_BYTES))
     share = -(-len(pages) // threads)
     parts = [pages[i:i + share] for i in range(0, len(pages), share)]
-    if len(parts) == 1:
-        parts[0].fill(0)
-        return
     errors: list[BaseException] = []
 
     def fill(part) -> None:
@@ -218,7 +215,7 @@ def populate(buf, *, threads: int | None = None) -> None:
     for w in workers:
         w.join(POPULATE_TIMEOUT_S)
         if w.is_alive():
-            raise FlashBootError(f"{w.name} did not fault in its {len(parts[1]) * 4096:,} bytes in "
+            raise FlashBootError(f"{w.name} did not fault in its share of {len(buf):,} bytes in "
                                  f"{POPULATE_TIMEOUT_S:g} s")
     if errors:
         raise errors[0]

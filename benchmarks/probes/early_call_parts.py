@@ -71,8 +71,8 @@ def run(root: str, threads: int) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1] == "make":  # the same image as the views' A/B
-        from flashboot.benchmarks.views_ab import make
+        from flashboot.benchmarks.checkpoints import make_small_image
 
-        make(sys.argv[2])
+        make_small_image(sys.argv[2], "C")
     else:
         print(json.dumps(run(sys.argv[2], int(sys.argv[3]))))

@@ -24,14 +24,6 @@ import sys
 import time
 
 
-def make(root: str, shape: str) -> None:
-    import flashboot
-    from flashboot.benchmarks.checkpoints import CHECKPOINTS, make_checkpoint
-
-    make_checkpoint(f"{root}/ckpt", CHECKPOINTS[shape].scaled(0.002), device="cpu")
-    flashboot.prepack(f"{root}/ckpt", f"{root}/img", progress=False)
-
-
 def run(root: str, device: str, threads: int) -> dict:
     from flashboot.benchmarks.timing import engine_context
 
@@ -39,6 +31,7 @@ def run(root: str, device: str, threads: int) -> dict:
     from flashboot.arena import Arena
     from flashboot.flashload.views import make_views
     from flashboot.layouts import read_image
+
     image = read_image(f"{root}/img", 0)
     arena = Arena.create(image.nbytes, device)
     out: dict = {"device": device, "threads": threads, "tensors": len(image.metadata.tensors)}
@@ -58,6 +51,8 @@ def run(root: str, device: str, threads: int) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1] == "make":
-        make(sys.argv[2], sys.argv[3])
+        from flashboot.benchmarks.checkpoints import make_small_image
+
+        make_small_image(sys.argv[2], sys.argv[3])
     else:
         print(json.dumps(run(sys.argv[2], sys.argv[3], int(sys.argv[4]))))

@@ -22,14 +22,6 @@ import threading
 import time
 
 
-def make(root: str, shape: str) -> None:
-    import flashboot
-    from flashboot.benchmarks.checkpoints import CHECKPOINTS, make_checkpoint
-
-    make_checkpoint(f"{root}/ckpt", CHECKPOINTS[shape].scaled(0.002), device="cpu")
-    flashboot.prepack(f"{root}/ckpt", f"{root}/img", progress=False)
-
-
 def run(root: str, mode: str, threads: int, interval_ms: float, w_s: float) -> dict:
     import torch  # noqa: F401
 
@@ -76,6 +68,8 @@ def run(root: str, mode: str, threads: int, interval_ms: float, w_s: float) -> d
 
 if __name__ == "__main__":
     if sys.argv[1] == "make":
-        make(sys.argv[2], sys.argv[3])
+        from flashboot.benchmarks.checkpoints import make_small_image
+
+        make_small_image(sys.argv[2], sys.argv[3])
     else:
         print(json.dumps(run(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]))))
