@@ -15,7 +15,9 @@ then in this process, which already holds its CUDA context (as an engine does):
    ``/proc/sys/vm/drop_caches`` where writable), ``VmHWM`` reset (``/proc/self/clear_refs``);
 3. ``flashboot.load(..., stream=True, stream_buffer_bytes=CAP, verify=True)``: the stream's rate
    and the peak RSS beyond the baseline (the pinned ring is anonymous memory, so it is in the
-   RSS; on the host backend the arena's own pages are subtracted);
+   RSS; on the host backend the arena's own pages are subtracted); the reads in flight it kept
+   (:mod:`flashboot.flashload.read_depth`); then the same load with them fixed at the configured
+   depth (``adapt_reads=False``), cache dropped again;
 4. the page cache dropped again, then O_DIRECT reads of the whole file with the loader's own
    reads in flight and read size, into a ring of slots such as the stream's own, and (dropped
    again) one ``dd``-like stream (:func:`flashboot.flashload.staging.read_rate`). The reads in
@@ -193,6 +195,12 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
     log(f"streamed {format_bytes(r.nbytes)} in {r.h2d_ms / 1e3:.2f} s = {d['read_gbps']:.2f} GB/s ({d['io_mode']}, "
         f"{d['threads']} threads, ring {format_bytes(d['buffer_bytes'])}); peak extra host memory "
         f"{format_bytes(extra) if extra is not None else '?'} (cap {format_bytes(buffer_bytes)})")
+    # The same stream with its reads in flight fixed at the configured depth (the loader before the
+    # read-depth probe), so the probe's gain or cost shows against the same disk in the same run.
+    fixed, _, _ = _stream_once(str(image_dir), rank, device, no_shm, config | {"adapt_reads": False})
+    fixed_gbps = fixed.details["read_gbps"]
+    log(f"reads kept: {d['reads'].get('kept')} (probe: {d['reads'].get('probe', {}).get('gbps', 'none')}); "
+        f"the same stream at a fixed {fixed.details['reads']['kept']}: {fixed_gbps:.2f} GB/s")
     # The ceiling: the disk's O_DIRECT rate with the loader's own reads in flight and read size (a
     # single dd-like stream is slower than four reads in flight, so it was no ceiling), and the
     # best of that and one stream, in case one stream is the faster on this disk.
@@ -207,6 +215,7 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
         f"before the loads: {before_gbps:.2f}, after them: {deep_gbps:.2f}, one 16 MiB stream: {single_gbps:.2f}); "
         f"stream / disk = {d['read_gbps'] / disk_gbps:.2f}")
     first["x_disk"] = first["stream_gbps"] / disk_gbps
+    first["reads"] = rf["details"].get("reads", {})
     return {"device": device, "image": path, "nbytes": r.nbytes, "tensors": r.tensors, "stream_s": r.h2d_ms / 1e3,
             "stream_gbps": d["read_gbps"], "total_ms": r.total_ms, "disk_gbps": disk_gbps, "disk_mode": disk_mode,
             "x_disk": d["read_gbps"] / disk_gbps, "disk_in_flight_gbps": max(before_gbps, deep_gbps),
@@ -215,7 +224,8 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
             "buffer_cap_bytes": buffer_bytes, "ring_bytes": d["buffer_bytes"], "peak_ring_in_use_bytes":
             d["peak_buffer_bytes"], "within_cap": extra is not None and extra <= buffer_bytes,
             "io_mode": d["io_mode"], "io_reason": d["io_reason"], "threads": d["threads"], "cache_drop": cache,
-            "verified": r.verify_ms > 0, "staged_speedup_estimate": d["staged_speedup_estimate"],
+            "verified": r.verify_ms > 0, "staged_speedup_estimate": d["staged_speedup_estimate"], "reads": d["reads"],
+            "fixed_gbps": fixed_gbps, "fixed_x_disk": fixed_gbps / disk_gbps, "fixed_reads": fixed.details["reads"]["kept"],
             "first": first, "report": r.to_dict()}
 
 
@@ -272,12 +282,16 @@ def print_results(out: dict) -> None:
              s["first"]["stream_gbps"], s["first"]["x_disk"],
              f"{format_bytes(s['first']['peak_extra_host_bytes'] or 0)} (cap {format_bytes(s['buffer_cap_bytes'])})"],
             ["FlashLoad streamed, after a warm-up", s["io_mode"], s["stream_s"], s["stream_gbps"], s["x_disk"],
-             f"{format_bytes(s['peak_extra_host_bytes'] or 0)} (cap {format_bytes(s['buffer_cap_bytes'])})"]]
+             f"{format_bytes(s['peak_extra_host_bytes'] or 0)} (cap {format_bytes(s['buffer_cap_bytes'])})"],
+            [f"the same, reads fixed at {s['fixed_reads']} in flight", s["io_mode"], s["nbytes"] / s["fixed_gbps"] / 1e9,
+             s["fixed_gbps"], s["fixed_x_disk"], "-"]]
     if "prepack" in out:
         p = out["prepack"]
         rows.append(["pre-pack (ckpt -> image)", "", p["seconds"], p["gbps"], p["x_disk"], "-"])
     print_table(f"streamed load on {out['device']}: {format_bytes(s['nbytes'])}, {s['tensors']:,} tensors",
                 ["what", "io", "s", "GB/s", "x disk", "peak extra host memory"], rows)
+    print(f"reads in flight kept: 1st load {s['first']['reads'].get('kept')}, after a warm-up {s['reads'].get('kept')} "
+          f"(probe GB/s: {s['first']['reads'].get('probe', {}).get('gbps')}, {s['reads'].get('probe', {}).get('gbps')})")
     print(f"whole load call: 1st in a fresh process {s['first']['total_ms']:.0f} ms, after a warm-up "
           f"{s['total_ms']:.0f} ms")
     print(f"verified (chunk checksums on the device): {s['verified']}; within the cap: {s['within_cap']}; "

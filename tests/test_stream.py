@@ -457,6 +457,9 @@ def test_bench_stream_measures_against_the_disk(tmp_path):
     assert first["total_ms"] >= first["stream_s"] * 1e3 and first["verify_ms"] > 0
     assert (first["threads"], first["slot_bytes"]) == (s["disk_in_flight"], s["disk_read_bytes"])
     assert first["report"]["total_ms"] == first["total_ms"] and first["report"]["mode"] == "streamed from disk"
+    # the reads in flight each load kept, and the same stream at the fixed depth beside them
+    assert first["reads"]["kept"] and s["reads"]["kept"] and s["reads"]["settings"]["A"] == s["fixed_reads"]
+    assert s["fixed_gbps"] > 0 and s["fixed_x_disk"] == s["fixed_gbps"] / s["disk_gbps"]
 
 
 def test_a_preloader_that_exits_ends_the_wait_with_a_clear_error(image, shm):
@@ -479,3 +482,87 @@ def test_a_preloader_that_exits_ends_the_wait_with_a_clear_error(image, shm):
     finally:
         child.kill()
         child.wait()
+
+
+# ------------------------------------------------------------------------------ reads in flight, chosen on the disk
+def _emulated_disk(monkeypatch, *, contended: bool, base_s: float = 0.002) -> list:
+    """A disk as ``preadv`` sees it: each read takes ``base_s``; ``contended`` makes it take
+    ``base_s`` x (reads in flight)^2, a disk that loses throughput to reads side by side (as the
+    lent VMs' virtio disk did against one 16 MiB stream). Records (offset, bytes, reads in flight)."""
+    import time
+
+    real = os.preadv
+    lock = threading.Lock()
+    state = {"in": 0}
+    seen = []
+
+    def fake(fd, bufs, off):
+        with lock:
+            state["in"] += 1
+            k = state["in"]
+            seen.append((off, sum(len(b) for b in bufs), k))
+        try:
+            time.sleep(base_s * (k * k if contended else 1))
+            return real(fd, bufs, off)
+        finally:
+            with lock:
+                state["in"] -= 1
+
+    monkeypatch.setattr(stream, "_preadv", fake)
+    return seen
+
+
+@pytest.mark.parametrize("contended", [True, False], ids=["side-by-side-slower", "side-by-side-faster"])
+def test_a_long_stream_keeps_the_faster_reads_in_flight(tmp_path, monkeypatch, contended):
+    """A disk that reads one stream faster gets one read at a time, in file order, in pieces; a
+    disk that wants reads in flight keeps them. The bytes are exact either way."""
+    from flashboot.arena import Arena
+    from flashboot.flashload import read_depth
+
+    monkeypatch.setattr(read_depth, "SINGLE_READ_BYTES", 4096)  # B reads each 8 KiB slot as 2 pieces
+    data = np.random.default_rng(7).integers(0, 256, 128 * 8192, dtype=np.uint8)
+    path = tmp_path / "disk.bin"
+    path.write_bytes(data.tobytes())
+    seen = _emulated_disk(monkeypatch, contended=contended)
+    cfg = StreamConfig(buffer_bytes=10 * 8192, slot_bytes=8192, threads=4, io="buffered", probe_window_bytes=8 * 8192)
+    with Arena.create(data.size, "cpu") as arena:
+        stats = stream.stream_image(path, data.size, arena, cfg)
+        assert np.array_equal(arena.bytes().numpy()[: data.size], data)
+    reads = stats.reads
+    assert reads["settings"] == {"A": "4 x 8 KiB", "B": "1 x 4 KiB"}
+    probe = reads["probe"]
+    assert probe["order"] == "ABBA" and probe["window_bytes"] == 8 * 8192 and len(probe["windows_gbps"]) == 4
+    a, b = probe["gbps"]["A"], probe["gbps"]["B"]
+    # The emulated disk makes one setting 2x (contended) or 8x (not) faster than the other.
+    assert (b > a) if contended else (a > b), probe
+    assert reads["kept"] == ("1 x 4 KiB" if contended else "4 x 8 KiB")
+    after = seen[8 + 16 + 16 + 8:]  # the probe's windows, A B B A of 8 chunks, B's in 2 pieces each, came first
+    if contended:
+        tail = seen[-64:]  # well after the switch: one read at a time, 4 KiB pieces, in file order
+        assert max(k for _, _, k in tail) == 1 and {n for _, n, _ in tail} == {4096}
+        offsets = [off for off, _, _ in tail]
+        assert offsets == sorted(offsets) and offsets == list(range(offsets[0], offsets[0] + 4096 * 64, 4096))
+    else:
+        assert max(k for _, _, k in after) > 1 and {n for _, n, _ in after} == {8192}
+
+
+def test_reads_in_flight_are_not_probed_when_asked_or_when_the_stream_is_short(tmp_path, monkeypatch):
+    from flashboot.arena import Arena
+
+    data = np.random.default_rng(8).integers(0, 256, 40 * 8192, dtype=np.uint8)
+    path = tmp_path / "disk.bin"
+    path.write_bytes(data.tobytes())
+    seen = _emulated_disk(monkeypatch, contended=True, base_s=0.0)
+    for adapt, window in ((False, 1 << 30), (True, 8 * 8192)):  # 40 chunks < 4 x 4 windows of 8
+        cfg = StreamConfig(buffer_bytes=10 * 8192, slot_bytes=8192, threads=4, io="buffered", adapt_reads=adapt,
+                           probe_window_bytes=window)
+        seen.clear()
+        with Arena.create(data.size, "cpu") as arena:
+            stats = stream.stream_image(path, data.size, arena, cfg)
+            assert np.array_equal(arena.bytes().numpy()[: data.size], data)
+        assert stats.reads["kept"] == "4 x 8 KiB" and "probe" not in stats.reads
+        assert {n for _, n, _ in seen} == {8192} and len(seen) == 40
+    with pytest.raises(FlashBootError, match="adapt_reads must be True or False"):
+        StreamConfig(adapt_reads="yes")
+    with pytest.raises(FlashBootError, match="probe_window_bytes must be a positive int"):
+        StreamConfig(probe_window_bytes=0)

@@ -32,6 +32,7 @@ from .. import _cuda
 from ..errors import CapabilityError, FlashBootError, ImageReadError, LayoutError, WaitTimeoutError
 from ..fileio import DirectReadRefused, io_buffer, read_exactly
 from ..memory import Device
+from .read_depth import ReadDepth
 
 DEFAULT_BUFFER_BYTES = 256 << 20
 """Ring size by default: enough slots to keep several reads in flight on a disk of ~1-2 GB/s."""
@@ -43,6 +44,8 @@ MIN_SLOTS = 4
 """Slots at the least: two reads in flight while one slot is copied and one waits."""
 DEFAULT_THREADS = 4
 """Reader threads (reads in flight); capped at the slot count minus one."""
+PROBE_WINDOW_BYTES = 256 << 20
+"""One window of the read-depth probe (:mod:`flashboot.flashload.read_depth`): ~0.1 s of a 2 GB/s disk."""
 ALIGNMENT = 4096
 """O_DIRECT wants buffers, offsets and lengths aligned to the logical block size (<= 4096)."""
 MIN_BUFFER_BYTES = 2 * ALIGNMENT
@@ -70,7 +73,10 @@ class StreamConfig:
     to 4096); ``threads``: reads in
     flight; ``io``: ``auto`` (O_DIRECT, buffered where refused; the report says which),
     ``direct`` or ``buffered``; ``stall_timeout_s``: how long the load waits for any one read
-    before it gives up (WaitTimeoutError).
+    before it gives up (WaitTimeoutError); ``adapt_reads``: a long stream measures ``threads``
+    reads in flight against one read at a time on its first bytes and keeps the faster
+    (:mod:`flashboot.flashload.read_depth`; False keeps ``threads``); ``probe_window_bytes``: one
+    window of that measure.
     """
 
     buffer_bytes: int | None = None
@@ -78,6 +84,8 @@ class StreamConfig:
     threads: int = DEFAULT_THREADS
     io: str = "auto"
     stall_timeout_s: float = 60.0
+    adapt_reads: bool = True
+    probe_window_bytes: int = PROBE_WINDOW_BYTES
 
     def __post_init__(self):
         if self.buffer_bytes is None:
@@ -102,6 +110,11 @@ class StreamConfig:
             raise FlashBootError(f"stream io must be one of {', '.join(IO_MODES)}, got {self.io!r}")
         if not self.stall_timeout_s > 0:
             raise FlashBootError(f"stream stall_timeout_s must be positive, got {self.stall_timeout_s!r}")
+        if not isinstance(self.adapt_reads, bool):
+            raise FlashBootError(f"stream adapt_reads must be True or False, got {self.adapt_reads!r}")
+        w = self.probe_window_bytes
+        if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
+            raise FlashBootError(f"stream probe_window_bytes must be a positive int, got {w!r}")
 
     @classmethod
     def of(cls, value: Any) -> "StreamConfig":
@@ -234,6 +247,8 @@ class StreamStats:
     copy_s: float
     """Time the copies out of the ring took (CUDA: sum of event-timed copies; host: of the host copies)."""
     pin_ms: float = 0.0
+    reads: dict = dataclasses.field(default_factory=dict)
+    """The reads in flight kept, and what the read-depth probe measured (:meth:`ReadDepth.summary`)."""
 
     @property
     def read_gbps(self) -> float:
@@ -331,12 +346,27 @@ def _take_slot(free: queue.Queue, stop: threading.Event) -> _Slot | None:
     return None
 
 
-def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, threads: int, *, direct: bool,
-         stall_timeout_s: float, on_start: Callable[[], None] | None) -> tuple[float, float, int]:
+def _read_chunk(fd: int, slot: _Slot, off: int, want: int, pieces: int, *, direct: bool, path: str,
+                file_nbytes: int) -> None:
+    """Fill ``slot`` with the ``want`` bytes at ``off``, as ``pieces`` sequential reads of equal
+    4096-aligned size (O_DIRECT asks whole blocks; the file's last read may come back short)."""
+    piece = -(-len(slot.view) // pieces // ALIGNMENT) * ALIGNMENT
+    for start in range(0, want, piece):
+        need = min(piece, want - start)
+        ask = -(-need // ALIGNMENT) * ALIGNMENT if direct else need
+        read_exactly(fd, slot.view[start:start + ask], off + start, need, direct=direct, path=path,
+                     file_nbytes=file_nbytes, preadv=_preadv)
+
+
+def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, config: StreamConfig, threads: int, *, direct: bool,
+         on_start: Callable[[], None] | None) -> tuple[float, float, int, ReadDepth]:
     """Read ``nbytes`` of ``fd`` through ``ring`` into ``arena``; returns (seconds, copy seconds,
-    chunks). When this returns or raises, every reader has stopped and every copy has finished."""
+    chunks, the reads-in-flight gate). When this returns or raises, every reader has stopped and
+    every copy has finished."""
     slot_bytes = ring.slot_bytes
     n_chunks = -(-nbytes // slot_bytes)
+    stall_timeout_s = config.stall_timeout_s
+    depth = ReadDepth(threads, n_chunks, slot_bytes, window_bytes=config.probe_window_bytes, probe=config.adapt_reads)
     free: queue.Queue = queue.Queue()
     for s in ring.slots:
         free.put(s)
@@ -359,20 +389,20 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, threads: int, *, di
         try:
             if copier.cuda:
                 _cuda.use_device(arena.device.index)  # this thread owns its context: synchronising events needs one
-            while not stop.is_set() and (i := take()) is not None:
-                slot = _take_slot(free, stop)
-                if slot is None:
-                    return
-                ring.acquired()
-                if slot.copied is not None:
-                    slot.copied.synchronize()  # its previous copy must end before the slot is overwritten
-                    slot.copied = None
-                off = i * slot_bytes
-                want = min(slot_bytes, nbytes - off)
-                ask = -(-want // ALIGNMENT) * ALIGNMENT if direct else want
-                read_exactly(fd, slot.view[:ask], off, want, direct=direct, path=path, file_nbytes=nbytes,
-                             preadv=_preadv)
-                filled.put((i, slot, want))
+            while (ticket := depth.enter(stop)) is not None:
+                try:  # the chunk is taken once the gate lets a read start: at one in flight, in file order
+                    if (i := take()) is None or (slot := _take_slot(free, stop)) is None:
+                        return
+                    ring.acquired()
+                    if slot.copied is not None:
+                        slot.copied.synchronize()  # its previous copy must end before the slot is overwritten
+                        slot.copied = None
+                    off = i * slot_bytes
+                    want = min(slot_bytes, nbytes - off)
+                    _read_chunk(fd, slot, off, want, ticket[1].pieces, direct=direct, path=path, file_nbytes=nbytes)
+                finally:
+                    depth.leave()
+                filled.put((i, slot, want, ticket))
         except BaseException as exc:  # handed to the loading thread
             with lock:
                 if state["error"] is None:
@@ -397,13 +427,14 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, threads: int, *, di
                                        f"chunks of {slot_bytes:,} bytes streamed)") from None
             if item is failed:
                 raise state["error"]
-            i, slot, want = item
+            i, slot, want, ticket = item
             copier.copy(slot, i * slot_bytes, want)
             ring.released()
             free.put(slot)
+            depth.completed(ticket, want)
             done += 1
         copier.finish()
-        return time.perf_counter() - t0, copier.copy_s, n_chunks
+        return time.perf_counter() - t0, copier.copy_s, n_chunks, depth
     except BaseException:
         stop.set()
         try:
@@ -413,6 +444,7 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, threads: int, *, di
         raise
     finally:
         stop.set()
+        depth.wake()
         for t in pool:
             t.join(_JOIN_S)
         for each in ring.slots:  # the copies' events are closed: a retry through this ring must not wait on them
@@ -454,8 +486,8 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
         ring = Ring(slots, config.slot_bytes, arena.device)
         threads = config.readers_for(nbytes)
         try:
-            seconds, copy_s, chunks = _run(fd, path, nbytes, arena, ring, threads, direct=mode == "o_direct",
-                                           stall_timeout_s=config.stall_timeout_s, on_start=on_start)
+            seconds, copy_s, chunks, depth = _run(fd, path, nbytes, arena, ring, config, threads,
+                                                  direct=mode == "o_direct", on_start=on_start)
         except DirectReadRefused as exc:
             if config.io == "direct":
                 raise CapabilityError(f"{path}: reads under O_DIRECT fail ({exc}) and io='direct' was asked") from None
@@ -463,10 +495,10 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
             fd = -1
             fd = os.open(path, os.O_RDONLY)
             mode, reason = "buffered", f"filesystem refuses O_DIRECT reads ({exc})"
-            seconds, copy_s, chunks = _run(fd, path, nbytes, arena, ring, threads, direct=False,
-                                           stall_timeout_s=config.stall_timeout_s, on_start=None)
+            seconds, copy_s, chunks, depth = _run(fd, path, nbytes, arena, ring, config, threads, direct=False,
+                                                  on_start=None)
         return StreamStats(path, nbytes, seconds, mode, reason, ring.nbytes, ring.peak_bytes, config.buffer_bytes,
-                           slots, ring.slot_bytes, threads, chunks, copy_s, ring.pin_ms)
+                           slots, ring.slot_bytes, threads, chunks, copy_s, ring.pin_ms, depth.summary())
     finally:
         if ring is not None and not ring.leak:
             ring.close()

@@ -88,9 +88,10 @@ def report_stream(report, stats: StreamStats, reason: str, nbytes: int) -> None:
         streamed_from_disk=True, stream_reason=reason, io_mode=stats.io_mode, io_reason=stats.io_reason,
         read_gbps=stats.read_gbps, buffer_bytes=stats.buffer_bytes, buffer_cap_bytes=stats.buffer_cap_bytes,
         peak_buffer_bytes=stats.peak_buffer_bytes, slots=stats.slots, slot_bytes=stats.slot_bytes,
-        threads=stats.threads, bulk_copy_gbps=stats.copy_gbps, staged_copy_ms_estimate=staged_ms,
+        threads=stats.threads, reads=stats.reads, bulk_copy_gbps=stats.copy_gbps, staged_copy_ms_estimate=staged_ms,
         staged_speedup_estimate=faster,
-        note=(f"streamed from disk ({stats.io_mode}) because {reason}: read {stats.read_gbps:.2f} GB/s through "
+        note=(f"streamed from disk ({stats.io_mode}) because {reason}: read {stats.read_gbps:.2f} GB/s "
+              f"({stats.reads.get('kept', '?')} in flight) through "
               f"a {format_bytes(stats.buffer_bytes)} ring (peak {format_bytes(stats.peak_buffer_bytes)} in use, "
               f"cap {format_bytes(stats.buffer_cap_bytes)}); staged, the copy would take ~{staged_ms:.1f} ms "
               f"at {stats.copy_gbps:.1f} GB/s ({faster:.1f}x faster): run `flashboot preload`"))

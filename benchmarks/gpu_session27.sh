@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# 2026-12-04, twenty-sixth session, one device call (<= 9.5 min): issue 19's figures, each step optional.
+# 2026-12-04, twenty-seventh session, one device call (<= 9.5 min): issue 19's figures, each step optional.
 #   1. (TESTS=1) the one-GPU tests of every path that loads, clones, sleeps or refits; (LOAD_TESTS=1) the load path's only;
 #   2. (BOOT=1) bench boot: first served load of SHAPES and the boot end to end at WS (REPEATS fresh processes per cell);
 #      (VIEWS=1) then the restart (open_held + metadata + views) on the bench's images;
@@ -9,14 +9,16 @@
 #      a bare `import torch` + CUDA context process and a fresh `flashboot clone --verify`;
 #   5. (SERVE=1) many engines at once from one daemon (ENGINES);
 #   6. (STREAM=1) bench stream: checkpoint A (STREAM_SCALE) streamed from the machine's disk, the first load in a fresh
-#      process and one after a warm-up, against the disk's best O_DIRECT rate at the loader's reads in flight;
+#      process and one after a warm-up (reads in flight chosen on the disk), the same with them fixed, against the
+#      disk's best O_DIRECT rate;
 #   7. (SWAP=1) bench swap: sleep/wake (level 1, from the daemon) and swap of two images of checkpoint A;
+#   9. (REFIT=1) bench refit on checkpoint A (REFIT_REPEATS);
 #   8. (PROBES=1) the views' first-call page faults (shape B, fresh processes), the level-1 backup's pin by how its
 #      memory is made (PIN_GIB), the disk's O_DIRECT rate by reads in flight and read size (DISK_GIB on /var/tmp).
-# Usage (repo root, GPU machine): OUT=/some/dir [TESTS=1] [BOOT=1 SHAPES="B C" WS="0 0.25" REPEATS=5] [CLONE=1] [STREAM=1] bash benchmarks/gpu_session26.sh
+# Usage (repo root, GPU machine): OUT=/some/dir [TESTS=1] [BOOT=1 SHAPES="B C" WS="0 0.25" REPEATS=5] [CLONE=1] [STREAM=1] bash benchmarks/gpu_session27.sh
 BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/gpu_prelude.sh"
-ROOT=/dev/shm/fb26; rm -rf "$ROOT"
+ROOT=/dev/shm/fb27; rm -rf "$ROOT"
 
 [ "${TESTS:-0}" = 1 ] && loading_gpu_tests "${TESTS_S:-220}"
 [ "${LOAD_TESTS:-0}" = 1 ] && load_gpu_tests "${TESTS_S:-90}"
@@ -61,5 +63,9 @@ fi
 if [ "${PROBES:-0}" = 1 ]; then
   say "=== 8. probes: view faults, backup pin, disk depth ($(date +%T))"
   probe_figures "${PIN_GIB:-12.81}" "${DISK_GIB:-8}"
+fi
+if [ "${REFIT:-0}" = 1 ]; then
+  say "=== 9. bench refit --checkpoint A --repeats ${REFIT_REPEATS:-3} ($(date +%T))"
+  bench_refit "${REFIT_REPEATS:-3}"
 fi
 say "=== done in $(( $(date +%s) - T0 )) s ($(date +%T))"
