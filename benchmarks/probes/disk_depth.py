@@ -8,6 +8,12 @@ CONFIGS, :data:`CONFIGS` in that order, then the first two again (the disk's rat
 two reads into ring slots such as the stream's (``pinned`` on CUDA) rather than unpinned
 :func:`~flashboot.fileio.io_buffer` buffers. With CONFIGS (``1x16,4x32``: reads in flight x MiB),
 those in turn ROUNDS times, so that each is measured beside the others' drift. One JSON line per read.
+
+Two more kinds of CONFIGS ask where a stream's rate goes below one dd-like stream's (the
+twenty-seventh session: the stream at one 16 MiB read at a time 1.96 GB/s, one dd-like stream
+2.24-2.46, minutes apart): ``r7x16``, one read at a time of 16 MiB into 7 pinned slots in turn
+(the stream's ring, no copy); ``s1x16``, the loader itself (``stream_image`` into a DEVICE arena,
+1 reader, 16 MiB slots, the read depth fixed).
 """
 
 from __future__ import annotations
@@ -18,6 +24,44 @@ import sys
 CONFIGS = [(1, 16), (4, 32), (1, 32), (2, 32), (2, 16), (4, 16), (8, 16), (8, 32), (4, 64), (1, 16), (4, 32)]
 
 
+def _rotating_rate(path: str, slots: int, mib: int, device: str) -> float:
+    """One O_DIRECT read at a time of ``mib`` MiB into ``slots`` pinned ring slots in turn."""
+    import os
+    import time
+
+    from flashboot.fileio import read_exactly
+    from flashboot.flashload.stream import Ring, _open
+    from flashboot.memory import Device
+
+    ring = Ring(slots, mib << 20, Device.parse(device))
+    fd, mode, _ = _open(path, "direct")
+    try:
+        size = os.fstat(fd).st_size
+        t0 = time.perf_counter()
+        for i, off in enumerate(range(0, size, mib << 20)):
+            want = min(mib << 20, size - off)
+            read_exactly(fd, ring.slots[i % slots].view[: -(-want // 4096) * 4096], off, want, direct=True,
+                         path=path, file_nbytes=size)
+        return size / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+        ring.close()
+
+
+def _stream_rate(path: str, threads: int, mib: int, device: str) -> float:
+    """The loader's own stream of the whole file into an arena on ``device``, the depth fixed."""
+    import os
+
+    from flashboot.arena import Arena
+    from flashboot.flashload.stream import StreamConfig, stream_image
+
+    size = os.path.getsize(path)
+    with Arena.create(size, device) as arena:
+        stats = stream_image(path, size, arena, StreamConfig(threads=threads, slot_bytes=mib << 20, io="direct",
+                                                             adapt_reads=False))
+    return stats.read_gbps
+
+
 def main() -> None:
     from flashboot.benchmarks.disk import drop_file_cache
     from flashboot.flashload.staging import read_rate
@@ -25,26 +69,42 @@ def main() -> None:
     path = sys.argv[1]
     device = sys.argv[2] if len(sys.argv) > 2 else None
     if len(sys.argv) > 3:
-        pairs = [tuple(int(x) for x in c.split("x")) for c in sys.argv[3].split(",")]
-        runs = [(k, m, False) for _ in range(int(sys.argv[4])) for k, m in pairs]
+        runs = [c for _ in range(int(sys.argv[4])) for c in sys.argv[3].split(",")]
     else:
-        runs = [(k, m, False) for k, m in CONFIGS] + ([(4, 32, True), (1, 16, True)] if device else [])
-    for in_flight, mib, pinned in runs:
-        ring = None
-        if pinned:
-            from flashboot.flashload.stream import Ring
-            from flashboot.memory import Device
+        runs = [f"{k}x{m}" for k, m in CONFIGS] + (["p4x32", "p1x16"] if device else [])
+    if any(c.startswith("s") for c in runs):  # the loader's one-time costs (ring pin, first copy) off the samples
+        import os
 
-            ring = Ring(in_flight, mib << 20, Device.parse(device))
+        warm = f"{path}.warm"
+        with open(warm, "wb") as f:
+            f.write(os.urandom(64 << 20))
         try:
-            drop_file_cache(path)
-            gbps, mode = read_rate(path, io="direct", block_bytes=mib << 20, in_flight=in_flight,
-                                   buffers=[s.view for s in ring.slots] if ring else None)
+            _stream_rate(warm, 4, 16, device)
         finally:
-            if ring is not None:
-                ring.close()
-        print(json.dumps({"in_flight": in_flight, "mib": mib, "pinned": pinned, "gbps": round(gbps, 3),
-                          "mode": mode}), flush=True)
+            os.unlink(warm)
+    for config in runs:
+        kind = config[0] if config[0] in "prs" else ""
+        in_flight, mib = (int(x) for x in config.lstrip("prs").split("x"))
+        drop_file_cache(path)
+        if kind == "r":
+            gbps, mode = _rotating_rate(path, in_flight, mib, device), "o_direct"
+        elif kind == "s":
+            gbps, mode = _stream_rate(path, in_flight, mib, device), "o_direct"
+        else:
+            ring = None
+            if kind == "p":  # into ring slots such as the stream's, pinned on CUDA
+                from flashboot.flashload.stream import Ring
+                from flashboot.memory import Device
+
+                ring = Ring(in_flight, mib << 20, Device.parse(device))
+            try:
+                gbps, mode = read_rate(path, io="direct", block_bytes=mib << 20, in_flight=in_flight,
+                                       buffers=[s.view for s in ring.slots] if ring else None)
+            finally:
+                if ring is not None:
+                    ring.close()
+        print(json.dumps({"config": config, "in_flight": in_flight, "mib": mib, "kind": kind or "read_rate",
+                          "gbps": round(gbps, 3), "mode": mode}), flush=True)
 
 
 if __name__ == "__main__":
