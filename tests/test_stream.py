@@ -528,7 +528,7 @@ def test_a_long_stream_keeps_the_faster_reads_in_flight(tmp_path, monkeypatch, c
     from flashboot.flashload import read_depth
 
     monkeypatch.setattr(read_depth, "SINGLE_READ_BYTES", 4096)  # B reads each 8 KiB slot as 2 pieces
-    data = np.random.default_rng(7).integers(0, 256, 128 * 8192, dtype=np.uint8)
+    data = np.random.default_rng(7).integers(0, 256, 160 * 8192, dtype=np.uint8)
     path = tmp_path / "disk.bin"
     path.write_bytes(data.tobytes())
     seen = _emulated_disk(monkeypatch, contended=contended)
@@ -540,11 +540,13 @@ def test_a_long_stream_keeps_the_faster_reads_in_flight(tmp_path, monkeypatch, c
     assert reads["settings"] == {"A": "4 x 8 KiB", "B": "1 x 4 KiB"}
     probe = reads["probe"]
     assert probe["order"] == "ABBA" and probe["window_bytes"] == 8 * 8192 and len(probe["windows_gbps"]) == 4
+    assert probe["lead_in_gbps"] > 0  # a lead-in at A, not measured, came first
+    assert max(k for _, _, k in seen[:8]) > 1 and {n for _, n, _ in seen[:8]} == {8192}
     a, b = probe["gbps"]["A"], probe["gbps"]["B"]
     # The emulated disk makes one setting 2x (contended) or 8x (not) faster than the other.
     assert (b > a) if contended else (a > b), probe
     assert reads["kept"] == ("1 x 4 KiB" if contended else "4 x 8 KiB")
-    after = seen[8 + 16 + 16 + 8:]  # the probe's windows, A B B A of 8 chunks, B's in 2 pieces each, came first
+    after = seen[8 + 8 + 16 + 16 + 8:]  # the lead-in, then A B B A of 8 chunks each, B's in 2 pieces each
     if contended:
         tail = seen[-64:]  # well after the switch: one read at a time, 4 KiB pieces, in file order
         assert max(k for _, _, k in tail) == 1 and {n for _, n, _ in tail} == {4096}
@@ -561,7 +563,7 @@ def test_reads_in_flight_are_not_probed_when_asked_or_when_the_stream_is_short(t
     path = tmp_path / "disk.bin"
     path.write_bytes(data.tobytes())
     seen = _emulated_disk(monkeypatch, contended=True, base_s=0.0)
-    for adapt, window in ((False, 1 << 30), (True, 8 * 8192)):  # 40 chunks < 4 x 4 windows of 8
+    for adapt, window in ((False, 1 << 30), (True, 8 * 8192)):  # 40 chunks < 3 x 5 windows of 8
         cfg = StreamConfig(buffer_bytes=10 * 8192, slot_bytes=8192, threads=4, io="buffered", adapt_reads=adapt,
                            probe_window_bytes=window)
         seen.clear()
