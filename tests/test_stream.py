@@ -542,6 +542,11 @@ def test_a_long_stream_keeps_the_faster_reads_in_flight(tmp_path, monkeypatch, c
     assert probe["order"] == "ABBA" and probe["window_bytes"] == 8 * 8192 and len(probe["windows_gbps"]) == 4
     assert probe["lead_in_gbps"] > 0  # a lead-in at A, not measured, came first
     assert max(k for _, _, k in seen[:8]) > 1 and {n for _, n, _ in seen[:8]} == {8192}
+    # B's two windows (8 chunks in 2 pieces each, after the lead-in and A's window) ran alone: A's
+    # reads had drained before them, and B keeps one read at a time, in file order
+    b_windows = seen[16:48]
+    assert {k for _, _, k in b_windows} == {1} and {n for _, n, _ in b_windows} == {4096}
+    assert [off for off, _, _ in b_windows] == sorted(off for off, _, _ in b_windows)
     a, b = probe["gbps"]["A"], probe["gbps"]["B"]
     # The emulated disk makes one setting 2x (contended) or 8x (not) faster than the other.
     assert (b > a) if contended else (a > b), probe

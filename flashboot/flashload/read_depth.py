@@ -129,9 +129,10 @@ class ReadDepth:
         with self._cond:
             self._cond.notify_all()
 
-    def completed(self, ticket: tuple[int, ReadSetting, float], nbytes: int) -> None:
-        """On the loading thread, for each chunk read under a window: once every window is done,
-        the faster setting is kept for the rest of the stream."""
+    def completed(self, ticket: tuple[int, ReadSetting, float], nbytes: int, read_end: float) -> None:
+        """On the loading thread, for each chunk read (``read_end``: when its read returned, by
+        ``time.perf_counter``): once every window is done, the faster setting is kept for the rest
+        of the stream."""
         w, _, issued = ticket
         if w >= len(self.windows):
             return
@@ -139,7 +140,7 @@ class ReadDepth:
         win.done += 1
         win.nbytes += nbytes
         win.first_issue = min(win.first_issue, issued)
-        win.last_done = max(win.last_done, time.perf_counter())
+        win.last_done = max(win.last_done, read_end)
         if any(x.done < x.reads for x in self.windows):
             return
         for name in self.settings:

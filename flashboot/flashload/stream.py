@@ -400,9 +400,10 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, config: StreamConfi
                     off = i * slot_bytes
                     want = min(slot_bytes, nbytes - off)
                     _read_chunk(fd, slot, off, want, ticket[1].pieces, direct=direct, path=path, file_nbytes=nbytes)
+                    read_end = time.perf_counter()
                 finally:
                     depth.leave()
-                filled.put((i, slot, want, ticket))
+                filled.put((i, slot, want, ticket, read_end))
         except BaseException as exc:  # handed to the loading thread
             with lock:
                 if state["error"] is None:
@@ -427,11 +428,11 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, config: StreamConfi
                                        f"chunks of {slot_bytes:,} bytes streamed)") from None
             if item is failed:
                 raise state["error"]
-            i, slot, want, ticket = item
+            i, slot, want, ticket, read_end = item
             copier.copy(slot, i * slot_bytes, want)
             ring.released()
             free.put(slot)
-            depth.completed(ticket, want)
+            depth.completed(ticket, want, read_end)
             done += 1
         copier.finish()
         return time.perf_counter() - t0, copier.copy_s, n_chunks, depth
