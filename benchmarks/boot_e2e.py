@@ -25,7 +25,9 @@ early call holds is also bounded directly, free of the machine's drift: its call
 thread, before W) plus its background thread's CPU time (``prepare_gil_bound_ms``, against
 :data:`GIL_BUDGET_MS` + 1 us per tensor). That CPU time includes the served hand-over's driver
 calls, which make and export the later segments with the GIL released (``prepare_handover_cpu_ms``:
-7.8 ms for A's 13.8 GB on the H200), so the bound is loose for large images. W's own speed drifts within one process on the H200
+7.8 ms for A's 13.8 GB on the H200), so that bound is loose for large images; each call that
+releases the GIL is timed where it is made (:mod:`flashboot.gil_time`), and the bound less that
+time (``prepare_gil_held_bound_ms``) is the tight one. W's own speed drifts within one process on the H200
 machine (the same loop 150-370 ms apart seconds later), so W-based ratios are noisy there; each W
 is also timed in its thread's CPU time (``w_cpu_ms`` ...): ``w_off_cpu_ms``, W's wall time less
 its CPU time during the boot, is what W waited for the GIL or the machine, whatever the CPU's
@@ -254,6 +256,10 @@ def _row(results: list[dict], alone: dict, w_s: float, early: bool, ceiling_ms: 
         # of that thread's CPU, the hand-over's driver calls and sends (GIL released), with the
         # Python of its loop over the batches: the bound without them is the tighter one
         row["prepare_handover_cpu_ms"] = rep["details"].get("prepare_handover_cpu_ms", 0.0)
+        # the tighter bound: the thread's CPU less its time inside calls that release the GIL
+        # (driver calls, sends: each timed where it is made, flashboot.gil_time)
+        row["prepare_thread_gil_free_cpu_ms"] = rep["details"].get("prepare_thread_gil_free_cpu_ms", 0.0)
+        row["prepare_gil_held_bound_ms"] = row["prepare_gil_bound_ms"] - row["prepare_thread_gil_free_cpu_ms"]
         row["prepare_gil_budget_ms"] = GIL_BUDGET_MS + GIL_BUDGET_US_PER_TENSOR * rep.get("tensors", 0) / 1e3
         # per boot: did the load wait for the copy's end on its own thread (it came before the reply)?
         row["copy_end_awaited_on"] = [r["report"]["details"].get("copy_end_awaited_on") for r in results]
@@ -277,7 +283,9 @@ def describe(row: dict) -> str:
                f"{row['w_cpu_ms']:.0f}, alone {row.get('w_alone_cpu_ms') or 0:.0f})" if row.get("w_s") else "")
             + (f"; GIL held by the early call <= {row['prepare_gil_bound_ms']:.1f} ms (call "
                f"{row['prepare_call_ms']:.1f} + its thread's CPU {row['prepare_thread_cpu_ms']:.1f}, of which the "
-               f"hand-over's driver calls and sends {row['prepare_handover_cpu_ms']:.1f}; budget "
+               f"hand-over's driver calls and sends {row['prepare_handover_cpu_ms']:.1f}; less the CPU inside "
+               f"calls that release the GIL ({row.get('prepare_thread_gil_free_cpu_ms', 0.0):.1f}): "
+               f"{row.get('prepare_gil_held_bound_ms', row['prepare_gil_bound_ms']):.1f}; budget "
                f"{row['prepare_gil_budget_ms']:.1f})" if "prepare_gil_bound_ms" in row else "")
             + f"), copy requested {row['copy_request_ms'] or 0:.1f} ms after the call, load {row['load_ms']:.1f} ms, "
             f"then a pass over every tensor "
@@ -288,7 +296,7 @@ def describe(row: dict) -> str:
 def print_rows(out: dict) -> None:
     from flashboot.benchmarks.timing import print_table
 
-    rows = []
+    rows, gil = [], []
     for s in out["shapes"]:
         e2e = s.get("end_to_end")
         if not e2e:
@@ -304,12 +312,21 @@ def print_rows(out: dict) -> None:
             rows.append([s["shape"], r["w_s"], "early" if r["early"] else "plain", r["total_ms"], r["w_ms"],
                          r["w_alone_ms"], r["w_after_ms"], r.get("w_beside_copy_ms", "-"), r["load_ms"], r["x_bound"],
                          r["x_bound_same"], r.get("x_bound_beside_copy", "-"), r.get("x_bound_cpu", "-")])
+            if "prepare_gil_held_bound_ms" in r:
+                gil.append([s["shape"], r["w_s"], r["prepare_call_ms"], r["prepare_thread_cpu_ms"],
+                            r["prepare_thread_gil_free_cpu_ms"], r["prepare_gil_held_bound_ms"],
+                            r["prepare_gil_budget_ms"], r.get("w_off_cpu_ms", "-")])
     if rows:
         print_table(f"boot end to end on {out['device']} (fresh process: optional prepare, W, load; daemon serving; same-run "
                     "bulk H2D; x: total / max(W, bulk))", ["shape", "W s", "call", "total ms", "W slowed ms",
                                                           "W alone ms", "W after", "W beside copy", "load ms",
                                                           "x, W alone", "x, W after",
                                                           "x, W beside copy", "x, W's CPU"], rows)
+    if gil:
+        print_table("the GIL the early call held (ms): its call + its thread's CPU, less that CPU inside calls that "
+                    "release the GIL (driver calls, sends); W's own time off the CPU beside it",
+                    ["shape", "W s", "call", "thread CPU", "of it GIL-free", "GIL held <=", "budget",
+                     "W off CPU"], gil)
 
 
 def headline(out: dict) -> str | None:

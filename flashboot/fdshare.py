@@ -25,6 +25,7 @@ import select
 import socket
 
 from .errors import RendezvousError, WaitTimeoutError
+from .gil_time import gil_free
 
 SYS_PIDFD_GETFD = 438
 """``pidfd_getfd`` in the unified syscall table (x86_64 and aarch64 alike); Python has no wrapper."""
@@ -175,7 +176,8 @@ def send_fds(sock: socket.socket, fds: list[int], message: bytes = b"") -> None:
     fds = list(fds)
     for i in range(0, len(fds), SCM_MAX_FD):
         # An empty payload would read as end-of-stream on the other side.
-        socket.send_fds(sock, [(message or b"\0") if i == 0 else b"\0"], fds[i:i + SCM_MAX_FD])
+        with gil_free(driver=False):
+            socket.send_fds(sock, [(message or b"\0") if i == 0 else b"\0"], fds[i:i + SCM_MAX_FD])
 
 
 def recv_fds(sock: socket.socket, max_fds: int = 1, *, timeout_s: float = 30.0,

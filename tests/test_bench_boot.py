@@ -76,12 +76,15 @@ def test_bench_boot_end_to_end_times_the_boot_in_fresh_processes(capsys):
     assert early["prepare_gil_bound_ms"] == early["prepare_call_ms"] + early["prepare_thread_cpu_ms"]
     assert early["prepare_thread_cpu_ms"] > 0 and early["prepare_gil_budget_ms"] == 20.0 + 40_250 / 1e3
     assert 0 <= early["prepare_handover_cpu_ms"] <= early["prepare_thread_cpu_ms"]  # its part of that CPU
+    # the tight bound: less the thread's CPU inside calls that release the GIL
+    assert 0 <= early["prepare_thread_gil_free_cpu_ms"] <= early["prepare_thread_cpu_ms"]
+    assert early["prepare_gil_held_bound_ms"] == early["prepare_gil_bound_ms"] - early["prepare_thread_gil_free_cpu_ms"]
     assert early["x_bound_beside_copy"] == early["total_ms"] / max(early["w_beside_copy_ms"], shape["ceiling_ms"])
     assert cells[(0.1, True)]["w_alone_ms"] > 0 and cells[(0.0, True)]["w_alone_ms"] == 0
     boot.print_results(out)
     printed = capsys.readouterr().out
     assert "boot end to end on cpu" in printed and "x: total / max(W, bulk)" in printed and "x, W beside copy" in printed
-    assert "x, W's CPU" in printed
+    assert "x, W's CPU" in printed and "GIL held <=" in printed
     assert boot_e2e.headline(out).startswith("boot end to end (C@0.0001): early call + 0.1 s of engine work")
 
 

@@ -153,6 +153,9 @@ def test_a_served_load_and_an_early_call_make_their_arena_as_they_hand_it_over(m
                 if early:  # its CPU time on prepare's thread, part of that thread's (the GIL bound's split)
                     cpu = loaded.report.details["prepare_handover_cpu_ms"]
                     assert 0 < cpu <= loaded.report.details["prepare_thread_cpu_ms"]
+                    # of that thread's CPU, its fd sends ran with the GIL released, each one timed
+                    free = loaded.report.details["prepare_thread_gil_free_cpu_ms"]
+                    assert 0 < free <= loaded.report.details["prepare_thread_cpu_ms"]
                 assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == want
     finally:
         d.close()

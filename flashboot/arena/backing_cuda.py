@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 from .. import _cuda
 from ..errors import ArenaError, CapabilityError, CudaError
+from ..gil_time import gil_free
 from ..memory import Device
 from .segments import _adjacent_runs
 from .undo import _Undo
@@ -159,7 +160,9 @@ def _set_access(ptr, nbytes: int, devices: Sequence[int]) -> None:
         d.location.id = index
         d.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         descs.append(d)
-    _cuda.check(drv.cuMemSetAccess(ptr, nbytes, descs, len(descs)), f"cuMemSetAccess({list(devices)})")
+    with gil_free():
+        granted = drv.cuMemSetAccess(ptr, nbytes, descs, len(descs))
+    _cuda.check(granted, f"cuMemSetAccess({list(devices)})")
 
 
 def _reserve(undo: _Undo, nbytes: int, alignment: int) -> int:
@@ -207,7 +210,9 @@ class _Mappings:
 
     def map(self, ptr: int, handle, nbytes: int) -> None:
         drv = _cuda.driver()
-        _cuda.check(drv.cuMemMap(ptr, nbytes, 0, handle, 0), f"cuMemMap({nbytes:,} at {ptr:#x})")
+        with gil_free():
+            mapped = drv.cuMemMap(ptr, nbytes, 0, handle, 0)
+        _cuda.check(mapped, f"cuMemMap({nbytes:,} at {ptr:#x})")
         self._spans.append((ptr, nbytes))
 
     def unmap_one(self, ptr: int) -> None:
@@ -331,8 +336,9 @@ def make_segments(backing: _Backing, indices: Sequence[int], prop, devices: Sequ
                 backing.add(i, reuse.pop(handed)[0])
                 stats["reused"] += 1
             else:
-                backing.add(i, _cuda.check(drv.cuMemCreate(size, prop, 0),
-                                           f"cuMemCreate({size:,} bytes on cuda:{index}, segment {i})"))
+                with gil_free():
+                    made = drv.cuMemCreate(size, prop, 0)
+                backing.add(i, _cuda.check(made, f"cuMemCreate({size:,} bytes on cuda:{index}, segment {i})"))
             t1 = time.perf_counter()
             backing.map(i)
             t2 = time.perf_counter()

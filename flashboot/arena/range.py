@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 from .. import _cuda
 from ..errors import ArenaError, CapabilityError, CudaError, FlashBootError, OutOfMemoryError
 from ..fdshare import FdStream, take_fds
+from ..gil_time import gil_free
 from ..memory import Device, Span
 from . import backing_cuda as cuda_backing
 from . import backing_host as host
@@ -653,8 +654,9 @@ class Arena(SleepWake):
         fds, fabric = self._exported
         for i in range(len(fds), upto):
             handle = handles[i]
-            fds.append(int(_cuda.check(drv.cuMemExportToShareableHandle(handle, kind.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                                       f"cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR, segment {i})")))
+            with gil_free():
+                exported = drv.cuMemExportToShareableHandle(handle, kind.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+            fds.append(int(_cuda.check(exported, f"cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR, segment {i})")))
             if self._fabric:
                 fh = _cuda.check(drv.cuMemExportToShareableHandle(handle, kind.CU_MEM_HANDLE_TYPE_FABRIC, 0),
                                  f"cuMemExportToShareableHandle(FABRIC, segment {i})")

@@ -48,6 +48,7 @@ from typing import Any
 
 from ..errors import FlashBootError, LayoutError, WaitTimeoutError
 from ..fdshare import readable
+from ..gil_time import gil_free_cpu_s
 from ..memory import Device
 from .choose import choose_copy_first, choose_prepared
 from .landing import admit, verify_loaded
@@ -186,6 +187,8 @@ class PreparedLoad:
         self.finished: float | None = None
         self._thread: threading.Thread | None = None
         self.thread_cpu_ms = 0.0  # the background thread's CPU time (see _run)
+        # of it, inside calls that release the GIL (driver calls, sends: flashboot.gil_time)
+        self.thread_gil_free_cpu_ms = 0.0
         # of it, a served load's hand-over of its later batches: driver calls and sends, which
         # release the GIL (on the H200: 7.8 ms of CPU for A's 13.8 GB, 5.4-10.0 ms for B's 11.8 GB)
         self.handover_cpu_ms = 0.0
@@ -229,7 +232,7 @@ class PreparedLoad:
         daemon's reply) yields that file first: :meth:`_handed_to_load` waits for it there, and
         hands the rest of the steps to the load's thread if the load is waiting for them."""
         error, handed = None, False
-        cpu0 = time.thread_time()
+        cpu0, free0 = time.thread_time(), gil_free_cpu_s()
         try:
             # the switch interval lowered only while steps before the copy's start run here
             with self._handover if not self._waits_in_c else contextlib.nullcontext():
@@ -241,6 +244,7 @@ class PreparedLoad:
             error = exc
         # this thread's CPU time: a bound on the GIL it can have taken from the engine meanwhile
         self.thread_cpu_ms = (time.thread_time() - cpu0) * 1e3
+        self.thread_gil_free_cpu_ms = (gil_free_cpu_s() - free0) * 1e3  # so the GIL held is at most the difference
         if not handed:  # otherwise the load's thread ends the steps (and finishes)
             self._finish(error)
 
@@ -659,6 +663,7 @@ def load_prepared(request: LoadRequest) -> LoadedImage:
                           # the GIL prepare held: its call on the caller's thread, and at most this in its own
                           "prepare_thread_cpu_ms": prepared.thread_cpu_ms,
                           "prepare_handover_cpu_ms": prepared.handover_cpu_ms,
+                          "prepare_thread_gil_free_cpu_ms": prepared.thread_gil_free_cpu_ms,
                           "prepared_before_load": ready_before,
                           # "load": the copy's end was awaited on the load's thread (wait_in_load)
                           "copy_end_awaited_on": "load" if prepared.handed_to_load else "prepare's thread",
