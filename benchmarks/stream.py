@@ -16,8 +16,9 @@ then in this process, which already holds its CUDA context (as an engine does):
 3. ``flashboot.load(..., stream=True, stream_buffer_bytes=CAP, verify=True)``: the stream's rate
    and the peak RSS beyond the baseline (the pinned ring is anonymous memory, so it is in the
    RSS; on the host backend the arena's own pages are subtracted); the reads in flight it kept
-   (:mod:`flashboot.flashload.read_depth`); then the same load with them fixed at the configured
-   depth (``adapt_reads=False``), cache dropped again;
+   (:mod:`flashboot.flashload.read_depth`) and the disk's idle time between its reads (no read
+   in flight: the hand-off from one read to the next, a wait for a slot); then the same load with
+   them fixed at the configured depth (``adapt_reads=False``), cache dropped again;
 4. the disk's own O_DIRECT rate, sampled between the loads (before the first, between each two,
    after the last), the page cache dropped each time: alternately with the loader's own reads in
    flight and read size into a ring of slots such as the stream's, and one ``dd``-like 16 MiB
@@ -246,7 +247,7 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
             "verified": r.verify_ms > 0, "staged_speedup_estimate": d["staged_speedup_estimate"], "reads": d["reads"],
             "x_adjacent": d["read_gbps"] / max(s1, s2), "disk_samples": samples,
             "fixed_gbps": fixed_gbps, "fixed_x_disk": fixed_gbps / disk_gbps, "fixed_x_adjacent": fixed_gbps / max(s2, s3),
-            "fixed_reads": fixed.details["reads"]["kept"],
+            "fixed_reads": fixed.details["reads"]["kept"], "fixed_reads_detail": fixed.details["reads"],
             "first": first, "report": r.to_dict()}
 
 
@@ -315,6 +316,13 @@ def print_results(out: dict) -> None:
                 ["what", "io", "s", "GB/s", "x best disk", "x disk beside", "peak extra host memory"], rows)
     print(f"reads in flight kept: 1st load {s['first']['reads'].get('kept')}, after a warm-up {s['reads'].get('kept')} "
           f"(probe GB/s: {s['first']['reads'].get('probe', {}).get('gbps')}, {s['reads'].get('probe', {}).get('gbps')})")
+    def idle(reads: dict) -> str:
+        windows = (reads.get("probe") or {}).get("windows_idle_share")
+        return (f"{reads.get('idle_ms', 0):.0f} ms in {reads.get('idle_gaps', 0)} gaps"
+                + (f" (share of each probe window {windows})" if windows else ""))
+
+    print(f"disk idle between reads (no read in flight): 1st load {idle(s['first']['reads'])}; after a warm-up "
+          f"{idle(s['reads'])}; at the fixed depth {idle(s.get('fixed_reads_detail') or {})}")
     print(f"whole load call: 1st in a fresh process {s['first']['total_ms']:.0f} ms, after a warm-up "
           f"{s['total_ms']:.0f} ms")
     print(f"verified (chunk checksums on the device): {s['verified']}; within the cap: {s['within_cap']}; "

@@ -435,7 +435,7 @@ def test_cli_load_streams_and_says_why(image, shm, capsys):
     assert "no preloader is running" in capsys.readouterr().err
 
 
-def test_bench_stream_measures_against_the_disk(tmp_path):
+def test_bench_stream_measures_against_the_disk(tmp_path, capsys):
     from flashboot.benchmarks.checkpoints import CHECKPOINT_A
     from flashboot.benchmarks.stream import run
 
@@ -468,6 +468,13 @@ def test_bench_stream_measures_against_the_disk(tmp_path):
     # the reads in flight each load kept, and the same stream at the fixed depth beside them
     assert first["reads"]["kept"] and s["reads"]["kept"] and s["reads"]["settings"]["A"] == s["fixed_reads"]
     assert s["fixed_gbps"] > 0 and s["fixed_x_disk"] == s["fixed_gbps"] / s["disk_gbps"]
+    # each load's disk idle time between its reads is reported
+    for reads in (first["reads"], s["reads"], s["fixed_reads_detail"]):
+        assert reads["idle_ms"] >= 0 and reads["idle_gaps"] >= 0
+    from flashboot.benchmarks.stream import print_results
+
+    print_results(out)
+    assert "disk idle between reads (no read in flight): 1st load" in capsys.readouterr().out
 
 
 def test_a_preloader_that_exits_ends_the_wait_with_a_clear_error(image, shm):
@@ -581,3 +588,51 @@ def test_reads_in_flight_are_not_probed_when_asked_or_when_the_stream_is_short(t
         StreamConfig(adapt_reads="yes")
     with pytest.raises(FlashBootError, match="probe_window_bytes must be a positive int"):
         StreamConfig(probe_window_bytes=0)
+
+
+def test_the_disk_idle_time_between_reads_is_counted(tmp_path, monkeypatch):
+    """A hand-off between two reads that keeps the disk idle (here: each reader waits 20 ms for
+    its slot) is counted as idle time, once per gap; reads side by side leave no gap to count."""
+    import time
+
+    from flashboot.arena import Arena
+
+    data = np.random.default_rng(9).integers(0, 256, 12 * 8192, dtype=np.uint8)
+    path = tmp_path / "disk.bin"
+    path.write_bytes(data.tobytes())
+    real_take = stream._take_slot
+    gap_s = 0.02
+
+    def slow_take(free, stop):
+        time.sleep(gap_s)
+        return real_take(free, stop)
+
+    monkeypatch.setattr(stream, "_take_slot", slow_take)
+    seen = _emulated_disk(monkeypatch, contended=False, base_s=0.0)
+    cfg = StreamConfig(buffer_bytes=10 * 8192, slot_bytes=8192, threads=1, io="buffered", adapt_reads=False)
+    with Arena.create(data.size, "cpu") as arena:
+        stats = stream.stream_image(path, data.size, arena, cfg)
+        assert np.array_equal(arena.bytes().numpy()[: data.size], data)
+    assert len(seen) == 12 and {k for _, _, k in seen} == {1}
+    # one gap before each read but the first; each at least the slot wait
+    assert stats.reads["idle_gaps"] == 11 and stats.reads["idle_ms"] >= 11 * gap_s * 1e3
+
+    # four readers, each chunk's read held until all four are in flight: no read starts on an idle
+    # disk but the first, so no gap is counted
+    barrier = threading.Barrier(4)
+    monkeypatch.setattr(stream, "_take_slot", real_take)
+    real_read = stream.read_exactly
+
+    def together(*args, **kwargs):
+        barrier.wait(5)
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(stream, "read_exactly", together)
+    data = data[: 8 * 8192]
+    path.write_bytes(data.tobytes())
+    cfg = StreamConfig(buffer_bytes=10 * 8192, slot_bytes=8192, threads=4, io="buffered", adapt_reads=False)
+    with Arena.create(data.size, "cpu") as arena:
+        stats = stream.stream_image(path, data.size, arena, cfg)
+        assert np.array_equal(arena.bytes().numpy()[: data.size], data)
+    assert stats.reads["kept"] == "4 x 8 KiB"
+    assert stats.reads["idle_gaps"] <= 1  # only where the second four started after the first four all returned

@@ -67,6 +67,12 @@ def _gbps(window: _Window) -> float | None:
     return round(window.nbytes / span / 1e9, 3) if span > 0 else None
 
 
+def _share(idle_s: float, window: _Window) -> float | None:
+    """The part of a window's span (first read issued to last returned) the disk was idle."""
+    span = window.last_done - window.first_issue
+    return round(idle_s / span, 4) if span > 0 else None
+
+
 class ReadDepth:
     """The reads-in-flight gate of one stream, and its probe (see the module docstring).
 
@@ -90,6 +96,13 @@ class ReadDepth:
         self._window = 0
         self._issued = 0  # reads issued in the current window
         self._active = 0
+        # the disk's idle time: no read (piece) in flight between the stream's first read and its
+        # last, by window (the probe's) and after them; see read_started
+        self._busy = threading.Lock()
+        self._reading = 0
+        self._idle_since: float | None = None
+        self.idle_s = [0.0] * (len(self.windows) + 1)
+        self.gaps = [0] * (len(self.windows) + 1)
 
     @property
     def steady(self) -> ReadSetting:
@@ -117,6 +130,26 @@ class ReadDepth:
                     return w, self.steady, time.perf_counter()
                 self._cond.wait(_WAIT_S)
             return None
+
+    def read_started(self) -> None:
+        """A read (one piece of a chunk) is issued: the time since the last one returned, with no
+        read in flight meanwhile, is the disk's idle time: the hand-off between two reads (at one
+        read in flight, its thread's wait for the GIL among it), a wait for a free slot, a window's
+        drain. Counted against the window the stream is in."""
+        now = time.perf_counter()
+        with self._busy:
+            if self._reading == 0 and self._idle_since is not None:
+                w = min(self._window, len(self.windows))
+                self.idle_s[w] += now - self._idle_since
+                self.gaps[w] += 1
+            self._reading += 1
+
+    def read_ended(self) -> None:
+        now = time.perf_counter()
+        with self._busy:
+            self._reading -= 1
+            if self._reading == 0:
+                self._idle_since = now
 
     def leave(self) -> None:
         """A read that :meth:`enter` let start has ended (read, failed, or found no chunk left)."""
@@ -155,11 +188,17 @@ class ReadDepth:
         """The settings, what each window measured (GB/s) and the one kept."""
         out = {"kept": self.steady.label(self.slot_bytes),
                "settings": {k: v.label(self.slot_bytes) for k, v in self.settings.items()}}
+        out["idle_ms"] = round(sum(self.idle_s) * 1e3, 3)
+        out["idle_gaps"] = sum(self.gaps)
         if self.windows:
             out["probe"] = {"order": ORDER, "window_bytes": self.windows[0].reads * self.slot_bytes,
                             "lead_in_gbps": _gbps(self.windows[0]),
                             "windows_gbps": [_gbps(x) for x in self.windows[1:]],
-                            "gbps": {k: round(v, 3) for k, v in self.rates_gbps.items()}}
+                            "gbps": {k: round(v, 3) for k, v in self.rates_gbps.items()},
+                            # the disk idle in each window (ms): between its reads and before its first
+                            "windows_idle_ms": [round(x * 1e3, 3) for x in self.idle_s[1:len(self.windows)]],
+                            "windows_idle_share": [_share(i, x) for i, x in zip(self.idle_s[1:], self.windows[1:])]}
+            out["after_probe_idle_ms"] = round(self.idle_s[-1] * 1e3, 3)
         return out
 
 

@@ -347,15 +347,20 @@ def _take_slot(free: queue.Queue, stop: threading.Event) -> _Slot | None:
 
 
 def _read_chunk(fd: int, slot: _Slot, off: int, want: int, pieces: int, *, direct: bool, path: str,
-                file_nbytes: int) -> None:
+                file_nbytes: int, depth: ReadDepth) -> None:
     """Fill ``slot`` with the ``want`` bytes at ``off``, as ``pieces`` sequential reads of equal
-    4096-aligned size (O_DIRECT asks whole blocks; the file's last read may come back short)."""
+    4096-aligned size (O_DIRECT asks whole blocks; the file's last read may come back short);
+    ``depth`` counts the disk's idle time between reads."""
     piece = -(-len(slot.view) // pieces // ALIGNMENT) * ALIGNMENT
     for start in range(0, want, piece):
         need = min(piece, want - start)
         ask = -(-need // ALIGNMENT) * ALIGNMENT if direct else need
-        read_exactly(fd, slot.view[start:start + ask], off + start, need, direct=direct, path=path,
-                     file_nbytes=file_nbytes, preadv=_preadv)
+        depth.read_started()
+        try:
+            read_exactly(fd, slot.view[start:start + ask], off + start, need, direct=direct, path=path,
+                         file_nbytes=file_nbytes, preadv=_preadv)
+        finally:
+            depth.read_ended()
 
 
 def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, config: StreamConfig, threads: int, *, direct: bool,
@@ -399,7 +404,8 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, config: StreamConfi
                         slot.copied = None
                     off = i * slot_bytes
                     want = min(slot_bytes, nbytes - off)
-                    _read_chunk(fd, slot, off, want, ticket[1].pieces, direct=direct, path=path, file_nbytes=nbytes)
+                    _read_chunk(fd, slot, off, want, ticket[1].pieces, direct=direct, path=path, file_nbytes=nbytes,
+                                depth=depth)
                     read_end = time.perf_counter()
                 finally:
                     depth.leave()
