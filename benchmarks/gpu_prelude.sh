@@ -122,7 +122,7 @@ serve_engines() {
 }
 stream_disk() {
   timeout "$(left 300)" flashboot bench stream --scale "$1" --json "$OUT/stream.json" >/tmp/stream.log 2>&1
-  say "bench stream rc=$?"; grep -vE "^[┏┡└]" /tmp/stream.log | tail -14 | tee -a "$S"
+  say "bench stream rc=$?"; grep -vE "^[┏┡└]" /tmp/stream.log | tail -16 | tee -a "$S"
 }
 swap_figures() {
   timeout "$(left 290)" flashboot bench swap --scale "$1" --repeats 3 --json "$OUT/swap.json" >/tmp/swap.log 2>&1

@@ -47,19 +47,24 @@ def _make_and_send(nbytes: int, sock: socket.socket, out: dict) -> None:
     out["arena"] = arena
 
 
-def _drain(sock: socket.socket, stop: threading.Event) -> None:
-    import os
+_DRAIN = """
+import os, socket, sys
+s = socket.socket(fileno=int(sys.argv[1]))
+while True:
+    msg, fds, _flags, _addr = socket.recv_fds(s, 16, 64)
+    for fd in fds:
+        os.close(fd)
+    if not msg:
+        break
+"""
 
-    sock.settimeout(0.05)
-    while not stop.is_set():
-        try:
-            _msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 64)
-        except (socket.timeout, BlockingIOError):
-            continue
-        except OSError:
-            return
-        for fd in fds:
-            os.close(fd)
+
+def _drain(sock: socket.socket):
+    """The daemon's side in another process, as it is in a served load: it takes the fds and
+    closes them; it must not take this process's GIL."""
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-c", _DRAIN, str(sock.fileno())], pass_fds=[sock.fileno()])
 
 
 def main(nbytes: int, rounds: int) -> dict:
@@ -74,9 +79,8 @@ def main(nbytes: int, rounds: int) -> dict:
 
     import_loader("cuda:0")
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    stop = threading.Event()
-    drain = threading.Thread(target=_drain, args=(b, stop), daemon=True)
-    drain.start()
+    drain = _drain(b)
+    b.close()
     warm: dict = {}
     _make_and_send(nbytes, a, warm)  # the process's first arena and exports: not measured
     warm.pop("arena").close()
@@ -98,10 +102,8 @@ def main(nbytes: int, rounds: int) -> dict:
     def med(rows, key):
         return round(statistics.median(r[key] for r in rows), 3)
 
-    stop.set()
-    a.close()
-    drain.join(5)
-    b.close()
+    a.close()  # the drain sees the end of the stream and exits
+    drain.wait(10)
     import cuda.bindings
 
     return {"nbytes": nbytes, "rounds": rounds, "cuda_bindings": cuda.bindings.__version__,
