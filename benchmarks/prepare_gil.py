@@ -2,7 +2,7 @@
 
 Issue 19's budget: the GIL time the early call's thread takes from the engine is at most 20 ms
 plus 1 us per tensor. This reproduces it with the served daemon (any backend: on the host one it
-runs on a CPU machine): shape C's 40,250 tensors (scaled: the bytes do not matter here), a
+runs on a CPU machine): shape C's 40,250 tensors by default (``--shape``) (scaled: the bytes do not matter here), a
 ``flashboot preload --serve`` daemon in its own process, then fresh processes that each run a
 pure-Python loop W of ``w_s`` seconds (calibrated in that process, as
 :mod:`flashboot.benchmarks.boot_e2e` does):
@@ -86,21 +86,22 @@ def _run_child(spec: dict) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def run(*, device: str, w_s: float, repeats: int, profile: bool, root: Path, scale: float | None) -> dict:
+def run(*, device: str, w_s: float, repeats: int, profile: bool, root: Path, scale: float | None,
+        shape: str = "C") -> dict:
     import flashboot
     from flashboot.benchmarks.checkpoints import CHECKPOINTS, make_checkpoint
     from flashboot.flashload.client import serve_status
     from flashboot.flashload.service import start_background, stop_service
     from flashboot.flashload.staging import PreloadConfig
 
-    spec = CHECKPOINTS["C"].scaled(scale if scale is not None else (1.0 if device.startswith("cuda") else 1e-3))
+    spec = CHECKPOINTS[shape].scaled(scale if scale is not None else (1.0 if device.startswith("cuda") else 1e-3))
     root.mkdir(parents=True, exist_ok=True)
-    ckpt_dir, img_dir, shm = root / "ckpt-C", root / "image-C", root / "staged"
+    ckpt_dir, img_dir, shm = root / f"ckpt-{shape}", root / f"image-{shape}", root / "staged"
     ckpt = make_checkpoint(str(ckpt_dir), spec, device="cpu")
     if not img_dir.exists():
         flashboot.prepack(str(ckpt_dir), str(img_dir), progress=False)
     budget_ms = BUDGET_MS + BUDGET_US_PER_TENSOR * ckpt.tensor_count / 1e3
-    print(f"C: {ckpt.tensor_count:,} tensors, {ckpt.nbytes / 1e6:.1f} MB on {device}; W {w_s:g} s; GIL budget "
+    print(f"{shape}: {ckpt.tensor_count:,} tensors, {ckpt.nbytes / 1e6:.1f} MB on {device}; W {w_s:g} s; GIL budget "
           f"{budget_ms:.0f} ms", flush=True)
     start_background(PreloadConfig(str(img_dir), ranks=[0], shm_dir=str(shm), serve=True, devices={0: device}),
                      timeout_s=60)
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--w", type=float, default=1.0, help="engine workload W in seconds (default 1)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--scale", type=float, default=None, help="bytes scale of shape C (default 1 on CUDA, 1e-3 on cpu)")
+    p.add_argument("--shape", default="C", help="checkpoint shape (A, B or C; default C, the most tensors)")
+    p.add_argument("--scale", type=float, default=None, help="bytes scale of the shape (default 1 on CUDA, 1e-3 on cpu)")
     p.add_argument("--profile", action="store_true", help="also profile the prepare thread in one more process")
     p.add_argument("--dir", default="/dev/shm/flashboot-prepare-gil")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint and image for the next run")
@@ -156,7 +158,7 @@ def main(argv=None) -> int:
     root = Path(args.dir)
     try:
         out = run(device=args.device, w_s=args.w, repeats=args.repeats, profile=args.profile, root=root,
-                  scale=args.scale)
+                  scale=args.scale, shape=args.shape)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
