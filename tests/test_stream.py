@@ -674,12 +674,9 @@ def test_a_reader_reads_into_the_most_recently_freed_slot(tmp_path, monkeypatch)
 def test_free_slots_pass_over_one_whose_copy_still_runs():
     """The newest free slot whose copy to the device has ended is taken; only when every free
     slot's copy still runs is the newest taken (its reader then waits for that copy)."""
-    class Copy:
+    class Copy:  # as flashboot.cuda_streams.Event: ``done`` polls whether the copy has run
         def __init__(self, ended):
-            self.ended = ended
-
-        def done(self):
-            return self.ended
+            self.done = ended
 
     slots = [stream._Slot(i, 0, memoryview(b"")) for i in range(3)]
     slots[0].copied, slots[1].copied, slots[2].copied = Copy(True), None, Copy(False)

@@ -360,7 +360,7 @@ class _FreeSlots:
             while not stop.is_set():
                 for k in range(len(self._slots) - 1, -1, -1):
                     copied = self._slots[k].copied
-                    if copied is None or copied.done():
+                    if copied is None or copied.done:
                         return self._slots.pop(k)
                 if self._slots:  # every free slot's copy still runs: the newest (the reader waits for it)
                     return self._slots.pop()
