@@ -13,7 +13,8 @@ Two more kinds of CONFIGS ask where a stream's rate goes below one dd-like strea
 twenty-seventh session: the stream at one 16 MiB read at a time 1.96 GB/s, one dd-like stream
 2.24-2.46, minutes apart): ``r7x16``, one read at a time of 16 MiB into 7 pinned slots in turn
 (the stream's ring, no copy); ``s1x16``, the loader itself (``stream_image`` into a DEVICE arena,
-1 reader, 16 MiB slots, the read depth fixed).
+1 reader, 16 MiB slots, the read depth fixed); ``h1x16``, the same into a host arena (no pinned
+ring, no copy to the GPU: the loader's threads and hand-offs alone).
 """
 
 from __future__ import annotations
@@ -83,13 +84,13 @@ def main() -> None:
         finally:
             os.unlink(warm)
     for config in runs:
-        kind = config[0] if config[0] in "prs" else ""
-        in_flight, mib = (int(x) for x in config.lstrip("prs").split("x"))
+        kind = config[0] if config[0] in "prsh" else ""
+        in_flight, mib = (int(x) for x in config.lstrip("prsh").split("x"))
         drop_file_cache(path)
         if kind == "r":
             gbps, mode = _rotating_rate(path, in_flight, mib, device), "o_direct"
-        elif kind == "s":
-            gbps, mode = _stream_rate(path, in_flight, mib, device), "o_direct"
+        elif kind in "sh":
+            gbps, mode = _stream_rate(path, in_flight, mib, device if kind == "s" else "cpu"), "o_direct"
         else:
             ring = None
             if kind == "p":  # into ring slots such as the stream's, pinned on CUDA
