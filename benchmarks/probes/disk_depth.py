@@ -14,7 +14,9 @@ twenty-seventh session: the stream at one 16 MiB read at a time 1.96 GB/s, one d
 2.24-2.46, minutes apart): ``r7x16``, one read at a time of 16 MiB into 7 pinned slots in turn
 (the stream's ring, no copy); ``s1x16``, the loader itself (``stream_image`` into a DEVICE arena,
 1 reader, 16 MiB slots, the read depth fixed); ``h1x16``, the same into a host arena (no pinned
-ring, no copy to the GPU: the loader's threads and hand-offs alone).
+ring, no copy to the GPU: the loader's threads and hand-offs alone); ``n1x16``, the loader into a
+DEVICE arena with its copies out of the ring left out (the pinned ring, the device's context on
+the readers, no DMA: the bytes are not loaded).
 """
 
 from __future__ import annotations
@@ -49,17 +51,25 @@ def _rotating_rate(path: str, slots: int, mib: int, device: str) -> float:
         ring.close()
 
 
-def _stream_rate(path: str, threads: int, mib: int, device: str) -> float:
-    """The loader's own stream of the whole file into an arena on ``device``, the depth fixed."""
+def _stream_rate(path: str, threads: int, mib: int, device: str, copies: bool = True) -> float:
+    """The loader's own stream of the whole file into an arena on ``device``, the depth fixed;
+    ``copies`` False leaves out its copies out of the ring (nothing is loaded)."""
     import os
 
     from flashboot.arena import Arena
+    from flashboot.flashload import stream
     from flashboot.flashload.stream import StreamConfig, stream_image
 
     size = os.path.getsize(path)
-    with Arena.create(size, device) as arena:
-        stats = stream_image(path, size, arena, StreamConfig(threads=threads, slot_bytes=mib << 20, io="direct",
-                                                             adapt_reads=False))
+    real = stream._Copier.copy
+    if not copies:
+        stream._Copier.copy = lambda self, slot, offset, nbytes: None
+    try:
+        with Arena.create(size, device) as arena:
+            stats = stream_image(path, size, arena, StreamConfig(threads=threads, slot_bytes=mib << 20, io="direct",
+                                                                 adapt_reads=False))
+    finally:
+        stream._Copier.copy = real
     return stats.read_gbps
 
 
@@ -73,7 +83,7 @@ def main() -> None:
         runs = [c for _ in range(int(sys.argv[4])) for c in sys.argv[3].split(",")]
     else:
         runs = [f"{k}x{m}" for k, m in CONFIGS] + (["p4x32", "p1x16"] if device else [])
-    if any(c[0] in "sh" for c in runs):  # the loader's one-time costs (ring pin, first copy) off the samples
+    if any(c[0] in "shn" for c in runs):  # the loader's one-time costs (ring pin, first copy) off the samples
         import os
 
         warm = f"{path}.warm"
@@ -86,13 +96,14 @@ def main() -> None:
         finally:
             os.unlink(warm)
     for config in runs:
-        kind = config[0] if config[0] in "prsh" else ""
-        in_flight, mib = (int(x) for x in config.lstrip("prsh").split("x"))
+        kind = config[0] if config[0] in "prshn" else ""
+        in_flight, mib = (int(x) for x in config.lstrip("prshn").split("x"))
         drop_file_cache(path)
         if kind == "r":
             gbps, mode = _rotating_rate(path, in_flight, mib, device), "o_direct"
-        elif kind in ("s", "h"):
-            gbps, mode = _stream_rate(path, in_flight, mib, device if kind == "s" else "cpu"), "o_direct"
+        elif kind in ("s", "h", "n"):
+            gbps = _stream_rate(path, in_flight, mib, "cpu" if kind == "h" else device, copies=kind != "n")
+            mode = "o_direct"
         else:
             ring = None
             if kind == "p":  # into ring slots such as the stream's, pinned on CUDA
