@@ -14,6 +14,7 @@ are counted too: a few microseconds a call, against the ~250 us of the driver's 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -33,17 +34,7 @@ class _Counted:
         return False
 
 
-class _NotCounted:
-    __slots__ = ()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NOT_COUNTED = _NotCounted()
+_NOT_COUNTED = contextlib.nullcontext()
 
 
 @functools.cache

@@ -600,14 +600,14 @@ def test_the_disk_idle_time_between_reads_is_counted(tmp_path, monkeypatch):
     data = np.random.default_rng(9).integers(0, 256, 12 * 8192, dtype=np.uint8)
     path = tmp_path / "disk.bin"
     path.write_bytes(data.tobytes())
-    real_take = stream._take_slot
+    real_take = stream._FreeSlots.take
     gap_s = 0.02
 
     def slow_take(free, stop):
         time.sleep(gap_s)
         return real_take(free, stop)
 
-    monkeypatch.setattr(stream, "_take_slot", slow_take)
+    monkeypatch.setattr(stream._FreeSlots, "take", slow_take)
     seen = _emulated_disk(monkeypatch, contended=False, base_s=0.0)
     cfg = StreamConfig(buffer_bytes=10 * 8192, slot_bytes=8192, threads=1, io="buffered", adapt_reads=False)
     with Arena.create(data.size, "cpu") as arena:
@@ -620,7 +620,7 @@ def test_the_disk_idle_time_between_reads_is_counted(tmp_path, monkeypatch):
     # four readers, each chunk's read held until all four are in flight: no read starts on an idle
     # disk but the first, so no gap is counted
     barrier = threading.Barrier(4)
-    monkeypatch.setattr(stream, "_take_slot", real_take)
+    monkeypatch.setattr(stream._FreeSlots, "take", real_take)
     real_read = stream.read_exactly
 
     def together(*args, **kwargs):
@@ -650,7 +650,7 @@ def test_a_reader_reads_into_the_most_recently_freed_slot(tmp_path, monkeypatch)
     used = []
     real = stream._read_chunk
     monkeypatch.setattr(stream, "_read_chunk", lambda fd, slot, *a, **k: used.append(slot.index) or real(fd, slot, *a, **k))
-    real_take = stream._take_slot
+    real_take = stream._FreeSlots.take
 
     def take_once_all_are_back(free, stop):  # as on a disk slower than the copies: the last slot is back
         # (bounded: with a FIFO the test fails on the slots used, not on a hang)
@@ -661,7 +661,7 @@ def test_a_reader_reads_into_the_most_recently_freed_slot(tmp_path, monkeypatch)
             time.sleep(0.001)
         return real_take(free, stop)
 
-    monkeypatch.setattr(stream, "_take_slot", take_once_all_are_back)
+    monkeypatch.setattr(stream._FreeSlots, "take", take_once_all_are_back)
     cfg = StreamConfig(buffer_bytes=10 * 8192, slot_bytes=8192, threads=1, io="buffered", adapt_reads=False)
     total = cfg.slots_for(data.size)
     with Arena.create(data.size, "cpu") as arena:

@@ -23,16 +23,6 @@ import time
 W_MS = 250.0
 
 
-def _steps_for(ms: float) -> int:
-    from flashboot.benchmarks.boot_e2e import timed_workload
-
-    steps = 200_000
-    for _ in range(6):
-        wall, _cpu = timed_workload(steps)
-        steps = max(1000, int(steps * ms / max(wall, 1e-3)))
-    return steps
-
-
 def _make_and_send(nbytes: int, sock: socket.socket, out: dict) -> None:
     from flashboot.arena import Arena
     from flashboot.fdshare import send_fds
@@ -73,7 +63,7 @@ def main(nbytes: int, rounds: int) -> dict:
     torch.cuda.set_device(0)
     torch.zeros(1, device="cuda:0")
     torch.cuda.synchronize()
-    from flashboot.benchmarks.boot_e2e import timed_workload
+    from flashboot.benchmarks.boot_e2e import calibrate_steps_per_s, timed_workload
     from flashboot.flashload.warm import import_loader
     from flashboot.gil_time import driver_releases_gil
 
@@ -84,7 +74,7 @@ def main(nbytes: int, rounds: int) -> dict:
     warm: dict = {}
     _make_and_send(nbytes, a, warm)  # the process's first arena and exports: not measured
     warm.pop("arena").close()
-    steps = _steps_for(W_MS)
+    steps = max(1_000, int(calibrate_steps_per_s() * W_MS / 1e3))  # as bench boot calibrates W
     beside, alone = [], []
     for _ in range(rounds):
         wall, cpu = timed_workload(steps)

@@ -368,10 +368,6 @@ class _FreeSlots:
             return None
 
 
-def _take_slot(free: _FreeSlots, stop: threading.Event) -> _Slot | None:
-    return free.take(stop)
-
-
 def _read_chunk(fd: int, slot: _Slot, off: int, want: int, pieces: int, *, direct: bool, path: str,
                 file_nbytes: int, depth: ReadDepth) -> None:
     """Fill ``slot`` with the ``want`` bytes at ``off``, as ``pieces`` sequential reads of equal
@@ -420,7 +416,7 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, config: StreamConfi
                 _cuda.use_device(arena.device.index)  # this thread owns its context: synchronising events needs one
             while (ticket := depth.enter(stop)) is not None:
                 try:  # the chunk is taken once the gate lets a read start: at one in flight, in file order
-                    if (i := take()) is None or (slot := _take_slot(free, stop)) is None:
+                    if (i := take()) is None or (slot := free.take(stop)) is None:
                         return
                     ring.acquired()
                     if slot.copied is not None:
