@@ -3,6 +3,9 @@ sizes, inspect's table at full width, one message for a missing image directory.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from _io_helpers import image, image_master  # noqa: F401  (fixtures)
 
@@ -73,3 +76,22 @@ def test_movers_says_where_the_triton_kernels_run_and_it_is_true(capsys):
     dst = torch.zeros_like(src)
     sm_copy(dst, src, stream=None, block_bytes=4096)
     assert torch.equal(dst, src)
+
+
+def test_the_command_table_names_every_command_each_module_adds():
+    from flashboot import cli
+
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    assert list(sub.choices) == list(cli.COMMANDS)  # --help's order is the table's
+    for command, module in cli.COMMANDS.items():
+        only = next(a for a in cli.build_parser([command])._actions if a.dest == "command")
+        assert command in only.choices
+        assert {cli.COMMANDS[c] for c in only.choices} == {module}
+
+
+def test_a_command_imports_only_its_own_module():
+    code = ("import sys; from flashboot import cli; a = cli.build_parser(['clone', '--store', 'h:1']).parse_args("
+            "['clone', '--store', 'h:1']); print(a.func.__module__, sorted(m for m in sys.modules "
+            "if m.startswith('flashboot.commands.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.split() == ["flashboot.commands.clone", "['flashboot.commands.clone']"]

@@ -106,10 +106,12 @@ def test_default_ring_is_capped_by_the_image_and_the_env(image, shm, monkeypatch
     assert cfg.slots_for(1 << 30) == 4 and cfg.slots_for(13 << 10) == 2
     monkeypatch.delenv(stream.BUFFER_ENV)
     cfg = StreamConfig()
-    assert cfg.buffer_bytes == stream.DEFAULT_BUFFER_BYTES and cfg.slot_bytes == stream.MAX_SLOT_BYTES
-    assert cfg.ring_bytes == cfg.buffer_bytes - stream.MAX_OVERHEAD_BYTES and cfg.slots_for(1 << 40) == 7
+    assert cfg.buffer_bytes == stream.DEFAULT_BUFFER_BYTES and cfg.slot_bytes == stream.SLOT_BYTES == 4 << 20
+    assert cfg.ring_bytes == cfg.buffer_bytes - stream.MAX_OVERHEAD_BYTES
+    assert cfg.slots_for(1 << 40) == stream.RING_SLOTS == 16  # 64 MiB pinned, not the cap's 240 MiB
+    assert StreamConfig(buffer_bytes=1 << 30, slot_bytes=32 << 20).slots_for(1 << 40) == 16
     with flashboot.load(image, 0, "cpu", shm_dir=shm) as loaded:  # a 127 KB image gets one slot, not 256 MiB
-        assert loaded.report.details["buffer_bytes"] == stream.MAX_SLOT_BYTES
+        assert loaded.report.details["buffer_bytes"] == stream.SLOT_BYTES
         assert loaded.report.details["slots"] == 1
         assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
 
@@ -148,11 +150,11 @@ def status():
 
 image, shm = sys.argv[1], sys.argv[2]
 out = []
-for cap in (16 << 20, 128 << 20, 16 << 20):
+for cap, slot in ((16 << 20, None), (128 << 20, 8 << 20), (16 << 20, None)):
     # the first 16 MiB load warms numba, torch and the allocator; the last one is measured
     open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
     before = status()["VmRSS"]
-    with flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes=cap) as li:
+    with flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes={"buffer_bytes": cap, "slot_bytes": slot}) as li:
         hwm = status()["VmHWM"]
         arena = li.arena.bytes().numpy()[: li.nbytes]
         ok = bool(np.array_equal(arena, np.fromfile(li.source.path, np.uint8)))
@@ -178,7 +180,7 @@ def big_image(tmp_path_factory):
 def test_peak_host_memory_stays_under_the_cap(big_image, tmp_path):
     """Peak RSS beyond the arena's own pages, in a fresh process: under the 16 MiB cap for a
     266 MB image (38 tensors: the views' objects, ~0.4 KB a tensor, come on top of the cap);
-    the same measurement sees a 128 MiB ring (so it would see a leak or a whole-image buffer)."""
+    the same measurement sees a 112 MiB ring (so it would see a leak or a whole-image buffer)."""
     res = subprocess.run([sys.executable, "-c", _MEASURE, str(big_image), str(tmp_path / "shm")], capture_output=True,
                          text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -188,7 +190,8 @@ def test_peak_host_memory_stays_under_the_cap(big_image, tmp_path):
     assert small["mode"] == "streamed from disk"
     assert small["ring"] <= 16 << 20 and small["peak_in_use"] <= small["ring"]
     assert small["extra_peak"] < 16 << 20, small  # ring, reader threads, views: all of it under the cap
-    assert large["extra_peak"] > 64 << 20, large  # the measurement sees the (96 MiB) ring
+    assert large["ring"] == 112 << 20  # 14 slots of 8 MiB: the cap less its 1/8
+    assert large["extra_peak"] > 96 << 20, large  # the measurement sees the ring
 
 
 # ------------------------------------------------------------------------------ when and why

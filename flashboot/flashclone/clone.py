@@ -85,7 +85,11 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     mover_obj = _check_mover(dev, _default_mover(dev, mover), create=False)
     nixl_warm = AgentWarmup.start_for(transport, "clone", timeout_s)
     t_import = time.perf_counter()
-    import torch.distributed  # noqa: F401  (the store's client: in a fresh process, torch itself)
+    # the store's client: in a fresh process, torch itself. ``import torch`` first: it waits for an
+    # import of torch in progress in another thread (the CLI's import_early), where importing a
+    # submodule would run it against a half-imported torch (torch._C._c10d_init aborts the process)
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
 
     t_store = time.perf_counter()
     session = _Session.connect(store, token, token_file, name, host=False, timeout_s=timeout_s, keep=nixl_warm)

@@ -59,6 +59,7 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
         prepared.check_device(dev)
     # overlaps connecting; joined before any descriptor is requested
     warm = prepared if prepared is not None else CloneWarmup(dev, verify=verify, mover=mover_obj)
+    import torch  # noqa: F401  (before the store's torch.distributed: see clone(), where torch is imported)
     session = _Session.connect(store, token, token_file, name, host=True, timeout_s=timeout_s, keep=nixl_warm)
     rdv = session.rdv
     try:

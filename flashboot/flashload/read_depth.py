@@ -6,7 +6,8 @@ machines, and level on others. NVMe drives and parallel filesystems want reads i
 fixed setting wins everywhere, and a long stream measures both on its own first bytes:
 
 - setting **A** is the configured one (``threads`` reads of a slot each in flight); setting **B**
-  is one read at a time, each slot read as sequential pieces of :data:`SINGLE_READ_BYTES`;
+  is one read at a time, each slot read as sequential pieces of at most :data:`SINGLE_READ_BYTES`
+  (the default slot, 4 MiB, is one piece);
 - after a lead-in window at A that is not measured (the stream's start: the ring's first fill,
   the first copies, and in a fresh process the views built beside the reads; the first window
   was the slowest of the four in two of three fresh-process loads on the H200 machines, which
@@ -27,7 +28,9 @@ import time
 from dataclasses import dataclass
 
 SINGLE_READ_BYTES = 16 << 20
-"""B's read size: a dd-like ``bs=16M`` stream, the fastest sample on the machines above."""
+"""B's largest read: a dd-like ``bs=16M`` stream, the fastest sample on the machines above
+before the slots shrank to 4 MiB (:data:`~flashboot.flashload.stream.SLOT_BYTES`); a larger
+configured slot is read in pieces of this size."""
 ORDER = "ABBA"
 MARGIN = 1.03
 """B replaces A only when it reads this much faster: a tie keeps the reads in flight that

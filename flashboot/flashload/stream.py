@@ -35,11 +35,22 @@ from ..memory import Device
 from .read_depth import ReadDepth
 
 DEFAULT_BUFFER_BYTES = 256 << 20
-"""Ring size by default: enough slots to keep several reads in flight on a disk of ~1-2 GB/s."""
+"""The cap on the ring's host memory by default (the ring takes :data:`RING_SLOTS` slots at most:
+64 MiB of 4 MiB slots)."""
 BUFFER_ENV = "FLASHBOOT_STREAM_BUFFER_BYTES"
 """Environment variable that overrides :data:`DEFAULT_BUFFER_BYTES` (engines cannot always pass options)."""
-MAX_SLOT_BYTES = 32 << 20
-"""Largest read: large enough for the disk's queue (dd bs=16M reaches the O_DIRECT rate)."""
+SLOT_BYTES = 4 << 20
+"""One read by default: small, so that the few slots the readers take in turn (newest first:
+:class:`_FreeSlots`) stay in the machine's caches. On the lent H200 VMs, whose disk is a file of
+the host written into guest memory on every read, one ``O_DIRECT`` read at a time ran faster into
+one 16 MiB buffer than into two in turn (2.59 vs 1.90, 1.67 vs 1.43 GB/s) or into one of 64 MiB
+(1.89, 1.90), and the loader at one 4 MiB read in flight beat itself at 16 MiB by 15-18 % in both
+rounds (2.05 vs 1.73, 2.19 vs 1.90 GB/s; ``benchmarks/probes/disk_depth.py``, 2026-12-04). Four
+reads of 4 MiB in flight (setting A of :mod:`~flashboot.flashload.read_depth`) still keep an NVMe
+queue busy."""
+RING_SLOTS = 16
+"""Slots at most: the reads in flight and the copies behind them use a few, and every slot is
+pinned (populated and registered) before the first read, in the load's own time."""
 MIN_SLOTS = 4
 """Slots at the least: two reads in flight while one slot is copied and one waits."""
 DEFAULT_THREADS = 4
@@ -69,8 +80,8 @@ class StreamConfig:
 
     ``buffer_bytes``: the cap on extra host memory (default :data:`DEFAULT_BUFFER_BYTES`, or
     ``$FLASHBOOT_STREAM_BUFFER_BYTES``): the ring takes it less 1/8 (at most 16 MiB) kept for the
-    load's own objects; ``slot_bytes``: one read (default ``min(32 MiB, ring / 4)`` rounded down
-    to 4096); ``threads``: reads in
+    load's own objects, and holds at most :data:`RING_SLOTS` slots; ``slot_bytes``: one read
+    (default ``min(4 MiB, ring / 4)`` rounded down to 4096: :data:`SLOT_BYTES`); ``threads``: reads in
     flight; ``io``: ``auto`` (O_DIRECT, buffered where refused; the report says which),
     ``direct`` or ``buffered``; ``stall_timeout_s``: how long the load waits for any one read
     before it gives up (WaitTimeoutError); ``adapt_reads``: a long stream measures ``threads``
@@ -99,7 +110,7 @@ class StreamConfig:
             raise FlashBootError(f"stream buffer_bytes must be an int >= {MIN_BUFFER_BYTES:,}, got {b!r}")
         ring = self.ring_bytes
         if self.slot_bytes is None:
-            self.slot_bytes = max(ALIGNMENT, min(MAX_SLOT_BYTES, ring // MIN_SLOTS) // ALIGNMENT * ALIGNMENT)
+            self.slot_bytes = max(ALIGNMENT, min(SLOT_BYTES, ring // MIN_SLOTS) // ALIGNMENT * ALIGNMENT)
         s = self.slot_bytes
         if isinstance(s, bool) or not isinstance(s, int) or s <= 0 or s % ALIGNMENT or 2 * s > ring:
             raise FlashBootError(f"stream slot_bytes must be a positive multiple of {ALIGNMENT} and at most half of "
@@ -142,8 +153,9 @@ class StreamConfig:
         return self.buffer_bytes - overhead
 
     def slots_for(self, nbytes: int) -> int:
-        """Slots the ring gets for an image of ``nbytes``: as many as fit, no more than it has chunks."""
-        return max(1, min(self.ring_bytes // self.slot_bytes, -(-nbytes // self.slot_bytes)))
+        """Slots the ring gets for an image of ``nbytes``: as many as fit, at most :data:`RING_SLOTS`
+        and no more than it has chunks."""
+        return max(1, min(RING_SLOTS, self.ring_bytes // self.slot_bytes, -(-nbytes // self.slot_bytes)))
 
     def readers_for(self, nbytes: int) -> int:
         """Reader threads (reads in flight) for an image of ``nbytes``: :attr:`threads`, but fewer

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# 2026-12-04, twenty-eighth session, one device call (<= 9.5 min): issue 19's figures, each step optional.
+# 2026-12-04, twenty-ninth session, one device call (<= 9.5 min): issue 19's figures, each step optional.
 #   1. (TESTS=1) the one-GPU tests of every path that loads, clones, sleeps or refits; (LOAD_TESTS=1) the load path's only;
+#      (TEST_FILES="tests/a.py tests/b.py") the GPU tests of those files;
 #      (GIL=1) benchmarks/probes/gil_free_calls.py: W beside a thread making and handing over a 13.76 GB arena, and
 #      that thread's CPU inside the calls that release the GIL (GIL_ROUNDS rounds);
 #   2. (BOOT=1) bench boot: first served load of SHAPES and the boot end to end at WS (REPEATS fresh processes per cell);
@@ -17,13 +18,18 @@
 #   9. (REFIT=1) bench refit on checkpoint A (REFIT_REPEATS);
 #   8. (PROBES=1) the views' first-call page faults (shape B, fresh processes), the level-1 backup's pin by how its
 #      memory is made (PIN_GIB), the disk's O_DIRECT rate by reads in flight and read size (DISK_GIB on /var/tmp).
-# Usage (repo root, GPU machine): OUT=/some/dir [TESTS=1] [GIL=1] [BOOT=1 SHAPES="B C" WS="0 0.25" REPEATS=5] [CLONE=1] [STREAM=1] bash benchmarks/gpu_session28.sh
+# Usage (repo root, GPU machine): OUT=/some/dir [TESTS=1] [GIL=1] [BOOT=1 SHAPES="B C" WS="0 0.25" REPEATS=5] [CLONE=1] [STREAM=1] bash benchmarks/gpu_session29.sh
 BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/gpu_prelude.sh"
-ROOT=/dev/shm/fb28; rm -rf "$ROOT"
+ROOT=/dev/shm/fb29; rm -rf "$ROOT"
 
 [ "${TESTS:-0}" = 1 ] && loading_gpu_tests "${TESTS_S:-220}"
 [ "${LOAD_TESTS:-0}" = 1 ] && load_gpu_tests "${TESTS_S:-90}"
+if [ -n "${TEST_FILES:-}" ]; then
+  timeout "$(left "${TESTS_S:-120}")" python3 -m pytest -q -p no:cacheprovider -rfE -m "gpu or two_gpus" $TEST_FILES \
+    >"$OUT/tests.log" 2>&1
+  say "tests of $TEST_FILES rc=$? :: $(tail -1 "$OUT/tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12 | cut -c1-400 | tee -a "$S"
+fi
 if [ "${GIL:-0}" = 1 ]; then
   say "=== 1b. do the hand-over's driver calls and sends leave the GIL to W? ($(date +%T))"
   timeout "$(left 90)" python3 benchmarks/probes/gil_free_calls.py 13.76e9 "${GIL_ROUNDS:-5}" >"$OUT/gil_free.json" 2>/tmp/gil.err
