@@ -29,7 +29,10 @@ def import_early(name: str) -> threading.Thread:
     A long import (torch: 1.2-1.5 s on a 2-core host, 3-4 s on the H200 VMs) then runs beside the
     caller's own imports and set-up, in the gaps they leave the GIL (file reads, driver calls), and
     the caller's own ``import`` of it later waits for this one (the import lock) and gets the
-    module, or retries and raises the import's error itself (this thread drops it).
+    module. A failed import is dropped here and leaves nothing in ``sys.modules``, so a later
+    ``import`` runs it again and raises its error; one racing with the failure itself can get
+    the half-run module (CPython checks ``_initializing`` after the failure cleared it), so this
+    is for imports that do not fail in a working install.
 
     Top-level modules only, and every other thread must import ``name`` itself before any of its
     submodules: ``import torch.distributed`` while torch is half-imported does not wait for it (the
