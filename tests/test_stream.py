@@ -723,3 +723,21 @@ def test_at_one_read_in_flight_the_reader_that_leaves_keeps_the_gate(monkeypatch
     for t in waiters:
         t.join(2)
     assert got == [None, None, None]
+
+
+@pytest.mark.parametrize("a_over_b, kept", [(1.02, "1 x 4 MiB"), (1.05, "4 x 4 MiB"), (0.9, "1 x 4 MiB")])
+def test_a_tie_keeps_one_read_at_a_time(a_over_b, kept):
+    """The probe keeps reads in flight only when they read 3 % faster than one read at a time."""
+    from flashboot.flashload import read_depth
+
+    slot = 4 << 20
+    depth = read_depth.ReadDepth(4, 10_000, slot, window_bytes=8 * slot)
+    assert [w.setting for w in depth.windows] == ["A", "A", "B", "B", "A"] and depth.windows[0].measured is False
+    t = 0.0
+    for w, win in enumerate(depth.windows):
+        span = 0.1 if win.setting == "B" else 0.1 / a_over_b  # the same bytes, A a_over_b times faster
+        for k in range(win.reads):
+            depth.completed((w, depth.settings[win.setting], t), slot, t + span * (k + 1) / win.reads)
+        t += span
+    assert depth.rates_gbps["A"] == pytest.approx(a_over_b * depth.rates_gbps["B"])
+    assert depth.steady.label(slot) == kept

@@ -14,7 +14,8 @@ fixed setting wins everywhere, and a long stream measures both on its own first 
   biased the choice towards B), windows of each, in the order A B B A, so that a drift of the
   disk linear in time weighs on both alike. A window starts with no read in flight, so its reads
   run only beside reads of the same setting;
-- the rest of the stream keeps the faster: B only when it beats A by :data:`MARGIN`.
+- the rest of the stream keeps the faster, and B on a tie: A only when it beats B by
+  :data:`MARGIN`.
 
 Nothing is read twice: the windows are the stream's own first chunks. A stream shorter than
 :data:`PROBE_SHARE` x the windows keeps A. Readers ask the gate before each chunk
@@ -33,8 +34,12 @@ before the slots shrank to 4 MiB (:data:`~flashboot.flashload.stream.SLOT_BYTES`
 configured slot is read in pieces of this size."""
 ORDER = "ABBA"
 MARGIN = 1.03
-"""B replaces A only when it reads this much faster: a tie keeps the reads in flight that
-NVMe and parallel filesystems need."""
+"""A (reads in flight) is kept only when it reads this much faster than B; a tie keeps one read
+at a time, which leaves fewer ring slots in turn and less CPU. On the lent H200 VMs the probe's
+two settings came within 3 % of each other in three loads of six, and every load that kept one
+4 MiB read at a time reached 0.83-1.07x the disk's best sample, every one that kept four in
+flight 0.78-0.86x (`bench stream`, 2026-12-04; the tie kept A then). Where reads in flight pay
+(NVMe drives, parallel filesystems) they read a large multiple of one stream, far past 3 %."""
 PROBE_SHARE = 3
 """The windows (the lead-in included) take at most 1/PROBE_SHARE of the stream."""
 _WAIT_S = 0.05
@@ -196,7 +201,7 @@ class ReadDepth:
             span = sum(x.last_done - x.first_issue for x in mine)
             self.rates_gbps[name] = sum(x.nbytes for x in mine) / span / 1e9 if span > 0 else 0.0
         with self._cond:
-            self.chosen = "B" if self.rates_gbps["B"] > MARGIN * self.rates_gbps["A"] else "A"
+            self.chosen = "A" if self.rates_gbps["A"] > MARGIN * self.rates_gbps["B"] else "B"
             self._cond.notify_all()
 
     def summary(self) -> dict:
