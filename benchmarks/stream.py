@@ -21,8 +21,10 @@ then in this process, which already holds its CUDA context (as an engine does):
    them fixed at the configured depth (``adapt_reads=False``), cache dropped again;
 4. the disk's own O_DIRECT rate, sampled between the loads (before the first, between each two,
    after the last), the page cache dropped each time: alternately with the loader's own reads in
-   flight and read size into a ring of slots such as the stream's, and one ``dd``-like 16 MiB
-   stream (:func:`flashboot.flashload.staging.read_rate`). The disk below a VM drifts within a
+   flight and read size into a ring of slots such as the stream's (setting A of
+   :mod:`~flashboot.flashload.read_depth`), and one ``dd``-like stream of the size the loader
+   reads at one read in flight (setting B: 4 MiB by default; a 16 MiB stream before 2026-12-04's
+   last runs) (:func:`flashboot.flashload.staging.read_rate`). The disk below a VM drifts within a
    run (10-27 % on the H200 machines: a burst allowance at first, or a cache of the host's
    warming later), so each load is put against the best of all samples (``x_disk``, the
    strictest) and against the best of the two beside it (``x_adjacent``). (On the H200 machine
@@ -174,6 +176,7 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
     the arena's pages excluded on the host backend), ``buffer_cap_bytes``, ``ring_bytes``,
     ``io_mode``, ``verified`` (chunk checksums recomputed on the device) and the load's report.
     """
+    from flashboot.flashload.read_depth import single_read_bytes
     from flashboot.flashload.staging import read_rate
     from flashboot.flashload.stream import StreamConfig
     from flashboot.layouts import read_image
@@ -185,15 +188,16 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
     no_shm = str(warm_root / "no-shm")
     plan = StreamConfig.of(config)
     in_flight, block = plan.readers_for(image.nbytes), plan.slot_bytes
+    single = single_read_bytes(block)  # the loader's reads at one read in flight
     samples: list[tuple[str, float]] = []  # the disk's O_DIRECT rate, in time order around the loads
     modes: list[str] = []  # each sample's I/O mode (buffered where the filesystem refuses O_DIRECT)
 
     def sample(kind: str) -> float:
         if kind == "in flight":  # the loader's own reads in flight and read size, into a ring such as its own
             gbps, mode = _ring_read_rate(path, in_flight, block, device)
-        else:  # one dd-like 16 MiB stream
+        else:  # one dd-like stream, of the loader's reads at one read in flight
             drop_file_cache(path)
-            gbps, mode = read_rate(path, io="direct")
+            gbps, mode = read_rate(path, io="direct", block_bytes=single)
         samples.append((kind, gbps))
         modes.append(mode)
         return gbps
@@ -230,8 +234,8 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
     # beside it.
     best = max(range(len(samples)), key=lambda k: samples[k][1])
     disk_gbps, disk_mode = samples[best][1], modes[best]
-    log(f"disk, in time order: {in_flight} x {format_bytes(block)} in flight {s0:.2f}, [1st load], one 16 MiB "
-        f"stream {s1:.2f}, [warm load], in flight {s2:.2f}, [fixed], one stream {s3:.2f} GB/s; stream / best "
+    log(f"disk, in time order: {in_flight} x {format_bytes(block)} in flight {s0:.2f}, [1st load], one "
+        f"{format_bytes(single)} stream {s1:.2f}, [warm load], in flight {s2:.2f}, [fixed], one stream {s3:.2f} GB/s; stream / best "
         f"{d['read_gbps'] / disk_gbps:.2f}, / the samples beside it {d['read_gbps'] / max(s1, s2):.2f}")
     first["x_disk"] = first["stream_gbps"] / disk_gbps
     first["x_adjacent"] = first["stream_gbps"] / max(s0, s1)
@@ -240,7 +244,7 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
             "stream_gbps": d["read_gbps"], "total_ms": r.total_ms, "disk_gbps": disk_gbps, "disk_mode": disk_mode,
             "x_disk": d["read_gbps"] / disk_gbps, "disk_in_flight_gbps": max(s0, s2),
             "disk_in_flight_before_gbps": s0, "disk_in_flight_after_gbps": s2, "disk_single_gbps": max(s1, s3),
-            "disk_in_flight": in_flight, "disk_read_bytes": block, "peak_extra_host_bytes": extra, "rss_baseline_bytes": rss0,
+            "disk_in_flight": in_flight, "disk_read_bytes": block, "disk_single_read_bytes": single, "peak_extra_host_bytes": extra, "rss_baseline_bytes": rss0,
             "buffer_cap_bytes": buffer_bytes, "ring_bytes": d["buffer_bytes"], "peak_ring_in_use_bytes":
             d["peak_buffer_bytes"], "within_cap": extra is not None and extra <= buffer_bytes,
             "io_mode": d["io_mode"], "io_reason": d["io_reason"], "threads": d["threads"], "cache_drop": cache,

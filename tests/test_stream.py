@@ -443,6 +443,7 @@ def test_cli_load_streams_and_says_why(image, shm, capsys):
 
 def test_bench_stream_measures_against_the_disk(tmp_path, capsys):
     from flashboot.benchmarks.checkpoints import CHECKPOINT_A
+    from flashboot.flashload.read_depth import single_read_bytes
     from flashboot.benchmarks.stream import run
 
     out = run(scale=2e-4, device="cpu", buffer_bytes=1 << 20, image_root=str(tmp_path / "img"),
@@ -463,6 +464,8 @@ def test_bench_stream_measures_against_the_disk(tmp_path, capsys):
     assert s["disk_in_flight_gbps"] == max(s["disk_in_flight_before_gbps"], s["disk_in_flight_after_gbps"]) > 0
     assert s["disk_in_flight"] == s["report"]["details"]["threads"]
     assert s["disk_read_bytes"] == s["report"]["details"]["slot_bytes"]
+    # the one-stream samples read the size the loader reads at one read in flight (its slot here)
+    assert s["disk_single_read_bytes"] == s["disk_read_bytes"] == single_read_bytes(s["disk_read_bytes"])
     assert s["ring_bytes"] <= 1 << 20 and s["buffer_cap_bytes"] == 1 << 20
     assert out["prepack"]["gbps"] > 0 and s["report"]["mode"] == "streamed from disk"
     # the first load ran in a fresh process, on the same bytes, against the same ceiling
@@ -741,3 +744,11 @@ def test_a_tie_keeps_one_read_at_a_time(a_over_b, kept):
         t += span
     assert depth.rates_gbps["A"] == pytest.approx(a_over_b * depth.rates_gbps["B"])
     assert depth.steady.label(slot) == kept
+
+
+def test_one_read_at_a_time_reads_a_slot_in_pieces_of_about_16_mib():
+    from flashboot.flashload.read_depth import single_read_bytes
+
+    assert single_read_bytes(4 << 20) == 4 << 20  # the default slot: one read
+    assert single_read_bytes(32 << 20) == 16 << 20 and single_read_bytes(40 << 20) == 20 << 20
+    assert single_read_bytes(12 << 10) == 12 << 10

@@ -6,8 +6,8 @@ machines, and level on others. NVMe drives and parallel filesystems want reads i
 fixed setting wins everywhere, and a long stream measures both on its own first bytes:
 
 - setting **A** is the configured one (``threads`` reads of a slot each in flight); setting **B**
-  is one read at a time, each slot read as sequential pieces of at most :data:`SINGLE_READ_BYTES`
-  (the default slot, 4 MiB, is one piece);
+  is one read at a time, each slot read as sequential pieces of about :data:`SINGLE_READ_BYTES`
+  (the default slot, 4 MiB, is one piece: :func:`single_read_bytes`);
 - after a lead-in window at A that is not measured (the stream's start: the ring's first fill,
   the first copies, and in a fresh process the views built beside the reads; the first window
   was the slowest of the four in two of three fresh-process loads on the H200 machines, which
@@ -44,6 +44,17 @@ PROBE_SHARE = 3
 """The windows (the lead-in included) take at most 1/PROBE_SHARE of the stream."""
 _WAIT_S = 0.05
 """How often a waiting reader looks at the stop flag (the load's own stall timeout bounds the wait)."""
+
+
+def single_read_pieces(slot_bytes: int) -> int:
+    """How many sequential reads setting B makes of one slot: one per whole :data:`SINGLE_READ_BYTES`
+    (at least one), so each is about that size or the whole slot when it is smaller."""
+    return max(1, slot_bytes // SINGLE_READ_BYTES)
+
+
+def single_read_bytes(slot_bytes: int) -> int:
+    """The size of each of B's reads of a ``slot_bytes`` slot (the stream's ``_read_chunk``)."""
+    return -(-slot_bytes // single_read_pieces(slot_bytes) // 4096) * 4096
 
 
 @dataclass(frozen=True)
@@ -91,8 +102,7 @@ class ReadDepth:
 
     def __init__(self, readers: int, chunks: int, slot_bytes: int, *, window_bytes: int, probe: bool = True):
         self.slot_bytes = slot_bytes
-        self.settings = {"A": ReadSetting(readers, 1),
-                         "B": ReadSetting(1, max(1, slot_bytes // SINGLE_READ_BYTES))}
+        self.settings = {"A": ReadSetting(readers, 1), "B": ReadSetting(1, single_read_pieces(slot_bytes))}
         per_window = max(2 * readers, window_bytes // slot_bytes)  # A's windows reach their depth
         probing = (probe and self.settings["A"] != self.settings["B"]
                    and PROBE_SHARE * (1 + len(ORDER)) * per_window <= chunks)
@@ -222,4 +232,4 @@ class ReadDepth:
         return out
 
 
-__all__ = ["ReadDepth", "ReadSetting", "SINGLE_READ_BYTES", "MARGIN"]
+__all__ = ["ReadDepth", "ReadSetting", "SINGLE_READ_BYTES", "MARGIN", "single_read_bytes"]
