@@ -53,8 +53,8 @@ def single_read_pieces(slot_bytes: int) -> int:
 
 
 def single_read_bytes(slot_bytes: int) -> int:
-    """The size of each of B's reads of a ``slot_bytes`` slot (the stream's ``_read_chunk``)."""
-    return -(-slot_bytes // single_read_pieces(slot_bytes) // 4096) * 4096
+    """The size of each of B's reads of a ``slot_bytes`` slot."""
+    return ReadSetting(1, single_read_pieces(slot_bytes)).piece_bytes(slot_bytes)
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,11 @@ class ReadSetting:
 
     in_flight: int
     pieces: int
+
+    def piece_bytes(self, slot_bytes: int) -> int:
+        """One of the sequential reads of a ``slot_bytes`` slot: its share, rounded up to whole
+        4 KiB blocks (``O_DIRECT`` asks whole blocks)."""
+        return -(-slot_bytes // self.pieces // 4096) * 4096
 
     def label(self, slot_bytes: int) -> str:
         from ..units import format_bytes

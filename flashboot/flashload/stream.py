@@ -32,7 +32,7 @@ from .. import _cuda
 from ..errors import CapabilityError, FlashBootError, ImageReadError, LayoutError, WaitTimeoutError
 from ..fileio import DirectReadRefused, io_buffer, read_exactly
 from ..memory import Device
-from .read_depth import ReadDepth
+from .read_depth import ReadDepth, ReadSetting
 
 DEFAULT_BUFFER_BYTES = 256 << 20
 """The cap on the ring's host memory by default (the ring takes :data:`RING_SLOTS` slots at most:
@@ -380,12 +380,12 @@ class _FreeSlots:
             return None
 
 
-def _read_chunk(fd: int, slot: _Slot, off: int, want: int, pieces: int, *, direct: bool, path: str,
+def _read_chunk(fd: int, slot: _Slot, off: int, want: int, setting: ReadSetting, *, direct: bool, path: str,
                 file_nbytes: int, depth: ReadDepth) -> None:
-    """Fill ``slot`` with the ``want`` bytes at ``off``, as ``pieces`` sequential reads of equal
+    """Fill ``slot`` with the ``want`` bytes at ``off``, as ``setting``'s sequential reads of equal
     4096-aligned size (O_DIRECT asks whole blocks; the file's last read may come back short);
     ``depth`` counts the disk's idle time between reads."""
-    piece = -(-len(slot.view) // pieces // ALIGNMENT) * ALIGNMENT
+    piece = setting.piece_bytes(len(slot.view))
     for start in range(0, want, piece):
         need = min(piece, want - start)
         ask = -(-need // ALIGNMENT) * ALIGNMENT if direct else need
@@ -436,7 +436,7 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, config: StreamConfi
                         slot.copied = None
                     off = i * slot_bytes
                     want = min(slot_bytes, nbytes - off)
-                    _read_chunk(fd, slot, off, want, ticket[1].pieces, direct=direct, path=path, file_nbytes=nbytes,
+                    _read_chunk(fd, slot, off, want, ticket[1], direct=direct, path=path, file_nbytes=nbytes,
                                 depth=depth)
                     read_end = time.perf_counter()
                 finally:
