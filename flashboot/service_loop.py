@@ -1,29 +1,80 @@
-"""The loop of a long-lived FlashBoot process (seed, holder): run until asked to stop."""
+"""The loop of a long-lived FlashBoot process (seed, holder, store, preloader): run until asked to stop."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
-from typing import Callable
+from typing import Callable, Iterator
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_WATCHER_JOIN_S = 5.0
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
+    """Set ``stop`` when one of ``signals`` arrives, for the duration of the block (main thread
+    only, where Python delivers signals; elsewhere a no-op). The previous handlers and wakeup fd
+    are restored on the way out.
+
+    The handler itself takes no lock. Python runs a handler on the main thread between two
+    bytecodes, possibly while that thread holds ``stop``'s own lock inside ``stop.wait()``;
+    ``stop.set()`` there waits for that lock forever and the process never stops (CI saw a
+    store keep listening 20 s after SIGTERM). So the C-level handler only writes the signal's
+    number to a pipe (``signal.set_wakeup_fd``), and a watcher thread sets ``stop``.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)  # set_wakeup_fd requires it
+    watcher = threading.Thread(target=_set_on_signal, args=(read_fd, stop, frozenset(signals)),
+                               name="flashboot-stop-signals", daemon=True)
+    previous = {}
+    previous_fd = None
+    try:
+        for sig in signals:
+            previous[sig] = signal.signal(sig, _wake_only)
+        previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        watcher.start()
+        yield
+    finally:
+        if previous_fd is not None:
+            signal.set_wakeup_fd(previous_fd)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if watcher.is_alive():
+            os.write(write_fd, b"\0")  # 0 is no signal: the watcher's cue to end
+            watcher.join(_WATCHER_JOIN_S)
+        os.close(write_fd)
+        if not watcher.is_alive():  # else it still reads the pipe: leave it open (the thread is a daemon)
+            os.close(read_fd)
+
+
+def _wake_only(signum, frame) -> None:
+    """A Python-level handler must exist for the C handler to write to the wakeup fd; the work
+    is done by the watcher thread."""
+
+
+def _set_on_signal(read_fd: int, stop: threading.Event, signals: frozenset[int]) -> None:
+    while True:
+        data = os.read(read_fd, 64)
+        if not data or 0 in data:
+            return
+        if any(signum in signals for signum in data):
+            stop.set()
 
 
 def serve_until_stopped(own_stop: threading.Event, stop: threading.Event | None, *, handle_signals: bool,
                         tick: Callable[[], None] | None = None, period_s: float = 0.2) -> None:
     """Call ``tick`` every ``period_s`` until ``own_stop`` or ``stop`` is set, or SIGTERM/SIGINT
-    arrives (handled only in the main thread, where Python delivers signals; the previous
-    handlers are restored on the way out)."""
-    previous = {}
-    if handle_signals and threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, lambda *_: own_stop.set())
-    try:
+    arrives (see :func:`stop_on_signals`)."""
+    with stop_on_signals(own_stop) if handle_signals else contextlib.nullcontext():
         while not own_stop.is_set() and not (stop is not None and stop.is_set()):
             if tick is not None:
                 tick()
             own_stop.wait(period_s)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 class Service:

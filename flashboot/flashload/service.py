@@ -16,6 +16,7 @@ from ..errors import (
     FlashBootError,
     WaitTimeoutError,
 )
+from ..service_loop import stop_on_signals
 from .server import PreloadServer, _describe_stage
 from .shm import (
     _proc_start_time,
@@ -173,20 +174,16 @@ def run_service(config: PreloadConfig, *, log: Callable[[str], None] = print,
         if line:
             log(line)
     stop = threading.Event()
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        if config.serve:
-            PreloadServer(config, stop=stop, log=log).run(progress)
-            return None
-        results = preload(config, progress=progress, stop=stop)
+        with stop_on_signals(stop, (signal.SIGTERM,)):
+            if config.serve:
+                PreloadServer(config, stop=stop, log=log).run(progress)
+                return None
+            results = preload(config, progress=progress, stop=stop)
         for r in results:
             log(_describe_stage(r))
         return results
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
         _release_pid_file(path)
         remove_if_empty(path.parent)  # a preload that failed before staging anything leaves no folder
 

@@ -1,0 +1,100 @@
+"""A long-lived process stops on SIGTERM/SIGINT whatever its main thread is doing
+(service_loop.stop_on_signals, used by the store, seeds, holders, clones and the preloader)."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from flashboot.service_loop import serve_until_stopped, stop_on_signals
+
+pytestmark = pytest.mark.timeout(60)
+
+# The main thread spins on stop.wait(0), so most of its bytecodes run holding the Event's own
+# lock. A handler that calls stop.set() then waits for that lock forever: before the fix this
+# child hung on the first signal, every time.
+_SPINNING_CHILD = r"""
+import os, signal, sys, threading, time
+from flashboot.service_loop import stop_on_signals
+stop = threading.Event()
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # a second thread, as a store has
+with stop_on_signals(stop, (signal.SIGUSR1,)):
+    os.write(1, b"r")
+    while True:
+        while not stop.wait(0):
+            pass
+        stop.clear()
+        os.write(1, b"x")
+"""
+
+
+def _read_byte(fd: int, timeout_s: float) -> bytes:
+    if not select.select([fd], [], [], timeout_s)[0]:
+        return b""
+    return os.read(fd, 1)
+
+
+def test_a_signal_stops_a_main_thread_that_holds_the_events_lock():
+    proc = subprocess.Popen([sys.executable, "-c", _SPINNING_CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        fd = proc.stdout.fileno()
+        assert _read_byte(fd, 30) == b"r", proc.stderr.read().decode()
+        for i in range(200):
+            os.kill(proc.pid, signal.SIGUSR1)
+            assert _read_byte(fd, 5) == b"x", f"signal {i + 1} of 200 did not set the event within 5 s"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_previous_handlers_and_wakeup_fd_come_back_and_other_signals_do_not_stop():
+    before = signal.getsignal(signal.SIGUSR1)
+    other = []
+    previous_other = signal.signal(signal.SIGUSR2, lambda *_: other.append(1))
+    stop = threading.Event()
+    try:
+        with stop_on_signals(stop, (signal.SIGUSR1,)):
+            assert signal.getsignal(signal.SIGUSR1) is not before
+            os.kill(os.getpid(), signal.SIGUSR2)  # has its own handler, and is not a stop signal
+            time.sleep(0.2)
+            assert other == [1] and not stop.is_set()
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert stop.wait(5)
+        assert signal.getsignal(signal.SIGUSR1) is before
+        assert signal.set_wakeup_fd(-1) == -1  # ours was taken back
+        assert not [t for t in threading.enumerate() if t.name == "flashboot-stop-signals"]
+    finally:
+        signal.signal(signal.SIGUSR2, previous_other)
+
+
+def test_outside_the_main_thread_it_installs_nothing():
+    seen = {}
+
+    def worker():
+        with stop_on_signals(threading.Event(), (signal.SIGUSR1,)):
+            seen["handler"] = signal.getsignal(signal.SIGUSR1)
+
+    before = signal.getsignal(signal.SIGUSR1)
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(10)
+    assert seen["handler"] is before
+
+
+def test_serve_until_stopped_ends_on_sigterm_and_restores_the_handler():
+    before = signal.getsignal(signal.SIGTERM)
+    ticks = []
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    t0 = time.monotonic()
+    serve_until_stopped(threading.Event(), None, handle_signals=True, tick=lambda: ticks.append(1), period_s=0.05)
+    assert time.monotonic() - t0 < 10 and ticks
+    assert signal.getsignal(signal.SIGTERM) is before
+    timer.join()
