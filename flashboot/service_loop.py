@@ -34,16 +34,17 @@ def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = STOP_SIGNA
     previous = {}
     previous_fd = None
     try:
+        watcher.start()
+        # the pipe first, then the handlers: a signal between the two must not be lost
+        previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         for sig in signals:
             previous[sig] = signal.signal(sig, _wake_only)
-        previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        watcher.start()
         yield
     finally:
-        if previous_fd is not None:
-            signal.set_wakeup_fd(previous_fd)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if previous_fd is not None:
+            signal.set_wakeup_fd(previous_fd)
         if watcher.is_alive():
             os.write(write_fd, b"\0")  # 0 is no signal: the watcher's cue to end
             watcher.join(_WATCHER_JOIN_S)

@@ -56,6 +56,8 @@ def test_a_signal_stops_a_main_thread_that_holds_the_events_lock():
 
 def test_the_previous_handlers_and_wakeup_fd_come_back_and_other_signals_do_not_stop():
     before = signal.getsignal(signal.SIGUSR1)
+    before_fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(before_fd)
     other = []
     previous_other = signal.signal(signal.SIGUSR2, lambda *_: other.append(1))
     stop = threading.Event()
@@ -68,7 +70,8 @@ def test_the_previous_handlers_and_wakeup_fd_come_back_and_other_signals_do_not_
             os.kill(os.getpid(), signal.SIGUSR1)
             assert stop.wait(5)
         assert signal.getsignal(signal.SIGUSR1) is before
-        assert signal.set_wakeup_fd(-1) == -1  # ours was taken back
+        after_fd = signal.set_wakeup_fd(before_fd)
+        assert after_fd == before_fd  # ours was taken back
         assert not [t for t in threading.enumerate() if t.name == "flashboot-stop-signals"]
     finally:
         signal.signal(signal.SIGUSR2, previous_other)
