@@ -77,7 +77,9 @@ def device_count() -> int:
 
 
 _primary_contexts: dict[int, object] = {}
-_primary_contexts_lock = threading.Lock()
+_primary_contexts_lock = threading.RLock()
+"""Re-entrant: a stream's or event's finalizer (:mod:`flashboot.cuda_streams`) calls
+:func:`use_device`, and the collector may run it on a thread already inside the lock."""
 
 
 def _primary_context(index: int):
