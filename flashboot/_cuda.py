@@ -78,8 +78,9 @@ def device_count() -> int:
 
 _primary_contexts: dict[int, object] = {}
 _primary_contexts_lock = threading.RLock()
-"""Re-entrant: a stream's or event's finalizer (:mod:`flashboot.cuda_streams`) calls
-:func:`use_device`, and the collector may run it on a thread already inside the lock."""
+"""Re-entrant: finalizers call :func:`use_device` (a stream's or event's in
+:mod:`flashboot.cuda_streams`, an arena's release list dropped unclosed), and the collector may
+run one on a thread already inside the lock."""
 
 
 def _primary_context(index: int):
