@@ -35,7 +35,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     only: a fresh ``flashboot clone`` process reaches its clone without importing (and building
     the parsers of) the other commands' modules, ~40 ms of Python on a 2-core host, all of it
     before its warm-up can start torch's import."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="flashboot", description="Sub-second weight loading for GPUs.")
+    parser.add_argument("--version", action="version", version=f"flashboot {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     wanted = COMMANDS.get(argv[0]) if argv else None
     for name in dict.fromkeys(COMMANDS.values()):

@@ -95,3 +95,12 @@ def test_a_command_imports_only_its_own_module():
             "if m.startswith('flashboot.commands.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.split() == ["flashboot.commands.clone", "['flashboot.commands.clone']"]
+
+
+def test_version_prints_the_installed_distributions_version():
+    from importlib.metadata import version
+
+    run = subprocess.run([sys.executable, "-m", "flashboot.cli", "--version"], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"flashboot {version('flashboot')}"
