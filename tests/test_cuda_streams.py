@@ -17,6 +17,34 @@ from flashboot.errors import CapabilityError, CudaError
 MiB = 1 << 20
 
 
+def test_a_finalizer_run_inside_the_primary_context_lock_does_not_deadlock(monkeypatch):
+    """A stream's finalizer calls ``use_device``; the collector may run it while this thread is
+    inside ``_primary_context`` retaining another device's context (any allocation there can
+    trigger a collection). Simulated with a fake driver whose ``cuDeviceGet`` runs that nested call."""
+    from flashboot import _cuda
+
+    nested = []
+
+    class FakeDriver:
+        def cuDeviceGet(self, index):
+            if index == 1 and not nested:
+                nested.append(_cuda._primary_context(0))  # what a device-0 stream's finalizer reaches
+            return 0, f"dev{index}"
+
+        def cuDevicePrimaryCtxRetain(self, dev):
+            return 0, f"ctx-{dev}"
+
+    monkeypatch.setattr(_cuda, "driver", lambda: FakeDriver())
+    monkeypatch.setattr(_cuda, "check", lambda result, call: result[1])
+    monkeypatch.setattr(_cuda, "_primary_contexts", {0: "ctx-dev0"})  # device 0's context is retained already
+    got = []
+    t = threading.Thread(target=lambda: got.append(_cuda._primary_context(1)), daemon=True)
+    t.start()
+    t.join(5)
+    assert got == ["ctx-dev1"], "the nested call deadlocked on the primary-context lock"
+    assert nested == ["ctx-dev0"]
+
+
 def test_a_stream_without_a_cuda_driver_is_refused_by_name():
     from flashboot import _cuda
     from flashboot.cuda_streams import Event, Stream
