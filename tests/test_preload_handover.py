@@ -510,3 +510,49 @@ def test_a_hostile_later_batch_is_refused_by_name_and_nothing_leaks(multi_segmen
         d.load_exact()
     finally:
         d.close()
+
+
+def test_a_daemon_that_accepts_no_connection_ends_the_wait_by_name(tmp_path):
+    """A stopped or hung preloader still listens, but accepts nothing: once its queue of
+    connections is full a blocking connect() would wait forever. The engine's connect is timed."""
+    import threading
+
+    from flashboot.errors import WaitTimeoutError
+
+    path = tmp_path / "preload.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(0)
+    queued = []
+    try:
+        for _ in range(64):  # fill the queue, as engines waiting on a stopped daemon would
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.setblocking(False)
+            queued.append(s)
+            try:
+                s.connect(str(path))
+            except BlockingIOError:
+                break
+        else:
+            pytest.skip("this kernel queued 64 connections to a listener with backlog 0")
+        outcome = []
+
+        def connect() -> None:
+            try:
+                outcome.append(client._connect(path, 0.5))
+            except Exception as exc:  # handed to the assertions below
+                outcome.append(exc)
+
+        t0 = time.monotonic()
+        waiter = threading.Thread(target=connect, daemon=True)
+        waiter.start()
+        waiter.join(10)
+        assert outcome, "the connect to a daemon that accepts nothing did not end within 10 s"
+        assert isinstance(outcome[0], WaitTimeoutError), outcome[0]
+        assert re.search(rf"the preloader at {re.escape(str(path))} accepted no connection within 0.5 s: its queue "
+                         "of connections is full", str(outcome[0]))
+        assert time.monotonic() - t0 < 5
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()

@@ -32,10 +32,17 @@ from .shm import (
 
 # ========================================================================= the engine's side
 def _connect(path: Path, timeout_s: float) -> socket.socket:
+    """A socket connected to the preloader at ``path``, tried until ``timeout_s`` has passed.
+
+    The socket has ``timeout_s`` as its timeout from the start: a blocking ``connect`` to a daemon
+    that accepts nothing (stopped or hung, its queue of connections full) would wait forever,
+    where a timed one fails at once (EAGAIN) and is tried again; every send on it is bounded
+    too (the replies' reads set their own timeouts)."""
     deadline = time.monotonic() + timeout_s
     last = ""
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(timeout_s)
         try:
             s.connect(str(path))
             _check_daemon(s, path)
@@ -43,6 +50,14 @@ def _connect(path: Path, timeout_s: float) -> socket.socket:
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             s.close()
             last = type(exc).__name__
+        except BlockingIOError:
+            s.close()
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(f"the preloader at {path} accepted no connection within {timeout_s:g} s: its "
+                                       "queue of connections is full (is it stopped or hung? see `flashboot preload "
+                                       "DIR --status`)") from None
+            time.sleep(_POLL_S)
+            continue
         except PermissionError:
             s.close()
             st = path.stat()
@@ -355,7 +370,7 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
     except BaseException as exc:
         sock.close()
         if isinstance(exc, OSError):
-            raise _went_away(path, rank, exc) from None
+            raise _went_away(path, rank, exc, timeout_s) from None
         raise
     if not streamed:
         return sock, path, sent_at, None
@@ -369,13 +384,16 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
             if isinstance(exc, OSError):
                 if reply is not None and not reply.get("ok"):  # it refused the request and hung up: its reason
                     _raise_remote(reply, f"served load of rank {rank} by the preloader at {path}")
-                raise _went_away(path, rank, exc) from None
+                raise _went_away(path, rank, exc, timeout_s) from None
             raise
 
     return sock, path, sent_at, later
 
 
-def _went_away(path: Path, rank: int, exc: OSError) -> RendezvousError:
+def _went_away(path: Path, rank: int, exc: OSError, timeout_s: float) -> FlashBootError:
+    if isinstance(exc, TimeoutError):  # a send found the daemon's queue full for the whole timeout
+        return WaitTimeoutError(f"the preloader at {path} took no more of rank {rank}'s arena within {timeout_s:g} s; "
+                                "is it stopped or hung? see `flashboot preload DIR --status`")
     return RendezvousError(f"the preloader at {path} went away while rank {rank}'s arena was handed to it "
                            f"({type(exc).__name__}); did it exit? see `flashboot preload DIR --status`")
 
