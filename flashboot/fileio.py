@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 from typing import Callable
 
 from .errors import ImageReadError, LayoutError
@@ -35,6 +36,30 @@ def io_buffer(nbytes: int) -> mmap.mmap:
         except OSError:  # EINVAL without transparent huge pages
             pass
     return buf
+
+
+_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
+
+
+def open_regular(path, error: type[Exception] = LayoutError):
+    """``path`` opened for binary reading, refused by name (``error``) unless it is a regular file.
+
+    Opened without blocking and checked on the open fd, so no swap can come between the check
+    and the read: a named pipe in a file's place would block a plain ``open`` until some writer
+    came (an image's ``tensors.bin`` made one hung ``inspect`` and every load), and a device
+    such as ``/dev/zero`` never ends a read. FileNotFoundError and other OSErrors pass through."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a file")
+            raise error(f"{os.fspath(path)}: not a regular file ({kind})")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class DirectReadRefused(Exception):

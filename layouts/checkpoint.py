@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flashboot.errors import LayoutError
-from flashboot.fileio import DirectReadRefused, io_buffer, read_exactly
+from flashboot.fileio import DirectReadRefused, io_buffer, open_regular, read_exactly
 
 from .format import DTYPES_BY_SAFETENSORS, DTYPES, config_hash
 
@@ -48,8 +48,8 @@ class SourceTensor:
 def read_safetensors_header(path: Path) -> dict[str, dict]:
     """The JSON header of one ``.safetensors`` file (``__metadata__`` removed), data offsets
     made absolute. LayoutError naming the file on anything malformed."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) != 8:
             raise LayoutError(f"{path}: {size} bytes, too short for a safetensors header")

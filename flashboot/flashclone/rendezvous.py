@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from ..errors import RendezvousError, WaitTimeoutError
+from ..fileio import open_regular
 
 ENV_TOKEN = "FLASHBOOT_TOKEN"
 ENV_TOKEN_FILE = "FLASHBOOT_TOKEN_FILE"
@@ -149,7 +150,7 @@ def resolve_token(token: Token | str | bytes | None = None, token_file: str | os
             "every clone must share it"
         )
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, RendezvousError) as f:
             secret = f.read()
     except OSError as exc:
         raise RendezvousError(f"cannot read token file {os.fspath(path)!r}: {exc.strerror}") from None

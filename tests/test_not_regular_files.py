@@ -1,0 +1,89 @@
+"""A file that FlashBoot reads whole (an image's tables, a checkpoint's header, a token), replaced
+by a named pipe or a device, is refused by name: a plain ``open`` of a pipe waits for a writer
+forever, and a read of ``/dev/zero`` never ends (fileio.open_regular)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+from _io_helpers import image, image_master  # noqa: F401  (fixtures)
+
+from flashboot.errors import LayoutError, RendezvousError
+from flashboot.flashclone.rendezvous import resolve_token
+from flashboot.layouts import read_image
+from flashboot.layouts.checkpoint import read_safetensors_header
+from flashboot.layouts.table import TABLE_FILE
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _outcome(call, timeout_s: float = 10.0):
+    """``call()``'s result or error, from a daemon thread: a call that blocks fails the test
+    instead of hanging it."""
+    out = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except Exception as exc:  # handed to the assertions
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert out, f"the call was still blocked after {timeout_s:g} s"
+    return out[0]
+
+
+def _replace_with_fifo(path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def test_an_images_table_replaced_by_a_named_pipe_is_refused(image):
+    table = image / "rank-0" / TABLE_FILE
+    _replace_with_fifo(table)
+    got = _outcome(lambda: read_image(image))
+    assert isinstance(got, LayoutError), got
+    assert str(got) == f"{table}: not a regular file (a named pipe)"
+
+
+def test_an_images_table_linked_to_dev_zero_is_refused(image):
+    table = image / "rank-0" / TABLE_FILE
+    table.unlink()
+    table.symlink_to("/dev/zero")
+    got = _outcome(lambda: read_image(image))
+    assert isinstance(got, LayoutError), got
+    assert str(got) == f"{table}: not a regular file (a character device)"
+
+
+def test_inspect_of_such_an_image_says_why_and_exits(image):
+    _replace_with_fifo(image / "rank-0" / TABLE_FILE)
+    run = subprocess.run([sys.executable, "-m", "flashboot.cli", "inspect", str(image)], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2
+    assert "tensors.bin: not a regular file (a named pipe)" in run.stderr
+
+
+def test_a_checkpoint_shard_that_is_a_named_pipe_is_refused(tmp_path):
+    shard = tmp_path / "model.safetensors"
+    os.mkfifo(shard)
+    got = _outcome(lambda: read_safetensors_header(shard))
+    assert isinstance(got, LayoutError), got
+    assert str(got) == f"{shard}: not a regular file (a named pipe)"
+
+
+def test_a_token_file_that_is_a_named_pipe_is_refused(tmp_path):
+    token = tmp_path / "token"
+    os.mkfifo(token)
+    got = _outcome(lambda: resolve_token(token_file=token))
+    assert isinstance(got, RendezvousError), got
+    assert str(got) == f"{token}: not a regular file (a named pipe)"
+
+
+def test_a_regular_table_still_reads(image):
+    assert read_image(image).table_source == TABLE_FILE
