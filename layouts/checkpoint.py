@@ -151,7 +151,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     cfg_path = path / "config.json"
     if cfg_path.exists():
         try:
-            config = json.loads(cfg_path.read_text())
+            with open_regular(cfg_path) as f:
+                config = json.loads(f.read())
         except ValueError as exc:
             raise LayoutError(f"{cfg_path}: not JSON ({exc})") from None
         if not isinstance(config, dict):
@@ -160,7 +161,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     weight_map: dict[str, str] | None = None
     if index_path.exists():
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
+            with open_regular(index_path) as f:
+                weight_map = json.loads(f.read())["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
             raise LayoutError(f"{index_path}: no readable weight_map ({exc})") from None
         files = sorted(set(weight_map.values()))

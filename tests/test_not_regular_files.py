@@ -87,3 +87,13 @@ def test_a_token_file_that_is_a_named_pipe_is_refused(tmp_path):
 
 def test_a_regular_table_still_reads(image):
     assert read_image(image).table_source == TABLE_FILE
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_a_checkpoints_json_that_is_a_named_pipe_is_refused(tmp_path, name):
+    from flashboot.layouts.checkpoint import open_checkpoint
+
+    os.mkfifo(tmp_path / name)
+    got = _outcome(lambda: open_checkpoint(tmp_path))
+    assert isinstance(got, LayoutError), got
+    assert str(got) == f"{tmp_path / name}: not a regular file (a named pipe)"
