@@ -42,19 +42,24 @@ _KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
 
 
-def open_regular(path, error: type[Exception] = LayoutError):
-    """``path`` opened for binary reading, refused by name (``error``) unless it is a regular file.
+def open_regular(path, error: type[Exception] = LayoutError, *, max_bytes: int | None = None):
+    """``path`` opened for binary reading, refused by name (``error``) unless it is a regular file
+    of at most ``max_bytes`` (where given: for a file the caller reads whole).
 
     Opened without blocking and checked on the open fd, so no swap can come between the check
     and the read: a named pipe in a file's place would block a plain ``open`` until some writer
-    came (an image's ``tensors.bin`` made one hung ``inspect`` and every load), and a device
-    such as ``/dev/zero`` never ends a read. FileNotFoundError and other OSErrors pass through."""
+    came (an image's ``tensors.bin`` made one hung ``inspect`` and every load), a device such
+    as ``/dev/zero`` never ends a read, and a sparse file of 50 GB reads as 50 GB of memory.
+    FileNotFoundError and other OSErrors pass through."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = next((name for test, name in _KINDS if test(mode)), "not a file")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a file")
             raise error(f"{os.fspath(path)}: not a regular file ({kind})")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise error(f"{os.fspath(path)}: {st.st_size:,} bytes, more than the {max_bytes:,} this file may hold "
+                        "(damaged, or not what it is named?)")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

@@ -26,6 +26,8 @@ from flashboot.fileio import DirectReadRefused, io_buffer, open_regular, read_ex
 from .format import DTYPES_BY_SAFETENSORS, DTYPES, config_hash
 
 _HEADER_LIMIT = 100 << 20  # safetensors' own cap on the JSON header
+MAX_CHECKPOINT_JSON_BYTES = 256 << 20
+"""The most ``config.json`` or ``model.safetensors.index.json`` may hold (read whole)."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     cfg_path = path / "config.json"
     if cfg_path.exists():
         try:
-            with open_regular(cfg_path) as f:
+            with open_regular(cfg_path, max_bytes=MAX_CHECKPOINT_JSON_BYTES) as f:
                 config = json.loads(f.read())
         except ValueError as exc:
             raise LayoutError(f"{cfg_path}: not JSON ({exc})") from None
@@ -161,7 +163,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     weight_map: dict[str, str] | None = None
     if index_path.exists():
         try:
-            with open_regular(index_path) as f:
+            with open_regular(index_path, max_bytes=MAX_CHECKPOINT_JSON_BYTES) as f:
                 weight_map = json.loads(f.read())["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
             raise LayoutError(f"{index_path}: no readable weight_map ({exc})") from None

@@ -31,6 +31,11 @@ from .table import TABLE_FILE, run_beside, sha256_beside, tables_agree
 
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+MAX_TABLE_FILE_BYTES = 1 << 30
+"""The most ``metadata.json`` or ``tensors.bin`` may hold: each is read whole into memory, and a
+million tensors take ~250 MB of either; a larger one is refused before it is read."""
+MAX_JOB_FILE_BYTES = 64 << 20
+"""The most ``prepack.json`` may hold (a line per rank)."""
 
 
 def rank_dir_name(rank: int) -> str:
@@ -66,7 +71,7 @@ def read_job(path: str | os.PathLike) -> JobInfo:
                 "re-run flashboot prepack)" if leftovers else "")
         raise LayoutError(f"{path}: no {JOB_FILE}: not a complete pre-packed image directory{hint}")
     where = str(job_path)
-    with open_regular(job_path) as f:
+    with open_regular(job_path, max_bytes=MAX_JOB_FILE_BYTES) as f:
         raw = loads(f.read(), where, LayoutError)
     f = _Fields(raw, where, "")
     if f.get("format", str) != JOB_FORMAT_NAME:
@@ -164,7 +169,7 @@ def read_metadata_file(path: str | os.PathLike, rank: int | None = None, *, deco
     if decode:
         return begin_metadata_read(path, rank, resolved=resolved).finish()
     rank_dir, job = resolved if resolved is not None else resolve_rank(path, rank)
-    with open_regular(rank_dir / METADATA_FILE) as f:
+    with open_regular(rank_dir / METADATA_FILE, max_bytes=MAX_TABLE_FILE_BYTES) as f:
         raw = f.read()
     digest = sha256_beside(raw)  # 6.6 MB for 40,000 tensors: hashed while tensors.bin is read
     table = _read_table(rank_dir / TABLE_FILE)
@@ -193,7 +198,7 @@ class PendingMetadata:
         """The :class:`MetadataFile`, its table's columns decoded (:func:`predecode_table`) while
         ``metadata.json`` is still being read and hashed; the job's digest checked."""
         if not self.beside:
-            meta = open_regular(self.rank_dir / METADATA_FILE)
+            meta = open_regular(self.rank_dir / METADATA_FILE, max_bytes=MAX_TABLE_FILE_BYTES)
             self._meta_nbytes = os.fstat(meta.fileno()).st_size
             self._read_json = functools.partial(_read_and_hash, meta)
         table, decoded = self._table(), None
@@ -216,7 +221,7 @@ def begin_metadata_read(path: str | os.PathLike, rank: int | None = None, *,
 
 def _read_table(path: Path) -> bytes | None:
     try:
-        f = open_regular(path)
+        f = open_regular(path, max_bytes=MAX_TABLE_FILE_BYTES)
     except FileNotFoundError:
         return None
     with f:
@@ -232,7 +237,7 @@ def _checked(mf: MetadataFile) -> MetadataFile:
 def _read_and_hash_beside(path: Path) -> tuple[int, Callable[[], tuple[bytes, str]]]:
     """``path``'s size when opened, and the call that waits for its bytes and their hex sha256,
     read and hashed in a thread (:func:`~flashboot.layouts.table.run_beside`)."""
-    f = open_regular(path)  # opened here: a missing file is raised in the caller's thread
+    f = open_regular(path, max_bytes=MAX_TABLE_FILE_BYTES)  # opened here: a missing file is raised in the caller's thread
     nbytes = os.fstat(f.fileno()).st_size
     return nbytes, run_beside(functools.partial(_read_and_hash, f), f"{path}: reading and hashing {nbytes:,} bytes")
 
@@ -362,7 +367,7 @@ class Image:
     def metadata_sha256(self) -> str:
         """Hex sha256 of the ``metadata.json`` bytes this image was validated from."""
         if self._metadata_file is None:
-            with open_regular(self.dir / METADATA_FILE) as f:
+            with open_regular(self.dir / METADATA_FILE, max_bytes=MAX_TABLE_FILE_BYTES) as f:
                 self._metadata_file = MetadataFile(self.dir, None, f.read())
         return self._metadata_file.sha256
 
@@ -462,7 +467,7 @@ def verify_image(path: str | os.PathLike, rank: int | None = None, *, progress: 
     images = [read_image(path, r) for r in ranks]  # all metadata checked before any byte is read
     for im in images:  # the binary table must say what metadata.json says, entry by entry
         if im.table_source == TABLE_FILE:
-            with open_regular(im.metadata_path) as f:
+            with open_regular(im.metadata_path, max_bytes=MAX_TABLE_FILE_BYTES) as f:
                 json_table = parse_metadata(f.read(), str(im.metadata_path)).tensors
             diff = tables_agree(im.metadata.tensors, json_table)
             if diff is not None:

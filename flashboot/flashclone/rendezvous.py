@@ -48,6 +48,8 @@ from ..fileio import open_regular
 ENV_TOKEN = "FLASHBOOT_TOKEN"
 ENV_TOKEN_FILE = "FLASHBOOT_TOKEN_FILE"
 MIN_TOKEN_BYTES = 16
+MAX_TOKEN_FILE_BYTES = 1 << 20
+"""The most a token file may hold (read whole)."""
 """Shorter secrets are refused: the HMAC is only as strong as the token."""
 DEFAULT_TIMEOUT_S = 60.0
 RECORD_VERSION = 1
@@ -150,7 +152,7 @@ def resolve_token(token: Token | str | bytes | None = None, token_file: str | os
             "every clone must share it"
         )
     try:
-        with open_regular(path, RendezvousError) as f:
+        with open_regular(path, RendezvousError, max_bytes=MAX_TOKEN_FILE_BYTES) as f:
             secret = f.read()
     except OSError as exc:
         raise RendezvousError(f"cannot read token file {os.fspath(path)!r}: {exc.strerror}") from None

@@ -1,6 +1,7 @@
-"""A file that FlashBoot reads whole (an image's tables, a checkpoint's header, a token), replaced
-by a named pipe or a device, is refused by name: a plain ``open`` of a pipe waits for a writer
-forever, and a read of ``/dev/zero`` never ends (fileio.open_regular)."""
+"""A file that FlashBoot reads whole (an image's tables, a checkpoint's JSON, a token), replaced
+by a named pipe or a device, or grown past what such a file holds, is refused by name: a plain
+``open`` of a pipe waits for a writer forever, a read of ``/dev/zero`` never ends, and a sparse
+file of many GB reads as that much memory (fileio.open_regular)."""
 
 from __future__ import annotations
 
@@ -97,3 +98,35 @@ def test_a_checkpoints_json_that_is_a_named_pipe_is_refused(tmp_path, name):
     got = _outcome(lambda: open_checkpoint(tmp_path))
     assert isinstance(got, LayoutError), got
     assert str(got) == f"{tmp_path / name}: not a regular file (a named pipe)"
+
+
+def test_an_images_table_of_many_gb_is_refused_before_it_is_read(image):
+    from flashboot.layouts.image import MAX_TABLE_FILE_BYTES
+
+    table = image / "rank-0" / TABLE_FILE
+    os.truncate(table, MAX_TABLE_FILE_BYTES + 4096)  # sparse: no disk used, but read whole it is 1 GiB of memory
+    got = _outcome(lambda: read_image(image))
+    assert isinstance(got, LayoutError), got
+    assert str(got) == (f"{table}: {MAX_TABLE_FILE_BYTES + 4096:,} bytes, more than the {MAX_TABLE_FILE_BYTES:,} "
+                        "this file may hold (damaged, or not what it is named?)")
+
+
+def test_a_metadata_file_of_many_gb_is_refused_before_it_is_read(image):
+    from flashboot.layouts.format import METADATA_FILE
+    from flashboot.layouts.image import MAX_TABLE_FILE_BYTES
+
+    meta = image / "rank-0" / METADATA_FILE
+    os.truncate(meta, 4 * MAX_TABLE_FILE_BYTES)
+    got = _outcome(lambda: read_image(image))
+    assert isinstance(got, LayoutError), got
+    assert f"{meta}: {4 * MAX_TABLE_FILE_BYTES:,} bytes, more than the {MAX_TABLE_FILE_BYTES:,}" in str(got)
+
+
+def test_a_token_file_over_a_mib_is_refused(tmp_path):
+    from flashboot.flashclone.rendezvous import MAX_TOKEN_FILE_BYTES
+
+    token = tmp_path / "token"
+    token.write_bytes(b"x" * (MAX_TOKEN_FILE_BYTES + 1))
+    got = _outcome(lambda: resolve_token(token_file=token))
+    assert isinstance(got, RendezvousError), got
+    assert f"{token}: {MAX_TOKEN_FILE_BYTES + 1:,} bytes, more than the {MAX_TOKEN_FILE_BYTES:,}" in str(got)
