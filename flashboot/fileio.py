@@ -67,6 +67,12 @@ def open_regular(path, error: type[Exception] = LayoutError, *, max_bytes: int |
         raise
 
 
+def read_regular(path, max_bytes: int, error: type[Exception] = LayoutError) -> bytes:
+    """The whole of the regular file ``path``, at most ``max_bytes`` (see :func:`open_regular`)."""
+    with open_regular(path, error, max_bytes=max_bytes) as f:
+        return f.read()
+
+
 class DirectReadRefused(Exception):
     """A read under O_DIRECT failed with EINVAL: the filesystem takes the flag, not the I/O."""
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flashboot.errors import LayoutError
-from flashboot.fileio import DirectReadRefused, io_buffer, open_regular, read_exactly
+from flashboot.fileio import DirectReadRefused, io_buffer, open_regular, read_exactly, read_regular
 
 from .format import DTYPES_BY_SAFETENSORS, DTYPES, config_hash
 
@@ -153,8 +153,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     cfg_path = path / "config.json"
     if cfg_path.exists():
         try:
-            with open_regular(cfg_path, max_bytes=MAX_CHECKPOINT_JSON_BYTES) as f:
-                config = json.loads(f.read())
+            config = json.loads(read_regular(cfg_path, MAX_CHECKPOINT_JSON_BYTES))
         except ValueError as exc:
             raise LayoutError(f"{cfg_path}: not JSON ({exc})") from None
         if not isinstance(config, dict):
@@ -163,8 +162,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     weight_map: dict[str, str] | None = None
     if index_path.exists():
         try:
-            with open_regular(index_path, max_bytes=MAX_CHECKPOINT_JSON_BYTES) as f:
-                weight_map = json.loads(f.read())["weight_map"]
+            weight_map = json.loads(read_regular(index_path, MAX_CHECKPOINT_JSON_BYTES))["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
             raise LayoutError(f"{index_path}: no readable weight_map ({exc})") from None
         files = sorted(set(weight_map.values()))

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from flashboot._json import loads
 from flashboot.errors import ChecksumMismatchError, LayoutError
-from flashboot.fileio import open_regular
+from flashboot.fileio import open_regular, read_regular
 
 from .format import (
     FORMAT_VERSION, IMAGE_FILE, JOB_FILE, JOB_FORMAT_NAME, METADATA_FILE, ChecksumTable, ImageKey, ImageMetadata,
@@ -71,8 +71,7 @@ def read_job(path: str | os.PathLike) -> JobInfo:
                 "re-run flashboot prepack)" if leftovers else "")
         raise LayoutError(f"{path}: no {JOB_FILE}: not a complete pre-packed image directory{hint}")
     where = str(job_path)
-    with open_regular(job_path, max_bytes=MAX_JOB_FILE_BYTES) as f:
-        raw = loads(f.read(), where, LayoutError)
+    raw = loads(read_regular(job_path, MAX_JOB_FILE_BYTES), where, LayoutError)
     f = _Fields(raw, where, "")
     if f.get("format", str) != JOB_FORMAT_NAME:
         raise LayoutError(f"{where}: format {raw.get('format')!r} is not {JOB_FORMAT_NAME!r}")
@@ -169,8 +168,7 @@ def read_metadata_file(path: str | os.PathLike, rank: int | None = None, *, deco
     if decode:
         return begin_metadata_read(path, rank, resolved=resolved).finish()
     rank_dir, job = resolved if resolved is not None else resolve_rank(path, rank)
-    with open_regular(rank_dir / METADATA_FILE, max_bytes=MAX_TABLE_FILE_BYTES) as f:
-        raw = f.read()
+    raw = read_regular(rank_dir / METADATA_FILE, MAX_TABLE_FILE_BYTES)
     digest = sha256_beside(raw)  # 6.6 MB for 40,000 tensors: hashed while tensors.bin is read
     table = _read_table(rank_dir / TABLE_FILE)
     return _checked(MetadataFile(rank_dir, job, raw, table, digest(), None))
@@ -221,11 +219,9 @@ def begin_metadata_read(path: str | os.PathLike, rank: int | None = None, *,
 
 def _read_table(path: Path) -> bytes | None:
     try:
-        f = open_regular(path, max_bytes=MAX_TABLE_FILE_BYTES)
+        return read_regular(path, MAX_TABLE_FILE_BYTES)
     except FileNotFoundError:
         return None
-    with f:
-        return f.read()
 
 
 def _checked(mf: MetadataFile) -> MetadataFile:
@@ -237,7 +233,8 @@ def _checked(mf: MetadataFile) -> MetadataFile:
 def _read_and_hash_beside(path: Path) -> tuple[int, Callable[[], tuple[bytes, str]]]:
     """``path``'s size when opened, and the call that waits for its bytes and their hex sha256,
     read and hashed in a thread (:func:`~flashboot.layouts.table.run_beside`)."""
-    f = open_regular(path, max_bytes=MAX_TABLE_FILE_BYTES)  # opened here: a missing file is raised in the caller's thread
+    # opened here: a missing file is raised in the caller's thread
+    f = open_regular(path, max_bytes=MAX_TABLE_FILE_BYTES)
     nbytes = os.fstat(f.fileno()).st_size
     return nbytes, run_beside(functools.partial(_read_and_hash, f), f"{path}: reading and hashing {nbytes:,} bytes")
 
@@ -363,13 +360,23 @@ class Image:
         mf = self._metadata_file
         return TABLE_FILE if mf is not None and mf.table is not None else METADATA_FILE
 
+    def _metadata(self) -> MetadataFile:
+        """The ``metadata.json`` this image was validated from (read now where the image was made
+        from parsed metadata alone)."""
+        if self._metadata_file is None:
+            raw = read_regular(self.dir / METADATA_FILE, MAX_TABLE_FILE_BYTES)
+            self._metadata_file = MetadataFile(self.dir, None, raw)
+        return self._metadata_file
+
+    @property
+    def metadata_bytes(self) -> bytes:
+        """The ``metadata.json`` bytes this image was validated from."""
+        return self._metadata().raw
+
     @property
     def metadata_sha256(self) -> str:
         """Hex sha256 of the ``metadata.json`` bytes this image was validated from."""
-        if self._metadata_file is None:
-            with open_regular(self.dir / METADATA_FILE, max_bytes=MAX_TABLE_FILE_BYTES) as f:
-                self._metadata_file = MetadataFile(self.dir, None, f.read())
-        return self._metadata_file.sha256
+        return self._metadata().sha256
 
     @property
     def tensors(self) -> dict[str, TensorEntry]:
@@ -467,8 +474,7 @@ def verify_image(path: str | os.PathLike, rank: int | None = None, *, progress: 
     images = [read_image(path, r) for r in ranks]  # all metadata checked before any byte is read
     for im in images:  # the binary table must say what metadata.json says, entry by entry
         if im.table_source == TABLE_FILE:
-            with open_regular(im.metadata_path, max_bytes=MAX_TABLE_FILE_BYTES) as f:
-                json_table = parse_metadata(f.read(), str(im.metadata_path)).tensors
+            json_table = parse_metadata(im.metadata_bytes, str(im.metadata_path)).tensors
             diff = tables_agree(im.metadata.tensors, json_table)
             if diff is not None:
                 raise LayoutError(f"{im.dir / TABLE_FILE} disagrees with {im.metadata_path}: {diff}")

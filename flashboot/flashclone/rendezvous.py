@@ -43,14 +43,14 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from ..errors import RendezvousError, WaitTimeoutError
-from ..fileio import open_regular
+from ..fileio import read_regular
 
 ENV_TOKEN = "FLASHBOOT_TOKEN"
 ENV_TOKEN_FILE = "FLASHBOOT_TOKEN_FILE"
 MIN_TOKEN_BYTES = 16
+"""Shorter secrets are refused: the HMAC is only as strong as the token."""
 MAX_TOKEN_FILE_BYTES = 1 << 20
 """The most a token file may hold (read whole)."""
-"""Shorter secrets are refused: the HMAC is only as strong as the token."""
 DEFAULT_TIMEOUT_S = 60.0
 RECORD_VERSION = 1
 KEY_PREFIX = "flashboot/v1"
@@ -152,8 +152,7 @@ def resolve_token(token: Token | str | bytes | None = None, token_file: str | os
             "every clone must share it"
         )
     try:
-        with open_regular(path, RendezvousError, max_bytes=MAX_TOKEN_FILE_BYTES) as f:
-            secret = f.read()
+        secret = read_regular(path, MAX_TOKEN_FILE_BYTES, RendezvousError)
     except OSError as exc:
         raise RendezvousError(f"cannot read token file {os.fspath(path)!r}: {exc.strerror}") from None
     return Token(secret, f"token file {os.fspath(path)!r}")

@@ -258,12 +258,11 @@ def model_identity(model_path: str, revision: str | None = None) -> tuple[str, s
         model_id, rev = f"{m.group(1)}/{m.group(2)}", rev or m.group(3)
     elif path.is_dir():
         model_id = path.resolve().name
-    from flashboot.fileio import open_regular
+    from flashboot.fileio import read_regular
     from flashboot.layouts.checkpoint import MAX_CHECKPOINT_JSON_BYTES
 
     try:
-        with open_regular(config_file, max_bytes=MAX_CHECKPOINT_JSON_BYTES) as f:
-            config = json.loads(f.read())
+        config = json.loads(read_regular(config_file, MAX_CHECKPOINT_JSON_BYTES))
     except (OSError, ValueError) as exc:
         raise LayoutError(f"{config_file}: unreadable config ({exc})") from None
     chash = config_hash({k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"})
@@ -309,14 +308,12 @@ class EngineSection:
 def read_engine_section(image_dir: str | os.PathLike, rank: int) -> tuple[EngineSection, Any]:
     """``(section, metadata)`` of rank ``rank`` of an engine image, through the strict reader
     (everything but the image bytes checked) plus the engine section."""
-    from flashboot.fileio import open_regular
-    from flashboot.layouts.image import MAX_TABLE_FILE_BYTES, read_image
+    from flashboot.layouts.image import read_image
 
     image = read_image(image_dir, rank)
     where = str(image.dir / "metadata.json")
     try:
-        with open_regular(image.dir / "metadata.json", max_bytes=MAX_TABLE_FILE_BYTES) as f:
-            raw = json.loads(f.read())
+        raw = json.loads(image.metadata_bytes)  # the bytes the strict reader validated, not a second read
     except (OSError, ValueError) as exc:
         raise LayoutError(f"{where}: unreadable ({exc})") from None
     section = EngineSection.from_dict(raw.get(ENGINE_SECTION), where)
