@@ -243,6 +243,31 @@ def test_bad_requests(bad):
         build_plan("chain", **bad)
 
 
+@pytest.mark.parametrize("schedule,n,total,chunk,match", [
+    ("chain", 3, 10**9, 1, r"3 receivers x 1,000,000,000 chunks of 1 bytes .* is 3,000,000,000 steps, over the "
+                           r"2,000,000 a plan may hold; use chunks of at least 1,500 bytes"),
+    ("star", 8, 217 * 10**9, 64 << 10, r"use chunks of at least 868,000 bytes"),
+    ("ring", 2000, 10**9, 1 << 20, r"2,000 members alone make 4,000,000"),
+])
+def test_a_plan_too_large_to_build_is_refused_before_any_step(schedule, n, total, chunk, match):
+    with pytest.raises(PlanError, match=match):
+        build_plan(schedule, n, total, chunk)
+
+
+@pytest.mark.parametrize("schedule", ["chain", "star", "ring"])
+def test_the_smallest_chunk_the_refusal_names_builds(schedule, monkeypatch):
+    from flashboot.schedulers import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "MAX_PLAN_STEPS", 20_000)  # the same arithmetic, a plan built in a blink
+    n, total = 4, 10**9
+    with pytest.raises(PlanError) as refused:
+        build_plan(schedule, n, total, 64)
+    fits = int(str(refused.value).rsplit("at least ", 1)[1].split()[0].replace(",", ""))
+    plan = build_plan(schedule, n, total, fits)
+    assert len(plan.steps) <= 20_000
+    assert sum(s.nbytes for s in plan.steps if s.dst == plan.participants[-1].index) == total
+
+
 def _one(**kw):
     base = dict(id=0, kind="copy", src=0, dst=1, offset=0, nbytes=4, waits=(), lane=0, signal=0)
     base.update(kw)

@@ -10,6 +10,7 @@ from .plan import (
     DEFAULT_CHUNK_BYTES,
     H2D_LANE,
     HOST,
+    MAX_PLAN_STEPS,
     Participant,
     Plan,
     PlanError,
@@ -20,6 +21,6 @@ from .registry import build_plan, list_schedules, register_schedule
 from .ring import shard_bounds
 
 __all__ = [
-    "COPY_LANE", "DEFAULT_CHUNK_BYTES", "H2D_LANE", "HOST", "Participant", "Plan", "PlanError", "Step",
+    "COPY_LANE", "DEFAULT_CHUNK_BYTES", "H2D_LANE", "HOST", "MAX_PLAN_STEPS", "Participant", "Plan", "PlanError", "Step",
     "build_plan", "list_schedules", "register_schedule", "shard_bounds", "split_range",
 ]

@@ -258,11 +258,27 @@ class PlanBuilder:
         return sid
 
 
-def check_request(schedule: str, n: int, total_bytes: int, chunk_bytes: int) -> None:
-    """Refuse a nonsensical planner request with the numbers in the message."""
+MAX_PLAN_STEPS = 2_000_000
+"""The most steps a plan may hold (~250 bytes each in Python: ~0.5 GB). A 217 GB image in 1 MiB
+chunks to 8 clones is 1.65 million; a 1-byte chunk would be a plan that never finishes building."""
+
+
+def check_request(schedule: str, n: int, total_bytes: int, chunk_bytes: int, *, extra_steps: int = 0) -> None:
+    """Refuse a nonsensical planner request with the numbers in the message, before any step is
+    built: non-positive counts, and a plan of more than :data:`MAX_PLAN_STEPS` steps (``n`` members
+    x the image's chunks, plus ``extra_steps``)."""
     for label, value in (("participant count", n), ("total_bytes", total_bytes), ("chunk_bytes", chunk_bytes)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise PlanError(f"{schedule}: {label} must be a positive int, got {value!r}")
+    chunks = -(-total_bytes // chunk_bytes)
+    steps = n * chunks + extra_steps
+    if steps > MAX_PLAN_STEPS:
+        what = (f"{schedule}: {n:,} receivers x {chunks:,} chunks of {chunk_bytes:,} bytes ({total_bytes:,}-byte "
+                f"image) is {steps:,} steps, over the {MAX_PLAN_STEPS:,} a plan may hold")
+        if extra_steps >= MAX_PLAN_STEPS:
+            raise PlanError(f"{what}; {n:,} members alone make {extra_steps:,}")
+        fits = -(-n * total_bytes // (MAX_PLAN_STEPS - extra_steps))
+        raise PlanError(f"{what}; use chunks of at least {fits:,} bytes")
 
 
 def split_range(offset: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -272,6 +288,6 @@ def split_range(offset: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, i
 
 
 __all__ = [
-    "COPY_LANE", "DEFAULT_CHUNK_BYTES", "H2D_LANE", "HOST", "KINDS", "Participant", "Plan",
+    "COPY_LANE", "DEFAULT_CHUNK_BYTES", "H2D_LANE", "HOST", "KINDS", "MAX_PLAN_STEPS", "Participant", "Plan",
     "PlanBuilder", "PlanError", "ROLES", "Step", "check_request", "split_range",
 ]

@@ -33,7 +33,8 @@ def plan_ring(n: int, total_bytes: int, chunk_bytes: int, align_bytes: int = DEF
     ``H2D_LANE``), then round by round the copies from the predecessor (lane ``COPY_LANE``), each
     waiting on the step that brought that sub-chunk to the predecessor.
     """
-    check_request("ring", n, total_bytes, chunk_bytes)
+    # every member gets every shard, each shard in its own sub-chunks: at most one more chunk per shard
+    check_request("ring", n, total_bytes, chunk_bytes, extra_steps=n * n)
     participants = [Participant(i, f"shard{i}", "shard") for i in range(n)]
     shards = [split_range(off, nb, chunk_bytes) for off, nb in shard_bounds(total_bytes, n, align_bytes)]
     b = PlanBuilder(n)
