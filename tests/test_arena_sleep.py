@@ -81,6 +81,61 @@ def test_close_while_asleep_releases_the_reservation():
     assert len(os.listdir("/proc/self/fd")) == before_fds and segment_maps_all() == before_maps
 
 
+def test_an_asleep_arena_makes_no_new_views():
+    """Nothing backs an asleep arena's range: a view made then faults on its first touch (it
+    killed the process), so it is refused by name, as span() is."""
+    with Arena.create(2 * MiB, "cpu") as a:
+        a.sleep()
+        for make in (lambda: a.view(0, (16,), "float32"), a.bytes, lambda: a.span(0, 16)):
+            with pytest.raises(ArenaError, match="asleep .* wake\\(\\) it before"):
+                make()
+        a.wake()
+        assert a.view(0, (16,), "float32").shape == (16,)
+
+
+@pytest.mark.parametrize("late", ["wake", "sleep"])
+def test_a_wake_or_sleep_that_loses_the_race_to_close_maps_nothing(late):
+    """close() on another thread between a wake's (or sleep's) check and its lock: the late call
+    finds the arena closed under the lock. Before, the wake mapped new memfds with MAP_FIXED over
+    the range close() had given back, over whatever the process had put there since."""
+    import threading
+    import time
+
+    before_fds, before_maps = len(os.listdir("/proc/self/fd")), segment_maps_all()
+    a = Arena.create(4 * MiB, "cpu", segment_bytes=2 * MiB)
+    if late == "wake":
+        a.sleep()
+    real_lock, caller = a._map_lock, []
+
+    class LateLock:  # holds the late call between its check and the lock until close() has run
+        def __enter__(self):
+            if threading.current_thread() is caller[0]:
+                closed.wait(5)
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc):
+            return real_lock.__exit__(*exc)
+
+    closed, errors = threading.Event(), []
+    a._map_lock = LateLock()
+
+    def call():
+        try:
+            getattr(a, late)()
+        except ArenaError as exc:
+            errors.append(exc)
+
+    caller.append(threading.Thread(target=call))
+    caller[0].start()
+    time.sleep(0.05)
+    a.close()
+    closed.set()
+    caller[0].join(5)
+    assert not caller[0].is_alive()
+    assert len(errors) == 1 and "is closed" in str(errors[0])
+    assert len(os.listdir("/proc/self/fd")) == before_fds and segment_maps_all() == before_maps
+
+
 def segment_maps_all() -> list[str]:
     with open("/proc/self/maps") as f:
         return [line for line in f if "flashboot-arena" in line]

@@ -506,13 +506,16 @@ class Arena(SleepWake):
         An importer drops only its own mappings and handles. Closing twice raises ArenaError.
         Views must not be used after this.
         """
-        if self._closed:
-            raise ArenaError(f"arena {self._arena_id} is already closed")
-        self._closed = True
-        self._flat = None
+        # under the map lock: a sleep, wake or remap that checked ``closed`` before this began
+        # finishes first, and one that begins after it finds the arena closed (a wake that maps
+        # new segments into a range given back would write over whatever the process put there)
         with self._map_lock:
+            if self._closed:
+                raise ArenaError(f"arena {self._arena_id} is already closed")
+            self._closed = True
+            self._flat = None
             self._map_segment = None
-        self._undo.release()
+            self._undo.release()
 
     def __enter__(self) -> "Arena":
         self._check_open()
@@ -686,6 +689,7 @@ class Arena(SleepWake):
     def bytes(self):
         """The whole capacity as a flat ``torch.uint8`` tensor (zero copy; maps every segment)."""
         self._check_open()
+        self._check_awake("viewing it")
         self._make_all()
         return self._flat_tensor()
 
@@ -716,6 +720,7 @@ class Arena(SleepWake):
         import torch
 
         self._check_open()
+        self._check_awake("viewing it")
         dt = parse_dtype(dtype)
         itemsize = torch.empty((), dtype=dt).element_size()
         shape_t = (shape,) if isinstance(shape, int) else tuple(shape)

@@ -151,6 +151,7 @@ def replace_backing(arena, staging, timings: dict | None = None) -> float:
     where = f"segments of arena {arena.arena_id} (from staging arena {staging.arena_id})"
     before = (lambda i=arena.home_device.index: _cuda.use_device(i)) if cuda else None
     with arena._map_lock:
+        arena._check_open()  # again under the lock: a close() may have run since _check_pair
         # what the swap needs is gathered before the device wait: the range is unmapped only
         # from the unmap to the grant, and nothing here touches the weights' mapping
         t_prep = time.perf_counter()

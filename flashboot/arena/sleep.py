@@ -97,6 +97,7 @@ class SleepWake:
         self._check_sleepable()
         self._make_all()  # an arena made with segments_now releases every segment
         with self._map_lock:
+            self._check_open()  # again under the lock: a close() may have run since
             if self._asleep:
                 return
             if self._shares:
@@ -232,6 +233,7 @@ class SleepWake:
         """
         self._check_open()
         with self._map_lock:
+            self._check_open()  # again under the lock: mapping into a range close() gave back is fatal
             if not self._asleep:
                 return
             t0 = time.perf_counter()
