@@ -43,7 +43,7 @@ class Mover:
         dst_span, src_span = span_of(dst), span_of(src)
         if nbytes is None:
             nbytes = src_span.nbytes
-        if not isinstance(nbytes, int) or nbytes <= 0:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise MoverError(f"{self.name}: nbytes must be a positive int, got {nbytes!r}")
         if nbytes > src_span.nbytes or nbytes > dst_span.nbytes:
             role, span = ("source", src_span) if nbytes > src_span.nbytes else ("destination", dst_span)

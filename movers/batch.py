@@ -21,17 +21,31 @@ if TYPE_CHECKING:
     from .base import Mover
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
 def _entries(chunks: Any) -> np.ndarray:
-    """``chunks`` as an ``(n, 3)`` int64 array of ``(dst_offset, src_offset, nbytes)``."""
+    """``chunks`` as an ``(n, 3)`` int64 array of ``(dst_offset, src_offset, nbytes)``: integers
+    only (a float would be truncated to another chunk than the one asked for)."""
+    if isinstance(chunks, Iterable) and not isinstance(chunks, np.ndarray):
+        chunks = list(chunks)
     try:
-        table = np.asarray(chunks if not isinstance(chunks, Iterable) or isinstance(chunks, np.ndarray)
-                           else list(chunks), dtype=np.int64)
-    except (TypeError, ValueError, OverflowError) as exc:
+        table = np.asarray(chunks)
+    except (TypeError, ValueError) as exc:
         raise MoverError(f"a chunk list must hold (dst_offset, src_offset, nbytes) integers: {exc}") from None
     if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0:
         raise MoverError(f"a chunk list must be a non-empty list of (dst_offset, src_offset, nbytes); "
                          f"got an array of shape {table.shape}")
-    return table
+    if table.dtype.kind not in "iu":  # floats, bools, ints past 64 bits (object)
+        rows = table.tolist() if isinstance(chunks, np.ndarray) else chunks
+        row = next((i for i, entry in enumerate(rows)
+                    if not all(isinstance(x, int) and not isinstance(x, bool) and -_INT64_MAX <= x <= _INT64_MAX
+                               for x in entry)), 0)
+        raise MoverError(f"a chunk list must hold (dst_offset, src_offset, nbytes) 64-bit integers; entry {row} is "
+                         f"{tuple(rows[row])!r}")
+    if table.dtype.kind == "u" and table.size and int(table.max()) > _INT64_MAX:
+        raise MoverError(f"a chunk list entry exceeds {_INT64_MAX:,} bytes")
+    return table.astype(np.int64, copy=False)
 
 
 def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:
@@ -95,8 +109,9 @@ class ChunkBatch:
         d, s, n = self.dst_offsets, self.src_offsets, self.nbytes
         for bad, why in ((n <= 0, "has no bytes"), (d < 0, "starts before the destination"),
                          (s < 0, "starts before the source"),
-                         (d + n > self.dst.nbytes, f"ends past the {self.dst.nbytes:,}-byte destination"),
-                         (s + n > self.src.nbytes, f"ends past the {self.src.nbytes:,}-byte source")):
+                         # n > size - offset, not offset + n > size: the sum of two int64 may wrap
+                         (n > self.dst.nbytes - d, f"ends past the {self.dst.nbytes:,}-byte destination"),
+                         (n > self.src.nbytes - s, f"ends past the {self.src.nbytes:,}-byte source")):
             hit = np.nonzero(bad)[0]
             if hit.size:
                 raise MoverError(f"{name}: chunk {self._entry(int(hit[0]))} {why}; nothing was copied")
@@ -151,7 +166,9 @@ class ChunkBatch:
         self.mover._copy_batch(self, stream)
 
     def copy_chunk(self, i: int, *, stream: Any) -> None:
-        """Copy entry ``i`` alone, without validating anything again (the per-chunk hot path)."""
+        """Copy entry ``i`` alone, without validating the entry again (the per-chunk hot path)."""
+        if not 0 <= i < self.nbytes.size:  # -1 would copy the last entry, not refuse
+            raise MoverError(f"{self.mover.name}: no chunk {i!r} in a batch of {self.nbytes.size}")
         dst, src = self.chunk_spans(i)
         self.mover._copy(dst, src, dst.nbytes, self.path, stream)
 

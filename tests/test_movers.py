@@ -126,7 +126,7 @@ def test_sizes_are_validated_before_any_copy(name):
     path = sorted(mover.paths)[0]
     a = mover.alignment
     dst, src = spans_for(path, 64 * a, keep)
-    for nbytes in (0, -a, 1.5):
+    for nbytes in (0, -a, 1.5, True):
         with pytest.raises(MoverError, match="nbytes must be a positive int"):
             mover.copy(dst, src, nbytes, stream=None)
     with pytest.raises(MoverError, match=rf"copy of {65 * a:,} bytes overruns the {64 * a:,}-byte source"):
@@ -296,6 +296,14 @@ def test_batch_refuses_bad_entries_naming_them(name):
         ([(-16, 0, 16)], r"chunk entry 0 .* starts before the destination"),
         ([], r"non-empty list of \(dst_offset, src_offset, nbytes\)"),
         ([(0, 0)], r"non-empty list"),
+        # the end of an entry whose offset + nbytes wraps int64 was negative, passed, and the copy
+        # segfaulted
+        ([(1, 1, 2**63 - 1)], r"chunk entry 0 \(dst_offset 1, src_offset 1, nbytes 9,223,372,036,854,775,807\) ends "
+                              r"past the 4,096-byte destination"),
+        ([(0, 2**63 - 1024, 1024)], r"chunk entry 0 .* ends past the 4,096-byte source"),
+        ([(0, 0, 1024), (0.5, 0, 10.9)], r"64-bit integers; entry 1 is \(0.5, 0, 10.9\)"),  # was (0, 0, 10)
+        ([(0, 0, 2**64)], r"64-bit integers; entry 0 is \(0, 0, 18446744073709551616\)"),
+        (np.array([[0, 0, 2**63]], np.uint64), r"exceeds 9,223,372,036,854,775,807 bytes"),
     ]
     for chunks, message in cases:
         with pytest.raises(MoverError, match=message):
@@ -338,6 +346,11 @@ def test_host_batch_copies_every_chunk_and_nothing_else(as_array):
     batch.copy_chunk(2, stream=None)  # one entry, no checks again
     assert np.array_equal(dst_np[100_000:400_001], src_np[500_000:800_001])
     assert (dst_np[:100_000] == 0xEE).all() and (dst_np[400_001:] == 0xEE).all()
+    dst_np[:] = 0xEE
+    for i in (4, -1):  # -1 had copied the last entry
+        with pytest.raises(MoverError, match=rf"no chunk {i} in a batch of 4"):
+            batch.copy_chunk(i, stream=None)
+    assert (dst_np == 0xEE).all()
 
 
 def test_every_mover_says_how_it_batches():
