@@ -7,6 +7,7 @@ copying.
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -82,9 +83,14 @@ class Span:
     owner: Any = None
 
     def sub(self, offset: int, nbytes: int | None = None) -> "Span":
-        """The sub-range ``[offset, offset + nbytes)``; bounds checked."""
-        if nbytes is None:
-            nbytes = self.nbytes - offset
+        """The sub-range ``[offset, offset + nbytes)``; bounds checked, integers only (a float
+        offset made a span whose pointer no copy could take)."""
+        try:
+            offset = operator.index(offset)
+            nbytes = self.nbytes - offset if nbytes is None else operator.index(nbytes)
+        except TypeError:
+            raise ArenaError(f"a span's offset and size must be integers, got offset {offset!r} and nbytes "
+                             f"{nbytes!r}") from None
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
             raise ArenaError(
                 f"range [{offset:,}, {offset + nbytes:,}) is outside the {self.nbytes:,}-byte span on {self.device}"

@@ -249,6 +249,10 @@ def test_span_bounds():
         assert a.span().nbytes == a.nbytes
         with pytest.raises(ArenaError, match=rf"\[{a.nbytes - 10:,}, {a.nbytes + 10:,}\) is outside"):
             a.span(a.nbytes - 10, 20)
+        assert a.span(np.int64(4096), np.int32(100)) == s
+        for offset, nbytes in ((0.5, 16), (0, 16.0), ("0", 16)):  # a float offset made a float pointer
+            with pytest.raises(ArenaError, match=rf"must be integers, got offset {offset!r} and nbytes {nbytes!r}"):
+                a.span(offset, nbytes)
 
 
 # ---------------------------------------------------------------------------------------------

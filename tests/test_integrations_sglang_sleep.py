@@ -81,6 +81,34 @@ def test_weights_handed_to_the_engine_sleep_wake_bitwise_at_the_same_addresses(p
     assert sleep_engine_weights(2) == [] and wake_engine_weights() == []
 
 
+def test_an_engine_wide_sleep_that_fails_on_one_arena_wakes_the_others_again(packed, tmp_path):
+    """Two arenas handed over, the second shared with a holder (its sleep is refused): the engine
+    is told the pause failed, and the first arena, which had gone to sleep, is awake again with
+    its bytes, not left asleep under a model that runs on."""
+    from flashboot.integrations.engine_sleep import sleep_engine_weights, stay, wake_engine_weights
+
+    _, out, _ = packed
+    first = load_engine_weights(_options(out, tmp_path), _key(), 0, "cpu", tp_size=1, ep_size=1)
+    second = load_engine_weights(_options(out, tmp_path), _key(), 0, "cpu", tp_size=1, ep_size=1)
+    try:
+        before = {n: t.clone() for n, t in first.tensors.items()}
+        stay(first, shm_dir=str(tmp_path / "shm"))
+        stay(second, shm_dir=str(tmp_path / "shm"))
+        second.arena.share("holder pid 42")
+        with pytest.raises(FlashBootError, match="other process.* map it .holder pid 42") as refused:
+            sleep_engine_weights(2)
+        assert "the 1 arena(s) this sleep had put to sleep before it failed were woken again" in \
+            "\n".join(getattr(refused.value, "__notes__", []))
+        assert not first.arena.asleep and not second.arena.asleep
+        assert all(torch.equal(first.tensors[n], t) for n, t in before.items())
+        second.arena.unshare("holder pid 42")
+        assert [r.level for r in sleep_engine_weights(2)] == [2, 2]
+        assert [r.source for r in wake_engine_weights()] == ["disk", "disk"]
+    finally:
+        first.close()
+        second.close()
+
+
 def test_real_sglang_memory_saver_refuses_what_flashboot_cannot_put_to_sleep(sglang_run):
     kind, msg = sglang_run["memory_saver_refuse"]
     assert kind == "CapabilityError" and "--enable-memory-saver is on and the flashboot option memory_saver" in msg

@@ -113,26 +113,58 @@ def staying_weights() -> list:
 
 def sleep_engine_weights(level: int) -> list:
     """Put every arena handed over in this process to sleep: ``level`` 1 (pinned backup first) or 2
-    (nothing kept). Returns their SleepReports (level 0 for one already asleep). Raises what
-    :meth:`LoadedImage.sleep` raises (that arena stays awake)."""
+    (nothing kept). Returns their SleepReports (level 0 for one already asleep). All or none: if
+    one arena's sleep raises (that arena stays awake), the arenas this call put to sleep are woken
+    again before the error is raised, so the engine that is told the pause failed runs on whole
+    weights; a note on the error says so, or names the arenas a wake could not bring back."""
     if level not in SLEEP_LEVELS:
         raise FlashBootError(f"sleep level must be 1 (keep a host backup) or 2 (keep nothing), got {level!r}")
-    reports = []
-    for weights, _ in _alive():
-        report = weights.handle.sleep(level)
+    reports, slept = [], []
+    for weights, staying in _alive():
+        try:
+            report = weights.handle.sleep(level)
+        except BaseException as exc:
+            _wake_again(slept, exc)
+            raise
         logger.info("flashboot: %s", report.summary())
         reports.append(report)
+        if report.level:  # level 0: it was asleep before this call
+            slept.append((weights, staying))
     return reports
+
+
+def _wake_again(slept: list, exc: BaseException) -> None:
+    """Wake the arenas an engine-wide sleep had put to sleep when a later one failed; notes on
+    ``exc`` say what happened to them."""
+    stuck = []
+    for weights, staying in slept:
+        try:
+            weights.handle.wake(shm_dir=staying.shm_dir)
+        except BaseException as again:  # noqa: BLE001 - named on the error being raised
+            stuck.append(f"{weights.arena.nbytes:,}-byte arena {weights.arena.arena_id} ({type(again).__name__}: "
+                         f"{again})")
+    if stuck:
+        exc.add_note(f"the sleep failed after {len(slept)} arena(s) had gone to sleep; woken again: "
+                     f"{len(slept) - len(stuck)}; still asleep: {'; '.join(stuck)}")
+    elif slept:
+        exc.add_note(f"the {len(slept)} arena(s) this sleep had put to sleep before it failed were woken again")
 
 
 def wake_engine_weights() -> list:
     """Wake every arena handed over in this process at its addresses, from the first source that
     has its bytes (backup, served, disk). Returns their WakeReports (source ``awake`` for one
-    already awake). Raises OutOfMemoryError / FlashBootError as :meth:`LoadedImage.wake` does
-    (that arena stays asleep and can be woken later)."""
+    already awake). Raises OutOfMemoryError / FlashBootError as :meth:`LoadedImage.wake` does:
+    that arena and those after it stay asleep and a later wake retries them (the ones woken
+    before it stay awake); a note on the error counts both."""
     reports = []
-    for weights, staying in _alive():
-        report = weights.handle.wake(shm_dir=staying.shm_dir)
+    alive = _alive()
+    for k, (weights, staying) in enumerate(alive):
+        try:
+            report = weights.handle.wake(shm_dir=staying.shm_dir)
+        except BaseException as exc:
+            exc.add_note(f"{k} of the {len(alive)} arena(s) are awake; arena {weights.arena.arena_id} and the "
+                         f"{len(alive) - k - 1} after it stay asleep until a wake succeeds")
+            raise
         logger.info("flashboot: %s", report.summary())
         reports.append(report)
     return reports
