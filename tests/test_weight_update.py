@@ -230,6 +230,9 @@ def test_refit_refusals_leave_the_old_weights(model, store, monkeypatch):
                 loaded.refit(address, 3, timeout_s=10)
     finally:
         loaded.close()
+    for atomic in (True, False):  # had said "the old weights are serving", or "a mix of versions"
+        with pytest.raises(RefitError, match="to version 3: its arena is closed .*; nothing was copied$"):
+            loaded.refit(address, 3, timeout_s=10, atomic=atomic)
 
 
 def test_publish_for_another_image_is_refused(model, store, tmp_path):

@@ -134,6 +134,8 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     live = loaded.version
     rank = meta.parallel.rank
     where = f"refit of {meta.key.model_id} rank {rank} on {arena.device} to version {version}"
+    if arena.closed:
+        raise RefitError(f"{where}: its arena is closed (the weights were released); nothing was copied")
     if arena.asleep:
         raise RefitError(f"{where}: the engine is asleep (its weights are released); wake() it, then refit")
     if version <= live:
