@@ -98,6 +98,14 @@ class Span:
         return Span(self.ptr + offset, nbytes, self.device, self.pinned, self.owner)
 
 
+def check_not_closed(span: Span, what: str) -> None:
+    """ArenaError when the memory a span was taken from has been closed since (an arena's range
+    given back: a copy through the span would fault or write over whatever the process put there)."""
+    if getattr(span.owner, "closed", False) is True:
+        raise ArenaError(f"{what}: the span at {span.ptr:#x} ({span.nbytes:,} bytes on {span.device}) belongs to "
+                         f"{span.owner!r}, which is closed")
+
+
 _CUDA_DEVICES: dict[int, Device] = {}
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import numpy as np
 
 from flashboot.errors import MoverError
-from flashboot.memory import Span, path_between
+from flashboot.memory import Span, check_not_closed, path_between
 
 if TYPE_CHECKING:
     from .base import Mover
@@ -162,6 +162,8 @@ class ChunkBatch:
     def run(self, *, stream: Any) -> None:
         """Copy every entry, asynchronously on ``stream``: one batched call or launch where the
         mover has one (see its ``batched`` attribute)."""
+        check_not_closed(self.dst, f"{self.mover.name}: the batch's destination")
+        check_not_closed(self.src, f"{self.mover.name}: the batch's source")
         self.mover._check_stream(self.path, self.src.device, self.dst.device, stream)
         self.mover._copy_batch(self, stream)
 

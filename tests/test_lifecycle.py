@@ -213,8 +213,10 @@ def test_held_arena_refuses_sleep_by_name(image):
 
 def test_bad_arguments_are_refused(image):
     with streamed(image) as loaded:
-        with pytest.raises(FlashBootError, match="sleep level must be 1 .* or 2"):
-            loaded.sleep(level=3)
+        for level in (3, True, 1.0):  # True == 1 had been taken, and reported level=True
+            with pytest.raises(FlashBootError, match=rf"sleep level must be 1 .* or 2 .*, got {level!r}"):
+                loaded.sleep(level=level)
+        assert not loaded.arena.asleep
         with pytest.raises(FlashBootError, match="unknown wake source 'gpu'; known: auto, backup, served, disk"):
             loaded.wake(source="gpu")
         loaded.sleep(level=2)

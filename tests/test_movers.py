@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashboot.movers  # noqa: F401  (registers every built-in mover)
-from flashboot import Arena, CapabilityError, Device, MoverError, UnknownNameError
+from flashboot import Arena, ArenaError, CapabilityError, Device, MoverError, UnknownNameError
 from flashboot._cuda import cuda_available
 from flashboot.memory import PATHS, Span
 from flashboot.movers import Mover, create_mover, list_movers, mover_class, movers_for
@@ -308,6 +308,23 @@ def test_batch_refuses_bad_entries_naming_them(name):
     for chunks, message in cases:
         with pytest.raises(MoverError, match=message):
             mover.batch(dst, src, chunks)
+
+
+def test_a_span_of_a_closed_arena_is_refused_by_copy_and_batch():
+    """Spans and batches taken before close() pointed at a range given back: the copy segfaulted."""
+    mover = create_mover("host")
+    src, dst = Arena.create(1 << 20, "cpu"), Arena.create(1 << 20, "cpu")
+    src_span, dst_span = src.span(0, 4096), dst.span(0, 4096)
+    batch = mover.batch(dst_span, src_span, [(0, 0, 4096)])
+    src.close()
+    with pytest.raises(ArenaError, match=r"host: the source: the span at 0x[0-9a-f]+ \(4,096 bytes on cpu\) belongs to "
+                                         r".*, which is closed"):
+        mover.copy(dst_span, src_span, stream=None)
+    with pytest.raises(ArenaError, match="host: the batch's source: .* which is closed"):
+        batch.run(stream=None)
+    dst.close()
+    with pytest.raises(ArenaError, match="host: the destination: .* which is closed"):
+        mover.copy(dst_span, np.zeros(4096, np.uint8), stream=None)
 
 
 def test_batch_refuses_a_destination_over_another_entrys_source():

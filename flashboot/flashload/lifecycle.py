@@ -232,7 +232,7 @@ def sleep(loaded, level: int = 1) -> SleepReport:
 def _sleep(loaded, level: int, *, synchronize: bool) -> SleepReport:
     """:func:`sleep`; ``synchronize=False`` when the caller has already waited for the device's
     work on these weights (:func:`swap`, whose incoming copy may be running meanwhile)."""
-    if level not in (1, 2):
+    if type(level) is not int or level not in (1, 2):  # True == 1, but is no level
         raise FlashBootError(f"sleep level must be 1 (keep a host backup) or 2 (keep nothing), got {level!r}")
     arena = loaded.arena
     if arena.closed:
@@ -619,7 +619,7 @@ def swap(outgoing, incoming, *, level: int = 2, release: str = "handover", **wak
 
     if release not in SWAP_RELEASES:
         raise FlashBootError(f"unknown swap release {release!r}; known: {', '.join(SWAP_RELEASES)}")
-    if level not in (1, 2):
+    if type(level) is not int or level not in (1, 2):  # True == 1, but is no level
         raise FlashBootError(f"sleep level must be 1 (keep a host backup) or 2 (keep nothing), got {level!r}")
     for what, loaded in (("outgoing", outgoing), ("incoming", incoming)):
         if loaded.arena.closed:

@@ -117,7 +117,7 @@ def sleep_engine_weights(level: int) -> list:
     one arena's sleep raises (that arena stays awake), the arenas this call put to sleep are woken
     again before the error is raised, so the engine that is told the pause failed runs on whole
     weights; a note on the error says so, or names the arenas a wake could not bring back."""
-    if level not in SLEEP_LEVELS:
+    if type(level) is not int or level not in SLEEP_LEVELS:
         raise FlashBootError(f"sleep level must be 1 (keep a host backup) or 2 (keep nothing), got {level!r}")
     reports, slept = [], []
     for weights, staying in _alive():
