@@ -263,6 +263,36 @@ def test_missing_expert_refused(models, tmp_path):
         prepack(bad, tmp_path / "out", progress=False)
 
 
+def _bad_moe(models, tmp_path, change_src=None, change_config=None):
+    ckpt = models["qwen3_moe"][0]
+    src, config = load_file(ckpt / "model.safetensors"), json.loads((ckpt / "config.json").read_text())
+    (change_src or (lambda s: None))(src)
+    (change_config or (lambda c: None))(config)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file(src, bad / "model.safetensors")
+    (bad / "config.json").write_text(json.dumps(config))
+    return bad
+
+
+def test_a_config_claiming_a_trillion_experts_is_refused_without_listing_them(models, tmp_path):
+    """The set of every expert number the config claims had been built: 10^12 of them exhausted
+    memory before any message."""
+    bad = _bad_moe(models, tmp_path, change_config=lambda c: c.update(num_experts=10**12))
+    with pytest.raises(LayoutError, match=r"config says 1,000,000,000,000 experts, the checkpoint has 8 of them; "
+                                          r"missing \[8, 9, 10, 11, 12, 13, 14, 15\]\.\.\."):
+        prepack(bad, tmp_path / "out", progress=False)
+
+
+def test_an_expert_spelled_twice_is_refused_by_both_names(models, tmp_path):
+    """experts.7 and experts.07 are one expert: one of them was dropped without a word."""
+    name = "model.layers.0.mlp.experts.{}.gate_proj.weight"
+    bad = _bad_moe(models, tmp_path, change_src=lambda s: s.__setitem__(name.format("07"), s[name.format(7)] + 1))
+    with pytest.raises(LayoutError, match=r"'model.layers.0.mlp.experts.0?7.gate_proj.weight' and "
+                                          r"'model.layers.0.mlp.experts.0?7.gate_proj.weight' are both expert 7"):
+        prepack(bad, tmp_path / "out", progress=False)
+
+
 def test_registry():
     fams = list_families()
     assert {"generic", "qwen3_moe", "mixtral", "deepseek_v3", "llama"} <= set(fams)

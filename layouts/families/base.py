@@ -11,6 +11,7 @@ the source headers.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from abc import ABC, abstractmethod
@@ -220,7 +221,11 @@ class TransformerFamily(Family):
             m = self.expert_re.match(name) if self.expert_re else None
             if m and m.group("proj") in self.expert_projs:
                 group = per_expert.setdefault((m.group("prefix"), m.group("suffix")), {})
-                group.setdefault(self.expert_projs[m.group("proj")], {})[int(m.group("e"))] = src
+                experts = group.setdefault(self.expert_projs[m.group("proj")], {})
+                e = int(m.group("e"))
+                if e in experts:  # experts.7 and experts.07: one would be dropped unseen
+                    raise LayoutError(f"family {self.name}: {experts[e].name!r} and {name!r} are both expert {e}")
+                experts[e] = src
                 continue
             m = self.fused_expert_re.match(name)
             if m and src.ndim == 3:
@@ -251,11 +256,13 @@ class TransformerFamily(Family):
         for (prefix, suffix), projs in per_expert.items():
             for proj in ("gate", "up", "down"):
                 have = projs.get(proj, {})
-                missing = sorted(set(range(n)) - set(have))
-                extra = sorted(set(have) - set(range(n)))
-                if missing or extra:
-                    raise LayoutError(f"family {self.name}: {prefix}.experts.*.{proj} ({suffix}): config says {n} "
-                                      f"experts; missing {missing[:8]}{'...' if len(missing) > 8 else ''}"
+                extra = sorted(e for e in have if not 0 <= e < n)
+                if extra or len(have) != n:  # distinct keys: n of them, all in range, are range(n)
+                    # only as many as the message shows: a config may claim 10^12 experts
+                    missing = list(itertools.islice((e for e in range(n) if e not in have), 9))
+                    raise LayoutError(f"family {self.name}: {prefix}.experts.*.{proj} ({suffix}): config says {n:,} "
+                                      f"experts, the checkpoint has {len(have) - len(extra):,} of them; missing "
+                                      f"{missing[:8]}{'...' if len(missing) > 8 else ''}"
                                       f"{', unexpected ' + str(extra[:8]) if extra else ''}")
         for m, src in fused:
             if src.shape[0] != n:
