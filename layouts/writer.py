@@ -151,6 +151,54 @@ class ImageWriter:
         self.close()
 
 
+JOB_TMP_MARK = ".flashboot-job"
+"""Dropped into a job's temp directory (``OUT/.tmp-<job>``) when it is made: a later job removes
+only temp directories that carry it, never a ``.tmp-*`` of someone else's."""
+RANK_DIR_FILES = frozenset({IMAGE_FILE, METADATA_FILE, TABLE_FILE, METADATA_FILE + ".tmp", TABLE_FILE + ".tmp"})
+"""What a rank directory of an image holds. A job replaces every ``rank-N`` directory of its
+output, so one holding anything else is not replaced (:func:`check_out_dir`)."""
+
+
+def make_job_tmp(out_dir: Path, job_id: str) -> Path:
+    """``out_dir/.tmp-<job>``, made (or joined: every rank of an engine job calls it) and marked
+    as a job's (:data:`JOB_TMP_MARK`)."""
+    tmp = Path(out_dir) / f".tmp-{job_id[:12]}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / JOB_TMP_MARK).touch()
+    return tmp
+
+
+def sweep_stale_jobs(out_dir: Path, keep: Path | None = None) -> None:
+    """Remove the temp directories interrupted jobs left in ``out_dir`` (the caller holds its
+    lock): only those marked as a job's (:data:`JOB_TMP_MARK`), not a symlink, not ``keep``."""
+    import shutil
+
+    for stale in Path(out_dir).glob(".tmp-*"):
+        if stale != keep and not stale.is_symlink() and stale.is_dir() and (stale / JOB_TMP_MARK).is_file():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """LayoutError unless pre-pack may write an image into ``out_dir``: it is not itself a rank
+    directory of an image (a reader takes the ``metadata.json`` there first, so the new job would
+    never be read), and its ``rank-N`` directories hold only what pre-pack writes (they are all
+    replaced, and anything else in them would be deleted with them: results, a checkpoint)."""
+    from .image import list_rank_dirs
+
+    out_dir = Path(out_dir)
+    for name in (METADATA_FILE, IMAGE_FILE):
+        if (out_dir / name).exists():
+            raise LayoutError(f"{out_dir} holds {name}: it is one rank's directory of an image, not an image "
+                              "directory; pre-pack into the directory above it, or into another")
+    for rank_dir in sorted(list_rank_dirs(out_dir).values()):
+        foreign = sorted(p.name for p in rank_dir.iterdir() if p.name not in RANK_DIR_FILES or not p.is_file())
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise LayoutError(f"{rank_dir} holds {shown}, which pre-pack did not write; a pre-pack into {out_dir} "
+                              "replaces every rank-N directory there, so it will not: move them, or choose another "
+                              "output directory")
+
+
 def commit_job(tmp: Path, out_dir: Path, job: dict, ranks: list[int]) -> None:
     """Publish a pre-pack written into ``tmp`` (its ``rank-R/`` directories) as ``out_dir``.
 
@@ -168,6 +216,7 @@ def commit_job(tmp: Path, out_dir: Path, job: dict, ranks: list[int]) -> None:
     from .format import JOB_FILE
     from .image import list_rank_dirs, rank_dir_name
 
+    check_out_dir(out_dir)  # again at the commit, under the lock: the rank directories it moves aside
     for entry in job["ranks"]:
         meta = tmp / rank_dir_name(entry["rank"]) / METADATA_FILE
         entry["metadata_sha256"] = hashlib.sha256(meta.read_bytes()).hexdigest()

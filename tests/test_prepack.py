@@ -146,6 +146,7 @@ def test_interrupted_prepack_leaves_nothing_that_looks_complete(qwen, tmp_path, 
         return real_write(self, entry, elem_offset, data)
 
     monkeypatch.setattr(ImageWriter, "write", crashing)
+    monkeypatch.setattr(_prepack, "_discard_tmp", lambda tmp: None)  # as if the process died mid-write
     with pytest.raises(_Crash):
         prepack(qwen[0], out, tp=2, progress=False)
     leftovers = list(out.glob(".tmp-*"))
@@ -159,6 +160,139 @@ def test_interrupted_prepack_leaves_nothing_that_looks_complete(qwen, tmp_path, 
     assert [r.rank for r in verify_image(out)] == [0, 1]
     images = [read_image(out, r) for r in range(2)]
     assert all(im.metadata.job_id == report.job_id for im in images)
+
+
+def test_a_write_that_fails_removes_its_partial_job(qwen, tmp_path, monkeypatch):
+    """An error the process lives through (a full disk, a bug) removes the job's temp directory:
+    before, its full-size images stayed, and a full filesystem stayed full."""
+    out = tmp_path / "out"
+    monkeypatch.setattr(ImageWriter, "write", lambda *a, **k: (_ for _ in ()).throw(_Crash("bad")))
+    with pytest.raises(_Crash):
+        prepack(qwen[0], out, tp=2, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+@pytest.mark.parametrize("errno_name", ["ENOSPC", "EFBIG"])
+def test_the_filesystem_refusing_a_write_is_a_layout_error_and_leaves_nothing(qwen, tmp_path, monkeypatch, errno_name):
+    """A raw OSError from pwrite (ENOSPC past the space check: the metadata, another writer; EFBIG
+    under a file size limit) had ended the CLI in a traceback with the partial job left."""
+    import errno
+    import os
+
+    code = getattr(errno, errno_name)
+    real, calls = os.pwrite, {"n": 0}
+
+    def pwrite(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError(code, os.strerror(code))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr("flashboot.layouts.writer.os.pwrite", pwrite)
+    out = tmp_path / "out"
+    expected = DiskSpaceError if errno_name == "ENOSPC" else LayoutError
+    message = ("the filesystem filled while the images were written .*; nothing was committed" if errno_name == "ENOSPC"
+               else "writing the image failed: .*File too large; nothing was committed and the partial image was removed")
+    with pytest.raises(expected, match=message):
+        prepack(qwen[0], out, tp=2, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+def test_ctrl_c_stops_prepack_after_the_batches_already_reading(qwen, tmp_path, monkeypatch):
+    """A KeyboardInterrupt in the wait for the batches: the pool's exit had read and written every
+    batch still queued first (on a large checkpoint, minutes); now the queued ones are cancelled."""
+    import concurrent.futures
+    import threading
+    import time
+
+    from flashboot.layouts import checkpoint
+
+    monkeypatch.setattr(checkpoint, "DEFAULT_BATCH_BYTES", 4096)
+    reads, real_read, started = [], ShardReader.read, threading.Event()
+
+    def slow_read(self, batch):
+        reads.append(batch)
+        started.set()
+        time.sleep(0.05)
+        return real_read(self, batch)
+
+    def interrupted_wait(futures, **kw):
+        started.wait(10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ShardReader, "read", slow_read)
+    monkeypatch.setattr(concurrent.futures, "wait", interrupted_wait)
+    batches = len(checkpoint.plan_reads(checkpoint.open_checkpoint(qwen[0]), sorted(
+        checkpoint.open_checkpoint(qwen[0]).tensors), 4096))
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        prepack(qwen[0], out, progress=False)
+    assert batches > 3 * _prepack.READ_THREADS and len(reads) <= 2 * _prepack.READ_THREADS
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # and the partial job is gone
+
+
+def test_the_space_check_counts_the_metadata_of_many_tensors(tmp_path, monkeypatch):
+    """20,000 one-element tensors: 80 KB of image and ~4 MB of metadata, which a fixed 1 MiB had
+    not counted (the run then filled the disk)."""
+    from collections import namedtuple
+
+    ckpt = tmp_path / "many"
+    ckpt.mkdir()
+    save_file({f"model.layers.{i}.some_long_parameter_name.weight": torch.full((1,), float(i)) for i in range(20_000)},
+              ckpt / "model.safetensors")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(_prepack.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - (3 << 20), 3 << 20))
+    with pytest.raises(DiskSpaceError) as exc:
+        prepack(ckpt, tmp_path / "out", progress=False)
+    assert exc.value.nbytes_needed > 20_000 * 2 * len("model.layers.0.some_long_parameter_name.weight")
+    monkeypatch.undo()
+    report = prepack(ckpt, tmp_path / "out", progress=False)
+    written = sum(f.stat().st_size for f in report.ranks[0].dir.iterdir())
+    assert written - report.ranks[0].image_nbytes > 1 << 20  # more than the old allowance...
+    assert written <= exc.value.nbytes_needed  # ...and no more than the check counted
+
+
+@pytest.mark.parametrize("where", ["rank-7/results.csv", ".tmp-notes/a.txt", "rank-0/model.safetensors"])
+def test_prepack_deletes_nothing_it_did_not_write(qwen, tmp_path, where):
+    """A rank-N directory with other files in it is refused, not replaced (it had been deleted
+    with the old image's); a .tmp-* directory without a job's mark is left alone (it had been
+    removed as an interrupted job's)."""
+    out = tmp_path / "out"
+    (out / where).parent.mkdir(parents=True)
+    (out / where).write_text("keep")
+    if where.startswith(".tmp-"):
+        prepack(qwen[0], out, progress=False)
+        assert read_image(out).metadata.parallel.rank == 0
+    else:
+        rank_dir = (out / where).parent
+        with pytest.raises(LayoutError, match=rf"{rank_dir} holds {Path(where).name}, which pre-pack did not write; a "
+                                              rf"pre-pack into {out} replaces every rank-N directory there, so it will "
+                                              "not"):
+            prepack(qwen[0], out, progress=False)
+        assert not (out / "prepack.json").exists() and not list(out.glob(".tmp-*"))
+    assert (out / where).read_text() == "keep"
+
+
+def test_a_checkpoint_inside_the_output_is_not_moved_aside(qwen, tmp_path):
+    """``prepack X/rank-0 --out X``: the checkpoint itself had been moved into the trash and removed."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(qwen[0], out / "rank-0")
+    with pytest.raises(LayoutError, match=r"rank-0 holds .*config.json.*which pre-pack did not write"):
+        prepack(out / "rank-0", out, progress=False)
+    assert (out / "rank-0" / "config.json").is_file()
+
+
+def test_an_output_inside_an_image_or_over_a_file_is_refused(qwen, tmp_path):
+    img = tmp_path / "img"
+    prepack(qwen[0], img, progress=False)
+    with pytest.raises(LayoutError, match=r"img/rank-0 holds metadata.json: it is one rank's directory of an image"):
+        prepack(qwen[0], img / "rank-0", progress=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(LayoutError, match=r"file is not a directory"):
+        prepack(qwen[0], tmp_path / "file", progress=False)
+    verify_image(img)
 
 
 def test_interrupted_replacement_keeps_the_old_image(qwen, tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,10 +36,15 @@ disk's queue; each thread holds one batch (64 MiB, or one larger tensor)."""
 class DiskSpaceError(LayoutError):
     """The output filesystem cannot hold the images; says bytes needed and free."""
 
-    def __init__(self, path: Path, nbytes_needed: int, nbytes_free: int):
+    def __init__(self, path: Path, nbytes_needed: int, nbytes_free: int, *, during: OSError | None = None):
         self.path, self.nbytes_needed, self.nbytes_free = path, nbytes_needed, nbytes_free
-        super().__init__(f"{path}: the images need {nbytes_needed:,} bytes but the filesystem has only "
-                         f"{nbytes_free:,} free (short by {nbytes_needed - nbytes_free:,}); nothing was written")
+        if during is None:
+            super().__init__(f"{path}: the images need {nbytes_needed:,} bytes but the filesystem has only "
+                             f"{nbytes_free:,} free (short by {nbytes_needed - nbytes_free:,}); nothing was written")
+        else:  # the space was there at the check and went while writing (another writer, a quota)
+            super().__init__(f"{path}: the filesystem filled while the images were written ({during.strerror}); they "
+                             f"need {nbytes_needed:,} bytes and {nbytes_free:,} are free with the partial images "
+                             "removed; nothing was committed")
 
 
 @dataclass(frozen=True)
@@ -185,36 +191,42 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
     job_id = uuid.uuid4().hex
     t_plan = time.perf_counter()
 
-    # ---- refuse before writing: space, a concurrent job
+    # ---- refuse before writing: a concurrent job, an output that is not an image's, space
+    from flashboot.layouts.writer import (
+        ImageWriter, check_out_dir, commit_job, make_job_tmp, sweep_stale_jobs,
+    )
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise LayoutError(f"{out_dir} is not a directory; pre-pack writes an image directory there")
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = open(out_dir / JOB_LOCK, "a+")
+    writers: list = []
     try:
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise LayoutError(f"{out_dir}: another flashboot prepack is writing here (lock {out_dir / JOB_LOCK})") from None
-        for stale in out_dir.glob(".tmp-*"):  # left by an interrupted run; we hold the lock
-            shutil.rmtree(stale, ignore_errors=True)
-        needed = sum(lay.image_nbytes for lay in rank_layouts) + (1 << 20) * len(layouts)
+        check_out_dir(out_dir)
+        sweep_stale_jobs(out_dir)  # left by an interrupted run; we hold the lock
+        needed = sum(lay.image_nbytes + _metadata_nbytes(plan, lay, chunk_bytes)
+                     for plan, lay in zip(plans, rank_layouts))
         free = shutil.disk_usage(out_dir).free
         if needed > free:
             raise DiskSpaceError(out_dir, needed, free)
-        tmp = out_dir / f".tmp-{job_id[:12]}"
-        tmp.mkdir()
+        tmp = make_job_tmp(out_dir, job_id)
 
         # ---- write: each source tensor read once, its pieces to every rank's final offsets
-        from flashboot.layouts.writer import ImageWriter, commit_job
-
-        writers = [ImageWriter(tmp / rank_dir_name(p.rank), lay, chunk_bytes) for p, lay in zip(layouts, rank_layouts)]
-        uses: dict[str, list] = {}
-        for w, plan, lay in zip(writers, plans, rank_layouts):
-            for t in plan.tensors:
-                entry = lay.tensors[t.name]
-                for piece in t.pieces:
-                    uses.setdefault(piece.source, []).append((w, entry, piece))
-        order = sorted(uses, key=lambda n: (ckpt.tensors[n].file, ckpt.tensors[n].data_start))
-        read_nbytes = sum(ckpt.tensors[n].nbytes for n in order)
         try:
+            for p, lay in zip(layouts, rank_layouts):
+                writers.append(ImageWriter(tmp / rank_dir_name(p.rank), lay, chunk_bytes))
+            uses: dict[str, list] = {}
+            for w, plan, lay in zip(writers, plans, rank_layouts):
+                for t in plan.tensors:
+                    entry = lay.tensors[t.name]
+                    for piece in t.pieces:
+                        uses.setdefault(piece.source, []).append((w, entry, piece))
+            order = sorted(uses, key=lambda n: (ckpt.tensors[n].file, ckpt.tensors[n].data_start))
+            read_nbytes = sum(ckpt.tensors[n].nbytes for n in order)
             read_io = _write_all(ckpt, order, uses, read_nbytes, _show_progress(progress))
             t_write = time.perf_counter()
             metas = []
@@ -229,9 +241,15 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
                 w.finish(meta)
                 metas.append(meta)
             t_checksum = time.perf_counter()
-        finally:
+        except BaseException as exc:
             for w in writers:
                 w.close()
+            _discard_tmp(tmp)  # nothing of it was committed: a full disk is not left full
+            if isinstance(exc, OSError):
+                raise _write_failed(exc, out_dir, needed) from exc
+            raise
+        for w in writers:
+            w.close()
         written = sum(w.written_nbytes for w in writers)
         job = {
             "format": JOB_FORMAT_NAME, "format_version": FORMAT_VERSION, "flashboot_version": __version__,
@@ -257,6 +275,33 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
         seconds={"plan": t_plan - t_start, "write": t_write - t_plan, "checksum": t_checksum - t_write,
                  "commit": t_commit - t_checksum, "total": t_commit - t_start},
         warnings=warnings, skipped=skipped, read_io=read_io)
+
+
+METADATA_NBYTES_PER_TENSOR = 512
+"""Room counted for each tensor's entry in ``metadata.json`` and ``tensors.bin`` together, beyond
+its name (~250 bytes of JSON and ~100 of table for a 2-D tensor)."""
+
+
+def _metadata_nbytes(plan, layout, chunk_bytes: int) -> int:
+    """Room for one rank's ``metadata.json`` and ``tensors.bin``: a 20,000-tensor rank's metadata
+    is megabytes, which a fixed allowance had not counted."""
+    names = sum(2 * len(t.name.encode()) + METADATA_NBYTES_PER_TENSOR for t in plan.tensors)
+    return (1 << 20) + names + 64 * -(-layout.image_nbytes // chunk_bytes)
+
+
+def _discard_tmp(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_failed(exc: OSError, out_dir: Path, needed: int) -> LayoutError:
+    """The error for a write the filesystem refused (full, file too large, I/O), once the partial
+    job is removed."""
+    import errno
+
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskSpaceError(out_dir, needed, shutil.disk_usage(out_dir).free, during=exc)
+    return LayoutError(f"{out_dir}: writing the image failed: {exc}; nothing was committed and the partial image "
+                       "was removed")
 
 
 def _show_progress(progress: bool | None) -> bool:
@@ -288,7 +333,11 @@ def _write_all(ckpt, order: list[str], uses: dict[str, list], total_nbytes: int,
         bar.start()
         task = bar.add_task("prepack", total=total_nbytes)
 
+    stop = threading.Event()
+
     def one(batch, reader: ShardReader) -> None:
+        if stop.is_set():  # the run was interrupted: batches not yet started read nothing
+            return
         data = reader.read(batch)
         for name in batch.names:
             src = ckpt.tensors[name]
@@ -301,7 +350,13 @@ def _write_all(ckpt, order: list[str], uses: dict[str, list], total_nbytes: int,
         with ShardReader(ckpt.path) as reader, \
                 ThreadPoolExecutor(max(1, threads), thread_name_prefix="flashboot-prepack") as pool:
             futures = [pool.submit(one, b, reader) for b in batches]  # each holds its batch only while it runs
-            _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            try:
+                _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            except BaseException:  # Ctrl-C: the pool's exit then waits for the running batches only
+                stop.set()
+                for f in futures:
+                    f.cancel()
+                raise
             for f in pending:
                 f.cancel()
             for f in futures:  # the first failure in file order is the one reported

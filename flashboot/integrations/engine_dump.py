@@ -345,6 +345,7 @@ def prepack_engine_model(model, out_dir: str | os.PathLike, key: EngineKey, grou
     """
     from flashboot.layouts.format import ParallelLayout
     from flashboot.layouts.image import rank_dir_name
+    from flashboot.layouts.writer import make_job_tmp
 
     world = ParallelLayout(group.rank, tp_size, ep_size).world_size
     if world != group.world_size:
@@ -366,6 +367,7 @@ def prepack_engine_model(model, out_dir: str | os.PathLike, key: EngineKey, grou
         if failure is not None:
             raise failure
         collected = collect_engine_tensors(model, device, attrs=attrs)
+        make_job_tmp(out_dir, job_id)
         if rank_dir.exists():
             shutil.rmtree(rank_dir)
         report = write_engine_rank(rank_dir, collected, key, rank=group.rank, tp_size=tp_size, ep_size=ep_size,
@@ -395,7 +397,7 @@ def _commit_engine_job(out_dir: Path, tmp: Path, job_id: str, key: EngineKey, wo
     from flashboot import __version__
     from flashboot.layouts.format import FORMAT_VERSION, JOB_FORMAT_NAME, METADATA_FILE
     from flashboot.layouts.image import rank_dir_name
-    from flashboot.layouts.writer import commit_job
+    from flashboot.layouts.writer import commit_job, sweep_stale_jobs
 
     deadline = time.monotonic() + timeout_s
     lock = open(out_dir / ".lock", "a+")
@@ -419,9 +421,7 @@ def _commit_engine_job(out_dir: Path, tmp: Path, job_id: str, key: EngineKey, wo
                 raise LayoutError(f"{tmp}: rank {r}'s image key {m['key']['digest'][:19]} (dtypes {m['key']['dtypes']}) "
                                   f"differs from rank 0's {image_key['digest'][:19]} (dtypes {image_key['dtypes']}); "
                                   "one job needs one key for all ranks")
-        for stale in out_dir.glob(".tmp-*"):  # left by interrupted jobs; we hold the lock
-            if stale != tmp:
-                shutil.rmtree(stale, ignore_errors=True)
+        sweep_stale_jobs(out_dir, keep=tmp)  # left by interrupted jobs; we hold the lock
         job = {
             "format": JOB_FORMAT_NAME, "format_version": FORMAT_VERSION, "flashboot_version": __version__,
             "job_id": job_id, "created_unix": time.time(), "world_size": world, "tp_size": tp_size,
