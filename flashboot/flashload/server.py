@@ -63,6 +63,10 @@ MAX_CONNECTIONS = 64
 and never speak cannot make the daemon start threads without bound."""
 REQUEST_TIMEOUT_S = 10.0
 """How long a connected client may take to send its request (and the rest of its fds)."""
+ACCEPT_BACKOFF_S = 0.01
+ACCEPT_BACKOFF_MAX_S = 1.0
+"""A failed accept() (out of fds: EMFILE) is retried after this pause, doubled up to the maximum
+while it keeps failing: fds come back as handlers finish."""
 
 
 # ================================================================================= admission
@@ -322,16 +326,25 @@ class PreloadServer:
         self._listener = _bind_private(self.sock_path, self.group)
 
     def _accept_loop(self) -> None:
+        backoff_s = ACCEPT_BACKOFF_S
         while not self.stop.is_set():
             listener = self._listener
-            if listener is None:
+            if listener is None or listener.fileno() < 0:
                 return
             try:
                 conn, _ = listener.accept()
             except socket.timeout:
                 continue
-            except OSError:
-                return
+            except OSError as exc:
+                if self.stop.is_set() or self._listener is not listener:
+                    return  # close() shut the listener under us
+                # EMFILE/ENFILE/ENOBUFS/ECONNABORTED pass: the connection waits in the backlog; ending this
+                # thread left a daemon that looked alive and never answered again
+                self.log(f"accepting a connection on {self.sock_path} failed ({exc}); retrying in {backoff_s:g} s")
+                self.stop.wait(backoff_s)
+                backoff_s = min(2 * backoff_s, ACCEPT_BACKOFF_MAX_S)
+                continue
+            backoff_s = ACCEPT_BACKOFF_S
             self._threads = [x for x in self._threads if x.is_alive()]
             if len(self._threads) >= self.max_connections:
                 self._turn_away(conn, FlashBootError(
