@@ -11,7 +11,7 @@ shards. Pre-pack then reads the tensors' bytes in large sequential batches (:fun
 from __future__ import annotations
 
 import errno
-import json
+import math
 import os
 import re
 import struct
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flashboot._json import loads
 from flashboot.errors import LayoutError
 from flashboot.fileio import DirectReadRefused, io_buffer, open_regular, read_exactly, read_regular
 
@@ -47,10 +48,27 @@ class SourceTensor:
         return len(self.shape)
 
 
+MAX_NDIM = 64
+"""The most dimensions a tensor may have: what an image's binary table holds (``tensors.bin``)."""
+MAX_SPAN = (1 << 63) - 1
+"""A tensor's dims may not span more elements than an int64 counts: its strides are int64."""
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int  # not bool, not float: safetensors itself refuses both
+
+
 def read_safetensors_header(path: Path) -> dict[str, dict]:
     """The JSON header of one ``.safetensors`` file (``__metadata__`` removed), data offsets
-    made absolute. LayoutError naming the file on anything malformed."""
-    with open_regular(path) as f:
+    made absolute. LayoutError naming the file on anything malformed, and on what safetensors
+    accepts but an image cannot hold (an empty name, a name that is no UTF-8, more than
+    :data:`MAX_NDIM` dims, dims spanning more than an int64): refused here, before pre-pack
+    writes gigabytes, not by the reader of the image it would write."""
+    try:
+        f = open_regular(path)
+    except OSError as exc:  # a dangling link in a hub snapshot, a shard removed meanwhile
+        raise LayoutError(f"{path}: cannot open the shard ({exc.strerror})") from None
+    with f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) != 8:
@@ -58,26 +76,63 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
         n = struct.unpack("<Q", head)[0]
         if n > _HEADER_LIMIT or 8 + n > size:
             raise LayoutError(f"{path}: header claims {n:,} bytes; file has {size:,}")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise LayoutError(f"{path}: header is not JSON ({exc})") from None
+        header = loads(f.read(n), f"{path}: header", LayoutError)
     if not isinstance(header, dict):
         raise LayoutError(f"{path}: header is not a JSON object")
     header.pop("__metadata__", None)
     base = 8 + n
     for name, info in header.items():
-        try:
-            start, end = info["data_offsets"]
-            info["shape"] = [int(d) for d in info["shape"]]
-            info["dtype"] = str(info["dtype"])
-        except (KeyError, TypeError, ValueError):
-            raise LayoutError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
-        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end and base + end <= size):
-            raise LayoutError(f"{path}: tensor {name!r} data_offsets {info['data_offsets']} fall outside the "
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
+                and isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
+                and isinstance(info.get("dtype"), str)):
+            raise LayoutError(f"{path}: tensor {name!r} has a malformed header entry {str(info)[:200]} (dtype a "
+                              "string, shape a list of ints >= 0, data_offsets two ints)")
+        if not name or not _utf8(name):
+            raise LayoutError(f"{path}: tensor name {name!r} is empty or not UTF-8; an image names every tensor")
+        if len(shape) > MAX_NDIM or math.prod(max(d, 1) for d in shape) > MAX_SPAN:
+            raise LayoutError(f"{path}: tensor {name!r} shape {shape[:8]}{'...' if len(shape) > 8 else ''} "
+                              f"({len(shape)} dims) has more than {MAX_NDIM} dims or spans more than 2**63 elements")
+        start, end = offsets
+        if not 0 <= start <= end or base + end > size:
+            raise LayoutError(f"{path}: tensor {name!r} data_offsets {offsets} fall outside the "
                               f"file's {size - base:,} data bytes")
         info["data_offsets"] = (base + start, base + end)
     return header
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode()
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800") that JSON allows
+        return False
+    return True
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """A checkpoint's JSON file (``config.json``, the index), or LayoutError naming it; a link
+    whose target is gone is named as such, not taken for an absent file."""
+    if path.is_symlink() and not path.exists():
+        raise LayoutError(f"{path}: a link to {os.readlink(path)}, which does not exist ({what})")
+    try:
+        raw = read_regular(path, MAX_CHECKPOINT_JSON_BYTES)
+    except OSError as exc:
+        raise LayoutError(f"{path}: cannot read {what} ({exc.strerror})") from None
+    return loads(raw, str(path), LayoutError)
+
+
+def _index_shards(weight_map: Any, index_path: Path) -> dict[str, str]:
+    """The index's ``weight_map`` checked: names to plain relative shard paths inside the
+    checkpoint (an index naming ``../x`` or ``/etc/...`` had been followed)."""
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise LayoutError(f"{index_path}: weight_map must map tensor names to shard file names (strings)")
+    for name, shard in weight_map.items():
+        parts = Path(shard).parts
+        if not shard or Path(shard).is_absolute() or ".." in parts:
+            raise LayoutError(f"{index_path}: maps {name!r} to {shard!r}, outside the checkpoint directory")
+    return weight_map
 
 
 @dataclass
@@ -151,20 +206,17 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise LayoutError(f"{path}: not a directory (expected a Hugging Face checkpoint directory)")
     config: dict[str, Any] = {}
     cfg_path = path / "config.json"
-    if cfg_path.exists():
-        try:
-            config = json.loads(read_regular(cfg_path, MAX_CHECKPOINT_JSON_BYTES))
-        except ValueError as exc:
-            raise LayoutError(f"{cfg_path}: not JSON ({exc})") from None
+    if cfg_path.exists() or cfg_path.is_symlink():
+        config = _read_json(cfg_path, "the model's config")
         if not isinstance(config, dict):
             raise LayoutError(f"{cfg_path}: not a JSON object")
     index_path = path / "model.safetensors.index.json"
     weight_map: dict[str, str] | None = None
-    if index_path.exists():
-        try:
-            weight_map = json.loads(read_regular(index_path, MAX_CHECKPOINT_JSON_BYTES))["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise LayoutError(f"{index_path}: no readable weight_map ({exc})") from None
+    if index_path.exists() or index_path.is_symlink():
+        index = _read_json(index_path, "the shard index")
+        if not isinstance(index, dict) or "weight_map" not in index:
+            raise LayoutError(f"{index_path}: no weight_map object")
+        weight_map = _index_shards(index["weight_map"], index_path)
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (path / f).is_file()]
         if missing:

@@ -21,6 +21,8 @@ TENSOR_ALIGNMENT = 256
 SEPARATOR_ALIGNMENT = 4096
 """The experts | non-experts separator, and the image size, are multiples of this."""
 REGIONS = ("experts", "non_experts")
+MAX_WORLD_SIZE = 1 << 16
+"""The most ranks one pre-pack job writes (a 72-GPU rack at tp x ep is ~10^2)."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,9 @@ class ParallelLayout:
     @classmethod
     def all_ranks(cls, tp_size: int = 1, ep_size: int = 1) -> list["ParallelLayout"]:
         first = cls(0, tp_size, ep_size)
+        if first.world_size > MAX_WORLD_SIZE:  # a typo's 10^8 ranks exhausted memory here
+            raise LayoutError(f"tp={tp_size}, ep={ep_size} make {first.world_size:,} ranks; an image job holds at "
+                              f"most {MAX_WORLD_SIZE:,}")
         return [cls(r, tp_size, ep_size) for r in range(first.world_size)]
 
     def to_dict(self) -> dict:

@@ -39,6 +39,9 @@ FORMAT_VERSION = 1
 JOB_FORMAT_NAME = "flashboot-prepack"
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+MAX_CHUNK_BYTES = 1 << 30
+"""The largest checksum chunk: a check on the host reads a chunk at a time into one buffer (a
+chunk of 2**50 bytes had pre-packed, then failed every verified load with MemoryError)."""
 CHECKSUM_ALGORITHM = "flashboot-checksum-v1"
 """The digest of ``flashboot.kernels.checksum_spec.checksum_reference``, per chunk."""
 
@@ -77,7 +80,11 @@ class ChecksumTable:
             if not isinstance(text, str) or not _CHUNK_DIGEST.fullmatch(text):
                 raise LayoutError(f"{f.where}: checksums.chunks[{i}] must be 16 hex digits, found {text!r}")
             digests.append(int(text, 16))
-        return cls(f.int("chunk_bytes", minimum=1), tuple(digests), algorithm)
+        chunk_bytes = f.int("chunk_bytes", minimum=1)
+        if chunk_bytes > MAX_CHUNK_BYTES:
+            raise LayoutError(f"{f.where}: checksums.chunk_bytes is {chunk_bytes:,}, more than the {MAX_CHUNK_BYTES:,} "
+                              "a reader checks at a time")
+        return cls(chunk_bytes, tuple(digests), algorithm)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from flashboot.errors import LayoutError
 from .format import (
     DEFAULT_CHUNK_BYTES, IMAGE_FILE, METADATA_FILE, ChecksumTable, ImageMetadata, Layout, TensorEntry,
 )
-from .table import TABLE_FILE, encode_table
+from .table import TABLE_FILE, decode_table, encode_table
 
 _MAX_PWRITE = 1 << 30  # Linux writes at most ~2 GiB per call; stay well below
 _PAGE = 4096
@@ -131,6 +131,8 @@ class ImageWriter:
         self.close()
         text = meta.to_json().encode()
         table = encode_table(meta.tensors, text)  # before metadata.json, whose arrival means complete
+        if table is not None:  # the writer writes only what the strict reader takes
+            decode_table(table, text, str(self.rank_dir / TABLE_FILE))
         for name, data in ((TABLE_FILE, table), (METADATA_FILE, text)):
             if data is None:
                 continue

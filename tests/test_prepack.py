@@ -396,9 +396,86 @@ def test_concurrent_prepack_refused(qwen, tmp_path):
             prepack(qwen[0], out, progress=False)
 
 
+def _one_tensor_checkpoint(path: Path, header: dict, data: bytes, config: str | None = '{"model_type": "x"}') -> Path:
+    path.mkdir()
+    _write_raw_safetensors(path / "model.safetensors", header, data)
+    if config is not None:
+        (path / "config.json").write_text(config)
+    return path
+
+
+@pytest.mark.parametrize("header,data,message", [
+    # what safetensors or torch accept but an image cannot hold: pre-pack had written the job,
+    # "succeeded", and every reader then refused it (or raised OverflowError / UnicodeEncodeError)
+    ({"": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), "tensor name '' is empty or not UTF-8"),
+    ({"a\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(4), "is empty or not UTF-8"),
+    ({"a": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}}, bytes(4), r"\(65 dims\) has more than 64"),
+    ({"a": {"dtype": "F32", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}}, b"", "spans more than 2\\*\\*63"),
+    # laxer than safetensors: "12" had become [1, 2] and [2.9] had become [2]
+    ({"a": {"dtype": "F32", "shape": "12", "data_offsets": [0, 8]}}, bytes(8), "malformed header entry"),
+    ({"a": {"dtype": "F32", "shape": [2.9], "data_offsets": [0, 8]}}, bytes(8), "malformed header entry"),
+    ({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, bytes(4), "malformed header entry"),
+    ({"a": [1, 2]}, b"", "malformed header entry"),
+])
+def test_a_header_no_image_can_hold_is_refused_before_writing(tmp_path, header, data, message):
+    ckpt = _one_tensor_checkpoint(tmp_path / "ck", header, data)
+    with pytest.raises(LayoutError, match=message):
+        prepack(ckpt, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_without_bytes_is_refused_before_writing(tmp_path):
+    ckpt = _one_tensor_checkpoint(tmp_path / "ck", {"a": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]}}, b"")
+    with pytest.raises(LayoutError, match=r"rank\(s\) \[0\] of 1 would hold no tensor bytes \(1 tensor\(s\), 0 bytes"):
+        prepack(ckpt, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_checkpoint_json_that_is_malformed_is_a_layout_error(tmp_path):
+    """Each had ended in a raw traceback: RecursionError, AttributeError, TypeError, FileNotFoundError."""
+    one = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    cases = [
+        ("config.json", "[" * 100_000 + "]" * 100_000, "config.json: not JSON .nested deeper"),
+        ("model.safetensors.index.json", '{"weight_map": []}', "weight_map must map tensor names to shard file names"),
+        ("model.safetensors.index.json", '{"weight_map": {"a": 5}}', "weight_map must map tensor names"),
+        ("model.safetensors.index.json", '{"weight_map": {"a": "model.safetensors", "b": 3}}', "weight_map must map"),
+        ("model.safetensors.index.json", '{"weight_map": {"a": "../other/model.safetensors"}}',
+         "maps 'a' to '../other/model.safetensors', outside the checkpoint directory"),
+        ("model.safetensors.index.json", '{"weight_map": {"a": "/etc/passwd"}}', "'/etc/passwd', outside the checkpoint"),
+    ]
+    for i, (name, text, message) in enumerate(cases):
+        ckpt = _one_tensor_checkpoint(tmp_path / f"ck{i}", one, bytes(4))
+        (ckpt / name).write_text(text)
+        with pytest.raises(LayoutError, match=message):
+            prepack(ckpt, tmp_path / "out", progress=False)
+    deep = _one_tensor_checkpoint(tmp_path / "deep", {}, b"")
+    blob = ("{\"a\": " + "[" * 100_000 + "]" * 100_000 + "}").encode()
+    (deep / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob)
+    with pytest.raises(LayoutError, match="model.safetensors: header: not JSON .nested deeper"):
+        prepack(deep, tmp_path / "out", progress=False)
+
+
+def test_dangling_links_in_a_checkpoint_are_named(tmp_path):
+    """A hub snapshot whose blob is gone: config.json had been taken as absent (the generic family,
+    exit 0), a shard gave a raw FileNotFoundError."""
+    one = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    ckpt = _one_tensor_checkpoint(tmp_path / "ck", one, bytes(4), config=None)
+    (ckpt / "config.json").symlink_to(tmp_path / "blobs" / "gone")
+    with pytest.raises(LayoutError, match=r"config.json: a link to .*blobs/gone, which does not exist"):
+        prepack(ckpt, tmp_path / "out", progress=False)
+    (ckpt / "config.json").unlink()
+    (ckpt / "other.safetensors").symlink_to(tmp_path / "blobs" / "gone2")
+    with pytest.raises(LayoutError, match=r"other.safetensors: cannot open the shard \(No such file"):
+        prepack(ckpt, tmp_path / "out", progress=False)
+
+
 def test_bad_options_refused(qwen, tmp_path):
     with pytest.raises(LayoutError, match="chunk_bytes must be a positive multiple of 4096"):
         prepack(qwen[0], tmp_path / "o", chunk_bytes=1000, progress=False)
+    with pytest.raises(LayoutError, match="of at most 1,073,741,824, got 1125899906842624"):
+        prepack(qwen[0], tmp_path / "o", chunk_bytes=2**50, progress=False)  # had failed every verified load
+    with pytest.raises(LayoutError, match="tp=100000000, ep=1 make 100,000,000 ranks; an image job holds at most 65,536"):
+        prepack(qwen[0], tmp_path / "o", tp=10**8, progress=False)  # had exhausted memory
     with pytest.raises(LayoutError, match="target 'vllm'; known: transformers, sglang"):
         prepack(qwen[0], tmp_path / "o", target="vllm", progress=False)
     with pytest.raises(LayoutError, match="not a directory"):

@@ -145,6 +145,7 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
         DEFAULT_CHUNK_BYTES,
         FORMAT_VERSION,
         JOB_FORMAT_NAME,
+        MAX_CHUNK_BYTES,
         TARGETS,
         TENSOR_ALIGNMENT,
         FamilyInfo,
@@ -159,8 +160,9 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
     t_start = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % 4096:
-        raise LayoutError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes!r}")
+    if not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= MAX_CHUNK_BYTES or chunk_bytes % 4096:
+        raise LayoutError(f"chunk_bytes must be a positive multiple of 4096 of at most {MAX_CHUNK_BYTES:,}, got "
+                          f"{chunk_bytes!r}")
     alignment = TENSOR_ALIGNMENT if tensor_alignment is None else tensor_alignment
     if target not in TARGETS:
         raise LayoutError(f"target {target!r}; known: {', '.join(TARGETS)}")
@@ -180,6 +182,11 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
         check_plan(plan, ckpt.tensors, fam.name)
         rank_layouts.append(compute_layout([t.slot() for t in plan.tensors], tensor_alignment=alignment))
         plans.append(plan)
+    empty = [p.rank for p, lay in zip(layouts, rank_layouts) if lay.image_nbytes == 0]
+    if empty:  # a load refuses an empty image: say so now, not after a job that "succeeded"
+        raise LayoutError(f"{hf_dir}: rank(s) {empty[:8]} of {len(layouts)} would hold no tensor bytes "
+                          f"({len(ckpt.tensors)} tensor(s), {ckpt.nbytes:,} bytes in the checkpoint); nothing to "
+                          "pre-pack")
     for w in plans[0].warnings:
         warnings.append(w)
     skipped = dict(plans[0].skipped)
