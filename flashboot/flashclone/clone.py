@@ -14,7 +14,7 @@ from ..memory import Device
 from ..schedulers import HOST, Plan, Step, build_plan
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous, StoreLostError
-from .common import METADATA_KEY, SCHEDULES, SEED_KEY, _FALLBACK_INDEX, _SEED_INDEX, _alive, _check_mover, _default_mover, _descriptor_from, _gkey, _map_stats_of, _note_lazy_mapping, _parse_metadata, _step_hook, _verify, _views
+from .common import METADATA_KEY, SCHEDULES, SEED_KEY, _FALLBACK_INDEX, _SEED_INDEX, _agree_chunk, _alive, _check_mover, _default_mover, _descriptor_from, _gkey, _map_stats_of, _note_lazy_mapping, _parse_metadata, _step_hook, _verify, _views
 from .report import CloneError, CloneReport, CloneResult
 from .warmup import CloneWarmup
 from .ring import ring_load
@@ -148,6 +148,16 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     status_key = _gkey(gen, schedule, "status", position)
     session.status_key = status_key
 
+    # one chunk size per chain: validated as asked, then the first member's (see _agree_chunk)
+    n = max(position, clones or 1)
+    plan = build_plan(schedule, n, manifest.nbytes, chunk_bytes)
+    agreed, why = _agree_chunk(rdv, _gkey(gen, schedule, "plan"), plan.chunk_bytes, f"clone #{position}")
+    if agreed != plan.chunk_bytes:
+        plan = build_plan(schedule, n, manifest.nbytes, agreed)
+        if chunk_bytes is not None:  # a default the chain overrides is no news
+            report.warnings.append(why)
+    report.chunk_bytes = plan.chunk_bytes
+
     def read_metadata():
         if not rdv.has(METADATA_KEY):
             return None
@@ -160,14 +170,12 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
         if warm is not None:
             warm.join(report, timeout_s)
         return cls.run(CloneContext(session, dev, schedule, manifest, gen, report, t_start, seed_rec, verify,
-                                    timeout_s, chunk_bytes, clones, retry, hook, read_metadata, nixl_warm, into))
+                                    timeout_s, plan.chunk_bytes, clones, retry, hook, read_metadata, nixl_warm,
+                                    into))
 
     session.start_arena(into, manifest.arena_nbytes, dev)  # made during the exchange, taken after it
-    n = max(position, clones or 1)
-    plan = build_plan(schedule, n, manifest.nbytes, chunk_bytes)
-    report.chunk_bytes = plan.chunk_bytes
     sources = _Sources(session, dev, gen, schedule, manifest, seed_desc, int(seed_rec.body["pid"]), chosen, timeout_s,
-                       rank, held=held_sources)
+                       rank, held=held_sources, chunk_bytes=plan.chunk_bytes)
     my_steps, departed = _skip_departed(plan, list(plan.steps_into(position)), sources)
     if departed:
         lo, hi = min(departed), max(departed)
@@ -206,7 +214,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     tp = time.perf_counter()
     rdv.publish(_gkey(gen, schedule, "member", position),
                 {"position": position, "pid": os.getpid(), "host": socket.gethostname(), "device": str(dev),
-                 "manifest_digest": manifest.digest}, sealed=sealed)
+                 "manifest_digest": manifest.digest, "chunk_bytes": plan.chunk_bytes}, sealed=sealed)
     t_rec = time.perf_counter()  # one clock read ends both the step and its last part
     report.alloc_ms = (t_rec - ta) * 1e3
     report.alloc_detail = {"our_arena_ms": round((tf - ta) * 1e3 - report.map_ahead_ms, 3),

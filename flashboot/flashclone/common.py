@@ -43,6 +43,28 @@ def _gkey(generation: str, *parts: Any) -> str:
     return "/".join(["g", generation, *map(str, parts)])
 
 
+def _agree_chunk(rdv, key: str, chunk_bytes: int, who: str, **fixed) -> tuple[int, str]:
+    """The chunk size every member of one chain, star or ring follows, and a warning ('' when
+    ours holds): the first member to ask sets it (an atomic compare-and-set), later ones adopt
+    it. Step ranges and flag numbers follow from the chunk, so members that planned with
+    different ones waited on flags never raised or copied ranges their source did not hold yet.
+    ``fixed``: fields that must match exactly (a ring's member count); RendezvousError if not."""
+    from ..errors import RendezvousError
+
+    rec = rdv.agree(key, {"chunk_bytes": chunk_bytes, **fixed})
+    agreed = rec.body.get("chunk_bytes")
+    if type(agreed) is not int or agreed <= 0:
+        raise RendezvousError(f"{who}: the agreed plan at {key!r} has chunk_bytes {agreed!r}, not a positive int")
+    for name, want in fixed.items():
+        if rec.body.get(name) != want:
+            raise RendezvousError(f"{who}: this gathering was set up with {name} {rec.body.get(name)!r}, "
+                                  f"we were given {want!r}")
+    if agreed == chunk_bytes:
+        return agreed, ""
+    return agreed, (f"{who} planned {chunk_bytes:,}-byte chunks; the first member had set {agreed:,}: "
+                    "following it (all members must copy by the same chunks)")
+
+
 def _descriptor_from(d: Mapping[str, Any]):
     from ..arena import ArenaDescriptor
 

@@ -591,6 +591,15 @@ class Rendezvous:
         full = self.full_key(key)
         self._store_call(f"publishing {key!r}", self.store.set, full, encode_record(self.token, full, body, sealed))
 
+    def agree(self, key: str, body: Mapping[str, Any]) -> Record:
+        """Publish ``body`` under ``key`` unless a record is there already (an atomic
+        compare-and-set), and return the record that holds: ours, or the first writer's, verified.
+        RendezvousError when what is there is not an authentic record (planted garbage)."""
+        full = self.full_key(key)
+        raw = self._store_call(f"agreeing on {key!r}", self.store.compare_set, full, "",
+                               encode_record(self.token, full, body))
+        return decode_record(self.token, full, raw, f"the store at {self.address}")
+
     def read(self, key: str, *, what: str, timeout_s: float | None = None) -> Record:
         """Wait up to ``timeout_s`` (default: the connection's) for ``key`` and verify it.
 

@@ -13,7 +13,7 @@ from ..memory import CPU, Device
 from ..schedulers import HOST, build_plan, shard_bounds
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, StoreLostError
-from .common import _check_mover, _default_mover, _descriptor_from, _note_lazy_mapping, _same_host, _step_hook, _verify, _views
+from .common import _agree_chunk, _check_mover, _default_mover, _descriptor_from, _note_lazy_mapping, _same_host, _step_hook, _verify, _views
 from .report import CloneReport, CloneResult
 from .warmup import CloneWarmup
 from .session import _Session
@@ -92,6 +92,12 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
                              connect_ms=(t0 - t_start) * 1e3, warm_ms=warm_report.warm_ms,
                              warm_note=warm_report.warm_note, pin_early=pin_early)
         plan = build_plan("ring", members, manifest.nbytes, chunk_bytes)
+        # one chunk size and member count per run: members that differ waited on flags never raised
+        agreed, why = _agree_chunk(rdv, f"{run}/plan", plan.chunk_bytes, f"ring member {me}", members=members)
+        if agreed != plan.chunk_bytes:
+            plan = build_plan("ring", members, manifest.nbytes, agreed)
+            if chunk_bytes is not None:
+                report.warnings.append(why)
         report.chunk_bytes = plan.chunk_bytes
         shard_off, shard_n = shard_bounds(manifest.nbytes, members)[me]
 
@@ -116,7 +122,7 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
             sealed = {"arena": session.arena.export().to_dict(), "flags": session.flags.export().to_dict()}
         rdv.publish(f"{run}/member/{me}", {"member": me, "pid": os.getpid(), "host": socket.gethostname(),
                                            "device": str(dev), "manifest_digest": manifest.digest,
-                                           "transport": transport}, sealed=sealed)
+                                           "transport": transport, "chunk_bytes": plan.chunk_bytes}, sealed=sealed)
         session.status_key = f"{run}/status/{me}"
         report.alloc_ms = (time.perf_counter() - ta) * 1e3
         report.barrier_ms = rdv.barrier(f"{run}/start", members, timeout_s=timeout_s)
@@ -131,6 +137,9 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
             if rec.body.get("manifest_digest") != manifest.digest:
                 raise RendezvousError(f"ring member {j} holds another image (manifest {rec.body.get('manifest_digest')}, "
                                       f"ours {manifest.digest}); refused before any byte moved")
+            if rec.body.get("chunk_bytes") != plan.chunk_bytes:
+                raise RendezvousError(f"ring member {j} copies by {rec.body.get('chunk_bytes')!r}-byte chunks, we by "
+                                      f"{plan.chunk_bytes:,}; refused before any byte moved")
             if j == pred and nixl_warm is None:
                 arena_desc = _descriptor_from(rec.sealed["arena"])
                 try:  # the ring maps its predecessor: only a mapping transport will do

@@ -97,8 +97,11 @@ class _Sources:
     source, the host image."""
 
     def __init__(self, session: _Session, dev: Device, generation: str, schedule: str, manifest: Manifest,
-                 seed_desc, seed_pid: int, transport: str, timeout_s: float, rank: int = 0, held: dict | None = None):
+                 seed_desc, seed_pid: int, transport: str, timeout_s: float, rank: int = 0, held: dict | None = None,
+                 chunk_bytes: int | None = None):
         self.session, self.dev, self.gen, self.schedule = session, dev, generation, schedule
+        self.chunk_bytes = chunk_bytes
+        """The plan's chunk: a clone that copies by other chunks raises flags we cannot read (None: unchecked)."""
         self.held = held
         """The caller's seed mappings kept between clones (``clone(held_sources=...)``), or None."""
         self.rank = rank
@@ -137,6 +140,10 @@ class _Sources:
             if rec.body.get("manifest_digest") != self.manifest.digest:
                 raise RendezvousError(f"clone #{participant} holds another image (manifest {rec.body.get('manifest_digest')}, "
                                       f"the seed's is {self.manifest.digest}); refusing to read from it")
+            if self.chunk_bytes is not None and rec.body.get("chunk_bytes") != self.chunk_bytes:
+                raise RendezvousError(f"clone #{participant} copies by {rec.body.get('chunk_bytes')!r}-byte chunks, "
+                                      f"our plan by {self.chunk_bytes:,}; its flags do not match our steps, "
+                                      "refusing to read from it")
             arena_desc = _descriptor_from(rec.sealed["arena"])
             flags_desc = _descriptor_from(rec.sealed["flags"])
             opened = []

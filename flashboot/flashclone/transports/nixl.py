@@ -483,7 +483,8 @@ def _clone(ctx):
     detail["register_ms"] = (time.perf_counter() - tr) * 1e3
     rdv.publish(_gkey(ctx.gen, ctx.schedule, "member", position),
                 {"position": position, "pid": os.getpid(), "host": socket.gethostname(),
-                 "device": str(dev), "manifest_digest": manifest.digest, "transport": "nixl"},
+                 "device": str(dev), "manifest_digest": manifest.digest, "transport": "nixl",
+                 "chunk_bytes": plan.chunk_bytes},
                 sealed={"nixl": mine})
     report.exchange_ms = (time.perf_counter() - t0) * 1e3 - report.alloc_ms
     report.exchange_detail = {"seed_record_ms": report.manifest_ms, **{k: round(v, 4) for k, v in detail.items()}}

@@ -1,0 +1,90 @@
+"""FlashClone against disagreeing, departed and hostile participants on the host backend: clones
+that asked for different chunk sizes, a clone killed right after taking its position, garbage
+planted in the store, superseded seeds, lost stores. Every test is bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import flashboot
+from flashboot.flashclone.rendezvous import free_port
+
+from _clone_helpers import _token, store  # noqa: F401  (fixtures)
+from _clone_helpers import MiB, finish, spawn_cli, stop, wait_until, write_raw_image
+
+pytestmark = pytest.mark.timeout(60)
+NBYTES = 4 * MiB
+
+
+@pytest.fixture
+def raw(tmp_path):
+    path = tmp_path / "image.bin"
+    return path, write_raw_image(path, NBYTES, 33)
+
+
+def _bytes(result, nbytes=NBYTES):
+    return result.arena.bytes().numpy()[:nbytes]
+
+
+# ------------------------------------------------------------------------- 1: one chunk size a chain
+
+
+def test_chain_clones_that_asked_for_different_chunks_follow_the_first_and_hold_the_right_bytes(store, raw):
+    """#1 asked for 256 KiB chunks, #2 for 1 MiB: #2 used to plan 1 MiB steps on #1's 256 KiB
+    flags and return with most bytes wrong. Now the first member's chunk holds for the chain."""
+    address, rdv = store
+    path, data = raw
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    first = spawn_cli("clone", "--store", address, "--device", "cpu", "--chunk-bytes", "256KiB", "--timeout", 20,
+                      FLASHBOOT_TEST_STEP_DELAY_S=0.2)
+    try:
+        wait_until(lambda: rdv.has(f"g/{s.generation}/chain/member/1"), 20, "clone #1's record", first)
+        r = flashboot.clone(address, "cpu", "chain", chunk_bytes=MiB, timeout_s=20)
+        try:
+            assert r.report.position == 2 and r.report.source == "clone #1"
+            assert r.report.chunk_bytes == 256 * 1024
+            assert any("256 KiB" in w or "262,144" in w for w in r.report.warnings), r.report.warnings
+            assert np.array_equal(_bytes(r), data)
+        finally:
+            r.close()
+        rc, out, err = finish(first, 30)
+        assert rc == 0, err
+    finally:
+        stop(first)
+        s.close()
+
+
+def test_ring_members_that_asked_for_different_chunks_follow_the_first(store, raw):
+    """Two ring members with different chunk sizes stalled until their timeout (each waited on
+    flags the other numbered differently); now the second follows the first's chunk."""
+    address, _ = store
+    path, data = raw
+    results, errors = {}, []
+
+    def member(chunk):
+        try:
+            results[chunk] = flashboot.clone(address, "cpu", "ring", image=path, clones=2, chunk_bytes=chunk,
+                                             timeout_s=10)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(c,)) for c in (256 << 10, MiB)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        assert not errors, errors
+        assert len({r.report.chunk_bytes for r in results.values()}) == 1
+        assert sum(bool(r.report.warnings) for r in results.values()) == 1
+        for r in results.values():
+            assert np.array_equal(_bytes(r), data)
+    finally:
+        for r in results.values():
+            r.close()
