@@ -88,3 +88,56 @@ def test_ring_members_that_asked_for_different_chunks_follow_the_first(store, ra
     finally:
         for r in results.values():
             r.close()
+
+
+# --------------------------------------------------------- 2: a clone gone right after its position
+
+
+def test_a_clone_gone_before_publishing_its_record_is_skipped_by_every_later_clone(store, raw):
+    """A clone killed right after taking position #1 never publishes its record: #2 used to fail
+    ("waited 4 s for the descriptors of clone #1") and #3 to wait for #1 again. Now #2 reads the
+    seed once #1's record is overdue, and marks #1 as gone, so #3 does not wait for it."""
+    address, rdv = store
+    path, data = raw
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    try:
+        assert rdv.add(f"g/{s.generation}/chain/join", 1) == 1  # the clone that died with position #1
+        second = flashboot.clone(address, "cpu", "chain", chunk_bytes=256 << 10, timeout_s=2)
+        try:
+            assert second.report.position == 2 and second.report.source == "seed"
+            assert any("clone #1" in r for r in second.report.recovered), second.report.recovered
+            assert np.array_equal(_bytes(second), data)
+        finally:
+            second.close()
+        t0 = time.monotonic()
+        third = flashboot.clone(address, "cpu", "chain", chunk_bytes=256 << 10, timeout_s=30)
+        try:
+            assert third.report.position == 3 and third.report.source == "seed"
+            assert np.array_equal(_bytes(third), data)
+        finally:
+            third.close()
+        assert time.monotonic() - t0 < 30  # it did not wait its whole timeout for #1
+    finally:
+        s.close()
+
+
+def test_flashboot_clone_stopped_by_sigterm_reports_failed_and_leaves(store, raw):
+    """SIGTERM used to kill `flashboot clone` without a word: its successors waited for it. Now it
+    is handled as SIGINT is: the status says failed (naming the signal) and the clone has left."""
+    address, rdv = store
+    path, _ = raw
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    proc = spawn_cli("clone", "--store", address, "--device", "cpu", "--chunk-bytes", "256KiB", "--timeout", 20,
+                     FLASHBOOT_TEST_STEP_DELAY_S=0.2)
+    try:
+        wait_until(lambda: rdv.has(f"g/{s.generation}/chain/member/1"), 20, "clone #1's record", proc)
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc, 20)
+        assert rc != 0
+        assert "SIGTERM" in err and "Traceback" not in err, err
+        status = rdv.read(f"g/{s.generation}/chain/status/1", what="status", timeout_s=1)
+        assert status.body["state"] == "failed" and "SIGTERM" in status.body["error"], status.body
+        assert rdv.has(f"g/{s.generation}/chain/status/1/left")
+    finally:
+        stop(proc)
+        s.close()

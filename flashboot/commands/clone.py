@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
 import time
 
 
@@ -100,6 +103,24 @@ def run_seed(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt("SIGTERM") while the clone runs, as SIGINT does: the clone
+    then says it failed and withdraws, where a plain SIGTERM left its successors waiting for it.
+    (The serve loops' stop_on_signals sets an event instead; a clone has no loop to check one.)"""
+    def raise_interrupt(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_clone(args: argparse.Namespace) -> int:
     from flashboot._lazy import import_early
 
@@ -113,10 +134,15 @@ def run_clone(args: argparse.Namespace) -> int:
     # and the store is reached
     prepared = prepare_clone(args.device, verify=args.verify, mover=args.mover)
     chunk = parse_bytes(args.chunk_bytes) if args.chunk_bytes else None
-    result = clone(args.store, args.device, args.schedule, verify=args.verify, timeout_s=args.timeout,
-                   mover=args.mover, chunk_bytes=chunk, token_file=args.token_file, name=args.name,
-                   clones=args.clones, image=args.image, transport=args.transport, retry=not args.no_retry,
-                   pin_early=args.pin_early, prepared=prepared)
+    try:
+        with _sigterm_as_interrupt():
+            result = clone(args.store, args.device, args.schedule, verify=args.verify, timeout_s=args.timeout,
+                           mover=args.mover, chunk_bytes=chunk, token_file=args.token_file, name=args.name,
+                           clones=args.clones, image=args.image, transport=args.transport,
+                           retry=not args.no_retry, pin_early=args.pin_early, prepared=prepared)
+    except KeyboardInterrupt as exc:  # clone() published "failed" and left; one line, no traceback
+        print(f"flashboot clone: stopped by {exc or 'SIGINT'} before the clone finished", file=sys.stderr)
+        return 128 + (signal.SIGTERM if str(exc) == "SIGTERM" else signal.SIGINT)
     try:
         _print(result.report.summary())
         if args.json:

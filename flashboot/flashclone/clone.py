@@ -104,12 +104,20 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     except BaseException as exc:
         try:
             if session.status_key is not None and session.rdv is not None:
-                session.rdv.publish(session.status_key, {"state": "failed", "error": str(exc)[:2000],
+                session.rdv.publish(session.status_key, {"state": "failed", "error": _describe(exc)[:2000],
                                                          "pid": os.getpid()})
         except FlashBootError:
             pass
         session.close(keep_arena=False)
         raise
+
+
+def _describe(exc: BaseException) -> str:
+    """What a failed status says: our errors name the problem; anything else (a KeyboardInterrupt
+    has no message) is named by its type too."""
+    if isinstance(exc, FlashBootError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float, *, verify: bool, timeout_s: float,
@@ -188,7 +196,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     for p in sorted(upstream):
         try:
             sources.open(p)
-        except (ArenaError, RendezvousError) as exc:
+        except (ArenaError, RendezvousError, WaitTimeoutError) as exc:
             if not retry:
                 raise CloneError(f"clone #{position}: cannot map its source {'seed' if p == 0 else f'clone #{p}'}: "
                                  f"{exc}") from exc
@@ -394,7 +402,7 @@ def _reroute(plan: Plan, steps: list[Step], lost: int, dead: set, sources: _Sour
                 continue
             try:
                 sources.open(p)
-            except (ArenaError, RendezvousError) as exc:
+            except (ArenaError, RendezvousError, WaitTimeoutError) as exc:
                 failed = (p, exc)
                 break
         if failed is None:

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import FlashBootError, RendezvousError
+from ..errors import FlashBootError, RendezvousError, WaitTimeoutError
 from ..memory import CPU, Device, Span
 from ..schedulers import HOST
 from .executor import Endpoint
@@ -133,9 +133,8 @@ class _Sources:
                 self.session.opened[participant] = [arena]
             ep = Endpoint(participant, "seed", arena, None, self._pid_if_local(self.seed_desc, self.seed_pid))
         else:
-            key = _gkey(self.gen, self.schedule, "member", participant)
             tr = time.perf_counter()
-            rec = self.rdv.read(key, what=f"the descriptors of clone #{participant}", timeout_s=self.timeout_s)
+            rec = self._member_record(participant)
             self.detail["member_record_ms"] = self.detail.get("member_record_ms", 0.0) + (time.perf_counter() - tr) * 1e3
             if rec.body.get("manifest_digest") != self.manifest.digest:
                 raise RendezvousError(f"clone #{participant} holds another image (manifest {rec.body.get('manifest_digest')}, "
@@ -157,6 +156,29 @@ class _Sources:
         self.endpoints[participant] = ep
         self.pids[participant] = ep.pid
         return ep
+
+    def _member_record(self, participant: int):
+        """Clone ``participant``'s member record, waited for at most ``timeout_s`` in short slices.
+        RendezvousError when it is overdue, or its clone failed or left first (killed right after
+        taking its position: its record never comes). Such a clone is then marked as left, so
+        that later clones skip it at once instead of each waiting for it in turn."""
+        key = _gkey(self.gen, self.schedule, "member", participant)
+        status = _gkey(self.gen, self.schedule, "status", participant)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self.rdv.read(key, what=f"the descriptors of clone #{participant}",
+                                     timeout_s=max(0.001, min(0.25, deadline - time.monotonic())))
+            except WaitTimeoutError:
+                ended = self.rdv.has(status) or self.rdv.has(status + "/left")
+                if not ended and time.monotonic() < deadline:
+                    continue
+            why = "failed or left" if ended else f"published no descriptors within {self.timeout_s:g} s"
+            try:
+                self.rdv.publish(status + "/left", {"pid": None, "marked_by": os.getpid(), "why": why})
+            except FlashBootError:
+                pass  # a store that fails here fails the next call too, which names it
+            raise RendezvousError(f"clone #{participant} {why}; taking it as gone")
 
     def _held_seed(self):
         """The seed's arena from the caller's held mappings, mapped (and held) if it is not there;
