@@ -141,3 +141,75 @@ def test_flashboot_clone_stopped_by_sigterm_reports_failed_and_leaves(store, raw
     finally:
         stop(proc)
         s.close()
+
+
+# ------------------------------------------------------------------- 3: a holder among bad requests
+
+
+def test_holder_over_the_store_skips_planted_and_missing_requests_and_keeps_its_arenas(store):
+    """A request number bumped without a record, or garbage planted at one, used to stop
+    `flashboot hold` (rc 2, "is not a FlashBoot record") and drop every arena it held."""
+    from flashboot.arena import Arena
+    from flashboot.flashclone.holder import Holder, hand_over, open_held
+
+    address, rdv = store
+    raw_store = rdv.store
+    holder = Holder(store=address, timeout_s=5)
+    try:
+        a = Arena.create(MiB, "cpu")
+        a.bytes().numpy()[:] = 7
+        stop_ev = threading.Event()
+        t = threading.Thread(target=holder.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
+        t.start()
+        try:
+            hand_over(a, "w", store=address, timeout_s=10)
+            a.close()
+            prefix = "flashboot/v1/default/hold/requests"
+            k = raw_store.add(f"{prefix}/count", 1)
+            raw_store.set(f"{prefix}/#{k}", b"garbage")  # written without the token
+            wait_until(lambda: any("not a FlashBoot record" in e for e in holder.errors), 10, "the planted request")
+            raw_store.add(f"{prefix}/count", 1)  # counted, never written: later requests are not held up
+            for name, fill in (("v", 9), ("x", 4)):
+                b = Arena.create(MiB, "cpu")
+                b.bytes().numpy()[:] = fill
+                hand_over(b, name, store=address, timeout_s=10)
+                b.close()
+                raw_store.add(f"{prefix}/count", 10**7)  # a counter bumped far ahead
+            assert t.is_alive()
+            with open_held("w", store=address) as w, open_held("x", store=address) as x:
+                assert int(w.bytes().numpy().max()) == 7 and int(x.bytes().numpy().min()) == 4
+            assert any("jumped" in e for e in holder.errors), holder.errors
+        finally:
+            stop_ev.set()
+            t.join(10)
+    finally:
+        holder.close()
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '{"request": "x"}', "{not json", '"text"'])
+def test_holder_over_a_registry_skips_a_malformed_request_and_serves_the_next(tmp_path, content):
+    from flashboot.arena import Arena
+    from flashboot.flashclone.holder import Holder, hand_over, open_held
+
+    registry = tmp_path / "reg"
+    holder = Holder(registry=registry)
+    try:
+        (registry / "requests" / "bad.json").write_text(content)
+        holder.poll_once()  # raised AttributeError / KeyError 'descriptor' / FlashBootError
+        assert any(e.startswith("bad:") for e in holder.errors), holder.errors
+        assert not (registry / "requests" / "bad.json").exists()
+        a = Arena.create(MiB, "cpu")
+        a.bytes().numpy()[:] = 5
+        stop_ev = threading.Event()
+        t = threading.Thread(target=holder.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
+        t.start()
+        try:
+            hand_over(a, "good", registry=registry, timeout_s=10)
+            a.close()
+            with open_held("good", registry=registry) as g:
+                assert int(g.bytes().numpy().max()) == 5
+        finally:
+            stop_ev.set()
+            t.join(10)
+    finally:
+        holder.close()

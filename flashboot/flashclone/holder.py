@@ -28,9 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ArenaError, FlashBootError, WaitTimeoutError
+from .rendezvous import StoreLostError
 from ..fdshare import grow_fd_table, take_fds
 
 DEFAULT_TIMEOUT_S = 30.0
+MAX_PENDING_REQUESTS = 64
+"""The most store request numbers a holder follows at once (the newest: older ones are skipped)."""
+REQUEST_GRACE_S = 5.0
+"""How long a counted store request may take to be written before it is skipped."""
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
@@ -90,6 +95,9 @@ class _DirKV:
     def names(self, kind: str) -> list[str]:
         return sorted(p.stem for p in (self.path / kind).glob("*.json"))
 
+    def drain_problems(self) -> list[str]:
+        return []
+
     def close(self) -> None:
         pass
 
@@ -104,6 +112,9 @@ class _StoreKV:
         self.rdv = Rendezvous.connect(address, token, token_file=token_file, namespace=namespace, host=host,
                                       timeout_s=timeout_s)
         self._seen = 0
+        self._pending: dict[int, float] = {}
+        """Request numbers counted but not yet written, with when they were first seen."""
+        self._problems: list[str] = []
 
     def where(self) -> str:
         return f"store {self.rdv.address}"
@@ -124,12 +135,45 @@ class _StoreKV:
     def names(self, kind: str) -> list[str]:
         if kind != "requests":
             raise FlashBootError("the store does not list held names; ask for one by name")
+        from ..errors import RendezvousError
+
+        # Anyone who reaches the store can bump the counter or plant garbage (only a denial of
+        # service: every record is authenticated), so nothing here may raise or wait: a number
+        # not written yet is asked for again at the next poll, for REQUEST_GRACE_S, and only the
+        # last MAX_PENDING_REQUESTS numbers are followed (a counter bumped by 10**7 is skipped).
         n = self.rdv.add("hold/requests/count", 0)
-        out = []
+        if n - self._seen > MAX_PENDING_REQUESTS:
+            self._problems.append(f"request counter jumped from {self._seen} to {n}; skipped "
+                                  f"#{self._seen + 1}..#{n - MAX_PENDING_REQUESTS}")
+            self._seen = n - MAX_PENDING_REQUESTS
+        now = time.monotonic()
         while self._seen < n:
             self._seen += 1
-            rec = self.rdv.read(f"hold/requests/#{self._seen}", what=f"holder request #{self._seen}", timeout_s=5.0)
-            out.append(rec.body["name"])
+            self._pending[self._seen] = now
+        out = []
+        for k, since in sorted(self._pending.items())[-MAX_PENDING_REQUESTS:]:
+            try:
+                rec = self.rdv.try_read(f"hold/requests/#{k}")
+                if rec is None:
+                    if now - since > REQUEST_GRACE_S:
+                        raise FlashBootError(f"was counted but never written within {REQUEST_GRACE_S:g} s")
+                    continue
+                name = rec.body.get("name")
+                _check_name(name)
+                out.append(name)
+            except RendezvousError as exc:
+                if isinstance(exc, StoreLostError):
+                    raise
+                self._problems.append(f"request #{k} skipped: {exc}")
+            except FlashBootError as exc:
+                self._problems.append(f"request #{k} skipped: {exc}")
+            del self._pending[k]
+        for k in sorted(self._pending)[:-MAX_PENDING_REQUESTS]:
+            del self._pending[k]
+        return out
+
+    def drain_problems(self) -> list[str]:
+        out, self._problems = self._problems, []
         return out
 
     def close(self) -> None:
@@ -230,24 +274,56 @@ class Holder:
         from ..arena import ArenaDescriptor
 
         handled = 0
-        for name in self.kv.names("requests"):
-            req = self.kv.get("requests", name)
+        names = self.kv.names("requests")
+        self.errors += self.kv.drain_problems()
+        for name in names:
+            # one bad request (planted, malformed) is recorded and skipped: it must not stop the
+            # holder, which would drop every arena it holds
+            try:
+                req = self.kv.get("requests", name)
+            except StoreLostError:
+                raise
+            except FlashBootError as exc:  # not JSON, or not an authentic record: nobody to answer
+                self.errors.append(f"{name}: request skipped: {exc}")
+                self._forget_request(name)
+                continue
             if req is None:
                 continue
             handled += 1
-            if req.get("op") == "release":
-                self.release(name)
-                self.kv.delete("requests", name)
+            if not isinstance(req, dict):
+                self.errors.append(f"{name}: request skipped: it is a {type(req).__name__}, not an object")
+                self._forget_request(name)
                 continue
             try:
-                image = req.get("image")
-                self.adopt(name, ArenaDescriptor.from_dict(req["descriptor"]), req.get("request", ""),
-                           image if isinstance(image, dict) else None)
-            except FlashBootError as exc:
+                _check_name(name)
+                if req.get("op") == "release":
+                    self.release(name)
+                else:
+                    if "descriptor" not in req:
+                        raise FlashBootError("the request carries no descriptor")
+                    image = req.get("image")
+                    request = req.get("request", "")
+                    self.adopt(name, ArenaDescriptor.from_dict(req["descriptor"]),
+                               request if isinstance(request, str) else "", image if isinstance(image, dict) else None)
+            except StoreLostError:
+                raise
+            except (FlashBootError, OSError) as exc:
                 self.errors.append(f"{name}: {exc}")
-                self.kv.put("held", name, {"error": str(exc), "request": req.get("request", "")})
-            self.kv.delete("requests", name)
+                if req.get("op") != "release":  # answered: the engine stops waiting
+                    try:
+                        self.kv.put("held", name, {"error": str(exc), "request": str(req.get("request", ""))})
+                    except FlashBootError as put_exc:
+                        self.errors.append(f"{name}: could not answer: {put_exc}")
+            self._forget_request(name)
         return handled
+
+    def _forget_request(self, name: str) -> None:
+        try:
+            self.kv.delete("requests", name)
+        except StoreLostError:
+            raise
+        except (FlashBootError, OSError) as exc:
+            self.errors.append(f"{name}: could not remove the request: {exc}")
 
     def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
         """Poll for requests until ``stop`` or SIGTERM/SIGINT (main thread), then :meth:`close`."""
