@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -32,36 +33,108 @@ from .shm import (
 from .staging import PreloadConfig, StageResult, preload
 
 
-def _claim_pid_file(path: Path, serve: bool, ranks: list[int] | None = None) -> str:
-    """Write this process's pid file (with the ranks it stages, None: all of them); returns a
-    note about a stale one it replaced.
+_HELD_PID_FILES: dict[str, int] = {}
+"""The pid files this process claimed: path -> the fd holding its lock (closed at release)."""
+_LOCK_WAIT_S = 10.0
+"""How long a claim retries a lock held by no live preloader: a reader
+(:func:`~flashboot.flashload.shm._pid_file_held`) holds it for microseconds, a starting preloader
+until it writes its pid, and a killed one until the kernel has torn down its memory (seconds for
+large pinned images); a live preloader's lock is refused at once."""
 
-    Raises FlashBootError when a live preloader holds it."""
+
+def _claim_pid_file(path: Path, serve: bool, ranks: list[int] | None = None) -> str:
+    """Write this process's pid file (with the ranks it stages, None: all of them), holding its
+    lock until :func:`_release_pid_file`; returns a note about a stale one it replaced.
+
+    Raises FlashBootError when a live preloader holds it, or is starting and holds its lock."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    note = ""
-    for _ in range(2):
+    reclaim = str(path) in _HELD_PID_FILES
+    fd = _lock_pid_file(path)
+    try:
+        running = _running_pid(path)  # a preloader of a version that took no lock
+        if running and running != os.getpid():
+            raise FlashBootError(f"a preloader already runs for this image (pid {running}, pid file {path}); "
+                                 "stop it with --stop")
+        d = _read_pid_file(path) if os.fstat(fd).st_size else None
+        note = f"removed stale pid file {path} (pid {d.get('pid')} is gone)" if d and not reclaim else ""
+        data = json.dumps({"pid": os.getpid(), "start_time": _proc_start_time(os.getpid()), "serve": serve,
+                           "ranks": None if ranks is None else sorted(ranks), "argv": sys.argv}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+    except BaseException:
+        _HELD_PID_FILES.pop(str(path), None)
+        os.close(fd)
+        raise
+    _HELD_PID_FILES[str(path)] = fd
+    return note
+
+
+def _lock_pid_file(path: Path) -> int:
+    """An fd of ``path`` (created where absent) holding its exclusive lock: the file at ``path`` now,
+    not one a releasing preloader unlinked while this waited for its lock."""
+    held = _HELD_PID_FILES.get(str(path))
+    if held is not None:
+        if _same_file(held, path):
+            return held  # claimed again by this process: flock would refuse its own second fd
+        os.close(_HELD_PID_FILES.pop(str(path)))
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
             running = _running_pid(path)
-            if running and running != os.getpid():
-                raise FlashBootError(f"a preloader already runs for this image (pid {running}, pid file {path}); "
-                                     "stop it with --stop") from None
-            d = _read_pid_file(path) or {}
-            note = f"removed stale pid file {path} (pid {d.get('pid')} is gone)"
-            _unlink_quietly(path)
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump({"pid": os.getpid(), "start_time": _proc_start_time(os.getpid()), "serve": serve,
-                       "ranks": None if ranks is None else sorted(ranks), "argv": sys.argv}, f)
-        return note
-    raise FlashBootError(f"could not claim pid file {path}")
+            if not running and time.monotonic() < deadline:  # a reader's probe, or a preloader writing its pid
+                time.sleep(0.01)
+                continue
+            who = f"pid {running}" if running else "starting or exiting: no live pid is written"
+            raise FlashBootError(f"a preloader already runs for this image ({who}; pid file {path} is locked); "
+                                 "stop it with --stop") from None
+        if _same_file(fd, path):
+            return fd
+        os.close(fd)  # unlinked by its releasing owner as this locked it: lock the one there now
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _remove_if_stale(path: Path) -> bool:
+    """Remove the pid file at ``path`` when no preloader holds it (its lock free, its pid gone);
+    returns whether it did. The check and the unlink happen under the lock, so a preloader
+    starting meanwhile keeps its file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if not _same_file(fd, path) or _running_pid(path) is not None:
+            return False
+        _unlink_quietly(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _release_pid_file(path: Path) -> None:
-    d = _read_pid_file(path)
-    if d and d.get("pid") == os.getpid():
-        _unlink_quietly(path)
+    fd = _HELD_PID_FILES.pop(str(path), None)
+    try:
+        d = _read_pid_file(path)
+        if d and d.get("pid") == os.getpid():
+            _unlink_quietly(path)  # still under the lock: a claim waiting for it then finds the file gone
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def start_background(config: PreloadConfig, *, timeout_s: float = 30.0, extra_argv: list[str] | None = None) -> int:
@@ -74,8 +147,6 @@ def start_background(config: PreloadConfig, *, timeout_s: float = 30.0, extra_ar
     status = service_status(config.image_dir, config.shm_dir)
     if status.running:
         raise FlashBootError(f"a preloader already runs for {config.image_dir} (pid {status.pid}); stop it with --stop")
-    if status.stale:
-        _unlink_quietly(status.path)
     log = log_file(config.image_dir, config.shm_dir)
     log.parent.mkdir(parents=True, exist_ok=True)
     # The preload command's own entry point: the service needs no other command to import.
@@ -139,8 +210,18 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
     if status.pid is None:
         return f"no preloader runs for {image_dir} (no pid file {status.path})"
     if status.stale:
-        _unlink_quietly(status.path)
-        return f"no preloader runs for {image_dir}: removed stale pid file {status.path} (pid {status.pid} is gone)"
+        if _remove_if_stale(status.path):
+            return f"no preloader runs for {image_dir}: removed stale pid file {status.path} (pid {status.pid} is gone)"
+        return (f"no preloader runs for {image_dir}: pid {status.pid} is gone (its pid file {status.path} is kept "
+                "while its lock is held: the process is still exiting)")
+    deadline = time.monotonic() + timeout_s
+    while status.running and status.pid is not None and status.pid <= 0:  # starting: its pid is written next
+        if time.monotonic() >= deadline:
+            raise WaitTimeoutError(f"the preloader holding {status.path} did not write its pid within {timeout_s:g} s")
+        time.sleep(0.02)
+        status = service_status(image_dir, shm_dir)
+    if not status.running:
+        return f"preloader pid {status.pid} exited on its own"
     pid = status.pid
     start = _proc_start_time(pid)
     try:
@@ -152,8 +233,7 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if _proc_start_time(pid) != start:
-            if status.path.exists() and _running_pid(status.path) is None:
-                _unlink_quietly(status.path)  # it died without cleaning up
+            _remove_if_stale(status.path)  # it died without cleaning up (kept if a new one holds it)
             return f"stopped preloader pid {pid}"
         try:  # reap it if it is our child (tests start it from this process)
             os.waitpid(pid, os.WNOHANG)

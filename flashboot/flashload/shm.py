@@ -14,6 +14,7 @@ Staging layout, under the shm root (``$FLASHBOOT_SHM`` or ``/dev/shm/flashboot``
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -339,6 +340,23 @@ def _read_pid_file(path: Path) -> dict | None:
         return {"pid": -1}
 
 
+def _pid_file_held(path: Path) -> bool:
+    """Whether a preloader holds the lock on ``path`` (flock, from before it writes the file until
+    after it removes it): an empty or half-written pid file whose lock is held is a preloader
+    starting, not a stale file (taken for one, it was replaced and two preloaders ran)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared: two readers do not see each other as holders
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def _running_pid(path: Path) -> int | None:
     """The pid recorded in ``path`` if that process is still the one that wrote it."""
     d = _read_pid_file(path)
@@ -354,6 +372,7 @@ class ServiceStatus:
 
     path: Path
     pid: int | None
+    """-1 (running) while a starting preloader holds the file's lock but has not written it yet."""
     running: bool
     stale: bool
     serve: bool = False
@@ -367,7 +386,9 @@ def service_status(image_dir, shm_dir=None) -> ServiceStatus:
     d = _read_pid_file(path)
     if d is None:
         return ServiceStatus(path, None, False, False)
-    running = _running_pid(path) is not None
+    # a pid not written yet under a held lock: starting. A written pid that is gone is not running, even
+    # while its lock is held: a killed process keeps its files until its memory is torn down
+    running = _running_pid(path) is not None or (d["pid"] <= 0 and _pid_file_held(path))
     return ServiceStatus(path, d["pid"], running, not running, bool(d.get("serve")))
 
 

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import FlashBootError, LayoutError
-from .shm import _running_pid, rank_source, read_ready, shm_root, staged_paths
+from .shm import _pid_file_held, _running_pid, rank_source, read_ready, shm_root, staged_paths
 
 STATES = ("not staged", "staging", "staged", "served", "stale", "truncated", "failed", "unreadable")
 """Every state :func:`rank_states` reports. ``staged``: a load maps the staged copy; ``served``: the
@@ -112,6 +112,7 @@ def leftover_staging_dirs(shm_dir=None) -> list:
             names = [p.name for p in d.iterdir()]
         except OSError:  # not ours to read
             continue
-        if not any(n.startswith("rank-") for n in names) and not _running_pid(d / "preload.pid"):
+        if not any(n.startswith("rank-") for n in names) and not _running_pid(d / "preload.pid") \
+                and not _pid_file_held(d / "preload.pid"):
             left.append(d)
     return left
