@@ -213,3 +213,44 @@ def test_holder_over_a_registry_skips_a_malformed_request_and_serves_the_next(tm
             t.join(10)
     finally:
         holder.close()
+
+
+# ---------------------------------------------------------- 4: a bumped counter of finished clones
+
+
+def test_a_bumped_done_counter_does_not_keep_a_reattaching_clone_past_its_timeout(store, raw):
+    """Re-attaching after its seed died, a clone looked through every finished-clone number up to
+    the store's counter, which anyone can bump to 10**7: it ran far past its timeout. Now only the
+    newest numbers are looked at (a planted one passed over) and the host image takes over."""
+    address, rdv = store
+    path, data = raw
+    seed = spawn_cli("seed", path, "--device", "cpu", "--store", address, "--timeout", "15", "--no-nccl")
+    try:
+        gen = wait_until(lambda: rdv.try_read("seed"), 20, "the seed to publish", seed).body["generation"]
+        full = f"flashboot/v1/default/g/{gen}/done"
+        n = rdv.store.add(f"{full}/count", 10**7)
+        rdv.store.set(f"{full}/{n}", b"planted")
+        result, errors = [], []
+
+        def run():
+            try:
+                result.append(flashboot.clone(address, "cpu", "star", chunk_bytes=256 << 10, timeout_s=5,
+                                              step_delay_s=0.05, image=path))
+            except BaseException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=run)
+        t.start()
+        wait_until(lambda: rdv.has(f"g/{gen}/star/member/1"), 15, "the clone to join")
+        time.sleep(0.3)
+        seed.kill()
+        t.join(30)
+        assert not t.is_alive(), "the clone kept scanning"
+        assert not errors, errors
+        try:
+            assert any("host image" in e for e in result[0].report.recovered), result[0].report.recovered
+            assert np.array_equal(_bytes(result[0]), data)
+        finally:
+            result[0].close()
+    finally:
+        stop(seed)

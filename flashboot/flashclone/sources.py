@@ -11,10 +11,14 @@ from ..errors import FlashBootError, RendezvousError, WaitTimeoutError
 from ..memory import CPU, Device, Span
 from ..schedulers import HOST
 from .executor import Endpoint
-from .rendezvous import Manifest, Rendezvous
+from .rendezvous import Manifest, Rendezvous, StoreLostError
 from .common import _FALLBACK_INDEX, _SEED_INDEX, _descriptor_from, _gkey, _same_host
 from .session import _Session
 from .transports.posix_fd import _open_arena
+
+
+MAX_DONE_SCAN = 64
+"""How many of the newest finished-clone records a re-attaching clone looks through."""
 
 
 class _HostImage:
@@ -203,21 +207,36 @@ class _Sources:
 
     def full_copy(self, dead: set[int]) -> tuple[int, str] | None:
         """Another live process that holds every byte (a finished clone), opened as a retry source."""
+        # the counter is the store's, which anyone reaching it can bump (to 10**7, say): only the
+        # newest MAX_DONE_SCAN records are looked at, within our timeout, and a planted or
+        # malformed one is passed over
         n = self.rdv.add(_gkey(self.gen, "done", "count"), 0)
-        for k in range(n, 0, -1):
-            rec = self.rdv.try_read(_gkey(self.gen, "done", k))
+        deadline = time.monotonic() + self.timeout_s
+        for k in range(n, max(0, n - MAX_DONE_SCAN), -1):
+            if time.monotonic() > deadline:
+                break
+            try:
+                rec = self.rdv.try_read(_gkey(self.gen, "done", k))
+            except StoreLostError:
+                raise
+            except RendezvousError:
+                continue
             if rec is None or rec.body.get("manifest_digest") != self.manifest.digest:
                 continue
-            if int(rec.body["pid"]) == os.getpid() or (rec.body["schedule"], rec.body["position"]) in dead:
+            try:
+                pid, where = int(rec.body["pid"]), (str(rec.body["schedule"]), int(rec.body["position"]))
+            except (KeyError, TypeError, ValueError):
                 continue
-            if self.rdv.has(_gkey(self.gen, rec.body["schedule"], "status", rec.body["position"], "left")):
+            if pid == os.getpid() or where in dead or rec.sealed is None or "arena" not in rec.sealed:
                 continue
-            desc = _descriptor_from(rec.sealed["arena"])
+            if self.rdv.has(_gkey(self.gen, where[0], "status", where[1], "left")):
+                continue
             index = _FALLBACK_INDEX + k
             try:
+                desc = _descriptor_from(rec.sealed["arena"])
                 arena = _open_arena(desc, self.dev, self.transport)
             except FlashBootError:
-                dead.add((rec.body["schedule"], rec.body["position"]))
+                dead.add(where)
                 continue
             self.session.opened[index] = [arena]
             who = f"{rec.body['schedule']} clone #{rec.body['position']} (pid {rec.body['pid']})"
