@@ -33,7 +33,9 @@ logger = logging.getLogger("flashboot.integrations")
 class EngineWeights:
     """One rank's weights in an arena: ``tensors`` (name -> view), the engine ``section``,
     ``handle`` (the LoadedImage or CloneResult that owns the arena), ``seed`` (when published),
-    ``how`` ("load" or "clone") and ``report`` (its timing report)."""
+    ``how`` ("load" or "clone") and ``report`` (its timing report). ``post_refit_pending``: set
+    while a refit's bytes are live but the engine's post-processing of them failed (the version
+    and the derived names; :func:`~.engine_refit.refit_engine_model` of that version re-runs it)."""
 
     tensors: dict
     section: EngineSection
@@ -41,6 +43,7 @@ class EngineWeights:
     how: str
     report: Any
     seed: Any = None
+    post_refit_pending: dict | None = None
 
     @property
     def arena(self):

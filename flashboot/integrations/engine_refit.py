@@ -83,6 +83,28 @@ def _tensor_attribute(model, name: str):
     return getattr(model.get_submodule(module), leaf)
 
 
+def _post_process(model, weights, version: int, what: str, reprocess, derive, derived: list[str]) -> None:
+    """Run the engine's post-processing of refitted bytes; a failure is a RefitError that says the
+    bytes are live and how to finish (weights.post_refit_pending stays set)."""
+    for step, run in (("reprocess", reprocess), ("derive", derive)):
+        if run is None:
+            continue
+        views = {n: weights.tensors[n] for n in derived} if step == "derive" else {}
+        try:
+            run()
+        except Exception as exc:
+            raise RefitError(f"{what}: version {version}'s bytes are live but the engine's post-processing failed "
+                             f"at {step} ({type(exc).__name__}: {exc}); the weights are not servable until it "
+                             f"succeeds: refit to version {version} again to re-run it without copying, or reload "
+                             "the engine") from exc
+        moved = [n for n, view in views.items() if _tensor_attribute(model, n).data_ptr() != view.data_ptr()]
+        if moved:  # served from outside the arena from now on: a sleep or the next refit would miss them
+            weights.post_refit_pending = None  # a retry would replace them again: only a reload helps
+            raise RefitError(f"{what}: version {version}'s post-processing replaced tensor attribute(s) {moved[:3]} "
+                             "instead of writing into their arena views; the weights are version "
+                             f"{version} but those tensors live outside the arena: reload the engine")
+
+
 def refit_engine_model(model, store: str, version: int, *, what: str, name: str = DEFAULT_NAME,
                        reprocess: Callable[[], None] | None = None, derive: Callable[[], None] | None = None,
                        **options: Any) -> RefitReport:
@@ -97,7 +119,9 @@ def refit_engine_model(model, store: str, version: int, *, what: str, name: str 
     Raises CapabilityError (a model not served from an image load), RefitError (weights asleep:
     named, with the engine's wake call; an older version; a record for another image key, engine
     key (another engine version, GPU architecture, kernel backend) or rank; all before a byte
-    moves) and whatever :func:`flashboot.weight_update.refit` raises."""
+    moves; or, after the copy, a failed ``reprocess``/``derive``: the version's bytes are live,
+    the weights are not servable until a call for the same version re-runs the post-processing
+    without copying) and whatever :func:`flashboot.weight_update.refit` raises."""
     weights = served_weights(model, what)
     options = check_refit_options(options, what)
     check_awake(model, f"{what}: refused, nothing was copied", RefitError)
@@ -122,19 +146,25 @@ def refit_engine_model(model, store: str, version: int, *, what: str, name: str 
                              f"({', '.join(derived[:3])}), which this engine's integration cannot derive; publish "
                              "them too. Nothing was copied, the old weights are serving")
 
-    derived: list[str] = []
-    report = weights.handle.refit(store, version, name=refit_name(name, rank), check_record=same_engine_key,
-                                  **options)
-    if reprocess is not None:
-        reprocess()
+    pending = weights.post_refit_pending
+    if pending is not None and version == pending["version"] == weights.handle.version:
+        # its bytes are live already: only the post-processing that failed is run again
+        derived = list(pending["derived"])
+        if derived and derive is None:
+            raise RefitError(f"{what}: version {version}'s bytes are live but {len(derived)} tensor attribute(s) "
+                             f"({', '.join(derived[:3])}) still need the engine's derive step, which this call "
+                             "does not pass; the weights are not servable until it runs")
+        report = RefitReport(version, version, bool(options.get("atomic", True)), 0,
+                             details={"post_processing_only": True})
+    else:
+        derived = []
+        report = weights.handle.refit(store, version, name=refit_name(name, rank), check_record=same_engine_key,
+                                      **options)
+        # version N is live from here on: a failure below must say so and leave a way to finish it
+        weights.post_refit_pending = {"version": version, "derived": list(derived)}
+    _post_process(model, weights, version, what, reprocess, derive if derived else None, derived)
+    weights.post_refit_pending = None
     if derived:
-        views = {n: weights.tensors[n] for n in derived}
-        derive()
-        moved = [n for n, view in views.items() if _tensor_attribute(model, n).data_ptr() != view.data_ptr()]
-        if moved:  # served from outside the arena from now on: a sleep or the next refit would miss them
-            raise RefitError(f"{what}: version {version}'s post-processing replaced tensor attribute(s) {moved[:3]} "
-                             "instead of writing into their arena views; the weights are version "
-                             f"{version} but those tensors live outside the arena: reload the engine")
         report.details["derived"] = derived
     logger.info("flashboot: %s", report.summary())
     return report
