@@ -23,6 +23,8 @@ import os
 import resource
 import select
 import socket
+import threading
+import time
 
 from .errors import RendezvousError, WaitTimeoutError
 from .gil_time import gil_free
@@ -217,13 +219,28 @@ class FdStream:
     """The fds of a hand-over whose sender sends them in batches after its first message (each
     batch as :func:`send_fds` sends more than :data:`SCM_MAX_FD`), taken from the socket in order
     as they are asked for: ``stream[i]`` blocks until fd ``i`` has arrived, at most ``timeout_s``
-    per batch. ``len()`` is the count announced; :attr:`received` the fds that arrived so far,
-    which the caller owns (and closes, also when a receive raised). ``what`` names the hand-over
-    in errors."""
+    per batch and ``within_s`` for them all (None: no bound; :meth:`due_within` restarts that
+    clock); it stops waiting once ``stop`` is set. ``len()`` is the count announced; :attr:`received` the
+    fds that arrived so far, which the caller owns (and closes, also when a receive raised).
+    ``what`` names the hand-over in errors."""
 
-    def __init__(self, sock: socket.socket, first: list[int], count: int, *, timeout_s: float, what: str):
+    STOP_POLL_S = 0.2
+    """How often a wait looks at ``stop``."""
+
+    def __init__(self, sock: socket.socket, first: list[int], count: int, *, timeout_s: float, what: str,
+                 within_s: float | None = None, stop: threading.Event | None = None):
         self.sock, self.count, self.timeout_s, self.what = sock, count, timeout_s, what
         self.received = first
+        self.stop = stop
+        self.deadline: float | None = None
+        self._began = time.monotonic()
+        if within_s is not None:
+            self.due_within(within_s)
+
+    def due_within(self, seconds: float) -> None:
+        """Every fd still to come is due within ``seconds`` from now."""
+        self._began = time.monotonic()
+        self.deadline = self._began + seconds
 
     def __len__(self) -> int:
         return self.count
@@ -232,17 +249,35 @@ class FdStream:
         if not 0 <= i < self.count:
             raise IndexError(f"{self.what}: fd {i} of {self.count}")
         while len(self.received) <= i:
+            self.received.extend(self._next_batch())
+        return self.received[i]
+
+    def _next_batch(self) -> list[int]:
+        batch_due = time.monotonic() + self.timeout_s
+        while True:
+            if self.stop is not None and self.stop.is_set():
+                raise RendezvousError(f"{self.what}: broken off after {len(self.received)} of {self.count} fds: the "
+                                      "receiver is stopping")
+            now = time.monotonic()
+            due = batch_due if self.deadline is None else min(batch_due, self.deadline)
+            if now >= due:
+                if due == batch_due:
+                    raise WaitTimeoutError(f"{self.what}: {len(self.received)} of {self.count} fds arrived, then none "
+                                           f"within {self.timeout_s:g} s")
+                # a sender trickling fds just within the per-batch timeout held the receiver without end
+                raise WaitTimeoutError(f"{self.what}: {len(self.received)} of {self.count} fds arrived in "
+                                       f"{now - self._began:.1f} s; the whole hand-over is due within "
+                                       f"{self.deadline - self._began:.1f} s")
+            wait_s = due - now if self.stop is None else min(due - now, self.STOP_POLL_S)
             try:
-                more, _ = recv_fds(self.sock, min(SCM_MAX_FD, self.count - len(self.received)),
-                                   timeout_s=self.timeout_s, bufsize=1)
+                more, _ = recv_fds(self.sock, min(SCM_MAX_FD, self.count - len(self.received)), timeout_s=wait_s,
+                                   bufsize=1)
             except WaitTimeoutError:
-                raise WaitTimeoutError(f"{self.what}: {len(self.received)} of {self.count} fds arrived, then none "
-                                       f"within {self.timeout_s:g} s") from None
+                continue  # the deadlines and stop are looked at again above
             except RendezvousError as exc:
                 raise RendezvousError(f"{self.what}: {len(self.received)} of {self.count} fds arrived, then: "
                                       f"{exc}") from None
-            self.received.extend(more)
-        return self.received[i]
+            return more
 
     def drain(self) -> None:
         """Take the fds still to come, ignoring a sender that stopped sending: a Unix socket closed

@@ -13,11 +13,14 @@ import time
 
 import pytest
 
+from flashboot.arena import Arena
+from flashboot.arena.segments import HOST_GRANULARITY
 from flashboot.errors import FlashBootError, WaitTimeoutError
+from flashboot.fdshare import readable, send_fds
 from flashboot.flashload import client, service
 from flashboot.flashload import shm as shm_files
 
-from _preload_helpers import Daemon, make_tiny_image  # noqa: E402  (tests/ is on the path)
+from _preload_helpers import Daemon, make_image, make_tiny_image  # noqa: E402  (tests/ is on the path)
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +125,64 @@ def test_an_empty_pid_file_whose_lock_is_held_is_a_preloader_starting(image, tmp
     assert json.loads(path.read_text())["pid"] == os.getpid()
     service._release_pid_file(path)
     assert not path.exists()
+
+
+@pytest.fixture(scope="module")
+def multi_segment_image(tmp_path_factory):
+    """An image of ~12 MB: several 2 MiB host segments, so an arena is handed over fd by fd."""
+    from flashboot.benchmarks.checkpoints import CheckpointSpec
+
+    spec = CheckpointSpec("segments", layers=2, experts=4, expert_rows=512, expert_cols=512, hidden=64, vocab=64,
+                          shards=1)
+    return make_image(tmp_path_factory.mktemp("hardening-segments"), spec)
+
+
+def _trickle_load(d: Daemon, image, *, every_s: float, on_first=None) -> tuple[dict, int]:
+    """A load whose arena's fds follow the request one a message, ``every_s`` apart (just within the
+    daemon's per-batch timeout), until the daemon answers; returns its reply and how many fds went."""
+    src = shm_files.rank_source(image, 0)
+    with Arena.create(src.nbytes, "cpu", segment_bytes=HOST_GRANULARITY) as arena:
+        req = {"op": "load", "rank": 0, "descriptor": arena.socket_descriptor().to_dict(), "nbytes": src.nbytes,
+               "metadata_sha256": src.metadata_sha256, "timeout_s": 30, "pci_bus_id": None, "fds_follow": True}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.connect(str(d.path))
+            send_fds(s, arena.export_segments(0, 1), json.dumps(req).encode())
+            sent = 1
+            if on_first is not None:
+                on_first()
+            # the next fd only while no answer is waiting: sent after it, the daemon's close would reset it
+            while sent < arena.segments and not readable([s.fileno()], every_s):
+                send_fds(s, arena.export_segments(sent, sent + 1))
+                sent += 1
+            s.settimeout(30)
+            return json.loads(s.recv(1 << 20)), sent
+
+
+def test_a_trickled_hand_over_is_cut_off_at_one_deadline_for_all_its_fds(multi_segment_image, tmp_path):
+    d = Daemon(multi_segment_image, tmp_path / "shm")  # 1 s for each batch
+    try:
+        d.server.handover_timeout_s = 1.5
+        reply, sent = _trickle_load(d, multi_segment_image, every_s=0.6)
+        assert reply["ok"] is False and reply["error"] == "WaitTimeoutError", reply
+        assert "the whole hand-over is due within 1.5 s" in reply["message"], reply
+        assert sent < 6, "every fd was taken: the hand-over had no overall deadline"
+        d.idle()
+        d.load_exact()  # the device's queue is free again
+    finally:
+        d.close()
+
+
+def test_stopping_the_daemon_breaks_off_a_hand_over_in_flight(multi_segment_image, tmp_path):
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        def stop_once_handled():  # stopped before its accept, the connection would only be reset
+            deadline = time.monotonic() + 10
+            while not any(t.is_alive() for t in d.server._threads) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            d.server.stop.set()
+
+        reply, sent = _trickle_load(d, multi_segment_image, every_s=0.6, on_first=stop_once_handled)
+        assert reply["ok"] is False and "stopping" in reply["message"], reply
+        assert sent < 6
+    finally:
+        d.close()

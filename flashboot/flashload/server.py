@@ -63,6 +63,12 @@ MAX_CONNECTIONS = 64
 and never speak cannot make the daemon start threads without bound."""
 REQUEST_TIMEOUT_S = 10.0
 """How long a connected client may take to send its request (and the rest of its fds)."""
+HANDOVER_TIMEOUT_S = 30.0
+"""How long the whole hand-over of an engine's arena may take once its rank is resident (13.8 GB
+took 30 ms on the H200): its copy holds the device's queue, and a client trickling one fd just
+within :data:`REQUEST_TIMEOUT_S` each held it, and everyone queued behind, without end."""
+CLOSE_TIMEOUT_S = 30.0
+"""How long :meth:`PreloadServer.close` waits for all connection handlers together."""
 ACCEPT_BACKOFF_S = 0.01
 ACCEPT_BACKOFF_MAX_S = 1.0
 """A failed accept() (out of fds: EMFILE) is retried after this pause, doubled up to the maximum
@@ -88,14 +94,19 @@ class _FifoLock:
         self._waiting: collections.deque[threading.Event] = collections.deque()
         self._held = False
 
-    def acquire(self, timeout_s: float) -> bool:
+    def acquire(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
+        """Whether it was granted within ``timeout_s``; False too once ``stop`` is set."""
         me = threading.Event()
         with self._mutex:
             if not self._held and not self._waiting:
                 self._held = True
                 return True
             self._waiting.append(me)
-        if me.wait(timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while not me.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+                break
+        else:
             return True
         with self._mutex:
             if me.is_set():  # granted just as the wait ran out
@@ -178,6 +189,7 @@ class PreloadServer:
         self.uid = os.geteuid()
         self.group = config.allow_gid()
         self.request_timeout_s = REQUEST_TIMEOUT_S
+        self.handover_timeout_s = HANDOVER_TIMEOUT_S
         self.max_connections = MAX_CONNECTIONS
         self.refused = 0
         """Connections refused for their credentials (each one logged)."""
@@ -303,8 +315,12 @@ class PreloadServer:
             _unlink_quietly(self.sock_path)
         with self._threads_lock:
             threads = list(self._threads)
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S  # one bound for all: 30 s each made --stop give up first
         for t in threads:
-            t.join(timeout=30)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = sum(t.is_alive() for t in threads)
+        if stuck:
+            self.log(f"{stuck} connection handler(s) still busy {CLOSE_TIMEOUT_S:g} s after stop; closing regardless")
         for res in self.residents.values():
             if res.pinned is not None:
                 try:
@@ -415,7 +431,8 @@ class PreloadServer:
                             raise RendezvousError("load request without the arena's fd attached")
                         count = _descriptor_fd_count(req)
                         supply = FdStream(conn, fds, count, timeout_s=self.request_timeout_s,
-                                          what=f"the arena of rank {req.get('rank')}'s load")
+                                          what=f"the arena of rank {req.get('rank')}'s load",
+                                          within_s=self.handover_timeout_s, stop=self.stop)
                         # fds_follow: the engine exports the rest while the copy starts; otherwise all were
                         # sent at once (in batches past SCM_MAX_FD) and are taken now
                         attached = self._attach(req, supply if req.get("fds_follow") else supply.receive_all())
@@ -473,6 +490,8 @@ class PreloadServer:
                                    f"{timeout_s:g} s (daemon pid {os.getpid()}, state {res.state})")
         if res.error is not None:
             raise _StagingFailed(rank, res.error)
+        if isinstance(fds, FdStream):  # its batches waited in the socket while the rank was staged
+            fds.due_within(self.handover_timeout_s)
         if req.get("metadata_sha256") != res.metadata_sha256 or req.get("nbytes") != res.nbytes:
             raise LayoutError(f"the daemon holds rank {rank} of another pre-pack ({res.nbytes:,} bytes, metadata "
                               f"{res.metadata_sha256[:12]}) than the engine asked for ({req.get('nbytes')} bytes, "
@@ -520,7 +539,10 @@ class PreloadServer:
         res, arena, rank = attached.res, attached.arena, attached.rank
         lock = self._lock_for(str(arena.device))
         t_queue = time.perf_counter()
-        if not lock.acquire(attached.timeout_s + 60):
+        if not lock.acquire(attached.timeout_s + 60, self.stop):
+            if self.stop.is_set():
+                raise FlashBootError(f"rank {rank}: the preloader (pid {os.getpid()}) is stopping; its copy into "
+                                     f"{arena.device} was not started")
             raise WaitTimeoutError(f"rank {rank}: waited {attached.timeout_s + 60:g} s for {arena.device} behind "
                                    f"{lock.queued} queued copies (daemon pid {os.getpid()})")
         try:
