@@ -254,3 +254,63 @@ def test_a_bumped_done_counter_does_not_keep_a_reattaching_clone_past_its_timeou
             result[0].close()
     finally:
         stop(seed)
+
+
+# ------------------------------------------------------------------------- 5, 6: the seed's record
+
+
+def test_closing_a_superseded_seed_leaves_its_replacements_record(store, raw):
+    """Seed A, then seed B on the same store, then A.close(): A deleted B's record, and clones
+    timed out waiting for a seed while B was alive."""
+    address, rdv = store
+    path, data = raw
+    a = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    b = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    try:
+        a.close()
+        assert rdv.read("seed", what="the seed", timeout_s=1).body["generation"] == b.generation
+        assert rdv.read("metadata", what="the metadata", timeout_s=1).body["generation"] == b.generation
+        with flashboot.clone(address, "cpu", "star", chunk_bytes=256 << 10, timeout_s=5) as r:
+            assert np.array_equal(_bytes(r), data)
+        b.close()
+        assert not rdv.has("seed") and not rdv.has("metadata")  # its own records it withdraws
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_serving_seed_republishes_on_a_restarted_store_and_fails_when_none_comes_back(raw):
+    """A seed whose store was restarted kept running, invisible to every clone, and exited 0."""
+    from flashboot.errors import RendezvousError
+    from flashboot.flashclone.store import StoreServer
+
+    path, data = raw
+    address = f"127.0.0.1:{free_port()}"
+    server = StoreServer(address)
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, host_store=False, timeout_s=3)
+    errors = []
+
+    def serve():
+        try:
+            s.serve_forever(handle_signals=False)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        server.close()
+        time.sleep(0.2)
+        server = StoreServer(address)
+        wait_until(lambda: s.republished >= 1, 15, "the seed to publish again")
+        with flashboot.clone(address, "cpu", "star", chunk_bytes=256 << 10, timeout_s=5) as r:
+            assert np.array_equal(_bytes(r), data)
+        server.close()  # and this time none comes back
+        t.join(20)
+        assert not t.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], RendezvousError), errors
+        assert "lost its store at " + address in str(errors[0])
+    finally:
+        s.stop()
+        t.join(10)
+        server.close()

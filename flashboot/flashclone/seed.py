@@ -11,12 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from ..service_loop import Service
-from ..errors import FlashBootError, RendezvousError
+from ..errors import FlashBootError, RendezvousError, WaitTimeoutError
 from ..memory import Device
-from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous
+from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous, StoreLostError
 from .common import METADATA_KEY, SEED_KEY, _gkey
 from .sources import _HostImage
 from .transports.nccl import _broadcast, _process_group, _shutdown_pg
+
+
+CHECK_PUBLISHED_S = 1.0
+"""How often a serving seed checks that the store still holds its record."""
 
 
 class Seed(Service):
@@ -29,19 +33,89 @@ class Seed(Service):
     """
 
     def __init__(self, rdv: Rendezvous, arena, manifest: Manifest, generation: str, *, metadata=None,
-                 owned: list | None = None, serve_nccl: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 owned: list | None = None, serve_nccl: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 records: list | None = None):
         self.rendezvous, self.arena, self.manifest, self.generation = rdv, arena, manifest, generation
         self.metadata = metadata
         self.timeout_s = timeout_s
         self._owned = owned or []
+        self._records = records or []
+        """``(key, body, sealed)`` published: republished when the store loses them."""
         self._stop = threading.Event()
         self._closed = False
         self._nccl_error: BaseException | None = None
         self.nccl_served = 0
+        self.republished = 0
+        """How many times the records were published again (a restarted store, a deleted record)."""
+        self.superseded = False
+        """True once another seed's record replaced ours (we then leave it alone)."""
+        self._next_check = 0.0
         self._thread = None
         if serve_nccl:
-            self._thread = threading.Thread(target=self._nccl_service, name="flashboot-seed-nccl", daemon=True)
-            self._thread.start()
+            self._start_nccl()
+
+    def _start_nccl(self) -> None:
+        self._thread = threading.Thread(target=self._nccl_service, name="flashboot-seed-nccl", daemon=True)
+        self._thread.start()
+
+    def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
+        """Block until ``stop``, :meth:`stop` or SIGTERM/SIGINT, checking every
+        :data:`CHECK_PUBLISHED_S` that the store still holds our record (see :meth:`check_published`),
+        then :meth:`close`. Raises RendezvousError naming the store when it is lost for good."""
+        from ..service_loop import serve_until_stopped
+
+        try:
+            serve_until_stopped(self._stop, stop, handle_signals=handle_signals, tick=self._tick)
+        finally:
+            self.close()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + CHECK_PUBLISHED_S
+            self.check_published()
+
+    def check_published(self) -> bool:
+        """Publish our records again when the store no longer holds them (it was restarted, or
+        the record was deleted or overwritten with garbage); reconnect first when the connection
+        broke. Leaves a newer seed's record alone (``superseded``). Returns whether it published.
+        StoreLostError naming the store when no store answers there within ``timeout_s``:
+        a seed nobody can find must not run on as if it served."""
+        if self.superseded or not self._records:
+            return False
+        rdv = self.rendezvous
+        if rdv.lost is None:
+            try:
+                rec = rdv.try_read(SEED_KEY)
+            except StoreLostError:
+                rec = None
+            except RendezvousError:  # garbage in our place: publish over it
+                rec = None
+            else:
+                if rec is not None:
+                    if rec.body.get("generation") != self.generation:
+                        self.superseded = True
+                    return False
+        if rdv.lost is not None:
+            self._reconnect()
+        for key, body, sealed in self._records:
+            self.rendezvous.publish(key, body, sealed=sealed)
+        self.republished += 1
+        return True
+
+    def _reconnect(self) -> None:
+        old = self.rendezvous
+        try:
+            new = Rendezvous.connect(old.address, old.token, namespace=old.namespace, host=old.is_server,
+                                     timeout_s=self.timeout_s)
+        except (RendezvousError, WaitTimeoutError) as exc:
+            raise StoreLostError(f"the seed lost its store at {old.address} ({old.lost}) and cannot reach one "
+                                 f"there again: {exc}") from None
+        self.rendezvous = new
+        old.close()
+        if self._thread is not None and not self._thread.is_alive():  # it ended with the old connection
+            self.nccl_served = 0  # a new store counts requests from 0
+            self._start_nccl()
 
     @property
     def address(self) -> str:
@@ -49,7 +123,7 @@ class Seed(Service):
 
     def _nccl_service(self) -> None:
         """Answer broadcast requests (the fallback transport), one at a time."""
-        rdv = self.rendezvous
+        rdv = self.rendezvous  # replaced on a reconnect: this thread ends with the old one, another starts
         dev = self.arena.device
         count_key = _gkey(self.generation, "nccl", "count")
         while not self._stop.wait(0.05):
@@ -82,10 +156,15 @@ class Seed(Service):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.timeout_s + 5)
-        try:
-            self.rendezvous.delete(SEED_KEY)
-        except FlashBootError:
-            pass  # the store may be gone already (we might have been hosting it)
+        for key in (SEED_KEY, METADATA_KEY):
+            try:
+                # only our own record: a seed published since replaced it, and deleting that
+                # left its clones waiting for a seed that is alive (a race of one read remains)
+                rec = self.rendezvous.try_read(key)
+                if rec is not None and rec.body.get("generation") == self.generation:
+                    self.rendezvous.delete(key)
+            except FlashBootError:
+                pass  # the store may be gone already (we might have been hosting it), or holds garbage
         for obj in reversed(self._owned):
             try:
                 obj.close()
@@ -205,17 +284,18 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
             obj.close()
         raise
     generation = secrets.token_hex(6)
+    records = [(METADATA_KEY, {"generation": generation,
+                               "metadata": metadata.to_dict() if metadata is not None else None}, None),
+               (SEED_KEY, {"generation": generation, "pid": os.getpid(), "host": socket.gethostname(),
+                           "device": str(arena.device), "manifest": manifest.to_dict(), "nccl": serve_nccl,
+                           "nixl": nixl, "published_at": time.time(), **(extra or {})}, sealed)]
     try:
-        rdv.publish(METADATA_KEY, {"generation": generation,
-                                   "metadata": metadata.to_dict() if metadata is not None else None})
-        rdv.publish(SEED_KEY, {"generation": generation, "pid": os.getpid(), "host": socket.gethostname(),
-                               "device": str(arena.device), "manifest": manifest.to_dict(), "nccl": serve_nccl,
-                               "nixl": nixl, "published_at": time.time(), **(extra or {})},
-                    sealed=sealed)
+        for key, body, sealed_part in records:
+            rdv.publish(key, body, sealed=sealed_part)
     except BaseException:
         rdv.close()
         for obj in reversed(owned):
             obj.close()
         raise
     return Seed(rdv, arena, manifest, generation, metadata=metadata, owned=owned, serve_nccl=serve_nccl,
-                timeout_s=timeout_s)
+                timeout_s=timeout_s, records=records)
