@@ -17,7 +17,7 @@ from flashboot.arena import Arena
 from flashboot.arena.segments import HOST_GRANULARITY
 from flashboot.errors import FlashBootError, WaitTimeoutError
 from flashboot.fdshare import readable, send_fds
-from flashboot.flashload import client, service
+from flashboot.flashload import client, service, staging
 from flashboot.flashload import shm as shm_files
 
 from _preload_helpers import Daemon, make_image, make_tiny_image  # noqa: E402  (tests/ is on the path)
@@ -186,3 +186,20 @@ def test_stopping_the_daemon_breaks_off_a_hand_over_in_flight(multi_segment_imag
         assert sent < 6
     finally:
         d.close()
+
+
+def test_verify_checks_a_rank_already_staged_and_stages_a_corrupted_copy_again(image, tmp_path):
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)
+    staged = shm_files.staged_paths(image, 0, shm).image
+    intact = staging.stage_rank(image, 0, shm_dir=shm, verify=True)
+    assert intact.skipped and intact.verified and not intact.restaged_because
+    with open(staged, "r+b") as f:  # one byte of chunk 3 (4 KiB chunks) flipped in shared memory
+        f.seek(3 * 4096 + 17)
+        b = f.read(1)
+        f.seek(3 * 4096 + 17)
+        f.write(bytes([b[0] ^ 0xFF]))
+    again = staging.stage_rank(image, 0, shm_dir=shm, verify=True)
+    assert not again.skipped and again.verified
+    assert "failed verification" in again.restaged_because and "chunk 3" in again.restaged_because, again
+    assert staged.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()

@@ -702,9 +702,10 @@ def _device_by_bus_id(bus_id: str | None, fallback: int) -> int:
 
 def _describe_stage(r: StageResult) -> str:
     if r.skipped:
-        return f"rank {r.rank}: already staged at {r.staged} ({r.nbytes:,} bytes)"
+        return f"rank {r.rank}: already staged at {r.staged} ({r.nbytes:,} bytes{'; verified' if r.verified else ''})"
     how = r.io_mode + (f" ({r.io_reason})" if r.io_reason else "")
     numa = f"NUMA node {r.numa_node}" if r.numa_node is not None else f"no NUMA binding: {r.numa_reason}"
-    return (f"rank {r.rank}: staged {r.nbytes:,} bytes in {r.read_s:.3f} s ({r.gbps:.2f} GB/s), {r.threads} threads, "
-            f"{how}; {numa}{'; verified' if r.verified else ''}")
+    again = f" again ({r.restaged_because})" if r.restaged_because else ""
+    return (f"rank {r.rank}: staged{again} {r.nbytes:,} bytes in {r.read_s:.3f} s ({r.gbps:.2f} GB/s), {r.threads} "
+            f"threads, {how}; {numa}{'; verified' if r.verified else ''}")
 

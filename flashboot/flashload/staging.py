@@ -85,6 +85,8 @@ class StageResult:
     read_s: float
     verified: bool
     skipped: bool = False
+    restaged_because: str = ""
+    """Why a copy already staged was staged again (it failed ``verify``); empty otherwise."""
 
     @property
     def gbps(self) -> float:
@@ -196,7 +198,8 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
     result says which), ``direct`` or ``buffered``. ``device``: the GPU the rank will load onto;
     the staged pages are bound to its NUMA node where the machine has more than one.
     ``verify`` recomputes the chunk checksums of the staged bytes (ChecksumMismatchError naming
-    the chunk). A rank already staged from the same pre-pack is left alone unless ``force``.
+    the chunk). A rank already staged from the same pre-pack is left alone unless ``force``; with
+    ``verify`` its staged bytes are checked first, and a copy that fails is staged again.
     """
     if io not in IO_MODES:
         raise FlashBootError(f"io must be one of {', '.join(IO_MODES)}, got {io!r}")
@@ -209,13 +212,22 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
     paths = staged_paths(image_dir, rank, shm_dir)
     paths.dir.mkdir(parents=True, exist_ok=True)
     nbytes = src.nbytes
+    restaged_because = ""
     if not force and paths.image.exists():
         try:
             info = read_ready(paths.ready)
             check_ready(info, src)
             if paths.image.stat().st_size == nbytes:
+                if verify:  # skipped unchecked, a corrupted staged copy was kept and served
+                    fd = os.open(paths.image, os.O_RDWR | os.O_CLOEXEC)
+                    try:
+                        _verify_staged(fd, nbytes, src, paths.image)
+                    finally:
+                        os.close(fd)
                 return StageResult(rank, nbytes, str(paths.image), info.io_mode, "already staged", info.numa_node,
-                                   info.numa_reason, info.threads, 0.0, info.verified, skipped=True)
+                                   info.numa_reason, info.threads, 0.0, info.verified or verify, skipped=True)
+        except ChecksumMismatchError as exc:
+            restaged_because = f"its staged copy failed verification: {exc}"
         except (FileNotFoundError, LayoutError):
             pass
     # Withdraw an older copy first: nobody may see .ready beside a half-replaced image.
@@ -274,7 +286,8 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
             verified=verify, io_mode=mode, io_reason=reason, numa_node=node, numa_reason=numa_reason, threads=threads,
             read_s=read_s, staged_at=time.time(), pid=os.getpid())
         _write_atomic(paths.ready, json.dumps(info.to_dict(), indent=1))
-        return StageResult(rank, nbytes, str(paths.image), mode, reason, node, numa_reason, threads, read_s, verify)
+        return StageResult(rank, nbytes, str(paths.image), mode, reason, node, numa_reason, threads, read_s, verify,
+                           restaged_because=restaged_because)
     except _Full as full:
         _unlink_quietly(paths.partial)
         now_free = _fs_free_bytes(str(paths.dir))
