@@ -314,3 +314,64 @@ def test_a_serving_seed_republishes_on_a_restarted_store_and_fails_when_none_com
         s.stop()
         t.join(10)
         server.close()
+
+
+# ------------------------------------------------------------------- 7: ring loads one after another
+
+
+def _ring(address, path, members, **kw):
+    results, errors = [], []
+
+    def member():
+        try:
+            results.append(flashboot.clone(address, "cpu", "ring", image=path, clones=members, chunk_bytes=256 << 10,
+                                           timeout_s=10, **kw))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member) for _ in range(members)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results, errors
+
+
+def test_a_second_ring_load_on_the_same_store_runs_once_the_first_has_left(store, raw):
+    """The second ring load on a store always failed ("already has its 2 members"): the last
+    member to leave now frees the run's name; a load under way is refused naming --run."""
+    address, rdv = store
+    path, data = raw
+    for _ in range(2):
+        results, errors = _ring(address, path, 2)
+        try:
+            assert not errors, errors
+            assert sorted(r.report.position for r in results) == [1, 2]
+            for r in results:
+                assert np.array_equal(_bytes(r), data)
+            if _ == 0:  # while it is held, a third arrival is told how to name another load
+                with pytest.raises(flashboot.errors.RendezvousError, match="--run NAME"):
+                    flashboot.clone(address, "cpu", "ring", image=path, clones=2, timeout_s=5)
+        finally:
+            for r in results:
+                r.close()
+    assert not rdv.has("ring/join") and not rdv.has("ring/member/0")
+    results, errors = _ring(address, path, 1, run="other")  # a name of its own
+    assert not errors and results[0].report.position == 1, errors
+    results[0].close()
+
+
+def test_flashboot_clone_takes_a_ring_run_name(store, raw):
+    address, rdv = store
+    path, data = raw
+    rdv.add("ring/join", 5)  # a load whose member failed holds the default name
+    procs = [spawn_cli("clone", "--store", address, "--device", "cpu", "--schedule", "ring", "--clones", 2,
+                       "--image", path, "--chunk-bytes", "256KiB", "--run", "second", "--timeout", 15)
+             for _ in range(2)]
+    try:
+        for p in procs:
+            rc, out, err = finish(p, 40)
+            assert rc == 0, err
+    finally:
+        for p in procs:
+            stop(p)

@@ -48,6 +48,8 @@ def register(subparsers) -> None:
     p.add_argument("--no-retry", action="store_true", help="fail instead of re-attaching when a source fails")
     p.add_argument("--pin-early", action="store_true",
                    help="ring: map and pin the shard before the start barrier (off the critical path)")
+    p.add_argument("--run", default="ring", metavar="NAME",
+                   help="ring: name of this load in the store (default ring); freed when its last member exits")
     p.add_argument("--serve", action="store_true", help="stay up as a source after cloning, until SIGTERM")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON ('-' for stdout)")
     _common(p)
@@ -139,7 +141,7 @@ def run_clone(args: argparse.Namespace) -> int:
             result = clone(args.store, args.device, args.schedule, verify=args.verify, timeout_s=args.timeout,
                            mover=args.mover, chunk_bytes=chunk, token_file=args.token_file, name=args.name,
                            clones=args.clones, image=args.image, transport=args.transport,
-                           retry=not args.no_retry, pin_early=args.pin_early, prepared=prepared)
+                           retry=not args.no_retry, pin_early=args.pin_early, prepared=prepared, run=args.run)
     except KeyboardInterrupt as exc:  # clone() published "failed" and left; one line, no traceback
         print(f"flashboot clone: stopped by {exc or 'SIGINT'} before the clone finished", file=sys.stderr)
         return 128 + (signal.SIGTERM if str(exc) == "SIGTERM" else signal.SIGINT)

@@ -31,7 +31,7 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
           token=None, token_file=None, name: str = "default", clones: int | None = None, expect: Any = None,
           image: Any = None, rank: int = 0, transport: str = "auto", retry: bool = True,
           step_delay_s: float | None = None, pin_early: bool = False, into: Any = None,
-          held_sources: dict | None = None, prepared: CloneWarmup | None = None) -> CloneResult:
+          held_sources: dict | None = None, prepared: CloneWarmup | None = None, run: str = "ring") -> CloneResult:
     """Clone the seed published at ``store`` (``HOST:PORT``) into a new arena on ``device``.
 
     ``schedule``: ``"chain"`` (default), ``"star"`` or ``"ring"`` (see :func:`ring_load`; needs
@@ -57,7 +57,8 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     it holds (:func:`~flashboot.flashclone.sources.release_held_sources`); a held mapping keeps
     the exporter's memory alive. ``prepared``: the early call's warm-up
     (:func:`~flashboot.flashclone.prepare_clone` for ``device``); without it the clone starts its
-    own as it begins, overlapping only the connection to the store.
+    own as it begins, overlapping only the connection to the store. ``run`` (ring): the name of
+    this gathering in the store (see :func:`ring_load`).
 
     Raises RendezvousError (no store, wrong token, mismatched manifest), WaitTimeoutError naming
     what was awaited, CloneError when a source failed and no other could take over.
@@ -70,7 +71,7 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
         return ring_load(store, image, device, members=clones, rank=rank, verify=verify, timeout_s=timeout_s,
                          mover=mover, chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=name,
                          expect=expect, step_delay_s=step_delay_s, pin_early=pin_early, transport=transport,
-                         prepared=prepared)
+                         prepared=prepared, run=run)
     if clones is not None and (not isinstance(clones, int) or clones < 1):
         raise FlashBootError(f"clones must be a positive int, got {clones!r}")
     t_start = time.perf_counter()

@@ -33,7 +33,8 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
 
     Member positions come by arrival order at the store (the first to arrive hosts it unless one
     listens there already). All members must hold the same image (manifests compared before any
-    byte moves). ``run`` names this gathering (use a fresh one per load on a shared store).
+    byte moves). ``run`` names this gathering: the last member to leave (``close()``) frees the name
+    for the next load; while a load runs, or after one whose member failed, use another.
     ``pin_early``: map and pin the shard before the start barrier (off the critical path, as
     FlashLoad's pin-early and served modes do) instead of after it; ``load_ms``/``pin_ms`` say
     what it cost either way. Pinning needs the image in anonymous or tmpfs-backed memory (stage
@@ -47,6 +48,8 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
 
     if not isinstance(members, int) or members < 1:
         raise FlashBootError(f"members must be a positive int, got {members!r}")
+    if not isinstance(run, str) or not run or "/" in run:
+        raise FlashBootError(f"run must be a non-empty name without '/', got {run!r}")
     t_start = time.perf_counter()
     dev = Device.parse(device)
     mover_obj = _check_mover(dev, _default_mover(dev, mover))
@@ -86,7 +89,8 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
         position = rdv.add(f"{run}/join", 1)
         if position > members:
             raise RendezvousError(f"ring {run!r} already has its {members} members (this is arrival {position}); "
-                                  "use another run name")
+                                  "a load still running, or one whose member failed, holds the name: use another "
+                                  "(`flashboot clone --run NAME`, run= in Python)")
         me = position - 1
         report = CloneReport("ring", position, str(dev), manifest.nbytes, mover=mover_obj.name,
                              connect_ms=(t0 - t_start) * 1e3, warm_ms=warm_report.warm_ms,
@@ -184,6 +188,7 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
             report.warnings.append(f"{exc}; kept the weights ({manifest.nbytes:,} bytes"
                                    f"{', verified' if report.verified else ''})")
         session.dependents = [f"{run}/status/{(me + 1) % members}"] if members > 1 else []
+        session.on_leave = lambda r: _clear_run(r, run, members)
         session.close_opened()
         img.close()
         session.extra.remove(img)
@@ -193,6 +198,18 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
     except BaseException:
         session.close(keep_arena=False)
         raise
+
+
+def _clear_run(rdv, run: str, members: int) -> None:
+    """The last member of ``run`` to leave deletes its keys, so the next load may use the name
+    again (a load with a failed member keeps them: its name stays taken, as the error says)."""
+    if rdv.add(f"{run}/left", 1) != members:
+        return
+    keys = [f"{run}/plan", f"barrier/{run}/start/go", f"barrier/{run}/start/count"]
+    for j in range(members):
+        keys += [f"{run}/member/{j}", f"{run}/status/{j}", f"{run}/status/{j}/left", f"{run}/nixl/held/{j}"]
+    for key in keys + [f"{run}/left", f"{run}/join"]:  # the arrival counter last: a new load starts from 1
+        rdv.delete(key)
 
 
 def _executor_ring(plan, endpoints: dict, me: int, mover, img, timeout_s: float, hook, report, session,

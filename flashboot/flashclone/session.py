@@ -26,6 +26,9 @@ class _Session:
         self.dependents: list[str] = []
         """Status keys of participants that read from us: :func:`linger` waits for them."""
         self.dependents_of: Callable[[], list[str]] | None = None
+        self.on_leave: Callable[[Rendezvous], None] | None = None
+        """Called with the store connection as a finished participant leaves (a ring's last member
+        clears the run's keys)."""
         self.timeout_s = rdv.timeout_s if rdv is not None else 60.0
         self._pending_arena: tuple[threading.Thread, dict, int, Any] | None = None
 
@@ -143,6 +146,8 @@ class _Session:
             if self.status_key is not None and not keep_arena:
                 try:  # no longer a source for anyone
                     self.rdv.publish(self.status_key + "/left", {"pid": os.getpid()})
+                    if self.on_leave is not None:
+                        self.on_leave(self.rdv)
                 except FlashBootError:
                     pass
             self.rdv.close()
