@@ -52,3 +52,40 @@ def test_refit_post_processing_failure_names_the_live_version_and_a_retry_finish
                 refit_engine_model(model, address, 1, what="test refit", derive=model.post_load_weights, timeout_s=30)
     finally:
         weights.close()
+
+
+def _checkpoint(path, fill: float):
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    (path / "config.json").write_text('{"model_type": "tiny", "hidden_size": 16}')
+    save_file({"w": torch.full((4,), fill)}, str(path / "model.safetensors"))
+    return path
+
+
+def test_engine_key_tells_local_checkpoints_with_one_config_and_name_apart(tmp_path):
+    import dataclasses
+    import os
+
+    from flashboot.errors import LayoutError
+    from flashboot.integrations.engine_key import model_identity
+    from flashboot.integrations.engine_prepack import LoaderOptions, load_engine_weights
+
+    a = _checkpoint(tmp_path / "ckpts" / "step-1000" / "hf", 1.0)
+    b = _checkpoint(tmp_path / "ckpts" / "step-2000" / "hf", 2.0)
+    os.utime(b / "model.safetensors", ns=(1_000_000_000, 1_000_000_000))  # the sizes are equal: mtimes differ
+    ida, idb = model_identity(str(a)), model_identity(str(b))
+    assert ida[0] == idb[0] == "hf" and ida[2] == idb[2]  # same name, same config
+    assert ida[1].startswith("local-sha256:") and ida[1] != idb[1]
+    assert model_identity(str(a)) == ida and model_identity(str(a), "main")[1] == f"main+{ida[1]}"
+    # a hub snapshot keeps its commit as the revision
+    snap = _checkpoint(tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc1234", 1.0)
+    assert model_identity(str(snap))[:2] == ("org/tiny", "abc1234")
+    # an image packed under the old key (revision None) or from the other checkpoint is refused, naming both
+    for packed_rev in (None, idb[1]):
+        out = _prepack(TinyEngineModel(0), tmp_path / f"img-{packed_rev}", _key(model_id="hf", revision=packed_rev))
+        want = _key(model_id="hf", revision=ida[1])
+        with pytest.raises(LayoutError, match=rf"revision: engine '{ida[1]}', image {packed_rev!r}"):
+            load_engine_weights(LoaderOptions(image_dir=str(out), shm_dir=str(tmp_path / "shm")), want, 0, "cpu",
+                                tp_size=1, ep_size=1)
+    assert dataclasses.replace(_key(), revision=ida[1]).digest != dataclasses.replace(_key(), revision=idb[1]).digest

@@ -228,11 +228,45 @@ def gpu_arch_of(device: Any) -> str:
     return f"sm_{major}{minor}"
 
 
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def checkpoint_fingerprint(path: str | os.PathLike) -> str | None:
+    """``local-sha256:...`` of a local checkpoint directory's weights: each weight file's name, size
+    and mtime, and the bytes of its ``*.index.json`` files. Only ``stat`` calls and the small index
+    files: hashing the weights would cost a full read at every engine start. A copy that does not
+    keep mtimes gets another fingerprint, so its images are refused (pre-pack again), never
+    served from another checkpoint. None for a directory without weight files."""
+    from flashboot.fileio import read_regular
+    from flashboot.layouts.checkpoint import MAX_CHECKPOINT_JSON_BYTES
+
+    h = hashlib.sha256()
+    root = Path(path)
+    weights = 0
+    for entry in sorted(root.iterdir(), key=lambda p: p.name):
+        is_index = entry.name.endswith(".index.json")
+        if not (is_index or entry.name.endswith(WEIGHT_FILE_SUFFIXES)):
+            continue
+        try:
+            st = entry.stat()
+            blob = read_regular(entry, MAX_CHECKPOINT_JSON_BYTES) if is_index else b""
+        except OSError as exc:
+            raise LayoutError(f"{entry}: unreadable checkpoint file ({exc}); the engine key fingerprints it") from None
+        h.update(json.dumps([entry.name, st.st_size, st.st_mtime_ns]).encode() + b"\0" + blob + b"\0")
+        weights += not is_index
+    if not weights:  # a config-only directory (the weights only in the image): nothing to tell apart
+        return None
+    return "local-sha256:" + h.hexdigest()
+
+
 def model_identity(model_path: str, revision: str | None = None) -> tuple[str, str | None, str]:
     """``(model_id, revision, config_hash)`` of a local model directory or a cached hub id.
 
     ``config_hash`` is the layouts' hash of ``config.json`` (without ``transformers_version`` and
     ``_``-prefixed keys), so an engine image and a FlashBoot pre-pack of one checkpoint agree.
+    A local directory (not a hub snapshot) has no commit: its revision is its
+    :func:`checkpoint_fingerprint` (after ``revision`` when one is given), so an image of another
+    checkpoint with the same config and directory name is refused by the key.
     """
     import re
 
@@ -258,6 +292,11 @@ def model_identity(model_path: str, revision: str | None = None) -> tuple[str, s
         model_id, rev = f"{m.group(1)}/{m.group(2)}", rev or m.group(3)
     elif path.is_dir():
         model_id = path.resolve().name
+        # a local directory has no commit: two checkpoints with one config and one directory name
+        # (ckpts/step-1000/hf, ckpts/step-2000/hf) differ only in their weight files
+        fingerprint = checkpoint_fingerprint(path)
+        if fingerprint is not None:
+            rev = fingerprint if revision is None else f"{revision}+{fingerprint}"
     from flashboot.fileio import read_regular
     from flashboot.layouts.checkpoint import MAX_CHECKPOINT_JSON_BYTES
 
@@ -350,5 +389,5 @@ __all__ = [
     "engine_family", "is_engine_family",
     "ENGINES", "ENGINE_FORMAT", "ENGINE_SECTION", "LOAD_FORMAT", "MEMORY_SAVER_POLICIES", "MODES", "STAGING",
     "EngineKey", "EngineSection", "LoaderOptions", "check_engine_key", "gpu_arch_of", "image_is_complete",
-    "model_identity", "read_engine_section", "read_job_engine_key",
+    "checkpoint_fingerprint", "model_identity", "read_engine_section", "read_job_engine_key",
 ]
