@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from _clone_helpers import _token, store  # noqa: F401  (fixtures)
+from _engine_helpers import packed  # noqa: F401  (fixture)
 from flashboot.integrations.engine_refit import engine_publisher, engine_tensors_to_publish, refit_engine_model
 from flashboot.weight_update import RefitError
 from test_integrations_refit import TinyEngineModel, _key, _prepack, _serve
@@ -89,3 +90,32 @@ def test_engine_key_tells_local_checkpoints_with_one_config_and_name_apart(tmp_p
             load_engine_weights(LoaderOptions(image_dir=str(out), shm_dir=str(tmp_path / "shm")), want, 0, "cpu",
                                 tp_size=1, ep_size=1)
     assert dataclasses.replace(_key(), revision=ida[1]).digest != dataclasses.replace(_key(), revision=idb[1]).digest
+
+
+def test_copy_into_a_built_model_refuses_broadcast_and_cast_before_copying(packed, tmp_path):
+    from _engine_helpers import PlainEngineLikeModel, _assert_same_tensors
+    from _engine_helpers import _key as plain_key
+    from flashboot.errors import LayoutError
+    from flashboot.integrations.engine_bind import copy_engine_weights_into
+    from flashboot.integrations.engine_prepack import LoaderOptions, load_engine_weights
+
+    ref, out, _ = packed
+    weights = load_engine_weights(LoaderOptions(image_dir=str(out), shm_dir=str(tmp_path / "shm")), plain_key(), 0,
+                                  "cpu", tp_size=1, ep_size=1)
+    try:
+        model = PlainEngineLikeModel(1)
+        model.proj.bias = torch.nn.Parameter(torch.zeros(4, 24))  # the image's [24] would broadcast into it
+        model.embed.weight = model.lm_head.weight = torch.nn.Parameter(torch.zeros(32, 16, dtype=torch.float16))
+        before = model.proj.weight.clone()
+        with pytest.raises(LayoutError, match=r"2 tensor\(s\) differ in shape or dtype: embed.weight \(image \[32, 16\] "
+                                              r"torch.float32, model \[32, 16\] torch.float16\), proj.bias \(image "
+                                              r"\[24\] torch.float32, model \[4, 24\] torch.float32\); nothing was"):
+            copy_engine_weights_into(model, weights)
+        assert torch.equal(model.proj.weight, before)  # refused before a byte moved
+        model = PlainEngineLikeModel(1)
+        ptr = model.proj.weight.data_ptr()
+        copy_engine_weights_into(model, weights)
+        assert model.proj.weight.data_ptr() == ptr  # in place
+        _assert_same_tensors(ref, model)
+    finally:
+        weights.close()

@@ -332,6 +332,32 @@ def bind_engine_model(model, weights: EngineWeights) -> EngineBindReport:
     return report
 
 
+def copy_engine_weights_into(model, weights: EngineWeights) -> list[str]:
+    """Copy the image's parameters and buffers into ``model``'s own tensors, in place (their
+    storage is kept; tensor attributes are left alone: the runner may have rebound them, KV caches).
+    Every name's shape and dtype are compared first, without broadcasting or casting: LayoutError
+    listing every mismatch (and every missing name) before a byte is copied. Returns the names."""
+    import torch
+
+    current = dict(model.named_parameters(remove_duplicate=False))
+    current.update(dict(model.named_buffers(remove_duplicate=False)))
+    names = [n for n, info in weights.section.tensors.items() if info["kind"] != "extra"]
+    missing = sorted(n for n in names if n not in current)
+    if missing:
+        raise LayoutError(f"the model has no parameters or buffers {missing[:8]} that the image holds")
+    sources = {n: _materialize(weights.tensors[n], weights.section.tensors[n]) for n in names}
+    mismatched = [f"{n} (image {list(src.shape)} {src.dtype}, model {list(current[n].shape)} {current[n].dtype})"
+                  for n, src in sources.items()
+                  if tuple(src.shape) != tuple(current[n].shape) or src.dtype != current[n].dtype]
+    if mismatched:
+        raise LayoutError(f"cannot copy the engine image into {type(model).__name__}: {len(mismatched)} tensor(s) "
+                          f"differ in shape or dtype: {', '.join(mismatched[:6])}; nothing was copied")
+    with torch.no_grad():
+        for name, src in sources.items():
+            current[name].copy_(src)
+    return names
+
+
 def _held_containers(mod):
     """(attribute, container) for a module's plain attributes that hold tensors one level down: a
     dataclass instance, list, tuple or dict (e.g. SGLang's TopK keeps the gate's
@@ -396,6 +422,7 @@ def check_no_meta_tensors(model, where: str) -> None:
 
 
 __all__ = [
-    "EngineBindReport", "EngineWeights", "bind_engine_model", "check_no_meta_tensors", "load_engine_weights",
+    "EngineBindReport", "EngineWeights", "bind_engine_model", "check_no_meta_tensors", "copy_engine_weights_into",
+    "load_engine_weights",
     "prepare_engine_load", "publish_engine_weights",
 ]

@@ -47,7 +47,7 @@ from .engine_prepack import (
     gpu_arch_of, image_is_complete, load_engine_weights, memory_saver_policy, model_identity, prepack_engine_model,
     prepare_engine_load, read_job_engine_key, stay,
 )
-from .engine_bind import _materialize
+from .engine_bind import copy_engine_weights_into
 from .engine_sleep import WEIGHTS_TAG, check_awake, sleep_engine_weights, wake_engine_weights
 
 logger = logging.getLogger("flashboot.integrations.vllm")
@@ -198,16 +198,7 @@ class FlashBootModelLoader(BaseModelLoader):
         weights = load_engine_weights(dataclasses.replace(self.options, publish_store=None), key, parallel.rank,
                                       device, tp_size=parallel.tp_size, ep_size=parallel.ep_size)
         try:
-            current = dict(model.named_parameters(remove_duplicate=False))
-            current.update(dict(model.named_buffers(remove_duplicate=False)))
-            # Tensor attributes (extras) are left alone: the runner may have rebound them (KV caches).
-            names = [n for n, info in weights.section.tensors.items() if info["kind"] != "extra"]
-            missing = sorted(n for n in names if n not in current)
-            if missing:
-                raise LayoutError(f"the model has no parameters or buffers {missing[:8]} that the image holds")
-            with torch.no_grad():
-                for name in names:
-                    current[name].copy_(_materialize(weights.tensors[name], weights.section.tensors[name]))
+            copy_engine_weights_into(model, weights)
         finally:
             weights.close()
 
