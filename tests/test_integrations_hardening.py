@@ -4,6 +4,8 @@ tensor checks, publish aliases, option validation, engine sections."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,7 +67,6 @@ def _checkpoint(path, fill: float):
 
 
 def test_engine_key_tells_local_checkpoints_with_one_config_and_name_apart(tmp_path):
-    import dataclasses
     import os
 
     from flashboot.errors import LayoutError
@@ -117,5 +118,44 @@ def test_copy_into_a_built_model_refuses_broadcast_and_cast_before_copying(packe
         copy_engine_weights_into(model, weights)
         assert model.proj.weight.data_ptr() == ptr  # in place
         _assert_same_tensors(ref, model)
+    finally:
+        weights.close()
+
+
+def test_a_seed_of_another_rank_is_neither_published_nor_cloned(packed, tmp_path, store):
+    from _engine_helpers import _key as plain_key
+    from flashboot.errors import LayoutError
+    from flashboot.flashclone.rendezvous import Rendezvous
+    from flashboot.integrations.engine_bind import ENGINE_RECORD, publish_engine_weights
+    from flashboot.integrations.engine_prepack import LoaderOptions, load_engine_weights
+
+    address, _ = store
+    _, out, _ = packed
+    options = LoaderOptions(image_dir=str(out), shm_dir=str(tmp_path / "shm"), publish_store=address, timeout_s=20)
+    weights = load_engine_weights(dataclasses.replace(options, publish_store=None), plain_key(), 0, "cpu",
+                                  tp_size=1, ep_size=1)
+    try:
+        with pytest.raises(LayoutError, match=r"cannot publish rank 0's engine weights as the seed of rank 1 at "):
+            publish_engine_weights(weights, options, 1)
+        assert weights.seed is None
+        # a record planted under rank 1's namespace that carries rank 0's section
+        seed = publish_engine_weights(weights, options, 0)
+        try:
+            body = Rendezvous.connect(address, namespace="flashboot-rank0", host=False, timeout_s=20)
+            try:
+                record = body.read(ENGINE_RECORD, what="rank 0's engine record", timeout_s=20).body
+            finally:
+                body.close()
+            planted = Rendezvous.connect(address, namespace="flashboot-rank1", host=False, timeout_s=20)
+            try:
+                planted.publish(ENGINE_RECORD, record)
+            finally:
+                planted.close()
+            with pytest.raises(LayoutError, match=r"namespace flashboot-rank1\): the seed serves rank 0's weights, "
+                                                  "this engine is rank 1; refused before cloning"):
+                load_engine_weights(LoaderOptions(seed_store=address, timeout_s=20), plain_key(), 1, "cpu",
+                                    tp_size=1, ep_size=1)
+        finally:
+            seed.close()
     finally:
         weights.close()

@@ -192,9 +192,16 @@ def _clone_engine_weights(options: LoaderOptions, expected: EngineKey, rank: int
         rdv.close()
     section = EngineSection.from_dict(record.body.get("section"), where)
     check_engine_key(section.key, expected, where)
+    if section.rank != rank:  # the key names the TP size, not the rank: a mislabelled seed has the same key
+        raise LayoutError(f"{where}: the seed serves rank {section.rank}'s weights, this engine is rank {rank}; "
+                          "refused before cloning")
     result = flashboot.clone(options.seed_store, dev, options.schedule, verify=options.verify,
                              timeout_s=options.timeout_s, name=_rank_namespace(options, rank),
                              expect={"key_digest": record.body.get("image_key_digest")}, rank=rank)
+    seeded_rank = getattr(getattr(getattr(result, "metadata", None), "parallel", None), "rank", rank)
+    if seeded_rank != rank:
+        result.close()
+        raise LayoutError(f"{where}: the seed's image metadata is rank {seeded_rank}'s, this engine is rank {rank}")
     if not result.tensors:
         result.close()
         raise LayoutError(f"{where}: the seed published no image metadata, so there are no tensors to bind")
@@ -208,9 +215,12 @@ def _clone_engine_weights(options: LoaderOptions, expected: EngineKey, rank: int
 def publish_engine_weights(weights: EngineWeights, options: LoaderOptions, rank: int):
     """Publish ``weights`` as a FlashClone seed at ``options.publish_store`` (namespace per rank),
     plus the engine record a cloning engine checks its key against. Returns the Seed (keep it
-    open as long as the engine serves)."""
+    open as long as the engine serves). Raises LayoutError when ``rank`` is not the weights' rank."""
     import flashboot
 
+    if rank != weights.section.rank:
+        raise LayoutError(f"cannot publish rank {weights.section.rank}'s engine weights as the seed of rank {rank} "
+                          f"at {options.publish_store}: a clone of rank {rank} would serve another rank's shards")
     seed = flashboot.seed(options.publish_store, weights.handle, weights.arena.device,
                           name=_rank_namespace(options, rank), rank=rank, timeout_s=options.timeout_s)
     try:
