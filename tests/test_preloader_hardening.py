@@ -8,6 +8,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import time
 
@@ -203,3 +204,36 @@ def test_verify_checks_a_rank_already_staged_and_stages_a_corrupted_copy_again(i
     assert not again.skipped and again.verified
     assert "failed verification" in again.restaged_because and "chunk 3" in again.restaged_because, again
     assert staged.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()
+
+
+def test_serve_in_the_background_with_a_socket_path_too_long_is_refused_before_starting(image, tmp_path):
+    shm = tmp_path / ("s" * 100)
+    cfg = staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True)
+    with pytest.raises(FlashBootError, match=r"is 1\d\d bytes; Unix sockets allow 107"):
+        service.start_background(cfg, timeout_s=60)
+    assert not service.service_status(image, shm).running and not shm_files.pid_file(image, shm).exists()
+
+
+def test_a_background_daemon_that_dies_before_it_listens_is_reported_not_started(image, tmp_path):
+    shm = tmp_path / "shm"
+    sock = shm_files.socket_path(image, shm)
+    (sock / "in-the-way").mkdir(parents=True)  # a folder where its socket goes: it dies at bind
+    cfg = staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True)
+    try:
+        with pytest.raises(FlashBootError, match=r"exited with status \d+ at start") as e:
+            service.start_background(cfg, timeout_s=60)
+        assert str(sock) in str(e.value)
+    finally:
+        service.stop_service(image, shm, timeout_s=30)
+
+
+def test_a_background_start_that_times_out_stops_the_service(image, tmp_path):
+    shm = tmp_path / "shm"
+    cfg = staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True)
+    try:
+        with pytest.raises(WaitTimeoutError, match=r"did not claim .* and was stopped") as e:
+            service.start_background(cfg, timeout_s=0.001)  # no Python starts that fast
+        pid = int(re.search(r"pid (\d+)", str(e.value)).group(1))
+        assert shm_files._proc_start_time(pid) is None, "the service it gave up on still runs"
+    finally:
+        service.stop_service(image, shm, timeout_s=30)

@@ -28,6 +28,7 @@ from .protocol import PeerCredentials, _error_payload, peer_credentials
 from .shm import (
     _unlink_quietly,
     check_ready,
+    check_socket_path,
     rank_source,
     read_ready,
     socket_path,
@@ -616,8 +617,6 @@ class _Attached:
 
 
 _UMASK_LOCK = threading.Lock()
-SUN_PATH_MAX = 107
-"""Longest Unix socket path (sun_path holds 108 bytes with the terminating NUL)."""
 
 
 def _bind_private(path: Path, group: int | None) -> socket.socket:
@@ -626,9 +625,7 @@ def _bind_private(path: Path, group: int | None) -> socket.socket:
     bind() creates the file with the process umask's mode; a chmod afterwards would leave a
     window in which another user can connect. So the socket is bound under umask 0177 (mode
     0600 from the start), and only then widened to 0660 for an allowed group."""
-    if len(os.fsencode(path)) > SUN_PATH_MAX:
-        raise FlashBootError(f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow "
-                             f"{SUN_PATH_MAX}: use a shorter --shm-dir")
+    check_socket_path(path)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         with _UMASK_LOCK:  # the umask is the process's: restore it at once

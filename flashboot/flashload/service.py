@@ -24,11 +24,13 @@ from .shm import (
     _read_pid_file,
     _running_pid,
     _unlink_quietly,
+    check_socket_path,
     log_file,
     not_shared_memory_warning,
     pid_file,
     remove_if_empty,
     service_status,
+    socket_path,
 )
 from .staging import PreloadConfig, StageResult, preload
 
@@ -140,13 +142,18 @@ def _release_pid_file(path: Path) -> None:
 def start_background(config: PreloadConfig, *, timeout_s: float = 30.0, extra_argv: list[str] | None = None) -> int:
     """Start ``flashboot preload`` for ``config`` as a detached service; returns its pid.
 
-    Waits (up to ``timeout_s``) until the service has claimed its pid file; its output goes to
-    the ``preload.log`` beside it. Raises FlashBootError when one already runs, or with the log's
-    tail when the service dies at start.
+    Waits (up to ``timeout_s``) until the service has claimed its pid file, and with
+    ``config.serve`` until it answers on its socket; its output goes to the ``preload.log``
+    beside it. Raises FlashBootError when one already runs, when the socket's path is too long
+    (before starting anything), or with the log's tail when the service dies at start;
+    WaitTimeoutError when it is not up within ``timeout_s`` (the service is stopped then).
     """
     status = service_status(config.image_dir, config.shm_dir)
     if status.running:
         raise FlashBootError(f"a preloader already runs for {config.image_dir} (pid {status.pid}); stop it with --stop")
+    sock = socket_path(config.image_dir, config.shm_dir)
+    if config.serve:
+        check_socket_path(sock)  # the service would only die of it, after this had reported it started
     log = log_file(config.image_dir, config.shm_dir)
     log.parent.mkdir(parents=True, exist_ok=True)
     # The preload command's own entry point: the service needs no other command to import.
@@ -156,17 +163,47 @@ def start_background(config: PreloadConfig, *, timeout_s: float = 30.0, extra_ar
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
     deadline = time.monotonic() + timeout_s
+    waiting_for = f"claim {status.path}"
     while time.monotonic() < deadline:
         if _running_pid(status.path) == proc.pid:
-            return proc.pid
+            if not config.serve:
+                return proc.pid
+            waiting_for = f"answer on {sock}"
+            if _answers(config, sock, proc.pid, deadline):
+                return proc.pid
         code = proc.poll()
         if code is not None:
-            if code == 0:
+            if code == 0 and not config.serve:
                 return proc.pid  # it staged everything and exited already
             raise FlashBootError(f"background preloader exited with status {code} at start; {log}:\n{_tail(log)}")
         time.sleep(0.02)
-    raise WaitTimeoutError(f"background preloader (pid {proc.pid}) did not claim {status.path} within {timeout_s:g} s; "
-                           f"see {log}")
+    _stop_child(proc)
+    raise WaitTimeoutError(f"background preloader (pid {proc.pid}) did not {waiting_for} within {timeout_s:g} s, and "
+                           f"was stopped (exit status {proc.returncode}); see {log}")
+
+
+def _answers(config: PreloadConfig, sock: Path, pid: int, deadline: float) -> bool:
+    """Whether daemon ``pid`` answers a status request on ``sock`` now (briefly: the caller retries)."""
+    from .client import serve_status
+
+    if not sock.exists():
+        return False
+    try:
+        reply = serve_status(config.image_dir, config.shm_dir,
+                             timeout_s=max(0.05, min(1.0, deadline - time.monotonic())))
+    except FlashBootError:
+        return False
+    return reply.get("pid") == pid  # not a dead daemon's socket file
+
+
+def _stop_child(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM (it then releases its pid file), SIGKILL after ``grace_s``; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _tail(path: Path, nbytes: int = 2000) -> str:

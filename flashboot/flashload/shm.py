@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from .._json import check_fields, finite_at_least, int_at_least, is_str, loads
 from ..errors import (
+    FlashBootError,
     LayoutError,
     WaitTimeoutError,
 )
@@ -121,6 +122,20 @@ def log_file(image_dir, shm_dir=None) -> Path:
 
 def socket_path(image_dir, shm_dir=None) -> Path:
     return staging_dir(image_dir, shm_dir) / "serve.sock"
+
+
+SUN_PATH_MAX = 107
+"""Longest Unix socket path (sun_path holds 108 bytes with the terminating NUL)."""
+
+
+def check_socket_path(path: Path) -> Path:
+    """``path``, or FlashBootError when it is too long to bind or connect to (the kernel's own
+    refusal is a bare "AF_UNIX path too long")."""
+    n = len(os.fsencode(path))
+    if n > SUN_PATH_MAX:
+        raise FlashBootError(f"socket path {path} is {n} bytes; Unix sockets allow {SUN_PATH_MAX}: use a shorter "
+                             "--shm-dir (or $FLASHBOOT_SHM)")
+    return path
 
 
 @dataclass(frozen=True)
