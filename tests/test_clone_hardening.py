@@ -375,3 +375,48 @@ def test_flashboot_clone_takes_a_ring_run_name(store, raw):
     finally:
         for p in procs:
             stop(p)
+
+
+# ------------------------------------------------------------------ 8: a store listens where asked
+
+
+def _listeners(port):
+    """Local addresses (hex, as /proc/net/tcp writes them) listening on ``port``."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, p = local.rpartition(":")
+            if state == "0A" and int(p, 16) == port:
+                out.append(addr)
+    return out
+
+
+def test_stores_asked_for_at_127_0_0_1_listen_there_only():
+    """TCPStore bound every interface whatever HOST said: a store (or a seed hosting one) at
+    127.0.0.1 was reachable from the whole network."""
+    from flashboot.flashclone.rendezvous import Rendezvous
+    from flashboot.flashclone.store import StoreServer
+
+    server = StoreServer("127.0.0.1:0")
+    try:
+        assert _listeners(server.port) == ["0100007F"]
+        rdv = Rendezvous.connect(server.address, timeout_s=5)
+        rdv.publish("k", {"v": 1})
+        assert rdv.read("k", what="k", timeout_s=1).body == {"v": 1}
+        rdv.close()
+    finally:
+        server.close()
+    port = free_port()
+    hosted = Rendezvous.connect(f"127.0.0.1:{port}", host=True, timeout_s=5)
+    try:
+        assert hosted.is_server and _listeners(port) == ["0100007F"]
+        joined = Rendezvous.connect(f"127.0.0.1:{port}", host=True, timeout_s=5)  # one listens: joined
+        assert not joined.is_server
+        joined.close()
+    finally:
+        hosted.close()

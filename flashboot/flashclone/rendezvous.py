@@ -29,6 +29,7 @@ the store without the token does not reveal them.
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import hmac
 import json
@@ -395,6 +396,35 @@ test_rendezvous against the installed torch): a client's first query is VALIDATE
 _TCPSTORE_MAGIC = 0x3C85F7CE
 
 
+def host_tcpstore(host: str, port: int, timeout: datetime.timedelta):
+    """A ``TCPStore(is_master=True)`` that listens on ``host`` only: TCPStore binds every
+    interface itself, so a store asked for at 127.0.0.1 was reachable from the whole network.
+    The socket is bound here and handed over (``master_listen_fd``; the store closes it when it
+    goes). OSError when ``host:port`` cannot be bound (EADDRINUSE: something listens there).
+    A torch without ``master_listen_fd`` gets the old behaviour: every interface."""
+    from torch.distributed import TCPStore
+
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own listener does
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+        bound = sock.getsockname()[1]
+        try:
+            store = TCPStore(host, bound, is_master=True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=sock.fileno())
+        except TypeError:  # an older torch: no way to choose the interface
+            sock.close()
+            return TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
+    except BaseException:
+        if sock.fileno() != -1:
+            sock.close()
+        raise
+    sock.detach()  # the store owns the fd now and closes it with its server
+    return store
+
+
 JOIN_ATTEMPTS = 5
 """How many times a join asks TCPStore's client to connect to a store that answered the pre-flight
 (a store that keeps refusing after that is not busy: it is refusing)."""
@@ -498,12 +528,15 @@ class Rendezvous:
         td = datetime.timedelta(seconds=float(timeout_s))
         if host:
             try:
-                store = TCPStore(h, port, is_master=True, timeout=td, wait_for_workers=False)
+                store = host_tcpstore(h, port, td)
                 return cls(store, address, tok, namespace, True, timeout_s)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise RendezvousError(f"cannot host a store at {address}: {exc.strerror or exc}") from None
+                # someone already serves there: join it as a client
             except DistError as exc:
                 if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc):
                     raise RendezvousError(f"cannot host a store at {address}: {str(exc).splitlines()[0]}") from None
-                # someone already serves there: join it as a client
         for attempt in range(1, JOIN_ATTEMPTS + 1):
             _await_store(h, port, deadline, address)
             remaining = max(0.5, deadline - time.monotonic())

@@ -20,10 +20,11 @@ forged record): keep it on a network only the participants reach.
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import threading
 
-from .rendezvous import DEFAULT_TIMEOUT_S, parse_address
+from .rendezvous import DEFAULT_TIMEOUT_S, host_tcpstore, parse_address
 from ..service_loop import Service
 from ..errors import RendezvousError
 
@@ -33,17 +34,22 @@ class StoreServer(Service):
     is stopped by SIGTERM/SIGINT or ``stop``).
 
     ``address``: ``HOST:PORT``; port 0 lets the kernel pick one (:attr:`address` says which).
-    TCPStore listens on every interface at that port; ``HOST`` is what :attr:`address` reports
-    to clients. Raises RendezvousError when the port is taken or cannot be bound.
+    It listens on ``HOST`` only (127.0.0.1 stays local; 0.0.0.0 for every interface), and
+    :attr:`address` reports it to clients (with a torch that lacks TCPStore's
+    ``master_listen_fd``, every interface). Raises RendezvousError when the port is taken or
+    cannot be bound.
     """
 
     def __init__(self, address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S):
         host, port = parse_address(address, any_port=True)
-        from torch.distributed import DistError, TCPStore
+        from torch.distributed import DistError
 
         try:
-            self._store = TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=float(timeout_s)))
+            self._store = host_tcpstore(host, port, datetime.timedelta(seconds=float(timeout_s)))
+        except OSError as exc:
+            why = ("the port is taken (EADDRINUSE: address already in use)" if exc.errno == errno.EADDRINUSE
+                   else exc.strerror or str(exc))
+            raise RendezvousError(f"cannot host a store at {address}: {why}") from None
         except DistError as exc:
             raise RendezvousError(f"cannot host a store at {address}: {str(exc).splitlines()[0]}") from None
         self.host = host
