@@ -109,7 +109,9 @@ def require_image_dir(path: str | os.PathLike) -> Path:
 def resolve_rank(path: str | os.PathLike, rank: int | None) -> tuple[Path, JobInfo | None]:
     """The rank directory to read, and the job it belongs to (None for a lone rank directory):
     what :func:`read_metadata_file` reads first, for a caller that checks the job before it."""
-    path = Path(path)
+    # links resolved once: a deployment that flips a link to another image while a load reads
+    # this one must not give it one image's metadata and the other's bytes
+    path = Path(os.path.realpath(path))
     if (path / METADATA_FILE).is_file():
         parent_job = path.parent / JOB_FILE
         return path, (read_job(path.parent) if parent_job.is_file() else None)
@@ -294,7 +296,36 @@ def open_image(mf: MetadataFile, rank: int | None = None, *, tp: int | None = No
         what = "truncated" if size < meta.image_nbytes else "longer than recorded"
         raise LayoutError(f"{image_path}: {what}: metadata expects {meta.image_nbytes:,} bytes, the file has "
                           f"{size:,} (first chunk affected: {chunk}, bytes {start:,}..{start + nbytes:,})")
-    return Image(mf.rank_dir, meta, metadata_file=mf)
+    return Image(mf.rank_dir, meta, metadata_file=mf, file_identity=FileIdentity.of(image_path, st))
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """Which file an image's bytes are, as its metadata was validated against it: a reader
+    compares the file it opens (and, after reading, the same file again) with this, so bytes
+    the metadata does not describe are refused, not loaded: another file put in its place, or
+    the file rewritten in place while it was read. Device, inode, size and mtime: what an
+    ordinary write or replacement changes (as :class:`~flashboot.flashload.prepared.PreparedLoad`
+    checks between prepare and load)."""
+
+    path: str
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path, st: os.stat_result) -> "FileIdentity":
+        return cls(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def check(self, st: os.stat_result, when: str) -> None:
+        """LayoutError unless ``st`` (an ``os.fstat`` of the file opened) is this file, unchanged."""
+        now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        seen = (self.dev, self.ino, self.size, self.mtime_ns)
+        if now != seen:
+            raise LayoutError(f"{self.path} changed {when} (device, inode, size, mtime_ns {seen} -> {now}): another "
+                              "file took its place or it was written to; its bytes are not the ones its metadata "
+                              "describes, and nothing was loaded")
 
 
 def check_request(meta: ImageMetadata, where: str, *, rank: int | None = None, tp: int | None = None,
@@ -343,10 +374,13 @@ class Image:
     stride and dtype over that mapping or any other buffer laid out like the image.
     """
 
-    def __init__(self, dir: Path, metadata: ImageMetadata, *, metadata_file: MetadataFile | None = None):
+    def __init__(self, dir: Path, metadata: ImageMetadata, *, metadata_file: MetadataFile | None = None,
+                 file_identity: FileIdentity | None = None):
         self.dir = dir
         self.metadata = metadata
         self.path = dir / metadata.image_file
+        self.file_identity = file_identity
+        """The image file as validated (None where the image was made from metadata alone)."""
         self._mmap: mmap.mmap | None = None
         self._metadata_file = metadata_file
 

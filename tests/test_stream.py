@@ -309,6 +309,62 @@ def test_image_shorter_than_asked_is_refused_before_any_read(image, monkeypatch)
     assert reads == [] and started == []
 
 
+def test_an_image_rewritten_while_it_streams_is_refused(image, shm, monkeypatch):
+    """Nothing tied the streamed file to the metadata read before: written to mid-stream (same
+    size), the load returned a mix of old and new bytes, unverified, without a word."""
+    from flashboot.arena import Arena
+
+    created = _spy(monkeypatch, Arena)
+    path = read_image(image, 0).path
+    real, reads = os.preadv, []
+
+    def rewrite_then_read(fd, bufs, off):
+        reads.append(off)
+        if len(reads) == 3:
+            with open(path, "r+b") as f:
+                f.write(b"\xff" * 4096)
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(stream, "_preadv", rewrite_then_read)
+    with pytest.raises(LayoutError, match=rf"{path} changed while it was read .*it was written to; its bytes are not "
+                                          "the ones its metadata describes, and nothing was loaded"):
+        flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes=SMALL_RING, timeout_s=3600)
+    assert len(created) == 1 and created[0].closed
+
+
+def test_a_link_flipped_to_another_image_mid_load_loads_the_first_whole(image, shm, tmp_path, monkeypatch):
+    """A blue/green deployment flips ``current`` to a new image while a load is between its
+    metadata read and its open: the load had streamed the new image's bytes under the old
+    image's metadata. The link is resolved once: the load is the old image, whole."""
+    from flashboot.arena import Arena
+
+    other = Path(shutil.copytree(image, tmp_path / "other"))
+    other_bin = read_image(other, 0).path
+    other_bin.write_bytes(bytes(b ^ 0x5A for b in other_bin.read_bytes()))
+    current = tmp_path / "current"
+    current.symlink_to(image)
+    real_create = Arena.create.__func__
+
+    def create_then_flip(cls, *a, **k):
+        current.unlink()
+        current.symlink_to(other)
+        return real_create(cls, *a, **k)
+
+    monkeypatch.setattr(Arena, "create", classmethod(create_then_flip))
+    loaded = flashboot.load(current, 0, "cpu", shm_dir=shm, timeout_s=3600)
+    try:
+        assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
+    finally:
+        loaded.close()
+    monkeypatch.setattr(Arena, "create", classmethod(real_create))
+    source = shm_files.rank_source(image, 0)  # then another file in its place: refused at the open
+    (source.path.parent / "next.bin").write_bytes(source.path.read_bytes())
+    os.replace(source.path.parent / "next.bin", source.path)
+    with Arena.create(source.nbytes, "cpu") as arena:
+        with pytest.raises(LayoutError, match=rf"{source.path} changed since its metadata was read"):
+            stream.stream_image(source.path, source.nbytes, arena, SMALL_RING, identity=source.image.file_identity)
+
+
 def _failing_preadv(monkeypatch, *, at: int, error: OSError | None):
     """Reads at offsets >= ``at`` raise ``error`` (None: return 0, end of file)."""
     real = os.preadv

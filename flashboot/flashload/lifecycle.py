@@ -361,7 +361,8 @@ def _from_served(loaded, source, report: WakeReport, shm_dir, timeout_s: float, 
 def _from_disk(loaded, source, report: WakeReport, stream_config) -> None:
     from .stream import stream_image
 
-    stats = stream_image(source.path, loaded.nbytes, loaded.arena, stream_config)
+    stats = stream_image(source.path, loaded.nbytes, loaded.arena, stream_config,
+                         identity=getattr(source.image, "file_identity", None))
     report.details.update(io_mode=stats.io_mode, read_gbps=stats.read_gbps, buffer_bytes=stats.buffer_bytes)
 
 

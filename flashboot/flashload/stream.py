@@ -496,7 +496,7 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, config: StreamConfi
 
 
 def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *,
-                 on_start: Callable[[], None] | None = None) -> StreamStats:
+                 on_start: Callable[[], None] | None = None, identity=None) -> StreamStats:
     """Read the image file ``path`` (``nbytes``, a multiple of 4096 or not) into ``arena`` from
     byte 0, through a ring of at most ``config.buffer_bytes``.
 
@@ -505,7 +505,9 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
     is not ``nbytes`` long (before any read) or ends early; ImageReadError on an I/O error;
     CapabilityError when ``io='direct'`` and the filesystem refuses O_DIRECT; WaitTimeoutError
     when no read completes within ``stall_timeout_s``. The ring is released either way; the
-    arena is the caller's.
+    arena is the caller's. ``identity`` (the image's
+    :class:`~flashboot.layouts.image.FileIdentity`, where known): the file opened must be the one
+    its metadata was validated against, and unchanged once read, else LayoutError.
     """
     config = StreamConfig.of(config)
     path = str(path)
@@ -517,7 +519,10 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
         raise ImageReadError(path, 0, nbytes, f"open failed: {exc.strerror or exc}") from None
     ring = None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if identity is not None:
+            identity.check(st, "since its metadata was read")
+        size = st.st_size
         if size != nbytes:
             what = "truncated" if size < nbytes else "longer than recorded"
             raise LayoutError(f"{path}: {what}: {nbytes:,} bytes expected, the file has {size:,}; nothing was loaded")
@@ -533,9 +538,13 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
             os.close(fd)
             fd = -1
             fd = os.open(path, os.O_RDONLY)
+            if identity is not None:
+                identity.check(os.fstat(fd), "since its metadata was read")
             mode, reason = "buffered", f"filesystem refuses O_DIRECT reads ({exc})"
             seconds, copy_s, chunks, depth = _run(fd, path, nbytes, arena, ring, config, threads, direct=False,
                                                   on_start=None)
+        if identity is not None:  # written to while it was read: the arena may hold a mix
+            identity.check(os.fstat(fd), "while it was read")
         return StreamStats(path, nbytes, seconds, mode, reason, ring.nbytes, ring.peak_bytes, config.buffer_bytes,
                            slots, ring.slot_bytes, threads, chunks, copy_s, ring.pin_ms, depth.summary())
     finally:

@@ -97,7 +97,8 @@ def report_stream(report, stats: StreamStats, reason: str, nbytes: int) -> None:
               f"at {stats.copy_gbps:.1f} GB/s ({faster:.1f}x faster): run `flashboot preload`"))
 
 
-def _stream_beside_views(path, nbytes: int, arena, config: StreamConfig, build_views) -> tuple[StreamStats, Any]:
+def _stream_beside_views(path, nbytes: int, arena, config: StreamConfig, build_views, identity=None
+                         ) -> tuple[StreamStats, Any]:
     """Stream the image into ``arena`` while ``build_views()`` runs in a helper thread, started once
     the reads are; returns (the stream's stats, what ``build_views`` returned). The helper has
     ended when this returns or raises (the views go with the arena); the stream's error is the
@@ -109,7 +110,7 @@ def _stream_beside_views(path, nbytes: int, arena, config: StreamConfig, build_v
         side = Beside(build_views)
 
     try:
-        stats = stream_image(path, nbytes, arena, config, on_start=start_views)
+        stats = stream_image(path, nbytes, arena, config, on_start=start_views, identity=identity)
     except BaseException:
         if side is not None:
             try:
@@ -148,7 +149,8 @@ class DiskSource(Source):
             arena.bytes()  # its flat tensor made here, not in the views' thread (torch/CuPy device state is per thread)
             report.alloc_ms = (time.perf_counter() - t0) * 1e3
             stats, views = _stream_beside_views(rank_source.path, nbytes, arena, StreamConfig.of(request.stream_config),
-                                                lambda: timed_views(arena, meta, report))
+                                                lambda: timed_views(arena, meta, report),
+                                                rank_source.image.file_identity)
             report_stream(report, stats, why, nbytes)
             if request.verify:
                 verify_loaded(arena, meta, f"{rank_source.path} (rank {rank_source.rank}) streamed into {dev}", report)
@@ -163,7 +165,8 @@ class DiskSource(Source):
         """The reads start at once (the arena exists), in the background thread."""
         yield
         handle.copy_issued()
-        stats = stream_image(handle.image.path, handle.nbytes, handle.arena, handle.stream_config)
+        stats = stream_image(handle.image.path, handle.nbytes, handle.arena, handle.stream_config,
+                             identity=handle.image.file_identity)
         handle.copy = {"h2d_ms": stats.seconds * 1e3, "stats": stats}
         return t
 
