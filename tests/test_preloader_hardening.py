@@ -16,10 +16,12 @@ import pytest
 
 from flashboot.arena import Arena
 from flashboot.arena.segments import HOST_GRANULARITY
-from flashboot.errors import FlashBootError, WaitTimeoutError
+from flashboot.errors import FlashBootError, RendezvousError, WaitTimeoutError
 from flashboot.fdshare import readable, send_fds
 from flashboot.flashload import client, service, staging
 from flashboot.flashload import shm as shm_files
+from flashboot.flashload import status
+from flashboot.flashload.server import PreloadServer
 
 from _preload_helpers import Daemon, make_image, make_tiny_image  # noqa: E402  (tests/ is on the path)
 
@@ -222,7 +224,8 @@ def test_a_background_daemon_that_dies_before_it_listens_is_reported_not_started
     try:
         with pytest.raises(FlashBootError, match=r"exited with status \d+ at start") as e:
             service.start_background(cfg, timeout_s=60)
-        assert str(sock) in str(e.value)
+        assert f"cannot take the socket path {sock}: a folder is in the way" in str(e.value)
+        assert "Traceback" not in str(e.value)
     finally:
         service.stop_service(image, shm, timeout_s=30)
 
@@ -237,3 +240,35 @@ def test_a_background_start_that_times_out_stops_the_service(image, tmp_path):
         assert shm_files._proc_start_time(pid) is None, "the service it gave up on still runs"
     finally:
         service.stop_service(image, shm, timeout_s=30)
+
+
+def test_a_staging_root_that_is_a_file_or_under_proc_is_named_not_a_traceback(image, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"")
+    with pytest.raises(FlashBootError, match=rf"cannot create the staging folder {afile}/\S+: {afile} is not a directory"):
+        service.run_service(staging.PreloadConfig(str(image), shm_dir=str(afile)), log=lambda line: None)
+    with pytest.raises(FlashBootError, match=r"cannot create the staging folder /proc/flashboot-\S+: /proc takes no "):
+        service.run_service(staging.PreloadConfig(str(image), shm_dir=f"/proc/flashboot-{os.getpid()}"),
+                            log=lambda line: None)
+    st = service.service_status(image, afile)
+    assert st.pid is None and not st.running and not st.stale
+    assert status.leftover_staging_dirs(afile) == []
+    src = shm_files.rank_source(image, 0)
+    with Arena.create(src.nbytes, "cpu") as arena:
+        with pytest.raises(RendezvousError, match=rf"cannot connect to the preloader's socket .*: {afile} is not a dir"):
+            client.served_load(arena, src, timeout_s=2, shm_dir=afile)
+
+
+def test_an_engine_given_a_socket_path_too_long_is_told_the_limit(image, tmp_path):
+    src = shm_files.rank_source(image, 0)
+    with Arena.create(src.nbytes, "cpu") as arena:
+        with pytest.raises(FlashBootError, match=r"serve.sock is \d+ bytes; Unix sockets allow 107"):
+            client.served_load(arena, src, timeout_s=2, shm_dir=tmp_path / ("a" * 120))
+
+
+def test_a_folder_where_the_socket_goes_is_named(image, tmp_path):
+    shm = tmp_path / "shm"
+    server = PreloadServer(staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True), log=lambda line: None)
+    (server.sock_path / "in-the-way").mkdir(parents=True)
+    with pytest.raises(FlashBootError, match=rf"cannot take the socket path {server.sock_path}: a folder is in the way"):
+        server._listen()

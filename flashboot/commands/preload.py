@@ -91,6 +91,9 @@ def _status(args) -> int:
     warning = shm_files.not_shared_memory_warning(args.shm_dir)
     if warning:
         print(f"  {warning}")
+    root = shm_files.shm_root(args.shm_dir)
+    if root.exists() and not root.is_dir():
+        print(f"  the staging root {root} is not a directory: nothing can be staged there; use another --shm-dir")
     daemon = client.serve_status(args.image_dir, args.shm_dir) if st.running and st.serve else None
     for rs in rank_states(args.image_dir, args.ranks or image_ranks(args.image_dir), args.shm_dir, daemon=daemon,
                           preloader_pid=st.pid if st.running else None):

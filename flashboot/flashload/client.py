@@ -22,6 +22,7 @@ from .shm import (
     RankSource,
     ReadyInfo,
     _running_pid,
+    check_socket_path,
     pid_file,
     read_ready,
     socket_path,
@@ -38,6 +39,7 @@ def _connect(path: Path, timeout_s: float) -> socket.socket:
     that accepts nothing (stopped or hung, its queue of connections full) would wait forever,
     where a timed one fails at once (EAGAIN) and is tried again; every send on it is bounded
     too (the replies' reads set their own timeouts)."""
+    check_socket_path(path)
     deadline = time.monotonic() + timeout_s
     last = ""
     while True:
@@ -65,6 +67,13 @@ def _connect(path: Path, timeout_s: float) -> socket.socket:
                                   f"group {st.st_gid}, mode {oct(st.st_mode & 0o777)}; this process runs as uid "
                                   f"{os.geteuid()}): run the engine as the preloader's user, or start the preloader "
                                   "with --allow-group GROUP") from None
+        except OSError as exc:  # ENOTDIR (the staging root is a file), ELOOP...: no daemon can ever listen there
+            s.close()
+            if isinstance(exc, TimeoutError):
+                raise WaitTimeoutError(f"the preloader at {path} accepted no connection within {timeout_s:g} s") from None
+            blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+            why = f"{blocker} is not a directory" if blocker is not None else exc.strerror
+            raise RendezvousError(f"cannot connect to the preloader's socket {path}: {why}") from None
         if time.monotonic() >= deadline:
             raise WaitTimeoutError(f"waited {timeout_s:g} s for the preloader's socket {path} ({last}); is "
                                    "`flashboot preload DIR --serve` running?")

@@ -29,6 +29,7 @@ from .shm import (
     _unlink_quietly,
     check_ready,
     check_socket_path,
+    make_dir,
     rank_source,
     read_ready,
     socket_path,
@@ -338,8 +339,13 @@ class PreloadServer:
 
     # ---- the socket --------------------------------------------------------------------------
     def _listen(self) -> None:
-        self.sock_path.parent.mkdir(parents=True, exist_ok=True)
-        _unlink_quietly(self.sock_path)  # a leftover of a dead daemon (the pid file says we own the dir)
+        make_dir(self.sock_path.parent)
+        try:
+            _unlink_quietly(self.sock_path)  # a leftover of a dead daemon (the pid file says we own the dir)
+        except OSError as exc:
+            kind = "a folder" if self.sock_path.is_dir() else "something"
+            raise FlashBootError(f"cannot take the socket path {self.sock_path}: {kind} is in the way "
+                                 f"({exc.strerror}); remove it") from None
         self._listener = _bind_private(self.sock_path, self.group)
 
     def _accept_loop(self) -> None:
@@ -632,6 +638,8 @@ def _bind_private(path: Path, group: int | None) -> socket.socket:
             old = os.umask(0o177)
             try:
                 s.bind(str(path))
+            except OSError as exc:
+                raise FlashBootError(f"cannot bind the served-load socket {path}: {exc.strerror}") from None
             finally:
                 os.umask(old)
         if group is not None:

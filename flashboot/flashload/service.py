@@ -26,6 +26,7 @@ from .shm import (
     _unlink_quietly,
     check_socket_path,
     log_file,
+    make_dir,
     not_shared_memory_warning,
     pid_file,
     remove_if_empty,
@@ -49,7 +50,7 @@ def _claim_pid_file(path: Path, serve: bool, ranks: list[int] | None = None) -> 
     lock until :func:`_release_pid_file`; returns a note about a stale one it replaced.
 
     Raises FlashBootError when a live preloader holds it, or is starting and holds its lock."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(path.parent)
     reclaim = str(path) in _HELD_PID_FILES
     fd = _lock_pid_file(path)
     try:
@@ -155,7 +156,7 @@ def start_background(config: PreloadConfig, *, timeout_s: float = 30.0, extra_ar
     if config.serve:
         check_socket_path(sock)  # the service would only die of it, after this had reported it started
     log = log_file(config.image_dir, config.shm_dir)
-    log.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(log.parent)
     # The preload command's own entry point: the service needs no other command to import.
     argv = [sys.executable, "-m", "flashboot.commands.preload", config.image_dir, *config_argv(config),
             *(extra_argv or [])]

@@ -124,6 +124,21 @@ def socket_path(image_dir, shm_dir=None) -> Path:
     return staging_dir(image_dir, shm_dir) / "serve.sock"
 
 
+def make_dir(path: Path) -> Path:
+    """``path`` created with its parents where absent; FlashBootError naming what is in the way
+    (a file given as --shm-dir, a filesystem like /proc that takes no folders) instead of the
+    bare OSError."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocker = next((p for p in (path, *path.parents) if p.exists()), None)
+        why = (f"{blocker} is not a directory" if blocker is not None and not blocker.is_dir() else
+               f"{blocker} takes no new folder {exc.filename} ({exc.strerror})")
+        raise FlashBootError(f"cannot create the staging folder {path}: {why}; use another --shm-dir (or "
+                             f"${SHM_ENV})") from None
+    return path
+
+
 SUN_PATH_MAX = 107
 """Longest Unix socket path (sun_path holds 108 bytes with the terminating NUL)."""
 
@@ -349,7 +364,7 @@ def _read_pid_file(path: Path) -> dict | None:
     try:
         d = json.loads(path.read_text())
         return d if isinstance(d, dict) and isinstance(d.get("pid"), int) else {"pid": -1}
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectory: the staging root is a file
         return None
     except (OSError, ValueError):
         return {"pid": -1}

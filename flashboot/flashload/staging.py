@@ -37,6 +37,7 @@ from .shm import (
     check_ready,
     checksum_fingerprint,
     log_file,
+    make_dir,
     pid_file,
     rank_source,
     read_ready,
@@ -210,7 +211,7 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
 
     src = rank_source(image_dir, rank)
     paths = staged_paths(image_dir, rank, shm_dir)
-    paths.dir.mkdir(parents=True, exist_ok=True)
+    make_dir(paths.dir)
     nbytes = src.nbytes
     restaged_because = ""
     if not force and paths.image.exists():

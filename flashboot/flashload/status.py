@@ -104,7 +104,7 @@ def leftover_staging_dirs(shm_dir=None) -> list:
     root = shm_root(shm_dir)
     try:
         entries = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a file as the root: nothing was staged there
         return []
     left = []
     for d in entries:
