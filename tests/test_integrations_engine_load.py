@@ -160,7 +160,7 @@ def test_bind_repoints_references_held_in_module_containers(packed, tmp_path):
         stale.router = _Router(torch.empty(3, device="meta"))  # a held tensor the image cannot provide
         bind_engine_model(stale, weights)
         with pytest.raises(LayoutError, match=r"2 tensor\(s\) .* uninitialised: "
-                                              r"router.config\['correction_bias'\], router.held\[0\]"):
+                                              r"router.config.correction_bias, router.held\[0\]"):
             check_no_meta_tensors(stale, "plain")
     finally:
         weights.close()

@@ -159,3 +159,57 @@ def test_a_seed_of_another_rank_is_neither_published_nor_cloned(packed, tmp_path
             seed.close()
     finally:
         weights.close()
+
+
+class _Backend:
+    """A plain object, as an attention layer's backend ``impl``, holding a layer's tensor."""
+
+    def __init__(self, sinks):
+        self.sinks = sinks
+        self.nested = {"cache": [torch.empty(0)]}  # an empty placeholder (a KV cache) holds no bytes
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, sinks):
+        super().__init__()
+        self._k_scale = torch.tensor(2.5)  # a private tensor attribute, as vLLM's attention keeps it
+        self.impl = _Backend(sinks)
+
+
+def test_meta_check_sees_private_deep_and_object_held_tensors_and_the_dump_provides_private_ones(tmp_path):
+    from _engine_helpers import PlainEngineLikeModel
+    from _engine_helpers import _key as plain_key
+    from flashboot.errors import LayoutError
+    from flashboot.integrations.engine_prepack import (
+        LoaderOptions, RankGroup, bind_engine_model, check_no_meta_tensors, load_engine_weights, prepack_engine_model,
+    )
+
+    def build():
+        model = PlainEngineLikeModel()
+        model.attn = _Attention(model.proj.bias)
+        return model
+
+    ref = build()
+    prepack_engine_model(ref, tmp_path / "img", plain_key(), RankGroup(), device="cpu", tp_size=1, ep_size=1,
+                         source_path="/models/plain", model_type="plain", chunk_bytes=4096)
+    weights = load_engine_weights(LoaderOptions(image_dir=str(tmp_path / "img"), shm_dir=str(tmp_path / "shm")),
+                                  plain_key(), 0, "cpu", tp_size=1, ep_size=1)
+    try:
+        with torch.device("meta"):
+            target = build()
+        report = bind_engine_model(target, weights)
+        assert "attn.impl.sinks" in report.repointed and target.attn.impl.sinks is target.proj.bias
+        assert target.attn._k_scale.item() == 2.5  # dumped and bound, not left on meta
+        check_no_meta_tensors(target, "plain")
+        with torch.device("meta"):
+            stale = build()
+        bind_engine_model(stale, weights)
+        stale.attn._k_scale = torch.empty((), device="meta")
+        stale.attn.impl.other = torch.empty(3, device="meta")
+        stale.attn.impl.nested["cache"].append((torch.empty(2, device="meta"),))
+        with pytest.raises(LayoutError, match=r"3 tensor\(s\) of the model are not in the engine image and would be "
+                                              r"uninitialised: attn.impl.nested\['cache'\]\[1\]\[0\], "
+                                              r"attn.impl.other, attn._k_scale\."):
+            check_no_meta_tensors(stale, "plain")
+    finally:
+        weights.close()

@@ -368,63 +368,92 @@ def copy_engine_weights_into(model, weights: EngineWeights) -> list[str]:
     return names
 
 
-def _held_containers(mod):
-    """(attribute, container) for a module's plain attributes that hold tensors one level down: a
-    dataclass instance, list, tuple or dict (e.g. SGLang's TopK keeps the gate's
-    ``e_score_correction_bias`` in its ``TopKConfig``)."""
-    for attr, value in vars(mod).items():
-        if attr in ("_parameters", "_buffers", "_modules") or isinstance(value, type):
-            continue
-        if dataclasses.is_dataclass(value) or isinstance(value, (list, tuple, dict)):
-            yield attr, value
+TORCH_REGISTRIES = ("_parameters", "_buffers", "_modules")
+"""A module's own registries: walked by named_parameters/named_buffers/named_modules, not here."""
+HELD_DEPTH = 4
+"""How deep :func:`_held_tensors` follows containers and plain objects below a module attribute."""
+
+
+def _rebuilt(held, i: int, new):
+    items = list(held)
+    items[i] = new
+    return type(held)(*items) if hasattr(held, "_fields") else type(held)(items)  # namedtuples take fields
+
+
+def _held_tensors(model):
+    """``(name, tensor, replace)`` for every tensor ``model``'s modules hold outside their
+    registries: tensor attributes (private ones too: vLLM keeps ``_k_scale``), and tensors in
+    lists, tuples, dicts, dataclasses and plain objects, followed :data:`HELD_DEPTH` deep (e.g.
+    SGLang's TopK keeps the gate's ``e_score_correction_bias`` in its ``TopKConfig``; an attention
+    layer's backend object keeps tensors of its layer). Modules, classes and callables are not
+    followed (the module tree covers modules); each object is followed once. ``replace(new)``
+    puts ``new`` where the tensor is held (a tuple is rebuilt and put back)."""
+    import torch
+
+    seen: set[int] = set()
+    found: list = []
+
+    def walk(value, name: str, get, put, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append((name, value, put))
+            return
+        if (depth == 0 or id(value) in seen or isinstance(value, (type, torch.nn.Module, str, bytes, int, float))
+                or value is None or callable(value)):
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):
+            for k in list(value):
+                walk(value[k], f"{name}[{k!r}]", lambda v=value, k=k: v[k],
+                     lambda new, v=value, k=k: v.__setitem__(k, new), depth - 1)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                walk(item, f"{name}[{i}]", lambda v=value, i=i: v[i],
+                     lambda new, v=value, i=i: v.__setitem__(i, new), depth - 1)
+        elif isinstance(value, tuple):  # immutable: a replacement rebuilds it from its current value
+            for i, item in enumerate(value):
+                walk(item, f"{name}[{i}]", lambda i=i: get()[i],
+                     lambda new, i=i: put(_rebuilt(get(), i, new)), depth - 1)
+        elif dataclasses.is_dataclass(value) or isinstance(getattr(value, "__dict__", None), dict):
+            fields = ([f.name for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value)
+                      else list(vars(value)))
+            for f in fields:
+                if hasattr(value, f):
+                    walk(getattr(value, f), f"{name}.{f}", lambda v=value, f=f: getattr(v, f),
+                         lambda new, v=value, f=f: object.__setattr__(v, f, new), depth - 1)  # frozen too
+
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr, value in list(vars(mod).items()):
+            if attr in TORCH_REGISTRIES:
+                continue
+            walk(value, prefix + attr, lambda m=mod, a=attr: vars(m)[a],
+                 lambda new, m=mod, a=attr: object.__setattr__(m, a, new), HELD_DEPTH + 1)
+    return found
 
 
 def _repoint_held_references(model, replaced: dict[int, tuple[Any, Any]]) -> list[str]:
-    """Point references that modules hold in containers at the bound tensors instead of the meta
-    tensors they replaced; the names of the entries re-pointed."""
-    import torch
-
+    """Point references that modules hold outside their registries (:func:`_held_tensors`) at the
+    bound tensors instead of the meta tensors they replaced; the names of the entries re-pointed."""
     done = []
-    for mod_name, mod in model.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        for attr, held in _held_containers(mod):
-            if dataclasses.is_dataclass(held):
-                for f in dataclasses.fields(held):
-                    value = getattr(held, f.name)
-                    if isinstance(value, torch.Tensor) and id(value) in replaced:
-                        object.__setattr__(held, f.name, replaced[id(value)][1])  # frozen dataclasses too
-                        done.append(f"{prefix}{attr}.{f.name}")
-            elif isinstance(held, (list, dict)):
-                keys = held.keys() if isinstance(held, dict) else range(len(held))
-                for k in list(keys):
-                    if isinstance(held[k], torch.Tensor) and id(held[k]) in replaced:
-                        held[k] = replaced[id(held[k])][1]
-                        done.append(f"{prefix}{attr}[{k!r}]")
-            elif any(isinstance(v, torch.Tensor) and id(v) in replaced for v in held):
-                setattr(mod, attr, type(held)(replaced[id(v)][1] if isinstance(v, torch.Tensor) and id(v) in replaced
-                                              else v for v in held))
-                done.append(f"{prefix}{attr}")
+    for name, tensor, put in _held_tensors(model):
+        if id(tensor) in replaced and replaced[id(tensor)][1] is not tensor:
+            put(replaced[id(tensor)][1])
+            done.append(name)
     return done
 
 
 def check_no_meta_tensors(model, where: str) -> None:
-    """Refuse a model that still holds meta tensors (parameters, buffers or tensor attributes the
-    image did not provide): they would be uninitialised memory at serving time."""
-    import torch
-
+    """Refuse a model that still holds meta tensors (parameters, buffers, tensor attributes, or
+    tensors held in its modules' containers and objects: :func:`_held_tensors`) the image did not
+    provide: they would be uninitialised memory at serving time. Empty ones hold no bytes and pass
+    (vLLM's KV-cache placeholders, bound by the runner later)."""
     left = []
     for mod_name, mod in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
         for leaf, t in list(mod._parameters.items()) + list(mod._buffers.items()):
-            if t is not None and t.is_meta:
+            if t is not None and t.is_meta and t.numel():
                 left.append(prefix + leaf)
-        for leaf, t in vars(mod).items():
-            if not leaf.startswith("_") and isinstance(t, torch.Tensor) and t.is_meta:
-                left.append(prefix + leaf)
-        for attr, held in _held_containers(mod):
-            values = ([(f.name, getattr(held, f.name)) for f in dataclasses.fields(held)]
-                      if dataclasses.is_dataclass(held) else held.items() if isinstance(held, dict) else enumerate(held))
-            left += [f"{prefix}{attr}[{k!r}]" for k, t in values if isinstance(t, torch.Tensor) and t.is_meta]
+    left += [name for name, t, _ in _held_tensors(model) if t.is_meta and t.numel()]
     if left:
         shown = ", ".join(left[:8]) + (f" ... and {len(left) - 8} more" if len(left) > 8 else "")
         raise LayoutError(f"{where}: {len(left)} tensor(s) of the model are not in the engine image and would be "

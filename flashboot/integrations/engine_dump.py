@@ -120,7 +120,8 @@ def collect_engine_tensors(model, device: Any, *, extras: bool = True,
         for mod_name, mod in model.named_modules():
             prefix = f"{mod_name}." if mod_name else ""
             for leaf, value in list(vars(mod).items()):
-                if leaf.startswith("_") or not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+                # private ones too (vLLM's attention keeps _k_scale as an attribute): a load checks them all
+                if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
                     continue
                 name = prefix + leaf
                 if name in out.tensors or name in out.aliases:
