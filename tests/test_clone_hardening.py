@@ -420,3 +420,44 @@ def test_stores_asked_for_at_127_0_0_1_listen_there_only():
         joined.close()
     finally:
         hosted.close()
+
+
+# ------------------------------------------------------------------------------ 9: the clone CLI
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e12", "0", "-3"])
+def test_flashboot_clone_refuses_a_timeout_that_is_not_a_finite_positive_number(value):
+    proc = spawn_cli("clone", "--store", "127.0.0.1:1", "--device", "cpu", "--timeout", value)
+    rc, out, err = finish(proc, 30)
+    assert rc == 2 and "--timeout" in err and "Traceback" not in err, err
+
+
+def test_flashboot_clone_refuses_a_json_path_it_cannot_write_before_cloning(store, raw):
+    address, rdv = store
+    path, _ = raw
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    try:
+        rc, out, err = finish(spawn_cli("clone", "--store", address, "--device", "cpu", "--timeout", 10,
+                                        "--json", "/nonexistent/dir/x.json"), 30)
+        assert rc == 2 and "--json /nonexistent/dir/x.json" in err and "Traceback" not in err, err
+        assert not rdv.has(f"g/{s.generation}/chain/join")  # refused before it took a position
+    finally:
+        s.close()
+
+
+def test_flashboot_clone_interrupted_mid_copy_names_keyboardinterrupt(store, raw):
+    address, rdv = store
+    path, _ = raw
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    proc = spawn_cli("clone", "--store", address, "--device", "cpu", "--chunk-bytes", "256KiB", "--timeout", 20,
+                     FLASHBOOT_TEST_STEP_DELAY_S=0.2)
+    try:
+        wait_until(lambda: rdv.has(f"g/{s.generation}/chain/member/1"), 20, "clone #1's record", proc)
+        proc.send_signal(signal.SIGINT)
+        rc, out, err = finish(proc, 20)
+        assert rc == 130 and "stopped by SIGINT" in err, err
+        status = rdv.read(f"g/{s.generation}/chain/status/1", what="status", timeout_s=1)
+        assert status.body["error"] == "KeyboardInterrupt", status.body
+    finally:
+        stop(proc)
+        s.close()

@@ -11,12 +11,28 @@ import threading
 import time
 
 
+MAX_TIMEOUT_S = 1e6
+"""The longest --timeout (11.6 days): larger ones overflow the store's and threading's timers."""
+
+
+def timeout_seconds(text: str) -> float:
+    """argparse type of --timeout: a finite number of seconds in (0, MAX_TIMEOUT_S]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= MAX_TIMEOUT_S:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} s: must be more than 0 and at most {MAX_TIMEOUT_S:g}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser, *, store_required: bool = True) -> None:
     p.add_argument("--store", required=store_required, metavar="HOST:PORT",
                    help="rendezvous store (torch.distributed TCPStore)")
     p.add_argument("--name", default="default", help="namespace in the store (default: default)")
     p.add_argument("--token-file", help="file holding the shared token (default: $FLASHBOOT_TOKEN)")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="bound on every wait (default 60 s)")
+    p.add_argument("--timeout", type=timeout_seconds, default=60.0, metavar="S",
+                   help="bound on every wait (default 60 s)")
 
 
 def register(subparsers) -> None:
@@ -129,6 +145,20 @@ def run_clone(args: argparse.Namespace) -> int:
     # torch's import is the longest part of a fresh clone's start (3-4 s on the H200 VMs): it
     # starts before FlashClone's own modules are imported, not after
     import_early("torch")
+    from flashboot.errors import FlashBootError
+
+    report_file = None
+    if args.json and args.json != "-":
+        # opened before cloning: a path that cannot be written fails now, not after the clone
+        try:
+            report_file = open(args.json, "a")  # truncated when the report is written: a failure keeps the old one
+        except OSError as exc:
+            raise FlashBootError(f"--json {args.json}: cannot write there ({exc.strerror})") from None
+    with report_file if report_file is not None else contextlib.nullcontext():
+        return _clone_and_report(args, report_file)
+
+
+def _clone_and_report(args: argparse.Namespace, report_file) -> int:
     from flashboot.flashclone import clone, linger, prepare_clone
     from flashboot.units import parse_bytes
 
@@ -143,17 +173,19 @@ def run_clone(args: argparse.Namespace) -> int:
                            clones=args.clones, image=args.image, transport=args.transport,
                            retry=not args.no_retry, pin_early=args.pin_early, prepared=prepared, run=args.run)
     except KeyboardInterrupt as exc:  # clone() published "failed" and left; one line, no traceback
-        print(f"flashboot clone: stopped by {exc or 'SIGINT'} before the clone finished", file=sys.stderr)
+        print(f"flashboot clone: stopped by {str(exc) or 'SIGINT'} before the clone finished", file=sys.stderr)
         return 128 + (signal.SIGTERM if str(exc) == "SIGTERM" else signal.SIGINT)
     try:
         _print(result.report.summary())
         if args.json:
             text = json.dumps(result.report.to_dict(), indent=2)
-            if args.json == "-":
+            if report_file is None:
                 _print(text)
             else:
-                with open(args.json, "w") as f:
-                    f.write(text + "\n")
+                report_file.seek(0)
+                report_file.truncate()
+                report_file.write(text + "\n")
+                report_file.flush()
         if args.serve:
             _print("serving as a source until SIGTERM")
             linger(result, forever=True)
