@@ -213,3 +213,61 @@ def test_meta_check_sees_private_deep_and_object_held_tensors_and_the_dump_provi
             check_no_meta_tensors(stale, "plain")
     finally:
         weights.close()
+
+
+def test_publish_refuses_an_untied_alias_and_accepts_the_tied_one(tmp_path, store):
+    from flashboot.weight_update import PublishError
+
+    address, _ = store
+    image = _prepack(TinyEngineModel(0), tmp_path / "img", _key())
+    new = dict(engine_tensors_to_publish(TinyEngineModel(1), "cpu"))
+    with engine_publisher(image, 0, store=address, device="cpu") as pub:
+        with pytest.raises(PublishError, match=r"tensor 'lm_head.weight' is float16 \[32, 16\] from the tensors given; "
+                                               r"in the image it is another name of 'embed.weight', float32 \[32, 16\]"):
+            pub.publish(dict(new, **{"lm_head.weight": new["embed.weight"].half()}), version=1)
+        with pytest.raises(PublishError, match=r"tensor 'lm_head.weight' is float32 \[16, 32\] from"):
+            pub.publish(dict(new, **{"lm_head.weight": new["embed.weight"].t().contiguous()}), version=1)
+        with pytest.raises(PublishError, match=r"tensor 'lm_head.weight' is another name of image tensor "
+                                               r"'embed.weight' \(tied when pre-packed\), but the tensors given differ"):
+            pub.publish(dict(new, **{"lm_head.weight": new["embed.weight"] + 1}), version=1)
+        assert pub.version == 0 and pub.seed is None  # nothing published
+        pub.publish(dict(new, **{"lm_head.weight": new["embed.weight"].clone()}), version=1)  # equal: a copy of it
+        pub.publish(dict(new, **{"lm_head.weight": new["embed.weight"][:]}), version=2)  # a view of it
+
+
+class _ScaledTiny(TinyEngineModel):
+    """With block scales in a dtype the image format stores as raw bytes."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(seed)
+        g = torch.Generator().manual_seed(seed + 100)
+        self.scale = torch.nn.Parameter(torch.randint(0, 200, (8,), generator=g, dtype=torch.uint8)
+                                        .view(torch.float8_e8m0fnu), requires_grad=False)
+
+
+def test_publish_packs_tensors_the_image_stores_as_raw_bytes(tmp_path, store):
+    from flashboot.integrations.engine_prepack import LoaderOptions, bind_engine_model, load_engine_weights
+    from flashboot.weight_update import PublishError
+
+    address, _ = store
+    image = _prepack(_ScaledTiny(0), tmp_path / "img", _key())
+    weights = load_engine_weights(LoaderOptions(image_dir=str(image), shm_dir=str(tmp_path / "shm")), _key(), 0,
+                                  "cpu", tp_size=1, ep_size=1)
+    try:
+        with torch.device("meta"):
+            model = _ScaledTiny()
+        bind_engine_model(model, weights)
+        model._flashboot_weights = weights
+        new = dict(engine_tensors_to_publish(_ScaledTiny(1), "cpu"))
+        assert new["scale"].dtype == torch.float8_e8m0fnu  # the image holds it as uint8 [8]
+        with engine_publisher(image, 0, store=address, device="cpu") as pub:
+            with pytest.raises(PublishError, match=r"tensor 'scale' is float8_e8m0fnu \[7\] from the tensors given, "
+                                                   r"float8_e8m0fnu \[8\] in the image"):
+                pub.publish(dict(new, scale=new["scale"][:7]), version=1)
+            pub.publish(new, version=1)
+            refit_engine_model(model, address, 1, what="test refit", derive=model.post_load_weights, timeout_s=30)
+        assert model.scale.dtype == torch.float8_e8m0fnu
+        assert torch.equal(model.scale.view(torch.uint8), new["scale"].view(torch.uint8))
+        assert torch.equal(model.qkv.weight, new["qkv.weight"])
+    finally:
+        weights.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Mapping
 
@@ -43,6 +43,9 @@ class PackPlan:
     sources: dict[str, tuple[str, tuple[int, ...]]]
     pieces: tuple[PackPiece, ...]
     skipped: dict[str, str]
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Names given that are another name of an image tensor (tied weights) -> that tensor's name:
+    not packed; :func:`check_aliases` makes sure they are that tensor."""
 
     @property
     def nbytes(self) -> int:
@@ -162,40 +165,71 @@ DERIVED = "derived by the engine's post-processing after the copy"
 
 
 def plan_engine_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]], aliases: Mapping[str, str],
-                     derived: Collection[str] = (), *, where: str = "publish") -> PackPlan:
+                     derived: Collection[str] = (), *, raw: Mapping[str, Mapping[str, Any]] | None = None,
+                     where: str = "publish") -> PackPlan:
     """Plan packing tensors with ``headers`` (name -> (dtype name, shape)) into an engine image
     (:mod:`flashboot.integrations.engine_dump`: an engine's own post-processed tensors, named as
     the engine names them). No family rule re-plans them (the engine did, before the dump): each
     tensor is given whole, by the image's name, dtype and shape. ``aliases`` (another name of an
-    image tensor -> that tensor: tied weights, shared rotary caches) are accepted and skipped.
+    image tensor -> that tensor: tied weights, shared rotary caches) are accepted when their dtype
+    and shape are that tensor's, and not packed (``PackPlan.aliases``: :func:`check_aliases`
+    checks they are that tensor). ``raw``: the engine section's record of tensors the image
+    stores as bytes (a dtype the image format does not name, e.g. float8_e8m0fnu scales): name ->
+    the engine's ``dtype``, ``shape``, ``stride``; such a tensor is given in the engine's dtype and
+    shape and packed byte for byte.
 
     Raises PublishError naming the tensor for a name the image lacks, another dtype or shape, an
     image tensor stored strided (its bytes are the engine's layout, not a C-order tensor), or a
     non-empty image tensor no given tensor fills, unless it is in ``derived`` (tensor attributes
     the engine's post-processing derives from the others, MLA's ``w_kc``: left out, they are in
     ``skipped`` and the engine derives them after the copy)."""
+    import torch
+
     from flashboot.layouts.format import DTYPES
 
     image = metadata.tensors
+    raw = dict(raw or {})
     model = f"{metadata.key.model_id} rank {metadata.parallel.rank}"
-    pieces, skipped = [], {}
+
+    def engine_view(name: str) -> tuple[str, tuple[int, ...], tuple[int, ...], int]:
+        """(dtype, shape, stride, itemsize) of image tensor ``name`` as the engine holds it."""
+        entry, info = image[name], raw.get(name)
+        if info is None:
+            return entry.dtype, tuple(entry.shape), tuple(entry.stride), DTYPES[entry.dtype].itemsize
+        dtype = getattr(torch, str(info["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise PublishError(f"{where}: image tensor {name!r} is {info['dtype']}, which this torch does not have")
+        return str(info["dtype"]), tuple(info["shape"]), tuple(info["stride"]), dtype.itemsize
+
+    pieces, skipped, given_aliases = [], {}, {}
     for name, (dtype, shape) in headers.items():
         shape = tuple(int(s) for s in shape)
         if name not in image:
             if name in aliases:
+                want_dtype, want_shape = engine_view(aliases[name])[:2]
+                if (dtype, shape) != (want_dtype, want_shape):
+                    raise PublishError(f"{where}: tensor {name!r} is {dtype} {list(shape)} from the tensors given; in "
+                                       f"the image it is another name of {aliases[name]!r}, {want_dtype} "
+                                       f"{list(want_shape)} (tied when pre-packed, not in the tensors given); "
+                                       "nothing was written")
                 skipped[name] = f"another name of image tensor {aliases[name]!r}"
+                given_aliases[name] = aliases[name]
                 continue
             raise PublishError(f"{where}: tensor {name!r} is not in the manifest of {model} (an engine image: "
                                "tensors are named as the engine names them); nothing was written")
         entry = image[name]
-        if (dtype, shape) != (entry.dtype, tuple(entry.shape)):
+        want_dtype, want_shape, want_stride, itemsize = engine_view(name)
+        as_bytes = name in raw and (dtype, shape) == (entry.dtype, tuple(entry.shape))  # its bytes, given as stored
+        if as_bytes:
+            want_shape, want_stride, itemsize = tuple(entry.shape), tuple(entry.stride), DTYPES[entry.dtype].itemsize
+        elif (dtype, shape) != (want_dtype, want_shape):
             raise PublishError(f"{where}: tensor {name!r} is {dtype} {list(shape)} from the tensors given, "
-                               f"{entry.dtype} {list(entry.shape)} in the image; nothing was written")
-        if entry.numel and not _c_order(entry.shape, entry.stride):
-            raise PublishError(f"{where}: image tensor {name!r} is stored strided (shape {list(entry.shape)}, stride "
-                               f"{list(entry.stride)}): publish fills C-order tensors only; nothing was written")
+                               f"{want_dtype} {list(want_shape)} in the image; nothing was written")
+        if entry.numel and not _c_order(want_shape, want_stride):
+            raise PublishError(f"{where}: image tensor {name!r} is stored strided (shape {list(want_shape)}, stride "
+                               f"{list(want_stride)}): publish fills C-order tensors only; nothing was written")
         if entry.numel:
-            pieces.append(PackPiece(name, tuple((0, s) for s in shape), entry.offset, DTYPES[dtype].itemsize))
+            pieces.append(PackPiece(name, tuple((0, s) for s in shape), entry.offset, itemsize))
     derived = set(derived)
     for n in image.names:
         if n in derived and n not in headers and image[n].numel:
@@ -208,7 +242,24 @@ def plan_engine_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]
                            "buffers); nothing was written")
     pieces.sort(key=lambda p: p.dst_offset)
     sources = {n: (d, tuple(int(s) for s in shape)) for n, (d, shape) in headers.items() if n not in skipped}
-    return PackPlan(metadata, sources, tuple(pieces), skipped)
+    return PackPlan(metadata, sources, tuple(pieces), skipped, given_aliases)
+
+
+def check_aliases(plan: PackPlan, tensors: Mapping[str, Any], where: str = "publish") -> None:
+    """Every alias given (``plan.aliases``) is its image tensor: the same tensor (one storage, one
+    layout) or equal to it. Anything else is an untied copy the image cannot hold: PublishError."""
+    import torch
+
+    for alias, canonical in plan.aliases.items():
+        a, c = tensors[alias], tensors.get(canonical)
+        if c is None or a is c:
+            continue  # its canonical tensor's absence is the plan's "get no bytes"
+        same = (a.device == c.device and a.data_ptr() == c.data_ptr() and a.stride() == c.stride()
+                and a.shape == c.shape and a.dtype == c.dtype)
+        if not same and not torch.equal(a, c):
+            raise PublishError(f"{where}: tensor {alias!r} is another name of image tensor {canonical!r} (tied when "
+                               f"pre-packed), but the tensors given differ: an untied {alias!r} has no place in this "
+                               "image; nothing was written")
 
 
 def box_runs(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, box, src_addr: int,
@@ -249,4 +300,5 @@ def box_runs(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, bo
     return rows
 
 
-__all__ = ["DERIVED", "PackPiece", "PackPlan", "PublishError", "box_runs", "dtype_name", "plan_engine_pack", "plan_pack"]
+__all__ = ["DERIVED", "PackPiece", "PackPlan", "PublishError", "box_runs", "check_aliases", "dtype_name",
+           "plan_engine_pack", "plan_pack"]

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 from ..errors import FlashBootError
 from ..flashclone.rendezvous import DEFAULT_TIMEOUT_S
 from ..memory import Device
-from .plan import DERIVED, PackPlan, PublishError, dtype_name, plan_engine_pack, plan_pack
+from .plan import DERIVED, PackPlan, PublishError, check_aliases, dtype_name, plan_engine_pack, plan_pack
 
 DEFAULT_NAME = "refit"
 
@@ -130,7 +130,8 @@ class Publisher:
                 section = self.engine_section
                 aliases = {alias: info["of"] for alias, info in section.aliases.items()}
                 attributes = [n for n, info in section.tensors.items() if info["kind"] == "extra"]
-                plan = plan_engine_pack(self.metadata, headers, aliases, attributes, where=where)
+                raw = {n: info for n, info in section.tensors.items() if "dtype" in info}  # stored as bytes
+                plan = plan_engine_pack(self.metadata, headers, aliases, attributes, raw=raw, where=where)
             else:
                 plan = plan_pack(self.metadata, headers, config=self.config, where=where)
             self._plans = {key: plan}
@@ -155,6 +156,7 @@ class Publisher:
         named = _named(tensors)
         t0 = time.perf_counter()
         plan = self.plan(named)
+        check_aliases(plan, named, f"publish to {self.metadata.key.model_id} rank {self.rank}")
         # a trainer updates its parameters in place: the same addresses reuse the device table
         where = tuple((n, t.data_ptr(), t.stride(), t.device) for n, t in named.items())
         if self._table is None or self._table[0] is not plan or self._table[1] != where:
