@@ -10,6 +10,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 
 import pytest
@@ -272,3 +273,58 @@ def test_a_folder_where_the_socket_goes_is_named(image, tmp_path):
     (server.sock_path / "in-the-way").mkdir(parents=True)
     with pytest.raises(FlashBootError, match=rf"cannot take the socket path {server.sock_path}: a folder is in the way"):
         server._listen()
+
+
+def _busy_until_turned_away(d: Daemon) -> threading.Thread:
+    """The daemon turns every connection away as busy until it has turned one away, then serves again."""
+    d.server.max_connections = 0
+
+    def free_once_busy():
+        deadline = time.monotonic() + 20
+        while not any(line.startswith("busy:") for line in d.log) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        d.server.max_connections = 64
+
+    t = threading.Thread(target=free_once_busy, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one message", "fds in batches"])
+def test_a_busy_daemon_is_asked_again_within_the_loads_timeout(multi_segment_image, tmp_path, monkeypatch, batched):
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        segment_bytes = None
+        if batched:
+            monkeypatch.setattr(client, "STREAM_BATCH_BYTES", HOST_GRANULARITY)
+            segment_bytes = HOST_GRANULARITY
+        _busy_until_turned_away(d)
+        src = shm_files.rank_source(multi_segment_image, 0)
+        with Arena.create(src.nbytes, "cpu", segment_bytes=segment_bytes) as arena:
+            assert (arena.segments > 1) == batched
+            reply = client.served_load(arena, src, timeout_s=20, shm_dir=d.shm)
+            assert reply["ok"] and bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+        assert any(line.startswith("busy:") for line in d.log), "the daemon never turned the load away"
+        _busy_until_turned_away(d).join(30)  # and a status request alike
+        assert client.serve_status(multi_segment_image, d.shm, timeout_s=20)["ok"]
+    finally:
+        d.close()
+
+
+def test_preload_status_of_a_busy_daemon_falls_back_to_the_staged_files(image, tmp_path, monkeypatch, capsys):
+    from flashboot.commands import preload as preload_command
+
+    d = Daemon(image, tmp_path / "shm")
+    path = shm_files.pid_file(image, d.shm)
+    service._claim_pid_file(path, serve=True)  # this process serves, as far as the pid file says
+    try:
+        d.server.max_connections = 0
+        real = client.serve_status
+        monkeypatch.setattr(client, "serve_status", lambda *a, **k: real(*a, **{**k, "timeout_s": 0.5}))
+        assert preload_command.standalone([str(image), "--shm-dir", str(d.shm), "--status"]) == 0
+        out = capsys.readouterr().out
+        assert f"the serving daemon (pid {os.getpid()}) did not answer" in out and "busy:" in out, out
+        assert "rank 0: staged: " in out, out
+    finally:
+        service._release_pid_file(path)
+        d.close()

@@ -94,7 +94,13 @@ def _status(args) -> int:
     root = shm_files.shm_root(args.shm_dir)
     if root.exists() and not root.is_dir():
         print(f"  the staging root {root} is not a directory: nothing can be staged there; use another --shm-dir")
-    daemon = client.serve_status(args.image_dir, args.shm_dir) if st.running and st.serve else None
+    daemon = None
+    if st.running and st.serve:
+        try:
+            daemon = client.serve_status(args.image_dir, args.shm_dir)
+        except FlashBootError as exc:  # busy or hung: the staged files still say what a load would find
+            print(f"  the serving daemon (pid {st.pid}) did not answer: {exc}; the states below are from the "
+                  "staged files")
     for rs in rank_states(args.image_dir, args.ranks or image_ranks(args.image_dir), args.shm_dir, daemon=daemon,
                           preloader_pid=st.pid if st.running else None):
         print(f"  {rs.line()}")

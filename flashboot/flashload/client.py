@@ -132,12 +132,48 @@ def _read_reply(sock: socket.socket, path: Path, what: str, timeout_s: float, *,
 
 
 def serve_status(image_dir, shm_dir=None, *, timeout_s: float = 10.0) -> dict:
-    """Ask a running served-load daemon what it holds."""
+    """Ask a running served-load daemon what it holds (asked again while it answers busy, within
+    ``timeout_s``)."""
     path = socket_path(image_dir, shm_dir)
-    reply = _request(path, {"op": "status"}, connect_timeout_s=timeout_s, reply_timeout_s=timeout_s)
+    retry = _BusyRetry(timeout_s)
+    while True:
+        reply = _request(path, {"op": "status"}, connect_timeout_s=timeout_s, reply_timeout_s=timeout_s)
+        if reply.get("ok") or not (_is_busy(reply) and retry.wait()):
+            break
     if not reply.get("ok"):
         _raise_remote(reply, f"preloader at {path}")
     return reply
+
+
+BUSY_BACKOFF_S = 0.05
+BUSY_BACKOFF_MAX_S = 1.0
+"""A daemon that answers busy (all its connection handlers taken) is asked again after this pause,
+doubled up to the maximum, while the caller's timeout lasts: with 100 loads at once, 7 of them
+had failed after 1.3 s of a 20 s budget."""
+
+
+def _is_busy(reply: dict) -> bool:
+    return (reply.get("attrs") or {}).get("busy") is True
+
+
+class _BusyRetry:
+    """The pauses between asks of a busy daemon, within ``timeout_s`` from now."""
+
+    def __init__(self, timeout_s: float):
+        self.until = time.monotonic() + timeout_s
+        self.pause_s = BUSY_BACKOFF_S
+
+    def wait(self) -> bool:
+        """Sleep the next pause and return True, or False when it would end past the timeout."""
+        if time.monotonic() + self.pause_s >= self.until:
+            return False
+        time.sleep(self.pause_s)
+        self.pause_s = min(2 * self.pause_s, BUSY_BACKOFF_MAX_S)
+        return True
+
+
+class _Busy(FlashBootError):
+    """A streamed hand-over the daemon turned away as busy (it took none of the fds)."""
 
 
 def served_ready_now(image_dir, rank: int, metadata_sha256: str | None = None, *, shm_dir=None) -> ReadyInfo | None:
@@ -239,7 +275,8 @@ class ServedCopy:
     the arena and copies into it; :meth:`wait` reads its reply. Made by :func:`start_served_load`."""
 
     def __init__(self, sock: socket.socket, path: Path, rank: int, reply_timeout_s: float, sent_at: float,
-                 rest=None):
+                 rest=None, resend: Callable | None = None, retry: _BusyRetry | None = None):
+        self._resend, self._retry = resend, retry  # a busy daemon is asked again (``_send_arena``'s result)
         self._sock: socket.socket | None = sock
         self.path, self.rank, self.reply_timeout_s = path, rank, reply_timeout_s
         self.sent_at = sent_at  # perf_counter when the request (with the first batch's fds) went out
@@ -260,20 +297,31 @@ class ServedCopy:
         """Block until the daemon answers (at most ``reply_timeout_s`` from the request); returns
         its reply (``h2d_ms``, ``map_ms``, ``pinned``...) or raises the daemon's error with its class.
         Later batches not handed over yet are handed over first (the daemon copies them all)."""
-        if self._rest is not None:
-            self.hand_over_rest()
-        if self._sock is not None:
-            sock, self._sock = self._sock, None
+        while True:
             try:
-                reply = _read_reply(sock, self.path, f"'load' for rank {self.rank}", self.reply_timeout_s,
-                                    deadline=self.deadline)
-                if not reply.get("ok"):
-                    _raise_remote(reply, f"served load of rank {self.rank} by the preloader at {self.path}")
-                self._reply = reply
-            except BaseException as exc:
-                self._error = exc
-            finally:
-                sock.close()
+                if self._rest is not None:
+                    self.hand_over_rest()
+            except _Busy:
+                pass  # in self._error: asked again below
+            if self._sock is not None:
+                sock, self._sock = self._sock, None
+                try:
+                    reply = _read_reply(sock, self.path, f"'load' for rank {self.rank}", self.reply_timeout_s,
+                                        deadline=self.deadline)
+                    if not reply.get("ok"):
+                        if _is_busy(reply):
+                            raise _Busy(f"served load of rank {self.rank} by the preloader at {self.path}: "
+                                        f"{reply.get('message')}")
+                        _raise_remote(reply, f"served load of rank {self.rank} by the preloader at {self.path}")
+                    self._reply = reply
+                except BaseException as exc:
+                    self._error = exc
+                finally:
+                    sock.close()
+            if not (isinstance(self._error, _Busy) and self._resend is not None and self._retry.wait()):
+                break
+            self._error = None
+            self._sock, self.path, self.sent_at, self._rest = self._resend()
         if self._error is not None:
             raise self._error
         return self._reply
@@ -391,6 +439,8 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
         except BaseException as exc:
             reply = _stop_streamed(sock, path, rank, timeout_s + 60 + nbytes / 1e9)
             if isinstance(exc, OSError):
+                if reply is not None and _is_busy(reply):
+                    raise _Busy(f"served load of rank {rank} by the preloader at {path}: {reply.get('message')}") from None
                 if reply is not None and not reply.get("ok"):  # it refused the request and hung up: its reason
                     _raise_remote(reply, f"served load of rank {rank} by the preloader at {path}")
                 raise _went_away(path, rank, exc, timeout_s) from None
@@ -434,10 +484,13 @@ def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha2
     handed over by :meth:`ServedCopy.hand_over_rest` (an early call's background thread), or by
     :meth:`ServedCopy.wait` at the latest.
     """
-    sock, path, sent_at, later = _send_arena(arena, image_dir=image_dir, rank=rank, nbytes=nbytes,
-                                             metadata_sha256=metadata_sha256, timeout_s=timeout_s, shm_dir=shm_dir,
-                                             verify=verify)
-    copy = ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9, sent_at, later)
+    def send():
+        return _send_arena(arena, image_dir=image_dir, rank=rank, nbytes=nbytes, metadata_sha256=metadata_sha256,
+                           timeout_s=timeout_s, shm_dir=shm_dir, verify=verify)
+
+    retry = _BusyRetry(timeout_s)
+    sock, path, sent_at, later = send()
+    copy = ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9, sent_at, later, resend=send, retry=retry)
     if not rest_later:
         copy.hand_over_rest()
     return copy

@@ -370,9 +370,10 @@ class PreloadServer:
             backoff_s = ACCEPT_BACKOFF_S
             self._threads = [x for x in self._threads if x.is_alive()]
             if len(self._threads) >= self.max_connections:
-                self._turn_away(conn, FlashBootError(
-                    f"busy: {len(self._threads)} connections are being handled (at most {self.max_connections}); "
-                    "retry"), wait_s=0.1)
+                busy = FlashBootError(f"busy: {len(self._threads)} connections are being handled (at most "
+                                      f"{self.max_connections}); retry")
+                busy.busy = True  # travels in the reply's attrs: a client retries within its timeout
+                self._turn_away(conn, busy, wait_s=0.1)
                 continue
             t = threading.Thread(target=self._handle, args=(conn,), name="flashboot-serve-conn", daemon=True)
             with self._threads_lock:  # close() joins only started threads, and none starts after it looked
@@ -390,7 +391,11 @@ class PreloadServer:
         try:
             conn.settimeout(wait_s)
             conn.send(json.dumps(_error_payload(exc)).encode())
-            conn.recv(1)
+            # the request and any batches of fds sent behind it: closed with one unread, the client's
+            # connection is reset and the answer lost. Within ``wait_s`` in all: the accept loop waits
+            deadline = time.monotonic() + wait_s
+            while conn.recv(1) and time.monotonic() < deadline:
+                conn.settimeout(max(1e-3, deadline - time.monotonic()))
         except OSError:
             pass
         finally:
