@@ -443,6 +443,11 @@ class PreparedLoad:
 
     # ---- the caller's side -------------------------------------------------------------------
     @property
+    def cancelled(self) -> threading.Event:
+        """Set once the handle is closed unused: a copy that can stop early (the stream) stops."""
+        return self._cancel
+
+    @property
     def done(self) -> bool:
         """Whether the preparation, the early copy included, has ended (ready or failed)."""
         return self._done.is_set()

@@ -128,6 +128,22 @@ def _bind_held(arena, record: dict, source, dev: Device, name: str, t_start: flo
     return LoadedImage(arena, tensors, source.metadata, report, source)
 
 
+def _verify_held(loaded, name: str, dev: Device, verify: bool | None) -> None:
+    """Check the held arena's bytes against the image's checksums where ``verify`` asks (or, left
+    None, where a load would by default); otherwise the report says why not. A held arena may
+    have been written to since it was handed over: ``verify=True`` had been skipped unsaid."""
+    from .landing import verify_loaded
+    from .want import verify_default
+
+    why = "verify=False"
+    if verify is None:
+        verify, why = verify_default(dev, by_daemon=False)
+    if verify:
+        verify_loaded(loaded.arena, loaded.metadata, f"the arena held as {name!r}", loaded.report)
+    else:
+        loaded.report.details["verify_skipped"] = why
+
+
 def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_options):
     """:func:`flashboot.load` with ``holder=``: map the held arena when it is this image (no copy),
     otherwise warn why not, load normally and hand the new arena over (a failed hand-over warns
@@ -170,15 +186,20 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
     if why is None and map_error is not None:
         why = f"the arena held as {name!r} cannot be mapped: {map_error}"
     if why is None:
+        loaded = None
         try:
             loaded = _bind_held(arena, record, source, dev, name, t_start, map_ms, metadata_ms)
             arena = None
-            prepared = load_options.get("prepared")
-            if prepared is not None:
-                prepared.close()  # its arena and attachment are not needed: the held one is bound
-            return loaded
+            _verify_held(loaded, name, dev, load_options.get("verify"))
         except FlashBootError as exc:
-            why = f"the arena held as {name!r} cannot be bound: {exc}"
+            if loaded is not None:
+                loaded.close()  # this process's mapping only: the holder keeps its arena
+            why = f"the arena held as {name!r} cannot be bound or does not verify: {exc}"
+        else:
+            prepared = load_options.get("prepared")
+            if prepared is not None:  # not needed: the held arena is bound. Released once its copy
+                prepared._release_when_done(0)  # ends, without holding up the restart
+            return loaded
     if arena is not None:
         arena.close()  # another image's, or not bound: the holder keeps it
     warnings.warn(f"flashboot: not restarting from the holder ({why}); loading rank {rank} of {image_dir} normally",

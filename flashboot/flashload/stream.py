@@ -398,7 +398,8 @@ def _read_chunk(fd: int, slot: _Slot, off: int, want: int, setting: ReadSetting,
 
 
 def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, config: StreamConfig, threads: int, *, direct: bool,
-         on_start: Callable[[], None] | None) -> tuple[float, float, int, ReadDepth]:
+         on_start: Callable[[], None] | None, cancel: threading.Event | None = None
+         ) -> tuple[float, float, int, ReadDepth]:
     """Read ``nbytes`` of ``fd`` through ``ring`` into ``arena``; returns (seconds, copy seconds,
     chunks, the reads-in-flight gate). When this returns or raises, every reader has stopped and
     every copy has finished."""
@@ -472,6 +473,9 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, config: StreamConfi
             free.put(slot)
             depth.completed(ticket, want, read_end)
             done += 1
+            if cancel is not None and cancel.is_set() and done < n_chunks:
+                raise FlashBootError(f"{path}: the stream was cancelled after {done} of {n_chunks} chunks of "
+                                     f"{slot_bytes:,} bytes (its prepared load was closed)")
         copier.finish()
         return time.perf_counter() - t0, copier.copy_s, n_chunks, depth
     except BaseException:
@@ -496,7 +500,8 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, config: StreamConfi
 
 
 def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *,
-                 on_start: Callable[[], None] | None = None, identity=None) -> StreamStats:
+                 on_start: Callable[[], None] | None = None, identity=None,
+                 cancel: threading.Event | None = None) -> StreamStats:
     """Read the image file ``path`` (``nbytes``, a multiple of 4096 or not) into ``arena`` from
     byte 0, through a ring of at most ``config.buffer_bytes``.
 
@@ -507,7 +512,8 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
     when no read completes within ``stall_timeout_s``. The ring is released either way; the
     arena is the caller's. ``identity`` (the image's
     :class:`~flashboot.layouts.image.FileIdentity`, where known): the file opened must be the one
-    its metadata was validated against, and unchanged once read, else LayoutError.
+    its metadata was validated against, and unchanged once read, else LayoutError. ``cancel``:
+    once set, the stream stops after the chunk in hand (FlashBootError), its reads stopped.
     """
     config = StreamConfig.of(config)
     path = str(path)
@@ -531,7 +537,7 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
         threads = config.readers_for(nbytes)
         try:
             seconds, copy_s, chunks, depth = _run(fd, path, nbytes, arena, ring, config, threads,
-                                                  direct=mode == "o_direct", on_start=on_start)
+                                                  direct=mode == "o_direct", on_start=on_start, cancel=cancel)
         except DirectReadRefused as exc:
             if config.io == "direct":
                 raise CapabilityError(f"{path}: reads under O_DIRECT fail ({exc}) and io='direct' was asked") from None
@@ -542,7 +548,7 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
                 identity.check(os.fstat(fd), "since its metadata was read")
             mode, reason = "buffered", f"filesystem refuses O_DIRECT reads ({exc})"
             seconds, copy_s, chunks, depth = _run(fd, path, nbytes, arena, ring, config, threads, direct=False,
-                                                  on_start=None)
+                                                  on_start=None, cancel=cancel)
         if identity is not None:  # written to while it was read: the arena may hold a mix
             identity.check(os.fstat(fd), "while it was read")
         return StreamStats(path, nbytes, seconds, mode, reason, ring.nbytes, ring.peak_bytes, config.buffer_bytes,

@@ -166,7 +166,7 @@ class DiskSource(Source):
         yield
         handle.copy_issued()
         stats = stream_image(handle.image.path, handle.nbytes, handle.arena, handle.stream_config,
-                             identity=handle.image.file_identity)
+                             identity=handle.image.file_identity, cancel=handle.cancelled)
         handle.copy = {"h2d_ms": stats.seconds * 1e3, "stats": stats}
         return t
 
