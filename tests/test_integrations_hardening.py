@@ -5,6 +5,7 @@ tensor checks, publish aliases, option validation, engine sections."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import PurePosixPath
 
 import pytest
 import torch
@@ -271,3 +272,59 @@ def test_publish_packs_tensors_the_image_stores_as_raw_bytes(tmp_path, store):
         assert torch.equal(model.qkv.weight, new["qkv.weight"])
     finally:
         weights.close()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"timeout_s": float("nan")}, r"timeout_s must be a finite number of seconds in \(0, \d+\], got nan"),
+    ({"timeout_s": float("inf")}, r"timeout_s must be a finite number .* got inf"),
+    ({"timeout_s": 1e12}, r"timeout_s must be a finite number .* got 1000000000000.0"),
+    ({"image_dir": ["/a"]}, r"image_dir must be a non-empty path, got \['/a'\]"),
+    ({"image_dir": ""}, r"image_dir must be a non-empty path, got ''"),
+    ({"shm_dir": 7}, r"shm_dir must be a non-empty path, got 7"),
+    ({"seed_store": ""}, r"seed_store must be 'HOST:PORT' \(port 1-65535\), got ''"),
+    ({"seed_store": 1234}, r"seed_store must be 'HOST:PORT' .* got 1234"),
+    ({"publish_store": "host"}, r"publish_store must be 'HOST:PORT' .* got 'host'"),
+    ({"seed_name": 5}, r"seed_name must be a non-empty name without '/', got 5"),
+])
+def test_loader_options_refuse_bad_types_and_non_finite_timeouts(changes, message):
+    from flashboot.errors import FlashBootError
+    from flashboot.integrations.engine_prepack import LoaderOptions
+
+    with pytest.raises(FlashBootError, match=message):
+        LoaderOptions(**{"image_dir": "/img", **changes})
+
+
+def test_loader_options_from_json_refuse_nan_and_infinity():
+    from flashboot.errors import FlashBootError
+    from flashboot.integrations.engine_prepack import LoaderOptions
+
+    for text in ('{"image_dir": "/img", "timeout_s": NaN}', '{"image_dir": "/img", "timeout_s": Infinity}'):
+        with pytest.raises(FlashBootError, match="timeout_s must be a finite number"):
+            LoaderOptions.from_extra_config(text)
+    assert LoaderOptions(image_dir=PurePosixPath("/img"), seed_store="[::1]:29500").image_dir == "/img"
+
+
+def test_a_load_failing_after_the_copy_releases_its_arena(packed, tmp_path, monkeypatch):
+    import flashboot
+    from _engine_helpers import _key as plain_key
+    from flashboot.integrations.engine_prepack import LoaderOptions, load_engine_weights
+
+    _, out, _ = packed
+    loads = []
+    real_load = flashboot.load
+
+    class _Joining:
+        def join(self, timeout=None):
+            raise RuntimeError("join failed")
+
+    def load(*args, **kwargs):
+        loaded = real_load(*args, **kwargs)
+        loaded.release_thread = _Joining()  # the wait on the staged copy's unmap fails after the copy
+        loads.append(loaded)
+        return loaded
+
+    monkeypatch.setattr(flashboot, "load", load)
+    with pytest.raises(RuntimeError, match="join failed"):
+        load_engine_weights(LoaderOptions(image_dir=str(out), shm_dir=str(tmp_path / "shm"), staging="inline"),
+                            plain_key(), 0, "cpu", tp_size=1, ep_size=1)
+    assert len(loads) == 1 and loads[0].arena.closed

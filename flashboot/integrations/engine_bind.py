@@ -163,11 +163,16 @@ def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, d
             "\"auto\": pre-pack when missing, load otherwise)")
     section = _check_image_keys(options, expected, rank)
     staged_here = _stage_if_needed(options, rank, dev)
+    loaded = None
     try:
         loaded = flashboot.load(options.image_dir, rank, dev, timeout_s=options.timeout_s, served=options.served,
                                 verify=options.verify, shm_dir=options.shm_dir, tp=tp_size, ep=ep_size)
         if staged_here and loaded.release_thread is not None:
             loaded.release_thread.join(options.timeout_s)  # its unmap of the staged copy, before we remove it
+    except BaseException:
+        if loaded is not None:  # nobody else holds it: its arena would leak
+            loaded.close()
+        raise
     finally:
         if staged_here:  # a copy we made only for this load: give the shared memory back
             unstage(options.image_dir, [rank], shm_dir=options.shm_dir)

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -47,6 +48,11 @@ LOAD_FORMAT = "flashboot"
 # =============================================================================================
 # Options
 # =============================================================================================
+def _is_host_port(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    host, _, port = value.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 @dataclass
 class LoaderOptions:
     """What ``--model-loader-extra-config`` may say to the FlashBoot loader (both engines).
@@ -83,8 +89,16 @@ class LoaderOptions:
     memory_saver: str = "sleep"
 
     def __post_init__(self):
-        if self.image_dir is not None:
-            self.image_dir = str(self.image_dir)
+        for name in ("image_dir", "shm_dir"):  # a path: "" would mean the working directory
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+                    raise FlashBootError(f"flashboot option {name} must be a non-empty path, got {value!r}")
+                setattr(self, name, os.fspath(value))
+        for name in ("seed_store", "publish_store"):
+            value = getattr(self, name)
+            if value is not None and not _is_host_port(value):
+                raise FlashBootError(f"flashboot option {name} must be 'HOST:PORT' (port 1-65535), got {value!r}")
         if self.mode not in MODES:
             raise FlashBootError(f"flashboot option mode={self.mode!r}; known: {', '.join(MODES)}")
         if self.staging not in STAGING:
@@ -95,8 +109,11 @@ class LoaderOptions:
         if self.schedule not in ("chain", "star"):
             raise FlashBootError(f"flashboot option schedule={self.schedule!r}; an engine clones with 'chain' or "
                                  "'star' (a ring needs every member's host image: use flashboot.clone directly)")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
-            raise FlashBootError(f"flashboot option timeout_s must be a positive number, got {self.timeout_s!r}")
+        # finite and within what a thread join or lock wait takes (NaN, inf raised raw errors mid-load)
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                or not 0 < self.timeout_s <= threading.TIMEOUT_MAX):
+            raise FlashBootError(f"flashboot option timeout_s must be a finite number of seconds in (0, "
+                                 f"{threading.TIMEOUT_MAX:.0f}], got {self.timeout_s!r}")
         for name in ("verify", "served"):
             if not isinstance(getattr(self, name), bool):
                 raise FlashBootError(f"flashboot option {name} must be true or false, got {getattr(self, name)!r}")
@@ -108,7 +125,7 @@ class LoaderOptions:
             raise FlashBootError(f"flashboot option mode={self.mode!r} writes an image: image_dir is required")
         if self.mode == "prepack" and self.seed_store is not None:
             raise FlashBootError("mode='prepack' runs the engine's own loader; it cannot clone from seed_store")
-        if not self.seed_name or "/" in self.seed_name:
+        if not isinstance(self.seed_name, str) or not self.seed_name or "/" in self.seed_name:
             raise FlashBootError(f"flashboot option seed_name must be a non-empty name without '/', got {self.seed_name!r}")
 
     @classmethod
