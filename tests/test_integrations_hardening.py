@@ -328,3 +328,89 @@ def test_a_load_failing_after_the_copy_releases_its_arena(packed, tmp_path, monk
         load_engine_weights(LoaderOptions(image_dir=str(out), shm_dir=str(tmp_path / "shm"), staging="inline"),
                             plain_key(), 0, "cpu", tp_size=1, ep_size=1)
     assert len(loads) == 1 and loads[0].arena.closed
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"timeout_s": float("nan")}, r"refit option timeout_s must be a finite number of seconds in \(0, \d+\], got nan"),
+    ({"timeout_s": float("inf")}, r"timeout_s must be a finite number .* got inf"),
+    ({"timeout_s": "30"}, r"timeout_s must be a finite number .* got '30'"),
+    ({"timeout_s": -1}, r"timeout_s must be a finite number .* got -1"),
+    ({"atomic": None}, r"refit option atomic must be true or false, got None"),
+    ({"atomic": "false"}, r"refit option atomic must be true or false, got 'false'"),
+    ({"clones": 1.5}, r"refit option clones must be a positive integer or None, got 1.5"),
+    ({"chunk_bytes": 0}, r"refit option chunk_bytes must be a positive integer or None, got 0"),
+    ({"schedule": 3}, r"refit option schedule must be a non-empty string, got 3"),
+])
+def test_refit_options_are_checked_by_value_everywhere(tmp_path, store, options, message):
+    import json
+
+    from flashboot.integrations.engine_refit import check_refit_options
+    from flashboot.weight_update import refit
+
+    address, _ = store
+    with pytest.raises(RefitError, match=message):  # SGLang's update request (JSON)
+        check_refit_options(json.loads(json.dumps(options)), "refit_request")
+    image = _prepack(TinyEngineModel(0), tmp_path / "img", _key())
+    model, weights = _serve(image, tmp_path / "shm", _key())
+    try:
+        with pytest.raises(RefitError, match=message):
+            refit_engine_model(model, address, 1, what="test refit", **options)
+        with pytest.raises(RefitError, match=message):
+            refit(weights.handle, address, 1, **options)
+        assert weights.handle.version == 0
+    finally:
+        weights.close()
+
+
+def _stub_vllm(monkeypatch):
+    """Just enough of vLLM's weight-transfer interface to import the flashboot backend."""
+    import sys
+    import types
+    from dataclasses import dataclass
+    from typing import Generic, TypeVar
+
+    base = types.ModuleType("vllm.distributed.weight_transfer.base")
+    T, U = TypeVar("T"), TypeVar("U")
+
+    @dataclass
+    class WeightTransferInitInfo:
+        pass
+
+    @dataclass
+    class TrainerInitInfo:
+        pass
+
+    class WeightTransferEngine(Generic[T, U]):
+        pass
+
+    class TrainerWeightTransferEngine(Generic[T]):
+        pass
+
+    base.WeightTransferInitInfo, base.TrainerInitInfo = WeightTransferInitInfo, TrainerInitInfo
+    base.WeightTransferUpdateInfo = WeightTransferInitInfo
+    base.WeightTransferEngine, base.TrainerWeightTransferEngine = WeightTransferEngine, TrainerWeightTransferEngine
+    base.WeightSource = object
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    monkeypatch.delitem(sys.modules, "flashboot.integrations.vllm_weight_transfer", raising=False)
+
+
+def test_vllm_init_info_checks_its_values(monkeypatch):
+    import importlib
+
+    _stub_vllm(monkeypatch)
+    transfer = importlib.import_module("flashboot.integrations.vllm_weight_transfer")
+    try:
+        assert transfer.FlashBootInitInfo(store="h:1").atomic is True
+        for bad, message in (({"atomic": "false"}, "atomic must be true or false, got 'false'"),
+                             ({"atomic": None}, "atomic must be true or false, got None"),
+                             ({"timeout_s": float("nan")}, "timeout_s must be a finite number"),
+                             ({"clones": "2"}, "clones must be a positive integer or None"),
+                             ({"store": None}, "store must be 'HOST:PORT', got None")):
+            with pytest.raises(RefitError, match=rf"init_weight_transfer_engine \(flashboot\).*{message}"):
+                transfer.FlashBootInitInfo(**{"store": "h:1", **bad})
+    finally:
+        import sys
+
+        sys.modules.pop("flashboot.integrations.vllm_weight_transfer", None)  # built over the stub

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from flashboot.errors import CapabilityError, LayoutError
 from flashboot.weight_update import RefitError, RefitReport
+from flashboot.weight_update.engine import check_refit_values
 from flashboot.weight_update.publish import DEFAULT_NAME
 
 from .engine_key import EngineKey
@@ -59,9 +60,13 @@ def engine_tensors_to_publish(model, device: Any) -> Iterable[tuple[str, Any]]:
 
 
 def check_refit_options(options: Mapping[str, Any], what: str) -> dict:
+    """``options`` as a dict after checking their names (:data:`REFIT_OPTIONS`) and values
+    (:func:`~flashboot.weight_update.engine.check_refit_values`: an engine's update request is
+    JSON, where ``"false"``, ``null`` or ``NaN`` would otherwise pass); RefitError otherwise."""
     unknown = sorted(set(options) - set(REFIT_OPTIONS))
     if unknown:
         raise RefitError(f"{what}: unknown refit option(s) {unknown}; known: {list(REFIT_OPTIONS)}")
+    check_refit_values(what, **options)
     return dict(options)
 
 
@@ -124,6 +129,7 @@ def refit_engine_model(model, store: str, version: int, *, what: str, name: str 
     without copying) and whatever :func:`flashboot.weight_update.refit` raises."""
     weights = served_weights(model, what)
     options = check_refit_options(options, what)
+    check_refit_values(what, name=name)
     check_awake(model, f"{what}: refused, nothing was copied", RefitError)
     rank = weights.handle.metadata.parallel.rank
 

@@ -55,6 +55,19 @@ class FlashBootInitInfo(WeightTransferInitInfo):
     transport: str = "auto"
     token_file: str | None = None
 
+    def __post_init__(self):
+        # it arrives as JSON through vLLM's control plane: "false" or null must not pick a mode
+        from flashboot.weight_update.engine import check_refit_values
+
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        if not isinstance(self.store, str) or not self.store:
+            raise RefitError(f"init_weight_transfer_engine ({BACKEND}): store must be 'HOST:PORT', got {self.store!r}")
+        check_refit_values(f"init_weight_transfer_engine ({BACKEND})", name=self.name, atomic=self.atomic,
+                           timeout_s=self.timeout_s, schedule=self.schedule, clones=self.clones,
+                           transport=self.transport, token_file=self.token_file)
+
 
 @dataclass
 class FlashBootUpdateInfo(WeightTransferUpdateInfo):

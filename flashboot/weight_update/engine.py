@@ -68,6 +68,33 @@ class RefitReport:
                 f"verified in {self.verify_ms:.2f} ms, total {self.total_ms:.2f} ms")
 
 
+def check_refit_values(where: str, **values: Any) -> None:
+    """RefitError naming the option and its value for an ``atomic`` that is not a bool (None would
+    mean in place, "false" atomic), a ``timeout_s`` that is not a finite number of seconds in (0,
+    threading.TIMEOUT_MAX], ``clones``/``chunk_bytes`` that are not a positive int (or None), or a
+    ``schedule``/``transport``/``name`` that is not a string, and a ``token_file`` not a path."""
+    import math
+    import os
+    import threading
+
+    def bad(name: str, want: str) -> RefitError:
+        return RefitError(f"{where}: refit option {name} must be {want}, got {values[name]!r}; nothing was copied")
+
+    for name, value in values.items():
+        if name == "atomic" and not isinstance(value, bool):
+            raise bad(name, "true or false")
+        if name == "timeout_s" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                    or not math.isfinite(value) or not 0 < value <= threading.TIMEOUT_MAX):
+            raise bad(name, f"a finite number of seconds in (0, {threading.TIMEOUT_MAX:.0f}]")
+        if name in ("clones", "chunk_bytes") and value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise bad(name, "a positive integer or None")
+        if name in ("schedule", "transport", "name") and (not isinstance(value, str) or not value):
+            raise bad(name, "a non-empty string")
+        if name == "token_file" and value is not None and not isinstance(value, (str, os.PathLike)):
+            raise bad(name, "a path or None")
+
+
 def _check_record(rec, loaded, version: int, where: str):
     """The published manifest after checking version, key and rank against the engine's."""
     from ..flashclone.rendezvous import Manifest
@@ -106,8 +133,9 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     ``extra`` fields included) after the version, key and rank checks, before a byte moves; it
     raises to refuse (the engine integrations check the engine key there).
 
-    Raises RefitError (a version not newer than the live one, a record for another image key or
-    rank, an engine asleep: wake() it first), WaitTimeoutError naming the step it waited on (the
+    Raises RefitError (an option of the wrong type or range: :func:`check_refit_values`; a version
+    not newer than the live one, a record for another image key or rank, an engine asleep: wake()
+    it first), WaitTimeoutError naming the step it waited on (the
     trainer's publish, a source), OutOfMemoryError with the numbers when there is no room for the
     staging copy (``atomic=False`` needs none), ChecksumMismatchError when the bytes copied are
     not those published. All of them leave the old weights whole and serving, except a failure
@@ -130,6 +158,8 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
 
     t0 = time.perf_counter()
     check_version(version, "refit")
+    check_refit_values("refit", atomic=atomic, timeout_s=timeout_s, schedule=schedule, clones=clones,
+                       chunk_bytes=chunk_bytes, transport=transport, name=name, token_file=token_file)
     arena, meta = loaded.arena, loaded.metadata
     live = loaded.version
     rank = meta.parallel.rank
@@ -215,4 +245,4 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     return report
 
 
-__all__ = ["RefitError", "RefitReport", "refit"]
+__all__ = ["RefitError", "RefitReport", "check_refit_values", "refit"]
