@@ -414,3 +414,65 @@ def test_vllm_init_info_checks_its_values(monkeypatch):
         import sys
 
         sys.modules.pop("flashboot.integrations.vllm_weight_transfer", None)  # built over the stub
+
+
+def _stub_sglang(monkeypatch, quantization_config):
+    """Just enough of SGLang to import the flashboot loader; ``_get_quantization_config`` is
+    ``quantization_config``."""
+    import contextlib
+    import sys
+    import types
+
+    modules = {}
+    for name in ("sglang", "sglang.srt", "sglang.srt.configs", "sglang.srt.configs.load_config",
+                 "sglang.srt.model_loader", "sglang.srt.model_loader.loader", "sglang.srt.model_loader.utils"):
+        modules[name] = types.ModuleType(name)
+        monkeypatch.setitem(sys.modules, name, modules[name])
+
+    class BaseModelLoader:
+        def __init__(self, load_config):
+            self.load_config = load_config
+
+    loader = modules["sglang.srt.model_loader.loader"]
+    loader.BaseModelLoader, loader._get_quantization_config = BaseModelLoader, quantization_config
+    loader._initialize_model = loader.get_model_loader = None
+    modules["sglang.srt.configs.load_config"].LoadConfig = modules["sglang.srt.configs.load_config"].LoadFormat = object
+    modules["sglang.srt.model_loader.utils"].set_default_torch_dtype = lambda dtype: contextlib.nullcontext()
+    monkeypatch.delitem(sys.modules, "flashboot.integrations.sglang", raising=False)
+
+
+def test_sglang_load_releases_the_early_call_when_the_quantization_config_fails(monkeypatch, tmp_path):
+    import importlib
+    import sys
+    import types
+
+    def quantization_config(model_config, load_config):
+        raise ValueError("unknown quantization method 'fp3'")
+
+    _stub_sglang(monkeypatch, quantization_config)
+    sglang_loader = importlib.import_module("flashboot.integrations.sglang")
+    try:
+        prepared = []
+
+        class _Prepared:
+            closed = False
+
+            def close(self):
+                self.closed = True
+
+        def prepare(*args, **kwargs):
+            prepared.append(_Prepared())
+            return prepared[-1]
+
+        monkeypatch.setattr(sglang_loader, "prepare_engine_load", prepare)
+        monkeypatch.setattr(sglang_loader, "memory_saver_enabled", lambda: False)
+        loader = sglang_loader.FlashBootModelLoader(types.SimpleNamespace(
+            model_loader_extra_config={"image_dir": str(tmp_path / "img")}))
+        loader.key = _key(engine="sglang")
+        model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(), quantization=None, dtype=torch.float32)
+        parallel = types.SimpleNamespace(tp_rank=0, tp_size=1, ep_size=1)
+        with pytest.raises(ValueError, match="unknown quantization method 'fp3'"):
+            loader._load(model_config, torch.device("cpu"), parallel)
+        assert all(p.closed for p in prepared)  # none made, or made and released
+    finally:
+        sys.modules.pop("flashboot.integrations.sglang", None)  # built over the stub

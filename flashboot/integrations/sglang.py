@@ -348,11 +348,12 @@ class FlashBootModelLoader(BaseModelLoader):
         stays = memory_saver_policy(memory_saver_enabled(), MEMORY_SAVER_FLAG, o)
         from sglang.srt.model_loader.utils import set_default_torch_dtype
 
+        # before the early call: a failure here has nothing to release
+        quant_config = _get_quantization_config(model_config, self.load_config)
         # The early call: metadata, arena, the daemon's attachment (or the pin), views, all while
         # SGLang builds the model below; the load after it is the copy.
         prepared = prepare_engine_load(o, self.key, parallel.tp_rank, device, tp_size=parallel.tp_size,
                                        ep_size=parallel.ep_size)
-        quant_config = _get_quantization_config(model_config, self.load_config)
         try:
             with set_default_torch_dtype(model_config.dtype):
                 with torch.device("meta"):
