@@ -476,3 +476,38 @@ def test_sglang_load_releases_the_early_call_when_the_quantization_config_fails(
         assert all(p.closed for p in prepared)  # none made, or made and released
     finally:
         sys.modules.pop("flashboot.integrations.sglang", None)  # built over the stub
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda info: info.pop("shape"), r"engine tensor 'scale' stored as bytes needs shape and stride as equal-length "
+                                     r"lists of non-negative ints, found shape None, stride \[1\]"),
+    (lambda info: info.update(dtype=5), r"engine tensor 'scale' stored as bytes has dtype 5, not a dtype name"),
+    (lambda info: info.update(stride=[-1]), r"found shape \[8\], stride \[-1\]"),
+    (lambda info: info.update(stride=[1, 1]), r"found shape \[8\], stride \[1, 1\]"),
+    (lambda info: info.update(shape=[64]), r"engine tensor 'scale': float8_e8m0fnu shape \[64\] stride \[1\] spans 64 "
+                                           r"bytes; its image entry holds 8"),
+])
+def test_engine_section_raw_entries_are_checked_before_binding(packed, tmp_path, edit, message):
+    import json
+
+    from _engine_helpers import PlainEngineLikeModel
+    from _engine_helpers import _key as plain_key
+    from _image_helpers import rewrite_metadata
+    from flashboot.errors import LayoutError
+    from flashboot.integrations.engine_prepack import LoaderOptions, bind_engine_model, load_engine_weights
+
+    _, out, _ = packed
+    rank_dir = next(p for p in out.iterdir() if p.is_dir() and (p / "metadata.json").is_file())
+    meta = json.loads((rank_dir / "metadata.json").read_text())
+    assert meta["engine"]["tensors"]["scale"]["dtype"] == "float8_e8m0fnu"
+    edit(meta["engine"]["tensors"]["scale"])
+    rewrite_metadata(rank_dir, meta)
+    options = LoaderOptions(image_dir=str(out), shm_dir=str(tmp_path / "shm"))
+    with pytest.raises(LayoutError, match=message):
+        weights = load_engine_weights(options, plain_key(), 0, "cpu", tp_size=1, ep_size=1)
+        try:
+            with torch.device("meta"):
+                model = PlainEngineLikeModel()
+            bind_engine_model(model, weights)
+        finally:
+            weights.close()

@@ -253,17 +253,24 @@ class EngineBindReport:
     """References held in module containers (dataclass fields, lists, dicts) moved to the bound tensor."""
 
 
-def _materialize(view, info: Mapping[str, Any]):
+def _materialize(view, info: Mapping[str, Any], name: str):
     """The engine's tensor from an image view: raw (uint8) entries are re-typed and re-strided."""
     import torch
 
     if "dtype" not in info:
         return view
+    from flashboot.layouts.format import span_elems
+
     dtype = getattr(torch, info["dtype"], None)
     if not isinstance(dtype, torch.dtype):
         raise CapabilityError(f"this torch has no dtype {info['dtype']!r} (the image was packed with another torch)")
-    typed = view.view(dtype)
-    return typed.as_strided(tuple(info["shape"]), tuple(info["stride"]), typed.storage_offset())
+    shape, stride = tuple(info["shape"]), tuple(info["stride"])
+    nbytes = span_elems(shape, stride) * dtype.itemsize
+    if nbytes > view.numel() * view.element_size():  # as_strided would read the arena's next entries
+        raise LayoutError(f"engine tensor {name!r}: {info['dtype']} shape {list(shape)} stride {list(stride)} spans "
+                          f"{nbytes:,} bytes; its image entry holds {view.numel() * view.element_size():,}")
+    typed = view.view(torch.uint8)[:nbytes].view(dtype)
+    return typed.as_strided(shape, stride, typed.storage_offset())
 
 
 def bind_engine_model(model, weights: EngineWeights) -> EngineBindReport:
@@ -320,7 +327,7 @@ def bind_engine_model(model, weights: EngineWeights) -> EngineBindReport:
             replaced[id(old)] = (old, value)  # old kept alive: its id must not be reused meanwhile
 
     for name, info in section.tensors.items():
-        value = _materialize(weights.tensors[name], info)
+        value = _materialize(weights.tensors[name], info, name)
         register(name, value, info["kind"], bool(info.get("persistent", True)))
         report.bound.append(name)
     for name, info in section.aliases.items():
@@ -360,7 +367,7 @@ def copy_engine_weights_into(model, weights: EngineWeights) -> list[str]:
     missing = sorted(n for n in names if n not in current)
     if missing:
         raise LayoutError(f"the model has no parameters or buffers {missing[:8]} that the image holds")
-    sources = {n: _materialize(weights.tensors[n], weights.section.tensors[n]) for n in names}
+    sources = {n: _materialize(weights.tensors[n], weights.section.tensors[n], n) for n in names}
     mismatched = [f"{n} (image {list(src.shape)} {src.dtype}, model {list(current[n].shape)} {current[n].dtype})"
                   for n, src in sources.items()
                   if tuple(src.shape) != tuple(current[n].shape) or src.dtype != current[n].dtype]

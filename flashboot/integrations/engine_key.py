@@ -327,6 +327,22 @@ def model_identity(model_path: str, revision: str | None = None) -> tuple[str, s
 # =============================================================================================
 # Reading
 # =============================================================================================
+def _check_raw_info(name: str, info: Mapping[str, Any], where: str) -> None:
+    """A tensor the image stores as bytes records the engine's dtype, shape and stride: a dtype
+    name, and equal-length lists of non-negative ints (whether they fit the entry's bytes is
+    checked where the entry is at hand, :func:`~.engine_bind._materialize`)."""
+    dtype, shape, stride = info.get("dtype"), info.get("shape"), info.get("stride")
+
+    def ints(v) -> bool:
+        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+    if not isinstance(dtype, str) or not dtype:
+        raise LayoutError(f"{where}: engine tensor {name!r} stored as bytes has dtype {dtype!r}, not a dtype name")
+    if not ints(shape) or not ints(stride) or len(shape) != len(stride):
+        raise LayoutError(f"{where}: engine tensor {name!r} stored as bytes needs shape and stride as equal-length "
+                          f"lists of non-negative ints, found shape {shape!r}, stride {stride!r}")
+
+
 @dataclass(frozen=True)
 class EngineSection:
     """The ``engine`` section of one rank's metadata: the key and how to bind each tensor."""
@@ -351,6 +367,8 @@ class EngineSection:
         for name, info in d["tensors"].items():
             if not isinstance(info, Mapping) or info.get("kind") not in ("param", "buffer", "extra"):
                 raise LayoutError(f"{where}: engine tensor {name!r} has no valid kind (param, buffer, extra): {info!r}")
+            if "dtype" in info:
+                _check_raw_info(name, info, where)
         for name, info in d["aliases"].items():
             if not isinstance(info, Mapping) or info.get("of") not in d["tensors"]:
                 raise LayoutError(f"{where}: alias {name!r} names {info!r}, not a tensor of the image")
