@@ -111,6 +111,19 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     Console(width=160).print(table)
 
 
+def check_json_path(path: str | None) -> None:
+    """FlashBootError now, before the work, where the report cannot be written to ``path`` (a
+    missing directory had been found only after a load had run)."""
+    if path in (None, "-"):
+        return
+    from flashboot.errors import FlashBootError
+
+    try:
+        open(path, "a").close()
+    except OSError as exc:
+        raise FlashBootError(f"cannot write the JSON report to {path}: {exc.strerror}") from None
+
+
 def dump_json(obj: Any, path: str | None) -> None:
     """Write ``obj`` as JSON to ``path`` ('-' for stdout); dataclasses are converted."""
     if path is None:

@@ -1,7 +1,9 @@
-"""Byte sizes as people write them: ``4096``, ``217e9``, ``217GB``, ``256MiB``, ``1.5 GB``."""
+"""Byte sizes as people write them: ``4096``, ``217e9``, ``217GB``, ``256MiB``, ``1.5 GB``; and
+timeouts checked once where a caller gives them."""
 
 from __future__ import annotations
 
+import math
 import re
 
 from .errors import FlashBootError
@@ -50,3 +52,17 @@ def format_rate(nbytes: int, ms: float) -> str:
     if ms <= 0:
         return "- B/s"
     return format_bytes(int(nbytes / (ms * 1e-3))) + "/s"
+
+
+MAX_TIMEOUT_S = 1e6
+"""The longest wait a caller may ask for (~11.6 days): past it, thread and lock waits overflow
+(inf raised OverflowError mid-load) and a wait that long is a mistake."""
+
+
+def check_timeout(value, what: str, error: type[FlashBootError] = FlashBootError) -> float:
+    """``value`` as a float of seconds in (0, :data:`MAX_TIMEOUT_S`], or ``error`` naming ``what``:
+    NaN had spun a thread forever (no deadline is ever reached), inf raised OverflowError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= MAX_TIMEOUT_S:
+        raise error(f"{what} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
+    return float(value)

@@ -110,8 +110,8 @@ def test_default_ring_is_capped_by_the_image_and_the_env(image, shm, monkeypatch
     assert cfg.ring_bytes == cfg.buffer_bytes - stream.MAX_OVERHEAD_BYTES
     assert cfg.slots_for(1 << 40) == stream.RING_SLOTS == 16  # 64 MiB pinned, not the cap's 240 MiB
     assert StreamConfig(buffer_bytes=1 << 30, slot_bytes=32 << 20).slots_for(1 << 40) == 16
-    with flashboot.load(image, 0, "cpu", shm_dir=shm) as loaded:  # a 127 KB image gets one slot, not 256 MiB
-        assert loaded.report.details["buffer_bytes"] == stream.SLOT_BYTES
+    with flashboot.load(image, 0, "cpu", shm_dir=shm) as loaded:  # a 127 KB image gets one slot of its size
+        assert loaded.report.details["buffer_bytes"] == -(-loaded.nbytes // 4096) * 4096 < stream.SLOT_BYTES
         assert loaded.report.details["slots"] == 1
         assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
 
@@ -133,6 +133,55 @@ def test_config_validates_itself(monkeypatch):
     monkeypatch.setenv(stream.BUFFER_ENV, "lots")
     with pytest.raises(FlashBootError, match="FLASHBOOT_STREAM_BUFFER_BYTES must be a number"):
         StreamConfig()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -3, "30", True, 1e7])
+def test_a_timeout_that_no_wait_can_keep_is_refused_before_anything_starts(image, shm, bad):
+    """NaN had spun a staging thread forever (no deadline is ever reached) and inf raised
+    OverflowError mid-load, leaving the thread; a served load with inf never returned."""
+    threads = set(threading.enumerate())
+    for call in (lambda: flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=bad),
+                 lambda: flashboot.load(image, 0, "cpu", shm_dir=shm, served=True, timeout_s=bad),
+                 lambda: flashboot.prepare(image, 0, "cpu", shm_dir=shm, timeout_s=bad),
+                 lambda: flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes={"stall_timeout_s": bad})):
+        with pytest.raises(FlashBootError, match=r"timeout_s must be a finite number of seconds in \(0, 1e\+06\], got"):
+            call()
+    assert set(threading.enumerate()) == threads
+
+
+def test_a_slot_larger_than_the_image_is_cut_to_it(image, shm):
+    """A 64 GiB slot asked for a 127 KB image had been mapped whole (a raw ENOMEM here)."""
+    with flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes={"buffer_bytes": 1 << 40,
+                                                                           "slot_bytes": 1 << 36}) as loaded:
+        assert loaded.report.details["buffer_bytes"] == -(-loaded.nbytes // 4096) * 4096
+        assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
+
+
+def test_options_a_prepared_load_would_ignore_are_refused(image, shm):
+    handle = flashboot.prepare(image, 0, "cpu", shm_dir=shm)
+    try:
+        for kw, what in ((dict(stream=False), "prepared= excludes served=, staged= and stream="),
+                         (dict(stream_buffer_bytes=1 << 20), "stream_buffer_bytes=1048576 differs from the stream "
+                                                             "options flashboot.prepare.. was given"),
+                         (dict(shm_dir=shm / "other"), "differs from the one flashboot.prepare.. was given")):
+            with pytest.raises(FlashBootError, match=what):
+                flashboot.load(image, 0, "cpu", prepared=handle, **kw)
+        with flashboot.load(image, 0, "cpu", prepared=handle, shm_dir=shm) as loaded:  # the same: taken
+            assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
+    finally:
+        handle.close()
+    with pytest.raises(FlashBootError, match="unknown stream options"):  # served: refused up front, not after a wait
+        flashboot.load(image, 0, "cpu", shm_dir=shm, served=True, timeout_s=1, stream_buffer_bytes={"bad": 1})
+
+
+def test_a_preloader_pid_file_with_bad_ranks_is_named(image, shm):
+    from flashboot.flashload.shm import _proc_start_time, pid_file
+
+    path = pid_file(image, shm)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pid": os.getpid(), "start_time": _proc_start_time(os.getpid()), "ranks": 5}))
+    with pytest.raises(LayoutError, match=r"preload.pid: 'ranks' must list ints, found 5"):
+        flashboot.load(image, 0, "cpu", shm_dir=shm)
 
 
 _MEASURE = r"""

@@ -33,10 +33,11 @@ def register(subparsers) -> None:
 
 def main(args) -> int:
     import flashboot
-    from flashboot.benchmarks.timing import dump_json, print_table
+    from flashboot.benchmarks.timing import check_json_path, dump_json, print_table
     from flashboot.units import format_rate, parse_bytes
 
     buffer = parse_bytes(args.stream_buffer) if args.stream_buffer else None
+    check_json_path(args.json)
 
     staged = None
     if args.pin_early:

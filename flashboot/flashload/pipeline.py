@@ -84,6 +84,8 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
                            staged=staged, prepared=prepared, verify=verify, shm_dir=shm_dir, chunk_bytes=chunk_bytes,
                            tp=tp, ep=ep, expected_key=expected_key, stream=stream,
                            stream_buffer_bytes=stream_buffer_bytes, prepared_class=PreparedLoad)
+    if stream_buffer_bytes is not None:  # refused whether or not it streams, on every path
+        request.stream_config = StreamConfig.of(stream_buffer_bytes)
     if prepared is not None:
         loaded = load_prepared(request)
     elif served:  # the daemon's copy starts before this process has read the metadata: the source reads it

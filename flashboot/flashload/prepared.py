@@ -49,6 +49,7 @@ from typing import Any
 from ..errors import FlashBootError, LayoutError, WaitTimeoutError
 from ..fdshare import readable
 from ..gil_time import gil_free_cpu_s
+from ..units import check_timeout
 from ..memory import Device
 from .choose import choose_copy_first, choose_prepared
 from .landing import admit, verify_loaded
@@ -154,7 +155,7 @@ class PreparedLoad:
             raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
         self.image_dir, self.rank, self.device = str(image_dir), rank, Device.parse(device)
         self.real_dir = os.path.realpath(self.image_dir)
-        self.timeout_s, self.shm_dir = float(timeout_s), shm_dir
+        self.timeout_s, self.shm_dir = check_timeout(timeout_s, "prepare timeout_s"), shm_dir
         self.tp, self.ep, self.expected_key = tp, ep, expected_key
         # None: chosen once the mode is known (a served copy is verified by the daemon, cheaply)
         self.asked_verify = None if verify is None else bool(verify)
@@ -515,7 +516,7 @@ class PreparedLoad:
         for path, seen in self._identity.items():
             try:
                 now = _file_identity(path)
-            except FileNotFoundError:
+            except OSError:  # gone, or its directory replaced by a file
                 now = None
             if now != seen:
                 what = "is gone" if now is None else (f"changed (inode, size, mtime_ns {seen} -> {now})")

@@ -21,6 +21,7 @@ Peak extra host memory is the ring (plus a few pages per thread), measured by th
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import queue
 import threading
@@ -29,9 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import _cuda
-from ..errors import CapabilityError, FlashBootError, ImageReadError, LayoutError, WaitTimeoutError
+from ..errors import CapabilityError, FlashBootError, ImageReadError, LayoutError, OutOfMemoryError, WaitTimeoutError
 from ..fileio import DirectReadRefused, io_buffer, read_exactly
 from ..memory import Device
+from ..units import check_timeout
 from .read_depth import ReadDepth, ReadSetting
 
 DEFAULT_BUFFER_BYTES = 256 << 20
@@ -119,8 +121,7 @@ class StreamConfig:
             raise FlashBootError(f"stream threads must be an int >= 1, got {self.threads!r}")
         if self.io not in IO_MODES:
             raise FlashBootError(f"stream io must be one of {', '.join(IO_MODES)}, got {self.io!r}")
-        if not self.stall_timeout_s > 0:
-            raise FlashBootError(f"stream stall_timeout_s must be positive, got {self.stall_timeout_s!r}")
+        check_timeout(self.stall_timeout_s, "stream stall_timeout_s")
         if not isinstance(self.adapt_reads, bool):
             raise FlashBootError(f"stream adapt_reads must be True or False, got {self.adapt_reads!r}")
         w = self.probe_window_bytes
@@ -533,7 +534,18 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
             what = "truncated" if size < nbytes else "longer than recorded"
             raise LayoutError(f"{path}: {what}: {nbytes:,} bytes expected, the file has {size:,}; nothing was loaded")
         slots = config.slots_for(nbytes)
-        ring = Ring(slots, config.slot_bytes, arena.device)
+        # a slot larger than the image holds nothing more: a 64 GiB slot for a 127 KB image had
+        # been mapped (and failed with a raw ENOMEM)
+        slot_bytes = min(config.slot_bytes, -(-nbytes // 4096) * 4096)
+        try:
+            ring = Ring(slots, slot_bytes, arena.device)
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+            from ..arena.backing_host import _host_mem_available
+
+            raise OutOfMemoryError(f"{path}: the stream's ring of {slots} slot(s) of {slot_bytes:,} bytes",
+                                   slots * slot_bytes, _host_mem_available()) from None
         threads = config.readers_for(nbytes)
         try:
             seconds, copy_s, chunks, depth = _run(fd, path, nbytes, arena, ring, config, threads,

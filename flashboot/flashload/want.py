@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import FlashBootError, LayoutError
 from ..memory import Device
+from ..units import check_timeout
 
 
 def check_staged(staged, image_dir, rank: int) -> None:
@@ -104,8 +105,9 @@ def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, s
         verify, why_not = verify_default(dev, by_daemon=served)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
-    if chunk_bytes <= 0:
-        raise FlashBootError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise FlashBootError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    check_timeout(timeout_s, "load timeout_s")
     if served and staged is not None:
         raise FlashBootError("served=True and staged= exclude each other: the daemon holds the pinned image")
     if stream and (served or staged is not None):
@@ -114,11 +116,26 @@ def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, s
     if prepared is not None:
         if not isinstance(prepared, prepared_class):
             raise FlashBootError(f"prepared must come from flashboot.prepare(), got {type(prepared).__name__}")
-        if served or staged is not None or stream:
+        if served or staged is not None or stream is not None:  # stream=False too: the handle may stream
             raise FlashBootError("prepared= excludes served=, staged= and stream=: the handle already chose its mode "
                                  f"({prepared.requested_mode})")
+        check_same_as_prepared(prepared, shm_dir, stream_buffer_bytes)
     return LoadRequest(image_dir, rank, dev, t_start, timeout_s, verify, why_not, shm_dir, chunk_bytes, tp, ep,
                        expected_key, bool(served), staged, stream, stream_buffer_bytes, prepared)
+
+
+def check_same_as_prepared(prepared, shm_dir, stream_buffer_bytes) -> None:
+    """FlashBootError where a load given ``prepared=`` also names a staging root or stream options
+    other than the handle's: the handle's are the ones used (others had been ignored unsaid)."""
+    from .stream import StreamConfig
+
+    if shm_dir is not None and (prepared.shm_dir is None or os.fspath(shm_dir) != os.fspath(prepared.shm_dir)):
+        raise FlashBootError(f"shm_dir={os.fspath(shm_dir)!r} differs from the one flashboot.prepare() was given "
+                             f"({prepared.shm_dir!r}), which the prepared load uses; pass it to prepare()")
+    if stream_buffer_bytes is not None and StreamConfig.of(stream_buffer_bytes) != prepared.stream_config:
+        raise FlashBootError(f"stream_buffer_bytes={stream_buffer_bytes!r} differs from the stream options "
+                             f"flashboot.prepare() was given ({prepared.stream_config}), which the prepared load "
+                             "uses; pass them to prepare()")
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,8 @@ def stream_reason(image_dir, rank: int, source, *, shm_dir=None, stream: bool | 
     if pid is None:
         return f"no preloader runs for {image_dir} and {staged}" + ("" if room else f"; {no_room}")
     ranks = (_read_pid_file(pid_file(image_dir, shm_dir)) or {}).get("ranks")
+    if ranks is not None and not (isinstance(ranks, list) and all(type(r) is int for r in ranks)):
+        raise LayoutError(f"{pid_file(image_dir, shm_dir)}: 'ranks' must list ints, found {str(ranks)[:100]}")
     if ranks is not None and rank not in ranks:
         return f"the preloader (pid {pid}) stages ranks {ranks}, not rank {rank}"
     if staged.startswith("its staged copy"):
