@@ -143,6 +143,7 @@ def test_a_timeout_that_no_wait_can_keep_is_refused_before_anything_starts(image
     for call in (lambda: flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=bad),
                  lambda: flashboot.load(image, 0, "cpu", shm_dir=shm, served=True, timeout_s=bad),
                  lambda: flashboot.prepare(image, 0, "cpu", shm_dir=shm, timeout_s=bad),
+                 lambda: flashboot.stage(image, 0, "cpu", shm_dir=shm, timeout_s=bad),
                  lambda: flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes={"stall_timeout_s": bad})):
         with pytest.raises(FlashBootError, match=r"timeout_s must be a finite number of seconds in \(0, 1e\+06\], got"):
             call()

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import FlashBootError, WaitTimeoutError
 from ..memory import CPU, Device, Span
+from ..units import check_timeout
 
 PIN_ALLOWANCE_S = 120.0
 """Added to the ``.ready`` timeout when waiting for the pin: 8 GB pin in ~0.4 s, so only a hung
@@ -34,7 +35,7 @@ class StagedImage:
                  source=None):
         self.image_dir, self.rank, self.shm_dir = str(image_dir), rank, shm_dir
         self.device = Device.parse(device)
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = check_timeout(timeout_s, "stage timeout_s")
         self.pin = pin and self.device.is_cuda
         self.source = source
         self.ready = None
