@@ -426,12 +426,12 @@ def _held_tensors(model):
                 walk(item, f"{name}[{i}]", lambda i=i: get()[i],
                      lambda new, i=i: put(_rebuilt(get(), i, new)), depth - 1)
         elif dataclasses.is_dataclass(value) or isinstance(getattr(value, "__dict__", None), dict):
-            fields = ([f.name for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value)
-                      else list(vars(value)))
-            for f in fields:
-                if hasattr(value, f):
-                    walk(getattr(value, f), f"{name}.{f}", lambda v=value, f=f: getattr(v, f),
-                         lambda new, v=value, f=f: object.__setattr__(v, f, new), depth - 1)  # frozen too
+            # a plain object's own __dict__, not getattr: a property would run code
+            items = ([(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
+                     if dataclasses.is_dataclass(value) else list(vars(value).items()))
+            for f, item in items:
+                walk(item, f"{name}.{f}", lambda v=value, f=f: getattr(v, f),
+                     lambda new, v=value, f=f: object.__setattr__(v, f, new), depth - 1)  # frozen too
 
     for mod_name, mod in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
