@@ -17,12 +17,12 @@ import dataclasses
 import hashlib
 import json
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from flashboot.errors import FlashBootError, LayoutError
+from flashboot.units import check_timeout
 
 ENGINE_SECTION = "engine"
 ENGINE_FORMAT = "flashboot-engine/1"
@@ -109,11 +109,8 @@ class LoaderOptions:
         if self.schedule not in ("chain", "star"):
             raise FlashBootError(f"flashboot option schedule={self.schedule!r}; an engine clones with 'chain' or "
                                  "'star' (a ring needs every member's host image: use flashboot.clone directly)")
-        # finite and within what a thread join or lock wait takes (NaN, inf raised raw errors mid-load)
-        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
-                or not 0 < self.timeout_s <= threading.TIMEOUT_MAX):
-            raise FlashBootError(f"flashboot option timeout_s must be a finite number of seconds in (0, "
-                                 f"{threading.TIMEOUT_MAX:.0f}], got {self.timeout_s!r}")
+        # the repo's one bound: NaN and inf had raised raw errors mid-load (and leaked its arena)
+        check_timeout(self.timeout_s, "flashboot option timeout_s")
         for name in ("verify", "served"):
             if not isinstance(getattr(self, name), bool):
                 raise FlashBootError(f"flashboot option {name} must be true or false, got {getattr(self, name)!r}")

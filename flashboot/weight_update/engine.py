@@ -71,11 +71,11 @@ class RefitReport:
 def check_refit_values(where: str, **values: Any) -> None:
     """RefitError naming the option and its value for an ``atomic`` that is not a bool (None would
     mean in place, "false" atomic), a ``timeout_s`` that is not a finite number of seconds in (0,
-    threading.TIMEOUT_MAX], ``clones``/``chunk_bytes`` that are not a positive int (or None), or a
+    :data:`~flashboot.units.MAX_TIMEOUT_S`], ``clones``/``chunk_bytes`` that are not a positive int (or None), or a
     ``schedule``/``transport``/``name`` that is not a string, and a ``token_file`` not a path."""
-    import math
     import os
-    import threading
+
+    from ..units import check_timeout
 
     def bad(name: str, want: str) -> RefitError:
         return RefitError(f"{where}: refit option {name} must be {want}, got {values[name]!r}; nothing was copied")
@@ -83,9 +83,8 @@ def check_refit_values(where: str, **values: Any) -> None:
     for name, value in values.items():
         if name == "atomic" and not isinstance(value, bool):
             raise bad(name, "true or false")
-        if name == "timeout_s" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                    or not math.isfinite(value) or not 0 < value <= threading.TIMEOUT_MAX):
-            raise bad(name, f"a finite number of seconds in (0, {threading.TIMEOUT_MAX:.0f}]")
+        if name == "timeout_s":
+            check_timeout(value, f"{where}: refit option timeout_s", RefitError)
         if name in ("clones", "chunk_bytes") and value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise bad(name, "a positive integer or None")
