@@ -461,3 +461,25 @@ def test_flashboot_clone_interrupted_mid_copy_names_keyboardinterrupt(store, raw
     finally:
         stop(proc)
         s.close()
+
+
+def test_a_participant_asked_to_host_at_another_hosts_address_joins_as_a_client(monkeypatch):
+    """Binding to HOST fails where HOST is not one of ours (EADDRNOTAVAIL: a ring member on
+    another machine than the store): it joins the store there, as before the bind was narrowed."""
+    import errno as errno_mod
+
+    from flashboot.flashclone import rendezvous
+    from flashboot.flashclone.store import StoreServer
+
+    server = StoreServer("127.0.0.1:0")
+
+    def not_ours(host, port, timeout):
+        raise OSError(errno_mod.EADDRNOTAVAIL, "Cannot assign requested address")
+
+    monkeypatch.setattr(rendezvous, "host_tcpstore", not_ours)
+    try:
+        rdv = rendezvous.Rendezvous.connect(server.address, host=True, timeout_s=5)
+        assert not rdv.is_server
+        rdv.close()
+    finally:
+        server.close()

@@ -531,9 +531,9 @@ class Rendezvous:
                 store = host_tcpstore(h, port, td)
                 return cls(store, address, tok, namespace, True, timeout_s)
             except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
+                if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
                     raise RendezvousError(f"cannot host a store at {address}: {exc.strerror or exc}") from None
-                # someone already serves there: join it as a client
+                # someone already serves there, or the address is another host's: join it as a client
             except DistError as exc:
                 if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc):
                     raise RendezvousError(f"cannot host a store at {address}: {str(exc).splitlines()[0]}") from None
