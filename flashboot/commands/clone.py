@@ -11,19 +11,18 @@ import threading
 import time
 
 
-MAX_TIMEOUT_S = 1e6
-"""The longest --timeout (11.6 days): larger ones overflow the store's and threading's timers."""
-
-
 def timeout_seconds(text: str) -> float:
-    """argparse type of --timeout: a finite number of seconds in (0, MAX_TIMEOUT_S]."""
+    """argparse type of --timeout: a finite number of seconds in (0, units.MAX_TIMEOUT_S] (NaN
+    and inf had been taken, 1e12 overflowed the store's timers)."""
+    from flashboot.errors import FlashBootError
+    from flashboot.units import check_timeout
+
     try:
-        value = float(text)
+        return check_timeout(float(text), "--timeout")
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value <= MAX_TIMEOUT_S:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"{text} s: must be more than 0 and at most {MAX_TIMEOUT_S:g}")
-    return value
+    except FlashBootError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _common(p: argparse.ArgumentParser, *, store_required: bool = True) -> None:
