@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..errors import LayoutError
+from ..errors import FlashBootError, LayoutError
 from .choose import choose
 from .landing import DEFAULT_CHUNK_BYTES, admit
 from .prepared import PreparedLoad, load_prepared
@@ -86,6 +86,10 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
                            stream_buffer_bytes=stream_buffer_bytes, prepared_class=PreparedLoad)
     if stream_buffer_bytes is not None:  # refused whether or not it streams, on every path
         request.stream_config = StreamConfig.of(stream_buffer_bytes)
+        if prepared is not None and request.stream_config != prepared.stream_config:  # the handle's are used
+            raise FlashBootError(f"stream_buffer_bytes={stream_buffer_bytes!r} differs from the stream options "
+                                 f"flashboot.prepare() was given ({prepared.stream_config}), which the prepared "
+                                 "load uses; pass them to prepare()")
     if prepared is not None:
         loaded = load_prepared(request)
     elif served:  # the daemon's copy starts before this process has read the metadata: the source reads it

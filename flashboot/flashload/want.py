@@ -119,23 +119,11 @@ def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, s
         if served or staged is not None or stream is not None:  # stream=False too: the handle may stream
             raise FlashBootError("prepared= excludes served=, staged= and stream=: the handle already chose its mode "
                                  f"({prepared.requested_mode})")
-        check_same_as_prepared(prepared, shm_dir, stream_buffer_bytes)
+        if shm_dir is not None and (prepared.shm_dir is None or os.fspath(shm_dir) != os.fspath(prepared.shm_dir)):
+            raise FlashBootError(f"shm_dir={os.fspath(shm_dir)!r} differs from the one flashboot.prepare() was given "
+                                 f"({prepared.shm_dir!r}), which the prepared load uses; pass it to prepare()")
     return LoadRequest(image_dir, rank, dev, t_start, timeout_s, verify, why_not, shm_dir, chunk_bytes, tp, ep,
                        expected_key, bool(served), staged, stream, stream_buffer_bytes, prepared)
-
-
-def check_same_as_prepared(prepared, shm_dir, stream_buffer_bytes) -> None:
-    """FlashBootError where a load given ``prepared=`` also names a staging root or stream options
-    other than the handle's: the handle's are the ones used (others had been ignored unsaid)."""
-    from .stream import StreamConfig
-
-    if shm_dir is not None and (prepared.shm_dir is None or os.fspath(shm_dir) != os.fspath(prepared.shm_dir)):
-        raise FlashBootError(f"shm_dir={os.fspath(shm_dir)!r} differs from the one flashboot.prepare() was given "
-                             f"({prepared.shm_dir!r}), which the prepared load uses; pass it to prepare()")
-    if stream_buffer_bytes is not None and StreamConfig.of(stream_buffer_bytes) != prepared.stream_config:
-        raise FlashBootError(f"stream_buffer_bytes={stream_buffer_bytes!r} differs from the stream options "
-                             f"flashboot.prepare() was given ({prepared.stream_config}), which the prepared load "
-                             "uses; pass them to prepare()")
 
 
 @dataclass(frozen=True)
