@@ -68,29 +68,41 @@ def _checkpoint(path, fill: float):
 
 
 def test_engine_key_tells_local_checkpoints_with_one_config_and_name_apart(tmp_path):
-    import os
+    """Two checkpoints with one config.json and one directory name (ckpts/step-1000/hf and
+    ckpts/step-2000/hf) had one key: an image of one was served for the other. A local
+    directory's revision is now a fingerprint of its weights (names, sizes, sampled bytes):
+    the same for a copy of it (new mtimes, another node), absent where no weights are."""
+    import shutil
 
     from flashboot.errors import LayoutError
     from flashboot.integrations.engine_key import model_identity
     from flashboot.integrations.engine_prepack import LoaderOptions, load_engine_weights
 
     a = _checkpoint(tmp_path / "ckpts" / "step-1000" / "hf", 1.0)
-    b = _checkpoint(tmp_path / "ckpts" / "step-2000" / "hf", 2.0)
-    os.utime(b / "model.safetensors", ns=(1_000_000_000, 1_000_000_000))  # the sizes are equal: mtimes differ
+    b = _checkpoint(tmp_path / "ckpts" / "step-2000" / "hf", 2.0)  # same size, other bytes
     ida, idb = model_identity(str(a)), model_identity(str(b))
     assert ida[0] == idb[0] == "hf" and ida[2] == idb[2]  # same name, same config
     assert ida[1].startswith("local-sha256:") and ida[1] != idb[1]
-    assert model_identity(str(a)) == ida and model_identity(str(a), "main")[1] == f"main+{ida[1]}"
+    copy = shutil.copytree(a, tmp_path / "node2" / "hf", copy_function=shutil.copyfile)  # new mtimes
+    assert model_identity(str(copy)) == ida and model_identity(str(a), "main")[1] == "main"
+    weightless = tmp_path / "node3" / "hf"
+    weightless.mkdir(parents=True)
+    shutil.copy(a / "config.json", weightless)
+    assert model_identity(str(weightless)) == ("hf", None, ida[2])
     # a hub snapshot keeps its commit as the revision
     snap = _checkpoint(tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc1234", 1.0)
     assert model_identity(str(snap))[:2] == ("org/tiny", "abc1234")
-    # an image packed under the old key (revision None) or from the other checkpoint is refused, naming both
+    # an image of the other checkpoint, or one packed before the fingerprint, is refused naming both;
+    # the image of this one loads on a node with the weights, and on one without them
     for packed_rev in (None, idb[1]):
         out = _prepack(TinyEngineModel(0), tmp_path / f"img-{packed_rev}", _key(model_id="hf", revision=packed_rev))
-        want = _key(model_id="hf", revision=ida[1])
         with pytest.raises(LayoutError, match=rf"revision: engine '{ida[1]}', image {packed_rev!r}"):
-            load_engine_weights(LoaderOptions(image_dir=str(out), shm_dir=str(tmp_path / "shm")), want, 0, "cpu",
-                                tp_size=1, ep_size=1)
+            load_engine_weights(LoaderOptions(image_dir=str(out), shm_dir=str(tmp_path / "shm")),
+                                _key(model_id="hf", revision=ida[1]), 0, "cpu", tp_size=1, ep_size=1)
+    out = _prepack(TinyEngineModel(0), tmp_path / "img-a", _key(model_id="hf", revision=ida[1]))
+    for engine_rev in (ida[1], None):
+        load_engine_weights(LoaderOptions(image_dir=str(out), shm_dir=str(tmp_path / "shm")),
+                            _key(model_id="hf", revision=engine_rev), 0, "cpu", tp_size=1, ep_size=1).close()
     assert dataclasses.replace(_key(), revision=ida[1]).digest != dataclasses.replace(_key(), revision=idb[1]).digest
 
 

@@ -215,9 +215,11 @@ class EngineKey:
                 f"ep={self.ep_size}, dp={self.dp_size}, pp={self.pp_size}, {self.gpu_arch}) [{self.digest[:19]}]")
 
     def mismatches(self, other: "EngineKey") -> list[tuple[str, Any, Any]]:
-        """(field, self's value, other's value) for every field that differs."""
+        """(field, self's value, other's value) for every field that differs; ``self`` is the
+        engine's key and ``other`` an image's (the revision: :func:`same_revision`)."""
         a, b = self.fields(), other.fields()
-        return [(k, a[k], b[k]) for k in self.FIELDS if a[k] != b[k]]
+        return [(k, a[k], b[k]) for k in self.FIELDS
+                if (not same_revision(a[k], b[k]) if k == "revision" else a[k] != b[k])]
 
 
 def check_engine_key(recorded: EngineKey, expected: EngineKey, where: str) -> None:
@@ -245,32 +247,54 @@ def gpu_arch_of(device: Any) -> str:
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
+FINGERPRINT_SAMPLES = 4
+FINGERPRINT_SAMPLE_BYTES = 64 << 10
+"""A weight file is fingerprinted by this many reads of this many bytes spread over it (start,
+thirds, end): 2 MiB for 8 shards, a few ms, where hashing the weights would be a full read at
+every engine start. Two training steps of one model differ nearly everywhere."""
+FINGERPRINT_PREFIX = "local-sha256:"
+
+
 def checkpoint_fingerprint(path: str | os.PathLike) -> str | None:
-    """``local-sha256:...`` of a local checkpoint directory's weights: each weight file's name, size
-    and mtime, and the bytes of its ``*.index.json`` files. Only ``stat`` calls and the small index
-    files: hashing the weights would cost a full read at every engine start. A copy that does not
-    keep mtimes gets another fingerprint, so its images are refused (pre-pack again), never
-    served from another checkpoint. None for a directory without weight files."""
-    from flashboot.fileio import read_regular
+    """``local-sha256:...`` of a local checkpoint directory's weights: each weight file's name and
+    size, :data:`FINGERPRINT_SAMPLES` samples of its bytes, and the bytes of its ``*.index.json``
+    files. No mtimes, no paths: a copy (``cp``, ``rsync``, a download to ``--local-dir``) keeps
+    it, so an image packed on one node loads on another. None for a directory without weight
+    files (a load node that ships ``config.json`` alone)."""
+    from flashboot.fileio import open_regular, read_regular
     from flashboot.layouts.checkpoint import MAX_CHECKPOINT_JSON_BYTES
 
     h = hashlib.sha256()
-    root = Path(path)
     weights = 0
-    for entry in sorted(root.iterdir(), key=lambda p: p.name):
+    for entry in sorted(Path(path).iterdir(), key=lambda p: p.name):
         is_index = entry.name.endswith(".index.json")
         if not (is_index or entry.name.endswith(WEIGHT_FILE_SUFFIXES)):
             continue
         try:
-            st = entry.stat()
-            blob = read_regular(entry, MAX_CHECKPOINT_JSON_BYTES) if is_index else b""
+            if is_index:
+                blob, size = read_regular(entry, MAX_CHECKPOINT_JSON_BYTES), None
+            else:
+                with open_regular(entry) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    last = max(0, size - FINGERPRINT_SAMPLE_BYTES)
+                    blob = b"".join(os.pread(f.fileno(), FINGERPRINT_SAMPLE_BYTES, last * k // (FINGERPRINT_SAMPLES - 1))
+                                    for k in range(FINGERPRINT_SAMPLES))
         except OSError as exc:
             raise LayoutError(f"{entry}: unreadable checkpoint file ({exc}); the engine key fingerprints it") from None
-        h.update(json.dumps([entry.name, st.st_size, st.st_mtime_ns]).encode() + b"\0" + blob + b"\0")
+        h.update(json.dumps([entry.name, size]).encode() + b"\0" + blob + b"\0")
         weights += not is_index
-    if not weights:  # a config-only directory (the weights only in the image): nothing to tell apart
+    if not weights:
         return None
-    return "local-sha256:" + h.hexdigest()
+    return FINGERPRINT_PREFIX + h.hexdigest()
+
+
+def same_revision(engine: str | None, image: str | None) -> bool:
+    """Whether an engine of revision ``engine`` may load an image packed at ``image``: equal, or a
+    weights fingerprint in the image where the engine has none (its model directory holds no
+    weight files, a load node that ships ``config.json`` alone: nothing there to tell apart). An
+    image without one (packed before local checkpoints were fingerprinted) is not taken for a
+    fingerprinted engine: it may be another checkpoint's."""
+    return engine == image or (engine is None and isinstance(image, str) and image.startswith(FINGERPRINT_PREFIX))
 
 
 def model_identity(model_path: str, revision: str | None = None) -> tuple[str, str | None, str]:
@@ -278,9 +302,9 @@ def model_identity(model_path: str, revision: str | None = None) -> tuple[str, s
 
     ``config_hash`` is the layouts' hash of ``config.json`` (without ``transformers_version`` and
     ``_``-prefixed keys), so an engine image and a FlashBoot pre-pack of one checkpoint agree.
-    A local directory (not a hub snapshot) has no commit: its revision is its
-    :func:`checkpoint_fingerprint` (after ``revision`` when one is given), so an image of another
-    checkpoint with the same config and directory name is refused by the key.
+    A local directory (not a hub snapshot) has no commit: unless ``revision`` is given, its
+    revision is its :func:`checkpoint_fingerprint`, so an image of another checkpoint with the same
+    config and directory name is refused by the key (:func:`same_revision`).
     """
     import re
 
@@ -308,9 +332,8 @@ def model_identity(model_path: str, revision: str | None = None) -> tuple[str, s
         model_id = path.resolve().name
         # a local directory has no commit: two checkpoints with one config and one directory name
         # (ckpts/step-1000/hf, ckpts/step-2000/hf) differ only in their weight files
-        fingerprint = checkpoint_fingerprint(path)
-        if fingerprint is not None:
-            rev = fingerprint if revision is None else f"{revision}+{fingerprint}"
+        if revision is None:  # one the engine was given names the checkpoint itself
+            rev = checkpoint_fingerprint(path)
     from flashboot.fileio import read_regular
     from flashboot.layouts.checkpoint import MAX_CHECKPOINT_JSON_BYTES
 
