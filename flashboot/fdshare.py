@@ -193,7 +193,7 @@ def recv_fds(sock: socket.socket, max_fds: int = 1, *, timeout_s: float = 30.0,
     sock.settimeout(timeout_s)
     try:
         msg, fds, flags, _ = socket.recv_fds(sock, bufsize, max_fds)
-    except socket.timeout:
+    except (socket.timeout, BlockingIOError):  # BlockingIOError: nothing queued for a timeout of 0
         raise WaitTimeoutError(f"no fd arrived on the Unix socket within {timeout_s:g} s") from None
     finally:
         sock.settimeout(previous)
@@ -261,29 +261,44 @@ class FdStream:
             now = time.monotonic()
             due = batch_due if self.deadline is None else min(batch_due, self.deadline)
             if now >= due:
-                if due == batch_due:
-                    raise WaitTimeoutError(f"{self.what}: {len(self.received)} of {self.count} fds arrived, then none "
-                                           f"within {self.timeout_s:g} s")
-                # a sender trickling fds just within the per-batch timeout held the receiver without end
-                raise WaitTimeoutError(f"{self.what}: {len(self.received)} of {self.count} fds arrived in "
-                                       f"{now - self._began:.1f} s; the whole hand-over is due within "
-                                       f"{self.deadline - self._began:.1f} s")
-            wait_s = due - now if self.stop is None else min(due - now, self.STOP_POLL_S)
+                wait_s = 0.0  # past a deadline, fds queued already are still taken: the sender was in time
+            else:
+                wait_s = due - now if self.stop is None else min(due - now, self.STOP_POLL_S)
             try:
-                more, _ = recv_fds(self.sock, min(SCM_MAX_FD, self.count - len(self.received)), timeout_s=wait_s,
-                                   bufsize=1)
+                return self._recv(wait_s)
             except WaitTimeoutError:
+                pass
+            if now < due:
                 continue  # the deadlines and stop are looked at again above
-            except RendezvousError as exc:
-                raise RendezvousError(f"{self.what}: {len(self.received)} of {self.count} fds arrived, then: "
-                                      f"{exc}") from None
-            return more
+            if due == batch_due:
+                raise WaitTimeoutError(f"{self.what}: {len(self.received)} of {self.count} fds arrived, then none "
+                                       f"within {self.timeout_s:g} s")
+            # a sender trickling fds just within the per-batch timeout held the receiver without end
+            raise WaitTimeoutError(f"{self.what}: {len(self.received)} of {self.count} fds arrived in "
+                                   f"{now - self._began:.1f} s; the whole hand-over is due within "
+                                   f"{self.deadline - self._began:.1f} s")
 
-    def drain(self) -> None:
-        """Take the fds still to come, ignoring a sender that stopped sending: a Unix socket closed
-        with messages unread resets the connection, and an answer sent just before is lost."""
+    def _recv(self, wait_s: float) -> list[int]:
+        """The next batch within ``wait_s`` (0: only one queued already); WaitTimeoutError otherwise."""
         try:
-            self.receive_all()
+            return recv_fds(self.sock, min(SCM_MAX_FD, self.count - len(self.received)), timeout_s=wait_s,
+                            bufsize=1)[0]
+        except RendezvousError as exc:
+            raise RendezvousError(f"{self.what}: {len(self.received)} of {self.count} fds arrived, then: "
+                                  f"{exc}") from None
+
+    DRAIN_S = 1.0
+    """How long :meth:`drain` waits for fds still in flight, beyond those queued already."""
+
+    def drain(self, within_s: float | None = None) -> None:
+        """Take the fds still to come, ignoring a sender that stopped sending: a Unix socket closed
+        with messages unread resets the connection, and an answer sent just before is lost. Takes
+        every fd queued already, and waits at most ``within_s`` (:data:`DRAIN_S`) for more,
+        whatever the hand-over's deadline and ``stop`` say (both may be why it is drained)."""
+        until = time.monotonic() + (self.DRAIN_S if within_s is None else within_s)
+        try:
+            while len(self.received) < self.count:
+                self.received.extend(self._recv(max(0.0, until - time.monotonic())))
         except (RendezvousError, WaitTimeoutError, OSError):
             pass
 

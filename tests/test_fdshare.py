@@ -143,3 +143,49 @@ def test_readable_and_peer_watch_answer_for_fd_numbers_past_1024():
     assert int(fd) > 1024 and watch_past_1024 == "True"
     assert (nothing_yet, written) == ("True", "True")
     assert (alive_exited, dead_exited) == ("False", "True")
+
+
+def _stream_with_queued_batches(batches: int, **options):
+    """A receiver's FdStream whose first fd came with the request and whose ``batches`` more are
+    queued in the socket already (one fd each), and the two socket ends to close."""
+    import socket
+
+    from flashboot.fdshare import FdStream, send_fds
+
+    sender, receiver = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for _ in range(batches):
+        send_fds(sender, [0])
+    first = [os.dup(0)]
+    return FdStream(receiver, first, 1 + batches, timeout_s=5, what="test hand-over", **options), sender, receiver
+
+
+def test_fds_queued_before_the_hand_over_deadline_are_taken_after_it():
+    stream, sender, receiver = _stream_with_queued_batches(2, within_s=0)  # the deadline has passed
+    try:
+        assert len(stream.receive_all()) == 3
+    finally:
+        for fd in stream.received:
+            os.close(fd)
+        sender.close()
+        receiver.close()
+
+
+def test_drain_takes_the_queued_fds_when_stopping_so_the_answer_is_not_reset():
+    import threading
+
+    stop = threading.Event()
+    stop.set()
+    stream, sender, receiver = _stream_with_queued_batches(3, within_s=0, stop=stop)
+    try:
+        with pytest.raises(RendezvousError, match="the receiver is stopping"):
+            stream.receive_all()
+        stream.drain()
+        assert len(stream.received) == 4, "drain left fds queued: closing the socket then resets the sender's"
+        receiver.send(b"answer")
+        receiver.close()  # nothing unread: the sender reads the answer instead of ECONNRESET
+        assert sender.recv(64) == b"answer"
+    finally:
+        for fd in stream.received:
+            os.close(fd)
+        sender.close()
+        receiver.close()

@@ -163,8 +163,11 @@ def _trickle_load(d: Daemon, image, *, every_s: float, on_first=None) -> tuple[d
 
 
 def test_a_trickled_hand_over_is_cut_off_at_one_deadline_for_all_its_fds(multi_segment_image, tmp_path):
-    d = Daemon(multi_segment_image, tmp_path / "shm")  # 1 s for each batch
+    d = Daemon(multi_segment_image, tmp_path / "shm")
     try:
+        # each fd 0.6 s after the last, 20 s allowed for each: a stall of seconds cannot make a batch
+        # late, and the 5 fds after the first need 3 s, twice the whole hand-over's 1.5 s
+        d.server.request_timeout_s = 20.0
         d.server.handover_timeout_s = 1.5
         reply, sent = _trickle_load(d, multi_segment_image, every_s=0.6)
         assert reply["ok"] is False and reply["error"] == "WaitTimeoutError", reply
@@ -172,6 +175,41 @@ def test_a_trickled_hand_over_is_cut_off_at_one_deadline_for_all_its_fds(multi_s
         assert sent < 6, "every fd was taken: the hand-over had no overall deadline"
         d.idle()
         d.load_exact()  # the device's queue is free again
+    finally:
+        d.close()
+
+
+def test_a_copy_queued_behind_another_past_the_hand_over_deadline_still_gets_its_fds(multi_segment_image, tmp_path,
+                                                                                       monkeypatch):
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        d.server.handover_timeout_s = 1.0  # plus 1 s per GB: ~1 s for this image
+        monkeypatch.setattr(client, "STREAM_BATCH_BYTES", HOST_GRANULARITY)  # fds after the request, batch by batch
+        src = shm_files.rank_source(multi_segment_image, 0)
+        device = d.server._lock_for("cpu")  # another copy holds the one host queue
+        assert device.acquire(1)
+        outcome: dict = {}
+
+        def load():
+            with Arena.create(src.nbytes, "cpu", segment_bytes=HOST_GRANULARITY) as arena:
+                try:
+                    outcome["reply"] = client.served_load(arena, src, timeout_s=30, shm_dir=d.shm)
+                    outcome["exact"] = bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+                except FlashBootError as exc:
+                    outcome["error"] = exc
+
+        t = threading.Thread(target=load, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 20
+        while not device.queued and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert device.queued == 1, d.log
+        time.sleep(2.0)  # queued past the hand-over's 1 s (only longer on a loaded machine)
+        device.release()
+        t.join(30)
+        assert not t.is_alive()
+        assert "error" not in outcome, outcome.get("error")
+        assert outcome["reply"]["ok"] and outcome["exact"]
     finally:
         d.close()
 

@@ -66,9 +66,12 @@ and never speak cannot make the daemon start threads without bound."""
 REQUEST_TIMEOUT_S = 10.0
 """How long a connected client may take to send its request (and the rest of its fds)."""
 HANDOVER_TIMEOUT_S = 30.0
-"""How long the whole hand-over of an engine's arena may take once its rank is resident (13.8 GB
-took 30 ms on the H200): its copy holds the device's queue, and a client trickling one fd just
-within :data:`REQUEST_TIMEOUT_S` each held it, and everyone queued behind, without end."""
+HANDOVER_BYTES_PER_S = 1e9
+"""How long the whole hand-over of an engine's arena may take once its copy has the device (13.8
+GB took 30 ms on the H200): :data:`HANDOVER_TIMEOUT_S` plus a second per GB, as the copy that
+takes the fds may run that slowly (a 200 GB ``--no-pin`` rank). Its copy holds the device's
+queue, and a client trickling one fd just within :data:`REQUEST_TIMEOUT_S` each held it, and
+everyone queued behind, without end."""
 CLOSE_TIMEOUT_S = 30.0
 """How long :meth:`PreloadServer.close` waits for all connection handlers together."""
 ACCEPT_BACKOFF_S = 0.01
@@ -443,12 +446,14 @@ class PreloadServer:
                             raise RendezvousError("load request without the arena's fd attached")
                         count = _descriptor_fd_count(req)
                         supply = FdStream(conn, fds, count, timeout_s=self.request_timeout_s,
-                                          what=f"the arena of rank {req.get('rank')}'s load",
-                                          within_s=self.handover_timeout_s, stop=self.stop)
-                        # fds_follow: the engine exports the rest while the copy starts; otherwise all were
-                        # sent at once (in batches past SCM_MAX_FD) and are taken now
+                                          what=f"the arena of rank {req.get('rank')}'s load", stop=self.stop)
+                        # fds_follow: the engine exports the rest while the copy starts (they are due once
+                        # the copy has the device: _copy); otherwise all were sent at once (in batches past
+                        # SCM_MAX_FD) and are taken now
+                        if not req.get("fds_follow"):
+                            supply.due_within(self._handover_due_s(req.get("nbytes", 0)))
                         attached = self._attach(req, supply if req.get("fds_follow") else supply.receive_all())
-                        reply = self._copy(attached)
+                        reply = self._copy(attached, supply if req.get("fds_follow") else None)
                     else:
                         raise RendezvousError(f"unknown request op {op!r}; known: load, status")
                 except _StagingFailed as exc:  # the staging error's class, with the daemon's words
@@ -502,8 +507,6 @@ class PreloadServer:
                                    f"{timeout_s:g} s (daemon pid {os.getpid()}, state {res.state})")
         if res.error is not None:
             raise _StagingFailed(rank, res.error)
-        if isinstance(fds, FdStream):  # its batches waited in the socket while the rank was staged
-            fds.due_within(self.handover_timeout_s)
         if req.get("metadata_sha256") != res.metadata_sha256 or req.get("nbytes") != res.nbytes:
             raise LayoutError(f"the daemon holds rank {rank} of another pre-pack ({res.nbytes:,} bytes, metadata "
                               f"{res.metadata_sha256[:12]}) than the engine asked for ({req.get('nbytes')} bytes, "
@@ -536,7 +539,11 @@ class PreloadServer:
         return _Attached(rank, res, arena, stream, (time.perf_counter() - t0) * 1e3, timeout_s,
                          verify=verify, verify_stream=verify_stream)
 
-    def _copy(self, attached: "_Attached") -> dict:
+    def _handover_due_s(self, nbytes: int) -> float:
+        """How long an arena's hand-over may take once it started, for a rank of ``nbytes``."""
+        return self.handover_timeout_s + min(max(nbytes, 0), 1 << 44) / HANDOVER_BYTES_PER_S
+
+    def _copy(self, attached: "_Attached", supply: FdStream | None = None) -> dict:
         """The resident image into the attached arena, in :func:`serve_pieces`, each piece's
         segments mapped (where not yet) just before its copy is issued; copies into one device
         queue first come, first served (each GPU has its own link: two copies into one would only
@@ -544,7 +551,8 @@ class PreloadServer:
         the copy. A verifying request (``attached.verify``) gets the chunk digests of the arena's
         bytes: on CUDA each piece is digested on its own stream as soon as it is copied, while the
         next one copies (SMs beside the copy engine), so only the last piece's digest follows the
-        copy; otherwise after the copy, outside the device's queue."""
+        copy; otherwise after the copy, outside the device's queue. ``supply``: the fds still
+        arriving, due once the copy has the device (queued behind others, it takes none)."""
         from ..memory import CPU, Span
         from ..movers import create_mover
 
@@ -559,6 +567,8 @@ class PreloadServer:
                                    f"{lock.queued} queued copies (daemon pid {os.getpid()})")
         try:
             t1 = time.perf_counter()
+            if supply is not None:
+                supply.due_within(self._handover_due_s(res.nbytes))
             mapped_ms = arena.map_stats["map_ms"]
             _check_staged_size(res)
             pending = []
