@@ -109,6 +109,40 @@ def test_an_engine_wide_sleep_that_fails_on_one_arena_wakes_the_others_again(pac
         second.close()
 
 
+def test_a_rolled_back_sleep_names_a_refit_it_could_not_keep():
+    """The roll-back wakes a level-2 arena from the image: a refit's version is gone; the error
+    had said only that the arenas were woken again."""
+    from types import SimpleNamespace
+
+    from flashboot.integrations.engine_sleep import sleep_engine_weights, stay
+
+    class Handle:
+        def __init__(self, arena_id, fail):
+            self.fail, self.arena = fail, SimpleNamespace(arena_id=arena_id, nbytes=4096, closed=False)
+
+        def sleep(self, level):
+            if self.fail:
+                raise FlashBootError("refused")
+            return SimpleNamespace(level=level, summary=lambda: "slept")
+
+        def wake(self, **kw):
+            return SimpleNamespace(details={"refit_version_lost": 3}, summary=lambda: "woke")
+
+    class Weights:  # weakly referenced by stay(), as EngineWeights are
+        def __init__(self, handle):
+            self.handle, self.arena = handle, handle.arena
+
+    weights = [Weights(Handle(f"a{i}", fail=i == 1)) for i in range(2)]
+    for w in weights:
+        stay(w)
+    with pytest.raises(FlashBootError, match="refused") as refused:
+        sleep_engine_weights(2)
+    notes = "\n".join(refused.value.__notes__)
+    assert "were woken again" in notes and "refit again: arena a0 is back at the image's version, not refit " \
+        "version 3" in notes
+    del weights  # the staying list holds weak references only
+
+
 def test_real_sglang_memory_saver_refuses_what_flashboot_cannot_put_to_sleep(sglang_run):
     kind, msg = sglang_run["memory_saver_refuse"]
     assert kind == "CapabilityError" and "--enable-memory-saver is on and the flashboot option memory_saver" in msg

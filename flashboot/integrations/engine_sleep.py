@@ -136,18 +136,24 @@ def sleep_engine_weights(level: int) -> list:
 def _wake_again(slept: list, exc: BaseException) -> None:
     """Wake the arenas an engine-wide sleep had put to sleep when a later one failed; notes on
     ``exc`` say what happened to them."""
-    stuck = []
+    stuck, reverted = [], []
     for weights, staying in slept:
         try:
-            weights.handle.wake(shm_dir=staying.shm_dir)
+            report = weights.handle.wake(shm_dir=staying.shm_dir)
         except BaseException as again:  # noqa: BLE001 - named on the error being raised
             stuck.append(f"{weights.arena.nbytes:,}-byte arena {weights.arena.arena_id} ({type(again).__name__}: "
                          f"{again})")
+            continue
+        lost = report.details.get("refit_version_lost")
+        if lost is not None:  # woken from the image: a refit's bytes were not kept (level 2)
+            reverted.append(f"arena {weights.arena.arena_id} is back at the image's version, not refit version {lost}")
     if stuck:
         exc.add_note(f"the sleep failed after {len(slept)} arena(s) had gone to sleep; woken again: "
                      f"{len(slept) - len(stuck)}; still asleep: {'; '.join(stuck)}")
     elif slept:
         exc.add_note(f"the {len(slept)} arena(s) this sleep had put to sleep before it failed were woken again")
+    if reverted:
+        exc.add_note(f"refit again: {'; '.join(reverted)}")
 
 
 def wake_engine_weights() -> list:

@@ -40,7 +40,7 @@ from vllm.device_allocator.sleep_mode_backend import CuMemBackend
 from vllm.model_executor.model_loader import get_model_loader, register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from flashboot.errors import CapabilityError, LayoutError
+from flashboot.errors import CapabilityError
 
 from .engine_prepack import (
     LOAD_FORMAT, EngineKey, LoaderOptions, RankGroup, bind_engine_model, check_engine_key, check_no_meta_tensors,

@@ -256,7 +256,7 @@ def check_aliases(plan: PackPlan, tensors: Mapping[str, Any], where: str = "publ
             continue  # its canonical tensor's absence is the plan's "get no bytes"
         same = (a.device == c.device and a.data_ptr() == c.data_ptr() and a.stride() == c.stride()
                 and a.shape == c.shape and a.dtype == c.dtype)
-        if not same and not torch.equal(a, c):
+        if not same and (a.device != c.device or a.shape != c.shape or a.dtype != c.dtype or not torch.equal(a, c)):
             raise PublishError(f"{where}: tensor {alias!r} is another name of image tensor {canonical!r} (tied when "
                                f"pre-packed), but the tensors given differ: an untied {alias!r} has no place in this "
                                "image; nothing was written")
