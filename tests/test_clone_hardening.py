@@ -463,3 +463,36 @@ def test_a_participant_asked_to_host_at_another_hosts_address_joins_as_a_client(
         rdv.close()
     finally:
         server.close()
+
+
+def test_a_store_named_by_a_name_listens_on_every_interface():
+    """Binding what a name resolves to made `flashboot store $(hostname):P` unreachable from other
+    machines (a Debian machine's own name resolves to 127.0.1.1): a name listens everywhere."""
+    from flashboot.flashclone.rendezvous import Rendezvous
+    from flashboot.flashclone.store import StoreServer
+
+    everywhere = {"00000000", "00000000000000000000000000000000"}
+    server = StoreServer("localhost:0")
+    try:
+        assert set(_listeners(server.port)) & everywhere, _listeners(server.port)
+    finally:
+        server.close()
+    port = free_port()
+    hosted = Rendezvous.connect(f"localhost:{port}", host=True, timeout_s=5)
+    try:
+        assert hosted.is_server and set(_listeners(port)) & everywhere, _listeners(port)
+    finally:
+        hosted.close()
+
+
+def test_asked_to_host_at_an_address_not_of_this_machine_it_says_so_when_no_store_is_there():
+    """A seed hosting at a NAT or ClusterIP address got EADDRNOTAVAIL, joined as a client and
+    timed out naming only the address: nobody hosted, and nothing said why."""
+    from flashboot.errors import RendezvousError, WaitTimeoutError
+    from flashboot.flashclone.rendezvous import Rendezvous
+    from flashboot.flashclone.store import StoreServer
+
+    with pytest.raises(WaitTimeoutError, match=r"not an address of this machine.*0\.0\.0\.0:9"):
+        Rendezvous.connect("192.0.2.1:9", host=True, timeout_s=1)  # TEST-NET-1: no machine's address
+    with pytest.raises(RendezvousError, match=r"not an address of this machine.*0\.0\.0\.0:0"):
+        StoreServer("192.0.2.1:0")

@@ -397,32 +397,64 @@ _TCPSTORE_MAGIC = 0x3C85F7CE
 
 
 def host_tcpstore(host: str, port: int, timeout: datetime.timedelta):
-    """A ``TCPStore(is_master=True)`` that listens on ``host`` only: TCPStore binds every
-    interface itself, so a store asked for at 127.0.0.1 was reachable from the whole network.
-    The socket is bound here and handed over (``master_listen_fd``; the store closes it when it
-    goes). OSError when ``host:port`` cannot be bound (EADDRINUSE: something listens there).
-    A torch without ``master_listen_fd`` gets the old behaviour: every interface."""
+    """A ``TCPStore(is_master=True)`` for ``host:port``. An IP literal of this machine is listened
+    on alone (TCPStore binds every interface itself, so a store asked for at 127.0.0.1 was
+    reachable from the whole network): the socket is bound here and handed over
+    (``master_listen_fd``, torch >= 2.4; the store closes it when it goes). A name listens on
+    every interface, as TCPStore does: a machine's own name resolves to 127.0.1.1 on Debian and
+    Ubuntu, and a NAT or cluster name to an address no interface has, so binding what it resolves
+    to made the store unreachable. OSError EADDRINUSE when something listens there, EADDRNOTAVAIL
+    when ``host`` is not an address of this machine (the caller may then join a store there)."""
     from torch.distributed import TCPStore
 
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    literal = _ip_literal(host)
+    if literal is None:
+        if not _names_this_machine(host):
+            raise OSError(errno.EADDRNOTAVAIL, f"{host} resolves to no address of this machine")
+        return TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
+    if literal.is_unspecified:  # 0.0.0.0 / ::: every interface is what was asked for
+        return TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_NUMERICHOST)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own listener does
         sock.bind(sockaddr)
         sock.listen(socket.SOMAXCONN)
-        bound = sock.getsockname()[1]
-        try:
-            store = TCPStore(host, bound, is_master=True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=sock.fileno())
-        except TypeError:  # an older torch: no way to choose the interface
-            sock.close()
-            return TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
+        store = TCPStore(host, sock.getsockname()[1], is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=sock.fileno())
     except BaseException:
         if sock.fileno() != -1:
             sock.close()
         raise
     sock.detach()  # the store owns the fd now and closes it with its server
     return store
+
+
+def _ip_literal(host: str):
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+def _names_this_machine(host: str) -> bool:
+    """Whether ``host`` resolves to at least one address this machine can bind (a name that
+    resolves nowhere counts as ours: TCPStore then says what is wrong with it)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return True
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind((sockaddr[0], 0, *sockaddr[2:]))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 JOIN_ATTEMPTS = 5
@@ -526,6 +558,7 @@ class Rendezvous:
         started = time.monotonic()
         deadline = started + float(timeout_s)
         td = datetime.timedelta(seconds=float(timeout_s))
+        not_ours = False
         if host:
             try:
                 store = host_tcpstore(h, port, td)
@@ -534,11 +567,21 @@ class Rendezvous:
                 if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
                     raise RendezvousError(f"cannot host a store at {address}: {exc.strerror or exc}") from None
                 # someone already serves there, or the address is another host's: join it as a client
+                not_ours = exc.errno == errno.EADDRNOTAVAIL
             except DistError as exc:
                 if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc):
                     raise RendezvousError(f"cannot host a store at {address}: {str(exc).splitlines()[0]}") from None
         for attempt in range(1, JOIN_ATTEMPTS + 1):
-            _await_store(h, port, deadline, address)
+            try:
+                _await_store(h, port, deadline, address)
+            except WaitTimeoutError as exc:
+                if not not_ours:
+                    raise
+                # a NAT, ClusterIP or docker-published address: nobody hosts unless told where
+                raise WaitTimeoutError(f"{exc}; {h} is not an address of this machine (EADDRNOTAVAIL), so this "
+                                       f"process did not host the store there: to host it here, use "
+                                       f"0.0.0.0:{port} (every interface) or an address of this machine, and "
+                                       f"give the others {address}") from None
             remaining = max(0.5, deadline - time.monotonic())
             try:
                 store = TCPStore(h, port, is_master=False, timeout=datetime.timedelta(seconds=remaining))

@@ -34,10 +34,11 @@ class StoreServer(Service):
     is stopped by SIGTERM/SIGINT or ``stop``).
 
     ``address``: ``HOST:PORT``; port 0 lets the kernel pick one (:attr:`address` says which).
-    It listens on ``HOST`` only (127.0.0.1 stays local; 0.0.0.0 for every interface), and
-    :attr:`address` reports it to clients (with a torch that lacks TCPStore's
-    ``master_listen_fd``, every interface). Raises RendezvousError when the port is taken or
-    cannot be bound.
+    An IP literal is listened on alone (127.0.0.1 stays local; 0.0.0.0 for every interface); a
+    name (``$(hostname)``, a cluster name) on every interface, since what it resolves to here
+    (127.0.1.1 for a Debian machine's own name) may not be where others reach it. :attr:`address`
+    reports it to clients. Raises RendezvousError when the port is taken, or HOST is not an
+    address of this machine, or it cannot be bound otherwise.
     """
 
     def __init__(self, address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -48,6 +49,8 @@ class StoreServer(Service):
             self._store = host_tcpstore(host, port, datetime.timedelta(seconds=float(timeout_s)))
         except OSError as exc:
             why = ("the port is taken (EADDRINUSE: address already in use)" if exc.errno == errno.EADDRINUSE
+                   else f"{host} is not an address of this machine (EADDRNOTAVAIL); use 0.0.0.0:{port} to listen "
+                        "on every interface" if exc.errno == errno.EADDRNOTAVAIL
                    else exc.strerror or str(exc))
             raise RendezvousError(f"cannot host a store at {address}: {why}") from None
         except DistError as exc:
