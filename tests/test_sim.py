@@ -84,6 +84,65 @@ def test_topology_validation(bad, match):
         load_topology(_small_topology(**bad))
 
 
+@pytest.mark.parametrize("over,field", [
+    ({"chunk_sync_us": float("nan")}, "chunk_sync_us"),  # a NaN timer never fired: the engine spun
+    ({"launch_latency_us": float("nan")}, "launch_latency_us"),
+    ({"chunk_sync_us": float("inf")}, "chunk_sync_us"),  # was "stalled at t=0"
+    ({"local_copy_gbps": float("inf")}, "local_copy_gbps"),  # spun
+    ({"p2p_curve": [["1MiB", float("nan")]]}, "curve point 0"),  # was "stalled"
+    ({"p2p_curve": [["1MiB", 1e308]]}, "curve point 0"),  # *1e9 overflowed: ZeroDivisionError
+    ({"gpus": 1_000_000_000}, "gpus"),  # built per-GPU state until memory ran out
+])
+def test_topology_refuses_non_finite_and_huge_values(over, field):
+    with pytest.raises(TopologyError, match=field):
+        load_topology(_small_topology(**over))
+
+
+@pytest.mark.parametrize("section,key", [("fabric", "egress_gbps"), ("fabric", "latency_us"), ("host", "link_gbps")])
+def test_topology_refuses_nan_in_sections(section, key):
+    # these were silently ignored: NaN < 0 and NaN == 0 are both False
+    d = _small_topology()
+    d[section] = {**d[section], key: float("nan")}
+    with pytest.raises(TopologyError, match=f"{section}.{key}.*finite"):
+        load_topology(d)
+
+
+def test_topology_nan_from_yaml_file(tmp_path):
+    import yaml
+
+    path = tmp_path / "nan.yaml"
+    path.write_text(yaml.safe_dump(_small_topology()).replace("chunk_sync_us: 0", "chunk_sync_us: .nan"))
+    with pytest.raises(TopologyError, match="chunk_sync_us"):
+        load_topology(str(path))
+
+
+def test_copy_curve_rate_where_extrapolated_time_is_zero():
+    # below the first point the first segment extends down and is clamped at 0 seconds
+    curve = CopyCurve.from_value([["1MiB", 10], ["2MiB", 5]])
+    assert curve.seconds(1) == 0.0
+    assert curve.gbps(1) == pytest.approx(10)
+
+
+def test_engine_builds_state_only_for_placed_gpus(monkeypatch):
+    import flashboot.sim.engine as engine
+
+    sizes = []
+    real = engine._fair_rates
+    monkeypatch.setattr(engine, "_fair_rates", lambda flows, capacity: (sizes.append(len(capacity)), real(flows, capacity)))
+    result = simulate(build_plan("chain", 1, 8 * MiB, 8 * MiB), _small_topology(gpus=100_000))
+    assert result.per_clone_gbps[0] > 0
+    # two GPUs placed: a handful of resources, not five for each of the 100,000 GPUs named
+    assert sizes and max(sizes) < 20
+
+
+def test_engine_refuses_a_loop_without_progress():
+    # a NaN that slips past validation must end in an error, not a spin
+    topo = load_topology(_small_topology())
+    object.__setattr__(topo, "chunk_sync_us", float("nan"))
+    with pytest.raises(SimError, match="no progress"):
+        simulate(build_plan("chain", 1, 8 * MiB, 4 * MiB), topo)
+
+
 def test_missing_topology_file(tmp_path):
     with pytest.raises(TopologyError, match="does not exist"):
         load_topology(str(tmp_path / "none.yaml"))

@@ -156,14 +156,14 @@ def simulate(plan: Plan, topology: Any, options: "SimOptions | Mapping[str, Any]
 
     fab, host = topo.fabric, topo.host
     capacity: dict[Any, float] = {}
-    for g in range(topo.gpus):
+    # only the GPUs the plan uses: a topology may name far more than a plan places
+    for g in sorted(set(placement)):
         capacity[("egress", g)] = fab.egress_gbps * _GB
         capacity[("ingress", g)] = fab.ingress_gbps * _GB
         capacity[("duplex", g)] = fab.duplex_gbps * _GB
         capacity[("hbm", g)] = topo.local_copy_gbps * _GB
         capacity[("hostlink", g)] = host.link_gbps * _GB
-    for h in range(-(-topo.gpus // host.gpus_per_host)):
-        capacity[("hostmem", h)] = host.memory_gbps * _GB
+        capacity[("hostmem", g // host.gpus_per_host)] = host.memory_gbps * _GB
     for link in fab.links:
         capacity[("link", link.a, link.b)] = link.gbps_a_to_b * _GB
         capacity[("link", link.b, link.a)] = link.gbps_b_to_a * _GB
@@ -233,9 +233,15 @@ def simulate(plan: Plan, topology: Any, options: "SimOptions | Mapping[str, Any]
     for key in lanes:
         try_start(key)
 
+    # Every event starts a step's flow or ends one (the flow ending first ends even when its end
+    # rounds to ``now``), so a plan needs at most two per step; more means the loop spins.
+    max_events = 2 * len(steps) + 2
     while timers or flows:
+        if events > max_events:
+            raise SimError(f"simulation made no progress: {events} events for {len(steps)} steps at t={now!r}s")
         t_timer = timers[0][0] if timers else float("inf")
-        t_flow = min((now + f.remaining / f.rate for f in flows.values() if f.rate > 0), default=float("inf"))
+        ends = {sid: now + f.remaining / f.rate for sid, f in flows.items() if f.rate > 0}
+        t_flow = min(ends.values(), default=float("inf"))
         if t_timer == float("inf") and t_flow == float("inf"):
             raise SimError(f"simulation stalled at t={now:.6f}s with {len(flows)} flows at rate 0")
         t_next = min(t_timer, t_flow)
@@ -243,7 +249,8 @@ def simulate(plan: Plan, topology: Any, options: "SimOptions | Mapping[str, Any]
         finished = []
         for sid, f in flows.items():
             f.remaining -= f.rate * dt
-            if f.remaining <= 1e-6 * max(1.0, steps[sid].nbytes * 1e-9) or (f.rate > 0 and f.remaining / f.rate <= 1e-12):
+            if (ends.get(sid, float("inf")) <= t_next or f.remaining <= 1e-6 * max(1.0, steps[sid].nbytes * 1e-9)
+                    or (f.rate > 0 and f.remaining / f.rate <= 1e-12)):
                 finished.append(sid)
         now = t_next
         events += 1

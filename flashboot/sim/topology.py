@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -32,11 +33,25 @@ class TopologyError(FlashBootError, ValueError):
     """A topology file or dict is malformed; names the field and the value."""
 
 
-def _positive(where: str, value: Any, *, allow_zero: bool = False) -> float:
+MAX_GBPS = 1e9
+"""The fastest rate a topology may state (an exabyte a second): the engine multiplies rates by 1e9
+and divides sizes by them, and 1e308 GB/s overflowed to inf and then divided by zero."""
+
+MAX_US = 1e6
+"""The longest latency a topology may state (one second): simulated times are floats, and a clock
+far out in the seconds loses the nanoseconds a step needs to move forward."""
+
+
+def _positive(where: str, value: Any, *, allow_zero: bool = False, limit: float = MAX_GBPS) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TopologyError(f"{where}: expected a number, got {value!r}")
+    # NaN fails every comparison, so it must be refused by name: a NaN timer never fired (a hang)
+    if not math.isfinite(value):
+        raise TopologyError(f"{where}: must be a finite number, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise TopologyError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    if value > limit:
+        raise TopologyError(f"{where}: must be <= {limit:g}, got {value!r}")
     return float(value)
 
 
@@ -108,8 +123,10 @@ class CopyCurve:
         return max(times[lo] + slope * (nbytes - sizes[lo]), 0.0)
 
     def gbps(self, nbytes: float) -> float:
-        """Bandwidth of one isolated copy of ``nbytes`` in GB/s."""
-        return nbytes / self.seconds(nbytes) / 1e9
+        """Bandwidth of one isolated copy of ``nbytes`` in GB/s (never above the best measured)."""
+        # seconds() clamps an extrapolated time at 0 (a steep first segment): that was a division by 0
+        t = max(self.seconds(nbytes), nbytes / (self.peak_gbps * 1e9))
+        return nbytes / t / 1e9 if t > 0 else self.peak_gbps
 
     @classmethod
     def from_value(cls, value: Any, where: str = "curve") -> "CopyCurve":
@@ -145,7 +162,7 @@ class Link:
             raise TopologyError(f"link joins GPU {self.a} to itself")
         _positive("link.gbps_a_to_b", self.gbps_a_to_b)
         _positive("link.gbps_b_to_a", self.gbps_b_to_a)
-        _positive("link.latency_us", self.latency_us, allow_zero=True)
+        _positive("link.latency_us", self.latency_us, allow_zero=True, limit=MAX_US)
 
 
 @dataclass(frozen=True)
@@ -172,7 +189,7 @@ class Fabric:
             raise TopologyError(f"fabric.kind: expected 'switch' or 'direct', got {self.kind!r}")
         for name in ("egress_gbps", "ingress_gbps", "duplex_gbps"):
             _positive(f"fabric.{name}", getattr(self, name))
-        _positive("fabric.latency_us", self.latency_us, allow_zero=True)
+        _positive("fabric.latency_us", self.latency_us, allow_zero=True, limit=MAX_US)
         links = tuple(_from_mapping(Link, l, f"fabric.links[{i}]") for i, l in enumerate(self.links))
         object.__setattr__(self, "links", links)
         if self.kind == "direct" and not links:
@@ -203,6 +220,10 @@ class Host:
         object.__setattr__(self, "h2d_curve", CopyCurve.from_value(self.h2d_curve, "host.h2d_curve"))
 
 
+MAX_GPUS = 100_000
+"""More GPUs than any machine has; 1e9 had the engine build per-GPU state until memory ran out."""
+
+
 @dataclass(frozen=True)
 class Topology:
     """A machine for the simulator. Build with :func:`load_topology` or :meth:`from_dict`."""
@@ -221,14 +242,14 @@ class Topology:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise TopologyError(f"topology name must be a non-empty string, got {self.name!r}")
-        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
-            raise TopologyError(f"{self.name}: gpus must be an int >= 1, got {self.gpus!r}")
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or not 1 <= self.gpus <= MAX_GPUS:
+            raise TopologyError(f"{self.name}: gpus must be an int in [1, {MAX_GPUS}], got {self.gpus!r}")
         object.__setattr__(self, "fabric", _from_mapping(Fabric, self.fabric, f"{self.name}.fabric"))
         object.__setattr__(self, "p2p_curve", CopyCurve.from_value(self.p2p_curve, f"{self.name}.p2p_curve"))
         object.__setattr__(self, "host", _from_mapping(Host, self.host, f"{self.name}.host"))
         _positive(f"{self.name}.local_copy_gbps", self.local_copy_gbps)
-        _positive(f"{self.name}.launch_latency_us", self.launch_latency_us, allow_zero=True)
-        _positive(f"{self.name}.chunk_sync_us", self.chunk_sync_us, allow_zero=True)
+        _positive(f"{self.name}.launch_latency_us", self.launch_latency_us, allow_zero=True, limit=MAX_US)
+        _positive(f"{self.name}.chunk_sync_us", self.chunk_sync_us, allow_zero=True, limit=MAX_US)
         for link in self.fabric.links:
             if max(link.a, link.b) >= self.gpus:
                 raise TopologyError(f"{self.name}: link {link.a}<->{link.b} names a GPU beyond the {self.gpus} it has")
@@ -261,13 +282,14 @@ class Topology:
         curve with the launch latency taken out, never above the best measured rate."""
         t = self.p2p_curve.seconds(nbytes) - self.launch_latency_us * 1e-6
         floor = nbytes / (self.p2p_curve.peak_gbps * 1e9)
-        return nbytes / max(t, floor) / 1e9
+        t = max(t, floor)
+        return nbytes / t / 1e9 if t > 0 else self.p2p_curve.peak_gbps
 
     def h2d_gbps(self, nbytes: float) -> float:
         """Rate of a host->GPU copy of ``nbytes`` (same treatment of the launch latency)."""
         curve = self.host.h2d_curve
-        t = curve.seconds(nbytes) - self.launch_latency_us * 1e-6
-        return nbytes / max(t, nbytes / (curve.peak_gbps * 1e9)) / 1e9
+        t = max(curve.seconds(nbytes) - self.launch_latency_us * 1e-6, nbytes / (curve.peak_gbps * 1e9))
+        return nbytes / t / 1e9 if t > 0 else curve.peak_gbps
 
 
 def _topology_dir():
