@@ -366,3 +366,89 @@ def test_preload_status_of_a_busy_daemon_falls_back_to_the_staged_files(image, t
     finally:
         service._release_pid_file(path)
         d.close()
+
+
+def _count_sends(monkeypatch) -> list[dict]:
+    """Each load request the engine sends (its ``_send_arena`` keyword arguments), in order."""
+    sent: list[dict] = []
+    real = client._send_arena
+
+    def send(arena, **kw):
+        sent.append(kw)
+        return real(arena, **kw)
+
+    monkeypatch.setattr(client, "_send_arena", send)
+    return sent
+
+
+def _slow_exports(monkeypatch, pause_s: float) -> None:
+    """Every batch of an arena's segments takes ``pause_s`` to export, as a 140 GB arena's do
+    (~0.3 s in all): longer than the daemon reads a connection it turns away."""
+    real = Arena.export_segments
+
+    def export_segments(self, lo, hi):
+        time.sleep(pause_s)
+        return real(self, lo, hi)
+
+    monkeypatch.setattr(Arena, "export_segments", export_segments)
+
+
+def test_a_busy_daemon_is_asked_again_when_the_batches_take_longer_than_its_turn_away(multi_segment_image, tmp_path,
+                                                                                      monkeypatch):
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        monkeypatch.setattr(client, "STREAM_BATCH_BYTES", HOST_GRANULARITY)
+        _slow_exports(monkeypatch, 0.3)  # the daemon reads a turned-away connection for 0.1 s
+        sent = _count_sends(monkeypatch)
+        _busy_until_turned_away(d)
+        src = shm_files.rank_source(multi_segment_image, 0)
+        with Arena.create(src.nbytes, "cpu", segment_bytes=HOST_GRANULARITY) as arena:
+            reply = client.served_load(arena, src, timeout_s=30, shm_dir=d.shm)
+            assert reply["ok"] and bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+        assert any(line.startswith("busy:") for line in d.log), "the daemon never turned the load away"
+        assert len(sent) == 2, sent
+        assert sent[1]["connect_timeout_s"] < 30, "the retry had a fresh timeout of its own"
+    finally:
+        d.close()
+
+
+def test_settling_a_load_the_daemon_turned_away_sends_no_new_request(multi_segment_image, tmp_path, monkeypatch):
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        monkeypatch.setattr(client, "STREAM_BATCH_BYTES", HOST_GRANULARITY)
+        _slow_exports(monkeypatch, 0.3)
+        sent = _count_sends(monkeypatch)
+        d.server.max_connections = 0  # busy throughout
+        src = shm_files.rank_source(multi_segment_image, 0)
+        with Arena.create(src.nbytes, "cpu", segment_bytes=HOST_GRANULARITY) as arena:
+            copy = client.start_served_load(arena, image_dir=str(multi_segment_image), rank=0, nbytes=src.nbytes,
+                                            metadata_sha256=src.metadata_sha256, timeout_s=30, shm_dir=d.shm,
+                                            rest_later=True)
+            try:
+                copy.hand_over_rest()
+            except FlashBootError:
+                pass  # turned away: settle() must now only wait, never ask again
+            copy.settle()
+        assert len(sent) == 1, f"settle() sent {len(sent) - 1} new load request(s) into an arena being closed"
+    finally:
+        d.close()
+
+
+def test_a_status_request_asked_again_while_busy_gets_what_is_left_of_its_timeout(image, tmp_path, monkeypatch):
+    d = Daemon(image, tmp_path / "shm")
+    try:
+        d.server.max_connections = 0  # busy throughout
+        asked: list[tuple[float, float]] = []
+        real = client._request
+
+        def request(path, req, *, connect_timeout_s, reply_timeout_s):
+            asked.append((connect_timeout_s, reply_timeout_s))
+            return real(path, req, connect_timeout_s=connect_timeout_s, reply_timeout_s=reply_timeout_s)
+
+        monkeypatch.setattr(client, "_request", request)
+        with pytest.raises(FlashBootError, match="busy"):
+            client.serve_status(image, d.shm, timeout_s=2)
+        assert len(asked) >= 2, asked
+        assert all(c < 2 and r < 2 for c, r in asked[1:]), f"a retry had the whole timeout again: {asked}"
+    finally:
+        d.close()

@@ -136,8 +136,9 @@ def serve_status(image_dir, shm_dir=None, *, timeout_s: float = 10.0) -> dict:
     ``timeout_s``)."""
     path = socket_path(image_dir, shm_dir)
     retry = _BusyRetry(timeout_s)
-    while True:
-        reply = _request(path, {"op": "status"}, connect_timeout_s=timeout_s, reply_timeout_s=timeout_s)
+    while True:  # each ask within what is left of the timeout: a retry must not start a fresh one
+        left = retry.left()
+        reply = _request(path, {"op": "status"}, connect_timeout_s=left, reply_timeout_s=left)
         if reply.get("ok") or not (_is_busy(reply) and retry.wait()):
             break
     if not reply.get("ok"):
@@ -162,6 +163,10 @@ class _BusyRetry:
     def __init__(self, timeout_s: float):
         self.until = time.monotonic() + timeout_s
         self.pause_s = BUSY_BACKOFF_S
+
+    def left(self) -> float:
+        """The seconds left of the timeout (a little at least: a request is still tried once)."""
+        return max(1e-3, self.until - time.monotonic())
 
     def wait(self) -> bool:
         """Sleep the next pause and return True, or False when it would end past the timeout."""
@@ -296,13 +301,14 @@ class ServedCopy:
     def wait(self) -> dict:
         """Block until the daemon answers (at most ``reply_timeout_s`` from the request); returns
         its reply (``h2d_ms``, ``map_ms``, ``pinned``...) or raises the daemon's error with its class.
-        Later batches not handed over yet are handed over first (the daemon copies them all)."""
+        Later batches not handed over yet are handed over first (the daemon copies them all). A
+        daemon that answered busy is asked again, within the load's timeout."""
+        return self._wait(resend=True)
+
+    def _wait(self, *, resend: bool) -> dict:
         while True:
-            try:
-                if self._rest is not None:
-                    self.hand_over_rest()
-            except _Busy:
-                pass  # in self._error: asked again below
+            if self._rest is not None:
+                self.hand_over_rest()  # a busy daemon's answer is kept in self._error: asked again below
             if self._sock is not None:
                 sock, self._sock = self._sock, None
                 try:
@@ -318,7 +324,7 @@ class ServedCopy:
                     self._error = exc
                 finally:
                     sock.close()
-            if not (isinstance(self._error, _Busy) and self._resend is not None and self._retry.wait()):
+            if not (resend and isinstance(self._error, _Busy) and self._resend is not None and self._retry.wait()):
                 break
             self._error = None
             self._sock, self.path, self.sent_at, self._rest = self._resend()
@@ -337,7 +343,7 @@ class ServedCopy:
             _stop_streamed(sock, self.path, self.rank, self.reply_timeout_s)
             return
         try:
-            self.wait()
+            self._wait(resend=False)  # a busy daemon took none of the arena: never a new request into it
         except Exception:
             pass
 
@@ -345,7 +351,8 @@ class ServedCopy:
         """Make, export and send the later batches of the arena (a request sent with
         ``rest_later``; a no-op otherwise or once done). On a failure the daemon has stopped
         copying and answered before this raises (:func:`_stop_streamed`); :meth:`wait` raises
-        the same error."""
+        the same error. A daemon that turned the request away as busy (it took none of the fds)
+        raises nothing here: :meth:`wait` asks it again."""
         rest, self._rest = self._rest, None
         if rest is None or self._sock is None:
             return
@@ -355,7 +362,8 @@ class ServedCopy:
             rest(sock)
         except BaseException as exc:
             self._sock, self._error = None, exc  # the socket was closed once the daemon answered
-            raise
+            if not isinstance(exc, _Busy):
+                raise
         finally:
             self.handover_ms = (time.perf_counter() - t0) * 1e3
             self.handover_cpu_ms = (time.thread_time() - cpu0) * 1e3
@@ -389,9 +397,12 @@ def first_batch_segments() -> int:
 
 
 def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: str, timeout_s: float,
-                shm_dir=None, **extra) -> tuple[socket.socket, Path, float, Callable | None]:
+                connect_timeout_s: float | None = None, shm_dir=None,
+                **extra) -> tuple[socket.socket, Path, float, Callable | None]:
     """Connect to the daemon for ``image_dir`` (waiting up to ``timeout_s`` for its socket) and send
     a load of rank ``rank`` with ``arena``'s descriptor and its fds attached; returns the socket.
+    ``connect_timeout_s``: the wait for the socket and each send where not ``timeout_s`` (a
+    retry's, what is left of the load's timeout).
 
     A ``load`` of more than one batch (:data:`STREAM_BATCH_BYTES`) sends the fds of the first batch
     with the request (``fds_follow``) and the others as they are exported (an arena made with
@@ -420,14 +431,15 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
 
         req["pci_bus_id"] = gpu_pci_bus_id(arena.device)
     path = socket_path(image_dir, shm_dir)
-    sock = _connect(path, timeout_s)
+    connect_s = timeout_s if connect_timeout_s is None else connect_timeout_s
+    sock = _connect(path, connect_s)
     try:
         send_fds(sock, first, json.dumps(req).encode())
         sent_at = time.perf_counter()
     except BaseException as exc:
         sock.close()
         if isinstance(exc, OSError):
-            raise _went_away(path, rank, exc, timeout_s) from None
+            raise _went_away(path, rank, exc, connect_s) from None
         raise
     if not streamed:
         return sock, path, sent_at, None
@@ -443,7 +455,7 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
                     raise _Busy(f"served load of rank {rank} by the preloader at {path}: {reply.get('message')}") from None
                 if reply is not None and not reply.get("ok"):  # it refused the request and hung up: its reason
                     _raise_remote(reply, f"served load of rank {rank} by the preloader at {path}")
-                raise _went_away(path, rank, exc, timeout_s) from None
+                raise _went_away(path, rank, exc, connect_s) from None
             raise
 
     return sock, path, sent_at, later
@@ -484,11 +496,12 @@ def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha2
     handed over by :meth:`ServedCopy.hand_over_rest` (an early call's background thread), or by
     :meth:`ServedCopy.wait` at the latest.
     """
-    def send():
-        return _send_arena(arena, image_dir=image_dir, rank=rank, nbytes=nbytes, metadata_sha256=metadata_sha256,
-                           timeout_s=timeout_s, shm_dir=shm_dir, verify=verify)
-
     retry = _BusyRetry(timeout_s)
+
+    def send():  # asked again while busy: within what is left of the timeout, not a fresh one
+        return _send_arena(arena, image_dir=image_dir, rank=rank, nbytes=nbytes, metadata_sha256=metadata_sha256,
+                           timeout_s=timeout_s, connect_timeout_s=retry.left(), shm_dir=shm_dir, verify=verify)
+
     sock, path, sent_at, later = send()
     copy = ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9, sent_at, later, resend=send, retry=retry)
     if not rest_later:
