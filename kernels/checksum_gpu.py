@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from flashboot.errors import FlashBootError
+from flashboot.errors import FlashBootError, KernelCacheError
 
 from . import cubin
 from .checksum_spec import LENGTH_MUL, M64, word_term
@@ -81,7 +81,14 @@ def _words_launcher(device: int, knobs: dict[str, Any], copy: bool, *, quiet: bo
         if k in _launchers:
             return _launchers[k]
         key = words_kernel_key(compute_capability(device), knobs, copy)
-        cached, why = cubin.load(key)
+        try:
+            cached, why = cubin.load(key)
+        except KernelCacheError as exc:
+            # a corrupt entry would fail every load forever (and `flashboot warm`, the remedy it
+            # names): set it aside and rebuild, loudly, whether or not the caller asked for quiet
+            warnings.warn(f"flashboot: {exc}; discarding it and rebuilding", RuntimeWarning, stacklevel=4)
+            cubin.discard(key)
+            cached, why, quiet = None, f"corrupt cubin at {key.path()} discarded", True
         if cached is None:
             if not quiet:
                 warnings.warn(f"flashboot: {why}; compiling the checksum kernel ({key.variant}, sm_{key.arch}) now, "

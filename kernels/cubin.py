@@ -161,10 +161,60 @@ def save(key: KernelKey, compiled: Any, root: Path | None = None) -> CachedKerne
     path.mkdir(parents=True, exist_ok=True)
     for name, data in (("kernel.cubin", cubin), ("entry.json", json.dumps(entry, indent=1).encode())):
         fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{name}.")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path / name)  # cubin first: an entry.json always finds the cubin it describes
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                # on disk before the rename: after a crash the name must not point at a short file
+                os.fsync(f.fileno())
+            os.replace(tmp, path / name)  # cubin first: an entry.json always finds the cubin it describes
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    _fsync_dir(path)  # the renames themselves survive a crash
     return CachedKernel(key, path, cubin, md.name, tuple(map(tuple, params)), md.num_warps, md.shared, scratch)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def discard(key: KernelKey, root: Path | None = None) -> None:
+    """Remove the entry of ``key`` (a corrupt one, before rebuilding it). Renamed aside first, so
+    a concurrent :func:`save` of a fresh entry under the same name is never half deleted; an entry
+    already gone (another process discarded it) is no error."""
+    import shutil  # only on this rare path: a fresh process's first checksum imports this module
+
+    path = key.path(root)
+    aside = path.with_name(f".{path.name}.discarded-{os.getpid()}-{threading.get_ident()}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _check_entry(entry: dict) -> None:
+    """Refuse a launch field of the wrong shape: it would otherwise surface as a KeyError or
+    TypeError at the launch, far from the file that caused it."""
+    if not isinstance(entry.get("function"), str) or not entry["function"]:
+        raise ValueError(f"'function' must be a kernel name, got {entry.get('function')!r}")
+    import reprlib
+
+    params = entry.get("params")
+    if not isinstance(params, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+            and (p[1].startswith("*") or p[1] in _CTYPES) for p in params):
+        raise ValueError(f"'params' must list [name, type] pairs of pointer or {sorted(_CTYPES)} types, "
+                         f"got {reprlib.repr(params)}")
+    for name, low in (("num_warps", 1), ("shared", 0), ("scratch_pointers", 0)):
+        v = entry.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name!r} must be an int >= {low}, got {v!r}")
 
 
 def load(key: KernelKey, root: Path | None = None) -> tuple[CachedKernel | None, str]:
@@ -179,7 +229,7 @@ def load(key: KernelKey, root: Path | None = None) -> tuple[CachedKernel | None,
         entry = json.loads(raw)
         found_key = entry["key"]
         expected_size, expected_sha = int(entry["cubin_bytes"]), entry["cubin_sha256"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
         raise KernelCacheError(f"{path / 'entry.json'}: unreadable kernel cache entry ({type(exc).__name__}: {exc}); "
                                f"delete {path} or run `flashboot warm`") from None
     if entry.get("format") != _ENTRY_FORMAT or found_key != key.as_json():
@@ -190,6 +240,11 @@ def load(key: KernelKey, root: Path | None = None) -> tuple[CachedKernel | None,
             why = f"key {found_key}, expected {key.as_json()}"
         return None, f"stale cubin at {path} refused (built for {why})"
     try:
+        _check_entry(entry)
+    except ValueError as exc:
+        raise KernelCacheError(f"{path / 'entry.json'}: unreadable kernel cache entry ({exc}); "
+                               f"delete {path} or run `flashboot warm`") from None
+    try:
         cubin = (path / "kernel.cubin").read_bytes()
     except FileNotFoundError:
         cubin = b""
@@ -198,8 +253,8 @@ def load(key: KernelKey, root: Path | None = None) -> tuple[CachedKernel | None,
         raise KernelCacheError(f"{path / 'kernel.cubin'}: corrupt cubin: {len(cubin):,} bytes with sha256 {sha[:16]}..., "
                                f"its entry expects {expected_size:,} bytes with sha256 {expected_sha[:16]}...; "
                                f"delete {path} or run `flashboot warm`")
-    return CachedKernel(key, path, cubin, entry["function"], tuple(map(tuple, entry["params"])), int(entry["num_warps"]),
-                        int(entry["shared"]), int(entry["scratch_pointers"])), ""
+    return CachedKernel(key, path, cubin, entry["function"], tuple(map(tuple, entry["params"])), entry["num_warps"],
+                        entry["shared"], entry["scratch_pointers"]), ""
 
 
 class CubinLauncher:
@@ -250,5 +305,5 @@ class CubinLauncher:
                       params, f"cuLaunchKernel({self.cached.function}, grid {gx}x{gy}x{gz})")
 
 
-__all__ = ["CachedKernel", "CubinLauncher", "KernelKey", "LaunchLayout", "cache_dir", "launch_layout", "load",
-           "save", "source_sha256", "triton_version"]
+__all__ = ["CachedKernel", "CubinLauncher", "KernelKey", "LaunchLayout", "cache_dir", "discard", "launch_layout",
+           "load", "save", "source_sha256", "triton_version"]

@@ -1,0 +1,103 @@
+"""Hardening of the kernel cache, the units, the host checksum, the CLI's output and the benchmarks'
+arguments: each test reproduces a defect found by an audit (host backend, no GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+from flashboot.errors import KernelCacheError
+from flashboot.kernels import checksum_gpu, cubin
+
+
+# --- kernel cache -------------------------------------------------------------------------------
+def _fake_compiled(size=1000):
+    """What cubin.save reads of Triton's CompiledKernel, without Triton."""
+    return SimpleNamespace(
+        metadata=SimpleNamespace(name="checksum_words_kernel", num_warps=4, shared=0, global_scratch_size=0),
+        asm={"cubin": b"\x7fELF" + b"x" * size},
+        src=SimpleNamespace(signature={"words_ptr": "*i32", "n": "i64"}, constants={}))
+
+
+@pytest.fixture
+def kcache(tmp_path, monkeypatch):
+    """A kernel cache in tmp_path, a fake sm_90 device, and a 'compiler' that saves a fake cubin
+    and counts its builds (the driver's module load is not reached: launcher.function is faked)."""
+    monkeypatch.setenv("FLASHBOOT_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setattr(checksum_gpu, "_launchers", {})
+    monkeypatch.setattr(checksum_gpu, "compute_capability", lambda dev: 90)
+    builds = []
+
+    def build(key):
+        builds.append(key)
+        return cubin.save(key, _fake_compiled())
+
+    monkeypatch.setattr(checksum_gpu, "_build_words_cubin", build)
+    monkeypatch.setattr(cubin.CubinLauncher, "function", lambda self, device: 1)
+    return SimpleNamespace(root=tmp_path / "kernels", builds=builds,
+                           key=checksum_gpu.words_kernel_key(90, checksum_gpu._gpu_knobs({}), False))
+
+
+def test_a_truncated_cubin_is_discarded_and_rebuilt(kcache):
+    entry = cubin.save(kcache.key, _fake_compiled())
+    (entry.path / "kernel.cubin").write_bytes((entry.path / "kernel.cubin").read_bytes()[:10])
+    with pytest.raises(KernelCacheError):
+        cubin.load(kcache.key)
+    with pytest.warns(RuntimeWarning, match="corrupt cubin.*discarding it and rebuilding"):
+        checksum_gpu.prepare_checksum_kernels(0)
+    # rebuilt: the entry loads again, and a second process start finds it good (no rebuild)
+    assert kcache.key in kcache.builds
+    assert cubin.load(kcache.key)[0].cubin == _fake_compiled().asm["cubin"]
+    checksum_gpu._launchers.clear()
+    n = len(kcache.builds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checksum_gpu.prepare_checksum_kernels(0)
+    assert len(kcache.builds) == n
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda e: e.pop("function"), "'function'"),
+    (lambda e: e.update(params=5), "'params'"),
+    (lambda e: e.update(num_warps=None), "'num_warps'"),
+    (lambda e: e.update(params=[["a", "bogus"]]), "'params'"),
+    (lambda e: e.update(shared=-1), "'shared'"),
+])
+def test_a_malformed_entry_field_is_a_kernel_cache_error(kcache, edit, match):
+    entry = cubin.save(kcache.key, _fake_compiled())
+    path = entry.path / "entry.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))  # key and sha still match: only the launch field is wrong
+    with pytest.raises(KernelCacheError, match=f"unreadable kernel cache entry.*{match}"):
+        cubin.load(kcache.key)
+
+
+def test_an_entry_with_an_infinite_size_is_a_kernel_cache_error(kcache):
+    entry = cubin.save(kcache.key, _fake_compiled())
+    path = entry.path / "entry.json"
+    path.write_text(path.read_text().replace('"cubin_bytes": 1004', '"cubin_bytes": 1e400'))
+    with pytest.raises(KernelCacheError, match="OverflowError"):
+        cubin.load(kcache.key)
+
+
+def test_save_syncs_before_the_rename_and_leaves_no_temp_file_on_failure(kcache, monkeypatch):
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append(len(synced)), real_replace(a, b)))
+    entry = cubin.save(kcache.key, _fake_compiled())
+    # each file synced before its rename, and the directory after both
+    assert renamed == [1, 2] and len(synced) == 3
+
+    def full_disk(a, b):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        cubin.save(kcache.key, _fake_compiled())
+    assert sorted(p.name for p in entry.path.iterdir()) == ["entry.json", "kernel.cubin"]
