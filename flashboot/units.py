@@ -3,6 +3,7 @@ timeouts checked once where a caller gives them."""
 
 from __future__ import annotations
 
+import decimal
 import math
 import re
 
@@ -16,23 +17,43 @@ _UNITS = {
 }
 
 
+MAX_BYTES = 2**63 - 1
+"""The largest byte count taken: what a signed 64-bit size (a file offset, a tensor's numel) holds."""
+
+
 def parse_bytes(text) -> int:
     """Parse a byte count. Decimal units (KB, MB, GB, TB) are powers of 10, binary ones (KiB,
     MiB, GiB, TiB, and bare K/M/G/T) powers of 2. Raises FlashBootError on anything else or a
-    non-positive or fractional byte count."""
+    non-positive, fractional or larger than :data:`MAX_BYTES` byte count."""
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
-            raise FlashBootError(f"cannot parse byte size {text!r}: use e.g. 4096, 217e9, 217GB, 256MiB")
-        number = float(m.group(1)) * _UNITS[m.group(2).lower()]
-        if number != int(number):
-            raise FlashBootError(f"byte size {text!r} is not a whole number of bytes ({number})")
+            raise FlashBootError(f"cannot parse byte size {_short(text)}: use e.g. 4096, 217e9, 217GB, 256MiB")
+        # Decimal, not float: a float overflowed on 1e400 and rounded 9007199254740993 to ...992
+        try:
+            number = decimal.Decimal(m.group(1))
+        except decimal.InvalidOperation:  # an exponent beyond what Decimal holds (1e99999999999999999999)
+            raise FlashBootError(f"byte size {_short(text)} is out of range (at most {MAX_BYTES:,} bytes)") from None
+        if number > MAX_BYTES:  # exact comparison, before any arithmetic that could overflow
+            raise FlashBootError(f"byte size {_short(text)} is larger than {MAX_BYTES:,} bytes")
+        with decimal.localcontext() as ctx:
+            ctx.prec = len(m.group(1)) + 20  # enough digits that the product is exact
+            number *= _UNITS[m.group(2).lower()]
+        if number != number.to_integral_value():
+            raise FlashBootError(f"byte size {_short(text)} is not a whole number of bytes ({number})")
         value = int(number)
     if value <= 0:
-        raise FlashBootError(f"byte size must be positive, got {text!r}")
+        raise FlashBootError(f"byte size must be positive, got {_short(text)}")
+    if value > MAX_BYTES:
+        raise FlashBootError(f"byte size {_short(text)} is larger than {MAX_BYTES:,} bytes")
     return value
+
+
+def _short(text) -> str:
+    r = repr(text) if not isinstance(text, int) else str(text) if text.bit_length() < 256 else f"a {text.bit_length()}-bit int"
+    return r if len(r) <= 80 else r[:60] + f"... ({len(r)} characters)"
 
 
 def format_bytes(nbytes: int) -> str:
