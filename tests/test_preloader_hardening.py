@@ -452,3 +452,39 @@ def test_a_status_request_asked_again_while_busy_gets_what_is_left_of_its_timeou
         assert all(c < 2 and r < 2 for c, r in asked[1:]), f"a retry had the whole timeout again: {asked}"
     finally:
         d.close()
+
+
+def test_a_load_waiting_for_a_rank_still_staging_is_answered_when_the_daemon_stops(image, tmp_path, monkeypatch):
+    from flashboot.flashload import server as server_module
+
+    release = threading.Event()
+
+    def stage_rank(*args, **kwargs):  # as pinning a large image does: deaf to stop until it is done
+        release.wait(60)
+        raise FlashBootError("staging interrupted")
+
+    monkeypatch.setattr(server_module, "stage_rank", stage_rank)
+    d = Daemon(image, tmp_path / "shm", staged=False)
+    outcome: dict = {}
+    try:
+        src = shm_files.rank_source(image, 0)
+
+        def load():
+            with Arena.create(src.nbytes, "cpu") as arena:
+                try:
+                    outcome["reply"] = client.served_load(arena, src, timeout_s=120, shm_dir=d.shm)
+                except FlashBootError as exc:
+                    outcome["error"] = exc
+
+        t = threading.Thread(target=load, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 20
+        while not any(x.is_alive() for x in d.server._threads) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        d.server.stop.set()
+        t.join(20)  # the engine asked for 120 s; the daemon's --stop waits 30
+        assert not t.is_alive(), "the request kept waiting for its rank after the daemon was told to stop"
+        assert "stopping" in str(outcome.get("error")), outcome
+    finally:
+        release.set()
+        d.close()

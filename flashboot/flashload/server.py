@@ -72,8 +72,11 @@ GB took 30 ms on the H200): :data:`HANDOVER_TIMEOUT_S` plus a second per GB, as 
 takes the fds may run that slowly (a 200 GB ``--no-pin`` rank). Its copy holds the device's
 queue, and a client trickling one fd just within :data:`REQUEST_TIMEOUT_S` each held it, and
 everyone queued behind, without end."""
-CLOSE_TIMEOUT_S = 30.0
-"""How long :meth:`PreloadServer.close` waits for all connection handlers together."""
+CLOSE_TIMEOUT_S = 10.0
+"""How long :meth:`PreloadServer.close` waits for all connection handlers together: well within
+``preload --stop``'s 30 s, which also waits for the unpinning and unmapping after it."""
+STOP_POLL_S = 0.2
+"""How often a request waiting for its rank's staging looks at the daemon's stop."""
 ACCEPT_BACKOFF_S = 0.01
 ACCEPT_BACKOFF_MAX_S = 1.0
 """A failed accept() (out of fds: EMFILE) is retried after this pause, doubled up to the maximum
@@ -314,6 +317,8 @@ class PreloadServer:
     def close(self) -> None:
         """Stop listening, unpin and unmap everything (the staged files stay)."""
         self.stop.set()
+        for res in self.residents.values():  # requests waiting for ranks never staged: they answer now
+            res.event.set()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -502,11 +507,18 @@ class PreloadServer:
         if res is None:
             raise LayoutError(f"this preloader serves ranks {self.ranks} of {self.config.image_dir}; rank {rank!r} was asked")
         timeout_s = _request_timeout_s(req)
-        if not res.event.wait(timeout_s):
-            raise WaitTimeoutError(f"rank {rank} of {self.config.image_dir} was not staged and pinned within "
-                                   f"{timeout_s:g} s (daemon pid {os.getpid()}, state {res.state})")
+        deadline = time.monotonic() + timeout_s
+        while not res.event.wait(min(STOP_POLL_S, max(0.0, deadline - time.monotonic()))):
+            if self.stop.is_set():  # the engine's timeout may be 600 s, and --stop waits 30 s
+                break
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(f"rank {rank} of {self.config.image_dir} was not staged and pinned within "
+                                       f"{timeout_s:g} s (daemon pid {os.getpid()}, state {res.state})")
         if res.error is not None:
             raise _StagingFailed(rank, res.error)
+        if res.mapping is None:  # stopped before it was staged (close() sets every event), or unmapped since
+            raise FlashBootError(f"rank {rank}: the preloader (pid {os.getpid()}) is stopping; rank {rank} of "
+                                 f"{self.config.image_dir} was not staged (state {res.state})")
         if req.get("metadata_sha256") != res.metadata_sha256 or req.get("nbytes") != res.nbytes:
             raise LayoutError(f"the daemon holds rank {rank} of another pre-pack ({res.nbytes:,} bytes, metadata "
                               f"{res.metadata_sha256[:12]}) than the engine asked for ({req.get('nbytes')} bytes, "
