@@ -457,6 +457,9 @@ def _names_this_machine(host: str) -> bool:
     return False
 
 
+WAIT_POLL_S = 0.02
+"""The longest sleep between two checks of a key being waited for (a check is one round trip)."""
+
 JOIN_ATTEMPTS = 5
 """How many times a join asks TCPStore's client to connect to a store that answered the pre-flight
 (a store that keeps refusing after that is not busy: it is refusing)."""
@@ -696,23 +699,22 @@ class Rendezvous:
         return decode_record(self.token, full, raw, f"the store at {self.address}")
 
     def wait_keys(self, keys: Iterable[str], *, what: str, timeout_s: float | None = None) -> None:
-        """``store.wait`` for ``keys`` with a timeout; WaitTimeoutError names ``what``."""
-        from torch.distributed import DistError, DistStoreError
-
+        """Wait up to ``timeout_s`` until every one of ``keys`` is in the store (checked every
+        :data:`WAIT_POLL_S` at most); WaitTimeoutError names ``what``."""
         keys = list(keys)
         full = [self.full_key(k) for k in keys]
         t = self.timeout_s if timeout_s is None else float(timeout_s)
-        if self._closed:
-            raise RendezvousError(f"rendezvous at {self.address} is closed")
-        self._check_broken(f"waiting for {what}")
-        try:
-            self.store.wait(full, datetime.timedelta(seconds=max(t, 0.001)))
-        except DistStoreError as exc:
-            if "timeout" in str(exc).lower():
-                raise WaitTimeoutError(f"waited {t:g} s for {what} (store keys {keys} at {self.address})") from None
-            raise self._lost(f"waiting for {what}", exc) from None
-        except DistError as exc:
-            raise self._lost(f"waiting for {what}", exc) from None
+        deadline = time.monotonic() + max(t, 0.001)
+        delay = 0.001
+        # polled, not store.wait: a signal handler (SIGTERM in `flashboot clone`) runs during the
+        # sleep, where store.wait held it off until the wait ended, and short store.wait slices
+        # log two c10d warnings each
+        while not self._store_call(f"waiting for {what}", self.store.check, full):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WaitTimeoutError(f"waited {t:g} s for {what} (store keys {keys} at {self.address})")
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, WAIT_POLL_S)
 
     def has(self, key: str) -> bool:
         return bool(self._store_call(f"checking {key!r}", self.store.check, [self.full_key(key)]))
