@@ -156,6 +156,10 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     report.position = position
     status_key = _gkey(gen, schedule, "status", position)
     session.status_key = status_key
+    # before anything that may wait: a successor waiting for our member record tells a live clone
+    # (still waiting for its own sources) from one killed after taking its position
+    rdv.publish(_gkey(gen, schedule, "joined", position),
+                {"position": position, "pid": os.getpid(), "host": socket.gethostname()})
 
     # one chunk size per chain: validated as asked, then the first member's (see _agree_chunk)
     n = max(position, clones or 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from ..memory import CPU, Device, Span
 from ..schedulers import HOST
 from .executor import Endpoint
 from .rendezvous import Manifest, Rendezvous, StoreLostError
-from .common import _FALLBACK_INDEX, _SEED_INDEX, _descriptor_from, _gkey, _same_host
+from .common import _FALLBACK_INDEX, _SEED_INDEX, _alive, _descriptor_from, _gkey, _same_host
 from .session import _Session
 from .transports.posix_fd import _open_arena
 
@@ -162,27 +163,9 @@ class _Sources:
         return ep
 
     def _member_record(self, participant: int):
-        """Clone ``participant``'s member record, waited for at most ``timeout_s`` in short slices.
-        RendezvousError when it is overdue, or its clone failed or left first (killed right after
-        taking its position: its record never comes). Such a clone is then marked as left, so
-        that later clones skip it at once instead of each waiting for it in turn."""
-        key = _gkey(self.gen, self.schedule, "member", participant)
-        status = _gkey(self.gen, self.schedule, "status", participant)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                return self.rdv.read(key, what=f"the descriptors of clone #{participant}",
-                                     timeout_s=max(0.001, min(0.25, deadline - time.monotonic())))
-            except WaitTimeoutError:
-                ended = self.rdv.has(status) or self.rdv.has(status + "/left")
-                if not ended and time.monotonic() < deadline:
-                    continue
-            why = "failed or left" if ended else f"published no descriptors within {self.timeout_s:g} s"
-            try:
-                self.rdv.publish(status + "/left", {"pid": None, "marked_by": os.getpid(), "why": why})
-            except FlashBootError:
-                pass  # a store that fails here fails the next call too, which names it
-            raise RendezvousError(f"clone #{participant} {why}; taking it as gone")
+        key = lambda *parts: _gkey(self.gen, self.schedule, *parts)  # noqa: E731
+        return await_member(self.rdv, key("member", participant), key("joined", participant),
+                            key("status", participant), f"clone #{participant}", self.timeout_s)
 
     def _held_seed(self):
         """The seed's arena from the caller's held mappings, mapped (and held) if it is not there;
@@ -255,6 +238,82 @@ class _Sources:
                                       f"{self.manifest.nbytes:,}")
             self.host_image = img
         return HOST, f"the host image {self.host_image.path}"
+
+
+MEMBER_POLL_S = 0.05
+"""The longest sleep between two looks for an upstream clone's member record."""
+
+
+def await_member(rdv: Rendezvous, member_key: str, joined_key: str, status_key: str, who: str,
+                 timeout_s: float):
+    """The member record of upstream clone ``who``, polled for (a signal stops the wait; short
+    store.wait slices logged two c10d warnings each). A clone publishes it only after opening its
+    own sources, which may take it its whole timeout when its own source died; it announces
+    itself at ``joined_key`` first. So RendezvousError ("taking it as gone") comes when:
+
+    * its status says failed, or it left;
+    * its joined record names a pid on this host that is dead;
+    * after ``timeout_s`` it has not even joined (killed right after taking its position): it is
+      then marked as left, so later clones skip it at once instead of each waiting in turn;
+    * after twice ``timeout_s`` a clone that joined and lives still has no record: we read past
+      it, but it is not marked as left (it is alive, and a source for others).
+    """
+    deadline = time.monotonic() + timeout_s
+    extended = False
+    joined = None
+    delay = 0.001
+    while True:
+        rec = rdv.try_read(member_key)
+        if rec is not None:
+            return rec
+        why, mark = _member_gone(rdv, status_key), False
+        if why is None and joined is None:
+            try:
+                joined = rdv.try_read(joined_key)
+            except StoreLostError:
+                raise
+            except RendezvousError:
+                joined = None  # planted: as good as not joined
+        if why is None and joined is not None:
+            pid, host = joined.body.get("pid"), joined.body.get("host")
+            if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+                why, mark = f"exited (pid {pid}) before publishing its descriptors", True
+        if why is None and time.monotonic() >= deadline:
+            if joined is None:
+                why, mark = f"did not even join within {timeout_s:g} s (killed after taking its position?)", True
+            elif not extended:  # alive and, most likely, still waiting for its own upstream
+                deadline, extended = deadline + timeout_s, True
+            else:
+                why = (f"joined (pid {joined.body.get('pid')} on {joined.body.get('host')}) but published no "
+                       f"descriptors within {2 * timeout_s:g} s; reading past it (not marked as gone)")
+        if why is not None:
+            rec = rdv.try_read(member_key)  # it may have published as we looked
+            if rec is not None:
+                return rec
+            if mark:
+                try:
+                    rdv.publish(status_key + "/left", {"pid": None, "marked_by": os.getpid(), "why": why})
+                except FlashBootError:
+                    pass  # a store that fails here fails the next call too, which names it
+            raise RendezvousError(f"{who} {why}; taking it as gone")
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, MEMBER_POLL_S)
+
+
+def _member_gone(rdv: Rendezvous, status_key: str) -> str | None:
+    """Why a clone counts as ended ('failed: ...' or 'left'), or None: a ``done`` status does not
+    end it (its member record is there, or about to be)."""
+    if rdv.has(status_key + "/left"):
+        return "left"
+    try:
+        status = rdv.try_read(status_key)
+    except StoreLostError:
+        raise
+    except RendezvousError:
+        return None
+    if status is not None and status.body.get("state") == "failed":
+        return f"failed ({str(status.body.get('error', '?'))[:200]})"
+    return None
 
 
 def release_held_sources(held: dict) -> None:

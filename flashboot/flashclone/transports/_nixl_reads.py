@@ -107,6 +107,9 @@ class PeerKeys:
     held: Callable[[int], str]
     status: Callable[[int], str]
     who: Callable[[int], str]
+    joined: Callable[[int], str] | None = None
+    """Where a chain clone announces itself before it waits for its own sources (see
+    :func:`~flashboot.flashclone.sources.await_member`); None: wait for the member record alone."""
 
 
 class Peers:
@@ -136,7 +139,14 @@ class Peers:
         if p in self.fixed:
             record, who = self.fixed[p]
         else:
-            rec = self.rdv.read(self.keys.member(p), what=f"the NIXL record of {self.who(p)}", timeout_s=self.timeout_s)
+            if self.keys.joined is not None:  # a dead upstream clone is told from a slow one, as with mapped arenas
+                from ..sources import await_member
+
+                rec = await_member(self.rdv, self.keys.member(p), self.keys.joined(p), self.keys.status(p),
+                                   self.who(p), self.timeout_s)
+            else:
+                rec = self.rdv.read(self.keys.member(p), what=f"the NIXL record of {self.who(p)}",
+                                    timeout_s=self.timeout_s)
             if rec.body.get("manifest_digest") != self.manifest.digest:
                 raise RendezvousError(f"{self.who(p)} holds another image (manifest {rec.body.get('manifest_digest')}, "
                                       f"ours {self.manifest.digest}); refusing to read from it")

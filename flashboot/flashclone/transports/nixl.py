@@ -449,7 +449,8 @@ def _clone(ctx):
     keys = PeerKeys(member=lambda p: _gkey(ctx.gen, ctx.schedule, "member", p),
                     held=lambda p: _gkey(ctx.gen, ctx.schedule, "nixl", "held", p),
                     status=lambda p: _gkey(ctx.gen, ctx.schedule, "status", p),
-                    who=lambda p: "the seed" if p == 0 else f"clone #{p}")
+                    who=lambda p: "the seed" if p == 0 else f"clone #{p}",
+                    joined=lambda p: _gkey(ctx.gen, ctx.schedule, "joined", p))
     sources = Peers(rdv, agent, manifest, keys, timeout_s, detail,
                     fixed={0: (ctx.seed_rec.sealed.get("nixl"), f"the seed at {rdv.address}")})
     my_steps = [s for s in plan.steps_into(position) if s.kind == "copy"]
@@ -460,7 +461,7 @@ def _clone(ctx):
             try:
                 sources.open(q)
                 break
-            except RendezvousError as exc:  # e.g. it finished and exited: NIXL cannot reach its agent
+            except (RendezvousError, WaitTimeoutError) as exc:  # e.g. it finished and exited: NIXL cannot reach its agent
                 if q == 0 or not ctx.retry or "holds another image" in str(exc):
                     raise
                 tries += 1
