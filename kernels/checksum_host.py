@@ -163,6 +163,9 @@ def chunk_checksums_host(buf: Any, chunk_bytes: int) -> list[int]:
     n = raw.size
     if n == 0:
         return []
+    # one chunk covers a smaller buffer whole: the kernel sizes its scratch by chunk_bytes, and
+    # chunk_bytes 1<<60 on 8 bytes asked for exabytes (MemoryError; 1<<70: OverflowError)
+    chunk_bytes = min(chunk_bytes, n)
     if chunk_bytes % 4:
         # Chunks that start mid-word: each chunk reads its own word grid.
         return [_checksum_host_bytes(raw[s:s + chunk_bytes]) for s in range(0, n, chunk_bytes)]

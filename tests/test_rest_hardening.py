@@ -101,3 +101,15 @@ def test_save_syncs_before_the_rename_and_leaves_no_temp_file_on_failure(kcache,
     with pytest.raises(OSError, match="No space left"):
         cubin.save(kcache.key, _fake_compiled())
     assert sorted(p.name for p in entry.path.iterdir()) == ["entry.json", "kernel.cubin"]
+
+
+# --- host checksum ------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk_bytes", [1 << 40, 1 << 60, 1 << 70, 12, 13])
+@pytest.mark.parametrize("data", [bytes(8), bytes(range(11))])
+def test_a_chunk_larger_than_the_buffer_is_one_digest_of_it(data, chunk_bytes):
+    # the scratch was sized by chunk_bytes: 1<<60 raised MemoryError, 1<<70 OverflowError
+    from flashboot.kernels.checksum_host import chunk_checksums_host
+    from flashboot.kernels.checksum_spec import checksum_reference
+
+    assert chunk_checksums_host(data, chunk_bytes) == [checksum_reference(data)]
+    assert chunk_checksums_host(b"", chunk_bytes) == []
