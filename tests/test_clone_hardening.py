@@ -575,3 +575,31 @@ def test_a_nixl_reader_takes_an_upstream_clone_that_exited_before_publishing_as_
     with pytest.raises(RendezvousError, match=f"clone #1 exited \\(pid {dead.pid}\\)"):
         peers.open(1)
     assert rdv.has("g/x/chain/status/1/left")
+
+
+def test_the_default_chain_chunk_does_not_depend_on_the_first_clones_position(store, raw):
+    """Without --clones, clone #1 planned as a chain of one (1 GiB chunks) and the agreement then
+    fixed that for the whole chain: pipeline fill 4x longer. The chain default is 256 MiB unless
+    clones=1 is said; star clones, which never read each other's flags, each keep their own."""
+    from flashboot.schedulers import DEFAULT_CHUNK_BYTES
+    from flashboot.schedulers.plan import SINGLE_HOP_CHUNK_BYTES
+
+    address, rdv = store
+    path, data = raw
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    try:
+        with flashboot.clone(address, "cpu", "chain", timeout_s=10) as r:
+            assert r.report.position == 1 and r.report.chunk_bytes == DEFAULT_CHUNK_BYTES
+            assert np.array_equal(_bytes(r), data)
+        with flashboot.clone(address, "cpu", "star", chunk_bytes=MiB, timeout_s=10) as a, \
+                flashboot.clone(address, "cpu", "star", chunk_bytes=256 << 10, timeout_s=10) as b:
+            assert (a.report.chunk_bytes, b.report.chunk_bytes) == (MiB, 256 << 10)
+            assert not b.report.warnings, b.report.warnings
+    finally:
+        s.close()
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    try:
+        with flashboot.clone(address, "cpu", "chain", clones=1, timeout_s=10) as r:
+            assert r.report.chunk_bytes == SINGLE_HOP_CHUNK_BYTES
+    finally:
+        s.close()

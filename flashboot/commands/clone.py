@@ -54,7 +54,7 @@ def register(subparsers) -> None:
     p.add_argument("--schedule", default="chain", choices=("chain", "star", "ring"))
     p.add_argument("--clones", type=int, default=None,
                    help="how many clones join (start barrier); ring: the member count")
-    p.add_argument("--chunk-bytes", default=None, help="pipeline chunk, e.g. 256MiB (default: 256 MiB; 1 GiB for a star or a chain of one clone)")
+    p.add_argument("--chunk-bytes", default=None, help="pipeline chunk, e.g. 256MiB (default: 256 MiB; 1 GiB for a star or --clones 1)")
     p.add_argument("--mover", default=None, help="registry mover (default copy_engine on CUDA, host on cpu)")
     p.add_argument("--verify", action="store_true", help="prove the clone byte-exact against the seed's checksums")
     p.add_argument("--image", default=None, help="host image: ring shard source, or fallback when no source is left")

@@ -11,7 +11,8 @@ from typing import Any
 
 from ..errors import ArenaError, FlashBootError, RendezvousError, WaitTimeoutError
 from ..memory import Device
-from ..schedulers import HOST, Plan, Step, build_plan
+from ..schedulers import DEFAULT_CHUNK_BYTES, HOST, Plan, Step, build_plan
+from ..schedulers.plan import SINGLE_HOP_CHUNK_BYTES
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous, StoreLostError
 from .common import METADATA_KEY, SCHEDULES, SEED_KEY, _FALLBACK_INDEX, _SEED_INDEX, _agree_chunk, _alive, _check_mover, _default_mover, _descriptor_from, _gkey, _map_stats_of, _note_lazy_mapping, _parse_metadata, _step_hook, _verify, _views
@@ -161,14 +162,21 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     rdv.publish(_gkey(gen, schedule, "joined", position),
                 {"position": position, "pid": os.getpid(), "host": socket.gethostname()})
 
-    # one chunk size per chain: validated as asked, then the first member's (see _agree_chunk)
     n = max(position, clones or 1)
+    if chunk_bytes is None and schedule == "chain":
+        # not by position: #1 of a chain started without --clones is a chain of one so far, and
+        # the agreement below would fix its single-hop 1 GiB chunk for every clone after it
+        chunk_bytes = SINGLE_HOP_CHUNK_BYTES if clones == 1 else DEFAULT_CHUNK_BYTES
+        asked = None
+    else:
+        asked = chunk_bytes
     plan = build_plan(schedule, n, manifest.nbytes, chunk_bytes)
-    agreed, why = _agree_chunk(rdv, _gkey(gen, schedule, "plan"), plan.chunk_bytes, f"clone #{position}")
-    if agreed != plan.chunk_bytes:
-        plan = build_plan(schedule, n, manifest.nbytes, agreed)
-        if chunk_bytes is not None:  # a default the chain overrides is no news
-            report.warnings.append(why)
+    if schedule == "chain":  # one chunk size per chain (star clones never read each other's flags)
+        agreed, why = _agree_chunk(rdv, _gkey(gen, schedule, "plan"), plan.chunk_bytes, f"clone #{position}")
+        if agreed != plan.chunk_bytes:
+            plan = build_plan(schedule, n, manifest.nbytes, agreed)
+            if asked is not None:  # a default the chain overrides is no news
+                report.warnings.append(why)
     report.chunk_bytes = plan.chunk_bytes
 
     def read_metadata():
