@@ -101,13 +101,15 @@ def engine_context(device: str, *, loader: bool = False) -> None:
 def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     """A rich table on stdout."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=title)
+    # titles and cells carry paths and names: '[/x]' in one is text, not markup (MarkupError)
+    table = Table(title=escape(title))
     for col in columns:
-        table.add_column(col, justify="right" if col not in ("mover", "path", "loader", "what") else "left")
+        table.add_column(escape(col), justify="right" if col not in ("mover", "path", "loader", "what") else "left")
     for row in rows:
-        table.add_row(*(f"{v:,.3g}" if isinstance(v, float) else str(v) for v in row))
+        table.add_row(*(f"{v:,.3g}" if isinstance(v, float) else escape(str(v)) for v in row))
     Console(width=160).print(table)
 
 

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from .memory import Device, span_of
 from .units import format_bytes, parse_bytes
@@ -148,14 +149,14 @@ def _headline_load(device: Device) -> bool:
     root = Path(tempfile.mkdtemp(prefix="fbdemo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)) / "boot"
     try:
         out = boot.run(shapes=[], specs=[spec], scale=1.0, device=str(device), root=str(root), loaders=loaders,
-                       end_to_end=(0.25,), log=lambda line: console.print(f"  {line}"))
+                       end_to_end=(0.25,), log=lambda line: console.print(f"  {escape(str(line))}"))
     finally:
         shutil.rmtree(root.parent, ignore_errors=True)
     boot.print_results(out)
     from .benchmarks.boot_e2e import headline
 
     line = headline(out)
-    console.print(f"[bold]{line or 'boot end to end: no result'}[/bold]")
+    console.print(f"[bold]{escape(line or 'boot end to end: no result')}[/bold]")
     e2e = out["shapes"][0].get("end_to_end") or {}
     e2e_ok = line is not None and all("error" not in r for r in e2e.get("rows", [{"error": e2e.get("error")}]))
     return e2e_ok and all("error" not in r and all(c["verified"] for c in r["calls"])
@@ -188,7 +189,7 @@ def _pipeline(device: Device, workdir: Path) -> bool:
     shm = Path(tempfile.mkdtemp(prefix="flashboot-demo-", dir="/dev/shm")) if os.path.isdir("/dev/shm") else workdir / "shm"
     t0 = time.perf_counter()
     save_tiny_model("qwen3_moe", hf, dtype=torch.bfloat16)
-    console.print(f"checkpoint: tiny Qwen3-MoE (8 experts, 2 layers) saved with save_pretrained in {hf} "
+    console.print(f"checkpoint: tiny Qwen3-MoE (8 experts, 2 layers) saved with save_pretrained in {escape(str(hf))} "
                   f"({(time.perf_counter() - t0) * 1e3:.0f} ms)")
     rows = []
     for tp in (1, 2):
@@ -201,14 +202,14 @@ def _pipeline(device: Device, workdir: Path) -> bool:
 
     try:
         staged = stage_rank(workdir / "tp1", 0, shm_dir=shm, device=str(device))
-        console.print(f"preload: rank 0 staged into {shm} ({staged.io_mode})")
+        console.print(f"preload: rank 0 staged into {escape(str(shm))} ({staged.io_mode})")
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.bfloat16)
         with load(workdir / "tp1", 0, str(device), shm_dir=shm, verify=True) as loaded:
             bound = bind(model, loaded)
-            console.print(f"load: {loaded.report.summary()}")
+            console.print(f"load: {escape(loaded.report.summary())}")
             console.print(f"bind: {len(loaded.tensors)} tensors are views into one {format_bytes(loaded.arena.nbytes)} arena "
-                          f"({loaded.arena.handle_type}); recomputed buffers: {', '.join(bound.recomputed) or 'none'}")
+                          f"({loaded.arena.handle_type}); recomputed buffers: {escape(', '.join(bound.recomputed) or 'none')}")
             ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).to(str(device)).eval()
             prompt = torch.tensor([[1, 5, 9, 14, 3, 7]], device=str(device))
             model.eval()

@@ -47,6 +47,30 @@ def test_inspect_prints_full_column_names_and_binary_sizes_when_piped(image, cap
     assert " KB" not in out and " MB" not in out
 
 
+def test_prepack_and_inspect_print_markup_in_paths_and_names_as_text(tmp_path, capsys):
+    # '[/x]' in a path raised rich's MarkupError after the image was written; '[red]' vanished
+    from flashboot.benchmarks.checkpoints import make_checkpoint
+    from _io_helpers import TINY
+
+    make_checkpoint(str(tmp_path / "ckpt"), TINY, device="cpu")
+    out = tmp_path / "img[/x]"
+    assert main(["prepack", str(tmp_path / "ckpt"), "--out", str(out), "--model-id", "org/model[/bold]",
+                 "--revision", "[red]rev", "--chunk-bytes", "4KiB", "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "img[/x]" in text
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "img[/x]" in text and "org/model[/bold]@[red]rev" in text
+
+
+def test_a_benchmark_table_prints_markup_in_its_title_and_cells_as_text(capsys):
+    from flashboot.benchmarks.timing import print_table
+
+    print_table("load of /data/img[/x]", ["what", "ms"], [["[red]ckpt", 1.5]])
+    text = capsys.readouterr().out
+    assert "/data/img[/x]" in text and "[red]ckpt" in text
+
+
 @pytest.mark.parametrize("argv", [["verify", "{d}"], ["inspect", "{d}"], ["load", "{d}", "--device", "cpu"],
                                   ["preload", "{d}"], ["preload", "{d}", "--status"]])
 def test_every_command_names_a_missing_image_directory_in_the_same_words(argv, tmp_path, capsys):

@@ -47,6 +47,7 @@ _UNBOUNDED_COLUMNS = 10_000
 
 
 def _prepack_main(args) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from flashboot.flashload.prepack import prepack
@@ -60,9 +61,10 @@ def _prepack_main(args) -> int:
         return 0
     console = table_console()
     for w in report.warnings:
-        console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
-    table = Table(title=f"pre-packed {report.family} ({report.target}) tp={report.tp_size} ep={report.ep_size} "
-                        f"-> {report.out_dir}")
+        console.print(f"[yellow]warning:[/yellow] {escape(str(w))}", highlight=False)
+    # paths and names come from the user or the checkpoint: '[/x]' in them is text, not markup
+    table = Table(title=f"pre-packed {escape(str(report.family))} ({escape(str(report.target))}) tp={report.tp_size} "
+                        f"ep={report.ep_size} -> {escape(str(report.out_dir))}")
     for col in ("rank", "image", "experts", "non-experts", "tensors"):
         table.add_column(col, justify="right", overflow="fold")
     for r in report.ranks:
@@ -107,6 +109,7 @@ def summarize(path) -> dict:
 
 
 def _inspect_main(args) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from flashboot.units import format_bytes
@@ -117,14 +120,15 @@ def _inspect_main(args) -> int:
         return 0
     console = table_console()
     key = s["key"]
-    console.print(f"[bold]{s['path']}[/bold]: format v{s['format_version']} (flashboot {s['flashboot_version']}), "
-                  f"family {s['family']['name']}{' (generic fallback)' if s['family']['fallback'] else ''}, "
-                  f"target {s['target']}, tp={s['tp_size']} ep={s['ep_size']} ({s['world_size']} ranks)",
+    e = lambda v: escape(str(v))  # noqa: E731 - an image's strings are text, not markup ('[red]' in a model id)
+    console.print(f"[bold]{e(s['path'])}[/bold]: format v{e(s['format_version'])} (flashboot {e(s['flashboot_version'])}), "
+                  f"family {e(s['family']['name'])}{' (generic fallback)' if s['family']['fallback'] else ''}, "
+                  f"target {e(s['target'])}, tp={s['tp_size']} ep={s['ep_size']} ({s['world_size']} ranks)",
                   highlight=False)
-    console.print(f"key: {key['model_id']}@{key['revision'] or '?'} {key['config_hash']} dtypes "
-                  f"{'+'.join(key['dtypes'])} [dim]{key['digest']}[/dim]", highlight=False)
+    console.print(f"key: {e(key['model_id'])}@{e(key['revision'] or '?')} {e(key['config_hash'])} dtypes "
+                  f"{e('+'.join(key['dtypes']))} [dim]{e(key['digest'])}[/dim]", highlight=False)
     for w in s["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+        console.print(f"[yellow]warning:[/yellow] {e(w)}", highlight=False)
     table = Table()
     for col in ("rank", "tp", "ep", "experts", "image", "expert region", "non-expert region", "tensors", "dtypes",
                 "chunks"):
@@ -137,7 +141,7 @@ def _inspect_main(args) -> int:
                       format_bytes(r["image_nbytes"]), format_bytes(r["regions"]["experts"]["nbytes"]),
                       format_bytes(r["regions"]["non_experts"]["nbytes"]),
                       f"{r['tensor_counts']['experts']}+{r['tensor_counts']['non_experts']}",
-                      ", ".join(f"{k}:{v}" for k, v in sorted(r["dtypes"].items())),
+                      e(", ".join(f"{k}:{v}" for k, v in sorted(r["dtypes"].items()))),
                       f"{r['chunks']} x {format_bytes(r['chunk_bytes'])}")
     console.print(table)
     return 0
