@@ -488,3 +488,22 @@ def test_a_load_waiting_for_a_rank_still_staging_is_answered_when_the_daemon_sto
     finally:
         release.set()
         d.close()
+
+
+def test_the_daemon_answers_status_while_it_warms_up(image, tmp_path, monkeypatch):
+    warming = threading.Event()
+    monkeypatch.setattr(PreloadServer, "_warm_up", lambda self: warming.wait(60))  # a cold CUDA start on 8 GPUs
+    d = Daemon(image, tmp_path / "shm", staged=False)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                reply = client.serve_status(image, d.shm, timeout_s=5)
+                break
+            except FlashBootError:
+                assert time.monotonic() < deadline, "no status answer while warming up: --background kills it"
+                time.sleep(0.05)
+        assert reply["warming"] is True and reply["ranks"]["0"]["state"] == "staging", reply
+    finally:
+        warming.set()
+        d.close()

@@ -98,6 +98,9 @@ def _status(args) -> int:
     if st.running and st.serve:
         try:
             daemon = client.serve_status(args.image_dir, args.shm_dir)
+            if daemon.get("warming"):
+                print(f"  the serving daemon (pid {st.pid}) is warming up (imports, CUDA contexts, kernels); ranks "
+                      "are staged after it")
         except FlashBootError as exc:  # busy or hung: the staged files still say what a load would find
             print(f"  the serving daemon (pid {st.pid}) did not answer: {exc}; the states below are from the "
                   "staged files")

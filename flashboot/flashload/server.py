@@ -201,6 +201,8 @@ class PreloadServer:
         self.max_connections = MAX_CONNECTIONS
         self.refused = 0
         """Connections refused for their credentials (each one logged)."""
+        self.warming = False
+        """:meth:`_warm_up` runs (the socket answers already)."""
 
     # ---- residency ---------------------------------------------------------------------------
     def _make_resident(self, rank: int) -> None:
@@ -280,12 +282,19 @@ class PreloadServer:
                     chunk_checksums(probe, 1 << 14, stream=stream)  # returns once the digests are read back
 
     def run(self, progress: Callable[[int, int, int], None] | None = None) -> None:
-        """Listen, stage every rank and make it resident, then serve until :attr:`stop` is set."""
-        self._warm_up()
+        """Listen, warm up, stage every rank and make it resident, then serve until :attr:`stop` is
+        set. It listens first: ``--background`` waits for an answer, and a cold CUDA warm-up on 8
+        GPUs can take most of its timeout (status says ``warming`` meanwhile; a load waits for
+        its rank as it does while staging)."""
         self._listen()
         accept = threading.Thread(target=self._accept_loop, name="flashboot-serve-accept", daemon=True)
         accept.start()
         try:
+            self.warming = True
+            try:
+                self._warm_up()
+            finally:
+                self.warming = False
             for rank in self.ranks:
                 res = self.residents[rank]
                 try:
@@ -483,7 +492,7 @@ class PreloadServer:
                 os.close(fd)
 
     def status(self) -> dict:
-        return {"ok": True, "pid": os.getpid(), "image_dir": self.config.image_dir,
+        return {"ok": True, "pid": os.getpid(), "image_dir": self.config.image_dir, "warming": self.warming,
                 "ranks": {str(r): {"state": res.state, "nbytes": res.nbytes, "pin_ms": res.pin_ms,
                                    "metadata_sha256": res.metadata_sha256,
                                    "error": str(res.error) if res.error else None,
