@@ -603,3 +603,31 @@ def test_the_default_chain_chunk_does_not_depend_on_the_first_clones_position(st
             assert r.report.chunk_bytes == SINGLE_HOP_CHUNK_BYTES
     finally:
         s.close()
+
+
+def test_a_seed_whose_store_stops_answering_still_stops_on_sigterm(raw):
+    """The seed's store check made unbounded store calls on its serve loop: with the store
+    SIGSTOPped, a SIGTERMed seed (--timeout 3) was still running a minute later."""
+    from flashboot.flashclone.rendezvous import Rendezvous
+
+    path, _ = raw
+    address = f"127.0.0.1:{free_port()}"
+    server = spawn_cli("store", address)
+    seed = None
+    try:
+        rdv = Rendezvous.connect(address, timeout_s=20)
+        seed = spawn_cli("seed", path, "--device", "cpu", "--store", address, "--timeout", 3, "--no-host-store")
+        wait_until(lambda: rdv.try_read("seed"), 30, "the seed to publish", seed)
+        os.kill(server.pid, signal.SIGSTOP)
+        time.sleep(CHECK_S)  # let a store check start against the silent store (it may or may not have)
+        seed.send_signal(signal.SIGTERM)
+        code, out, err = finish(seed, 45)  # unbounded, it never returned
+        assert code is not None and "Traceback" not in err, err
+    finally:
+        if seed is not None:
+            stop(seed)
+        stop(server)
+
+
+CHECK_S = 1.5
+"""A little over the seed's store-check period (seed.CHECK_PUBLISHED_S = 1 s)."""

@@ -36,6 +36,9 @@ class Seed(Service):
                  owned: list | None = None, serve_nccl: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
                  records: list | None = None):
         self.rendezvous, self.arena, self.manifest, self.generation = rdv, arena, manifest, generation
+        # every store call bounded: the serve loop checks the store, and close() withdraws, on a
+        # connection whose store may stop answering (SIGSTOPped, link down) without closing it
+        rdv.bounded = True
         self.metadata = metadata
         self.timeout_s = timeout_s
         self._owned = owned or []
@@ -51,11 +54,14 @@ class Seed(Service):
         """True once another seed's record replaced ours (we then leave it alone)."""
         self._next_check = 0.0
         self._thread = None
+        self._thread_stop = threading.Event()
         if serve_nccl:
             self._start_nccl()
 
     def _start_nccl(self) -> None:
-        self._thread = threading.Thread(target=self._nccl_service, name="flashboot-seed-nccl", daemon=True)
+        self._thread_stop = threading.Event()
+        self._thread = threading.Thread(target=self._nccl_service, args=(self.rendezvous, self._thread_stop),
+                                        name="flashboot-seed-nccl", daemon=True)
         self._thread.start()
 
     def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
@@ -87,7 +93,7 @@ class Seed(Service):
         if rdv.lost is None:
             try:
                 rec = rdv.try_read(SEED_KEY)
-            except StoreLostError:
+            except (StoreLostError, WaitTimeoutError):  # gone, or silent for timeout_s: rdv.lost says so
                 rec = None
             except RendezvousError:  # garbage in our place: publish over it
                 rec = None
@@ -111,25 +117,35 @@ class Seed(Service):
         except (RendezvousError, WaitTimeoutError) as exc:
             raise StoreLostError(f"the seed lost its store at {old.address} ({old.lost}) and cannot reach one "
                                  f"there again: {exc}") from None
+        new.bounded = True
         self.rendezvous = new
-        old.close()
-        if self._thread is not None and not self._thread.is_alive():  # it ended with the old connection
-            self.nccl_served = 0  # a new store counts requests from 0
+        if self._thread is not None:
+            # the old service, possibly mid-broadcast, ends with the old connection (its next call
+            # fails at once); a new one serves on the new connection, whose store counts from 0
+            self._thread_stop.set()
+            old.close()
+            self._thread.join(self.timeout_s + 5)
+            if self._thread.is_alive():
+                raise StoreLostError(f"the seed's NCCL service on the lost store at {old.address} did not stop "
+                                     f"within {self.timeout_s + 5:g} s; cannot serve the fallback again")
+            self.nccl_served = 0
             self._start_nccl()
+        else:
+            old.close()
 
     @property
     def address(self) -> str:
         return self.rendezvous.address
 
-    def _nccl_service(self) -> None:
-        """Answer broadcast requests (the fallback transport), one at a time."""
-        rdv = self.rendezvous  # replaced on a reconnect: this thread ends with the old one, another starts
+    def _nccl_service(self, rdv: Rendezvous, stop: threading.Event) -> None:
+        """Answer broadcast requests (the fallback transport), one at a time, on ``rdv`` until
+        ``stop`` or the seed's stop (a reconnect stops it and starts another on the new one)."""
         dev = self.arena.device
         count_key = _gkey(self.generation, "nccl", "count")
-        while not self._stop.wait(0.05):
+        while not self._stop.wait(0.05) and not stop.is_set():
             try:
                 n = rdv.add(count_key, 0)
-                while self.nccl_served < n and not self._stop.is_set():
+                while self.nccl_served < n and not self._stop.is_set() and not stop.is_set():
                     self.nccl_served += 1
                     rid = self.nccl_served
                     try:
