@@ -69,8 +69,9 @@ def run(nbytes: int, device, repeats: int = 5, child_device=None) -> ArenaFigure
 
     from flashboot.arena import Arena
     from flashboot.kernels.checksum import checksum
-    from flashboot.benchmarks.timing import time_cuda, time_host
+    from flashboot.benchmarks.timing import check_count, time_cuda, time_host
 
+    check_count(repeats, "repeats")  # the medians below need one sample at least
     is_cuda = device != "cpu"
     if is_cuda:
         torch.empty(1, device=f"cuda:{device}")

@@ -582,8 +582,15 @@ def print_results(res: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from flashboot.benchmarks.timing import dump_json, print_table
+    from flashboot.benchmarks.timing import check_count, dump_json, print_table
+    from flashboot.units import check_timeout
 
+    # up front, before seeds and processes start: 0 had ended in statistics' empty-median error,
+    # a NaN timeout in ValueError and -5 in 'Bad file descriptor'
+    check_count(args.repeats, "--repeats")
+    for k in args.clones or ():
+        check_count(k, "--clones")
+    check_timeout(args.timeout, "--timeout")
     nbytes = parse_bytes(args.nbytes or ("16MB" if args.device == "cpu" else DEFAULT_NBYTES))
     if args.sweep is not None:
         chunks = [parse_bytes(c) for c in args.sweep] or list(DEFAULT_SWEEP_CHUNKS)

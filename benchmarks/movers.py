@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from flashboot.units import parse_bytes
 
 DEFAULT_SIZES = ("1MB", "16MB", "256MB", "1GB", "4GB")
+PATHS = ("h2d", "d2h", "d2d", "p2p", "host")
 
 
 @dataclass
@@ -74,10 +75,19 @@ def run(paths: list[str], sizes: list[int], movers: list[str] | None = None, rep
     """Measure every available mover on ``paths`` at ``sizes``; returns one row per (mover, path, size)."""
     import torch
 
+    from flashboot.errors import UnknownNameError
     from flashboot.movers import create_mover, list_movers
-    from flashboot.benchmarks.timing import time_cuda, time_host
+    from flashboot.benchmarks.timing import check_count, time_cuda, time_host
 
-    infos = [m for m in list_movers() if m.available and (movers is None or m.name in movers)]
+    check_count(repeats, "repeats")
+    for path in paths:  # a typo had measured nothing and exited 0
+        if path not in PATHS:
+            raise UnknownNameError("path", path, PATHS)
+    every = list_movers()
+    for name in movers or ():
+        if name not in {m.name for m in every}:
+            raise UnknownNameError("mover", name, [m.name for m in every])
+    infos = [m for m in every if m.available and (movers is None or m.name in movers)]
     rows: list[MoverRow] = []
     for path in paths:
         chosen = [m for m in infos if path in m.paths]
@@ -146,6 +156,14 @@ def main(args: argparse.Namespace) -> int:
     default = DEFAULT_SIZES if paths != ["host"] else ("1MB", "16MB", "256MB")
     sizes = [parse_bytes(s) for s in (args.sizes or default)]
     rows = run(paths, sizes, args.movers, args.repeats)
+    if not rows:  # all([]) is True: an empty table had exited 0
+        from flashboot.errors import CapabilityError
+        from flashboot.movers import list_movers
+
+        have = "; ".join(f"{m.name}: {' '.join(m.paths)}" for m in list_movers() if m.available) or "none"
+        asked = f" of {', '.join(args.movers)}" if args.movers else ""
+        raise CapabilityError(f"nothing measured: no available mover{asked} copies on path(s) {', '.join(paths)} "
+                              f"on this machine (available: {have})")
     print_table("movers vs bare copy_ (median of repeats)",
                 ["mover", "path", "MB", "ms", "GB/s", "copy_ GB/s", "ratio", "verified"],
                 [[r.mover, r.path, r.nbytes / 1e6, r.median_ms, r.gbps, r.baseline_gbps, r.ratio,

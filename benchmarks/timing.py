@@ -36,6 +36,16 @@ class Timing:
         return nbytes / (self.median_ms * 1e-3) / 1e9
 
 
+def check_count(value, what: str) -> int:
+    """``value`` as an int >= 1, or FlashBootError naming ``what``: zero repeats had ended in
+    statistics' 'no median for empty data' after the whole setup ran."""
+    from flashboot.errors import FlashBootError
+
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FlashBootError(f"{what} must be an int >= 1, got {value!r}")
+    return value
+
+
 def time_cuda(fn: Callable[[Any], None], *, device: int = 0, warmup: int = 2, repeats: int = 7,
               stream=None, inner: int = 1, gate_ms: float = 5.0) -> Timing:
     """Time ``fn(stream)`` on the device with CUDA events recorded on ``stream`` (default: a new one).
@@ -48,6 +58,7 @@ def time_cuda(fn: Callable[[Any], None], *, device: int = 0, warmup: int = 2, re
     """
     import torch
 
+    check_count(repeats, "repeats")
     with torch.cuda.device(device):
         stream = stream or torch.cuda.Stream(device=device)
         cycles = int(gate_ms * _SLEEP_CYCLES_PER_MS) if gate_ms > 0 else 0
@@ -71,6 +82,7 @@ def time_cuda(fn: Callable[[Any], None], *, device: int = 0, warmup: int = 2, re
 
 def time_host(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5) -> Timing:
     """Time a synchronous ``fn()`` with the host's monotonic clock."""
+    check_count(repeats, "repeats")
     for _ in range(warmup):
         fn()
     out = Timing()

@@ -113,3 +113,37 @@ def test_a_chunk_larger_than_the_buffer_is_one_digest_of_it(data, chunk_bytes):
 
     assert chunk_checksums_host(data, chunk_bytes) == [checksum_reference(data)]
     assert chunk_checksums_host(b"", chunk_bytes) == []
+
+
+# --- benchmark arguments ------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,message", [
+    (["movers", "--repeats", "0", "--paths", "host", "--sizes", "4KiB"], "repeats must be an int >= 1, got 0"),
+    (["movers", "--paths", "bogus"], "unknown path 'bogus'; known: d2d, d2h, h2d, host, p2p"),
+    (["movers", "--paths", "host", "--movers", "bogus"], "unknown mover 'bogus'; known: "),
+    (["arena", "--repeats", "0", "--device", "cpu", "--size", "1MiB"], "repeats must be an int >= 1, got 0"),
+    (["clone", "--device", "cpu", "--clones", "0"], "--clones must be an int >= 1, got 0"),
+    (["clone", "--device", "cpu", "--repeats", "0"], "--repeats must be an int >= 1, got 0"),
+    (["clone", "--device", "cpu", "--timeout", "nan"], "--timeout must be a finite number of seconds"),
+    (["clone", "--device", "cpu", "--timeout", "-5"], "--timeout must be a finite number of seconds"),
+])
+def test_bench_refuses_arguments_that_measure_nothing(argv, message, capsys):
+    # these had ended in statistics' empty-median traceback, 'Bad file descriptor', or an empty
+    # table with exit 0
+    from flashboot.cli import main
+
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_movers_that_measured_nothing_exits_non_zero(monkeypatch, capsys):
+    # a path no available mover copies (h2d without a GPU) gave an empty table and exit 0
+    import flashboot.movers as registry  # what the benchmark imports list_movers from
+    from flashboot.benchmarks import movers
+    from flashboot.cli import main
+
+    real = registry.list_movers
+    monkeypatch.setattr(registry, "list_movers",
+                        lambda: [m for m in real() if "h2d" not in m.paths or not m.available])
+    monkeypatch.setattr(movers, "_endpoints", lambda path, n: pytest.fail("nothing to measure, yet it set up"))
+    assert main(["bench", "movers", "--paths", "h2d", "--sizes", "4KiB"]) == 2
+    assert "nothing measured: no available mover copies on path(s) h2d" in capsys.readouterr().err
