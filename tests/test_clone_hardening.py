@@ -631,3 +631,21 @@ def test_a_seed_whose_store_stops_answering_still_stops_on_sigterm(raw):
 
 CHECK_S = 1.5
 """A little over the seed's store-check period (seed.CHECK_PUBLISHED_S = 1 s)."""
+
+
+def test_a_clone_whose_seed_withdrew_its_metadata_fails_instead_of_returning_no_tensors(store, tmp_path):
+    """Seed.close deletes the metadata record: a clone that had read the seed's record before
+    read the metadata after copying, found none and finished with tensors == {} and no error."""
+    from _clone_helpers import make_prepacked_image
+
+    address, rdv = store
+    img = make_prepacked_image(tmp_path)
+    s = flashboot.seed(address, str(img), "cpu", serve_nccl=False, timeout_s=10)
+    try:
+        with flashboot.clone(address, "cpu", "star", timeout_s=10) as r:
+            assert len(r.tensors) == 7
+        rdv.delete("metadata")  # as a closing seed does, after the clone read the seed's record
+        with pytest.raises(flashboot.errors.RendezvousError, match="no image metadata"):
+            flashboot.clone(address, "cpu", "star", timeout_s=10)
+    finally:
+        s.close()

@@ -139,6 +139,15 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     manifest.require(expect, f"the seed at {rdv.address}")
     gen = str(seed_rec.body["generation"])
     seed_desc = _descriptor_from(seed_rec.sealed["arena"])
+    # with the seed's record, not after the copy: a seed that closes in between withdraws it, and
+    # the clone finished with no tensors and no word
+    meta_rec = rdv.try_read(METADATA_KEY)
+    if meta_rec is None or meta_rec.body.get("generation") != gen:
+        found = "none" if meta_rec is None else f"generation {meta_rec.body.get('generation')!r}'s"
+        raise RendezvousError(f"the seed at {rdv.address} (generation {gen}, pid {seed_rec.body.get('pid')}) has no "
+                              f"image metadata in the store ({found} is there): it closed or was replaced as we "
+                              "read it; clone again")
+    metadata = _parse_metadata(meta_rec.body.get("metadata"), f"metadata published at {rdv.address}")
     t1 = time.perf_counter()
     report.nbytes = manifest.nbytes
     report.connect_ms, report.manifest_ms = (t0 - t_start) * 1e3, (t1 - t0) * 1e3
@@ -180,12 +189,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     report.chunk_bytes = plan.chunk_bytes
 
     def read_metadata():
-        if not rdv.has(METADATA_KEY):
-            return None
-        meta_rec = rdv.read(METADATA_KEY, what="the seed's image metadata", timeout_s=timeout_s)
-        if meta_rec.body.get("generation") != gen:
-            return None
-        return _parse_metadata(meta_rec.body.get("metadata"), f"metadata published at {rdv.address}")
+        return metadata
 
     if not cls.maps:
         if warm is not None:
@@ -220,7 +224,6 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     report.exchange_detail = {"seed_record_ms": report.manifest_ms, "join_ms": (t2 - t1) * 1e3,
                               **{k: round(v, 4) for k, v in sources.detail.items()},
                               "open_sources_ms": (t3 - tx) * 1e3}
-    metadata = read_metadata()
     ta = time.perf_counter()
     _map_ahead(session, [s for s in my_steps if s.src not in dead], sources, report)
     session.take_arena(into, manifest.arena_nbytes, dev)
