@@ -233,9 +233,7 @@ def test_stopping_the_daemon_breaks_off_a_hand_over_in_flight(multi_segment_imag
 def test_verify_checks_a_rank_already_staged_and_stages_a_corrupted_copy_again(image, tmp_path):
     shm = tmp_path / "shm"
     staging.stage_rank(image, 0, shm_dir=shm)
-    staged = shm_files.staged_paths(image, 0, shm).image
-    intact = staging.stage_rank(image, 0, shm_dir=shm, verify=True)
-    assert intact.skipped and intact.verified and not intact.restaged_because
+    staged = shm_files.staged_paths(image, 0, shm).image  # staged unverified (an intact one: the test below)
     with open(staged, "r+b") as f:  # one byte of chunk 3 (4 KiB chunks) flipped in shared memory
         f.seek(3 * 4096 + 17)
         b = f.read(1)
@@ -245,6 +243,50 @@ def test_verify_checks_a_rank_already_staged_and_stages_a_corrupted_copy_again(i
     assert not again.skipped and again.verified
     assert "failed verification" in again.restaged_because and "chunk 3" in again.restaged_because, again
     assert staged.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()
+
+
+def test_verify_skips_a_copy_whose_ready_records_a_verification_of_the_same_metadata(image, tmp_path, monkeypatch):
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)
+    checked = []
+    real = staging._verify_staged
+    monkeypatch.setattr(staging, "_verify_staged", lambda *a, **k: (checked.append(a[3]), real(*a, **k)))
+    first = staging.stage_rank(image, 0, shm_dir=shm, verify=True)  # staged unverified: checked now
+    assert first.skipped and first.verified and not first.restaged_because and len(checked) == 1
+    assert shm_files.read_ready(shm_files.staged_paths(image, 0, shm).ready).verified, "the check was not recorded"
+    again = staging.stage_rank(image, 0, shm_dir=shm, verify=True)  # a daemon's next start with --verify
+    assert again.skipped and again.verified
+    assert len(checked) == 1, "a copy verified already was checksummed again (~70 s for 140 GB)"
+
+
+def test_verifying_a_staged_copy_stops_when_told(image, tmp_path):
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)
+    stop = threading.Event()
+    stop.set()  # SIGTERM during a daemon's start with --verify
+    with pytest.raises(FlashBootError, match=r"verifying .* was interrupted after 0 of"):
+        staging.stage_rank(image, 0, shm_dir=shm, verify=True, stop=stop)
+    assert not shm_files.read_ready(shm_files.staged_paths(image, 0, shm).ready).verified
+
+
+def test_a_daemon_stopped_while_staging_does_not_make_the_rank_resident(image, tmp_path, monkeypatch):
+    from flashboot.flashload import server as server_module
+
+    server = PreloadServer(staging.PreloadConfig(str(image), shm_dir=str(tmp_path / "shm"), serve=True),
+                           log=lambda line: None)
+    real = server_module.stage_rank
+
+    def stage_rank(*args, **kwargs):  # SIGTERM arrives as the last bytes land
+        result = real(*args, **kwargs)
+        server.stop.set()
+        return result
+
+    monkeypatch.setattr(server_module, "stage_rank", stage_rank)
+    made = []
+    monkeypatch.setattr(server, "_make_resident", lambda rank: made.append(rank))
+    server.run()
+    assert made == [] and server.residents[0].state == "failed", server.residents[0]
+    assert "stopping" in str(server.residents[0].error)
 
 
 def test_serve_in_the_background_with_a_socket_path_too_long_is_refused_before_starting(image, tmp_path):

@@ -304,6 +304,9 @@ class PreloadServer:
                                    device=self.config.device_for(rank), numa_policy=self.config.numa_policy,
                                    verify=self.config.verify, force=self.config.force, progress=cb, stop=self.stop)
                     self.log(_describe_stage(r))
+                    if self.stop.is_set():  # pinning a large rank takes seconds and nobody is to be served
+                        raise FlashBootError(f"the preloader (pid {os.getpid()}) is stopping; rank {rank} was staged "
+                                             "but not made resident")
                     self._make_resident(rank)
                     self.log(f"rank {rank}: resident ({res.state}{f', pinned in {res.pin_ms:.0f} ms' if res.pinned else ''}"
                              f"{f', first copy warmed in {res.warm_ms:.0f} ms' if res.warm_ms else ''})")
