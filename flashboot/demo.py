@@ -185,8 +185,6 @@ def _pipeline(device: Device, workdir: Path) -> bool:
     from .layouts.tiny import save_tiny_model, tiny_config
 
     hf = workdir / "hf"
-    # Stage where the preloader would: tmpfs, which can be pinned (a disk file may not be).
-    shm = Path(tempfile.mkdtemp(prefix="flashboot-demo-", dir="/dev/shm")) if os.path.isdir("/dev/shm") else workdir / "shm"
     t0 = time.perf_counter()
     save_tiny_model("qwen3_moe", hf, dtype=torch.bfloat16)
     console.print(f"checkpoint: tiny Qwen3-MoE (8 experts, 2 layers) saved with save_pretrained in {escape(str(hf))} "
@@ -200,7 +198,10 @@ def _pipeline(device: Device, workdir: Path) -> bool:
     print_table("pre-pack: one image per rank, laid out like the arena",
                 ["layout", "family", "ranks", "image", "tensors (rank 0)", "ms"], rows)
 
-    try:
+    shm = None
+    try:  # the staging directory is made inside: whatever fails after, it is removed
+        # Stage where the preloader would: tmpfs, which can be pinned (a disk file may not be).
+        shm = Path(tempfile.mkdtemp(prefix="flashboot-demo-", dir="/dev/shm")) if os.path.isdir("/dev/shm") else workdir / "shm"
         staged = stage_rank(workdir / "tp1", 0, shm_dir=shm, device=str(device))
         console.print(f"preload: rank 0 staged into {escape(str(shm))} ({staged.io_mode})")
         with torch.device("meta"):
@@ -221,7 +222,8 @@ def _pipeline(device: Device, workdir: Path) -> bool:
             console.print(f"logits bitwise equal to from_pretrained: {same}; same generated tokens: {same_gen}")
             del model, ref
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        if shm is not None:
+            shutil.rmtree(shm, ignore_errors=True)
     return same and same_gen
 
 
@@ -233,10 +235,18 @@ def _gpu_count() -> int:
 
 def run_demo(device=None, size: str = "64MB", workdir: str | None = None) -> bool:
     """Run every demo stage; returns True when every check passed."""
+    from .errors import FlashBootError
+
     dev = Device.parse(device)
+    nbytes = parse_bytes(size)
+    # before any work: a missing directory had been found only after the whole mover round
+    if workdir is not None and not os.path.isdir(workdir):
+        raise FlashBootError(f"demo --workdir {workdir}: no such directory")
+    if workdir is not None and not os.access(workdir, os.W_OK | os.X_OK):
+        raise FlashBootError(f"demo --workdir {workdir}: not writable by this user")
     if not dev.is_cuda:
         console.print("[bold]no CUDA device: running on the host backend (memfd arenas, host mover)[/bold]")
-    ok = _mover_round(dev, parse_bytes(size))
+    ok = _mover_round(dev, nbytes)
     with tempfile.TemporaryDirectory(prefix="flashboot-demo-", dir=workdir) as tmp:
         ok &= _pipeline(dev, Path(tmp))
         console.print("[bold]the headline: first load in a fresh process, against the PCIe ceiling[/bold]")
