@@ -649,3 +649,19 @@ def test_a_clone_whose_seed_withdrew_its_metadata_fails_instead_of_returning_no_
             flashboot.clone(address, "cpu", "star", timeout_s=10)
     finally:
         s.close()
+
+
+def test_a_holder_keeps_only_its_newest_errors_and_counts_the_rest(tmp_path):
+    """Every planted request added a line to Holder.errors for as long as the holder ran."""
+    from flashboot.flashclone.holder import MAX_ERRORS, Holder
+
+    registry = tmp_path / "reg"
+    holder = Holder(registry=registry)
+    try:
+        for i in range(MAX_ERRORS + 50):
+            (registry / "requests" / f"bad{i:04d}.json").write_text("[1]")
+        holder.poll_once()
+        assert len(holder.errors) == MAX_ERRORS and holder.errors.dropped == 50
+        assert holder.errors[-1].startswith(f"bad{MAX_ERRORS + 49:04d}:"), holder.errors[-1]
+    finally:
+        holder.close()

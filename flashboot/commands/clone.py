@@ -224,6 +224,9 @@ def run_hold(args: argparse.Namespace) -> int:
                                                           namespace=args.name, timeout_s=args.timeout)
     _print(f"holder ready ({holder.kv.where()}); serving until SIGTERM")
     holder.serve_forever()
+    if holder.errors.dropped:
+        print(f"flashboot hold: {holder.errors.dropped} earlier problem(s) not kept; the last "
+              f"{len(holder.errors)} follow", file=sys.stderr)
     for err in holder.errors:
         print(f"flashboot hold: {err}", file=sys.stderr)
     _print("holder stopped")

@@ -36,6 +36,37 @@ MAX_PENDING_REQUESTS = 64
 """The most store request numbers a holder follows at once (the newest: older ones are skipped)."""
 REQUEST_GRACE_S = 5.0
 """How long a counted store request may take to be written before it is skipped."""
+
+MAX_ERRORS = 100
+"""How many problems a holder keeps (planted requests arrive as fast as anyone can write them)."""
+
+
+class ErrorLog(list):
+    """A list of the newest ``cap`` messages; ``dropped`` counts the older ones let go."""
+
+    def __init__(self, cap: int):
+        super().__init__()
+        self.cap, self.dropped = cap, 0
+
+    def append(self, item) -> None:
+        super().append(item)
+        self._trim()
+
+    def extend(self, items) -> None:
+        super().extend(items)
+        self._trim()
+
+    def __iadd__(self, items):
+        self.extend(items)
+        return self
+
+    def _trim(self) -> None:
+        extra = len(self) - self.cap
+        if extra > 0:
+            del self[:extra]
+            self.dropped += extra
+
+
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
@@ -224,7 +255,8 @@ class Holder:
         grow_fd_table()  # each adopted arena arrives as fds: the table's growth is paid here, not by an adoption
         self.poll_s = poll_s
         self.held: dict[str, HeldArena] = {}
-        self.errors: list[str] = []
+        self.errors = ErrorLog(MAX_ERRORS)
+        """The newest :data:`MAX_ERRORS` problems (``errors.dropped``: how many older ones went)."""
         self._stop = threading.Event()
 
     def adopt(self, name: str, descriptor, request: str = "", image: dict | None = None) -> HeldArena:
