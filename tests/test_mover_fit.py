@@ -32,6 +32,29 @@ def test_fit_needs_two_chunk_counts():
         fit_chunked(rows_of(1e-6, 100, chunks=(MiB,)))
 
 
+@pytest.mark.parametrize("rows,rate", [
+    # more bytes in less time: the fitted rate was -3,221 GB/s, and predicted times negative
+    ([{"n_chunks": 2, "total_bytes": GiB, "gpu_ms": 2.0}, {"n_chunks": 1, "total_bytes": 2 * GiB, "gpu_ms": 0.5}],
+     "-3,221 GB/s"),
+    # no time at all: the rate was inf
+    ([{"n_chunks": 2, "total_bytes": GiB, "gpu_ms": 0.0}, {"n_chunks": 4, "total_bytes": GiB, "gpu_ms": 0.0}],
+     "inf GB/s"),
+])
+def test_fit_refuses_a_rate_that_is_not_positive_and_finite(rows, rate):
+    rows = [{"mover": "m", "mode": "per_call", **r} for r in rows]
+    with pytest.raises(FlashBootError, match=rf"fitting m \(per_call\) gives a rate of {rate}.*rows \(n_chunks, bytes, "
+                                             rf"gpu_ms\) \[\(2, {GiB}, "):
+        fit_chunked(rows)
+
+
+def test_a_fit_refuses_chunks_of_zero_bytes_and_a_rate_that_is_not_positive():
+    fit = MoverFit("m", "per_call", 1e-6, 100.0, 2)
+    with pytest.raises(FlashBootError, match="positive sizes, got total 1073741824 bytes in chunks of 0"):
+        fit.effective_gbps(GiB, 0)  # was ZeroDivisionError
+    with pytest.raises(FlashBootError, match="finite rate > 0"):
+        MoverFit("m", "per_call", 1e-6, -5.0, 2)
+
+
 def test_chain_prediction_counts_the_pipeline_fill_and_the_shared_memory():
     f = MoverFit("m", "flag", per_call_s=0.0, gbps=1000.0, points=2)
     chunk_s = 64 * MiB / 1e12

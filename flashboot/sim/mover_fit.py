@@ -9,6 +9,7 @@ share one GPU's memory bandwidth when they run on it (the measured aggregate of 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -27,11 +28,20 @@ class MoverFit:
     gbps: float
     points: int
 
+    def __post_init__(self) -> None:
+        # a negative or infinite rate predicts negative or zero times downstream, silently
+        if not (math.isfinite(self.gbps) and self.gbps > 0 and math.isfinite(self.per_call_s) and self.per_call_s >= 0):
+            raise FlashBootError(f"{self.mover} ({self.mode}): a fit needs a finite rate > 0 and a finite cost per "
+                                 f"call >= 0, got {self.gbps!r} GB/s and {self.per_call_s!r} s")
+
     def seconds(self, total_bytes: float, n_chunks: int) -> float:
         return n_chunks * self.per_call_s + total_bytes / (self.gbps * 1e9)
 
     def effective_gbps(self, total_bytes: float, chunk_bytes: float) -> float:
         """GB/s of ``total_bytes`` moved in chunks of ``chunk_bytes``."""
+        if not chunk_bytes >= 1 or not total_bytes >= 1:  # also NaN; chunk 0 had divided by zero
+            raise FlashBootError(f"chunked rate needs positive sizes, got total {total_bytes!r} bytes in chunks of "
+                                 f"{chunk_bytes!r}")
         n = -(-int(total_bytes) // int(chunk_bytes))
         return total_bytes / self.seconds(total_bytes, n) / 1e9
 
@@ -61,7 +71,13 @@ def fit_chunked(rows: Iterable[Any]) -> dict[tuple[str, str], MoverFit]:
         (per_call, inv_rate), *_ = np.linalg.lstsq(a, t, rcond=None)
         if per_call < 0:  # noise: the rate alone explains the rows
             per_call, inv_rate = 0.0, float(np.sum(a[:, 1] * t) / np.sum(a[:, 1] ** 2))
-        fits[key] = MoverFit(key[0], key[1], float(per_call), float(1.0 / inv_rate / 1e9), len(pts))
+        gbps = 1.0 / inv_rate / 1e9 if inv_rate != 0 else float("inf")
+        if not (math.isfinite(gbps) and gbps > 0):
+            # more bytes in less time (or no time at all): the rows contradict the model
+            raise FlashBootError(f"fitting {key[0]} ({key[1]}) gives a rate of {gbps:,.0f} GB/s, not a positive one: "
+                                 f"rows (n_chunks, bytes, gpu_ms) "
+                                 f"{[(int(n), int(b), round(sec * 1e3, 6)) for n, b, sec in pts]}")
+        fits[key] = MoverFit(key[0], key[1], float(per_call), float(gbps), len(pts))
     return fits
 
 
