@@ -549,3 +549,68 @@ def test_the_daemon_answers_status_while_it_warms_up(image, tmp_path, monkeypatc
     finally:
         warming.set()
         d.close()
+
+
+def _stale_pid_file(image, shm):
+    path = shm_files.pid_file(image, shm)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"pid": 2 ** 22 + 1, "start_time": 1, "serve": True}))  # no such process
+    return path
+
+
+def test_a_stale_pid_file_a_reader_probes_at_that_moment_is_still_removed(image, tmp_path, monkeypatch):
+    shm = tmp_path / "shm"
+    path = _stale_pid_file(image, shm)
+    reader = os.open(path, os.O_RDONLY)
+    fcntl.flock(reader, fcntl.LOCK_SH)  # preload --status probing the lock as --stop looks
+    real = fcntl.flock
+
+    def flock(fd, op):
+        try:
+            return real(fd, op)
+        except BlockingIOError:
+            os.close(reader)  # the probe is done a moment later
+            raise
+
+    monkeypatch.setattr(service.fcntl, "flock", flock)
+    said = service.stop_service(image, shm, timeout_s=10)
+    assert said.startswith("no preloader runs") and "removed stale pid file" in said, said
+    assert not path.exists()
+
+
+def test_stop_while_a_preloader_starts_and_gives_up_names_no_pid_none(image, tmp_path, monkeypatch):
+    shm = tmp_path / "shm"
+    path = shm_files.pid_file(image, shm)
+    path.parent.mkdir(parents=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # a preloader starting: locked, its pid not written
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    looks = []
+    real = service.service_status
+    monkeypatch.setattr(service, "service_status", lambda *a, **k: (looks.append(1), real(*a, **k))[1])
+    said: list[str] = []
+    t = threading.Thread(target=lambda: said.append(service.stop_service(image, shm, timeout_s=30)), daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(looks) < 2 and time.monotonic() < deadline:  # it waits for the pid to be written
+            time.sleep(0.005)
+        assert len(looks) >= 2
+    finally:
+        path.unlink()  # it gave up: released, as _release_pid_file does
+        os.close(fd)
+    t.join(30)
+    assert said and "None" not in said[0] and "exited before writing its pid" in said[0], said
+
+
+def test_unstage_leaves_a_starting_preloaders_files_alone(image, tmp_path):
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)
+    path = shm_files.pid_file(image, shm)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # locked, its pid not written yet
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(FlashBootError, match="is starting or exiting"):
+            staging.unstage(image, shm_dir=shm)
+        assert path.exists() and shm_files.staged_paths(image, 0, shm).ready.exists()
+    finally:
+        os.close(fd)

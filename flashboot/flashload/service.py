@@ -108,6 +108,12 @@ def _same_file(fd: int, path: Path) -> bool:
     return (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
 
 
+_STALE_LOCK_WAIT_S = 0.1
+"""How long :func:`_remove_if_stale` retries a held lock: a reader's probe
+(:func:`~flashboot.flashload.shm._pid_file_held`, ``preload --status``) holds it for
+microseconds; an exiting preloader holds it for seconds, and its file is kept."""
+
+
 def _remove_if_stale(path: Path) -> bool:
     """Remove the pid file at ``path`` when no preloader holds it (its lock free, its pid gone);
     returns whether it did. The check and the unlink happen under the lock, so a preloader
@@ -117,10 +123,15 @@ def _remove_if_stale(path: Path) -> bool:
     except FileNotFoundError:
         return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
+        deadline = time.monotonic() + _STALE_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.002)
         if not _same_file(fd, path) or _running_pid(path) is not None:
             return False
         _unlink_quietly(path)
@@ -248,18 +259,17 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
     if status.pid is None:
         return f"no preloader runs for {image_dir} (no pid file {status.path})"
     if status.stale:
-        if _remove_if_stale(status.path):
-            return f"no preloader runs for {image_dir}: removed stale pid file {status.path} (pid {status.pid} is gone)"
-        return (f"no preloader runs for {image_dir}: pid {status.pid} is gone (its pid file {status.path} is kept "
-                "while its lock is held: the process is still exiting)")
+        return _remove_stale(image_dir, status)
     deadline = time.monotonic() + timeout_s
     while status.running and status.pid is not None and status.pid <= 0:  # starting: its pid is written next
         if time.monotonic() >= deadline:
             raise WaitTimeoutError(f"the preloader holding {status.path} did not write its pid within {timeout_s:g} s")
         time.sleep(0.02)
         status = service_status(image_dir, shm_dir)
+    if status.pid is None:  # the starting one gave up and released its file
+        return f"no preloader runs for {image_dir}: the one starting exited before writing its pid"
     if not status.running:
-        return f"preloader pid {status.pid} exited on its own"
+        return _remove_stale(image_dir, status)
     pid = status.pid
     start = _proc_start_time(pid)
     try:
@@ -279,6 +289,15 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
             pass
         time.sleep(0.02)
     raise WaitTimeoutError(f"preloader pid {pid} did not exit within {timeout_s:g} s of SIGTERM")
+
+
+def _remove_stale(image_dir, status) -> str:
+    """Remove a stale pid file (:func:`_remove_if_stale`); says what it found."""
+    who = f"pid {status.pid} is gone" if status.pid > 0 else "the preloader exited before writing its pid"
+    if _remove_if_stale(status.path):
+        return f"no preloader runs for {image_dir}: removed stale pid file {status.path} ({who})"
+    return (f"no preloader runs for {image_dir}: {who} (its pid file {status.path} is kept while its lock is held: "
+            "the process is still exiting)")
 
 
 def run_service(config: PreloadConfig, *, log: Callable[[str], None] = print,

@@ -31,6 +31,7 @@ from ..memory import Device
 from .shm import (
     RankSource,
     ReadyInfo,
+    _pid_file_held,
     _running_pid,
     _unlink_quietly,
     _write_atomic,
@@ -350,9 +351,13 @@ def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[
     """Remove staged ranks (all by default) and return the paths removed. Once no rank is left,
     the preloader's log, a dead preloader's pid file and socket, and the staging directory itself
     go too. Refuses while a preloader for the directory runs."""
-    running = _running_pid(pid_file(image_dir, shm_dir))
+    path = pid_file(image_dir, shm_dir)
+    running = _running_pid(path)
     if running:
         raise FlashBootError(f"a preloader for {image_dir} is running (pid {running}); stop it first (--stop)")
+    if _pid_file_held(path):  # starting (its pid not written yet) or exiting: its files are not ours to remove
+        raise FlashBootError(f"a preloader for {image_dir} is starting or exiting (its pid file {path} is locked); "
+                             "stop it first (--stop) or try again once it has exited")
     d = staging_dir(image_dir, shm_dir)
     removed = []
     if not d.is_dir():
