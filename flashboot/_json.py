@@ -42,4 +42,17 @@ def check_fields(obj: dict, spec: dict[str, tuple[str, Callable[[Any], bool]]], 
     ``spec`` names and whose test fails (absent fields are the caller's to require)."""
     for name, (what, ok) in spec.items():
         if name in obj and not ok(obj[name]):
-            raise error(f"{prefix}{name} must be {what}, found {str(obj[name])[:200]}")
+            raise error(f"{prefix}{name} must be {what}, found {_shown(obj[name])}")
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message: at most 200 characters, and a few levels deep. str() of the whole
+    value first had recursed through every level of a nested list that loads() accepted
+    (RecursionError) and built all of a large one only to cut it."""
+    if type(value) is str:
+        return value[:200]
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlong = 4, 200, 200, 200
+    return r.repr(value)[:200]

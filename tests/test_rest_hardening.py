@@ -147,3 +147,32 @@ def test_bench_movers_that_measured_nothing_exits_non_zero(monkeypatch, capsys):
     monkeypatch.setattr(movers, "_endpoints", lambda path, n: pytest.fail("nothing to measure, yet it set up"))
     assert main(["bench", "movers", "--paths", "h2d", "--sizes", "4KiB"]) == 2
     assert "nothing measured: no available mover copies on path(s) h2d" in capsys.readouterr().err
+
+
+# --- outside JSON -------------------------------------------------------------------------------
+def test_a_field_nested_as_deep_as_loads_accepts_is_named_not_a_recursion_error():
+    from flashboot._json import check_fields, is_str, loads
+    from flashboot.errors import FlashBootError
+
+    def parse(d):
+        return loads('{"name": ' + "[" * d + "]" * d + "}", "request")
+
+    lo, hi = 1, 100_000  # the deepest nesting loads() accepts here, by bisection
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            parse(mid)
+            lo = mid
+        except FlashBootError:
+            hi = mid - 1
+    value = parse(lo)
+
+    def from_a_handler(frames):  # a server checks fields a few calls down its stack
+        if frames:
+            return from_a_handler(frames - 1)
+        check_fields(value, {"name": ("a string", is_str)}, FlashBootError, "load request: ")
+
+    # str() of the whole value first had raised RecursionError
+    with pytest.raises(FlashBootError, match=r"load request: name must be a string, found \[\[\[\[\[?\.\.\.\]") as info:
+        from_a_handler(20)
+    assert len(str(info.value)) < 300
