@@ -217,6 +217,8 @@ def test_a_copy_queued_behind_another_past_the_hand_over_deadline_still_gets_its
 def test_stopping_the_daemon_breaks_off_a_hand_over_in_flight(multi_segment_image, tmp_path):
     d = Daemon(multi_segment_image, tmp_path / "shm")
     try:
+        d.server.request_timeout_s = 20.0  # a stall of the test cannot make a batch late: only stop ends it
+
         def stop_once_handled():  # stopped before its accept, the connection would only be reset
             deadline = time.monotonic() + 10
             while not any(t.is_alive() for t in d.server._threads) and time.monotonic() < deadline:
