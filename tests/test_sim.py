@@ -92,6 +92,7 @@ def test_topology_validation(bad, match):
     ({"p2p_curve": [["1MiB", float("nan")]]}, "curve point 0"),  # was "stalled"
     ({"p2p_curve": [["1MiB", 1e308]]}, "curve point 0"),  # *1e9 overflowed: ZeroDivisionError
     ({"gpus": 1_000_000_000}, "gpus"),  # built per-GPU state until memory ran out
+    ({"local_copy_gbps": 10**400}, "local_copy_gbps.*<= 1e"),  # an int too large for a float
 ])
 def test_topology_refuses_non_finite_and_huge_values(over, field):
     with pytest.raises(TopologyError, match=field):

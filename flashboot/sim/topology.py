@@ -46,7 +46,7 @@ def _positive(where: str, value: Any, *, allow_zero: bool = False, limit: float 
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TopologyError(f"{where}: expected a number, got {value!r}")
     # NaN fails every comparison, so it must be refused by name: a NaN timer never fired (a hang)
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise TopologyError(f"{where}: must be a finite number, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise TopologyError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
