@@ -665,3 +665,34 @@ def test_a_holder_keeps_only_its_newest_errors_and_counts_the_rest(tmp_path):
         assert holder.errors[-1].startswith(f"bad{MAX_ERRORS + 49:04d}:"), holder.errors[-1]
     finally:
         holder.close()
+
+
+def test_a_ring_member_that_cannot_free_the_run_name_says_so(store, raw):
+    """_clear_run's store failures were swallowed: the next load under the name was refused
+    with nothing in the report of the member that should have freed it."""
+    from flashboot.errors import RendezvousError
+
+    address, _ = store
+    path, _ = raw
+    results, errors = _ring(address, path, 1, run="unfreed")
+    assert not errors, errors
+    r = results[0]
+    rdv = r._session.rdv
+
+    def refuse(key):
+        raise RendezvousError(f"deleting {key!r}: the store is gone")
+
+    rdv.delete = refuse
+    r.close()
+    assert any("'unfreed'" in w and "--run NAME" in w for w in r.report.warnings), r.report.warnings
+
+
+def test_flashboot_clone_refuses_run_for_chain_and_star_and_leaves_no_empty_json(tmp_path):
+    """--run was silently ignored outside a ring; a failed clone left an empty --json file where
+    there had been none."""
+    rc, out, err = finish(spawn_cli("clone", "--store", "127.0.0.1:1", "--device", "cpu", "--run", "x"), 30)
+    assert rc == 2 and "--run names a ring load" in err, err
+    report = tmp_path / "report.json"
+    rc, out, err = finish(spawn_cli("clone", "--store", f"127.0.0.1:{free_port()}", "--device", "cpu",
+                                    "--timeout", 1, "--json", report), 30)
+    assert rc != 0 and not report.exists(), err

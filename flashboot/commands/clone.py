@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -63,8 +64,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-retry", action="store_true", help="fail instead of re-attaching when a source fails")
     p.add_argument("--pin-early", action="store_true",
                    help="ring: map and pin the shard before the start barrier (off the critical path)")
-    p.add_argument("--run", default="ring", metavar="NAME",
-                   help="ring: name of this load in the store (default ring); freed when its last member exits")
+    p.add_argument("--run", default=None, metavar="NAME",
+                   help="ring only: name of this load in the store (default ring); freed when its last member "
+                        "exits, never when one is SIGKILLed (then name another)")
     p.add_argument("--serve", action="store_true", help="stay up as a source after cloning, until SIGTERM")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON ('-' for stdout)")
     _common(p)
@@ -146,15 +148,27 @@ def run_clone(args: argparse.Namespace) -> int:
     import_early("torch")
     from flashboot.errors import FlashBootError
 
-    report_file = None
+    if args.run is not None and args.schedule != "ring":
+        raise FlashBootError(f"--run names a ring load; a {args.schedule} has no run name (use --name for a "
+                             "namespace of its own)")
+    report_file, created = None, False
     if args.json and args.json != "-":
         # opened before cloning: a path that cannot be written fails now, not after the clone
+        created = not os.path.lexists(args.json)
         try:
             report_file = open(args.json, "a")  # truncated when the report is written: a failure keeps the old one
         except OSError as exc:
             raise FlashBootError(f"--json {args.json}: cannot write there ({exc.strerror})") from None
-    with report_file if report_file is not None else contextlib.nullcontext():
-        return _clone_and_report(args, report_file)
+    rc = None
+    try:
+        with report_file if report_file is not None else contextlib.nullcontext():
+            rc = _clone_and_report(args, report_file)
+            return rc
+    finally:
+        if created and rc != 0:  # no report: leave no empty file where there was none
+            with contextlib.suppress(OSError):
+                if os.path.getsize(args.json) == 0:
+                    os.unlink(args.json)
 
 
 def _clone_and_report(args: argparse.Namespace, report_file) -> int:
@@ -170,7 +184,8 @@ def _clone_and_report(args: argparse.Namespace, report_file) -> int:
             result = clone(args.store, args.device, args.schedule, verify=args.verify, timeout_s=args.timeout,
                            mover=args.mover, chunk_bytes=chunk, token_file=args.token_file, name=args.name,
                            clones=args.clones, image=args.image, transport=args.transport,
-                           retry=not args.no_retry, pin_early=args.pin_early, prepared=prepared, run=args.run)
+                           retry=not args.no_retry, pin_early=args.pin_early, prepared=prepared,
+                           run=args.run or "ring")
     except KeyboardInterrupt as exc:  # clone() published "failed" and left; one line, no traceback
         print(f"flashboot clone: stopped by {str(exc) or 'SIGINT'} before the clone finished", file=sys.stderr)
         return 128 + (signal.SIGTERM if str(exc) == "SIGTERM" else signal.SIGINT)

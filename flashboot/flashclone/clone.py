@@ -58,8 +58,9 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     it holds (:func:`~flashboot.flashclone.sources.release_held_sources`); a held mapping keeps
     the exporter's memory alive. ``prepared``: the early call's warm-up
     (:func:`~flashboot.flashclone.prepare_clone` for ``device``); without it the clone starts its
-    own as it begins, overlapping only the connection to the store. ``run`` (ring): the name of
-    this gathering in the store (see :func:`ring_load`).
+    own as it begins, overlapping only the connection to the store. ``run`` (ring only; chain and
+    star ignore it, a ``name`` namespace separates those): the name of this gathering in the
+    store (see :func:`ring_load`).
 
     Raises RendezvousError (no store, wrong token, mismatched manifest), WaitTimeoutError naming
     what was awaited, CloneError when a source failed and no other could take over.

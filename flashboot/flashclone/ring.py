@@ -34,7 +34,9 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
     Member positions come by arrival order at the store (the first to arrive hosts it unless one
     listens there already). All members must hold the same image (manifests compared before any
     byte moves). ``run`` names this gathering: the last member to leave (``close()``) frees the name
-    for the next load; while a load runs, or after one whose member failed, use another.
+    for the next load; while a load runs, or after one whose member failed or was killed
+    (SIGKILL: it never leaves, so the name stays taken in that store for good), use another.
+    A failure to free the name is in ``report.warnings``.
     ``pin_early``: map and pin the shard before the start barrier (off the critical path, as
     FlashLoad's pin-early and served modes do) instead of after it; ``load_ms``/``pin_ms`` say
     what it cost either way. Pinning needs the image in anonymous or tmpfs-backed memory (stage
@@ -89,7 +91,8 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
         position = rdv.add(f"{run}/join", 1)
         if position > members:
             raise RendezvousError(f"ring {run!r} already has its {members} members (this is arrival {position}); "
-                                  "a load still running, or one whose member failed, holds the name: use another "
+                                  "a load still running, or one whose member failed or was killed, holds the name: "
+                                  "use another "
                                   "(`flashboot clone --run NAME`, run= in Python)")
         me = position - 1
         report = CloneReport("ring", position, str(dev), manifest.nbytes, mover=mover_obj.name,
@@ -188,7 +191,7 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
             report.warnings.append(f"{exc}; kept the weights ({manifest.nbytes:,} bytes"
                                    f"{', verified' if report.verified else ''})")
         session.dependents = [f"{run}/status/{(me + 1) % members}"] if members > 1 else []
-        session.on_leave = lambda r: _clear_run(r, run, members)
+        session.on_leave = lambda r: _clear_run(r, run, members, report.warnings)
         session.close_opened()
         img.close()
         session.extra.remove(img)
@@ -200,16 +203,23 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
         raise
 
 
-def _clear_run(rdv, run: str, members: int) -> None:
+def _clear_run(rdv, run: str, members: int, warnings: list | None = None) -> None:
     """The last member of ``run`` to leave deletes its keys, so the next load may use the name
-    again (a load with a failed member keeps them: its name stays taken, as the error says)."""
-    if rdv.add(f"{run}/left", 1) != members:
-        return
-    keys = [f"{run}/plan", f"barrier/{run}/start/go", f"barrier/{run}/start/count"]
-    for j in range(members):
-        keys += [f"{run}/member/{j}", f"{run}/status/{j}", f"{run}/status/{j}/left", f"{run}/nixl/held/{j}"]
-    for key in keys + [f"{run}/left", f"{run}/join"]:  # the arrival counter last: a new load starts from 1
-        rdv.delete(key)
+    again (a load with a failed member keeps them: its name stays taken, as the error says).
+    A store that fails here is said in ``warnings``: the next load under the name is refused."""
+    try:
+        if rdv.add(f"{run}/left", 1) != members:
+            return
+        keys = [f"{run}/plan", f"barrier/{run}/start/go", f"barrier/{run}/start/count"]
+        for j in range(members):
+            keys += [f"{run}/member/{j}", f"{run}/status/{j}", f"{run}/status/{j}/left", f"{run}/nixl/held/{j}"]
+        for key in keys + [f"{run}/left", f"{run}/join"]:  # the arrival counter last: a new load starts from 1
+            rdv.delete(key)
+    except FlashBootError as exc:
+        if warnings is None:
+            raise
+        warnings.append(f"could not free the ring run name {run!r} in the store at {rdv.address} ({exc}); a "
+                        f"later load under it is refused: give it another (--run NAME)")
 
 
 def _executor_ring(plan, endpoints: dict, me: int, mover, img, timeout_s: float, hook, report, session,
