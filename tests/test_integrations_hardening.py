@@ -188,8 +188,11 @@ class _Attention(torch.nn.Module):
         self._k_scale = torch.tensor(2.5)  # a private tensor attribute, as vLLM's attention keeps it
         self.impl = _Backend(sinks)
 
+    def after_load(self):  # the engine makes its private tensors again once the weights are in
+        self._k_scale = torch.tensor(2.5)
 
-def test_meta_check_sees_private_deep_and_object_held_tensors_and_the_dump_provides_private_ones(tmp_path):
+
+def test_meta_check_sees_private_deep_and_object_held_tensors(tmp_path):
     from _engine_helpers import PlainEngineLikeModel
     from _engine_helpers import _key as plain_key
     from flashboot.errors import LayoutError
@@ -212,7 +215,10 @@ def test_meta_check_sees_private_deep_and_object_held_tensors_and_the_dump_provi
             target = build()
         report = bind_engine_model(target, weights)
         assert "attn.impl.sinks" in report.repointed and target.attn.impl.sinks is target.proj.bias
-        assert target.attn._k_scale.item() == 2.5  # dumped and bound, not left on meta
+        assert target.attn._k_scale.is_meta  # not dumped: the engine's own, made again after the load
+        with pytest.raises(LayoutError, match=r"attn._k_scale"):
+            check_no_meta_tensors(target, "plain")
+        target.attn.after_load()
         check_no_meta_tensors(target, "plain")
         with torch.device("meta"):
             stale = build()
@@ -221,8 +227,8 @@ def test_meta_check_sees_private_deep_and_object_held_tensors_and_the_dump_provi
         stale.attn.impl.other = torch.empty(3, device="meta")
         stale.attn.impl.nested["cache"].append((torch.empty(2, device="meta"),))
         with pytest.raises(LayoutError, match=r"3 tensor\(s\) of the model are not in the engine image and would be "
-                                              r"uninitialised: attn.impl.nested\['cache'\]\[1\]\[0\], "
-                                              r"attn.impl.other, attn._k_scale\."):
+                                              r"uninitialised: attn._k_scale, attn.impl.nested\['cache'\]\[1\]\[0\], "
+                                              r"attn.impl.other\."):
             check_no_meta_tensors(stale, "plain")
     finally:
         weights.close()

@@ -120,8 +120,9 @@ def collect_engine_tensors(model, device: Any, *, extras: bool = True,
         for mod_name, mod in model.named_modules():
             prefix = f"{mod_name}." if mod_name else ""
             for leaf, value in list(vars(mod).items()):
-                # private ones too (vLLM's attention keeps _k_scale as an attribute): a load checks them all
-                if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+                # not private ones: the engine makes and derives them itself (vLLM's attention keeps
+                # _k_scale_cpu, _v_scale_cpu beside its k_scale); a load checks that none is left on meta
+                if leaf.startswith("_") or not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
                     continue
                 name = prefix + leaf
                 if name in out.tensors or name in out.aliases:
