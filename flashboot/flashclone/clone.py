@@ -142,13 +142,15 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     seed_desc = _descriptor_from(seed_rec.sealed["arena"])
     # with the seed's record, not after the copy: a seed that closes in between withdraws it, and
     # the clone finished with no tensors and no word
-    meta_rec = rdv.try_read(METADATA_KEY)
-    if meta_rec is None or meta_rec.body.get("generation") != gen:
-        found = "none" if meta_rec is None else f"generation {meta_rec.body.get('generation')!r}'s"
+    meta_rec = rdv.try_read(METADATA_KEY) if seed_rec.body.get("has_metadata", True) else None
+    if meta_rec is not None and meta_rec.body.get("generation") != gen:
+        meta_rec = None  # another seed's
+    if meta_rec is None and seed_rec.body.get("has_metadata"):  # it said it had some, and it is gone
         raise RendezvousError(f"the seed at {rdv.address} (generation {gen}, pid {seed_rec.body.get('pid')}) has no "
-                              f"image metadata in the store ({found} is there): it closed or was replaced as we "
+                              "image metadata of its generation in the store: it closed or was replaced as we "
                               "read it; clone again")
-    metadata = _parse_metadata(meta_rec.body.get("metadata"), f"metadata published at {rdv.address}")
+    metadata = None if meta_rec is None else _parse_metadata(meta_rec.body.get("metadata"),
+                                                             f"metadata published at {rdv.address}")
     t1 = time.perf_counter()
     report.nbytes = manifest.nbytes
     report.connect_ms, report.manifest_ms = (t0 - t_start) * 1e3, (t1 - t0) * 1e3

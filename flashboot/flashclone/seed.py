@@ -304,7 +304,8 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
                                "metadata": metadata.to_dict() if metadata is not None else None}, None),
                (SEED_KEY, {"generation": generation, "pid": os.getpid(), "host": socket.gethostname(),
                            "device": str(arena.device), "manifest": manifest.to_dict(), "nccl": serve_nccl,
-                           "nixl": nixl, "published_at": time.time(), **(extra or {})}, sealed)]
+                           "nixl": nixl, "has_metadata": metadata is not None, "published_at": time.time(),
+                           **(extra or {})}, sealed)]
     try:
         for key, body, sealed_part in records:
             rdv.publish(key, body, sealed=sealed_part)
