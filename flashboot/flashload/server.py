@@ -286,11 +286,11 @@ class PreloadServer:
         set. It listens first: ``--background`` waits for an answer, and a cold CUDA warm-up on 8
         GPUs can take most of its timeout (status says ``warming`` meanwhile; a load waits for
         its rank as it does while staging)."""
+        self.warming = True  # before the first status can be asked
         self._listen()
         accept = threading.Thread(target=self._accept_loop, name="flashboot-serve-accept", daemon=True)
         accept.start()
         try:
-            self.warming = True
             try:
                 self._warm_up()
             finally:
