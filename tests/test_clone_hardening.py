@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -216,7 +217,7 @@ def test_holder_over_a_registry_skips_a_malformed_request_and_serves_the_next(tm
 # ---------------------------------------------------------- 4: a bumped counter of finished clones
 
 
-def test_a_bumped_done_counter_does_not_keep_a_reattaching_clone_past_its_timeout(store, raw):
+def test_a_bumped_done_counter_does_not_keep_a_reattaching_clone_past_its_timeout(store, raw, monkeypatch):
     """Re-attaching after its seed died, a clone looked through every finished-clone number up to
     the store's counter, which anyone can bump to 10**7: it ran far past its timeout. Now only the
     newest numbers are looked at (a planted one passed over) and the host image takes over."""
@@ -229,19 +230,24 @@ def test_a_bumped_done_counter_does_not_keep_a_reattaching_clone_past_its_timeou
         n = rdv.store.add(f"{full}/count", 10**7)
         rdv.store.set(f"{full}/{n}", b"planted")
         result, errors = [], []
+        killed = threading.Event()
+        # the copy's first step waits for the seed's death: no race between the copy and the kill
+        monkeypatch.setattr(sys.modules["flashboot.flashclone.clone"], "_step_hook",
+                            lambda _delay: lambda _step: killed.wait(20))
 
         def run():
             try:
                 result.append(flashboot.clone(address, "cpu", "star", chunk_bytes=256 << 10, timeout_s=5,
-                                              step_delay_s=0.05, image=path))
+                                              image=path))
             except BaseException as exc:
                 errors.append(exc)
 
         t = threading.Thread(target=run)
         t.start()
         wait_until(lambda: rdv.has(f"g/{gen}/star/member/1"), 15, "the clone to join")
-        time.sleep(0.3)
         seed.kill()
+        seed.wait(10)
+        killed.set()
         t.join(30)
         assert not t.is_alive(), "the clone kept scanning"
         assert not errors, errors
