@@ -189,6 +189,8 @@ def recv_fds(sock: socket.socket, max_fds: int = 1, *, timeout_s: float = 30.0,
     Raises WaitTimeoutError after ``timeout_s`` seconds, RendezvousError when the peer closes the
     socket first or sends more fds than ``max_fds`` (the extra ones are closed).
     """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s < float("inf"):
+        raise RendezvousError(f"recv_fds timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}")
     previous = sock.gettimeout()
     sock.settimeout(timeout_s)
     try:
@@ -201,6 +203,11 @@ def recv_fds(sock: socket.socket, max_fds: int = 1, *, timeout_s: float = 30.0,
         for fd in fds:
             os.close(fd)
         raise RendezvousError(f"the peer sent more than {max_fds} fd(s); the extra ones were dropped and all closed")
+    if fds and flags & socket.MSG_TRUNC:  # the rest of the message is gone: refused, not read as a shorter one
+        for fd in fds:
+            os.close(fd)
+        raise RendezvousError(f"a message of more than {bufsize:,} bytes arrived with {len(fds)} fd(s); it was cut "
+                              "short, so it and its fds were refused")
     if not fds:
         if not msg:
             raise RendezvousError("the peer closed the Unix socket before sending an fd")

@@ -189,3 +189,28 @@ def test_drain_takes_the_queued_fds_when_stopping_so_the_answer_is_not_reset():
             os.close(fd)
         sender.close()
         receiver.close()
+
+
+def test_a_message_cut_short_with_its_fds_is_refused_and_the_fds_closed():
+    """A message longer than the receiver's buffer had been read as a shorter one, silently."""
+    import socket
+
+    from flashboot.fdshare import recv_fds, send_fds
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    r, w = os.pipe()
+    try:
+        send_fds(a, [r], b"x" * 100)
+        before = set(os.listdir("/proc/self/fd"))
+        with pytest.raises(RendezvousError, match="a message of more than 10 bytes arrived with 1 fd.s.; it was cut "
+                                                  "short, so it and its fds were refused"):
+            recv_fds(b, 1, bufsize=10)
+        assert set(os.listdir("/proc/self/fd")) <= before  # the received duplicate was closed
+        for bad in (float("nan"), -1, float("inf")):
+            with pytest.raises(RendezvousError, match="timeout_s must be a finite number of seconds >= 0"):
+                recv_fds(b, 1, timeout_s=bad)
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        a.close()
+        b.close()
