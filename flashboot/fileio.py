@@ -103,3 +103,12 @@ def read_exactly(fd: int, view: memoryview, offset: int, need: int, *, direct: b
 
 
 __all__ = ["DIRECT_ALIGNMENT", "DirectReadRefused", "io_buffer", "read_exactly"]
+
+
+def fsync_dir(path) -> None:
+    """``fsync`` a directory: the renames and new names in it survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

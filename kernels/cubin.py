@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from flashboot.errors import FlashBootError, KernelCacheError
+from flashboot.fileio import fsync_dir
 
 _ENTRY_FORMAT = 1
 _CTYPES = {"i1": ctypes.c_int8, "i8": ctypes.c_int8, "i16": ctypes.c_int16, "i32": ctypes.c_int32,
@@ -171,16 +172,8 @@ def save(key: KernelKey, compiled: Any, root: Path | None = None) -> CachedKerne
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-    _fsync_dir(path)  # the renames themselves survive a crash
+    fsync_dir(path)  # the renames themselves survive a crash
     return CachedKernel(key, path, cubin, md.name, tuple(map(tuple, params)), md.num_warps, md.shared, scratch)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def discard(key: KernelKey, root: Path | None = None) -> None:

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from flashboot.errors import LayoutError
+from flashboot.fileio import fsync_dir
 
 from .format import (
     DEFAULT_CHUNK_BYTES, IMAGE_FILE, METADATA_FILE, ChecksumTable, ImageMetadata, Layout, TensorEntry,
@@ -29,14 +30,6 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         if n <= 0:
             raise LayoutError(f"pwrite at offset {offset + done:,} wrote {n} bytes")
         done += n
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _preallocate(fd: int, nbytes: int) -> None:
