@@ -229,9 +229,9 @@ def test_a_load_waiting_for_the_early_copy_takes_the_daemons_reply_on_its_own_th
     gate = threading.Event()
     copy = daemon.server._copy
 
-    def gated(attached):
+    def gated(attached, *rest):
         assert gate.wait(30)
-        return copy(attached)
+        return copy(attached, *rest)
 
     waited_on = []
     wait = client.ServedCopy.wait
