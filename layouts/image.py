@@ -315,13 +315,18 @@ class FileIdentity:
     mtime_ns: int
 
     @classmethod
-    def of(cls, path, st: os.stat_result) -> "FileIdentity":
+    def of(cls, path, st: os.stat_result | None = None) -> "FileIdentity":
+        """``path``'s identity from ``st`` (default: ``os.stat(path)`` now)."""
+        st = os.stat(path) if st is None else st
         return cls(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return self.dev, self.ino, self.size, self.mtime_ns
 
     def check(self, st: os.stat_result, when: str) -> None:
         """LayoutError unless ``st`` (an ``os.fstat`` of the file opened) is this file, unchanged."""
-        now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        seen = (self.dev, self.ino, self.size, self.mtime_ns)
+        now, seen = FileIdentity.of(self.path, st).key, self.key
         if now != seen:
             raise LayoutError(f"{self.path} changed {when} (device, inode, size, mtime_ns {seen} -> {now}): another "
                               "file took its place or it was written to; its bytes are not the ones its metadata "

@@ -44,7 +44,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import FlashBootError, LayoutError, WaitTimeoutError
 from ..fdshare import readable
@@ -57,6 +57,9 @@ from .report import LoadedImage, LoadReport
 from .stream import StreamConfig
 from .views import make_views
 from .want import LoadRequest, verify_default
+
+if TYPE_CHECKING:
+    from flashboot.layouts.image import FileIdentity
 
 MODES = ("auto", "served", "staged", "stream")
 PREPARE_ALLOWANCE_S = 120.0
@@ -129,11 +132,6 @@ class _PromptHandover:
         self.release()
 
 
-def _file_identity(path: Path) -> tuple[int, int, int]:
-    st = path.stat()
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
 class PreparedLoad:
     """A load made ready ahead of time (see the module docstring); built by :func:`prepare`.
 
@@ -173,7 +171,7 @@ class PreparedLoad:
         self.metadata_sha256 = ""
         self.phases_ms: dict[str, float] = {}
         self.copy: dict[str, Any] = {}
-        self._identity: dict[Path, tuple[int, int, int]] = {}
+        self._identity: dict[Path, FileIdentity] = {}
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._issued = threading.Event()  # the copy runs (or failed): what prepare() returns after
@@ -364,7 +362,7 @@ class PreparedLoad:
         metadata, size and the files' identity (a re-pack is refused at the load). ``nbytes``:
         the size the arena was made for (a copy-first source's), which the image must have.
         ``viewable=False``: the views wait for :meth:`copy_issued` (``waits_in_c``)."""
-        from flashboot.layouts.image import open_image
+        from flashboot.layouts.image import FileIdentity, open_image
 
         from .shm import RankSource
 
@@ -375,8 +373,9 @@ class PreparedLoad:
                               f"{image.nbytes:,}")
         self.image, self.metadata, self.nbytes = image, image.metadata, image.nbytes
         self.rank_source = RankSource(str(self.image_dir), self.rank, image, mf.sha256)  # as a plain load reads it
-        for path in (image.metadata_path, image.path):
-            self._identity[Path(path)] = _file_identity(Path(path))
+        # the image file as its metadata was validated against it; metadata.json as it is now
+        self._identity[Path(image.path)] = image.file_identity
+        self._identity[Path(image.metadata_path)] = FileIdentity.of(image.metadata_path)
         if self.nbytes == 0:
             raise LayoutError(f"{image.path}: empty image, nothing to load")
         if viewable:
@@ -513,13 +512,15 @@ class PreparedLoad:
 
     def check_unchanged(self) -> None:
         """LayoutError when the image's files changed since the preparation read them (re-packed)."""
+        from flashboot.layouts.image import FileIdentity
+
         for path, seen in self._identity.items():
             try:
-                now = _file_identity(path)
+                now = FileIdentity.of(path).key
             except OSError:  # gone, or its directory replaced by a file
                 now = None
-            if now != seen:
-                what = "is gone" if now is None else (f"changed (inode, size, mtime_ns {seen} -> {now})")
+            if now != seen.key:
+                what = "is gone" if now is None else f"changed (device, inode, size, mtime_ns {seen.key} -> {now})"
                 raise LayoutError(f"{path} {what} since flashboot.prepare read it: the image was re-packed; the "
                                   "bytes copied early are discarded; prepare again")
 
