@@ -19,6 +19,7 @@ Three ways to pay the pin (``cuMemHostRegister``, about a third of the H2D rate)
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -86,10 +87,8 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
                            stream_buffer_bytes=stream_buffer_bytes, prepared_class=PreparedLoad)
     if stream_buffer_bytes is not None:  # refused whether or not it streams, on every path
         request.stream_config = StreamConfig.of(stream_buffer_bytes)
-        if prepared is not None and request.stream_config != prepared.stream_config:  # the handle's are used
-            raise FlashBootError(f"stream_buffer_bytes={stream_buffer_bytes!r} differs from the stream options "
-                                 f"flashboot.prepare() was given ({prepared.stream_config}), which the prepared "
-                                 "load uses; pass them to prepare()")
+    if prepared is not None:
+        _check_same_as_prepared(prepared, shm_dir, stream_buffer_bytes, request.stream_config)
     if prepared is not None:
         loaded = load_prepared(request)
     elif served:  # the daemon's copy starts before this process has read the metadata: the source reads it
@@ -106,6 +105,18 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
         loaded.report.details["verify_skipped"] = prepared.verify_skipped if request.verify is None else \
             request.why_not_verified
     return loaded
+
+
+def _check_same_as_prepared(prepared, shm_dir, stream_buffer_bytes, stream_config) -> None:
+    """FlashBootError where a load given ``prepared=`` also names a staging root or stream options
+    other than the handle's: the handle's are the ones used (others had been ignored unsaid)."""
+    if shm_dir is not None and (prepared.shm_dir is None or os.fspath(shm_dir) != os.fspath(prepared.shm_dir)):
+        raise FlashBootError(f"shm_dir={os.fspath(shm_dir)!r} differs from the one flashboot.prepare() was given "
+                             f"({prepared.shm_dir!r}), which the prepared load uses; pass it to prepare()")
+    if stream_config is not None and stream_config != prepared.stream_config:
+        raise FlashBootError(f"stream_buffer_bytes={stream_buffer_bytes!r} differs from the stream options "
+                             f"flashboot.prepare() was given ({prepared.stream_config}), which the prepared load "
+                             "uses; pass them to prepare()")
 
 
 def _begin(request: LoadRequest):

@@ -119,9 +119,6 @@ def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, s
         if served or staged is not None or stream is not None:  # stream=False too: the handle may stream
             raise FlashBootError("prepared= excludes served=, staged= and stream=: the handle already chose its mode "
                                  f"({prepared.requested_mode})")
-        if shm_dir is not None and (prepared.shm_dir is None or os.fspath(shm_dir) != os.fspath(prepared.shm_dir)):
-            raise FlashBootError(f"shm_dir={os.fspath(shm_dir)!r} differs from the one flashboot.prepare() was given "
-                                 f"({prepared.shm_dir!r}), which the prepared load uses; pass it to prepare()")
     return LoadRequest(image_dir, rank, dev, t_start, timeout_s, verify, why_not, shm_dir, chunk_bytes, tp, ep,
                        expected_key, bool(served), staged, stream, stream_buffer_bytes, prepared)
 
