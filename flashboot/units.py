@@ -3,7 +3,6 @@ timeouts checked once where a caller gives them."""
 
 from __future__ import annotations
 
-import decimal
 import math
 import re
 
@@ -28,6 +27,8 @@ def parse_bytes(text) -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
+        import decimal  # ~1 ms: not in every process that imports this module (the load path does)
+
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
             raise FlashBootError(f"cannot parse byte size {_short(text)}: use e.g. 4096, 217e9, 217GB, 256MiB")
@@ -87,3 +88,16 @@ def check_timeout(value, what: str, error: type[FlashBootError] = FlashBootError
             or not 0 < value <= MAX_TIMEOUT_S:
         raise error(f"{what} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
     return float(value)
+
+
+def timeout_arg(text: str) -> float:
+    """argparse type of a ``--timeout``: :func:`check_timeout` of the number given (NaN and inf had
+    been taken, 1e12 overflowed the store's timers)."""
+    import argparse
+
+    try:
+        return check_timeout(float(text), "--timeout")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    except FlashBootError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

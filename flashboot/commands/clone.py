@@ -11,19 +11,7 @@ import sys
 import threading
 import time
 
-
-def timeout_seconds(text: str) -> float:
-    """argparse type of --timeout: a finite number of seconds in (0, units.MAX_TIMEOUT_S] (NaN
-    and inf had been taken, 1e12 overflowed the store's timers)."""
-    from flashboot.errors import FlashBootError
-    from flashboot.units import check_timeout
-
-    try:
-        return check_timeout(float(text), "--timeout")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    except FlashBootError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+from flashboot.units import timeout_arg
 
 
 def _common(p: argparse.ArgumentParser, *, store_required: bool = True) -> None:
@@ -31,7 +19,7 @@ def _common(p: argparse.ArgumentParser, *, store_required: bool = True) -> None:
                    help="rendezvous store (torch.distributed TCPStore)")
     p.add_argument("--name", default="default", help="namespace in the store (default: default)")
     p.add_argument("--token-file", help="file holding the shared token (default: $FLASHBOOT_TOKEN)")
-    p.add_argument("--timeout", type=timeout_seconds, default=60.0, metavar="S",
+    p.add_argument("--timeout", type=timeout_arg, default=60.0, metavar="S",
                    help="bound on every wait (default 60 s)")
 
 

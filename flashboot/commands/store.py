@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from .clone import timeout_seconds
+from flashboot.units import timeout_arg
 
 
 def register(subparsers) -> None:
@@ -16,7 +16,7 @@ def register(subparsers) -> None:
     p.add_argument("address", metavar="HOST:PORT", help="where to listen (port 0: the kernel picks one)")
     p.add_argument("--background", action="store_true",
                    help="detach: print where it listens and its pid, then return (stop it with SIGTERM)")
-    p.add_argument("--timeout", type=timeout_seconds, default=60.0, metavar="S",
+    p.add_argument("--timeout", type=timeout_arg, default=60.0, metavar="S",
                    help="--background: how long to wait for it to listen (default 60 s)")
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run_store)
