@@ -4,6 +4,7 @@ planted in the store, superseded seeds, lost stores. Every test is bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -157,10 +158,7 @@ def test_holder_over_the_store_skips_planted_and_missing_requests_and_keeps_its_
     try:
         a = Arena.create(MiB, "cpu")
         a.bytes().numpy()[:] = 7
-        stop_ev = threading.Event()
-        t = threading.Thread(target=holder.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
-        t.start()
-        try:
+        with serving(holder) as t:
             hand_over(a, "w", store=address, timeout_s=10)
             a.close()
             prefix = "flashboot/v1/default/hold/requests"
@@ -178,11 +176,21 @@ def test_holder_over_the_store_skips_planted_and_missing_requests_and_keeps_its_
             with open_held("w", store=address) as w, open_held("x", store=address) as x:
                 assert int(w.bytes().numpy().max()) == 7 and int(x.bytes().numpy().min()) == 4
             assert any("jumped" in e for e in holder.errors), holder.errors
-        finally:
-            stop_ev.set()
-            t.join(10)
     finally:
         holder.close()
+
+
+@contextlib.contextmanager
+def serving(holder):
+    """``holder`` serving in a thread for the block; stopped and joined after it."""
+    stop_ev = threading.Event()
+    t = threading.Thread(target=holder.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
+    t.start()
+    try:
+        yield t
+    finally:
+        stop_ev.set()
+        t.join(10)
 
 
 @pytest.mark.parametrize("content", ["[1, 2]", '{"request": "x"}', "{not json", '"text"'])
@@ -199,17 +207,11 @@ def test_holder_over_a_registry_skips_a_malformed_request_and_serves_the_next(tm
         assert not (registry / "requests" / "bad.json").exists()
         a = Arena.create(MiB, "cpu")
         a.bytes().numpy()[:] = 5
-        stop_ev = threading.Event()
-        t = threading.Thread(target=holder.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
-        t.start()
-        try:
+        with serving(holder):
             hand_over(a, "good", registry=registry, timeout_s=10)
             a.close()
             with open_held("good", registry=registry) as g:
                 assert int(g.bytes().numpy().max()) == 5
-        finally:
-            stop_ev.set()
-            t.join(10)
     finally:
         holder.close()
 
