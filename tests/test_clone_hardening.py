@@ -37,16 +37,28 @@ def _bytes(result, nbytes=NBYTES):
 # ------------------------------------------------------------------------- 1: one chunk size a chain
 
 
+def _seed_and_a_slow_first_clone(address, rdv, path):
+    """A seed of ``path`` and a `flashboot clone` process of 256 KiB chunks slowed to 0.2 s a step,
+    returned once it has published its member record as chain clone #1."""
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    proc = spawn_cli("clone", "--store", address, "--device", "cpu", "--chunk-bytes", "256KiB", "--timeout", 20,
+                     FLASHBOOT_TEST_STEP_DELAY_S=0.2)
+    try:
+        wait_until(lambda: rdv.has(f"g/{s.generation}/chain/member/1"), 20, "clone #1's record", proc)
+    except BaseException:
+        stop(proc)
+        s.close()
+        raise
+    return s, proc
+
+
 def test_chain_clones_that_asked_for_different_chunks_follow_the_first_and_hold_the_right_bytes(store, raw):
     """#1 asked for 256 KiB chunks, #2 for 1 MiB: #2 used to plan 1 MiB steps on #1's 256 KiB
     flags and return with most bytes wrong. Now the first member's chunk holds for the chain."""
     address, rdv = store
     path, data = raw
-    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
-    first = spawn_cli("clone", "--store", address, "--device", "cpu", "--chunk-bytes", "256KiB", "--timeout", 20,
-                      FLASHBOOT_TEST_STEP_DELAY_S=0.2)
+    s, first = _seed_and_a_slow_first_clone(address, rdv, path)
     try:
-        wait_until(lambda: rdv.has(f"g/{s.generation}/chain/member/1"), 20, "clone #1's record", first)
         r = flashboot.clone(address, "cpu", "chain", chunk_bytes=MiB, timeout_s=20)
         try:
             assert r.report.position == 2 and r.report.source == "clone #1"
@@ -130,11 +142,8 @@ def test_flashboot_clone_stopped_by_a_signal_reports_failed_and_leaves(store, ra
     it, leave the chain, and print one line."""
     address, rdv = store
     path, _ = raw
-    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
-    proc = spawn_cli("clone", "--store", address, "--device", "cpu", "--chunk-bytes", "256KiB", "--timeout", 20,
-                     FLASHBOOT_TEST_STEP_DELAY_S=0.2)
+    s, proc = _seed_and_a_slow_first_clone(address, rdv, path)
     try:
-        wait_until(lambda: rdv.has(f"g/{s.generation}/chain/member/1"), 20, "clone #1's record", proc)
         proc.send_signal(sig)
         code, out, err = finish(proc, 20)
         assert code == rc and f"stopped by {sig.name}" in err and "Traceback" not in err, err
