@@ -142,3 +142,26 @@ def test_a_seed_that_must_not_host_waits_for_the_store_then_names_it():
     with flashboot.Arena.create(1 << 20, "cpu") as arena:
         with pytest.raises(WaitTimeoutError, match=f"no rendezvous store answered at {address}.*flashboot store"):
             flashboot.seed(address, arena, "cpu", host_store=False, timeout_s=0.5)
+
+
+def test_a_wait_sees_a_key_within_a_twentieth_of_its_length(monkeypatch):
+    """A key published 100 ms into a wait is seen by 105 ms (doubling sleeps saw it at 127 ms,
+    16 ms into a 30 ms wait for a seed's handle), without a check every millisecond all along."""
+    import flashboot.flashclone.rendezvous as rdv
+
+    clock = {"t": 0.0}
+    checks = []
+
+    class Store:  # a key that appears at 100 ms of a virtual clock
+        def check(self, keys):
+            checks.append(clock["t"])
+            return clock["t"] >= 0.1
+
+    monkeypatch.setattr(rdv.time, "monotonic", lambda: clock["t"])
+    monkeypatch.setattr(rdv.time, "sleep", lambda s: clock.__setitem__("t", clock["t"] + s))
+    r = Rendezvous(Store(), "127.0.0.1:1", None, "n", False, 10.0)
+    r.wait_keys(["k"], what="the seed's handle")
+    assert 0.1 <= checks[-1] <= 0.1 * (1 + rdv.WAIT_POLL_SHARE) + 1e-9
+    assert len(checks) < 100 + 1  # 1 ms apart at most for the first 20 ms, then farther
+    for waited in (0.0, 0.01, 0.1, 1.0, 100.0):
+        assert 0.001 <= rdv.wait_poll_delay(waited) <= max(0.001, rdv.WAIT_POLL_SHARE * waited)
