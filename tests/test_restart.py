@@ -191,5 +191,8 @@ def test_holder_option_is_checked():
         HolderOption(registry="/tmp/r", store="127.0.0.1:1")
     with pytest.raises(FlashBootError, match=r"unknown holder option\(s\) \['registery'\]"):
         HolderOption.of({"registery": "/tmp/r"})
-    with pytest.raises(FlashBootError, match="handover_timeout_s must be a positive number"):
-        HolderOption(registry="/tmp/r", handover_timeout_s=0)
+    for bad in (0, -1, float("nan"), float("inf"), True, "5"):  # NaN had been taken: a hand-over waited forever
+        with pytest.raises(FlashBootError, match=rf"holder handover_timeout_s must be a finite number of seconds in "
+                                                 rf"\(0, .*\], got {re.escape(repr(bad))}"):
+            HolderOption(registry="/tmp/r", handover_timeout_s=bad)
+    assert HolderOption(registry="/tmp/r", handover_timeout_s=0.5).handover_timeout_s == 0.5

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..errors import FlashBootError
 from ..memory import Device
+from ..units import check_timeout
 
 IDENTITY_FIELDS = ("rank", "nbytes", "metadata_sha256", "key_digest", "format_version", "device")
 """What a held arena's identity must equal for a restarted engine to bind it."""
@@ -43,8 +44,8 @@ class HolderOption:
         if (self.registry is None) == (self.store is None):
             raise FlashBootError(f"holder= needs exactly one of registry and store, got registry={self.registry!r}, "
                                  f"store={self.store!r}")
-        if not isinstance(self.handover_timeout_s, (int, float)) or self.handover_timeout_s <= 0:
-            raise FlashBootError(f"holder handover_timeout_s must be a positive number, got {self.handover_timeout_s!r}")
+        # NaN had passed (no deadline is ever reached: a load waited forever for a dead holder)
+        check_timeout(self.handover_timeout_s, "holder handover_timeout_s")
 
     @classmethod
     def of(cls, value: Any) -> "HolderOption":
