@@ -2,6 +2,7 @@
 reports, the addresses of views made before the sleep, and the bad inputs of issue 17."""
 
 import os
+import re
 import shutil
 import time
 
@@ -220,6 +221,11 @@ def test_bad_arguments_are_refused(image):
         with pytest.raises(FlashBootError, match="unknown wake source 'gpu'; known: auto, backup, served, disk"):
             loaded.wake(source="gpu")
         loaded.sleep(level=2)
+        for bad in (float("nan"), float("inf"), 0, -1, "5"):  # inf had raised OverflowError, "5" TypeError
+            with pytest.raises(FlashBootError, match=r"wake served_timeout_s must be a finite number of seconds in "
+                                                     rf"\(0, .*\], got {re.escape(repr(bad))}"):
+                loaded.wake(source="served", served_timeout_s=bad)
+        assert loaded.arena.asleep
         with pytest.raises(FlashBootError, match=r"no source has the bytes; backup: sleep\(level=2\) kept no backup$"):
             loaded.wake(source="backup")
         assert loaded.arena.asleep

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from ..errors import FlashBootError, OutOfMemoryError
 from ..memory import Span
+from ..units import check_timeout
 
 SOURCES = ("backup", "served", "disk")
 """Where :func:`wake` looks for the bytes, in this order (``source="auto"``)."""
@@ -472,6 +473,8 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     """
     if source != "auto" and source not in SOURCES:
         raise FlashBootError(f"unknown wake source {source!r}; known: auto, {', '.join(SOURCES)}")
+    # inf had raised a raw OverflowError from the daemon's client, a str a TypeError, NaN a timeout "within nan s"
+    check_timeout(served_timeout_s, "wake served_timeout_s")
     arena = loaded.arena
     if arena.closed:
         raise FlashBootError(f"{loaded!r} is closed; there is nothing to wake")
