@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from flashboot.errors import CapabilityError, MoverError
-from flashboot.memory import Span, check_not_closed, path_between, span_of, stream_device
+from flashboot.memory import Span, path_between, span_of, stream_device
 
-from .batch import ChunkBatch
+from .batch import ChunkBatch, check_backed
 
 
 class Mover:
@@ -41,8 +41,8 @@ class Mover:
         this mover does not support, a size that does not fit, or misaligned pointers.
         """
         dst_span, src_span = span_of(dst), span_of(src)
-        check_not_closed(dst_span, f"{self.name}: the destination")
-        check_not_closed(src_span, f"{self.name}: the source")
+        check_backed(dst_span, f"{self.name}: the destination")
+        check_backed(src_span, f"{self.name}: the source")
         if nbytes is None:
             nbytes = src_span.nbytes
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:

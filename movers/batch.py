@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
-from flashboot.errors import MoverError
+from flashboot.errors import ArenaError, MoverError
 from flashboot.memory import Span, check_not_closed, path_between
 
 if TYPE_CHECKING:
@@ -46,6 +46,16 @@ def _entries(chunks: Any) -> np.ndarray:
     if table.dtype.kind == "u" and table.size and int(table.max()) > _INT64_MAX:
         raise MoverError(f"a chunk list entry exceeds {_INT64_MAX:,} bytes")
     return table.astype(np.int64, copy=False)
+
+
+def check_backed(span: Span, what: str) -> None:
+    """:func:`~flashboot.memory.check_not_closed`, and ArenaError when the span's arena is asleep:
+    nothing backs its range until ``wake()`` maps it again (a copy through a span or batch taken
+    before ``sleep()`` segfaulted)."""
+    check_not_closed(span, what)
+    if getattr(span.owner, "asleep", False) is True:
+        raise ArenaError(f"{what}: the span at {span.ptr:#x} ({span.nbytes:,} bytes on {span.device}) belongs to "
+                         f"{span.owner!r}, which is asleep (nothing backs it): wake() it first")
 
 
 def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:
@@ -162,8 +172,8 @@ class ChunkBatch:
     def run(self, *, stream: Any) -> None:
         """Copy every entry, asynchronously on ``stream``: one batched call or launch where the
         mover has one (see its ``batched`` attribute)."""
-        check_not_closed(self.dst, f"{self.mover.name}: the batch's destination")
-        check_not_closed(self.src, f"{self.mover.name}: the batch's source")
+        check_backed(self.dst, f"{self.mover.name}: the batch's destination")
+        check_backed(self.src, f"{self.mover.name}: the batch's source")
         self.mover._check_stream(self.path, self.src.device, self.dst.device, stream)
         self.mover._copy_batch(self, stream)
 
@@ -171,6 +181,9 @@ class ChunkBatch:
         """Copy entry ``i`` alone, without validating the entry again (the per-chunk hot path)."""
         if not 0 <= i < self.nbytes.size:  # -1 would copy the last entry, not refuse
             raise MoverError(f"{self.mover.name}: no chunk {i!r} in a batch of {self.nbytes.size}")
+        # the ranges, not the entry: one closed or put to sleep since the batch was built segfaulted here
+        check_backed(self.dst, f"{self.mover.name}: the batch's destination")
+        check_backed(self.src, f"{self.mover.name}: the batch's source")
         dst, src = self.chunk_spans(i)
         self.mover._copy(dst, src, dst.nbytes, self.path, stream)
 

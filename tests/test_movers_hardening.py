@@ -1,0 +1,49 @@
+"""The movers used the way a researcher comparing them would: spans and batches kept across an
+arena's sleep and close, odd chunk indices and entries, options a mover does not take. Each test
+names the defect it pins (what happened before the fix)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashboot.movers  # noqa: F401  (registers every built-in mover)
+from flashboot import Arena, ArenaError, MoverError
+from flashboot.movers import create_mover
+
+
+def pattern(nbytes: int, seed: int = 7) -> np.ndarray:
+    return ((np.arange(nbytes, dtype=np.uint64) * 131 + seed) % 253).astype(np.uint8)
+
+
+def test_spans_and_batches_of_an_asleep_arena_are_refused_and_copy_again_after_wake():
+    """A span or batch taken before sleep() pointed at a range nothing backs: copy, run and
+    copy_chunk segfaulted (only a closed arena was checked)."""
+    mover, src = create_mover("host"), pattern(8192)
+    with Arena.create(1 << 20, "cpu") as arena:
+        span = arena.span(0, 8192)
+        batch = mover.batch(span, src, [(0, 0, 4096), (4096, 4096, 4096)])
+        arena.sleep()
+        asleep = r"host: the (batch's )?destination: the span at 0x[0-9a-f]+ \(8,192 bytes on cpu\) belongs to .*, " \
+                 r"which is asleep \(nothing backs it\): wake\(\) it first"
+        with pytest.raises(ArenaError, match=asleep):
+            mover.copy(span, src, stream=None)
+        with pytest.raises(ArenaError, match=asleep):
+            batch.run(stream=None)
+        with pytest.raises(ArenaError, match=asleep):
+            batch.copy_chunk(1, stream=None)
+        with pytest.raises(ArenaError, match=r"host: the source: .* which is asleep"):
+            mover.copy(np.zeros(8192, np.uint8), span, stream=None)
+        arena.wake()  # the same addresses, backed again: the batch copies
+        batch.run(stream=None)
+        assert np.array_equal(arena.bytes()[:8192].numpy(), src)
+
+
+def test_copy_chunk_of_a_closed_arena_is_refused():
+    """copy_chunk skipped the closed check run() makes: a chunk of a closed arena segfaulted."""
+    mover = create_mover("host")
+    arena = Arena.create(1 << 20, "cpu")
+    batch = mover.batch(arena.span(0, 4096), pattern(4096), [(0, 0, 4096)])
+    arena.close()
+    with pytest.raises(ArenaError, match=r"host: the batch's destination: .* which is closed"):
+        batch.copy_chunk(0, stream=None)
