@@ -177,10 +177,17 @@ class ChunkBatch:
         self.mover._check_stream(self.path, self.src.device, self.dst.device, stream)
         self.mover._copy_batch(self, stream)
 
+    def _index(self, i: Any) -> int:
+        """``i`` as an entry index, or MoverError (a float or a str raised a raw TypeError)."""
+        if isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)) and 0 <= i < self.nbytes.size:
+            return int(i)
+        raise MoverError(f"{self.mover.name}: no chunk {i!r} in a batch of {self.nbytes.size} (an int in "
+                         f"0..{self.nbytes.size - 1})")
+
     def copy_chunk(self, i: int, *, stream: Any) -> None:
         """Copy entry ``i`` alone, without validating the entry again (the per-chunk hot path)."""
-        if not 0 <= i < self.nbytes.size:  # -1 would copy the last entry, not refuse
-            raise MoverError(f"{self.mover.name}: no chunk {i!r} in a batch of {self.nbytes.size}")
+        if type(i) is not int or not 0 <= i < self.nbytes.size:  # -1 would copy the last entry, not refuse
+            i = self._index(i)
         # the ranges, not the entry: one closed or put to sleep since the batch was built segfaulted here
         check_backed(self.dst, f"{self.mover.name}: the batch's destination")
         check_backed(self.src, f"{self.mover.name}: the batch's source")

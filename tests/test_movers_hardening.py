@@ -4,6 +4,8 @@ names the defect it pins (what happened before the fix)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -47,3 +49,16 @@ def test_copy_chunk_of_a_closed_arena_is_refused():
     arena.close()
     with pytest.raises(ArenaError, match=r"host: the batch's destination: .* which is closed"):
         batch.copy_chunk(0, stream=None)
+
+
+@pytest.mark.parametrize("index", [0.0, 1.5, "0", None, True, np.bool_(False), -1, 2])
+def test_copy_chunk_refuses_an_index_that_is_not_an_entry_naming_it(index):
+    """A float or a str raised a raw TypeError from inside the list lookup; True copied entry 1."""
+    mover, src = create_mover("host"), pattern(64)
+    dst = np.zeros(64, np.uint8)
+    batch = mover.batch(dst, src, [(0, 0, 32), (32, 32, 32)])
+    with pytest.raises(MoverError, match=re.escape(f"host: no chunk {index!r} in a batch of 2 (an int in 0..1)")):
+        batch.copy_chunk(index, stream=None)
+    assert not dst.any()
+    batch.copy_chunk(np.int64(1), stream=None)  # a numpy integer is an index
+    assert np.array_equal(dst[32:], src[32:]) and not dst[:32].any()
