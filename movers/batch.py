@@ -10,6 +10,7 @@ nothing but the launch.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
@@ -24,6 +25,11 @@ if TYPE_CHECKING:
 _INT64_MAX = np.iinfo(np.int64).max
 
 
+def _is_int64(x: Any) -> bool:
+    return (isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+            and -_INT64_MAX <= int(x) <= _INT64_MAX)
+
+
 def _entries(chunks: Any) -> np.ndarray:
     """``chunks`` as an ``(n, 3)`` int64 array of ``(dst_offset, src_offset, nbytes)``: integers
     only (a float would be truncated to another chunk than the one asked for)."""
@@ -36,11 +42,12 @@ def _entries(chunks: Any) -> np.ndarray:
     if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0:
         raise MoverError(f"a chunk list must be a non-empty list of (dst_offset, src_offset, nbytes); "
                          f"got an array of shape {table.shape}")
-    if table.dtype.kind not in "iu":  # floats, bools, ints past 64 bits (object)
+    # a bool among ints makes an int array (True read as 1): look at a list's own values
+    kinds = None if isinstance(chunks, np.ndarray) else set(map(type, itertools.chain.from_iterable(chunks)))
+    if table.dtype.kind not in "iu" or (kinds is not None and (bool in kinds or np.bool_ in kinds)):
+        # floats, bools, ints past 64 bits (object)
         rows = table.tolist() if isinstance(chunks, np.ndarray) else chunks
-        row = next((i for i, entry in enumerate(rows)
-                    if not all(isinstance(x, int) and not isinstance(x, bool) and -_INT64_MAX <= x <= _INT64_MAX
-                               for x in entry)), 0)
+        row = next((i for i, entry in enumerate(rows) if not all(map(_is_int64, entry))), 0)
         raise MoverError(f"a chunk list must hold (dst_offset, src_offset, nbytes) 64-bit integers; entry {row} is "
                          f"{tuple(rows[row])!r}")
     if table.dtype.kind == "u" and table.size and int(table.max()) > _INT64_MAX:

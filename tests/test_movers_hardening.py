@@ -62,3 +62,18 @@ def test_copy_chunk_refuses_an_index_that_is_not_an_entry_naming_it(index):
     assert not dst.any()
     batch.copy_chunk(np.int64(1), stream=None)  # a numpy integer is an index
     assert np.array_equal(dst[32:], src[32:]) and not dst[:32].any()
+
+
+@pytest.mark.parametrize("chunks, entry", [
+    ([(0, 0, 16), (True, 0, 16)], 1),  # np.asarray made an int array: dst_offset 1
+    ([(0, 0, 16), (32, 0, np.True_)], 1),
+    ([(np.int64(0), np.int32(0), np.uint8(16)), (32, 32, 16.0)], 1),  # numpy ints are integers: entry 1 is bad
+])
+def test_a_bool_in_a_chunk_list_of_ints_is_refused_naming_the_entry(chunks, entry):
+    """A bool among ints made an int array and was copied as 1: chunk (True, 0, 16) went to byte 1."""
+    dst = np.zeros(64, np.uint8)
+    with pytest.raises(MoverError, match=re.escape(f"64-bit integers; entry {entry} is {tuple(chunks[entry])!r}")):
+        create_mover("host").batch(dst, pattern(64), chunks)
+    assert not dst.any()
+    create_mover("host").copy_batch(dst, pattern(64), [(np.int64(0), np.int32(0), np.uint8(16))])
+    assert np.array_equal(dst[:16], pattern(64)[:16])
