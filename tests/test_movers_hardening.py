@@ -77,3 +77,18 @@ def test_a_bool_in_a_chunk_list_of_ints_is_refused_naming_the_entry(chunks, entr
     assert not dst.any()
     create_mover("host").copy_batch(dst, pattern(64), [(np.int64(0), np.int32(0), np.uint8(16))])
     assert np.array_equal(dst[:16], pattern(64)[:16])
+
+
+def test_a_read_only_numpy_destination_is_refused():
+    """np.frombuffer of bytes is read-only: copy and copy_batch wrote into the immutable bytes."""
+    frozen = bytes(64)
+    dst, mover = np.frombuffer(frozen, dtype=np.uint8), create_mover("host")
+    message = r"host: the destination \(64 bytes at 0x[0-9a-f]+\) is a read-only numpy array"
+    with pytest.raises(MoverError, match=message):
+        mover.copy(dst, pattern(64))
+    with pytest.raises(MoverError, match=message):
+        mover.copy_batch(dst, pattern(64), [(0, 0, 64)])
+    assert frozen == bytes(64)
+    out = np.zeros(64, np.uint8)
+    mover.copy(out, dst)  # a read-only source is fine
+    assert not out.any()
