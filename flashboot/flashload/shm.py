@@ -6,6 +6,7 @@ Staging layout, under the shm root (``$FLASHBOOT_SHM`` or ``/dev/shm/flashboot``
     <name>-<sha of the image dir's real path>/
         rank-R.img          the staged image (rank-R.img.partial while copying)
         rank-R.ready        JSON: sizes, checksum summary, I/O mode, NUMA node, timings
+        rank-R.lock         held (flock) by the process staging the rank, while it does
         preload.pid         the running preloader (JSON: pid, start time); removed on exit
         preload.log         output of a background preloader
         serve.sock          the served-load socket (SOCK_SEQPACKET)
@@ -105,11 +106,14 @@ class StagedPaths:
     image: Path
     partial: Path
     ready: Path
+    lock: Path
+    """Held (flock) by the process staging the rank; removed when it is done."""
 
 
 def staged_paths(image_dir, rank: int, shm_dir=None) -> StagedPaths:
     d = staging_dir(image_dir, shm_dir)
-    return StagedPaths(d, d / f"rank-{rank}.img", d / f"rank-{rank}.img.partial", d / f"rank-{rank}.ready")
+    return StagedPaths(d, d / f"rank-{rank}.img", d / f"rank-{rank}.img.partial", d / f"rank-{rank}.ready",
+                       d / f"rank-{rank}.lock")
 
 
 def pid_file(image_dir, shm_dir=None) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import fcntl
 import itertools
 import json
 import os
@@ -208,11 +209,66 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
     if threads < 1 or chunk_bytes < DIRECT_ALIGNMENT or chunk_bytes % DIRECT_ALIGNMENT:
         raise FlashBootError(f"need threads >= 1 and chunk_bytes a positive multiple of {DIRECT_ALIGNMENT} "
                              f"(got {threads}, {chunk_bytes})")
-    from ..pinning import MappedFile, bind_to_node, gpu_numa_node
-
     src = rank_source(image_dir, rank)
     paths = staged_paths(image_dir, rank, shm_dir)
     make_dir(paths.dir)
+    lock = _lock_rank(paths, rank, image_dir)
+    try:
+        return _stage_locked(image_dir, rank, src, paths, threads=threads, io=io, chunk_bytes=chunk_bytes,
+                             device=device, numa_policy=numa_policy, verify=verify, force=force, progress=progress,
+                             stop=stop)
+    finally:
+        _unlock_rank(paths, lock)
+
+
+def _lock_rank(paths, rank: int, image_dir) -> int:
+    """An exclusive lock on the rank's ``rank-R.lock`` (flock), held while it is staged: two
+    stagers of one rank (two engines staging inline, a preloader beside a bare ``stage_rank``)
+    each withdrew the other's ``.partial`` by name, and the first to finish renamed the other's
+    half-written file into place under its ``.ready``. A second stager is refused by name
+    (FlashBootError with the holder's pid). Returns the lock's fd."""
+    while True:
+        fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise FlashBootError(f"rank {rank} of {image_dir} is being staged by another process (pid {holder}, which "
+                                 f"holds {paths.lock}); wait for its {paths.ready}, or stop it first") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            same = os.stat(paths.lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:  # not a file its last holder removed after this open: the lock is the one others see
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            return fd
+        os.close(fd)
+
+
+def _unlock_rank(paths, fd: int) -> None:
+    """Remove the rank's lock file while still holding it (a process that opened it meanwhile
+    finds it gone and retries), unless it is no longer this one (removed by ``unstage`` and made
+    again by the next stager), then release it."""
+    try:
+        if os.stat(paths.lock).st_ino == os.fstat(fd).st_ino:
+            paths.lock.unlink()
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int, io: str, chunk_bytes: int,
+                  device: Any, numa_policy: str, verify: bool, force: bool,
+                  progress: Callable[[int, int], None] | None, stop: threading.Event | None) -> StageResult:
+    """:func:`stage_rank` once the rank's lock is held."""
+    from ..pinning import MappedFile, bind_to_node, gpu_numa_node
+
     nbytes = src.nbytes
     restaged_because = ""
     if not force and paths.image.exists():

@@ -1,0 +1,71 @@
+"""Host memory and staging as a hostile user meets them: two stagers of one rank, files that
+change under a read, odd sizes, full or missing memory, bad fds. Each ends in the right bytes or
+a clear error naming the numbers, never a ``.ready`` for partial bytes, and leaves no file or fd."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from flashboot.errors import FlashBootError
+from flashboot.flashload import shm as shm_files
+from flashboot.flashload import staging
+
+from _preload_helpers import make_tiny_image  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    return make_tiny_image(tmp_path_factory.mktemp("hostmem"))
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_second_stager_of_one_rank_is_refused_and_the_first_stages_whole_bytes(image, tmp_path, monkeypatch):
+    """Two stagers of one rank (two engines staging inline) each withdrew the other's ``.partial``
+    by name: the first to finish renamed the other's half-written file into place and wrote a
+    ``.ready`` for it (zero pages where the copy had not reached)."""
+    shm = tmp_path / "shm"
+    paths = shm_files.staged_paths(image, 0, shm)
+    want = shm_files.rank_source(image, 0).path.read_bytes()
+    real, first_fd, held, release = staging._preadv, [], threading.Event(), threading.Event()
+
+    def preadv(fd, buffers, off):  # the first stager stops after its first chunk until released
+        if not first_fd:
+            first_fd.append(fd)
+        if fd == first_fd[0] and off >= 8192:
+            held.set()
+            release.wait(60)
+        return real(fd, buffers, off)
+
+    monkeypatch.setattr(staging, "_preadv", preadv)
+    fds_before, out = _fds(), {}
+
+    def first() -> None:
+        try:
+            out["first"] = staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=1)
+        except BaseException as exc:  # handed to the assertions
+            out["first"] = exc
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert held.wait(60)
+    try:
+        with pytest.raises(FlashBootError, match="is being staged by another process") as e:
+            staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=1)
+        assert f"pid {os.getpid()}" in str(e.value) and str(paths.lock) in str(e.value)
+    finally:
+        release.set()
+        t.join(60)
+    assert isinstance(out["first"], staging.StageResult), out["first"]
+    assert paths.image.read_bytes() == want
+    assert shm_files.read_ready(paths.ready).nbytes == len(want)
+    assert sorted(p.name for p in paths.dir.iterdir()) == ["rank-0.img", "rank-0.ready"]
+    assert _fds() == fds_before
+    staging.unstage(image, shm_dir=shm)
