@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
-from flashboot.errors import CapabilityError, FlashBootError, UnknownNameError
+from flashboot.errors import CapabilityError, FlashBootError, MoverError, UnknownNameError
 
 from .base import Mover
 
@@ -32,8 +34,24 @@ def mover_class(name: str) -> type[Mover]:
 
 
 def create_mover(name: str, **options) -> Mover:
-    """Construct the mover registered as ``name``. Raises CapabilityError where it cannot run here."""
-    return mover_class(name)(**options)
+    """Construct the mover registered as ``name``. Raises CapabilityError where it cannot run here,
+    MoverError naming an option it does not take."""
+    cls = mover_class(name)
+    takes = _options(cls)
+    if options and takes is not None and not options.keys() <= set(takes):  # a raw TypeError named Mover.__init__
+        unknown = sorted(set(options) - set(takes))
+        raise MoverError(f"mover {name!r} takes no option {', '.join(map(repr, unknown))}; its options: "
+                         f"{', '.join(takes) or 'none'}")
+    return cls(**options)
+
+
+@functools.cache
+def _options(cls: type[Mover]) -> tuple[str, ...] | None:
+    """The keyword options ``cls`` takes, or None when it takes any (``**tuning``)."""
+    params = inspect.signature(cls).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return tuple(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 @dataclass(frozen=True)

@@ -92,3 +92,14 @@ def test_a_read_only_numpy_destination_is_refused():
     out = np.zeros(64, np.uint8)
     mover.copy(out, dst)  # a read-only source is fine
     assert not out.any()
+
+
+def test_an_option_a_mover_does_not_take_is_refused_naming_the_mover_and_its_options():
+    """create_mover("host", batch_streams=2) raised a raw TypeError naming Mover.__init__."""
+    with pytest.raises(MoverError, match=r"mover 'host' takes no option 'batch_streams'; its options: none"):
+        create_mover("host", batch_streams=2)
+    with pytest.raises(MoverError, match=r"mover 'host' takes no option 'batch_streams'"):
+        flashboot.movers.best_mover("cpu", batch_streams=2)
+    with pytest.raises(MoverError, match=r"mover 'copy_engine' takes no option 'batch_stream', 'merge'; its options: "
+                                         r"batch_streams, merge_contiguous"):
+        create_mover("copy_engine", batch_stream=4, merge=False)
