@@ -13,6 +13,7 @@ import flashboot
 import flashboot.arena.backing_host as host_backing
 from flashboot.errors import ArenaError, FlashBootError, OutOfMemoryError
 from flashboot.flashload import lifecycle
+from flashboot.flashload.lifecycle import SWAP_RELEASES
 
 from _preload_helpers import Daemon, make_tiny_image
 
@@ -323,13 +324,17 @@ def test_a_level1_backup_copy_failing_at_sleep_leaves_the_image_awake(image, mon
         assert loaded.wake().source == "backup" and snapshot(loaded) == before
 
 
-def test_swap_whose_release_fails_leaves_both_as_they_were_and_raises_it(image, tmp_path):
+@pytest.mark.parametrize("release", SWAP_RELEASES)
+def test_swap_whose_release_fails_leaves_both_as_they_were_and_raises_it(image, tmp_path, release):
+    """release="after" had woken the incoming image and then raised the outgoing one's refusal,
+    leaving both awake: the refusal comes before anything moves."""
     second = shutil.copytree(image, tmp_path / "second")
     with streamed(image) as a, streamed(second) as b:
         b.sleep(level=1)
         a.arena.share("holder 'engine-0'")
         with pytest.raises(ArenaError, match=r"cannot sleep: 1 other process\(es\) map it \(holder 'engine-0'"):
-            lifecycle.swap(a, b)
+            lifecycle.swap(a, b, release=release)
         assert not a.arena.asleep and b.arena.asleep and b.lifecycle.backup is not None
+        assert a.lifecycle is None or a.lifecycle.backup is None  # no backup taken for a sleep that cannot run
         a.arena.unshare("holder 'engine-0'")
         assert lifecycle.swap(a, b).wake.source == "backup" and arena_bytes(b) == image_bytes(image)

@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from ..errors import FlashBootError, OutOfMemoryError
+from ..errors import ArenaError, FlashBootError, OutOfMemoryError
 from ..memory import Span
 from ..units import check_timeout
 
@@ -604,6 +604,18 @@ def _handover_sleep(outgoing, level: int) -> SleepReport:
     return report
 
 
+def _check_can_sleep(arena) -> None:
+    """ArenaError before anything moves where ``arena``'s sleep would be refused (an importer, or
+    shared with a holder): release="after" had woken the incoming image first and then raised,
+    leaving both awake."""
+    if arena.asleep:
+        return
+    arena._check_sleepable()
+    if arena._shares:  # Arena.sleep's own refusal, asked before the swap starts
+        raise ArenaError(f"arena {arena.arena_id} cannot sleep: {len(arena._shares)} other process(es) map it "
+                         f"({'; '.join(sorted(arena._shares))}); release it there, then unshare()")
+
+
 def swap(outgoing, incoming, *, level: int = 2, release: str = "handover", **wake_options) -> SwapReport:
     """Put ``outgoing`` to sleep (``level``) and wake ``incoming`` (``wake_options`` as :func:`wake`).
 
@@ -630,6 +642,7 @@ def swap(outgoing, incoming, *, level: int = 2, release: str = "handover", **wak
             raise FlashBootError(f"{what} {loaded!r} is closed; there is nothing to swap")
     if outgoing is incoming:
         raise FlashBootError(f"swap needs two images; {outgoing!r} was given as both")
+    _check_can_sleep(outgoing.arena)
     t0 = time.perf_counter()
     _synchronize(outgoing.arena.device)  # the outgoing model's kernels end before its memory goes
     slept: list[SleepReport] = []
