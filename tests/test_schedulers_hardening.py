@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from flashboot.schedulers import PlanError, build_plan
+from flashboot.schedulers import PlanError, build_plan, list_schedules, register_schedule
+from flashboot.schedulers.chain import plan_chain
 
 
 # ------------------------------------------------------------------------------------- registry
@@ -25,3 +26,13 @@ def test_an_option_the_schedule_does_not_take_is_a_plan_error(schedule, options,
 def test_the_same_options_dict_still_reaches_the_planner_that_takes_it():
     plan = build_plan("ring", 3, 10, 2, options={"align_bytes": 1})
     assert sum(s.nbytes for s in plan.steps if s.kind == "h2d") == 10
+
+
+@pytest.mark.parametrize("name", [None, "", 3, " chain", "tree\n"])
+def test_a_schedule_name_that_is_not_a_plain_string_is_refused_and_the_registry_still_lists(name):
+    before = list_schedules()
+    with pytest.raises(PlanError, match="a schedule name must be a non-empty string"):
+        register_schedule(name)(plan_chain)
+    assert list_schedules() == before
+    with pytest.raises(KeyError, match="known: chain, ring, star"):
+        build_plan("broadcast-tree", 2, 10, 1)

@@ -16,6 +16,11 @@ _SCHEDULES: dict[str, Planner] = {}
 def register_schedule(name: str) -> Callable[[Planner], Planner]:
     """Decorator: register ``planner(n, total_bytes, chunk_bytes, **options) -> Plan`` as ``name``."""
 
+    # a name that is not a plain string would break list_schedules() and every unknown-name
+    # message (sorted() of mixed types), for every caller, not just this one
+    if not isinstance(name, str) or not name or name != name.strip():
+        raise PlanError(f"a schedule name must be a non-empty string without surrounding spaces, got {name!r}")
+
     def deco(planner: Planner) -> Planner:
         if name in _SCHEDULES and _SCHEDULES[name] is not planner:
             raise PlanError(f"schedule {name!r} is already registered by {_SCHEDULES[name].__module__}")
