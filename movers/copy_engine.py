@@ -48,7 +48,9 @@ class CopyEngineMover(Mover):
         the whole batch on the caller's stream. ``merge_contiguous``: a batch issues each run of
         chunks that continue one another in both ranges as one copy (a copy costs the engine ~5 us
         of device time on an H200 whatever its size, batched or not); False issues one per chunk."""
-        if not isinstance(batch_streams, int) or not 1 <= batch_streams <= MAX_BATCH_STREAMS:
+        # True is an int: it made one stream where "spread the batch" was meant
+        if not isinstance(batch_streams, int) or isinstance(batch_streams, bool) \
+                or not 1 <= batch_streams <= MAX_BATCH_STREAMS:
             raise MoverError(f"copy_engine: batch_streams must be an int in 1..{MAX_BATCH_STREAMS}, got {batch_streams!r}")
         if not isinstance(merge_contiguous, bool):
             raise MoverError(f"copy_engine: merge_contiguous must be a bool, got {merge_contiguous!r}")

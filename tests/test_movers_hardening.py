@@ -103,3 +103,11 @@ def test_an_option_a_mover_does_not_take_is_refused_naming_the_mover_and_its_opt
     with pytest.raises(MoverError, match=r"mover 'copy_engine' takes no option 'batch_stream', 'merge'; its options: "
                                          r"batch_streams, merge_contiguous"):
         create_mover("copy_engine", batch_stream=4, merge=False)
+
+
+@pytest.mark.parametrize("bad", [True, False, -1, 10**30, None])
+def test_copy_engine_refuses_a_bool_or_out_of_range_batch_stream_count(bad):
+    """True passed as an int: batch_streams=True made one stream (checked before availability,
+    so this runs without a GPU)."""
+    with pytest.raises(MoverError, match=re.escape(f"batch_streams must be an int in 1..16, got {bad!r}")):
+        create_mover("copy_engine", batch_streams=bad)
