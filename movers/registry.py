@@ -7,6 +7,7 @@ import inspect
 from dataclasses import dataclass
 
 from flashboot.errors import CapabilityError, FlashBootError, MoverError, UnknownNameError
+from flashboot.memory import PATHS
 
 from .base import Mover
 
@@ -19,6 +20,10 @@ def register_mover(cls: type[Mover]) -> type[Mover]:
         raise FlashBootError(f"{cls!r} is not a Mover subclass")
     if not cls.name or not cls.paths:
         raise FlashBootError(f"{cls.__name__} must set `name` and `paths`")
+    unknown = sorted(set(cls.paths) - set(PATHS))  # a typo ("H2D") registered a mover no copy could pick
+    if unknown:
+        raise FlashBootError(f"{cls.__name__} declares unknown path(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(PATHS)}")
     if cls.name in _MOVERS and _MOVERS[cls.name] is not cls:
         raise FlashBootError(f"mover {cls.name!r} is already registered by {_MOVERS[cls.name].__name__}")
     _MOVERS[cls.name] = cls

@@ -111,3 +111,17 @@ def test_copy_engine_refuses_a_bool_or_out_of_range_batch_stream_count(bad):
     so this runs without a GPU)."""
     with pytest.raises(MoverError, match=re.escape(f"batch_streams must be an int in 1..16, got {bad!r}")):
         create_mover("copy_engine", batch_streams=bad)
+
+
+def test_registering_a_mover_with_an_unknown_path_is_refused():
+    """paths={"H2D"} registered a mover that no copy, best_mover or movers_for would ever pick."""
+    from flashboot import FlashBootError
+    from flashboot.movers import Mover, register_mover
+    from flashboot.movers.registry import _MOVERS
+
+    class Typo(Mover):
+        name, paths = "typo_for_test", frozenset({"H2D", "host"})
+
+    with pytest.raises(FlashBootError, match=r"Typo declares unknown path\(s\) 'H2D'; known: h2d, d2h, d2d, p2p, host"):
+        register_mover(Typo)
+    assert "typo_for_test" not in _MOVERS
