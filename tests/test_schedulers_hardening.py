@@ -36,3 +36,20 @@ def test_a_schedule_name_that_is_not_a_plain_string_is_refused_and_the_registry_
     assert list_schedules() == before
     with pytest.raises(KeyError, match="known: chain, ring, star"):
         build_plan("broadcast-tree", 2, 10, 1)
+
+
+@pytest.mark.parametrize("model_types", ["llama2", ("llama2", ""), ["llama2"], ("llama2", None)])
+def test_a_family_whose_model_types_are_not_a_tuple_of_names_is_refused(model_types):
+    from flashboot.errors import FlashBootError
+    from flashboot.layouts.families import family_for, list_families, register_family
+    from flashboot.layouts.families.llama import LlamaFamily
+
+    class Llama2(LlamaFamily):
+        name = "llama2-probe"
+
+    Llama2.model_types = model_types
+    with pytest.raises(FlashBootError, match=r"family 'llama2-probe': model_types must be a tuple of non-empty "
+                                             r"strings, got " + __import__("re").escape(repr(model_types))):
+        register_family(Llama2)
+    assert "llama2-probe" not in list_families() and family_for("l").fallback
+

@@ -19,8 +19,13 @@ _BY_MODEL_TYPE: dict[str, str] = {}
 
 def register_family(cls: type[Family]) -> type[Family]:
     """Class decorator: register ``cls`` under ``cls.name`` and each of ``cls.model_types``."""
-    if not (isinstance(cls, type) and issubclass(cls, Family)) or not cls.name:
+    if not (isinstance(cls, type) and issubclass(cls, Family)) or not cls.name or not isinstance(cls.name, str):
         raise FlashBootError(f"{cls!r} is not a Family subclass with a name")
+    # ("llama2") is a string, not a tuple: it would claim model types 'l', 'a', 'm', ... and the
+    # model it was written for would fall back to generic with only a warning
+    if not isinstance(cls.model_types, tuple) or not all(isinstance(mt, str) and mt for mt in cls.model_types):
+        raise FlashBootError(f"family {cls.name!r}: model_types must be a tuple of non-empty strings, got "
+                             f"{cls.model_types!r}")
     if cls.name in _FAMILIES and _FAMILIES[cls.name] is not cls:
         raise FlashBootError(f"family {cls.name!r} is already registered by {_FAMILIES[cls.name].__name__}")
     for mt in cls.model_types:
