@@ -26,6 +26,7 @@ import triton.language as tl
 
 from flashboot.errors import MoverError, WaitTimeoutError
 from flashboot.memory import Span, span_of, stream_handle
+from flashboot.units import check_timeout
 
 from .launch import LaunchConfig, launch
 from .views import interpreting, require_kernel_memory, sm_count, span_tensor
@@ -182,8 +183,8 @@ class FlagChainCopy:
         """Start the copy for ``epoch`` on ``stream``; each chunk's wait gives up after ``timeout_s``."""
         import torch
 
-        if timeout_s <= 0:
-            raise MoverError(f"flag chain copy: timeout_s must be positive, got {timeout_s!r}")
+        # NaN passed "<= 0" and raised a raw ValueError making the kernel's wait; 1e12 s overflowed its int64
+        timeout_s = check_timeout(timeout_s, "flag chain copy: timeout_s", MoverError)
         epoch = int(np.int32(np.uint32(epoch & 0xFFFFFFFF)))  # the flags are int32 words
         handle = stream_handle(stream)
         self._timeout_s, self._handle = timeout_s, handle
@@ -240,6 +241,8 @@ class FlagChainCopy:
     def wait(self, *, watchdog_s: float | None = None) -> None:
         """Wait for the kernel (at most ``watchdog_s``, default the wait timeout plus 10 s, then
         abort it); WaitTimeoutError names the lowest chunk it could not copy."""
+        if watchdog_s is not None:  # NaN: no deadline was ever passed, the wait spun forever
+            watchdog_s = check_timeout(watchdog_s, "flag chain copy: watchdog_s", MoverError)
         if self._event is not None:
             limit = watchdog_s if watchdog_s is not None else self._timeout_s + 10.0
             if not self._event_within(limit):

@@ -4,6 +4,8 @@ next clone, and a predecessor that never raises one ends in a clean timeout nami
 Runs the kernel on a GPU when there is one, else under TRITON_INTERPRET=1 on host memory
 (programs run one after another there, so a stalled flag is found by counting polls)."""
 
+import re
+
 import pytest
 import torch
 
@@ -75,8 +77,16 @@ def test_bad_arguments_are_refused_with_the_numbers():
         FlagChainCopy(dst, seed, 1000, ready=flags(), done=flags())
     with pytest.raises(MoverError, match=r"the ready flags hold 4 int32 words .* 8 chunks need 8"):
         FlagChainCopy(dst, seed, CHUNK, ready=flags()[:4], done=flags())
-    with pytest.raises(MoverError, match="timeout_s must be positive"):
-        FlagChainCopy(dst, seed, CHUNK, ready=flags(), done=flags()).launch(1, stream=None, timeout_s=0)
+    copier = FlagChainCopy(dst, seed, CHUNK, ready=flags(), done=flags())
+    # NaN passed a "<= 0" check (on a GPU int(NaN * 1e9) raised a raw ValueError), inf overflowed
+    for bad in (0, -1, float("nan"), float("inf"), 1e12, "5", True):
+        with pytest.raises(MoverError, match=re.escape(f"flag chain copy: timeout_s must be a finite number of "
+                                                       f"seconds in (0, 1e+06], got {bad!r}")):
+            copier.launch(1, stream=None, timeout_s=bad)
+    for bad in (float("nan"), -1, float("inf")):  # NaN: a GPU's wait for the kernel never ended
+        with pytest.raises(MoverError, match=re.escape(f"flag chain copy: watchdog_s must be a finite number of "
+                                                       f"seconds in (0, 1e+06], got {bad!r}")):
+            copier.wait(watchdog_s=bad)
 
 
 @pytest.mark.gpu
