@@ -5,11 +5,12 @@ a clear error naming the numbers, never a ``.ready`` for partial bytes, and leav
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 
 import pytest
 
-from flashboot.errors import FlashBootError
+from flashboot.errors import FlashBootError, OutOfMemoryError
 from flashboot.flashload import shm as shm_files
 from flashboot.flashload import staging
 
@@ -69,3 +70,38 @@ def test_a_second_stager_of_one_rank_is_refused_and_the_first_stages_whole_bytes
     assert sorted(p.name for p in paths.dir.iterdir()) == ["rank-0.img", "rank-0.ready"]
     assert _fds() == fds_before
     staging.unstage(image, shm_dir=shm)
+
+
+def _mount_tmpfs(where, nbytes: int) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(where)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_tmpfs_with_room_for_the_image_but_not_its_ready_fails_by_name_and_leaves_nothing(image, tmp_path):
+    """/dev/shm with the image's bytes free and a page or so more: the copy took the last page and
+    the ``.ready`` write failed with a bare ENOSPC, leaving its temporary file and a whole
+    ``rank-0.img`` (memory held, never loadable) behind."""
+    want = shm_files.rank_source(image, 0).path.read_bytes()
+    seen = []
+    for pages in range(5):
+        shm = tmp_path / f"tmpfs{pages}"
+        if not _mount_tmpfs(shm, len(want) + pages * 4096):
+            pytest.skip("cannot mount a tmpfs here (not root?)")
+        try:
+            fds_before = _fds()
+            try:
+                staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=2)
+            except OutOfMemoryError as exc:
+                seen.append(str(exc))
+                assert f"{len(want):,}" in str(exc) or "rank-0.ready" in str(exc)
+                left = sorted(os.listdir(shm_files.staging_dir(image, shm)))
+                assert left == [], f"left behind: {left}"
+            else:
+                paths = shm_files.staged_paths(image, 0, shm)
+                assert paths.image.read_bytes() == want and shm_files.read_ready(paths.ready).nbytes == len(want)
+                assert sorted(p.name for p in paths.dir.iterdir()) == ["rank-0.img", "rank-0.ready"]
+            assert _fds() == fds_before
+        finally:
+            subprocess.run(["umount", "-l", str(shm)], check=False)
+    assert any("writing" in s and "rank-0.ready" in s and "staged copy removed" in s for s in seen), seen

@@ -287,11 +287,15 @@ file is outside bytes)."""
 def _write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to a temporary name and rename it into place: readers see all or nothing."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full tmpfs (ENOSPC at the flush): no half-written temporary left behind
+        _unlink_quietly(tmp)
+        raise
 
 
 def check_ready(info: ReadyInfo, source: RankSource) -> None:

@@ -346,7 +346,16 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
                       "fingerprint": checksum_fingerprint(cs.digests)},
             verified=verify, io_mode=mode, io_reason=reason, numa_node=node, numa_reason=numa_reason, threads=threads,
             read_s=read_s, staged_at=time.time(), pid=os.getpid())
-        _write_atomic(paths.ready, json.dumps(info.to_dict(), indent=1))
+        text = json.dumps(info.to_dict(), indent=1)
+        try:
+            _write_atomic(paths.ready, text)
+        except BaseException as exc:
+            _unlink_quietly(paths.image)  # never loaded without its .ready: it would only hold the memory
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:  # the copy took the last page
+                raise OutOfMemoryError(f"staging rank {rank} of {image_dir}: {paths.dir} filled up after the "
+                                       f"{nbytes:,} bytes were copied, writing {paths.ready} (staged copy removed)",
+                                       len(text), _fs_free_bytes(str(paths.dir))) from None
+            raise
         return StageResult(rank, nbytes, str(paths.image), mode, reason, node, numa_reason, threads, read_s, verify,
                            restaged_because=restaged_because)
     except _Full as full:
