@@ -118,7 +118,7 @@ def test_a_rolled_back_sleep_names_a_refit_it_could_not_keep():
 
     class Handle:
         def __init__(self, arena_id, fail):
-            self.fail, self.arena = fail, SimpleNamespace(arena_id=arena_id, nbytes=4096, closed=False)
+            self.fail, self.arena = fail, SimpleNamespace(arena_id=arena_id, nbytes=4096, closed=False, asleep=False)
 
         def sleep(self, level):
             if self.fail:

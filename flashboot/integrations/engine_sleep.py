@@ -114,16 +114,20 @@ def staying_weights() -> list:
 def sleep_engine_weights(level: int) -> list:
     """Put every arena handed over in this process to sleep: ``level`` 1 (pinned backup first) or 2
     (nothing kept). Returns their SleepReports (level 0 for one already asleep). All or none: if
-    one arena's sleep raises (that arena stays awake), the arenas this call put to sleep are woken
-    again before the error is raised, so the engine that is told the pause failed runs on whole
-    weights; a note on the error says so, or names the arenas a wake could not bring back."""
+    one arena's sleep raises, the arenas this call put to sleep (that one too, where its copy out
+    failed after its release had begun) are woken again before the error is raised, so the engine
+    that is told the pause failed runs on whole weights; a note on the error says so, or names the
+    arenas a wake could not bring back."""
     if type(level) is not int or level not in SLEEP_LEVELS:
         raise FlashBootError(f"sleep level must be 1 (keep a host backup) or 2 (keep nothing), got {level!r}")
     reports, slept = [], []
     for weights, staying in _alive():
+        was_asleep = weights.arena.asleep
         try:
             report = weights.handle.sleep(level)
         except BaseException as exc:
+            if not was_asleep and weights.arena.asleep:  # a copy out failed part-way: it slept without its bytes
+                slept.append((weights, staying))
             _wake_again(slept, exc)
             raise
         logger.info("flashboot: %s", report.summary())
