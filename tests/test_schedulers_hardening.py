@@ -53,3 +53,61 @@ def test_a_family_whose_model_types_are_not_a_tuple_of_names_is_refused(model_ty
         register_family(Llama2)
     assert "llama2-probe" not in list_families() and family_for("l").fallback
 
+
+
+# ------------------------------------------------------------------------------------- executor
+MiB = 1 << 20
+
+
+def _endpoints(plan, nbytes, data, arena_nbytes=None):
+    import numpy as np
+
+    from flashboot.arena import Arena
+    from flashboot.flashclone.executor import Endpoint, create_flags
+
+    eps = {}
+    for p in plan.participants:
+        a = Arena.create(arena_nbytes.get(p.index, nbytes) if arena_nbytes else nbytes, "cpu")
+        if p.role == "seed":
+            a.bytes().numpy()[: min(nbytes, a.nbytes)] = data[: a.nbytes]
+            eps[p.index] = Endpoint(p.index, p.name, a, None)
+        else:
+            eps[p.index] = Endpoint(p.index, p.name, a, create_flags(plan.flag_count(p.index), "cpu"))
+    assert all(isinstance(ep.arena.bytes().numpy(), np.ndarray) for ep in eps.values())
+    return eps
+
+
+def _close(eps):
+    for ep in eps.values():
+        for a in (ep.flags, ep.arena):
+            if a is not None and not a.closed:
+                a.close()
+
+
+def _flags(ep, count):
+    import numpy as np
+
+    return np.frombuffer(ep.flags.bytes().numpy(), np.uint32)[:count].tolist()
+
+
+@pytest.mark.parametrize("short,match", [
+    (1, r"step 4 writes bytes 2,097,152..3,145,728 into clone0, whose arena holds 2,097,152 bytes"),
+    (0, r"step 4 reads bytes 2,097,152..3,145,728 from seed, whose arena holds 2,097,152 bytes"),
+])
+def test_an_arena_shorter_than_the_plan_is_refused_before_any_byte_moves(short, match):
+    import numpy as np
+
+    from flashboot.errors import FlashBootError
+    from flashboot.flashclone.executor import Executor
+
+    nbytes = 3 * MiB
+    data = (np.arange(nbytes) % 251).astype(np.uint8)
+    plan = build_plan("chain", 2, nbytes, MiB)
+    eps = _endpoints(plan, nbytes, data, {short: 2 * MiB})
+    try:
+        with pytest.raises(FlashBootError, match=match):
+            Executor(plan, eps, [1, 2]).run()
+        assert _flags(eps[1], 3) == [0, 0, 0] and _flags(eps[2], 3) == [0, 0, 0]  # no chunk was vouched for
+        assert not eps[2].arena.bytes().numpy()[:nbytes].any()
+    finally:
+        _close(eps)

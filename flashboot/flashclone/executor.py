@@ -347,6 +347,17 @@ class Executor:
             if ep is None or ep.arena is None or ep.flags is None:
                 raise FlashBootError(f"local participant {i} needs an endpoint with its arena and flags")
         for s in self.steps:
+            # every range inside both arenas before the first copy: a short arena had failed midway,
+            # the earlier chunks copied and their flags raised, with the span's error naming no step
+            held = self.endpoints[s.dst].arena.nbytes
+            if s.end > held:
+                raise FlashBootError(f"step {s.id} writes bytes {s.offset:,}..{s.end:,} into {self._name(s.dst)}, "
+                                     f"whose arena holds {held:,} bytes")
+            if s.kind == "copy" and s.src in self.endpoints and self.endpoints[s.src].arena is not None:
+                held = self.endpoints[s.src].arena.nbytes
+                if s.end > held:
+                    raise FlashBootError(f"step {s.id} reads bytes {s.offset:,}..{s.end:,} from {self._name(s.src)}, "
+                                         f"whose arena holds {held:,} bytes")
             if s.kind == "h2d":
                 if self.host_image is None:
                     raise FlashBootError(f"step {s.id} loads bytes {s.offset:,}..{s.end:,} from the host image; "
