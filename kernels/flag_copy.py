@@ -28,6 +28,7 @@ from flashboot.errors import MoverError, WaitTimeoutError
 from flashboot.memory import Span, span_of, stream_handle
 from flashboot.units import check_timeout
 
+from .knobs import check_launch_knobs
 from .launch import LaunchConfig, launch
 from .views import interpreting, require_kernel_memory, sm_count, span_tensor
 
@@ -126,6 +127,20 @@ def _flag_config(block: int, timer: bool, num_warps: int) -> LaunchConfig:
                         num_warps, 1)
 
 
+def _flag_knobs(tuning: dict[str, Any]) -> dict[str, Any]:
+    """:data:`FLAG_TUNING` with ``tuning``'s overrides, checked (a misspelt knob was ignored, and a
+    block that is not a power of two failed inside Triton)."""
+    unknown = sorted(set(tuning) - set(FLAG_TUNING))
+    if unknown:
+        raise MoverError(f"flag chain copy: unknown tuning knob(s) {unknown}; known: {sorted(FLAG_TUNING)}")
+    knobs = {**FLAG_TUNING, **tuning}
+    bb = knobs["block_bytes"]
+    if not isinstance(bb, int) or isinstance(bb, bool) or bb < 16 or bb & (bb - 1):
+        raise MoverError(f"flag chain copy: block_bytes must be a power of two >= 16, got {bb!r}")
+    check_launch_knobs({**knobs, "num_stages": 1})  # num_stages is fixed at 1 (the loop waits on flags)
+    return knobs
+
+
 class FlagChainCopy:
     """One clone's flag-driven copy of ``src`` into ``dst`` in ``chunk_bytes`` chunks.
 
@@ -141,7 +156,7 @@ class FlagChainCopy:
 
         d, s = span_of(dst), span_of(src)
         nbytes = s.nbytes
-        self.knobs = {**FLAG_TUNING, **tuning}
+        self.knobs = _flag_knobs(tuning)
         n_chunks = -(-nbytes // chunk_bytes) if isinstance(chunk_bytes, int) and chunk_bytes > 0 else 0
         if n_chunks == 0 or chunk_bytes % 16 or nbytes % 8 or d.ptr % 16 or s.ptr % 16 or d.nbytes < nbytes:
             raise MoverError(f"flag chain copy: needs 16-byte aligned pointers (src {s.ptr:#x}, dst {d.ptr:#x}), "

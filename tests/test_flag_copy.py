@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from flashboot import MoverError, WaitTimeoutError
+from flashboot import FlashBootError, MoverError, WaitTimeoutError
 from flashboot._cuda import cuda_available
 from flashboot.kernels.flag_copy import FlagChainCopy
 
@@ -128,3 +128,19 @@ def test_two_gpus_clone_reads_its_predecessor_over_p2p():
     k1.wait()
     k2.wait()
     assert torch.equal(c2.cpu(), seed.cpu()) and bool((f2 == 4).all())
+
+
+def test_tuning_knobs_are_checked_naming_the_knob():
+    """A misspelt knob was ignored (block_byte=1024 ran with 32 KiB tiles) and a block that is not
+    a power of two failed inside Triton's interpreter or compiler."""
+    seed = words(6)
+    dst = torch.zeros_like(seed)
+    cases = [(dict(block_byte=1024), r"unknown tuning knob\(s\) \['block_byte'\]; known: \['block_bytes', 'num_warps', "
+                                     r"'programs_per_sm'\]"),
+             (dict(block_bytes=1000), r"block_bytes must be a power of two >= 16, got 1000"),
+             (dict(block_bytes=True), r"block_bytes must be a power of two >= 16, got True"),
+             (dict(num_warps=3), r"num_warps must be a power of two in 1..32, got 3"),
+             (dict(programs_per_sm=0), r"programs_per_sm must be a positive int, got 0")]
+    for tuning, message in cases:
+        with pytest.raises(FlashBootError, match=message):
+            FlagChainCopy(dst, seed, CHUNK, ready=flags(), done=flags(), **tuning)
