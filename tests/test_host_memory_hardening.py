@@ -5,6 +5,7 @@ a clear error naming the numbers, never a ``.ready`` for partial bytes, and leav
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import threading
 
@@ -105,3 +106,18 @@ def test_a_tmpfs_with_room_for_the_image_but_not_its_ready_fails_by_name_and_lea
         finally:
             subprocess.run(["umount", "-l", str(shm)], check=False)
     assert any("writing" in s and "rank-0.ready" in s and "staged copy removed" in s for s in seen), seen
+
+
+def test_an_image_folder_with_a_long_name_is_staged(image, tmp_path):
+    """The staging folder's name is the image folder's and a 12-digit tag: a folder name of more
+    than 242 bytes (255 is allowed) made it too long to create, and staging failed with a bare
+    ENAMETOOLONG from the error path of the folder's creation."""
+    want = shm_files.rank_source(image, 0).path.read_bytes()
+    for name in ("x" * 250, "€" * 84):  # 252 bytes: a cut inside a character drops it
+        long_dir = tmp_path / name
+        shutil.copytree(image, long_dir)
+        r = staging.stage_rank(long_dir, 0, shm_dir=tmp_path / "shm")
+        paths = shm_files.staged_paths(long_dir, 0, tmp_path / "shm")
+        assert r.staged == str(paths.image) and paths.image.read_bytes() == want
+        assert len(os.fsencode(paths.dir.name)) <= 255 and paths.dir.name.startswith(name[:80])
+        assert staging.unstage(long_dir, shm_dir=tmp_path / "shm")

@@ -95,7 +95,14 @@ def staging_dir(image_dir: str | os.PathLike, shm_dir: str | os.PathLike | None 
     names the same directory finds the same staged files."""
     real = os.path.realpath(image_dir)
     tag = hashlib.sha256(real.encode()).hexdigest()[:12]
-    return shm_root(shm_dir) / f"{os.path.basename(real.rstrip('/')) or 'image'}-{tag}"
+    # the name is only a label (the tag is the key): cut to fit NAME_MAX with the tag, or an image
+    # folder of more than 242 bytes could never be staged (ENAMETOOLONG)
+    label = os.fsencode(os.path.basename(real.rstrip('/')))[:_NAME_MAX - 1 - len(tag)]
+    return shm_root(shm_dir) / f"{label.decode(errors='ignore') or 'image'}-{tag}"
+
+
+_NAME_MAX = 255
+"""The longest file name, in bytes, the filesystems of the shm root take."""
 
 
 @dataclass(frozen=True)
