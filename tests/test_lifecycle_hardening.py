@@ -54,3 +54,29 @@ def test_an_engine_wide_sleep_whose_failed_arena_went_to_sleep_wakes_it_again(pa
     finally:
         first.close()
         second.close()
+
+
+def test_a_refit_version_woken_from_the_backup_with_verify_is_not_checked_against_the_image(tmp_path):
+    """The image's checksums are version 0's: verify=True had failed a refit version's backup,
+    kept whole, as a ChecksumMismatchError and put it back to sleep. A wake from the image is
+    still verified (and says the refit is lost)."""
+    from _preload_helpers import make_tiny_image
+
+    import flashboot
+
+    image = make_tiny_image(tmp_path)
+    with flashboot.load(image, 0, "cpu", stream=True) as loaded:
+        name, tensor = next((n, t) for n, t in loaded.tensors.items() if t.is_floating_point())
+        tensor.add_(1.0)  # what a refit leaves: other bytes under the same views, a version > 0
+        loaded.version = 3
+        refit = {n: t.clone() for n, t in loaded.tensors.items()}
+        loaded.sleep(level=1)
+        woke = loaded.wake(verify=True)
+        assert woke.source == "backup" and not loaded.arena.asleep and loaded.version == 3
+        assert woke.details["verify_skipped"] == ("the backup holds refit version 3; the image's checksums describe "
+                                                  "version 0") and "not verified: the backup holds refit" in woke.summary()
+        assert all(torch.equal(loaded.tensors[n], t) for n, t in refit.items())
+        loaded.sleep(level=2)
+        woke = loaded.wake(verify=True, shm_dir=tmp_path / "no-shm")
+        assert woke.source == "disk" and woke.verify_ms > 0 and "verify_skipped" not in woke.details
+        assert woke.details["refit_version_lost"] == 3 and loaded.version == 0

@@ -109,6 +109,7 @@ class WakeReport:
         skipped = "".join(f"; not {k}: {v}" for k, v in self.not_used.items())
         lost = self.details.get("refit_version_lost")
         lost = (f"; the image's weights (version 0) replace refit version {lost}: refit again" if lost else "")
+        skipped += f"; not verified: {self.details['verify_skipped']}" if "verify_skipped" in self.details else ""
         return (f"wake of {self.nbytes:,} bytes on {self.device} from {self.source}: {self.total_ms:.1f} ms (map "
                 f"{self.map_ms:.2f} ms, copy {self.copy_ms:.1f} ms at {self.gbps:.1f} GB/s, sync {self.sync_ms:.1f} ms)"
                 f"{skipped}{lost}")
@@ -454,7 +455,9 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     ``keep_backup``: keep the level-1 backup for the next ``sleep(level=1)`` (no new pin then)
     instead of freeing it. ``shm_dir``: the preloader's staging root, when not the default.
     ``served_timeout_s``: how long to wait for the daemon's socket. ``verify``: recompute the
-    chunk checksums after the copy. Waking an awake image is a no-op (source ``"awake"``).
+    chunk checksums after the copy (not for a refit version from the backup: the image's checksums
+    are version 0's; ``details["verify_skipped"]`` says so). Waking an awake image is a no-op
+    (source ``"awake"``).
     ``meanwhile``: called once while the bytes are being copied (served: while the daemon copies;
     backup: once every segment's copy is issued), or after a source that copies synchronously
     (disk); never when the wake fails before a copy starts or the image is awake (:func:`swap`
@@ -533,7 +536,12 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
         else:
             tried = "every source failed" if not arena.asleep else "no source has the bytes"
             raise FlashBootError(f"{where}: {tried}; " + "; ".join(f"{s}: {why}" for s, why in report.not_used.items()))
-        if verify:
+        if verify and report.source == "backup" and loaded.version:
+            # the image's checksums are version 0's: checked against them, a refit's bytes kept
+            # whole by the backup had failed as a ChecksumMismatchError and the wake was undone
+            report.details["verify_skipped"] = (f"the backup holds refit version {loaded.version}; the image's "
+                                                "checksums describe version 0")
+        elif verify:
             from .landing import verify_loaded
 
             tv = time.perf_counter()
