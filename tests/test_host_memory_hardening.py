@@ -121,3 +121,12 @@ def test_an_image_folder_with_a_long_name_is_staged(image, tmp_path):
         assert r.staged == str(paths.image) and paths.image.read_bytes() == want
         assert len(os.fsencode(paths.dir.name)) <= 255 and paths.dir.name.startswith(name[:80])
         assert staging.unstage(long_dir, shm_dir=tmp_path / "shm")
+
+
+def test_a_shm_dir_with_a_name_too_long_is_refused_by_name(image, tmp_path):
+    """The error path of the staging folder's creation looked for what stood in the way with
+    ``Path.exists``, which raises for a name past NAME_MAX: a bare ENAMETOOLONG instead."""
+    shm = tmp_path / ("y" * 300) / "sub"
+    with pytest.raises(FlashBootError, match=r"cannot create the staging folder .*\(File name too long\); use another "
+                                             r"--shm-dir"):
+        staging.stage_rank(image, 0, shm_dir=shm)

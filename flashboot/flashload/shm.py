@@ -142,12 +142,20 @@ def make_dir(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        blocker = next((p for p in (path, *path.parents) if p.exists()), None)
+        blocker = next((p for p in (path, *path.parents) if _exists(p)), None)
         why = (f"{blocker} is not a directory" if blocker is not None and not blocker.is_dir() else
                f"{blocker} takes no new folder {exc.filename} ({exc.strerror})")
         raise FlashBootError(f"cannot create the staging folder {path}: {why}; use another --shm-dir (or "
                              f"${SHM_ENV})") from None
     return path
+
+
+def _exists(path: Path) -> bool:
+    """``path.exists()``, False where even the stat fails (a name longer than NAME_MAX)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 SUN_PATH_MAX = 107
