@@ -153,6 +153,10 @@ def _prepare(dst: Any, src: Any, nbytes: int | None) -> tuple[Span, Span, int]:
         nbytes = s.nbytes
     if not isinstance(nbytes, int) or nbytes < 0 or nbytes > s.nbytes or nbytes > d.nbytes:
         raise FlashBootError(f"cannot copy {nbytes!r} bytes from a {s.nbytes:,}-byte source to a {d.nbytes:,}-byte destination")
+    if d.device == s.device and d.ptr < s.ptr + nbytes and s.ptr < d.ptr + nbytes:
+        # the programs copy tiles in any order: a forward overlap read tiles already overwritten
+        raise MoverError(f"cannot copy {nbytes:,} bytes from {s.ptr:#x} to {d.ptr:#x} on {d.device}: the ranges overlap; "
+                         "copy through a separate buffer")
     return d, s, nbytes
 
 

@@ -83,6 +83,7 @@ class TritonSMMover(Mover):
     name = "triton_sm"
     paths = frozenset({"d2d", "p2p"})
     alignment = 1
+    overlap = False
     batched = "one launch over a device-side descriptor table"
 
     def __init__(self, **tuning: Any) -> None:

@@ -30,6 +30,7 @@ class TritonTMAMover(Mover):
     name = "triton_tma"
     paths = frozenset({"d2d", "p2p"})
     alignment = 1
+    overlap = False
     batched = ("one launch of a Gluon TMA ring over the chunks' whole 32 KiB boxes (shared memory straight "
                "to global), the rest through a device-side descriptor table; 16-byte aligned chunks")
 

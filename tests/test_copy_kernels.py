@@ -83,6 +83,23 @@ def test_copy_rejects_overruns():
         kc.tma_copy(d.sub(0, 40), s, 50, stream=None)
 
 
+@pytest.mark.parametrize("copy", [kc.sm_copy, kc.tma_copy])
+@pytest.mark.parametrize("shift", [16, -16, 0])
+def test_overlapping_ranges_are_refused(copy, shift):
+    """The programs copy tiles in any order: a forward overlap (shift 16) read tiles it had already
+    overwritten and returned wrong bytes without an error."""
+    buf = torch.arange(4096, dtype=torch.int32, device=KERNEL_DEVICE).view(torch.uint8)
+    before = buf.clone()
+    whole = span_of(buf)
+    s, d = whole.sub(1024, 2048), whole.sub(1024 + shift, 2048)
+    with pytest.raises(MoverError, match=rf"cannot copy 2,048 bytes from {s.ptr:#x} to {d.ptr:#x} on "
+                                         rf"{whole.device}: the ranges overlap"):
+        copy(d, s, stream=None, **SMALL)
+    assert torch.equal(buf, before)
+    copy(whole.sub(0, 1024), whole.sub(1024, 1024), stream=None, **SMALL)  # adjacent ranges do not overlap
+    assert torch.equal(buf[:1024], before[1024:2048])
+
+
 def test_tuning_knobs_checked():
     _, dst, s, d = make_pair(100, 0, 0)
     with pytest.raises(FlashBootError, match=r"unknown tuning knob\(s\) \['blocks'\]"):

@@ -125,3 +125,32 @@ def test_registering_a_mover_with_an_unknown_path_is_refused():
     with pytest.raises(FlashBootError, match=r"Typo declares unknown path\(s\) 'H2D'; known: h2d, d2h, d2d, p2p, host"):
         register_mover(Typo)
     assert "typo_for_test" not in _MOVERS
+
+
+@pytest.mark.parametrize("name", ["triton_sm", "triton_tma"])
+def test_triton_movers_refuse_overlapping_ranges(name):
+    """Their kernels copy tiles in any order (sm_copy under the interpreter returned wrong bytes for a
+    forward overlap); the copy went ahead without an error. Validation runs before any launch, so
+    a mover built without its availability check shows it on host buffers labelled cuda:0."""
+    from flashboot import Device
+    from flashboot.memory import Span
+    from flashboot.movers import mover_class
+
+    cls = mover_class(name)
+    mover = cls.__new__(cls)
+    buf = np.zeros(8192, np.uint8)
+    whole = Span(buf.ctypes.data, buf.nbytes, Device("cuda", 0))
+    src, dst = whole.sub(0, 4096), whole.sub(16, 4096)
+    with pytest.raises(MoverError, match=rf"{name}: the destination {dst.ptr:#x} and the source {src.ptr:#x} overlap "
+                                         r"\(4,096 bytes on cuda:0\)"):
+        mover.copy(dst, src, stream=None)
+    with pytest.raises(MoverError, match=rf"{name}: the destination .* overlap \(16 bytes on cuda:0\)"):
+        mover.copy(whole.sub(4, 16), whole.sub(0, 16), stream=None)
+
+
+def test_the_host_mover_still_copies_overlapping_ranges_like_memmove():
+    buf = pattern(4096)
+    expected = buf.copy()
+    expected[16:16 + 2048] = buf[:2048]
+    create_mover("host").copy(buf[16:], buf[:2048], 2048)
+    assert np.array_equal(buf, expected)
