@@ -80,3 +80,32 @@ def test_a_refit_version_woken_from_the_backup_with_verify_is_not_checked_agains
         woke = loaded.wake(verify=True, shm_dir=tmp_path / "no-shm")
         assert woke.source == "disk" and woke.verify_ms > 0 and "verify_skipped" not in woke.details
         assert woke.details["refit_version_lost"] == 3 and loaded.version == 0
+
+
+@pytest.mark.parametrize("options, error", [
+    ({"shmdir": "/tmp/x"}, r"unknown swap option\(s\) \['shmdir'\]; known: level, release, source, keep_backup, "
+                           r"shm_dir, served_timeout_s, stream_config, verify"),
+    ({"meanwhile": print}, r"unknown swap option\(s\) \['meanwhile'\]"),
+    ({"source": "gpu"}, "unknown wake source 'gpu'"),
+    ({"served_timeout_s": float("nan")}, r"wake served_timeout_s must be a finite number of seconds .*, got nan"),
+])
+def test_a_swap_with_a_bad_wake_option_moves_nothing(tmp_path, options, error):
+    """The incoming wake had refused these (a raw TypeError for a misspelt keyword) after the
+    outgoing image, the one serving, had gone to sleep (release="before", the host's handover)."""
+    import shutil
+
+    from _preload_helpers import make_tiny_image
+
+    import flashboot
+    from flashboot.errors import FlashBootError
+
+    image = make_tiny_image(tmp_path)
+    second = shutil.copytree(image, tmp_path / "second")
+    with flashboot.load(image, 0, "cpu", stream=True) as a, flashboot.load(second, 0, "cpu", stream=True) as b:
+        want = {n: (t.data_ptr(), t.clone()) for n, t in a.tensors.items()}
+        b.sleep(level=1)
+        for release in lifecycle.SWAP_RELEASES:
+            with pytest.raises(FlashBootError, match=error):
+                lifecycle.swap(a, b, release=release, **options)
+            assert not a.arena.asleep and b.arena.asleep and b.lifecycle.backup is not None
+        assert all(t.data_ptr() == p and torch.equal(t, v) for (n, t), (p, v) in zip(a.tensors.items(), want.values()))

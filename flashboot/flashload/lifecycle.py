@@ -446,6 +446,13 @@ def _wake_from_backup(loaded, backup: HostBackup, report: WakeReport, meanwhile:
         report.details["first_copy_issued_ms"] = (first_issued[0] - t0) * 1e3
 
 
+def _check_wake_options(source: str = "auto", served_timeout_s: float = 10.0, **_) -> None:
+    if source != "auto" and source not in SOURCES:
+        raise FlashBootError(f"unknown wake source {source!r}; known: auto, {', '.join(SOURCES)}")
+    # inf had raised a raw OverflowError from the daemon's client, a str a TypeError, NaN a timeout "within nan s"
+    check_timeout(served_timeout_s, "wake served_timeout_s")
+
+
 def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=None, served_timeout_s: float = 10.0,
          stream_config=None, verify: bool = False, meanwhile: Callable[[], None] | None = None,
          _donor=None) -> WakeReport:
@@ -474,10 +481,7 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     daemon or the disk brings the image's weights back, sets ``loaded.version`` to 0 and says so
     (``details["refit_version_lost"]``, the summary); refit again then.
     """
-    if source != "auto" and source not in SOURCES:
-        raise FlashBootError(f"unknown wake source {source!r}; known: auto, {', '.join(SOURCES)}")
-    # inf had raised a raw OverflowError from the daemon's client, a str a TypeError, NaN a timeout "within nan s"
-    check_timeout(served_timeout_s, "wake served_timeout_s")
+    _check_wake_options(source, served_timeout_s)
     arena = loaded.arena
     if arena.closed:
         raise FlashBootError(f"{loaded!r} is closed; there is nothing to wake")
@@ -564,6 +568,8 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
 
 
 # ================================================================================= swap
+SWAP_WAKE_OPTIONS = ("source", "keep_backup", "shm_dir", "served_timeout_s", "stream_config", "verify")
+"""The options of :func:`wake` that :func:`swap` passes on to the incoming image's."""
 SWAP_RELEASES = ("handover", "during", "after", "before")
 """How :func:`swap` gives the outgoing image's memory up: its segments handed to the incoming
 image (no memory freed or allocated), or released during, after or before the incoming copy."""
@@ -650,6 +656,12 @@ def swap(outgoing, incoming, *, level: int = 2, release: str = "handover", **wak
             raise FlashBootError(f"{what} {loaded!r} is closed; there is nothing to swap")
     if outgoing is incoming:
         raise FlashBootError(f"swap needs two images; {outgoing!r} was given as both")
+    # before anything moves: a misspelt or bad wake option had been refused by the incoming wake,
+    # after the outgoing image had gone to sleep (release="before")
+    unknown = sorted(set(wake_options) - set(SWAP_WAKE_OPTIONS))
+    if unknown:
+        raise FlashBootError(f"unknown swap option(s) {unknown}; known: level, release, {', '.join(SWAP_WAKE_OPTIONS)}")
+    _check_wake_options(**wake_options)
     _check_can_sleep(outgoing.arena)
     t0 = time.perf_counter()
     _synchronize(outgoing.arena.device)  # the outgoing model's kernels end before its memory goes
@@ -688,5 +700,5 @@ def swap(outgoing, incoming, *, level: int = 2, release: str = "handover", **wak
     return SwapReport(sleep=slept[0], wake=woke, released=released, why=why, total_ms=(time.perf_counter() - t0) * 1e3)
 
 
-__all__ = ["HostBackup", "SOURCES", "SWAP_RELEASES", "SleepReport", "SwapReport", "WakeReport", "close_lifecycle",
+__all__ = ["HostBackup", "SOURCES", "SWAP_RELEASES", "SWAP_WAKE_OPTIONS", "SleepReport", "SwapReport", "WakeReport", "close_lifecycle",
            "sleep", "swap", "wake"]
