@@ -3,6 +3,8 @@ failure left an arena asleep, and the other edges of sleep, wake, swap and resta
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -109,3 +111,38 @@ def test_a_swap_with_a_bad_wake_option_moves_nothing(tmp_path, options, error):
                 lifecycle.swap(a, b, release=release, **options)
             assert not a.arena.asleep and b.arena.asleep and b.lifecycle.backup is not None
         assert all(t.data_ptr() == p and torch.equal(t, v) for (n, t), (p, v) in zip(a.tensors.items(), want.values()))
+
+
+@pytest.mark.parametrize("level, source", [(1, "backup"), (2, "disk")])
+def test_a_swap_whose_incoming_wake_fails_wakes_the_outgoing_image_again(tmp_path, level, source):
+    """The incoming image's file is gone: the swap had left the outgoing image, the one serving,
+    asleep too (and at level 2 its bytes discarded). It is woken again at its addresses, and the
+    error says so; where that fails too, the error says why and it stays asleep."""
+    import os
+    import shutil
+
+    from _preload_helpers import make_tiny_image
+
+    import flashboot
+    from flashboot.errors import FlashBootError
+
+    image = make_tiny_image(tmp_path)
+    second = shutil.copytree(image, tmp_path / "second")
+    with flashboot.load(image, 0, "cpu", stream=True) as a, flashboot.load(second, 0, "cpu", stream=True) as b:
+        want = {n: (t.data_ptr(), t.clone()) for n, t in a.tensors.items()}
+        b.sleep(level=2)
+        os.rename(b.source.path, tmp_path / "away")
+        with pytest.raises(FlashBootError, match="no source has the bytes") as failed:
+            lifecycle.swap(a, b, level=level, shm_dir=tmp_path / "no-shm")
+        notes = "\n".join(getattr(failed.value, "__notes__", []))
+        assert f"the outgoing image {a!r} was woken again, from {source}" == notes
+        assert not a.arena.asleep and b.arena.asleep
+        assert all(t.data_ptr() == want[n][0] and torch.equal(t, want[n][1]) for n, t in a.tensors.items())
+        if level == 2:  # neither can be woken: the error says why, both stay asleep
+            os.rename(a.source.path, tmp_path / "away-too")
+            with pytest.raises(FlashBootError, match="no source has the bytes") as failed:
+                lifecycle.swap(a, b, level=level, shm_dir=tmp_path / "no-shm")
+            assert re.fullmatch(rf"the outgoing image {re.escape(repr(a))} could not be woken again and stays asleep: "
+                                r"FlashBootError: waking rank 0 of .*: no source has the bytes; .*disk: the image file "
+                                r".* is gone", "\n".join(failed.value.__notes__))
+            assert a.arena.asleep and b.arena.asleep

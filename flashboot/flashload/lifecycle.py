@@ -630,6 +630,21 @@ def _check_can_sleep(arena) -> None:
                          f"({'; '.join(sorted(arena._shares))}); release it there, then unshare()")
 
 
+def _wake_outgoing_again(outgoing, exc: BaseException, wake_options: dict) -> None:
+    """Wake ``outgoing`` after the incoming wake of a :func:`swap` failed; a note on ``exc`` says
+    from where, or why it could not be."""
+    options = {k: v for k, v in wake_options.items() if k in ("shm_dir", "served_timeout_s", "stream_config")}
+    try:
+        report = wake(outgoing, **options)
+    except Exception as again:  # noqa: BLE001 - named on the error being raised
+        exc.add_note(f"the outgoing image {outgoing!r} could not be woken again and stays asleep: "
+                     f"{type(again).__name__}: {again}")
+        return
+    lost = report.details.get("refit_version_lost")
+    exc.add_note(f"the outgoing image {outgoing!r} was woken again, from {report.source}"
+                 + (f"; its refit version {lost} is lost (the image's weights are back): refit again" if lost else ""))
+
+
 def swap(outgoing, incoming, *, level: int = 2, release: str = "handover", **wake_options) -> SwapReport:
     """Put ``outgoing`` to sleep (``level``) and wake ``incoming`` (``wake_options`` as :func:`wake`).
 
@@ -642,8 +657,11 @@ def swap(outgoing, incoming, *, level: int = 2, release: str = "handover", **wak
     ``incoming``'s arena beside the outgoing one: ``"during"`` the incoming copy (:func:`wake`'s
     ``meanwhile``), ``"after"`` it, or ``"before"`` the wake (the plain sleep-then-wake); without
     that room it is ``"before"``, and the report says why. Errors as :func:`sleep` and
-    :func:`wake`; when the wake fails, ``incoming`` stays asleep and ``outgoing`` is asleep if its
-    sleep had run or its segments were handed over (:attr:`Arena.asleep` tells).
+    :func:`wake`, the wake options checked before anything moves; when the wake fails,
+    ``incoming`` stays asleep and ``outgoing``, if its sleep had run or its segments were handed
+    over, is woken again (from its backup at level 1, else the daemon or the disk; ``shm_dir``,
+    ``served_timeout_s`` and ``stream_config`` as given): a note on the error says from where, or
+    why it could not be and stays asleep (:attr:`Arena.asleep` tells).
     """
     from ..pinning import device_free_bytes
 
@@ -682,23 +700,29 @@ def swap(outgoing, incoming, *, level: int = 2, release: str = "handover", **wak
             f"{incoming_arena.device} has {free:,} bytes free; the incoming arena needs {need:,} beside the outgoing "
             "one's" if need > free else "")
     released = "before" if why else release
-    if released == "handover":
-        handing = _handover_sleep(outgoing, level)
-        woke = wake(incoming, _donor=outgoing.arena, **wake_options)
-        _state(outgoing).level = level
-        parts = woke.details.get("wake", {})
-        handing.release_ms = parts.get("donor_ms", 0.0)
-        handing.release_parts = {"donor_ms": handing.release_ms}
-        handing.total_ms = handing.backup_ms + handing.release_ms
-        slept.append(handing)
-    else:
-        if released == "before":
-            release_outgoing()
-        woke = wake(incoming, meanwhile=release_outgoing if released == "during" else None, **wake_options)
-        if released == "after":
-            release_outgoing()
+    serving = not outgoing.arena.asleep
+    try:
+        if released == "handover":
+            handing = _handover_sleep(outgoing, level)
+            woke = wake(incoming, _donor=outgoing.arena, **wake_options)
+            _state(outgoing).level = level
+            parts = woke.details.get("wake", {})
+            handing.release_ms = parts.get("donor_ms", 0.0)
+            handing.release_parts = {"donor_ms": handing.release_ms}
+            handing.total_ms = handing.backup_ms + handing.release_ms
+            slept.append(handing)
+        else:
+            if released == "before":
+                release_outgoing()
+            woke = wake(incoming, meanwhile=release_outgoing if released == "during" else None, **wake_options)
+            if released == "after":
+                release_outgoing()
+    except Exception as exc:
+        if serving and outgoing.arena.asleep and incoming.arena.asleep:
+            _wake_outgoing_again(outgoing, exc, wake_options)  # the failed swap had left neither image awake
+        raise
     return SwapReport(sleep=slept[0], wake=woke, released=released, why=why, total_ms=(time.perf_counter() - t0) * 1e3)
 
 
-__all__ = ["HostBackup", "SOURCES", "SWAP_RELEASES", "SWAP_WAKE_OPTIONS", "SleepReport", "SwapReport", "WakeReport", "close_lifecycle",
-           "sleep", "swap", "wake"]
+__all__ = ["HostBackup", "SOURCES", "SWAP_RELEASES", "SWAP_WAKE_OPTIONS", "SleepReport", "SwapReport", "WakeReport",
+           "close_lifecycle", "sleep", "swap", "wake"]
