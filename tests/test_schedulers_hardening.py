@@ -111,3 +111,57 @@ def test_an_arena_shorter_than_the_plan_is_refused_before_any_byte_moves(short, 
         assert not eps[2].arena.bytes().numpy()[:nbytes].any()
     finally:
         _close(eps)
+
+
+class _FailingMover:
+    """The host mover, failing at its ``at``-th copy (a disk or driver error midway)."""
+
+    def __new__(cls, at):
+        from flashboot.movers.host import HostMover
+
+        class Failing(HostMover):
+            def __init__(self):
+                super().__init__()
+                self.calls = 0
+
+            def copy(self, *a, **k):
+                self.calls += 1
+                if self.calls == at:
+                    raise OSError(5, "Input/output error")
+                return super().copy(*a, **k)
+
+        return Failing()
+
+
+@pytest.mark.parametrize("schedule,at,match", [
+    ("chain", 3, r"chain step 4 \(bytes 2,000..3,000 from seed into clone0\): mover host failed: OSError: "
+                 r"\[Errno 5\] Input/output error"),
+    ("ring", 2, r"ring step \d+ \(bytes [\d,]+..[\d,]+ from (the host image|shard\d) into shard\d\): mover host failed"),
+])
+def test_a_mover_failing_midway_names_the_step_its_bytes_and_both_ends(schedule, at, match):
+    import threading
+
+    import numpy as np
+
+    from flashboot.errors import FlashBootError
+    from flashboot.flashclone.executor import Executor
+    from flashboot.memory import span_of
+
+    nbytes = 10_000
+    data = (np.arange(nbytes) % 251).astype(np.uint8)
+    plan = build_plan(schedule, 2, nbytes, 1000, **({"align_bytes": 1} if schedule == "ring" else {}))
+    eps = _endpoints(plan, nbytes, data)
+    threads = threading.active_count()
+    try:
+        receivers = [1] if schedule == "chain" else [0, 1]  # chain: one lane, its copies in order
+        mover = _FailingMover(at)
+        with pytest.raises(FlashBootError, match=match) as failed:
+            Executor(plan, eps, receivers, mover=mover, h2d_mover=mover if schedule == "ring" else None,
+                     host_image=span_of(data), timeout_s=5).run()
+        assert isinstance(failed.value.__cause__, OSError)
+        assert threading.active_count() == threads  # every lane stopped
+        if schedule == "chain":  # two chunks copied and vouched for, the failed step raised no flag
+            assert _flags(eps[1], 4) == [1, 1, 0, 0]
+            assert np.array_equal(eps[1].arena.bytes().numpy()[:2000], data[:2000])
+    finally:
+        _close(eps)

@@ -417,7 +417,19 @@ class Executor:
         """Copy the steps of one unit: one ``mover.copy`` for a single step or a run of steps that
         continue one another (nothing waits between them: a star's or a refit's whole image is
         one copy, as the copy engine's batch would merge it, without building a batch), batches
-        otherwise."""
+        otherwise. A mover's failure is raised naming the steps, their bytes and both ends (the
+        mover's own error names neither the plan's step nor the participants)."""
+        try:
+            self._copy_steps(unit, stream)
+        except Exception as exc:
+            s, last = unit[0], unit[-1]
+            which = f"step {s.id}" if len(unit) == 1 else f"steps {s.id}..{last.id}"
+            lo, hi = min(u.offset for u in unit), max(u.end for u in unit)
+            mover = getattr(self.h2d_mover if s.kind == "h2d" else self.mover, "name", "?")
+            raise FlashBootError(f"{self.plan.schedule} {which} (bytes {lo:,}..{hi:,} from {self._name(s.src)} into "
+                                 f"{self._name(s.dst)}): mover {mover} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _copy_steps(self, unit: Sequence[Step], stream: Any) -> None:
         s = unit[0]
         mover = self.h2d_mover if s.kind == "h2d" else self.mover
         dst_arena = self.endpoints[s.dst].arena
