@@ -165,3 +165,26 @@ def test_a_mover_failing_midway_names_the_step_its_bytes_and_both_ends(schedule,
             assert np.array_equal(eps[1].arena.bytes().numpy()[:2000], data[:2000])
     finally:
         _close(eps)
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), -1, 0, float("inf"), "5"])
+def test_a_timeout_that_is_not_a_positive_finite_number_is_refused_before_any_lane_starts(timeout_s):
+    import threading
+
+    import numpy as np
+
+    from flashboot.errors import FlashBootError
+    from flashboot.flashclone.executor import Executor
+
+    nbytes = 10_000
+    data = (np.arange(nbytes) % 251).astype(np.uint8)
+    plan = build_plan("chain", 2, nbytes, 1000)
+    eps = _endpoints(plan, nbytes, data)
+    threads = threading.active_count()
+    try:
+        with pytest.raises(FlashBootError, match=r"Executor timeout_s must be a finite number of seconds in "
+                                                 r"\(0, 1e\+06\], got " + __import__("re").escape(repr(timeout_s))):
+            Executor(plan, eps, [2], timeout_s=timeout_s).run()  # clone1 alone waits on clone0's flags
+        assert threading.active_count() == threads
+    finally:
+        _close(eps)

@@ -43,6 +43,7 @@ from .. import _cuda
 from ..errors import FlashBootError, WaitTimeoutError
 from ..memory import Device, Span
 from ..schedulers import HOST, Plan, Step
+from ..units import check_timeout
 
 FLAG_BYTES = 4
 DEFAULT_TIMEOUT_S = 60.0
@@ -308,7 +309,9 @@ class Executor:
         self.plan = plan
         self.local = [local] if isinstance(local, int) else list(local)
         self.endpoints = dict(endpoints)
-        self.timeout_s = float(timeout_s)
+        # NaN had failed the run at once as "abandoned after the backstop" with its lanes still
+        # running, a negative one failed the first wait as having "waited -1 s"
+        self.timeout_s = check_timeout(timeout_s, "Executor timeout_s")
         if not 0 < epoch < 2**31:
             raise FlashBootError(f"epoch must be in 1..2**31-1, got {epoch}")
         self.epoch = int(epoch)
