@@ -130,3 +130,20 @@ def test_a_shm_dir_with_a_name_too_long_is_refused_by_name(image, tmp_path):
     with pytest.raises(FlashBootError, match=r"cannot create the staging folder .*\(File name too long\); use another "
                                              r"--shm-dir"):
         staging.stage_rank(image, 0, shm_dir=shm)
+
+
+def test_closing_a_stage_that_waits_for_its_ready_ends_the_wait(image, tmp_path):
+    """``close()`` of a :func:`flashboot.stage` still waiting for the preloader's ``.ready`` (an
+    engine giving up on it) waited out the whole ``.ready`` timeout, 60 s by default."""
+    from flashboot.flashload.stage import stage
+
+    shm = tmp_path / "shm"
+    s = stage(image, 0, "cpu", timeout_s=600, shm_dir=shm)
+    assert s.wait_source(60).nbytes > 0 and not s.done
+    closer = threading.Thread(target=s.close, daemon=True)
+    closer.start()
+    closer.join(60)  # not a time asserted: without the fix the close waits 600 s
+    assert not closer.is_alive() and s.done
+    with pytest.raises(FlashBootError, match=r"the wait for .*rank-0\.ready .* was stopped"):
+        s.wait(0)
+    assert not [t for t in threading.enumerate() if t.name == "flashboot-stage-rank0"]

@@ -332,12 +332,14 @@ _PID_CHECK_S = 0.25
 """How often a wait checks that the preloader it waits for still runs."""
 
 
-def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None) -> ReadyInfo:
+def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None,
+               stop: threading.Event | None = None) -> ReadyInfo:
     """Block until rank ``rank`` of ``image_dir`` is staged; returns its :class:`ReadyInfo`.
 
     Raises WaitTimeoutError naming the ``.ready`` path after ``timeout_s`` seconds, or
     PreloaderExitedError as soon as the preloader that ran when the wait began has exited
-    without writing it (a preloader started later is waited for as before).
+    without writing it (a preloader started later is waited for as before), or FlashBootError
+    once ``stop`` is set (the waiter was closed).
     """
     paths = staged_paths(image_dir, rank, shm_dir)
     deadline = time.monotonic() + timeout_s
@@ -360,6 +362,9 @@ def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None) -> Ready
                     f"the preloader (pid {running}) exited before {paths.ready} appeared (rank {rank} of {image_dir} "
                     f"not staged); its log: {log_file(image_dir, shm_dir)}. Restart it, or load with no preloader "
                     "running: the load then streams the image from disk")
+        if stop is not None and stop.is_set():
+            raise FlashBootError(f"the wait for {paths.ready} (rank {rank} of {image_dir} staged) was stopped after "
+                                 f"{timeout_s - max(0.0, deadline - time.monotonic()):.1f} of {timeout_s:g} s")
         if time.monotonic() >= deadline:
             running = _running_pid(pid_file(image_dir, shm_dir))
             who = (f"a preloader is running (pid {running})" if running else

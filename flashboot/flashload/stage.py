@@ -45,6 +45,7 @@ class StagedImage:
         self._pinned = None
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self._stop = threading.Event()  # set by close: the wait for .ready ends then, not at its timeout
         self._validated = threading.Event()  # self.source is set (or the work failed)
         if source is not None:
             self._validated.set()
@@ -63,8 +64,11 @@ class StagedImage:
                 self.source = rank_source(self.image_dir, self.rank)
             self.nbytes = self.source.nbytes
             self._validated.set()
-            self.ready = wait_ready(self.image_dir, self.rank, timeout_s=self.timeout_s, shm_dir=self.shm_dir)
+            self.ready = wait_ready(self.image_dir, self.rank, timeout_s=self.timeout_s, shm_dir=self.shm_dir,
+                                    stop=self._stop)
             check_ready(self.ready, self.source)
+            if self._stop.is_set():  # closed meanwhile: nothing is mapped for a close that has gone
+                raise FlashBootError(f"staged image of rank {self.rank} of {self.image_dir} was closed")
             self._mapping = MappedFile(str(staged_paths(self.image_dir, self.rank, self.shm_dir).image), self.nbytes)
             t1 = time.perf_counter()
             self.wait_ms = (t1 - t0) * 1e3
@@ -131,9 +135,11 @@ class StagedImage:
     def close(self) -> float:
         """Unpin and unmap (idempotent); returns the milliseconds the unpin took.
 
-        Waits for the background work first (bounded like :meth:`wait`)."""
+        Stops a wait for the preloader's ``.ready`` and waits for the background work to end
+        (bounded like :meth:`wait`: a pin under way is let finish, then undone)."""
         if self._closed:
             return 0.0
+        self._stop.set()
         self._done.wait(self.timeout_s + PIN_ALLOWANCE_S)
         self._closed = True
         unpin_ms = 0.0
