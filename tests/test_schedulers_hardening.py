@@ -188,3 +188,18 @@ def test_a_timeout_that_is_not_a_positive_finite_number_is_refused_before_any_la
         assert threading.active_count() == threads
     finally:
         _close(eps)
+
+
+def test_an_executor_with_no_local_participant_says_so():
+    import numpy as np
+
+    from flashboot.errors import FlashBootError
+    from flashboot.flashclone.executor import Executor
+
+    plan = build_plan("chain", 2, 100, 10)
+    eps = _endpoints(plan, 100, np.zeros(100, np.uint8))
+    try:
+        with pytest.raises(FlashBootError, match=r"plan 'chain': no local participant given; .* \(receivers: \[1, 2\]\)"):
+            Executor(plan, eps, [])
+    finally:
+        _close(eps)

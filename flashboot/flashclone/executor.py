@@ -308,6 +308,9 @@ class Executor:
                  window: int | None = None):
         self.plan = plan
         self.local = [local] if isinstance(local, int) else list(local)
+        if not self.local:  # had been refused as "local participants mix the host backend and CUDA"
+            raise FlashBootError(f"plan {plan.schedule!r}: no local participant given; name the destinations whose "
+                                 f"steps this process runs (receivers: {[p.index for p in plan.receivers()]})")
         self.endpoints = dict(endpoints)
         # NaN had failed the run at once as "abandoned after the backstop" with its lanes still
         # running, a negative one failed the first wait as having "waited -1 s"
