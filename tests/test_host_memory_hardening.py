@@ -4,6 +4,7 @@ a clear error naming the numbers, never a ``.ready`` for partial bytes, and leav
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -147,3 +148,35 @@ def test_closing_a_stage_that_waits_for_its_ready_ends_the_wait(image, tmp_path)
     with pytest.raises(FlashBootError, match=r"the wait for .*rank-0\.ready .* was stopped"):
         s.wait(0)
     assert not [t for t in threading.enumerate() if t.name == "flashboot-stage-rank0"]
+
+
+def test_a_write_into_the_staged_file_that_fails_names_the_file_and_the_bytes(image, tmp_path, monkeypatch):
+    """A file size limit (``ulimit -f``) smaller than the image, or a write error into shared
+    memory other than a full one: a bare ``OSError: [Errno 27] File too large`` (no file, no
+    bytes) came out of the staging."""
+    import resource
+
+    shm = tmp_path / "shm"
+    nbytes = shm_files.rank_source(image, 0).nbytes
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (65536, hard))
+    try:
+        with pytest.raises(FlashBootError, match=rf"rank-0\.img\.partial: sizing it to {nbytes:,} bytes failed: EFBIG "
+                                                 r".* at most 65,536 bytes \(`ulimit -f`\); the rank is not staged"):
+            staging.stage_rank(image, 0, shm_dir=shm)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert list(shm_files.staging_dir(image, shm).iterdir()) == []
+
+    real = staging._pwrite
+
+    def pwrite(fd, data, off):
+        if off >= 8192:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, data, off)
+
+    monkeypatch.setattr(staging, "_pwrite", pwrite)
+    with pytest.raises(FlashBootError, match=r"rank-0\.img\.partial: writing 4,096 bytes at byte \d{1,2},\d{3} failed: "
+                                             r"EIO \(Input/output error\); the rank is not staged"):
+        staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=2)
+    assert list(shm_files.staging_dir(image, shm).iterdir()) == []

@@ -104,6 +104,21 @@ class _Full(Exception):
         self.written = written
 
 
+def _write_failed(path: str, what: str, exc: OSError) -> FlashBootError:
+    """A write into the staged file failed (not ENOSPC: a full tmpfs is an OutOfMemoryError):
+    the error naming the file, ``what`` was done (the bytes) and the system's error; EFBIG says
+    the file size limit."""
+    code = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
+    why = f"{code} ({exc.strerror or exc})"
+    if exc.errno == errno.EFBIG:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        why += ("; this process may write files of at most "
+                f"{'unlimited' if limit == resource.RLIM_INFINITY else f'{limit:,}'} bytes (`ulimit -f`)")
+    return FlashBootError(f"{path}: {what} failed: {why}; the rank is not staged (partial file removed)")
+
+
 def _open_source(path: Path, io: str) -> tuple[int, str, str]:
     """Open ``path`` for reading: ``(fd, mode, reason)``. O_DIRECT unless ``io`` says buffered or
     the filesystem refuses it (tmpfs does); ``io="direct"`` makes a refusal an error."""
@@ -121,7 +136,7 @@ def _open_source(path: Path, io: str) -> tuple[int, str, str]:
 
 def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads: int, chunk_bytes: int,
                  progress: Callable[[int, int], None] | None, stop: threading.Event | None,
-                 numa_node: int | None, src_name: str) -> None:
+                 numa_node: int | None, src_name: str, dst_name: str) -> None:
     """Copy ``nbytes`` from ``src_fd`` to ``dst_fd`` with ``threads`` workers, one chunk at a time each."""
     from ..pinning import bind_to_node
 
@@ -162,7 +177,7 @@ def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads
                     except OSError as exc:
                         if exc.errno == errno.ENOSPC:
                             raise _Full(off + done) from None
-                        raise
+                        raise _write_failed(dst_name, f"writing {want - done:,} bytes at byte {off + done:,}", exc) from None
                 with lock:
                     state["done"] += want
                     total = state["done"]
@@ -305,7 +320,10 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
     fd = os.open(paths.partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     mapping = None
     try:
-        os.ftruncate(fd, nbytes)
+        try:
+            os.ftruncate(fd, nbytes)
+        except OSError as exc:
+            raise _write_failed(str(paths.partial), f"sizing it to {nbytes:,} bytes", exc) from None
         if node is not None:
             # The policy of a shared tmpfs mapping is the file's: pages written by pwrite land there.
             mapping = MappedFile(str(paths.partial), nbytes, fd=fd)
@@ -323,7 +341,8 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
         try:
             try:
                 _copy_chunks(src_fd, fd, nbytes, direct=mode == "o_direct", threads=threads, chunk_bytes=chunk_bytes,
-                             progress=progress, stop=stop, numa_node=node, src_name=str(src.path))
+                             progress=progress, stop=stop, numa_node=node, src_name=str(src.path),
+                             dst_name=str(paths.partial))
             except _DirectRefused as exc:
                 if io == "direct":
                     raise CapabilityError(f"{src.path}: reads under O_DIRECT fail ({exc}) and io='direct' was asked") from None
@@ -331,7 +350,8 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
                 src_fd = os.open(src.path, os.O_RDONLY)
                 mode, reason = "buffered", f"filesystem refuses O_DIRECT reads ({exc})"
                 _copy_chunks(src_fd, fd, nbytes, direct=False, threads=threads, chunk_bytes=chunk_bytes,
-                             progress=progress, stop=stop, numa_node=node, src_name=str(src.path))
+                             progress=progress, stop=stop, numa_node=node, src_name=str(src.path),
+                             dst_name=str(paths.partial))
         finally:
             os.close(src_fd)
         read_s = time.perf_counter() - t0
