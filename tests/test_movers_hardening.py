@@ -154,3 +154,29 @@ def test_the_host_mover_still_copies_overlapping_ranges_like_memmove():
     expected[16:16 + 2048] = buf[:2048]
     create_mover("host").copy(buf[16:], buf[:2048], 2048)
     assert np.array_equal(buf, expected)
+
+
+def test_a_batch_of_many_entries_reading_one_source_in_the_same_range_is_checked_in_one_pass(monkeypatch):
+    """Entries whose sources overlap each other were checked by dropping one source per pass and
+    sorting everything again: 16,000 entries reading one block took 3 s, 100,000 minutes, before
+    any copy. Now the sources are sorted once (its verdicts are the same: fuzzed against pairs)."""
+    from flashboot.movers import batch as batch_module
+
+    searches = []
+    for helper in ("_first_overlap", "_first_hit"):
+        if hasattr(batch_module, helper):
+            real = getattr(batch_module, helper)
+            monkeypatch.setattr(batch_module, helper, lambda *a, real=real: searches.append(1) or real(*a))
+    n, block = 2000, 64
+    buf = np.zeros((n + 1) * block, np.uint8)
+    buf[:block] = pattern(block)
+    batch = create_mover("host").batch(buf, buf, [((i + 1) * block, 0, block) for i in range(n)])
+    assert len(searches) <= 2  # destinations among themselves, then destinations against sources (was n + 1)
+    batch.run(stream=None)
+    assert np.array_equal(buf.reshape(n + 1, block), np.tile(pattern(block), (n + 1, 1)))
+    # one more entry reads a block entry 999 writes (and writes the block everyone reads): the
+    # first entry writing over a source is named, with the first entry reading it
+    chunks = [((i + 1) * block, 0, block) for i in range(n)] + [(0, (n // 2) * block, block)]
+    with pytest.raises(MoverError, match=rf"chunk entry {n // 2 - 1} \(dst_offset {n // 2 * block:,}, src_offset 0, "
+                                         rf"nbytes 64\) writes over the source of chunk entry {n} \(dst_offset 0"):
+        create_mover("host").batch(buf, buf, chunks)
