@@ -146,3 +146,52 @@ def test_a_swap_whose_incoming_wake_fails_wakes_the_outgoing_image_again(tmp_pat
                                 r"FlashBootError: waking rank 0 of .*: no source has the bytes; .*disk: the image file "
                                 r".* is gone", "\n".join(failed.value.__notes__))
             assert a.arena.asleep and b.arena.asleep
+
+
+CLOSE_DURING = r'''
+import sys, threading
+import flashboot
+from flashboot.movers.host import HostMover
+
+image, mode = sys.argv[1], sys.argv[2]
+loaded = flashboot.load(image, 0, "cpu", stream=True)
+want = {n: t.clone() for n, t in loaded.tensors.items()}
+if mode == "wake":
+    loaded.sleep(level=1)
+closer = threading.Thread(target=loaded.close)
+real = HostMover._copy
+
+def copy_while_closing(self, *args):  # the close runs while the backup is copied into or out of
+    closer.start()
+    closer.join(0.5)  # ended: it freed the backup under this copy; still waiting: it waits for the copy
+    return real(self, *args)
+
+HostMover._copy = copy_while_closing
+report = loaded.wake() if mode == "wake" else loaded.sleep(level=1)
+HostMover._copy = real
+closer.join()
+print(type(report).__name__, loaded.arena.closed, loaded.lifecycle.backup is None)
+try:
+    loaded.wake()
+except flashboot.errors.FlashBootError as exc:
+    print(exc)
+'''
+
+
+@pytest.mark.parametrize("mode", ["wake", "sleep"])
+def test_a_close_from_another_thread_waits_for_the_copy_through_the_backup(tmp_path, mode):
+    """close() in another thread during a level-1 wake or sleep had unmapped the host backup under
+    the copy into or out of it: a segfault. It waits for the copy, then releases everything."""
+    import subprocess
+    import sys
+
+    from _preload_helpers import make_tiny_image
+
+    image = make_tiny_image(tmp_path)
+    run = subprocess.run([sys.executable, "-c", CLOSE_DURING, str(image), mode], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    report = "WakeReport" if mode == "wake" else "SleepReport"
+    assert run.stdout.splitlines() == [f"{report} True True",
+                                       f"LoadedImage(rank 0, 0 tensors, {126976:,} bytes on cpu) is closed; there is "
+                                       "nothing to wake"]

@@ -24,7 +24,10 @@ An arena shared with another process for its lifetime (a holder, see
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -165,11 +168,16 @@ class HostBackup:
 
 
 class _State:
-    """What :func:`sleep` left for :func:`wake`: the level, and the backup (level 1, or kept)."""
+    """What :func:`sleep` left for :func:`wake`: the level, and the backup (level 1, or kept);
+    ``lock``: held by each sleep, wake and swap of the image and by its close, which marks it
+    ``closed``. A close from another thread had unmapped the backup under the copy into or out
+    of it (a segfault)."""
 
     def __init__(self):
         self.level = 0
         self.backup: HostBackup | None = None
+        self.lock = threading.RLock()  # a swap's wake sleeps the outgoing image from within
+        self.closed = False
 
     def drop_backup(self) -> None:
         backup, self.backup = self.backup, None
@@ -177,16 +185,38 @@ class _State:
             backup.close()
 
 
+_states_lock = threading.Lock()
+
+
 def _state(loaded) -> _State:
-    if loaded.lifecycle is None:
-        loaded.lifecycle = _State()
-    return loaded.lifecycle
+    with _states_lock:  # two threads' first calls make one state, one lock
+        if loaded.lifecycle is None:
+            loaded.lifecycle = _State()
+        return loaded.lifecycle
+
+
+def _exclusive(fn):
+    """``fn(loaded, ...)`` under ``loaded``'s lifecycle lock (see :class:`_State`)."""
+
+    @functools.wraps(fn)
+    def locked(loaded, *args, **kwargs):
+        with _state(loaded).lock:
+            return fn(loaded, *args, **kwargs)
+
+    return locked
+
+
+def _closed(loaded) -> bool:
+    return loaded.arena.closed or _state(loaded).closed
 
 
 def close_lifecycle(loaded) -> None:
-    """Release what :func:`sleep` kept for ``loaded`` (its backup); called by ``LoadedImage.close``."""
-    if loaded.lifecycle is not None:
-        loaded.lifecycle.drop_backup()
+    """Release what :func:`sleep` kept for ``loaded`` (its backup) once a sleep, wake or swap in
+    another thread has ended, and refuse the later ones; called by ``LoadedImage.close``."""
+    state = _state(loaded)
+    with state.lock:
+        state.closed = True
+        state.drop_backup()
 
 
 def _synchronize(device) -> None:
@@ -231,13 +261,14 @@ def sleep(loaded, level: int = 1) -> SleepReport:
     return _sleep(loaded, level, synchronize=True)
 
 
+@_exclusive
 def _sleep(loaded, level: int, *, synchronize: bool) -> SleepReport:
     """:func:`sleep`; ``synchronize=False`` when the caller has already waited for the device's
     work on these weights (:func:`swap`, whose incoming copy may be running meanwhile)."""
     if type(level) is not int or level not in (1, 2):  # True == 1, but is no level
         raise FlashBootError(f"sleep level must be 1 (keep a host backup) or 2 (keep nothing), got {level!r}")
     arena = loaded.arena
-    if arena.closed:
+    if _closed(loaded):
         raise FlashBootError(f"{loaded!r} is closed; there is nothing to put to sleep")
     report = SleepReport(level=level, nbytes=loaded.nbytes, device=str(arena.device))
     if arena.asleep:
@@ -453,6 +484,7 @@ def _check_wake_options(source: str = "auto", served_timeout_s: float = 10.0, **
     check_timeout(served_timeout_s, "wake served_timeout_s")
 
 
+@_exclusive
 def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=None, served_timeout_s: float = 10.0,
          stream_config=None, verify: bool = False, meanwhile: Callable[[], None] | None = None,
          _donor=None) -> WakeReport:
@@ -483,7 +515,7 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     """
     _check_wake_options(source, served_timeout_s)
     arena = loaded.arena
-    if arena.closed:
+    if _closed(loaded):
         raise FlashBootError(f"{loaded!r} is closed; there is nothing to wake")
     report = WakeReport(source="awake", nbytes=loaded.nbytes, device=str(arena.device))
     if not arena.asleep:
@@ -663,17 +695,25 @@ def swap(outgoing, incoming, *, level: int = 2, release: str = "handover", **wak
     ``served_timeout_s`` and ``stream_config`` as given): a note on the error says from where, or
     why it could not be and stays asleep (:attr:`Arena.asleep` tells).
     """
-    from ..pinning import device_free_bytes
-
     if release not in SWAP_RELEASES:
         raise FlashBootError(f"unknown swap release {release!r}; known: {', '.join(SWAP_RELEASES)}")
     if type(level) is not int or level not in (1, 2):  # True == 1, but is no level
         raise FlashBootError(f"sleep level must be 1 (keep a host backup) or 2 (keep nothing), got {level!r}")
-    for what, loaded in (("outgoing", outgoing), ("incoming", incoming)):
-        if loaded.arena.closed:
-            raise FlashBootError(f"{what} {loaded!r} is closed; there is nothing to swap")
     if outgoing is incoming:
         raise FlashBootError(f"swap needs two images; {outgoing!r} was given as both")
+    with contextlib.ExitStack() as held:
+        for state in sorted((_state(outgoing), _state(incoming)), key=id):  # one order: two swaps cannot deadlock
+            held.enter_context(state.lock)
+        return _swap(outgoing, incoming, level, release, wake_options)
+
+
+def _swap(outgoing, incoming, level: int, release: str, wake_options: dict) -> SwapReport:
+    """:func:`swap`, under both images' lifecycle locks."""
+    from ..pinning import device_free_bytes
+
+    for what, loaded in (("outgoing", outgoing), ("incoming", incoming)):
+        if _closed(loaded):
+            raise FlashBootError(f"{what} {loaded!r} is closed; there is nothing to swap")
     # before anything moves: a misspelt or bad wake option had been refused by the incoming wake,
     # after the outgoing image had gone to sleep (release="before")
     unknown = sorted(set(wake_options) - set(SWAP_WAKE_OPTIONS))
