@@ -180,3 +180,25 @@ def test_a_write_into_the_staged_file_that_fails_names_the_file_and_the_bytes(im
                                              r"EIO \(Input/output error\); the rank is not staged"):
         staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=2)
     assert list(shm_files.staging_dir(image, shm).iterdir()) == []
+
+
+def test_a_full_tmpfs_refuses_the_stage_by_name_and_leaves_no_lock_or_fd(image, tmp_path):
+    """/dev/shm full to the last page: the stager's lock file could not take its pid (ENOSPC), and
+    that bare error left the lock file and its fd behind."""
+    shm = tmp_path / "full"
+    if not _mount_tmpfs(shm, 64 << 10):
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    try:
+        with open(shm / "filler", "wb") as f:
+            try:
+                f.write(b"\1" * (64 << 10))
+                f.flush()
+            except OSError:
+                pass
+        fds_before, nbytes = _fds(), shm_files.rank_source(image, 0).nbytes
+        with pytest.raises(OutOfMemoryError, match=rf"needs {nbytes:,} bytes but only 0 are free"):
+            staging.stage_rank(image, 0, shm_dir=shm)
+        assert list(shm_files.staging_dir(image, shm).iterdir()) == []
+        assert _fds() == fds_before
+    finally:
+        subprocess.run(["umount", "-l", str(shm)], check=False)

@@ -259,8 +259,11 @@ def _lock_rank(paths, rank: int, image_dir) -> int:
         except FileNotFoundError:
             same = False
         if same:  # not a file its last holder removed after this open: the lock is the one others see
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            try:  # the pid, for a stager refused: only words (hugetlbfs takes no write)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, str(os.getpid()).encode(), 0)
+            except OSError:
+                pass
             return fd
         os.close(fd)
 
