@@ -200,7 +200,9 @@ class FlagChainCopy:
 
         # NaN passed "<= 0" and raised a raw ValueError making the kernel's wait; 1e12 s overflowed its int64
         timeout_s = check_timeout(timeout_s, "flag chain copy: timeout_s", MoverError)
-        epoch = int(np.int32(np.uint32(epoch & 0xFFFFFFFF)))  # the flags are int32 words
+        if not isinstance(epoch, (int, np.integer)) or isinstance(epoch, (bool, np.bool_)):  # 1.5 raised a raw TypeError
+            raise MoverError(f"flag chain copy: epoch must be an int, got {epoch!r}")
+        epoch = int(np.int32(np.uint32(int(epoch) & 0xFFFFFFFF)))  # the flags are int32 words
         handle = stream_handle(stream)
         self._timeout_s, self._handle = timeout_s, handle
         max_wait = int(timeout_s * 1e9) if self.timer else INTERPRETER_POLLS
@@ -256,6 +258,8 @@ class FlagChainCopy:
     def wait(self, *, watchdog_s: float | None = None) -> None:
         """Wait for the kernel (at most ``watchdog_s``, default the wait timeout plus 10 s, then
         abort it); WaitTimeoutError names the lowest chunk it could not copy."""
+        if self._timeout_s == 0.0:  # the error word is 0 until a launch: "chunk 0 did not come within 0 s"
+            raise MoverError("flag chain copy: wait() before launch(): nothing runs to wait for")
         if watchdog_s is not None:  # NaN: no deadline was ever passed, the wait spun forever
             watchdog_s = check_timeout(watchdog_s, "flag chain copy: watchdog_s", MoverError)
         if self._event is not None:

@@ -83,6 +83,13 @@ def test_bad_arguments_are_refused_with_the_numbers():
         with pytest.raises(MoverError, match=re.escape(f"flag chain copy: timeout_s must be a finite number of "
                                                        f"seconds in (0, 1e+06], got {bad!r}")):
             copier.launch(1, stream=None, timeout_s=bad)
+    # before any launch the error word is 0: wait() reported "chunk 0 ... did not reach the epoch within 0 s"
+    with pytest.raises(MoverError, match=re.escape("flag chain copy: wait() before launch(): nothing runs to wait for")):
+        copier.wait()
+    for bad in (1.5, "1", None, True):  # 1.5 raised a raw TypeError
+        with pytest.raises(MoverError, match=re.escape(f"flag chain copy: epoch must be an int, got {bad!r}")):
+            copier.launch(bad, stream=None, timeout_s=5)
+    copier.launch(0, stream=None, timeout_s=5)  # flags of 0 are ready for epoch 0: it copies at once
     for bad in (float("nan"), -1, float("inf")):  # NaN: a GPU's wait for the kernel never ended
         with pytest.raises(MoverError, match=re.escape(f"flag chain copy: watchdog_s must be a finite number of "
                                                        f"seconds in (0, 1e+06], got {bad!r}")):
