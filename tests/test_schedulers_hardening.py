@@ -203,3 +203,20 @@ def test_an_executor_with_no_local_participant_says_so():
             Executor(plan, eps, [])
     finally:
         _close(eps)
+
+
+def test_a_family_whose_constructor_fails_is_not_reported_unknown():
+    from flashboot.layouts.families import get_family, register_family
+    from flashboot.layouts.families.llama import LlamaFamily
+
+    @register_family
+    class NeedsKey(LlamaFamily):
+        name = "needs-key-probe"
+        model_types = ("needs-key-probe",)
+
+        def __init__(self):
+            {}["rope_scaling"]
+
+    with pytest.raises(KeyError) as failed:
+        get_family("needs-key-probe")
+    assert "unknown family" not in str(failed.value) and failed.value.args == ("rope_scaling",)

@@ -41,9 +41,10 @@ def register_family(cls: type[Family]) -> type[Family]:
 def get_family(name: str) -> Family:
     """The family registered as ``name``; UnknownNameError lists the known ones."""
     try:
-        return _FAMILIES[name]()
+        cls = _FAMILIES[name]
     except KeyError:
         raise UnknownNameError("family", name, _FAMILIES) from None
+    return cls()  # outside the try: a KeyError of the family's own constructor is not "unknown family"
 
 
 @dataclass(frozen=True)
