@@ -17,6 +17,7 @@ from flashboot.flashload import shm as shm_files
 from flashboot.flashload import staging
 
 from _preload_helpers import make_tiny_image  # noqa: E402
+from _python import run_python  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -202,3 +203,25 @@ def test_a_full_tmpfs_refuses_the_stage_by_name_and_leaves_no_lock_or_fd(image, 
         assert _fds() == fds_before
     finally:
         subprocess.run(["umount", "-l", str(shm)], check=False)
+
+
+def test_a_copy_from_a_closed_staged_image_is_refused_not_a_segfault(image, tmp_path):
+    """A span of a :func:`flashboot.stage` kept past its ``close()``: the movers refuse spans of a
+    closed owner, but the staged image had no ``closed`` to look at, and the copy read the
+    unmapped pages (a segfault; in a fresh process, so a regression fails this test alone)."""
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)
+    out = run_python("-c", f"""
+import numpy as np
+from flashboot.errors import ArenaError
+from flashboot.flashload.stage import stage
+from flashboot.movers import create_mover
+s = stage({str(image)!r}, 0, "cpu", timeout_s=60, shm_dir={str(shm)!r}).wait()
+span = s.span()
+s.close()
+try:
+    create_mover("host").copy(np.zeros(span.nbytes, np.uint8), span, stream=None)
+except ArenaError as exc:
+    print(exc)
+""")
+    assert "the source" in out and "which is closed" in out and "StagedImage(rank 0" in out, out

@@ -87,6 +87,12 @@ class StagedImage:
         return self._done.is_set()
 
     @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has begun: a copy through a span taken before is refused by name
+        (:func:`~flashboot.memory.check_not_closed`), where it read unmapped memory (a segfault)."""
+        return self._closed
+
+    @property
     def pinned(self) -> bool:
         return self._pinned is not None and self._pinned.registered
 
