@@ -151,7 +151,7 @@ def _prepare(dst: Any, src: Any, nbytes: int | None) -> tuple[Span, Span, int]:
     d, s = span_of(dst), span_of(src)
     if nbytes is None:
         nbytes = s.nbytes
-    if not isinstance(nbytes, int) or nbytes < 0 or nbytes > s.nbytes or nbytes > d.nbytes:
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0 or nbytes > s.nbytes or nbytes > d.nbytes:
         raise FlashBootError(f"cannot copy {nbytes!r} bytes from a {s.nbytes:,}-byte source to a {d.nbytes:,}-byte destination")
     if d.device == s.device and d.ptr < s.ptr + nbytes and s.ptr < d.ptr + nbytes:
         # the programs copy tiles in any order: a forward overlap read tiles already overwritten

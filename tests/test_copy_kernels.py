@@ -81,6 +81,9 @@ def test_copy_rejects_overruns():
         kc.sm_copy(d, s, 101, stream=None)
     with pytest.raises(FlashBootError, match="cannot copy 50 bytes .* to a 40-byte destination"):
         kc.tma_copy(d.sub(0, 40), s, 50, stream=None)
+    for bad in (True, 1.0, -1):  # True passed as the int 1 and copied one byte
+        with pytest.raises(FlashBootError, match=rf"cannot copy {bad!r} bytes from a 100-byte source"):
+            kc.sm_copy(d, s, bad, stream=None)
 
 
 @pytest.mark.parametrize("copy", [kc.sm_copy, kc.tma_copy])
