@@ -195,3 +195,46 @@ def test_a_close_from_another_thread_waits_for_the_copy_through_the_backup(tmp_p
     assert run.stdout.splitlines() == [f"{report} True True",
                                        f"LoadedImage(rank 0, 0 tensors, {126976:,} bytes on cpu) is closed; there is "
                                        "nothing to wake"]
+
+
+def test_a_level2_sleep_of_an_image_asleep_at_level1_frees_its_backup(tmp_path):
+    """Level 2 keeps nothing: on an image asleep at level 1 it had been a no-op that kept the
+    pinned host copy (vLLM's discard of the weights after its sleep freed nothing)."""
+    from _preload_helpers import make_tiny_image
+
+    import flashboot
+
+    image = make_tiny_image(tmp_path)
+    with flashboot.load(image, 0, "cpu", stream=True) as loaded:
+        want = {n: (t.data_ptr(), t.clone()) for n, t in loaded.tensors.items()}
+        loaded.sleep(level=1)
+        assert loaded.lifecycle.backup is not None
+        report = loaded.sleep(level=2)
+        assert report.level == 2 and report.backup_ms == 0 and loaded.lifecycle.backup is None
+        assert loaded.arena.asleep and loaded.sleep(level=2).level == 0 and loaded.sleep(level=1).level == 0
+        woke = loaded.wake(shm_dir=tmp_path / "no-shm")
+        assert woke.source == "disk" and woke.not_used["backup"] == "sleep(level=2) kept no backup"
+        assert all(t.data_ptr() == want[n][0] and torch.equal(t, want[n][1]) for n, t in loaded.tensors.items())
+
+
+def test_an_engine_wide_sleep_that_fails_leaves_an_arena_asleep_before_it_asleep(packed, tmp_path):
+    """The roll-back restores what was before the call: an arena asleep at level 1 whose backup
+    the level-2 sleep freed stays asleep (it was counted as put to sleep and woken from the disk)."""
+    from flashboot.integrations.engine_sleep import sleep_engine_weights, stay
+
+    _, out, _ = packed
+    first = load_engine_weights(_options(out, tmp_path), _key(), 0, "cpu", tp_size=1, ep_size=1)
+    second = load_engine_weights(_options(out, tmp_path), _key(), 0, "cpu", tp_size=1, ep_size=1)
+    try:
+        stay(first, shm_dir=str(tmp_path / "shm"))
+        stay(second, shm_dir=str(tmp_path / "shm"))
+        first.handle.sleep(level=1)
+        second.arena.share("holder pid 42")
+        with pytest.raises(ArenaError, match="other process.* map it .holder pid 42") as refused:
+            sleep_engine_weights(2)
+        assert "woken again" not in "\n".join(getattr(refused.value, "__notes__", []))
+        assert first.arena.asleep and first.handle.lifecycle.backup is None and not second.arena.asleep
+        second.arena.unshare("holder pid 42")
+    finally:
+        first.close()
+        second.close()

@@ -253,7 +253,9 @@ def sleep(loaded, level: int = 1) -> SleepReport:
     ``level=1`` first copies the image's bytes into a host backup in this process (pinned on
     CUDA; a backup kept by ``wake(keep_backup=True)`` is reused), ``level=2`` keeps nothing (the
     daemon or the disk brings them back). Then the arena releases its memory and keeps its
-    addresses. Sleeping an asleep image is a no-op (its report says level 0). Raises
+    addresses. Sleeping an asleep image is a no-op (its report says level 0), except that level 2
+    frees the backup a level-1 sleep kept (its report says level 2: a wake then reads the daemon
+    or the disk; vLLM's discard of the weights after its sleep). Raises
     FlashBootError for a bad level or a closed image, ArenaError when the arena is shared with a
     holder (named), OutOfMemoryError / CudaError when the backup cannot be allocated (the image
     stays awake).
@@ -271,10 +273,16 @@ def _sleep(loaded, level: int, *, synchronize: bool) -> SleepReport:
     if _closed(loaded):
         raise FlashBootError(f"{loaded!r} is closed; there is nothing to put to sleep")
     report = SleepReport(level=level, nbytes=loaded.nbytes, device=str(arena.device))
-    if arena.asleep:
-        report.level = 0
-        return report
     state = _state(loaded)
+    if arena.asleep:
+        if level == 2 and state.backup is not None:  # level 2 keeps nothing: the pinned backup had stayed
+            t0 = time.perf_counter()
+            state.drop_backup()
+            state.level = 2
+            report.release_ms = report.total_ms = (time.perf_counter() - t0) * 1e3
+        else:
+            report.level = 0
+        return report
     t0 = time.perf_counter()
     if synchronize:
         _synchronize(arena.device)

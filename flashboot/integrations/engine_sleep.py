@@ -132,7 +132,7 @@ def sleep_engine_weights(level: int) -> list:
             raise
         logger.info("flashboot: %s", report.summary())
         reports.append(report)
-        if report.level:  # level 0: it was asleep before this call
+        if not was_asleep:  # one asleep before this call stays asleep (level 2 may have freed its backup)
             slept.append((weights, staying))
     return reports
 
