@@ -225,3 +225,35 @@ except ArenaError as exc:
     print(exc)
 """)
     assert "the source" in out and "which is closed" in out and "StagedImage(rank 0" in out, out
+
+
+def test_unstage_refuses_a_rank_being_staged(image, tmp_path, monkeypatch):
+    """``unstage`` beside a bare ``stage_rank`` (no preloader's pid file to refuse on) removed the
+    stager's ``.partial`` and lock, and the stager then failed at its rename with a bare
+    FileNotFoundError."""
+    shm = tmp_path / "shm"
+    want = shm_files.rank_source(image, 0).path.read_bytes()
+    real, held, release = staging._preadv, threading.Event(), threading.Event()
+
+    def preadv(fd, buffers, off):
+        if off >= 8192:
+            held.set()
+            release.wait(60)
+        return real(fd, buffers, off)
+
+    monkeypatch.setattr(staging, "_preadv", preadv)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096,
+                                                                       threads=1)))
+    t.start()
+    assert held.wait(60)
+    try:
+        with pytest.raises(FlashBootError, match=r"rank-0 of .* is being staged \(its lock .*rank-0\.lock is held\)"):
+            staging.unstage(image, shm_dir=shm)
+        assert staging.unstage(image, [1], shm_dir=shm) == []  # another rank: nothing of rank 0 touched
+    finally:
+        release.set()
+        t.join(60)
+    paths = shm_files.staged_paths(image, 0, shm)
+    assert out["r"].nbytes == len(want) and paths.image.read_bytes() == want
+    assert paths.ready in staging.unstage(image, shm_dir=shm)

@@ -450,9 +450,14 @@ def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[
     removed = []
     if not d.is_dir():
         return removed
+    wanted = None if ranks is None else {f"rank-{r}" for r in ranks}
+    for lock in sorted(d.glob("rank-*.lock")):  # a bare stage_rank has no pid file: its lock says it runs
+        if (wanted is None or lock.stem in wanted) and _pid_file_held(lock):
+            raise FlashBootError(f"{lock.stem} of {image_dir} is being staged (its lock {lock} is held); let it "
+                                 "finish or stop it, then unstage")
     for p in sorted(d.iterdir()):
         rank_of = p.name.split(".")[0]
-        if ranks is None or rank_of in {f"rank-{r}" for r in ranks}:
+        if wanted is None or rank_of in wanted:
             if p.is_file() and p.name.startswith("rank-"):
                 p.unlink()
                 removed.append(p)
