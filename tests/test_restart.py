@@ -196,3 +196,6 @@ def test_holder_option_is_checked():
                                                  rf"\(0, .*\], got {re.escape(repr(bad))}"):
             HolderOption(registry="/tmp/r", handover_timeout_s=bad)
     assert HolderOption(registry="/tmp/r", handover_timeout_s=0.5).handover_timeout_s == 0.5
+    for bad in ("../w", "a b", "", ".hidden", 7):  # had been a normal load at every start, with two warnings
+        with pytest.raises(FlashBootError, match=rf"held-arena name must be letters, .*, got {re.escape(repr(bad))}"):
+            HolderOption.of({"registry": "/tmp/r", "name": bad})

@@ -46,6 +46,10 @@ class HolderOption:
                                  f"store={self.store!r}")
         # NaN had passed (no deadline is ever reached: a load waited forever for a dead holder)
         check_timeout(self.handover_timeout_s, "holder handover_timeout_s")
+        if self.name is not None:  # a name no holder takes had meant a normal load and two warnings at every start
+            from ..flashclone.holder import _check_name
+
+            _check_name(self.name)
 
     @classmethod
     def of(cls, value: Any) -> "HolderOption":
