@@ -68,9 +68,15 @@ def open_regular(path, error: type[Exception] = LayoutError, *, max_bytes: int |
 
 
 def read_regular(path, max_bytes: int, error: type[Exception] = LayoutError) -> bytes:
-    """The whole of the regular file ``path``, at most ``max_bytes`` (see :func:`open_regular`)."""
+    """The whole of the regular file ``path``, at most ``max_bytes`` (see :func:`open_regular`).
+
+    Reads at most one byte past ``max_bytes``: a file grown after the size check (a writer
+    appending, a sparse extension) is refused, not read whole into memory."""
     with open_regular(path, error, max_bytes=max_bytes) as f:
-        return f.read()
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise error(f"{os.fspath(path)}: grew past the {max_bytes:,} bytes this file may hold while it was read")
+    return data
 
 
 class DirectReadRefused(Exception):

@@ -130,3 +130,24 @@ def test_a_token_file_over_a_mib_is_refused(tmp_path):
     got = _outcome(lambda: resolve_token(token_file=token))
     assert isinstance(got, RendezvousError), got
     assert f"{token}: {MAX_TOKEN_FILE_BYTES + 1:,} bytes, more than the {MAX_TOKEN_FILE_BYTES:,}" in str(got)
+
+
+def test_a_token_file_grown_after_its_size_check_is_refused_not_read_whole(tmp_path, monkeypatch):
+    """The size is checked on the open fd; a file that grows after that check (a sparse extension
+    to many GB) was read whole all the same."""
+    from flashboot import fileio
+    from flashboot.flashclone.rendezvous import MAX_TOKEN_FILE_BYTES
+
+    token = tmp_path / "token"
+    token.write_bytes(b"x" * 64)
+    real = fileio.open_regular
+
+    def open_then_grow(path, *args, **kwargs):
+        f = real(path, *args, **kwargs)
+        os.truncate(path, 64 * MAX_TOKEN_FILE_BYTES)  # sparse: no disk used
+        return f
+
+    monkeypatch.setattr(fileio, "open_regular", open_then_grow)
+    got = _outcome(lambda: resolve_token(token_file=token))
+    assert isinstance(got, RendezvousError), got
+    assert str(got) == f"{token}: grew past the {MAX_TOKEN_FILE_BYTES:,} bytes this file may hold while it was read"
