@@ -30,7 +30,11 @@ def start_copy_with_checksums(dst: Any, src: Any, chunk_bytes: int, *, stream: A
     overlap (MoverError names the numbers). ``tuning`` overrides
     :data:`~flashboot.kernels.checksum.CHECKSUM_TUNING`.
     """
+    from flashboot.movers.batch import check_backed  # on call, as host_copy below: importers of this module skip the movers
+
     d, s = span_of(dst), span_of(src)
+    for span, role in ((d, "destination"), (s, "source")):  # a closed or asleep arena's span segfaulted
+        check_backed(span, f"copy_with_checksums: the {role}")
     if not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % 4:
         raise MoverError(f"copy_with_checksums: chunk_bytes must be a positive multiple of 4, got {chunk_bytes!r}")
     if s.nbytes > d.nbytes:

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from flashboot.errors import MoverError, WaitTimeoutError
 from flashboot.memory import Span, span_of, stream_handle
+from flashboot.movers.batch import check_backed
 from flashboot.units import check_timeout
 
 from .knobs import check_launch_knobs
@@ -203,6 +204,9 @@ class FlagChainCopy:
         if not isinstance(epoch, (int, np.integer)) or isinstance(epoch, (bool, np.bool_)):  # 1.5 raised a raw TypeError
             raise MoverError(f"flag chain copy: epoch must be an int, got {epoch!r}")
         epoch = int(np.int32(np.uint32(int(epoch) & 0xFFFFFFFF)))  # the flags are int32 words
+        for span, role in ((self.dst, "destination"), (self.src, "source"), (self.ready, "ready flags"),
+                           (self.done, "done flags")):  # kept since __init__: an arena closed or asleep since segfaulted
+            check_backed(span, f"flag chain copy: the {role}")
         handle = stream_handle(stream)
         self._timeout_s, self._handle = timeout_s, handle
         max_wait = int(timeout_s * 1e9) if self.timer else INTERPRETER_POLLS

@@ -103,6 +103,25 @@ def test_overlapping_ranges_are_refused(copy, shift):
     assert torch.equal(buf[:1024], before[1024:2048])
 
 
+@pytest.mark.parametrize("copy", [kc.sm_copy, kc.tma_copy])
+@pytest.mark.parametrize("gone", ["sleep", "close"])
+def test_a_span_of_an_asleep_or_closed_arena_is_refused(copy, gone):
+    """A span taken before sleep() or close() points at a range nothing backs: the copy segfaulted."""
+    from flashboot import Arena, ArenaError
+
+    arena = Arena.create(1 << 20, "cpu")
+    span = arena.span(0, 4096)
+    getattr(arena, gone)()
+    state = "asleep" if gone == "sleep" else "closed"
+    with pytest.raises(ArenaError, match=rf"copy: the destination: the span at {span.ptr:#x} \(4,096 bytes on cpu\) "
+                                         rf"belongs to .*, which is {state}"):
+        copy(span, torch.ones(4096, dtype=torch.uint8), stream=None, **SMALL)
+    with pytest.raises(ArenaError, match=rf"copy: the source: .* which is {state}"):
+        copy(torch.zeros(4096, dtype=torch.uint8), span, stream=None, **SMALL)
+    if gone == "sleep":
+        arena.close()
+
+
 def test_tuning_knobs_checked():
     _, dst, s, d = make_pair(100, 0, 0)
     with pytest.raises(FlashBootError, match=r"unknown tuning knob\(s\) \['blocks'\]"):

@@ -6,6 +6,7 @@ Runs the kernel on a GPU when there is one, else under TRITON_INTERPRET=1 on hos
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,6 +95,27 @@ def test_bad_arguments_are_refused_with_the_numbers():
         with pytest.raises(MoverError, match=re.escape(f"flag chain copy: watchdog_s must be a finite number of "
                                                        f"seconds in (0, 1e+06], got {bad!r}")):
             copier.wait(watchdog_s=bad)
+
+
+def test_a_launch_after_the_arena_went_to_sleep_is_refused():
+    """The copier keeps its spans from __init__: a launch after the arena's sleep() or close()
+    ran the kernel on a range nothing backs (a segfault under the interpreter)."""
+    from flashboot import Arena, ArenaError
+
+    if DEVICE != "cpu":
+        pytest.skip("a host arena: the interpreter runs the kernel on host memory")
+    arena = Arena.create(1 << 20, "cpu")
+    seed = words(7)
+    copier = FlagChainCopy(arena.span(0, N), seed, CHUNK, ready=flags(1), done=flags(), **SMALL)
+    arena.sleep()
+    with pytest.raises(ArenaError, match=r"flag chain copy: the destination: .* which is asleep"):
+        copier.launch(1, stream=None, timeout_s=5)
+    arena.wake()
+    copier.copy(1, stream=None, timeout_s=5)
+    assert np.array_equal(arena.bytes()[:N].numpy(), seed.numpy().view(np.uint8))
+    arena.close()
+    with pytest.raises(ArenaError, match=r"flag chain copy: the destination: .* which is closed"):
+        copier.launch(1, stream=None, timeout_s=5)
 
 
 @pytest.mark.gpu

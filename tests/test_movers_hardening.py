@@ -180,3 +180,21 @@ def test_a_batch_of_many_entries_reading_one_source_in_the_same_range_is_checked
     with pytest.raises(MoverError, match=rf"chunk entry {n // 2 - 1} \(dst_offset {n // 2 * block:,}, src_offset 0, "
                                          rf"nbytes 64\) writes over the source of chunk entry {n} \(dst_offset 0"):
         create_mover("host").batch(buf, buf, chunks)
+
+
+@pytest.mark.parametrize("gone", ["sleep", "close"])
+def test_copy_with_checksums_refuses_a_span_of_an_asleep_or_closed_arena(gone):
+    """start_copy_with_checksums took the span's bare pointer: a span kept across sleep() or
+    close() segfaulted (in the kernel under the interpreter, in host_copy without it)."""
+    from flashboot.kernels.copy_verify import copy_with_checksums
+
+    arena = Arena.create(1 << 20, "cpu")
+    span = arena.span(0, 4096)
+    getattr(arena, gone)()
+    state = "asleep" if gone == "sleep" else "closed"
+    with pytest.raises(ArenaError, match=rf"copy_with_checksums: the destination: .* which is {state}"):
+        copy_with_checksums(span, pattern(4096), 1024)
+    with pytest.raises(ArenaError, match=rf"copy_with_checksums: the source: .* which is {state}"):
+        copy_with_checksums(np.zeros(4096, np.uint8), span, 1024)
+    if gone == "sleep":
+        arena.close()
