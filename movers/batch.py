@@ -58,9 +58,11 @@ def _entries(chunks: Any) -> np.ndarray:
 def check_backed(span: Span, what: str) -> None:
     """:func:`~flashboot.memory.check_not_closed`, and ArenaError when the span's arena is asleep:
     nothing backs its range until ``wake()`` maps it again (a copy through a span or batch taken
-    before ``sleep()`` segfaulted)."""
+    before ``sleep()`` segfaulted). A wake's own fills copy into the segments it mapped so far
+    (``Arena.backs``)."""
     check_not_closed(span, what)
-    if getattr(span.owner, "asleep", False) is True:
+    backs = getattr(span.owner, "backs", None)
+    if backs is not None and not backs(span.ptr, span.nbytes):
         raise ArenaError(f"{what}: the span at {span.ptr:#x} ({span.nbytes:,} bytes on {span.device}) belongs to "
                          f"{span.owner!r}, which is asleep (nothing backs it): wake() it first")
 

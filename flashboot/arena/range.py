@@ -88,6 +88,7 @@ class Arena(SleepWake):
         self._exported: tuple[list[int], list[bytes]] | None = None  # CUDA fds (+ fabric) exported so far
         undo.push("close exported fds", self._exports.release)
         self._asleep = False
+        self._waking_bytes = 0  # during wake(): the bytes from the start mapped so far (see backs())
         self._shares: set[str] = set()
 
     # ---- construction -----------------------------------------------------------------------

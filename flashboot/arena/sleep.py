@@ -48,6 +48,14 @@ class SleepWake:
         """True between :meth:`sleep` and :meth:`wake`: the addresses are reserved, nothing backs them."""
         return self._asleep
 
+    def backs(self, ptr: int, nbytes: int) -> bool:
+        """Whether memory backs ``[ptr, ptr + nbytes)`` now: all of the range while awake, none
+        while asleep, except during :meth:`wake` the segments it has mapped so far (its ``fill``
+        copies into each as it comes; the arena is asleep until the last is mapped)."""
+        if not self._asleep:
+            return True
+        return self._ptr <= ptr and ptr + nbytes <= self._ptr + self._waking_bytes
+
     def share(self, who: str) -> None:
         """Record that another process keeps this arena mapped for as long as it lives (a holder,
         a seed's clones): :meth:`sleep` is refused by name until :meth:`unshare` (``who``)."""
@@ -249,7 +257,9 @@ class SleepWake:
             ready = None
             if fill is not None:
                 def ready(i: int) -> None:
-                    fill(i * self._segment_bytes, self._segment_span(i))
+                    offset = i * self._segment_bytes
+                    self._waking_bytes = offset + self._segment_sizes[i]  # segments map in order
+                    fill(offset, self._segment_span(i))
 
             stats: dict = {}
             reuse = donor._hand_over(stats) if donor is not None else None
@@ -258,6 +268,7 @@ class SleepWake:
                     _cuda.use_device(self._home_device.index)
                 made = self._attach(fresh, ready, stats, reuse)
             except BaseException as exc:
+                self._waking_bytes = 0
                 try:
                     if settle is not None:
                         settle()  # the copies already issued end before their memory is released
@@ -278,7 +289,7 @@ class SleepWake:
             self._segments = made
             if not self._device.is_cuda:
                 self._descriptor = self._host_descriptor(made.fds)
-            self._asleep = False
+            self._asleep, self._waking_bytes = False, 0
             _release_handed(reuse)  # the donor's segments this arena had no place for
             if timings is not None:
                 stats["fill_ms"] = stats.pop("ready_ms", 0.0)
