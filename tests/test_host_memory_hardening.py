@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from flashboot.errors import FlashBootError, OutOfMemoryError
+from flashboot.errors import FlashBootError, LayoutError, OutOfMemoryError
 from flashboot.flashload import shm as shm_files
 from flashboot.flashload import staging
 
@@ -257,3 +257,27 @@ def test_unstage_refuses_a_rank_being_staged(image, tmp_path, monkeypatch):
     paths = shm_files.staged_paths(image, 0, shm)
     assert out["r"].nbytes == len(want) and paths.image.read_bytes() == want
     assert paths.ready in staging.unstage(image, shm_dir=shm)
+
+
+def test_a_ready_file_replaced_by_a_named_pipe_is_refused_not_waited_on(image, tmp_path):
+    """``read_ready`` read the ``.ready`` with a plain open: a named pipe in its place blocked every
+    wait for the rank (``flashboot.stage``, a staged load) past its timeout, for as long as no
+    writer came."""
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)
+    paths = shm_files.staged_paths(image, 0, shm)
+    paths.ready.unlink()
+    os.mkfifo(paths.ready)
+    out = []
+
+    def wait() -> None:
+        try:
+            out.append(shm_files.wait_ready(image, 0, timeout_s=1, shm_dir=shm))
+        except Exception as exc:  # handed to the assertions
+            out.append(exc)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    t.join(30)  # not a time asserted: without the fix the wait never ends
+    assert out and isinstance(out[0], LayoutError), out
+    assert str(out[0]) == f"{paths.ready}: not a regular file (a named pipe)"

@@ -263,11 +263,17 @@ class ReadyInfo:
         return {"format": READY_FORMAT, **d}
 
 
+MAX_READY_BYTES = 1 << 20
+"""A ``.ready`` file is about a KB of JSON; anything past this is not one."""
+
+
 def read_ready(path: str | os.PathLike) -> ReadyInfo:
     """Parse a ``.ready`` file; LayoutError naming the file when it is malformed."""
+    from ..fileio import read_regular
+
     path = Path(path)
-    try:
-        text = path.read_bytes()
+    try:  # a regular file of a bounded size: a named pipe in its place blocked every wait for it
+        text = read_regular(path, MAX_READY_BYTES)
     except FileNotFoundError:
         raise
     except OSError as exc:
