@@ -24,8 +24,7 @@ import triton.language as tl
 from triton.runtime import _allocation
 
 from flashboot.errors import CapabilityError, FlashBootError, MoverError
-from flashboot.memory import Span, span_of, stream_handle
-from flashboot.movers.batch import check_backed
+from flashboot.memory import Span, check_backed, span_of, stream_handle
 
 from .knobs import check_launch_knobs
 from .launch import LaunchConfig, current_device, launch

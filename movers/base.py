@@ -6,9 +6,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 from flashboot.errors import CapabilityError, MoverError
-from flashboot.memory import Span, path_between, span_of, stream_device
+from flashboot.memory import Span, check_backed, path_between, span_of, stream_device
 
-from .batch import ChunkBatch, check_backed
+from .batch import ChunkBatch
 
 
 def _writable(dst: Any, name: str) -> Any:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
-from flashboot.errors import ArenaError, MoverError
-from flashboot.memory import Span, check_not_closed, path_between
+from flashboot.errors import MoverError
+from flashboot.memory import Span, check_backed, path_between
 
 if TYPE_CHECKING:
     from .base import Mover
@@ -53,18 +53,6 @@ def _entries(chunks: Any) -> np.ndarray:
     if table.dtype.kind == "u" and table.size and int(table.max()) > _INT64_MAX:
         raise MoverError(f"a chunk list entry exceeds {_INT64_MAX:,} bytes")
     return table.astype(np.int64, copy=False)
-
-
-def check_backed(span: Span, what: str) -> None:
-    """:func:`~flashboot.memory.check_not_closed`, and ArenaError when the span's arena is asleep:
-    nothing backs its range until ``wake()`` maps it again (a copy through a span or batch taken
-    before ``sleep()`` segfaulted). A wake's own fills copy into the segments it mapped so far
-    (``Arena.backs``)."""
-    check_not_closed(span, what)
-    backs = getattr(span.owner, "backs", None)
-    if backs is not None and not backs(span.ptr, span.nbytes):
-        raise ArenaError(f"{what}: the span at {span.ptr:#x} ({span.nbytes:,} bytes on {span.device}) belongs to "
-                         f"{span.owner!r}, which is asleep (nothing backs it): wake() it first")
 
 
 def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:

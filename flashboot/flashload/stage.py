@@ -89,7 +89,7 @@ class StagedImage:
     @property
     def closed(self) -> bool:
         """True once :meth:`close` has begun: a copy through a span taken before is refused by name
-        (:func:`~flashboot.memory.check_not_closed`), where it read unmapped memory (a segfault)."""
+        (:func:`~flashboot.memory.check_backed`), where it read unmapped memory (a segfault)."""
         return self._closed
 
     @property
