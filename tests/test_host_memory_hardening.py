@@ -281,3 +281,21 @@ def test_a_ready_file_replaced_by_a_named_pipe_is_refused_not_waited_on(image, t
     t.join(30)  # not a time asserted: without the fix the wait never ends
     assert out and isinstance(out[0], LayoutError), out
     assert str(out[0]) == f"{paths.ready}: not a regular file (a named pipe)"
+
+
+def test_a_pid_file_replaced_by_a_named_pipe_reads_as_stale_not_a_hang(image, tmp_path):
+    """The preloader's pid file was read with a plain open (and its lock looked at with a blocking
+    one): a named pipe in its place hung the status check every load makes, and ``unstage``."""
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)
+    pid_file = shm_files.pid_file(image, shm)
+    os.mkfifo(pid_file)
+    out = []
+    for call in (lambda: shm_files.service_status(image, shm), lambda: staging.unstage(image, shm_dir=shm)):
+        t = threading.Thread(target=lambda: out.append(call()), daemon=True)
+        t.start()
+        t.join(30)  # not a time asserted: without the fix neither call ends
+        assert t.is_alive() is False, f"hung on the named pipe after {len(out)} call(s)"
+    status, removed = out
+    assert status.pid == -1 and status.stale and not status.running
+    assert pid_file in removed and not shm_files.staging_dir(image, shm).exists()

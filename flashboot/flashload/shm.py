@@ -395,12 +395,14 @@ def _proc_start_time(pid: int) -> int | None:
 
 
 def _read_pid_file(path: Path) -> dict | None:
-    try:
-        d = json.loads(path.read_text())
+    from ..fileio import read_regular
+
+    try:  # a regular file of a bounded size: a named pipe in its place blocked every load's status check
+        d = json.loads(read_regular(path, MAX_READY_BYTES))
         return d if isinstance(d, dict) and isinstance(d.get("pid"), int) else {"pid": -1}
     except (FileNotFoundError, NotADirectoryError):  # NotADirectory: the staging root is a file
         return None
-    except (OSError, ValueError):
+    except (OSError, ValueError, LayoutError):
         return {"pid": -1}
 
 
@@ -409,7 +411,7 @@ def _pid_file_held(path: Path) -> bool:
     after it removes it): an empty or half-written pid file whose lock is held is a preloader
     starting, not a stale file (taken for one, it was replaced and two preloaders ran)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a named pipe: no wait for a writer
     except OSError:
         return False
     try:
