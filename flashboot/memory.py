@@ -132,6 +132,9 @@ def span_of(obj: Any) -> Span:
     if mod == "torch" or mod.startswith("torch."):  # tensors first: a mover's per-call path
         if not obj.is_contiguous():
             raise FlashBootError(f"tensor of shape {tuple(obj.shape)} is not contiguous; movers copy byte ranges")
+        if obj.is_conj() or obj.is_neg():  # a lazy conj()/neg view: its bytes are not its values
+            raise FlashBootError(f"tensor of shape {tuple(obj.shape)} is a lazy {'conjugate' if obj.is_conj() else 'negative'}"
+                                 " view (its bytes are not its values); resolve_conj()/resolve_neg() it first")
         nbytes = obj.nbytes
         if obj.is_cuda:  # plain attributes: ``obj.device`` builds a torch.device every time
             return Span(obj.data_ptr(), nbytes, cuda_device(obj.get_device()), owner=obj)
@@ -145,6 +148,8 @@ def span_of(obj: Any) -> Span:
     if mod == "numpy":
         if not obj.flags["C_CONTIGUOUS"]:
             raise FlashBootError("numpy array is not C-contiguous")
+        if obj.dtype.hasobject:  # its bytes are pointers into this process's heap
+            raise FlashBootError(f"numpy array of dtype {obj.dtype} holds Python objects, not bytes to copy")
         return Span(obj.ctypes.data, obj.nbytes, CPU, owner=obj)
     if mod == "cupy":
         if not obj.flags.c_contiguous:

@@ -33,7 +33,8 @@ class Mover:
     """Pointers and sizes must be multiples of this (1 for byte-exact backends)."""
     overlap: ClassVar[bool] = True
     """Whether a copy between overlapping ranges is exact; False: :meth:`copy` refuses one (a
-    kernel's programs read and write tiles in any order: a forward overlap copied wrong bytes)."""
+    kernel's programs read and write tiles in any order: a forward overlap copied wrong bytes;
+    cuMemcpyAsync's memory areas "may not overlap")."""
     batched: ClassVar[str] = "one call per chunk"
     """How :meth:`copy_batch` copies a list of chunks (reports print it)."""
 
@@ -70,8 +71,8 @@ class Mover:
         if not self.overlap and src_span.device == dst_span.device and dst_span.ptr < src_span.ptr + nbytes \
                 and src_span.ptr < dst_span.ptr + nbytes:
             raise MoverError(f"{self.name}: the destination {dst_span.ptr:#x} and the source {src_span.ptr:#x} overlap "
-                             f"({nbytes:,} bytes on {dst_span.device}); its kernel copies tiles in any order: copy "
-                             "through a separate buffer")
+                             f"({nbytes:,} bytes on {dst_span.device}), which it does not copy exactly: copy through a "
+                             "separate buffer")
         a = self.alignment
         if a > 1 and (src_span.ptr % a or dst_span.ptr % a or nbytes % a):
             raise MoverError(

@@ -32,6 +32,7 @@ class CopyEngineMover(Mover):
     name = "copy_engine"
     paths = frozenset({"h2d", "d2h", "d2d", "p2p"})
     alignment = 1
+    overlap = False  # cuMemcpyAsync: "the memory areas may not overlap"
     batched = ("runs of contiguous chunks merged into one copy each, then cuMemcpyBatchAsync (CUDA >= 12.8), "
                "else one cuMemcpyAsync per copy from pre-built lists; batch_streams > 1 spreads the chunks "
                "over that many streams")

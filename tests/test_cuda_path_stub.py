@@ -41,6 +41,11 @@ class TorchLikeStream:
     cuda_stream, device_index = 12345, 0
 for stream in (None, 7, TorchLikeStream(), Stream(0)):
     create_mover("copy_engine").copy(a.span(), b.span(), 4096, stream=stream)
+try:  # cuMemcpyAsync: "the memory areas may not overlap"
+    create_mover("copy_engine").copy(a.span(4096), a.span(), 8192, stream=None)
+    print("overlap copied")
+except Exception as exc:
+    print("overlap refused:", exc)
 mover = create_mover("copy_engine", batch_streams=4)
 batch = mover.batch(a.span(), b.span(), [(o, o, 1 << 20) for o in range(0, 16 << 20, 2 << 20)])
 batch.run(stream=Stream(0))
@@ -155,6 +160,8 @@ def _run(script: str, lib: Path, **env) -> str:
 def test_copy_engine_batches_and_warmup_run_through_the_driver_without_cupy(stub_driver):
     out = _run(_MOVER_AND_WARMUP, stub_driver)
     assert "batch cuMemcpyBatchAsync 8 4" in out  # 8 non-contiguous chunks, over 4 side streams
+    assert "overlap refused: copy_engine: the destination 0x10000001000 and the source 0x10000000000 overlap " \
+           "(8,192 bytes on cuda:0)" in out
     assert "alive after drop 0 of 9" in out  # 4 streams, the fork and 4 join events destroyed with the batch
     assert ("warm parts ['CUDA context + peer import', 'copy stream', 'executor lanes', 'fd table', 'torch CUDA'] "
             "copy stream at copy") in out

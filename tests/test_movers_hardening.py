@@ -198,3 +198,23 @@ def test_copy_with_checksums_refuses_a_span_of_an_asleep_or_closed_arena(gone):
         copy_with_checksums(np.zeros(4096, np.uint8), span, 1024)
     if gone == "sleep":
         arena.close()
+
+
+def test_lazy_conjugate_and_negative_views_and_object_arrays_are_refused_as_sources():
+    """A lazy ``conj()`` or ``_neg_view()`` shares its base's bytes, so a byte copy of it landed the
+    unconjugated (un-negated) values; an object array's bytes are pointers into this heap."""
+    import torch
+
+    from flashboot.errors import FlashBootError
+
+    mover = create_mover("host")
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    out = torch.zeros_like(z)
+    with pytest.raises(FlashBootError, match=r"lazy conjugate view .*resolve_conj\(\)"):
+        mover.copy(out, z.conj())
+    with pytest.raises(FlashBootError, match=r"lazy negative view"):
+        mover.copy(torch.zeros(2), torch._neg_view(torch.ones(2)))
+    mover.copy(out, z.conj().resolve_conj())
+    assert torch.equal(out, torch.tensor([1 - 2j, 3 + 4j], dtype=torch.complex64))
+    with pytest.raises(FlashBootError, match=r"dtype object holds Python objects"):
+        mover.copy(np.zeros(2, dtype=object), np.array([object(), object()], dtype=object))
