@@ -249,7 +249,7 @@ def _lock_rank(paths, rank: int, image_dir) -> int:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise FlashBootError(f"rank {rank} of {image_dir} is being staged by another process (pid {holder}, which "
+            raise FlashBootError(f"rank {rank} of {image_dir} is being staged already (by pid {holder}, which "
                                  f"holds {paths.lock}); wait for its {paths.ready}, or stop it first") from None
         except BaseException:
             os.close(fd)
