@@ -108,9 +108,7 @@ class SleepWake:
             self._check_open()  # again under the lock: a close() may have run since
             if self._asleep:
                 return
-            if self._shares:
-                raise ArenaError(f"arena {self._arena_id} cannot sleep: {len(self._shares)} other process(es) map it "
-                                 f"({'; '.join(sorted(self._shares))}); release it there, then unshare()")
+            self._check_unshared("sleep")
             t0 = time.perf_counter()
             if self._device.is_cuda:
                 _cuda.use_device(self._home_device.index)
@@ -139,11 +137,22 @@ class SleepWake:
                         if drain is not None:
                             timings["drain_ms"] = (t_issued - t_synced + t_drained - t_revoked) * 1e3
 
+    def check_can_sleep(self) -> None:
+        """ArenaError naming why :meth:`sleep` would be refused (closed, opened from another
+        process's export, or mapped by another process, see :meth:`share`), before anything moves."""
+        self._check_sleepable()
+        self._check_unshared("sleep")
+
     def _check_sleepable(self) -> None:
         self._check_open()
         if self._imported:
             raise ArenaError(f"arena {self._arena_id} is opened from pid {self._descriptor.pid}'s export; only its "
                              "owner can put it to sleep or hand its segments over")
+
+    def _check_unshared(self, what: str) -> None:
+        if self._shares:
+            raise ArenaError(f"arena {self._arena_id} cannot {what}: {len(self._shares)} other process(es) map it "
+                             f"({'; '.join(sorted(self._shares))}); release it there, then unshare()")
 
     def _segment_span(self, i: int) -> Span:
         offset = i * self._segment_bytes
@@ -191,9 +200,7 @@ class SleepWake:
         self._check_sleepable()
         self._check_awake("handing its segments over")
         self._make_all()  # an arena made with segments_now hands over every segment
-        if self._shares:
-            raise ArenaError(f"arena {self._arena_id} cannot hand its segments over: {len(self._shares)} other "
-                             f"process(es) map it ({'; '.join(sorted(self._shares))})")
+        self._check_unshared("hand its segments over")
 
     def _check_donor(self, donor: "SleepWake") -> None:
         if not isinstance(donor, SleepWake) or donor is self:

@@ -662,12 +662,8 @@ def _check_can_sleep(arena) -> None:
     """ArenaError before anything moves where ``arena``'s sleep would be refused (an importer, or
     shared with a holder): release="after" had woken the incoming image first and then raised,
     leaving both awake."""
-    if arena.asleep:
-        return
-    arena._check_sleepable()
-    if arena._shares:  # Arena.sleep's own refusal, asked before the swap starts
-        raise ArenaError(f"arena {arena.arena_id} cannot sleep: {len(arena._shares)} other process(es) map it "
-                         f"({'; '.join(sorted(arena._shares))}); release it there, then unshare()")
+    if not arena.asleep:
+        arena.check_can_sleep()
 
 
 def _wake_outgoing_again(outgoing, exc: BaseException, wake_options: dict) -> None:
