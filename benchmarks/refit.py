@@ -217,7 +217,6 @@ def run(spec, device_name: str, *, repeats: int = 5, store: str | None = None, p
             finally:
                 other.close()
             res["d2d_ceiling_ms"] = [ceiling_before, ceiling_after]
-            res["d2d_ceiling_gbps"] = nbytes / max(ceiling_before, ceiling_after) / 1e6
             publishes, refits = [], {"atomic": [], "in_place": []}
             version = 0
             for _ in range(repeats):
@@ -283,19 +282,28 @@ def _p2p(image, loaded, tensors, store, peer: str, repeats: int) -> dict:
 
 
 def _ratios(res: dict) -> None:
-    """Each path as a fraction of the D2D ceiling's speed (ceiling ms / path ms), same bytes."""
-    ceiling = max(res["d2d_ceiling_ms"])
+    """Each path's rate as a fraction of the D2D ceiling's (1.0 = at the ceiling). The ceiling is the
+    faster of its two samples (the strict one: the slower had credited a path with the drift) and
+    its rate is over the bytes it copied, the image's (``image_nbytes``, alignment included); a
+    pack writes the tensors' ``nbytes``, a refit copies the image's."""
+    ceiling_ms = min(res["d2d_ceiling_ms"])
+    res["d2d_ceiling_gbps"] = ceiling = res["image_nbytes"] / ceiling_ms / 1e6
+    nbytes = res["nbytes"]
+
+    def vs(nbytes_copied: int, ms) -> float:
+        return nbytes_copied / ms / 1e6 / ceiling if ms else 0.0
+
     for key in ("pack_kernel_ms", "pack_copy_per_tensor_ms", "pack_copy_engine_ms", "baseline_per_parameter_ms"):
         if res.get(key):
-            res[key.replace("_ms", "_vs_d2d")] = ceiling / res[key]
+            res[key.replace("_ms", "_vs_d2d")] = vs(nbytes, res[key])
     for row in res.get("pack_sweep", []):
-        row["vs_d2d"] = ceiling / row["ms"]
+        row["vs_d2d"] = vs(nbytes, row["ms"])
     for row in res.get("refit_sweep", []):
-        row["vs_d2d"] = ceiling / row["copy_ms"] if row["copy_ms"] else 0.0
-        row["gpu_vs_d2d"] = ceiling / row["copy_gpu_ms"] if row["copy_gpu_ms"] else 0.0
+        row["vs_d2d"] = vs(res["image_nbytes"], row["copy_ms"])
+        row["gpu_vs_d2d"] = vs(res["image_nbytes"], row["copy_gpu_ms"])
     for mode in ("atomic", "in_place"):
         r = res[f"refit_{mode}"]
-        r["copy_vs_d2d"] = ceiling / r["copy_ms"] if r["copy_ms"] else 0.0
+        r["copy_vs_d2d"] = vs(res["image_nbytes"], r["copy_ms"])
         r["copy_gbps"] = res["image_nbytes"] / r["copy_ms"] / 1e6 if r["copy_ms"] else 0.0
     refit = res["publish"]["pack_ms"] + res["refit_atomic"]["total_ms"]
     res["speedup_vs_baseline"] = {

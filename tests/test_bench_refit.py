@@ -40,3 +40,22 @@ def test_bench_refit_runs_every_section_on_the_host_backend(tmp_path):
     assert "remap_ms" not in res["refit_in_place"]["breakdown"]
     table = rows(res)
     assert table[0][0] == "host copy ceiling (before, after)" and len(table) == 13
+
+
+def test_refit_ratios_use_the_faster_ceiling_over_the_bytes_it_copied():
+    """The ceiling is measured before and after the rest: the faster sample is the ceiling (the slower
+    one had credited every path with the drift), and its GB/s is over the image's bytes, which it
+    copied (the tensors' bytes had under-reported it by the alignment)."""
+    from flashboot.benchmarks.refit import _ratios
+
+    refit = {"copy_ms": 4.0, "verify_ms": 1.0, "remap_ms": 1.0, "total_ms": 8.0}
+    res = {"nbytes": 1_000_000, "image_nbytes": 2_000_000, "d2d_ceiling_ms": [2.0, 1.0],
+           "pack_kernel_ms": 1.0, "pack_copy_per_tensor_ms": 5.0, "pack_copy_engine_ms": None,
+           "baseline_per_parameter_ms": 10.0, "publish": {"pack_ms": 1.0},
+           "refit_atomic": dict(refit), "refit_in_place": dict(refit)}
+    _ratios(res)
+    assert res["d2d_ceiling_gbps"] == 2.0  # 2 MB in 1 ms
+    assert res["pack_kernel_vs_d2d"] == 0.5  # 1 MB in 1 ms against 2 GB/s
+    assert res["pack_copy_per_tensor_vs_d2d"] == 0.1 and "pack_copy_engine_vs_d2d" not in res
+    assert res["refit_atomic"]["copy_gbps"] == 0.5 and res["refit_atomic"]["copy_vs_d2d"] == 0.25
+    assert res["speedup_vs_baseline"] == {"copy_atomic": 2.5, "pack_plus_refit_atomic": 10.0 / 9.0}
