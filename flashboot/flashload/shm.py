@@ -115,12 +115,17 @@ class StagedPaths:
     ready: Path
     lock: Path
     """Held (flock) by the process staging the rank; removed when it is done."""
+    users: Path
+    """Held shared (flock) by each engine that loads a copy staged inline (:func:`~flashboot.flashload.staging.stage_for_load`)."""
+    inline: Path
+    """Present while the staged copy is one an engine staged for its own load: the last engine to
+    load it removes it (a copy ``flashboot preload`` staged stays)."""
 
 
 def staged_paths(image_dir, rank: int, shm_dir=None) -> StagedPaths:
     d = staging_dir(image_dir, shm_dir)
     return StagedPaths(d, d / f"rank-{rank}.img", d / f"rank-{rank}.img.partial", d / f"rank-{rank}.ready",
-                       d / f"rank-{rank}.lock")
+                       d / f"rank-{rank}.lock", d / f"rank-{rank}.users", d / f"rank-{rank}.inline")
 
 
 def pid_file(image_dir, shm_dir=None) -> Path:

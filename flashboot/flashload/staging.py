@@ -26,6 +26,7 @@ from ..errors import (
     ImageReadError,
     LayoutError,
     OutOfMemoryError,
+    WaitTimeoutError,
 )
 from ..fileio import DirectReadRefused, io_buffer, read_exactly
 from ..memory import Device
@@ -73,6 +74,10 @@ def _fs_free_bytes(path: str) -> int:
 
 
 # =================================================================================== staging
+class StagingBusy(FlashBootError):
+    """Another process stages the rank now (it holds the rank's lock); the message names its pid."""
+
+
 @dataclass
 class StageResult:
     """What staging one rank did: bytes, I/O mode (and why), NUMA placement, time."""
@@ -207,7 +212,7 @@ def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads
 def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THREADS, io: str = "auto",
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: Any = "cpu", numa_policy: str = "preferred",
                verify: bool = False, force: bool = False, progress: Callable[[int, int], None] | None = None,
-               stop: threading.Event | None = None) -> StageResult:
+               stop: threading.Event | None = None, inline: bool = False) -> StageResult:
     """Copy rank ``rank`` of ``image_dir`` into shared memory and mark it ready.
 
     Refuses before any I/O when the shm filesystem lacks the space (OutOfMemoryError with the
@@ -218,6 +223,8 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
     ``verify`` recomputes the chunk checksums of the staged bytes (ChecksumMismatchError naming
     the chunk). A rank already staged from the same pre-pack is left alone unless ``force``; with
     ``verify`` its staged bytes are checked first, and a copy that fails is staged again.
+    ``inline``: an engine stages the copy for its own load (see :func:`stage_for_load`). A rank
+    another process stages now is refused with :class:`StagingBusy`.
     """
     if io not in IO_MODES:
         raise FlashBootError(f"io must be one of {', '.join(IO_MODES)}, got {io!r}")
@@ -231,7 +238,7 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
     try:
         return _stage_locked(image_dir, rank, src, paths, threads=threads, io=io, chunk_bytes=chunk_bytes,
                              device=device, numa_policy=numa_policy, verify=verify, force=force, progress=progress,
-                             stop=stop)
+                             stop=stop, inline=inline)
     finally:
         _unlock_rank(paths, lock)
 
@@ -249,7 +256,7 @@ def _lock_rank(paths, rank: int, image_dir) -> int:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise FlashBootError(f"rank {rank} of {image_dir} is being staged already (by pid {holder}, which "
+            raise StagingBusy(f"rank {rank} of {image_dir} is being staged already (by pid {holder}, which "
                                  f"holds {paths.lock}); wait for its {paths.ready}, or stop it first") from None
         except BaseException:
             os.close(fd)
@@ -283,7 +290,8 @@ def _unlock_rank(paths, fd: int) -> None:
 
 def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int, io: str, chunk_bytes: int,
                   device: Any, numa_policy: str, verify: bool, force: bool,
-                  progress: Callable[[int, int], None] | None, stop: threading.Event | None) -> StageResult:
+                  progress: Callable[[int, int], None] | None, stop: threading.Event | None,
+                  inline: bool = False) -> StageResult:
     """:func:`stage_rank` once the rank's lock is held."""
     from ..pinning import MappedFile, bind_to_node, gpu_numa_node
 
@@ -310,7 +318,7 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
         except (FileNotFoundError, LayoutError):
             pass
     # Withdraw an older copy first: nobody may see .ready beside a half-replaced image.
-    for p in (paths.ready, paths.image, paths.partial):
+    for p in (paths.ready, paths.image, paths.partial, paths.inline):
         try:
             p.unlink()
         except FileNotFoundError:
@@ -371,9 +379,12 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
             read_s=read_s, staged_at=time.time(), pid=os.getpid())
         text = json.dumps(info.to_dict(), indent=1)
         try:
+            if inline:  # before .ready: an engine that loads the copy once it is ready finds it marked
+                paths.inline.touch()
             _write_atomic(paths.ready, text)
         except BaseException as exc:
             _unlink_quietly(paths.image)  # never loaded without its .ready: it would only hold the memory
+            _unlink_quietly(paths.inline)
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:  # the copy took the last page
                 raise OutOfMemoryError(f"staging rank {rank} of {image_dir}: {paths.dir} filled up after the "
                                        f"{nbytes:,} bytes were copied, writing {paths.ready} (staged copy removed)",
@@ -435,6 +446,108 @@ def _verify_staged(fd: int, nbytes: int, src: RankSource, where: Path,
         mm.close()
 
 
+BUSY_POLL_S = 0.05
+"""How often an engine waiting for another process's staging of its rank asks again."""
+
+
+class InlineCopy:
+    """One engine's use of a rank staged in shared memory for engines' own loads (see
+    :func:`stage_for_load`): it holds ``rank-R.users`` shared until :meth:`release`."""
+
+    def __init__(self, paths, fd: int, staged_here: bool):
+        self.paths, self._fd, self.staged_here = paths, fd, staged_here
+
+    def release(self) -> bool:
+        """Let go of the copy; returns True when this engine was the last to load it and removed it
+        (only a copy an engine staged: one ``flashboot preload`` staged stays). Idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return False
+        p = self.paths
+        try:
+            try:  # the last user: no other engine holds it shared (a conversion: ours is dropped first)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # another engine still loads it: the last one out removes it
+            if not p.inline.exists() or _pid_file_held(p.lock) or not _same_file(p.users, fd):
+                return False  # staged by a preloader, being restaged, or removed and made again since
+            for path in (p.ready, p.image, p.partial, p.inline, p.users):
+                _unlink_quietly(path)
+            return True
+        finally:
+            os.close(fd)
+
+
+def _locked_by_anyone(path: Path) -> bool:
+    """Whether any process holds a lock (shared or exclusive) on ``path``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def stage_for_load(image_dir, rank: int, *, timeout_s: float, shm_dir=None, device: Any = "cpu",
+                   log: Callable[[str], None] | None = None) -> InlineCopy:
+    """Stage rank ``rank`` in shared memory for this engine's load, beside other engines that may
+    do the same (data-parallel replicas of one image on one node): one stages it, the others wait
+    for it (at most ``timeout_s``; WaitTimeoutError naming the stager) and load the same copy, and
+    one that finds it staged already loads it as it is. Each holds ``rank-R.users`` shared until
+    :meth:`InlineCopy.release`, which the last of them turns into the copy's removal when an
+    engine staged it. ``log`` is told when this process staged the rank itself (on the engine's
+    critical path)."""
+    paths = staged_paths(image_dir, rank, shm_dir)
+    make_dir(paths.dir)
+    deadline = time.monotonic() + timeout_s
+    while True:  # shared on users: waits only while the last engine out removes the copy (EX)
+        fd = os.open(paths.users, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise WaitTimeoutError(f"rank {rank} of {image_dir}: {paths.users} stayed locked by the "
+                                               f"engine removing its copy for {timeout_s:g} s") from None
+                    time.sleep(BUSY_POLL_S)
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(paths.users, fd):
+            break
+        os.close(fd)  # removed by the last engine out after this open: the next engine's file is the one
+    try:
+        while True:
+            try:
+                result = stage_rank(image_dir, rank, shm_dir=shm_dir, device=device, inline=True)
+                if log is not None and not result.skipped:
+                    log(f"staged rank {rank} of {image_dir} in this process ({result.nbytes / 1e9:.2f} GB from disk "
+                        f"in {result.read_s:.2f} s, on the engine's critical path); run `flashboot preload "
+                        f"{image_dir}` before starting the engine to take it off")
+                return InlineCopy(paths, fd, staged_here=not result.skipped)
+            except StagingBusy as busy:
+                if time.monotonic() >= deadline:
+                    raise WaitTimeoutError(f"{busy}: still staging after {timeout_s:g} s") from None
+                time.sleep(BUSY_POLL_S)  # its .ready comes, or it failed and this process stages the rank
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[Path]:
     """Remove staged ranks (all by default) and return the paths removed. Once no rank is left,
     the preloader's log, a dead preloader's pid file and socket, and the staging directory itself
@@ -455,6 +568,10 @@ def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[
         if (wanted is None or lock.stem in wanted) and _pid_file_held(lock):
             raise FlashBootError(f"{lock.stem} of {image_dir} is being staged (its lock {lock} is held); let it "
                                  "finish or stop it, then unstage")
+    for users in sorted(d.glob("rank-*.users")):  # engines loading a copy staged for them hold it shared
+        if (wanted is None or users.stem in wanted) and _locked_by_anyone(users):
+            raise FlashBootError(f"{users.stem} of {image_dir} is being loaded by an engine (it holds {users}); "
+                                 "the last engine to load it removes it")
     for p in sorted(d.iterdir()):
         rank_of = p.name.split(".")[0]
         if wanted is None or rank_of in wanted:

@@ -75,21 +75,20 @@ def _rank_namespace(options: LoaderOptions, rank: int) -> str:
     return f"{options.seed_name}-rank{rank}"
 
 
-def _stage_if_needed(options: LoaderOptions, rank: int, dev) -> bool:
-    """Make sure the preloader's ``.ready`` exists (or will): returns True when we staged inline."""
-    from flashboot.flashload.shm import service_status, staged_paths
-    from flashboot.flashload.staging import stage_rank
+def _stage_if_needed(options: LoaderOptions, rank: int, dev):
+    """The staged copy this load reads, where the engine stages it itself (no preloader serves or
+    stages the image): an :class:`~flashboot.flashload.staging.InlineCopy` to release after the
+    load, or None. Data-parallel replicas of one image on one node share one copy: one stages it,
+    the others wait for it, and the last to load it removes it."""
+    from flashboot.flashload.shm import service_status
+    from flashboot.flashload.staging import stage_for_load
 
     if options.served or options.staging == "require":
-        return False
-    ready = staged_paths(options.image_dir, rank, options.shm_dir).ready
-    if options.staging == "auto" and (ready.exists() or service_status(options.image_dir, options.shm_dir).running):
-        return False
-    logger.warning("flashboot: staging rank %d of %s in this process (disk -> shared memory). Run `flashboot preload "
-                   "%s` before starting the engine to take this off the critical path.", rank, options.image_dir,
-                   options.image_dir)
-    stage_rank(options.image_dir, rank, shm_dir=options.shm_dir, device=str(dev) if dev.is_cuda else "cpu")
-    return True
+        return None
+    if options.staging == "auto" and service_status(options.image_dir, options.shm_dir).running:
+        return None
+    return stage_for_load(options.image_dir, rank, timeout_s=options.timeout_s, shm_dir=options.shm_dir,
+                          device=str(dev) if dev.is_cuda else "cpu", log=lambda m: logger.warning("flashboot: %s", m))
 
 
 def prepare_engine_load(options: LoaderOptions, expected: EngineKey, rank: int, device: Any, *, tp_size: int,
@@ -148,7 +147,6 @@ def load_engine_weights(options: LoaderOptions, expected: EngineKey, rank: int, 
 def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, dev, *, tp_size: int,
                        ep_size: int, prepared=None) -> EngineWeights:
     import flashboot
-    from flashboot.flashload.staging import unstage
 
     if prepared is not None:  # keys checked and everything one-time paid by prepare_engine_load
         section, _ = read_engine_section(options.image_dir, rank)
@@ -162,20 +160,20 @@ def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, d
             "engine once with --model-loader-extra-config '{\"image_dir\": ..., \"mode\": \"prepack\"}' (or "
             "\"auto\": pre-pack when missing, load otherwise)")
     section = _check_image_keys(options, expected, rank)
-    staged_here = _stage_if_needed(options, rank, dev)
+    inline = _stage_if_needed(options, rank, dev)
     loaded = None
     try:
         loaded = flashboot.load(options.image_dir, rank, dev, timeout_s=options.timeout_s, served=options.served,
                                 verify=options.verify, shm_dir=options.shm_dir, tp=tp_size, ep=ep_size)
-        if staged_here and loaded.release_thread is not None:
-            loaded.release_thread.join(options.timeout_s)  # its unmap of the staged copy, before we remove it
+        if inline is not None and loaded.release_thread is not None:
+            loaded.release_thread.join(options.timeout_s)  # its unmap of the staged copy, before it is removed
     except BaseException:
         if loaded is not None:  # nobody else holds it: its arena would leak
             loaded.close()
         raise
     finally:
-        if staged_here:  # a copy we made only for this load: give the shared memory back
-            unstage(options.image_dir, [rank], shm_dir=options.shm_dir)
+        if inline is not None:  # the last engine to load a copy staged for engines gives the memory back
+            inline.release()
     return EngineWeights(loaded.tensors, section, loaded, "load", loaded.report)
 
 

@@ -1,0 +1,128 @@
+"""Engines that stage their image themselves (no preloader), several on one node with one image
+(data-parallel replicas): one stages each rank, the others wait for it and load the same copy,
+and the last to load it gives the shared memory back. Before, a second engine's staging was
+refused by the rank's lock (and, before that lock, overwrote the first's half-written copy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from flashboot.errors import FlashBootError
+from flashboot.flashload import shm as shm_files
+from flashboot.flashload import staging
+
+from _preload_helpers import make_tiny_image  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+ENGINES = 4
+
+_ENGINE = r"""
+import json, os, sys, time
+from pathlib import Path
+from flashboot.flashload import shm as shm_files
+from flashboot.flashload.staging import stage_for_load
+
+image, shm, barrier, i, n = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+
+def meet(name):  # every engine reaches this point before any goes on
+    (barrier / f"{name}-{i}").touch()
+    deadline = time.monotonic() + 60
+    while sum(1 for p in barrier.iterdir() if p.name.startswith(name + "-")) < n:
+        assert time.monotonic() < deadline, name
+        time.sleep(0.01)
+
+meet("start")
+logged = []
+copy = stage_for_load(image, 0, timeout_s=60, shm_dir=shm, log=logged.append)
+staged = shm_files.staged_paths(image, 0, shm).image.read_bytes()  # the engine's load
+meet("loaded")  # nobody lets go before everyone has read: the copy must still be there
+removed = copy.release()
+print(json.dumps({"staged_here": copy.staged_here, "removed": removed, "logged": len(logged),
+                  "bytes": staged == shm_files.rank_source(image, 0).path.read_bytes()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    return make_tiny_image(tmp_path_factory.mktemp("inline"))
+
+
+def _rank_files(shm, image) -> list[str]:
+    d = shm_files.staging_dir(image, shm)
+    return sorted(p.name for p in d.iterdir() if p.name.startswith("rank-")) if d.is_dir() else []
+
+
+def test_engines_staging_one_rank_at_once_share_one_copy_and_the_last_removes_it(image, tmp_path):
+    shm, barrier = tmp_path / "shm", tmp_path / "barrier"
+    barrier.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _ENGINE, str(image), str(shm), str(barrier), str(i),
+                               str(ENGINES)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(ENGINES)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=150)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(o["bytes"] for o in outs), outs
+    assert sum(o["staged_here"] for o in outs) == 1, outs  # one staged; the others waited for it or found it
+    assert sum(o["logged"] for o in outs) == 1, outs  # and only it says so
+    assert sum(o["removed"] for o in outs) == 1, outs  # the last one out gave the memory back
+    assert _rank_files(shm, image) == []
+
+
+def test_a_copy_the_preloader_staged_stays_after_the_engines_load_it(image, tmp_path):
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)  # `flashboot preload DIR`, one shot
+    copy = staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm)
+    assert not copy.staged_here
+    assert copy.release() is False
+    assert _rank_files(shm, image) == ["rank-0.img", "rank-0.ready", "rank-0.users"]
+    staging.unstage(image, shm_dir=shm)
+
+
+def test_an_engine_waits_for_a_stager_that_fails_then_stages_the_rank_itself(image, tmp_path):
+    shm = tmp_path / "shm"
+    paths = shm_files.staged_paths(image, 0, shm)
+    paths.dir.mkdir(parents=True)
+    lock = staging._lock_rank(paths, 0, image)  # another engine staging, which then dies without .ready
+
+    def die_later():
+        time.sleep(0.3)
+        staging._unlock_rank(paths, lock)
+
+    t = threading.Thread(target=die_later)
+    t.start()
+    copy = staging.stage_for_load(image, 0, timeout_s=30, shm_dir=shm)
+    t.join()
+    try:
+        assert copy.staged_here
+        assert paths.image.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()
+        with pytest.raises(FlashBootError, match=r"rank-0 of .* is being loaded by an engine \(it holds .*rank-0\.users\)"):
+            staging.unstage(image, [0], shm_dir=shm)  # not under an engine that loads it
+    finally:
+        assert copy.release() is True
+    assert _rank_files(shm, image) == []
+
+
+def test_an_engine_waiting_for_a_stager_that_never_finishes_times_out_naming_it(image, tmp_path):
+    shm = tmp_path / "shm"
+    paths = shm_files.staged_paths(image, 0, shm)
+    paths.dir.mkdir(parents=True)
+    lock = staging._lock_rank(paths, 0, image)
+    fds = set(os.listdir("/proc/self/fd"))
+    try:
+        with pytest.raises(FlashBootError, match=rf"is being staged already \(by pid {os.getpid()}, .*: still "
+                                                 r"staging after 0.3 s"):
+            staging.stage_for_load(image, 0, timeout_s=0.3, shm_dir=shm)
+        assert set(os.listdir("/proc/self/fd")) == fds  # its hold on rank-0.users let go
+    finally:
+        staging._unlock_rank(paths, lock)
+    staging.unstage(image, shm_dir=shm)
