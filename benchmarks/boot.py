@@ -122,7 +122,12 @@ def _child(spec: dict) -> dict:
         expected = ckpt.expected_digest()
         peer = cls(ckpt.files, dev)
         peer.prepare()
-        __import__(cls.__module__)
+        # the peer's library imported before the clock, as the FlashLoad children import theirs
+        # (import_loader): the module imported here had been the adapters' own, leaving the
+        # library's import inside the peer's first timed call
+        import importlib
+
+        importlib.import_module(cls.module)
         for _ in range(2):
             t = time.perf_counter()
             out = peer.load()

@@ -20,6 +20,9 @@ class PeerLoader:
     """One way of loading a checkpoint: ``name``, ``availability()``, ``prepare``, ``load``, ``release``."""
 
     name: ClassVar[str] = ""
+    module: ClassVar[str] = "safetensors.torch"
+    """The library :meth:`load` calls: an engine that loads with it imported it at start, as it
+    imports FlashBoot's loader, so a first-call benchmark imports it before the clock."""
     per_tensor: ClassVar[bool] = True
     """True when the result is a name -> tensor dict (verified tensor by tensor)."""
 
@@ -58,6 +61,7 @@ class InstantTensorLoader(PeerLoader):
     """InstantTensor ``safe_open(files, framework="pt", device=N)``; direct-I/O into a GPU ring buffer."""
 
     name = "instanttensor"
+    module = "instanttensor"
 
     @classmethod
     def availability(cls, device: str) -> tuple[bool, str]:
@@ -82,6 +86,7 @@ class FastSafetensorsLoader(PeerLoader):
     """fastsafetensors ``fastsafe_open(nogds=True)``; tensors cloned out before its buffers close."""
 
     name = "fastsafetensors"
+    module = "fastsafetensors"
 
     @classmethod
     def availability(cls, device: str) -> tuple[bool, str]:
@@ -104,6 +109,8 @@ class FastSafetensorsLoader(PeerLoader):
 class _PinnedSource(PeerLoader):
     """Holds every tensor in one pinned host buffer (untimed), as a loader that already paid the
     read and the pin would."""
+
+    module = "torch"
 
     def prepare(self) -> None:
         import torch

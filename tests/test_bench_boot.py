@@ -151,3 +151,32 @@ def test_first_calls_times_a_restart_in_a_fresh_process(tmp_path):
     (line,) = first_calls.summary_lines([row, {"note": "neither kind"}])
     assert line.startswith("image (view threads default): ") and f"{tiny.tensor_count} tensors" in line
     assert f"restart {row['restart_ms']:.1f} ms vs target {row['restart_target_ms']:.1f} ms" in line
+
+
+def test_a_peer_child_imports_the_peer_library_before_its_first_timed_call(tmp_path):
+    """The FlashLoad children import FlashBoot's loader before the clock, as an engine does at
+    start; a peer's child imports the peer's library the same way (it had imported the adapters'
+    module instead, leaving safetensors' import inside the peer's first timed call)."""
+    import json
+
+    from flashboot.benchmarks.peers import FastSafetensorsLoader, InstantTensorLoader, SafetensorsLoader
+    from _python import run_python
+
+    assert (SafetensorsLoader.module, InstantTensorLoader.module, FastSafetensorsLoader.module) == \
+        ("safetensors.torch", "instanttensor", "fastsafetensors")
+    tiny = ck.CheckpointSpec("tiny", layers=1, experts=2, expert_rows=8, expert_cols=8, hidden=8, vocab=8, shards=1)
+    ck.make_checkpoint(str(tmp_path / "ckpt"), tiny, device="cpu")
+    code = f"""
+import json, sys
+from flashboot.benchmarks import boot, peers
+seen = []
+load = peers.SafetensorsLoader.load
+def spy(self):
+    seen.append("safetensors.torch" in sys.modules)
+    return load(self)
+peers.SafetensorsLoader.load = spy
+out = boot._child({{"loader": "safetensors", "device": "cpu", "checkpoint": {str(tmp_path / "ckpt")!r}}})
+print(json.dumps([seen, [c["verified"] for c in out["calls"]]]))
+"""
+    seen, verified = json.loads(run_python("-c", code).strip().splitlines()[-1])
+    assert seen == [True, True] and verified == [True, True]
