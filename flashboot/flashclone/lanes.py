@@ -18,7 +18,10 @@ from ..schedulers import Step
 from .executor import FLAG_BYTES, ExecReport, Executor, HostFlags, LaneReport, PeerWatch, StepFailure
 
 DRAIN_TIMEOUT_S = 10.0
-"""After releasing blocked streams, how long the host waits for them to drain before giving up."""
+"""After releasing blocked streams, how long the host waits for them to drain before giving up; on
+the host backend, how long a run that gives up on its lanes waits for them to stop."""
+BACKSTOP_SLACK_S = 60.0
+"""Host lanes: added to ``timeout_s`` per step (each wait's own bound) for the join's backstop."""
 
 
 # ============================================================================================
@@ -35,6 +38,13 @@ class HostRun:
         self.failures: list[StepFailure] = []
         self.done: set[int] = set()
         self.lock = threading.Lock()
+        # set under ``lock`` once run() gives up on its lanes: from then on no lane touches a flag
+        # (the caller may close the flags arenas as soon as run() has raised)
+        self.abandoned = False
+        self.doing: dict[tuple[int, int], tuple[str, Step]] = {}  # each lane's phase, for that error
+        # set by each lane as it leaves, after its last touch of any arena: what run() waits on (an
+        # interrupted Thread.join marks a live thread stopped on Python 3.11, bpo-45274's release)
+        self.ended: dict[tuple[int, int], threading.Event] = {}
 
     def _fail(self, message: str, step: Step, peer: int | None, exited: bool) -> None:
         with self.lock:
@@ -80,6 +90,7 @@ class HostRun:
         try:
             for i, unit in enumerate(ex._units(steps)):
                 s = unit[0]
+                self.doing[key] = ("waiting for the flags of", s)
                 for w in s.waits:
                     if not self._await(s, w):
                         return
@@ -95,13 +106,17 @@ class HostRun:
                 if i == 0:
                     report.first_start_s = time.perf_counter() - t_start
                 if ex.step_hook is not None:
+                    self.doing[key] = ("in the step hook of", s)
                     ex.step_hook(s)
                     if self.abort.is_set():
                         return
+                self.doing[key] = ("copying", s)
                 ex._copy_unit(unit, None)
-                for u in unit:
-                    own.set(u.signal, ex.epoch)  # after the copy returned: the bytes are in place
                 with self.lock:
+                    if self.abandoned:  # run() has raised: the flags may be unmapped by now
+                        return
+                    for u in unit:
+                        own.set(u.signal, ex.epoch)  # after the copy returned: the bytes are in place
                     self.done.update(u.id for u in unit)
                 end = time.perf_counter() - t_start
                 report.step_end_s.extend([end] * len(unit))
@@ -111,23 +126,41 @@ class HostRun:
             with self.lock:
                 self.failures.append(exc)  # type: ignore[arg-type]
             self.abort.set()
+        finally:
+            self.doing.pop(key, None)
+            self.ended[key].set()
 
     def run(self) -> ExecReport:
         ex = self.ex
         lanes = ex._lanes()
         reports = {k: LaneReport(k[0], k[1], 0, 0, 0.0) for k in lanes}
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=self._lane, args=(k, steps, reports[k], t0), daemon=True,
-                                    name=f"flashboot-lane-{k[0]}.{k[1]}") for k, steps in lanes.items()]
-        for t in threads:
-            t.start()
+        threads = {k: threading.Thread(target=self._lane, args=(k, steps, reports[k], t0), daemon=True,
+                                       name=f"flashboot-lane-{k[0]}.{k[1]}") for k, steps in lanes.items()}
+        self.ended = {k: threading.Event() for k in lanes}
         # every lane wait is bounded by timeout_s per flag; the join bound is only a backstop
-        backstop = time.monotonic() + ex.timeout_s * (len(ex.steps) + 1) + 60
-        for t in threads:
-            t.join(max(0.0, backstop - time.monotonic()))
-        if any(t.is_alive() for t in threads):
-            self.abort.set()
-            raise WaitTimeoutError(f"host lanes of {ex.plan.schedule} did not finish; abandoned after the backstop")
+        limit = ex.timeout_s * (len(ex.steps) + 1) + BACKSTOP_SLACK_S
+        backstop = time.monotonic() + limit
+        try:
+            for t in threads.values():
+                t.start()
+            for ended in self.ended.values():
+                ended.wait(max(0.0, backstop - time.monotonic()))
+        except BaseException:  # an interrupt: the caller unwinds and frees the arenas, so stop the lanes first
+            self._stop(threads)
+            raise
+        if not all(ended.is_set() for ended in self.ended.values()):
+            running = self._stop(threads)
+            if running:
+                err = WaitTimeoutError(
+                    f"host lanes of {ex.plan.schedule} did not finish within {limit:g} s; stopped the others, but "
+                    f"{'; '.join(running)}: a copy cannot be interrupted, so the arenas it touches stay referenced "
+                    "until it returns (closing them before then faults the process; join .lanes_running first)"
+                    + self._first_failure())
+                err.lanes_running = [t for k, t in threads.items() if t.ident is not None and not self.ended[k].is_set()]
+                raise err
+            raise WaitTimeoutError(f"host lanes of {ex.plan.schedule} did not finish within {limit:g} s; stopped "
+                                   "them" + self._first_failure())
         wall = time.perf_counter() - t0
         for r in reports.values():
             r.seconds = r.step_end_s[-1] if r.step_end_s else 0.0
@@ -138,6 +171,34 @@ class HostRun:
             first.valid_steps = set(self.done)
             raise first
         return ExecReport(ex.plan.schedule, "host", ex.mover.name, ex.epoch, list(reports.values()), wall)
+
+    def _stop(self, threads: dict[tuple[int, int], threading.Thread]) -> list[str]:
+        """Give up on the lanes: stop them, wait up to :data:`DRAIN_TIMEOUT_S` for them to leave (a
+        lane polling a flag leaves within a poll, one in a copy when the copy returns) and name the
+        lanes still running. None of them touches a flag from here on; the bytes a copy still
+        running touches stay mapped as long as the caller does not close them: the lane's thread
+        holds this run, and through it every arena."""
+        with self.lock:
+            self.abandoned = True
+        self.abort.set()
+        started = {k: self.ended[k] for k, t in threads.items() if t.ident is not None}
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        for ended in started.values():
+            ended.wait(max(0.0, deadline - time.monotonic()))
+        ex = self.ex
+        running = []
+        for (dst, lane), ended in started.items():
+            if ended.is_set():
+                continue
+            phase, s = self.doing.get((dst, lane), ("starting", None))
+            what = "" if s is None else (f" step {s.id} (bytes {s.offset:,}..{s.end:,} from {ex._name(s.src)} into "
+                                         f"{ex._name(s.dst)})")
+            running.append(f"lane {dst}.{lane} was still {phase}{what} {DRAIN_TIMEOUT_S:g} s later")
+        return running
+
+    def _first_failure(self) -> str:
+        with self.lock:
+            return f" (first failure: {self.failures[0]})" if self.failures else ""
 
 
 # ============================================================================================
