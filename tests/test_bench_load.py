@@ -96,6 +96,11 @@ def test_whole_benchmark_on_the_host_backend(tmp_path):
     assert all(r["verified"] for r in measured), [r["loader"] for r in measured if not r["verified"]]
     assert rows[LIMIT]["x_limit"] == 1.0
     assert all(r["gbps"] > 0 and r["x_limit"] > 0 for r in measured)
+    # every loader's GB/s over the same bytes, the checkpoint's (FlashLoad's image is larger: alignment)
+    assert {r["nbytes"] for r in measured} == {SMALL.nbytes}
+    assert all(r["gbps"] == SMALL.nbytes / (r["median_ms"] * 1e-3) / 1e9 for r in measured)
+    assert rows[FLASH_SERVED]["details"]["image_nbytes"] > SMALL.nbytes
+    assert all(r["first_ms"] == r["samples_ms"][0] for r in measured)  # warmup=0: the first call is the first repeat
     assert "safetensors" in rows[FLASH_SERVED]["speedup_vs"]
     assert rows["instanttensor"]["skipped"] and rows["fastsafetensors"]["skipped"]
     assert [p["step"].split(" (")[0] for p in out["pipeline"]] == ["disk read", "disk write", "pre-pack", "preload"]
@@ -114,3 +119,34 @@ def test_cli_registers_bench_load():
     assert args.scale == 0.01 and args.checkpoints == ["B"] and args.json == "-" and callable(args.func)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "load", "--checkpoints", "C"])
+
+
+def test_measure_keeps_the_first_call_and_medians_the_repeats_after_the_warm_up():
+    from flashboot.benchmarks.load import _measure
+
+    samples, cleaned = iter([50.0, 3.0, 1.0, 2.0]), []
+    timing, first_ms, ok = _measure("x", lambda: (next(samples), "result"), cleaned.append,
+                                    lambda result: result == "result", warmup=1, repeats=3)
+    assert first_ms == 50.0 and timing.samples_ms == [3.0, 1.0, 2.0] and timing.median_ms == 2.0 and ok
+    assert cleaned == ["result"] * 4
+    with pytest.raises(FlashBootError, match="repeats must be an int >= 1"):
+        _measure("x", lambda: (1.0, None), cleaned.append, bool, warmup=1, repeats=0)
+
+
+def test_flashload_is_timed_on_the_bench_clock_not_by_its_own_report(tmp_path, monkeypatch):
+    """FlashLoad's rows are timed as the peers' are (the call plus a device sync, on the bench's
+    clock): the report's own total_ms, taken inside the call, had been used instead."""
+    import flashboot
+
+    real = flashboot.load
+
+    def load(*args, **kwargs):
+        loaded = real(*args, **kwargs)
+        loaded.report.total_ms = -1.0  # what the bench must not take for the time
+        return loaded
+
+    monkeypatch.setattr(flashboot, "load", load)
+    out = run(checkpoints=[SMALL], device="cpu", ckpt_root=str(tmp_path / "ckpt"), image_root=str(tmp_path / "img"),
+              shm_root=str(tmp_path / "shm"), warmup=0, repeats=1, log=lambda line: None)
+    flash = [r for r in out["loaders"] if r["loader"].startswith("FlashLoad")]
+    assert len(flash) == 3 and all(r["verified"] and r["first_ms"] > 0 and r["median_ms"] > 0 for r in flash)
