@@ -20,8 +20,8 @@ first and its second call:
   the large image against the disk's O_DIRECT rate);
 * ``safetensors``, ``instanttensor``, ``fastsafetensors`` where installed (from the tmpfs checkpoint).
 
-The ceiling is one pinned bulk H2D of the same bytes in the parent, median of 3 after a warm-up,
-in the same run. Every result is verified (FlashLoad: chunk checksums on the device; peers: the
+The ceiling is one pinned bulk H2D of the checkpoint's bytes (what every loader delivers; the
+image adds its alignment) in the parent, median of 3 after a warm-up, in the same run. Every result is verified (FlashLoad: chunk checksums on the device; peers: the
 source tensors' checksums), outside the timed call. FlashLoad's timed calls also verify as they do by
 default (a served load on CUDA: by the daemon, inside the call); the "verified" column says who
 checked inside each call: "daemon", "load", or "after" (only outside the clock).
@@ -223,8 +223,12 @@ def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Calla
         staged_file = str(staged_paths(str(img_dir), 0, str(shm)).image)
         image_nbytes = os.path.getsize(staged_file)
         out["image_nbytes"] = image_nbytes
-        out["ceiling_ms"] = _ceiling_ms(staged_file, image_nbytes, device)
-        log(f"{spec.name}: bulk H2D ceiling {out['ceiling_ms']:.1f} ms ({image_nbytes / out['ceiling_ms'] / 1e6:.1f} GB/s)")
+        # the ceiling moves the checkpoint's bytes, what every loader delivers: the image's, its
+        # alignment included (2x the bytes at small scales), had made it slower, every ratio kinder
+        out["ceiling_nbytes"] = min(ckpt.nbytes, image_nbytes)
+        out["ceiling_ms"] = _ceiling_ms(staged_file, out["ceiling_nbytes"], device)
+        log(f"{spec.name}: bulk H2D ceiling {out['ceiling_ms']:.1f} ms "
+            f"({out['ceiling_nbytes'] / out['ceiling_ms'] / 1e6:.1f} GB/s)")
         for loader in loaders:
             if loader in ("flashload prepared, pinned here", "flashload streamed"):
                 continue  # need the daemon gone: below
@@ -381,9 +385,9 @@ def print_results(out: dict) -> None:
     from flashboot.benchmarks.boot_e2e import print_rows
 
     print_rows(out)
-    print_table("ceilings", ["shape", "tensors", "bytes", "bulk H2D ms", "GB/s"],
-                [[s["shape"], s["tensors"], s["image_nbytes"], s["ceiling_ms"], s["image_nbytes"] / s["ceiling_ms"] / 1e6]
-                 for s in out["shapes"]])
+    print_table("ceilings", ["shape", "tensors", "bytes copied", "image bytes", "bulk H2D ms", "GB/s"],
+                [[s["shape"], s["tensors"], s.get("ceiling_nbytes", s["image_nbytes"]), s["image_nbytes"], s["ceiling_ms"],
+                  s.get("ceiling_nbytes", s["image_nbytes"]) / s["ceiling_ms"] / 1e6] for s in out["shapes"]])
 
 
 def register_bench(sub) -> None:

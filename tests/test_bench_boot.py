@@ -23,6 +23,8 @@ def test_bench_boot_runs_each_loader_in_a_fresh_process(capsys):
                    disk_root=str(root.parent / "disk"))
     (shape,) = out["shapes"]
     assert shape["tensors"] == ck.CHECKPOINT_A.tensor_count and shape["ceiling_ms"] > 0
+    # the ceiling copies what every loader delivers, the checkpoint's bytes, not the image's alignment too
+    assert shape["ceiling_nbytes"] == shape["nbytes"] == ck.CHECKPOINT_A.scaled(1e-4).nbytes < shape["image_nbytes"]
     by = {r["loader"]: r for r in shape["loaders"]}
     assert set(by) == set(loaders)
     for r in by.values():
