@@ -213,8 +213,9 @@ def _median_alone(alones: list[dict]) -> dict:
 
 
 def _row(results: list[dict], alone: dict, w_s: float, early: bool, ceiling_ms: float) -> dict:
-    """One cell's row from its processes' results: the one of the median total (the lower middle
-    of an even count), or the first error."""
+    """One cell's row from its processes' results: the one of the median total (the upper middle
+    of an even count: the lower had made a cell of two boots the faster of them, a best-of that
+    favours the boot; W alone, the bound, takes the lower, the strict one), or the first error."""
     row = {"w_s": w_s, "early": early, "w_alone_ms": alone.get("w_ms"), "repeats": len(results)}
     if alone.get("w_all_ms"):
         row["w_alone_all_ms"] = alone["w_all_ms"]
@@ -223,7 +224,7 @@ def _row(results: list[dict], alone: dict, w_s: float, early: bool, ceiling_ms: 
         row["error"] = failed[0]["error"] if failed else alone["error"]
         return row
     ranked = sorted(results, key=lambda r: r["total_ms"])
-    res = ranked[(len(ranked) - 1) // 2]
+    res = ranked[len(ranked) // 2]
     row.update({k: res[k] for k in ("total_ms", "w_ms", "load_ms", "prepare_call_ms", "pass_ms", "verified",
                                     "steps_per_s", "w_after_ms")})
     row["copy_request_ms"] = res.get("copy_request_ms")
