@@ -23,8 +23,9 @@ Two (or more) images on one device, each served by a preloader daemon of this pr
   segments just freed costs a wake right after the sleep);
 * **torch baseline**: the per-tensor offload (``t.cpu()``) and reload (``t.copy_(cpu)``) engines
   do today, on the same parameters;
-* **restart via the holder** (map, metadata, views; no copy) against a served load of the same
-  image, and against the budget of 20 ms + 2 us per tensor.
+* **restart via the holder** (map, metadata, views; no copy): first in a fresh engine-like
+  process, as a restarted engine makes it (held to the budget of 20 ms + 2 us per tensor), then
+  again in this process, against a served load of the same image.
 
 The second image is a hard-linked copy of the first image's directory (another image to the
 loader and the daemon, no second 14 GB on disk). Every wake is checked byte for byte (host) or
@@ -178,9 +179,52 @@ def _torch_baseline(loaded, repeats: int) -> dict:
     return {"offload_ms": _median(off), "reload_ms": _median(on)}
 
 
+RESTART_CHILD_TIMEOUT_S = 300.0
+
+
+def _restart_child(image: str, device: str, registry: str) -> dict:
+    """A restarted engine: a fresh process, engine-like (torch, its CUDA context, the loader's
+    imports), whose first call is the load from the holder; its time on this process's clock, and
+    whether every byte it mapped is the image's."""
+    import flashboot
+    from flashboot.benchmarks.timing import engine_context
+
+    engine_context(device, loader=True)
+    t0 = time.perf_counter()
+    loaded = flashboot.load(image, 0, device, holder=registry)
+    ms = (time.perf_counter() - t0) * 1e3
+    try:
+        return {"ms": ms, "mode": loaded.report.mode, "report_total_ms": loaded.report.total_ms,
+                "tensors": loaded.report.tensors, "exact": _exact(loaded)}
+    finally:
+        loaded.close()
+
+
+def _restart_in_fresh_process(image: Path, device: str, registry: Path) -> dict:
+    """:func:`_restart_child` in a new interpreter; FlashBootError with its last lines if it fails."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "flashboot.benchmarks.swap", "--restart-child", str(image), device, str(registry)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=RESTART_CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise FlashBootError(f"the restart in a fresh process took over {RESTART_CHILD_TIMEOUT_S:g} s") from None
+    if p.returncode != 0:
+        tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:])
+        raise FlashBootError(f"the restart in a fresh process exited {p.returncode}: {tail}")
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    if out["mode"] != "held":
+        raise FlashBootError(f"the restart in a fresh process did not map the held arena (mode {out['mode']})")
+    return out
+
+
 def _restart(image: Path, device: str, shm: Path, registry: Path, repeats: int) -> dict:
-    """A served load of ``image`` handed to a holder, then restarts from the holder against more
-    served loads (each closed before the next, as an engine that exits)."""
+    """A served load of ``image`` handed to a holder, then a restart from the holder in a fresh
+    process (what a restarted engine pays: judged against the budget), then restarts in this
+    process against more served loads (each closed before the next, as an engine that exits).
+    The budget had been judged on the median of restarts in this warm process."""
     import warnings
 
     import flashboot
@@ -195,6 +239,7 @@ def _restart(image: Path, device: str, shm: Path, registry: Path, repeats: int) 
             warnings.simplefilter("ignore", RuntimeWarning)  # "nothing is held": the first engine's load
             first = flashboot.load(image, 0, device, served=True, shm_dir=shm, holder=str(registry), timeout_s=120)
         first.close()
+        fresh = _restart_in_fresh_process(image, device, registry)
         held, served, parts = [], [], []
         for _ in range(repeats):
             loaded = flashboot.load(image, 0, device, holder=str(registry))
@@ -213,8 +258,9 @@ def _restart(image: Path, device: str, shm: Path, registry: Path, repeats: int) 
         thread.join(60)
     budget = RESTART_BUDGET_MS + RESTART_PER_TENSOR_MS * tensors
     best = parts[held.index(sorted(held)[len(held) // 2])]
-    return {"restart_ms": _median(held), "served_load_ms": _median(served), "tensors": tensors,
-            "budget_ms": budget, "within_budget": _median(held) <= budget, **best}
+    return {"restart_first_ms": fresh["ms"], "restart_first_exact": fresh["exact"], "restart_ms": _median(held),
+            "served_load_ms": _median(served), "tensors": tensors, "budget_ms": budget,
+            "within_budget": fresh["ms"] <= budget, **best}
 
 
 def run(*, scale: float | None = None, images: int = 2, device: str | None = None, repeats: int = 3,
@@ -342,6 +388,7 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
             li.close()
         loaded = []
         out["restart"] = _restart(paths[0], device, shm, work / "registry", repeats)
+        exact &= out["restart"]["restart_first_exact"]
         out["ceiling_after"] = _ceilings(nbytes, dev, repeats)
         out["exact"] = exact
     finally:
@@ -393,8 +440,9 @@ def print_results(out: dict) -> None:
          f"{_gbps(n, out['torch']['offload_ms']):.1f}", f"{r['torch_offload_over_d2h']:.2f}x the D2H time", ""],
         ["torch per-tensor reload (copy_)", f"{out['torch']['reload_ms']:.1f}",
          f"{_gbps(n, out['torch']['reload_ms']):.1f}", f"{r['torch_reload_over_h2d']:.2f}x the H2D time", ""],
-        ["restart via the holder", f"{rs['restart_ms']:.2f}", "",
+        ["restart via the holder, in a fresh process", f"{rs['restart_first_ms']:.2f}", "",
          f"budget {rs['budget_ms']:.1f} ms: {'met' if rs['within_budget'] else 'MISSED'}", "20 ms + 2 us/tensor"],
+        ["restart via the holder, again in this process", f"{rs['restart_ms']:.2f}", "", "", ""],
         ["served load of the same image", f"{rs['served_load_ms']:.1f}", "", "", ""],
     ]
     print_table(f"swap: {out['images']} images of {n:,} bytes ({out['tensors']:,} tensors) on {out['device']}",
@@ -458,3 +506,13 @@ def main(args: argparse.Namespace) -> int:
 
 
 __all__ = ["run", "print_results", "register_bench", "main"]
+
+
+if __name__ == "__main__":  # _restart_in_fresh_process's child
+    import json
+    import sys
+
+    if len(sys.argv) == 5 and sys.argv[1] == "--restart-child":
+        print(json.dumps(_restart_child(*sys.argv[2:])))
+    else:
+        sys.exit("usage: flashboot bench swap (this entry point is its restart in a fresh process)")

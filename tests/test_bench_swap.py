@@ -22,12 +22,17 @@ def test_a_small_swap_run_reports_every_figure(tmp_path, capsys):
     assert out["swap_ms"] == out["swap_modes"]["handover"]["ms"] and out["swap_modes"]["after"]["parts"]["wake"]["total_ms"] > 0
     assert out["torch"]["offload_ms"] > 0 and out["torch"]["reload_ms"] > 0
     assert out["restart"]["tensors"] == 3170 and out["restart"]["restart_ms"] > 0
+    # a restarted engine is a new process: its first load from the holder, timed there, is what the
+    # budget judges (the median of restarts in this warm process had been)
+    r = out["restart"]
+    assert r["restart_first_ms"] > 0 and r["restart_first_exact"] is True
+    assert r["within_budget"] == (r["restart_first_ms"] <= r["budget_ms"])
     assert set(out["ratios"]) == {"wake_served_x_h2d", "level1_sleep_x_d2h", "level1_wake_x_h2d", "swap_over_h2d",
                                   "swap_release_handover_over_h2d", "swap_release_during_over_h2d",
                                   "swap_release_after_over_h2d",
                                   "swap_release_before_over_h2d", "torch_offload_over_d2h", "torch_reload_over_h2d"}
     swap.print_results(out)
     text = capsys.readouterr().out
-    assert "wake from the daemon" in text and "restart via the holder" in text
+    assert "wake from the daemon" in text and "restart via the holder, in a fresh process" in text
     assert "level-1 wake parts, ms: total" in text and "swap parts (release after), ms: total" in text
     assert not (tmp_path / "w").exists()  # the images and the staging are removed
