@@ -107,5 +107,14 @@ def main(args: argparse.Namespace) -> int:
         shown += [[r.kernel, r.path, " ".join(f"{k}={v}" for k, v in r.knobs.items()), r.gbps, r.ratio,
                    "yes" if r.verified else "NO"] for r in best]
     print_table("kernel tuning (best first)", ["kernel", "path", "knobs", "GB/s", "vs copy engine", "verified"], shown)
+    # the top rows by GB/s leave out every configuration that failed (0 GB/s) and any that copied
+    # wrong bytes below them: each is named here, and wrong bytes fail the run
+    failed = [r for r in rows if "error" in r.knobs]
+    wrong = [r for r in rows if not r.verified and "error" not in r.knobs]
+    for r in failed:
+        print(f"failed: {r.kernel} {r.path} {' '.join(f'{k}={v}' for k, v in r.knobs.items() if k != 'error')}: "
+              f"{r.knobs['error']}")
+    for r in wrong:
+        print(f"WRONG BYTES: {r.kernel} {r.path} {' '.join(f'{k}={v}' for k, v in r.knobs.items())}")
     dump_json({"rows": rows}, args.json)
-    return 0
+    return 1 if wrong else 0
