@@ -1,20 +1,29 @@
 """The clone executor's lanes (flashboot/flashclone/lanes.py) when a run goes wrong.
 
 Host backend on real memfd arenas: a run that gives up on a lane stuck in a copy stops the other
-lanes before it raises, and no lane touches the flags once it has (the caller closes them)."""
+lanes before it raises, and no lane touches the flags once it has (the caller closes them).
+
+CUDA backend without a GPU: an in-process fake of the driver calls CudaRun makes (streams as
+queues of wait / write / copy operations over real host words, run as far as their waits allow
+whenever an event is asked about), so a failure while issuing or polling can be checked to leave
+no stream parked on a flag nobody will raise. The driver plumbing itself is checked through
+cuda-bindings in tests/test_cuda_path_stub.py."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import flashboot.flashclone.lanes as lanes
 from flashboot.arena import Arena
-from flashboot.errors import WaitTimeoutError
-from flashboot.flashclone.executor import Endpoint, Executor, create_flags
+from flashboot.errors import CudaError, FlashBootError, WaitTimeoutError
+from flashboot.flashclone.executor import Endpoint, Executor, StepFailure, create_flags
+from flashboot.memory import Device, Span
 from flashboot.movers.host import HostMover
 from flashboot.schedulers import build_plan
 
@@ -137,3 +146,254 @@ def test_an_interrupted_run_stops_its_lanes_before_the_interrupt_unwinds(monkeyp
         helper.join(10)
         _close(eps)
 
+
+# ============================================================================================
+# CUDA backend, through a fake driver
+# ============================================================================================
+
+
+class _FakeStream:
+    """A stream as a queue of operations that runs, in order, as far as its waits allow."""
+
+    handles = 100
+
+    def __init__(self, sim, device_index=0):
+        _FakeStream.handles += 1
+        self.sim, self.handle, self.device_index = sim, _FakeStream.handles, device_index
+        self.ptr = self.handle
+        self.ops: list[tuple] = []
+        self.pos = 0
+        sim.streams[self.handle] = self
+
+    def advance(self) -> None:
+        while self.pos < len(self.ops):
+            op = self.ops[self.pos]
+            if op[0] == "wait" and ctypes.c_uint32.from_address(op[1]).value < op[2]:
+                return  # parked on cuStreamWaitValue32
+            if op[0] == "write":
+                ctypes.c_uint32.from_address(op[1]).value = op[2]
+            elif op[0] == "fn":
+                op[1]()
+            self.pos += 1
+
+    @property
+    def blocked(self) -> bool:
+        self.sim.advance()
+        return self.pos < len(self.ops)
+
+    def synchronize(self) -> None:
+        if self.blocked:
+            raise AssertionError(f"stream {self.handle} would block for good on {self.ops[self.pos]}")
+
+
+class _FakeEvent:
+    def __init__(self, sim):
+        self.sim, self.stream, self.at = sim, None, 0
+
+    def record(self, stream) -> None:
+        self.stream, self.at = stream, len(stream.ops)
+
+    @property
+    def done(self) -> bool:
+        self.sim.advance()
+        return self.stream is None or self.stream.pos >= self.at
+
+    def elapsed_ms(self, end) -> float:
+        return 1.0
+
+
+class _Sim:
+    """The fake driver: what CudaRun calls of ``cuda.bindings``' driver, over host words."""
+
+    class CUstreamWaitValue_flags:
+        CU_STREAM_WAIT_VALUE_GEQ = 0
+
+    class CUstreamWriteValue_flags:
+        CU_STREAM_WRITE_VALUE_DEFAULT = 0
+
+    def __init__(self):
+        self.streams: dict[int, _FakeStream] = {}
+        self.fail: dict[str, int] = {}  # a driver call -> fail its n-th call from now (0: the next)
+
+    def advance(self) -> None:
+        for _ in range(len(self.streams) + 1):  # a write on one stream may unblock another
+            for st in list(self.streams.values()):
+                st.advance()
+
+    def _call(self, name: str, op: tuple | None, stream: int):
+        n = self.fail.get(name)
+        if n is not None:
+            self.fail[name] = n - 1
+            if n == 0:
+                return (999,)
+        if op is not None:
+            self.streams[stream].ops.append(op)
+        return (0,)
+
+    @staticmethod
+    def CUdeviceptr(p):
+        return int(p)
+
+    def cuStreamWaitValue32(self, cs, ptr, value, flags):
+        return self._call("cuStreamWaitValue32", ("wait", ptr, value), cs)
+
+    def cuStreamWriteValue32(self, cs, ptr, value, flags):
+        return self._call("cuStreamWriteValue32", ("write", ptr, value), cs)
+
+    def cuMemsetD32Async(self, ptr, value, count, cs):
+        def memset():
+            for i in range(count):
+                ctypes.c_uint32.from_address(ptr + 4 * i).value = value
+        return self._call("cuMemsetD32Async", ("fn", memset), cs)
+
+    def cuMemcpyDtoHAsync(self, dst, src, nbytes, cs):
+        return self._call("cuMemcpyDtoHAsync", ("fn", lambda: ctypes.memmove(dst, src, nbytes)), cs)
+
+
+class _FakeCopyMover:
+    """Enqueues each copy on its stream (recorded when it runs); fails on ``fail_at`` offsets."""
+
+    name = "fake_copy"
+
+    def __init__(self, fail_at=()):
+        self.fail_at, self.ran = set(fail_at), []
+
+    def copy(self, dst, src, nbytes=None, *, stream=None):
+        if dst.ptr in self.fail_at:
+            raise RuntimeError(f"copy into {dst.ptr:#x} refused")
+        stream.ops.append(("fn", lambda: self.ran.append(dst.ptr)))
+
+    def copy_batch(self, dst, src, chunks, *, stream=None):
+        for d, s, n in chunks:
+            self.copy(dst.sub(d, n), src.sub(s, n), stream=stream)
+
+
+class _FakeArena:
+    """What the executor reads of a CUDA arena; ``words`` back a flags arena (real host memory)."""
+
+    def __init__(self, base, nbytes, words=None):
+        self.device = Device("cuda", 0)
+        self.words = words
+        self.ptr = base if words is None else words.ctypes.data
+        self.nbytes = nbytes if words is None else words.nbytes
+        self.mapped_nbytes, self.segment_bytes = self.nbytes, 1 << 28
+
+    def span(self, off=0, n=None):
+        return Span(self.ptr + off, self.nbytes - off if n is None else n, self.device)
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    sim = _Sim()
+
+    def check(result, call):
+        err, *values = result
+        if err:
+            raise CudaError(call, err, "CUDA_ERROR_FAKE")
+        return values[0] if len(values) == 1 else tuple(values) or None
+
+    fake_cuda = SimpleNamespace(driver=lambda: sim, check=check, use_device=lambda i: None)
+    monkeypatch.setattr(lanes, "_cuda", fake_cuda)
+    monkeypatch.setattr(lanes, "lend_stream", lambda dev: _FakeStream(sim, dev))
+    monkeypatch.setattr(lanes, "lend_event", lambda dev, timing=False: _FakeEvent(sim))
+    monkeypatch.setattr(lanes, "give_back", lambda *objs: None)
+    monkeypatch.setattr(lanes, "wait_events", lambda evs, timeout: all(e.done for e in evs))
+    monkeypatch.setattr(lanes, "DRAIN_TIMEOUT_S", 0.5)
+    return sim
+
+
+def _cuda_chain(local, nbytes=4 * MiB):
+    """A chain seed -> clone0 -> clone1 on fake CUDA arenas; flags as host words."""
+    plan = build_plan("chain", 2, nbytes, MiB)
+    eps = {0: Endpoint(0, "seed", _FakeArena(1 << 40, nbytes))}
+    for p in plan.receivers():
+        words = np.zeros(max(1, plan.flag_count(p.index)), np.uint32)
+        eps[p.index] = Endpoint(p.index, p.name, _FakeArena((p.index + 2) << 40, nbytes), _FakeArena(0, 0, words))
+    return plan, eps
+
+
+def _parked(sim) -> list[tuple]:
+    return [st.ops[st.pos] for st in sim.streams.values() if st.blocked]
+
+
+def test_the_fake_driver_runs_a_chain_and_parks_a_wait_on_a_flag_never_raised(sim):
+    plan, eps = _cuda_chain([1, 2])
+    mover = _FakeCopyMover()
+    rep = Executor(plan, eps, [1, 2], mover=mover, h2d_mover=mover, timeout_s=0.3).run()
+    assert rep.backend == "cuda" and sum(l.steps for l in rep.lanes) == len(plan) == len(mover.ran)
+    assert all(eps[i].flags.words[:plan.flag_count(i)].tolist() == [1] * plan.flag_count(i) for i in (1, 2))
+    assert _parked(sim) == []
+    # clone1 alone, its source clone0 (another process, here) never raising a flag: released on the stall
+    plan, eps = _cuda_chain([2])
+    with pytest.raises(StepFailure, match="made no progress for 0.3 s; blocked streams released") as info:
+        Executor(plan, eps, [2], mover=_FakeCopyMover(), h2d_mover=_FakeCopyMover(), timeout_s=0.3).run()
+    assert info.value.released and info.value.valid_steps == set() and _parked(sim) == []
+
+
+@pytest.mark.parametrize("where, step, why", [
+    ("mover", 3, "mover fake_copy failed: RuntimeError: copy into"),
+    ("cuStreamWaitValue32", 3, "cuStreamWaitValue32(step 3 waits on step 2) failed"),
+    ("cuStreamWriteValue32", 3, "cuStreamWriteValue32(step 3 done) failed"),
+])
+def test_a_failure_while_issuing_releases_the_waits_already_parked(sim, where, step, why):
+    """clone1 runs alone; clone0 (another process) has raised none of its flags yet. A mover or
+    driver error while issuing step 3 had been raised as it was, leaving step 1's stream parked
+    on clone0's flag 0 (and step 3's on flag 1): its copy into our arena would run whenever clone0
+    got there, after the caller had freed the arena. Now every parked wait is released (the
+    stream drained) before the error is raised, naming the step."""
+    plan, eps = _cuda_chain([2])
+    mover = _FakeCopyMover(fail_at={eps[2].arena.ptr + MiB} if where == "mover" else ())
+    if where != "mover":
+        sim.fail[where] = 1  # its second call: step 3's
+    with pytest.raises(FlashBootError) as info:
+        Executor(plan, eps, [2], mover=mover, h2d_mover=mover, timeout_s=5).run()
+    msg = str(info.value)
+    assert f"step {step} (bytes 1,048,576..2,097,152" in msg and why in msg, msg
+    assert msg.endswith("; blocked streams released from the host"), msg
+    assert not isinstance(info.value, StepFailure)  # no peer to blame: a retry would not help
+    assert _parked(sim) == []
+    assert eps[1].flags.words[:2].tolist() == [1, 1]  # what the parked waits waited for, written by us
+
+
+def test_a_failure_while_recording_a_steps_event_releases_its_wait(sim, monkeypatch):
+    """The unit was issued (its wait parked) but its end event could not be made: its wait is
+    released as well, and the step named."""
+    plan, eps = _cuda_chain([2])
+    made = []
+
+    def lend_event(dev, timing=False):
+        made.append(dev)
+        if len(made) == 3:  # the lane's start event, step 1's, then step 3's
+            raise CudaError("cuEventCreate(cuda:0)", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+        return _FakeEvent(sim)
+
+    monkeypatch.setattr(lanes, "lend_event", lend_event)
+    mover = _FakeCopyMover()
+    with pytest.raises(FlashBootError) as info:
+        Executor(plan, eps, [2], mover=mover, h2d_mover=mover, timeout_s=5).run()
+    msg = str(info.value)
+    assert "step 3 (bytes 1,048,576..2,097,152 into clone1)" in msg and "cuEventCreate(cuda:0) failed" in msg, msg
+    assert _parked(sim) == [] and eps[1].flags.words[:2].tolist() == [1, 1]
+
+
+def test_a_fault_while_polling_still_releases_the_waits(sim, monkeypatch):
+    """An event query raising (a device fault) while the host polled the lanes: the waits parked
+    are released before the error goes up, naming the step it was polling."""
+    plan, eps = _cuda_chain([2])
+    polls = []
+    done = _FakeEvent.done
+
+    def faulty(self):
+        polls.append(self)
+        if len(polls) == 1:
+            raise CudaError("cuEventQuery(cuda:0)", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+        return done.fget(self)
+
+    monkeypatch.setattr(_FakeEvent, "done", property(faulty))
+    mover = _FakeCopyMover()
+    with pytest.raises(FlashBootError) as info:
+        Executor(plan, eps, [2], mover=mover, h2d_mover=mover, timeout_s=5).run()
+    msg = str(info.value)
+    assert "step 1 (bytes 0..1,048,576 into clone1)" in msg and "CUDA_ERROR_ILLEGAL_ADDRESS" in msg, msg
+    assert msg.endswith("; blocked streams released from the host"), msg
+    assert _parked(sim) == []

@@ -224,6 +224,7 @@ class CudaRun:
             if dev not in self.side:
                 self.side[dev] = lend_stream(dev)
         self._final_flags: dict[int, np.ndarray] = {}
+        self._in_copy = False
         self.geq = int(self.drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
         self.write_default = int(self.drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
 
@@ -241,7 +242,9 @@ class CudaRun:
             p, f = ex.plan.flag_of(w)
             _cuda.check(drv.cuStreamWaitValue32(cs, drv.CUdeviceptr(self._flag_ptr(p, f)), ex.epoch, self.geq),
                         f"cuStreamWaitValue32(step {s.id} waits on step {w})")
+        self._in_copy = True  # the mover's error names the steps, the bytes and both ends already
         ex._copy_unit(unit, stream)
+        self._in_copy = False
         first = unit[0].signal
         if len(unit) > 1 and all(u.signal == first + i for i, u in enumerate(unit)):
             # a run's flags are consecutive words: one stream-ordered memset raises them all after
@@ -281,68 +284,88 @@ class CudaRun:
         next_i = 0
         last_progress = time.monotonic()
         failure: tuple[str, Step | None, int | None, bool] | None = None
-        while True:
-            # issue in global id order, as far as the windows allow
-            while next_i < len(order):
-                unit = order[next_i]
-                s = unit[0]
-                k = key_of[s.id]
-                if ex.window is not None and len(issued[k]) - completed[k] >= ex.window:
+        # what the host was doing, for an error's message: (step, phase); a unit being issued
+        # when an error struck (its wait may be parked already) is released with the rest
+        at: tuple[Step | None, str] = (None, "starting the lanes")
+        issuing: tuple[tuple[int, int], list[Step]] | None = None
+        try:
+            while True:
+                # issue in global id order, as far as the windows allow
+                while next_i < len(order):
+                    unit = order[next_i]
+                    s = unit[0]
+                    k = key_of[s.id]
+                    if ex.window is not None and len(issued[k]) - completed[k] >= ex.window:
+                        break
+                    at = (s, "checking its sources")
+                    dead = self._dead_dependency(s)
+                    if dead is not None:
+                        failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,}) depends on {ex._name(dead)}, which "
+                                   "exited", s, dead, True)
+                        break
+                    if ex.step_hook is not None:
+                        at = (s, "in the step hook")
+                        ex.step_hook(s)
+                    at = (s, "issuing it")
+                    issuing = (k, unit)
+                    _cuda.use_device(self.lane_device[k])
+                    self._issue(unit, self.streams[k])
+                    at = (s, "recording its end")
+                    ev = lend_event(self.lane_device[k], timing=True)
+                    ev.record(self.streams[k])
+                    unit_events.append(ev)
+                    issued[k].extend((u, ev) for u in unit)
+                    issuing = None
+                    next_i += 1
+                if failure is not None:
                     break
-                dead = self._dead_dependency(s)
-                if dead is not None:
-                    failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,}) depends on {ex._name(dead)}, which "
-                               "exited", s, dead, True)
+                if next_i == len(order) and not any(s.waits for k, lst in issued.items() for s, _ in lst[completed[k]:]):
+                    # every step left is a plain copy (no flag to wait on): wait for the lanes' last
+                    # events in the driver, the GIL released, and wake as they pass, not up to a poll later
+                    left = {k: lst for k, lst in issued.items() if completed[k] < len(lst)}
+                    if left:
+                        k, lst = next(iter(left.items()))
+                        at = (lst[completed[k]][0], "waiting for the lanes' last copies")
+                    if not left or wait_events([lst[-1][1] for lst in left.values()], ex.timeout_s):
+                        for k, lst in left.items():
+                            completed[k] = len(lst)
+                        break
+                    k, lst = next(iter(left.items()))
+                    s = lst[completed[k]][0]
+                    failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,} into {ex._name(s.dst)}) did not end within "
+                               f"{ex.timeout_s:g} s", s, self._awaited_peer(s, self.lane_device[k]), False)
                     break
-                if ex.step_hook is not None:
-                    ex.step_hook(s)
-                _cuda.use_device(self.lane_device[k])
-                self._issue(unit, self.streams[k])
-                ev = lend_event(self.lane_device[k], timing=True)
-                ev.record(self.streams[k])
-                unit_events.append(ev)
-                issued[k].extend((u, ev) for u in unit)
-                next_i += 1
-            if failure is not None:
-                break
-            if next_i == len(order) and not any(s.waits for k, lst in issued.items() for s, _ in lst[completed[k]:]):
-                # every step left is a plain copy (no flag to wait on): wait for the lanes' last
-                # events in the driver, the GIL released, and wake as they pass, not up to a poll later
-                left = {k: lst for k, lst in issued.items() if completed[k] < len(lst)}
-                if not left or wait_events([lst[-1][1] for lst in left.values()], ex.timeout_s):
-                    for k, lst in left.items():
-                        completed[k] = len(lst)
+                progressed = False
+                for k, lst in issued.items():
+                    while completed[k] < len(lst):
+                        at = (lst[completed[k]][0], "polling its end")
+                        if not lst[completed[k]][1].done:
+                            break
+                        completed[k] += 1
+                        progressed = True
+                if progressed:
+                    last_progress = time.monotonic()
+                if next_i == len(order) and all(completed[k] == len(issued[k]) for k in issued):
                     break
-                k, lst = next(iter(left.items()))
-                s = lst[completed[k]][0]
-                failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,} into {ex._name(s.dst)}) did not end within "
-                           f"{ex.timeout_s:g} s", s, self._awaited_peer(s, self.lane_device[k]), False)
-                break
-            progressed = False
-            for k, lst in issued.items():
-                while completed[k] < len(lst) and lst[completed[k]][1].done:
-                    completed[k] += 1
-                    progressed = True
-            if progressed:
-                last_progress = time.monotonic()
-            if next_i == len(order) and all(completed[k] == len(issued[k]) for k in issued):
-                break
-            blocked = [(k, issued[k][completed[k]][0]) for k in issued if completed[k] < len(issued[k])]
-            for k, s in blocked:
-                dead = self._dead_dependency(s)
-                if dead is not None:
-                    failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,}) depends on {ex._name(dead)}, which "
-                               "exited", s, dead, True)
+                blocked = [(k, issued[k][completed[k]][0]) for k in issued if completed[k] < len(issued[k])]
+                for k, s in blocked:
+                    at = (s, "checking its sources")
+                    dead = self._dead_dependency(s)
+                    if dead is not None:
+                        failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,}) depends on {ex._name(dead)}, which "
+                                   "exited", s, dead, True)
+                        break
+                if failure is not None:
                     break
-            if failure is not None:
-                break
-            if time.monotonic() - last_progress > ex.timeout_s:
-                k, s = blocked[0] if blocked else (key_of[order[next_i][0].id], order[next_i][0])
-                failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,} into {ex._name(s.dst)}) made no progress "
-                           f"for {ex.timeout_s:g} s", s, self._awaited_peer(s, self.lane_device[k]), False)
-                break
-            if not progressed:
-                time.sleep(2e-4)
+                if time.monotonic() - last_progress > ex.timeout_s:
+                    k, s = blocked[0] if blocked else (key_of[order[next_i][0].id], order[next_i][0])
+                    failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,} into {ex._name(s.dst)}) made no progress "
+                               f"for {ex.timeout_s:g} s", s, self._awaited_peer(s, self.lane_device[k]), False)
+                    break
+                if not progressed:
+                    time.sleep(2e-4)
+        except BaseException as exc:  # a mover's or the driver's error, the hook's, an interrupt
+            self._release_after_error(exc, at, issuing, issued, completed)
         wall = time.perf_counter() - t0
         if failure is not None:
             self._release_and_raise(failure, issued, completed)
@@ -389,12 +412,58 @@ class CudaRun:
 
     def _release_and_raise(self, failure, issued, completed) -> None:
         """Unblock every enqueued wait from the host, drain the streams, raise StepFailure."""
-        ex = self.ex
         message, step, peer, exited = failure
+        pending = {s.id for k, lst in issued.items() for s, _ in lst[completed[k]:]}
+        out = {"valid": {s.id for k, lst in issued.items() for s, _ in lst[:completed[k]]}, "tainted": set(),
+               "released": False}
+        try:
+            self._release(issued, completed, peer, exited, out)
+        except FlashBootError as exc:
+            raise StepFailure(f"{message}; {exc}", step=step, peer=peer, peer_exited=exited, valid_steps=out["valid"],
+                              released=out["released"], tainted_steps=pending - out["valid"]) from exc
+        raise StepFailure(message + ("; blocked streams released from the host" if out["released"] else ""), step=step,
+                          peer=peer, peer_exited=exited, valid_steps=out["valid"], released=out["released"],
+                          tainted_steps=out["tainted"])
+
+    def _release_after_error(self, exc: BaseException, at: tuple[Step | None, str], issuing, issued,
+                             completed) -> None:
+        """After an error while issuing or watching the steps: release and drain the streams as
+        :meth:`_release_and_raise` does (a wait left parked on a flag nobody raises would run its
+        copy into our arena whenever the flag came, after the caller freed it), then raise the
+        error naming the step; an interrupt is re-raised as it is, after the release."""
+        ex = self.ex
+        s, phase = at
+        if issuing is not None:  # its wait may be parked, its copy half enqueued: released as well
+            k, unit = issuing
+            try:
+                ev = lend_event(self.lane_device[k], timing=True)
+                ev.record(self.streams[k])
+            except BaseException:  # its end cannot be watched: its waits are released all the same
+                ev = None
+            issued[k].extend((u, ev) for u in unit)
+        out = {"valid": set(), "tainted": set(), "released": False}
+        try:
+            self._release(issued, completed, None, False, out)
+            note = "; blocked streams released from the host" if out["released"] else ""
+        except FlashBootError as rel:
+            note = f"; {rel}"
+        if not isinstance(exc, Exception):
+            raise exc
+        if phase == "issuing it" and self._in_copy:
+            message = str(exc)
+        else:
+            where = "" if s is None else (f" step {s.id} (bytes {s.offset:,}..{s.end:,} into "
+                                          f"{ex._name(s.dst)})")
+            message = f"{ex.plan.schedule}{where}: {phase} failed: {type(exc).__name__}: {exc}"
+        raise FlashBootError(message + note) from exc
+
+    def _release(self, issued, completed, peer, exited, out: dict) -> None:
+        """Write every awaited flag not raised yet from a side stream (releasing the parked
+        waits), then wait for the streams to drain. Fills ``out``: ``valid`` (steps drained with
+        trusted bytes), ``tainted`` (drained after a released wait, or from a source that
+        exited), ``released``; raises FlashBootError saying what failed."""
+        ex = self.ex
         pending = [(k, s) for k, lst in issued.items() for s, _ in lst[completed[k]:]]
-        valid = {s.id for k, lst in issued.items() for s, _ in lst[:completed[k]]}
-        released = False
-        tainted: set[int] = set()
         legit: dict[tuple[int, int], bool] = {}
         try:
             # which awaited flags were raised legitimately, read before we write any
@@ -416,29 +485,32 @@ class CudaRun:
                         _cuda.check(self.drv.cuStreamWriteValue32(
                             self._cu(self.side[dev]), self.drv.CUdeviceptr(self._flag_ptr(p, f)), ex.epoch,
                             self.write_default), f"cuStreamWriteValue32(release flag {f} of participant {p})")
-                        released = True
+                        out["released"] = True
             for side in self.side.values():
                 side.synchronize()
-            deadline = time.monotonic() + DRAIN_TIMEOUT_S
-            for k, lst in issued.items():
-                for s, ev in lst[completed[k]:]:
+        except FlashBootError as exc:
+            raise FlashBootError(f"releasing the blocked streams failed: {exc}") from exc
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        for k, lst in issued.items():
+            for s, ev in lst[completed[k]:]:
+                if ev is None:  # a unit whose end event could not be made: not trusted
+                    continue
+                try:
                     while not ev.done:
                         if time.monotonic() > deadline:
-                            raise WaitTimeoutError(f"{message}; after releasing its waits the stream of participant "
-                                                   f"{k[0]} did not drain within {DRAIN_TIMEOUT_S:g} s")
+                            raise WaitTimeoutError(f"after releasing its waits the stream of participant {k[0]} "
+                                                   f"did not drain within {DRAIN_TIMEOUT_S:g} s")
                         time.sleep(1e-3)
-                    # bytes copied after a released wait (or from a source that exited) are not trusted
-                    if all(legit.get(ex.plan.flag_of(w), True) for w in s.waits) and not (
-                            s.kind == "copy" and s.src == peer and exited):
-                        valid.add(s.id)
-                    else:
-                        tainted.add(s.id)
-        except FlashBootError as exc:
-            raise StepFailure(f"{message}; releasing the blocked streams failed: {exc}", step=step, peer=peer,
-                              peer_exited=exited, valid_steps=valid, released=released,
-                              tainted_steps={s.id for _, s in pending} - valid) from exc
-        raise StepFailure(message + ("; blocked streams released from the host" if released else ""), step=step,
-                          peer=peer, peer_exited=exited, valid_steps=valid, released=released, tainted_steps=tainted)
+                except WaitTimeoutError:
+                    raise
+                except FlashBootError as exc:
+                    raise FlashBootError(f"releasing the blocked streams failed: {exc}") from exc
+                # bytes copied after a released wait (or from a source that exited) are not trusted
+                if all(legit.get(ex.plan.flag_of(w), True) for w in s.waits) and not (
+                        s.kind == "copy" and s.src == peer and exited):
+                    out["valid"].add(s.id)
+                else:
+                    out["tainted"].add(s.id)
 
 
 __all__ = ["CudaRun", "DRAIN_TIMEOUT_S", "HostRun"]
