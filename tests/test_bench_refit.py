@@ -25,7 +25,7 @@ def test_sparse_checkpoint_reads_as_zeros_of_the_spec(tmp_path):
 def test_bench_refit_runs_every_section_on_the_host_backend(tmp_path):
     res = run(SPEC, "cpu", repeats=2, workdir=str(tmp_path))
     assert res["tensors"] == SPEC.tensor_count and res["nbytes"] == SPEC.nbytes
-    assert res["refit_bytes_equal_trainer"] is True
+    assert res["refit_bytes_equal_trainer"] is True and res["refit_tensors_compared"] == SPEC.tensor_count
     for mode in ("atomic", "in_place"):
         assert res[f"refit_{mode}"]["transport"] == "posix_fd"
     assert res["pack_copy_engine_ms"] is None and res["copy_engine_note"] == "GPU only"
@@ -39,7 +39,8 @@ def test_bench_refit_runs_every_section_on_the_host_backend(tmp_path):
         set(res["refit_atomic"]["breakdown"])
     assert "remap_ms" not in res["refit_in_place"]["breakdown"]
     table = rows(res)
-    assert table[0][0] == "host copy ceiling (before, after)" and len(table) == 13
+    assert table[0][0] == "host copy ceiling (before, after)" and len(table) == 14
+    assert ["engine's tensors equal the trainer's after the refits", f"{SPEC.tensor_count:,} tensors", "yes", ""] in table
 
 
 def test_refit_ratios_use_the_faster_ceiling_over_the_bytes_it_copied():
@@ -59,3 +60,23 @@ def test_refit_ratios_use_the_faster_ceiling_over_the_bytes_it_copied():
     assert res["pack_copy_per_tensor_vs_d2d"] == 0.1 and "pack_copy_engine_vs_d2d" not in res
     assert res["refit_atomic"]["copy_gbps"] == 0.5 and res["refit_atomic"]["copy_vs_d2d"] == 0.25
     assert res["speedup_vs_baseline"] == {"copy_atomic": 2.5, "pack_plus_refit_atomic": 10.0 / 9.0}
+
+
+def test_bench_refit_fails_when_the_engine_does_not_hold_the_trainer_s_bytes(monkeypatch, capsys):
+    """A refit that left wrong bytes had exited 0: the check was not in the table nor the exit code."""
+    from flashboot.benchmarks import refit
+    from flashboot.cli import main
+
+    def fake_run(spec, device, **kw):
+        refit_row = {"copy_ms": 1.0, "verify_ms": 1.0, "remap_ms": 0.0, "total_ms": 2.0, "transport": "posix_fd"}
+        res = {"spec": spec.name, "device": "cpu", "tensors": 1, "nbytes": 10, "image_nbytes": 10, "rows": 1,
+               "d2d_ceiling_ms": [1.0, 1.0], "pack_kernel_ms": 1.0, "pack_copy_per_tensor_ms": 1.0,
+               "pack_copy_engine_ms": None, "copy_engine_note": "GPU only", "baseline_per_parameter_ms": 1.0,
+               "publish": {"pack_ms": 1.0, "checksum_ms": 1.0, "publish_ms": 1.0}, "refit_atomic": dict(refit_row),
+               "refit_in_place": dict(refit_row), "refit_bytes_equal_trainer": False, "refit_tensors_compared": 1}
+        refit._ratios(res)
+        return res
+
+    monkeypatch.setattr(refit, "run", fake_run)
+    assert main(["bench", "refit", "--checkpoint", "C", "--device", "cpu"]) == 1
+    assert "NO" in next(line for line in capsys.readouterr().out.splitlines() if "equal the trainer" in line)
