@@ -24,3 +24,19 @@ def test_bench_tune_names_failed_and_wrong_configurations_below_its_top_rows(mon
     assert "WRONG BYTES: sm_copy d2d block_bytes=65536" in out
     monkeypatch.setattr(tune, "run", lambda *a, **k: rows[:2])
     assert tune.main(args) == 0
+
+
+def test_bench_stream_judges_the_cap_on_the_first_load_in_a_fresh_process_too(tmp_path, capsys):
+    """The ring's cap on extra host memory had been judged on the load after a warm-up only; the
+    first load in a fresh process, the one an engine makes, is judged and printed too."""
+    from flashboot.benchmarks import stream
+
+    out = stream.run(scale=0.002, device="cpu", image_root=str(tmp_path / "img"), ckpt_root=str(tmp_path / "ckpt"),
+                     log=lambda line: None)
+    s = out["stream"]
+    first = s["first"]
+    assert first["within_cap"] == (first["peak_extra_host_bytes"] <= s["buffer_cap_bytes"])
+    assert s["verified"] and first["x_disk"] == first["stream_gbps"] / s["disk_gbps"]
+    stream.print_results(out)
+    assert f"within the cap: 1st load in a fresh process {first['within_cap']}, after a warm-up {s['within_cap']}" \
+        in capsys.readouterr().out
