@@ -397,3 +397,17 @@ def test_a_fault_while_polling_still_releases_the_waits(sim, monkeypatch):
     assert "step 1 (bytes 0..1,048,576 into clone1)" in msg and "CUDA_ERROR_ILLEGAL_ADDRESS" in msg, msg
     assert msg.endswith("; blocked streams released from the host"), msg
     assert _parked(sim) == []
+
+
+def test_a_long_timeout_over_many_steps_runs():
+    """timeout_s=1e6 (the most check_timeout allows) over 10,000 steps made a backstop past what
+    a thread wait takes: the run raised OverflowError at once, its lanes left running."""
+    nbytes = 10_000 * 4096
+    plan = build_plan("chain", 1, nbytes, 4096)
+    eps = _host_participants(plan, nbytes)
+    try:
+        rep = Executor(plan, eps, [1], timeout_s=1e6).run()
+        assert rep.participant_nbytes(1) == nbytes
+        assert np.array_equal(eps[1].arena.bytes().numpy()[:nbytes], eps[0].arena.bytes().numpy()[:nbytes])
+    finally:
+        _close(eps)

@@ -139,7 +139,9 @@ class HostRun:
                                        name=f"flashboot-lane-{k[0]}.{k[1]}") for k, steps in lanes.items()}
         self.ended = {k: threading.Event() for k in lanes}
         # every lane wait is bounded by timeout_s per flag; the join bound is only a backstop
-        limit = ex.timeout_s * (len(ex.steps) + 1) + BACKSTOP_SLACK_S
+        # at most half of what a thread wait takes: a long timeout over many steps (1e6 s, 10,000
+        # steps) had overflowed it (OverflowError, the lanes left running)
+        limit = min(ex.timeout_s * (len(ex.steps) + 1) + BACKSTOP_SLACK_S, threading.TIMEOUT_MAX / 2)
         backstop = time.monotonic() + limit
         try:
             for t in threads.values():
