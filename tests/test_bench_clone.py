@@ -36,3 +36,15 @@ def test_table_shows_each_clones_device_and_the_exchange_breakdown():
     assert exch[1] == 1.2 and "import (first segment) 0.20" in exch[3] and "cuda:0" in exch[3]
     assert "set access (first segment) 0.30" in exch[3] and "other 31 segments mapped during the copy in 4.50 ms" in exch[3]
     assert _breakdown({"pidfd_getfd_ms": 0.25, "other": 9}) == "pidfd_getfd (all segments) 0.25"
+
+
+def test_nccl_from_start_moves_each_byte_once_as_flashclone_does():
+    """The first collective (NCCL connects lazily) sends the first 64 MiB of the weights; the
+    transfer then sends the rest: it had sent every byte again, 64 MiB more than FlashClone moves
+    (twice the bytes of a payload under 64 MiB). Run with gloo on the host backend."""
+    from flashboot.benchmarks.clone_from_start import nccl_from_start
+
+    for nbytes, mode, tensors in (((64 << 20) + 4096 * 3, "bulk", 1), ((64 << 20) + 4096 * 3, "per_tensor", 3),
+                                  (1 << 20, "per_tensor", 5)):
+        r = nccl_from_start(["cpu", "cpu"], nbytes, mode=mode, tensors=tensors, timeout_s=120)
+        assert r["payload_bytes"] == nbytes and r["byte_exact"], (nbytes, mode, r)
