@@ -138,9 +138,8 @@ class HostRun:
         threads = {k: threading.Thread(target=self._lane, args=(k, steps, reports[k], t0), daemon=True,
                                        name=f"flashboot-lane-{k[0]}.{k[1]}") for k, steps in lanes.items()}
         self.ended = {k: threading.Event() for k in lanes}
-        # every lane wait is bounded by timeout_s per flag; the join bound is only a backstop
-        # at most half of what a thread wait takes: a long timeout over many steps (1e6 s, 10,000
-        # steps) had overflowed it (OverflowError, the lanes left running)
+        # every lane wait is bounded by timeout_s per flag; the join bound is only a backstop, at
+        # most half of what a thread wait takes (1e6 s over 10,000 steps had raised OverflowError)
         limit = min(ex.timeout_s * (len(ex.steps) + 1) + BACKSTOP_SLACK_S, threading.TIMEOUT_MAX / 2)
         backstop = time.monotonic() + limit
         try:
@@ -159,7 +158,8 @@ class HostRun:
                     f"{'; '.join(running)}: a copy cannot be interrupted, so the arenas it touches stay referenced "
                     "until it returns (closing them before then faults the process; join .lanes_running first)"
                     + self._first_failure())
-                err.lanes_running = [t for k, t in threads.items() if t.ident is not None and not self.ended[k].is_set()]
+                err.lanes_running = [t for k, t in threads.items()
+                                     if t.ident is not None and not self.ended[k].is_set()]
                 raise err
             raise WaitTimeoutError(f"host lanes of {ex.plan.schedule} did not finish within {limit:g} s; stopped "
                                    "them" + self._first_failure())
@@ -321,7 +321,8 @@ class CudaRun:
                     next_i += 1
                 if failure is not None:
                     break
-                if next_i == len(order) and not any(s.waits for k, lst in issued.items() for s, _ in lst[completed[k]:]):
+                if next_i == len(order) and not any(s.waits for k, lst in issued.items()
+                                                    for s, _ in lst[completed[k]:]):
                     # every step left is a plain copy (no flag to wait on): wait for the lanes' last
                     # events in the driver, the GIL released, and wake as they pass, not up to a poll later
                     left = {k: lst for k, lst in issued.items() if completed[k] < len(lst)}
