@@ -88,6 +88,35 @@ def test_a_copy_the_preloader_staged_stays_after_the_engines_load_it(image, tmp_
     staging.unstage(image, shm_dir=shm)
 
 
+def test_a_copy_an_engine_staged_that_the_preloader_then_keeps_stays(image, tmp_path):
+    """`flashboot preload DIR` run while an engine loads the copy it staged itself finds the rank
+    staged and keeps it: the engine's release had removed it anyway (.ready and image gone under
+    the preloader that reported the rank staged)."""
+    shm = tmp_path / "shm"
+    copy = staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm)
+    assert copy.staged_here
+    assert staging.stage_rank(image, 0, shm_dir=shm).skipped  # the preloader's one shot, meanwhile
+    assert copy.release() is False
+    paths = shm_files.staged_paths(image, 0, shm)
+    assert paths.image.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()
+    assert shm_files.read_ready(paths.ready).nbytes == paths.image.stat().st_size
+    staging.unstage(image, shm_dir=shm)
+
+
+def test_the_last_engine_out_leaves_a_copy_being_restaged(image, tmp_path):
+    """The removal holds the rank's lock: a stager at work keeps the copy (and its files)."""
+    shm = tmp_path / "shm"
+    paths = shm_files.staged_paths(image, 0, shm)
+    copy = staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm)
+    lock = staging._lock_rank(paths, 0, image)  # a restage under way
+    try:
+        assert copy.release() is False
+        assert paths.ready.exists() and paths.image.exists()
+    finally:
+        staging._unlock_rank(paths, lock)
+    staging.unstage(image, shm_dir=shm)
+
+
 def test_an_engine_waits_for_a_stager_that_fails_then_stages_the_rank_itself(image, tmp_path):
     shm = tmp_path / "shm"
     paths = shm_files.staged_paths(image, 0, shm)

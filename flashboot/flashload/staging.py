@@ -311,6 +311,8 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
                     finally:
                         os.close(fd)
                     _write_atomic(paths.ready, json.dumps({**info.to_dict(), "verified": True}, indent=1))
+                if not inline:  # `flashboot preload` keeps the copy an engine staged: the last engine out left it gone
+                    _unlink_quietly(paths.inline)
                 return StageResult(rank, nbytes, str(paths.image), info.io_mode, "already staged", info.numa_node,
                                    info.numa_reason, info.threads, 0.0, info.verified or verify, skipped=True)
         except ChecksumMismatchError as exc:
@@ -469,11 +471,20 @@ class InlineCopy:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False  # another engine still loads it: the last one out removes it
-            if not p.inline.exists() or _pid_file_held(p.lock) or not _same_file(p.users, fd):
-                return False  # staged by a preloader, being restaged, or removed and made again since
-            for path in (p.ready, p.image, p.partial, p.inline, p.users):
-                _unlink_quietly(path)
-            return True
+            if not _same_file(p.users, fd):
+                return False  # removed and made again since
+            try:  # the rank's lock while removing: a stager cannot restage or keep the copy meanwhile
+                lock = _lock_rank(p, p.image.name, p.dir)
+            except StagingBusy:
+                return False  # being restaged
+            try:
+                if not p.inline.exists():
+                    return False  # staged, or kept since, by `flashboot preload`
+                for path in (p.ready, p.image, p.partial, p.inline, p.users):
+                    _unlink_quietly(path)
+                return True
+            finally:
+                _unlock_rank(p, lock)
         finally:
             os.close(fd)
 
