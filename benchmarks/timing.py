@@ -127,13 +127,15 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 
 def check_json_path(path: str | None) -> None:
     """FlashBootError now, before the work, where the report cannot be written to ``path`` (a
-    missing directory had been found only after a load had run)."""
+    missing directory had been found only after a load had run, or a whole benchmark: its figures
+    lost). ``path`` is emptied: a run that fails leaves no report, not an earlier run's report
+    that reads as this one's."""
     if path in (None, "-"):
         return
     from flashboot.errors import FlashBootError
 
     try:
-        open(path, "a").close()
+        open(path, "w").close()
     except OSError as exc:
         raise FlashBootError(f"cannot write the JSON report to {path}: {exc.strerror}") from None
 

@@ -40,3 +40,26 @@ def test_bench_stream_judges_the_cap_on_the_first_load_in_a_fresh_process_too(tm
     stream.print_results(out)
     assert f"within the cap: 1st load in a fresh process {first['within_cap']}, after a warm-up {s['within_cap']}" \
         in capsys.readouterr().out
+
+
+def test_a_bench_checks_its_json_path_before_it_runs_and_leaves_no_earlier_report(tmp_path, monkeypatch, capsys):
+    """A --json path in a missing directory had failed after the whole run (its figures lost), and
+    a report of an earlier run stayed in place when this run failed, reading as this run's."""
+    from flashboot.benchmarks import arena
+    from flashboot.cli import main
+    from flashboot.errors import FlashBootError
+
+    ran = []
+
+    def fail(*args, **kwargs):
+        ran.append(True)
+        raise FlashBootError("the benchmark failed")
+
+    monkeypatch.setattr(arena, "run", fail)
+    assert main(["bench", "arena", "--device", "cpu", "--json", str(tmp_path / "missing" / "a.json")]) == 2
+    assert "cannot write the JSON report to" in capsys.readouterr().err and ran == []  # refused before the work
+    old = tmp_path / "a.json"
+    old.write_text('{"checksum_gbps": 1000.0}\n')
+    assert main(["bench", "arena", "--device", "cpu", "--json", str(old)]) == 2
+    assert "the benchmark failed" in capsys.readouterr().err
+    assert ran == [True] and old.read_text() == ""  # no earlier run's figures left as this run's

@@ -25,3 +25,21 @@ def register(subparsers) -> None:
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name in BENCH_MODULES:
         importlib.import_module(name).register_bench(sub)
+    for bench in sub.choices.values():
+        bench.set_defaults(func=_json_checked(bench.get_default("func")))
+
+
+def _json_checked(main):
+    """``main`` with its ``--json`` path checked (and emptied) before the benchmark runs: a path
+    that cannot be written had failed only at the end, the run's figures lost with it, and a
+    report left by an earlier run had stayed in place when this one failed."""
+    import functools
+
+    @functools.wraps(main)
+    def run(args):
+        from flashboot.benchmarks.timing import check_json_path
+
+        check_json_path(getattr(args, "json", None))
+        return main(args)
+
+    return run
