@@ -411,3 +411,18 @@ def test_a_long_timeout_over_many_steps_runs():
         assert np.array_equal(eps[1].arena.bytes().numpy()[:nbytes], eps[0].arena.bytes().numpy()[:nbytes])
     finally:
         _close(eps)
+
+
+def test_an_interrupt_while_issuing_releases_the_waits_and_goes_up_as_it_is(sim):
+    """Ctrl-C (here from the step hook) while step 3 was being issued, step 1's stream parked on
+    clone0's flag: released, then the KeyboardInterrupt itself goes up."""
+    plan, eps = _cuda_chain([2])
+
+    def hook(step):
+        if step.id == 3:
+            raise KeyboardInterrupt
+
+    mover = _FakeCopyMover()
+    with pytest.raises(KeyboardInterrupt):
+        Executor(plan, eps, [2], mover=mover, h2d_mover=mover, timeout_s=5, step_hook=hook, window=4).run()
+    assert _parked(sim) == [] and eps[1].flags.words[0] == 1
