@@ -341,6 +341,9 @@ def rows(res: dict) -> list[list]:
                     f"{r['copy_gbps']:.1f} GB/s", f"{r['copy_vs_d2d']:.2f}x"])
         out.append([f"refit {mode.replace('_', ' ')}: verify / remap / total",
                     f"{r['verify_ms']:.2f} / {r['remap_ms']:.2f} / {r['total_ms']:.2f} ms", "", ""])
+        if r.get("first"):  # the rows above are medians; the first refit maps the trainer's arena
+            out.append([f"refit {mode.replace('_', ' ')}: its first of the run, copy / total",
+                        f"{r['first']['copy_ms']:.2f} / {r['first']['total_ms']:.2f} ms", "", ""])
         b = r.get("breakdown", {})
         if b:
             out.append([f"refit {mode.replace('_', ' ')}: record / staging / exchange / closes",
