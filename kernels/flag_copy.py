@@ -26,7 +26,6 @@ import triton.language as tl
 
 from flashboot.errors import MoverError, WaitTimeoutError
 from flashboot.memory import Span, check_backed, span_of, stream_handle
-from flashboot.memory import check_backed
 from flashboot.units import check_timeout
 
 from .knobs import check_launch_knobs
