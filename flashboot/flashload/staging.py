@@ -475,8 +475,8 @@ class InlineCopy:
                 return False  # removed and made again since
             try:  # the rank's lock while removing: a stager cannot restage or keep the copy meanwhile
                 lock = _lock_rank(p, p.image.name, p.dir)
-            except StagingBusy:
-                return False  # being restaged
+            except (StagingBusy, OSError):
+                return False  # being restaged (or its folder gone meanwhile): the copy is not this engine's to remove
             try:
                 if not p.inline.exists():
                     return False  # staged, or kept since, by `flashboot preload`
