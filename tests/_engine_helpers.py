@@ -97,6 +97,35 @@ def _options(out: Path, tmp_path: Path, **kw) -> LoaderOptions:
 # Real engines, in child processes: SGLang's single-process script, the checks both engines'
 # scripts share, the tiny checkpoints and the runners
 # =============================================================================================
+RESTART_CHECKS = r'''
+def restart_through_holder(held_load, same_as_reference):
+    """Two engine loads with the holder option, a holder serving in a thread: what each did."""
+    import tempfile, threading
+    from flashboot.flashclone.holder import Holder
+    registry = tempfile.mkdtemp()
+    holder, stop = Holder(registry=registry), threading.Event()
+    thread = threading.Thread(target=holder.serve_forever, args=(stop,), kwargs={"handle_signals": False})
+    thread.start()
+    try:
+        first_loader, first = held_load(registry)
+        r = {"first_mode": first_loader.weights.report.mode,
+             "handed_over_as": first_loader.weights.report.details.get("handed_over_as"),
+             "first_same": same_as_reference(first)}
+        arena_id = first_loader.weights.arena.arena_id
+        first_loader.weights.close()
+        loader, model = held_load(registry)
+        w = loader.weights
+        lo, hi = w.arena.ptr, w.arena.ptr + w.arena.nbytes
+        r.update(second_mode=w.report.mode, same_arena=w.arena.arena_id == arena_id, imported=w.arena.imported,
+                 second_same=same_as_reference(model),
+                 in_held_arena=all(lo <= t.data_ptr() < hi for t in list(model.parameters()) + list(model.buffers())))
+        w.close()
+        return r
+    finally:
+        stop.set()
+        thread.join(30)
+'''
+
 SGLANG_SCRIPT = r'''
 import json, os, sys, tempfile, warnings
 warnings.simplefilter("ignore")
@@ -229,6 +258,15 @@ try:
 finally:
     override.restore()
 out["sleep_level2"] = sleep_cycle(m, ld.weights.arena, release, resume, outputs)
+
+# 6. restart without a reload (the holder option): the first load is handed to a holder, the
+# restarted one maps it (the first's weights closed in between, as its process would exit). Last:
+# each bind repoints SGLang's rotary cache, one module shared by every model of the process.
+def held_load(registry):
+    loader = get_model_loader(LoadConfig(load_format="flashboot", model_loader_extra_config=json.dumps(
+        {"image_dir": image_dir, "shm_dir": shm, "holder": registry})), mc)
+    return loader, loader.load_model(model_config=mc, device_config=dc)
+out["restart"] = restart_through_holder(held_load, lambda model: same(ref, model))
 print("RESULT " + json.dumps(out))
 '''
 
@@ -482,6 +520,14 @@ def assert_same_as_default_loader(r: dict) -> None:
     assert r["compared"] == len(r["param_names"]) + len(r["buffer_names"]) + len(r["extras"])
     assert r["outside_arena"] == []
     assert all(f["equal"] and f["abs_sum"] > 0 for f in r["forward"].values()), r["forward"]
+
+
+def assert_restarted_from_the_holder(r: dict) -> None:
+    """RESTART_CHECKS' result: the first engine loaded and handed its arena over, the restarted one
+    mapped that very arena (no copy) and bound the engine's model to it, equal to the default loader's."""
+    assert r["first_mode"] != "held" and r["handed_over_as"] and r["first_same"], r
+    assert r["second_mode"] == "held" and r["same_arena"] and r["imported"], r
+    assert r["second_same"] and r["in_held_arena"], r
 
 
 def assert_refused_before_staging(refusal: dict, *needles: str) -> None:

@@ -32,8 +32,8 @@ def sglang_run(tmp_path_factory):
     """Real SGLang in one child process (_engine_helpers.SGLANG_SCRIPT): its plugin, pre-pack, load,
     refusals and release/resume of the weights. Here so that the SGLang tests and the vLLM tests
     (which refuse its image) share one run a session."""
-    from _engine_helpers import HAVE_SGLANG, SGLANG_SCRIPT, SLEEP_CHECKS, run_engine_script
+    from _engine_helpers import HAVE_SGLANG, RESTART_CHECKS, SGLANG_SCRIPT, SLEEP_CHECKS, run_engine_script
 
     if not HAVE_SGLANG:
         pytest.skip("SGLang is not installed here (see docs/engines.md for the engine test venv)")
-    return run_engine_script(SLEEP_CHECKS + SGLANG_SCRIPT, tmp_path_factory.mktemp("sglang"))
+    return run_engine_script(SLEEP_CHECKS + RESTART_CHECKS + SGLANG_SCRIPT, tmp_path_factory.mktemp("sglang"))

@@ -13,7 +13,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from _engine_helpers import HAVE_SGLANG
+from _engine_helpers import HAVE_SGLANG, assert_restarted_from_the_holder
 from flashboot.errors import CapabilityError
 
 
@@ -56,6 +56,10 @@ def test_real_sglang_load_binds_the_engine_model_to_one_arena(sglang_run):
     assert key["engine"] == "sglang" and key["engine_version"] == r["sglang_version"]
     assert key["dtype"] == "float32" and key["tp_size"] == 1 and key["architecture"] == "LlamaForCausalLM"
     assert key["gpu_arch"] == ("cpu" if r["device"] == "cpu" else key["gpu_arch"])
+
+
+def test_real_sglang_restarts_from_a_holder_without_a_copy(sglang_run):
+    assert_restarted_from_the_holder(sglang_run["restart"])
 
 
 def test_real_sglang_refuses_an_image_of_another_key(sglang_run):

@@ -20,8 +20,8 @@ import pytest
 from flashboot.errors import CapabilityError
 
 from _engine_helpers import (  # sglang_run, a fixture used here, is in conftest.py
-    SLEEP_CHECKS, assert_refused_before_staging, assert_same_as_default_loader, assert_slept_and_woke,
-    run_engine_ranks, run_engine_script,
+    RESTART_CHECKS, SLEEP_CHECKS, assert_refused_before_staging, assert_restarted_from_the_holder,
+    assert_same_as_default_loader, assert_slept_and_woke, run_engine_ranks, run_engine_script,
 )
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -174,6 +174,17 @@ out["discard"] = sleep_cycle(ms, arena, lambda: backend.discard(("weights",)), l
                              outputs)
 reload_while_asleep()
 out["backend_state"] = backend.state()
+
+# restart without a reload (the holder option): the first load is handed to a holder, the
+# restarted one maps it (the first's weights closed in between, as its process would exit). Last:
+# each bind repoints the rotary cache, one module shared by every model of the process.
+def held_load(registry):
+    v = config("flashboot", {"image_dir": image_dir, "shm_dir": shm, "holder": registry})
+    with set_current_vllm_config(v):
+        loader = get_model_loader(v.load_config)
+        return loader, loader.load_model(vllm_config=v, model_config=mc)
+mc.enable_sleep_mode = False
+out["restart"] = restart_through_holder(held_load, lambda model: same(ref, model))
 print("RESULT " + json.dumps(out))
 '''
 
@@ -182,7 +193,7 @@ print("RESULT " + json.dumps(out))
 def vllm_run(tmp_path_factory):
     if not HAVE_VLLM:
         pytest.skip("vLLM is not installed here (see docs/engines.md for the engine test venv)")
-    return run_engine_script(SLEEP_CHECKS + VLLM_SCRIPT, tmp_path_factory.mktemp("vllm"))
+    return run_engine_script(SLEEP_CHECKS + RESTART_CHECKS + VLLM_SCRIPT, tmp_path_factory.mktemp("vllm"))
 
 
 def test_real_vllm_plugin_registers_load_format_flashboot(vllm_run):
@@ -207,6 +218,10 @@ def test_real_vllm_load_binds_the_engine_model_to_one_arena(vllm_run):
     key = r["key"]
     assert key["engine"] == "vllm" and key["engine_version"] == r["vllm_version"] and key["dtype"] == "float32"
     assert key["extra"]["model_arch"] == "LlamaForCausalLM" and "kv_cache_dtype" in key["extra"]
+
+
+def test_real_vllm_restarts_from_a_holder_without_a_copy(vllm_run):
+    assert_restarted_from_the_holder(vllm_run["restart"])
 
 
 def test_real_vllm_load_weights_reloads_in_place(vllm_run):

@@ -76,6 +76,23 @@ class HolderOption:
         return f"{base}.rank{rank}.{str(device).replace(':', '')}"
 
 
+def held_here(holder: Any, image_dir, rank: int, device: Any) -> bool:
+    """Whether the holder keeps an arena of rank ``rank`` of ``image_dir`` on ``device`` under this
+    load's name, by its record alone (the load checks the whole identity): an engine's early call
+    then allocates and copies nothing that the restart would throw away. False where the holder
+    cannot be asked (the load says why)."""
+    from ..flashclone import holder as holders
+
+    option, dev = HolderOption.of(holder), Device.parse(device)
+    try:
+        record = holders.held_record(option.name_for(image_dir, rank, dev), **option.where())
+    except FlashBootError:
+        return False
+    held = (record or {}).get("image") or {}
+    return ("descriptor" in (record or {}) and held.get("image_dir") == os.path.realpath(image_dir)
+            and (held.get("rank"), held.get("device")) == (rank, str(dev)))
+
+
 def image_identity(source, device: Device) -> dict:
     """What a held arena must be for this load: see :data:`IDENTITY_FIELDS` (plus the image
     directory and the key in words, for people reading ``flashboot hold --list``)."""
@@ -221,4 +238,4 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
     return loaded
 
 
-__all__ = ["HolderOption", "IDENTITY_FIELDS", "image_identity", "load_or_restore"]
+__all__ = ["HolderOption", "IDENTITY_FIELDS", "held_here", "image_identity", "load_or_restore"]

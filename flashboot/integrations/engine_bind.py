@@ -87,6 +87,11 @@ def _stage_if_needed(options: LoaderOptions, rank: int, dev):
         return None
     if options.staging == "auto" and service_status(options.image_dir, options.shm_dir).running:
         return None
+    if options.holder is not None:
+        from flashboot.flashload.restart import held_here
+
+        if held_here(options.holder, options.image_dir, rank, dev):
+            return None  # a restart maps the held arena: staging the image from disk would be thrown away
     return stage_for_load(options.image_dir, rank, timeout_s=options.timeout_s, shm_dir=options.shm_dir,
                           device=str(dev) if dev.is_cuda else "cpu", log=lambda m: logger.warning("flashboot: %s", m))
 
@@ -106,6 +111,11 @@ def prepare_engine_load(options: LoaderOptions, expected: EngineKey, rank: int, 
     from flashboot.memory import Device
 
     _check_image_keys(options, expected, rank)
+    if options.holder is not None:
+        from flashboot.flashload.restart import held_here
+
+        if held_here(options.holder, options.image_dir, rank, device):
+            return None  # a restart maps the held arena: an early arena and copy would be thrown away
     mode = "served" if options.served else ("staged" if options.staging == "require" else "auto")
     return flashboot.prepare(options.image_dir, rank, Device.parse(device), mode=mode, timeout_s=options.timeout_s,
                              shm_dir=options.shm_dir, tp=tp_size, ep=ep_size, verify=options.verify)
@@ -151,7 +161,7 @@ def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, d
     if prepared is not None:  # keys checked and everything one-time paid by prepare_engine_load
         section, _ = read_engine_section(options.image_dir, rank)
         loaded = flashboot.load(options.image_dir, rank, dev, prepared=prepared, verify=options.verify, tp=tp_size,
-                                ep=ep_size)
+                                ep=ep_size, holder=options.holder)
         return EngineWeights(loaded.tensors, section, loaded, "load", loaded.report)
 
     if not image_is_complete(options.image_dir):
@@ -164,7 +174,8 @@ def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, d
     loaded = None
     try:
         loaded = flashboot.load(options.image_dir, rank, dev, timeout_s=options.timeout_s, served=options.served,
-                                verify=options.verify, shm_dir=options.shm_dir, tp=tp_size, ep=ep_size)
+                                verify=options.verify, shm_dir=options.shm_dir, tp=tp_size, ep=ep_size,
+                                holder=options.holder)
         if inline is not None and loaded.release_thread is not None:
             loaded.release_thread.join(options.timeout_s)  # its unmap of the staged copy, before it is removed
     except BaseException:

@@ -72,7 +72,12 @@ class LoaderOptions:
     the image in. ``shm_dir``: the staging root. ``memory_saver``: what the engine's sleep of its
     weights does with the arena: ``"sleep"`` (FlashBoot's sleep and wake,
     :mod:`flashboot.integrations.engine_sleep`), ``"resident"`` (nothing: it stays resident) or
-    ``"refuse"`` (refuse to load with the memory saver / sleep mode on).
+    ``"refuse"`` (refuse to load with the memory saver / sleep mode on). ``holder``: restart
+    without a reload (:mod:`flashboot.flashload.restart`): a ``flashboot hold --registry DIR``
+    registry path, or ``{"registry": DIR}`` / ``{"store": "HOST:PORT"}`` with optional ``name`` and
+    ``handover_timeout_s``; the first engine hands its arena to the holder after loading, a
+    restarted engine of the same image, version and device maps it (no copy) and binds the model
+    to it, and any other loads normally with a warning naming why.
     """
 
     image_dir: str | None = None
@@ -87,6 +92,7 @@ class LoaderOptions:
     served: bool = False
     shm_dir: str | None = None
     memory_saver: str = "sleep"
+    holder: Any = None
 
     def __post_init__(self):
         for name in ("image_dir", "shm_dir"):  # a path: "" would mean the working directory
@@ -122,6 +128,13 @@ class LoaderOptions:
             raise FlashBootError(f"flashboot option mode={self.mode!r} writes an image: image_dir is required")
         if self.mode == "prepack" and self.seed_store is not None:
             raise FlashBootError("mode='prepack' runs the engine's own loader; it cannot clone from seed_store")
+        if self.holder is not None:
+            from flashboot.flashload.restart import HolderOption
+
+            if self.seed_store is not None or self.mode == "prepack":
+                raise FlashBootError("flashboot option holder keeps an image load's arena across engine restarts; "
+                                     f"it does not apply to {'a clone (seed_store)' if self.seed_store else 'mode=prepack'}")
+            HolderOption.of(self.holder)  # refused here, naming the problem, not at the load
         if not isinstance(self.seed_name, str) or not self.seed_name or "/" in self.seed_name:
             raise FlashBootError(f"flashboot option seed_name must be a non-empty name without '/', got {self.seed_name!r}")
 

@@ -60,7 +60,8 @@ def memory_saver_policy(enabled: bool, flag: str, options: LoaderOptions) -> boo
     """Before loading: whether the weights will be handed to FlashBoot's sleep (:func:`stay`).
 
     ``memory_saver="sleep"`` (default): yes, for an image load; a clone (``seed_store``: no image
-    to wake from) or a published seed (``publish_store``: clones map the arena) cannot, which is
+    to wake from), a published seed (``publish_store``: clones map the arena) or an arena kept by a
+    holder (``holder``: the holder maps it) cannot, which is
     a CapabilityError naming ``flag`` when the engine's memory saver / sleep mode is on (and
     False otherwise). ``"resident"``: no; the arena stays resident when the engine pauses its
     weights (a warning when ``flag`` is on). ``"refuse"``: CapabilityError naming ``flag`` when it
@@ -79,7 +80,9 @@ def memory_saver_policy(enabled: bool, flag: str, options: LoaderOptions) -> boo
     why_not = ("the weights are cloned from a seed (seed_store): there is no image to wake them from"
                if options.seed_store is not None else
                "the arena is published as a FlashClone seed (publish_store): clones map it"
-               if options.publish_store is not None else None)
+               if options.publish_store is not None else
+               "the arena is kept by a holder across restarts (holder): the holder maps it"
+               if options.holder is not None else None)
     if why_not is None:
         return True
     if enabled:
@@ -113,7 +116,8 @@ def staying_weights() -> list:
 
 def sleep_engine_weights(level: int) -> list:
     """Put every arena handed over in this process to sleep: ``level`` 1 (pinned backup first) or 2
-    (nothing kept). Returns their SleepReports (level 0 for one already asleep). All or none: if
+    (nothing kept). Returns their SleepReports (level 0 for one already asleep, except 2 for one a level-2 sleep freed the
+    level-1 backup of). All or none: if
     one arena's sleep raises, the arenas this call put to sleep (that one too, where its copy out
     failed after its release had begun) are woken again before the error is raised, so the engine
     that is told the pause failed runs on whole weights; a note on the error says so, or names the

@@ -1,0 +1,113 @@
+"""An engine restarted without a reload, through the loader's own path (engine_bind on the host
+backend, onto a meta-built ``PlainEngineLikeModel``): the loader option ``holder`` hands the first
+engine's arena to a holder, and the restarted engine's early call and load map the held arena and
+bind the model to it (no copy); another image or version loads normally with a warning naming why.
+Before, the engines' loaders had no way to name a holder: every restart reloaded."""
+
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+
+import pytest
+import torch
+
+from _image_helpers import rewrite_metadata
+from _engine_helpers import (  # noqa: F401  (packed: a fixture)
+    PlainEngineLikeModel, _assert_same_tensors, _key, _options, packed,
+)
+from flashboot.errors import CapabilityError, FlashBootError
+from flashboot.flashclone.holder import Holder
+from flashboot.flashload import staging
+from flashboot.integrations.engine_prepack import (
+    LoaderOptions, bind_engine_model, load_engine_weights, memory_saver_policy, prepare_engine_load,
+)
+
+
+@pytest.fixture
+def registry(tmp_path):
+    path = tmp_path / "registry"
+    h = Holder(registry=path)
+    stop = threading.Event()
+    t = threading.Thread(target=h.serve_forever, args=(stop,), kwargs={"handle_signals": False})
+    t.start()
+    yield str(path)
+    stop.set()
+    t.join(10)
+
+
+def _engine(options):
+    """One engine start: the early call, its model built on meta, the load and the bind."""
+    prepared = prepare_engine_load(options, _key(), 0, "cpu", tp_size=1, ep_size=1)
+    with torch.device("meta"):
+        model = PlainEngineLikeModel()
+    weights = load_engine_weights(options, _key(), 0, "cpu", tp_size=1, ep_size=1, prepared=prepared)
+    bind_engine_model(model, weights)
+    return prepared, model, weights
+
+
+def test_a_restarted_engine_binds_the_held_arena_without_a_copy(packed, tmp_path, registry, monkeypatch):
+    reference, out, _ = packed
+    options = _options(out, tmp_path, holder=registry)
+    with pytest.warns(RuntimeWarning, match=r"not restarting from the holder \(nothing is held as 'img\.rank0\.cpu'"):
+        prepared, model, weights = _engine(options)
+    assert prepared is not None  # nothing held yet: the first engine's early call copies as usual
+    assert weights.report.mode != "held" and weights.report.details["handed_over_as"] == "img.rank0.cpu"
+    _assert_same_tensors(reference, model)
+    arena_id = weights.arena.arena_id
+    weights.close()  # the engine exits; the holder keeps its memory
+
+    staged = []
+    real = staging.stage_for_load
+    monkeypatch.setattr(staging, "stage_for_load", lambda *a, **k: staged.append(a) or real(*a, **k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a restart says nothing
+        prepared, model, weights = _engine(options)
+    try:
+        assert prepared is None  # held: no early arena, no copy to throw away
+        assert staged == [], "the restart staged the image from disk first, to throw it away"
+        assert weights.report.mode == "held" and weights.report.h2d_ms == 0
+        assert weights.arena.arena_id == arena_id and weights.arena.imported
+        _assert_same_tensors(reference, model)
+        lo, hi = weights.arena.ptr, weights.arena.ptr + weights.arena.nbytes
+        assert all(lo <= t.data_ptr() < hi for t in list(model.parameters()) + list(model.buffers()))
+    finally:
+        weights.close()
+
+
+def test_a_restart_onto_another_pre_pack_loads_it_normally_naming_why(packed, tmp_path, registry):
+    reference, out, _ = packed
+    options = _options(out, tmp_path, holder=registry)
+    with pytest.warns(RuntimeWarning, match="nothing is held"):
+        _, _, weights = _engine(options)
+    weights.close()
+    rank_dir = next(out.glob("rank-0/metadata.json")).parent
+    meta = json.loads((rank_dir / "metadata.json").read_text())
+    meta["note"] = "re-packed"  # another pre-pack of the same weights
+    rewrite_metadata(rank_dir, meta)
+    with pytest.warns(RuntimeWarning, match=r"the arena held as 'img\.rank0\.cpu' is another image or version "
+                                            r"\(metadata_sha256: held"):
+        _, model, weights = _engine(options)
+    try:
+        assert weights.report.mode != "held" and weights.report.details["handed_over_as"] == "img.rank0.cpu"
+        _assert_same_tensors(reference, model)
+    finally:
+        weights.close()
+
+
+def test_the_holder_option_is_checked_when_the_options_are_made(tmp_path):
+    with pytest.raises(FlashBootError, match="holder= needs exactly one of registry and store"):
+        LoaderOptions(image_dir=str(tmp_path), holder={"name": "x"})
+    with pytest.raises(FlashBootError, match=r"unknown holder option\(s\) \['registy'\]"):
+        LoaderOptions(image_dir=str(tmp_path), holder={"registy": str(tmp_path)})
+    with pytest.raises(FlashBootError, match=r"it does not apply to a clone \(seed_store\)"):
+        LoaderOptions(seed_store="127.0.0.1:1", holder=str(tmp_path))
+    with pytest.raises(FlashBootError, match="it does not apply to mode=prepack"):
+        LoaderOptions(image_dir=str(tmp_path), mode="prepack", holder=str(tmp_path))
+    options = LoaderOptions.from_extra_config({"image_dir": str(tmp_path), "holder": {"store": "127.0.0.1:5"}})
+    assert options.holder == {"store": "127.0.0.1:5"}
+    # a held arena is mapped by the holder: the engine's sleep could free none of it
+    with pytest.raises(CapabilityError, match=r"kept by a holder across restarts \(holder\): the holder maps it"):
+        memory_saver_policy(True, "--enable-memory-saver", options)
+    assert memory_saver_policy(False, "--enable-memory-saver", options) is False
