@@ -98,19 +98,20 @@ class Span:
         return Span(self.ptr + offset, nbytes, self.device, self.pinned, self.owner)
 
 
-def check_backed(span: Span, what: str) -> None:
-    """ArenaError when nothing backs a span's memory now: its owner was closed since (an arena's
-    range given back: a copy through the span would fault or write over whatever the process put
-    there), or is an arena asleep (its range reserved, unmapped: a copy segfaulted). A wake's own
-    fills copy into the segments it has mapped so far (``Arena.backs``)."""
+def check_backed(span: Span, who: str, role: str) -> None:
+    """ArenaError (``"{who}: the {role}: ..."``) when nothing backs a span's memory now: its owner
+    was closed since (an arena's range given back: a copy through the span would fault or write
+    over whatever the process put there), or is an arena asleep (its range reserved, unmapped: a
+    copy segfaulted). A wake's own fills copy into the segments it has mapped so far
+    (``Arena.backs``). On every copy's path: the message is built only for a refusal."""
     owner = span.owner
     if getattr(owner, "closed", False) is True:
-        raise ArenaError(f"{what}: the span at {span.ptr:#x} ({span.nbytes:,} bytes on {span.device}) belongs to "
-                         f"{owner!r}, which is closed")
+        raise ArenaError(f"{who}: the {role}: the span at {span.ptr:#x} ({span.nbytes:,} bytes on {span.device}) "
+                         f"belongs to {owner!r}, which is closed")
     backs = getattr(owner, "backs", None)
     if backs is not None and not backs(span.ptr, span.nbytes):
-        raise ArenaError(f"{what}: the span at {span.ptr:#x} ({span.nbytes:,} bytes on {span.device}) belongs to "
-                         f"{owner!r}, which is asleep (nothing backs it): wake() it first")
+        raise ArenaError(f"{who}: the {role}: the span at {span.ptr:#x} ({span.nbytes:,} bytes on {span.device}) "
+                         f"belongs to {owner!r}, which is asleep (nothing backs it): wake() it first")
 
 
 _CUDA_DEVICES: dict[int, Device] = {}

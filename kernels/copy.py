@@ -150,7 +150,7 @@ def _split(dst: Span, src: Span, nbytes: int) -> tuple[int, int, int, int]:
 def _prepare(dst: Any, src: Any, nbytes: int | None) -> tuple[Span, Span, int]:
     d, s = span_of(dst), span_of(src)
     for span, role in ((d, "destination"), (s, "source")):  # a closed or asleep arena's span segfaulted
-        check_backed(span, f"copy: the {role}")
+        check_backed(span, "copy", role)
     if nbytes is None:
         nbytes = s.nbytes
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0 or nbytes > s.nbytes or nbytes > d.nbytes:

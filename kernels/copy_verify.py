@@ -32,7 +32,7 @@ def start_copy_with_checksums(dst: Any, src: Any, chunk_bytes: int, *, stream: A
     """
     d, s = span_of(dst), span_of(src)
     for span, role in ((d, "destination"), (s, "source")):  # a closed or asleep arena's span segfaulted
-        check_backed(span, f"copy_with_checksums: the {role}")
+        check_backed(span, "copy_with_checksums", role)
     if not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % 4:
         raise MoverError(f"copy_with_checksums: chunk_bytes must be a positive multiple of 4, got {chunk_bytes!r}")
     if s.nbytes > d.nbytes:

@@ -205,7 +205,7 @@ class FlagChainCopy:
         epoch = int(np.int32(np.uint32(int(epoch) & 0xFFFFFFFF)))  # the flags are int32 words
         for span, role in ((self.dst, "destination"), (self.src, "source"), (self.ready, "ready flags"),
                            (self.done, "done flags")):  # kept since __init__: an arena closed or asleep since segfaulted
-            check_backed(span, f"flag chain copy: the {role}")
+            check_backed(span, "flag chain copy", role)
         handle = stream_handle(stream)
         self._timeout_s, self._handle = timeout_s, handle
         max_wait = int(timeout_s * 1e9) if self.timer else INTERPRETER_POLLS

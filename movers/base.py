@@ -55,8 +55,8 @@ class Mover:
         this mover does not support, a size that does not fit, or misaligned pointers.
         """
         dst_span, src_span = span_of(_writable(dst, self.name)), span_of(src)
-        check_backed(dst_span, f"{self.name}: the destination")
-        check_backed(src_span, f"{self.name}: the source")
+        check_backed(dst_span, self.name, "destination")
+        check_backed(src_span, self.name, "source")
         if nbytes is None:
             nbytes = src_span.nbytes
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:

@@ -33,6 +33,11 @@ def _is_int64(x: Any) -> bool:
 def _entries(chunks: Any) -> np.ndarray:
     """``chunks`` as an ``(n, 3)`` int64 array of ``(dst_offset, src_offset, nbytes)``: integers
     only (a float would be truncated to another chunk than the one asked for)."""
+    if not isinstance(chunks, np.ndarray) and hasattr(chunks, "__array__"):  # a tensor: converted once, not walked
+        try:
+            chunks = np.asarray(chunks)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise MoverError(f"a chunk list must hold (dst_offset, src_offset, nbytes) integers: {exc}") from None
     if isinstance(chunks, Iterable) and not isinstance(chunks, np.ndarray):
         chunks = list(chunks)
     try:
@@ -173,8 +178,8 @@ class ChunkBatch:
     def run(self, *, stream: Any) -> None:
         """Copy every entry, asynchronously on ``stream``: one batched call or launch where the
         mover has one (see its ``batched`` attribute)."""
-        check_backed(self.dst, f"{self.mover.name}: the batch's destination")
-        check_backed(self.src, f"{self.mover.name}: the batch's source")
+        check_backed(self.dst, self.mover.name, "batch's destination")
+        check_backed(self.src, self.mover.name, "batch's source")
         self.mover._check_stream(self.path, self.src.device, self.dst.device, stream)
         self.mover._copy_batch(self, stream)
 
@@ -190,8 +195,8 @@ class ChunkBatch:
         if type(i) is not int or not 0 <= i < self.nbytes.size:  # -1 would copy the last entry, not refuse
             i = self._index(i)
         # the ranges, not the entry: one closed or put to sleep since the batch was built segfaulted here
-        check_backed(self.dst, f"{self.mover.name}: the batch's destination")
-        check_backed(self.src, f"{self.mover.name}: the batch's source")
+        check_backed(self.dst, self.mover.name, "batch's destination")
+        check_backed(self.src, self.mover.name, "batch's source")
         dst, src = self.chunk_spans(i)
         self.mover._copy(dst, src, dst.nbytes, self.path, stream)
 

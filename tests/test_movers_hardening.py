@@ -218,3 +218,18 @@ def test_lazy_conjugate_and_negative_views_and_object_arrays_are_refused_as_sour
     assert torch.equal(out, torch.tensor([1 - 2j, 3 + 4j], dtype=torch.complex64))
     with pytest.raises(FlashBootError, match=r"dtype object holds Python objects"):
         mover.copy(np.zeros(2, dtype=object), np.array([object(), object()], dtype=object))
+
+
+def test_a_chunk_table_given_as_a_tensor_is_converted_whole_and_a_bool_one_refused(monkeypatch):
+    """A torch tensor of chunks was walked element by element (a list of row tensors, each row's
+    0-d tensors); it is converted in one call, and a bool table is refused as a bool list is."""
+    import torch
+
+    mover, src = create_mover("host"), pattern(8192)
+    dst = np.zeros(8192, np.uint8)
+    table = torch.tensor([(0, 4096, 4096), (4096, 0, 4096)], dtype=torch.int64)
+    monkeypatch.setattr(torch.Tensor, "__iter__", lambda self: pytest.fail("the tensor was walked"))
+    mover.batch(dst, src, table).run(stream=None)
+    assert np.array_equal(dst, np.concatenate([src[4096:], src[:4096]]))
+    with pytest.raises(MoverError, match=r"64-bit integers; entry 0 is \(True, False, True\)"):
+        mover.batch(dst, src, torch.tensor([(True, False, True)]))
