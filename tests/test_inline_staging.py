@@ -155,3 +155,33 @@ def test_an_engine_waiting_for_a_stager_that_never_finishes_times_out_naming_it(
     finally:
         staging._unlock_rank(paths, lock)
     staging.unstage(image, shm_dir=shm)
+
+
+def test_a_preloader_started_while_an_engine_stages_the_rank_waits_for_it_and_serves(image, tmp_path):
+    """It had marked the rank failed (StagingBusy) and served nothing."""
+    from _preload_helpers import Daemon
+
+    shm = tmp_path / "shm"
+    paths = shm_files.staged_paths(image, 0, shm)
+    paths.dir.mkdir(parents=True)
+    lock = staging._lock_rank(paths, 0, image)  # an engine staging rank 0, which then dies without .ready
+    threading.Timer(0.5, staging._unlock_rank, (paths, lock)).start()
+    d = Daemon(image, shm)  # waits until rank 0 is resident, and fails unless it is
+    try:
+        assert any("is being staged already" in line and "waiting for it" in line for line in d.log), d.log
+        d.load_exact()
+    finally:
+        d.server.stop.set()
+        d.thread.join(30)
+    staging.unstage(image, shm_dir=shm)
+
+
+def test_an_engine_in_auto_mode_takes_a_staged_copy_without_reading_its_metadata(image, tmp_path, monkeypatch):
+    """The load checks the copy against the metadata; reading it here too cost the first call ~13 ms."""
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)
+    monkeypatch.setattr(staging, "stage_rank", lambda *a, **k: pytest.fail("read the staged rank's metadata"))
+    copy = staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm, check_staged=False)
+    assert not copy.staged_here and copy.release() is False
+    monkeypatch.undo()
+    staging.unstage(image, shm_dir=shm)

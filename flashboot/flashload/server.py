@@ -47,7 +47,7 @@ from .serve_copy import (
     serve_pieces,
     wait_without_spinning,
 )
-from .staging import PreloadConfig, StageResult, stage_rank
+from .staging import PreloadConfig, StageResult, StagingBusy, stage_rank
 
 _MAX_REPLY_BYTES = 64 << 10
 _MAX_MESSAGE_CHARS = 4096
@@ -73,6 +73,10 @@ takes the fds may run that slowly (a 200 GB ``--no-pin`` rank). Its copy holds t
 queue, and a client trickling one fd just within :data:`REQUEST_TIMEOUT_S` each held it, and
 everyone queued behind, without end."""
 CLOSE_TIMEOUT_S = 10.0
+STAGER_WAIT_S = 600.0
+STAGER_POLL_S = 0.2
+"""How long the preloader waits for another process (an engine staging its own copy) to finish
+staging a rank it is to serve, and how often it asks (the rank's lock)."""
 """How long :meth:`PreloadServer.close` waits for all connection handlers together: well within
 ``preload --stop``'s 30 s, which also waits for the unpinning and unmapping after it."""
 STOP_POLL_S = 0.2
@@ -299,10 +303,7 @@ class PreloadServer:
                 res = self.residents[rank]
                 try:
                     cb = (lambda d, t, r=rank: progress(r, d, t)) if progress else None
-                    r = stage_rank(self.config.image_dir, rank, shm_dir=self.config.shm_dir, threads=self.config.threads,
-                                   io=self.config.io, chunk_bytes=self.config.chunk_bytes,
-                                   device=self.config.device_for(rank), numa_policy=self.config.numa_policy,
-                                   verify=self.config.verify, force=self.config.force, progress=cb, stop=self.stop)
+                    r = self._stage(rank, cb)
                     self.log(_describe_stage(r))
                     if self.stop.is_set():  # pinning a large rank takes seconds and nobody is to be served
                         raise FlashBootError(f"the preloader (pid {os.getpid()}) is stopping; rank {rank} was staged "
@@ -325,6 +326,25 @@ class PreloadServer:
         finally:
             self.close()
             accept.join(timeout=2)
+
+    def _stage(self, rank: int, progress) -> StageResult:
+        """:func:`stage_rank` for ``rank``; while another process stages it (an engine staging its
+        own copy), wait for that one (at most :data:`STAGER_WAIT_S`) and take its copy over: a
+        preloader started beside such an engine had marked the rank failed."""
+        deadline, said = time.monotonic() + STAGER_WAIT_S, False
+        while True:
+            try:
+                return stage_rank(self.config.image_dir, rank, shm_dir=self.config.shm_dir, threads=self.config.threads,
+                                  io=self.config.io, chunk_bytes=self.config.chunk_bytes,
+                                  device=self.config.device_for(rank), numa_policy=self.config.numa_policy,
+                                  verify=self.config.verify, force=self.config.force, progress=progress, stop=self.stop)
+            except StagingBusy as busy:
+                if time.monotonic() >= deadline or self.stop.is_set():
+                    raise WaitTimeoutError(f"{busy}: still staging after {STAGER_WAIT_S:g} s") from None
+                if not said:
+                    self.log(f"rank {rank}: {busy}; waiting for it")
+                    said = True
+                self.stop.wait(STAGER_POLL_S)
 
     def close(self) -> None:
         """Stop listening, unpin and unmap everything (the staged files stay)."""

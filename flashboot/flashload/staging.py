@@ -512,14 +512,15 @@ def _same_file(path: Path, fd: int) -> bool:
 
 
 def stage_for_load(image_dir, rank: int, *, timeout_s: float, shm_dir=None, device: Any = "cpu",
-                   log: Callable[[str], None] | None = None) -> InlineCopy:
+                   log: Callable[[str], None] | None = None, check_staged: bool = True) -> InlineCopy:
     """Stage rank ``rank`` in shared memory for this engine's load, beside other engines that may
     do the same (data-parallel replicas of one image on one node): one stages it, the others wait
     for it (at most ``timeout_s``; WaitTimeoutError naming the stager) and load the same copy, and
     one that finds it staged already loads it as it is. Each holds ``rank-R.users`` shared until
     :meth:`InlineCopy.release`, which the last of them turns into the copy's removal when an
     engine staged it. ``log`` is told when this process staged the rank itself (on the engine's
-    critical path)."""
+    critical path). ``check_staged=False`` takes a rank with a ``.ready`` as it is, without
+    reading its metadata here (the load checks the copy against it, once)."""
     paths = staged_paths(image_dir, rank, shm_dir)
     make_dir(paths.dir)
     deadline = time.monotonic() + timeout_s
@@ -543,6 +544,8 @@ def stage_for_load(image_dir, rank: int, *, timeout_s: float, shm_dir=None, devi
         os.close(fd)  # removed by the last engine out after this open: the next engine's file is the one
     try:
         while True:
+            if not check_staged and paths.ready.exists():  # staged: the load reads the metadata, not us too
+                return InlineCopy(paths, fd, staged_here=False)
             try:
                 result = stage_rank(image_dir, rank, shm_dir=shm_dir, device=device, inline=True)
                 if log is not None and not result.skipped:
@@ -554,6 +557,7 @@ def stage_for_load(image_dir, rank: int, *, timeout_s: float, shm_dir=None, devi
                 if time.monotonic() >= deadline:
                     raise WaitTimeoutError(f"{busy}: still staging after {timeout_s:g} s") from None
                 time.sleep(BUSY_POLL_S)  # its .ready comes, or it failed and this process stages the rank
+                check_staged = False  # the copy it finishes is of this metadata: not read again every poll
     except BaseException:
         os.close(fd)
         raise

@@ -93,7 +93,8 @@ def _stage_if_needed(options: LoaderOptions, rank: int, dev):
         if held_here(options.holder, options.image_dir, rank, dev):
             return None  # a restart maps the held arena: staging the image from disk would be thrown away
     return stage_for_load(options.image_dir, rank, timeout_s=options.timeout_s, shm_dir=options.shm_dir,
-                          device=str(dev) if dev.is_cuda else "cpu", log=lambda m: logger.warning("flashboot: %s", m))
+                          device=str(dev) if dev.is_cuda else "cpu", log=lambda m: logger.warning("flashboot: %s", m),
+                          check_staged=options.staging == "inline")
 
 
 def prepare_engine_load(options: LoaderOptions, expected: EngineKey, rank: int, device: Any, *, tp_size: int,
