@@ -11,8 +11,11 @@ A leak shows as an upward trend: after a warm-up (the first 10 % of the cycles: 
 kernels compile, pools grow to their working size), the mean of the last 20 % of the samples is
 compared with the mean of the first 20 %; the run fails when it rose by more than a small slack
 per resource (one fd, one thread; for bytes, the larger of an absolute and a relative slack).
-A leak of one fd, one thread or 64 KiB per cycle over 500 cycles exceeds every slack hundreds of
-times over; the noise of a steady process stays within them. Every cycle's bytes are also
+A steady leak of L per cycle raises the last window's mean by L times the cycles between the two
+windows' centres (0.72 x the cycles: 360 of 500), so one fd or one thread per cycle exceeds its
+slack 360 times over at 500 cycles, while for bytes the smallest leak a run detects is its slack
+over that span (mapped bytes: at least 8 MiB / 360 = ~23 KiB per cycle at 500 cycles, ~230 KiB at 50); the
+table prints it per resource. The noise of a steady process stays within the slacks. Every cycle's bytes are also
 checked against the source. The served cycles' daemon runs in this process (a thread), so its
 fds, mappings and threads are counted too.
 """
@@ -125,10 +128,17 @@ class Trend:
     slack: float
     start: int
     end: int
+    span: int = 1
+    """Samples between the two windows' centres: a leak of L per cycle raises the mean by L x span."""
 
     @property
     def rising(self) -> bool:
         return self.last_mean > self.first_mean + self.slack
+
+    @property
+    def detects_per_cycle(self) -> float:
+        """The smallest steady leak per cycle this run would see (the slack over the span)."""
+        return self.slack / max(1, self.span)
 
 
 def trend(resource: str, series: list[float], *, slack_abs: float, slack_rel: float = 0.0,
@@ -141,7 +151,8 @@ def trend(resource: str, series: list[float], *, slack_abs: float, slack_rel: fl
     s = series[int(len(series) * warmup_fraction):]
     w = max(1, int(len(s) * window_fraction))
     first, last = statistics.fmean(s[:w]), statistics.fmean(s[-w:])
-    return Trend(resource, first, last, max(slack_abs, slack_rel * abs(first)), int(series[0]), int(series[-1]))
+    return Trend(resource, first, last, max(slack_abs, slack_rel * abs(first)), int(series[0]), int(series[-1]),
+                 span=len(s) - w)
 
 
 # ================================================================================== cycles
@@ -403,6 +414,10 @@ def _fmt(resource: str, v: float) -> str:
     return f"{v / 2**20:,.1f} MiB" if resource.endswith("bytes") else f"{v:,.1f}"
 
 
+def _fmt_small(resource: str, v: float) -> str:
+    return f"{v / 2**10:,.1f} KiB" if resource.endswith("bytes") else f"{v:,.3f}"
+
+
 def print_results(results: list[SoakResult]) -> None:
     from flashboot.benchmarks.timing import print_table
 
@@ -411,9 +426,10 @@ def print_results(results: list[SoakResult]) -> None:
         for t in r.trends:
             rows.append([r.kind, t.resource, _fmt(t.resource, t.start), _fmt(t.resource, t.end),
                          _fmt(t.resource, t.first_mean), _fmt(t.resource, t.last_mean), _fmt(t.resource, t.slack),
-                         "RISING" if t.rising else "flat"])
+                         _fmt_small(t.resource, t.detects_per_cycle), "RISING" if t.rising else "flat"])
     print_table("soak: resources at start and end, means of the first and last 20 % after warm-up",
-                ["what", "resource", "start", "end", "first 20 %", "last 20 %", "slack", "trend"], rows)
+                ["what", "resource", "start", "end", "first 20 %", "last 20 %", "slack", "sees a leak per cycle of",
+                 "trend"], rows)
     for r in results:
         print(f"{r.kind}: {r.cycles} cycles in {r.seconds:.1f} s, {r.exact}/{r.cycles} byte-exact"
               + (f"; LEAKING: {', '.join(r.leaking)}" if r.leaking else "; no upward trend"))
