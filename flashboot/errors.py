@@ -87,3 +87,10 @@ class WaitTimeoutError(FlashBootError, TimeoutError):
 
 class RendezvousError(FlashBootError):
     """Out-of-band exchange refused or failed (wrong token, mismatched manifest, dead peer)."""
+
+
+class StoreLostError(RendezvousError):
+    """The connection to the rendezvous store broke (the process hosting it exited, the connection
+    was reset): names the store and what was being done. Later calls on the same connection fail
+    at once with this error, as do the calls after a bounded call went unanswered (that one
+    raises WaitTimeoutError)."""

@@ -16,7 +16,7 @@ from _python import run_python  # noqa: E402  (tests/ is on the path)
 
 
 def test_every_module_a_process_imports_is_among_the_sources_compiled():
-    code = ("import sys, flashboot, flashboot.flashclone, flashboot.flashload, flashboot.movers, flashboot.layouts\n"
+    code = ("import sys, flashboot, flashboot.flashclone.cloning, flashboot.flashload, flashboot.movers, flashboot.layouts\n"
             "import flashboot.kernels.checksum_gpu, flashboot.integrations.engine_key, flashboot.benchmarks.boot, "
             "flashboot.cli\n"
             "print('\\n'.join(sorted(m.__file__ for n, m in list(sys.modules.items())\n"
@@ -66,7 +66,7 @@ def test_bytecode_that_cannot_be_written_is_named_not_hidden(tmp_path, monkeypat
         assert compile_bytecode() == []
     messages = [str(w.message) for w in warned]
     assert len(messages) == len(sources()) and all(f"cannot write {tmp_path / 'file'}" in m for m in messages)
-    clone_py = str(Path(importlib.util.find_spec("flashboot.flashclone.clone").origin).resolve())
+    clone_py = str(Path(importlib.util.find_spec("flashboot.flashclone.cloning").origin).resolve())
     assert any(m.endswith(f"a fresh process compiles {clone_py} when it imports it") for m in messages)
 
 

@@ -243,7 +243,7 @@ def test_a_bumped_done_counter_does_not_keep_a_reattaching_clone_past_its_timeou
         result, errors = [], []
         killed = threading.Event()
         # the copy's first step waits for the seed's death: no race between the copy and the kill
-        monkeypatch.setattr(sys.modules["flashboot.flashclone.clone"], "_step_hook",
+        monkeypatch.setattr(sys.modules["flashboot.flashclone.cloning"], "_step_hook",
                             lambda _delay: lambda _step: killed.wait(20))
 
         def run():

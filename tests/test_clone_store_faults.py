@@ -34,7 +34,7 @@ from _clone_helpers import (
 )
 from test_clone_faults import _Background, _member, raw  # noqa: F401  (raw: a fixture)
 
-clone_module = importlib.import_module("flashboot.flashclone.clone")  # the package's `clone` is the function
+clone_module = importlib.import_module("flashboot.flashclone.cloning")
 pytestmark = pytest.mark.timeout(60)
 @pytest.fixture
 def store_process():

@@ -38,7 +38,7 @@ def main() -> None:
     from flashboot.cuda_streams import Event
     from flashboot.movers.copy_engine import CopyEngineMover
 
-    clone_mod = sys.modules["flashboot.flashclone.clone"]  # the package's `clone` is the function
+    clone_mod = sys.modules["flashboot.flashclone.cloning"]
 
     index = int(a.device.split(":")[1])
     marks: list = []  # (host s, event before, event after, nbytes)

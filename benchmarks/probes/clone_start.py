@@ -23,7 +23,7 @@ def main() -> None:
     import flashboot
     import flashboot.flashclone  # noqa: F401
 
-    fc = sys.modules["flashboot.flashclone.clone"]
+    fc = sys.modules["flashboot.flashclone.cloning"]
     marks = [("begin", time.perf_counter())]
 
     def steps() -> object:

@@ -36,12 +36,28 @@ keeps its weights and says so in ``report.warnings``; one that does not finishes
 when given, else raises naming the step.
 """
 
-from .clone import clone, linger
-from .report import CloneError, CloneReport, CloneResult
-from .ring import ring_load
-from .seed import Seed, seed
-from .store import StoreServer, serve_store
-from .warmup import CloneWarmup, prepare_clone
+from .._lazy import lazy_getattr
+
+# Imported on first use: a process that needs one piece (a restart asking the holder, a store)
+# does not import the clone's machinery (executor, schedulers, transports: ~20 ms of Python).
+# No module is named after a function it exports (the import system would set the package's
+# attribute to the module once anyone imported it by path): clone() lives in cloning.py.
+_LAZY = {
+    "clone": "flashboot.flashclone.cloning",
+    "linger": "flashboot.flashclone.cloning",
+    "CloneError": "flashboot.flashclone.report",
+    "CloneReport": "flashboot.flashclone.report",
+    "CloneResult": "flashboot.flashclone.report",
+    "ring_load": "flashboot.flashclone.ring",
+    "Seed": "flashboot.flashclone.seeding",
+    "seed": "flashboot.flashclone.seeding",
+    "StoreServer": "flashboot.flashclone.store",
+    "serve_store": "flashboot.flashclone.store",
+    "CloneWarmup": "flashboot.flashclone.warmup",
+    "prepare_clone": "flashboot.flashclone.warmup",
+}
+
+__getattr__ = lazy_getattr("flashboot.flashclone", _LAZY, globals())
 
 __all__ = ["CloneError", "CloneReport", "CloneResult", "CloneWarmup", "Seed", "StoreServer", "clone", "linger",
            "prepare_clone", "ring_load", "seed", "serve_store"]

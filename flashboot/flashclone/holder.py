@@ -27,8 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArenaError, FlashBootError, WaitTimeoutError
-from .rendezvous import StoreLostError
+from ..errors import ArenaError, FlashBootError, StoreLostError, WaitTimeoutError
 from ..fdshare import grow_fd_table, take_fds
 
 DEFAULT_TIMEOUT_S = 30.0

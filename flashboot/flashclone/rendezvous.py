@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from ..errors import RendezvousError, WaitTimeoutError
+from ..errors import RendezvousError, StoreLostError, WaitTimeoutError
 from ..fileio import read_regular
 
 ENV_TOKEN = "FLASHBOOT_TOKEN"
@@ -58,13 +58,6 @@ KEY_PREFIX = "flashboot/v1"
 
 _MAC_LABEL = b"flashboot-record-mac-v1"
 _SEAL_LABEL = b"flashboot-record-seal-v1"
-
-
-class StoreLostError(RendezvousError):
-    """The connection to the rendezvous store broke (the process hosting it exited, the connection
-    was reset): names the store and what was being done. Later calls on the same connection fail
-    at once with this error, as do the calls after a bounded call went unanswered (that one
-    raises WaitTimeoutError)."""
 
 
 # ============================================================================================

@@ -150,7 +150,7 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     ``remap_release_old_ms`` after the swap, ``clone_close_ms`` and ``staging_close_ms``.
     """
     from ..arena.remap import check_replaceable, replace_backing, staging_for
-    from ..flashclone.clone import clone
+    from ..flashclone.cloning import clone
     from ..flashclone.common import SEED_KEY
     from ..flashclone.sources import release_held_sources
     from ..flashclone.rendezvous import Rendezvous

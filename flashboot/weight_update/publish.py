@@ -146,7 +146,7 @@ class Publisher:
         import torch
 
         from ..flashclone.rendezvous import Manifest
-        from ..flashclone.seed import seed
+        from ..flashclone.seeding import seed
         from .pack import PackTable
 
         check_version(version, "publish")

@@ -34,7 +34,7 @@ class Seen:
 class Transport:
     """Base class. Subclasses set the class attributes and implement :meth:`usable`; a transport
     whose clone maps the source's arena (``maps = True``) implements :meth:`open_arena`, the others
-    :meth:`run` (the whole clone, see :mod:`flashboot.flashclone.clone`)."""
+    :meth:`run` (the whole clone, see :mod:`flashboot.flashclone.cloning`)."""
 
     name: str = ""
     order: int = 100
