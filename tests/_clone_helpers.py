@@ -133,3 +133,11 @@ def store():
     rdv = Rendezvous.connect(address, TOKEN, host=True, timeout_s=20)
     yield address, rdv
     rdv.close()
+
+
+def close_endpoints(eps) -> None:
+    """Close every participant's flags and arena an executor test made (those still open)."""
+    for ep in eps.values():
+        for a in (ep.flags, ep.arena):
+            if a is not None and not a.closed:
+                a.close()

@@ -19,7 +19,7 @@ from flashboot.schedulers import HOST, build_plan
 
 from _clone_helpers import _token, store  # noqa: F401  (fixtures)
 from _clone_helpers import (
-    CHUNK, MiB, finish, make_prepacked_image, pattern, spawn_cli, stop, write_raw_image,
+    CHUNK, MiB, close_endpoints, finish, make_prepacked_image, pattern, spawn_cli, stop, write_raw_image,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -42,13 +42,6 @@ def _participants(plan, nbytes, data):
     return eps
 
 
-def _close(eps):
-    for ep in eps.values():
-        for a in (ep.flags, ep.arena):
-            if a is not None and not a.closed:
-                a.close()
-
-
 # ------------------------------------------------------------------------------------- executor
 
 
@@ -67,7 +60,7 @@ def test_executor_delivers_every_schedule_byte_exact(schedule):
             assert all(v == 1 for v in np.frombuffer(eps[i].flags.bytes().numpy(), np.uint32)[:plan.flag_count(i)])
         assert sum(l.steps for l in rep.lanes) == len(plan)
     finally:
-        _close(eps)
+        close_endpoints(eps)
 
 
 def test_executor_batches_the_steps_no_one_waits_on():
@@ -106,7 +99,7 @@ def test_executor_batches_the_steps_no_one_waits_on():
             else:
                 assert mover.batches == [] and mover.calls == len(plan)
         finally:
-            _close(eps)
+            close_endpoints(eps)
     plan = build_plan("star", 1, nbytes, CHUNK)
     eps = _participants(plan, nbytes, data)
     mover = Counting()
@@ -119,7 +112,7 @@ def test_executor_batches_the_steps_no_one_waits_on():
             assert np.array_equal(got[st.offset:st.end], data[st.offset:st.end])
         assert mover.calls == 0 and mover.batches == [len(gappy)]
     finally:
-        _close(eps)
+        close_endpoints(eps)
 
 
 def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
@@ -194,7 +187,7 @@ def test_flags_of_an_earlier_epoch_do_not_satisfy_a_later_run():
         Executor(plan, eps, [1, 2], epoch=2).run()
         assert np.array_equal(eps[2].arena.bytes().numpy()[:nbytes], data)
     finally:
-        _close(eps)
+        close_endpoints(eps)
 
 
 def test_rewire_reattaches_upstream_then_to_a_fallback():

@@ -27,6 +27,8 @@ from flashboot.memory import Device, Span
 from flashboot.movers.host import HostMover
 from flashboot.schedulers import build_plan
 
+from _clone_helpers import close_endpoints  # noqa: E402
+
 pytestmark = pytest.mark.timeout(60)
 
 MiB = 1 << 20
@@ -46,13 +48,6 @@ def _host_participants(plan, nbytes):
         eps[p.index] = Endpoint(p.index, p.name, a, None if p.role == "seed" else
                                 create_flags(plan.flag_count(p.index), "cpu"))
     return eps
-
-
-def _close(eps):
-    for ep in eps.values():
-        for a in (ep.flags, ep.arena):
-            if a is not None and not a.closed:
-                a.close()
 
 
 class _Gated(HostMover):
@@ -105,7 +100,7 @@ def test_a_run_that_gives_up_stops_its_lanes_and_no_late_copy_raises_a_flag(monk
         assert flags[stuck.signal] == 0 and flags[plan.steps[0].signal] == 1
     finally:
         mover.gate.set()
-        _close(eps)
+        close_endpoints(eps)
 
 
 def test_an_interrupted_run_stops_its_lanes_before_the_interrupt_unwinds(monkeypatch):
@@ -144,7 +139,7 @@ def test_an_interrupted_run_stops_its_lanes_before_the_interrupt_unwinds(monkeyp
     finally:
         mover.gate.set()
         helper.join(10)
-        _close(eps)
+        close_endpoints(eps)
 
 
 # ============================================================================================
@@ -410,7 +405,7 @@ def test_a_long_timeout_over_many_steps_runs():
         assert rep.participant_nbytes(1) == nbytes
         assert np.array_equal(eps[1].arena.bytes().numpy()[:nbytes], eps[0].arena.bytes().numpy()[:nbytes])
     finally:
-        _close(eps)
+        close_endpoints(eps)
 
 
 def test_an_interrupt_while_issuing_releases_the_waits_and_goes_up_as_it_is(sim):

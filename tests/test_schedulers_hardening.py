@@ -9,6 +9,8 @@ import pytest
 from flashboot.schedulers import PlanError, build_plan, list_schedules, register_schedule
 from flashboot.schedulers.chain import plan_chain
 
+from _clone_helpers import close_endpoints  # noqa: E402
+
 
 # ------------------------------------------------------------------------------------- registry
 @pytest.mark.parametrize("schedule,options,match", [
@@ -77,13 +79,6 @@ def _endpoints(plan, nbytes, data, arena_nbytes=None):
     return eps
 
 
-def _close(eps):
-    for ep in eps.values():
-        for a in (ep.flags, ep.arena):
-            if a is not None and not a.closed:
-                a.close()
-
-
 def _flags(ep, count):
     import numpy as np
 
@@ -110,7 +105,7 @@ def test_an_arena_shorter_than_the_plan_is_refused_before_any_byte_moves(short, 
         assert _flags(eps[1], 3) == [0, 0, 0] and _flags(eps[2], 3) == [0, 0, 0]  # no chunk was vouched for
         assert not eps[2].arena.bytes().numpy()[:nbytes].any()
     finally:
-        _close(eps)
+        close_endpoints(eps)
 
 
 class _FailingMover:
@@ -164,7 +159,7 @@ def test_a_mover_failing_midway_names_the_step_its_bytes_and_both_ends(schedule,
             assert _flags(eps[1], 4) == [1, 1, 0, 0]
             assert np.array_equal(eps[1].arena.bytes().numpy()[:2000], data[:2000])
     finally:
-        _close(eps)
+        close_endpoints(eps)
 
 
 @pytest.mark.parametrize("timeout_s", [float("nan"), -1, 0, float("inf"), "5"])
@@ -187,7 +182,7 @@ def test_a_timeout_that_is_not_a_positive_finite_number_is_refused_before_any_la
             Executor(plan, eps, [2], timeout_s=timeout_s).run()  # clone1 alone waits on clone0's flags
         assert threading.active_count() == threads
     finally:
-        _close(eps)
+        close_endpoints(eps)
 
 
 def test_an_executor_with_no_local_participant_says_so():
@@ -202,7 +197,7 @@ def test_an_executor_with_no_local_participant_says_so():
         with pytest.raises(FlashBootError, match=r"plan 'chain': no local participant given; .* \(receivers: \[1, 2\]\)"):
             Executor(plan, eps, [])
     finally:
-        _close(eps)
+        close_endpoints(eps)
 
 
 def test_a_family_whose_constructor_fails_is_not_reported_unknown():

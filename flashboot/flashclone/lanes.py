@@ -300,10 +300,8 @@ class CudaRun:
                     if ex.window is not None and len(issued[k]) - completed[k] >= ex.window:
                         break
                     at = (s, "checking its sources")
-                    dead = self._dead_dependency(s)
-                    if dead is not None:
-                        failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,}) depends on {ex._name(dead)}, which "
-                                   "exited", s, dead, True)
+                    failure = self._dead_failure(s)
+                    if failure is not None:
                         break
                     if ex.step_hook is not None:
                         at = (s, "in the step hook")
@@ -353,10 +351,8 @@ class CudaRun:
                 blocked = [(k, issued[k][completed[k]][0]) for k in issued if completed[k] < len(issued[k])]
                 for k, s in blocked:
                     at = (s, "checking its sources")
-                    dead = self._dead_dependency(s)
-                    if dead is not None:
-                        failure = (f"step {s.id} (bytes {s.offset:,}..{s.end:,}) depends on {ex._name(dead)}, which "
-                                   "exited", s, dead, True)
+                    failure = self._dead_failure(s)
+                    if failure is not None:
                         break
                 if failure is not None:
                     break
@@ -383,6 +379,14 @@ class CudaRun:
         # dropped instead, a released stream may still be draining)
         give_back(*self.streams.values(), *self.side.values(), *start_ev.values(), *unit_events)
         return ExecReport(ex.plan.schedule, "cuda", ex.mover.name, ex.epoch, reports, wall)
+
+    def _dead_failure(self, s: Step) -> tuple | None:
+        """The failure of ``s`` when it depends on a participant that exited (see below), or None."""
+        dead = self._dead_dependency(s)
+        if dead is None:
+            return None
+        return (f"step {s.id} (bytes {s.offset:,}..{s.end:,}) depends on {self.ex._name(dead)}, which exited", s,
+                dead, True)
 
     def _dead_dependency(self, s: Step) -> int | None:
         """A participant ``s`` depends on that exited before it could vouch for ``s``'s bytes."""
