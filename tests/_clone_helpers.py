@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -141,3 +143,16 @@ def close_endpoints(eps) -> None:
         for a in (ep.flags, ep.arena):
             if a is not None and not a.closed:
                 a.close()
+
+
+@contextlib.contextmanager
+def serving_holder(holder):
+    """``holder`` serving in a thread for the block; stopped and joined after it."""
+    stop_ev = threading.Event()
+    t = threading.Thread(target=holder.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
+    t.start()
+    try:
+        yield t
+    finally:
+        stop_ev.set()
+        t.join(10)

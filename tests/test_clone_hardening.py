@@ -4,7 +4,6 @@ planted in the store, superseded seeds, lost stores. Every test is bounded."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -18,7 +17,7 @@ import flashboot
 from flashboot.flashclone.rendezvous import free_port
 
 from _clone_helpers import _token, store  # noqa: F401  (fixtures)
-from _clone_helpers import MiB, finish, spawn_cli, stop, wait_until, write_raw_image
+from _clone_helpers import MiB, finish, serving_holder, spawn_cli, stop, wait_until, write_raw_image
 
 pytestmark = pytest.mark.timeout(60)
 NBYTES = 4 * MiB
@@ -167,7 +166,7 @@ def test_holder_over_the_store_skips_planted_and_missing_requests_and_keeps_its_
     try:
         a = Arena.create(MiB, "cpu")
         a.bytes().numpy()[:] = 7
-        with serving(holder) as t:
+        with serving_holder(holder) as t:
             hand_over(a, "w", store=address, timeout_s=10)
             a.close()
             prefix = "flashboot/v1/default/hold/requests"
@@ -189,19 +188,6 @@ def test_holder_over_the_store_skips_planted_and_missing_requests_and_keeps_its_
         holder.close()
 
 
-@contextlib.contextmanager
-def serving(holder):
-    """``holder`` serving in a thread for the block; stopped and joined after it."""
-    stop_ev = threading.Event()
-    t = threading.Thread(target=holder.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
-    t.start()
-    try:
-        yield t
-    finally:
-        stop_ev.set()
-        t.join(10)
-
-
 @pytest.mark.parametrize("content", ["[1, 2]", '{"request": "x"}', "{not json", '"text"'])
 def test_holder_over_a_registry_skips_a_malformed_request_and_serves_the_next(tmp_path, content):
     from flashboot.arena import Arena
@@ -216,7 +202,7 @@ def test_holder_over_a_registry_skips_a_malformed_request_and_serves_the_next(tm
         assert not (registry / "requests" / "bad.json").exists()
         a = Arena.create(MiB, "cpu")
         a.bytes().numpy()[:] = 5
-        with serving(holder):
+        with serving_holder(holder):
             hand_over(a, "good", registry=registry, timeout_s=10)
             a.close()
             with open_held("good", registry=registry) as g:

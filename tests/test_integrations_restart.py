@@ -7,12 +7,12 @@ Before, the engines' loaders had no way to name a holder: every restart reloaded
 from __future__ import annotations
 
 import json
-import threading
 import warnings
 
 import pytest
 import torch
 
+from _clone_helpers import serving_holder
 from _image_helpers import rewrite_metadata
 from _engine_helpers import (  # noqa: F401  (packed: a fixture)
     PlainEngineLikeModel, _assert_same_tensors, _key, _options, packed,
@@ -28,13 +28,8 @@ from flashboot.integrations.engine_prepack import (
 @pytest.fixture
 def registry(tmp_path):
     path = tmp_path / "registry"
-    h = Holder(registry=path)
-    stop = threading.Event()
-    t = threading.Thread(target=h.serve_forever, args=(stop,), kwargs={"handle_signals": False})
-    t.start()
-    yield str(path)
-    stop.set()
-    t.join(10)
+    with serving_holder(Holder(registry=path)):
+        yield str(path)
 
 
 def _engine(options):

@@ -20,7 +20,7 @@ from flashboot.errors import ArenaError, FlashBootError
 from flashboot.flashclone.holder import Holder, held_record
 from flashboot.flashload.restart import HolderOption
 
-from _clone_helpers import spawn_cli, stop, wait_until
+from _clone_helpers import serving_holder, spawn_cli, stop, wait_until
 from _image_helpers import rewrite_metadata
 from _preload_helpers import make_tiny_image
 
@@ -33,13 +33,8 @@ def image(tmp_path_factory):
 @pytest.fixture
 def holder(tmp_path):
     registry = tmp_path / "registry"
-    h = Holder(registry=registry)
-    stop_ev = threading.Event()
-    t = threading.Thread(target=h.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
-    t.start()
-    yield registry
-    stop_ev.set()
-    t.join(10)
+    with serving_holder(Holder(registry=registry)):
+        yield registry
 
 
 def image_bytes(image_dir) -> bytes:
