@@ -421,3 +421,35 @@ def test_an_interrupt_while_issuing_releases_the_waits_and_goes_up_as_it_is(sim)
     with pytest.raises(KeyboardInterrupt):
         Executor(plan, eps, [2], mover=mover, h2d_mover=mover, timeout_s=5, step_hook=hook, window=4).run()
     assert _parked(sim) == [] and eps[1].flags.words[0] == 1
+
+
+def test_a_session_leaves_mapped_what_a_copy_it_gave_up_on_may_still_write(monkeypatch):
+    """A host run that gave up while a lane was inside a copy raised naming the thread; the clone's
+    session then closed its arenas under that copy (a segfault). It keeps them until the copy ends."""
+    from flashboot.flashclone import session as sessions
+
+    monkeypatch.setattr(sessions, "LANES_JOIN_S", 0.2)
+    release = threading.Event()
+    copying = threading.Thread(target=release.wait, args=(30,))  # stands in for a lane inside a copy
+    copying.start()
+
+    class GaveUp:
+        def run(self):
+            err = WaitTimeoutError("host lanes of chain did not finish")
+            err.lanes_running = [copying]
+            raise err
+
+    session = sessions._Session(None)
+    session.arena = Arena.create(1 << 20, "cpu")
+    try:
+        with pytest.raises(WaitTimeoutError, match="did not finish"):
+            session.run(GaveUp())
+        with pytest.warns(RuntimeWarning, match=r"1 copy thread\(s\) of an abandoned clone run are still copying"):
+            session.close(keep_arena=False)
+        assert not session.arena.closed  # left mapped under the copy
+    finally:
+        release.set()
+        copying.join(10)
+    arena = session.arena
+    session.close(keep_arena=False)  # the copy ended: everything goes
+    assert arena.closed and session.arena is None

@@ -270,7 +270,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
         try:
             ex = Executor(plan, endpoints, position, mover=mover, host_image=host_span, timeout_s=timeout_s,
                           steps=steps, skip=done_ids, step_hook=hook)
-            rep = ex.run()
+            rep = session.run(ex)
             lanes += [l.__dict__ | {"gbps": l.gbps} for l in rep.lanes]
             ran.update({s.id: s for s in steps if s.id not in done_ids})
             done_ids |= {s.id for s in steps}
@@ -475,8 +475,9 @@ def _repair_from_upstream(plan: Plan, position: int, run_steps: list[Step], sour
         bad = [s for s in steps if any(lo < s.end and s.offset < lo + n for lo, n in ranges)]
         if bad:
             fixes = [replace(s, waits=()) for s in bad]
-            Executor(plan, {**sources.endpoints, position: Endpoint(position, "self", session.arena, session.flags)},
-                     position, mover=mover, timeout_s=timeout_s, steps=fixes).run()
+            session.run(Executor(plan, {**sources.endpoints, position: Endpoint(position, "self", session.arena,
+                                                                                session.flags)},
+                                 position, mover=mover, timeout_s=timeout_s, steps=fixes))
             redone |= {s.id for s in bad}
             report.recovered.append(f"re-copied {len(bad)} chunk(s) clone #{p} redid")
     return redone

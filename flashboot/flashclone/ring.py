@@ -227,16 +227,16 @@ def _executor_ring(plan, endpoints: dict, me: int, mover, img, timeout_s: float,
     """The ring over mapped arenas: the executor runs our steps (flags in the arenas' flag arrays).
     A lost predecessor: whatever it would have passed on comes from the host image."""
     try:
-        rep = Executor(plan, endpoints, me, mover=mover, host_image=img.span(), timeout_s=timeout_s,
-                       step_hook=hook).run()
+        rep = session.run(Executor(plan, endpoints, me, mover=mover, host_image=img.span(), timeout_s=timeout_s,
+                                   step_hook=hook))
     except StepFailure as failure:
         report.recovered.append(f"member {failure.peer} {'exited' if failure.peer_exited else 'stalled'}")
         remaining = [s for s in plan.steps_into(me) if s.id not in failure.valid_steps]
         new = rewire(plan, remaining, failure.peer, fallback=HOST, dead=set(range(members)) - {me})
         session.close_opened(failure.peer)
         endpoints.pop(failure.peer, None)
-        rep = Executor(plan, endpoints, me, mover=mover, host_image=img.span(), timeout_s=timeout_s,
-                       steps=new).run()
+        rep = session.run(Executor(plan, endpoints, me, mover=mover, host_image=img.span(), timeout_s=timeout_s,
+                                   steps=new))
         report.recovered.append("loaded the rest from the host image")
     report.lanes = [l.__dict__ | {"gbps": l.gbps} for l in rep.lanes]
     _note_lazy_mapping(report, (ep for j, ep in endpoints.items() if j != me))

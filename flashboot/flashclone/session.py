@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import FlashBootError, WaitTimeoutError
 from .rendezvous import Rendezvous
+
+LANES_JOIN_S = 10.0
+"""How long closing a session waits for the copy threads of a run it gave up on to leave their copy."""
 
 
 class _Session:
@@ -29,6 +34,8 @@ class _Session:
         self.on_leave: Callable[[Rendezvous], None] | None = None
         """Called with the store connection as a finished participant leaves (a ring's last member
         clears the run's keys)."""
+        self.lanes_running: list[threading.Thread] = []
+        """Copy threads of a run given up on while inside a copy (see :meth:`run`)."""
         self.timeout_s = rdv.timeout_s if rdv is not None else 60.0
         self._pending_arena: tuple[threading.Thread, dict, int, Any] | None = None
 
@@ -109,6 +116,24 @@ class _Session:
         else:
             self.arena = Arena.create(nbytes, dev)
 
+    def run(self, executor):
+        """``executor.run()``. A host run that gives up while a lane is inside a copy (which cannot
+        be interrupted) names its threads: they are kept, and :meth:`close` leaves mapped the
+        memory they may still write, where unmapping it faulted the process."""
+        try:
+            return executor.run()
+        except BaseException as exc:
+            self.lanes_running += getattr(exc, "lanes_running", None) or []
+            raise
+
+    def _copies_still_running(self) -> int:
+        """How many kept copy threads are still inside their copy after a bounded wait."""
+        deadline = time.monotonic() + LANES_JOIN_S
+        for t in self.lanes_running:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.lanes_running = [t for t in self.lanes_running if t.is_alive()]
+        return len(self.lanes_running)
+
     def close_opened(self, participant: int | None = None) -> None:
         keys = list(self.opened) if participant is None else [participant]
         for k in keys:
@@ -117,6 +142,12 @@ class _Session:
                     a.close()
 
     def close(self, keep_arena: bool) -> None:
+        if self.lanes_running and self._copies_still_running():
+            warnings.warn(f"flashboot: {len(self.lanes_running)} copy thread(s) of an abandoned clone run are still "
+                          f"copying after {LANES_JOIN_S:g} s; the clone's arenas and the sources it mapped stay "
+                          "mapped until the process exits (unmapping them under a copy faults the process)",
+                          RuntimeWarning, stacklevel=2)
+            return
         first: BaseException | None = None
         try:
             self.close_opened()
