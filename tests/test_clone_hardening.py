@@ -4,6 +4,7 @@ planted in the store, superseded seeds, lost stores. Every test is bounded."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -229,7 +230,7 @@ def test_a_bumped_done_counter_does_not_keep_a_reattaching_clone_past_its_timeou
         result, errors = [], []
         killed = threading.Event()
         # the copy's first step waits for the seed's death: no race between the copy and the kill
-        monkeypatch.setattr(sys.modules["flashboot.flashclone.cloning"], "_step_hook",
+        monkeypatch.setattr(importlib.import_module("flashboot.flashclone.cloning"), "_step_hook",
                             lambda _delay: lambda _step: killed.wait(20))
 
         def run():

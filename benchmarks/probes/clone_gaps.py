@@ -33,7 +33,7 @@ def main() -> None:
 
     torch.zeros(1, device=a.device)
     import flashboot
-    import flashboot.flashclone  # noqa: F401
+    import flashboot.flashclone.cloning  # noqa: F401  (the package imports the clone's machinery on first use)
     from flashboot.arena.range import Arena
     from flashboot.cuda_streams import Event
     from flashboot.movers.copy_engine import CopyEngineMover
