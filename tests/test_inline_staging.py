@@ -84,7 +84,7 @@ def test_a_copy_the_preloader_staged_stays_after_the_engines_load_it(image, tmp_
     copy = staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm)
     assert not copy.staged_here
     assert copy.release() is False
-    assert _rank_files(shm, image) == ["rank-0.img", "rank-0.ready", "rank-0.users"]
+    assert _rank_files(shm, image) == ["rank-0.img", "rank-0.ready"]  # the engines' .users went with the last
     staging.unstage(image, shm_dir=shm)
 
 
@@ -185,3 +185,40 @@ def test_an_engine_in_auto_mode_takes_a_staged_copy_without_reading_its_metadata
     assert not copy.staged_here and copy.release() is False
     monkeypatch.undo()
     staging.unstage(image, shm_dir=shm)
+
+
+def test_the_last_engine_out_leaves_no_folder_behind_nor_a_failed_one_its_users_file(image, tmp_path, monkeypatch):
+    """The engines' own unstage had removed the emptied staging folder; the release left it (listed
+    by `preload --status` as a leftover to `rm -r`), and a failed stage left rank-R.users in it
+    (the folder then hidden from that list)."""
+    from flashboot.errors import OutOfMemoryError
+    from flashboot.flashload.status import leftover_staging_dirs
+
+    shm = tmp_path / "shm"
+    folder = shm_files.staging_dir(image, shm)
+    copy = staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm)
+    assert copy.release() is True
+    assert not folder.exists()
+    monkeypatch.setattr(staging, "_fs_free_bytes", lambda path: 10)  # a full /dev/shm
+    with pytest.raises(OutOfMemoryError):
+        staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm)
+    assert not folder.exists() and leftover_staging_dirs(shm) == []
+
+
+def test_an_engine_whose_folder_the_last_engine_out_removes_meanwhile_makes_it_again(image, tmp_path, monkeypatch):
+    shm = tmp_path / "shm"
+    real = staging.make_dir
+    calls = []
+
+    def make_then_lose(path):  # the last engine out of another copy removes the folder right after
+        real(path)
+        if not calls:
+            path.rmdir()
+        calls.append(path)
+        return path
+
+    monkeypatch.setattr(staging, "make_dir", make_then_lose)
+    copy = staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm)
+    assert copy.staged_here and len(calls) >= 2
+    assert shm_files.staged_paths(image, 0, shm).image.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()
+    assert copy.release() is True

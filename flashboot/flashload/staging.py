@@ -461,11 +461,15 @@ class InlineCopy:
 
     def release(self) -> bool:
         """Let go of the copy; returns True when this engine was the last to load it and removed it
-        (only a copy an engine staged: one ``flashboot preload`` staged stays). Idempotent."""
+        (only a copy an engine staged: one ``flashboot preload`` staged stays). The last engine out
+        also removes ``rank-R.users``, and the staging folder once nothing is left in it (as the
+        unstage engines ran before them did): they had stayed, the folder listed as a leftover
+        by ``preload --status``, or hidden from it by the ``.users`` file. Idempotent."""
         fd, self._fd = self._fd, None
         if fd is None:
             return False
         p = self.paths
+        removed = False
         try:
             try:  # the last user: no other engine holds it shared (a conversion: ours is dropped first)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -476,17 +480,20 @@ class InlineCopy:
             try:  # the rank's lock while removing: a stager cannot restage or keep the copy meanwhile
                 lock = _lock_rank(p, p.image.name, p.dir)
             except (StagingBusy, OSError):
-                return False  # being restaged (or its folder gone meanwhile): the copy is not this engine's to remove
+                lock = None  # being restaged (or its folder gone meanwhile): the copy is not this engine's to remove
             try:
-                if not p.inline.exists():
-                    return False  # staged, or kept since, by `flashboot preload`
-                for path in (p.ready, p.image, p.partial, p.inline, p.users):
-                    _unlink_quietly(path)
-                return True
+                if lock is not None and p.inline.exists():  # not staged, or kept since, by `flashboot preload`
+                    for path in (p.ready, p.image, p.partial, p.inline):
+                        _unlink_quietly(path)
+                    removed = True
+                _unlink_quietly(p.users)  # last: an engine that makes it anew finds no .ready of a copy going
             finally:
-                _unlock_rank(p, lock)
+                if lock is not None:
+                    _unlock_rank(p, lock)
         finally:
             os.close(fd)
+        remove_if_empty(p.dir)  # an engine that makes it again meanwhile retries (stage_for_load)
+        return removed
 
 
 def _locked_by_anyone(path: Path) -> bool:
@@ -525,7 +532,13 @@ def stage_for_load(image_dir, rank: int, *, timeout_s: float, shm_dir=None, devi
     make_dir(paths.dir)
     deadline = time.monotonic() + timeout_s
     while True:  # shared on users: waits only while the last engine out removes the copy (EX)
-        fd = os.open(paths.users, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(paths.users, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # the folder, removed by the last engine out after make_dir: made again
+            if time.monotonic() >= deadline:
+                raise
+            make_dir(paths.dir)
+            continue
         try:
             while True:
                 try:
@@ -559,7 +572,7 @@ def stage_for_load(image_dir, rank: int, *, timeout_s: float, shm_dir=None, devi
                 time.sleep(BUSY_POLL_S)  # its .ready comes, or it failed and this process stages the rank
                 check_staged = False  # the copy it finishes is of this metadata: not read again every poll
     except BaseException:
-        os.close(fd)
+        InlineCopy(paths, fd, staged_here=False).release()  # the last out: its .users (and folder) had stayed
         raise
 
 
