@@ -222,3 +222,24 @@ def test_an_engine_whose_folder_the_last_engine_out_removes_meanwhile_makes_it_a
     assert copy.staged_here and len(calls) >= 2
     assert shm_files.staged_paths(image, 0, shm).image.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()
     assert copy.release() is True
+
+
+def test_a_preloader_stopped_while_waiting_for_an_engine_stager_says_it_stopped(image, tmp_path):
+    """It had said the rank was still staging after 600 s, whenever `preload --stop` came."""
+    from flashboot.flashload.server import PreloadServer
+
+    shm = tmp_path / "shm"
+    paths = shm_files.staged_paths(image, 0, shm)
+    paths.dir.mkdir(parents=True)
+    lock = staging._lock_rank(paths, 0, image)  # an engine staging rank 0
+    stop = threading.Event()
+    server = PreloadServer(staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True), stop=stop, log=[].append)
+    threading.Timer(0.3, stop.set).start()
+    try:
+        with pytest.raises(FlashBootError, match=r"is stopping; rank 0 was not staged while waiting for another "
+                                                 rf"stager: .*being staged already \(by pid {os.getpid()}") as err:
+            server._stage(0, None)
+        assert "600" not in str(err.value)
+    finally:
+        staging._unlock_rank(paths, lock)
+    staging.unstage(image, shm_dir=shm)

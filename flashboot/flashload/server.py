@@ -339,7 +339,10 @@ class PreloadServer:
                                   device=self.config.device_for(rank), numa_policy=self.config.numa_policy,
                                   verify=self.config.verify, force=self.config.force, progress=progress, stop=self.stop)
             except StagingBusy as busy:
-                if time.monotonic() >= deadline or self.stop.is_set():
+                if self.stop.is_set():  # `preload --stop` during the wait: it had said it waited 600 s
+                    raise FlashBootError(f"the preloader (pid {os.getpid()}) is stopping; rank {rank} was not staged "
+                                         f"while waiting for another stager: {busy}") from None
+                if time.monotonic() >= deadline:
                     raise WaitTimeoutError(f"{busy}: still staging after {STAGER_WAIT_S:g} s") from None
                 if not said:
                     self.log(f"rank {rank}: {busy}; waiting for it")
