@@ -73,12 +73,12 @@ takes the fds may run that slowly (a 200 GB ``--no-pin`` rank). Its copy holds t
 queue, and a client trickling one fd just within :data:`REQUEST_TIMEOUT_S` each held it, and
 everyone queued behind, without end."""
 CLOSE_TIMEOUT_S = 10.0
+"""How long :meth:`PreloadServer.close` waits for all connection handlers together: well within
+``preload --stop``'s 30 s, which also waits for the unpinning and unmapping after it."""
 STAGER_WAIT_S = 600.0
 STAGER_POLL_S = 0.2
 """How long the preloader waits for another process (an engine staging its own copy) to finish
 staging a rank it is to serve, and how often it asks (the rank's lock)."""
-"""How long :meth:`PreloadServer.close` waits for all connection handlers together: well within
-``preload --stop``'s 30 s, which also waits for the unpinning and unmapping after it."""
 STOP_POLL_S = 0.2
 """How often a request waiting for its rank's staging looks at the daemon's stop."""
 ACCEPT_BACKOFF_S = 0.01
