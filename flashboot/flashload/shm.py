@@ -7,6 +7,8 @@ Staging layout, under the shm root (``$FLASHBOOT_SHM`` or ``/dev/shm/flashboot``
         rank-R.img          the staged image (rank-R.img.partial while copying)
         rank-R.ready        JSON: sizes, checksum summary, I/O mode, NUMA node, timings
         rank-R.lock         held (flock) by the process staging the rank, while it does
+        rank-R.users        held shared (flock) by each engine loading a copy it stages itself
+        rank-R.inline       present while the copy is one engines staged: the last to load it removes it
         preload.pid         the running preloader (JSON: pid, start time); removed on exit
         preload.log         output of a background preloader
         serve.sock          the served-load socket (SOCK_SEQPACKET)
