@@ -7,6 +7,7 @@ Before, the engines' loaders had no way to name a holder: every restart reloaded
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 
 import pytest
@@ -106,3 +107,60 @@ def test_the_holder_option_is_checked_when_the_options_are_made(tmp_path):
     with pytest.raises(CapabilityError, match=r"kept by a holder across restarts \(holder\): the holder maps it"):
         memory_saver_policy(True, "--enable-memory-saver", options)
     assert memory_saver_policy(False, "--enable-memory-saver", options) is False
+
+
+def _tp2_image(out):
+    """A tp=2 engine image of PlainEngineLikeModel (both ranks pre-packed by threads)."""
+    from flashboot.integrations.engine_prepack import RankGroup, prepack_engine_model
+
+    box, barrier, errors = {}, threading.Barrier(2, timeout=30), []
+
+    def broadcast(value, r):
+        if r == 0:
+            box["v"] = value
+        barrier.wait()
+        got = box["v"]
+        barrier.wait()
+        return got
+
+    def rank(r):
+        try:
+            group = RankGroup(r, 2, broadcast=lambda v: broadcast(v, r), barrier=barrier.wait)
+            prepack_engine_model(PlainEngineLikeModel(seed=r), out, _key(tp_size=2), group, device="cpu", tp_size=2,
+                                 ep_size=1, source_path="/m", model_type="p", chunk_bytes=4096)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+
+
+def test_the_ranks_of_one_engine_given_a_holder_name_each_keep_their_own_arena(tmp_path, registry):
+    """The loader options (and so the holder's name) are the same on every rank of a tp=2 engine:
+    each rank's hand-over replaced the other's, so the holder kept one rank and every restart of
+    the other reloaded it, warning each time."""
+    out = tmp_path / "img"
+    _tp2_image(out)
+    options = _options(out, tmp_path, holder={"registry": registry, "name": "llama"})
+
+    def load(r):
+        return load_engine_weights(options, _key(tp_size=2), r, "cpu", tp_size=2, ep_size=1)
+
+    with pytest.warns(RuntimeWarning, match="nothing is held"):
+        first = [load(r) for r in range(2)]
+    assert [w.report.details["handed_over_as"] for w in first] == ["llama.rank0.cpu", "llama.rank1.cpu"]
+    for w in first:
+        w.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a restart of each rank says nothing
+        again = [load(r) for r in range(2)]
+    try:
+        assert [w.report.mode for w in again] == ["held", "held"]
+        assert [w.section.rank for w in again] == [0, 1]
+    finally:
+        for w in again:
+            w.close()

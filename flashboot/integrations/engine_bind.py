@@ -75,6 +75,21 @@ def _rank_namespace(options: LoaderOptions, rank: int) -> str:
     return f"{options.seed_name}-rank{rank}"
 
 
+def _rank_holder(options: LoaderOptions, rank: int, dev):
+    """This rank's holder option: a ``name`` in the loader options is the same on every rank and
+    replica they start, so each holds its arena as ``NAME.rankR.DEVICE`` (as the default name
+    does with the image folder's): under one name, each rank's hand-over replaced the other's and
+    every restart of the others reloaded."""
+    from flashboot.flashload.restart import HolderOption
+
+    if options.holder is None:
+        return None
+    option = HolderOption.of(options.holder)
+    if option.name is None:
+        return option
+    return dataclasses.replace(option, name=f"{option.name}.rank{rank}.{str(dev).replace(':', '')}")
+
+
 def _stage_if_needed(options: LoaderOptions, rank: int, dev):
     """The staged copy this load reads, where the engine stages it itself (no preloader serves or
     stages the image): an :class:`~flashboot.flashload.staging.InlineCopy` to release after the
@@ -90,7 +105,7 @@ def _stage_if_needed(options: LoaderOptions, rank: int, dev):
     if options.holder is not None:
         from flashboot.flashload.restart import held_here
 
-        if held_here(options.holder, options.image_dir, rank, dev):
+        if held_here(_rank_holder(options, rank, dev), options.image_dir, rank, dev):
             return None  # a restart maps the held arena: staging the image from disk would be thrown away
     return stage_for_load(options.image_dir, rank, timeout_s=options.timeout_s, shm_dir=options.shm_dir,
                           device=str(dev) if dev.is_cuda else "cpu", log=lambda m: logger.warning("flashboot: %s", m),
@@ -115,7 +130,7 @@ def prepare_engine_load(options: LoaderOptions, expected: EngineKey, rank: int, 
     if options.holder is not None:
         from flashboot.flashload.restart import held_here
 
-        if held_here(options.holder, options.image_dir, rank, device):
+        if held_here(_rank_holder(options, rank, Device.parse(device)), options.image_dir, rank, device):
             return None  # a restart maps the held arena: an early arena and copy would be thrown away
     mode = "served" if options.served else ("staged" if options.staging == "require" else "auto")
     return flashboot.prepare(options.image_dir, rank, Device.parse(device), mode=mode, timeout_s=options.timeout_s,
@@ -162,7 +177,7 @@ def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, d
     if prepared is not None:  # keys checked and everything one-time paid by prepare_engine_load
         section, _ = read_engine_section(options.image_dir, rank)
         loaded = flashboot.load(options.image_dir, rank, dev, prepared=prepared, verify=options.verify, tp=tp_size,
-                                ep=ep_size, holder=options.holder)
+                                ep=ep_size, holder=_rank_holder(options, rank, dev))
         return EngineWeights(loaded.tensors, section, loaded, "load", loaded.report)
 
     if not image_is_complete(options.image_dir):
@@ -176,7 +191,7 @@ def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, d
     try:
         loaded = flashboot.load(options.image_dir, rank, dev, timeout_s=options.timeout_s, served=options.served,
                                 verify=options.verify, shm_dir=options.shm_dir, tp=tp_size, ep=ep_size,
-                                holder=options.holder)
+                                holder=_rank_holder(options, rank, dev))
         if inline is not None and loaded.release_thread is not None:
             loaded.release_thread.join(options.timeout_s)  # its unmap of the staged copy, before it is removed
     except BaseException:

@@ -74,8 +74,8 @@ class LoaderOptions:
     :mod:`flashboot.integrations.engine_sleep`), ``"resident"`` (nothing: it stays resident) or
     ``"refuse"`` (refuse to load with the memory saver / sleep mode on). ``holder``: restart
     without a reload (:mod:`flashboot.flashload.restart`): a ``flashboot hold --registry DIR``
-    registry path, or ``{"registry": DIR}`` / ``{"store": "HOST:PORT"}`` with optional ``name`` and
-    ``handover_timeout_s``; the first engine hands its arena to the holder after loading, a
+    registry path, or ``{"registry": DIR}`` / ``{"store": "HOST:PORT"}`` with optional ``name`` (each
+    rank holds its arena as ``NAME.rankR.DEVICE``) and ``handover_timeout_s``; the first engine hands its arena to the holder after loading, a
     restarted engine of the same image, version and device maps it (no copy) and binds the model
     to it, and any other loads normally with a warning naming why.
     """
