@@ -453,3 +453,45 @@ def test_a_session_leaves_mapped_what_a_copy_it_gave_up_on_may_still_write(monke
     arena = session.arena
     session.close(keep_arena=False)  # the copy ended: everything goes
     assert arena.closed and session.arena is None
+
+
+def test_a_session_left_mapped_under_a_copy_still_leaves_the_store(monkeypatch):
+    """Only the memory the copy may write stays: the store's connection had stayed open (and the
+    participant never said it left) until the process exited."""
+    from flashboot.flashclone import session as sessions
+
+    monkeypatch.setattr(sessions, "LANES_JOIN_S", 0.2)
+    release = threading.Event()
+    copying = threading.Thread(target=release.wait, args=(30,))  # stands in for a lane inside a copy
+    copying.start()
+
+    class Store:
+        timeout_s, published, closed = 5.0, [], False
+
+        def publish(self, key, body):
+            self.published.append(key)
+
+        def close(self):
+            self.closed = True
+
+    class GaveUp:
+        def run(self):
+            err = WaitTimeoutError("host lanes of chain did not finish")
+            err.lanes_running = [copying]
+            raise err
+
+    store = Store()
+    session = sessions._Session(store)
+    session.status_key = "g/1/status/2"
+    session.arena = Arena.create(1 << 20, "cpu")
+    try:
+        with pytest.raises(WaitTimeoutError):
+            session.run(GaveUp())
+        with pytest.warns(RuntimeWarning, match="still copying"):
+            session.close(keep_arena=False)
+        assert not session.arena.closed
+        assert store.closed and store.published == ["g/1/status/2/left"] and session.rdv is None
+    finally:
+        release.set()
+        copying.join(10)
+    session.close(keep_arena=False)

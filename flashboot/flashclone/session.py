@@ -147,6 +147,7 @@ class _Session:
                           f"copying after {LANES_JOIN_S:g} s; the clone's arenas and the sources it mapped stay "
                           "mapped until the process exits (unmapping them under a copy faults the process)",
                           RuntimeWarning, stacklevel=2)
+            self._leave_store(keep_arena)  # no copy touches it: its connection had stayed open, the run's keys kept
             return
         first: BaseException | None = None
         try:
@@ -173,6 +174,12 @@ class _Session:
                 except BaseException as exc:
                     first = first or exc
             setattr(self, attr, None)
+        self._leave_store(keep_arena)
+        if first is not None:
+            raise first
+
+    def _leave_store(self, keep_arena: bool) -> None:
+        """Say this participant left (unless it keeps its arena as a source) and close the store's connection."""
         if self.rdv is not None:
             if self.status_key is not None and not keep_arena:
                 try:  # no longer a source for anyone
@@ -183,8 +190,6 @@ class _Session:
                     pass
             self.rdv.close()
             self.rdv = None
-        if first is not None:
-            raise first
 
 
 @dataclass
