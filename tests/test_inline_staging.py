@@ -243,3 +243,30 @@ def test_a_preloader_stopped_while_waiting_for_an_engine_stager_says_it_stopped(
     finally:
         staging._unlock_rank(paths, lock)
     staging.unstage(image, shm_dir=shm)
+
+
+def test_status_says_an_engine_stages_the_rank_and_that_its_copy_goes_with_the_last_engine(image, tmp_path, capsys):
+    """`preload --status` had said "not staged" while an engine staged the rank (a preload then
+    refused as busy), and nothing of the copy going with the last engine out."""
+    from flashboot.cli import main
+
+    shm = tmp_path / "shm"
+    paths = shm_files.staged_paths(image, 0, shm)
+    paths.dir.mkdir(parents=True)
+
+    def status() -> str:
+        assert main(["preload", str(image), "--shm-dir", str(shm), "--status"]) == 0
+        (line,) = [s.strip() for s in capsys.readouterr().out.splitlines() if s.strip().startswith("rank 0")]
+        return line
+
+    lock = staging._lock_rank(paths, 0, image)  # an engine staging rank 0
+    try:
+        assert status().startswith(f"rank 0: staging: by pid {os.getpid()} (no preloader: an engine staging")
+    finally:
+        staging._unlock_rank(paths, lock)
+    copy = staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm)
+    assert "staged by an engine for its own load" in status() and status().startswith("rank 0: staged: ")
+    staging.stage_rank(image, 0, shm_dir=shm)  # `flashboot preload DIR`: the copy is its own now
+    assert status().startswith("rank 0: staged: ") and "by an engine" not in status()
+    assert copy.release() is False
+    staging.unstage(image, shm_dir=shm)

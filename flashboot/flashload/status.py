@@ -49,6 +49,11 @@ def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict |
     try:
         info = read_ready(paths.ready)
     except FileNotFoundError:
+        if preloader_pid is None and _pid_file_held(paths.lock):  # an engine staging its own copy (stage_for_load)
+            done = _size(paths.partial)
+            so_far = f", {done:,} of {source.nbytes:,} bytes so far" if done is not None else ""
+            return RankState(rank, "staging", f"by pid {_lock_holder(paths.lock)} (no preloader: an engine staging "
+                                              f"its own copy, which the last engine to load it removes){so_far}")
         if preloader_pid is None:
             return RankState(rank, "not staged", f"{paths.ready} absent")
         done = _size(paths.partial)
@@ -67,8 +72,10 @@ def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict |
         return RankState(rank, "truncated", f"{paths.image} is {found}, its .ready records {info.nbytes:,} bytes; "
                                             f"re-stage it: `flashboot preload {image_dir}`")
     numa = info.numa_node if info.numa_node is not None else "-"
+    engines = (f"; staged by an engine for its own load (pid {info.pid}): the last engine to load it removes it "
+               f"(`flashboot preload {image_dir}` keeps it)" if _size(paths.inline) is not None else "")
     return RankState(rank, "staged", f"{info.nbytes:,} bytes at {info.staged} ({info.io_mode}, {info.gbps:.2f} GB/s, "
-                                     f"NUMA {numa})")
+                                     f"NUMA {numa}){engines}")
 
 
 def _held_state(image_dir, rank: int, source, held: dict, daemon: dict) -> RankState:
@@ -88,6 +95,15 @@ def _held_state(image_dir, rank: int, source, held: dict, daemon: dict) -> RankS
                                         f"`flashboot preload {image_dir} --stop`, then `--serve` again")
     pin = f", pinned in {held['pin_ms']:.0f} ms" if held.get("pin_ms") else ""
     return RankState(rank, "served", f"{source.nbytes:,} bytes {state} by the daemon (pid {pid}){pin}")
+
+
+def _lock_holder(lock) -> str:
+    """The pid a stager wrote into the rank's lock, or ``unknown`` (not written yet, or unreadable)."""
+    try:
+        with open(lock, "rb") as f:
+            return f.read(32).decode(errors="replace").strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def _size(path) -> int | None:
