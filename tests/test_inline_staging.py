@@ -270,3 +270,16 @@ def test_status_says_an_engine_stages_the_rank_and_that_its_copy_goes_with_the_l
     assert status().startswith("rank 0: staged: ") and "by an engine" not in status()
     assert copy.release() is False
     staging.unstage(image, shm_dir=shm)
+
+
+def test_unstage_under_engines_loading_a_preloaded_copy_does_not_promise_they_remove_it(image, tmp_path):
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)  # `flashboot preload DIR`: it stays after the engines
+    copy = staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm)
+    try:
+        with pytest.raises(FlashBootError, match=r"is being loaded by an engine \(it holds .*rank-0\.users\); unstage "
+                                                 r"it once they have loaded$"):
+            staging.unstage(image, shm_dir=shm)
+    finally:
+        assert copy.release() is False
+    staging.unstage(image, shm_dir=shm)

@@ -598,8 +598,11 @@ def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[
                                  "finish or stop it, then unstage")
     for users in sorted(d.glob("rank-*.users")):  # engines loading a copy staged for them hold it shared
         if (wanted is None or users.stem in wanted) and _locked_by_anyone(users):
+            # a copy `flashboot preload` staged stays after the engines: it had said they would remove it
+            after = ("the last engine to load it removes it" if users.with_suffix(".inline").exists() else
+                     "unstage it once they have loaded")
             raise FlashBootError(f"{users.stem} of {image_dir} is being loaded by an engine (it holds {users}); "
-                                 "the last engine to load it removes it")
+                                 f"{after}")
     for p in sorted(d.iterdir()):
         rank_of = p.name.split(".")[0]
         if wanted is None or rank_of in wanted:
