@@ -164,3 +164,45 @@ def test_the_ranks_of_one_engine_given_a_holder_name_each_keep_their_own_arena(t
     finally:
         for w in again:
             w.close()
+
+
+def test_a_killed_holders_record_does_not_skip_the_early_call(packed, tmp_path, registry):
+    """The record of a holder that was killed stays behind it: the early call had been skipped (and
+    the staging) for a restart that could only fail, and the load then streamed from disk."""
+    import subprocess
+    import sys
+
+    from flashboot.flashload.restart import held_here
+
+    reference, out, _ = packed
+    options = _options(out, tmp_path, holder=registry)
+    with pytest.warns(RuntimeWarning, match="nothing is held"):
+        _, _, weights = _engine(options)
+    weights.close()
+    assert held_here(registry, out, 0, "cpu")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = next((tmp_path / "registry" / "held").glob("*.json"))
+    path.write_text(json.dumps({**json.loads(path.read_text()), "holder_pid": dead.pid}))
+    assert not held_here(registry, out, 0, "cpu")
+
+
+def test_every_ask_of_a_holder_store_is_bounded_by_the_options_timeout(packed, tmp_path, monkeypatch):
+    """A store that does not answer blocked each of the early call's look, the load's and the
+    hand-over 31 s (the store's default), ~90 s for one engine start."""
+    from flashboot.errors import RendezvousError
+    from flashboot.flashclone import rendezvous
+
+    asked = []
+
+    def connect(address, token=None, **kw):
+        asked.append(kw.get("timeout_s"))
+        raise RendezvousError(f"nothing answers at {address}")
+
+    monkeypatch.setattr(rendezvous.Rendezvous, "connect", staticmethod(connect))
+    _, out, _ = packed
+    options = _options(out, tmp_path, holder={"store": "127.0.0.1:9", "handover_timeout_s": 3})
+    with pytest.warns(RuntimeWarning):
+        _, _, weights = _engine(options)
+    weights.close()
+    assert asked == [2.0, 3, 3]  # the early call's look (at most 2 s), the load's look, the hand-over

@@ -400,7 +400,8 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
     from ..arena import ArenaDescriptor
 
     _check_name(name)
-    kv = _kv(registry, store, **store_options)
+    # a store that does not answer is bounded by the same timeout, not the store's 30 s default
+    kv = _kv(registry, store, **({"timeout_s": timeout_s, **store_options} if store is not None else store_options))
     try:
         request = secrets.token_hex(8)
         kv.put("requests", name, {"descriptor": arena.export().to_dict(), "request": request, "pid": os.getpid(),

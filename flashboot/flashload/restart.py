@@ -66,8 +66,12 @@ class HolderOption:
             return cls(**{k: (os.fspath(v) if k == "registry" and v is not None else v) for k, v in value.items()})
         raise FlashBootError(f"holder= takes a registry path, a dict or a HolderOption, got {type(value).__name__}")
 
-    def where(self) -> dict:
-        return {"registry": self.registry} if self.registry is not None else {"store": self.store}
+    def where(self, timeout_s: float | None = None) -> dict:
+        """Where the holder keeps arenas, as the holder functions take it; ``timeout_s`` bounds
+        the connection to a store (a store that does not answer had blocked each ask 31 s)."""
+        if self.registry is not None:
+            return {"registry": self.registry}
+        return {"store": self.store} if timeout_s is None else {"store": self.store, "timeout_s": timeout_s}
 
     def name_for(self, image_dir, rank: int, device: Device) -> str:
         if self.name is not None:
@@ -85,12 +89,31 @@ def held_here(holder: Any, image_dir, rank: int, device: Any) -> bool:
 
     option, dev = HolderOption.of(holder), Device.parse(device)
     try:
-        record = holders.held_record(option.name_for(image_dir, rank, dev), **option.where())
+        record = holders.held_record(option.name_for(image_dir, rank, dev),
+                                     **option.where(min(HELD_PROBE_S, option.handover_timeout_s)))
     except FlashBootError:
         return False
     held = (record or {}).get("image") or {}
     return ("descriptor" in (record or {}) and held.get("image_dir") == os.path.realpath(image_dir)
-            and (held.get("rank"), held.get("device")) == (rank, str(dev)))
+            and (held.get("rank"), held.get("device")) == (rank, str(dev)) and _alive(record.get("holder_pid")))
+
+
+HELD_PROBE_S = 2.0
+"""How long the early call's look at the holder's record may wait for a store."""
+
+
+def _alive(pid: Any) -> bool:
+    """Whether the holder that wrote a record still runs (it maps arenas of this host through
+    pidfds, so it runs here); a killed holder's record stays behind it."""
+    if type(pid) is not int or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's holder: it exists
+        return True
+    return True
 
 
 def image_identity(source, device: Device) -> dict:
@@ -187,7 +210,7 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
     where = f"{'registry ' + option.registry if option.registry else 'store ' + option.store}"
     record, arena, map_ms, map_error = None, None, 0.0, None
     try:
-        record = holders.held_record(name, **option.where())
+        record = holders.held_record(name, **option.where(option.handover_timeout_s))
         held = (record or {}).get("image") or {}
         if "descriptor" in (record or {}) and (held.get("rank"), held.get("device")) == (rank, str(dev)):
             t0 = time.perf_counter()
