@@ -54,7 +54,7 @@ def engine_main(store: str, early_s: float | None, device: str) -> dict:
     torch.zeros(1, device=device)
     t_context = time.perf_counter()
     import flashboot
-    import flashboot.flashclone  # noqa: F401
+    import flashboot.flashclone.cloning  # noqa: F401  (the package imports its pieces on first use)
 
     t_imported = time.perf_counter()
     warm = None

@@ -95,7 +95,7 @@ def _prelude(cuda: bool) -> None:
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
-    import flashboot.flashclone  # noqa: F401
+    import flashboot.flashclone.cloning  # noqa: F401  (the package imports its pieces on first use)
     import flashboot.arena  # noqa: F401
     from flashboot.movers import create_mover
 
