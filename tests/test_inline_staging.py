@@ -283,3 +283,18 @@ def test_unstage_under_engines_loading_a_preloaded_copy_does_not_promise_they_re
     finally:
         assert copy.release() is False
     staging.unstage(image, shm_dir=shm)
+
+
+def test_a_one_shot_preload_waits_for_an_engine_staging_the_rank_and_keeps_its_copy(image, tmp_path):
+    """`flashboot preload DIR` (no --serve) failed the rank with StagingBusy where --serve waited."""
+    shm = tmp_path / "shm"
+    paths = shm_files.staged_paths(image, 0, shm)
+    paths.dir.mkdir(parents=True)
+    lock = staging._lock_rank(paths, 0, image)  # an engine staging rank 0, which then gives up
+    threading.Timer(0.4, staging._unlock_rank, (paths, lock)).start()
+    said = []
+    results = staging.preload(staging.PreloadConfig(str(image), shm_dir=str(shm)), log=said.append)
+    assert [r.rank for r in results] == [0] and not results[0].skipped
+    assert any("is being staged already" in line and "waiting for it" in line for line in said), said
+    assert paths.image.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()
+    staging.unstage(image, shm_dir=shm)

@@ -276,14 +276,14 @@ def test_a_daemon_stopped_while_staging_does_not_make_the_rank_resident(image, t
 
     server = PreloadServer(staging.PreloadConfig(str(image), shm_dir=str(tmp_path / "shm"), serve=True),
                            log=lambda line: None)
-    real = server_module.stage_rank
+    real = server_module.stage_rank_when_free
 
     def stage_rank(*args, **kwargs):  # SIGTERM arrives as the last bytes land
         result = real(*args, **kwargs)
         server.stop.set()
         return result
 
-    monkeypatch.setattr(server_module, "stage_rank", stage_rank)
+    monkeypatch.setattr(server_module, "stage_rank_when_free", stage_rank)
     made = []
     monkeypatch.setattr(server, "_make_resident", lambda rank: made.append(rank))
     server.run()
@@ -507,7 +507,7 @@ def test_a_load_waiting_for_a_rank_still_staging_is_answered_when_the_daemon_sto
         release.wait(60)
         raise FlashBootError("staging interrupted")
 
-    monkeypatch.setattr(server_module, "stage_rank", stage_rank)
+    monkeypatch.setattr(server_module, "stage_rank_when_free", stage_rank)
     d = Daemon(image, tmp_path / "shm", staged=False)
     outcome: dict = {}
     try:

@@ -47,7 +47,7 @@ from .serve_copy import (
     serve_pieces,
     wait_without_spinning,
 )
-from .staging import PreloadConfig, StageResult, StagingBusy, stage_rank
+from .staging import PreloadConfig, StageResult, stage_rank_when_free
 
 _MAX_REPLY_BYTES = 64 << 10
 _MAX_MESSAGE_CHARS = 4096
@@ -75,10 +75,6 @@ everyone queued behind, without end."""
 CLOSE_TIMEOUT_S = 10.0
 """How long :meth:`PreloadServer.close` waits for all connection handlers together: well within
 ``preload --stop``'s 30 s, which also waits for the unpinning and unmapping after it."""
-STAGER_WAIT_S = 600.0
-STAGER_POLL_S = 0.2
-"""How long the preloader waits for another process (an engine staging its own copy) to finish
-staging a rank it is to serve, and how often it asks (the rank's lock)."""
 STOP_POLL_S = 0.2
 """How often a request waiting for its rank's staging looks at the daemon's stop."""
 ACCEPT_BACKOFF_S = 0.01
@@ -328,26 +324,12 @@ class PreloadServer:
             accept.join(timeout=2)
 
     def _stage(self, rank: int, progress) -> StageResult:
-        """:func:`stage_rank` for ``rank``; while another process stages it (an engine staging its
-        own copy), wait for that one (at most :data:`STAGER_WAIT_S`) and take its copy over: a
-        preloader started beside such an engine had marked the rank failed."""
-        deadline, said = time.monotonic() + STAGER_WAIT_S, False
-        while True:
-            try:
-                return stage_rank(self.config.image_dir, rank, shm_dir=self.config.shm_dir, threads=self.config.threads,
-                                  io=self.config.io, chunk_bytes=self.config.chunk_bytes,
-                                  device=self.config.device_for(rank), numa_policy=self.config.numa_policy,
-                                  verify=self.config.verify, force=self.config.force, progress=progress, stop=self.stop)
-            except StagingBusy as busy:
-                if self.stop.is_set():  # `preload --stop` during the wait: it had said it waited 600 s
-                    raise FlashBootError(f"the preloader (pid {os.getpid()}) is stopping; rank {rank} was not staged "
-                                         f"while waiting for another stager: {busy}") from None
-                if time.monotonic() >= deadline:
-                    raise WaitTimeoutError(f"{busy}: still staging after {STAGER_WAIT_S:g} s") from None
-                if not said:
-                    self.log(f"rank {rank}: {busy}; waiting for it")
-                    said = True
-                self.stop.wait(STAGER_POLL_S)
+        """:func:`stage_rank_when_free` for ``rank``: an engine staging its own copy is waited for."""
+        return stage_rank_when_free(self.config.image_dir, rank, shm_dir=self.config.shm_dir,
+                                    threads=self.config.threads, io=self.config.io, chunk_bytes=self.config.chunk_bytes,
+                                    device=self.config.device_for(rank), numa_policy=self.config.numa_policy,
+                                    verify=self.config.verify, force=self.config.force, progress=progress,
+                                    stop=self.stop, log=self.log)
 
     def close(self) -> None:
         """Stop listening, unpin and unmap everything (the staged files stay)."""

@@ -316,7 +316,7 @@ def run_service(config: PreloadConfig, *, log: Callable[[str], None] = print,
             if config.serve:
                 PreloadServer(config, stop=stop, log=log).run(progress)
                 return None
-            results = preload(config, progress=progress, stop=stop)
+            results = preload(config, progress=progress, stop=stop, log=log)
         for r in results:
             log(_describe_stage(r))
         return results

@@ -758,8 +758,39 @@ class PreloadConfig:
         return Device("cuda", rank % n) if n else Device("cpu")
 
 
+STAGER_WAIT_S = 600.0
+STAGER_POLL_S = 0.2
+"""How long a preloader waits for another process (an engine staging its own copy) to finish
+staging a rank it is to stage, and how often it asks (the rank's lock)."""
+
+
+def stage_rank_when_free(image_dir, rank: int, *, stop: threading.Event | None = None,
+                         log: Callable[[str], None] | None = None, **options) -> StageResult:
+    """:func:`stage_rank` (``options`` are its own); while another process stages the rank (an
+    engine staging its own copy), wait for it, at most :data:`STAGER_WAIT_S` (WaitTimeoutError),
+    and take its copy over: a preloader started beside such an engine had failed the rank.
+    ``log`` is told once that it waits; ``stop`` ends the wait (FlashBootError saying so)."""
+    deadline, said = time.monotonic() + STAGER_WAIT_S, False
+    while True:
+        try:
+            return stage_rank(image_dir, rank, stop=stop, **options)
+        except StagingBusy as busy:
+            if stop is not None and stop.is_set():
+                raise FlashBootError(f"the preloader (pid {os.getpid()}) is stopping; rank {rank} was not staged "
+                                     f"while waiting for another stager: {busy}") from None
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(f"{busy}: still staging after {STAGER_WAIT_S:g} s") from None
+            if log is not None and not said:
+                log(f"rank {rank}: {busy}; waiting for it")
+                said = True
+            if stop is not None:
+                stop.wait(STAGER_POLL_S)
+            else:
+                time.sleep(STAGER_POLL_S)
+
+
 def preload(config: PreloadConfig | dict, *, progress: Callable[[int, int, int], None] | None = None,
-            stop: threading.Event | None = None) -> list[StageResult]:
+            stop: threading.Event | None = None, log: Callable[[str], None] | None = None) -> list[StageResult]:
     """Stage every rank of ``config`` (one after the other, each with many threads).
 
     ``progress(rank, done_bytes, total_bytes)`` is called as bytes land.
@@ -769,9 +800,9 @@ def preload(config: PreloadConfig | dict, *, progress: Callable[[int, int, int],
     results = []
     for rank in config.resolved_ranks():
         cb = (lambda done, total, r=rank: progress(r, done, total)) if progress else None
-        results.append(stage_rank(config.image_dir, rank, shm_dir=config.shm_dir, threads=config.threads, io=config.io,
-                                  chunk_bytes=config.chunk_bytes, device=config.device_for(rank),
-                                  numa_policy=config.numa_policy, verify=config.verify, force=config.force,
-                                  progress=cb, stop=stop))
+        results.append(stage_rank_when_free(config.image_dir, rank, shm_dir=config.shm_dir, threads=config.threads,
+                                            io=config.io, chunk_bytes=config.chunk_bytes,
+                                            device=config.device_for(rank), numa_policy=config.numa_policy,
+                                            verify=config.verify, force=config.force, progress=cb, stop=stop, log=log))
     return results
 
