@@ -497,15 +497,25 @@ class InlineCopy:
 
 
 def _locked_by_anyone(path: Path) -> bool:
-    """Whether any process holds a lock (shared or exclusive) on ``path``."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
+    """Whether any process holds a lock (shared or exclusive) on ``path``. Opened for writing
+    where it can be: NFS emulates flock with byte-range locks, whose exclusive kind a read-only
+    fd cannot take (EBADF)."""
+    for flags in (os.O_RDWR, os.O_RDONLY):
+        try:
+            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK)
+            break
+        except PermissionError:
+            continue
+        except OSError:
+            return False
+    else:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
+    except OSError:  # a filesystem that cannot say: nothing is known to hold it
+        return False
     finally:
         os.close(fd)
     return False
