@@ -41,13 +41,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 from flashboot.benchmarks.disk import drop_file_cache
+from flashboot.benchmarks.timing import run_child
 from flashboot.errors import FlashBootError
 from flashboot.units import format_bytes, parse_bytes
 
@@ -135,14 +135,7 @@ def first_in_fresh_process(image_dir: str | os.PathLike, *, device: str, rank: i
     :data:`FRESH_TIMEOUT_S`."""
     spec = {"image": str(image_dir), "rank": rank, "device": device, "shm": str(shm_dir), "config": config}
     cmd = [sys.executable, "-m", "flashboot.benchmarks.stream", "--child", json.dumps(spec)]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=FRESH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise FlashBootError(f"the fresh process's streamed load of {image_dir} took over {FRESH_TIMEOUT_S:g} s") from None
-    if p.returncode != 0:
-        tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:])
-        raise FlashBootError(f"the fresh process's streamed load of {image_dir} exited {p.returncode}: {tail}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_child(cmd, timeout_s=FRESH_TIMEOUT_S, what=f"the fresh process's streamed load of {image_dir}")
 
 
 def _ring_read_rate(path: str, in_flight: int, block: int, device: str) -> tuple[float, str]:

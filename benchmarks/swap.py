@@ -202,19 +202,12 @@ def _restart_child(image: str, device: str, registry: str) -> dict:
 
 def _restart_in_fresh_process(image: Path, device: str, registry: Path) -> dict:
     """:func:`_restart_child` in a new interpreter; FlashBootError with its last lines if it fails."""
-    import json
-    import subprocess
     import sys
 
+    from flashboot.benchmarks.timing import run_child
+
     cmd = [sys.executable, "-m", "flashboot.benchmarks.swap", "--restart-child", str(image), device, str(registry)]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=RESTART_CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise FlashBootError(f"the restart in a fresh process took over {RESTART_CHILD_TIMEOUT_S:g} s") from None
-    if p.returncode != 0:
-        tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:])
-        raise FlashBootError(f"the restart in a fresh process exited {p.returncode}: {tail}")
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = run_child(cmd, timeout_s=RESTART_CHILD_TIMEOUT_S, what="the restart in a fresh process")
     if out["mode"] != "held":
         raise FlashBootError(f"the restart in a fresh process did not map the held arena (mode {out['mode']})")
     return out

@@ -125,6 +125,23 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     Console(width=160).print(table)
 
 
+def run_child(cmd: list[str], *, timeout_s: float, what: str) -> dict:
+    """Run a benchmark's fresh child process ``cmd`` and return the JSON of its last stdout line;
+    FlashBootError naming ``what`` when it outlasts ``timeout_s`` or fails (with its last lines)."""
+    import subprocess
+
+    from flashboot.errors import FlashBootError
+
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise FlashBootError(f"{what} took over {timeout_s:g} s") from None
+    if p.returncode != 0:
+        tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:])
+        raise FlashBootError(f"{what} exited {p.returncode}: {tail}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def check_json_path(path: str | None) -> None:
     """FlashBootError now, before the work, where the report cannot be written to ``path`` (a
     missing directory had been found only after a load had run, or a whole benchmark: its figures
