@@ -463,6 +463,9 @@ def wait_poll_delay(waited_s: float) -> float:
     """The sleep before the next check of a wait that has lasted ``waited_s``."""
     return min(WAIT_POLL_S, max(0.001, WAIT_POLL_SHARE * waited_s))
 
+CALLS_JOIN_S = 1.0
+"""How long :meth:`Rendezvous.close` waits for its store thread to finish its last call and end."""
+
 JOIN_ATTEMPTS = 5
 """How many times a join asks TCPStore's client to connect to a store that answered the pre-flight
 (a store that keeps refusing after that is not busy: it is refusing)."""
@@ -539,6 +542,7 @@ class Rendezvous:
         the store goes down mid-call): set by transports that run across hosts."""
         self._broken: str | None = None
         self._calls = None
+        self._calls_thread: threading.Thread | None = None
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -641,8 +645,9 @@ class Rendezvous:
 
         if self._calls is None:
             self._calls = queue.SimpleQueue()
-            threading.Thread(target=self._serve_calls, args=(self._calls,), name="flashboot-store-calls",
-                             daemon=True).start()
+            self._calls_thread = threading.Thread(target=self._serve_calls, args=(self._calls,),
+                                                  name="flashboot-store-calls", daemon=True)
+            self._calls_thread.start()
         box: dict = {}
         done = threading.Event()
         self._calls.put((fn, args, box, done))
@@ -666,6 +671,7 @@ class Rendezvous:
                 box["error"] = exc
             finally:
                 done.set()
+                fn = args = box = done = None  # the last call's bound method kept the store's connection open
 
     # -- records -----------------------------------------------------------------------------
     def publish(self, key: str, body: Mapping[str, Any], sealed: Mapping[str, Any] | None = None) -> None:
@@ -751,9 +757,13 @@ class Rendezvous:
     def close(self) -> None:
         """Drop the connection (a hosting process stops serving when its last reference goes)."""
         self._closed = True
+        thread = self._calls_thread
         if self._calls is not None and self._broken is None:
             self._calls.put((None, (), {}, None))  # the store thread ends (a stuck one stays, a daemon)
-        self._calls = None
+            if thread is not threading.current_thread():
+                # briefly, so the connection it holds is gone when close() returns (a soak counted its fds)
+                thread.join(CALLS_JOIN_S)
+        self._calls, self._calls_thread = None, None
         self.store = None
 
     def __enter__(self) -> "Rendezvous":
