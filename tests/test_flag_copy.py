@@ -102,9 +102,7 @@ def test_a_launch_after_the_arena_went_to_sleep_is_refused():
     ran the kernel on a range nothing backs (a segfault under the interpreter)."""
     from flashboot import Arena, ArenaError
 
-    if DEVICE != "cpu":
-        pytest.skip("a host arena: the interpreter runs the kernel on host memory")
-    arena = Arena.create(1 << 20, "cpu")
+    arena = Arena.create(1 << 20, DEVICE)  # refused before any launch, on either backend
     seed = words(7)
     copier = FlagChainCopy(arena.span(0, N), seed, CHUNK, ready=flags(1), done=flags(), **SMALL)
     arena.sleep()
@@ -112,7 +110,7 @@ def test_a_launch_after_the_arena_went_to_sleep_is_refused():
         copier.launch(1, stream=None, timeout_s=5)
     arena.wake()
     copier.copy(1, stream=None, timeout_s=5)
-    assert np.array_equal(arena.bytes()[:N].numpy(), seed.numpy().view(np.uint8))
+    assert np.array_equal(arena.bytes()[:N].cpu().numpy(), seed.cpu().numpy().view(np.uint8))
     arena.close()
     with pytest.raises(ArenaError, match=r"flag chain copy: the destination: .* which is closed"):
         copier.launch(1, stream=None, timeout_s=5)
