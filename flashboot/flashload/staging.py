@@ -33,6 +33,7 @@ from ..memory import Device
 from .shm import (
     RankSource,
     ReadyInfo,
+    _exists,
     _pid_file_held,
     _running_pid,
     _unlink_quietly,
@@ -231,16 +232,46 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
     if threads < 1 or chunk_bytes < DIRECT_ALIGNMENT or chunk_bytes % DIRECT_ALIGNMENT:
         raise FlashBootError(f"need threads >= 1 and chunk_bytes a positive multiple of {DIRECT_ALIGNMENT} "
                              f"(got {threads}, {chunk_bytes})")
-    src = rank_source(image_dir, rank)
     paths = staged_paths(image_dir, rank, shm_dir)
+    made = not _exists(paths.dir)
     make_dir(paths.dir)
+    # the lock before the metadata: a stager refused as busy (polled by the engines and preloaders
+    # waiting for another) reads none of it
     lock = _lock_rank(paths, rank, image_dir)
     try:
+        try:
+            src = rank_source(image_dir, rank)
+        except BaseException:
+            _unlock_rank(paths, lock)
+            lock = None
+            if made:  # an image refused before anything was staged leaves no folder behind
+                remove_if_empty(paths.dir)
+            raise
         return _stage_locked(image_dir, rank, src, paths, threads=threads, io=io, chunk_bytes=chunk_bytes,
                              device=device, numa_policy=numa_policy, verify=verify, force=force, progress=progress,
                              stop=stop, inline=inline)
     finally:
-        _unlock_rank(paths, lock)
+        if lock is not None:
+            _unlock_rank(paths, lock)
+
+
+def _flock_current(path: Path, op: int) -> int | None:
+    """``path`` opened (created where absent) and locked with ``op`` (``LOCK_EX``/``LOCK_SH``,
+    never blocking): its fd, or None while another process holds a conflicting lock. A file its
+    last holder removed between our open and our lock is not the one others see: opened again."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(path, fd):
+            return fd
+        os.close(fd)
 
 
 def _lock_rank(paths, rank: int, image_dir) -> int:
@@ -249,30 +280,20 @@ def _lock_rank(paths, rank: int, image_dir) -> int:
     each withdrew the other's ``.partial`` by name, and the first to finish renamed the other's
     half-written file into place under its ``.ready``. A second stager is refused by name
     (FlashBootError with the holder's pid). Returns the lock's fd."""
-    while True:
-        fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = _flock_current(paths.lock, fcntl.LOCK_EX)
+    if fd is None:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise StagingBusy(f"rank {rank} of {image_dir} is being staged already (by pid {holder}, which "
-                                 f"holds {paths.lock}); wait for its {paths.ready}, or stop it first") from None
-        except BaseException:
-            os.close(fd)
-            raise
-        try:
-            same = os.stat(paths.lock).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:  # not a file its last holder removed after this open: the lock is the one others see
-            try:  # the pid, for a stager refused: only words (hugetlbfs takes no write)
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, str(os.getpid()).encode(), 0)
-            except OSError:
-                pass
-            return fd
-        os.close(fd)
+            holder = paths.lock.read_text(errors="replace").strip()[:32] or "unknown"
+        except OSError:
+            holder = "unknown"
+        raise StagingBusy(f"rank {rank} of {image_dir} is being staged already (by pid {holder}, which "
+                          f"holds {paths.lock}); wait for its {paths.ready}, or stop it first")
+    try:  # the pid, for a stager refused: only words (hugetlbfs takes no write)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except OSError:
+        pass
+    return fd
 
 
 def _unlock_rank(paths, fd: int) -> None:
@@ -280,10 +301,8 @@ def _unlock_rank(paths, fd: int) -> None:
     finds it gone and retries), unless it is no longer this one (removed by ``unstage`` and made
     again by the next stager), then release it."""
     try:
-        if os.stat(paths.lock).st_ino == os.fstat(fd).st_ino:
-            paths.lock.unlink()
-    except FileNotFoundError:
-        pass
+        if _same_file(paths.lock, fd):
+            _unlink_quietly(paths.lock)
     finally:
         os.close(fd)
 
@@ -539,48 +558,30 @@ def stage_for_load(image_dir, rank: int, *, timeout_s: float, shm_dir=None, devi
     critical path). ``check_staged=False`` takes a rank with a ``.ready`` as it is, without
     reading its metadata here (the load checks the copy against it, once)."""
     paths = staged_paths(image_dir, rank, shm_dir)
-    make_dir(paths.dir)
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
     while True:  # shared on users: waits only while the last engine out removes the copy (EX)
         try:
-            fd = os.open(paths.users, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError:  # the folder, removed by the last engine out after make_dir: made again
-            if time.monotonic() >= deadline:
-                raise
             make_dir(paths.dir)
-            continue
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise WaitTimeoutError(f"rank {rank} of {image_dir}: {paths.users} stayed locked by the "
-                                               f"engine removing its copy for {timeout_s:g} s") from None
-                    time.sleep(BUSY_POLL_S)
-        except BaseException:
-            os.close(fd)
-            raise
-        if _same_file(paths.users, fd):
+            fd = _flock_current(paths.users, fcntl.LOCK_SH)
+        except FileNotFoundError:  # the folder, removed by the last engine out after make_dir: made again
+            fd = None
+        if fd is not None:
             break
-        os.close(fd)  # removed by the last engine out after this open: the next engine's file is the one
+        if time.monotonic() >= started + timeout_s:
+            raise WaitTimeoutError(f"rank {rank} of {image_dir}: {paths.users} stayed locked by the engine removing "
+                                   f"its copy for {timeout_s:g} s")
+        time.sleep(BUSY_POLL_S)
     try:
-        while True:
-            if not check_staged and paths.ready.exists():  # staged: the load reads the metadata, not us too
-                return InlineCopy(paths, fd, staged_here=False)
-            try:
-                result = stage_rank(image_dir, rank, shm_dir=shm_dir, device=device, inline=True)
-                if log is not None and not result.skipped:
-                    log(f"staged rank {rank} of {image_dir} in this process ({result.nbytes / 1e9:.2f} GB from disk "
-                        f"in {result.read_s:.2f} s, on the engine's critical path); run `flashboot preload "
-                        f"{image_dir}` before starting the engine to take it off")
-                return InlineCopy(paths, fd, staged_here=not result.skipped)
-            except StagingBusy as busy:
-                if time.monotonic() >= deadline:
-                    raise WaitTimeoutError(f"{busy}: still staging after {timeout_s:g} s") from None
-                time.sleep(BUSY_POLL_S)  # its .ready comes, or it failed and this process stages the rank
-                check_staged = False  # the copy it finishes is of this metadata: not read again every poll
+        if not check_staged and paths.ready.exists():  # staged: the load reads the metadata, not us too
+            return InlineCopy(paths, fd, staged_here=False)
+        # another engine staging it: its .ready comes, or it failed and this process stages the rank
+        result = stage_rank_when_free(image_dir, rank, wait_s=timeout_s, started=started, poll_s=BUSY_POLL_S,
+                                      shm_dir=shm_dir, device=device, inline=True)
+        if log is not None and not result.skipped:
+            log(f"staged rank {rank} of {image_dir} in this process ({result.nbytes / 1e9:.2f} GB from disk "
+                f"in {result.read_s:.2f} s, on the engine's critical path); run `flashboot preload "
+                f"{image_dir}` before starting the engine to take it off")
+        return InlineCopy(paths, fd, staged_here=not result.skipped)
     except BaseException:
         InlineCopy(paths, fd, staged_here=False).release()  # the last out: its .users (and folder) had stayed
         raise
@@ -775,12 +776,14 @@ staging a rank it is to stage, and how often it asks (the rank's lock)."""
 
 
 def stage_rank_when_free(image_dir, rank: int, *, stop: threading.Event | None = None,
-                         log: Callable[[str], None] | None = None, **options) -> StageResult:
+                         log: Callable[[str], None] | None = None, wait_s: float = STAGER_WAIT_S,
+                         started: float | None = None, poll_s: float = STAGER_POLL_S, **options) -> StageResult:
     """:func:`stage_rank` (``options`` are its own); while another process stages the rank (an
-    engine staging its own copy), wait for it, at most :data:`STAGER_WAIT_S` (WaitTimeoutError),
-    and take its copy over: a preloader started beside such an engine had failed the rank.
-    ``log`` is told once that it waits; ``stop`` ends the wait (FlashBootError saying so)."""
-    deadline, said = time.monotonic() + STAGER_WAIT_S, False
+    engine staging its own copy), wait for it, at most ``wait_s`` from ``started`` (a
+    ``time.monotonic()``, default now; WaitTimeoutError), asking every ``poll_s``, and take its
+    copy over (a preloader started beside such an engine had failed the rank, a second engine
+    too). ``log`` is told once that it waits; ``stop`` ends the wait (FlashBootError saying so)."""
+    deadline, said = (time.monotonic() if started is None else started) + wait_s, False
     while True:
         try:
             return stage_rank(image_dir, rank, stop=stop, **options)
@@ -789,14 +792,14 @@ def stage_rank_when_free(image_dir, rank: int, *, stop: threading.Event | None =
                 raise FlashBootError(f"the preloader (pid {os.getpid()}) is stopping; rank {rank} was not staged "
                                      f"while waiting for another stager: {busy}") from None
             if time.monotonic() >= deadline:
-                raise WaitTimeoutError(f"{busy}: still staging after {STAGER_WAIT_S:g} s") from None
+                raise WaitTimeoutError(f"{busy}: still staging after {wait_s:g} s") from None
             if log is not None and not said:
                 log(f"rank {rank}: {busy}; waiting for it")
                 said = True
             if stop is not None:
-                stop.wait(STAGER_POLL_S)
+                stop.wait(poll_s)
             else:
-                time.sleep(STAGER_POLL_S)
+                time.sleep(poll_s)
 
 
 def preload(config: PreloadConfig | dict, *, progress: Callable[[int, int, int], None] | None = None,
