@@ -23,6 +23,7 @@ from .shm import (
     _proc_start_time,
     _read_pid_file,
     _running_pid,
+    _same_file,
     _unlink_quietly,
     check_socket_path,
     log_file,
@@ -77,7 +78,7 @@ def _lock_pid_file(path: Path) -> int:
     not one a releasing preloader unlinked while this waited for its lock."""
     held = _HELD_PID_FILES.get(str(path))
     if held is not None:
-        if _same_file(held, path):
+        if _same_file(path, held):
             return held  # claimed again by this process: flock would refuse its own second fd
         os.close(_HELD_PID_FILES.pop(str(path)))
     deadline = time.monotonic() + _LOCK_WAIT_S
@@ -94,18 +95,9 @@ def _lock_pid_file(path: Path) -> int:
             who = f"pid {running}" if running else "starting or exiting: no live pid is written"
             raise FlashBootError(f"a preloader already runs for this image ({who}; pid file {path} is locked); "
                                  "stop it with --stop") from None
-        if _same_file(fd, path):
+        if _same_file(path, fd):
             return fd
         os.close(fd)  # unlinked by its releasing owner as this locked it: lock the one there now
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
 
 
 _STALE_LOCK_WAIT_S = 0.1
@@ -132,7 +124,7 @@ def _remove_if_stale(path: Path) -> bool:
                 if time.monotonic() >= deadline:
                     return False
                 time.sleep(0.002)
-        if not _same_file(fd, path) or _running_pid(path) is not None:
+        if not _same_file(path, fd) or _running_pid(path) is not None:
             return False
         _unlink_quietly(path)
         return True

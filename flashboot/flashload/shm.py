@@ -157,6 +157,17 @@ def make_dir(path: Path) -> Path:
     return path
 
 
+def _same_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (a lock file its last holder removed,
+    and maybe another made since, is not the one others lock)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
+
+
 def _exists(path: Path) -> bool:
     """``path.exists()``, False where even the stat fails (a name longer than NAME_MAX)."""
     try:

@@ -35,6 +35,7 @@ from .shm import (
     ReadyInfo,
     _exists,
     _pid_file_held,
+    _same_file,
     _running_pid,
     _unlink_quietly,
     _write_atomic,
@@ -538,13 +539,6 @@ def _locked_by_anyone(path: Path) -> bool:
     finally:
         os.close(fd)
     return False
-
-
-def _same_file(path: Path, fd: int) -> bool:
-    try:
-        return os.stat(path).st_ino == os.fstat(fd).st_ino
-    except FileNotFoundError:
-        return False
 
 
 def stage_for_load(image_dir, rank: int, *, timeout_s: float, shm_dir=None, device: Any = "cpu",
