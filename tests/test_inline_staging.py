@@ -55,6 +55,13 @@ def image(tmp_path_factory):
     return make_tiny_image(tmp_path_factory.mktemp("inline"))
 
 
+def _another_stager(image, shm):
+    """Rank 0's staging folder and its lock, held here as another process staging it would."""
+    paths = shm_files.staged_paths(image, 0, shm)
+    paths.dir.mkdir(parents=True)
+    return paths, staging._lock_rank(paths, 0, image)
+
+
 def _rank_files(shm, image) -> list[str]:
     d = shm_files.staging_dir(image, shm)
     return sorted(p.name for p in d.iterdir() if p.name.startswith("rank-")) if d.is_dir() else []
@@ -119,9 +126,7 @@ def test_the_last_engine_out_leaves_a_copy_being_restaged(image, tmp_path):
 
 def test_an_engine_waits_for_a_stager_that_fails_then_stages_the_rank_itself(image, tmp_path):
     shm = tmp_path / "shm"
-    paths = shm_files.staged_paths(image, 0, shm)
-    paths.dir.mkdir(parents=True)
-    lock = staging._lock_rank(paths, 0, image)  # another engine staging, which then dies without .ready
+    paths, lock = _another_stager(image, shm)  # another engine staging, which then dies without .ready
 
     def die_later():
         time.sleep(0.3)
@@ -143,9 +148,7 @@ def test_an_engine_waits_for_a_stager_that_fails_then_stages_the_rank_itself(ima
 
 def test_an_engine_waiting_for_a_stager_that_never_finishes_times_out_naming_it(image, tmp_path):
     shm = tmp_path / "shm"
-    paths = shm_files.staged_paths(image, 0, shm)
-    paths.dir.mkdir(parents=True)
-    lock = staging._lock_rank(paths, 0, image)
+    paths, lock = _another_stager(image, shm)
     fds = set(os.listdir("/proc/self/fd"))
     try:
         with pytest.raises(FlashBootError, match=rf"is being staged already \(by pid {os.getpid()}, .*: still "
@@ -162,9 +165,7 @@ def test_a_preloader_started_while_an_engine_stages_the_rank_waits_for_it_and_se
     from _preload_helpers import Daemon
 
     shm = tmp_path / "shm"
-    paths = shm_files.staged_paths(image, 0, shm)
-    paths.dir.mkdir(parents=True)
-    lock = staging._lock_rank(paths, 0, image)  # an engine staging rank 0, which then dies without .ready
+    paths, lock = _another_stager(image, shm)  # an engine staging rank 0, which then dies without .ready
     threading.Timer(0.5, staging._unlock_rank, (paths, lock)).start()
     d = Daemon(image, shm)  # waits until rank 0 is resident, and fails unless it is
     try:
@@ -229,9 +230,7 @@ def test_a_preloader_stopped_while_waiting_for_an_engine_stager_says_it_stopped(
     from flashboot.flashload.server import PreloadServer
 
     shm = tmp_path / "shm"
-    paths = shm_files.staged_paths(image, 0, shm)
-    paths.dir.mkdir(parents=True)
-    lock = staging._lock_rank(paths, 0, image)  # an engine staging rank 0
+    paths, lock = _another_stager(image, shm)  # an engine staging rank 0
     stop = threading.Event()
     server = PreloadServer(staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True), stop=stop, log=[].append)
     threading.Timer(0.3, stop.set).start()
@@ -288,9 +287,7 @@ def test_unstage_under_engines_loading_a_preloaded_copy_does_not_promise_they_re
 def test_a_one_shot_preload_waits_for_an_engine_staging_the_rank_and_keeps_its_copy(image, tmp_path):
     """`flashboot preload DIR` (no --serve) failed the rank with StagingBusy where --serve waited."""
     shm = tmp_path / "shm"
-    paths = shm_files.staged_paths(image, 0, shm)
-    paths.dir.mkdir(parents=True)
-    lock = staging._lock_rank(paths, 0, image)  # an engine staging rank 0, which then gives up
+    paths, lock = _another_stager(image, shm)  # an engine staging rank 0, which then gives up
     threading.Timer(0.4, staging._unlock_rank, (paths, lock)).start()
     said = []
     results = staging.preload(staging.PreloadConfig(str(image), shm_dir=str(shm)), log=said.append)
