@@ -8,6 +8,20 @@ class FlashBootError(Exception):
     """Base class of every error FlashBoot raises."""
 
 
+def restated(exc: BaseException, message: str) -> FlashBootError:
+    """``message`` (which says where ``exc`` happened) as an error of ``exc``'s own class, its
+    attributes kept, when that is a FlashBootError, so a caller's ``except MoverError`` (or
+    ``ArenaError``, ``WaitTimeoutError``...) still catches it once a caller added its context; a
+    plain FlashBootError otherwise. Raise it ``from exc``."""
+    if not isinstance(exc, FlashBootError):
+        return FlashBootError(message)
+    cls = type(exc)
+    new = cls.__new__(cls, message)  # not cls(...): CudaError and others take structured arguments
+    new.__dict__.update(exc.__dict__)
+    new.args = (message,)
+    return new
+
+
 class CudaError(FlashBootError):
     """A CUDA driver or runtime call failed. Names the call and the CUDA error."""
 

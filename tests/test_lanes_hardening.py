@@ -346,6 +346,11 @@ def test_a_failure_while_issuing_releases_the_waits_already_parked(sim, where, s
     assert f"step {step} (bytes 1,048,576..2,097,152" in msg and why in msg, msg
     assert msg.endswith("; blocked streams released from the host"), msg
     assert not isinstance(info.value, StepFailure)  # no peer to blame: a retry would not help
+    # a driver error stays a CudaError (its call and code kept) once the step is named: it was
+    # raised as a plain FlashBootError, which a caller's ``except CudaError`` missed
+    assert isinstance(info.value, CudaError) == (where != "mover"), type(info.value)
+    if where != "mover":
+        assert info.value.call.startswith(where) and info.value.code == 999, vars(info.value)
     assert _parked(sim) == []
     assert eps[1].flags.words[:2].tolist() == [1, 1]  # what the parked waits waited for, written by us
 

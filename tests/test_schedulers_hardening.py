@@ -162,6 +162,32 @@ def test_a_mover_failing_midway_names_the_step_its_bytes_and_both_ends(schedule,
         close_endpoints(eps)
 
 
+def test_a_movers_own_error_keeps_its_class_once_the_step_is_named():
+    """A MoverError (here: a copy into a range nothing backs) came out of the executor as a plain
+    FlashBootError, which a caller's ``except MoverError`` missed."""
+    import numpy as np
+
+    from flashboot.errors import MoverError
+    from flashboot.flashclone.executor import Executor
+    from flashboot.movers.host import HostMover
+
+    class Refusing(HostMover):
+        def copy(self, dst, src, nbytes=None, stream=None):
+            raise MoverError(f"host: nothing backs the destination of {nbytes or 0:,} bytes")
+
+    nbytes = 10_000
+    data = (np.arange(nbytes) % 251).astype(np.uint8)
+    plan = build_plan("chain", 1, nbytes, 1000)
+    eps = _endpoints(plan, nbytes, data)
+    try:
+        with pytest.raises(MoverError, match=r"chain steps 0..9 \(bytes 0..10,000 from seed into clone0\): mover host "
+                                             r"failed: MoverError: host: nothing backs") as failed:
+            Executor(plan, eps, [1], mover=Refusing(), timeout_s=5).run()
+        assert isinstance(failed.value.__cause__, MoverError) and failed.value is not failed.value.__cause__
+    finally:
+        close_endpoints(eps)
+
+
 @pytest.mark.parametrize("timeout_s", [float("nan"), -1, 0, float("inf"), "5"])
 def test_a_timeout_that_is_not_a_positive_finite_number_is_refused_before_any_lane_starts(timeout_s):
     import threading

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from .. import _cuda
-from ..errors import FlashBootError, WaitTimeoutError
+from ..errors import FlashBootError, WaitTimeoutError, restated
 from ..memory import Device, Span
 from ..schedulers import HOST, Plan, Step
 from ..units import check_timeout
@@ -424,7 +424,8 @@ class Executor:
         continue one another (nothing waits between them: a star's or a refit's whole image is
         one copy, as the copy engine's batch would merge it, without building a batch), batches
         otherwise. A mover's failure is raised naming the steps, their bytes and both ends (the
-        mover's own error names neither the plan's step nor the participants)."""
+        mover's own error names neither the plan's step nor the participants), as its own class
+        where that is a FlashBootError."""
         try:
             self._copy_steps(unit, stream)
         except Exception as exc:
@@ -432,8 +433,8 @@ class Executor:
             which = f"step {s.id}" if len(unit) == 1 else f"steps {s.id}..{last.id}"
             lo, hi = min(u.offset for u in unit), max(u.end for u in unit)
             mover = getattr(self.h2d_mover if s.kind == "h2d" else self.mover, "name", "?")
-            raise FlashBootError(f"{self.plan.schedule} {which} (bytes {lo:,}..{hi:,} from {self._name(s.src)} into "
-                                 f"{self._name(s.dst)}): mover {mover} failed: {type(exc).__name__}: {exc}") from exc
+            raise restated(exc, f"{self.plan.schedule} {which} (bytes {lo:,}..{hi:,} from {self._name(s.src)} into "
+                                f"{self._name(s.dst)}): mover {mover} failed: {type(exc).__name__}: {exc}") from exc
 
     def _copy_steps(self, unit: Sequence[Step], stream: Any) -> None:
         s = unit[0]

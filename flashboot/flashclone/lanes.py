@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import _cuda
 from ..cuda_streams import Stream, give_back, lend_event, lend_stream, wait_events
-from ..errors import FlashBootError, WaitTimeoutError
+from ..errors import FlashBootError, WaitTimeoutError, restated
 from ..schedulers import Step
 from .executor import FLAG_BYTES, ExecReport, Executor, HostFlags, LaneReport, PeerWatch, StepFailure
 
@@ -462,7 +462,7 @@ class CudaRun:
             where = "" if s is None else (f" step {s.id} (bytes {s.offset:,}..{s.end:,} into "
                                           f"{ex._name(s.dst)})")
             message = f"{ex.plan.schedule}{where}: {phase} failed: {type(exc).__name__}: {exc}"
-        raise FlashBootError(message + note) from exc
+        raise restated(exc, message + note) from exc
 
     def _release(self, issued, completed, peer, exited, out: dict) -> None:
         """Write every awaited flag not raised yet from a side stream (releasing the parked
