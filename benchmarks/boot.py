@@ -255,7 +255,7 @@ def bench_shape(spec, *, device: str, root: Path, loaders: list[str], log: Calla
         shutil.rmtree(disk_dir, ignore_errors=True)
         shutil.copytree(img_dir, disk_dir)
         try:
-            from flashboot.flashload.staging import read_rate
+            from flashboot.fileio import read_rate
             from flashboot.layouts import read_image
 
             image_file = str(read_image(str(disk_dir), 0).path)

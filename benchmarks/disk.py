@@ -1,5 +1,5 @@
 """The disk under a benchmark: evict a file from the page cache, and measure the disk's
-sequential write rate (the read rate is :func:`flashboot.flashload.staging.read_rate`).
+sequential write rate (the read rate is :func:`flashboot.fileio.read_rate`).
 
 Benchmarks that read from or write to a real disk call these between steps, so each step
 measures the disk, not the page cache left by the step before."""

@@ -142,12 +142,8 @@ def bench_checkpoint(spec, *, device: str, ckpt_root: Path, image_root: Path, sh
     import flashboot
     from flashboot.flashload.client import serve_status
     from flashboot.flashload.service import start_background, stop_service
-    from flashboot.flashload.staging import (
-        PreloadConfig,
-        read_rate,
-        stage_rank,
-        unstage,
-    )
+    from flashboot.fileio import read_rate
+    from flashboot.flashload.staging import PreloadConfig, stage_rank, unstage
 
     ckpt_dir = ckpt_root / f"ckpt-{spec.name}"
     img_dir = image_root / f"image-{spec.name}"

@@ -24,7 +24,7 @@ then in this process, which already holds its CUDA context (as an engine does):
    flight and read size into a ring of slots such as the stream's (setting A of
    :mod:`~flashboot.flashload.read_depth`), and one ``dd``-like stream of the size the loader
    reads at one read in flight (setting B: 4 MiB by default; a 16 MiB stream before 2026-12-04's
-   last runs) (:func:`flashboot.flashload.staging.read_rate`). The disk below a VM drifts within a
+   last runs) (:func:`flashboot.fileio.read_rate`). The disk below a VM drifts within a
    run (10-27 % on the H200 machines: a burst allowance at first, or a cache of the host's
    warming later), so each load is put against the best of all samples (``x_disk``, the
    strictest) and against the best of the two beside it (``x_adjacent``). (On the H200 machine
@@ -142,7 +142,7 @@ def _ring_read_rate(path: str, in_flight: int, block: int, device: str) -> tuple
     """The disk's O_DIRECT rate with ``in_flight`` reads of ``block`` bytes at once, into the
     slots of a ring such as the stream's (:class:`~flashboot.flashload.stream.Ring`: the same
     kind of memory, pinned on CUDA), the file's cache dropped first."""
-    from flashboot.flashload.staging import read_rate
+    from flashboot.fileio import read_rate
     from flashboot.flashload.stream import Ring
     from flashboot.memory import Device
 
@@ -170,7 +170,7 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
     ``io_mode``, ``verified`` (chunk checksums recomputed on the device) and the load's report.
     """
     from flashboot.flashload.read_depth import single_read_bytes
-    from flashboot.flashload.staging import read_rate
+    from flashboot.fileio import read_rate
     from flashboot.flashload.stream import StreamConfig
     from flashboot.layouts import read_image
 

@@ -9,12 +9,15 @@ at the first read (EINVAL again): callers then reopen the file buffered and say 
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
 import stat
+import threading
+import time
 from typing import Callable
 
-from .errors import ImageReadError, LayoutError
+from .errors import CapabilityError, FlashBootError, ImageReadError, LayoutError
 
 DIRECT_ALIGNMENT = 4096
 
@@ -77,6 +80,76 @@ def read_regular(path, max_bytes: int, error: type[Exception] = LayoutError) -> 
     if len(data) > max_bytes:
         raise error(f"{os.fspath(path)}: grew past the {max_bytes:,} bytes this file may hold while it was read")
     return data
+
+
+def open_for_reads(path, io: str) -> tuple[int, str, str]:
+    """Open ``path`` for reading: ``(fd, mode, reason)``. O_DIRECT unless ``io`` says buffered or
+    the filesystem refuses it (tmpfs does); ``io="direct"`` makes a refusal an error."""
+    if io == "buffered":
+        return os.open(path, os.O_RDONLY), "buffered", "asked for buffered reads"
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT), "o_direct", ""
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        if io == "direct":
+            raise CapabilityError(f"{path}: the filesystem refuses O_DIRECT (open: EINVAL) and io='direct' was asked") from None
+        return os.open(path, os.O_RDONLY), "buffered", "filesystem refuses O_DIRECT (open: EINVAL)"
+
+
+def read_rate(path: str | os.PathLike, *, io: str = "direct", nbytes: int | None = None,
+              block_bytes: int = 16 << 20, in_flight: int = 1, buffers: list | None = None) -> tuple[float, str]:
+    """Read rate of the whole of ``path`` in GB/s: ``block_bytes`` reads, ``in_flight`` of them at
+    once (threads taking the next block in file order, the GIL released in the read); one in flight
+    is ``dd bs=16M iflag=direct``. Returns ``(gbps, mode)``; falls back to buffered reads where
+    O_DIRECT is refused (mode says). A streamed load's own ceiling is this at its reader count and
+    read size: the disk's rate with the same reads in flight, not a single stream's. The reads
+    land in :func:`io_buffer` buffers, as the loader's do, or in ``buffers``
+    (``in_flight`` writable buffers of ``block_bytes`` each, page-aligned, the caller's: the
+    stream's own ring slots)."""
+    if in_flight < 1:
+        raise FlashBootError(f"in_flight must be >= 1, got {in_flight}")
+    if buffers is not None and (len(buffers) != in_flight or any(len(b) != block_bytes for b in buffers)):
+        raise FlashBootError(f"read_rate wants {in_flight} buffers of {block_bytes:,} bytes, got "
+                             f"{[len(b) for b in buffers]}")
+    fd, mode, _ = open_for_reads(path, "auto" if io == "direct" else "buffered")
+    size = os.fstat(fd).st_size if nbytes is None else nbytes
+    owned = buffers is None
+    bufs = [io_buffer(block_bytes) for _ in range(in_flight)] if owned else list(buffers)
+    done = [0] * in_flight
+    errors: list[BaseException] = []
+    next_block = itertools.count()
+
+    def reader(k: int) -> None:
+        view = memoryview(bufs[k])
+        try:
+            while (off := next(next_block) * block_bytes) < size:
+                done[k] += os.preadv(fd, [view], off)  # whole blocks: O_DIRECT wants aligned lengths
+        except BaseException as exc:  # re-raised below, after every reader stopped
+            errors.append(exc)
+        finally:
+            view.release()
+
+    try:
+        t0 = time.perf_counter()
+        if in_flight == 1:
+            reader(0)
+        else:
+            pool = [threading.Thread(target=reader, args=(k,), name=f"flashboot-read-rate-{k}", daemon=True)
+                    for k in range(in_flight)]
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join()
+        dt = time.perf_counter() - t0
+    finally:
+        if owned:
+            for b in bufs:
+                b.close()
+        os.close(fd)
+    if errors:
+        raise errors[0]
+    return (sum(done) / dt / 1e9 if dt > 0 else float("inf")), mode
 
 
 class DirectReadRefused(Exception):

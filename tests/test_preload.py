@@ -26,6 +26,7 @@ from flashboot.errors import (
     OutOfMemoryError,
     WaitTimeoutError,
 )
+from flashboot import fileio
 from flashboot.flashload import client, service, staging
 from flashboot.flashload import shm as shm_files
 from flashboot.memory import Device
@@ -218,7 +219,7 @@ def test_buffered_when_asked(image, shm):
 
 
 def test_read_rate(image):
-    gbps, mode = staging.read_rate(read_image(image, 0).path, io="buffered")
+    gbps, mode = fileio.read_rate(read_image(image, 0).path, io="buffered")
     assert gbps > 0 and mode == "buffered"
 
 
@@ -235,12 +236,12 @@ def test_read_rate_with_reads_in_flight_reads_every_block_once(image, monkeypatc
         return n
 
     monkeypatch.setattr(os, "preadv", recording)
-    gbps, mode = staging.read_rate(path, block_bytes=8192, in_flight=3)
+    gbps, mode = fileio.read_rate(path, block_bytes=8192, in_flight=3)
     assert gbps > 0 and mode in ("o_direct", "buffered")
     offsets = sorted(off for off, _ in seen)
     assert offsets == list(range(0, size, 8192)) and sum(n for _, n in seen) == size
     with pytest.raises(FlashBootError, match="in_flight must be >= 1"):
-        staging.read_rate(path, in_flight=0)
+        fileio.read_rate(path, in_flight=0)
 
 
 def test_read_rate_reads_into_the_callers_buffers_and_leaves_them_open(image):
@@ -252,13 +253,13 @@ def test_read_rate_reads_into_the_callers_buffers_and_leaves_them_open(image):
     size = path.stat().st_size
     bufs = [io_buffer(8192) for _ in range(2)]
     try:
-        gbps, _ = staging.read_rate(path, block_bytes=8192, in_flight=2, buffers=[memoryview(b) for b in bufs])
+        gbps, _ = fileio.read_rate(path, block_bytes=8192, in_flight=2, buffers=[memoryview(b) for b in bufs])
         assert gbps > 0 and not any(b.closed for b in bufs)
         last = (-(-size // 8192) - 1) * 8192  # the last block landed in one of the two buffers
         tail = path.read_bytes()[last:]
         assert any(bytes(b[:len(tail)]) == tail for b in bufs)
         with pytest.raises(FlashBootError, match=r"wants 2 buffers of 8,192 bytes, got \[8192\]"):
-            staging.read_rate(path, block_bytes=8192, in_flight=2, buffers=[memoryview(bufs[0])])
+            fileio.read_rate(path, block_bytes=8192, in_flight=2, buffers=[memoryview(bufs[0])])
     finally:
         for b in bufs:
             b.close()

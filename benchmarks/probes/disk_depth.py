@@ -3,7 +3,7 @@ session's `bench stream` found one 16 MiB stream at 2.40 GB/s against 1.93-2.02 
 own 4 reads of 32 MiB in flight, on the same file, minutes apart).
 
 ``python benchmarks/probes/disk_depth.py FILE [DEVICE [CONFIGS ROUNDS]]``: FILE's cache dropped
-before each read of all of it, through :func:`flashboot.flashload.staging.read_rate`. Without
+before each read of all of it, through :func:`flashboot.fileio.read_rate`. Without
 CONFIGS, :data:`CONFIGS` in that order, then the first two again (the disk's rate drifts), then
 two reads into ring slots such as the stream's (``pinned`` on CUDA) rather than unpinned
 :func:`~flashboot.fileio.io_buffer` buffers. With CONFIGS (``1x16,4x32``: reads in flight x MiB),
@@ -75,7 +75,7 @@ def _stream_rate(path: str, threads: int, mib: int, device: str, copies: bool = 
 
 def main() -> None:
     from flashboot.benchmarks.disk import drop_file_cache
-    from flashboot.flashload.staging import read_rate
+    from flashboot.fileio import read_rate
 
     path = sys.argv[1]
     device = sys.argv[2] if len(sys.argv) > 2 else None

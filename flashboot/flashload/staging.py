@@ -10,7 +10,6 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
-import itertools
 import json
 import os
 import threading
@@ -28,7 +27,7 @@ from ..errors import (
     OutOfMemoryError,
     WaitTimeoutError,
 )
-from ..fileio import DirectReadRefused, io_buffer, read_exactly
+from ..fileio import DirectReadRefused, io_buffer, open_for_reads, read_exactly
 from ..memory import Device
 from .shm import (
     RankSource,
@@ -124,21 +123,6 @@ def _write_failed(path: str, what: str, exc: OSError) -> FlashBootError:
         why += ("; this process may write files of at most "
                 f"{'unlimited' if limit == resource.RLIM_INFINITY else f'{limit:,}'} bytes (`ulimit -f`)")
     return FlashBootError(f"{path}: {what} failed: {why}; the rank is not staged (partial file removed)")
-
-
-def _open_source(path: Path, io: str) -> tuple[int, str, str]:
-    """Open ``path`` for reading: ``(fd, mode, reason)``. O_DIRECT unless ``io`` says buffered or
-    the filesystem refuses it (tmpfs does); ``io="direct"`` makes a refusal an error."""
-    if io == "buffered":
-        return os.open(path, os.O_RDONLY), "buffered", "asked for buffered reads"
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT), "o_direct", ""
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        if io == "direct":
-            raise CapabilityError(f"{path}: the filesystem refuses O_DIRECT (open: EINVAL) and io='direct' was asked") from None
-        return os.open(path, os.O_RDONLY), "buffered", "filesystem refuses O_DIRECT (open: EINVAL)"
 
 
 def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads: int, chunk_bytes: int,
@@ -370,7 +354,7 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
         t0 = time.perf_counter()
-        src_fd, mode, reason = _open_source(src.path, io)
+        src_fd, mode, reason = open_for_reads(src.path, io)
         try:
             try:
                 _copy_chunks(src_fd, fd, nbytes, direct=mode == "o_direct", threads=threads, chunk_bytes=chunk_bytes,
@@ -622,61 +606,6 @@ def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[
         if remove_if_empty(d):
             removed.append(d)
     return removed
-
-
-def read_rate(path: str | os.PathLike, *, io: str = "direct", nbytes: int | None = None,
-              block_bytes: int = 16 << 20, in_flight: int = 1, buffers: list | None = None) -> tuple[float, str]:
-    """Read rate of the whole of ``path`` in GB/s: ``block_bytes`` reads, ``in_flight`` of them at
-    once (threads taking the next block in file order, the GIL released in the read); one in flight
-    is ``dd bs=16M iflag=direct``. Returns ``(gbps, mode)``; falls back to buffered reads where
-    O_DIRECT is refused (mode says). A streamed load's own ceiling is this at its reader count and
-    read size: the disk's rate with the same reads in flight, not a single stream's. The reads
-    land in :func:`~flashboot.fileio.io_buffer` buffers, as the loader's do, or in ``buffers``
-    (``in_flight`` writable buffers of ``block_bytes`` each, page-aligned, the caller's: the
-    stream's own ring slots)."""
-    if in_flight < 1:
-        raise FlashBootError(f"in_flight must be >= 1, got {in_flight}")
-    if buffers is not None and (len(buffers) != in_flight or any(len(b) != block_bytes for b in buffers)):
-        raise FlashBootError(f"read_rate wants {in_flight} buffers of {block_bytes:,} bytes, got "
-                             f"{[len(b) for b in buffers]}")
-    fd, mode, _ = _open_source(Path(path), "auto" if io == "direct" else "buffered")
-    size = os.fstat(fd).st_size if nbytes is None else nbytes
-    owned = buffers is None
-    bufs = [io_buffer(block_bytes) for _ in range(in_flight)] if owned else list(buffers)
-    done = [0] * in_flight
-    errors: list[BaseException] = []
-    next_block = itertools.count()
-
-    def reader(k: int) -> None:
-        view = memoryview(bufs[k])
-        try:
-            while (off := next(next_block) * block_bytes) < size:
-                done[k] += os.preadv(fd, [view], off)  # whole blocks: O_DIRECT wants aligned lengths
-        except BaseException as exc:  # re-raised below, after every reader stopped
-            errors.append(exc)
-        finally:
-            view.release()
-
-    try:
-        t0 = time.perf_counter()
-        if in_flight == 1:
-            reader(0)
-        else:
-            pool = [threading.Thread(target=reader, args=(k,), name=f"flashboot-read-rate-{k}", daemon=True)
-                    for k in range(in_flight)]
-            for t in pool:
-                t.start()
-            for t in pool:
-                t.join()
-        dt = time.perf_counter() - t0
-    finally:
-        if owned:
-            for b in bufs:
-                b.close()
-        os.close(fd)
-    if errors:
-        raise errors[0]
-    return (sum(done) / dt / 1e9 if dt > 0 else float("inf")), mode
 
 
 # ============================================================================ configuration

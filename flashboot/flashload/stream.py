@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from .. import _cuda
 from ..errors import CapabilityError, FlashBootError, ImageReadError, LayoutError, OutOfMemoryError, WaitTimeoutError
-from ..fileio import DirectReadRefused, io_buffer, read_exactly
+from ..fileio import DirectReadRefused, io_buffer, open_for_reads, read_exactly
 from ..memory import Device
 from ..units import check_timeout
 from .read_depth import ReadDepth, ReadSetting
@@ -275,14 +275,6 @@ class StreamStats:
         return {**dataclasses.asdict(self), "read_gbps": self.read_gbps, "copy_gbps": self.copy_gbps}
 
 
-def _open(path: str, io: str) -> tuple[int, str, str]:
-    from pathlib import Path
-
-    from .staging import _open_source
-
-    return _open_source(Path(path), io)
-
-
 class _Copier:
     """Copies filled slots into the arena: CUDA on one private stream with a timed pair of events
     per copy (through the driver, :mod:`flashboot.cuda_streams`: no CuPy, whose import and first
@@ -521,7 +513,7 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
     if nbytes > arena.nbytes:
         raise LayoutError(f"{path}: image of {nbytes:,} bytes does not fit the {arena.nbytes:,}-byte arena")
     try:
-        fd, mode, reason = _open(path, config.io)
+        fd, mode, reason = open_for_reads(path, config.io)
     except OSError as exc:
         raise ImageReadError(path, 0, nbytes, f"open failed: {exc.strerror or exc}") from None
     ring = None
