@@ -36,6 +36,9 @@ MAX_PENDING_REQUESTS = 64
 REQUEST_GRACE_S = 5.0
 """How long a counted store request may take to be written before it is skipped."""
 
+MAX_RECORD_BYTES = 16 << 20
+"""The largest registry record read (a descriptor of 1,024 segments with fabric handles is ~0.2 MB)."""
+
 MAX_ERRORS = 100
 """How many problems a holder keeps (planted requests arrive as fast as anyone can write them)."""
 
@@ -95,24 +98,43 @@ class _DirKV:
             raise FlashBootError(f"holder registry {str(self.path)!r} is writable by others (mode {oct(mode & 0o777)}); "
                                  "anyone could plant a descriptor there: chmod 700 it")
         for sub in ("requests", "held"):
-            (self.path / sub).mkdir(mode=0o700, exist_ok=True)
+            try:
+                (self.path / sub).mkdir(mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise FlashBootError(f"cannot create {str(self.path / sub)!r} in the holder registry: "
+                                     f"{exc.strerror}") from None
 
     def where(self) -> str:
         return f"registry {str(self.path)!r}"
 
+    # Every OSError is a FlashBootError naming the file: a bare one (a full disk at a hand-over, a
+    # directory or unreadable file among the requests) had failed an engine's finished load, and
+    # ended the holder's loop, which drops every arena it holds.
     def put(self, kind: str, name: str, body: dict) -> None:
         target = self.path / kind / f"{name}.json"
         tmp = target.with_name(f".{name}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(body, f)
-        os.replace(tmp, target)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(body, f)
+            os.replace(tmp, target)
+        except OSError as exc:
+            try:  # a full disk: no half-written temporary left behind
+                tmp.unlink()
+            except OSError:
+                pass
+            raise FlashBootError(f"{self.where()}: cannot write {kind}/{name}.json: {exc.strerror or exc}") from None
 
     def get(self, kind: str, name: str) -> dict | None:
-        try:
-            return json.loads((self.path / kind / f"{name}.json").read_text())
+        from ..fileio import read_regular
+
+        path = self.path / kind / f"{name}.json"
+        try:  # a regular file of a bounded size: a named pipe in its place had blocked every ask
+            return json.loads(read_regular(path, MAX_RECORD_BYTES, FlashBootError))
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise FlashBootError(f"{self.where()}: cannot read {kind}/{name}.json: {exc.strerror or exc}") from None
         except ValueError as exc:
             raise FlashBootError(f"{self.where()}: {kind}/{name}.json is not JSON ({exc})") from None
 
@@ -121,6 +143,8 @@ class _DirKV:
             (self.path / kind / f"{name}.json").unlink()
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            raise FlashBootError(f"{self.where()}: cannot remove {kind}/{name}.json: {exc.strerror or exc}") from None
 
     def names(self, kind: str) -> list[str]:
         return sorted(p.stem for p in (self.path / kind).glob("*.json"))

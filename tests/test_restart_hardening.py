@@ -1,0 +1,88 @@
+"""Hostile cases of engine restarts from a holder and of engines sharing one in-process staged
+copy (host backend): registries that are not what they should be, stale records and marks,
+races between engines, unstage and a load."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import types
+import warnings
+
+import pytest
+
+import flashboot
+from flashboot.arena import Arena
+from flashboot.errors import FlashBootError
+from flashboot.flashclone import holder as holders
+from flashboot.flashclone.holder import Holder, hand_over, held_record
+
+from _clone_helpers import serving_holder, wait_until
+from _preload_helpers import make_tiny_image
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    return make_tiny_image(tmp_path_factory.mktemp("hardening"))
+
+
+def test_a_directory_among_the_requests_does_not_stop_the_holder(tmp_path):
+    """An IsADirectoryError from reading a request had left poll_once raw, ending the holder's
+    loop, which drops every arena it holds."""
+    registry = tmp_path / "registry"
+    holder = Holder(registry=registry)
+    (registry / "requests" / "stray.json").mkdir()
+    with serving_holder(holder) as t:
+        arena = Arena.create(1 << 20, "cpu")
+        try:
+            desc = hand_over(arena, "weights", registry=registry, timeout_s=10)
+            assert desc.pid == os.getpid() and t.is_alive()
+        finally:
+            arena.close()
+    assert "weights" not in " ".join(holder.errors)
+    assert any("stray" in e and "not a regular file (a directory)" in e for e in holder.errors), holder.errors
+
+
+def test_a_named_pipe_for_a_held_record_is_refused_not_waited_on(tmp_path):
+    """read_text() of a named pipe waits for a writer forever: every engine's early call hung."""
+    registry = tmp_path / "registry"
+    Holder(registry=registry).close()
+    os.mkfifo(registry / "held" / "weights.json")
+    got = []
+
+    def ask():
+        try:
+            held_record("weights", registry=registry)
+        except FlashBootError as exc:
+            got.append(str(exc))
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "held_record waited on a named pipe"
+    assert got and "weights.json: not a regular file (a named pipe)" in got[0]
+
+
+def test_a_full_registry_at_the_hand_over_warns_and_keeps_the_load(image, tmp_path, monkeypatch):
+    """ENOSPC writing the request had escaped flashboot.load as a bare OSError after the load
+    had finished (its arena left to the garbage collector) and left a temporary behind."""
+    registry = tmp_path / "registry"
+    Holder(registry=registry).close()
+
+    def full(body, f):
+        f.write("{")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(holders, "json", types.SimpleNamespace(dump=full, loads=json.loads))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = flashboot.load(image, 0, "cpu", holder=registry)
+    with loaded:
+        assert "cannot write requests/image.rank0.cpu.json: No space left on device" in \
+            loaded.report.details["hand_over_error"]
+        assert loaded.tensors
+    assert any("could not hand it to the holder" in str(w.message) for w in caught)
+    assert os.listdir(registry / "requests") == []
