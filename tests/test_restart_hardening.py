@@ -86,3 +86,39 @@ def test_a_full_registry_at_the_hand_over_warns_and_keeps_the_load(image, tmp_pa
         assert loaded.tensors
     assert any("could not hand it to the holder" in str(w.message) for w in caught)
     assert os.listdir(registry / "requests") == []
+
+
+def test_a_held_record_whose_holder_pid_now_names_another_process_is_not_held(image, tmp_path):
+    """A killed holder's record names its pid; once that pid is reused (a holder restarted in a
+    fresh container gets the same one), the record passed for held: the early call and the
+    staging were skipped, and the load took the fds of whatever process had the pid now."""
+    import subprocess
+
+    from flashboot.errors import ArenaError
+    from flashboot.flashclone.holder import held_descriptor
+    from flashboot.flashload.restart import held_here
+
+    registry = tmp_path / "registry"
+    with serving_holder(Holder(registry=registry)):
+        with pytest.warns(RuntimeWarning, match="nothing is held"):
+            flashboot.load(image, 0, "cpu", holder=registry).close()
+        assert held_here(registry, image, 0, "cpu")
+        record = json.loads((registry / "held" / "image.rank0.cpu.json").read_text())
+    other = subprocess.Popen(["sleep", "60"])  # the pid the killed holder had, reused by another process
+    try:
+        record["holder_pid"] = record["descriptor"]["pid"] = other.pid
+        (registry / "held" / "image.rank0.cpu.json").write_text(json.dumps(record))
+        assert not held_here(registry, image, 0, "cpu")
+        with pytest.raises(ArenaError, match=rf"is gone: its holder \(pid {other.pid}\) has exited; pid {other.pid} "
+                                             "now names another process"):
+            held_descriptor("image.rank0.cpu", registry=registry)
+        with warnings.catch_warnings(record=True) as caught:  # and the hand-over finds no holder
+            warnings.simplefilter("always")
+            loaded = flashboot.load(image, 0, "cpu", holder={"registry": registry, "handover_timeout_s": 0.2})
+        assert any(f"pid {other.pid} now names another process" in str(w.message) for w in caught)
+        with loaded:
+            assert loaded.report.mode != "held"
+            assert "now names another process" in loaded.report.details["not_restored"]
+    finally:
+        other.kill()
+        other.wait()

@@ -276,6 +276,10 @@ class Holder:
     def __init__(self, registry=None, store=None, *, poll_s: float = 0.01, **store_options):
         self.kv = _kv(registry, store, host=True, **store_options) if store is not None else _kv(registry)
         grow_fd_table()  # each adopted arena arrives as fds: the table's growth is paid here, not by an adoption
+        from ..flashload.shm import _proc_start_time
+
+        self._start = _proc_start_time(os.getpid())
+        """This process's start time, in its records: a pid is reused (see :func:`holder_gone`)."""
         self.poll_s = poll_s
         self.held: dict[str, HeldArena] = {}
         self.errors = ErrorLog(MAX_ERRORS)
@@ -305,7 +309,7 @@ class Holder:
         self.held[name] = item
         try:
             self.kv.put("held", name, {"descriptor": held_desc.to_dict(), "request": request, "since": item.since,
-                                       "holder_pid": os.getpid(), "image": image})
+                                       "holder_pid": os.getpid(), "holder_start": self._start, "image": image})
         except BaseException:
             self.held.pop(name)
             item.close()
@@ -449,6 +453,33 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
         kv.close()
 
 
+def holder_gone(record: dict) -> str | None:
+    """Why the holder that wrote ``record`` keeps its arena no more (a killed holder's record stays
+    behind it), or None while it runs. A pid that now names another process is gone too: a holder
+    restarted in a fresh container gets the old one's pid, and the old record's fds, taken from
+    it, were another arena's (the holder runs on this host: it maps arenas through pidfds)."""
+    pid = record.get("holder_pid")
+    if type(pid) is not int or pid <= 0:
+        return f"the record names no holder pid (holder_pid {pid!r})"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"its holder (pid {pid}) has exited"
+    except PermissionError:  # another user's process: its start time still says whether it is the holder
+        pass
+    start = record.get("holder_start")
+    if start is None:  # a record of a holder that did not write its start time: the pid alone
+        return None
+    from ..flashload.shm import _proc_start_time
+
+    now = _proc_start_time(pid)
+    if now != start:
+        return (f"its holder (pid {pid}) has exited" if now is None else
+                f"its holder (pid {pid}) has exited; pid {pid} now names another process (started at tick {now}, "
+                f"the holder at {start})")
+    return None
+
+
 def held_record(name: str, *, registry=None, store=None, **store_options) -> dict | None:
     """The holder's whole record for ``name`` (descriptor, image, since, holder_pid; or the error
     of a failed adoption), None when nothing is held under it."""
@@ -471,6 +502,9 @@ def held_descriptor(name: str, *, registry=None, store=None, **store_options):
         if held is None or "descriptor" not in held:
             raise ArenaError(f"no arena is held as {name!r} in {kv.where()}"
                              + (f" (last adoption failed: {held['error']})" if held and "error" in held else ""))
+        gone = holder_gone(held)
+        if gone is not None:  # its fds, taken by pid, would be nothing, or another process's
+            raise ArenaError(f"the arena held as {name!r} in {kv.where()} is gone: {gone}")
         return ArenaDescriptor.from_dict(held["descriptor"])
     finally:
         kv.close()
@@ -509,4 +543,5 @@ def list_held(registry) -> dict[str, dict]:
     return {n: kv.get("held", n) for n in kv.names("held")}
 
 
-__all__ = ["Holder", "HeldArena", "hand_over", "held_descriptor", "held_record", "list_held", "open_held", "release"]
+__all__ = ["Holder", "HeldArena", "hand_over", "held_descriptor", "held_record", "holder_gone", "list_held", "open_held",
+           "release"]

@@ -95,25 +95,11 @@ def held_here(holder: Any, image_dir, rank: int, device: Any) -> bool:
         return False
     held = (record or {}).get("image") or {}
     return ("descriptor" in (record or {}) and held.get("image_dir") == os.path.realpath(image_dir)
-            and (held.get("rank"), held.get("device")) == (rank, str(dev)) and _alive(record.get("holder_pid")))
+            and (held.get("rank"), held.get("device")) == (rank, str(dev)) and holders.holder_gone(record) is None)
 
 
 HELD_PROBE_S = 2.0
 """How long the early call's look at the holder's record may wait for a store."""
-
-
-def _alive(pid: Any) -> bool:
-    """Whether the holder that wrote a record still runs (it maps arenas of this host through
-    pidfds, so it runs here); a killed holder's record stays behind it."""
-    if type(pid) is not int or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's holder: it exists
-        return True
-    return True
 
 
 def image_identity(source, device: Device) -> dict:
@@ -213,6 +199,9 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
         record = holders.held_record(name, **option.where(option.handover_timeout_s))
         held = (record or {}).get("image") or {}
         if "descriptor" in (record or {}) and (held.get("rank"), held.get("device")) == (rank, str(dev)):
+            gone = holders.holder_gone(record)
+            if gone is not None:  # a reused pid's fds would be another process's, maybe another arena
+                raise FlashBootError(gone)
             t0 = time.perf_counter()
             arena = _map_held(record, dev)
             map_ms = (time.perf_counter() - t0) * 1e3
