@@ -33,6 +33,12 @@ def registry(tmp_path):
         yield str(path)
 
 
+def _held_name(out) -> str:
+    from flashboot.flashload.restart import HolderOption
+
+    return HolderOption(registry="-").name_for(out, 0, "cpu")
+
+
 def _engine(options):
     """One engine start: the early call, its model built on meta, the load and the bind."""
     prepared = prepare_engine_load(options, _key(), 0, "cpu", tp_size=1, ep_size=1)
@@ -46,10 +52,11 @@ def _engine(options):
 def test_a_restarted_engine_binds_the_held_arena_without_a_copy(packed, tmp_path, registry, monkeypatch):
     reference, out, _ = packed
     options = _options(out, tmp_path, holder=registry)
-    with pytest.warns(RuntimeWarning, match=r"not restarting from the holder \(nothing is held as 'img\.rank0\.cpu'"):
+    name = _held_name(out)
+    with pytest.warns(RuntimeWarning, match=rf"not restarting from the holder \(nothing is held as '{name}'"):
         prepared, model, weights = _engine(options)
     assert prepared is not None  # nothing held yet: the first engine's early call copies as usual
-    assert weights.report.mode != "held" and weights.report.details["handed_over_as"] == "img.rank0.cpu"
+    assert weights.report.mode != "held" and weights.report.details["handed_over_as"] == name
     _assert_same_tensors(reference, model)
     arena_id = weights.arena.arena_id
     weights.close()  # the engine exits; the holder keeps its memory
@@ -82,11 +89,11 @@ def test_a_restart_onto_another_pre_pack_loads_it_normally_naming_why(packed, tm
     meta = json.loads((rank_dir / "metadata.json").read_text())
     meta["note"] = "re-packed"  # another pre-pack of the same weights
     rewrite_metadata(rank_dir, meta)
-    with pytest.warns(RuntimeWarning, match=r"the arena held as 'img\.rank0\.cpu' is another image or version "
+    with pytest.warns(RuntimeWarning, match=rf"the arena held as '{_held_name(out)}' is another image or version "
                                             r"\(metadata_sha256: held"):
         _, model, weights = _engine(options)
     try:
-        assert weights.report.mode != "held" and weights.report.details["handed_over_as"] == "img.rank0.cpu"
+        assert weights.report.mode != "held" and weights.report.details["handed_over_as"] == _held_name(out)
         _assert_same_tensors(reference, model)
     finally:
         weights.close()

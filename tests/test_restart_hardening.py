@@ -17,8 +17,10 @@ from flashboot.arena import Arena
 from flashboot.errors import FlashBootError
 from flashboot.flashclone import holder as holders
 from flashboot.flashclone.holder import Holder, hand_over, held_record
+from flashboot.flashload.restart import HolderOption
 
 from _clone_helpers import serving_holder, wait_until
+from _image_helpers import rewrite_metadata
 from _preload_helpers import make_tiny_image
 
 pytestmark = pytest.mark.timeout(60)
@@ -81,8 +83,8 @@ def test_a_full_registry_at_the_hand_over_warns_and_keeps_the_load(image, tmp_pa
         warnings.simplefilter("always")
         loaded = flashboot.load(image, 0, "cpu", holder=registry)
     with loaded:
-        assert "cannot write requests/image.rank0.cpu.json: No space left on device" in \
-            loaded.report.details["hand_over_error"]
+        name = loaded.report.details["not_restored"].split("'")[1]
+        assert f"cannot write requests/{name}.json: No space left on device" in loaded.report.details["hand_over_error"]
         assert loaded.tensors
     assert any("could not hand it to the holder" in str(w.message) for w in caught)
     assert os.listdir(registry / "requests") == []
@@ -103,15 +105,16 @@ def test_a_held_record_whose_holder_pid_now_names_another_process_is_not_held(im
         with pytest.warns(RuntimeWarning, match="nothing is held"):
             flashboot.load(image, 0, "cpu", holder=registry).close()
         assert held_here(registry, image, 0, "cpu")
-        record = json.loads((registry / "held" / "image.rank0.cpu.json").read_text())
+        name = HolderOption(registry=registry).name_for(image, 0, "cpu")
+        record = json.loads((registry / "held" / f"{name}.json").read_text())
     other = subprocess.Popen(["sleep", "60"])  # the pid the killed holder had, reused by another process
     try:
         record["holder_pid"] = record["descriptor"]["pid"] = other.pid
-        (registry / "held" / "image.rank0.cpu.json").write_text(json.dumps(record))
+        (registry / "held" / f"{name}.json").write_text(json.dumps(record))
         assert not held_here(registry, image, 0, "cpu")
         with pytest.raises(ArenaError, match=rf"is gone: its holder \(pid {other.pid}\) has exited; pid {other.pid} "
                                              "now names another process"):
-            held_descriptor("image.rank0.cpu", registry=registry)
+            held_descriptor(name, registry=registry)
         with warnings.catch_warnings(record=True) as caught:  # and the hand-over finds no holder
             warnings.simplefilter("always")
             loaded = flashboot.load(image, 0, "cpu", holder={"registry": registry, "handover_timeout_s": 0.2})
@@ -122,3 +125,34 @@ def test_a_held_record_whose_holder_pid_now_names_another_process_is_not_held(im
     finally:
         other.kill()
         other.wait()
+
+
+def test_two_images_in_folders_of_one_name_each_restart_from_their_own_arena(image, tmp_path):
+    """Images packed into folders of one name (``a/image``, ``b/image``) were held under one
+    default name: each engine's hand-over replaced the other's arena, and neither ever restarted
+    from the holder. A folder name of 250 characters made every hand-over fail (ENAMETOOLONG)."""
+    import shutil
+
+    other = tmp_path / "b" / image.name
+    shutil.copytree(image, other)
+    meta = json.loads((other / "rank-0" / "metadata.json").read_text())
+    meta["note"] = "another pack"
+    rewrite_metadata(other / "rank-0", meta)
+    long_named = tmp_path / ("x" * 250)
+    shutil.copytree(image, long_named)
+    registry = tmp_path / "registry"
+    with serving_holder(Holder(registry=registry)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for img in (image, other, long_named):
+                with flashboot.load(img, 0, "cpu", holder=registry) as first:
+                    assert "handed_over_as" in first.report.details, first.report.details
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for img in (image, other, long_named):
+                with flashboot.load(img, 0, "cpu", holder=registry) as again:
+                    assert again.report.mode == "held"
+                    assert again.report.details["holder_name"].startswith(img.name[:64] + "-")
+
+    with pytest.raises(FlashBootError, match="held-arena name is 250 characters, more than 200"):
+        HolderOption(registry=registry, name="n" * 250)  # refused when the options are made, not at each hand-over

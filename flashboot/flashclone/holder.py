@@ -72,10 +72,16 @@ class ErrorLog(list):
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
+NAME_MAX = 200
+"""The longest held-arena name: a registry's temporary file adds 14 bytes, and file names take 255."""
+
+
 def _check_name(name: str) -> str:
     if not isinstance(name, str) or not name or not set(name) <= _NAME_CHARS or name.startswith("."):
         raise FlashBootError(f"held-arena name must be letters, digits, '.', '_' or '-' (not starting with '.'), "
                              f"got {name!r}")
+    if len(name) > NAME_MAX:  # a registry could not write it (ENAMETOOLONG): every hand-over had failed
+        raise FlashBootError(f"held-arena name is {len(name)} characters, more than {NAME_MAX}: {name[:40]!r}...")
     return name
 
 

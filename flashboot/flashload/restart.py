@@ -14,6 +14,7 @@ from the holder is an importer, which sleep refuses too.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
@@ -74,10 +75,18 @@ class HolderOption:
         return {"store": self.store} if timeout_s is None else {"store": self.store, "timeout_s": timeout_s}
 
     def name_for(self, image_dir, rank: int, device: Device) -> str:
+        """``name``, or ``FOLDER-TAG.rankR.DEVICE``: the tag keys the image folder's real path, as
+        the staging folder's does (images are often packed into folders of one name, ``.../image``:
+        by the folder's name alone, two images' engines each replaced the other's held arena and
+        neither ever restarted from it)."""
         if self.name is not None:
             return self.name
-        base = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(os.path.realpath(image_dir))).lstrip(".") or "image"
-        return f"{base}.rank{rank}.{str(device).replace(':', '')}"
+        real = os.path.realpath(image_dir)
+        # cut: the registry's file names add 14 bytes, and a long folder name had made every
+        # hand-over fail (ENAMETOOLONG)
+        base = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(real)).lstrip(".")[:NAME_BASE_MAX] or "image"
+        tag = hashlib.sha256(real.encode()).hexdigest()[:12]
+        return f"{base}-{tag}.rank{rank}.{str(device).replace(':', '')}"
 
 
 def held_here(holder: Any, image_dir, rank: int, device: Any) -> bool:
@@ -97,6 +106,9 @@ def held_here(holder: Any, image_dir, rank: int, device: Any) -> bool:
     return ("descriptor" in (record or {}) and held.get("image_dir") == os.path.realpath(image_dir)
             and (held.get("rank"), held.get("device")) == (rank, str(dev)) and holders.holder_gone(record) is None)
 
+
+NAME_BASE_MAX = 64
+"""The most of the image folder's name a default held-arena name keeps."""
 
 HELD_PROBE_S = 2.0
 """How long the early call's look at the holder's record may wait for a store."""
