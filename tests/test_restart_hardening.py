@@ -156,3 +156,23 @@ def test_two_images_in_folders_of_one_name_each_restart_from_their_own_arena(ima
 
     with pytest.raises(FlashBootError, match="held-arena name is 250 characters, more than 200"):
         HolderOption(registry=registry, name="n" * 250)  # refused when the options are made, not at each hand-over
+
+
+def test_a_lock_file_that_cannot_be_opened_is_named_not_a_bare_oserror(image, tmp_path):
+    """A staging folder this process cannot write (read-only, another user's) made an engine's
+    load fail with a bare OSError from the open of ``rank-R.users``/``rank-R.lock``; a directory
+    in the lock file's place takes the same path here (root writes anywhere)."""
+    from flashboot.flashload import shm as shm_files
+    from flashboot.flashload import staging
+
+    shm = tmp_path / "shm"
+    paths = shm_files.staged_paths(image, 0, shm)
+    paths.users.mkdir(parents=True)
+    with pytest.raises(FlashBootError, match=rf"cannot open the lock file {paths.users}: Is a directory; .*shm-dir"):
+        staging.stage_for_load(image, 0, timeout_s=5, shm_dir=shm)
+    paths.users.rmdir()
+    paths.lock.mkdir()
+    with pytest.raises(FlashBootError, match=rf"cannot open the lock file {paths.lock}: Is a directory"):
+        staging.stage_rank(image, 0, shm_dir=shm)
+    paths.lock.rmdir()
+    assert sorted(p.name for p in paths.dir.iterdir()) == []  # nothing staged, no .users left

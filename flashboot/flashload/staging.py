@@ -30,6 +30,7 @@ from ..errors import (
 from ..fileio import DirectReadRefused, io_buffer, open_for_reads, read_exactly
 from ..memory import Device
 from .shm import (
+    SHM_ENV,
     RankSource,
     ReadyInfo,
     _exists,
@@ -245,7 +246,13 @@ def _flock_current(path: Path, op: int) -> int | None:
     never blocking): its fd, or None while another process holds a conflicting lock. A file its
     last holder removed between our open and our lock is not the one others see: opened again."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # its folder removed meanwhile: the caller's to say (or make it again)
+            raise
+        except OSError as exc:  # a read-only or another user's staging folder: it had been a bare OSError
+            raise FlashBootError(f"cannot open the lock file {path}: {exc.strerror}; this process cannot stage or "
+                                 f"load a staged copy there: use another --shm-dir (or ${SHM_ENV})") from None
         try:
             fcntl.flock(fd, op | fcntl.LOCK_NB)
         except BlockingIOError:
