@@ -176,3 +176,38 @@ def test_a_lock_file_that_cannot_be_opened_is_named_not_a_bare_oserror(image, tm
         staging.stage_rank(image, 0, shm_dir=shm)
     paths.lock.rmdir()
     assert sorted(p.name for p in paths.dir.iterdir()) == []  # nothing staged, no .users left
+
+
+def test_unstage_as_an_engine_takes_the_copy_does_not_remove_it_under_the_engine(image, tmp_path, monkeypatch):
+    """unstage checked that no engine held ``rank-R.users`` and then removed the rank's files: an
+    engine that took the copy in between (here: at unstage's listing of the folder) had it, and
+    its ``.users``, removed under its load."""
+    import pathlib
+
+    from flashboot.flashload import shm as shm_files
+    from flashboot.flashload import staging
+
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)  # `flashboot preload DIR`
+    paths = shm_files.staged_paths(image, 0, shm)
+    want = shm_files.rank_source(image, 0).path.read_bytes()
+    real_iterdir, engine = pathlib.Path.iterdir, []
+
+    def iterdir(self):
+        if self == paths.dir and not engine:  # an engine arrives as unstage looks at the folder
+            engine.append(staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm))
+        return real_iterdir(self)
+
+    monkeypatch.setattr(pathlib.Path, "iterdir", iterdir)
+    try:
+        with pytest.raises(FlashBootError, match=r"rank-0 of .* is being loaded by an engine"):
+            staging.unstage(image, shm_dir=shm)
+        assert engine and paths.image.read_bytes() == want and paths.ready.exists()
+        assert staging._same_file(paths.users, engine[0]._fd)  # the engine's hold is the file others see
+    finally:
+        monkeypatch.undo()
+        if engine:
+            engine[0].release()
+    assert paths.ready in staging.unstage(image, shm_dir=shm)
+    assert not paths.dir.exists()
+

@@ -507,31 +507,6 @@ class InlineCopy:
         return removed
 
 
-def _locked_by_anyone(path: Path) -> bool:
-    """Whether any process holds a lock (shared or exclusive) on ``path``. Opened for writing
-    where it can be: NFS emulates flock with byte-range locks, whose exclusive kind a read-only
-    fd cannot take (EBADF)."""
-    for flags in (os.O_RDWR, os.O_RDONLY):
-        try:
-            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK)
-            break
-        except PermissionError:
-            continue
-        except OSError:
-            return False
-    else:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:  # a filesystem that cannot say: nothing is known to hold it
-        return False
-    finally:
-        os.close(fd)
-    return False
-
-
 def stage_for_load(image_dir, rank: int, *, timeout_s: float, shm_dir=None, device: Any = "cpu",
                    log: Callable[[str], None] | None = None, check_staged: bool = True) -> InlineCopy:
     """Stage rank ``rank`` in shared memory for this engine's load, beside other engines that may
@@ -584,28 +559,57 @@ def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[
         raise FlashBootError(f"a preloader for {image_dir} is starting or exiting (its pid file {path} is locked); "
                              "stop it first (--stop) or try again once it has exited")
     d = staging_dir(image_dir, shm_dir)
-    removed = []
-    if not d.is_dir():
-        return removed
+    removed: list[Path] = []
     wanted = None if ranks is None else {f"rank-{r}" for r in ranks}
-    for lock in sorted(d.glob("rank-*.lock")):  # a bare stage_rank has no pid file: its lock says it runs
-        if (wanted is None or lock.stem in wanted) and _pid_file_held(lock):
-            raise FlashBootError(f"{lock.stem} of {image_dir} is being staged (its lock {lock} is held); let it "
-                                 "finish or stop it, then unstage")
-    for users in sorted(d.glob("rank-*.users")):  # engines loading a copy staged for them hold it shared
-        if (wanted is None or users.stem in wanted) and _locked_by_anyone(users):
-            # a copy `flashboot preload` staged stays after the engines: it had said they would remove it
-            after = ("the last engine to load it removes it" if users.with_suffix(".inline").exists() else
-                     "unstage it once they have loaded")
-            raise FlashBootError(f"{users.stem} of {image_dir} is being loaded by an engine (it holds {users}); "
-                                 f"{after}")
-    for p in sorted(d.iterdir()):
-        rank_of = p.name.split(".")[0]
-        if wanted is None or rank_of in wanted:
-            if p.is_file() and p.name.startswith("rank-"):
-                p.unlink()
-                removed.append(p)
-    if not any(p.name.startswith("rank-") for p in d.iterdir()):
+    try:
+        names = [p.name for p in d.iterdir()]
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    stems = sorted(stem for stem in {n.split(".")[0] for n in names if n.startswith("rank-")}
+                   if wanted is None or stem in wanted)
+    # Each rank's lock and its .users exclusively while its files go: checked and then removed, a
+    # stager or an engine that came in between had its .partial, or the copy it was loading,
+    # removed under it (and a second stager made a new lock beside the first's).
+    held: list[tuple[Any, int, int]] = []
+    ours = set()  # the ranks whose files go: locked here (a rank staged since the listing is not)
+    try:
+        for stem in stems:
+            ours.add(stem)
+            try:
+                rank = int(stem[len("rank-"):])
+            except ValueError:
+                continue  # not a rank's file: nobody stages or loads it
+            paths = staged_paths(image_dir, rank, shm_dir)
+            try:
+                lock = _lock_rank(paths, rank, image_dir)
+            except StagingBusy:  # a bare stage_rank has no pid file: its lock says it runs
+                raise FlashBootError(f"{stem} of {image_dir} is being staged (its lock {paths.lock} is held); let it "
+                                     "finish or stop it, then unstage") from None
+            except FileNotFoundError:  # the folder, removed meanwhile by the last engine out: nothing left
+                return removed
+            users = _flock_current(paths.users, fcntl.LOCK_EX)  # engines loading the copy hold it shared
+            if users is None:
+                _unlock_rank(paths, lock)
+                # a copy `flashboot preload` staged stays after the engines: it had said they would remove it
+                after = "the last engine to load it removes it" if _exists(paths.inline) else \
+                    "unstage it once they have loaded"
+                raise FlashBootError(f"{stem} of {image_dir} is being loaded by an engine (it holds {paths.users}); "
+                                     f"{after}")
+            held.append((paths, lock, users))
+        for p in sorted(d.iterdir()) if held else [d / n for n in names]:  # no lock held: the folder may go
+            if p.name.split(".")[0] in ours and p.is_file():
+                _unlink_quietly(p)
+                if p.name in names:  # not the lock files made here to hold
+                    removed.append(p)
+    finally:
+        for paths, lock, users in held:
+            os.close(users)  # its file went above: an engine waiting on it opens a new one
+            _unlock_rank(paths, lock)
+    try:
+        left = any(p.name.startswith("rank-") for p in d.iterdir())
+    except FileNotFoundError:  # the folder, removed meanwhile by the last engine out
+        return removed
+    if not left:
         for p in (log_file(image_dir, shm_dir), pid_file(image_dir, shm_dir), socket_path(image_dir, shm_dir)):
             if p.exists() or p.is_symlink():
                 p.unlink()
