@@ -211,3 +211,25 @@ def test_unstage_as_an_engine_takes_the_copy_does_not_remove_it_under_the_engine
     assert paths.ready in staging.unstage(image, shm_dir=shm)
     assert not paths.dir.exists()
 
+
+def test_a_stager_whose_folder_is_removed_before_its_lock_makes_it_again(image, tmp_path, monkeypatch):
+    """The last engine out (or an unstage) removes the emptied staging folder: a stager between
+    its mkdir and its lock's open failed with a bare FileNotFoundError."""
+    from flashboot.flashload import shm as shm_files
+    from flashboot.flashload import staging
+
+    shm = tmp_path / "shm"
+    real, removed = staging.make_dir, []
+
+    def make_dir(path):
+        real(path)
+        if not removed:  # removed by another process right after it was made
+            removed.append(os.rmdir(path))
+        return path
+
+    monkeypatch.setattr(staging, "make_dir", make_dir)
+    result = staging.stage_rank(image, 0, shm_dir=shm)
+    assert removed and not result.skipped
+    paths = shm_files.staged_paths(image, 0, shm)
+    assert paths.image.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()
+    staging.unstage(image, shm_dir=shm)

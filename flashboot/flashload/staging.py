@@ -220,10 +220,18 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
                              f"(got {threads}, {chunk_bytes})")
     paths = staged_paths(image_dir, rank, shm_dir)
     made = not _exists(paths.dir)
-    make_dir(paths.dir)
     # the lock before the metadata: a stager refused as busy (polled by the engines and preloaders
     # waiting for another) reads none of it
-    lock = _lock_rank(paths, rank, image_dir)
+    for attempt in range(FOLDER_RETRIES):
+        make_dir(paths.dir)
+        try:
+            lock = _lock_rank(paths, rank, image_dir)
+            break
+        except FileNotFoundError:  # the folder, emptied and removed meanwhile (the last engine out, an
+            made = True            # unstage): made again, as an engine's stage_for_load does
+    else:
+        raise FlashBootError(f"{paths.dir} was removed {FOLDER_RETRIES} times as rank {rank} of {image_dir} was to be "
+                             "staged into it; is something else removing it?")
     try:
         try:
             src = rank_source(image_dir, rank)
@@ -239,6 +247,10 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
     finally:
         if lock is not None:
             _unlock_rank(paths, lock)
+
+
+FOLDER_RETRIES = 20
+"""How many times a stager makes the staging folder again when it is removed before the lock is in it."""
 
 
 def _flock_current(path: Path, op: int) -> int | None:
