@@ -222,7 +222,7 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
     made = not _exists(paths.dir)
     # the lock before the metadata: a stager refused as busy (polled by the engines and preloaders
     # waiting for another) reads none of it
-    for attempt in range(FOLDER_RETRIES):
+    for _ in range(FOLDER_RETRIES):
         make_dir(paths.dir)
         try:
             lock = _lock_rank(paths, rank, image_dir)
