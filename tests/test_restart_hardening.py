@@ -233,3 +233,24 @@ def test_a_stager_whose_folder_is_removed_before_its_lock_makes_it_again(image, 
     paths = shm_files.staged_paths(image, 0, shm)
     assert paths.image.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()
     staging.unstage(image, shm_dir=shm)
+
+
+def test_a_failed_re_adoption_keeps_the_arena_held_before_it(tmp_path, monkeypatch):
+    """A hand-over under a name already held whose record could not be written (a full disk) had
+    dropped the arena held before it from the holder's books without closing it: neither a
+    release nor the holder's close ever gave its memory back."""
+    holder = Holder(registry=tmp_path / "registry")
+    a, b = Arena.create(1 << 20, "cpu"), Arena.create(1 << 20, "cpu")
+    try:
+        first = holder.adopt("w", a.export())
+        monkeypatch.setattr(holder.kv, "put", lambda *args: (_ for _ in ()).throw(FlashBootError("disk full")))
+        with pytest.raises(FlashBootError, match="disk full"):
+            holder.adopt("w", b.export())
+        monkeypatch.undo()
+        assert holder.held["w"] is first and not first.arena.closed
+        assert held_record("w", registry=tmp_path / "registry")["descriptor"]["arena_id"] == a.arena_id
+        assert holder.release("w") and first.arena.closed and first.fds == []
+    finally:
+        holder.close()
+        a.close()
+        b.close()

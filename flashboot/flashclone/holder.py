@@ -319,6 +319,8 @@ class Holder:
         except BaseException:
             self.held.pop(name)
             item.close()
+            if old is not None:  # its record is still the one published: kept, or it leaked, held by no one
+                self.held[name] = old
             raise
         if old is not None:
             old.close()
