@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from .errors import FlashBootError
@@ -62,6 +63,32 @@ def main(argv: list[str] | None = None) -> int:
     except FlashBootError as exc:
         print(f"flashboot {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: the command's own clean-up ran as the interrupt unwound it; say so in one line
+        # (a page of threading frames told the user nothing), and exit as a shell reports SIGINT
+        print(f"flashboot {args.command}: interrupted (SIGINT) before it finished", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        if not _stdout_closed():  # a socket or pipe of the command's own: a real failure
+            raise
+        # the reader of our output went away (`| head`): stop quietly, as a tool that SIGPIPE
+        # ends does, and keep the interpreter's last flush from printing a second traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)  # POLLERR and POLLHUP are always reported
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError):  # no file descriptor behind stdout (a test's capture): not ours to hide
+        return False
 
 
 if __name__ == "__main__":

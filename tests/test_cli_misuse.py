@@ -1,0 +1,54 @@
+"""The command line misused as people do: Ctrl-C midway, output piped into `head`, numbers that
+mean nothing, options that name nothing. Each gets one line naming the problem and a non-zero
+exit, never a traceback, a hang or a success that did nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from flashboot.cli import main
+
+
+def test_ctrl_c_midway_ends_a_command_with_one_line_and_the_sigint_status(monkeypatch, tmp_path, capsys):
+    import flashboot.flashload.prepack as prepack_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepack_module, "prepack", interrupted)
+    try:
+        rc = main(["prepack", str(tmp_path), "--out", str(tmp_path / "out")])
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped main(): the user sees a traceback")
+    assert rc == 128 + signal.SIGINT
+    err = capsys.readouterr().err
+    assert err.strip() == "flashboot prepack: interrupted (SIGINT) before it finished"
+
+
+def test_output_piped_into_a_reader_that_left_ends_quietly_with_the_sigpipe_status():
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `| head -1` that has already exited: every write fails with EPIPE
+    try:
+        run = subprocess.run([sys.executable, "-m", "flashboot.cli", "sim", "--topology", "h200-x8", "--schedule",
+                              "chain", "--clones", "2000", "--model-bytes", "1GB"],
+                             stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert run.returncode == 128 + signal.SIGPIPE, run.stderr
+    assert "Traceback" not in run.stderr and "BrokenPipeError" not in run.stderr, run.stderr
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_not_hidden(monkeypatch):
+    import flashboot.commands.sim as sim
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")  # a socket of the command's own, say
+
+    monkeypatch.setattr(sim, "main", broken)
+    with pytest.raises(BrokenPipeError):
+        main(["sim", "--topology", "h200-x8", "--schedule", "chain", "--clones", "2", "--model-bytes", "1GB"])
