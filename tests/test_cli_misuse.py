@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from _io_helpers import image, image_master, shm  # noqa: F401  (fixtures)
 
 from flashboot.cli import main
 
@@ -52,3 +53,15 @@ def test_a_broken_pipe_that_is_not_stdout_is_not_hidden(monkeypatch):
     monkeypatch.setattr(sim, "main", broken)
     with pytest.raises(BrokenPipeError):
         main(["sim", "--topology", "h200-x8", "--schedule", "chain", "--clones", "2", "--model-bytes", "1GB"])
+
+
+@pytest.mark.parametrize("timeout", ["nan", "-1", "0", "inf"])
+def test_preload_refuses_a_timeout_that_is_no_wait_before_starting_a_preloader(image, shm, timeout, capsys):
+    from flashboot.flashload import shm as shm_files
+
+    with pytest.raises(SystemExit) as exc:
+        main(["preload", str(image), "--shm-dir", str(shm), "--background", "--timeout", timeout])
+    assert exc.value.code == 2
+    assert "--timeout must be a finite number of seconds" in capsys.readouterr().err
+    # nothing was started: a NaN had launched a background preloader and then killed it ("within nan s")
+    assert not shm_files.staging_dir(image, shm).exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flashboot.errors import FlashBootError
+from flashboot.units import timeout_arg
 
 
 def register(subparsers) -> None:
@@ -32,7 +33,8 @@ def register(subparsers) -> None:
     action.add_argument("--stop", action="store_true", help="stop the running preloader of DIR")
     action.add_argument("--status", action="store_true", help="say what is staged and whether a preloader runs")
     action.add_argument("--unstage", action="store_true", help="remove the staged files of DIR")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for --background/--stop (default 30)")
+    p.add_argument("--timeout", type=timeout_arg, default=30.0,
+                   help="seconds to wait for --background/--stop (default 30)")
     p.set_defaults(func=main)
 
 
