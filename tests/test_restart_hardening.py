@@ -254,3 +254,23 @@ def test_a_failed_re_adoption_keeps_the_arena_held_before_it(tmp_path, monkeypat
         holder.close()
         a.close()
         b.close()
+
+
+def test_a_release_whose_record_cannot_be_removed_keeps_the_arena_releasable(tmp_path, monkeypatch):
+    """release() took the arena off the holder's books before removing its record: a removal that
+    failed (EIO, a lost store) left the arena mapped and held by no one, never to be released."""
+    holder = Holder(registry=tmp_path / "registry")
+    a = Arena.create(1 << 20, "cpu")
+    try:
+        item = holder.adopt("x", a.export())
+        real = holder.kv.delete
+        monkeypatch.setattr(holder.kv, "delete", lambda *args: (_ for _ in ()).throw(FlashBootError("EIO")))
+        with pytest.raises(FlashBootError, match="EIO"):
+            holder.release("x")
+        assert holder.held["x"] is item and not item.arena.closed  # still held, as its record says
+        monkeypatch.setattr(holder.kv, "delete", real)
+        assert holder.release("x") and item.arena.closed and item.fds == []
+        assert held_record("x", registry=tmp_path / "registry") is None
+    finally:
+        holder.close()
+        a.close()

@@ -328,8 +328,10 @@ class Holder:
 
     def release(self, name: str) -> bool:
         """Stop holding ``name`` (its memory goes when no one else maps it). False if not held."""
-        item = self.held.pop(name, None)
+        # the record first: one that cannot be removed keeps its arena held (and releasable again);
+        # popped before, the arena had leaked, and closed, its record would name fds reused since
         self.kv.delete("held", name)
+        item = self.held.pop(name, None)
         if item is None:
             return False
         item.close()
