@@ -274,3 +274,11 @@ def test_a_release_whose_record_cannot_be_removed_keeps_the_arena_releasable(tmp
     finally:
         holder.close()
         a.close()
+
+
+@pytest.mark.parametrize("value", ["", {"registry": ""}, {"registry": 123}, {"store": ""}, {"store": 5}])
+def test_an_empty_or_mistyped_registry_or_store_is_refused_by_name(value):
+    """holder="" was the current directory as the registry (its requests/ and held/ made there),
+    a number a bare TypeError, and a store of 5 or "" failed only at every engine start."""
+    with pytest.raises(FlashBootError, match=r"holder (registry|store) must be a non-empty .* string, got "):
+        HolderOption.of(value)

@@ -45,6 +45,13 @@ class HolderOption:
         if (self.registry is None) == (self.store is None):
             raise FlashBootError(f"holder= needs exactly one of registry and store, got registry={self.registry!r}, "
                                  f"store={self.store!r}")
+        if isinstance(self.registry, os.PathLike):
+            object.__setattr__(self, "registry", os.fspath(self.registry))
+        for key in ("registry", "store"):  # "" had been the current directory as the registry
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise FlashBootError(f"holder {key} must be a non-empty {'path' if key == 'registry' else 'HOST:PORT'} "
+                                     f"string, got {value!r}")
         # NaN had passed (no deadline is ever reached: a load waited forever for a dead holder)
         check_timeout(self.handover_timeout_s, "holder handover_timeout_s")
         if self.name is not None:  # a name no holder takes had meant a normal load and two warnings at every start
@@ -64,7 +71,7 @@ class HolderOption:
             if unknown:
                 raise FlashBootError(f"unknown holder option(s) {sorted(unknown)}; known: registry, store, name, "
                                      "handover_timeout_s")
-            return cls(**{k: (os.fspath(v) if k == "registry" and v is not None else v) for k, v in value.items()})
+            return cls(**value)
         raise FlashBootError(f"holder= takes a registry path, a dict or a HolderOption, got {type(value).__name__}")
 
     def where(self, timeout_s: float | None = None) -> dict:
