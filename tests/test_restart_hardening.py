@@ -282,3 +282,20 @@ def test_an_empty_or_mistyped_registry_or_store_is_refused_by_name(value):
     a number a bare TypeError, and a store of 5 or "" failed only at every engine start."""
     with pytest.raises(FlashBootError, match=r"holder (registry|store) must be a non-empty .* string, got "):
         HolderOption.of(value)
+
+
+def test_the_last_engine_out_whose_rank_lock_cannot_be_opened_keeps_the_copy_and_returns(image, tmp_path):
+    """The last engine's release takes the rank's lock to remove the copy; a lock that cannot be
+    opened (here a directory in its place) must leave the copy, not fail the finished load."""
+    from flashboot.flashload import shm as shm_files
+    from flashboot.flashload import staging
+
+    shm = tmp_path / "shm"
+    copy = staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm)
+    paths = shm_files.staged_paths(image, 0, shm)
+    assert copy.staged_here
+    paths.lock.mkdir()
+    assert copy.release() is False
+    assert paths.ready.exists() and paths.image.exists()
+    paths.lock.rmdir()
+    staging.unstage(image, shm_dir=shm)

@@ -502,7 +502,7 @@ class InlineCopy:
                 return False  # removed and made again since
             try:  # the rank's lock while removing: a stager cannot restage or keep the copy meanwhile
                 lock = _lock_rank(p, p.image.name, p.dir)
-            except (StagingBusy, OSError):
+            except (FlashBootError, OSError):  # StagingBusy, or a lock file that cannot be opened
                 lock = None  # being restaged (or its folder gone meanwhile): the copy is not this engine's to remove
             try:
                 if lock is not None and p.inline.exists():  # not staged, or kept since, by `flashboot preload`
