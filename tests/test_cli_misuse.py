@@ -65,3 +65,38 @@ def test_preload_refuses_a_timeout_that_is_no_wait_before_starting_a_preloader(i
     assert "--timeout must be a finite number of seconds" in capsys.readouterr().err
     # nothing was started: a NaN had launched a background preloader and then killed it ("within nan s")
     assert not shm_files.staging_dir(image, shm).exists()
+
+
+def test_hold_release_of_a_name_nothing_holds_is_an_error_not_released(tmp_path, capsys):
+    registry = tmp_path / "held"
+    assert main(["hold", "--registry", str(registry), "--release", "nosuch", "--timeout", "1"]) == 2
+    captured = capsys.readouterr()
+    assert "released" not in captured.out
+    assert f"nothing is held as 'nosuch' in registry {str(registry)!r}" in captured.err
+    assert list((registry / "requests").iterdir()) == []  # no release request left for a later holder
+
+
+def test_hold_release_of_an_empty_name_is_refused_not_a_holder_started(tmp_path):
+    # `--release ""` had been read as no --release at all: a holder started and served until killed
+    run = subprocess.run([sys.executable, "-m", "flashboot.cli", "hold", "--registry", str(tmp_path / "held"),
+                          "--release", ""], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "held-arena name must be" in run.stderr and "holder ready" not in run.stdout
+
+
+def test_hold_release_waits_for_the_store_no_longer_than_its_timeout(monkeypatch, capsys):
+    from flashboot.errors import RendezvousError
+    from flashboot.flashclone.rendezvous import Rendezvous
+
+    asked = []
+
+    def silent_store(cls, address, token=None, **kw):
+        asked.append(kw.get("timeout_s"))
+        raise RendezvousError(f"no rendezvous store answered at {address}")
+
+    monkeypatch.setattr(Rendezvous, "connect", classmethod(silent_store))
+    monkeypatch.setenv("FLASHBOOT_TOKEN", "0123456789abcdef0123")
+    # the connect had waited the store's own 60 s default (31 s against a silent listener), whatever --timeout said
+    assert main(["hold", "--store", "127.0.0.1:9", "--release", "x", "--timeout", "1"]) == 2
+    assert "no rendezvous store answered at 127.0.0.1:9" in capsys.readouterr().err
+    assert asked == [1.0]

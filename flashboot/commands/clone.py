@@ -200,7 +200,7 @@ def _clone_and_report(args: argparse.Namespace, report_file) -> int:
 
 def run_hold(args: argparse.Namespace) -> int:
     from flashboot.errors import FlashBootError
-    from flashboot.flashclone.holder import Holder, list_held, release
+    from flashboot.flashclone.holder import Holder, held_record, list_held, release
 
     if args.list:
         if args.registry is None:
@@ -219,7 +219,12 @@ def run_hold(args: argparse.Namespace) -> int:
                                                                "namespace": args.name}
     if args.registry is None and args.store is None:
         raise FlashBootError("hold needs --registry DIR or --store HOST:PORT")
-    if args.release:
+    if args.release is not None:  # `--release ""` is a bad name, not "no --release": it had started a holder
+        # release() returns at once for a name no one holds: that had printed "released NAME"
+        if held_record(args.release, timeout_s=args.timeout, **where) is None:  # --timeout bounds the store's connect
+            place = (f"registry {args.registry!r} (`flashboot hold --registry {args.registry} --list` names what is)"
+                     if args.registry else f"the store at {args.store} (namespace {args.name!r})")
+            raise FlashBootError(f"nothing is held as {args.release!r} in {place}")
         release(args.release, timeout_s=args.timeout, **where)
         _print(f"released {args.release}")
         return 0
