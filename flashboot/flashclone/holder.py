@@ -471,18 +471,21 @@ def holder_gone(record: dict) -> str | None:
     pid = record.get("holder_pid")
     if type(pid) is not int or pid <= 0:
         return f"the record names no holder pid (holder_pid {pid!r})"
+    others = False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return f"its holder (pid {pid}) has exited"
     except PermissionError:  # another user's process: its start time still says whether it is the holder
-        pass
+        others = True
     start = record.get("holder_start")
     if start is None:  # a record of a holder that did not write its start time: the pid alone
         return None
     from ..flashload.shm import _proc_start_time
 
     now = _proc_start_time(pid)
+    if now is None and others:  # /proc hides other users' processes (hidepid): it exists, unknown whose
+        return None
     if now != start:
         return (f"its holder (pid {pid}) has exited" if now is None else
                 f"its holder (pid {pid}) has exited; pid {pid} now names another process (started at tick {now}, "
