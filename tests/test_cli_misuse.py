@@ -100,3 +100,25 @@ def test_hold_release_waits_for_the_store_no_longer_than_its_timeout(monkeypatch
     assert main(["hold", "--store", "127.0.0.1:9", "--release", "x", "--timeout", "1"]) == 2
     assert "no rendezvous store answered at 127.0.0.1:9" in capsys.readouterr().err
     assert asked == [1.0]
+
+
+@pytest.mark.parametrize("schedule", [["--schedule", "ring", "--clones", "2"], ["--schedule", "chain"]])
+def test_clone_names_a_missing_image_before_it_reaches_the_store(schedule, tmp_path, capsys):
+    missing = tmp_path / "nonexistent"
+    # an unreachable store: only a check made before connecting can answer with the path
+    argv = ["clone", "--store", "127.0.0.1:9", "--device", "cpu", "--image", str(missing), "--timeout", "1", *schedule]
+    assert main(argv) == 2
+    assert f"--image {missing}: no such image directory or file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    ([], "seed needs an image DIR or --held NAME (with --registry)"),
+    (["{d}", "--held", "x", "--registry", "r"], "not both (got '{d}' and --held 'x')"),
+    (["{d}", "--registry", "r"], "--registry r is where --held NAME is looked up"),
+])
+def test_seed_says_which_of_dir_and_held_is_wrong(argv, says, tmp_path, capsys):
+    d = str(tmp_path / "image")
+    assert main(["seed", "--store", "127.0.0.1:9", "--device", "cpu", *(a.format(d=d) for a in argv)]) == 2
+    err = capsys.readouterr().err
+    assert says.format(d=d) in err
+    assert "not both" not in err or "--held 'x'" in err  # "not both" had been said when neither was given

@@ -76,8 +76,14 @@ def run_seed(args: argparse.Namespace) -> int:
     from flashboot.flashclone import seed
     from flashboot.errors import FlashBootError
 
-    if (args.dir is None) == (args.held is None):
-        raise FlashBootError("seed needs an image DIR or --held NAME (with --registry), not both")
+    if args.dir is None and args.held is None:
+        raise FlashBootError("seed needs an image DIR or --held NAME (with --registry)")
+    if args.dir is not None and args.held is not None:
+        raise FlashBootError(f"seed takes an image DIR or --held NAME, not both (got {args.dir!r} and --held "
+                             f"{args.held!r})")
+    if args.registry is not None and args.held is None:  # it had been ignored without a word
+        raise FlashBootError(f"--registry {args.registry} is where --held NAME is looked up; seeding the image "
+                             f"{args.dir!r} takes no registry")
     owned = None
     if args.held is not None:
         from flashboot.flashclone.holder import open_held
@@ -139,6 +145,10 @@ def run_clone(args: argparse.Namespace) -> int:
     if args.run is not None and args.schedule != "ring":
         raise FlashBootError(f"--run names a ring load; a {args.schedule} has no run name (use --name for a "
                              "namespace of its own)")
+    if args.image is not None and not os.path.exists(args.image):
+        # checked before the store and the warm-up: a ring met it only after both, as a traceback, and a
+        # chain or star only once it needed its fallback
+        raise FlashBootError(f"--image {args.image}: no such image directory or file")
     report_file, created = None, False
     if args.json and args.json != "-":
         # opened before cloning: a path that cannot be written fails now, not after the clone
