@@ -7,7 +7,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="run the whole pipeline on a small model and print what happened")
     p.add_argument("--device", default=None, help="cuda index or cpu (default: cuda:0 where present)")
     p.add_argument("--size", default="64MB", help="arena bytes for the mover round (default 64MB)")
-    p.add_argument("--workdir", default=None, help="where the demo writes its checkpoint and image (default: a temp dir)")
+    p.add_argument("--workdir", default=None,
+                   help="an existing folder to hold the demo's temporary checkpoint and images, removed when it ends "
+                        "(default: the system's temp folder; the headline's image and staged copies go to /dev/shm)")
     p.set_defaults(func=main)
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("load", help="load one staged rank into an arena and print the phases",
-                              description="Load rank R of a pre-packed, staged image (flashboot preload) onto "
-                                          "device D and print the per-phase timings.")
+    p = subparsers.add_parser("load", help="load one rank into an arena and print the phases",
+                              description="Load rank R of a pre-packed image onto device D and print the per-phase "
+                                          "timings: from the copy `flashboot preload` staged, or streamed from disk "
+                                          "when none is staged (--stream, --no-stream).")
     p.add_argument("image_dir", metavar="DIR")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--device", default=None, help="cuda index, cuda:N or cpu (default: cuda:0 where present)")
