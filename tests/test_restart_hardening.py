@@ -299,3 +299,22 @@ def test_the_last_engine_out_whose_rank_lock_cannot_be_opened_keeps_the_copy_and
     assert paths.ready.exists() and paths.image.exists()
     paths.lock.rmdir()
     staging.unstage(image, shm_dir=shm)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -1])
+def test_hand_over_and_release_refuse_a_timeout_that_is_no_deadline(bad, tmp_path):
+    """hand_over(timeout_s=nan) with no holder running waited forever (no deadline is ever
+    reached), as did release() of a held name; a negative one timed out saying "within -1 s"."""
+    registry = tmp_path / "registry"
+    holder = Holder(registry=registry)
+    arena = Arena.create(1 << 20, "cpu")
+    try:
+        holder.adopt("w", arena.export())
+        with pytest.raises(FlashBootError, match="hand_over timeout_s must be a finite number of seconds"):
+            hand_over(arena, "x", registry=registry, timeout_s=bad)
+        with pytest.raises(FlashBootError, match="release timeout_s must be a finite number of seconds"):
+            holders.release("w", registry=registry, timeout_s=bad)
+        assert os.listdir(registry / "requests") == []  # refused before any request was written
+    finally:
+        holder.close()
+        arena.close()

@@ -436,8 +436,10 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
     when the holder could not adopt it. ``image``: what the weights are (a JSON-ready dict,
     :func:`flashboot.flashload.restart.image_identity`), published with the held arena."""
     from ..arena import ArenaDescriptor
+    from ..units import check_timeout
 
     _check_name(name)
+    check_timeout(timeout_s, "hand_over timeout_s")  # NaN: no deadline is ever reached, a wait for no holder never ended
     # a store that does not answer is bounded by the same timeout, not the store's 30 s default
     kv = _kv(registry, store, **({"timeout_s": timeout_s, **store_options} if store is not None else store_options))
     try:
@@ -537,7 +539,10 @@ def open_held(name: str, device: Any = None, *, registry=None, store=None, **sto
 
 def release(name: str, *, registry=None, store=None, timeout_s: float = DEFAULT_TIMEOUT_S, **store_options) -> None:
     """Ask the holder to drop ``name`` and wait until it has. WaitTimeoutError if it does not."""
+    from ..units import check_timeout
+
     _check_name(name)
+    check_timeout(timeout_s, "release timeout_s")  # NaN had waited forever for a holder that is not there
     kv = _kv(registry, store, **store_options)
     try:
         kv.put("requests", name, {"op": "release"})
