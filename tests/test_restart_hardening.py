@@ -318,3 +318,21 @@ def test_hand_over_and_release_refuse_a_timeout_that_is_no_deadline(bad, tmp_pat
     finally:
         holder.close()
         arena.close()
+
+
+def test_unstage_refused_by_a_users_file_it_cannot_open_lets_go_of_the_rank_lock(image, tmp_path):
+    """An unstage whose rank-R.users could not be opened kept the rank's lock fd open (leaked):
+    every later stager of the rank in that process was refused as busy."""
+    from flashboot.flashload import shm as shm_files
+    from flashboot.flashload import staging
+
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)
+    paths = shm_files.staged_paths(image, 0, shm)
+    paths.users.mkdir()
+    with pytest.raises(FlashBootError, match=rf"cannot open the lock file {paths.users}: Is a directory"):
+        staging.unstage(image, shm_dir=shm)
+    assert not paths.lock.exists()  # let go and removed: a stager is not refused by an unstage that ended
+    assert staging.stage_rank(image, 0, shm_dir=shm).skipped
+    paths.users.rmdir()
+    assert paths.ready in staging.unstage(image, shm_dir=shm)

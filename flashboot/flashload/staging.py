@@ -599,7 +599,11 @@ def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[
                                      "finish or stop it, then unstage") from None
             except FileNotFoundError:  # the folder, removed meanwhile by the last engine out: nothing left
                 return removed
-            users = _flock_current(paths.users, fcntl.LOCK_EX)  # engines loading the copy hold it shared
+            try:
+                users = _flock_current(paths.users, fcntl.LOCK_EX)  # engines loading the copy hold it shared
+            except BaseException:  # it cannot be opened: the rank's lock is not held by the list below yet
+                _unlock_rank(paths, lock)
+                raise
             if users is None:
                 _unlock_rank(paths, lock)
                 # a copy `flashboot preload` staged stays after the engines: it had said they would remove it
