@@ -122,3 +122,18 @@ def test_seed_says_which_of_dir_and_held_is_wrong(argv, says, tmp_path, capsys):
     err = capsys.readouterr().err
     assert says.format(d=d) in err
     assert "not both" not in err or "--held 'x'" in err  # "not both" had been said when neither was given
+
+
+@pytest.mark.parametrize("devices, says", [
+    (["3=cpu"], "--device names rank(s) [3], which this preload does not stage (ranks [0])"),
+    (["0=cpu", "0=cuda:1"], "--device names rank 0 twice ('cpu' and 'cuda:1')"),
+])
+def test_preload_refuses_a_device_for_a_rank_it_does_not_stage_or_named_twice(image, shm, devices, says, capsys):
+    from flashboot.flashload import shm as shm_files
+
+    argv = ["preload", str(image), "--shm-dir", str(shm)]
+    for d in devices:
+        argv += ["--device", d]
+    assert main(argv) == 2  # both had been ignored (the last one winning), and the rank staged
+    assert says in capsys.readouterr().err
+    assert not shm_files.staging_dir(image, shm).exists()

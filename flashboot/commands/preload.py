@@ -47,11 +47,19 @@ def _config(args):
         rank, sep, dev = spec.partition("=")
         if not sep or not rank.strip().isdigit():
             raise FlashBootError(f"--device wants RANK=DEVICE (e.g. 0=cuda:0), got {spec!r}")
+        if int(rank) in devices:  # the last one had won without a word
+            raise FlashBootError(f"--device names rank {int(rank)} twice ({devices[int(rank)]!r} and {dev.strip()!r})")
         devices[int(rank)] = dev.strip()
-    return PreloadConfig(args.image_dir, ranks=args.ranks, shm_dir=args.shm_dir, threads=args.threads, io=args.io,
-                         chunk_bytes=parse_bytes(args.chunk_bytes), devices=devices, numa_policy=args.numa_policy,
-                         verify=args.verify, force=args.force, serve=args.serve, pin=not args.no_pin,
-                         allow_group=args.allow_group)
+    config = PreloadConfig(args.image_dir, ranks=args.ranks, shm_dir=args.shm_dir, threads=args.threads, io=args.io,
+                           chunk_bytes=parse_bytes(args.chunk_bytes), devices=devices, numa_policy=args.numa_policy,
+                           verify=args.verify, force=args.force, serve=args.serve, pin=not args.no_pin,
+                           allow_group=args.allow_group)
+    if devices:
+        staged = config.resolved_ranks()
+        stray = sorted(set(devices) - set(staged))
+        if stray:  # a typo'd rank had been ignored, its rank placed by the default instead
+            raise FlashBootError(f"--device names rank(s) {stray}, which this preload does not stage (ranks {staged})")
+    return config
 
 
 def main(args) -> int:
