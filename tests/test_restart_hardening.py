@@ -336,3 +336,25 @@ def test_unstage_refused_by_a_users_file_it_cannot_open_lets_go_of_the_rank_lock
     assert staging.stage_rank(image, 0, shm_dir=shm).skipped
     paths.users.rmdir()
     assert paths.ready in staging.unstage(image, shm_dir=shm)
+
+
+def test_a_held_record_that_is_not_a_json_object_is_refused_by_name(image, tmp_path):
+    """A record holding a JSON list (a damaged or hand-edited file) made every engine's early call
+    and restart fail with a bare AttributeError; it is now the holder's error, and a normal load."""
+    from flashboot.flashload.restart import held_here
+
+    registry = tmp_path / "registry"
+    Holder(registry=registry).close()
+    name = HolderOption(registry=registry).name_for(image, 0, "cpu")
+    (registry / "held" / f"{name}.json").write_text("[1]")
+    assert not held_here(registry, image, 0, "cpu")
+    with pytest.raises(FlashBootError, match=rf"held/{name}\.json is a JSON list, not an object"):
+        held_record(name, registry=registry)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = flashboot.load(image, 0, "cpu", holder={"registry": registry, "handover_timeout_s": 0.2})
+    with loaded:
+        assert loaded.report.mode != "held"
+        assert loaded.report.details["not_restored"].startswith(f"the holder cannot be asked for {name!r} (registry ")
+        assert "not an object" in loaded.report.details["not_restored"]
+    assert any("not an object" in str(w.message) for w in caught)

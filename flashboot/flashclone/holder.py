@@ -136,13 +136,16 @@ class _DirKV:
 
         path = self.path / kind / f"{name}.json"
         try:  # a regular file of a bounded size: a named pipe in its place had blocked every ask
-            return json.loads(read_regular(path, MAX_RECORD_BYTES, FlashBootError))
+            record = json.loads(read_regular(path, MAX_RECORD_BYTES, FlashBootError))
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise FlashBootError(f"{self.where()}: cannot read {kind}/{name}.json: {exc.strerror or exc}") from None
         except ValueError as exc:
             raise FlashBootError(f"{self.where()}: {kind}/{name}.json is not JSON ({exc})") from None
+        if not isinstance(record, dict):  # every reader takes fields of it: a list was a bare AttributeError
+            raise FlashBootError(f"{self.where()}: {kind}/{name}.json is a JSON {type(record).__name__}, not an object")
+        return record
 
     def delete(self, kind: str, name: str) -> None:
         try:

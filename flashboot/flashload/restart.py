@@ -236,8 +236,9 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
     metadata_ms = (time.perf_counter() - t0) * 1e3
     identity = image_identity(source, dev)
     why = None if record is None and map_error is not None else _why_not_held(record, identity, name, where)
-    if why is None and map_error is not None:
-        why = f"the arena held as {name!r} cannot be mapped: {map_error}"
+    if why is None and map_error is not None:  # no record: the holder could not be asked (a store down, a bad file)
+        why = (f"the holder cannot be asked for {name!r} ({where}): {map_error}" if record is None else
+               f"the arena held as {name!r} cannot be mapped: {map_error}")
     if why is None:
         loaded = None
         try:
