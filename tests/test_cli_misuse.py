@@ -137,3 +137,11 @@ def test_preload_refuses_a_device_for_a_rank_it_does_not_stage_or_named_twice(im
     assert main(argv) == 2  # both had been ignored (the last one winning), and the rank staged
     assert says in capsys.readouterr().err
     assert not shm_files.staging_dir(image, shm).exists()
+
+
+@pytest.mark.parametrize("mode", ["--no-stream", "--served", "--pin-early"])
+def test_load_refuses_a_stream_buffer_for_a_load_that_never_streams(image, shm, mode, capsys):
+    argv = ["load", str(image), "--device", "cpu", "--shm-dir", str(shm), "--timeout", "1", mode,
+            "--stream-buffer", "64MiB"]
+    assert main(argv) == 2
+    assert f"--stream-buffer sizes a streamed load's ring; a {mode} load never streams" in capsys.readouterr().err

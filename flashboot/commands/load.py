@@ -34,9 +34,14 @@ def register(subparsers) -> None:
 
 def main(args) -> int:
     import flashboot
+    from flashboot.errors import FlashBootError
     from flashboot.benchmarks.timing import check_json_path, dump_json, print_table
     from flashboot.units import format_rate, parse_bytes
 
+    if args.stream_buffer is not None and (args.stream is False or args.served or args.pin_early):
+        # a load that never streams has no ring: the size had been taken and ignored
+        never = "--no-stream" if args.stream is False else "--served" if args.served else "--pin-early"
+        raise FlashBootError(f"--stream-buffer sizes a streamed load's ring; a {never} load never streams")
     buffer = parse_bytes(args.stream_buffer) if args.stream_buffer else None
     check_json_path(args.json)
 
