@@ -145,3 +145,12 @@ def test_load_refuses_a_stream_buffer_for_a_load_that_never_streams(image, shm, 
             "--stream-buffer", "64MiB"]
     assert main(argv) == 2
     assert f"--stream-buffer sizes a streamed load's ring; a {mode} load never streams" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", ["chain", "star"])
+def test_clone_refuses_pin_early_outside_a_ring(schedule, capsys):
+    argv = ["clone", "--store", "127.0.0.1:9", "--device", "cpu", "--schedule", schedule, "--pin-early",
+            "--timeout", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--pin-early pins a ring member's shard of --image; a {schedule} clone has no shard to pin" in err

@@ -145,6 +145,9 @@ def run_clone(args: argparse.Namespace) -> int:
     if args.run is not None and args.schedule != "ring":
         raise FlashBootError(f"--run names a ring load; a {args.schedule} has no run name (use --name for a "
                              "namespace of its own)")
+    if args.pin_early and args.schedule != "ring":  # clone() ignores it outside a ring: it had been taken silently
+        raise FlashBootError(f"--pin-early pins a ring member's shard of --image; a {args.schedule} clone has no "
+                             "shard to pin")
     if args.image is not None and not os.path.exists(args.image):
         # checked before the store and the warm-up: a ring met it only after both, as a traceback, and a
         # chain or star only once it needed its fallback
