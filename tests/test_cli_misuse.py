@@ -154,3 +154,12 @@ def test_clone_refuses_pin_early_outside_a_ring(schedule, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"--pin-early pins a ring member's shard of --image; a {schedule} clone has no shard to pin" in err
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--store", "127.0.0.1:9", "--list"], "in --registry DIR or in --store HOST:PORT, not both"),
+    (["--list", "--release", "x"], "--list and --release NAME are two commands: give one"),
+])
+def test_hold_refuses_options_it_would_ignore(extra, says, tmp_path, capsys):
+    assert main(["hold", "--registry", str(tmp_path / "held"), *extra]) == 2
+    assert says in capsys.readouterr().err

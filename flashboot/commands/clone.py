@@ -215,6 +215,11 @@ def run_hold(args: argparse.Namespace) -> int:
     from flashboot.errors import FlashBootError
     from flashboot.flashclone.holder import Holder, held_record, list_held, release
 
+    # each of these had been taken and one of the two silently ignored (the registry, --list won)
+    if args.registry is not None and args.store is not None:
+        raise FlashBootError("hold keeps its records in --registry DIR or in --store HOST:PORT, not both")
+    if args.list and args.release is not None:
+        raise FlashBootError("--list and --release NAME are two commands: give one")
     if args.list:
         if args.registry is None:
             raise FlashBootError("--list needs --registry DIR")
