@@ -616,3 +616,27 @@ def test_unstage_leaves_a_starting_preloaders_files_alone(image, tmp_path):
         assert path.exists() and shm_files.staged_paths(image, 0, shm).ready.exists()
     finally:
         os.close(fd)
+
+
+def test_a_staging_folder_removed_as_it_is_made_is_made_again(tmp_path, monkeypatch):
+    """The last engine out (or an unstage) may remove the folder between ``mkdir``'s "File exists"
+    and its own look at it: ``Path.mkdir(exist_ok=True)`` then raised FileExistsError, which failed
+    the stager or the preloader although nothing stood in the way."""
+    from pathlib import Path
+
+    folder = tmp_path / "shm" / "image-abc"
+    real, calls = Path.mkdir, []
+
+    def mkdir(self, *args, **kwargs):
+        calls.append(self)
+        if self == folder and len(calls) == 1:  # found it, and it was gone when mkdir looked again
+            raise FileExistsError(errno.EEXIST, "File exists", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    assert shm_files.make_dir(folder) == folder and folder.is_dir()
+    assert calls.count(folder) > 1  # made again after the "File exists"
+    afile = tmp_path / "afile"  # a file in the way is still named, not retried into a loop
+    afile.write_bytes(b"")
+    with pytest.raises(FlashBootError, match=rf"cannot create the staging folder {afile}: {afile} is not a directory"):
+        shm_files.make_dir(afile)

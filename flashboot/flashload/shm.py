@@ -145,16 +145,25 @@ def socket_path(image_dir, shm_dir=None) -> Path:
 def make_dir(path: Path) -> Path:
     """``path`` created with its parents where absent; FlashBootError naming what is in the way
     (a file given as --shm-dir, a filesystem like /proc that takes no folders) instead of the
-    bare OSError."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        blocker = next((p for p in (path, *path.parents) if _exists(p)), None)
-        why = (f"{blocker} is not a directory" if blocker is not None and not blocker.is_dir() else
-               f"{blocker} takes no new folder {exc.filename} ({exc.strerror})")
-        raise FlashBootError(f"cannot create the staging folder {path}: {why}; use another --shm-dir (or "
-                             f"${SHM_ENV})") from None
-    return path
+    bare OSError. A folder removed by another process as it is made (the last engine out, an
+    unstage) is made again: ``mkdir(exist_ok=True)`` raises "File exists" when the folder it
+    found is gone by the time it looks again."""
+    for attempt in range(3):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+        except FileExistsError as error:
+            exc = error
+            if attempt < 2 and not _exists(path):
+                continue
+        except OSError as error:
+            exc = error
+        break
+    blocker = next((p for p in (path, *path.parents) if _exists(p)), None)
+    why = (f"{blocker} is not a directory" if blocker is not None and not blocker.is_dir() else
+           f"{blocker} takes no new folder {exc.filename} ({exc.strerror})")
+    raise FlashBootError(f"cannot create the staging folder {path}: {why}; use another --shm-dir (or "
+                         f"${SHM_ENV})") from None
 
 
 def _same_file(path: Path, fd: int) -> bool:
