@@ -163,3 +163,29 @@ def test_clone_refuses_pin_early_outside_a_ring(schedule, capsys):
 def test_hold_refuses_options_it_would_ignore(extra, says, tmp_path, capsys):
     assert main(["hold", "--registry", str(tmp_path / "held"), *extra]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_hold_list_and_release_say_a_killed_holders_record_is_stale(tmp_path, capsys):
+    from _clone_helpers import spawn_cli, stop, wait_until
+
+    from flashboot.arena import Arena
+    from flashboot.flashclone.holder import hand_over
+
+    registry = tmp_path / "held"
+    holder = spawn_cli("hold", "--registry", registry)
+    try:
+        wait_until(lambda: (registry / "held").is_dir(), 15, "the holder registry", holder)
+        with Arena.create(2 << 20, "cpu") as arena:
+            hand_over(arena, "weights", registry=str(registry), timeout_s=10)
+        holder.kill()  # SIGKILL: its record stays behind it, and its memory is gone
+        holder.wait(10)
+    finally:
+        stop(holder)
+    assert main(["hold", "--registry", str(registry), "--list"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("weights: ") and f"STALE: its holder (pid {holder.pid}) has exited" in line, line
+    # the release had waited out --timeout and blamed a holder for not answering
+    assert main(["hold", "--registry", str(registry), "--release", "weights", "--timeout", "30"]) == 2
+    err = capsys.readouterr().err
+    assert f"'weights' is held no more: its holder (pid {holder.pid}) has exited" in err
+    assert str(registry / "held" / "weights.json") in err

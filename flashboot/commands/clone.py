@@ -213,7 +213,7 @@ def _clone_and_report(args: argparse.Namespace, report_file) -> int:
 
 def run_hold(args: argparse.Namespace) -> int:
     from flashboot.errors import FlashBootError
-    from flashboot.flashclone.holder import Holder, held_record, list_held, release
+    from flashboot.flashclone.holder import Holder, held_record, holder_gone, list_held, release
 
     # each of these had been taken and one of the two silently ignored (the registry, --list won)
     if args.registry is not None and args.store is not None:
@@ -230,8 +230,10 @@ def run_hold(args: argparse.Namespace) -> int:
             what = (f", image {image.get('key')} rank {image.get('rank')} ({image.get('nbytes', 0):,} bytes, metadata "
                     f"{str(image.get('metadata_sha256'))[:12]}, {image.get('device')})" if image else ", image unknown")
             age = f", held {now - rec['since']:.0f} s" if isinstance(rec.get("since"), (int, float)) else ""
+            gone = holder_gone(rec) if d else None  # a killed holder's records stay: they had read as held
+            stale = f"; STALE: {gone}, and the memory went with it" if gone else ""
             _print(f"{name}: {d.get('nbytes', 0):,} bytes, {d.get('backend')} arena {d.get('arena_id')}, "
-                   f"holder pid {rec.get('holder_pid')}{what}{age}" if d else f"{name}: {rec.get('error')}")
+                   f"holder pid {rec.get('holder_pid')}{what}{age}{stale}" if d else f"{name}: {rec.get('error')}")
         return 0
     where = {"registry": args.registry} if args.registry else {"store": args.store, "token_file": args.token_file,
                                                                "namespace": args.name}
@@ -239,10 +241,16 @@ def run_hold(args: argparse.Namespace) -> int:
         raise FlashBootError("hold needs --registry DIR or --store HOST:PORT")
     if args.release is not None:  # `--release ""` is a bad name, not "no --release": it had started a holder
         # release() returns at once for a name no one holds: that had printed "released NAME"
-        if held_record(args.release, timeout_s=args.timeout, **where) is None:  # --timeout bounds the store's connect
+        record = held_record(args.release, timeout_s=args.timeout, **where)  # --timeout bounds the store's connect
+        if record is None:
             place = (f"registry {args.registry!r} (`flashboot hold --registry {args.registry} --list` names what is)"
                      if args.registry else f"the store at {args.store} (namespace {args.name!r})")
             raise FlashBootError(f"nothing is held as {args.release!r} in {place}")
+        gone = holder_gone(record) if "descriptor" in record else None
+        if gone is not None:  # no holder will answer: the wait had run out blaming a holder that is not there
+            stale = (f"; remove its stale record {os.path.join(args.registry, 'held', args.release + '.json')}"
+                     if args.registry else "")
+            raise FlashBootError(f"{args.release!r} is held no more: {gone}, and its memory went with it{stale}")
         release(args.release, timeout_s=args.timeout, **where)
         _print(f"released {args.release}")
         return 0
