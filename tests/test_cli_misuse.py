@@ -189,3 +189,32 @@ def test_hold_list_and_release_say_a_killed_holders_record_is_stale(tmp_path, ca
     err = capsys.readouterr().err
     assert f"'weights' is held no more: its holder (pid {holder.pid}) has exited" in err
     assert str(registry / "held" / "weights.json") in err
+
+
+def test_ctrl_c_while_a_background_store_starts_leaves_no_store_running(monkeypatch, capsys):
+    import flashboot.commands.store as store_command
+    import flashboot.fdshare as fdshare
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the parent waits for the store's ready line
+
+    monkeypatch.setattr(store_command.subprocess, "Popen", popen)
+    monkeypatch.setattr(fdshare, "readable", interrupted)
+    try:
+        assert main(["store", "127.0.0.1:0", "--background", "--timeout", "30"]) == 128 + signal.SIGINT
+        assert len(started) == 1
+        assert started[0].poll() is not None, "the detached store was left running"
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stderr is not None:
+                proc.stderr.close()

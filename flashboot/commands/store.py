@@ -74,6 +74,13 @@ def _start_in_background(address: str, timeout_s: float) -> int:
                     raise RendezvousError(f"the store for {address} exited ({proc.returncode}) before listening: "
                                           f"{err[-1].removeprefix('flashboot store: error: ') if err else 'no message'}")
                 line += chunk
+    except BaseException:
+        # Ctrl-C (or any failure) before it listened: the store runs detached, in its own session, and
+        # had stayed up with no one told its pid
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        raise
     finally:
         os.close(read_fd)
     proc.stderr.close()  # it sent its output to /dev/null before writing the ready line
