@@ -197,8 +197,9 @@ def _clone_and_report(args: argparse.Namespace, report_file) -> int:
             if report_file is None:
                 _print(text)
             else:
-                report_file.seek(0)
-                report_file.truncate()
+                if report_file.seekable():  # a file: replace what an earlier run left (a pipe, /dev/stdout or
+                    report_file.seek(0)     # a FIFO cannot seek: that had been a traceback after the clone)
+                    report_file.truncate()
                 report_file.write(text + "\n")
                 report_file.flush()
         if args.serve:
