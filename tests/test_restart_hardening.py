@@ -358,3 +358,34 @@ def test_a_held_record_that_is_not_a_json_object_is_refused_by_name(image, tmp_p
         assert loaded.report.details["not_restored"].startswith(f"the holder cannot be asked for {name!r} (registry ")
         assert "not an object" in loaded.report.details["not_restored"]
     assert any("not an object" in str(w.message) for w in caught)
+
+
+def test_engines_on_different_gpus_that_each_call_theirs_cuda0_keep_their_held_arenas_apart(image, monkeypatch):
+    """Engines of one image on different GPUs, each started with its own CUDA_VISIBLE_DEVICES (one
+    per GPU, a common data-parallel set-up), each call their GPU cuda:0. Named and identified by
+    cuda:0, each hand-over replaced the others' held arena, and a restart on GPU 1 passed the
+    identity of the arena held on GPU 0. The name and the identity now carry the GPU's PCI address."""
+    from flashboot import _cuda, pinning
+    from flashboot.flashload import restart
+    from flashboot.integrations.engine_bind import _rank_holder
+
+    gpu = {"now": "0000:18:00.0"}
+    monkeypatch.setattr(pinning, "gpu_pci_bus_id", lambda dev: gpu["now"])
+    monkeypatch.setattr(_cuda, "cuda_available", lambda: True)  # names and records only: no GPU is touched
+    monkeypatch.setattr(_cuda, "device_count", lambda: 1)
+    option = HolderOption(registry="-")
+    on_first = option.name_for(image, 0, "cuda:0")
+    named_first = _rank_holder(types.SimpleNamespace(holder={"registry": "-", "name": "llama"}), 0,
+                               restart.Device.parse("cuda:0")).name
+    record = {"descriptor": {}, "holder_pid": os.getpid(),
+              "image": {"image_dir": os.path.realpath(image), "rank": 0, "device": "cuda:0", "gpu": gpu["now"]}}
+    monkeypatch.setattr(holders, "held_record", lambda name, **where: record)
+    assert restart.held_here(option, image, 0, "cuda:0")
+    gpu["now"] = "0000:2a:00.0"  # the other engine: its cuda:0 is another GPU
+    assert on_first.endswith(".rank0.gpu0000-18-00.0")
+    assert option.name_for(image, 0, "cuda:0") == on_first.replace("gpu0000-18-00.0", "gpu0000-2a-00.0")
+    assert named_first == "llama.rank0.gpu0000-18-00.0"
+    assert _rank_holder(types.SimpleNamespace(holder={"registry": "-", "name": "llama"}), 0,
+                        restart.Device.parse("cuda:0")).name == "llama.rank0.gpu0000-2a-00.0"
+    assert not restart.held_here(option, image, 0, "cuda:0")  # held on the other GPU
+    assert option.name_for(image, 0, "cpu").endswith(".rank0.cpu")  # the host backend as before

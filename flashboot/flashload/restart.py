@@ -2,8 +2,9 @@
 
 The first engine loads as usual and then hands its arena to the holder
 (:func:`flashboot.flashclone.holder.hand_over`) with the image's identity: rank, size, the sha256
-of its ``metadata.json`` (a re-pack changes it), the image key's digest and format version, and
-the device. A restarted engine asks the holder for that name first: when the identity matches, it
+of its ``metadata.json`` (a re-pack changes it), the image key's digest and format version, the
+device and the physical GPU (its PCI address: engines with their own ``CUDA_VISIBLE_DEVICES`` each
+call their GPU ``cuda:0``). A restarted engine asks the holder for that name first: when the identity matches, it
 maps the held arena (no copy), builds the views and returns; the report's mode says ``held``.
 When it does not match (another image, another pre-pack, another device), or the holder is gone,
 or nothing is held, it warns naming why and loads normally, then hands the new arena over.
@@ -26,8 +27,31 @@ from ..errors import FlashBootError
 from ..memory import Device
 from ..units import check_timeout
 
-IDENTITY_FIELDS = ("rank", "nbytes", "metadata_sha256", "key_digest", "format_version", "device")
-"""What a held arena's identity must equal for a restarted engine to bind it."""
+IDENTITY_FIELDS = ("rank", "nbytes", "metadata_sha256", "key_digest", "format_version", "device", "gpu")
+"""What a held arena's identity must equal for a restarted engine to bind it (``gpu``: the
+physical GPU, see :func:`physical_gpu`)."""
+
+
+def physical_gpu(device: Any) -> str | None:
+    """The GPU behind ``device`` as the machine names it (its PCI address, ``0000:18:00.0``), or
+    None on the host backend. ``cuda:N`` is this process's numbering: engines started with
+    different ``CUDA_VISIBLE_DEVICES`` (one per GPU, a common data-parallel set-up) each call
+    their own GPU ``cuda:0``."""
+    dev = Device.parse(device)
+    if not dev.is_cuda:
+        return None
+    from ..pinning import gpu_pci_bus_id
+
+    return gpu_pci_bus_id(dev)
+
+
+def device_tag(device: Any) -> str:
+    """``device`` as a held-arena name spells it: ``cpu``, or ``gpu`` and the GPU's PCI address
+    (``gpu0000-18-00.0``), not ``cuda0``: by this process's numbering, the engines of one image
+    on different GPUs, each started with its own ``CUDA_VISIBLE_DEVICES``, each replaced the
+    others' held arena under one name."""
+    gpu = physical_gpu(device)
+    return "cpu" if gpu is None else "gpu" + gpu.replace(":", "-")
 
 
 @dataclass(frozen=True)
@@ -93,7 +117,7 @@ class HolderOption:
         # hand-over fail (ENAMETOOLONG)
         base = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(real)).lstrip(".")[:NAME_BASE_MAX] or "image"
         tag = hashlib.sha256(real.encode()).hexdigest()[:12]
-        return f"{base}-{tag}.rank{rank}.{str(device).replace(':', '')}"
+        return f"{base}-{tag}.rank{rank}.{device_tag(device)}"
 
 
 def held_here(holder: Any, image_dir, rank: int, device: Any) -> bool:
@@ -111,7 +135,8 @@ def held_here(holder: Any, image_dir, rank: int, device: Any) -> bool:
         return False
     held = (record or {}).get("image") or {}
     return ("descriptor" in (record or {}) and held.get("image_dir") == os.path.realpath(image_dir)
-            and (held.get("rank"), held.get("device")) == (rank, str(dev)) and holders.holder_gone(record) is None)
+            and (held.get("rank"), held.get("device"), held.get("gpu")) == (rank, str(dev), physical_gpu(dev))
+            and holders.holder_gone(record) is None)
 
 
 NAME_BASE_MAX = 64
@@ -127,7 +152,7 @@ def image_identity(source, device: Device) -> dict:
     key = source.metadata.key
     return {"image_dir": os.path.realpath(source.image_dir), "rank": source.rank, "nbytes": source.nbytes,
             "metadata_sha256": source.metadata_sha256, "key": key.describe(), "key_digest": key.digest,
-            "format_version": key.format_version, "device": str(device)}
+            "format_version": key.format_version, "device": str(device), "gpu": physical_gpu(device)}
 
 
 def _why_not_held(record: dict | None, identity: dict, name: str, where: str) -> str | None:
@@ -217,7 +242,8 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
     try:
         record = holders.held_record(name, **option.where(option.handover_timeout_s))
         held = (record or {}).get("image") or {}
-        if "descriptor" in (record or {}) and (held.get("rank"), held.get("device")) == (rank, str(dev)):
+        if "descriptor" in (record or {}) and (held.get("rank"), held.get("device"), held.get("gpu")) == \
+                (rank, str(dev), physical_gpu(dev)):
             gone = holders.holder_gone(record)
             if gone is not None:  # a reused pid's fds would be another process's, maybe another arena
                 raise FlashBootError(gone)
@@ -270,4 +296,5 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
     return loaded
 
 
-__all__ = ["HolderOption", "IDENTITY_FIELDS", "held_here", "image_identity", "load_or_restore"]
+__all__ = ["HolderOption", "IDENTITY_FIELDS", "device_tag", "held_here", "image_identity", "load_or_restore",
+           "physical_gpu"]

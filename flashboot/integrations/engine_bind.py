@@ -78,16 +78,16 @@ def _rank_namespace(options: LoaderOptions, rank: int) -> str:
 def _rank_holder(options: LoaderOptions, rank: int, dev):
     """This rank's holder option: a ``name`` in the loader options is the same on every rank and
     replica they start, so each holds its arena as ``NAME.rankR.DEVICE`` (as the default name
-    does with the image folder's): under one name, each rank's hand-over replaced the other's and
+    does with the image folder's; DEVICE names the physical GPU, :func:`~flashboot.flashload.restart.device_tag`): under one name, each rank's hand-over replaced the other's and
     every restart of the others reloaded."""
-    from flashboot.flashload.restart import HolderOption
+    from flashboot.flashload.restart import HolderOption, device_tag
 
     if options.holder is None:
         return None
     option = HolderOption.of(options.holder)
     if option.name is None:
         return option
-    return dataclasses.replace(option, name=f"{option.name}.rank{rank}.{str(dev).replace(':', '')}")
+    return dataclasses.replace(option, name=f"{option.name}.rank{rank}.{device_tag(dev)}")
 
 
 def _stage_if_needed(options: LoaderOptions, rank: int, dev):
