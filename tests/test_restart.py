@@ -200,3 +200,32 @@ def test_holder_option_is_checked():
     for bad in ("../w", "a b", "", ".hidden", 7):  # had been a normal load at every start, with two warnings
         with pytest.raises(FlashBootError, match=rf"held-arena name must be letters, .*, got {re.escape(repr(bad))}"):
             HolderOption.of({"registry": "/tmp/r", "name": bad})
+
+
+@pytest.mark.gpu
+def test_restart_on_a_gpu_maps_the_held_arena_named_by_the_gpus_pci_address(image, holder):
+    """The same restart on cuda:0: the held name and identity carry the GPU's PCI address (engines
+    that each see their own GPU as cuda:0 keep their held arenas apart), and the restarted load
+    binds the held bytes without a copy."""
+    from flashboot.memory import Device
+    from flashboot.pinning import gpu_pci_bus_id
+
+    pci = gpu_pci_bus_id(Device.parse("cuda:0"))
+    name = HolderOption(registry="-").name_for(image, 0, "cuda:0")
+    assert name.endswith(".rank0.gpu" + pci.replace(":", "-")), (name, pci)
+    with pytest.warns(RuntimeWarning, match="nothing is held"):
+        first = flashboot.load(image, 0, "cuda:0", holder=holder)
+    assert first.report.details["handed_over_as"] == name
+    want = views_of_gpu(first)
+    first.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = flashboot.load(image, 0, "cuda:0", holder=holder)
+    with again:
+        assert again.report.mode == "held" and again.report.h2d_ms == 0
+        assert views_of_gpu(again) == want
+        assert held_record(name, registry=holder)["image"]["gpu"] == pci
+
+
+def views_of_gpu(loaded) -> dict:
+    return {n: bytes(t.contiguous().view(-1).view(torch.uint8).cpu().numpy()) for n, t in loaded.tensors.items()}
