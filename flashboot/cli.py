@@ -56,6 +56,7 @@ unless the user set this variable. It is read once, when torch loads, so it is s
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(CPP_LOG_LEVEL_ENV, "ERROR")
+    console = argv is None  # the console script, not a caller in Python
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:
@@ -67,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C: the command's own clean-up ran as the interrupt unwound it; say so in one line
         # (a page of threading frames told the user nothing), and exit as a shell reports SIGINT
         print(f"flashboot {args.command}: interrupted (SIGINT) before it finished", file=sys.stderr)
+        if console:
+            # end as an uncaught interrupt does: the interpreter's exit clean-up, then death by SIGINT, so
+            # a shell loop running us stops too (an exit status of 130 let it go on); only the traceback goes
+            sys.excepthook = _quiet_interrupt
+            raise
         return 128 + signal.SIGINT
     except BrokenPipeError:
         if not _stdout_closed():  # a socket or pipe of the command's own: a real failure
@@ -77,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return 128 + signal.SIGPIPE
+
+
+def _quiet_interrupt(kind, value, tb) -> None:
+    if not issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, tb)
 
 
 def _stdout_closed() -> bool:

@@ -31,6 +31,21 @@ def test_ctrl_c_midway_ends_a_command_with_one_line_and_the_sigint_status(monkey
     assert err.strip() == "flashboot prepack: interrupted (SIGINT) before it finished"
 
 
+def test_ctrl_c_ends_the_console_script_by_sigint_so_a_shell_loop_running_it_stops_too(tmp_path):
+    code = ("import sys\n"
+            "import flashboot.flashload.prepack as prepack_module\n"
+            "def interrupted(*args, **kwargs):\n"
+            "    raise KeyboardInterrupt\n"
+            "prepack_module.prepack = interrupted\n"
+            f"sys.argv = ['flashboot', 'prepack', {str(tmp_path)!r}, '--out', {str(tmp_path / 'out')!r}]\n"
+            "from flashboot.cli import main\n"
+            "sys.exit(main())\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # an exit status of 130 made bash go on to a loop's next command: only death by the signal stops it
+    assert run.returncode == -signal.SIGINT, (run.returncode, run.stderr)
+    assert run.stderr.strip() == "flashboot prepack: interrupted (SIGINT) before it finished", run.stderr
+
+
 def test_output_piped_into_a_reader_that_left_ends_quietly_with_the_sigpipe_status():
     read_end, write_end = os.pipe()
     os.close(read_end)  # `| head -1` that has already exited: every write fails with EPIPE
