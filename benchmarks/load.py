@@ -134,7 +134,33 @@ PHASES = ("wait", "pin", "alloc", "exchange", "metadata", "h2d", "bind")
 
 def bench_checkpoint(spec, *, device: str, ckpt_root: Path, image_root: Path, shm_root: Path, warmup: int,
                      repeats: int, log: Callable[[str], None], keep: bool) -> tuple[list[LoaderResult], list[PipelineResult], dict]:
-    """All measurements for one checkpoint spec; see the module docstring."""
+    """All measurements for one checkpoint spec; see the module docstring. Unless ``keep``, the
+    checkpoint, the image and the staged files go however the run ends (Ctrl-C or an error midway
+    had left the checkpoint's hundreds of MB in /dev/shm)."""
+    try:
+        return _bench_checkpoint(spec, device=device, ckpt_root=ckpt_root, image_root=image_root,
+                                 shm_root=shm_root, warmup=warmup, repeats=repeats, log=log)
+    finally:
+        if not keep:
+            _remove_checkpoint(spec, ckpt_root=ckpt_root, image_root=image_root, shm_root=shm_root, log=log)
+
+
+def _remove_checkpoint(spec, *, ckpt_root: Path, image_root: Path, shm_root: Path, log: Callable[[str], None]) -> None:
+    """Remove what :func:`bench_checkpoint` made for ``spec``; a staged copy that cannot go (a
+    preloader still up) is said, not raised: it must not hide the run's own error."""
+    from flashboot.flashload.staging import unstage
+
+    img_dir = image_root / f"image-{spec.name}"
+    try:
+        unstage(str(img_dir), shm_dir=str(shm_root))
+    except (FlashBootError, OSError) as exc:
+        log(f"warning: the staged copy of {img_dir} under {shm_root} was not removed: {exc}")
+    shutil.rmtree(img_dir, ignore_errors=True)
+    shutil.rmtree(ckpt_root / f"ckpt-{spec.name}", ignore_errors=True)
+
+
+def _bench_checkpoint(spec, *, device: str, ckpt_root: Path, image_root: Path, shm_root: Path, warmup: int,
+                      repeats: int, log: Callable[[str], None]) -> tuple[list[LoaderResult], list[PipelineResult], dict]:
     from flashboot.benchmarks.checkpoints import make_checkpoint, tensors_digest
     from flashboot.benchmarks.disk import drop_file_cache, write_rate
     from flashboot.benchmarks.peers import PEERS
@@ -281,10 +307,6 @@ def bench_checkpoint(spec, *, device: str, ckpt_root: Path, image_root: Path, sh
     finally:
         stop_service(str(img_dir), str(shm_root))
     extra["flashload_reports"] = reports
-    if not keep:
-        unstage(str(img_dir), shm_dir=str(shm_root))
-        shutil.rmtree(img_dir, ignore_errors=True)
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
     return results, pipeline, extra
 
 
@@ -313,13 +335,14 @@ def run(*, scale: float | None = None, checkpoints: list = ("A", "B"), device: s
     """
     from flashboot.benchmarks.checkpoints import CHECKPOINTS, CheckpointSpec
 
-    from flashboot.benchmarks.timing import check_count
+    from flashboot.benchmarks.timing import check_count, check_scale
     from flashboot.memory import Device
 
     check_count(repeats, "repeats")  # before the checkpoints are generated
     dev = str(Device.parse(device))
     if scale is None:
         scale = 1.0 if dev.startswith("cuda") else 1e-3
+    scale = check_scale(scale, "scale")
     unknown = [c for c in checkpoints if not isinstance(c, CheckpointSpec) and c not in CHECKPOINTS]
     if unknown:
         raise FlashBootError(f"unknown checkpoints {unknown}; known: {', '.join(CHECKPOINTS)}")

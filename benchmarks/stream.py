@@ -259,9 +259,12 @@ def run(*, scale: float | None = None, device: str | None = None, buffer_bytes: 
     from flashboot.benchmarks.checkpoints import CHECKPOINT_A, make_checkpoint
     from flashboot.memory import Device
 
+    from flashboot.benchmarks.timing import check_scale
+
     dev = str(Device.parse(device))
     if scale is None:
         scale = 1.0 if dev.startswith("cuda") else 0.05
+    scale = check_scale(scale, "scale")  # inf had ended in an OverflowError traceback
     out: dict = {"device": dev, "scale": scale}
     root = Path(image_root or DEFAULT_IMAGE_ROOT)
     root.mkdir(parents=True, exist_ok=True)
@@ -271,26 +274,34 @@ def run(*, scale: float | None = None, device: str | None = None, buffer_bytes: 
     if out["image_fs"] in ("tmpfs", "ramfs"):
         log(f"warning: {root} is on {out['image_fs']}: this measures memory, not a disk")
     generated = image_dir is None
-    if generated:
-        spec = CHECKPOINT_A.scaled(scale)
-        ckpt_dir = Path(ckpt_root or DEFAULT_CKPT_ROOT) / f"ckpt-{spec.name}"
-        image_dir = str(root / f"image-{spec.name}")
-        t0 = time.perf_counter()
-        ckpt = make_checkpoint(str(ckpt_dir), spec, device="cuda:0" if dev.startswith("cuda") else "cpu")
-        log(f"checkpoint {spec.name}: {format_bytes(ckpt.nbytes)} in {time.perf_counter() - t0:.1f} s")
-        t0 = time.perf_counter()
-        rep = flashboot.prepack(str(ckpt_dir), image_dir, progress=False)
-        s = time.perf_counter() - t0
-        out["prepack"] = {"seconds": s, "gbps": rep.image_nbytes / s / 1e9, "phases_s": rep.seconds}
-        log(f"pre-pack: {format_bytes(rep.image_nbytes)} in {s:.1f} s ({rep.image_nbytes / s / 1e9:.2f} GB/s)")
-        if not keep:
-            shutil.rmtree(ckpt_dir, ignore_errors=True)
-    out["stream"] = measure_stream(image_dir, device=dev, buffer_bytes=buffer_bytes, threads=threads,
-                                   warm_root=root, log=log)
+    ckpt_dir = None
+    # What this run generated goes however it ends unless ``keep`` (Ctrl-C or an error midway had
+    # left the checkpoint in /dev/shm and the image on disk).
+    try:
+        if generated:
+            spec = CHECKPOINT_A.scaled(scale)
+            ckpt_dir = Path(ckpt_root or DEFAULT_CKPT_ROOT) / f"ckpt-{spec.name}"
+            image_dir = str(root / f"image-{spec.name}")
+            t0 = time.perf_counter()
+            ckpt = make_checkpoint(str(ckpt_dir), spec, device="cuda:0" if dev.startswith("cuda") else "cpu")
+            log(f"checkpoint {spec.name}: {format_bytes(ckpt.nbytes)} in {time.perf_counter() - t0:.1f} s")
+            t0 = time.perf_counter()
+            rep = flashboot.prepack(str(ckpt_dir), image_dir, progress=False)
+            s = time.perf_counter() - t0
+            out["prepack"] = {"seconds": s, "gbps": rep.image_nbytes / s / 1e9, "phases_s": rep.seconds}
+            log(f"pre-pack: {format_bytes(rep.image_nbytes)} in {s:.1f} s ({rep.image_nbytes / s / 1e9:.2f} GB/s)")
+            if not keep:
+                shutil.rmtree(ckpt_dir, ignore_errors=True)
+        out["stream"] = measure_stream(image_dir, device=dev, buffer_bytes=buffer_bytes, threads=threads,
+                                       warm_root=root, log=log)
+    finally:
+        if generated and not keep:
+            if ckpt_dir is not None:
+                shutil.rmtree(ckpt_dir, ignore_errors=True)
+            if image_dir is not None:
+                shutil.rmtree(image_dir, ignore_errors=True)
     if "prepack" in out:
         out["prepack"]["x_disk"] = out["prepack"]["gbps"] / out["stream"]["disk_gbps"]
-    if generated and not keep:
-        shutil.rmtree(image_dir, ignore_errors=True)
     return out
 
 

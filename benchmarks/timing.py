@@ -7,6 +7,7 @@ only measures.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -44,6 +45,18 @@ def check_count(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise FlashBootError(f"{what} must be an int >= 1, got {value!r}")
     return value
+
+
+def check_scale(value, what: str = "--scale") -> float:
+    """``value`` as a finite float > 0, or FlashBootError naming ``what``: inf had ended in an
+    OverflowError traceback from the checkpoint's dimensions, after the directories were made."""
+    import math
+
+    from flashboot.errors import FlashBootError
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise FlashBootError(f"{what} must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def time_cuda(fn: Callable[[Any], None], *, device: int = 0, warmup: int = 2, repeats: int = 7,
@@ -151,6 +164,22 @@ def check_json_path(path: str | None) -> None:
         return
     from flashboot.errors import FlashBootError
 
+    import stat
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise FlashBootError(f"cannot write the JSON report to {path}: {exc.strerror}") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # a FIFO, /dev/stdout, a tty: opened and closed now, a pipe's reader had its EOF before the
+        # report, and the report's own write then blocked for ever with no reader; checked, not opened
+        if stat.S_ISDIR(st.st_mode):
+            raise FlashBootError(f"cannot write the JSON report to {path}: it is a directory")
+        if not os.access(path, os.W_OK):
+            raise FlashBootError(f"cannot write the JSON report to {path}: permission denied")
+        return
     try:
         open(path, "w").close()
     except OSError as exc:
