@@ -18,6 +18,7 @@ from ..errors import (
     WaitTimeoutError,
 )
 from ..service_loop import stop_on_signals
+from ..units import check_timeout
 from .server import PreloadServer, _describe_stage
 from .shm import (
     _proc_start_time,
@@ -152,6 +153,8 @@ def start_background(config: PreloadConfig, *, timeout_s: float = 30.0, extra_ar
     (before starting anything), or with the log's tail when the service dies at start;
     WaitTimeoutError when it is not up within ``timeout_s`` (the service is stopped then).
     """
+    # NaN: no deadline is ever reached (the wait never ended); before anything starts
+    timeout_s = check_timeout(timeout_s, "start_background timeout_s")
     status = service_status(config.image_dir, config.shm_dir)
     if status.running:
         raise FlashBootError(f"a preloader already runs for {config.image_dir} (pid {status.pid}); stop it with --stop")
@@ -168,19 +171,25 @@ def start_background(config: PreloadConfig, *, timeout_s: float = 30.0, extra_ar
                                 start_new_session=True, close_fds=True)
     deadline = time.monotonic() + timeout_s
     waiting_for = f"claim {status.path}"
-    while time.monotonic() < deadline:
-        if _running_pid(status.path) == proc.pid:
-            if not config.serve:
-                return proc.pid
-            waiting_for = f"answer on {sock}"
-            if _answers(config, sock, proc.pid, deadline):
-                return proc.pid
-        code = proc.poll()
-        if code is not None:
-            if code == 0 and not config.serve:
-                return proc.pid  # it staged everything and exited already
-            raise FlashBootError(f"background preloader exited with status {code} at start; {log}:\n{_tail(log)}")
-        time.sleep(0.02)
+    try:
+        while time.monotonic() < deadline:
+            if _running_pid(status.path) == proc.pid:
+                if not config.serve:
+                    return proc.pid
+                waiting_for = f"answer on {sock}"
+                if _answers(config, sock, proc.pid, deadline):
+                    return proc.pid
+            code = proc.poll()
+            if code is not None:
+                if code == 0 and not config.serve:
+                    return proc.pid  # it staged everything and exited already
+                raise FlashBootError(f"background preloader exited with status {code} at start; {log}:\n{_tail(log)}")
+            time.sleep(0.02)
+    except BaseException:
+        # Ctrl-C (or any error) in this wait: the child, in its own session, had stayed up with
+        # its pid told to no one
+        _stop_child(proc)
+        raise
     _stop_child(proc)
     raise WaitTimeoutError(f"background preloader (pid {proc.pid}) did not {waiting_for} within {timeout_s:g} s, and "
                            f"was stopped (exit status {proc.returncode}); see {log}")
@@ -247,6 +256,7 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
     A stale pid file (its process gone) is removed and reported. Raises WaitTimeoutError when the
     process does not exit within ``timeout_s``.
     """
+    timeout_s = check_timeout(timeout_s, "stop_service timeout_s")  # NaN: the waits below never ended
     status = service_status(image_dir, shm_dir)
     if status.pid is None:
         return f"no preloader runs for {image_dir} (no pid file {status.path})"

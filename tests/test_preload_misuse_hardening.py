@@ -1,0 +1,132 @@
+"""Misuse of the preloader and its benchmarks: a run interrupted midway leaves nothing behind, a
+non-finite scale or timeout is refused by name, a --json FIFO gets the report, options that mean
+nothing without --serve are refused, and --status says how far a rank's staging really is."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flashboot
+from flashboot.benchmarks import load as bench_load
+from flashboot.benchmarks import stream as bench_stream
+from flashboot.benchmarks.checkpoints import CheckpointSpec
+from flashboot.errors import FlashBootError
+from flashboot.flashload import service, staging
+
+from _preload_helpers import make_tiny_image  # noqa: E402  (tests/ is on the path)
+
+TINY = CheckpointSpec("T", layers=1, experts=2, expert_rows=16, expert_cols=16, hidden=16, vocab=16, shards=1)
+
+
+def _interrupt(*_a, **_k):
+    raise KeyboardInterrupt
+
+
+def test_bench_load_interrupted_midway_removes_its_checkpoint_and_image(tmp_path, monkeypatch):
+    ckpt_root, image_root = tmp_path / "ckpt", tmp_path / "images"
+    monkeypatch.setattr(flashboot, "prepack", _interrupt)  # Ctrl-C once the checkpoint is written
+    with pytest.raises(KeyboardInterrupt):
+        bench_load.run(checkpoints=[TINY], device="cpu", ckpt_root=str(ckpt_root), image_root=str(image_root),
+                       log=lambda _line: None)
+    assert not (ckpt_root / "ckpt-T").exists(), "the generated checkpoint is removed however the run ends"
+    assert not (image_root / "image-T").exists()
+
+
+def test_bench_stream_interrupted_midway_removes_its_checkpoint_and_image(tmp_path, monkeypatch):
+    ckpt_root, image_root = tmp_path / "ckpt", tmp_path / "images"
+    monkeypatch.setattr(bench_stream, "measure_stream", _interrupt)  # Ctrl-C after the pre-pack
+    with pytest.raises(KeyboardInterrupt):
+        bench_stream.run(scale=1e-4, device="cpu", image_root=str(image_root), ckpt_root=str(ckpt_root),
+                         log=lambda _line: None)
+    assert list(image_root.iterdir()) == [], "the generated image is removed however the run ends"
+    assert not ckpt_root.exists() or list(ckpt_root.iterdir()) == []
+
+
+@pytest.mark.parametrize("scale", [math.inf, -math.inf, math.nan, 0.0, -1.0])
+def test_bench_scales_that_are_not_finite_and_positive_are_refused_by_name(tmp_path, scale):
+    with pytest.raises(FlashBootError, match="scale must be a finite number > 0"):
+        bench_stream.run(scale=scale, device="cpu", image_root=str(tmp_path / "i"), ckpt_root=str(tmp_path / "c"),
+                         log=lambda _line: None)
+    with pytest.raises(FlashBootError, match="scale must be a finite number > 0"):
+        bench_load.run(scale=scale, checkpoints=["A"], device="cpu", ckpt_root=str(tmp_path / "c"),
+                       image_root=str(tmp_path / "i"), log=lambda _line: None)
+
+
+def test_json_report_into_a_fifo_reaches_a_reader_that_stops_at_eof(tmp_path):
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    # the writer as the bench commands run: check the path first, the work (a pause here: it lets a
+    # reader woken by the check see its EOF; with the fix nothing wakes it), then the report
+    code = ("import sys, time; from flashboot.benchmarks.timing import check_json_path, dump_json; "
+            "check_json_path(sys.argv[1]); time.sleep(0.5); dump_json({'ok': 1}, sys.argv[1])")
+    writer = subprocess.Popen([sys.executable, "-c", code, str(fifo)])
+    try:
+        with open(fifo) as f:  # as `cat`: reads until the first EOF
+            got = f.read()
+        assert json.loads(got) == {"ok": 1}, "the check's open-and-close had sent the reader its EOF"
+        assert writer.wait(60) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+
+
+def test_json_path_check_still_refuses_what_cannot_be_written(tmp_path):
+    from flashboot.benchmarks.timing import check_json_path
+
+    with pytest.raises(FlashBootError, match="cannot write the JSON report to .*missing"):
+        check_json_path(str(tmp_path / "missing" / "r.json"))
+    with pytest.raises(FlashBootError, match="cannot write the JSON report to"):
+        check_json_path(str(tmp_path))
+    old = tmp_path / "old.json"
+    old.write_text("an earlier run's report")
+    check_json_path(str(old))
+    assert old.read_text() == "", "a regular file is still emptied"
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    return make_tiny_image(tmp_path_factory.mktemp("misuse"))
+
+
+@pytest.mark.parametrize("timeout", [math.nan, -1.0, 0.0, math.inf])
+def test_service_timeouts_are_checked_by_name(image, tmp_path, timeout):
+    cfg = staging.PreloadConfig(str(image), shm_dir=str(tmp_path / "shm"), serve=True)
+    with pytest.raises(FlashBootError, match="start_background timeout_s must be a finite number"):
+        service.start_background(cfg, timeout_s=timeout)
+    assert service.service_status(image, tmp_path / "shm").pid is None, "nothing was started"
+    with pytest.raises(FlashBootError, match="stop_service timeout_s must be a finite number"):
+        service.stop_service(image, tmp_path / "shm", timeout_s=timeout)
+
+
+def test_ctrl_c_while_start_background_waits_stops_the_daemon(image, tmp_path, monkeypatch):
+    shm = tmp_path / "shm"
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(*a, **k):
+        started.append(real_popen(*a, **k))
+        return started[-1]
+
+    monkeypatch.setattr(service.subprocess, "Popen", popen)
+    monkeypatch.setattr(service, "_running_pid", _interrupt)  # Ctrl-C in the wait for its pid file
+    cfg = staging.PreloadConfig(str(image), shm_dir=str(shm), serve=True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            service.start_background(cfg, timeout_s=60)
+        assert len(started) == 1
+        assert started[0].poll() is not None, f"the daemon (pid {started[0].pid}) it started is still up"
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        monkeypatch.undo()
+        staging.unstage(str(image), shm_dir=str(shm))
