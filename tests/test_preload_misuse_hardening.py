@@ -130,3 +130,25 @@ def test_ctrl_c_while_start_background_waits_stops_the_daemon(image, tmp_path, m
                 p.wait()
         monkeypatch.undo()
         staging.unstage(str(image), shm_dir=str(shm))
+
+
+def test_serve_only_options_without_serve_are_refused_by_name(image, tmp_path):
+    with pytest.raises(FlashBootError, match=r"--no-pin\) applies only to a serving preloader"):
+        staging.PreloadConfig(str(image), shm_dir=str(tmp_path), pin=False)
+    with pytest.raises(FlashBootError, match=r"--allow-group\) applies only to a serving preloader"):
+        staging.PreloadConfig(str(image), shm_dir=str(tmp_path), allow_group="0")
+    with pytest.raises(FlashBootError, match="applies only to a serving preloader"):
+        staging.PreloadConfig.from_dict({"image_dir": str(image), "allow_group": 0})
+    # with serve both stand, and the background child's command line rebuilds the same config
+    cfg = staging.PreloadConfig(str(image), shm_dir=str(tmp_path), serve=True, pin=False, allow_group="0")
+    argv = service.config_argv(cfg)
+    assert "--no-pin" in argv and argv[-2:] == ["--allow-group", "0"] and "--serve" in argv
+
+
+def test_preload_cli_refuses_no_pin_without_serve(image, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "flashboot.commands.preload", str(image), "--shm-dir", str(tmp_path),
+                        "--no-pin"], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "--no-pin) applies only to a serving preloader" in p.stderr + p.stdout
+    assert "Traceback" not in p.stderr
+    assert not any(tmp_path.iterdir()), "nothing was staged"

@@ -674,6 +674,15 @@ class PreloadConfig:
             raise FlashBootError(f"numa_policy must be one of {', '.join(NUMA_POLICIES)}, got {self.numa_policy!r}")
         self.devices = {int(k): str(v) for k, v in (self.devices or {}).items()}
         self.allow_gid()  # an unknown group is refused now, not when the socket is made
+        # Both act only on the served-load daemon: without serve they had been dropped without a word
+        # (a user who asked for --allow-group believed the group could load)
+        if not self.serve:
+            if self.pin is not True:
+                raise FlashBootError(f"pin={self.pin!r} (--no-pin) applies only to a serving preloader "
+                                     "(serve=True, --serve); this one only stages")
+            if self.allow_group is not None:
+                raise FlashBootError(f"allow_group={self.allow_group!r} (--allow-group) applies only to a serving "
+                                     "preloader (serve=True, --serve): without it nobody connects")
 
     def allow_gid(self) -> int | None:
         """The gid of :attr:`allow_group` (None when not set); FlashBootError naming an unknown group."""
