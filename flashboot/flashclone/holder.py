@@ -93,8 +93,11 @@ def _check_name(name: str) -> str:
 class _DirKV:
     """Records as JSON files in a private directory (atomic replace)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, create: bool = True):
         self.path = Path(path)
+        self._lock_fd: int | None = None
+        if not create and not self.path.exists():  # a read: a mistyped path had left an empty registry behind
+            return
         try:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
@@ -103,7 +106,7 @@ class _DirKV:
         if mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise FlashBootError(f"holder registry {str(self.path)!r} is writable by others (mode {oct(mode & 0o777)}); "
                                  "anyone could plant a descriptor there: chmod 700 it")
-        for sub in ("requests", "held"):
+        for sub in ("requests", "held") if create else ():
             try:
                 (self.path / sub).mkdir(mode=0o700, exist_ok=True)
             except OSError as exc:
@@ -112,6 +115,40 @@ class _DirKV:
 
     def where(self) -> str:
         return f"registry {str(self.path)!r}"
+
+    LOCK = "holder.lock"
+
+    def lock_for_holder(self) -> None:
+        """Be this registry's one holder until :meth:`close` (an exclusive flock, which the kernel
+        drops when the process dies). Two holders had both adopted requests: an arena one of them
+        kept outlived every release and `hold --list`, still mapped, never freed."""
+        import errno
+        import fcntl
+
+        path = self.path / self.LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise FlashBootError(f"{self.where()}: cannot open its holder lock {self.LOCK}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            try:
+                other = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+            except OSError:
+                other = ""
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise FlashBootError(f"{self.where()}: cannot lock {self.LOCK}: {exc.strerror}") from None
+            raise FlashBootError(f"another holder{f' (pid {other})' if other.isdigit() else ''} already serves "
+                                 f"{self.where()}; a registry has one holder at a time (stop it first, or use "
+                                 "another registry)") from None
+        try:  # who holds it, for the next one refused
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass
+        self._lock_fd = fd
 
     # Every OSError is a FlashBootError naming the file: a bare one (a full disk at a hand-over, a
     # directory or unreadable file among the requests) had failed an engine's finished load, and
@@ -162,7 +199,9 @@ class _DirKV:
         return []
 
     def close(self) -> None:
-        pass
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # drops the flock: the next holder may start
 
 
 class _StoreKV:
@@ -243,10 +282,10 @@ class _StoreKV:
         self.rdv.close()
 
 
-def _kv(registry=None, store=None, **kw):
+def _kv(registry=None, store=None, *, create: bool = True, **kw):
     if (registry is None) == (store is None):
         raise FlashBootError("name where held arenas live: registry=DIR or store=HOST:PORT (exactly one)")
-    return _DirKV(registry) if registry is not None else _StoreKV(store, **kw)
+    return _DirKV(registry, create=create) if registry is not None else _StoreKV(store, **kw)
 
 
 # ============================================================================================
@@ -284,6 +323,12 @@ class Holder:
 
     def __init__(self, registry=None, store=None, *, poll_s: float = 0.01, **store_options):
         self.kv = _kv(registry, store, host=True, **store_options) if store is not None else _kv(registry)
+        if registry is not None:
+            try:
+                self.kv.lock_for_holder()
+            except BaseException:
+                self.kv.close()
+                raise
         grow_fd_table()  # each adopted arena arrives as fds: the table's growth is paid here, not by an adoption
         from ..flashload.shm import _proc_start_time
 
@@ -502,7 +547,7 @@ def held_record(name: str, *, registry=None, store=None, **store_options) -> dic
     """The holder's whole record for ``name`` (descriptor, image, since, holder_pid; or the error
     of a failed adoption), None when nothing is held under it."""
     _check_name(name)
-    kv = _kv(registry, store, **store_options)
+    kv = _kv(registry, store, create=False, **store_options)
     try:
         return kv.get("held", name)
     finally:
@@ -514,7 +559,7 @@ def held_descriptor(name: str, *, registry=None, store=None, **store_options):
     from ..arena import ArenaDescriptor
 
     _check_name(name)
-    kv = _kv(registry, store, **store_options)
+    kv = _kv(registry, store, create=False, **store_options)
     try:
         held = kv.get("held", name)
         if held is None or "descriptor" not in held:
@@ -541,13 +586,23 @@ def open_held(name: str, device: Any = None, *, registry=None, store=None, **sto
 
 
 def release(name: str, *, registry=None, store=None, timeout_s: float = DEFAULT_TIMEOUT_S, **store_options) -> None:
-    """Ask the holder to drop ``name`` and wait until it has. WaitTimeoutError if it does not."""
+    """Ask the holder to drop ``name`` and wait until it has. WaitTimeoutError if it does not;
+    ArenaError when nothing holds ``name`` (or its holder has exited)."""
     from ..units import check_timeout
 
     _check_name(name)
     check_timeout(timeout_s, "release timeout_s")  # NaN had waited forever for a holder that is not there
-    kv = _kv(registry, store, **store_options)
+    # the store's connect is bounded by the same timeout, not the store's 30 s default
+    kv = _kv(registry, store, create=False,
+             **({"timeout_s": timeout_s, **store_options} if store is not None else store_options))
     try:
+        # a name nothing holds had returned at once, as if released: a typo went unnoticed
+        held = kv.get("held", name)
+        if held is None:
+            raise ArenaError(f"nothing is held as {name!r} in {kv.where()}")
+        gone = holder_gone(held) if "descriptor" in held else None
+        if gone is not None:  # no holder will answer the request: the wait had run out blaming it
+            raise ArenaError(f"{name!r} is held no more in {kv.where()}: {gone}, and its memory went with it")
         kv.put("requests", name, {"op": "release"})
         deadline = time.monotonic() + timeout_s
         while kv.get("held", name) is not None:
@@ -560,7 +615,7 @@ def release(name: str, *, registry=None, store=None, timeout_s: float = DEFAULT_
 
 def list_held(registry) -> dict[str, dict]:
     """``name -> record`` of everything held in a registry directory."""
-    kv = _DirKV(registry)
+    kv = _DirKV(registry, create=False)
     return {n: kv.get("held", n) for n in kv.names("held")}
 
 

@@ -1,0 +1,109 @@
+"""FlashClone misused as a hostile but realistic user would: two holders on one registry, a
+release of a name nothing holds, a store host that does not resolve, two seeds on one namespace,
+a ring clone of a missing image. Each one a clear FlashBootError naming the problem."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flashboot.arena import Arena
+from flashboot.errors import ArenaError, FlashBootError, RendezvousError
+
+from _clone_helpers import _token, store  # noqa: F401  (fixtures)
+from _clone_helpers import MiB, TOKEN, env, finish, spawn_cli, stop
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---------------------------------------------------------------------------------------------
+# the holder
+# ---------------------------------------------------------------------------------------------
+
+
+def test_second_holder_on_a_registry_is_refused_naming_the_first(tmp_path):
+    registry = tmp_path / "reg"
+    first = spawn_cli("hold", "--registry", registry)
+    try:
+        assert "holder ready" in first.stdout.readline()
+        second = subprocess.run([sys.executable, "-m", "flashboot.cli", "hold", "--registry", str(registry)],
+                                env=env(), capture_output=True, text=True, timeout=30)
+        assert second.returncode != 0 and "holder ready" not in second.stdout
+        assert "another holder" in second.stderr and f"pid {first.pid}" in second.stderr, second.stderr
+        assert first.poll() is None  # the first one serves on
+    finally:
+        stop(first)
+
+
+def test_holder_lock_goes_with_the_holder(tmp_path):
+    from flashboot.flashclone.holder import Holder
+
+    a = Holder(registry=tmp_path / "reg")
+    with pytest.raises(FlashBootError, match=f"another holder \\(pid {os.getpid()}\\)"):
+        Holder(registry=tmp_path / "reg")
+    a.close()
+    b = Holder(registry=tmp_path / "reg")  # the first one's close let go of the registry
+    b.close()
+
+
+def test_one_holder_keeps_what_it_adopts_and_releases_it(tmp_path):
+    from flashboot.flashclone.holder import Holder, hand_over, held_record, release
+
+    registry = tmp_path / "reg"
+    with Holder(registry=registry) as holder:
+        arena = Arena.create(MiB, "cpu")
+        import threading
+
+        t = threading.Thread(target=holder.serve_forever, kwargs={"handle_signals": False})
+        t.start()
+        try:
+            hand_over(arena, "w", registry=registry, timeout_s=10)
+            arena.close()
+            assert held_record("w", registry=registry)["holder_pid"] == os.getpid()
+            release("w", registry=registry, timeout_s=10)
+            assert "w" not in holder.held and held_record("w", registry=registry) is None
+        finally:
+            holder.stop()
+            t.join(10)
+
+
+def test_release_of_a_name_nothing_holds_raises(tmp_path):
+    from flashboot.flashclone.holder import Holder, release
+
+    registry = tmp_path / "reg"
+    with Holder(registry=registry):
+        with pytest.raises(ArenaError, match="nothing is held as 'typo'"):
+            release("typo", registry=registry, timeout_s=2)
+    assert not (registry / "requests" / "typo.json").exists()  # no request left for a holder to find
+
+
+def test_release_passes_its_timeout_to_the_store_connect(monkeypatch):
+    from flashboot.flashclone import holder as holder_mod
+    from flashboot.flashclone.rendezvous import Rendezvous
+
+    seen = {}
+
+    def connect(address, token=None, **kw):
+        seen.update(kw)
+        raise RendezvousError("stop here")
+
+    monkeypatch.setattr(Rendezvous, "connect", staticmethod(connect))
+    with pytest.raises(RendezvousError, match="stop here"):
+        holder_mod.release("w", store="127.0.0.1:9", timeout_s=1.5)
+    assert seen["timeout_s"] == 1.5
+
+
+def test_read_only_holder_calls_create_no_registry(tmp_path):
+    from flashboot.flashclone.holder import held_descriptor, held_record, list_held, release
+
+    missing = tmp_path / "typo"
+    assert held_record("w", registry=missing) is None
+    assert list_held(missing) == {}
+    with pytest.raises(ArenaError, match="no arena is held"):
+        held_descriptor("w", registry=missing)
+    with pytest.raises(ArenaError, match="nothing is held"):
+        release("w", registry=missing, timeout_s=1)
+    assert not missing.exists()
