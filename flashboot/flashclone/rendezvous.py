@@ -433,13 +433,21 @@ def _ip_literal(host: str):
         return None
 
 
-def _names_this_machine(host: str) -> bool:
-    """Whether ``host`` resolves to at least one address this machine can bind (a name that
-    resolves nowhere counts as ours: TCPStore then says what is wrong with it)."""
+def _resolve(host: str, address: str | None = None) -> list:
+    """``getaddrinfo`` of ``host``; RendezvousError naming it when it does not resolve. Left to
+    TCPStore, a name that resolves nowhere was hosted (it then waited its whole timeout and
+    printed its C++ frames) or waited for until the deadline, as if no store were up yet."""
     try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return True
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise RendezvousError(f"store host {host!r}{f' (in {address})' if address else ''} does not resolve: "
+                              f"{exc.strerror or exc}") from None
+
+
+def _names_this_machine(host: str) -> bool:
+    """Whether ``host`` resolves to at least one address this machine can bind; RendezvousError
+    when it resolves nowhere."""
+    infos = _resolve(host)
     for family, kind, proto, _, sockaddr in infos:
         try:
             with socket.socket(family, kind, proto) as s:
@@ -563,6 +571,7 @@ class Rendezvous:
         if not namespace or "/" in namespace:
             raise RendezvousError(f"namespace must be a non-empty name without '/', got {namespace!r}")
         h, port = parse_address(address)
+        _resolve(h, address)  # at once: an unresolvable name is no store that is not up yet
         from torch.distributed import DistError, TCPStore
 
         started = time.monotonic()
