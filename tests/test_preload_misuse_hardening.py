@@ -152,3 +152,19 @@ def test_preload_cli_refuses_no_pin_without_serve(image, tmp_path):
     assert "--no-pin) applies only to a serving preloader" in p.stderr + p.stdout
     assert "Traceback" not in p.stderr
     assert not any(tmp_path.iterdir()), "nothing was staged"
+
+
+def test_status_of_a_rank_being_staged_does_not_claim_it_is_all_written(image, tmp_path):
+    from flashboot.flashload import shm as shm_files
+    from flashboot.flashload.status import rank_states
+
+    shm = tmp_path / "shm"
+    paths = shm_files.staged_paths(image, 0, shm)
+    paths.partial.parent.mkdir(parents=True, exist_ok=True)
+    nbytes = shm_files.rank_source(image, 0).nbytes
+    with open(paths.partial, "wb") as f:  # as the stager leaves it before its first byte: sized and reserved whole
+        os.posix_fallocate(f.fileno(), 0, nbytes)
+    (state,) = rank_states(image, [0], shm, preloader_pid=os.getpid())
+    assert state.state == "staging", state
+    assert f"{nbytes:,} of {nbytes:,} bytes so far" not in state.detail, state.detail
+    assert f"{nbytes:,} bytes to stage" in state.detail and "copied so far unknown" in state.detail, state.detail

@@ -50,14 +50,12 @@ def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict |
         info = read_ready(paths.ready)
     except FileNotFoundError:
         if preloader_pid is None and _pid_file_held(paths.lock):  # an engine staging its own copy (stage_for_load)
-            done = _size(paths.partial)
-            so_far = f", {done:,} of {source.nbytes:,} bytes so far" if done is not None else ""
+            so_far = _staging_progress(paths.partial, source.nbytes)
             return RankState(rank, "staging", f"by pid {_lock_holder(paths.lock)} (no preloader: an engine staging "
                                               f"its own copy, which the last engine to load it removes){so_far}")
         if preloader_pid is None:
             return RankState(rank, "not staged", f"{paths.ready} absent")
-        done = _size(paths.partial)
-        so_far = f", {done:,} of {source.nbytes:,} bytes so far" if done is not None else ""
+        so_far = _staging_progress(paths.partial, source.nbytes)
         return RankState(rank, "staging", f"by preloader pid {preloader_pid}{so_far}")
     except LayoutError as exc:
         return RankState(rank, "unreadable", str(exc))
@@ -104,6 +102,16 @@ def _lock_holder(lock) -> str:
             return f.read(32).decode(errors="replace").strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def _staging_progress(partial, nbytes: int) -> str:
+    """What the ``.partial`` of a rank being staged says of its progress: its size is not it (the
+    stager sizes and reserves it whole before the first byte, fallocate'd blocks included, so its
+    size and its blocks had read "N of N bytes so far" from the start), and nothing on disk counts
+    the bytes copied, so how far it is goes unsaid rather than a wrong number."""
+    if _size(partial) is None:
+        return f", {nbytes:,} bytes to stage"
+    return f", {nbytes:,} bytes to stage into {partial} (bytes copied so far unknown: the file is reserved whole)"
 
 
 def _size(path) -> int | None:
