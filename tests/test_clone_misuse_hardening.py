@@ -107,3 +107,35 @@ def test_read_only_holder_calls_create_no_registry(tmp_path):
     with pytest.raises(ArenaError, match="nothing is held"):
         release("w", registry=missing, timeout_s=1)
     assert not missing.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# an unresolvable store host
+# ---------------------------------------------------------------------------------------------
+
+_NOSUCH = "nosuchhost.invalid"  # .invalid never resolves (RFC 6761)
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_connect_to_an_unresolvable_host_names_it(host):
+    from flashboot.errors import WaitTimeoutError
+    from flashboot.flashclone.rendezvous import Rendezvous
+
+    with pytest.raises(RendezvousError, match=f"store host '{_NOSUCH}'.*does not resolve") as info:
+        Rendezvous.connect(f"{_NOSUCH}:1234", TOKEN, host=host, timeout_s=20)
+    assert not isinstance(info.value, WaitTimeoutError)
+
+
+def test_store_server_on_an_unresolvable_host_names_it():
+    from flashboot.flashclone.store import StoreServer
+
+    with pytest.raises(RendezvousError, match=f"store host '{_NOSUCH}' does not resolve"):
+        StoreServer(f"{_NOSUCH}:0", timeout_s=20)
+
+
+def test_cli_store_on_an_unresolvable_host_is_one_line():
+    run = subprocess.run([sys.executable, "-m", "flashboot.cli", "store", f"{_NOSUCH}:0"], env=env(),
+                         capture_output=True, text=True, timeout=50)
+    assert run.returncode != 0
+    assert f"store host '{_NOSUCH}' does not resolve" in run.stderr
+    assert "frame #" not in run.stderr and "Traceback" not in run.stderr
