@@ -168,3 +168,17 @@ def test_status_of_a_rank_being_staged_does_not_claim_it_is_all_written(image, t
     assert state.state == "staging", state
     assert f"{nbytes:,} of {nbytes:,} bytes so far" not in state.detail, state.detail
     assert f"{nbytes:,} bytes to stage" in state.detail and "copied so far unknown" in state.detail, state.detail
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama"])
+def test_prepack_at_ep_2_with_a_family_that_finds_no_expert_is_refused_by_name(tmp_path, family):
+    from flashboot.benchmarks.checkpoints import make_checkpoint
+    from flashboot.errors import LayoutError
+
+    make_checkpoint(str(tmp_path / "ckpt"), TINY, device="cpu")  # experts named ...experts.N.w1: mixtral's, not these
+    with pytest.raises(LayoutError, match=rf"ep=2 splits experts, but family {family} finds no expert tensor.*"
+                                          r"experts\.0\.w1\.weight"):
+        flashboot.prepack(str(tmp_path / "ckpt"), str(tmp_path / "img"), ep=2, family=family, progress=False)
+    assert not (tmp_path / "img").exists() or not any((tmp_path / "img").iterdir()), "nothing was written"
+    rep = flashboot.prepack(str(tmp_path / "ckpt"), str(tmp_path / "img"), ep=1, family=family, progress=False)
+    assert len(rep.ranks) == 1, "at ep=1 the same family still pre-packs (one full rank is what was asked)"
