@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashboot.errors import FlashBootError
+from flashboot.units import timeout_arg
 
 DEFAULT_ENGINES = (1, 2, 4, 8, 16)
 
@@ -391,7 +392,7 @@ def register_bench(sub) -> None:
     p.add_argument("--dir", default=None, help="where the checkpoint and image go (default: a fresh one in $TMPDIR)")
     p.add_argument("--shm-dir", default=None, help="staging root (default: a fresh one in /dev/shm)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any one wait may take")
+    p.add_argument("--timeout", type=timeout_arg, default=120.0, help="seconds any one wait may take")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON ('-' for stdout)")
     p.set_defaults(func=main)

@@ -182,3 +182,14 @@ def test_prepack_at_ep_2_with_a_family_that_finds_no_expert_is_refused_by_name(t
     assert not (tmp_path / "img").exists() or not any((tmp_path / "img").iterdir()), "nothing was written"
     rep = flashboot.prepack(str(tmp_path / "ckpt"), str(tmp_path / "img"), ep=1, family=family, progress=False)
     assert len(rep.ranks) == 1, "at ep=1 the same family still pre-packs (one full rank is what was asked)"
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-1", "0"])
+def test_bench_serve_refuses_a_timeout_that_is_no_deadline_before_it_makes_anything(tmp_path, bad):
+    """`bench serve --timeout nan` was refused only once the daemon started, after the checkpoint
+    and image were made."""
+    p = subprocess.run([sys.executable, "-m", "flashboot.cli", "bench", "serve", "--timeout", bad, "--dir",
+                        str(tmp_path / "work")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "--timeout" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "work").exists()
