@@ -139,3 +139,68 @@ def test_cli_store_on_an_unresolvable_host_is_one_line():
     assert run.returncode != 0
     assert f"store host '{_NOSUCH}' does not resolve" in run.stderr
     assert "frame #" not in run.stderr and "Traceback" not in run.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# two seeds on one namespace
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_seed_published_over_stops_the_first_naming_the_second(store, tmp_path):
+    """The second seed serves (a restart over a crashed seed's record must work); the first had
+    served on silently, saying it served, while every clone went to the other."""
+    import threading
+
+    import flashboot
+    from _clone_helpers import write_raw_image
+
+    address, rdv = store
+    path = tmp_path / "image.bin"
+    write_raw_image(path, MiB, 5)
+    a = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    errors = []
+
+    def serve():
+        try:
+            a.serve_forever(handle_signals=False)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    b = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    try:
+        t.join(20)
+        assert not t.is_alive(), "the superseded seed served on"
+        assert len(errors) == 1 and isinstance(errors[0], RendezvousError), errors
+        msg = str(errors[0])
+        assert f"pid {os.getpid()}" in msg and b.generation in msg and a.generation in msg and "'default'" in msg
+        assert a.superseded_by["generation"] == b.generation
+        # the replacement's record is left alone, and it serves
+        assert rdv.read("seed", what="the seed", timeout_s=1).body["generation"] == b.generation
+    finally:
+        a.stop()
+        t.join(10)
+        a.close()
+        b.close()
+
+
+def test_cli_seed_published_over_exits_with_one_line(store, tmp_path):
+    import flashboot
+    from _clone_helpers import write_raw_image
+
+    address, rdv = store
+    path = tmp_path / "image.bin"
+    write_raw_image(path, MiB, 6)
+    first = spawn_cli("seed", path, "--store", address, "--device", "cpu")
+    try:
+        assert "seed ready" in first.stdout.readline()
+        b = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+        try:
+            rc, out, err = finish(first, 20)
+        finally:
+            b.close()
+        assert rc != 0 and "seed stopped" not in out
+        assert "another seed" in err and b.generation in err and "Traceback" not in err, err
+    finally:
+        stop(first)

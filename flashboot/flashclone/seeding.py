@@ -51,7 +51,10 @@ class Seed(Service):
         self.republished = 0
         """How many times the records were published again (a restarted store, a deleted record)."""
         self.superseded = False
-        """True once another seed's record replaced ours (we then leave it alone)."""
+        """True once another seed's record replaced ours (we then leave it alone; :meth:`serve_forever`
+        stops with an error naming it)."""
+        self.superseded_by: dict | None = None
+        """The record body of the seed that replaced ours."""
         self._next_check = 0.0
         self._thread = None
         self._thread_stop = threading.Event()
@@ -67,7 +70,8 @@ class Seed(Service):
     def serve_forever(self, stop: threading.Event | None = None, *, handle_signals: bool = True) -> None:
         """Block until ``stop``, :meth:`stop` or SIGTERM/SIGINT, checking every
         :data:`CHECK_PUBLISHED_S` that the store still holds our record (see :meth:`check_published`),
-        then :meth:`close`. Raises RendezvousError naming the store when it is lost for good."""
+        then :meth:`close`. Raises RendezvousError naming the store when it is lost for good, or
+        naming the seed that published over this one's record (:attr:`superseded`)."""
         from ..service_loop import serve_until_stopped
 
         try:
@@ -80,6 +84,16 @@ class Seed(Service):
         if now >= self._next_check:
             self._next_check = now + CHECK_PUBLISHED_S
             self.check_published()
+            if self.superseded:  # it had served on, saying "seed ready", while every clone went to the other
+                raise RendezvousError(f"this seed no longer serves: {self.superseded_description()}")
+
+    def superseded_description(self) -> str:
+        """Which seed replaced ours, for an error (call once :attr:`superseded`)."""
+        by = self.superseded_by or {}
+        return (f"another seed (pid {by.get('pid')} on {by.get('host')}, generation {by.get('generation')}) "
+                f"published over this one's record (generation {self.generation}) in namespace "
+                f"{self.rendezvous.namespace!r} at {self.address}; one seed serves a namespace at a time "
+                "(stop the other, or give each its own --name)")
 
     def check_published(self) -> bool:
         """Publish our records again when the store no longer holds them (it was restarted, or
@@ -101,6 +115,7 @@ class Seed(Service):
                 if rec is not None:
                     if rec.body.get("generation") != self.generation:
                         self.superseded = True
+                        self.superseded_by = {k: rec.body.get(k) for k in ("pid", "host", "generation")}
                     return False
         if rdv.lost is not None:
             self._reconnect()
