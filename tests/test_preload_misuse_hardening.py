@@ -184,6 +184,18 @@ def test_prepack_at_ep_2_with_a_family_that_finds_no_expert_is_refused_by_name(t
     assert len(rep.ranks) == 1, "at ep=1 the same family still pre-packs (one full rank is what was asked)"
 
 
+def test_prepack_of_a_dense_model_at_ep_2_is_not_refused(tmp_path):
+    """No tensor looks like an expert: the ep ranks each hold the same shard, as an engine started
+    with that ep size expects (the refusal above is for experts a family missed)."""
+    from _engine_helpers import make_tiny_model
+
+    ckpt = make_tiny_model("llama", tmp_path / "llama")
+    rep = flashboot.prepack(str(ckpt), str(tmp_path / "img"), ep=2, progress=False)
+    assert len(rep.ranks) == 2
+    first, second = (flashboot.layouts.read_image(tmp_path / "img", r) for r in (0, 1))
+    assert first.path.read_bytes() == second.path.read_bytes()  # the same shard on both ep ranks
+
+
 @pytest.mark.parametrize("bad", ["nan", "inf", "-1", "0"])
 def test_bench_serve_refuses_a_timeout_that_is_no_deadline_before_it_makes_anything(tmp_path, bad):
     """`bench serve --timeout nan` was refused only once the daemon started, after the checkpoint

@@ -182,15 +182,15 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
         check_plan(plan, ckpt.tensors, fam.name)
         rank_layouts.append(compute_layout([t.slot() for t in plan.tensors], tensor_alignment=alignment))
         plans.append(plan)
-    if ep > 1 and all(plan.experts is None for plan in plans):
-        # ep splits experts only: a family whose expert names match no tensor (a forced --family,
-        # a dense model) had written ep full copies of the model, each rank's "share", without a word
-        looks = sorted(n for n in ckpt.tensors if ".experts." in n)
-        hint = (f"; {len(looks)} tensor(s) look like experts but are not this family's expert names (e.g. "
-                f"{looks[0]!r}): choose the family whose names they are" if looks else "")
+    looks = sorted(n for n in ckpt.tensors if ".experts." in n) if ep > 1 else []
+    if looks and all(plan.experts is None for plan in plans):
+        # ep splits experts only: a family whose expert names match none of the checkpoint's (a
+        # forced --family) had written ep full copies, each rank's "share", without a word. A dense
+        # model at ep > 1 is not refused: its ep ranks each hold the same shard, as the engine's do.
         raise LayoutError(f"{hf_dir}: ep={ep} splits experts, but family {fam.name} finds no expert tensor among "
                           f"the checkpoint's {len(ckpt.tensors)}: every rank would hold a full copy of the "
-                          f"{ckpt.nbytes:,} bytes{hint}; pre-pack at ep=1")
+                          f"{ckpt.nbytes:,} bytes; {len(looks)} tensor(s) look like experts but are not this "
+                          f"family's expert names (e.g. {looks[0]!r}): choose the family whose names they are")
     empty = [p.rank for p, lay in zip(layouts, rank_layouts) if lay.image_nbytes == 0]
     if empty:  # a load refuses an empty image: say so now, not after a job that "succeeded"
         raise LayoutError(f"{hf_dir}: rank(s) {empty[:8]} of {len(layouts)} would hold no tensor bytes "
