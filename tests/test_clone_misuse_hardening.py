@@ -204,3 +204,20 @@ def test_cli_seed_published_over_exits_with_one_line(store, tmp_path):
         assert "another seed" in err and b.generation in err and "Traceback" not in err, err
     finally:
         stop(first)
+
+
+# ---------------------------------------------------------------------------------------------
+# a ring clone of a missing image
+# ---------------------------------------------------------------------------------------------
+
+
+def test_ring_load_of_a_missing_image_names_it(tmp_path):
+    from flashboot.flashclone.rendezvous import free_port
+    from flashboot.flashclone.ring import ring_load
+
+    missing = tmp_path / "nope.bin"
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(FlashBootError, match=f"ring image '{missing}' does not exist"):
+        ring_load(address, missing, "cpu", members=1, timeout_s=5)
+    with pytest.raises(FlashBootError, match=f"ring image '{missing}' does not exist"):
+        ring_load(address, str(missing), "cpu", members=2, timeout_s=5)

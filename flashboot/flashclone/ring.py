@@ -58,6 +58,10 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
     if transport not in ("auto", "posix_fd", "fabric", "nixl"):
         raise FlashBootError(f"a ring reads its predecessor through 'auto', 'posix_fd', 'fabric' or 'nixl', "
                              f"not {transport!r}")
+    path = Path(image)
+    if not path.exists():  # before any store is hosted or joined: it had been a bare FileNotFoundError
+        raise FlashBootError(f"ring image {str(path)!r} does not exist (pass a pre-packed image directory or an "
+                             "image file)")
     hook = _step_hook(step_delay_s)
     nixl_warm = AgentWarmup.start_for(transport, "ring", timeout_s)
     if prepared is not None:
@@ -73,12 +77,14 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
         t0 = time.perf_counter()
         from flashboot.layouts import read_image_metadata
 
-        path = Path(image)
         meta = read_image_metadata(path, rank) if path.is_dir() else None
         if meta is not None:
             manifest = Manifest.from_metadata(meta)
         else:
-            nbytes = path.stat().st_size
+            try:
+                nbytes = path.stat().st_size
+            except OSError as exc:  # removed since the check above, or unreadable
+                raise FlashBootError(f"ring image {str(path)!r}: {exc.strerror or exc}") from None
             from flashboot.kernels.checksum import chunk_checksums
 
             probe = _HostImage(path, CPU)
