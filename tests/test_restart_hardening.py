@@ -378,7 +378,8 @@ def test_engines_on_different_gpus_that_each_call_theirs_cuda0_keep_their_held_a
     named_first = _rank_holder(types.SimpleNamespace(holder={"registry": "-", "name": "llama"}), 0,
                                restart.Device.parse("cuda:0")).name
     record = {"descriptor": {}, "holder_pid": os.getpid(),
-              "image": {"image_dir": os.path.realpath(image), "rank": 0, "device": "cuda:0", "gpu": gpu["now"]}}
+              "image": {"image_dir": os.path.realpath(image), "rank": 0, "device": "cuda:0", "gpu": gpu["now"],
+                        "metadata_sha256": flashboot.layouts.image.read_job(image).metadata_sha256[0]}}
     monkeypatch.setattr(holders, "held_record", lambda name, **where: record)
     assert restart.held_here(option, image, 0, "cuda:0")
     gpu["now"] = "0000:2a:00.0"  # the other engine: its cuda:0 is another GPU
@@ -389,3 +390,22 @@ def test_engines_on_different_gpus_that_each_call_theirs_cuda0_keep_their_held_a
                         restart.Device.parse("cuda:0")).name == "llama.rank0.gpu0000-2a-00.0"
     assert not restart.held_here(option, image, 0, "cuda:0")  # held on the other GPU
     assert option.name_for(image, 0, "cpu").endswith(".rank0.cpu")  # the host backend as before
+
+
+def test_an_image_re_packed_while_held_is_not_held_here(tmp_path):
+    """held_here compared the record's folder, rank and device alone: an image re-packed since the
+    hand-over passed for held, so the engine's early call and its staging were skipped and the load
+    (refusing the old arena by its metadata digest) then streamed from disk."""
+    from flashboot.flashload.restart import held_here
+
+    image = make_tiny_image(tmp_path / "img")
+    registry = tmp_path / "registry"
+    with serving_holder(Holder(registry=registry)):
+        with pytest.warns(RuntimeWarning, match="nothing is held"):
+            flashboot.load(image, 0, "cpu", holder=registry).close()
+        assert held_here(registry, image, 0, "cpu")
+        flashboot.prepack(str(tmp_path / "img" / "ckpt"), str(image), progress=False, chunk_bytes=8192)  # re-packed
+        assert not held_here(registry, image, 0, "cpu")
+        with pytest.warns(RuntimeWarning, match="another image or version"):
+            flashboot.load(image, 0, "cpu", holder=registry).close()  # loads normally, hands the new one over
+        assert held_here(registry, image, 0, "cpu")

@@ -122,9 +122,9 @@ class HolderOption:
 
 def held_here(holder: Any, image_dir, rank: int, device: Any) -> bool:
     """Whether the holder keeps an arena of rank ``rank`` of ``image_dir`` on ``device`` under this
-    load's name, by its record alone (the load checks the whole identity): an engine's early call
-    then allocates and copies nothing that the restart would throw away. False where the holder
-    cannot be asked (the load says why)."""
+    load's name, from the same pre-pack, by its record and the image's job file (the load checks
+    the whole identity): an engine's early call then allocates and copies nothing that the restart
+    would throw away. False where the holder cannot be asked (the load says why)."""
     from ..flashclone import holder as holders
 
     option, dev = HolderOption.of(holder), Device.parse(device)
@@ -136,7 +136,21 @@ def held_here(holder: Any, image_dir, rank: int, device: Any) -> bool:
     held = (record or {}).get("image") or {}
     return ("descriptor" in (record or {}) and held.get("image_dir") == os.path.realpath(image_dir)
             and (held.get("rank"), held.get("device"), held.get("gpu")) == (rank, str(dev), physical_gpu(dev))
-            and holders.holder_gone(record) is None)
+            and holders.holder_gone(record) is None and _same_pack(image_dir, rank, held))
+
+
+def _same_pack(image_dir, rank: int, held: dict) -> bool:
+    """Whether the image is still the pre-pack the held arena was loaded from, by the digest of
+    the rank's ``metadata.json`` that the job file records (a small read; the load checks the
+    file's own bytes): an image re-packed since had skipped the early call and the staging, and
+    its load then streamed from disk. True for a lone rank directory (no job file to ask)."""
+    from ..layouts.image import resolve_rank
+
+    try:
+        _, job = resolve_rank(image_dir, rank)
+    except FlashBootError:
+        return False
+    return job is None or job.metadata_sha256.get(rank) == held.get("metadata_sha256")
 
 
 NAME_BASE_MAX = 64
