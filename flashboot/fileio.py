@@ -152,6 +152,26 @@ def read_rate(path: str | os.PathLike, *, io: str = "direct", nbytes: int | None
     return (sum(done) / dt / 1e9 if dt > 0 else float("inf")), mode
 
 
+def sign_lock(fd: int) -> None:
+    """Write this process's pid into a lock file it holds (flock), for the next one refused to name
+    (:func:`lock_signer`). Best effort: a lock file on hugetlbfs takes no write."""
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
+
+
+def lock_signer(path) -> str:
+    """The pid :func:`sign_lock` wrote into the lock file ``path``, or ``unknown`` (not written yet,
+    or unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(32).decode(errors="replace").strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 class DirectReadRefused(Exception):
     """A read under O_DIRECT failed with EINVAL: the filesystem takes the flag, not the I/O."""
 

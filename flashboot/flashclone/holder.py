@@ -17,6 +17,7 @@ Where the names live (one of):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -29,6 +30,7 @@ from typing import Any
 
 from ..errors import ArenaError, FlashBootError, StoreLostError, WaitTimeoutError
 from ..fdshare import grow_fd_table, take_fds
+from ..fileio import lock_signer, read_regular, sign_lock
 
 DEFAULT_TIMEOUT_S = 30.0
 MAX_PENDING_REQUESTS = 64
@@ -133,21 +135,14 @@ class _DirKV:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            try:
-                other = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
-            except OSError:
-                other = ""
             os.close(fd)
+            other = lock_signer(path)
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise FlashBootError(f"{self.where()}: cannot lock {self.LOCK}: {exc.strerror}") from None
             raise FlashBootError(f"another holder{f' (pid {other})' if other.isdigit() else ''} already serves "
                                  f"{self.where()}; a registry has one holder at a time (stop it first, or use "
                                  "another registry)") from None
-        try:  # who holds it, for the next one refused
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError:
-            pass
+        sign_lock(fd)  # who holds it, for the next one refused
         self._lock_fd = fd
 
     # Every OSError is a FlashBootError naming the file: a bare one (a full disk at a hand-over, a
@@ -162,15 +157,11 @@ class _DirKV:
                 json.dump(body, f)
             os.replace(tmp, target)
         except OSError as exc:
-            try:  # a full disk: no half-written temporary left behind
+            with contextlib.suppress(OSError):  # a full disk: no half-written temporary left behind
                 tmp.unlink()
-            except OSError:
-                pass
             raise FlashBootError(f"{self.where()}: cannot write {kind}/{name}.json: {exc.strerror or exc}") from None
 
     def get(self, kind: str, name: str) -> dict | None:
-        from ..fileio import read_regular
-
         path = self.path / kind / f"{name}.json"
         try:  # a regular file of a bounded size: a named pipe in its place had blocked every ask
             record = json.loads(read_regular(path, MAX_RECORD_BYTES, FlashBootError))

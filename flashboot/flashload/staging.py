@@ -27,7 +27,7 @@ from ..errors import (
     OutOfMemoryError,
     WaitTimeoutError,
 )
-from ..fileio import DirectReadRefused, io_buffer, open_for_reads, read_exactly
+from ..fileio import DirectReadRefused, io_buffer, lock_signer, open_for_reads, read_exactly, sign_lock
 from ..memory import Device
 from .shm import (
     SHM_ENV,
@@ -286,17 +286,9 @@ def _lock_rank(paths, rank: int, image_dir) -> int:
     (FlashBootError with the holder's pid). Returns the lock's fd."""
     fd = _flock_current(paths.lock, fcntl.LOCK_EX)
     if fd is None:
-        try:
-            holder = paths.lock.read_text(errors="replace").strip()[:32] or "unknown"
-        except OSError:
-            holder = "unknown"
-        raise StagingBusy(f"rank {rank} of {image_dir} is being staged already (by pid {holder}, which "
-                          f"holds {paths.lock}); wait for its {paths.ready}, or stop it first")
-    try:  # the pid, for a stager refused: only words (hugetlbfs takes no write)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-    except OSError:
-        pass
+        raise StagingBusy(f"rank {rank} of {image_dir} is being staged already (by pid {lock_signer(paths.lock)}, "
+                          f"which holds {paths.lock}); wait for its {paths.ready}, or stop it first")
+    sign_lock(fd)
     return fd
 
 

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import FlashBootError, LayoutError
+from ..fileio import lock_signer
 from .shm import _pid_file_held, _running_pid, rank_source, read_ready, shm_root, staged_paths
 
 STATES = ("not staged", "staging", "staged", "served", "stale", "truncated", "failed", "unreadable")
@@ -51,7 +52,7 @@ def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict |
     except FileNotFoundError:
         if preloader_pid is None and _pid_file_held(paths.lock):  # an engine staging its own copy (stage_for_load)
             so_far = _staging_progress(paths.partial, source.nbytes)
-            return RankState(rank, "staging", f"by pid {_lock_holder(paths.lock)} (no preloader: an engine staging "
+            return RankState(rank, "staging", f"by pid {lock_signer(paths.lock)} (no preloader: an engine staging "
                                               f"its own copy, which the last engine to load it removes){so_far}")
         if preloader_pid is None:
             return RankState(rank, "not staged", f"{paths.ready} absent")
@@ -93,15 +94,6 @@ def _held_state(image_dir, rank: int, source, held: dict, daemon: dict) -> RankS
                                         f"`flashboot preload {image_dir} --stop`, then `--serve` again")
     pin = f", pinned in {held['pin_ms']:.0f} ms" if held.get("pin_ms") else ""
     return RankState(rank, "served", f"{source.nbytes:,} bytes {state} by the daemon (pid {pid}){pin}")
-
-
-def _lock_holder(lock) -> str:
-    """The pid a stager wrote into the rank's lock, or ``unknown`` (not written yet, or unreadable)."""
-    try:
-        with open(lock, "rb") as f:
-            return f.read(32).decode(errors="replace").strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def _staging_progress(partial, nbytes: int) -> str:
