@@ -50,11 +50,10 @@ def check_count(value, what: str) -> int:
 def check_scale(value, what: str = "--scale") -> float:
     """``value`` as a finite float > 0, or FlashBootError naming ``what``: inf had ended in an
     OverflowError traceback from the checkpoint's dimensions, after the directories were made."""
-    import math
-
     from flashboot.errors import FlashBootError
+    from flashboot.units import is_finite_number
 
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not is_finite_number(value) or value <= 0:
         raise FlashBootError(f"{what} must be a finite number > 0, got {value!r}")
     return float(value)
 

@@ -81,11 +81,15 @@ MAX_TIMEOUT_S = 1e6
 (inf raised OverflowError mid-load) and a wait that long is a mistake."""
 
 
+def is_finite_number(value) -> bool:
+    """An int or a float, finite (a bool is no number here: True had passed for 1)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def check_timeout(value, what: str, error: type[FlashBootError] = FlashBootError) -> float:
     """``value`` as a float of seconds in (0, :data:`MAX_TIMEOUT_S`], or ``error`` naming ``what``:
     NaN had spun a thread forever (no deadline is ever reached), inf raised OverflowError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 < value <= MAX_TIMEOUT_S:
+    if not is_finite_number(value) or not 0 < value <= MAX_TIMEOUT_S:
         raise error(f"{what} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
     return float(value)
 

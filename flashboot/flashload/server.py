@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import math
 import os
 import socket
 import threading
@@ -24,6 +23,7 @@ from ..errors import (
     WaitTimeoutError,
 )
 from ..fdshare import SCM_MAX_FD, FdStream
+from ..units import is_finite_number
 from .protocol import PeerCredentials, _error_payload, peer_credentials
 from .shm import (
     _unlink_quietly,
@@ -707,7 +707,7 @@ def _descriptor_fd_count(req: dict) -> int:
 
 def _request_timeout_s(req: dict) -> float:
     value = req.get("timeout_s", 60)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if not is_finite_number(value) or value < 0:
         raise RendezvousError(f"timeout_s must be a finite number >= 0, got {value!r}")
     return min(float(value), 24 * 3600.0)
 
