@@ -290,8 +290,9 @@ def run(*, scale: float | None = None, device: str | None = None, buffer_bytes: 
             s = time.perf_counter() - t0
             out["prepack"] = {"seconds": s, "gbps": rep.image_nbytes / s / 1e9, "phases_s": rep.seconds}
             log(f"pre-pack: {format_bytes(rep.image_nbytes)} in {s:.1f} s ({rep.image_nbytes / s / 1e9:.2f} GB/s)")
-            if not keep:
+            if not keep:  # now: the measurement needs only the image
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
+                ckpt_dir = None
         out["stream"] = measure_stream(image_dir, device=dev, buffer_bytes=buffer_bytes, threads=threads,
                                        warm_root=root, log=log)
     finally:
