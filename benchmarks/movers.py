@@ -37,6 +37,16 @@ class _Endpoints:
     keep: tuple = ()
 
 
+def _randomize(t) -> None:
+    """Random bytes in all of the uint8 tensor ``t``: whole 8-byte words, then the tail byte by byte
+    (a size not a multiple of 8 had raised torch's view error, a traceback for ``--sizes 1``)."""
+    import torch
+
+    whole = t.numel() // 8 * 8
+    t[:whole].view(torch.int64).random_()
+    t[whole:].random_(0, 256)
+
+
 def _endpoints(path: str, nbytes: int) -> _Endpoints:
     import torch
 
@@ -45,11 +55,11 @@ def _endpoints(path: str, nbytes: int) -> _Endpoints:
     if path == "host":
         a, b = Arena.create(nbytes, device="cpu"), Arena.create(nbytes, device="cpu")
         src, dst = a.bytes()[:nbytes], b.bytes()[:nbytes]
-        src.view(torch.int64)[: nbytes // 8].random_()
+        _randomize(src)
         return _Endpoints(src, dst, -1, (a, b))
     gpu = Arena.create(nbytes, device=0, access="all" if path == "p2p" else None)
     g = gpu.bytes()[:nbytes]
-    g.view(torch.int64)[: nbytes // 8].random_()
+    _randomize(g)
     if path in ("h2d", "d2h"):
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         if path == "h2d":
