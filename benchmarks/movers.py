@@ -37,6 +37,29 @@ class _Endpoints:
     keep: tuple = ()
 
 
+def check_sizes(sizes, what: str) -> list[int]:
+    """``sizes`` (an iterable of byte counts: ints >= 1) as a non-empty list of ints, or
+    FlashBootError naming ``what`` and the first bad one: through the Python API a chunk of 0 had
+    ended in range()'s ValueError, a float or NaN in its TypeError, a negative one in the batch's
+    'non-empty list' refusal, no size at all in max()'s ValueError or, for the chunked host run,
+    in a report with no rows."""
+    import numbers
+
+    from flashboot.errors import FlashBootError
+
+    try:
+        sizes = list(sizes)
+    except TypeError:
+        raise FlashBootError(f"{what} must be a list of byte counts, got {sizes!r}") from None
+    if not sizes:
+        raise FlashBootError(f"{what}: give at least one size in bytes")
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+            raise FlashBootError(f"{what}: {size!r} is not a whole number of bytes >= 1"
+                                 + (f" (in {sizes!r})" if len(sizes) > 1 else ""))
+    return [int(size) for size in sizes]
+
+
 def _randomize(t) -> None:
     """Random bytes in all of the uint8 tensor ``t``: whole 8-byte words, then the tail byte by byte
     (a size not a multiple of 8 had raised torch's view error, a traceback for ``--sizes 1``)."""
@@ -90,6 +113,7 @@ def run(paths: list[str], sizes: list[int], movers: list[str] | None = None, rep
     from flashboot.benchmarks.timing import check_count, time_cuda, time_host
 
     check_count(repeats, "repeats")
+    sizes = check_sizes(sizes, "bench movers sizes")
     for path in paths:  # a typo had measured nothing and exited 0
         if path not in PATHS:
             raise UnknownNameError("path", path, PATHS)

@@ -38,6 +38,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from flashboot.benchmarks.movers import check_sizes
+from flashboot.benchmarks.timing import check_count
+
 MiB, GiB = 1 << 20, 1 << 30
 DEFAULT_CHUNKS = (256 << 10, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 PER_CALL_COPIES = 2000
@@ -155,6 +158,8 @@ def run(total: int = GiB, chunk_sizes=DEFAULT_CHUNKS, movers: list[str] | None =
     from flashboot.kernels.flag_copy import FlagChainCopy
     from flashboot.movers import create_mover, list_movers
 
+    check_count(repeats, "repeats")
+    total, chunk_sizes = check_sizes([total], "total")[0], check_sizes(chunk_sizes, "chunk sizes")
     names = [m.name for m in list_movers() if m.available and "d2d" in m.paths and (movers is None or m.name in movers)]
     stream = torch.cuda.Stream(device=0)
     with Arena.create(total, device=0) as a, Arena.create(total, device=0) as b:
@@ -454,6 +459,8 @@ def run_host(total: int = 32 * MiB, chunk_sizes=(256 << 10, 1 * MiB, 4 * MiB, 16
     from flashboot.kernels.checksum import checksum
     from flashboot.movers import create_mover
 
+    check_count(repeats, "repeats")
+    total, chunk_sizes = check_sizes([total], "total")[0], check_sizes(chunk_sizes, "chunk sizes")
     mover = create_mover("host")
 
     def median_ms(fn) -> float:

@@ -18,3 +18,46 @@ def test_bench_movers_measures_a_size_that_is_not_a_multiple_of_8(sizes):
 
     rows = run(["host"], sizes, ["host"], repeats=1)
     assert [(r.mover, r.nbytes, r.verified) for r in rows] == [("host", n, True) for n in sizes]
+
+
+@pytest.mark.parametrize("sizes,match", [
+    ([], r"bench movers sizes: give at least one size in bytes"),
+    ([4096, 0], r"bench movers sizes: 0 is not a whole number of bytes >= 1 \(in \[4096, 0\]\)"),
+    ([1.5], r"bench movers sizes: 1.5 is not a whole number of bytes >= 1"),
+])
+def test_bench_movers_refuses_sizes_that_are_no_byte_counts_naming_them(sizes, match):
+    from flashboot.benchmarks.movers import run
+    from flashboot.errors import FlashBootError
+
+    with pytest.raises(FlashBootError, match=match):
+        run(["host"], sizes, ["host"], repeats=1)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"chunk_sizes": (0,)}, r"chunk sizes: 0 is not a whole number of bytes >= 1"),
+    ({"chunk_sizes": (4096, -1)}, r"chunk sizes: -1 is not a whole number of bytes >= 1 \(in \[4096, -1\]\)"),
+    ({"chunk_sizes": (4096.0,)}, r"chunk sizes: 4096.0 is not"),
+    ({"chunk_sizes": (float("nan"),)}, r"chunk sizes: nan is not"),
+    ({"chunk_sizes": ()}, r"chunk sizes: give at least one size in bytes"),
+    ({"total": 0}, r"total: 0 is not a whole number of bytes >= 1"),
+    ({"repeats": 0}, r"repeats must be an int >= 1, got 0"),
+])
+def test_the_chunked_host_run_refuses_a_chunk_size_that_is_no_byte_count(kwargs, match):
+    """A chunk of 0 had ended in range()'s ValueError, a float in its TypeError, a negative one
+    in the batch's 'non-empty list' message, no chunk size in a report with no rows (which the
+    chunk-size notebook then failed on with a KeyError)."""
+    from flashboot.benchmarks.movers_chunked import run_host
+    from flashboot.errors import FlashBootError
+
+    with pytest.raises(FlashBootError, match=match):
+        run_host(**{"total": 1 << 16, **kwargs})
+
+
+def test_the_chunked_host_run_takes_numpy_sizes_and_a_chunk_past_the_buffer():
+    from flashboot.benchmarks.movers_chunked import run_host
+
+    report = run_host(total=10_001, chunk_sizes=np.array([4096, 1 << 20]), repeats=1)
+    assert [(r.chunk_bytes, r.n_chunks, r.mode, r.verified) for r in report.rows] == [
+        (4096, 3, "per_call", True), (4096, 3, "batched", True),
+        (1 << 20, 1, "per_call", True), (1 << 20, 1, "batched", True)]
+    assert all(type(r.chunk_bytes) is int for r in report.rows)  # JSON-ready
