@@ -11,6 +11,7 @@ shards. Pre-pack then reads the tensors' bytes in large sequential batches (:fun
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import re
@@ -76,10 +77,14 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
         n = struct.unpack("<Q", head)[0]
         if n > _HEADER_LIMIT or 8 + n > size:
             raise LayoutError(f"{path}: header claims {n:,} bytes; file has {size:,}")
-        header = loads(f.read(n), f"{path}: header", LayoutError)
+        header = _load_header(f.read(n), path)
     if not isinstance(header, dict):
         raise LayoutError(f"{path}: header is not a JSON object")
-    header.pop("__metadata__", None)
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        # safetensors' own reader refuses it (a map of strings): a file no loader reads is no checkpoint
+        raise LayoutError(f"{path}: __metadata__ must map names to strings (as safetensors requires), found "
+                          f"{str(meta)[:200]}")
     base = 8 + n
     for name, info in header.items():
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
@@ -99,7 +104,49 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
             raise LayoutError(f"{path}: tensor {name!r} data_offsets {offsets} fall outside the "
                               f"file's {size - base:,} data bytes")
         info["data_offsets"] = (base + start, base + end)
+    _check_tiled(path, header, base, size)
     return header
+
+
+def _load_header(raw: bytes, path: Path) -> Any:
+    """The header's JSON, refusing a name given twice: JSON keeps the last entry and had dropped
+    the first without a word (safetensors refuses such a file; its tensor's bytes were lost)."""
+    def pairs(items: list) -> dict:
+        obj = dict(items)
+        if len(obj) != len(items):
+            seen: set = set()
+            twice = next(k for k, _ in items if k in seen or seen.add(k))
+            raise LayoutError(f"{path}: the header names {twice!r} twice ({len(items) - len(obj)} repeated "
+                              "name(s)); safetensors refuses such a file")
+        return obj
+
+    try:
+        return json.loads(raw, object_pairs_hook=pairs)
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise LayoutError(f"{path}: header: not JSON ({exc})") from None
+    except RecursionError:
+        raise LayoutError(f"{path}: header: not JSON (nested deeper than this reader accepts)") from None
+
+
+def _check_tiled(path: Path, header: dict[str, dict], base: int, size: int) -> None:
+    """safetensors' own rule, which its reader enforces: the tensors' data, in offset order, tile
+    the file's data bytes from the first to the last, with no gap and no overlap. A gap or a tail
+    no tensor holds had been taken without a word: bytes a writer lost track of (one of two
+    entries of one name, which JSON keeps the last of), a truncated rewrite, a file still being
+    appended to; safetensors and every engine refuse such a file."""
+    at, prev = base, None
+    for start, end, name in sorted((*info["data_offsets"], name) for name, info in header.items()):
+        if start > at:
+            raise LayoutError(f"{path}: file bytes {at:,}..{start:,} (before tensor {name!r}) belong to no tensor; "
+                              "safetensors refuses a file whose tensors leave gaps")
+        if start < at:
+            raise LayoutError(f"{path}: tensors {prev!r} and {name!r} share file bytes {start:,}..{min(at, end):,} "
+                              "(aliased tensors are not supported: save them as separate tensors)")
+        at, prev = end, name
+    if at != size:
+        raise LayoutError(f"{path}: the tensors' data ends at byte {at:,} but the file has {size:,} bytes: "
+                          f"{size - at:,} trailing bytes belong to no tensor (a file still being written or "
+                          "appended to?); safetensors refuses it")
 
 
 def _utf8(name: str) -> bool:
@@ -229,7 +276,6 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     bad_dtypes = []
     for fname in files:
         header = read_safetensors_header(path / fname)
-        spans = []
         for name, info in header.items():
             if name in tensors:
                 raise LayoutError(f"{path}: tensor {name!r} is in two shards ({tensors[name].file} and {fname}); "
@@ -247,13 +293,6 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                 raise LayoutError(f"{path / fname}: tensor {name!r} shape {info['shape']} {d.name} needs "
                                   f"{numel * d.itemsize:,} bytes, header gives {end - start:,}")
             tensors[name] = SourceTensor(name, fname, d.name, tuple(info["shape"]), start, end - start)
-            if end > start:
-                spans.append((start, end, name))
-        spans.sort()
-        for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
-            if b0 < a1:
-                raise LayoutError(f"{path / fname}: tensors {a!r} and {b!r} share file bytes {b0:,}..{min(a1, b1):,} "
-                                  "(aliased tensors are not supported: save them as separate tensors)")
     if bad_dtypes:
         raise LayoutError(f"{path}: unsupported dtype in {len(bad_dtypes)} tensor(s): {', '.join(bad_dtypes[:8])}"
                           f"{' ...' if len(bad_dtypes) > 8 else ''}; supported: {', '.join(DTYPES)}")

@@ -1,0 +1,92 @@
+"""Pre-pack fed checkpoints as users have them: hub cache snapshots, odd shard indexes, headers
+safetensors itself refuses, shards that change while they are read. Each either gives an image
+holding exactly what safetensors reads, or is refused naming the file, the tensor and the numbers,
+with no image left that looks complete."""
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import flashboot
+from flashboot.errors import LayoutError
+from flashboot.flashload.prepack import prepack
+
+
+def _raw_shard(path: Path, header: dict, data: bytes, *, text: bytes | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = text if text is not None else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+    (path.parent / "config.json").write_text('{"model_type": "x"}')
+    return path
+
+
+def _f32(*values: float) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+def _loads_as_safetensors_reads(ckpt: Path, out: Path) -> None:
+    """Every tensor safetensors reads from ``ckpt`` is in the image with its dtype, shape and bytes."""
+    want = {}
+    for shard in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            want.update({k: f.get_tensor(k) for k in f.keys()})
+    with flashboot.load(out, 0, "cpu", stream=True, verify=True) as loaded:
+        assert set(loaded.tensors) == set(want)
+        for name, t in want.items():
+            got = loaded.tensors[name]
+            assert (got.dtype, got.shape) == (t.dtype, t.shape), name
+            assert torch.equal(got.contiguous().reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("header,data,message", [
+    # bytes 8..16 of the data belong to no tensor
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2],
+      "data_offsets": [16, 24]}}, _f32(1, 2, 3, 4, 5, 6), r"file bytes {base8}..{base16} \(before tensor 'b'\) belong to no tensor"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, _f32(1, 2, 3, 4),
+     r"file bytes {base}..{base8} \(before tensor 'a'\) belong to no tensor"),
+    # 4 bytes after the last tensor: a shard still being appended to, a rewrite that left a tail
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, _f32(1, 2, 3),
+     r"the tensors' data ends at byte {base8:,} but the file has {base12:,} bytes: 4 trailing bytes"),
+    ({"__metadata__": {"format": 5}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, _f32(1),
+     "__metadata__ must map names to strings"),
+], ids=["gap", "gap-at-start", "tail", "metadata-not-strings"])
+def test_a_shard_safetensors_refuses_is_refused_before_writing(tmp_path, header, data, message):
+    """Each had pre-packed: the image held bytes no safetensors reader gives (gaps, a tail) or
+    the file had been taken although no engine can load it."""
+    shard = _raw_shard(tmp_path / "ck" / "model.safetensors", header, data)
+    base = 8 + len(json.dumps(header))
+    with pytest.raises(Exception):
+        safe_open(str(shard), "pt")  # safetensors' own verdict
+    with pytest.raises(LayoutError, match=f"{shard}: " + message.format(base=base, base8=base + 8, base12=base + 12,
+                                                                         base16=base + 16)):
+        prepack(shard.parent, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_name_given_twice_in_one_header_is_refused(tmp_path):
+    """JSON keeps the last of two entries of one name: the first tensor's bytes had been dropped
+    without a word (here the two name 'a' at different offsets, as a buggy writer leaves them)."""
+    text = (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+            b'"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}')
+    shard = _raw_shard(tmp_path / "ck" / "model.safetensors", {}, _f32(1, 2, 3, 4), text=text)
+    with pytest.raises(LayoutError, match=f"{shard}: the header names 'a' twice"):
+        prepack(shard.parent, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_what_safetensors_accepts_is_packed_byte_for_byte(tmp_path):
+    """The other side of the rule: zero-size tensors sharing an offset, an unpadded header and
+    one of leading blanks are all valid safetensors and pack exactly."""
+    header = {"e": {"dtype": "BF16", "shape": [0, 3], "data_offsets": [0, 0]},
+              "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+              "z": {"dtype": "I8", "shape": [0], "data_offsets": [8, 8]},
+              "b": {"dtype": "F16", "shape": [3], "data_offsets": [8, 14]}}
+    text = b"  " + json.dumps(header).encode() + b" "
+    shard = _raw_shard(tmp_path / "ck" / "model.safetensors", {}, _f32(1.5, -2) + bytes(range(6)), text=text)
+    prepack(shard.parent, tmp_path / "out", progress=False)
+    _loads_as_safetensors_reads(shard.parent, tmp_path / "out")
