@@ -20,6 +20,13 @@ def register_mover(cls: type[Mover]) -> type[Mover]:
         raise FlashBootError(f"{cls!r} is not a Mover subclass")
     if not cls.name or not cls.paths:
         raise FlashBootError(f"{cls.__name__} must set `name` and `paths`")
+    # a name that is not a plain string broke list_movers() and best_mover() (sorted() of mixed
+    # types) for every caller; a str of paths was read letter by letter ('h', 'o', 's', 't')
+    if not isinstance(cls.name, str) or cls.name != cls.name.strip():
+        raise FlashBootError(f"{cls.__name__}: a mover name must be a string without surrounding spaces, got {cls.name!r}")
+    if isinstance(cls.paths, str):
+        raise FlashBootError(f"{cls.__name__}: `paths` must be a set of path names, got the string {cls.paths!r}; "
+                             f"e.g. frozenset({{{cls.paths!r}}})")
     unknown = sorted(set(cls.paths) - set(PATHS))  # a typo ("H2D") registered a mover no copy could pick
     if unknown:
         raise FlashBootError(f"{cls.__name__} declares unknown path(s) {', '.join(map(repr, unknown))}; "

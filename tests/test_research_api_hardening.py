@@ -61,3 +61,39 @@ def test_the_chunked_host_run_takes_numpy_sizes_and_a_chunk_past_the_buffer():
         (4096, 3, "per_call", True), (4096, 3, "batched", True),
         (1 << 20, 1, "per_call", True), (1 << 20, 1, "batched", True)]
     assert all(type(r.chunk_bytes) is int for r in report.rows)  # JSON-ready
+
+
+# ---------------------------------------------------------------------------- mover registry
+@pytest.mark.parametrize("name", [3, ("host",), " mine", "mine\n"])
+def test_a_mover_name_that_is_not_a_plain_string_is_refused_and_the_registry_still_lists(name):
+    """name = 3 had registered, and every later list_movers() and best_mover() raised
+    "'<' not supported between instances of 'int' and 'str'"."""
+    from flashboot import FlashBootError
+    from flashboot.movers import Mover, best_mover, list_movers, register_mover
+    from flashboot.movers.registry import _MOVERS
+
+    class Odd(Mover):
+        paths = frozenset({"host"})
+
+        def _copy(self, dst, src, nbytes, path, stream):
+            raise AssertionError("never copies")
+
+    Odd.name = name
+    with pytest.raises(FlashBootError, match=r"Odd: a mover name must be a string without surrounding spaces, got "):
+        register_mover(Odd)
+    assert name not in _MOVERS
+    assert "host" in [m.name for m in list_movers()]
+    assert best_mover("cpu").name == "host"
+
+
+def test_paths_given_as_one_string_are_refused_naming_the_set_to_write():
+    """paths = "host" had been refused as the unknown paths 'h', 'o', 's', 't'."""
+    from flashboot import FlashBootError
+    from flashboot.movers import Mover, register_mover
+
+    class OneString(Mover):
+        name, paths = "one_string_for_test", "host"
+
+    with pytest.raises(FlashBootError, match=r"OneString: `paths` must be a set of path names, got the string 'host'; "
+                                             r"e.g. frozenset\(\{'host'\}\)"):
+        register_mover(OneString)
