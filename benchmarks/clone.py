@@ -418,7 +418,8 @@ def run(nbytes: int, *, device: str | None = None, clone_counts: Sequence[int] =
     from flashboot.flashclone import seed
     from flashboot.arena import Arena
     from flashboot.memory import Device
-    from flashboot.flashclone.rendezvous import Manifest, Rendezvous, free_port
+    from flashboot.flashclone.manifest import Manifest
+    from flashboot.flashclone.rendezvous import Rendezvous, free_port
 
     devices = bench_devices(device)
     out: dict[str, Any] = {"devices": devices, "nbytes": nbytes}

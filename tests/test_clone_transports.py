@@ -19,7 +19,7 @@ import flashboot
 from flashboot.arena import Arena, ArenaDescriptor
 from flashboot.errors import CapabilityError, FlashBootError, RendezvousError, UnknownNameError
 from flashboot.flashclone.common import SEED_KEY
-from flashboot.flashclone.rendezvous import Manifest
+from flashboot.flashclone.manifest import Manifest
 from flashboot.flashclone.transports import nixl
 from flashboot.flashclone.transports.registry import (
     MEMORY, REACH, Seen, choose_transport, list_transports, transport_names,

@@ -14,7 +14,7 @@ import pytest
 from _io_helpers import image, image_master  # noqa: F401  (fixtures)
 
 from flashboot.errors import LayoutError, RendezvousError
-from flashboot.flashclone.rendezvous import resolve_token
+from flashboot.flashclone.records import resolve_token
 from flashboot.layouts import read_image
 from flashboot.layouts.checkpoint import read_safetensors_header
 from flashboot.layouts.table import TABLE_FILE
@@ -123,7 +123,7 @@ def test_a_metadata_file_of_many_gb_is_refused_before_it_is_read(image):
 
 
 def test_a_token_file_over_a_mib_is_refused(tmp_path):
-    from flashboot.flashclone.rendezvous import MAX_TOKEN_FILE_BYTES
+    from flashboot.flashclone.records import MAX_TOKEN_FILE_BYTES
 
     token = tmp_path / "token"
     token.write_bytes(b"x" * (MAX_TOKEN_FILE_BYTES + 1))
@@ -136,7 +136,7 @@ def test_a_token_file_grown_after_its_size_check_is_refused_not_read_whole(tmp_p
     """The size is checked on the open fd; a file that grows after that check (a sparse extension
     to many GB) was read whole all the same."""
     from flashboot import fileio
-    from flashboot.flashclone.rendezvous import MAX_TOKEN_FILE_BYTES
+    from flashboot.flashclone.records import MAX_TOKEN_FILE_BYTES
 
     token = tmp_path / "token"
     token.write_bytes(b"x" * 64)

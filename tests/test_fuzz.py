@@ -24,7 +24,7 @@ from flashboot.flashload import staging
 from flashboot.fuzzing import READERS, Corpus, format_counts, fuzz_work_dir, run_campaign
 from flashboot.layouts import read_image
 from flashboot.layouts.format import parse_metadata
-from flashboot.flashclone.rendezvous import Manifest
+from flashboot.flashclone.manifest import Manifest
 
 SHORT = 2000
 """Inputs per reader in the short campaign (all readers: ~30 s on one core)."""

@@ -47,7 +47,7 @@ import flashboot, flashboot.flashclone, flashboot.cli
 from flashboot.commands import clone as clone_command  # noqa: F401  (flashboot seed / clone / hold)
 print("import", loaded())
 from flashboot.arena import Arena
-from flashboot.flashclone.rendezvous import Manifest
+from flashboot.flashclone.manifest import Manifest
 from flashboot.kernels.checksum_spec import checksum_reference
 
 arena = Arena.create(1 << 20, "cpu")

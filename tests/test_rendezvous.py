@@ -8,19 +8,9 @@ import time
 import pytest
 
 from flashboot.errors import RendezvousError, WaitTimeoutError
-from flashboot.flashclone.rendezvous import (
-    ENV_TOKEN,
-    ENV_TOKEN_FILE,
-    JOIN_ATTEMPTS,
-    Manifest,
-    Rendezvous,
-    Token,
-    decode_record,
-    encode_record,
-    free_port,
-    parse_address,
-    resolve_token,
-)
+from flashboot.flashclone.manifest import Manifest
+from flashboot.flashclone.records import ENV_TOKEN, ENV_TOKEN_FILE, Token, decode_record, encode_record, resolve_token
+from flashboot.flashclone.rendezvous import JOIN_ATTEMPTS, Rendezvous, free_port, parse_address
 
 pytestmark = pytest.mark.timeout(30)
 

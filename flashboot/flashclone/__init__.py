@@ -1,7 +1,7 @@
 """FlashClone: replicate a resident arena GPU->GPU by mapping it, with no NCCL communicator.
 
 A **seed** (:func:`seed`) holds the weights in an arena, exports it once, publishes its
-:class:`~flashboot.flashclone.rendezvous.Manifest` and descriptor to the rendezvous store and stays passive.
+:class:`~flashboot.flashclone.manifest.Manifest` and descriptor to the rendezvous store and stays passive.
 A **clone** (:func:`clone`) checks the manifest and the token, takes a position by arrival order,
 creates its own arena (and a small flags arena), maps its source's arena and copies it with a
 registry mover, following a plan from :mod:`flashboot.schedulers`:

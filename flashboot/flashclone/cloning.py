@@ -14,7 +14,8 @@ from ..memory import Device
 from ..schedulers import DEFAULT_CHUNK_BYTES, HOST, Plan, Step, build_plan
 from ..schedulers.plan import SINGLE_HOP_CHUNK_BYTES
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
-from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous, StoreLostError
+from .manifest import Manifest
+from .rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, StoreLostError
 from .common import METADATA_KEY, SCHEDULES, SEED_KEY, _FALLBACK_INDEX, _SEED_INDEX, _agree_chunk, _alive, _check_mover, _default_mover, _descriptor_from, _gkey, _map_stats_of, _note_lazy_mapping, _parse_metadata, _step_hook, _verify, _views
 from .report import CloneError, CloneReport, CloneResult
 from .warmup import CloneWarmup

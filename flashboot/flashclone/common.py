@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 from ..errors import ChecksumMismatchError, FlashBootError
 from ..memory import Device
 from ..schedulers import Step
-from .rendezvous import Manifest
+from .manifest import Manifest
 from .report import CloneReport
 
 

@@ -17,47 +17,28 @@ Who talks to whom:
   for what it needs (its source's record, a start barrier) -- every wait with a deadline and a
   message naming what was awaited.
 
-Trust. Every record is authenticated with an HMAC-SHA256 keyed by a shared token
-(``FLASHBOOT_TOKEN``, or a token file) and bound to its key, so a process without the token
-can neither forge a record nor move one to another key: a clone refuses a record that does not
-verify before any byte moves. The fields that grant access to memory (arena descriptors, fabric
-handles) are also sealed: encrypted with a keystream derived from the token (HMAC-SHA256 in
-counter mode over a random per-record nonce), then authenticated (encrypt-then-MAC), so reading
-the store without the token does not reveal them.
+Trust: every record is authenticated with a shared token and bound to its key, and the fields
+that grant access to memory are sealed (:mod:`flashboot.flashclone.records`): a clone refuses a
+record that does not verify before any byte moves. What a clone agrees with is the seed's
+:class:`~flashboot.flashclone.manifest.Manifest`.
 """
 
 from __future__ import annotations
 
 import datetime
 import errno
-import hashlib
-import hmac
-import json
 import os
-import re
-import secrets
 import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from ..errors import RendezvousError, StoreLostError, WaitTimeoutError
-from ..fileio import read_regular
+from .records import Record, Token, decode_record, encode_record, resolve_token
 
-ENV_TOKEN = "FLASHBOOT_TOKEN"
-ENV_TOKEN_FILE = "FLASHBOOT_TOKEN_FILE"
-MIN_TOKEN_BYTES = 16
-"""Shorter secrets are refused: the HMAC is only as strong as the token."""
-MAX_TOKEN_FILE_BYTES = 1 << 20
-"""The most a token file may hold (read whole)."""
 DEFAULT_TIMEOUT_S = 60.0
-RECORD_VERSION = 1
 KEY_PREFIX = "flashboot/v1"
-
-_MAC_LABEL = b"flashboot-record-mac-v1"
-_SEAL_LABEL = b"flashboot-record-seal-v1"
 
 
 # ============================================================================================
@@ -87,294 +68,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-# ============================================================================================
-# Token
-# ============================================================================================
-
-
-class Token:
-    """The shared secret. Derives separate keys for authentication and sealing; never printed."""
-
-    __slots__ = ("_mac_key", "_seal_key", "source")
-
-    def __init__(self, secret: bytes | str, source: str = "argument"):
-        raw = secret.encode() if isinstance(secret, str) else bytes(secret)
-        raw = raw.strip()
-        if len(raw) < MIN_TOKEN_BYTES:
-            raise RendezvousError(
-                f"the token from {source} is {len(raw)} bytes; use at least {MIN_TOKEN_BYTES} "
-                "(e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`)"
-            )
-        self._mac_key = hmac.new(raw, _MAC_LABEL, hashlib.sha256).digest()
-        self._seal_key = hmac.new(raw, _SEAL_LABEL, hashlib.sha256).digest()
-        self.source = source
-
-    def mac(self, payload: bytes) -> bytes:
-        return hmac.new(self._mac_key, payload, hashlib.sha256).digest()
-
-    def keystream(self, nonce: bytes, nbytes: int) -> bytes:
-        """HMAC-SHA256(seal_key, nonce || counter) blocks: a PRF in counter mode."""
-        out = bytearray()
-        counter = 0
-        while len(out) < nbytes:
-            out += hmac.new(self._seal_key, nonce + counter.to_bytes(8, "big"), hashlib.sha256).digest()
-            counter += 1
-        return bytes(out[:nbytes])
-
-    def __repr__(self) -> str:
-        return f"Token(from {self.source}, secret hidden)"
-
-
-def resolve_token(token: Token | str | bytes | None = None, token_file: str | os.PathLike | None = None) -> Token:
-    """The token to use: ``token``, else the contents of ``token_file``, else ``$FLASHBOOT_TOKEN``,
-    else the file named by ``$FLASHBOOT_TOKEN_FILE``. RendezvousError when there is none, the file
-    cannot be read, or the secret is shorter than :data:`MIN_TOKEN_BYTES`."""
-    if isinstance(token, Token):
-        return token
-    if token is not None:
-        return Token(token, "the token argument")
-    path = token_file if token_file is not None else None
-    if path is None and os.environ.get(ENV_TOKEN):
-        return Token(os.environ[ENV_TOKEN], f"${ENV_TOKEN}")
-    if path is None:
-        path = os.environ.get(ENV_TOKEN_FILE) or None
-    if path is None:
-        raise RendezvousError(
-            f"no rendezvous token: set ${ENV_TOKEN} (or ${ENV_TOKEN_FILE}) or pass --token-file; the seed and "
-            "every clone must share it"
-        )
-    try:
-        secret = read_regular(path, MAX_TOKEN_FILE_BYTES, RendezvousError)
-    except OSError as exc:
-        raise RendezvousError(f"cannot read token file {os.fspath(path)!r}: {exc.strerror}") from None
-    return Token(secret, f"token file {os.fspath(path)!r}")
-
-
-# ============================================================================================
-# Records: authenticated (and partly sealed) JSON
-# ============================================================================================
-
-
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
-@dataclass(frozen=True)
-class Record:
-    """A verified record: ``body`` (readable by anyone with store access) and ``sealed`` (only with
-    the token), both plain JSON values."""
-
-    key: str
-    body: dict
-    sealed: dict | None = None
-
-
-def encode_record(token: Token, key: str, body: Mapping[str, Any], sealed: Mapping[str, Any] | None = None) -> bytes:
-    """Serialise ``body`` (+ encrypted ``sealed``) with an HMAC over everything, bound to ``key``."""
-    nonce = secrets.token_bytes(16)
-    sealed_hex = None
-    if sealed is not None:
-        plain = _canonical(dict(sealed))
-        sealed_hex = bytes(a ^ b for a, b in zip(plain, token.keystream(nonce, len(plain)))).hex()
-    envelope = {"v": RECORD_VERSION, "key": key, "body": dict(body), "sealed": sealed_hex, "nonce": nonce.hex()}
-    envelope["mac"] = token.mac(_canonical(envelope)).hex()
-    return _canonical(envelope)
-
-
-def decode_record(token: Token, key: str, raw: bytes, where: str = "the store") -> Record:
-    """Verify and decode a record read from ``key``. RendezvousError for anything that is not a
-    record written under this key with this token (a planted or replayed record, a wrong token)."""
-    try:
-        envelope = json.loads(raw)
-        mac = bytes.fromhex(envelope.pop("mac"))
-        if not isinstance(envelope, dict) or envelope.get("v") != RECORD_VERSION:
-            raise ValueError("unknown record version")
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        raise RendezvousError(f"{key!r} in {where} is not a FlashBoot record ({type(exc).__name__}: {exc})") from None
-    if not hmac.compare_digest(mac, token.mac(_canonical(envelope))):
-        raise RendezvousError(
-            f"{key!r} in {where} fails authentication: it was written with a different token, or planted by "
-            f"someone without one; check that every participant shares the same token (ours from {token.source})"
-        )
-    if envelope.get("key") != key:
-        raise RendezvousError(f"{key!r} in {where} holds a record written for {envelope.get('key')!r} (moved or replayed)")
-    # Authentic from here on, but still checked: a participant with the token may have a bug.
-    sealed = None
-    try:
-        if envelope.get("sealed") is not None:
-            cipher = bytes.fromhex(envelope["sealed"])
-            plain = bytes(a ^ b for a, b in zip(cipher, token.keystream(bytes.fromhex(envelope["nonce"]), len(cipher))))
-            sealed = json.loads(plain)
-            if not isinstance(sealed, dict):
-                raise TypeError(f"the sealed part is {type(sealed).__name__}, not an object")
-        body = envelope["body"]
-        if not isinstance(body, dict):
-            raise TypeError(f"the body is {type(body).__name__}, not an object")
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise RendezvousError(f"{key!r} in {where} is an authentic but malformed record "
-                              f"({type(exc).__name__}: {exc})") from None
-    return Record(key, body, sealed)
-
-
-# ============================================================================================
-# Manifest
-# ============================================================================================
-
-_HEX16 = re.compile(r"[0-9a-f]{16}")
-DEFAULT_CHECKSUM_CHUNK_BYTES = 64 << 20
-"""Checksum granularity when a seed computes the table itself (a bare arena without an image)."""
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What is being replicated: a clone must agree with it before any byte moves.
-
-    ``nbytes``: the bytes replicated (the image); ``arena_nbytes``: the arena capacity (the image
-    rounded up to the allocation granularity, so seed and clone agree exactly); ``checksums``:
-    one 64-bit digest (:func:`flashboot.kernels.checksum.chunk_checksums`) per
-    ``checksum_chunk_bytes`` of the image; ``key``: the image key (model, revision, layout,
-    dtypes, with its digest) or None for a bare arena.
-    """
-
-    nbytes: int
-    arena_nbytes: int
-    checksum_chunk_bytes: int
-    checksums: tuple[int, ...]
-    key: dict | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("nbytes", "arena_nbytes", "checksum_chunk_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise RendezvousError(f"manifest {name} must be a positive int, got {v!r}")
-        if self.arena_nbytes < self.nbytes:
-            raise RendezvousError(f"manifest arena_nbytes {self.arena_nbytes:,} is smaller than nbytes {self.nbytes:,}")
-        want = -(-self.nbytes // self.checksum_chunk_bytes)
-        if len(self.checksums) != want:
-            raise RendezvousError(f"manifest has {len(self.checksums)} checksums; {self.nbytes:,} bytes in chunks of "
-                                  f"{self.checksum_chunk_bytes:,} need {want}")
-        object.__setattr__(self, "checksums", tuple(int(c) for c in self.checksums))
-
-    @property
-    def key_digest(self) -> str | None:
-        return None if self.key is None else self.key.get("digest")
-
-    def to_dict(self) -> dict:
-        return {"nbytes": self.nbytes, "arena_nbytes": self.arena_nbytes,
-                "checksum_chunk_bytes": self.checksum_chunk_bytes,
-                "checksums": [f"{c:016x}" for c in self.checksums], "key": self.key}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Manifest":
-        """Inverse of :meth:`to_dict`; RendezvousError naming the field that is missing or mistyped
-        (ints exactly ints, checksums 16 hex digits each, key null or an object with a digest)."""
-        if not isinstance(d, Mapping):
-            raise RendezvousError(f"malformed manifest: must be an object, found {type(d).__name__}")
-        missing = [k for k in ("nbytes", "arena_nbytes", "checksum_chunk_bytes", "checksums") if k not in d]
-        if missing:
-            raise RendezvousError(f"malformed manifest: missing {missing}")
-        for name in ("nbytes", "arena_nbytes", "checksum_chunk_bytes"):
-            if type(d[name]) is not int:
-                raise RendezvousError(f"malformed manifest: {name} must be an int, found {d[name]!r}")
-        sums = d["checksums"]
-        if type(sums) is not list or not all(type(c) is str and _HEX16.fullmatch(c) for c in sums):
-            raise RendezvousError(f"malformed manifest: checksums must be a list of 16-hex-digit strings, "
-                                  f"found {str(sums)[:200]}")
-        key = d.get("key")
-        if key is not None and not (isinstance(key, dict) and type(key.get("digest")) is str):
-            raise RendezvousError(f"malformed manifest: key must be null or an object with a digest, found "
-                                  f"{str(key)[:200]}")
-        return cls(d["nbytes"], d["arena_nbytes"], d["checksum_chunk_bytes"], tuple(int(c, 16) for c in sums), key)
-
-    @property
-    def digest(self) -> str:
-        """SHA-256 of the whole manifest: equal digests mean the same bytes are expected."""
-        return "sha256:" + hashlib.sha256(_canonical(self.to_dict())).hexdigest()
-
-    def chunk_range(self, index: int) -> tuple[int, int]:
-        """``(offset, nbytes)`` of checksum chunk ``index``."""
-        start = index * self.checksum_chunk_bytes
-        return start, min(self.checksum_chunk_bytes, self.nbytes - start)
-
-    # -- construction ---------------------------------------------------------------------
-    @classmethod
-    def from_metadata(cls, metadata, arena_nbytes: int | None = None) -> "Manifest":
-        """From an image's :class:`~flashboot.layouts.format.ImageMetadata` (key + checksum table)."""
-        nbytes = int(metadata.image_nbytes)
-        cap = arena_nbytes if arena_nbytes is not None else -(-nbytes // (2 << 20)) * (2 << 20)
-        return cls(nbytes, int(cap), int(metadata.checksums.chunk_bytes), tuple(metadata.checksums.digests),
-                   metadata.key.to_dict())
-
-    @classmethod
-    def of_arena(cls, arena, nbytes: int | None = None, chunk_bytes: int = DEFAULT_CHECKSUM_CHUNK_BYTES,
-                 key: dict | None = None) -> "Manifest":
-        """Checksum the first ``nbytes`` (default: all) of ``arena`` (on its device) into a manifest."""
-        from flashboot.kernels.checksum import chunk_checksums
-
-        n = arena.nbytes if nbytes is None else int(nbytes)
-        return cls(n, arena.nbytes, int(chunk_bytes), tuple(chunk_checksums(arena.span(0, n), int(chunk_bytes))), key)
-
-    # -- comparison -------------------------------------------------------------------------
-    def mismatches(self, expected: "Manifest | Mapping[str, Any] | Any") -> list[tuple[str, Any, Any]]:
-        """``(field, expected, published)`` for every field ``expected`` states that differs.
-
-        ``expected`` may be a Manifest (everything compared), an ImageMetadata (key, nbytes and
-        checksums), an ImageKey, or a dict naming any of ``nbytes``, ``arena_nbytes``,
-        ``key_digest`` and ImageKey fields (a partial key: the model and layout the caller wants).
-        """
-        if isinstance(expected, Manifest):
-            want: dict[str, Any] = {"nbytes": expected.nbytes, "arena_nbytes": expected.arena_nbytes,
-                                    "key_digest": expected.key_digest,
-                                    "checksums": (expected.checksum_chunk_bytes, expected.checksums)}
-        elif hasattr(expected, "image_nbytes") and hasattr(expected, "checksums"):  # ImageMetadata
-            want = {"nbytes": int(expected.image_nbytes), "key_digest": expected.key.digest,
-                    "checksums": (int(expected.checksums.chunk_bytes), tuple(expected.checksums.digests))}
-        elif hasattr(expected, "fields") and hasattr(expected, "digest"):  # ImageKey
-            want = {"key_digest": expected.digest}
-        elif isinstance(expected, Mapping):
-            want = dict(expected)
-        else:
-            raise RendezvousError(f"cannot compare a manifest with {type(expected).__name__}")
-        have = {"nbytes": self.nbytes, "arena_nbytes": self.arena_nbytes, "key_digest": self.key_digest,
-                "checksums": (self.checksum_chunk_bytes, self.checksums)}
-        out = []
-        for name, value in want.items():
-            if name in have:
-                found = have[name]
-            elif self.key is not None and name in self.key:
-                found = self.key[name]
-            elif self.key is None:
-                found = None
-            else:
-                raise RendezvousError(f"expected manifest names an unknown field {name!r}")
-            if isinstance(value, tuple) and name != "checksums":
-                value = list(value)
-            if value != found:
-                if name == "checksums":
-                    value, found = _describe_checksums(*value), _describe_checksums(*found)
-                out.append((name, value, found))
-        return out
-
-    def require(self, expected: Any, where: str) -> None:
-        """Raise RendezvousError listing the mismatches with ``expected`` (see :meth:`mismatches`)."""
-        if expected is None:
-            return
-        bad = self.mismatches(expected)
-        if bad:
-            lines = "; ".join(f"{k}: expected {e!r}, {where} has {f!r}" for k, e, f in bad)
-            raise RendezvousError(f"manifest mismatch with {where} (another model, layout or size), refused before "
-                                  f"any byte moved: {lines}")
-
-    def describe(self) -> str:
-        what = "bare arena" if self.key is None else f"{self.key.get('model_id')} ({(self.key_digest or '')[:19]})"
-        return f"{what}, {self.nbytes:,} bytes in a {self.arena_nbytes:,}-byte arena, {len(self.checksums)} checksums"
-
-
-def _describe_checksums(chunk_bytes: int, digests: tuple[int, ...]) -> str:
-    blob = b"".join(int(d).to_bytes(8, "little") for d in digests)
-    return f"{len(digests)} chunks of {chunk_bytes:,} B, sha256 {hashlib.sha256(blob).hexdigest()[:12]}"
 
 
 # ============================================================================================
@@ -786,7 +479,4 @@ class Rendezvous:
         return f"Rendezvous({role} {self.address}, namespace {self.namespace!r})"
 
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S", "ENV_TOKEN", "ENV_TOKEN_FILE", "MIN_TOKEN_BYTES", "Manifest", "Record", "Rendezvous",
-    "StoreLostError", "Token", "decode_record", "encode_record", "free_port", "parse_address", "resolve_token",
-]
+__all__ = ["DEFAULT_TIMEOUT_S", "Rendezvous", "StoreLostError", "free_port", "parse_address"]

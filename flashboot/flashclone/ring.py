@@ -12,7 +12,8 @@ from ..errors import FlashBootError, RendezvousError
 from ..memory import CPU, Device
 from ..schedulers import HOST, build_plan, shard_bounds
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
-from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, StoreLostError
+from .manifest import Manifest
+from .rendezvous import DEFAULT_TIMEOUT_S, StoreLostError
 from .common import _agree_chunk, _check_mover, _default_mover, _descriptor_from, _note_lazy_mapping, _same_host, _step_hook, _verify, _views
 from .report import CloneReport, CloneResult
 from .warmup import CloneWarmup

@@ -13,7 +13,8 @@ from typing import Any
 from ..service_loop import Service
 from ..errors import FlashBootError, RendezvousError, WaitTimeoutError
 from ..memory import Device
-from .rendezvous import DEFAULT_TIMEOUT_S, Manifest, Rendezvous, StoreLostError
+from .manifest import Manifest
+from .rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, StoreLostError
 from .common import METADATA_KEY, SEED_KEY, _gkey
 from .sources import _HostImage
 from .transports.nccl import _broadcast, _process_group, _shutdown_pg
@@ -273,7 +274,7 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
     or keep it open while clones run, then ``close()``.
     """
     dev = Device.parse(device) if device is not None else None
-    from .rendezvous import resolve_token
+    from .records import resolve_token
 
     tok = resolve_token(token, token_file)  # before loading anything
     if dev is None:

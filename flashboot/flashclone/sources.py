@@ -12,7 +12,8 @@ from ..errors import FlashBootError, RendezvousError, WaitTimeoutError
 from ..memory import CPU, Device, Span
 from ..schedulers import HOST
 from .executor import Endpoint
-from .rendezvous import Manifest, Rendezvous, StoreLostError
+from .manifest import Manifest
+from .rendezvous import Rendezvous, StoreLostError
 from .common import _FALLBACK_INDEX, _SEED_INDEX, _alive, _descriptor_from, _gkey, _same_host
 from .session import _Session
 from .transports.posix_fd import _open_arena

@@ -22,7 +22,7 @@ def _seed_descriptor() -> dict:
 
 
 def _seed_manifest(image_dir: Path) -> dict:
-    from flashboot.flashclone.rendezvous import Manifest
+    from flashboot.flashclone.manifest import Manifest
     from flashboot.layouts.format import parse_metadata
 
     meta = parse_metadata((image_dir / "rank-0" / "metadata.json").read_bytes(), "seed")
@@ -84,7 +84,7 @@ class _NotJson(FlashBootError):
 
 def manifest_reader(image_dir: Path) -> Reader:
     """``Manifest.from_dict`` of a mutated manifest (what a clone reads from the seed's record)."""
-    from flashboot.flashclone.rendezvous import Manifest
+    from flashboot.flashclone.manifest import Manifest
 
     return Reader("manifest (from_dict)", [json.dumps(_seed_manifest(image_dir)).encode()],
                   _json_feed(Manifest.from_dict), lambda m, data: _check_manifest(m))
@@ -98,12 +98,8 @@ def record_reader(image_dir: Path, *, sealed_garbage: bool) -> Reader:
     authenticated with the right token (a participant with a bug), then decoded and the manifest
     and sealed descriptor parsed as the clone does."""
     from flashboot.arena import ArenaDescriptor
-    from flashboot.flashclone.rendezvous import (
-        Manifest,
-        Token,
-        decode_record,
-        encode_record,
-    )
+    from flashboot.flashclone.manifest import Manifest
+    from flashboot.flashclone.records import Token, decode_record, encode_record
 
     token = Token(_TOKEN)
     body = {"manifest": _seed_manifest(image_dir), "generation": "g0", "pid": os.getpid()}

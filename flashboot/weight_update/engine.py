@@ -96,7 +96,7 @@ def check_refit_values(where: str, **values: Any) -> None:
 
 def _check_record(rec, loaded, version: int, where: str):
     """The published manifest after checking version, key and rank against the engine's."""
-    from ..flashclone.rendezvous import Manifest
+    from ..flashclone.manifest import Manifest
 
     body = rec.body
     meta = loaded.metadata

@@ -101,7 +101,7 @@ class Publisher:
                  timeout_s: float = DEFAULT_TIMEOUT_S, host_store: bool = True, nixl: bool = False,
                  serve_nccl: bool = False):
         from ..arena import Arena
-        from ..flashclone.rendezvous import resolve_token
+        from ..flashclone.records import resolve_token
         from ..layouts import read_image_metadata
 
         self.metadata = read_image_metadata(image, rank)
@@ -145,7 +145,7 @@ class Publisher:
         missing tensor) before anything is written."""
         import torch
 
-        from ..flashclone.rendezvous import Manifest
+        from ..flashclone.manifest import Manifest
         from ..flashclone.seeding import seed
         from .pack import PackTable
 

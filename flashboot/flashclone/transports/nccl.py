@@ -7,7 +7,8 @@ import time
 
 from ...errors import WaitTimeoutError
 from ...memory import Device
-from ..rendezvous import Manifest, Rendezvous
+from ..manifest import Manifest
+from ..rendezvous import Rendezvous
 from ..common import _gkey, _verify, _views
 from ..report import CloneReport, CloneResult
 from ..session import _Session
