@@ -31,10 +31,29 @@ def register_mover(cls: type[Mover]) -> type[Mover]:
     if unknown:
         raise FlashBootError(f"{cls.__name__} declares unknown path(s) {', '.join(map(repr, unknown))}; "
                              f"known: {', '.join(PATHS)}")
+    _check_copy(cls)
     if cls.name in _MOVERS and _MOVERS[cls.name] is not cls:
         raise FlashBootError(f"mover {cls.name!r} is already registered by {_MOVERS[cls.name].__name__}")
     _MOVERS[cls.name] = cls
     return cls
+
+
+def _check_copy(cls: type[Mover]) -> None:
+    """FlashBootError unless ``cls`` implements ``_copy(self, dst, src, nbytes, path, stream)``:
+    a mover without one registered, and its first copy raised a bare NotImplementedError; one of
+    another signature a TypeError from inside Mover.copy, neither naming what to write."""
+    want = "_copy(self, dst, src, nbytes, path, stream)"
+    if cls._copy is Mover._copy:
+        raise FlashBootError(f"{cls.__name__} must implement {want}: Mover.copy, batches and the executor call it")
+    try:
+        sig = inspect.signature(cls._copy)
+    except (TypeError, ValueError):  # no signature to read (a builtin): nothing to hold it against
+        return
+    try:
+        sig.bind(None, None, None, 0, "", None)
+    except TypeError as exc:
+        raise FlashBootError(f"{cls.__name__}.{cls._copy.__name__}{sig} does not take the arguments of {want}: "
+                             f"{exc}") from None
 
 
 def mover_class(name: str) -> type[Mover]:

@@ -97,3 +97,64 @@ def test_paths_given_as_one_string_are_refused_naming_the_set_to_write():
     with pytest.raises(FlashBootError, match=r"OneString: `paths` must be a set of path names, got the string 'host'; "
                                              r"e.g. frozenset\(\{'host'\}\)"):
         register_mover(OneString)
+
+
+def _plain_copy(self, dst, src, nbytes, path, stream):
+    import ctypes
+
+    ctypes.memmove(dst.ptr, src.ptr, nbytes)
+
+
+@pytest.mark.parametrize("copy,match", [
+    (None, r"NoCopy must implement _copy\(self, dst, src, nbytes, path, stream\): Mover.copy, batches and the "
+           r"executor call it"),
+    (lambda self, dst, src: None, r"NoCopy.<lambda>\(self, dst, src\) does not take the arguments of "
+                                  r"_copy\(self, dst, src, nbytes, path, stream\): too many positional arguments"),
+    (lambda self, dst, src, nbytes, path, stream, extra: None, r"missing a required argument: 'extra'"),
+])
+def test_a_mover_without_a_copy_of_the_right_signature_is_refused_at_registration(copy, match):
+    """It had registered; its first copy raised a bare NotImplementedError (no _copy) or a
+    TypeError from inside Mover.copy (another signature)."""
+    from flashboot import FlashBootError
+    from flashboot.movers import Mover, register_mover
+    from flashboot.movers.registry import _MOVERS
+
+    body = {"name": "no_copy_for_test", "paths": frozenset({"host"})}
+    if copy is not None:
+        body["_copy"] = copy
+    cls = type("NoCopy", (Mover,), body)
+    with pytest.raises(FlashBootError, match=match):
+        register_mover(cls)
+    assert "no_copy_for_test" not in _MOVERS
+
+
+def test_a_mover_of_its_own_copies_through_copy_and_batches():
+    """What the refusals above still let through: a copy with defaults or *args, registered and
+    run by the same validation as the built-in movers."""
+    from flashboot.movers import Mover, create_mover, register_mover
+    from flashboot.movers.registry import _MOVERS
+
+    @register_mover
+    class Plain(Mover):
+        name, paths = "plain_for_test", frozenset({"host"})
+        _copy = _plain_copy
+
+    @register_mover
+    class Loose(Mover):
+        name, paths = "loose_for_test", frozenset({"host"})
+
+        def _copy(self, dst, src, *args, **kw):
+            _plain_copy(self, dst, src, *args, **kw)
+
+    try:
+        src = (np.arange(10_001) % 251).astype(np.uint8)
+        for name in ("plain_for_test", "loose_for_test"):
+            dst = np.zeros_like(src)
+            mover = create_mover(name)
+            mover.copy(dst[3:], src[:-3], stream=None)
+            mover.copy_batch(dst, src, [(0, 0, 1), (5, 5, 7)], stream=None)
+            expected = np.concatenate([src[:1], np.zeros(2, np.uint8), src[:2], src[5:12], src[9:-3]])
+            assert np.array_equal(dst, expected)
+    finally:
+        _MOVERS.pop("plain_for_test", None)
+        _MOVERS.pop("loose_for_test", None)
