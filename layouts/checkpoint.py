@@ -17,7 +17,7 @@ import os
 import re
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +65,26 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     accepts but an image cannot hold (an empty name, a name that is no UTF-8, more than
     :data:`MAX_NDIM` dims, dims spanning more than an int64): refused here, before pre-pack
     writes gigabytes, not by the reader of the image it would write."""
+    return _read_header(path)[0]
+
+
+FileIdentity = tuple[int, int, int, int]
+"""A shard as its header was read: ``(st_dev, st_ino, st_size, st_mtime_ns)``."""
+
+
+def _identity(st: os.stat_result) -> FileIdentity:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _read_header(path: Path) -> tuple[dict[str, dict], FileIdentity]:
+    """:func:`read_safetensors_header`, and the identity of the file it was read from."""
     try:
         f = open_regular(path)
     except OSError as exc:  # a dangling link in a hub snapshot, a shard removed meanwhile
         raise LayoutError(f"{path}: cannot open the shard ({exc.strerror})") from None
     with f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
         head = f.read(8)
         if len(head) != 8:
             raise LayoutError(f"{path}: {size} bytes, too short for a safetensors header")
@@ -105,7 +119,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
                               f"file's {size - base:,} data bytes")
         info["data_offsets"] = (base + start, base + end)
     _check_tiled(path, header, base, size)
-    return header
+    return header, _identity(st)
 
 
 def _load_header(raw: bytes, path: Path) -> Any:
@@ -190,6 +204,8 @@ class Checkpoint:
     config: dict[str, Any]
     tensors: dict[str, SourceTensor]
     files: list[str]
+    identities: dict[str, FileIdentity] = field(default_factory=dict)
+    """Each shard as its header was read: :class:`ShardReader` refuses one that changed since."""
 
     @property
     def model_type(self) -> str | None:
@@ -273,9 +289,10 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if not files:
         raise LayoutError(f"{path}: no .safetensors files")
     tensors: dict[str, SourceTensor] = {}
+    identities: dict[str, FileIdentity] = {}
     bad_dtypes = []
     for fname in files:
-        header = read_safetensors_header(path / fname)
+        header, identities[fname] = _read_header(path / fname)
         for name, info in header.items():
             if name in tensors:
                 raise LayoutError(f"{path}: tensor {name!r} is in two shards ({tensors[name].file} and {fname}); "
@@ -302,7 +319,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             if t is None or t.file != fname:
                 raise LayoutError(f"{index_path}: maps {name!r} to {fname}, but "
                                   f"{'no shard holds it' if t is None else 'it is in ' + t.file}")
-    return Checkpoint(path, config, tensors, files)
+    return Checkpoint(path, config, tensors, files, identities)
 
 
 # ================================================================================ batched reads
@@ -355,12 +372,19 @@ class ShardReader:
     ``io``: ``auto`` (O_DIRECT, reading the 4096-aligned range around the batch into an aligned
     buffer; buffered where the filesystem refuses it, e.g. tmpfs), ``direct`` or ``buffered``.
     :attr:`modes` says, per file, which was used and why. :meth:`close` closes the files.
+
+    ``expect`` (:attr:`Checkpoint.identities`): the files as their headers were read. A file
+    opened here that is another one (replaced: a re-save, a new download) or was modified since
+    is refused, and :meth:`check_unchanged` refuses one modified while it was read: the header's
+    offsets had been applied to the new bytes, and an image of other tensors' bytes (or of the
+    new header's text) written without a word.
     """
 
-    def __init__(self, root: str | os.PathLike, io: str = "auto"):
+    def __init__(self, root: str | os.PathLike, io: str = "auto", *, expect: dict[str, FileIdentity] | None = None):
         if io not in ("auto", "direct", "buffered"):
             raise LayoutError(f"io must be auto, direct or buffered, got {io!r}")
         self.root, self.io = Path(root), io
+        self.expect = dict(expect or {})
         self._fds: dict[str, tuple[int, bool]] = {}
         self.modes: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -390,7 +414,30 @@ class ShardReader:
                 fd = os.open(path, os.O_RDONLY)
                 self.modes[file] = f"buffered ({refused})" if refused else "buffered (asked)"
             self._fds[file] = (fd, direct)
+            self._check(file, fd, "since its header was read")
             return fd, direct
+
+    def _check(self, file: str, fd: int, when: str) -> None:
+        want = self.expect.get(file)
+        if want is None:
+            return
+        got = _identity(os.fstat(fd))
+        if got == want:
+            return
+        path = self.root / file
+        if got[:2] != want[:2]:
+            what = "was replaced by another file"
+        else:
+            what = f"was modified ({want[2]:,} bytes -> {got[2]:,}, mtime {want[3]} -> {got[3]} ns)"
+        raise LayoutError(f"{path}: {what} {when}; the bytes read no longer match its header (a re-save or a "
+                          "download into the checkpoint meanwhile?): nothing was committed, pre-pack it again")
+
+    def check_unchanged(self) -> None:
+        """LayoutError naming the first file opened here that changed since its header was read
+        (call it once every read is done: the bytes read are then the header's)."""
+        with self._lock:
+            for file, (fd, _) in self._fds.items():
+                self._check(file, fd, "while it was read")
 
     def read(self, batch: ReadBatch):
         """The batch's bytes as a uint8 numpy array: tensor ``t`` is at ``t.data_start - batch.start``."""

@@ -90,3 +90,59 @@ def test_what_safetensors_accepts_is_packed_byte_for_byte(tmp_path):
     shard = _raw_shard(tmp_path / "ck" / "model.safetensors", {}, _f32(1.5, -2) + bytes(range(6)), text=text)
     prepack(shard.parent, tmp_path / "out", progress=False)
     _loads_as_safetensors_reads(shard.parent, tmp_path / "out")
+
+
+def _two_tensor_shard(ckpt: Path) -> Path:
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "x"}')
+    save_file({"a": torch.arange(8.0), "b": torch.arange(100.0, 108.0)}, ckpt / "model.safetensors",
+              metadata={"format": "pt"})
+    return ckpt / "model.safetensors"
+
+
+def test_a_shard_replaced_after_its_header_was_read_is_refused(tmp_path, monkeypatch):
+    """A re-save over the checkpoint while pre-pack planned (a longer header shifts the data): the
+    old header's offsets had been applied to the new file, and tensor 'a' packed with 16 bytes of
+    the new header's JSON in it, the job committed as complete."""
+    import flashboot.layouts.checkpoint as checkpoint
+
+    shard = _two_tensor_shard(tmp_path / "ck")
+    real = checkpoint.open_checkpoint
+
+    def resaved_after_planning(path):
+        ckpt = real(path)
+        save_file({"a": torch.arange(300.0, 308.0), "b": torch.arange(200.0, 208.0)}, shard,
+                  metadata={"format": "pt", "note": "saved again"})
+        return ckpt
+
+    monkeypatch.setattr(checkpoint, "open_checkpoint", resaved_after_planning)
+    with pytest.raises(LayoutError, match=f"{shard}: was replaced by another file since its header was read"):
+        prepack(shard.parent, tmp_path / "out", progress=False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock"]  # no job, no temp directory
+
+
+def test_a_shard_rewritten_in_place_while_read_is_refused(tmp_path, monkeypatch):
+    """The bytes read before and after an in-place rewrite are of two checkpoints."""
+    import os
+
+    import flashboot.layouts.checkpoint as checkpoint
+
+    shard = _two_tensor_shard(tmp_path / "ck")
+    size = shard.stat().st_size
+    real = checkpoint.ShardReader.read
+
+    def read_then_rewritten(self, batch):
+        data = real(self, batch)
+        with open(shard, "r+b") as f:  # same size, other values: only the file's mtime tells
+            f.seek(size - 4)
+            f.write(b"\xff" * 4)
+        st = shard.stat()
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # coarse-clock filesystems too
+        return data
+
+    monkeypatch.setattr(checkpoint.ShardReader, "read", read_then_rewritten)
+    with pytest.raises(LayoutError, match=rf"{shard}: was modified \({size:,} bytes -> {size:,}, mtime .*while it "
+                                          "was read; the bytes read no longer match its header"):
+        prepack(shard.parent, tmp_path / "out", progress=False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock"]
+

@@ -363,7 +363,7 @@ def _write_all(ckpt, order: list[str], uses: dict[str, list], total_nbytes: int,
             bar.update(task, advance=sum(ckpt.tensors[n].nbytes for n in batch.names))
 
     try:
-        with ShardReader(ckpt.path) as reader, \
+        with ShardReader(ckpt.path, expect=ckpt.identities) as reader, \
                 ThreadPoolExecutor(max(1, threads), thread_name_prefix="flashboot-prepack") as pool:
             futures = [pool.submit(one, b, reader) for b in batches]  # each holds its batch only while it runs
             try:
@@ -378,6 +378,7 @@ def _write_all(ckpt, order: list[str], uses: dict[str, list], total_nbytes: int,
             for f in futures:  # the first failure in file order is the one reported
                 if f.done() and not f.cancelled() and f.exception() is not None:
                     raise f.exception()
+            reader.check_unchanged()  # a shard rewritten in place while read: its bytes are not the header's
             return dict(reader.modes)
     finally:
         if bar is not None:
