@@ -78,9 +78,10 @@ def _identity(st: os.stat_result) -> FileIdentity:
 
 def _read_header(path: Path) -> tuple[dict[str, dict], FileIdentity]:
     """:func:`read_safetensors_header`, and the identity of the file it was read from."""
+    _refuse_dangling(path, "a shard")
     try:
         f = open_regular(path)
-    except OSError as exc:  # a dangling link in a hub snapshot, a shard removed meanwhile
+    except OSError as exc:  # a shard removed meanwhile
         raise LayoutError(f"{path}: cannot open the shard ({exc.strerror})") from None
     with f:
         st = os.fstat(f.fileno())
@@ -171,11 +172,17 @@ def _utf8(name: str) -> bool:
     return True
 
 
+def _refuse_dangling(path: Path, what: str) -> None:
+    """LayoutError for a link whose target is gone (a hub snapshot whose blob was deleted or never
+    finished downloading): named as such, not as an absent file, which ``ls`` shows is there."""
+    if path.is_symlink() and not path.exists():
+        raise LayoutError(f"{path}: a link to {os.readlink(path)}, which does not exist ({what})")
+
+
 def _read_json(path: Path, what: str) -> Any:
     """A checkpoint's JSON file (``config.json``, the index), or LayoutError naming it; a link
     whose target is gone is named as such, not taken for an absent file."""
-    if path.is_symlink() and not path.exists():
-        raise LayoutError(f"{path}: a link to {os.readlink(path)}, which does not exist ({what})")
+    _refuse_dangling(path, what)
     try:
         raw = read_regular(path, MAX_CHECKPOINT_JSON_BYTES)
     except OSError as exc:
@@ -281,6 +288,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             raise LayoutError(f"{index_path}: no weight_map object")
         weight_map = _index_shards(index["weight_map"], index_path)
         files = sorted(set(weight_map.values()))
+        for f in files:
+            _refuse_dangling(path / f, f"a shard {index_path.name} names")
         missing = [f for f in files if not (path / f).is_file()]
         if missing:
             raise LayoutError(f"{index_path}: names shard(s) {missing} that do not exist in {path}")

@@ -146,3 +146,40 @@ def test_a_shard_rewritten_in_place_while_read_is_refused(tmp_path, monkeypatch)
         prepack(shard.parent, tmp_path / "out", progress=False)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock"]
 
+
+def test_a_hub_snapshot_of_links_into_blobs_packs_and_names_its_repo(tmp_path):
+    """models--org--name/snapshots/REV/ holds links into ../../blobs/SHA: read through the links, and
+    the key names the repo and the revision; a link whose blob is gone is named."""
+    import hashlib
+    import os
+
+    repo = tmp_path / "hub" / "models--org--name"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    snap, blobs = repo / "snapshots" / rev, repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    scratch = tmp_path / "scratch.safetensors"
+
+    def blob(data: bytes, name: str) -> None:
+        sha = hashlib.sha256(data).hexdigest()
+        (blobs / sha).write_bytes(data)
+        os.symlink(f"../../blobs/{sha}", snap / name)
+
+    g = torch.Generator().manual_seed(0)
+    save_file({"a.weight": torch.randn(4, 8, generator=g), "b": torch.randn(3, generator=g).half()}, scratch)
+    blob(scratch.read_bytes(), "model-00001-of-00002.safetensors")
+    save_file({"c.weight": torch.randn(5, 5, generator=g).bfloat16(), "s": torch.tensor(7, dtype=torch.int8)}, scratch)
+    blob(scratch.read_bytes(), "model-00002-of-00002.safetensors")
+    blob(json.dumps({"weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+                                    "c.weight": "model-00002-of-00002.safetensors",
+                                    "s": "model-00002-of-00002.safetensors"}}).encode(), "model.safetensors.index.json")
+    blob(b'{"model_type": "x"}', "config.json")
+    report = prepack(snap, tmp_path / "out", progress=False)
+    _loads_as_safetensors_reads(snap, tmp_path / "out")
+    key = flashboot.layouts.read_job(tmp_path / "out").key
+    assert (key.model_id, key.revision) == ("org/name", rev) and report.read_nbytes == 4 * 32 + 2 * 3 + 2 * 25 + 1
+    second = snap / "model-00002-of-00002.safetensors"
+    (snap / os.readlink(second)).unlink()  # the blob is gone, the link stays
+    with pytest.raises(LayoutError, match=f"{second}: a link to ../../blobs/[0-9a-f]{{64}}, which does not exist"):
+        prepack(snap, tmp_path / "out2", progress=False)
+    assert not (tmp_path / "out2").exists()
