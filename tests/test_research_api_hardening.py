@@ -158,3 +158,52 @@ def test_a_mover_of_its_own_copies_through_copy_and_batches():
     finally:
         _MOVERS.pop("plain_for_test", None)
         _MOVERS.pop("loose_for_test", None)
+
+
+# ---------------------------------------------------------------------------- plans
+def _chain_dict():
+    from flashboot.schedulers import build_plan
+
+    return build_plan("chain", 1, 10_000, 1000).to_dict()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    (4, 3000.5, r"plan 'chain' step 3: offset 3000.5; id, src, dst, offset, nbytes, lane, signal must be ints"),
+    (5, 1000.0, r"step 3: nbytes 1000.0;"),
+    (7, 0.5, r"step 3: lane 0.5;"),
+    (8, 3.0, r"step 3: signal 3.0;"),
+    (3, True, r"step 3: dst True;"),
+    (6, [2.0], r"step 3: waits \[2.0\] must be distinct ids of earlier steps"),
+])
+def test_a_plan_from_json_with_a_step_field_that_is_no_int_is_refused(field, value, match):
+    """offset 3000.5 had validated and failed in the mover mid-run, signal 3.0 in the executor's
+    flag indexing (a raw IndexError); lane 0.5 ran as a lane of its own."""
+    from flashboot.schedulers import Plan, PlanError
+
+    d = _chain_dict()
+    d["steps"][3][field] = value
+    with pytest.raises(PlanError, match=match):
+        Plan.from_dict(d)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda d: d.__setitem__("exclusive_sources", "false"), r"exclusive_sources must be true or false, got 'false'"),
+    (lambda d: d["participants"][0].__setitem__("index", "0"), r"participant 'seed' has index '0', expected 0"),
+    (lambda d: d["participants"][1].__setitem__("name", 1), r"participant 1 has name 1; names are strings"),
+])
+def test_a_plan_from_json_with_malformed_plan_fields_is_refused(mutate, match):
+    """exclusive_sources "false" had read as True; index "0" was refused as 'has index 0, expected 0'."""
+    from flashboot.schedulers import Plan, PlanError
+
+    d = _chain_dict()
+    mutate(d)
+    with pytest.raises(PlanError, match=match):
+        Plan.from_dict(d)
+
+
+def test_a_hand_built_plan_with_waits_as_a_list_still_validates():
+    from flashboot.schedulers import Participant, Plan, Step
+
+    parts = (Participant(0, "seed", "seed"), Participant(1, "clone0", "clone"), Participant(2, "clone1", "clone"))
+    plan = Plan("handmade", parts, 8, 8, (Step(0, "copy", 0, 1, 0, 8), Step(1, "copy", 1, 2, 0, 8, [0])))
+    assert plan.steps[1].waits == [0] and plan.exclusive_sources is False

@@ -44,6 +44,15 @@ H2D_LANE = 1
 """Lane of a participant's loads from the host image (runs beside the copy lane)."""
 
 
+_INT_FIELDS = ("id", "src", "dst", "offset", "nbytes", "lane", "signal")
+"""The :class:`Step` fields that must be ints (waits: a tuple of ints)."""
+
+
+def _is_int(value: Any) -> bool:
+    """An int, not a bool (True had passed as 1)."""
+    return type(value) is int
+
+
 class PlanError(FlashBootError, ValueError):
     """A plan (or a request to build one) is malformed; names the step and the numbers."""
 
@@ -118,10 +127,14 @@ class Plan:
             raise PlanError(f"plan {self.schedule!r}: total_bytes must be a positive int, got {self.total_bytes!r}")
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0:
             raise PlanError(f"plan {self.schedule!r}: chunk_bytes must be a positive int, got {self.chunk_bytes!r}")
+        if not isinstance(self.exclusive_sources, bool):  # from JSON, "false" had read as True
+            raise PlanError(f"plan {self.schedule!r}: exclusive_sources must be true or false, got {self.exclusive_sources!r}")
         names = set()
         for i, p in enumerate(self.participants):
-            if p.index != i:
-                raise PlanError(f"plan {self.schedule!r}: participant {p.name!r} has index {p.index}, expected {i}")
+            if not _is_int(p.index) or p.index != i:
+                raise PlanError(f"plan {self.schedule!r}: participant {p.name!r} has index {p.index!r}, expected {i}")
+            if not isinstance(p.name, str):
+                raise PlanError(f"plan {self.schedule!r}: participant {i} has name {p.name!r}; names are strings")
             if p.role not in ROLES:
                 raise PlanError(f"plan {self.schedule!r}: participant {p.name!r} has role {p.role!r}; roles: {', '.join(ROLES)}")
             if p.name in names:
@@ -131,6 +144,14 @@ class Plan:
         next_signal = [0] * n
         for i, s in enumerate(self.steps):
             where = f"plan {self.schedule!r} step {i}"
+            # whole numbers only: a plan from JSON with offset 3000.5 validated and failed in the
+            # mover mid-run, signal 3.0 in the executor's flag indexing, lane 0.5 ran as a lane of its own
+            # (type() is int: a bool is no int here, and the check costs little on 2,000,000 steps)
+            if not (type(s.id) is type(s.src) is type(s.dst) is type(s.offset) is type(s.nbytes) is type(s.lane)
+                    is type(s.signal) is int) or type(s.waits) not in (tuple, list):
+                bad = next((f for f in _INT_FIELDS if not _is_int(getattr(s, f))), "waits")
+                raise PlanError(f"{where}: {bad} {getattr(s, bad)!r}; {', '.join(_INT_FIELDS)} must be ints, "
+                                "waits a tuple of ints")
             if s.id != i:
                 raise PlanError(f"{where}: has id {s.id}; steps must be numbered 0.. in order")
             if s.kind not in KINDS:
@@ -146,7 +167,7 @@ class Plan:
                     f"{where}: bytes {s.offset:,}..{s.end:,} ({s.nbytes:,} bytes) are not inside the "
                     f"{self.total_bytes:,}-byte image"
                 )
-            if any(not (0 <= w < i) for w in s.waits) or len(set(s.waits)) != len(s.waits):
+            if any(type(w) is not int or not (0 <= w < i) for w in s.waits) or len(set(s.waits)) != len(s.waits):
                 raise PlanError(f"{where}: waits {list(s.waits)} must be distinct ids of earlier steps (< {i})")
             if s.lane < 0:
                 raise PlanError(f"{where}: lane {s.lane} is negative")
@@ -235,7 +256,7 @@ class Plan:
                     Step(id=i, kind=k, src=src, dst=dst, offset=o, nbytes=nb, waits=tuple(w), lane=lane, signal=sig)
                     for i, k, src, dst, o, nb, w, lane, sig in data["steps"]
                 ),
-                exclusive_sources=bool(data.get("exclusive_sources", False)),
+                exclusive_sources=data.get("exclusive_sources", False),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PlanError):
