@@ -61,8 +61,10 @@ def align_up(n: int, alignment: int) -> int:
 
 
 def natural_key(name: str) -> tuple:
-    """Sort key that orders ``layers.2`` before ``layers.10``."""
-    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+    """Sort key that orders ``layers.2`` before ``layers.10``. The split's odd parts are the
+    digit runs: ``str.isdigit`` had also taken a run of superscripts (``"1²"`` leaves ``"²"``),
+    and ``int("²")`` raised ValueError out of every family's plan."""
+    return tuple(int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name)))
 
 
 def contiguous_stride(shape: Iterable[int]) -> tuple[int, ...]:

@@ -183,3 +183,20 @@ def test_a_hub_snapshot_of_links_into_blobs_packs_and_names_its_repo(tmp_path):
     with pytest.raises(LayoutError, match=f"{second}: a link to ../../blobs/[0-9a-f]{{64}}, which does not exist"):
         prepack(snap, tmp_path / "out2", progress=False)
     assert not (tmp_path / "out2").exists()
+
+
+def test_names_of_any_unicode_pack_under_a_family(tmp_path):
+    """Names are text: a superscript after a digit ("1²") had raised a bare ValueError from the
+    natural sort of every family's plan; other digits, dots, slashes, very long names pack as is."""
+    from flashboot.layouts.format import natural_key
+
+    names = ["model.norm.1²", "w.٣", "w.3", "w.03", "模型.权重", "a..b", "a/b/c", "../up", "x" * 5000, "emoji😀",
+             "q\"uote", "model.layers.10.w", "model.layers.2.w"]
+    g = torch.Generator().manual_seed(1)
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    save_file({n: torch.randn(3, generator=g) for n in names}, ckpt / "model.safetensors")
+    (ckpt / "config.json").write_text('{"model_type": "llama"}')  # a family's plan sorts the names
+    prepack(ckpt, tmp_path / "out", progress=False)
+    _loads_as_safetensors_reads(ckpt, tmp_path / "out")
+    assert sorted(["b.10", "b.2", "b.1²", "b²"], key=natural_key) == ["b.1²", "b.2", "b.10", "b²"]
