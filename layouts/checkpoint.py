@@ -200,7 +200,9 @@ def _index_shards(weight_map: Any, index_path: Path) -> dict[str, str]:
         parts = Path(shard).parts
         if not shard or Path(shard).is_absolute() or ".." in parts:
             raise LayoutError(f"{index_path}: maps {name!r} to {shard!r}, outside the checkpoint directory")
-    return weight_map
+    # one file, one name: "./model.safetensors" beside "model.safetensors" had been read as two
+    # shards, and its every tensor refused as "in two shards"
+    return {name: os.path.normpath(shard) for name, shard in weight_map.items()}
 
 
 @dataclass

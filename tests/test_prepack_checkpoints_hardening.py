@@ -200,3 +200,25 @@ def test_names_of_any_unicode_pack_under_a_family(tmp_path):
     prepack(ckpt, tmp_path / "out", progress=False)
     _loads_as_safetensors_reads(ckpt, tmp_path / "out")
     assert sorted(["b.10", "b.2", "b.1²", "b²"], key=natural_key) == ["b.1²", "b.2", "b.10", "b²"]
+
+
+def _sharded(ckpt: Path, weight_map: dict | None = None) -> dict[str, str]:
+    g = torch.Generator().manual_seed(2)
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "x"}')
+    save_file({"a": torch.randn(4, 8, generator=g), "b": torch.randn(3, generator=g).half()}, ckpt / "s1.safetensors")
+    save_file({"c": torch.randn(5, generator=g).bfloat16()}, ckpt / "s2.safetensors")
+    good = {"a": "s1.safetensors", "b": "s1.safetensors", "c": "s2.safetensors"}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": good if weight_map is None
+                                                                   else weight_map}))
+    return good
+
+
+def test_an_index_naming_one_shard_two_ways_packs(tmp_path):
+    """'./s1.safetensors' and 's1.safetensors' are one file: it had been read twice and refused
+    as 'tensor a is in two shards (./s1.safetensors and s1.safetensors)'."""
+    ckpt = tmp_path / "ck"
+    _sharded(ckpt, {"a": "./s1.safetensors", "b": "s1.safetensors", "c": "s2.safetensors"})
+    prepack(ckpt, tmp_path / "out", progress=False)
+    _loads_as_safetensors_reads(ckpt, tmp_path / "out")
+
