@@ -298,7 +298,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
-        raise LayoutError(f"{path}: no .safetensors files")
+        raise LayoutError(f"{index_path}: its weight_map names no tensor" if weight_map is not None
+                          else f"{path}: no .safetensors files")
     tensors: dict[str, SourceTensor] = {}
     identities: dict[str, FileIdentity] = {}
     bad_dtypes = []

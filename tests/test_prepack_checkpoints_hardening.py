@@ -222,3 +222,25 @@ def test_an_index_naming_one_shard_two_ways_packs(tmp_path):
     prepack(ckpt, tmp_path / "out", progress=False)
     _loads_as_safetensors_reads(ckpt, tmp_path / "out")
 
+
+def test_index_disagreements_are_refused_or_packed_as_the_shards_hold(tmp_path):
+    ckpt = tmp_path / "ck"
+    good = _sharded(ckpt)
+    index = ckpt / "model.safetensors.index.json"
+    cases = [
+        ({**good, "d": "s3.safetensors"}, rf"{index}: names shard\(s\) \['s3.safetensors'\] that do not exist"),
+        ({**good, "a": "s2.safetensors"}, rf"{index}: maps 'a' to s2.safetensors, but it is in s1.safetensors"),
+        ({**good, "z": "s1.safetensors"}, rf"{index}: maps 'z' to s1.safetensors, but no shard holds it"),
+        ({}, rf"{index}: its weight_map names no tensor"),
+    ]
+    for i, (weight_map, message) in enumerate(cases):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(LayoutError, match=message):
+            prepack(ckpt, tmp_path / f"out{i}", progress=False)
+        assert not (tmp_path / f"out{i}").exists()
+    # extra keys and a wrong total_size are not the index's truth; a tensor the index omits from a
+    # shard it names is still packed (transformers loads every tensor of the shards it names)
+    index.write_text(json.dumps({"metadata": {"total_size": 1}, "other": [1], "weight_map": {"a": "s1.safetensors",
+                                                                                            "c": "s2.safetensors"}}))
+    prepack(ckpt, tmp_path / "ok", progress=False)
+    _loads_as_safetensors_reads(ckpt, tmp_path / "ok")
