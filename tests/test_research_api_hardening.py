@@ -207,3 +207,23 @@ def test_a_hand_built_plan_with_waits_as_a_list_still_validates():
     parts = (Participant(0, "seed", "seed"), Participant(1, "clone0", "clone"), Participant(2, "clone1", "clone"))
     plan = Plan("handmade", parts, 8, 8, (Step(0, "copy", 0, 1, 0, 8), Step(1, "copy", 1, 2, 0, 8, [0])))
     assert plan.steps[1].waits == [0] and plan.exclusive_sources is False
+
+
+@pytest.mark.parametrize("query,match", [
+    (lambda p: p.flag_of(-1), r"plan 'chain' has no step -1 \(ids 0..5\)"),
+    (lambda p: p.flag_of(6), r"plan 'chain' has no step 6 \(ids 0..5\)"),
+    (lambda p: p.flag_of(2.0), r"plan 'chain' has no step 2.0"),
+    (lambda p: p.flag_count(3), r"plan 'chain' has no participant 3 \(indices 0..2\)"),
+    (lambda p: p.flag_count(-1), r"plan 'chain' has no participant -1"),
+    (lambda p: p.flag_count("clone0"), r"plan 'chain' has no participant 'clone0'"),
+])
+def test_flag_queries_for_a_step_or_participant_the_plan_lacks_are_refused(query, match):
+    """flag_of(-1) had answered with the last step's flag (HOST is -1: a wait on the host image
+    looked like one on clone1); flag_of(6) and flag_count(3) raised a bare IndexError / KeyError."""
+    from flashboot.schedulers import PlanError, build_plan
+
+    plan = build_plan("chain", 2, 3000, 1000)
+    assert [plan.flag_of(i) for i in range(6)] == [(1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (2, 2)]
+    assert [plan.flag_count(i) for i in range(3)] == [0, 3, 3]
+    with pytest.raises(PlanError, match=match):
+        query(plan)

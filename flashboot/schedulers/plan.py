@@ -209,6 +209,8 @@ class Plan:
             for s in self.steps:
                 counts[s.dst] += 1
             self._flags.update(enumerate(counts))
+        if isinstance(index, bool) or index not in self._flags:  # a raw KeyError had named only the number
+            raise PlanError(f"plan {self.schedule!r} has no participant {index!r} (indices 0..{self.n_participants - 1})")
         return self._flags[index]
 
     @functools.cached_property
@@ -218,6 +220,8 @@ class Plan:
 
     def flag_of(self, step_id: int) -> tuple[int, int]:
         """``(participant, flag index)`` raised when step ``step_id`` completes."""
+        if type(step_id) is not int or not 0 <= step_id < len(self.steps):  # -1 had answered for the last step
+            raise PlanError(f"plan {self.schedule!r} has no step {step_id!r} (ids 0..{len(self.steps) - 1})")
         s = self.steps[step_id]
         return s.dst, s.signal
 
