@@ -244,3 +244,39 @@ def test_index_disagreements_are_refused_or_packed_as_the_shards_hold(tmp_path):
                                                                                             "c": "s2.safetensors"}}))
     prepack(ckpt, tmp_path / "ok", progress=False)
     _loads_as_safetensors_reads(ckpt, tmp_path / "ok")
+
+
+def test_every_dtype_safetensors_stores_packs_or_is_refused_by_name(tmp_path):
+    """Each supported dtype as a matrix, an odd-length vector, a 0-dim scalar and two zero-element
+    tensors loads back as safetensors reads it; each newer dtype is refused, named with its tensor."""
+    from flashboot.layouts.format import DTYPES
+
+    g = torch.Generator().manual_seed(4)
+    tensors = {}
+    for name in DTYPES:
+        dt = getattr(torch, name)
+        base = torch.randn(3, 5, generator=g) * 10
+        tensors.update({f"{name}.mat": base.to(dt), f"{name}.odd": base.reshape(-1)[:13].clone().to(dt),
+                        f"{name}.scalar": torch.tensor(3.0).to(dt), f"{name}.empty": torch.zeros(0, 7).to(dt),
+                        f"{name}.empty2": torch.zeros(4, 0, 2).to(dt)})
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    save_file(tensors, ckpt / "model.safetensors")
+    prepack(ckpt, tmp_path / "out", progress=False)
+    _loads_as_safetensors_reads(ckpt, tmp_path / "out")
+    newer = {"uint16": "U16", "uint32": "U32", "uint64": "U64", "complex64": "C64", "float8_e8m0fnu": "F8_E8M0",
+             "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ"}
+    for i, (name, code) in enumerate(newer.items()):
+        dt = getattr(torch, name, None)
+        if dt is None:
+            continue
+        other = tmp_path / f"ck-{name}"
+        other.mkdir()
+        try:
+            save_file({"ok": torch.ones(2), "x": torch.zeros(4, dtype=torch.uint8).view(dt) if dt.itemsize == 1
+                       else torch.zeros(4).to(dt)}, other / "model.safetensors")
+        except Exception:  # this safetensors does not store it
+            continue
+        with pytest.raises(LayoutError, match=rf"unsupported dtype in 1 tensor\(s\): x \({code}, in model.safetensors\)"):
+            prepack(other, tmp_path / f"out-{i}", progress=False)
+        assert not (tmp_path / f"out-{i}").exists()
