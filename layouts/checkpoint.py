@@ -444,6 +444,19 @@ class ShardReader:
         raise LayoutError(f"{path}: {what} {when}; the bytes read no longer match its header (a re-save or a "
                           "download into the checkpoint meanwhile?): nothing was committed, pre-pack it again")
 
+    def release(self, file: str) -> None:
+        """Close ``file`` once every read of it is done, checking first that it did not change
+        while it was read: a checkpoint of more shards than the process may hold open files
+        (1,024 by default) had failed at the 1,018th with EMFILE."""
+        with self._lock:
+            have = self._fds.pop(file, None)
+            if have is None:
+                return
+            try:
+                self._check(file, have[0], "while it was read")
+            finally:
+                os.close(have[0])
+
     def check_unchanged(self) -> None:
         """LayoutError naming the first file opened here that changed since its header was read
         (call it once every read is done: the bytes read are then the header's)."""

@@ -280,3 +280,28 @@ def test_every_dtype_safetensors_stores_packs_or_is_refused_by_name(tmp_path):
         with pytest.raises(LayoutError, match=rf"unsupported dtype in 1 tensor\(s\): x \({code}, in model.safetensors\)"):
             prepack(other, tmp_path / f"out-{i}", progress=False)
         assert not (tmp_path / f"out-{i}").exists()
+
+
+def test_more_shards_than_open_files_allowed_pack(tmp_path):
+    """Every shard had stayed open until the end of the job: a checkpoint of more shards than the
+    process may open (1,024 by default) failed at the last ones with 'Too many open files'."""
+    import os
+    import resource
+
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    shards = 160
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({f"t.{i}": torch.full((3,), float(i)), f"u.{i}": torch.arange(i % 7, dtype=torch.int16)}, ckpt / name)
+        weight_map.update({f"t.{i}": name, f"u.{i}": name})
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = len(os.listdir("/proc/self/fd")) + 100  # fewer than the shards, enough for the job's own files
+    resource.setrlimit(resource.RLIMIT_NOFILE, (room, hard))
+    try:
+        prepack(ckpt, tmp_path / "out", progress=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    _loads_as_safetensors_reads(ckpt, tmp_path / "out")

@@ -350,11 +350,20 @@ def _write_all(ckpt, order: list[str], uses: dict[str, list], total_nbytes: int,
         task = bar.add_task("prepack", total=total_nbytes)
 
     stop = threading.Event()
+    left: dict[str, int] = {}  # batches of each file not yet read: its fd is closed at 0
+    for b in batches:
+        left[b.file] = left.get(b.file, 0) + 1
+    left_lock = threading.Lock()
 
     def one(batch, reader: ShardReader) -> None:
         if stop.is_set():  # the run was interrupted: batches not yet started read nothing
             return
         data = reader.read(batch)
+        with left_lock:
+            left[batch.file] -= 1
+            done = left[batch.file] == 0
+        if done:  # one open file per shard being read, not per shard of the checkpoint
+            reader.release(batch.file)
         for name in batch.names:
             src = ckpt.tensors[name]
             at = src.data_start - batch.start
