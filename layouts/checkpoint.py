@@ -190,6 +190,20 @@ def _read_json(path: Path, what: str) -> Any:
     return loads(raw, str(path), LayoutError)
 
 
+def _hub_repo_hint(path: Path) -> str:
+    """For a hub cache repo directory (``models--org--name``, whose checkpoint is one of its
+    ``snapshots/REV``): which directory to give instead."""
+    snapshots = path / "snapshots"
+    if not snapshots.is_dir():
+        return ""
+    revs = sorted(p.name for p in snapshots.iterdir() if p.is_dir())
+    main = path / "refs" / "main"
+    want = main.read_text().strip() if main.is_file() else (revs[0] if len(revs) == 1 else None)
+    if want in revs:
+        return f" (a hub cache repo: its checkpoint is {snapshots / want})"
+    return f" (a hub cache repo: give one of its snapshots, {', '.join(revs[:4]) or 'none downloaded'})"
+
+
 def _index_shards(weight_map: Any, index_path: Path) -> dict[str, str]:
     """The index's ``weight_map`` checked: names to plain relative shard paths inside the
     checkpoint (an index naming ``../x`` or ``/etc/...`` had been followed)."""
@@ -299,7 +313,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise LayoutError(f"{index_path}: its weight_map names no tensor" if weight_map is not None
-                          else f"{path}: no .safetensors files")
+                          else f"{path}: no .safetensors files{_hub_repo_hint(path)}")
     tensors: dict[str, SourceTensor] = {}
     identities: dict[str, FileIdentity] = {}
     bad_dtypes = []

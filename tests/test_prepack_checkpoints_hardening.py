@@ -305,3 +305,18 @@ def test_more_shards_than_open_files_allowed_pack(tmp_path):
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     _loads_as_safetensors_reads(ckpt, tmp_path / "out")
+
+
+def test_a_hub_cache_repo_directory_is_refused_naming_its_snapshot(tmp_path):
+    """``models--org--name`` given instead of its ``snapshots/REV``: 'no .safetensors files' had not
+    said where they are."""
+    repo = tmp_path / "models--org--name"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "snapshots" / rev).mkdir(parents=True)
+    (repo / "snapshots" / "fedcba9876543210fedcba9876543210fedcba98").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    with pytest.raises(LayoutError, match=rf"{repo}: no .safetensors files \(a hub cache repo: its checkpoint is "
+                                          rf"{repo / 'snapshots' / rev}\)"):
+        prepack(repo, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
