@@ -227,3 +227,29 @@ def test_flag_queries_for_a_step_or_participant_the_plan_lacks_are_refused(query
     assert [plan.flag_count(i) for i in range(3)] == [0, 3, 3]
     with pytest.raises(PlanError, match=match):
         query(plan)
+
+
+@pytest.mark.parametrize("helper,args,match", [
+    ("split_range", (0, 10, 0), r"split_range: chunk_bytes must be a positive int, got 0"),
+    ("split_range", (0, 10, -1), r"split_range: chunk_bytes must be a positive int, got -1"),
+    ("split_range", (0, 10, 3.0), r"split_range: chunk_bytes must be a positive int, got 3.0"),
+    ("shard_bounds", (100, 0), r"ring: member count must be a positive int, got 0"),
+    ("shard_bounds", (100, -1), r"ring: member count must be a positive int, got -1"),
+    ("shard_bounds", (100.0, 3, 1), r"ring: total_bytes must be an int >= 0, got 100.0"),
+    ("build_plan", ("ring", 2, 10_000, 4096, {"align_bytes": True}), r"ring: align_bytes must be a positive int, got True"),
+])
+def test_the_public_range_helpers_refuse_counts_that_are_no_positive_ints(helper, args, match):
+    """split_range(0, 10, -1) had returned no piece (nothing covered, no error) and a chunk of 0
+    raised range()'s ValueError; shard_bounds of 0 or -1 members returned no shard, of a float
+    image float offsets; align_bytes=True aligned the ring's shards to 1 byte."""
+    import flashboot.schedulers as schedulers
+
+    with pytest.raises(schedulers.PlanError, match=match):
+        getattr(schedulers, helper)(*args)
+
+
+def test_the_range_helpers_still_cover_every_byte():
+    from flashboot.schedulers import shard_bounds, split_range
+
+    assert split_range(5, 10, 4) == [(5, 4), (9, 4), (13, 2)] and split_range(5, 0, 4) == []
+    assert shard_bounds(3, 4, 1) == [(0, 0), (0, 1), (1, 1), (2, 1)] and shard_bounds(0, 2) == [(0, 0), (0, 0)]

@@ -19,8 +19,12 @@ sub-chunk keeps the alignment movers need."""
 def shard_bounds(total_bytes: int, n: int, align_bytes: int = DEFAULT_ALIGN_BYTES) -> list[tuple[int, int]]:
     """``[(offset, nbytes)] * n``: byte shards as equal as ``align_bytes`` allows. A shard is empty
     (``nbytes == 0``) only when the image has fewer aligned blocks than members."""
-    if not isinstance(align_bytes, int) or align_bytes <= 0:
-        raise PlanError(f"ring: align_bytes must be a positive int, got {align_bytes!r}")
+    # True had aligned to 1 byte; n = 0 or -1 returned no shard at all, float bounds came back as floats
+    for label, value in (("align_bytes", align_bytes), ("member count", n)):
+        if type(value) is not int or value <= 0:
+            raise PlanError(f"ring: {label} must be a positive int, got {value!r}")
+    if type(total_bytes) is not int or total_bytes < 0:
+        raise PlanError(f"ring: total_bytes must be an int >= 0, got {total_bytes!r}")
     cuts = [((i * total_bytes) // n) // align_bytes * align_bytes for i in range(n)] + [total_bytes]
     return [(cuts[i], cuts[i + 1] - cuts[i]) for i in range(n)]
 
