@@ -197,8 +197,10 @@ def _hub_repo_hint(path: Path) -> str:
     if not snapshots.is_dir():
         return ""
     revs = sorted(p.name for p in snapshots.iterdir() if p.is_dir())
-    main = path / "refs" / "main"
-    want = main.read_text().strip() if main.is_file() else (revs[0] if len(revs) == 1 else None)
+    try:  # refs/main names the revision the hub's "main" resolved to
+        want = read_regular(path / "refs" / "main", 1024).decode(errors="replace").strip()
+    except (OSError, LayoutError):
+        want = revs[0] if len(revs) == 1 else None
     if want in revs:
         return f" (a hub cache repo: its checkpoint is {snapshots / want})"
     return f" (a hub cache repo: give one of its snapshots, {', '.join(revs[:4]) or 'none downloaded'})"
