@@ -108,7 +108,7 @@ def run(paths: list[str], sizes: list[int], movers: list[str] | None = None, rep
     """Measure every available mover on ``paths`` at ``sizes``; returns one row per (mover, path, size)."""
     import torch
 
-    from flashboot.errors import UnknownNameError
+    from flashboot.errors import UnknownNameError, restated
     from flashboot.movers import create_mover, list_movers
     from flashboot.benchmarks.timing import check_count, time_cuda, time_host
 
@@ -139,13 +139,17 @@ def run(paths: list[str], sizes: list[int], movers: list[str] | None = None, rep
                         dst.copy_(src, non_blocking=True)
                 base = time_cuda(bare, device=ends.device, repeats=repeats, inner=_inner(nbytes))
             for info in chosen:
-                mover = create_mover(info.name)
                 dst.fill_(0xAB)  # poison: a mover that writes nothing cannot pass the checksum
-                if ends.device < 0:
-                    t = time_host(lambda: mover.copy(dst, src, nbytes, stream=None), repeats=repeats)
-                else:
-                    t = time_cuda(lambda s: mover.copy(dst, src, nbytes, stream=s), device=ends.device,
-                                  repeats=repeats, inner=_inner(nbytes))
+                try:
+                    mover = create_mover(info.name)
+                    if ends.device < 0:
+                        t = time_host(lambda: mover.copy(dst, src, nbytes, stream=None), repeats=repeats)
+                    else:
+                        t = time_cuda(lambda s: mover.copy(dst, src, nbytes, stream=s), device=ends.device,
+                                      repeats=repeats, inner=_inner(nbytes))
+                except Exception as exc:  # a mover's own error ("boom") had not said which mover, path or size
+                    raise restated(exc, f"bench movers: mover {info.name!r} failed on {path} at {nbytes:,} bytes: "
+                                        f"{type(exc).__name__}: {exc}") from exc
                 ok = _checksum(dst) == expected
                 rows.append(MoverRow(info.name, path, nbytes, t.median_ms, t.gbps(nbytes), base.gbps(nbytes),
                                      t.gbps(nbytes) / base.gbps(nbytes), ok))

@@ -253,3 +253,28 @@ def test_the_range_helpers_still_cover_every_byte():
 
     assert split_range(5, 10, 4) == [(5, 4), (9, 4), (13, 2)] and split_range(5, 0, 4) == []
     assert shard_bounds(3, 4, 1) == [(0, 0), (0, 1), (1, 1), (2, 1)] and shard_bounds(0, 2) == [(0, 0), (0, 0)]
+
+
+@pytest.mark.parametrize("error,cls", [(RuntimeError("boom"), "FlashBootError"), (None, "MoverError")])
+def test_a_mover_failing_in_bench_movers_is_named_with_its_path_and_size(error, cls):
+    """A researcher's mover raising RuntimeError("boom") had ended the benchmark with just that:
+    no word of which mover, path or size; a MoverError keeps its class once named."""
+    from flashboot.benchmarks.movers import run
+    from flashboot.errors import FlashBootError, MoverError
+    from flashboot.movers import Mover, register_mover
+    from flashboot.movers.registry import _MOVERS
+
+    @register_mover
+    class Failing(Mover):
+        name, paths = "failing_for_test", frozenset({"host"})
+
+        def _copy(self, dst, src, nbytes, path, stream):
+            raise error or MoverError(f"failing_for_test: cannot copy {nbytes:,} bytes")
+
+    try:
+        with pytest.raises(FlashBootError, match=r"bench movers: mover 'failing_for_test' failed on host at 4,097 bytes: "
+                                                 r"(RuntimeError: boom|MoverError: failing_for_test: cannot copy 4,097)") as failed:
+            run(["host"], [4097], ["host", "failing_for_test"], repeats=1)
+        assert type(failed.value).__name__ == cls
+    finally:
+        _MOVERS.pop("failing_for_test", None)
