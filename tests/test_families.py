@@ -340,3 +340,24 @@ def test_checkpoint_with_fused_experts_on_disk(models, tmp_path):
     gu = "model.layers.1.mlp.experts.gate_up_proj"
     assert images[3].tensors[gu].region == "experts" and images[3].tensors[gu].shape == (4, 32, 64)
     assert all(_same_bytes(t, state[n]) for n, t in full.items()) and set(full) == set(state)
+
+
+@pytest.mark.parametrize("absent", ["missing", "null"])
+def test_a_config_without_kv_heads_splits_as_transformers_reads_it(tmp_path, absent):
+    """transformers reads no num_key_value_heads (LLaMA-1 conversions) or null as one KV head per
+    attention head; tp=2 had been refused ('config.json has no num_key_value_heads')."""
+    import json
+
+    ckpt = tmp_path / "ck"
+    model = save_tiny_model("llama", ckpt, seed=9, num_key_value_heads=4)  # = num_attention_heads
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["num_key_value_heads"]
+    if absent == "null":
+        cfg["num_key_value_heads"] = None
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    prepack(ckpt, tmp_path / "out", 2, progress=False)
+    images, full = _all_ranks(tmp_path / "out", 2)
+    assert set(full) == set(state) and all(_same_bytes(full[n], state[n]) for n in state)
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert images[0].tensors[k].shape[0] * 2 == state[k].shape[0]  # split over the 4 KV heads, not replicated

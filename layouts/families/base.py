@@ -374,6 +374,10 @@ class TransformerFamily(Family):
     def _head_split(self, ctx, src: SourceTensor, heads_key: str, replicate_ok: bool) -> Split:
         tp, r = ctx.parallel.tp_size, ctx.parallel.tp_rank
         heads = ctx.config.get(heads_key)
+        if heads is None and heads_key == self.kv_heads_key:
+            # transformers' default (Llama, Mistral, Qwen, Mixtral configs): no key, or null, means
+            # one KV head per attention head; older configs (LLaMA-1 conversions) have none
+            heads = ctx.config.get(self.heads_key)
         if not isinstance(heads, int) or heads < 1:
             raise LayoutError(f"family {self.name}: {src.name} is split by heads but config.json has no {heads_key}")
         if heads % tp == 0:
