@@ -70,13 +70,27 @@ def open_regular(path, error: type[Exception] = LayoutError, *, max_bytes: int |
         raise
 
 
+READ_PIECE_BYTES = 1 << 20
+""":func:`read_regular` reads a file that grew after its size was taken this much at a time."""
+
+
 def read_regular(path, max_bytes: int, error: type[Exception] = LayoutError) -> bytes:
     """The whole of the regular file ``path``, at most ``max_bytes`` (see :func:`open_regular`).
 
     Reads at most one byte past ``max_bytes``: a file grown after the size check (a writer
-    appending, a sparse extension) is refused, not read whole into memory."""
+    appending, a sparse extension) is refused, not read whole into memory. Asks for the file's
+    size (and one byte more), then pieces of at most :data:`READ_PIECE_BYTES`: ``read(max_bytes +
+    1)`` allocated the whole limit first (1 GiB for a 2 KB metadata.json), a MemoryError on a
+    node with ``ulimit -v`` or strict overcommit."""
     with open_regular(path, error, max_bytes=max_bytes) as f:
-        data = f.read(max_bytes + 1)
+        ask = min(os.fstat(f.fileno()).st_size, max_bytes) + 1
+        pieces = [f.read(ask)]
+        total = len(pieces[0])
+        while total <= max_bytes and len(pieces[-1]) == ask:  # grown since: the rest, at most one past the limit
+            ask = min(READ_PIECE_BYTES, max_bytes + 1 - total)
+            pieces.append(f.read(ask))
+            total += len(pieces[-1])
+    data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     if len(data) > max_bytes:
         raise error(f"{os.fspath(path)}: grew past the {max_bytes:,} bytes this file may hold while it was read")
     return data
