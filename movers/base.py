@@ -20,6 +20,19 @@ def _writable(dst: Any, name: str) -> Any:
     return dst
 
 
+def availability_of(cls: type["Mover"]) -> tuple[bool, str]:
+    """``cls.availability()``, an exception from it or an answer other than ``(bool, str)`` read
+    as ``(False, why)``: a researcher's mover whose availability() imported a missing library had
+    made list_movers(), best_mover() and ``bench movers`` raise that ImportError for every mover."""
+    try:
+        answer = cls.availability()
+    except Exception as exc:  # noqa: BLE001 - named in the reason, which every listing shows
+        return False, f"{cls.__name__}.availability() raised {type(exc).__name__}: {exc}"
+    if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], bool)):
+        return False, f"{cls.__name__}.availability() returned {answer!r}, not (ok: bool, why: str)"
+    return answer[0], str(answer[1])
+
+
 class Mover:
     """Copies a byte range from ``src`` to ``dst``.
 
@@ -44,7 +57,7 @@ class Mover:
         return True, ""
 
     def __init__(self) -> None:
-        ok, why = self.availability()
+        ok, why = availability_of(type(self))
         if not ok:
             raise CapabilityError(f"mover {self.name!r} cannot run here: {why}")
 
@@ -124,4 +137,4 @@ class Mover:
             batch.copy_chunk(i, stream=stream)
 
 
-__all__ = ["Mover"]
+__all__ = ["Mover", "availability_of"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from flashboot.errors import CapabilityError, FlashBootError, MoverError, UnknownNameError
 from flashboot.memory import PATHS
 
-from .base import Mover
+from .base import Mover, availability_of
 
 _MOVERS: dict[str, type[Mover]] = {}
 
@@ -103,7 +103,7 @@ def list_movers() -> list[MoverInfo]:
     infos = []
     for name in sorted(_MOVERS):
         cls = _MOVERS[name]
-        ok, reason = cls.availability()
+        ok, reason = availability_of(cls)
         infos.append(MoverInfo(name, tuple(p for p in ("h2d", "d2h", "d2d", "p2p", "host") if p in cls.paths),
                                ok, reason, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "",
                                cls.batched))
@@ -133,7 +133,7 @@ def best_mover(src, dst=None, **options) -> Mover:
     ranked = sorted(movers_for(path), key=lambda n: (PREFERENCE.index(n) if n in PREFERENCE else len(PREFERENCE), n))
     why = {}
     for name in ranked:
-        ok, why[name] = _MOVERS[name].availability()
+        ok, why[name] = availability_of(_MOVERS[name])
         if ok:
             return create_mover(name, **options)
     raise CapabilityError(f"no mover copies {path} on this machine: "

@@ -278,3 +278,35 @@ def test_a_mover_failing_in_bench_movers_is_named_with_its_path_and_size(error, 
         assert type(failed.value).__name__ == cls
     finally:
         _MOVERS.pop("failing_for_test", None)
+
+
+@pytest.mark.parametrize("availability,why", [
+    (lambda cls: __import__("no_such_library_for_test"), r"raised ModuleNotFoundError: No module named 'no_such_library_for_test'"),
+    (lambda cls: True, r"returned True, not \(ok: bool, why: str\)"),
+])
+def test_a_mover_whose_availability_fails_is_listed_unavailable_and_breaks_no_listing(availability, why):
+    """Its availability() importing a missing library had made list_movers(), best_mover() and
+    ``bench movers`` raise that ImportError for every mover; returning True, a bare TypeError."""
+    import re
+
+    from flashboot.benchmarks.movers import run
+    from flashboot.errors import CapabilityError
+    from flashboot.movers import Mover, best_mover, create_mover, list_movers, register_mover
+    from flashboot.movers.registry import _MOVERS
+
+    @register_mover
+    class Fragile(Mover):
+        name, paths = "aaa_fragile_for_test", frozenset({"host"})  # sorted first: listed before host
+        _copy = _plain_copy
+
+    Fragile.availability = classmethod(availability)
+    try:
+        info = {m.name: m for m in list_movers()}["aaa_fragile_for_test"]
+        assert not info.available and re.search(r"Fragile.availability\(\) " + why, info.reason), info.reason
+        assert best_mover("cpu").name == "host"
+        with pytest.raises(CapabilityError, match=r"mover 'aaa_fragile_for_test' cannot run here: Fragile.availability\(\) "
+                                                  + why):
+            create_mover("aaa_fragile_for_test")
+        assert [(r.mover, r.verified) for r in run(["host"], [4096], repeats=1)] == [("host", True)]
+    finally:
+        _MOVERS.pop("aaa_fragile_for_test", None)
