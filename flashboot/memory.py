@@ -194,3 +194,38 @@ def stream_device(stream: Any) -> int | None:
         return dev.index or 0
     dev_id = getattr(stream, "device_id", None)  # cupy.cuda.Stream
     return int(dev_id) if isinstance(dev_id, int) and dev_id >= 0 else None
+
+
+# ------------------------------------------------------------------ the process's own limits
+def address_space_limit() -> tuple[int, int] | None:
+    """``(limit, mapped now)`` in bytes where this process's address space is limited
+    (RLIMIT_AS, ``ulimit -v``: set by some batch schedulers and containers), else None."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        used = 0
+    return limit, used
+
+
+def map_refused(what: str, nbytes: int, exc: OSError) -> FlashBootError:
+    """The error for a mapping of ``nbytes`` (``what``) the kernel refused with ``exc``: under an
+    address-space limit too small for it, an OutOfMemoryError with the limit and the bytes left
+    under it (a bare ``[Errno 12] Cannot allocate memory`` named neither); otherwise a
+    FlashBootError naming the bytes and the system's error."""
+    import errno
+
+    from .errors import OutOfMemoryError
+
+    limited = address_space_limit() if exc.errno == errno.ENOMEM else None
+    if limited is not None and nbytes > limited[0] - limited[1]:
+        limit, used = limited
+        return OutOfMemoryError(f"{what}: this process may map at most {limit:,} bytes (`ulimit -v`) and maps "
+                                f"{used:,} already", nbytes, max(0, limit - used))
+    code = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
+    return FlashBootError(f"{what}: mapping {nbytes:,} bytes failed: {code} ({exc.strerror or exc})")

@@ -7,10 +7,15 @@ The limits are set in a fresh process (``run_python``): they stay with the proce
 
 from __future__ import annotations
 
+import errno
 import os
+import threading
 
 import pytest
 
+from flashboot.errors import FlashBootError
+from flashboot.flashload import shm as shm_files
+from flashboot.flashload import staging
 
 from _preload_helpers import make_tiny_image  # noqa: E402
 from _python import run_python  # noqa: E402
@@ -21,6 +26,10 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture(scope="module")
 def image(tmp_path_factory):
     return make_tiny_image(tmp_path_factory.mktemp("limits"))
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
 
 
 _UNDER_AS_LIMIT = """
@@ -34,6 +43,79 @@ resource.setrlimit(resource.RLIMIT_AS, (vm() + {extra}, resource.RLIM_INFINITY))
 """
 """A fresh process that has loaded ``image`` once, whose address space may then grow by ``extra``
 bytes past what it maps."""
+
+
+def test_a_read_buffer_refused_under_ulimit_v_fails_the_stage_and_stages_no_zeros(image, tmp_path):
+    """A copy thread whose read buffer could not be mapped (ENOMEM under ``ulimit -v``) died with
+    a traceback on stderr; the stage went on without its chunks, renamed the file of zeros into
+    place and wrote a ``.ready`` for it: every load that did not verify served zeros."""
+    shm = tmp_path / "shm"
+    chunk = 64 << 20
+    out = run_python("-c", _UNDER_AS_LIMIT.format(image=str(image), extra=chunk // 2) + f"""
+from flashboot.errors import OutOfMemoryError
+try:
+    flashboot.flashload.staging.stage_rank({str(image)!r}, 0, shm_dir={str(shm)!r}, chunk_bytes={chunk}, threads=1)
+except OutOfMemoryError as exc:
+    print("refused:", exc)
+else:
+    print("staged")
+""")
+    assert out.startswith("refused: "), out
+    assert f"a read buffer: this process may map at most " in out and "(`ulimit -v`)" in out, out
+    assert f"needs {chunk:,} bytes but only " in out, out
+    paths = shm_files.staged_paths(image, 0, shm)
+    assert not paths.ready.exists() and not paths.image.exists() and not paths.partial.exists()
+    # the same stage on a healthy machine: whole bytes
+    staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=chunk, threads=1)
+    assert paths.image.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()
+
+
+def test_a_read_buffer_refused_fails_the_stage_by_name_and_leaves_nothing(image, tmp_path, monkeypatch):
+    """The same in this process (strict overcommit refuses the mapping as ENOMEM, no ``ulimit -v``
+    set): one error naming the buffer's bytes, no ``.ready``, no staged file, no fd, no thread."""
+    shm = tmp_path / "shm"
+    real, calls = staging.io_buffer, []
+
+    def io_buffer(nbytes):
+        calls.append(nbytes)
+        if len(calls) == 2:  # the second thread's
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(nbytes)
+
+    monkeypatch.setattr(staging, "io_buffer", io_buffer)
+    fds_before, threads_before = _fds(), set(threading.enumerate())
+    with pytest.raises(FlashBootError, match=r"a read buffer: mapping 4,096 bytes failed: ENOMEM \(Cannot allocate "
+                                             r"memory\)"):
+        staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=4)
+    assert list(shm_files.staging_dir(image, shm).iterdir()) == []
+    assert _fds() == fds_before and set(threading.enumerate()) == threads_before
+
+
+def test_a_copy_thread_that_cannot_start_fails_the_stage_and_ends_the_others(image, tmp_path, monkeypatch):
+    """A thread start refused (a container's pids limit, or no room for its stack under ``ulimit
+    -v``) raised a bare RuntimeError out of the stage while the threads started before it still
+    copied: the stage closed the file under them and removed it, and they wrote on."""
+    shm = tmp_path / "shm"
+    real_start, started = threading.Thread.start, []
+
+    def start(self):
+        if self.name.startswith("flashboot-preload-"):
+            started.append(self)
+            if len(started) == 3:
+                raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    fds_before = _fds()
+    with pytest.raises(FlashBootError, match=r"could not start copy thread 3 of 4 \(can't start new thread\): .*"
+                                             r"`ulimit -u`.*fewer threads"):
+        staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=4)
+    assert not any(t.is_alive() for t in started[:2])
+    assert list(shm_files.staging_dir(image, shm).iterdir()) == []
+    assert _fds() == fds_before
+    monkeypatch.undo()
+    staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=4)
+    assert shm_files.staged_paths(image, 0, shm).image.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()
 
 
 def test_a_load_under_ulimit_v_reads_small_files_without_mapping_their_limit(image, tmp_path):

@@ -28,7 +28,7 @@ from ..errors import (
     WaitTimeoutError,
 )
 from ..fileio import DirectReadRefused, io_buffer, lock_signer, open_for_reads, read_exactly, sign_lock
-from ..memory import Device
+from ..memory import Device, map_refused
 from .shm import (
     SHM_ENV,
     RankSource,
@@ -145,9 +145,14 @@ def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads
             return i
 
     def worker() -> None:
-        buf = io_buffer(chunk_bytes)
-        view = memoryview(buf)
-        try:
+        buf = view = None
+        try:  # the buffer too: a mapping refused (``ulimit -v``) had ended the thread unseen, and the
+            # copy was renamed into place, zeros where its chunks were to be, under a .ready
+            try:
+                buf = io_buffer(chunk_bytes)
+            except OSError as exc:
+                raise map_refused(f"staging {src_name}: a read buffer", chunk_bytes, exc) from None
+            view = memoryview(buf)
             if numa_node is not None:  # the bounce buffer too: it is read right after the disk writes it
                 bind_to_node(ctypes.addressof(ctypes.c_char.from_buffer(buf)), chunk_bytes, numa_node)
             while (i := take()) is not None:
@@ -181,16 +186,28 @@ def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads
                     state["error"] = exc
         finally:
             try:
-                view.release()
-                buf.close()
+                if view is not None:
+                    view.release()
+                if buf is not None:
+                    buf.close()
             except BufferError:
                 pass  # the stored error's traceback still holds a slice; the buffer goes with it
 
     pool = [threading.Thread(target=worker, name=f"flashboot-preload-{k}", daemon=True)
             for k in range(max(1, min(threads, n_chunks)))]
-    for t in pool:
-        t.start()
-    for t in pool:
+    started = []
+    try:
+        for t in pool:
+            t.start()
+            started.append(t)
+    except RuntimeError as exc:  # "can't start new thread": a thread or address-space limit
+        with lock:  # the threads started take no further chunk; their fds are closed only once they end
+            if state["error"] is None:
+                state["error"] = FlashBootError(
+                    f"staging {src_name}: could not start copy thread {len(started) + 1} of {len(pool)} ({exc}): "
+                    "this process may start no more threads (`ulimit -u`, a container's pids limit) or map no "
+                    f"more stacks (`ulimit -v`); stage with fewer threads")
+    for t in started:
         t.join()
     if state["error"] is not None:
         raise state["error"]
