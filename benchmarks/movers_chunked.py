@@ -502,15 +502,13 @@ def load_report(path) -> dict:
     """A ``--json`` file of ``bench movers --chunked`` as a plain dict (rows as dicts). A format-1
     report (before ``concurrent`` and the chain rows' ``model``) reads with ``concurrent`` empty
     and each chain's model from :data:`flashboot.sim.mover_fit.CHAIN_MODELS`."""
-    import json
-
+    from flashboot._json import loads
+    from flashboot.errors import FlashBootError
     from flashboot.sim.mover_fit import CHAIN_MODELS
 
-    with open(path) as f:
-        data = json.load(f)
-    if "rows" not in data or "total_bytes" not in data:
-        from flashboot.errors import FlashBootError
-
+    with open(path, "rb") as f:
+        data = loads(f.read(), str(path))  # a truncated file had raised JSONDecodeError without its path
+    if not isinstance(data, dict) or "rows" not in data or "total_bytes" not in data:  # a JSON string: AttributeError
         raise FlashBootError(f"{path}: not a `bench movers --chunked` report (no rows/total_bytes)")
     data.setdefault("format", 1)
     data.setdefault("concurrent", [])

@@ -310,3 +310,20 @@ def test_a_mover_whose_availability_fails_is_listed_unavailable_and_breaks_no_li
         assert [(r.mover, r.verified) for r in run(["host"], [4096], repeats=1)] == [("host", True)]
     finally:
         _MOVERS.pop("aaa_fragile_for_test", None)
+
+
+@pytest.mark.parametrize("content,match", [
+    (b'{"rows": [', r"report.json: not JSON \("),
+    (b'"rows total_bytes"', r"report.json: not a `bench movers --chunked` report \(no rows/total_bytes\)"),
+    (b"\xff\xfe", r"report.json: not JSON"),
+])
+def test_a_chunked_report_that_is_no_report_is_refused_naming_its_path(tmp_path, content, match):
+    """The chunk-size notebook reads $FLASHBOOT_MOVERS_JSON: a truncated file had raised a bare
+    JSONDecodeError naming no file, a JSON string an AttributeError."""
+    from flashboot.benchmarks.movers_chunked import load_report
+    from flashboot.errors import FlashBootError
+
+    path = tmp_path / "report.json"
+    path.write_bytes(content)
+    with pytest.raises(FlashBootError, match=match):
+        load_report(path)
