@@ -20,7 +20,7 @@ from typing import Any
 
 from . import _cuda
 from .errors import CapabilityError, CudaError, FlashBootError
-from .memory import Device
+from .memory import Device, map_refused
 
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
 """Pinned for every CUDA context, not only the one current at registration (the daemon copies to
@@ -285,7 +285,10 @@ class MappedFile:
             size = os.fstat(fd).st_size
             if size < nbytes:
                 raise FlashBootError(f"{path} holds {size:,} bytes; {nbytes:,} were to be mapped")
-            self._mm = _mmap.mmap(fd, nbytes, flags=_mmap.MAP_SHARED, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
+            try:
+                self._mm = _mmap.mmap(fd, nbytes, flags=_mmap.MAP_SHARED, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
+            except OSError as exc:  # ENOMEM under `ulimit -v`: the bare error named no file, no bytes, no limit
+                raise map_refused(f"mapping {path}", nbytes, exc) from None
         finally:
             if own:
                 os.close(fd)

@@ -129,3 +129,22 @@ loaded.close()
 """)
     assert out.split()[0] not in ("False", "0"), out
     assert "streamed from disk" in out, out
+
+
+def test_a_staged_file_that_cannot_be_mapped_under_ulimit_v_is_named_with_the_limit(image, tmp_path):
+    """Mapping a staged image (``flashboot.stage``, the served daemon) under ``ulimit -v`` raised a
+    bare ``OSError: [Errno 12] Cannot allocate memory``: no file, no bytes, no limit named."""
+    staged = tmp_path / "rank-0.img"
+    nbytes = 64 << 20
+    staged.touch()
+    os.truncate(staged, nbytes)  # sparse: no memory used
+    out = run_python("-c", _UNDER_AS_LIMIT.format(image=str(image), extra=nbytes // 2) + f"""
+from flashboot.errors import OutOfMemoryError
+from flashboot.pinning import MappedFile
+try:
+    MappedFile({str(staged)!r}, {nbytes})
+except OutOfMemoryError as exc:
+    print(exc)
+""")
+    assert out.startswith(f"mapping {staged}: this process may map at most "), out
+    assert f"(`ulimit -v`) and maps " in out and f"needs {nbytes:,} bytes but only " in out, out
