@@ -60,7 +60,7 @@ def mover_class(name: str) -> type[Mover]:
     """The registered class for ``name``; UnknownNameError lists the known names."""
     try:
         return _MOVERS[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: a list or dict for a name (unhashable)
         raise UnknownNameError("mover", name, _MOVERS) from None
 
 

@@ -327,3 +327,21 @@ def test_a_chunked_report_that_is_no_report_is_refused_naming_its_path(tmp_path,
     path.write_bytes(content)
     with pytest.raises(FlashBootError, match=match):
         load_report(path)
+
+
+@pytest.mark.parametrize("call,kind,match", [
+    (lambda: __import__("flashboot.movers").movers.create_mover(["host"]), "UnknownNameError",
+     r"unknown mover \['host'\]; known: copy_engine, host"),
+    (lambda: __import__("flashboot.schedulers").schedulers.build_plan(["chain"], 2, 100), "UnknownNameError",
+     r"unknown schedule \['chain'\]; known: chain, ring, star"),
+    (lambda: __import__("flashboot.schedulers").schedulers.build_plan("ring", 2, 100, None, [("align_bytes", 1)]),
+     "PlanError", r"schedule 'ring': options must be a dict of option name to value, got \[\('align_bytes', 1\)\]"),
+])
+def test_a_name_or_options_of_the_wrong_kind_is_refused_by_the_registries(call, kind, match):
+    """A list for a name had raised 'unhashable type: list'; options as a list of pairs
+    "'list' object is not a mapping", neither naming the registry nor what it knows."""
+    from flashboot.errors import FlashBootError
+
+    with pytest.raises(FlashBootError, match=match) as refused:
+        call()
+    assert type(refused.value).__name__ == kind

@@ -44,9 +44,11 @@ def build_plan(name: str, n: int, total_bytes: int, chunk_bytes: int | None = No
     or as a plain dict ``options`` (e.g. ``{"align_bytes": 4096}`` for ring).
     Raises UnknownNameError for an unknown schedule, PlanError for a bad request.
     """
-    planner = _SCHEDULES.get(name)
+    planner = _SCHEDULES.get(name) if isinstance(name, str) else None  # a list for a name: unhashable, a TypeError
     if planner is None:
         raise UnknownNameError("schedule", name, _SCHEDULES)
+    if options is not None and not isinstance(options, Mapping):
+        raise PlanError(f"schedule {name!r}: options must be a dict of option name to value, got {options!r}")
     merged = {**(options or {}), **kwargs}
     if merged:
         _check_options(name, planner, merged)
