@@ -345,3 +345,31 @@ def test_a_name_or_options_of_the_wrong_kind_is_refused_by_the_registries(call, 
     with pytest.raises(FlashBootError, match=match) as refused:
         call()
     assert type(refused.value).__name__ == kind
+
+
+def test_a_planner_of_another_signature_or_answer_is_refused_naming_the_schedule():
+    """A planner taking (n, total_bytes) had registered and build_plan raised its TypeError; one
+    returning None had handed None back as the plan; one planning half the image a plan of the
+    wrong size, taken for the bytes asked for."""
+    from flashboot.schedulers import PlanError, build_plan, list_schedules, register_schedule
+    from flashboot.schedulers.registry import _SCHEDULES
+
+    try:
+        with pytest.raises(PlanError, match=r"schedule 'two_args_for_test': its planner must take \(n, total_bytes, "
+                                            r"chunk_bytes, \*\*options\): too many positional arguments"):
+            register_schedule("two_args_for_test")(lambda n, total_bytes: None)
+        assert "two_args_for_test" not in list_schedules()
+        register_schedule("none_for_test")(lambda n, total_bytes, chunk_bytes: None)
+        with pytest.raises(PlanError, match=r"schedule 'none_for_test': its planner returned NoneType, not a Plan"):
+            build_plan("none_for_test", 2, 100)
+        register_schedule("half_for_test")(lambda n, total_bytes, chunk_bytes: build_plan("chain", n, total_bytes // 2,
+                                                                                           chunk_bytes))
+        with pytest.raises(PlanError, match=r"schedule 'half_for_test': its planner made a plan of 50 bytes; 100 were "
+                                            r"asked for"):
+            build_plan("half_for_test", 2, 100)
+        register_schedule("chain_again_for_test")(lambda n, total_bytes, chunk_bytes, **opts: build_plan(
+            "chain", n, total_bytes, chunk_bytes))
+        assert build_plan("chain_again_for_test", 2, 100, 10) == build_plan("chain", 2, 100, 10)
+    finally:
+        for name in ("two_args_for_test", "none_for_test", "half_for_test", "chain_again_for_test"):
+            _SCHEDULES.pop(name, None)

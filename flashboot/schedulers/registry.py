@@ -22,6 +22,13 @@ def register_schedule(name: str) -> Callable[[Planner], Planner]:
         raise PlanError(f"a schedule name must be a non-empty string without surrounding spaces, got {name!r}")
 
     def deco(planner: Planner) -> Planner:
+        try:  # a planner of another signature had registered, and build_plan raised its TypeError
+            inspect.signature(planner).bind(1, 1, 1)
+        except TypeError as exc:
+            raise PlanError(f"schedule {name!r}: its planner must take (n, total_bytes, chunk_bytes, **options): "
+                            f"{exc}") from None
+        except ValueError:  # no signature to read (a builtin): nothing to hold it against
+            pass
         if name in _SCHEDULES and _SCHEDULES[name] is not planner:
             raise PlanError(f"schedule {name!r} is already registered by {_SCHEDULES[name].__module__}")
         _SCHEDULES[name] = planner
@@ -53,7 +60,15 @@ def build_plan(name: str, n: int, total_bytes: int, chunk_bytes: int | None = No
     if merged:
         _check_options(name, planner, merged)
     chunk = default_chunk_bytes(name, n) if chunk_bytes is None else chunk_bytes
-    return planner(n, total_bytes, chunk, **merged)
+    plan = planner(n, total_bytes, chunk, **merged)
+    # a registered planner's answer is checked as the built-in ones are made: a planner returning
+    # None had come back as the "plan", one of another image size as a plan of the bytes asked for
+    if not isinstance(plan, Plan):
+        raise PlanError(f"schedule {name!r}: its planner returned {type(plan).__name__}, not a Plan")
+    if plan.total_bytes != total_bytes:
+        raise PlanError(f"schedule {name!r}: its planner made a plan of {plan.total_bytes:,} bytes; "
+                        f"{total_bytes:,} were asked for")
+    return plan
 
 
 def _check_options(name: str, planner: Planner, options: Mapping[str, Any]) -> None:
