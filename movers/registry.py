@@ -105,7 +105,8 @@ def list_movers() -> list[MoverInfo]:
         cls = _MOVERS[name]
         ok, reason = availability_of(cls)
         infos.append(MoverInfo(name, tuple(p for p in ("h2d", "d2h", "d2d", "p2p", "host") if p in cls.paths),
-                               ok, reason, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "",
+                               # a blank docstring had raised IndexError here, for every listing
+                               ok, reason, next(iter((cls.__doc__ or "").strip().splitlines()), ""),
                                cls.batched))
     return infos
 

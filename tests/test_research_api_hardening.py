@@ -373,3 +373,21 @@ def test_a_planner_of_another_signature_or_answer_is_refused_naming_the_schedule
     finally:
         for name in ("two_args_for_test", "none_for_test", "half_for_test", "chain_again_for_test"):
             _SCHEDULES.pop(name, None)
+
+
+def test_a_mover_with_a_blank_docstring_lists_with_an_empty_summary():
+    """A docstring of spaces had made every list_movers() raise IndexError."""
+    from flashboot.movers import Mover, list_movers, register_mover
+    from flashboot.movers.registry import _MOVERS
+
+    @register_mover
+    class Blank(Mover):
+        """   """
+        name, paths = "blank_for_test", frozenset({"host"})
+        _copy = _plain_copy
+
+    try:
+        summaries = {m.name: m.summary for m in list_movers()}
+        assert summaries["blank_for_test"] == "" and summaries["host"].startswith("numba-parallel host->host copy")
+    finally:
+        _MOVERS.pop("blank_for_test", None)
