@@ -31,6 +31,9 @@ def register_mover(cls: type[Mover]) -> type[Mover]:
     if unknown:
         raise FlashBootError(f"{cls.__name__} declares unknown path(s) {', '.join(map(repr, unknown))}; "
                              f"known: {', '.join(PATHS)}")
+    # every copy and batch compares against it: "16" raised TypeError there, 4.5 a numpy ufunc error
+    if type(cls.alignment) is not int or cls.alignment < 1:
+        raise FlashBootError(f"{cls.__name__}: `alignment` must be an int >= 1 (bytes), got {cls.alignment!r}")
     _check_copy(cls)
     if cls.name in _MOVERS and _MOVERS[cls.name] is not cls:
         raise FlashBootError(f"mover {cls.name!r} is already registered by {_MOVERS[cls.name].__name__}")

@@ -391,3 +391,18 @@ def test_a_mover_with_a_blank_docstring_lists_with_an_empty_summary():
         assert summaries["blank_for_test"] == "" and summaries["host"].startswith("numba-parallel host->host copy")
     finally:
         _MOVERS.pop("blank_for_test", None)
+
+
+@pytest.mark.parametrize("alignment", ["16", 4.5, 0, True])
+def test_a_mover_alignment_that_is_no_positive_int_is_refused_at_registration(alignment):
+    """alignment "16" had registered, and every copy and batch raised a TypeError comparing it;
+    4.5 a numpy ufunc error in batches."""
+    from flashboot import FlashBootError
+    from flashboot.movers import Mover, register_mover
+    from flashboot.movers.registry import _MOVERS
+
+    cls = type("Aligned", (Mover,), {"name": "aligned_for_test", "paths": frozenset({"host"}),
+                                     "alignment": alignment, "_copy": _plain_copy})
+    with pytest.raises(FlashBootError, match=r"Aligned: `alignment` must be an int >= 1 \(bytes\), got "):
+        register_mover(cls)
+    assert "aligned_for_test" not in _MOVERS
