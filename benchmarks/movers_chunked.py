@@ -196,7 +196,7 @@ def run(total: int = GiB, chunk_sizes=DEFAULT_CHUNKS, movers: list[str] | None =
 
                 issuers = {"per_call": per_call, "batched": lambda s, batch=batch: batch.run(stream=s)}
                 for mode in modes:
-                    copies = len(chunks) if mode == "per_call" else getattr(batch.prepared, "copies", 1)
+                    copies = len(chunks) if mode == "per_call" else batch_copies(batch)
                     report.rows.append(_row(label, mode, chunk, len(chunks), issuers[mode], stream, repeats, dst,
                                             expected, total, copies))
             flags = torch.ones(len(chunks), dtype=torch.int32, device="cuda:0")
@@ -226,6 +226,18 @@ def run(total: int = GiB, chunk_sizes=DEFAULT_CHUNKS, movers: list[str] | None =
             report.chain += _section(report, "chain over two GPUs", lambda: chain_rows(
                 chain_bytes, chain_chunk, repeats=chain_repeats, devices=(0, 1, 0)))
     return report
+
+
+def batch_copies(batch) -> int:
+    """Copies or launches ``batch.run`` issues: the count the mover's batch keeps (the copy
+    engine's merged runs), one per entry where the mover batches with :class:`Mover`'s default
+    (one call per chunk: a researcher's mover had been reported as 1 copy), else one launch."""
+    from flashboot.movers import Mover
+
+    copies = getattr(batch.prepared, "copies", None)
+    if copies is not None:
+        return copies
+    return len(batch) if type(batch.mover)._copy_batch is Mover._copy_batch else 1
 
 
 def _section(report: ChunkedReport, name: str, measure) -> list[dict]:
@@ -557,5 +569,5 @@ def verified(report: ChunkedReport) -> bool:
             and all(c["verified"] for c in report.concurrent) and all(c["verified"] for c in report.chain))
 
 
-__all__ = ["ChunkRow", "ChunkedReport", "run", "run_host", "load_report", "chain_rows", "concurrent_rows", "per_call_cost_us",
+__all__ = ["ChunkRow", "ChunkedReport", "batch_copies", "run", "run_host", "load_report", "chain_rows", "concurrent_rows", "per_call_cost_us",
            "print_report", "verified", "DEFAULT_CHUNKS"]

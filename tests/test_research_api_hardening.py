@@ -406,3 +406,26 @@ def test_a_mover_alignment_that_is_no_positive_int_is_refused_at_registration(al
     with pytest.raises(FlashBootError, match=r"Aligned: `alignment` must be an int >= 1 \(bytes\), got "):
         register_mover(cls)
     assert "aligned_for_test" not in _MOVERS
+
+
+def test_the_chunked_report_counts_one_copy_per_chunk_for_a_mover_with_the_default_batch():
+    """``copies`` of a batched row had been 1 for any mover whose batch keeps no count, so a
+    researcher's mover that batches with the default (one call per chunk) read as one copy."""
+    from flashboot.benchmarks.movers_chunked import batch_copies
+    from flashboot.movers import Mover, create_mover, register_mover
+    from flashboot.movers.registry import _MOVERS
+
+    @register_mover
+    class PerChunk(Mover):
+        name, paths = "per_chunk_for_test", frozenset({"host"})
+        _copy = _plain_copy
+
+    try:
+        src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
+        chunks = [(o, o, 16) for o in range(0, 64, 16)]
+        batch = create_mover("per_chunk_for_test").batch(dst, src, chunks)
+        batch.run(stream=None)
+        assert np.array_equal(dst, src) and batch_copies(batch) == 4
+        assert batch_copies(create_mover("host").batch(dst, src, chunks)) == 1  # a batch of its own: one launch or call
+    finally:
+        _MOVERS.pop("per_chunk_for_test", None)
