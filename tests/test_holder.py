@@ -153,3 +153,76 @@ def test_holder_over_the_store_authenticates_its_records(store):
     finally:
         stop_ev.set()
         t.join(10)
+
+
+def test_a_store_namespace_has_one_holder_at_a_time(store):
+    """Two holders on one store namespace had both run: a release request taken by the one that
+    did not hold the arena removed its record while the other kept it mapped, listed nowhere."""
+    from flashboot.flashclone.holder import Holder
+
+    address, _ = store
+    first = Holder(store=address, token=TOKEN, timeout_s=5)
+    stop_ev = threading.Event()
+    t = threading.Thread(target=first.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
+    t.start()
+    try:
+        with pytest.raises(FlashBootError, match=rf"another holder \(pid {os.getpid()} on .*\) already serves "
+                                                 rf"store {address}, namespace 'default'"):
+            Holder(store=address, token=TOKEN, timeout_s=5)
+        Holder(store=address, token=TOKEN, namespace="other", timeout_s=5).close()  # a namespace of its own
+    finally:
+        stop_ev.set()
+        t.join(10)
+    assert not t.is_alive() and first.errors == []
+    Holder(store=address, token=TOKEN, timeout_s=5).close()  # the first closed: the next one starts
+
+
+def test_a_killed_store_holder_is_taken_over_and_one_paused_past_its_lease_stops(store, monkeypatch):
+    """A holder killed without closing leaves its lease: the next one waits out HOLDER_LEASE_S of
+    silence and takes over. One stopped (SIGSTOP) for longer than that finds, when it runs again,
+    that it has been replaced: it stops, naming the new holder, and leaves the new one's records."""
+    from flashboot.flashclone import holder as holder_mod
+    from flashboot.flashclone.holder import Holder, hand_over, open_held
+
+    monkeypatch.setattr(holder_mod, "HOLDER_LEASE_S", 1.0)
+    address, _ = store
+    code = ("import sys\nfrom flashboot.flashclone import holder\n"
+            "holder.HOLDER_LEASE_S = 1.0\n"
+            "h = holder.Holder(store=sys.argv[1], timeout_s=5)\nprint('ready', flush=True)\nh.serve_forever()\n"
+            "print('errors:', *h.errors, sep='\\n', flush=True)\n")
+    killed = subprocess.Popen([sys.executable, "-c", code, address], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        assert killed.stdout.readline().strip() == "ready"
+        killed.kill()
+        killed.communicate()
+        second = Holder(store=address, token=TOKEN, timeout_s=5)  # the lease's silence waited out, not refused
+        second.close()
+        assert len(second.errors) == 1 and f"pid {killed.pid} on" in second.errors[0], second.errors
+        assert "silent for 1 s and is taken as gone" in second.errors[0]
+        paused = subprocess.Popen([sys.executable, "-c", code, address], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            assert paused.stdout.readline().strip() == "ready"
+            os.kill(paused.pid, signal.SIGSTOP)
+            third = Holder(store=address, token=TOKEN, timeout_s=5)
+            stop_ev = threading.Event()
+            t = threading.Thread(target=third.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
+            t.start()
+            try:
+                a = Arena.create(MiB, "cpu")
+                a.bytes().numpy()[:] = 5
+                hand_over(a, "w", store=address, token=TOKEN, timeout_s=10)
+                a.close()
+                os.kill(paused.pid, signal.SIGCONT)
+                code_, out, err = finish(paused)
+                assert code_ != 0 and "another holder" in err and f"pid {os.getpid()}" in err, (out, err)
+                with open_held("w", store=address, token=TOKEN) as b:  # the new holder's record is left alone
+                    assert int(b.bytes().numpy().max()) == 5
+            finally:
+                stop_ev.set()
+                t.join(10)
+        finally:
+            stop(paused)
+    finally:
+        stop(killed)

@@ -12,7 +12,7 @@ Where the names live (one of):
   it): ``requests/NAME.json`` from engines, ``held/NAME.json`` from the holder, files replaced
   atomically;
 * the rendezvous **store** (``store=HOST:PORT``): the same records, authenticated with the shared
-  token (see :mod:`flashboot.flashclone.rendezvous`), requests numbered by an atomic counter.
+  token (see :mod:`flashboot.flashclone.records`), requests numbered by an atomic counter.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import secrets
+import socket
 import stat
 import threading
 import time
@@ -43,6 +44,13 @@ MAX_RECORD_BYTES = 16 << 20
 
 MAX_ERRORS = 100
 """How many problems a holder keeps (planted requests arrive as fast as anyone can write them)."""
+
+HOLDER_BEAT_S = 0.5
+"""How often a store's holder counts its beat (in a thread of its own: a long adoption does not
+pause it)."""
+HOLDER_LEASE_S = 5.0
+"""A store's holder whose beat has not moved for this long is gone (killed, its host down): the
+next holder takes its place. One that was only paused that long stops when it runs again."""
 
 
 class ErrorLog(list):
@@ -94,6 +102,9 @@ def _check_name(name: str) -> str:
 
 class _DirKV:
     """Records as JSON files in a private directory (atomic replace)."""
+
+    superseded = None
+    """A registry's holder is never replaced while it runs (see :meth:`lock_for_holder`)."""
 
     def __init__(self, path: str | os.PathLike, *, create: bool = True):
         self.path = Path(path)
@@ -189,6 +200,9 @@ class _DirKV:
     def drain_problems(self) -> list[str]:
         return []
 
+    def check_lease(self) -> None:
+        """A registry's holder keeps its flock until it exits: no lease to lose."""
+
     def close(self) -> None:
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
@@ -208,9 +222,91 @@ class _StoreKV:
         self._pending: dict[int, float] = {}
         """Request numbers counted but not yet written, with when they were first seen."""
         self._problems: list[str] = []
+        self._lease: int | None = None
+        """The lease generation this process holds as the namespace's holder (None: not a holder)."""
+        self._beating: threading.Thread | None = None
+        self._beaten = 0.0
+        """When the last beat was counted (monotonic)."""
+        self._stop_beating = threading.Event()
+        self.superseded: str | None = None
+        """Why this holder lost its lease (who took it), or None."""
 
     def where(self) -> str:
-        return f"store {self.rdv.address}"
+        return f"store {self.rdv.address}, namespace {self.rdv.namespace!r}"
+
+    # One holder per namespace, by a lease: generation G is the record ``hold/holder/G``, won by an
+    # atomic compare-and-set, kept alive by the counter ``hold/holder/G/beat`` and given back by
+    # ``hold/holder/G/free``. A store has no lock that dies with its owner (the registry's flock
+    # does), so a holder that stops beating for HOLDER_LEASE_S is taken as gone. Two holders had
+    # both adopted requests: a release taken by the one not holding the arena removed its record
+    # while the other kept it mapped, listed nowhere.
+    def lock_for_holder(self) -> None:
+        """Be this namespace's one holder until :meth:`close`; FlashBootError naming the holder
+        that beats there already."""
+        from ..flashload.shm import _proc_start_time
+
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _proc_start_time(os.getpid()),
+              "nonce": secrets.token_hex(8)}
+        gen = self.rdv.add("hold/holder/gen", 0)
+        while self.rdv.has(f"hold/holder/{gen + 1}"):  # a winner that died before counting its generation
+            gen += 1
+        if gen:
+            self._wait_out(gen)
+        won = self.rdv.agree(f"hold/holder/{gen + 1}", me).body
+        if won != me:  # another holder started at the same moment and won the generation
+            raise FlashBootError(f"another holder ({_describe_holder(won)}) already serves {self.where()}; a "
+                                 "namespace has one holder at a time (stop it first, or use another namespace)")
+        self.rdv.add("hold/holder/gen", 1)
+        self._lease = gen + 1
+        self._beaten = time.monotonic()
+        self._beating = threading.Thread(target=self._beat, name="flashboot-holder-lease", daemon=True)
+        self._beating.start()
+
+    def _wait_out(self, gen: int) -> None:
+        """Return once generation ``gen``'s holder has given its lease back or stayed silent for
+        :data:`HOLDER_LEASE_S`; FlashBootError naming it when it beats."""
+        record = self.rdv.try_read(f"hold/holder/{gen}")
+        who = _describe_holder(record.body if record is not None else {})
+        beat = self.rdv.add(f"hold/holder/{gen}/beat", 0)
+        deadline = time.monotonic() + HOLDER_LEASE_S
+        while self.rdv.try_read(f"hold/holder/{gen}/free") is None:
+            if self.rdv.add(f"hold/holder/{gen}/beat", 0) != beat:
+                raise FlashBootError(f"another holder ({who}) already serves {self.where()}; a namespace has one "
+                                     "holder at a time (stop it first, or use another namespace)")
+            if time.monotonic() >= deadline:
+                self._problems.append(f"the holder before this one ({who}) was silent for {HOLDER_LEASE_S:g} s "
+                                      "and is taken as gone; its arenas went with it")
+                return
+            time.sleep(min(0.05, HOLDER_BEAT_S / 4))
+
+    def _beat(self) -> None:
+        """Count a beat every :data:`HOLDER_BEAT_S` until closed or replaced."""
+        gen = self._lease
+        while not self._stop_beating.wait(HOLDER_BEAT_S):
+            try:
+                # paused past the lease (SIGSTOP, a frozen VM): taken over meanwhile
+                if self._superseded_by(self.rdv.try_read(f"hold/holder/{gen + 1}")):
+                    return
+                self.rdv.add(f"hold/holder/{gen}/beat", 1)
+            except FlashBootError as exc:  # the loop's next store call says so too
+                self._problems.append(f"the lease's beat failed: {exc}")
+                continue
+            self._beaten = time.monotonic()
+
+    def check_lease(self) -> None:
+        """FlashBootError once another holder has taken this one's lease. Asked of the store itself
+        when the beat is late: a holder resumed after a pause polls before its beat thread runs."""
+        if self._lease is not None and not self.superseded and time.monotonic() - self._beaten > 1.5 * HOLDER_BEAT_S:
+            self._superseded_by(self.rdv.try_read(f"hold/holder/{self._lease + 1}"))
+        if self.superseded:
+            raise FlashBootError(self.superseded)
+
+    def _superseded_by(self, newer) -> bool:
+        """Note the record of the holder that took the lease over, if any; whether there is one."""
+        if newer is not None and not self.superseded:
+            self.superseded = (f"another holder ({_describe_holder(newer.body)}) took over {self.where()} while "
+                               f"this one was silent for over {HOLDER_LEASE_S:g} s; this one stops")
+        return newer is not None
 
     def put(self, kind: str, name: str, body: dict) -> None:
         self.rdv.publish(f"hold/{kind}/{name}", body)
@@ -270,7 +366,19 @@ class _StoreKV:
         return out
 
     def close(self) -> None:
+        beating, self._beating = self._beating, None
+        if beating is not None:  # once: a holder's close may come twice (serve_forever's, then the caller's)
+            self._stop_beating.set()
+            beating.join(self.rdv.timeout_s)
+            if not self.superseded:  # given back: the next holder starts at once
+                with contextlib.suppress(FlashBootError):  # else it waits out the lease
+                    self.rdv.publish(f"hold/holder/{self._lease}/free", {"pid": os.getpid()})
         self.rdv.close()
+
+
+def _describe_holder(record: dict) -> str:
+    """``pid P on HOST`` of a lease record (the fields a planted-but-authentic one may lack)."""
+    return f"pid {record.get('pid', '?')} on {record.get('host', '?')}"
 
 
 def _kv(registry=None, store=None, *, create: bool = True, **kw):
@@ -314,12 +422,11 @@ class Holder:
 
     def __init__(self, registry=None, store=None, *, poll_s: float = 0.01, **store_options):
         self.kv = _kv(registry, store, host=True, **store_options) if store is not None else _kv(registry)
-        if registry is not None:
-            try:
-                self.kv.lock_for_holder()
-            except BaseException:
-                self.kv.close()
-                raise
+        try:
+            self.kv.lock_for_holder()
+        except BaseException:
+            self.kv.close()
+            raise
         grow_fd_table()  # each adopted arena arrives as fds: the table's growth is paid here, not by an adoption
         from ..flashload.shm import _proc_start_time
 
@@ -329,6 +436,7 @@ class Holder:
         self.held: dict[str, HeldArena] = {}
         self.errors = ErrorLog(MAX_ERRORS)
         """The newest :data:`MAX_ERRORS` problems (``errors.dropped``: how many older ones went)."""
+        self.errors += self.kv.drain_problems()  # a holder before this one, taken as gone
         self._stop = threading.Event()
 
     def adopt(self, name: str, descriptor, request: str = "", image: dict | None = None) -> HeldArena:
@@ -368,13 +476,18 @@ class Holder:
     def release(self, name: str) -> bool:
         """Stop holding ``name`` (its memory goes when no one else maps it). False if not held."""
         # the record first: one that cannot be removed keeps its arena held (and releasable again);
-        # popped before, the arena had leaked, and closed, its record would name fds reused since
-        self.kv.delete("held", name)
+        # popped before, the arena had leaked, and closed, its record would name fds reused since.
+        # A holder replaced in its store leaves a record the new holder wrote since.
+        if not self.kv.superseded or self._names_us(self.kv.get("held", name)):
+            self.kv.delete("held", name)
         item = self.held.pop(name, None)
         if item is None:
             return False
         item.close()
         return True
+
+    def _names_us(self, record: dict | None) -> bool:
+        return bool(record) and record.get("holder_pid") == os.getpid() and record.get("holder_start") == self._start
 
     def poll_once(self) -> int:
         """Handle every pending request; returns how many. A failed adoption is recorded in
@@ -382,6 +495,7 @@ class Holder:
         from ..arena import ArenaDescriptor
 
         handled = 0
+        self.kv.check_lease()
         names = self.kv.names("requests")
         self.errors += self.kv.drain_problems()
         for name in names:
