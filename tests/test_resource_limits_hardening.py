@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import threading
 
 import pytest
@@ -148,3 +149,30 @@ except OutOfMemoryError as exc:
 """)
     assert out.startswith(f"mapping {staged}: this process may map at most "), out
     assert f"(`ulimit -v`) and maps " in out and f"needs {nbytes:,} bytes but only " in out, out
+
+
+def _mount_tmpfs(where, options: str) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("inodes, file", [(3, "rank-0.img.partial"), (4, "rank-0.ready")])
+def test_a_tmpfs_out_of_inodes_is_named_not_taken_for_a_full_one(image, tmp_path, inodes, file):
+    """/dev/shm with bytes free but no inode left (full of small files, or a tmpfs's
+    ``nr_inodes``): the staged file's creation failed with a bare ``[Errno 28] No space left on
+    device``, and the ``.ready``'s was called a full tmpfs ("needs 759 bytes but only 8,257,536
+    are free (short by -8,256,777)")."""
+    shm = tmp_path / "few-inodes"
+    if not _mount_tmpfs(shm, f"size=8m,nr_inodes={inodes}"):
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    try:
+        paths = shm_files.staged_paths(image, 0, shm)
+        fds_before = _fds()
+        with pytest.raises(FlashBootError) as got:
+            staging.stage_rank(image, 0, shm_dir=shm)
+        assert str(got.value).startswith(f"staging rank 0 of {image}: cannot ")
+        assert f"{paths.dir / file}: {paths.dir} has no free inode: its filesystem holds all the {inodes} files it " \
+               "may (a tmpfs's nr_inodes), with " in str(got.value)
+        assert list(paths.dir.iterdir()) == [] and _fds() == fds_before
+    finally:
+        subprocess.run(["umount", "-l", str(shm)], check=False)

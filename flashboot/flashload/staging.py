@@ -74,6 +74,20 @@ def _fs_free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def _no_inode(directory) -> str | None:
+    """Why a file could not be made in ``directory`` with ENOSPC while bytes were free: its
+    filesystem has no inode left (a tmpfs's ``nr_inodes``, /dev/shm full of small files), in
+    words with the numbers; None where it has some."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    if st.f_files == 0 or st.f_favail > 0:  # 0 files: a filesystem that keeps no count
+        return None
+    return (f"{directory} has no free inode: its filesystem holds all the {st.f_files:,} files it may (a tmpfs's "
+            f"nr_inodes), with {st.f_bavail * st.f_frsize:,} bytes free")
+
+
 
 # =================================================================================== staging
 class StagingBusy(FlashBootError):
@@ -362,7 +376,13 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
         raise OutOfMemoryError(f"staging rank {rank} of {image_dir} into {paths.dir}", nbytes, free)
     dev = Device.parse(device)
     node, numa_reason = gpu_numa_node(dev)
-    fd = os.open(paths.partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fd = os.open(paths.partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:  # a bare "[Errno 28] No space left on device" with the bytes free named no inode
+        why = _no_inode(paths.dir) if exc.errno == errno.ENOSPC else None
+        if why is None:
+            raise
+        raise FlashBootError(f"staging rank {rank} of {image_dir}: cannot create {paths.partial}: {why}") from None
     mapping = None
     try:
         try:
@@ -419,6 +439,9 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
         except BaseException as exc:
             _unlink_quietly(paths.image)  # never loaded without its .ready: it would only hold the memory
             _unlink_quietly(paths.inline)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and (why := _no_inode(paths.dir)):
+                raise FlashBootError(f"staging rank {rank} of {image_dir}: cannot write {paths.ready}: {why} "
+                                     "(staged copy removed)") from None
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:  # the copy took the last page
                 raise OutOfMemoryError(f"staging rank {rank} of {image_dir}: {paths.dir} filled up after the "
                                        f"{nbytes:,} bytes were copied, writing {paths.ready} (staged copy removed)",
