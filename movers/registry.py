@@ -35,10 +35,18 @@ def register_mover(cls: type[Mover]) -> type[Mover]:
     if type(cls.alignment) is not int or cls.alignment < 1:
         raise FlashBootError(f"{cls.__name__}: `alignment` must be an int >= 1 (bytes), got {cls.alignment!r}")
     _check_copy(cls)
-    if cls.name in _MOVERS and _MOVERS[cls.name] is not cls:
-        raise FlashBootError(f"mover {cls.name!r} is already registered by {_MOVERS[cls.name].__name__}")
+    held = _MOVERS.get(cls.name)
+    # the same class defined again (a notebook cell run twice) replaces it; another class is refused
+    if held is not None and held is not cls and _where(held) != _where(cls):
+        raise FlashBootError(f"mover {cls.name!r} is already registered by {_where(held)}; {_where(cls)} needs "
+                             "another name")
     _MOVERS[cls.name] = cls
     return cls
+
+
+def _where(obj) -> str:
+    """``module.QualifiedName`` of a class or function: what tells a redefinition from another one."""
+    return f"{obj.__module__}.{obj.__qualname__}"
 
 
 def _check_copy(cls: type[Mover]) -> None:

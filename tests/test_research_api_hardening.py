@@ -429,3 +429,46 @@ def test_the_chunked_report_counts_one_copy_per_chunk_for_a_mover_with_the_defau
         assert batch_copies(create_mover("host").batch(dst, src, chunks)) == 1  # a batch of its own: one launch or call
     finally:
         _MOVERS.pop("per_chunk_for_test", None)
+
+
+def _define_planner(name):
+    from flashboot.schedulers import build_plan, register_schedule
+
+    @register_schedule(name)
+    def mine(n, total_bytes, chunk_bytes):
+        return build_plan("chain", n, total_bytes, chunk_bytes)
+
+    return mine
+
+
+def test_a_cell_run_twice_registers_its_mover_and_schedule_again_and_another_class_is_still_refused():
+    """Running a notebook cell that registers a mover or schedule a second time had been refused
+    as 'already registered by Mine' (the same name, the earlier run's class)."""
+    from flashboot import FlashBootError
+    from flashboot.movers import Mover, create_mover, register_mover
+    from flashboot.movers.registry import _MOVERS
+    from flashboot.schedulers import PlanError, build_plan, register_schedule
+    from flashboot.schedulers.registry import _SCHEDULES
+
+    try:
+        for _ in range(2):  # the cell's class, defined anew each run
+            cls = type("Mine", (Mover,), {"name": "cell_for_test", "paths": frozenset({"host"}), "_copy": _plain_copy,
+                                          "__module__": __name__, "__qualname__": "cell.<locals>.Mine"})
+            register_mover(cls)
+            assert type(create_mover("cell_for_test")) is cls
+        other = type("Other", (Mover,), {"name": "cell_for_test", "paths": frozenset({"host"}), "_copy": _plain_copy})
+        with pytest.raises(FlashBootError, match=r"mover 'cell_for_test' is already registered by "
+                                                 r"test_research_api_hardening.cell.<locals>.Mine; .*Other needs another name"):
+            register_mover(other)
+        with pytest.raises(FlashBootError, match=r"mover 'host' is already registered by flashboot.movers.host.HostMover"):
+            register_mover(type("HostMover", (Mover,), {"name": "host", "paths": frozenset({"host"}), "_copy": _plain_copy}))
+
+        first, second = _define_planner("cell_for_test"), _define_planner("cell_for_test")
+        assert first is not second and _SCHEDULES["cell_for_test"] is second
+        assert len(build_plan("cell_for_test", 2, 100, 10)) == 20
+        with pytest.raises(PlanError, match=r"schedule 'cell_for_test' is already registered by "
+                                            r"test_research_api_hardening._define_planner.<locals>.mine; .*<lambda> needs"):
+            register_schedule("cell_for_test")(lambda n, total_bytes, chunk_bytes: None)
+    finally:
+        _MOVERS.pop("cell_for_test", None)
+        _SCHEDULES.pop("cell_for_test", None)

@@ -29,12 +29,21 @@ def register_schedule(name: str) -> Callable[[Planner], Planner]:
                             f"{exc}") from None
         except ValueError:  # no signature to read (a builtin): nothing to hold it against
             pass
-        if name in _SCHEDULES and _SCHEDULES[name] is not planner:
-            raise PlanError(f"schedule {name!r} is already registered by {_SCHEDULES[name].__module__}")
+        held, where = _SCHEDULES.get(name), _where(planner)
+        # the same planner defined again (a notebook cell run twice) replaces it; another (or any
+        # lambda: they all share one name) is refused
+        if held is not None and held is not planner and (_where(held) != where or "<lambda>" in where):
+            raise PlanError(f"schedule {name!r} is already registered by {_where(held)}; {where} needs "
+                            "another name")
         _SCHEDULES[name] = planner
         return planner
 
     return deco
+
+
+def _where(obj: Any) -> str:
+    """``module.qualified_name`` of a planner: what tells a redefinition from another planner."""
+    return f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
 def list_schedules() -> list[str]:
