@@ -72,6 +72,8 @@ class Mover:
         check_backed(src_span, self.name, "source")
         if nbytes is None:
             nbytes = src_span.nbytes
+        elif isinstance(nbytes, np.integer):  # a size from numpy (np.int64(4096)) had been refused as "not an int"
+            nbytes = int(nbytes)
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise MoverError(f"{self.name}: nbytes must be a positive int, got {nbytes!r}")
         if nbytes > src_span.nbytes or nbytes > dst_span.nbytes:

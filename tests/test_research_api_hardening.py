@@ -472,3 +472,24 @@ def test_a_cell_run_twice_registers_its_mover_and_schedule_again_and_another_cla
     finally:
         _MOVERS.pop("cell_for_test", None)
         _SCHEDULES.pop("cell_for_test", None)
+
+
+@pytest.mark.parametrize("nbytes", [np.int64(4097), np.uint32(4097), np.intp(4097)])
+def test_mover_copy_takes_a_size_computed_with_numpy(nbytes):
+    """copy(dst, src, np.int64(4097)) had been refused: 'nbytes must be a positive int, got
+    np.int64(4097)' (batches and Span.sub take numpy integers)."""
+    from flashboot.movers import create_mover
+
+    src, dst = (np.arange(5000) % 251).astype(np.uint8), np.zeros(5000, np.uint8)
+    create_mover("host").copy(dst, src, nbytes)
+    assert np.array_equal(dst[:4097], src[:4097]) and not dst[4097:].any()
+
+
+@pytest.mark.parametrize("nbytes", [np.bool_(True), np.float64(4096.0), np.int64(0), np.int64(-1)])
+def test_mover_copy_still_refuses_numpy_sizes_that_are_no_positive_ints(nbytes):
+    from flashboot.errors import MoverError
+    from flashboot.movers import create_mover
+
+    src, dst = np.zeros(5000, np.uint8), np.zeros(5000, np.uint8)
+    with pytest.raises(MoverError, match=r"host: nbytes must be a positive int, got "):
+        create_mover("host").copy(dst, src, nbytes)
