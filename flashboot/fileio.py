@@ -45,6 +45,20 @@ _KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
 
 
+def out_of_fds(exc: OSError) -> str | None:
+    """Why an open failed with ``exc`` when this process or the system has no file descriptor
+    left, in words with the limit (the bare "Too many open files" named none); None otherwise."""
+    if exc.errno == errno.EMFILE:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return (f"this process has all the {soft:,} files open that it may (`ulimit -n`; the hard limit is "
+                f"{'unlimited' if hard == resource.RLIM_INFINITY else f'{hard:,}'})")
+    if exc.errno == errno.ENFILE:
+        return "the system's table of open files is full (fs.file-max)"
+    return None
+
+
 def open_regular(path, error: type[Exception] = LayoutError, *, max_bytes: int | None = None):
     """``path`` opened for binary reading, refused by name (``error``) unless it is a regular file
     of at most ``max_bytes`` (where given: for a file the caller reads whole).
@@ -54,7 +68,12 @@ def open_regular(path, error: type[Exception] = LayoutError, *, max_bytes: int |
     came (an image's ``tensors.bin`` made one hung ``inspect`` and every load), a device such
     as ``/dev/zero`` never ends a read, and a sparse file of 50 GB reads as 50 GB of memory.
     FileNotFoundError and other OSErrors pass through."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if (why := out_of_fds(exc)) is None:
+            raise
+        raise FlashBootError(f"cannot open {os.fspath(path)}: {why}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -99,6 +118,15 @@ def read_regular(path, max_bytes: int, error: type[Exception] = LayoutError) -> 
 def open_for_reads(path, io: str) -> tuple[int, str, str]:
     """Open ``path`` for reading: ``(fd, mode, reason)``. O_DIRECT unless ``io`` says buffered or
     the filesystem refuses it (tmpfs does); ``io="direct"`` makes a refusal an error."""
+    try:
+        return _open_for_reads(path, io)
+    except OSError as exc:
+        if (why := out_of_fds(exc)) is None:
+            raise
+        raise FlashBootError(f"cannot open {os.fspath(path)} to read it: {why}") from None
+
+
+def _open_for_reads(path, io: str) -> tuple[int, str, str]:
     if io == "buffered":
         return os.open(path, os.O_RDONLY), "buffered", "asked for buffered reads"
     try:

@@ -176,3 +176,48 @@ def test_a_tmpfs_out_of_inodes_is_named_not_taken_for_a_full_one(image, tmp_path
         assert list(paths.dir.iterdir()) == [] and _fds() == fds_before
     finally:
         subprocess.run(["umount", "-l", str(shm)], check=False)
+
+
+def test_a_stage_out_of_file_descriptors_fails_naming_the_limit_at_every_open(image, tmp_path):
+    """A process at its open-file limit (``ulimit -n``; an engine holding many sockets) staged a
+    rank into a bare ``OSError: [Errno 24] Too many open files`` naming no limit, or was told to
+    "use another --shm-dir", which does not help. Each number of fds left ends in the whole
+    bytes or in one error naming the limit, and leaves no file or fd."""
+    import resource
+
+    want = shm_files.rank_source(image, 0).path.read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    outcomes = []
+    for left in range(8):
+        shm = tmp_path / f"shm{left}"
+        shm.mkdir()
+        fds_before = _fds()
+        limit = max(int(fd) for fd in fds_before) + 64
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        filler = []
+        try:
+            while True:
+                try:
+                    filler.append(os.open("/dev/null", os.O_RDONLY))
+                except OSError:
+                    break
+            for fd in filler[len(filler) - left:] if left else []:
+                os.close(fd)
+            del filler[len(filler) - left:]
+            try:
+                staging.stage_rank(image, 0, shm_dir=shm, threads=1)
+            except FlashBootError as exc:
+                outcomes.append("refused")
+                assert f"this process has all the {limit:,} files open that it may (`ulimit -n`; the hard limit is " \
+                       in str(exc), exc
+            else:
+                outcomes.append("staged")
+                assert shm_files.staged_paths(image, 0, shm).image.read_bytes() == want
+                staging.unstage(image, shm_dir=shm)
+        finally:
+            for fd in filler:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert _fds() == fds_before
+        assert [p.name for p in shm.rglob("*") if p.is_file()] == []
+    assert outcomes[0] == "refused" and outcomes[-1] == "staged", outcomes

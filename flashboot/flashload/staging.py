@@ -27,7 +27,15 @@ from ..errors import (
     OutOfMemoryError,
     WaitTimeoutError,
 )
-from ..fileio import DirectReadRefused, io_buffer, lock_signer, open_for_reads, read_exactly, sign_lock
+from ..fileio import (
+    DirectReadRefused,
+    io_buffer,
+    lock_signer,
+    open_for_reads,
+    out_of_fds,
+    read_exactly,
+    sign_lock,
+)
 from ..memory import Device, map_refused
 from .shm import (
     SHM_ENV,
@@ -294,6 +302,8 @@ def _flock_current(path: Path, op: int) -> int | None:
         except FileNotFoundError:  # its folder removed meanwhile: the caller's to say (or make it again)
             raise
         except OSError as exc:  # a read-only or another user's staging folder: it had been a bare OSError
+            if (why := out_of_fds(exc)) is not None:  # not the folder's fault: another --shm-dir would not help
+                raise FlashBootError(f"cannot open the lock file {path}: {why}") from None
             raise FlashBootError(f"cannot open the lock file {path}: {exc.strerror}; this process cannot stage or "
                                  f"load a staged copy there: use another --shm-dir (or ${SHM_ENV})") from None
         try:
@@ -379,7 +389,7 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
     try:
         fd = os.open(paths.partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:  # a bare "[Errno 28] No space left on device" with the bytes free named no inode
-        why = _no_inode(paths.dir) if exc.errno == errno.ENOSPC else None
+        why = _no_inode(paths.dir) if exc.errno == errno.ENOSPC else out_of_fds(exc)
         if why is None:
             raise
         raise FlashBootError(f"staging rank {rank} of {image_dir}: cannot create {paths.partial}: {why}") from None
