@@ -11,6 +11,7 @@ shards. Pre-pack then reads the tensors' bytes in large sequential batches (:fun
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -260,9 +261,12 @@ class Checkpoint:
         return self.path.resolve().name
 
     def revision(self) -> str | None:
-        """The snapshot hash for a hub cache path, else None."""
+        """The snapshot hash for a hub cache path, else the fingerprint of the directory's weight
+        files (:func:`checkpoint_fingerprint`): a local directory has no commit, and two of one
+        model and config (``step-1000/``, ``step-2000/``, whose ``_name_or_path`` both name the
+        base model) had one image key, so a clone expecting one took the other's seed."""
         m = re.search(r"/snapshots/([0-9a-f]{7,64})/?$", str(self.path.resolve()))
-        return m.group(1) if m else None
+        return m.group(1) if m else checkpoint_fingerprint(self.path)
 
     def read(self, name: str, handles: dict):
         """One tensor as a torch tensor, through ``safe_open`` (``handles`` caches open files)."""
@@ -280,6 +284,48 @@ class Checkpoint:
             raise LayoutError(f"{self.path / src.file}: tensor {name!r} read back with shape {list(t.shape)}, "
                               f"header says {list(src.shape)}")
         return t
+
+
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+FINGERPRINT_SAMPLES = 4
+FINGERPRINT_SAMPLE_BYTES = 64 << 10
+"""A weight file is fingerprinted by this many reads of this many bytes spread over it (start,
+thirds, end): 2 MiB for 8 shards, a few ms, where hashing the weights would be a full read at
+every engine start. Two training steps of one model differ nearly everywhere."""
+FINGERPRINT_PREFIX = "local-sha256:"
+
+
+def checkpoint_fingerprint(path: str | os.PathLike) -> str | None:
+    """``local-sha256:...`` of a local checkpoint directory's weights: each weight file's name and
+    size, :data:`FINGERPRINT_SAMPLES` samples of its bytes, and the bytes of its ``*.index.json``
+    files. No mtimes, no paths: a copy (``cp``, ``rsync``, a download to ``--local-dir``) keeps
+    it, so an image packed on one node loads on another. None for a directory without weight
+    files (a load node that ships ``config.json`` alone)."""
+    h = hashlib.sha256()
+    weights = 0
+    for entry in sorted(Path(path).iterdir(), key=lambda p: p.name):
+        is_index = entry.name.endswith(".index.json")
+        if not (is_index or entry.name.endswith(WEIGHT_FILE_SUFFIXES)):
+            continue
+        try:
+            if is_index:
+                blob, size = read_regular(entry, MAX_CHECKPOINT_JSON_BYTES), None
+            else:
+                with open_regular(entry) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    last = max(0, size - FINGERPRINT_SAMPLE_BYTES)
+                    blob = b"".join(os.pread(f.fileno(), FINGERPRINT_SAMPLE_BYTES, last * k // (FINGERPRINT_SAMPLES - 1))
+                                    for k in range(FINGERPRINT_SAMPLES))
+        except OSError as exc:
+            raise LayoutError(f"{entry}: unreadable checkpoint file ({exc}); a local checkpoint's revision is a "
+                              "fingerprint of its weights") from None
+        h.update(json.dumps([entry.name, size]).encode() + b"\0" + blob + b"\0")
+        weights += not is_index
+    if not weights:
+        return None
+    return FINGERPRINT_PREFIX + h.hexdigest()
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:

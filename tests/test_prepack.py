@@ -609,3 +609,29 @@ def test_a_shard_that_shrank_is_a_layout_error_naming_it(qwen, tmp_path):
     with ShardReader(src) as reader, pytest.raises(LayoutError, match=f"{shard}: ends at byte .*the file shrank"):
         for b in batches:
             reader.read(b)
+
+
+def test_local_checkpoints_of_one_model_have_their_own_image_keys(tmp_path):
+    """Two local checkpoints of one model and config (``step-1000/hf``, ``step-2000/hf``: both
+    ``_name_or_path`` the base model) had one image key, so a clone expecting one took the other's
+    seed; a copy of one keeps its key (the revision fingerprints the weights, not the path)."""
+    import shutil
+
+    from flashboot.flashclone.manifest import Manifest
+    from flashboot.errors import RendezvousError
+
+    keys = {}
+    for step, seed in (("step-1000", 1), ("step-2000", 2)):
+        save_tiny_model("llama", tmp_path / step / "hf", seed=seed)
+    shutil.copytree(tmp_path / "step-1000", tmp_path / "copy-of-1000")
+    for step in ("step-1000", "step-2000", "copy-of-1000"):
+        flashboot.prepack(tmp_path / step / "hf", tmp_path / "img" / step, chunk_bytes=1 << 16, progress=False)
+        keys[step] = read_job(tmp_path / "img" / step).key
+    assert keys["step-1000"].model_id == keys["step-2000"].model_id  # the config's _name_or_path
+    assert keys["step-1000"].revision.startswith("local-sha256:")
+    assert keys["step-1000"].digest != keys["step-2000"].digest
+    assert keys["copy-of-1000"].digest == keys["step-1000"].digest
+    with read_image(tmp_path / "img" / "step-2000") as other:
+        seed_manifest = Manifest.from_metadata(other.metadata)
+    with pytest.raises(RendezvousError, match="key_digest"):
+        seed_manifest.require(keys["step-1000"], "the seed")

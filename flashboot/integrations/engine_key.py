@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from flashboot.errors import FlashBootError, LayoutError
+from flashboot.layouts.checkpoint import FINGERPRINT_PREFIX, checkpoint_fingerprint
 from flashboot.units import check_timeout
 
 ENGINE_SECTION = "engine"
@@ -257,48 +258,6 @@ def gpu_arch_of(device: Any) -> str:
     return f"sm_{major}{minor}"
 
 
-WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
-FINGERPRINT_SAMPLES = 4
-FINGERPRINT_SAMPLE_BYTES = 64 << 10
-"""A weight file is fingerprinted by this many reads of this many bytes spread over it (start,
-thirds, end): 2 MiB for 8 shards, a few ms, where hashing the weights would be a full read at
-every engine start. Two training steps of one model differ nearly everywhere."""
-FINGERPRINT_PREFIX = "local-sha256:"
-
-
-def checkpoint_fingerprint(path: str | os.PathLike) -> str | None:
-    """``local-sha256:...`` of a local checkpoint directory's weights: each weight file's name and
-    size, :data:`FINGERPRINT_SAMPLES` samples of its bytes, and the bytes of its ``*.index.json``
-    files. No mtimes, no paths: a copy (``cp``, ``rsync``, a download to ``--local-dir``) keeps
-    it, so an image packed on one node loads on another. None for a directory without weight
-    files (a load node that ships ``config.json`` alone)."""
-    from flashboot.fileio import open_regular, read_regular
-    from flashboot.layouts.checkpoint import MAX_CHECKPOINT_JSON_BYTES
-
-    h = hashlib.sha256()
-    weights = 0
-    for entry in sorted(Path(path).iterdir(), key=lambda p: p.name):
-        is_index = entry.name.endswith(".index.json")
-        if not (is_index or entry.name.endswith(WEIGHT_FILE_SUFFIXES)):
-            continue
-        try:
-            if is_index:
-                blob, size = read_regular(entry, MAX_CHECKPOINT_JSON_BYTES), None
-            else:
-                with open_regular(entry) as f:
-                    size = os.fstat(f.fileno()).st_size
-                    last = max(0, size - FINGERPRINT_SAMPLE_BYTES)
-                    blob = b"".join(os.pread(f.fileno(), FINGERPRINT_SAMPLE_BYTES, last * k // (FINGERPRINT_SAMPLES - 1))
-                                    for k in range(FINGERPRINT_SAMPLES))
-        except OSError as exc:
-            raise LayoutError(f"{entry}: unreadable checkpoint file ({exc}); the engine key fingerprints it") from None
-        h.update(json.dumps([entry.name, size]).encode() + b"\0" + blob + b"\0")
-        weights += not is_index
-    if not weights:
-        return None
-    return FINGERPRINT_PREFIX + h.hexdigest()
 
 
 def same_revision(engine: str | None, image: str | None) -> bool:
@@ -457,5 +416,5 @@ __all__ = [
     "engine_family", "is_engine_family",
     "ENGINES", "ENGINE_FORMAT", "ENGINE_SECTION", "LOAD_FORMAT", "MEMORY_SAVER_POLICIES", "MODES", "STAGING",
     "EngineKey", "EngineSection", "LoaderOptions", "check_engine_key", "gpu_arch_of", "image_is_complete",
-    "checkpoint_fingerprint", "model_identity", "read_engine_section", "read_job_engine_key",
+    "model_identity", "read_engine_section", "read_job_engine_key",
 ]
