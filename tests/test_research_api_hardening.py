@@ -493,3 +493,20 @@ def test_mover_copy_still_refuses_numpy_sizes_that_are_no_positive_ints(nbytes):
     src, dst = np.zeros(5000, np.uint8), np.zeros(5000, np.uint8)
     with pytest.raises(MoverError, match=r"host: nbytes must be a positive int, got "):
         create_mover("host").copy(dst, src, nbytes)
+
+
+@pytest.mark.parametrize("schedule", ["chain", "star", "ring"])
+def test_build_plan_takes_counts_computed_with_numpy(schedule):
+    """A chunk sweep over 2 ** np.arange(...) had been refused: 'chunk_bytes must be a positive int,
+    got np.int64(4096)'; the plan holds plain ints (JSON-ready)."""
+    import json
+
+    from flashboot.schedulers import Plan, PlanError, build_plan
+
+    plan = build_plan(schedule, np.int64(3), np.uint64(10_001), 2 ** np.arange(12, 13)[0])
+    assert plan == build_plan(schedule, 3, 10_001, 4096)
+    assert type(plan.total_bytes) is int and type(plan.chunk_bytes) is int
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    for bad in (np.bool_(True), np.float64(4096.0), np.int64(0)):
+        with pytest.raises(PlanError, match=rf"{schedule}: chunk_bytes must be a positive int, got "):
+            build_plan(schedule, 3, 10_001, bad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import Any, Callable, Mapping
 
 from flashboot.errors import UnknownNameError
@@ -68,6 +69,9 @@ def build_plan(name: str, n: int, total_bytes: int, chunk_bytes: int | None = No
     merged = {**(options or {}), **kwargs}
     if merged:
         _check_options(name, planner, merged)
+    # counts computed with numpy (a sweep over 2 ** np.arange(20, 31)) are the ints they hold: they
+    # had been refused as "chunk_bytes must be a positive int, got np.int64(1048576)"
+    n, total_bytes, chunk_bytes = (_index(v) for v in (n, total_bytes, chunk_bytes))
     chunk = default_chunk_bytes(name, n) if chunk_bytes is None else chunk_bytes
     plan = planner(n, total_bytes, chunk, **merged)
     # a registered planner's answer is checked as the built-in ones are made: a planner returning
@@ -78,6 +82,14 @@ def build_plan(name: str, n: int, total_bytes: int, chunk_bytes: int | None = No
         raise PlanError(f"schedule {name!r}: its planner made a plan of {plan.total_bytes:,} bytes; "
                         f"{total_bytes:,} were asked for")
     return plan
+
+
+def _index(value: Any) -> Any:
+    """``value`` as a plain int where it is an integer of another type (numpy's), else unchanged
+    for the planner to judge (a bool stays a bool: True is no count)."""
+    if type(value) is int or isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return value
+    return operator.index(value)
 
 
 def _check_options(name: str, planner: Planner, options: Mapping[str, Any]) -> None:
