@@ -128,34 +128,36 @@ def run(paths: list[str], sizes: list[int], movers: list[str] | None = None, rep
         if not chosen:
             continue
         ends = _endpoints(path, max(sizes))
-        for nbytes in sizes:
-            src, dst = ends.src[:nbytes], ends.dst[:nbytes]
-            expected = _checksum(src)
-            if ends.device < 0:
-                base = time_host(lambda: dst.copy_(src), repeats=repeats)
-            else:
-                def bare(stream):
-                    with torch.cuda.stream(stream):
-                        dst.copy_(src, non_blocking=True)
-                base = time_cuda(bare, device=ends.device, repeats=repeats, inner=_inner(nbytes))
-            for info in chosen:
-                dst.fill_(0xAB)  # poison: a mover that writes nothing cannot pass the checksum
-                try:
-                    mover = create_mover(info.name)
-                    if ends.device < 0:
-                        t = time_host(lambda: mover.copy(dst, src, nbytes, stream=None), repeats=repeats)
-                    else:
-                        t = time_cuda(lambda s: mover.copy(dst, src, nbytes, stream=s), device=ends.device,
-                                      repeats=repeats, inner=_inner(nbytes))
-                except Exception as exc:  # a mover's own error ("boom") had not said which mover, path or size
-                    raise restated(exc, f"bench movers: mover {info.name!r} failed on {path} at {nbytes:,} bytes: "
-                                        f"{type(exc).__name__}: {exc}") from exc
-                ok = _checksum(dst) == expected
-                rows.append(MoverRow(info.name, path, nbytes, t.median_ms, t.gbps(nbytes), base.gbps(nbytes),
-                                     t.gbps(nbytes) / base.gbps(nbytes), ok))
-        for a in ends.keep:
-            a.close()
-        del ends
+        try:
+            for nbytes in sizes:
+                src, dst = ends.src[:nbytes], ends.dst[:nbytes]
+                expected = _checksum(src)
+                if ends.device < 0:
+                    base = time_host(lambda: dst.copy_(src), repeats=repeats)
+                else:
+                    def bare(stream):
+                        with torch.cuda.stream(stream):
+                            dst.copy_(src, non_blocking=True)
+                    base = time_cuda(bare, device=ends.device, repeats=repeats, inner=_inner(nbytes))
+                for info in chosen:
+                    dst.fill_(0xAB)  # poison: a mover that writes nothing cannot pass the checksum
+                    try:
+                        mover = create_mover(info.name)
+                        if ends.device < 0:
+                            t = time_host(lambda: mover.copy(dst, src, nbytes, stream=None), repeats=repeats)
+                        else:
+                            t = time_cuda(lambda s: mover.copy(dst, src, nbytes, stream=s), device=ends.device,
+                                          repeats=repeats, inner=_inner(nbytes))
+                    except Exception as exc:  # a mover's own error ("boom") had not said which mover, path or size
+                        raise restated(exc, f"bench movers: mover {info.name!r} failed on {path} at {nbytes:,} bytes: "
+                                            f"{type(exc).__name__}: {exc}") from exc
+                    ok = _checksum(dst) == expected
+                    rows.append(MoverRow(info.name, path, nbytes, t.median_ms, t.gbps(nbytes), base.gbps(nbytes),
+                                         t.gbps(nbytes) / base.gbps(nbytes), ok))
+        finally:  # a failing mover's traceback (a notebook keeps it) had held both arenas mapped
+            for a in ends.keep:
+                a.close()
+            del ends
     return rows
 
 

@@ -510,3 +510,38 @@ def test_build_plan_takes_counts_computed_with_numpy(schedule):
     for bad in (np.bool_(True), np.float64(4096.0), np.int64(0)):
         with pytest.raises(PlanError, match=rf"{schedule}: chunk_bytes must be a positive int, got "):
             build_plan(schedule, 3, 10_001, bad)
+
+
+def test_bench_movers_closes_its_arenas_when_a_mover_fails():
+    """The failing mover's traceback (which a notebook keeps as sys.last_value) had held both
+    arenas of the path, the largest size each, mapped."""
+    import os
+
+    from flashboot.benchmarks.movers import run
+    from flashboot.errors import FlashBootError
+    from flashboot.movers import Mover, register_mover
+    from flashboot.movers.registry import _MOVERS
+
+    def memfds():
+        out = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                out += "memfd:" in os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                pass
+        return out
+
+    @register_mover
+    class Failing(Mover):
+        name, paths = "failing_arenas_for_test", frozenset({"host"})
+
+        def _copy(self, dst, src, nbytes, path, stream):
+            raise RuntimeError("boom")
+
+    before = memfds()
+    try:
+        with pytest.raises(FlashBootError, match="mover 'failing_arenas_for_test' failed") as failed:
+            run(["host"], [1 << 20], ["failing_arenas_for_test"], repeats=1)
+        assert failed.value.__traceback__ is not None and memfds() == before
+    finally:
+        _MOVERS.pop("failing_arenas_for_test", None)
