@@ -221,3 +221,25 @@ def test_a_stage_out_of_file_descriptors_fails_naming_the_limit_at_every_open(im
         assert _fds() == fds_before
         assert [p.name for p in shm.rglob("*") if p.is_file()] == []
     assert outcomes[0] == "refused" and outcomes[-1] == "staged", outcomes
+
+
+def test_a_verification_whose_mapping_is_refused_fails_by_name_and_stages_nothing(image, tmp_path, monkeypatch):
+    """``verify=True`` maps the staged copy whole to checksum it: under ``ulimit -v`` (or strict
+    overcommit) that mapping's refusal was a bare ``OSError: [Errno 12] Cannot allocate memory``."""
+    import mmap
+
+    shm = tmp_path / "shm"
+    real = mmap.mmap
+
+    def refuse_file_mappings(fd, *args, **kwargs):
+        if fd != -1:  # the staged file's, not the copy threads' anonymous buffers
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(fd, *args, **kwargs)
+
+    monkeypatch.setattr(mmap, "mmap", refuse_file_mappings)
+    nbytes = shm_files.rank_source(image, 0).nbytes
+    paths = shm_files.staged_paths(image, 0, shm)
+    with pytest.raises(FlashBootError, match=rf"verifying {paths.partial} \(rank 0\): mapping {nbytes:,} bytes failed: "
+                                             r"ENOMEM \(Cannot allocate memory\)"):
+        staging.stage_rank(image, 0, shm_dir=shm, verify=True)
+    assert list(paths.dir.iterdir()) == []

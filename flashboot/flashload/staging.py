@@ -492,7 +492,10 @@ def _verify_staged(fd: int, nbytes: int, src: RankSource, where: Path,
 
     cs = src.metadata.checksums
     step = max(1, VERIFY_SLICE_BYTES // cs.chunk_bytes) * cs.chunk_bytes  # each chunk is hashed on its own
-    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    try:
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except OSError as exc:  # ENOMEM under `ulimit -v`: named with the limit, not a bare OSError
+        raise map_refused(f"verifying {where} (rank {src.rank})", nbytes, exc) from None
     try:
         data = np.frombuffer(mm, dtype=np.uint8)
         try:
