@@ -229,3 +229,18 @@ def map_refused(what: str, nbytes: int, exc: OSError) -> FlashBootError:
                                 f"{used:,} already", nbytes, max(0, limit - used))
     code = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
     return FlashBootError(f"{what}: mapping {nbytes:,} bytes failed: {code} ({exc.strerror or exc})")
+
+
+def thread_refused(what: str, exc: RuntimeError) -> FlashBootError:
+    """The error for a thread whose start was refused (``exc``, Python's "can't start new thread"):
+    the process may start no more (``ulimit -u``, a container's pids limit) or has no room for
+    its stack (``ulimit -v``), with the limits this process has."""
+    import resource
+
+    def shown(limit: int) -> str:
+        return "unlimited" if limit == resource.RLIM_INFINITY else f"{limit:,}"
+
+    nproc, vm = resource.getrlimit(resource.RLIMIT_NPROC)[0], resource.getrlimit(resource.RLIMIT_AS)[0]
+    return FlashBootError(f"{what}: a thread could not be started ({exc}): this process may start no more "
+                          f"(`ulimit -u`: {shown(nproc)} processes and threads of its user; or a container's pids "
+                          f"limit) or map no more stacks (`ulimit -v`: {shown(vm)} bytes)")

@@ -108,8 +108,8 @@ def test_a_copy_thread_that_cannot_start_fails_the_stage_and_ends_the_others(ima
 
     monkeypatch.setattr(threading.Thread, "start", start)
     fds_before = _fds()
-    with pytest.raises(FlashBootError, match=r"could not start copy thread 3 of 4 \(can't start new thread\): .*"
-                                             r"`ulimit -u`.*fewer threads"):
+    with pytest.raises(FlashBootError, match=r"with 4 threads \(stage with fewer\), copy thread 3: a thread could not be "
+                                             r"started \(can't start new thread\): .*`ulimit -u`: "):
         staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=4)
     assert not any(t.is_alive() for t in started[:2])
     assert list(shm_files.staging_dir(image, shm).iterdir()) == []
@@ -243,3 +243,21 @@ def test_a_verification_whose_mapping_is_refused_fails_by_name_and_stages_nothin
                                              r"ENOMEM \(Cannot allocate memory\)"):
         staging.stage_rank(image, 0, shm_dir=shm, verify=True)
     assert list(paths.dir.iterdir()) == []
+
+
+def test_stage_whose_thread_cannot_start_names_the_limits(image, tmp_path, monkeypatch):
+    """``flashboot.stage`` in a process that may start no more threads (a container's pids limit)
+    raised Python's bare ``RuntimeError: can't start new thread``."""
+    import flashboot
+
+    real_start = threading.Thread.start
+
+    def start(self):
+        if self.name.startswith("flashboot-stage-rank"):
+            raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(FlashBootError, match=rf"staging rank 0 of {image}: a thread could not be started \(can't start "
+                                             r"new thread\): this process may start no more \(`ulimit -u`: "):
+        flashboot.stage(image, 0, "cpu", shm_dir=tmp_path / "shm")

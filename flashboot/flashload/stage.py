@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from ..errors import FlashBootError, WaitTimeoutError
-from ..memory import CPU, Device, Span
+from ..memory import CPU, Device, Span, thread_refused
 from ..units import check_timeout
 
 PIN_ALLOWANCE_S = 120.0
@@ -52,7 +52,10 @@ class StagedImage:
         self._closed = False
         self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name=f"flashboot-stage-rank{rank}", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as exc:  # a bare "can't start new thread" named no limit
+            raise thread_refused(f"staging rank {rank} of {self.image_dir}", exc) from None
 
     def _run(self) -> None:
         from ..pinning import MappedFile, register_host

@@ -36,7 +36,7 @@ from ..fileio import (
     read_exactly,
     sign_lock,
 )
-from ..memory import Device, map_refused
+from ..memory import Device, map_refused, thread_refused
 from .shm import (
     SHM_ENV,
     RankSource,
@@ -225,10 +225,8 @@ def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads
     except RuntimeError as exc:  # "can't start new thread": a thread or address-space limit
         with lock:  # the threads started take no further chunk; their fds are closed only once they end
             if state["error"] is None:
-                state["error"] = FlashBootError(
-                    f"staging {src_name}: could not start copy thread {len(started) + 1} of {len(pool)} ({exc}): "
-                    "this process may start no more threads (`ulimit -u`, a container's pids limit) or map no "
-                    f"more stacks (`ulimit -v`); stage with fewer threads")
+                state["error"] = thread_refused(f"staging {src_name} with {len(pool)} threads (stage with fewer), "
+                                                f"copy thread {len(started) + 1}", exc)
     for t in started:
         t.join()
     if state["error"] is not None:
