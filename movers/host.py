@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import time
 from typing import Any
 
@@ -32,12 +33,34 @@ def _parallel_copy():
     return copy_chunks
 
 
+_LAYER_LOCK = threading.Lock()
+_serialise: bool | None = None
+"""Whether parallel copies must go one at a time: numba's ``workqueue`` threading layer (what it
+falls back to without OpenMP or TBB: a slim image has no libgomp) is not thread-safe, and two
+lanes of the executor copying at once ended the process ("Concurrent access has been
+detected"). None until the first copy has shown which layer numba picked."""
+
+
+def _run_parallel(dst: np.ndarray, src: np.ndarray) -> None:
+    global _serialise
+    copy = _parallel_copy()
+    if _serialise is False:
+        copy(dst, src, CHUNK_BYTES)
+        return
+    with _LAYER_LOCK:
+        copy(dst, src, CHUNK_BYTES)
+        if _serialise is None:
+            import numba
+
+            _serialise = numba.threading_layer() == "workqueue"
+
+
 def warm_host_copy() -> float:
     """Compile (or load from numba's cache) the parallel loop now, off a caller's critical path;
     returns the ms it took (~0 once warm). A first copy of 1 MiB or more pays it otherwise."""
     t0 = time.perf_counter()
     one = np.zeros(1, np.uint8)
-    _parallel_copy()(one, one.copy(), CHUNK_BYTES)
+    _run_parallel(one, one.copy())
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -51,7 +74,7 @@ def host_copy(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
         return
     dst = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(dst_ptr), dtype=np.uint8)
     src = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(src_ptr), dtype=np.uint8)
-    _parallel_copy()(dst, src, CHUNK_BYTES)
+    _run_parallel(dst, src)
 
 
 @register_mover

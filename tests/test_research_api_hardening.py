@@ -545,3 +545,40 @@ def test_bench_movers_closes_its_arenas_when_a_mover_fails():
         assert failed.value.__traceback__ is not None and memfds() == before
     finally:
         _MOVERS.pop("failing_arenas_for_test", None)
+
+
+_CONCURRENT_COPIES = """
+import threading
+import numpy as np
+import numba
+from flashboot.movers import create_mover
+
+mover, n, bad = create_mover("host"), 4 << 20, []
+
+def lane(k):
+    src, dst = np.full(n, k, np.uint8), np.zeros(n, np.uint8)
+    for i in range(8):
+        dst[:] = 0
+        mover.copy(dst, src)
+        if not (dst == k).all():
+            bad.append((k, i))
+
+threads = [threading.Thread(target=lane, args=(k,)) for k in range(1, 5)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(numba.threading_layer(), bad)
+"""
+
+
+def test_host_copies_from_several_threads_under_numbas_workqueue_layer_copy_every_byte():
+    """Without OpenMP or TBB (a slim image has no libgomp) numba runs its workqueue layer, which
+    is not thread-safe: two executor lanes copying 1 MiB or more at once had ended the process
+    ("Concurrent access has been detected")."""
+    import os
+
+    from _python import run_python
+
+    out = run_python("-c", _CONCURRENT_COPIES, timeout=300, env={**os.environ, "NUMBA_THREADING_LAYER": "workqueue"})
+    assert out.split() == ["workqueue", "[]"]
