@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 import time
 from typing import Any
@@ -41,8 +42,17 @@ lanes of the executor copying at once ended the process ("Concurrent access has 
 detected"). None until the first copy has shown which layer numba picked."""
 
 
+_pool_pid: int | None = None
+"""The process whose first parallel copy started numba's thread pool. A child forked from it
+(multiprocessing's default on Linux) is ended by GNU OpenMP at its first parallel region ("fork()
+called from a process already using GNU OpenMP, this is unsafe"): there the copy is a memmove."""
+
+
 def _run_parallel(dst: np.ndarray, src: np.ndarray) -> None:
-    global _serialise
+    global _serialise, _pool_pid
+    if _pool_pid is not None and _pool_pid != os.getpid():
+        ctypes.memmove(dst.ctypes.data, src.ctypes.data, src.nbytes)
+        return
     copy = _parallel_copy()
     if _serialise is False:
         copy(dst, src, CHUNK_BYTES)
@@ -52,7 +62,7 @@ def _run_parallel(dst: np.ndarray, src: np.ndarray) -> None:
         if _serialise is None:
             import numba
 
-            _serialise = numba.threading_layer() == "workqueue"
+            _serialise, _pool_pid = numba.threading_layer() == "workqueue", os.getpid()
 
 
 def warm_host_copy() -> float:

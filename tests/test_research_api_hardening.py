@@ -582,3 +582,34 @@ def test_host_copies_from_several_threads_under_numbas_workqueue_layer_copy_ever
 
     out = run_python("-c", _CONCURRENT_COPIES, timeout=300, env={**os.environ, "NUMBA_THREADING_LAYER": "workqueue"})
     assert out.split() == ["workqueue", "[]"]
+
+
+_COPY_IN_A_FORKED_CHILD = """
+import os
+import numpy as np
+import numba
+from flashboot.movers import create_mover
+
+mover, n = create_mover("host"), 4 << 20
+src, dst = np.full(n, 3, np.uint8), np.zeros(n, np.uint8)
+mover.copy(dst, src)  # the parent's first parallel copy starts numba's pool
+pid = os.fork()
+if pid == 0:
+    out = np.zeros(n, np.uint8)
+    mover.copy(out, src)
+    os._exit(0 if (out == 3).all() else 3)
+_, status = os.waitpid(pid, 0)
+print(numba.threading_layer(), bool((dst == 3).all()), os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_child_forked_after_host_copies_copies_too():
+    """A child forked from a process whose host copies had started GNU OpenMP's pool (numba's
+    omp layer; multiprocessing forks on Linux) was ended at its first copy of 1 MiB or more:
+    'fork() called from a process already using GNU OpenMP, this is unsafe'."""
+    import os
+
+    from _python import run_python
+
+    out = run_python("-c", _COPY_IN_A_FORKED_CHILD, timeout=300, env={**os.environ, "NUMBA_THREADING_LAYER": "omp"})
+    assert out.split() == ["omp", "True", "0"]
