@@ -58,11 +58,13 @@ def _run_parallel(dst: np.ndarray, src: np.ndarray) -> None:
         copy(dst, src, CHUNK_BYTES)
         return
     with _LAYER_LOCK:
+        if _pool_pid is None:  # set first: a child forked during this copy must not wait on the lock it holds
+            _pool_pid = os.getpid()
         copy(dst, src, CHUNK_BYTES)
         if _serialise is None:
             import numba
 
-            _serialise, _pool_pid = numba.threading_layer() == "workqueue", os.getpid()
+            _serialise = numba.threading_layer() == "workqueue"
 
 
 def warm_host_copy() -> float:
