@@ -261,3 +261,39 @@ def test_stage_whose_thread_cannot_start_names_the_limits(image, tmp_path, monke
     with pytest.raises(FlashBootError, match=rf"staging rank 0 of {image}: a thread could not be started \(can't start "
                                              r"new thread\): this process may start no more \(`ulimit -u`: "):
         flashboot.stage(image, 0, "cpu", shm_dir=tmp_path / "shm")
+
+
+def test_a_load_beside_a_serving_preloader_that_failed_its_rank_streams_at_once(image, tmp_path, monkeypatch):
+    """A serving preloader that failed to stage a rank (an error other than too few bytes free: no
+    inode left, fds, threads, a disk error) keeps serving: a plain load waited its whole timeout
+    for the ``.ready`` that never came, then said only that a preloader is running."""
+    import flashboot
+
+    from _preload_helpers import Daemon
+
+    from flashboot.flashload.service import _claim_pid_file, _release_pid_file
+
+    shm = tmp_path / "shm"
+
+    def pwrite(fd, data, off):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(staging, "_pwrite", pwrite)
+    pid_file = shm_files.pid_file(image, shm)
+    shm_files.make_dir(pid_file.parent)
+    _claim_pid_file(pid_file, True)  # as `flashboot preload --serve` does, around the server in a thread here
+    daemon = Daemon(image, shm, staged=False)
+    try:
+        assert daemon.server.residents[0].event.wait(60), daemon.log
+        assert daemon.server.residents[0].state == "failed", daemon.log
+        monkeypatch.undo()
+        loaded = flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=10, verify=True)
+        try:
+            why = loaded.report.details["stream_reason"]
+            assert why.startswith(f"the preloader (pid {os.getpid()}) failed to stage rank 0: ") and "EIO" in why, why
+            assert loaded.report.details["verified"]
+        finally:
+            loaded.close()
+    finally:
+        daemon.close()
+        _release_pid_file(pid_file)

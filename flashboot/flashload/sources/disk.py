@@ -10,7 +10,7 @@ import os
 import time
 from typing import Any
 
-from ...errors import LayoutError
+from ...errors import FlashBootError, LayoutError
 from ...memory import Device
 from ..landing import Beside, timed_views, verify_loaded
 from ..report import LoadedImage
@@ -69,9 +69,30 @@ def stream_reason(image_dir, rank: int, source, *, shm_dir=None, stream: bool | 
         return f"the preloader (pid {pid}) stages ranks {ranks}, not rank {rank}"
     if staged.startswith("its staged copy"):
         return f"{staged}; the preloader (pid {pid}) does not replace it"
+    failed = _failed_in_daemon(image_dir, rank, shm_dir) if (_read_pid_file(pid_file(image_dir, shm_dir)) or {}).get(
+        "serve") is True else None
+    if failed is not None:
+        return f"the preloader (pid {pid}) failed to stage rank {rank}: {failed}"
     if paths.partial.exists() or room:
         return None  # the preloader is writing it, or will: wait for .ready
     return f"the preloader (pid {pid}) cannot stage rank {rank}: {no_room}"
+
+
+DAEMON_STATUS_TIMEOUT_S = 2.0
+"""How long :func:`stream_reason` asks a serving preloader whether it failed a rank."""
+
+
+def _failed_in_daemon(image_dir, rank: int, shm_dir) -> str | None:
+    """The error a serving preloader met staging ``rank`` (it keeps serving the others), or None
+    where it did not fail it or does not answer. Its rank's ``.ready`` never comes: a load that
+    waited for it (a full /dev/shm of inodes, a thread or fd limit) sat out its whole timeout."""
+    from ..client import serve_status
+
+    try:
+        state = serve_status(image_dir, shm_dir, timeout_s=DAEMON_STATUS_TIMEOUT_S)["ranks"].get(str(rank)) or {}
+    except (FlashBootError, OSError, KeyError, AttributeError, TypeError):
+        return None  # not answering (starting, stopping): wait for .ready as before
+    return str(state.get("error")) if state.get("state") == "failed" else None
 
 
 # ============================================================================ the load
