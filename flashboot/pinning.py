@@ -20,7 +20,7 @@ from typing import Any
 
 from . import _cuda
 from .errors import CapabilityError, CudaError, FlashBootError
-from .memory import Device, map_refused
+from .memory import Device, map_refused, thread_refused
 
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
 """Pinned for every CUDA context, not only the one current at registration (the daemon copies to
@@ -201,22 +201,34 @@ def populate(buf, *, threads: int | None = None) -> None:
     parts = [pages[i:i + share] for i in range(0, len(pages), share)]
     errors: list[BaseException] = []
 
-    def fill(part) -> None:
+    def fill(i: int) -> None:  # an index, not a view: a thread never started would keep buf exported
         try:
-            part.fill(0)
+            parts[i].fill(0)
         except BaseException as exc:  # raised by the caller below
-            errors.append(exc)
+            errors.append(exc.with_traceback(None))  # its frames hold a view of buf
 
-    workers = [threading.Thread(target=fill, args=(p,), name=f"flashboot-populate-{i}", daemon=True)
-               for i, p in enumerate(parts[1:], 1)]
-    for w in workers:
-        w.start()
-    fill(parts[0])
-    for w in workers:
-        w.join(POPULATE_TIMEOUT_S)
-        if w.is_alive():
-            raise FlashBootError(f"{w.name} did not fault in its share of {len(buf):,} bytes in "
+    workers = [threading.Thread(target=fill, args=(i,), name=f"flashboot-populate-{i}", daemon=True)
+               for i in range(1, len(parts))]
+    refused = None
+    for k, worker in enumerate(workers):
+        try:
+            worker.start()
+        except RuntimeError as exc:  # the started ones still write into buf: joined before the error is raised
+            refused = thread_refused(f"faulting in {len(buf):,} bytes with {len(workers) + 1} threads", exc)
+            del workers[k:]
+            break
+    if refused is None:
+        fill(0)
+    for worker in workers:
+        worker.join(POPULATE_TIMEOUT_S)
+        if worker.is_alive():
+            raise FlashBootError(f"{worker.name} did not fault in its share of {len(buf):,} bytes in "
                                  f"{POPULATE_TIMEOUT_S:g} s")
+    # the views of buf go before an error is raised: the traceback keeps this frame, and the caller's
+    # close of buf then failed with BufferError ("exported pointers exist") over the error itself
+    del pages, parts
+    if refused is not None:
+        raise refused
     if errors:
         raise errors[0]
 

@@ -297,3 +297,32 @@ def test_a_load_beside_a_serving_preloader_that_failed_its_rank_streams_at_once(
     finally:
         daemon.close()
         _release_pid_file(pid_file)
+
+
+def test_populate_whose_thread_cannot_start_ends_the_others_and_names_the_limits(monkeypatch):
+    """``populate`` (before a pin: the stream's ring, a sleep's host backup) whose thread start was
+    refused raised Python's bare RuntimeError while the threads started before it still wrote
+    into the buffer that the caller then closed."""
+    import mmap
+
+    from flashboot import pinning
+
+    monkeypatch.setattr(pinning, "POPULATE_SHARE_BYTES", 4096)
+    real_start, started = threading.Thread.start, []
+
+    def start(self):
+        if self.name.startswith("flashboot-populate-"):
+            started.append(self)
+            if len(started) == 2:
+                raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    buf = mmap.mmap(-1, 1 << 20)
+    try:
+        with pytest.raises(FlashBootError, match=r"faulting in 1,048,576 bytes with 4 threads: a thread could not be "
+                                                 r"started \(can't start new thread\): .*`ulimit -u`: "):
+            pinning.populate(buf, threads=4)
+        assert not started[0].is_alive()
+    finally:
+        buf.close()  # nothing holds it any more
