@@ -30,6 +30,9 @@ def test_fit_recovers_the_cost_per_call_and_the_bandwidth():
 def test_fit_needs_two_chunk_counts():
     with pytest.raises(FlashBootError, match=r"fitting m \(per_call\) needs rows at two chunk counts"):
         fit_chunked(rows_of(1e-6, 100, chunks=(MiB,)))
+    # two rows at one count are still one count: the message had said "got 2", as if that sufficed
+    with pytest.raises(FlashBootError, match=r"got 2 row\(s\), all at 1024 chunk\(s\)"):
+        fit_chunked(rows_of(1e-6, 100, chunks=(MiB, MiB)))
 
 
 @pytest.mark.parametrize("rows,rate", [

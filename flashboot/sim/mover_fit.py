@@ -65,7 +65,9 @@ def fit_chunked(rows: Iterable[Any]) -> dict[tuple[str, str], MoverFit]:
     fits = {}
     for key, pts in groups.items():
         if len({p[0] for p in pts}) < 2:
-            raise FlashBootError(f"fitting {key[0]} ({key[1]}) needs rows at two chunk counts at least, got {len(pts)}")
+            counts = sorted({p[0] for p in pts})
+            raise FlashBootError(f"fitting {key[0]} ({key[1]}) needs rows at two chunk counts at least, got "
+                                 f"{len(pts)} row(s), all at {counts[0]} chunk(s)")
         a = np.array([[p[0], p[1]] for p in pts], dtype=float)  # seconds = n * per_call + bytes * (1 / rate)
         t = np.array([p[2] for p in pts], dtype=float)
         (per_call, inv_rate), *_ = np.linalg.lstsq(a, t, rcond=None)
