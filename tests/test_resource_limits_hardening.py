@@ -46,29 +46,54 @@ resource.setrlimit(resource.RLIMIT_AS, (vm() + {extra}, resource.RLIM_INFINITY))
 bytes past what it maps."""
 
 
-def test_a_read_buffer_refused_under_ulimit_v_fails_the_stage_and_stages_no_zeros(image, tmp_path):
+@pytest.fixture(scope="module")
+def image_5mb(tmp_path_factory):
+    from flashboot.benchmarks.checkpoints import CheckpointSpec
+
+    from _preload_helpers import make_image
+
+    spec = CheckpointSpec("five", layers=2, experts=4, expert_rows=256, expert_cols=256, hidden=256, vocab=1024,
+                          shards=1)
+    return make_image(tmp_path_factory.mktemp("five"), spec)
+
+
+def test_a_read_buffer_refused_under_ulimit_v_fails_the_stage_and_stages_no_zeros(image_5mb, tmp_path):
     """A copy thread whose read buffer could not be mapped (ENOMEM under ``ulimit -v``) died with
     a traceback on stderr; the stage went on without its chunks, renamed the file of zeros into
     place and wrote a ``.ready`` for it: every load that did not verify served zeros."""
-    shm = tmp_path / "shm"
-    chunk = 64 << 20
-    out = run_python("-c", _UNDER_AS_LIMIT.format(image=str(image), extra=chunk // 2) + f"""
+    image, shm = image_5mb, tmp_path / "shm"
+    nbytes = shm_files.rank_source(image, 0).nbytes
+    out = run_python("-c", _UNDER_AS_LIMIT.format(image=str(image), extra=4 << 20) + f"""
+import threading
 from flashboot.errors import OutOfMemoryError
+threading.stack_size(1 << 20)  # the copy thread starts; its buffer of the whole rank is what does not fit
 try:
-    flashboot.flashload.staging.stage_rank({str(image)!r}, 0, shm_dir={str(shm)!r}, chunk_bytes={chunk}, threads=1)
+    flashboot.flashload.staging.stage_rank({str(image)!r}, 0, shm_dir={str(shm)!r}, threads=1)
 except OutOfMemoryError as exc:
     print("refused:", exc)
 else:
     print("staged")
 """)
     assert out.startswith("refused: "), out
-    assert f"a read buffer: this process may map at most " in out and "(`ulimit -v`)" in out, out
-    assert f"needs {chunk:,} bytes but only " in out, out
+    assert "the read buffer of one of 1 copy threads (stage with fewer, or smaller chunks): this process may map " \
+           "at most " in out and "(`ulimit -v`)" in out, out
+    assert f"needs {-(-nbytes // 4096) * 4096:,} bytes but only " in out, out
     paths = shm_files.staged_paths(image, 0, shm)
     assert not paths.ready.exists() and not paths.image.exists() and not paths.partial.exists()
     # the same stage on a healthy machine: whole bytes
-    staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=chunk, threads=1)
+    staging.stage_rank(image, 0, shm_dir=shm, threads=1)
     assert paths.image.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()
+
+
+def test_a_small_rank_stages_under_ulimit_v_with_a_buffer_of_its_size(image, tmp_path):
+    """Each copy thread mapped a buffer of ``chunk_bytes`` (64 MiB by default) whatever the rank's
+    size: a 127 KB rank was refused under a ``ulimit -v`` that leaves 32 MiB."""
+    shm = tmp_path / "shm"
+    out = run_python("-c", _UNDER_AS_LIMIT.format(image=str(image), extra=32 << 20) + f"""
+print(flashboot.flashload.staging.stage_rank({str(image)!r}, 0, shm_dir={str(shm)!r}, threads=1).nbytes)
+""")
+    assert int(out) == shm_files.rank_source(image, 0).nbytes
+    assert shm_files.staged_paths(image, 0, shm).image.read_bytes() == shm_files.rank_source(image, 0).path.read_bytes()
 
 
 def test_a_read_buffer_refused_fails_the_stage_by_name_and_leaves_nothing(image, tmp_path, monkeypatch):
@@ -85,8 +110,8 @@ def test_a_read_buffer_refused_fails_the_stage_by_name_and_leaves_nothing(image,
 
     monkeypatch.setattr(staging, "io_buffer", io_buffer)
     fds_before, threads_before = _fds(), set(threading.enumerate())
-    with pytest.raises(FlashBootError, match=r"a read buffer: mapping 4,096 bytes failed: ENOMEM \(Cannot allocate "
-                                             r"memory\)"):
+    with pytest.raises(FlashBootError, match=r"the read buffer of one of 4 copy threads \(stage with fewer, or smaller "
+                                             r"chunks\): mapping 4,096 bytes failed: ENOMEM \(Cannot allocate memory\)"):
         staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=4)
     assert list(shm_files.staging_dir(image, shm).iterdir()) == []
     assert _fds() == fds_before and set(threading.enumerate()) == threads_before

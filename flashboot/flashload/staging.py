@@ -155,6 +155,8 @@ def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads
     from ..pinning import bind_to_node
 
     n_chunks = -(-nbytes // chunk_bytes)
+    # no larger than the file: a 127 KB rank mapped a 64 MiB buffer, refused under a tight `ulimit -v`
+    buf_bytes = min(chunk_bytes, -(-nbytes // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT)
     lock = threading.Lock()
     state = {"next": 0, "done": 0, "error": None}
 
@@ -171,12 +173,13 @@ def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads
         try:  # the buffer too: a mapping refused (``ulimit -v``) had ended the thread unseen, and the
             # copy was renamed into place, zeros where its chunks were to be, under a .ready
             try:
-                buf = io_buffer(chunk_bytes)
+                buf = io_buffer(buf_bytes)
             except OSError as exc:
-                raise map_refused(f"staging {src_name}: a read buffer", chunk_bytes, exc) from None
+                raise map_refused(f"staging {src_name}: the read buffer of one of {len(pool)} copy threads (stage "
+                                  "with fewer, or smaller chunks)", buf_bytes, exc) from None
             view = memoryview(buf)
             if numa_node is not None:  # the bounce buffer too: it is read right after the disk writes it
-                bind_to_node(ctypes.addressof(ctypes.c_char.from_buffer(buf)), chunk_bytes, numa_node)
+                bind_to_node(ctypes.addressof(ctypes.c_char.from_buffer(buf)), buf_bytes, numa_node)
             while (i := take()) is not None:
                 if stop is not None and stop.is_set():
                     raise FlashBootError(f"staging of {src_name} was interrupted")
