@@ -110,8 +110,8 @@ def _read_header(path: Path) -> tuple[dict[str, dict], FileIdentity]:
                 and isinstance(info.get("dtype"), str)):
             raise LayoutError(f"{path}: tensor {name!r} has a malformed header entry {str(info)[:200]} (dtype a "
                               "string, shape a list of ints >= 0, data_offsets two ints)")
-        if not name or not _utf8(name):
-            raise LayoutError(f"{path}: tensor name {name!r} is empty or not UTF-8; an image names every tensor")
+        if not name:  # one not UTF-8 is refused with the header's text
+            raise LayoutError(f"{path}: a tensor's name is empty; an image names every tensor")
         if len(shape) > MAX_NDIM or math.prod(max(d, 1) for d in shape) > MAX_SPAN:
             raise LayoutError(f"{path}: tensor {name!r} shape {shape[:8]}{'...' if len(shape) > 8 else ''} "
                               f"({len(shape)} dims) has more than {MAX_NDIM} dims or spans more than 2**63 elements")
@@ -125,9 +125,15 @@ def _read_header(path: Path) -> tuple[dict[str, dict], FileIdentity]:
 
 
 def _load_header(raw: bytes, path: Path) -> Any:
-    """The header's JSON, refusing a name given twice: JSON keeps the last entry and had dropped
-    the first without a word (safetensors refuses such a file; its tensor's bytes were lost)."""
+    """The header's JSON, refusing a name given twice (JSON keeps the last entry and had dropped
+    the first without a word: safetensors refuses such a file; its tensor's bytes were lost) and
+    text that is not UTF-8 (pre-pack had packed a shard no loader reads)."""
     def pairs(items: list) -> dict:
+        for k, v in items:  # JSON allows "\ud800"; safetensors' reader (UTF-8 only) refuses the file
+            for text in (k, v) if isinstance(v, str) else (k,):
+                if not _utf8(text):
+                    raise LayoutError(f"{path}: the header holds {text!r}, which is not UTF-8 (a lone surrogate); "
+                                      "safetensors refuses such a file")
         obj = dict(items)
         if len(obj) != len(items):
             seen: set = set()
