@@ -107,17 +107,30 @@ def _request(path: Path, req: dict, *, connect_timeout_s: float, reply_timeout_s
 
 
 def _read_reply(sock: socket.socket, path: Path, what: str, timeout_s: float, *,
-                deadline: float | None = None) -> dict:
+                deadline: float | None = None, stopped_after: float | None = None) -> dict:
     """The daemon's JSON reply on ``sock``, waiting at most ``timeout_s`` (or until ``deadline``,
-    a ``time.monotonic()``, where the wait began earlier); errors name ``what``."""
-    sock.settimeout(timeout_s if deadline is None else max(1e-3, deadline - time.monotonic()))
-    try:
-        raw = sock.recv(1 << 20)
-    except socket.timeout:
-        raise WaitTimeoutError(f"the preloader at {path} did not answer {what} within {timeout_s:g} s") from None
-    except OSError as exc:  # ECONNRESET: the daemon died with the request still in its queue
-        raise RendezvousError(f"the preloader at {path} dropped the connection before answering {what} "
-                              f"({type(exc).__name__}); did it exit? see `flashboot preload DIR --status`") from None
+    a ``time.monotonic()``, where the wait began earlier); errors name ``what``.
+
+    ``stopped_after`` (a ``time.monotonic()``): from then on, a daemon found stopped (SIGSTOP, a
+    frozen cgroup) ends the wait at once, naming its pid. A load's reply is allowed its timeout
+    plus a copy's allowance (queued behind other engines, a large H2D); a stopped daemon had held
+    every engine's load for that allowance, a minute past the timeout the engine asked for."""
+    end = time.monotonic() + timeout_s if deadline is None else deadline
+    while True:
+        now = time.monotonic()
+        wake = end if stopped_after is None else min(end, max(stopped_after, now + _STOPPED_POLL_S))
+        sock.settimeout(max(1e-3, wake - now))
+        try:
+            raw = sock.recv(1 << 20)
+            break
+        except socket.timeout:
+            if time.monotonic() < end:  # woke to look at the daemon
+                _raise_if_stopped(sock, path, what, stopped_after)
+                continue
+            raise WaitTimeoutError(f"the preloader at {path} did not answer {what} within {timeout_s:g} s") from None
+        except OSError as exc:  # ECONNRESET: the daemon died with the request still in its queue
+            raise RendezvousError(f"the preloader at {path} dropped the connection before answering {what} "
+                                  f"({type(exc).__name__}); did it exit? see `flashboot preload DIR --status`") from None
     if not raw:
         raise RendezvousError(f"the preloader at {path} closed the connection without answering {what}; did it "
                               "exit? see `flashboot preload DIR --status`")
@@ -129,6 +142,27 @@ def _read_reply(sock: socket.socket, path: Path, what: str, timeout_s: float, *,
     if not isinstance(reply, dict):
         raise RendezvousError(f"the preloader at {path} answered {what} with a JSON {type(reply).__name__}")
     return reply
+
+
+_STOPPED_POLL_S = 0.25
+"""How often a load past its own timeout looks at whether the daemon it waits for is stopped."""
+
+
+def _raise_if_stopped(sock: socket.socket, path: Path, what: str, since: float | None) -> None:
+    """WaitTimeoutError naming the daemon's pid when it is stopped (state T or t in /proc: a
+    SIGSTOP, a debugger, a frozen cgroup), where the wait has passed ``since``."""
+    if since is None or time.monotonic() < since:
+        return
+    try:
+        pid = peer_credentials(sock).pid
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # another pid namespace (pid 0), or gone: the reply's wait says so
+        return
+    if state in ("T", "t"):
+        raise WaitTimeoutError(f"the preloader at {path} (pid {pid}) is stopped (process state {state}: SIGSTOP, a "
+                               f"debugger or a frozen cgroup) and did not answer {what} within the load's timeout; "
+                               "resume it (kill -CONT) or restart it")
 
 
 def serve_status(image_dir, shm_dir=None, *, timeout_s: float = 10.0) -> dict:
@@ -280,7 +314,8 @@ class ServedCopy:
     the arena and copies into it; :meth:`wait` reads its reply. Made by :func:`start_served_load`."""
 
     def __init__(self, sock: socket.socket, path: Path, rank: int, reply_timeout_s: float, sent_at: float,
-                 rest=None, resend: Callable | None = None, retry: _BusyRetry | None = None):
+                 rest=None, resend: Callable | None = None, retry: _BusyRetry | None = None,
+                 timeout_s: float | None = None):
         self._resend, self._retry = resend, retry  # a busy daemon is asked again (``_send_arena``'s result)
         self._sock: socket.socket | None = sock
         self.path, self.rank, self.reply_timeout_s = path, rank, reply_timeout_s
@@ -291,6 +326,8 @@ class ServedCopy:
         # exported) and sends, which release the GIL, and the Python between them
         self.handover_cpu_ms = 0.0
         self.deadline = time.monotonic() + reply_timeout_s  # the reply is due by then, however it is awaited
+        # past the load's own timeout, a stopped daemon ends the wait (the rest is a copy's allowance)
+        self.stopped_after = None if timeout_s is None else time.monotonic() + timeout_s
         self._reply: dict | None = None
         self._error: BaseException | None = None
 
@@ -313,7 +350,7 @@ class ServedCopy:
                 sock, self._sock = self._sock, None
                 try:
                     reply = _read_reply(sock, self.path, f"'load' for rank {self.rank}", self.reply_timeout_s,
-                                        deadline=self.deadline)
+                                        deadline=self.deadline, stopped_after=self.stopped_after)
                     if not reply.get("ok"):
                         if _is_busy(reply):
                             raise _Busy(f"served load of rank {self.rank} by the preloader at {self.path}: "
@@ -503,7 +540,8 @@ def start_served_load(arena, *, image_dir, rank: int, nbytes: int, metadata_sha2
                            timeout_s=timeout_s, connect_timeout_s=retry.left(), shm_dir=shm_dir, verify=verify)
 
     sock, path, sent_at, later = send()
-    copy = ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9, sent_at, later, resend=send, retry=retry)
+    copy = ServedCopy(sock, path, rank, timeout_s + 60 + nbytes / 1e9, sent_at, later, resend=send, retry=retry,
+                      timeout_s=timeout_s)
     if not rest_later:
         copy.hand_over_rest()
     return copy
