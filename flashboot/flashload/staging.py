@@ -305,7 +305,8 @@ def _flock_current(path: Path, op: int) -> int | None:
         except OSError as exc:  # a read-only or another user's staging folder: it had been a bare OSError
             if (why := out_of_fds(exc)) is not None:  # not the folder's fault: another --shm-dir would not help
                 raise FlashBootError(f"cannot open the lock file {path}: {why}") from None
-            raise FlashBootError(f"cannot open the lock file {path}: {exc.strerror}; this process cannot stage or "
+            why = (_no_inode(path.parent) if exc.errno == errno.ENOSPC else None) or exc.strerror
+            raise FlashBootError(f"cannot open the lock file {path}: {why}; this process cannot stage or "
                                  f"load a staged copy there: use another --shm-dir (or ${SHM_ENV})") from None
         try:
             fcntl.flock(fd, op | fcntl.LOCK_NB)
