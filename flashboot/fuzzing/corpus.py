@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..errors import FlashBootError
 from .campaign import Reader
+from .checkpoint_reader import checkpoint_reader
 from .clone_readers import descriptor_reader, manifest_reader, record_reader
 from .image_readers import (
     image_reader,
@@ -18,7 +19,8 @@ from .image_readers import (
 )
 from .preloader_reader import _Preloader, preloader_reader
 
-READERS = ("metadata", "image", "lone", "job", "ready", "record", "sealed", "manifest", "descriptor", "preloader")
+READERS = ("metadata", "image", "lone", "job", "ready", "record", "sealed", "manifest", "descriptor", "preloader",
+           "checkpoint")
 
 
 class Corpus:
@@ -49,6 +51,8 @@ class Corpus:
                 self.readers.append(manifest_reader(image))
             elif name == "descriptor":
                 self.readers.append(descriptor_reader())
+            elif name == "checkpoint":
+                self.readers.append(checkpoint_reader(self.work))
             elif name == "preloader":
                 reader, self.preloader = preloader_reader(image, self.work)
                 self.readers.append(reader)
