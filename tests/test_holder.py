@@ -226,3 +226,27 @@ def test_a_killed_store_holder_is_taken_over_and_one_paused_past_its_lease_stops
             stop(paused)
     finally:
         stop(killed)
+
+
+def test_hold_says_at_its_start_that_it_took_over_a_killed_holders_lease(store, monkeypatch, capsys):
+    """`flashboot hold --store` after a holder was killed: the takeover is said when it starts
+    (it had been kept in the error list, printed only when the holder stopped)."""
+    from flashboot.cli import main
+    from flashboot.flashclone import holder as holder_mod
+
+    monkeypatch.setattr(holder_mod, "HOLDER_LEASE_S", 1.0)
+    monkeypatch.setattr(holder_mod.Holder, "serve_forever",
+                        lambda self: print("(serving)", file=sys.stderr, flush=True) or self.close())
+    address, _ = store
+    killed = spawn_cli("hold", "--store", address)
+    try:
+        assert killed.stdout.readline().startswith("holder ready")
+        killed.kill()
+        killed.wait(10)
+    finally:
+        stop(killed)
+    assert main(["hold", "--store", address]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == f"holder ready (store {address}, namespace 'default'); serving until SIGTERM"
+    said, serving = err.find(f"flashboot hold: the holder before this one (pid {killed.pid} on "), err.find("(serving)")
+    assert 0 <= said < serving and err.count("taken as gone") == 1, err

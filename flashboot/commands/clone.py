@@ -258,6 +258,9 @@ def run_hold(args: argparse.Namespace) -> int:
     holder = Holder(**where) if args.registry else Holder(store=args.store, token_file=args.token_file,
                                                           namespace=args.name, timeout_s=args.timeout)
     _print(f"holder ready ({holder.kv.where()}); serving until SIGTERM")
+    for err in holder.errors:  # a holder before this one, taken as gone: said now, not at the stop
+        print(f"flashboot hold: {err}", file=sys.stderr)
+    holder.errors.clear()
     holder.serve_forever()
     if holder.errors.dropped:
         print(f"flashboot hold: {holder.errors.dropped} earlier problem(s) not kept; the last "
