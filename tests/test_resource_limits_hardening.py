@@ -352,3 +352,39 @@ def test_populate_whose_thread_cannot_start_ends_the_others_and_names_the_limits
         assert not started[0].is_alive()
     finally:
         buf.close()  # nothing holds it any more
+
+
+def test_a_source_rewritten_in_place_while_staged_is_refused_not_staged_as_a_mix(tmp_path, monkeypatch):
+    """The image file rewritten in place (same size) while the preloader copied it: the copy took
+    the old bytes before and the new ones after, renamed the mix into place under a ``.ready``,
+    and a load (the host backend does not verify by default) returned it without a word. A
+    streamed load checks the file's identity before and after its reads; the stager now does."""
+    import flashboot
+
+    from flashboot.errors import LayoutError
+
+    image, shm = make_tiny_image(tmp_path / "own"), tmp_path / "shm"
+    path = shm_files.rank_source(image, 0).path
+    want = path.read_bytes()
+    real, rewritten = staging._preadv, []
+
+    def preadv(fd, buffers, off):
+        if off >= 16384 and not rewritten:
+            rewritten.append(off)
+            with open(path, "r+b") as f:
+                f.write(bytes(len(want)))  # another pre-pack's bytes, same size
+        return real(fd, buffers, off)
+
+    monkeypatch.setattr(staging, "_preadv", preadv)
+    with pytest.raises(LayoutError, match=rf"{path} changed while it was staged \(the rank is not staged\) \(device, "
+                                          r"inode, size, mtime_ns "):
+        staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=1)
+    assert rewritten and list(shm_files.staging_dir(image, shm).iterdir()) == []
+    monkeypatch.undo()
+    path.write_bytes(want)  # the pre-pack's own bytes back: staged, and loaded, whole
+    staging.stage_rank(image, 0, shm_dir=shm)
+    loaded = flashboot.load(image, 0, "cpu", shm_dir=shm)
+    try:
+        assert bytes(loaded.arena.bytes()[:len(want)].numpy()) == want
+    finally:
+        loaded.close()

@@ -415,7 +415,13 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
                 raise
         t0 = time.perf_counter()
         src_fd, mode, reason = open_for_reads(src.path, io)
+        # the file the metadata was validated against, before and after the copy (as a streamed load
+        # checks): one rewritten in place while it was staged had its mix of bytes staged under a
+        # .ready, and every load that did not verify served them
+        identity = src.image.file_identity
         try:
+            if identity is not None:
+                identity.check(os.fstat(src_fd), "since its metadata was read (the rank is not staged)")
             try:
                 _copy_chunks(src_fd, fd, nbytes, direct=mode == "o_direct", threads=threads, chunk_bytes=chunk_bytes,
                              progress=progress, stop=stop, numa_node=node, src_name=str(src.path),
@@ -426,9 +432,13 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
                 os.close(src_fd)
                 src_fd = os.open(src.path, os.O_RDONLY)
                 mode, reason = "buffered", f"filesystem refuses O_DIRECT reads ({exc})"
+                if identity is not None:
+                    identity.check(os.fstat(src_fd), "since its metadata was read (the rank is not staged)")
                 _copy_chunks(src_fd, fd, nbytes, direct=False, threads=threads, chunk_bytes=chunk_bytes,
                              progress=progress, stop=stop, numa_node=node, src_name=str(src.path),
                              dst_name=str(paths.partial))
+            if identity is not None:
+                identity.check(os.fstat(src_fd), "while it was staged (the rank is not staged)")
         finally:
             os.close(src_fd)
         read_s = time.perf_counter() - t0
