@@ -19,7 +19,7 @@ from flashboot.arena import Arena
 from flashboot.errors import ArenaError, FlashBootError, RendezvousError
 
 from _clone_helpers import _token, store  # noqa: F401  (fixtures)
-from _clone_helpers import MiB, TOKEN, finish, spawn_cli, stop, wait_until
+from _clone_helpers import MiB, TOKEN, finish, serving_holder, spawn_cli, stop, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -162,17 +162,11 @@ def test_a_store_namespace_has_one_holder_at_a_time(store):
 
     address, _ = store
     first = Holder(store=address, token=TOKEN, timeout_s=5)
-    stop_ev = threading.Event()
-    t = threading.Thread(target=first.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
-    t.start()
-    try:
+    with serving_holder(first) as t:
         with pytest.raises(FlashBootError, match=rf"another holder \(pid {os.getpid()} on .*\) already serves "
                                                  rf"store {address}, namespace 'default'"):
             Holder(store=address, token=TOKEN, timeout_s=5)
         Holder(store=address, token=TOKEN, namespace="other", timeout_s=5).close()  # a namespace of its own
-    finally:
-        stop_ev.set()
-        t.join(10)
     assert not t.is_alive() and first.errors == []
     Holder(store=address, token=TOKEN, timeout_s=5).close()  # the first closed: the next one starts
 
@@ -205,11 +199,7 @@ def test_a_killed_store_holder_is_taken_over_and_one_paused_past_its_lease_stops
         try:
             assert paused.stdout.readline().strip() == "ready"
             os.kill(paused.pid, signal.SIGSTOP)
-            third = Holder(store=address, token=TOKEN, timeout_s=5)
-            stop_ev = threading.Event()
-            t = threading.Thread(target=third.serve_forever, args=(stop_ev,), kwargs={"handle_signals": False})
-            t.start()
-            try:
+            with serving_holder(Holder(store=address, token=TOKEN, timeout_s=5)):
                 a = Arena.create(MiB, "cpu")
                 a.bytes().numpy()[:] = 5
                 hand_over(a, "w", store=address, token=TOKEN, timeout_s=10)
@@ -219,9 +209,6 @@ def test_a_killed_store_holder_is_taken_over_and_one_paused_past_its_lease_stops
                 assert code_ != 0 and "another holder" in err and f"pid {os.getpid()}" in err, (out, err)
                 with open_held("w", store=address, token=TOKEN) as b:  # the new holder's record is left alone
                     assert int(b.bytes().numpy().max()) == 5
-            finally:
-                stop_ev.set()
-                t.join(10)
         finally:
             stop(paused)
     finally:
