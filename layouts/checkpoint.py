@@ -182,8 +182,13 @@ def _utf8(name: str) -> bool:
 def _refuse_dangling(path: Path, what: str) -> None:
     """LayoutError for a link whose target is gone (a hub snapshot whose blob was deleted or never
     finished downloading): named as such, not as an absent file, which ``ls`` shows is there."""
-    if path.is_symlink() and not path.exists():
-        raise LayoutError(f"{path}: a link to {os.readlink(path)}, which does not exist ({what})")
+    try:
+        dangling = path.is_symlink() and not path.exists()
+        target = os.readlink(path) if dangling else ""
+    except OSError as exc:  # a name too long (ENAMETOOLONG) from an index: a bare OSError had escaped
+        raise LayoutError(f"{str(path)[:300]}: cannot look up {what} ({exc.strerror})") from None
+    if dangling:
+        raise LayoutError(f"{path}: a link to {target}, which does not exist ({what})")
 
 
 def _read_json(path: Path, what: str) -> Any:

@@ -232,6 +232,9 @@ def test_index_disagreements_are_refused_or_packed_as_the_shards_hold(tmp_path):
         ({**good, "a": "s2.safetensors"}, rf"{index}: maps 'a' to s2.safetensors, but it is in s1.safetensors"),
         ({**good, "z": "s1.safetensors"}, rf"{index}: maps 'z' to s1.safetensors, but no shard holds it"),
         ({}, rf"{index}: its weight_map names no tensor"),
+        # a name no filesystem takes (ENAMETOOLONG) had escaped as a bare OSError (found by make fuzz)
+        ({**good, "c": "m" * 300 + ".safetensors"}, r"cannot look up a shard model.safetensors.index.json names "
+                                                     r"\(File name too long\)"),
     ]
     for i, (weight_map, message) in enumerate(cases):
         index.write_text(json.dumps({"weight_map": weight_map}))

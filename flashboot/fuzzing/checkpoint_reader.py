@@ -1,16 +1,20 @@
-"""Reader of a Hugging Face checkpoint's safetensors shard: bytes a user downloads from anywhere,
-read by pre-pack (:func:`~flashboot.layouts.checkpoint.open_checkpoint`, then the shard's bytes
-through :class:`~flashboot.layouts.checkpoint.ShardReader`, as pre-pack reads them).
+"""Readers of a Hugging Face checkpoint, bytes a user downloads from anywhere, as pre-pack reads
+them (:func:`~flashboot.layouts.checkpoint.open_checkpoint`):
 
-The invariant is safetensors' own reading: a shard pre-pack accepts must be one safetensors
-opens, with the same names, dtypes and shapes, and every tensor's bytes as pre-pack read them
-equal to the tensor safetensors returns. A shard accepted here that safetensors refuses, or read
-as other bytes, would be pre-packed into an image of weights no engine loads.
+* a safetensors shard, then its bytes through :class:`~flashboot.layouts.checkpoint.ShardReader`.
+  The invariant is safetensors' own reading: a shard pre-pack accepts must be one safetensors
+  opens, with the same names, dtypes and shapes, and every tensor's bytes as pre-pack read them
+  equal to the tensor safetensors returns (else an image of weights no engine loads);
+* the shard index (``model.safetensors.index.json``) of a two-shard checkpoint. The invariant:
+  an accepted checkpoint reads exactly the shards the index names (inside the checkpoint), holds
+  every tensor of those shards as their headers list it, and each tensor the index maps is in
+  the shard it names.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import struct
 from pathlib import Path
@@ -110,3 +114,51 @@ def checkpoint_reader(work: Path) -> Reader:
 
     return Reader("checkpoint shard (open_checkpoint + reads)", [_seed_shard()], feed, check, mutate_shard,
                   LeakProbe(str(ckpt_dir)))
+
+
+def index_reader(work: Path) -> Reader:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from flashboot.layouts.checkpoint import open_checkpoint
+
+    ckpt_dir = work / "checkpoint-index"
+    (ckpt_dir / "sub").mkdir(parents=True, exist_ok=True)
+    (ckpt_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    shards = {"model-00001-of-00002.safetensors": ("a.weight", "a.bias"),
+              "sub/model-00002-of-00002.safetensors": ("b.weight", "c")}
+    import torch
+
+    for fname, names in shards.items():
+        save_file({n: torch.full((2, 3), float(i)) for i, n in enumerate(names)}, str(ckpt_dir / fname))
+    headers = {}
+    for fname in shards:
+        with safe_open(str(ckpt_dir / fname), framework="pt") as f:
+            headers[os.path.normpath(fname)] = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    weight_map = {n: fname for fname, names in shards.items() for n in names}
+    seed = json.dumps({"metadata": {"total_size": 96}, "weight_map": weight_map}).encode()
+    index = ckpt_dir / "model.safetensors.index.json"
+    root = ckpt_dir.resolve()
+
+    def feed(data: bytes):
+        index.write_bytes(data)
+        return open_checkpoint(ckpt_dir), json.loads(data)
+
+    def check(parsed, data: bytes) -> str | None:
+        ckpt, doc = parsed
+        named = sorted({os.path.normpath(v) for v in doc["weight_map"].values()})
+        if sorted(ckpt.files) != named:
+            return f"read shards {ckpt.files}, the index names {named}"
+        for fname in named:
+            if root not in (ckpt_dir / fname).resolve().parents:
+                return f"read shard {fname!r}, outside the checkpoint"
+        want = {n: shape for fname in named for n, shape in headers.get(fname, {}).items()}
+        have = {n: t.shape for n, t in ckpt.tensors.items()}
+        if have != want:
+            return f"tensors {sorted(have)} differ from the named shards' headers {sorted(want)}"
+        for name, fname in doc["weight_map"].items():
+            if ckpt.tensors[name].file != os.path.normpath(fname):
+                return f"{name!r} read from {ckpt.tensors[name].file}, the index maps it to {fname}"
+        return None
+
+    return Reader("checkpoint index (open_checkpoint)", [seed], feed, check, leaks=LeakProbe(str(ckpt_dir)))
