@@ -388,3 +388,19 @@ def test_a_source_rewritten_in_place_while_staged_is_refused_not_staged_as_a_mix
         assert bytes(loaded.arena.bytes()[:len(want)].numpy()) == want
     finally:
         loaded.close()
+
+
+def test_a_host_arena_refused_under_ulimit_v_says_the_limit(image):
+    """A host arena's reservation refused under ``ulimit -v`` was an ArenaError saying only
+    "[Errno 12] Cannot allocate memory": now an OutOfMemoryError (an ArenaError) with the limit
+    and what is left under it."""
+    out = run_python("-c", _UNDER_AS_LIMIT.format(image=str(image), extra=64 << 20) + """
+from flashboot.arena import Arena
+from flashboot.errors import OutOfMemoryError
+try:
+    Arena.create(1 << 30, "cpu")
+except OutOfMemoryError as exc:
+    print("refused:", exc)
+""")
+    assert out.startswith("refused: a 1,073,741,824-byte host arena: this process may map at most "), out
+    assert "(`ulimit -v`)" in out and "needs 1,073,741,824 bytes but only " in out, out

@@ -149,6 +149,11 @@ class Arena(SleepWake):
         except BaseException as exc:
             undo.release()
             if isinstance(exc, OSError):
+                from ..memory import map_refused
+
+                refused = map_refused(f"a {capacity:,}-byte host arena", capacity, exc)
+                if isinstance(refused, OutOfMemoryError):  # under `ulimit -v`: the limit and what is left
+                    raise refused from exc
                 raise ArenaError(f"creating a {capacity:,}-byte host arena failed: {exc}") from exc
             raise
         arena = cls(undo=undo, ptr=ptr, nbytes=capacity, requested_nbytes=nbytes, device=Device("cpu"),
