@@ -202,7 +202,13 @@ def recv_fds(sock: socket.socket, max_fds: int = 1, *, timeout_s: float = 30.0,
     if flags & socket.MSG_CTRUNC:
         for fd in fds:
             os.close(fd)
-        raise RendezvousError(f"the peer sent more than {max_fds} fd(s); the extra ones were dropped and all closed")
+        # the kernel also truncates when this process has no free fd to install them in
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        raise RendezvousError(f"fds sent with a message were dropped and all closed: the peer sent more than "
+                              f"{max_fds}, or this process had no free fd for them (`ulimit -n` "
+                              f"{'unlimited' if soft == resource.RLIM_INFINITY else f'{soft:,}'})")
     if fds and flags & socket.MSG_TRUNC:  # the rest of the message is gone: refused, not read as a shorter one
         for fd in fds:
             os.close(fd)

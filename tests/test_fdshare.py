@@ -214,3 +214,36 @@ def test_a_message_cut_short_with_its_fds_is_refused_and_the_fds_closed():
             os.close(fd)
         a.close()
         b.close()
+
+
+def test_fds_dropped_on_receipt_name_both_causes_and_this_processs_limit():
+    """MSG_CTRUNC was reported as "the peer sent more than N fd(s)"; the kernel also sets it when
+    the receiver has no free fd to install them in (at its ``ulimit -n``), which it did not say."""
+    out = run_python("-c", """
+import os, resource, socket
+from flashboot.errors import RendezvousError
+from flashboot.fdshare import recv_fds
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+r, w = os.pipe()
+socket.send_fds(a, [b"x"], [r, w])
+try:
+    recv_fds(b, 1, timeout_s=5)            # two sent, one taken
+except RendezvousError as exc:
+    print("more:", exc)
+socket.send_fds(a, [b"x"], [r])
+taken = 0
+for fd in range(3, 64):                   # no free fd below the soft limit
+    try:
+        os.fstat(fd)
+    except OSError:
+        os.dup2(r, fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    recv_fds(b, 1, timeout_s=5)
+except RendezvousError as exc:
+    print("full:", exc)
+""")
+    more, full = out.splitlines()
+    assert more.startswith("more: fds sent with a message were dropped and all closed: the peer sent more than 1, "
+                           "or this process had no free fd for them"), more
+    assert full.startswith("full: fds sent with a message were dropped") and "`ulimit -n` 64)" in full, full

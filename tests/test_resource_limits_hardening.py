@@ -404,3 +404,25 @@ except OutOfMemoryError as exc:
 """)
     assert out.startswith("refused: a 1,073,741,824-byte host arena: this process may map at most "), out
     assert "(`ulimit -v`)" in out and "needs 1,073,741,824 bytes but only " in out, out
+
+
+def test_a_host_arena_over_the_hard_fd_limit_counts_the_headroom_it_keeps():
+    """The refusal read "needs 1 fds (one per segment) and 14 are open; the hard limit on open
+    files is 24": the 64 fds kept free for what follows were in the sum but not in the message."""
+    out = run_python("-c", """
+import os, resource
+from flashboot.arena import Arena
+from flashboot.errors import ArenaError
+open_now = len(os.listdir("/proc/self/fd")) - 1
+resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 10, open_now + 10))
+try:
+    Arena.create(4 << 20, "cpu", segment_bytes=2 << 20)
+except ArenaError as exc:
+    print(open_now, exc)
+""")
+    import re
+
+    limit, message = out.split(" ", 1)
+    m = re.search(r"needs 2 fds \(one per segment\) and (\d+) are open, with 64 kept free for the sockets and "
+                  r"files that follow: (\d+) in all; the hard limit on open files is (\d+):", message)
+    assert m and int(m[2]) == int(m[1]) + 2 + 64 and int(m[3]) == int(limit) + 10, message

@@ -106,7 +106,8 @@ def _make_fd_room(count: int, what: str) -> None:
     need = in_use + count + 64  # headroom for sockets and files the caller opens next
     if soft != resource.RLIM_INFINITY and need > soft:
         if hard != resource.RLIM_INFINITY and need > hard:
-            raise ArenaError(f"{what} needs {count:,} fds (one per segment) and {in_use:,} are open; the hard limit "
-                             f"on open files is {hard:,}: raise it (ulimit -Hn) or use larger segments")
+            raise ArenaError(f"{what} needs {count:,} fds (one per segment) and {in_use:,} are open, with 64 kept free "
+                             f"for the sockets and files that follow: {need:,} in all; the hard limit on open files "
+                             f"is {hard:,}: raise it (ulimit -Hn) or use larger segments")
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     grow_fd_table(count + 64, highest=max(open_fds, default=2))
