@@ -238,7 +238,11 @@ def _read_and_hash_beside(path: Path) -> tuple[int, Callable[[], tuple[bytes, st
     # opened here: a missing file is raised in the caller's thread
     f = open_regular(path, max_bytes=MAX_TABLE_FILE_BYTES)
     nbytes = os.fstat(f.fileno()).st_size
-    return nbytes, run_beside(functools.partial(_read_and_hash, f), f"{path}: reading and hashing {nbytes:,} bytes")
+    try:
+        return nbytes, run_beside(functools.partial(_read_and_hash, f), f"{path}: reading and hashing {nbytes:,} bytes")
+    except BaseException:  # the thread that would have closed it never started
+        f.close()
+        raise
 
 
 def _read_and_hash(f) -> tuple[bytes, str]:

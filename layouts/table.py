@@ -219,7 +219,12 @@ def run_beside(work: Callable[[], T], what: str) -> Callable[[], T]:
             out.append(exc)
 
     thread = threading.Thread(target=run, name="flashboot-beside", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError as exc:  # "can't start new thread": Python's words name no limit
+        from flashboot.memory import thread_refused
+
+        raise thread_refused(what, exc) from None
 
     def result() -> T:
         thread.join(HASH_TIMEOUT_S)

@@ -426,3 +426,23 @@ except ArenaError as exc:
     m = re.search(r"needs 2 fds \(one per segment\) and (\d+) are open, with 64 kept free for the sockets and "
                   r"files that follow: (\d+) in all; the hard limit on open files is (\d+):", message)
     assert m and int(m[2]) == int(m[1]) + 2 + 64 and int(m[3]) == int(limit) + 10, message
+
+
+def test_reading_an_image_whose_hashing_thread_cannot_start_names_the_limits_and_closes_its_file(image, monkeypatch):
+    """Reading an image's metadata hashes it in a thread beside the table: a refused start was
+    Python's bare RuntimeError, and the metadata file it had opened for that thread stayed open."""
+    from flashboot.layouts import read_image
+
+    real_start = threading.Thread.start
+
+    def start(self):
+        if self.name == "flashboot-beside":
+            raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    before = _fds()
+    with pytest.raises(FlashBootError, match=r"metadata.json: reading and hashing [\d,]+ bytes: a thread could not be "
+                                             r"started \(can't start new thread\): this process may start no more"):
+        read_image(image, 0).close()
+    assert _fds() == before
