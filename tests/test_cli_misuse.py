@@ -273,3 +273,14 @@ def test_clone_writes_its_json_report_into_a_pipe(monkeypatch, capsys):
     assert rc == 0  # seek() on the pipe had raised io.UnsupportedOperation once the clone was done
     assert json.loads(text) == Report().to_dict()
     assert "chain #1 on cpu: 4,096 bytes" in capsys.readouterr().out
+
+
+def test_warm_refuses_a_bad_device_before_writing_any_bytecode(monkeypatch, capsys):
+    """`flashboot warm --device foo` wrote every module's bytecode (~0.5-0.9 s) and only then said
+    the device could not be parsed."""
+    import flashboot.bytecode
+
+    monkeypatch.setattr(flashboot.bytecode, "compile_bytecode", lambda: pytest.fail("bytecode written"))
+    assert main(["warm", "--device", "foo"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "cannot parse device 'foo'" in err

@@ -21,11 +21,13 @@ def main(args) -> int:
 
     from flashboot.bytecode import compile_bytecode
     from flashboot.kernels.warm import warm_checksum
+    from flashboot.memory import Device
 
+    device = Device.parse(args.device)  # a bad --device is refused before any work, not after the bytecode
     t0 = time.perf_counter()
     written = compile_bytecode()
     print(f"bytecode of {len(written)} modules written in {(time.perf_counter() - t0) * 1e3:.1f} ms")
 
-    for path, ms in warm_checksum(args.device).items():
+    for path, ms in warm_checksum(device).items():
         print(f"checksum ({path} path) compiled or loaded in {ms:.1f} ms")
     return 0
