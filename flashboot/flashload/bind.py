@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import LayoutError
+from ..errors import FlashBootError, LayoutError
 from ..memory import Device
 from .report import LoadedImage
 
@@ -75,9 +75,11 @@ def bind(module, loaded: LoadedImage, strict: bool = True, *, buffers: dict | No
     """
     import torch
 
+    _check_loaded(module, loaded)
     slots, current = _slots(module)
     views = loaded.tensors
     buffers = dict(buffers or {})
+    _check_buffers(module, buffers, slots, current)  # before anything is rebound: a refusal leaves the module as it was
     groups: dict[int, list[str]] = {}
     for name, t in current.items():
         groups.setdefault(id(t), []).append(name)
@@ -125,13 +127,47 @@ def bind(module, loaded: LoadedImage, strict: bool = True, *, buffers: dict | No
             (s.module._parameters if s.kind == "param" else s.module._buffers)[s.local] = value
         report.bound.append(names[0])
     for name, value in buffers.items():
-        s = slots.get(name)
-        if s is None or s.kind != "buffer":
-            raise LayoutError(f"buffers= names {name!r}, which is not a buffer of {type(module).__name__}")
+        s = slots[name]
         s.module._buffers[s.local] = value.to(str(loaded.device))
         report.recomputed.append(name)
     _recompute_buffers(module, slots, loaded.device, set(buffers), report, strict)
     return report
+
+
+def _check_loaded(module, loaded) -> None:
+    """FlashBootError unless ``loaded`` is an open :class:`LoadedImage`: a :func:`flashboot.prepare`
+    handle passed by mistake had failed on its ``tensors`` (None) with a bare TypeError, and a
+    closed image (no views left) was refused as if the module's every weight were missing from it."""
+    from .prepared import PreparedLoad
+
+    what = type(module).__name__
+    if not isinstance(loaded, LoadedImage):
+        hint = " (a flashboot.prepare() handle: bind what flashboot.load(..., prepared=handle) returns)" \
+            if isinstance(loaded, PreparedLoad) else ""
+        raise FlashBootError(f"bind takes the LoadedImage flashboot.load() returns, got {type(loaded).__name__}"
+                             f"{hint}; {what} was not changed")
+    if loaded.arena.closed:
+        raise FlashBootError(f"cannot bind {what} to {loaded!r}: it is closed (its arena and views are released); "
+                             "load the image again")
+
+
+def _check_buffers(module, buffers: dict, slots: dict[str, _Slot], current: dict) -> None:
+    """LayoutError naming the entry where ``buffers=`` names no buffer of ``module``, or gives
+    something other than a tensor of the buffer's shape (checked before anything is rebound)."""
+    import torch
+
+    what = type(module).__name__
+    for name, value in buffers.items():
+        s = slots.get(name)
+        if s is None or s.kind != "buffer":
+            raise LayoutError(f"buffers= names {name!r}, which is not a buffer of {what}; {what} was not changed")
+        if not isinstance(value, torch.Tensor):
+            raise LayoutError(f"buffers={{{name!r}: ...}} must be a torch.Tensor, got {type(value).__name__}; "
+                              f"{what} was not changed")
+        want = tuple(current[name].shape)
+        if tuple(value.shape) != want:
+            raise LayoutError(f"buffers={{{name!r}: ...}} has shape {list(value.shape)}, the buffer of {what} has "
+                              f"{list(want)}; {what} was not changed")
 
 
 def _recompute_buffers(module, slots: dict[str, _Slot], device: Device, given: set[str], report: BindReport,

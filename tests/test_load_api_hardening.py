@@ -1,0 +1,60 @@
+"""The load API as a hostile but realistic caller meets it (host backend): flashboot.load and
+prepare's arguments in their plausible wrong forms, bind's refusals, the report and the views
+after close."""
+
+import pytest
+import torch
+from flashboot.layouts.tiny import save_tiny_model, tiny_config
+
+import flashboot
+from flashboot.errors import FlashBootError, LayoutError
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """A tiny Qwen3-MoE (random weights) pre-packed at tp=1; nothing staged (loads stream)."""
+    root = tmp_path_factory.mktemp("api")
+    save_tiny_model("qwen3_moe", root / "hf", dtype=torch.bfloat16)
+    flashboot.prepack(str(root / "hf"), str(root / "image"), chunk_bytes=16384, progress=False)
+    return root / "image"
+
+
+def _meta_model():
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------- bind
+@pytest.mark.parametrize("value, refused", [
+    ({"nope": torch.zeros(8)}, "'nope', which is not a buffer"),
+    ({"model.rotary_emb.inv_freq": [1.0] * 8}, "must be a torch.Tensor, got list"),
+    ({"model.rotary_emb.inv_freq": torch.zeros(3)}, "has shape [3], the buffer of Qwen3MoeForCausalLM has [8]"),
+])
+def test_a_bad_buffers_entry_is_refused_before_any_parameter_is_rebound(qwen, value, refused):
+    model = _meta_model()
+    with flashboot.load(qwen, 0, "cpu") as loaded:
+        with pytest.raises(LayoutError) as e:
+            flashboot.bind(model, loaded, buffers=value)
+        assert refused in str(e.value) and "was not changed" in str(e.value)
+        # the module is as it was: every parameter still on the meta device (had all been rebound)
+        assert all(p.is_meta for p in model.parameters())
+        report = flashboot.bind(model, loaded)  # and binds once the caller drops the bad entry
+        assert not report.missing and len(report.bound) == len(list(model.parameters()))
+
+
+def test_bind_refuses_a_prepare_handle_and_a_closed_image_by_name(qwen):
+    model = _meta_model()
+    handle = flashboot.prepare(qwen, 0, "cpu")
+    try:
+        with pytest.raises(FlashBootError, match="got PreparedLoad .*flashboot.load\\(..., prepared=handle\\)"):
+            flashboot.bind(model, handle)  # had been a bare TypeError (its tensors are None)
+    finally:
+        handle.close()
+    loaded = flashboot.load(qwen, 0, "cpu")
+    loaded.close()
+    for strict in (True, False):  # had been "25 missing from the image", or nothing bound without a word
+        with pytest.raises(FlashBootError, match="is closed"):
+            flashboot.bind(model, loaded, strict=strict)
+    assert all(p.is_meta for p in model.parameters())
