@@ -41,3 +41,69 @@ def test_a_served_load_from_a_stopped_daemon_ends_past_its_timeout_naming_the_da
         with Arena.create(src.nbytes, "cpu") as arena:
             client.served_load(arena, src, timeout_s=10, shm_dir=shm)
             assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+
+
+def test_a_clone_whose_seed_stops_mid_clone_keeps_its_verified_weights_and_the_next_clone_works(tmp_path, monkeypatch):
+    """The seed hosting the store is stopped (SIGSTOP) as the clone copies its first step. The
+    copy goes on (the seed's arena is mapped here) but every store call after it went to a store
+    that never answers: the clone hung forever in its first one (only seeds and cross-host
+    transports bounded them), and once bounded, the first unanswered call failed a clone that
+    held every verified byte. Now it keeps them, the warning naming the store; the seed resumed,
+    the next clone copies from it, and the stuck store call's thread ends."""
+    import threading
+
+    import flashboot
+    from flashboot.flashclone import cloning
+    from flashboot.flashclone.rendezvous import free_port
+
+    from _clone_helpers import CHUNK, MiB, TOKEN, spawn_cli, stop, wait_until, write_raw_image
+
+    monkeypatch.setenv("FLASHBOOT_TOKEN", TOKEN)
+    before = set(threading.enumerate())  # other tests' stores may have left theirs
+    path = tmp_path / "image.bin"
+    data = write_raw_image(path, 4 * MiB, 7)
+    address = f"127.0.0.1:{free_port()}"
+    seed = spawn_cli("seed", path, "--device", "cpu", "--store", address, "--timeout", "15")
+    try:
+        wait_until(lambda: "seed ready" in (seed.stdout.readline() or ""), 30, "the seed to publish", seed)
+        stopped = []
+
+        def stop_the_seed(_step):
+            if not stopped:
+                os.kill(seed.pid, signal.SIGSTOP)
+                stopped.append(seed.pid)
+
+        monkeypatch.setattr(cloning, "_step_hook", lambda _delay: stop_the_seed)
+        out = {}
+
+        def run():
+            try:
+                out["result"] = flashboot.clone(address, "cpu", "star", chunk_bytes=CHUNK, timeout_s=2, verify=True)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                out["error"] = exc
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "the clone hung on the stopped seed's store"
+        assert stopped and "error" not in out, out.get("error")
+        result = out["result"]
+        try:
+            assert result.report.verified
+            assert (result.arena.bytes().numpy()[:data.size] == data).all()
+            assert any(f"the store at {address} did not answer within 2 s" in w and "kept the weights" in w
+                       for w in result.report.warnings), result.report.warnings
+        finally:
+            result.close()
+        os.kill(seed.pid, signal.SIGCONT)
+        monkeypatch.setattr(cloning, "_step_hook", lambda _delay: None)
+        again = flashboot.clone(address, "cpu", "star", chunk_bytes=CHUNK, timeout_s=10, verify=True)
+        try:
+            assert not again.report.warnings, again.report.warnings
+            assert (again.arena.bytes().numpy()[:data.size] == data).all()
+        finally:
+            again.close()
+        wait_until(lambda: not [th for th in set(threading.enumerate()) - before if th.name == "flashboot-store-calls"],
+                   20, "the store-call threads to end")
+    finally:
+        stop(seed)

@@ -422,6 +422,8 @@ class Holder:
 
     def __init__(self, registry=None, store=None, *, poll_s: float = 0.01, **store_options):
         self.kv = _kv(registry, store, host=True, **store_options) if store is not None else _kv(registry)
+        if store is not None:  # a store silent a while (stopped, a link down) is waited out, every arena kept:
+            self.kv.rdv.bounded = False  # bounded, its first unanswered call would end this holder and drop them all
         try:
             self.kv.lock_for_holder()
         except BaseException:

@@ -41,6 +41,13 @@ DEFAULT_TIMEOUT_S = 60.0
 KEY_PREFIX = "flashboot/v1"
 
 
+class StoreSilentError(StoreLostError, WaitTimeoutError):
+    """A bounded store call went unanswered for the connection's timeout: a wait that ran out,
+    and a store lost from then on (later calls fail at once), so what a lost store is forgiven
+    (a clone that holds every byte keeps them) a silent one is too: a clone had copied and
+    verified every byte from a seed stopped mid-clone, then failed on announcing itself."""
+
+
 # ============================================================================================
 # Addresses
 # ============================================================================================
@@ -238,9 +245,12 @@ class Rendezvous:
         self.is_server = is_server
         self.timeout_s = float(timeout_s)
         self._closed = False
-        self.bounded = False
-        """Bound every store call by ``timeout_s`` (a TCPStore call blocks forever when the link to
-        the store goes down mid-call): set by transports that run across hosts."""
+        self.bounded = not is_server
+        """Bound every store call by ``timeout_s``: a TCPStore call blocks forever when the store
+        stops answering without closing (the link down mid-call, or, on one host too, its process
+        stopped: a SIGSTOP, a frozen cgroup, a seed hosting it paused), and every local clone and
+        store holder had hung with it. Off where this process hosts the store (it cannot freeze
+        without the caller); ~20 us a call."""
         self._broken: str | None = None
         self._calls = None
         self._calls_thread: threading.Thread | None = None
@@ -355,8 +365,8 @@ class Rendezvous:
         self._calls.put((fn, args, box, done))
         if not done.wait(self.timeout_s):
             self._broken = f"{what}: no answer within {self.timeout_s:g} s"
-            raise WaitTimeoutError(f"the store at {self.address} did not answer within {self.timeout_s:g} s while "
-                                   f"{what} (is the link to it down?)")
+            raise StoreSilentError(f"the store at {self.address} did not answer within {self.timeout_s:g} s while "
+                                   f"{what} (is the link to it down, or its process stopped?)")
         if "error" in box:
             raise box["error"]
         return box["value"]
@@ -460,9 +470,9 @@ class Rendezvous:
         """Drop the connection (a hosting process stops serving when its last reference goes)."""
         self._closed = True
         thread = self._calls_thread
-        if self._calls is not None and self._broken is None:
-            self._calls.put((None, (), {}, None))  # the store thread ends (a stuck one stays, a daemon)
-            if thread is not threading.current_thread():
+        if self._calls is not None:
+            self._calls.put((None, (), {}, None))  # the store thread ends (a stuck one once its call returns)
+            if self._broken is None and thread is not threading.current_thread():
                 # briefly, so the connection it holds is gone when close() returns (a soak counted its fds)
                 thread.join(CALLS_JOIN_S)
         self._calls, self._calls_thread = None, None
@@ -479,4 +489,4 @@ class Rendezvous:
         return f"Rendezvous({role} {self.address}, namespace {self.namespace!r})"
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Rendezvous", "StoreLostError", "free_port", "parse_address"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Rendezvous", "StoreLostError", "StoreSilentError", "free_port", "parse_address"]
