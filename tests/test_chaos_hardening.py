@@ -107,3 +107,34 @@ def test_a_clone_whose_seed_stops_mid_clone_keeps_its_verified_weights_and_the_n
                    20, "the store-call threads to end")
     finally:
         stop(seed)
+
+
+def test_a_clone_after_one_that_failed_does_not_call_it_finished(tmp_path, monkeypatch):
+    """Clone #1 of a chain of two gives up at the start barrier (#2 was stopped before it came) and
+    exits; #2, resumed, copies from the seed past it. Its report had said "clone #1 had finished
+    and exited", pointing whoever reads it away from the failure."""
+    import flashboot
+    from flashboot.errors import WaitTimeoutError as Timeout
+    from flashboot.flashclone.rendezvous import Rendezvous, free_port
+
+    from _clone_helpers import CHUNK, MiB, TOKEN, spawn_cli, stop, wait_until, write_raw_image
+
+    monkeypatch.setenv("FLASHBOOT_TOKEN", TOKEN)
+    path = tmp_path / "image.bin"
+    data = write_raw_image(path, 2 * MiB, 9)
+    address = f"127.0.0.1:{free_port()}"
+    rdv = Rendezvous.connect(address, TOKEN, host=True, timeout_s=20)
+    seed = spawn_cli("seed", path, "--device", "cpu", "--store", address, "--timeout", "15")
+    try:
+        wait_until(lambda: rdv.try_read("seed"), 30, "the seed to publish", seed)
+        with pytest.raises(Timeout, match="start barrier"):
+            flashboot.clone(address, "cpu", "chain", chunk_bytes=CHUNK, clones=2, timeout_s=1)
+        late = flashboot.clone(address, "cpu", "chain", chunk_bytes=CHUNK, clones=2, timeout_s=10, verify=True)
+        try:
+            assert (late.arena.bytes().numpy()[:data.size] == data).all()
+            assert late.report.source_note == "clone #1 had failed and exited", late.report.source_note
+        finally:
+            late.close()
+    finally:
+        stop(seed)
+        rdv.close()

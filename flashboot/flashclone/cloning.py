@@ -206,11 +206,10 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     sources = _Sources(session, dev, gen, schedule, manifest, seed_desc, int(seed_rec.body["pid"]), chosen, timeout_s,
                        rank, held=held_sources, chunk_bytes=plan.chunk_bytes)
     my_steps, departed = _skip_departed(plan, list(plan.steps_into(position)), sources)
-    if departed:
-        lo, hi = min(departed), max(departed)
-        names = f"clone #{lo}" if lo == hi else f"clones #{lo}..#{hi}" if len(departed) == hi - lo + 1 else \
-            "clones " + ", ".join(f"#{p}" for p in sorted(departed))
-        report.source_note = f"{names} had finished and exited"
+    if departed:  # a clone that failed (its barrier ran out, say) leaves too: not "finished"
+        failed = {p for p in departed if _failed_status(rdv, _gkey(gen, schedule, "status", p))}
+        report.source_note = ", ".join(f"{_clone_names(ps)} had {how} and exited"
+                                       for ps, how in ((departed - failed, "finished"), (failed, "failed")) if ps)
     upstream = {s.src for s in my_steps}
     dead: set[int] = set()
     tx = time.perf_counter()
@@ -371,6 +370,24 @@ def _map_ahead(session: _Session, steps: list[Step], sources: _Sources, report: 
     report.map_ahead_ms = (time.perf_counter() - t0) * 1e3
     report.segments_mapped_ahead = sum(a.map_stats["segments"] - before[k] for k, a in arenas.items()
                                        if not a.closed)
+
+
+def _clone_names(positions: set[int]) -> str:
+    """``clone #3``, ``clones #1..#3`` or ``clones #1, #3``."""
+    lo, hi = min(positions), max(positions)
+    return f"clone #{lo}" if lo == hi else f"clones #{lo}..#{hi}" if len(positions) == hi - lo + 1 else \
+        "clones " + ", ".join(f"#{p}" for p in sorted(positions))
+
+
+def _failed_status(rdv: Rendezvous, status_key: str) -> bool:
+    """Whether the clone of ``status_key`` said it failed (a status unreadable here: not known to)."""
+    try:
+        status = rdv.try_read(status_key)
+    except StoreLostError:
+        raise
+    except RendezvousError:
+        return False
+    return status is not None and status.body.get("state") == "failed"
 
 
 def _skip_departed(plan: Plan, steps: list[Step], sources: _Sources) -> tuple[list[Step], set[int]]:
