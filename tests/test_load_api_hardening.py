@@ -58,3 +58,31 @@ def test_bind_refuses_a_prepare_handle_and_a_closed_image_by_name(qwen):
         with pytest.raises(FlashBootError, match="is closed"):
             flashboot.bind(model, loaded, strict=strict)
     assert all(p.is_meta for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------- load's arguments
+def test_the_image_directory_may_be_bytes_and_anything_else_that_is_no_path_is_refused_by_name(qwen):
+    with flashboot.load(bytes(qwen), 0, "cpu") as loaded:  # as os functions take it (was a bare TypeError)
+        assert loaded.nbytes > 0 and len(loaded.tensors) == loaded.report.tensors
+    for bad in (None, 3):
+        with pytest.raises(FlashBootError, match=f"must be a path .*got {type(bad).__name__}"):
+            flashboot.load(bad, 0, "cpu")
+
+
+@pytest.mark.parametrize("option, refused", [
+    ({"tp": "1"}, "tp must be None or an int >= 1, got '1'"),  # had been "packed for tp=1, requested tp=1"
+    ({"tp": True}, "tp must be None or an int >= 1, got True"),  # had been taken for tp=1
+    ({"ep": 0}, "ep must be None or an int >= 1, got 0"),
+    ({"ep": 1.0}, "ep must be None or an int >= 1, got 1.0"),
+    ({"expected_key": "qwen3"}, "expected_key must be None, an ImageKey or a mapping of its fields, got str"),
+])
+def test_tp_ep_and_expected_key_of_the_wrong_type_are_refused_by_name(qwen, option, refused):
+    with pytest.raises(FlashBootError) as e:
+        flashboot.load(qwen, 0, "cpu", **option)
+    assert refused in str(e.value)
+
+
+def test_counts_numpy_computed_are_taken_as_the_ints_they_hold(qwen):
+    np = pytest.importorskip("numpy")
+    with flashboot.load(qwen, np.arange(1)[0], "cpu", tp=np.int32(1), ep=np.int64(1)) as loaded:
+        assert loaded.report.rank == 0 and type(loaded.report.rank) is int  # JSON-dumpable

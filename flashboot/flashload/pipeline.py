@@ -30,7 +30,7 @@ from .prepared import PreparedLoad, load_prepared
 from .report import LoadedImage, LoadReport
 from .sources import source_for_mode
 from .stream import StreamConfig
-from .want import LoadRequest, Want, load_request
+from .want import LoadRequest, Want, image_path, load_request
 
 
 # ===================================================================================== load
@@ -73,6 +73,7 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     """
     import torch  # noqa: F401  (an engine has it loaded; its import is not part of a load)
 
+    image_dir = image_path(image_dir)
     if holder is not None:
         from .restart import load_or_restore
 
@@ -99,7 +100,7 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
             source, why = source_for_mode("staged"), "staged= was given"
         else:
             request.stream_config = StreamConfig.of(stream_buffer_bytes)  # refused whether or not it streams
-            source, why, _ = choose(Want(image_dir, rank, rank_source, shm_dir=shm_dir, stream=stream))
+            source, why, _ = choose(Want(image_dir, request.rank, rank_source, shm_dir=shm_dir, stream=stream))
         loaded = source.load(request, rank_source, report, why)
     if "verified" not in loaded.report.details:
         loaded.report.details["verify_skipped"] = prepared.verify_skipped if request.verify is None else \

@@ -4,12 +4,49 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FlashBootError, LayoutError
 from ..memory import Device
 from ..units import check_timeout
+
+
+def image_path(image_dir) -> str:
+    """``image_dir`` (a str, a path-like or bytes, as ``os`` functions take it) as a str;
+    FlashBootError naming the type for anything else (None, an int: had been a bare TypeError
+    from deep inside the metadata read)."""
+    try:
+        return os.fsdecode(os.fspath(image_dir))
+    except TypeError:
+        raise FlashBootError(f"the image directory must be a path (str, os.PathLike or bytes), got "
+                             f"{type(image_dir).__name__} {image_dir!r}") from None
+
+
+def count_of(value, name: str, minimum: int, error: type = FlashBootError, *, optional: bool = True) -> int | None:
+    """``value`` as an int >= ``minimum`` (None stays None where ``optional``); a count numpy computed
+    (``np.int64``) is the int it holds. ``error`` (naming ``name`` and the value) for a bool, a
+    float, a str or anything smaller: ``tp="2"`` had been refused as "packed for tp=2, requested
+    tp=2", ``tp=True`` taken for 1, and a rank from ``np.arange`` refused as no int."""
+    import numbers
+
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        what = ("None or " if optional else "") + ("a non-negative int" if minimum == 0 else f"an int >= {minimum}")
+        raise error(f"{name} must be {what}, got {value!r}")
+    return int(value)
+
+
+def check_expected_key(expected_key) -> None:
+    """FlashBootError unless ``expected_key`` is None, an :class:`~flashboot.layouts.format.ImageKey`
+    or a mapping of its fields (a string had failed with a bare ValueError, after a served load's copy)."""
+    from flashboot.layouts.format import ImageKey
+
+    if expected_key is not None and not isinstance(expected_key, (ImageKey, Mapping)):
+        raise FlashBootError(f"expected_key must be None, an ImageKey or a mapping of its fields, got "
+                             f"{type(expected_key).__name__} {expected_key!r}")
 
 
 def check_staged(staged, image_dir, rank: int) -> None:
@@ -103,11 +140,12 @@ def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, s
         verify, why_not = bool(verify), "verify=False"
     elif prepared is None:  # a prepared handle chose when it knew its source: the load takes its choice
         verify, why_not = verify_default(dev, by_daemon=served)
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-        raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
+    rank = count_of(rank, "rank", 0, LayoutError, optional=False)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise FlashBootError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
     check_timeout(timeout_s, "load timeout_s")
+    tp, ep = count_of(tp, "tp", 1), count_of(ep, "ep", 1)
+    check_expected_key(expected_key)
     if served and staged is not None:
         raise FlashBootError("served=True and staged= exclude each other: the daemon holds the pinned image")
     if stream and (served or staged is not None):
@@ -139,5 +177,5 @@ class Want:
     daemon: Any = None
 
 
-__all__ = ["VERIFY_BY_DEFAULT_ON_HOST", "LoadRequest", "Want", "check_job_request", "check_staged", "load_request",
-           "verify_default"]
+__all__ = ["VERIFY_BY_DEFAULT_ON_HOST", "LoadRequest", "Want", "check_expected_key", "check_job_request",
+           "check_staged", "count_of", "image_path", "load_request", "verify_default"]
