@@ -138,3 +138,42 @@ def test_a_clone_after_one_that_failed_does_not_call_it_finished(tmp_path, monke
     finally:
         stop(seed)
         rdv.close()
+
+
+def test_a_holder_started_after_one_was_killed_drops_its_stale_records_and_holds_anew(tmp_path):
+    """A holder killed (SIGKILL) after adopting an arena leaves its record; the next holder of the
+    registry removes it (it had stayed, listed by every ``hold --list``, until removed by hand),
+    says so, and a hand-over of the same name is then held and opened with the right bytes."""
+    import numpy as np
+
+    from flashboot.flashclone.holder import Holder, hand_over, list_held, open_held
+
+    from _clone_helpers import serving_holder, spawn_cli, stop, wait_until
+
+    registry = tmp_path / "registry"
+    first = spawn_cli("hold", "--registry", registry)
+    try:
+        wait_until(lambda: (registry / "holder.lock").exists(), 30, "the first holder", first)
+        with Arena.create(1 << 20, "cpu") as arena:
+            arena.bytes().numpy()[:1 << 20] = 1
+            hand_over(arena, "w", registry=registry, timeout_s=20)
+        first.kill()
+        first.communicate()
+        assert "holder_pid" in list_held(registry)["w"]
+        holder = Holder(registry=registry)
+        assert list_held(registry) == {}
+        assert any(f"w: removed the stale record of a holder before this one (its holder (pid {first.pid}) has exited"
+                   in e for e in holder.errors), list(holder.errors)
+        with serving_holder(holder):
+            with Arena.create(1 << 20, "cpu") as arena:
+                want = np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8)
+                arena.bytes().numpy()[:1 << 20] = want
+                hand_over(arena, "w", registry=registry, timeout_s=20)
+            again = open_held("w", "cpu", registry=registry)
+            try:
+                assert (again.bytes().numpy()[:1 << 20] == want).all()
+            finally:
+                again.close()
+        assert list_held(registry) == {}  # the holder stopped: its records withdrawn
+    finally:
+        stop(first)

@@ -440,6 +440,24 @@ class Holder:
         """The newest :data:`MAX_ERRORS` problems (``errors.dropped``: how many older ones went)."""
         self.errors += self.kv.drain_problems()  # a holder before this one, taken as gone
         self._stop = threading.Event()
+        if isinstance(self.kv, _DirKV):
+            self._drop_stale_records()
+
+    def _drop_stale_records(self) -> None:
+        """Remove the records of arenas a holder before this one kept (killed: SIGKILL, the OOM
+        killer). This holder has the registry's lock, so no other writes there, and their memory
+        went with that holder: they had stayed, listed by every ``hold --list`` after, until
+        someone removed them by hand. Each one removed is noted in ``errors``."""
+        for name in self.kv.names("held"):
+            try:
+                record = self.kv.get("held", name)
+                gone = holder_gone(record) if record and "descriptor" in record else None
+                if gone is not None:
+                    self.kv.delete("held", name)
+                    self.errors.append(f"{name}: removed the stale record of a holder before this one ({gone}; "
+                                       "its memory went with it)")
+            except FlashBootError as exc:  # one bad file must not stop the holder
+                self.errors.append(f"{name}: stale record not checked: {exc}")
 
     def adopt(self, name: str, descriptor, request: str = "", image: dict | None = None) -> HeldArena:
         """Take the arena ``descriptor`` names into this process and publish it under ``name``
