@@ -133,6 +133,10 @@ def test_config_validates_itself(monkeypatch):
     monkeypatch.setenv(stream.BUFFER_ENV, "lots")
     with pytest.raises(FlashBootError, match="FLASHBOOT_STREAM_BUFFER_BYTES must be a number"):
         StreamConfig()
+    monkeypatch.setenv(stream.BUFFER_ENV, "4096")  # a number, too small: the message names where it came from
+    with pytest.raises(FlashBootError, match="^\\$FLASHBOOT_STREAM_BUFFER_BYTES \\(the stream's buffer_bytes\\) "
+                                             "must be an int >= 8,192, got 4096"):
+        StreamConfig()
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -3, "30", True, 1e7])

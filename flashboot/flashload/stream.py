@@ -101,15 +101,18 @@ class StreamConfig:
     probe_window_bytes: int = PROBE_WINDOW_BYTES
 
     def __post_init__(self):
+        source = "stream buffer_bytes"
         if self.buffer_bytes is None:
             env = os.environ.get(BUFFER_ENV)
             try:
                 self.buffer_bytes = int(env) if env else DEFAULT_BUFFER_BYTES
             except ValueError:
                 raise FlashBootError(f"${BUFFER_ENV} must be a number of bytes, got {env!r}") from None
+            if env:  # a caller who passed nothing is told where the bad size came from
+                source = f"${BUFFER_ENV} (the stream's buffer_bytes)"
         b = self.buffer_bytes
         if isinstance(b, bool) or not isinstance(b, int) or b < MIN_BUFFER_BYTES:
-            raise FlashBootError(f"stream buffer_bytes must be an int >= {MIN_BUFFER_BYTES:,}, got {b!r}")
+            raise FlashBootError(f"{source} must be an int >= {MIN_BUFFER_BYTES:,}, got {b!r}")
         ring = self.ring_bytes
         if self.slot_bytes is None:
             self.slot_bytes = max(ALIGNMENT, min(SLOT_BYTES, ring // MIN_SLOTS) // ALIGNMENT * ALIGNMENT)
