@@ -177,3 +177,31 @@ def test_a_holder_started_after_one_was_killed_drops_its_stale_records_and_holds
         assert list_held(registry) == {}  # the holder stopped: its records withdrawn
     finally:
         stop(first)
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_hand_over_to_a_killed_or_stopped_holder_names_it(tmp_path, how):
+    """The registry's holder killed (SIGKILL) or stopped (SIGSTOP) before an engine hands its arena
+    over: the hand-over's wait ends at its timeout, naming the holder's pid and what became of it
+    (it had asked whether `flashboot hold` ran at all)."""
+    from flashboot.flashclone.holder import hand_over
+
+    from _clone_helpers import spawn_cli, stop, wait_until
+
+    registry = tmp_path / "registry"
+    holder = spawn_cli("hold", "--registry", registry)
+    try:
+        wait_until(lambda: "holder ready" in (holder.stdout.readline() or ""), 30, "the holder", holder)
+        if how == "killed":
+            holder.kill()
+            holder.communicate()
+        else:
+            os.kill(holder.pid, signal.SIGSTOP)
+            wait_until(lambda: open(f"/proc/{holder.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T", 10,
+                       "the holder to stop")
+        with Arena.create(1 << 20, "cpu") as arena, pytest.raises(WaitTimeoutError) as e:
+            hand_over(arena, "w", registry=registry, timeout_s=1)
+        want = f"its holder (pid {holder.pid}) has exited" if how == "killed" else f"its holder (pid {holder.pid}) is stopped"
+        assert want in str(e.value), str(e.value)
+    finally:
+        stop(holder)

@@ -631,11 +631,32 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
             if time.monotonic() > deadline:
                 kv.delete("requests", name)
                 raise WaitTimeoutError(f"no holder adopted {name!r} within {timeout_s:g} s ({kv.where()}); "
-                                       "is `flashboot hold` running there?")
+                                       + (_holder_fate(kv) or "is `flashboot hold` running there?"))
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
     finally:
         kv.close()
+
+
+def _holder_fate(kv) -> str:
+    """What became of a registry's holder, for a wait that ran out (its lock file names its pid):
+    exited (killed: the engine had been asked whether one runs at all), stopped, or '' (running,
+    or not known: a store's)."""
+    if not isinstance(kv, _DirKV):
+        return ""
+    pid = lock_signer(kv.path / kv.LOCK)
+    if not pid.isdigit():
+        return ""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        state = "X"
+    if state in ("X", "Z"):
+        return f"its holder (pid {pid}) has exited: start `flashboot hold --registry {kv.path}` again"
+    if state in ("T", "t"):
+        return f"its holder (pid {pid}) is stopped (process state {state}): resume it (kill -CONT) or restart it"
+    return ""
 
 
 def holder_gone(record: dict) -> str | None:
@@ -732,7 +753,9 @@ def release(name: str, *, registry=None, store=None, timeout_s: float = DEFAULT_
         deadline = time.monotonic() + timeout_s
         while kv.get("held", name) is not None:
             if time.monotonic() > deadline:
-                raise WaitTimeoutError(f"the holder did not release {name!r} within {timeout_s:g} s ({kv.where()})")
+                fate = _holder_fate(kv)
+                raise WaitTimeoutError(f"the holder did not release {name!r} within {timeout_s:g} s ({kv.where()})"
+                                       + (f"; {fate}" if fate else ""))
             time.sleep(0.01)
     finally:
         kv.close()
