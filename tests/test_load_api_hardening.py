@@ -8,6 +8,7 @@ from flashboot.layouts.tiny import save_tiny_model, tiny_config
 
 import flashboot
 from flashboot.errors import FlashBootError, LayoutError
+from flashboot.flashload import staging
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +87,29 @@ def test_counts_numpy_computed_are_taken_as_the_ints_they_hold(qwen):
     np = pytest.importorskip("numpy")
     with flashboot.load(qwen, np.arange(1)[0], "cpu", tp=np.int32(1), ep=np.int64(1)) as loaded:
         assert loaded.report.rank == 0 and type(loaded.report.rank) is int  # JSON-dumpable
+
+
+@pytest.mark.parametrize("never", ["served", "staged", "stream=False"])
+def test_a_ring_size_for_a_load_that_never_streams_is_refused_not_ignored(qwen, tmp_path, never):
+    staged = None
+    if never == "staged":
+        staging.stage_rank(qwen, 0, shm_dir=tmp_path / "shm")
+        staged = flashboot.stage(qwen, 0, "cpu", shm_dir=tmp_path / "shm")
+    options, said = {"served": ({"served": True}, "served=True"), "staged": ({"staged": staged}, "staged="),
+                     "stream=False": ({"stream": False}, "stream=False")}[never]
+    try:
+        with pytest.raises(FlashBootError, match=f"sizes a streamed load's ring; a {said} load never streams"):
+            flashboot.load(qwen, 0, "cpu", timeout_s=1, stream_buffer_bytes=1 << 20, **options)
+    finally:
+        if staged is not None:
+            staged.close()
+
+
+def test_a_staged_load_refuses_another_staging_root_than_its_stage(qwen, tmp_path):
+    staging.stage_rank(qwen, 0, shm_dir=tmp_path / "shm")
+    with flashboot.stage(qwen, 0, "cpu", shm_dir=tmp_path / "shm") as staged:
+        with pytest.raises(FlashBootError, match=f"shm_dir='{tmp_path}/elsewhere' differs from the staging root "
+                                                 f"flashboot.stage\\(\\) used \\({tmp_path}/shm\\)"):
+            flashboot.load(qwen, 0, "cpu", staged=staged, shm_dir=tmp_path / "elsewhere")
+        with flashboot.load(qwen, 0, "cpu", staged=staged, shm_dir=f"{tmp_path}/shm/") as loaded:  # the same root
+            assert loaded.report.mode.startswith("host")

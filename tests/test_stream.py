@@ -175,7 +175,7 @@ def test_options_a_prepared_load_would_ignore_are_refused(image, shm):
             assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
     finally:
         handle.close()
-    with pytest.raises(FlashBootError, match="unknown stream options"):  # served: refused up front, not after a wait
+    with pytest.raises(FlashBootError, match="a served=True load never streams"):  # refused up front, not after a wait
         flashboot.load(image, 0, "cpu", shm_dir=shm, served=True, timeout_s=1, stream_buffer_bytes={"bad": 1})
 
 

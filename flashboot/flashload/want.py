@@ -151,6 +151,17 @@ def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, s
     if stream and (served or staged is not None):
         raise FlashBootError("stream=True excludes served=True and staged=: a streamed load reads the image from disk")
     check_staged(staged, image_dir, rank)
+    if stream_buffer_bytes is not None and (served or staged is not None or stream is False):
+        # a load that never streams has no ring: the size had been taken and ignored (as the CLI refuses it)
+        never = "served=True" if served else "staged=" if staged is not None else "stream=False"
+        raise FlashBootError(f"stream_buffer_bytes sizes a streamed load's ring; a {never} load never streams")
+    if staged is not None and shm_dir is not None:
+        from .shm import shm_root
+
+        if os.path.realpath(shm_root(shm_dir)) != os.path.realpath(shm_root(staged.shm_dir)):
+            raise FlashBootError(f"shm_dir={os.fspath(shm_dir)!r} differs from the staging root flashboot.stage() "
+                                 f"used ({shm_root(staged.shm_dir)}), whose staged copy the load takes; pass it to "
+                                 "stage()")
     if prepared is not None:
         if not isinstance(prepared, prepared_class):
             raise FlashBootError(f"prepared must come from flashboot.prepare(), got {type(prepared).__name__}")
