@@ -205,3 +205,38 @@ def test_a_hand_over_to_a_killed_or_stopped_holder_names_it(tmp_path, how):
         assert want in str(e.value), str(e.value)
     finally:
         stop(holder)
+
+
+
+def test_the_status_of_a_stopped_daemon_names_it_stopped(image, tmp_path):
+    """A served-load daemon stopped (SIGSTOP, a frozen job): its status ask (``preload --status``,
+    a load's check of it) waited the whole 10 s and said it "did not answer 'status' for rank
+    None". A running daemon answers it at once: a stopped one is named as such."""
+    from flashboot.errors import FlashBootError
+
+    with daemon_process_of(image, tmp_path) as (proc, shm, _log):
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(FlashBootError) as e:
+                client.serve_status(image, shm, timeout_s=10)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert f"(pid {proc.pid}) is stopped" in str(e.value) and "rank None" not in str(e.value), str(e.value)
+        assert client.serve_status(image, shm, timeout_s=10)["pid"] == proc.pid
+
+
+def test_preload_stop_ends_a_stopped_daemon(image, tmp_path):
+    """``preload --stop`` of a stopped daemon (SIGSTOP, a frozen job) sent SIGTERM, which a stopped
+    process never takes, waited out its timeout and failed, the daemon still stopped with its
+    memory. A SIGCONT follows the SIGTERM (as systemd does): it ends, leaving no pid file or socket."""
+    from flashboot.flashload.service import stop_service
+
+    with daemon_process_of(image, tmp_path) as (proc, shm, _log):
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            assert stop_service(image, shm, timeout_s=20) == f"stopped preloader pid {proc.pid}"
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+        assert proc.wait(10) is not None
+        assert not shm_files.pid_file(image, shm).exists() and not shm_files.socket_path(image, shm).exists()

@@ -101,9 +101,11 @@ def _check_daemon(sock: socket.socket, path: Path) -> None:
 
 
 def _request(path: Path, req: dict, *, connect_timeout_s: float, reply_timeout_s: float) -> dict:
+    what = f"{req.get('op')!r}" + (f" for rank {req['rank']}" if "rank" in req else "")
     with _connect(path, connect_timeout_s) as s:
         s.sendall(json.dumps(req).encode())
-        return _read_reply(s, path, f"{req.get('op')!r} for rank {req.get('rank')}", reply_timeout_s)
+        # a running daemon answers these at once: a stopped one is named as such, not waited for
+        return _read_reply(s, path, what, reply_timeout_s, stopped_after=time.monotonic())
 
 
 def _read_reply(sock: socket.socket, path: Path, what: str, timeout_s: float, *,
