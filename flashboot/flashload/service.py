@@ -276,6 +276,9 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
     start = _proc_start_time(pid)
     try:
         os.kill(pid, signal.SIGTERM)
+        # as systemd does: a stopped preloader (SIGSTOP, a frozen job) runs to take it, where
+        # --stop had waited out its timeout and failed, the daemon stopped still, its memory kept
+        os.kill(pid, signal.SIGCONT)
     except PermissionError:
         raise FlashBootError(f"not permitted to stop preloader pid {pid} (pid file {status.path}): another user's") from None
     except ProcessLookupError:
