@@ -240,3 +240,20 @@ def test_preload_stop_ends_a_stopped_daemon(image, tmp_path):
                 os.kill(proc.pid, signal.SIGCONT)
         assert proc.wait(10) is not None
         assert not shm_files.pid_file(image, shm).exists() and not shm_files.socket_path(image, shm).exists()
+
+
+def test_a_served_load_after_the_daemon_was_killed_names_it(image, tmp_path):
+    """The daemon killed (SIGKILL) leaves its socket and pid file: a served load waits its timeout
+    for a daemon to listen again (one may be restarting), then says that the one named in the pid
+    file has exited (it had asked whether one ran at all). A daemon started again serves the next."""
+    src = shm_files.rank_source(image, 0)
+    with daemon_process_of(image, tmp_path) as (proc, shm, _log):
+        proc.kill()
+        proc.wait()
+        with Arena.create(src.nbytes, "cpu") as arena, pytest.raises(WaitTimeoutError) as e:
+            client.served_load(arena, src, timeout_s=1, shm_dir=shm)
+        assert f"its preloader (pid {proc.pid}) has exited" in str(e.value), str(e.value)
+    with daemon_process_of(image, tmp_path) as (proc, shm, _log):  # on the same staging root
+        with Arena.create(src.nbytes, "cpu") as arena:
+            client.served_load(arena, src, timeout_s=10, shm_dir=shm)
+            assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()

@@ -75,9 +75,21 @@ def _connect(path: Path, timeout_s: float) -> socket.socket:
             why = f"{blocker} is not a directory" if blocker is not None else exc.strerror
             raise RendezvousError(f"cannot connect to the preloader's socket {path}: {why}") from None
         if time.monotonic() >= deadline:
-            raise WaitTimeoutError(f"waited {timeout_s:g} s for the preloader's socket {path} ({last}); is "
-                                   "`flashboot preload DIR --serve` running?")
+            raise WaitTimeoutError(f"waited {timeout_s:g} s for the preloader's socket {path} ({last}); "
+                                   + (_dead_daemon(path) or "is `flashboot preload DIR --serve` running?"))
         time.sleep(_POLL_S)
+
+
+def _dead_daemon(sock: Path) -> str:
+    """Where the pid file beside ``sock`` names a preloader that is gone (killed: a clean stop
+    removes it), that it has exited; '' otherwise."""
+    from .shm import _read_pid_file
+
+    d = _read_pid_file(sock.parent / "preload.pid")
+    if not d or d["pid"] <= 0 or _running_pid(sock.parent / "preload.pid"):
+        return ""
+    return (f"its preloader (pid {d['pid']}) has exited without stopping (killed?): start `flashboot preload DIR "
+            "--serve` again")
 
 
 PRELOADER_UID_ENV = "FLASHBOOT_PRELOADER_UID"
