@@ -113,3 +113,20 @@ def test_a_staged_load_refuses_another_staging_root_than_its_stage(qwen, tmp_pat
             flashboot.load(qwen, 0, "cpu", staged=staged, shm_dir=tmp_path / "elsewhere")
         with flashboot.load(qwen, 0, "cpu", staged=staged, shm_dir=f"{tmp_path}/shm/") as loaded:  # the same root
             assert loaded.report.mode.startswith("host")
+
+
+# --------------------------------------------------------------------------------- the report
+def test_a_report_without_a_copy_dumps_as_strict_json(qwen):
+    import json
+
+    from flashboot.flashload.report import LoadReport
+
+    # what a restart from a holder reports: views, no copy (h2d_ms 0)
+    held = LoadReport(mode="held", device="cpu", rank=0, nbytes=4096, tensors=2, alloc_ms=0.4, bind_ms=0.1,
+                      total_ms=0.9)
+    d = json.loads(json.dumps(held.to_dict(), allow_nan=False))  # had held inf: written as 'Infinity'
+    assert d["h2d_gbps"] is None and d["gbps"] == 4096 / 0.9e-3 / 1e9
+    assert "H2D - B/s" in held.summary()
+    with flashboot.load(qwen, 0, "cpu") as loaded:  # a load's rates are the numbers they were
+        d = json.loads(json.dumps(loaded.report.to_dict(), allow_nan=False))
+        assert d["h2d_gbps"] == loaded.report.nbytes / (loaded.report.h2d_ms * 1e-3) / 1e9 > 0

@@ -7,6 +7,7 @@ the tests read one set of phases whatever the weights came from.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from ..memory import Device
@@ -82,7 +83,11 @@ class LoadReport:
         return "not verified: " + self.details.get("verify_skipped", "verify=False")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "h2d_gbps": self.h2d_gbps, "gbps": self.gbps}
+        """The fields and the two rates; a rate with no time to divide by (a restart from a
+        holder copies nothing: ``h2d_ms`` 0) is None, not ``inf``, which strict JSON cannot hold
+        (``--json`` and the benchmarks' records had written ``Infinity``)."""
+        rates = {"h2d_gbps": self.h2d_gbps, "gbps": self.gbps}
+        return {**asdict(self), **{k: v if math.isfinite(v) else None for k, v in rates.items()}}
 
     def summary(self) -> str:
         from ..units import format_rate
