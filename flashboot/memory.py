@@ -213,6 +213,70 @@ def address_space_limit() -> tuple[int, int] | None:
     return limit, used
 
 
+_NO_LIMIT = 1 << 60
+"""A cgroup v1 ``memory.limit_in_bytes`` at or above this is no limit (the kernel writes ~2**63)."""
+
+
+def cgroup_memory_room(*, root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> tuple[int, str] | None:
+    """``(bytes, where)``: what this process's memory cgroup, and each one above it, may still be
+    charged before its limit (the page cache counted as reclaimable, shared memory as not), the
+    tightest of them and its limit file; None where no limit applies or none can be read.
+
+    A container's ``/dev/shm`` is tmpfs charged to its memory cgroup: a stage past the limit was
+    OOM-killed halfway, where a free-space check of the tmpfs (the host's half of RAM) passed.
+    cgroup v2 (``0::PATH``: ``memory.max``, ``memory.current``, ``memory.stat`` file and shmem)
+    and v1 (the ``memory`` controller: ``memory.limit_in_bytes``, ``memory.usage_in_bytes``,
+    ``memory.stat`` cache and shmem)."""
+    import os
+
+    def number(path: str) -> int | None:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() else None  # "max": no limit at this level
+
+    def stat(path: str, *keys: str) -> list[int]:
+        try:
+            with open(path) as f:
+                fields = dict(line.split()[:2] for line in f if len(line.split()) >= 2)
+        except OSError:
+            return [0 for _ in keys]
+        return [int(fields.get(k, 0)) for k in keys]
+
+    try:
+        with open(proc) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    tightest: tuple[int, str] | None = None
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":  # v2: its root, or beside v1 controllers at unified/
+            base = root if os.path.exists(os.path.join(root, "cgroup.controllers")) else os.path.join(root, "unified")
+            files = ("memory.max", "memory.current", ("file", "shmem"))
+        elif "memory" in controllers.split(","):
+            base = os.path.join(root, "memory")
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", ("cache", "shmem"))
+        else:
+            continue
+        level = path.rstrip("/")
+        while True:  # the cgroup, then each one above it, to the hierarchy's root
+            d = os.path.join(base, level.lstrip("/"))
+            limit = number(os.path.join(d, files[0]))
+            if limit is not None and limit < _NO_LIMIT:
+                used = number(os.path.join(d, files[1])) or 0
+                cache, shmem = stat(os.path.join(d, "memory.stat"), *files[2])
+                room = max(0, limit - used + max(0, cache - shmem))
+                if tightest is None or room < tightest[0]:
+                    tightest = (room, f"{os.path.join(d, files[0])} = {limit:,}, {used:,} charged")
+            if not level:
+                break
+            level = level.rpartition("/")[0]
+    return tightest
+
+
 def map_refused(what: str, nbytes: int, exc: OSError) -> FlashBootError:
     """The error for a mapping of ``nbytes`` (``what``) the kernel refused with ``exc``: under an
     address-space limit too small for it, an OutOfMemoryError with the limit and the bytes left

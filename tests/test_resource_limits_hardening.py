@@ -446,3 +446,95 @@ def test_reading_an_image_whose_hashing_thread_cannot_start_names_the_limits_and
                                              r"started \(can't start new thread\): this process may start no more"):
         read_image(image, 0).close()
     assert _fds() == before
+
+
+def _cgroup_files(root, files: dict) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+@pytest.mark.parametrize("proc,files,want", [
+    # v2, in a container: its own root; page cache (file less shmem) counts as reclaimable
+    ("0::/\n", {"cgroup.controllers": "memory", "memory.max": "1000000", "memory.current": "600000",
+                "memory.stat": "anon 300000\nfile 250000\nshmem 50000\n"}, (600000, "memory.max = 1,000,000")),
+    # v2 below a tighter parent; no limit ("max") at the leaf
+    ("0::/a/b\n", {"cgroup.controllers": "", "a/b/memory.max": "max", "a/b/memory.current": "10",
+                   "a/memory.max": "5000", "a/memory.current": "4000", "a/memory.stat": "file 0\nshmem 0\n"},
+     (1000, "a/memory.max = 5,000")),
+    # v2 beside v1 controllers (hybrid): the unified hierarchy
+    ("1:cpu:/\n0::/x\n", {"unified/x/memory.max": "8192", "unified/x/memory.current": "0"}, (8192, "")),
+    # v1: the memory controller's hierarchy, the kernel's ~2**63 for no limit at the root
+    ("4:memory:/job\n0::/\n", {"memory/memory.limit_in_bytes": str(2**63 - 4096),
+                               "memory/job/memory.limit_in_bytes": "3000", "memory/job/memory.usage_in_bytes": "2500",
+                               "memory/job/memory.stat": "cache 700\nshmem 600\nrss 1800\n"},
+     (600, "job/memory.limit_in_bytes = 3,000, 2,500 charged")),
+    # no limit anywhere
+    ("4:memory:/\n0::/\n", {"memory/memory.limit_in_bytes": str(2**63 - 4096)}, None),
+])
+def test_cgroup_memory_room_reads_v1_and_v2_and_the_tightest_level(tmp_path, proc, files, want):
+    from flashboot.memory import cgroup_memory_room
+
+    root = tmp_path / "cgroup"
+    _cgroup_files(root, files)
+    (tmp_path / "proc").write_text(proc)
+    got = cgroup_memory_room(root=str(root), proc=str(tmp_path / "proc"))
+    if want is None:
+        assert got is None
+    else:
+        assert got[0] == want[0] and want[1] in got[1], got
+    assert cgroup_memory_room(root=str(root), proc=str(tmp_path / "no-such-file")) is None
+
+
+def test_staging_into_tmpfs_past_the_memory_cgroup_is_refused_before_a_byte_is_written(image, tmp_path, monkeypatch):
+    """A container's /dev/shm is charged to its memory cgroup: the stage checked only the tmpfs's
+    free bytes (half the host's RAM) and was OOM-killed halfway. Disk-backed staging is not
+    charged (its page cache can be reclaimed), so it is not checked."""
+    import flashboot.pinning
+
+    shm = tmp_path / "shm"
+    nbytes = shm_files.rank_source(image, 0).nbytes
+    monkeypatch.setattr(staging, "cgroup_memory_room", lambda: (nbytes - 1, "/sys/fs/cgroup/memory.max = 8,000"))
+    monkeypatch.setattr(flashboot.pinning, "fs_type", lambda path: "tmpfs")
+    with pytest.raises(FlashBootError, match=rf"its pages are charged to this process's memory cgroup: /sys/fs/cgroup/"
+                                             rf"memory.max = 8,000\): needs {nbytes:,} bytes but only {nbytes - 1:,}"):
+        staging.stage_rank(image, 0, shm_dir=shm)
+    paths = shm_files.staged_paths(image, 0, shm)
+    assert not paths.partial.exists() and not paths.ready.exists() and not paths.image.exists()
+    monkeypatch.setattr(flashboot.pinning, "fs_type", lambda path: "ext4")
+    assert staging.stage_rank(image, 0, shm_dir=shm).nbytes == nbytes
+
+
+def test_cgroup_memory_room_in_a_real_v1_memory_cgroup():
+    """What the stage's check reads, in a memory cgroup this test makes with a limit 64 MiB above
+    what its process has charged (root and a cgroup v1 memory hierarchy; otherwise skipped, as the
+    capability is absent)."""
+    import secrets
+
+    base = "/sys/fs/cgroup/memory"
+    if os.geteuid() != 0 or not os.path.isfile(f"{base}/memory.limit_in_bytes"):
+        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    group = f"{base}/flashboot-test-{secrets.token_hex(4)}"
+    try:
+        os.mkdir(group)
+    except OSError as exc:
+        pytest.skip(f"cannot make a memory cgroup here: {exc.strerror}")
+    try:
+        out = run_python("-c", f"""
+import os
+from flashboot.memory import cgroup_memory_room
+with open({group!r} + "/cgroup.procs", "w") as f:
+    f.write(str(os.getpid()))
+with open({group!r} + "/memory.usage_in_bytes") as f:
+    used = int(f.read())
+with open({group!r} + "/memory.limit_in_bytes", "w") as f:
+    f.write(str(used + (64 << 20)))
+room, where = cgroup_memory_room()
+print(used, room, where)
+""")
+        used, room, where = out.split(" ", 2)
+        assert 32 << 20 < int(room) <= (64 << 20) + (8 << 20), out  # the limit less what it charged since, page cache back
+        assert where.startswith(f"{group}/memory.limit_in_bytes = {int(used) + (64 << 20):,}, "), out
+    finally:
+        os.rmdir(group)

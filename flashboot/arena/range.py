@@ -132,6 +132,12 @@ class Arena(SleepWake):
         available = host._host_mem_available()
         if capacity > available:
             raise OutOfMemoryError("host arena (MemAvailable + SwapFree)", capacity, available)
+        from ..memory import cgroup_memory_room
+
+        room = cgroup_memory_room()  # memfds are shared memory, charged to this process's memory cgroup
+        if room is not None and capacity > room[0]:
+            raise OutOfMemoryError(f"host arena (its memfds are charged to this process's memory cgroup: {room[1]})",
+                                   capacity, room[0])
         arena_id = arena_id or secrets.token_hex(8)  # a staging arena's memfds carry its live arena's id (remap.py)
         sizes = _segment_sizes(capacity, segment_bytes)
         _make_fd_room(len(sizes), f"a host arena of {capacity:,} bytes")

@@ -36,7 +36,7 @@ from ..fileio import (
     read_exactly,
     sign_lock,
 )
-from ..memory import Device, map_refused, thread_refused
+from ..memory import Device, cgroup_memory_room, map_refused, thread_refused
 from .shm import (
     SHM_ENV,
     RankSource,
@@ -351,7 +351,7 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
                   progress: Callable[[int, int], None] | None, stop: threading.Event | None,
                   inline: bool = False) -> StageResult:
     """:func:`stage_rank` once the rank's lock is held."""
-    from ..pinning import MappedFile, bind_to_node, gpu_numa_node
+    from ..pinning import MappedFile, bind_to_node, fs_type, gpu_numa_node
 
     nbytes = src.nbytes
     restaged_because = ""
@@ -386,6 +386,10 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
     free = _fs_free_bytes(str(paths.dir))
     if nbytes > free:
         raise OutOfMemoryError(f"staging rank {rank} of {image_dir} into {paths.dir}", nbytes, free)
+    room = cgroup_memory_room() if fs_type(str(paths.dir)) in ("tmpfs", "ramfs") else None
+    if room is not None and nbytes > room[0]:  # a container's /dev/shm: OOM-killed halfway, not refused
+        raise OutOfMemoryError(f"staging rank {rank} of {image_dir} into {paths.dir} (its pages are charged to this "
+                               f"process's memory cgroup: {room[1]})", nbytes, room[0])
     dev = Device.parse(device)
     node, numa_reason = gpu_numa_node(dev)
     try:
