@@ -130,3 +130,25 @@ def test_a_report_without_a_copy_dumps_as_strict_json(qwen):
     with flashboot.load(qwen, 0, "cpu") as loaded:  # a load's rates are the numbers they were
         d = json.loads(json.dumps(loaded.report.to_dict(), allow_nan=False))
         assert d["h2d_gbps"] == loaded.report.nbytes / (loaded.report.h2d_ms * 1e-3) / 1e9 > 0
+
+
+# --------------------------------------------------------------------------------- prepare, then load
+def test_a_prepared_load_takes_its_staging_root_however_it_is_spelled(qwen, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FLASHBOOT_SHM", raising=False)
+    for prepared_with, loaded_with in (("shm", "shm/"), ("shm", tmp_path / "shm"), (None, "/dev/shm/flashboot")):
+        handle = flashboot.prepare(qwen, 0, "cpu", shm_dir=prepared_with)
+        try:  # each had been refused as another root than prepare's
+            with flashboot.load(qwen, 0, "cpu", prepared=handle, shm_dir=loaded_with) as loaded:
+                assert loaded.report.mode == "streamed from disk, prepared"
+        finally:
+            handle.close()
+    handle = flashboot.prepare(qwen, 0, "cpu", shm_dir="shm")
+    try:
+        with pytest.raises(FlashBootError, match=f"shm_dir='other' differs from the staging root flashboot.prepare"
+                                                 f"\\(\\) used \\(shm\\)"):
+            flashboot.load(qwen, 0, "cpu", prepared=handle, shm_dir="other")
+        with flashboot.load(qwen, 0, "cpu", prepared=handle) as loaded:  # the refusal left the handle usable
+            assert len(loaded.tensors) == loaded.report.tensors > 0
+    finally:
+        handle.close()

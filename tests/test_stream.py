@@ -168,7 +168,7 @@ def test_options_a_prepared_load_would_ignore_are_refused(image, shm):
         for kw, what in ((dict(stream=False), "prepared= excludes served=, staged= and stream="),
                          (dict(stream_buffer_bytes=1 << 20), "stream_buffer_bytes=1048576 differs from the stream "
                                                              "options flashboot.prepare.. was given"),
-                         (dict(shm_dir=shm / "other"), "differs from the one flashboot.prepare.. was given")):
+                         (dict(shm_dir=shm / "other"), "differs from the staging root flashboot.prepare.. used")):
             with pytest.raises(FlashBootError, match=what):
                 flashboot.load(image, 0, "cpu", prepared=handle, **kw)
         with flashboot.load(image, 0, "cpu", prepared=handle, shm_dir=shm) as loaded:  # the same: taken
