@@ -152,3 +152,16 @@ def test_a_prepared_load_takes_its_staging_root_however_it_is_spelled(qwen, tmp_
             assert len(loaded.tensors) == loaded.report.tensors > 0
     finally:
         handle.close()
+
+
+def test_the_report_names_the_source_of_the_bytes_and_why(qwen, tmp_path):
+    with flashboot.load(qwen, 0, "cpu", shm_dir=tmp_path / "shm") as loaded:  # nothing staged, no preloader
+        d = loaded.report.details
+        assert d["source"] == "disk" and d["source_why"].startswith("no preloader runs for")
+    staging.stage_rank(qwen, 0, shm_dir=tmp_path / "shm")
+    with flashboot.load(qwen, 0, "cpu", shm_dir=tmp_path / "shm") as loaded:
+        d = loaded.report.details  # the mode says "host" on the host backend, whatever the source
+        assert loaded.report.mode == "host" and d["source"] == "pinned" and "staged copy" in d["source_why"]
+    handle = flashboot.prepare(qwen, 0, "cpu", shm_dir=tmp_path / "shm")
+    with flashboot.load(qwen, 0, "cpu", prepared=handle) as loaded:
+        assert loaded.report.details["source"] == "pinned" and loaded.report.details["source_why"] == handle.why

@@ -92,8 +92,10 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
         _check_same_as_prepared(prepared, shm_dir, stream_buffer_bytes, request.stream_config)
     if prepared is not None:
         loaded = load_prepared(request)
+        source, why = prepared.load_source, prepared.why
     elif served:  # the daemon's copy starts before this process has read the metadata: the source reads it
-        loaded = source_for_mode("served").load(request, None, None, "served=True was asked")
+        source, why = source_for_mode("served"), "served=True was asked"
+        loaded = source.load(request, None, None, why)
     else:
         rank_source, report = _begin(request)
         if staged is not None:
@@ -102,6 +104,10 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
             request.stream_config = StreamConfig.of(stream_buffer_bytes)  # refused whether or not it streams
             source, why, _ = choose(Want(image_dir, request.rank, rank_source, shm_dir=shm_dir, stream=stream))
         loaded = source.load(request, rank_source, report, why)
+    # where the bytes came from, and why: the mode names the copy ("host" on the host backend
+    # whatever the source), so a load from the staged copy had not said so
+    loaded.report.details.setdefault("source", source.name)
+    loaded.report.details.setdefault("source_why", why)
     if "verified" not in loaded.report.details:
         loaded.report.details["verify_skipped"] = prepared.verify_skipped if request.verify is None else \
             request.why_not_verified

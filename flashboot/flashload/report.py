@@ -27,7 +27,9 @@ class LoadReport:
     including its synchronisation; ``exchange_ms`` (served): descriptor exchange and the daemon's
     mapping of the arena; ``verify_ms``; ``bind_ms``: building the views; ``total_ms``: from the
     call to the return. ``overlapped`` names the phases that ran while the copy was in flight:
-    their time is inside ``h2d_ms`` (or hidden by it), not added to it.
+    their time is inside ``h2d_ms`` (or hidden by it), not added to it. ``details["source"]`` and
+    ``details["source_why"]``: the source the bytes came from (``served``, ``disk``, ``pinned``)
+    and why it was taken.
     """
 
     mode: str
