@@ -454,8 +454,8 @@ _LATER_BATCHES = {
     "segment 0 again": r"ArenaError: fd \d+ is not segment 1 of arena (\w+): it is '/memfd:flashboot-arena-\1\.0",
     "no fd": r"RendezvousError: the arena of rank 0's load: 1 of \d+ fds arrived, then: a message of more than 1 "
              r"byte\(s\) arrived without an fd",
-    "too many fds": r"RendezvousError: the arena of rank 0's load: 1 of \d+ fds arrived, then: the peer sent more "
-                    r"than \d+ fd\(s\)",
+    "too many fds": r"RendezvousError: the arena of rank 0's load: 1 of \d+ fds arrived, then: fds sent with a "
+                    r"message were dropped and all closed: the peer sent more than \d+, or this process had no free fd",
     "hang-up": r"RendezvousError: the arena of rank 0's load: 1 of \d+ fds arrived, then: the peer closed the Unix "
                r"socket before sending an fd",
 }
