@@ -37,7 +37,7 @@ def make_tiny_image(root: Path) -> Path:
 
 
 def enospc_after(nbytes: int):
-    """A stand-in for ``staging._pwrite`` that writes ``nbytes`` and then finds the filesystem full."""
+    """A stand-in for ``stage_copy._pwrite`` that writes ``nbytes`` and then finds the filesystem full."""
     written = [0]
 
     def pwrite(fd, data, off):

@@ -14,7 +14,7 @@ import pytest
 
 from flashboot.errors import FlashBootError, LayoutError, OutOfMemoryError
 from flashboot.flashload import shm as shm_files
-from flashboot.flashload import staging
+from flashboot.flashload import stage_copy, staging
 
 from _preload_helpers import make_tiny_image  # noqa: E402
 from _python import run_python  # noqa: E402
@@ -38,7 +38,7 @@ def test_a_second_stager_of_one_rank_is_refused_and_the_first_stages_whole_bytes
     shm = tmp_path / "shm"
     paths = shm_files.staged_paths(image, 0, shm)
     want = shm_files.rank_source(image, 0).path.read_bytes()
-    real, first_fd, held, release = staging._preadv, [], threading.Event(), threading.Event()
+    real, first_fd, held, release = stage_copy._preadv, [], threading.Event(), threading.Event()
 
     def preadv(fd, buffers, off):  # the first stager stops after its first chunk until released
         if not first_fd:
@@ -48,7 +48,7 @@ def test_a_second_stager_of_one_rank_is_refused_and_the_first_stages_whole_bytes
             release.wait(60)
         return real(fd, buffers, off)
 
-    monkeypatch.setattr(staging, "_preadv", preadv)
+    monkeypatch.setattr(stage_copy, "_preadv", preadv)
     fds_before, out = _fds(), {}
 
     def first() -> None:
@@ -169,14 +169,14 @@ def test_a_write_into_the_staged_file_that_fails_names_the_file_and_the_bytes(im
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert list(shm_files.staging_dir(image, shm).iterdir()) == []
 
-    real = staging._pwrite
+    real = stage_copy._pwrite
 
     def pwrite(fd, data, off):
         if off >= 8192:
             raise OSError(errno.EIO, "Input/output error")
         return real(fd, data, off)
 
-    monkeypatch.setattr(staging, "_pwrite", pwrite)
+    monkeypatch.setattr(stage_copy, "_pwrite", pwrite)
     with pytest.raises(FlashBootError, match=r"rank-0\.img\.partial: writing 4,096 bytes at byte \d{1,2},\d{3} failed: "
                                              r"EIO \(Input/output error\); the rank is not staged"):
         staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=2)
@@ -233,7 +233,7 @@ def test_unstage_refuses_a_rank_being_staged(image, tmp_path, monkeypatch):
     FileNotFoundError."""
     shm = tmp_path / "shm"
     want = shm_files.rank_source(image, 0).path.read_bytes()
-    real, held, release = staging._preadv, threading.Event(), threading.Event()
+    real, held, release = stage_copy._preadv, threading.Event(), threading.Event()
 
     def preadv(fd, buffers, off):
         if off >= 8192:
@@ -241,7 +241,7 @@ def test_unstage_refuses_a_rank_being_staged(image, tmp_path, monkeypatch):
             release.wait(60)
         return real(fd, buffers, off)
 
-    monkeypatch.setattr(staging, "_preadv", preadv)
+    monkeypatch.setattr(stage_copy, "_preadv", preadv)
     out = {}
     t = threading.Thread(target=lambda: out.update(r=staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096,
                                                                        threads=1)))

@@ -27,7 +27,7 @@ from flashboot.errors import (
     WaitTimeoutError,
 )
 from flashboot import fileio
-from flashboot.flashload import client, service, staging
+from flashboot.flashload import client, service, stage_copy, staging
 from flashboot.flashload import shm as shm_files
 from flashboot.memory import Device
 
@@ -164,7 +164,7 @@ def test_refuses_before_any_io_when_shm_lacks_space(image, shm, monkeypatch):
 def test_shm_filling_up_mid_copy_removes_the_partial_file(image, shm, monkeypatch):
     from _preload_helpers import enospc_after
 
-    monkeypatch.setattr(staging, "_pwrite", enospc_after(16384))
+    monkeypatch.setattr(stage_copy, "_pwrite", enospc_after(16384))
     with pytest.raises(OutOfMemoryError) as e:
         staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=2)
     assert "filled up after" in str(e.value) and "partial file removed" in str(e.value)

@@ -24,7 +24,7 @@ import pytest
 import flashboot
 from flashboot.arena import Arena
 from flashboot.errors import ArenaError, FlashBootError, ImageReadError, OutOfMemoryError, RendezvousError
-from flashboot.flashload import client, service, staging
+from flashboot.flashload import client, service, stage_copy, staging
 from flashboot.flashload import shm as shm_files
 
 from _preload_helpers import Daemon, enospc_after, make_tiny_image  # noqa: E402
@@ -73,7 +73,7 @@ def test_shm_filling_up_mid_stage_fails_the_served_load_at_once(image, tmp_path,
         mounted = True
         # as on a filesystem without fallocate: the space is not reserved up front
         monkeypatch.setattr(staging, "_fallocate", lambda fd, off, n: (_ for _ in ()).throw(OSError(errno.EOPNOTSUPP, "")))
-        real_pwrite, filled = staging._pwrite, []
+        real_pwrite, filled = stage_copy._pwrite, []
 
         def pwrite(fd, data, off):
             if not filled:  # a concurrent writer fills the filesystem after the first chunk
@@ -91,7 +91,7 @@ def test_shm_filling_up_mid_stage_fails_the_served_load_at_once(image, tmp_path,
     else:
         pwrite = enospc_after(16384)
 
-    monkeypatch.setattr(staging, "_pwrite", pwrite)
+    monkeypatch.setattr(stage_copy, "_pwrite", pwrite)
     try:
         d = Daemon(image, shm, staged=False, chunk_bytes=4096, threads=2)
         try:
@@ -110,7 +110,7 @@ def test_shm_filling_up_mid_stage_fails_the_served_load_at_once(image, tmp_path,
         # room again: a restarted preloader finishes the job
         if how == "tmpfs":
             os.unlink(shm / "filler")
-        monkeypatch.setattr(staging, "_pwrite", os.pwrite)
+        monkeypatch.setattr(stage_copy, "_pwrite", os.pwrite)
         d = Daemon(image, shm)
         try:
             d.load_exact()
@@ -124,7 +124,7 @@ def test_shm_filling_up_mid_stage_fails_the_served_load_at_once(image, tmp_path,
 # ----------------------------------------------------------------------- a disk read error
 def test_a_disk_read_error_mid_stage_names_the_bytes_and_stages_nothing(image, tmp_path, monkeypatch):
     shm = tmp_path / "shm"
-    read, real_preadv = [0], staging._preadv
+    read, real_preadv = [0], stage_copy._preadv
 
     def preadv(fd, buffers, off):
         if off >= 32768:
@@ -133,7 +133,7 @@ def test_a_disk_read_error_mid_stage_names_the_bytes_and_stages_nothing(image, t
         read[0] += n
         return n
 
-    monkeypatch.setattr(staging, "_preadv", preadv)
+    monkeypatch.setattr(stage_copy, "_preadv", preadv)
     with pytest.raises(ImageReadError, match=r"reading [\d,]+ bytes at byte 3\d,\d{3} failed: EIO") as e:
         staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=2)
     assert "not staged (partial file removed)" in str(e.value) and read[0] > 0

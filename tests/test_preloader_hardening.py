@@ -251,8 +251,8 @@ def test_verify_skips_a_copy_whose_ready_records_a_verification_of_the_same_meta
     shm = tmp_path / "shm"
     staging.stage_rank(image, 0, shm_dir=shm)
     checked = []
-    real = staging._verify_staged
-    monkeypatch.setattr(staging, "_verify_staged", lambda *a, **k: (checked.append(a[3]), real(*a, **k)))
+    real = staging.verify_staged
+    monkeypatch.setattr(staging, "verify_staged", lambda *a, **k: (checked.append(a[3]), real(*a, **k)))
     first = staging.stage_rank(image, 0, shm_dir=shm, verify=True)  # staged unverified: checked now
     assert first.skipped and first.verified and not first.restaged_because and len(checked) == 1
     assert shm_files.read_ready(shm_files.staged_paths(image, 0, shm).ready).verified, "the check was not recorded"

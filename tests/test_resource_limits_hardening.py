@@ -16,7 +16,7 @@ import pytest
 
 from flashboot.errors import FlashBootError
 from flashboot.flashload import shm as shm_files
-from flashboot.flashload import staging
+from flashboot.flashload import stage_copy, staging
 
 from _preload_helpers import make_tiny_image  # noqa: E402
 from _python import run_python  # noqa: E402
@@ -100,7 +100,7 @@ def test_a_read_buffer_refused_fails_the_stage_by_name_and_leaves_nothing(image,
     """The same in this process (strict overcommit refuses the mapping as ENOMEM, no ``ulimit -v``
     set): one error naming the buffer's bytes, no ``.ready``, no staged file, no fd, no thread."""
     shm = tmp_path / "shm"
-    real, calls = staging.io_buffer, []
+    real, calls = stage_copy.io_buffer, []
 
     def io_buffer(nbytes):
         calls.append(nbytes)
@@ -108,7 +108,7 @@ def test_a_read_buffer_refused_fails_the_stage_by_name_and_leaves_nothing(image,
             raise OSError(errno.ENOMEM, "Cannot allocate memory")
         return real(nbytes)
 
-    monkeypatch.setattr(staging, "io_buffer", io_buffer)
+    monkeypatch.setattr(stage_copy, "io_buffer", io_buffer)
     fds_before, threads_before = _fds(), set(threading.enumerate())
     with pytest.raises(FlashBootError, match=r"the read buffer of one of 4 copy threads \(stage with fewer, or smaller "
                                              r"chunks\): mapping 4,096 bytes failed: ENOMEM \(Cannot allocate memory\)"):
@@ -304,7 +304,7 @@ def test_a_load_beside_a_serving_preloader_that_failed_its_rank_streams_at_once(
     def pwrite(fd, data, off):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(staging, "_pwrite", pwrite)
+    monkeypatch.setattr(stage_copy, "_pwrite", pwrite)
     pid_file = shm_files.pid_file(image, shm)
     shm_files.make_dir(pid_file.parent)
     _claim_pid_file(pid_file, True)  # as `flashboot preload --serve` does, around the server in a thread here
@@ -366,7 +366,7 @@ def test_a_source_rewritten_in_place_while_staged_is_refused_not_staged_as_a_mix
     image, shm = make_tiny_image(tmp_path / "own"), tmp_path / "shm"
     path = shm_files.rank_source(image, 0).path
     want = path.read_bytes()
-    real, rewritten = staging._preadv, []
+    real, rewritten = stage_copy._preadv, []
 
     def preadv(fd, buffers, off):
         if off >= 16384 and not rewritten:
@@ -375,7 +375,7 @@ def test_a_source_rewritten_in_place_while_staged_is_refused_not_staged_as_a_mix
                 f.write(bytes(len(want)))  # another pre-pack's bytes, same size
         return real(fd, buffers, off)
 
-    monkeypatch.setattr(staging, "_preadv", preadv)
+    monkeypatch.setattr(stage_copy, "_preadv", preadv)
     with pytest.raises(LayoutError, match=rf"{path} changed while it was staged \(the rank is not staged\) \(device, "
                                           r"inode, size, mtime_ns "):
         staging.stage_rank(image, 0, shm_dir=shm, chunk_bytes=4096, threads=1)

@@ -6,7 +6,6 @@ image's sizes (and checksums, ``verify=True``)."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -22,21 +21,19 @@ from ..errors import (
     CapabilityError,
     ChecksumMismatchError,
     FlashBootError,
-    ImageReadError,
     LayoutError,
     OutOfMemoryError,
     WaitTimeoutError,
 )
 from ..fileio import (
+    DIRECT_ALIGNMENT,
     DirectReadRefused,
-    io_buffer,
     lock_signer,
     open_for_reads,
     out_of_fds,
-    read_exactly,
     sign_lock,
 )
-from ..memory import Device, cgroup_memory_room, map_refused, thread_refused
+from ..memory import Device, cgroup_memory_room
 from .shm import (
     SHM_ENV,
     RankSource,
@@ -59,22 +56,15 @@ from .shm import (
     staged_paths,
     staging_dir,
 )
+from .stage_copy import StagedFileFull, copy_chunks, verify_staged, write_failed
 
 DEFAULT_THREADS = 16
 DEFAULT_CHUNK_BYTES = 64 << 20
 """Bytes per read: large enough for the disk's queue, small enough to spread over the threads."""
-DIRECT_ALIGNMENT = 4096
-"""O_DIRECT wants offsets, lengths and buffers aligned to the logical block size (<= 4096)."""
 IO_MODES = ("auto", "direct", "buffered")
 
-# Module-level so tests can simulate a full /dev/shm without mounting a tiny tmpfs, and a disk
-# that fails a read.
-_pwrite = os.pwrite
+# Module-level so tests can simulate a full /dev/shm without mounting a tiny tmpfs.
 _fallocate = os.posix_fallocate
-
-
-def _preadv(fd: int, buffers, offset: int) -> int:
-    return os.preadv(fd, buffers, offset)  # looked up per call: a test may patch either name
 
 
 def _fs_free_bytes(path: str) -> int:
@@ -125,115 +115,7 @@ class StageResult:
         return self.nbytes / self.read_s / 1e9 if self.read_s > 0 else float("inf")
 
 
-_DirectRefused = DirectReadRefused
 
-
-class _Full(Exception):
-    def __init__(self, written: int):
-        self.written = written
-
-
-def _write_failed(path: str, what: str, exc: OSError) -> FlashBootError:
-    """A write into the staged file failed (not ENOSPC: a full tmpfs is an OutOfMemoryError):
-    the error naming the file, ``what`` was done (the bytes) and the system's error; EFBIG says
-    the file size limit."""
-    code = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
-    why = f"{code} ({exc.strerror or exc})"
-    if exc.errno == errno.EFBIG:
-        import resource
-
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        why += ("; this process may write files of at most "
-                f"{'unlimited' if limit == resource.RLIM_INFINITY else f'{limit:,}'} bytes (`ulimit -f`)")
-    return FlashBootError(f"{path}: {what} failed: {why}; the rank is not staged (partial file removed)")
-
-
-def _copy_chunks(src_fd: int, dst_fd: int, nbytes: int, *, direct: bool, threads: int, chunk_bytes: int,
-                 progress: Callable[[int, int], None] | None, stop: threading.Event | None,
-                 numa_node: int | None, src_name: str, dst_name: str) -> None:
-    """Copy ``nbytes`` from ``src_fd`` to ``dst_fd`` with ``threads`` workers, one chunk at a time each."""
-    from ..pinning import bind_to_node
-
-    n_chunks = -(-nbytes // chunk_bytes)
-    # no larger than the file: a 127 KB rank mapped a 64 MiB buffer, refused under a tight `ulimit -v`
-    buf_bytes = min(chunk_bytes, -(-nbytes // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT)
-    lock = threading.Lock()
-    state = {"next": 0, "done": 0, "error": None}
-
-    def take() -> int | None:
-        with lock:
-            if state["error"] is not None or state["next"] >= n_chunks:
-                return None
-            i = state["next"]
-            state["next"] += 1
-            return i
-
-    def worker() -> None:
-        buf = view = None
-        try:  # the buffer too: a mapping refused (``ulimit -v``) had ended the thread unseen, and the
-            # copy was renamed into place, zeros where its chunks were to be, under a .ready
-            try:
-                buf = io_buffer(buf_bytes)
-            except OSError as exc:
-                raise map_refused(f"staging {src_name}: the read buffer of one of {len(pool)} copy threads (stage "
-                                  "with fewer, or smaller chunks)", buf_bytes, exc) from None
-            view = memoryview(buf)
-            if numa_node is not None:  # the bounce buffer too: it is read right after the disk writes it
-                bind_to_node(ctypes.addressof(ctypes.c_char.from_buffer(buf)), buf_bytes, numa_node)
-            while (i := take()) is not None:
-                if stop is not None and stop.is_set():
-                    raise FlashBootError(f"staging of {src_name} was interrupted")
-                off = i * chunk_bytes
-                want = min(chunk_bytes, nbytes - off)
-                ask = -(-want // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT if direct else want
-                try:
-                    read_exactly(src_fd, view[:ask], off, want, direct=direct, path=src_name, file_nbytes=nbytes,
-                                 preadv=_preadv)
-                except ImageReadError as exc:
-                    raise ImageReadError(exc.path, exc.offset, exc.nbytes, f"{exc.error}; the rank is not staged "
-                                         "(partial file removed)") from None
-                done = 0
-                while done < want:
-                    try:
-                        done += _pwrite(dst_fd, view[done:want], off + done)
-                    except OSError as exc:
-                        if exc.errno == errno.ENOSPC:
-                            raise _Full(off + done) from None
-                        raise _write_failed(dst_name, f"writing {want - done:,} bytes at byte {off + done:,}", exc) from None
-                with lock:
-                    state["done"] += want
-                    total = state["done"]
-                if progress is not None:
-                    progress(total, nbytes)
-        except BaseException as exc:
-            with lock:
-                if state["error"] is None:
-                    state["error"] = exc
-        finally:
-            try:
-                if view is not None:
-                    view.release()
-                if buf is not None:
-                    buf.close()
-            except BufferError:
-                pass  # the stored error's traceback still holds a slice; the buffer goes with it
-
-    pool = [threading.Thread(target=worker, name=f"flashboot-preload-{k}", daemon=True)
-            for k in range(max(1, min(threads, n_chunks)))]
-    started = []
-    try:
-        for t in pool:
-            t.start()
-            started.append(t)
-    except RuntimeError as exc:  # "can't start new thread": a thread or address-space limit
-        with lock:  # the threads started take no further chunk; their fds are closed only once they end
-            if state["error"] is None:
-                state["error"] = thread_refused(f"staging {src_name} with {len(pool)} threads (stage with fewer), "
-                                                f"copy thread {len(started) + 1}", exc)
-    for t in started:
-        t.join()
-    if state["error"] is not None:
-        raise state["error"]
 
 
 def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THREADS, io: str = "auto",
@@ -365,7 +247,7 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
                 if verify and not info.verified:
                     fd = os.open(paths.image, os.O_RDONLY | os.O_CLOEXEC)
                     try:
-                        _verify_staged(fd, nbytes, src, paths.image, stop)
+                        verify_staged(fd, nbytes, src, paths.image, stop)
                     finally:
                         os.close(fd)
                     _write_atomic(paths.ready, json.dumps({**info.to_dict(), "verified": True}, indent=1))
@@ -404,7 +286,7 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
         try:
             os.ftruncate(fd, nbytes)
         except OSError as exc:
-            raise _write_failed(str(paths.partial), f"sizing it to {nbytes:,} bytes", exc) from None
+            raise write_failed(str(paths.partial), f"sizing it to {nbytes:,} bytes", exc) from None
         if node is not None:
             # The policy of a shared tmpfs mapping is the file's: pages written by pwrite land there.
             mapping = MappedFile(str(paths.partial), nbytes, fd=fd)
@@ -414,7 +296,7 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
             _fallocate(fd, 0, nbytes)  # reserve the pages now, so a full tmpfs fails here, not at byte N
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
-                raise _Full(0) from None
+                raise StagedFileFull(0) from None
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
         t0 = time.perf_counter()
@@ -427,10 +309,10 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
             if identity is not None:
                 identity.check(os.fstat(src_fd), "since its metadata was read (the rank is not staged)")
             try:
-                _copy_chunks(src_fd, fd, nbytes, direct=mode == "o_direct", threads=threads, chunk_bytes=chunk_bytes,
+                copy_chunks(src_fd, fd, nbytes, direct=mode == "o_direct", threads=threads, chunk_bytes=chunk_bytes,
                              progress=progress, stop=stop, numa_node=node, src_name=str(src.path),
                              dst_name=str(paths.partial))
-            except _DirectRefused as exc:
+            except DirectReadRefused as exc:
                 if io == "direct":
                     raise CapabilityError(f"{src.path}: reads under O_DIRECT fail ({exc}) and io='direct' was asked") from None
                 os.close(src_fd)
@@ -438,7 +320,7 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
                 mode, reason = "buffered", f"filesystem refuses O_DIRECT reads ({exc})"
                 if identity is not None:
                     identity.check(os.fstat(src_fd), "since its metadata was read (the rank is not staged)")
-                _copy_chunks(src_fd, fd, nbytes, direct=False, threads=threads, chunk_bytes=chunk_bytes,
+                copy_chunks(src_fd, fd, nbytes, direct=False, threads=threads, chunk_bytes=chunk_bytes,
                              progress=progress, stop=stop, numa_node=node, src_name=str(src.path),
                              dst_name=str(paths.partial))
             if identity is not None:
@@ -447,7 +329,7 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
             os.close(src_fd)
         read_s = time.perf_counter() - t0
         if verify:
-            _verify_staged(fd, nbytes, src, paths.partial, stop)
+            verify_staged(fd, nbytes, src, paths.partial, stop)
         os.rename(paths.partial, paths.image)
         cs = src.metadata.checksums
         info = ReadyInfo(
@@ -475,7 +357,7 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
             raise
         return StageResult(rank, nbytes, str(paths.image), mode, reason, node, numa_reason, threads, read_s, verify,
                            restaged_because=restaged_because)
-    except _Full as full:
+    except StagedFileFull as full:
         _unlink_quietly(paths.partial)
         now_free = _fs_free_bytes(str(paths.dir))
         raise OutOfMemoryError(
@@ -489,47 +371,6 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
             mapping.close()
         os.close(fd)
 
-
-
-VERIFY_SLICE_BYTES = 256 << 20
-"""A staged copy is checksummed this much at a time (whole checksum chunks), looking at ``stop``
-between slices: a 140 GB rank takes ~70 s at 2 GB/s."""
-
-
-def _verify_staged(fd: int, nbytes: int, src: RankSource, where: Path,
-                   stop: threading.Event | None = None) -> None:
-    """The staged bytes of ``fd`` (``nbytes``) against ``src``'s chunk checksums, mapped read-only:
-    ChecksumMismatchError naming the first bad chunk; FlashBootError once ``stop`` is set."""
-    import mmap
-
-    import numpy as np
-
-    from flashboot.kernels.checksum import chunk_checksums_host
-
-    cs = src.metadata.checksums
-    step = max(1, VERIFY_SLICE_BYTES // cs.chunk_bytes) * cs.chunk_bytes  # each chunk is hashed on its own
-    try:
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    except OSError as exc:  # ENOMEM under `ulimit -v`: named with the limit, not a bare OSError
-        raise map_refused(f"verifying {where} (rank {src.rank})", nbytes, exc) from None
-    try:
-        data = np.frombuffer(mm, dtype=np.uint8)
-        try:
-            for lo in range(0, nbytes, step):
-                if stop is not None and stop.is_set():
-                    raise FlashBootError(f"verifying {where} (rank {src.rank}) was interrupted after {lo:,} of "
-                                         f"{nbytes:,} bytes")
-                found = chunk_checksums_host(data[lo:lo + step], cs.chunk_bytes)
-                first = lo // cs.chunk_bytes
-                for k, (want, got) in enumerate(zip(cs.digests[first:first + len(found)], found), first):
-                    if want != got:
-                        start, n = cs.chunk_range(k, nbytes)
-                        raise ChecksumMismatchError(f"{where} (staged from {src.path}, rank {src.rank})", k, start, n,
-                                                    want, got)
-        finally:
-            del data  # the mapping cannot close while a view of it lives
-    finally:
-        mm.close()
 
 
 BUSY_POLL_S = 0.05
