@@ -165,3 +165,20 @@ def test_the_report_names_the_source_of_the_bytes_and_why(qwen, tmp_path):
     handle = flashboot.prepare(qwen, 0, "cpu", shm_dir=tmp_path / "shm")
     with flashboot.load(qwen, 0, "cpu", prepared=handle) as loaded:
         assert loaded.report.details["source"] == "pinned" and loaded.report.details["source_why"] == handle.why
+
+
+def test_a_rank_directory_loads_as_its_job_finding_the_staged_copy_and_the_daemon(qwen, tmp_path):
+    from _preload_helpers import Daemon
+
+    rank_dir, shm = qwen / "rank-0", tmp_path / "shm"
+    daemon = Daemon(qwen, shm)
+    try:  # had waited out its timeout for a .ready keyed by the rank directory, then "no preloader is running"
+        with flashboot.load(rank_dir, 0, "cpu", shm_dir=shm, served=True, timeout_s=5) as loaded:
+            assert loaded.report.details["source"] == "served"
+            assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == (rank_dir / "image.bin").read_bytes()
+        with flashboot.load(rank_dir, 0, "cpu", shm_dir=shm) as loaded:  # had streamed from disk beside the copy
+            assert loaded.report.details["source"] == "pinned"
+    finally:
+        daemon.close()
+    with pytest.raises(LayoutError, match="holds rank 0 of 1, rank 1 was requested|rank 1 requested"):
+        flashboot.load(rank_dir, 1, "cpu", shm_dir=shm)  # another rank than the directory's: still refused

@@ -102,7 +102,7 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
             source, why = source_for_mode("staged"), "staged= was given"
         else:
             request.stream_config = StreamConfig.of(stream_buffer_bytes)  # refused whether or not it streams
-            source, why, _ = choose(Want(image_dir, request.rank, rank_source, shm_dir=shm_dir, stream=stream))
+            source, why, _ = choose(Want(request.image_dir, request.rank, rank_source, shm_dir=shm_dir, stream=stream))
         loaded = source.load(request, rank_source, report, why)
     # where the bytes came from, and why: the mode names the copy ("host" on the host backend
     # whatever the source), so a load from the staged copy had not said so

@@ -24,6 +24,22 @@ def image_path(image_dir) -> str:
                              f"{type(image_dir).__name__} {image_dir!r}") from None
 
 
+def job_dir_of(image_dir: str, rank: int) -> str:
+    """``image_dir``, or the job directory above it where it is that job's directory of rank
+    ``rank``. The staged copies, the preloader and its daemon are keyed by the job's path: a load
+    given the rank's directory had streamed from disk beside the staged copy ("no preloader runs
+    for .../rank-0"), and with ``served=True`` or ``stream=False`` waited out its whole timeout
+    for a ``.ready`` written under another key. Another rank's directory is left as it is (the
+    metadata's rank check refuses it)."""
+    from flashboot.layouts.image import JOB_FILE, METADATA_FILE, read_job
+
+    real = os.path.realpath(image_dir)
+    parent = os.path.dirname(real)
+    if not (os.path.isfile(os.path.join(real, METADATA_FILE)) and os.path.isfile(os.path.join(parent, JOB_FILE))):
+        return image_dir
+    return parent if read_job(parent).ranks.get(rank) == os.path.basename(real) else image_dir
+
+
 def count_of(value, name: str, minimum: int, error: type = FlashBootError, *, optional: bool = True) -> int | None:
     """``value`` as an int >= ``minimum`` (None stays None where ``optional``); a count numpy computed
     (``np.int64``) is the int it holds. ``error`` (naming ``name`` and the value) for a bool, a
@@ -150,6 +166,8 @@ def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, s
         raise FlashBootError("served=True and staged= exclude each other: the daemon holds the pinned image")
     if stream and (served or staged is not None):
         raise FlashBootError("stream=True excludes served=True and staged=: a streamed load reads the image from disk")
+    if prepared is None:  # a handle keeps the path it was prepared with (its check compares them)
+        image_dir = job_dir_of(image_dir, rank)
     check_staged(staged, image_dir, rank)
     if stream_buffer_bytes is not None and (served or staged is not None or stream is False):
         # a load that never streams has no ring: the size had been taken and ignored (as the CLI refuses it)
@@ -189,4 +207,4 @@ class Want:
 
 
 __all__ = ["VERIFY_BY_DEFAULT_ON_HOST", "LoadRequest", "Want", "check_expected_key", "check_job_request",
-           "check_staged", "count_of", "image_path", "load_request", "verify_default"]
+           "check_staged", "count_of", "image_path", "job_dir_of", "load_request", "verify_default"]
