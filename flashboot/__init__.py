@@ -64,6 +64,12 @@ _LAZY = {
 __getattr__ = lazy_getattr('flashboot', _LAZY, globals())
 
 
+def __dir__() -> list[str]:
+    """The lazy names too: ``dir(flashboot)`` and a notebook's completion of ``flashboot.`` had
+    shown neither ``load`` nor ``prepare`` until first used."""
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
     "ArenaError", "CapabilityError", "ChecksumMismatchError", "CudaError", "FlashBootError",
     "ImageReadError", "LayoutError", "MoverError", "OutOfMemoryError", "RendezvousError", "UnknownNameError",

@@ -182,3 +182,14 @@ def test_a_rank_directory_loads_as_its_job_finding_the_staged_copy_and_the_daemo
         daemon.close()
     with pytest.raises(LayoutError, match="holds rank 0 of 1, rank 1 was requested|rank 1 requested"):
         flashboot.load(rank_dir, 1, "cpu", shm_dir=shm)  # another rank than the directory's: still refused
+
+
+def test_the_public_names_are_listed_before_first_use():
+    import subprocess
+    import sys
+
+    # a fresh process: nothing of the load API imported yet, as in a notebook's first cell
+    code = ("import sys, flashboot; names = dir(flashboot); "
+            "assert {'load', 'prepare', 'bind', 'LoadedImage', 'StreamConfig'} <= set(names), names; "
+            "assert 'flashboot.flashload.pipeline' not in sys.modules  # listing them imports nothing")
+    subprocess.run([sys.executable, "-c", code], check=True)
