@@ -24,13 +24,29 @@ def image(tmp_path_factory):
     return make_tiny_image(tmp_path_factory.mktemp("chaos-image"))
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once it is stopped (a signal lands asynchronously)."""
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while _state(pid) != "T":
+        assert time.monotonic() < deadline, f"pid {pid} did not stop"
+        time.sleep(0.005)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_a_served_load_from_a_stopped_daemon_ends_past_its_timeout_naming_the_daemon(image, tmp_path):
     """A daemon frozen (SIGSTOP) with the load's request in its queue: the load's reply is allowed
     a copy's minute past its timeout, and had waited all of it; once its own timeout has passed it
     finds the daemon stopped and says so, naming its pid. Resumed, the daemon serves the next load."""
     src = shm_files.rank_source(image, 0)
     with daemon_process_of(image, tmp_path) as (proc, shm, _log):
-        os.kill(proc.pid, signal.SIGSTOP)
+        _stop(proc.pid)
         try:
             with Arena.create(src.nbytes, "cpu") as arena:
                 with pytest.raises(WaitTimeoutError) as e:
@@ -70,7 +86,7 @@ def test_a_clone_whose_seed_stops_mid_clone_keeps_its_verified_weights_and_the_n
 
         def stop_the_seed(_step):
             if not stopped:
-                os.kill(seed.pid, signal.SIGSTOP)
+                _stop(seed.pid)
                 stopped.append(seed.pid)
 
         monkeypatch.setattr(cloning, "_step_hook", lambda _delay: stop_the_seed)
@@ -196,9 +212,7 @@ def test_a_hand_over_to_a_killed_or_stopped_holder_names_it(tmp_path, how):
             holder.kill()
             holder.communicate()
         else:
-            os.kill(holder.pid, signal.SIGSTOP)
-            wait_until(lambda: open(f"/proc/{holder.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T", 10,
-                       "the holder to stop")
+            _stop(holder.pid)
         with Arena.create(1 << 20, "cpu") as arena, pytest.raises(WaitTimeoutError) as e:
             hand_over(arena, "w", registry=registry, timeout_s=1)
         want = f"its holder (pid {holder.pid}) has exited" if how == "killed" else f"its holder (pid {holder.pid}) is stopped"
@@ -215,7 +229,7 @@ def test_the_status_of_a_stopped_daemon_names_it_stopped(image, tmp_path):
     from flashboot.errors import FlashBootError
 
     with daemon_process_of(image, tmp_path) as (proc, shm, _log):
-        os.kill(proc.pid, signal.SIGSTOP)
+        _stop(proc.pid)
         try:
             with pytest.raises(FlashBootError) as e:
                 client.serve_status(image, shm, timeout_s=10)
@@ -232,7 +246,7 @@ def test_preload_stop_ends_a_stopped_daemon(image, tmp_path):
     from flashboot.flashload.service import stop_service
 
     with daemon_process_of(image, tmp_path) as (proc, shm, _log):
-        os.kill(proc.pid, signal.SIGSTOP)
+        _stop(proc.pid)
         try:
             assert stop_service(image, shm, timeout_s=20) == f"stopped preloader pid {proc.pid}"
         finally:
