@@ -193,3 +193,28 @@ def test_the_public_names_are_listed_before_first_use():
             "assert {'load', 'prepare', 'bind', 'LoadedImage', 'StreamConfig'} <= set(names), names; "
             "assert 'flashboot.flashload.pipeline' not in sys.modules  # listing them imports nothing")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_restart_from_a_holder_checks_the_options_before_it_maps_the_held_arena(qwen, tmp_path):
+    import warnings
+
+    from _clone_helpers import serving_holder
+    from flashboot.flashclone.holder import Holder
+
+    registry = tmp_path / "registry"
+    with serving_holder(Holder(registry=registry)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with flashboot.load(qwen, 0, "cpu", holder=registry) as first:  # loads, hands the arena over
+                assert "handed_over_as" in first.report.details
+        with flashboot.load(qwen, 0, "cpu", holder=registry) as again:
+            assert again.report.mode == "held"
+        # the last three had restarted from the held arena, the option taken unchecked
+        for bad, refused in (({"rank": True}, "rank must be a non-negative int, got True"),
+                             ({"tp": "1"}, "tp must be None or an int >= 1, got '1'"),
+                             ({"stream_buffer_bytes": 0}, "buffer_bytes must be an int >= 8,192, got 0"),
+                             ({"served": True, "stream": True}, "stream=True excludes served=True"),
+                             ({"timeout_s": float("nan")}, "load timeout_s must be a finite number")):
+            options = {"rank": 0, **bad}
+            with pytest.raises(FlashBootError, match=refused.replace("(", "\\(")):
+                flashboot.load(qwen, options.pop("rank"), "cpu", holder=registry, **options)

@@ -30,7 +30,7 @@ from .prepared import PreparedLoad, load_prepared
 from .report import LoadedImage, LoadReport
 from .sources import source_for_mode
 from .stream import StreamConfig
-from .want import LoadRequest, Want, image_path, load_request
+from .want import LoadRequest, Want, check_options, image_path, load_request
 
 
 # ===================================================================================== load
@@ -77,6 +77,11 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     if holder is not None:
         from .restart import load_or_restore
 
+        # checked before a held arena is mapped: a restart that maps one had taken any option unchecked
+        rank, tp, ep = check_options(image_dir, rank, timeout_s=timeout_s, served=served, staged=staged,
+                                     prepared=prepared, shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp, ep=ep,
+                                     expected_key=expected_key, stream=stream,
+                                     stream_buffer_bytes=stream_buffer_bytes, prepared_class=PreparedLoad)
         return load_or_restore(image_dir, rank, device, holder, timeout_s=timeout_s, served=served, staged=staged,
                                prepared=prepared, verify=verify, shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp,
                                ep=ep, expected_key=expected_key, stream=stream,

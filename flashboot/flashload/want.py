@@ -146,16 +146,35 @@ class LoadRequest:
 def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, served: bool, staged, prepared,
                  verify: bool | None, shm_dir, chunk_bytes: int, tp, ep, expected_key, stream: bool | None,
                  stream_buffer_bytes, prepared_class: type) -> LoadRequest:
-    """The options of :func:`flashboot.load` checked (LayoutError for a bad rank, FlashBootError
-    naming the options that exclude each other, a bad ``staged=`` or a ``prepared=`` that is no
-    ``prepared_class``), the device parsed and the default of ``verify`` chosen (see
-    :func:`verify_default`)."""
+    """The options of :func:`flashboot.load` checked (:func:`check_options`), the device parsed
+    and the default of ``verify`` chosen (see :func:`verify_default`)."""
     dev = Device.parse(device)
     why_not = ""
     if verify is not None:
         verify, why_not = bool(verify), "verify=False"
     elif prepared is None:  # a prepared handle chose when it knew its source: the load takes its choice
         verify, why_not = verify_default(dev, by_daemon=served)
+    rank = count_of(rank, "rank", 0, LayoutError, optional=False)
+    if prepared is None:  # a handle keeps the path it was prepared with (its check compares them)
+        image_dir = job_dir_of(image_dir, rank)
+    rank, tp, ep = check_options(image_dir, rank, timeout_s=timeout_s, served=served, staged=staged,
+                                 prepared=prepared, shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp, ep=ep,
+                                 expected_key=expected_key, stream=stream, stream_buffer_bytes=stream_buffer_bytes,
+                                 prepared_class=prepared_class)
+    return LoadRequest(image_dir, rank, dev, t_start, timeout_s, verify, why_not, shm_dir, chunk_bytes, tp, ep,
+                       expected_key, bool(served), staged, stream, stream_buffer_bytes, prepared)
+
+
+def check_options(image_dir, rank, *, timeout_s: float, served: bool, staged, prepared, shm_dir, chunk_bytes: int, tp,
+                  ep, expected_key, stream: bool | None, stream_buffer_bytes, prepared_class: type
+                  ) -> tuple[int, int | None, int | None]:
+    """(rank, tp, ep) as ints, once every option of :func:`flashboot.load` is checked: LayoutError
+    for a bad rank, FlashBootError naming the options that exclude each other, a bad ``staged=``
+    or a ``prepared=`` that is no ``prepared_class``. Nothing is read or allocated: a restart
+    from a holder (``holder=``) checks them too, before it maps a held arena (it had restarted
+    with a stream size of 0, a NaN timeout or ``served=True, stream=True`` taken unchecked)."""
+    from .stream import StreamConfig
+
     rank = count_of(rank, "rank", 0, LayoutError, optional=False)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise FlashBootError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
@@ -166,13 +185,13 @@ def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, s
         raise FlashBootError("served=True and staged= exclude each other: the daemon holds the pinned image")
     if stream and (served or staged is not None):
         raise FlashBootError("stream=True excludes served=True and staged=: a streamed load reads the image from disk")
-    if prepared is None:  # a handle keeps the path it was prepared with (its check compares them)
-        image_dir = job_dir_of(image_dir, rank)
     check_staged(staged, image_dir, rank)
     if stream_buffer_bytes is not None and (served or staged is not None or stream is False):
         # a load that never streams has no ring: the size had been taken and ignored (as the CLI refuses it)
         never = "served=True" if served else "staged=" if staged is not None else "stream=False"
         raise FlashBootError(f"stream_buffer_bytes sizes a streamed load's ring; a {never} load never streams")
+    if stream_buffer_bytes is not None:  # refused whether or not it streams, on every path
+        StreamConfig.of(stream_buffer_bytes)
     if staged is not None and shm_dir is not None:
         from .shm import shm_root
 
@@ -186,8 +205,7 @@ def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, s
         if served or staged is not None or stream is not None:  # stream=False too: the handle may stream
             raise FlashBootError("prepared= excludes served=, staged= and stream=: the handle already chose its mode "
                                  f"({prepared.requested_mode})")
-    return LoadRequest(image_dir, rank, dev, t_start, timeout_s, verify, why_not, shm_dir, chunk_bytes, tp, ep,
-                       expected_key, bool(served), staged, stream, stream_buffer_bytes, prepared)
+    return rank, tp, ep
 
 
 @dataclass(frozen=True)
@@ -206,5 +224,5 @@ class Want:
     daemon: Any = None
 
 
-__all__ = ["VERIFY_BY_DEFAULT_ON_HOST", "LoadRequest", "Want", "check_expected_key", "check_job_request",
+__all__ = ["VERIFY_BY_DEFAULT_ON_HOST", "LoadRequest", "Want", "check_expected_key", "check_job_request", "check_options",
            "check_staged", "count_of", "image_path", "job_dir_of", "load_request", "verify_default"]
