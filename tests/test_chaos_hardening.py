@@ -271,3 +271,56 @@ def test_a_served_load_after_the_daemon_was_killed_names_it(image, tmp_path):
         with Arena.create(src.nbytes, "cpu") as arena:
             client.served_load(arena, src, timeout_s=10, shm_dir=shm)
             assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+
+
+_DEAD_ENGINE = r"""
+import os, sys, time
+from flashboot.arena import Arena
+from flashboot.flashclone.holder import _kv
+a = Arena.create(1 << 20, "cpu")
+_kv(sys.argv[1]).put("requests", sys.argv[2], {"descriptor": a.export().to_dict(), "request": "r", "pid": os.getpid()})
+print("asked", flush=True)
+time.sleep(60)
+"""
+
+
+def _engine_killed_after_asking(registry, name: str) -> None:
+    """An engine that asks the holder to keep its arena, then is killed (SIGKILL) before it is taken."""
+    import subprocess
+    import sys
+
+    engine = subprocess.Popen([sys.executable, "-c", _DEAD_ENGINE, str(registry), name], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert engine.stdout.readline().strip() == "asked"
+    finally:
+        engine.kill()
+        engine.communicate()
+
+
+def test_the_answers_to_engines_killed_before_their_hand_over_go_with_the_holder(tmp_path):
+    """An engine killed after asking, before the holder took its arena: the holder answers with an
+    error record, which had stayed after that holder stopped (or was killed), listed by every
+    ``hold --list``. A holder stopping removes its own; one starting removes a killed one's."""
+    from flashboot.flashclone.holder import Holder, list_held
+
+    from _clone_helpers import spawn_cli, stop, wait_until
+
+    registry = tmp_path / "registry"
+    first = spawn_cli("hold", "--registry", registry)
+    try:
+        wait_until(lambda: "holder ready" in (first.stdout.readline() or ""), 30, "the first holder", first)
+        _engine_killed_after_asking(registry, "a")
+        wait_until(lambda: "error" in (list_held(registry).get("a") or {}), 30, "the holder's answer", first)
+        first.kill()
+        first.communicate()
+    finally:
+        stop(first)
+    holder = Holder(registry=registry)
+    try:
+        assert list_held(registry) == {}
+        _engine_killed_after_asking(registry, "b")
+        assert holder.poll_once() == 1 and "has exited" in list_held(registry)["b"]["error"]
+    finally:
+        holder.close()
+    assert list_held(registry) == {}

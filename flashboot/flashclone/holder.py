@@ -440,17 +440,23 @@ class Holder:
         """The newest :data:`MAX_ERRORS` problems (``errors.dropped``: how many older ones went)."""
         self.errors += self.kv.drain_problems()  # a holder before this one, taken as gone
         self._stop = threading.Event()
+        self._answers: dict[str, str] = {}
+        """Names whose failed adoption this holder answered with an error record: its request id."""
         if isinstance(self.kv, _DirKV):
             self._drop_stale_records()
 
     def _drop_stale_records(self) -> None:
         """Remove the records of arenas a holder before this one kept (killed: SIGKILL, the OOM
-        killer). This holder has the registry's lock, so no other writes there, and their memory
-        went with that holder: they had stayed, listed by every ``hold --list`` after, until
-        someone removed them by hand. Each one removed is noted in ``errors``."""
+        killer), and its answers to failed adoptions. This holder has the registry's lock, so no
+        other writes there, and their memory went with that holder: they had stayed, listed by
+        every ``hold --list`` after, until someone removed them by hand. Each arena's record
+        removed is noted in ``errors``."""
         for name in self.kv.names("held"):
             try:
                 record = self.kv.get("held", name)
+                if record and "descriptor" not in record:  # a failed adoption's answer: its holder is gone
+                    self.kv.delete("held", name)
+                    continue
                 gone = holder_gone(record) if record and "descriptor" in record else None
                 if gone is not None:
                     self.kv.delete("held", name)
@@ -554,6 +560,7 @@ class Holder:
                 if req.get("op") != "release":  # answered: the engine stops waiting
                     try:
                         self.kv.put("held", name, {"error": str(exc), "request": str(req.get("request", ""))})
+                        self._answers[name] = str(req.get("request", ""))
                     except FlashBootError as put_exc:
                         self.errors.append(f"{name}: could not answer: {put_exc}")
             self._forget_request(name)
@@ -581,12 +588,22 @@ class Holder:
         self._stop.set()
 
     def close(self) -> None:
-        """Release every held arena and withdraw its name."""
+        """Release every held arena and withdraw its name, and the error records that answered
+        failed adoptions (an engine killed before its arena was taken): they had stayed, listed by
+        every ``hold --list`` after this holder stopped."""
         for name in list(self.held):
             try:
                 self.release(name)
             except FlashBootError as exc:
                 self.errors.append(f"{name}: {exc}")
+        answers, self._answers = self._answers, {}
+        for name, request in answers.items():
+            try:
+                record = self.kv.get("held", name)
+                if record is not None and "error" in record and record.get("request") == request:
+                    self.kv.delete("held", name)
+            except FlashBootError as exc:
+                self.errors.append(f"{name}: its error record stays: {exc}")
         self.kv.close()
 
     def __enter__(self) -> "Holder":
