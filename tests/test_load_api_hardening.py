@@ -218,3 +218,14 @@ def test_a_restart_from_a_holder_checks_the_options_before_it_maps_the_held_aren
             options = {"rank": 0, **bad}
             with pytest.raises(FlashBootError, match=refused.replace("(", "\\(")):
                 flashboot.load(qwen, options.pop("rank"), "cpu", holder=registry, **options)
+
+
+def test_every_plain_load_lists_the_one_time_costs_prepare_would_have_paid(qwen, tmp_path):
+    with flashboot.load(qwen, 0, "cpu", shm_dir=tmp_path / "shm") as loaded:  # streamed: had listed none
+        r = loaded.report
+        assert r.details["source"] == "disk"
+        assert r.details["one_time_ms"] == {k: round(v, 3) for k, v in
+                                            (("metadata", r.metadata_ms), ("arena", r.alloc_ms), ("views", r.bind_ms))}
+    handle = flashboot.prepare(qwen, 0, "cpu", shm_dir=tmp_path / "shm")
+    with flashboot.load(qwen, 0, "cpu", prepared=handle) as loaded:  # prepare paid them
+        assert "one_time_ms" not in loaded.report.details

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import FlashBootError, LayoutError
 from .choose import choose
-from .landing import DEFAULT_CHUNK_BYTES, admit
+from .landing import DEFAULT_CHUNK_BYTES, admit, one_time_costs
 from .prepared import PreparedLoad, load_prepared
 from .report import LoadedImage, LoadReport
 from .sources import source_for_mode
@@ -113,6 +113,8 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     # whatever the source), so a load from the staged copy had not said so
     loaded.report.details.setdefault("source", source.name)
     loaded.report.details.setdefault("source_why", why)
+    if prepared is None:  # every source's plain load says what prepare() would have paid at start-up (a stream had not)
+        loaded.report.details.setdefault("one_time_ms", one_time_costs(loaded.report, pin=loaded.report.pin_ms))
     if "verified" not in loaded.report.details:
         loaded.report.details["verify_skipped"] = prepared.verify_skipped if request.verify is None else \
             request.why_not_verified
