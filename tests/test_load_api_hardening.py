@@ -229,3 +229,15 @@ def test_every_plain_load_lists_the_one_time_costs_prepare_would_have_paid(qwen,
     handle = flashboot.prepare(qwen, 0, "cpu", shm_dir=tmp_path / "shm")
     with flashboot.load(qwen, 0, "cpu", prepared=handle) as loaded:  # prepare paid them
         assert "one_time_ms" not in loaded.report.details
+
+
+def test_a_misspelt_expected_key_field_leaves_the_prepared_handle_usable(qwen):
+    handle = flashboot.prepare(qwen, 0, "cpu")
+    try:
+        with pytest.raises(LayoutError, match="expected key names unknown fields \\['tp'\\]; known: model_id"):
+            flashboot.load(qwen, 0, "cpu", prepared=handle, expected_key={"tp": 1})
+        # refused before the handle was claimed: its early copy is still there for the load that follows
+        with flashboot.load(qwen, 0, "cpu", prepared=handle, expected_key={"tp_size": 1}) as loaded:
+            assert loaded.report.details["source"] == "disk" and len(loaded.tensors) == loaded.report.tensors
+    finally:
+        handle.close()

@@ -57,12 +57,18 @@ def count_of(value, name: str, minimum: int, error: type = FlashBootError, *, op
 
 def check_expected_key(expected_key) -> None:
     """FlashBootError unless ``expected_key`` is None, an :class:`~flashboot.layouts.format.ImageKey`
-    or a mapping of its fields (a string had failed with a bare ValueError, after a served load's copy)."""
+    or a mapping of its fields (a string had failed with a bare ValueError, after a served load's
+    copy); LayoutError for a field no key has (it had used up a prepared handle, its copy discarded)."""
     from flashboot.layouts.format import ImageKey
 
     if expected_key is not None and not isinstance(expected_key, (ImageKey, Mapping)):
         raise FlashBootError(f"expected_key must be None, an ImageKey or a mapping of its fields, got "
                              f"{type(expected_key).__name__} {expected_key!r}")
+    if isinstance(expected_key, Mapping):  # a misspelt field: refused before a prepared handle is used up
+        unknown = set(expected_key) - set(ImageKey.FIELDS) - {"digest"}
+        if unknown:
+            raise LayoutError(f"expected key names unknown fields {sorted(unknown)}; known: "
+                              f"{', '.join(ImageKey.FIELDS)}")
 
 
 def check_staged(staged, image_dir, rank: int) -> None:
@@ -165,8 +171,8 @@ def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, s
                        expected_key, bool(served), staged, stream, stream_buffer_bytes, prepared)
 
 
-def check_options(image_dir, rank, *, timeout_s: float, served: bool, staged, prepared, shm_dir, chunk_bytes: int, tp,
-                  ep, expected_key, stream: bool | None, stream_buffer_bytes, prepared_class: type
+def check_options(image_dir, rank, *, timeout_s: float, served: bool, staged, prepared, shm_dir, chunk_bytes: int,
+                  tp, ep, expected_key, stream: bool | None, stream_buffer_bytes, prepared_class: type
                   ) -> tuple[int, int | None, int | None]:
     """(rank, tp, ep) as ints, once every option of :func:`flashboot.load` is checked: LayoutError
     for a bad rank, FlashBootError naming the options that exclude each other, a bad ``staged=``
