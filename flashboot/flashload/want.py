@@ -230,5 +230,5 @@ class Want:
     daemon: Any = None
 
 
-__all__ = ["VERIFY_BY_DEFAULT_ON_HOST", "LoadRequest", "Want", "check_expected_key", "check_job_request", "check_options",
-           "check_staged", "count_of", "image_path", "job_dir_of", "load_request", "verify_default"]
+__all__ = ["VERIFY_BY_DEFAULT_ON_HOST", "LoadRequest", "Want", "check_expected_key", "check_job_request",
+           "check_options", "check_staged", "count_of", "image_path", "job_dir_of", "load_request", "verify_default"]
