@@ -70,6 +70,13 @@ def test_the_image_directory_may_be_bytes_and_anything_else_that_is_no_path_is_r
             flashboot.load(bad, 0, "cpu")
 
 
+def test_an_empty_image_path_is_refused_not_read_as_the_current_directory(qwen, monkeypatch):
+    monkeypatch.chdir(qwen)  # an image is there: '' had loaded it
+    for empty in ("", b""):
+        with pytest.raises(FlashBootError, match="the image directory is an empty path"):
+            flashboot.load(empty, 0, "cpu")
+
+
 @pytest.mark.parametrize("option, refused", [
     ({"tp": "1"}, "tp must be None or an int >= 1, got '1'"),  # had been "packed for tp=1, requested tp=1"
     ({"tp": True}, "tp must be None or an int >= 1, got True"),  # had been taken for tp=1

@@ -18,10 +18,13 @@ def image_path(image_dir) -> str:
     FlashBootError naming the type for anything else (None, an int: had been a bare TypeError
     from deep inside the metadata read)."""
     try:
-        return os.fsdecode(os.fspath(image_dir))
+        path = os.fsdecode(os.fspath(image_dir))
     except TypeError:
         raise FlashBootError(f"the image directory must be a path (str, os.PathLike or bytes), got "
                              f"{type(image_dir).__name__} {image_dir!r}") from None
+    if not path:  # os.path reads '' as the current directory: an unset variable had loaded whatever image was there
+        raise FlashBootError(f"the image directory is an empty path ({image_dir!r}); name the image's directory")
+    return path
 
 
 def job_dir_of(image_dir: str, rank: int) -> str:
