@@ -228,7 +228,8 @@ def test_link_cut_mid_transfer_ends_by_the_deadline(hosts):
     rc, r, err = _report(c1, timeout_s=120)
     assert rc == 3, (r, err[-2000:])
     # NIXL leaves the READ in progress forever; our deadline (or the store's, also across the cut link) ends it
-    assert r["error"] in ("WaitTimeoutError", "RendezvousError", "CloneError"), r
+    # (StoreSilentError: the store's own call, across the cut link, unanswered within the deadline)
+    assert r["error"] in ("WaitTimeoutError", "StoreSilentError", "RendezvousError", "CloneError"), r
     assert "5 s" in r["message"] or "timed out" in r["message"].lower() or "step" in r["message"], r
     assert time.monotonic() - t_cut < 100
 
