@@ -248,3 +248,53 @@ def test_a_misspelt_expected_key_field_leaves_the_prepared_handle_usable(qwen):
             assert loaded.report.details["source"] == "disk" and len(loaded.tensors) == loaded.report.tensors
     finally:
         handle.close()
+
+
+def test_prepare_checks_its_arguments_as_a_load_does(qwen):
+    """prepare() had looked for a bytes path as "b'/path'", refused a rank numpy computed, taken a
+    tp of "1" or an expected_key string only to fail at the load, and kept a rank's directory
+    that the load, given it too, then refused as another image."""
+    import numpy as np
+
+    handle = flashboot.prepare(bytes(qwen), np.int64(0), "cpu")  # as os takes paths; a numpy rank
+    try:
+        assert handle.image_dir == str(qwen) and handle.rank == 0 and type(handle.rank) is int
+    finally:
+        handle.close()
+    for options, refused in (({"tp": "1"}, "tp must be None or an int >= 1, got '1'"),
+                             ({"ep": True}, "ep must be None or an int >= 1, got True"),
+                             ({"expected_key": "qwen"}, "expected_key must be None, an ImageKey or a mapping")):
+        with pytest.raises(FlashBootError, match=refused):
+            flashboot.prepare(qwen, 0, "cpu", **options)
+    handle = flashboot.prepare(qwen / "rank-0", 0, "cpu")
+    try:
+        with flashboot.load(qwen / "rank-0", 0, "cpu", prepared=handle) as loaded:
+            assert len(loaded.tensors) == loaded.report.tensors
+    finally:
+        handle.close()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, "5", True])
+def test_a_prepared_handles_wait_and_close_refuse_a_bad_bound(qwen, bad):
+    handle = flashboot.prepare(qwen, 0, "cpu")
+    try:
+        with pytest.raises(FlashBootError, match=r"wait timeout_s must be a finite number of seconds in \[0, "):
+            handle.wait(bad)
+        with pytest.raises(FlashBootError, match=r"close timeout_s must be a finite number of seconds in \[0, "):
+            handle.close(bad)
+        assert handle.wait(30) is handle and handle.wait(0) is handle  # 0: do not wait
+    finally:
+        handle.close()
+    assert "closed)" in repr(handle)
+
+
+def test_a_prepared_load_reports_what_prepare_verified_whatever_the_load_asked(qwen):
+    """prepare(verify=True) checked the copy; a load then called with verify=False reported it
+    "not verified"."""
+    handle = flashboot.prepare(qwen, 0, "cpu", verify=True)
+    try:
+        with flashboot.load(qwen, 0, "cpu", prepared=handle, verify=False) as loaded:
+            assert "checked by flashboot.prepare" in loaded.report.details["verified"], loaded.report.details
+            assert "not verified" not in loaded.report.summary()
+    finally:
+        handle.close()

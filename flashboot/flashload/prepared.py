@@ -56,7 +56,7 @@ from .landing import admit, verify_loaded
 from .report import LoadedImage, LoadReport
 from .stream import StreamConfig
 from .views import make_views
-from .want import LoadRequest, verify_default
+from .want import LoadRequest, check_expected_key, count_of, image_path, job_dir_of, verify_default
 
 if TYPE_CHECKING:
     from flashboot.layouts.image import FileIdentity
@@ -149,9 +149,13 @@ class PreparedLoad:
                  expected_key, stream_buffer_bytes=None, verify: bool | None = None):
         if mode not in MODES:
             raise FlashBootError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise LayoutError(f"rank must be a non-negative int, got {rank!r}")
-        self.image_dir, self.rank, self.device = str(image_dir), rank, Device.parse(device)
+        # checked as a load checks them (want.py): a bytes path had been looked for as "b'/path'", a
+        # numpy rank refused, a bad tp/ep/key surfaced only at the load, and a rank's directory
+        # named for its job had been refused by the load that was given it too
+        rank = count_of(rank, "rank", 0, LayoutError, optional=False)
+        tp, ep = count_of(tp, "tp", 1), count_of(ep, "ep", 1)
+        check_expected_key(expected_key)
+        self.image_dir, self.rank, self.device = job_dir_of(image_path(image_dir), rank), rank, Device.parse(device)
         self.real_dir = os.path.realpath(self.image_dir)
         self.timeout_s, self.shm_dir = check_timeout(timeout_s, "prepare timeout_s"), shm_dir
         self.tp, self.ep, self.expected_key = tp, ep, expected_key
@@ -456,7 +460,7 @@ class PreparedLoad:
         """Block until the preparation and its early copy are done; returns self or raises what it
         raised (WaitTimeoutError after ``timeout_s``, default the handle's plus
         :data:`PREPARE_ALLOWANCE_S`)."""
-        limit = self.timeout_s + PREPARE_ALLOWANCE_S if timeout_s is None else timeout_s
+        limit = self.timeout_s + PREPARE_ALLOWANCE_S if timeout_s is None else _bound(timeout_s, "wait")
         if not self._done.wait(limit):
             raise WaitTimeoutError(f"preparing the load of rank {self.rank} of {self.image_dir} onto {self.device} did "
                                    f"not finish within {limit:g} s (phases so far: {self._phases_text()})")
@@ -553,6 +557,7 @@ class PreparedLoad:
         bulk copy, the stream) cannot be cut short, so this waits for it up to ``timeout_s``. If it
         is still running then, WaitTimeoutError, and the background thread releases the memory
         when the copy ends: memory a copy still writes into is never unmapped."""
+        _bound(timeout_s, "close")
         with self._claim:
             if self._closed or self._claimed_by is not None:
                 return
@@ -574,10 +579,21 @@ class PreparedLoad:
         return ", ".join(f"{k} {v:.1f} ms" for k, v in self.phases_ms.items()) or "none"
 
     def __repr__(self) -> str:
-        state = ("failed" if self._error else "closed" if self._closed else "used" if self._claimed_by else
+        state = ("closed" if self._closed else "failed" if self._error else "used" if self._claimed_by else
                  "ready" if self.done else "preparing")
         return (f"PreparedLoad(rank {self.rank} of {self.image_dir!r} -> {self.device}, {self.mode or '?'}, "
                 f"{self.nbytes:,} bytes, {state})")
+
+
+def _bound(timeout_s, what: str) -> float:
+    """A wait's bound in seconds, 0 (do not wait) allowed; FlashBootError naming ``what`` for
+    anything else: NaN had waited forever, inf raised OverflowError and "5" a bare TypeError."""
+    from ..units import MAX_TIMEOUT_S, is_finite_number
+
+    if not is_finite_number(timeout_s) or not 0 <= timeout_s <= MAX_TIMEOUT_S:
+        raise FlashBootError(f"{what} timeout_s must be a finite number of seconds in [0, {MAX_TIMEOUT_S:g}], got "
+                             f"{timeout_s!r}")
+    return float(timeout_s)
 
 
 _live: "weakref.WeakSet[PreparedLoad]" = weakref.WeakSet()
@@ -678,7 +694,7 @@ def load_prepared(request: LoadRequest) -> LoadedImage:
                           # > 0: the weights were in place that long before the load was called
                           "ready_before_load_ms": max(0.0, (t_start - prepared.finished) * 1e3)}
         prepared.load_source.report_prepared(report, prepared, dev)
-        if verify and copy.get("verified"):
+        if copy.get("verified"):  # checked: said whether or not this load asked (it had said "not verified")
             report.details["verified"] = copy["verified"] + " (checked by flashboot.prepare once its copy ended)"
         elif verify:
             verify_loaded(arena, meta, f"{prepared.image.path} (rank {rank}) loaded into {dev}", report)

@@ -164,8 +164,7 @@ def load_request(image_dir, rank, device, *, t_start: float, timeout_s: float, s
     elif prepared is None:  # a prepared handle chose when it knew its source: the load takes its choice
         verify, why_not = verify_default(dev, by_daemon=served)
     rank = count_of(rank, "rank", 0, LayoutError, optional=False)
-    if prepared is None:  # a handle keeps the path it was prepared with (its check compares them)
-        image_dir = job_dir_of(image_dir, rank)
+    image_dir = job_dir_of(image_dir, rank)  # as prepare() takes it: its handle's check compares them
     rank, tp, ep = check_options(image_dir, rank, timeout_s=timeout_s, served=served, staged=staged,
                                  prepared=prepared, shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp, ep=ep,
                                  expected_key=expected_key, stream=stream, stream_buffer_bytes=stream_buffer_bytes,
