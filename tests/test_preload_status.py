@@ -121,3 +121,29 @@ def test_status_lists_leftover_folders_of_failed_preloads(image, shm, capsys):
     out = capsys.readouterr().out
     leftovers = [line for line in out.splitlines() if line.startswith("  leftover: ")]
     assert len(leftovers) == 1 and str(left) in leftovers[0] and "preload.log" in leftovers[0]  # not the staged one
+
+
+def test_status_names_what_killed_stagers_and_engines_left_taking_memory(image, shm):
+    """A preloader killed mid-stage leaves its ``.partial`` reserved whole: status said only
+    "not staged: .ready absent". A copy engines staged for their own loads, all of them killed
+    before they let it go, stays: status said the last engine to load it removes it."""
+    paths = shm_files.staged_paths(image, 0, shm)
+    paths.dir.mkdir(parents=True)
+    paths.partial.write_bytes(bytes(12_288))  # as a killed stager leaves it: no lock held, no .ready
+    (line,) = rank_states(image, [0], shm)
+    assert line.state == "not staged" and f"{paths.partial} (12,288 bytes), left by a stager that died" in line.detail
+    assert f"`flashboot preload {image} --unstage` removes it" in line.detail
+    staging.unstage(image, shm_dir=shm)
+    assert not paths.partial.exists()
+
+    copy = staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm)
+    try:
+        (line,) = rank_states(image, [0], shm)
+        assert line.state == "staged" and "the last engine to load it removes it" in line.detail, line
+        os.close(copy._fd)  # the engine killed: the kernel drops its lock, nothing removes the copy
+        copy._fd = None
+        (line,) = rank_states(image, [0], shm)
+        assert line.state == "staged" and "no engine holds it now" in line.detail, line
+        assert f"`flashboot preload {image} --unstage` removes it" in line.detail
+    finally:
+        staging.unstage(image, shm_dir=shm)

@@ -55,7 +55,11 @@ def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict |
             return RankState(rank, "staging", f"by pid {lock_signer(paths.lock)} (no preloader: an engine staging "
                                               f"its own copy, which the last engine to load it removes){so_far}")
         if preloader_pid is None:
-            return RankState(rank, "not staged", f"{paths.ready} absent")
+            left = _size(paths.partial)  # a stager killed mid-copy: its file, reserved whole, still takes memory
+            return RankState(rank, "not staged", f"{paths.ready} absent" + (
+                "" if left is None else f"; {paths.partial} ({left:,} bytes), left by a stager that died, still takes "
+                                        f"its memory: `flashboot preload {image_dir} --unstage` removes it (a stage "
+                                        "of the rank replaces it)"))
         so_far = _staging_progress(paths.partial, source.nbytes)
         return RankState(rank, "staging", f"by preloader pid {preloader_pid}{so_far}")
     except LayoutError as exc:
@@ -71,8 +75,14 @@ def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict |
         return RankState(rank, "truncated", f"{paths.image} is {found}, its .ready records {info.nbytes:,} bytes; "
                                             f"re-stage it: `flashboot preload {image_dir}`")
     numa = info.numa_node if info.numa_node is not None else "-"
-    engines = (f"; staged by an engine for its own load (pid {info.pid}): the last engine to load it removes it "
-               f"(`flashboot preload {image_dir}` keeps it)" if _size(paths.inline) is not None else "")
+    engines = ""
+    if _size(paths.inline) is not None:
+        holders = _flock_pids(paths.users)
+        engines = (f"; staged by an engine for its own load (pid {info.pid}), and no engine holds it now (they "
+                   f"were killed before they let it go): `flashboot preload {image_dir} --unstage` removes it, "
+                   f"`flashboot preload {image_dir}` keeps it" if holders == [] else
+                   f"; staged by an engine for its own load (pid {info.pid}): the last engine to load it removes it "
+                   f"(`flashboot preload {image_dir}` keeps it)")
     return RankState(rank, "staged", f"{info.nbytes:,} bytes at {info.staged} ({info.io_mode}, {info.gbps:.2f} GB/s, "
                                      f"NUMA {numa}){engines}")
 
@@ -104,6 +114,27 @@ def _staging_progress(partial, nbytes: int) -> str:
     if _size(partial) is None:
         return f", {nbytes:,} bytes to stage"
     return f", {nbytes:,} bytes to stage into {partial} (bytes copied so far unknown: the file is reserved whole)"
+
+
+def _flock_pids(path) -> list[int] | None:
+    """The pids that hold a flock on ``path``, from ``/proc/locks`` (read, not tried: a status's own
+    try-lock of ``.users`` would race the last engine's check that no other holds it); ``[]``
+    where the file is gone, None where the locks cannot be read."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return []
+    except OSError:
+        return None
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    # "1: FLOCK  ADVISORY  READ  1234 00:2c:5678 0 EOF"; a waiter's line reads "1: -> FLOCK ..."
+    return [int(parts[4]) for parts in map(str.split, lines)
+            if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == inode]
 
 
 def _size(path) -> int | None:
