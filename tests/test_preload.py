@@ -97,6 +97,14 @@ def test_wait_ready_times_out_naming_the_path(image, shm):
         shm_files.wait_ready(image, 0, timeout_s=0.2, shm_dir=shm)
     assert time.monotonic() - t0 >= 0.2
     assert str(path) in str(e.value) and "no preloader is running" in str(e.value)
+    # a preloader killed: its pid file stays; the wait names it and its log (it had said only "none runs")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid_path = shm_files.pid_file(image, shm)
+    pid_path.parent.mkdir(parents=True, exist_ok=True)
+    pid_path.write_text(json.dumps({"pid": int(dead.stdout), "start_time": 1}))
+    with pytest.raises(WaitTimeoutError, match=rf"no preloader is running \(the one its pid file names, pid "
+                                               rf"{int(dead.stdout)}, was killed: its log .*preload.log\)"):
+        shm_files.wait_ready(image, 0, timeout_s=0.2, shm_dir=shm)
 
 
 def test_ready_from_another_prepack_is_refused(image, shm):

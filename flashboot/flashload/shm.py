@@ -400,8 +400,11 @@ def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None,
                                  f"{timeout_s - max(0.0, deadline - time.monotonic()):.1f} of {timeout_s:g} s")
         if time.monotonic() >= deadline:
             running = _running_pid(pid_file(image_dir, shm_dir))
+            dead = None if running else (_read_pid_file(pid_file(image_dir, shm_dir)) or {}).get("pid")
             who = (f"a preloader is running (pid {running})" if running else
-                   f"no preloader is running: start one with `flashboot preload {image_dir} --ranks {rank}`")
+                   ("no preloader is running" + (f" (the one its pid file names, pid {dead}, was killed: its log "
+                                                 f"{log_file(image_dir, shm_dir)})" if dead and dead > 0 else "")
+                    + f": start one with `flashboot preload {image_dir} --ranks {rank}`"))
             raise WaitTimeoutError(f"waited {timeout_s:g} s for {paths.ready} (rank {rank} of {image_dir} staged); {who}")
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 0.05)
