@@ -82,6 +82,8 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
                                      prepared=prepared, shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp, ep=ep,
                                      expected_key=expected_key, stream=stream,
                                      stream_buffer_bytes=stream_buffer_bytes, prepared_class=PreparedLoad)
+        if stream_buffer_bytes is not None:  # refused whether or not it would stream (want.py may not import stream)
+            StreamConfig.of(stream_buffer_bytes)
         return load_or_restore(image_dir, rank, device, holder, timeout_s=timeout_s, served=served, staged=staged,
                                prepared=prepared, verify=verify, shm_dir=shm_dir, chunk_bytes=chunk_bytes, tp=tp,
                                ep=ep, expected_key=expected_key, stream=stream,

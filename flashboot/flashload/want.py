@@ -180,9 +180,8 @@ def check_options(image_dir, rank, *, timeout_s: float, served: bool, staged, pr
     for a bad rank, FlashBootError naming the options that exclude each other, a bad ``staged=``
     or a ``prepared=`` that is no ``prepared_class``. Nothing is read or allocated: a restart
     from a holder (``holder=``) checks them too, before it maps a held arena (it had restarted
-    with a stream size of 0, a NaN timeout or ``served=True, stream=True`` taken unchecked)."""
-    from .stream import StreamConfig
-
+    with a stream size of 0, a NaN timeout or ``served=True, stream=True`` taken unchecked). The
+    stream size itself is the caller's to check (``StreamConfig.of``: this layer is below the stream)."""
     rank = count_of(rank, "rank", 0, LayoutError, optional=False)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise FlashBootError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
@@ -198,8 +197,6 @@ def check_options(image_dir, rank, *, timeout_s: float, served: bool, staged, pr
         # a load that never streams has no ring: the size had been taken and ignored (as the CLI refuses it)
         never = "served=True" if served else "staged=" if staged is not None else "stream=False"
         raise FlashBootError(f"stream_buffer_bytes sizes a streamed load's ring; a {never} load never streams")
-    if stream_buffer_bytes is not None:  # refused whether or not it streams, on every path
-        StreamConfig.of(stream_buffer_bytes)
     if staged is not None and shm_dir is not None:
         from .shm import shm_root
 
