@@ -298,3 +298,15 @@ def test_a_prepared_load_reports_what_prepare_verified_whatever_the_load_asked(q
             assert "not verified" not in loaded.report.summary()
     finally:
         handle.close()
+
+
+def test_a_closed_prepared_load_leaves_its_handle_no_views_into_freed_memory(qwen):
+    """After a prepared load was closed, ``handle.tensors`` still held every view into the freed
+    arena (the image's dict had been replaced, the handle's kept)."""
+    handle = flashboot.prepare(qwen, 0, "cpu")
+    loaded = flashboot.load(qwen, 0, "cpu", prepared=handle)
+    held = loaded.tensors
+    assert handle.tensors is held and len(held) == loaded.report.tensors > 0
+    loaded.close()
+    # lengths only: printing a dangling view reads freed memory (the test process had died on it)
+    assert (len(handle.tensors), len(held), len(loaded.tensors)) == (0, 0, 0)
