@@ -664,12 +664,10 @@ def _holder_fate(kv) -> str:
     pid = lock_signer(kv.path / kv.LOCK)
     if not pid.isdigit():
         return ""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        state = "X"
-    if state in ("X", "Z"):
+    from ..flashload.shm import process_state
+
+    state = process_state(pid)
+    if state == "X":
         return f"its holder (pid {pid}) has exited: start `flashboot hold --registry {kv.path}` again"
     if state in ("T", "t"):
         return f"its holder (pid {pid}) is stopped (process state {state}): resume it (kill -CONT) or restart it"

@@ -24,6 +24,7 @@ from .shm import (
     _running_pid,
     check_socket_path,
     pid_file,
+    process_state,
     read_ready,
     socket_path,
     staged_paths,
@@ -83,13 +84,11 @@ def _connect(path: Path, timeout_s: float) -> socket.socket:
 def _dead_daemon(sock: Path) -> str:
     """Where the pid file beside ``sock`` names a preloader that is gone (killed: a clean stop
     removes it), that it has exited; '' otherwise."""
-    from .shm import _read_pid_file
+    from .shm import PID_FILE, dead_pid  # its socket's folder is its pid file's
 
-    d = _read_pid_file(sock.parent / "preload.pid")
-    if not d or d["pid"] <= 0 or _running_pid(sock.parent / "preload.pid"):
-        return ""
-    return (f"its preloader (pid {d['pid']}) has exited without stopping (killed?): start `flashboot preload DIR "
-            "--serve` again")
+    dead = dead_pid(sock.with_name(PID_FILE))
+    return "" if dead is None else (f"its preloader (pid {dead}) has exited without stopping (killed?): start "
+                                    "`flashboot preload DIR --serve` again")
 
 
 PRELOADER_UID_ENV = "FLASHBOOT_PRELOADER_UID"
@@ -169,10 +168,9 @@ def _raise_if_stopped(sock: socket.socket, path: Path, what: str, since: float |
         return
     try:
         pid = peer_credentials(sock).pid
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):  # another pid namespace (pid 0), or gone: the reply's wait says so
+    except OSError:
         return
+    state = process_state(pid)  # pid 0 (another pid namespace), or gone: "X", and the reply's wait says so
     if state in ("T", "t"):
         raise WaitTimeoutError(f"the preloader at {path} (pid {pid}) is stopped (process state {state}: SIGSTOP, a "
                                f"debugger or a frozen cgroup) and did not answer {what} within the load's timeout; "

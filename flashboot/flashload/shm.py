@@ -130,8 +130,12 @@ def staged_paths(image_dir, rank: int, shm_dir=None) -> StagedPaths:
                        d / f"rank-{rank}.lock", d / f"rank-{rank}.users", d / f"rank-{rank}.inline")
 
 
+PID_FILE = "preload.pid"
+"""The preloader's pid file, beside its socket in the image's staging folder."""
+
+
 def pid_file(image_dir, shm_dir=None) -> Path:
-    return staging_dir(image_dir, shm_dir) / "preload.pid"
+    return staging_dir(image_dir, shm_dir) / PID_FILE
 
 
 def log_file(image_dir, shm_dir=None) -> Path:
@@ -400,10 +404,10 @@ def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None,
                                  f"{timeout_s - max(0.0, deadline - time.monotonic()):.1f} of {timeout_s:g} s")
         if time.monotonic() >= deadline:
             running = _running_pid(pid_file(image_dir, shm_dir))
-            dead = None if running else (_read_pid_file(pid_file(image_dir, shm_dir)) or {}).get("pid")
+            dead = None if running else dead_pid(pid_file(image_dir, shm_dir))
             who = (f"a preloader is running (pid {running})" if running else
                    ("no preloader is running" + (f" (the one its pid file names, pid {dead}, was killed: its log "
-                                                 f"{log_file(image_dir, shm_dir)})" if dead and dead > 0 else "")
+                                                 f"{log_file(image_dir, shm_dir)})" if dead else "")
                     + f": start one with `flashboot preload {image_dir} --ranks {rank}`"))
             raise WaitTimeoutError(f"waited {timeout_s:g} s for {paths.ready} (rank {rank} of {image_dir} staged); {who}")
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
@@ -412,16 +416,28 @@ def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None,
 
 
 # ============================================================================ the pid file
+def _proc_stat(pid) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (``[0]`` the state, ``[19]`` the start
+    time in clock ticks), None when there is no such process here."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def process_state(pid) -> str:
+    """The state letter of process ``pid`` (``R``, ``S``, ``T``/``t`` stopped: a SIGSTOP, a
+    debugger, a frozen cgroup), or ``X`` when it has exited (gone, or a zombie)."""
+    fields = _proc_stat(pid)
+    return "X" if fields is None or fields[0] == "Z" else fields[0]
+
+
 def _proc_start_time(pid: int) -> int | None:
     """Field 22 of /proc/PID/stat (start time in clock ticks), None when the process is gone
     (or has exited and waits, a zombie, to be reaped by its parent)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+    fields = _proc_stat(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _read_pid_file(path: Path) -> dict | None:
@@ -460,6 +476,13 @@ def _running_pid(path: Path) -> int | None:
         return None
     start = _proc_start_time(d["pid"])
     return d["pid"] if start is not None and start == d.get("start_time") else None
+
+
+def dead_pid(path: Path) -> int | None:
+    """The pid a stale pid file ``path`` names: its preloader was killed (a clean stop removes the
+    file), for a wait that runs out to name it; None where none is named or it still runs."""
+    d = _read_pid_file(path)
+    return d["pid"] if d and d["pid"] > 0 and not _running_pid(path) else None
 
 
 @dataclass(frozen=True)
