@@ -28,6 +28,7 @@ import time
 
 from .errors import RendezvousError, WaitTimeoutError
 from .gil_time import gil_free
+from .units import limit_text
 
 SYS_PIDFD_GETFD = 438
 """``pidfd_getfd`` in the unified syscall table (x86_64 and aarch64 alike); Python has no wrapper."""
@@ -203,12 +204,9 @@ def recv_fds(sock: socket.socket, max_fds: int = 1, *, timeout_s: float = 30.0,
         for fd in fds:
             os.close(fd)
         # the kernel also truncates when this process has no free fd to install them in
-        import resource
-
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         raise RendezvousError(f"fds sent with a message were dropped and all closed: the peer sent more than "
-                              f"{max_fds}, or this process had no free fd for them (`ulimit -n` "
-                              f"{'unlimited' if soft == resource.RLIM_INFINITY else f'{soft:,}'})")
+                              f"{max_fds}, or this process had no free fd for them (`ulimit -n` {limit_text(soft)})")
     if fds and flags & socket.MSG_TRUNC:  # the rest of the message is gone: refused, not read as a shorter one
         for fd in fds:
             os.close(fd)

@@ -18,6 +18,7 @@ import time
 from typing import Callable
 
 from .errors import CapabilityError, FlashBootError, ImageReadError, LayoutError
+from .units import limit_text
 
 DIRECT_ALIGNMENT = 4096
 
@@ -53,7 +54,7 @@ def out_of_fds(exc: OSError) -> str | None:
 
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         return (f"this process has all the {soft:,} files open that it may (`ulimit -n`; the hard limit is "
-                f"{'unlimited' if hard == resource.RLIM_INFINITY else f'{hard:,}'})")
+                f"{limit_text(hard)})")
     if exc.errno == errno.ENFILE:
         return "the system's table of open files is full (fs.file-max)"
     return None

@@ -301,10 +301,9 @@ def thread_refused(what: str, exc: RuntimeError) -> FlashBootError:
     its stack (``ulimit -v``), with the limits this process has."""
     import resource
 
-    def shown(limit: int) -> str:
-        return "unlimited" if limit == resource.RLIM_INFINITY else f"{limit:,}"
+    from .units import limit_text
 
     nproc, vm = resource.getrlimit(resource.RLIMIT_NPROC)[0], resource.getrlimit(resource.RLIMIT_AS)[0]
     return FlashBootError(f"{what}: a thread could not be started ({exc}): this process may start no more "
-                          f"(`ulimit -u`: {shown(nproc)} processes and threads of its user; or a container's pids "
-                          f"limit) or map no more stacks (`ulimit -v`: {shown(vm)} bytes)")
+                          f"(`ulimit -u`: {limit_text(nproc)} processes and threads of its user; or a container's "
+                          f"pids limit) or map no more stacks (`ulimit -v`: {limit_text(vm)} bytes)")

@@ -86,11 +86,20 @@ def is_finite_number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def check_timeout(value, what: str, error: type[FlashBootError] = FlashBootError) -> float:
-    """``value`` as a float of seconds in (0, :data:`MAX_TIMEOUT_S`], or ``error`` naming ``what``:
-    NaN had spun a thread forever (no deadline is ever reached), inf raised OverflowError."""
-    if not is_finite_number(value) or not 0 < value <= MAX_TIMEOUT_S:
-        raise error(f"{what} must be a finite number of seconds in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
+def limit_text(limit: int) -> str:
+    """A resource limit (``resource.getrlimit``'s) as an error names it: ``unlimited`` or ``1,024``."""
+    import resource
+
+    return "unlimited" if limit == resource.RLIM_INFINITY else f"{limit:,}"
+
+
+def check_timeout(value, what: str, error: type[FlashBootError] = FlashBootError, *, zero_ok: bool = False) -> float:
+    """``value`` as a float of seconds in (0, :data:`MAX_TIMEOUT_S`] (``[0, ...]`` with ``zero_ok``:
+    a wait that may also not wait), or ``error`` naming ``what``: NaN had spun a thread forever (no
+    deadline is ever reached), inf raised OverflowError."""
+    if not is_finite_number(value) or not (0 <= value if zero_ok else 0 < value) or value > MAX_TIMEOUT_S:
+        raise error(f"{what} must be a finite number of seconds in {'[' if zero_ok else '('}0, {MAX_TIMEOUT_S:g}], "
+                    f"got {value!r}")
     return float(value)
 
 

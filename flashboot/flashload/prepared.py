@@ -460,7 +460,8 @@ class PreparedLoad:
         """Block until the preparation and its early copy are done; returns self or raises what it
         raised (WaitTimeoutError after ``timeout_s``, default the handle's plus
         :data:`PREPARE_ALLOWANCE_S`)."""
-        limit = self.timeout_s + PREPARE_ALLOWANCE_S if timeout_s is None else _bound(timeout_s, "wait")
+        limit = (self.timeout_s + PREPARE_ALLOWANCE_S if timeout_s is None else
+                 check_timeout(timeout_s, "wait timeout_s", zero_ok=True))
         if not self._done.wait(limit):
             raise WaitTimeoutError(f"preparing the load of rank {self.rank} of {self.image_dir} onto {self.device} did "
                                    f"not finish within {limit:g} s (phases so far: {self._phases_text()})")
@@ -557,7 +558,7 @@ class PreparedLoad:
         bulk copy, the stream) cannot be cut short, so this waits for it up to ``timeout_s``. If it
         is still running then, WaitTimeoutError, and the background thread releases the memory
         when the copy ends: memory a copy still writes into is never unmapped."""
-        _bound(timeout_s, "close")
+        check_timeout(timeout_s, "close timeout_s", zero_ok=True)  # NaN had waited forever, inf OverflowError
         with self._claim:
             if self._closed or self._claimed_by is not None:
                 return
@@ -583,17 +584,6 @@ class PreparedLoad:
                  "ready" if self.done else "preparing")
         return (f"PreparedLoad(rank {self.rank} of {self.image_dir!r} -> {self.device}, {self.mode or '?'}, "
                 f"{self.nbytes:,} bytes, {state})")
-
-
-def _bound(timeout_s, what: str) -> float:
-    """A wait's bound in seconds, 0 (do not wait) allowed; FlashBootError naming ``what`` for
-    anything else: NaN had waited forever, inf raised OverflowError and "5" a bare TypeError."""
-    from ..units import MAX_TIMEOUT_S, is_finite_number
-
-    if not is_finite_number(timeout_s) or not 0 <= timeout_s <= MAX_TIMEOUT_S:
-        raise FlashBootError(f"{what} timeout_s must be a finite number of seconds in [0, {MAX_TIMEOUT_S:g}], got "
-                             f"{timeout_s!r}")
-    return float(timeout_s)
 
 
 _live: "weakref.WeakSet[PreparedLoad]" = weakref.WeakSet()

@@ -16,6 +16,7 @@ from typing import Callable
 from ..errors import ChecksumMismatchError, FlashBootError, ImageReadError
 from ..fileio import DIRECT_ALIGNMENT, io_buffer, read_exactly
 from ..memory import map_refused, thread_refused
+from ..units import limit_text
 from .shm import RankSource
 
 # Module-level so tests can simulate a full /dev/shm without mounting a tiny tmpfs, and a disk
@@ -45,7 +46,7 @@ def write_failed(path: str, what: str, exc: OSError) -> FlashBootError:
 
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         why += ("; this process may write files of at most "
-                f"{'unlimited' if limit == resource.RLIM_INFINITY else f'{limit:,}'} bytes (`ulimit -f`)")
+                f"{limit_text(limit)} bytes (`ulimit -f`)")
     return FlashBootError(f"{path}: {what} failed: {why}; the rank is not staged (partial file removed)")
 
 
