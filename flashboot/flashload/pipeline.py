@@ -19,7 +19,6 @@ Three ways to pay the pin (``cuMemHostRegister``, about a third of the H2D rate)
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -30,7 +29,7 @@ from .prepared import PreparedLoad, load_prepared
 from .report import LoadedImage, LoadReport
 from .sources import source_for_mode
 from .stream import StreamConfig
-from .want import LoadRequest, Want, check_options, image_path, load_request
+from .want import LoadRequest, Want, check_options, check_same_root, image_path, load_request
 
 
 # ===================================================================================== load
@@ -126,12 +125,7 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
 def _check_same_as_prepared(prepared, shm_dir, stream_buffer_bytes, stream_config) -> None:
     """FlashBootError where a load given ``prepared=`` also names a staging root or stream options
     other than the handle's: the handle's are the ones used (others had been ignored unsaid)."""
-    from .shm import shm_root
-
-    # the roots compared, not their spellings: 'shm/' or an absolute path had been refused for 'shm'
-    if shm_dir is not None and os.path.realpath(shm_root(shm_dir)) != os.path.realpath(shm_root(prepared.shm_dir)):
-        raise FlashBootError(f"shm_dir={os.fspath(shm_dir)!r} differs from the staging root flashboot.prepare() "
-                             f"used ({shm_root(prepared.shm_dir)}), which the prepared load uses; pass it to prepare()")
+    check_same_root(shm_dir, prepared.shm_dir, "prepare()", "which the prepared load uses")
     if stream_config is not None and stream_config != prepared.stream_config:
         raise FlashBootError(f"stream_buffer_bytes={stream_buffer_bytes!r} differs from the stream options "
                              f"flashboot.prepare() was given ({prepared.stream_config}), which the prepared load "

@@ -74,6 +74,17 @@ def check_expected_key(expected_key) -> None:
                               f"{', '.join(ImageKey.FIELDS)}")
 
 
+def check_same_root(shm_dir, theirs, maker: str, takes: str) -> None:
+    """FlashBootError where a load's ``shm_dir`` names another staging root than ``theirs``, the one
+    ``flashboot.<maker>`` used (``takes``: what the load takes from it). The roots are compared, not
+    their spellings: 'shm/' or an absolute path had been refused for 'shm'."""
+    from .shm import shm_root
+
+    if shm_dir is not None and os.path.realpath(shm_root(shm_dir)) != os.path.realpath(shm_root(theirs)):
+        raise FlashBootError(f"shm_dir={os.fspath(shm_dir)!r} differs from the staging root flashboot.{maker} used "
+                             f"({shm_root(theirs)}), {takes}; pass it to {maker}")
+
+
 def check_staged(staged, image_dir, rank: int) -> None:
     """FlashBootError unless ``staged`` is None or a :func:`flashboot.stage` handle of this rank and image."""
     from .stage import StagedImage
@@ -197,13 +208,8 @@ def check_options(image_dir, rank, *, timeout_s: float, served: bool, staged, pr
         # a load that never streams has no ring: the size had been taken and ignored (as the CLI refuses it)
         never = "served=True" if served else "staged=" if staged is not None else "stream=False"
         raise FlashBootError(f"stream_buffer_bytes sizes a streamed load's ring; a {never} load never streams")
-    if staged is not None and shm_dir is not None:
-        from .shm import shm_root
-
-        if os.path.realpath(shm_root(shm_dir)) != os.path.realpath(shm_root(staged.shm_dir)):
-            raise FlashBootError(f"shm_dir={os.fspath(shm_dir)!r} differs from the staging root flashboot.stage() "
-                                 f"used ({shm_root(staged.shm_dir)}), whose staged copy the load takes; pass it to "
-                                 "stage()")
+    if staged is not None:
+        check_same_root(shm_dir, staged.shm_dir, "stage()", "whose staged copy the load takes")
     if prepared is not None:
         if not isinstance(prepared, prepared_class):
             raise FlashBootError(f"prepared must come from flashboot.prepare(), got {type(prepared).__name__}")
@@ -230,4 +236,5 @@ class Want:
 
 
 __all__ = ["VERIFY_BY_DEFAULT_ON_HOST", "LoadRequest", "Want", "check_expected_key", "check_job_request",
-           "check_options", "check_staged", "count_of", "image_path", "job_dir_of", "load_request", "verify_default"]
+           "check_options", "check_same_root", "check_staged", "count_of", "image_path", "job_dir_of", "load_request",
+           "verify_default"]
