@@ -27,6 +27,7 @@ from flashboot.errors import LayoutError
 from flashboot.fileio import DirectReadRefused, io_buffer, open_regular, read_exactly, read_regular
 
 from .format import DTYPES_BY_SAFETENSORS, DTYPES, config_hash
+from .image import FileIdentity  # the identity an image's readers check its files by
 
 _HEADER_LIMIT = 100 << 20  # safetensors' own cap on the JSON header
 MAX_CHECKPOINT_JSON_BYTES = 256 << 20
@@ -67,14 +68,6 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     :data:`MAX_NDIM` dims, dims spanning more than an int64): refused here, before pre-pack
     writes gigabytes, not by the reader of the image it would write."""
     return _read_header(path)[0]
-
-
-FileIdentity = tuple[int, int, int, int]
-"""A shard as its header was read: ``(st_dev, st_ino, st_size, st_mtime_ns)``."""
-
-
-def _identity(st: os.stat_result) -> FileIdentity:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _read_header(path: Path) -> tuple[dict[str, dict], FileIdentity]:
@@ -121,7 +114,7 @@ def _read_header(path: Path) -> tuple[dict[str, dict], FileIdentity]:
                               f"file's {size - base:,} data bytes")
         info["data_offsets"] = (base + start, base + end)
     _check_tiled(path, header, base, size)
-    return header, _identity(st)
+    return header, FileIdentity.of(path, st)
 
 
 def _load_header(raw: bytes, path: Path) -> Any:
@@ -506,14 +499,14 @@ class ShardReader:
         want = self.expect.get(file)
         if want is None:
             return
-        got = _identity(os.fstat(fd))
-        if got == want:
+        got = FileIdentity.of(want.path, os.fstat(fd))
+        if got.key == want.key:
             return
         path = self.root / file
-        if got[:2] != want[:2]:
+        if (got.dev, got.ino) != (want.dev, want.ino):
             what = "was replaced by another file"
         else:
-            what = f"was modified ({want[2]:,} bytes -> {got[2]:,}, mtime {want[3]} -> {got[3]} ns)"
+            what = f"was modified ({want.size:,} bytes -> {got.size:,}, mtime {want.mtime_ns} -> {got.mtime_ns} ns)"
         raise LayoutError(f"{path}: {what} {when}; the bytes read no longer match its header (a re-save or a "
                           "download into the checkpoint meanwhile?): nothing was committed, pre-pack it again")
 
