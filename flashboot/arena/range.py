@@ -15,7 +15,7 @@ from .. import _cuda
 from ..errors import ArenaError, CapabilityError, CudaError, FlashBootError, OutOfMemoryError
 from ..fdshare import FdStream, take_fds
 from ..gil_time import gil_free
-from ..memory import Device, Span
+from ..memory import Device, Span, cgroup_memory_room, map_refused
 from . import backing_cuda as cuda_backing
 from . import backing_host as host
 from .backing_cuda import (_allocation_prop, _granularity, _Mappings, _reserve, _resolve_access, _set_access,
@@ -132,8 +132,6 @@ class Arena(SleepWake):
         available = host._host_mem_available()
         if capacity > available:
             raise OutOfMemoryError("host arena (MemAvailable + SwapFree)", capacity, available)
-        from ..memory import cgroup_memory_room
-
         room = cgroup_memory_room()  # memfds are shared memory, charged to this process's memory cgroup
         if room is not None and capacity > room[0]:
             raise OutOfMemoryError(f"host arena (its memfds are charged to this process's memory cgroup: {room[1]})",
@@ -155,8 +153,6 @@ class Arena(SleepWake):
         except BaseException as exc:
             undo.release()
             if isinstance(exc, OSError):
-                from ..memory import map_refused
-
                 refused = map_refused(f"a {capacity:,}-byte host arena", capacity, exc)
                 if isinstance(refused, OutOfMemoryError):  # under `ulimit -v`: the limit and what is left
                     raise refused from exc

@@ -77,10 +77,10 @@ def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict |
     numa = info.numa_node if info.numa_node is not None else "-"
     engines = ""
     if _size(paths.inline) is not None:
-        holders = _flock_pids(paths.users)
+        held = _flock_held(paths.users)
         engines = (f"; staged by an engine for its own load (pid {info.pid}), and no engine holds it now (they "
                    f"were killed before they let it go): `flashboot preload {image_dir} --unstage` removes it, "
-                   f"`flashboot preload {image_dir}` keeps it" if holders == [] else
+                   f"`flashboot preload {image_dir}` keeps it" if held is False else
                    f"; staged by an engine for its own load (pid {info.pid}): the last engine to load it removes it "
                    f"(`flashboot preload {image_dir}` keeps it)")
     return RankState(rank, "staged", f"{info.nbytes:,} bytes at {info.staged} ({info.io_mode}, {info.gbps:.2f} GB/s, "
@@ -116,14 +116,14 @@ def _staging_progress(partial, nbytes: int) -> str:
     return f", {nbytes:,} bytes to stage into {partial} (bytes copied so far unknown: the file is reserved whole)"
 
 
-def _flock_pids(path) -> list[int] | None:
-    """The pids that hold a flock on ``path``, from ``/proc/locks`` (read, not tried: a status's own
-    try-lock of ``.users`` would race the last engine's check that no other holds it); ``[]``
-    where the file is gone, None where the locks cannot be read."""
+def _flock_held(path) -> bool | None:
+    """Whether any process holds a flock on ``path``, from ``/proc/locks`` (read, not tried: a
+    status's own try-lock of ``.users`` would race the last engine's check that no other holds it);
+    False where the file is gone, None where the locks cannot be read."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        return []
+        return False
     except OSError:
         return None
     try:
@@ -133,8 +133,7 @@ def _flock_pids(path) -> list[int] | None:
         return None
     inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     # "1: FLOCK  ADVISORY  READ  1234 00:2c:5678 0 EOF"; a waiter's line reads "1: -> FLOCK ..."
-    return [int(parts[4]) for parts in map(str.split, lines)
-            if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == inode]
+    return any(len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == inode for parts in map(str.split, lines))
 
 
 def _size(path) -> int | None:
