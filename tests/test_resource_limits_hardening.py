@@ -33,6 +33,22 @@ def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
+def _refuse_thread_start(monkeypatch, prefix: str, nth: int = 1) -> list:
+    """Threads named ``prefix...`` start until the ``nth``, whose start is refused as a pids limit
+    refuses it (Python's "can't start new thread"); returns those asked to start, the refused one last."""
+    real_start, started = threading.Thread.start, []
+
+    def start(self):
+        if self.name.startswith(prefix):
+            started.append(self)
+            if len(started) == nth:
+                raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return started
+
+
 _UNDER_AS_LIMIT = """
 import resource, sys
 import flashboot, flashboot.flashload.staging, flashboot.fileio, numpy, torch
@@ -122,16 +138,7 @@ def test_a_copy_thread_that_cannot_start_fails_the_stage_and_ends_the_others(ima
     -v``) raised a bare RuntimeError out of the stage while the threads started before it still
     copied: the stage closed the file under them and removed it, and they wrote on."""
     shm = tmp_path / "shm"
-    real_start, started = threading.Thread.start, []
-
-    def start(self):
-        if self.name.startswith("flashboot-preload-"):
-            started.append(self)
-            if len(started) == 3:
-                raise RuntimeError("can't start new thread")
-        return real_start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
+    started = _refuse_thread_start(monkeypatch, "flashboot-preload-", nth=3)
     fds_before = _fds()
     with pytest.raises(FlashBootError, match=r"with 4 threads \(stage with fewer\), copy thread 3: a thread could not be "
                                              r"started \(can't start new thread\): .*`ulimit -u`: "):
@@ -276,14 +283,7 @@ def test_stage_whose_thread_cannot_start_names_the_limits(image, tmp_path, monke
     raised Python's bare ``RuntimeError: can't start new thread``."""
     import flashboot
 
-    real_start = threading.Thread.start
-
-    def start(self):
-        if self.name.startswith("flashboot-stage-rank"):
-            raise RuntimeError("can't start new thread")
-        return real_start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
+    _refuse_thread_start(monkeypatch, "flashboot-stage-rank")
     with pytest.raises(FlashBootError, match=rf"staging rank 0 of {image}: a thread could not be started \(can't start "
                                              r"new thread\): this process may start no more \(`ulimit -u`: "):
         flashboot.stage(image, 0, "cpu", shm_dir=tmp_path / "shm")
@@ -334,16 +334,7 @@ def test_populate_whose_thread_cannot_start_ends_the_others_and_names_the_limits
     from flashboot import pinning
 
     monkeypatch.setattr(pinning, "POPULATE_SHARE_BYTES", 4096)
-    real_start, started = threading.Thread.start, []
-
-    def start(self):
-        if self.name.startswith("flashboot-populate-"):
-            started.append(self)
-            if len(started) == 2:
-                raise RuntimeError("can't start new thread")
-        return real_start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
+    started = _refuse_thread_start(monkeypatch, "flashboot-populate-", nth=2)
     buf = mmap.mmap(-1, 1 << 20)
     try:
         with pytest.raises(FlashBootError, match=r"faulting in 1,048,576 bytes with 4 threads: a thread could not be "
@@ -433,14 +424,7 @@ def test_reading_an_image_whose_hashing_thread_cannot_start_names_the_limits_and
     Python's bare RuntimeError, and the metadata file it had opened for that thread stayed open."""
     from flashboot.layouts import read_image
 
-    real_start = threading.Thread.start
-
-    def start(self):
-        if self.name == "flashboot-beside":
-            raise RuntimeError("can't start new thread")
-        return real_start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
+    _refuse_thread_start(monkeypatch, "flashboot-beside")
     before = _fds()
     with pytest.raises(FlashBootError, match=r"metadata.json: reading and hashing [\d,]+ bytes: a thread could not be "
                                              r"started \(can't start new thread\): this process may start no more"):
