@@ -106,8 +106,12 @@ def plan_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]], *,
         check_plan(plan, sources, family.name)
     except LayoutError as exc:
         raise PublishError(f"{where}: {exc}") from None
-    layout = compute_layout([t.slot() for t in plan.tensors], tensor_alignment=metadata.tensor_alignment)
     image = metadata.tensors
+    # in the image's order: a family that plans in source order (generic) would otherwise lay the
+    # trainer's tensors out in the order given, not the checkpoint's, and refuse every offset
+    order = {n: i for i, n in enumerate(image.names)}
+    planned = sorted(plan.tensors, key=lambda t: order.get(t.name, len(order)))
+    layout = compute_layout([t.slot() for t in planned], tensor_alignment=metadata.tensor_alignment)
     feeds = {t.name: sorted({p.source for p in t.pieces}) for t in plan.tensors}
     extra = [t.name for t in plan.tensors if t.name not in image]
     if extra:

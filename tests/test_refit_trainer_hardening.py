@@ -1,0 +1,55 @@
+"""Refit from a hostile trainer's side: what a real RL trainer passes to ``publish`` (tensors in its
+own order, meta tensors, non-tensors, temporaries) and what the engine then serves. Host backend."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import flashboot
+from flashboot.weight_update import PublishError, Publisher
+
+from _clone_helpers import _token, store  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def generic_image(tmp_path_factory):
+    """A model with no family rules (the generic family: tensors verbatim, in checkpoint order)."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("generic")
+    (root / "ckpt").mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({f"layers.{i}.w": torch.randn(3, 5, generator=g) for i in range(12)}, root / "ckpt" / "model.safetensors")
+    (root / "ckpt" / "config.json").write_text(json.dumps({"model_type": "tiny_bag", "_name_or_path": "org/tiny"}))
+    flashboot.prepack(root / "ckpt", root / "img", progress=False)
+    return root / "img"
+
+
+def _trainer_weights(seed: int) -> dict[str, torch.Tensor]:
+    """As a trainer's named_parameters() gives them: in layer order (the checkpoint's is by name)."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.w": torch.randn(3, 5, generator=g) for i in range(12)}
+
+
+def test_a_generic_image_takes_the_tensors_in_the_trainers_order(generic_image, store):
+    """The generic family plans in source order: the trainer's order (layers 0..11) is not the
+    checkpoint's (layers.0, layers.1, layers.10, ...); publish had refused every such publish
+    ("lands at offset 512, the image has it at ...")."""
+    address, _ = store
+    new = _trainer_weights(1)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(new, version=1)
+            pub.publish(list(reversed(new.items())), version=2)
+            loaded.refit(address, 2, timeout_s=30)
+        assert loaded.version == 2
+        for name, t in new.items():
+            assert torch.equal(loaded.tensors[name], t), name
+    finally:
+        loaded.close()
