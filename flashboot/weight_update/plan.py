@@ -109,8 +109,8 @@ def plan_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]], *,
     image = metadata.tensors
     # in the image's order: a family that plans in source order (generic) would otherwise lay the
     # trainer's tensors out in the order given, not the checkpoint's, and refuse every offset
-    order = {n: i for i, n in enumerate(image.names)}
-    planned = sorted(plan.tensors, key=lambda t: order.get(t.name, len(order)))
+    offsets = dict(zip(image.names, image.offsets.tolist()))
+    planned = sorted(plan.tensors, key=lambda t: offsets.get(t.name, metadata.image_nbytes))
     layout = compute_layout([t.slot() for t in planned], tensor_alignment=metadata.tensor_alignment)
     feeds = {t.name: sorted({p.source for p in t.pieces}) for t in plan.tensors}
     extra = [t.name for t in plan.tensors if t.name not in image]
