@@ -26,6 +26,7 @@ from flashboot.arena import Arena
 from flashboot.errors import ArenaError, FlashBootError, ImageReadError, OutOfMemoryError, RendezvousError
 from flashboot.flashload import client, service, stage_copy, staging
 from flashboot.flashload import shm as shm_files
+from flashboot.procfs import proc_start_time
 
 from _preload_helpers import Daemon, enospc_after, make_tiny_image  # noqa: E402
 
@@ -210,7 +211,7 @@ def test_preloader_restarted_or_killed_while_an_engine_holds_a_served_load(image
 
 def _reap(pid: int) -> None:
     deadline = time.monotonic() + 10
-    while shm_files._proc_start_time(pid) is not None:
+    while proc_start_time(pid) is not None:
         try:
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:

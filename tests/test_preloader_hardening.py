@@ -21,6 +21,7 @@ from flashboot.errors import FlashBootError, RendezvousError, WaitTimeoutError
 from flashboot.fdshare import readable, send_fds
 from flashboot.flashload import client, service, staging
 from flashboot.flashload import shm as shm_files
+from flashboot.procfs import proc_start_time
 from flashboot.flashload import status
 from flashboot.flashload.server import PreloadServer
 
@@ -320,7 +321,7 @@ def test_a_background_start_that_times_out_stops_the_service(image, tmp_path):
         with pytest.raises(WaitTimeoutError, match=r"did not claim .* and was stopped") as e:
             service.start_background(cfg, timeout_s=0.001)  # no Python starts that fast
         pid = int(re.search(r"pid (\d+)", str(e.value)).group(1))
-        assert shm_files._proc_start_time(pid) is None, "the service it gave up on still runs"
+        assert proc_start_time(pid) is None, "the service it gave up on still runs"
     finally:
         service.stop_service(image, shm, timeout_s=30)
 

@@ -23,6 +23,7 @@ import flashboot
 from flashboot.errors import CapabilityError, FlashBootError, ImageReadError, LayoutError, WaitTimeoutError
 from flashboot.flashload import service, staging, stream
 from flashboot.flashload import shm as shm_files
+from flashboot.procfs import proc_start_time
 from flashboot.flashload.sources import disk
 from flashboot.flashload.sources.disk import stream_reason
 from flashboot.flashload.stream import StreamConfig
@@ -72,7 +73,7 @@ def _fake_preloader(image, shm, ranks=None) -> Path:
     """A pid file naming this (live) process as the image's preloader."""
     path = shm_files.pid_file(image, shm)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pid": os.getpid(), "start_time": shm_files._proc_start_time(os.getpid()),
+    path.write_text(json.dumps({"pid": os.getpid(), "start_time": proc_start_time(os.getpid()),
                                 "serve": False, "ranks": ranks}))
     return path
 
@@ -180,11 +181,11 @@ def test_options_a_prepared_load_would_ignore_are_refused(image, shm):
 
 
 def test_a_preloader_pid_file_with_bad_ranks_is_named(image, shm):
-    from flashboot.flashload.shm import _proc_start_time, pid_file
+    from flashboot.flashload.shm import pid_file
 
     path = pid_file(image, shm)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pid": os.getpid(), "start_time": _proc_start_time(os.getpid()), "ranks": 5}))
+    path.write_text(json.dumps({"pid": os.getpid(), "start_time": proc_start_time(os.getpid()), "ranks": 5}))
     with pytest.raises(LayoutError, match=r"preload.pid: 'ranks' must list ints, found 5"):
         flashboot.load(image, 0, "cpu", shm_dir=shm)
 
@@ -602,7 +603,7 @@ def test_a_preloader_that_exits_ends_the_wait_with_a_clear_error(image, shm):
     try:
         path = shm_files.pid_file(image, shm)
         path.parent.mkdir(parents=True, exist_ok=True)
-        start = shm_files._proc_start_time(child.pid)
+        start = proc_start_time(child.pid)
         path.write_text(json.dumps({"pid": child.pid, "start_time": start, "serve": False, "ranks": [0]}))
         assert stream_reason(image, 0, shm_files.rank_source(image, 0), shm_dir=shm) is None  # it stages rank 0: wait
         with pytest.raises(shm_files.PreloaderExitedError) as e:

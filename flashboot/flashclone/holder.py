@@ -32,6 +32,7 @@ from typing import Any
 from ..errors import ArenaError, FlashBootError, StoreLostError, WaitTimeoutError
 from ..fdshare import grow_fd_table, take_fds
 from ..fileio import lock_signer, read_regular, sign_lock
+from ..procfs import STOPPED, proc_start_time, process_state
 
 DEFAULT_TIMEOUT_S = 30.0
 MAX_PENDING_REQUESTS = 64
@@ -243,9 +244,7 @@ class _StoreKV:
     def lock_for_holder(self) -> None:
         """Be this namespace's one holder until :meth:`close`; FlashBootError naming the holder
         that beats there already."""
-        from ..flashload.shm import _proc_start_time
-
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _proc_start_time(os.getpid()),
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "start": proc_start_time(os.getpid()),
               "nonce": secrets.token_hex(8)}
         gen = self.rdv.add("hold/holder/gen", 0)
         while self.rdv.has(f"hold/holder/{gen + 1}"):  # a winner that died before counting its generation
@@ -430,9 +429,7 @@ class Holder:
             self.kv.close()
             raise
         grow_fd_table()  # each adopted arena arrives as fds: the table's growth is paid here, not by an adoption
-        from ..flashload.shm import _proc_start_time
-
-        self._start = _proc_start_time(os.getpid())
+        self._start = proc_start_time(os.getpid())
         """This process's start time, in its records: a pid is reused (see :func:`holder_gone`)."""
         self.poll_s = poll_s
         self.held: dict[str, HeldArena] = {}
@@ -664,12 +661,10 @@ def _holder_fate(kv) -> str:
     pid = lock_signer(kv.path / kv.LOCK)
     if not pid.isdigit():
         return ""
-    from ..flashload.shm import process_state
-
     state = process_state(pid)
     if state == "X":
         return f"its holder (pid {pid}) has exited: start `flashboot hold --registry {kv.path}` again"
-    if state in ("T", "t"):
+    if state in STOPPED:
         return f"its holder (pid {pid}) is stopped (process state {state}): resume it (kill -CONT) or restart it"
     return ""
 
@@ -692,9 +687,7 @@ def holder_gone(record: dict) -> str | None:
     start = record.get("holder_start")
     if start is None:  # a record of a holder that did not write its start time: the pid alone
         return None
-    from ..flashload.shm import _proc_start_time
-
-    now = _proc_start_time(pid)
+    now = proc_start_time(pid)
     if now is None and others:  # /proc hides other users' processes (hidepid): it exists, unknown whose
         return None
     if now != start:

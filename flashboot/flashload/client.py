@@ -16,6 +16,7 @@ from ..errors import (
     RendezvousError,
     WaitTimeoutError,
 )
+from ..procfs import STOPPED, process_state
 from .protocol import _raise_remote, peer_credentials
 from .shm import (
     _POLL_S,
@@ -24,7 +25,6 @@ from .shm import (
     _running_pid,
     check_socket_path,
     pid_file,
-    process_state,
     read_ready,
     socket_path,
     staged_paths,
@@ -171,7 +171,7 @@ def _raise_if_stopped(sock: socket.socket, path: Path, what: str, since: float |
     except OSError:
         return
     state = process_state(pid)  # pid 0 (another pid namespace), or gone: "X", and the reply's wait says so
-    if state in ("T", "t"):
+    if state in STOPPED:
         raise WaitTimeoutError(f"the preloader at {path} (pid {pid}) is stopped (process state {state}: SIGSTOP, a "
                                f"debugger or a frozen cgroup) and did not answer {what} within the load's timeout; "
                                "resume it (kill -CONT) or restart it")

@@ -19,9 +19,9 @@ from ..errors import (
 )
 from ..service_loop import stop_on_signals
 from ..units import check_timeout
+from ..procfs import proc_start_time
 from .server import PreloadServer, _describe_stage
 from .shm import (
-    _proc_start_time,
     _read_pid_file,
     _running_pid,
     _same_file,
@@ -62,7 +62,7 @@ def _claim_pid_file(path: Path, serve: bool, ranks: list[int] | None = None) -> 
                                  "stop it with --stop")
         d = _read_pid_file(path) if os.fstat(fd).st_size else None
         note = f"removed stale pid file {path} (pid {d.get('pid')} is gone)" if d and not reclaim else ""
-        data = json.dumps({"pid": os.getpid(), "start_time": _proc_start_time(os.getpid()), "serve": serve,
+        data = json.dumps({"pid": os.getpid(), "start_time": proc_start_time(os.getpid()), "serve": serve,
                            "ranks": None if ranks is None else sorted(ranks), "argv": sys.argv}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
@@ -273,7 +273,7 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
     if not status.running:
         return _remove_stale(image_dir, status)
     pid = status.pid
-    start = _proc_start_time(pid)
+    start = proc_start_time(pid)
     try:
         os.kill(pid, signal.SIGTERM)
         # as systemd does: a stopped preloader (SIGSTOP, a frozen job) runs to take it, where
@@ -285,7 +285,7 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
         return f"preloader pid {pid} exited on its own"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if _proc_start_time(pid) != start:
+        if proc_start_time(pid) != start:
             _remove_if_stale(status.path)  # it died without cleaning up (kept if a new one holds it)
             return f"stopped preloader pid {pid}"
         try:  # reap it if it is our child (tests start it from this process)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .._json import check_fields, finite_at_least, int_at_least, is_str, loads
+from ..procfs import proc_start_time
 from ..errors import (
     FlashBootError,
     LayoutError,
@@ -416,30 +417,6 @@ def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None,
 
 
 # ============================================================================ the pid file
-def _proc_stat(pid) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (``[0]`` the state, ``[19]`` the start
-    time in clock ticks), None when there is no such process here."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def process_state(pid) -> str:
-    """The state letter of process ``pid`` (``R``, ``S``, ``T``/``t`` stopped: a SIGSTOP, a
-    debugger, a frozen cgroup), or ``X`` when it has exited (gone, or a zombie)."""
-    fields = _proc_stat(pid)
-    return "X" if fields is None or fields[0] == "Z" else fields[0]
-
-
-def _proc_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (start time in clock ticks), None when the process is gone
-    (or has exited and waits, a zombie, to be reaped by its parent)."""
-    fields = _proc_stat(pid)
-    return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])
-
-
 def _read_pid_file(path: Path) -> dict | None:
     from ..fileio import read_regular
 
@@ -474,7 +451,7 @@ def _running_pid(path: Path) -> int | None:
     d = _read_pid_file(path)
     if not d or d["pid"] <= 0:
         return None
-    start = _proc_start_time(d["pid"])
+    start = proc_start_time(d["pid"])
     return d["pid"] if start is not None and start == d.get("start_time") else None
 
 
