@@ -28,6 +28,7 @@ import time
 
 from .errors import RendezvousError, WaitTimeoutError
 from .gil_time import gil_free
+from .procfs import STOPPED, process_state
 from .units import limit_text
 
 SYS_PIDFD_GETFD = 438
@@ -231,18 +232,27 @@ class FdStream:
     batch as :func:`send_fds` sends more than :data:`SCM_MAX_FD`), taken from the socket in order
     as they are asked for: ``stream[i]`` blocks until fd ``i`` has arrived, at most ``timeout_s``
     per batch and ``within_s`` for them all (None: no bound; :meth:`due_within` restarts that
-    clock); it stops waiting once ``stop`` is set. ``len()`` is the count announced; :attr:`received` the
-    fds that arrived so far, which the caller owns (and closes, also when a receive raised).
-    ``what`` names the hand-over in errors."""
+    clock); it stops waiting once ``stop`` is set, or once the process ``sender_pid`` has been
+    stopped (SIGSTOP, a debugger, a frozen cgroup) for :data:`SENDER_STOPPED_S`: a receiver holding
+    a shared resource meanwhile (the daemon: the device's copy lock) then keeps it no longer for a
+    sender that cannot send. ``len()`` is the count announced; :attr:`received` the fds that
+    arrived so far, which the caller owns (and closes, also when a receive raised). ``what`` names
+    the hand-over in errors."""
 
     STOP_POLL_S = 0.2
-    """How often a wait looks at ``stop``."""
+    """How often a wait looks at ``stop`` and at the sender's state."""
+
+    SENDER_STOPPED_S = 1.0
+    """How long a stopped sender is waited for before the hand-over is broken off."""
 
     def __init__(self, sock: socket.socket, first: list[int], count: int, *, timeout_s: float, what: str,
-                 within_s: float | None = None, stop: threading.Event | None = None):
+                 within_s: float | None = None, stop: threading.Event | None = None,
+                 sender_pid: int | None = None):
         self.sock, self.count, self.timeout_s, self.what = sock, count, timeout_s, what
         self.received = first
         self.stop = stop
+        self.sender_pid = sender_pid
+        self._sender_stopped_at: float | None = None
         self.deadline: float | None = None
         self._began = time.monotonic()
         if within_s is not None:
@@ -270,11 +280,14 @@ class FdStream:
                 raise RendezvousError(f"{self.what}: broken off after {len(self.received)} of {self.count} fds: the "
                                       "receiver is stopping")
             now = time.monotonic()
+            self._raise_if_sender_stopped(now)
             due = batch_due if self.deadline is None else min(batch_due, self.deadline)
             if now >= due:
                 wait_s = 0.0  # past a deadline, fds queued already are still taken: the sender was in time
+            elif self.stop is None and self.sender_pid is None:
+                wait_s = due - now
             else:
-                wait_s = due - now if self.stop is None else min(due - now, self.STOP_POLL_S)
+                wait_s = min(due - now, self.STOP_POLL_S)
             try:
                 return self._recv(wait_s)
             except WaitTimeoutError:
@@ -288,6 +301,20 @@ class FdStream:
             raise WaitTimeoutError(f"{self.what}: {len(self.received)} of {self.count} fds arrived in "
                                    f"{now - self._began:.1f} s; the whole hand-over is due within "
                                    f"{self.deadline - self._began:.1f} s")
+
+    def _raise_if_sender_stopped(self, now: float) -> None:
+        if self.sender_pid is None:
+            return
+        state = process_state(self.sender_pid)
+        if state not in STOPPED:
+            self._sender_stopped_at = None
+            return
+        if self._sender_stopped_at is None:
+            self._sender_stopped_at = now
+        elif now - self._sender_stopped_at >= self.SENDER_STOPPED_S:
+            raise RendezvousError(f"{self.what}: broken off after {len(self.received)} of {self.count} fds: the "
+                                  f"sender (pid {self.sender_pid}) has been stopped (process state {state}: "
+                                  f"SIGSTOP, a debugger or a frozen cgroup) for {self.SENDER_STOPPED_S:g} s")
 
     def _recv(self, wait_s: float) -> list[int]:
         """The next batch within ``wait_s`` (0: only one queued already); WaitTimeoutError otherwise."""

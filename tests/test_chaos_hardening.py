@@ -16,7 +16,7 @@ from flashboot.errors import WaitTimeoutError
 from flashboot.flashload import client
 from flashboot.flashload import shm as shm_files
 
-from _preload_helpers import daemon_process_of, make_tiny_image  # noqa: E402
+from _preload_helpers import daemon_process_of, make_image, make_tiny_image  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -324,3 +324,69 @@ def test_the_answers_to_engines_killed_before_their_hand_over_go_with_the_holder
     finally:
         holder.close()
     assert list_held(registry) == {}
+
+
+_STOPS_MID_HAND_OVER = r"""
+import os, signal, sys
+from flashboot.arena import HOST_GRANULARITY, Arena
+from flashboot.flashload import client
+from flashboot.flashload import shm as shm_files
+import flashboot.fdshare as fdshare
+
+src = shm_files.rank_source(sys.argv[1], 0)
+client.STREAM_BATCH_BYTES = HOST_GRANULARITY  # one segment a batch: the rest follow the request
+sends = [0]
+real_send = fdshare.send_fds
+
+def send_then_stop(sock, fds, message=b""):
+    sends[0] += 1
+    if sends[0] == 2:  # the request went with the first batch: stop before the second
+        print("stopping", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return real_send(sock, fds, message)
+
+fdshare.send_fds = send_then_stop
+with Arena.create(max(src.nbytes, 3 * HOST_GRANULARITY), "cpu", segment_bytes=HOST_GRANULARITY) as arena:
+    assert arena.segments > 1, arena.segments
+    client.served_load(arena, src, timeout_s=60, shm_dir=sys.argv[2])
+"""
+
+
+def test_an_engine_stopped_mid_hand_over_does_not_hold_the_device_from_the_next_load(tmp_path):
+    """An engine stopped (SIGSTOP) after sending its load request with the first batch of its
+    arena's fds, before the rest: the daemon held the device's copy lock waiting for fds the stopped
+    engine could not send, for the request's timeout (30 s) plus 1 s/GB, and every other engine's
+    load into that device queued behind it. The daemon now breaks that hand-over off once the
+    sender has been stopped for a second, and the next load is served within its short timeout."""
+    import subprocess
+    import sys
+    import time
+
+    from flashboot.benchmarks.checkpoints import CheckpointSpec
+
+    # past one 2 MiB segment: the copy, holding the device, needs the fds that never come
+    image = make_image(tmp_path, CheckpointSpec("6mb", layers=2, experts=4, expert_rows=256, expert_cols=512,
+                                                hidden=64, vocab=64, shards=1))
+    src = shm_files.rank_source(image, 0)
+    assert src.nbytes > 2 * (2 << 20), src.nbytes
+    with daemon_process_of(image, tmp_path) as (_proc, shm, log):
+        engine = subprocess.Popen([sys.executable, "-c", _STOPS_MID_HAND_OVER, str(image), str(shm)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert engine.stdout.readline().strip() == "stopping", engine.stderr.read()
+            deadline = time.monotonic() + 10
+            while _state(engine.pid) != "T":
+                assert time.monotonic() < deadline, "the engine did not stop"
+                time.sleep(0.005)
+            with Arena.create(src.nbytes, "cpu") as arena:
+                client.served_load(arena, src, timeout_s=8, shm_dir=shm)
+                assert bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+            said = f"the sender (pid {engine.pid}) has been stopped"
+            deadline = time.monotonic() + 10  # the daemon logs it in the stopped engine's own thread
+            while said not in log.read_text():
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.02)
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+            engine.kill()
+            engine.wait(30)

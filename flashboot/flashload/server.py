@@ -426,17 +426,17 @@ class PreloadServer:
         finally:
             conn.close()
 
-    def _admit(self, conn: socket.socket) -> bool:
-        """Whether the peer may talk to this daemon; a stranger is answered, logged and dropped."""
+    def _admit(self, conn: socket.socket) -> PeerCredentials | None:
+        """The peer, when it may talk to this daemon; a stranger is answered, logged and dropped (None)."""
         peer = peer_credentials(conn)
         if admits(peer, uid=self.uid, group=self.group):
-            return True
+            return peer
         self.refused += 1
         allowed = f"uid {self.uid}" + (f" or group {self.group}" if self.group is not None else "")
         self._turn_away(conn, RendezvousError(
             f"refused: pid {peer.pid} runs as uid {peer.uid} (gid {peer.gid}); this preloader serves {allowed} only"),
             wait_s=self.request_timeout_s)
-        return False
+        return None
 
     def _handle(self, conn: socket.socket) -> None:
         fds: list[int] = []
@@ -444,7 +444,8 @@ class PreloadServer:
         attached: _Attached | None = None
         try:
             with conn:
-                if not self._admit(conn):
+                peer = self._admit(conn)
+                if peer is None:
                     return
                 try:
                     conn.settimeout(self.request_timeout_s)
@@ -468,7 +469,8 @@ class PreloadServer:
                             raise RendezvousError("load request without the arena's fd attached")
                         count = _descriptor_fd_count(req)
                         supply = FdStream(conn, fds, count, timeout_s=self.request_timeout_s,
-                                          what=f"the arena of rank {req.get('rank')}'s load", stop=self.stop)
+                                          what=f"the arena of rank {req.get('rank')}'s load", stop=self.stop,
+                                          sender_pid=peer.pid or None)  # 0: another pid namespace
                         # fds_follow: the engine exports the rest while the copy starts (they are due once
                         # the copy has the device: _copy); otherwise all were sent at once (in batches past
                         # SCM_MAX_FD) and are taken now
