@@ -53,3 +53,15 @@ def test_a_generic_image_takes_the_tensors_in_the_trainers_order(generic_image, 
             assert torch.equal(loaded.tensors[name], t), name
     finally:
         loaded.close()
+
+
+def test_a_meta_tensor_is_refused_not_packed_from_address_zero(generic_image, store):
+    """A parameter a trainer never materialized (deferred init) has data_ptr() 0: publish had packed
+    whatever bytes the host read there and published them as the new weights."""
+    new = _trainer_weights(2)
+    new["layers.3.w"] = torch.empty(3, 5, device="meta")
+    with Publisher(generic_image, 0, store=store[0], device="cpu") as pub:
+        pub.arena.bytes().numpy()[:] = 0x5A
+        with pytest.raises(PublishError, match=r"tensor 'layers\.3\.w' is a meta tensor .*nothing was written"):
+            pub.publish(new, version=1)
+        assert pub.version == 0 and pub.seed is None and (pub.arena.bytes().numpy() == 0x5A).all()

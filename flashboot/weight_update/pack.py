@@ -29,7 +29,10 @@ def _check_tensors(plan: PackPlan, tensors: Mapping[str, Any], device) -> None:
         if dtype_name(t) != dtype or tuple(t.shape) != tuple(shape):
             raise PublishError(f"publish: tensor {name!r} is {dtype_name(t)} {list(t.shape)}, planned as {dtype} "
                                f"{list(shape)}")
-        on = f"cuda:{t.device.index}" if t.device.type == "cuda" else "cpu"
+        if t.device.type == "meta":  # its data_ptr() is 0: the pack would read whatever is there
+            raise PublishError(f"publish: tensor {name!r} is a meta tensor (no data; materialize it first); nothing "
+                               "was written")
+        on = f"cuda:{t.device.index}" if t.device.type == "cuda" else str(t.device)
         if on != str(device):
             raise PublishError(f"publish: tensor {name!r} is on {on}, the arena on {device}; pack needs them on one "
                                "device")
