@@ -65,3 +65,15 @@ def test_a_meta_tensor_is_refused_not_packed_from_address_zero(generic_image, st
         with pytest.raises(PublishError, match=r"tensor 'layers\.3\.w' is a meta tensor .*nothing was written"):
             pub.publish(new, version=1)
         assert pub.version == 0 and pub.seed is None and (pub.arena.bytes().numpy() == 0x5A).all()
+
+
+@pytest.mark.parametrize("bad", [None, [0.0] * 15, 1.5])
+def test_a_value_that_is_not_a_tensor_is_named(generic_image, bad):
+    """A state dict with a None (a parameter dropped) or a list: had been a raw AttributeError."""
+    new = dict(_trainer_weights(3), **{"layers.4.w": bad})
+    with Publisher(generic_image, 0, store="127.0.0.1:1", device="cpu", token="x" * 16, host_store=False) as pub:
+        with pytest.raises(PublishError, match=r"'layers\.4\.w' is a \w+, not a torch\.Tensor; nothing was written"):
+            pub.publish(new, version=1)
+        with pytest.raises(PublishError, match=r"tensor names are strings, got 4"):
+            pub.publish([(4, torch.zeros(3, 5))], version=1)
+        assert pub.version == 0 and pub.seed is None

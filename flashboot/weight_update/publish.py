@@ -68,6 +68,8 @@ def _engine_section(image: Any, rank: int, metadata):
 
 
 def _named(tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> dict[str, Any]:
+    import torch
+
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     out: dict[str, Any] = {}
     for item in items:
@@ -75,6 +77,10 @@ def _named(tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> dict[str, 
             name, t = item
         except (TypeError, ValueError):
             raise PublishError(f"publish takes (name, tensor) pairs; got {type(item).__name__}") from None
+        if not isinstance(name, str):
+            raise PublishError(f"publish: tensor names are strings, got {name!r}; nothing was written")
+        if not isinstance(t, torch.Tensor):  # the plan reads .dtype and .shape, the pack the data's address
+            raise PublishError(f"publish: {name!r} is a {type(t).__name__}, not a torch.Tensor; nothing was written")
         if name in out:
             raise PublishError(f"publish: tensor {name!r} is given twice; nothing was written")
         out[name] = t
