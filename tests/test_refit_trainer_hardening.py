@@ -77,3 +77,34 @@ def test_a_value_that_is_not_a_tensor_is_named(generic_image, bad):
         with pytest.raises(PublishError, match=r"tensor names are strings, got 4"):
             pub.publish([(4, torch.zeros(3, 5))], version=1)
         assert pub.version == 0 and pub.seed is None
+
+
+def test_publish_keeps_no_reference_to_the_tensors_it_packed(generic_image, store):
+    """A trainer that publishes per-step copies (a cast, a gathered full tensor) gets their memory
+    back when publish returns: the cached table had held the last publish's tensors until the next
+    one. Parameters updated in place still reuse the table and publish their new bytes."""
+    import gc
+    import weakref
+
+    address, _ = store
+    params = _trainer_weights(4)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            copies = {n: t.clone() for n, t in params.items()}
+            ref = weakref.ref(copies["layers.0.w"])
+            pub.publish(copies, version=1)
+            del copies
+            gc.collect()
+            assert ref() is None
+            pub.publish(params, version=2)
+            table = pub._table[2]
+            for t in params.values():
+                t.mul_(-2)  # an optimizer step, in place
+            pub.publish(params, version=3)
+            assert pub._table[2] is table
+            loaded.refit(address, 3, timeout_s=30)
+        for name, t in params.items():
+            assert torch.equal(loaded.tensors[name], t), name
+    finally:
+        loaded.close()

@@ -123,7 +123,7 @@ class Publisher:
         self.seed = None
         self.report: PublishReport | None = None
         self._plans: dict[tuple, PackPlan] = {}
-        self._table = None  # (plan, tensors' addresses and strides, PackTable) of the last publish
+        self._table = None  # (plan, tensors' addresses and strides, PackTable) of the last publish; no tensors
 
     def plan(self, tensors: Mapping[str, Any]) -> PackPlan:
         """The checked plan for tensors of these names, dtypes and shapes (cached per header set)."""
@@ -177,6 +177,10 @@ class Publisher:
         table.launch(stream=stream)
         if stream is not None:
             stream.synchronize()
+        # packed: the cached rows are addresses, reused only where the next tensors have the same
+        # ones; holding these tensors would keep a trainer's per-publish copies (a dtype cast, a
+        # full_tensor() gather) alive through its next training step
+        table.tensors = None
         t2 = time.perf_counter()
         meta = self.metadata
         manifest = Manifest.of_arena(self.arena, meta.image_nbytes, meta.checksums.chunk_bytes, key=meta.key.to_dict())
@@ -207,7 +211,7 @@ class Publisher:
     def close(self) -> None:
         """Withdraw the record and release the arena (idempotent)."""
         self.withdraw()
-        self._table = None  # it holds the trainer's tensors
+        self._table = None  # it holds the trainer's tensors while a publish failed mid-pack
         if not self.arena.closed:
             self.arena.close()
 
