@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import signal
@@ -58,9 +59,29 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(CPP_LOG_LEVEL_ENV, "ERROR")
     console = argv is None  # the console script, not a caller in Python
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    out = _Stdout(sys.stdout)
+    sys.stdout = out
     try:
-        return int(args.func(args) or 0)
+        return _run(argv, console, out)
+    finally:
+        if sys.stdout is out:
+            sys.stdout = out.stream
+
+
+def _run(argv: list[str], console: bool, out: "_Stdout") -> int:
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except SystemExit:  # --help, --version, a usage error: argparse's own exit, unless its text was lost
+        with contextlib.suppress(OSError):
+            out.flush()
+        if out.failed is None:
+            raise
+        return _output_failed(out, command)
+    try:
+        rc = int(args.func(args) or 0)
+        out.flush()  # what is still buffered fails now, said in one line, not at the interpreter's exit
+        return rc
     except FlashBootError as exc:
         print(f"flashboot {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -74,32 +95,64 @@ def main(argv: list[str] | None = None) -> int:
             sys.excepthook = _quiet_interrupt
             raise
         return 128 + signal.SIGINT
-    except BrokenPipeError:
-        if not _stdout_closed():  # a socket or pipe of the command's own: a real failure
+    except (OSError, SystemExit):
+        # rich ends with SystemExit(1) on a broken pipe, after sending stdout to /dev/null itself
+        if out.failed is None:  # a file or socket of the command's own: a real failure
             raise
-        # the reader of our output went away (`| head`): stop quietly, as a tool that SIGPIPE
-        # ends does, and keep the interpreter's last flush from printing a second traceback
+        return _output_failed(out, args.command)
+
+
+class _Stdout:
+    """``sys.stdout`` while a command runs: the same stream, with a write or flush that fails
+    remembered as stdout's. A full disk (``> file`` on a full filesystem, ``>/dev/full``) had
+    ended a command with a traceback, and ``--help``/``--version`` (argparse drops the error) with
+    status 0 and nothing written; told apart from a failure of the command's own files."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.failed: OSError | None = None
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as exc:
+            self.failed = self.failed or exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as exc:
+            self.failed = self.failed or exc
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def _output_failed(out: _Stdout, command: str | None) -> int:
+    """The exit of a command whose output could not be written: quietly, with the SIGPIPE status,
+    where the reader of a pipe went away (`| head`), as a tool that SIGPIPE ends does; else one
+    line naming why, and status 2. Either way stdout goes to /dev/null, so the interpreter's last
+    flush of what is still buffered does not fail a second time (a traceback, status 120)."""
+    exc = out.failed
+    try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, out.stream.fileno())
         os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor behind stdout (a test's capture)
+        pass
+    if isinstance(exc, BrokenPipeError):
         return 128 + signal.SIGPIPE
+    with contextlib.suppress(OSError):  # stderr as full as stdout: the status alone says it
+        print(f"flashboot{' ' + command if command else ''}: error: cannot write the output to stdout: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+    return 2
 
 
 def _quiet_interrupt(kind, value, tb) -> None:
     if not issubclass(kind, KeyboardInterrupt):
         sys.__excepthook__(kind, value, tb)
-
-
-def _stdout_closed() -> bool:
-    """Whether stdout is a pipe whose reader has gone (poll reports an error on its write end)."""
-    import select
-
-    try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), 0)  # POLLERR and POLLHUP are always reported
-        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
-    except (OSError, ValueError):  # no file descriptor behind stdout (a test's capture): not ours to hide
-        return False
 
 
 if __name__ == "__main__":
