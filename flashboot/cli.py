@@ -9,6 +9,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 
 from .errors import FlashBootError
 
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     out = _Stdout(sys.stdout)
     sys.stdout = out
     try:
-        return _run(argv, console, out)
+        with _stop_signals_as_interrupt():
+            return _run(argv, console, out)
     finally:
         if sys.stdout is out:
             sys.stdout = out.stream
@@ -85,16 +87,17 @@ def _run(argv: list[str], console: bool, out: "_Stdout") -> int:
     except FlashBootError as exc:
         print(f"flashboot {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        # Ctrl-C: the command's own clean-up ran as the interrupt unwound it; say so in one line
-        # (a page of threading frames told the user nothing), and exit as a shell reports SIGINT
-        print(f"flashboot {args.command}: interrupted (SIGINT) before it finished", file=sys.stderr)
-        if console:
+    except KeyboardInterrupt as exc:
+        # Ctrl-C, or SIGTERM/SIGHUP (_stop_signals_as_interrupt): the command's own clean-up ran as the
+        # interrupt unwound it; say so in one line (a page of threading frames told the user nothing)
+        signame = str(exc) if str(exc) in _STOP_SIGNAL_NAMES else "SIGINT"
+        print(f"flashboot {args.command}: interrupted ({signame}) before it finished", file=sys.stderr)
+        if console and signame == "SIGINT":
             # end as an uncaught interrupt does: the interpreter's exit clean-up, then death by SIGINT, so
             # a shell loop running us stops too (an exit status of 130 let it go on); only the traceback goes
             sys.excepthook = _quiet_interrupt
             raise
-        return 128 + signal.SIGINT
+        return 128 + signal.Signals[signame]
     except (OSError, SystemExit):
         # rich ends with SystemExit(1) on a broken pipe, after sending stdout to /dev/null itself
         if out.failed is None:  # a file or socket of the command's own: a real failure
@@ -153,6 +156,35 @@ def _output_failed(out: _Stdout, command: str | None) -> int:
 def _quiet_interrupt(kind, value, tb) -> None:
     if not issubclass(kind, KeyboardInterrupt):
         sys.__excepthook__(kind, value, tb)
+
+
+_STOP_SIGNAL_NAMES = ("SIGTERM", "SIGHUP")
+
+
+@contextlib.contextmanager
+def _stop_signals_as_interrupt():
+    """SIGTERM and SIGHUP raise KeyboardInterrupt (named by the signal) while the command runs, as
+    Ctrl-C does, so its clean-up runs: by their default action (systemd's stop, timeout(1), a
+    closed ssh session) a pre-pack had left its whole partial image behind, and any command its
+    temporary files. A signal that is ignored (nohup) stays ignored; the serving loops set their
+    own handlers while they serve."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for name in _STOP_SIGNAL_NAMES:
+        sig = signal.Signals[name]
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, _raise_interrupt)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 if __name__ == "__main__":

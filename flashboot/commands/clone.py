@@ -188,8 +188,9 @@ def _clone_and_report(args: argparse.Namespace, report_file) -> int:
                            retry=not args.no_retry, pin_early=args.pin_early, prepared=prepared,
                            run=args.run or "ring")
     except KeyboardInterrupt as exc:  # clone() published "failed" and left; one line, no traceback
-        print(f"flashboot clone: stopped by {str(exc) or 'SIGINT'} before the clone finished", file=sys.stderr)
-        return 128 + (signal.SIGTERM if str(exc) == "SIGTERM" else signal.SIGINT)
+        signame = str(exc) if str(exc) in ("SIGTERM", "SIGHUP") else "SIGINT"  # SIGHUP: the cli's handler
+        print(f"flashboot clone: stopped by {signame} before the clone finished", file=sys.stderr)
+        return 128 + signal.Signals[signame]
     try:
         _print(result.report.summary())
         if args.json:
