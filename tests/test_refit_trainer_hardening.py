@@ -24,7 +24,7 @@ def generic_image(tmp_path_factory):
     root = tmp_path_factory.mktemp("generic")
     (root / "ckpt").mkdir()
     g = torch.Generator().manual_seed(0)
-    save_file({f"layers.{i}.w": torch.randn(3, 5, generator=g) for i in range(12)}, root / "ckpt" / "model.safetensors")
+    save_file(_trainer_weights(0), root / "ckpt" / "model.safetensors")
     (root / "ckpt" / "config.json").write_text(json.dumps({"model_type": "tiny_bag", "_name_or_path": "org/tiny"}))
     flashboot.prepack(root / "ckpt", root / "img", progress=False)
     return root / "img"
@@ -33,7 +33,9 @@ def generic_image(tmp_path_factory):
 def _trainer_weights(seed: int) -> dict[str, torch.Tensor]:
     """As a trainer's named_parameters() gives them: in layer order (the checkpoint's is by name)."""
     g = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}.w": torch.randn(3, 5, generator=g) for i in range(12)}
+    out = {f"layers.{i}.w": torch.randn(3, 5, generator=g) for i in range(12)}
+    out["scale"] = torch.randn(8, 1, generator=g)  # a per-channel scale
+    return out
 
 
 def test_a_generic_image_takes_the_tensors_in_the_trainers_order(generic_image, store):
@@ -106,5 +108,26 @@ def test_publish_keeps_no_reference_to_the_tensors_it_packed(generic_image, stor
             loaded.refit(address, 3, timeout_s=30)
         for name, t in params.items():
             assert torch.equal(loaded.tensors[name], t), name
+    finally:
+        loaded.close()
+
+
+def test_a_column_viewed_as_n_by_1_publishes_its_own_bytes(generic_image, store):
+    """``scales[:, 3].view(-1, 1)`` has strides (10, 10): the size-1 dim's stride had merged the
+    column into one contiguous run, publishing row 0's ten neighbours of it, without an error."""
+    from flashboot.weight_update.plan import box_runs
+
+    column = torch.arange(80.0).reshape(8, 10)[:, 3].view(-1, 1)
+    assert column.stride() == (10, 10)
+    assert box_runs((8, 1), (10, 10), 4, ((0, 8), (0, 1)), 0, 0, "t") == [(0, 0, 32, 4, 40)]
+    assert box_runs((8, 1), (1, 1), 4, ((0, 8), (0, 1)), 0, 0, "t") == [(0, 0, 32, 32, 32)]  # contiguous: one run
+    address, _ = store
+    new = dict(_trainer_weights(5), scale=column)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(new, version=1)
+            loaded.refit(address, 1, timeout_s=30)
+        assert torch.equal(loaded.tensors["scale"], column)
     finally:
         loaded.close()

@@ -282,6 +282,12 @@ def box_runs(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, bo
         return [(dst_offset, src_addr, itemsize, itemsize, itemsize)]
     if strides[-1] != 1 and shape[-1] > 1:
         raise PublishError(f"{what}: its last dimension has stride {strides[-1]}, not 1; pass it .contiguous()")
+    # a dim of size 1 is only ever read at index 0: its stride is any number torch kept (a column
+    # viewed as (n, 1) has strides (10, 10)); as the C-order one it merges right, as is it merged wrong
+    strides = list(strides)
+    for j in reversed(range(nd)):
+        if shape[j] == 1:
+            strides[j] = shape[j + 1] * strides[j + 1] if j + 1 < nd else 1
     k = nd - 1
     while k > 0 and tuple(box[k]) == (0, shape[k]) and strides[k - 1] == shape[k] * strides[k]:
         k -= 1
