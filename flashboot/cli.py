@@ -59,6 +59,8 @@ unless the user set this variable. It is read once, when torch loads, so it is s
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(CPP_LOG_LEVEL_ENV, "ERROR")
     console = argv is None  # the console script, not a caller in Python
+    if console:
+        _open_closed_std_fds()
     argv = sys.argv[1:] if argv is None else argv
     out = _Stdout(sys.stdout)
     sys.stdout = out
@@ -185,6 +187,25 @@ def _stop_signals_as_interrupt():
 
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _open_closed_std_fds() -> None:
+    """A closed fd 0, 1 or 2 (``>&-``, ``2>&-``) is opened on /dev/null. Python had set
+    ``sys.stdout`` or ``sys.stderr`` to None: a table then crashed on it (AttributeError), an
+    error meant for stderr was printed on stdout (``print(file=None)`` writes there, into a
+    ``--json`` reader), and the next file opened took the number."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself, the ones below are open
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,19 @@ def test_a_table_piped_into_a_reader_that_left_ends_with_the_sigpipe_status(imag
     assert run.stderr == ""
 
 
+def _close(fd):
+    return lambda: os.close(fd)
+
+
+def test_a_closed_stdout_or_stderr_is_no_crash_and_no_error_on_stdout(image, tmp_path):
+    run = _cli(["inspect", image], stderr=subprocess.PIPE, preexec_fn=_close(1))  # `>&-`
+    assert run.returncode == 0, run.stderr  # AttributeError: 'NoneType' object has no attribute 'isatty'
+    assert run.stderr == ""
+    # `2>&-` and a JSON reader on stdout: the error had been printed on stdout, into the reader
+    run = _cli(["inspect", tmp_path / "missing", "--json"], stdout=subprocess.PIPE, preexec_fn=_close(2))
+    assert run.returncode == 2 and run.stdout == ""
+
+
 def _prepack_signalled_midway(ckpt, out, signum: int, *, ignored: bool = False) -> subprocess.CompletedProcess:
     """``flashboot prepack`` that receives ``signum`` once every byte is written, before the commit."""
     code = ("import os, signal, sys, time\n"
