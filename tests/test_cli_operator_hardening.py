@@ -112,6 +112,40 @@ def test_a_signal_ignored_at_start_stays_ignored(ckpt, tmp_path):
     assert (out / "prepack.json").is_file() and not list(out.glob(".tmp-*"))
 
 
+def test_load_json_to_stdout_is_the_json_alone(image, shm, capsys):
+    assert main(["load", str(image), "--device", "cpu", "--shm-dir", str(shm), "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # the phases' table had come first on stdout: `| jq` failed
+    assert report["nbytes"] > 0 and report["rank"] == 0
+    assert f"rank 0 -> cpu ({report['mode']}): {report['nbytes']:,} bytes" in captured.err
+    assert "phases" in captured.err
+
+
+def test_clone_json_to_stdout_is_the_report_alone(monkeypatch, capsys):
+    import flashboot.flashclone as flashclone
+
+    class Report:
+        def summary(self):
+            return "star #1 on cpu: 4,096 bytes"
+
+        def to_dict(self):
+            return {"schedule": "star", "position": 1, "nbytes": 4096}
+
+    class Result:
+        report = Report()
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(flashclone, "prepare_clone", lambda *a, **k: None)
+    monkeypatch.setattr(flashclone, "clone", lambda *a, **k: Result())
+    monkeypatch.setattr(flashclone, "linger", lambda *a, **k: None)
+    assert main(["clone", "--store", "127.0.0.1:9", "--device", "cpu", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == Report().to_dict()  # the summary line had come first
+    assert captured.err.strip() == "star #1 on cpu: 4,096 bytes"
+
+
 def test_clone_stopped_by_sighup_says_so_with_its_status(monkeypatch, capsys):
     import flashboot.flashclone as flashclone
 
@@ -122,4 +156,16 @@ def test_clone_stopped_by_sighup_says_so_with_its_status(monkeypatch, capsys):
     monkeypatch.setattr(flashclone, "clone", hung_up)
     assert main(["clone", "--store", "127.0.0.1:9", "--device", "cpu"]) == 128 + signal.SIGHUP  # had been 130
     assert capsys.readouterr().err.strip() == "flashboot clone: stopped by SIGHUP before the clone finished"
+
+
+def test_bench_json_to_stdout_is_the_json_alone(capsys, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["bench", "movers", "--paths", "host", "--sizes", "1MB", "--repeats", "1", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)["rows"]  # the table had come first on stdout
+    assert rows and rows[0]["mover"] == "host" and rows[0]["path"] == "host"
+    assert "movers vs bare copy_" in captured.err
+    assert list(tmp_path.iterdir()) == []  # its temporary report is gone
 

@@ -40,6 +40,31 @@ def _json_checked(main):
         from flashboot.benchmarks.timing import check_json_path
 
         check_json_path(getattr(args, "json", None))
-        return main(args)
+        if getattr(args, "json", None) != "-":
+            return main(args)
+        return _json_alone_on_stdout(main, args)
 
     return run
+
+
+def _json_alone_on_stdout(main, args):
+    """Run ``main`` with ``--json -`` so that stdout carries the JSON alone (``| jq``): the report
+    is written to a temporary file and copied to stdout at the end, the tables and progress lines
+    go to stderr (they had come first on stdout, and no JSON reader could read it)."""
+    import contextlib
+    import os
+    import sys
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="flashboot-bench-", suffix=".json")
+    os.close(fd)
+    args.json = path
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            rc = main(args)
+        with open(path) as f:
+            sys.stdout.write(f.read())
+        return rc
+    finally:
+        args.json = "-"
+        os.unlink(path)

@@ -191,8 +191,10 @@ def _clone_and_report(args: argparse.Namespace, report_file) -> int:
         signame = str(exc) if str(exc) in ("SIGTERM", "SIGHUP") else "SIGINT"  # SIGHUP: the cli's handler
         print(f"flashboot clone: stopped by {signame} before the clone finished", file=sys.stderr)
         return 128 + signal.Signals[signame]
+    # with --json -, stdout carries the report alone (`| jq`): the summary goes to stderr
+    say = _print if args.json != "-" else lambda text: print(text, file=sys.stderr, flush=True)
     try:
-        _print(result.report.summary())
+        say(result.report.summary())
         if args.json:
             text = json.dumps(result.report.to_dict(), indent=2)
             if report_file is None:
@@ -204,7 +206,7 @@ def _clone_and_report(args: argparse.Namespace, report_file) -> int:
                 report_file.write(text + "\n")
                 report_file.flush()
         if args.serve:
-            _print("serving as a source until SIGTERM")
+            say("serving as a source until SIGTERM")
             linger(result, forever=True)
         else:
             linger(result, timeout_s=args.timeout)  # until a chain successor has read from us

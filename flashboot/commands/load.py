@@ -33,6 +33,9 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
+    import contextlib
+    import sys
+
     import flashboot
     from flashboot.errors import FlashBootError
     from flashboot.benchmarks.timing import check_json_path, dump_json, print_table
@@ -63,13 +66,15 @@ def main(args) -> int:
     rows.append(["total", r.total_ms])
     if "other" in r.phases():
         rows[-2][0] = "other (imports, first-use set-up, Python)"
-    print(f"rank {r.rank} -> {r.device} ({r.mode}): {r.nbytes:,} bytes, {r.tensors} tensors")
-    print_table("phases", ["what", "ms"], rows)
-    extra = f"; pinned early in {r.pinned_early_ms:.1f} ms (off the critical path)" if r.pinned_early_ms else ""
-    print(f"{format_rate(r.nbytes, r.total_ms)} end to end, H2D {format_rate(r.nbytes, r.h2d_ms)} in {r.chunks} "
-          f"chunk(s){extra}")
-    print(r.verified_text())
-    if r.details.get("note"):
-        print(r.details["note"])
+    # with --json -, stdout carries the JSON alone (`| jq`): the table goes to stderr
+    with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
+        print(f"rank {r.rank} -> {r.device} ({r.mode}): {r.nbytes:,} bytes, {r.tensors} tensors")
+        print_table("phases", ["what", "ms"], rows)
+        extra = f"; pinned early in {r.pinned_early_ms:.1f} ms (off the critical path)" if r.pinned_early_ms else ""
+        print(f"{format_rate(r.nbytes, r.total_ms)} end to end, H2D {format_rate(r.nbytes, r.h2d_ms)} in {r.chunks} "
+              f"chunk(s){extra}")
+        print(r.verified_text())
+        if r.details.get("note"):
+            print(r.details["note"])
     dump_json(r.to_dict(), args.json)
     return 0
