@@ -169,3 +169,17 @@ def test_bench_json_to_stdout_is_the_json_alone(capsys, tmp_path, monkeypatch):
     assert "movers vs bare copy_" in captured.err
     assert list(tmp_path.iterdir()) == []  # its temporary report is gone
 
+
+def test_preload_log_lines_are_text_on_one_line_in_a_file(image, tmp_path, capsys):
+    from flashboot.flashload import shm as shm_files
+
+    (tmp_path / "q[").mkdir()
+    root = tmp_path / "q[" / ("x]" + "-long" * 20)  # '[/x]' in the path; longer than 80 columns
+    assert main(["preload", str(image), "--shm-dir", str(root)]) == 0  # MarkupError after the pid file
+    lines = capsys.readouterr().out.splitlines()
+    # the warning that the root is no tmpfs names it, on one line (cut at 80 columns, it had not)
+    warning = shm_files.not_shared_memory_warning(str(root))
+    if warning is not None:
+        assert warning in lines and f"{root} (from --shm-dir)" in warning, lines
+    assert any(line.startswith("rank 0: staged 126,976 bytes in ") for line in lines), lines
+    assert shm_files.staging_dir(image, root).is_dir()

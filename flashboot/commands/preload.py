@@ -146,7 +146,10 @@ class _Progress:
         self.bar.update(self.tasks[rank], completed=done)
 
     def log(self, line: str) -> None:
-        self.bar.console.print(line, highlight=False)
+        # text, not markup ('[/x]' in a --shm-dir had raised MarkupError, '[red]' vanished), and one line
+        # however long: at the console's width (80 columns in a pipe, a log file, the journal) a path or a
+        # message had been split over lines that grep no longer found
+        self.bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def __exit__(self, *exc):
         return self.bar.__exit__(*exc)
