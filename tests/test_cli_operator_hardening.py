@@ -183,3 +183,27 @@ def test_preload_log_lines_are_text_on_one_line_in_a_file(image, tmp_path, capsy
         assert warning in lines and f"{root} (from --shm-dir)" in warning, lines
     assert any(line.startswith("rank 0: staged 126,976 bytes in ") for line in lines), lines
     assert shm_files.staging_dir(image, root).is_dir()
+
+
+def test_warm_that_cannot_write_the_bytecode_says_so_in_one_line(monkeypatch, capsys, recwarn):
+    import warnings
+
+    import flashboot.bytecode
+    import flashboot.kernels.warm
+
+    def unwritable():  # as for a user who may not write the installed package
+        for name in ("a", "b", "c"):
+            warnings.warn(f"flashboot warm: cannot write /pkg/__pycache__/{name}.pyc (PermissionError: [Errno 13] "
+                          f"Permission denied); a fresh process compiles /pkg/{name}.py when it imports it",
+                          RuntimeWarning, stacklevel=2)
+        return []
+
+    monkeypatch.setattr(flashboot.bytecode, "compile_bytecode", unwritable)
+    monkeypatch.setattr(flashboot.kernels.warm, "warm_checksum", lambda device: {})
+    assert main(["warm", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("bytecode of 0 modules written in ")
+    # a two-line warning per module had been shown: some 400 lines for the installed package
+    assert err == ("flashboot warm: cannot write /pkg/__pycache__/a.pyc (PermissionError: [Errno 13] Permission "
+                   "denied); a fresh process compiles /pkg/a.py when it imports it; and 2 more module(s) alike\n")
+    assert not [w for w in recwarn if "cannot write" in str(w.message)]

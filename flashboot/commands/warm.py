@@ -16,8 +16,13 @@ def register(subparsers) -> None:
     p.set_defaults(func=main)
 
 
+_UNWRITTEN = "flashboot warm: cannot write "  # compile_bytecode's warning for a module it could not write
+
+
 def main(args) -> int:
+    import sys
     import time
+    import warnings
 
     from flashboot.bytecode import compile_bytecode
     from flashboot.kernels.warm import warm_checksum
@@ -25,8 +30,19 @@ def main(args) -> int:
 
     device = Device.parse(args.device)  # a bad --device is refused before any work, not after the bytecode
     t0 = time.perf_counter()
-    written = compile_bytecode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        written = compile_bytecode()
     print(f"bytecode of {len(written)} modules written in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+    # one line for the modules it could not write: a user who may not write the installed package had
+    # been shown a two-line warning per module (some 400 lines), and the other warnings lost among them
+    unwritten = [str(w.message) for w in caught if str(w.message).startswith(_UNWRITTEN)]
+    for w in caught:
+        if not str(w.message).startswith(_UNWRITTEN):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    if unwritten:
+        more = f"; and {len(unwritten) - 1} more module(s) alike" if len(unwritten) > 1 else ""
+        print(f"{unwritten[0]}{more}", file=sys.stderr)
 
     for path, ms in warm_checksum(device).items():
         print(f"checksum ({path} path) compiled or loaded in {ms:.1f} ms")
