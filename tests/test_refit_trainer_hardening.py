@@ -131,3 +131,59 @@ def test_a_column_viewed_as_n_by_1_publishes_its_own_bytes(generic_image, store)
         assert torch.equal(loaded.tensors["scale"], column)
     finally:
         loaded.close()
+
+
+def test_two_refits_of_one_engine_at_once_never_go_back_a_version(generic_image, store, monkeypatch):
+    """Two trainers published versions 1 and 2; two update requests reach the engine at once. Both
+    had passed the version check against live version 0 and the one that finished last went
+    live: version 1 over version 2. One refit at a time: version 1 is then refused as older."""
+    import threading
+
+    import flashboot.flashclone.cloning as cloning
+    from flashboot.weight_update import RefitError
+
+    address, _ = store
+    real_clone = cloning.clone
+    v2_cloning, v1_cloning, v2_done = threading.Event(), threading.Event(), threading.Event()
+
+    def clone(*args, **kwargs):
+        if kwargs["name"].endswith(".v2"):
+            v2_cloning.set()
+            v1_cloning.wait(3)  # version 1's copy under way (it never is, while version 2's refit runs)
+        else:
+            v1_cloning.set()
+            v2_done.wait(10)
+        return real_clone(*args, **kwargs)
+
+    monkeypatch.setattr(cloning, "clone", clone)
+    one, two = _trainer_weights(6), _trainer_weights(7)
+    loaded = flashboot.load(generic_image, device="cpu")
+    outcome = {}
+
+    def refit(version):
+        try:
+            outcome[version] = loaded.refit(address, version, timeout_s=30).version
+        except RefitError as exc:
+            outcome[version] = str(exc)
+        finally:
+            if version == 2:
+                v2_done.set()
+
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as a, \
+                Publisher(generic_image, 0, store=address, device="cpu") as b:
+            a.publish(one, version=1)
+            b.publish(two, version=2)
+            first = threading.Thread(target=refit, args=(2,))
+            first.start()
+            assert v2_cloning.wait(30)
+            second = threading.Thread(target=refit, args=(1,))
+            second.start()
+            for t in (first, second):
+                t.join(30)
+        assert outcome[2] == 2 and "version 1 is not newer than the live version 2" in str(outcome[1]), outcome
+        assert loaded.version == 2
+        for name, t in two.items():
+            assert torch.equal(loaded.tensors[name], t), name
+    finally:
+        loaded.close()

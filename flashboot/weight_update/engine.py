@@ -22,6 +22,7 @@ another arena, a refit fails, or the engine is closed.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -134,7 +135,7 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
 
     Raises RefitError (an option of the wrong type or range: :func:`check_refit_values`; a version
     not newer than the live one, a record for another image key or rank, an engine asleep: wake()
-    it first), WaitTimeoutError naming the step it waited on (the
+    it first, another refit of the engine still running after ``timeout_s``: one runs at a time), WaitTimeoutError naming the step it waited on (the
     trainer's publish, a source), OutOfMemoryError with the numbers when there is no room for the
     staging copy (``atomic=False`` needs none), ChecksumMismatchError when the bytes copied are
     not those published. All of them leave the old weights whole and serving, except a failure
@@ -149,16 +150,45 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     ``remap_ms`` (with ``remap_sync_ms``, ``remap_unmap_ms``, ``remap_map_ms``), and
     ``remap_release_old_ms`` after the swap, ``clone_close_ms`` and ``staging_close_ms``.
     """
+    t0 = time.perf_counter()
+    check_version(version, "refit")
+    check_refit_values("refit", atomic=atomic, timeout_s=timeout_s, schedule=schedule, clones=clones,
+                       chunk_bytes=chunk_bytes, transport=transport, name=name, token_file=token_file)
+    # one refit of an engine at a time: two at once both passed the version check against the
+    # same live version, and the one that finished last went live, older or not
+    lock = _refit_lock(loaded)
+    if not lock.acquire(timeout=timeout_s):
+        raise RefitError(f"refit of {loaded.metadata.key.model_id} rank {loaded.metadata.parallel.rank} to version "
+                         f"{version}: another refit of this engine was still running after {timeout_s} s; nothing "
+                         "was copied")
+    try:
+        return _refit(loaded, store, version, t0, atomic=atomic, timeout_s=timeout_s, name=name, schedule=schedule,
+                      clones=clones, mover=mover, chunk_bytes=chunk_bytes, transport=transport, token=token,
+                      token_file=token_file, check_record=check_record)
+    finally:
+        lock.release()
+
+
+_LOCKS_GUARD = threading.Lock()
+
+
+def _refit_lock(loaded) -> threading.Lock:
+    """The lock that serializes the refits of ``loaded`` (made on its first refit)."""
+    with _LOCKS_GUARD:
+        lock = getattr(loaded, "_refit_lock", None)
+        if lock is None:
+            lock = loaded._refit_lock = threading.Lock()
+    return lock
+
+
+def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, name, schedule, clones, mover,
+           chunk_bytes, transport, token, token_file, check_record) -> RefitReport:
     from ..arena.remap import check_replaceable, replace_backing, staging_for
     from ..flashclone.cloning import clone
     from ..flashclone.common import SEED_KEY
     from ..flashclone.sources import release_held_sources
     from ..flashclone.rendezvous import Rendezvous
 
-    t0 = time.perf_counter()
-    check_version(version, "refit")
-    check_refit_values("refit", atomic=atomic, timeout_s=timeout_s, schedule=schedule, clones=clones,
-                       chunk_bytes=chunk_bytes, transport=transport, name=name, token_file=token_file)
     arena, meta = loaded.arena, loaded.metadata
     live = loaded.version
     rank = meta.parallel.rank
