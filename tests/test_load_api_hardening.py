@@ -310,3 +310,31 @@ def test_a_closed_prepared_load_leaves_its_handle_no_views_into_freed_memory(qwe
     loaded.close()
     # lengths only: printing a dangling view reads freed memory (the test process had died on it)
     assert (len(handle.tensors), len(held), len(loaded.tensors)) == (0, 0, 0)
+
+
+def test_a_prepared_load_waits_at_most_its_own_timeout(qwen, tmp_path):
+    """``load(prepared=h, timeout_s=1)`` while the preparation still waits for a preloader's
+    ``.ready`` had waited the handle's bound instead (its timeout_s + 120 s), whatever the load
+    was told. Without a timeout of its own it still waits the handle's bound."""
+    import json
+    import os
+
+    from flashboot.errors import WaitTimeoutError
+    from flashboot.flashload import shm as shm_files
+    from flashboot.procfs import proc_start_time
+
+    shm = tmp_path / "shm"
+    pid_file = shm_files.pid_file(qwen, shm)  # a live preloader (this process) that never stages rank 0
+    pid_file.parent.mkdir(parents=True)
+    pid_file.write_text(json.dumps({"pid": os.getpid(), "start_time": proc_start_time(os.getpid()), "serve": False,
+                                    "ranks": None}))
+    handle = flashboot.prepare(qwen, 0, "cpu", shm_dir=shm, mode="staged", timeout_s=4)
+    assert handle.wait_bound_s == 4 + 120
+    with pytest.raises(WaitTimeoutError, match=r"waited its timeout_s of 1 s for flashboot.prepare\(\) to end; it still runs"):
+        flashboot.load(qwen, 0, "cpu", prepared=handle, timeout_s=1)
+    assert not handle.done, "the load waited for the preparation's own end, not its timeout"
+    with pytest.raises(FlashBootError, match="is closed"):  # the timed-out load released it (once it ends)
+        flashboot.load(qwen, 0, "cpu", prepared=handle)
+    with pytest.raises(WaitTimeoutError, match=r"rank-0.ready"):  # ended by its own timeout, and released
+        handle.wait(30)
+    assert handle.arena is None or handle.arena.closed

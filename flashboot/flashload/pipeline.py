@@ -33,7 +33,11 @@ from .want import LoadRequest, Want, check_options, check_same_root, image_path,
 
 
 # ===================================================================================== load
-def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.0, served: bool = False,
+DEFAULT_LOAD_TIMEOUT_S = 60.0
+"""A load's ``timeout_s`` unless given (a prepared load's: its handle's :attr:`PreparedLoad.wait_bound_s`)."""
+
+
+def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float | None = None, served: bool = False,
          staged=None, prepared=None, verify: bool | None = None, shm_dir=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
          tp: int | None = None, ep: int | None = None, expected_key=None, stream: bool | None = None,
          stream_buffer_bytes=None, holder=None) -> LoadedImage:
@@ -41,7 +45,7 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
 
     ``device``: an int, ``"cuda:N"``, ``"cpu"`` (host backend) or None (cuda:0 where present).
     The rank is copied from its staged copy in shared memory (``flashboot preload``); while a
-    preloader stages it, the load waits up to ``timeout_s`` for its ``.ready`` file. When nothing
+    preloader stages it, the load waits up to ``timeout_s`` (default 60 s) for its ``.ready`` file. When nothing
     will stage it (no preloader runs, it stages other ranks, shared memory cannot hold the image)
     the image is streamed straight from disk through a ring buffer of at most
     ``stream_buffer_bytes`` (default 256 MiB or ``$FLASHBOOT_STREAM_BUFFER_BYTES``; an int, a dict
@@ -50,7 +54,8 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     :func:`flashboot.stage` result (pinned early); ``served``: have the running preloader daemon
     copy into this process's arena; ``prepared``: a :func:`flashboot.prepare` handle made at
     engine start-up, which has paid the one-time costs already (metadata, arena, the daemon's
-    attachment or the pin): the load makes the views and waits for the copy. Without it the report's
+    attachment or the pin): the load makes the views and waits for the copy, at most ``timeout_s``
+    (default: the handle's ``timeout_s`` plus 120 s for a pin). Without it the report's
     ``details["one_time_ms"]`` says what this call paid that ``prepare`` would have paid at
     start-up. ``verify`` recomputes the
     chunk checksums on the device and the report says they passed; None (the default) verifies on
@@ -73,6 +78,8 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float = 60.
     import torch  # noqa: F401  (an engine has it loaded; its import is not part of a load)
 
     image_dir = image_path(image_dir)
+    if timeout_s is None:
+        timeout_s = prepared.wait_bound_s if isinstance(prepared, PreparedLoad) else DEFAULT_LOAD_TIMEOUT_S
     if holder is not None:
         from .restart import load_or_restore
 

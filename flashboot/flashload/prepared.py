@@ -404,6 +404,12 @@ class PreparedLoad:
         if self.arena is not None and self.metadata is not None:
             self._viewable.set()
 
+    @property
+    def wait_bound_s(self) -> float:
+        """How long a wait for this preparation lasts unless told otherwise: the handle's
+        ``timeout_s`` plus :data:`PREPARE_ALLOWANCE_S` (the pin of tens of GB)."""
+        return self.timeout_s + PREPARE_ALLOWANCE_S
+
     def wait_viewable(self, timeout_s: float | None = None) -> bool:
         """Block until the views can be made (the arena and the validated metadata exist; the
         copy may still run) or the preparation has ended; True in the first case.
@@ -413,7 +419,7 @@ class PreparedLoad:
         the engine's own start-up work and more (every hand-over of the GIL costs it a wait),
         while in the load they cost exactly their time, and run while the copy does if it has
         not ended. WaitTimeoutError after :meth:`wait`'s bound."""
-        limit = self.timeout_s + PREPARE_ALLOWANCE_S if timeout_s is None else timeout_s
+        limit = self.wait_bound_s if timeout_s is None else timeout_s
         if not self._viewable.wait(limit):
             raise WaitTimeoutError(f"preparing the load of rank {self.rank} of {self.image_dir} onto {self.device} had "
                                    f"not its arena and metadata within {limit:g} s (phases so far: {self._phases_text()})")
@@ -460,7 +466,7 @@ class PreparedLoad:
         """Block until the preparation and its early copy are done; returns self or raises what it
         raised (WaitTimeoutError after ``timeout_s``, default the handle's plus
         :data:`PREPARE_ALLOWANCE_S`)."""
-        limit = (self.timeout_s + PREPARE_ALLOWANCE_S if timeout_s is None else
+        limit = (self.wait_bound_s if timeout_s is None else
                  check_timeout(timeout_s, "wait timeout_s", zero_ok=True))
         if not self._done.wait(limit):
             raise WaitTimeoutError(f"preparing the load of rank {self.rank} of {self.image_dir} onto {self.device} did "
@@ -475,7 +481,7 @@ class PreparedLoad:
         """:meth:`wait`, for the load that claimed this handle: where the background thread only
         waits for the copy's end (the daemon's reply), it hands the rest of its steps over and
         they run here, so the reply wakes this thread (see :meth:`_handed_to_load`)."""
-        limit = self.timeout_s + PREPARE_ALLOWANCE_S if timeout_s is None else timeout_s
+        limit = self.wait_bound_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         with self._claim:
             self._load_waits = True
@@ -653,13 +659,17 @@ def load_prepared(request: LoadRequest) -> LoadedImage:
         ready_before = prepared.done
         t0 = time.perf_counter()
         tensors = None
-        if prepared.wait_viewable():  # the views are made here, while the copy runs (see PreparedLoad.wait_viewable)
+        # the load's own timeout bounds its waits (load() defaults it to the handle's wait_bound_s)
+        def left_s() -> float:
+            return max(0.0, request.timeout_s - (time.perf_counter() - t_start))
+
+        if prepared.wait_viewable(left_s()):  # the views are made here, while the copy runs (see PreparedLoad.wait_viewable)
             check_request(prepared.metadata, str(prepared.image.metadata_path), tp=tp, ep=ep,
                           expected_key=expected_key)
             t1 = time.perf_counter()
             tensors = make_views(prepared.arena, prepared.metadata)
             report.bind_ms = (time.perf_counter() - t1) * 1e3
-        prepared.wait_in_load()
+        prepared.wait_in_load(left_s())
         prepared.tensors = tensors
         report.wait_ms = (time.perf_counter() - t0) * 1e3 - report.bind_ms
         if verify is None:
@@ -688,6 +698,13 @@ def load_prepared(request: LoadRequest) -> LoadedImage:
             report.details["verified"] = copy["verified"] + " (checked by flashboot.prepare once its copy ended)"
         elif verify:
             verify_loaded(arena, meta, f"{prepared.image.path} (rank {rank}) loaded into {dev}", report)
+    except WaitTimeoutError:
+        prepared._release_when_done(0)  # released by its own thread once it ends: no copy is cut short
+        if prepared.done:
+            raise  # the preparation's own wait (a .ready, the daemon) timed out
+        raise WaitTimeoutError(f"the load of rank {rank} of {image_dir} waited its timeout_s of {request.timeout_s:g} s "
+                               f"for flashboot.prepare() to end; it still runs (phases so far: "
+                               f"{prepared._phases_text()}) and releases what it holds once it ends") from None
     except BaseException:
         prepared._release_when_done()  # refused while the copy ran (its tp, say): the copy ends first
         raise
