@@ -1,6 +1,7 @@
 """FlashLoad and bind: staged image -> arena -> views -> a transformers model, on the host backend
 (and on CUDA where present: tests marked gpu)."""
 
+import json
 import shutil
 import threading
 import time
@@ -383,10 +384,12 @@ def test_cli_load_prints_the_phases(qwen, capsys):
 
     assert main(["load", str(qwen / "tp1"), "--rank", "0", "--device", "cpu", "--shm-dir", str(qwen / "shm"),
                  "--verify", "--json", "-"]) == 0
-    out = capsys.readouterr().out
-    assert "h2d" in out and "verify" in out and '"mode": "host"' in out
-    assert "verified: " in out and "chunks match the pre-pack's checksums" in out
-    assert "0.00 GB/s" not in out and "B/s end to end" in out
+    captured = capsys.readouterr()  # with --json -, stdout carries the JSON alone and the summary goes to stderr
+    out = captured.out
+    assert '"mode": "host"' in out and json.loads(out)["verify_ms"] > 0
+    assert "h2d" in captured.err and "verify" in captured.err
+    assert "verified: " in captured.err and "chunks match the pre-pack's checksums" in captured.err
+    assert "0.00 GB/s" not in captured.err and "B/s end to end" in captured.err
     assert main(["load", str(qwen / "tp1"), "--rank", "0", "--device", "cpu", "--shm-dir", str(qwen / "shm"),
                  "--no-verify"]) == 0
     assert "not verified: verify=False" in capsys.readouterr().out
