@@ -7,11 +7,14 @@ import ctypes
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
 
 from flashboot.errors import FlashBootError
 
+from ._numba import numba_or_error
 from .checksum_spec import GOLDEN32, LENGTH_MUL, M32, M64, MIX_Y, SALT_Y, word_term
+
+_numba = numba_or_error("the host checksum (verify on the host backend, a staged copy's check)")
+njit, prange = _numba.njit, _numba.prange
 
 # numba types integer literals as int64 and uint64 (op) int64 as float64: keep every constant uint64.
 _U16, _U13, _U32 = np.uint64(16), np.uint64(13), np.uint64(32)

@@ -4,7 +4,9 @@ transfer of a small arena), loading it from the cache a fraction of that."""
 
 from __future__ import annotations
 
-import numba
+from ._numba import numba_or_error
+
+numba = numba_or_error("the host mover's parallel copy")
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)

@@ -522,3 +522,32 @@ print(used, room, where)
         assert where.startswith(f"{group}/memory.limit_in_bytes = {int(used) + (64 << 20):,}, "), out
     finally:
         os.rmdir(group)
+
+
+def test_numba_that_cannot_be_imported_is_named_with_the_address_space_limit_every_time():
+    """Under ``ulimit -v`` numba's import fails as ``OSError: Could not find/load shared object
+    file 'libllvmlite.so'`` (the library is there; its mapping was refused), then as ``SystemError``
+    or ``MemoryError``: a user reinstalled llvmlite. Each host checksum and host copy that needs it
+    now says numba's import failed, why, and the limit, on every call (here the import is refused
+    by a ``None`` in ``sys.modules``, as reproducibly as a limit is not)."""
+    out = run_python("-c", """
+import sys
+import numpy as np
+sys.modules["numba"] = None
+from flashboot.errors import FlashBootError
+from flashboot.kernels.checksum import checksum
+from flashboot.movers.host import host_copy
+src, dst = np.ones(4 << 20, np.uint8), np.zeros(4 << 20, np.uint8)
+for call in (lambda: checksum(src), lambda: checksum(src), lambda: host_copy(dst.ctypes.data, src.ctypes.data, src.nbytes),
+             lambda: host_copy(dst.ctypes.data, src.ctypes.data, src.nbytes)):
+    try:
+        call()
+        print("no error")
+    except FlashBootError as exc:
+        print(str(exc).replace(chr(10), " "))
+""")
+    lines = out.strip().splitlines()
+    assert len(lines) == 4, out
+    for line, what in zip(lines, ["host checksum"] * 2 + ["host mover's parallel copy"] * 2):
+        assert what in line and "needs numba, whose import failed in this process (ModuleNotFoundError" in line, line
+        assert "address-space limit (`ulimit -v`) is unlimited: numba and LLVM" in line, line
