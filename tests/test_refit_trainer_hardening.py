@@ -187,3 +187,37 @@ def test_two_refits_of_one_engine_at_once_never_go_back_a_version(generic_image,
             assert torch.equal(loaded.tensors[name], t), name
     finally:
         loaded.close()
+
+
+class _Wrapper(torch.Tensor):
+    """A tensor subclass that wraps another, as DTensor (FSDP2's parameters) does: the global shape
+    and dtype, no storage of its own, data_ptr() 0."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+
+    def full_tensor(self):
+        return self.inner
+
+
+@pytest.mark.parametrize("kind", ["wrapper", "sparse"])
+def test_a_tensor_without_data_of_its_own_is_refused(generic_image, store, kind):
+    """A DTensor's data_ptr() is 0 as a meta tensor's is: publish had packed from address 0."""
+    new = _trainer_weights(8)
+    t = new["layers.5.w"]
+    new["layers.5.w"] = _Wrapper(t) if kind == "wrapper" else t.to_sparse()
+    with Publisher(generic_image, 0, store=store[0], device="cpu") as pub:
+        pub.arena.bytes().numpy()[:] = 0x5A
+        want = (r"_Wrapper of layout torch\.strided .*; pass t\.full_tensor\(\)" if kind == "wrapper" else
+                r"Tensor of layout torch\.sparse_coo .*; pass a plain strided tensor")
+        with pytest.raises(PublishError, match=r"'layers\.5\.w' is a " + want + "; nothing was written"):
+            pub.publish(new, version=1)
+        assert pub.version == 0 and pub.seed is None and (pub.arena.bytes().numpy() == 0x5A).all()

@@ -32,10 +32,22 @@ def _check_tensors(plan: PackPlan, tensors: Mapping[str, Any], device) -> None:
         if t.device.type == "meta":  # its data_ptr() is 0: the pack would read whatever is there
             raise PublishError(f"publish: tensor {name!r} is a meta tensor (no data; materialize it first); nothing "
                                "was written")
+        if t.numel() and _data_ptr(t) == 0:  # so is a DTensor's (FSDP2), with the global shape and dtype
+            hint = "pass t.full_tensor()" if hasattr(t, "full_tensor") else "pass a plain strided tensor"
+            raise PublishError(f"publish: tensor {name!r} is a {type(t).__name__} of layout {t.layout} with no "
+                               f"data of its own at an address (data_ptr() 0); {hint}; nothing was written")
         on = f"cuda:{t.device.index}" if t.device.type == "cuda" else str(t.device)
         if on != str(device):
             raise PublishError(f"publish: tensor {name!r} is on {on}, the arena on {device}; pack needs them on one "
                                "device")
+
+
+def _data_ptr(t) -> int:
+    """``t.data_ptr()``, 0 for a tensor without storage (sparse, fake), which raises instead."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return 0
 
 
 PACK_TUNING: dict[str, Any] = {

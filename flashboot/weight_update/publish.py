@@ -153,7 +153,7 @@ class Publisher:
 
         from ..flashclone.manifest import Manifest
         from ..flashclone.seeding import seed
-        from .pack import PackTable
+        from .pack import PackTable, _data_ptr
 
         check_version(version, "publish")
         if version <= self.version:
@@ -164,7 +164,7 @@ class Publisher:
         plan = self.plan(named)
         check_aliases(plan, named, f"publish to {self.metadata.key.model_id} rank {self.rank}")
         # a trainer updates its parameters in place: the same addresses reuse the device table
-        where = tuple((n, t.data_ptr(), t.stride(), t.device) for n, t in named.items())
+        where = tuple((n, _data_ptr(t), t.stride(), t.device) for n, t in named.items())  # 0: PackTable says why
         if self._table is None or self._table[0] is not plan or self._table[1] != where:
             self._table = (plan, where, PackTable(plan, named, self.arena))
         table = self._table[2]
