@@ -109,8 +109,9 @@ def plan_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]], *,
     image = metadata.tensors
     # in the image's order: a family that plans in source order (generic) would otherwise lay the
     # trainer's tensors out in the order given, not the checkpoint's, and refuse every offset
-    offsets = dict(zip(image.names, image.offsets.tolist()))
-    planned = sorted(plan.tensors, key=lambda t: offsets.get(t.name, metadata.image_nbytes))
+    # (an empty tensor shares its offset with the next one, placed after it: empty ones first)
+    at = dict(zip(image.names, zip(image.offsets.tolist(), image.nbytes.tolist())))
+    planned = sorted(plan.tensors, key=lambda t: at.get(t.name, (metadata.image_nbytes, 0)))
     layout = compute_layout([t.slot() for t in planned], tensor_alignment=metadata.tensor_alignment)
     feeds = {t.name: sorted({p.source for p in t.pieces}) for t in plan.tensors}
     extra = [t.name for t in plan.tensors if t.name not in image]
