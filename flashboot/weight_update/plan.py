@@ -141,7 +141,7 @@ def plan_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]], *,
         itemsize = DTYPES[t.dtype].itemsize
         pieces += [PackPiece(p.source, p.box, entry.offset + p.dst_elem * itemsize, itemsize)
                    for p in t.pieces if p.numel]
-    used = {p.source for p in pieces}
+    used = {p.source for t in plan.tensors for p in t.pieces}  # an empty tensor's too: it has no bytes to pack
     unused = [n for n in sources if n not in used and n not in plan.skipped]
     if unused:  # another rank's slice (an expert it holds) is no stranger: ask every rank's plan
         for other in type(metadata.parallel).all_ranks(metadata.parallel.tp_size, metadata.parallel.ep_size):
