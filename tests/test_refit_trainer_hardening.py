@@ -262,3 +262,52 @@ def test_empty_scalar_fp8_bool_tensors_and_strided_views_publish_their_bytes(tmp
             assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(*raw), name
     finally:
         loaded.close()
+
+
+def test_two_publishes_at_once_from_one_publisher_do_not_mix(generic_image, store, monkeypatch):
+    """A trainer publishing from a background thread while the last publish still runs: both had
+    packed into the one arena at once, each record's checksums then vouched for whichever bytes
+    were there (version 1's record served version 2's weights, verified), the publisher's version
+    went back to 1 and one seed was never withdrawn. One at a time: version 2 is what serves."""
+    import threading
+    import time
+
+    import flashboot.flashclone.seeding as seeding
+    import flashboot.weight_update.pack as pack
+
+    address, _ = store
+    seeds, real_seed, real_pack = [], seeding.seed, pack.pack_rows_host
+
+    def slow_pack(rows):
+        time.sleep(0.3)  # both publishes in their pack at once, unless one waits for the other
+        real_pack(rows)
+
+    def seed(*args, **kwargs):
+        seeds.append(real_seed(*args, **kwargs))
+        return seeds[-1]
+
+    monkeypatch.setattr(pack, "pack_rows_host", slow_pack)
+    monkeypatch.setattr(seeding, "seed", seed)
+    weights = {1: _trainer_weights(9), 2: _trainer_weights(10)}
+    outcome = {}
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            def publish(version):
+                try:
+                    outcome[version] = pub.publish(weights[version], version).version
+                except PublishError as exc:
+                    outcome[version] = str(exc)
+
+            threads = [threading.Thread(target=publish, args=(v,)) for v in (1, 2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert outcome[2] == 2 and pub.version == 2, outcome
+            loaded.refit(address, 2, timeout_s=30)
+        for name, t in weights[2].items():
+            assert torch.equal(loaded.tensors[name], t), name
+        assert seeds and all(s._closed for s in seeds)
+    finally:
+        loaded.close()

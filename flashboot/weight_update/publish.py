@@ -9,6 +9,7 @@ engines verify against them before the new version goes live.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -124,6 +125,7 @@ class Publisher:
         self.report: PublishReport | None = None
         self._plans: dict[tuple, PackPlan] = {}
         self._table = None  # (plan, tensors' addresses and strides, PackTable) of the last publish; no tensors
+        self._lock = threading.Lock()  # one publish (or close) at a time
 
     def plan(self, tensors: Mapping[str, Any]) -> PackPlan:
         """The checked plan for tensors of these names, dtypes and shapes (cached per header set)."""
@@ -148,14 +150,29 @@ class Publisher:
         checksum them and publish version ``version`` (greater than the last one published).
 
         PublishError naming the tensor (a name the manifest lacks, a wrong shape or dtype, a
-        missing tensor) before anything is written."""
+        missing tensor) before anything is written. One publish at a time: a second one (another
+        thread) waits up to ``timeout_s`` for the first, then checks its version."""
+        check_version(version, "publish")
+        # two at once packed into the one arena together: each version's record then vouched for
+        # the other's bytes (checksums taken after both packs), and one seed was never withdrawn
+        self._acquire(f"publish of version {version}")
+        try:
+            return self._publish(tensors, version)
+        finally:
+            self._lock.release()
+
+    def _acquire(self, what: str) -> None:
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise PublishError(f"{what} to {self.metadata.key.model_id} rank {self.rank}: another publish from this "
+                               f"Publisher was still running after {self.timeout_s} s; nothing was written")
+
+    def _publish(self, tensors, version: int) -> PublishReport:
         import torch
 
         from ..flashclone.manifest import Manifest
         from ..flashclone.seeding import seed
         from .pack import PackTable, _data_ptr
 
-        check_version(version, "publish")
         if version <= self.version:
             raise PublishError(f"publish: version {version} is not newer than version {self.version}, published "
                                "last; nothing was written")
@@ -209,11 +226,15 @@ class Publisher:
             self.seed = None
 
     def close(self) -> None:
-        """Withdraw the record and release the arena (idempotent)."""
-        self.withdraw()
-        self._table = None  # it holds the trainer's tensors while a publish failed mid-pack
-        if not self.arena.closed:
-            self.arena.close()
+        """Withdraw the record and release the arena (idempotent); waits for a publish under way."""
+        self._acquire("close")  # not the arena from under a pack
+        try:
+            self.withdraw()
+            self._table = None  # it holds the trainer's tensors while a publish failed mid-pack
+            if not self.arena.closed:
+                self.arena.close()
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> "Publisher":
         return self
