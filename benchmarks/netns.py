@@ -1,10 +1,12 @@
 """Network namespaces joined by veth pairs: a cross-host stand-in on one machine (root only).
 
-:class:`Hosts` creates ``count`` namespaces, each with one veth (``eth0``, 10.213.0.(i+1)/24)
+:class:`Hosts` creates ``count`` namespaces, each with one veth (``eth0``, ``subnet``.(i+1)/24, 10.213.0 by default)
 whose other end sits on a bridge in a hub namespace, so every pair talks over two veths and a
 bridge and nothing touches the root namespace's interfaces. Each namespace also gets its own UTS
 namespace when processes are started through :meth:`Hosts.popen` (hostname ``fbhost<i>``), so
-FlashBoot sees different hosts. :meth:`Hosts.close` deletes them all (the veths go with them).
+FlashBoot sees different hosts. :meth:`Hosts.link`, :meth:`Hosts.silence` and :meth:`Hosts.blackhole` make
+the network misbehave (a cut cable, packets to one host silently dropped, an address that routes nowhere).
+:meth:`Hosts.close` deletes them all (the veths and their impairments go with them).
 Used by the NIXL tests and by ``python -m flashboot.benchmarks.nixl_netns``.
 """
 
@@ -44,10 +46,11 @@ def cannot_create() -> str:
 class Hosts:
     """``count`` namespaces on one bridge; ``address(i)``, ``popen(i, argv)``, ``rx_bytes(i)``, ``close()``."""
 
-    def __init__(self, count: int, tag: str = ""):
+    def __init__(self, count: int, tag: str = "", subnet: str = SUBNET):
         why = cannot_create()
         if why:
             raise CapabilityError(f"cannot create network namespaces: {why}")
+        self.subnet = subnet  # a /24 of its own per user: tests of several files may run side by side
         self.prefix = f"fb{os.getpid()}{tag}"
         self.hub = f"{self.prefix}h"
         self.names = [f"{self.prefix}n{i}" for i in range(count)]
@@ -71,9 +74,8 @@ class Hosts:
         _ip("netns", "add", ns)
         self._made.append(ns)
 
-    @staticmethod
-    def address(i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
+    def address(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
 
     def argv(self, i: int, argv: list[str]) -> list[str]:
         """``argv`` run in namespace ``i`` with its own hostname (``fbhost<i>``)."""
@@ -92,6 +94,30 @@ class Hosts:
     def link(self, i: int, up: bool) -> None:
         """Bring namespace ``i``'s veth up or down (a cut cable)."""
         _ip("-n", self.names[i], "link", "set", "eth0", "up" if up else "down")
+
+    def silence(self, i: int, j: int, on: bool = True) -> None:
+        """Make namespace ``i``'s packets to namespace ``j`` (its IPv4 address and its IPv6 link-local
+        one, which UCX also connects to) vanish without a word, as behind a firewall that drops
+        them, or undo it; every other pair still talks. A permanent neighbour entry to a MAC nobody
+        has: tc's netem, iptables and nft are absent from some kernels, this needs only iproute2."""
+        for address in (self.address(j), *self._link_local(j)):
+            if on:
+                _ip("-n", self.names[i], "neigh", "replace", address, "lladdr", "02:00:00:00:00:fb", "dev", "eth0",
+                    "nud", "permanent")
+            else:
+                _ip("-n", self.names[i], "neigh", "del", address, "dev", "eth0", check=False)
+
+    def blackhole(self, i: int, j: int, on: bool = True) -> None:
+        """In namespace ``i``, route namespace ``j``'s addresses nowhere (``ip route add blackhole``),
+        or remove those routes: packets to ``j`` are dropped before they leave, a connect fails at once."""
+        for address, bits in ((self.address(j), 32), *((a, 128) for a in self._link_local(j))):
+            _ip("-n", self.names[i], "route", "add" if on else "del", "blackhole", f"{address}/{bits}",
+                check=on)
+
+    def _link_local(self, j: int) -> list[str]:
+        out = _ip("-n", self.names[j], "-j", "addr", "show", "eth0").stdout
+        return [a["local"] for a in json.loads(out)[0].get("addr_info", [])
+                if a.get("family") == "inet6" and a.get("scope") == "link"]
 
     def rx_bytes(self, i: int) -> int:
         """Bytes namespace ``i``'s veth has received (``ip -s link``)."""

@@ -106,7 +106,7 @@ class Agent:
     and UCX endpoints), so nothing native touches a registered arena once its owner unmaps it: found
     in CI, a clone whose source was killed mid-READ unmapped its arena under UCX's thread (SIGSEGV)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, timeout_s: float | None = None):
         mod = nixl_module()
         for k, v in _UCX_DEFAULTS.items():
             os.environ.setdefault(k, v)
@@ -114,6 +114,7 @@ class Agent:
         t0 = time.perf_counter()
         try:
             self._agent = _create_agent(mod, name)
+            _add_ucx(self._agent, timeout_s)
         except Exception as exc:  # noqa: BLE001 - NIXL raises bare exceptions; named here
             raise CapabilityError(f"NIXL agent {name!r} could not start (UCX backend): {exc}") from exc
         if "UCX" not in self._agent.backends:
@@ -299,13 +300,23 @@ overrides it."""
 _CREATE_LOCK = threading.Lock()
 
 
+def syn_retries(timeout_s: float) -> int:
+    """TCP SYN retransmits after which a connect gives up within ``timeout_s`` (at least 1, at most
+    Linux's default 6): the kernel waits 1, 2, 4, ... s for each, so ``n`` of them end at ``2**(n+1) - 1`` s."""
+    n = 1
+    while n < 6 and 2 ** (n + 2) - 1 <= timeout_s:
+        n += 1
+    return n
+
+
 def _create_agent(mod, name: str):
-    """``mod.nixl_agent`` with the progress thread pausing :data:`PROGRESS_DELAY_US` between polls.
+    """``mod.nixl_agent`` with the progress thread pausing :data:`PROGRESS_DELAY_US` between polls,
+    and no backend yet (:func:`_add_ucx` makes it).
 
     The Python API builds the C++ config itself and sets ``pthrDelay = 0``; the binding's
     constructor is wrapped for the duration of the call to raise it. Where the module is laid out
     differently, the agent is created as the API makes it."""
-    config = mod.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
+    config = mod.nixl_agent_config(enable_prog_thread=True, backends=[])
     api = sys.modules.get(mod.nixl_agent.__module__)
     bind = getattr(api, "nixlBind", None)
     real = getattr(bind, "nixlAgent", None)
@@ -322,6 +333,21 @@ def _create_agent(mod, name: str):
             return mod.nixl_agent(name, config)
         finally:
             bind.nixlAgent = real
+
+
+def _add_ucx(agent, timeout_s: float | None) -> None:
+    """Make the agent's UCX backend (where it has none yet), its TCP connects bounded by ``timeout_s``.
+
+    Loading a peer's metadata (``add_remote_agent``) connects to it inside the call: to a host whose
+    packets are dropped (a firewall, a dead route, its link down) the kernel retries the SYN for
+    127 s, and a clone given 8 s had waited 136 s in that call. So the backend is made with
+    ``TCP_SYN_CNT`` (:func:`syn_retries`) unless ``$UCX_TCP_SYN_CNT`` says otherwise."""
+    if "UCX" in agent.backends or "UCX" not in agent.get_plugin_list():  # the caller names what is missing
+        return
+    init: dict[str, str] = {}
+    if timeout_s is not None and not os.environ.get("UCX_TCP_SYN_CNT"):
+        init["engine_config"] = f"TCP_SYN_CNT={syn_retries(timeout_s)}"
+    agent.create_backend("UCX", init)
 
 
 class AgentWarmup:
@@ -347,7 +373,7 @@ class AgentWarmup:
 
     def _run(self, name: str) -> None:
         try:
-            self.agent = Agent(name)
+            self.agent = Agent(name, self.timeout_s)
         except BaseException as exc:  # noqa: BLE001 - re-raised by join
             self.error = exc
 
@@ -440,7 +466,7 @@ def _clone(ctx):
         detail["agent_create_ms"] = agent.create_ms  # off the critical path
         detail["agent_wait_ms"] = 0.0
     else:
-        agent = Agent(f"flashboot-clone-{ctx.gen}-{ctx.schedule}-{position}-{os.getpid()}")
+        agent = Agent(f"flashboot-clone-{ctx.gen}-{ctx.schedule}-{position}-{os.getpid()}", timeout_s)
         detail["agent_create_ms"] = detail["agent_wait_ms"] = agent.create_ms  # on the critical path
     session.extra.append(agent)
     n = max(position, ctx.clones or 1)

@@ -1,0 +1,199 @@
+"""FlashClone across hosts when the network misbehaves, as a cluster operator meets it (CPU, root).
+
+Hosts are network namespaces on one bridge (:mod:`flashboot.benchmarks.netns`, addresses 10.214.0.x,
+apart from test_clone_nixl's 10.213.0.x); the store runs on a host of its own, so a fault can take a
+seed or a clone away while the store stays reachable. Faults are made with iproute2 alone: a link
+set down (a cut cable), a neighbour entry to a MAC nobody has (packets to one host silently dropped,
+as behind a firewall), a blackhole route. Every clone runs NIXL over TCP (``UCX_TLS=tcp``) and
+reports, besides its result or error, what it still holds afterwards (threads, fds,
+/dev/shm/flashboot-* files), then may try again in the same process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from flashboot.benchmarks.netns import Hosts, cannot_create
+
+from _clone_helpers import TOKEN, MiB
+
+SUBNET = "10.214.0"
+STORE_PORT = 29681
+CHUNK = 2 * MiB
+
+_WHY = cannot_create()
+pytestmark = pytest.mark.skipif(bool(_WHY), reason=f"cannot create network namespaces here: {_WHY}")
+
+_STORE = """
+import sys, time
+from flashboot.flashclone.rendezvous import Rendezvous
+r = Rendezvous.connect(sys.argv[1], host=True, timeout_s=30)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+_SEED = """
+import sys, numpy as np, flashboot
+from flashboot.arena import Arena
+a = Arena.create(int(sys.argv[2]), "cpu")
+a.bytes().numpy()[:] = np.random.default_rng(int(sys.argv[3])).integers(0, 256, a.nbytes, dtype=np.uint8)
+s = flashboot.seed(sys.argv[1], a, nixl=True, serve_nccl=False, timeout_s=30)
+print("ready", flush=True)
+s.serve_forever()
+"""
+
+_CLONE = """
+import glob, hashlib, json, os, sys, threading, time, flashboot
+store, schedule = sys.argv[1], sys.argv[2]
+timeout_s = float(os.environ.get("T_TIMEOUT", "10"))
+
+def held():
+    return {"threads": sorted(t.name for t in threading.enumerate()), "fds": len(os.listdir("/proc/self/fd")),
+            "shm": sorted(glob.glob("/dev/shm/flashboot-*"))}
+
+print(json.dumps({"before": held()}), flush=True)
+for attempt in range(int(os.environ.get("T_ATTEMPTS", "1"))):
+    if attempt:
+        sys.stdin.readline()  # the test says when to try again
+    t0 = time.monotonic()
+    try:
+        r = flashboot.clone(store, "cpu", schedule, transport="nixl", verify=True, timeout_s=timeout_s,
+                            chunk_bytes=%d)
+    except flashboot.FlashBootError as exc:
+        out = {"error": type(exc).__name__, "message": str(exc)}
+    else:
+        rep = r.report.to_dict()
+        out = {k: rep[k] for k in ("position", "source", "recovered", "warnings", "verified", "nbytes")}
+        out["sha256"] = hashlib.sha256(r.arena.bytes().numpy()[:rep["nbytes"]].tobytes()).hexdigest()
+        if os.environ.get("T_HOLD") == "1":  # a source for others until the test says
+            print(json.dumps({"holding": True}), flush=True)
+            sys.stdin.readline()
+        r.close()
+    out.update(attempt=attempt, elapsed=time.monotonic() - t0, after=held())
+    print(json.dumps(out), flush=True)
+""" % CHUNK
+
+
+def _env(**extra) -> dict:
+    e = dict(os.environ)
+    e.update({"FLASHBOOT_TOKEN": TOKEN, "UCX_TLS": "tcp", "PYTHONFAULTHANDLER": "1"})
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def _expected_sha(nbytes: int, seed: int) -> str:
+    import numpy as np
+
+    return hashlib.sha256(np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()).hexdigest()
+
+
+class _Net:
+    """``count`` hosts, the last one the store's; every process started has its output read by
+    threads (its lines on a queue, so a wait for one is bounded), and is killed at the end."""
+
+    def __init__(self, count: int):
+        self.hosts = Hosts(count, tag="nf", subnet=SUBNET)
+        self.procs: list[subprocess.Popen] = []
+        self.store_host = count - 1
+        self.store = f"{self.hosts.address(self.store_host)}:{STORE_PORT}"
+
+    def start(self, i: int, code: str, *args, env=None, stdin=None) -> subprocess.Popen:
+        p = self.hosts.popen(i, [sys.executable, "-c", code, *map(str, args)], env=env or _env(), stdin=stdin)
+        p.lines, p.err = queue.Queue(), []
+        threading.Thread(target=lambda: [p.lines.put(x) for x in p.stdout] + [p.lines.put(None)], daemon=True).start()
+        threading.Thread(target=lambda: p.err.extend(p.stderr), daemon=True).start()
+        self.procs.append(p)
+        return p
+
+    def store_and_seed(self, nbytes: int, data_seed: int) -> None:
+        for i, code, args in ((self.store_host, _STORE, ()), (0, _SEED, (nbytes, data_seed))):
+            p = self.start(i, code, self.store, *args)
+            line = p.lines.get(timeout=60)
+            assert line is not None and line.startswith("ready"), (line, "".join(p.err)[-3000:])
+
+    def clone(self, i: int, schedule: str = "star", stdin=None, **env) -> subprocess.Popen:
+        p = self.start(i, _CLONE, self.store, schedule, env=_env(**env), stdin=stdin)
+        before = _result(p, "the clone", 60)
+        assert "before" in before, before
+        return p
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self.hosts.close()
+
+
+def _result(proc: subprocess.Popen, what: str, timeout_s: float) -> dict:
+    """The process's next JSON line, within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            line = proc.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no result from {what} within {timeout_s} s:\n{''.join(proc.err)[-5000:]}") from None
+        if line is None:
+            proc.wait()
+            raise AssertionError(f"{what} ended (rc {proc.returncode}) with no result:\n{''.join(proc.err)[-5000:]}")
+        if line.startswith("{"):
+            return json.loads(line)
+
+
+def _until(predicate, what: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the process ended (rc {proc.returncode}) while waiting for {what}:\n"
+                                 f"{''.join(proc.err)[-5000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s} s for {what}")
+        time.sleep(0.02)
+
+
+def _again(proc: subprocess.Popen) -> None:
+    proc.stdin.write("again\n")
+    proc.stdin.flush()
+
+
+@pytest.fixture
+def net():
+    n = _Net(4)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def _leaves_nothing(r: dict) -> None:
+    """After the clone ended (either way), nothing of it is left in the process."""
+    assert r["after"]["shm"] == [], r["after"]
+    assert r["after"]["threads"] == ["MainThread"], r["after"]
+
+
+def test_a_seed_behind_a_silent_drop_fails_the_clone_within_its_timeout_then_a_retry_succeeds(net):
+    """The clone's packets to the seed's host vanish (a firewall that drops them) while the store
+    answers. Loading the seed's agent connects to it inside NIXL, where the kernel retried the SYN
+    for 127 s: a clone given 8 s failed after 136. Now UCX gives up within the clone's timeout, the
+    error names the seed, and the same process clones byte-exact once the path is open again."""
+    nbytes = 8 * MiB
+    net.store_and_seed(nbytes, 23)
+    net.hosts.silence(1, 0)
+    c = net.clone(1, "star", stdin=subprocess.PIPE, T_TIMEOUT=8, T_ATTEMPTS=2)
+    r = _result(c, "the clone", 40)  # 7 s of SYNs (3 tries) and the agent's start, not 127 s
+    assert r.get("error") == "RendezvousError" and "the seed" in r["message"], r
+    _leaves_nothing(r)
+    net.hosts.silence(1, 0, on=False)
+    _again(c)
+    r = _result(c, "the clone, again", 60)
+    assert "error" not in r and r["verified"] and r["sha256"] == _expected_sha(nbytes, 23), r
+    _leaves_nothing(r)
