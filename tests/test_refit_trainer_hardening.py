@@ -311,3 +311,36 @@ def test_two_publishes_at_once_from_one_publisher_do_not_mix(generic_image, stor
         assert seeds and all(s._closed for s in seeds)
     finally:
         loaded.close()
+
+
+def test_a_failed_in_place_refit_ends_the_post_processing_retry_of_the_last_version(tmp_path, store):
+    """Version 1's post-processing failed (its retry is pending: "refit to version 1 again"), then
+    an in-place refit to version 2 failed mid-way (the arena a mix of 1 and 2). The pending retry
+    had then run version 1's post-processing over the mix and reported success."""
+    from test_integrations_refit import TinyEngineModel, _key, _prepack, _serve, _tensors
+
+    from flashboot.integrations.engine_refit import engine_publisher, engine_tensors_to_publish, refit_engine_model
+    from flashboot.weight_update import RefitError
+
+    def fail():
+        raise RuntimeError("reprocess failed")
+
+    address, _ = store
+    image = _prepack(TinyEngineModel(0), tmp_path / "img", _key())
+    model, weights = _serve(image, tmp_path / "shm", _key())
+    options = dict(what="test refit", derive=model.post_load_weights, timeout_s=30)
+    try:
+        with engine_publisher(image, 0, store=address, device="cpu") as pub:
+            pub.publish(dict(engine_tensors_to_publish(TinyEngineModel(1), "cpu")), version=1)
+            with pytest.raises(RefitError, match="version 1's bytes are live but .* failed at reprocess"):
+                refit_engine_model(model, address, 1, reprocess=fail, **options)
+            pub.publish(dict(engine_tensors_to_publish(TinyEngineModel(2), "cpu")), version=2)
+            pub.arena.bytes().numpy()[:64] ^= 0xFF  # the copy fails its checksums after landing in place
+            with pytest.raises(RefitError, match="atomic=False, in place.*may hold a mix of versions 1 and 2"):
+                refit_engine_model(model, address, 2, atomic=False, **options)
+            with pytest.raises(RefitError, match="version 1 is not newer than the live version 1"):
+                refit_engine_model(model, address, 1, **options)
+        assert weights.post_refit_pending is None
+        assert not torch.equal(_tensors(model)["qkv.weight"], TinyEngineModel(1).qkv.weight)  # not version 1's
+    finally:
+        weights.close()

@@ -164,8 +164,13 @@ def refit_engine_model(model, store: str, version: int, *, what: str, name: str 
                              details={"post_processing_only": True})
     else:
         derived = []
-        report = weights.handle.refit(store, version, name=refit_name(name, rank), check_record=same_engine_key,
-                                      **options)
+        try:
+            report = weights.handle.refit(store, version, name=refit_name(name, rank), check_record=same_engine_key,
+                                          **options)
+        except BaseException:
+            if not options.get("atomic", True):  # in place: the bytes may be a mix now, not the pending version's
+                weights.post_refit_pending = None
+            raise
         # version N is live from here on: a failure below must say so and leave a way to finish it
         weights.post_refit_pending = {"version": version, "derived": list(derived)}
     _post_process(model, weights, version, what, reprocess, derive if derived else None, derived)
