@@ -344,3 +344,28 @@ def test_a_failed_in_place_refit_ends_the_post_processing_retry_of_the_last_vers
         assert not torch.equal(_tensors(model)["qkv.weight"], TinyEngineModel(1).qkv.weight)  # not version 1's
     finally:
         weights.close()
+
+
+def test_a_publisher_that_hosts_the_store_keeps_it_from_one_version_to_the_next(generic_image):
+    """No store listens: the first publish's seed hosted it, and the next publish, withdrawing
+    that seed, took the store down with every record in it: another rank's publish (here another
+    name) was gone, and engines waiting for the next version lost the store."""
+    from flashboot.flashclone.rendezvous import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    one, two, other = _trainer_weights(11), _trainer_weights(12), _trainer_weights(13)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub, \
+                Publisher(generic_image, 0, store=address, device="cpu", name="other") as neighbour:
+            pub.publish(one, version=1)
+            neighbour.publish(other, version=1)
+            pub.publish(two, version=2)
+            loaded.refit(address, 1, name="other", timeout_s=5)
+            for name, t in other.items():
+                assert torch.equal(loaded.tensors[name], t), name
+            loaded.refit(address, 2, timeout_s=5)
+        for name, t in two.items():
+            assert torch.equal(loaded.tensors[name], t), name
+    finally:
+        loaded.close()

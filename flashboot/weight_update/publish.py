@@ -93,7 +93,7 @@ class Publisher:
 
     ``image``: the engines' pre-packed image directory (its manifest is the contract; no image
     byte is read); ``rank``: the image rank this trainer process publishes. ``store``: the
-    rendezvous store (``HOST:PORT``; hosted here unless one listens, as a seed does). ``config``:
+    rendezvous store (``HOST:PORT``; hosted here, from the first publish to :meth:`close`, unless one listens). ``config``:
     the model config, when the checkpoint's ``config.json`` recorded at pre-pack is not on this
     machine. ``nixl``: also offer the arena to NIXL READs (engines on other hosts,
     ``refit(transport="nixl")``); ``serve_nccl``: answer the broadcast fallback (``transport="nccl"``).
@@ -126,6 +126,7 @@ class Publisher:
         self._plans: dict[tuple, PackPlan] = {}
         self._table = None  # (plan, tensors' addresses and strides, PackTable) of the last publish; no tensors
         self._lock = threading.Lock()  # one publish (or close) at a time
+        self._store_host = None  # the store's Rendezvous where this publisher looked to host it
 
     def plan(self, tensors: Mapping[str, Any]) -> PackPlan:
         """The checked plan for tensors of these names, dtypes and shapes (cached per header set)."""
@@ -202,6 +203,7 @@ class Publisher:
         meta = self.metadata
         manifest = Manifest.of_arena(self.arena, meta.image_nbytes, meta.checksums.chunk_bytes, key=meta.key.to_dict())
         t3 = time.perf_counter()
+        self._host_store()
         self.seed = seed(self.store, self.arena, self.device, token=self.token,
                          name=version_namespace(self.name, version), timeout_s=self.timeout_s,
                          serve_nccl=self.serve_nccl, nixl=self.nixl, manifest=manifest, host_store=self.host_store,
@@ -219,6 +221,18 @@ class Publisher:
             extra["refit_derived"] = sorted(n for n, why in plan.skipped.items() if why == DERIVED)
         return extra
 
+    def _host_store(self) -> None:
+        """Host the store here, for as long as this publisher, where none listens (``host_store``).
+        A seed that hosted it took it down when the next publish withdrew it: every record in it
+        went (other ranks' publishes too), and engines waiting for the next version lost it."""
+        from ..flashclone.rendezvous import Rendezvous
+
+        if self.host_store and self._store_host is None:
+            rdv = Rendezvous.connect(self.store, self.token, namespace=self.name, host=True, timeout_s=self.timeout_s)
+            if not rdv.is_server:  # someone else's: the seeds join it
+                rdv.close()
+            self._store_host = rdv
+
     def withdraw(self) -> None:
         """Withdraw the published version's record (engines that already mapped it keep their mapping)."""
         if self.seed is not None:
@@ -230,6 +244,8 @@ class Publisher:
         self._acquire("close")  # not the arena from under a pack
         try:
             self.withdraw()
+            if self._store_host is not None:
+                self._store_host.close()  # the store goes with the last reference, as with a seed's
             self._table = None  # it holds the trainer's tensors while a publish failed mid-pack
             if not self.arena.closed:
                 self.arena.close()
