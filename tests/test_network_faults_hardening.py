@@ -180,6 +180,54 @@ def _leaves_nothing(r: dict) -> None:
     assert r["after"]["threads"] == ["MainThread"], r["after"]
 
 
+def test_chain_source_whose_host_vanishes_is_read_past_from_the_seed(net):
+    """Clone #1's link goes down (never up again) while #2 follows its progress: #1 publishes nothing
+    more and a READ of it stays in progress for ever (NIXL fails none). #2 takes #1 as failed and
+    re-attaches to the seed, which it can still reach, byte-exact; before, it failed with a
+    WaitTimeoutError although the seed was there."""
+    nbytes = 24 * MiB
+    net.store_and_seed(nbytes, 21)
+    hosts = net.hosts
+    rx1 = hosts.rx_bytes(1)
+    c1 = net.clone(1, "chain", T_TIMEOUT=30, FLASHBOOT_TEST_STEP_DELAY_S=1.0, FLASHBOOT_NIXL_DEPTH=1)
+    _until(lambda: hosts.rx_bytes(1) - rx1 > CHUNK, "clone #1 to be reading from the seed", c1)
+    tx1 = hosts.tx_bytes(1)
+    c2 = net.clone(2, "chain", T_TIMEOUT=5)
+    _until(lambda: hosts.tx_bytes(1) - tx1 > CHUNK, "clone #2 to be reading from clone #1", c2)
+    hosts.link(1, up=False)
+    r2 = _result(c2, "clone #2", 60)
+    assert "error" not in r2, r2
+    assert r2["position"] == 2 and r2["verified"] and r2["sha256"] == _expected_sha(nbytes, 21), r2
+    stalled = [x for x in r2["recovered"] if x.startswith("clone #1 failed at step")]
+    # #2 was waiting for #1's progress (most of the time), or had a READ of it in flight
+    assert stalled and ("its progress stayed at" in stalled[0] or "still in progress after 5 s" in stalled[0]), r2
+    assert "bytes in place" in stalled[0] and "re-attached to the seed" in r2["recovered"], r2
+    _leaves_nothing(r2)
+
+
+def test_a_read_in_flight_to_a_host_that_vanished_fails_its_source_not_the_clone(net):
+    """Clone #1 holds the whole image (it finished and stays a source); #2 READs from it
+    one piece a second when #1's link goes down: the READ posted after that stays in progress. #2
+    re-attaches to the seed once it has waited its timeout, and says how far it had got."""
+    nbytes = 16 * MiB
+    net.store_and_seed(nbytes, 22)
+    hosts = net.hosts
+    c1 = net.clone(1, "chain", T_TIMEOUT=30, T_HOLD=1, stdin=subprocess.PIPE)
+    assert _result(c1, "clone #1", 60) == {"holding": True}
+    tx1 = hosts.tx_bytes(1)
+    c2 = net.clone(2, "chain", T_TIMEOUT=5, FLASHBOOT_TEST_STEP_DELAY_S=1.0, FLASHBOOT_NIXL_DEPTH=1)
+    _until(lambda: hosts.tx_bytes(1) - tx1 > CHUNK, "clone #2 to be reading from clone #1", c2)
+    hosts.link(1, up=False)
+    r2 = _result(c2, "clone #2", 60)
+    assert "error" not in r2, r2
+    assert r2["verified"] and r2["sha256"] == _expected_sha(nbytes, 22), r2
+    stalled = [x for x in r2["recovered"] if x.startswith("clone #1 failed at step")]
+    assert stalled and "its READ was still in progress after 5 s" in stalled[0], r2
+    assert f"of {nbytes:,} bytes in place" in stalled[0] and "re-attached to the seed" in r2["recovered"], r2
+    assert r2["source"] == "the seed, clone #1", r2
+    _leaves_nothing(r2)
+
+
 def test_a_seed_behind_a_silent_drop_fails_the_clone_within_its_timeout_then_a_retry_succeeds(net):
     """The clone's packets to the seed's host vanish (a firewall that drops them) while the store
     answers. Loading the seed's agent connects to it inside NIXL, where the kernel retried the SYN

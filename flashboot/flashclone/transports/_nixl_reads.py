@@ -6,8 +6,8 @@ leading bytes of the image; for a ring member its own shard first, then round by
 gathered. A piece is READ as soon as its source's progress covers it (``need``), so every link of
 a chain or ring runs at once, at most :data:`DEPTH` READs outstanding.
 
-A source that fails (its ``failed`` status, NIXL's disconnect error, or a probe READ of a stalled
-source that fails) is handed to the schedule's ``on_failed``: a chain re-attaches upstream, a ring
+A source that fails (its ``failed`` status, NIXL's disconnect error, a probe READ of a stalled
+source that fails, or a READ still in progress after ``timeout_s``) is handed to the schedule's ``on_failed``: a chain re-attaches upstream, a ring
 member loads the rest from its own copy of the image, otherwise the clone fails naming the step.
 Every wait is bounded by ``timeout_s``.
 """
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import _cuda
-from ...errors import FlashBootError, WaitTimeoutError
+from ...errors import FlashBootError
 from ...schedulers import HOST
 
 READ_BYTES = int(os.environ.get("FLASHBOOT_NIXL_READ_BYTES", str(64 << 20)))
@@ -240,6 +240,7 @@ def read_pieces(r: Reader, agent, peers: Peers, arena, todo: deque) -> set[int]:
     used: set[int] = set()
     waiting_since: float | None = None
     last_refresh = 0.0
+    total = r.held + sum(p.nbytes for p in todo)
 
     def fail(piece: Piece, why: str) -> None:
         for key, (p, ticket, _) in list(inflight.items()):
@@ -272,10 +273,12 @@ def read_pieces(r: Reader, agent, peers: Peers, arena, todo: deque) -> set[int]:
                 if peers.held.get(piece.src, 0) < piece.need:
                     waiting_since = waiting_since or now
                     if now - waiting_since > timeout_s:
-                        raise WaitTimeoutError(f"{r.what}: step {piece.step} waited {timeout_s:g} s for "
-                                               f"{peers.who(piece.src)} to hold bytes [{piece.offset:,}, "
-                                               f"{piece.end:,}) (its progress {peers.held.get(piece.src, 0):,}, "
-                                               f"needed {piece.need:,})")
+                        # a source whose host vanished publishes nothing more and its probe READ stays
+                        # in progress: failed, like a stalled READ (re-attached, or the step named)
+                        waiting_since = None
+                        fail(piece, f"its progress stayed at {peers.held.get(piece.src, 0):,} bytes for "
+                                    f"{timeout_s:g} s, short of the {piece.need:,} this step needs ({held:,} of "
+                                    f"{total:,} bytes in place)")
                     break
             waiting_since = None
             todo.popleft()
@@ -306,9 +309,12 @@ def read_pieces(r: Reader, agent, peers: Peers, arena, todo: deque) -> set[int]:
                 done[piece.pos] = piece.pos + piece.nbytes
                 progressed = True
             elif time.monotonic() - t_post > timeout_s:
-                raise WaitTimeoutError(f"{r.what}: the NIXL READ of step {piece.step} (bytes "
-                                       f"[{piece.offset:,}, {piece.end:,})) from {peers.who(piece.src)} is still in "
-                                       f"progress after {timeout_s:g} s: the link or the source stalled")
+                # NIXL never fails a READ of a host that vanished (its link down, a partition): a
+                # stalled source is a failed one, so a chain re-attaches upstream and a ring member
+                # loads from its own copy, where raising here failed a clone whose seed was reachable
+                fail(piece, f"its READ was still in progress after {timeout_s:g} s (the link to it or the source "
+                            f"stalled; {held:,} of {total:,} bytes in place)")
+                break
         while held in done:
             held = done.pop(held)
         now = time.monotonic()

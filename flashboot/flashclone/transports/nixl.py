@@ -11,9 +11,9 @@ its source's progress covers it, so all links run at once (see ``_nixl_reads``).
 loads its own shard from its own copy of the image first (:func:`ring_member`).
 
 Every wait is bounded: NIXL leaves a READ in progress forever when the link goes down, so a READ
-outstanding longer than ``timeout_s`` ends the clone with a WaitTimeoutError naming the byte
-range and the source. A source that dies surfaces as a NIXL error (``NIXL_ERR_REMOTE_DISCONNECT``)
-or as its ``failed`` status; the clone then re-attaches upstream (chain), loads the rest from its
+outstanding longer than ``timeout_s`` fails its source, naming the byte range and the bytes in
+place. A source that dies surfaces as a NIXL error (``NIXL_ERR_REMOTE_DISCONNECT``) or as its
+``failed`` status. Either way the clone then re-attaches upstream (chain), loads the rest from its
 own copy of the image (ring) or fails naming the step.
 
 Optional: ``pip install flashboot[nixl]`` (the ``nixl-cu13`` wheel; UCX is bundled). Across
