@@ -369,3 +369,22 @@ def test_a_publisher_that_hosts_the_store_keeps_it_from_one_version_to_the_next(
             assert torch.equal(loaded.tensors[name], t), name
     finally:
         loaded.close()
+
+
+def test_a_refit_after_the_engine_closed_its_weights_says_so(tmp_path, store):
+    """It had said the model "was not loaded by the flashboot loader (start the engine with
+    --load-format flashboot)" of a model that was, and whose weights were closed since."""
+    from test_integrations_refit import TinyEngineModel, _key, _prepack, _serve
+
+    from flashboot.integrations.engine_refit import engine_publisher, engine_tensors_to_publish, refit_engine_model
+    from flashboot.weight_update import RefitError
+
+    address, _ = store
+    image = _prepack(TinyEngineModel(0), tmp_path / "img", _key())
+    model, weights = _serve(image, tmp_path / "shm", _key())
+    weights.close()
+    with engine_publisher(image, 0, store=address, device="cpu") as pub:
+        pub.publish(dict(engine_tensors_to_publish(TinyEngineModel(1), "cpu")), version=1)
+        with pytest.raises(RefitError, match=r"test refit: the weights of TinyEngineModel were released \(their "
+                                             r"arena is closed.*nothing was copied"):
+            refit_engine_model(model, address, 1, what="test refit", timeout_s=30)

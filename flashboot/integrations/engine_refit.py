@@ -72,9 +72,13 @@ def check_refit_options(options: Mapping[str, Any], what: str) -> dict:
 
 def served_weights(model, what: str):
     """The :class:`~.engine_bind.EngineWeights` ``model`` serves from, refusing a model the
-    flashboot loader did not load and one cloned from a seed (no image to refit under)."""
+    flashboot loader did not load (CapabilityError), one whose weights were closed (RefitError)
+    and one cloned from a seed (no image to refit under)."""
     weights = getattr(model, "_flashboot_weights", None)
-    if weights is None or weights.arena.closed:
+    if weights is not None and weights.arena.closed:  # it was: "not loaded by the flashboot loader"
+        raise RefitError(f"{what}: the weights of {type(model).__name__} were released (their arena is closed: "
+                         "the engine shut down or closed them); nothing was copied")
+    if weights is None:
         raise CapabilityError(f"{what}: {type(model).__name__} was not loaded by the flashboot loader (start the "
                               "engine with --load-format flashboot); its weights are not in a FlashBoot arena")
     if not hasattr(weights.handle, "refit"):
