@@ -388,3 +388,11 @@ def test_a_refit_after_the_engine_closed_its_weights_says_so(tmp_path, store):
         with pytest.raises(RefitError, match=r"test refit: the weights of TinyEngineModel were released \(their "
                                              r"arena is closed.*nothing was copied"):
             refit_engine_model(model, address, 1, what="test refit", timeout_s=30)
+
+
+def test_a_publish_after_close_says_the_publisher_is_closed(generic_image):
+    pub = Publisher(generic_image, 0, store="127.0.0.1:1", device="cpu", token="x" * 16, host_store=False)
+    pub.close()
+    with pytest.raises(PublishError, match=r"publish of version 1: this Publisher was closed .*make a new one"):
+        pub.publish(_trainer_weights(14), version=1)
+    pub.close()  # idempotent

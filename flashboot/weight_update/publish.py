@@ -174,6 +174,9 @@ class Publisher:
         from ..flashclone.seeding import seed
         from .pack import PackTable, _data_ptr
 
+        if self.arena.closed:  # it had been "arena <id> is closed", an arena the trainer never saw
+            raise PublishError(f"publish of version {version}: this Publisher was closed (its arena released); "
+                               "make a new one; nothing was written")
         if version <= self.version:
             raise PublishError(f"publish: version {version} is not newer than version {self.version}, published "
                                "last; nothing was written")
