@@ -53,6 +53,7 @@ s.serve_forever()
 
 _CLONE = """
 import glob, hashlib, json, os, sys, threading, time, flashboot
+from flashboot.flashclone.transports import nixl
 store, schedule = sys.argv[1], sys.argv[2]
 timeout_s = float(os.environ.get("T_TIMEOUT", "10"))
 
@@ -78,7 +79,7 @@ for attempt in range(int(os.environ.get("T_ATTEMPTS", "1"))):
             print(json.dumps({"holding": True}), flush=True)
             sys.stdin.readline()
         r.close()
-    out.update(attempt=attempt, elapsed=time.monotonic() - t0, after=held())
+    out.update(attempt=attempt, elapsed=time.monotonic() - t0, after=held(), stats=dict(nixl.stats))
     print(json.dumps(out), flush=True)
 """ % CHUNK
 
@@ -244,4 +245,22 @@ def test_a_seed_behind_a_silent_drop_fails_the_clone_within_its_timeout_then_a_r
     _again(c)
     r = _result(c, "the clone, again", 60)
     assert "error" not in r and r["verified"] and r["sha256"] == _expected_sha(nbytes, 23), r
+    _leaves_nothing(r)
+
+
+def test_an_upstream_clone_behind_a_silent_drop_is_tried_once_then_read_past(net):
+    """Clone #1 finished and serves; #2's packets to #1's host vanish. Loading #1's agent runs out
+    of SYNs (bounded by #2's timeout); it was tried three times, 3 x 7 s here and 3 x 31 s with the
+    default 60 s timeout, before #2 read from the seed. A try that took seconds is not repeated."""
+    nbytes = 8 * MiB
+    net.store_and_seed(nbytes, 24)
+    c1 = net.clone(1, "chain", T_TIMEOUT=30, T_HOLD=1, stdin=subprocess.PIPE)
+    assert _result(c1, "clone #1", 60) == {"holding": True}
+    net.hosts.silence(2, 1)
+    c2 = net.clone(2, "chain", T_TIMEOUT=8)
+    r = _result(c2, "clone #2", 60)
+    assert "error" not in r and r["verified"] and r["sha256"] == _expected_sha(nbytes, 24), r
+    assert r["position"] == 2 and r["source"] == "the seed", r
+    assert len(r["recovered"]) == 1 and r["recovered"][0].startswith("clone #1 cannot be reached"), r
+    assert r["stats"]["remotes_loaded"] == 2, r["stats"]  # clone #1 once, then the seed
     _leaves_nothing(r)

@@ -52,12 +52,14 @@ _UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "2M", "UCX_TCP_RX_SEG_SIZE": "2M"}
 
 OPEN_TRIES = 3
 """Attempts to load a chain source's agent before it is taken as gone and its upstream is read instead."""
+OPEN_RETRY_S = 1.0
+"""A failed attempt that took longer than this is not tried again (see :data:`OPEN_TRIES`)."""
 SETTLE_S = 5.0
 """How long :meth:`Agent.close` waits for outstanding READs to finish or fail before destroying the
 agent (which aborts them). A killed peer fails them at once; a silent one only when UCX gives up."""
-stats = {"agents": 0, "registrations": 0, "reads_posted": 0}
+stats = {"agents": 0, "registrations": 0, "reads_posted": 0, "remotes_loaded": 0}
 """Counters for this process (tests assert what did and did not happen: no registration before the
-token checked out, no READ before the metadata matched the manifest)."""
+token checked out, no READ before the metadata matched the manifest, how often a peer was tried)."""
 
 
 def nixl_module():
@@ -169,6 +171,7 @@ class Agent:
         if record.get("agent") in self._leaving:
             raise RendezvousError(f"{who} (NIXL agent {record['agent']!r}) was dropped and a READ of it is still being "
                                   "aborted: it is not loaded again")
+        stats["remotes_loaded"] += 1  # attempts: loading one connects to the peer
         name = self._call(self._agent.add_remote_agent, _unb64(record["metadata"]), error=RendezvousError,
                           what=f"NIXL refused the agent metadata of {who}: ")
         name = name.decode() if isinstance(name, bytes) else str(name)
@@ -484,6 +487,7 @@ def _clone(ctx):
     for p in sorted({s.src for s in my_steps}):
         q, tries = p, 0
         while True:
+            t_open = time.monotonic()
             try:
                 sources.open(q)
                 break
@@ -491,7 +495,10 @@ def _clone(ctx):
                 if q == 0 or not ctx.retry or "holds another image" in str(exc):
                     raise
                 tries += 1
-                if tries < OPEN_TRIES:  # seen under load: UCX refused a live peer once (NIXL_ERR_BACKEND)
+                # seen under load: UCX refused a live peer once (NIXL_ERR_BACKEND, at once). Not a try
+                # that took seconds: a host that dropped our SYNs until UCX gave up drops the next
+                # ones too, and three such tries had kept a clone 3 x 31 s from an upstream it could reach
+                if tries < OPEN_TRIES and time.monotonic() - t_open < OPEN_RETRY_S:
                     time.sleep(0.2)
                     continue
                 tries = 0
