@@ -49,6 +49,8 @@ def test_a_generic_image_takes_the_tensors_in_the_trainers_order(generic_image, 
         with Publisher(generic_image, 0, store=address, device="cpu") as pub:
             pub.publish(new, version=1)
             pub.publish(list(reversed(new.items())), version=2)
+            offsets = [p.dst_offset for p in pub.plan(new).pieces]
+            assert offsets == sorted(offsets)  # PackPlan.pieces are in image order, as it says
             loaded.refit(address, 2, timeout_s=30)
         assert loaded.version == 2
         for name, t in new.items():

@@ -136,7 +136,7 @@ def plan_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]], *,
             raise PublishError(f"{where}: tensor {t.name!r} lands at offset {layout.tensors[t.name].offset:,}, the "
                                f"image has it at {image[t.name].offset:,}; nothing was written")
     pieces = []
-    for t in plan.tensors:
+    for t in planned:  # PackPlan.pieces are in image order
         entry = image[t.name]
         itemsize = DTYPES[t.dtype].itemsize
         pieces += [PackPiece(p.source, p.box, entry.offset + p.dst_elem * itemsize, itemsize)
