@@ -205,3 +205,64 @@ def test_bench_serve_refuses_a_timeout_that_is_no_deadline_before_it_makes_anyth
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert "--timeout" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "work").exists()
+
+
+def test_a_background_preloader_of_a_folder_named_like_an_option_stages_it(tmp_path):
+    """``preload --background -- -dash``: the daemon's own command line put the folder before the
+    options, so its child read ``-dash`` as an option ("DIR required") and left a staging folder
+    holding only ``preload.log``."""
+    import shutil
+    import time
+
+    from flashboot.flashload import shm as shm_files
+
+    image = make_tiny_image(tmp_path / "made")
+    dashed = tmp_path / "-dash"
+    shutil.move(str(image), dashed)
+    shm = tmp_path / "shm"
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # named relatively, as a script would: "-dash"
+    try:
+        cfg = staging.PreloadConfig("-dash", shm_dir=str(shm))
+        service.start_background(cfg, timeout_s=60)
+        shm_files.wait_ready("-dash", 0, timeout_s=60, shm_dir=shm)
+        deadline = time.monotonic() + 30
+        while service.service_status("-dash", shm).pid is not None:
+            assert time.monotonic() < deadline, shm_files.log_file("-dash", shm).read_text()
+            time.sleep(0.05)
+        assert "rank 0: staged" in shm_files.log_file("-dash", shm).read_text()
+    finally:
+        os.chdir(cwd)
+
+
+def test_a_preloader_of_a_folder_whose_name_is_not_utf8_stages_it(tmp_path):
+    """A folder name that is not UTF-8 (bytes from another locale) crashed ``preload``, its
+    ``--status`` and ``--unstage`` with a UnicodeEncodeError in the staging folder's tag."""
+    import shutil
+
+    from flashboot.flashload import shm as shm_files
+
+    image = make_tiny_image(tmp_path / "made")
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9")
+    shutil.move(str(image), odd)
+    shm = tmp_path / "shm"
+    staging.stage_rank(odd, 0, shm_dir=shm)
+    assert shm_files.staged_paths(odd, 0, shm).image.read_bytes() == shm_files.rank_source(odd, 0).path.read_bytes()
+    assert staging.unstage(odd, None, shm_dir=shm)
+
+
+def test_a_preloader_whose_first_log_line_fails_releases_its_pid_file(tmp_path, monkeypatch):
+    """The first log lines (a warning that the staging root is not shared memory) were written
+    before the clean-up's ``try``: a log that failed there left the pid file naming a process that
+    no longer preloads."""
+    from flashboot.flashload import shm as shm_files
+
+    image = make_tiny_image(tmp_path / "made")
+    shm = tmp_path / "shm"  # not tmpfs: the warning is logged first
+
+    def failing_log(line):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        service.run_service(staging.PreloadConfig(str(image), shm_dir=str(shm)), log=failing_log)
+    assert not shm_files.pid_file(image, shm).exists()

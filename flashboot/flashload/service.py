@@ -164,8 +164,8 @@ def start_background(config: PreloadConfig, *, timeout_s: float = 30.0, extra_ar
     log = log_file(config.image_dir, config.shm_dir)
     make_dir(log.parent)
     # The preload command's own entry point: the service needs no other command to import.
-    argv = [sys.executable, "-m", "flashboot.commands.preload", config.image_dir, *config_argv(config),
-            *(extra_argv or [])]
+    argv = [sys.executable, "-m", "flashboot.commands.preload", *config_argv(config), *(extra_argv or []),
+            "--", config.image_dir]  # after "--": a folder named "-x" is not read as an option
     with open(log, "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
@@ -312,11 +312,11 @@ def run_service(config: PreloadConfig, *, log: Callable[[str], None] = print,
     abandoned and its partial file removed. Returns the staging results (None when serving)."""
     path = pid_file(config.image_dir, config.shm_dir)
     note = _claim_pid_file(path, config.serve, config.ranks)
-    for line in (note, not_shared_memory_warning(config.shm_dir)):
-        if line:
-            log(line)
     stop = threading.Event()
     try:
+        for line in (note, not_shared_memory_warning(config.shm_dir)):  # a log that fails still releases the pid file
+            if line:
+                log(line)
         with stop_on_signals(stop, (signal.SIGTERM,)):
             if config.serve:
                 PreloadServer(config, stop=stop, log=log).run(progress)

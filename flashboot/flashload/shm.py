@@ -97,7 +97,7 @@ def staging_dir(image_dir: str | os.PathLike, shm_dir: str | os.PathLike | None 
     Keyed by the image directory's real path, so two images never share it and any process that
     names the same directory finds the same staged files."""
     real = os.path.realpath(image_dir)
-    tag = hashlib.sha256(real.encode()).hexdigest()[:12]
+    tag = hashlib.sha256(os.fsencode(real)).hexdigest()[:12]  # a non-UTF-8 name's surrogates: its bytes
     # the name is only a label (the tag is the key): cut to fit NAME_MAX with the tag, or an image
     # folder of more than 242 bytes could never be staged (ENAMETOOLONG)
     label = os.fsencode(os.path.basename(real.rstrip('/')))[:_NAME_MAX - 1 - len(tag)]
