@@ -239,7 +239,10 @@ def test_a_seed_behind_a_silent_drop_fails_the_clone_within_its_timeout_then_a_r
     net.hosts.silence(1, 0)
     c = net.clone(1, "star", stdin=subprocess.PIPE, T_TIMEOUT=8, T_ATTEMPTS=2)
     r = _result(c, "the clone", 40)  # 7 s of SYNs (3 tries) and the agent's start, not 127 s
-    assert r.get("error") == "RendezvousError" and "the seed" in r["message"], r
+    assert r.get("error") == "RendezvousError", r
+    # the seed's host and pid (not the store's address), and what to look at
+    assert "of the seed (pid " in r["message"] and "on fbhost0)" in r["message"], r
+    assert "is that host reachable from here" in r["message"] and net.store not in r["message"], r
     _leaves_nothing(r)
     net.hosts.silence(1, 0, on=False)
     _again(c)

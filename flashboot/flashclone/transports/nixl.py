@@ -172,8 +172,17 @@ class Agent:
             raise RendezvousError(f"{who} (NIXL agent {record['agent']!r}) was dropped and a READ of it is still being "
                                   "aborted: it is not loaded again")
         stats["remotes_loaded"] += 1  # attempts: loading one connects to the peer
-        name = self._call(self._agent.add_remote_agent, _unb64(record["metadata"]), error=RendezvousError,
-                          what=f"NIXL refused the agent metadata of {who}: ")
+        t0 = time.monotonic()
+        try:
+            name = self._call(self._agent.add_remote_agent, _unb64(record["metadata"]), error=RendezvousError,
+                              what=f"NIXL refused the agent metadata of {who}: ")
+        except RendezvousError as exc:  # NIXL says only NIXL_ERR_BACKEND for a host out of reach
+            why = f"{exc} (after {time.monotonic() - t0:.1f} s)"
+        else:
+            why = None
+        if why is not None:
+            raise RendezvousError(f"{why}; loading it connects to its host: is that host reachable from here (a "
+                                  "firewall, a route, its link) and the process alive?")
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != record["agent"]:
             raise RendezvousError(f"the NIXL metadata of {who} names agent {name!r}, its record {record['agent']!r}; "
@@ -481,7 +490,8 @@ def _clone(ctx):
                     who=lambda p: "the seed" if p == 0 else f"clone #{p}",
                     joined=lambda p: _gkey(ctx.gen, ctx.schedule, "joined", p))
     sources = Peers(rdv, agent, manifest, keys, timeout_s, detail,
-                    fixed={0: (ctx.seed_rec.sealed.get("nixl"), f"the seed at {rdv.address}")})
+                    fixed={0: (ctx.seed_rec.sealed.get("nixl"), f"the seed (pid {ctx.seed_rec.body.get('pid')} on "
+                                                                  f"{ctx.seed_rec.body.get('host')})")})
     my_steps = [s for s in plan.steps_into(position) if s.kind == "copy"]
     redirect: dict[int, int] = {}  # a source clone that cannot be reached -> the nearest upstream that can
     for p in sorted({s.src for s in my_steps}):
