@@ -398,3 +398,19 @@ def test_a_publish_after_close_says_the_publisher_is_closed(generic_image):
     with pytest.raises(PublishError, match=r"publish of version 1: this Publisher was closed .*make a new one"):
         pub.publish(_trainer_weights(14), version=1)
     pub.close()  # idempotent
+
+
+def test_a_tied_tensor_given_only_by_its_other_name_is_named(tmp_path):
+    """A trainer's own dict names the tied head 'lm_head.weight'; the image stores it as
+    'embed.weight' ('lm_head.weight' its alias): the refusal had only said 'embed.weight' was missing."""
+    from test_integrations_refit import TinyEngineModel, _key, _prepack
+
+    from flashboot.integrations.engine_refit import engine_publisher, engine_tensors_to_publish
+
+    image = _prepack(TinyEngineModel(0), tmp_path / "img", _key())
+    new = dict(engine_tensors_to_publish(TinyEngineModel(1), "cpu"))
+    new["lm_head.weight"] = new.pop("embed.weight")
+    with engine_publisher(image, 0, store="127.0.0.1:1", device="cpu", token="x" * 16, host_store=False) as pub:
+        with pytest.raises(PublishError, match=r"'embed\.weight' get no bytes: .*; 'lm_head\.weight', given, is another "
+                                               r"name of 'embed\.weight': give it as 'embed\.weight'; nothing was"):
+            pub.publish(new, version=1)

@@ -241,10 +241,12 @@ def plan_engine_pack(metadata, headers: Mapping[str, tuple[str, tuple[int, ...]]
             skipped[n] = DERIVED
     missing = [n for n in image.names if n not in headers and n not in skipped and image[n].numel]
     if missing:
+        twin = {c: a for a, c in given_aliases.items()}  # a trainer's dict names a tied tensor by its other name
+        tied = [f"; {twin[n]!r}, given, is another name of {n!r}: give it as {n!r}" for n in missing if n in twin]
         raise PublishError(f"{where}: image tensor(s) {', '.join(map(repr, missing[:5]))}"
                            f"{' ...' if len(missing) > 5 else ''} get no bytes: they are missing from the "
                            f"{len(headers)} tensors given (an engine image is published whole: parameters and "
-                           "buffers); nothing was written")
+                           f"buffers){tied[0] if tied else ''}; nothing was written")
     pieces.sort(key=lambda p: p.dst_offset)
     sources = {n: (d, tuple(int(s) for s in shape)) for n, (d, shape) in headers.items() if n not in skipped}
     return PackPlan(metadata, sources, tuple(pieces), skipped, given_aliases)
