@@ -10,7 +10,7 @@ import numpy as np
 
 from flashboot.errors import FlashBootError
 
-from ._numba import numba_or_error
+from ._numba import cached_njit, numba_or_error
 from .checksum_spec import GOLDEN32, LENGTH_MUL, M32, M64, MIX_Y, SALT_Y, word_term
 
 _numba = numba_or_error("the host checksum (verify on the host backend, a staged copy's check)")
@@ -44,7 +44,7 @@ def _word_xy(w, i):
     return _fmix32(w ^ ((lo * _GOLDEN32) & _MASK32)), _fmix32(((w + lo * _MIX_Y + hi) & _MASK32) ^ _SALT_Y)
 
 
-@njit(parallel=True, cache=True)
+@cached_njit(parallel=True)
 def _chunk_term_sums(words, chunk_words, start_word):
     """Per chunk of ``chunk_words`` words: the sum mod 2**64 of the word terms, indices
     restarting at ``start_word`` in every chunk. The last chunk may be short."""
@@ -76,7 +76,7 @@ def _chunk_term_sums(words, chunk_words, start_word):
     return out
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def _run_term_sum(words, start_word):
     """The sum of the terms of ``words`` at indices ``start_word, start_word + 1, ...``; serial
     and without the GIL, so several writer threads hash at once."""
@@ -89,7 +89,7 @@ def _run_term_sum(words, start_word):
     return (sum_x << _U32) + sum_y
 
 
-@njit(nogil=True, cache=True)
+@cached_njit(nogil=True)
 def _scattered_term_sum(values, indices):
     """The sum of the terms of words ``values[k]`` at word indices ``indices[k]``."""
     sum_x = np.uint64(0)

@@ -4,12 +4,12 @@ transfer of a small arena), loading it from the cache a fraction of that."""
 
 from __future__ import annotations
 
-from ._numba import numba_or_error
+from ._numba import cached_njit, numba_or_error
 
 numba = numba_or_error("the host mover's parallel copy")
 
 
-@numba.njit(parallel=True, nogil=True, cache=True)
+@cached_njit(parallel=True, nogil=True)
 def copy_chunks(dst, src, chunk_bytes):
     """``dst[:] = src`` (uint8 arrays of one length), ``chunk_bytes`` per parallel work item."""
     n = src.shape[0]

@@ -551,3 +551,24 @@ for call in (lambda: checksum(src), lambda: checksum(src), lambda: host_copy(dst
     for line, what in zip(lines, ["host checksum"] * 2 + ["host mover's parallel copy"] * 2):
         assert what in line and "needs numba, whose import failed in this process (ModuleNotFoundError" in line, line
         assert "address-space limit (`ulimit -v`) is unlimited: numba and LLVM" in line, line
+
+
+def test_the_host_loops_work_where_numba_finds_no_cache_directory(tmp_path):
+    """A container with a read-only file system and no ``HOME``: numba can cache neither beside
+    the package nor under ``~/.cache``, and ``cache=True`` raised "no locator available" at the
+    import of the checksum and copy loops, so every verify and host copy failed. They now cache
+    under the temporary directory. (Here numba's two usual locations are taken away by leaving
+    it only the locators that find nothing: the root this runs as may write anywhere.)"""
+    out = run_python("-c", """
+import numpy as np
+from numba.core import caching
+caching.CacheImpl._locator_classes = [caching.UserProvidedCacheLocator, caching.ZipCacheLocator]
+from flashboot.kernels.checksum import checksum
+from flashboot.movers.host import host_copy
+src, dst = np.arange(4 << 20, dtype=np.uint32).view(np.uint8), np.zeros(16 << 20, np.uint8)
+host_copy(dst.ctypes.data, src.ctypes.data, src.nbytes)
+print(checksum(dst) == checksum(src), (dst == src).all())
+""", env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.split() == ["True", "True"], out
+    cached = list((tmp_path / f"flashboot-numba-cache-{os.getuid()}").rglob("*.nbi"))
+    assert {p.name.split(".")[0] for p in cached} >= {"checksum_host", "host_copy"}, cached
