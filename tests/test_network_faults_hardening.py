@@ -51,6 +51,17 @@ print("ready", flush=True)
 s.serve_forever()
 """
 
+_AT_BARRIER = """
+import json, sys, time
+from flashboot.flashclone.rendezvous import Rendezvous
+r = Rendezvous.connect(sys.argv[1], timeout_s=30)
+key = f"barrier/g/{r.read('seed', what='the seed').body['generation']}/star/start/count"
+deadline = time.monotonic() + 60
+while r.add(key, 0) < 1 and time.monotonic() < deadline:
+    time.sleep(0.02)
+print(json.dumps({"at_barrier": r.add(key, 0)}), flush=True)
+"""
+
 _CLONE = """
 import glob, hashlib, json, os, sys, threading, time, flashboot
 from flashboot.flashclone.transports import nixl
@@ -68,7 +79,7 @@ for attempt in range(int(os.environ.get("T_ATTEMPTS", "1"))):
     t0 = time.monotonic()
     try:
         r = flashboot.clone(store, "cpu", schedule, transport="nixl", verify=True, timeout_s=timeout_s,
-                            chunk_bytes=%d)
+                            chunk_bytes=%d, clones=int(os.environ.get("T_CLONES", "0")) or None)
     except flashboot.FlashBootError as exc:
         out = {"error": type(exc).__name__, "message": str(exc)}
     else:
@@ -267,3 +278,25 @@ def test_an_upstream_clone_behind_a_silent_drop_is_tried_once_then_read_past(net
     assert len(r["recovered"]) == 1 and r["recovered"][0].startswith("clone #1 cannot be reached"), r
     assert r["stats"]["remotes_loaded"] == 2, r["stats"]  # clone #1 once, then the seed
     _leaves_nothing(r)
+
+
+def test_the_store_going_silent_at_the_start_barrier_is_named_as_such(net):
+    """A clone waits at the start barrier for a second one when the store's host loses its link.
+    It ends by its timeout with StoreSilentError naming the barrier and the store; before, the
+    barrier took the silence for its own timeout and asked the silent store who had arrived, which
+    raised StoreLostError about that question ("not counting ..."). Once the link is back, the
+    same process clones byte-exact."""
+    nbytes = 8 * MiB
+    net.store_and_seed(nbytes, 25)
+    c = net.clone(1, "star", stdin=subprocess.PIPE, T_TIMEOUT=6, T_CLONES=2, T_ATTEMPTS=2)
+    watch = net.start(net.store_host, _AT_BARRIER, net.store)
+    assert _result(watch, "the store's watcher", 60) == {"at_barrier": 1}
+    net.hosts.link(net.store_host, up=False)
+    r = _result(c, "the clone", 40)
+    assert r.get("error") == "StoreSilentError", r
+    assert "start barrier" in r["message"] and f"the store at {net.store} did not answer within 6 s" in r["message"], r
+    assert r["after"]["shm"] == [], r
+    net.hosts.link(net.store_host, up=True)
+    _again(c)
+    r = _result(c, "the clone, again", 60)
+    assert "error" not in r and r["verified"] and r["sha256"] == _expected_sha(nbytes, 25), r

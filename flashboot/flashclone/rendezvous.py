@@ -459,6 +459,8 @@ class Rendezvous:
         try:
             self.wait_keys([f"barrier/{name}/go"], what=f"the start barrier {name!r} ({count} participants)",
                            timeout_s=timeout_s)
+        except StoreLostError:
+            raise  # a store that went silent (a WaitTimeoutError too) cannot be asked who had arrived
         except WaitTimeoutError as exc:
             now = self.add(f"barrier/{name}/count", 0)
             raise WaitTimeoutError(f"{exc}; {now} of {count} had arrived") from None
