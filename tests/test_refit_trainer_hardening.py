@@ -414,3 +414,20 @@ def test_a_tied_tensor_given_only_by_its_other_name_is_named(tmp_path):
         with pytest.raises(PublishError, match=r"'embed\.weight' get no bytes: .*; 'lm_head\.weight', given, is another "
                                                r"name of 'embed\.weight': give it as 'embed\.weight'; nothing was"):
             pub.publish(new, version=1)
+
+
+def test_a_config_that_is_not_config_json_is_named(generic_image):
+    """``config=model.config`` (an object) had been a raw ValueError of dict(); a config dict with
+    transformers' defaults added was called "another model" without saying which keys differ."""
+    import types
+
+    raw = json.loads((generic_image.parent / "ckpt" / "config.json").read_text())
+    opts = dict(store="127.0.0.1:1", device="cpu", token="x" * 16, host_store=False)
+    with Publisher(generic_image, 0, config=types.SimpleNamespace(**raw), **opts) as pub:
+        with pytest.raises(PublishError, match=r"config must be the model's config\.json as a dict, got a "
+                                               r"SimpleNamespace"):
+            pub.plan(_trainer_weights(15))
+    with Publisher(generic_image, 0, config=dict(raw, use_cache=True), **opts) as pub:
+        with pytest.raises(PublishError, match=r"another model, or not the config\.json it was pre-packed from; keys "
+                                               r"that differ from .*config\.json: \['use_cache'\]\)"):
+            pub.plan(_trainer_weights(15))

@@ -72,10 +72,22 @@ def _config_for(metadata, config: Mapping[str, Any] | None, where: str) -> dict:
             config = json.loads(path.read_text())
         except ValueError as exc:
             raise PublishError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(config, Mapping):  # a transformers config object had been a raw ValueError of dict()
+        raise PublishError(f"{where}: config must be the model's config.json as a dict, got a {type(config).__name__} "
+                           "(pass json.load of the config.json the image was pre-packed from)")
     found = Checkpoint(Path("."), dict(config), {}, []).config_hash
     if found != metadata.key.config_hash:
+        # not always another model: PretrainedConfig.to_dict() adds every default to config.json's keys
+        recorded, diff = Path(metadata.source.path) / "config.json", ""
+        try:
+            packed = json.loads(recorded.read_text())
+            keys = sorted(k for k in set(packed) | set(config) if packed.get(k, ...) != config.get(k, ...))
+            diff = f"; keys that differ from {recorded}: {keys[:8]}{' ...' if len(keys) > 8 else ''}"
+        except (OSError, ValueError, AttributeError):
+            pass
         raise PublishError(f"{where}: the config given hashes to {found[:19]}, the image was pre-packed from "
-                           f"{metadata.key.config_hash[:19]} (another model)")
+                           f"{metadata.key.config_hash[:19]} (another model, or not the config.json it was "
+                           f"pre-packed from{diff})")
     return dict(config)
 
 
