@@ -227,8 +227,9 @@ def test_a_tensor_without_data_of_its_own_is_refused(generic_image, store, kind)
 
 def _mixed(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"bf": torch.randn(4, 6, generator=g).bfloat16(), "f8": torch.randn(5, 3, generator=g).to(torch.float8_e4m3fn),
-            "mask": torch.randn(7, generator=g) > 0, "ids": torch.randint(0, 1000, (3, 3), generator=g),
+    return {"bf": torch.randn(4, 6, generator=g).bfloat16(),
+            "f8": torch.randn(5, 3, generator=g).to(torch.float8_e4m3fn), "mask": torch.randn(7, generator=g) > 0,
+            "ids": torch.randint(0, 1000, (3, 3), generator=g),
             "empty": torch.zeros(0, 4), "scalar": torch.randn((), generator=g), "half": torch.randn(2, 2, 2).half()}
 
 
@@ -411,8 +412,8 @@ def test_a_tied_tensor_given_only_by_its_other_name_is_named(tmp_path):
     new = dict(engine_tensors_to_publish(TinyEngineModel(1), "cpu"))
     new["lm_head.weight"] = new.pop("embed.weight")
     with engine_publisher(image, 0, store="127.0.0.1:1", device="cpu", token="x" * 16, host_store=False) as pub:
-        with pytest.raises(PublishError, match=r"'embed\.weight' get no bytes: .*; 'lm_head\.weight', given, is another "
-                                               r"name of 'embed\.weight': give it as 'embed\.weight'; nothing was"):
+        with pytest.raises(PublishError, match=r"'embed\.weight' get no bytes: .*; 'lm_head\.weight', given, is "
+                                               r"another name of 'embed\.weight': give it as 'embed\.weight'; nothing"):
             pub.publish(new, version=1)
 
 

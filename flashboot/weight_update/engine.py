@@ -135,10 +135,11 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
 
     Raises RefitError (an option of the wrong type or range: :func:`check_refit_values`; a version
     not newer than the live one, a record for another image key or rank, an engine asleep: wake()
-    it first, another refit of the engine still running after ``timeout_s``: one runs at a time), WaitTimeoutError naming the step it waited on (the
-    trainer's publish, a source), OutOfMemoryError with the numbers when there is no room for the
-    staging copy (``atomic=False`` needs none), ChecksumMismatchError when the bytes copied are
-    not those published. All of them leave the old weights whole and serving, except a failure
+    it first; another refit of the engine still running after ``timeout_s``: one runs at a time),
+    WaitTimeoutError naming the step it waited on (the trainer's publish, a source),
+    OutOfMemoryError with the numbers when there is no room for the staging copy
+    (``atomic=False`` needs none), ChecksumMismatchError when the bytes copied are not those
+    published. All of them leave the old weights whole and serving, except a failure
     during an ``atomic=False`` copy.
 
     The report's ``breakdown`` splits ``total_ms``: ``record_ms`` (connect, read and check the

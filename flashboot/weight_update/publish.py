@@ -93,9 +93,9 @@ class Publisher:
 
     ``image``: the engines' pre-packed image directory (its manifest is the contract; no image
     byte is read); ``rank``: the image rank this trainer process publishes. ``store``: the
-    rendezvous store (``HOST:PORT``; hosted here, from the first publish to :meth:`close`, unless one listens). ``config``:
-    the model config, when the checkpoint's ``config.json`` recorded at pre-pack is not on this
-    machine. ``nixl``: also offer the arena to NIXL READs (engines on other hosts,
+    rendezvous store (``HOST:PORT``; hosted here, from the first publish to :meth:`close`, unless
+    one listens). ``config``: the model config, when the checkpoint's ``config.json`` recorded at
+    pre-pack is not on this machine. ``nixl``: also offer the arena to NIXL READs (engines on other hosts,
     ``refit(transport="nixl")``); ``serve_nccl``: answer the broadcast fallback (``transport="nccl"``).
     The arena (one image) is allocated once; :meth:`publish` withdraws the previous
     version's record before packing the next into it, so publish a new version once the engines
