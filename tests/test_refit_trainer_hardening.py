@@ -432,3 +432,11 @@ def test_a_config_that_is_not_config_json_is_named(generic_image):
         with pytest.raises(PublishError, match=r"another model, or not the config\.json it was pre-packed from; keys "
                                                r"that differ from .*config\.json: \['use_cache'\]\)"):
             pub.plan(_trainer_weights(15))
+
+
+@pytest.mark.parametrize("timeout_s", [None, float("nan"), 0, -1, "5"])
+def test_a_bad_publisher_timeout_is_refused_at_once(generic_image, timeout_s):
+    """It had surfaced at the first publish, after the pack: a raw TypeError or ValueError, or
+    "cannot host a store ...: Bad file descriptor" for 0."""
+    with pytest.raises(PublishError, match=r"Publisher timeout_s must be a finite number of seconds in \(0, "):
+        Publisher(generic_image, 0, store="127.0.0.1:1", device="cpu", token="x" * 16, timeout_s=timeout_s)

@@ -110,7 +110,11 @@ class Publisher:
         from ..arena import Arena
         from ..flashclone.records import resolve_token
         from ..layouts import read_image_metadata
+        from ..units import check_timeout
 
+        # before the arena: None or NaN had been a raw TypeError/ValueError, 0 a store "Bad file
+        # descriptor", each at the first publish, after the pack
+        timeout_s = check_timeout(timeout_s, "Publisher timeout_s", PublishError)
         self.metadata = read_image_metadata(image, rank)
         self.engine_section = _engine_section(image, rank, self.metadata)
         self.rank, self.store, self.name, self.config = rank, store, name, config
