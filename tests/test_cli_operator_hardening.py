@@ -207,3 +207,25 @@ def test_warm_that_cannot_write_the_bytecode_says_so_in_one_line(monkeypatch, ca
     assert err == ("flashboot warm: cannot write /pkg/__pycache__/a.pyc (PermissionError: [Errno 13] Permission "
                    "denied); a fresh process compiles /pkg/a.py when it imports it; and 2 more module(s) alike\n")
     assert not [w for w in recwarn if "cannot write" in str(w.message)]
+
+
+def test_a_foreground_preload_stopped_by_sigterm_says_so_with_143_and_leaves_no_partial(image, tmp_path):
+    """systemd stops a foreground ``flashboot preload``: its own SIGTERM handler stopped the copy,
+    which then failed as "staging ... was interrupted", status 2, as if the stage had broken; a unit
+    or script could not tell a stop from a failure."""
+    shm = tmp_path / "shm"
+    code = ("import os, signal, sys, time\n"
+            "import flashboot.flashload.stage_copy as c\n"
+            "real = c._pwrite\n"
+            "def pwrite(fd, data, off):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(0.3)\n"
+            "    return real(fd, data, off)\n"
+            "c._pwrite = pwrite\n"
+            f"sys.argv = ['flashboot', 'preload', {str(image)!r}, '--shm-dir', {str(shm)!r}, '--chunk-bytes', '4096']\n"
+            "from flashboot.cli import main\n"
+            "sys.exit(main())\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 128 + signal.SIGTERM, run.stderr
+    assert "flashboot preload: interrupted (SIGTERM) before it finished" in run.stderr
+    assert not [p for p in shm.rglob("*") if p.name.startswith("rank-")], list(shm.rglob("*"))

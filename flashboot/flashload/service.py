@@ -321,7 +321,12 @@ def run_service(config: PreloadConfig, *, log: Callable[[str], None] = print,
             if config.serve:
                 PreloadServer(config, stop=stop, log=log).run(progress)
                 return None
-            results = preload(config, progress=progress, stop=stop, log=log)
+            try:
+                results = preload(config, progress=progress, stop=stop, log=log)
+            except FlashBootError as exc:
+                if stop.is_set():  # set by SIGTERM alone: a stop, as the command line tells it (143), not a failure
+                    raise KeyboardInterrupt("SIGTERM") from exc
+                raise
         for r in results:
             log(_describe_stage(r))
         return results
