@@ -156,3 +156,31 @@ def serving_holder(holder):
     finally:
         stop_ev.set()
         t.join(10)
+
+
+def fake_clone(monkeypatch, schedule: str) -> dict:
+    """``flashboot clone`` that clones nothing: its report (as ``to_dict()`` gives it) is returned,
+    and its summary reads ``"{schedule} #1 on cpu: 4,096 bytes"``. For tests of how the command
+    line hands a report on, not of the clone."""
+    import flashboot.flashclone as flashclone
+
+    summary = f"{schedule} #1 on cpu: 4,096 bytes"
+    as_dict = {"schedule": schedule, "position": 1, "nbytes": 4096}
+
+    class Report:
+        def summary(self):
+            return summary
+
+        def to_dict(self):
+            return dict(as_dict)
+
+    class Result:
+        report = Report()
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(flashclone, "prepare_clone", lambda *a, **k: None)
+    monkeypatch.setattr(flashclone, "clone", lambda *a, **k: Result())
+    monkeypatch.setattr(flashclone, "linger", lambda *a, **k: None)
+    return as_dict

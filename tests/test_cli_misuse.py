@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from _clone_helpers import fake_clone
 from _io_helpers import image, image_master, shm  # noqa: F401  (fixtures)
 
 from flashboot.cli import main
@@ -239,25 +240,8 @@ def test_ctrl_c_while_a_background_store_starts_leaves_no_store_running(monkeypa
 def test_clone_writes_its_json_report_into_a_pipe(monkeypatch, capsys):
     import json
 
-    import flashboot.flashclone as flashclone
-
-    class Report:
-        def summary(self):
-            return "chain #1 on cpu: 4,096 bytes"
-
-        def to_dict(self):
-            return {"schedule": "chain", "position": 1, "nbytes": 4096}
-
-    class Result:
-        report = Report()
-
-        def close(self):
-            pass
-
     # the clone itself is not what is tested: only how its report reaches a pipe (`--json /dev/stdout | jq`)
-    monkeypatch.setattr(flashclone, "prepare_clone", lambda *a, **k: None)
-    monkeypatch.setattr(flashclone, "clone", lambda *a, **k: Result())
-    monkeypatch.setattr(flashclone, "linger", lambda *a, **k: None)
+    report = fake_clone(monkeypatch, "chain")
     read_end, write_end = os.pipe()
     try:
         rc = main(["clone", "--store", "127.0.0.1:9", "--device", "cpu", "--json", f"/dev/fd/{write_end}"])
@@ -271,7 +255,7 @@ def test_clone_writes_its_json_report_into_a_pipe(monkeypatch, capsys):
             if fd is not None:
                 os.close(fd)
     assert rc == 0  # seek() on the pipe had raised io.UnsupportedOperation once the clone was done
-    assert json.loads(text) == Report().to_dict()
+    assert json.loads(text) == report
     assert "chain #1 on cpu: 4,096 bytes" in capsys.readouterr().out
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from _clone_helpers import fake_clone
 from _io_helpers import TINY, image, image_master, shm  # noqa: F401  (fixtures)
 
 from flashboot.cli import main
@@ -122,27 +123,10 @@ def test_load_json_to_stdout_is_the_json_alone(image, shm, capsys):
 
 
 def test_clone_json_to_stdout_is_the_report_alone(monkeypatch, capsys):
-    import flashboot.flashclone as flashclone
-
-    class Report:
-        def summary(self):
-            return "star #1 on cpu: 4,096 bytes"
-
-        def to_dict(self):
-            return {"schedule": "star", "position": 1, "nbytes": 4096}
-
-    class Result:
-        report = Report()
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(flashclone, "prepare_clone", lambda *a, **k: None)
-    monkeypatch.setattr(flashclone, "clone", lambda *a, **k: Result())
-    monkeypatch.setattr(flashclone, "linger", lambda *a, **k: None)
+    report = fake_clone(monkeypatch, "star")
     assert main(["clone", "--store", "127.0.0.1:9", "--device", "cpu", "--json", "-"]) == 0
     captured = capsys.readouterr()
-    assert json.loads(captured.out) == Report().to_dict()  # the summary line had come first
+    assert json.loads(captured.out) == report  # the summary line had come first
     assert captured.err.strip() == "star #1 on cpu: 4,096 bytes"
 
 
