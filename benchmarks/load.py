@@ -349,16 +349,23 @@ def run(*, scale: float | None = None, checkpoints: list = ("A", "B"), device: s
     ckpt_root = Path(ckpt_root or "/dev/shm/flashboot-bench")
     image_root = Path(image_root or "/tmp/flashboot-bench-images")
     shm_root = Path(shm_root or ckpt_root / "staged")
+    made = [d for d in (ckpt_root, image_root, shm_root) if not d.exists()]
     for d in (ckpt_root, image_root, shm_root):
         d.mkdir(parents=True, exist_ok=True)
     loaders, pipeline, extra = [], [], {}
-    for name in checkpoints:
-        spec = name if isinstance(name, CheckpointSpec) else CHECKPOINTS[name].scaled(scale)
-        lr, pr, ex = bench_checkpoint(spec, device=dev, ckpt_root=ckpt_root, image_root=image_root, shm_root=shm_root,
-                                      warmup=warmup, repeats=repeats, log=log, keep=keep)
-        loaders += lr
-        pipeline += pr
-        extra[spec.name] = ex
+    try:
+        for name in checkpoints:
+            spec = name if isinstance(name, CheckpointSpec) else CHECKPOINTS[name].scaled(scale)
+            lr, pr, ex = bench_checkpoint(spec, device=dev, ckpt_root=ckpt_root, image_root=image_root,
+                                          shm_root=shm_root, warmup=warmup, repeats=repeats, log=log, keep=keep)
+            loaders += lr
+            pipeline += pr
+            extra[spec.name] = ex
+    finally:  # the folders this run made, where nothing was kept in them (an interrupted run left them)
+        from flashboot.flashload.shm import remove_if_empty
+
+        for d in reversed(made):
+            remove_if_empty(d)
     _ratios(loaders)
     return {"device": dev, "scale": scale, "warmup": warmup, "repeats": repeats,
             "loaders": [asdict(r) for r in loaders], "pipeline": [asdict(p) for p in pipeline], "extra": extra}

@@ -37,6 +37,8 @@ def test_bench_load_interrupted_midway_removes_its_checkpoint_and_image(tmp_path
                        log=lambda _line: None)
     assert not (ckpt_root / "ckpt-T").exists(), "the generated checkpoint is removed however the run ends"
     assert not (image_root / "image-T").exists()
+    # and the folders it made for them (an empty DIR/staged had stayed)
+    assert not ckpt_root.exists() and not image_root.exists()
 
 
 def test_bench_stream_interrupted_midway_removes_its_checkpoint_and_image(tmp_path, monkeypatch):
