@@ -440,3 +440,29 @@ def test_a_bad_publisher_timeout_is_refused_at_once(generic_image, timeout_s):
     "cannot host a store ...: Bad file descriptor" for 0."""
     with pytest.raises(PublishError, match=r"Publisher timeout_s must be a finite number of seconds in \(0, "):
         Publisher(generic_image, 0, store="127.0.0.1:1", device="cpu", token="x" * 16, timeout_s=timeout_s)
+
+
+def test_a_publisher_hosts_the_store_once_its_host_has_left(generic_image):
+    """Trainer A hosted the store, B joined it; A left (the store with it). B's next seed hosted a
+    new store, and B's publish after that, withdrawing that seed, took it down again with a third
+    publisher's record: B had asked whether to host only once, when A still did."""
+    from flashboot.flashclone.rendezvous import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    opts = dict(store=address, device="cpu")
+    loaded = flashboot.load(generic_image, device="cpu")
+    third = _trainer_weights(18)
+    try:
+        with Publisher(generic_image, 0, name="b", **opts) as b:
+            with Publisher(generic_image, 0, name="a", **opts) as a:
+                a.publish(_trainer_weights(16), version=1)
+                b.publish(_trainer_weights(17), version=1)
+            b.publish(_trainer_weights(17), version=2)  # the store A hosted is gone: B hosts one
+            with Publisher(generic_image, 0, name="c", **opts) as c:
+                c.publish(third, version=1)
+                b.publish(_trainer_weights(17), version=3)
+                loaded.refit(address, 1, name="c", timeout_s=5)
+        for name, t in third.items():
+            assert torch.equal(loaded.tensors[name], t), name
+    finally:
+        loaded.close()

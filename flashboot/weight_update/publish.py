@@ -236,9 +236,10 @@ class Publisher:
 
         if self.host_store and self._store_host is None:
             rdv = Rendezvous.connect(self.store, self.token, namespace=self.name, host=True, timeout_s=self.timeout_s)
-            if not rdv.is_server:  # someone else's: the seeds join it
+            if rdv.is_server:
+                self._store_host = rdv
+            else:  # someone else's: the seeds join it; asked again next time (its host may have left by then)
                 rdv.close()
-            self._store_host = rdv
 
     def withdraw(self) -> None:
         """Withdraw the published version's record (engines that already mapped it keep their mapping)."""
