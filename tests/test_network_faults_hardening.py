@@ -300,3 +300,28 @@ def test_the_store_going_silent_at_the_start_barrier_is_named_as_such(net):
     _again(c)
     r = _result(c, "the clone, again", 60)
     assert "error" not in r and r["verified"] and r["sha256"] == _expected_sha(nbytes, 25), r
+
+
+def test_a_chain_whose_store_goes_silent_mid_transfer_finishes_from_the_seed(net):
+    """The store's host loses its link while clone #1 READs from the seed and #2 follows #1. Both
+    can still reach the seed: #1 reads on without announcing its progress, #2 (which cannot read
+    #1's progress any more) re-attaches to the seed; both keep verified weights and say the store
+    is gone. Before, the first progress #1 could not announce failed it, and #2 with it."""
+    nbytes = 16 * MiB
+    net.store_and_seed(nbytes, 26)
+    hosts = net.hosts
+    rx1 = hosts.rx_bytes(1)
+    c1 = net.clone(1, "chain", T_TIMEOUT=5, FLASHBOOT_TEST_STEP_DELAY_S=0.5, FLASHBOOT_NIXL_DEPTH=1)
+    _until(lambda: hosts.rx_bytes(1) - rx1 > CHUNK, "clone #1 to be reading from the seed", c1)
+    tx1 = hosts.tx_bytes(1)
+    c2 = net.clone(2, "chain", T_TIMEOUT=5)
+    _until(lambda: hosts.tx_bytes(1) - tx1 > CHUNK, "clone #2 to be reading from clone #1", c2)
+    hosts.link(net.store_host, up=False)
+    r1, r2 = _result(c1, "clone #1", 60), _result(c2, "clone #2", 60)
+    for r in (r1, r2):
+        assert "error" not in r and r["verified"] and r["sha256"] == _expected_sha(nbytes, 26), r
+        assert any(f"the store at {net.store}" in w for w in r["warnings"]), r
+        assert any("kept the weights" in w and "not announced as a source" in w for w in r["warnings"]), r
+    assert r1["source"] == "the seed" and any("without announcing its progress" in w for w in r1["warnings"]), r1
+    assert any(x.startswith("clone #1 failed at step") and "progress cannot be read" in x for x in r2["recovered"]), r2
+    assert "re-attached to the seed" in r2["recovered"], r2

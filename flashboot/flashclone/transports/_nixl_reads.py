@@ -9,7 +9,9 @@ a chain or ring runs at once, at most :data:`DEPTH` READs outstanding.
 A source that fails (its ``failed`` status, NIXL's disconnect error, a probe READ of a stalled
 source that fails, or a READ still in progress after ``timeout_s``) is handed to the schedule's ``on_failed``: a chain re-attaches upstream, a ring
 member loads the rest from its own copy of the image, otherwise the clone fails naming the step.
-Every wait is bounded by ``timeout_s``.
+Every wait is bounded by ``timeout_s``. A store lost mid-transfer ends only what needs it: our
+progress is no longer announced (said in the warnings), and a source whose progress cannot be
+read is failed like one that stalled; sources that hold everything (the seed) are read on.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
 from ... import _cuda
-from ...errors import FlashBootError
+from ...errors import FlashBootError, StoreLostError
 from ...schedulers import HOST
 
 READ_BYTES = int(os.environ.get("FLASHBOOT_NIXL_READ_BYTES", str(64 << 20)))
@@ -219,6 +221,8 @@ class Reader:
     """Copies a piece re-routed to :data:`~flashboot.schedulers.HOST` (our own copy of the image)."""
     held: int = 0
     """Our progress before the loop (a ring member's own shard)."""
+    warnings: list[str] = field(default_factory=list)
+    """Where a store lost mid-transfer is said (the report's warnings)."""
 
 
 @_cuda.keeps_context
@@ -241,6 +245,7 @@ def read_pieces(r: Reader, agent, peers: Peers, arena, todo: deque) -> set[int]:
     waiting_since: float | None = None
     last_refresh = 0.0
     total = r.held + sum(p.nbytes for p in todo)
+    announce = True  # our progress, while the store takes it
 
     def fail(piece: Piece, why: str) -> None:
         for key, (p, ticket, _) in list(inflight.items()):
@@ -269,6 +274,9 @@ def read_pieces(r: Reader, agent, peers: Peers, arena, todo: deque) -> set[int]:
                         peers.refresh(piece.src)
                     except ReadFailed as exc:
                         fail(piece, str(exc))
+                        break
+                    except StoreLostError as exc:  # its progress cannot be read: as good as gone
+                        fail(piece, f"its progress cannot be read any more ({exc})")
                         break
                 if peers.held.get(piece.src, 0) < piece.need:
                     waiting_since = waiting_since or now
@@ -318,8 +326,16 @@ def read_pieces(r: Reader, agent, peers: Peers, arena, todo: deque) -> set[int]:
         while held in done:
             held = done.pop(held)
         now = time.monotonic()
-        if held > published and (now - published_at >= HELD_EVERY_S or not (todo or inflight)):
-            rdv.add(r.held_key, held - published)
+        if held > published and announce and (now - published_at >= HELD_EVERY_S or not (todo or inflight)):
+            try:
+                rdv.add(r.held_key, held - published)
+            except StoreLostError as exc:
+                # only those who would follow us need it (they find us stalled and re-attach): the
+                # bytes still come from sources that need no store, where this failed a clone of a
+                # seed it could reach
+                announce = False
+                r.warnings.append(f"{exc}; {r.what} went on reading without announcing its progress (announced "
+                                  f"{published:,} of {total:,} bytes)")
             published, published_at = held, now
         if not progressed:
             time.sleep(poll_s)

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ... import _cuda
-from ...errors import CapabilityError, FlashBootError, RendezvousError, WaitTimeoutError
+from ...errors import CapabilityError, FlashBootError, RendezvousError, StoreLostError, WaitTimeoutError
 from ...memory import Device
 from ._nixl_reads import DEPTH, READ_BYTES, PeerKeys, Peers, ReadFailed, Reader, pieces, read_pieces  # noqa: F401 - the knobs live there
 from .registry import Seen, Transport, register_transport
@@ -552,21 +552,23 @@ def _clone(ctx):
             raise CloneError(f"clone #{position} on {dev}: {who} failed at step {piece.step} "
                              f"(bytes [{piece.offset:,}, {piece.end:,}) over NIXL): {why}"
                              + ("" if ctx.retry else "; retry is off") + ("; no source upstream of the seed" if src == 0 else ""))
+        up = 0 if rdv.lost else src - 1  # without the store no clone's record or progress can be read: the seed's
         for p in todo:
             if p.src == src:
-                p.src = src - 1
+                p.src = up
         ordered = sorted(todo, key=lambda p: p.offset)
         todo.clear()
         todo.extend(ordered)
         sources.drop(src)
         try:
-            sources.open(src - 1)
+            sources.open(up)
         except (RendezvousError, WaitTimeoutError) as exc:
             raise CloneError(f"clone #{position}: {who} failed at step {piece.step} and its upstream "
-                             f"{sources.who(src - 1)} cannot be reached: {exc}") from exc
-        report.recovered.append(f"re-attached to {sources.who(src - 1)}")
+                             f"{sources.who(up)} cannot be reached: {exc}") from exc
+        report.recovered.append(f"re-attached to {sources.who(up)}")
 
-    reader = Reader(rdv, dev, position, f"clone #{position}", keys.held(position), timeout_s, ctx.hook, reattach)
+    reader = Reader(rdv, dev, position, f"clone #{position}", keys.held(position), timeout_s, ctx.hook, reattach,
+                    warnings=report.warnings)
     used = read_pieces(reader, agent, sources, session.arena, todo)
     report.transfer_ms = (time.perf_counter() - tt) * 1e3
     report.ready_ms = (time.perf_counter() - ctx.t_start) * 1e3
@@ -579,7 +581,13 @@ def _clone(ctx):
         report.verify_ms = (time.perf_counter() - tv) * 1e3
         report.verified = True
     metadata = ctx.read_metadata()
-    rdv.publish(keys.status(position), {"state": "done", "redone": [], "pid": os.getpid(), "transport": "nixl"})
+    lost_before = rdv.lost
+    try:
+        rdv.publish(keys.status(position), {"state": "done", "redone": [], "pid": os.getpid(), "transport": "nixl"})
+    except StoreLostError as exc:  # as the mapped transports: the store costs later clones a source, not us our weights
+        why = exc if lost_before is None else f"the store at {rdv.address} is gone (see above)"
+        report.warnings.append(f"{why}; kept the weights ({manifest.nbytes:,} bytes"
+                               f"{', verified' if report.verified else ''}), not announced as a source")
     if ctx.schedule == "chain":
         def successors() -> list[str]:
             joined = max(session.rdv.add(_gkey(ctx.gen, ctx.schedule, "join"), 0), ctx.clones or 0)
@@ -652,5 +660,5 @@ def ring_member(*, rdv, agent: Agent, run: str, plan, me: int, manifest, dev: De
         report.recovered.append("loaded the rest from the host image")
 
     reader = Reader(rdv, dev, me, f"ring member {me}", keys.held(me), timeout_s, hook, from_own_copy,
-                    local_copy=local_copy, held=held)
+                    local_copy=local_copy, held=held, warnings=report.warnings)
     return read_pieces(reader, agent, peers, arena, todo)
