@@ -466,3 +466,47 @@ def test_a_publisher_hosts_the_store_once_its_host_has_left(generic_image):
             assert torch.equal(loaded.tensors[name], t), name
     finally:
         loaded.close()
+
+
+@pytest.mark.parametrize("then", ["close", "sleep"])
+def test_a_close_or_sleep_during_a_refits_copy_waits_for_it(generic_image, store, monkeypatch, then):
+    """An engine shutting down (close) or going to sleep (RL's rollout/train switch) from another
+    thread while a refit copies into its arena: neither waited, and the arena was released under
+    the copy (a segfault on the host backend; on CUDA, writes into unmapped memory). They now wait
+    for the copy, and the refit's version goes live first."""
+    import threading
+
+    import flashboot.flashclone.cloning as cloning
+
+    address, _ = store
+    real_clone = cloning.clone
+    copying, finish = threading.Event(), threading.Event()
+
+    def clone(*args, **kwargs):
+        copying.set()
+        finish.wait(30)
+        return real_clone(*args, **kwargs)
+
+    monkeypatch.setattr(cloning, "clone", clone)
+    weights = _trainer_weights(8)
+    loaded = flashboot.load(generic_image, device="cpu")
+    outcome = {}
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as trainer:
+            trainer.publish(weights, version=1)
+            refit = threading.Thread(target=lambda: outcome.setdefault("refit", loaded.refit(address, 1, timeout_s=30)))
+            refit.start()
+            assert copying.wait(30)
+            other = threading.Thread(target=getattr(loaded, then))
+            other.start()
+            other.join(0.5)
+            assert other.is_alive() and not loaded.arena.closed and not loaded.arena.asleep, \
+                f"{then}() released the arena under the refit's copy"
+            finish.set()
+            refit.join(30)
+            other.join(30)
+        assert outcome["refit"].version == 1 and loaded.version == 1
+        assert loaded.arena.closed if then == "close" else loaded.arena.asleep
+    finally:
+        finish.set()
+        loaded.close()

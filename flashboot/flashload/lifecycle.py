@@ -206,6 +206,14 @@ def _exclusive(fn):
     return locked
 
 
+@contextlib.contextmanager
+def held_still(loaded):
+    """Hold ``loaded``'s lifecycle lock: no sleep, wake, swap or close of it runs meanwhile (a refit
+    copying into its arena); yields whether it is closed already (``arena.asleep``: the caller's to check)."""
+    with _state(loaded).lock:
+        yield _closed(loaded)
+
+
 def _closed(loaded) -> bool:
     return loaded.arena.closed or _state(loaded).closed
 

@@ -189,6 +189,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
     from ..flashclone.common import SEED_KEY
     from ..flashclone.sources import release_held_sources
     from ..flashclone.rendezvous import Rendezvous
+    from ..flashload.lifecycle import held_still
 
     arena, meta = loaded.arena, loaded.metadata
     live = loaded.version
@@ -216,61 +217,70 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
     manifest = _check_record(rec, loaded, version, where)
     if check_record is not None:
         check_record(rec.body)
-    t1 = time.perf_counter()
-    report = RefitReport(version, live, atomic, manifest.nbytes, wait_ms=(t1 - t0) * 1e3)
-    steps = report.breakdown
-    steps["record_ms"] = report.wait_ms
-    if atomic:
-        try:
-            target = staging_for(arena)
-        except OutOfMemoryError as exc:
-            raise OutOfMemoryError(f"{where}: an atomic refit stages one image beside the live one (the old weights "
-                                   "are serving; refit(..., atomic=False) copies in place with no extra memory)",
-                                   exc.nbytes_needed, exc.nbytes_free) from None
-    else:
-        target = arena
-    steps["staging_create_ms"] = (time.perf_counter() - t1) * 1e3
-    try:
-        tc = time.perf_counter()
-        try:
-            result = clone(store, arena.device, schedule, verify=True, timeout_s=timeout_s, mover=mover,
-                           chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=namespace, clones=clones,
-                           expect=manifest, transport=transport, into=target, held_sources=loaded.refit_sources)
-        except BaseException:
-            release_held_sources(loaded.refit_sources)  # a trainer that failed us is not mapped again
-            raise
-        steps["clone_ms"] = (time.perf_counter() - tc) * 1e3
-        try:
-            rep = result.report
-            report.copy_ms, report.verify_ms = rep.transfer_ms, rep.verify_ms
-            report.transport, report.schedule, report.position = rep.transport, rep.schedule, rep.position
-            report.details = {"clone_total_ms": rep.total_ms, "exchange_ms": rep.exchange_ms,
-                              "chunk_bytes": rep.chunk_bytes, "mover": rep.mover, "source": rep.source}
-            gpu_s = max((lane["seconds"] for lane in rep.lanes), default=0.0)
-            steps.update(clone_connect_ms=rep.connect_ms, clone_exchange_ms=rep.exchange_ms,
-                         clone_alloc_ms=rep.alloc_ms, copy_ms=rep.transfer_ms, copy_gpu_ms=gpu_s * 1e3,
-                         map_during_copy_ms=rep.map_during_copy_ms, verify_ms=rep.verify_ms,
-                         clone_other_ms=steps["clone_ms"] - rep.connect_ms - rep.exchange_ms - rep.alloc_ms
-                         - rep.transfer_ms - rep.verify_ms)
-            if atomic:
-                remap: dict = {}
-                report.remap_ms = replace_backing(arena, target, remap)
-                steps.update({f"remap_{k}": v for k, v in remap.items()}, remap_ms=report.remap_ms)
-        finally:
-            tr = time.perf_counter()
-            result.close()
-            steps["clone_close_ms"] = (time.perf_counter() - tr) * 1e3
-    except FlashBootError as exc:
+    # the copy and the remap under the image's lifecycle lock: a close() or sleep() from another
+    # thread had released the arena under the copy into it (a segfault on the host backend)
+    with held_still(loaded) as closed:
+        if closed:
+            raise RefitError(f"{where}: the engine's weights were closed while it waited for the publish; nothing "
+                             "was copied")
+        if arena.asleep:
+            raise RefitError(f"{where}: the engine was put to sleep while it waited for the publish; wake() it, then "
+                             "refit; nothing was copied")
+        t1 = time.perf_counter()
+        report = RefitReport(version, live, atomic, manifest.nbytes, wait_ms=(t1 - t0) * 1e3)
+        steps = report.breakdown
+        steps["record_ms"] = report.wait_ms
         if atomic:
-            raise
-        raise RefitError(f"{where} (atomic=False, in place): {exc}; the arena may hold a mix of versions {live} and "
-                         f"{version}: refit again or reload") from exc
-    finally:
-        if atomic and not target.closed:
-            ts = time.perf_counter()
-            target.close()
-            steps["staging_close_ms"] = (time.perf_counter() - ts) * 1e3
-    loaded.version = version
+            try:
+                target = staging_for(arena)
+            except OutOfMemoryError as exc:
+                raise OutOfMemoryError(f"{where}: an atomic refit stages one image beside the live one (the old weights "
+                                       "are serving; refit(..., atomic=False) copies in place with no extra memory)",
+                                       exc.nbytes_needed, exc.nbytes_free) from None
+        else:
+            target = arena
+        steps["staging_create_ms"] = (time.perf_counter() - t1) * 1e3
+        try:
+            tc = time.perf_counter()
+            try:
+                result = clone(store, arena.device, schedule, verify=True, timeout_s=timeout_s, mover=mover,
+                               chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=namespace, clones=clones,
+                               expect=manifest, transport=transport, into=target, held_sources=loaded.refit_sources)
+            except BaseException:
+                release_held_sources(loaded.refit_sources)  # a trainer that failed us is not mapped again
+                raise
+            steps["clone_ms"] = (time.perf_counter() - tc) * 1e3
+            try:
+                rep = result.report
+                report.copy_ms, report.verify_ms = rep.transfer_ms, rep.verify_ms
+                report.transport, report.schedule, report.position = rep.transport, rep.schedule, rep.position
+                report.details = {"clone_total_ms": rep.total_ms, "exchange_ms": rep.exchange_ms,
+                                  "chunk_bytes": rep.chunk_bytes, "mover": rep.mover, "source": rep.source}
+                gpu_s = max((lane["seconds"] for lane in rep.lanes), default=0.0)
+                steps.update(clone_connect_ms=rep.connect_ms, clone_exchange_ms=rep.exchange_ms,
+                             clone_alloc_ms=rep.alloc_ms, copy_ms=rep.transfer_ms, copy_gpu_ms=gpu_s * 1e3,
+                             map_during_copy_ms=rep.map_during_copy_ms, verify_ms=rep.verify_ms,
+                             clone_other_ms=steps["clone_ms"] - rep.connect_ms - rep.exchange_ms - rep.alloc_ms
+                             - rep.transfer_ms - rep.verify_ms)
+                if atomic:
+                    remap: dict = {}
+                    report.remap_ms = replace_backing(arena, target, remap)
+                    steps.update({f"remap_{k}": v for k, v in remap.items()}, remap_ms=report.remap_ms)
+            finally:
+                tr = time.perf_counter()
+                result.close()
+                steps["clone_close_ms"] = (time.perf_counter() - tr) * 1e3
+        except FlashBootError as exc:
+            if atomic:
+                raise
+            raise RefitError(f"{where} (atomic=False, in place): {exc}; the arena may hold a mix of versions {live} and "
+                             f"{version}: refit again or reload") from exc
+        finally:
+            if atomic and not target.closed:
+                ts = time.perf_counter()
+                target.close()
+                steps["staging_close_ms"] = (time.perf_counter() - ts) * 1e3
+        loaded.version = version
     report.total_ms = (time.perf_counter() - t0) * 1e3
     return report
 
