@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import mmap
+import operator
 import os
 import re
 import stat
@@ -111,6 +112,11 @@ def resolve_rank(path: str | os.PathLike, rank: int | None) -> tuple[Path, JobIn
     what :func:`read_metadata_file` reads first, for a caller that checks the job before it."""
     # links resolved once: a deployment that flips a link to another image while a load reads
     # this one must not give it one image's metadata and the other's bytes
+    if rank is not None:
+        # "0" had been reported as a rank the image lacks ("rank 0 requested, the image has ranks 0..1")
+        if isinstance(rank, bool) or not hasattr(type(rank), "__index__") or operator.index(rank) < 0:
+            raise LayoutError(f"{path}: rank must be an int >= 0, got {rank!r} ({type(rank).__name__})")
+        rank = operator.index(rank)
     path = Path(os.path.realpath(path))
     if (path / METADATA_FILE).is_file():
         parent_job = path.parent / JOB_FILE

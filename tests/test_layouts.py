@@ -4,6 +4,7 @@ transformers needed); family rules are tested in test_families.py."""
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -272,6 +273,13 @@ def test_wrong_rank_or_tp_refused(packed):
         read_image(out, 0, ep=4)
     with pytest.raises(LayoutError, match="holds rank 0 of 1, rank 3 was requested"):
         read_image(out / "rank-0", 3)
+    # a rank that is no int had been reported as one the image lacks ("rank 0 requested, ... ranks 0..0")
+    for bad in ("0", 0.0, True, -1):
+        with pytest.raises(LayoutError, match=f"rank must be an int >= 0, got {re.escape(repr(bad))}"):
+            read_image_metadata(out, bad)
+    import numpy as np
+
+    assert read_image_metadata(out, np.int64(0)).parallel.rank == 0
 
 
 def test_image_of_another_model_refused(packed):
