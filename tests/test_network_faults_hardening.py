@@ -46,7 +46,8 @@ import sys, numpy as np, flashboot
 from flashboot.arena import Arena
 a = Arena.create(int(sys.argv[2]), "cpu")
 a.bytes().numpy()[:] = np.random.default_rng(int(sys.argv[3])).integers(0, 256, a.nbytes, dtype=np.uint8)
-s = flashboot.seed(sys.argv[1], a, nixl=True, serve_nccl=False, timeout_s=30)
+broadcast = len(sys.argv) > 4  # a seed that answers broadcasts (gloo here) instead of NIXL READs
+s = flashboot.seed(sys.argv[1], a, nixl=not broadcast, serve_nccl=broadcast, timeout_s=float(sys.argv[4]) if broadcast else 30)
 print("ready", flush=True)
 s.serve_forever()
 """
@@ -78,13 +79,13 @@ for attempt in range(int(os.environ.get("T_ATTEMPTS", "1"))):
         sys.stdin.readline()  # the test says when to try again
     t0 = time.monotonic()
     try:
-        r = flashboot.clone(store, "cpu", schedule, transport="nixl", verify=True, timeout_s=timeout_s,
+        r = flashboot.clone(store, "cpu", schedule, transport=os.environ.get("T_TRANSPORT", "nixl"), verify=True, timeout_s=timeout_s,
                             chunk_bytes=%d, clones=int(os.environ.get("T_CLONES", "0")) or None)
     except flashboot.FlashBootError as exc:
         out = {"error": type(exc).__name__, "message": str(exc)}
     else:
         rep = r.report.to_dict()
-        out = {k: rep[k] for k in ("position", "source", "recovered", "warnings", "verified", "nbytes")}
+        out = {k: rep[k] for k in ("position", "source", "recovered", "warnings", "verified", "nbytes", "transport")}
         out["sha256"] = hashlib.sha256(r.arena.bytes().numpy()[:rep["nbytes"]].tobytes()).hexdigest()
         if os.environ.get("T_HOLD") == "1":  # a source for others until the test says
             print(json.dumps({"holding": True}), flush=True)
@@ -126,8 +127,9 @@ class _Net:
         self.procs.append(p)
         return p
 
-    def store_and_seed(self, nbytes: int, data_seed: int) -> None:
-        for i, code, args in ((self.store_host, _STORE, ()), (0, _SEED, (nbytes, data_seed))):
+    def store_and_seed(self, nbytes: int, data_seed: int, broadcast_timeout_s: float | None = None) -> None:
+        seed_args = (nbytes, data_seed) + (() if broadcast_timeout_s is None else (broadcast_timeout_s,))
+        for i, code, args in ((self.store_host, _STORE, ()), (0, _SEED, seed_args)):
             p = self.start(i, code, self.store, *args)
             line = p.lines.get(timeout=60)
             assert line is not None and line.startswith("ready"), (line, "".join(p.err)[-3000:])
@@ -325,3 +327,20 @@ def test_a_chain_whose_store_goes_silent_mid_transfer_finishes_from_the_seed(net
     assert r1["source"] == "the seed" and any("without announcing its progress" in w for w in r1["warnings"]), r1
     assert any(x.startswith("clone #1 failed at step") and "progress cannot be read" in x for x in r2["recovered"]), r2
     assert "re-attached to the seed" in r2["recovered"], r2
+
+
+def test_a_broadcast_clone_from_another_host_connects_to_the_seeds_address_not_loopback(net):
+    """A seed without NIXL answers broadcasts (gloo on the host backend); auto picks it for a clone
+    on another host. gloo listened on, and told its peer, what the host's name resolves to (here
+    nothing: loopback; 127.0.1.1 on a stock Debian or Ubuntu), so each side waited for the other on
+    its own loopback until a raw RuntimeError 40 s later. Each side now takes the address it
+    reaches the store from: byte-exact, over the link."""
+    nbytes = 8 * MiB
+    net.store_and_seed(nbytes, 27, broadcast_timeout_s=10)
+    rx1 = net.hosts.rx_bytes(1)
+    c = net.clone(1, "star", T_TIMEOUT=10, T_TRANSPORT="auto")
+    r = _result(c, "the clone", 60)
+    assert "error" not in r and r["transport"] == "nccl" and r["source"] == "seed (broadcast)", r
+    assert r["verified"] and r["sha256"] == _expected_sha(nbytes, 27), r
+    assert net.hosts.rx_bytes(1) - rx1 >= nbytes  # it came over the link
+    _leaves_nothing(r)

@@ -8,7 +8,7 @@ import time
 from ...errors import WaitTimeoutError
 from ...memory import Device
 from ..manifest import Manifest
-from ..rendezvous import Rendezvous
+from ..rendezvous import Rendezvous, parse_address
 from ..common import _gkey, _verify, _views
 from ..report import CloneReport, CloneResult
 from ..session import _Session
@@ -31,7 +31,26 @@ def _process_group(rdv: Rendezvous, prefix: str, rank: int, dev: Device, timeout
 
         torch.cuda.set_device(dev.index)
         return dist.ProcessGroupNCCL(store, rank, 2)
-    return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
+    if os.environ.get("GLOO_SOCKET_IFNAME"):  # the caller chose gloo's interface
+        return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
+    # gloo listens on, and tells its peer, what this host's name resolves to: 127.0.1.1 on Debian
+    # and Ubuntu, or loopback when it resolves nowhere, so a clone on another host waited for a
+    # connection to its own loopback. The address this host reaches the store from reaches it.
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=_address_towards(rdv.address))]
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+def _address_towards(address: str) -> str:
+    """This host's address on the route to ``address`` (``HOST:PORT``; no packet is sent)."""
+    import socket
+
+    host, port = parse_address(address)
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.connect(sockaddr)
+        return s.getsockname()[0]
 
 
 def _broadcast(pg, tensor, dev: Device, timeout_s: float) -> None:
