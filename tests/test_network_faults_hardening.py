@@ -344,3 +344,25 @@ def test_a_broadcast_clone_from_another_host_connects_to_the_seeds_address_not_l
     assert r["verified"] and r["sha256"] == _expected_sha(nbytes, 27), r
     assert net.hosts.rx_bytes(1) - rx1 >= nbytes  # it came over the link
     _leaves_nothing(r)
+
+
+def test_a_broadcast_cut_mid_way_ends_by_the_timeout_naming_the_seed_and_a_later_clone_succeeds(net):
+    """The clone's link goes down in the middle of a broadcast (a slow link: 20 Mbit/s). The clone
+    ends by its timeout with a WaitTimeoutError naming the seed and the bytes, where gloo's raw
+    RuntimeError ("Operation timed out!") had escaped with its C++ frames. Once the seed's own side
+    of that broadcast has timed out, a clone from another host gets every byte."""
+    nbytes = 8 * MiB
+    net.store_and_seed(nbytes, 28, broadcast_timeout_s=5)
+    hosts = net.hosts
+    hosts.rate(1, "20mbit")  # ~3.4 s for the image
+    rx1 = hosts.rx_bytes(1)
+    c1 = net.clone(1, "star", T_TIMEOUT=5, T_TRANSPORT="nccl")
+    _until(lambda: hosts.rx_bytes(1) - rx1 > MiB, "the broadcast to be under way", c1)
+    hosts.link(1, up=False)
+    r1 = _result(c1, "clone #1", 40)
+    assert r1.get("error") == "WaitTimeoutError", r1
+    assert f"the broadcast of {nbytes:,} bytes with the seed (pid " in r1["message"] and "on fbhost0)" in r1["message"], r1
+    _leaves_nothing(r1)
+    c2 = net.clone(2, "star", T_TIMEOUT=20, T_TRANSPORT="nccl")  # the seed serves one broadcast at a time
+    r2 = _result(c2, "clone #2", 40)
+    assert "error" not in r2 and r2["verified"] and r2["sha256"] == _expected_sha(nbytes, 28), r2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from ...errors import WaitTimeoutError
+from ...errors import RendezvousError, WaitTimeoutError
 from ...memory import Device
 from ..manifest import Manifest
 from ..rendezvous import Rendezvous, parse_address
@@ -19,8 +19,25 @@ def _pg_backend(dev: Device) -> str:
     return "nccl" if dev.is_cuda else "gloo"
 
 
-def _process_group(rdv: Rendezvous, prefix: str, rank: int, dev: Device, timeout_s: float):
-    """A 2-rank process group (NCCL on CUDA, gloo on the host backend) over the rendezvous store."""
+def _process_group(rdv: Rendezvous, prefix: str, rank: int, dev: Device, timeout_s: float,
+                   peer: str = "the clone that asked"):
+    """A 2-rank process group (NCCL on CUDA, gloo on the host backend) over the rendezvous store.
+    WaitTimeoutError (RendezvousError) naming ``peer`` when it does not form: torch raised a raw
+    RuntimeError (DistStoreError) with its C++ frames."""
+    try:
+        return _make_group(rdv, prefix, rank, dev, timeout_s)
+    except RuntimeError as exc:
+        why = _first_line(exc)
+    raise (WaitTimeoutError if "time" in why.lower() else RendezvousError)(
+        f"{peer} did not form the {_pg_backend(dev)} group {prefix!r} with this process (rank {rank}) within "
+        f"{timeout_s:g} s ({why}); a seed answers one broadcast at a time, and each side must reach the other")
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _make_group(rdv: Rendezvous, prefix: str, rank: int, dev: Device, timeout_s: float):
     import datetime
 
     import torch.distributed as dist
@@ -53,16 +70,27 @@ def _address_towards(address: str) -> str:
         return s.getsockname()[0]
 
 
-def _broadcast(pg, tensor, dev: Device, timeout_s: float) -> None:
+def _broadcast(pg, tensor, dev: Device, timeout_s: float, peer: str = "the clone that asked") -> None:
+    """Broadcast ``tensor`` from rank 0; WaitTimeoutError (RendezvousError when it broke otherwise)
+    naming ``peer`` and the bytes, where gloo raised a raw RuntimeError ("Operation timed out!")."""
     import datetime
 
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    work = pg.broadcast([tensor], opts)
-    if not work.wait(datetime.timedelta(seconds=timeout_s)):
-        raise WaitTimeoutError(f"broadcast of {tensor.numel():,} bytes did not finish within {timeout_s:g} s")
+    t0 = time.monotonic()
+    try:
+        work = pg.broadcast([tensor], opts)
+        finished = work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        why = _first_line(exc)
+    else:
+        why = None if finished else "unfinished"
+    if why is not None:
+        raise (WaitTimeoutError if why == "unfinished" or "time" in why.lower() else RendezvousError)(
+            f"the broadcast of {tensor.numel():,} bytes with {peer} ended after {time.monotonic() - t0:.1f} s "
+            f"({why}; timeout {timeout_s:g} s): is the link between them down, or the other side gone?")
     if dev.is_cuda:
         import torch
 
@@ -81,7 +109,7 @@ def _shutdown_pg(pg) -> None:
 
 
 def _clone_nccl(session: _Session, dev: Device, manifest: Manifest, metadata, gen: str, report: CloneReport,
-                t_start: float, *, verify: bool, timeout_s: float, into=None) -> CloneResult:
+                t_start: float, *, verify: bool, timeout_s: float, into=None, seed: str = "the seed") -> CloneResult:
     """The fallback: ask the seed for a broadcast over a fresh 2-rank process group."""
     rdv = session.rdv
     ta = time.perf_counter()
@@ -90,11 +118,11 @@ def _clone_nccl(session: _Session, dev: Device, manifest: Manifest, metadata, ge
     tx = time.perf_counter()
     rid = rdv.add(_gkey(gen, "nccl", "count"), 1)  # the seed reads (and authenticates) the request next
     rdv.publish(_gkey(gen, "nccl", "req", rid), {"pid": os.getpid(), "device": str(dev), "position": report.position})
-    pg = _process_group(rdv, _gkey(gen, "nccl", "pg", rid), 1, dev, timeout_s)
+    pg = _process_group(rdv, _gkey(gen, "nccl", "pg", rid), 1, dev, timeout_s, peer=seed)
     report.exchange_ms = (time.perf_counter() - tx) * 1e3
     tt = time.perf_counter()
     try:
-        _broadcast(pg, session.arena.bytes()[: manifest.nbytes], dev, timeout_s)
+        _broadcast(pg, session.arena.bytes()[: manifest.nbytes], dev, timeout_s, peer=seed)
     finally:
         _shutdown_pg(pg)
     report.transfer_ms = (time.perf_counter() - tt) * 1e3
@@ -144,4 +172,5 @@ class Nccl(Transport):
     @classmethod
     def run(cls, ctx) -> CloneResult:
         return _clone_nccl(ctx.session, ctx.dev, ctx.manifest, ctx.read_metadata(), ctx.gen, ctx.report, ctx.t_start,
-                           verify=ctx.verify, timeout_s=ctx.timeout_s, into=ctx.into)
+                           verify=ctx.verify, timeout_s=ctx.timeout_s, into=ctx.into,
+                           seed=f"the seed (pid {ctx.seed_rec.body.get('pid')} on {ctx.seed_rec.body.get('host')})")
