@@ -366,3 +366,33 @@ def test_a_broadcast_cut_mid_way_ends_by_the_timeout_naming_the_seed_and_a_later
     c2 = net.clone(2, "star", T_TIMEOUT=20, T_TRANSPORT="nccl")  # the seed serves one broadcast at a time
     r2 = _result(c2, "clone #2", 40)
     assert "error" not in r2 and r2["verified"] and r2["sha256"] == _expected_sha(nbytes, 28), r2
+
+
+def test_a_seed_whose_host_vanishes_mid_chain_fails_both_clones_naming_it_then_a_later_clone_succeeds(net):
+    """The seed's link goes down while #1 READs from it and #2 follows #1. #1 fails naming the seed,
+    the step and the bytes it had; #2, whose source failed, cannot reach the seed either and says
+    so. Neither leaves anything behind in its process, nor records that stop a clone made once the
+    link is back: it reads past both and gets every byte."""
+    nbytes = 16 * MiB
+    net.store_and_seed(nbytes, 29)
+    hosts = net.hosts
+    rx1 = hosts.rx_bytes(1)
+    c1 = net.clone(1, "chain", T_TIMEOUT=5, FLASHBOOT_TEST_STEP_DELAY_S=0.5, FLASHBOOT_NIXL_DEPTH=1)
+    _until(lambda: hosts.rx_bytes(1) - rx1 > CHUNK, "clone #1 to be reading from the seed", c1)
+    tx1 = hosts.tx_bytes(1)
+    c2 = net.clone(2, "chain", T_TIMEOUT=5)
+    _until(lambda: hosts.tx_bytes(1) - tx1 > CHUNK, "clone #2 to be reading from clone #1", c2)
+    hosts.link(0, up=False)
+    r1, r2 = _result(c1, "clone #1", 60), _result(c2, "clone #2", 60)
+    assert r1.get("error") == "CloneError", r1
+    assert "the seed failed at step" in r1["message"] and "no source upstream of the seed" in r1["message"], r1
+    assert f"of {nbytes:,} bytes in place" in r1["message"], r1
+    assert r2.get("error") == "CloneError" and "clone #1 failed at step" in r2["message"], r2
+    assert "the seed (pid " in r2["message"] and "on fbhost0)" in r2["message"], r2
+    for r in (r1, r2):
+        _leaves_nothing(r)
+    hosts.link(0, up=True)
+    c3 = net.clone(2, "chain", T_TIMEOUT=10)
+    r3 = _result(c3, "clone #3", 60)
+    assert "error" not in r3 and r3["position"] == 3 and r3["source"] == "the seed", r3
+    assert r3["verified"] and r3["sha256"] == _expected_sha(nbytes, 29), r3
