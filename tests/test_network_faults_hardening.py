@@ -5,8 +5,8 @@ apart from test_clone_nixl's 10.213.0.x); the store runs on a host of its own, s
 seed or a clone away while the store stays reachable. Faults are made with iproute2 alone: a link
 set down (a cut cable), a neighbour entry to a MAC nobody has (packets to one host silently dropped,
 as behind a firewall), a blackhole route. Every clone runs NIXL over TCP (``UCX_TLS=tcp``) and
-reports, besides its result or error, what it still holds afterwards (threads, fds,
-/dev/shm/flashboot-* files), then may try again in the same process.
+reports, besides its result or error, what it still holds afterwards (threads, fds, arena
+mappings, /dev/shm/flashboot-* files), then may try again in the same process.
 """
 
 from __future__ import annotations
@@ -64,14 +64,25 @@ print(json.dumps({"at_barrier": r.add(key, 0)}), flush=True)
 """
 
 _CLONE = """
-import glob, hashlib, json, os, sys, threading, time, flashboot
+import hashlib, json, os, sys, threading, time, flashboot
 from flashboot.flashclone.transports import nixl
 store, schedule = sys.argv[1], sys.argv[2]
 timeout_s = float(os.environ.get("T_TIMEOUT", "10"))
 
 def held():
-    return {"threads": sorted(t.name for t in threading.enumerate()), "fds": len(os.listdir("/proc/self/fd")),
-            "shm": sorted(glob.glob("/dev/shm/flashboot-*"))}
+    # what this process still holds: threads, fds, mappings of arenas (memfd on the host backend)
+    # and fds of /dev/shm/flashboot-* files (other processes' files there are theirs)
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    with open("/proc/self/maps") as f:
+        arenas = sorted({line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                         for line in f if "flashboot-arena" in line})
+    return {"threads": sorted(t.name for t in threading.enumerate()), "fds": len(links), "arenas": arenas,
+            "shm": sorted(x for x in links if x.startswith("/dev/shm/flashboot-"))}
 
 print(json.dumps({"before": held()}), flush=True)
 for attempt in range(int(os.environ.get("T_ATTEMPTS", "1"))):
@@ -190,7 +201,7 @@ def net():
 
 def _leaves_nothing(r: dict) -> None:
     """After the clone ended (either way), nothing of it is left in the process."""
-    assert r["after"]["shm"] == [], r["after"]
+    assert r["after"]["shm"] == [] and r["after"]["arenas"] == [], r["after"]
     assert r["after"]["threads"] == ["MainThread"], r["after"]
 
 
@@ -297,7 +308,7 @@ def test_the_store_going_silent_at_the_start_barrier_is_named_as_such(net):
     r = _result(c, "the clone", 40)
     assert r.get("error") == "StoreSilentError", r
     assert "start barrier" in r["message"] and f"the store at {net.store} did not answer within 6 s" in r["message"], r
-    assert r["after"]["shm"] == [], r
+    assert r["after"]["shm"] == [] and r["after"]["arenas"] == [], r
     net.hosts.link(net.store_host, up=True)
     _again(c)
     r = _result(c, "the clone, again", 60)
