@@ -4,9 +4,9 @@
 whose other end sits on a bridge in a hub namespace, so every pair talks over two veths and a
 bridge and nothing touches the root namespace's interfaces. Each namespace also gets its own UTS
 namespace when processes are started through :meth:`Hosts.popen` (hostname ``fbhost<i>``), so
-FlashBoot sees different hosts. :meth:`Hosts.link`, :meth:`Hosts.silence`, :meth:`Hosts.blackhole` and :meth:`Hosts.rate` make
-the network misbehave (a cut cable, packets to one host silently dropped, an address that routes
-nowhere, a slow link).
+FlashBoot sees different hosts. :meth:`Hosts.link`, :meth:`Hosts.silence`, :meth:`Hosts.blackhole`
+and :meth:`Hosts.rate` make the network misbehave (a cut cable, packets to one host silently
+dropped, an address that routes nowhere, a slow link).
 :meth:`Hosts.close` deletes them all (the veths and their impairments go with them).
 Used by the NIXL tests and by ``python -m flashboot.benchmarks.nixl_netns``.
 """
@@ -122,8 +122,8 @@ class Hosts:
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True,
                            timeout=20)
             if rate is not None:
-                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-                                "burst", "64kb", "latency", "400ms"], capture_output=True, text=True, check=True,
+                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                                rate, "burst", "64kb", "latency", "400ms"], capture_output=True, text=True, check=True,
                                timeout=20)
 
     def _link_local(self, j: int) -> list[str]:

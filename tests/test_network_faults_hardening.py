@@ -47,7 +47,8 @@ from flashboot.arena import Arena
 a = Arena.create(int(sys.argv[2]), "cpu")
 a.bytes().numpy()[:] = np.random.default_rng(int(sys.argv[3])).integers(0, 256, a.nbytes, dtype=np.uint8)
 broadcast = len(sys.argv) > 4  # a seed that answers broadcasts (gloo here) instead of NIXL READs
-s = flashboot.seed(sys.argv[1], a, nixl=not broadcast, serve_nccl=broadcast, timeout_s=float(sys.argv[4]) if broadcast else 30)
+s = flashboot.seed(sys.argv[1], a, nixl=not broadcast, serve_nccl=broadcast,
+                   timeout_s=float(sys.argv[4]) if broadcast else 30)
 print("ready", flush=True)
 s.serve_forever()
 """
@@ -90,8 +91,8 @@ for attempt in range(int(os.environ.get("T_ATTEMPTS", "1"))):
         sys.stdin.readline()  # the test says when to try again
     t0 = time.monotonic()
     try:
-        r = flashboot.clone(store, "cpu", schedule, transport=os.environ.get("T_TRANSPORT", "nixl"), verify=True, timeout_s=timeout_s,
-                            chunk_bytes=%d, clones=int(os.environ.get("T_CLONES", "0")) or None)
+        r = flashboot.clone(store, "cpu", schedule, transport=os.environ.get("T_TRANSPORT", "nixl"), verify=True,
+                            timeout_s=timeout_s, chunk_bytes=%d, clones=int(os.environ.get("T_CLONES", "0")) or None)
     except flashboot.FlashBootError as exc:
         out = {"error": type(exc).__name__, "message": str(exc)}
     else:
@@ -372,7 +373,8 @@ def test_a_broadcast_cut_mid_way_ends_by_the_timeout_naming_the_seed_and_a_later
     hosts.link(1, up=False)
     r1 = _result(c1, "clone #1", 40)
     assert r1.get("error") == "WaitTimeoutError", r1
-    assert f"the broadcast of {nbytes:,} bytes with the seed (pid " in r1["message"] and "on fbhost0)" in r1["message"], r1
+    assert f"the broadcast of {nbytes:,} bytes with the seed (pid " in r1["message"], r1
+    assert "on fbhost0)" in r1["message"], r1
     _leaves_nothing(r1)
     c2 = net.clone(2, "star", T_TIMEOUT=20, T_TRANSPORT="nccl")  # the seed serves one broadcast at a time
     r2 = _result(c2, "clone #2", 40)

@@ -7,8 +7,9 @@ gathered. A piece is READ as soon as its source's progress covers it (``need``),
 a chain or ring runs at once, at most :data:`DEPTH` READs outstanding.
 
 A source that fails (its ``failed`` status, NIXL's disconnect error, a probe READ of a stalled
-source that fails, or a READ still in progress after ``timeout_s``) is handed to the schedule's ``on_failed``: a chain re-attaches upstream, a ring
-member loads the rest from its own copy of the image, otherwise the clone fails naming the step.
+source that fails, a READ still in progress or progress that has not moved for ``timeout_s``) is
+handed to the schedule's ``on_failed``: a chain re-attaches upstream, a ring member loads the rest
+from its own copy of the image, otherwise the clone fails naming the step.
 Every wait is bounded by ``timeout_s``. A store lost mid-transfer ends only what needs it: our
 progress is no longer announced (said in the warnings), and a source whose progress cannot be
 read is failed like one that stalled; sources that hold everything (the seed) are read on.
