@@ -3,6 +3,9 @@ quiet has exited or is stopped, and whether a pid still names the process that w
 
 from __future__ import annotations
 
+PID_MAX = 1 << 22
+"""The largest pid Linux gives (``PID_MAX_LIMIT``): a larger one read from a file names no process."""
+
 STOPPED = ("T", "t")
 """Process states of a stopped process: a SIGSTOP, a debugger, a frozen cgroup."""
 

@@ -641,3 +641,15 @@ def test_a_staging_folder_removed_as_it_is_made_is_made_again(tmp_path, monkeypa
     afile.write_bytes(b"")
     with pytest.raises(FlashBootError, match=rf"cannot create the staging folder {afile}: {afile} is not a directory"):
         shm_files.make_dir(afile)
+
+
+def test_a_pid_file_nested_too_deeply_to_parse_is_a_stale_one(image, tmp_path):
+    """A ``preload.pid`` of 100,000 ``[`` (garbage in a shared staging root) raised RecursionError,
+    which is no ValueError, out of every status check and load that looks for a preloader."""
+    from flashboot.flashload import service
+
+    path = shm_files.pid_file(image, tmp_path / "shm")
+    path.parent.mkdir(parents=True)
+    path.write_text("[" * 100_000)
+    st = service.service_status(image, tmp_path / "shm")
+    assert not st.running and st.stale  # as any unreadable pid file

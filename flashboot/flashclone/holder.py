@@ -29,10 +29,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from .._json import loads
 from ..errors import ArenaError, FlashBootError, StoreLostError, WaitTimeoutError
 from ..fdshare import grow_fd_table, take_fds
 from ..fileio import lock_signer, read_regular, sign_lock
-from ..procfs import STOPPED, proc_start_time, process_state
+from ..procfs import PID_MAX, STOPPED, proc_start_time, process_state
 
 DEFAULT_TIMEOUT_S = 30.0
 MAX_PENDING_REQUESTS = 64
@@ -176,13 +177,12 @@ class _DirKV:
     def get(self, kind: str, name: str) -> dict | None:
         path = self.path / kind / f"{name}.json"
         try:  # a regular file of a bounded size: a named pipe in its place had blocked every ask
-            record = json.loads(read_regular(path, MAX_RECORD_BYTES, FlashBootError))
+            raw = read_regular(path, MAX_RECORD_BYTES, FlashBootError)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise FlashBootError(f"{self.where()}: cannot read {kind}/{name}.json: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise FlashBootError(f"{self.where()}: {kind}/{name}.json is not JSON ({exc})") from None
+        record = loads(raw, f"{self.where()}: {kind}/{name}.json")  # nested deeply: RecursionError, no ValueError
         if not isinstance(record, dict):  # every reader takes fields of it: a list was a bare AttributeError
             raise FlashBootError(f"{self.where()}: {kind}/{name}.json is a JSON {type(record).__name__}, not an object")
         return record
@@ -675,7 +675,7 @@ def holder_gone(record: dict) -> str | None:
     restarted in a fresh container gets the old one's pid, and the old record's fds, taken from
     it, were another arena's (the holder runs on this host: it maps arenas through pidfds)."""
     pid = record.get("holder_pid")
-    if type(pid) is not int or pid <= 0:
+    if type(pid) is not int or not 0 < pid <= PID_MAX:  # past it, os.kill raised OverflowError
         return f"the record names no holder pid (holder_pid {pid!r})"
     others = False
     try:

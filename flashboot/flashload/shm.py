@@ -425,7 +425,7 @@ def _read_pid_file(path: Path) -> dict | None:
         return d if isinstance(d, dict) and isinstance(d.get("pid"), int) else {"pid": -1}
     except (FileNotFoundError, NotADirectoryError):  # NotADirectory: the staging root is a file
         return None
-    except (OSError, ValueError, LayoutError):
+    except (OSError, ValueError, RecursionError, LayoutError):  # RecursionError: JSON nested too deeply
         return {"pid": -1}
 
 

@@ -138,3 +138,27 @@ def record_reader(image_dir: Path, *, sealed_garbage: bool) -> Reader:
 
 
 # ----------------------------------------------------------------- the preloader's socket
+
+
+# ----------------------------------------------------------------- a holder registry's record
+def held_reader(work: Path) -> Reader:
+    """``held_descriptor`` of a mutated ``held/NAME.json`` in a holder registry directory: what a
+    restarted engine reads before it maps the arena held for it (``flashboot.load(..., holder=)``,
+    ``open_held``). The seed names this live process as its holder, so the record is read through
+    to its descriptor."""
+    from flashboot.flashclone.holder import held_descriptor
+    from flashboot.procfs import proc_start_time
+
+    registry = work / "holder-registry"
+    (registry / "held").mkdir(parents=True, exist_ok=True)
+    path = registry / "held" / "engine-0.json"
+    seed = {"descriptor": _seed_descriptor(), "request": {"op": "hold", "name": "engine-0"}, "since": 1.0,
+            "holder_pid": os.getpid(), "holder_start": proc_start_time(os.getpid()),
+            "image": {"path": "/images/m", "rank": 0, "metadata_sha256": "0" * 64}}
+
+    def feed(data: bytes):
+        path.write_bytes(data)
+        return held_descriptor("engine-0", registry=registry)
+
+    return Reader("holder registry record (held_descriptor)", [json.dumps(seed).encode()], feed,
+                  lambda d, data: _check_descriptor(d))

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..errors import FlashBootError
 from .campaign import Reader
 from .checkpoint_reader import checkpoint_reader, index_reader
-from .clone_readers import descriptor_reader, manifest_reader, record_reader
+from .clone_readers import descriptor_reader, held_reader, manifest_reader, record_reader
 from .image_readers import (
     image_reader,
     job_reader,
@@ -20,7 +20,7 @@ from .image_readers import (
 from .preloader_reader import _Preloader, preloader_reader
 
 READERS = ("metadata", "image", "lone", "job", "ready", "record", "sealed", "manifest", "descriptor", "preloader",
-           "checkpoint", "index")
+           "checkpoint", "index", "held")
 
 
 class Corpus:
@@ -55,6 +55,8 @@ class Corpus:
                 self.readers.append(checkpoint_reader(self.work))
             elif name == "index":
                 self.readers.append(index_reader(self.work))
+            elif name == "held":
+                self.readers.append(held_reader(self.work))
             elif name == "preloader":
                 reader, self.preloader = preloader_reader(image, self.work)
                 self.readers.append(reader)
