@@ -5,6 +5,7 @@ tensor checks, publish aliases, option validation, engine sections."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import PurePosixPath
 
 import pytest
@@ -529,3 +530,16 @@ def test_engine_section_raw_entries_are_checked_before_binding(packed, tmp_path,
             bind_engine_model(model, weights)
         finally:
             weights.close()
+
+
+@pytest.mark.parametrize("text, said", [("[1, 2]", "a config is a JSON object, found a JSON list"),
+                                         ("[" * 100_000, "not JSON (nested deeper than this reader accepts)")])
+def test_an_engine_key_of_a_config_that_is_no_json_object_is_refused_by_name(tmp_path, text, said):
+    """The engine's model directory with a config.json that is a list raised AttributeError, and
+    one nested too deeply RecursionError (no ValueError), out of the loader's first step."""
+    from flashboot.errors import LayoutError
+    from flashboot.integrations.engine_key import model_identity
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(LayoutError, match=re.escape(said)):
+        model_identity(str(tmp_path))

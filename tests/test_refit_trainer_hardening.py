@@ -510,3 +510,16 @@ def test_a_close_or_sleep_during_a_refits_copy_waits_for_it(generic_image, store
     finally:
         finish.set()
         loaded.close()
+
+
+def test_a_publish_whose_images_config_json_is_nested_too_deeply_is_refused_by_name(tmp_path):
+    """The config.json beside the checkpoint an image was pre-packed from, read when a Publisher
+    is given no config=: one nested too deeply raised RecursionError (no ValueError) raw."""
+    from types import SimpleNamespace
+
+    from flashboot.weight_update.plan import _config_for
+
+    (tmp_path / "config.json").write_text("[" * 100_000)
+    metadata = SimpleNamespace(source=SimpleNamespace(path=str(tmp_path)))
+    with pytest.raises(PublishError, match="config.json: not JSON \\(nested deeper than this reader accepts\\)"):
+        _config_for(metadata, None, "publish")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from flashboot._json import loads
 from flashboot.errors import FlashBootError, LayoutError
 from flashboot.layouts.checkpoint import FINGERPRINT_PREFIX, checkpoint_fingerprint
 from flashboot.units import check_timeout
@@ -145,10 +146,7 @@ class LoaderOptions:
         if extra is None:
             extra = {}
         if isinstance(extra, str):
-            try:
-                extra = json.loads(extra or "{}")
-            except ValueError as exc:
-                raise FlashBootError(f"--model-loader-extra-config is not JSON: {exc}") from None
+            extra = loads(extra or "{}", "--model-loader-extra-config")
         if not isinstance(extra, Mapping):
             raise FlashBootError(f"--model-loader-extra-config must be a JSON object, got {type(extra).__name__}")
         known = [f.name for f in dataclasses.fields(cls)]
@@ -310,9 +308,12 @@ def model_identity(model_path: str, revision: str | None = None) -> tuple[str, s
     from flashboot.layouts.checkpoint import MAX_CHECKPOINT_JSON_BYTES
 
     try:
-        config = json.loads(read_regular(config_file, MAX_CHECKPOINT_JSON_BYTES))
+        raw = read_regular(config_file, MAX_CHECKPOINT_JSON_BYTES)
     except (OSError, ValueError) as exc:
         raise LayoutError(f"{config_file}: unreadable config ({exc})") from None
+    config = loads(raw, str(config_file), LayoutError)  # nested deeply: RecursionError, no ValueError
+    if not isinstance(config, dict):  # a list had been a raw AttributeError of .items()
+        raise LayoutError(f"{config_file}: a config is a JSON object, found a JSON {type(config).__name__}")
     chash = config_hash({k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"})
     return model_id, rev, chash
 

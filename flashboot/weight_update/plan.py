@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Mapping
 
+from .._json import loads
 from ..errors import LayoutError
 
 
@@ -68,10 +69,14 @@ def _config_for(metadata, config: Mapping[str, Any] | None, where: str) -> dict:
         if not path.is_file():
             raise PublishError(f"{where}: the image was pre-packed from {metadata.source.path}, whose config.json is "
                                "not here; pass config= (the model's config as a dict)")
+        from flashboot.fileio import read_regular
+        from flashboot.layouts.checkpoint import MAX_CHECKPOINT_JSON_BYTES
+
         try:
-            config = json.loads(path.read_text())
-        except ValueError as exc:
-            raise PublishError(f"{path}: not JSON ({exc})") from None
+            raw = read_regular(path, MAX_CHECKPOINT_JSON_BYTES, PublishError)
+        except OSError as exc:
+            raise PublishError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        config = loads(raw, str(path), PublishError)  # nested deeply: RecursionError, no ValueError
     if not isinstance(config, Mapping):  # a transformers config object had been a raw ValueError of dict()
         raise PublishError(f"{where}: config must be the model's config.json as a dict, got a {type(config).__name__} "
                            "(pass json.load of the config.json the image was pre-packed from)")
@@ -83,7 +88,7 @@ def _config_for(metadata, config: Mapping[str, Any] | None, where: str) -> dict:
             packed = json.loads(recorded.read_text())
             keys = sorted(k for k in set(packed) | set(config) if packed.get(k, ...) != config.get(k, ...))
             diff = f"; keys that differ from {recorded}: {keys[:8]}{' ...' if len(keys) > 8 else ''}"
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, RecursionError, AttributeError):
             pass
         raise PublishError(f"{where}: the config given hashes to {found[:19]}, the image was pre-packed from "
                            f"{metadata.key.config_hash[:19]} (another model, or not the config.json it was "
