@@ -409,3 +409,17 @@ def test_a_seed_whose_host_vanishes_mid_chain_fails_both_clones_naming_it_then_a
     r3 = _result(c3, "clone #3", 60)
     assert "error" not in r3 and r3["position"] == 3 and r3["source"] == "the seed", r3
     assert r3["verified"] and r3["sha256"] == _expected_sha(nbytes, 29), r3
+
+
+def test_a_slow_but_healthy_link_is_not_taken_for_a_stalled_one(net):
+    """20 Mbit/s to the clone, a 5 s timeout: every READ of the first window (8 x 2 MiB, which UCX
+    interleaves) needed ~6.7 s, so none landed within the timeout and the seed was taken as stalled,
+    a healthy clone failed (as a star of 16 clones of one seed on 1 GbE does at the default 60 s).
+    READs in flight are now kept to what lands within half the timeout at the rate seen so far."""
+    nbytes = 16 * MiB
+    net.store_and_seed(nbytes, 30)
+    net.hosts.rate(1, "20mbit")
+    c = net.clone(1, "star", T_TIMEOUT=5)
+    r = _result(c, "the clone", 60)
+    assert "error" not in r and r["verified"] and r["sha256"] == _expected_sha(nbytes, 30), r
+    assert r["recovered"] == [] and r["source"] == "the seed", r

@@ -4,7 +4,8 @@ Each participant publishes its *progress*: how many bytes of its own steps, take
 it holds as a prefix (a counter in the store, raised per piece). For a chain that is the count of
 leading bytes of the image; for a ring member its own shard first, then round by round what it
 gathered. A piece is READ as soon as its source's progress covers it (``need``), so every link of
-a chain or ring runs at once, at most :data:`DEPTH` READs outstanding.
+a chain or ring runs at once, at most :data:`DEPTH` READs outstanding (fewer on a slow link, so
+that one lands within the timeout: :class:`_Flow`).
 
 A source that fails (its ``failed`` status, NIXL's disconnect error, a probe READ of a stalled
 source that fails, a READ still in progress or progress that has not moved for ``timeout_s``) is
@@ -33,7 +34,7 @@ READ_BYTES = int(os.environ.get("FLASHBOOT_NIXL_READ_BYTES", str(64 << 20)))
 segment), so several are outstanding and a successor can follow piece by piece
 (``$FLASHBOOT_NIXL_READ_BYTES`` overrides it)."""
 DEPTH = int(os.environ.get("FLASHBOOT_NIXL_DEPTH", "8"))
-"""READs outstanding at once (``$FLASHBOOT_NIXL_DEPTH``)."""
+"""READs outstanding at once, at most (``$FLASHBOOT_NIXL_DEPTH``)."""
 POLL_S = float(os.environ["FLASHBOOT_NIXL_POLL_S"]) if os.environ.get("FLASHBOOT_NIXL_POLL_S") else None
 """Sleep between polls of outstanding READs when none completed (default 1 ms on the host, 0.2 ms on
 GPUs; ``$FLASHBOOT_NIXL_POLL_S``)."""
@@ -203,6 +204,58 @@ class Peers:
             self.agent.release(ticket)
 
 
+class _Flow:
+    """How many bytes each source may have in flight, so that a READ of it lands within half the
+    timeout at the rate its READs have landed so far (at most :data:`DEPTH` READs; one to start).
+
+    A READ is taken as stalled when nothing of its source landed for ``timeout_s``. UCX interleaves
+    the READs in flight, so none of a window completes before the whole window has come: a star of
+    16 clones of one seed on 1 GbE (8 x 64 MiB at ~8 MB/s each: 65 s) failed every healthy clone
+    at the default 60 s, as would any link slower than the window over the timeout."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.last: dict[int, float] = {}
+        """source -> when a READ of it last landed."""
+        self._inflight: dict[int, list[int]] = {}  # source -> [READs, bytes] in flight
+        self._got: dict[int, int] = {}  # source -> bytes landed
+        self._busy: dict[int, float] = {}  # source -> seconds with READs in flight, before _since
+        self._since: dict[int, float] = {}  # source -> when its READs in flight began
+
+    def room(self, src: int, nbytes: int) -> bool:
+        reads, inflight = self._inflight.get(src, (0, 0))
+        if reads == 0:
+            return True
+        if reads >= DEPTH:
+            return False
+        busy = self._busy.get(src, 0.0) + time.monotonic() - self._since[src]
+        if src not in self.last or busy <= 0:
+            return False  # one READ until its rate is known
+        return inflight + nbytes <= self._got[src] / busy * self.timeout_s / 2
+
+    def posted(self, src: int, nbytes: int) -> None:
+        n = self._inflight.setdefault(src, [0, 0])
+        if n[0] == 0:
+            self._since[src] = time.monotonic()
+        n[0] += 1
+        n[1] += nbytes
+
+    def landed(self, src: int, nbytes: int) -> None:
+        now = time.monotonic()
+        self.last[src] = now
+        self._got[src] = self._got.get(src, 0) + nbytes
+        n = self._inflight[src]
+        n[0] -= 1
+        n[1] -= nbytes
+        if n[0] == 0:
+            self._busy[src] = self._busy.get(src, 0.0) + now - self._since.pop(src)
+
+    def forget(self, src: int) -> None:
+        """``src`` failed: its READs in flight were put back."""
+        self._inflight.pop(src, None)
+        self._since.pop(src, None)
+
+
 @dataclass
 class Reader:
     """What the READ loop needs besides the pieces: who we are and how the schedule reacts."""
@@ -247,6 +300,7 @@ def read_pieces(r: Reader, agent, peers: Peers, arena, todo: deque) -> set[int]:
     last_refresh = 0.0
     total = r.held + sum(p.nbytes for p in todo)
     announce = True  # our progress, while the store takes it
+    flow = _Flow(timeout_s)
 
     def fail(piece: Piece, why: str) -> None:
         for key, (p, ticket, _) in list(inflight.items()):
@@ -254,6 +308,7 @@ def read_pieces(r: Reader, agent, peers: Peers, arena, todo: deque) -> set[int]:
                 agent.release(ticket)
                 del inflight[key]
                 todo.appendleft(p)
+        flow.forget(piece.src)
         r.on_failed(piece, why, todo)
 
     while todo or inflight:
@@ -267,6 +322,8 @@ def read_pieces(r: Reader, agent, peers: Peers, arena, todo: deque) -> set[int]:
                 done[piece.pos] = piece.pos + piece.nbytes
                 progressed = True
                 continue
+            if not flow.room(piece.src, piece.nbytes):
+                break
             if peers.held.get(piece.src, 0) < piece.need:
                 now = time.monotonic()
                 if now - last_refresh >= poll_s:
@@ -303,6 +360,7 @@ def read_pieces(r: Reader, agent, peers: Peers, arena, todo: deque) -> set[int]:
                 fail(piece, str(exc))
                 continue
             inflight[piece.pos] = (piece, ticket, time.monotonic())
+            flow.posted(piece.src, piece.nbytes)
             used.add(piece.src)
             progressed = True
         # complete
@@ -316,8 +374,9 @@ def read_pieces(r: Reader, agent, peers: Peers, arena, todo: deque) -> set[int]:
                 agent.release(ticket)
                 del inflight[key]
                 done[piece.pos] = piece.pos + piece.nbytes
+                flow.landed(piece.src, piece.nbytes)
                 progressed = True
-            elif time.monotonic() - t_post > timeout_s:
+            elif time.monotonic() - max(t_post, flow.last.get(piece.src, 0.0)) > timeout_s:
                 # NIXL never fails a READ of a host that vanished (its link down, a partition): a
                 # stalled source is a failed one, so a chain re-attaches upstream and a ring member
                 # loads from its own copy, where raising here failed a clone whose seed was reachable
