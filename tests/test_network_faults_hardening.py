@@ -125,8 +125,8 @@ class _Net:
     """``count`` hosts, the last one the store's; every process started has its output read by
     threads (its lines on a queue, so a wait for one is bounded), and is killed at the end."""
 
-    def __init__(self, count: int):
-        self.hosts = Hosts(count, tag="nf", subnet=SUBNET)
+    def __init__(self, count: int, subnet: str = SUBNET):
+        self.hosts = Hosts(count, tag="nf", subnet=subnet)
         self.procs: list[subprocess.Popen] = []
         self.store_host = count - 1
         self.store = f"{self.hosts.address(self.store_host)}:{STORE_PORT}"
@@ -423,3 +423,29 @@ def test_a_slow_but_healthy_link_is_not_taken_for_a_stalled_one(net):
     r = _result(c, "the clone", 60)
     assert "error" not in r and r["verified"] and r["sha256"] == _expected_sha(nbytes, 30), r
     assert r["recovered"] == [] and r["source"] == "the seed", r
+
+
+def test_a_broadcast_from_a_seed_hosting_the_store_on_every_interface_uses_its_names_address():
+    """A seed that hosts the store at 0.0.0.0 reaches it over loopback, which is no address for a
+    clone on another host (the group did not form): gloo then keeps the address the seed's name
+    resolves to (here from the namespace's own /etc/hosts, as a cluster's DNS would give it)."""
+    nbytes = 4 * MiB
+    net = _Net(2, "192.168.214")  # above 127.0.0.1: which side of a gloo pair connects goes by the address
+    etc = f"/etc/netns/{net.hosts.names[0]}"
+    os.makedirs(etc, exist_ok=True)
+    try:
+        with open(f"{etc}/hosts", "w") as f:
+            f.write(f"127.0.0.1 localhost\n{net.hosts.address(0)} fbhost0\n")
+        seed = net.start(0, _SEED, f"0.0.0.0:{STORE_PORT}", nbytes, 31, 10)
+        line = seed.lines.get(timeout=60)
+        assert line is not None and line.startswith("ready"), (line, "".join(seed.err)[-3000:])
+        c = net.start(1, _CLONE, f"{net.hosts.address(0)}:{STORE_PORT}", "star",
+                      env=_env(T_TIMEOUT=10, T_TRANSPORT="nccl"))
+        assert "before" in _result(c, "the clone", 60)
+        r = _result(c, "the clone", 60)
+        assert "error" not in r and r["verified"] and r["sha256"] == _expected_sha(nbytes, 31), r
+    finally:
+        import shutil
+
+        shutil.rmtree(etc, ignore_errors=True)
+        net.close()

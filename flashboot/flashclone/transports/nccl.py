@@ -48,26 +48,34 @@ def _make_group(rdv: Rendezvous, prefix: str, rank: int, dev: Device, timeout_s:
 
         torch.cuda.set_device(dev.index)
         return dist.ProcessGroupNCCL(store, rank, 2)
-    if os.environ.get("GLOO_SOCKET_IFNAME"):  # the caller chose gloo's interface
-        return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
     # gloo listens on, and tells its peer, what this host's name resolves to: 127.0.1.1 on Debian
     # and Ubuntu, or loopback when it resolves nowhere, so a clone on another host waited for a
-    # connection to its own loopback. The address this host reaches the store from reaches it.
+    # connection to its own loopback. The address this host reaches the store from reaches it
+    # (unless that is loopback: a store on this host, or a seed hosting it at 0.0.0.0).
+    here = None if os.environ.get("GLOO_SOCKET_IFNAME") else _address_towards(rdv.address)  # else the caller's
+    if here is None:
+        return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
     options = dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=_address_towards(rdv.address))]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=here)]
     return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
-def _address_towards(address: str) -> str:
-    """This host's address on the route to ``address`` (``HOST:PORT``; no packet is sent)."""
+def _address_towards(address: str) -> str | None:
+    """This host's address on the route to ``address`` (``HOST:PORT``; no packet is sent), or None
+    when that is a loopback address or cannot be found."""
+    import ipaddress
     import socket
 
     host, port = parse_address(address)
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, kind, proto) as s:
-        s.connect(sockaddr)
-        return s.getsockname()[0]
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.connect(sockaddr)
+            here = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if ipaddress.ip_address(here.split("%")[0]).is_loopback else here
 
 
 def _broadcast(pg, tensor, dev: Device, timeout_s: float, peer: str = "the clone that asked") -> None:
