@@ -598,6 +598,27 @@ def test_broadcast_fallback_is_used_and_reported(store):
         a.close()
 
 
+def test_a_seed_reconnected_to_its_own_store_answers_only_new_broadcast_requests(store):
+    """The seed's store connection broke while the store itself stayed (a silent spell, a network
+    blip): on reconnecting, the seed counted the broadcast requests from 0 again, as for a
+    restarted store, replayed request 1 for a clone long gone (waiting its timeout), and the next
+    clone's request timed out behind it."""
+    address, _ = store
+    a, data = _seed_arena(2 * MiB, 9)
+    s = flashboot.seed(address, a, "cpu", checksum_chunk_bytes=MiB, timeout_s=20)
+    try:
+        with flashboot.clone(address, "cpu", "star", transport="nccl", verify=True, timeout_s=15) as r:
+            assert np.array_equal(r.arena.bytes().numpy(), data)
+        s.rendezvous._lost("a test's call", RuntimeError("connection reset"))  # the store stays up
+        assert s.check_published() and s.nccl_served == 1  # reconnected; the store still counts 1
+        with flashboot.clone(address, "cpu", "star", transport="nccl", verify=True, timeout_s=8) as r:
+            assert np.array_equal(r.arena.bytes().numpy(), data)
+        assert s.nccl_served == 2
+    finally:
+        s.close()
+        a.close()
+
+
 def test_choose_transport_explains_fallbacks():
     from flashboot.flashclone.transports.registry import Seen, choose_transport
     from flashboot.arena import ArenaDescriptor

@@ -137,17 +137,29 @@ class Seed(Service):
         self.rendezvous = new
         if self._thread is not None:
             # the old service, possibly mid-broadcast, ends with the old connection (its next call
-            # fails at once); a new one serves on the new connection, whose store counts from 0
+            # fails at once); a new one serves on the new connection. A restarted store counts the
+            # requests from 0; one that was only silent (our record still there) keeps its count:
+            # counted from 0 again, every request answered already was replayed, each waiting its
+            # timeout for a clone long gone, and a new clone's request timed out behind them
+            same_store = self._holds_our_record(new)
             self._thread_stop.set()
             old.close()
             self._thread.join(self.timeout_s + 5)
             if self._thread.is_alive():
                 raise StoreLostError(f"the seed's NCCL service on the lost store at {old.address} did not stop "
                                      f"within {self.timeout_s + 5:g} s; cannot serve the fallback again")
-            self.nccl_served = 0
+            if not same_store:
+                self.nccl_served = 0
             self._start_nccl()
         else:
             old.close()
+
+    def _holds_our_record(self, rdv: Rendezvous) -> bool:
+        try:
+            rec = rdv.try_read(SEED_KEY)
+        except (RendezvousError, WaitTimeoutError):
+            return False
+        return rec is not None and rec.body.get("generation") == self.generation
 
     @property
     def address(self) -> str:
