@@ -184,3 +184,28 @@ def fake_clone(monkeypatch, schedule: str) -> dict:
     monkeypatch.setattr(flashclone, "clone", lambda *a, **k: Result())
     monkeypatch.setattr(flashclone, "linger", lambda *a, **k: None)
     return as_dict
+
+
+# Scripts of the processes in the network-namespace tests (a host each): argv as each says.
+STORE_SCRIPT = """
+import sys, time
+from flashboot.flashclone.rendezvous import Rendezvous
+r = Rendezvous.connect(sys.argv[1], host=True, timeout_s=30)
+print("ready", flush=True)
+time.sleep(600)
+"""
+"""``ADDRESS``: a store hosted at ADDRESS, kept for 10 minutes."""
+
+SEED_SCRIPT = """
+import sys, numpy as np, flashboot
+from flashboot.arena import Arena
+a = Arena.create(int(sys.argv[2]), "cpu")
+a.bytes().numpy()[:] = np.random.default_rng(int(sys.argv[3])).integers(0, 256, a.nbytes, dtype=np.uint8)
+broadcast = len(sys.argv) > 4  # a seed that answers broadcasts (gloo here) instead of NIXL READs
+s = flashboot.seed(sys.argv[1], a, nixl=not broadcast, serve_nccl=broadcast,
+                   timeout_s=float(sys.argv[4]) if broadcast else 30)
+print("ready", flush=True)
+s.serve_forever()
+"""
+"""``ADDRESS NBYTES SEED [BROADCAST_TIMEOUT_S]``: a seed of NBYTES random bytes (SEED), serving NIXL
+reads, or with a fourth argument broadcasts (gloo here) with that timeout."""

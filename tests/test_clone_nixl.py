@@ -19,7 +19,7 @@ import pytest
 
 from flashboot.benchmarks.netns import Hosts, cannot_create
 
-from _clone_helpers import TOKEN, MiB, finish, stop, wait_until
+from _clone_helpers import SEED_SCRIPT, STORE_SCRIPT, TOKEN, MiB, finish, stop, wait_until
 
 NBYTES = 24 * MiB
 CHUNK = 2 * MiB
@@ -28,23 +28,6 @@ STORE_PORT = 29671
 _WHY = cannot_create()
 pytestmark = pytest.mark.skipif(bool(_WHY), reason=f"cannot create network namespaces here: {_WHY}")
 
-_STORE = """
-import sys, time
-from flashboot.flashclone.rendezvous import Rendezvous
-r = Rendezvous.connect(sys.argv[1], host=True, timeout_s=30)
-print("ready", flush=True)
-time.sleep(600)
-"""
-
-_SEED = """
-import sys, numpy as np, flashboot
-from flashboot.arena import Arena
-a = Arena.create(int(sys.argv[2]), "cpu")
-a.bytes().numpy()[:] = np.random.default_rng(int(sys.argv[3])).integers(0, 256, a.nbytes, dtype=np.uint8)
-s = flashboot.seed(sys.argv[1], a, nixl=True, serve_nccl=False, timeout_s=30)
-print("ready", flush=True)
-s.serve_forever()
-"""
 
 _CLONE = """
 import hashlib, json, os, sys, flashboot
@@ -120,8 +103,8 @@ def _start(hosts, i: int, code: str, *args, env=None):
 def _store_and_seed(hosts, nbytes: int = NBYTES, data_seed: int = 5, own_store: bool = False) -> str:
     store = f"{hosts.address(0)}:{STORE_PORT}"
     if own_store:  # a store that outlives the seed (a test that kills the seed)
-        _ready(_start(hosts, 0, _STORE, store), "store")
-    seed = _start(hosts, 0, _SEED, store, nbytes, data_seed)
+        _ready(_start(hosts, 0, STORE_SCRIPT, store), "store")
+    seed = _start(hosts, 0, SEED_SCRIPT, store, nbytes, data_seed)
     _ready(seed, "seed")
     hosts.seed = seed
     return store
@@ -276,7 +259,7 @@ def test_nixl_ring_across_three_namespaces_gathers_every_shard_over_the_links(ho
     from its predecessor, over its veth; each member is read by exactly one peer."""
     image = _ring_image(tmp_path, NBYTES, 11)
     store = f"{hosts.address(0)}:{STORE_PORT}"
-    _ready(_start(hosts, 0, _STORE, store), "store")
+    _ready(_start(hosts, 0, STORE_SCRIPT, store), "store")
     tx = [hosts.tx_bytes(i) for i in range(3)]
     rx = [hosts.rx_bytes(i) for i in range(3)]
     members = [_start(hosts, i, _RING, store, image, 3) for i in range(3)]
@@ -295,7 +278,7 @@ def test_nixl_ring_across_three_namespaces_gathers_every_shard_over_the_links(ho
 def test_nixl_ring_member_killed_its_successor_loads_the_rest_from_its_own_copy(hosts, tmp_path):
     image = _ring_image(tmp_path, NBYTES, 12)
     store = f"{hosts.address(0)}:{STORE_PORT}"
-    _ready(_start(hosts, 0, _STORE, store), "store")
+    _ready(_start(hosts, 0, STORE_SCRIPT, store), "store")
     slow = _env(FLASHBOOT_TEST_STEP_DELAY_S=1.0, FLASHBOOT_NIXL_DEPTH=1, T_TIMEOUT=20)
     members = [_start(hosts, i, _RING, store, image, 3, env=slow) for i in range(3)]
     tx1 = hosts.tx_bytes(1)

@@ -24,7 +24,7 @@ import pytest
 
 from flashboot.benchmarks.netns import Hosts, cannot_create
 
-from _clone_helpers import TOKEN, MiB
+from _clone_helpers import SEED_SCRIPT, STORE_SCRIPT, TOKEN, MiB
 
 SUBNET = "10.214.0"
 STORE_PORT = 29681
@@ -33,25 +33,6 @@ CHUNK = 2 * MiB
 _WHY = cannot_create()
 pytestmark = pytest.mark.skipif(bool(_WHY), reason=f"cannot create network namespaces here: {_WHY}")
 
-_STORE = """
-import sys, time
-from flashboot.flashclone.rendezvous import Rendezvous
-r = Rendezvous.connect(sys.argv[1], host=True, timeout_s=30)
-print("ready", flush=True)
-time.sleep(600)
-"""
-
-_SEED = """
-import sys, numpy as np, flashboot
-from flashboot.arena import Arena
-a = Arena.create(int(sys.argv[2]), "cpu")
-a.bytes().numpy()[:] = np.random.default_rng(int(sys.argv[3])).integers(0, 256, a.nbytes, dtype=np.uint8)
-broadcast = len(sys.argv) > 4  # a seed that answers broadcasts (gloo here) instead of NIXL READs
-s = flashboot.seed(sys.argv[1], a, nixl=not broadcast, serve_nccl=broadcast,
-                   timeout_s=float(sys.argv[4]) if broadcast else 30)
-print("ready", flush=True)
-s.serve_forever()
-"""
 
 _AT_BARRIER = """
 import json, sys, time
@@ -141,7 +122,7 @@ class _Net:
 
     def store_and_seed(self, nbytes: int, data_seed: int, broadcast_timeout_s: float | None = None) -> None:
         seed_args = (nbytes, data_seed) + (() if broadcast_timeout_s is None else (broadcast_timeout_s,))
-        for i, code, args in ((self.store_host, _STORE, ()), (0, _SEED, seed_args)):
+        for i, code, args in ((self.store_host, STORE_SCRIPT, ()), (0, SEED_SCRIPT, seed_args)):
             p = self.start(i, code, self.store, *args)
             line = p.lines.get(timeout=60)
             assert line is not None and line.startswith("ready"), (line, "".join(p.err)[-3000:])
@@ -436,7 +417,7 @@ def test_a_broadcast_from_a_seed_hosting_the_store_on_every_interface_uses_its_n
     try:
         with open(f"{etc}/hosts", "w") as f:
             f.write(f"127.0.0.1 localhost\n{net.hosts.address(0)} fbhost0\n")
-        seed = net.start(0, _SEED, f"0.0.0.0:{STORE_PORT}", nbytes, 31, 10)
+        seed = net.start(0, SEED_SCRIPT, f"0.0.0.0:{STORE_PORT}", nbytes, 31, 10)
         line = seed.lines.get(timeout=60)
         assert line is not None and line.startswith("ready"), (line, "".join(seed.err)[-3000:])
         c = net.start(1, _CLONE, f"{net.hosts.address(0)}:{STORE_PORT}", "star",
