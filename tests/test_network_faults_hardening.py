@@ -187,20 +187,30 @@ def _leaves_nothing(r: dict) -> None:
     assert r["after"]["threads"] == ["MainThread"], r["after"]
 
 
+def _chain_of_two_reading(net, nbytes: int, data_seed: int, *, c1_timeout_s: float, c1_step_delay_s: float):
+    """A store and seed of ``nbytes`` on host 0, chain clone #1 (host 1) reading from the seed one
+    READ at a time, slowed by ``c1_step_delay_s`` a step, and #2 (host 2) reading from #1: once
+    each has read a chunk over its link, ``(c1, c2)``."""
+    net.store_and_seed(nbytes, data_seed)
+    hosts = net.hosts
+    rx1 = hosts.rx_bytes(1)
+    c1 = net.clone(1, "chain", T_TIMEOUT=c1_timeout_s, FLASHBOOT_TEST_STEP_DELAY_S=c1_step_delay_s,
+                   FLASHBOOT_NIXL_DEPTH=1)
+    _until(lambda: hosts.rx_bytes(1) - rx1 > CHUNK, "clone #1 to be reading from the seed", c1)
+    tx1 = hosts.tx_bytes(1)
+    c2 = net.clone(2, "chain", T_TIMEOUT=5)
+    _until(lambda: hosts.tx_bytes(1) - tx1 > CHUNK, "clone #2 to be reading from clone #1", c2)
+    return c1, c2
+
+
 def test_chain_source_whose_host_vanishes_is_read_past_from_the_seed(net):
     """Clone #1's link goes down (never up again) while #2 follows its progress: #1 publishes nothing
     more and a READ of it stays in progress for ever (NIXL fails none). #2 takes #1 as failed and
     re-attaches to the seed, which it can still reach, byte-exact; before, it failed with a
     WaitTimeoutError although the seed was there."""
     nbytes = 24 * MiB
-    net.store_and_seed(nbytes, 21)
     hosts = net.hosts
-    rx1 = hosts.rx_bytes(1)
-    c1 = net.clone(1, "chain", T_TIMEOUT=30, FLASHBOOT_TEST_STEP_DELAY_S=1.0, FLASHBOOT_NIXL_DEPTH=1)
-    _until(lambda: hosts.rx_bytes(1) - rx1 > CHUNK, "clone #1 to be reading from the seed", c1)
-    tx1 = hosts.tx_bytes(1)
-    c2 = net.clone(2, "chain", T_TIMEOUT=5)
-    _until(lambda: hosts.tx_bytes(1) - tx1 > CHUNK, "clone #2 to be reading from clone #1", c2)
+    c1, c2 = _chain_of_two_reading(net, nbytes, 21, c1_timeout_s=30, c1_step_delay_s=1.0)
     hosts.link(1, up=False)
     r2 = _result(c2, "clone #2", 60)
     assert "error" not in r2, r2
@@ -368,14 +378,8 @@ def test_a_seed_whose_host_vanishes_mid_chain_fails_both_clones_naming_it_then_a
     so. Neither leaves anything behind in its process, nor records that stop a clone made once the
     link is back: it reads past both and gets every byte."""
     nbytes = 16 * MiB
-    net.store_and_seed(nbytes, 29)
     hosts = net.hosts
-    rx1 = hosts.rx_bytes(1)
-    c1 = net.clone(1, "chain", T_TIMEOUT=5, FLASHBOOT_TEST_STEP_DELAY_S=0.5, FLASHBOOT_NIXL_DEPTH=1)
-    _until(lambda: hosts.rx_bytes(1) - rx1 > CHUNK, "clone #1 to be reading from the seed", c1)
-    tx1 = hosts.tx_bytes(1)
-    c2 = net.clone(2, "chain", T_TIMEOUT=5)
-    _until(lambda: hosts.tx_bytes(1) - tx1 > CHUNK, "clone #2 to be reading from clone #1", c2)
+    c1, c2 = _chain_of_two_reading(net, nbytes, 29, c1_timeout_s=5, c1_step_delay_s=0.5)
     hosts.link(0, up=False)
     r1, r2 = _result(c1, "clone #1", 60), _result(c2, "clone #2", 60)
     assert r1.get("error") == "CloneError", r1
