@@ -195,6 +195,15 @@ def _read_json(path: Path, what: str) -> Any:
     return loads(raw, str(path), LayoutError)
 
 
+def read_config(path: Path) -> dict:
+    """A model's ``config.json`` at ``path`` as a dict, or LayoutError naming it (unreadable, not
+    JSON, nested too deeply, or no JSON object)."""
+    config = _read_json(path, "the model's config")
+    if not isinstance(config, dict):
+        raise LayoutError(f"{path}: a config is a JSON object, found a JSON {type(config).__name__}")
+    return config
+
+
 def _hub_repo_hint(path: Path) -> str:
     """For a hub cache repo directory (``models--org--name``, whose checkpoint is one of its
     ``snapshots/REV``): which directory to give instead."""
@@ -345,9 +354,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     config: dict[str, Any] = {}
     cfg_path = path / "config.json"
     if cfg_path.exists() or cfg_path.is_symlink():
-        config = _read_json(cfg_path, "the model's config")
-        if not isinstance(config, dict):
-            raise LayoutError(f"{cfg_path}: not a JSON object")
+        config = read_config(cfg_path)
     index_path = path / "model.safetensors.index.json"
     weight_map: dict[str, str] | None = None
     if index_path.exists() or index_path.is_symlink():

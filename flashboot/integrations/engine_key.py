@@ -304,16 +304,9 @@ def model_identity(model_path: str, revision: str | None = None) -> tuple[str, s
         # (ckpts/step-1000/hf, ckpts/step-2000/hf) differ only in their weight files
         if revision is None:  # one the engine was given names the checkpoint itself
             rev = checkpoint_fingerprint(path)
-    from flashboot.fileio import read_regular
-    from flashboot.layouts.checkpoint import MAX_CHECKPOINT_JSON_BYTES
+    from flashboot.layouts.checkpoint import read_config
 
-    try:
-        raw = read_regular(config_file, MAX_CHECKPOINT_JSON_BYTES)
-    except (OSError, ValueError) as exc:
-        raise LayoutError(f"{config_file}: unreadable config ({exc})") from None
-    config = loads(raw, str(config_file), LayoutError)  # nested deeply: RecursionError, no ValueError
-    if not isinstance(config, dict):  # a list had been a raw AttributeError of .items()
-        raise LayoutError(f"{config_file}: a config is a JSON object, found a JSON {type(config).__name__}")
+    config = read_config(config_file)  # a list had been a raw AttributeError of .items(), deep nesting RecursionError
     chash = config_hash({k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"})
     return model_id, rev, chash
 

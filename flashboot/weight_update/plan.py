@@ -10,13 +10,12 @@ offset, shape, dtype). Anything else is refused before a byte is written, naming
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Mapping
 
-from .._json import loads
 from ..errors import LayoutError
 
 
@@ -62,21 +61,17 @@ def dtype_name(tensor: Any) -> str:
 def _config_for(metadata, config: Mapping[str, Any] | None, where: str) -> dict:
     """The model config the family plans with: ``config``, else the checkpoint's ``config.json``
     recorded at pre-pack; either must hash to the image key's ``config_hash``."""
-    from flashboot.layouts.checkpoint import Checkpoint
+    from flashboot.layouts.checkpoint import Checkpoint, read_config
 
     if config is None:
         path = Path(metadata.source.path) / "config.json"
         if not path.is_file():
             raise PublishError(f"{where}: the image was pre-packed from {metadata.source.path}, whose config.json is "
                                "not here; pass config= (the model's config as a dict)")
-        from flashboot.fileio import read_regular
-        from flashboot.layouts.checkpoint import MAX_CHECKPOINT_JSON_BYTES
-
         try:
-            raw = read_regular(path, MAX_CHECKPOINT_JSON_BYTES, PublishError)
-        except OSError as exc:
-            raise PublishError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-        config = loads(raw, str(path), PublishError)  # nested deeply: RecursionError, no ValueError
+            config = read_config(path)
+        except LayoutError as exc:
+            raise PublishError(f"{where}: {exc}") from None
     if not isinstance(config, Mapping):  # a transformers config object had been a raw ValueError of dict()
         raise PublishError(f"{where}: config must be the model's config.json as a dict, got a {type(config).__name__} "
                            "(pass json.load of the config.json the image was pre-packed from)")
@@ -84,12 +79,10 @@ def _config_for(metadata, config: Mapping[str, Any] | None, where: str) -> dict:
     if found != metadata.key.config_hash:
         # not always another model: PretrainedConfig.to_dict() adds every default to config.json's keys
         recorded, diff = Path(metadata.source.path) / "config.json", ""
-        try:
-            packed = json.loads(recorded.read_text())
+        with contextlib.suppress(LayoutError):  # the hint only: the mismatch is the error
+            packed = read_config(recorded)
             keys = sorted(k for k in set(packed) | set(config) if packed.get(k, ...) != config.get(k, ...))
             diff = f"; keys that differ from {recorded}: {keys[:8]}{' ...' if len(keys) > 8 else ''}"
-        except (OSError, ValueError, RecursionError, AttributeError):
-            pass
         raise PublishError(f"{where}: the config given hashes to {found[:19]}, the image was pre-packed from "
                            f"{metadata.key.config_hash[:19]} (another model, or not the config.json it was "
                            f"pre-packed from{diff})")
