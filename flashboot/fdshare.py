@@ -280,7 +280,6 @@ class FdStream:
                 raise RendezvousError(f"{self.what}: broken off after {len(self.received)} of {self.count} fds: the "
                                       "receiver is stopping")
             now = time.monotonic()
-            self._raise_if_sender_stopped(now)
             due = batch_due if self.deadline is None else min(batch_due, self.deadline)
             if now >= due:
                 wait_s = 0.0  # past a deadline, fds queued already are still taken: the sender was in time
@@ -292,6 +291,7 @@ class FdStream:
                 return self._recv(wait_s)
             except WaitTimeoutError:
                 pass
+            self._raise_if_sender_stopped(time.monotonic())  # only a wait that found nothing asks /proc
             if now < due:
                 continue  # the deadlines and stop are looked at again above
             if due == batch_due:
