@@ -421,11 +421,11 @@ def _read_pid_file(path: Path) -> dict | None:
     from ..fileio import read_regular
 
     try:  # a regular file of a bounded size: a named pipe in its place blocked every load's status check
-        d = json.loads(read_regular(path, MAX_READY_BYTES))
+        d = loads(read_regular(path, MAX_READY_BYTES), str(path), LayoutError)
         return d if isinstance(d, dict) and isinstance(d.get("pid"), int) else {"pid": -1}
     except (FileNotFoundError, NotADirectoryError):  # NotADirectory: the staging root is a file
         return None
-    except (OSError, ValueError, RecursionError, LayoutError):  # RecursionError: JSON nested too deeply
+    except (OSError, ValueError, LayoutError):
         return {"pid": -1}
 
 
