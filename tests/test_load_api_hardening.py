@@ -330,7 +330,8 @@ def test_a_prepared_load_waits_at_most_its_own_timeout(qwen, tmp_path):
                                     "ranks": None}))
     handle = flashboot.prepare(qwen, 0, "cpu", shm_dir=shm, mode="staged", timeout_s=4)
     assert handle.wait_bound_s == 4 + 120
-    with pytest.raises(WaitTimeoutError, match=r"waited its timeout_s of 1 s for flashboot.prepare\(\) to end; it still runs"):
+    with pytest.raises(WaitTimeoutError,
+                       match=r"waited its timeout_s of 1 s for flashboot.prepare\(\) to end; it still runs"):
         flashboot.load(qwen, 0, "cpu", prepared=handle, timeout_s=1)
     assert not handle.done, "the load waited for the preparation's own end, not its timeout"
     with pytest.raises(FlashBootError, match="is closed"):  # the timed-out load released it (once it ends)

@@ -663,7 +663,8 @@ def load_prepared(request: LoadRequest) -> LoadedImage:
         def left_s() -> float:
             return max(0.0, request.timeout_s - (time.perf_counter() - t_start))
 
-        if prepared.wait_viewable(left_s()):  # the views are made here, while the copy runs (see PreparedLoad.wait_viewable)
+        # the views are made here, while the copy runs (see PreparedLoad.wait_viewable)
+        if prepared.wait_viewable(left_s()):
             check_request(prepared.metadata, str(prepared.image.metadata_path), tp=tp, ep=ep,
                           expected_key=expected_key)
             t1 = time.perf_counter()
@@ -702,8 +703,8 @@ def load_prepared(request: LoadRequest) -> LoadedImage:
         prepared._release_when_done(0)  # released by its own thread once it ends: no copy is cut short
         if prepared.done:
             raise  # the preparation's own wait (a .ready, the daemon) timed out
-        raise WaitTimeoutError(f"the load of rank {rank} of {image_dir} waited its timeout_s of {request.timeout_s:g} s "
-                               f"for flashboot.prepare() to end; it still runs (phases so far: "
+        raise WaitTimeoutError(f"the load of rank {rank} of {image_dir} waited its timeout_s of "
+                               f"{request.timeout_s:g} s for flashboot.prepare() to end; it still runs (phases so far: "
                                f"{prepared._phases_text()}) and releases what it holds once it ends") from None
     except BaseException:
         prepared._release_when_done()  # refused while the copy ran (its tp, say): the copy ends first

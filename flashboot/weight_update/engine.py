@@ -234,8 +234,9 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
             try:
                 target = staging_for(arena)
             except OutOfMemoryError as exc:
-                raise OutOfMemoryError(f"{where}: an atomic refit stages one image beside the live one (the old weights "
-                                       "are serving; refit(..., atomic=False) copies in place with no extra memory)",
+                raise OutOfMemoryError(f"{where}: an atomic refit stages one image beside the live one (the old "
+                                       "weights are serving; refit(..., atomic=False) copies in place with no extra "
+                                       "memory)",
                                        exc.nbytes_needed, exc.nbytes_free) from None
         else:
             target = arena
@@ -244,8 +245,9 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
             tc = time.perf_counter()
             try:
                 result = clone(store, arena.device, schedule, verify=True, timeout_s=timeout_s, mover=mover,
-                               chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=namespace, clones=clones,
-                               expect=manifest, transport=transport, into=target, held_sources=loaded.refit_sources)
+                               chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=namespace,
+                               clones=clones, expect=manifest, transport=transport, into=target,
+                               held_sources=loaded.refit_sources)
             except BaseException:
                 release_held_sources(loaded.refit_sources)  # a trainer that failed us is not mapped again
                 raise
@@ -273,8 +275,8 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
         except FlashBootError as exc:
             if atomic:
                 raise
-            raise RefitError(f"{where} (atomic=False, in place): {exc}; the arena may hold a mix of versions {live} and "
-                             f"{version}: refit again or reload") from exc
+            raise RefitError(f"{where} (atomic=False, in place): {exc}; the arena may hold a mix of versions {live} "
+                             f"and {version}: refit again or reload") from exc
         finally:
             if atomic and not target.closed:
                 ts = time.perf_counter()
