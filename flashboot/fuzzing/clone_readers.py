@@ -137,9 +137,6 @@ def record_reader(image_dir: Path, *, sealed_garbage: bool) -> Reader:
     return Reader("rendezvous record (sealed, authenticated garbage)", [seed], feed_sealed, check_sealed)
 
 
-# ----------------------------------------------------------------- the preloader's socket
-
-
 # ----------------------------------------------------------------- a holder registry's record
 def held_reader(work: Path) -> Reader:
     """``held_descriptor`` of a mutated ``held/NAME.json`` in a holder registry directory: what a
