@@ -10,7 +10,7 @@ import numpy as np
 
 from flashboot.errors import FlashBootError
 
-from ._numba import cached_njit, numba_or_error
+from ._numba import cached_njit, numba_or_error, parallel_call
 from .checksum_spec import GOLDEN32, LENGTH_MUL, M32, M64, MIX_Y, SALT_Y, word_term
 
 _numba = numba_or_error("the host checksum (verify on the host backend, a staged copy's check)")
@@ -131,7 +131,7 @@ def _host_terms(raw: np.ndarray, chunk_words: int, start_word: int = 0) -> np.nd
     if n_words == 0:
         return np.zeros(0, np.uint64)
     words = raw[: n_words * 4].view("<u4")  # may be unaligned; numba handles that
-    return _chunk_term_sums(words, np.int64(chunk_words), np.uint64(start_word))
+    return parallel_call(_chunk_term_sums, words, np.int64(chunk_words), np.uint64(start_word))
 
 
 def _tail_term(raw: np.ndarray, start_word: int = 0) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from flashboot.kernels._numba import parallel_call
 from flashboot.memory import Span
 
 from .base import Mover
@@ -55,12 +56,12 @@ def _run_parallel(dst: np.ndarray, src: np.ndarray) -> None:
         return
     copy = _parallel_copy()
     if _serialise is False:
-        copy(dst, src, CHUNK_BYTES)
+        parallel_call(copy, dst, src, CHUNK_BYTES)
         return
     with _LAYER_LOCK:
         if _pool_pid is None:  # set first: a child forked during this copy must not wait on the lock it holds
             _pool_pid = os.getpid()
-        copy(dst, src, CHUNK_BYTES)
+        parallel_call(copy, dst, src, CHUNK_BYTES)
         if _serialise is None:
             import numba
 

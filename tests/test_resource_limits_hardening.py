@@ -573,3 +573,38 @@ print(checksum(dst) == checksum(src), (dst == src).all())
     assert out.split() == ["True", "True"], out
     cached = list((tmp_path / f"flashboot-numba-cache-{os.getuid()}").rglob("*.nbi"))
     assert {p.name.split(".")[0] for p in cached} >= {"checksum_host", "host_copy"}, cached
+
+
+_PARALLEL_UNDER_AS_LIMIT = """
+import resource, threading, warnings
+import numba, numpy as np
+from flashboot.kernels.checksum_host import checksum_host
+from flashboot.movers.host import host_copy
+src = np.random.default_rng(5).integers(0, 256, 8 << 20, dtype=np.uint8)
+def once():  # compiled (or loaded from the cache) and the answers taken on one thread, before the limit
+    numba.set_num_threads(1)
+    out.append(checksum_host(src))
+out = []
+t = threading.Thread(target=once)
+t.start()
+t.join()
+with open("/proc/self/statm") as f:
+    used = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + (80 << 20), resource.RLIM_INFINITY))  # room for ~7 stacks, not 15
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    dst = np.zeros_like(src)
+    host_copy(dst.ctypes.data, src.ctypes.data, src.nbytes)
+    digest = checksum_host(src)
+print(digest == out[0], bool((dst == src).all()), numba.get_num_threads(), "|", *{str(w.message) for w in caught})
+"""
+
+
+def test_parallel_host_loops_under_ulimit_v_start_only_the_threads_it_leaves_room_for():
+    """16 threads' stacks did not fit: GNU OpenMP ended the process at the first parallel loop
+    ("libgomp: Thread creation failed"), no exception, so a verify under `ulimit -v` killed the engine."""
+    out = run_python("-c", _PARALLEL_UNDER_AS_LIMIT, env={**os.environ, "NUMBA_NUM_THREADS": "16"})
+    same, copied, threads, _, *warned = out.split()
+    assert (same, copied) == ("True", "True"), out
+    assert 1 <= int(threads) < 16, out
+    assert f"runs on {threads} of 16 threads" in " ".join(warned) and "ulimit -v" in " ".join(warned), out
