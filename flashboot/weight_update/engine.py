@@ -11,7 +11,9 @@ trainer's, and only then are its segments mapped under the live arena's addresse
 (:func:`flashboot.arena.remap.replace_backing`), so views and CUDA-graph pointers stay valid
 and any failure leaves the old weights whole. ``atomic=False`` copies into the live arena: no
 extra memory, but a failure mid-copy leaves a mix of old and new weights (the checksums are
-still verified before the version is declared live; the version is not advanced then).
+still verified before the version is declared live). Such a failure marks the weights torn:
+``loaded.version`` is None and ``loaded.refit_torn`` says which versions the bytes mix and why,
+until a refit to a version newer than the last whole one succeeds.
 
 The engine keeps the trainer's arena mapped between refits (``LoadedImage.refit_sources``): a
 trainer publishes every version from one arena, so the next refit copies at once instead of
@@ -44,7 +46,8 @@ class RefitReport:
     ``total_ms`` went, in ms (see :func:`refit`)."""
 
     version: int
-    previous_version: int
+    previous_version: int | None
+    """None: the weights were torn (a mix of versions) before this refit."""
     atomic: bool
     nbytes: int
     wait_ms: float = 0.0
@@ -64,7 +67,8 @@ class RefitReport:
 
     def summary(self) -> str:
         mode = f"atomic, remap {self.remap_ms:.2f} ms" if self.atomic else "in place"
-        return (f"refit v{self.previous_version} -> v{self.version} ({mode}): {self.nbytes:,} bytes copied in "
+        before = "torn weights" if self.previous_version is None else f"v{self.previous_version}"
+        return (f"refit {before} -> v{self.version} ({mode}): {self.nbytes:,} bytes copied in "
                 f"{self.copy_ms:.2f} ms ({self.copy_gbps:.1f} GB/s, {self.transport}, {self.schedule} #{self.position}), "
                 f"verified in {self.verify_ms:.2f} ms, total {self.total_ms:.2f} ms")
 
@@ -119,6 +123,26 @@ def _check_record(rec, loaded, version: int, where: str):
                          f"arena; this engine's image is {meta.image_nbytes:,} in {loaded.arena.nbytes:,}; nothing "
                          "was copied")
     return manifest
+
+
+def torn_note(torn: dict) -> str:
+    """What ``loaded.refit_torn`` says, for an error."""
+    mix = " and ".join(map(str, torn["versions"]))
+    return (f"an in-place refit to version {torn['versions'][-1]} failed ({torn['error']}): the arena holds a mix "
+            f"of versions {mix}, and version {torn['last_whole']} is the last whole one")
+
+
+def _mark_torn(loaded, live: int | None, version: int, exc: BaseException) -> None:
+    """An in-place copy failed: the bytes may be any mix of what was there and ``version``'s, so
+    the weights claim no version (they had kept claiming the old one) until a refit succeeds."""
+    torn = getattr(loaded, "refit_torn", None)
+    error = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    if live is None:  # torn already: the same last whole version, one more in the mix
+        versions = [*torn["versions"], version] if version not in torn["versions"] else torn["versions"]
+        loaded.refit_torn = {"last_whole": torn["last_whole"], "versions": versions, "error": error}
+    else:
+        loaded.refit_torn = {"last_whole": live, "versions": [live, version], "error": error}
+    loaded.version = None
 
 
 def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -193,13 +217,18 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
 
     arena, meta = loaded.arena, loaded.metadata
     live = loaded.version
+    torn = getattr(loaded, "refit_torn", None) if live is None else None
     rank = meta.parallel.rank
     where = f"refit of {meta.key.model_id} rank {rank} on {arena.device} to version {version}"
     if arena.closed:
         raise RefitError(f"{where}: its arena is closed (the weights were released); nothing was copied")
     if arena.asleep:
         raise RefitError(f"{where}: the engine is asleep (its weights are released); wake() it, then refit")
-    if version <= live:
+    if torn is not None:
+        if version <= torn["last_whole"]:
+            raise RefitError(f"{where}: version {version} is not newer than version {torn['last_whole']}, the last "
+                             f"whole one ({torn_note(torn)}); refit to a newer version; refused")
+    elif version <= live:
         raise RefitError(f"{where}: version {version} is not newer than the live version {live}; refused")
     if atomic:
         try:
@@ -272,19 +301,26 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                 tr = time.perf_counter()
                 result.close()
                 steps["clone_close_ms"] = (time.perf_counter() - tr) * 1e3
-        except FlashBootError as exc:
+        except BaseException as exc:
             if atomic:
                 raise
-            raise RefitError(f"{where} (atomic=False, in place): {exc}; the arena may hold a mix of versions {live} "
-                             f"and {version}: refit again or reload") from exc
+            before = live if live is not None else torn["last_whole"]
+            _mark_torn(loaded, live, version, exc)
+            if not isinstance(exc, FlashBootError):  # an interrupt: the weights are marked torn all the same
+                raise
+            raise RefitError(f"{where} (atomic=False, in place): {exc}; the arena may hold a mix of versions {before} "
+                             f"and {version}, so the weights claim no version (loaded.version is None) until a refit "
+                             f"to a version newer than {loaded.refit_torn['last_whole']} succeeds: refit again or "
+                             "reload") from exc
         finally:
             if atomic and not target.closed:
                 ts = time.perf_counter()
                 target.close()
                 steps["staging_close_ms"] = (time.perf_counter() - ts) * 1e3
         loaded.version = version
+        loaded.refit_torn = None
     report.total_ms = (time.perf_counter() - t0) * 1e3
     return report
 
 
-__all__ = ["RefitError", "RefitReport", "check_refit_values", "refit"]
+__all__ = ["RefitError", "RefitReport", "check_refit_values", "refit", "torn_note"]

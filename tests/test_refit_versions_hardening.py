@@ -1,0 +1,68 @@
+"""Refit versions from a hostile RL run's side: what the engine claims to serve after a failed
+in-place refit, two trainers publishing one version number, and the store's keys over thousands
+of versions. Host backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashboot
+from flashboot.weight_update import Publisher, RefitError
+
+from _clone_helpers import _token, store  # noqa: F401  (fixtures)
+from test_refit_trainer_hardening import _trainer_weights, generic_image  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _holds(loaded, weights: dict) -> bool:
+    return all(torch.equal(loaded.tensors[n], t) for n, t in weights.items())
+
+
+@pytest.mark.parametrize("how", ["checksums", "interrupt"])
+def test_a_failed_in_place_refit_claims_no_version_until_a_refit_succeeds(generic_image, store, monkeypatch, how):
+    """An in-place refit to version 2 failed after its bytes landed (checksums, or a Ctrl-C in the
+    copy): loaded.version had stayed 1 while the arena held version 2's bytes (or a mix), so the
+    engine reported serving version 1 with bytes that were not version 1's."""
+    import flashboot.flashclone.cloning as cloning
+
+    address, _ = store
+    one, two, three = _trainer_weights(21), _trainer_weights(22), _trainer_weights(23)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(one, version=1)
+            loaded.refit(address, 1, timeout_s=30)
+            pub.publish(two, version=2)
+            if how == "checksums":
+                pub.arena.bytes().numpy()[:64] ^= 0xFF  # the copy lands in place, then fails its checksums
+                with pytest.raises(RefitError, match=r"may hold a mix of versions 1 and 2, so the weights claim no "
+                                                     r"version \(loaded.version is None\)"):
+                    loaded.refit(address, 2, atomic=False, timeout_s=30)
+                pub.arena.bytes().numpy()[:64] ^= 0xFF
+            else:
+                real_clone = cloning.clone
+
+                def interrupted(*args, **kwargs):
+                    real_clone(*args, **kwargs).close()  # every byte landed in place
+                    raise KeyboardInterrupt
+
+                monkeypatch.setattr(cloning, "clone", interrupted)
+                with pytest.raises(KeyboardInterrupt):
+                    loaded.refit(address, 2, atomic=False, timeout_s=30)
+                monkeypatch.setattr(cloning, "clone", real_clone)
+            assert not _holds(loaded, one)  # what it had claimed to serve
+            assert loaded.version is None
+            assert loaded.refit_torn["last_whole"] == 1 and loaded.refit_torn["versions"] == [1, 2]
+            with pytest.raises(RefitError, match=r"version 1 is not newer than version 1, the last whole one \(an "
+                                                 r"in-place refit to version 2 failed .*a mix of versions 1 and 2"):
+                loaded.refit(address, 1, timeout_s=30)
+            report = loaded.refit(address, 2, timeout_s=30)  # the torn version, again: whole this time
+            assert loaded.version == 2 and loaded.refit_torn is None and _holds(loaded, two)
+            assert report.previous_version is None and "refit torn weights -> v2" in report.summary()
+            pub.publish(three, version=3)
+            assert loaded.refit(address, 3, atomic=False, timeout_s=30).previous_version == 2
+            assert loaded.version == 3 and _holds(loaded, three)
+    finally:
+        loaded.close()
