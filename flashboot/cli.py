@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 
-from .errors import FlashBootError
+from .errors import FlashBootError, one_line
 
 # The sub-commands, in the order `flashboot --help` shows them, and the module that adds each.
 COMMANDS = {
@@ -87,7 +87,7 @@ def _run(argv: list[str], console: bool, out: "_Stdout") -> int:
         out.flush()  # what is still buffered fails now, said in one line, not at the interpreter's exit
         return rc
     except FlashBootError as exc:
-        print(f"flashboot {args.command}: error: {exc}", file=sys.stderr)
+        print(f"flashboot {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
         # Ctrl-C, or SIGTERM/SIGHUP (_stop_signals_as_interrupt): the command's own clean-up ran as the

@@ -8,6 +8,16 @@ class FlashBootError(Exception):
     """Base class of every error FlashBoot raises."""
 
 
+_CONTROL_ESCAPES = {c: repr(chr(c))[1:-1] for c in [*range(32), *range(127, 160)] if c != 9}
+
+
+def one_line(message: str) -> str:
+    """``message`` as one line of a log or terminal: control characters written as escapes (``\\n``,
+    ``\\x1b``). A path named in an error may hold a newline or an escape sequence: printed raw, it
+    broke the error into lines that read as records of their own, or restyled the terminal."""
+    return message.translate(_CONTROL_ESCAPES)
+
+
 def restated(exc: BaseException, message: str) -> FlashBootError:
     """``message`` (which says where ``exc`` happened) as an error of ``exc``'s own class, its
     attributes kept, when that is a FlashBootError, so a caller's ``except MoverError`` (or

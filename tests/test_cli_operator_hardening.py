@@ -169,6 +169,31 @@ def test_preload_log_lines_are_text_on_one_line_in_a_file(image, tmp_path, capsy
     assert shm_files.staging_dir(image, root).is_dir()
 
 
+def test_an_error_naming_a_path_with_a_newline_or_an_escape_sequence_is_one_line(tmp_path):
+    """Printed raw, the newline split the error into a second line that read as a record of its own
+    (`flashboot load: ok` forged by a directory's name), and ESC [31m restyled the terminal."""
+    for name in ("a\nflashboot load: ok", "x\x1b[31mred\r"):
+        (tmp_path / name).mkdir()
+        run = _cli(["load", tmp_path / name], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert run.returncode == 2 and run.stdout == "", run
+        assert run.stderr.count("\n") == 1 and "\x1b" not in run.stderr and "\r" not in run.stderr, run.stderr
+        shown = name.encode("unicode_escape").decode()  # a\nflashboot..., x\x1b[31mred\r
+        assert run.stderr == f"flashboot load: error: {tmp_path / shown}: no prepack.json: not a complete " \
+                             "pre-packed image directory\n", run.stderr
+
+
+def test_preload_log_and_status_lines_escape_a_newline_in_the_staging_root(image, tmp_path, capsys):
+    root = tmp_path / "shm\nrank 0: staged 1 bytes"  # a forged log record, were the newline kept
+    assert main(["preload", str(image), "--shm-dir", str(root)]) == 0
+    logged = capsys.readouterr().out.splitlines()
+    assert not any(line.startswith("rank 0: staged 1 bytes") for line in logged), logged
+    assert any(line.startswith("rank 0: staged 126,976 bytes in ") for line in logged), logged
+    assert main(["preload", str(image), "--shm-dir", str(root), "--status"]) == 0
+    status = capsys.readouterr().out.splitlines()
+    assert status[0].startswith("preloader for ") and all(line.startswith("  ") for line in status[1:]), status
+    assert any("shm\\nrank 0: staged 1 bytes/image-" in line for line in status), status
+
+
 def test_warm_that_cannot_write_the_bytecode_says_so_in_one_line(monkeypatch, capsys, recwarn):
     import warnings
 

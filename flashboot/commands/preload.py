@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flashboot.errors import FlashBootError
+from flashboot.errors import FlashBootError, one_line
 from flashboot.units import timeout_arg
 
 
@@ -97,13 +97,14 @@ def _status(args) -> int:
     st = service.service_status(args.image_dir, args.shm_dir)
     state = (f"running (pid {st.pid}{', serving' if st.serve else ''})" if st.running else
              f"not running (stale pid file {st.path}, pid {st.pid})" if st.stale else "not running")
-    print(f"preloader for {args.image_dir}: {state}")
+    print(one_line(f"preloader for {args.image_dir}: {state}"))
     warning = shm_files.not_shared_memory_warning(args.shm_dir)
     if warning:
-        print(f"  {warning}")
+        print(one_line(f"  {warning}"))
     root = shm_files.shm_root(args.shm_dir)
     if root.exists() and not root.is_dir():
-        print(f"  the staging root {root} is not a directory: nothing can be staged there; use another --shm-dir")
+        print(one_line(f"  the staging root {root} is not a directory: nothing can be staged there; "
+                       "use another --shm-dir"))
     daemon = None
     if st.running and st.serve:
         try:
@@ -112,14 +113,14 @@ def _status(args) -> int:
                 print(f"  the serving daemon (pid {st.pid}) is warming up (imports, CUDA contexts, kernels); ranks "
                       "are staged after it")
         except FlashBootError as exc:  # busy or hung: the staged files still say what a load would find
-            print(f"  the serving daemon (pid {st.pid}) did not answer: {exc}; the states below are from the "
-                  "staged files")
+            print(one_line(f"  the serving daemon (pid {st.pid}) did not answer: {exc}; the states below are from the "
+                           "staged files"))
     for rs in rank_states(args.image_dir, args.ranks or image_ranks(args.image_dir), args.shm_dir, daemon=daemon,
                           preloader_pid=st.pid if st.running else None):
-        print(f"  {rs.line()}")
+        print(one_line(f"  {rs.line()}"))
     for d in leftover_staging_dirs(args.shm_dir):
         what = ", ".join(sorted(p.name for p in d.iterdir())) or "empty"
-        print(f"  leftover: {d} ({what}): no staged rank and no preloader; remove it with `rm -r {d}`")
+        print(one_line(f"  leftover: {d} ({what}): no staged rank and no preloader; remove it with `rm -r {d}`"))
     return 0
 
 
@@ -149,7 +150,7 @@ class _Progress:
         # text, not markup ('[/x]' in a --shm-dir had raised MarkupError, '[red]' vanished), and one line
         # however long: at the console's width (80 columns in a pipe, a log file, the journal) a path or a
         # message had been split over lines that grep no longer found
-        self.bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        self.bar.console.print(one_line(line), markup=False, highlight=False, soft_wrap=True)
 
     def __exit__(self, *exc):
         return self.bar.__exit__(*exc)
@@ -169,7 +170,7 @@ def standalone(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except FlashBootError as exc:
-        print(f"flashboot preload: error: {exc}", file=sys.stderr)
+        print(f"flashboot preload: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
 
 

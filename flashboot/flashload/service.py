@@ -183,7 +183,8 @@ def start_background(config: PreloadConfig, *, timeout_s: float = 30.0, extra_ar
             if code is not None:
                 if code == 0 and not config.serve:
                     return proc.pid  # it staged everything and exited already
-                raise FlashBootError(f"background preloader exited with status {code} at start; {log}:\n{_tail(log)}")
+                raise FlashBootError(f"background preloader exited with status {code} at start; the end of {log}: "
+                                     + " | ".join(_tail(log).splitlines()))
             time.sleep(0.02)
     except BaseException:
         # Ctrl-C (or any error) in this wait: the child, in its own session, had stayed up with
