@@ -66,3 +66,37 @@ def test_a_failed_in_place_refit_claims_no_version_until_a_refit_succeeds(generi
             assert loaded.version == 3 and _holds(loaded, three)
     finally:
         loaded.close()
+
+
+def test_a_second_publisher_of_a_published_version_is_refused_by_name(generic_image, store):
+    """Two trainers (two Publishers, say a restarted trainer beside the old one) published version 1
+    to one store: the last one won silently, and engines that had been told version 1 was the
+    first trainer's bytes refitted to the second's."""
+    from flashboot.weight_update import PublishError
+
+    address, _ = store
+    first, second = _trainer_weights(31), _trainer_weights(32)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as a, \
+                Publisher(generic_image, 0, store=address, device="cpu") as b:
+            a.publish(first, version=1)
+            b.arena.bytes().numpy()[:] = 0x5A
+            with pytest.raises(PublishError, match=r"version 1 was already published at .* by another Publisher "
+                                                   r"\(pid \d+ on .*\); this one is pid \d+ .*publish a newer "
+                                                   r"version.*nothing was written"):
+                b.publish(second, version=1)
+            assert b.version == 0 and b.seed is None and (b.arena.bytes().numpy() == 0x5A).all()
+            loaded.refit(address, 1, timeout_s=30)
+            assert _holds(loaded, first)
+            b.publish(second, version=2)  # a newer version is its own
+            a.close()  # version 1 withdrawn: no engine can take it any more, the number is free again
+            b.publish(first, version=3)
+            with Publisher(generic_image, 0, store=address, device="cpu") as c:
+                c.publish(second, version=1)
+                with pytest.raises(PublishError, match="version 3 was already published"):
+                    c.publish(second, version=3)
+            loaded.refit(address, 3, timeout_s=30)
+            assert _holds(loaded, first)
+    finally:
+        loaded.close()

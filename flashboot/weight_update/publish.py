@@ -5,10 +5,19 @@ The record lives in namespace ``NAME.vN`` of the rendezvous store, so engines re
 version N find it (or wait for it, bounded) and chain or star from it like clones. Its manifest
 holds the chunk checksums of the packed arena, computed on the device right after the pack;
 engines verify against them before the new version goes live.
+
+A version number names one set of bytes: a publisher claims ``claim/vN`` in namespace ``NAME``
+(an atomic compare-and-set) before it packs and releases it when it withdraws the version;
+another publisher's publish of a version claimed meanwhile is refused by name (two trainers
+publishing one number had given engines different weights under it, the last writer winning
+silently).
 """
 
 from __future__ import annotations
 
+import os
+import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,7 +45,8 @@ def check_version(version: Any, what: str) -> int:
 @dataclass
 class PublishReport:
     """One publish: ``pack_ms`` (one launch, or numpy on the host backend), ``checksum_ms`` (on the
-    device), ``publish_ms`` (the seed record), ``nbytes`` packed, ``tensors`` given, ``rows`` of the table."""
+    device), ``publish_ms`` (the version's claim, ``details["claim_ms"]``, and the seed record),
+    ``nbytes`` packed, ``tensors`` given, ``rows`` of the table."""
 
     version: int
     nbytes: int
@@ -131,6 +141,9 @@ class Publisher:
         self._table = None  # (plan, tensors' addresses and strides, PackTable) of the last publish; no tensors
         self._lock = threading.Lock()  # one publish (or close) at a time
         self._store_host = None  # the store's Rendezvous where this publisher looked to host it
+        self._store_client = None  # or its connection to the store another process hosts
+        self.publisher_id = secrets.token_hex(6)
+        """Names this publisher in its version claims (two in one process have one pid)."""
 
     def plan(self, tensors: Mapping[str, Any]) -> PackPlan:
         """The checked plan for tensors of these names, dtypes and shapes (cached per header set)."""
@@ -172,10 +185,6 @@ class Publisher:
                                f"Publisher was still running after {self.timeout_s} s; nothing was written")
 
     def _publish(self, tensors, version: int) -> PublishReport:
-        import torch
-
-        from ..flashclone.manifest import Manifest
-        from ..flashclone.seeding import seed
         from .pack import PackTable, _data_ptr
 
         if self.arena.closed:  # it had been "arena <id> is closed", an arena the trainer never saw
@@ -193,6 +202,21 @@ class Publisher:
         if self._table is None or self._table[0] is not plan or self._table[1] != where:
             self._table = (plan, where, PackTable(plan, named, self.arena))
         table = self._table[2]
+        tc = time.perf_counter()
+        claim = self._claim(version)  # before a byte is written: a version taken by another is refused
+        try:
+            return self._pack_and_seed(table, plan, named, version, t0, tc)
+        except BaseException:
+            self._release(claim)  # nothing was published under it: free for a retry from anyone
+            raise
+
+    def _pack_and_seed(self, table, plan: PackPlan, named: dict, version: int, t0: float,
+                       tc: float) -> PublishReport:
+        import torch
+
+        from ..flashclone.manifest import Manifest
+        from ..flashclone.seeding import seed
+
         t1 = time.perf_counter()
         self.withdraw()
         stream = None
@@ -210,15 +234,16 @@ class Publisher:
         meta = self.metadata
         manifest = Manifest.of_arena(self.arena, meta.image_nbytes, meta.checksums.chunk_bytes, key=meta.key.to_dict())
         t3 = time.perf_counter()
-        self._host_store()
         self.seed = seed(self.store, self.arena, self.device, token=self.token,
                          name=version_namespace(self.name, version), timeout_s=self.timeout_s,
                          serve_nccl=self.serve_nccl, nixl=self.nixl, manifest=manifest, host_store=self.host_store,
                          extra=self._record_extra(version, plan))
         t4 = time.perf_counter()
         self.version = version
-        self.report = PublishReport(version, table.nbytes, len(named), len(table.rows), (t1 - t0) * 1e3,
-                                    (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3)
+        claim_ms = (t1 - tc) * 1e3  # a store round trip: part of publishing the record
+        self.report = PublishReport(version, table.nbytes, len(named), len(table.rows), (tc - t0) * 1e3,
+                                    (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3 + claim_ms,
+                                    details={"claim_ms": claim_ms})
         return self.report
 
     def _record_extra(self, version: int, plan: PackPlan) -> dict:
@@ -228,30 +253,70 @@ class Publisher:
             extra["refit_derived"] = sorted(n for n, why in plan.skipped.items() if why == DERIVED)
         return extra
 
-    def _host_store(self) -> None:
-        """Host the store here, for as long as this publisher, where none listens (``host_store``).
-        A seed that hosted it took it down when the next publish withdrew it: every record in it
-        went (other ranks' publishes too), and engines waiting for the next version lost it."""
+    def _store_rdv(self, fresh: bool = False):
+        """This publisher's connection to the store, in namespace ``name``: the store it hosts,
+        for as long as this publisher, where none listens (``host_store``; a seed that hosted it
+        took it down when the next publish withdrew it: every record in it went, other ranks'
+        publishes too, and engines waiting for the next version lost it), else a client of the
+        one that listens. ``fresh``: the client's store was lost (its host may have left): ask again."""
         from ..flashclone.rendezvous import Rendezvous
 
-        if self.host_store and self._store_host is None:
-            rdv = Rendezvous.connect(self.store, self.token, namespace=self.name, host=True, timeout_s=self.timeout_s)
+        if self._store_host is not None:
+            return self._store_host
+        if self._store_client is not None and (fresh or self._store_client.lost is not None):
+            self._store_client.close()
+            self._store_client = None
+        if self._store_client is None:
+            rdv = Rendezvous.connect(self.store, self.token, namespace=self.name, host=self.host_store,
+                                     timeout_s=self.timeout_s)
             if rdv.is_server:
                 self._store_host = rdv
-            else:  # someone else's: the seeds join it; asked again next time (its host may have left by then)
-                rdv.close()
+            else:
+                self._store_client = rdv
+        return self._store_host or self._store_client
+
+    def _claim(self, version: int) -> str:
+        """Claim ``version`` for this publisher (``claim/vN``, first writer wins); PublishError
+        naming both publishers when another holds it. Returns the claim's key."""
+        from ..errors import StoreLostError
+
+        key = f"claim/v{version}"
+        me = {"publisher": self.publisher_id, "pid": os.getpid(), "host": socket.gethostname(), "at": time.time()}
+        try:
+            held = self._store_rdv().agree(key, me).body
+        except StoreLostError:  # the store we joined went with its host: host one, or join who listens now
+            held = self._store_rdv(fresh=True).agree(key, me).body
+        if held.get("publisher") != self.publisher_id:
+            when = time.strftime("%H:%M:%S", time.gmtime(held["at"])) if isinstance(held.get("at"), float) else "?"
+            raise PublishError(f"publish of version {version} to {self.metadata.key.model_id} rank {self.rank}: "
+                               f"version {version} was already published at {self.store} (namespace {self.name!r}) "
+                               f"by another Publisher (pid {held.get('pid')} on {held.get('host')}, at {when} UTC); "
+                               f"this one is pid {me['pid']} on {me['host']}. Engines would take different weights "
+                               "under one version: publish a newer version, or give each trainer its own name=; "
+                               "nothing was written")
+        return key
+
+    def _release(self, claim: str) -> None:
+        """Drop our claim of a version that was not published after all."""
+        try:
+            self._store_rdv().delete(claim)
+        except FlashBootError:
+            pass  # the store is gone: so is the claim
 
     def withdraw(self) -> None:
         """Withdraw the published version's record (engines that already mapped it keep their mapping)."""
         if self.seed is not None:
             self.seed.close()
             self.seed = None
+            self._release(f"claim/v{self.version}")  # no engine can take it now: the number is free again
 
     def close(self) -> None:
         """Withdraw the record and release the arena (idempotent); waits for a publish under way."""
         self._acquire("close")  # not the arena from under a pack
         try:
             self.withdraw()
+            if self._store_client is not None:
+                self._store_client.close()
             if self._store_host is not None:
                 self._store_host.close()  # the store goes with the last reference, as with a seed's
             self._table = None  # it holds the trainer's tensors while a publish failed mid-pack
