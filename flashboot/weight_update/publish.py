@@ -297,9 +297,13 @@ class Publisher:
         return key
 
     def _release(self, claim: str) -> None:
-        """Drop our claim of a version that was not published after all."""
+        """Drop our claim of a version no engine can take (any more). Not on a lost connection:
+        connecting again had waited ``timeout_s`` for a store that is gone, with the claim."""
+        rdv = self._store_host or self._store_client
+        if rdv is None or rdv.lost is not None:
+            return
         try:
-            self._store_rdv().delete(claim)
+            rdv.delete(claim)
         except FlashBootError:
             pass  # the store is gone: so is the claim
 
