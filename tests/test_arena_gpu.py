@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -250,6 +251,35 @@ def test_an_arena_made_with_segments_now_makes_the_rest_on_first_need_and_frees_
     c.export_segments(0, 3)
     c.close()  # three of eight made
     torch.cuda.synchronize(0)
+    assert abs(gpu_free(0) - before) < LEAK_TOLERANCE
+
+
+def test_a_view_held_past_close_reads_its_bytes_and_the_last_view_frees_the_gpu_memory():
+    """A model's parameter still bound to a closed arena read unmapped device memory: an illegal
+    address, which ends the process's CUDA context. The memory now goes with the last view."""
+    import torch
+
+    seg = 256 * MiB
+    torch.cuda.synchronize(0)
+    before = gpu_free(0)
+    a = Arena.create(4 * seg, 0, segment_bytes=seg)
+    n = seg // 8
+    weight = a.view(2 * seg, (n,), torch.int64)
+    weight.copy_(expected_int64(n, 9, "cuda:0"))
+    with pytest.warns(ResourceWarning, match=f"arena {a.arena_id} closed while views of it are still held"):
+        a.close()
+    assert torch.equal(weight, expected_int64(n, 9, "cuda:0"))  # still mapped, still its bytes
+    torch.cuda.synchronize(0)
+    assert before - gpu_free(0) >= 4 * seg - LEAK_TOLERANCE
+    del weight
+    torch.cuda.synchronize(0)
+    assert abs(gpu_free(0) - before) < LEAK_TOLERANCE
+    b = Arena.create(4 * seg, 0, segment_bytes=seg)  # no view held: close frees at once, no warning
+    b.view(0, (8,), torch.int64).fill_(1)
+    torch.cuda.synchronize(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        b.close()
     assert abs(gpu_free(0) - before) < LEAK_TOLERANCE
 
 

@@ -9,6 +9,7 @@ import secrets
 import socket
 import threading
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 from .. import _cuda
@@ -35,6 +36,16 @@ class _DeviceRange:
     def __init__(self, ptr: int, nbytes: int, owner):
         self.owner = owner
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+def _views_held(flat) -> bool:
+    """Whether tensors besides ``flat`` share its storage: views handed out, still held."""
+    import torch
+
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # no way to tell: keep the memory for whatever may view it
+        return True
+    return use_count(flat.untyped_storage()._cdata) > 2  # flat itself and the storage object of this call
 
 
 class Arena(SleepWake):
@@ -512,7 +523,9 @@ class Arena(SleepWake):
         """Release everything in reverse order: exported fds, mappings, reservation, handles.
 
         An importer drops only its own mappings and handles. Closing twice raises ArenaError.
-        Views must not be used after this.
+        Views the caller still holds keep the memory: it is released with the last of them, as a
+        torch tensor's own memory is (reading one had been a segfault, and on CUDA an illegal
+        address that ends the process's context). Nothing new can be viewed or copied after this.
         """
         # under the map lock: a sleep, wake or remap that checked ``closed`` before this began
         # finishes first, and one that begins after it finds the arena closed (a wake that maps
@@ -521,9 +534,16 @@ class Arena(SleepWake):
             if self._closed:
                 raise ArenaError(f"arena {self._arena_id} is already closed")
             self._closed = True
-            self._flat = None
+            flat, self._flat = self._flat, None
             self._map_segment = None
-            self._undo.release()
+            if flat is not None and _views_held(flat):
+                warnings.warn(f"arena {self._arena_id} closed while views of it are still held: its "
+                              f"{self._nbytes:,} bytes stay mapped until they are dropped", ResourceWarning, stacklevel=2)
+                # the flat tensor's buffer holds the undo list: the last view dropped runs it
+                self._undo.release_when_dropped()
+                self._undo = _Undo(f"{self._undo.what}, released with its last view")
+            else:
+                self._undo.release()
 
     def __enter__(self) -> "Arena":
         self._check_open()

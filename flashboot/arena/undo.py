@@ -23,6 +23,7 @@ class _Undo:
         self._steps: list[tuple[str, Callable[[], None]]] = []
         self._before_release = before_release
         self._lock = threading.Lock()
+        self._dropped_release = False
 
     def push(self, name: str, release: Callable[[], None]) -> None:
         self._steps.append((name, release))
@@ -38,6 +39,11 @@ class _Undo:
             steps, self._steps = self._steps, []
         with owner._lock:
             owner._steps.extend(steps)
+
+    def release_when_dropped(self) -> None:
+        """Run the releases when the last reference to this list goes (a view that outlived its
+        closed arena), without the warning that an arena dropped unclosed gets."""
+        self._dropped_release = True
 
     def forget(self) -> None:
         """Drop every step without running it: another step now releases the same resources."""
@@ -76,7 +82,8 @@ class _Undo:
 
     def __del__(self) -> None:
         if self._steps:
-            warnings.warn(f"{self.what} was not closed; releasing it now", ResourceWarning, stacklevel=2)
+            if not self._dropped_release:
+                warnings.warn(f"{self.what} was not closed; releasing it now", ResourceWarning, stacklevel=2)
             try:
                 self.release()
             except Exception:  # noqa: BLE001 - nobody to report to from a finalizer (the warning above names
