@@ -440,14 +440,23 @@ class Holder:
         self._answers: dict[str, str] = {}
         """Names whose failed adoption this holder answered with an error record: its request id."""
         if isinstance(self.kv, _DirKV):
-            self._drop_stale_records()
+            try:
+                self._drop_stale_records()
+            except BaseException:
+                self.kv.close()
+                raise
 
     def _drop_stale_records(self) -> None:
         """Remove the records of arenas a holder before this one kept (killed: SIGKILL, the OOM
         killer), and its answers to failed adoptions. This holder has the registry's lock, so no
         other writes there, and their memory went with that holder: they had stayed, listed by
         every ``hold --list`` after, until someone removed them by hand. Each arena's record
-        removed is noted in ``errors``."""
+        removed is noted in ``errors``.
+
+        A record whose holder still runs, while this one has the lock, is an older FlashBoot's
+        holder (it takes no lock): refused, FlashBootError naming its pid. Both had adopted every
+        request, and an arena the other kept outlived each release, mapped and never freed."""
+        live: dict[int, list[str]] = {}
         for name in self.kv.names("held"):
             try:
                 record = self.kv.get("held", name)
@@ -459,8 +468,17 @@ class Holder:
                     self.kv.delete("held", name)
                     self.errors.append(f"{name}: removed the stale record of a holder before this one ({gone}; "
                                        "its memory went with it)")
+                elif record and record.get("holder_pid") != os.getpid():
+                    live.setdefault(record["holder_pid"], []).append(name)
             except FlashBootError as exc:  # one bad file must not stop the holder
                 self.errors.append(f"{name}: stale record not checked: {exc}")
+        if live:
+            pid, names = next(iter(live.items()))
+            raise FlashBootError(
+                f"{self.kv.where()}: pid {pid} still holds {len(names)} arena(s) here ({', '.join(names[:3])}) "
+                f"without the registry's lock {self.kv.LOCK}: a holder of an older FlashBoot, which takes no lock, "
+                "serves it; two holders would both adopt every request. Stop that holder first (if pid "
+                f"{pid} is no holder, remove held/{names[0]}.json)")
 
     def adopt(self, name: str, descriptor, request: str = "", image: dict | None = None) -> HeldArena:
         """Take the arena ``descriptor`` names into this process and publish it under ``name``
