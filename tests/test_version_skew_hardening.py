@@ -52,3 +52,37 @@ def test_a_holder_refuses_a_registry_an_older_lockless_holder_still_serves(tmp_p
     with Holder(registry=registry) as holder:  # the lock was let go: the next start goes on
         assert list_held(registry) == {}
         assert any("engine0: removed the stale record" in e for e in holder.errors), list(holder.errors)
+
+
+def test_a_served_load_hears_at_once_that_an_older_daemon_holds_a_pack_since_replaced(tmp_path, monkeypatch):
+    """A preloader of an older FlashBoot (before 2026-12-01's status fields) answers its status
+    without the metadata sha256 it holds. After the image is re-packed, a served load had waited
+    its whole timeout for a re-staging that daemon never does, then advised re-running a preload
+    that its lock refuses. It is refused at once, by the pre-pack its .ready names, telling to
+    restart it."""
+    import flashboot
+    from flashboot.errors import LayoutError
+    from flashboot.flashload.server import PreloadServer
+
+    from _preload_helpers import TINY, Daemon, make_image
+
+    image = make_image(tmp_path, TINY, chunk_bytes=4096)
+    real_status = PreloadServer.status
+
+    def older_status(self):  # the fields such a daemon's status had
+        reply = real_status(self)
+        return {"ok": True, "pid": reply["pid"], "image_dir": reply["image_dir"],
+                "ranks": {r: {k: v for k, v in st.items() if k in ("state", "nbytes", "pin_ms", "error")}
+                          for r, st in reply["ranks"].items()}}
+
+    monkeypatch.setattr(PreloadServer, "status", older_status)
+    d = Daemon(image, tmp_path / "shm")
+    try:
+        held = d.load_exact()  # the pre-pack it staged loads byte-exact
+        assert held["ok"]
+        flashboot.prepack(str(tmp_path / "ckpt"), str(image), progress=False, chunk_bytes=4096)  # a new job id
+        with pytest.raises(LayoutError, match=r"holds rank 0 of another pre-pack .* by its \.ready: a preloader of an "
+                                              r"older FlashBoot.*restart it: `flashboot preload .* --stop`"):
+            flashboot.load(image, 0, "cpu", served=True, timeout_s=30, shm_dir=d.shm)
+    finally:
+        d.close()

@@ -268,12 +268,13 @@ def served_ready(image_dir, rank: int, metadata_sha256: str, where: str, *, time
                                    f"(rank {rank} of {image_dir} staged); {who}; {listens}") from None
         if info.metadata_sha256 == metadata_sha256:
             return info
-        held = _daemon_holds_other_prepack(socket_path(image_dir, shm_dir), rank, metadata_sha256)
+        held = _daemon_holds_other_prepack(socket_path(image_dir, shm_dir), rank, metadata_sha256,
+                                           staged_sha256=info.metadata_sha256)
         if held:  # it never re-stages while it serves: refuse now rather than at the timeout
             raise LayoutError(f"the preloader (pid {held['pid']}) serving {image_dir} holds rank {rank} of another "
-                              f"pre-pack ({held['nbytes']:,} bytes, metadata sha256 {held['metadata_sha256'][:12]}) than "
-                              f"{where} ({metadata_sha256[:12]}): the image was re-packed; restart it: "
-                              f"`flashboot preload {image_dir} --stop`, then `--serve` again")
+                              f"pre-pack ({held['nbytes']:,} bytes, metadata sha256 {held['metadata_sha256'][:12]}"
+                              f"{held.get('said', '')}) than {where} ({metadata_sha256[:12]}): the image was re-packed; "
+                              f"restart it: `flashboot preload {image_dir} --stop`, then `--serve` again")
         if _running_pid(pid_file(image_dir, shm_dir)) is None or time.monotonic() >= deadline:
             raise LayoutError(
                 f"{info.path}: staged rank {rank} is of another pre-pack ({info.nbytes:,} bytes, metadata sha256 "
@@ -286,11 +287,18 @@ _STATUS_EVERY_S = 0.25
 """While a served load waits for ``.ready``, how often it asks the daemon whether staging failed."""
 
 
-def _daemon_holds_other_prepack(sock: Path, rank: int, metadata_sha256: str) -> dict | None:
+def _daemon_holds_other_prepack(sock: Path, rank: int, metadata_sha256: str, *,
+                                staged_sha256: str | None = None) -> dict | None:
     """The daemon's account of ``rank`` (with its ``pid``) when it holds it resident from another
-    pre-pack than ``metadata_sha256``; None when it holds this one, still stages, or none answers."""
+    pre-pack than ``metadata_sha256``; None when it holds this one, still stages, or none answers.
+    ``staged_sha256``: the pre-pack its ``.ready`` names, for a daemon that holds the rank but
+    does not say which pre-pack (an older FlashBoot's: it wrote that ``.ready`` when it staged
+    and never re-stages while it serves; the load had waited its whole timeout for it)."""
     reply = _daemon_status(sock)
     held = (reply.get("ranks") or {}).get(str(rank)) or {}
+    if held.get("state") in ("pinned", "mapped") and "metadata_sha256" not in held and staged_sha256:
+        held = {**held, "metadata_sha256": staged_sha256,
+                "said": " by its .ready: a preloader of an older FlashBoot, whose status does not say"}
     if (held.get("state") not in ("pinned", "mapped") or not isinstance(held.get("metadata_sha256"), str)
             or not isinstance(held.get("nbytes"), int)):
         return None
