@@ -100,3 +100,45 @@ def test_a_second_publisher_of_a_published_version_is_refused_by_name(generic_im
             assert _holds(loaded, first)
     finally:
         loaded.close()
+
+
+def test_the_store_keeps_no_keys_of_versions_no_engine_can_ask_for(generic_image, store):
+    """Every refit left about eight keys in the store (its clone's position, records, status and
+    counters) under the version's namespace, for good: a long RL run's thousands of versions grew
+    the store without bound. A withdrawn version's keys go once its readers have left."""
+    from flashboot.flashclone.common import _gkey
+    from flashboot.flashclone.rendezvous import Rendezvous
+    from flashboot.weight_update.publish import SPENT_KEPT, version_namespace
+
+    address, host = store
+    server = host.store
+    weights = [_trainer_weights(40 + v % 3) for v in range(3)]
+    engines = [flashboot.load(generic_image, device="cpu") for _ in range(2)]
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            counts = []
+            for v in range(1, 41):
+                pub.publish(weights[v % 3], version=v)
+                for e in engines[: 1 + v % 2]:  # one engine, or a chain of two
+                    e.refit(address, v, timeout_s=30)
+                counts.append(server.num_keys())
+            assert max(counts) <= max(counts[:2]), counts  # one version's keys at a time, not forty
+            assert engines[0].version == 40 and _holds(engines[0], weights[1])
+            assert engines[1].version == 39 and _holds(engines[1], weights[0])
+            # an engine that joined version 41's clone and never left (killed mid-copy): its keys stay
+            # while it may still be copying, then go
+            pub.publish(weights[0], version=41)
+            with Rendezvous.connect(address, namespace=version_namespace("refit", 41), timeout_s=10) as rdv:
+                join = _gkey(pub.seed.generation, "chain", "join")
+                rdv.add(join, 1)
+                for v in range(42, 42 + SPENT_KEPT):
+                    pub.publish(weights[v % 3], version=v)
+                    assert rdv.has(join) and server.num_keys() == 4, v  # and the live version's three
+                pub.publish(weights[0], version=42 + SPENT_KEPT)
+                assert not rdv.has(join)
+            assert server.num_keys() == 3  # the live version's seed, metadata and claim
+            engines[0].refit(address, 42 + SPENT_KEPT, timeout_s=30)
+        assert server.num_keys() == 0 and _holds(engines[0], weights[0])
+    finally:
+        for e in engines:
+            e.close()

@@ -10,7 +10,9 @@ A version number names one set of bytes: a publisher claims ``claim/vN`` in name
 (an atomic compare-and-set) before it packs and releases it when it withdraws the version;
 another publisher's publish of a version claimed meanwhile is refused by name (two trainers
 publishing one number had given engines different weights under it, the last writer winning
-silently).
+silently). A withdrawn version's keys (the engines' clone records under ``NAME.vN``) are deleted
+once its readers have left, or :data:`SPENT_KEPT` publishes later: the store holds about one
+version's keys, not every version's of a long run.
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ from ..memory import Device
 from .plan import DERIVED, PackPlan, PublishError, check_aliases, dtype_name, plan_engine_pack, plan_pack
 
 DEFAULT_NAME = "refit"
+
+SPENT_KEPT = 2
+"""Withdrawn versions whose readers (engines' clones) have not all left keep their store keys
+(deleting them under a reader still copying made it wait out its timeout); older ones lose them
+regardless: their readers copied from an arena repacked twice since (they failed, or died)."""
+
+MAX_READERS = 4096
+"""Positions of one schedule read back when forgetting a version: the join counter is anyone's
+to bump (store.add needs no token), and a forged 10**9 must not make publish loop."""
 
 
 def version_namespace(name: str, version: int) -> str:
@@ -144,6 +155,9 @@ class Publisher:
         self._store_client = None  # or its connection to the store another process hosts
         self.publisher_id = secrets.token_hex(6)
         """Names this publisher in its version claims (two in one process have one pid)."""
+        self._spent: list[tuple[int, int, str]] = []  # (withdrawal, version, seed generation): keys not yet deleted
+        self._withdrawals = 0
+        self._spent_rdv = None  # the store connection's Rendezvous in a withdrawn version's namespace
 
     def plan(self, tensors: Mapping[str, Any]) -> PackPlan:
         """The checked plan for tensors of these names, dtypes and shapes (cached per header set)."""
@@ -310,17 +324,53 @@ class Publisher:
     def withdraw(self) -> None:
         """Withdraw the published version's record (engines that already mapped it keep their mapping)."""
         if self.seed is not None:
-            self.seed.close()
-            self.seed = None
+            seed, self.seed = self.seed, None
+            seed.close()
             self._release(f"claim/v{self.version}")  # no engine can take it now: the number is free again
+            self._withdrawals += 1
+            self._spent.append((self._withdrawals, self.version, seed.generation))
+            self._forget_spent()
+
+    def _forget_spent(self) -> None:
+        """Delete the store keys of withdrawn versions once their readers have left (:data:`SPENT_KEPT`):
+        about eight per version and engine had stayed in the store for good, a long RL run's
+        thousands of versions growing it without bound."""
+        from ..flashclone.rendezvous import Rendezvous
+
+        base = self._store_host or self._store_client
+        if base is None or base.lost is not None or base.store is None:
+            rdv = None  # asked again over the next connection, unless too old to keep
+        else:
+            # this publisher's connection, in each version's namespace in turn: a connection per
+            # version (or a bounded-call thread per version) cost more than the deletes
+            rdv = self._spent_rdv
+            if rdv is None or rdv.store is not base.store or rdv.lost is not None:
+                if rdv is not None:
+                    rdv.close()
+                rdv = self._spent_rdv = Rendezvous(base.store, base.address, base.token, self.name, base.is_server,
+                                                   self.timeout_s)
+        kept = []
+        for withdrawal, version, generation in self._spent:
+            force = self._withdrawals - withdrawal >= SPENT_KEPT
+            done = force
+            if rdv is not None:
+                rdv.namespace = version_namespace(self.name, version)
+                try:
+                    done = _forget_readers(rdv, generation, force)
+                except FlashBootError:
+                    pass
+            if not done:
+                kept.append((withdrawal, version, generation))
+        self._spent = kept
 
     def close(self) -> None:
         """Withdraw the record and release the arena (idempotent); waits for a publish under way."""
         self._acquire("close")  # not the arena from under a pack
         try:
             self.withdraw()
-            if self._store_client is not None:
-                self._store_client.close()
+            for rdv in (self._spent_rdv, self._store_client):
+                if rdv is not None:
+                    rdv.close()
             if self._store_host is not None:
                 self._store_host.close()  # the store goes with the last reference, as with a seed's
             self._table = None  # it holds the trainer's tensors while a publish failed mid-pack
@@ -334,6 +384,39 @@ class Publisher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _forget_readers(rdv, generation: str, force: bool) -> bool:
+    """Delete the keys that engines' clones of seed ``generation`` wrote in ``rdv``'s namespace
+    (FlashClone's chain and star records, counters and barriers: flashclone/cloning.py, sources.py,
+    session.py) when every one of them has left, or ``force``. Returns whether it deleted them."""
+    from ..flashclone.common import _gkey
+
+    keys, left, readers = [], True, 0
+    for schedule in ("chain", "star"):
+        join = _gkey(generation, schedule, "join")
+        if not rdv.has(join):  # asked first: add(join, 0) had made the key of a schedule nobody used
+            continue
+        n = min(rdv.add(join, 0), MAX_READERS)
+        keys.append(join)
+        readers += max(n, 0)
+        start = _gkey(generation, schedule, "start")
+        keys += [_gkey(generation, schedule, "plan"), f"barrier/{start}/count", f"barrier/{start}/go"]
+        for p in range(1, n + 1):
+            status = _gkey(generation, schedule, "status", p)
+            left = left and rdv.has(f"{status}/left")  # a clone's last word, as it closes
+            keys += [_gkey(generation, schedule, "joined", p), _gkey(generation, schedule, "member", p), status,
+                     f"{status}/left", _gkey(generation, schedule, "nixl", "held", p)]
+    if not left and not force:
+        return False
+    if readers:
+        for what, record in (("done", ()), ("nccl", ("req",))):  # one of each per reader at most
+            count = _gkey(generation, what, "count")
+            n = min(rdv.add(count, 0), readers)
+            keys += [count] + [_gkey(generation, what, *record, k) for k in range(1, n + 1)]
+    for key in keys:
+        rdv.delete(key)
+    return True
 
 
 def publish(tensors: Iterable[tuple[str, Any]] | Mapping[str, Any], image: Any, rank: int = 0, *, store: str,
