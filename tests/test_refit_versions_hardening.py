@@ -142,3 +142,32 @@ def test_the_store_keeps_no_keys_of_versions_no_engine_can_ask_for(generic_image
     finally:
         for e in engines:
             e.close()
+
+
+def test_a_version_whose_publisher_died_mid_publish_is_refused_naming_what_happened(generic_image, store):
+    """A trainer killed while packing version 1 (after claiming it); restarted, it publishes version 1
+    again. The claim stays (nobody can tell a dead trainer on another host from a slow one), so the
+    restart is refused, but the error had said version 1 "was already published" when no engine
+    could ever take it: it names the claimant as dead and the version as never published."""
+    from _clone_helpers import finish, spawn_python
+
+    from flashboot.weight_update import PublishError
+
+    address, _ = store
+    code = f"""
+import os, signal, torch
+from flashboot.weight_update import Publisher
+import flashboot.weight_update.pack as pack
+pack.pack_rows_host = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+weights = {{n: torch.zeros(shape) for n, shape in {dict((n, tuple(t.shape)) for n, t in _trainer_weights(0).items())!r}.items()}}
+Publisher({str(generic_image)!r}, 0, store={address!r}, device="cpu").publish(weights, version=1)
+"""
+    proc = spawn_python(code)
+    rc, out, err = finish(proc, 60)
+    assert rc == -9, err
+    with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+        with pytest.raises(PublishError, match=rf"version 1 was claimed at .* by another Publisher \(pid {proc.pid} "
+                                               r"on .*, not running any more\), which never published it: it died "
+                                               r"mid-publish.*publish a newer version.*nothing was written"):
+            pub.publish(_trainer_weights(51), version=1)
+        pub.publish(_trainer_weights(51), version=2)

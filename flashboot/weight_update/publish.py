@@ -157,7 +157,7 @@ class Publisher:
         """Names this publisher in its version claims (two in one process have one pid)."""
         self._spent: list[tuple[int, int, str]] = []  # (withdrawal, version, seed generation): keys not yet deleted
         self._withdrawals = 0
-        self._spent_rdv = None  # the store connection's Rendezvous in a withdrawn version's namespace
+        self._spent_rdv = None  # the store connection's Rendezvous in a version's namespace
 
     def plan(self, tensors: Mapping[str, Any]) -> PackPlan:
         """The checked plan for tensors of these names, dtypes and shapes (cached per header set)."""
@@ -301,14 +301,33 @@ class Publisher:
         except StoreLostError:  # the store we joined went with its host: host one, or join who listens now
             held = self._store_rdv(fresh=True).agree(key, me).body
         if held.get("publisher") != self.publisher_id:
-            when = time.strftime("%H:%M:%S", time.gmtime(held["at"])) if isinstance(held.get("at"), float) else "?"
             raise PublishError(f"publish of version {version} to {self.metadata.key.model_id} rank {self.rank}: "
-                               f"version {version} was already published at {self.store} (namespace {self.name!r}) "
-                               f"by another Publisher (pid {held.get('pid')} on {held.get('host')}, at {when} UTC); "
-                               f"this one is pid {me['pid']} on {me['host']}. Engines would take different weights "
-                               "under one version: publish a newer version, or give each trainer its own name=; "
-                               "nothing was written")
+                               f"{self._claimed_by(version, held)}; this one is pid {me['pid']} on {me['host']}. "
+                               "Engines would take different weights under one version: publish a newer version, or "
+                               "give each trainer its own name=; nothing was written")
         return key
+
+    def _claimed_by(self, version: int, held: dict) -> str:
+        """Who holds the claim of ``version``, and whether its record is out (it had said "already
+        published" of a version whose trainer died mid-publish, which no engine could take)."""
+        from ..flashclone.common import SEED_KEY, _alive
+
+        when = time.strftime("%H:%M:%S", time.gmtime(held["at"])) if isinstance(held.get("at"), float) else "?"
+        pid, host = held.get("pid"), held.get("host")
+        running = ""
+        if host == socket.gethostname() and isinstance(pid, int) and pid > 0:
+            running = ", still running" if _alive(pid) else ", not running any more"
+        rdv = self._namespace_rdv(version_namespace(self.name, version))
+        try:
+            published = rdv is None or rdv.has(SEED_KEY)
+        except FlashBootError:
+            published = True  # unknown: the claim is what is refused
+        who = f"by another Publisher (pid {pid} on {host}{running})"
+        if published:
+            return f"version {version} was already published at {self.store} (namespace {self.name!r}) {who}"
+        why = "it died mid-publish" if running.endswith("any more") else "it is publishing it now, or died mid-publish"
+        return (f"version {version} was claimed at {when} UTC in {self.store} (namespace {self.name!r}) {who}, which "
+                f"never published it: {why} (its claim stays: a trainer on another host cannot be told dead from slow)")
 
     def _release(self, claim: str) -> None:
         """Drop our claim of a version no engine can take (any more). Not on a lost connection:
@@ -331,30 +350,34 @@ class Publisher:
             self._spent.append((self._withdrawals, self.version, seed.generation))
             self._forget_spent()
 
-    def _forget_spent(self) -> None:
-        """Delete the store keys of withdrawn versions once their readers have left (:data:`SPENT_KEPT`):
-        about eight per version and engine had stayed in the store for good, a long RL run's
-        thousands of versions growing it without bound."""
+    def _namespace_rdv(self, namespace: str):
+        """This publisher's store connection in ``namespace`` (a version's), or None where it has
+        none that works: a connection per version (or a bounded-call thread per version) cost more
+        than the few calls made there."""
         from ..flashclone.rendezvous import Rendezvous
 
         base = self._store_host or self._store_client
         if base is None or base.lost is not None or base.store is None:
-            rdv = None  # asked again over the next connection, unless too old to keep
-        else:
-            # this publisher's connection, in each version's namespace in turn: a connection per
-            # version (or a bounded-call thread per version) cost more than the deletes
-            rdv = self._spent_rdv
-            if rdv is None or rdv.store is not base.store or rdv.lost is not None:
-                if rdv is not None:
-                    rdv.close()
-                rdv = self._spent_rdv = Rendezvous(base.store, base.address, base.token, self.name, base.is_server,
-                                                   self.timeout_s)
+            return None
+        rdv = self._spent_rdv
+        if rdv is None or rdv.store is not base.store or rdv.lost is not None:
+            if rdv is not None:
+                rdv.close()
+            rdv = self._spent_rdv = Rendezvous(base.store, base.address, base.token, namespace, base.is_server,
+                                               self.timeout_s)
+        rdv.namespace = namespace
+        return rdv
+
+    def _forget_spent(self) -> None:
+        """Delete the store keys of withdrawn versions once their readers have left (:data:`SPENT_KEPT`):
+        about eight per version and engine had stayed in the store for good, a long RL run's
+        thousands of versions growing it without bound."""
         kept = []
         for withdrawal, version, generation in self._spent:
             force = self._withdrawals - withdrawal >= SPENT_KEPT
-            done = force
+            done = force  # without a connection: asked again over the next one, unless too old to keep
+            rdv = self._namespace_rdv(version_namespace(self.name, version))
             if rdv is not None:
-                rdv.namespace = version_namespace(self.name, version)
                 try:
                     done = _forget_readers(rdv, generation, force)
                 except FlashBootError:
