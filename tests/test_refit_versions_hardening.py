@@ -154,12 +154,13 @@ def test_a_version_whose_publisher_died_mid_publish_is_refused_naming_what_happe
     from flashboot.weight_update import PublishError
 
     address, _ = store
+    shapes = {n: tuple(t.shape) for n, t in _trainer_weights(0).items()}
     code = f"""
 import os, signal, torch
 from flashboot.weight_update import Publisher
 import flashboot.weight_update.pack as pack
 pack.pack_rows_host = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-weights = {{n: torch.zeros(shape) for n, shape in {dict((n, tuple(t.shape)) for n, t in _trainer_weights(0).items())!r}.items()}}
+weights = {{n: torch.zeros(shape) for n, shape in {shapes!r}.items()}}
 Publisher({str(generic_image)!r}, 0, store={address!r}, device="cpu").publish(weights, version=1)
 """
     proc = spawn_python(code)
