@@ -133,7 +133,7 @@ def test_the_store_keeps_no_keys_of_versions_no_engine_can_ask_for(generic_image
                 rdv.add(join, 1)
                 for v in range(42, 42 + SPENT_KEPT):
                     pub.publish(weights[v % 3], version=v)
-                    assert rdv.has(join) and server.num_keys() == 4, v  # and the live version's three
+                    assert rdv.has(join) and server.num_keys() == 5, v  # its claim, the live version's three
                 pub.publish(weights[0], version=42 + SPENT_KEPT)
                 assert not rdv.has(join)
             assert server.num_keys() == 3  # the live version's seed, metadata and claim
@@ -172,3 +172,24 @@ Publisher({str(generic_image)!r}, 0, store={address!r}, device="cpu").publish(we
                                                r"mid-publish.*publish a newer version.*nothing was written"):
             pub.publish(_trainer_weights(51), version=1)
         pub.publish(_trainer_weights(51), version=2)
+
+
+def test_a_version_stays_claimed_while_an_engine_may_still_be_taking_it(generic_image, store):
+    """Trainer A closed while an engine was still copying its version 1 (the engine's mapping keeps
+    A's bytes alive, so that copy succeeds); trainer B then published version 1 and the engines
+    after it took B's bytes as version 1. The number stays A's while its readers may be taking it."""
+    from flashboot.flashclone.common import _gkey
+    from flashboot.flashclone.rendezvous import Rendezvous
+    from flashboot.weight_update import PublishError
+    from flashboot.weight_update.publish import version_namespace
+
+    address, _ = store
+    with Publisher(generic_image, 0, store=address, device="cpu") as b:
+        with Publisher(generic_image, 0, store=address, device="cpu") as a:
+            a.publish(_trainer_weights(60), version=1)
+            with Rendezvous.connect(address, namespace=version_namespace("refit", 1), timeout_s=10) as rdv:
+                rdv.add(_gkey(a.seed.generation, "chain", "join"), 1)  # an engine's clone joined, and is copying
+        with pytest.raises(PublishError, match=r"version 1 was already published at .* by another Publisher "
+                                               r"\(pid \d+ on .*, still running\); this one"):
+            b.publish(_trainer_weights(61), version=1)
+        b.publish(_trainer_weights(61), version=2)

@@ -7,12 +7,12 @@ holds the chunk checksums of the packed arena, computed on the device right afte
 engines verify against them before the new version goes live.
 
 A version number names one set of bytes: a publisher claims ``claim/vN`` in namespace ``NAME``
-(an atomic compare-and-set) before it packs and releases it when it withdraws the version;
-another publisher's publish of a version claimed meanwhile is refused by name (two trainers
-publishing one number had given engines different weights under it, the last writer winning
-silently). A withdrawn version's keys (the engines' clone records under ``NAME.vN``) are deleted
-once its readers have left, or :data:`SPENT_KEPT` publishes later: the store holds about one
-version's keys, not every version's of a long run.
+(an atomic compare-and-set) before it packs, and another publisher's publish of a version
+claimed is refused by name (two trainers publishing one number had given engines different
+weights under it, the last writer winning silently). A withdrawn version's keys (the engines'
+clone records under ``NAME.vN``) and its claim are deleted once its readers have left, or
+:data:`SPENT_KEPT` publishes later: the store holds about one version's keys, not every
+version's of a long run, and a number is free again once no engine can be taking it.
 """
 
 from __future__ import annotations
@@ -252,6 +252,9 @@ class Publisher:
                          name=version_namespace(self.name, version), timeout_s=self.timeout_s,
                          serve_nccl=self.serve_nccl, nixl=self.nixl, manifest=manifest, host_store=self.host_store,
                          extra=self._record_extra(version, plan))
+        # the claim says so from now on: a refusal then tells a published version from one whose
+        # trainer died mid-publish
+        self._store_rdv().publish(f"claim/v{version}", {**self._claim_body, "published": self.seed.generation})
         t4 = time.perf_counter()
         self.version = version
         claim_ms = (t1 - tc) * 1e3  # a store round trip: part of publishing the record
@@ -295,7 +298,8 @@ class Publisher:
         from ..errors import StoreLostError
 
         key = f"claim/v{version}"
-        me = {"publisher": self.publisher_id, "pid": os.getpid(), "host": socket.gethostname(), "at": time.time()}
+        me = self._claim_body = {"publisher": self.publisher_id, "pid": os.getpid(), "host": socket.gethostname(),
+                                 "at": time.time()}
         try:
             held = self._store_rdv().agree(key, me).body
         except StoreLostError:  # the store we joined went with its host: host one, or join who listens now
@@ -308,22 +312,17 @@ class Publisher:
         return key
 
     def _claimed_by(self, version: int, held: dict) -> str:
-        """Who holds the claim of ``version``, and whether its record is out (it had said "already
+        """Who holds the claim of ``version``, and whether they published it (it had said "already
         published" of a version whose trainer died mid-publish, which no engine could take)."""
-        from ..flashclone.common import SEED_KEY, _alive
+        from ..flashclone.common import _alive
 
         when = time.strftime("%H:%M:%S", time.gmtime(held["at"])) if isinstance(held.get("at"), float) else "?"
         pid, host = held.get("pid"), held.get("host")
         running = ""
         if host == socket.gethostname() and isinstance(pid, int) and pid > 0:
             running = ", still running" if _alive(pid) else ", not running any more"
-        rdv = self._namespace_rdv(version_namespace(self.name, version))
-        try:
-            published = rdv is None or rdv.has(SEED_KEY)
-        except FlashBootError:
-            published = True  # unknown: the claim is what is refused
         who = f"by another Publisher (pid {pid} on {host}{running})"
-        if published:
+        if held.get("published"):
             return f"version {version} was already published at {self.store} (namespace {self.name!r}) {who}"
         why = "it died mid-publish" if running.endswith("any more") else "it is publishing it now, or died mid-publish"
         return (f"version {version} was claimed at {when} UTC in {self.store} (namespace {self.name!r}) {who}, which "
@@ -345,7 +344,6 @@ class Publisher:
         if self.seed is not None:
             seed, self.seed = self.seed, None
             seed.close()
-            self._release(f"claim/v{self.version}")  # no engine can take it now: the number is free again
             self._withdrawals += 1
             self._spent.append((self._withdrawals, self.version, seed.generation))
             self._forget_spent()
@@ -382,7 +380,9 @@ class Publisher:
                     done = _forget_readers(rdv, generation, force)
                 except FlashBootError:
                     pass
-            if not done:
+            if done:  # its number is free again: no engine is taking it now
+                self._release(f"claim/v{version}")
+            else:
                 kept.append((withdrawal, version, generation))
         self._spent = kept
 
