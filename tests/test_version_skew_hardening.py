@@ -86,3 +86,114 @@ def test_a_served_load_hears_at_once_that_an_older_daemon_holds_a_pack_since_rep
             flashboot.load(image, 0, "cpu", served=True, timeout_s=30, shm_dir=d.shm)
     finally:
         d.close()
+
+
+def _engine_request(sock_path, message: dict, fds: list[int]) -> dict:
+    """``message`` with ``fds`` attached, as an engine sends it, and the daemon's answer."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(20)
+        s.connect(str(sock_path))
+        socket.send_fds(s, [json.dumps(message).encode()], fds)
+        return json.loads(s.recv(1 << 20))
+
+
+@pytest.mark.parametrize("older", ["attach", "unsealed"])
+def test_a_daemon_names_both_protocols_to_an_older_engine(tmp_path, older):
+    """An engine of an older FlashBoot, as the preloader is upgraded first: one from before
+    2026-12-01's streamed hand-over asks ``attach`` (prepare()), whose answer had been 'unknown
+    request op'; one older still hands over a host arena not sealed against shrinking. Both are
+    refused naming what is gone and both protocols, and the daemon serves on."""
+    from flashboot.arena import Arena
+    from flashboot.flashload import shm as shm_files
+
+    from _preload_helpers import Daemon, make_tiny_image
+
+    image = make_tiny_image(tmp_path)
+    src = shm_files.rank_source(image, 0)
+    d = Daemon(image, tmp_path / "shm")
+    try:
+        with Arena.create(src.nbytes, "cpu") as arena:
+            desc = arena.export().to_dict()
+            fds = list(arena.export().fds)
+            if older == "unsealed":  # a memfd as the older engine made it: no F_SEAL_SHRINK
+                fd = os.memfd_create(f"flashboot-arena-{desc['arena_id']}.0", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                os.ftruncate(fd, desc["nbytes"])
+                fds = [fd]
+            req = {"op": "attach" if older == "attach" else "load", "rank": 0, "descriptor": desc,
+                   "nbytes": src.nbytes, "metadata_sha256": src.metadata_sha256, "timeout_s": 10.0,
+                   "pci_bus_id": None, **({"verify": False, "hold_s": 60.0} if older == "attach" else {})}
+            try:
+                reply = _engine_request(d.path, req, fds)
+            finally:
+                if older == "unsealed":
+                    os.close(fds[0])
+        assert not reply["ok"] and reply["protocol"] == 2, reply
+        what = "request op 'attach' (an arena attached first" if older == "attach" else "not sealed against shrinking"
+        assert what in reply["message"], reply["message"]
+        assert reply["message"].endswith("[the engine speaks served-load protocol 1 (names none: an older "
+                                         "FlashBoot), this preloader 2: run engines and preloader of one FlashBoot "
+                                         "version]"), reply["message"]
+        d.load_exact()  # this version's engine is served as before
+    finally:
+        d.close()
+
+
+def test_an_engine_names_both_protocols_for_an_older_daemon(tmp_path):
+    """A preloader of an older FlashBoot (its replies name no protocol) refuses a load, or
+    answers a verifying load without digests (it verified nothing): the engine's error names both
+    protocols, not only the daemon's words."""
+    import socket
+    import threading
+
+    from flashboot.arena import Arena
+    from flashboot.errors import LayoutError, RendezvousError
+    from flashboot.flashload import client
+    from flashboot.flashload import shm as shm_files
+
+    from _preload_helpers import make_tiny_image
+
+    image = make_tiny_image(tmp_path)
+    src = shm_files.rank_source(image, 0)
+    shm = tmp_path / "shm"
+    path = shm_files.socket_path(image, shm)
+    path.parent.mkdir(parents=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(4)
+    listener.settimeout(20)
+    answers = [{"ok": False, "error": "LayoutError", "message": "rank 0: the daemon holds another pre-pack"},
+               {"ok": True, "map_ms": 0.1, "h2d_ms": 0.2}]  # an older daemon's: verify unknown to it
+    requests = []
+
+    def older_daemon():
+        for answer in answers:
+            conn, _ = listener.accept()
+            with conn:
+                msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 253)
+                requests.append(json.loads(msg))
+                for fd in fds:
+                    os.close(fd)
+                conn.send(json.dumps(answer).encode())
+
+    t = threading.Thread(target=older_daemon, daemon=True)
+    t.start()
+    try:
+        note = ("[the preloader speaks served-load protocol 1 (names none: an older FlashBoot), this engine 2: run "
+                "engines and preloader of one FlashBoot version]")
+        with Arena.create(src.nbytes, "cpu") as arena:
+            with pytest.raises(LayoutError, match="holds another pre-pack") as err:
+                client.start_served_load(arena, image_dir=image, rank=0, nbytes=src.nbytes,
+                                         metadata_sha256=src.metadata_sha256, timeout_s=10, shm_dir=shm).wait()
+            assert str(err.value).endswith(note), str(err.value)
+            reply = client.start_served_load(arena, image_dir=image, rank=0, nbytes=src.nbytes,
+                                             metadata_sha256=src.metadata_sha256, timeout_s=10, shm_dir=shm,
+                                             verify=True).wait()
+            with pytest.raises(RendezvousError, match="carries no chunk digests") as err:
+                client.check_daemon_digests(reply, src.metadata, "rank 0")
+            assert str(err.value).endswith(note), str(err.value)
+        assert [r["protocol"] for r in requests] == [2, 2]  # and this engine names its own
+    finally:
+        t.join(20)
+        listener.close()

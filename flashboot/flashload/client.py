@@ -17,7 +17,7 @@ from ..errors import (
     WaitTimeoutError,
 )
 from ..procfs import STOPPED, process_state
-from .protocol import _raise_remote, peer_credentials
+from .protocol import PROTOCOL_VERSION, _raise_remote, peer_credentials, protocol_note
 from .shm import (
     _POLL_S,
     RankSource,
@@ -177,6 +177,9 @@ def _raise_if_stopped(sock: socket.socket, path: Path, what: str, since: float |
                                "resume it (kill -CONT) or restart it")
 
 
+_STATUS = {"op": "status", "protocol": PROTOCOL_VERSION}
+
+
 def serve_status(image_dir, shm_dir=None, *, timeout_s: float = 10.0) -> dict:
     """Ask a running served-load daemon what it holds (asked again while it answers busy, within
     ``timeout_s``)."""
@@ -184,7 +187,7 @@ def serve_status(image_dir, shm_dir=None, *, timeout_s: float = 10.0) -> dict:
     retry = _BusyRetry(timeout_s)
     while True:  # each ask within what is left of the timeout: a retry must not start a fresh one
         left = retry.left()
-        reply = _request(path, {"op": "status"}, connect_timeout_s=left, reply_timeout_s=left)
+        reply = _request(path, _STATUS, connect_timeout_s=left, reply_timeout_s=left)
         if reply.get("ok") or not (_is_busy(reply) and retry.wait()):
             break
     if not reply.get("ok"):
@@ -273,8 +276,8 @@ def served_ready(image_dir, rank: int, metadata_sha256: str, where: str, *, time
         if held:  # it never re-stages while it serves: refuse now rather than at the timeout
             raise LayoutError(f"the preloader (pid {held['pid']}) serving {image_dir} holds rank {rank} of another "
                               f"pre-pack ({held['nbytes']:,} bytes, metadata sha256 {held['metadata_sha256'][:12]}"
-                              f"{held.get('said', '')}) than {where} ({metadata_sha256[:12]}): the image was re-packed; "
-                              f"restart it: `flashboot preload {image_dir} --stop`, then `--serve` again")
+                              f"{held.get('said', '')}) than {where} ({metadata_sha256[:12]}): the image was "
+                              f"re-packed; restart it: `flashboot preload {image_dir} --stop`, then `--serve` again")
         if _running_pid(pid_file(image_dir, shm_dir)) is None or time.monotonic() >= deadline:
             raise LayoutError(
                 f"{info.path}: staged rank {rank} is of another pre-pack ({info.nbytes:,} bytes, metadata sha256 "
@@ -313,7 +316,7 @@ def _daemon_status(sock: Path) -> dict:
     if not sock.exists():
         return {}
     try:
-        reply = _request(sock, {"op": "status"}, connect_timeout_s=0.0, reply_timeout_s=1.0)
+        reply = _request(sock, _STATUS, connect_timeout_s=0.0, reply_timeout_s=1.0)
     except (FlashBootError, OSError):
         return {}
     return reply if reply.get("ok") else {}
@@ -479,8 +482,8 @@ def _send_arena(arena, *, image_dir, rank: int, nbytes: int, metadata_sha256: st
     else:
         desc = arena.export()
         first = list(desc.fds)
-    req = {"op": "load", "rank": rank, "descriptor": desc.to_dict(), "nbytes": nbytes,
-           "metadata_sha256": metadata_sha256, "timeout_s": timeout_s, "pci_bus_id": None, **extra}
+    req = {"op": "load", "protocol": PROTOCOL_VERSION, "rank": rank, "descriptor": desc.to_dict(),
+           "nbytes": nbytes, "metadata_sha256": metadata_sha256, "timeout_s": timeout_s, "pci_bus_id": None, **extra}
     if streamed:
         req["fds_follow"] = True
     if arena.device.is_cuda:
@@ -579,7 +582,8 @@ def check_daemon_digests(reply: dict, metadata, where: str, report=None) -> int:
     want = metadata.checksums.chunk_bytes
     if not isinstance(digests, list) or not all(type(d) is int and 0 <= d < 1 << 64 for d in digests):
         raise RendezvousError(f"{where}: the preloader's reply carries no chunk digests (64-bit unsigned ints) "
-                              "although verify was asked (an older preloader? restart it)")
+                              "although verify was asked"
+                              + (protocol_note(reply, "the preloader", "this engine") or " (restart the preloader)"))
     if chunk_bytes != want:
         raise RendezvousError(f"{where}: the preloader digested chunks of {chunk_bytes} bytes, the metadata records "
                               f"{want:,}")

@@ -14,9 +14,39 @@ from ..errors import (
 )
 
 
+PROTOCOL_VERSION = 2
+"""The served-load protocol this FlashBoot speaks, named in every request and reply
+(``"protocol"``), so that an error between an engine and a preloader of different FlashBoot
+versions (a daemon that runs for weeks while engines are upgraded) names both. 1: the protocol
+before versions were named (a peer naming none), whose engines also asked ``attach`` then
+``copy`` until 2026-12-01 and whose host arenas were not sealed until then."""
+
+REMOVED_OPS = {"attach": "an arena attached first, then copied on 'copy' (prepare() before 2026-12-01)",
+               "copy": "the copy into an arena attached before (prepare() before 2026-12-01)"}
+"""Requests of older engines that this protocol no longer has: named as such, not as unknown."""
+
+
+def protocol_of(message: dict) -> int:
+    """The protocol a request or reply names; 1 for one naming none (an older FlashBoot's)."""
+    value = message.get("protocol", 1)
+    return value if type(value) is int else 1
+
+
+def protocol_note(message: dict, peer: str, us: str) -> str:
+    """'' when ``message`` (from ``peer``) names this protocol; else what differs, for an error."""
+    theirs = protocol_of(message)
+    if theirs == PROTOCOL_VERSION:
+        return ""
+    how = ("names none: an older FlashBoot" if "protocol" not in message else
+           "older" if theirs < PROTOCOL_VERSION else "newer")
+    return (f" [{peer} speaks served-load protocol {theirs} ({how}), {us} {PROTOCOL_VERSION}: run engines and "
+            "preloader of one FlashBoot version]")
+
+
 def _error_payload(exc: BaseException) -> dict:
     attrs = {k: v for k, v in vars(exc).items() if isinstance(v, (int, float, str, bool, type(None)))}
-    return {"ok": False, "error": type(exc).__name__, "message": str(exc), "attrs": attrs}
+    return {"ok": False, "error": type(exc).__name__, "message": str(exc), "attrs": attrs,
+            "protocol": PROTOCOL_VERSION}
 
 
 def _raise_remote(reply: dict, who: str) -> None:
@@ -24,7 +54,8 @@ def _raise_remote(reply: dict, who: str) -> None:
     if not (isinstance(cls, type) and issubclass(cls, FlashBootError)):
         cls = FlashBootError
     exc = cls.__new__(cls)
-    Exception.__init__(exc, f"{who}: {reply.get('message', 'failed')}")
+    note = protocol_note(reply, "the preloader", "this engine")
+    Exception.__init__(exc, f"{who}: {reply.get('message', 'failed')}{note}")
     exc.__dict__.update(reply.get("attrs") or {})
     raise exc
 

@@ -24,7 +24,9 @@ from ..errors import (
 )
 from ..fdshare import SCM_MAX_FD, FdStream
 from ..units import is_finite_number
-from .protocol import PeerCredentials, _error_payload, peer_credentials
+from .protocol import (
+    PROTOCOL_VERSION, REMOVED_OPS, PeerCredentials, _error_payload, peer_credentials, protocol_note,
+)
 from .shm import (
     _unlink_quietly,
     check_ready,
@@ -170,7 +172,9 @@ class PreloadServer:
     chunk checksums of the bytes it copied, computed in the arena after the copy (``digests``,
     ``checksum_chunk_bytes``, ``checksum_ms``): the engine compares them with its metadata, so
     it never loads a checksum kernel itself (this daemon warmed its own once, at start).
-    ``{"op": "status"}`` answers what it holds.
+    ``{"op": "status"}`` answers what it holds. Requests and replies name their ``"protocol"``
+    (:data:`~flashboot.flashload.protocol.PROTOCOL_VERSION`): an error answered to an engine of
+    another FlashBoot version names both.
 
     What a client does to memory the daemon maps cannot kill it: an engine's host arena must be
     sealed against shrinking (refused at attach otherwise, :meth:`Arena.open`), and a staged image
@@ -447,6 +451,7 @@ class PreloadServer:
                 peer = self._admit(conn)
                 if peer is None:
                     return
+                req: dict = {}
                 try:
                     conn.settimeout(self.request_timeout_s)
                     try:
@@ -478,6 +483,9 @@ class PreloadServer:
                             supply.due_within(self._handover_due_s(req.get("nbytes", 0)))
                         attached = self._attach(req, supply if req.get("fds_follow") else supply.receive_all())
                         reply = self._copy(attached, supply if req.get("fds_follow") else None)
+                    elif op in REMOVED_OPS:  # an older engine's: said as such, not as a typo
+                        raise RendezvousError(f"request op {op!r} ({REMOVED_OPS[op]}) is not in this preloader's "
+                                              "protocol; it serves load and status")
                     else:
                         raise RendezvousError(f"unknown request op {op!r}; known: load, status")
                 except _StagingFailed as exc:  # the staging error's class, with the daemon's words
@@ -485,6 +493,9 @@ class PreloadServer:
                 except BaseException as exc:  # every failure goes back to the engine, named
                     reply = _error_payload(exc)
                     self.log(f"request failed: {type(exc).__name__}: {str(exc)[:_MAX_MESSAGE_CHARS]}")
+                if not reply.get("ok") and req:  # an engine of another version: both protocols named
+                    reply["message"] = reply.get("message", "") + protocol_note(req, "the engine", "this preloader")
+                reply["protocol"] = PROTOCOL_VERSION
                 conn.settimeout(self.request_timeout_s)
                 data = json.dumps(reply).encode()
                 if len(data) > _MAX_REPLY_BYTES and not reply.get("ok"):  # it would not fit one message
