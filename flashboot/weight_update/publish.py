@@ -17,6 +17,7 @@ version's of a long run, and a number is free again once no engine can be taking
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -253,8 +254,11 @@ class Publisher:
                          serve_nccl=self.serve_nccl, nixl=self.nixl, manifest=manifest, host_store=self.host_store,
                          extra=self._record_extra(version, plan))
         # the claim says so from now on: a refusal then tells a published version from one whose
-        # trainer died mid-publish
-        self._store_rdv().publish(f"claim/v{version}", {**self._claim_body, "published": self.seed.generation})
+        # trainer died mid-publish (only that: the version is out, whatever this costs)
+        rdv = self._live_rdv()
+        if rdv is not None:
+            with contextlib.suppress(FlashBootError):
+                rdv.publish(f"claim/v{version}", {**self._claim_body, "published": self.seed.generation})
         t4 = time.perf_counter()
         self.version = version
         claim_ms = (t1 - tc) * 1e3  # a store round trip: part of publishing the record
@@ -291,6 +295,12 @@ class Publisher:
             else:
                 self._store_client = rdv
         return self._store_host or self._store_client
+
+    def _live_rdv(self):
+        """This publisher's store connection where it has one that works, else None (never
+        connecting: for what a lost store loses anyway)."""
+        rdv = self._store_host or self._store_client
+        return rdv if rdv is not None and rdv.lost is None and rdv.store is not None else None
 
     def _claim(self, version: int) -> str:
         """Claim ``version`` for this publisher (``claim/vN``, first writer wins); PublishError
@@ -331,8 +341,8 @@ class Publisher:
     def _release(self, claim: str) -> None:
         """Drop our claim of a version no engine can take (any more). Not on a lost connection:
         connecting again had waited ``timeout_s`` for a store that is gone, with the claim."""
-        rdv = self._store_host or self._store_client
-        if rdv is None or rdv.lost is not None:
+        rdv = self._live_rdv()
+        if rdv is None:
             return
         try:
             rdv.delete(claim)
@@ -354,8 +364,8 @@ class Publisher:
         than the few calls made there."""
         from ..flashclone.rendezvous import Rendezvous
 
-        base = self._store_host or self._store_client
-        if base is None or base.lost is not None or base.store is None:
+        base = self._live_rdv()
+        if base is None:
             return None
         rdv = self._spent_rdv
         if rdv is None or rdv.store is not base.store or rdv.lost is not None:
