@@ -197,3 +197,23 @@ def test_an_engine_names_both_protocols_for_an_older_daemon(tmp_path):
     finally:
         t.join(20)
         listener.close()
+
+
+@pytest.mark.parametrize("version", [2, 0])
+def test_a_clone_record_of_another_record_version_is_refused_naming_both(version):
+    """A seed of another FlashBoot writes its records in another envelope version (its MAC
+    valid under the shared token). The reader had called it 'not a FlashBoot record', as for
+    planted garbage; it names the version found and the one it reads."""
+    from flashboot.errors import RendezvousError
+    from flashboot.flashclone.records import Token, canonical_json, decode_record, encode_record
+
+    token = Token("0123456789abcdef0123456789abcdef")
+    envelope = json.loads(encode_record(token, "default/seed", {"pid": 1}))
+    envelope.pop("mac")
+    envelope["v"] = version
+    envelope["mac"] = token.mac(canonical_json(envelope)).hex()
+    with pytest.raises(RendezvousError, match=rf"'default/seed' in the store is a record of version {version}; this "
+                                              r"FlashBoot reads record version 1: seed, clones and holder must run "
+                                              r"one FlashBoot version"):
+        decode_record(token, "default/seed", canonical_json(envelope))
+    assert decode_record(token, "default/seed", encode_record(token, "default/seed", {"pid": 1})).body == {"pid": 1}

@@ -135,10 +135,14 @@ def decode_record(token: Token, key: str, raw: bytes, where: str = "the store") 
     try:
         envelope = json.loads(raw)
         mac = bytes.fromhex(envelope.pop("mac"))
-        if not isinstance(envelope, dict) or envelope.get("v") != RECORD_VERSION:
+        if not isinstance(envelope, dict) or type(envelope.get("v")) is not int:
             raise ValueError("unknown record version")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise RendezvousError(f"{key!r} in {where} is not a FlashBoot record ({type(exc).__name__}: {exc})") from None
+    if envelope["v"] != RECORD_VERSION:  # a seed or clone of another FlashBoot: said, not taken as garbage
+        raise RendezvousError(f"{key!r} in {where} is a record of version {envelope['v']}; this FlashBoot reads "
+                              f"record version {RECORD_VERSION}: seed, clones and holder must run one FlashBoot "
+                              "version")
     if not hmac.compare_digest(mac, token.mac(canonical_json(envelope))):
         raise RendezvousError(
             f"{key!r} in {where} fails authentication: it was written with a different token, or planted by "
