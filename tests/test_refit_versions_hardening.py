@@ -133,10 +133,10 @@ def test_the_store_keeps_no_keys_of_versions_no_engine_can_ask_for(generic_image
                 rdv.add(join, 1)
                 for v in range(42, 42 + SPENT_KEPT):
                     pub.publish(weights[v % 3], version=v)
-                    assert rdv.has(join) and server.num_keys() == 5, v  # its claim, the live version's three
+                    assert rdv.has(join) and server.num_keys() == 6, v  # its claim, the live version's four
                 pub.publish(weights[0], version=42 + SPENT_KEPT)
                 assert not rdv.has(join)
-            assert server.num_keys() == 3  # the live version's seed, metadata and claim
+            assert server.num_keys() == 4  # the live version's seed, metadata and claim, the name's latest
             engines[0].refit(address, 42 + SPENT_KEPT, timeout_s=30)
         assert server.num_keys() == 0 and _holds(engines[0], weights[0])
     finally:
@@ -193,3 +193,24 @@ def test_a_version_stays_claimed_while_an_engine_may_still_be_taking_it(generic_
                                                r"\(pid \d+ on .*, still running\); this one"):
             b.publish(_trainer_weights(61), version=1)
         b.publish(_trainer_weights(61), version=2)
+
+
+def test_an_engine_asking_for_a_version_its_publisher_replaced_is_told_at_once(generic_image, store):
+    """An engine lagging behind the trainer asked for version 1 after version 2 was published (a
+    Publisher withdraws its last version as it publishes the next): it waited its whole timeout
+    for a publish that would never come, then said it had waited for the trainer's publish."""
+    address, _ = store
+    one, two = _trainer_weights(70), _trainer_weights(71)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(one, version=1)
+            pub.publish(two, version=2)
+            with pytest.raises(RefitError, match=r"to version 1: version 1 is not out: its publisher has published "
+                                                 r"version 2 since .*refit to version 2; nothing was copied"):
+                loaded.refit(address, 1, timeout_s=60)
+            assert loaded.version == 0
+            loaded.refit(address, 2, timeout_s=30)
+        assert loaded.version == 2 and _holds(loaded, two)
+    finally:
+        loaded.close()

@@ -145,6 +145,28 @@ def _mark_torn(loaded, live: int | None, version: int, exc: BaseException) -> No
     loaded.version = None
 
 
+def _check_not_superseded(rdv, name: str, version: int, where: str) -> None:
+    """RefitError when the publisher of ``name`` has published a newer version than ``version``,
+    which is not out: it withdrew it as it published the next, and the wait for it had run its
+    whole timeout for a publish that would never come."""
+    from ..errors import RendezvousError
+    from ..flashclone.common import SEED_KEY
+    from .publish import LATEST_KEY
+
+    namespace, rdv.namespace = rdv.namespace, name  # the name's own keys, over the same connection
+    try:
+        latest = rdv.try_read(LATEST_KEY)
+    except RendezvousError:  # not an authentic record: no word on it, the wait goes on
+        latest = None
+    finally:
+        rdv.namespace = namespace
+    newest = latest.body.get("version") if latest is not None else None
+    if isinstance(newest, int) and not isinstance(newest, bool) and newest > version and not rdv.has(SEED_KEY):
+        raise RefitError(f"{where}: version {version} is not out: its publisher has published version {newest} since "
+                         f"(a Publisher withdraws its last version as it publishes the next); refit to version "
+                         f"{newest}; nothing was copied, the old weights are serving")
+
+
 def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
           name: str = DEFAULT_NAME, schedule: str = "chain", clones: int | None = None, mover: Any = None,
           chunk_bytes: int | None = None, transport: str = "auto", token=None, token_file=None,
@@ -158,8 +180,9 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     raises to refuse (the engine integrations check the engine key there).
 
     Raises RefitError (an option of the wrong type or range: :func:`check_refit_values`; a version
-    not newer than the live one, a record for another image key or rank, an engine asleep: wake()
-    it first; another refit of the engine still running after ``timeout_s``: one runs at a time),
+    not newer than the live one, or not out while its publisher has published a newer one since;
+    a record for another image key or rank, an engine asleep: wake() it first; another refit of
+    the engine still running after ``timeout_s``: one runs at a time),
     WaitTimeoutError naming the step it waited on (the trainer's publish, a source),
     OutOfMemoryError with the numbers when there is no room for the staging copy
     (``atomic=False`` needs none), ChecksumMismatchError when the bytes copied are not those
@@ -239,6 +262,8 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
     namespace = version_namespace(name, version)
     rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=namespace, host=False, timeout_s=timeout_s)
     try:
+        if not rdv.has(SEED_KEY):
+            _check_not_superseded(rdv, name, version, where)
         rec = rdv.read(SEED_KEY, what=f"the trainer's publish of version {version} ({meta.key.model_id} rank {rank}, "
                                       f"namespace {namespace!r})", timeout_s=timeout_s)
     finally:

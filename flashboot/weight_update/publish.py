@@ -33,6 +33,11 @@ from .plan import DERIVED, PackPlan, PublishError, check_aliases, dtype_name, pl
 
 DEFAULT_NAME = "refit"
 
+LATEST_KEY = "latest"
+"""The version a publisher of namespace ``NAME`` published last (and its id), while it is open:
+an engine that asks for an older one that is no longer out is told so at once (it had waited
+its whole timeout for a publish that would never come)."""
+
 SPENT_KEPT = 2
 """Withdrawn versions whose readers (engines' clones) have not all left keep their store keys
 (deleting them under a reader still copying made it wait out its timeout); older ones lose them
@@ -259,6 +264,7 @@ class Publisher:
         if rdv is not None:
             with contextlib.suppress(FlashBootError):
                 rdv.publish(f"claim/v{version}", {**self._claim_body, "published": self.seed.generation})
+                rdv.publish(LATEST_KEY, {"version": version, "publisher": self.publisher_id})
         t4 = time.perf_counter()
         self.version = version
         claim_ms = (t1 - tc) * 1e3  # a store round trip: part of publishing the record
@@ -396,11 +402,23 @@ class Publisher:
                 kept.append((withdrawal, version, generation))
         self._spent = kept
 
+    def _forget_latest(self) -> None:
+        """Take our :data:`LATEST_KEY` out: a trainer started again counts from version 1, and engines
+        asking for its versions had been told they were superseded by this one's."""
+        rdv = self._live_rdv()
+        if rdv is None or not self.version:
+            return
+        with contextlib.suppress(FlashBootError):
+            rec = rdv.try_read(LATEST_KEY)
+            if rec is not None and rec.body.get("publisher") == self.publisher_id:
+                rdv.delete(LATEST_KEY)
+
     def close(self) -> None:
         """Withdraw the record and release the arena (idempotent); waits for a publish under way."""
         self._acquire("close")  # not the arena from under a pack
         try:
             self.withdraw()
+            self._forget_latest()
             for rdv in (self._spent_rdv, self._store_client):
                 if rdv is not None:
                     rdv.close()
@@ -469,4 +487,4 @@ def publish(tensors: Iterable[tuple[str, Any]] | Mapping[str, Any], image: Any, 
     return pub
 
 
-__all__ = ["DEFAULT_NAME", "PublishReport", "Publisher", "publish", "version_namespace"]
+__all__ = ["DEFAULT_NAME", "LATEST_KEY", "PublishReport", "Publisher", "publish", "version_namespace"]
