@@ -212,6 +212,55 @@ def _await_store(host: str, port: int, deadline: float, address: str) -> None:
         delay = min(delay * 2, 0.2)
 
 
+_JOIN_LOCK = threading.Lock()
+"""Held while a client TCPStore is made, so that the one socket it opens is told apart from those
+other joins of this process open at the same time."""
+
+
+def _socket_fds() -> dict[str, int]:
+    """This process's sockets: ``"socket:[inode]"`` -> fd."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed since (the listing's own fd among them)
+        if target.startswith("socket:"):
+            out[target] = int(fd)
+    return out
+
+
+def _joined_socket(before: Mapping[str, int], port: int) -> socket.socket | None:
+    """A duplicate of the one socket to ``port`` opened since ``before`` (a client TCPStore's
+    connection, which torch does not expose), or None when it is not exactly one: another thread
+    of this process connected there meanwhile, or /proc is not there."""
+    found = []
+    try:
+        fds = _socket_fds()
+    except OSError:
+        return None
+    for target, fd in fds.items():
+        if target in before:
+            continue
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            peer = s.getpeername()
+        except OSError:
+            peer = ()
+        if s.type == socket.SOCK_STREAM and len(peer) >= 2 and peer[1] == port:
+            found.append(s)
+        else:
+            s.close()
+    if len(found) == 1:
+        return found[0]
+    for s in found:
+        s.close()
+    return None
+
+
 def _store_hello(host: str, port: int, hello: bytes, deadline: float) -> bytes | None:
     """Connect, send ``hello`` and read the 4-byte answer by ``deadline``: the answer, b"" when the
     peer closed (or reset) the connection first, None when it stayed silent. OSError when the
@@ -237,7 +286,8 @@ class Rendezvous:
     """A connection to the rendezvous store, scoped to one ``namespace``, that reads and writes
     authenticated records. Build one with :meth:`connect`."""
 
-    def __init__(self, store, address: str, token: Token, namespace: str, is_server: bool, timeout_s: float):
+    def __init__(self, store, address: str, token: Token, namespace: str, is_server: bool, timeout_s: float,
+                 conn: socket.socket | None = None):
         self.store = store
         self.address = address
         self.token = token
@@ -254,6 +304,10 @@ class Rendezvous:
         self._broken: str | None = None
         self._calls = None
         self._calls_thread: threading.Thread | None = None
+        self._conn = conn
+        """A duplicate of the store client's socket (None where it could not be told apart): shut
+        down when the store goes silent, so the call stuck on it returns and its thread and socket
+        end with :meth:`close`, where they had stayed in the process for good."""
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -306,7 +360,16 @@ class Rendezvous:
                                        f"give the others {address}") from None
             remaining = max(0.5, deadline - time.monotonic())
             try:
-                store = TCPStore(h, port, is_master=False, timeout=datetime.timedelta(seconds=remaining))
+                # another join of this process holding the lock longer than our bound: join without it
+                # (its socket then cannot be told apart, and a silent store's call is left as it was)
+                locked = _JOIN_LOCK.acquire(timeout=remaining)
+                try:
+                    before = _socket_fds() if locked else None
+                    store = TCPStore(h, port, is_master=False, timeout=datetime.timedelta(seconds=remaining))
+                    conn = _joined_socket(before, port) if locked else None
+                finally:
+                    if locked:
+                        _JOIN_LOCK.release()
                 break
             except DistError as exc:
                 # the store answered the pre-flight a moment ago, so a refused or unanswered connect
@@ -317,7 +380,7 @@ class Rendezvous:
                                           f"{time.monotonic() - started:.1f} s of {float(timeout_s):g}): "
                                           f"{str(exc).splitlines()[0]}") from None
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-        return cls(store, address, tok, namespace, False, timeout_s)
+        return cls(store, address, tok, namespace, False, timeout_s, conn=conn)
 
     # -- keys ------------------------------------------------------------------------------------
     def full_key(self, key: str) -> str:
@@ -365,11 +428,23 @@ class Rendezvous:
         self._calls.put((fn, args, box, done))
         if not done.wait(self.timeout_s):
             self._broken = f"{what}: no answer within {self.timeout_s:g} s"
+            self._cut()
             raise StoreSilentError(f"the store at {self.address} did not answer within {self.timeout_s:g} s while "
                                    f"{what} (is the link to it down, or its process stopped?)")
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+    def _cut(self) -> bool:
+        """Shut the store connection down (the stuck call then fails on the store thread); whether
+        it could be."""
+        if self._conn is None:
+            return False
+        try:
+            self._conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed by the peer: the call has returned, or returns now
+        return True
 
     @staticmethod
     def _serve_calls(calls) -> None:
@@ -474,11 +549,14 @@ class Rendezvous:
         thread = self._calls_thread
         if self._calls is not None:
             self._calls.put((None, (), {}, None))  # the store thread ends (a stuck one once its call returns)
-            if self._broken is None and thread is not threading.current_thread():
+            if (self._broken is None or self._cut()) and thread is not threading.current_thread():
                 # briefly, so the connection it holds is gone when close() returns (a soak counted its fds)
                 thread.join(CALLS_JOIN_S)
         self._calls, self._calls_thread = None, None
         self.store = None
+        if self._conn is not None:
+            self._conn.close()  # our duplicate: the store's own fd closes with the store
+            self._conn = None
 
     def __enter__(self) -> "Rendezvous":
         return self
