@@ -214,3 +214,38 @@ def test_an_engine_asking_for_a_version_its_publisher_replaced_is_told_at_once(g
         assert loaded.version == 2 and _holds(loaded, two)
     finally:
         loaded.close()
+
+
+def test_ranks_of_one_image_published_under_one_name_are_refused_naming_the_ranks(tmp_path, store):
+    """The trainer of a TP=2 engine made a Publisher per image rank, both with the default name:
+    rank 1's record overwrote rank 0's (one namespace per version), and the rank-0 engine was
+    refused at its refit ("published for rank 1"). Now rank 1's publish is refused at once, naming
+    both ranks and name=; with its own name, each rank's engine takes its own bytes."""
+    from safetensors.torch import load_file
+
+    from flashboot.layouts.tiny import save_tiny_model
+    from flashboot.weight_update import PublishError
+
+    address, _ = store
+    save_tiny_model("qwen3_moe", tmp_path / "ckpt", dtype=torch.bfloat16)
+    flashboot.prepack(tmp_path / "ckpt", tmp_path / "img", tp=2, ep=2, progress=False, chunk_bytes=64 << 10)
+    new = {n: (t.float() * 0.5).to(t.dtype) for n, t in load_file(tmp_path / "ckpt" / "model.safetensors").items()}
+    engines = [flashboot.load(tmp_path / "img", rank=r, device="cpu") for r in (0, 1)]
+    try:
+        with Publisher(tmp_path / "img", 0, store=address, device="cpu") as zero, \
+                Publisher(tmp_path / "img", 1, store=address, device="cpu") as one, \
+                Publisher(tmp_path / "img", 1, store=address, device="cpu", name="refit-1") as own:
+            zero.publish(new, version=1)
+            with pytest.raises(PublishError, match=r"version 1 under name 'refit' was claimed by another Publisher .* "
+                                                   r"for image rank 0, and this one publishes rank 1: each rank of an "
+                                                   r"image publishes under its own name="):
+                one.publish(new, version=1)
+            own.publish(new, version=1)
+            engines[0].refit(address, 1, timeout_s=30)
+            engines[1].refit(address, 1, name="refit-1", timeout_s=30)
+            for e, pub in zip(engines, (zero, own)):  # each rank's engine holds its own rank's packed bytes
+                n = e.metadata.image_nbytes
+                assert e.version == 1 and torch.equal(e.arena.bytes()[:n], pub.arena.bytes()[:n])
+    finally:
+        for e in engines:
+            e.close()

@@ -315,7 +315,7 @@ class Publisher:
 
         key = f"claim/v{version}"
         me = self._claim_body = {"publisher": self.publisher_id, "pid": os.getpid(), "host": socket.gethostname(),
-                                 "at": time.time()}
+                                 "at": time.time(), "rank": self.rank}
         try:
             held = self._store_rdv().agree(key, me).body
         except StoreLostError:  # the store we joined went with its host: host one, or join who listens now
@@ -338,6 +338,10 @@ class Publisher:
         if host == socket.gethostname() and isinstance(pid, int) and pid > 0:
             running = ", still running" if _alive(pid) else ", not running any more"
         who = f"by another Publisher (pid {pid} on {host}{running})"
+        if held.get("rank", self.rank) != self.rank:  # one name for every rank: their records overwrote each other's
+            return (f"version {version} under name {self.name!r} was claimed {who} for image rank {held.get('rank')}, "
+                    f"and this one publishes rank {self.rank}: each rank of an image publishes under its own name= "
+                    "(the engine of that rank refits with the same name=; engine_publisher names them so)")
         if held.get("published"):
             return f"version {version} was already published at {self.store} (namespace {self.name!r}) {who}"
         why = "it died mid-publish" if running.endswith("any more") else "it is publishing it now, or died mid-publish"
