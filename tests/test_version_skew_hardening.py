@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -217,3 +218,46 @@ def test_a_clone_record_of_another_record_version_is_refused_naming_both(version
                                               r"one FlashBoot version"):
         decode_record(token, "default/seed", canonical_json(envelope))
     assert decode_record(token, "default/seed", encode_record(token, "default/seed", {"pid": 1})).body == {"pid": 1}
+
+
+def test_a_restart_names_the_arena_an_older_flashboot_held_under_its_old_name(tmp_path):
+    """An engine upgraded across a rename of the default held-arena name (the folder's name alone
+    before 2026-12-05; cudaN until the GPU's PCI address) finds nothing under its new name and
+    loads again, while the holder keeps the older engine's arena beside it: twice the memory,
+    under a warning that said nothing was held. It names that arena and how to release it."""
+    import hashlib
+
+    import torch
+
+    import flashboot
+    from flashboot.arena import Arena
+    from flashboot.flashclone.holder import Holder, hand_over, list_held
+    from flashboot.flashload.restart import HolderOption
+
+    from _clone_helpers import serving_holder
+    from _preload_helpers import make_tiny_image
+
+    image = make_tiny_image(tmp_path)
+    registry = tmp_path / "registry"
+    real = os.path.realpath(image)
+    old = f"{os.path.basename(real)}.rank0.cpu"  # the name such an engine gave it
+    assert old not in (HolderOption(registry=str(registry)).name_for(image, 0, "cpu"),)
+    with serving_holder(Holder(registry=registry)):
+        data = flashboot.layouts.read_image(image, 0).path.read_bytes()
+        with Arena.create(len(data), "cpu") as arena:  # the older engine's load, handed over under its name
+            arena.bytes().numpy()[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).numpy()
+            identity = {"image_dir": real, "rank": 0, "nbytes": len(data), "device": "cpu", "format_version": 1,
+                        "metadata_sha256": hashlib.sha256(b"its metadata").hexdigest(), "key_digest": "sha256:0"}
+            hand_over(arena, old, registry=registry, timeout_s=20, image=identity)
+        with pytest.warns(RuntimeWarning, match=rf"nothing is held as '[^']+' in registry [^;]+; an arena of this "
+                                                rf"image is held as '{re.escape(old)}', the name an older FlashBoot "
+                                                rf"gave it, and stays held beside this load until released: "
+                                                rf"`flashboot hold --registry {re.escape(str(registry))} --release "
+                                                rf"{re.escape(old)}`"):
+            loaded = flashboot.load(image, 0, "cpu", stream=True, holder=str(registry))
+        try:
+            assert bytes(loaded.arena.bytes()[:len(data)].numpy()) == data
+        finally:
+            loaded.close()
+        assert sorted(list_held(registry)) == sorted([old, HolderOption(registry=str(registry)).name_for(image, 0,
+                                                                                                             "cpu")])

@@ -119,6 +119,19 @@ class HolderOption:
         tag = hashlib.sha256(real.encode()).hexdigest()[:12]
         return f"{base}-{tag}.rank{rank}.{device_tag(device)}"
 
+    def older_names_for(self, image_dir, rank: int, device: Device) -> list[str]:
+        """The default names older FlashBoots gave this arena, where not :meth:`name_for`'s: the
+        folder's name alone (before 2026-12-05), then with its tag and ``cudaN`` (until the PCI
+        address, 2026-12-05)."""
+        if self.name is not None:
+            return []
+        real = os.path.realpath(image_dir)
+        base = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(real)).lstrip(".")
+        tag = hashlib.sha256(real.encode()).hexdigest()[:12]
+        dev = str(device).replace(":", "")
+        names = [f"{base or 'image'}.rank{rank}.{dev}", f"{base[:NAME_BASE_MAX] or 'image'}-{tag}.rank{rank}.{dev}"]
+        return [n for n in dict.fromkeys(names) if n != self.name_for(image_dir, rank, device)]
+
 
 def held_here(holder: Any, image_dir, rank: int, device: Any) -> bool:
     """Whether the holder keeps an arena of rank ``rank`` of ``image_dir`` on ``device`` under this
@@ -179,6 +192,27 @@ def _why_not_held(record: dict | None, identity: dict, name: str, where: str) ->
     if diffs:
         return f"the arena held as {name!r} is another image or version ({'; '.join(diffs)}): refused before binding"
     return None
+
+
+def _held_by_older_name(option: HolderOption, image_dir, rank: int, dev: Device) -> str:
+    """What the holder keeps of this image, rank and device under a name an older FlashBoot gave
+    it (an engine upgraded across a rename), for the warning: it stays held beside the load that
+    follows, which had doubled its memory without a word ('nothing is held')."""
+    from ..flashclone import holder as holders
+
+    real = os.path.realpath(image_dir)
+    for old in option.older_names_for(image_dir, rank, dev):
+        try:
+            record = holders.held_record(old, **option.where(option.handover_timeout_s))
+        except FlashBootError:
+            continue
+        held = (record or {}).get("image") or {}
+        if "descriptor" in (record or {}) and (held.get("image_dir"), held.get("rank")) == (real, rank) \
+                and holders.holder_gone(record) is None:
+            where = f"--registry {option.registry}" if option.registry else f"--store {option.store}"
+            return (f"; an arena of this image is held as {old!r}, the name an older FlashBoot gave it, and stays "
+                    f"held beside this load until released: `flashboot hold {where} --release {old}`")
+    return ""
 
 
 def _map_held(record: dict, dev: Device):
@@ -279,6 +313,8 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
     if why is None and map_error is not None:  # no record: the holder could not be asked (a store down, a bad file)
         why = (f"the holder cannot be asked for {name!r} ({where}): {map_error}" if record is None else
                f"the arena held as {name!r} cannot be mapped: {map_error}")
+    if record is None and map_error is None:
+        why += _held_by_older_name(option, image_dir, rank, dev)
     if why is None:
         loaded = None
         try:
