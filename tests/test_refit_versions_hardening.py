@@ -237,8 +237,8 @@ def test_ranks_of_one_image_published_under_one_name_are_refused_naming_the_rank
                 Publisher(tmp_path / "img", 1, store=address, device="cpu", name="refit-1") as own:
             zero.publish(new, version=1)
             with pytest.raises(PublishError, match=r"version 1 under name 'refit' was claimed by another Publisher .* "
-                                                   r"for image rank 0, and this one publishes rank 1: each rank of an "
-                                                   r"image publishes under its own name="):
+                                                   r"for image rank 0, and this one \(pid \d+ on .*\) publishes rank "
+                                                   r"1: each rank of an image publishes under its own name="):
                 one.publish(new, version=1)
             own.publish(new, version=1)
             engines[0].refit(address, 1, timeout_s=30)

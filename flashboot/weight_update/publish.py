@@ -322,9 +322,7 @@ class Publisher:
             held = self._store_rdv(fresh=True).agree(key, me).body
         if held.get("publisher") != self.publisher_id:
             raise PublishError(f"publish of version {version} to {self.metadata.key.model_id} rank {self.rank}: "
-                               f"{self._claimed_by(version, held)}; this one is pid {me['pid']} on {me['host']}. "
-                               "Engines would take different weights under one version: publish a newer version, or "
-                               "give each trainer its own name=; nothing was written")
+                               f"{self._claimed_by(version, held)}; nothing was written")
         return key
 
     def _claimed_by(self, version: int, held: dict) -> str:
@@ -338,15 +336,20 @@ class Publisher:
         if host == socket.gethostname() and isinstance(pid, int) and pid > 0:
             running = ", still running" if _alive(pid) else ", not running any more"
         who = f"by another Publisher (pid {pid} on {host}{running})"
+        me = f"pid {os.getpid()} on {socket.gethostname()}"
         if held.get("rank", self.rank) != self.rank:  # one name for every rank: their records overwrote each other's
             return (f"version {version} under name {self.name!r} was claimed {who} for image rank {held.get('rank')}, "
-                    f"and this one publishes rank {self.rank}: each rank of an image publishes under its own name= "
-                    "(the engine of that rank refits with the same name=; engine_publisher names them so)")
+                    f"and this one ({me}) publishes rank {self.rank}: each rank of an image publishes under its own "
+                    "name= (the engine of that rank refits with the same name=; engine_publisher names them so)")
+        advice = ("Engines would take different weights under one version: publish a newer version, or give each "
+                  "trainer its own name=")
         if held.get("published"):
-            return f"version {version} was already published at {self.store} (namespace {self.name!r}) {who}"
+            return (f"version {version} was already published at {self.store} (namespace {self.name!r}) {who}; this "
+                    f"one is {me}. {advice}")
         why = "it died mid-publish" if running.endswith("any more") else "it is publishing it now, or died mid-publish"
         return (f"version {version} was claimed at {when} UTC in {self.store} (namespace {self.name!r}) {who}, which "
-                f"never published it: {why} (its claim stays: a trainer on another host cannot be told dead from slow)")
+                f"never published it: {why} (its claim stays: a trainer on another host cannot be told dead from "
+                f"slow); this one is {me}. {advice}")
 
     def _release(self, claim: str) -> None:
         """Drop our claim of a version no engine can take (any more). Not on a lost connection:
@@ -360,7 +363,8 @@ class Publisher:
             pass  # the store is gone: so is the claim
 
     def withdraw(self) -> None:
-        """Withdraw the published version's record (engines that already mapped it keep their mapping)."""
+        """Withdraw the published version's record (engines that already mapped it keep their mapping);
+        its store keys and claim go once the engines reading it have left (:meth:`_forget_spent`)."""
         if self.seed is not None:
             seed, self.seed = self.seed, None
             seed.close()
