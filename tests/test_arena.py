@@ -98,7 +98,6 @@ CHILD_SRC = textwrap.dedent(
                 a = arenas[req["name"]]
                 got = a.bytes()[req["offset"]:req["offset"] + req["nbytes"]].numpy()
                 out = {"equal": bool(np.array_equal(got, pattern(req["nbytes"], req["seed"])))}
-                del got  # a view still held would keep the arena's memory (and fds) past its close
             elif op == "close":
                 arenas.pop(req["name"]).close()
                 out = {}
@@ -739,7 +738,7 @@ weight = a.view(4 << 20, (256, 4), torch.float32)  # a model's parameter, bound 
 weight.copy_(torch.arange(1024, dtype=torch.float32).reshape(256, 4))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    a.close()
+    a.close(keep_viewed=True)
 print(memfds() - base, float(weight.sum()), *{str(w.message) for w in caught}, sep="|")
 del weight
 print(memfds() - base)

@@ -267,7 +267,7 @@ def test_a_view_held_past_close_reads_its_bytes_and_the_last_view_frees_the_gpu_
     weight = a.view(2 * seg, (n,), torch.int64)
     weight.copy_(expected_int64(n, 9, "cuda:0"))
     with pytest.warns(ResourceWarning, match=f"arena {a.arena_id} closed while views of it are still held"):
-        a.close()
+        a.close(keep_viewed=True)
     assert torch.equal(weight, expected_int64(n, 9, "cuda:0"))  # still mapped, still its bytes
     torch.cuda.synchronize(0)
     assert before - gpu_free(0) >= 4 * seg - LEAK_TOLERANCE
@@ -279,7 +279,7 @@ def test_a_view_held_past_close_reads_its_bytes_and_the_last_view_frees_the_gpu_
     torch.cuda.synchronize(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ResourceWarning)
-        b.close()
+        b.close(keep_viewed=True)
     assert abs(gpu_free(0) - before) < LEAK_TOLERANCE
 
 

@@ -519,13 +519,15 @@ class Arena(SleepWake):
         """True after :meth:`close`."""
         return self._closed
 
-    def close(self) -> None:
+    def close(self, *, keep_viewed: bool = False) -> None:
         """Release everything in reverse order: exported fds, mappings, reservation, handles.
 
         An importer drops only its own mappings and handles. Closing twice raises ArenaError.
-        Views the caller still holds keep the memory: it is released with the last of them, as a
-        torch tensor's own memory is (reading one had been a segfault, and on CUDA an illegal
-        address that ends the process's context). Nothing new can be viewed or copied after this.
+        Views must not be used after this, unless ``keep_viewed``: then views still held keep the
+        memory, released with the last of them as a torch tensor's own memory is (a model's
+        parameter read after its image's close had been a segfault, and on CUDA an illegal address
+        that ends the process's context), and a ResourceWarning says so. Not the default: a view
+        held only by an error's traceback would then keep the memory for as long as the error.
         """
         # under the map lock: a sleep, wake or remap that checked ``closed`` before this began
         # finishes first, and one that begins after it finds the arena closed (a wake that maps
@@ -536,7 +538,7 @@ class Arena(SleepWake):
             self._closed = True
             flat, self._flat = self._flat, None
             self._map_segment = None
-            if flat is not None and _views_held(flat):
+            if keep_viewed and flat is not None and _views_held(flat):
                 warnings.warn(f"arena {self._arena_id} closed while views of it are still held: its "
                               f"{self._nbytes:,} bytes stay mapped until they are dropped", ResourceWarning, stacklevel=2)
                 # the flat tensor's buffer holds the undo list: the last view dropped runs it

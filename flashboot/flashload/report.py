@@ -161,7 +161,8 @@ class LoadedImage:
         return refit(self, store, version, **options)
 
     def close(self) -> None:
-        """Release the arena (views must not be used afterwards). Idempotent."""
+        """Release the arena; tensors of it still held elsewhere (a model's parameters) keep its
+        memory until they are dropped, with a ResourceWarning. Idempotent."""
         from .lifecycle import close_lifecycle
 
         if isinstance(self.tensors, dict):  # emptied, not replaced: a prepare() handle holding the same dict
@@ -174,7 +175,7 @@ class LoadedImage:
             release_held_sources(self.refit_sources)
         close_lifecycle(self)
         if not self.arena.closed:
-            self.arena.close()
+            self.arena.close(keep_viewed=True)
 
     def __enter__(self) -> "LoadedImage":
         return self
