@@ -107,3 +107,131 @@ def test_a_store_gone_silent_leaves_no_thread_or_socket_behind_after_close(store
         assert _store_threads(before) == [], f"attempt {attempt}"
         assert _sockets_to(port) == [], f"attempt {attempt}"
         os.kill(proc.pid, signal.SIGCONT)
+
+
+# -- a store given by name, and a name server that misbehaves ---------------------------------
+
+_DNS = r"""
+import socket, struct, sys, threading, time
+delay, ip = float(sys.argv[1]), sys.argv[2]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("127.0.0.1", 53))
+print("ready", flush=True)
+def answer(data, addr):
+    i, labels = 12, []
+    while data[i]:
+        labels.append(data[i + 1:i + 1 + data[i]].decode(errors="replace"))
+        i += data[i] + 1
+    qtype = struct.unpack(">H", data[i + 1:i + 3])[0]
+    if qtype == 1:
+        print("A", ".".join(labels), flush=True)
+    time.sleep(delay)
+    rr = b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 60, 4) + socket.inet_aton(ip) if qtype == 1 else b""
+    s.sendto(struct.pack(">HHHHHH", data[0] << 8 | data[1], 0x8180, 1, int(bool(rr)), 0, 0) + data[12:i + 5] + rr,
+             addr)
+while True:
+    data, addr = s.recvfrom(512)
+    threading.Thread(target=answer, args=(data, addr), daemon=True).start()
+"""
+"""``DELAY IP``: a name server on 127.0.0.1:53 that answers every A query with IP after DELAY s
+(nothing for other types) and prints ``A NAME`` for each A query."""
+
+_JOIN = """
+import json, sys
+from flashboot.errors import FlashBootError
+from flashboot.flashclone.rendezvous import Rendezvous
+out = {}
+try:
+    r = Rendezvous.connect(sys.argv[1], host=sys.argv[3] == "host", timeout_s=float(sys.argv[2]))
+    r.publish("x", {"a": 1})
+    out["read"] = r.read("x", what="our record").body
+except FlashBootError as exc:
+    out = {"error": type(exc).__name__, "message": str(exc)}
+print(json.dumps(out), flush=True)
+"""
+"""``ADDRESS TIMEOUT_S join|host``: connect (or host) at ADDRESS, write and read a record back."""
+
+
+@pytest.fixture
+def named_host():
+    """A network namespace whose /etc/resolv.conf names 127.0.0.1 (where a test runs a name
+    server) and waits up to 20 s for an answer: yields (Hosts, index)."""
+    import shutil
+
+    from flashboot.benchmarks.netns import Hosts, cannot_create
+
+    why = cannot_create()
+    if why:
+        pytest.skip(f"cannot create network namespaces here: {why}")
+    hosts = Hosts(1, tag="sf", subnet="10.217.0")
+    etc = f"/etc/netns/{hosts.names[0]}"
+    try:
+        os.makedirs(etc, exist_ok=True)
+        with open(f"{etc}/resolv.conf", "w") as f:
+            f.write("nameserver 127.0.0.1\noptions timeout:20 attempts:1\n")
+        yield hosts, 0
+    finally:
+        shutil.rmtree(etc, ignore_errors=True)
+        hosts.close()
+
+
+def _run(hosts, i: int, code: str, *args, timeout_s: float = 60):
+    import json
+
+    p = hosts.popen(i, [sys.executable, "-c", code, *map(str, args)],
+                    env=dict(os.environ, FLASHBOOT_TOKEN=TOKEN, TORCH_CPP_LOG_LEVEL="ERROR"))
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        raise AssertionError(f"no answer within {timeout_s} s:\n{out}\n{err[-3000:]}") from None
+    lines = [x for x in out.splitlines() if x.startswith("{")]
+    assert lines, f"rc {p.returncode}:\n{out}\n{err[-3000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("mode", ["join", "host"])
+def test_a_store_name_whose_name_server_does_not_answer_ends_by_the_timeout_naming_the_host(named_host, mode):
+    """Nothing answers at the name server (down, or its packets dropped): the lookup of the store's
+    name waited for the resolver's own timeout (20 s here, 5 s a try and server by default), past
+    the 2 s the caller gave, then said "does not resolve". It now ends by the timeout with a
+    WaitTimeoutError naming the host, the time waited and where to look, joining or hosting."""
+    hosts, i = named_host
+    dns = hosts.popen(i, [sys.executable, "-c", _DNS, "600", "127.0.0.1"])  # takes the queries, answers none
+    try:
+        assert dns.stdout.readline().startswith("ready")
+        r = _run(hosts, i, _JOIN, "store.fbtest.example:29000", 2, mode)
+    finally:
+        dns.kill()
+        dns.communicate()
+    assert r.get("error") == "WaitTimeoutError", r
+    assert "store host 'store.fbtest.example' (in store.fbtest.example:29000)" in r["message"], r
+    assert "did not resolve within 2.0 s" in r["message"] and "/etc/resolv.conf" in r["message"], r
+
+
+def test_a_store_name_is_looked_up_once_per_join(named_host):
+    """A slow name server (0.5 s an answer): the store's name was looked up by the check that it
+    resolves, again by every pre-flight try and again by TCPStore, each costing the delay (a
+    clone given 5 s joined after 6.8 s with a 1 s server). Now the join looks it up once and
+    connects to the addresses it found."""
+    hosts, i = named_host
+    procs = []
+    try:
+        dns = hosts.popen(i, [sys.executable, "-c", _DNS, "0.5", "127.0.0.1"])
+        procs.append(dns)
+        assert dns.stdout.readline().startswith("ready")
+        store = hosts.popen(i, [sys.executable, "-c", "import time\nfrom flashboot.flashclone.rendezvous import "
+                                f"Rendezvous\nr = Rendezvous.connect('127.0.0.1:29000', {TOKEN!r}, host=True)\n"
+                                "print('ready', flush=True)\ntime.sleep(300)"])
+        procs.append(store)
+        assert store.stdout.readline().startswith("ready")
+        r = _run(hosts, i, _JOIN, "store.fbtest.example:29000", 20, "join")
+        assert r == {"read": {"a": 1}}, r
+        dns.kill()
+        queries = [x.split()[1] for x in dns.communicate()[0].splitlines() if x.startswith("A ")]
+        assert queries == ["store.fbtest.example"], queries
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()

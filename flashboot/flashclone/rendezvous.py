@@ -89,7 +89,7 @@ test_rendezvous against the installed torch): a client's first query is VALIDATE
 _TCPSTORE_MAGIC = 0x3C85F7CE
 
 
-def host_tcpstore(host: str, port: int, timeout: datetime.timedelta):
+def host_tcpstore(host: str, port: int, timeout: datetime.timedelta, deadline: float | None = None):
     """A ``TCPStore(is_master=True)`` for ``host:port``. An IP literal of this machine is listened
     on alone (TCPStore binds every interface itself, so a store asked for at 127.0.0.1 was
     reachable from the whole network): the socket is bound here and handed over
@@ -97,12 +97,15 @@ def host_tcpstore(host: str, port: int, timeout: datetime.timedelta):
     every interface, as TCPStore does: a machine's own name resolves to 127.0.1.1 on Debian and
     Ubuntu, and a NAT or cluster name to an address no interface has, so binding what it resolves
     to made the store unreachable. OSError EADDRINUSE when something listens there, EADDRNOTAVAIL
-    when ``host`` is not an address of this machine (the caller may then join a store there)."""
+    when ``host`` is not an address of this machine (the caller may then join a store there).
+    Looking a name up ends by ``deadline`` (default: ``timeout`` from now), WaitTimeoutError."""
     from torch.distributed import TCPStore
 
     literal = _ip_literal(host)
     if literal is None:
-        if not _names_this_machine(host):
+        if deadline is None:
+            deadline = time.monotonic() + timeout.total_seconds()
+        if not _names_this_machine(host, deadline):
             raise OSError(errno.EADDRNOTAVAIL, f"{host} resolves to no address of this machine")
         return TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
     if literal.is_unspecified:  # 0.0.0.0 / ::: every interface is what was asked for
@@ -133,21 +136,45 @@ def _ip_literal(host: str):
         return None
 
 
-def _resolve(host: str, address: str | None = None) -> list:
+def _resolve(host: str, address: str | None = None, deadline: float | None = None) -> list:
     """``getaddrinfo`` of ``host``; RendezvousError naming it when it does not resolve. Left to
     TCPStore, a name that resolves nowhere was hosted (it then waited its whole timeout and
-    printed its C++ frames) or waited for until the deadline, as if no store were up yet."""
-    try:
-        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise RendezvousError(f"store host {host!r}{f' (in {address})' if address else ''} does not resolve: "
-                              f"{exc.strerror or exc}") from None
+    printed its C++ frames) or waited for until the deadline, as if no store were up yet.
+
+    ``deadline`` (``time.monotonic()``) bounds the lookup: WaitTimeoutError naming the host and the
+    time waited. A name server that does not answer (down, or its packets dropped) held a clone
+    given 2 s for the resolver's own timeouts (5 s a try and server by default). The lookup cannot
+    be cancelled: its thread ends when the resolver gives up."""
+    where = f" (in {address})" if address else ""
+    box: dict = {}
+
+    def lookup() -> None:
+        try:
+            box["infos"] = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            box["error"] = exc
+
+    t0 = time.monotonic()
+    if deadline is None or _ip_literal(host.split("%")[0]) is not None:  # a literal needs no name server
+        lookup()
+    else:
+        thread = threading.Thread(target=lookup, name="flashboot-resolve", daemon=True)
+        thread.start()
+        thread.join(max(0.0, deadline - t0))
+        if thread.is_alive():
+            raise WaitTimeoutError(f"store host {host!r}{where} did not resolve within {time.monotonic() - t0:.1f} s "
+                                   f"(the timeout): is a name server in /etc/resolv.conf reachable from here? "
+                                   "An IP address needs no lookup")
+    if "error" in box:
+        exc = box["error"]
+        raise RendezvousError(f"store host {host!r}{where} does not resolve: {exc.strerror or exc}") from None
+    return box["infos"]
 
 
-def _names_this_machine(host: str) -> bool:
+def _names_this_machine(host: str, deadline: float | None = None) -> bool:
     """Whether ``host`` resolves to at least one address this machine can bind; RendezvousError
-    when it resolves nowhere."""
-    infos = _resolve(host)
+    when it resolves nowhere, WaitTimeoutError when it did not resolve by ``deadline``."""
+    infos = _resolve(host, deadline=deadline)
     for family, kind, proto, _, sockaddr in infos:
         try:
             with socket.socket(family, kind, proto) as s:
@@ -179,24 +206,28 @@ JOIN_ATTEMPTS = 5
 (a store that keeps refusing after that is not busy: it is refusing)."""
 
 
-def _await_store(host: str, port: int, deadline: float, address: str) -> None:
+def _await_store(hosts: str | list[str], port: int, deadline: float, address: str) -> str:
     """Speak TCPStore's own opening (validate, then ping) on a plain socket until a store answers it
     or ``deadline`` passes. torch's client constructor waits for the ping's answer without a bound
     and logs every retry with its C++ frames; a store that answers here is then joined at once.
+    ``hosts``: the address, or those the store's name resolved to, tried in turn (no lookup per
+    try: a slow name server had cost its delay on every one); returns the one that answered.
 
     Raises WaitTimeoutError when nothing listens, or something listens and does not answer, by the
     deadline; RendezvousError at once when it answers something that is not a store's answer."""
+    hosts = [hosts] if isinstance(hosts, str) else hosts
     nonce = os.getpid() & 0xFFFFFFFF
     hello = struct.pack("=BIBI", _TCPSTORE_VALIDATE, _TCPSTORE_MAGIC, _TCPSTORE_PING, nonce)
     delay, last = 0.01, ""
     while True:
-        try:
-            answer = _store_hello(host, port, hello, deadline)
-        except OSError as exc:
-            last = exc.strerror or str(exc)
-        else:
+        for host in hosts:
+            try:
+                answer = _store_hello(host, port, hello, deadline)
+            except OSError as exc:
+                last = exc.strerror or str(exc)
+                continue
             if answer == struct.pack("=I", nonce):
-                return
+                return host
             if answer:
                 raise RendezvousError(
                     f"what listens at {address} is not a rendezvous store: it answered TCPStore's ping with "
@@ -328,16 +359,19 @@ class Rendezvous:
         if not namespace or "/" in namespace:
             raise RendezvousError(f"namespace must be a non-empty name without '/', got {namespace!r}")
         h, port = parse_address(address)
-        _resolve(h, address)  # at once: an unresolvable name is no store that is not up yet
-        from torch.distributed import DistError, TCPStore
-
         started = time.monotonic()
         deadline = started + float(timeout_s)
+        # at once: an unresolvable name is no store that is not up yet; then the addresses are
+        # joined, not the name (looked up again by every try and by TCPStore, unbounded)
+        infos = _resolve(h, address, deadline)
+        ips = list(dict.fromkeys(sockaddr[0] for *_, sockaddr in infos))
+        from torch.distributed import DistError, TCPStore
+
         td = datetime.timedelta(seconds=float(timeout_s))
         not_ours = False
         if host:
             try:
-                store = host_tcpstore(h, port, td)
+                store = host_tcpstore(h, port, td, deadline)
                 return cls(store, address, tok, namespace, True, timeout_s)
             except OSError as exc:
                 if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
@@ -349,7 +383,7 @@ class Rendezvous:
                     raise RendezvousError(f"cannot host a store at {address}: {str(exc).splitlines()[0]}") from None
         for attempt in range(1, JOIN_ATTEMPTS + 1):
             try:
-                _await_store(h, port, deadline, address)
+                ip = _await_store(ips, port, deadline, address)
             except WaitTimeoutError as exc:
                 if not not_ours:
                     raise
@@ -365,7 +399,7 @@ class Rendezvous:
                 locked = _JOIN_LOCK.acquire(timeout=remaining)
                 try:
                     before = _socket_fds() if locked else None
-                    store = TCPStore(h, port, is_master=False, timeout=datetime.timedelta(seconds=remaining))
+                    store = TCPStore(ip, port, is_master=False, timeout=datetime.timedelta(seconds=remaining))
                     conn = _joined_socket(before, port) if locked else None
                 finally:
                     if locked:
