@@ -249,3 +249,30 @@ def test_ranks_of_one_image_published_under_one_name_are_refused_naming_the_rank
     finally:
         for e in engines:
             e.close()
+
+
+def test_a_torn_image_wakes_from_its_backup_unverified_and_from_the_disk_whole_again(generic_image, store):
+    """After a failed in-place refit (loaded.version None): a verified wake from the level-1 backup
+    checked the mix against the image's checksums and failed; a wake from the disk brought the
+    image's own bytes back but left the image claiming no version, torn."""
+    address, _ = store
+    image_weights = None
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        image_weights = {n: t.clone() for n, t in loaded.tensors.items()}
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(_trainer_weights(31), version=1)
+            pub.arena.bytes().numpy()[:64] ^= 0xFF
+            with pytest.raises(RefitError, match="claim no version"):
+                loaded.refit(address, 1, atomic=False, timeout_s=30)
+        assert loaded.version is None and loaded.refit_torn is not None
+        loaded.sleep(level=1)
+        report = loaded.wake(verify=True)
+        assert report.source == "backup" and "the backup holds a mix of refit versions" in report.summary()
+        assert loaded.version is None and loaded.refit_torn is not None
+        loaded.sleep(level=2)
+        report = loaded.wake(verify=True)
+        assert report.source != "backup" and "replace failed refit's mix of versions: refit again" in report.summary()
+        assert loaded.version == 0 and loaded.refit_torn is None and _holds(loaded, image_weights)
+    finally:
+        loaded.close()

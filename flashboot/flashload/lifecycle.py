@@ -111,7 +111,7 @@ class WakeReport:
     def summary(self) -> str:
         skipped = "".join(f"; not {k}: {v}" for k, v in self.not_used.items())
         lost = self.details.get("refit_version_lost")
-        lost = (f"; the image's weights (version 0) replace refit version {lost}: refit again" if lost else "")
+        lost = (f"; the image's weights (version 0) replace {_refit_named(lost)}: refit again" if lost else "")
         skipped += f"; not verified: {self.details['verify_skipped']}" if "verify_skipped" in self.details else ""
         return (f"wake of {self.nbytes:,} bytes on {self.device} from {self.source}: {self.total_ms:.1f} ms (map "
                 f"{self.map_ms:.2f} ms, copy {self.copy_ms:.1f} ms at {self.gbps:.1f} GB/s, sync {self.sync_ms:.1f} ms)"
@@ -183,6 +183,11 @@ class _State:
         backup, self.backup = self.backup, None
         if backup is not None:
             backup.close()
+
+
+def _refit_named(lost) -> str:
+    """``details["refit_version_lost"]`` in words: a version, or a failed in-place refit's mix of them."""
+    return "failed refit's mix of versions" if lost == "torn" else f"refit version {lost}"
 
 
 _states_lock = threading.Lock()
@@ -588,11 +593,12 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
         else:
             tried = "every source failed" if not arena.asleep else "no source has the bytes"
             raise FlashBootError(f"{where}: {tried}; " + "; ".join(f"{s}: {why}" for s, why in report.not_used.items()))
-        if verify and report.source == "backup" and loaded.version:
+        if verify and report.source == "backup" and loaded.version != 0:
             # the image's checksums are version 0's: checked against them, a refit's bytes kept
             # whole by the backup had failed as a ChecksumMismatchError and the wake was undone
-            report.details["verify_skipped"] = (f"the backup holds refit version {loaded.version}; the image's "
-                                                "checksums describe version 0")
+            # (None: a failed in-place refit's mix of versions, see ``loaded.refit_torn``)
+            held = "a mix of refit versions" if loaded.version is None else f"refit version {loaded.version}"
+            report.details["verify_skipped"] = f"the backup holds {held}; the image's checksums describe version 0"
         elif verify:
             from .landing import verify_loaded
 
@@ -607,10 +613,11 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     if not keep_backup:
         state.drop_backup()
     state.level = 0
-    if report.source != "backup" and loaded.version:
-        # the daemon and the disk hold the image as pre-packed: a refit's version did not survive
-        report.details["refit_version_lost"] = loaded.version
-        loaded.version = 0
+    if report.source != "backup" and loaded.version != 0:
+        # the daemon and the disk hold the image as pre-packed: a refit's version (or a failed
+        # refit's mix) did not survive; the bytes are the image's whole again
+        report.details["refit_version_lost"] = "torn" if loaded.version is None else loaded.version
+        loaded.version, loaded.refit_torn = 0, None
     report.total_ms = (time.perf_counter() - t0) * 1e3
     return report
 
@@ -686,7 +693,7 @@ def _wake_outgoing_again(outgoing, exc: BaseException, wake_options: dict) -> No
         return
     lost = report.details.get("refit_version_lost")
     exc.add_note(f"the outgoing image {outgoing!r} was woken again, from {report.source}"
-                 + (f"; its refit version {lost} is lost (the image's weights are back): refit again" if lost else ""))
+                 + (f"; its {_refit_named(lost)} is lost (the image's weights are back): refit again" if lost else ""))
 
 
 def swap(outgoing, incoming, *, level: int = 2, release: str = "handover", **wake_options) -> SwapReport:

@@ -127,7 +127,10 @@ class LoadedImage:
         benchmarks join it so one repeat's unpin does not overlap the next one's pin."""
         self.lifecycle = None  # what sleep() keeps for wake() (flashboot.flashload.lifecycle)
         self.version = 0
-        """The weights' version: 0 as loaded from the image, then the one each :meth:`refit` made live."""
+        """The weights' version: 0 as loaded from the image, then the one each :meth:`refit` made live;
+        None after an in-place refit failed halfway (the bytes mix versions: see ``refit_torn``)."""
+        self.refit_torn: dict | None = None
+        """After a failed in-place refit: the versions its bytes mix, the last whole one and the error."""
         self.refit_sources: dict = {}
         """The trainer's arena as :meth:`refit` mapped it, kept for the next version (released by :meth:`close`)."""
 
