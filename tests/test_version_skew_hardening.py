@@ -81,10 +81,17 @@ def test_a_served_load_hears_at_once_that_an_older_daemon_holds_a_pack_since_rep
     try:
         held = d.load_exact()  # the pre-pack it staged loads byte-exact
         assert held["ok"]
+        from flashboot.flashload import client
+        from flashboot.flashload.status import rank_states
+
+        (state,) = rank_states(image, [0], d.shm, daemon=client.serve_status(image, d.shm))
+        assert state.state == "served", state  # had been "stale ... metadata sha256 ''": its status does not say
         flashboot.prepack(str(tmp_path / "ckpt"), str(image), progress=False, chunk_bytes=4096)  # a new job id
         with pytest.raises(LayoutError, match=r"holds rank 0 of another pre-pack .* by its \.ready: a preloader of an "
                                               r"older FlashBoot.*restart it: `flashboot preload .* --stop`"):
             flashboot.load(image, 0, "cpu", served=True, timeout_s=30, shm_dir=d.shm)
+        (state,) = rank_states(image, [0], d.shm, daemon=client.serve_status(image, d.shm))
+        assert state.state == "stale" and "another pre-pack (by its " in state.detail, state
     finally:
         d.close()
 

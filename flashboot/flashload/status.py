@@ -46,7 +46,7 @@ def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict |
     except FlashBootError as exc:
         return RankState(rank, "unreadable", f"the image on disk is refused: {exc}")
     if held is not None:
-        return _held_state(image_dir, rank, source, held, daemon)
+        return _held_state(image_dir, rank, source, held, daemon, paths.ready)
     try:
         info = read_ready(paths.ready)
     except FileNotFoundError:
@@ -87,18 +87,24 @@ def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict |
                                      f"NUMA {numa}){engines}")
 
 
-def _held_state(image_dir, rank: int, source, held: dict, daemon: dict) -> RankState:
+def _held_state(image_dir, rank: int, source, held: dict, daemon: dict, ready) -> RankState:
     pid = daemon.get("pid")
     state = held.get("state")
     if state == "failed":
         return RankState(rank, "failed", f"the daemon (pid {pid}) could not stage it: {held.get('error')}")
     if state == "staging":
         return RankState(rank, "staging", f"by the serving daemon (pid {pid})")
-    sha = held.get("metadata_sha256") or ""
-    if sha != source.metadata_sha256 or held.get("nbytes") != source.nbytes:
-        nbytes = held.get("nbytes")
-        nbytes = f"{nbytes:,}" if isinstance(nbytes, int) else repr(nbytes)  # an older daemon may not say
-        return RankState(rank, "stale", f"the daemon (pid {pid}) holds another pre-pack ({nbytes} bytes, "
+    sha, nbytes, said = held.get("metadata_sha256"), held.get("nbytes"), ""
+    if sha is None:  # an older FlashBoot's daemon does not say which pre-pack: the .ready it wrote does
+        try:
+            info = read_ready(ready)
+            sha, nbytes = info.metadata_sha256, info.nbytes
+            said = f" (by its {ready.name}: an older daemon's status does not say)"
+        except (OSError, LayoutError):
+            sha = ""  # told as "stale": nothing says it holds this pre-pack
+    if sha != source.metadata_sha256 or nbytes != source.nbytes:
+        nbytes = f"{nbytes:,}" if isinstance(nbytes, int) else repr(nbytes)
+        return RankState(rank, "stale", f"the daemon (pid {pid}) holds another pre-pack{said} ({nbytes} bytes, "
                                         f"metadata sha256 {sha[:12]}) than {source.path} now holds "
                                         f"({source.nbytes:,} bytes, {source.metadata_sha256[:12]}); restart it: "
                                         f"`flashboot preload {image_dir} --stop`, then `--serve` again")
