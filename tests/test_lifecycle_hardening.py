@@ -238,3 +238,38 @@ def test_an_engine_wide_sleep_that_fails_leaves_an_arena_asleep_before_it_asleep
     finally:
         first.close()
         second.close()
+
+
+def _memfds() -> int:
+    import os
+
+    fds = os.listdir("/proc/self/fd")
+    return sum(os.path.exists(f"/proc/self/fd/{fd}") and os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+               for fd in fds)
+
+
+def test_a_model_still_bound_keeps_its_weights_past_close_unless_its_load_failed(packed, tmp_path):
+    """A parameter still bound to a closed image read unmapped memory (a segfault; on CUDA an illegal
+    address ending the context): the image now keeps its memory while its views are held. A failed
+    load's half-bound model is discarded, so there the memory goes at once, for a fallback load."""
+    import gc
+    import warnings
+
+    _, out, _ = packed
+    gc.collect()
+    base = _memfds()
+    weights = load_engine_weights(_options(out, tmp_path), _key(), 0, "cpu", tp_size=1, ep_size=1)
+    name = next(iter(weights.tensors))
+    param = weights.tensors[name]  # as a bound model holds it
+    want = param.clone()
+    with pytest.warns(ResourceWarning, match="closed while views of it are still held"):
+        weights.close()
+    assert _memfds() > base and torch.equal(param, want)  # still mapped, still the image's bytes
+    del param
+    assert _memfds() == base
+    failed = load_engine_weights(_options(out, tmp_path), _key(), 0, "cpu", tp_size=1, ep_size=1)
+    param = failed.tensors[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        failed.close(failed=True)
+    assert _memfds() == base  # released at once: the half-bound model is not read again

@@ -163,9 +163,10 @@ class LoadedImage:
 
         return refit(self, store, version, **options)
 
-    def close(self) -> None:
+    def close(self, *, force: bool = False) -> None:
         """Release the arena; tensors of it still held elsewhere (a model's parameters) keep its
-        memory until they are dropped, with a ResourceWarning. Idempotent."""
+        memory until they are dropped, with a ResourceWarning. ``force``: release it at once all the
+        same (a failed load's half-bound model, which nobody reads again). Idempotent."""
         from .lifecycle import close_lifecycle
 
         if isinstance(self.tensors, dict):  # emptied, not replaced: a prepare() handle holding the same dict
@@ -178,7 +179,7 @@ class LoadedImage:
             release_held_sources(self.refit_sources)
         close_lifecycle(self)
         if not self.arena.closed:
-            self.arena.close(keep_viewed=True)
+            self.arena.close(keep_viewed=not force)
 
     def __enter__(self) -> "LoadedImage":
         return self

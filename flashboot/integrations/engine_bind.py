@@ -59,12 +59,19 @@ class EngineWeights:
             return f"weights ready {details['ready_before_load_ms']:.1f} ms before the engine asked"
         return f"the engine waited {self.report.wait_ms:.1f} ms for the early copy to end"
 
-    def close(self) -> None:
-        """Withdraw the seed (if any) and release the arena. Views must not be used afterwards."""
+    def close(self, *, failed: bool = False) -> None:
+        """Withdraw the seed (if any) and release the arena. Views must not be used afterwards;
+        ``failed``: the load failed, and the model bound to these views is discarded, so a loaded
+        image releases its memory at once even while they are held (a fallback load needs it)."""
         if self.seed is not None:
             self.seed.close()
             self.seed = None
-        self.handle.close()
+        from flashboot.flashload.report import LoadedImage
+
+        if failed and isinstance(self.handle, LoadedImage):
+            self.handle.close(force=True)
+        else:
+            self.handle.close()
 
 
 ENGINE_RECORD = "flashboot-engine"
@@ -165,7 +172,7 @@ def load_engine_weights(options: LoaderOptions, expected: EngineKey, rank: int, 
         try:
             weights.seed = publish_engine_weights(weights, options, rank)
         except BaseException:
-            weights.close()
+            weights.close(failed=True)
             raise
     return weights
 
@@ -195,8 +202,8 @@ def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, d
         if inline is not None and loaded.release_thread is not None:
             loaded.release_thread.join(options.timeout_s)  # its unmap of the staged copy, before it is removed
     except BaseException:
-        if loaded is not None:  # nobody else holds it: its arena would leak
-            loaded.close()
+        if loaded is not None:  # nobody else holds it: its arena would leak (and a traceback holds its views)
+            loaded.close(force=True)
         raise
     finally:
         if inline is not None:  # the last engine to load a copy staged for engines gives the memory back

@@ -376,7 +376,7 @@ class FlashBootModelLoader(BaseModelLoader):
                 stay(weights, shm_dir=o.shm_dir)
         except BaseException:
             if weights is not None:
-                weights.close()
+                weights.close(failed=True)
             _clear_meta_rope_cache()  # no meta rotary module may outlive this failed load in SGLang's cache
             raise
         # The model holds the arena (and the seed, when published) for as long as the engine serves.

@@ -289,7 +289,7 @@ class FlashBootModelLoader(BaseModelLoader):
                 if stays:
                     stay(weights, shm_dir=o.shm_dir)
             except BaseException:
-                weights.close()
+                weights.close(failed=True)
                 raise
         model._flashboot_weights = weights
         self.weights = weights
