@@ -235,3 +235,55 @@ def test_a_store_name_is_looked_up_once_per_join(named_host):
         for p in procs:
             p.kill()
             p.communicate()
+
+
+# -- records larger than one store message -----------------------------------------------------
+
+
+def _moe_metadata(experts: int) -> dict:
+    """Image metadata as a tensor-parallel rank of a large MoE model lists it: every tensor,
+    each expert's three matrices and their scales in each of 61 layers."""
+    tensors = {}
+    offset = 0
+    for layer in range(61):
+        for e in range(experts):
+            for m in ("gate_proj", "up_proj", "down_proj"):
+                for suffix, shape, dtype in ((".weight", [256, 896], "float8_e4m3fn"),
+                                             (".weight_scale_inv", [2, 7], "float32")):
+                    nbytes = shape[0] * shape[1] * (1 if dtype.startswith("float8") else 4)
+                    tensors[f"model.layers.{layer}.mlp.experts.{e}.{m}{suffix}"] = {
+                        "offset": offset, "nbytes": nbytes, "shape": shape, "stride": [shape[1], 1],
+                        "dtype": dtype, "region": "experts"}
+                    offset += nbytes
+    return {"generation": "g1", "metadata": {"tensors": tensors}}
+
+
+def test_a_record_over_the_stores_message_limit_is_written_and_read_whole():
+    """torch's TCPStore server (libuv) drops a client that sends more than 8 MiB at once: a seed
+    whose image metadata is that large (a large MoE model's tensors, ~16 MB here) failed with
+    StoreLostError "lost the rendezvous store ... Connection reset by peer", and every later
+    call failed with it. Such a record now goes in parts: read back whole by another client;
+    written again or deleted, it leaves no part behind in the store."""
+    from flashboot.flashclone.store import serve_store
+
+    server = serve_store("127.0.0.1:0")
+    writer = Rendezvous.connect(server.address, TOKEN, timeout_s=20)
+    reader = Rendezvous.connect(server.address, TOKEN, timeout_s=20)
+    try:
+        body = _moe_metadata(256)
+        empty = writer.store.num_keys()
+        writer.publish("metadata", body)
+        assert writer.lost is None
+        assert reader.read("metadata", what="the seed's metadata").body == body
+        keys = writer.store.num_keys()
+        body["generation"] = "g2"  # a seed restarted: its record again, another generation
+        writer.publish("metadata", body)
+        assert reader.try_read("metadata").body == body
+        assert writer.store.num_keys() == keys  # the first one's parts went
+        writer.delete("metadata")
+        assert writer.store.num_keys() == empty and reader.try_read("metadata") is None
+        assert writer.lost is None and reader.lost is None
+    finally:
+        writer.close()
+        reader.close()
+        server.close()

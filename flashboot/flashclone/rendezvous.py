@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import datetime
 import errno
+import hashlib
+import json
 import os
 import socket
 import struct
@@ -39,6 +41,16 @@ from .records import Record, Token, decode_record, encode_record, resolve_token
 
 DEFAULT_TIMEOUT_S = 60.0
 KEY_PREFIX = "flashboot/v1"
+
+VALUE_PART_BYTES = 4 << 20
+"""The most bytes written under one store key: a longer record goes in parts of this size, then a
+short pointer to them under its key (:meth:`Rendezvous.publish`). torch's TCPStore server (libuv,
+the default since torch 2.4) refuses a message over 8 MiB by dropping the client's connection: a
+seed whose image metadata ran past it (an MoE model's ~90k tensors, each rank listing them all
+under tensor parallelism: ~18 MB) failed with "lost the rendezvous store", and lost it."""
+_PARTS_TAG = b"flashboot-parts:"
+_MAX_PARTS = 1024
+"""A pointer naming more parts (4 GiB) is not ours: refused before any is read."""
 
 
 class StoreSilentError(StoreLostError, WaitTimeoutError):
@@ -496,17 +508,85 @@ class Rendezvous:
 
     # -- records -----------------------------------------------------------------------------
     def publish(self, key: str, body: Mapping[str, Any], sealed: Mapping[str, Any] | None = None) -> None:
-        """Write an authenticated record (``sealed`` encrypted) under ``key``."""
+        """Write an authenticated record (``sealed`` encrypted) under ``key``; one longer than
+        :data:`VALUE_PART_BYTES` in parts, then the pointer to them (readers see the whole record or
+        none: the pointer comes last, the parts are named by the record's digest)."""
         full = self.full_key(key)
-        self._store_call(f"publishing {key!r}", self.store.set, full, encode_record(self.token, full, body, sealed))
+        raw = encode_record(self.token, full, body, sealed)
+        what = f"publishing {key!r}"
+        if len(raw) <= VALUE_PART_BYTES:
+            self._store_call(what, self.store.set, full, raw)
+            return
+        digest = hashlib.sha256(raw).hexdigest()[:32]
+        count = -(-len(raw) // VALUE_PART_BYTES)
+        for i in range(count):
+            self._store_call(what, self.store.set, f"{full}/parts/{digest}/{i}",
+                             raw[i * VALUE_PART_BYTES:(i + 1) * VALUE_PART_BYTES])
+        before = self._pointer(full, what)
+        pointer = {"parts": count, "nbytes": len(raw), "sha256": digest}
+        self._store_call(what, self.store.set, full, _PARTS_TAG + json.dumps(pointer).encode())
+        if before is not None and before.get("sha256") != digest:
+            self._delete_parts(full, before, what)  # another version's: they would stay in the store for good
+
+    def _get(self, full: str, key: str) -> bytes:
+        """The record's bytes under ``full`` (present), its parts joined."""
+        what = f"reading {key!r}"
+        raw = self._store_call(what, self.store.get, full)
+        if not raw.startswith(_PARTS_TAG):
+            return raw
+        for _ in range(2):  # a pointer replaced after we read it: its parts may be gone, the new one's there
+            pointer = self._parse_pointer(full, raw)
+            names = [f"{full}/parts/{pointer['sha256']}/{i}" for i in range(pointer["parts"])]
+            if self._store_call(what, self.store.check, names):
+                joined = b"".join(self._store_call(what, self.store.get, name) for name in names)
+                if len(joined) != pointer["nbytes"] or hashlib.sha256(joined).hexdigest()[:32] != pointer["sha256"]:
+                    raise RendezvousError(f"{full!r} in the store at {self.address}: its {pointer['parts']} parts "
+                                          f"hold {len(joined):,} bytes that do not match the {pointer['nbytes']:,} "
+                                          f"bytes and digest its pointer names (overwritten by someone?)")
+                return joined
+            raw = self._store_call(what, self.store.get, full)
+        raise RendezvousError(f"{full!r} in the store at {self.address} points to {pointer['parts']} parts "
+                              f"(digest {pointer['sha256']}) that are not all there (deleted by someone?)")
+
+    def _parse_pointer(self, full: str, raw: bytes) -> dict:
+        try:
+            pointer = json.loads(raw[len(_PARTS_TAG):])
+            ok = (isinstance(pointer, dict) and type(pointer.get("parts")) is int
+                  and 0 < pointer["parts"] <= _MAX_PARTS and type(pointer.get("nbytes")) is int
+                  and isinstance(pointer.get("sha256"), str) and len(pointer["sha256"]) == 32)
+        except (ValueError, RecursionError):
+            ok = False
+        if not ok:
+            raise RendezvousError(f"{full!r} in the store at {self.address} is not a FlashBoot record "
+                                  f"(a malformed pointer to parts: {raw[:200]!r})")
+        return pointer
+
+    def _pointer(self, full: str, what: str) -> dict | None:
+        """The pointer to parts under ``full``, or None (nothing there, or a whole record)."""
+        if not self._store_call(what, self.store.check, [full]):
+            return None
+        raw = self._store_call(what, self.store.get, full)
+        if not raw.startswith(_PARTS_TAG):
+            return None
+        try:
+            return self._parse_pointer(full, raw)
+        except RendezvousError:
+            return None  # garbage: no parts of ours to delete
+
+    def _delete_parts(self, full: str, pointer: dict, what: str) -> None:
+        for i in range(pointer["parts"]):
+            self._store_call(what, self.store.delete_key, f"{full}/parts/{pointer['sha256']}/{i}")
 
     def agree(self, key: str, body: Mapping[str, Any]) -> Record:
         """Publish ``body`` under ``key`` unless a record is there already (an atomic
         compare-and-set), and return the record that holds: ours, or the first writer's, verified.
         RendezvousError when what is there is not an authentic record (planted garbage)."""
         full = self.full_key(key)
-        raw = self._store_call(f"agreeing on {key!r}", self.store.compare_set, full, "",
-                               encode_record(self.token, full, body))
+        raw = encode_record(self.token, full, body)
+        if len(raw) > VALUE_PART_BYTES:  # one compare-and-set cannot write parts
+            raise RendezvousError(f"a record to agree on under {key!r} holds {len(raw):,} bytes; at most "
+                                  f"{VALUE_PART_BYTES:,} go in one store value")
+        raw = self._store_call(f"agreeing on {key!r}", self.store.compare_set, full, "", raw)
         return decode_record(self.token, full, raw, f"the store at {self.address}")
 
     def read(self, key: str, *, what: str, timeout_s: float | None = None) -> Record:
@@ -517,7 +597,7 @@ class Rendezvous:
         full = self.full_key(key)
         t = self.timeout_s if timeout_s is None else float(timeout_s)
         self.wait_keys([key], what=what, timeout_s=t)
-        raw = self._store_call(f"reading {key!r}", self.store.get, full)
+        raw = self._get(full, key)
         return decode_record(self.token, full, raw, f"the store at {self.address}")
 
     def try_read(self, key: str) -> Record | None:
@@ -525,7 +605,7 @@ class Rendezvous:
         full = self.full_key(key)
         if not self._store_call(f"checking {key!r}", self.store.check, [full]):
             return None
-        raw = self._store_call(f"reading {key!r}", self.store.get, full)
+        raw = self._get(full, key)
         return decode_record(self.token, full, raw, f"the store at {self.address}")
 
     def wait_keys(self, keys: Iterable[str], *, what: str, timeout_s: float | None = None) -> None:
@@ -549,7 +629,12 @@ class Rendezvous:
         return bool(self._store_call(f"checking {key!r}", self.store.check, [self.full_key(key)]))
 
     def delete(self, key: str) -> None:
-        self._store_call(f"deleting {key!r}", self.store.delete_key, self.full_key(key))
+        """Delete the record under ``key`` (and its parts, when it was written in parts)."""
+        full, what = self.full_key(key), f"deleting {key!r}"
+        pointer = self._pointer(full, what)
+        self._store_call(what, self.store.delete_key, full)
+        if pointer is not None:
+            self._delete_parts(full, pointer, what)
 
     # -- counters and barriers ---------------------------------------------------------------------
     def add(self, key: str, amount: int = 1) -> int:
