@@ -287,3 +287,43 @@ def test_a_record_over_the_stores_message_limit_is_written_and_read_whole():
         writer.close()
         reader.close()
         server.close()
+
+
+_BROADCAST_CLONE = """
+import hashlib, json, sys, flashboot
+r = flashboot.clone(sys.argv[1], "cpu", "star", transport="nccl", verify=True, timeout_s=20)
+print(json.dumps({"source": r.report.source, "verified": r.report.verified,
+                  "sha256": hashlib.sha256(r.arena.bytes().numpy()[:r.report.nbytes].tobytes()).hexdigest()}))
+r.close()
+"""
+
+
+def test_a_broadcast_clone_does_not_look_the_stores_name_up_again(named_host):
+    """A broadcast (gloo) clone listens on the address it reaches the store from: it looked the
+    store's name up again for that, with no bound (a name server that stopped answering since the
+    clone joined held it for the resolver's timeouts). It now takes the address it joined."""
+    from _clone_helpers import SEED_SCRIPT, pattern
+
+    hosts, i = named_host
+    here = hosts.address(i)
+    procs = []
+    try:
+        dns = hosts.popen(i, [sys.executable, "-c", _DNS, "0", here])
+        procs.append(dns)
+        assert dns.stdout.readline().startswith("ready")
+        seed = hosts.popen(i, [sys.executable, "-c", SEED_SCRIPT, f"{here}:29000", str(2 << 20), "5", "20"],
+                           env=dict(os.environ, FLASHBOOT_TOKEN=TOKEN))
+        procs.append(seed)
+        assert seed.stdout.readline().startswith("ready")
+        r = _run(hosts, i, _BROADCAST_CLONE, "store.fbtest.example:29000")
+        import hashlib
+
+        assert r["verified"] and r["source"] == "seed (broadcast)", r
+        assert r["sha256"] == hashlib.sha256(pattern(2 << 20, 5).tobytes()).hexdigest(), r
+        dns.kill()
+        queries = [x.split()[1] for x in dns.communicate()[0].splitlines() if x.startswith("A ")]
+        assert queries == ["store.fbtest.example"], queries
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()

@@ -330,7 +330,7 @@ class Rendezvous:
     authenticated records. Build one with :meth:`connect`."""
 
     def __init__(self, store, address: str, token: Token, namespace: str, is_server: bool, timeout_s: float,
-                 conn: socket.socket | None = None):
+                 conn: socket.socket | None = None, ip: str | None = None):
         self.store = store
         self.address = address
         self.token = token
@@ -348,6 +348,9 @@ class Rendezvous:
         self._calls = None
         self._calls_thread: threading.Thread | None = None
         self._conn = conn
+        self.ip = ip
+        """The address of the store's host this client joined (its name looked up once, at connect),
+        or None (hosting, or made from another connection's store)."""
         """A duplicate of the store client's socket (None where it could not be told apart): shut
         down when the store goes silent, so the call stuck on it returns and its thread and socket
         end with :meth:`close`, where they had stayed in the process for good."""
@@ -426,7 +429,7 @@ class Rendezvous:
                                           f"{time.monotonic() - started:.1f} s of {float(timeout_s):g}): "
                                           f"{str(exc).splitlines()[0]}") from None
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-        return cls(store, address, tok, namespace, False, timeout_s, conn=conn)
+        return cls(store, address, tok, namespace, False, timeout_s, conn=conn, ip=ip)
 
     # -- keys ------------------------------------------------------------------------------------
     def full_key(self, key: str) -> str:

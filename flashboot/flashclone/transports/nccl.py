@@ -52,7 +52,7 @@ def _make_group(rdv: Rendezvous, prefix: str, rank: int, dev: Device, timeout_s:
     # and Ubuntu, or loopback when it resolves nowhere, so a clone on another host waited for a
     # connection to its own loopback. The address this host reaches the store from reaches it
     # (unless that is loopback: a store on this host, or a seed hosting it at 0.0.0.0).
-    here = None if os.environ.get("GLOO_SOCKET_IFNAME") else _address_towards(rdv.address)  # else the caller's
+    here = None if os.environ.get("GLOO_SOCKET_IFNAME") else _address_towards(rdv.address, rdv.ip)  # else the caller's
     if here is None:
         return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
     options = dist.ProcessGroupGloo._Options()
@@ -61,13 +61,15 @@ def _make_group(rdv: Rendezvous, prefix: str, rank: int, dev: Device, timeout_s:
     return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
-def _address_towards(address: str) -> str | None:
+def _address_towards(address: str, ip: str | None = None) -> str | None:
     """This host's address on the route to ``address`` (``HOST:PORT``; no packet is sent), or None
-    when that is a loopback address or cannot be found."""
+    when that is a loopback address or cannot be found. ``ip``: the address its host was joined at
+    (the name is not looked up again: unbounded, where a name server had stopped answering)."""
     import ipaddress
     import socket
 
     host, port = parse_address(address)
+    host = ip or host
     try:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, kind, proto) as s:
