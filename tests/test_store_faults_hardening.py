@@ -327,3 +327,28 @@ def test_a_broadcast_clone_does_not_look_the_stores_name_up_again(named_host):
         for p in procs:
             p.kill()
             p.communicate()
+
+
+def test_a_key_over_the_stores_limit_is_refused_by_name_and_the_connection_kept():
+    """A name longer than the store takes (the libuv TCPStore drops a client that sends a key over
+    8 KiB) was a StoreLostError, "lost the rendezvous store ... Connection reset by peer", and
+    every later call of the connection failed. It is now refused by its length, before it is
+    sent, and the connection works on."""
+    from flashboot.errors import RendezvousError
+    from flashboot.flashclone.store import serve_store
+
+    server = serve_store("127.0.0.1:0")
+    r = Rendezvous.connect(server.address, TOKEN, namespace="n" * 9000, timeout_s=20)
+    ok = Rendezvous.connect(server.address, TOKEN, timeout_s=20)
+    try:
+        with pytest.raises(RendezvousError, match=r"is 9,018 bytes long \(namespace 9,000\); the store takes keys "
+                                                  r"of at most 8,128: use a shorter name"):
+            r.publish("seed", {"a": 1})
+        with pytest.raises(RendezvousError, match="use a shorter name"):
+            ok.publish("held/" + "m" * 9000, {"a": 1})
+        ok.publish("seed", {"a": 2})
+        assert ok.read("seed", what="the seed").body == {"a": 2} and ok.lost is None
+    finally:
+        r.close()
+        ok.close()
+        server.close()

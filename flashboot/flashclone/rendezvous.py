@@ -48,6 +48,9 @@ short pointer to them under its key (:meth:`Rendezvous.publish`). torch's TCPSto
 the default since torch 2.4) refuses a message over 8 MiB by dropping the client's connection: a
 seed whose image metadata ran past it (an MoE model's ~90k tensors, each rank listing them all
 under tensor parallelism: ~18 MB) failed with "lost the rendezvous store", and lost it."""
+MAX_KEY_BYTES = 8192 - 64
+"""The longest store key (UTF-8), with room for a part's suffix: the libuv TCPStore drops a client
+that sends a key over 8 KiB, and the connection was then reported lost."""
 _PARTS_TAG = b"flashboot-parts:"
 _MAX_PARTS = 1024
 """A pointer naming more parts (4 GiB) is not ours: refused before any is read."""
@@ -433,7 +436,12 @@ class Rendezvous:
 
     # -- keys ------------------------------------------------------------------------------------
     def full_key(self, key: str) -> str:
-        return f"{KEY_PREFIX}/{self.namespace}/{key}"
+        full = f"{KEY_PREFIX}/{self.namespace}/{key}"
+        if len(full) > MAX_KEY_BYTES // 4 and len(full.encode()) > MAX_KEY_BYTES:
+            raise RendezvousError(f"store key {full[:100]!r}... is {len(full.encode()):,} bytes long (namespace "
+                                  f"{len(self.namespace.encode()):,}); the store takes keys of at most "
+                                  f"{MAX_KEY_BYTES:,}: use a shorter name")
+        return full
 
     def _store_call(self, what: str, fn, *args):
         from torch.distributed import DistError
