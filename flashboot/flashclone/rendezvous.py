@@ -104,7 +104,7 @@ test_rendezvous against the installed torch): a client's first query is VALIDATE
 _TCPSTORE_MAGIC = 0x3C85F7CE
 
 
-def host_tcpstore(host: str, port: int, timeout: datetime.timedelta, deadline: float | None = None):
+def host_tcpstore(host: str, port: int, timeout: datetime.timedelta):
     """A ``TCPStore(is_master=True)`` for ``host:port``. An IP literal of this machine is listened
     on alone (TCPStore binds every interface itself, so a store asked for at 127.0.0.1 was
     reachable from the whole network): the socket is bound here and handed over
@@ -113,14 +113,12 @@ def host_tcpstore(host: str, port: int, timeout: datetime.timedelta, deadline: f
     Ubuntu, and a NAT or cluster name to an address no interface has, so binding what it resolves
     to made the store unreachable. OSError EADDRINUSE when something listens there, EADDRNOTAVAIL
     when ``host`` is not an address of this machine (the caller may then join a store there).
-    Looking a name up ends by ``deadline`` (default: ``timeout`` from now), WaitTimeoutError."""
+    Looking a name up ends within ``timeout`` (WaitTimeoutError)."""
     from torch.distributed import TCPStore
 
     literal = _ip_literal(host)
     if literal is None:
-        if deadline is None:
-            deadline = time.monotonic() + timeout.total_seconds()
-        if not _names_this_machine(host, deadline):
+        if not _names_this_machine(host, time.monotonic() + timeout.total_seconds()):
             raise OSError(errno.EADDRNOTAVAIL, f"{host} resolves to no address of this machine")
         return TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
     if literal.is_unspecified:  # 0.0.0.0 / ::: every interface is what was asked for
@@ -351,12 +349,12 @@ class Rendezvous:
         self._calls = None
         self._calls_thread: threading.Thread | None = None
         self._conn = conn
-        self.ip = ip
-        """The address of the store's host this client joined (its name looked up once, at connect),
-        or None (hosting, or made from another connection's store)."""
         """A duplicate of the store client's socket (None where it could not be told apart): shut
         down when the store goes silent, so the call stuck on it returns and its thread and socket
         end with :meth:`close`, where they had stayed in the process for good."""
+        self.ip = ip
+        """The address of the store's host this client joined (its name looked up once, at connect),
+        or None (hosting, or made from another connection's store)."""
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -389,7 +387,7 @@ class Rendezvous:
         not_ours = False
         if host:
             try:
-                store = host_tcpstore(h, port, td, deadline)
+                store = host_tcpstore(h, port, td)
                 return cls(store, address, tok, namespace, True, timeout_s)
             except OSError as exc:
                 if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
@@ -556,6 +554,8 @@ class Rendezvous:
                                           f"bytes and digest its pointer names (overwritten by someone?)")
                 return joined
             raw = self._store_call(what, self.store.get, full)
+            if not raw.startswith(_PARTS_TAG):
+                return raw
         raise RendezvousError(f"{full!r} in the store at {self.address} points to {pointer['parts']} parts "
                               f"(digest {pointer['sha256']}) that are not all there (deleted by someone?)")
 
