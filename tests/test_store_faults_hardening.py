@@ -352,3 +352,22 @@ def test_a_key_over_the_stores_limit_is_refused_by_name_and_the_connection_kept(
         r.close()
         ok.close()
         server.close()
+
+
+def test_hosting_where_the_port_is_held_by_a_silent_program_names_the_taken_port():
+    """A seed asked to host the store where another program holds the port (one that accepts and
+    never answers) waited its timeout, then asked whether the store, or the seed that hosts it,
+    was running there: what it had itself been told to do. It now says the port is taken by
+    something that is no store, and how to find it."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        from flashboot.errors import WaitTimeoutError
+
+        with pytest.raises(WaitTimeoutError) as info:
+            Rendezvous.connect(address, TOKEN, host=True, timeout_s=1)
+    message = str(info.value)
+    assert message.startswith(f"cannot host a store at {address}: the port is taken (EADDRINUSE)"), message
+    assert "something listens there but did not answer TCPStore's ping, 1 s" in message, message
+    assert f"ss -ltnp 'sport = :{address.rsplit(':', 1)[1]}'" in message and "is the store" not in message, message

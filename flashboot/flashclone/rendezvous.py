@@ -248,10 +248,12 @@ def _await_store(hosts: str | list[str], port: int, deadline: float, address: st
             last = ("something listens there but did not answer TCPStore's ping" if answer is None else
                     "something listens there and closed the connection without answering TCPStore's ping")
         if time.monotonic() >= deadline:
-            raise WaitTimeoutError(
+            err = WaitTimeoutError(
                 f"no rendezvous store answered at {address} ({last}); is the store (`flashboot store HOST:PORT`) "
                 "or the seed that hosts it (`flashboot seed DIR --store HOST:PORT`) running there?"
             )
+            err.reason = last
+            raise err
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 0.2)
 
@@ -384,7 +386,7 @@ class Rendezvous:
         from torch.distributed import DistError, TCPStore
 
         td = datetime.timedelta(seconds=float(timeout_s))
-        not_ours = False
+        not_ours = taken = False
         if host:
             try:
                 store = host_tcpstore(h, port, td)
@@ -393,14 +395,21 @@ class Rendezvous:
                 if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
                     raise RendezvousError(f"cannot host a store at {address}: {exc.strerror or exc}") from None
                 # someone already serves there, or the address is another host's: join it as a client
-                not_ours = exc.errno == errno.EADDRNOTAVAIL
+                not_ours, taken = exc.errno == errno.EADDRNOTAVAIL, exc.errno == errno.EADDRINUSE
             except DistError as exc:
                 if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc):
                     raise RendezvousError(f"cannot host a store at {address}: {str(exc).splitlines()[0]}") from None
+                taken = True
         for attempt in range(1, JOIN_ATTEMPTS + 1):
             try:
                 ip = _await_store(ips, port, deadline, address)
             except WaitTimeoutError as exc:
+                if taken:  # asked to host, and told to run a store there: what holds the port is no store
+                    raise WaitTimeoutError(
+                        f"cannot host a store at {address}: the port is taken (EADDRINUSE), and what listens there "
+                        f"is no store that answers ({exc.reason}, {float(timeout_s):g} s): another program, or a "
+                        f"store whose process is stopped? `ss -ltnp 'sport = :{port}'` names it; or use another "
+                        "port") from None
                 if not not_ours:
                     raise
                 # a NAT, ClusterIP or docker-published address: nobody hosts unless told where
