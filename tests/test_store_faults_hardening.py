@@ -47,10 +47,11 @@ def _sockets_to(port: int) -> list[int]:
             continue
         with s:
             try:
-                if s.getpeername()[1] == port:
-                    out.append(int(fd))
+                peer = s.getpeername()  # a Unix socket's is a path (a str), not (host, port)
             except OSError:
-                pass
+                continue
+            if isinstance(peer, tuple) and peer[1] == port:
+                out.append(int(fd))
     return out
 
 
