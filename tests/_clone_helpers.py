@@ -137,6 +137,43 @@ def store():
     rdv.close()
 
 
+@contextlib.contextmanager
+def store_in_its_own_process(sleep_s: float = 300):
+    """A store hosted by a process of its own, which a test may stop (:func:`stop_process`: a store
+    whose host stops answering, as behind a cut link); yields ``(address, process)``."""
+    from flashboot.flashclone.rendezvous import free_port
+
+    for _ in range(3):  # the port may be taken between free_port and the bind
+        address = f"127.0.0.1:{free_port()}"
+        code = ("import time\nfrom flashboot.flashclone.rendezvous import Rendezvous\n"
+                f"r = Rendezvous.connect({address!r}, {TOKEN!r}, host=True, timeout_s=20)\n"
+                f"print('ready', r.is_server, flush=True)\ntime.sleep({sleep_s})\n")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        line = proc.stdout.readline()
+        if line.split() == ["ready", "True"]:  # the stopped process must be the store, not a client of one
+            break
+        proc.kill()
+        proc.communicate()
+    try:
+        assert line.split() == ["ready", "True"], f"no free port to host a store on: {line!r}"
+        yield address, proc
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.communicate()
+
+
+def stop_process(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until /proc says it is stopped (a signal lands asynchronously)."""
+    from flashboot.procfs import STOPPED, process_state
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while process_state(pid) not in STOPPED:
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.005)
+
+
 def close_endpoints(eps) -> None:
     """Close every participant's flags and arena an executor test made (those still open)."""
     for ep in eps.values():

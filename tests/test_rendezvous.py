@@ -324,41 +324,16 @@ def test_namespaces_keep_records_apart(address, server):
         other.close()
 
 
-def _state(pid: int) -> str:
-    """The process's state letter from /proc (T: stopped)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
 def test_bounded_store_calls_end_by_the_deadline_when_the_store_stops_answering():
     """A TCPStore call blocks forever when the store's host stops answering (a cut link): with
     ``bounded`` every call ends within timeout_s, and later calls fail at once."""
-    import os
-    import signal
-    import subprocess
-    import sys
+    from _clone_helpers import stop_process, store_in_its_own_process
 
-    for _ in range(3):  # the stopped process must be the store itself, not a client of one already there
-        address = f"127.0.0.1:{free_port()}"
-        code = ("import sys, time\nfrom flashboot.flashclone.rendezvous import Rendezvous\n"
-                f"r = Rendezvous.connect({address!r}, {TOKEN!r}, host=True, timeout_s=20)\n"
-                "print('ready', r.is_server, flush=True)\ntime.sleep(120)\n")
-        host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        line = host.stdout.readline()
-        if line.split() == ["ready", "True"]:
-            break
-        host.kill()
-        host.communicate()
-    try:
-        assert line.split() == ["ready", "True"], f"no free port to host a store on: {line!r}"
+    with store_in_its_own_process(sleep_s=120) as (address, host):
         client = Rendezvous.connect(address, TOKEN, timeout_s=1.0)
         client.bounded = True
         assert client.add("k", 2) == 2  # answered normally while the host runs
-        os.kill(host.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 10  # a signal lands asynchronously: a call sent at once was once answered
-        while _state(host.pid) != "T":
-            assert time.monotonic() < deadline, f"the store's process {host.pid} did not stop"
-            time.sleep(0.005)
+        stop_process(host.pid)  # a call sent before it stopped was once answered
         t0 = time.monotonic()
         with pytest.raises(WaitTimeoutError, match="did not answer within 1 s while counting 'k'"):
             client.add("k", 1)
@@ -367,7 +342,3 @@ def test_bounded_store_calls_end_by_the_deadline_when_the_store_stops_answering(
         with pytest.raises(RendezvousError, match="stopped answering earlier"):
             client.publish("other", {"x": 1})
         assert time.monotonic() - t1 < 0.5
-    finally:
-        os.kill(host.pid, signal.SIGCONT)
-        host.kill()
-        host.communicate()

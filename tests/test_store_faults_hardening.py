@@ -14,25 +14,17 @@ import time
 
 import pytest
 
-from flashboot.flashclone.rendezvous import Rendezvous, StoreSilentError, free_port
+from flashboot.flashclone.rendezvous import Rendezvous, StoreSilentError
 
-from _clone_helpers import TOKEN
+from _clone_helpers import TOKEN, stop_process, store_in_its_own_process
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _state(pid: int) -> str:
-    """The process's state letter from /proc (T: stopped)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
-def _stop(pid: int) -> None:
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10  # a signal lands asynchronously
-    while _state(pid) != "T":
-        assert time.monotonic() < deadline, f"process {pid} did not stop"
-        time.sleep(0.005)
+def _names_asked(dns) -> list[str]:
+    """The names the fake name server (``_DNS``) was asked for, once it is stopped."""
+    dns.kill()
+    return [x.split()[1] for x in dns.communicate()[0].splitlines() if x.startswith("A ")]
 
 
 def _sockets_to(port: int) -> list[int]:
@@ -63,24 +55,8 @@ def _store_threads(before=()) -> list[str]:
 @pytest.fixture
 def store_process():
     """A store hosted by a process of its own (which a test may stop); yields (address, process)."""
-    for _ in range(3):  # the port may be taken between free_port and the bind
-        address = f"127.0.0.1:{free_port()}"
-        code = ("import time\nfrom flashboot.flashclone.rendezvous import Rendezvous\n"
-                f"r = Rendezvous.connect({address!r}, {TOKEN!r}, host=True, timeout_s=20)\n"
-                "print('ready', r.is_server, flush=True)\ntime.sleep(300)\n")
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        line = proc.stdout.readline()
-        if line.split() == ["ready", "True"]:
-            break
-        proc.kill()
-        proc.communicate()
-    assert line.split() == ["ready", "True"], f"no free port to host a store on: {line!r}"
-    try:
-        yield address, proc
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        proc.communicate()
+    with store_in_its_own_process() as hosted:
+        yield hosted
 
 
 def test_a_store_gone_silent_leaves_no_thread_or_socket_behind_after_close(store_process, monkeypatch):
@@ -98,7 +74,7 @@ def test_a_store_gone_silent_leaves_no_thread_or_socket_behind_after_close(store
         r = Rendezvous.connect(address, TOKEN, timeout_s=1.0)
         assert r.add("k", 1) == attempt + 1
         assert _store_threads(before) == ["flashboot-store-calls"] and len(_sockets_to(port)) >= 1
-        _stop(proc.pid)
+        stop_process(proc.pid)
         with pytest.raises(StoreSilentError, match=f"the store at {address} did not answer within 1 s while "
                                                    "checking 'x'"):
             r.has("x")
@@ -229,9 +205,7 @@ def test_a_store_name_is_looked_up_once_per_join(named_host):
         assert store.stdout.readline().startswith("ready")
         r = _run(hosts, i, _JOIN, "store.fbtest.example:29000", 20, "join")
         assert r == {"read": {"a": 1}}, r
-        dns.kill()
-        queries = [x.split()[1] for x in dns.communicate()[0].splitlines() if x.startswith("A ")]
-        assert queries == ["store.fbtest.example"], queries
+        assert _names_asked(dns) == ["store.fbtest.example"]
     finally:
         for p in procs:
             p.kill()
@@ -321,9 +295,7 @@ def test_a_broadcast_clone_does_not_look_the_stores_name_up_again(named_host):
 
         assert r["verified"] and r["source"] == "seed (broadcast)", r
         assert r["sha256"] == hashlib.sha256(pattern(2 << 20, 5).tobytes()).hexdigest(), r
-        dns.kill()
-        queries = [x.split()[1] for x in dns.communicate()[0].splitlines() if x.startswith("A ")]
-        assert queries == ["store.fbtest.example"], queries
+        assert _names_asked(dns) == ["store.fbtest.example"]
     finally:
         for p in procs:
             p.kill()
