@@ -779,3 +779,41 @@ def test_the_warm_up_threads_start_after_the_packages_they_share_with_the_clone_
             "print(seen, sorted(warm.parts), warm.errors)")
     assert run_python("-c", code, timeout=300).strip() == ("[True, True, True] ['executor lanes', 'fd table', "
                                                            "'host checksum', 'host copy'] []")
+
+
+def test_a_cloned_view_held_past_close_reads_its_bytes_until_dropped(store, image):
+    """A replica's parameter still bound to a closed CloneResult read unmapped memory (a segfault on
+    the host, an illegal address on CUDA), as a loaded image's had: the memory now goes with the
+    last view. A failed engine load's close (``force``) still releases at once."""
+    import gc
+    import os
+    import warnings
+
+    def memfds() -> int:
+        fds = os.listdir("/proc/self/fd")
+        return sum(os.path.exists(f"/proc/self/fd/{fd}") and os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+                   for fd in fds)
+
+    address, _ = store
+    s = flashboot.seed(address, image, "cpu")
+    try:
+        gc.collect()
+        base = memfds()
+        r = flashboot.clone(address, "cpu", "star", verify=True, timeout_s=10)
+        name = next(iter(r.tensors))
+        param = r.tensors[name]
+        want = param.clone()
+        with pytest.warns(ResourceWarning, match="closed while views of it are still held"):
+            r.close()
+        assert memfds() > base and bool((param == want).all())
+        del param
+        gc.collect()
+        assert memfds() == base
+        r = flashboot.clone(address, "cpu", "star", verify=True, timeout_s=10)
+        param = r.tensors[name]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            r.close(force=True)
+        assert memfds() == base
+    finally:
+        s.close()

@@ -169,14 +169,16 @@ class CloneResult:
         self.arena, self.tensors, self.report, self.metadata = arena, tensors, report, metadata
         self._session = _session
 
-    def close(self) -> None:
-        """Release everything (idempotent). Views must not be used afterwards."""
+    def close(self, *, force: bool = False) -> None:
+        """Release everything (idempotent). Views still held elsewhere (a model's parameters) keep
+        the arena's memory until they are dropped, with a ResourceWarning, as a loaded image's do;
+        ``force``: release it at once all the same (a failed load's half-bound model)."""
         self.tensors = {}
         if self._session is not None:
-            self._session.close(keep_arena=False)
+            self._session.close(keep_arena=False, keep_viewed=not force)
             self._session = None
         elif not self.arena.closed:
-            self.arena.close()
+            self.arena.close(keep_viewed=not force)
 
     def __enter__(self) -> "CloneResult":
         return self

@@ -141,7 +141,7 @@ class _Session:
                 if not a.closed:
                     a.close()
 
-    def close(self, keep_arena: bool) -> None:
+    def close(self, keep_arena: bool, *, keep_viewed: bool = False) -> None:
         if self.lanes_running and self._copies_still_running():
             warnings.warn(f"flashboot: {len(self.lanes_running)} copy thread(s) of an abandoned clone run are still "
                           f"copying after {LANES_JOIN_S:g} s; the clone's arenas and the sources it mapped stay "
@@ -170,7 +170,10 @@ class _Session:
             obj = getattr(self, attr)
             if obj is not None and not obj.closed:
                 try:
-                    obj.close()
+                    if keep_viewed and attr == "arena":  # views the caller still holds keep its memory
+                        obj.close(keep_viewed=True)
+                    else:
+                        obj.close()
                 except BaseException as exc:
                     first = first or exc
             setattr(self, attr, None)

@@ -61,17 +61,12 @@ class EngineWeights:
 
     def close(self, *, failed: bool = False) -> None:
         """Withdraw the seed (if any) and release the arena. Views must not be used afterwards;
-        ``failed``: the load failed, and the model bound to these views is discarded, so a loaded
-        image releases its memory at once even while they are held (a fallback load needs it)."""
+        ``failed``: the load failed, and the model bound to these views is discarded, so the
+        memory goes at once even while they are held (a fallback load needs it)."""
         if self.seed is not None:
             self.seed.close()
             self.seed = None
-        from flashboot.flashload.report import LoadedImage
-
-        if failed and isinstance(self.handle, LoadedImage):
-            self.handle.close(force=True)
-        else:
-            self.handle.close()
+        self.handle.close(force=failed)
 
 
 ENGINE_RECORD = "flashboot-engine"
