@@ -43,6 +43,43 @@ def _gkey(generation: str, *parts: Any) -> str:
     return "/".join(["g", generation, *map(str, parts)])
 
 
+MAX_FORGOTTEN_READERS = 4096
+"""Positions of one schedule read back by :func:`forget_generation`: the join counter is anyone's
+to bump (store.add needs no token), and a forged 10**9 must not make it loop."""
+
+
+def forget_generation(rdv, generation: str, force: bool) -> bool:
+    """Delete the keys that clones of seed ``generation`` wrote in ``rdv``'s namespace (the chain
+    and star records, counters and barriers of cloning.py, sources.py and session.py) when every
+    one of them has left, or ``force``; returns whether it deleted them. A refit's publisher
+    forgets each version it withdrew so (:mod:`flashboot.weight_update.publish`)."""
+    keys, left, readers = [], True, 0
+    for schedule in ("chain", "star"):
+        join = _gkey(generation, schedule, "join")
+        if not rdv.has(join):  # asked first: add(join, 0) had made the key of a schedule nobody used
+            continue
+        n = min(rdv.add(join, 0), MAX_FORGOTTEN_READERS)
+        keys.append(join)
+        readers += max(n, 0)
+        start = _gkey(generation, schedule, "start")
+        keys += [_gkey(generation, schedule, "plan"), f"barrier/{start}/count", f"barrier/{start}/go"]
+        for p in range(1, n + 1):
+            status = _gkey(generation, schedule, "status", p)
+            left = left and rdv.has(f"{status}/left")  # a clone's last word, as it closes
+            keys += [_gkey(generation, schedule, "joined", p), _gkey(generation, schedule, "member", p), status,
+                     f"{status}/left", _gkey(generation, schedule, "nixl", "held", p)]
+    if not left and not force:
+        return False
+    if readers:
+        for what, record in (("done", ()), ("nccl", ("req",))):  # one of each per reader at most
+            count = _gkey(generation, what, "count")
+            n = min(rdv.add(count, 0), readers)
+            keys += [count] + [_gkey(generation, what, *record, k) for k in range(1, n + 1)]
+    for key in keys:
+        rdv.delete(key)
+    return True
+
+
 def _agree_chunk(rdv, key: str, chunk_bytes: int, who: str, **fixed) -> tuple[int, str]:
     """The chunk size every member of one chain, star or ring follows, and a warning ('' when
     ours holds): the first member to ask sets it (an atomic compare-and-set), later ones adopt

@@ -293,10 +293,10 @@ def _joined_socket(before: Mapping[str, int], port: int) -> socket.socket | None
         except OSError:
             continue
         try:
-            peer = s.getpeername()
+            peer = s.getpeername()  # (host, port, ...); a Unix socket's is a path
         except OSError:
-            peer = ()
-        if s.type == socket.SOCK_STREAM and len(peer) >= 2 and peer[1] == port:
+            peer = None
+        if s.type == socket.SOCK_STREAM and isinstance(peer, tuple) and peer[1] == port:
             found.append(s)
         else:
             s.close()

@@ -135,7 +135,7 @@ def torn_note(torn: dict) -> str:
 def _mark_torn(loaded, live: int | None, version: int, exc: BaseException) -> None:
     """An in-place copy failed: the bytes may be any mix of what was there and ``version``'s, so
     the weights claim no version (they had kept claiming the old one) until a refit succeeds."""
-    torn = getattr(loaded, "refit_torn", None)
+    torn = loaded.refit_torn
     error = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
     if live is None:  # torn already: the same last whole version, one more in the mix
         versions = [*torn["versions"], version] if version not in torn["versions"] else torn["versions"]
@@ -240,7 +240,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
 
     arena, meta = loaded.arena, loaded.metadata
     live = loaded.version
-    torn = getattr(loaded, "refit_torn", None) if live is None else None
+    torn = loaded.refit_torn if live is None else None
     rank = meta.parallel.rank
     where = f"refit of {meta.key.model_id} rank {rank} on {arena.device} to version {version}"
     if arena.closed:

@@ -43,10 +43,6 @@ SPENT_KEPT = 2
 (deleting them under a reader still copying made it wait out its timeout); older ones lose them
 regardless: their readers copied from an arena repacked twice since (they failed, or died)."""
 
-MAX_READERS = 4096
-"""Positions of one schedule read back when forgetting a version: the join counter is anyone's
-to bump (store.add needs no token), and a forged 10**9 must not make publish loop."""
-
 
 def version_namespace(name: str, version: int) -> str:
     """The store namespace of one published version."""
@@ -394,6 +390,8 @@ class Publisher:
         """Delete the store keys of withdrawn versions once their readers have left (:data:`SPENT_KEPT`):
         about eight per version and engine had stayed in the store for good, a long RL run's
         thousands of versions growing it without bound."""
+        from ..flashclone.common import forget_generation
+
         kept = []
         for withdrawal, version, generation in self._spent:
             force = self._withdrawals - withdrawal >= SPENT_KEPT
@@ -401,7 +399,7 @@ class Publisher:
             rdv = self._namespace_rdv(version_namespace(self.name, version))
             if rdv is not None:
                 try:
-                    done = _forget_readers(rdv, generation, force)
+                    done = forget_generation(rdv, generation, force)
                 except FlashBootError:
                     pass
             if done:  # its number is free again: no engine is taking it now
@@ -443,39 +441,6 @@ class Publisher:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _forget_readers(rdv, generation: str, force: bool) -> bool:
-    """Delete the keys that engines' clones of seed ``generation`` wrote in ``rdv``'s namespace
-    (FlashClone's chain and star records, counters and barriers: flashclone/cloning.py, sources.py,
-    session.py) when every one of them has left, or ``force``. Returns whether it deleted them."""
-    from ..flashclone.common import _gkey
-
-    keys, left, readers = [], True, 0
-    for schedule in ("chain", "star"):
-        join = _gkey(generation, schedule, "join")
-        if not rdv.has(join):  # asked first: add(join, 0) had made the key of a schedule nobody used
-            continue
-        n = min(rdv.add(join, 0), MAX_READERS)
-        keys.append(join)
-        readers += max(n, 0)
-        start = _gkey(generation, schedule, "start")
-        keys += [_gkey(generation, schedule, "plan"), f"barrier/{start}/count", f"barrier/{start}/go"]
-        for p in range(1, n + 1):
-            status = _gkey(generation, schedule, "status", p)
-            left = left and rdv.has(f"{status}/left")  # a clone's last word, as it closes
-            keys += [_gkey(generation, schedule, "joined", p), _gkey(generation, schedule, "member", p), status,
-                     f"{status}/left", _gkey(generation, schedule, "nixl", "held", p)]
-    if not left and not force:
-        return False
-    if readers:
-        for what, record in (("done", ()), ("nccl", ("req",))):  # one of each per reader at most
-            count = _gkey(generation, what, "count")
-            n = min(rdv.add(count, 0), readers)
-            keys += [count] + [_gkey(generation, what, *record, k) for k in range(1, n + 1)]
-    for key in keys:
-        rdv.delete(key)
-    return True
 
 
 def publish(tensors: Iterable[tuple[str, Any]] | Mapping[str, Any], image: Any, rank: int = 0, *, store: str,
