@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import importlib
 import threading
+import time
 from typing import Callable
+
+EARLY_IMPORT_MS: dict[str, float] = {}
+"""How long each finished :func:`import_early` took, in ms (a clone's report names torch's)."""
 
 
 def lazy_getattr(package: str, table: dict[str, str], namespace: dict) -> Callable[[str], object]:
@@ -43,8 +47,10 @@ def import_early(name: str) -> threading.Thread:
         raise ValueError(f"import_early takes a top-level module, not {name!r}")
 
     def run() -> None:
+        t0 = time.perf_counter()
         try:
             importlib.import_module(name)
+            EARLY_IMPORT_MS[name] = (time.perf_counter() - t0) * 1e3
         except BaseException:  # noqa: BLE001 - the caller's own import raises it where it is needed
             pass
 

@@ -100,6 +100,10 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     t_connected = time.perf_counter()
     connect_detail = {"import_ms": (t_store - t_import) * 1e3, "store_ms": (t_connected - t_store) * 1e3,
                       "before_ms": (t_import - t_start) * 1e3}
+    from .._lazy import EARLY_IMPORT_MS
+
+    if "torch" in EARLY_IMPORT_MS:  # the CLI's import of torch began before the clone: its whole length
+        connect_detail["torch_import_early_ms"] = EARLY_IMPORT_MS["torch"]
     try:
         return _clone(session, dev, schedule, mover_obj, t_start, verify=verify, timeout_s=timeout_s,
                       chunk_bytes=chunk_bytes, clones=clones, expect=expect, image=image, rank=rank,
@@ -159,6 +163,8 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
         d = {"start_ms": connect_detail["before_ms"], **{k: connect_detail[k] for k in ("import_ms", "store_ms")}}
         d["warm_wait_ms"] = report.warm_wait_ms
         d["other_ms"] = max(0.0, report.connect_ms - sum(d.values()))
+        if "torch_import_early_ms" in connect_detail:  # overlaps the parts above: not in their sum
+            d["torch_import_early_ms"] = connect_detail["torch_import_early_ms"]
         report.connect_detail = {k: round(v, 3) for k, v in d.items()}
     offers = {"nccl": bool(seed_rec.body.get("nccl", True)), "nixl": "nixl" in seed_rec.sealed}
     cls, note = choose_transport(Seen(seed_desc, offers), dev, transport)
