@@ -117,9 +117,9 @@ def test_executor_batches_the_steps_no_one_waits_on():
 
 def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
     """A source opened from an export maps its segments on first use: a batchable run of steps
-    from it is copied in groups of 1, 2, 4, 4, ... segments (MAP_GROUP_MAX_SEGMENTS), each
+    from it is copied in groups of 1, 2, 4, 4, ... unmapped segments (MAP_GROUP_MAX_SEGMENTS), each
     group's segments mapped just before its copy (so on a GPU the mapping of one group overlaps
-    the copy of the one before); once mapped, one copy."""
+    the copy of the one before); segments mapped already are one copy; once all are mapped, one copy."""
     from flashboot.flashclone.executor import MAP_GROUP_MAX_SEGMENTS
     from flashboot.movers.host import HostMover
 
@@ -149,15 +149,16 @@ def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
             eps = {0: Endpoint(0, "seed", source, None), 1: Endpoint(1, "clone", dst, flags)}
             mover = Recording(source, dst)
             Executor(plan, eps, 1, mover=mover).run()
-            # (offset, source bytes mapped): the first segment alone, mapped at open, then groups
-            # of 2, 4 and 3 segments, each one copy (its steps continue one another), each group
+            # (offset, source bytes mapped): the first segment, mapped at open, alone, then groups
+            # of 1, 2, 4 and 2 segments, each one copy (its steps continue one another), each group
             # mapped just before its copy: one group ahead, no more
-            assert mover.copies == [(0, seg), (seg, 3 * seg), (3 * seg, 7 * seg), (7 * seg, 10 * seg)]
+            assert mover.copies == [(0, seg), (seg, 2 * seg), (2 * seg, 4 * seg), (4 * seg, 8 * seg),
+                                    (8 * seg, 10 * seg)]
             assert mover.batches == []
             assert np.array_equal(dst.bytes().numpy(), data)
             dst.bytes().numpy()[:] = 0
             Executor(plan, eps, 1, mover=mover, epoch=2).run()  # mapped now: the run is one copy
-            assert mover.copies[4:] == [(0, 10 * seg)] and mover.batches == []
+            assert mover.copies[5:] == [(0, 10 * seg)] and mover.batches == []
             assert np.array_equal(dst.bytes().numpy(), data)
         # chunks smaller than a segment: the same groups of segments, each one copy mapped just before it
         half = build_plan("star", 1, nbytes, seg // 2)
@@ -166,8 +167,21 @@ def test_steps_from_a_source_opened_lazily_map_it_as_they_go():
             mover = Recording(source, dst)
             Executor(half, {0: Endpoint(0, "seed", source, None), 1: Endpoint(1, "clone", dst, flags)}, 1,
                      mover=mover).run()
-            assert mover.copies == [(0, seg), (seg, 3 * seg), (3 * seg, 7 * seg), (7 * seg, 10 * seg)]
+            assert mover.copies == [(0, seg), (seg, 2 * seg), (2 * seg, 4 * seg), (4 * seg, 8 * seg),
+                                    (8 * seg, 10 * seg)]
             assert mover.batches == []
+            assert np.array_equal(dst.bytes().numpy(), data)
+        # segments mapped ahead (a clone maps them while its own arena is made): one copy for all of
+        # them, issued before any mapping, then the unmapped ones in groups of 1, 2, ...
+        with Arena.open(owner.export()) as source, Arena.create(nbytes, "cpu", segment_bytes=seg) as dst, \
+                create_flags(half.flag_count(1), "cpu") as flags:
+            source.map_range(0, 5 * seg)
+            assert source.mapped_segments() == (True,) * 5 + (False,) * 5
+            mover = Recording(source, dst)
+            Executor(half, {0: Endpoint(0, "seed", source, None), 1: Endpoint(1, "clone", dst, flags)}, 1,
+                     mover=mover).run()
+            assert mover.copies == [(0, 5 * seg), (5 * seg, 6 * seg), (6 * seg, 8 * seg), (8 * seg, 10 * seg)]
+            assert mover.batches == [] and source.mapped_segments() == (True,) * 10
             assert np.array_equal(dst.bytes().numpy(), data)
 
 

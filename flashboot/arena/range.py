@@ -503,6 +503,10 @@ class Arena(SleepWake):
         ``segments_now`` left to make)."""
         return sum(n for n, m in zip(self._segment_sizes, self._mapped) if m)
 
+    def mapped_segments(self) -> tuple[bool, ...]:
+        """Whether each segment is mapped in this process now (see :attr:`mapped_nbytes`)."""
+        return tuple(self._mapped)
+
     @property
     def map_stats(self) -> dict[str, float]:
         """Segments mapped after :meth:`open` returned, and the ms it took (``segments``, ``map_ms``)."""
