@@ -15,7 +15,7 @@
 #                    fresh processes per cell, shapes $SHAPES, images under $ROOT), at most N s, its key lines;
 #   restart_views    the restart (open_held + metadata + views) on the images under $ROOT, fresh processes;
 #   clone_figures P E  a 13.76 GB seed on cuda:0; with E=1 engine-like clones (plain, then with the early call);
-#                    then P alternating pairs of a bare `import torch` + CUDA context process and a fresh
+#                    with $MAP_AB=1 benchmarks/probes/map_groups_ab.py ($MAP_AB_ROUNDS rounds); then P (0: none) alternating pairs of a bare `import torch` + CUDA context process and a fresh
 #                    `flashboot clone --verify` (target: +150 ms);
 #   serve_engines    many engines at once from one daemon (`bench serve --engines $ENGINES`), its table;
 #   stream_disk F    `bench stream --scale F` on the machine's disk (/var/tmp), its key lines;
@@ -107,7 +107,11 @@ clone_figures() {
           | tee -a "$OUT/clone_engine.jsonl" | python3 -m flashboot.benchmarks.clone_boot show 2>&1 | tee -a "$S"
       done
     fi
-    timeout "$(left 150)" python3 -m flashboot.benchmarks.clone_boot cli --store "$store" --repeats "$1" \
+    if [ "${MAP_AB:-0}" = 1 ]; then
+      timeout "$(left 120)" python3 benchmarks/probes/map_groups_ab.py --store "$store" --rounds "${MAP_AB_ROUNDS:-3}" \
+        2>&1 | tee "$OUT/map_groups_ab.jsonl" | tail -1 | tee -a "$S"
+    fi
+    [ "$1" -gt 0 ] && timeout "$(left 150)" python3 -m flashboot.benchmarks.clone_boot cli --store "$store" --repeats "$1" \
       | tee -a "$OUT/clone_cli.jsonl" | python3 -m flashboot.benchmarks.clone_boot show 2>&1 | tee -a "$S"
   else
     say "seed did not come up:"; tail -20 "$OUT/seed.log" | tee -a "$S"
