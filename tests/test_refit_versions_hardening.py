@@ -68,6 +68,33 @@ def test_a_failed_in_place_refit_claims_no_version_until_a_refit_succeeds(generi
         loaded.close()
 
 
+@pytest.mark.parametrize("how", ["barrier", "transport", "mover"])
+def test_an_in_place_refit_that_fails_before_writing_a_byte_keeps_its_version(generic_image, store, how):
+    """An in-place refit that failed before the clone wrote a byte into the arena (the start
+    barrier ran out, the transport asked for refused, a mover that is not there) marked the weights
+    torn all the same: loaded.version None over bytes that were still version 1's, whole."""
+    from flashboot.errors import FlashBootError
+
+    address, _ = store
+    one, two = _trainer_weights(24), _trainer_weights(25)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(one, version=1)
+            loaded.refit(address, 1, timeout_s=30)
+            pub.publish(two, version=2)
+            options = {"barrier": {"clones": 2, "timeout_s": 2}, "transport": {"transport": "nccl"},
+                       "mover": {"mover": "no-such-mover"}}[how]
+            with pytest.raises(FlashBootError) as raised:
+                loaded.refit(address, 2, atomic=False, **{"timeout_s": 30, **options})
+            assert "mix of versions" not in str(raised.value)
+            assert loaded.version == 1 and loaded.refit_torn is None and _holds(loaded, one)
+            assert loaded.refit(address, 2, atomic=False, timeout_s=30).previous_version == 1
+            assert loaded.version == 2 and _holds(loaded, two)
+    finally:
+        loaded.close()
+
+
 def test_a_second_publisher_of_a_published_version_is_refused_by_name(generic_image, store):
     """Two trainers (two Publishers, say a restarted trainer beside the old one) published version 1
     to one store: the last one won silently, and engines that had been told version 1 was the

@@ -11,7 +11,9 @@ trainer's, and only then are its segments mapped under the live arena's addresse
 (:func:`flashboot.arena.remap.replace_backing`), so views and CUDA-graph pointers stay valid
 and any failure leaves the old weights whole. ``atomic=False`` copies into the live arena: no
 extra memory, but a failure mid-copy leaves a mix of old and new weights (the checksums are
-still verified before the version is declared live). Such a failure marks the weights torn:
+still verified before the version is declared live). Such a failure, once the clone had issued
+a write into the arena (one before it, e.g. a source refused, leaves the old version claimed),
+marks the weights torn:
 ``loaded.version`` is None and ``loaded.refit_torn`` says which versions the bytes mix and why,
 until a refit to a version newer than the last whole one succeeds.
 
@@ -295,6 +297,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
         else:
             target = arena
         steps["staging_create_ms"] = (time.perf_counter() - t1) * 1e3
+        written = False  # in place, the live bytes are whole until the clone issues a write into them
         try:
             tc = time.perf_counter()
             try:
@@ -302,9 +305,11 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                                chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=namespace,
                                clones=clones, expect=manifest, transport=transport, into=target,
                                held_sources=loaded.refit_sources)
-            except BaseException:
+            except BaseException as exc:
                 release_held_sources(loaded.refit_sources)  # a trainer that failed us is not mapped again
+                written = getattr(exc, "into_written", True)  # not said: it may have been
                 raise
+            written = True
             steps["clone_ms"] = (time.perf_counter() - tc) * 1e3
             try:
                 rep = result.report
@@ -327,7 +332,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                 result.close()
                 steps["clone_close_ms"] = (time.perf_counter() - tr) * 1e3
         except BaseException as exc:
-            if atomic:
+            if atomic or not written:  # not a byte of the live arena changed: the old weights are serving
                 raise
             before = live if live is not None else torn["last_whole"]
             _mark_torn(loaded, live, version, exc)

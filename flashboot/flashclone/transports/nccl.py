@@ -131,6 +131,7 @@ def _clone_nccl(session: _Session, dev: Device, manifest: Manifest, metadata, ge
     pg = _process_group(rdv, _gkey(gen, "nccl", "pg", rid), 1, dev, timeout_s, peer=seed)
     report.exchange_ms = (time.perf_counter() - tx) * 1e3
     tt = time.perf_counter()
+    session.wrote = True
     try:
         _broadcast(pg, session.arena.bytes()[: manifest.nbytes], dev, timeout_s, peer=seed)
     finally:
