@@ -95,6 +95,22 @@ def test_an_in_place_refit_that_fails_before_writing_a_byte_keeps_its_version(ge
         loaded.close()
 
 
+def test_a_refit_on_the_ring_schedule_is_refused_up_front(generic_image, store):
+    """schedule="ring" (a clone's schedule, which loads shards of a host image) reached the clone,
+    which asked for image= and clones=, options refit does not take."""
+    address, _ = store
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(_trainer_weights(26), version=1)
+            with pytest.raises(RefitError, match=r"refit option schedule must be 'chain' or 'star', got 'ring'; "
+                                                 r"nothing was copied"):
+                loaded.refit(address, 1, schedule="ring", atomic=False, timeout_s=30)
+            assert loaded.version == 0 and loaded.refit_torn is None
+    finally:
+        loaded.close()
+
+
 def test_a_second_publisher_of_a_published_version_is_refused_by_name(generic_image, store):
     """Two trainers (two Publishers, say a restarted trainer beside the old one) published version 1
     to one store: the last one won silently, and engines that had been told version 1 was the

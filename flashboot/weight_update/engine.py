@@ -78,8 +78,9 @@ class RefitReport:
 def check_refit_values(where: str, **values: Any) -> None:
     """RefitError naming the option and its value for an ``atomic`` that is not a bool (None would
     mean in place, "false" atomic), a ``timeout_s`` that is not a finite number of seconds in (0,
-    :data:`~flashboot.units.MAX_TIMEOUT_S`], ``clones``/``chunk_bytes`` that are not a positive int (or None), or a
-    ``schedule``/``transport``/``name`` that is not a string, and a ``token_file`` not a path."""
+    :data:`~flashboot.units.MAX_TIMEOUT_S`], ``clones``/``chunk_bytes`` that are not a positive int (or None), a
+    ``schedule`` not ``chain`` or ``star``, a ``transport``/``name`` that is not a string, and a ``token_file``
+    not a path."""
     import os
 
     from ..units import check_timeout
@@ -97,6 +98,8 @@ def check_refit_values(where: str, **values: Any) -> None:
             raise bad(name, "a positive integer or None")
         if name in ("schedule", "transport", "name") and (not isinstance(value, str) or not value):
             raise bad(name, "a non-empty string")
+        if name == "schedule" and value not in ("chain", "star"):  # a ring loads shards of a host image
+            raise bad(name, "'chain' or 'star'")
         if name == "token_file" and value is not None and not isinstance(value, (str, os.PathLike)):
             raise bad(name, "a path or None")
 
