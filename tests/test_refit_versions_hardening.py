@@ -187,6 +187,37 @@ def test_the_store_keeps_no_keys_of_versions_no_engine_can_ask_for(generic_image
             e.close()
 
 
+def test_the_store_keeps_no_process_group_keys_of_the_broadcast_fallback(generic_image, store):
+    """Each refit over the broadcast fallback (transport="nccl"; gloo on the host backend) left
+    the keys torch's process group wrote under its prefix (each rank's address) in the store for
+    good: two more keys with every version, when the rest of the version's keys went."""
+    from flashboot.flashclone.common import PG_STORE_KEYS, _gkey
+    from flashboot.flashclone.rendezvous import Rendezvous
+    from flashboot.weight_update.publish import version_namespace
+
+    address, host = store
+    server = host.store
+    weights = [_trainer_weights(70 + v % 2) for v in range(2)]
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu", serve_nccl=True) as pub:
+            counts = []
+            for v in range(1, 6):
+                pub.publish(weights[v % 2], version=v)
+                report = loaded.refit(address, v, transport="nccl", timeout_s=30)
+                assert report.transport == "nccl" and _holds(loaded, weights[v % 2])
+                if v == 1:  # the group's keys, as this torch writes them
+                    with Rendezvous.connect(address, namespace=version_namespace("refit", 1), timeout_s=10) as rdv:
+                        prefix = rdv.full_key(_gkey(pub.seed.generation, "nccl", "pg", 1))
+                    assert any(server.check([f"{prefix}/{key}"]) for key in PG_STORE_KEYS)
+                counts.append(server.num_keys())
+            assert counts == counts[:1] * len(counts), counts  # one version's keys at a time
+            assert not any(server.check([f"{prefix}/{key}"]) for key in PG_STORE_KEYS)
+        assert server.num_keys() == 0
+    finally:
+        loaded.close()
+
+
 def test_a_version_whose_publisher_died_mid_publish_is_refused_naming_what_happened(generic_image, store):
     """A trainer killed while packing version 1 (after claiming it); restarted, it publishes version 1
     again. The claim stays (nobody can tell a dead trainer on another host from a slow one), so the

@@ -42,7 +42,7 @@ def _make_group(rdv: Rendezvous, prefix: str, rank: int, dev: Device, timeout_s:
 
     import torch.distributed as dist
 
-    store = dist.PrefixStore(rdv.full_key(prefix), rdv.store)
+    store = dist.PrefixStore(rdv.full_key(prefix), rdv.store)  # its keys: common.PG_STORE_KEYS
     if dev.is_cuda:
         import torch
 
