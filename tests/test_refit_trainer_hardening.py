@@ -349,6 +349,46 @@ def test_a_failed_in_place_refit_ends_the_post_processing_retry_of_the_last_vers
         weights.close()
 
 
+def test_an_in_place_refit_that_fails_before_writing_keeps_the_post_processing_retry(tmp_path, store):
+    """Version 1's post-processing failed (its retry pending), then an in-place refit to version 2
+    failed before a byte was written (a transport the trainer does not serve): the arena still held
+    version 1's bytes, but the pending retry was dropped, and "refit to version 1 again", as the
+    error had said, was refused as not newer: only a reload could make the engine servable."""
+    from test_integrations_refit import TinyEngineModel, _key, _prepack, _serve
+
+    from flashboot.errors import RendezvousError
+    from flashboot.integrations.engine_refit import engine_publisher, engine_tensors_to_publish, refit_engine_model
+    from flashboot.weight_update import RefitError
+
+    failed = []
+
+    def fail_once():
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("reprocess failed")
+
+    address, _ = store
+    image = _prepack(TinyEngineModel(0), tmp_path / "img", _key())
+    model, weights = _serve(image, tmp_path / "shm", _key())
+    one = dict(engine_tensors_to_publish(TinyEngineModel(1), "cpu"))
+    options = dict(what="test refit", derive=model.post_load_weights, reprocess=fail_once, timeout_s=30)
+    try:
+        with engine_publisher(image, 0, store=address, device="cpu") as pub:
+            pub.publish(one, version=1)
+            with pytest.raises(RefitError, match="version 1's bytes are live but .* failed at reprocess"):
+                refit_engine_model(model, address, 1, **options)
+            pub.publish(dict(engine_tensors_to_publish(TinyEngineModel(2), "cpu")), version=2)
+            with pytest.raises(RendezvousError, match="transport nccl cannot serve this clone"):
+                refit_engine_model(model, address, 2, atomic=False, transport="nccl", **options)
+            assert weights.handle.version == 1 and weights.post_refit_pending == {"version": 1, "derived": ["w_kc"]}
+            report = refit_engine_model(model, address, 1, **options)  # the retry the first error named
+            assert report.details["post_processing_only"] and weights.post_refit_pending is None
+            assert torch.equal(model.qkv.weight, one["qkv.weight"])
+            assert torch.equal(model.w_kc, one["qkv.weight"][:4, :8] * 2)
+    finally:
+        weights.close()
+
+
 def test_a_publisher_that_hosts_the_store_keeps_it_from_one_version_to_the_next(generic_image):
     """No store listens: the first publish's seed hosted it, and the next publish, withdrawing
     that seed, took the store down with every record in it: another rank's publish (here another
