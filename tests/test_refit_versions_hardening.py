@@ -218,6 +218,45 @@ def test_the_store_keeps_no_process_group_keys_of_the_broadcast_fallback(generic
         loaded.close()
 
 
+def test_a_publisher_closing_on_a_store_that_stopped_answering_waits_for_it_once(generic_image, monkeypatch):
+    """The store's host stopped answering (a cut link) with withdrawn versions still kept (an
+    engine joined each and never left). Closing the Publisher waited out its timeout on the dead
+    store for a version's keys, then again for its claim: the versions' keys went over a
+    Rendezvous of their own, whose finding the store silent the publisher's never heard of."""
+    from _clone_helpers import stop_process, store_in_its_own_process
+
+    from flashboot.flashclone.common import _gkey
+    from flashboot.flashclone.rendezvous import Rendezvous, StoreSilentError
+    from flashboot.weight_update.publish import version_namespace
+
+    silent = []
+    bounded = Rendezvous._bounded_call
+
+    def counted(self, what, fn, args):
+        try:
+            return bounded(self, what, fn, args)
+        except StoreSilentError:
+            silent.append(what)
+            raise
+
+    monkeypatch.setattr(Rendezvous, "_bounded_call", counted)
+    with store_in_its_own_process() as (address, proc):
+        pub = Publisher(generic_image, 0, store=address, device="cpu", timeout_s=1)
+        try:
+            for v in (1, 2):
+                pub.publish(_trainer_weights(v), version=v)
+                with Rendezvous.connect(address, namespace=version_namespace("refit", v), timeout_s=10) as rdv:
+                    rdv.add(_gkey(pub.seed.generation, "chain", "join"), 1)  # a reader that never leaves
+            pub.publish(_trainer_weights(3), version=3)
+            assert [version for _, version, _ in pub._spent] == [1, 2]
+            stop_process(proc.pid)
+        finally:
+            pub.close()
+    # the seed's own connection, then the publisher's: each finds the store silent once
+    assert len(silent) == 2, silent
+    assert pub.arena.closed
+
+
 def test_a_version_whose_publisher_died_mid_publish_is_refused_naming_what_happened(generic_image, store):
     """A trainer killed while packing version 1 (after claiming it); restarted, it publishes version 1
     again. The claim stays (nobody can tell a dead trainer on another host from a slow one), so the

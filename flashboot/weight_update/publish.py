@@ -159,7 +159,6 @@ class Publisher:
         """Names this publisher in its version claims (two in one process have one pid)."""
         self._spent: list[tuple[int, int, str]] = []  # (withdrawal, version, seed generation): keys not yet deleted
         self._withdrawals = 0
-        self._spent_rdv = None  # the store connection's Rendezvous in a version's namespace
 
     def plan(self, tensors: Mapping[str, Any]) -> PackPlan:
         """The checked plan for tensors of these names, dtypes and shapes (cached per header set)."""
@@ -368,23 +367,21 @@ class Publisher:
             self._spent.append((self._withdrawals, self.version, seed.generation))
             self._forget_spent()
 
-    def _namespace_rdv(self, namespace: str):
-        """This publisher's store connection in ``namespace`` (a version's), or None where it has
-        none that works: a connection per version (or a bounded-call thread per version) cost more
-        than the few calls made there."""
-        from ..flashclone.rendezvous import Rendezvous
-
-        base = self._live_rdv()
-        if base is None:
-            return None
-        rdv = self._spent_rdv
-        if rdv is None or rdv.store is not base.store or rdv.lost is not None:
-            if rdv is not None:
-                rdv.close()
-            rdv = self._spent_rdv = Rendezvous(base.store, base.address, base.token, namespace, base.is_server,
-                                               self.timeout_s)
+    @contextlib.contextmanager
+    def _in_namespace(self, namespace: str):
+        """This publisher's store connection switched to ``namespace`` (a version's) for a few
+        calls, or None where it has none that works. The one connection: a Rendezvous of its own
+        over the same store, found lost, had left this one live, and every call after it (each
+        spent version's, the claims' release) waited out the timeout again on a dead store."""
+        rdv = self._live_rdv()
+        if rdv is None:
+            yield None
+            return
         rdv.namespace = namespace
-        return rdv
+        try:
+            yield rdv
+        finally:
+            rdv.namespace = self.name
 
     def _forget_spent(self) -> None:
         """Delete the store keys of withdrawn versions once their readers have left (:data:`SPENT_KEPT`):
@@ -396,12 +393,12 @@ class Publisher:
         for withdrawal, version, generation in self._spent:
             force = self._withdrawals - withdrawal >= SPENT_KEPT
             done = force  # without a connection: asked again over the next one, unless too old to keep
-            rdv = self._namespace_rdv(version_namespace(self.name, version))
-            if rdv is not None:
-                try:
-                    done = forget_generation(rdv, generation, force)
-                except FlashBootError:
-                    pass
+            with self._in_namespace(version_namespace(self.name, version)) as rdv:
+                if rdv is not None:
+                    try:
+                        done = forget_generation(rdv, generation, force)
+                    except FlashBootError:
+                        pass
             if done:  # its number is free again: no engine is taking it now
                 self._release(f"claim/v{version}")
             else:
@@ -425,9 +422,8 @@ class Publisher:
         try:
             self.withdraw()
             self._forget_latest()
-            for rdv in (self._spent_rdv, self._store_client):
-                if rdv is not None:
-                    rdv.close()
+            if self._store_client is not None:
+                self._store_client.close()
             if self._store_host is not None:
                 self._store_host.close()  # the store goes with the last reference, as with a seed's
             self._table = None  # it holds the trainer's tensors while a publish failed mid-pack
