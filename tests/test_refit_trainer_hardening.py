@@ -114,6 +114,36 @@ def test_publish_keeps_no_reference_to_the_tensors_it_packed(generic_image, stor
         loaded.close()
 
 
+
+def test_a_refused_publish_keeps_no_reference_to_the_tensors_it_was_given(generic_image, store):
+    """A publish refused after its table was built (the version claimed by another Publisher) kept
+    the trainer's per-step copies (a full model's gathered tensors) alive until the next publish
+    or close, through whatever the trainer did after catching the error."""
+    import gc
+    import weakref
+
+    from flashboot.weight_update import PublishError
+
+    address, _ = store
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as first, \
+                Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            first.publish(_trainer_weights(5), version=1)
+            copies = {n: t.clone() for n, t in _trainer_weights(6).items()}
+            refs = [weakref.ref(t) for t in copies.values()]
+            with pytest.raises(PublishError, match="version 1 was already published"):
+                pub.publish(copies, version=1)
+            del copies
+            gc.collect()
+            assert [r for r in refs if r() is not None] == []
+            pub.publish(_trainer_weights(6), version=2)  # the next publish packs as ever
+            loaded.refit(address, 2, timeout_s=30)
+        for name, t in _trainer_weights(6).items():
+            assert torch.equal(loaded.tensors[name], t), name
+    finally:
+        loaded.close()
+
 def test_a_column_viewed_as_n_by_1_publishes_its_own_bytes(generic_image, store):
     """``scales[:, 3].view(-1, 1)`` has strides (10, 10): the size-1 dim's stride had merged the
     column into one contiguous run, publishing row 0's ten neighbours of it, without an error."""

@@ -218,12 +218,17 @@ class Publisher:
             self._table = (plan, where, PackTable(plan, named, self.arena))
         table = self._table[2]
         tc = time.perf_counter()
-        claim = self._claim(version)  # before a byte is written: a version taken by another is refused
         try:
-            return self._pack_and_seed(table, plan, named, version, t0, tc)
-        except BaseException:
-            self._release(claim)  # nothing was published under it: free for a retry from anyone
-            raise
+            claim = self._claim(version)  # before a byte is written: a version taken by another is refused
+            try:
+                return self._pack_and_seed(table, plan, named, version, t0, tc)
+            except BaseException:
+                self._release(claim)  # nothing was published under it: free for a retry from anyone
+                raise
+        finally:
+            # a refused or failed publish too: the table had held the trainer's per-publish copies
+            # (see _pack_and_seed) until the next publish, through a trainer's error handling
+            table.tensors = None
 
     def _pack_and_seed(self, table, plan: PackPlan, named: dict, version: int, t0: float,
                        tc: float) -> PublishReport:
@@ -426,7 +431,7 @@ class Publisher:
                 self._store_client.close()
             if self._store_host is not None:
                 self._store_host.close()  # the store goes with the last reference, as with a seed's
-            self._table = None  # it holds the trainer's tensors while a publish failed mid-pack
+            self._table = None  # its rows are addresses of the trainer's tensors
             if not self.arena.closed:
                 self.arena.close()
         finally:
