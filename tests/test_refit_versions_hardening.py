@@ -95,6 +95,49 @@ def test_an_in_place_refit_that_fails_before_writing_a_byte_keeps_its_version(ge
         loaded.close()
 
 
+@pytest.mark.parametrize("atomic", [True, False])
+def test_a_copy_its_publisher_repacked_is_refused_naming_the_next_version(generic_image, store, monkeypatch, atomic):
+    """The trainer ran ahead: it published version 2 (into its one arena) while an engine was still
+    copying version 1. The engine's error was a bare checksum mismatch of chunk 0, read as
+    corruption; its cause, and the version to refit to, went unsaid."""
+    from flashboot.errors import ChecksumMismatchError
+    from flashboot.flashclone.session import _Session
+
+    address, _ = store
+    one, two = _trainer_weights(27), _trainer_weights(28)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(one, version=1)
+            copy = _Session.run
+
+            def trainer_ran_ahead(session, executor):
+                if pub.version == 1:
+                    pub.publish(two, version=2)
+                return copy(session, executor)
+
+            monkeypatch.setattr(_Session, "run", trainer_ran_ahead)
+            with pytest.raises(RefitError, match=r"chunk 0 .* has checksum .*: its publisher withdrew version 1 during "
+                                                 r"the copy and packs version 2 into the arena it read .*; refit to "
+                                                 r"version 2") as raised:
+                loaded.refit(address, 1, atomic=atomic, timeout_s=30)
+            causes, exc = [], raised.value
+            while exc is not None:
+                causes, exc = causes + [type(exc)], exc.__cause__
+            assert causes[-1] is ChecksumMismatchError
+            assert loaded.version == (0 if atomic else None)
+            monkeypatch.setattr(_Session, "run", copy)
+            loaded.refit(address, 2, atomic=atomic, timeout_s=30)
+            assert loaded.version == 2 and _holds(loaded, two)
+            pub.arena.bytes().numpy()[:64] ^= 0xFF  # not its publisher's next version: the checksums' error as ever
+            pub.publish(one, version=3)
+            pub.arena.bytes().numpy()[:64] ^= 0xFF
+            with pytest.raises(ChecksumMismatchError, match="chunk 0"):
+                loaded.refit(address, 3, atomic=True, timeout_s=30)
+    finally:
+        loaded.close()
+
+
 def test_a_refit_on_the_ring_schedule_is_refused_up_front(generic_image, store):
     """schedule="ring" (a clone's schedule, which loads shards of a host image) reached the clone,
     which asked for image= and clones=, options refit does not take."""

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import ArenaError, FlashBootError, OutOfMemoryError
+from ..errors import ArenaError, ChecksumMismatchError, FlashBootError, OutOfMemoryError
 from ..flashclone.rendezvous import DEFAULT_TIMEOUT_S
 from .publish import DEFAULT_NAME, check_version, version_namespace
 
@@ -172,6 +172,31 @@ def _check_not_superseded(rdv, name: str, version: int, where: str) -> None:
                          f"{newest}; nothing was copied, the old weights are serving")
 
 
+def _repacked_note(store: str, token, token_file, name: str, version: int, timeout_s: float) -> str:
+    """Why a copy of ``version`` failed its checksums where its publisher has moved on since: it
+    withdrew ``version`` and packs the next one into the one arena the copy read (a Publisher
+    publishes every version from one arena). '' where it has not, or the store cannot tell."""
+    from ..flashclone.common import SEED_KEY
+    from ..flashclone.rendezvous import Rendezvous
+    from .publish import LATEST_KEY
+
+    try:
+        with Rendezvous.connect(store, token, token_file=token_file, namespace=version_namespace(name, version),
+                                timeout_s=timeout_s) as rdv:
+            if rdv.has(SEED_KEY):
+                return ""
+            rdv.namespace = name
+            latest = rdv.try_read(LATEST_KEY)
+    except FlashBootError:
+        return ""
+    newest = latest.body.get("version") if latest is not None else None
+    newer = f"version {newest}" if isinstance(newest, int) and not isinstance(newest, bool) and newest > version \
+        else "the next version"
+    return (f"its publisher withdrew version {version} during the copy and packs {newer} into the arena it read (a "
+            f"Publisher publishes every version from one arena: publish the next once the engines have taken the "
+            f"last); refit to {newer}")
+
+
 def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
           name: str = DEFAULT_NAME, schedule: str = "chain", clones: int | None = None, mover: Any = None,
           chunk_bytes: int | None = None, transport: str = "auto", token=None, token_file=None,
@@ -191,7 +216,8 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     WaitTimeoutError naming the step it waited on (the trainer's publish, a source),
     OutOfMemoryError with the numbers when there is no room for the staging copy
     (``atomic=False`` needs none), ChecksumMismatchError when the bytes copied are not those
-    published. All of them leave the old weights whole and serving, except a failure
+    published (a RefitError naming the newer version where its publisher has withdrawn this one
+    and packs the next into the arena the copy read). All of them leave the old weights whole and serving, except a failure
     during an ``atomic=False`` copy.
 
     The report's ``breakdown`` splits ``total_ms``: ``record_ms`` (connect, read and check the
@@ -311,6 +337,11 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
             except BaseException as exc:
                 release_held_sources(loaded.refit_sources)  # a trainer that failed us is not mapped again
                 written = getattr(exc, "into_written", True)  # not said: it may have been
+                if isinstance(exc, ChecksumMismatchError):  # the publisher's next version, or corruption?
+                    why = _repacked_note(store, token, token_file, name, version, timeout_s)
+                    if why:  # in place, the error below says where and what the arena holds
+                        raise RefitError(f"{where}: {exc}: {why}; the old weights are serving" if atomic else
+                                         f"{exc}: {why}") from exc
                 raise
             written = True
             steps["clone_ms"] = (time.perf_counter() - tc) * 1e3
