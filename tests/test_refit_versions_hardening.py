@@ -96,10 +96,12 @@ def test_an_in_place_refit_that_fails_before_writing_a_byte_keeps_its_version(ge
 
 
 @pytest.mark.parametrize("atomic", [True, False])
-def test_a_copy_its_publisher_repacked_is_refused_naming_the_next_version(generic_image, store, monkeypatch, atomic):
-    """The trainer ran ahead: it published version 2 (into its one arena) while an engine was still
-    copying version 1. The engine's error was a bare checksum mismatch of chunk 0, read as
-    corruption; its cause, and the version to refit to, went unsaid."""
+@pytest.mark.parametrize("published", [True, False])
+def test_a_copy_its_publisher_repacked_is_refused_naming_the_next_version(generic_image, store, monkeypatch, atomic,
+                                                                         published):
+    """The trainer ran ahead: it published version 2 (into its one arena; or was still packing it)
+    while an engine was still copying version 1. The engine's error was a bare checksum mismatch of
+    chunk 0, read as corruption; its cause, and the version to refit to, went unsaid."""
     from flashboot.errors import ChecksumMismatchError
     from flashboot.flashclone.session import _Session
 
@@ -112,14 +114,19 @@ def test_a_copy_its_publisher_repacked_is_refused_naming_the_next_version(generi
             copy = _Session.run
 
             def trainer_ran_ahead(session, executor):
-                if pub.version == 1:
-                    pub.publish(two, version=2)
+                if pub.seed is not None and pub.version == 1:
+                    if published:
+                        pub.publish(two, version=2)
+                    else:  # withdrawn, and the pack of the next version under way
+                        pub.withdraw()
+                        pub.arena.bytes().numpy()[:64] ^= 0xFF
                 return copy(session, executor)
 
             monkeypatch.setattr(_Session, "run", trainer_ran_ahead)
-            with pytest.raises(RefitError, match=r"chunk 0 .* has checksum .*: its publisher withdrew version 1 during "
-                                                 r"the copy and packs version 2 into the arena it read .*; refit to "
-                                                 r"version 2") as raised:
+            newer = "version 2" if published else "the next version"
+            with pytest.raises(RefitError, match=rf"chunk 0 .* has checksum .*: its publisher withdrew version 1 "
+                                                 rf"during the copy and packs {newer} into the arena it read .*; "
+                                                 rf"refit to {newer}") as raised:
                 loaded.refit(address, 1, atomic=atomic, timeout_s=30)
             causes, exc = [], raised.value
             while exc is not None:
@@ -127,6 +134,8 @@ def test_a_copy_its_publisher_repacked_is_refused_naming_the_next_version(generi
             assert causes[-1] is ChecksumMismatchError
             assert loaded.version == (0 if atomic else None)
             monkeypatch.setattr(_Session, "run", copy)
+            if not published:
+                pub.publish(two, version=2)
             loaded.refit(address, 2, atomic=atomic, timeout_s=30)
             assert loaded.version == 2 and _holds(loaded, two)
             pub.arena.bytes().numpy()[:64] ^= 0xFF  # not its publisher's next version: the checksums' error as ever

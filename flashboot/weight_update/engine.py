@@ -175,7 +175,8 @@ def _check_not_superseded(rdv, name: str, version: int, where: str) -> None:
 def _repacked_note(store: str, token, token_file, name: str, version: int, timeout_s: float) -> str:
     """Why a copy of ``version`` failed its checksums where its publisher has moved on since: it
     withdrew ``version`` and packs the next one into the one arena the copy read (a Publisher
-    publishes every version from one arena). '' where it has not, or the store cannot tell."""
+    publishes every version from one arena). '' where it has not (its latest record names an
+    older version, or none: it closed), or the store cannot tell."""
     from ..flashclone.common import SEED_KEY
     from ..flashclone.rendezvous import Rendezvous
     from .publish import LATEST_KEY
@@ -190,8 +191,9 @@ def _repacked_note(store: str, token, token_file, name: str, version: int, timeo
     except FlashBootError:
         return ""
     newest = latest.body.get("version") if latest is not None else None
-    newer = f"version {newest}" if isinstance(newest, int) and not isinstance(newest, bool) and newest > version \
-        else "the next version"
+    if not isinstance(newest, int) or isinstance(newest, bool) or newest < version:
+        return ""  # no open publisher of this name says so (one that closed takes its record out)
+    newer = f"version {newest}" if newest > version else "the next version"  # the record follows the seed's
     return (f"its publisher withdrew version {version} during the copy and packs {newer} into the arena it read (a "
             f"Publisher publishes every version from one arena: publish the next once the engines have taken the "
             f"last); refit to {newer}")
