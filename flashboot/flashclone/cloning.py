@@ -52,8 +52,8 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     (ring): pin the shard before the start barrier (see :func:`ring_load`). ``into``: an open
     arena of the seed's capacity on ``device`` to copy into instead of a new one (a refit's
     staging or live arena); the caller keeps owning it, also when the clone fails. A failure
-    raised with ``into`` carries ``into_written``: whether a write into it had been issued (False:
-    its bytes are as they were).
+    raised once connected carries ``into_written``: whether a write into ``into`` had been issued
+    (False: its bytes are as they were); one raised before carries none (nor was one).
     ``held_sources``: a dict the caller keeps from one clone to the next (a refit's engine): the
     seed's arena, once mapped here, stays in it, and a later clone of the same exported arena
     (same process, same arena id: a trainer publishing versions from one arena) reads it without
@@ -77,36 +77,31 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
                          mover=mover, chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=name,
                          expect=expect, step_delay_s=step_delay_s, pin_early=pin_early, transport=transport,
                          prepared=prepared, run=run)
-    try:
-        if clones is not None and (not isinstance(clones, int) or clones < 1):
-            raise FlashBootError(f"clones must be a positive int, got {clones!r}")
-        t_start = time.perf_counter()
-        dev = Device.parse(device)
-        if prepared is not None:
-            prepared.check_device(dev)
-        if transport != "auto" and transport not in transport_names():
-            transport_class(transport)  # UnknownNameError listing the registered ones
-        # overlaps importing torch, connecting, the exchange and our arena; joined by stage (warmup.STAGES)
-        warm = prepared if prepared is not None else CloneWarmup(dev, verify=verify, mover=_default_mover(dev, mover))
-        # checked by its class: created (its imports paid) after the warm-up's copy stage
-        mover_obj = _check_mover(dev, _default_mover(dev, mover), create=False)
-        nixl_warm = AgentWarmup.start_for(transport, "clone", timeout_s)
-        t_import = time.perf_counter()
-        # the store's client: in a fresh process, torch itself. ``import torch`` first: it waits for an
-        # import of torch in progress in another thread (the CLI's import_early), where importing a
-        # submodule would run it against a half-imported torch (torch._C._c10d_init aborts the process)
-        import torch  # noqa: F401
-        import torch.distributed  # noqa: F401
+    if clones is not None and (not isinstance(clones, int) or clones < 1):
+        raise FlashBootError(f"clones must be a positive int, got {clones!r}")
+    t_start = time.perf_counter()
+    dev = Device.parse(device)
+    if prepared is not None:
+        prepared.check_device(dev)
+    if transport != "auto" and transport not in transport_names():
+        transport_class(transport)  # UnknownNameError listing the registered ones
+    # overlaps importing torch, connecting, the exchange and our arena; joined by stage (warmup.STAGES)
+    warm = prepared if prepared is not None else CloneWarmup(dev, verify=verify, mover=_default_mover(dev, mover))
+    # checked by its class: created (its imports paid) after the warm-up's copy stage
+    mover_obj = _check_mover(dev, _default_mover(dev, mover), create=False)
+    nixl_warm = AgentWarmup.start_for(transport, "clone", timeout_s)
+    t_import = time.perf_counter()
+    # the store's client: in a fresh process, torch itself. ``import torch`` first: it waits for an
+    # import of torch in progress in another thread (the CLI's import_early), where importing a
+    # submodule would run it against a half-imported torch (torch._C._c10d_init aborts the process)
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
 
-        t_store = time.perf_counter()
-        session = _Session.connect(store, token, token_file, name, host=False, timeout_s=timeout_s, keep=nixl_warm)
-        t_connected = time.perf_counter()
-        connect_detail = {"import_ms": (t_store - t_import) * 1e3, "store_ms": (t_connected - t_store) * 1e3,
-                          "before_ms": (t_import - t_start) * 1e3}
-    except BaseException as exc:
-        if into is not None:  # before it connected: nothing was written into the caller's arena
-            exc.into_written = False
-        raise
+    t_store = time.perf_counter()
+    session = _Session.connect(store, token, token_file, name, host=False, timeout_s=timeout_s, keep=nixl_warm)
+    t_connected = time.perf_counter()
+    connect_detail = {"import_ms": (t_store - t_import) * 1e3, "store_ms": (t_connected - t_store) * 1e3,
+                      "before_ms": (t_import - t_start) * 1e3}
     try:
         return _clone(session, dev, schedule, mover_obj, t_start, verify=verify, timeout_s=timeout_s,
                       chunk_bytes=chunk_bytes, clones=clones, expect=expect, image=image, rank=rank,

@@ -338,7 +338,9 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                                held_sources=loaded.refit_sources)
             except BaseException as exc:
                 release_held_sources(loaded.refit_sources)  # a trainer that failed us is not mapped again
-                written = getattr(exc, "into_written", True)  # not said: it may have been
+                # not said: raised before the clone connected (ours: nothing was written), or an
+                # interrupt, which may have come as the clone returned, every byte in place
+                written = getattr(exc, "into_written", not isinstance(exc, FlashBootError))
                 if isinstance(exc, ChecksumMismatchError):  # the publisher's next version, or corruption?
                     why = _repacked_note(store, token, token_file, name, version, timeout_s)
                     if why:  # in place, the error below says where and what the arena holds
