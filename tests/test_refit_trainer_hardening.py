@@ -114,6 +114,36 @@ def test_publish_keeps_no_reference_to_the_tensors_it_packed(generic_image, stor
         loaded.close()
 
 
+
+def test_a_refused_publish_keeps_no_reference_to_the_tensors_it_was_given(generic_image, store):
+    """A publish refused after its table was built (the version claimed by another Publisher) kept
+    the trainer's per-step copies (a full model's gathered tensors) alive until the next publish
+    or close, through whatever the trainer did after catching the error."""
+    import gc
+    import weakref
+
+    from flashboot.weight_update import PublishError
+
+    address, _ = store
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as first, \
+                Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            first.publish(_trainer_weights(5), version=1)
+            copies = {n: t.clone() for n, t in _trainer_weights(6).items()}
+            refs = [weakref.ref(t) for t in copies.values()]
+            with pytest.raises(PublishError, match="version 1 was already published"):
+                pub.publish(copies, version=1)
+            del copies
+            gc.collect()
+            assert [r for r in refs if r() is not None] == []
+            pub.publish(_trainer_weights(6), version=2)  # the next publish packs as ever
+            loaded.refit(address, 2, timeout_s=30)
+        for name, t in _trainer_weights(6).items():
+            assert torch.equal(loaded.tensors[name], t), name
+    finally:
+        loaded.close()
+
 def test_a_column_viewed_as_n_by_1_publishes_its_own_bytes(generic_image, store):
     """``scales[:, 3].view(-1, 1)`` has strides (10, 10): the size-1 dim's stride had merged the
     column into one contiguous run, publishing row 0's ten neighbours of it, without an error."""
@@ -345,6 +375,46 @@ def test_a_failed_in_place_refit_ends_the_post_processing_retry_of_the_last_vers
                 refit_engine_model(model, address, 1, **options)
         assert weights.post_refit_pending is None and weights.handle.version is None
         assert not torch.equal(_tensors(model)["qkv.weight"], TinyEngineModel(1).qkv.weight)  # not version 1's
+    finally:
+        weights.close()
+
+
+def test_an_in_place_refit_that_fails_before_writing_keeps_the_post_processing_retry(tmp_path, store):
+    """Version 1's post-processing failed (its retry pending), then an in-place refit to version 2
+    failed before a byte was written (a transport the trainer does not serve): the arena still held
+    version 1's bytes, but the pending retry was dropped, and "refit to version 1 again", as the
+    error had said, was refused as not newer: only a reload could make the engine servable."""
+    from test_integrations_refit import TinyEngineModel, _key, _prepack, _serve
+
+    from flashboot.errors import RendezvousError
+    from flashboot.integrations.engine_refit import engine_publisher, engine_tensors_to_publish, refit_engine_model
+    from flashboot.weight_update import RefitError
+
+    failed = []
+
+    def fail_once():
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("reprocess failed")
+
+    address, _ = store
+    image = _prepack(TinyEngineModel(0), tmp_path / "img", _key())
+    model, weights = _serve(image, tmp_path / "shm", _key())
+    one = dict(engine_tensors_to_publish(TinyEngineModel(1), "cpu"))
+    options = dict(what="test refit", derive=model.post_load_weights, reprocess=fail_once, timeout_s=30)
+    try:
+        with engine_publisher(image, 0, store=address, device="cpu") as pub:
+            pub.publish(one, version=1)
+            with pytest.raises(RefitError, match="version 1's bytes are live but .* failed at reprocess"):
+                refit_engine_model(model, address, 1, **options)
+            pub.publish(dict(engine_tensors_to_publish(TinyEngineModel(2), "cpu")), version=2)
+            with pytest.raises(RendezvousError, match="transport nccl cannot serve this clone"):
+                refit_engine_model(model, address, 2, atomic=False, transport="nccl", **options)
+            assert weights.handle.version == 1 and weights.post_refit_pending == {"version": 1, "derived": ["w_kc"]}
+            report = refit_engine_model(model, address, 1, **options)  # the retry the first error named
+            assert report.details["post_processing_only"] and weights.post_refit_pending is None
+            assert torch.equal(model.qkv.weight, one["qkv.weight"])
+            assert torch.equal(model.w_kc, one["qkv.weight"][:4, :8] * 2)
     finally:
         weights.close()
 

@@ -68,6 +68,101 @@ def test_a_failed_in_place_refit_claims_no_version_until_a_refit_succeeds(generi
         loaded.close()
 
 
+@pytest.mark.parametrize("how", ["barrier", "transport", "mover"])
+def test_an_in_place_refit_that_fails_before_writing_a_byte_keeps_its_version(generic_image, store, how):
+    """An in-place refit that failed before the clone wrote a byte into the arena (the start
+    barrier ran out, the transport asked for refused, a mover that is not there) marked the weights
+    torn all the same: loaded.version None over bytes that were still version 1's, whole."""
+    from flashboot.errors import FlashBootError
+
+    address, _ = store
+    one, two = _trainer_weights(24), _trainer_weights(25)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(one, version=1)
+            loaded.refit(address, 1, timeout_s=30)
+            pub.publish(two, version=2)
+            options = {"barrier": {"clones": 2, "timeout_s": 2}, "transport": {"transport": "nccl"},
+                       "mover": {"mover": "no-such-mover"}}[how]
+            with pytest.raises(FlashBootError) as raised:
+                loaded.refit(address, 2, atomic=False, **{"timeout_s": 30, **options})
+            assert "mix of versions" not in str(raised.value)
+            assert loaded.version == 1 and loaded.refit_torn is None and _holds(loaded, one)
+            assert loaded.refit(address, 2, atomic=False, timeout_s=30).previous_version == 1
+            assert loaded.version == 2 and _holds(loaded, two)
+    finally:
+        loaded.close()
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("published", [True, False])
+def test_a_copy_its_publisher_repacked_is_refused_naming_the_next_version(generic_image, store, monkeypatch, atomic,
+                                                                         published):
+    """The trainer ran ahead: it published version 2 (into its one arena; or was still packing it)
+    while an engine was still copying version 1. The engine's error was a bare checksum mismatch of
+    chunk 0, read as corruption; its cause, and the version to refit to, went unsaid."""
+    from flashboot.errors import ChecksumMismatchError
+    from flashboot.flashclone.session import _Session
+
+    address, _ = store
+    one, two = _trainer_weights(27), _trainer_weights(28)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(one, version=1)
+            copy = _Session.run
+
+            def trainer_ran_ahead(session, executor):
+                if pub.seed is not None and pub.version == 1:
+                    if published:
+                        pub.publish(two, version=2)
+                    else:  # withdrawn, and the pack of the next version under way
+                        pub.withdraw()
+                        pub.arena.bytes().numpy()[:64] ^= 0xFF
+                return copy(session, executor)
+
+            monkeypatch.setattr(_Session, "run", trainer_ran_ahead)
+            newer = "version 2" if published else "the next version"
+            with pytest.raises(RefitError, match=rf"chunk 0 .* has checksum .*: its publisher withdrew version 1 "
+                                                 rf"during the copy and packs {newer} into the arena it read .*; "
+                                                 rf"refit to {newer}") as raised:
+                loaded.refit(address, 1, atomic=atomic, timeout_s=30)
+            causes, exc = [], raised.value
+            while exc is not None:
+                causes, exc = causes + [type(exc)], exc.__cause__
+            assert causes[-1] is ChecksumMismatchError
+            assert loaded.version == (0 if atomic else None)
+            monkeypatch.setattr(_Session, "run", copy)
+            if not published:
+                pub.publish(two, version=2)
+            loaded.refit(address, 2, atomic=atomic, timeout_s=30)
+            assert loaded.version == 2 and _holds(loaded, two)
+            pub.arena.bytes().numpy()[:64] ^= 0xFF  # not its publisher's next version: the checksums' error as ever
+            pub.publish(one, version=3)
+            pub.arena.bytes().numpy()[:64] ^= 0xFF
+            with pytest.raises(ChecksumMismatchError, match="chunk 0"):
+                loaded.refit(address, 3, atomic=True, timeout_s=30)
+    finally:
+        loaded.close()
+
+
+def test_a_refit_on_the_ring_schedule_is_refused_up_front(generic_image, store):
+    """schedule="ring" (a clone's schedule, which loads shards of a host image) reached the clone,
+    which asked for image= and clones=, options refit does not take."""
+    address, _ = store
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(_trainer_weights(26), version=1)
+            with pytest.raises(RefitError, match=r"refit option schedule must be 'chain' or 'star', got 'ring'; "
+                                                 r"nothing was copied"):
+                loaded.refit(address, 1, schedule="ring", atomic=False, timeout_s=30)
+            assert loaded.version == 0 and loaded.refit_torn is None
+    finally:
+        loaded.close()
+
+
 def test_a_second_publisher_of_a_published_version_is_refused_by_name(generic_image, store):
     """Two trainers (two Publishers, say a restarted trainer beside the old one) published version 1
     to one store: the last one won silently, and engines that had been told version 1 was the
@@ -142,6 +237,76 @@ def test_the_store_keeps_no_keys_of_versions_no_engine_can_ask_for(generic_image
     finally:
         for e in engines:
             e.close()
+
+
+def test_the_store_keeps_no_process_group_keys_of_the_broadcast_fallback(generic_image, store):
+    """Each refit over the broadcast fallback (transport="nccl"; gloo on the host backend) left
+    the keys torch's process group wrote under its prefix (each rank's address) in the store for
+    good: two more keys with every version, when the rest of the version's keys went."""
+    from flashboot.flashclone.common import PG_STORE_KEYS, _gkey
+    from flashboot.flashclone.rendezvous import Rendezvous
+    from flashboot.weight_update.publish import version_namespace
+
+    address, host = store
+    server = host.store
+    weights = [_trainer_weights(70 + v % 2) for v in range(2)]
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu", serve_nccl=True) as pub:
+            counts = []
+            for v in range(1, 6):
+                pub.publish(weights[v % 2], version=v)
+                report = loaded.refit(address, v, transport="nccl", timeout_s=30)
+                assert report.transport == "nccl" and _holds(loaded, weights[v % 2])
+                if v == 1:  # the group's keys, as this torch writes them
+                    with Rendezvous.connect(address, namespace=version_namespace("refit", 1), timeout_s=10) as rdv:
+                        prefix = rdv.full_key(_gkey(pub.seed.generation, "nccl", "pg", 1))
+                    assert any(server.check([f"{prefix}/{key}"]) for key in PG_STORE_KEYS)
+                counts.append(server.num_keys())
+            assert counts == counts[:1] * len(counts), counts  # one version's keys at a time
+            assert not any(server.check([f"{prefix}/{key}"]) for key in PG_STORE_KEYS)
+        assert server.num_keys() == 0
+    finally:
+        loaded.close()
+
+
+def test_a_publisher_closing_on_a_store_that_stopped_answering_waits_for_it_once(generic_image, monkeypatch):
+    """The store's host stopped answering (a cut link) with withdrawn versions still kept (an
+    engine joined each and never left). Closing the Publisher waited out its timeout on the dead
+    store for a version's keys, then again for its claim: the versions' keys went over a
+    Rendezvous of their own, whose finding the store silent the publisher's never heard of."""
+    from _clone_helpers import stop_process, store_in_its_own_process
+
+    from flashboot.flashclone.common import _gkey
+    from flashboot.flashclone.rendezvous import Rendezvous, StoreSilentError
+    from flashboot.weight_update.publish import version_namespace
+
+    silent = []
+    bounded = Rendezvous._bounded_call
+
+    def counted(self, what, fn, args):
+        try:
+            return bounded(self, what, fn, args)
+        except StoreSilentError:
+            silent.append(what)
+            raise
+
+    monkeypatch.setattr(Rendezvous, "_bounded_call", counted)
+    with store_in_its_own_process() as (address, proc):
+        pub = Publisher(generic_image, 0, store=address, device="cpu", timeout_s=1)
+        try:
+            for v in (1, 2):
+                pub.publish(_trainer_weights(v), version=v)
+                with Rendezvous.connect(address, namespace=version_namespace("refit", v), timeout_s=10) as rdv:
+                    rdv.add(_gkey(pub.seed.generation, "chain", "join"), 1)  # a reader that never leaves
+            pub.publish(_trainer_weights(3), version=3)
+            assert [version for _, version, _ in pub._spent] == [1, 2]
+            stop_process(proc.pid)
+        finally:
+            pub.close()
+    # the seed's own connection, then the publisher's: each finds the store silent once
+    assert len(silent) == 2, silent
+    assert pub.arena.closed
 
 
 def test_a_version_whose_publisher_died_mid_publish_is_refused_naming_what_happened(generic_image, store):

@@ -51,7 +51,9 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     to another source when one fails mid-transfer. ``timeout_s`` bounds every wait. ``pin_early``
     (ring): pin the shard before the start barrier (see :func:`ring_load`). ``into``: an open
     arena of the seed's capacity on ``device`` to copy into instead of a new one (a refit's
-    staging or live arena); the caller keeps owning it, also when the clone fails.
+    staging or live arena); the caller keeps owning it, also when the clone fails. A failure
+    raised once connected carries ``into_written``: whether a write into ``into`` had been issued
+    (False: its bytes are as they were); one raised before carries none (nor was one).
     ``held_sources``: a dict the caller keeps from one clone to the next (a refit's engine): the
     seed's arena, once mapped here, stays in it, and a later clone of the same exported arena
     (same process, same arena id: a trainer publishing versions from one arena) reads it without
@@ -110,6 +112,8 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
                       transport=transport, retry=retry, hook=_step_hook(step_delay_s), warm=warm,
                       nixl_warm=nixl_warm, into=into, held_sources=held_sources, connect_detail=connect_detail)
     except BaseException as exc:
+        if into is not None:  # the caller's bytes are as they were until a write into them was issued
+            exc.into_written = session.wrote
         try:
             if session.status_key is not None and session.rdv is not None:
                 session.rdv.publish(session.status_key, {"state": "failed", "error": _describe(exc)[:2000],

@@ -43,6 +43,12 @@ def _gkey(generation: str, *parts: Any) -> str:
     return "/".join(["g", generation, *map(str, parts)])
 
 
+PG_STORE_KEYS = ("0", "0/0", "0/1")
+"""What the broadcast fallback's 2-rank process group (transports/nccl.py) writes under its prefix
+``g/GEN/nccl/pg/N``: NCCL's unique id of its one communicator (its first, "0"), or each gloo rank's
+address (of its one device's context, "0/")."""
+
+
 MAX_FORGOTTEN_READERS = 4096
 """Positions of one schedule read back by :func:`forget_generation`: the join counter is anyone's
 to bump (store.add needs no token), and a forged 10**9 must not make it loop."""
@@ -50,9 +56,10 @@ to bump (store.add needs no token), and a forged 10**9 must not make it loop."""
 
 def forget_generation(rdv, generation: str, force: bool) -> bool:
     """Delete the keys that clones of seed ``generation`` wrote in ``rdv``'s namespace (the chain
-    and star records, counters and barriers of cloning.py, sources.py and session.py) when every
-    one of them has left, or ``force``; returns whether it deleted them. A refit's publisher
-    forgets each version it withdrew so (:mod:`flashboot.weight_update.publish`)."""
+    and star records, counters and barriers of cloning.py, sources.py and session.py, the broadcast
+    requests and process groups of transports/nccl.py) when every one of them has left, or
+    ``force``; returns whether it deleted them. A refit's publisher forgets each version it
+    withdrew so (:mod:`flashboot.weight_update.publish`)."""
     keys, left, readers = [], True, 0
     for schedule in ("chain", "star"):
         join = _gkey(generation, schedule, "join")
@@ -75,6 +82,9 @@ def forget_generation(rdv, generation: str, force: bool) -> bool:
             count = _gkey(generation, what, "count")
             n = min(rdv.add(count, 0), readers)
             keys += [count] + [_gkey(generation, what, *record, k) for k in range(1, n + 1)]
+        # n broadcasts asked for (the count above): each one's process group too, whose keys torch
+        # wrote under its prefix had stayed for good
+        keys += [f"{_gkey(generation, 'nccl', 'pg', k)}/{key}" for k in range(1, n + 1) for key in PG_STORE_KEYS]
     for key in keys:
         rdv.delete(key)
     return True

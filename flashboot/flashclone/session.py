@@ -36,6 +36,9 @@ class _Session:
         clears the run's keys)."""
         self.lanes_running: list[threading.Thread] = []
         """Copy threads of a run given up on while inside a copy (see :meth:`run`)."""
+        self.wrote = False
+        """Whether a write into ``arena`` was issued (a copy run started, a broadcast or READs posted):
+        until then a failed clone left a borrowed arena's bytes as they were."""
         self.timeout_s = rdv.timeout_s if rdv is not None else 60.0
         self._pending_arena: tuple[threading.Thread, dict, int, Any] | None = None
 
@@ -120,6 +123,7 @@ class _Session:
         """``executor.run()``. A host run that gives up while a lane is inside a copy (which cannot
         be interrupted) names its threads: they are kept, and :meth:`close` leaves mapped the
         memory they may still write, where unmapping it faulted the process."""
+        self.wrote = True
         try:
             return executor.run()
         except BaseException as exc:

@@ -172,7 +172,9 @@ def refit_engine_model(model, store: str, version: int, *, what: str, name: str 
             report = weights.handle.refit(store, version, name=refit_name(name, rank), check_record=same_engine_key,
                                           **options)
         except BaseException:
-            if not options.get("atomic", True):  # in place: the bytes may be a mix now, not the pending version's
+            if pending is not None and weights.handle.version != pending["version"]:
+                # torn by an in-place copy: the bytes are a mix now, not the pending version's (one
+                # that failed before writing a byte left them, and the retry, as they were)
                 weights.post_refit_pending = None
             raise
         # version N is live from here on: a failure below must say so and leave a way to finish it

@@ -11,7 +11,9 @@ trainer's, and only then are its segments mapped under the live arena's addresse
 (:func:`flashboot.arena.remap.replace_backing`), so views and CUDA-graph pointers stay valid
 and any failure leaves the old weights whole. ``atomic=False`` copies into the live arena: no
 extra memory, but a failure mid-copy leaves a mix of old and new weights (the checksums are
-still verified before the version is declared live). Such a failure marks the weights torn:
+still verified before the version is declared live). Such a failure, once the clone had issued
+a write into the arena (one before it, e.g. a source refused, leaves the old version claimed),
+marks the weights torn:
 ``loaded.version`` is None and ``loaded.refit_torn`` says which versions the bytes mix and why,
 until a refit to a version newer than the last whole one succeeds.
 
@@ -29,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import ArenaError, FlashBootError, OutOfMemoryError
+from ..errors import ArenaError, ChecksumMismatchError, FlashBootError, OutOfMemoryError
 from ..flashclone.rendezvous import DEFAULT_TIMEOUT_S
 from .publish import DEFAULT_NAME, check_version, version_namespace
 
@@ -76,8 +78,9 @@ class RefitReport:
 def check_refit_values(where: str, **values: Any) -> None:
     """RefitError naming the option and its value for an ``atomic`` that is not a bool (None would
     mean in place, "false" atomic), a ``timeout_s`` that is not a finite number of seconds in (0,
-    :data:`~flashboot.units.MAX_TIMEOUT_S`], ``clones``/``chunk_bytes`` that are not a positive int (or None), or a
-    ``schedule``/``transport``/``name`` that is not a string, and a ``token_file`` not a path."""
+    :data:`~flashboot.units.MAX_TIMEOUT_S`], ``clones``/``chunk_bytes`` that are not a positive int (or None), a
+    ``schedule`` not ``chain`` or ``star``, a ``transport``/``name`` that is not a string, and a ``token_file``
+    not a path."""
     import os
 
     from ..units import check_timeout
@@ -95,6 +98,8 @@ def check_refit_values(where: str, **values: Any) -> None:
             raise bad(name, "a positive integer or None")
         if name in ("schedule", "transport", "name") and (not isinstance(value, str) or not value):
             raise bad(name, "a non-empty string")
+        if name == "schedule" and value not in ("chain", "star"):  # a ring loads shards of a host image
+            raise bad(name, "'chain' or 'star'")
         if name == "token_file" and value is not None and not isinstance(value, (str, os.PathLike)):
             raise bad(name, "a path or None")
 
@@ -167,6 +172,33 @@ def _check_not_superseded(rdv, name: str, version: int, where: str) -> None:
                          f"{newest}; nothing was copied, the old weights are serving")
 
 
+def _repacked_note(store: str, token, token_file, name: str, version: int, timeout_s: float) -> str:
+    """Why a copy of ``version`` failed its checksums where its publisher has moved on since: it
+    withdrew ``version`` and packs the next one into the one arena the copy read (a Publisher
+    publishes every version from one arena). '' where it has not (its latest record names an
+    older version, or none: it closed), or the store cannot tell."""
+    from ..flashclone.common import SEED_KEY
+    from ..flashclone.rendezvous import Rendezvous
+    from .publish import LATEST_KEY
+
+    try:
+        with Rendezvous.connect(store, token, token_file=token_file, namespace=version_namespace(name, version),
+                                timeout_s=timeout_s) as rdv:
+            if rdv.has(SEED_KEY):
+                return ""
+            rdv.namespace = name
+            latest = rdv.try_read(LATEST_KEY)
+    except FlashBootError:
+        return ""
+    newest = latest.body.get("version") if latest is not None else None
+    if not isinstance(newest, int) or isinstance(newest, bool) or newest < version:
+        return ""  # no open publisher of this name says so (one that closed takes its record out)
+    newer = f"version {newest}" if newest > version else "the next version"  # the record follows the seed's
+    return (f"its publisher withdrew version {version} during the copy and packs {newer} into the arena it read (a "
+            f"Publisher publishes every version from one arena: publish the next once the engines have taken the "
+            f"last); refit to {newer}")
+
+
 def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
           name: str = DEFAULT_NAME, schedule: str = "chain", clones: int | None = None, mover: Any = None,
           chunk_bytes: int | None = None, transport: str = "auto", token=None, token_file=None,
@@ -186,7 +218,8 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     WaitTimeoutError naming the step it waited on (the trainer's publish, a source),
     OutOfMemoryError with the numbers when there is no room for the staging copy
     (``atomic=False`` needs none), ChecksumMismatchError when the bytes copied are not those
-    published. All of them leave the old weights whole and serving, except a failure
+    published (a RefitError naming the newer version where its publisher has withdrawn this one
+    and packs the next into the arena the copy read). All of them leave the old weights whole and serving, except a failure
     during an ``atomic=False`` copy.
 
     The report's ``breakdown`` splits ``total_ms``: ``record_ms`` (connect, read and check the
@@ -295,6 +328,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
         else:
             target = arena
         steps["staging_create_ms"] = (time.perf_counter() - t1) * 1e3
+        written = False  # in place, the live bytes are whole until the clone issues a write into them
         try:
             tc = time.perf_counter()
             try:
@@ -302,9 +336,18 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                                chunk_bytes=chunk_bytes, token=token, token_file=token_file, name=namespace,
                                clones=clones, expect=manifest, transport=transport, into=target,
                                held_sources=loaded.refit_sources)
-            except BaseException:
+            except BaseException as exc:
                 release_held_sources(loaded.refit_sources)  # a trainer that failed us is not mapped again
+                # not said: raised before the clone connected (ours: nothing was written), or an
+                # interrupt, which may have come as the clone returned, every byte in place
+                written = getattr(exc, "into_written", not isinstance(exc, FlashBootError))
+                if isinstance(exc, ChecksumMismatchError):  # the publisher's next version, or corruption?
+                    why = _repacked_note(store, token, token_file, name, version, timeout_s)
+                    if why:  # in place, the error below says where and what the arena holds
+                        raise RefitError(f"{where}: {exc}: {why}; the old weights are serving" if atomic else
+                                         f"{exc}: {why}") from exc
                 raise
+            written = True
             steps["clone_ms"] = (time.perf_counter() - tc) * 1e3
             try:
                 rep = result.report
@@ -327,7 +370,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                 result.close()
                 steps["clone_close_ms"] = (time.perf_counter() - tr) * 1e3
         except BaseException as exc:
-            if atomic:
+            if atomic or not written:  # not a byte of the live arena changed: the old weights are serving
                 raise
             before = live if live is not None else torn["last_whole"]
             _mark_torn(loaded, live, version, exc)

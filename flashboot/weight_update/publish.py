@@ -159,7 +159,6 @@ class Publisher:
         """Names this publisher in its version claims (two in one process have one pid)."""
         self._spent: list[tuple[int, int, str]] = []  # (withdrawal, version, seed generation): keys not yet deleted
         self._withdrawals = 0
-        self._spent_rdv = None  # the store connection's Rendezvous in a version's namespace
 
     def plan(self, tensors: Mapping[str, Any]) -> PackPlan:
         """The checked plan for tensors of these names, dtypes and shapes (cached per header set)."""
@@ -219,12 +218,17 @@ class Publisher:
             self._table = (plan, where, PackTable(plan, named, self.arena))
         table = self._table[2]
         tc = time.perf_counter()
-        claim = self._claim(version)  # before a byte is written: a version taken by another is refused
         try:
-            return self._pack_and_seed(table, plan, named, version, t0, tc)
-        except BaseException:
-            self._release(claim)  # nothing was published under it: free for a retry from anyone
-            raise
+            claim = self._claim(version)  # before a byte is written: a version taken by another is refused
+            try:
+                return self._pack_and_seed(table, plan, named, version, t0, tc)
+            except BaseException:
+                self._release(claim)  # nothing was published under it: free for a retry from anyone
+                raise
+        finally:
+            # a refused or failed publish too: the table had held the trainer's per-publish copies
+            # (see _pack_and_seed) until the next publish, through a trainer's error handling
+            table.tensors = None
 
     def _pack_and_seed(self, table, plan: PackPlan, named: dict, version: int, t0: float,
                        tc: float) -> PublishReport:
@@ -368,23 +372,21 @@ class Publisher:
             self._spent.append((self._withdrawals, self.version, seed.generation))
             self._forget_spent()
 
-    def _namespace_rdv(self, namespace: str):
-        """This publisher's store connection in ``namespace`` (a version's), or None where it has
-        none that works: a connection per version (or a bounded-call thread per version) cost more
-        than the few calls made there."""
-        from ..flashclone.rendezvous import Rendezvous
-
-        base = self._live_rdv()
-        if base is None:
-            return None
-        rdv = self._spent_rdv
-        if rdv is None or rdv.store is not base.store or rdv.lost is not None:
-            if rdv is not None:
-                rdv.close()
-            rdv = self._spent_rdv = Rendezvous(base.store, base.address, base.token, namespace, base.is_server,
-                                               self.timeout_s)
+    @contextlib.contextmanager
+    def _in_namespace(self, namespace: str):
+        """This publisher's store connection switched to ``namespace`` (a version's) for a few
+        calls, or None where it has none that works. The one connection: a Rendezvous of its own
+        over the same store, found lost, had left this one live, and every call after it (each
+        spent version's, the claims' release) waited out the timeout again on a dead store."""
+        rdv = self._live_rdv()
+        if rdv is None:
+            yield None
+            return
         rdv.namespace = namespace
-        return rdv
+        try:
+            yield rdv
+        finally:
+            rdv.namespace = self.name
 
     def _forget_spent(self) -> None:
         """Delete the store keys of withdrawn versions once their readers have left (:data:`SPENT_KEPT`):
@@ -396,12 +398,12 @@ class Publisher:
         for withdrawal, version, generation in self._spent:
             force = self._withdrawals - withdrawal >= SPENT_KEPT
             done = force  # without a connection: asked again over the next one, unless too old to keep
-            rdv = self._namespace_rdv(version_namespace(self.name, version))
-            if rdv is not None:
-                try:
-                    done = forget_generation(rdv, generation, force)
-                except FlashBootError:
-                    pass
+            with self._in_namespace(version_namespace(self.name, version)) as rdv:
+                if rdv is not None:
+                    try:
+                        done = forget_generation(rdv, generation, force)
+                    except FlashBootError:
+                        pass
             if done:  # its number is free again: no engine is taking it now
                 self._release(f"claim/v{version}")
             else:
@@ -425,12 +427,11 @@ class Publisher:
         try:
             self.withdraw()
             self._forget_latest()
-            for rdv in (self._spent_rdv, self._store_client):
-                if rdv is not None:
-                    rdv.close()
+            if self._store_client is not None:
+                self._store_client.close()
             if self._store_host is not None:
                 self._store_host.close()  # the store goes with the last reference, as with a seed's
-            self._table = None  # it holds the trainer's tensors while a publish failed mid-pack
+            self._table = None  # its rows are addresses of the trainer's tensors
             if not self.arena.closed:
                 self.arena.close()
         finally:

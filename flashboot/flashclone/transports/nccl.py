@@ -42,7 +42,7 @@ def _make_group(rdv: Rendezvous, prefix: str, rank: int, dev: Device, timeout_s:
 
     import torch.distributed as dist
 
-    store = dist.PrefixStore(rdv.full_key(prefix), rdv.store)
+    store = dist.PrefixStore(rdv.full_key(prefix), rdv.store)  # its keys: common.PG_STORE_KEYS
     if dev.is_cuda:
         import torch
 
@@ -131,6 +131,7 @@ def _clone_nccl(session: _Session, dev: Device, manifest: Manifest, metadata, ge
     pg = _process_group(rdv, _gkey(gen, "nccl", "pg", rid), 1, dev, timeout_s, peer=seed)
     report.exchange_ms = (time.perf_counter() - tx) * 1e3
     tt = time.perf_counter()
+    session.wrote = True
     try:
         _broadcast(pg, session.arena.bytes()[: manifest.nbytes], dev, timeout_s, peer=seed)
     finally:

@@ -569,6 +569,7 @@ def _clone(ctx):
 
     reader = Reader(rdv, dev, position, f"clone #{position}", keys.held(position), timeout_s, ctx.hook, reattach,
                     warnings=report.warnings)
+    session.wrote = True
     used = read_pieces(reader, agent, sources, session.arena, todo)
     report.transfer_ms = (time.perf_counter() - tt) * 1e3
     report.ready_ms = (time.perf_counter() - ctx.t_start) * 1e3
