@@ -383,6 +383,31 @@ def test_the_trainers_arena_stays_mapped_from_one_version_to_the_next(model, sto
     assert loaded.refit_sources == {} and now.closed
 
 
+def test_sleep_releases_the_trainers_arena_and_the_next_refit_maps_it_again(model, store):
+    """A sleeping engine frees the GPU's memory for the trainer: the trainer's arena, mapped for
+    the next refit, is released too (it kept the trainer's memory in use after its own release);
+    after the wake, the next refit maps it again and gets its bytes."""
+    address, _ = store
+    loaded = flashboot.load(model / "img", rank=0, device="cpu")
+    try:
+        with Publisher(model / "img", 0, store=address, device="cpu") as pub:
+            pub.publish(_new_weights(model / "ckpt", 0.5, seed=21), version=1)
+            loaded.refit(address, 1, timeout_s=30)
+            [held] = loaded.refit_sources.values()
+            loaded.sleep(level=1)
+            assert loaded.refit_sources == {} and held.closed
+            loaded.wake()
+            v2 = _new_weights(model / "ckpt", 0.5, seed=22)
+            pub.publish(v2, version=2)
+            loaded.refit(address, 2, atomic=False, timeout_s=30)
+            [again] = loaded.refit_sources.values()
+            assert again is not held and loaded.version == 2
+            with _reference(model, "slept", v2, rank=0) as ref:
+                _equal(_snapshot(loaded), _snapshot(ref))
+    finally:
+        loaded.close()
+
+
 def test_refit_over_a_transport_that_runs_the_copy_itself(model, store):
     """The transports registry decides: over the broadcast fallback (gloo here) the copy still lands
     in the staging arena, is verified and remapped under the same views."""

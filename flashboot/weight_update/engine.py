@@ -21,7 +21,8 @@ The engine keeps the trainer's arena mapped between refits (``LoadedImage.refit_
 trainer publishes every version from one arena, so the next refit copies at once instead of
 importing and mapping every segment again (about as long as the copy itself on one H200). The
 mapping keeps that memory alive after the trainer releases it, until the engine refits from
-another arena, a refit fails, or the engine is closed.
+another arena, a refit fails, the engine sleeps (whose point is to free the GPU's memory), or it
+is closed.
 """
 
 from __future__ import annotations
