@@ -175,13 +175,13 @@ def test_a_killed_store_holder_is_taken_over_and_one_paused_past_its_lease_stops
     """A holder killed without closing leaves its lease: the next one waits out HOLDER_LEASE_S of
     silence and takes over. One stopped (SIGSTOP) for longer than that finds, when it runs again,
     that it has been replaced: it stops, naming the new holder, and leaves the new one's records."""
-    from flashboot.flashclone import holder as holder_mod
+    from flashboot.flashclone import holder_registry
     from flashboot.flashclone.holder import Holder, hand_over, open_held
 
-    monkeypatch.setattr(holder_mod, "HOLDER_LEASE_S", 1.0)
+    monkeypatch.setattr(holder_registry, "HOLDER_LEASE_S", 1.0)
     address, _ = store
-    code = ("import sys\nfrom flashboot.flashclone import holder\n"
-            "holder.HOLDER_LEASE_S = 1.0\n"
+    code = ("import sys\nfrom flashboot.flashclone import holder, holder_registry\n"
+            "holder_registry.HOLDER_LEASE_S = 1.0\n"
             "h = holder.Holder(store=sys.argv[1], timeout_s=5)\nprint('ready', flush=True)\nh.serve_forever()\n"
             "print('errors:', *h.errors, sep='\\n', flush=True)\n")
     killed = subprocess.Popen([sys.executable, "-c", code, address], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -220,8 +220,9 @@ def test_hold_says_at_its_start_that_it_took_over_a_killed_holders_lease(store, 
     (it had been kept in the error list, printed only when the holder stopped)."""
     from flashboot.cli import main
     from flashboot.flashclone import holder as holder_mod
+    from flashboot.flashclone import holder_registry
 
-    monkeypatch.setattr(holder_mod, "HOLDER_LEASE_S", 1.0)
+    monkeypatch.setattr(holder_registry, "HOLDER_LEASE_S", 1.0)
     monkeypatch.setattr(holder_mod.Holder, "serve_forever",
                         lambda self: print("(serving)", file=sys.stderr, flush=True) or self.close())
     address, _ = store

@@ -16,6 +16,7 @@ import flashboot
 from flashboot.arena import Arena
 from flashboot.errors import FlashBootError
 from flashboot.flashclone import holder as holders
+from flashboot.flashclone import holder_registry
 from flashboot.flashclone.holder import Holder, hand_over, held_record
 from flashboot.flashload.restart import HolderOption
 
@@ -78,7 +79,7 @@ def test_a_full_registry_at_the_hand_over_warns_and_keeps_the_load(image, tmp_pa
         f.write("{")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(holders, "json", types.SimpleNamespace(dump=full, loads=json.loads))
+    monkeypatch.setattr(holder_registry, "json", types.SimpleNamespace(dump=full, loads=json.loads))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = flashboot.load(image, 0, "cpu", holder=registry)

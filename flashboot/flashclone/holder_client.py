@@ -1,0 +1,149 @@
+"""The engine side of the holder (:mod:`flashboot.flashclone.holder`): hand an arena over, find,
+map and release what is held."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from typing import Any
+
+from ..errors import ArenaError, WaitTimeoutError
+from ..fileio import lock_signer
+from ..procfs import STOPPED, process_state
+from .holder_registry import DEFAULT_TIMEOUT_S, _check_name, _DirKV, _kv, holder_gone
+
+def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+              image: dict | None = None, **store_options):
+    """Ask the holder to keep ``arena`` under ``name``; returns the holder's descriptor once it has
+    mapped it (after which this process may exit). From then on ``arena.sleep()`` is refused,
+    naming the holder. WaitTimeoutError when no holder answers within ``timeout_s``; ArenaError
+    when the holder could not adopt it. ``image``: what the weights are (a JSON-ready dict,
+    :func:`flashboot.flashload.restart.image_identity`), published with the held arena."""
+    from ..arena import ArenaDescriptor
+    from ..units import check_timeout
+
+    _check_name(name)
+    check_timeout(timeout_s, "hand_over timeout_s")  # NaN: no deadline is ever reached, a wait for no holder never ended
+    # a store that does not answer is bounded by the same timeout, not the store's 30 s default
+    kv = _kv(registry, store, **({"timeout_s": timeout_s, **store_options} if store is not None else store_options))
+    try:
+        request = secrets.token_hex(8)
+        kv.put("requests", name, {"descriptor": arena.export().to_dict(), "request": request, "pid": os.getpid(),
+                                  "image": image})
+        deadline = time.monotonic() + timeout_s
+        delay = 0.001
+        while True:
+            held = kv.get("held", name)
+            if held is not None and held.get("request") == request:
+                if "error" in held:
+                    raise ArenaError(f"the holder ({kv.where()}) could not adopt {name!r}: {held['error']}")
+                arena.share(f"holder {name!r} ({kv.where()})")  # its sleep would free nothing the holder maps
+                return ArenaDescriptor.from_dict(held["descriptor"])
+            if time.monotonic() > deadline:
+                kv.delete("requests", name)
+                raise WaitTimeoutError(f"no holder adopted {name!r} within {timeout_s:g} s ({kv.where()}); "
+                                       + (_holder_fate(kv) or "is `flashboot hold` running there?"))
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+    finally:
+        kv.close()
+
+
+def _holder_fate(kv) -> str:
+    """What became of a registry's holder, for a wait that ran out (its lock file names its pid):
+    exited (killed: the engine had been asked whether one runs at all), stopped, or '' (running,
+    or not known: a store's)."""
+    if not isinstance(kv, _DirKV):
+        return ""
+    pid = lock_signer(kv.path / kv.LOCK)
+    if not pid.isdigit():
+        return ""
+    state = process_state(pid)
+    if state == "X":
+        return f"its holder (pid {pid}) has exited: start `flashboot hold --registry {kv.path}` again"
+    if state in STOPPED:
+        return f"its holder (pid {pid}) is stopped (process state {state}): resume it (kill -CONT) or restart it"
+    return ""
+
+
+
+def held_record(name: str, *, registry=None, store=None, **store_options) -> dict | None:
+    """The holder's whole record for ``name`` (descriptor, image, since, holder_pid; or the error
+    of a failed adoption), None when nothing is held under it."""
+    _check_name(name)
+    kv = _kv(registry, store, create=False, **store_options)
+    try:
+        return kv.get("held", name)
+    finally:
+        kv.close()
+
+
+def held_descriptor(name: str, *, registry=None, store=None, **store_options):
+    """The descriptor the holder publishes for ``name``; ArenaError when nothing is held under it."""
+    from ..arena import ArenaDescriptor
+
+    _check_name(name)
+    kv = _kv(registry, store, create=False, **store_options)
+    try:
+        held = kv.get("held", name)
+        if held is None or "descriptor" not in held:
+            raise ArenaError(f"no arena is held as {name!r} in {kv.where()}"
+                             + (f" (last adoption failed: {held['error']})" if held and "error" in held else ""))
+        gone = holder_gone(held)
+        if gone is not None:  # its fds, taken by pid, would be nothing, or another process's
+            raise ArenaError(f"the arena held as {name!r} in {kv.where()} is gone: {gone}")
+        return ArenaDescriptor.from_dict(held["descriptor"])
+    finally:
+        kv.close()
+
+
+def open_held(name: str, device: Any = None, *, registry=None, store=None, **store_options):
+    """Map the arena held as ``name`` (the same memory, no copy). ``device`` as for
+    :meth:`flashboot.Arena.open` (default: where it lives). ArenaError when it is not held or the
+    holder has exited."""
+    from ..arena import Arena
+
+    desc = held_descriptor(name, registry=registry, store=store, **store_options)
+    if desc.backend == "host":
+        return Arena.open(desc)
+    return Arena.open(desc, device)
+
+
+def release(name: str, *, registry=None, store=None, timeout_s: float = DEFAULT_TIMEOUT_S, **store_options) -> None:
+    """Ask the holder to drop ``name`` and wait until it has. WaitTimeoutError if it does not;
+    ArenaError when nothing holds ``name`` (or its holder has exited)."""
+    from ..units import check_timeout
+
+    _check_name(name)
+    check_timeout(timeout_s, "release timeout_s")  # NaN had waited forever for a holder that is not there
+    # the store's connect is bounded by the same timeout, not the store's 30 s default
+    kv = _kv(registry, store, create=False,
+             **({"timeout_s": timeout_s, **store_options} if store is not None else store_options))
+    try:
+        # a name nothing holds had returned at once, as if released: a typo went unnoticed
+        held = kv.get("held", name)
+        if held is None:
+            raise ArenaError(f"nothing is held as {name!r} in {kv.where()}")
+        gone = holder_gone(held) if "descriptor" in held else None
+        if gone is not None:  # no holder will answer the request: the wait had run out blaming it
+            raise ArenaError(f"{name!r} is held no more in {kv.where()}: {gone}, and its memory went with it")
+        kv.put("requests", name, {"op": "release"})
+        deadline = time.monotonic() + timeout_s
+        while kv.get("held", name) is not None:
+            if time.monotonic() > deadline:
+                fate = _holder_fate(kv)
+                raise WaitTimeoutError(f"the holder did not release {name!r} within {timeout_s:g} s ({kv.where()})"
+                                       + (f"; {fate}" if fate else ""))
+            time.sleep(0.01)
+    finally:
+        kv.close()
+
+
+def list_held(registry) -> dict[str, dict]:
+    """``name -> record`` of everything held in a registry directory."""
+    kv = _DirKV(registry, create=False)
+    return {n: kv.get("held", n) for n in kv.names("held")}
+
+
+__all__ = ["hand_over", "held_descriptor", "held_record", "list_held", "open_held", "release"]
