@@ -81,7 +81,7 @@ def test_holder_keeps_weights_across_an_engine_restart(tmp_path):
 
 
 def test_holder_in_process_refuses_a_writable_registry_and_a_dead_engine(tmp_path):
-    from flashboot.flashclone.holder import Holder, hand_over
+    from flashboot.flashclone.holder import REQUESTS, Holder, hand_over
 
     open_dir = tmp_path / "shared"
     open_dir.mkdir(mode=0o777)
@@ -105,7 +105,7 @@ def test_holder_in_process_refuses_a_writable_registry_and_a_dead_engine(tmp_pat
         from flashboot.arena import ArenaDescriptor
 
         ghost = ArenaDescriptor("host", 2**22 - 3, (5,), MiB, -1, "memfd", 2 * MiB, 2 * MiB, "dead", None, "")
-        holder.kv.put("requests", "ghost", {"descriptor": ghost.to_dict(), "request": "r1"})
+        holder.kv.put(REQUESTS, "ghost", {"descriptor": ghost.to_dict(), "request": "r1"})
         wait_until(lambda: holder.kv.get("held", "ghost"), 10, "the holder's answer")
         with pytest.raises(FlashBootError, match="last adoption failed"):
             flashboot.flashclone.holder.open_held("ghost", registry=registry)

@@ -17,7 +17,7 @@ from flashboot.arena import Arena
 from flashboot.errors import FlashBootError
 from flashboot.flashclone import holder as holders
 from flashboot.flashclone import holder_registry
-from flashboot.flashclone.holder import Holder, hand_over, held_record
+from flashboot.flashclone.holder import REQUESTS, Holder, hand_over, held_record
 from flashboot.flashload.restart import HolderOption
 
 from _clone_helpers import serving_holder, wait_until
@@ -37,7 +37,7 @@ def test_a_directory_among_the_requests_does_not_stop_the_holder(tmp_path):
     loop, which drops every arena it holds."""
     registry = tmp_path / "registry"
     holder = Holder(registry=registry)
-    (registry / "requests" / "stray.json").mkdir()
+    (registry / REQUESTS / "stray.json").mkdir()
     with serving_holder(holder) as t:
         arena = Arena.create(1 << 20, "cpu")
         try:
@@ -85,10 +85,10 @@ def test_a_full_registry_at_the_hand_over_warns_and_keeps_the_load(image, tmp_pa
         loaded = flashboot.load(image, 0, "cpu", holder=registry)
     with loaded:
         name = loaded.report.details["not_restored"].split("'")[1]
-        assert f"cannot write requests/{name}.json: No space left on device" in loaded.report.details["hand_over_error"]
+        assert f"cannot write {REQUESTS}/{name}.json: No space left on device" in loaded.report.details["hand_over_error"]
         assert loaded.tensors
     assert any("could not hand it to the holder" in str(w.message) for w in caught)
-    assert os.listdir(registry / "requests") == []
+    assert os.listdir(registry / REQUESTS) == []
 
 
 def test_a_held_record_whose_holder_pid_now_names_another_process_is_not_held(image, tmp_path):
@@ -315,7 +315,7 @@ def test_hand_over_and_release_refuse_a_timeout_that_is_no_deadline(bad, tmp_pat
             hand_over(arena, "x", registry=registry, timeout_s=bad)
         with pytest.raises(FlashBootError, match="release timeout_s must be a finite number of seconds"):
             holders.release("w", registry=registry, timeout_s=bad)
-        assert os.listdir(registry / "requests") == []  # refused before any request was written
+        assert os.listdir(registry / REQUESTS) == []  # refused before any request was written
     finally:
         holder.close()
         arena.close()
@@ -378,7 +378,7 @@ def test_engines_on_different_gpus_that_each_call_theirs_cuda0_keep_their_held_a
     on_first = option.name_for(image, 0, "cuda:0")
     named_first = _rank_holder(types.SimpleNamespace(holder={"registry": "-", "name": "llama"}), 0,
                                restart.Device.parse("cuda:0")).name
-    record = {"descriptor": {}, "holder_pid": os.getpid(),
+    record = {"descriptor": {}, "holder_pid": os.getpid(), "protocol": holders.HOLDER_PROTOCOL,
               "image": {"image_dir": os.path.realpath(image), "rank": 0, "device": "cuda:0", "gpu": gpu["now"],
                         "metadata_sha256": flashboot.layouts.image.read_job(image).metadata_sha256[0]}}
     monkeypatch.setattr(holders, "held_record", lambda name, **where: record)

@@ -23,12 +23,14 @@ from ..errors import FlashBootError, StoreLostError
 from ..fdshare import grow_fd_table, take_fds
 from ..procfs import proc_start_time
 from .holder_client import hand_over, held_descriptor, held_record, list_held, open_held, release  # noqa: F401
-from .holder_registry import (DEFAULT_TIMEOUT_S, HOLDER_BEAT_S, HOLDER_LEASE_S, MAX_PENDING_REQUESTS,  # noqa: F401
-                              MAX_RECORD_BYTES, NAME_MAX, REQUEST_GRACE_S, _check_name, _DirKV, _kv, _StoreKV,
-                              holder_gone)
+from .holder_registry import (DEFAULT_TIMEOUT_S, HOLDER_BEAT_S, HOLDER_LEASE_S, HOLDER_PROTOCOL,  # noqa: F401
+                              MAX_PENDING_REQUESTS, MAX_RECORD_BYTES, NAME_MAX, OLDER_REQUESTS, REQUEST_GRACE_S,
+                              REQUESTS, _check_name, _DirKV, _kv, _StoreKV, holder_gone, protocol_refused)
 
 MAX_ERRORS = 100
 """How many problems a holder keeps (planted requests arrive as fast as anyone can write them)."""
+OLDER_POLL_S = 0.25
+"""How often a holder looks where engines of older protocols ask (to refuse them by name)."""
 
 
 class ErrorLog(list):
@@ -109,6 +111,7 @@ class Holder:
         """The newest :data:`MAX_ERRORS` problems (``errors.dropped``: how many older ones went)."""
         self.errors += self.kv.drain_problems()  # a holder before this one, taken as gone
         self._stop = threading.Event()
+        self._next_older_poll = 0.0
         self._answers: dict[str, str] = {}
         """Names whose failed adoption this holder answered with an error record: its request id."""
         if isinstance(self.kv, _DirKV):
@@ -175,7 +178,8 @@ class Holder:
         self.held[name] = item
         try:
             self.kv.put("held", name, {"descriptor": held_desc.to_dict(), "request": request, "since": item.since,
-                                       "holder_pid": os.getpid(), "holder_start": self._start, "image": image})
+                                       "holder_pid": os.getpid(), "holder_start": self._start, "image": image,
+                                       "protocol": HOLDER_PROTOCOL})
         except BaseException:
             self.held.pop(name)
             item.close()
@@ -204,58 +208,88 @@ class Holder:
 
     def poll_once(self) -> int:
         """Handle every pending request; returns how many. A failed adoption is recorded in
-        ``errors`` and answered with an error record, so the engine does not wait in vain."""
-        from ..arena import ArenaDescriptor
-
+        ``errors`` and answered with an error record, so the engine does not wait in vain; so is
+        the request of an engine of an older protocol (:data:`OLDER_REQUESTS`), refused."""
         handled = 0
         self.kv.check_lease()
-        names = self.kv.names("requests")
-        self.errors += self.kv.drain_problems()
-        for name in names:
-            # one bad request (planted, malformed) is recorded and skipped: it must not stop the
-            # holder, which would drop every arena it holds
-            try:
-                req = self.kv.get("requests", name)
-            except StoreLostError:
-                raise
-            except FlashBootError as exc:  # not JSON, or not an authentic record: nobody to answer
-                self.errors.append(f"{name}: request skipped: {exc}")
-                self._forget_request(name)
-                continue
-            if req is None:
-                continue
-            handled += 1
-            if not isinstance(req, dict):
-                self.errors.append(f"{name}: request skipped: it is a {type(req).__name__}, not an object")
-                self._forget_request(name)
-                continue
-            try:
-                _check_name(name)
-                if req.get("op") == "release":
-                    self.release(name)
-                else:
-                    if "descriptor" not in req:
-                        raise FlashBootError("the request carries no descriptor")
-                    image = req.get("image")
-                    request = req.get("request", "")
-                    self.adopt(name, ArenaDescriptor.from_dict(req["descriptor"]),
-                               request if isinstance(request, str) else "", image if isinstance(image, dict) else None)
-            except StoreLostError:
-                raise
-            except (FlashBootError, OSError) as exc:
-                self.errors.append(f"{name}: {exc}")
-                if req.get("op") != "release":  # answered: the engine stops waiting
-                    try:
-                        self.kv.put("held", name, {"error": str(exc), "request": str(req.get("request", ""))})
-                        self._answers[name] = str(req.get("request", ""))
-                    except FlashBootError as put_exc:
-                        self.errors.append(f"{name}: could not answer: {put_exc}")
-            self._forget_request(name)
+        kinds = [REQUESTS]
+        if time.monotonic() >= self._next_older_poll:
+            self._next_older_poll = time.monotonic() + OLDER_POLL_S
+            kinds += OLDER_REQUESTS
+        for kind in kinds:
+            names = self.kv.names(kind)
+            self.errors += self.kv.drain_problems()
+            handled += sum(self._handle(kind, name) for name in names)
         return handled
 
-    def _forget_request(self, name: str) -> None:
+    def _handle(self, kind: str, name: str) -> int:
+        """Handle the request ``kind/name``; 1 if there was one to handle."""
+        from ..arena import ArenaDescriptor
+
+        # one bad request (planted, malformed) is recorded and skipped: it must not stop the
+        # holder, which would drop every arena it holds
         try:
-            self.kv.delete("requests", name)
+            req = self.kv.get(kind, name)
+        except StoreLostError:
+            raise
+        except FlashBootError as exc:  # not JSON, or not an authentic record: nobody to answer
+            self.errors.append(f"{name}: request skipped: {exc}")
+            self._forget_request(kind, name)
+            return 0
+        if req is None:
+            return 0
+        if not isinstance(req, dict):
+            self.errors.append(f"{name}: request skipped: it is a {type(req).__name__}, not an object")
+            self._forget_request(kind, name)
+            return 1
+        try:
+            _check_name(name)
+            if kind != REQUESTS:
+                self._refuse_older(kind, name, req)
+            elif req.get("op") == "release":
+                self.release(name)
+            else:
+                if "descriptor" not in req:
+                    raise FlashBootError("the request carries no descriptor")
+                image = req.get("image")
+                request = req.get("request", "")
+                self.adopt(name, ArenaDescriptor.from_dict(req["descriptor"]),
+                           request if isinstance(request, str) else "", image if isinstance(image, dict) else None)
+        except StoreLostError:
+            raise
+        except (FlashBootError, OSError) as exc:
+            self.errors.append(f"{name}: {exc}")
+            if req.get("op") != "release" and kind == REQUESTS:  # answered: the engine stops waiting
+                self._answer_error(name, req, str(exc))
+        self._forget_request(kind, name)
+        return 1
+
+    def _answer_error(self, name: str, req: dict, error: str) -> None:
+        try:
+            self.kv.put("held", name, {"error": error, "request": str(req.get("request", "")),
+                                       "protocol": HOLDER_PROTOCOL})
+            self._answers[name] = str(req.get("request", ""))
+        except FlashBootError as put_exc:
+            self.errors.append(f"{name}: could not answer: {put_exc}")
+
+    def _refuse_older(self, kind: str, name: str, req: dict) -> None:
+        """Refuse the request of an engine of an older protocol, by name (FlashBootError): a holder
+        of that protocol beside this one takes such requests too, and both had adopted them (a
+        release through one left the other's mapping). The engine's wait is answered, unless an
+        arena is held under ``name``: its record stays (an older release, waiting for the record
+        to go, runs out)."""
+        why = (f"this holder ({self.kv.where()}) speaks holder protocol {HOLDER_PROTOCOL} and the engine that asked "
+               f"holder protocol {OLDER_REQUESTS[kind]} (an older FlashBoot's): engines and their holder must run "
+               "one FlashBoot version")
+        if req.get("op") != "release":
+            record = self.kv.get("held", name)
+            if record is None or "descriptor" not in record:
+                self._answer_error(name, req, why)
+        raise FlashBootError(f"{'release' if req.get('op') == 'release' else 'hand-over'} refused: {why}")
+
+    def _forget_request(self, kind: str, name: str) -> None:
+        try:
+            self.kv.delete(kind, name)
         except StoreLostError:
             raise
         except (FlashBootError, OSError) as exc:

@@ -8,10 +8,12 @@ import secrets
 import time
 from typing import Any
 
-from ..errors import ArenaError, WaitTimeoutError
+from ..errors import ArenaError, FlashBootError, WaitTimeoutError
 from ..fileio import lock_signer
 from ..procfs import STOPPED, process_state
-from .holder_registry import DEFAULT_TIMEOUT_S, _check_name, _DirKV, _kv, holder_gone
+from .holder_registry import (DEFAULT_TIMEOUT_S, HOLDER_PROTOCOL, REQUESTS, _check_name, _DirKV, _kv, holder_gone,
+                              protocol_refused)
+
 
 def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float = DEFAULT_TIMEOUT_S,
               image: dict | None = None, **store_options):
@@ -29,8 +31,8 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
     kv = _kv(registry, store, **({"timeout_s": timeout_s, **store_options} if store is not None else store_options))
     try:
         request = secrets.token_hex(8)
-        kv.put("requests", name, {"descriptor": arena.export().to_dict(), "request": request, "pid": os.getpid(),
-                                  "image": image})
+        kv.put(REQUESTS, name, {"descriptor": arena.export().to_dict(), "request": request, "pid": os.getpid(),
+                                "image": image, "protocol": HOLDER_PROTOCOL})
         deadline = time.monotonic() + timeout_s
         delay = 0.001
         while True:
@@ -41,7 +43,7 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
                 arena.share(f"holder {name!r} ({kv.where()})")  # its sleep would free nothing the holder maps
                 return ArenaDescriptor.from_dict(held["descriptor"])
             if time.monotonic() > deadline:
-                kv.delete("requests", name)
+                kv.delete(REQUESTS, name)
                 raise WaitTimeoutError(f"no holder adopted {name!r} within {timeout_s:g} s ({kv.where()}); "
                                        + (_holder_fate(kv) or "is `flashboot hold` running there?"))
             time.sleep(delay)
@@ -57,13 +59,29 @@ def _holder_fate(kv) -> str:
     if not isinstance(kv, _DirKV):
         return ""
     pid = lock_signer(kv.path / kv.LOCK)
-    if not pid.isdigit():
-        return ""
-    state = process_state(pid)
-    if state == "X":
-        return f"its holder (pid {pid}) has exited: start `flashboot hold --registry {kv.path}` again"
+    state = process_state(pid) if pid.isdigit() else None
     if state in STOPPED:
         return f"its holder (pid {pid}) is stopped (process state {state}): resume it (kill -CONT) or restart it"
+    older = _older_holder(kv)
+    if older:
+        return older
+    if state == "X":
+        return f"its holder (pid {pid}) has exited: start `flashboot hold --registry {kv.path}` again"
+    return ""
+
+
+def _older_holder(kv) -> str:
+    """The running holder of another protocol whose records a registry holds (it does not look where
+    this FlashBoot's engines ask), or ''."""
+    for name in kv.names("held"):
+        try:
+            record = kv.get("held", name)
+        except FlashBootError:  # one bad file: the others still tell
+            continue
+        if record and "descriptor" in record and holder_gone(record) is None and protocol_refused(record):
+            return (f"pid {record.get('holder_pid')}, a holder of holder protocol {record.get('protocol', 1)!r}, keeps "
+                    f"{name!r} here and does not see this FlashBoot's requests (holder protocol {HOLDER_PROTOCOL}): "
+                    f"stop it and start this FlashBoot's `flashboot hold --registry {kv.path}`")
     return ""
 
 
@@ -93,6 +111,9 @@ def held_descriptor(name: str, *, registry=None, store=None, **store_options):
         gone = holder_gone(held)
         if gone is not None:  # its fds, taken by pid, would be nothing, or another process's
             raise ArenaError(f"the arena held as {name!r} in {kv.where()} is gone: {gone}")
+        refused = protocol_refused(held)
+        if refused is not None:  # an older holder's record: served beside this FlashBoot's, it had been used unsaid
+            raise ArenaError(f"the arena held as {name!r} in {kv.where()} is refused: {refused}")
         return ArenaDescriptor.from_dict(held["descriptor"])
     finally:
         kv.close()
@@ -128,7 +149,11 @@ def release(name: str, *, registry=None, store=None, timeout_s: float = DEFAULT_
         gone = holder_gone(held) if "descriptor" in held else None
         if gone is not None:  # no holder will answer the request: the wait had run out blaming it
             raise ArenaError(f"{name!r} is held no more in {kv.where()}: {gone}, and its memory went with it")
-        kv.put("requests", name, {"op": "release"})
+        refused = protocol_refused(held) if "descriptor" in held else None
+        if refused is not None:  # that holder does not look where this FlashBoot asks: the wait had run out
+            raise ArenaError(f"{name!r} in {kv.where()} is not released: {refused} (release it with that "
+                             "FlashBoot's `flashboot hold --release`)")
+        kv.put(REQUESTS, name, {"op": "release", "protocol": HOLDER_PROTOCOL})
         deadline = time.monotonic() + timeout_s
         while kv.get("held", name) is not None:
             if time.monotonic() > deadline:

@@ -4,12 +4,15 @@
 One of:
 
 * a registry **directory** (``registry=DIR``; created mode 0700 and refused if others can write
-  it): ``requests/NAME.json`` from engines, ``held/NAME.json`` from the holder, files replaced
+  it): ``requests.v2/NAME.json`` from engines, ``held/NAME.json`` from the holder, files replaced
   atomically;
 * the rendezvous **store** (``store=HOST:PORT``): the same records, authenticated with the shared
   token (see :mod:`flashboot.flashclone.records`), requests numbered by an atomic counter.
 
 Each also decides who is its one holder (the registry's flock, the store's lease).
+
+Engines and their holder speak one :data:`HOLDER_PROTOCOL`: an engine asks where only a holder of
+its protocol looks (:data:`REQUESTS`), and every record a holder writes names its protocol.
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ REQUEST_GRACE_S = 5.0
 
 MAX_RECORD_BYTES = 16 << 20
 """The largest registry record read (a descriptor of 1,024 segments with fabric handles is ~0.2 MB)."""
+
+HOLDER_PROTOCOL = 2
+"""What this FlashBoot's holder and engines speak. 1: every FlashBoot before 2026-12-05's holder
+lock, whose records name no protocol and whose holders take no lock or lease: one of them beside
+this one had adopted requests too (an arena released through one stayed mapped by the other)."""
+REQUESTS = f"requests.v{HOLDER_PROTOCOL}"
+"""Where engines of this protocol ask (a registry's folder, a store's key prefix): a holder of
+protocol 1 does not look there, so it never takes this protocol's requests."""
+OLDER_REQUESTS = {"requests": 1}
+"""Where engines of older protocols ask, and their protocol: a holder refuses them by name."""
 
 HOLDER_BEAT_S = 0.5
 """How often a store's holder counts its beat (in a thread of its own: a long adoption does not
@@ -87,7 +100,7 @@ class _DirKV:
         if mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise FlashBootError(f"holder registry {str(self.path)!r} is writable by others (mode {oct(mode & 0o777)}); "
                                  "anyone could plant a descriptor there: chmod 700 it")
-        for sub in ("requests", "held") if create else ():
+        for sub in (REQUESTS, "held") if create else ():
             try:
                 (self.path / sub).mkdir(mode=0o700, exist_ok=True)
             except OSError as exc:
@@ -185,8 +198,9 @@ class _StoreKV:
 
         self.rdv = Rendezvous.connect(address, token, token_file=token_file, namespace=namespace, host=host,
                                       timeout_s=timeout_s)
-        self._seen = 0
-        self._pending: dict[int, float] = {}
+        self._seen: dict[str, int] = {}
+        """The last request number counted, by where requests are asked (:data:`REQUESTS`, ...)."""
+        self._pending: dict[str, dict[int, float]] = {}
         """Request numbers counted but not yet written, with when they were first seen."""
         self._problems: list[str] = []
         self._lease: int | None = None
@@ -275,9 +289,9 @@ class _StoreKV:
 
     def put(self, kind: str, name: str, body: dict) -> None:
         self.rdv.publish(f"hold/{kind}/{name}", body)
-        if kind == "requests":
-            k = self.rdv.add("hold/requests/count", 1)
-            self.rdv.publish(f"hold/requests/#{k}", {"name": name})
+        if kind == REQUESTS or kind in OLDER_REQUESTS:
+            k = self.rdv.add(f"hold/{kind}/count", 1)
+            self.rdv.publish(f"hold/{kind}/#{k}", {"name": name})
 
     def get(self, kind: str, name: str) -> dict | None:
         rec = self.rdv.try_read(f"hold/{kind}/{name}")
@@ -287,7 +301,7 @@ class _StoreKV:
         self.rdv.publish(f"hold/{kind}/{name}", {"deleted": True})
 
     def names(self, kind: str) -> list[str]:
-        if kind != "requests":
+        if kind != REQUESTS and kind not in OLDER_REQUESTS:
             raise FlashBootError("the store does not list held names; ask for one by name")
         from ..errors import RendezvousError
 
@@ -295,19 +309,21 @@ class _StoreKV:
         # service: every record is authenticated), so nothing here may raise or wait: a number
         # not written yet is asked for again at the next poll, for REQUEST_GRACE_S, and only the
         # last MAX_PENDING_REQUESTS numbers are followed (a counter bumped by 10**7 is skipped).
-        n = self.rdv.add("hold/requests/count", 0)
-        if n - self._seen > MAX_PENDING_REQUESTS:
-            self._problems.append(f"request counter jumped from {self._seen} to {n}; skipped "
-                                  f"#{self._seen + 1}..#{n - MAX_PENDING_REQUESTS}")
-            self._seen = n - MAX_PENDING_REQUESTS
+        n = self.rdv.add(f"hold/{kind}/count", 0)
+        seen, pending = self._seen.get(kind, 0), self._pending.setdefault(kind, {})
+        if n - seen > MAX_PENDING_REQUESTS:
+            self._problems.append(f"{kind} counter jumped from {seen} to {n}; skipped "
+                                  f"#{seen + 1}..#{n - MAX_PENDING_REQUESTS}")
+            seen = n - MAX_PENDING_REQUESTS
         now = time.monotonic()
-        while self._seen < n:
-            self._seen += 1
-            self._pending[self._seen] = now
+        while seen < n:
+            seen += 1
+            pending[seen] = now
+        self._seen[kind] = seen
         out = []
-        for k, since in sorted(self._pending.items())[-MAX_PENDING_REQUESTS:]:
+        for k, since in sorted(pending.items())[-MAX_PENDING_REQUESTS:]:
             try:
-                rec = self.rdv.try_read(f"hold/requests/#{k}")
+                rec = self.rdv.try_read(f"hold/{kind}/#{k}")
                 if rec is None:
                     if now - since > REQUEST_GRACE_S:
                         raise FlashBootError(f"was counted but never written within {REQUEST_GRACE_S:g} s")
@@ -318,12 +334,12 @@ class _StoreKV:
             except RendezvousError as exc:
                 if isinstance(exc, StoreLostError):
                     raise
-                self._problems.append(f"request #{k} skipped: {exc}")
+                self._problems.append(f"{kind} #{k} skipped: {exc}")
             except FlashBootError as exc:
-                self._problems.append(f"request #{k} skipped: {exc}")
-            del self._pending[k]
-        for k in sorted(self._pending)[:-MAX_PENDING_REQUESTS]:
-            del self._pending[k]
+                self._problems.append(f"{kind} #{k} skipped: {exc}")
+            del pending[k]
+        for k in sorted(pending)[:-MAX_PENDING_REQUESTS]:
+            del pending[k]
         return out
 
     def drain_problems(self) -> list[str]:
@@ -351,6 +367,18 @@ def _kv(registry=None, store=None, *, create: bool = True, **kw):
         raise FlashBootError("name where held arenas live: registry=DIR or store=HOST:PORT (exactly one)")
     return _DirKV(registry, create=create) if registry is not None else _StoreKV(store, **kw)
 
+
+
+def protocol_refused(record: dict) -> str | None:
+    """Why a held record that a holder of another protocol wrote is not used (an older FlashBoot's
+    names none), or None when it speaks :data:`HOLDER_PROTOCOL`."""
+    protocol = record.get("protocol", 1)
+    if protocol == HOLDER_PROTOCOL:
+        return None
+    older = type(protocol) is int and protocol < HOLDER_PROTOCOL
+    return (f"its holder (pid {record.get('holder_pid', '?')}) speaks holder protocol {protocol!r} "
+            f"({'an older' if older else 'another'} FlashBoot's); this FlashBoot speaks holder protocol "
+            f"{HOLDER_PROTOCOL}: engines and their holder must run one FlashBoot version")
 
 
 def holder_gone(record: dict) -> str | None:
@@ -382,5 +410,6 @@ def holder_gone(record: dict) -> str | None:
 
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "HOLDER_BEAT_S", "HOLDER_LEASE_S", "MAX_PENDING_REQUESTS", "MAX_RECORD_BYTES",
-           "NAME_MAX", "REQUEST_GRACE_S", "holder_gone"]
+__all__ = ["DEFAULT_TIMEOUT_S", "HOLDER_BEAT_S", "HOLDER_LEASE_S", "HOLDER_PROTOCOL", "MAX_PENDING_REQUESTS",
+           "MAX_RECORD_BYTES", "NAME_MAX", "OLDER_REQUESTS", "REQUESTS", "REQUEST_GRACE_S", "holder_gone",
+           "protocol_refused"]
