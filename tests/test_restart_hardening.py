@@ -128,6 +128,31 @@ def test_a_held_record_whose_holder_pid_now_names_another_process_is_not_held(im
         other.wait()
 
 
+def test_a_restart_refuses_an_arena_a_holder_of_an_older_protocol_keeps(image, tmp_path):
+    """A held record that names no protocol is an older FlashBoot's holder's (it takes no lock, and
+    does not see this FlashBoot's requests): a restart had bound its arena unsaid. It is refused
+    naming both protocols, not mapped, and the load goes on normally."""
+    from flashboot.flashload.restart import held_here
+
+    registry = tmp_path / "registry"
+    with serving_holder(Holder(registry=registry)):
+        with pytest.warns(RuntimeWarning, match="nothing is held"):
+            flashboot.load(image, 0, "cpu", holder=registry).close()
+        name = HolderOption(registry=registry).name_for(image, 0, "cpu")
+        path = registry / "held" / f"{name}.json"
+        record = json.loads(path.read_text())
+        del record["protocol"]  # its fds still the live holder's: only the protocol tells
+        path.write_text(json.dumps(record))
+        assert not held_here(registry, image, 0, "cpu")
+        with pytest.warns(RuntimeWarning, match=rf"the arena held as '{name}' in registry .* is refused: its holder "
+                                                rf"\(pid {os.getpid()}\) speaks holder protocol 1 \(an older "
+                                                r"FlashBoot's\); this FlashBoot speaks holder protocol 2"):
+            loaded = flashboot.load(image, 0, "cpu", holder=registry)
+        with loaded:
+            assert loaded.report.mode != "held" and "protocol 1" in loaded.report.details["not_restored"]
+            assert loaded.report.details["handed_over_as"] == name
+
+
 def test_two_images_in_folders_of_one_name_each_restart_from_their_own_arena(image, tmp_path):
     """Images packed into folders of one name (``a/image``, ``b/image``) were held under one
     default name: each engine's hand-over replaced the other's arena, and neither ever restarted
