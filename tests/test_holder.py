@@ -238,3 +238,32 @@ def test_hold_says_at_its_start_that_it_took_over_a_killed_holders_lease(store, 
     assert out.splitlines()[0] == f"holder ready (store {address}, namespace 'default'); serving until SIGTERM"
     said, serving = err.find(f"flashboot hold: the holder before this one (pid {killed.pid} on "), err.find("(serving)")
     assert 0 <= said < serving and err.count("taken as gone") == 1, err
+
+
+@pytest.mark.parametrize("where", ["registry", "store"])
+def test_a_request_made_the_moment_the_last_one_is_answered_is_not_removed_with_it(where, tmp_path, store):
+    """The holder removed a request after answering it: an engine that saw its answer and asked
+    again under the name at once (a release, then the next hand-over) had its new request removed
+    unanswered, and waited out its whole timeout ('is `flashboot hold` running there?')."""
+    from flashboot.flashclone.holder import REQUESTS, Holder, held_record
+
+    kw = {"registry": tmp_path / "reg"} if where == "registry" else {"store": store[0], "token": TOKEN}
+    holder = Holder(**kw, **({"timeout_s": 5} if where == "store" else {}))
+    first, second = Arena.create(MiB, "cpu"), Arena.create(MiB, "cpu")
+    try:
+        put = holder.kv.put
+
+        def answer_then_ask_again(kind, name, body):
+            put(kind, name, body)
+            if kind == "held" and body.get("request") == "r1":  # the engine sees it, and asks again
+                put(REQUESTS, "w", {"descriptor": second.export().to_dict(), "request": "r2"})
+
+        holder.kv.put = answer_then_ask_again
+        put(REQUESTS, "w", {"descriptor": first.export().to_dict(), "request": "r1"})
+        wait_until(lambda: holder.poll_once() == 0 and held_record("w", **kw)["request"] == "r2", 10,
+                   "the second request's answer")
+        assert holder.held["w"].arena.arena_id == second.arena_id
+    finally:
+        holder.close()
+        first.close()
+        second.close()

@@ -238,9 +238,12 @@ class Holder:
             return 0
         if req is None:
             return 0
+        # removed before it is answered: an engine that sees its answer may ask again under the
+        # name at once (a release, then a hand-over), and a removal after the answer had taken
+        # that next request with it, unanswered (its engine waited out its whole timeout)
+        self._forget_request(kind, name)
         if not isinstance(req, dict):
             self.errors.append(f"{name}: request skipped: it is a {type(req).__name__}, not an object")
-            self._forget_request(kind, name)
             return 1
         try:
             _check_name(name)
@@ -261,7 +264,6 @@ class Holder:
             self.errors.append(f"{name}: {exc}")
             if req.get("op") != "release" and kind == REQUESTS:  # answered: the engine stops waiting
                 self._answer_error(name, req, str(exc))
-        self._forget_request(kind, name)
         return 1
 
     def _answer_error(self, name: str, req: dict, error: str) -> None:
