@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -265,5 +266,72 @@ def test_a_request_made_the_moment_the_last_one_is_answered_is_not_removed_with_
         assert holder.held["w"].arena.arena_id == second.arena_id
     finally:
         holder.close()
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("where", ["registry", "store"])
+def test_two_engines_handing_over_under_one_name_at_once_are_each_answered(where, tmp_path, store):
+    """Two engines handing over as one name at once: the second's request replaced the first's,
+    which was never answered and waited out its whole timeout, asked whether a holder ran at all.
+    A request waits while another under its name is pending; each engine hears its outcome."""
+    from flashboot.errors import WaitTimeoutError
+    from flashboot.flashclone.holder import REQUESTS, Holder, hand_over, held_record
+
+    kw = {"registry": tmp_path / "reg"} if where == "registry" else {"store": store[0], "token": TOKEN}
+    holder = Holder(**kw, **({"timeout_s": 5} if where == "store" else {}))
+    arenas, outcomes = [Arena.create(MiB, "cpu") for _ in range(2)], {}
+
+    def engine(i):
+        try:
+            outcomes[i] = hand_over(arenas[i], "w", timeout_s=5, **kw)
+        except FlashBootError as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=engine, args=(i,)) for i in range(2)]
+    try:
+        threads[0].start()
+        wait_until(lambda: holder.kv.get(REQUESTS, "w"), 10, "the first request")
+        threads[1].start()
+        time.sleep(0.3)  # the second engine asks while the first one's request is pending
+        wait_until(lambda: holder.poll_once() == 0 and len(outcomes) == 2, 20, "both engines' outcomes")
+        assert not any(isinstance(o, WaitTimeoutError) for o in outcomes.values()), outcomes
+        assert outcomes[1].pid == os.getpid() and holder.held["w"].arena.arena_id == arenas[1].arena_id
+        assert held_record("w", **kw)["request"] != ""
+    finally:
+        for t in threads:
+            t.join(20)
+        holder.close()
+        for a in arenas:
+            a.close()
+
+
+def test_an_engine_whose_answer_was_replaced_before_it_looked_is_told_so(tmp_path, monkeypatch):
+    """The holder took an engine's arena, then another engine's under the same name, before the
+    first looked for its answer: the first waited out its whole timeout ('no holder adopted')."""
+    from flashboot.flashclone import holder_client
+    from flashboot.flashclone.holder import REQUESTS, Holder, hand_over
+
+    registry = tmp_path / "reg"
+    holder = Holder(registry=registry)
+    first, second = Arena.create(MiB, "cpu"), Arena.create(MiB, "cpu")
+    ask = holder_client._ask
+
+    def ask_then_look_late(kv, name, body, *args):
+        ask(kv, name, body, *args)
+        wait_until(lambda: holder.kv.get("held", name), 10, "the first engine's answer")
+        holder.kv.put(REQUESTS, name, {"descriptor": second.export().to_dict(), "request": "r2", "pid": 4242})
+        wait_until(lambda: "w" in holder.held and holder.held["w"].arena.arena_id == second.arena_id, 10,
+                   "the second engine's arena taken")
+
+    monkeypatch.setattr(holder_client, "_ask", ask_then_look_late)
+    try:
+        with serving_holder(holder):
+            with pytest.raises(ArenaError, match=rf"took 'w' and then, before this engine looked, another engine's "
+                                                 rf"\(pid {os.getpid()}\) hand-over under that name in its place: "
+                                                 r"two engines hand over as 'w'"):
+                hand_over(first, "w", registry=registry, timeout_s=5)
+        assert holder.held == {}  # released when the holder stopped
+    finally:
         first.close()
         second.close()

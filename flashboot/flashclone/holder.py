@@ -113,6 +113,8 @@ class Holder:
         self._stop = threading.Event()
         self._next_older_poll = 0.0
         self._answers: dict[str, str] = {}
+        self._published: dict[str, str] = {}
+        """Name -> the request its published record answers (each answer names the one it replaces)."""
         """Names whose failed adoption this holder answered with an error record: its request id."""
         if isinstance(self.kv, _DirKV):
             try:
@@ -177,9 +179,9 @@ class Holder:
         item = HeldArena(name, arena, fds, held_desc, time.time())
         self.held[name] = item
         try:
-            self.kv.put("held", name, {"descriptor": held_desc.to_dict(), "request": request, "since": item.since,
-                                       "holder_pid": os.getpid(), "holder_start": self._start, "image": image,
-                                       "protocol": HOLDER_PROTOCOL})
+            self._publish(name, {"descriptor": held_desc.to_dict(), "request": request, "since": item.since,
+                                 "holder_pid": os.getpid(), "holder_start": self._start, "image": image,
+                                 "engine_pid": descriptor.pid, "protocol": HOLDER_PROTOCOL})
         except BaseException:
             self.held.pop(name)
             item.close()
@@ -190,6 +192,14 @@ class Holder:
             old.close()
         return item
 
+    def _publish(self, name: str, record: dict) -> None:
+        """Publish ``record`` (the answer to its request) under ``name``, naming the request whose
+        answer it replaces: an engine whose arena was adopted, then replaced by another engine's
+        under its name before it looked, had waited out its whole timeout ('no holder adopted')."""
+        previous = self._published.get(name)
+        self.kv.put("held", name, record if previous is None else {**record, "replaces": previous})
+        self._published[name] = record["request"]
+
     def release(self, name: str) -> bool:
         """Stop holding ``name`` (its memory goes when no one else maps it). False if not held."""
         # the record first: one that cannot be removed keeps its arena held (and releasable again);
@@ -197,6 +207,7 @@ class Holder:
         # A holder replaced in its store leaves a record the new holder wrote since.
         if not self.kv.superseded or self._names_us(self.kv.get("held", name)):
             self.kv.delete("held", name)
+        self._published.pop(name, None)
         item = self.held.pop(name, None)
         if item is None:
             return False
@@ -268,8 +279,8 @@ class Holder:
 
     def _answer_error(self, name: str, req: dict, error: str) -> None:
         try:
-            self.kv.put("held", name, {"error": error, "request": str(req.get("request", "")),
-                                       "protocol": HOLDER_PROTOCOL})
+            self._publish(name, {"error": error, "request": str(req.get("request", "")), "engine_pid": req.get("pid"),
+                                 "protocol": HOLDER_PROTOCOL})
             self._answers[name] = str(req.get("request", ""))
         except FlashBootError as put_exc:
             self.errors.append(f"{name}: could not answer: {put_exc}")

@@ -3,6 +3,7 @@ map and release what is held."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -31,9 +32,9 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
     kv = _kv(registry, store, **({"timeout_s": timeout_s, **store_options} if store is not None else store_options))
     try:
         request = secrets.token_hex(8)
-        kv.put(REQUESTS, name, {"descriptor": arena.export().to_dict(), "request": request, "pid": os.getpid(),
-                                "image": image, "protocol": HOLDER_PROTOCOL})
         deadline = time.monotonic() + timeout_s
+        _ask(kv, name, {"descriptor": arena.export().to_dict(), "request": request, "pid": os.getpid(),
+                        "image": image, "protocol": HOLDER_PROTOCOL}, deadline, timeout_s)
         delay = 0.001
         while True:
             held = kv.get("held", name)
@@ -42,14 +43,47 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
                     raise ArenaError(f"the holder ({kv.where()}) could not adopt {name!r}: {held['error']}")
                 arena.share(f"holder {name!r} ({kv.where()})")  # its sleep would free nothing the holder maps
                 return ArenaDescriptor.from_dict(held["descriptor"])
+            if held is not None and held.get("replaces") == request:  # answered, then that answer replaced
+                raise ArenaError(f"the holder ({kv.where()}) took {name!r} and then, before this engine looked, "
+                                 f"another engine's (pid {held.get('engine_pid', '?')}) hand-over under that name in "
+                                 f"its place: two engines hand over as {name!r} (give each its own name)")
             if time.monotonic() > deadline:
-                kv.delete(REQUESTS, name)
+                _withdraw(kv, name, request)
                 raise WaitTimeoutError(f"no holder adopted {name!r} within {timeout_s:g} s ({kv.where()}); "
                                        + (_holder_fate(kv) or "is `flashboot hold` running there?"))
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
     finally:
         kv.close()
+
+
+def _ask(kv, name: str, body: dict, deadline: float, timeout_s: float) -> None:
+    """Ask the holder once no other request under ``name`` is pending (one at a time: two engines
+    handing over under one name at once had replaced each other's request, and the one replaced
+    waited out its whole timeout, asked whether a holder ran at all). WaitTimeoutError naming the
+    pending request's engine when it is not taken by ``deadline``."""
+    delay, announce = 0.001, True
+    while True:
+        pending = kv.put_request(name, body, announce)
+        if pending is None:
+            return
+        announce = False
+        if time.monotonic() > deadline:
+            what = "a release" if pending.get("op") == "release" else "a hand-over"
+            raise WaitTimeoutError(
+                f"could not ask the holder ({kv.where()}) about {name!r} within {timeout_s:g} s: {what} of that name "
+                f"by pid {pending.get('pid', '?')} stayed pending, not taken; "
+                + (_holder_fate(kv) or "is `flashboot hold` running there?"))
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def _withdraw(kv, name: str, request: str) -> None:
+    """Remove this engine's request ``name`` if it is still pending (not another's made since)."""
+    with contextlib.suppress(FlashBootError):  # the wait's timeout is what the engine is told
+        pending = kv.get(REQUESTS, name)
+        if pending is not None and pending.get("request") == request:
+            kv.delete(REQUESTS, name)
 
 
 def _holder_fate(kv) -> str:
@@ -153,8 +187,9 @@ def release(name: str, *, registry=None, store=None, timeout_s: float = DEFAULT_
         if refused is not None:  # that holder does not look where this FlashBoot asks: the wait had run out
             raise ArenaError(f"{name!r} in {kv.where()} is not released: {refused} (release it with that "
                              "FlashBoot's `flashboot hold --release`)")
-        kv.put(REQUESTS, name, {"op": "release", "protocol": HOLDER_PROTOCOL})
         deadline = time.monotonic() + timeout_s
+        _ask(kv, name, {"op": "release", "request": secrets.token_hex(8), "pid": os.getpid(),
+                        "protocol": HOLDER_PROTOCOL}, deadline, timeout_s)
         while kv.get("held", name) is not None:
             if time.monotonic() > deadline:
                 fate = _holder_fate(kv)

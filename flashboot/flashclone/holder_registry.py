@@ -141,17 +141,36 @@ class _DirKV:
     # directory or unreadable file among the requests) had failed an engine's finished load, and
     # ended the holder's loop, which drops every arena it holds.
     def put(self, kind: str, name: str, body: dict) -> None:
+        self._write(kind, name, body, os.replace)
+
+    def put_request(self, name: str, body: dict, announce: bool = True) -> dict | None:
+        """Ask (``REQUESTS/NAME``) unless a request under ``name`` is pending: None when asked,
+        else the pending one (``{}`` when it went meanwhile, or cannot be read)."""
+        try:  # the whole file linked in or not at all: a link does not replace
+            self._write(REQUESTS, name, body, os.link)
+            return None
+        except FileExistsError:
+            pass
+        try:
+            return self.get(REQUESTS, name) or {}
+        except FlashBootError:
+            return {}
+
+    def _write(self, kind: str, name: str, body: dict, place) -> None:
         target = self.path / kind / f"{name}.json"
         tmp = target.with_name(f".{name}.{secrets.token_hex(4)}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump(body, f)
-            os.replace(tmp, target)
+            place(tmp, target)
+        except FileExistsError:
+            raise
         except OSError as exc:
-            with contextlib.suppress(OSError):  # a full disk: no half-written temporary left behind
-                tmp.unlink()
             raise FlashBootError(f"{self.where()}: cannot write {kind}/{name}.json: {exc.strerror or exc}") from None
+        finally:
+            with contextlib.suppress(OSError):  # a full disk, a link: no temporary left behind
+                tmp.unlink()
 
     def get(self, kind: str, name: str) -> dict | None:
         path = self.path / kind / f"{name}.json"
@@ -293,12 +312,24 @@ class _StoreKV:
             k = self.rdv.add(f"hold/{kind}/count", 1)
             self.rdv.publish(f"hold/{kind}/#{k}", {"name": name})
 
+    def put_request(self, name: str, body: dict, announce: bool = True) -> dict | None:
+        """As :meth:`_DirKV.put_request`, by a compare-and-set. ``announce``: count a pending
+        request again, so that one whose engine died before counting it is taken (and answered)."""
+        pending = self.rdv.agree(f"hold/{REQUESTS}/{name}", body).body
+        if pending == body or announce:
+            k = self.rdv.add(f"hold/{REQUESTS}/count", 1)
+            self.rdv.publish(f"hold/{REQUESTS}/#{k}", {"name": name})
+        return None if pending == body else pending
+
     def get(self, kind: str, name: str) -> dict | None:
         rec = self.rdv.try_read(f"hold/{kind}/{name}")
         return None if rec is None or rec.body.get("deleted") else rec.body
 
     def delete(self, kind: str, name: str) -> None:
-        self.rdv.publish(f"hold/{kind}/{name}", {"deleted": True})
+        if kind == "held":
+            self.rdv.publish(f"hold/{kind}/{name}", {"deleted": True})
+        else:  # gone, not marked: the next request under the name is a compare-and-set
+            self.rdv.delete(f"hold/{kind}/{name}")
 
     def names(self, kind: str) -> list[str]:
         if kind != REQUESTS and kind not in OLDER_REQUESTS:
