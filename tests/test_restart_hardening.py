@@ -282,6 +282,34 @@ def test_a_failed_re_adoption_keeps_the_arena_held_before_it(tmp_path, monkeypat
         b.close()
 
 
+def test_an_engine_whose_hand_over_fails_leaves_the_arena_held_before_it_listed_and_restartable(tmp_path):
+    """A hand-over under a held name that failed (the engine killed before the holder took its
+    arena) answered the engine by replacing the held arena's record with the error: the arena
+    stayed mapped by the holder, but no restart found it ('no arena is held') and `hold --list`
+    showed only the error. The record stays, the answer on it."""
+    import dataclasses
+
+    from flashboot.errors import ArenaError
+    from flashboot.flashclone.holder import open_held
+
+    registry = tmp_path / "registry"
+    a, b = Arena.create(1 << 20, "cpu"), Arena.create(1 << 20, "cpu")
+    a.bytes().numpy()[:] = 7
+    dead = dataclasses.replace(b.export(), pid=2**22 - 3)  # its engine is gone
+    try:
+        with serving_holder(Holder(registry=registry)):
+            hand_over(a, "w", registry=registry, timeout_s=10)
+            with pytest.raises(ArenaError, match=r"could not adopt 'w': process 4194301 has exited .*\(it keeps the "
+                                                 r"arena it held as 'w' before\)"):
+                hand_over(types.SimpleNamespace(export=lambda: dead, share=lambda who: None), "w", registry=registry,
+                          timeout_s=10)
+            with open_held("w", registry=registry) as held:
+                assert held.arena_id == a.arena_id and int(held.bytes().numpy().min()) == 7
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_release_whose_record_cannot_be_removed_keeps_the_arena_releasable(tmp_path, monkeypatch):
     """release() took the arena off the holder's books before removing its record: a removal that
     failed (EIO, a lost store) left the arena mapped and held by no one, never to be released."""

@@ -115,6 +115,8 @@ class Holder:
         self._answers: dict[str, str] = {}
         self._published: dict[str, str] = {}
         """Name -> the request its published record answers (each answer names the one it replaces)."""
+        self._records: dict[str, dict] = {}
+        """Name -> the record published for the arena held under it."""
         """Names whose failed adoption this holder answered with an error record: its request id."""
         if isinstance(self.kv, _DirKV):
             try:
@@ -199,6 +201,8 @@ class Holder:
         previous = self._published.get(name)
         self.kv.put("held", name, record if previous is None else {**record, "replaces": previous})
         self._published[name] = record["request"]
+        if "descriptor" in record:
+            self._records[name] = record
 
     def release(self, name: str) -> bool:
         """Stop holding ``name`` (its memory goes when no one else maps it). False if not held."""
@@ -208,6 +212,7 @@ class Holder:
         if not self.kv.superseded or self._names_us(self.kv.get("held", name)):
             self.kv.delete("held", name)
         self._published.pop(name, None)
+        self._records.pop(name, None)
         item = self.held.pop(name, None)
         if item is None:
             return False
@@ -278,10 +283,17 @@ class Holder:
         return 1
 
     def _answer_error(self, name: str, req: dict, error: str) -> None:
+        answer = {"error": error, "request": str(req.get("request", "")), "engine_pid": req.get("pid"),
+                  "protocol": HOLDER_PROTOCOL}
         try:
-            self._publish(name, {"error": error, "request": str(req.get("request", "")), "engine_pid": req.get("pid"),
-                                 "protocol": HOLDER_PROTOCOL})
-            self._answers[name] = str(req.get("request", ""))
+            if name in self.held and name in self._records:
+                # the arena held under the name before stays held: its record stays too, the answer
+                # on it (replaced by the answer, it had stayed mapped, listed and restarted from by no one)
+                self.kv.put("held", name, {**self._records[name], "failed": answer})
+                self._published[name] = answer["request"]
+                return
+            self._publish(name, answer)
+            self._answers[name] = answer["request"]
         except FlashBootError as put_exc:
             self.errors.append(f"{name}: could not answer: {put_exc}")
 

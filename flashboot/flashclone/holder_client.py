@@ -43,6 +43,10 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
                     raise ArenaError(f"the holder ({kv.where()}) could not adopt {name!r}: {held['error']}")
                 arena.share(f"holder {name!r} ({kv.where()})")  # its sleep would free nothing the holder maps
                 return ArenaDescriptor.from_dict(held["descriptor"])
+            failed = held.get("failed") if held is not None else None
+            if isinstance(failed, dict) and failed.get("request") == request:  # the arena held before stays
+                raise ArenaError(f"the holder ({kv.where()}) could not adopt {name!r}: {failed.get('error')} (it keeps "
+                                 f"the arena it held as {name!r} before)")
             if held is not None and held.get("replaces") == request:  # answered, then that answer replaced
                 raise ArenaError(f"the holder ({kv.where()}) took {name!r} and then, before this engine looked, "
                                  f"another engine's (pid {held.get('engine_pid', '?')}) hand-over under that name in "
