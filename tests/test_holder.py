@@ -335,3 +335,20 @@ def test_an_engine_whose_answer_was_replaced_before_it_looked_is_told_so(tmp_pat
     finally:
         first.close()
         second.close()
+
+
+def test_a_hand_over_on_a_store_no_holder_of_its_protocol_serves_says_so(store):
+    """A store namespace whose only holder is an older FlashBoot's (it takes no lease, and does not
+    see this FlashBoot's requests), or that none serves: the wait ran out asking whether
+    `flashboot hold` ran at all. It says that no holder of this protocol holds the lease."""
+    from flashboot.errors import WaitTimeoutError
+    from flashboot.flashclone.holder import Holder, hand_over
+
+    address, _ = store
+    with Arena.create(MiB, "cpu") as a:
+        for _ in range(2):  # never served, then served once and given back
+            with pytest.raises(WaitTimeoutError, match=r"no holder adopted 'w' within 0.5 s \(store .*\); no holder of "
+                                                       r"holder protocol 2 serves it \(none holds its lease; a holder "
+                                                       r"of an older FlashBoot takes none"):
+                hand_over(a, "w", store=address, token=TOKEN, timeout_s=0.5)
+            Holder(store=address, token=TOKEN, timeout_s=5).close()

@@ -93,8 +93,14 @@ def _withdraw(kv, name: str, request: str) -> None:
 def _holder_fate(kv) -> str:
     """What became of a registry's holder, for a wait that ran out (its lock file names its pid):
     exited (killed: the engine had been asked whether one runs at all), stopped, or '' (running,
-    or not known: a store's)."""
+    or not known). A store's: none of this protocol when no holder holds its lease."""
     if not isinstance(kv, _DirKV):
+        with contextlib.suppress(FlashBootError):  # the wait's timeout is what the engine is told
+            gen = kv.rdv.add("hold/holder/gen", 0)
+            if gen == 0 or kv.rdv.has(f"hold/holder/{gen}/free"):
+                return (f"no holder of holder protocol {HOLDER_PROTOCOL} serves it (none holds its lease; a holder of an "
+                        "older FlashBoot takes none, and does not see this FlashBoot's requests): start this "
+                        "FlashBoot's `flashboot hold --store`")
         return ""
     pid = lock_signer(kv.path / kv.LOCK)
     state = process_state(pid) if pid.isdigit() else None
