@@ -246,28 +246,62 @@ def test_a_request_made_the_moment_the_last_one_is_answered_is_not_removed_with_
     """The holder removed a request after answering it: an engine that saw its answer and asked
     again under the name at once (a release, then the next hand-over) had its new request removed
     unanswered, and waited out its whole timeout ('is `flashboot hold` running there?')."""
-    from flashboot.flashclone.holder import REQUESTS, Holder, held_record
+    from flashboot.flashclone.holder import REQUESTS, Holder, hand_over
 
     kw = {"registry": tmp_path / "reg"} if where == "registry" else {"store": store[0], "token": TOKEN}
     holder = Holder(**kw, **({"timeout_s": 5} if where == "store" else {}))
     first, second = Arena.create(MiB, "cpu"), Arena.create(MiB, "cpu")
+    put, outcome = holder.kv.put, {}
+
+    def ask_again():
+        try:
+            outcome["second"] = hand_over(second, "w", timeout_s=5, **kw)
+        except FlashBootError as exc:
+            outcome["second"] = exc
+
+    again = threading.Thread(target=ask_again)
+
+    def answer_then_ask_again(kind, name, body):
+        put(kind, name, body)
+        if kind == "held" and body.get("request") == "r1":  # the engine sees it, and asks again at once
+            again.start()
+            time.sleep(0.2)  # it asks while the request answered is still there
+
+    holder.kv.put = answer_then_ask_again
     try:
-        put = holder.kv.put
-
-        def answer_then_ask_again(kind, name, body):
-            put(kind, name, body)
-            if kind == "held" and body.get("request") == "r1":  # the engine sees it, and asks again
-                put(REQUESTS, "w", {"descriptor": second.export().to_dict(), "request": "r2"})
-
-        holder.kv.put = answer_then_ask_again
         put(REQUESTS, "w", {"descriptor": first.export().to_dict(), "request": "r1"})
-        wait_until(lambda: holder.poll_once() == 0 and held_record("w", **kw)["request"] == "r2", 10,
-                   "the second request's answer")
-        assert holder.held["w"].arena.arena_id == second.arena_id
+        with serving_holder(holder):
+            wait_until(lambda: "second" in outcome, 20, "the second engine's outcome")
+        assert outcome["second"].pid == os.getpid(), outcome
     finally:
+        again.join(20)
         holder.close()
         first.close()
         second.close()
+
+
+def test_a_holder_killed_while_it_takes_an_arena_leaves_the_request_to_the_next(tmp_path):
+    """A holder killed while it maps an arena (the OOM killer), restarted within the engine's
+    wait: the request is still there, and the next holder takes it."""
+    from flashboot.flashclone.holder import REQUESTS, Holder, hand_over
+
+    registry = tmp_path / "reg"
+    dying, outcome = Holder(registry=registry), {}
+    dying.adopt = lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt())  # killed mid-adoption
+    with Arena.create(MiB, "cpu") as arena:
+        engine = threading.Thread(target=lambda: outcome.setdefault("d", hand_over(arena, "w", registry=registry,
+                                                                                    timeout_s=20)))
+        engine.start()
+        try:
+            wait_until(lambda: dying.kv.get(REQUESTS, "w"), 10, "the request")
+            with pytest.raises(KeyboardInterrupt):
+                dying.poll_once()
+            dying.kv.close()  # its process gone, its lock with it
+            with serving_holder(Holder(registry=registry)):
+                engine.join(20)
+        finally:
+            engine.join(20)
+        assert outcome["d"].pid == os.getpid()
 
 
 @pytest.mark.parametrize("where", ["registry", "store"])

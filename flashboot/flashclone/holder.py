@@ -254,12 +254,9 @@ class Holder:
             return 0
         if req is None:
             return 0
-        # removed before it is answered: an engine that sees its answer may ask again under the
-        # name at once (a release, then a hand-over), and a removal after the answer had taken
-        # that next request with it, unanswered (its engine waited out its whole timeout)
-        self._forget_request(kind, name)
         if not isinstance(req, dict):
             self.errors.append(f"{name}: request skipped: it is a {type(req).__name__}, not an object")
+            self._forget_request(kind, name)
             return 1
         try:
             _check_name(name)
@@ -280,6 +277,10 @@ class Holder:
             self.errors.append(f"{name}: {exc}")
             if req.get("op") != "release" and kind == REQUESTS:  # answered: the engine stops waiting
                 self._answer_error(name, req, str(exc))
+        # removed once answered (a holder killed before leaves it to the next), and only while it
+        # is the one answered: a request written since, by an engine that saw its answer and asked
+        # again at once, had been removed with it, unanswered (one at a time: see hand_over)
+        self._forget_request(kind, name, req)
         return 1
 
     def _answer_error(self, name: str, req: dict, error: str) -> None:
@@ -312,8 +313,10 @@ class Holder:
                 self._answer_error(name, req, why)
         raise FlashBootError(f"{'release' if req.get('op') == 'release' else 'hand-over'} refused: {why}")
 
-    def _forget_request(self, kind: str, name: str) -> None:
+    def _forget_request(self, kind: str, name: str, answered: dict | None = None) -> None:
         try:
+            if answered is not None and self.kv.get(kind, name) not in (None, answered):
+                return
             self.kv.delete(kind, name)
         except StoreLostError:
             raise
