@@ -386,3 +386,15 @@ def test_a_hand_over_on_a_store_no_holder_of_its_protocol_serves_says_so(store):
                                                        r"of an older FlashBoot takes none"):
                 hand_over(a, "w", store=address, token=TOKEN, timeout_s=0.5)
             Holder(store=address, token=TOKEN, timeout_s=5).close()
+
+
+def test_a_hand_over_over_a_store_with_an_image_of_tuples_is_its_own_request(store):
+    """A store's request is made by a compare-and-set that returns the record there: compared
+    whole with what was asked, an ``image`` holding a tuple (a list once stored) read as another
+    engine's request, and the hand-over waited out its timeout behind itself."""
+    from flashboot.flashclone.holder import Holder, hand_over, held_record
+
+    address, _ = store
+    with serving_holder(Holder(store=address, token=TOKEN, timeout_s=5)), Arena.create(MiB, "cpu") as a:
+        assert hand_over(a, "w", store=address, token=TOKEN, timeout_s=5, image={"shape": (1, 2)}).pid == os.getpid()
+        assert held_record("w", store=address, token=TOKEN)["image"] == {"shape": [1, 2]}

@@ -316,10 +316,12 @@ class _StoreKV:
         """As :meth:`_DirKV.put_request`, by a compare-and-set. ``announce``: count a pending
         request again, so that one whose engine died before counting it is taken (and answered)."""
         pending = self.rdv.agree(f"hold/{REQUESTS}/{name}", body).body
-        if pending == body or announce:
+        # ours by its id: compared whole, a tuple asked (a list once stored) read as another's
+        mine = "request" in body and pending.get("request") == body["request"]
+        if mine or announce:
             k = self.rdv.add(f"hold/{REQUESTS}/count", 1)
             self.rdv.publish(f"hold/{REQUESTS}/#{k}", {"name": name})
-        return None if pending == body else pending
+        return None if mine else pending
 
     def get(self, kind: str, name: str) -> dict | None:
         rec = self.rdv.try_read(f"hold/{kind}/{name}")
