@@ -276,9 +276,9 @@ def test_a_served_load_after_the_daemon_was_killed_names_it(image, tmp_path):
 _DEAD_ENGINE = r"""
 import os, sys, time
 from flashboot.arena import Arena
-from flashboot.flashclone.holder import _kv
+from flashboot.flashclone.holder import REQUESTS, _kv
 a = Arena.create(1 << 20, "cpu")
-_kv(sys.argv[1]).put("requests", sys.argv[2], {"descriptor": a.export().to_dict(), "request": "r", "pid": os.getpid()})
+_kv(sys.argv[1]).put(REQUESTS, sys.argv[2], {"descriptor": a.export().to_dict(), "request": "r", "pid": os.getpid()})
 print("asked", flush=True)
 time.sleep(60)
 """

@@ -84,13 +84,15 @@ def test_preload_refuses_a_timeout_that_is_no_wait_before_starting_a_preloader(i
 
 
 def test_hold_release_of_a_name_nothing_holds_is_an_error_not_released(tmp_path, capsys):
+    from flashboot.flashclone.holder import REQUESTS
+
     registry = tmp_path / "held"
     assert main(["hold", "--registry", str(registry), "--release", "nosuch", "--timeout", "1"]) == 2
     captured = capsys.readouterr()
     assert "released" not in captured.out
     assert f"nothing is held as 'nosuch' in registry {str(registry)!r}" in captured.err
     # no release request left for a later holder (a read-only ask creates no registry folder either)
-    assert not (registry / "requests").exists() or list((registry / "requests").iterdir()) == []
+    assert not (registry / REQUESTS).exists() or list((registry / REQUESTS).iterdir()) == []
 
 
 def test_hold_release_of_an_empty_name_is_refused_not_a_holder_started(tmp_path):

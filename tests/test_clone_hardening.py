@@ -159,7 +159,7 @@ def test_holder_over_the_store_skips_planted_and_missing_requests_and_keeps_its_
     """A request number bumped without a record, or garbage planted at one, used to stop
     `flashboot hold` (rc 2, "is not a FlashBoot record") and drop every arena it held."""
     from flashboot.arena import Arena
-    from flashboot.flashclone.holder import Holder, hand_over, open_held
+    from flashboot.flashclone.holder import REQUESTS, Holder, hand_over, open_held
 
     address, rdv = store
     raw_store = rdv.store
@@ -170,7 +170,7 @@ def test_holder_over_the_store_skips_planted_and_missing_requests_and_keeps_its_
         with serving_holder(holder) as t:
             hand_over(a, "w", store=address, timeout_s=10)
             a.close()
-            prefix = "flashboot/v1/default/hold/requests"
+            prefix = f"flashboot/v1/default/hold/{REQUESTS}"
             k = raw_store.add(f"{prefix}/count", 1)
             raw_store.set(f"{prefix}/#{k}", b"garbage")  # written without the token
             wait_until(lambda: any("not a FlashBoot record" in e for e in holder.errors), 10, "the planted request")
@@ -192,15 +192,15 @@ def test_holder_over_the_store_skips_planted_and_missing_requests_and_keeps_its_
 @pytest.mark.parametrize("content", ["[1, 2]", '{"request": "x"}', "{not json", '"text"'])
 def test_holder_over_a_registry_skips_a_malformed_request_and_serves_the_next(tmp_path, content):
     from flashboot.arena import Arena
-    from flashboot.flashclone.holder import Holder, hand_over, open_held
+    from flashboot.flashclone.holder import REQUESTS, Holder, hand_over, open_held
 
     registry = tmp_path / "reg"
     holder = Holder(registry=registry)
     try:
-        (registry / "requests" / "bad.json").write_text(content)
+        (registry / REQUESTS / "bad.json").write_text(content)
         holder.poll_once()  # raised AttributeError / KeyError 'descriptor' / FlashBootError
         assert any(e.startswith("bad:") for e in holder.errors), holder.errors
-        assert not (registry / "requests" / "bad.json").exists()
+        assert not (registry / REQUESTS / "bad.json").exists()
         a = Arena.create(MiB, "cpu")
         a.bytes().numpy()[:] = 5
         with serving_holder(holder):
@@ -657,13 +657,13 @@ def test_a_clone_whose_seed_withdrew_its_metadata_fails_instead_of_returning_no_
 
 def test_a_holder_keeps_only_its_newest_errors_and_counts_the_rest(tmp_path):
     """Every planted request added a line to Holder.errors for as long as the holder ran."""
-    from flashboot.flashclone.holder import MAX_ERRORS, Holder
+    from flashboot.flashclone.holder import MAX_ERRORS, REQUESTS, Holder
 
     registry = tmp_path / "reg"
     holder = Holder(registry=registry)
     try:
         for i in range(MAX_ERRORS + 50):
-            (registry / "requests" / f"bad{i:04d}.json").write_text("[1]")
+            (registry / REQUESTS / f"bad{i:04d}.json").write_text("[1]")
         holder.poll_once()
         assert len(holder.errors) == MAX_ERRORS and holder.errors.dropped == 50
         assert holder.errors[-1].startswith(f"bad{MAX_ERRORS + 49:04d}:"), holder.errors[-1]

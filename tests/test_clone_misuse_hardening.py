@@ -71,13 +71,13 @@ def test_one_holder_keeps_what_it_adopts_and_releases_it(tmp_path):
 
 
 def test_release_of_a_name_nothing_holds_raises(tmp_path):
-    from flashboot.flashclone.holder import Holder, release
+    from flashboot.flashclone.holder import REQUESTS, Holder, release
 
     registry = tmp_path / "reg"
     with Holder(registry=registry):
         with pytest.raises(ArenaError, match="nothing is held as 'typo'"):
             release("typo", registry=registry, timeout_s=2)
-    assert not (registry / "requests" / "typo.json").exists()  # no request left for a holder to find
+    assert not (registry / REQUESTS / "typo.json").exists()  # no request left for a holder to find
 
 
 def test_release_passes_its_timeout_to_the_store_connect(monkeypatch):

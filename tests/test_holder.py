@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -81,7 +82,7 @@ def test_holder_keeps_weights_across_an_engine_restart(tmp_path):
 
 
 def test_holder_in_process_refuses_a_writable_registry_and_a_dead_engine(tmp_path):
-    from flashboot.flashclone.holder import Holder, hand_over
+    from flashboot.flashclone.holder import REQUESTS, Holder, hand_over
 
     open_dir = tmp_path / "shared"
     open_dir.mkdir(mode=0o777)
@@ -105,7 +106,7 @@ def test_holder_in_process_refuses_a_writable_registry_and_a_dead_engine(tmp_pat
         from flashboot.arena import ArenaDescriptor
 
         ghost = ArenaDescriptor("host", 2**22 - 3, (5,), MiB, -1, "memfd", 2 * MiB, 2 * MiB, "dead", None, "")
-        holder.kv.put("requests", "ghost", {"descriptor": ghost.to_dict(), "request": "r1"})
+        holder.kv.put(REQUESTS, "ghost", {"descriptor": ghost.to_dict(), "request": "r1"})
         wait_until(lambda: holder.kv.get("held", "ghost"), 10, "the holder's answer")
         with pytest.raises(FlashBootError, match="last adoption failed"):
             flashboot.flashclone.holder.open_held("ghost", registry=registry)
@@ -175,13 +176,13 @@ def test_a_killed_store_holder_is_taken_over_and_one_paused_past_its_lease_stops
     """A holder killed without closing leaves its lease: the next one waits out HOLDER_LEASE_S of
     silence and takes over. One stopped (SIGSTOP) for longer than that finds, when it runs again,
     that it has been replaced: it stops, naming the new holder, and leaves the new one's records."""
-    from flashboot.flashclone import holder as holder_mod
+    from flashboot.flashclone import holder_registry
     from flashboot.flashclone.holder import Holder, hand_over, open_held
 
-    monkeypatch.setattr(holder_mod, "HOLDER_LEASE_S", 1.0)
+    monkeypatch.setattr(holder_registry, "HOLDER_LEASE_S", 1.0)
     address, _ = store
-    code = ("import sys\nfrom flashboot.flashclone import holder\n"
-            "holder.HOLDER_LEASE_S = 1.0\n"
+    code = ("import sys\nfrom flashboot.flashclone import holder, holder_registry\n"
+            "holder_registry.HOLDER_LEASE_S = 1.0\n"
             "h = holder.Holder(store=sys.argv[1], timeout_s=5)\nprint('ready', flush=True)\nh.serve_forever()\n"
             "print('errors:', *h.errors, sep='\\n', flush=True)\n")
     killed = subprocess.Popen([sys.executable, "-c", code, address], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -220,8 +221,9 @@ def test_hold_says_at_its_start_that_it_took_over_a_killed_holders_lease(store, 
     (it had been kept in the error list, printed only when the holder stopped)."""
     from flashboot.cli import main
     from flashboot.flashclone import holder as holder_mod
+    from flashboot.flashclone import holder_registry
 
-    monkeypatch.setattr(holder_mod, "HOLDER_LEASE_S", 1.0)
+    monkeypatch.setattr(holder_registry, "HOLDER_LEASE_S", 1.0)
     monkeypatch.setattr(holder_mod.Holder, "serve_forever",
                         lambda self: print("(serving)", file=sys.stderr, flush=True) or self.close())
     address, _ = store
@@ -237,3 +239,162 @@ def test_hold_says_at_its_start_that_it_took_over_a_killed_holders_lease(store, 
     assert out.splitlines()[0] == f"holder ready (store {address}, namespace 'default'); serving until SIGTERM"
     said, serving = err.find(f"flashboot hold: the holder before this one (pid {killed.pid} on "), err.find("(serving)")
     assert 0 <= said < serving and err.count("taken as gone") == 1, err
+
+
+@pytest.mark.parametrize("where", ["registry", "store"])
+def test_a_request_made_the_moment_the_last_one_is_answered_is_not_removed_with_it(where, tmp_path, store):
+    """The holder removed a request after answering it: an engine that saw its answer and asked
+    again under the name at once (a release, then the next hand-over) had its new request removed
+    unanswered, and waited out its whole timeout ('is `flashboot hold` running there?')."""
+    from flashboot.flashclone.holder import REQUESTS, Holder, hand_over
+
+    kw = {"registry": tmp_path / "reg"} if where == "registry" else {"store": store[0], "token": TOKEN}
+    holder = Holder(**kw, **({"timeout_s": 5} if where == "store" else {}))
+    first, second = Arena.create(MiB, "cpu"), Arena.create(MiB, "cpu")
+    put, outcome = holder.kv.put, {}
+
+    def ask_again():
+        try:
+            outcome["second"] = hand_over(second, "w", timeout_s=5, **kw)
+        except FlashBootError as exc:
+            outcome["second"] = exc
+
+    again = threading.Thread(target=ask_again)
+
+    def answer_then_ask_again(kind, name, body):
+        put(kind, name, body)
+        if kind == "held" and body.get("request") == "r1":  # the engine sees it, and asks again at once
+            again.start()
+            time.sleep(0.2)  # it asks while the request answered is still there
+
+    holder.kv.put = answer_then_ask_again
+    try:
+        put(REQUESTS, "w", {"descriptor": first.export().to_dict(), "request": "r1"})
+        with serving_holder(holder):
+            wait_until(lambda: "second" in outcome, 20, "the second engine's outcome")
+        assert outcome["second"].pid == os.getpid(), outcome
+    finally:
+        again.join(20)
+        holder.close()
+        first.close()
+        second.close()
+
+
+def test_a_holder_killed_while_it_takes_an_arena_leaves_the_request_to_the_next(tmp_path):
+    """A holder killed while it maps an arena (the OOM killer), restarted within the engine's
+    wait: the request is still there, and the next holder takes it."""
+    from flashboot.flashclone.holder import REQUESTS, Holder, hand_over
+
+    registry = tmp_path / "reg"
+    dying, outcome = Holder(registry=registry), {}
+    dying.adopt = lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt())  # killed mid-adoption
+    with Arena.create(MiB, "cpu") as arena:
+        engine = threading.Thread(target=lambda: outcome.setdefault("d", hand_over(arena, "w", registry=registry,
+                                                                                    timeout_s=20)))
+        engine.start()
+        try:
+            wait_until(lambda: dying.kv.get(REQUESTS, "w"), 10, "the request")
+            with pytest.raises(KeyboardInterrupt):
+                dying.poll_once()
+            dying.kv.close()  # its process gone, its lock with it
+            with serving_holder(Holder(registry=registry)):
+                engine.join(20)
+        finally:
+            engine.join(20)
+        assert outcome["d"].pid == os.getpid()
+
+
+@pytest.mark.parametrize("where", ["registry", "store"])
+def test_two_engines_handing_over_under_one_name_at_once_are_each_answered(where, tmp_path, store):
+    """Two engines handing over as one name at once: the second's request replaced the first's,
+    which was never answered and waited out its whole timeout, asked whether a holder ran at all.
+    A request waits while another under its name is pending; each engine hears its outcome."""
+    from flashboot.errors import WaitTimeoutError
+    from flashboot.flashclone.holder import REQUESTS, Holder, hand_over, held_record
+
+    kw = {"registry": tmp_path / "reg"} if where == "registry" else {"store": store[0], "token": TOKEN}
+    holder = Holder(**kw, **({"timeout_s": 5} if where == "store" else {}))
+    arenas, outcomes = [Arena.create(MiB, "cpu") for _ in range(2)], {}
+
+    def engine(i):
+        try:
+            outcomes[i] = hand_over(arenas[i], "w", timeout_s=5, **kw)
+        except FlashBootError as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=engine, args=(i,)) for i in range(2)]
+    try:
+        threads[0].start()
+        wait_until(lambda: holder.kv.get(REQUESTS, "w"), 10, "the first request")
+        threads[1].start()
+        time.sleep(0.3)  # the second engine asks while the first one's request is pending
+        wait_until(lambda: holder.poll_once() == 0 and len(outcomes) == 2, 20, "both engines' outcomes")
+        assert not any(isinstance(o, WaitTimeoutError) for o in outcomes.values()), outcomes
+        assert outcomes[1].pid == os.getpid() and holder.held["w"].arena.arena_id == arenas[1].arena_id
+        assert held_record("w", **kw)["request"] != ""
+    finally:
+        for t in threads:
+            t.join(20)
+        holder.close()
+        for a in arenas:
+            a.close()
+
+
+def test_an_engine_whose_answer_was_replaced_before_it_looked_is_told_so(tmp_path, monkeypatch):
+    """The holder took an engine's arena, then another engine's under the same name, before the
+    first looked for its answer: the first waited out its whole timeout ('no holder adopted')."""
+    from flashboot.flashclone import holder_client
+    from flashboot.flashclone.holder import REQUESTS, Holder, hand_over
+
+    registry = tmp_path / "reg"
+    holder = Holder(registry=registry)
+    first, second = Arena.create(MiB, "cpu"), Arena.create(MiB, "cpu")
+    ask = holder_client._ask
+
+    def ask_then_look_late(kv, name, body, *args):
+        ask(kv, name, body, *args)
+        wait_until(lambda: holder.kv.get("held", name), 10, "the first engine's answer")
+        holder.kv.put(REQUESTS, name, {"descriptor": second.export().to_dict(), "request": "r2", "pid": 4242})
+        wait_until(lambda: "w" in holder.held and holder.held["w"].arena.arena_id == second.arena_id, 10,
+                   "the second engine's arena taken")
+
+    monkeypatch.setattr(holder_client, "_ask", ask_then_look_late)
+    try:
+        with serving_holder(holder):
+            with pytest.raises(ArenaError, match=rf"took 'w' and then, before this engine looked, another engine's "
+                                                 rf"\(pid {os.getpid()}\) hand-over under that name in its place: "
+                                                 r"two engines hand over as 'w'"):
+                hand_over(first, "w", registry=registry, timeout_s=5)
+        assert holder.held == {}  # released when the holder stopped
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_hand_over_on_a_store_no_holder_of_its_protocol_serves_says_so(store):
+    """A store namespace whose only holder is an older FlashBoot's (it takes no lease, and does not
+    see this FlashBoot's requests), or that none serves: the wait ran out asking whether
+    `flashboot hold` ran at all. It says that no holder of this protocol holds the lease."""
+    from flashboot.errors import WaitTimeoutError
+    from flashboot.flashclone.holder import Holder, hand_over
+
+    address, _ = store
+    with Arena.create(MiB, "cpu") as a:
+        for _ in range(2):  # never served, then served once and given back
+            with pytest.raises(WaitTimeoutError, match=r"no holder adopted 'w' within 0.5 s \(store .*\); no holder of "
+                                                       r"holder protocol 2 serves it \(none holds its lease; a holder "
+                                                       r"of an older FlashBoot takes none"):
+                hand_over(a, "w", store=address, token=TOKEN, timeout_s=0.5)
+            Holder(store=address, token=TOKEN, timeout_s=5).close()
+
+
+def test_a_hand_over_over_a_store_with_an_image_of_tuples_is_its_own_request(store):
+    """A store's request is made by a compare-and-set that returns the record there: compared
+    whole with what was asked, an ``image`` holding a tuple (a list once stored) read as another
+    engine's request, and the hand-over waited out its timeout behind itself."""
+    from flashboot.flashclone.holder import Holder, hand_over, held_record
+
+    address, _ = store
+    with serving_holder(Holder(store=address, token=TOKEN, timeout_s=5)), Arena.create(MiB, "cpu") as a:
+        assert hand_over(a, "w", store=address, token=TOKEN, timeout_s=5, image={"shape": (1, 2)}).pid == os.getpid()
+        assert held_record("w", store=address, token=TOKEN)["image"] == {"shape": [1, 2]}

@@ -125,5 +125,6 @@ def test_asking_the_holder_imports_none_of_the_clone_machinery():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     first, second = p.stdout.splitlines()[-2:]
-    assert first == "['flashboot.flashclone.holder']"
+    assert first == ("['flashboot.flashclone.holder', 'flashboot.flashclone.holder_client', "
+                     "'flashboot.flashclone.holder_registry']")
     assert second == "True True CloneError"  # the package's names resolve on first use, to the functions

@@ -16,7 +16,8 @@ import flashboot
 from flashboot.arena import Arena
 from flashboot.errors import FlashBootError
 from flashboot.flashclone import holder as holders
-from flashboot.flashclone.holder import Holder, hand_over, held_record
+from flashboot.flashclone import holder_registry
+from flashboot.flashclone.holder import REQUESTS, Holder, hand_over, held_record
 from flashboot.flashload.restart import HolderOption
 
 from _clone_helpers import serving_holder, wait_until
@@ -36,7 +37,7 @@ def test_a_directory_among_the_requests_does_not_stop_the_holder(tmp_path):
     loop, which drops every arena it holds."""
     registry = tmp_path / "registry"
     holder = Holder(registry=registry)
-    (registry / "requests" / "stray.json").mkdir()
+    (registry / REQUESTS / "stray.json").mkdir()
     with serving_holder(holder) as t:
         arena = Arena.create(1 << 20, "cpu")
         try:
@@ -78,16 +79,16 @@ def test_a_full_registry_at_the_hand_over_warns_and_keeps_the_load(image, tmp_pa
         f.write("{")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(holders, "json", types.SimpleNamespace(dump=full, loads=json.loads))
+    monkeypatch.setattr(holder_registry, "json", types.SimpleNamespace(dump=full, loads=json.loads))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = flashboot.load(image, 0, "cpu", holder=registry)
     with loaded:
         name = loaded.report.details["not_restored"].split("'")[1]
-        assert f"cannot write requests/{name}.json: No space left on device" in loaded.report.details["hand_over_error"]
+        assert f"cannot write {REQUESTS}/{name}.json: No space left on device" in loaded.report.details["hand_over_error"]
         assert loaded.tensors
     assert any("could not hand it to the holder" in str(w.message) for w in caught)
-    assert os.listdir(registry / "requests") == []
+    assert os.listdir(registry / REQUESTS) == []
 
 
 def test_a_held_record_whose_holder_pid_now_names_another_process_is_not_held(image, tmp_path):
@@ -125,6 +126,31 @@ def test_a_held_record_whose_holder_pid_now_names_another_process_is_not_held(im
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_restart_refuses_an_arena_a_holder_of_an_older_protocol_keeps(image, tmp_path):
+    """A held record that names no protocol is an older FlashBoot's holder's (it takes no lock, and
+    does not see this FlashBoot's requests): a restart had bound its arena unsaid. It is refused
+    naming both protocols, not mapped, and the load goes on normally."""
+    from flashboot.flashload.restart import held_here
+
+    registry = tmp_path / "registry"
+    with serving_holder(Holder(registry=registry)):
+        with pytest.warns(RuntimeWarning, match="nothing is held"):
+            flashboot.load(image, 0, "cpu", holder=registry).close()
+        name = HolderOption(registry=registry).name_for(image, 0, "cpu")
+        path = registry / "held" / f"{name}.json"
+        record = json.loads(path.read_text())
+        del record["protocol"]  # its fds still the live holder's: only the protocol tells
+        path.write_text(json.dumps(record))
+        assert not held_here(registry, image, 0, "cpu")
+        with pytest.warns(RuntimeWarning, match=rf"the arena held as '{name}' in registry .* is refused: its holder "
+                                                rf"\(pid {os.getpid()}\) speaks holder protocol 1 \(an older "
+                                                r"FlashBoot's\); this FlashBoot speaks holder protocol 2"):
+            loaded = flashboot.load(image, 0, "cpu", holder=registry)
+        with loaded:
+            assert loaded.report.mode != "held" and "protocol 1" in loaded.report.details["not_restored"]
+            assert loaded.report.details["handed_over_as"] == name
 
 
 def test_two_images_in_folders_of_one_name_each_restart_from_their_own_arena(image, tmp_path):
@@ -256,6 +282,34 @@ def test_a_failed_re_adoption_keeps_the_arena_held_before_it(tmp_path, monkeypat
         b.close()
 
 
+def test_an_engine_whose_hand_over_fails_leaves_the_arena_held_before_it_listed_and_restartable(tmp_path):
+    """A hand-over under a held name that failed (the engine killed before the holder took its
+    arena) answered the engine by replacing the held arena's record with the error: the arena
+    stayed mapped by the holder, but no restart found it ('no arena is held') and `hold --list`
+    showed only the error. The record stays, the answer on it."""
+    import dataclasses
+
+    from flashboot.errors import ArenaError
+    from flashboot.flashclone.holder import open_held
+
+    registry = tmp_path / "registry"
+    a, b = Arena.create(1 << 20, "cpu"), Arena.create(1 << 20, "cpu")
+    a.bytes().numpy()[:] = 7
+    dead = dataclasses.replace(b.export(), pid=2**22 - 3)  # its engine is gone
+    try:
+        with serving_holder(Holder(registry=registry)):
+            hand_over(a, "w", registry=registry, timeout_s=10)
+            with pytest.raises(ArenaError, match=r"could not adopt 'w': process 4194301 has exited .*\(it keeps the "
+                                                 r"arena it held as 'w' before\)"):
+                hand_over(types.SimpleNamespace(export=lambda: dead, share=lambda who: None), "w", registry=registry,
+                          timeout_s=10)
+            with open_held("w", registry=registry) as held:
+                assert held.arena_id == a.arena_id and int(held.bytes().numpy().min()) == 7
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_release_whose_record_cannot_be_removed_keeps_the_arena_releasable(tmp_path, monkeypatch):
     """release() took the arena off the holder's books before removing its record: a removal that
     failed (EIO, a lost store) left the arena mapped and held by no one, never to be released."""
@@ -314,7 +368,7 @@ def test_hand_over_and_release_refuse_a_timeout_that_is_no_deadline(bad, tmp_pat
             hand_over(arena, "x", registry=registry, timeout_s=bad)
         with pytest.raises(FlashBootError, match="release timeout_s must be a finite number of seconds"):
             holders.release("w", registry=registry, timeout_s=bad)
-        assert os.listdir(registry / "requests") == []  # refused before any request was written
+        assert os.listdir(registry / REQUESTS) == []  # refused before any request was written
     finally:
         holder.close()
         arena.close()
@@ -377,7 +431,7 @@ def test_engines_on_different_gpus_that_each_call_theirs_cuda0_keep_their_held_a
     on_first = option.name_for(image, 0, "cuda:0")
     named_first = _rank_holder(types.SimpleNamespace(holder={"registry": "-", "name": "llama"}), 0,
                                restart.Device.parse("cuda:0")).name
-    record = {"descriptor": {}, "holder_pid": os.getpid(),
+    record = {"descriptor": {}, "holder_pid": os.getpid(), "protocol": holders.HOLDER_PROTOCOL,
               "image": {"image_dir": os.path.realpath(image), "rank": 0, "device": "cuda:0", "gpu": gpu["now"],
                         "metadata_sha256": flashboot.layouts.image.read_job(image).metadata_sha256[0]}}
     monkeypatch.setattr(holders, "held_record", lambda name, **where: record)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from _clone_helpers import store  # noqa: F401  (a fixture)
 
 from flashboot.errors import FlashBootError
 
@@ -53,6 +54,119 @@ def test_a_holder_refuses_a_registry_an_older_lockless_holder_still_serves(tmp_p
     with Holder(registry=registry) as holder:  # the lock was let go: the next start goes on
         assert list_held(registry) == {}
         assert any("engine0: removed the stale record" in e for e in holder.errors), list(holder.errors)
+
+
+def _older_holder_answering(registry, pid: int, seen: list):
+    """A holder of holder protocol 1 (before 2026-12-05), played by its loop: every request in
+    ``requests/`` adopted under its pid, answered by a record that names no protocol."""
+    import threading
+
+    stop = threading.Event()
+
+    def serve():
+        while not stop.wait(0.005):
+            for path in (registry / "requests").glob("*.json"):
+                req = json.loads(path.read_text())
+                seen.append(path.stem)
+                (registry / "held" / path.name).write_text(json.dumps(
+                    {"descriptor": {**req["descriptor"], "pid": pid}, "request": req.get("request"), "since": 1.0,
+                     "holder_pid": pid, "image": req.get("image")}))
+                path.unlink()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return stop, t
+
+
+def test_an_older_holder_started_beside_this_one_takes_none_of_its_requests(tmp_path):
+    """A holder of an older FlashBoot takes no lock: started after this FlashBoot's holder on its
+    registry, it had adopted hand-overs too (a real one of 2026-12-04 took 5 of 20, three of them
+    adopted by both), and alone there, a hand-over's descriptor was its own, used unsaid. This
+    FlashBoot's engines ask where it does not look; a wait it leaves unanswered names it and both
+    protocols, and its arena is refused, not mapped."""
+    from flashboot.arena import Arena
+    from flashboot.errors import ArenaError, WaitTimeoutError
+    from flashboot.flashclone.holder import Holder, hand_over, open_held, release
+
+    from _clone_helpers import serving_holder
+
+    registry = tmp_path / "registry"
+    old, seen = _sleeper(), []
+    Holder(registry=registry).close()
+    (registry / "requests").mkdir(mode=0o700, exist_ok=True)  # an older engine or holder made it
+    stop, t = _older_holder_answering(registry, old.pid, seen)
+    try:
+        with Arena.create(2 << 20, "cpu") as arena:
+            with pytest.raises(WaitTimeoutError, match=rf"no holder adopted 'w' within 0.5 s .*; pid {old.pid}, a "
+                                                       r"holder of holder protocol 1, keeps 'x' here and does not "
+                                                       r"see this FlashBoot's requests \(holder protocol 2\)"):
+                (registry / "held" / "x.json").write_text(json.dumps(
+                    {"descriptor": arena.export().to_dict(), "holder_pid": old.pid}))
+                hand_over(arena, "w", registry=registry, timeout_s=0.5)
+            with pytest.raises(ArenaError, match=rf"the arena held as 'x' in registry .* is refused: its holder "
+                                                 rf"\(pid {old.pid}\) speaks holder protocol 1 \(an older FlashBoot's\); "
+                                                 r"this FlashBoot speaks holder protocol 2"):
+                open_held("x", registry=registry)
+            with pytest.raises(ArenaError, match=r"'x' in registry .* is not released: its holder .* protocol 1"):
+                release("x", registry=registry, timeout_s=0.5)
+            (registry / "held" / "x.json").unlink()
+            with serving_holder(Holder(registry=registry)) as holder_thread:  # this FlashBoot's holder beside it
+                for i in range(5):
+                    assert hand_over(arena, f"w{i}", registry=registry, timeout_s=10).pid == os.getpid()
+                assert holder_thread.is_alive()
+        assert seen == []
+    finally:
+        stop.set()
+        t.join(5)
+        old.kill()
+        old.wait()
+
+
+def test_an_older_engines_hand_over_is_refused_naming_both_protocols(tmp_path):
+    """An engine of an older FlashBoot asks in ``requests/`` with no protocol: this holder had
+    adopted it, beside any older holder that took it too. It answers, naming both protocols, and
+    holds nothing; its own arena under that name keeps its record."""
+    from flashboot.arena import Arena
+    from flashboot.flashclone.holder import Holder, list_held
+
+    registry = tmp_path / "registry"
+    with Holder(registry=registry) as holder, Arena.create(2 << 20, "cpu") as arena:
+        (registry / "requests").mkdir(mode=0o700, exist_ok=True)
+        request = {"descriptor": arena.export().to_dict(), "request": "c9c01daf9d62a8fb", "pid": os.getpid(),
+                   "image": None}
+        (registry / "requests" / "old.json").write_text(json.dumps(request))
+        assert holder.poll_once() == 1
+        answer = list_held(registry)["old"]
+        assert answer["request"] == "c9c01daf9d62a8fb" and "descriptor" not in answer, answer
+        assert re.fullmatch(r"this holder \(registry .*\) speaks holder protocol 2 and the engine that asked holder "
+                            r"protocol 1 \(an older FlashBoot's\): engines and their holder must run one FlashBoot "
+                            r"version", answer["error"]), answer["error"]
+        assert holder.held == {} and not (registry / "requests" / "old.json").exists()
+        holder.adopt("mine", arena.export())
+        (registry / "requests" / "mine.json").write_text(json.dumps({**request, "request": "r2"}))
+        holder._next_older_poll = 0.0
+        assert holder.poll_once() == 1
+        assert list_held(registry)["mine"]["descriptor"]["pid"] == os.getpid()  # not overwritten by the answer
+        assert any(e.startswith("mine: hand-over refused: this holder") for e in holder.errors), list(holder.errors)
+
+
+def test_an_older_engines_hand_over_over_a_store_is_refused_naming_both_protocols(store):
+    """The same over a store: an older engine's request, counted under ``hold/requests``, is
+    answered with both protocols, and this FlashBoot's own hand-over still goes through."""
+    from flashboot.arena import Arena
+    from flashboot.flashclone.holder import Holder, _kv, hand_over, held_record
+
+    from _clone_helpers import TOKEN, serving_holder, wait_until
+
+    address, _ = store
+    with serving_holder(Holder(store=address, token=TOKEN, timeout_s=5)), Arena.create(2 << 20, "cpu") as arena:
+        older = _kv(store=address, token=TOKEN, timeout_s=5)  # writes as an older engine did
+        older.put("requests", "old", {"descriptor": arena.export().to_dict(), "request": "r1", "pid": os.getpid()})
+        older.close()
+        answer = wait_until(lambda: held_record("old", store=address, token=TOKEN), 10, "the answer")
+        assert answer["request"] == "r1" and "speaks holder protocol 2 and the engine that asked holder protocol 1 " \
+            "(an older FlashBoot's)" in answer["error"], answer
+        assert hand_over(arena, "new", store=address, token=TOKEN, timeout_s=10).pid == os.getpid()
 
 
 def test_a_served_load_hears_at_once_that_an_older_daemon_holds_a_pack_since_replaced(tmp_path, monkeypatch):

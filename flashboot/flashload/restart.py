@@ -149,7 +149,8 @@ def held_here(holder: Any, image_dir, rank: int, device: Any) -> bool:
     held = (record or {}).get("image") or {}
     return ("descriptor" in (record or {}) and held.get("image_dir") == os.path.realpath(image_dir)
             and (held.get("rank"), held.get("device"), held.get("gpu")) == (rank, str(dev), physical_gpu(dev))
-            and holders.holder_gone(record) is None and _same_pack(image_dir, rank, held))
+            and holders.holder_gone(record) is None and holders.protocol_refused(record) is None
+            and _same_pack(image_dir, rank, held))
 
 
 def _same_pack(image_dir, rank: int, held: dict) -> bool:
@@ -191,6 +192,11 @@ def _why_not_held(record: dict | None, identity: dict, name: str, where: str) ->
     diffs = [f"{k}: held {held.get(k)!r}, wanted {identity[k]!r}" for k in IDENTITY_FIELDS if held.get(k) != identity[k]]
     if diffs:
         return f"the arena held as {name!r} is another image or version ({'; '.join(diffs)}): refused before binding"
+    from ..flashclone.holder import holder_gone, protocol_refused
+
+    refused = protocol_refused(record)
+    if refused is not None and holder_gone(record) is None:  # an older holder's: it had been used unsaid
+        return f"the arena held as {name!r} in {where} is refused: {refused}"
     return None
 
 
@@ -295,9 +301,10 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
             gone = holders.holder_gone(record)
             if gone is not None:  # a reused pid's fds would be another process's, maybe another arena
                 raise FlashBootError(gone)
-            t0 = time.perf_counter()
-            arena = _map_held(record, dev)
-            map_ms = (time.perf_counter() - t0) * 1e3
+            if holders.protocol_refused(record) is None:  # else not mapped: _why_not_held says why
+                t0 = time.perf_counter()
+                arena = _map_held(record, dev)
+                map_ms = (time.perf_counter() - t0) * 1e3
     except FlashBootError as exc:  # the holder was killed: its pid is gone, its fds with it
         map_error = exc
     t0 = time.perf_counter()

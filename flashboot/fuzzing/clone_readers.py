@@ -143,7 +143,7 @@ def held_reader(work: Path) -> Reader:
     restarted engine reads before it maps the arena held for it (``flashboot.load(..., holder=)``,
     ``open_held``). The seed names this live process as its holder, so the record is read through
     to its descriptor."""
-    from flashboot.flashclone.holder import held_descriptor
+    from flashboot.flashclone.holder import HOLDER_PROTOCOL, held_descriptor
     from flashboot.procfs import proc_start_time
 
     registry = work / "holder-registry"
@@ -151,7 +151,7 @@ def held_reader(work: Path) -> Reader:
     path = registry / "held" / "engine-0.json"
     seed = {"descriptor": _seed_descriptor(), "request": {"op": "hold", "name": "engine-0"}, "since": 1.0,
             "holder_pid": os.getpid(), "holder_start": proc_start_time(os.getpid()),
-            "image": {"path": "/images/m", "rank": 0, "metadata_sha256": "0" * 64}}
+            "image": {"path": "/images/m", "rank": 0, "metadata_sha256": "0" * 64}, "protocol": HOLDER_PROTOCOL}
 
     def feed(data: bytes):
         path.write_bytes(data)
