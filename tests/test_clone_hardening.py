@@ -281,6 +281,58 @@ def test_closing_a_superseded_seed_leaves_its_replacements_record(store, raw):
         b.close()
 
 
+def test_a_seed_of_another_job_in_the_namespace_is_yielded_to_not_overwritten_every_second(store, raw):
+    """Two jobs, each with its own token, seeding one namespace: each seed took the other's record
+    (which failed its MAC) for garbage and published over it every second, and about half the
+    clones of each job read the other job's record. Now the seed published over stops, naming the
+    namespace and the other token; the other job's record stays, and its clones clone."""
+    from flashboot.errors import RendezvousError
+    from flashboot.flashclone.records import ForeignRecordError
+
+    address, rdv = store
+    path, data = raw
+    other = "another-jobs-token-fedcba9876543210"
+    a = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    b = flashboot.seed(address, str(path), "cpu", token=other, serve_nccl=False, timeout_s=10)
+    errors = {"a": [], "b": []}
+    stop_b = threading.Event()
+
+    def serve(seed, errs, ev=None):
+        try:
+            seed.serve_forever(ev, handle_signals=False)
+        except BaseException as exc:  # noqa: BLE001
+            errs.append(exc)
+
+    ta = threading.Thread(target=serve, args=(a, errors["a"]))
+    tb = threading.Thread(target=serve, args=(b, errors["b"], stop_b))
+    ta.start()
+    tb.start()
+    try:
+        ta.join(15)
+        assert not ta.is_alive(), "the seed published over by another job's served on (and published back)"
+        assert len(errors["a"]) == 1 and isinstance(errors["a"][0], RendezvousError), errors
+        msg = str(errors["a"][0])
+        assert "namespace 'default'" in msg and "different token" in msg and "--name" in msg, msg
+        assert f"pid {os.getpid()}" in msg and a.generation in msg
+        # the other job's record stands: ours does not verify it, theirs does, and their clone clones
+        with pytest.raises(ForeignRecordError, match=r"\(namespace 'default'\) fails authentication: it is "
+                                                     r"signed with a different token"):
+            rdv.try_read("seed")
+        with flashboot.clone(address, "cpu", "star", token=other, chunk_bytes=256 << 10, timeout_s=5) as r:
+            assert np.array_equal(_bytes(r), data)
+        with pytest.raises(RendezvousError, match="namespace 'default'.*different token"):
+            flashboot.clone(address, "cpu", "star", chunk_bytes=256 << 10, timeout_s=5)
+        assert b.republished == 0 and not b.superseded and tb.is_alive()
+    finally:
+        a.stop()
+        stop_b.set()
+        ta.join(10)
+        tb.join(10)
+        a.close()
+        b.close()
+    assert errors["b"] == []
+
+
 def test_a_serving_seed_republishes_on_a_restarted_store_and_fails_when_none_comes_back(raw):
     """A seed whose store was restarted kept running, invisible to every clone, and exited 0."""
     from flashboot.errors import RendezvousError

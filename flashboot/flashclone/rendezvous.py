@@ -441,6 +441,11 @@ class Rendezvous:
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         return cls(store, address, tok, namespace, False, timeout_s, conn=conn, ip=ip)
 
+    @property
+    def where(self) -> str:
+        """The store and namespace, for an error about a record read here."""
+        return f"the store at {self.address} (namespace {self.namespace!r})"
+
     # -- keys ------------------------------------------------------------------------------------
     def full_key(self, key: str) -> str:
         full = f"{KEY_PREFIX}/{self.namespace}/{key}"
@@ -607,7 +612,7 @@ class Rendezvous:
             raise RendezvousError(f"a record to agree on under {key!r} holds {len(raw):,} bytes; at most "
                                   f"{VALUE_PART_BYTES:,} go in one store value")
         raw = self._store_call(f"agreeing on {key!r}", self.store.compare_set, full, "", raw)
-        return decode_record(self.token, full, raw, f"the store at {self.address}")
+        return decode_record(self.token, full, raw, self.where)
 
     def read(self, key: str, *, what: str, timeout_s: float | None = None) -> Record:
         """Wait up to ``timeout_s`` (default: the connection's) for ``key`` and verify it.
@@ -618,7 +623,7 @@ class Rendezvous:
         t = self.timeout_s if timeout_s is None else float(timeout_s)
         self.wait_keys([key], what=what, timeout_s=t)
         raw = self._get(full, key)
-        return decode_record(self.token, full, raw, f"the store at {self.address}")
+        return decode_record(self.token, full, raw, self.where)
 
     def try_read(self, key: str) -> Record | None:
         """The verified record under ``key``, or None when there is none yet."""
@@ -626,7 +631,7 @@ class Rendezvous:
         if not self._store_call(f"checking {key!r}", self.store.check, [full]):
             return None
         raw = self._get(full, key)
-        return decode_record(self.token, full, raw, f"the store at {self.address}")
+        return decode_record(self.token, full, raw, self.where)
 
     def wait_keys(self, keys: Iterable[str], *, what: str, timeout_s: float | None = None) -> None:
         """Wait up to ``timeout_s`` until every one of ``keys`` is in the store (checked every

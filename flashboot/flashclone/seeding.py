@@ -14,6 +14,7 @@ from ..service_loop import Service
 from ..errors import FlashBootError, RendezvousError, WaitTimeoutError
 from ..memory import Device
 from .manifest import Manifest
+from .records import ForeignRecordError
 from .rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, StoreLostError
 from .common import METADATA_KEY, SEED_KEY, _gkey
 from .sources import _HostImage
@@ -91,6 +92,12 @@ class Seed(Service):
     def superseded_description(self) -> str:
         """Which seed replaced ours, for an error (call once :attr:`superseded`)."""
         by = self.superseded_by or {}
+        if by.get("foreign"):
+            return (f"the seed record in namespace {self.rendezvous.namespace!r} at {self.address} is now one this "
+                    f"seed cannot verify: another job's seed (pid {by.get('pid')} on {by.get('host')}, as its "
+                    f"unverified record says) published over this one's (generation {self.generation}), signed "
+                    "with a different token (or by another FlashBoot version); two jobs cannot share a namespace "
+                    "(this seed leaves the other's record alone): give each job its own --name")
         return (f"another seed (pid {by.get('pid')} on {by.get('host')}, generation {by.get('generation')}) "
                 f"published over this one's record (generation {self.generation}) in namespace "
                 f"{self.rendezvous.namespace!r} at {self.address}; one seed serves a namespace at a time "
@@ -99,31 +106,48 @@ class Seed(Service):
     def check_published(self) -> bool:
         """Publish our records again when the store no longer holds them (it was restarted, or
         the record was deleted or overwritten with garbage); reconnect first when the connection
-        broke. Leaves a newer seed's record alone (``superseded``). Returns whether it published.
+        broke. Leaves a newer seed's record alone (``superseded``), and one signed with another
+        token (another job's seed in this namespace). Returns whether it published.
         StoreLostError naming the store when no store answers there within ``timeout_s``:
         a seed nobody can find must not run on as if it served."""
         if self.superseded or not self._records:
             return False
-        rdv = self.rendezvous
-        if rdv.lost is None:
-            try:
-                rec = rdv.try_read(SEED_KEY)
-            except (StoreLostError, WaitTimeoutError):  # gone, or silent for timeout_s: rdv.lost says so
-                rec = None
-            except RendezvousError:  # garbage in our place: publish over it
-                rec = None
-            else:
-                if rec is not None:
-                    if rec.body.get("generation") != self.generation:
-                        self.superseded = True
-                        self.superseded_by = {k: rec.body.get(k) for k in ("pid", "host", "generation")}
-                    return False
-        if rdv.lost is not None:
+        if self.rendezvous.lost is None and self._record_there() in ("ours", "another"):
+            return False
+        if self.rendezvous.lost is not None:
             self._reconnect()
+            # a store that was only silent still holds what was published meanwhile
+            if self._record_there() == "another":
+                return False
         for key, body, sealed in self._records:
             self.rendezvous.publish(key, body, sealed=sealed)
         self.republished += 1
         return True
+
+    def _record_there(self) -> str | None:
+        """Whose record the store holds under the seed key: ``"ours"``, ``"another"`` (then
+        :attr:`superseded`), or None (none, garbage, or the store lost: ``rendezvous.lost`` says so)."""
+        try:
+            rec = self.rendezvous.try_read(SEED_KEY)
+        except ForeignRecordError as exc:
+            # another job's seed, signed with its own token (or of another version): it yields to
+            # none of ours, so publishing over it again had the two seeds overwrite each other every
+            # second, and half the clones of each job read the other's record
+            self.superseded = True
+            self.superseded_by = {"foreign": True, **{k: (exc.claimed or {}).get(k)
+                                                      for k in ("pid", "host", "generation")}}
+            return "another"
+        except (StoreLostError, WaitTimeoutError):  # gone, or silent for timeout_s: rdv.lost says so
+            return None
+        except RendezvousError:  # garbage in our place: publish over it
+            return None
+        if rec is None:
+            return None
+        if rec.body.get("generation") != self.generation:
+            self.superseded = True
+            self.superseded_by = {k: rec.body.get(k) for k in ("pid", "host", "generation")}
+            return "another"
+        return "ours"
 
     def _reconnect(self) -> None:
         old = self.rendezvous
