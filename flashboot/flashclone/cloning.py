@@ -136,7 +136,8 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
         nixl_warm.join(timeout_s)
     # exchange: from here (descriptor requested) to every source mapped; nothing else in between
     t0 = time.perf_counter()
-    seed_rec = rdv.read(SEED_KEY, what="the seed's manifest and descriptor")  # authenticates: wrong token stops here
+    # authenticates (a wrong token stops here); rejoins a store restarted meanwhile: nothing of ours is in it yet
+    seed_rec = rdv.read(SEED_KEY, what="the seed's manifest and descriptor", rejoin=True)
     manifest = Manifest.from_dict(seed_rec.body["manifest"])
     manifest.require(expect, f"the seed at {rdv.address}")
     gen = str(seed_rec.body["generation"])

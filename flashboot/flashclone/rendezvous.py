@@ -614,14 +614,15 @@ class Rendezvous:
         raw = self._store_call(f"agreeing on {key!r}", self.store.compare_set, full, "", raw)
         return decode_record(self.token, full, raw, self.where)
 
-    def read(self, key: str, *, what: str, timeout_s: float | None = None) -> Record:
-        """Wait up to ``timeout_s`` (default: the connection's) for ``key`` and verify it.
+    def read(self, key: str, *, what: str, timeout_s: float | None = None, rejoin: bool = False) -> Record:
+        """Wait up to ``timeout_s`` (default: the connection's) for ``key`` and verify it
+        (``rejoin``: see :meth:`wait_keys`).
 
         WaitTimeoutError names ``what`` and the key; RendezvousError for a record that fails
         authentication."""
         full = self.full_key(key)
         t = self.timeout_s if timeout_s is None else float(timeout_s)
-        self.wait_keys([key], what=what, timeout_s=t)
+        self.wait_keys([key], what=what, timeout_s=t, rejoin=rejoin)
         raw = self._get(full, key)
         return decode_record(self.token, full, raw, self.where)
 
@@ -633,22 +634,64 @@ class Rendezvous:
         raw = self._get(full, key)
         return decode_record(self.token, full, raw, self.where)
 
-    def wait_keys(self, keys: Iterable[str], *, what: str, timeout_s: float | None = None) -> None:
+    def wait_keys(self, keys: Iterable[str], *, what: str, timeout_s: float | None = None,
+                  rejoin: bool = False) -> None:
         """Wait up to ``timeout_s`` until every one of ``keys`` is in the store (checked every
-        :func:`wait_poll_delay`); WaitTimeoutError names ``what``."""
+        :func:`wait_poll_delay`); WaitTimeoutError names ``what``.
+
+        ``rejoin``: when the store goes away during the wait (its server restarted), join the one
+        at the same address again and wait on, all within ``timeout_s``; StoreLostError, saying for
+        how long it was retried, when none answers there in time. Only for a wait of a participant
+        with nothing of its own in the store yet (a clone waiting for its seed): a restarted store
+        holds none of what was written to the one before it."""
         keys = list(keys)
         full = [self.full_key(k) for k in keys]
         t = self.timeout_s if timeout_s is None else float(timeout_s)
         start = time.monotonic()
         deadline = start + max(t, 0.001)
+        went_away: list[str] = []
         # polled, not store.wait: a signal handler (SIGTERM in `flashboot clone`) runs during the
         # sleep, where store.wait held it off until the wait ended, and short store.wait slices
         # log two c10d warnings each
-        while not self._store_call(f"waiting for {what}", self.store.check, full):
+        while True:
+            try:
+                if self._store_call(f"waiting for {what}", self.store.check, full):
+                    return
+            except StoreLostError as exc:
+                if not rejoin or self.is_server:  # a store this process hosts cannot restart under it
+                    raise
+                went_away.append(self._rejoin(exc, what, t, start, deadline))
+                continue
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WaitTimeoutError(f"waited {t:g} s for {what} (store keys {keys} at {self.address})")
+                again = (f"; the store went away and was joined again ({', '.join(went_away)}), and holds none of "
+                         "what was written before" if went_away else "")
+                raise WaitTimeoutError(f"waited {t:g} s for {what} (store keys {keys} at {self.address}){again}")
             time.sleep(min(wait_poll_delay(time.monotonic() - start), left))
+
+    def _rejoin(self, exc: StoreLostError, what: str, t: float, start: float, deadline: float) -> str:
+        """Join the store at our address again, by ``deadline``, after it went away (``exc``) while
+        waiting for ``what``; returns when and how long it took. StoreLostError naming the store
+        and how long it was retried when none answers there in time."""
+        lost_at = time.monotonic()
+        if deadline <= lost_at:  # a silent store's call took the whole wait: nothing left to retry in
+            raise exc
+        reason = self._broken or str(exc)
+        reason = reason[len(f"waiting for {what}: "):] if reason.startswith(f"waiting for {what}: ") else reason
+        try:
+            new = Rendezvous.connect(self.address, self.token, namespace=self.namespace, timeout_s=deadline - lost_at)
+        except (RendezvousError, WaitTimeoutError) as err:
+            why = err
+        else:
+            if new.store is not None:  # its calls wait as ours did, not only what was left of this wait
+                new.store.set_timeout(datetime.timedelta(seconds=self.timeout_s))
+            self._drop_connection()
+            self.store, self._conn, self.ip, self._broken = new.store, new._conn, new.ip, None
+            new.store, new._conn, new._closed = None, None, True
+            return f"{lost_at - start:.1f} s into the wait, back after {time.monotonic() - lost_at:.1f} s"
+        raise StoreLostError(f"the store at {self.address} went away while waiting for {what}, {lost_at - start:.1f} s "
+                             f"into the wait ({reason}); joining it again was retried for "
+                             f"{time.monotonic() - lost_at:.1f} s, until the wait's {t:g} s ran out: {why}") from None
 
     def has(self, key: str) -> bool:
         return bool(self._store_call(f"checking {key!r}", self.store.check, [self.full_key(key)]))
@@ -690,6 +733,9 @@ class Rendezvous:
     def close(self) -> None:
         """Drop the connection (a hosting process stops serving when its last reference goes)."""
         self._closed = True
+        self._drop_connection()
+
+    def _drop_connection(self) -> None:
         thread = self._calls_thread
         if self._calls is not None:
             self._calls.put((None, (), {}, None))  # the store thread ends (a stuck one once its call returns)
