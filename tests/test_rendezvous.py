@@ -342,3 +342,22 @@ def test_bounded_store_calls_end_by_the_deadline_when_the_store_stops_answering(
         with pytest.raises(RendezvousError, match="stopped answering earlier"):
             client.publish("other", {"x": 1})
         assert time.monotonic() - t1 < 0.5
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -1, 1e12, True])
+def test_a_timeout_that_is_no_finite_positive_number_is_refused_by_name(address, server, bad, tmp_path):
+    """NaN reached timedelta as a bare ValueError, inf an OverflowError, and 0 or -1 a
+    StoreSilentError saying the store (which answered) did not answer within 0 s, "is the link
+    down?". Now each entry point names its timeout and the value, before loading or connecting."""
+    import flashboot
+    from flashboot.errors import FlashBootError
+    from flashboot.flashclone.store import StoreServer
+
+    with pytest.raises(RendezvousError, match=rf"rendezvous timeout_s must be a finite number of seconds .*got {bad!r}"):
+        Rendezvous.connect(address, TOKEN, timeout_s=bad)
+    with pytest.raises(FlashBootError, match=rf"clone timeout_s must be a finite number .*got {bad!r}"):
+        flashboot.clone(address, "cpu", "star", token=TOKEN, timeout_s=bad)
+    with pytest.raises(FlashBootError, match=rf"seed timeout_s must be a finite number .*got {bad!r}"):
+        flashboot.seed(address, str(tmp_path / "no-such-image"), "cpu", token=TOKEN, timeout_s=bad)
+    with pytest.raises(RendezvousError, match=rf"store timeout_s must be a finite number .*got {bad!r}"):
+        StoreServer(f"127.0.0.1:{free_port()}", timeout_s=bad)

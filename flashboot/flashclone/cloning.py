@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import ArenaError, FlashBootError, RendezvousError, WaitTimeoutError
 from ..memory import Device
+from ..units import check_timeout
 from ..schedulers import DEFAULT_CHUNK_BYTES, HOST, Plan, Step, build_plan
 from ..schedulers.plan import SINGLE_HOP_CHUNK_BYTES
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
@@ -68,6 +69,7 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     """
     if schedule not in SCHEDULES:
         raise FlashBootError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    check_timeout(timeout_s, "clone timeout_s")  # before any warm-up thread starts waiting by it
     if schedule == "ring":
         if image is None or clones is None:
             raise FlashBootError("schedule 'ring' loads a shard of a host image on each member: pass image= and clones=")

@@ -37,6 +37,7 @@ import time
 from typing import Any, Iterable, Mapping
 
 from ..errors import RendezvousError, StoreLostError, WaitTimeoutError
+from ..units import check_timeout
 from .records import Record, Token, decode_record, encode_record, resolve_token
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -373,6 +374,9 @@ class Rendezvous:
         WaitTimeoutError names the address when nothing there answers TCPStore's handshake in time,
         RendezvousError when what answers is not a store.
         """
+        # NaN had raised a bare ValueError from timedelta, inf an OverflowError, and 0 or less a
+        # StoreSilentError blaming the link of a store that answered
+        timeout_s = check_timeout(timeout_s, "rendezvous timeout_s", RendezvousError)
         tok = resolve_token(token, token_file)
         if not namespace or "/" in namespace:
             raise RendezvousError(f"namespace must be a non-empty name without '/', got {namespace!r}")

@@ -309,9 +309,11 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
     seed record's body (a refit's version and rank). Returns a :class:`Seed`; call ``serve_forever()``
     or keep it open while clones run, then ``close()``.
     """
-    dev = Device.parse(device) if device is not None else None
+    from ..units import check_timeout
     from .records import resolve_token
 
+    check_timeout(timeout_s, "seed timeout_s")  # before loading anything, as the token
+    dev = Device.parse(device) if device is not None else None
     tok = resolve_token(token, token_file)  # before loading anything
     if dev is None:
         from ..arena import Arena

@@ -27,6 +27,7 @@ import threading
 from .rendezvous import DEFAULT_TIMEOUT_S, host_tcpstore, parse_address
 from ..service_loop import Service
 from ..errors import RendezvousError
+from ..units import check_timeout
 
 
 class StoreServer(Service):
@@ -43,6 +44,7 @@ class StoreServer(Service):
 
     def __init__(self, address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S):
         host, port = parse_address(address, any_port=True)
+        timeout_s = check_timeout(timeout_s, "store timeout_s", RendezvousError)
         from torch.distributed import DistError
 
         try:
