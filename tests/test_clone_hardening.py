@@ -752,3 +752,21 @@ def test_flashboot_clone_refuses_run_for_chain_and_star_and_leaves_no_empty_json
     rc, out, err = finish(spawn_cli("clone", "--store", f"127.0.0.1:{free_port()}", "--device", "cpu",
                                     "--timeout", 1, "--json", report), 30)
     assert rc != 0 and not report.exists(), err
+
+
+def test_a_seeds_extra_fields_cannot_replace_its_own(store, raw):
+    """``extra={"generation": ...}`` replaced the seed record's generation: the seed then took its
+    own record for another seed's and stopped serving, blaming "another seed (pid ...)". Fields of
+    the record's own are refused by name before anything is loaded; others are published."""
+    from flashboot.errors import RendezvousError
+
+    address, rdv = store
+    path, _ = raw
+    for field in ("generation", "pid", "manifest"):
+        with pytest.raises(RendezvousError, match=rf"extra fields \['{field}'\] are the seed record's own"):
+            flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10, extra={field: "v7"})
+    assert not rdv.has("seed")
+    with flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10, extra={"refit_version": 7}) as s:
+        body = rdv.read("seed", what="the seed", timeout_s=1).body
+        assert body["refit_version"] == 7 and body["generation"] == s.generation
+        assert s.check_published() is False and not s.superseded

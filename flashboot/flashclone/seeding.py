@@ -21,6 +21,10 @@ from .sources import _HostImage
 from .transports.nccl import _broadcast, _process_group, _shutdown_pg
 
 
+SEED_RECORD_FIELDS = frozenset({"generation", "pid", "host", "device", "manifest", "nccl", "nixl", "has_metadata",
+                                "published_at"})
+"""The fields of the seed record's body that :func:`seed` writes itself (``extra`` may not replace them)."""
+
 CHECK_PUBLISHED_S = 1.0
 """How often a serving seed checks that the store still holds its record."""
 
@@ -313,6 +317,10 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
     from .records import resolve_token
 
     check_timeout(timeout_s, "seed timeout_s")  # before loading anything, as the token
+    taken = sorted(set(extra or {}) & SEED_RECORD_FIELDS)
+    if taken:  # "generation" had made the seed take its own record for another seed's, and stop
+        raise RendezvousError(f"extra fields {taken} are the seed record's own; name extra fields otherwise (its own "
+                              f"are {sorted(SEED_RECORD_FIELDS)})")
     dev = Device.parse(device) if device is not None else None
     tok = resolve_token(token, token_file)  # before loading anything
     if dev is None:
@@ -356,10 +364,10 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
     generation = secrets.token_hex(6)
     records = [(METADATA_KEY, {"generation": generation,
                                "metadata": metadata.to_dict() if metadata is not None else None}, None),
-               (SEED_KEY, {"generation": generation, "pid": os.getpid(), "host": socket.gethostname(),
-                           "device": str(arena.device), "manifest": manifest.to_dict(), "nccl": serve_nccl,
-                           "nixl": nixl, "has_metadata": metadata is not None, "published_at": time.time(),
-                           **(extra or {})}, sealed)]
+               (SEED_KEY, {**(extra or {}), "generation": generation, "pid": os.getpid(),
+                           "host": socket.gethostname(), "device": str(arena.device), "manifest": manifest.to_dict(),
+                           "nccl": serve_nccl, "nixl": nixl, "has_metadata": metadata is not None,
+                           "published_at": time.time()}, sealed)]
     try:
         for key, body, sealed_part in records:
             rdv.publish(key, body, sealed=sealed_part)
