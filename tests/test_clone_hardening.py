@@ -770,3 +770,44 @@ def test_a_seeds_extra_fields_cannot_replace_its_own(store, raw):
         body = rdv.read("seed", what="the seed", timeout_s=1).body
         assert body["refit_version"] == 7 and body["generation"] == s.generation
         assert s.check_published() is False and not s.superseded
+
+
+def test_a_seed_that_replaced_the_seed_hosting_its_store_hosts_the_store_when_that_one_exits(raw):
+    """Seed A (`flashboot seed`, another job's token) hosts the store; seed B joins it and publishes
+    over A's record. A yields and exits, and the store with it: B, though free to host one
+    (host_store=True), only waited to join a store there again and stopped with "lost its store",
+    so neither job had a seed. Now B hosts the store, publishes again, and its clones clone."""
+    path, data = raw
+    address = f"127.0.0.1:{free_port()}"
+    other = "another-jobs-token-fedcba9876543210"
+    a = spawn_cli("seed", path, "--device", "cpu", "--store", address, "--timeout", 5, token=other)
+    b = None
+    errors = []
+    done = threading.Event()
+    try:
+        assert "hosting store" in a.stdout.readline()
+        b = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=5)
+        assert not b.rendezvous.is_server
+
+        def serve():
+            try:
+                b.serve_forever(done, handle_signals=False)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        code, _, err = finish(a, 20)
+        assert code != 0 and "another job's seed" in err, err
+        wait_until(lambda: b.republished >= 1 or errors, 20, "seed B to publish again")
+        assert errors == [] and b.rendezvous.is_server
+        with flashboot.clone(address, "cpu", "star", chunk_bytes=256 << 10, timeout_s=5) as r:
+            assert np.array_equal(_bytes(r), data)
+        done.set()
+        t.join(10)
+        assert errors == []
+    finally:
+        done.set()
+        stop(a)
+        if b is not None:
+            b.close()

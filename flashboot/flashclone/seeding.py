@@ -40,8 +40,12 @@ class Seed(Service):
 
     def __init__(self, rdv: Rendezvous, arena, manifest: Manifest, generation: str, *, metadata=None,
                  owned: list | None = None, serve_nccl: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 records: list | None = None):
+                 records: list | None = None, host_store: bool = False):
         self.rendezvous, self.arena, self.manifest, self.generation = rdv, arena, manifest, generation
+        self.host_store = host_store
+        """Whether this seed may host the store (``seed(host_store=True)``), also when the one it
+        joined has gone: a seed that hosted it and was replaced by another seed exits, and with it
+        the store its replacement had joined."""
         # every store call bounded: the serve loop checks the store, and close() withdraws, on a
         # connection whose store may stop answering (SIGSTOPped, link down) without closing it
         rdv.bounded = True
@@ -156,8 +160,8 @@ class Seed(Service):
     def _reconnect(self) -> None:
         old = self.rendezvous
         try:
-            new = Rendezvous.connect(old.address, old.token, namespace=old.namespace, host=old.is_server,
-                                     timeout_s=self.timeout_s)
+            new = Rendezvous.connect(old.address, old.token, namespace=old.namespace,
+                                     host=old.is_server or self.host_store, timeout_s=self.timeout_s)
         except (RendezvousError, WaitTimeoutError) as exc:
             raise StoreLostError(f"the seed lost its store at {old.address} ({old.lost}) and cannot reach one "
                                  f"there again: {exc}") from None
@@ -377,4 +381,4 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
             obj.close()
         raise
     return Seed(rdv, arena, manifest, generation, metadata=metadata, owned=owned, serve_nccl=serve_nccl,
-                timeout_s=timeout_s, records=records)
+                timeout_s=timeout_s, records=records, host_store=host_store)
