@@ -811,3 +811,39 @@ def test_a_seed_that_replaced_the_seed_hosting_its_store_hosts_the_store_when_th
         stop(a)
         if b is not None:
             b.close()
+
+
+def test_a_seed_that_lost_a_flashboot_store_waits_for_it_rather_than_host_one_in_its_place(raw):
+    """A seed free to host (the default) that joined `flashboot store` waits for that store to come
+    back when it restarts, as before, rather than take its port (the restarted store had then
+    failed with "the port is taken", and the store lived only as long as that seed)."""
+    from flashboot.flashclone.store import StoreServer
+
+    path, data = raw
+    address = f"127.0.0.1:{free_port()}"
+    server = StoreServer(address)
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    errors = []
+
+    def serve():
+        try:
+            s.serve_forever(handle_signals=False)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        assert not s.rendezvous.is_server
+        server.close()
+        wait_until(lambda: s.rendezvous.lost is not None or s.republished or errors, 20,
+                   "the seed to find its store gone")
+        server = StoreServer(address)  # the port is free: the seed did not host one there
+        wait_until(lambda: s.republished >= 1 or errors, 20, "the seed to publish again")
+        assert errors == [] and not s.rendezvous.is_server
+        with flashboot.clone(address, "cpu", "star", chunk_bytes=256 << 10, timeout_s=5) as r:
+            assert np.array_equal(_bytes(r), data)
+    finally:
+        s.stop()
+        t.join(10)
+        server.close()

@@ -43,6 +43,9 @@ from .records import Record, Token, decode_record, encode_record, resolve_token
 DEFAULT_TIMEOUT_S = 60.0
 KEY_PREFIX = "flashboot/v1"
 
+STORE_SERVER_KEY = f"{KEY_PREFIX}/store-server"
+"""Set (to its pid) by a :class:`~flashboot.flashclone.store.StoreServer` in the store it hosts."""
+
 VALUE_PART_BYTES = 4 << 20
 """The most bytes written under one store key: a longer record goes in parts of this size, then a
 short pointer to them under its key (:meth:`Rendezvous.publish`). torch's TCPStore server (libuv,
@@ -697,6 +700,10 @@ class Rendezvous:
                              f"into the wait ({reason}); joining it again was retried for "
                              f"{time.monotonic() - lost_at:.1f} s, until the wait's {t:g} s ran out: {why}") from None
 
+    def hosted_by_store_server(self) -> bool:
+        """Whether a :class:`~flashboot.flashclone.store.StoreServer` (``flashboot store``) hosts this store."""
+        return bool(self._store_call("checking who hosts the store", self.store.check, [STORE_SERVER_KEY]))
+
     def has(self, key: str) -> bool:
         return bool(self._store_call(f"checking {key!r}", self.store.check, [self.full_key(key)]))
 
@@ -763,4 +770,4 @@ class Rendezvous:
         return f"Rendezvous({role} {self.address}, namespace {self.namespace!r})"
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Rendezvous", "StoreLostError", "StoreSilentError", "free_port", "parse_address"]
+__all__ = ["DEFAULT_TIMEOUT_S", "STORE_SERVER_KEY", "Rendezvous", "StoreLostError", "StoreSilentError", "free_port", "parse_address"]

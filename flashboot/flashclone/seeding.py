@@ -44,8 +44,10 @@ class Seed(Service):
         self.rendezvous, self.arena, self.manifest, self.generation = rdv, arena, manifest, generation
         self.host_store = host_store
         """Whether this seed may host the store (``seed(host_store=True)``), also when the one it
-        joined has gone: a seed that hosted it and was replaced by another seed exits, and with it
-        the store its replacement had joined."""
+        joined has gone, unless ``flashboot store`` hosted that one (it is waited for to come back):
+        a seed that hosted it and was replaced by another seed exits, and with it the store its
+        replacement had joined."""
+        self._store_server = False if rdv.is_server else self._hosted_by_store_server(rdv)
         # every store call bounded: the serve loop checks the store, and close() withdraws, on a
         # connection whose store may stop answering (SIGSTOPped, link down) without closing it
         rdv.bounded = True
@@ -161,12 +163,14 @@ class Seed(Service):
         old = self.rendezvous
         try:
             new = Rendezvous.connect(old.address, old.token, namespace=old.namespace,
-                                     host=old.is_server or self.host_store, timeout_s=self.timeout_s)
+                                     host=old.is_server or (self.host_store and not self._store_server),
+                                     timeout_s=self.timeout_s)
         except (RendezvousError, WaitTimeoutError) as exc:
             raise StoreLostError(f"the seed lost its store at {old.address} ({old.lost}) and cannot reach one "
                                  f"there again: {exc}") from None
         new.bounded = True
         self.rendezvous = new
+        self._store_server = False if new.is_server else self._hosted_by_store_server(new)
         if self._thread is not None:
             # the old service, possibly mid-broadcast, ends with the old connection (its next call
             # fails at once); a new one serves on the new connection. A restarted store counts the
@@ -185,6 +189,13 @@ class Seed(Service):
             self._start_nccl()
         else:
             old.close()
+
+    @staticmethod
+    def _hosted_by_store_server(rdv: Rendezvous) -> bool:
+        try:
+            return rdv.hosted_by_store_server()
+        except (RendezvousError, WaitTimeoutError):
+            return False  # the store check finds it lost and says so
 
     def _holds_our_record(self, rdv: Rendezvous) -> bool:
         try:
