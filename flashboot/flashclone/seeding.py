@@ -320,9 +320,11 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
     how much of it to replicate, default all; ``manifest``: its checksums when already known,
     else they are computed on the device), or a LoadedImage/CloneResult. The seed hosts the
     store at ``store`` unless one already listens there (then, if this process dies, the store and
-    every record in it die too); ``host_store=False``: never host, wait up to ``timeout_s`` for a
-    store (``flashboot store HOST:PORT``, torchrun's, any TCPStore) and join it. The token (``token``, ``token_file`` or
-    ``$FLASHBOOT_TOKEN``) signs every record. ``nixl``: also register the arena (every segment)
+    every record in it die too), and when the store it joined goes, hosts one there itself (unless
+    ``flashboot store`` hosted it: that one is waited for to come back); ``host_store=False``:
+    never host, wait up to ``timeout_s`` for a store (``flashboot store HOST:PORT``, torchrun's,
+    any TCPStore) and join it. The token (``token``, ``token_file`` or ``$FLASHBOOT_TOKEN``)
+    signs every record. ``nixl``: also register the arena (every segment)
     with a NIXL agent and publish its metadata, sealed, so clones on other hosts can READ it
     (``transport="nixl"``; needs ``pip install flashboot[nixl]``). ``extra``: more fields for the
     seed record's body (a refit's version and rank). Returns a :class:`Seed`; call ``serve_forever()``
