@@ -181,5 +181,5 @@ def decode_record(token: Token, key: str, raw: bytes, where: str = "the store") 
     return Record(key, body, sealed)
 
 
-__all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "ForeignRecordError", "MIN_TOKEN_BYTES", "Record", "Token", "canonical_json", "decode_record",
-           "encode_record", "resolve_token"]
+__all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "ForeignRecordError", "MIN_TOKEN_BYTES", "Record", "Token", "canonical_json",
+           "decode_record", "encode_record", "resolve_token"]

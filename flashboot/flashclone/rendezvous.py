@@ -770,4 +770,5 @@ class Rendezvous:
         return f"Rendezvous({role} {self.address}, namespace {self.namespace!r})"
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "STORE_SERVER_KEY", "Rendezvous", "StoreLostError", "StoreSilentError", "free_port", "parse_address"]
+__all__ = ["DEFAULT_TIMEOUT_S", "STORE_SERVER_KEY", "Rendezvous", "StoreLostError", "StoreSilentError", "free_port",
+           "parse_address"]
