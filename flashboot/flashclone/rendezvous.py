@@ -653,7 +653,9 @@ class Rendezvous:
         holds none of what was written to the one before it."""
         keys = list(keys)
         full = [self.full_key(k) for k in keys]
-        t = self.timeout_s if timeout_s is None else float(timeout_s)
+        # NaN (or inf) is never reached: the wait (a linger, a barrier) had polled for good
+        t = self.timeout_s if timeout_s is None else check_timeout(timeout_s, f"the wait for {what}: timeout_s",
+                                                                   RendezvousError, zero_ok=True)
         start = time.monotonic()
         deadline = start + max(t, 0.001)
         went_away: list[str] = []
