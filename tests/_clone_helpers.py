@@ -138,13 +138,14 @@ def store():
 
 
 @contextlib.contextmanager
-def store_in_its_own_process(sleep_s: float = 300):
+def store_in_its_own_process(sleep_s: float = 300, address: str | None = None):
     """A store hosted by a process of its own, which a test may stop (:func:`stop_process`: a store
-    whose host stops answering, as behind a cut link); yields ``(address, process)``."""
+    whose host stops answering, as behind a cut link) or kill; yields ``(address, process)``.
+    ``address``: host it there (a store restarted where one was killed), else on a free port."""
     from flashboot.flashclone.rendezvous import free_port
 
-    for _ in range(3):  # the port may be taken between free_port and the bind
-        address = f"127.0.0.1:{free_port()}"
+    for _ in range(1 if address else 3):  # the port may be taken between free_port and the bind
+        address = address if address else f"127.0.0.1:{free_port()}"
         code = ("import time\nfrom flashboot.flashclone.rendezvous import Rendezvous\n"
                 f"r = Rendezvous.connect({address!r}, {TOKEN!r}, host=True, timeout_s=20)\n"
                 f"print('ready', r.is_server, flush=True)\ntime.sleep({sleep_s})\n")
@@ -158,9 +159,7 @@ def store_in_its_own_process(sleep_s: float = 300):
         assert line.split() == ["ready", "True"], f"no free port to host a store on: {line!r}"
         yield address, proc
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        proc.communicate()
+        stop(proc)  # also one the test killed already
 
 
 def stop_process(pid: int) -> None:

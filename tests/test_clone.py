@@ -750,8 +750,8 @@ def test_the_clones_arena_is_made_during_the_exchange_and_released_if_never_take
     s.close(keep_arena=False)
     with Arena.create(MiB, "cpu") as mine:  # the caller's arena: nothing made, never closed here
         s = _Session(None)
-        s.start_arena(mine, MiB, cpu)
-        s.take_arena(mine, MiB, cpu)
+        s.start_arena(mine, mine.nbytes, cpu)  # the seed's capacity, as a clone passes it
+        s.take_arena(mine, mine.nbytes, cpu)
         s.close(keep_arena=False)
         assert s.arena is mine and not mine.closed and len(made) == 3  # 3: ours, made above
     # made and exported in the background (the record later clones read carries the export) ...

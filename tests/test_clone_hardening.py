@@ -281,6 +281,58 @@ def test_closing_a_superseded_seed_leaves_its_replacements_record(store, raw):
         b.close()
 
 
+def test_a_seed_of_another_job_in_the_namespace_is_yielded_to_not_overwritten_every_second(store, raw):
+    """Two jobs, each with its own token, seeding one namespace: each seed took the other's record
+    (which failed its MAC) for garbage and published over it every second, and about half the
+    clones of each job read the other job's record. Now the seed published over stops, naming the
+    namespace and the other token; the other job's record stays, and its clones clone."""
+    from flashboot.errors import RendezvousError
+    from flashboot.flashclone.records import ForeignRecordError
+
+    address, rdv = store
+    path, data = raw
+    other = "another-jobs-token-fedcba9876543210"
+    a = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    b = flashboot.seed(address, str(path), "cpu", token=other, serve_nccl=False, timeout_s=10)
+    errors = {"a": [], "b": []}
+    stop_b = threading.Event()
+
+    def serve(seed, errs, ev=None):
+        try:
+            seed.serve_forever(ev, handle_signals=False)
+        except BaseException as exc:  # noqa: BLE001
+            errs.append(exc)
+
+    ta = threading.Thread(target=serve, args=(a, errors["a"]))
+    tb = threading.Thread(target=serve, args=(b, errors["b"], stop_b))
+    ta.start()
+    tb.start()
+    try:
+        ta.join(15)
+        assert not ta.is_alive(), "the seed published over by another job's served on (and published back)"
+        assert len(errors["a"]) == 1 and isinstance(errors["a"][0], RendezvousError), errors
+        msg = str(errors["a"][0])
+        assert "namespace 'default'" in msg and "different token" in msg and "--name" in msg, msg
+        assert f"pid {os.getpid()}" in msg and a.generation in msg
+        # the other job's record stands: ours does not verify it, theirs does, and their clone clones
+        with pytest.raises(ForeignRecordError, match=r"\(namespace 'default'\) fails authentication: it is "
+                                                     r"signed with a different token"):
+            rdv.try_read("seed")
+        with flashboot.clone(address, "cpu", "star", token=other, chunk_bytes=256 << 10, timeout_s=5) as r:
+            assert np.array_equal(_bytes(r), data)
+        with pytest.raises(RendezvousError, match="namespace 'default'.*different token"):
+            flashboot.clone(address, "cpu", "star", chunk_bytes=256 << 10, timeout_s=5)
+        assert b.republished == 0 and not b.superseded and tb.is_alive()
+    finally:
+        a.stop()
+        stop_b.set()
+        ta.join(10)
+        tb.join(10)
+        a.close()
+        b.close()
+    assert errors["b"] == []
+
+
 def test_a_serving_seed_republishes_on_a_restarted_store_and_fails_when_none_comes_back(raw):
     """A seed whose store was restarted kept running, invisible to every clone, and exited 0."""
     from flashboot.errors import RendezvousError
@@ -700,3 +752,98 @@ def test_flashboot_clone_refuses_run_for_chain_and_star_and_leaves_no_empty_json
     rc, out, err = finish(spawn_cli("clone", "--store", f"127.0.0.1:{free_port()}", "--device", "cpu",
                                     "--timeout", 1, "--json", report), 30)
     assert rc != 0 and not report.exists(), err
+
+
+def test_a_seeds_extra_fields_cannot_replace_its_own(store, raw):
+    """``extra={"generation": ...}`` replaced the seed record's generation: the seed then took its
+    own record for another seed's and stopped serving, blaming "another seed (pid ...)". Fields of
+    the record's own are refused by name before anything is loaded; others are published."""
+    from flashboot.errors import RendezvousError
+
+    address, rdv = store
+    path, _ = raw
+    for field in ("generation", "pid", "manifest"):
+        with pytest.raises(RendezvousError, match=rf"extra fields \['{field}'\] are the seed record's own"):
+            flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10, extra={field: "v7"})
+    assert not rdv.has("seed")
+    with flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10, extra={"refit_version": 7}) as s:
+        body = rdv.read("seed", what="the seed", timeout_s=1).body
+        assert body["refit_version"] == 7 and body["generation"] == s.generation
+        assert s.check_published() is False and not s.superseded
+
+
+def test_a_seed_that_replaced_the_seed_hosting_its_store_hosts_the_store_when_that_one_exits(raw):
+    """Seed A (`flashboot seed`, another job's token) hosts the store; seed B joins it and publishes
+    over A's record. A yields and exits, and the store with it: B, though free to host one
+    (host_store=True), only waited to join a store there again and stopped with "lost its store",
+    so neither job had a seed. Now B hosts the store, publishes again, and its clones clone."""
+    path, data = raw
+    address = f"127.0.0.1:{free_port()}"
+    other = "another-jobs-token-fedcba9876543210"
+    a = spawn_cli("seed", path, "--device", "cpu", "--store", address, "--timeout", 5, token=other)
+    b = None
+    errors = []
+    done = threading.Event()
+    try:
+        assert "hosting store" in a.stdout.readline()
+        b = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=5)
+        assert not b.rendezvous.is_server
+
+        def serve():
+            try:
+                b.serve_forever(done, handle_signals=False)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        code, _, err = finish(a, 20)
+        assert code != 0 and "another job's seed" in err, err
+        wait_until(lambda: b.republished >= 1 or errors, 20, "seed B to publish again")
+        assert errors == [] and b.rendezvous.is_server
+        with flashboot.clone(address, "cpu", "star", chunk_bytes=256 << 10, timeout_s=5) as r:
+            assert np.array_equal(_bytes(r), data)
+        done.set()
+        t.join(10)
+        assert errors == []
+    finally:
+        done.set()
+        stop(a)
+        if b is not None:
+            b.close()
+
+
+def test_a_seed_that_lost_a_flashboot_store_waits_for_it_rather_than_host_one_in_its_place(raw):
+    """A seed free to host (the default) that joined `flashboot store` waits for that store to come
+    back when it restarts, as before, rather than take its port (the restarted store had then
+    failed with "the port is taken", and the store lived only as long as that seed)."""
+    from flashboot.flashclone.store import StoreServer
+
+    path, data = raw
+    address = f"127.0.0.1:{free_port()}"
+    server = StoreServer(address)
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    errors = []
+
+    def serve():
+        try:
+            s.serve_forever(handle_signals=False)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        assert not s.rendezvous.is_server
+        server.close()
+        wait_until(lambda: s.rendezvous.lost is not None or s.republished or errors, 20,
+                   "the seed to find its store gone")
+        server = StoreServer(address)  # the port is free: the seed did not host one there
+        wait_until(lambda: s.republished >= 1 or errors, 20, "the seed to publish again")
+        assert errors == [] and not s.rendezvous.is_server
+        with flashboot.clone(address, "cpu", "star", chunk_bytes=256 << 10, timeout_s=5) as r:
+            assert np.array_equal(_bytes(r), data)
+    finally:
+        s.stop()
+        t.join(10)
+        server.close()

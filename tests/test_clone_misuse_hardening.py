@@ -221,3 +221,43 @@ def test_ring_load_of_a_missing_image_names_it(tmp_path):
         ring_load(address, missing, "cpu", members=1, timeout_s=5)
     with pytest.raises(FlashBootError, match=f"ring image '{missing}' does not exist"):
         ring_load(address, str(missing), "cpu", members=2, timeout_s=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# clone(into=...) of the wrong size
+# ---------------------------------------------------------------------------------------------
+
+
+_INTO_CLONE = """
+import sys, flashboot
+from flashboot.arena import Arena
+into = Arena.create(int(sys.argv[2]), "cpu")
+try:
+    flashboot.clone(sys.argv[1], "cpu", "star", timeout_s=10, into=into, transport=sys.argv[3])
+except Exception as exc:
+    print(type(exc).__name__, exc, flush=True)
+print("into open:", not into.closed, flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", ["posix_fd", "nccl"])
+@pytest.mark.parametrize("into_mib", [2, 8])
+def test_a_clone_into_an_arena_of_another_size_is_refused_naming_both(store, transport, into_mib):
+    """``clone(into=...)`` with an arena smaller than the seed's: the broadcast fallback aborted the
+    process (gloo: "Received data size doesn't match expected size"); a mapping clone blamed
+    "different allocation granularity". Now both refuse it, naming the two sizes, and leave it open."""
+    import flashboot
+
+    address, _ = store
+    seed_arena = Arena.create(4 * MiB, "cpu")
+    s = flashboot.seed(address, seed_arena, "cpu", timeout_s=10)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _INTO_CLONE, address, str(into_mib * MiB), transport], env=env(),
+                              capture_output=True, text=True, timeout=50)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert (f"ArenaError clone(into=...): the arena given holds {into_mib * MiB:,} bytes on cpu; the seed's "
+                f"image needs one of exactly {4 * MiB:,} bytes on cpu") in proc.stdout, proc.stdout
+        assert "into open: True" in proc.stdout
+    finally:
+        s.close()
+        seed_arena.close()

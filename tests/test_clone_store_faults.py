@@ -30,7 +30,7 @@ from flashboot.flashclone.rendezvous import Rendezvous, StoreLostError, free_por
 
 from _clone_helpers import _token  # noqa: F401  (fixture)
 from _clone_helpers import (
-    TOKEN, arena_fds, arena_maps, finish, spawn_cli, spawn_python, stop, wait_until,
+    TOKEN, arena_fds, arena_maps, finish, spawn_cli, spawn_python, stop, store_in_its_own_process, wait_until,
 )
 from test_clone_faults import _Background, _member, raw  # noqa: F401  (raw: a fixture)
 
@@ -246,6 +246,71 @@ def test_a_clone_that_loses_the_store_before_the_copy_names_the_step(raw):
                          str(bg.error)), bg.error
     finally:
         stop(seed)
+
+
+class _CloneWaitingForItsSeed:
+    """``flashboot.clone`` of the store at ``address`` in a thread; :attr:`waiting` is set once it
+    waits for the seed's record (the store then holds nothing of the clone's)."""
+
+    def __init__(self, address, monkeypatch, timeout_s):
+        self.waiting, self.result, self.error = threading.Event(), None, None
+        real = Rendezvous.read
+
+        def read(rdv, key, **kw):
+            if key == "seed":
+                self.waiting.set()
+            return real(rdv, key, **kw)
+
+        monkeypatch.setattr(Rendezvous, "read", read)
+        self.thread = threading.Thread(target=self._run, args=(address, timeout_s))
+        self.thread.start()
+
+    def _run(self, address, timeout_s):
+        try:
+            self.result = flashboot.clone(address, "cpu", "star", chunk_bytes=256 << 10, timeout_s=timeout_s)
+        except BaseException as exc:  # noqa: BLE001
+            self.error = exc
+
+
+def test_a_clone_waiting_for_its_seed_rejoins_a_restarted_store(raw, monkeypatch):
+    """Defect: a clone waiting for its seed failed at once when the store's server restarted,
+    though a store was back at the address well within its timeout. It holds nothing in the store
+    yet, so it joins the new one and clones the seed published there."""
+    path, data = raw
+    with store_in_its_own_process() as (address, proc):
+        bg = _CloneWaitingForItsSeed(address, monkeypatch, timeout_s=30)
+        try:
+            assert bg.waiting.wait(30), bg.error
+            proc.kill()
+            proc.wait()
+            with store_in_its_own_process(address=address):
+                with flashboot.seed(address, str(path), "cpu", serve_nccl=False, host_store=False, timeout_s=10):
+                    bg.thread.join(40)
+                    assert not bg.thread.is_alive()
+                    assert bg.error is None, bg.error
+                    with bg.result as r:
+                        assert np.array_equal(r.arena.bytes().numpy()[:data.size], data)
+        finally:
+            bg.thread.join(40)
+
+
+def test_a_clone_whose_store_went_away_for_good_says_so_and_for_how_long_it_retried(monkeypatch):
+    """A store that does not come back: the error says it went away during the wait for the seed
+    and that joining it again was retried until the clone's timeout, not only that it was lost."""
+    with store_in_its_own_process() as (address, proc):
+        bg = _CloneWaitingForItsSeed(address, monkeypatch, timeout_s=4)
+        try:
+            assert bg.waiting.wait(30), bg.error
+            proc.kill()
+            proc.wait()
+        finally:
+            bg.thread.join(40)
+    assert not bg.thread.is_alive()
+    assert isinstance(bg.error, StoreLostError), bg.error
+    msg = str(bg.error)
+    assert re.search(rf"the store at {re.escape(address)} went away while waiting for the seed's manifest and "
+                     r"descriptor, [\d.]+ s into the wait \(.+\); joining it again was retried for [\d.]+ s, until "
+                     r"the wait's 4 s ran out: no rendezvous store answered at", msg), msg
 
 
 # ------------------------------------------------------ a port that is not (or no longer) a store

@@ -342,3 +342,46 @@ def test_bounded_store_calls_end_by_the_deadline_when_the_store_stops_answering(
         with pytest.raises(RendezvousError, match="stopped answering earlier"):
             client.publish("other", {"x": 1})
         assert time.monotonic() - t1 < 0.5
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -1, 1e12, True])
+def test_a_timeout_that_is_no_finite_positive_number_is_refused_by_name(address, server, bad, tmp_path):
+    """NaN reached timedelta as a bare ValueError, inf an OverflowError, and 0 or -1 a
+    StoreSilentError saying the store (which answered) did not answer within 0 s, "is the link
+    down?". Now each entry point names its timeout and the value, before loading or connecting."""
+    import flashboot
+    from flashboot.errors import FlashBootError
+    from flashboot.flashclone.store import StoreServer
+
+    with pytest.raises(RendezvousError, match=rf"rendezvous timeout_s must be a finite number of seconds .*got {bad!r}"):
+        Rendezvous.connect(address, TOKEN, timeout_s=bad)
+    with pytest.raises(FlashBootError, match=rf"clone timeout_s must be a finite number .*got {bad!r}"):
+        flashboot.clone(address, "cpu", "star", token=TOKEN, timeout_s=bad)
+    with pytest.raises(FlashBootError, match=rf"seed timeout_s must be a finite number .*got {bad!r}"):
+        flashboot.seed(address, str(tmp_path / "no-such-image"), "cpu", token=TOKEN, timeout_s=bad)
+    with pytest.raises(RendezvousError, match=rf"store timeout_s must be a finite number .*got {bad!r}"):
+        StoreServer(f"127.0.0.1:{free_port()}", timeout_s=bad)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1])
+def test_a_wait_given_no_finite_timeout_is_refused_instead_of_polling_for_good(address, server, bad):
+    """``wait_keys``/``read``/``barrier`` (and ``linger`` through them) given NaN or inf polled
+    forever: no deadline is ever reached. Now the wait is refused, naming what it was for."""
+    for call in (lambda: server.wait_keys(["nothing"], what="nothing", timeout_s=bad),
+                 lambda: server.read("nothing", what="nothing", timeout_s=bad),
+                 lambda: server.barrier("alone", 2, timeout_s=bad)):
+        box = {}
+
+        def run():
+            try:
+                call()
+            except BaseException as exc:  # noqa: BLE001
+                box["error"] = exc
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(5)
+        assert not t.is_alive(), f"a wait given timeout_s={bad} still waits"
+        assert isinstance(box.get("error"), RendezvousError), box
+        assert f"timeout_s must be a finite number of seconds in [0, " in str(box["error"]), box["error"]
+        assert "the wait for " in str(box["error"])

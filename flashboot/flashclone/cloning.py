@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import ArenaError, FlashBootError, RendezvousError, WaitTimeoutError
 from ..memory import Device
+from ..units import check_timeout
 from ..schedulers import DEFAULT_CHUNK_BYTES, HOST, Plan, Step, build_plan
 from ..schedulers.plan import SINGLE_HOP_CHUNK_BYTES
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
@@ -70,6 +71,7 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     """
     if schedule not in SCHEDULES:
         raise FlashBootError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    check_timeout(timeout_s, "clone timeout_s")  # before any warm-up thread starts waiting by it
     if schedule == "ring":
         if image is None or clones is None:
             raise FlashBootError("schedule 'ring' loads a shard of a host image on each member: pass image= and clones=")
@@ -144,7 +146,8 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
         nixl_warm.join(timeout_s)
     # exchange: from here (descriptor requested) to every source mapped; nothing else in between
     t0 = time.perf_counter()
-    seed_rec = rdv.read(SEED_KEY, what="the seed's manifest and descriptor")  # authenticates: wrong token stops here
+    # authenticates (a wrong token stops here); rejoins a store restarted meanwhile: nothing of ours is in it yet
+    seed_rec = rdv.read(SEED_KEY, what="the seed's manifest and descriptor", rejoin=True)
     manifest = Manifest.from_dict(seed_rec.body["manifest"])
     manifest.require(expect, f"the seed at {rdv.address}")
     gen = str(seed_rec.body["generation"])

@@ -107,6 +107,17 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
+class ForeignRecordError(RendezvousError):
+    """A well-formed record that this participant cannot verify: written with another token (another
+    job that uses the same namespace of the store, or a participant given another token), planted by
+    someone without one, or of another record version. ``claimed``: its body as written, unverified
+    (for an error message only: nothing in it is to be trusted)."""
+
+    def __init__(self, message: str, claimed: dict | None = None):
+        super().__init__(message)
+        self.claimed = claimed
+
+
 @dataclass(frozen=True)
 class Record:
     """A verified record: ``body`` (readable by anyone with store access) and ``sealed`` (only with
@@ -139,15 +150,17 @@ def decode_record(token: Token, key: str, raw: bytes, where: str = "the store") 
             raise ValueError("unknown record version")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise RendezvousError(f"{key!r} in {where} is not a FlashBoot record ({type(exc).__name__}: {exc})") from None
+    claimed = envelope.get("body") if isinstance(envelope.get("body"), dict) else None
     if envelope["v"] != RECORD_VERSION:  # a seed or clone of another FlashBoot: said, not taken as garbage
-        raise RendezvousError(f"{key!r} in {where} is a record of version {envelope['v']}; this FlashBoot reads "
-                              f"record version {RECORD_VERSION}: seed, clones and holder must run one FlashBoot "
-                              "version")
+        raise ForeignRecordError(f"{key!r} in {where} is a record of version {envelope['v']}; this FlashBoot "
+                                 f"reads record version {RECORD_VERSION}: seed, clones and holder must run one "
+                                 "FlashBoot version", claimed)
     if not hmac.compare_digest(mac, token.mac(canonical_json(envelope))):
-        raise RendezvousError(
-            f"{key!r} in {where} fails authentication: it was written with a different token, or planted by "
-            f"someone without one; check that every participant shares the same token (ours from {token.source})"
-        )
+        raise ForeignRecordError(
+            f"{key!r} in {where} fails authentication: it is signed with a different token than ours (from "
+            f"{token.source}): another job uses the same namespace of this store (give each job its own name, "
+            "--name), or a participant of this job was given another token, or someone without one planted "
+            "it; every seed and clone of one job must share one token", claimed)
     if envelope.get("key") != key:
         raise RendezvousError(f"{key!r} in {where} holds a record written for {envelope.get('key')!r} (moved or replayed)")
     # Authentic from here on, but still checked: a participant with the token may have a bug.
@@ -168,5 +181,5 @@ def decode_record(token: Token, key: str, raw: bytes, where: str = "the store") 
     return Record(key, body, sealed)
 
 
-__all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "MIN_TOKEN_BYTES", "Record", "Token", "canonical_json", "decode_record",
-           "encode_record", "resolve_token"]
+__all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "ForeignRecordError", "MIN_TOKEN_BYTES", "Record", "Token", "canonical_json",
+           "decode_record", "encode_record", "resolve_token"]

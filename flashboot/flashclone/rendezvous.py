@@ -37,10 +37,14 @@ import time
 from typing import Any, Iterable, Mapping
 
 from ..errors import RendezvousError, StoreLostError, WaitTimeoutError
+from ..units import check_timeout
 from .records import Record, Token, decode_record, encode_record, resolve_token
 
 DEFAULT_TIMEOUT_S = 60.0
 KEY_PREFIX = "flashboot/v1"
+
+STORE_SERVER_KEY = f"{KEY_PREFIX}/store-server"
+"""Set (to its pid) by a :class:`~flashboot.flashclone.store.StoreServer` in the store it hosts."""
 
 VALUE_PART_BYTES = 4 << 20
 """The most bytes written under one store key: a longer record goes in parts of this size, then a
@@ -373,6 +377,9 @@ class Rendezvous:
         WaitTimeoutError names the address when nothing there answers TCPStore's handshake in time,
         RendezvousError when what answers is not a store.
         """
+        # NaN had raised a bare ValueError from timedelta, inf an OverflowError, and 0 or less a
+        # StoreSilentError blaming the link of a store that answered
+        timeout_s = check_timeout(timeout_s, "rendezvous timeout_s", RendezvousError)
         tok = resolve_token(token, token_file)
         if not namespace or "/" in namespace:
             raise RendezvousError(f"namespace must be a non-empty name without '/', got {namespace!r}")
@@ -440,6 +447,11 @@ class Rendezvous:
                                           f"{str(exc).splitlines()[0]}") from None
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         return cls(store, address, tok, namespace, False, timeout_s, conn=conn, ip=ip)
+
+    @property
+    def where(self) -> str:
+        """The store and namespace, for an error about a record read here."""
+        return f"the store at {self.address} (namespace {self.namespace!r})"
 
     # -- keys ------------------------------------------------------------------------------------
     def full_key(self, key: str) -> str:
@@ -607,18 +619,19 @@ class Rendezvous:
             raise RendezvousError(f"a record to agree on under {key!r} holds {len(raw):,} bytes; at most "
                                   f"{VALUE_PART_BYTES:,} go in one store value")
         raw = self._store_call(f"agreeing on {key!r}", self.store.compare_set, full, "", raw)
-        return decode_record(self.token, full, raw, f"the store at {self.address}")
+        return decode_record(self.token, full, raw, self.where)
 
-    def read(self, key: str, *, what: str, timeout_s: float | None = None) -> Record:
-        """Wait up to ``timeout_s`` (default: the connection's) for ``key`` and verify it.
+    def read(self, key: str, *, what: str, timeout_s: float | None = None, rejoin: bool = False) -> Record:
+        """Wait up to ``timeout_s`` (default: the connection's) for ``key`` and verify it
+        (``rejoin``: see :meth:`wait_keys`).
 
         WaitTimeoutError names ``what`` and the key; RendezvousError for a record that fails
         authentication."""
         full = self.full_key(key)
         t = self.timeout_s if timeout_s is None else float(timeout_s)
-        self.wait_keys([key], what=what, timeout_s=t)
+        self.wait_keys([key], what=what, timeout_s=t, rejoin=rejoin)
         raw = self._get(full, key)
-        return decode_record(self.token, full, raw, f"the store at {self.address}")
+        return decode_record(self.token, full, raw, self.where)
 
     def try_read(self, key: str) -> Record | None:
         """The verified record under ``key``, or None when there is none yet."""
@@ -626,24 +639,72 @@ class Rendezvous:
         if not self._store_call(f"checking {key!r}", self.store.check, [full]):
             return None
         raw = self._get(full, key)
-        return decode_record(self.token, full, raw, f"the store at {self.address}")
+        return decode_record(self.token, full, raw, self.where)
 
-    def wait_keys(self, keys: Iterable[str], *, what: str, timeout_s: float | None = None) -> None:
+    def wait_keys(self, keys: Iterable[str], *, what: str, timeout_s: float | None = None,
+                  rejoin: bool = False) -> None:
         """Wait up to ``timeout_s`` until every one of ``keys`` is in the store (checked every
-        :func:`wait_poll_delay`); WaitTimeoutError names ``what``."""
+        :func:`wait_poll_delay`); WaitTimeoutError names ``what``.
+
+        ``rejoin``: when the store goes away during the wait (its server restarted), join the one
+        at the same address again and wait on, all within ``timeout_s``; StoreLostError, saying for
+        how long it was retried, when none answers there in time. Only for a wait of a participant
+        with nothing of its own in the store yet (a clone waiting for its seed): a restarted store
+        holds none of what was written to the one before it."""
         keys = list(keys)
         full = [self.full_key(k) for k in keys]
-        t = self.timeout_s if timeout_s is None else float(timeout_s)
+        # NaN (or inf) is never reached: the wait (a linger, a barrier) had polled for good
+        t = self.timeout_s if timeout_s is None else check_timeout(timeout_s, f"the wait for {what}: timeout_s",
+                                                                   RendezvousError, zero_ok=True)
         start = time.monotonic()
         deadline = start + max(t, 0.001)
+        went_away: list[str] = []
         # polled, not store.wait: a signal handler (SIGTERM in `flashboot clone`) runs during the
         # sleep, where store.wait held it off until the wait ended, and short store.wait slices
         # log two c10d warnings each
-        while not self._store_call(f"waiting for {what}", self.store.check, full):
+        while True:
+            try:
+                if self._store_call(f"waiting for {what}", self.store.check, full):
+                    return
+            except StoreLostError as exc:
+                if not rejoin or self.is_server:  # a store this process hosts cannot restart under it
+                    raise
+                went_away.append(self._rejoin(exc, what, t, start, deadline))
+                continue
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WaitTimeoutError(f"waited {t:g} s for {what} (store keys {keys} at {self.address})")
+                again = (f"; the store went away and was joined again ({', '.join(went_away)}), and holds none of "
+                         "what was written before" if went_away else "")
+                raise WaitTimeoutError(f"waited {t:g} s for {what} (store keys {keys} at {self.address}){again}")
             time.sleep(min(wait_poll_delay(time.monotonic() - start), left))
+
+    def _rejoin(self, exc: StoreLostError, what: str, t: float, start: float, deadline: float) -> str:
+        """Join the store at our address again, by ``deadline``, after it went away (``exc``) while
+        waiting for ``what``; returns when and how long it took. StoreLostError naming the store
+        and how long it was retried when none answers there in time."""
+        lost_at = time.monotonic()
+        if deadline <= lost_at:  # a silent store's call took the whole wait: nothing left to retry in
+            raise exc
+        reason = self._broken or str(exc)
+        reason = reason[len(f"waiting for {what}: "):] if reason.startswith(f"waiting for {what}: ") else reason
+        try:
+            new = Rendezvous.connect(self.address, self.token, namespace=self.namespace, timeout_s=deadline - lost_at)
+        except (RendezvousError, WaitTimeoutError) as err:
+            why = err
+        else:
+            if new.store is not None:  # its calls wait as ours did, not only what was left of this wait
+                new.store.set_timeout(datetime.timedelta(seconds=self.timeout_s))
+            self._drop_connection()
+            self.store, self._conn, self.ip, self._broken = new.store, new._conn, new.ip, None
+            new.store, new._conn, new._closed = None, None, True
+            return f"{lost_at - start:.1f} s into the wait, back after {time.monotonic() - lost_at:.1f} s"
+        raise StoreLostError(f"the store at {self.address} went away while waiting for {what}, {lost_at - start:.1f} s "
+                             f"into the wait ({reason}); joining it again was retried for "
+                             f"{time.monotonic() - lost_at:.1f} s, until the wait's {t:g} s ran out: {why}") from None
+
+    def hosted_by_store_server(self) -> bool:
+        """Whether a :class:`~flashboot.flashclone.store.StoreServer` (``flashboot store``) hosts this store."""
+        return bool(self._store_call("checking who hosts the store", self.store.check, [STORE_SERVER_KEY]))
 
     def has(self, key: str) -> bool:
         return bool(self._store_call(f"checking {key!r}", self.store.check, [self.full_key(key)]))
@@ -685,6 +746,9 @@ class Rendezvous:
     def close(self) -> None:
         """Drop the connection (a hosting process stops serving when its last reference goes)."""
         self._closed = True
+        self._drop_connection()
+
+    def _drop_connection(self) -> None:
         thread = self._calls_thread
         if self._calls is not None:
             self._calls.put((None, (), {}, None))  # the store thread ends (a stuck one once its call returns)
@@ -708,4 +772,5 @@ class Rendezvous:
         return f"Rendezvous({role} {self.address}, namespace {self.namespace!r})"
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Rendezvous", "StoreLostError", "StoreSilentError", "free_port", "parse_address"]
+__all__ = ["DEFAULT_TIMEOUT_S", "STORE_SERVER_KEY", "Rendezvous", "StoreLostError", "StoreSilentError", "free_port",
+           "parse_address"]

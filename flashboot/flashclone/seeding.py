@@ -14,11 +14,16 @@ from ..service_loop import Service
 from ..errors import FlashBootError, RendezvousError, WaitTimeoutError
 from ..memory import Device
 from .manifest import Manifest
+from .records import ForeignRecordError
 from .rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, StoreLostError
 from .common import METADATA_KEY, SEED_KEY, _gkey
 from .sources import _HostImage
 from .transports.nccl import _broadcast, _process_group, _shutdown_pg
 
+
+SEED_RECORD_FIELDS = frozenset({"generation", "pid", "host", "device", "manifest", "nccl", "nixl", "has_metadata",
+                                "published_at"})
+"""The fields of the seed record's body that :func:`seed` writes itself (``extra`` may not replace them)."""
 
 CHECK_PUBLISHED_S = 1.0
 """How often a serving seed checks that the store still holds its record."""
@@ -35,8 +40,14 @@ class Seed(Service):
 
     def __init__(self, rdv: Rendezvous, arena, manifest: Manifest, generation: str, *, metadata=None,
                  owned: list | None = None, serve_nccl: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 records: list | None = None):
+                 records: list | None = None, host_store: bool = False):
         self.rendezvous, self.arena, self.manifest, self.generation = rdv, arena, manifest, generation
+        self.host_store = host_store
+        """Whether this seed may host the store (``seed(host_store=True)``), also when the one it
+        joined has gone, unless ``flashboot store`` hosted that one (it is waited for to come back):
+        a seed that hosted it and was replaced by another seed exits, and with it the store its
+        replacement had joined."""
+        self._store_server = False if rdv.is_server else self._hosted_by_store_server(rdv)
         # every store call bounded: the serve loop checks the store, and close() withdraws, on a
         # connection whose store may stop answering (SIGSTOPped, link down) without closing it
         rdv.bounded = True
@@ -91,6 +102,12 @@ class Seed(Service):
     def superseded_description(self) -> str:
         """Which seed replaced ours, for an error (call once :attr:`superseded`)."""
         by = self.superseded_by or {}
+        if by.get("foreign"):
+            return (f"the seed record in namespace {self.rendezvous.namespace!r} at {self.address} is now one this "
+                    f"seed cannot verify: another job's seed (pid {by.get('pid')} on {by.get('host')}, as its "
+                    f"unverified record says) published over this one's (generation {self.generation}), signed "
+                    "with a different token (or by another FlashBoot version); two jobs cannot share a namespace "
+                    "(this seed leaves the other's record alone): give each job its own --name")
         return (f"another seed (pid {by.get('pid')} on {by.get('host')}, generation {by.get('generation')}) "
                 f"published over this one's record (generation {self.generation}) in namespace "
                 f"{self.rendezvous.namespace!r} at {self.address}; one seed serves a namespace at a time "
@@ -99,42 +116,61 @@ class Seed(Service):
     def check_published(self) -> bool:
         """Publish our records again when the store no longer holds them (it was restarted, or
         the record was deleted or overwritten with garbage); reconnect first when the connection
-        broke. Leaves a newer seed's record alone (``superseded``). Returns whether it published.
+        broke. Leaves a newer seed's record alone (``superseded``), and one signed with another
+        token (another job's seed in this namespace). Returns whether it published.
         StoreLostError naming the store when no store answers there within ``timeout_s``:
         a seed nobody can find must not run on as if it served."""
         if self.superseded or not self._records:
             return False
-        rdv = self.rendezvous
-        if rdv.lost is None:
-            try:
-                rec = rdv.try_read(SEED_KEY)
-            except (StoreLostError, WaitTimeoutError):  # gone, or silent for timeout_s: rdv.lost says so
-                rec = None
-            except RendezvousError:  # garbage in our place: publish over it
-                rec = None
-            else:
-                if rec is not None:
-                    if rec.body.get("generation") != self.generation:
-                        self.superseded = True
-                        self.superseded_by = {k: rec.body.get(k) for k in ("pid", "host", "generation")}
-                    return False
-        if rdv.lost is not None:
+        if self.rendezvous.lost is None and self._record_there() in ("ours", "another"):
+            return False
+        if self.rendezvous.lost is not None:
             self._reconnect()
+            # a store that was only silent still holds what was published meanwhile
+            if self._record_there() == "another":
+                return False
         for key, body, sealed in self._records:
             self.rendezvous.publish(key, body, sealed=sealed)
         self.republished += 1
         return True
 
+    def _record_there(self) -> str | None:
+        """Whose record the store holds under the seed key: ``"ours"``, ``"another"`` (then
+        :attr:`superseded`), or None (none, garbage, or the store lost: ``rendezvous.lost`` says so)."""
+        try:
+            rec = self.rendezvous.try_read(SEED_KEY)
+        except ForeignRecordError as exc:
+            # another job's seed, signed with its own token (or of another version): it yields to
+            # none of ours, so publishing over it again had the two seeds overwrite each other every
+            # second, and half the clones of each job read the other's record
+            self.superseded = True
+            self.superseded_by = {"foreign": True, **{k: (exc.claimed or {}).get(k)
+                                                      for k in ("pid", "host", "generation")}}
+            return "another"
+        except (StoreLostError, WaitTimeoutError):  # gone, or silent for timeout_s: rdv.lost says so
+            return None
+        except RendezvousError:  # garbage in our place: publish over it
+            return None
+        if rec is None:
+            return None
+        if rec.body.get("generation") != self.generation:
+            self.superseded = True
+            self.superseded_by = {k: rec.body.get(k) for k in ("pid", "host", "generation")}
+            return "another"
+        return "ours"
+
     def _reconnect(self) -> None:
         old = self.rendezvous
         try:
-            new = Rendezvous.connect(old.address, old.token, namespace=old.namespace, host=old.is_server,
+            new = Rendezvous.connect(old.address, old.token, namespace=old.namespace,
+                                     host=old.is_server or (self.host_store and not self._store_server),
                                      timeout_s=self.timeout_s)
         except (RendezvousError, WaitTimeoutError) as exc:
             raise StoreLostError(f"the seed lost its store at {old.address} ({old.lost}) and cannot reach one "
                                  f"there again: {exc}") from None
         new.bounded = True
         self.rendezvous = new
+        self._store_server = False if new.is_server else self._hosted_by_store_server(new)
         if self._thread is not None:
             # the old service, possibly mid-broadcast, ends with the old connection (its next call
             # fails at once); a new one serves on the new connection. A restarted store counts the
@@ -153,6 +189,13 @@ class Seed(Service):
             self._start_nccl()
         else:
             old.close()
+
+    @staticmethod
+    def _hosted_by_store_server(rdv: Rendezvous) -> bool:
+        try:
+            return rdv.hosted_by_store_server()
+        except (RendezvousError, WaitTimeoutError):
+            return False  # the store check finds it lost and says so
 
     def _holds_our_record(self, rdv: Rendezvous) -> bool:
         try:
@@ -277,17 +320,25 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
     how much of it to replicate, default all; ``manifest``: its checksums when already known,
     else they are computed on the device), or a LoadedImage/CloneResult. The seed hosts the
     store at ``store`` unless one already listens there (then, if this process dies, the store and
-    every record in it die too); ``host_store=False``: never host, wait up to ``timeout_s`` for a
-    store (``flashboot store HOST:PORT``, torchrun's, any TCPStore) and join it. The token (``token``, ``token_file`` or
-    ``$FLASHBOOT_TOKEN``) signs every record. ``nixl``: also register the arena (every segment)
+    every record in it die too), and when the store it joined goes, hosts one there itself (unless
+    ``flashboot store`` hosted it: that one is waited for to come back); ``host_store=False``:
+    never host, wait up to ``timeout_s`` for a store (``flashboot store HOST:PORT``, torchrun's,
+    any TCPStore) and join it. The token (``token``, ``token_file`` or ``$FLASHBOOT_TOKEN``)
+    signs every record. ``nixl``: also register the arena (every segment)
     with a NIXL agent and publish its metadata, sealed, so clones on other hosts can READ it
     (``transport="nixl"``; needs ``pip install flashboot[nixl]``). ``extra``: more fields for the
     seed record's body (a refit's version and rank). Returns a :class:`Seed`; call ``serve_forever()``
     or keep it open while clones run, then ``close()``.
     """
-    dev = Device.parse(device) if device is not None else None
+    from ..units import check_timeout
     from .records import resolve_token
 
+    check_timeout(timeout_s, "seed timeout_s")  # before loading anything, as the token
+    taken = sorted(set(extra or {}) & SEED_RECORD_FIELDS)
+    if taken:  # "generation" had made the seed take its own record for another seed's, and stop
+        raise RendezvousError(f"extra fields {taken} are the seed record's own; name extra fields otherwise (its own "
+                              f"are {sorted(SEED_RECORD_FIELDS)})")
+    dev = Device.parse(device) if device is not None else None
     tok = resolve_token(token, token_file)  # before loading anything
     if dev is None:
         from ..arena import Arena
@@ -330,10 +381,10 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
     generation = secrets.token_hex(6)
     records = [(METADATA_KEY, {"generation": generation,
                                "metadata": metadata.to_dict() if metadata is not None else None}, None),
-               (SEED_KEY, {"generation": generation, "pid": os.getpid(), "host": socket.gethostname(),
-                           "device": str(arena.device), "manifest": manifest.to_dict(), "nccl": serve_nccl,
-                           "nixl": nixl, "has_metadata": metadata is not None, "published_at": time.time(),
-                           **(extra or {})}, sealed)]
+               (SEED_KEY, {**(extra or {}), "generation": generation, "pid": os.getpid(),
+                           "host": socket.gethostname(), "device": str(arena.device), "manifest": manifest.to_dict(),
+                           "nccl": serve_nccl, "nixl": nixl, "has_metadata": metadata is not None,
+                           "published_at": time.time()}, sealed)]
     try:
         for key, body, sealed_part in records:
             rdv.publish(key, body, sealed=sealed_part)
@@ -343,4 +394,4 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
             obj.close()
         raise
     return Seed(rdv, arena, manifest, generation, metadata=metadata, owned=owned, serve_nccl=serve_nccl,
-                timeout_s=timeout_s, records=records)
+                timeout_s=timeout_s, records=records, host_store=host_store)

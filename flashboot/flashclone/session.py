@@ -64,7 +64,10 @@ class _Session:
         driver calls (a 13.8 GB arena: ~30 ms on an H200) overlap the exchange, and so does its
         export for later clones (the record the clone publishes carries it; each segment's first
         export cost ~0.6 ms on an H200). Nothing for the caller's ``into``."""
-        if into is not None or self._pending_arena is not None:
+        if into is not None:
+            _check_into(into, nbytes, dev)  # before the exchange maps anything for it
+            return
+        if self._pending_arena is not None:
             return
         from ..arena import Arena
 
@@ -113,6 +116,7 @@ class _Session:
 
         self.borrowed_arena = into is not None
         if into is not None:
+            _check_into(into, nbytes, dev)
             self.arena = into
         elif self._pending_arena is not None:
             self.arena = self._finish_arena()
@@ -197,6 +201,19 @@ class _Session:
                     pass
             self.rdv.close()
             self.rdv = None
+
+
+def _check_into(into, nbytes: int, dev) -> None:
+    """The caller's ``clone(into=...)`` arena must be open, on ``dev`` and of the seed's capacity:
+    a smaller one aborted the process in the broadcast fallback (gloo's size check), and a wrong
+    size was blamed on "different allocation granularity"."""
+    from ..errors import ArenaError
+
+    if into.closed:
+        raise ArenaError("clone(into=...): the arena given is closed")
+    if into.nbytes != nbytes or into.device != dev:
+        raise ArenaError(f"clone(into=...): the arena given holds {into.nbytes:,} bytes on {into.device}; the seed's "
+                         f"image needs one of exactly {nbytes:,} bytes on {dev} (the seed's arena capacity)")
 
 
 @dataclass

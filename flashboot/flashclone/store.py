@@ -24,9 +24,10 @@ import errno
 import os
 import threading
 
-from .rendezvous import DEFAULT_TIMEOUT_S, host_tcpstore, parse_address
+from .rendezvous import DEFAULT_TIMEOUT_S, STORE_SERVER_KEY, host_tcpstore, parse_address
 from ..service_loop import Service
 from ..errors import RendezvousError
+from ..units import check_timeout
 
 
 class StoreServer(Service):
@@ -43,6 +44,7 @@ class StoreServer(Service):
 
     def __init__(self, address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S):
         host, port = parse_address(address, any_port=True)
+        timeout_s = check_timeout(timeout_s, "store timeout_s", RendezvousError)
         from torch.distributed import DistError
 
         try:
@@ -55,6 +57,9 @@ class StoreServer(Service):
             raise RendezvousError(f"cannot host a store at {address}: {why}") from None
         except DistError as exc:
             raise RendezvousError(f"cannot host a store at {address}: {str(exc).splitlines()[0]}") from None
+        # marks the store as one hosted for its own sake: a seed that lost it waits for it to come
+        # back rather than host one there itself (see Seed.host_store)
+        self._store.set(STORE_SERVER_KEY, str(os.getpid()))
         self.host = host
         self.port = int(self._store.port)
         self.pid = os.getpid()
