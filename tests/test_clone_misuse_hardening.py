@@ -261,3 +261,32 @@ def test_a_clone_into_an_arena_of_another_size_is_refused_naming_both(store, tra
     finally:
         s.close()
         seed_arena.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# a seed's nbytes
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nbytes", [1.5, True, 0, -5, "4096"])
+def test_a_seed_refuses_an_nbytes_that_is_no_positive_int_naming_it(store, nbytes):
+    """``seed(arena, nbytes=1.5)`` (or True) had been cut to 1 by int(): the seed served one byte of
+    the arena to every clone, without a word. Now refused, with the value, before anything is published."""
+    import flashboot
+
+    address, rdv = store
+    arena = Arena.create(MiB, "cpu")
+    try:
+        with pytest.raises(RendezvousError, match=rf"seed nbytes .* must be a positive int, got {nbytes!r}$"):
+            flashboot.seed(address, arena, "cpu", nbytes=nbytes, serve_nccl=False, timeout_s=10)
+        with pytest.raises(FlashBootError):  # nothing was published
+            rdv.read("seed", what="the seed", timeout_s=0.5)
+        import numpy as np
+
+        s = flashboot.seed(address, arena, "cpu", nbytes=np.int64(4096), serve_nccl=False, timeout_s=10)
+        try:  # an integral nbytes of any int type still replicates that much
+            assert s.manifest.nbytes == 4096
+        finally:
+            s.close()
+    finally:
+        arena.close()
