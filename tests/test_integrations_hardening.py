@@ -543,3 +543,28 @@ def test_an_engine_key_of_a_config_that_is_no_json_object_is_refused_by_name(tmp
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(LayoutError, match=re.escape(said)):
         model_identity(str(tmp_path))
+
+
+@pytest.mark.parametrize("key", ["what", "reprocess", "derive", "model"])
+def test_sglang_refit_request_with_an_unknown_key_is_refused_naming_it(monkeypatch, key):
+    """``refit_weights`` passed the request's keys on to refit_engine_model beside its own ``what``,
+    ``reprocess`` and ``derive``: such a key in the request raised a raw TypeError ("got multiple
+    values for keyword argument"). Now a RefitError names the key and the keys a request takes."""
+    import importlib
+    import json
+    import sys
+
+    _stub_sglang(monkeypatch, None)
+    sglang_loader = importlib.import_module("flashboot.integrations.sglang")
+    try:
+        (entry, tensor), = sglang_loader.refit_request("127.0.0.1:1", 3)
+        request = {**json.loads(entry[len(sglang_loader.REFIT_REQUEST):]), key: "x"}
+        with pytest.raises(RefitError) as info:
+            sglang_loader.refit_weights(torch.nn.Linear(2, 2), [(sglang_loader.REFIT_REQUEST + json.dumps(request),
+                                                                 tensor)])
+        msg = str(info.value)
+        assert f"update_weights_from_tensor (load_format={sglang_loader.REFIT_LOADER}) of Linear" in msg
+        assert f"unknown key(s) [{key!r}]" in msg
+        assert "accepted: ['store', 'version', 'name', 'atomic', 'timeout_s'" in msg
+    finally:
+        sys.modules.pop("flashboot.integrations.sglang", None)  # built over the stub

@@ -424,7 +424,7 @@ def refit_weights(model, named_tensors) -> None:
 
     from flashboot.weight_update import RefitError
 
-    from .engine_refit import refit_engine_model
+    from .engine_refit import REFIT_OPTIONS, refit_engine_model
 
     what = f"SGLang update_weights_from_tensor (load_format={REFIT_LOADER}) of {type(model).__name__}"
     names = [n for n, _ in named_tensors]
@@ -436,6 +436,11 @@ def refit_weights(model, named_tensors) -> None:
         store, version, name = request.pop("store"), request.pop("version"), request.pop("name")
     except (ValueError, KeyError, AttributeError) as exc:
         raise RefitError(f"{what}: malformed refit request {names[0]!r} ({exc})") from None
+    # "what", "reprocess" or "derive" had reached refit_engine_model twice: a raw TypeError
+    unknown = sorted(set(request) - set(REFIT_OPTIONS))
+    if unknown:
+        raise RefitError(f"{what}: unknown key(s) {unknown} in refit request {names[0]!r}; accepted: "
+                         f"{['store', 'version', 'name', *REFIT_OPTIONS]}")
     # SGLang's own post-processing derives tensor attributes (MLA's w_kc/w_vc) into the bound views in place
     derive = getattr(model, "post_load_weights", None)
     refit_engine_model(model, store, version, what=what, name=name, reprocess=lambda: _rebuild_engine_views(model),
