@@ -568,3 +568,19 @@ def test_sglang_refit_request_with_an_unknown_key_is_refused_naming_it(monkeypat
         assert "accepted: ['store', 'version', 'name', 'atomic', 'timeout_s'" in msg
     finally:
         sys.modules.pop("flashboot.integrations.sglang", None)  # built over the stub
+
+
+@pytest.mark.parametrize("body, said", [("[1]", "a JSON list, not an object"), ("5", "a JSON int, not an object")])
+def test_sglang_refit_request_that_is_no_json_object_is_refused_as_malformed(monkeypatch, body, said):
+    """A request whose JSON is a list raised a raw TypeError out of ``list.pop("store")``."""
+    import importlib
+    import sys
+
+    _stub_sglang(monkeypatch, None)
+    sglang_loader = importlib.import_module("flashboot.integrations.sglang")
+    try:
+        with pytest.raises(RefitError, match=re.escape(f"malformed refit request "
+                                                       f"'{sglang_loader.REFIT_REQUEST}{body}' ({said})")):
+            sglang_loader.refit_weights(torch.nn.Linear(2, 2), [(sglang_loader.REFIT_REQUEST + body, torch.empty(0))])
+    finally:
+        sys.modules.pop("flashboot.integrations.sglang", None)  # built over the stub

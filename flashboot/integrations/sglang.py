@@ -433,6 +433,8 @@ def refit_weights(model, named_tensors) -> None:
                          f"{len(names)} named tensor(s) {names[:3]}")
     try:
         request = json.loads(names[0][len(REFIT_REQUEST):])
+        if not isinstance(request, dict):  # a list's pop("store") had raised a raw TypeError
+            raise ValueError(f"a JSON {type(request).__name__}, not an object")
         store, version, name = request.pop("store"), request.pop("version"), request.pop("name")
     except (ValueError, KeyError, AttributeError) as exc:
         raise RefitError(f"{what}: malformed refit request {names[0]!r} ({exc})") from None
