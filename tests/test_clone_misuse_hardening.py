@@ -290,3 +290,19 @@ def test_a_seed_refuses_an_nbytes_that_is_no_positive_int_naming_it(store, nbyte
             s.close()
     finally:
         arena.close()
+
+
+@pytest.mark.parametrize("chunk", [4096.7, True, -4096])
+def test_a_seed_refuses_a_checksum_chunk_that_is_no_positive_int_naming_it(store, chunk):
+    """``checksum_chunk_bytes=True`` had been cut to 1 by int(): a manifest of one checksum per
+    byte of the arena (8,192 of them for 8 KiB), computed and published without a word."""
+    import flashboot
+
+    address, _ = store
+    arena = Arena.create(MiB, "cpu")
+    try:
+        with pytest.raises(RendezvousError, match=rf"seed checksum_chunk_bytes must be a positive int, got {chunk!r}$"):
+            flashboot.seed(address, arena, "cpu", nbytes=8192, checksum_chunk_bytes=chunk, serve_nccl=False,
+                           timeout_s=10)
+    finally:
+        arena.close()

@@ -335,10 +335,12 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
     from .records import resolve_token
 
     check_timeout(timeout_s, "seed timeout_s")  # before loading anything, as the token
-    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes <= 0):
-        # int() had cut 1.5 and True to 1: the seed served one byte of the arena, and said nothing
-        raise RendezvousError(f"seed nbytes (how much of the arena to replicate) must be a positive int, "
-                              f"got {nbytes!r}")
+    for arg, value in (("nbytes (how much of the arena to replicate)", nbytes),
+                       ("checksum_chunk_bytes", checksum_chunk_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0):
+            # int() had cut 1.5 and True to 1: the seed served one byte of the arena (or checksummed
+            # it byte by byte), and said nothing
+            raise RendezvousError(f"seed {arg} must be a positive int, got {value!r}")
     taken = sorted(set(extra or {}) & SEED_RECORD_FIELDS)
     if taken:  # "generation" had made the seed take its own record for another seed's, and stop
         raise RendezvousError(f"extra fields {taken} are the seed record's own; name extra fields otherwise (its own "
