@@ -28,6 +28,7 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
 
     _check_name(name)
     check_timeout(timeout_s, "hand_over timeout_s")  # NaN: no deadline is ever reached, a wait for no holder never ended
+    image = _json_image(image)
     # a store that does not answer is bounded by the same timeout, not the store's 30 s default
     kv = _kv(registry, store, **({"timeout_s": timeout_s, **store_options} if store is not None else store_options))
     try:
@@ -59,6 +60,26 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
             delay = min(delay * 2, 0.05)
     finally:
         kv.close()
+
+
+def _json_image(image):
+    """``image`` as the request carries it (paths as strings); FlashBootError naming what is not a
+    JSON-ready dict: a Path had been a raw TypeError from the request's JSON."""
+    import json
+
+    if image is None:
+        return None
+    if not isinstance(image, dict):
+        raise FlashBootError(f"hand_over image= takes a dict of what the weights are (see "
+                             f"flashboot.flashload.restart.image_identity) or None, got {type(image).__name__} "
+                             f"{str(image)[:200]!r}")
+    image = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in image.items()}
+    try:
+        json.dumps(image, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise FlashBootError(f"hand_over image= must hold JSON values (str, int, float, bool, None, lists, dicts): "
+                             f"{exc}") from None
+    return image
 
 
 def _ask(kv, name: str, body: dict, deadline: float, timeout_s: float) -> None:
