@@ -12,6 +12,7 @@ from typing import Any
 from ..errors import ArenaError, FlashBootError, WaitTimeoutError
 from ..fileio import lock_signer
 from ..procfs import STOPPED, process_state
+from .holder_refit import HeldAs, link
 from .holder_registry import (DEFAULT_TIMEOUT_S, HOLDER_PROTOCOL, REQUESTS, _check_name, _DirKV, _kv, holder_gone,
                               protocol_refused)
 
@@ -43,6 +44,10 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
                 if "error" in held:
                     raise ArenaError(f"the holder ({kv.where()}) could not adopt {name!r}: {held['error']}")
                 arena.share(f"holder {name!r} ({kv.where()})")  # its sleep would free nothing the holder maps
+                # an in-place refit writes the holder's memory from now on: it records what it made of it
+                where = {"registry": os.fspath(registry)} if registry is not None else \
+                    {"store": store, **{k: v for k, v in store_options.items() if k != "timeout_s"}}
+                link(arena, HeldAs(name, where, request))
                 return ArenaDescriptor.from_dict(held["descriptor"])
             failed = held.get("failed") if held is not None else None
             if isinstance(failed, dict) and failed.get("request") == request:  # the arena held before stays
