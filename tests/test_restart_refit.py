@@ -226,3 +226,27 @@ def test_a_holder_removes_the_refit_records_of_arenas_no_one_holds(tmp_path):
     (registry / "refit" / "gone.json").write_text('{"request": "ab", "version": 2, "manifest": null}')
     with Holder(registry=registry):
         assert not (registry / "refit" / "gone.json").exists()
+
+
+def test_an_in_place_refit_whose_torn_mark_cannot_be_recorded_copies_nothing(generic_image, holder, store,
+                                                                             monkeypatch):
+    """Where the held arena's record cannot be written (a full disk, a store down), an in-place
+    refit would write bytes a restart takes for the image's: it is refused, naming why."""
+    import flashboot.flashclone.holder_refit as holder_refit
+
+    address, _ = store
+    first = _first(generic_image, holder)
+    before = {n: t.clone() for n, t in first.tensors.items()}
+
+    def full_disk(*args, **kwargs):
+        raise FlashBootError("cannot write refit/x.json: No space left on device")
+
+    monkeypatch.setattr(holder_refit, "write_refit", full_disk)
+    with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+        pub.publish(_trainer_weights(2), version=2)
+        with pytest.raises(RefitError, match=r"the arena is the holder's memory, and the refit could not be recorded "
+                                             r"there before its first write \(held as .*No space left on device\); .*"
+                                             r"nothing was copied"):
+            first.refit(address, 2, atomic=False, timeout_s=30)
+    assert first.version == 0 and all(torch.equal(first.tensors[n], t) for n, t in before.items())
+    first.close()
