@@ -8,7 +8,8 @@ with :func:`open_held` in milliseconds, without a copy (fault recovery no peer o
 
 Where the records live and who may be the one holder: :mod:`.holder_registry`; the engine's calls
 (:func:`hand_over`, :func:`open_held`, :func:`release`, ...): :mod:`.holder_client`, both
-re-exported here.
+re-exported here; what an in-place refit made of a held arena's bytes, for a restart:
+:mod:`.holder_refit`.
 """
 
 from __future__ import annotations
