@@ -398,3 +398,19 @@ def test_a_hand_over_over_a_store_with_an_image_of_tuples_is_its_own_request(sto
     with serving_holder(Holder(store=address, token=TOKEN, timeout_s=5)), Arena.create(MiB, "cpu") as a:
         assert hand_over(a, "w", store=address, token=TOKEN, timeout_s=5, image={"shape": (1, 2)}).pid == os.getpid()
         assert held_record("w", store=address, token=TOKEN)["image"] == {"shape": [1, 2]}
+
+
+def test_a_path_as_image_is_refused_by_name_or_taken_as_its_string(tmp_path):
+    """hand_over(image=Path) had raised a raw TypeError from the request's JSON (so had a dict of
+    one): a Path in the dict is its string, anything else not JSON is refused by name."""
+    from flashboot.flashclone.holder import Holder, hand_over, held_record, release
+
+    registry = tmp_path / "registry"
+    with serving_holder(Holder(registry=registry)), Arena.create(MiB, "cpu") as arena:
+        with pytest.raises(FlashBootError, match="image= takes a dict .* got PosixPath"):
+            hand_over(arena, "p", registry=registry, image=tmp_path, timeout_s=10)
+        with pytest.raises(FlashBootError, match="image= must hold JSON values"):
+            hand_over(arena, "p", registry=registry, image={"dirs": {tmp_path}}, timeout_s=10)
+        hand_over(arena, "p", registry=registry, image={"image_dir": tmp_path}, timeout_s=10)
+        assert held_record("p", registry=registry)["image"] == {"image_dir": str(tmp_path)}
+        release("p", registry=registry)

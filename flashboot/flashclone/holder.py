@@ -8,7 +8,8 @@ with :func:`open_held` in milliseconds, without a copy (fault recovery no peer o
 
 Where the records live and who may be the one holder: :mod:`.holder_registry`; the engine's calls
 (:func:`hand_over`, :func:`open_held`, :func:`release`, ...): :mod:`.holder_client`, both
-re-exported here.
+re-exported here; what an in-place refit made of a held arena's bytes, for a restart:
+:mod:`.holder_refit`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from ..fdshare import grow_fd_table, take_fds
 from ..procfs import proc_start_time
 from .holder_client import hand_over, held_descriptor, held_record, list_held, open_held, release  # noqa: F401
 from .holder_registry import (DEFAULT_TIMEOUT_S, HOLDER_BEAT_S, HOLDER_LEASE_S, HOLDER_PROTOCOL,  # noqa: F401
-                              MAX_PENDING_REQUESTS, MAX_RECORD_BYTES, NAME_MAX, OLDER_REQUESTS, REQUEST_GRACE_S,
-                              REQUESTS, _check_name, _DirKV, _kv, _StoreKV, holder_gone, protocol_refused)
+                              MAX_PENDING_REQUESTS, MAX_RECORD_BYTES, NAME_MAX, OLDER_REQUESTS, REFIT,
+                              REQUEST_GRACE_S, REQUESTS, _check_name, _DirKV, _kv, _StoreKV, holder_gone, protocol_refused)
 
 MAX_ERRORS = 100
 """How many problems a holder keeps (planted requests arrive as fast as anyone can write them)."""
@@ -151,6 +152,12 @@ class Holder:
                     live.setdefault(record["holder_pid"], []).append(name)
             except FlashBootError as exc:  # one bad file must not stop the holder
                 self.errors.append(f"{name}: stale record not checked: {exc}")
+        for name in self.kv.names(REFIT):  # a refit's record of an arena no holder keeps now
+            try:
+                if self.kv.get("held", name) is None:
+                    self.kv.delete(REFIT, name)
+            except FlashBootError as exc:
+                self.errors.append(f"{name}: stale refit record not checked: {exc}")
         if live:
             pid, names = next(iter(live.items()))
             raise FlashBootError(
@@ -211,6 +218,7 @@ class Holder:
         # A holder replaced in its store leaves a record the new holder wrote since.
         if not self.kv.superseded or self._names_us(self.kv.get("held", name)):
             self.kv.delete("held", name)
+            self._drop_refit(name)
         self._published.pop(name, None)
         self._records.pop(name, None)
         item = self.held.pop(name, None)
@@ -218,6 +226,17 @@ class Holder:
             return False
         item.close()
         return True
+
+    def _drop_refit(self, name: str) -> None:
+        """Remove what refits recorded of the arena held as ``name`` (:mod:`.holder_refit`): it goes
+        with the arena. One left behind (or of an arena another under the name replaced) names its
+        adoption, so no later arena is taken for it."""
+        try:
+            self.kv.delete(REFIT, name)
+        except StoreLostError:
+            raise
+        except FlashBootError as exc:
+            self.errors.append(f"{name}: its refit record stays: {exc}")
 
     def _names_us(self, record: dict | None) -> bool:
         return bool(record) and record.get("holder_pid") == os.getpid() and record.get("holder_start") == self._start

@@ -12,6 +12,7 @@ from typing import Any
 from ..errors import ArenaError, FlashBootError, WaitTimeoutError
 from ..fileio import lock_signer
 from ..procfs import STOPPED, process_state
+from .holder_refit import HeldAs, link
 from .holder_registry import (DEFAULT_TIMEOUT_S, HOLDER_PROTOCOL, REQUESTS, _check_name, _DirKV, _kv, holder_gone,
                               protocol_refused)
 
@@ -28,6 +29,7 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
 
     _check_name(name)
     check_timeout(timeout_s, "hand_over timeout_s")  # NaN: no deadline is ever reached, a wait for no holder never ended
+    image = _json_image(image)
     # a store that does not answer is bounded by the same timeout, not the store's 30 s default
     kv = _kv(registry, store, **({"timeout_s": timeout_s, **store_options} if store is not None else store_options))
     try:
@@ -42,6 +44,10 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
                 if "error" in held:
                     raise ArenaError(f"the holder ({kv.where()}) could not adopt {name!r}: {held['error']}")
                 arena.share(f"holder {name!r} ({kv.where()})")  # its sleep would free nothing the holder maps
+                # an in-place refit writes the holder's memory from now on: it records what it made of it
+                where = {"registry": os.fspath(registry)} if registry is not None else \
+                    {"store": store, **{k: v for k, v in store_options.items() if k != "timeout_s"}}
+                link(arena, HeldAs(name, where, request))
                 return ArenaDescriptor.from_dict(held["descriptor"])
             failed = held.get("failed") if held is not None else None
             if isinstance(failed, dict) and failed.get("request") == request:  # the arena held before stays
@@ -59,6 +65,26 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
             delay = min(delay * 2, 0.05)
     finally:
         kv.close()
+
+
+def _json_image(image):
+    """``image`` as the request carries it (paths as strings); FlashBootError naming what is not a
+    JSON-ready dict: a Path had been a raw TypeError from the request's JSON."""
+    import json
+
+    if image is None:
+        return None
+    if not isinstance(image, dict):
+        raise FlashBootError(f"hand_over image= takes a dict of what the weights are (see "
+                             f"flashboot.flashload.restart.image_identity) or None, got {type(image).__name__} "
+                             f"{str(image)[:200]!r}")
+    image = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in image.items()}
+    try:
+        json.dumps(image, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise FlashBootError(f"hand_over image= must hold JSON values (str, int, float, bool, None, lists, dicts): "
+                             f"{exc}") from None
+    return image
 
 
 def _ask(kv, name: str, body: dict, deadline: float, timeout_s: float) -> None:

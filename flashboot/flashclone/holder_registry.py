@@ -50,6 +50,9 @@ REQUESTS = f"requests.v{HOLDER_PROTOCOL}"
 protocol 1 does not look there, so it never takes this protocol's requests."""
 OLDER_REQUESTS = {"requests": 1}
 """Where engines of older protocols ask, and their protocol: a holder refuses them by name."""
+REFIT = "refit"
+"""Where engines record what an in-place refit made of a held arena (:mod:`.holder_refit`): a
+registry's folder, a store's key prefix (``hold/refit/NAME``)."""
 
 HOLDER_BEAT_S = 0.5
 """How often a store's holder counts its beat (in a thread of its own: a long adoption does not
@@ -100,7 +103,7 @@ class _DirKV:
         if mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise FlashBootError(f"holder registry {str(self.path)!r} is writable by others (mode {oct(mode & 0o777)}); "
                                  "anyone could plant a descriptor there: chmod 700 it")
-        for sub in (REQUESTS, "held") if create else ():
+        for sub in (REQUESTS, "held", REFIT) if create else ():
             try:
                 (self.path / sub).mkdir(mode=0o700, exist_ok=True)
             except OSError as exc:
@@ -444,5 +447,5 @@ def holder_gone(record: dict) -> str | None:
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "HOLDER_BEAT_S", "HOLDER_LEASE_S", "HOLDER_PROTOCOL", "MAX_PENDING_REQUESTS",
-           "MAX_RECORD_BYTES", "NAME_MAX", "OLDER_REQUESTS", "REQUESTS", "REQUEST_GRACE_S", "holder_gone",
+           "MAX_RECORD_BYTES", "NAME_MAX", "OLDER_REQUESTS", "REFIT", "REQUESTS", "REQUEST_GRACE_S", "holder_gone",
            "protocol_refused"]

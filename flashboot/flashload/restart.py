@@ -10,7 +10,10 @@ When it does not match (another image, another pre-pack, another device), or the
 or nothing is held, it warns naming why and loads normally, then hands the new arena over.
 
 An arena handed over refuses :meth:`flashboot.Arena.sleep` (the holder maps it); an arena opened
-from the holder is an importer, which sleep refuses too.
+from the holder is an importer, which sleep refuses too. Either may be refit in place
+(``atomic=False``), into the holder's memory: the refit records what it makes of the bytes beside
+the held record (:mod:`flashboot.flashclone.holder_refit`), and a restart binds them as that
+(``loaded.version`` N, or ``refit_torn`` for a refit that did not finish), never as the image's.
 """
 
 from __future__ import annotations
@@ -257,20 +260,86 @@ def _bind_held(arena, record: dict, source, dev: Device, name: str, t_start: flo
     return LoadedImage(arena, tensors, source.metadata, report, source)
 
 
-def _verify_held(loaded, name: str, dev: Device, verify: bool | None) -> None:
+def _held_version(loaded, refit: dict | None) -> None:
+    """What in-place refits made of the held bytes (:mod:`flashboot.flashclone.holder_refit`),
+    as ``loaded.version`` / ``loaded.refit_torn`` and the report say it: they had claimed version
+    0, the image's, over a refit's bytes or a failed refit's mix.
+
+    A torn record is bound as an in-process failed refit leaves the engine: no version claimed,
+    ``refit_torn`` naming the mix, and a refit to a version newer than the last whole one
+    repairs it. A restart is that engine going on over the same memory; reloading from the
+    image instead would throw away the one copy a crashed refit's retry could write into."""
+    from ..weight_update.engine import torn_note
+
+    if refit is None:
+        return
+    details = loaded.report.details
+    if "torn" in refit:
+        loaded.version, loaded.refit_torn = None, dict(refit["torn"])
+        details["refit_torn"] = dict(refit["torn"])
+        details["note"] = f"not whole: {torn_note(refit['torn'])}"
+    else:
+        loaded.version = refit["version"]
+        details["refit_version"] = refit["version"]
+        details["note"] = f"the held bytes are refit version {refit['version']}, not the image's"
+
+
+def _verify_held(loaded, name: str, dev: Device, verify: bool | None, refit: dict | None = None) -> None:
     """Check the held arena's bytes against the image's checksums where ``verify`` asks (or, left
     None, where a load would by default); otherwise the report says why not. A held arena may
-    have been written to since it was handed over: ``verify=True`` had been skipped unsaid."""
+    have been written to since it was handed over: ``verify=True`` had been skipped unsaid.
+    ``refit``: what in-place refits made of it (:func:`_held_version`): refit version N is checked
+    against its publish's checksums; bytes no checksums describe (a torn refit) are refused by
+    name, not failed against the image's."""
     from .landing import verify_loaded
     from .want import verify_default
 
     why = "verify=False"
     if verify is None:
         verify, why = verify_default(dev, by_daemon=False)
-    if verify:
-        verify_loaded(loaded.arena, loaded.metadata, f"the arena held as {name!r}", loaded.report)
-    else:
+    where = f"the arena held as {name!r}"
+    if not verify:
         loaded.report.details["verify_skipped"] = why
+    elif refit is None:
+        verify_loaded(loaded.arena, loaded.metadata, where, loaded.report)
+    elif refit.get("manifest") is None:
+        what = (_torn_what(refit["torn"]) if "torn" in refit else
+                f"refit version {refit['version']}, whose checksums were not recorded")
+        raise FlashBootError(f"{where} holds {what}, not the image's bytes: nothing to verify it against (verify=False "
+                             "binds it)")
+    else:
+        _verify_refit(loaded, refit, where)
+
+
+def _torn_what(torn: dict) -> str:
+    """A torn held arena in words, with what to do."""
+    return (f"a torn in-place refit ({', '.join(map(str, torn['versions']))} mixed, version {torn['last_whole']} the "
+            f"last whole one: {torn['error']}; refit to a version newer than {torn['last_whole']}, or release it and "
+            "restart to reload from the image)")
+
+
+def _verify_refit(loaded, refit: dict, where: str) -> None:
+    """The held bytes against the chunk checksums of refit version N's publish."""
+    import numpy as np
+
+    from flashboot.kernels.checksum import chunk_checksums
+
+    from ..errors import ChecksumMismatchError
+    from ..flashclone.manifest import Manifest
+
+    t0 = time.perf_counter()
+    manifest, version = Manifest.from_dict(refit["manifest"]), refit["version"]
+    if manifest.nbytes != loaded.metadata.image_nbytes:
+        raise FlashBootError(f"{where}: refit version {version}'s checksums cover {manifest.nbytes:,} bytes; the "
+                             f"image is {loaded.metadata.image_nbytes:,}")
+    found = chunk_checksums(loaded.arena.span(0, manifest.nbytes), manifest.checksum_chunk_bytes)
+    bad = np.flatnonzero(np.asarray(manifest.checksums, dtype=np.uint64) != np.asarray(found, dtype=np.uint64))
+    if len(bad):
+        k = int(bad[0])
+        raise ChecksumMismatchError(f"{where} (refit version {version})", k, *manifest.chunk_range(k),
+                                    manifest.checksums[k], int(found[k]))
+    loaded.report.verify_ms = (time.perf_counter() - t0) * 1e3
+    loaded.report.details["verified"] = f"{len(found)} chunks match refit version {version}'s checksums"
 
 
 def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_options):
@@ -282,6 +351,7 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
     release the GIL); it is bound only once the metadata says it is this image, and closed (the
     holder keeps it) where it is not."""
     from ..flashclone import holder as holders
+    from ..flashclone.holder_refit import HeldAs, link, read_refit
     from .pipeline import load
     from .shm import begin_rank_source
 
@@ -292,7 +362,7 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
                                       expected_key=load_options.get("expected_key"))
     name = option.name_for(image_dir, rank, dev)
     where = f"{'registry ' + option.registry if option.registry else 'store ' + option.store}"
-    record, arena, map_ms, map_error = None, None, 0.0, None
+    record, arena, map_ms, map_error, refit, refit_error = None, None, 0.0, None, None, None
     try:
         record = holders.held_record(name, **option.where(option.handover_timeout_s))
         held = (record or {}).get("image") or {}
@@ -305,6 +375,10 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
                 t0 = time.perf_counter()
                 arena = _map_held(record, dev)
                 map_ms = (time.perf_counter() - t0) * 1e3
+                try:  # what in-place refits made of its bytes since it was handed over
+                    refit = read_refit(name, record.get("request"), **option.where(option.handover_timeout_s))
+                except FlashBootError as exc:
+                    refit_error = exc
     except FlashBootError as exc:  # the holder was killed: its pid is gone, its fds with it
         map_error = exc
     t0 = time.perf_counter()
@@ -322,17 +396,25 @@ def load_or_restore(image_dir, rank: int, device: Any, holder: Any, **load_optio
                f"the arena held as {name!r} cannot be mapped: {map_error}")
     if record is None and map_error is None:
         why += _held_by_older_name(option, image_dir, rank, dev)
+    if why is None and refit_error is not None:  # its bytes may be a refit's: not bound as the image's
+        why = f"what refits made of the arena held as {name!r} cannot be read: {refit_error}"
     if why is None:
         loaded = None
         try:
             loaded = _bind_held(arena, record, source, dev, name, t_start, map_ms, metadata_ms)
             arena = None
-            _verify_held(loaded, name, dev, load_options.get("verify"))
+            _held_version(loaded, refit)
+            _verify_held(loaded, name, dev, load_options.get("verify"), refit)
         except FlashBootError as exc:
             if loaded is not None:
                 loaded.close()  # this process's mapping only: the holder keeps its arena
             why = f"the arena held as {name!r} cannot be bound or does not verify: {exc}"
         else:
+            # its in-place refits write the holder's memory: they record what they make of it
+            link(loaded.arena, HeldAs(name, option.where(), record.get("request"), refit))
+            if refit is not None and "torn" in refit:  # what an in-place refit's RefitError said, said again
+                warnings.warn(f"flashboot: restarted from the holder, but the arena held as {name!r} holds "
+                              f"{_torn_what(refit['torn'])}: loaded.version is None", RuntimeWarning, stacklevel=3)
             prepared = load_options.get("prepared")
             if prepared is not None:  # not needed: the held arena is bound. Released once its copy
                 prepared._release_when_done(0)  # ends, without holding up the restart

@@ -15,7 +15,11 @@ still verified before the version is declared live). Such a failure, once the cl
 a write into the arena (one before it, e.g. a source refused, leaves the old version claimed),
 marks the weights torn:
 ``loaded.version`` is None and ``loaded.refit_torn`` says which versions the bytes mix and why,
-until a refit to a version newer than the last whole one succeeds.
+until a refit to a version newer than the last whole one succeeds. An arena the holder keeps
+(handed over, or opened from it: an atomic refit cannot remap it) is the holder's memory: an
+in-place refit records there what it makes of it, torn before its first write, then the version
+(:mod:`flashboot.flashclone.holder_refit`), so that a restart does not take its bytes for the
+image's.
 
 The engine keeps the trainer's arena mapped between refits (``LoadedImage.refit_sources``): a
 trainer publishes every version from one arena, so the next refit copies at once instead of
@@ -27,8 +31,10 @@ is closed.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -138,17 +144,63 @@ def torn_note(torn: dict) -> str:
             f"of versions {mix}, and version {torn['last_whole']} is the last whole one")
 
 
+def _torn(live: int | None, torn: dict | None, version: int, error: str) -> dict:
+    """What ``loaded.refit_torn`` says once an in-place copy of ``version`` over ``live`` (None:
+    over the ``torn`` mix) has written and failed."""
+    if live is None:  # torn already: the same last whole version, one more in the mix
+        versions = [*torn["versions"], version] if version not in torn["versions"] else torn["versions"]
+        return {"last_whole": torn["last_whole"], "versions": versions, "error": error}
+    return {"last_whole": live, "versions": [live, version], "error": error}
+
+
 def _mark_torn(loaded, live: int | None, version: int, exc: BaseException) -> None:
     """An in-place copy failed: the bytes may be any mix of what was there and ``version``'s, so
     the weights claim no version (they had kept claiming the old one) until a refit succeeds."""
-    torn = loaded.refit_torn
     error = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-    if live is None:  # torn already: the same last whole version, one more in the mix
-        versions = [*torn["versions"], version] if version not in torn["versions"] else torn["versions"]
-        loaded.refit_torn = {"last_whole": torn["last_whole"], "versions": versions, "error": error}
-    else:
-        loaded.refit_torn = {"last_whole": live, "versions": [live, version], "error": error}
+    loaded.refit_torn = _torn(live, loaded.refit_torn, version, error)
     loaded.version = None
+
+
+def _record_held(held: list, state: dict | None, timeout_s: float) -> list[str]:
+    """Record ``state`` (see :mod:`flashboot.flashclone.holder_refit`) for every place the arena is
+    held; the problems, one per place that could not be written."""
+    from ..flashclone.holder_refit import write_refit
+
+    problems = []
+    for place in held:
+        try:
+            write_refit(place, state, timeout_s)
+        except FlashBootError as exc:
+            problems.append(f"{place.describe()}: {exc}")
+    return problems
+
+
+def _mark_held_torn(held: list, live: int | None, torn: dict | None, version: int, timeout_s: float,
+                    where: str) -> None:
+    """Before an in-place refit's first write into an arena the holder keeps: record it torn there
+    (a restart then binds no mix as a whole version, even if this engine dies mid-copy). RefitError
+    when that cannot be recorded; the records written are put back."""
+    before = [place.state for place in held]  # None: the image's bytes
+    state = {"torn": _torn(live, torn, version, f"an in-place refit to version {version} by pid {os.getpid()} began "
+                                                "writing and did not finish (its engine exited mid-copy?)")}
+    problems = _record_held(held, state, timeout_s)
+    if problems:
+        for place, was in zip(held, before):
+            _record_held([place], was, timeout_s)
+        raise RefitError(f"{where} (atomic=False, in place): the arena is the holder's memory, and the refit could "
+                         f"not be recorded there before its first write ({'; '.join(problems)}); a restart would "
+                         f"have bound its bytes as version {live if live is not None else 'torn'}; nothing was "
+                         "copied, the old weights are serving")
+
+
+def _held_recorded(held: list, state: dict | None, timeout_s: float, where: str) -> None:
+    """Record what an in-place refit left in a held arena (after its copy); a record that cannot
+    be written warns: the engine's weights are what ``loaded`` says, and a restart finds the torn
+    mark written before the copy, which it does not bind as a whole version."""
+    problems = _record_held(held, state, timeout_s)
+    if problems:
+        warnings.warn(f"flashboot: {where}: the held arena's refit record is not updated ({'; '.join(problems)}); a "
+                      "restart from the holder takes its bytes as torn", RuntimeWarning, stacklevel=4)
 
 
 def _check_not_superseded(rdv, name: str, version: int, where: str) -> None:
@@ -268,6 +320,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
     from ..arena.remap import check_replaceable, replace_backing, staging_for
     from ..flashclone.cloning import clone
     from ..flashclone.common import SEED_KEY
+    from ..flashclone.holder_refit import links as holder_links
     from ..flashclone.sources import release_held_sources
     from ..flashclone.rendezvous import Rendezvous
     from ..flashload.lifecycle import held_still
@@ -329,6 +382,12 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
         else:
             target = arena
         steps["staging_create_ms"] = (time.perf_counter() - t1) * 1e3
+        # in place into the holder's memory (handed over, or opened from it): a restart binds what
+        # this writes, so the held record says so before the first write (see holder_refit)
+        held = [] if atomic else holder_links(arena)
+        held_before = [place.state for place in held]
+        if held:
+            _mark_held_torn(held, live, torn, version, timeout_s, where)
         written = False  # in place, the live bytes are whole until the clone issues a write into them
         try:
             tc = time.perf_counter()
@@ -372,9 +431,12 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                 steps["clone_close_ms"] = (time.perf_counter() - tr) * 1e3
         except BaseException as exc:
             if atomic or not written:  # not a byte of the live arena changed: the old weights are serving
+                for place, was in zip(held, held_before):  # what the records said before the torn mark
+                    _held_recorded([place], was, timeout_s, where)
                 raise
             before = live if live is not None else torn["last_whole"]
             _mark_torn(loaded, live, version, exc)
+            _held_recorded(held, {"torn": loaded.refit_torn}, timeout_s, where)
             if not isinstance(exc, FlashBootError):  # an interrupt: the weights are marked torn all the same
                 raise
             raise RefitError(f"{where} (atomic=False, in place): {exc}; the arena may hold a mix of versions {before} "
@@ -388,6 +450,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                 steps["staging_close_ms"] = (time.perf_counter() - ts) * 1e3
         loaded.version = version
         loaded.refit_torn = None
+        _held_recorded(held, {"version": version, "manifest": manifest.to_dict()}, timeout_s, where)
     report.total_ms = (time.perf_counter() - t0) * 1e3
     return report
 
