@@ -5,6 +5,8 @@ checksums."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -69,6 +71,9 @@ def test_a_restart_binds_the_refit_version_the_held_arena_holds(generic_image, h
             again.close()
     with _restart(generic_image, holder) as third:
         assert third.version == 3 and _holds(third, three)
+    listing = subprocess.run([sys.executable, "-m", "flashboot.cli", "hold", "--list", "--registry", str(holder)],
+                             capture_output=True, text=True, timeout=60)
+    assert listing.returncode == 0 and "; refit version 3, not the image's bytes" in listing.stdout, listing
     # released, the record goes with the arena: the next engine's fresh load is the image's
     name = HolderOption(registry=holder).name_for(generic_image, 0, "cpu")
     flashboot.flashclone.holder.release(name, registry=holder)
@@ -105,6 +110,9 @@ def test_a_failed_in_place_refit_of_a_held_arena_restarts_torn(generic_image, ho
         pub.arena.bytes().numpy()[:64] ^= 0xFF
         assert seen[0]["torn"]["versions"] == [0, 2] and "did not finish" in seen[0]["torn"]["error"]
         first.close()
+        listing = subprocess.run([sys.executable, "-m", "flashboot.cli", "hold", "--list", "--registry", str(holder)],
+                                 capture_output=True, text=True, timeout=60)
+        assert "; TORN by an in-place refit (versions 0, 2 mixed, 0 the last whole one)" in listing.stdout, listing
         with pytest.warns(RuntimeWarning, match=r"restarted from the holder, but the arena held as .* holds a torn "
                                                 r"in-place refit \(0, 2 mixed, version 0 the last whole one: .*checksum"
                                                 r".*refit to a version newer than 0, or release it"):

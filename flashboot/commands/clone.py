@@ -215,6 +215,25 @@ def _clone_and_report(args: argparse.Namespace, report_file) -> int:
     return 0
 
 
+def _refit_listed(name: str, record: dict, registry) -> str:
+    """What in-place refits made of the held bytes (:mod:`flashboot.flashclone.holder_refit`), for
+    ``hold --list``: nothing when they are the image's."""
+    from flashboot.errors import FlashBootError
+    from flashboot.flashclone.holder_refit import read_refit
+
+    try:
+        state = read_refit(name, record.get("request"), registry=registry)
+    except FlashBootError as exc:
+        return f"; refit record unreadable: {exc}"
+    if state is None:
+        return ""
+    if "torn" in state:
+        torn = state["torn"]
+        return (f"; TORN by an in-place refit (versions {', '.join(map(str, torn['versions']))} mixed, "
+                f"{torn['last_whole']} the last whole one)")
+    return f"; refit version {state['version']}, not the image's bytes"
+
+
 def run_hold(args: argparse.Namespace) -> int:
     from flashboot.errors import FlashBootError
     from flashboot.flashclone.holder import Holder, held_record, holder_gone, list_held, release
@@ -237,7 +256,8 @@ def run_hold(args: argparse.Namespace) -> int:
             gone = holder_gone(rec) if d else None  # a killed holder's records stay: they had read as held
             stale = f"; STALE: {gone}, and the memory went with it" if gone else ""
             _print(f"{name}: {d.get('nbytes', 0):,} bytes, {d.get('backend')} arena {d.get('arena_id')}, "
-                   f"holder pid {rec.get('holder_pid')}{what}{age}{stale}" if d else f"{name}: {rec.get('error')}")
+                   f"holder pid {rec.get('holder_pid')}{what}{age}{_refit_listed(name, rec, args.registry)}{stale}"
+                   if d else f"{name}: {rec.get('error')}")
         return 0
     where = {"registry": args.registry} if args.registry else {"store": args.store, "token_file": args.token_file,
                                                                "namespace": args.name}
