@@ -9,8 +9,9 @@ import threading
 import time
 from typing import Callable
 
-EARLY_IMPORT_MS: dict[str, float] = {}
-"""How long each finished :func:`import_early` took, in ms (a clone's report names torch's)."""
+EARLY_IMPORTS: dict[str, tuple[float, float]] = {}
+"""When each finished :func:`import_early` began and ended (``time.perf_counter()``): a clone's
+report names torch's where it ran into the clone."""
 
 
 def lazy_getattr(package: str, table: dict[str, str], namespace: dict) -> Callable[[str], object]:
@@ -50,7 +51,7 @@ def import_early(name: str) -> threading.Thread:
         t0 = time.perf_counter()
         try:
             importlib.import_module(name)
-            EARLY_IMPORT_MS[name] = (time.perf_counter() - t0) * 1e3
+            EARLY_IMPORTS[name] = (t0, time.perf_counter())
         except BaseException:  # noqa: BLE001 - the caller's own import raises it where it is needed
             pass
 

@@ -104,10 +104,11 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     t_connected = time.perf_counter()
     connect_detail = {"import_ms": (t_store - t_import) * 1e3, "store_ms": (t_connected - t_store) * 1e3,
                       "before_ms": (t_import - t_start) * 1e3}
-    from .._lazy import EARLY_IMPORT_MS
+    from .._lazy import EARLY_IMPORTS
 
-    if "torch" in EARLY_IMPORT_MS:  # the CLI's import of torch began before the clone: its whole length
-        connect_detail["torch_import_early_ms"] = EARLY_IMPORT_MS["torch"]
+    began, ended = EARLY_IMPORTS.get("torch", (0.0, 0.0))
+    if ended > t_start:  # the CLI's import of torch, begun before the clone, ran into it: its whole length
+        connect_detail["torch_import_early_ms"] = (ended - began) * 1e3
     try:
         return _clone(session, dev, schedule, mover_obj, t_start, verify=verify, timeout_s=timeout_s,
                       chunk_bytes=chunk_bytes, clones=clones, expect=expect, image=image, rank=rank,
