@@ -126,5 +126,5 @@ def test_asking_the_holder_imports_none_of_the_clone_machinery():
     assert p.returncode == 0, p.stderr[-3000:]
     first, second = p.stdout.splitlines()[-2:]
     assert first == ("['flashboot.flashclone.holder', 'flashboot.flashclone.holder_client', "
-                     "'flashboot.flashclone.holder_registry']")
+                     "'flashboot.flashclone.holder_refit', 'flashboot.flashclone.holder_registry']")
     assert second == "True True CloneError"  # the package's names resolve on first use, to the functions
