@@ -9,7 +9,7 @@ Two (or more) images on one device, each served by a preloader daemon of this pr
 * **wake from the daemon** (the whole ``wake()`` after ``sleep(level=2)``: sources probed, new
   segments created and mapped, the daemon's copy) against the bulk H2D;
 * **swap**: image A to sleep, image B awake (from its daemon) with
-  :func:`flashboot.flashload.lifecycle.swap`, against the bulk H2D of B's bytes: A's segments
+  :func:`flashboot.flashload.swapping.swap`, against the bulk H2D of B's bytes: A's segments
   handed to B (the default, the headline; on the host backend it falls back to a release before
   B's wake, and the row says why), A released during B's copy, after it, and before B's wake
   (plain sleep then wake);
@@ -261,7 +261,7 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
     """The whole swap benchmark (module doc); returns its figures as a dict."""
     import flashboot
     from flashboot._cuda import device_count
-    from flashboot.flashload.lifecycle import SWAP_RELEASES, swap as swap_images
+    from flashboot.flashload.swapping import SWAP_RELEASES, swap as swap_images
     from flashboot.benchmarks.checkpoints import CHECKPOINT_A, make_checkpoint
     from flashboot.benchmarks.serve import _private_shm
     from flashboot.memory import Device
@@ -338,7 +338,7 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
         out["free_back_within_segment"] = abs(free_asleep - free_before) <= segment
         out["wake_served_ms"] = _median(wake_served)
 
-        # swap: A awake, B asleep -> A to sleep, B awake, alternately, with lifecycle.swap handing A's
+        # swap: A awake, B asleep -> A to sleep, B awake, alternately, with swapping.swap handing A's
         # segments to B (the default), releasing A during B's copy, after it, or before B's wake
         a, b = loaded[0], loaded[1]
         out["swap_modes"] = {}

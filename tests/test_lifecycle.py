@@ -12,8 +12,8 @@ import torch
 import flashboot
 import flashboot.arena.backing_host as host_backing
 from flashboot.errors import ArenaError, FlashBootError, OutOfMemoryError
-from flashboot.flashload import lifecycle
-from flashboot.flashload.lifecycle import SWAP_RELEASES
+from flashboot.flashload import lifecycle, swapping
+from flashboot.flashload.swapping import SWAP_RELEASES
 
 from _preload_helpers import Daemon, make_tiny_image
 
@@ -262,21 +262,21 @@ def test_swap_releases_the_outgoing_image_during_the_incoming_wake(image, tmp_pa
     with streamed(image) as a, streamed(second) as b:
         want_b = snapshot(b)
         b.sleep(level=1)
-        r = lifecycle.swap(a, b, level=2, release="during")
+        r = swapping.swap(a, b, level=2, release="during")
         assert r.released == "during" and r.why == ""
         assert a.arena.asleep and not b.arena.asleep and r.sleep.level == 2 and r.wake.source == "backup"
         assert snapshot(b) == want_b and r.total_ms >= r.wake.total_ms
-        back = lifecycle.swap(b, a, level=1, release="during", shm_dir=tmp_path / "no-shm")  # a from disk, b keeps a backup
+        back = swapping.swap(b, a, level=1, release="during", shm_dir=tmp_path / "no-shm")  # a from disk, b keeps a backup
         assert back.released == "during" and back.wake.source == "disk" and back.sleep.level == 1
         assert arena_bytes(a) == image_bytes(image) and b.arena.asleep and b.lifecycle.backup is not None
         out, into = a, b
         for release in ("after", "before"):
-            r = lifecycle.swap(out, into, release=release, shm_dir=tmp_path / "no-shm")
+            r = swapping.swap(out, into, release=release, shm_dir=tmp_path / "no-shm")
             assert r.released == release and r.why == "" and out.arena.asleep and not into.arena.asleep
             out, into = into, out
         assert arena_bytes(a) == image_bytes(image) and b.arena.asleep
         with pytest.raises(FlashBootError, match="unknown swap release 'never'; known: handover, during, after, before"):
-            lifecycle.swap(a, b, release="never")
+            swapping.swap(a, b, release="never")
 
 
 def test_swap_by_handover_on_the_host_backend_releases_first_and_says_why(image, tmp_path):
@@ -285,7 +285,7 @@ def test_swap_by_handover_on_the_host_backend_releases_first_and_says_why(image,
     second = shutil.copytree(image, tmp_path / "second")
     with streamed(image) as a, streamed(second) as b:
         b.sleep(level=1)
-        r = lifecycle.swap(a, b)
+        r = swapping.swap(a, b)
         assert r.released == "before" and r.why.startswith("the host backend's segments are memfds named after")
         assert a.arena.asleep and not b.arena.asleep and arena_bytes(b) == image_bytes(second)
 
@@ -297,7 +297,7 @@ def test_swap_without_room_releases_first_and_says_why(image, tmp_path, monkeypa
     with streamed(image) as a, streamed(second) as b:
         b.sleep(level=1)
         monkeypatch.setattr(flashboot.pinning, "device_free_bytes", lambda device: 4096)
-        r = lifecycle.swap(a, b, release="after")
+        r = swapping.swap(a, b, release="after")
         assert r.released == "before" and a.arena.asleep and not b.arena.asleep
         assert r.why == (f"cpu has 4,096 bytes free; the incoming arena needs {b.arena.nbytes:,} beside the outgoing "
                          "one's")
@@ -333,8 +333,8 @@ def test_swap_whose_release_fails_leaves_both_as_they_were_and_raises_it(image, 
         b.sleep(level=1)
         a.arena.share("holder 'engine-0'")
         with pytest.raises(ArenaError, match=r"cannot sleep: 1 other process\(es\) map it \(holder 'engine-0'"):
-            lifecycle.swap(a, b, release=release)
+            swapping.swap(a, b, release=release)
         assert not a.arena.asleep and b.arena.asleep and b.lifecycle.backup is not None
         assert a.lifecycle is None or a.lifecycle.backup is None  # no backup taken for a sleep that cannot run
         a.arena.unshare("holder 'engine-0'")
-        assert lifecycle.swap(a, b).wake.source == "backup" and arena_bytes(b) == image_bytes(image)
+        assert swapping.swap(a, b).wake.source == "backup" and arena_bytes(b) == image_bytes(image)

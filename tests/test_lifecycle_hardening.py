@@ -10,7 +10,7 @@ import torch
 
 from _engine_helpers import _key, _options, packed  # noqa: F401  (packed: a fixture)
 from flashboot.errors import ArenaError
-from flashboot.flashload import lifecycle
+from flashboot.flashload import lifecycle, swapping
 from flashboot.integrations.engine_prepack import load_engine_weights
 
 
@@ -106,9 +106,9 @@ def test_a_swap_with_a_bad_wake_option_moves_nothing(tmp_path, options, error):
     with flashboot.load(image, 0, "cpu", stream=True) as a, flashboot.load(second, 0, "cpu", stream=True) as b:
         want = {n: (t.data_ptr(), t.clone()) for n, t in a.tensors.items()}
         b.sleep(level=1)
-        for release in lifecycle.SWAP_RELEASES:
+        for release in swapping.SWAP_RELEASES:
             with pytest.raises(FlashBootError, match=error):
-                lifecycle.swap(a, b, release=release, **options)
+                swapping.swap(a, b, release=release, **options)
             assert not a.arena.asleep and b.arena.asleep and b.lifecycle.backup is not None
         assert all(t.data_ptr() == p and torch.equal(t, v) for (n, t), (p, v) in zip(a.tensors.items(), want.values()))
 
@@ -133,7 +133,7 @@ def test_a_swap_whose_incoming_wake_fails_wakes_the_outgoing_image_again(tmp_pat
         b.sleep(level=2)
         os.rename(b.source.path, tmp_path / "away")
         with pytest.raises(FlashBootError, match="no source has the bytes") as failed:
-            lifecycle.swap(a, b, level=level, shm_dir=tmp_path / "no-shm")
+            swapping.swap(a, b, level=level, shm_dir=tmp_path / "no-shm")
         notes = "\n".join(getattr(failed.value, "__notes__", []))
         assert f"the outgoing image {a!r} was woken again, from {source}" == notes
         assert not a.arena.asleep and b.arena.asleep
@@ -141,7 +141,7 @@ def test_a_swap_whose_incoming_wake_fails_wakes_the_outgoing_image_again(tmp_pat
         if level == 2:  # neither can be woken: the error says why, both stay asleep
             os.rename(a.source.path, tmp_path / "away-too")
             with pytest.raises(FlashBootError, match="no source has the bytes") as failed:
-                lifecycle.swap(a, b, level=level, shm_dir=tmp_path / "no-shm")
+                swapping.swap(a, b, level=level, shm_dir=tmp_path / "no-shm")
             assert re.fullmatch(rf"the outgoing image {re.escape(repr(a))} could not be woken again and stays asleep: "
                                 r"FlashBootError: waking rank 0 of .*: no source has the bytes; .*disk: the image file "
                                 r".* is gone", "\n".join(failed.value.__notes__))

@@ -256,14 +256,14 @@ def test_wake_with_a_donor_takes_its_segments_without_freeing_or_allocating():
 
 
 def test_swap_by_handover_keeps_bytes_graph_pointers_and_memory(tmp_path):
-    """lifecycle.swap's default on CUDA: the incoming image takes the outgoing one's segments and
+    """swapping.swap's default on CUDA: the incoming image takes the outgoing one's segments and
     gets its bytes from the backup; the device's free memory is unchanged, and a swap back wakes
     the first image from the disk byte for byte."""
     import shutil
 
     import torch
 
-    from flashboot.flashload import lifecycle
+    from flashboot.flashload import swapping
     from flashboot.flashload.landing import verify_loaded
 
     image = _mlp_image(tmp_path)
@@ -273,13 +273,13 @@ def test_swap_by_handover_keeps_bytes_graph_pointers_and_memory(tmp_path):
         b.sleep(level=1)
         torch.cuda.synchronize(0)
         before = gpu_free()
-        r = lifecycle.swap(a, b)
+        r = swapping.swap(a, b)
         assert r.released == "handover" and r.why == "" and r.wake.source == "backup"
         assert r.wake.details["wake"]["reused"] == b.arena.segments and r.sleep.release_ms > 0
         assert a.arena.asleep and not b.arena.asleep
         assert all(torch.equal(b.tensors[n], t) for n, t in want.items())
         torch.cuda.synchronize(0)
         assert abs(gpu_free() - before) <= SEGMENT // 4
-        back = lifecycle.swap(b, a, shm_dir=tmp_path / "no-daemon")
+        back = swapping.swap(b, a, shm_dir=tmp_path / "no-daemon")
         assert back.released == "handover" and back.wake.source == "disk" and b.arena.asleep
         verify_loaded(a.arena, a.metadata, "after the swap back")
