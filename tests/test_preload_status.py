@@ -147,3 +147,26 @@ def test_status_names_what_killed_stagers_and_engines_left_taking_memory(image, 
         assert f"`flashboot preload {image} --unstage` removes it" in line.detail
     finally:
         staging.unstage(image, shm_dir=shm)
+
+
+def test_status_of_an_image_moved_away_names_the_staged_copies_that_still_take_memory(image, shm, capsys, tmp_path):
+    """Defect: with the image folder moved away (or deleted, or re-packed with fewer ranks),
+    `preload --status` printed its header and failed (rc 2, "no such image directory"); with
+    --ranks it said only that the image is refused. Nothing named the staged copies that still took
+    their memory, nor how to free them."""
+    staging.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)
+    paths = shm_files.staged_paths(image, 0, shm)
+    nbytes = paths.image.stat().st_size
+    other = shm_files.staged_paths(image, 3, shm)  # a rank an earlier pre-pack had, left staged
+    other.image.write_bytes(bytes(8192))
+    image.rename(tmp_path / "moved")
+    assert main(["preload", str(image), "--shm-dir", str(shm), "--status"]) == 0
+    out = capsys.readouterr().out
+    assert f"the image {image} is refused" in out and "no such image directory" in out, out
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith("rank ")]
+    assert len(lines) == 2, out
+    assert lines[0].startswith("rank 0: unreadable") and f"{paths.image} ({nbytes:,} bytes) is still staged" in lines[0]
+    assert lines[1].startswith("rank 3: unreadable") and f"{other.image} (8,192 bytes) is still staged" in lines[1]
+    assert f"`flashboot preload {image} --unstage` removes it" in lines[0]
+    assert main(["preload", str(image), "--shm-dir", str(shm), "--unstage"]) == 0
+    assert not paths.dir.exists()
