@@ -397,6 +397,76 @@ def test_an_engine_killed_mid_copy_leaves_nothing_behind(daemon, monkeypatch):
     daemon.load_exact()
 
 
+def _engine_sent(image, shm) -> subprocess.Popen:
+    engine = subprocess.Popen([sys.executable, "-c", _ENGINE, str(image), str(shm)], stdout=subprocess.PIPE, text=True)
+    assert engine.stdout.readline().strip() == "sent"
+    return engine
+
+
+def _kill(engine: subprocess.Popen) -> None:
+    engine.kill()
+    engine.wait(10)
+    engine.stdout.close()
+
+
+@pytest.mark.parametrize("waits_for", ["its rank", "the device"])
+def test_an_engine_killed_while_its_load_waits_is_let_go_at_once(image, tmp_path, monkeypatch, waits_for):
+    """Defect: an engine killed while its request waited (for its rank to become resident: a
+    restarted daemon pins what its .ready says is staged, seconds for a large rank; or for the
+    device, behind another engine's copy) had its arena's fds held by the daemon until the wait
+    ended, its memory (GPU memory on CUDA) kept from the engine restarted in its place, and then
+    the whole rank copied into the dead engine's arena, holding the device from those queued
+    behind. The daemon now sees the engine hang up while it waits and lets its arena go."""
+    go, started = threading.Event(), threading.Event()
+    if waits_for == "its rank":
+        real_resident = PreloadServer._make_resident
+
+        def held_resident(self, rank):  # staged; made resident once the test says go
+            started.set()
+            assert go.wait(60)
+            return real_resident(self, rank)
+
+        monkeypatch.setattr(PreloadServer, "_make_resident", held_resident)
+    else:
+        real_read = server._read_staged
+
+        def held_read(*a, **k):  # the first copy holds the device until the test says go
+            started.set()
+            assert go.wait(60)
+            return real_read(*a, **k)
+
+        monkeypatch.setattr(server, "_read_staged", held_read)
+    d = Daemon(image, tmp_path / "shm", staged=waits_for != "its rank")
+    first = None
+    try:
+        if waits_for == "the device":
+            src = shm_files.rank_source(image, 0)
+            first = Arena.create(src.nbytes, "cpu")
+            copy = client.start_served_load(first, image_dir=str(image), rank=0, nbytes=src.nbytes,
+                                            metadata_sha256=src.metadata_sha256, timeout_s=30, shm_dir=d.shm)
+        assert started.wait(30)
+        fds_before = open_fds()
+        engine = _engine_sent(image, d.shm)
+        try:
+            deadline = time.monotonic() + 10
+            while open_fds() == fds_before:  # the daemon took the engine's arena
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            _kill(engine)
+        assert fds_after_settling(fds_before) == fds_before  # while the wait still lasts
+        assert any("hung up" in line and f"pid {engine.pid}" in line for line in d.log), d.log
+        go.set()
+        if first is not None:
+            copy.wait()
+            first.close()
+        d.idle()
+        d.load_exact()
+    finally:
+        go.set()
+        d.close()
+
+
 @pytest.fixture
 def daemon_process(image, tmp_path):
     """The daemon in its own process: what a client does to memory the daemon maps must not kill

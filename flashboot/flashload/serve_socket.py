@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import collections
 import os
+import select
 import socket
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from .._json import check_fields, finite_at_least, is_str, loads
 from ..errors import FlashBootError, RendezvousError
@@ -36,8 +38,9 @@ class _FifoLock:
         self._waiting: collections.deque[threading.Event] = collections.deque()
         self._held = False
 
-    def acquire(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
-        """Whether it was granted within ``timeout_s``; False too once ``stop`` is set."""
+    def acquire(self, timeout_s: float, stop: threading.Event | None = None,
+                gone: Callable[[], bool] | None = None) -> bool:
+        """Whether it was granted within ``timeout_s``; False too once ``stop`` is set or ``gone()``."""
         me = threading.Event()
         with self._mutex:
             if not self._held and not self._waiting:
@@ -46,7 +49,7 @@ class _FifoLock:
             self._waiting.append(me)
         deadline = time.monotonic() + timeout_s
         while not me.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+            if time.monotonic() >= deadline or (stop is not None and stop.is_set()) or (gone is not None and gone()):
                 break
         else:
             return True
@@ -66,6 +69,25 @@ class _FifoLock:
     @property
     def queued(self) -> int:
         return len(self._waiting)
+
+
+class _Engine:
+    """The engine at the other end of a load's connection, while the load waits (for its rank, for
+    the device): whether it hung up (killed, or gave up), so that its arena is let go then, not
+    held (GPU memory on CUDA) until the wait ends and copied into for nobody. A write side shut (a
+    broken-off hand-over awaiting its answer) is no hang-up: only POLLHUP, both sides gone, is."""
+
+    def __init__(self, conn: socket.socket, pid: int):
+        self.pid, self._poll = pid, select.poll()
+        self._poll.register(conn, select.POLLHUP)
+
+    def gone(self) -> bool:
+        return bool(self._poll.poll(0))
+
+    def check(self, waiting_for: str) -> None:
+        if self.gone():
+            raise RendezvousError(f"the engine (pid {self.pid}) hung up while its load waited for {waiting_for}; "
+                                  "its arena is let go")
 
 
 _UMASK_LOCK = threading.Lock()

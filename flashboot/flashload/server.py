@@ -45,6 +45,7 @@ from .serve_copy import (
     wait_without_spinning,
 )
 from .serve_socket import (
+    _Engine,
     _FifoLock,
     _bind_private,
     _descriptor_fd_count,
@@ -433,7 +434,8 @@ class PreloadServer:
                         # SCM_MAX_FD) and are taken now
                         if not req.get("fds_follow"):
                             supply.due_within(self._handover_due_s(req.get("nbytes", 0)))
-                        attached = self._attach(req, supply if req.get("fds_follow") else supply.receive_all())
+                        attached = self._attach(req, supply if req.get("fds_follow") else supply.receive_all(),
+                                                _Engine(conn, peer.pid))
                         reply = self._copy(attached, supply if req.get("fds_follow") else None)
                     elif op in REMOVED_OPS:  # an older engine's: said as such, not as a typo
                         raise RendezvousError(f"request op {op!r} ({REMOVED_OPS[op]}) is not in this preloader's "
@@ -476,12 +478,13 @@ class PreloadServer:
         with self._locks_lock:
             return self._copy_locks.setdefault(key, _FifoLock())
 
-    def _attach(self, req: dict, fds: "list[int] | FdStream") -> "_Attached":
+    def _attach(self, req: dict, fds: "list[int] | FdStream", engine: _Engine | None = None) -> "_Attached":
         """Check the request against the resident rank and open the engine's arena (its first
         segment mapped); :meth:`_copy` maps each piece's segments just before issuing its copy,
         so the mapping of the next piece overlaps the copy of this one (mapping all of a 13.8 GB
         arena first only delayed the copy's start). ``fds``: a list, or an
-        :class:`~flashboot.fdshare.FdStream` whose later fds arrive while the first pieces copy."""
+        :class:`~flashboot.fdshare.FdStream` whose later fds arrive while the first pieces copy.
+        ``engine``: the requester, whose hang-up ends the waits (here and in :meth:`_copy`)."""
         from ..arena import Arena, ArenaDescriptor
 
         rank = req.get("rank")
@@ -493,6 +496,8 @@ class PreloadServer:
         while not res.event.wait(min(STOP_POLL_S, max(0.0, deadline - time.monotonic()))):
             if self.stop.is_set():  # the engine's timeout may be 600 s, and --stop waits 30 s
                 break
+            if engine is not None:
+                engine.check(f"rank {rank} to be staged and made resident")
             if time.monotonic() >= deadline:
                 raise WaitTimeoutError(f"rank {rank} of {self.config.image_dir} was not staged and pinned within "
                                        f"{timeout_s:g} s (daemon pid {os.getpid()}, state {res.state})")
@@ -531,7 +536,7 @@ class PreloadServer:
             arena.close()
             raise
         return _Attached(rank, res, arena, stream, (time.perf_counter() - t0) * 1e3, timeout_s,
-                         verify=verify, verify_stream=verify_stream)
+                         verify=verify, verify_stream=verify_stream, engine=engine)
 
     def _handover_due_s(self, nbytes: int) -> float:
         """How long an arena's hand-over may take once it started, for a rank of ``nbytes``."""
@@ -553,7 +558,10 @@ class PreloadServer:
         res, arena, rank = attached.res, attached.arena, attached.rank
         lock = self._lock_for(str(arena.device))
         t_queue = time.perf_counter()
-        if not lock.acquire(attached.timeout_s + 60, self.stop):
+        engine = attached.engine
+        if not lock.acquire(attached.timeout_s + 60, self.stop, engine.gone if engine is not None else None):
+            if engine is not None:
+                engine.check(f"{arena.device}, behind {lock.queued} queued copies")
             if self.stop.is_set():
                 raise FlashBootError(f"rank {rank}: the preloader (pid {os.getpid()}) is stopping; its copy into "
                                      f"{arena.device} was not started")
@@ -625,6 +633,8 @@ class _Attached:
     """The engine asked for the chunk digests of what was copied (see :func:`_digest_copied`)."""
     verify_stream: Any = None
     """CUDA: the stream the digests of each copied piece run on, beside the copy's."""
+    engine: _Engine | None = None
+    """The requester: its hang-up ends the wait for the device (:meth:`PreloadServer._copy`)."""
 
     def reply(self) -> dict:
         return {"ok": True, "rank": self.rank, "nbytes": self.res.nbytes, "map_ms": self.map_ms,
