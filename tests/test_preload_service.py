@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import flashboot
 from flashboot.arena import Arena
 from flashboot.errors import FlashBootError, LayoutError, RendezvousError
 from flashboot.fdshare import send_fds
@@ -29,6 +30,7 @@ from flashboot.flashload import shm as shm_files
 
 from flashboot.flashload.server import PreloadServer
 from flashboot.flashload.shm import staged_paths
+from flashboot.flashload.status import rank_states
 
 from _preload_helpers import Daemon, daemon_process_of, fds_after_settling, make_tiny_image, open_fds  # noqa: E402  (tests/ is on the path, as for _clone_helpers)
 
@@ -221,6 +223,55 @@ def test_an_engine_refuses_a_socket_planted_by_another_user(image, open_root, mo
     finally:
         os.close(r)
         os.waitpid(pid, 0)  # its accept() had the engine's connection, refused or not
+
+
+@needs_root
+def test_a_staged_copy_planted_by_another_user_is_refused_by_name(image, tmp_path, monkeypatch):
+    """Defect: a staging folder another user made first (its name is the image path's hash), with
+    a .ready copied from the real one and an image of their bytes, was loaded without a word (the
+    engine checked only the socket's owner, not the staged files'), and a preloader skipped it as
+    already staged and served it. Now a staged copy is taken only from a folder of this user, root
+    or $FLASHBOOT_PRELOADER_UID that no other user may write."""
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)
+    paths = staged_paths(image, 0, shm)
+    planted = bytearray(paths.image.read_bytes())
+    planted[100] ^= 0xFF
+    paths.image.write_bytes(bytes(planted))
+    for p in (paths.dir, paths.image, paths.ready):
+        os.chown(p, NOBODY, -1)
+    real = shm_files.rank_source(image, 0).path.read_bytes()
+
+    def loaded_bytes(**options) -> bytes:
+        with flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=10, **options) as loaded:
+            return bytes(loaded.arena.bytes()[:len(real)].numpy()), loaded.report.details.get("stream_reason", "")
+
+    got, why = loaded_bytes()  # streamed from the image on disk instead, saying why
+    assert got == real and f"{paths.dir} belongs to uid {NOBODY}" in why, why
+    with pytest.raises(LayoutError, match=f"belongs to uid {NOBODY}") as e:
+        loaded_bytes(stream=False)
+    assert client.PRELOADER_UID_ENV in str(e.value)
+    with pytest.raises(LayoutError, match=f"belongs to uid {NOBODY}"):  # nor staged into, nor skipped as staged
+        staging.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)
+    (state,) = rank_states(image, [0], shm)
+    assert state.state == "unreadable" and f"belongs to uid {NOBODY}" in state.detail, state
+
+    monkeypatch.setenv(client.PRELOADER_UID_ENV, str(NOBODY))  # the deployment says that user stages for us
+    assert loaded_bytes(stream=False)[0] == bytes(planted)
+    monkeypatch.delenv(client.PRELOADER_UID_ENV)
+
+    for p in (paths.dir, paths.image, paths.ready):
+        os.chown(p, os.geteuid(), -1)
+    os.chmod(paths.dir, 0o777)  # ours, but any user may swap its files
+    with pytest.raises(LayoutError, match="other users may write"):
+        loaded_bytes(stream=False)
+
+    old_umask = os.umask(0)  # a folder staging makes is never one others may write, whatever the umask
+    try:
+        staging.stage_rank(image, 0, shm_dir=tmp_path / "shm0", threads=2, chunk_bytes=8192)
+    finally:
+        os.umask(old_umask)
+    assert not staged_paths(image, 0, tmp_path / "shm0").dir.stat().st_mode & 0o002
 
 
 def test_allow_group_is_validated_and_passed_to_the_service(image):

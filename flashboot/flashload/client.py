@@ -20,6 +20,7 @@ from ..procfs import STOPPED, process_state
 from .protocol import PROTOCOL_VERSION, _raise_remote, peer_credentials, protocol_note
 from .shm import (
     _POLL_S,
+    PRELOADER_UID_ENV,
     RankSource,
     ReadyInfo,
     _running_pid,
@@ -28,6 +29,7 @@ from .shm import (
     read_ready,
     socket_path,
     staged_paths,
+    trusted_uids,
     wait_ready,
 )
 
@@ -91,20 +93,12 @@ def _dead_daemon(sock: Path) -> str:
                                     "`flashboot preload DIR --serve` again")
 
 
-PRELOADER_UID_ENV = "FLASHBOOT_PRELOADER_UID"
-"""Where engines of several users share one preloader (``--allow-group``): the uid it runs as."""
-
-
 def _check_daemon(sock: socket.socket, path: Path) -> None:
     """Refuse a socket served by another user than this one, root or ``$FLASHBOOT_PRELOADER_UID``:
     the request hands over the arena's fd, and anyone who could create the staging directory
     first could listen at its name. Closes ``sock`` when it refuses."""
     peer = peer_credentials(sock)
-    trusted = {os.geteuid(), 0}
-    extra = os.environ.get(PRELOADER_UID_ENV, "").strip()
-    if extra.isdigit():
-        trusted.add(int(extra))
-    if peer.uid not in trusted:
+    if peer.uid not in trusted_uids():
         sock.close()
         raise RendezvousError(f"the preloader socket {path} is served by pid {peer.pid} running as uid {peer.uid}, "
                               f"not by this user (uid {os.geteuid()}) or root: refusing to hand it an arena (if that "

@@ -40,6 +40,37 @@ SHM_ENV = "FLASHBOOT_SHM"
 DEFAULT_SHM_ROOT = "/dev/shm/flashboot"
 READY_FORMAT = "flashboot-ready/1"
 _POLL_S = 0.005
+PRELOADER_UID_ENV = "FLASHBOOT_PRELOADER_UID"
+"""Where engines of several users share one preloader (``--allow-group``): the uid it runs as."""
+
+
+def trusted_uids() -> set[int]:
+    """The users whose preloader, and whose staged copies, this process trusts: itself, root and
+    ``$FLASHBOOT_PRELOADER_UID``."""
+    trusted = {os.geteuid(), 0}
+    extra = os.environ.get(PRELOADER_UID_ENV, "").strip()
+    if extra.isdigit():
+        trusted.add(int(extra))
+    return trusted
+
+
+def check_staging_owner(folder: Path, *files: Path) -> None:
+    """Refuse (LayoutError) a staging folder, or a file in it, that another user could have
+    planted: its owner not in :func:`trusted_uids`, or a folder any user may write (and so swap its
+    files). The folder's name is the image path's hash, so anyone who can write to the shm root
+    can make it first, and a load would take their bytes for the image's."""
+    for path in (folder, *files):
+        st = os.stat(path)
+        if st.st_uid not in trusted_uids():
+            who = f"belongs to uid {st.st_uid}"
+        elif path == folder and st.st_mode & 0o002:
+            who = f"is mode {oct(st.st_mode & 0o7777)}: other users may write its files"
+        else:
+            continue
+        raise LayoutError(f"{path} {who}; a staged copy is taken only from a folder of this user (uid "
+                          f"{os.geteuid()}), root or ${PRELOADER_UID_ENV}, that no other user may write: another user "
+                          f"could have planted its bytes. Remove {folder}, or stage under a --shm-dir of your own "
+                          f"(or ${SHM_ENV})")
 
 
 # ============================================================================ paths and .ready
@@ -155,7 +186,7 @@ def make_dir(path: Path) -> Path:
     found is gone by the time it looks again."""
     for attempt in range(3):
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o755, parents=True, exist_ok=True)  # not 0777 under umask 0: others could swap its files
             return path
         except FileExistsError as error:
             exc = error
@@ -318,6 +349,7 @@ def read_ready(path: str | os.PathLike) -> ReadyInfo:
     if missing:
         raise LayoutError(f"{path}: .ready file lacks {missing}")
     check_fields(raw, _READY_FIELDS, LayoutError, f"{path}: .ready field ")
+    check_staging_owner(path.parent, path)  # the copy it vouches for: every reader of a staged copy comes here
     return ReadyInfo(path=path, **{n: raw[n] for n in names})
 
 

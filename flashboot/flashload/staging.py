@@ -45,6 +45,7 @@ from .shm import (
     _unlink_quietly,
     _write_atomic,
     check_ready,
+    check_staging_owner,
     checksum_fingerprint,
     log_file,
     make_dir,
@@ -147,6 +148,7 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
     for _ in range(FOLDER_RETRIES):
         make_dir(paths.dir)
         try:
+            check_staging_owner(paths.dir)  # another user's folder: nothing staged there is ours to vouch for
             lock = _lock_rank(paths, rank, image_dir)
             break
         except FileNotFoundError:  # the folder, emptied and removed meanwhile (the last engine out, an
