@@ -97,6 +97,11 @@ def _status(args) -> int:
     state = (f"running (pid {st.pid}{', serving' if st.serve else ''})" if st.running else
              f"not running (stale pid file {st.path}, pid {st.pid})" if st.stale else "not running")
     print(one_line(f"preloader for {args.image_dir}: {state}"))
+    if st.pid is None:  # keyed by where the path leads now: one started while it led elsewhere runs on
+        for other, real in shm_files.started_elsewhere(args.image_dir, args.shm_dir):
+            print(one_line(f"  a preloader started for {args.image_dir} (pid {other.pid}{', serving' if other.serve else ''}) "
+                           f"still runs, for {real}, where it led then: `flashboot preload {args.image_dir} --stop` "
+                           "stops it"))
     warning = shm_files.not_shared_memory_warning(args.shm_dir)
     if warning:
         print(one_line(f"  {warning}"))

@@ -506,11 +506,12 @@ class ServiceStatus:
     serve: bool = False
 
 
-def service_status(image_dir, shm_dir=None) -> ServiceStatus:
-    """The preloader of ``image_dir``'s pid file, read. Here, not beside the service that writes
-    it: a load asks this before its copy, and importing the service (its server and staging)
-    cost ~4 ms of a first early call on the 2-core host, before the daemon's request."""
-    path = pid_file(image_dir, shm_dir)
+def service_status(image_dir, shm_dir=None, *, path: Path | None = None) -> ServiceStatus:
+    """The preloader of ``image_dir``'s pid file (or the one at ``path``), read. Here, not beside
+    the service that writes it: a load asks this before its copy, and importing the service (its
+    server and staging) cost ~4 ms of a first early call on the 2-core host, before the daemon's
+    request."""
+    path = pid_file(image_dir, shm_dir) if path is None else path
     d = _read_pid_file(path)
     if d is None:
         return ServiceStatus(path, None, False, False)
@@ -518,6 +519,25 @@ def service_status(image_dir, shm_dir=None) -> ServiceStatus:
     # while its lock is held: a killed process keeps its files until its memory is torn down
     running = _running_pid(path) is not None or (d["pid"] <= 0 and _pid_file_held(path))
     return ServiceStatus(path, d["pid"], running, not running, bool(d.get("serve")))
+
+
+def started_elsewhere(image_dir, shm_dir=None) -> list[tuple[ServiceStatus, str]]:
+    """Running preloaders started for ``image_dir`` (the path as given, made absolute) while it
+    named another folder than now (a symlink to a model's current version, re-pointed since):
+    their staging folders are keyed by the real path they found, so `--status` and `--stop` of
+    ``image_dir`` looked only where it leads now. Each: its status and that real path."""
+    want, here = os.path.abspath(image_dir), pid_file(image_dir, shm_dir)
+    try:
+        folders = sorted(shm_root(shm_dir).iterdir())
+    except OSError:
+        return []
+    found = []
+    for folder in folders:
+        path = folder / PID_FILE
+        d = _read_pid_file(path) if path != here else None
+        if d and d.get("image_dir") == want and isinstance(d.get("real_image_dir"), str) and _running_pid(path):
+            found.append((service_status(image_dir, shm_dir, path=path), d["real_image_dir"]))
+    return found
 
 
 def _unlink_quietly(path: Path) -> None:
