@@ -518,6 +518,39 @@ def test_an_engine_killed_while_its_load_waits_is_let_go_at_once(image, tmp_path
         d.close()
 
 
+def test_an_engine_killed_mid_copy_is_copied_into_no_further(daemon, monkeypatch):
+    """Defect: the daemon copied the whole rank into the arena of an engine killed mid-copy (a 140
+    GB rank: seconds on a GPU, a minute pageable or on the host backend), its memory kept from the
+    engine restarted in its place and the device from those queued behind. Now the copy looks
+    for the hang-up before each piece."""
+    from flashboot import fileio
+    from flashboot.flashload import serve_copy
+
+    monkeypatch.setattr(serve_copy, "HOST_READ_CHUNK_BYTES", 4096)  # 31 pieces of the tiny image
+    nbytes = shm_files.rank_source(daemon.image, 0).nbytes
+    started, go, reads, real = threading.Event(), threading.Event(), [], fileio.read_exactly
+
+    def read_exactly(*a, **k):
+        reads.append(a[2])
+        started.set()
+        assert go.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fileio, "read_exactly", read_exactly)
+    daemon.idle()
+    fds_before = open_fds()
+    engine = _engine_sent(daemon.image, daemon.shm)
+    assert started.wait(30)
+    _kill(engine)
+    go.set()
+    daemon.idle()
+    assert len(reads) < -(-nbytes // 4096) / 2, (len(reads), nbytes)
+    assert any(f"pid {engine.pid}) hung up while its load was copied" in line for line in daemon.log), daemon.log
+    assert fds_after_settling(fds_before) == fds_before
+    monkeypatch.setattr(fileio, "read_exactly", real)
+    daemon.load_exact()
+
+
 @pytest.fixture
 def daemon_process(image, tmp_path):
     """The daemon in its own process: what a client does to memory the daemon maps must not kill

@@ -73,21 +73,21 @@ class _FifoLock:
 
 class _Engine:
     """The engine at the other end of a load's connection, while the load waits (for its rank, for
-    the device): whether it hung up (killed, or gave up), so that its arena is let go then, not
-    held (GPU memory on CUDA) until the wait ends and copied into for nobody. A write side shut (a
+    the device) or copies: whether it hung up (killed, or gave up), so that its arena is let go
+    then, not held (GPU memory on CUDA) until the wait or the copy ends, copied into for nobody. A write side shut (a
     broken-off hand-over awaiting its answer) is no hang-up: only POLLHUP, both sides gone, is."""
 
     def __init__(self, conn: socket.socket, pid: int):
-        self.pid, self._poll = pid, select.poll()
-        self._poll.register(conn, select.POLLHUP)
+        self.pid, self._conn = pid, conn
 
     def gone(self) -> bool:
-        return bool(self._poll.poll(0))
+        poll = select.poll()  # one each time: the host copy's threads ask at once, and a poll object refuses that
+        poll.register(self._conn, select.POLLHUP)
+        return bool(poll.poll(0))
 
-    def check(self, waiting_for: str) -> None:
+    def check(self, during: str) -> None:
         if self.gone():
-            raise RendezvousError(f"the engine (pid {self.pid}) hung up while its load waited for {waiting_for}; "
-                                  "its arena is let go")
+            raise RendezvousError(f"the engine (pid {self.pid}) hung up while its load {during}; its arena is let go")
 
 
 _UMASK_LOCK = threading.Lock()

@@ -497,7 +497,7 @@ class PreloadServer:
             if self.stop.is_set():  # the engine's timeout may be 600 s, and --stop waits 30 s
                 break
             if engine is not None:
-                engine.check(f"rank {rank} to be staged and made resident")
+                engine.check(f"waited for rank {rank} to be staged and made resident")
             if time.monotonic() >= deadline:
                 raise WaitTimeoutError(f"rank {rank} of {self.config.image_dir} was not staged and pinned within "
                                        f"{timeout_s:g} s (daemon pid {os.getpid()}, state {res.state})")
@@ -561,7 +561,7 @@ class PreloadServer:
         engine = attached.engine
         if not lock.acquire(attached.timeout_s + 60, self.stop, engine.gone if engine is not None else None):
             if engine is not None:
-                engine.check(f"{arena.device}, behind {lock.queued} queued copies")
+                engine.check(f"waited for {arena.device}, behind {lock.queued} queued copies")
             if self.stop.is_set():
                 raise FlashBootError(f"rank {rank}: the preloader (pid {os.getpid()}) is stopping; its copy into "
                                      f"{arena.device} was not started")
@@ -583,6 +583,8 @@ class PreloadServer:
                 with cupy.cuda.Device(arena.device.index):
                     try:
                         for off, n in pieces:
+                            if engine is not None:  # a pageable (--no-pin) piece is copied before the next is issued
+                                engine.check(f"was copied ({off:,} of {res.nbytes:,} bytes issued)")
                             mover.copy(arena.span(off, n), src.sub(off, n), stream=attached.stream)
                             if attached.verify_stream is not None:  # piece k digested while k + 1 is copied
                                 pending.append(_start_piece_digests(attached, off, n))
@@ -593,7 +595,7 @@ class PreloadServer:
                         raise
                     wait_without_spinning(attached.stream)
             else:
-                _read_staged(res, arena.span(0, res.nbytes))
+                _read_staged(res, arena.span(0, res.nbytes), engine)
             h2d_ms = (time.perf_counter() - t1) * 1e3
         finally:
             lock.release()
