@@ -653,3 +653,25 @@ def test_a_pid_file_nested_too_deeply_to_parse_is_a_stale_one(image, tmp_path):
     path.write_text("[" * 100_000)
     st = service.service_status(image, tmp_path / "shm")
     assert not st.running and st.stale  # as any unreadable pid file
+
+
+def test_a_served_load_of_a_rank_the_daemon_does_not_serve_is_refused_at_once(tmp_path):
+    """Defect: `preload IMAGE --ranks 0 --serve`, and an engine's served load of rank 1 waited its
+    whole timeout (60 s by default, up to 600) for a .ready that daemon never writes, and then named
+    only the .ready's path and the daemon's pid. Now the daemon's account ends the wait at once,
+    naming the ranks it serves."""
+    import flashboot
+    from flashboot.errors import LayoutError
+
+    from _engine_helpers import make_tiny_model
+
+    ckpt = make_tiny_model("llama", tmp_path / "llama")
+    flashboot.prepack(str(ckpt), str(tmp_path / "image"), ep=2, progress=False)  # two ranks
+    d = Daemon(tmp_path / "image", tmp_path / "shm", ranks=[0])
+    try:
+        with pytest.raises(LayoutError) as e:  # not WaitTimeoutError at the timeout
+            flashboot.load(tmp_path / "image", 1, "cpu", served=True, shm_dir=tmp_path / "shm", timeout_s=20)
+        msg = str(e.value)
+        assert "serves ranks [0]" in msg and "not rank 1" in msg and "--ranks" in msg, msg
+    finally:
+        d.close()

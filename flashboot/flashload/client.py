@@ -255,7 +255,7 @@ def served_ready(image_dir, rank: int, metadata_sha256: str, where: str, *, time
         except WaitTimeoutError:
             sock = socket_path(image_dir, shm_dir)
             if time.monotonic() < deadline:
-                _raise_if_staging_failed(sock, rank)
+                _raise_if_never_staged(sock, image_dir, rank)
                 continue
             running = _running_pid(pid_file(image_dir, shm_dir))
             who = f"a preloader is running (pid {running})" if running else "no preloader is running"
@@ -316,11 +316,18 @@ def _daemon_status(sock: Path) -> dict:
     return reply if reply.get("ok") else {}
 
 
-def _raise_if_staging_failed(sock: Path, rank: int) -> None:
+def _raise_if_never_staged(sock: Path, image_dir, rank: int) -> None:
     """Raise the daemon's own error (its class, its numbers) when it reports that staging ``rank``
-    failed; return quietly when no daemon answers or it is still staging."""
+    failed, and LayoutError when it does not serve ``rank`` at all (``--ranks``: its .ready never
+    comes); return quietly when no daemon answers or it is still staging."""
     reply = _daemon_status(sock)  # none answers: the wait goes on and says so at its end
-    state = (reply.get("ranks") or {}).get(str(rank)) or {}
+    ranks = reply.get("ranks")
+    if isinstance(ranks, dict) and ranks and str(rank) not in ranks:
+        served = sorted(int(r) for r in ranks if str(r).isdigit())
+        raise LayoutError(f"the preloader (pid {reply.get('pid')}) for {image_dir} serves ranks {served}, not rank "
+                          f"{rank}: restart it with that rank too (`flashboot preload {image_dir} --stop`, then `--serve` "
+                          f"with `--ranks {' '.join(map(str, sorted({*served, rank})))}`), or load it without served=True")
+    state = (ranks or {}).get(str(rank)) or {}
     if state.get("state") == "failed":
         payload = state.get("error_payload") or {"error": "FlashBootError", "message": state.get("error")}
         _raise_remote(payload, f"the preloader (pid {reply.get('pid')}) could not stage rank {rank}")
