@@ -655,7 +655,19 @@ def test_a_pid_file_nested_too_deeply_to_parse_is_a_stale_one(image, tmp_path):
     assert not st.running and st.stale  # as any unreadable pid file
 
 
-def test_a_served_load_of_a_rank_the_daemon_does_not_serve_is_refused_at_once(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> str:
+    """An image of two ranks (a tiny llama pre-packed at ep=2)."""
+    import flashboot
+
+    from _engine_helpers import make_tiny_model
+
+    root = tmp_path_factory.mktemp("two-ranks")
+    flashboot.prepack(str(make_tiny_model("llama", root / "llama")), str(root / "image"), ep=2, progress=False)
+    return root / "image"
+
+
+def test_a_served_load_of_a_rank_the_daemon_does_not_serve_is_refused_at_once(two_ranks, tmp_path):
     """Defect: `preload IMAGE --ranks 0 --serve`, and an engine's served load of rank 1 waited its
     whole timeout (60 s by default, up to 600) for a .ready that daemon never writes, and then named
     only the .ready's path and the daemon's pid. Now the daemon's account ends the wait at once,
@@ -663,15 +675,29 @@ def test_a_served_load_of_a_rank_the_daemon_does_not_serve_is_refused_at_once(tm
     import flashboot
     from flashboot.errors import LayoutError
 
-    from _engine_helpers import make_tiny_model
-
-    ckpt = make_tiny_model("llama", tmp_path / "llama")
-    flashboot.prepack(str(ckpt), str(tmp_path / "image"), ep=2, progress=False)  # two ranks
-    d = Daemon(tmp_path / "image", tmp_path / "shm", ranks=[0])
+    d = Daemon(two_ranks, tmp_path / "shm", ranks=[0])
     try:
         with pytest.raises(LayoutError) as e:  # not WaitTimeoutError at the timeout
-            flashboot.load(tmp_path / "image", 1, "cpu", served=True, shm_dir=tmp_path / "shm", timeout_s=20)
+            flashboot.load(two_ranks, 1, "cpu", served=True, shm_dir=tmp_path / "shm", timeout_s=20)
         msg = str(e.value)
-        assert "serves ranks [0]" in msg and "not rank 1" in msg and "--ranks" in msg, msg
+        assert "serves ranks [0]" in msg and "not rank 1" in msg and "--ranks 0 1" in msg, msg
     finally:
         d.close()
+
+
+def test_a_staged_rank_the_running_preloader_does_not_stage_is_refused_at_once(two_ranks, tmp_path):
+    """Defect: as above for a rank pinned early (``flashboot.stage``) or loaded with stream=False: the
+    wait for its .ready ran to its timeout while the preloader's pid file said it stages rank 0 only."""
+    import flashboot
+    from flashboot.errors import LayoutError
+
+    shm = tmp_path / "shm"
+    path = shm_files.pid_file(two_ranks, shm)
+    service._claim_pid_file(path, serve=False, ranks=[0])  # this process stages rank 0, as far as it says
+    try:
+        with pytest.raises(LayoutError, match=r"stages ranks \[0\], not rank 1"):
+            flashboot.stage(two_ranks, 1, "cpu", timeout_s=20, shm_dir=shm).wait()
+        with pytest.raises(LayoutError, match=r"stages ranks \[0\], not rank 1"):
+            flashboot.load(two_ranks, 1, "cpu", stream=False, shm_dir=shm, timeout_s=20)
+    finally:
+        service._release_pid_file(path)

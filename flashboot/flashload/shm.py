@@ -408,19 +408,27 @@ def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None,
 
     Raises WaitTimeoutError naming the ``.ready`` path after ``timeout_s`` seconds, or
     PreloaderExitedError as soon as the preloader that ran when the wait began has exited
-    without writing it (a preloader started later is waited for as before), or FlashBootError
-    once ``stop`` is set (the waiter was closed).
+    without writing it (a preloader started later is waited for as before), LayoutError at once
+    when the one running stages other ranks only (its pid file's), or FlashBootError once ``stop``
+    is set (the waiter was closed).
     """
     paths = staged_paths(image_dir, rank, shm_dir)
     deadline = time.monotonic() + timeout_s
     delay = _POLL_S
     running = _running_pid(pid_file(image_dir, shm_dir))
-    checked = time.monotonic()
+    checked, first = time.monotonic(), True
     while True:
         try:
             return read_ready(paths.ready)
         except FileNotFoundError:
             pass
+        if running and first:  # a preloader of other ranks never writes this one
+            first = False
+            ranks = (_read_pid_file(pid_file(image_dir, shm_dir)) or {}).get("ranks")
+            if isinstance(ranks, list) and all(type(r) is int for r in ranks) and rank not in ranks:
+                raise LayoutError(f"the preloader (pid {running}) for {image_dir} stages ranks {ranks}, not rank {rank}: "
+                                  f"{paths.ready} never comes; restart it with that rank too (`flashboot preload "
+                                  f"{image_dir} --stop`, then `--ranks {' '.join(map(str, sorted({*ranks, rank})))}`)")
         if running and time.monotonic() - checked >= _PID_CHECK_S:
             checked = time.monotonic()
             if _running_pid(pid_file(image_dir, shm_dir)) != running:
