@@ -262,6 +262,28 @@ def test_verify_skips_a_copy_whose_ready_records_a_verification_of_the_same_meta
     assert len(checked) == 1, "a copy verified already was checksummed again (~70 s for 140 GB)"
 
 
+def test_a_verified_copy_whose_record_finds_shm_full_is_still_staged(image, tmp_path, monkeypatch):
+    """Defect: staged copies fill /dev/shm to its last page, and the next `preload --verify` (a
+    daemon's start) checked a rank's copy, found it intact, and failed the rank with a bare
+    "[Errno 28] No space left on device": recording the verification in its .ready needs a page.
+    Engines were then refused a copy known to be good."""
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)
+    real = staging._write_atomic
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(staging, "_write_atomic", full)
+    r = staging.stage_rank(image, 0, shm_dir=shm, verify=True)
+    assert r.skipped and r.verified and "not recorded" in r.io_reason and str(shm) in r.io_reason, r
+    monkeypatch.setattr(staging, "_write_atomic", real)
+    assert not shm_files.read_ready(shm_files.staged_paths(image, 0, shm).ready).verified  # checked again next time
+    from flashboot.flashload.server import _describe_stage
+
+    assert "not recorded" in _describe_stage(r)
+
+
 def test_verifying_a_staged_copy_stops_when_told(image, tmp_path):
     shm = tmp_path / "shm"
     staging.stage_rank(image, 0, shm_dir=shm)

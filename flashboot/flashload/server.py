@@ -656,7 +656,9 @@ def _device_by_bus_id(bus_id: str | None, fallback: int) -> int:
 
 def _describe_stage(r: StageResult) -> str:
     if r.skipped:
-        return f"rank {r.rank}: already staged at {r.staged} ({r.nbytes:,} bytes{'; verified' if r.verified else ''})"
+        note = r.io_reason.partition("; ")[2]  # why a verification went unrecorded
+        return (f"rank {r.rank}: already staged at {r.staged} ({r.nbytes:,} bytes{'; verified' if r.verified else ''}"
+                f"{'; ' + note if note else ''})")
     how = r.io_mode + (f" ({r.io_reason})" if r.io_reason else "")
     numa = f"NUMA node {r.numa_node}" if r.numa_node is not None else f"no NUMA binding: {r.numa_reason}"
     again = f" again ({r.restaged_because})" if r.restaged_because else ""
