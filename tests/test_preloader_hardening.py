@@ -723,3 +723,53 @@ def test_a_staged_rank_the_running_preloader_does_not_stage_is_refused_at_once(t
             flashboot.load(two_ranks, 1, "cpu", stream=False, shm_dir=shm, timeout_s=20)
     finally:
         service._release_pid_file(path)
+
+
+def test_a_wait_for_ready_follows_a_preloader_restarted_meanwhile(image, tmp_path, monkeypatch):
+    """Defect: an engine waiting for a rank's .ready (``flashboot.stage``, a load with stream=False)
+    while its preloader was restarted (`--stop`, then started again at once) failed with "the
+    preloader (pid N) exited ... Restart it" although the new one ran and staged the rank: the
+    wait promised to wait for a preloader started later, but took any other pid in the pid file
+    for the old one's exit."""
+    import subprocess
+    import sys
+
+    shm = tmp_path / "shm"
+    path = shm_files.pid_file(image, shm)
+    path.parent.mkdir(parents=True)
+    asked, real = [], shm_files._running_pid
+    monkeypatch.setattr(shm_files, "_running_pid", lambda p: (asked.append(p), real(p))[1])
+    old, new = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2))
+    result = []
+    try:
+        def claim(proc):
+            path.write_text(json.dumps({"pid": proc.pid, "start_time": proc_start_time(proc.pid), "serve": False,
+                                        "ranks": None}))
+
+        claim(old)
+        waiter = threading.Thread(target=lambda: result.append(_outcome(
+            lambda: shm_files.wait_ready(image, 0, timeout_s=60, shm_dir=shm))))
+        waiter.start()
+        while not asked:  # the wait has seen the old one
+            time.sleep(0.01)
+        claim(new)  # the restart: the new one holds the pid file
+        old.kill()
+        old.wait()
+        seen = len(asked)
+        while len(asked) < seen + 2 and not result:  # its exit check has run since
+            time.sleep(0.01)
+        assert not result, result
+        staging.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)  # the new one stages it
+        waiter.join(30)
+        assert isinstance(result[0], shm_files.ReadyInfo), result
+    finally:
+        for proc in (old, new):
+            proc.kill()
+            proc.wait()
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - the test looks at which
+        return exc

@@ -408,7 +408,8 @@ def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None,
 
     Raises WaitTimeoutError naming the ``.ready`` path after ``timeout_s`` seconds, or
     PreloaderExitedError as soon as the preloader that ran when the wait began has exited
-    without writing it (a preloader started later is waited for as before), LayoutError at once
+    without writing it and none runs now (a preloader started later, or in its place, is waited
+    for as before), LayoutError at once
     when the one running stages other ranks only (its pid file's), or FlashBootError once ``stop``
     is set (the waiter was closed).
     """
@@ -431,7 +432,10 @@ def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None,
                                   f"{image_dir} --stop`, then `--ranks {' '.join(map(str, sorted({*ranks, rank})))}`)")
         if running and time.monotonic() - checked >= _PID_CHECK_S:
             checked = time.monotonic()
-            if _running_pid(pid_file(image_dir, shm_dir)) != running:
+            now = _running_pid(pid_file(image_dir, shm_dir))
+            if now and now != running:  # restarted meanwhile: the new one is waited for, as one started later
+                running, first = now, True  # its ranks are asked again
+            elif now != running:
                 try:
                     return read_ready(paths.ready)  # written just before it exited
                 except FileNotFoundError:
