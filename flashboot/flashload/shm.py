@@ -409,9 +409,8 @@ def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None,
     Raises WaitTimeoutError naming the ``.ready`` path after ``timeout_s`` seconds, or
     PreloaderExitedError as soon as the preloader that ran when the wait began has exited
     without writing it and none runs now (a preloader started later, or in its place, is waited
-    for as before), LayoutError at once
-    when the one running stages other ranks only (its pid file's), or FlashBootError once ``stop``
-    is set (the waiter was closed).
+    for as before), LayoutError at once when the one running stages other ranks only (its pid
+    file's), or FlashBootError once ``stop`` is set (the waiter was closed).
     """
     paths = staged_paths(image_dir, rank, shm_dir)
     deadline = time.monotonic() + timeout_s
