@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import flashboot
 from flashboot.arena import Arena
 from flashboot.errors import FlashBootError, LayoutError, RendezvousError
 from flashboot.fdshare import send_fds
@@ -29,6 +30,7 @@ from flashboot.flashload import shm as shm_files
 
 from flashboot.flashload.server import PreloadServer
 from flashboot.flashload.shm import staged_paths
+from flashboot.flashload.status import rank_states
 
 from _preload_helpers import Daemon, daemon_process_of, fds_after_settling, make_tiny_image, open_fds  # noqa: E402  (tests/ is on the path, as for _clone_helpers)
 
@@ -223,6 +225,55 @@ def test_an_engine_refuses_a_socket_planted_by_another_user(image, open_root, mo
         os.waitpid(pid, 0)  # its accept() had the engine's connection, refused or not
 
 
+@needs_root
+def test_a_staged_copy_planted_by_another_user_is_refused_by_name(image, tmp_path, monkeypatch):
+    """Defect: a staging folder another user made first (its name is the image path's hash), with
+    a .ready copied from the real one and an image of their bytes, was loaded without a word (the
+    engine checked only the socket's owner, not the staged files'), and a preloader skipped it as
+    already staged and served it. Now a staged copy is taken only from a folder of this user, root
+    or $FLASHBOOT_PRELOADER_UID that no other user may write."""
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)
+    paths = staged_paths(image, 0, shm)
+    planted = bytearray(paths.image.read_bytes())
+    planted[100] ^= 0xFF
+    paths.image.write_bytes(bytes(planted))
+    for p in (paths.dir, paths.image, paths.ready):
+        os.chown(p, NOBODY, -1)
+    real = shm_files.rank_source(image, 0).path.read_bytes()
+
+    def loaded_bytes(**options) -> bytes:
+        with flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=10, **options) as loaded:
+            return bytes(loaded.arena.bytes()[:len(real)].numpy()), loaded.report.details.get("stream_reason", "")
+
+    got, why = loaded_bytes()  # streamed from the image on disk instead, saying why
+    assert got == real and f"{paths.dir} belongs to uid {NOBODY}" in why, why
+    with pytest.raises(LayoutError, match=f"belongs to uid {NOBODY}") as e:
+        loaded_bytes(stream=False)
+    assert client.PRELOADER_UID_ENV in str(e.value)
+    with pytest.raises(LayoutError, match=f"belongs to uid {NOBODY}"):  # nor staged into, nor skipped as staged
+        staging.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)
+    (state,) = rank_states(image, [0], shm)
+    assert state.state == "unreadable" and f"belongs to uid {NOBODY}" in state.detail, state
+
+    monkeypatch.setenv(client.PRELOADER_UID_ENV, str(NOBODY))  # the deployment says that user stages for us
+    assert loaded_bytes(stream=False)[0] == bytes(planted)
+    monkeypatch.delenv(client.PRELOADER_UID_ENV)
+
+    for p in (paths.dir, paths.image, paths.ready):
+        os.chown(p, os.geteuid(), -1)
+    os.chmod(paths.dir, 0o777)  # ours, but any user may swap its files
+    with pytest.raises(LayoutError, match="other users may write"):
+        loaded_bytes(stream=False)
+
+    old_umask = os.umask(0)  # a folder staging makes is never one others may write, whatever the umask
+    try:
+        staging.stage_rank(image, 0, shm_dir=tmp_path / "shm0", threads=2, chunk_bytes=8192)
+    finally:
+        os.umask(old_umask)
+    assert not staged_paths(image, 0, tmp_path / "shm0").dir.stat().st_mode & 0o002
+
+
 def test_allow_group_is_validated_and_passed_to_the_service(image):
     with pytest.raises(FlashBootError, match="no such group"):
         staging.PreloadConfig(str(image), allow_group="no-such-group-here")
@@ -394,6 +445,109 @@ def test_an_engine_killed_mid_copy_leaves_nothing_behind(daemon, monkeypatch):
     assert any("engine connection lost" in line for line in daemon.log), daemon.log
     assert fds_after_settling(fds_before) == fds_before
     monkeypatch.setattr(server, "_read_staged", real)
+    daemon.load_exact()
+
+
+def _engine_sent(image, shm) -> subprocess.Popen:
+    engine = subprocess.Popen([sys.executable, "-c", _ENGINE, str(image), str(shm)], stdout=subprocess.PIPE, text=True)
+    assert engine.stdout.readline().strip() == "sent"
+    return engine
+
+
+def _kill(engine: subprocess.Popen) -> None:
+    engine.kill()
+    engine.wait(10)
+    engine.stdout.close()
+
+
+@pytest.mark.parametrize("waits_for", ["its rank", "the device"])
+def test_an_engine_killed_while_its_load_waits_is_let_go_at_once(image, tmp_path, monkeypatch, waits_for):
+    """Defect: an engine killed while its request waited (for its rank to become resident: a
+    restarted daemon pins what its .ready says is staged, seconds for a large rank; or for the
+    device, behind another engine's copy) had its arena's fds held by the daemon until the wait
+    ended, its memory (GPU memory on CUDA) kept from the engine restarted in its place, and then
+    the whole rank copied into the dead engine's arena, holding the device from those queued
+    behind. The daemon now sees the engine hang up while it waits and lets its arena go."""
+    go, started = threading.Event(), threading.Event()
+    if waits_for == "its rank":
+        real_resident = PreloadServer._make_resident
+
+        def held_resident(self, rank):  # staged; made resident once the test says go
+            started.set()
+            assert go.wait(60)
+            return real_resident(self, rank)
+
+        monkeypatch.setattr(PreloadServer, "_make_resident", held_resident)
+    else:
+        real_read = server._read_staged
+
+        def held_read(*a, **k):  # the first copy holds the device until the test says go
+            started.set()
+            assert go.wait(60)
+            return real_read(*a, **k)
+
+        monkeypatch.setattr(server, "_read_staged", held_read)
+    d = Daemon(image, tmp_path / "shm", staged=waits_for != "its rank")
+    first = None
+    try:
+        if waits_for == "the device":
+            src = shm_files.rank_source(image, 0)
+            first = Arena.create(src.nbytes, "cpu")
+            copy = client.start_served_load(first, image_dir=str(image), rank=0, nbytes=src.nbytes,
+                                            metadata_sha256=src.metadata_sha256, timeout_s=30, shm_dir=d.shm)
+        assert started.wait(30)
+        fds_before = open_fds()
+        engine = _engine_sent(image, d.shm)
+        try:
+            deadline = time.monotonic() + 10
+            while open_fds() == fds_before:  # the daemon took the engine's arena
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            _kill(engine)
+        assert fds_after_settling(fds_before) == fds_before  # while the wait still lasts
+        assert any("hung up" in line and f"pid {engine.pid}" in line for line in d.log), d.log
+        go.set()
+        if first is not None:
+            copy.wait()
+            first.close()
+        d.idle()
+        d.load_exact()
+    finally:
+        go.set()
+        d.close()
+
+
+def test_an_engine_killed_mid_copy_is_copied_into_no_further(daemon, monkeypatch):
+    """Defect: the daemon copied the whole rank into the arena of an engine killed mid-copy (a 140
+    GB rank: seconds on a GPU, a minute pageable or on the host backend), its memory kept from the
+    engine restarted in its place and the device from those queued behind. Now the copy looks
+    for the hang-up before each piece."""
+    from flashboot import fileio
+    from flashboot.flashload import serve_copy
+
+    monkeypatch.setattr(serve_copy, "HOST_READ_CHUNK_BYTES", 4096)  # 31 pieces of the tiny image
+    nbytes = shm_files.rank_source(daemon.image, 0).nbytes
+    started, go, reads, real = threading.Event(), threading.Event(), [], fileio.read_exactly
+
+    def read_exactly(*a, **k):
+        reads.append(a[2])
+        started.set()
+        assert go.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fileio, "read_exactly", read_exactly)
+    daemon.idle()
+    fds_before = open_fds()
+    engine = _engine_sent(daemon.image, daemon.shm)
+    assert started.wait(30)
+    _kill(engine)
+    go.set()
+    daemon.idle()
+    assert len(reads) < -(-nbytes // 4096) / 2, (len(reads), nbytes)
+    assert any(f"pid {engine.pid}) hung up while its load was copied" in line for line in daemon.log), daemon.log
+    assert fds_after_settling(fds_before) == fds_before
+    monkeypatch.setattr(fileio, "read_exactly", real)
     daemon.load_exact()
 
 

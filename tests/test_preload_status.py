@@ -16,6 +16,7 @@ from flashboot.errors import LayoutError
 from flashboot.flashload import staging
 from flashboot.flashload import shm as shm_files
 from flashboot.flashload.status import STATES, rank_states
+from flashboot.procfs import proc_start_time
 
 
 def _repack(image: Path, image_master: Path) -> str:
@@ -147,3 +148,52 @@ def test_status_names_what_killed_stagers_and_engines_left_taking_memory(image, 
         assert f"`flashboot preload {image} --unstage` removes it" in line.detail
     finally:
         staging.unstage(image, shm_dir=shm)
+
+
+def test_status_of_an_image_moved_away_names_the_staged_copies_that_still_take_memory(image, shm, capsys, tmp_path):
+    """Defect: with the image folder moved away (or deleted, or re-packed with fewer ranks),
+    `preload --status` printed its header and failed (rc 2, "no such image directory"); with
+    --ranks it said only that the image is refused. Nothing named the staged copies that still took
+    their memory, nor how to free them."""
+    staging.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)
+    paths = shm_files.staged_paths(image, 0, shm)
+    nbytes = paths.image.stat().st_size
+    other = shm_files.staged_paths(image, 3, shm)  # a rank an earlier pre-pack had, left staged
+    other.image.write_bytes(bytes(8192))
+    image.rename(tmp_path / "moved")
+    assert main(["preload", str(image), "--shm-dir", str(shm), "--status"]) == 0
+    out = capsys.readouterr().out
+    assert f"the image {image} is refused" in out and "no such image directory" in out, out
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith("rank ")]
+    assert len(lines) == 2, out
+    assert lines[0].startswith("rank 0: unreadable") and f"{paths.image} ({nbytes:,} bytes) is still staged" in lines[0]
+    assert lines[1].startswith("rank 3: unreadable") and f"{other.image} (8,192 bytes) is still staged" in lines[1]
+    assert f"`flashboot preload {image} --unstage` removes it" in lines[0]
+    assert main(["preload", str(image), "--shm-dir", str(shm), "--unstage"]) == 0
+    assert not paths.dir.exists()
+
+
+def test_stop_and_status_of_a_symlink_re_pointed_since_the_start_find_the_preloader_started_for_it(
+        image, shm, tmp_path, capsys):
+    """Defect: `preload models/current --serve --background`, then `current` re-pointed to the next
+    version: `preload models/current --stop` said "no preloader runs" (the staging folder is keyed
+    by the path's real path, now another) and --status "not running", while the preloader started
+    for that very path kept running, holding its copies; nothing named it."""
+    current = tmp_path / "current"
+    current.symlink_to(image)
+    assert main(["preload", str(current), "--shm-dir", str(shm), "--serve", "--background", "--timeout", "120"]) == 0
+    pid = shm_files.service_status(current, shm).pid
+    capsys.readouterr()
+    try:
+        current.unlink()
+        current.symlink_to(tmp_path)  # the next version, not staged yet
+        assert main(["preload", str(current), "--shm-dir", str(shm), "--status"]) == 0
+        out = capsys.readouterr().out
+        assert f"a preloader started for {current} (pid {pid}, serving) still runs" in out and str(image) in out, out
+        assert main(["preload", str(current), "--shm-dir", str(shm), "--stop", "--timeout", "60"]) == 0
+        out = capsys.readouterr().out
+        assert f"stopped preloader pid {pid}" in out and str(image) in out, out
+    finally:
+        if proc_start_time(pid) is not None:
+            os.kill(pid, 15)
+    assert not shm_files.service_status(image, shm).running

@@ -262,6 +262,28 @@ def test_verify_skips_a_copy_whose_ready_records_a_verification_of_the_same_meta
     assert len(checked) == 1, "a copy verified already was checksummed again (~70 s for 140 GB)"
 
 
+def test_a_verified_copy_whose_record_finds_shm_full_is_still_staged(image, tmp_path, monkeypatch):
+    """Defect: staged copies fill /dev/shm to its last page, and the next `preload --verify` (a
+    daemon's start) checked a rank's copy, found it intact, and failed the rank with a bare
+    "[Errno 28] No space left on device": recording the verification in its .ready needs a page.
+    Engines were then refused a copy known to be good."""
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm)
+    real = staging._write_atomic
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(staging, "_write_atomic", full)
+    r = staging.stage_rank(image, 0, shm_dir=shm, verify=True)
+    assert r.skipped and r.verified and "not recorded" in r.io_reason and str(shm) in r.io_reason, r
+    monkeypatch.setattr(staging, "_write_atomic", real)
+    assert not shm_files.read_ready(shm_files.staged_paths(image, 0, shm).ready).verified  # checked again next time
+    from flashboot.flashload.server import _describe_stage
+
+    assert "not recorded" in _describe_stage(r)
+
+
 def test_verifying_a_staged_copy_stops_when_told(image, tmp_path):
     shm = tmp_path / "shm"
     staging.stage_rank(image, 0, shm_dir=shm)
@@ -653,3 +675,101 @@ def test_a_pid_file_nested_too_deeply_to_parse_is_a_stale_one(image, tmp_path):
     path.write_text("[" * 100_000)
     st = service.service_status(image, tmp_path / "shm")
     assert not st.running and st.stale  # as any unreadable pid file
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> str:
+    """An image of two ranks (a tiny llama pre-packed at ep=2)."""
+    import flashboot
+
+    from _engine_helpers import make_tiny_model
+
+    root = tmp_path_factory.mktemp("two-ranks")
+    flashboot.prepack(str(make_tiny_model("llama", root / "llama")), str(root / "image"), ep=2, progress=False)
+    return root / "image"
+
+
+def test_a_served_load_of_a_rank_the_daemon_does_not_serve_is_refused_at_once(two_ranks, tmp_path):
+    """Defect: `preload IMAGE --ranks 0 --serve`, and an engine's served load of rank 1 waited its
+    whole timeout (60 s by default, up to 600) for a .ready that daemon never writes, and then named
+    only the .ready's path and the daemon's pid. Now the daemon's account ends the wait at once,
+    naming the ranks it serves."""
+    import flashboot
+    from flashboot.errors import LayoutError
+
+    d = Daemon(two_ranks, tmp_path / "shm", ranks=[0])
+    try:
+        with pytest.raises(LayoutError) as e:  # not WaitTimeoutError at the timeout
+            flashboot.load(two_ranks, 1, "cpu", served=True, shm_dir=tmp_path / "shm", timeout_s=20)
+        msg = str(e.value)
+        assert "serves ranks [0]" in msg and "not rank 1" in msg and "--ranks 0 1" in msg, msg
+    finally:
+        d.close()
+
+
+def test_a_staged_rank_the_running_preloader_does_not_stage_is_refused_at_once(two_ranks, tmp_path):
+    """Defect: as above for a rank pinned early (``flashboot.stage``) or loaded with stream=False: the
+    wait for its .ready ran to its timeout while the preloader's pid file said it stages rank 0 only."""
+    import flashboot
+    from flashboot.errors import LayoutError
+
+    shm = tmp_path / "shm"
+    path = shm_files.pid_file(two_ranks, shm)
+    service._claim_pid_file(path, serve=False, ranks=[0])  # this process stages rank 0, as far as it says
+    try:
+        with pytest.raises(LayoutError, match=r"stages ranks \[0\], not rank 1"):
+            flashboot.stage(two_ranks, 1, "cpu", timeout_s=20, shm_dir=shm).wait()
+        with pytest.raises(LayoutError, match=r"stages ranks \[0\], not rank 1"):
+            flashboot.load(two_ranks, 1, "cpu", stream=False, shm_dir=shm, timeout_s=20)
+    finally:
+        service._release_pid_file(path)
+
+
+def test_a_wait_for_ready_follows_a_preloader_restarted_meanwhile(image, tmp_path, monkeypatch):
+    """Defect: an engine waiting for a rank's .ready (``flashboot.stage``, a load with stream=False)
+    while its preloader was restarted (`--stop`, then started again at once) failed with "the
+    preloader (pid N) exited ... Restart it" although the new one ran and staged the rank: the
+    wait promised to wait for a preloader started later, but took any other pid in the pid file
+    for the old one's exit."""
+    import subprocess
+    import sys
+
+    shm = tmp_path / "shm"
+    path = shm_files.pid_file(image, shm)
+    path.parent.mkdir(parents=True)
+    asked, real = [], shm_files._running_pid
+    monkeypatch.setattr(shm_files, "_running_pid", lambda p: (asked.append(p), real(p))[1])
+    old, new = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2))
+    result = []
+    try:
+        def claim(proc):
+            path.write_text(json.dumps({"pid": proc.pid, "start_time": proc_start_time(proc.pid), "serve": False,
+                                        "ranks": None}))
+
+        claim(old)
+        waiter = threading.Thread(target=lambda: result.append(_outcome(
+            lambda: shm_files.wait_ready(image, 0, timeout_s=60, shm_dir=shm))))
+        waiter.start()
+        while not asked:  # the wait has seen the old one
+            time.sleep(0.01)
+        claim(new)  # the restart: the new one holds the pid file
+        old.kill()
+        old.wait()
+        seen = len(asked)
+        while len(asked) < seen + 2 and not result:  # its exit check has run since
+            time.sleep(0.01)
+        assert not result, result
+        staging.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)  # the new one stages it
+        waiter.join(30)
+        assert isinstance(result[0], shm_files.ReadyInfo), result
+    finally:
+        for proc in (old, new):
+            proc.kill()
+            proc.wait()
+
+
+def _outcome(call):
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - the test looks at which
+        return exc

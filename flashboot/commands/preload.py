@@ -91,13 +91,17 @@ def main(args) -> int:
 def _status(args) -> int:
     from flashboot.flashload import client, service
     from flashboot.flashload import shm as shm_files
-    from flashboot.flashload.status import leftover_staging_dirs, rank_states
-    from flashboot.layouts import image_ranks
+    from flashboot.flashload.status import leftover_staging_dirs, rank_states, status_ranks
 
     st = service.service_status(args.image_dir, args.shm_dir)
     state = (f"running (pid {st.pid}{', serving' if st.serve else ''})" if st.running else
              f"not running (stale pid file {st.path}, pid {st.pid})" if st.stale else "not running")
     print(one_line(f"preloader for {args.image_dir}: {state}"))
+    if st.pid is None:  # keyed by where the path leads now: one started while it led elsewhere runs on
+        for other, real in shm_files.started_elsewhere(args.image_dir, args.shm_dir):
+            print(one_line(f"  a preloader started for {args.image_dir} (pid {other.pid}{', serving' if other.serve else ''}) "
+                           f"still runs, for {real}, where it led then: `flashboot preload {args.image_dir} --stop` "
+                           "stops it"))
     warning = shm_files.not_shared_memory_warning(args.shm_dir)
     if warning:
         print(one_line(f"  {warning}"))
@@ -115,7 +119,11 @@ def _status(args) -> int:
         except FlashBootError as exc:  # busy or hung: the staged files still say what a load would find
             print(one_line(f"  the serving daemon (pid {st.pid}) did not answer: {exc}; the states below are from the "
                            "staged files"))
-    for rs in rank_states(args.image_dir, args.ranks or image_ranks(args.image_dir), args.shm_dir, daemon=daemon,
+    ranks, refused = (args.ranks, "") if args.ranks else status_ranks(args.image_dir, args.shm_dir, daemon)
+    if refused:  # moved away, deleted: what it left staged still takes memory, and is listed below
+        print(one_line(f"  the image {args.image_dir} is refused ({refused}); the ranks below are those still staged "
+                       "or held"))
+    for rs in rank_states(args.image_dir, ranks, args.shm_dir, daemon=daemon,
                           preloader_pid=st.pid if st.running else None):
         print(one_line(f"  {rs.line()}"))
     for d in leftover_staging_dirs(args.shm_dir):

@@ -20,6 +20,7 @@ from ..procfs import STOPPED, process_state
 from .protocol import PROTOCOL_VERSION, _raise_remote, peer_credentials, protocol_note
 from .shm import (
     _POLL_S,
+    PRELOADER_UID_ENV,
     RankSource,
     ReadyInfo,
     _running_pid,
@@ -28,6 +29,7 @@ from .shm import (
     read_ready,
     socket_path,
     staged_paths,
+    trusted_uids,
     wait_ready,
 )
 
@@ -91,20 +93,12 @@ def _dead_daemon(sock: Path) -> str:
                                     "`flashboot preload DIR --serve` again")
 
 
-PRELOADER_UID_ENV = "FLASHBOOT_PRELOADER_UID"
-"""Where engines of several users share one preloader (``--allow-group``): the uid it runs as."""
-
-
 def _check_daemon(sock: socket.socket, path: Path) -> None:
     """Refuse a socket served by another user than this one, root or ``$FLASHBOOT_PRELOADER_UID``:
     the request hands over the arena's fd, and anyone who could create the staging directory
     first could listen at its name. Closes ``sock`` when it refuses."""
     peer = peer_credentials(sock)
-    trusted = {os.geteuid(), 0}
-    extra = os.environ.get(PRELOADER_UID_ENV, "").strip()
-    if extra.isdigit():
-        trusted.add(int(extra))
-    if peer.uid not in trusted:
+    if peer.uid not in trusted_uids():
         sock.close()
         raise RendezvousError(f"the preloader socket {path} is served by pid {peer.pid} running as uid {peer.uid}, "
                               f"not by this user (uid {os.geteuid()}) or root: refusing to hand it an arena (if that "
@@ -261,7 +255,7 @@ def served_ready(image_dir, rank: int, metadata_sha256: str, where: str, *, time
         except WaitTimeoutError:
             sock = socket_path(image_dir, shm_dir)
             if time.monotonic() < deadline:
-                _raise_if_staging_failed(sock, rank)
+                _raise_if_never_staged(sock, image_dir, rank)
                 continue
             running = _running_pid(pid_file(image_dir, shm_dir))
             who = f"a preloader is running (pid {running})" if running else "no preloader is running"
@@ -322,11 +316,18 @@ def _daemon_status(sock: Path) -> dict:
     return reply if reply.get("ok") else {}
 
 
-def _raise_if_staging_failed(sock: Path, rank: int) -> None:
+def _raise_if_never_staged(sock: Path, image_dir, rank: int) -> None:
     """Raise the daemon's own error (its class, its numbers) when it reports that staging ``rank``
-    failed; return quietly when no daemon answers or it is still staging."""
+    failed, and LayoutError when it does not serve ``rank`` at all (``--ranks``: its .ready never
+    comes); return quietly when no daemon answers or it is still staging."""
     reply = _daemon_status(sock)  # none answers: the wait goes on and says so at its end
-    state = (reply.get("ranks") or {}).get(str(rank)) or {}
+    ranks = reply.get("ranks")
+    if isinstance(ranks, dict) and ranks and str(rank) not in ranks:
+        served = sorted(int(r) for r in ranks if str(r).isdigit())
+        raise LayoutError(f"the preloader (pid {reply.get('pid')}) for {image_dir} serves ranks {served}, not rank "
+                          f"{rank}: restart it with that rank too (`flashboot preload {image_dir} --stop`, then `--serve` "
+                          f"with `--ranks {' '.join(map(str, sorted({*served, rank})))}`), or load it without served=True")
+    state = (ranks or {}).get(str(rank)) or {}
     if state.get("state") == "failed":
         payload = state.get("error_payload") or {"error": "FlashBootError", "message": state.get("error")}
         _raise_remote(payload, f"the preloader (pid {reply.get('pid')}) could not stage rank {rank}")

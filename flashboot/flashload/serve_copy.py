@@ -56,10 +56,11 @@ def _check_staged_size(res: "_Resident") -> None:
                           "staged (it was truncated since); restart the preloader to stage it again")
 
 
-def _read_staged(res: "_Resident", dst) -> None:
+def _read_staged(res: "_Resident", dst, engine=None) -> None:
     """Host backend: the staged image into ``dst`` (a host Span) with pread, not from a mapping, so
     that a file truncated during the copy ends the read short (LayoutError naming where) instead of
-    killing the daemon with SIGBUS. The destination cannot shrink: host arenas are sealed."""
+    killing the daemon with SIGBUS. The destination cannot shrink: host arenas are sealed.
+    ``engine`` (``serve_socket._Engine``): its hang-up ends the copy before the next piece."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ..fileio import read_exactly
@@ -68,6 +69,8 @@ def _read_staged(res: "_Resident", dst) -> None:
     offsets = range(0, res.nbytes, HOST_READ_CHUNK_BYTES)
 
     def read(off: int) -> None:
+        if engine is not None:
+            engine.check(f"was copied (at byte {off:,} of {res.nbytes:,})")
         n = min(HOST_READ_CHUNK_BYTES, res.nbytes - off)
         read_exactly(res.fd, view[off:off + n], off, n, direct=False, path=res.path, file_nbytes=res.nbytes)
 

@@ -3,18 +3,15 @@ exported arenas on request, so an engine pays only the descriptor exchange and t
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
 import socket
 import threading
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .._json import check_fields, finite_at_least, is_str, loads
 from ..errors import (
     FlashBootError,
     LayoutError,
@@ -23,14 +20,12 @@ from ..errors import (
     WaitTimeoutError,
 )
 from ..fdshare import SCM_MAX_FD, FdStream
-from ..units import is_finite_number
 from .protocol import (
     PROTOCOL_VERSION, REMOVED_OPS, PeerCredentials, _error_payload, peer_credentials, protocol_note,
 )
 from .shm import (
     _unlink_quietly,
     check_ready,
-    check_socket_path,
     make_dir,
     rank_source,
     read_ready,
@@ -48,6 +43,15 @@ from .serve_copy import (
     _warm_cuda_copy,
     serve_pieces,
     wait_without_spinning,
+)
+from .serve_socket import (
+    _Engine,
+    _FifoLock,
+    _bind_private,
+    _descriptor_fd_count,
+    _parse_request,
+    _request_timeout_s,
+    admits,
 )
 from .staging import PreloadConfig, StageResult, stage_rank_when_free
 
@@ -83,57 +87,6 @@ ACCEPT_BACKOFF_S = 0.01
 ACCEPT_BACKOFF_MAX_S = 1.0
 """A failed accept() (out of fds: EMFILE) is retried after this pause, doubled up to the maximum
 while it keeps failing: fds come back as handlers finish."""
-
-
-# ================================================================================= admission
-def admits(peer: PeerCredentials, *, uid: int, group: int | None) -> bool:
-    """Whether the daemon of user ``uid`` (sharing with group ``group``, or None) serves ``peer``:
-    the same user, or a member of the configured group."""
-    if peer.uid == uid:
-        return True
-    return group is not None and (peer.gid == group or group in peer.groups)
-
-
-class _FifoLock:
-    """A lock granted in arrival order, so a request queued for a device is never overtaken by a
-    later one (``threading.Lock`` promises no order). One per device: a copy has the device's
-    link to itself, and two GPUs, each with its own link, copy at once."""
-
-    def __init__(self):
-        self._mutex = threading.Lock()
-        self._waiting: collections.deque[threading.Event] = collections.deque()
-        self._held = False
-
-    def acquire(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
-        """Whether it was granted within ``timeout_s``; False too once ``stop`` is set."""
-        me = threading.Event()
-        with self._mutex:
-            if not self._held and not self._waiting:
-                self._held = True
-                return True
-            self._waiting.append(me)
-        deadline = time.monotonic() + timeout_s
-        while not me.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
-                break
-        else:
-            return True
-        with self._mutex:
-            if me.is_set():  # granted just as the wait ran out
-                return True
-            self._waiting.remove(me)
-            return False
-
-    def release(self) -> None:
-        with self._mutex:
-            if self._waiting:
-                self._waiting.popleft().set()  # handed straight to the next in line: stays held
-            else:
-                self._held = False
-
-    @property
-    def queued(self) -> int:
-        return len(self._waiting)
 
 
 # ====================================================================== the served-load daemon
@@ -481,7 +434,8 @@ class PreloadServer:
                         # SCM_MAX_FD) and are taken now
                         if not req.get("fds_follow"):
                             supply.due_within(self._handover_due_s(req.get("nbytes", 0)))
-                        attached = self._attach(req, supply if req.get("fds_follow") else supply.receive_all())
+                        attached = self._attach(req, supply if req.get("fds_follow") else supply.receive_all(),
+                                                _Engine(conn, peer.pid))
                         reply = self._copy(attached, supply if req.get("fds_follow") else None)
                     elif op in REMOVED_OPS:  # an older engine's: said as such, not as a typo
                         raise RendezvousError(f"request op {op!r} ({REMOVED_OPS[op]}) is not in this preloader's "
@@ -524,12 +478,13 @@ class PreloadServer:
         with self._locks_lock:
             return self._copy_locks.setdefault(key, _FifoLock())
 
-    def _attach(self, req: dict, fds: "list[int] | FdStream") -> "_Attached":
+    def _attach(self, req: dict, fds: "list[int] | FdStream", engine: _Engine | None = None) -> "_Attached":
         """Check the request against the resident rank and open the engine's arena (its first
         segment mapped); :meth:`_copy` maps each piece's segments just before issuing its copy,
         so the mapping of the next piece overlaps the copy of this one (mapping all of a 13.8 GB
         arena first only delayed the copy's start). ``fds``: a list, or an
-        :class:`~flashboot.fdshare.FdStream` whose later fds arrive while the first pieces copy."""
+        :class:`~flashboot.fdshare.FdStream` whose later fds arrive while the first pieces copy.
+        ``engine``: the requester, whose hang-up ends the waits (here and in :meth:`_copy`)."""
         from ..arena import Arena, ArenaDescriptor
 
         rank = req.get("rank")
@@ -541,6 +496,8 @@ class PreloadServer:
         while not res.event.wait(min(STOP_POLL_S, max(0.0, deadline - time.monotonic()))):
             if self.stop.is_set():  # the engine's timeout may be 600 s, and --stop waits 30 s
                 break
+            if engine is not None:
+                engine.check(f"waited for rank {rank} to be staged and made resident")
             if time.monotonic() >= deadline:
                 raise WaitTimeoutError(f"rank {rank} of {self.config.image_dir} was not staged and pinned within "
                                        f"{timeout_s:g} s (daemon pid {os.getpid()}, state {res.state})")
@@ -579,7 +536,7 @@ class PreloadServer:
             arena.close()
             raise
         return _Attached(rank, res, arena, stream, (time.perf_counter() - t0) * 1e3, timeout_s,
-                         verify=verify, verify_stream=verify_stream)
+                         verify=verify, verify_stream=verify_stream, engine=engine)
 
     def _handover_due_s(self, nbytes: int) -> float:
         """How long an arena's hand-over may take once it started, for a rank of ``nbytes``."""
@@ -601,7 +558,10 @@ class PreloadServer:
         res, arena, rank = attached.res, attached.arena, attached.rank
         lock = self._lock_for(str(arena.device))
         t_queue = time.perf_counter()
-        if not lock.acquire(attached.timeout_s + 60, self.stop):
+        engine = attached.engine
+        if not lock.acquire(attached.timeout_s + 60, self.stop, engine.gone if engine is not None else None):
+            if engine is not None:
+                engine.check(f"waited for {arena.device}, behind {lock.queued} queued copies")
             if self.stop.is_set():
                 raise FlashBootError(f"rank {rank}: the preloader (pid {os.getpid()}) is stopping; its copy into "
                                      f"{arena.device} was not started")
@@ -623,6 +583,8 @@ class PreloadServer:
                 with cupy.cuda.Device(arena.device.index):
                     try:
                         for off, n in pieces:
+                            if engine is not None:  # a pageable (--no-pin) piece is copied before the next is issued
+                                engine.check(f"was copied ({off:,} of {res.nbytes:,} bytes issued)")
                             mover.copy(arena.span(off, n), src.sub(off, n), stream=attached.stream)
                             if attached.verify_stream is not None:  # piece k digested while k + 1 is copied
                                 pending.append(_start_piece_digests(attached, off, n))
@@ -633,7 +595,7 @@ class PreloadServer:
                         raise
                     wait_without_spinning(attached.stream)
             else:
-                _read_staged(res, arena.span(0, res.nbytes))
+                _read_staged(res, arena.span(0, res.nbytes), engine)
             h2d_ms = (time.perf_counter() - t1) * 1e3
         finally:
             lock.release()
@@ -673,82 +635,12 @@ class _Attached:
     """The engine asked for the chunk digests of what was copied (see :func:`_digest_copied`)."""
     verify_stream: Any = None
     """CUDA: the stream the digests of each copied piece run on, beside the copy's."""
+    engine: _Engine | None = None
+    """The requester: its hang-up ends the wait for the device (:meth:`PreloadServer._copy`)."""
 
     def reply(self) -> dict:
         return {"ok": True, "rank": self.rank, "nbytes": self.res.nbytes, "map_ms": self.map_ms,
                 "pinned": self.res.pinned is not None, "pin_ms": self.res.pin_ms, "pid": os.getpid()}
-
-
-_UMASK_LOCK = threading.Lock()
-
-
-def _bind_private(path: Path, group: int | None) -> socket.socket:
-    """A listening SOCK_SEQPACKET socket at ``path`` that nobody else can reach at any moment.
-
-    bind() creates the file with the process umask's mode; a chmod afterwards would leave a
-    window in which another user can connect. So the socket is bound under umask 0177 (mode
-    0600 from the start), and only then widened to 0660 for an allowed group."""
-    check_socket_path(path)
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        with _UMASK_LOCK:  # the umask is the process's: restore it at once
-            old = os.umask(0o177)
-            try:
-                s.bind(str(path))
-            except OSError as exc:
-                raise FlashBootError(f"cannot bind the served-load socket {path}: {exc.strerror}") from None
-            finally:
-                os.umask(old)
-        if group is not None:
-            os.chown(path, -1, group)
-            os.chmod(path, 0o660)  # requests carry descriptors of GPU memory: the group only
-        s.listen(64)
-        s.settimeout(0.2)
-    except BaseException:
-        s.close()
-        raise
-    return s
-
-
-def _descriptor_fd_count(req: dict) -> int:
-    desc = req.get("descriptor")
-    fds = desc.get("fds") if isinstance(desc, dict) else None
-    if not isinstance(fds, list):
-        raise RendezvousError(f"load request without a descriptor listing its fds (got {type(desc).__name__})")
-    return len(fds)
-
-
-def _request_timeout_s(req: dict) -> float:
-    value = req.get("timeout_s", 60)
-    if not is_finite_number(value) or value < 0:
-        raise RendezvousError(f"timeout_s must be a finite number >= 0, got {value!r}")
-    return min(float(value), 24 * 3600.0)
-
-
-_LOAD_FIELDS = {
-    "rank": ("an int", lambda v: type(v) is int),
-    "descriptor": ("an object with a list of fds", lambda v: type(v) is dict and type(v.get("fds")) is list),
-    "nbytes": ("an int", lambda v: type(v) is int),
-    "metadata_sha256": ("a string", is_str),
-    "timeout_s": ("a finite number >= 0", finite_at_least(0)),
-    "pci_bus_id": ("null or a string", lambda v: v is None or is_str(v)),
-    "fds_follow": ("true (the fds after the first batch follow the request)", lambda v: v is True),
-}
-"""The fields of a load request, what each must be (in words) and its test; all optional but the
-descriptor (defaults: see :meth:`PreloadServer._serve_load`)."""
-
-
-def _parse_request(msg: bytes) -> dict:
-    """An engine's request: a JSON object with a string ``op`` and, for ``load``, typed fields;
-    RendezvousError naming the field otherwise (the daemon answers it and keeps serving)."""
-    req = loads(msg, "request", RendezvousError)
-    if not isinstance(req, dict) or type(req.get("op")) is not str:
-        raise RendezvousError(f"request must be a JSON object with a string 'op', found {str(req)[:200]}")
-    if req["op"] == "load":
-        if "descriptor" not in req:
-            raise RendezvousError(f"{req['op']} request without a descriptor")
-        check_fields(req, _LOAD_FIELDS, RendezvousError, "load request: ")
-    return req
 
 
 def _device_by_bus_id(bus_id: str | None, fallback: int) -> int:
@@ -764,7 +656,9 @@ def _device_by_bus_id(bus_id: str | None, fallback: int) -> int:
 
 def _describe_stage(r: StageResult) -> str:
     if r.skipped:
-        return f"rank {r.rank}: already staged at {r.staged} ({r.nbytes:,} bytes{'; verified' if r.verified else ''})"
+        note = r.io_reason.partition("; ")[2]  # why a verification went unrecorded
+        return (f"rank {r.rank}: already staged at {r.staged} ({r.nbytes:,} bytes{'; verified' if r.verified else ''}"
+                f"{'; ' + note if note else ''})")
     how = r.io_mode + (f" ({r.io_reason})" if r.io_reason else "")
     numa = f"NUMA node {r.numa_node}" if r.numa_node is not None else f"no NUMA binding: {r.numa_reason}"
     again = f" again ({r.restaged_because})" if r.restaged_because else ""

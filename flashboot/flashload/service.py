@@ -34,6 +34,7 @@ from .shm import (
     remove_if_empty,
     service_status,
     socket_path,
+    started_elsewhere,
 )
 from .staging import PreloadConfig, StageResult, preload
 
@@ -47,9 +48,10 @@ until it writes its pid, and a killed one until the kernel has torn down its mem
 large pinned images); a live preloader's lock is refused at once."""
 
 
-def _claim_pid_file(path: Path, serve: bool, ranks: list[int] | None = None) -> str:
-    """Write this process's pid file (with the ranks it stages, None: all of them), holding its
-    lock until :func:`_release_pid_file`; returns a note about a stale one it replaced.
+def _claim_pid_file(path: Path, serve: bool, ranks: list[int] | None = None, image_dir=None) -> str:
+    """Write this process's pid file (with the ranks it stages, None: all of them, and the image
+    folder as given and as it resolves now: :func:`~flashboot.flashload.shm.started_elsewhere`),
+    holding its lock until :func:`_release_pid_file`; returns a note about a stale one it replaced.
 
     Raises FlashBootError when a live preloader holds it, or is starting and holds its lock."""
     make_dir(path.parent)
@@ -63,7 +65,9 @@ def _claim_pid_file(path: Path, serve: bool, ranks: list[int] | None = None) -> 
         d = _read_pid_file(path) if os.fstat(fd).st_size else None
         note = f"removed stale pid file {path} (pid {d.get('pid')} is gone)" if d and not reclaim else ""
         data = json.dumps({"pid": os.getpid(), "start_time": proc_start_time(os.getpid()), "serve": serve,
-                           "ranks": None if ranks is None else sorted(ranks), "argv": sys.argv}).encode()
+                           "ranks": None if ranks is None else sorted(ranks), "argv": sys.argv,
+                           **({} if image_dir is None else {"image_dir": os.path.abspath(image_dir),
+                                                            "real_image_dir": os.path.realpath(image_dir)})}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
     except BaseException:
@@ -258,9 +262,15 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
     process does not exit within ``timeout_s``.
     """
     timeout_s = check_timeout(timeout_s, "stop_service timeout_s")  # NaN: the waits below never ended
-    status = service_status(image_dir, shm_dir)
+    status, moved = service_status(image_dir, shm_dir), ""
     if status.pid is None:
-        return f"no preloader runs for {image_dir} (no pid file {status.path})"
+        elsewhere = started_elsewhere(image_dir, shm_dir)
+        if len(elsewhere) != 1:
+            return f"no preloader runs for {image_dir} (no pid file {status.path})" + "".join(
+                f"; one started for it when it led to {real} runs (pid {st.pid}): stop it with `flashboot preload "
+                f"{real} --stop`" for st, real in elsewhere)
+        status, real = elsewhere[0]
+        moved = f" (started for {image_dir} when it led to {real}; it leads to {os.path.realpath(image_dir)} now)"
     if status.stale:
         return _remove_stale(image_dir, status)
     deadline = time.monotonic() + timeout_s
@@ -268,7 +278,7 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
         if time.monotonic() >= deadline:
             raise WaitTimeoutError(f"the preloader holding {status.path} did not write its pid within {timeout_s:g} s")
         time.sleep(0.02)
-        status = service_status(image_dir, shm_dir)
+        status = service_status(image_dir, shm_dir, path=status.path)
     if status.pid is None:  # the starting one gave up and released its file
         return f"no preloader runs for {image_dir}: the one starting exited before writing its pid"
     if not status.running:
@@ -288,7 +298,7 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
     while time.monotonic() < deadline:
         if proc_start_time(pid) != start:
             _remove_if_stale(status.path)  # it died without cleaning up (kept if a new one holds it)
-            return f"stopped preloader pid {pid}"
+            return f"stopped preloader pid {pid}{moved}"
         try:  # reap it if it is our child (tests start it from this process)
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
@@ -312,7 +322,7 @@ def run_service(config: PreloadConfig, *, log: Callable[[str], None] = print,
     serve until SIGTERM), release the pid file. SIGTERM stops it cleanly: a copy in flight is
     abandoned and its partial file removed. Returns the staging results (None when serving)."""
     path = pid_file(config.image_dir, config.shm_dir)
-    note = _claim_pid_file(path, config.serve, config.ranks)
+    note = _claim_pid_file(path, config.serve, config.ranks, config.image_dir)
     stop = threading.Event()
     try:
         for line in (note, not_shared_memory_warning(config.shm_dir)):  # a log that fails still releases the pid file

@@ -40,6 +40,37 @@ SHM_ENV = "FLASHBOOT_SHM"
 DEFAULT_SHM_ROOT = "/dev/shm/flashboot"
 READY_FORMAT = "flashboot-ready/1"
 _POLL_S = 0.005
+PRELOADER_UID_ENV = "FLASHBOOT_PRELOADER_UID"
+"""Where engines of several users share one preloader (``--allow-group``): the uid it runs as."""
+
+
+def trusted_uids() -> set[int]:
+    """The users whose preloader, and whose staged copies, this process trusts: itself, root and
+    ``$FLASHBOOT_PRELOADER_UID``."""
+    trusted = {os.geteuid(), 0}
+    extra = os.environ.get(PRELOADER_UID_ENV, "").strip()
+    if extra.isdigit():
+        trusted.add(int(extra))
+    return trusted
+
+
+def check_staging_owner(folder: Path, *files: Path) -> None:
+    """Refuse (LayoutError) a staging folder, or a file in it, that another user could have
+    planted: its owner not in :func:`trusted_uids`, or a folder any user may write (and so swap its
+    files). The folder's name is the image path's hash, so anyone who can write to the shm root
+    can make it first, and a load would take their bytes for the image's."""
+    for path in (folder, *files):
+        st = os.stat(path)
+        if st.st_uid not in trusted_uids():
+            who = f"belongs to uid {st.st_uid}"
+        elif path == folder and st.st_mode & 0o002:
+            who = f"is mode {oct(st.st_mode & 0o7777)}: other users may write its files"
+        else:
+            continue
+        raise LayoutError(f"{path} {who}; a staged copy is taken only from a folder of this user (uid "
+                          f"{os.geteuid()}), root or ${PRELOADER_UID_ENV}, that no other user may write: another user "
+                          f"could have planted its bytes. Remove {folder}, or stage under a --shm-dir of your own "
+                          f"(or ${SHM_ENV})")
 
 
 # ============================================================================ paths and .ready
@@ -155,7 +186,7 @@ def make_dir(path: Path) -> Path:
     found is gone by the time it looks again."""
     for attempt in range(3):
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o755, parents=True, exist_ok=True)  # not 0777 under umask 0: others could swap its files
             return path
         except FileExistsError as error:
             exc = error
@@ -318,6 +349,7 @@ def read_ready(path: str | os.PathLike) -> ReadyInfo:
     if missing:
         raise LayoutError(f"{path}: .ready file lacks {missing}")
     check_fields(raw, _READY_FIELDS, LayoutError, f"{path}: .ready field ")
+    check_staging_owner(path.parent, path)  # the copy it vouches for: every reader of a staged copy comes here
     return ReadyInfo(path=path, **{n: raw[n] for n in names})
 
 
@@ -376,22 +408,33 @@ def wait_ready(image_dir, rank: int, *, timeout_s: float, shm_dir=None,
 
     Raises WaitTimeoutError naming the ``.ready`` path after ``timeout_s`` seconds, or
     PreloaderExitedError as soon as the preloader that ran when the wait began has exited
-    without writing it (a preloader started later is waited for as before), or FlashBootError
-    once ``stop`` is set (the waiter was closed).
+    without writing it and none runs now (a preloader started later, or in its place, is waited
+    for as before), LayoutError at once when the one running stages other ranks only (its pid
+    file's), or FlashBootError once ``stop`` is set (the waiter was closed).
     """
     paths = staged_paths(image_dir, rank, shm_dir)
     deadline = time.monotonic() + timeout_s
     delay = _POLL_S
     running = _running_pid(pid_file(image_dir, shm_dir))
-    checked = time.monotonic()
+    checked, first = time.monotonic(), True
     while True:
         try:
             return read_ready(paths.ready)
         except FileNotFoundError:
             pass
+        if running and first:  # a preloader of other ranks never writes this one
+            first = False
+            ranks = (_read_pid_file(pid_file(image_dir, shm_dir)) or {}).get("ranks")
+            if isinstance(ranks, list) and all(type(r) is int for r in ranks) and rank not in ranks:
+                raise LayoutError(f"the preloader (pid {running}) for {image_dir} stages ranks {ranks}, not rank {rank}: "
+                                  f"{paths.ready} never comes; restart it with that rank too (`flashboot preload "
+                                  f"{image_dir} --stop`, then `--ranks {' '.join(map(str, sorted({*ranks, rank})))}`)")
         if running and time.monotonic() - checked >= _PID_CHECK_S:
             checked = time.monotonic()
-            if _running_pid(pid_file(image_dir, shm_dir)) != running:
+            now = _running_pid(pid_file(image_dir, shm_dir))
+            if now and now != running:  # restarted meanwhile: the new one is waited for, as one started later
+                running, first = now, True  # its ranks are asked again
+            elif now != running:
                 try:
                     return read_ready(paths.ready)  # written just before it exited
                 except FileNotFoundError:
@@ -474,11 +517,12 @@ class ServiceStatus:
     serve: bool = False
 
 
-def service_status(image_dir, shm_dir=None) -> ServiceStatus:
-    """The preloader of ``image_dir``'s pid file, read. Here, not beside the service that writes
-    it: a load asks this before its copy, and importing the service (its server and staging)
-    cost ~4 ms of a first early call on the 2-core host, before the daemon's request."""
-    path = pid_file(image_dir, shm_dir)
+def service_status(image_dir, shm_dir=None, *, path: Path | None = None) -> ServiceStatus:
+    """The preloader of ``image_dir``'s pid file (or the one at ``path``), read. Here, not beside
+    the service that writes it: a load asks this before its copy, and importing the service (its
+    server and staging) cost ~4 ms of a first early call on the 2-core host, before the daemon's
+    request."""
+    path = pid_file(image_dir, shm_dir) if path is None else path
     d = _read_pid_file(path)
     if d is None:
         return ServiceStatus(path, None, False, False)
@@ -486,6 +530,25 @@ def service_status(image_dir, shm_dir=None) -> ServiceStatus:
     # while its lock is held: a killed process keeps its files until its memory is torn down
     running = _running_pid(path) is not None or (d["pid"] <= 0 and _pid_file_held(path))
     return ServiceStatus(path, d["pid"], running, not running, bool(d.get("serve")))
+
+
+def started_elsewhere(image_dir, shm_dir=None) -> list[tuple[ServiceStatus, str]]:
+    """Running preloaders started for ``image_dir`` (the path as given, made absolute) while it
+    named another folder than now (a symlink to a model's current version, re-pointed since):
+    their staging folders are keyed by the real path they found, so `--status` and `--stop` of
+    ``image_dir`` looked only where it leads now. Each: its status and that real path."""
+    want, here = os.path.abspath(image_dir), pid_file(image_dir, shm_dir)
+    try:
+        folders = sorted(shm_root(shm_dir).iterdir())
+    except OSError:
+        return []
+    found = []
+    for folder in folders:
+        path = folder / PID_FILE
+        d = _read_pid_file(path) if path != here else None
+        if d and d.get("image_dir") == want and isinstance(d.get("real_image_dir"), str) and _running_pid(path):
+            found.append((service_status(image_dir, shm_dir, path=path), d["real_image_dir"]))
+    return found
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -45,6 +45,7 @@ from .shm import (
     _unlink_quietly,
     _write_atomic,
     check_ready,
+    check_staging_owner,
     checksum_fingerprint,
     log_file,
     make_dir,
@@ -147,6 +148,7 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
     for _ in range(FOLDER_RETRIES):
         make_dir(paths.dir)
         try:
+            check_staging_owner(paths.dir)  # another user's folder: nothing staged there is ours to vouch for
             lock = _lock_rank(paths, rank, image_dir)
             break
         except FileNotFoundError:  # the folder, emptied and removed meanwhile (the last engine out, an
@@ -244,16 +246,22 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
             if paths.image.stat().st_size == nbytes:
                 # skipped unchecked, a corrupted staged copy was kept and served; checked on every start, a
                 # 140 GB rank took ~70 s each time: a verification is recorded in .ready (of this metadata)
+                how = "already staged"
                 if verify and not info.verified:
                     fd = os.open(paths.image, os.O_RDONLY | os.O_CLOEXEC)
                     try:
                         verify_staged(fd, nbytes, src, paths.image, stop)
                     finally:
                         os.close(fd)
-                    _write_atomic(paths.ready, json.dumps({**info.to_dict(), "verified": True}, indent=1))
+                    try:
+                        _write_atomic(paths.ready, json.dumps({**info.to_dict(), "verified": True}, indent=1))
+                    except OSError as exc:  # staged copies filled it to the last page: the copy is good all the same
+                        if exc.errno != errno.ENOSPC:
+                            raise
+                        how += f"; its verification not recorded ({paths.dir} is full): checked again next time"
                 if not inline:  # `flashboot preload` keeps the copy an engine staged: the last engine out left it gone
                     _unlink_quietly(paths.inline)
-                return StageResult(rank, nbytes, str(paths.image), info.io_mode, "already staged", info.numa_node,
+                return StageResult(rank, nbytes, str(paths.image), info.io_mode, how, info.numa_node,
                                    info.numa_reason, info.threads, 0.0, info.verified or verify, skipped=True)
         except ChecksumMismatchError as exc:
             restaged_because = f"its staged copy failed verification: {exc}"

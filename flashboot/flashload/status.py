@@ -4,11 +4,12 @@ disk and (when one serves) the daemon's own account. ``flashboot preload DIR --s
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from ..errors import FlashBootError, LayoutError
 from ..fileio import lock_signer
-from .shm import _pid_file_held, _running_pid, rank_source, read_ready, shm_root, staged_paths
+from .shm import _pid_file_held, _running_pid, rank_source, read_ready, shm_root, staged_paths, staging_dir
 
 STATES = ("not staged", "staging", "staged", "served", "stale", "truncated", "failed", "unreadable")
 """Every state :func:`rank_states` reports. ``staged``: a load maps the staged copy; ``served``: the
@@ -29,6 +30,27 @@ class RankState:
         return f"rank {self.rank}: {self.state}" + (f": {self.detail}" if self.detail else "")
 
 
+def status_ranks(image_dir, shm_dir=None, daemon: dict | None = None) -> tuple[list[int], str]:
+    """The ranks ``preload --status`` reports: the image's own, and every rank with a file in the
+    staging folder or held by the daemon (an image moved away, deleted or re-packed with fewer
+    ranks leaves copies that still take their memory); and why the image's own ranks could not
+    be read ('' when they could)."""
+    from flashboot.layouts import image_ranks
+
+    ranks, why = set(), ""
+    try:
+        ranks.update(image_ranks(image_dir))
+    except FlashBootError as exc:
+        why = str(exc)
+    ranks.update(int(r) for r in ((daemon or {}).get("ranks") or {}) if str(r).isdigit())
+    try:
+        names = os.listdir(staging_dir(image_dir, shm_dir))
+    except OSError:
+        names = []
+    ranks.update(int(m.group(1)) for m in map(re.compile(r"rank-(\d+)\.(img|img\.partial|ready)$").match, names) if m)
+    return sorted(ranks), why
+
+
 def rank_states(image_dir, ranks: list[int], shm_dir=None, *, daemon: dict | None = None,
                 preloader_pid: int | None = None) -> list[RankState]:
     """The state of each rank in ``ranks``. ``daemon``: a serving daemon's status reply (its
@@ -44,7 +66,8 @@ def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict |
     try:
         source = rank_source(image_dir, rank)
     except FlashBootError as exc:
-        return RankState(rank, "unreadable", f"the image on disk is refused: {exc}")
+        return RankState(rank, "unreadable", f"the image on disk is refused: {exc}"
+                                             + _copy_left(image_dir, paths, held, daemon))
     if held is not None:
         return _held_state(image_dir, rank, source, held, daemon, paths.ready)
     try:
@@ -85,6 +108,21 @@ def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict |
                    f"(`flashboot preload {image_dir}` keeps it)")
     return RankState(rank, "staged", f"{info.nbytes:,} bytes at {info.staged} ({info.io_mode}, {info.gbps:.2f} GB/s, "
                                      f"NUMA {numa}){engines}")
+
+
+def _copy_left(image_dir, paths, held: dict | None, daemon: dict | None) -> str:
+    """What a rank whose image is refused still takes in memory: the daemon's copy, or the files
+    staged; '' when nothing is left."""
+    if held is not None and held.get("state") in ("pinned", "mapped"):
+        nbytes = held.get("nbytes")
+        size = f"{nbytes:,} bytes" if isinstance(nbytes, int) else "its bytes"
+        return (f"; the daemon (pid {(daemon or {}).get('pid')}) still holds its copy ({size}, {held['state']}): "
+                f"`flashboot preload {image_dir} --stop`, then `--unstage`, frees it")
+    left = [f"{p} ({size:,} bytes)" for p in (paths.image, paths.partial) if (size := _size(p)) is not None]
+    if not left:
+        return ""
+    return (f"; {' and '.join(left)} {'is' if len(left) == 1 else 'are'} still staged and take{'s' if len(left) == 1 else ''} "
+            f"its memory: `flashboot preload {image_dir} --unstage` removes it")
 
 
 def _held_state(image_dir, rank: int, source, held: dict, daemon: dict, ready) -> RankState:

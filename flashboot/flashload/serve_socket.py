@@ -1,0 +1,162 @@
+"""The served-load daemon's socket, apart from what it serves: who it admits, the device queue
+granted in arrival order, the listening socket bound private from its first moment, and a
+request's fields checked (:mod:`~flashboot.flashload.server` serves the loads)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from .._json import check_fields, finite_at_least, is_str, loads
+from ..errors import FlashBootError, RendezvousError
+from ..units import is_finite_number
+from .protocol import PeerCredentials
+from .shm import check_socket_path
+
+
+def admits(peer: PeerCredentials, *, uid: int, group: int | None) -> bool:
+    """Whether the daemon of user ``uid`` (sharing with group ``group``, or None) serves ``peer``:
+    the same user, or a member of the configured group."""
+    if peer.uid == uid:
+        return True
+    return group is not None and (peer.gid == group or group in peer.groups)
+
+
+class _FifoLock:
+    """A lock granted in arrival order, so a request queued for a device is never overtaken by a
+    later one (``threading.Lock`` promises no order). One per device: a copy has the device's
+    link to itself, and two GPUs, each with its own link, copy at once."""
+
+    def __init__(self):
+        self._mutex = threading.Lock()
+        self._waiting: collections.deque[threading.Event] = collections.deque()
+        self._held = False
+
+    def acquire(self, timeout_s: float, stop: threading.Event | None = None,
+                gone: Callable[[], bool] | None = None) -> bool:
+        """Whether it was granted within ``timeout_s``; False too once ``stop`` is set or ``gone()``."""
+        me = threading.Event()
+        with self._mutex:
+            if not self._held and not self._waiting:
+                self._held = True
+                return True
+            self._waiting.append(me)
+        deadline = time.monotonic() + timeout_s
+        while not me.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or (stop is not None and stop.is_set()) or (gone is not None and gone()):
+                break
+        else:
+            return True
+        with self._mutex:
+            if me.is_set():  # granted just as the wait ran out
+                return True
+            self._waiting.remove(me)
+            return False
+
+    def release(self) -> None:
+        with self._mutex:
+            if self._waiting:
+                self._waiting.popleft().set()  # handed straight to the next in line: stays held
+            else:
+                self._held = False
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+
+class _Engine:
+    """The engine at the other end of a load's connection, while the load waits (for its rank, for
+    the device) or copies: whether it hung up (killed, or gave up), so that its arena is let go
+    then, not held (GPU memory on CUDA) until the wait or the copy ends, copied into for nobody. A write side shut (a
+    broken-off hand-over awaiting its answer) is no hang-up: only POLLHUP, both sides gone, is."""
+
+    def __init__(self, conn: socket.socket, pid: int):
+        self.pid, self._conn = pid, conn
+
+    def gone(self) -> bool:
+        poll = select.poll()  # one each time: the host copy's threads ask at once, and a poll object refuses that
+        poll.register(self._conn, select.POLLHUP)
+        return bool(poll.poll(0))
+
+    def check(self, during: str) -> None:
+        if self.gone():
+            raise RendezvousError(f"the engine (pid {self.pid}) hung up while its load {during}; its arena is let go")
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def _bind_private(path: Path, group: int | None) -> socket.socket:
+    """A listening SOCK_SEQPACKET socket at ``path`` that nobody else can reach at any moment.
+
+    bind() creates the file with the process umask's mode; a chmod afterwards would leave a
+    window in which another user can connect. So the socket is bound under umask 0177 (mode
+    0600 from the start), and only then widened to 0660 for an allowed group."""
+    check_socket_path(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        with _UMASK_LOCK:  # the umask is the process's: restore it at once
+            old = os.umask(0o177)
+            try:
+                s.bind(str(path))
+            except OSError as exc:
+                raise FlashBootError(f"cannot bind the served-load socket {path}: {exc.strerror}") from None
+            finally:
+                os.umask(old)
+        if group is not None:
+            os.chown(path, -1, group)
+            os.chmod(path, 0o660)  # requests carry descriptors of GPU memory: the group only
+        s.listen(64)
+        s.settimeout(0.2)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def _descriptor_fd_count(req: dict) -> int:
+    desc = req.get("descriptor")
+    fds = desc.get("fds") if isinstance(desc, dict) else None
+    if not isinstance(fds, list):
+        raise RendezvousError(f"load request without a descriptor listing its fds (got {type(desc).__name__})")
+    return len(fds)
+
+
+def _request_timeout_s(req: dict) -> float:
+    value = req.get("timeout_s", 60)
+    if not is_finite_number(value) or value < 0:
+        raise RendezvousError(f"timeout_s must be a finite number >= 0, got {value!r}")
+    return min(float(value), 24 * 3600.0)
+
+
+_LOAD_FIELDS = {
+    "rank": ("an int", lambda v: type(v) is int),
+    "descriptor": ("an object with a list of fds", lambda v: type(v) is dict and type(v.get("fds")) is list),
+    "nbytes": ("an int", lambda v: type(v) is int),
+    "metadata_sha256": ("a string", is_str),
+    "timeout_s": ("a finite number >= 0", finite_at_least(0)),
+    "pci_bus_id": ("null or a string", lambda v: v is None or is_str(v)),
+    "fds_follow": ("true (the fds after the first batch follow the request)", lambda v: v is True),
+}
+"""The fields of a load request, what each must be (in words) and its test; all optional but the
+descriptor (defaults: see :meth:`PreloadServer._serve_load`)."""
+
+
+def _parse_request(msg: bytes) -> dict:
+    """An engine's request: a JSON object with a string ``op`` and, for ``load``, typed fields;
+    RendezvousError naming the field otherwise (the daemon answers it and keeps serving)."""
+    req = loads(msg, "request", RendezvousError)
+    if not isinstance(req, dict) or type(req.get("op")) is not str:
+        raise RendezvousError(f"request must be a JSON object with a string 'op', found {str(req)[:200]}")
+    if req["op"] == "load":
+        if "descriptor" not in req:
+            raise RendezvousError(f"{req['op']} request without a descriptor")
+        check_fields(req, _LOAD_FIELDS, RendezvousError, "load request: ")
+    return req
