@@ -194,6 +194,21 @@ def serving_holder(holder):
         t.join(10)
 
 
+def serve_in_thread(seed) -> tuple[threading.Thread, list]:
+    """``seed`` serving in a started thread, and the list that receives what its serve loop raised."""
+    errors: list = []
+
+    def serve():
+        try:
+            seed.serve_forever(handle_signals=False)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            errors.append(exc)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    return t, errors
+
+
 def fake_clone(monkeypatch, schedule: str) -> dict:
     """``flashboot clone`` that clones nothing: its report (as ``to_dict()`` gives it) is returned,
     and its summary reads ``"{schedule} #1 on cpu: 4,096 bytes"``. For tests of how the command

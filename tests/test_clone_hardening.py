@@ -18,7 +18,7 @@ import flashboot
 from flashboot.flashclone.rendezvous import free_port
 
 from _clone_helpers import _token, store  # noqa: F401  (fixtures)
-from _clone_helpers import MiB, finish, serving_holder, spawn_cli, stop, wait_until, write_raw_image
+from _clone_helpers import MiB, finish, serve_in_thread, serving_holder, spawn_cli, stop, wait_until, write_raw_image
 
 pytestmark = pytest.mark.timeout(60)
 NBYTES = 4 * MiB
@@ -342,16 +342,7 @@ def test_a_serving_seed_republishes_on_a_restarted_store_and_fails_when_none_com
     address = f"127.0.0.1:{free_port()}"
     server = StoreServer(address)
     s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, host_store=False, timeout_s=3)
-    errors = []
-
-    def serve():
-        try:
-            s.serve_forever(handle_signals=False)
-        except BaseException as exc:
-            errors.append(exc)
-
-    t = threading.Thread(target=serve)
-    t.start()
+    t, errors = serve_in_thread(s)
     try:
         server.close()
         time.sleep(0.2)
@@ -823,16 +814,7 @@ def test_a_seed_that_lost_a_flashboot_store_waits_for_it_rather_than_host_one_in
     address = f"127.0.0.1:{free_port()}"
     server = StoreServer(address)
     s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
-    errors = []
-
-    def serve():
-        try:
-            s.serve_forever(handle_signals=False)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    t = threading.Thread(target=serve)
-    t.start()
+    t, errors = serve_in_thread(s)
     try:
         assert not s.rendezvous.is_server
         server.close()

@@ -14,7 +14,7 @@ from flashboot.arena import Arena
 from flashboot.errors import ArenaError, FlashBootError, RendezvousError
 
 from _clone_helpers import _token, store  # noqa: F401  (fixtures)
-from _clone_helpers import MiB, TOKEN, env, finish, spawn_cli, stop
+from _clone_helpers import MiB, TOKEN, env, finish, serve_in_thread, spawn_cli, stop
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,8 +149,6 @@ def test_cli_store_on_an_unresolvable_host_is_one_line():
 def test_a_seed_published_over_stops_the_first_naming_the_second(store, tmp_path):
     """The second seed serves (a restart over a crashed seed's record must work); the first had
     served on silently, saying it served, while every clone went to the other."""
-    import threading
-
     import flashboot
     from _clone_helpers import write_raw_image
 
@@ -158,16 +156,7 @@ def test_a_seed_published_over_stops_the_first_naming_the_second(store, tmp_path
     path = tmp_path / "image.bin"
     write_raw_image(path, MiB, 5)
     a = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
-    errors = []
-
-    def serve():
-        try:
-            a.serve_forever(handle_signals=False)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    t = threading.Thread(target=serve)
-    t.start()
+    t, errors = serve_in_thread(a)
     b = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
     try:
         t.join(20)
