@@ -258,3 +258,39 @@ def test_an_in_place_refit_whose_torn_mark_cannot_be_recorded_copies_nothing(gen
             first.refit(address, 2, atomic=False, timeout_s=30)
     assert first.version == 0 and all(torch.equal(first.tensors[n], t) for n, t in before.items())
     first.close()
+
+
+def test_an_arena_refit_before_its_hand_over_restarts_as_its_refit_version(generic_image, holder, store):
+    """An engine loaded without the holder, refit to version 2, then handed its arena over itself
+    (``hand_over``): the refit record was written only for arenas held when they were refit, so a
+    restart bound version 2's bytes as the image's (version 0)."""
+    from flashboot.flashclone.holder import hand_over, held_record, release
+
+    address, _ = store
+    two = _trainer_weights(2)
+    name = HolderOption(registry=holder).name_for(generic_image, 0, "cpu")
+    first = _first(generic_image, holder)  # the image's identity, as a restart checks it
+    identity = held_record(name, registry=holder)["image"]
+    first.close()
+    release(name, registry=holder)
+    loaded = flashboot.load(generic_image, device="cpu")
+    with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+        pub.publish(two, version=2)
+        loaded.refit(address, 2, timeout_s=30)
+    hand_over(loaded.arena, name, registry=holder, image=identity)
+    loaded.close()
+    with _restart(generic_image, holder) as again:
+        assert again.report.mode == "held" and again.version == 2 and _holds(again, two)
+    # refit, then woken from the disk (the image's bytes again, version 0), then handed over: the
+    # refit's version is not recorded over the image's bytes
+    release(name, registry=holder)
+    loaded = flashboot.load(generic_image, device="cpu")
+    with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+        pub.publish(_trainer_weights(3), version=3)
+        loaded.refit(address, 3, timeout_s=30)
+    loaded.sleep(level=2)
+    assert loaded.wake(source="disk").source == "disk" and loaded.version == 0
+    hand_over(loaded.arena, name, registry=holder, image=identity)
+    loaded.close()
+    with _restart(generic_image, holder, verify=True) as fresh:
+        assert fresh.version == 0 and not _holds(fresh, two) and "refit_version" not in fresh.report.details

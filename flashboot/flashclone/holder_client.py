@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import ArenaError, FlashBootError, WaitTimeoutError
 from ..fileio import lock_signer
 from ..procfs import STOPPED, process_state
-from .holder_refit import HeldAs, link
+from .holder_refit import HeldAs, link, made_of, write_refit
 from .holder_registry import (DEFAULT_TIMEOUT_S, HOLDER_PROTOCOL, REQUESTS, _check_name, _DirKV, _kv, holder_gone,
                               protocol_refused)
 
@@ -47,7 +47,17 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
                 # an in-place refit writes the holder's memory from now on: it records what it made of it
                 where = {"registry": os.fspath(registry)} if registry is not None else \
                     {"store": store, **{k: v for k, v in store_options.items() if k != "timeout_s"}}
-                link(arena, HeldAs(name, where, request))
+                held_as = HeldAs(name, where, request)
+                link(arena, held_as)
+                made = made_of(arena)
+                if made is not None:  # refit before this hand-over: a restart must not take it for the image
+                    try:
+                        write_refit(held_as, made, timeout_s)
+                    except FlashBootError as exc:
+                        raise ArenaError(f"the holder ({kv.where()}) holds {name!r} now, but what refits made of "
+                                         f"its bytes ({_made_text(made)}) could not be recorded beside it: {exc}; "
+                                         f"a restart would take them for the image's: release it (`flashboot hold "
+                                         f"--release {name}`) and hand it over again") from exc
                 return ArenaDescriptor.from_dict(held["descriptor"])
             failed = held.get("failed") if held is not None else None
             if isinstance(failed, dict) and failed.get("request") == request:  # the arena held before stays
@@ -65,6 +75,11 @@ def hand_over(arena, name: str, *, registry=None, store=None, timeout_s: float =
             delay = min(delay * 2, 0.05)
     finally:
         kv.close()
+
+
+def _made_text(state: dict) -> str:
+    torn = state.get("torn")
+    return (f"torn, versions {', '.join(map(str, torn['versions']))} mixed" if torn else f"version {state['version']}")
 
 
 def _json_image(image):

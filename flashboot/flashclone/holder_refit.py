@@ -64,6 +64,25 @@ def link(arena, held: HeldAs) -> None:
         _LINKS[arena] = [*others, held]
 
 
+_MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def remember(arena, state: dict | None) -> None:
+    """Note what refits made of ``arena``'s bytes in this process (a state as :func:`write_refit`
+    takes; None: the image's), so that a later hand-over records it (:func:`made_of`)."""
+    with _GUARD:
+        if state is None:
+            _MADE.pop(arena, None)
+        else:
+            _MADE[arena] = state
+
+
+def made_of(arena) -> dict | None:
+    """What refits made of ``arena``'s bytes (:func:`remember`); None: the image's bytes."""
+    with _GUARD:
+        return _MADE.get(arena)
+
+
 def links(arena) -> list[HeldAs]:
     """Where ``arena``'s memory is held (empty: nowhere this process knows of)."""
     with _GUARD:
@@ -142,4 +161,4 @@ def _describe(where: dict) -> str:
     return f"registry {where['registry']!r}" if where.get("registry") is not None else f"store {where.get('store')}"
 
 
-__all__ = ["HeldAs", "REFIT", "check_state", "link", "links", "read_refit", "write_refit"]
+__all__ = ["HeldAs", "REFIT", "check_state", "link", "links", "made_of", "read_refit", "remember", "write_refit"]

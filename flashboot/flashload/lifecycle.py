@@ -622,6 +622,9 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
         # refit's mix) did not survive; the bytes are the image's whole again
         report.details["refit_version_lost"] = "torn" if loaded.version is None else loaded.version
         loaded.version, loaded.refit_torn = 0, None
+        from flashboot.flashclone.holder_refit import remember
+
+        remember(loaded.arena, None)  # a later hand-over holds the image's bytes
     report.total_ms = (time.perf_counter() - t0) * 1e3
     return report
 

@@ -321,6 +321,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
     from ..flashclone.cloning import clone
     from ..flashclone.common import SEED_KEY
     from ..flashclone.holder_refit import links as holder_links
+    from ..flashclone.holder_refit import remember as remember_refit
     from ..flashclone.sources import release_held_sources
     from ..flashclone.rendezvous import Rendezvous
     from ..flashload.lifecycle import held_still
@@ -436,6 +437,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                 raise
             before = live if live is not None else torn["last_whole"]
             _mark_torn(loaded, live, version, exc)
+            remember_refit(arena, {"torn": loaded.refit_torn})  # for a hand-over after this refit
             _held_recorded(held, {"torn": loaded.refit_torn}, timeout_s, where)
             if not isinstance(exc, FlashBootError):  # an interrupt: the weights are marked torn all the same
                 raise
@@ -450,7 +452,9 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                 steps["staging_close_ms"] = (time.perf_counter() - ts) * 1e3
         loaded.version = version
         loaded.refit_torn = None
-        _held_recorded(held, {"version": version, "manifest": manifest.to_dict()}, timeout_s, where)
+        made = {"version": version, "manifest": manifest.to_dict()}
+        remember_refit(arena, made)  # for a hand-over after this refit
+        _held_recorded(held, made, timeout_s, where)
     report.total_ms = (time.perf_counter() - t0) * 1e3
     return report
 
