@@ -97,11 +97,12 @@ def _status(args) -> int:
     state = (f"running (pid {st.pid}{', serving' if st.serve else ''})" if st.running else
              f"not running (stale pid file {st.path}, pid {st.pid})" if st.stale else "not running")
     print(one_line(f"preloader for {args.image_dir}: {state}"))
-    if st.pid is None:  # keyed by where the path leads now: one started while it led elsewhere runs on
-        for other, real in shm_files.started_elsewhere(args.image_dir, args.shm_dir):
-            print(one_line(f"  a preloader started for {args.image_dir} (pid {other.pid}{', serving' if other.serve else ''}) "
-                           f"still runs, for {real}, where it led then: `flashboot preload {args.image_dir} --stop` "
-                           "stops it"))
+    # keyed by where the path leads now: one started while it led elsewhere runs on
+    elsewhere = list(shm_files.started_elsewhere(args.image_dir, args.shm_dir)) if st.pid is None else []
+    for other, real in elsewhere:
+        print(one_line(f"  a preloader started for {args.image_dir} (pid {other.pid}{', serving' if other.serve else ''}) "
+                       f"still runs, for {real}, where it led then: `flashboot preload {args.image_dir} --stop` "
+                       "stops it"))
     warning = shm_files.not_shared_memory_warning(args.shm_dir)
     if warning:
         print(one_line(f"  {warning}"))
@@ -120,6 +121,8 @@ def _status(args) -> int:
             print(one_line(f"  the serving daemon (pid {st.pid}) did not answer: {exc}; the states below are from the "
                            "staged files"))
     ranks, refused = (args.ranks, "") if args.ranks else status_ranks(args.image_dir, args.shm_dir, daemon)
+    if refused and not ranks and st.pid is None and not elsewhere:  # nothing staged, held or running for it:
+        raise FlashBootError(refused)  # the image's own error, in every command's words
     if refused:  # moved away, deleted: what it left staged still takes memory, and is listed below
         print(one_line(f"  the image {args.image_dir} is refused ({refused}); the ranks below are those still staged "
                        "or held"))
