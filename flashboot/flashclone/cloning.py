@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from .._lazy import EARLY_IMPORTS
 from ..errors import ArenaError, FlashBootError, RendezvousError, WaitTimeoutError
 from ..memory import Device
 from ..units import check_timeout
@@ -104,8 +105,6 @@ def clone(store: str, device: Any = None, schedule: str = "chain", *, verify: bo
     t_connected = time.perf_counter()
     connect_detail = {"import_ms": (t_store - t_import) * 1e3, "store_ms": (t_connected - t_store) * 1e3,
                       "before_ms": (t_import - t_start) * 1e3}
-    from .._lazy import EARLY_IMPORTS
-
     began, ended = EARLY_IMPORTS.get("torch", (0.0, 0.0))
     if ended > t_start:  # the CLI's import of torch, begun before the clone, ran into it: its whole length
         connect_detail["torch_import_early_ms"] = (ended - began) * 1e3

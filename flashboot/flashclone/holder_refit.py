@@ -48,8 +48,7 @@ class HeldAs:
     """The holder keeps the arena under ``name`` no more (released, or another arena in its place)."""
 
     def describe(self) -> str:
-        where = self.where.get("registry") or f"store {self.where.get('store')}"
-        return f"held as {self.name!r} ({where})"
+        return f"held as {self.name!r} ({_describe(self.where)})"
 
 
 _LINKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

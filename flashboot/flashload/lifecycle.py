@@ -317,10 +317,7 @@ def _sleep(loaded, level: int, *, synchronize: bool) -> SleepReport:
             state.level = 2
         raise
     report.backup_ms = report.release_parts.get("drain_ms", 0.0)
-    if loaded.refit_sources:  # a trainer's arena, mapped for the next refit, would keep its memory in use
-        from flashboot.flashclone.sources import release_held_sources
-
-        release_held_sources(loaded.refit_sources)
+    loaded.release_refit_sources()  # a trainer's arena, mapped for the next refit, would keep its memory in use
     report.release_ms = (time.perf_counter() - t2) * 1e3 - report.backup_ms
     state.level = level
     report.total_ms = (time.perf_counter() - t0) * 1e3

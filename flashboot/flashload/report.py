@@ -132,7 +132,8 @@ class LoadedImage:
         self.refit_torn: dict | None = None
         """After a failed in-place refit: the versions its bytes mix, the last whole one and the error."""
         self.refit_sources: dict = {}
-        """The trainer's arena as :meth:`refit` mapped it, kept for the next version (released by :meth:`close`)."""
+        """The trainer's arena as :meth:`refit` mapped it, kept for the next version (released by :meth:`close`
+        and by a sleep: :meth:`release_refit_sources`)."""
 
     @property
     def device(self) -> Device:
@@ -163,6 +164,13 @@ class LoadedImage:
 
         return refit(self, store, version, **options)
 
+    def release_refit_sources(self) -> None:
+        """Unmap the trainer's arena kept for the next refit (:attr:`refit_sources`)."""
+        if self.refit_sources:  # only a refit holds any: importing FlashClone costs a first close 26-78 ms
+            from flashboot.flashclone.sources import release_held_sources
+
+            release_held_sources(self.refit_sources)
+
     def close(self, *, force: bool = False) -> None:
         """Release the arena; tensors of it still held elsewhere (a model's parameters) keep its
         memory until they are dropped, with a ResourceWarning. ``force``: release it at once all the
@@ -173,10 +181,7 @@ class LoadedImage:
             self.tensors.clear()               # had kept every view into the freed memory
         else:
             self.tensors = {}
-        if self.refit_sources:  # only a refit holds any: importing FlashClone costs a first close 26-78 ms
-            from flashboot.flashclone.sources import release_held_sources
-
-            release_held_sources(self.refit_sources)
+        self.release_refit_sources()
         close_lifecycle(self)
         if not self.arena.closed:
             self.arena.close(keep_viewed=not force)

@@ -403,7 +403,7 @@ class Publisher:
                     try:
                         done = forget_generation(rdv, generation, force)
                     except FlashBootError:
-                        pass
+                        pass  # done stays ``force``: kept, and asked again over the next connection
             if done:  # its number is free again: no engine is taking it now
                 self._release(f"claim/v{version}")
             else:
