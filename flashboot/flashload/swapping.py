@@ -61,6 +61,7 @@ def _handover_sleep(outgoing, level: int) -> SleepReport:
         report.backup_ms = (time.perf_counter() - t0) * 1e3
     else:
         _state(outgoing).drop_backup()
+    outgoing.release_refit_sources()  # as a sleep does: the trainer's arena would keep its memory in use
     return report
 
 
