@@ -738,7 +738,9 @@ def test_a_wait_for_ready_follows_a_preloader_restarted_meanwhile(image, tmp_pat
     path = shm_files.pid_file(image, shm)
     path.parent.mkdir(parents=True)
     asked, real = [], shm_files._running_pid
-    monkeypatch.setattr(shm_files, "_running_pid", lambda p: (asked.append(p), real(p))[1])
+    # noted once read: noted before, the pid file could be rewritten for the restart under that very read,
+    # which then found it half-written, took no preloader to run and never checked again (a flaky timeout)
+    monkeypatch.setattr(shm_files, "_running_pid", lambda p: (found := real(p), asked.append(p))[0])
     old, new = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2))
     result = []
     try:
