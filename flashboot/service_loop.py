@@ -78,6 +78,21 @@ def serve_until_stopped(own_stop: threading.Event, stop: threading.Event | None,
             own_stop.wait(period_s)
 
 
+def announce_and_serve(service, announce: Callable[[], None]) -> None:
+    """Say the service is ready (``announce``), then serve it until SIGTERM/SIGINT, and close it.
+
+    The stop signals are taken before the line is written: a supervisor that signals as soon as it
+    reads "ready" had found the CLI's interrupt handler still in place, so the process ended with
+    143, "interrupted before it finished", and without closing the service (CI saw a seed do so)."""
+    stop = threading.Event()
+    try:
+        with stop_on_signals(stop):
+            announce()
+            service.serve_forever(stop, handle_signals=False)
+    finally:
+        service.close()  # idempotent; serve_forever closes too, but not if announce() raised
+
+
 class Service:
     """A long-lived object served until stopped (a seed, a store): subclasses set ``self._stop``
     (a threading.Event) and define :meth:`close`, which must be idempotent."""

@@ -225,7 +225,7 @@ def test_hold_says_at_its_start_that_it_took_over_a_killed_holders_lease(store, 
 
     monkeypatch.setattr(holder_registry, "HOLDER_LEASE_S", 1.0)
     monkeypatch.setattr(holder_mod.Holder, "serve_forever",
-                        lambda self: print("(serving)", file=sys.stderr, flush=True) or self.close())
+                        lambda self, *args, **kwargs: print("(serving)", file=sys.stderr, flush=True) or self.close())
     address, _ = store
     killed = spawn_cli("hold", "--store", address)
     try:

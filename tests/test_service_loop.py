@@ -101,3 +101,49 @@ def test_serve_until_stopped_ends_on_sigterm_and_restores_the_handler():
     assert time.monotonic() - t0 < 10 and ticks
     assert signal.getsignal(signal.SIGTERM) is before
     timer.join()
+
+
+@pytest.mark.parametrize("command", ["store", "hold", "seed", "clone"])
+def test_sigterm_the_moment_ready_is_said_stops_the_service_cleanly(command, tmp_path, monkeypatch, capsys):
+    """A supervisor signals as soon as it reads the ready line. The signal lands here inside that
+    line's own print: before the fix the CLI's interrupt handler was still in place, and the
+    command ended with 143, "interrupted before it finished", its service never closed."""
+    from _clone_helpers import TOKEN, make_prepacked_image
+
+    from flashboot.cli import main
+    from flashboot.commands import clone as clone_command, store as store_command
+    from flashboot.flashclone.rendezvous import free_port
+
+    monkeypatch.setenv("FLASHBOOT_TOKEN", TOKEN)
+    module = store_command if command == "store" else clone_command
+    say = module._print
+
+    def say_then_signal(text: str) -> None:
+        say(text)
+        if text.startswith(("store listening", "seed ready", "holder ready", "serving as a source")):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(module, "_print", say_then_signal)
+    address = f"127.0.0.1:{free_port()}"
+    image = str(make_prepacked_image(tmp_path / "image")) if command in ("seed", "clone") else None
+    argv = {"store": ["store", address],
+            "hold": ["hold", "--registry", str(tmp_path / "held")],
+            "seed": ["seed", str(image), "--device", "cpu", "--store", address]}
+    argv["clone"] = ["clone", "--store", address, "--device", "cpu", "--serve", "--timeout", "20"]
+    before = signal.getsignal(signal.SIGTERM)
+    if command == "clone":  # `clone --serve`: it serves as a source once cloned (no line after the stop)
+        import flashboot
+
+        with flashboot.seed(address, image, "cpu"):
+            assert main(argv[command]) == 0
+    else:
+        assert main(argv[command]) == 0
+    out, err = capsys.readouterr()
+    stopped = {"hold": "holder stopped", "clone": "serving as a source until SIGTERM"}.get(command, command + " stopped")
+    assert out.splitlines()[-1] == stopped, (out, err)
+    assert "interrupted" not in err, err
+    assert signal.getsignal(signal.SIGTERM) is before
+    if command in ("store", "seed"):  # the store the command hosted is closed: its port takes a new listener
+        from flashboot.flashclone.store import StoreServer
+
+        StoreServer(address).close()

@@ -75,6 +75,7 @@ def _print(text: str) -> None:
 def run_seed(args: argparse.Namespace) -> int:
     from flashboot.flashclone import seed
     from flashboot.errors import FlashBootError
+    from flashboot.service_loop import announce_and_serve
 
     if args.dir is None and args.held is None:
         raise FlashBootError("seed needs an image DIR or --held NAME (with --registry)")
@@ -101,14 +102,17 @@ def run_seed(args: argparse.Namespace) -> int:
         if owned is not None:
             owned.close()
         raise
-    role = "hosting" if s.rendezvous.is_server else "joined"
-    _print(f"seed ready: {s.manifest.describe()} on {s.arena.device}; {role} store {s.address} "
-           f"(namespace {args.name!r}, generation {s.generation}); serving until SIGTERM")
-    if s.rendezvous.is_server:
-        print(f"flashboot seed: note: this process hosts the store at {s.address}; if it dies, clones lose the "
-              f"store with it (run `flashboot store {s.address}` first to keep the store apart)", file=sys.stderr)
+    def announce() -> None:
+        role = "hosting" if s.rendezvous.is_server else "joined"
+        _print(f"seed ready: {s.manifest.describe()} on {s.arena.device}; {role} store {s.address} "
+               f"(namespace {args.name!r}, generation {s.generation}); serving until SIGTERM")
+        if s.rendezvous.is_server:
+            print(f"flashboot seed: note: this process hosts the store at {s.address}; if it dies, clones lose "
+                  f"the store with it (run `flashboot store {s.address}` first to keep the store apart)",
+                  file=sys.stderr)
+
     try:
-        s.serve_forever()
+        announce_and_serve(s, announce)
     finally:
         if owned is not None:
             owned.close()
@@ -206,8 +210,12 @@ def _clone_and_report(args: argparse.Namespace, report_file) -> int:
                 report_file.write(text + "\n")
                 report_file.flush()
         if args.serve:
-            say("serving as a source until SIGTERM")
-            linger(result, forever=True)
+            from flashboot.service_loop import stop_on_signals
+
+            stop = threading.Event()
+            with stop_on_signals(stop):  # taken before the line is said (see service_loop.announce_and_serve)
+                say("serving as a source until SIGTERM")
+                linger(result, forever=True, stop=stop)
         else:
             linger(result, timeout_s=args.timeout)  # until a chain successor has read from us
     finally:
@@ -237,6 +245,7 @@ def _refit_listed(name: str, record: dict, registry) -> str:
 def run_hold(args: argparse.Namespace) -> int:
     from flashboot.errors import FlashBootError
     from flashboot.flashclone.holder import Holder, held_record, holder_gone, list_held, release
+    from flashboot.service_loop import announce_and_serve
 
     # each of these had been taken and one of the two silently ignored (the registry, --list won)
     if args.registry is not None and args.store is not None:
@@ -280,11 +289,13 @@ def run_hold(args: argparse.Namespace) -> int:
         return 0
     holder = Holder(**where) if args.registry else Holder(store=args.store, token_file=args.token_file,
                                                           namespace=args.name, timeout_s=args.timeout)
-    _print(f"holder ready ({holder.kv.where()}); serving until SIGTERM")
-    for err in holder.errors:  # a holder before this one, taken as gone: said now, not at the stop
-        print(f"flashboot hold: {err}", file=sys.stderr)
-    holder.errors.clear()
-    holder.serve_forever()
+    def announce() -> None:
+        _print(f"holder ready ({holder.kv.where()}); serving until SIGTERM")
+        for err in holder.errors:  # a holder before this one, taken as gone: said now, not at the stop
+            print(f"flashboot hold: {err}", file=sys.stderr)
+        holder.errors.clear()
+
+    announce_and_serve(holder, announce)
     if holder.errors.dropped:
         print(f"flashboot hold: {holder.errors.dropped} earlier problem(s) not kept; the last "
               f"{len(holder.errors)} follow", file=sys.stderr)

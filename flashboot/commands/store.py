@@ -30,18 +30,22 @@ def run_store(args: argparse.Namespace) -> int:
     if args.background:
         return _start_in_background(args.address, args.timeout)
     from flashboot.flashclone.store import StoreServer
+    from flashboot.service_loop import announce_and_serve
 
     server = StoreServer(args.address)
-    _print(f"store listening at {server.address} (pid {server.pid}); seeds and clones join it with "
-           f"--store {server.address}; serving until SIGTERM")
-    if args.ready_fd is not None:  # the parent of --background waits for this line, then returns
-        os.write(args.ready_fd, f"{server.address}\n".encode())
-        os.close(args.ready_fd)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        for fd in (1, 2):  # the parent has returned: nobody reads our output any more
-            os.dup2(devnull, fd)
-        os.close(devnull)
-    server.serve_forever()
+
+    def announce() -> None:
+        _print(f"store listening at {server.address} (pid {server.pid}); seeds and clones join it with "
+               f"--store {server.address}; serving until SIGTERM")
+        if args.ready_fd is not None:  # the parent of --background waits for this line, then returns
+            os.write(args.ready_fd, f"{server.address}\n".encode())
+            os.close(args.ready_fd)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for fd in (1, 2):  # the parent has returned: nobody reads our output any more
+                os.dup2(devnull, fd)
+            os.close(devnull)
+
+    announce_and_serve(server, announce)
     _print("store stopped")
     return 0
 

@@ -524,10 +524,12 @@ def _publish_done(rdv: Rendezvous, gen: str, schedule: str, position: int, manif
                 sealed={"arena": session.arena.export().to_dict()})
 
 
-def linger(result: CloneResult, *, timeout_s: float = DEFAULT_TIMEOUT_S, forever: bool = False) -> None:
+def linger(result: CloneResult, *, timeout_s: float = DEFAULT_TIMEOUT_S, forever: bool = False,
+           stop: threading.Event | None = None) -> None:
     """Keep a finished clone available to those who read from it.
 
-    ``forever``: until SIGTERM/SIGINT (the clone serves as a source, e.g. for retries). Otherwise
+    ``forever``: until SIGTERM/SIGINT, or until ``stop`` is set where one is given (its caller then
+    owns the signals) (the clone serves as a source, e.g. for retries). Otherwise
     until the participants that read from it (a chain successor, a ring successor) have reported
     a final status, at most ``timeout_s``; returns quietly when nobody depends on it.
     """
@@ -536,7 +538,7 @@ def linger(result: CloneResult, *, timeout_s: float = DEFAULT_TIMEOUT_S, forever
         return
     lost_before = session.rdv.lost
     if forever:
-        serve_until_stopped(threading.Event(), None, handle_signals=True)
+        serve_until_stopped(stop or threading.Event(), None, handle_signals=stop is None)
         return
     try:
         keys = list(session.dependents) + (session.dependents_of() if session.dependents_of else [])
