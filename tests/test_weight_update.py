@@ -408,6 +408,26 @@ def test_sleep_releases_the_trainers_arena_and_the_next_refit_maps_it_again(mode
         loaded.close()
 
 
+def test_a_swap_by_handover_releases_the_outgoing_trainers_arena(model, store):
+    """A swap that hands the outgoing arena's segments over (CUDA only, so its outgoing side is
+    called here directly) frees the trainer's arena as a sleep does: it had kept the trainer's
+    memory in use after the outgoing image slept."""
+    from flashboot.flashload.swapping import _handover_sleep
+
+    address, _ = store
+    loaded = flashboot.load(model / "img", rank=0, device="cpu")
+    try:
+        with Publisher(model / "img", 0, store=address, device="cpu") as pub:
+            pub.publish(_new_weights(model / "ckpt", 0.5, seed=23), version=1)
+            loaded.refit(address, 1, timeout_s=30)
+            [held] = loaded.refit_sources.values()
+            assert not held.closed
+            report = _handover_sleep(loaded, 2)
+            assert report.level == 2 and loaded.refit_sources == {} and held.closed
+    finally:
+        loaded.close()
+
+
 def test_refit_over_a_transport_that_runs_the_copy_itself(model, store):
     """The transports registry decides: over the broadcast fallback (gloo here) the copy still lands
     in the staging arena, is verified and remapped under the same views."""
