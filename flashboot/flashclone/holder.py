@@ -322,7 +322,10 @@ class Holder:
         of that protocol beside this one takes such requests too, and both had adopted them (a
         release through one left the other's mapping). The engine's wait is answered, unless an
         arena is held under ``name``: its record stays (an older release, waiting for the record
-        to go, runs out)."""
+        to go, runs out). Protocol 1's only answer is ``held/NAME`` itself: a hand-over's error
+        record carries its request id at the top, where a held record's names its adoption (read
+        by refits and restarts), and a release has no error answer at all (only the record's
+        removal, which it reports as released)."""
         why = (f"this holder ({self.kv.where()}) speaks holder protocol {HOLDER_PROTOCOL} and the engine that asked "
                f"holder protocol {OLDER_REQUESTS[kind]} (an older FlashBoot's): engines and their holder must run "
                "one FlashBoot version")
