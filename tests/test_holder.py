@@ -457,3 +457,22 @@ def test_an_older_flashboots_own_hand_over_hears_the_refusal_naming_both_protoco
     assert p.stdout.startswith("ArenaError the holder (registry ") and "could not adopt 'older': this holder " \
         "(registry" in p.stdout and "speaks holder protocol 2 and the engine that asked holder protocol 1 (an older " \
         "FlashBoot's)" in p.stdout, p.stdout
+
+
+def test_a_request_naming_a_pid_past_pid_max_is_answered_and_the_holder_keeps_serving(tmp_path):
+    """A request whose descriptor names a pid past the kernel's (an int is all the descriptor
+    checks) had raised a bare OverflowError out of the holder's poll (os.pidfd_open): its loop
+    ended and dropped every arena it held, and the request, never removed, did so again at the
+    next holder's first poll. It is answered by name and the held arena stays."""
+    from flashboot.flashclone.holder import REQUESTS, Holder, list_held
+
+    registry = tmp_path / "reg"
+    with Holder(registry=registry) as holder, Arena.create(MiB, "cpu") as a:
+        holder.adopt("kept", a.export())
+        planted = {**a.export().to_dict(), "pid": 10**30}
+        holder.kv.put(REQUESTS, "planted", {"descriptor": planted, "request": "r1", "pid": os.getpid()})
+        assert holder.poll_once() == 1
+        answer = list_held(registry)["planted"]
+        assert answer["request"] == "r1" and answer["error"] == \
+            f"the request names engine pid {10**30}, which no process can have (Linux's pids end at {2**22:,})"
+        assert list(holder.held) == ["kept"] and holder.kv.names(REQUESTS) == []
