@@ -414,3 +414,65 @@ def test_a_path_as_image_is_refused_by_name_or_taken_as_its_string(tmp_path):
         hand_over(arena, "p", registry=registry, image={"image_dir": tmp_path}, timeout_s=10)
         assert held_record("p", registry=registry)["image"] == {"image_dir": str(tmp_path)}
         release("p", registry=registry)
+
+
+_OLDER_ENGINE = """
+import sys
+from flashboot.arena import Arena
+from flashboot.flashclone.holder import hand_over
+assert 'requests.v2' not in open(sys.modules['flashboot.flashclone.holder_client'].__file__).read()
+with Arena.create(2 << 20, 'cpu') as a:
+    try:
+        hand_over(a, 'older', registry=sys.argv[1], timeout_s=20)
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+"""
+
+
+def test_an_older_flashboots_own_hand_over_hears_the_refusal_naming_both_protocols(tmp_path):
+    """The protocol-1 client itself, from git history (b2a1e87, the parent of a76e076 which made
+    protocol 2), hands over to this holder: it reads the refusal in held/NAME.json (its request
+    id and an ``error``) and stops waiting, naming both protocols. The hand-written request of
+    test_version_skew_hardening is the test that needs no history; this one checks it is what
+    that client writes and reads."""
+    import shutil
+
+    from flashboot.flashclone.holder import Holder
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    older = tmp_path / "older"
+    older.mkdir()
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    archive = subprocess.run(["git", "-C", repo, "archive", "b2a1e87", "flashboot"], capture_output=True, timeout=60)
+    if archive.returncode != 0:  # no history here (a shallow clone, an sdist)
+        pytest.skip(f"commit b2a1e87 is not in this checkout's history: {archive.stderr.decode()[-200:]}")
+    subprocess.run(["tar", "-x", "-C", str(older)], input=archive.stdout, check=True, timeout=60)
+    registry = tmp_path / "registry"
+    with serving_holder(Holder(registry=registry)):
+        env = {**os.environ, "PYTHONPATH": str(older), "PYTHONSAFEPATH": "1"}
+        p = subprocess.run([sys.executable, "-c", _OLDER_ENGINE, str(registry)], capture_output=True, text=True,
+                           timeout=25, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.startswith("ArenaError the holder (registry ") and "could not adopt 'older': this holder " \
+        "(registry" in p.stdout and "speaks holder protocol 2 and the engine that asked holder protocol 1 (an older " \
+        "FlashBoot's)" in p.stdout, p.stdout
+
+
+def test_a_request_naming_a_pid_past_pid_max_is_answered_and_the_holder_keeps_serving(tmp_path):
+    """A request whose descriptor names a pid past the kernel's (an int is all the descriptor
+    checks) had raised a bare OverflowError out of the holder's poll (os.pidfd_open): its loop
+    ended and dropped every arena it held, and the request, never removed, did so again at the
+    next holder's first poll. It is answered by name and the held arena stays."""
+    from flashboot.flashclone.holder import REQUESTS, Holder, list_held
+
+    registry = tmp_path / "reg"
+    with Holder(registry=registry) as holder, Arena.create(MiB, "cpu") as a:
+        holder.adopt("kept", a.export())
+        planted = {**a.export().to_dict(), "pid": 10**30}
+        holder.kv.put(REQUESTS, "planted", {"descriptor": planted, "request": "r1", "pid": os.getpid()})
+        assert holder.poll_once() == 1
+        answer = list_held(registry)["planted"]
+        assert answer["request"] == "r1" and answer["error"] == \
+            f"the request names engine pid {10**30}, which no process can have (Linux's pids end at {2**22:,})"
+        assert list(holder.held) == ["kept"] and holder.kv.names(REQUESTS) == []

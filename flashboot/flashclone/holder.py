@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..errors import FlashBootError, StoreLostError
+from ..errors import ArenaError, FlashBootError, StoreLostError
 from ..fdshare import grow_fd_table, take_fds
-from ..procfs import proc_start_time
+from ..procfs import PID_MAX, proc_start_time
 from .holder_client import hand_over, held_descriptor, held_record, list_held, open_held, release  # noqa: F401
 from .holder_registry import (DEFAULT_TIMEOUT_S, HOLDER_BEAT_S, HOLDER_LEASE_S, HOLDER_PROTOCOL,  # noqa: F401
                               MAX_PENDING_REQUESTS, MAX_RECORD_BYTES, NAME_MAX, OLDER_REQUESTS, REFIT,
@@ -174,6 +174,9 @@ class Holder:
         from ..arena import Arena
 
         _check_name(name)
+        if descriptor.pid > PID_MAX:  # os.pidfd_open's bare OverflowError had ended the loop, every arena dropped
+            raise ArenaError(f"the request names engine pid {descriptor.pid}, which no process can have (Linux's "
+                             f"pids end at {PID_MAX:,})")
         fds = take_fds(descriptor.pid, descriptor.fds)
         try:
             arena = Arena.open(descriptor, None if descriptor.backend == "host" else descriptor.device_index, fds=fds)
@@ -322,7 +325,10 @@ class Holder:
         of that protocol beside this one takes such requests too, and both had adopted them (a
         release through one left the other's mapping). The engine's wait is answered, unless an
         arena is held under ``name``: its record stays (an older release, waiting for the record
-        to go, runs out)."""
+        to go, runs out). Protocol 1's only answer is ``held/NAME`` itself: a hand-over's error
+        record carries its request id at the top, where a held record's names its adoption (read
+        by refits and restarts), and a release has no error answer at all (only the record's
+        removal, which it reports as released)."""
         why = (f"this holder ({self.kv.where()}) speaks holder protocol {HOLDER_PROTOCOL} and the engine that asked "
                f"holder protocol {OLDER_REQUESTS[kind]} (an older FlashBoot's): engines and their holder must run "
                "one FlashBoot version")
