@@ -476,3 +476,23 @@ def test_a_request_naming_a_pid_past_pid_max_is_answered_and_the_holder_keeps_se
         assert answer["request"] == "r1" and answer["error"] == \
             f"the request names engine pid {10**30}, which no process can have (Linux's pids end at {2**22:,})"
         assert list(holder.held) == ["kept"] and holder.kv.names(REQUESTS) == []
+
+
+def test_the_hold_command_says_a_problem_as_it_happens(tmp_path):
+    """`flashboot hold` is a log: a refused request is said when it is refused, not at the stop
+    (an operator watching it had seen nothing while engines waited)."""
+    registry = tmp_path / "held"
+    holder = spawn_cli("hold", "--registry", registry)
+    try:
+        assert holder.stdout.readline().startswith("holder ready")
+        from flashboot.flashclone.holder_registry import REQUESTS
+
+        (registry / REQUESTS).mkdir(parents=True, exist_ok=True)
+        (registry / REQUESTS / "planted.json").write_text("[1, 2]")
+        line = holder.stderr.readline()  # blocks until said: the stop below comes only after it
+        assert line.startswith("flashboot hold: planted: request skipped: ") and "planted.json is a JSON list" in line, line
+        assert holder.poll() is None
+        holder.terminate()
+        assert holder.wait(20) == 0
+    finally:
+        stop(holder)

@@ -289,17 +289,16 @@ def run_hold(args: argparse.Namespace) -> int:
         return 0
     holder = Holder(**where) if args.registry else Holder(store=args.store, token_file=args.token_file,
                                                           namespace=args.name, timeout_s=args.timeout)
+    def say_problem(err: str) -> None:
+        print(f"flashboot hold: {err}", file=sys.stderr, flush=True)
+
     def announce() -> None:
         _print(f"holder ready ({holder.kv.where()}); serving until SIGTERM")
-        for err in holder.errors:  # a holder before this one, taken as gone: said now, not at the stop
-            print(f"flashboot hold: {err}", file=sys.stderr)
-        holder.errors.clear()
+        for err in holder.errors:  # a holder before this one, taken as gone
+            say_problem(err)
+        # each problem as it happens: an older engine refused, a planted request had been said only at the stop
+        holder.errors.echo = say_problem
 
     announce_and_serve(holder, announce)
-    if holder.errors.dropped:
-        print(f"flashboot hold: {holder.errors.dropped} earlier problem(s) not kept; the last "
-              f"{len(holder.errors)} follow", file=sys.stderr)
-    for err in holder.errors:
-        print(f"flashboot hold: {err}", file=sys.stderr)
     _print("holder stopped")
     return 0

@@ -35,18 +35,26 @@ OLDER_POLL_S = 0.25
 
 
 class ErrorLog(list):
-    """A list of the newest ``cap`` messages; ``dropped`` counts the older ones let go."""
+    """A list of the newest ``cap`` messages; ``dropped`` counts the older ones let go. ``echo``,
+    where set, is called with each message as it is added (a holder's log, said as it happens)."""
 
     def __init__(self, cap: int):
         super().__init__()
         self.cap, self.dropped = cap, 0
+        self.echo = None
 
     def append(self, item) -> None:
         super().append(item)
+        if self.echo is not None:
+            self.echo(item)
         self._trim()
 
     def extend(self, items) -> None:
+        items = list(items)
         super().extend(items)
+        if self.echo is not None:
+            for item in items:
+                self.echo(item)
         self._trim()
 
     def __iadd__(self, items):
