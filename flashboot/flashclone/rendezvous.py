@@ -34,7 +34,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import RendezvousError, StoreLostError, WaitTimeoutError
 from ..units import check_timeout
@@ -58,6 +58,8 @@ that sends a key over 8 KiB, and the connection was then reported lost."""
 _PARTS_TAG = b"flashboot-parts:"
 _MAX_PARTS = 1024
 """A pointer naming more parts (4 GiB) is not ours: refused before any is read."""
+_ABSENT = b"\x00flashboot-absent"
+"""What :meth:`Rendezvous._peek` has compare_set expect: no record or pointer is these bytes."""
 
 
 class StoreSilentError(StoreLostError, WaitTimeoutError):
@@ -560,10 +562,22 @@ class Rendezvous:
 
     def _get(self, full: str, key: str) -> bytes:
         """The record's bytes under ``full`` (present), its parts joined."""
+        return self._join(full, key, self._store_call(f"reading {key!r}", self.store.get, full))[0]
+
+    def _peek(self, full: str, what: str) -> bytes | None:
+        """The value under ``full``, or None when there is none, in one round trip (check, then
+        get, took two): compare_set expecting :data:`_ABSENT` writes nothing where the key is
+        missing and answers ``_ABSENT``, and answers the value where there is one (rewriting it
+        only where it is ``_ABSENT`` itself: the same bytes)."""
+        raw = self._store_call(what, self.store.compare_set, full, _ABSENT, _ABSENT)
+        return None if raw == _ABSENT else raw
+
+    def _join(self, full: str, key: str, raw: bytes) -> tuple[bytes, dict | None]:
+        """The record's bytes from ``raw``, the value read under ``full``: itself, or the parts
+        its pointer names, joined; and that pointer (None for a whole record)."""
         what = f"reading {key!r}"
-        raw = self._store_call(what, self.store.get, full)
         if not raw.startswith(_PARTS_TAG):
-            return raw
+            return raw, None
         for _ in range(2):  # a pointer replaced after we read it: its parts may be gone, the new one's there
             pointer = self._parse_pointer(full, raw)
             names = [f"{full}/parts/{pointer['sha256']}/{i}" for i in range(pointer["parts"])]
@@ -573,10 +587,10 @@ class Rendezvous:
                     raise RendezvousError(f"{full!r} in the store at {self.address}: its {pointer['parts']} parts "
                                           f"hold {len(joined):,} bytes that do not match the {pointer['nbytes']:,} "
                                           f"bytes and digest its pointer names (overwritten by someone?)")
-                return joined
+                return joined, pointer
             raw = self._store_call(what, self.store.get, full)
             if not raw.startswith(_PARTS_TAG):
-                return raw
+                return raw, None
         raise RendezvousError(f"{full!r} in the store at {self.address} points to {pointer['parts']} parts "
                               f"(digest {pointer['sha256']}) that are not all there (deleted by someone?)")
 
@@ -595,10 +609,8 @@ class Rendezvous:
 
     def _pointer(self, full: str, what: str) -> dict | None:
         """The pointer to parts under ``full``, or None (nothing there, or a whole record)."""
-        if not self._store_call(what, self.store.check, [full]):
-            return None
-        raw = self._store_call(what, self.store.get, full)
-        if not raw.startswith(_PARTS_TAG):
+        raw = self._peek(full, what)
+        if raw is None or not raw.startswith(_PARTS_TAG):
             return None
         try:
             return self._parse_pointer(full, raw)
@@ -710,12 +722,32 @@ class Rendezvous:
         return bool(self._store_call(f"checking {key!r}", self.store.check, [self.full_key(key)]))
 
     def delete(self, key: str) -> None:
-        """Delete the record under ``key`` (and its parts, when it was written in parts)."""
+        """Delete the record under ``key`` (and its parts, when it was written in parts): two
+        round trips, a look for a pointer to parts and the delete."""
         full, what = self.full_key(key), f"deleting {key!r}"
         pointer = self._pointer(full, what)
         self._store_call(what, self.store.delete_key, full)
         if pointer is not None:
             self._delete_parts(full, pointer, what)
+
+    def delete_if(self, key: str, owned: Callable[[Record], bool]) -> bool:
+        """Delete the record under ``key`` (and its parts) when ``owned`` says the verified record
+        is ours; returns whether it did. One read serves the check and the parts: a
+        :meth:`try_read` then :meth:`delete` read it twice (five round trips, two now; a withdrawing
+        seed made two such calls per publish). Another writer's record published between the read
+        and the delete is deleted still (a race of one round trip); RendezvousError when what is
+        there is not an authentic record."""
+        full, what = self.full_key(key), f"deleting {key!r}"
+        top = self._peek(full, what)
+        if top is None:
+            return False
+        raw, pointer = self._join(full, key, top)
+        if not owned(decode_record(self.token, full, raw, self.where)):
+            return False
+        self._store_call(what, self.store.delete_key, full)
+        if pointer is not None:
+            self._delete_parts(full, pointer, what)
+        return True
 
     # -- counters and barriers ---------------------------------------------------------------------
     def add(self, key: str, amount: int = 1) -> int:

@@ -247,10 +247,8 @@ class Seed(Service):
         for key in (SEED_KEY, METADATA_KEY):
             try:
                 # only our own record: a seed published since replaced it, and deleting that
-                # left its clones waiting for a seed that is alive (a race of one read remains)
-                rec = self.rendezvous.try_read(key)
-                if rec is not None and rec.body.get("generation") == self.generation:
-                    self.rendezvous.delete(key)
+                # left its clones waiting for a seed that is alive (a race of one round trip remains)
+                self.rendezvous.delete_if(key, lambda rec: rec.body.get("generation") == self.generation)
             except FlashBootError:
                 pass  # the store may be gone already (we might have been hosting it), or holds garbage
         for obj in reversed(self._owned):
