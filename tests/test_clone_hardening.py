@@ -495,7 +495,7 @@ def test_a_participant_asked_to_host_at_another_hosts_address_joins_as_a_client(
     another machine than the store): it joins the store there, as before the bind was narrowed."""
     import errno as errno_mod
 
-    from flashboot.flashclone import rendezvous
+    from flashboot.flashclone import connection, rendezvous
     from flashboot.flashclone.store import StoreServer
 
     server = StoreServer("127.0.0.1:0")
@@ -503,7 +503,7 @@ def test_a_participant_asked_to_host_at_another_hosts_address_joins_as_a_client(
     def not_ours(host, port, timeout):
         raise OSError(errno_mod.EADDRNOTAVAIL, "Cannot assign requested address")
 
-    monkeypatch.setattr(rendezvous, "host_tcpstore", not_ours)
+    monkeypatch.setattr(connection, "host_tcpstore", not_ours)  # where the join looks it up
     try:
         rdv = rendezvous.Rendezvous.connect(server.address, host=True, timeout_s=5)
         assert not rdv.is_server

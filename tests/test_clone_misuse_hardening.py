@@ -281,6 +281,43 @@ def test_a_seed_refuses_an_nbytes_that_is_no_positive_int_naming_it(store, nbyte
         arena.close()
 
 
+def test_a_seed_of_an_image_refuses_an_nbytes_that_is_not_the_images_naming_both(store, tmp_path):
+    """``seed(image_dir, nbytes=4096)`` (or a LoadedImage's) had dropped nbytes without a word: the
+    manifest and metadata published were the whole image's, and every clone received all of it.
+    An image is replicated whole, so a different nbytes is refused, naming both sizes, before
+    anything is loaded or published; the image's own size is accepted."""
+    import flashboot
+    from flashboot.flashclone.manifest import Manifest
+
+    from _clone_helpers import make_prepacked_image
+
+    address, rdv = store
+    image = make_prepacked_image(tmp_path)
+    size = flashboot.layouts.read_image_metadata(image, 0).image_nbytes
+    with pytest.raises(RendezvousError, match=rf"nbytes=4,096 differs from the {size:,} bytes of the image .*img"):
+        flashboot.seed(address, image, "cpu", nbytes=4096, serve_nccl=False, timeout_s=10)
+    with pytest.raises(FlashBootError):  # nothing was published
+        rdv.read("seed", what="the seed", timeout_s=0.5)
+    loaded = flashboot.load(image, 0, "cpu", shm_dir=tmp_path / "shm", timeout_s=20)
+    try:
+        with pytest.raises(RendezvousError, match=rf"nbytes=4,096 differs from the {size:,} bytes of the LoadedImage"):
+            flashboot.seed(address, loaded, "cpu", nbytes=4096, serve_nccl=False, timeout_s=10)
+        s = flashboot.seed(address, loaded, "cpu", nbytes=size, serve_nccl=False, timeout_s=10)
+        try:
+            assert s.manifest.nbytes == size and rdv.read("seed", what="the seed").body["manifest"]["nbytes"] == size
+        finally:
+            s.close()
+    finally:
+        loaded.close()
+    arena = Arena.create(MiB, "cpu")
+    try:  # a given manifest says what is replicated: an nbytes that contradicts it is refused too
+        manifest = Manifest.of_arena(arena, 8192, 4096)
+        with pytest.raises(RendezvousError, match="nbytes=4,096 differs from the 8,192 bytes the given manifest"):
+            flashboot.seed(address, arena, "cpu", nbytes=4096, manifest=manifest, serve_nccl=False, timeout_s=10)
+    finally:
+        arena.close()
+
+
 @pytest.mark.parametrize("chunk", [4096.7, True, -4096])
 def test_a_seed_refuses_a_checksum_chunk_that_is_no_positive_int_naming_it(store, chunk):
     """``checksum_chunk_bytes=True`` had been cut to 1 by int(): a manifest of one checksum per

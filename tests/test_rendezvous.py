@@ -385,3 +385,79 @@ def test_a_wait_given_no_finite_timeout_is_refused_instead_of_polling_for_good(a
         assert isinstance(box.get("error"), RendezvousError), box
         assert f"timeout_s must be a finite number of seconds in [0, " in str(box["error"]), box["error"]
         assert "the wait for " in str(box["error"])
+
+
+# ---------------------------------------------------------------------------------- round trips
+
+
+class _CountingStore:
+    """A TCPStore client that records the name of every call (each one a round trip to the store)."""
+
+    def __init__(self, store):
+        self._store, self.calls = store, []
+
+    def __getattr__(self, name):
+        fn = getattr(self._store, name)
+        if not callable(fn):
+            return fn
+
+        def counted(*args):
+            self.calls.append(name)
+            return fn(*args)
+
+        return counted
+
+
+def test_a_delete_costs_two_round_trips_and_a_withdrawing_seed_two_a_record(address, server):
+    """A delete looked for a pointer to parts with check, then get, before deleting (three round
+    trips), and a closing seed read each of its two records to see it was its own, then deleted it
+    that way (five each: ~1-2 ms per publish on a remote store, a Publisher withdrawing a seed on
+    every publish). Now a look is one compare_set, and the seed's own read serves the delete; a
+    superseded seed still leaves its replacement's records alone."""
+    import flashboot
+    from flashboot.arena import Arena
+
+    client = Rendezvous.connect(address, TOKEN, timeout_s=5)
+    arena = Arena.create(1 << 20, "cpu")
+    try:
+        server.publish("claim", {"v": 1})
+        counting = client.store = _CountingStore(client.store)
+        client.delete("claim")
+        client.delete("never-there")
+        assert counting.calls == ["compare_set", "delete_key"] * 2
+        assert not server.has("claim") and not server.has("never-there")  # a look wrote nothing
+
+        a = flashboot.seed(address, arena, "cpu", token=TOKEN, serve_nccl=False, timeout_s=5)
+        b = flashboot.seed(address, arena, "cpu", token=TOKEN, serve_nccl=False, timeout_s=5)
+        try:
+            counting = a.rendezvous.store = _CountingStore(a.rendezvous.store)
+            a.close()  # superseded: one look at each record, and both stay b's
+            assert counting.calls == ["compare_set"] * 2
+            for key in ("seed", "metadata"):
+                assert server.read(key, what=key, timeout_s=1).body["generation"] == b.generation
+            counting = b.rendezvous.store = _CountingStore(b.rendezvous.store)
+            b.close()
+            assert counting.calls == ["compare_set", "delete_key"] * 2
+            assert not server.has("seed") and not server.has("metadata")
+        finally:
+            a.close()
+            b.close()
+    finally:
+        arena.close()
+        client.close()
+
+
+def test_delete_if_withdraws_a_record_in_parts_whole_and_only_when_owned(address, server):
+    """The one read of :meth:`delete_if` finds the parts of a record over VALUE_PART_BYTES too:
+    deleted with it, none left behind; one not owned stays, parts and all."""
+    from flashboot.flashclone.rendezvous import VALUE_PART_BYTES
+
+    empty = server.store.num_keys()
+    body = {"generation": "g1", "blob": "x" * (VALUE_PART_BYTES + 1000)}
+    server.publish("metadata", body)
+    assert server.store.num_keys() > empty + 2  # the pointer and two parts at least
+    assert server.delete_if("metadata", lambda rec: rec.body["generation"] == "g2") is False
+    assert server.read("metadata", what="the metadata", timeout_s=1).body == body
+    assert server.delete_if("metadata", lambda rec: rec.body["generation"] == "g1") is True
+    assert server.store.num_keys() == empty and server.try_read("metadata") is None
+    assert server.delete_if("metadata", lambda rec: True) is False

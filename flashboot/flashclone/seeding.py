@@ -247,10 +247,8 @@ class Seed(Service):
         for key in (SEED_KEY, METADATA_KEY):
             try:
                 # only our own record: a seed published since replaced it, and deleting that
-                # left its clones waiting for a seed that is alive (a race of one read remains)
-                rec = self.rendezvous.try_read(key)
-                if rec is not None and rec.body.get("generation") == self.generation:
-                    self.rendezvous.delete(key)
+                # left its clones waiting for a seed that is alive (a race of one round trip remains)
+                self.rendezvous.delete_if(key, lambda rec: rec.body.get("generation") == self.generation)
             except FlashBootError:
                 pass  # the store may be gone already (we might have been hosting it), or holds garbage
         for obj in reversed(self._owned):
@@ -310,6 +308,37 @@ def _load_seed_source(source: Any, dev: Device, rank: int, timeout_s: float):
         img.close()
 
 
+def _check_nbytes(nbytes: int | None, manifest: Manifest | None, source: Any, rank: int) -> None:
+    """RendezvousError when ``nbytes`` differs from what the seed would replicate anyway: the given
+    manifest's bytes, or an image's (a directory, a LoadedImage). Both are replicated whole (the
+    published metadata and checksum table describe every byte), so a smaller ``nbytes`` had been
+    dropped without a word and clones received the whole image; ``nbytes`` cuts a bare arena only."""
+    if nbytes is None:
+        return
+    if manifest is not None:
+        if nbytes != manifest.nbytes:
+            raise RendezvousError(f"seed nbytes={nbytes:,} differs from the {manifest.nbytes:,} bytes the given "
+                                  "manifest covers; the manifest says what is replicated: pass one or the other")
+        return
+    from ..arena import Arena
+
+    if isinstance(source, Arena):
+        return
+    if hasattr(source, "arena") and hasattr(source, "metadata"):  # LoadedImage, CloneResult
+        metadata, what = source.metadata, f"the {type(source).__name__}'s image"
+    else:
+        path = Path(source)
+        if not path.is_dir():
+            return  # an image file (a bare arena's bytes), or nothing: _load_seed_source says which
+        from ..layouts import read_image_metadata
+
+        metadata, what = read_image_metadata(path, rank), f"the image {str(path)!r} (rank {rank})"
+    if metadata is not None and nbytes != int(metadata.image_nbytes):
+        raise RendezvousError(f"seed nbytes={nbytes:,} differs from the {int(metadata.image_nbytes):,} bytes of {what}: "
+                              "an image is replicated whole (its metadata and checksums describe every byte); "
+                              "nbytes applies to an Arena source only: leave it out")
+
+
 def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=None, name: str = "default",
          rank: int = 0, nbytes: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, serve_nccl: bool = True,
          checksum_chunk_bytes: int | None = None, manifest: Manifest | None = None, nixl: bool = False,
@@ -319,7 +348,8 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
     ``source``: an image directory (rank ``rank``; loaded with :func:`flashboot.load` when the
     preloader staged it, else read from the image file), an :class:`~flashboot.Arena` (``nbytes``:
     how much of it to replicate, default all; ``manifest``: its checksums when already known,
-    else they are computed on the device), or a LoadedImage/CloneResult. The seed hosts the
+    else they are computed on the device), or a LoadedImage/CloneResult. An image is replicated
+    whole: ``nbytes`` other than its size (or than a given manifest's) is refused. The seed hosts the
     store at ``store`` unless one already listens there (then, if this process dies, the store and
     every record in it die too), and when the store it joined goes, hosts one there itself (unless
     ``flashboot store`` hosted it: that one is waited for to come back); ``host_store=False``:
@@ -362,6 +392,7 @@ def seed(store: str, source: Any, device: Any = None, *, token=None, token_file=
         from flashboot.kernels.checksum_gpu import prepare_checksum_kernels
 
         prepare_checksum_kernels(dev.index)
+    _check_nbytes(nbytes, manifest, source, rank)  # before loading anything
     arena, metadata, owned = _load_seed_source(source, dev, rank, timeout_s)
     try:
         if manifest is not None:
