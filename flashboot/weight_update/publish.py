@@ -416,10 +416,8 @@ class Publisher:
         rdv = self._live_rdv()
         if rdv is None or not self.version:
             return
-        with contextlib.suppress(FlashBootError):
-            rec = rdv.try_read(LATEST_KEY)
-            if rec is not None and rec.body.get("publisher") == self.publisher_id:
-                rdv.delete(LATEST_KEY)
+        with contextlib.suppress(FlashBootError):  # one read for the check and the delete (rendezvous.delete_if)
+            rdv.delete_if(LATEST_KEY, lambda rec: rec.body.get("publisher") == self.publisher_id)
 
     def close(self) -> None:
         """Withdraw the record and release the arena (idempotent); waits for a publish under way."""
