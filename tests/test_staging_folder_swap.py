@@ -202,3 +202,24 @@ def test_symlinks_pipes_and_devices_in_a_staged_files_place_are_refused_by_name(
     info, fd = shm_files.open_staged(paths, os.O_RDWR)
     os.close(fd)
     assert info.nbytes == paths.image.stat().st_size
+
+
+def test_a_symlink_at_the_staging_folders_name_is_neither_staged_into_nor_unstaged_through(image, tmp_path):
+    """Defect: an engine staging its own copy (``stage_for_load``) opened ``rank-R.users`` by path,
+    through a symlink at the staging folder's name, and so made it (and, before the stager opened
+    its folder without following links, staged the whole copy) in the folder the link named; and
+    ``unstage`` listed that folder and removed its ``rank-*`` files, whatever they were. Now both
+    refuse the link by name and touch nothing behind it."""
+    shm = tmp_path / "shm"
+    paths = staged_paths(image, 0, shm)
+    target = tmp_path / "ours"
+    target.mkdir(mode=0o755)
+    (target / "rank-0.keep").write_text("not a staged file\n")
+    shm.mkdir()
+    os.symlink(target, paths.dir)
+    with pytest.raises(LayoutError, match=f"{paths.dir} is a symlink"):
+        staging.stage_for_load(image, 0, timeout_s=5, shm_dir=shm)
+    assert sorted(os.listdir(target)) == ["rank-0.keep"]
+    with pytest.raises(LayoutError, match=f"{paths.dir} is a symlink"):
+        staging.unstage(image, shm_dir=shm)
+    assert (target / "rank-0.keep").read_text() == "not a staged file\n"

@@ -11,6 +11,7 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -410,8 +411,11 @@ class InlineCopy:
     """One engine's use of a rank staged in shared memory for engines' own loads (see
     :func:`stage_for_load`): it holds ``rank-R.users`` shared until :meth:`release`."""
 
-    def __init__(self, paths, fd: int, staged_here: bool):
+    def __init__(self, paths, fd: int, staged_here: bool, folder: StagingFolder | None = None):
         self.paths, self._fd, self.staged_here = paths, fd, staged_here
+        self._folder = folder
+        """The staging folder ``rank-R.users`` was opened in (closed by :meth:`release`): the copy is
+        removed from it, not from whatever folder has its name by then."""
 
     def release(self) -> bool:
         """Let go of the copy; returns True when this engine was the last to load it and removed it
@@ -422,30 +426,37 @@ class InlineCopy:
         fd, self._fd = self._fd, None
         if fd is None:
             return False
-        p = self.paths
+        p, folder, self._folder = self.paths, self._folder, None
+        if folder is None:  # made by hand (tests): the folder as it is now, never through a link
+            try:
+                folder = StagingFolder(p.dir, check=False)
+            except (OSError, LayoutError):
+                os.close(fd)
+                return False
         removed = False
         try:
             try:  # the last user: no other engine holds it shared (a conversion: ours is dropped first)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False  # another engine still loads it: the last one out removes it
-            if not _same_file(p.users, fd):
+            if not folder.same_file(p.users.name, fd):
                 return False  # removed and made again since
             try:  # the rank's lock while removing: a stager cannot restage or keep the copy meanwhile
-                lock = _lock_rank(p, p.image.name, p.dir)
+                lock = _lock_rank(p, p.image.name, p.dir, folder)
             except (FlashBootError, OSError):  # StagingBusy, or a lock file that cannot be opened
                 lock = None  # being restaged (or its folder gone meanwhile): the copy is not this engine's to remove
             try:
-                if lock is not None and p.inline.exists():  # not staged, or kept since, by `flashboot preload`
+                if lock is not None and folder.exists(p.inline.name):  # not staged, or kept since, by `flashboot preload`
                     for path in (p.ready, p.image, p.partial, p.inline):
-                        _unlink_quietly(path)
+                        folder.unlink(path.name)
                     removed = True
-                _unlink_quietly(p.users)  # last: an engine that makes it anew finds no .ready of a copy going
+                folder.unlink(p.users.name)  # last: an engine that makes it anew finds no .ready of a copy going
             finally:
                 if lock is not None:
-                    _unlock_rank(p, lock)
+                    _unlock_rank(p, lock, folder)
         finally:
             os.close(fd)
+            folder.close()
         remove_if_empty(p.dir)  # an engine that makes it again meanwhile retries (stage_for_load)
         return removed
 
@@ -463,20 +474,30 @@ def stage_for_load(image_dir, rank: int, *, timeout_s: float, shm_dir=None, devi
     paths = staged_paths(image_dir, rank, shm_dir)
     started = time.monotonic()
     while True:  # shared on users: waits only while the last engine out removes the copy (EX)
+        folder = fd = None
         try:
             make_dir(paths.dir)
-            fd = _flock_current(paths.users, fcntl.LOCK_SH)
+            # checked, and never through a link: a symlink at its name had its .users made, and the copy
+            # staged, in whatever folder it named
+            folder = StagingFolder(paths.dir)
+            fd = _flock_current(paths.users, fcntl.LOCK_SH, folder)
         except FileNotFoundError:  # the folder, removed by the last engine out after make_dir: made again
-            fd = None
+            pass
+        except BaseException:
+            if folder is not None:
+                folder.close()
+            raise
         if fd is not None:
             break
+        if folder is not None:
+            folder.close()
         if time.monotonic() >= started + timeout_s:
             raise WaitTimeoutError(f"rank {rank} of {image_dir}: {paths.users} stayed locked by the engine removing "
                                    f"its copy for {timeout_s:g} s")
         time.sleep(BUSY_POLL_S)
     try:
-        if not check_staged and paths.ready.exists():  # staged: the load reads the metadata, not us too
-            return InlineCopy(paths, fd, staged_here=False)
+        if not check_staged and folder.exists(paths.ready.name):  # staged: the load reads the metadata, not us too
+            return InlineCopy(paths, fd, staged_here=False, folder=folder)
         # another engine staging it: its .ready comes, or it failed and this process stages the rank
         result = stage_rank_when_free(image_dir, rank, wait_s=timeout_s, started=started, poll_s=BUSY_POLL_S,
                                       shm_dir=shm_dir, device=device, inline=True)
@@ -484,9 +505,9 @@ def stage_for_load(image_dir, rank: int, *, timeout_s: float, shm_dir=None, devi
             log(f"staged rank {rank} of {image_dir} in this process ({result.nbytes / 1e9:.2f} GB from disk "
                 f"in {result.read_s:.2f} s, on the engine's critical path); run `flashboot preload "
                 f"{image_dir}` before starting the engine to take it off")
-        return InlineCopy(paths, fd, staged_here=not result.skipped)
+        return InlineCopy(paths, fd, staged_here=not result.skipped, folder=folder)
     except BaseException:
-        InlineCopy(paths, fd, staged_here=False).release()  # the last out: its .users (and folder) had stayed
+        InlineCopy(paths, fd, staged_here=False, folder=folder).release()  # the last out: its .users (and folder) had stayed
         raise
 
 
@@ -504,10 +525,21 @@ def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[
     d = staging_dir(image_dir, shm_dir)
     removed: list[Path] = []
     wanted = None if ranks is None else {f"rank-{r}" for r in ranks}
-    try:
-        names = [p.name for p in d.iterdir()]
-    except (FileNotFoundError, NotADirectoryError):
+    try:  # opened once, never through a link: by name, a symlink at its name had the rank-* files of the
+        folder = StagingFolder(d, check=False)  # folder it named removed (any folder, for root)
+    except FileNotFoundError:
         return removed
+    except LayoutError:
+        if os.path.islink(d):
+            raise
+        return removed  # a file in its place: nothing staged
+    with folder:
+        return _unstage_in(image_dir, shm_dir, d, folder, wanted, removed)
+
+
+def _unstage_in(image_dir, shm_dir, d: Path, folder: StagingFolder, wanted, removed: list[Path]) -> list[Path]:
+    """:func:`unstage` in the staging folder ``d``, opened as ``folder``."""
+    names = os.listdir(folder.fd)
     stems = sorted(stem for stem in {n.split(".")[0] for n in names if n.startswith("rank-")}
                    if wanted is None or stem in wanted)
     # Each rank's lock and its .users exclusively while its files go: checked and then removed, a
@@ -524,46 +556,53 @@ def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[
                 continue  # not a rank's file: nobody stages or loads it
             paths = staged_paths(image_dir, rank, shm_dir)
             try:
-                lock = _lock_rank(paths, rank, image_dir)
+                lock = _lock_rank(paths, rank, image_dir, folder)
             except StagingBusy:  # a bare stage_rank has no pid file: its lock says it runs
                 raise FlashBootError(f"{stem} of {image_dir} is being staged (its lock {paths.lock} is held); let it "
                                      "finish or stop it, then unstage") from None
             except FileNotFoundError:  # the folder, removed meanwhile by the last engine out: nothing left
                 return removed
             try:
-                users = _flock_current(paths.users, fcntl.LOCK_EX)  # engines loading the copy hold it shared
+                users = _flock_current(paths.users, fcntl.LOCK_EX, folder)  # engines loading the copy hold it shared
             except BaseException:  # it cannot be opened: the rank's lock is not held by the list below yet
-                _unlock_rank(paths, lock)
+                _unlock_rank(paths, lock, folder)
                 raise
             if users is None:
-                _unlock_rank(paths, lock)
+                _unlock_rank(paths, lock, folder)
                 # a copy `flashboot preload` staged stays after the engines: it had said they would remove it
-                after = "the last engine to load it removes it" if _exists(paths.inline) else \
+                after = "the last engine to load it removes it" if folder.exists(paths.inline.name) else \
                     "unstage it once they have loaded"
                 raise FlashBootError(f"{stem} of {image_dir} is being loaded by an engine (it holds {paths.users}); "
                                      f"{after}")
             held.append((paths, lock, users))
-        for p in sorted(d.iterdir()) if held else [d / n for n in names]:  # no lock held: the folder may go
-            if p.name.split(".")[0] in ours and p.is_file():
-                _unlink_quietly(p)
-                if p.name in names:  # not the lock files made here to hold
-                    removed.append(p)
+        for name in sorted(os.listdir(folder.fd)) if held else names:  # no lock held: the folder may go
+            if name.split(".")[0] in ours and _not_a_folder(folder, name):
+                folder.unlink(name)
+                if name in names:  # not the lock files made here to hold
+                    removed.append(d / name)
     finally:
         for paths, lock, users in held:
             os.close(users)  # its file went above: an engine waiting on it opens a new one
-            _unlock_rank(paths, lock)
+            _unlock_rank(paths, lock, folder)
     try:
-        left = any(p.name.startswith("rank-") for p in d.iterdir())
+        left = any(n.startswith("rank-") for n in os.listdir(folder.fd))
     except FileNotFoundError:  # the folder, removed meanwhile by the last engine out
         return removed
     if not left:
         for p in (log_file(image_dir, shm_dir), pid_file(image_dir, shm_dir), socket_path(image_dir, shm_dir)):
-            if p.exists() or p.is_symlink():
-                p.unlink()
+            if folder.exists(p.name):
+                folder.unlink(p.name)
                 removed.append(p)
         if remove_if_empty(d):
             removed.append(d)
     return removed
+
+
+def _not_a_folder(folder: StagingFolder, name: str) -> bool:
+    try:
+        return not stat.S_ISDIR(folder.stat(name).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 # ============================================================================ configuration
