@@ -223,3 +223,25 @@ def test_a_symlink_at_the_staging_folders_name_is_neither_staged_into_nor_unstag
     with pytest.raises(LayoutError, match=f"{paths.dir} is a symlink"):
         staging.unstage(image, shm_dir=shm)
     assert (target / "rank-0.keep").read_text() == "not a staged file\n"
+
+
+def test_status_says_what_a_load_would_find_not_what_the_ready_file_claims(image, tmp_path):
+    """Defect: ``preload --status`` sized the staged image by its path, following a symlink (or
+    a pipe) in its place, and said "staged" of a copy every load refuses; and it named the
+    path the ``.ready`` claims the copy was written to, not the one loads read."""
+    from flashboot.flashload.status import rank_states
+
+    shm = tmp_path / "shm"
+    staging.stage_rank(image, 0, shm_dir=shm, threads=2, chunk_bytes=8192)
+    paths = staged_paths(image, 0, shm)
+    ready = paths.ready.read_text().replace(str(paths.image), "/somewhere/else.img")
+    paths.ready.write_text(ready)
+    (state,) = rank_states(image, [0], shm)
+    assert state.state == "staged" and f"at {paths.image} (" in state.detail, state
+    keep = tmp_path / "img-copy"
+    paths.image.rename(keep)
+    os.symlink(keep, paths.image)
+    (state,) = rank_states(image, [0], shm)
+    assert state.state == "unreadable" and f"{paths.image}: a symlink" in state.detail, state
+    with pytest.raises(LayoutError, match="a symlink"):  # as the load says
+        flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=5, stream=False)
