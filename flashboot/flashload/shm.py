@@ -103,6 +103,7 @@ class StagingFolder:
         except (FileNotFoundError, PermissionError):
             raise
         except OSError as exc:
+            _raise_out_of_fds(self.path, exc)
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise
             what = "a symlink" if os.path.islink(self.path) else "not a directory"
@@ -135,6 +136,7 @@ class StagingFolder:
         try:
             fd = os.open(name, flags | _NOFOLLOW | (os.O_NONBLOCK if regular else 0), mode, dir_fd=self.fd)
         except OSError as exc:
+            _raise_out_of_fds(path, exc)
             if exc.errno != errno.ELOOP:  # named by its whole path, not the bare name dir_fd was given
                 raise type(exc)(exc.errno, exc.strerror, str(path)) from None
             raise LayoutError(f"{path}: a symlink where a staged file should be; a staged file is never read or "
@@ -200,6 +202,15 @@ class StagingFolder:
         finally:
             os.close(fd)
         return _parse_ready(path, text)
+
+
+def _raise_out_of_fds(path: Path, exc: OSError) -> None:
+    """FlashBootError naming the limit when ``exc`` says this process (or the system) has no fd left:
+    a bare "Too many open files" named none, and another --shm-dir would not help."""
+    from ..fileio import out_of_fds
+
+    if (why := out_of_fds(exc)) is not None:
+        raise FlashBootError(f"cannot open {path}: {why}") from None
 
 
 def _read_bounded(fd: int, path: Path, max_bytes: int) -> bytes:
