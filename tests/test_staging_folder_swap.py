@@ -245,3 +245,31 @@ def test_status_says_what_a_load_would_find_not_what_the_ready_file_claims(image
     assert state.state == "unreadable" and f"{paths.image}: a symlink" in state.detail, state
     with pytest.raises(LayoutError, match="a symlink"):  # as the load says
         flashboot.load(image, 0, "cpu", shm_dir=shm, timeout_s=5, stream=False)
+
+
+@needs_root
+@pytest.mark.parametrize("name", ["preload.pid", "preload.log"])
+def test_a_preloader_never_writes_its_pid_or_log_through_another_users_folder(image, tmp_path, name):
+    """Defect: a preloader opened its pid file (O_CREAT, then truncated and wrote its JSON) and a
+    background one its log (append) by path, before anything checked their folder: another
+    user who made the image's staging folder first (its name is the image path's hash), with a
+    ``preload.pid`` or ``preload.log`` symlink in it, had ``flashboot preload`` overwrite or
+    append to any file of ours the link named. Now the folder is checked and opened first, and
+    the file opened in it without following a link."""
+    from flashboot.flashload import service
+
+    shm = tmp_path / "shm"
+    folder = shm_files.staging_dir(image, shm)
+    folder.mkdir(parents=True)
+    precious = tmp_path / "precious"
+    precious.write_text("keys of ours\n")
+    os.symlink(precious, folder / name)
+    os.chown(folder, NOBODY, NOBODY)
+    os.lchown(folder / name, NOBODY, NOBODY)
+    config = staging.PreloadConfig(str(image), shm_dir=str(shm))
+    with pytest.raises(LayoutError, match=f"{folder} belongs to uid {NOBODY}"):
+        if name == "preload.pid":
+            service.run_service(config, log=lambda line: None)
+        else:
+            service.start_background(config, timeout_s=30)
+    assert precious.read_text() == "keys of ours\n"
