@@ -63,10 +63,10 @@ def test_ready_is_written_atomically_and_last(image, shm, monkeypatch):
     seen = []
     real_write = shm_files._write_atomic
 
-    def spy(path, text):
+    def spy(path, text, *folder):
         paths = shm_files.staged_paths(image, 0, shm)
         seen.append((paths.image.exists(), paths.partial.exists(), path.exists()))
-        real_write(path, text)
+        real_write(path, text, *folder)
 
     monkeypatch.setattr(staging, "_write_atomic", spy)
     staging.stage_rank(image, 0, shm_dir=shm)

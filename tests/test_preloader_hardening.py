@@ -271,7 +271,7 @@ def test_a_verified_copy_whose_record_finds_shm_full_is_still_staged(image, tmp_
     staging.stage_rank(image, 0, shm_dir=shm)
     real = staging._write_atomic
 
-    def full(path, text):
+    def full(path, text, *folder):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(staging, "_write_atomic", full)

@@ -208,8 +208,6 @@ def test_unstage_as_an_engine_takes_the_copy_does_not_remove_it_under_the_engine
     """unstage checked that no engine held ``rank-R.users`` and then removed the rank's files: an
     engine that took the copy in between (here: at unstage's listing of the folder) had it, and
     its ``.users``, removed under its load."""
-    import pathlib
-
     from flashboot.flashload import shm as shm_files
     from flashboot.flashload import staging
 
@@ -217,14 +215,14 @@ def test_unstage_as_an_engine_takes_the_copy_does_not_remove_it_under_the_engine
     staging.stage_rank(image, 0, shm_dir=shm)  # `flashboot preload DIR`
     paths = shm_files.staged_paths(image, 0, shm)
     want = shm_files.rank_source(image, 0).path.read_bytes()
-    real_iterdir, engine = pathlib.Path.iterdir, []
+    real_listdir, engine = os.listdir, []
 
-    def iterdir(self):
-        if self == paths.dir and not engine:  # an engine arrives as unstage looks at the folder
-            engine.append(staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm))
-        return real_iterdir(self)
+    def listdir(where="."):  # unstage lists the folder it opened (its fd)
+        if isinstance(where, int) and os.readlink(f"/proc/self/fd/{where}") == str(paths.dir) and not engine:
+            engine.append(staging.stage_for_load(image, 0, timeout_s=10, shm_dir=shm))  # an engine arrives then
+        return real_listdir(where)
 
-    monkeypatch.setattr(pathlib.Path, "iterdir", iterdir)
+    monkeypatch.setattr(os, "listdir", listdir)
     try:
         with pytest.raises(FlashBootError, match=r"rank-0 of .* is being loaded by an engine"):
             staging.unstage(image, shm_dir=shm)

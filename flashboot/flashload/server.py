@@ -28,6 +28,7 @@ from .shm import (
     check_ready,
     make_dir,
     rank_source,
+    open_staged,
     read_ready,
     socket_path,
     staged_paths,
@@ -168,8 +169,9 @@ class PreloadServer:
         res = self.residents[rank]
         src = rank_source(self.config.image_dir, rank)
         paths = staged_paths(self.config.image_dir, rank, self.config.shm_dir)
-        check_ready(read_ready(paths.ready), src)
-        res.path, res.fd = str(paths.image), os.open(paths.image, os.O_RDWR | os.O_CLOEXEC)
+        info, fd = open_staged(paths, os.O_RDWR)  # the image from the folder whose .ready and owner were checked
+        res.path, res.fd = str(paths.image), fd
+        check_ready(info, src)
         res.nbytes, res.metadata_sha256 = src.nbytes, src.metadata_sha256
         res.checksum_chunk_bytes = src.metadata.checksums.chunk_bytes
         _check_staged_size(res)

@@ -27,6 +27,7 @@ from .shm import (
     _same_file,
     _unlink_quietly,
     check_socket_path,
+    StagingFolder,
     log_file,
     make_dir,
     not_shared_memory_warning,
@@ -56,7 +57,10 @@ def _claim_pid_file(path: Path, serve: bool, ranks: list[int] | None = None, ima
     Raises FlashBootError when a live preloader holds it, or is starting and holds its lock."""
     make_dir(path.parent)
     reclaim = str(path) in _HELD_PID_FILES
-    fd = _lock_pid_file(path)
+    # in the folder as checked (ours, no link): a folder another user made first at the image's hash,
+    # with a preload.pid symlink in it, had this truncate and write whatever file the link named
+    with StagingFolder(path.parent) as folder:
+        fd = _lock_pid_file(path, folder)
     try:
         running = _running_pid(path)  # a preloader of a version that took no lock
         if running and running != os.getpid():
@@ -78,9 +82,10 @@ def _claim_pid_file(path: Path, serve: bool, ranks: list[int] | None = None, ima
     return note
 
 
-def _lock_pid_file(path: Path) -> int:
-    """An fd of ``path`` (created where absent) holding its exclusive lock: the file at ``path`` now,
-    not one a releasing preloader unlinked while this waited for its lock."""
+def _lock_pid_file(path: Path, folder: StagingFolder) -> int:
+    """An fd of ``path`` (created where absent, in ``folder``: its folder opened and checked, never
+    through a link) holding its exclusive lock: the file at ``path`` now, not one a releasing
+    preloader unlinked while this waited for its lock."""
     held = _HELD_PID_FILES.get(str(path))
     if held is not None:
         if _same_file(path, held):
@@ -88,7 +93,7 @@ def _lock_pid_file(path: Path) -> int:
         os.close(_HELD_PID_FILES.pop(str(path)))
     deadline = time.monotonic() + _LOCK_WAIT_S
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = folder.open(path.name, os.O_RDWR | os.O_CREAT, 0o644, regular=False)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -100,7 +105,7 @@ def _lock_pid_file(path: Path) -> int:
             who = f"pid {running}" if running else "starting or exiting: no live pid is written"
             raise FlashBootError(f"a preloader already runs for this image ({who}; pid file {path} is locked); "
                                  "stop it with --stop") from None
-        if _same_file(path, fd):
+        if folder.same_file(path.name, fd):
             return fd
         os.close(fd)  # unlinked by its releasing owner as this locked it: lock the one there now
 
@@ -170,7 +175,9 @@ def start_background(config: PreloadConfig, *, timeout_s: float = 30.0, extra_ar
     # The preload command's own entry point: the service needs no other command to import.
     argv = [sys.executable, "-m", "flashboot.commands.preload", *config_argv(config), *(extra_argv or []),
             "--", config.image_dir]  # after "--": a folder named "-x" is not read as an option
-    with open(log, "ab") as out:
+    with StagingFolder(log.parent) as folder:  # checked, no link: the log had been appended to any file a planted link named
+        fd = folder.open(log.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    with open(fd, "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
     deadline = time.monotonic() + timeout_s

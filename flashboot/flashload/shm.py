@@ -17,11 +17,13 @@ Staging layout, under the shm root (``$FLASHBOOT_SHM`` or ``/dev/shm/flashboot``
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -58,19 +60,183 @@ def check_staging_owner(folder: Path, *files: Path) -> None:
     """Refuse (LayoutError) a staging folder, or a file in it, that another user could have
     planted: its owner not in :func:`trusted_uids`, or a folder any user may write (and so swap its
     files). The folder's name is the image path's hash, so anyone who can write to the shm root
-    can make it first, and a load would take their bytes for the image's."""
-    for path in (folder, *files):
-        st = os.stat(path)
-        if st.st_uid not in trusted_uids():
-            who = f"belongs to uid {st.st_uid}"
-        elif path == folder and st.st_mode & 0o002:
-            who = f"is mode {oct(st.st_mode & 0o7777)}: other users may write its files"
-        else:
-            continue
-        raise LayoutError(f"{path} {who}; a staged copy is taken only from a folder of this user (uid "
-                          f"{os.geteuid()}), root or ${PRELOADER_UID_ENV}, that no other user may write: another user "
-                          f"could have planted its bytes. Remove {folder}, or stage under a --shm-dir of your own "
-                          f"(or ${SHM_ENV})")
+    can make it first, and a load would take their bytes for the image's. A check by name only:
+    what reads or writes the staged files opens the folder as a :class:`StagingFolder`."""
+    with StagingFolder(folder) as opened:
+        for path in files:
+            fd = opened.open(path.name, os.O_RDONLY | os.O_NONBLOCK)
+            os.close(fd)
+
+
+def _refuse_untrusted(path: Path, st: os.stat_result, folder: Path) -> None:
+    """LayoutError unless ``st`` (of ``path``: ``folder`` or a file in it) is of a trusted user,
+    and, for the folder, one no other user may write."""
+    if st.st_uid not in trusted_uids():
+        who = f"belongs to uid {st.st_uid}"
+    elif path == folder and st.st_mode & 0o002:
+        who = f"is mode {oct(st.st_mode & 0o7777)}: other users may write its files"
+    else:
+        return
+    raise LayoutError(f"{path} {who}; a staged copy is taken only from a folder of this user (uid "
+                      f"{os.geteuid()}), root or ${PRELOADER_UID_ENV}, that no other user may write: another user "
+                      f"could have planted its bytes. Remove {folder}, or stage under a --shm-dir of your own "
+                      f"(or ${SHM_ENV})")
+
+
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class StagingFolder:
+    """A staging folder opened once, never through a symlink, and checked on that fd
+    (:func:`_refuse_untrusted`); every file in it is then opened, renamed and removed relative to
+    the fd (``dir_fd``, ``O_NOFOLLOW``). Checked by name and then used by name, a folder renamed
+    away after the check and another put in its place (anyone who may write the shm root can: a
+    folder there is renamed by the root's owner) was the one the bytes came from, or went to.
+    ``check=False``: opened only, its owner and mode not checked.
+    FileNotFoundError passes through (nothing staged); a symlink or a file in the folder's place
+    is a LayoutError naming it."""
+
+    def __init__(self, path: str | os.PathLike, *, check: bool = True):
+        self.path = Path(path)
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+        except (FileNotFoundError, PermissionError):
+            raise
+        except OSError as exc:
+            _raise_out_of_fds(self.path, exc)
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            what = "a symlink" if os.path.islink(self.path) else "not a directory"
+            raise LayoutError(f"{self.path} is {what}; a staging folder is taken only as a folder of its own, never "
+                              f"through a link (another user could point it at their files). Remove it, or stage "
+                              f"under a --shm-dir of your own (or ${SHM_ENV})") from None
+        if check:
+            try:
+                _refuse_untrusted(self.path, os.fstat(self.fd), self.path)
+            except BaseException:
+                os.close(self.fd)
+                raise
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> "StagingFolder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self, name: str, flags: int, mode: int = 0o600, *, regular: bool = True) -> int:
+        """``name`` in this folder opened with ``flags`` (never through a symlink); with
+        ``regular``, LayoutError unless it is a regular file of a trusted user (a named pipe,
+        a device or another user's file in its place is refused by name, not read or waited on)."""
+        path = self.path / name
+        try:
+            fd = os.open(name, flags | _NOFOLLOW | (os.O_NONBLOCK if regular else 0), mode, dir_fd=self.fd)
+        except OSError as exc:
+            _raise_out_of_fds(path, exc)
+            if exc.errno != errno.ELOOP:  # named by its whole path, not the bare name dir_fd was given
+                raise type(exc)(exc.errno, exc.strerror, str(path)) from None
+            raise LayoutError(f"{path}: a symlink where a staged file should be; a staged file is never read or "
+                              f"written through a link. Remove {self.path}") from None
+        if not regular:
+            return fd
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                from ..fileio import _KINDS
+
+                kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a file")
+                raise LayoutError(f"{path}: not a regular file ({kind})")
+            _refuse_untrusted(path, st, self.path)
+            if not flags & os.O_NONBLOCK:
+                os.set_blocking(fd, True)
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def stat(self, name: str) -> os.stat_result:
+        """``name``'s lstat (FileNotFoundError where absent)."""
+        return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.stat(name)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def unlink(self, name: str) -> None:
+        """Remove ``name`` (a link itself, never its target), quietly where absent."""
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def touch(self, name: str) -> None:
+        os.close(self.open(name, os.O_RDONLY | os.O_CREAT | os.O_NONBLOCK, 0o644, regular=False))
+
+    def same_file(self, name: str, fd: int) -> bool:
+        """Whether ``name`` still names the file open as ``fd`` (see :func:`_same_file`)."""
+        try:
+            st = self.stat(name)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
+
+    def read_ready(self, name: str) -> "ReadyInfo":
+        """The ``.ready`` file ``name`` of this folder, parsed (see :func:`read_ready`)."""
+        path = self.path / name
+        fd = self.open(name, os.O_RDONLY)  # a regular file of a trusted user: a named pipe had blocked every wait
+        try:
+            text = _read_bounded(fd, path, MAX_READY_BYTES)
+        except OSError as exc:
+            raise LayoutError(f"{path}: unreadable .ready file ({exc})") from None
+        finally:
+            os.close(fd)
+        return _parse_ready(path, text)
+
+
+def _raise_out_of_fds(path: Path, exc: OSError) -> None:
+    """FlashBootError naming the limit when ``exc`` says this process (or the system) has no fd left:
+    a bare "Too many open files" named none, and another --shm-dir would not help."""
+    from ..fileio import out_of_fds
+
+    if (why := out_of_fds(exc)) is not None:
+        raise FlashBootError(f"cannot open {path}: {why}") from None
+
+
+def _read_bounded(fd: int, path: Path, max_bytes: int) -> bytes:
+    """At most ``max_bytes`` of ``fd`` (LayoutError past them: a file grown after its size was taken)."""
+    ask = min(os.fstat(fd).st_size, max_bytes) + 1
+    pieces, total = [], 0
+    while total <= max_bytes:
+        piece = os.read(fd, ask)
+        if not piece:
+            break
+        pieces.append(piece)
+        total += len(piece)
+        ask = max_bytes + 1 - total
+    if total > max_bytes:
+        raise LayoutError(f"{path}: more than the {max_bytes:,} bytes a .ready file may hold")
+    return b"".join(pieces)
+
+
+def open_staged(paths: "StagedPaths", flags: int = os.O_RDONLY) -> tuple["ReadyInfo", int]:
+    """The ``.ready`` of a staged rank and its image opened with ``flags``, both from one checked
+    open of the staging folder (:class:`StagingFolder`): the image a reader maps is the one the
+    ``.ready`` beside it vouches for, in the folder whose owner and mode were checked. Returns
+    ``(info, fd)``; the caller closes the fd. FileNotFoundError where either is absent."""
+    with StagingFolder(paths.dir) as folder:
+        info = folder.read_ready(paths.ready.name)
+        return info, folder.open(paths.image.name, flags)
 
 
 # ============================================================================ paths and .ready
@@ -331,16 +497,20 @@ MAX_READY_BYTES = 1 << 20
 
 
 def read_ready(path: str | os.PathLike) -> ReadyInfo:
-    """Parse a ``.ready`` file; LayoutError naming the file when it is malformed."""
-    from ..fileio import read_regular
-
+    """Parse a ``.ready`` file; LayoutError naming the file when it is malformed, or when its
+    staging folder or the file is not of a trusted user (:class:`StagingFolder`)."""
     path = Path(path)
-    try:  # a regular file of a bounded size: a named pipe in its place blocked every wait for it
-        text = read_regular(path, MAX_READY_BYTES)
+    try:  # the copy it vouches for: every reader of a staged copy comes here
+        folder = StagingFolder(path.parent)
     except FileNotFoundError:
         raise
-    except OSError as exc:
+    except OSError as exc:  # NotADirectory and the like: as the file's own open said before
         raise LayoutError(f"{path}: unreadable .ready file ({exc})") from None
+    with folder:
+        return folder.read_ready(path.name)
+
+
+def _parse_ready(path: Path, text: bytes) -> ReadyInfo:
     raw = loads(text, f"{path}: unreadable .ready file", LayoutError)
     if not isinstance(raw, dict) or raw.get("format") != READY_FORMAT:
         raise LayoutError(f"{path}: not a {READY_FORMAT} file")
@@ -349,7 +519,6 @@ def read_ready(path: str | os.PathLike) -> ReadyInfo:
     if missing:
         raise LayoutError(f"{path}: .ready file lacks {missing}")
     check_fields(raw, _READY_FIELDS, LayoutError, f"{path}: .ready field ")
-    check_staging_owner(path.parent, path)  # the copy it vouches for: every reader of a staged copy comes here
     return ReadyInfo(path=path, **{n: raw[n] for n in names})
 
 
@@ -369,18 +538,29 @@ _READY_FIELDS = {
 file is outside bytes)."""
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary name and rename it into place: readers see all or nothing."""
+def _write_atomic(path: Path, text: str, folder: "StagingFolder | None" = None) -> None:
+    """Write ``text`` to a temporary name and rename it into place: readers see all or nothing.
+    With ``folder`` (``path``'s, opened), both relative to it: never into a folder swapped in
+    since, nor through a symlink planted at the temporary's name."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    own = folder is None
+    if own:
+        folder = StagingFolder(path.parent, check=False)
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full tmpfs (ENOSPC at the flush): no half-written temporary left behind
-        _unlink_quietly(tmp)
-        raise
+        try:
+            folder.unlink(tmp.name)  # made anew: a file (or a pipe) planted at its name is not written through
+            fd = folder.open(tmp.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, regular=False)
+            with open(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            folder.rename(tmp.name, path.name)
+        except BaseException:  # a full tmpfs (ENOSPC at the flush): no half-written temporary left behind
+            folder.unlink(tmp.name)
+            raise
+    finally:
+        if own:
+            folder.close()
 
 
 def check_ready(info: ReadyInfo, source: RankSource) -> None:

@@ -7,6 +7,7 @@ once; :func:`flashboot.load` (``staged=``) then waits only for whatever is left 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -59,7 +60,7 @@ class StagedImage:
 
     def _run(self) -> None:
         from ..pinning import MappedFile, register_host
-        from .shm import check_ready, rank_source, staged_paths, wait_ready
+        from .shm import check_ready, open_staged, rank_source, staged_paths, wait_ready
 
         try:
             t0 = time.perf_counter()
@@ -72,7 +73,18 @@ class StagedImage:
             check_ready(self.ready, self.source)
             if self._stop.is_set():  # closed meanwhile: nothing is mapped for a close that has gone
                 raise FlashBootError(f"staged image of rank {self.rank} of {self.image_dir} was closed")
-            self._mapping = MappedFile(str(staged_paths(self.image_dir, self.rank, self.shm_dir).image), self.nbytes)
+            # the .ready read again with the image, from one checked open of their folder: the image
+            # opened by its path could be of a folder swapped in since the wait's check
+            paths = staged_paths(self.image_dir, self.rank, self.shm_dir)
+            try:
+                self.ready, fd = open_staged(paths, os.O_RDWR)
+            except FileNotFoundError as exc:  # removed since the wait (an unstage): as MappedFile said it
+                raise FlashBootError(f"cannot open {exc.filename} to map it: {exc.strerror}") from None
+            try:
+                check_ready(self.ready, self.source)
+                self._mapping = MappedFile(str(paths.image), self.nbytes, fd=fd)
+            finally:
+                os.close(fd)
             t1 = time.perf_counter()
             self.wait_ms = (t1 - t0) * 1e3
             if self.pin:

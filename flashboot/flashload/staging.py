@@ -11,6 +11,7 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from .shm import (
     _unlink_quietly,
     _write_atomic,
     check_ready,
-    check_staging_owner,
+    StagingFolder,
     checksum_fingerprint,
     log_file,
     make_dir,
@@ -68,7 +69,7 @@ IO_MODES = ("auto", "direct", "buffered")
 _fallocate = os.posix_fallocate
 
 
-def _fs_free_bytes(path: str) -> int:
+def _fs_free_bytes(path: str | int) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
 
@@ -147,12 +148,21 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
     # waiting for another) reads none of it
     for _ in range(FOLDER_RETRIES):
         make_dir(paths.dir)
+        folder = None
         try:
-            check_staging_owner(paths.dir)  # another user's folder: nothing staged there is ours to vouch for
-            lock = _lock_rank(paths, rank, image_dir)
+            # opened once and checked on the fd (another user's folder: nothing staged there is ours to
+            # vouch for); every file below is relative to it, never to a folder swapped in at its name
+            folder = StagingFolder(paths.dir)
+            lock = _lock_rank(paths, rank, image_dir, folder)
             break
         except FileNotFoundError:  # the folder, emptied and removed meanwhile (the last engine out, an
             made = True            # unstage): made again, as an engine's stage_for_load does
+        except BaseException:
+            if folder is not None:
+                folder.close()
+            raise
+        if folder is not None:
+            folder.close()
     else:
         raise FlashBootError(f"{paths.dir} was removed {FOLDER_RETRIES} times as rank {rank} of {image_dir} was to be "
                              "staged into it; is something else removing it?")
@@ -160,30 +170,38 @@ def stage_rank(image_dir, rank: int, *, shm_dir=None, threads: int = DEFAULT_THR
         try:
             src = rank_source(image_dir, rank)
         except BaseException:
-            _unlock_rank(paths, lock)
+            _unlock_rank(paths, lock, folder)
             lock = None
             if made:  # an image refused before anything was staged leaves no folder behind
                 remove_if_empty(paths.dir)
             raise
-        return _stage_locked(image_dir, rank, src, paths, threads=threads, io=io, chunk_bytes=chunk_bytes,
+        return _stage_locked(image_dir, rank, src, paths, folder, threads=threads, io=io, chunk_bytes=chunk_bytes,
                              device=device, numa_policy=numa_policy, verify=verify, force=force, progress=progress,
                              stop=stop, inline=inline)
     finally:
-        if lock is not None:
-            _unlock_rank(paths, lock)
+        try:
+            if lock is not None:
+                _unlock_rank(paths, lock, folder)
+        finally:
+            folder.close()
 
 
 FOLDER_RETRIES = 20
 """How many times a stager makes the staging folder again when it is removed before the lock is in it."""
 
 
-def _flock_current(path: Path, op: int) -> int | None:
+def _flock_current(path: Path, op: int, folder: StagingFolder | None = None) -> int | None:
     """``path`` opened (created where absent) and locked with ``op`` (``LOCK_EX``/``LOCK_SH``,
     never blocking): its fd, or None while another process holds a conflicting lock. A file its
-    last holder removed between our open and our lock is not the one others see: opened again."""
+    last holder removed between our open and our lock is not the one others see: opened again.
+    Relative to ``folder`` (``path``'s, opened and checked) where given; never through a symlink
+    (a lock is signed: its file is truncated)."""
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            if folder is not None:
+                fd = folder.open(path.name, os.O_RDWR | os.O_CREAT, 0o600, regular=False)
+            else:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except FileNotFoundError:  # its folder removed meanwhile: the caller's to say (or make it again)
             raise
         except OSError as exc:  # a read-only or another user's staging folder: it had been a bare OSError
@@ -200,18 +218,18 @@ def _flock_current(path: Path, op: int) -> int | None:
         except BaseException:
             os.close(fd)
             raise
-        if _same_file(path, fd):
+        if folder.same_file(path.name, fd) if folder is not None else _same_file(path, fd):
             return fd
         os.close(fd)
 
 
-def _lock_rank(paths, rank: int, image_dir) -> int:
+def _lock_rank(paths, rank: int, image_dir, folder: StagingFolder | None = None) -> int:
     """An exclusive lock on the rank's ``rank-R.lock`` (flock), held while it is staged: two
     stagers of one rank (two engines staging inline, a preloader beside a bare ``stage_rank``)
     each withdrew the other's ``.partial`` by name, and the first to finish renamed the other's
     half-written file into place under its ``.ready``. A second stager is refused by name
     (FlashBootError with the holder's pid). Returns the lock's fd."""
-    fd = _flock_current(paths.lock, fcntl.LOCK_EX)
+    fd = _flock_current(paths.lock, fcntl.LOCK_EX, folder)
     if fd is None:
         raise StagingBusy(f"rank {rank} of {image_dir} is being staged already (by pid {lock_signer(paths.lock)}, "
                           f"which holds {paths.lock}); wait for its {paths.ready}, or stop it first")
@@ -219,48 +237,55 @@ def _lock_rank(paths, rank: int, image_dir) -> int:
     return fd
 
 
-def _unlock_rank(paths, fd: int) -> None:
+def _unlock_rank(paths, fd: int, folder: StagingFolder | None = None) -> None:
     """Remove the rank's lock file while still holding it (a process that opened it meanwhile
     finds it gone and retries), unless it is no longer this one (removed by ``unstage`` and made
     again by the next stager), then release it."""
     try:
-        if _same_file(paths.lock, fd):
+        if folder is not None:
+            if folder.same_file(paths.lock.name, fd):
+                folder.unlink(paths.lock.name)
+        elif _same_file(paths.lock, fd):
             _unlink_quietly(paths.lock)
     finally:
         os.close(fd)
 
 
-def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int, io: str, chunk_bytes: int,
+def _stage_locked(image_dir, rank: int, src: RankSource, paths, folder: StagingFolder, *, threads: int, io: str, chunk_bytes: int,
                   device: Any, numa_policy: str, verify: bool, force: bool,
                   progress: Callable[[int, int], None] | None, stop: threading.Event | None,
                   inline: bool = False) -> StageResult:
-    """:func:`stage_rank` once the rank's lock is held."""
+    """:func:`stage_rank` once the rank's lock is held. Every file of the rank is opened, renamed
+    and removed relative to ``folder`` (the staging folder, opened and checked once)."""
     from ..pinning import MappedFile, bind_to_node, fs_type, gpu_numa_node
 
     nbytes = src.nbytes
     restaged_because = ""
-    if not force and paths.image.exists():
+    if not force and folder.exists(paths.image.name):
         try:
-            info = read_ready(paths.ready)
+            info = folder.read_ready(paths.ready.name)
             check_ready(info, src)
-            if paths.image.stat().st_size == nbytes:
+            fd = folder.open(paths.image.name, os.O_RDONLY)  # a regular file of ours: a link or a pipe is restaged
+            try:
+                size = os.fstat(fd).st_size
                 # skipped unchecked, a corrupted staged copy was kept and served; checked on every start, a
                 # 140 GB rank took ~70 s each time: a verification is recorded in .ready (of this metadata)
+                if size == nbytes and verify and not info.verified:
+                    verify_staged(fd, nbytes, src, paths.image, stop)
+            finally:
+                os.close(fd)
+            if size == nbytes:
                 how = "already staged"
                 if verify and not info.verified:
-                    fd = os.open(paths.image, os.O_RDONLY | os.O_CLOEXEC)
                     try:
-                        verify_staged(fd, nbytes, src, paths.image, stop)
-                    finally:
-                        os.close(fd)
-                    try:
-                        _write_atomic(paths.ready, json.dumps({**info.to_dict(), "verified": True}, indent=1))
+                        _write_atomic(paths.ready, json.dumps({**info.to_dict(), "verified": True}, indent=1),
+                                      folder)
                     except OSError as exc:  # staged copies filled it to the last page: the copy is good all the same
                         if exc.errno != errno.ENOSPC:
                             raise
                         how += f"; its verification not recorded ({paths.dir} is full): checked again next time"
                 if not inline:  # `flashboot preload` keeps the copy an engine staged: the last engine out left it gone
-                    _unlink_quietly(paths.inline)
+                    folder.unlink(paths.inline.name)
                 return StageResult(rank, nbytes, str(paths.image), info.io_mode, how, info.numa_node,
                                    info.numa_reason, info.threads, 0.0, info.verified or verify, skipped=True)
         except ChecksumMismatchError as exc:
@@ -269,11 +294,8 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
             pass
     # Withdraw an older copy first: nobody may see .ready beside a half-replaced image.
     for p in (paths.ready, paths.image, paths.partial, paths.inline):
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
-    free = _fs_free_bytes(str(paths.dir))
+        folder.unlink(p.name)
+    free = _fs_free_bytes(folder.fd)
     if nbytes > free:
         raise OutOfMemoryError(f"staging rank {rank} of {image_dir} into {paths.dir}", nbytes, free)
     room = cgroup_memory_room() if fs_type(str(paths.dir)) in ("tmpfs", "ramfs") else None
@@ -283,7 +305,7 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
     dev = Device.parse(device)
     node, numa_reason = gpu_numa_node(dev)
     try:
-        fd = os.open(paths.partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = folder.open(paths.partial.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600, regular=False)
     except OSError as exc:  # a bare "[Errno 28] No space left on device" with the bytes free named no inode
         why = _no_inode(paths.dir) if exc.errno == errno.ENOSPC else out_of_fds(exc)
         if why is None:
@@ -338,7 +360,7 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
         read_s = time.perf_counter() - t0
         if verify:
             verify_staged(fd, nbytes, src, paths.partial, stop)
-        os.rename(paths.partial, paths.image)
+        folder.rename(paths.partial.name, paths.image.name)
         cs = src.metadata.checksums
         info = ReadyInfo(
             path=paths.ready, rank=rank, nbytes=nbytes, staged=str(paths.image), source=str(src.path),
@@ -350,11 +372,11 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
         text = json.dumps(info.to_dict(), indent=1)
         try:
             if inline:  # before .ready: an engine that loads the copy once it is ready finds it marked
-                paths.inline.touch()
-            _write_atomic(paths.ready, text)
+                folder.touch(paths.inline.name)
+            _write_atomic(paths.ready, text, folder)
         except BaseException as exc:
-            _unlink_quietly(paths.image)  # never loaded without its .ready: it would only hold the memory
-            _unlink_quietly(paths.inline)
+            folder.unlink(paths.image.name)  # never loaded without its .ready: it would only hold the memory
+            folder.unlink(paths.inline.name)
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and (why := _no_inode(paths.dir)):
                 raise FlashBootError(f"staging rank {rank} of {image_dir}: cannot write {paths.ready}: {why} "
                                      "(staged copy removed)") from None
@@ -366,13 +388,13 @@ def _stage_locked(image_dir, rank: int, src: RankSource, paths, *, threads: int,
         return StageResult(rank, nbytes, str(paths.image), mode, reason, node, numa_reason, threads, read_s, verify,
                            restaged_because=restaged_because)
     except StagedFileFull as full:
-        _unlink_quietly(paths.partial)
-        now_free = _fs_free_bytes(str(paths.dir))
+        folder.unlink(paths.partial.name)
+        now_free = _fs_free_bytes(folder.fd)
         raise OutOfMemoryError(
             f"staging rank {rank} of {image_dir}: {paths.dir} filled up after {full.written:,} of {nbytes:,} bytes "
             f"(partial file removed)", nbytes, now_free) from None
     except BaseException:
-        _unlink_quietly(paths.partial)
+        folder.unlink(paths.partial.name)
         raise
     finally:
         if mapping is not None:
@@ -389,8 +411,11 @@ class InlineCopy:
     """One engine's use of a rank staged in shared memory for engines' own loads (see
     :func:`stage_for_load`): it holds ``rank-R.users`` shared until :meth:`release`."""
 
-    def __init__(self, paths, fd: int, staged_here: bool):
+    def __init__(self, paths, fd: int, staged_here: bool, folder: StagingFolder | None = None):
         self.paths, self._fd, self.staged_here = paths, fd, staged_here
+        self._folder = folder
+        """The staging folder ``rank-R.users`` was opened in (closed by :meth:`release`): the copy is
+        removed from it, not from whatever folder has its name by then."""
 
     def release(self) -> bool:
         """Let go of the copy; returns True when this engine was the last to load it and removed it
@@ -401,30 +426,37 @@ class InlineCopy:
         fd, self._fd = self._fd, None
         if fd is None:
             return False
-        p = self.paths
+        p, folder, self._folder = self.paths, self._folder, None
+        if folder is None:  # made by hand (tests): the folder as it is now, never through a link
+            try:
+                folder = StagingFolder(p.dir, check=False)
+            except (OSError, LayoutError):
+                os.close(fd)
+                return False
         removed = False
         try:
             try:  # the last user: no other engine holds it shared (a conversion: ours is dropped first)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False  # another engine still loads it: the last one out removes it
-            if not _same_file(p.users, fd):
+            if not folder.same_file(p.users.name, fd):
                 return False  # removed and made again since
             try:  # the rank's lock while removing: a stager cannot restage or keep the copy meanwhile
-                lock = _lock_rank(p, p.image.name, p.dir)
+                lock = _lock_rank(p, p.image.name, p.dir, folder)
             except (FlashBootError, OSError):  # StagingBusy, or a lock file that cannot be opened
                 lock = None  # being restaged (or its folder gone meanwhile): the copy is not this engine's to remove
             try:
-                if lock is not None and p.inline.exists():  # not staged, or kept since, by `flashboot preload`
+                if lock is not None and folder.exists(p.inline.name):  # not staged, or kept since, by `flashboot preload`
                     for path in (p.ready, p.image, p.partial, p.inline):
-                        _unlink_quietly(path)
+                        folder.unlink(path.name)
                     removed = True
-                _unlink_quietly(p.users)  # last: an engine that makes it anew finds no .ready of a copy going
+                folder.unlink(p.users.name)  # last: an engine that makes it anew finds no .ready of a copy going
             finally:
                 if lock is not None:
-                    _unlock_rank(p, lock)
+                    _unlock_rank(p, lock, folder)
         finally:
             os.close(fd)
+            folder.close()
         remove_if_empty(p.dir)  # an engine that makes it again meanwhile retries (stage_for_load)
         return removed
 
@@ -442,20 +474,30 @@ def stage_for_load(image_dir, rank: int, *, timeout_s: float, shm_dir=None, devi
     paths = staged_paths(image_dir, rank, shm_dir)
     started = time.monotonic()
     while True:  # shared on users: waits only while the last engine out removes the copy (EX)
+        folder = fd = None
         try:
             make_dir(paths.dir)
-            fd = _flock_current(paths.users, fcntl.LOCK_SH)
+            # checked, and never through a link: a symlink at its name had its .users made, and the copy
+            # staged, in whatever folder it named
+            folder = StagingFolder(paths.dir)
+            fd = _flock_current(paths.users, fcntl.LOCK_SH, folder)
         except FileNotFoundError:  # the folder, removed by the last engine out after make_dir: made again
-            fd = None
+            pass
+        except BaseException:
+            if folder is not None:
+                folder.close()
+            raise
         if fd is not None:
             break
+        if folder is not None:
+            folder.close()
         if time.monotonic() >= started + timeout_s:
             raise WaitTimeoutError(f"rank {rank} of {image_dir}: {paths.users} stayed locked by the engine removing "
                                    f"its copy for {timeout_s:g} s")
         time.sleep(BUSY_POLL_S)
     try:
-        if not check_staged and paths.ready.exists():  # staged: the load reads the metadata, not us too
-            return InlineCopy(paths, fd, staged_here=False)
+        if not check_staged and folder.exists(paths.ready.name):  # staged: the load reads the metadata, not us too
+            return InlineCopy(paths, fd, staged_here=False, folder=folder)
         # another engine staging it: its .ready comes, or it failed and this process stages the rank
         result = stage_rank_when_free(image_dir, rank, wait_s=timeout_s, started=started, poll_s=BUSY_POLL_S,
                                       shm_dir=shm_dir, device=device, inline=True)
@@ -463,9 +505,9 @@ def stage_for_load(image_dir, rank: int, *, timeout_s: float, shm_dir=None, devi
             log(f"staged rank {rank} of {image_dir} in this process ({result.nbytes / 1e9:.2f} GB from disk "
                 f"in {result.read_s:.2f} s, on the engine's critical path); run `flashboot preload "
                 f"{image_dir}` before starting the engine to take it off")
-        return InlineCopy(paths, fd, staged_here=not result.skipped)
+        return InlineCopy(paths, fd, staged_here=not result.skipped, folder=folder)
     except BaseException:
-        InlineCopy(paths, fd, staged_here=False).release()  # the last out: its .users (and folder) had stayed
+        InlineCopy(paths, fd, staged_here=False, folder=folder).release()  # the last out: its .users (and folder) had stayed
         raise
 
 
@@ -483,10 +525,21 @@ def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[
     d = staging_dir(image_dir, shm_dir)
     removed: list[Path] = []
     wanted = None if ranks is None else {f"rank-{r}" for r in ranks}
-    try:
-        names = [p.name for p in d.iterdir()]
-    except (FileNotFoundError, NotADirectoryError):
+    try:  # opened once, never through a link: by name, a symlink at its name had the rank-* files of the
+        folder = StagingFolder(d, check=False)  # folder it named removed (any folder, for root)
+    except FileNotFoundError:
         return removed
+    except LayoutError:
+        if os.path.islink(d):
+            raise
+        return removed  # a file in its place: nothing staged
+    with folder:
+        return _unstage_in(image_dir, shm_dir, d, folder, wanted, removed)
+
+
+def _unstage_in(image_dir, shm_dir, d: Path, folder: StagingFolder, wanted, removed: list[Path]) -> list[Path]:
+    """:func:`unstage` in the staging folder ``d``, opened as ``folder``."""
+    names = os.listdir(folder.fd)
     stems = sorted(stem for stem in {n.split(".")[0] for n in names if n.startswith("rank-")}
                    if wanted is None or stem in wanted)
     # Each rank's lock and its .users exclusively while its files go: checked and then removed, a
@@ -503,46 +556,53 @@ def unstage(image_dir, ranks: list[int] | None = None, *, shm_dir=None) -> list[
                 continue  # not a rank's file: nobody stages or loads it
             paths = staged_paths(image_dir, rank, shm_dir)
             try:
-                lock = _lock_rank(paths, rank, image_dir)
+                lock = _lock_rank(paths, rank, image_dir, folder)
             except StagingBusy:  # a bare stage_rank has no pid file: its lock says it runs
                 raise FlashBootError(f"{stem} of {image_dir} is being staged (its lock {paths.lock} is held); let it "
                                      "finish or stop it, then unstage") from None
             except FileNotFoundError:  # the folder, removed meanwhile by the last engine out: nothing left
                 return removed
             try:
-                users = _flock_current(paths.users, fcntl.LOCK_EX)  # engines loading the copy hold it shared
+                users = _flock_current(paths.users, fcntl.LOCK_EX, folder)  # engines loading the copy hold it shared
             except BaseException:  # it cannot be opened: the rank's lock is not held by the list below yet
-                _unlock_rank(paths, lock)
+                _unlock_rank(paths, lock, folder)
                 raise
             if users is None:
-                _unlock_rank(paths, lock)
+                _unlock_rank(paths, lock, folder)
                 # a copy `flashboot preload` staged stays after the engines: it had said they would remove it
-                after = "the last engine to load it removes it" if _exists(paths.inline) else \
+                after = "the last engine to load it removes it" if folder.exists(paths.inline.name) else \
                     "unstage it once they have loaded"
                 raise FlashBootError(f"{stem} of {image_dir} is being loaded by an engine (it holds {paths.users}); "
                                      f"{after}")
             held.append((paths, lock, users))
-        for p in sorted(d.iterdir()) if held else [d / n for n in names]:  # no lock held: the folder may go
-            if p.name.split(".")[0] in ours and p.is_file():
-                _unlink_quietly(p)
-                if p.name in names:  # not the lock files made here to hold
-                    removed.append(p)
+        for name in sorted(os.listdir(folder.fd)) if held else names:  # no lock held: the folder may go
+            if name.split(".")[0] in ours and _not_a_folder(folder, name):
+                folder.unlink(name)
+                if name in names:  # not the lock files made here to hold
+                    removed.append(d / name)
     finally:
         for paths, lock, users in held:
             os.close(users)  # its file went above: an engine waiting on it opens a new one
-            _unlock_rank(paths, lock)
+            _unlock_rank(paths, lock, folder)
     try:
-        left = any(p.name.startswith("rank-") for p in d.iterdir())
+        left = any(n.startswith("rank-") for n in os.listdir(folder.fd))
     except FileNotFoundError:  # the folder, removed meanwhile by the last engine out
         return removed
     if not left:
         for p in (log_file(image_dir, shm_dir), pid_file(image_dir, shm_dir), socket_path(image_dir, shm_dir)):
-            if p.exists() or p.is_symlink():
-                p.unlink()
+            if folder.exists(p.name):
+                folder.unlink(p.name)
                 removed.append(p)
         if remove_if_empty(d):
             removed.append(d)
     return removed
+
+
+def _not_a_folder(folder: StagingFolder, name: str) -> bool:
+    try:
+        return not stat.S_ISDIR(folder.stat(name).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 # ============================================================================ configuration

@@ -9,7 +9,16 @@ from dataclasses import dataclass
 
 from ..errors import FlashBootError, LayoutError
 from ..fileio import lock_signer
-from .shm import _pid_file_held, _running_pid, rank_source, read_ready, shm_root, staged_paths, staging_dir
+from .shm import (
+    StagingFolder,
+    _pid_file_held,
+    _running_pid,
+    rank_source,
+    read_ready,
+    shm_root,
+    staged_paths,
+    staging_dir,
+)
 
 STATES = ("not staged", "staging", "staged", "served", "stale", "truncated", "failed", "unreadable")
 """Every state :func:`rank_states` reports. ``staged``: a load maps the staged copy; ``served``: the
@@ -92,7 +101,15 @@ def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict |
                                         f"metadata sha256 {info.metadata_sha256[:12]}) than {source.path} now holds "
                                         f"({source.nbytes:,} bytes, {source.metadata_sha256[:12]}); re-stage it: "
                                         f"`flashboot preload {image_dir}`")
-    size = _size(paths.image)
+    try:  # as a load opens it: in the checked folder, never through a link, a regular file
+        with StagingFolder(paths.dir) as folder:
+            fd = folder.open(paths.image.name, os.O_RDONLY)
+            size = os.fstat(fd).st_size
+            os.close(fd)
+    except FileNotFoundError:
+        size = None
+    except LayoutError as exc:  # a link, a pipe or a device in its place: "staged" had been said, and loads refused it
+        return RankState(rank, "unreadable", str(exc))
     if size != info.nbytes:
         found = "absent" if size is None else f"{size:,} bytes"
         return RankState(rank, "truncated", f"{paths.image} is {found}, its .ready records {info.nbytes:,} bytes; "
@@ -106,7 +123,7 @@ def _rank_state(image_dir, rank: int, shm_dir, held: dict | None, daemon: dict |
                    f"`flashboot preload {image_dir}` keeps it" if held is False else
                    f"; staged by an engine for its own load (pid {info.pid}): the last engine to load it removes it "
                    f"(`flashboot preload {image_dir}` keeps it)")
-    return RankState(rank, "staged", f"{info.nbytes:,} bytes at {info.staged} ({info.io_mode}, {info.gbps:.2f} GB/s, "
+    return RankState(rank, "staged", f"{info.nbytes:,} bytes at {paths.image} ({info.io_mode}, {info.gbps:.2f} GB/s, "
                                      f"NUMA {numa}){engines}")
 
 
