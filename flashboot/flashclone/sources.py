@@ -35,31 +35,28 @@ class _HostImage:
         self._mm = None
         self._pinned = None
         path = Path(source)
+        fd = None
         if path.is_dir():
             from flashboot.layouts import read_image
 
             image = read_image(path, rank)
             self.metadata = image.metadata
             file_path, self.nbytes = image.path, image.nbytes
-            try:
-                from ..flashload.shm import staged_paths
-
-                staged = staged_paths(path, rank)
-                if staged.ready.exists() and staged.image.exists() and staged.image.stat().st_size >= self.nbytes:
-                    file_path = staged.image
-            except FlashBootError:
-                pass
         elif path.is_file():
             file_path, self.nbytes = path, path.stat().st_size
         else:
             raise FlashBootError(f"host image {str(path)!r} is neither an image directory nor a file")
         if self.nbytes <= 0:
             raise FlashBootError(f"host image {str(file_path)!r} is empty")
+        if self.metadata is not None:
+            staged = _open_staged(path, rank, image)
+            if staged is not None:
+                file_path, fd = staged
         self.path = str(file_path)
-        if os.access(file_path, os.W_OK):
-            # shared: the page-cache (or /dev/shm) pages themselves, so pinning copies nothing; never written
+        if fd is None and os.access(file_path, os.W_OK):
             fd = os.open(file_path, os.O_RDWR)
-            try:
+        if fd is not None:
+            try:  # shared: the page-cache (or /dev/shm) pages themselves, so pinning copies nothing; never written
                 self._mm = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
@@ -96,6 +93,24 @@ class _HostImage:
         if self._mm is not None:
             self._mm.close()
             self._mm = None
+
+
+def _open_staged(image_dir: Path, rank: int, image) -> tuple[Path, int] | None:
+    """The preloader's staged copy of ``image``'s rank, opened read-write from its checked folder
+    (:func:`flashboot.flashload.shm.open_staged`), or None where there is none of this pre-pack.
+    By path, a folder swapped in after a check, or a copy staged from an earlier pre-pack of the
+    same directory (any size as large), had been read as the image."""
+    from ..flashload.shm import open_staged, staged_paths
+
+    try:
+        paths = staged_paths(image_dir, rank)
+        info, fd = open_staged(paths, os.O_RDWR)
+    except (FileNotFoundError, FlashBootError):
+        return None
+    if info.metadata_sha256 != image.metadata_sha256 or info.nbytes != image.nbytes or os.fstat(fd).st_size < image.nbytes:
+        os.close(fd)
+        return None
+    return paths.image, fd
 
 
 class _Sources:
