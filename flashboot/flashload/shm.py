@@ -184,12 +184,7 @@ class StagingFolder:
 
     def same_file(self, name: str, fd: int) -> bool:
         """Whether ``name`` still names the file open as ``fd`` (see :func:`_same_file`)."""
-        try:
-            st = self.stat(name)
-        except FileNotFoundError:
-            return False
-        mine = os.fstat(fd)
-        return (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
+        return _same_file(name, fd, self.stat)
 
     def read_ready(self, name: str) -> "ReadyInfo":
         """The ``.ready`` file ``name`` of this folder, parsed (see :func:`read_ready`)."""
@@ -368,11 +363,11 @@ def make_dir(path: Path) -> Path:
                          f"${SHM_ENV})") from None
 
 
-def _same_file(path: Path, fd: int) -> bool:
+def _same_file(path: Path | str, fd: int, stat=os.stat) -> bool:
     """Whether ``path`` still names the file open as ``fd`` (a lock file its last holder removed,
-    and maybe another made since, is not the one others lock)."""
+    and maybe another made since, is not the one others lock); ``stat``: how ``path`` is looked up."""
     try:
-        st = os.stat(path)
+        st = stat(path)
     except FileNotFoundError:
         return False
     mine = os.fstat(fd)
