@@ -30,7 +30,9 @@ def register(subparsers) -> None:
                    help="with --serve: members of GROUP (name or gid) may ask for loads too (default: this user only)")
     action = p.add_mutually_exclusive_group()
     action.add_argument("--background", action="store_true", help="run as a detached service (pid file, log)")
-    action.add_argument("--stop", action="store_true", help="stop the running preloader of DIR")
+    action.add_argument("--stop", action="store_true",
+                        help="stop the running preloader of DIR: it takes no new load, finishes those in flight "
+                             "within --timeout, then cancels them")
     action.add_argument("--status", action="store_true", help="say what is staged and whether a preloader runs")
     action.add_argument("--unstage", action="store_true", help="remove the staged files of DIR")
     p.add_argument("--timeout", type=timeout_arg, default=30.0,
@@ -67,7 +69,8 @@ def main(args) -> int:
     from flashboot.flashload import shm as shm_files
 
     if args.stop:
-        print(service.stop_service(args.image_dir, args.shm_dir, timeout_s=args.timeout))
+        print(service.stop_service(args.image_dir, args.shm_dir, timeout_s=args.timeout,
+                                   log=lambda line: print(line, flush=True)))
         return 0
     if args.unstage:
         removed = staging.unstage(args.image_dir, args.ranks, shm_dir=args.shm_dir)
