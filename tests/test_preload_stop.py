@@ -7,6 +7,7 @@ connection without answering"."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 
 from flashboot.arena import Arena
 from flashboot.errors import FlashBootError
-from flashboot.flashload import client, server, service
+from flashboot.flashload import client, server, service, staging
 from flashboot.flashload import shm as shm_files
 
 from _preload_helpers import Daemon, fds_after_settling, make_tiny_image, open_fds  # noqa: E402  (tests/ is on the path)
@@ -228,7 +229,9 @@ def test_a_connection_idle_at_the_stop_is_answered_at_once_and_nothing_leaks(ima
             d.server.stop.set()
             s.settimeout(30)  # far within the 120 s it would have waited
             reply = s.recv(1 << 16)
-        assert b"is stopping and takes no new request" in reply, reply
+        reply = json.loads(reply)
+        assert "is stopping and takes no new request" in reply["message"], reply
+        assert reply["attrs"]["busy"] is True  # the engine asks again: a restarted preloader serves it
     finally:
         d.close()
     assert not any("still busy" in line for line in d.log), d.log
@@ -278,3 +281,56 @@ def test_cancelled_loads_leave_no_arena_or_fd_behind(image, tmp_path, monkeypatc
     assert not any("still busy" in line for line in d.log), d.log
     assert fds_after_settling(before) == before
     assert not [t for t in threading.enumerate() if t.name.startswith("flashboot-serve")]
+
+
+def test_a_request_queued_for_accept_at_the_stop_is_answered_not_reset(image, tmp_path):
+    """Defect: a load whose connection waited in the listener's queue when the stop closed it (up
+    to a poll of the accept loop) got ECONNRESET, "dropped the connection ...; did it exit?". It
+    is answered now, as busy: the engine asks again and waits for a restarted preloader."""
+    srv = server.PreloadServer(staging.PreloadConfig(str(image), shm_dir=str(tmp_path / "shm"), serve=True),
+                               log=lambda line: None)
+    srv._listen()  # listening, and nothing accepts: a connection waits in the queue
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.connect(str(srv.sock_path))
+            s.send(json.dumps({"op": "status"}).encode())
+            srv.stop.set()
+            srv._stop_listening()
+            s.settimeout(30)
+            reply = json.loads(s.recv(1 << 16))
+        assert "is stopping and takes no new request" in reply["message"] and reply["attrs"]["busy"] is True, reply
+        assert not srv.sock_path.exists()
+    finally:
+        srv.close()
+
+
+def test_a_load_asked_during_a_restart_is_served_by_the_next_preloader(image, tmp_path):
+    with gated_daemon(image, tmp_path) as d:
+        first = d.start_load()
+        stopper, stopped = _in_thread(lambda: service.stop_service(image, d.shm, timeout_s=120))
+        d.wait_draining()
+        src = shm_files.rank_source(image, 0)
+        second: dict = {}
+
+        def load():  # an engine of the rollout, while the old preloader finishes the first
+            with Arena.create(src.nbytes, "cpu") as arena:
+                second["reply"] = client.served_load(arena, src, timeout_s=60, shm_dir=d.shm)
+                second["exact"] = bytes(arena.bytes()[:src.nbytes].numpy()) == src.path.read_bytes()
+
+        t = threading.Thread(target=load, daemon=True)
+        t.start()
+        d.open_gate()
+        first.join(60)
+        stopper.join(60)
+        assert d.outcome["exact"] and stopped.get("said") == f"stopped preloader pid {d.proc.pid}", (d.outcome, stopped)
+        assert t.is_alive()  # waiting for a preloader's socket
+        with open(tmp_path / "next.log", "w") as log:
+            nxt = subprocess.Popen([sys.executable, "-m", "flashboot.cli", "preload", str(image), "--serve",
+                                    "--shm-dir", str(d.shm)], stdout=log, stderr=subprocess.STDOUT)
+            try:
+                t.join(60)
+                assert not t.is_alive() and second["exact"], second
+                assert second["reply"]["pid"] == nxt.pid
+            finally:
+                nxt.terminate()
+                nxt.wait(30)

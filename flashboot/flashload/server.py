@@ -87,6 +87,9 @@ STOP_POLL_S = 0.2
 daemon's stop."""
 DRAIN_POLL_S = 0.05
 """How often a stopping daemon looks whether its loads in flight are done."""
+TURN_AWAY_S = 0.05
+"""How long a connection turned away at a stop is read for its request before it is closed (see
+:meth:`PreloadServer._turn_away`)."""
 ACCEPT_BACKOFF_S = 0.01
 ACCEPT_BACKOFF_MAX_S = 1.0
 """A failed accept() (out of fds: EMFILE) is retried after this pause, doubled up to the maximum
@@ -375,10 +378,29 @@ class PreloadServer:
         the socket's absence tells ``preload --stop`` the daemon is stopping already (signalled
         again, it would cancel the loads in flight)."""
         with self._listener_lock:
-            if self._listener is not None:
-                self._listener.close()
-                self._listener = None
-                _unlink_quietly(self.sock_path)
+            listener, self._listener = self._listener, None
+            if listener is None:
+                return
+            _unlink_quietly(self.sock_path)  # first: no connection joins the queue below meanwhile
+            try:
+                # the connections queued already are answered, not reset ("did it exit?"): told to ask
+                # again, an engine waits for a restarted preloader's socket within its timeout
+                while readable([listener.fileno()], 0):
+                    try:
+                        conn, _ = listener.accept()  # its 0.2 s timeout, where the accept loop took this one
+                    except OSError:  # that timeout, or out of fds: those left are reset
+                        break
+                    self._turn_away(conn, self._stopping(), wait_s=TURN_AWAY_S)
+            finally:
+                listener.close()
+
+    def _stopping(self) -> FlashBootError:
+        """The answer to a request that arrives once the daemon is stopping: retried by the client
+        (``busy``), it finds the next preloader's socket, or none within its timeout."""
+        exc = FlashBootError(f"the preloader (pid {os.getpid()}) is stopping and takes no new request; asked "
+                             "again, a preloader started in its place serves it")
+        exc.busy = True
+        return exc
 
     def _accept_loop(self) -> None:
         try:
@@ -416,11 +438,13 @@ class PreloadServer:
                 continue
             t = threading.Thread(target=self._handle, args=(conn,), name="flashboot-serve-conn", daemon=True)
             with self._threads_lock:  # close() joins only started threads, and none starts after it looked
-                if self.stop.is_set():
-                    conn.close()
-                    return
-                t.start()
-                self._threads.append(t)
+                stopping = self.stop.is_set()
+                if not stopping:
+                    t.start()
+                    self._threads.append(t)
+            if stopping:
+                self._turn_away(conn, self._stopping(), wait_s=TURN_AWAY_S)
+                return
 
     def _turn_away(self, conn: socket.socket, exc: FlashBootError, wait_s: float) -> None:
         """Answer ``exc``, log it, and close: the request is read without room for fds, so the kernel
@@ -464,7 +488,9 @@ class PreloadServer:
                 req: dict = {}
                 try:
                     conn.settimeout(self.request_timeout_s)
-                    self._await_request(conn)
+                    if not self._await_request(conn):
+                        self._turn_away(conn, self._stopping(), wait_s=TURN_AWAY_S)
+                        return
                     try:
                         msg, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, SCM_MAX_FD)
                     except socket.timeout:
@@ -528,17 +554,17 @@ class PreloadServer:
             with self._threads_lock:  # out of flight once the arena is let go: a stop's wait ends with it
                 self._loads.pop(threading.get_ident(), None)
 
-    def _await_request(self, conn: socket.socket) -> None:
-        """Wait for a connection's request (within :attr:`request_timeout_s`), answering a stop at
-        once: an engine connected but silent is not a load in flight, and a stop waiting out its
-        timeout kept the daemon (and its pinned memory) up 10 s for nobody."""
+    def _await_request(self, conn: socket.socket) -> bool:
+        """Wait for a connection's request (within :attr:`request_timeout_s`); False at a stop, to
+        be answered at once: an engine connected but silent is not a load in flight, and a stop
+        waiting out its timeout kept the daemon (and its pinned memory) up 10 s for nobody."""
         deadline = time.monotonic() + self.request_timeout_s
         while not readable([conn.fileno()], min(STOP_POLL_S, max(0.0, deadline - time.monotonic()))):
             if self.stop.is_set():
-                raise FlashBootError(f"the preloader (pid {os.getpid()}) is stopping and takes no new request; "
-                                     "none had arrived on this connection")
+                return False
             if time.monotonic() >= deadline:
                 raise WaitTimeoutError(f"no request arrived within {self.request_timeout_s:g} s of connecting")
+        return True
 
     def _in_flight(self, req: dict, pid: int) -> None:
         """Count this handler's load in flight until its arena is let go (:meth:`_handle`'s end)."""
