@@ -236,6 +236,24 @@ def test_cancelling_the_daemons_loads_breaks_off_a_hand_over_in_flight(multi_seg
         d.close()
 
 
+def test_a_stop_lets_a_hand_over_in_flight_finish(multi_segment_image, tmp_path):
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        d.server.request_timeout_s = 20.0
+
+        def stop_once_handled():
+            deadline = time.monotonic() + 10
+            while not any(t.is_alive() for t in d.server._threads) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            d.server.stop.set()  # SIGTERM: no new request; this one, with its arena half handed over, goes on
+
+        reply, sent = _trickle_load(d, multi_segment_image, every_s=0.1, on_first=stop_once_handled)
+        assert reply["ok"] is True, reply
+        assert sent == reply["nbytes"] // HOST_GRANULARITY + (reply["nbytes"] % HOST_GRANULARITY > 0)
+    finally:
+        d.close()
+
+
 def test_verify_checks_a_rank_already_staged_and_stages_a_corrupted_copy_again(image, tmp_path):
     shm = tmp_path / "shm"
     staging.stage_rank(image, 0, shm_dir=shm)
