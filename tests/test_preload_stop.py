@@ -334,3 +334,23 @@ def test_a_load_asked_during_a_restart_is_served_by_the_next_preloader(image, tm
             finally:
                 nxt.terminate()
                 nxt.wait(30)
+
+
+def test_the_daemon_says_it_serves_only_the_ranks_it_holds(image, tmp_path, monkeypatch):
+    """Defect: "serving 1 rank(s)" was logged for a rank whose staging had failed, and by a
+    daemon stopped while staging, on its way out."""
+    import errno
+
+    from flashboot.flashload import stage_copy
+
+    def pwrite(fd, data, off):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(stage_copy, "_pwrite", pwrite)
+    d = Daemon(image, tmp_path / "shm", staged=False)
+    try:
+        _until("the serving line", lambda: any(line.startswith("serving") for line in d.log))
+        said = next(line for line in d.log if line.startswith("serving"))
+        assert said.startswith("serving 0 rank(s) on ") and "rank(s) [0] failed" in said, said
+    finally:
+        d.close()

@@ -288,7 +288,11 @@ class PreloadServer:
                     res.event.set()
                 if self.stop.is_set():
                     break
-            self.log(f"serving {len(self.ranks)} rank(s) on {self.sock_path}")
+            failed = [r for r in self.ranks if self.residents[r].error is not None]
+            if not self.stop.is_set():  # stopped while staging: it serves nothing, and says so as it stops
+                self.log(f"serving {len(self.ranks) - len(failed)} rank(s) on {self.sock_path}"
+                         + (f"; rank(s) {failed} failed (above): their loads are answered with that error"
+                            if failed else ""))
             while not self.stop.wait(0.2):
                 pass
         finally:
