@@ -207,8 +207,8 @@ def test_two_stops_at_once_and_a_stop_of_a_stopping_daemon_let_the_load_finish(i
         lines: list[str] = []  # and a third, once it is stopping: it joins the wait, it does not cancel
         third = _in_thread(lambda: service.stop_service(image, d.shm, timeout_s=120, log=lines.append))
         _until("the third stop to say it waits", lambda: lines)
-        assert lines == [f"preloader pid {d.proc.pid} is stopping already: waiting up to 120 s for it to finish what "
-                         "it has in flight; then it is cancelled"], lines
+        assert lines == [f"preloader pid {d.proc.pid} is stopping already (its socket {d.sock} is gone): waiting up "
+                         "to 120 s for it to finish what it has in flight; then it is cancelled"], lines
         d.open_gate()
         load.join(60)
         assert "error" not in d.outcome, d.outcome.get("error")

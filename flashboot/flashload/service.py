@@ -340,8 +340,8 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0,
                 time.sleep(0.01)
     if log is not None and (loads or stopping):
         what = _describe_loads(loads) if loads else "it to finish what it has in flight"
-        log(f"preloader pid {pid}{' is stopping already' if stopping else ''}: waiting up to {timeout_s:g} s for "
-            f"{what}; then {'they are' if len(loads) > 1 else 'it is'} cancelled")
+        log(f"preloader pid {pid}{f' is stopping already (its socket {sock} is gone)' if stopping else ''}: waiting "
+            f"up to {timeout_s:g} s for {what}; then {'they are' if len(loads) > 1 else 'it is'} cancelled")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if exited():
