@@ -354,3 +354,22 @@ def test_the_daemon_says_it_serves_only_the_ranks_it_holds(image, tmp_path, monk
         assert said.startswith("serving 0 rank(s) on ") and "rank(s) [0] failed" in said, said
     finally:
         d.close()
+
+
+def test_a_stop_of_a_daemon_stopping_but_frozen_resumes_it_and_its_load_finishes(image, tmp_path):
+    """The daemon was told to stop (a `kill`), then frozen (SIGSTOP, a suspended job): ``--stop``
+    takes it for stopping already and sends no second SIGTERM, but a SIGCONT, or the load it
+    finishes would wait, frozen, for the stop's timeout and its cancel."""
+    import signal
+
+    with gated_daemon(image, tmp_path) as d:
+        load = d.start_load()
+        d.proc.terminate()
+        d.wait_draining()
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        stopper, stopped = _in_thread(lambda: service.stop_service(image, d.shm, timeout_s=30))
+        d.open_gate()
+        load.join(60)
+        stopper.join(60)
+        assert "error" not in d.outcome, d.outcome.get("error")
+        assert d.outcome["exact"] and stopped.get("said") == f"stopped preloader pid {d.proc.pid}", stopped

@@ -331,7 +331,10 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0,
         # a served daemon without its socket is stopping already (a second SIGTERM would cancel its
         # loads in flight), or starting before it listens: signalled once its socket is there
         stopping = status.serve and (said.get("stopping") is True or not sock.exists())
-        if not stopping:
+        if stopping:
+            with contextlib.suppress(OSError):  # one stopping but frozen (SIGSTOP) finishes nothing
+                os.kill(pid, signal.SIGCONT)
+        else:
             if not signal_it():
                 return f"preloader pid {pid} exited on its own"
             signalled = True
