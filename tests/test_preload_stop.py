@@ -373,3 +373,21 @@ def test_a_stop_of_a_daemon_stopping_but_frozen_resumes_it_and_its_load_finishes
         stopper.join(60)
         assert "error" not in d.outcome, d.outcome.get("error")
         assert d.outcome["exact"] and stopped.get("said") == f"stopped preloader pid {d.proc.pid}", stopped
+
+
+def test_status_of_a_daemon_finishing_its_loads_says_it_stops(image, tmp_path):
+    """Defect: ``preload --status`` of a daemon that stopped listening to finish its loads waited
+    10 s for its socket, then said it "did not answer ... is `flashboot preload DIR --serve` running?"."""
+    with gated_daemon(image, tmp_path) as d:
+        load = d.start_load()
+        d.proc.terminate()
+        d.wait_draining()
+        out = subprocess.run([sys.executable, "-m", "flashboot.cli", "preload", str(image), "--shm-dir", str(d.shm),
+                              "--status"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert (f"the serving daemon (pid {d.proc.pid}) takes no request: its socket {d.sock} is gone (it is "
+                "stopping, finishing the loads in flight") in out.stdout, out.stdout
+        assert "did not answer" not in out.stdout
+        d.open_gate()
+        load.join(60)
+        assert d.outcome["exact"]

@@ -114,7 +114,13 @@ def _status(args) -> int:
         print(one_line(f"  the staging root {root} is not a directory: nothing can be staged there; "
                        "use another --shm-dir"))
     daemon = None
-    if st.running and st.serve:
+    sock = st.path.with_name(shm_files.socket_path(args.image_dir, args.shm_dir).name)
+    if st.running and st.serve and st.pid > 0 and not sock.exists():
+        # a stop removes it at once, then the loads in flight finish: asked, it had waited 10 s for none
+        print(one_line(f"  the serving daemon (pid {st.pid}) takes no request: its socket {sock} is gone (it is "
+                       "stopping, finishing the loads in flight, or starting); the states below are from the "
+                       "staged files"))
+    elif st.running and st.serve:
         try:
             daemon = client.serve_status(args.image_dir, args.shm_dir)
             if daemon.get("warming"):
