@@ -13,10 +13,13 @@ _WATCHER_JOIN_S = 5.0
 
 
 @contextlib.contextmanager
-def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
+def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = STOP_SIGNALS, *,
+                    again: threading.Event | None = None) -> Iterator[None]:
     """Set ``stop`` when one of ``signals`` arrives, for the duration of the block (main thread
-    only, where Python delivers signals; elsewhere a no-op). The previous handlers and wakeup fd
-    are restored on the way out.
+    only, where Python delivers signals; elsewhere a no-op), and ``again`` (where given) when
+    one arrives with ``stop`` set already: a second SIGTERM, for a service that winds down its
+    work in flight after the first. The previous handlers and wakeup fd are restored on the
+    way out.
 
     The handler itself takes no lock. Python runs a handler on the main thread between two
     bytecodes, possibly while that thread holds ``stop``'s own lock inside ``stop.wait()``;
@@ -29,7 +32,7 @@ def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = STOP_SIGNA
         return
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)  # set_wakeup_fd requires it
-    watcher = threading.Thread(target=_set_on_signal, args=(read_fd, stop, frozenset(signals)),
+    watcher = threading.Thread(target=_set_on_signal, args=(read_fd, stop, frozenset(signals), again),
                                name="flashboot-stop-signals", daemon=True)
     previous = {}
     previous_fd = None
@@ -58,12 +61,17 @@ def _wake_only(signum, frame) -> None:
     is done by the watcher thread."""
 
 
-def _set_on_signal(read_fd: int, stop: threading.Event, signals: frozenset[int]) -> None:
+def _set_on_signal(read_fd: int, stop: threading.Event, signals: frozenset[int],
+                   again: threading.Event | None = None) -> None:
     while True:
         data = os.read(read_fd, 64)
         if not data or 0 in data:
             return
-        if any(signum in signals for signum in data):
+        for signum in data:  # each one: two signals may arrive in one read
+            if signum not in signals:
+                continue
+            if stop.is_set() and again is not None:
+                again.set()
             stop.set()
 
 

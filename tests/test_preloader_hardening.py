@@ -215,20 +215,41 @@ def test_a_copy_queued_behind_another_past_the_hand_over_deadline_still_gets_its
         d.close()
 
 
-def test_stopping_the_daemon_breaks_off_a_hand_over_in_flight(multi_segment_image, tmp_path):
+def test_cancelling_the_daemons_loads_breaks_off_a_hand_over_in_flight(multi_segment_image, tmp_path):
+    """A stop lets a load in flight finish (test_preload_stop.py); its cancel (a second SIGTERM,
+    ``--stop``'s timeout) breaks off a hand-over still under way."""
     d = Daemon(multi_segment_image, tmp_path / "shm")
     try:
-        d.server.request_timeout_s = 20.0  # a stall of the test cannot make a batch late: only stop ends it
+        d.server.request_timeout_s = 20.0  # a stall of the test cannot make a batch late: only the cancel ends it
 
         def stop_once_handled():  # stopped before its accept, the connection would only be reset
             deadline = time.monotonic() + 10
             while not any(t.is_alive() for t in d.server._threads) and time.monotonic() < deadline:
                 time.sleep(0.005)
             d.server.stop.set()
+            d.server.cancel.set()
 
         reply, sent = _trickle_load(d, multi_segment_image, every_s=0.6, on_first=stop_once_handled)
         assert reply["ok"] is False and "stopping" in reply["message"], reply
         assert sent < 6
+    finally:
+        d.close()
+
+
+def test_a_stop_lets_a_hand_over_in_flight_finish(multi_segment_image, tmp_path):
+    d = Daemon(multi_segment_image, tmp_path / "shm")
+    try:
+        d.server.request_timeout_s = 20.0
+
+        def stop_once_handled():
+            deadline = time.monotonic() + 10
+            while not any(t.is_alive() for t in d.server._threads) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            d.server.stop.set()  # SIGTERM: no new request; this one, with its arena half handed over, goes on
+
+        reply, sent = _trickle_load(d, multi_segment_image, every_s=0.1, on_first=stop_once_handled)
+        assert reply["ok"] is True, reply
+        assert sent == reply["nbytes"] // HOST_GRANULARITY + (reply["nbytes"] % HOST_GRANULARITY > 0)
     finally:
         d.close()
 

@@ -30,7 +30,9 @@ def register(subparsers) -> None:
                    help="with --serve: members of GROUP (name or gid) may ask for loads too (default: this user only)")
     action = p.add_mutually_exclusive_group()
     action.add_argument("--background", action="store_true", help="run as a detached service (pid file, log)")
-    action.add_argument("--stop", action="store_true", help="stop the running preloader of DIR")
+    action.add_argument("--stop", action="store_true",
+                        help="stop the running preloader of DIR: it takes no new load, finishes those in flight "
+                             "within --timeout, then cancels them")
     action.add_argument("--status", action="store_true", help="say what is staged and whether a preloader runs")
     action.add_argument("--unstage", action="store_true", help="remove the staged files of DIR")
     p.add_argument("--timeout", type=timeout_arg, default=30.0,
@@ -67,7 +69,8 @@ def main(args) -> int:
     from flashboot.flashload import shm as shm_files
 
     if args.stop:
-        print(service.stop_service(args.image_dir, args.shm_dir, timeout_s=args.timeout))
+        print(service.stop_service(args.image_dir, args.shm_dir, timeout_s=args.timeout,
+                                   log=lambda line: print(line, flush=True)))
         return 0
     if args.unstage:
         removed = staging.unstage(args.image_dir, args.ranks, shm_dir=args.shm_dir)
@@ -111,7 +114,13 @@ def _status(args) -> int:
         print(one_line(f"  the staging root {root} is not a directory: nothing can be staged there; "
                        "use another --shm-dir"))
     daemon = None
-    if st.running and st.serve:
+    sock = st.path.with_name(shm_files.socket_path(args.image_dir, args.shm_dir).name)
+    if st.running and st.serve and st.pid > 0 and not sock.exists():
+        # a stop removes it at once, then the loads in flight finish: asked, it had waited 10 s for none
+        print(one_line(f"  the serving daemon (pid {st.pid}) takes no request: its socket {sock} is gone (it is "
+                       "stopping, finishing the loads in flight, or starting); the states below are from the "
+                       "staged files"))
+    elif st.running and st.serve:
         try:
             daemon = client.serve_status(args.image_dir, args.shm_dir)
             if daemon.get("warming"):

@@ -75,17 +75,25 @@ class _Engine:
     """The engine at the other end of a load's connection, while the load waits (for its rank, for
     the device) or copies: whether it hung up (killed, or gave up), so that its arena is let go
     then, not held (GPU memory on CUDA) until the wait or the copy ends, copied into for nobody. A write side shut (a
-    broken-off hand-over awaiting its answer) is no hang-up: only POLLHUP, both sides gone, is."""
+    broken-off hand-over awaiting its answer) is no hang-up: only POLLHUP, both sides gone, is. ``cancel``: the
+    daemon's own end of the load (set by a second SIGTERM or ``preload --stop``'s timeout: the loads in flight,
+    which a first stop lets finish, are broken off), which the same checks end it at."""
 
-    def __init__(self, conn: socket.socket, pid: int):
-        self.pid, self._conn = pid, conn
+    def __init__(self, conn: socket.socket, pid: int, cancel: threading.Event | None = None):
+        self.pid, self._conn, self._cancel = pid, conn, cancel
 
     def gone(self) -> bool:
+        if self._cancel is not None and self._cancel.is_set():
+            return True
         poll = select.poll()  # one each time: the host copy's threads ask at once, and a poll object refuses that
         poll.register(self._conn, select.POLLHUP)
         return bool(poll.poll(0))
 
     def check(self, during: str) -> None:
+        if self._cancel is not None and self._cancel.is_set():
+            raise FlashBootError(f"the preloader (pid {os.getpid()}) was stopped while this load {during}, and "
+                                 "cancelled it (a second SIGTERM or Ctrl-C, or `flashboot preload --stop` ran out "
+                                 "of its --timeout); its arena is let go: load again once a preloader serves")
         if self.gone():
             raise RendezvousError(f"the engine (pid {self.pid}) hung up while its load {during}; its arena is let go")
 

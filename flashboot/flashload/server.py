@@ -19,7 +19,7 @@ from ..errors import (
     RendezvousError,
     WaitTimeoutError,
 )
-from ..fdshare import SCM_MAX_FD, FdStream
+from ..fdshare import SCM_MAX_FD, FdStream, readable
 from .protocol import (
     PROTOCOL_VERSION, REMOVED_OPS, PeerCredentials, _error_payload, peer_credentials, protocol_note,
 )
@@ -80,10 +80,17 @@ takes the fds may run that slowly (a 200 GB ``--no-pin`` rank). Its copy holds t
 queue, and a client trickling one fd just within :data:`REQUEST_TIMEOUT_S` each held it, and
 everyone queued behind, without end."""
 CLOSE_TIMEOUT_S = 10.0
-"""How long :meth:`PreloadServer.close` waits for all connection handlers together: well within
+"""How long :meth:`PreloadServer.close` waits for all connection handlers together once the loads in
+flight are cancelled (or, with none in flight, once it stopped taking requests): well within
 ``preload --stop``'s 30 s, which also waits for the unpinning and unmapping after it."""
 STOP_POLL_S = 0.2
-"""How often a request waiting for its rank's staging looks at the daemon's stop."""
+"""How often a request waiting for its rank's staging (or a connection for its request) looks at the
+daemon's stop."""
+DRAIN_POLL_S = 0.05
+"""How often a stopping daemon looks whether its loads in flight are done."""
+TURN_AWAY_S = 0.05
+"""How long a connection turned away at a stop is read for its request before it is closed (see
+:meth:`PreloadServer._turn_away`)."""
 ACCEPT_BACKOFF_S = 0.01
 ACCEPT_BACKOFF_MAX_S = 1.0
 """A failed accept() (out of fds: EMFILE) is retried after this pause, doubled up to the maximum
@@ -140,14 +147,22 @@ class PreloadServer:
     verifies the file itself.
     """
 
-    def __init__(self, config: PreloadConfig, *, stop: threading.Event | None = None, log: Callable[[str], None] = print):
+    def __init__(self, config: PreloadConfig, *, stop: threading.Event | None = None,
+                 cancel: threading.Event | None = None, log: Callable[[str], None] = print):
         self.config = config
         self.stop = stop or threading.Event()
+        """Set (SIGTERM): no new request is taken; the loads in flight finish, then :meth:`close` ends."""
+        self.cancel = cancel or threading.Event()
+        """Set (a second SIGTERM, ``preload --stop``'s timeout): the loads in flight are broken off,
+        each engine answered that it was stopped (:class:`~flashboot.flashload.serve_socket._Engine`)."""
         self.log = log
+        self._loads: dict[int, _InFlight] = {}
+        """The loads in flight, by their handler thread's ident: what a stop waits for, and says it does."""
         self.ranks = config.resolved_ranks()
         self.residents = {r: _Resident(r) for r in self.ranks}
         self.sock_path = socket_path(config.image_dir, config.shm_dir)
         self._listener: socket.socket | None = None
+        self._listener_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._threads_lock = threading.Lock()
         self._copy_locks: dict[str, _FifoLock] = {}
@@ -275,7 +290,11 @@ class PreloadServer:
                     res.event.set()
                 if self.stop.is_set():
                     break
-            self.log(f"serving {len(self.ranks)} rank(s) on {self.sock_path}")
+            failed = [r for r in self.ranks if self.residents[r].error is not None]
+            if not self.stop.is_set():  # stopped while staging: it serves nothing, and says so as it stops
+                self.log(f"serving {len(self.ranks) - len(failed)} rank(s) on {self.sock_path}"
+                         + (f"; rank(s) {failed} failed (above): their loads are answered with that error"
+                            if failed else ""))
             while not self.stop.wait(0.2):
                 pass
         finally:
@@ -295,12 +314,17 @@ class PreloadServer:
         self.stop.set()
         for res in self.residents.values():  # requests waiting for ranks never staged: they answer now
             res.event.set()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-            _unlink_quietly(self.sock_path)
+        self._stop_listening()
         with self._threads_lock:
             threads = list(self._threads)
+        try:
+            self._drain(threads)
+        finally:  # a second Ctrl-C in that wait (the foreground daemon) cancels, as a second SIGTERM does
+            self.cancel.set()  # what is still in flight (past its engine's deadline) is broken off now
+            self._close_handlers(threads)
+
+    def _close_handlers(self, threads: list[threading.Thread]) -> None:
+        """Join the connection handlers (their loads cancelled), then unpin and unmap the ranks."""
         deadline = time.monotonic() + CLOSE_TIMEOUT_S  # one bound for all: 30 s each made --stop give up first
         for t in threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -321,6 +345,29 @@ class PreloadServer:
                 os.close(res.fd)
                 res.fd = -1
 
+    def _drain(self, threads: list[threading.Thread]) -> None:
+        """Wait for the loads in flight to end: a user stopping the daemon mid-rollout has them
+        finished, not lost. Until :attr:`cancel` is set or the last one's own deadline, its
+        engine's wait for the reply (past it the engine has hung up: each copy looks). Other
+        connections are not waited for: an idle one is answered at once (:meth:`_await_request`),
+        a status in a moment; what runs still is joined by :meth:`close` within its bound."""
+        began, said = time.monotonic(), False
+        while not self.cancel.is_set() and any(t.is_alive() for t in threads):
+            with self._threads_lock:
+                loads = list(self._loads.values())
+            if not loads:
+                # a request read just as the stop came is counted by then
+                if time.monotonic() - began >= 2 * STOP_POLL_S:
+                    return
+            elif time.monotonic() >= max(load.deadline for load in loads):
+                self.log(f"stopping: {_describe_loads(loads)} still in flight past its engine's deadline; cancelled")
+                return
+            elif not said:
+                said = True
+                self.log(f"stopping: waiting for {_describe_loads(loads)} to finish; a second SIGTERM (or Ctrl-C) "
+                         f"cancels {'it' if len(loads) == 1 else 'them'}")
+            self.cancel.wait(DRAIN_POLL_S)
+
     # ---- the socket --------------------------------------------------------------------------
     def _listen(self) -> None:
         make_dir(self.sock_path.parent)
@@ -332,7 +379,43 @@ class PreloadServer:
                                  f"({exc.strerror}); remove it") from None
         self._listener = _bind_private(self.sock_path, self.group)
 
+    def _stop_listening(self) -> None:
+        """Close the listener and remove its socket (idempotent): a stop takes no new request, and
+        the socket's absence tells ``preload --stop`` the daemon is stopping already (signalled
+        again, it would cancel the loads in flight)."""
+        with self._listener_lock:
+            listener, self._listener = self._listener, None
+            if listener is None:
+                return
+            _unlink_quietly(self.sock_path)  # first: no connection joins the queue below meanwhile
+            try:
+                # the connections queued already are answered, not reset ("did it exit?"): told to ask
+                # again, an engine waits for a restarted preloader's socket within its timeout
+                while readable([listener.fileno()], 0):
+                    try:
+                        conn, _ = listener.accept()  # its 0.2 s timeout, where the accept loop took this one
+                    except OSError:  # that timeout, or out of fds: those left are reset
+                        break
+                    self._turn_away(conn, self._stopping(), wait_s=TURN_AWAY_S)
+            finally:
+                listener.close()
+
+    def _stopping(self) -> FlashBootError:
+        """The answer to a request that arrives once the daemon is stopping: retried by the client
+        (``busy``), it finds the next preloader's socket, or none within its timeout."""
+        exc = FlashBootError(f"the preloader (pid {os.getpid()}) is stopping and takes no new request; asked "
+                             "again, a preloader started in its place serves it")
+        exc.busy = True
+        return exc
+
     def _accept_loop(self) -> None:
+        try:
+            self._accept_until_stopped()
+        finally:  # at the stop itself, not once staging (a rank's pinning, deaf to stop) has ended
+            if self.stop.is_set():
+                self._stop_listening()
+
+    def _accept_until_stopped(self) -> None:
         backoff_s = ACCEPT_BACKOFF_S
         while not self.stop.is_set():
             listener = self._listener
@@ -361,11 +444,13 @@ class PreloadServer:
                 continue
             t = threading.Thread(target=self._handle, args=(conn,), name="flashboot-serve-conn", daemon=True)
             with self._threads_lock:  # close() joins only started threads, and none starts after it looked
-                if self.stop.is_set():
-                    conn.close()
-                    return
-                t.start()
-                self._threads.append(t)
+                stopping = self.stop.is_set()
+                if not stopping:
+                    t.start()
+                    self._threads.append(t)
+            if stopping:
+                self._turn_away(conn, self._stopping(), wait_s=TURN_AWAY_S)
+                return
 
     def _turn_away(self, conn: socket.socket, exc: FlashBootError, wait_s: float) -> None:
         """Answer ``exc``, log it, and close: the request is read without room for fds, so the kernel
@@ -409,6 +494,9 @@ class PreloadServer:
                 req: dict = {}
                 try:
                     conn.settimeout(self.request_timeout_s)
+                    if not self._await_request(conn):
+                        self._turn_away(conn, self._stopping(), wait_s=TURN_AWAY_S)
+                        return
                     try:
                         msg, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, SCM_MAX_FD)
                     except socket.timeout:
@@ -428,8 +516,10 @@ class PreloadServer:
                         if not fds:
                             raise RendezvousError("load request without the arena's fd attached")
                         count = _descriptor_fd_count(req)
+                        self._in_flight(req, peer.pid)
+                        # a stop lets the hand-over finish with the load; a cancel breaks it off
                         supply = FdStream(conn, fds, count, timeout_s=self.request_timeout_s,
-                                          what=f"the arena of rank {req.get('rank')}'s load", stop=self.stop,
+                                          what=f"the arena of rank {req.get('rank')}'s load", stop=self.cancel,
                                           sender_pid=peer.pid or None)  # 0: another pid namespace
                         # fds_follow: the engine exports the rest while the copy starts (they are due once
                         # the copy has the device: _copy); otherwise all were sent at once (in batches past
@@ -437,7 +527,7 @@ class PreloadServer:
                         if not req.get("fds_follow"):
                             supply.due_within(self._handover_due_s(req.get("nbytes", 0)))
                         attached = self._attach(req, supply if req.get("fds_follow") else supply.receive_all(),
-                                                _Engine(conn, peer.pid))
+                                                _Engine(conn, peer.pid, self.cancel))
                         reply = self._copy(attached, supply if req.get("fds_follow") else None)
                     elif op in REMOVED_OPS:  # an older engine's: said as such, not as a typo
                         raise RendezvousError(f"request op {op!r} ({REMOVED_OPS[op]}) is not in this preloader's "
@@ -467,9 +557,34 @@ class PreloadServer:
                 attached.arena.close()
             for fd in fds:
                 os.close(fd)
+            with self._threads_lock:  # out of flight once the arena is let go: a stop's wait ends with it
+                self._loads.pop(threading.get_ident(), None)
+
+    def _await_request(self, conn: socket.socket) -> bool:
+        """Wait for a connection's request (within :attr:`request_timeout_s`); False at a stop, to
+        be answered at once: an engine connected but silent is not a load in flight, and a stop
+        waiting out its timeout kept the daemon (and its pinned memory) up 10 s for nobody."""
+        deadline = time.monotonic() + self.request_timeout_s
+        while not readable([conn.fileno()], min(STOP_POLL_S, max(0.0, deadline - time.monotonic()))):
+            if self.stop.is_set():
+                return False
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(f"no request arrived within {self.request_timeout_s:g} s of connecting")
+        return True
+
+    def _in_flight(self, req: dict, pid: int) -> None:
+        """Count this handler's load in flight until its arena is let go (:meth:`_handle`'s end)."""
+        nbytes = req.get("nbytes", 0)
+        # the engine's own wait for the reply (client.start_served_load): past it, nobody awaits the load
+        due_s = _request_timeout_s(req) + 60 + min(max(nbytes, 0), 1 << 44) / 1e9
+        with self._threads_lock:
+            self._loads[threading.get_ident()] = _InFlight(req.get("rank"), pid, time.monotonic() + due_s)
 
     def status(self) -> dict:
+        with self._threads_lock:
+            loads = [{"rank": load.rank, "pid": load.pid} for load in self._loads.values()]
         return {"ok": True, "pid": os.getpid(), "image_dir": self.config.image_dir, "warming": self.warming,
+                "stopping": self.stop.is_set(), "loads": loads,
                 "ranks": {str(r): {"state": res.state, "nbytes": res.nbytes, "pin_ms": res.pin_ms,
                                    "metadata_sha256": res.metadata_sha256,
                                    "error": str(res.error) if res.error else None,
@@ -561,10 +676,10 @@ class PreloadServer:
         lock = self._lock_for(str(arena.device))
         t_queue = time.perf_counter()
         engine = attached.engine
-        if not lock.acquire(attached.timeout_s + 60, self.stop, engine.gone if engine is not None else None):
+        if not lock.acquire(attached.timeout_s + 60, self.cancel, engine.gone if engine is not None else None):
             if engine is not None:
                 engine.check(f"waited for {arena.device}, behind {lock.queued} queued copies")
-            if self.stop.is_set():
+            if self.cancel.is_set():
                 raise FlashBootError(f"rank {rank}: the preloader (pid {os.getpid()}) is stopping; its copy into "
                                      f"{arena.device} was not started")
             raise WaitTimeoutError(f"rank {rank}: waited {attached.timeout_s + 60:g} s for {arena.device} behind "
@@ -615,6 +730,26 @@ def _check_reply_digests(res: "_Resident") -> None:
         raise LayoutError(f"rank {res.rank}: {chunks:,} checksum chunks of {res.checksum_chunk_bytes:,} bytes; a "
                           f"verifying served reply carries at most {MAX_REPLY_DIGESTS:,} digests (one socket "
                           "message): re-pack with larger chunks, or load with verify=False and call verify_loaded")
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A load a connection handler is serving: what a stop waits for (:meth:`PreloadServer._drain`)."""
+
+    rank: Any
+    pid: int
+    """The engine's (0: in another pid namespace)."""
+    deadline: float
+    """``time.monotonic()`` past which its engine no longer waits for the reply."""
+
+
+def _describe_loads(loads: "list[_InFlight] | list[dict]") -> str:
+    """``1 load in flight (rank 0, engine pid 4242)``: what a stop waits for, in words."""
+    def one(load) -> str:
+        rank, pid = (load.get("rank"), load.get("pid")) if isinstance(load, dict) else (load.rank, load.pid)
+        return f"rank {rank}, engine pid {pid}" if pid else f"rank {rank}"
+    return (f"{len(loads)} load{'s' if len(loads) != 1 else ''} in flight ("
+            + "; ".join(one(load) for load in loads) + ")")
 
 
 class _StagingFailed(Exception):

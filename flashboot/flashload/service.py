@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -20,7 +21,7 @@ from ..errors import (
 from ..service_loop import stop_on_signals
 from ..units import check_timeout
 from ..procfs import proc_start_time
-from .server import PreloadServer, _describe_stage
+from .server import PreloadServer, _describe_loads, _describe_stage
 from .shm import (
     _read_pid_file,
     _running_pid,
@@ -262,12 +263,26 @@ def config_argv(config: PreloadConfig) -> list[str]:
     return argv
 
 
-def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
+CANCEL_WAIT_S = 15.0
+"""How long ``preload --stop`` waits, once its timeout has run out and a second SIGTERM cancelled
+the loads still in flight, for the daemon to exit: each copy looks at the cancel between pieces
+(64 MiB on the host, 1 GB on CUDA), and the daemon's close then joins within ``CLOSE_TIMEOUT_S``."""
+
+
+def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0,
+                 log: Callable[[str], None] | None = None) -> str:
     """Stop the preloader of ``image_dir`` (SIGTERM, then wait); returns what happened.
 
-    A stale pid file (its process gone) is removed and reported. Raises WaitTimeoutError when the
-    process does not exit within ``timeout_s``.
+    A served daemon takes no new request from the SIGTERM on, and finishes the loads in flight
+    (an engine's rollout is not lost to a restart) within ``timeout_s``; ``log`` is told which
+    it waits for. Past ``timeout_s`` a second SIGTERM cancels them (each engine is answered that
+    the preloader was stopped) and the daemon is waited for :data:`CANCEL_WAIT_S` more. A daemon
+    already stopping (its socket gone: another ``--stop``, a ``kill``) is not signalled again
+    before the timeout: that would cancel the loads it finishes. A stale pid file (its process
+    gone) is removed and reported. Raises WaitTimeoutError when the process does not exit.
     """
+    from .client import _daemon_status
+
     timeout_s = check_timeout(timeout_s, "stop_service timeout_s")  # NaN: the waits below never ended
     status, moved = service_status(image_dir, shm_dir), ""
     if status.pid is None:
@@ -292,26 +307,107 @@ def stop_service(image_dir, shm_dir=None, *, timeout_s: float = 30.0) -> str:
         return _remove_stale(image_dir, status)
     pid = status.pid
     start = proc_start_time(pid)
-    try:
-        os.kill(pid, signal.SIGTERM)
-        # as systemd does: a stopped preloader (SIGSTOP, a frozen job) runs to take it, where
-        # --stop had waited out its timeout and failed, the daemon stopped still, its memory kept
-        os.kill(pid, signal.SIGCONT)
-    except PermissionError:
-        raise FlashBootError(f"not permitted to stop preloader pid {pid} (pid file {status.path}): another user's") from None
-    except ProcessLookupError:
-        return f"preloader pid {pid} exited on its own"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc_start_time(pid) != start:
-            _remove_if_stale(status.path)  # it died without cleaning up (kept if a new one holds it)
-            return f"stopped preloader pid {pid}{moved}"
+    sock = status.path.with_name(socket_path(image_dir, shm_dir).name)  # beside its pid file, wherever that is
+    signalled = False
+
+    def signal_it() -> bool:
+        """SIGTERM (and SIGCONT); False when the process is gone."""
+        try:
+            os.kill(pid, signal.SIGTERM)
+            # as systemd does: a stopped preloader (SIGSTOP, a frozen job) runs to take it, where
+            # --stop had waited out its timeout and failed, the daemon stopped still, its memory kept
+            os.kill(pid, signal.SIGCONT)
+        except PermissionError:
+            raise FlashBootError(f"not permitted to stop preloader pid {pid} (pid file {status.path}): another "
+                                 "user's") from None
+        except ProcessLookupError:
+            return False
+        return True
+
+    def exited() -> bool:
         try:  # reap it if it is our child (tests start it from this process)
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             pass
+        return proc_start_time(pid) != start
+
+    with _one_stopper(status.path.parent, timeout_s):  # two --stop at once: the second finds it stopping
+        # asked before the signal, after which it answers no more: what the wait below is for
+        said = _daemon_status(sock) if status.serve and sock.exists() else {}
+        loads = said.get("loads") if isinstance(said.get("loads"), list) else []
+        # a served daemon without its socket is stopping already (a second SIGTERM would cancel its
+        # loads in flight), or starting before it listens: signalled once its socket is there
+        stopping = status.serve and (said.get("stopping") is True or not sock.exists())
+        if stopping:
+            with contextlib.suppress(OSError):  # one stopping but frozen (SIGSTOP) finishes nothing
+                os.kill(pid, signal.SIGCONT)
+        else:
+            if not signal_it():
+                return f"preloader pid {pid} exited on its own"
+            signalled = True
+            seen = time.monotonic() + _STOP_SEEN_S  # its socket goes at once, whatever it finishes
+            while status.serve and sock.exists() and not exited() and time.monotonic() < seen:
+                time.sleep(0.01)
+    if log is not None and (loads or stopping):
+        what = _describe_loads(loads) if loads else "it to finish what it has in flight"
+        log(f"preloader pid {pid}{f' is stopping already (its socket {sock} is gone)' if stopping else ''}: waiting "
+            f"up to {timeout_s:g} s for {what}; then {'they are' if len(loads) > 1 else 'it is'} cancelled")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if exited():
+            _remove_if_stale(status.path)  # it died without cleaning up (kept if a new one holds it)
+            return f"stopped preloader pid {pid}{moved}"
+        if not signalled and sock.exists():  # it was starting: it listens now
+            if not signal_it():
+                continue
+            signalled = True
         time.sleep(0.02)
-    raise WaitTimeoutError(f"preloader pid {pid} did not exit within {timeout_s:g} s of SIGTERM")
+    if not status.serve:
+        raise WaitTimeoutError(f"preloader pid {pid} did not exit within {timeout_s:g} s of SIGTERM")
+    # the loads it still finishes are cancelled: each engine is answered that the preloader was stopped
+    if log is not None:
+        log(f"preloader pid {pid} has not exited within {timeout_s:g} s; cancelling what it has in flight")
+    signal_it()  # its second (or, where one starting never listened, its first: nothing is in flight then)
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while time.monotonic() < deadline:
+        if exited():
+            _remove_if_stale(status.path)
+            return (f"stopped preloader pid {pid}{moved}; the loads it still had in flight after {timeout_s:g} s "
+                    "were cancelled")
+        time.sleep(0.02)
+    raise WaitTimeoutError(f"preloader pid {pid} did not exit within {timeout_s:g} s of SIGTERM, nor "
+                           f"{CANCEL_WAIT_S:g} s after a second SIGTERM cancelled its loads in flight")
+
+
+_STOP_SEEN_S = 5.0
+"""How long a ``--stop`` that signalled a served daemon keeps other ``--stop``s of it waiting for
+its socket to go (:func:`_one_stopper`): its accept loop removes it within a poll of the SIGTERM."""
+
+
+@contextlib.contextmanager
+def _one_stopper(folder: Path, timeout_s: float):
+    """Hold an exclusive flock on the preloader's staging folder (within ``timeout_s``) while a
+    ``--stop`` looks whether the daemon is stopping already and signals it: two at once had
+    both found it serving and both sent SIGTERM, the second cancelling the loads in flight
+    that the first lets finish. Not held where the folder is gone or the wait runs out."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + min(timeout_s, _STOP_SEEN_S + 1)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _remove_stale(image_dir, status) -> str:
@@ -326,18 +422,20 @@ def _remove_stale(image_dir, status) -> str:
 def run_service(config: PreloadConfig, *, log: Callable[[str], None] = print,
                 progress: Callable[[int, int, int], None] | None = None) -> list[StageResult] | None:
     """Run a preloader in this process: claim the pid file, stage (and with ``config.serve``,
-    serve until SIGTERM), release the pid file. SIGTERM stops it cleanly: a copy in flight is
-    abandoned and its partial file removed. Returns the staging results (None when serving)."""
+    serve until SIGTERM), release the pid file. SIGTERM stops it cleanly: a staging copy in
+    flight is abandoned and its partial file removed; a served daemon takes no new request and
+    lets the loads in flight finish, which a second SIGTERM cancels. Returns the staging
+    results (None when serving)."""
     path = pid_file(config.image_dir, config.shm_dir)
     note = _claim_pid_file(path, config.serve, config.ranks, config.image_dir)
-    stop = threading.Event()
+    stop, cancel = threading.Event(), threading.Event()
     try:
         for line in (note, not_shared_memory_warning(config.shm_dir)):  # a log that fails still releases the pid file
             if line:
                 log(line)
-        with stop_on_signals(stop, (signal.SIGTERM,)):
+        with stop_on_signals(stop, (signal.SIGTERM,), again=cancel):
             if config.serve:
-                PreloadServer(config, stop=stop, log=log).run(progress)
+                PreloadServer(config, stop=stop, cancel=cancel, log=log).run(progress)
                 return None
             try:
                 results = preload(config, progress=progress, stop=stop, log=log)
