@@ -25,7 +25,7 @@ import flashboot
 from flashboot.arena import Arena
 from flashboot.errors import FlashBootError, LayoutError, RendezvousError
 from flashboot.fdshare import send_fds
-from flashboot.flashload import client, server, staging
+from flashboot.flashload import client, serve_socket, server, staging
 from flashboot.flashload import shm as shm_files
 
 from flashboot.flashload.server import PreloadServer
@@ -86,14 +86,14 @@ def test_the_socket_is_created_0600_whatever_the_umask(tmp_path, monkeypatch):
     monkeypatch.setattr(socket.socket, "bind", bind)
     old = os.umask(0)
     try:
-        s = server._bind_private(tmp_path / "s.sock", None)
+        s = serve_socket._bind_private(tmp_path / "s.sock", None)
         s.close()
         assert os.umask(0) == 0, "the process umask is restored"
     finally:
         os.umask(old)
     assert seen == ["0o600"]
     with pytest.raises(FlashBootError, match="Unix sockets allow 107"):
-        server._bind_private(tmp_path / ("x" * 120), None)
+        serve_socket._bind_private(tmp_path / ("x" * 120), None)
 
 
 def _as_user(fn, uid: int, gid: int) -> dict:
@@ -287,17 +287,17 @@ def test_allow_group_is_validated_and_passed_to_the_service(image):
 
 
 def test_admits_by_uid_primary_and_supplementary_group():
-    peer = server.PeerCredentials(pid=1, uid=1000, gid=100, groups=(100, 27))
-    assert server.admits(peer, uid=1000, group=None)
-    assert not server.admits(peer, uid=0, group=None)
-    assert server.admits(peer, uid=0, group=100) and server.admits(peer, uid=0, group=27)
-    assert not server.admits(peer, uid=0, group=5)
+    peer = serve_socket.PeerCredentials(pid=1, uid=1000, gid=100, groups=(100, 27))
+    assert serve_socket.admits(peer, uid=1000, group=None)
+    assert not serve_socket.admits(peer, uid=0, group=None)
+    assert serve_socket.admits(peer, uid=0, group=100) and serve_socket.admits(peer, uid=0, group=27)
+    assert not serve_socket.admits(peer, uid=0, group=5)
 
 
 def test_peer_credentials_of_a_real_connection():
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with a, b:
-        peer = server.peer_credentials(a)
+        peer = serve_socket.peer_credentials(a)
     assert (peer.pid, peer.uid, peer.gid) == (os.getpid(), os.geteuid(), os.getegid())
 
 

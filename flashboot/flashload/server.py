@@ -21,15 +21,12 @@ from ..errors import (
 )
 from ..fdshare import SCM_MAX_FD, FdStream, readable
 from .protocol import (
-    PROTOCOL_VERSION, REMOVED_OPS, PeerCredentials, _error_payload, peer_credentials, protocol_note,
+    PROTOCOL_VERSION, REMOVED_OPS, _error_payload, protocol_note,
 )
 from .shm import (
-    _unlink_quietly,
     check_ready,
-    make_dir,
     rank_source,
     open_staged,
-    read_ready,
     socket_path,
     staged_paths,
 )
@@ -46,13 +43,13 @@ from .serve_copy import (
     wait_without_spinning,
 )
 from .serve_socket import (
+    TURN_AWAY_S,
     _Engine,
+    _Listening,
     _FifoLock,
-    _bind_private,
     _descriptor_fd_count,
     _parse_request,
     _request_timeout_s,
-    admits,
 )
 from .staging import PreloadConfig, StageResult, stage_rank_when_free
 
@@ -88,13 +85,6 @@ STOP_POLL_S = 0.2
 daemon's stop."""
 DRAIN_POLL_S = 0.05
 """How often a stopping daemon looks whether its loads in flight are done."""
-TURN_AWAY_S = 0.05
-"""How long a connection turned away at a stop is read for its request before it is closed (see
-:meth:`PreloadServer._turn_away`)."""
-ACCEPT_BACKOFF_S = 0.01
-ACCEPT_BACKOFF_MAX_S = 1.0
-"""A failed accept() (out of fds: EMFILE) is retried after this pause, doubled up to the maximum
-while it keeps failing: fds come back as handlers finish."""
 
 
 # ====================================================================== the served-load daemon
@@ -122,7 +112,7 @@ class _Resident:
     state: str = "staging"
 
 
-class PreloadServer:
+class PreloadServer(_Listening):
     """Stages ranks, keeps them mapped and pinned, and copies them into engines' arenas on request.
 
     Protocol (``SOCK_SEQPACKET``, one JSON message each way): the engine sends
@@ -367,120 +357,6 @@ class PreloadServer:
                 self.log(f"stopping: waiting for {_describe_loads(loads)} to finish; a second SIGTERM (or Ctrl-C) "
                          f"cancels {'it' if len(loads) == 1 else 'them'}")
             self.cancel.wait(DRAIN_POLL_S)
-
-    # ---- the socket --------------------------------------------------------------------------
-    def _listen(self) -> None:
-        make_dir(self.sock_path.parent)
-        try:
-            _unlink_quietly(self.sock_path)  # a leftover of a dead daemon (the pid file says we own the dir)
-        except OSError as exc:
-            kind = "a folder" if self.sock_path.is_dir() else "something"
-            raise FlashBootError(f"cannot take the socket path {self.sock_path}: {kind} is in the way "
-                                 f"({exc.strerror}); remove it") from None
-        self._listener = _bind_private(self.sock_path, self.group)
-
-    def _stop_listening(self) -> None:
-        """Close the listener and remove its socket (idempotent): a stop takes no new request, and
-        the socket's absence tells ``preload --stop`` the daemon is stopping already (signalled
-        again, it would cancel the loads in flight)."""
-        with self._listener_lock:
-            listener, self._listener = self._listener, None
-            if listener is None:
-                return
-            _unlink_quietly(self.sock_path)  # first: no connection joins the queue below meanwhile
-            try:
-                # the connections queued already are answered, not reset ("did it exit?"): told to ask
-                # again, an engine waits for a restarted preloader's socket within its timeout
-                while readable([listener.fileno()], 0):
-                    try:
-                        conn, _ = listener.accept()  # its 0.2 s timeout, where the accept loop took this one
-                    except OSError:  # that timeout, or out of fds: those left are reset
-                        break
-                    self._turn_away(conn, self._stopping(), wait_s=TURN_AWAY_S)
-            finally:
-                listener.close()
-
-    def _stopping(self) -> FlashBootError:
-        """The answer to a request that arrives once the daemon is stopping: retried by the client
-        (``busy``), it finds the next preloader's socket, or none within its timeout."""
-        exc = FlashBootError(f"the preloader (pid {os.getpid()}) is stopping and takes no new request; asked "
-                             "again, a preloader started in its place serves it")
-        exc.busy = True
-        return exc
-
-    def _accept_loop(self) -> None:
-        try:
-            self._accept_until_stopped()
-        finally:  # at the stop itself, not once staging (a rank's pinning, deaf to stop) has ended
-            if self.stop.is_set():
-                self._stop_listening()
-
-    def _accept_until_stopped(self) -> None:
-        backoff_s = ACCEPT_BACKOFF_S
-        while not self.stop.is_set():
-            listener = self._listener
-            if listener is None or listener.fileno() < 0:
-                return
-            try:
-                conn, _ = listener.accept()
-            except socket.timeout:
-                continue
-            except OSError as exc:
-                if self.stop.is_set() or self._listener is not listener:
-                    return  # close() shut the listener under us
-                # EMFILE/ENFILE/ENOBUFS/ECONNABORTED pass: the connection waits in the backlog; ending this
-                # thread left a daemon that looked alive and never answered again
-                self.log(f"accepting a connection on {self.sock_path} failed ({exc}); retrying in {backoff_s:g} s")
-                self.stop.wait(backoff_s)
-                backoff_s = min(2 * backoff_s, ACCEPT_BACKOFF_MAX_S)
-                continue
-            backoff_s = ACCEPT_BACKOFF_S
-            self._threads = [x for x in self._threads if x.is_alive()]
-            if len(self._threads) >= self.max_connections:
-                busy = FlashBootError(f"busy: {len(self._threads)} connections are being handled (at most "
-                                      f"{self.max_connections}); retry")
-                busy.busy = True  # travels in the reply's attrs: a client retries within its timeout
-                self._turn_away(conn, busy, wait_s=0.1)
-                continue
-            t = threading.Thread(target=self._handle, args=(conn,), name="flashboot-serve-conn", daemon=True)
-            with self._threads_lock:  # close() joins only started threads, and none starts after it looked
-                stopping = self.stop.is_set()
-                if not stopping:
-                    t.start()
-                    self._threads.append(t)
-            if stopping:
-                self._turn_away(conn, self._stopping(), wait_s=TURN_AWAY_S)
-                return
-
-    def _turn_away(self, conn: socket.socket, exc: FlashBootError, wait_s: float) -> None:
-        """Answer ``exc``, log it, and close: the request is read without room for fds, so the kernel
-        discards any it carried and none enters this process. Reading it (up to ``wait_s``) before
-        closing lets the client finish its send and read the answer instead of a broken pipe."""
-        self.log(str(exc))
-        try:
-            conn.settimeout(wait_s)
-            conn.send(json.dumps(_error_payload(exc)).encode())
-            # the request and any batches of fds sent behind it: closed with one unread, the client's
-            # connection is reset and the answer lost. Within ``wait_s`` in all: the accept loop waits
-            deadline = time.monotonic() + wait_s
-            while conn.recv(1) and time.monotonic() < deadline:
-                conn.settimeout(max(1e-3, deadline - time.monotonic()))
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    def _admit(self, conn: socket.socket) -> PeerCredentials | None:
-        """The peer, when it may talk to this daemon; a stranger is answered, logged and dropped (None)."""
-        peer = peer_credentials(conn)
-        if admits(peer, uid=self.uid, group=self.group):
-            return peer
-        self.refused += 1
-        allowed = f"uid {self.uid}" + (f" or group {self.group}" if self.group is not None else "")
-        self._turn_away(conn, RendezvousError(
-            f"refused: pid {peer.pid} runs as uid {peer.uid} (gid {peer.gid}); this preloader serves {allowed} only"),
-            wait_s=self.request_timeout_s)
-        return None
 
     def _handle(self, conn: socket.socket) -> None:
         fds: list[int] = []
