@@ -496,3 +496,39 @@ def test_the_hold_command_says_a_problem_as_it_happens(tmp_path):
         assert holder.wait(20) == 0
     finally:
         stop(holder)
+
+
+def test_an_arena_whose_engine_gave_up_while_it_was_mapped_is_let_go(tmp_path, monkeypatch):
+    """The engine's wait runs out while the holder maps its arena (a large arena takes a while): it
+    says "no holder adopted" and withdraws. The holder had then published and kept it, its memory
+    held by no one's wish; it now looks before publishing, and lets it go."""
+    from flashboot.errors import WaitTimeoutError
+    from flashboot.flashclone.holder import REQUESTS, Holder, hand_over, held_record
+
+    registry = tmp_path / "held"
+    engine_done = threading.Event()
+    outcome: list[BaseException | None] = []
+    real_map = Arena.map_range
+
+    def slow_map(self, *args, **kwargs):  # the holder's mapping outlasts the engine's wait
+        assert engine_done.wait(20)
+        return real_map(self, *args, **kwargs)
+
+    with Holder(registry=registry) as holder, Arena.create(2 * MiB, "cpu") as arena:
+        def engine():
+            try:
+                hand_over(arena, "slow", registry=registry, timeout_s=1)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at it
+                outcome.append(exc)
+            engine_done.set()
+
+        t = threading.Thread(target=engine)
+        t.start()
+        wait_until(lambda: holder.kv.names(REQUESTS), 10, "the engine's request")
+        monkeypatch.setattr(Arena, "map_range", slow_map)
+        holder.poll_once()
+        t.join(10)
+        assert isinstance(outcome[0], WaitTimeoutError), outcome
+        assert "slow" not in holder.held and held_record("slow", registry=registry) is None
+        assert any("withdrew its hand-over" in e for e in holder.errors), list(holder.errors)

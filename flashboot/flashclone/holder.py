@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ArenaError, FlashBootError, StoreLostError
 from ..fdshare import grow_fd_table, take_fds
@@ -174,9 +174,12 @@ class Holder:
                 "serves it; two holders would both adopt every request. Stop that holder first (if pid "
                 f"{pid} is no holder, remove held/{names[0]}.json)")
 
-    def adopt(self, name: str, descriptor, request: str = "", image: dict | None = None) -> HeldArena:
+    def adopt(self, name: str, descriptor, request: str = "", image: dict | None = None, *,
+              withdrawn: Callable[[], bool] | None = None) -> HeldArena | None:
         """Take the arena ``descriptor`` names into this process and publish it under ``name``
         (with ``image``, the engine's identity of the weights, for a restarted engine to check).
+        ``withdrawn``: asked once the arena is mapped, before it is published; True (the engine's
+        wait ran out meanwhile and it took its request back) lets it go again and returns None.
 
         Raises ArenaError when the engine has exited or its fd is not the arena."""
         from ..arena import Arena
@@ -190,10 +193,18 @@ class Holder:
             arena = Arena.open(descriptor, None if descriptor.backend == "host" else descriptor.device_index, fds=fds)
             # mapping every segment keeps the physical allocation alive after the engine is gone
             arena.map_range()
+            # mapping a large arena takes a while: an engine whose wait ran out meanwhile said "no
+            # holder adopted" and withdrew; kept, it was held (its memory in use) by no one's wish
+            gone = withdrawn is not None and withdrawn()
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
+        if gone:
+            HeldArena(name, arena, fds, descriptor, time.time()).close()
+            self.errors.append(f"{name}: the engine (pid {descriptor.pid}) withdrew its hand-over (its wait ran out) "
+                               "while its arena was being mapped; let go")
+            return None
         held_desc = replace(descriptor, pid=os.getpid(), fds=tuple(fds))
         old = self.held.pop(name, None)
         item = HeldArena(name, arena, fds, held_desc, time.time())
@@ -300,7 +311,8 @@ class Holder:
                 image = req.get("image")
                 request = req.get("request", "")
                 self.adopt(name, ArenaDescriptor.from_dict(req["descriptor"]),
-                           request if isinstance(request, str) else "", image if isinstance(image, dict) else None)
+                           request if isinstance(request, str) else "", image if isinstance(image, dict) else None,
+                           withdrawn=lambda: self._withdrawn(kind, name, req))
         except StoreLostError:
             raise
         except (FlashBootError, OSError) as exc:
@@ -312,6 +324,16 @@ class Holder:
         # again at once, had been removed with it, unanswered (one at a time: see hand_over)
         self._forget_request(kind, name, req)
         return 1
+
+    def _withdrawn(self, kind: str, name: str, req: dict) -> bool:
+        """Whether the request ``req`` under ``name`` is gone (its engine's wait ran out); a store
+        that cannot say now does not fail the adoption."""
+        try:
+            return self.kv.get(kind, name) != req
+        except StoreLostError:
+            raise
+        except FlashBootError:
+            return False
 
     def _answer_error(self, name: str, req: dict, error: str) -> None:
         answer = {"error": error, "request": str(req.get("request", "")), "engine_pid": req.get("pid"),
