@@ -233,3 +233,28 @@ def test_a_chunk_table_given_as_a_tensor_is_converted_whole_and_a_bool_one_refus
     assert np.array_equal(dst, np.concatenate([src[4096:], src[:4096]]))
     with pytest.raises(MoverError, match=r"64-bit integers; entry 0 is \(True, False, True\)"):
         mover.batch(dst, src, torch.tensor([(True, False, True)]))
+
+
+def test_the_kernel_copies_refuse_a_read_only_numpy_destination(tmp_path):
+    """copy_with_checksums (the host path: host_copy through the bare pointer) wrote into the
+    immutable bytes of np.frombuffer, and a memory map opened "r" faulted; sm_copy and tma_copy
+    (host memory under the interpreter) did the same. Mover.copy refused it already."""
+    from flashboot.kernels import copy as kc
+    from flashboot.kernels.copy_verify import copy_with_checksums
+
+    frozen = bytes(64)
+    dst = np.frombuffer(frozen, dtype=np.uint8)
+    with pytest.raises(MoverError, match=r"copy_with_checksums: the destination \(64 bytes at 0x[0-9a-f]+\) is a "
+                                         r"read-only numpy array"):
+        copy_with_checksums(dst, pattern(64), 16)
+    for copy in (kc.sm_copy, kc.tma_copy):
+        with pytest.raises(MoverError, match=r"copy: the destination \(64 bytes at 0x[0-9a-f]+\) is a read-only"):
+            copy(dst, pattern(64), stream=None)
+    (tmp_path / "image").write_bytes(bytes(64))
+    mapped = np.memmap(tmp_path / "image", dtype=np.uint8, mode="r")
+    with pytest.raises(MoverError, match="read-only numpy array"):
+        copy_with_checksums(mapped, pattern(64), 16)
+    del mapped
+    assert frozen == bytes(64) and (tmp_path / "image").read_bytes() == bytes(64)
+    out = np.zeros(64, np.uint8)  # a read-only source is fine
+    assert copy_with_checksums(out, dst, 16) == copy_with_checksums(np.zeros(64, np.uint8), np.zeros(64, np.uint8), 16)
