@@ -126,6 +126,16 @@ def writable(dst: Any, who: str) -> Any:
     return dst
 
 
+def count_of(value: Any) -> Any:
+    """``value`` as the plain int it holds where numpy computed it (``np.int64(4096)``: a sweep over
+    ``2 ** np.arange``), else unchanged for the caller to judge; a bool stays a bool (True is no
+    byte count)."""
+    if type(value) is int or isinstance(value, bool) or not hasattr(type(value), "__index__") \
+            or type(value).__module__ != "numpy":
+        return value
+    return operator.index(value)
+
+
 _CUDA_DEVICES: dict[int, Device] = {}
 
 

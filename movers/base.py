@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import numpy as np
 from flashboot.errors import CapabilityError, MoverError
-from flashboot.memory import Span, check_backed, path_between, span_of, stream_device, writable
+from flashboot.memory import Span, check_backed, count_of, path_between, span_of, stream_device, writable
 
 from .batch import ChunkBatch
 
@@ -61,10 +60,8 @@ class Mover:
         dst_span, src_span = span_of(writable(dst, self.name)), span_of(src)
         check_backed(dst_span, self.name, "destination")
         check_backed(src_span, self.name, "source")
-        if nbytes is None:
-            nbytes = src_span.nbytes
-        elif isinstance(nbytes, np.integer):  # a size from numpy (np.int64(4096)) had been refused as "not an int"
-            nbytes = int(nbytes)
+        # a size from numpy (np.int64(4096)) had been refused as "not an int"
+        nbytes = src_span.nbytes if nbytes is None else count_of(nbytes)
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise MoverError(f"{self.name}: nbytes must be a positive int, got {nbytes!r}")
         if nbytes > src_span.nbytes or nbytes > dst_span.nbytes:
