@@ -258,3 +258,16 @@ def test_the_kernel_copies_refuse_a_read_only_numpy_destination(tmp_path):
     assert frozen == bytes(64) and (tmp_path / "image").read_bytes() == bytes(64)
     out = np.zeros(64, np.uint8)  # a read-only source is fine
     assert copy_with_checksums(out, dst, 16) == copy_with_checksums(np.zeros(64, np.uint8), np.zeros(64, np.uint8), 16)
+
+
+def test_a_chunk_entry_of_other_than_three_values_is_named():
+    """[(0, 0, 8), (8, 8)] was refused with numpy's "inhomogeneous shape after 1 dimensions. The
+    detected shape was (2,) + inhomogeneous part", naming neither the entry nor what it held."""
+    mover, dst, src = create_mover("host"), np.zeros(64, np.uint8), pattern(64)
+    for chunks, named in (([(0, 0, 8), (8, 8)], "entry 1 is (8, 8), 2 value(s)"),
+                          ([(0, 0, 8), (8, 8, 8, 8)], "entry 1 is (8, 8, 8, 8), 4 value(s)"),
+                          ([(0, 0, 8), None], "entry 1 is None"),
+                          ([(0, 0, 8, 1)], "entry 0 is (0, 0, 8, 1), 4 value(s)")):
+        with pytest.raises(MoverError, match=re.escape(f"(dst_offset, src_offset, nbytes); {named}")):
+            mover.copy_batch(dst, src, chunks)
+    assert not dst.any()
