@@ -131,9 +131,12 @@ def count_of(value: Any) -> Any:
     ``2 ** np.arange``), else unchanged for the caller to judge; a bool stays a bool (True is no
     byte count)."""
     if type(value) is int or isinstance(value, bool) or not hasattr(type(value), "__index__") \
-            or type(value).__module__ != "numpy":
+            or type(value).__module__ != "numpy" or getattr(value, "dtype", None) == bool:
         return value
-    return operator.index(value)
+    try:
+        return operator.index(value)
+    except TypeError:  # an array of more than one value, or of floats: no count, for the caller to refuse
+        return value
 
 
 _CUDA_DEVICES: dict[int, Device] = {}
