@@ -271,3 +271,17 @@ def test_a_chunk_entry_of_other_than_three_values_is_named():
         with pytest.raises(MoverError, match=re.escape(f"(dst_offset, src_offset, nbytes); {named}")):
             mover.copy_batch(dst, src, chunks)
     assert not dst.any()
+
+
+def test_copy_engine_batch_streams_spread_a_batch_whose_first_chunk_is_over_its_share():
+    """Cut before the chunk that passed each 1/streams of the bytes, a first chunk larger than its
+    share swallowed every cut: batch_streams=2 over chunks of 6 and 4 MiB issued both on one
+    stream, and 4 streams over (100, 1, 1, 1) MiB one as well (nothing said so)."""
+    from flashboot.movers.copy_engine import stream_groups
+
+    mib = 1 << 20
+    assert stream_groups(np.array([6 * mib, 4 * mib]), 2) == [(0, 1), (1, 2)]
+    assert stream_groups(np.array([100, 1, 1, 1]) * mib, 4) == [(0, 1), (1, 4)]
+    assert stream_groups(np.array([40, 30, 30]) * mib, 3) == [(0, 1), (1, 2), (2, 3)]
+    assert stream_groups(np.array([1, 1, 1, 100]) * mib, 4) == [(0, 3), (3, 4)]
+    assert stream_groups(np.full(256, 4 * mib), 4) == [(0, 64), (64, 128), (128, 192), (192, 256)]
