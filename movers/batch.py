@@ -55,9 +55,13 @@ def _entries(chunks: Any) -> np.ndarray:
     if table.dtype.kind not in "iu" or (kinds is not None and (bool in kinds or np.bool_ in kinds)):
         # floats, bools, ints past 64 bits (object)
         rows = table.tolist() if isinstance(chunks, np.ndarray) else chunks
-        row = next((i for i, entry in enumerate(rows) if not all(map(_is_int64, entry))), 0)
-        raise MoverError(f"a chunk list must hold (dst_offset, src_offset, nbytes) 64-bit integers; entry {row} is "
-                         f"{tuple(rows[row])!r}")
+        row = next((i for i, entry in enumerate(rows) if not all(map(_is_int64, entry))), None)
+        if row is not None:
+            raise MoverError(f"a chunk list must hold (dst_offset, src_offset, nbytes) 64-bit integers; entry {row} "
+                             f"is {tuple(rows[row])!r}")
+        # integers all: numpy made floats of np.uint64 beside signed ints ((np.uint64(8), 0, 8) had been
+        # refused as no integers, naming entry 0 whatever it held)
+        table = np.array([[int(v) for v in entry] for entry in rows], dtype=np.int64)
     if table.dtype.kind == "u" and table.size and int(table.max()) > _INT64_MAX:
         raise MoverError(f"a chunk list entry exceeds {_INT64_MAX:,} bytes")
     return table.astype(np.int64, copy=False)

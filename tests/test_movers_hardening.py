@@ -285,3 +285,16 @@ def test_copy_engine_batch_streams_spread_a_batch_whose_first_chunk_is_over_its_
     assert stream_groups(np.array([40, 30, 30]) * mib, 3) == [(0, 1), (1, 2), (2, 3)]
     assert stream_groups(np.array([1, 1, 1, 100]) * mib, 4) == [(0, 3), (3, 4)]
     assert stream_groups(np.full(256, 4 * mib), 4) == [(0, 64), (64, 128), (128, 192), (192, 256)]
+
+
+def test_chunk_offsets_of_numpy_uint64_beside_signed_ints_are_the_integers_they_are():
+    """numpy makes float64 of np.uint64 beside a signed int: a chunk list whose offsets came from a
+    uint64 array (a header's sizes) was refused as "must hold 64-bit integers; entry 0 is
+    (np.uint64(8), 0, 8)" -- entry 0 named whatever it held."""
+    mover, src = create_mover("host"), pattern(64)
+    dst = np.zeros(64, np.uint8)
+    mover.copy_batch(dst, src, [(np.uint64(8), 0, 8), (0, np.uint64(8), np.int64(8))])
+    assert np.array_equal(dst[:16], np.concatenate([src[8:16], src[:8]])) and not dst[16:].any()
+    for bad, entry in (([(0, 0, 8), (np.uint64(2**63), 0, 8)], 1), ([(np.uint64(8), 0, 8.0)], 0)):
+        with pytest.raises(MoverError, match=rf"64-bit integers; entry {entry} is \(np.uint64"):
+            mover.copy_batch(dst, src, bad)
