@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import operator
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import ArenaError, CapabilityError, FlashBootError
+from .errors import ArenaError, CapabilityError, FlashBootError, MoverError
 
 PATHS = ("h2d", "d2h", "d2d", "p2p", "host")
 """Copy paths a mover may support: host->GPU, GPU->host, same GPU, GPU->other GPU, host->host."""
@@ -112,6 +113,30 @@ def check_backed(span: Span, who: str, role: str) -> None:
     if backs is not None and not backs(span.ptr, span.nbytes):
         raise ArenaError(f"{who}: the {role}: the span at {span.ptr:#x} ({span.nbytes:,} bytes on {span.device}) "
                          f"belongs to {owner!r}, which is asleep (nothing backs it): wake() it first")
+
+
+def writable(dst: Any, who: str) -> Any:
+    """``dst``, or MoverError for a read-only numpy array (``np.frombuffer`` of bytes, a memory
+    map opened "r"): its span is a bare pointer, and a copy through it wrote into the immutable
+    bytes or faulted on the read-only map. Every copy into a caller's destination checks it."""
+    np = sys.modules.get("numpy")  # no numpy imported: no numpy array (this module imports none)
+    if np is not None and isinstance(dst, np.ndarray) and not dst.flags.writeable:
+        raise MoverError(f"{who}: the destination ({dst.nbytes:,} bytes at {dst.ctypes.data:#x}) is a read-only "
+                         "numpy array; copy into a writeable one")
+    return dst
+
+
+def count_of(value: Any) -> Any:
+    """``value`` as the plain int it holds where numpy computed it (``np.int64(4096)``: a sweep over
+    ``2 ** np.arange``), else unchanged for the caller to judge; a bool stays a bool (True is no
+    byte count)."""
+    if type(value) is int or isinstance(value, bool) or not hasattr(type(value), "__index__") \
+            or type(value).__module__ != "numpy" or getattr(value, "dtype", None) == bool:
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:  # an array of more than one value, or of floats: no count, for the caller to refuse
+        return value
 
 
 _CUDA_DEVICES: dict[int, Device] = {}

@@ -86,7 +86,11 @@ def chunk_checksums(obj: Any, chunk_bytes: int, *, stream: Any = None, **tuning:
     """Digests of consecutive ``chunk_bytes`` pieces of ``obj``, each its own range (the last may be
     short). On CUDA memory one launch covers all chunks: 16-byte loads when the range starts on a
     4-byte boundary and ``chunk_bytes`` is a multiple of 4 (best: of 64), byte loads otherwise."""
-    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+    from flashboot.memory import count_of
+
+    # np.int64(4096) had been refused as no int, True taken as 1 (a digest per byte)
+    chunk_bytes = count_of(chunk_bytes)
+    if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0:
         raise FlashBootError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
     span = _span_or_buffer(obj)
     if span is None or not span.device.is_cuda:

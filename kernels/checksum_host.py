@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from flashboot.errors import FlashBootError
+from flashboot.memory import count_of
 
 from ._numba import cached_njit, numba_or_error, parallel_call
 from .checksum_spec import GOLDEN32, LENGTH_MUL, M32, M64, MIX_Y, SALT_Y, word_term
@@ -160,7 +161,8 @@ def checksum_host(buf: Any) -> int:
 def chunk_checksums_host(buf: Any, chunk_bytes: int) -> list[int]:
     """Digests of consecutive ``chunk_bytes`` pieces of ``buf``, each hashed as its own range
     (word indices restart at 0); the last chunk may be short. An empty buffer has no chunks."""
-    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+    chunk_bytes = count_of(chunk_bytes)  # np.int64(4096) had been refused, True taken as 1
+    if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0:
         raise FlashBootError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
     raw = _as_bytes(buf)
     n = raw.size

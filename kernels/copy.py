@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.runtime import _allocation
 
 from flashboot.errors import CapabilityError, FlashBootError, MoverError
-from flashboot.memory import Span, check_backed, span_of, stream_handle
+from flashboot.memory import Span, check_backed, count_of, span_of, stream_handle, writable
 
 from .knobs import check_launch_knobs
 from .launch import LaunchConfig, current_device, launch
@@ -148,11 +148,11 @@ def _split(dst: Span, src: Span, nbytes: int) -> tuple[int, int, int, int]:
 
 
 def _prepare(dst: Any, src: Any, nbytes: int | None) -> tuple[Span, Span, int]:
-    d, s = span_of(dst), span_of(src)
+    d, s = span_of(writable(dst, "copy")), span_of(src)
     for span, role in ((d, "destination"), (s, "source")):  # a closed or asleep arena's span segfaulted
         check_backed(span, "copy", role)
-    if nbytes is None:
-        nbytes = s.nbytes
+    # a size from numpy (np.int64(50)) had been refused as "cannot copy 50 bytes from a 100-byte source"
+    nbytes = s.nbytes if nbytes is None else count_of(nbytes)
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0 or nbytes > s.nbytes or nbytes > d.nbytes:
         raise FlashBootError(f"cannot copy {nbytes!r} bytes from a {s.nbytes:,}-byte source to a {d.nbytes:,}-byte destination")
     if d.device == s.device and d.ptr < s.ptr + nbytes and s.ptr < d.ptr + nbytes:

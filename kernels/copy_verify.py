@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from flashboot.errors import ChecksumMismatchError, MoverError
-from flashboot.memory import check_backed, span_of
+from flashboot.memory import check_backed, count_of, span_of, writable
 
 from .checksum_gpu import PendingDigests, _gpu_knobs, _start_chunk_sums
 from .views import interpreting
@@ -30,9 +30,10 @@ def start_copy_with_checksums(dst: Any, src: Any, chunk_bytes: int, *, stream: A
     overlap (MoverError names the numbers). ``tuning`` overrides
     :data:`~flashboot.kernels.checksum.CHECKSUM_TUNING`.
     """
-    d, s = span_of(dst), span_of(src)
+    d, s = span_of(writable(dst, "copy_with_checksums")), span_of(src)
     for span, role in ((d, "destination"), (s, "source")):  # a closed or asleep arena's span segfaulted
         check_backed(span, "copy_with_checksums", role)
+    chunk_bytes = count_of(chunk_bytes)  # np.int64(4096) had been refused as no multiple of 4
     if not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % 4:
         raise MoverError(f"copy_with_checksums: chunk_bytes must be a positive multiple of 4, got {chunk_bytes!r}")
     if s.nbytes > d.nbytes:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from flashboot.errors import MoverError, WaitTimeoutError
-from flashboot.memory import Span, check_backed, span_of, stream_handle
+from flashboot.memory import Span, check_backed, count_of, span_of, stream_handle, writable
 from flashboot.units import check_timeout
 
 from .knobs import check_launch_knobs
@@ -154,19 +154,29 @@ class FlagChainCopy:
     def __init__(self, dst: Any, src: Any, chunk_bytes: int, *, ready: Any, done: Any, **tuning: Any):
         import torch
 
-        d, s = span_of(dst), span_of(src)
+        d, s = span_of(writable(dst, "flag chain copy")), span_of(src)
         nbytes = s.nbytes
         self.knobs = _flag_knobs(tuning)
+        chunk_bytes = count_of(chunk_bytes)  # np.int64(8192) had been refused as no multiple of 16
         n_chunks = -(-nbytes // chunk_bytes) if isinstance(chunk_bytes, int) and chunk_bytes > 0 else 0
         if n_chunks == 0 or chunk_bytes % 16 or nbytes % 8 or d.ptr % 16 or s.ptr % 16 or d.nbytes < nbytes:
             raise MoverError(f"flag chain copy: needs 16-byte aligned pointers (src {s.ptr:#x}, dst {d.ptr:#x}), "
                              f"chunk_bytes a positive multiple of 16 (got {chunk_bytes!r}), a size that is a multiple "
                              f"of 8 (got {nbytes:,}) and a destination that holds it ({d.nbytes:,} bytes)")
-        r, f = span_of(ready), span_of(done)
+        r, f = span_of(ready), span_of(writable(done, "flag chain copy"))
         for role, flags in (("ready", r), ("done", f)):
             if flags.nbytes < 4 * n_chunks or flags.ptr % 4:
                 raise MoverError(f"flag chain copy: the {role} flags hold {flags.nbytes // 4} int32 words at "
                                  f"{flags.ptr:#x}; {n_chunks} chunks need {n_chunks} aligned words")
+        # the programs copy tiles in any order: a destination over the source read tiles already
+        # overwritten, and one over a flag word raised or read that flag with copied bytes
+        # (done over ready only raises a flag already at the epoch: allowed)
+        out, ins = ("destination", d, nbytes), ("done flags", f, 4 * n_chunks)
+        for (w_role, w, w_n), (o_role, o, o_n) in ((out, ("source", s, nbytes)), (out, ("ready flags", r, 4 * n_chunks)),
+                                                   (out, ins), (ins, ("source", s, nbytes))):
+            if w.device == o.device and w.ptr < o.ptr + o_n and o.ptr < w.ptr + w_n:
+                raise MoverError(f"flag chain copy: the {w_role} ({w_n:,} bytes at {w.ptr:#x}) overlaps the "
+                                 f"{o_role} ({o_n:,} bytes at {o.ptr:#x}) on {w.device}; give each its own memory")
         if d.device != s.device and not (d.device.is_cuda and s.device.is_cuda):
             raise MoverError(f"flag chain copy: runs between GPU memory; got {s.device} -> {d.device}")
         require_kernel_memory(d)

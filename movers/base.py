@@ -4,20 +4,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import numpy as np
 from flashboot.errors import CapabilityError, MoverError
-from flashboot.memory import Span, check_backed, path_between, span_of, stream_device
+from flashboot.memory import Span, check_backed, count_of, path_between, span_of, stream_device, writable
 
 from .batch import ChunkBatch
-
-
-def _writable(dst: Any, name: str) -> Any:
-    """``dst``, or MoverError for a read-only numpy array (``np.frombuffer`` of bytes, a memory
-    map opened "r"): its span is a bare pointer, and the copy wrote into the immutable bytes."""
-    if isinstance(dst, np.ndarray) and not dst.flags.writeable:
-        raise MoverError(f"{name}: the destination ({dst.nbytes:,} bytes at {dst.ctypes.data:#x}) is a read-only "
-                         "numpy array; copy into a writeable one")
-    return dst
 
 
 def availability_of(cls: type["Mover"]) -> tuple[bool, str]:
@@ -67,13 +57,11 @@ class Mover:
         ``dst`` and ``src`` are spans, arenas, tensors or arrays. Raises MoverError for a path
         this mover does not support, a size that does not fit, or misaligned pointers.
         """
-        dst_span, src_span = span_of(_writable(dst, self.name)), span_of(src)
+        dst_span, src_span = span_of(writable(dst, self.name)), span_of(src)
         check_backed(dst_span, self.name, "destination")
         check_backed(src_span, self.name, "source")
-        if nbytes is None:
-            nbytes = src_span.nbytes
-        elif isinstance(nbytes, np.integer):  # a size from numpy (np.int64(4096)) had been refused as "not an int"
-            nbytes = int(nbytes)
+        # a size from numpy (np.int64(4096)) had been refused as "not an int"
+        nbytes = src_span.nbytes if nbytes is None else count_of(nbytes)
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise MoverError(f"{self.name}: nbytes must be a positive int, got {nbytes!r}")
         if nbytes > src_span.nbytes or nbytes > dst_span.nbytes:
@@ -119,7 +107,7 @@ class Mover:
         """Validate ``chunks``, a list of ``(dst_offset, src_offset, nbytes)`` into ``dst`` from
         ``src``, once: the returned :class:`ChunkBatch` copies them all (``run``) or one by one
         (``copy_chunk``) with no further checks. Raises MoverError naming the first bad entry."""
-        return ChunkBatch(self, span_of(_writable(dst, self.name)), span_of(src), chunks)
+        return ChunkBatch(self, span_of(writable(dst, self.name)), span_of(src), chunks)
 
     def copy_batch(self, dst: Any, src: Any, chunks: Any, *, stream: Any) -> None:
         """``self.batch(dst, src, chunks).run(stream=stream)``: every chunk, one call or launch."""

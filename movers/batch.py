@@ -43,8 +43,11 @@ def _entries(chunks: Any) -> np.ndarray:
     try:
         table = np.asarray(chunks)
     except (TypeError, ValueError) as exc:
+        _refuse_short_entry(chunks)
         raise MoverError(f"a chunk list must hold (dst_offset, src_offset, nbytes) integers: {exc}") from None
     if table.ndim != 2 or table.shape[1] != 3 or table.shape[0] == 0:
+        if isinstance(chunks, list):
+            _refuse_short_entry(chunks)
         raise MoverError(f"a chunk list must be a non-empty list of (dst_offset, src_offset, nbytes); "
                          f"got an array of shape {table.shape}")
     # a bool among ints makes an int array (True read as 1): look at a list's own values
@@ -52,12 +55,32 @@ def _entries(chunks: Any) -> np.ndarray:
     if table.dtype.kind not in "iu" or (kinds is not None and (bool in kinds or np.bool_ in kinds)):
         # floats, bools, ints past 64 bits (object)
         rows = table.tolist() if isinstance(chunks, np.ndarray) else chunks
-        row = next((i for i, entry in enumerate(rows) if not all(map(_is_int64, entry))), 0)
-        raise MoverError(f"a chunk list must hold (dst_offset, src_offset, nbytes) 64-bit integers; entry {row} is "
-                         f"{tuple(rows[row])!r}")
+        row = next((i for i, entry in enumerate(rows) if not all(map(_is_int64, entry))), None)
+        if row is not None:
+            raise MoverError(f"a chunk list must hold (dst_offset, src_offset, nbytes) 64-bit integers; entry {row} "
+                             f"is {tuple(rows[row])!r}")
+        # integers all: numpy made floats of np.uint64 beside signed ints ((np.uint64(8), 0, 8) had been
+        # refused as no integers, naming entry 0 whatever it held)
+        table = np.array([[int(v) for v in entry] for entry in rows], dtype=np.int64)
     if table.dtype.kind == "u" and table.size and int(table.max()) > _INT64_MAX:
         raise MoverError(f"a chunk list entry exceeds {_INT64_MAX:,} bytes")
     return table.astype(np.int64, copy=False)
+
+
+def _refuse_short_entry(chunks: Any) -> None:
+    """MoverError naming the first entry of a list that is not three values (numpy's "inhomogeneous
+    shape after 1 dimensions", cut off, had named neither the entry nor what it held)."""
+    if not isinstance(chunks, list):
+        return
+    for i, entry in enumerate(chunks):
+        try:
+            size = len(entry)
+        except TypeError:
+            size = None
+        if size != 3:
+            raise MoverError(f"a chunk list must be a non-empty list of (dst_offset, src_offset, nbytes); entry {i} is "
+                             f"{entry!r}"
+                             + ("" if size is None else f", {size} value(s)"))
 
 
 def _first_overlap(starts: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:

@@ -102,9 +102,15 @@ def _copy_on(owner: int, memcpy, dst: int, src: int, nbytes: int, handle: int):
 
 def stream_groups(nbytes: np.ndarray, streams: int) -> list[tuple[int, int]]:
     """At most ``streams`` contiguous, non-empty index ranges ``[a, b)`` covering every chunk,
-    cut where the running byte count passes each ``1/streams`` of the total."""
+    cut at the chunk boundary nearest each ``1/streams`` of the total bytes. (Cut before the chunk
+    that passes it, a first chunk over its share swallowed the cut: chunks of 6 and 4 MiB on 2
+    streams went on one.)"""
     n = int(nbytes.size)
-    cuts = np.searchsorted(np.cumsum(nbytes), int(nbytes.sum()) * np.arange(1, streams) / streams, side="right")
+    before = np.concatenate([[0], np.cumsum(nbytes)])  # bytes before each boundary 0..n
+    targets = int(before[-1]) * np.arange(1, streams) / streams
+    upper = np.searchsorted(before, targets, side="left")  # the first boundary at or past each target
+    lower = np.maximum(upper - 1, 0)
+    cuts = np.where(targets - before[lower] < before[upper] - targets, lower, upper)
     bounds = [0, *sorted({int(c) for c in cuts} - {0, n}), n]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 

@@ -105,6 +105,22 @@ def test_chunks_bad_input():
             ck.chunk_checksums(b"abcd", bad)
 
 
+def test_chunk_sizes_computed_with_numpy_are_taken_and_a_bool_refused():
+    """np.int64(16) had been refused as "must be a positive int"; True was taken as 1 (a digest per
+    byte). copy_with_checksums refused np.int64 too."""
+    from flashboot.kernels.copy_verify import copy_with_checksums
+
+    raw = np.arange(100, dtype=np.uint8)
+    expected = ck.chunk_checksums_host(raw, 16)
+    assert ck.chunk_checksums_host(raw, np.int64(16)) == ck.chunk_checksums(raw, np.uint16(16)) == expected
+    assert copy_with_checksums(np.zeros(100, np.uint8), raw, np.int64(16)) == expected
+    for bad in (True, np.True_):
+        with pytest.raises(FlashBootError, match="chunk_bytes must be a positive int, got"):
+            ck.chunk_checksums_host(raw, bad)
+        with pytest.raises(FlashBootError, match="chunk_bytes must be a positive int, got"):
+            ck.chunk_checksums(raw, bad)
+
+
 def test_checksum_dispatch_on_host_objects():
     raw = random_bytes(777)
     expected = checksum_reference(raw.tobytes())

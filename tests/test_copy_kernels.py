@@ -62,6 +62,20 @@ def test_copy_partial_nbytes_and_default_tuning():
     assert_copied(src, dst, 4321, 0, 0)
 
 
+def test_a_size_computed_with_numpy_is_the_int_it_holds():
+    """sm_copy(d, s, np.int64(1234)) had been refused as "cannot copy 1234 bytes from a 5,000-byte
+    source" (Mover.copy took it)."""
+    src, dst, s, d = make_pair(5000, 0, 0)
+    kc.sm_copy(d, s, np.int64(1234), stream=None)
+    assert_copied(src, dst, 1234, 0, 0)
+    src, dst, s, d = make_pair(5000, 0, 0, seed=1)
+    kc.tma_copy(d, s, np.uint32(4321), stream=None)
+    assert_copied(src, dst, 4321, 0, 0)
+    for bad in (np.True_, np.float64(8.0), np.array([8]), np.array(8.0), np.array(True)):
+        with pytest.raises(FlashBootError, match=r"cannot copy .* bytes from a 5,000-byte source"):
+            kc.sm_copy(d, s, bad, stream=None)
+
+
 def test_zero_bytes_writes_nothing():
     src, dst, s, d = make_pair(64, 0, 0)
     kc.sm_copy(d, s, 0, stream=None)

@@ -97,6 +97,30 @@ def test_bad_arguments_are_refused_with_the_numbers():
             copier.wait(watchdog_s=bad)
 
 
+def test_overlapping_ranges_are_refused_and_a_numpy_chunk_size_taken():
+    """A destination over its own source (one buffer, shifted by a chunk) copied wrong bytes
+    without an error, and done flags inside the destination were overwritten by copied bytes
+    (sm_copy, tma_copy and the movers refuse overlap); np.int64(CHUNK) was refused."""
+    buf = torch.cat([words(11), words(12)])
+    before = buf.clone()
+    with pytest.raises(MoverError, match=r"the destination \(65,536 bytes at 0x[0-9a-f]+\) overlaps the source "
+                                         r"\(65,536 bytes at 0x[0-9a-f]+\)"):
+        FlagChainCopy(buf[CHUNK // 4:CHUNK // 4 + N // 4], buf[:N // 4], CHUNK, ready=flags(1), done=flags())
+    dst = torch.zeros(N // 4 + N_CHUNKS, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(MoverError, match=r"the destination .* overlaps the done flags \(32 bytes"):
+        FlagChainCopy(dst[:N // 4], buf[:N // 4], CHUNK, ready=flags(1), done=dst[N // 4 - N_CHUNKS:N // 4])
+    with pytest.raises(MoverError, match=r"the destination .* overlaps the ready flags"):
+        FlagChainCopy(dst[:N // 4], buf[:N // 4], CHUNK, ready=dst[:N_CHUNKS], done=flags())
+    with pytest.raises(MoverError, match=r"the done flags \(32 bytes at 0x[0-9a-f]+\) overlaps the source"):
+        FlagChainCopy(dst[:N // 4], buf[:N // 4], CHUNK, ready=flags(1), done=buf[:N_CHUNKS])
+    sync()
+    assert torch.equal(buf, before)
+    done = flags()
+    FlagChainCopy(dst[:N // 4], buf[:N // 4], np.int64(CHUNK), ready=flags(1), done=done, **SMALL).copy(
+        1, stream=None, timeout_s=5)
+    assert torch.equal(dst[:N // 4], buf[:N // 4]) and done.tolist() == [1] * N_CHUNKS
+
+
 def test_a_launch_after_the_arena_went_to_sleep_is_refused():
     """The copier keeps its spans from __init__: a launch after the arena's sleep() or close()
     ran the kernel on a range nothing backs (a segfault under the interpreter)."""

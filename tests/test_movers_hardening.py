@@ -233,3 +233,68 @@ def test_a_chunk_table_given_as_a_tensor_is_converted_whole_and_a_bool_one_refus
     assert np.array_equal(dst, np.concatenate([src[4096:], src[:4096]]))
     with pytest.raises(MoverError, match=r"64-bit integers; entry 0 is \(True, False, True\)"):
         mover.batch(dst, src, torch.tensor([(True, False, True)]))
+
+
+def test_the_kernel_copies_refuse_a_read_only_numpy_destination(tmp_path):
+    """copy_with_checksums (the host path: host_copy through the bare pointer) wrote into the
+    immutable bytes of np.frombuffer, and a memory map opened "r" faulted; sm_copy and tma_copy
+    (host memory under the interpreter) did the same. Mover.copy refused it already."""
+    from flashboot.kernels import copy as kc
+    from flashboot.kernels.copy_verify import copy_with_checksums
+
+    frozen = bytes(64)
+    dst = np.frombuffer(frozen, dtype=np.uint8)
+    with pytest.raises(MoverError, match=r"copy_with_checksums: the destination \(64 bytes at 0x[0-9a-f]+\) is a "
+                                         r"read-only numpy array"):
+        copy_with_checksums(dst, pattern(64), 16)
+    for copy in (kc.sm_copy, kc.tma_copy):
+        with pytest.raises(MoverError, match=r"copy: the destination \(64 bytes at 0x[0-9a-f]+\) is a read-only"):
+            copy(dst, pattern(64), stream=None)
+    (tmp_path / "image").write_bytes(bytes(64))
+    mapped = np.memmap(tmp_path / "image", dtype=np.uint8, mode="r")
+    with pytest.raises(MoverError, match="read-only numpy array"):
+        copy_with_checksums(mapped, pattern(64), 16)
+    del mapped
+    assert frozen == bytes(64) and (tmp_path / "image").read_bytes() == bytes(64)
+    out = np.zeros(64, np.uint8)  # a read-only source is fine
+    assert copy_with_checksums(out, dst, 16) == copy_with_checksums(np.zeros(64, np.uint8), np.zeros(64, np.uint8), 16)
+
+
+def test_a_chunk_entry_of_other_than_three_values_is_named():
+    """[(0, 0, 8), (8, 8)] was refused with numpy's "inhomogeneous shape after 1 dimensions. The
+    detected shape was (2,) + inhomogeneous part", naming neither the entry nor what it held."""
+    mover, dst, src = create_mover("host"), np.zeros(64, np.uint8), pattern(64)
+    for chunks, named in (([(0, 0, 8), (8, 8)], "entry 1 is (8, 8), 2 value(s)"),
+                          ([(0, 0, 8), (8, 8, 8, 8)], "entry 1 is (8, 8, 8, 8), 4 value(s)"),
+                          ([(0, 0, 8), None], "entry 1 is None"),
+                          ([(0, 0, 8, 1)], "entry 0 is (0, 0, 8, 1), 4 value(s)")):
+        with pytest.raises(MoverError, match=re.escape(f"(dst_offset, src_offset, nbytes); {named}")):
+            mover.copy_batch(dst, src, chunks)
+    assert not dst.any()
+
+
+def test_copy_engine_batch_streams_spread_a_batch_whose_first_chunk_is_over_its_share():
+    """Cut before the chunk that passed each 1/streams of the bytes, a first chunk larger than its
+    share swallowed every cut: batch_streams=2 over chunks of 6 and 4 MiB issued both on one
+    stream, and 4 streams over (100, 1, 1, 1) MiB one as well (nothing said so)."""
+    from flashboot.movers.copy_engine import stream_groups
+
+    mib = 1 << 20
+    assert stream_groups(np.array([6 * mib, 4 * mib]), 2) == [(0, 1), (1, 2)]
+    assert stream_groups(np.array([100, 1, 1, 1]) * mib, 4) == [(0, 1), (1, 4)]
+    assert stream_groups(np.array([40, 30, 30]) * mib, 3) == [(0, 1), (1, 2), (2, 3)]
+    assert stream_groups(np.array([1, 1, 1, 100]) * mib, 4) == [(0, 3), (3, 4)]
+    assert stream_groups(np.full(256, 4 * mib), 4) == [(0, 64), (64, 128), (128, 192), (192, 256)]
+
+
+def test_chunk_offsets_of_numpy_uint64_beside_signed_ints_are_the_integers_they_are():
+    """numpy makes float64 of np.uint64 beside a signed int: a chunk list whose offsets came from a
+    uint64 array (a header's sizes) was refused as "must hold 64-bit integers; entry 0 is
+    (np.uint64(8), 0, 8)" -- entry 0 named whatever it held."""
+    mover, src = create_mover("host"), pattern(64)
+    dst = np.zeros(64, np.uint8)
+    mover.copy_batch(dst, src, [(np.uint64(8), 0, 8), (0, np.uint64(8), np.int64(8))])
+    assert np.array_equal(dst[:16], np.concatenate([src[8:16], src[:8]])) and not dst[16:].any()
+    for bad, entry in (([(0, 0, 8), (np.uint64(2**63), 0, 8)], 1), ([(np.uint64(8), 0, 8.0)], 0)):
+        with pytest.raises(MoverError, match=rf"64-bit integers; entry {entry} is \(np.uint64"):
+            mover.copy_batch(dst, src, bad)

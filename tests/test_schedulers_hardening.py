@@ -4,6 +4,8 @@ arenas too small for the plan, and the stored notebook outputs against a fresh r
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from flashboot.schedulers import PlanError, build_plan, list_schedules, register_schedule
@@ -241,3 +243,15 @@ def test_a_family_whose_constructor_fails_is_not_reported_unknown():
     with pytest.raises(KeyError) as failed:
         get_family("needs-key-probe")
     assert "unknown family" not in str(failed.value) and failed.value.args == ("rope_scaling",)
+
+
+@pytest.mark.parametrize("offset,nbytes", [(0, -5), (-8, 5), (0.5, 5), (0, 5.0), (True, 5)])
+def test_split_range_refuses_an_offset_or_size_that_is_no_int_from_zero(offset, nbytes):
+    """split_range(0, -5, 4) had returned no piece (nothing covered, no error), split_range(-8, 5, 4)
+    pieces at negative offsets, and a float offset raised range()'s raw TypeError."""
+    from flashboot.schedulers import PlanError, split_range
+
+    with pytest.raises(PlanError, match=re.escape(f"split_range: offset and nbytes must be ints >= 0, got offset "
+                                                  f"{offset!r}, nbytes {nbytes!r}")):
+        split_range(offset, nbytes, 4)
+    assert split_range(0, 0, 4) == [] and split_range(3, 5, 4) == [(3, 4), (7, 1)]

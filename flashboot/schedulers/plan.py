@@ -309,9 +309,13 @@ def check_request(schedule: str, n: int, total_bytes: int, chunk_bytes: int, *, 
 def split_range(offset: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
     """``[(offset, nbytes), ...]`` covering ``[offset, offset + nbytes)`` in pieces of at most
     ``chunk_bytes`` (the last one shorter); empty for ``nbytes == 0``. PlanError for a chunk that
-    is no positive int (0 had raised range()'s ValueError, a negative one returned no piece)."""
+    is no positive int (0 had raised range()'s ValueError, a negative one returned no piece), and
+    for an offset or size that is no int >= 0 (-5 bytes had returned no piece, a negative offset
+    pieces before the range's start, 0.5 range()'s TypeError)."""
     if type(chunk_bytes) is not int or chunk_bytes <= 0:
         raise PlanError(f"split_range: chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
+        raise PlanError(f"split_range: offset and nbytes must be ints >= 0, got offset {offset!r}, nbytes {nbytes!r}")
     return [(o, min(chunk_bytes, offset + nbytes - o)) for o in range(offset, offset + nbytes, chunk_bytes)]
 
 
