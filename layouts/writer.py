@@ -195,21 +195,24 @@ def check_out_dir(out_dir: Path) -> None:
 
 
 def commit_job(tmp: Path, out_dir: Path, job: dict, ranks: list[int]) -> None:
-    """Publish a pre-pack written into ``tmp`` (its ``rank-R/`` directories) as ``out_dir``.
+    """Publish a pre-pack written into ``tmp`` (its ``rank-R/`` directories) as ``out_dir``:
+    :func:`stage_job`, then :func:`publish_job`."""
+    stage_job(tmp, out_dir, job)
+    publish_job(tmp, out_dir, ranks)
+
+
+def stage_job(tmp: Path, out_dir: Path, job: dict) -> None:
+    """Write the job file of a pre-pack written into ``tmp`` there, synced; nothing in
+    ``out_dir`` is touched yet, so a failure here (a full disk) leaves the old image whole and
+    the caller may discard ``tmp``.
 
     Each entry of ``job["ranks"]`` gets ``metadata_sha256``, the sha256 of that rank's
     ``metadata.json`` as written, which every reader checks (tamper evidence, FORMAT.md).
-
-    The order makes a crash at any point safe: the job file is written and synced in ``tmp``;
-    the old job file goes first (an image without it is never taken as complete), the old rank
-    directories are moved aside, the new ones moved in, and the new job file renamed in last.
-    ``tmp`` is removed at the end.
     """
     import json
-    import shutil
 
     from .format import JOB_FILE
-    from .image import list_rank_dirs, rank_dir_name
+    from .image import rank_dir_name
 
     check_out_dir(out_dir)  # again at the commit, under the lock: the rank directories it moves aside
     for entry in job["ranks"]:
@@ -220,6 +223,20 @@ def commit_job(tmp: Path, out_dir: Path, job: dict, ranks: list[int]) -> None:
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)
+
+
+def publish_job(tmp: Path, out_dir: Path, ranks: list[int]) -> None:
+    """Swap the job staged in ``tmp`` (:func:`stage_job`) into ``out_dir``.
+
+    The order makes a crash at any point safe: the old job file goes first (an image without it
+    is never taken as complete), the old rank directories are moved aside, the new ones moved in,
+    and the new job file renamed in last. ``tmp`` is removed at the end.
+    """
+    import shutil
+
+    from .format import JOB_FILE
+    from .image import list_rank_dirs, rank_dir_name
+
     old_job = out_dir / JOB_FILE
     if old_job.exists():
         old_job.unlink()

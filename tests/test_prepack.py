@@ -198,6 +198,37 @@ def test_the_filesystem_refusing_a_write_is_a_layout_error_and_leaves_nothing(qw
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
 
 
+def test_a_disk_that_fills_on_the_job_file_keeps_the_old_image_and_leaves_no_partial_job(qwen, tmp_path, monkeypatch):
+    """prepack.json is written into the job's temp directory after the images: a full disk there
+    had raised a bare OSError and left the new job's full-size images behind (a full disk stayed
+    full until the next run); the old image is untouched either way."""
+    import errno
+    import os
+
+    out = tmp_path / "out"
+    old = prepack(qwen[0], out, progress=False)
+    real_fsync, seen = os.fsync, {"job": False}
+    real_open = open
+
+    def fsync(fd):
+        if seen["job"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+
+    def opening(path, *a, **k):
+        seen["job"] = Path(path).name == "prepack.json"
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr("flashboot.layouts.writer.os.fsync", fsync)
+    monkeypatch.setattr("builtins.open", opening)
+    with pytest.raises(DiskSpaceError, match="the filesystem filled while the images were written"):
+        prepack(qwen[0], out, tp=2, progress=False)
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "prepack.json", "rank-0"]
+    assert read_image(out).metadata.job_id == old.job_id
+    verify_image(out)
+
+
 def test_ctrl_c_stops_prepack_after_the_batches_already_reading(qwen, tmp_path, monkeypatch):
     """A KeyboardInterrupt in the wait for the batches: the pool's exit had read and written every
     batch still queued first (on a large checkpoint, minutes); now the queued ones are cancelled."""

@@ -209,7 +209,7 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
 
     # ---- refuse before writing: a concurrent job, an output that is not an image's, space
     from flashboot.layouts.writer import (
-        ImageWriter, check_out_dir, commit_job, make_job_tmp, sweep_stale_jobs,
+        ImageWriter, check_out_dir, make_job_tmp, publish_job, stage_job, sweep_stale_jobs,
     )
 
     if out_dir.exists() and not out_dir.is_dir():
@@ -257,6 +257,17 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
                 w.finish(meta)
                 metas.append(meta)
             t_checksum = time.perf_counter()
+            job = {
+                "format": JOB_FORMAT_NAME, "format_version": FORMAT_VERSION, "flashboot_version": __version__,
+                "job_id": job_id, "created_unix": time.time(), "world_size": len(layouts), "tp_size": tp,
+                "ep_size": ep, "target": target, "family": fam_info.to_dict(), "source": source.to_dict(),
+                "key": key.to_dict(), "warnings": warnings, "skipped": skipped,
+                "ranks": [{"rank": m.parallel.rank, "dir": rank_dir_name(m.parallel.rank),
+                           "image_nbytes": m.image_nbytes, "tensors": len(m.tensors)} for m in metas],
+            }
+            # the job file too is written before the old image is touched: a disk that fills on
+            # it (or a foreign file found in a rank directory meanwhile) discards the new job
+            stage_job(tmp, out_dir, job)
         except BaseException as exc:
             for w in writers:
                 w.close()
@@ -267,16 +278,8 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
         for w in writers:
             w.close()
         written = sum(w.written_nbytes for w in writers)
-        job = {
-            "format": JOB_FORMAT_NAME, "format_version": FORMAT_VERSION, "flashboot_version": __version__,
-            "job_id": job_id, "created_unix": time.time(), "world_size": len(layouts), "tp_size": tp,
-            "ep_size": ep, "target": target, "family": fam_info.to_dict(), "source": source.to_dict(),
-            "key": key.to_dict(), "warnings": warnings, "skipped": skipped,
-            "ranks": [{"rank": m.parallel.rank, "dir": rank_dir_name(m.parallel.rank),
-                       "image_nbytes": m.image_nbytes, "tensors": len(m.tensors)} for m in metas],
-        }
         # ---- commit: unmark the old job, swap rank dirs in, mark the new job last
-        commit_job(tmp, out_dir, job, [p.rank for p in layouts])
+        publish_job(tmp, out_dir, [p.rank for p in layouts])
         t_commit = time.perf_counter()
     finally:
         fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
