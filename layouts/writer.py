@@ -154,10 +154,15 @@ RANK_DIR_FILES = frozenset({IMAGE_FILE, METADATA_FILE, TABLE_FILE, METADATA_FILE
 output, so one holding anything else is not replaced (:func:`check_out_dir`)."""
 
 
+def job_tmp_path(out_dir: Path, job_id: str) -> Path:
+    """Where job ``job_id`` writes in ``out_dir`` until its commit (:func:`make_job_tmp`)."""
+    return Path(out_dir) / f".tmp-{job_id[:12]}"
+
+
 def make_job_tmp(out_dir: Path, job_id: str) -> Path:
     """``out_dir/.tmp-<job>``, made (or joined: every rank of an engine job calls it) and marked
     as a job's (:data:`JOB_TMP_MARK`)."""
-    tmp = Path(out_dir) / f".tmp-{job_id[:12]}"
+    tmp = job_tmp_path(out_dir, job_id)
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / JOB_TMP_MARK).touch()
     return tmp

@@ -229,6 +229,40 @@ def test_a_disk_that_fills_on_the_job_file_keeps_the_old_image_and_leaves_no_par
     verify_image(out)
 
 
+@pytest.mark.parametrize("where", ["dangling link", "lock is a directory"])
+def test_an_output_that_cannot_be_made_is_a_layout_error_naming_it(qwen, tmp_path, where):
+    """A bare OSError (a traceback from the CLI) had come from making the output or its lock."""
+    out = tmp_path / "out"
+    if where == "dangling link":
+        out.symlink_to(tmp_path / "gone")
+        message = r"out: cannot make the image directory or its lock file .lock \(File exists: .*out\)"
+    else:
+        (out / ".lock").mkdir(parents=True)
+        message = r"out: cannot make the image directory or its lock file .lock \(Is a directory: .*\.lock\)"
+    with pytest.raises(LayoutError, match=message):
+        prepack(qwen[0], out, progress=False)
+
+
+def test_a_disk_too_full_for_the_job_directory_leaves_nothing(qwen, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from flashboot.layouts.writer import JOB_TMP_MARK
+
+    real_touch = Path.touch
+
+    def touch(self, *a, **k):
+        if self.name == JOB_TMP_MARK:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_touch(self, *a, **k)
+
+    monkeypatch.setattr(Path, "touch", touch)
+    out = tmp_path / "out"
+    with pytest.raises(DiskSpaceError, match="the filesystem filled while the images were written"):
+        prepack(qwen[0], out, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
 def test_ctrl_c_stops_prepack_after_the_batches_already_reading(qwen, tmp_path, monkeypatch):
     """A KeyboardInterrupt in the wait for the batches: the pool's exit had read and written every
     batch still queued first (on a large checkpoint, minutes); now the queued ones are cancelled."""

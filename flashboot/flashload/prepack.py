@@ -209,13 +209,17 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
 
     # ---- refuse before writing: a concurrent job, an output that is not an image's, space
     from flashboot.layouts.writer import (
-        ImageWriter, check_out_dir, make_job_tmp, publish_job, stage_job, sweep_stale_jobs,
+        ImageWriter, check_out_dir, job_tmp_path, make_job_tmp, publish_job, stage_job, sweep_stale_jobs,
     )
 
     if out_dir.exists() and not out_dir.is_dir():
         raise LayoutError(f"{out_dir} is not a directory; pre-pack writes an image directory there")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(out_dir / JOB_LOCK, "a+")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(out_dir / JOB_LOCK, "a+")
+    except OSError as exc:  # not writable, a dangling link, a .lock that is a directory: a traceback had
+        raise LayoutError(f"{out_dir}: cannot make the image directory or its lock file {JOB_LOCK} "
+                          f"({exc.strerror}: {exc.filename}); nothing was written") from None
     writers: list = []
     try:
         try:
@@ -229,7 +233,11 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
         free = shutil.disk_usage(out_dir).free
         if needed > free:
             raise DiskSpaceError(out_dir, needed, free)
-        tmp = make_job_tmp(out_dir, job_id)
+        try:
+            tmp = make_job_tmp(out_dir, job_id)
+        except OSError as exc:  # a full disk has no block for the directory either
+            _discard_tmp(job_tmp_path(out_dir, job_id))
+            raise _write_failed(exc, out_dir, needed) from exc
 
         # ---- write: each source tensor read once, its pieces to every rank's final offsets
         try:
