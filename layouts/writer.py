@@ -183,14 +183,20 @@ def check_out_dir(out_dir: Path) -> None:
     directory of an image (a reader takes the ``metadata.json`` there first, so the new job would
     never be read), and its ``rank-N`` directories hold only what pre-pack writes (they are all
     replaced, and anything else in them would be deleted with them: results, a checkpoint)."""
-    from .image import list_rank_dirs
+    from .image import _RANK_DIR, list_rank_dirs
 
     out_dir = Path(out_dir)
     for name in (METADATA_FILE, IMAGE_FILE):
         if (out_dir / name).exists():
             raise LayoutError(f"{out_dir} holds {name}: it is one rank's directory of an image, not an image "
                               "directory; pre-pack into the directory above it, or into another")
-    for rank_dir in sorted(list_rank_dirs(out_dir).values()):
+    rank_dirs = list_rank_dirs(out_dir)
+    others = sorted(p.name for p in out_dir.iterdir() if p not in rank_dirs.values() and _RANK_DIR.match(p.name))
+    if others:  # the commit renames rank-N directories over these names: a file there failed it midway
+        raise LayoutError(f"{out_dir} holds {', '.join(others[:5])}, which is no directory: pre-pack writes its "
+                          "ranks as rank-N directories and will not replace it; move it, or choose another output "
+                          "directory")
+    for rank_dir in sorted(rank_dirs.values()):
         foreign = sorted(p.name for p in rank_dir.iterdir() if p.name not in RANK_DIR_FILES or not p.is_file())
         if foreign:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")

@@ -338,6 +338,21 @@ def test_prepack_deletes_nothing_it_did_not_write(qwen, tmp_path, where):
     assert (out / where).read_text() == "keep"
 
 
+def test_a_rank_name_that_is_no_directory_is_refused_and_the_old_image_kept(qwen, tmp_path):
+    """A file named rank-1 in the output: the commit had unlinked the old job, moved the old rank
+    directories aside and then failed renaming the new rank-1 over it (NotADirectoryError), the
+    old image lost with the partial commit."""
+    out = tmp_path / "out"
+    old = prepack(qwen[0], out, progress=False)
+    (out / "rank-1").write_text("keep")
+    with pytest.raises(LayoutError, match=rf"{out} holds rank-1, which is no directory: pre-pack writes its ranks as "
+                                          "rank-N directories and will not replace it"):
+        prepack(qwen[0], out, tp=2, progress=False)
+    assert (out / "rank-1").read_text() == "keep" and not list(out.glob(".tmp-*"))
+    assert read_image(out).metadata.job_id == old.job_id
+    verify_image(out)
+
+
 def test_a_checkpoint_inside_the_output_is_not_moved_aside(qwen, tmp_path):
     """``prepack X/rank-0 --out X``: the checkpoint itself had been moved into the trash and removed."""
     import shutil
