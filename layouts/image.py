@@ -633,14 +633,22 @@ def _bytes_of(t):
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def is_rank_dir_name(name: str) -> bool:
+    """``name`` is the one :func:`rank_dir_name` gives some rank: ``rank-01`` and ``rank-1`` (or
+    ``rank-\u0661``, an Arabic-Indic one) are not both rank 1."""
+    m = _RANK_DIR.match(name)
+    return m is not None and m.group(1).isascii() and name == rank_dir_name(int(m.group(1)))
+
+
 def list_rank_dirs(path: Path) -> dict[int, Path]:
-    """``rank-R`` directories directly under ``path``."""
+    """``rank-R`` directories directly under ``path``, by the names pre-pack gives them: a
+    ``rank-01`` beside ``rank-1`` had taken its place here, and a commit that moved it aside then
+    renamed the new ``rank-1`` over the old one still there (ENOTEMPTY, the old image lost)."""
     out = {}
     if path.is_dir():
         for p in path.iterdir():
-            m = _RANK_DIR.match(p.name)
-            if m and p.is_dir():
-                out[int(m.group(1))] = p
+            if is_rank_dir_name(p.name) and p.is_dir():
+                out[int(p.name.removeprefix("rank-"))] = p
     return out
 
 

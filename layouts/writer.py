@@ -183,7 +183,7 @@ def check_out_dir(out_dir: Path) -> None:
     directory of an image (a reader takes the ``metadata.json`` there first, so the new job would
     never be read), and its ``rank-N`` directories hold only what pre-pack writes (they are all
     replaced, and anything else in them would be deleted with them: results, a checkpoint)."""
-    from .image import _RANK_DIR, list_rank_dirs
+    from .image import is_rank_dir_name, list_rank_dirs
 
     out_dir = Path(out_dir)
     for name in (METADATA_FILE, IMAGE_FILE):
@@ -191,7 +191,7 @@ def check_out_dir(out_dir: Path) -> None:
             raise LayoutError(f"{out_dir} holds {name}: it is one rank's directory of an image, not an image "
                               "directory; pre-pack into the directory above it, or into another")
     rank_dirs = list_rank_dirs(out_dir)
-    others = sorted(p.name for p in out_dir.iterdir() if p not in rank_dirs.values() and _RANK_DIR.match(p.name))
+    others = sorted(p.name for p in out_dir.iterdir() if p not in rank_dirs.values() and is_rank_dir_name(p.name))
     if others:  # the commit renames rank-N directories over these names: a file there failed it midway
         raise LayoutError(f"{out_dir} holds {', '.join(others[:5])}, which is no directory: pre-pack writes its "
                           "ranks as rank-N directories and will not replace it; move it, or choose another output "

@@ -353,6 +353,21 @@ def test_a_rank_name_that_is_no_directory_is_refused_and_the_old_image_kept(qwen
     verify_image(out)
 
 
+@pytest.mark.parametrize("name", ["rank-01", "rank-001", "rank-\u0661"])
+def test_a_directory_named_like_a_rank_another_way_is_left_alone(qwen, tmp_path, name):
+    """rank-01 beside rank-1 had been listed as rank 1 in rank-1's place (whichever came last): the
+    commit moved it aside, left the old rank-1, then failed renaming the new rank-1 over it
+    (ENOTEMPTY) with the old image already unlinked."""
+    out = tmp_path / "out"
+    prepack(qwen[0], out, tp=2, progress=False)
+    (out / name).mkdir()
+    (out / name / "notes.txt").write_text("keep")
+    report = prepack(qwen[0], out, tp=2, progress=False)
+    assert (out / name / "notes.txt").read_text() == "keep"
+    assert [r.rank for r in verify_image(out)] == [0, 1]
+    assert all(read_image(out, r).metadata.job_id == report.job_id for r in (0, 1))
+
+
 def test_a_checkpoint_inside_the_output_is_not_moved_aside(qwen, tmp_path):
     """``prepack X/rank-0 --out X``: the checkpoint itself had been moved into the trash and removed."""
     import shutil
