@@ -536,6 +536,9 @@ def verify_image(path: str | os.PathLike, rank: int | None = None, *, progress: 
             cs: ChecksumTable = im.metadata.checksums
             buf = bytearray(min(cs.chunk_bytes, im.nbytes))
             with im.open() as f:
+                # the file its metadata was checked against: one a re-pre-pack put in its place
+                # meanwhile had been reported as corrupt (a checksum mismatch)
+                _check_verified(im, f, "since its metadata was read")
                 for k, expected in enumerate(cs.digests):
                     start, nbytes = cs.chunk_range(k, im.nbytes)
                     view = memoryview(buf)[:nbytes]
@@ -549,8 +552,19 @@ def verify_image(path: str | os.PathLike, rank: int | None = None, *, progress: 
                         raise ChecksumMismatchError(f"{im.path} (rank {im.rank})", k, start, nbytes, expected, found)
                     if bar:
                         bar.update(task, advance=nbytes)
+                _check_verified(im, f, "while it was verified")
             results.append(VerifyResult(im.rank, im.path, im.nbytes, len(cs.digests)))
     return results
+
+
+def _check_verified(im: Image, f, when: str) -> None:
+    """LayoutError (not a checksum mismatch: no byte was found damaged) where the image file
+    open as ``f`` is not the one ``im`` was validated against, or was written to."""
+    want = im.file_identity
+    got = FileIdentity.of(im.path, os.fstat(f.fileno()))
+    if want is not None and got.key != want.key:
+        raise LayoutError(f"{im.path} was replaced or written to {when} (device, inode, size, mtime_ns {want.key} "
+                          f"-> {got.key}: another pre-pack into this directory?); verify it again")
 
 
 def _progress(enabled: bool):

@@ -423,6 +423,26 @@ def test_crash_during_commit_is_refused_then_recovered(qwen, tmp_path, monkeypat
     assert len(verify_image(out)) == 2
 
 
+def test_verify_of_an_image_replaced_meanwhile_is_no_checksum_failure(qwen, mixed, tmp_path, monkeypatch):
+    """A re-pre-pack into the directory between verify's metadata read and its open of image.bin:
+    the new image's bytes had been checked against the old checksums and reported as corrupt."""
+    from flashboot.layouts import image
+
+    out = tmp_path / "out"
+    prepack(qwen[0], out, progress=False)
+    real_open = image.Image.open
+
+    def open_after_a_new_job(self):
+        prepack(mixed[0], out, progress=False)
+        return real_open(self)
+
+    monkeypatch.setattr(image.Image, "open", open_after_a_new_job)
+    with pytest.raises(LayoutError, match=r"rank-0/image.bin was replaced or written to since its metadata was read"):
+        verify_image(out)
+    monkeypatch.undo()
+    verify_image(out)  # the new image itself is whole
+
+
 def _write_raw_safetensors(path: Path, header: dict, data: bytes):
     blob = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
