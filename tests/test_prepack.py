@@ -601,6 +601,17 @@ def test_bad_options_refused(qwen, tmp_path):
         prepack(tmp_path / "missing", tmp_path / "o", progress=False)
 
 
+@pytest.mark.parametrize("alignment", [0, 16, 2.0, True, 3 << 8])
+def test_a_tensor_alignment_no_reader_takes_is_refused_before_writing(qwen, tmp_path, monkeypatch, alignment):
+    """0 had been a ZeroDivisionError and 2.0 a TypeError; 16 or 768 were written out in full and
+    then refused by the metadata check of the temporary image."""
+    monkeypatch.setattr(ImageWriter, "write", lambda *a, **k: pytest.fail("an image was written"))
+    with pytest.raises(LayoutError, match=rf"tensor_alignment must be a power of two in 256..2\*\*56 \(what an "
+                                          rf"image's readers take\), got {alignment!r}"):
+        prepack(qwen[0], tmp_path / "o", tensor_alignment=alignment, progress=False)
+    assert not (tmp_path / "o").exists()
+
+
 # ------------------------------------------------------------------------------------------ CLI
 def _cli(argv):
     parser = argparse.ArgumentParser(prog="flashboot")
