@@ -599,6 +599,11 @@ def test_bad_options_refused(qwen, tmp_path):
         prepack(qwen[0], tmp_path / "o", target="vllm", progress=False)
     with pytest.raises(LayoutError, match="not a directory"):
         prepack(tmp_path / "missing", tmp_path / "o", progress=False)
+    with pytest.raises(LayoutError, match="model_id must be a string .*, got 123"):
+        prepack(qwen[0], tmp_path / "o", model_id=123, progress=False)  # had been refused once written
+    with pytest.raises(LayoutError, match="revision must be a string .*, got 5"):
+        prepack(qwen[0], tmp_path / "o", revision=5, progress=False)
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("alignment", [0, 16, 2.0, True, 3 << 8])

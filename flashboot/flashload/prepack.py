@@ -166,6 +166,9 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
     alignment = TENSOR_ALIGNMENT if tensor_alignment is None else tensor_alignment
     if target not in TARGETS:
         raise LayoutError(f"target {target!r}; known: {', '.join(TARGETS)}")
+    for what, value in (("model_id", model_id), ("revision", revision)):
+        if value is not None and not isinstance(value, str):  # had been refused after the whole image was written
+            raise LayoutError(f"{what} must be a string (or None: from the checkpoint), got {value!r}")
     layouts = ParallelLayout.all_ranks(tp, ep)
 
     # ---- plan: headers only
