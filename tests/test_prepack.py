@@ -588,7 +588,7 @@ def test_dangling_links_in_a_checkpoint_are_named(tmp_path):
         prepack(ckpt, tmp_path / "out", progress=False)
 
 
-def test_bad_options_refused(qwen, tmp_path):
+def test_bad_options_refused(qwen, tmp_path, monkeypatch):
     with pytest.raises(LayoutError, match="chunk_bytes must be a positive multiple of 4096"):
         prepack(qwen[0], tmp_path / "o", chunk_bytes=1000, progress=False)
     with pytest.raises(LayoutError, match="of at most 1,073,741,824, got 1125899906842624"):
@@ -599,6 +599,13 @@ def test_bad_options_refused(qwen, tmp_path):
         prepack(qwen[0], tmp_path / "o", target="vllm", progress=False)
     with pytest.raises(LayoutError, match="not a directory"):
         prepack(tmp_path / "missing", tmp_path / "o", progress=False)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    with pytest.raises(LayoutError, match="out_dir is an empty path"):
+        prepack(qwen[0], "", progress=False)  # --out "$UNSET": had written into the working directory
+    assert not list((tmp_path / "cwd").iterdir())
+    with pytest.raises(LayoutError, match="hf_dir is an empty path"):
+        prepack("", tmp_path / "o", progress=False)
     with pytest.raises(LayoutError, match="model_id must be a string .*, got 123"):
         prepack(qwen[0], tmp_path / "o", model_id=123, progress=False)  # had been refused once written
     with pytest.raises(LayoutError, match="revision must be a string .*, got 5"):

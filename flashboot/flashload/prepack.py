@@ -158,6 +158,9 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
     from flashboot.layouts.image import rank_dir_name
 
     t_start = time.perf_counter()
+    for what, value in (("hf_dir", hf_dir), ("out_dir", out_dir)):
+        if isinstance(value, (str, bytes)) and not value:  # Path("") is the working directory: an unset
+            raise LayoutError(f"{what} is an empty path")   # $OUT had written the image into it
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= MAX_CHUNK_BYTES or chunk_bytes % 4096:
