@@ -243,6 +243,19 @@ def test_an_output_that_cannot_be_made_is_a_layout_error_naming_it(qwen, tmp_pat
         prepack(qwen[0], out, progress=False)
 
 
+def test_an_output_that_cannot_be_locked_is_a_layout_error(qwen, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(_prepack.fcntl, "flock", flock)
+    with pytest.raises(LayoutError, match=r"out: cannot lock .*out/.lock \(No locks available\)"):
+        prepack(qwen[0], tmp_path / "out", progress=False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock"]
+
+
 def test_a_disk_too_full_for_the_job_directory_leaves_nothing(qwen, tmp_path, monkeypatch):
     import errno
     import os

@@ -232,6 +232,9 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise LayoutError(f"{out_dir}: another flashboot prepack is writing here (lock {out_dir / JOB_LOCK})") from None
+        except OSError as exc:  # a filesystem without locks (NFS without lockd: ENOLCK) had been a traceback
+            raise LayoutError(f"{out_dir}: cannot lock {out_dir / JOB_LOCK} ({exc.strerror}): pre-pack writes an image "
+                              "only where no other job can write at once; choose an output on a local filesystem") from None
         check_out_dir(out_dir)
         sweep_stale_jobs(out_dir)  # left by an interrupted run; we hold the lock
         needed = sum(lay.image_nbytes + _metadata_nbytes(plan, lay, chunk_bytes)
@@ -296,8 +299,7 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
         publish_job(tmp, out_dir, [p.rank for p in layouts])
         t_commit = time.perf_counter()
     finally:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-        lock.close()
+        lock.close()  # releases the lock (an unlock of one never taken fails as its lock did)
 
     ranks = [RankSummary(m.parallel.rank, out_dir / rank_dir_name(m.parallel.rank), m.image_nbytes,
                          m.regions["experts"].nbytes, m.regions["non_experts"].nbytes, len(m.tensors)) for m in metas]
