@@ -536,6 +536,9 @@ def verify_image(path: str | os.PathLike, rank: int | None = None, *, progress: 
             cs: ChecksumTable = im.metadata.checksums
             buf = bytearray(min(cs.chunk_bytes, im.nbytes))
             with im.open() as f:
+                # the file its metadata was checked against: one a re-pre-pack put in its place
+                # meanwhile had been reported as corrupt (a checksum mismatch)
+                _check_verified(im, f, "since its metadata was read")
                 for k, expected in enumerate(cs.digests):
                     start, nbytes = cs.chunk_range(k, im.nbytes)
                     view = memoryview(buf)[:nbytes]
@@ -549,8 +552,19 @@ def verify_image(path: str | os.PathLike, rank: int | None = None, *, progress: 
                         raise ChecksumMismatchError(f"{im.path} (rank {im.rank})", k, start, nbytes, expected, found)
                     if bar:
                         bar.update(task, advance=nbytes)
+                _check_verified(im, f, "while it was verified")
             results.append(VerifyResult(im.rank, im.path, im.nbytes, len(cs.digests)))
     return results
+
+
+def _check_verified(im: Image, f, when: str) -> None:
+    """LayoutError (not a checksum mismatch: no byte was found damaged) where the image file
+    open as ``f`` is not the one ``im`` was validated against, or was written to."""
+    want = im.file_identity
+    got = FileIdentity.of(im.path, os.fstat(f.fileno()))
+    if want is not None and got.key != want.key:
+        raise LayoutError(f"{im.path} was replaced or written to {when} (device, inode, size, mtime_ns {want.key} "
+                          f"-> {got.key}: another pre-pack into this directory?); verify it again")
 
 
 def _progress(enabled: bool):
@@ -633,14 +647,22 @@ def _bytes_of(t):
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def is_rank_dir_name(name: str) -> bool:
+    """``name`` is the one :func:`rank_dir_name` gives some rank: ``rank-01`` and ``rank-1`` (or
+    ``rank-\u0661``, an Arabic-Indic one) are not both rank 1."""
+    m = _RANK_DIR.match(name)
+    return m is not None and m.group(1).isascii() and name == rank_dir_name(int(m.group(1)))
+
+
 def list_rank_dirs(path: Path) -> dict[int, Path]:
-    """``rank-R`` directories directly under ``path``."""
+    """``rank-R`` directories directly under ``path``, by the names pre-pack gives them: a
+    ``rank-01`` beside ``rank-1`` had taken its place here, and a commit that moved it aside then
+    renamed the new ``rank-1`` over the old one still there (ENOTEMPTY, the old image lost)."""
     out = {}
     if path.is_dir():
         for p in path.iterdir():
-            m = _RANK_DIR.match(p.name)
-            if m and p.is_dir():
-                out[int(m.group(1))] = p
+            if is_rank_dir_name(p.name) and p.is_dir():
+                out[int(p.name.removeprefix("rank-"))] = p
     return out
 
 

@@ -16,6 +16,7 @@ from .entries import (
     REGIONS, SEPARATOR_ALIGNMENT, TENSOR_ALIGNMENT, Part, Region, Split, TensorEntry, align_up,
     contiguous_stride, dtype_of,
 )
+from .tensor_table import MAX_IMAGE_NBYTES
 
 
 # --------------------------------------------------------------------------------- the layout
@@ -47,6 +48,13 @@ def compute_layout(slots: Iterable[LayoutSlot], *, tensor_alignment: int = TENSO
     """Place tensors as ``[experts | non-experts]``: each region in the order given, each tensor
     at the next multiple of ``tensor_alignment``, the separator and the image end rounded up to
     ``separator_alignment``. C-contiguous strides."""
+    for what, value, least in (("tensor_alignment", tensor_alignment, TENSOR_ALIGNMENT),
+                               ("separator_alignment", separator_alignment, SEPARATOR_ALIGNMENT)):
+        # the readers' rule (validate_layout), here before any byte is written: 0 had been a
+        # ZeroDivisionError, and 16 refused by the metadata check after the whole image was written
+        if type(value) is not int or not least <= value <= MAX_IMAGE_NBYTES or value & (value - 1):
+            raise LayoutError(f"{what} must be a power of two in {least}..2**56 (what an image's readers take), "
+                              f"got {value!r}")
     by_region: dict[str, list[LayoutSlot]] = {r: [] for r in REGIONS}
     seen = set()
     for s in slots:

@@ -154,10 +154,15 @@ RANK_DIR_FILES = frozenset({IMAGE_FILE, METADATA_FILE, TABLE_FILE, METADATA_FILE
 output, so one holding anything else is not replaced (:func:`check_out_dir`)."""
 
 
+def job_tmp_path(out_dir: Path, job_id: str) -> Path:
+    """Where job ``job_id`` writes in ``out_dir`` until its commit (:func:`make_job_tmp`)."""
+    return Path(out_dir) / f".tmp-{job_id[:12]}"
+
+
 def make_job_tmp(out_dir: Path, job_id: str) -> Path:
     """``out_dir/.tmp-<job>``, made (or joined: every rank of an engine job calls it) and marked
     as a job's (:data:`JOB_TMP_MARK`)."""
-    tmp = Path(out_dir) / f".tmp-{job_id[:12]}"
+    tmp = job_tmp_path(out_dir, job_id)
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / JOB_TMP_MARK).touch()
     return tmp
@@ -178,14 +183,20 @@ def check_out_dir(out_dir: Path) -> None:
     directory of an image (a reader takes the ``metadata.json`` there first, so the new job would
     never be read), and its ``rank-N`` directories hold only what pre-pack writes (they are all
     replaced, and anything else in them would be deleted with them: results, a checkpoint)."""
-    from .image import list_rank_dirs
+    from .image import is_rank_dir_name, list_rank_dirs
 
     out_dir = Path(out_dir)
     for name in (METADATA_FILE, IMAGE_FILE):
         if (out_dir / name).exists():
             raise LayoutError(f"{out_dir} holds {name}: it is one rank's directory of an image, not an image "
                               "directory; pre-pack into the directory above it, or into another")
-    for rank_dir in sorted(list_rank_dirs(out_dir).values()):
+    rank_dirs = list_rank_dirs(out_dir)
+    others = sorted(p.name for p in out_dir.iterdir() if p not in rank_dirs.values() and is_rank_dir_name(p.name))
+    if others:  # the commit renames rank-N directories over these names: a file there failed it midway
+        raise LayoutError(f"{out_dir} holds {', '.join(others[:5])}, which is no directory: pre-pack writes its "
+                          "ranks as rank-N directories and will not replace it; move it, or choose another output "
+                          "directory")
+    for rank_dir in sorted(rank_dirs.values()):
         foreign = sorted(p.name for p in rank_dir.iterdir() if p.name not in RANK_DIR_FILES or not p.is_file())
         if foreign:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
@@ -195,21 +206,24 @@ def check_out_dir(out_dir: Path) -> None:
 
 
 def commit_job(tmp: Path, out_dir: Path, job: dict, ranks: list[int]) -> None:
-    """Publish a pre-pack written into ``tmp`` (its ``rank-R/`` directories) as ``out_dir``.
+    """Publish a pre-pack written into ``tmp`` (its ``rank-R/`` directories) as ``out_dir``:
+    :func:`stage_job`, then :func:`publish_job`."""
+    stage_job(tmp, out_dir, job)
+    publish_job(tmp, out_dir, ranks)
+
+
+def stage_job(tmp: Path, out_dir: Path, job: dict) -> None:
+    """Write the job file of a pre-pack written into ``tmp`` there, synced; nothing in
+    ``out_dir`` is touched yet, so a failure here (a full disk) leaves the old image whole and
+    the caller may discard ``tmp``.
 
     Each entry of ``job["ranks"]`` gets ``metadata_sha256``, the sha256 of that rank's
     ``metadata.json`` as written, which every reader checks (tamper evidence, FORMAT.md).
-
-    The order makes a crash at any point safe: the job file is written and synced in ``tmp``;
-    the old job file goes first (an image without it is never taken as complete), the old rank
-    directories are moved aside, the new ones moved in, and the new job file renamed in last.
-    ``tmp`` is removed at the end.
     """
     import json
-    import shutil
 
     from .format import JOB_FILE
-    from .image import list_rank_dirs, rank_dir_name
+    from .image import rank_dir_name
 
     check_out_dir(out_dir)  # again at the commit, under the lock: the rank directories it moves aside
     for entry in job["ranks"]:
@@ -220,6 +234,20 @@ def commit_job(tmp: Path, out_dir: Path, job: dict, ranks: list[int]) -> None:
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)
+
+
+def publish_job(tmp: Path, out_dir: Path, ranks: list[int]) -> None:
+    """Swap the job staged in ``tmp`` (:func:`stage_job`) into ``out_dir``.
+
+    The order makes a crash at any point safe: the old job file goes first (an image without it
+    is never taken as complete), the old rank directories are moved aside, the new ones moved in,
+    and the new job file renamed in last. ``tmp`` is removed at the end.
+    """
+    import shutil
+
+    from .format import JOB_FILE
+    from .image import list_rank_dirs, rank_dir_name
+
     old_job = out_dir / JOB_FILE
     if old_job.exists():
         old_job.unlink()

@@ -198,6 +198,84 @@ def test_the_filesystem_refusing_a_write_is_a_layout_error_and_leaves_nothing(qw
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
 
 
+def test_a_disk_that_fills_on_the_job_file_keeps_the_old_image_and_leaves_no_partial_job(qwen, tmp_path, monkeypatch):
+    """prepack.json is written into the job's temp directory after the images: a full disk there
+    had raised a bare OSError and left the new job's full-size images behind (a full disk stayed
+    full until the next run); the old image is untouched either way."""
+    import errno
+    import os
+
+    out = tmp_path / "out"
+    old = prepack(qwen[0], out, progress=False)
+    real_fsync, seen = os.fsync, {"job": False}
+    real_open = open
+
+    def fsync(fd):
+        if seen["job"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+
+    def opening(path, *a, **k):
+        seen["job"] = Path(path).name == "prepack.json"
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr("flashboot.layouts.writer.os.fsync", fsync)
+    monkeypatch.setattr("builtins.open", opening)
+    with pytest.raises(DiskSpaceError, match="the filesystem filled while the images were written"):
+        prepack(qwen[0], out, tp=2, progress=False)
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "prepack.json", "rank-0"]
+    assert read_image(out).metadata.job_id == old.job_id
+    verify_image(out)
+
+
+@pytest.mark.parametrize("where", ["dangling link", "lock is a directory"])
+def test_an_output_that_cannot_be_made_is_a_layout_error_naming_it(qwen, tmp_path, where):
+    """A bare OSError (a traceback from the CLI) had come from making the output or its lock."""
+    out = tmp_path / "out"
+    if where == "dangling link":
+        out.symlink_to(tmp_path / "gone")
+        message = r"out: cannot make the image directory or its lock file .lock \(File exists: .*out\)"
+    else:
+        (out / ".lock").mkdir(parents=True)
+        message = r"out: cannot make the image directory or its lock file .lock \(Is a directory: .*\.lock\)"
+    with pytest.raises(LayoutError, match=message):
+        prepack(qwen[0], out, progress=False)
+
+
+def test_an_output_that_cannot_be_locked_is_a_layout_error(qwen, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(_prepack.fcntl, "flock", flock)
+    with pytest.raises(LayoutError, match=r"out: cannot lock .*out/.lock \(No locks available\)"):
+        prepack(qwen[0], tmp_path / "out", progress=False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock"]
+
+
+def test_a_disk_too_full_for_the_job_directory_leaves_nothing(qwen, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from flashboot.layouts.writer import JOB_TMP_MARK
+
+    real_touch = Path.touch
+
+    def touch(self, *a, **k):
+        if self.name == JOB_TMP_MARK:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_touch(self, *a, **k)
+
+    monkeypatch.setattr(Path, "touch", touch)
+    out = tmp_path / "out"
+    with pytest.raises(DiskSpaceError, match="the filesystem filled while the images were written"):
+        prepack(qwen[0], out, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
 def test_ctrl_c_stops_prepack_after_the_batches_already_reading(qwen, tmp_path, monkeypatch):
     """A KeyboardInterrupt in the wait for the batches: the pool's exit had read and written every
     batch still queued first (on a large checkpoint, minutes); now the queued ones are cancelled."""
@@ -273,6 +351,36 @@ def test_prepack_deletes_nothing_it_did_not_write(qwen, tmp_path, where):
     assert (out / where).read_text() == "keep"
 
 
+def test_a_rank_name_that_is_no_directory_is_refused_and_the_old_image_kept(qwen, tmp_path):
+    """A file named rank-1 in the output: the commit had unlinked the old job, moved the old rank
+    directories aside and then failed renaming the new rank-1 over it (NotADirectoryError), the
+    old image lost with the partial commit."""
+    out = tmp_path / "out"
+    old = prepack(qwen[0], out, progress=False)
+    (out / "rank-1").write_text("keep")
+    with pytest.raises(LayoutError, match=rf"{out} holds rank-1, which is no directory: pre-pack writes its ranks as "
+                                          "rank-N directories and will not replace it"):
+        prepack(qwen[0], out, tp=2, progress=False)
+    assert (out / "rank-1").read_text() == "keep" and not list(out.glob(".tmp-*"))
+    assert read_image(out).metadata.job_id == old.job_id
+    verify_image(out)
+
+
+@pytest.mark.parametrize("name", ["rank-01", "rank-001", "rank-\u0661"])
+def test_a_directory_named_like_a_rank_another_way_is_left_alone(qwen, tmp_path, name):
+    """rank-01 beside rank-1 had been listed as rank 1 in rank-1's place (whichever came last): the
+    commit moved it aside, left the old rank-1, then failed renaming the new rank-1 over it
+    (ENOTEMPTY) with the old image already unlinked."""
+    out = tmp_path / "out"
+    prepack(qwen[0], out, tp=2, progress=False)
+    (out / name).mkdir()
+    (out / name / "notes.txt").write_text("keep")
+    report = prepack(qwen[0], out, tp=2, progress=False)
+    assert (out / name / "notes.txt").read_text() == "keep"
+    assert [r.rank for r in verify_image(out)] == [0, 1]
+    assert all(read_image(out, r).metadata.job_id == report.job_id for r in (0, 1))
+
+
 def test_a_checkpoint_inside_the_output_is_not_moved_aside(qwen, tmp_path):
     """``prepack X/rank-0 --out X``: the checkpoint itself had been moved into the trash and removed."""
     import shutil
@@ -326,6 +434,26 @@ def test_crash_during_commit_is_refused_then_recovered(qwen, tmp_path, monkeypat
     monkeypatch.setattr(_prepack.os, "rename", real_rename)
     prepack(qwen[0], out, tp=2, progress=False)
     assert len(verify_image(out)) == 2
+
+
+def test_verify_of_an_image_replaced_meanwhile_is_no_checksum_failure(qwen, mixed, tmp_path, monkeypatch):
+    """A re-pre-pack into the directory between verify's metadata read and its open of image.bin:
+    the new image's bytes had been checked against the old checksums and reported as corrupt."""
+    from flashboot.layouts import image
+
+    out = tmp_path / "out"
+    prepack(qwen[0], out, progress=False)
+    real_open = image.Image.open
+
+    def open_after_a_new_job(self):
+        prepack(mixed[0], out, progress=False)
+        return real_open(self)
+
+    monkeypatch.setattr(image.Image, "open", open_after_a_new_job)
+    with pytest.raises(LayoutError, match=r"rank-0/image.bin was replaced or written to since its metadata was read"):
+        verify_image(out)
+    monkeypatch.undo()
+    verify_image(out)  # the new image itself is whole
 
 
 def _write_raw_safetensors(path: Path, header: dict, data: bytes):
@@ -473,7 +601,7 @@ def test_dangling_links_in_a_checkpoint_are_named(tmp_path):
         prepack(ckpt, tmp_path / "out", progress=False)
 
 
-def test_bad_options_refused(qwen, tmp_path):
+def test_bad_options_refused(qwen, tmp_path, monkeypatch):
     with pytest.raises(LayoutError, match="chunk_bytes must be a positive multiple of 4096"):
         prepack(qwen[0], tmp_path / "o", chunk_bytes=1000, progress=False)
     with pytest.raises(LayoutError, match="of at most 1,073,741,824, got 1125899906842624"):
@@ -484,6 +612,29 @@ def test_bad_options_refused(qwen, tmp_path):
         prepack(qwen[0], tmp_path / "o", target="vllm", progress=False)
     with pytest.raises(LayoutError, match="not a directory"):
         prepack(tmp_path / "missing", tmp_path / "o", progress=False)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    with pytest.raises(LayoutError, match="out_dir is an empty path"):
+        prepack(qwen[0], "", progress=False)  # --out "$UNSET": had written into the working directory
+    assert not list((tmp_path / "cwd").iterdir())
+    with pytest.raises(LayoutError, match="hf_dir is an empty path"):
+        prepack("", tmp_path / "o", progress=False)
+    with pytest.raises(LayoutError, match="model_id must be a string .*, got 123"):
+        prepack(qwen[0], tmp_path / "o", model_id=123, progress=False)  # had been refused once written
+    with pytest.raises(LayoutError, match="revision must be a string .*, got 5"):
+        prepack(qwen[0], tmp_path / "o", revision=5, progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("alignment", [0, 16, 2.0, True, 3 << 8])
+def test_a_tensor_alignment_no_reader_takes_is_refused_before_writing(qwen, tmp_path, monkeypatch, alignment):
+    """0 had been a ZeroDivisionError and 2.0 a TypeError; 16 or 768 were written out in full and
+    then refused by the metadata check of the temporary image."""
+    monkeypatch.setattr(ImageWriter, "write", lambda *a, **k: pytest.fail("an image was written"))
+    with pytest.raises(LayoutError, match=rf"tensor_alignment must be a power of two in 256..2\*\*56 \(what an "
+                                          rf"image's readers take\), got {alignment!r}"):
+        prepack(qwen[0], tmp_path / "o", tensor_alignment=alignment, progress=False)
+    assert not (tmp_path / "o").exists()
 
 
 # ------------------------------------------------------------------------------------------ CLI

@@ -158,6 +158,9 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
     from flashboot.layouts.image import rank_dir_name
 
     t_start = time.perf_counter()
+    for what, value in (("hf_dir", hf_dir), ("out_dir", out_dir)):
+        if isinstance(value, (str, bytes)) and not value:  # Path("") is the working directory: an unset
+            raise LayoutError(f"{what} is an empty path")   # $OUT had written the image into it
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= MAX_CHUNK_BYTES or chunk_bytes % 4096:
@@ -166,6 +169,9 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
     alignment = TENSOR_ALIGNMENT if tensor_alignment is None else tensor_alignment
     if target not in TARGETS:
         raise LayoutError(f"target {target!r}; known: {', '.join(TARGETS)}")
+    for what, value in (("model_id", model_id), ("revision", revision)):
+        if value is not None and not isinstance(value, str):  # had been refused after the whole image was written
+            raise LayoutError(f"{what} must be a string (or None: from the checkpoint), got {value!r}")
     layouts = ParallelLayout.all_ranks(tp, ep)
 
     # ---- plan: headers only
@@ -209,19 +215,26 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
 
     # ---- refuse before writing: a concurrent job, an output that is not an image's, space
     from flashboot.layouts.writer import (
-        ImageWriter, check_out_dir, commit_job, make_job_tmp, sweep_stale_jobs,
+        ImageWriter, check_out_dir, job_tmp_path, make_job_tmp, publish_job, stage_job, sweep_stale_jobs,
     )
 
     if out_dir.exists() and not out_dir.is_dir():
         raise LayoutError(f"{out_dir} is not a directory; pre-pack writes an image directory there")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(out_dir / JOB_LOCK, "a+")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(out_dir / JOB_LOCK, "a+")
+    except OSError as exc:  # not writable, a dangling link, a .lock that is a directory: a traceback had
+        raise LayoutError(f"{out_dir}: cannot make the image directory or its lock file {JOB_LOCK} "
+                          f"({exc.strerror}: {exc.filename}); nothing was written") from None
     writers: list = []
     try:
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise LayoutError(f"{out_dir}: another flashboot prepack is writing here (lock {out_dir / JOB_LOCK})") from None
+        except OSError as exc:  # a filesystem without locks (NFS without lockd: ENOLCK) had been a traceback
+            raise LayoutError(f"{out_dir}: cannot lock {out_dir / JOB_LOCK} ({exc.strerror}): pre-pack writes an image "
+                              "only where no other job can write at once; choose an output on a local filesystem") from None
         check_out_dir(out_dir)
         sweep_stale_jobs(out_dir)  # left by an interrupted run; we hold the lock
         needed = sum(lay.image_nbytes + _metadata_nbytes(plan, lay, chunk_bytes)
@@ -229,7 +242,11 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
         free = shutil.disk_usage(out_dir).free
         if needed > free:
             raise DiskSpaceError(out_dir, needed, free)
-        tmp = make_job_tmp(out_dir, job_id)
+        try:
+            tmp = make_job_tmp(out_dir, job_id)
+        except OSError as exc:  # a full disk has no block for the directory either
+            _discard_tmp(job_tmp_path(out_dir, job_id))
+            raise _write_failed(exc, out_dir, needed) from exc
 
         # ---- write: each source tensor read once, its pieces to every rank's final offsets
         try:
@@ -257,6 +274,17 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
                 w.finish(meta)
                 metas.append(meta)
             t_checksum = time.perf_counter()
+            job = {
+                "format": JOB_FORMAT_NAME, "format_version": FORMAT_VERSION, "flashboot_version": __version__,
+                "job_id": job_id, "created_unix": time.time(), "world_size": len(layouts), "tp_size": tp,
+                "ep_size": ep, "target": target, "family": fam_info.to_dict(), "source": source.to_dict(),
+                "key": key.to_dict(), "warnings": warnings, "skipped": skipped,
+                "ranks": [{"rank": m.parallel.rank, "dir": rank_dir_name(m.parallel.rank),
+                           "image_nbytes": m.image_nbytes, "tensors": len(m.tensors)} for m in metas],
+            }
+            # the job file too is written before the old image is touched: a disk that fills on
+            # it (or a foreign file found in a rank directory meanwhile) discards the new job
+            stage_job(tmp, out_dir, job)
         except BaseException as exc:
             for w in writers:
                 w.close()
@@ -267,20 +295,11 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
         for w in writers:
             w.close()
         written = sum(w.written_nbytes for w in writers)
-        job = {
-            "format": JOB_FORMAT_NAME, "format_version": FORMAT_VERSION, "flashboot_version": __version__,
-            "job_id": job_id, "created_unix": time.time(), "world_size": len(layouts), "tp_size": tp,
-            "ep_size": ep, "target": target, "family": fam_info.to_dict(), "source": source.to_dict(),
-            "key": key.to_dict(), "warnings": warnings, "skipped": skipped,
-            "ranks": [{"rank": m.parallel.rank, "dir": rank_dir_name(m.parallel.rank),
-                       "image_nbytes": m.image_nbytes, "tensors": len(m.tensors)} for m in metas],
-        }
         # ---- commit: unmark the old job, swap rank dirs in, mark the new job last
-        commit_job(tmp, out_dir, job, [p.rank for p in layouts])
+        publish_job(tmp, out_dir, [p.rank for p in layouts])
         t_commit = time.perf_counter()
     finally:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-        lock.close()
+        lock.close()  # releases the lock (an unlock of one never taken fails as its lock did)
 
     ranks = [RankSummary(m.parallel.rank, out_dir / rank_dir_name(m.parallel.rank), m.image_nbytes,
                          m.regions["experts"].nbytes, m.regions["non_experts"].nbytes, len(m.tensors)) for m in metas]
