@@ -593,3 +593,32 @@ def test_a_publish_whose_images_config_json_is_nested_too_deeply_is_refused_by_n
     metadata = SimpleNamespace(source=SimpleNamespace(path=str(tmp_path)))
     with pytest.raises(PublishError, match="config.json: not JSON \\(nested deeper than this reader accepts\\)"):
         _config_for(metadata, None, "publish")
+
+
+def test_a_lazy_negative_view_is_refused_not_published_with_the_wrong_sign(generic_image, store):
+    """A lazy neg view (a complex buffer's ``.conj().imag``, ``_neg_view()``) shares its tensor's
+    address and strides: its memory holds the values un-negated. Publish had packed those bytes
+    and the engine served the weights with the wrong sign, no error; a second publish at the same
+    addresses (the cached table) skipped every check of the tensors."""
+    address, _ = store
+    params = _trainer_weights(5)
+    neg = torch.randn(3, 5)._neg_view()
+    assert neg.is_neg() and torch.randn(3, 5, dtype=torch.complex64).conj().imag.is_neg()
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            with pytest.raises(PublishError, match=r"'layers\.2\.w' is a lazy negative view .*resolve_neg"):
+                pub.publish(dict(params, **{"layers.2.w": neg}), version=1)
+            pub.publish(params, version=1)
+            loaded.refit(address, 1, timeout_s=30)
+            with pytest.raises(PublishError, match=r"'layers\.2\.w' is a lazy negative view"):
+                pub.publish(dict(params, **{"layers.2.w": params["layers.2.w"]._neg_view()}), version=2)
+            assert pub.version == 1
+            pub.publish(dict(params, **{"layers.2.w": neg.resolve_neg()}), version=2)
+            loaded.refit(address, 2, timeout_s=30)
+        assert torch.equal(loaded.tensors["layers.2.w"], neg)
+        for name, t in params.items():
+            if name != "layers.2.w":
+                assert torch.equal(loaded.tensors[name], t), name
+    finally:
+        loaded.close()

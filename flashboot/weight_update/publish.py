@@ -213,7 +213,9 @@ class Publisher:
         plan = self.plan(named)
         check_aliases(plan, named, f"publish to {self.metadata.key.model_id} rank {self.rank}")
         # a trainer updates its parameters in place: the same addresses reuse the device table
-        where = tuple((n, _data_ptr(t), t.stride(), t.device) for n, t in named.items())  # 0: PackTable says why
+        # (a lazy neg view has its tensor's address and strides: a reused table skipped PackTable's refusal of it)
+        where = tuple((n, _data_ptr(t), t.stride(), t.device, t.is_neg() or t.is_conj())  # 0: PackTable says why
+                      for n, t in named.items())
         if self._table is None or self._table[0] is not plan or self._table[1] != where:
             self._table = (plan, where, PackTable(plan, named, self.arena))
         table = self._table[2]
