@@ -354,8 +354,9 @@ def test_a_version_stays_claimed_while_an_engine_may_still_be_taking_it(generic_
             a.publish(_trainer_weights(60), version=1)
             with Rendezvous.connect(address, namespace=version_namespace("refit", 1), timeout_s=10) as rdv:
                 rdv.add(_gkey(a.seed.generation, "chain", "join"), 1)  # an engine's clone joined, and is copying
-        with pytest.raises(PublishError, match=r"version 1 was already published at .* by another Publisher "
-                                               r"\(pid \d+ on .*, still running\); this one"):
+        with pytest.raises(PublishError, match=r"version 1 was published at .* by another Publisher "
+                                               r"\(pid \d+ on .*, still running\), which closed while an engine was "
+                                               r"still copying it: .*; this one"):
             b.publish(_trainer_weights(61), version=1)
         b.publish(_trainer_weights(61), version=2)
 
@@ -441,3 +442,60 @@ def test_a_torn_image_wakes_from_its_backup_unverified_and_from_the_disk_whole_a
         assert loaded.version == 0 and loaded.refit_torn is None and _holds(loaded, image_weights)
     finally:
         loaded.close()
+
+
+def test_a_version_whose_publisher_closed_mid_copy_is_free_again_once_its_engines_have_left(generic_image, store,
+                                                                                           monkeypatch):
+    """Trainer A closed while an engine was copying its version 1: the claim (and the version's
+    keys) stayed, as they should while the engine copied, but for good: no publish of A's would
+    ever ask again, so a trainer started again was refused version 1 ("already published") long
+    after every engine had left, and the keys stayed in the store."""
+    import threading
+
+    from flashboot.flashclone.session import _Session
+    from flashboot.weight_update import PublishError
+
+    address, host = store
+    one, again = _trainer_weights(80), _trainer_weights(81)
+    copying, go = threading.Event(), threading.Event()
+    copy = _Session.run
+
+    def held_mid_copy(session, executor):
+        copying.set()
+        assert go.wait(60)
+        return copy(session, executor)
+
+    monkeypatch.setattr(_Session, "run", held_mid_copy)
+    engine, fresh = flashboot.load(generic_image, device="cpu"), flashboot.load(generic_image, device="cpu")
+    try:
+        a = Publisher(generic_image, 0, store=address, device="cpu")
+        a.publish(one, version=1)
+        failed = []
+        refit = threading.Thread(target=lambda: failed.extend(_raised(engine.refit, address, 1, timeout_s=60)))
+        refit.start()
+        assert copying.wait(60)
+        a.close()
+        with Publisher(generic_image, 0, store=address, device="cpu") as b:
+            with pytest.raises(PublishError, match=r"version 1 was published at .* by another Publisher .*which closed "
+                                                   r"while an engine was still copying it"):
+                b.publish(again, version=1)  # the engine is still taking A's version 1
+            go.set()
+            refit.join(60)
+            assert not failed and engine.version == 1 and _holds(engine, one)  # A's bytes, as published
+            monkeypatch.setattr(_Session, "run", copy)
+            b.publish(again, version=1)
+            fresh.refit(address, 1, timeout_s=30)
+            assert fresh.version == 1 and _holds(fresh, again)
+        assert host.store.num_keys() == 0  # A's version 1 keys too
+    finally:
+        go.set()
+        engine.close()
+        fresh.close()
+
+
+def _raised(fn, *args, **kwargs) -> list:
+    try:
+        fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001  (the test reports it)
+        return [exc]
+    return []
