@@ -499,3 +499,35 @@ def _raised(fn, *args, **kwargs) -> list:
     except BaseException as exc:  # noqa: BLE001  (the test reports it)
         return [exc]
     return []
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_an_interrupt_as_the_refit_releases_its_clone_leaves_the_new_version_claimed(generic_image, store,
+                                                                                     monkeypatch, atomic):
+    """An interrupt (a signal, a watchdog's exception) while the refit closed its clone, after the
+    new weights were in place and verified (swapped in, or copied in place): the engine claimed
+    the old version over the new bytes (atomic), or a torn mix of both (in place)."""
+    from flashboot.flashclone.report import CloneResult
+
+    address, _ = store
+    new = _trainer_weights(90)
+    close = CloneResult.close
+
+    def interrupted(result, **kwargs):
+        close(result, **kwargs)
+        raise KeyboardInterrupt("a signal as the clone closed")
+
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(new, version=1)
+            monkeypatch.setattr(CloneResult, "close", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                loaded.refit(address, 1, atomic=atomic, timeout_s=30)
+            monkeypatch.setattr(CloneResult, "close", close)
+            assert _holds(loaded, new)
+            assert loaded.version == 1 and loaded.refit_torn is None
+            with pytest.raises(RefitError, match="version 1 is not newer than the live version 1"):
+                loaded.refit(address, 1, atomic=atomic, timeout_s=30)
+    finally:
+        loaded.close()

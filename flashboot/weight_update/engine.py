@@ -390,6 +390,15 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
         if held:
             _mark_held_torn(held, live, torn, version, timeout_s, where)
         written = False  # in place, the live bytes are whole until the clone issues a write into them
+        went_live = False  # the version's bytes, verified, under the views (copied in place, or swapped in)
+
+        def now_live() -> None:
+            loaded.version = version
+            loaded.refit_torn = None
+            made = {"version": version, "manifest": manifest.to_dict()}
+            remember_refit(arena, made)  # for a hand-over after this refit
+            _held_recorded(held, made, timeout_s, where)
+
         try:
             tc = time.perf_counter()
             try:
@@ -409,6 +418,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                                          f"{exc}: {why}") from exc
                 raise
             written = True
+            went_live = not atomic  # the clone returns verified
             steps["clone_ms"] = (time.perf_counter() - tc) * 1e3
             try:
                 rep = result.report
@@ -425,12 +435,16 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                 if atomic:
                     remap: dict = {}
                     report.remap_ms = replace_backing(arena, target, remap)
+                    went_live = True
                     steps.update({f"remap_{k}": v for k, v in remap.items()}, remap_ms=report.remap_ms)
             finally:
                 tr = time.perf_counter()
                 result.close()
                 steps["clone_close_ms"] = (time.perf_counter() - tr) * 1e3
         except BaseException as exc:
+            if went_live:  # releasing the clone failed (an interrupt) with the new version serving: say so
+                now_live()  # (the old version had been claimed over the new bytes; in place, a torn mix)
+                raise
             if atomic or not written:  # not a byte of the live arena changed: the old weights are serving
                 for place, was in zip(held, held_before):  # what the records said before the torn mark
                     _held_recorded([place], was, timeout_s, where)
@@ -450,11 +464,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                 ts = time.perf_counter()
                 target.close()
                 steps["staging_close_ms"] = (time.perf_counter() - ts) * 1e3
-        loaded.version = version
-        loaded.refit_torn = None
-        made = {"version": version, "manifest": manifest.to_dict()}
-        remember_refit(arena, made)  # for a hand-over after this refit
-        _held_recorded(held, made, timeout_s, where)
+        now_live()
     report.total_ms = (time.perf_counter() - t0) * 1e3
     return report
 
