@@ -4,6 +4,7 @@ own order, meta tensors, non-tensors, temporaries) and what the engine then serv
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -510,6 +511,15 @@ def test_a_bad_publisher_timeout_is_refused_at_once(generic_image, timeout_s):
     "cannot host a store ...: Bad file descriptor" for 0."""
     with pytest.raises(PublishError, match=r"Publisher timeout_s must be a finite number of seconds in \(0, "):
         Publisher(generic_image, 0, store="127.0.0.1:1", device="cpu", token="x" * 16, timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("name", [3, None, "", "trainer/0"])
+def test_a_bad_publisher_name_is_refused_at_once(generic_image, name):
+    """The name is the store's namespace: 3 or None had been a raw TypeError at the first publish
+    (after the plan), '' or one with '/' the store's error about a namespace."""
+    with pytest.raises(PublishError, match=rf"Publisher name must be a non-empty string without '/' .*got "
+                                           rf"{re.escape(repr(name))}"):
+        Publisher(generic_image, 0, store="127.0.0.1:1", device="cpu", token="x" * 16, name=name)
 
 
 def test_a_publisher_hosts_the_store_once_its_host_has_left(generic_image):

@@ -138,6 +138,9 @@ class Publisher:
         # before the arena: None or NaN had been a raw TypeError/ValueError, 0 a store "Bad file
         # descriptor", each at the first publish, after the pack
         timeout_s = check_timeout(timeout_s, "Publisher timeout_s", PublishError)
+        if not isinstance(name, str) or not name or "/" in name:  # the store's namespace: 3 had been a raw TypeError
+            raise PublishError(f"Publisher name must be a non-empty string without '/' (the engines refit with the "
+                               f"same name=), got {name!r}")
         self.metadata = read_image_metadata(image, rank)
         self.engine_section = _engine_section(image, rank, self.metadata)
         self.rank, self.store, self.name, self.config = rank, store, name, config
