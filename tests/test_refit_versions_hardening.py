@@ -531,3 +531,45 @@ def test_an_interrupt_as_the_refit_releases_its_clone_leaves_the_new_version_cla
                 loaded.refit(address, 1, atomic=atomic, timeout_s=30)
     finally:
         loaded.close()
+
+
+def test_an_engine_waiting_for_a_version_its_publisher_skips_is_told_once_a_newer_one_is_out(generic_image, store,
+                                                                                              monkeypatch):
+    """An engine ahead of its trainer waited for version 2; the trainer (numbering by its step)
+    published version 3 instead. The engine waited out its whole timeout for a publish that would
+    never come, then blamed the trainer's publish of version 2; it had been told only when it
+    asked after version 3 was out."""
+    import threading
+
+    from flashboot.flashclone.rendezvous import Rendezvous
+
+    address, _ = store
+    one, three = _trainer_weights(95), _trainer_weights(96)
+    waiting = threading.Event()
+    wait_keys = Rendezvous.wait_keys
+
+    def engine_waits(rdv, keys, **kwargs):
+        if rdv.namespace == "refit.v2":
+            waiting.set()
+        return wait_keys(rdv, keys, **kwargs)
+
+    monkeypatch.setattr(Rendezvous, "wait_keys", engine_waits)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(one, version=1)
+            loaded.refit(address, 1, timeout_s=30)
+            trainer = threading.Thread(target=lambda: waiting.wait(60) and pub.publish(three, version=3))
+            trainer.start()
+            try:
+                with pytest.raises(RefitError, match=r"to version 2: version 2 is not out: its publisher has "
+                                                     r"published version 3 since .*refit to version 3"):
+                    loaded.refit(address, 2, timeout_s=60)
+            finally:
+                waiting.set()
+                trainer.join(60)
+            assert pub.version == 3 and loaded.version == 1 and _holds(loaded, one)
+            loaded.refit(address, 3, timeout_s=30)
+        assert loaded.version == 3 and _holds(loaded, three)
+    finally:
+        loaded.close()

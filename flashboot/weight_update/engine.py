@@ -225,6 +225,31 @@ def _check_not_superseded(rdv, name: str, version: int, where: str) -> None:
                          f"{newest}; nothing was copied, the old weights are serving")
 
 
+SUPERSEDED_POLL_S = 1.0
+"""How often a refit waiting for its version's publish asks whether the publisher has published a
+newer one meanwhile (:func:`_check_not_superseded`)."""
+
+
+def _wait_for_publish(rdv, name: str, version: int, what: str, timeout_s: float, where: str):
+    """The seed record of ``version``, waited for up to ``timeout_s``; RefitError as soon as its
+    publisher has published a newer version instead (a trainer whose numbers skip this one: the
+    wait had run its whole timeout for a publish that would never come, then blamed the trainer)."""
+    from ..errors import WaitTimeoutError
+    from ..flashclone.common import SEED_KEY
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not rdv.has(SEED_KEY):
+            _check_not_superseded(rdv, name, version, where)
+        left = deadline - time.monotonic()
+        try:
+            return rdv.read(SEED_KEY, what=what, timeout_s=max(min(left, SUPERSEDED_POLL_S), 0.001))
+        except WaitTimeoutError:
+            if deadline - time.monotonic() <= 0:
+                raise WaitTimeoutError(f"waited {timeout_s:g} s for {what} (store keys {[SEED_KEY]} at "
+                                       f"{rdv.address})") from None
+
+
 def _repacked_note(store: str, token, token_file, name: str, version: int, timeout_s: float) -> str:
     """Why a copy of ``version`` failed its checksums where its publisher has moved on since: it
     withdrew ``version`` and packs the next one into the one arena the copy read (a Publisher
@@ -319,7 +344,6 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
            chunk_bytes, transport, token, token_file, check_record) -> RefitReport:
     from ..arena.remap import check_replaceable, replace_backing, staging_for
     from ..flashclone.cloning import clone
-    from ..flashclone.common import SEED_KEY
     from ..flashclone.holder_refit import links as holder_links
     from ..flashclone.holder_refit import remember as remember_refit
     from ..flashclone.sources import release_held_sources
@@ -350,10 +374,8 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
     namespace = version_namespace(name, version)
     rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=namespace, host=False, timeout_s=timeout_s)
     try:
-        if not rdv.has(SEED_KEY):
-            _check_not_superseded(rdv, name, version, where)
-        rec = rdv.read(SEED_KEY, what=f"the trainer's publish of version {version} ({meta.key.model_id} rank {rank}, "
-                                      f"namespace {namespace!r})", timeout_s=timeout_s)
+        rec = _wait_for_publish(rdv, name, version, f"the trainer's publish of version {version} ({meta.key.model_id} "
+                                f"rank {rank}, namespace {namespace!r})", timeout_s, where)
     finally:
         rdv.close()
     manifest = _check_record(rec, loaded, version, where)
