@@ -573,3 +573,21 @@ def test_an_engine_waiting_for_a_version_its_publisher_skips_is_told_once_a_newe
         assert loaded.version == 3 and _holds(loaded, three)
     finally:
         loaded.close()
+
+
+@pytest.mark.parametrize("version", [0, -1, "3", 2.0, True, None])
+def test_a_bad_version_is_refused_by_the_sides_own_error(generic_image, version):
+    """A version that is no positive int raised a bare FlashBootError from publish and refit alike,
+    which a trainer's ``except PublishError`` and an engine's ``except RefitError`` let through."""
+    from flashboot.weight_update import PublishError
+
+    with Publisher(generic_image, 0, store="127.0.0.1:1", device="cpu", token="x" * 16, host_store=False) as pub:
+        with pytest.raises(PublishError, match=rf"publish: version must be a positive int, got {version!r}"):
+            pub.publish(_trainer_weights(97), version=version)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with pytest.raises(RefitError, match=rf"refit: version must be a positive int, got {version!r}"):
+            loaded.refit("127.0.0.1:1", version, timeout_s=1)
+        assert loaded.version == 0
+    finally:
+        loaded.close()

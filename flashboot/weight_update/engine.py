@@ -310,7 +310,7 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     ``remap_release_old_ms`` after the swap, ``clone_close_ms`` and ``staging_close_ms``.
     """
     t0 = time.perf_counter()
-    check_version(version, "refit")
+    check_version(version, "refit", RefitError)  # a FlashBootError had escaped `except RefitError`
     check_refit_values("refit", atomic=atomic, timeout_s=timeout_s, schedule=schedule, clones=clones,
                        chunk_bytes=chunk_bytes, transport=transport, name=name, token_file=token_file)
     # one refit of an engine at a time: two at once both passed the version check against the

@@ -49,9 +49,10 @@ def version_namespace(name: str, version: int) -> str:
     return f"{name}.v{version}"
 
 
-def check_version(version: Any, what: str) -> int:
+def check_version(version: Any, what: str, error: type[FlashBootError] = FlashBootError) -> int:
+    """``version`` when it is a positive int; else ``error`` (the caller's: PublishError, RefitError) naming it."""
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise FlashBootError(f"{what}: version must be a positive int, got {version!r}")
+        raise error(f"{what}: version must be a positive int, got {version!r}")
     return version
 
 
@@ -188,7 +189,7 @@ class Publisher:
         PublishError naming the tensor (a name the manifest lacks, a wrong shape or dtype, a
         missing tensor) before anything is written. One publish at a time: a second one (another
         thread) waits up to ``timeout_s`` for the first, then checks its version."""
-        check_version(version, "publish")
+        check_version(version, "publish", PublishError)
         # two at once packed into the one arena together: each version's record then vouched for
         # the other's bytes (checksums taken after both packs), and one seed was never withdrawn
         self._acquire(f"publish of version {version}")
