@@ -4,6 +4,7 @@ own order, meta tensors, non-tensors, temporaries) and what the engine then serv
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -512,6 +513,15 @@ def test_a_bad_publisher_timeout_is_refused_at_once(generic_image, timeout_s):
         Publisher(generic_image, 0, store="127.0.0.1:1", device="cpu", token="x" * 16, timeout_s=timeout_s)
 
 
+@pytest.mark.parametrize("name", [3, None, "", "trainer/0"])
+def test_a_bad_publisher_name_is_refused_at_once(generic_image, name):
+    """The name is the store's namespace: 3 or None had been a raw TypeError at the first publish
+    (after the plan), '' or one with '/' the store's error about a namespace."""
+    with pytest.raises(PublishError, match=rf"Publisher name must be a non-empty string without '/' .*got "
+                                           rf"{re.escape(repr(name))}"):
+        Publisher(generic_image, 0, store="127.0.0.1:1", device="cpu", token="x" * 16, name=name)
+
+
 def test_a_publisher_hosts_the_store_once_its_host_has_left(generic_image):
     """Trainer A hosted the store, B joined it; A left (the store with it). B's next seed hosted a
     new store, and B's publish after that, withdrawing that seed, took it down again with a third
@@ -593,3 +603,32 @@ def test_a_publish_whose_images_config_json_is_nested_too_deeply_is_refused_by_n
     metadata = SimpleNamespace(source=SimpleNamespace(path=str(tmp_path)))
     with pytest.raises(PublishError, match="config.json: not JSON \\(nested deeper than this reader accepts\\)"):
         _config_for(metadata, None, "publish")
+
+
+def test_a_lazy_negative_view_is_refused_not_published_with_the_wrong_sign(generic_image, store):
+    """A lazy neg view (a complex buffer's ``.conj().imag``, ``_neg_view()``) shares its tensor's
+    address and strides: its memory holds the values un-negated. Publish had packed those bytes
+    and the engine served the weights with the wrong sign, no error; a second publish at the same
+    addresses (the cached table) skipped every check of the tensors."""
+    address, _ = store
+    params = _trainer_weights(5)
+    neg = torch.randn(3, 5)._neg_view()
+    assert neg.is_neg() and torch.randn(3, 5, dtype=torch.complex64).conj().imag.is_neg()
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            with pytest.raises(PublishError, match=r"'layers\.2\.w' is a lazy negative view .*resolve_neg"):
+                pub.publish(dict(params, **{"layers.2.w": neg}), version=1)
+            pub.publish(params, version=1)
+            loaded.refit(address, 1, timeout_s=30)
+            with pytest.raises(PublishError, match=r"'layers\.2\.w' is a lazy negative view"):
+                pub.publish(dict(params, **{"layers.2.w": params["layers.2.w"]._neg_view()}), version=2)
+            assert pub.version == 1
+            pub.publish(dict(params, **{"layers.2.w": neg.resolve_neg()}), version=2)
+            loaded.refit(address, 2, timeout_s=30)
+        assert torch.equal(loaded.tensors["layers.2.w"], neg)
+        for name, t in params.items():
+            if name != "layers.2.w":
+                assert torch.equal(loaded.tensors[name], t), name
+    finally:
+        loaded.close()

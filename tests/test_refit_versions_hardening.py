@@ -354,8 +354,9 @@ def test_a_version_stays_claimed_while_an_engine_may_still_be_taking_it(generic_
             a.publish(_trainer_weights(60), version=1)
             with Rendezvous.connect(address, namespace=version_namespace("refit", 1), timeout_s=10) as rdv:
                 rdv.add(_gkey(a.seed.generation, "chain", "join"), 1)  # an engine's clone joined, and is copying
-        with pytest.raises(PublishError, match=r"version 1 was already published at .* by another Publisher "
-                                               r"\(pid \d+ on .*, still running\); this one"):
+        with pytest.raises(PublishError, match=r"version 1 was published at .* by another Publisher "
+                                               r"\(pid \d+ on .*, still running\), which closed while an engine was "
+                                               r"still copying it: .*; this one"):
             b.publish(_trainer_weights(61), version=1)
         b.publish(_trainer_weights(61), version=2)
 
@@ -439,5 +440,154 @@ def test_a_torn_image_wakes_from_its_backup_unverified_and_from_the_disk_whole_a
         report = loaded.wake(verify=True)
         assert report.source != "backup" and "replace failed refit's mix of versions: refit again" in report.summary()
         assert loaded.version == 0 and loaded.refit_torn is None and _holds(loaded, image_weights)
+    finally:
+        loaded.close()
+
+
+def test_a_version_whose_publisher_closed_mid_copy_is_free_again_once_its_engines_have_left(generic_image, store,
+                                                                                           monkeypatch):
+    """Trainer A closed while an engine was copying its version 1: the claim (and the version's
+    keys) stayed, as they should while the engine copied, but for good: no publish of A's would
+    ever ask again, so a trainer started again was refused version 1 ("already published") long
+    after every engine had left, and the keys stayed in the store."""
+    import threading
+
+    from flashboot.flashclone.session import _Session
+    from flashboot.weight_update import PublishError
+
+    address, host = store
+    one, again = _trainer_weights(80), _trainer_weights(81)
+    copying, go = threading.Event(), threading.Event()
+    copy = _Session.run
+
+    def held_mid_copy(session, executor):
+        copying.set()
+        assert go.wait(60)
+        return copy(session, executor)
+
+    monkeypatch.setattr(_Session, "run", held_mid_copy)
+    engine, fresh = flashboot.load(generic_image, device="cpu"), flashboot.load(generic_image, device="cpu")
+    try:
+        a = Publisher(generic_image, 0, store=address, device="cpu")
+        a.publish(one, version=1)
+        failed = []
+        refit = threading.Thread(target=lambda: failed.extend(_raised(engine.refit, address, 1, timeout_s=60)))
+        refit.start()
+        assert copying.wait(60)
+        a.close()
+        with Publisher(generic_image, 0, store=address, device="cpu") as b:
+            with pytest.raises(PublishError, match=r"version 1 was published at .* by another Publisher .*which closed "
+                                                   r"while an engine was still copying it"):
+                b.publish(again, version=1)  # the engine is still taking A's version 1
+            go.set()
+            refit.join(60)
+            assert not failed and engine.version == 1 and _holds(engine, one)  # A's bytes, as published
+            monkeypatch.setattr(_Session, "run", copy)
+            b.publish(again, version=1)
+            fresh.refit(address, 1, timeout_s=30)
+            assert fresh.version == 1 and _holds(fresh, again)
+        assert host.store.num_keys() == 0  # A's version 1 keys too
+    finally:
+        go.set()
+        engine.close()
+        fresh.close()
+
+
+def _raised(fn, *args, **kwargs) -> list:
+    try:
+        fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001  (the test reports it)
+        return [exc]
+    return []
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_an_interrupt_as_the_refit_releases_its_clone_leaves_the_new_version_claimed(generic_image, store,
+                                                                                     monkeypatch, atomic):
+    """An interrupt (a signal, a watchdog's exception) while the refit closed its clone, after the
+    new weights were in place and verified (swapped in, or copied in place): the engine claimed
+    the old version over the new bytes (atomic), or a torn mix of both (in place)."""
+    from flashboot.flashclone.report import CloneResult
+
+    address, _ = store
+    new = _trainer_weights(90)
+    close = CloneResult.close
+
+    def interrupted(result, **kwargs):
+        close(result, **kwargs)
+        raise KeyboardInterrupt("a signal as the clone closed")
+
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(new, version=1)
+            monkeypatch.setattr(CloneResult, "close", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                loaded.refit(address, 1, atomic=atomic, timeout_s=30)
+            monkeypatch.setattr(CloneResult, "close", close)
+            assert _holds(loaded, new)
+            assert loaded.version == 1 and loaded.refit_torn is None
+            with pytest.raises(RefitError, match="version 1 is not newer than the live version 1"):
+                loaded.refit(address, 1, atomic=atomic, timeout_s=30)
+    finally:
+        loaded.close()
+
+
+def test_an_engine_waiting_for_a_version_its_publisher_skips_is_told_once_a_newer_one_is_out(generic_image, store,
+                                                                                              monkeypatch):
+    """An engine ahead of its trainer waited for version 2; the trainer (numbering by its step)
+    published version 3 instead. The engine waited out its whole timeout for a publish that would
+    never come, then blamed the trainer's publish of version 2; it had been told only when it
+    asked after version 3 was out."""
+    import threading
+
+    from flashboot.flashclone.rendezvous import Rendezvous
+
+    address, _ = store
+    one, three = _trainer_weights(95), _trainer_weights(96)
+    waiting = threading.Event()
+    wait_keys = Rendezvous.wait_keys
+
+    def engine_waits(rdv, keys, **kwargs):
+        if rdv.namespace == "refit.v2":
+            waiting.set()
+        return wait_keys(rdv, keys, **kwargs)
+
+    monkeypatch.setattr(Rendezvous, "wait_keys", engine_waits)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with Publisher(generic_image, 0, store=address, device="cpu") as pub:
+            pub.publish(one, version=1)
+            loaded.refit(address, 1, timeout_s=30)
+            trainer = threading.Thread(target=lambda: waiting.wait(60) and pub.publish(three, version=3))
+            trainer.start()
+            try:
+                with pytest.raises(RefitError, match=r"to version 2: version 2 is not out: its publisher has "
+                                                     r"published version 3 since .*refit to version 3"):
+                    loaded.refit(address, 2, timeout_s=60)
+            finally:
+                waiting.set()
+                trainer.join(60)
+            assert pub.version == 3 and loaded.version == 1 and _holds(loaded, one)
+            loaded.refit(address, 3, timeout_s=30)
+        assert loaded.version == 3 and _holds(loaded, three)
+    finally:
+        loaded.close()
+
+
+@pytest.mark.parametrize("version", [0, -1, "3", 2.0, True, None])
+def test_a_bad_version_is_refused_by_the_sides_own_error(generic_image, version):
+    """A version that is no positive int raised a bare FlashBootError from publish and refit alike,
+    which a trainer's ``except PublishError`` and an engine's ``except RefitError`` let through."""
+    from flashboot.weight_update import PublishError
+
+    with Publisher(generic_image, 0, store="127.0.0.1:1", device="cpu", token="x" * 16, host_store=False) as pub:
+        with pytest.raises(PublishError, match=rf"publish: version must be a positive int, got {version!r}"):
+            pub.publish(_trainer_weights(97), version=version)
+    loaded = flashboot.load(generic_image, device="cpu")
+    try:
+        with pytest.raises(RefitError, match=rf"refit: version must be a positive int, got {version!r}"):
+            loaded.refit("127.0.0.1:1", version, timeout_s=1)
+        assert loaded.version == 0
     finally:
         loaded.close()

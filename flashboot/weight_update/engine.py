@@ -225,6 +225,31 @@ def _check_not_superseded(rdv, name: str, version: int, where: str) -> None:
                          f"{newest}; nothing was copied, the old weights are serving")
 
 
+SUPERSEDED_POLL_S = 1.0
+"""How often a refit waiting for its version's publish asks whether the publisher has published a
+newer one meanwhile (:func:`_check_not_superseded`)."""
+
+
+def _wait_for_publish(rdv, name: str, version: int, what: str, timeout_s: float, where: str):
+    """The seed record of ``version``, waited for up to ``timeout_s``; RefitError as soon as its
+    publisher has published a newer version instead (a trainer whose numbers skip this one: the
+    wait had run its whole timeout for a publish that would never come, then blamed the trainer)."""
+    from ..errors import WaitTimeoutError
+    from ..flashclone.common import SEED_KEY
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not rdv.has(SEED_KEY):
+            _check_not_superseded(rdv, name, version, where)
+        left = deadline - time.monotonic()
+        try:
+            return rdv.read(SEED_KEY, what=what, timeout_s=max(min(left, SUPERSEDED_POLL_S), 0.001))
+        except WaitTimeoutError:
+            if deadline - time.monotonic() <= 0:
+                raise WaitTimeoutError(f"waited {timeout_s:g} s for {what} (store keys {[SEED_KEY]} at "
+                                       f"{rdv.address})") from None
+
+
 def _repacked_note(store: str, token, token_file, name: str, version: int, timeout_s: float) -> str:
     """Why a copy of ``version`` failed its checksums where its publisher has moved on since: it
     withdrew ``version`` and packs the next one into the one arena the copy read (a Publisher
@@ -285,7 +310,7 @@ def refit(loaded, store: str, version: int, *, atomic: bool = True, timeout_s: f
     ``remap_release_old_ms`` after the swap, ``clone_close_ms`` and ``staging_close_ms``.
     """
     t0 = time.perf_counter()
-    check_version(version, "refit")
+    check_version(version, "refit", RefitError)  # a FlashBootError had escaped `except RefitError`
     check_refit_values("refit", atomic=atomic, timeout_s=timeout_s, schedule=schedule, clones=clones,
                        chunk_bytes=chunk_bytes, transport=transport, name=name, token_file=token_file)
     # one refit of an engine at a time: two at once both passed the version check against the
@@ -319,7 +344,6 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
            chunk_bytes, transport, token, token_file, check_record) -> RefitReport:
     from ..arena.remap import check_replaceable, replace_backing, staging_for
     from ..flashclone.cloning import clone
-    from ..flashclone.common import SEED_KEY
     from ..flashclone.holder_refit import links as holder_links
     from ..flashclone.holder_refit import remember as remember_refit
     from ..flashclone.sources import release_held_sources
@@ -350,10 +374,8 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
     namespace = version_namespace(name, version)
     rdv = Rendezvous.connect(store, token, token_file=token_file, namespace=namespace, host=False, timeout_s=timeout_s)
     try:
-        if not rdv.has(SEED_KEY):
-            _check_not_superseded(rdv, name, version, where)
-        rec = rdv.read(SEED_KEY, what=f"the trainer's publish of version {version} ({meta.key.model_id} rank {rank}, "
-                                      f"namespace {namespace!r})", timeout_s=timeout_s)
+        rec = _wait_for_publish(rdv, name, version, f"the trainer's publish of version {version} ({meta.key.model_id} "
+                                f"rank {rank}, namespace {namespace!r})", timeout_s, where)
     finally:
         rdv.close()
     manifest = _check_record(rec, loaded, version, where)
@@ -390,6 +412,15 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
         if held:
             _mark_held_torn(held, live, torn, version, timeout_s, where)
         written = False  # in place, the live bytes are whole until the clone issues a write into them
+        went_live = False  # the version's bytes, verified, under the views (copied in place, or swapped in)
+
+        def now_live() -> None:
+            loaded.version = version
+            loaded.refit_torn = None
+            made = {"version": version, "manifest": manifest.to_dict()}
+            remember_refit(arena, made)  # for a hand-over after this refit
+            _held_recorded(held, made, timeout_s, where)
+
         try:
             tc = time.perf_counter()
             try:
@@ -409,6 +440,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                                          f"{exc}: {why}") from exc
                 raise
             written = True
+            went_live = not atomic  # the clone returns verified
             steps["clone_ms"] = (time.perf_counter() - tc) * 1e3
             try:
                 rep = result.report
@@ -425,12 +457,16 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                 if atomic:
                     remap: dict = {}
                     report.remap_ms = replace_backing(arena, target, remap)
+                    went_live = True
                     steps.update({f"remap_{k}": v for k, v in remap.items()}, remap_ms=report.remap_ms)
             finally:
                 tr = time.perf_counter()
                 result.close()
                 steps["clone_close_ms"] = (time.perf_counter() - tr) * 1e3
         except BaseException as exc:
+            if went_live:  # releasing the clone failed (an interrupt) with the new version serving: say so
+                now_live()  # (the old version had been claimed over the new bytes; in place, a torn mix)
+                raise
             if atomic or not written:  # not a byte of the live arena changed: the old weights are serving
                 for place, was in zip(held, held_before):  # what the records said before the torn mark
                     _held_recorded([place], was, timeout_s, where)
@@ -450,11 +486,7 @@ def _refit(loaded, store: str, version: int, t0: float, *, atomic, timeout_s, na
                 ts = time.perf_counter()
                 target.close()
                 steps["staging_close_ms"] = (time.perf_counter() - ts) * 1e3
-        loaded.version = version
-        loaded.refit_torn = None
-        made = {"version": version, "manifest": manifest.to_dict()}
-        remember_refit(arena, made)  # for a hand-over after this refit
-        _held_recorded(held, made, timeout_s, where)
+        now_live()
     report.total_ms = (time.perf_counter() - t0) * 1e3
     return report
 

@@ -36,6 +36,10 @@ def _check_tensors(plan: PackPlan, tensors: Mapping[str, Any], device) -> None:
             hint = "pass t.full_tensor()" if hasattr(t, "full_tensor") else "pass a plain strided tensor"
             raise PublishError(f"publish: tensor {name!r} is a {type(t).__name__} of layout {t.layout} with no "
                                f"data of its own at an address (data_ptr() 0); {hint}; nothing was written")
+        if t.is_neg() or t.is_conj():  # a lazy neg()/conj() view (a complex's .conj().imag): bytes not values
+            raise PublishError(f"publish: tensor {name!r} is a lazy {'negative' if t.is_neg() else 'conjugate'} view "
+                               "(its bytes in memory are not its values); pass t.resolve_neg() / t.resolve_conj(); "
+                               "nothing was written")
         on = f"cuda:{t.device.index}" if t.device.type == "cuda" else str(t.device)
         if on != str(device):
             raise PublishError(f"publish: tensor {name!r} is on {on}, the arena on {device}; pack needs them on one "

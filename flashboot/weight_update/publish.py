@@ -49,9 +49,10 @@ def version_namespace(name: str, version: int) -> str:
     return f"{name}.v{version}"
 
 
-def check_version(version: Any, what: str) -> int:
+def check_version(version: Any, what: str, error: type[FlashBootError] = FlashBootError) -> int:
+    """``version`` when it is a positive int; else ``error`` (the caller's: PublishError, RefitError) naming it."""
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise FlashBootError(f"{what}: version must be a positive int, got {version!r}")
+        raise error(f"{what}: version must be a positive int, got {version!r}")
     return version
 
 
@@ -138,6 +139,9 @@ class Publisher:
         # before the arena: None or NaN had been a raw TypeError/ValueError, 0 a store "Bad file
         # descriptor", each at the first publish, after the pack
         timeout_s = check_timeout(timeout_s, "Publisher timeout_s", PublishError)
+        if not isinstance(name, str) or not name or "/" in name:  # the store's namespace: 3 had been a raw TypeError
+            raise PublishError(f"Publisher name must be a non-empty string without '/' (the engines refit with the "
+                               f"same name=), got {name!r}")
         self.metadata = read_image_metadata(image, rank)
         self.engine_section = _engine_section(image, rank, self.metadata)
         self.rank, self.store, self.name, self.config = rank, store, name, config
@@ -185,7 +189,7 @@ class Publisher:
         PublishError naming the tensor (a name the manifest lacks, a wrong shape or dtype, a
         missing tensor) before anything is written. One publish at a time: a second one (another
         thread) waits up to ``timeout_s`` for the first, then checks its version."""
-        check_version(version, "publish")
+        check_version(version, "publish", PublishError)
         # two at once packed into the one arena together: each version's record then vouched for
         # the other's bytes (checksums taken after both packs), and one seed was never withdrawn
         self._acquire(f"publish of version {version}")
@@ -213,7 +217,9 @@ class Publisher:
         plan = self.plan(named)
         check_aliases(plan, named, f"publish to {self.metadata.key.model_id} rank {self.rank}")
         # a trainer updates its parameters in place: the same addresses reuse the device table
-        where = tuple((n, _data_ptr(t), t.stride(), t.device) for n, t in named.items())  # 0: PackTable says why
+        # (a lazy neg view has its tensor's address and strides: a reused table skipped PackTable's refusal of it)
+        where = tuple((n, _data_ptr(t), t.stride(), t.device, t.is_neg() or t.is_conj())  # 0: PackTable says why
+                      for n, t in named.items())
         if self._table is None or self._table[0] is not plan or self._table[1] != where:
             self._table = (plan, where, PackTable(plan, named, self.arena))
         table = self._table[2]
@@ -320,10 +326,27 @@ class Publisher:
             held = self._store_rdv().agree(key, me).body
         except StoreLostError:  # the store we joined went with its host: host one, or join who listens now
             held = self._store_rdv(fresh=True).agree(key, me).body
+        if held.get("publisher") != self.publisher_id and self._free_closed_claim(version, key, held):
+            held = self._store_rdv().agree(key, me).body
         if held.get("publisher") != self.publisher_id:
             raise PublishError(f"publish of version {version} to {self.metadata.key.model_id} rank {self.rank}: "
                                f"{self._claimed_by(version, held)}; nothing was written")
         return key
+
+    def _free_closed_claim(self, version: int, key: str, held: dict) -> bool:
+        """Delete the claim ``held`` of ``version`` (and the version's keys) when its publisher closed
+        while an engine was copying it (:meth:`_leave_claims`) and every engine has left since;
+        whether it did. No publish of the closed one would ask again: the number had stayed
+        taken for good, refused to a trainer started again as 'already published'."""
+        from ..flashclone.common import forget_generation
+
+        generation = held.get("published")
+        if not held.get("closed") or not isinstance(generation, str):
+            return False
+        with self._in_namespace(version_namespace(self.name, version)) as rdv:
+            if rdv is None or not forget_generation(rdv, generation, False):
+                return False
+        return self._store_rdv().delete_if(key, lambda rec: rec.body == held)
 
     def _claimed_by(self, version: int, held: dict) -> str:
         """Who holds the claim of ``version``, and whether they published it (it had said "already
@@ -343,6 +366,10 @@ class Publisher:
                     "name= (the engine of that rank refits with the same name=; engine_publisher names them so)")
         advice = ("Engines would take different weights under one version: publish a newer version, or give each "
                   "trainer its own name=")
+        if held.get("closed"):  # see _free_closed_claim
+            return (f"version {version} was published at {self.store} (namespace {self.name!r}) {who}, which closed "
+                    f"while an engine was still copying it: the number is free again once every engine that took it "
+                    f"has left; this one is {me}. {advice}")
         if held.get("published"):
             return (f"version {version} was already published at {self.store} (namespace {self.name!r}) {who}; this "
                     f"one is {me}. {advice}")
@@ -419,11 +446,26 @@ class Publisher:
         with contextlib.suppress(FlashBootError):  # one read for the check and the delete (rendezvous.delete_if)
             rdv.delete_if(LATEST_KEY, lambda rec: rec.body.get("publisher") == self.publisher_id)
 
+    def _leave_claims(self) -> None:
+        """At close: each withdrawn version an engine may still be copying keeps its claim and keys
+        (:meth:`_forget_spent`), now marked closed, so that the next publisher of its number frees
+        them once the engines have left (:meth:`_free_closed_claim`)."""
+        for _, version, generation in self._spent:
+            rdv = self._live_rdv()  # each time: one found lost is not waited on again
+            if rdv is None:
+                return
+            key = f"claim/v{version}"
+            with contextlib.suppress(FlashBootError):
+                held = rdv.try_read(key)
+                if held is not None and held.body.get("publisher") == self.publisher_id:
+                    rdv.publish(key, {**held.body, "published": generation, "closed": True})
+
     def close(self) -> None:
         """Withdraw the record and release the arena (idempotent); waits for a publish under way."""
         self._acquire("close")  # not the arena from under a pack
         try:
             self.withdraw()
+            self._leave_claims()
             self._forget_latest()
             if self._store_client is not None:
                 self._store_client.close()
