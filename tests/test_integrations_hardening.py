@@ -584,3 +584,21 @@ def test_sglang_refit_request_that_is_no_json_object_is_refused_as_malformed(mon
             sglang_loader.refit_weights(torch.nn.Linear(2, 2), [(sglang_loader.REFIT_REQUEST + body, torch.empty(0))])
     finally:
         sys.modules.pop("flashboot.integrations.sglang", None)  # built over the stub
+
+
+def test_an_early_call_refused_before_its_load_took_it_releases_its_arena(packed, tmp_path):
+    """The image damaged (or re-packed) while the engine built its model: the load's read of the
+    engine section is refused before flashboot.load takes the prepared handle, whose arena and
+    copy had then stayed held by no one (neither engine's loader closes a handle it passed on)."""
+    from _engine_helpers import _key as plain_key, _options
+    from flashboot.errors import LayoutError
+    from flashboot.integrations.engine_prepack import load_engine_weights, prepare_engine_load
+
+    _, out, _ = packed
+    prepared = prepare_engine_load(_options(out, tmp_path), plain_key(), 0, "cpu", tp_size=1, ep_size=1)
+    arena = prepared.wait().arena
+    meta = out / "rank-0" / "metadata.json"
+    meta.write_text(meta.read_text().replace('"engine"', '"engin_"'))
+    with pytest.raises(LayoutError, match="rank-0/metadata.json"):
+        load_engine_weights(_options(out, tmp_path), plain_key(), 0, "cpu", tp_size=1, ep_size=1, prepared=prepared)
+    assert arena.closed and "closed" in repr(prepared)
