@@ -602,3 +602,75 @@ def test_an_early_call_refused_before_its_load_took_it_releases_its_arena(packed
     with pytest.raises(LayoutError, match="rank-0/metadata.json"):
         load_engine_weights(_options(out, tmp_path), plain_key(), 0, "cpu", tp_size=1, ep_size=1, prepared=prepared)
     assert arena.closed and "closed" in repr(prepared)
+
+
+def _stub_vllm_loader(monkeypatch):
+    """Just enough of vLLM to import the flashboot loader (its load_weights is engine-agnostic
+    once the engine key, parallel layout and device are given)."""
+    import sys
+    import types
+
+    names = ("vllm", "vllm.config", "vllm.device_allocator", "vllm.device_allocator.sleep_mode_backend",
+             "vllm.model_executor", "vllm.model_executor.model_loader",
+             "vllm.model_executor.model_loader.base_loader")
+    modules = {name: types.ModuleType(name) for name in names}
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+    class BaseModelLoader:
+        def __init__(self, load_config):
+            self.load_config = load_config
+
+    modules["vllm.device_allocator.sleep_mode_backend"].CuMemBackend = object
+    modules["vllm.model_executor.model_loader"].get_model_loader = None
+    modules["vllm.model_executor.model_loader"].register_model_loader = None
+    modules["vllm.model_executor.model_loader.base_loader"].BaseModelLoader = BaseModelLoader
+    modules["vllm.config"].get_current_vllm_config = lambda: None
+    monkeypatch.delitem(sys.modules, "flashboot.integrations.vllm", raising=False)
+
+
+def test_vllm_load_weights_with_a_holder_reloads_the_image_not_the_held_arena(packed, tmp_path, monkeypatch):
+    """load_weights (vLLM's reload after a bad update) with the holder option: the load mapped the
+    held arena, the very memory the model is bound to, and copied the bad bytes onto themselves."""
+    import importlib
+    import sys
+    import types
+    import warnings
+
+    from _clone_helpers import serving_holder
+    from _engine_helpers import PlainEngineLikeModel, _key as plain_key, _options
+    from flashboot.flashclone.holder import Holder
+    from flashboot.integrations.engine_prepack import bind_engine_model, load_engine_weights
+
+    reference, out, _ = packed
+    registry = tmp_path / "registry"
+    _stub_vllm_loader(monkeypatch)
+    vllm_loader = importlib.import_module("flashboot.integrations.vllm")
+    try:
+        with serving_holder(Holder(registry=registry)):
+            options = _options(out, tmp_path, holder=str(registry))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # nothing held yet: the first load says so
+                weights = load_engine_weights(options, plain_key(), 0, "cpu", tp_size=1, ep_size=1)
+            try:
+                assert weights.report.details["handed_over_as"]  # the holder keeps this arena now
+                with torch.device("meta"):
+                    model = PlainEngineLikeModel()
+                bind_engine_model(model, weights)
+                model._flashboot_weights = weights
+                with torch.no_grad():
+                    model.proj.weight.fill_(0)  # a weight update went wrong
+                monkeypatch.setattr(vllm_loader, "vllm_parallel", lambda config: types.SimpleNamespace(
+                    rank=0, tp_size=1, ep_size=1))
+                monkeypatch.setattr(vllm_loader, "target_device", lambda config: torch.device("cpu"))
+                monkeypatch.setattr(vllm_loader, "engine_key", lambda *args: plain_key())
+                loader = vllm_loader.FlashBootModelLoader(types.SimpleNamespace(model_loader_extra_config={
+                    "image_dir": str(out), "shm_dir": str(tmp_path / "shm"), "holder": str(registry)}))
+                loader.load_weights(model, model_config=None)
+                assert torch.equal(model.proj.weight, reference.proj.weight)
+                lo, hi = weights.arena.ptr, weights.arena.ptr + weights.arena.nbytes
+                assert lo <= model.proj.weight.data_ptr() < hi  # copied into the bound views, in place
+            finally:
+                weights.close()
+    finally:
+        sys.modules.pop("flashboot.integrations.vllm", None)  # built over the stub

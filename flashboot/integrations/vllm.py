@@ -195,8 +195,10 @@ class FlashBootModelLoader(BaseModelLoader):
         parallel = vllm_parallel(vllm_config)
         device = target_device(vllm_config)
         key = engine_key(vllm_config, model_config, device, parallel)
-        weights = load_engine_weights(dataclasses.replace(self.options, publish_store=None), key, parallel.rank,
-                                      device, tp_size=parallel.tp_size, ep_size=parallel.ep_size)
+        # a fresh copy of the image, neither published nor held: with the holder option the load
+        # mapped the held arena (the one the model is bound to) and copied the bad bytes onto themselves
+        weights = load_engine_weights(dataclasses.replace(self.options, publish_store=None, holder=None), key,
+                                      parallel.rank, device, tp_size=parallel.tp_size, ep_size=parallel.ep_size)
         try:
             copy_engine_weights_into(model, weights)
         finally:
