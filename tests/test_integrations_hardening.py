@@ -674,3 +674,46 @@ def test_vllm_load_weights_with_a_holder_reloads_the_image_not_the_held_arena(pa
                 weights.close()
     finally:
         sys.modules.pop("flashboot.integrations.vllm", None)  # built over the stub
+
+
+def test_sglang_log_line_times_the_meta_build_alone(monkeypatch, tmp_path, caplog):
+    """The load's log line said 'build on meta' for everything from the load's start to the end
+    of the build: the key checks, the quantization config and the early call's wait for its copy
+    to be issued (up to PREPARE_RETURN_S) were reported as SGLang's build. A clock that moves only
+    where each step runs shows what the line attributes to the build."""
+    import importlib
+    import logging
+    import sys
+    import types
+
+    clock = [100.0]
+    _stub_sglang(monkeypatch, lambda model_config, load_config: None)
+    sglang_loader = importlib.import_module("flashboot.integrations.sglang")
+    try:
+        def prepare(*args, **kwargs):
+            clock[0] += 0.25  # the early call's synchronous part
+            return None
+
+        def build(*args):
+            clock[0] += 0.002  # SGLang's build of the model on meta
+            return torch.nn.Linear(2, 2)
+
+        weights = types.SimpleNamespace(how="load", early_call=lambda: "no early call",
+                                        report=types.SimpleNamespace(summary=lambda: "summary"))
+        monkeypatch.setattr(sglang_loader, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+        monkeypatch.setattr(sglang_loader, "prepare_engine_load", prepare)
+        monkeypatch.setattr(sglang_loader, "_initialize_model", build)
+        monkeypatch.setattr(sglang_loader, "load_engine_weights", lambda *a, **k: weights)
+        for name in ("bind_engine_model", "_rebuild_engine_views", "check_no_meta_tensors", "check_quantization"):
+            monkeypatch.setattr(sglang_loader, name, lambda *a, **k: None)
+        monkeypatch.setattr(sglang_loader, "memory_saver_enabled", lambda: False)
+        loader = sglang_loader.FlashBootModelLoader(types.SimpleNamespace(
+            model_loader_extra_config={"image_dir": str(tmp_path / "img"), "memory_saver": "resident"}))
+        loader.key = _key(engine="sglang")
+        model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(), quantization=None, dtype=torch.float32)
+        parallel = types.SimpleNamespace(tp_rank=0, tp_size=1, ep_size=1)
+        with caplog.at_level(logging.INFO, logger="flashboot.integrations.sglang"):
+            loader._load(model_config, torch.device("cpu"), parallel)
+        assert "in 252.0 ms (build on meta 2.0 ms; no early call; summary)" in caplog.text
+    finally:
+        sys.modules.pop("flashboot.integrations.sglang", None)  # built over the stub
