@@ -717,3 +717,40 @@ def test_sglang_log_line_times_the_meta_build_alone(monkeypatch, tmp_path, caplo
         assert "in 252.0 ms (build on meta 2.0 ms; no early call; summary)" in caplog.text
     finally:
         sys.modules.pop("flashboot.integrations.sglang", None)  # built over the stub
+
+
+def test_vllm_load_weights_after_a_refit_serves_the_image_as_version_zero(tmp_path, store, monkeypatch):
+    """vLLM's reload (load_weights) copies the image's bytes into the arena the model serves from:
+    a refit's version is gone with it. The arena had kept saying it served the refit's version, so
+    a retry of that version was refused as not newer while the engine served the image's weights."""
+    import importlib
+    import sys
+    import types
+
+    from flashboot.integrations.engine_refit import engine_publisher, engine_tensors_to_publish
+
+    address, _ = store
+    old, new = TinyEngineModel(0), TinyEngineModel(1)
+    image = _prepack(old, tmp_path / "img", _key())
+    model, weights = _serve(image, tmp_path / "shm", _key())
+    _stub_vllm_loader(monkeypatch)
+    vllm_loader = importlib.import_module("flashboot.integrations.vllm")
+    try:
+        with engine_publisher(image, 0, store=address) as pub:
+            pub.publish(dict(engine_tensors_to_publish(new, "cpu")), version=1)
+            refit_engine_model(model, address, 1, what="test refit", derive=model.post_load_weights, timeout_s=30)
+            assert weights.handle.version == 1 and torch.equal(model.qkv.weight, new.qkv.weight)
+            monkeypatch.setattr(vllm_loader, "vllm_parallel", lambda config: types.SimpleNamespace(
+                rank=0, tp_size=1, ep_size=1))
+            monkeypatch.setattr(vllm_loader, "target_device", lambda config: torch.device("cpu"))
+            monkeypatch.setattr(vllm_loader, "engine_key", lambda *args: _key())
+            loader = vllm_loader.FlashBootModelLoader(types.SimpleNamespace(model_loader_extra_config={
+                "image_dir": str(image), "shm_dir": str(tmp_path / "shm")}))
+            loader.load_weights(model, model_config=None)
+            assert torch.equal(model.qkv.weight, old.qkv.weight)
+            assert weights.handle.version == 0  # it said 1: the refit's bytes were gone
+            refit_engine_model(model, address, 1, what="test refit", derive=model.post_load_weights, timeout_s=30)
+            assert torch.equal(model.qkv.weight, new.qkv.weight) and weights.handle.version == 1
+    finally:
+        weights.close()
+        sys.modules.pop("flashboot.integrations.vllm", None)  # built over the stub

@@ -203,6 +203,13 @@ class FlashBootModelLoader(BaseModelLoader):
             copy_engine_weights_into(model, weights)
         finally:
             weights.close()
+        served = getattr(model, "_flashboot_weights", None)
+        if served is not None and hasattr(served.handle, "refit"):
+            # the image's bytes are in the served arena now, as a wake from disk leaves them: a
+            # refit's version (and any post-processing it left pending) is gone; it had kept
+            # saying so, and a retry of that version was refused as not newer
+            served.handle.version, served.handle.refit_torn = 0, None
+            served.post_refit_pending = None
 
     def load_model(self, vllm_config, model_config, prefix: str = "") -> nn.Module:
         device = target_device(vllm_config)
