@@ -304,6 +304,9 @@ def test_publish_packs_tensors_the_image_stores_as_raw_bytes(tmp_path, store):
     ({"seed_store": 1234}, r"seed_store must be 'HOST:PORT' .* got 1234"),
     ({"publish_store": "host"}, r"publish_store must be 'HOST:PORT' .* got 'host'"),
     ({"seed_name": 5}, r"seed_name must be a non-empty name without '/', got 5"),
+    # the engine's own loader serves a pre-pack: publish_store had been skipped silently
+    ({"mode": "prepack", "publish_store": "h:1"}, r"mode='prepack' serves the model the engine's own loader built, "
+                                                  r"not an arena: there is no seed to publish at publish_store"),
 ])
 def test_loader_options_refuse_bad_types_and_non_finite_timeouts(changes, message):
     from flashboot.errors import FlashBootError
