@@ -304,6 +304,9 @@ def test_publish_packs_tensors_the_image_stores_as_raw_bytes(tmp_path, store):
     ({"seed_store": 1234}, r"seed_store must be 'HOST:PORT' .* got 1234"),
     ({"publish_store": "host"}, r"publish_store must be 'HOST:PORT' .* got 'host'"),
     ({"seed_name": 5}, r"seed_name must be a non-empty name without '/', got 5"),
+    # the engine's own loader serves a pre-pack: publish_store had been skipped silently
+    ({"mode": "prepack", "publish_store": "h:1"}, r"mode='prepack' serves the model the engine's own loader built, "
+                                                  r"not an arena: there is no seed to publish at publish_store"),
 ])
 def test_loader_options_refuse_bad_types_and_non_finite_timeouts(changes, message):
     from flashboot.errors import FlashBootError
@@ -584,3 +587,173 @@ def test_sglang_refit_request_that_is_no_json_object_is_refused_as_malformed(mon
             sglang_loader.refit_weights(torch.nn.Linear(2, 2), [(sglang_loader.REFIT_REQUEST + body, torch.empty(0))])
     finally:
         sys.modules.pop("flashboot.integrations.sglang", None)  # built over the stub
+
+
+def test_an_early_call_refused_before_its_load_took_it_releases_its_arena(packed, tmp_path):
+    """The image damaged (or re-packed) while the engine built its model: the load's read of the
+    engine section is refused before flashboot.load takes the prepared handle, whose arena and
+    copy had then stayed held by no one (neither engine's loader closes a handle it passed on)."""
+    from _engine_helpers import _key as plain_key, _options
+    from flashboot.errors import LayoutError
+    from flashboot.integrations.engine_prepack import load_engine_weights, prepare_engine_load
+
+    _, out, _ = packed
+    prepared = prepare_engine_load(_options(out, tmp_path), plain_key(), 0, "cpu", tp_size=1, ep_size=1)
+    arena = prepared.wait().arena
+    meta = out / "rank-0" / "metadata.json"
+    meta.write_text(meta.read_text().replace('"engine"', '"engin_"'))
+    with pytest.raises(LayoutError, match="rank-0/metadata.json"):
+        load_engine_weights(_options(out, tmp_path), plain_key(), 0, "cpu", tp_size=1, ep_size=1, prepared=prepared)
+    assert arena.closed and "closed" in repr(prepared)
+
+
+def _stub_vllm_loader(monkeypatch):
+    """Just enough of vLLM to import the flashboot loader (its load_weights is engine-agnostic
+    once the engine key, parallel layout and device are given)."""
+    import sys
+    import types
+
+    names = ("vllm", "vllm.config", "vllm.device_allocator", "vllm.device_allocator.sleep_mode_backend",
+             "vllm.model_executor", "vllm.model_executor.model_loader",
+             "vllm.model_executor.model_loader.base_loader")
+    modules = {name: types.ModuleType(name) for name in names}
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+    class BaseModelLoader:
+        def __init__(self, load_config):
+            self.load_config = load_config
+
+    modules["vllm.device_allocator.sleep_mode_backend"].CuMemBackend = object
+    modules["vllm.model_executor.model_loader"].get_model_loader = None
+    modules["vllm.model_executor.model_loader"].register_model_loader = None
+    modules["vllm.model_executor.model_loader.base_loader"].BaseModelLoader = BaseModelLoader
+    modules["vllm.config"].get_current_vllm_config = lambda: None
+    monkeypatch.delitem(sys.modules, "flashboot.integrations.vllm", raising=False)
+
+
+def test_vllm_load_weights_with_a_holder_reloads_the_image_not_the_held_arena(packed, tmp_path, monkeypatch):
+    """load_weights (vLLM's reload after a bad update) with the holder option: the load mapped the
+    held arena, the very memory the model is bound to, and copied the bad bytes onto themselves."""
+    import importlib
+    import sys
+    import types
+    import warnings
+
+    from _clone_helpers import serving_holder
+    from _engine_helpers import PlainEngineLikeModel, _key as plain_key, _options
+    from flashboot.flashclone.holder import Holder
+    from flashboot.integrations.engine_prepack import bind_engine_model, load_engine_weights
+
+    reference, out, _ = packed
+    registry = tmp_path / "registry"
+    _stub_vllm_loader(monkeypatch)
+    vllm_loader = importlib.import_module("flashboot.integrations.vllm")
+    try:
+        with serving_holder(Holder(registry=registry)):
+            options = _options(out, tmp_path, holder=str(registry))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # nothing held yet: the first load says so
+                weights = load_engine_weights(options, plain_key(), 0, "cpu", tp_size=1, ep_size=1)
+            try:
+                assert weights.report.details["handed_over_as"]  # the holder keeps this arena now
+                with torch.device("meta"):
+                    model = PlainEngineLikeModel()
+                bind_engine_model(model, weights)
+                model._flashboot_weights = weights
+                with torch.no_grad():
+                    model.proj.weight.fill_(0)  # a weight update went wrong
+                monkeypatch.setattr(vllm_loader, "vllm_parallel", lambda config: types.SimpleNamespace(
+                    rank=0, tp_size=1, ep_size=1))
+                monkeypatch.setattr(vllm_loader, "target_device", lambda config: torch.device("cpu"))
+                monkeypatch.setattr(vllm_loader, "engine_key", lambda *args: plain_key())
+                loader = vllm_loader.FlashBootModelLoader(types.SimpleNamespace(model_loader_extra_config={
+                    "image_dir": str(out), "shm_dir": str(tmp_path / "shm"), "holder": str(registry)}))
+                loader.load_weights(model, model_config=None)
+                assert torch.equal(model.proj.weight, reference.proj.weight)
+                lo, hi = weights.arena.ptr, weights.arena.ptr + weights.arena.nbytes
+                assert lo <= model.proj.weight.data_ptr() < hi  # copied into the bound views, in place
+            finally:
+                weights.close()
+    finally:
+        sys.modules.pop("flashboot.integrations.vllm", None)  # built over the stub
+
+
+def test_sglang_log_line_times_the_meta_build_alone(monkeypatch, tmp_path, caplog):
+    """The load's log line said 'build on meta' for everything from the load's start to the end
+    of the build: the key checks, the quantization config and the early call's wait for its copy
+    to be issued (up to PREPARE_RETURN_S) were reported as SGLang's build. A clock that moves only
+    where each step runs shows what the line attributes to the build."""
+    import importlib
+    import logging
+    import sys
+    import types
+
+    clock = [100.0]
+    _stub_sglang(monkeypatch, lambda model_config, load_config: None)
+    sglang_loader = importlib.import_module("flashboot.integrations.sglang")
+    try:
+        def prepare(*args, **kwargs):
+            clock[0] += 0.25  # the early call's synchronous part
+            return None
+
+        def build(*args):
+            clock[0] += 0.002  # SGLang's build of the model on meta
+            return torch.nn.Linear(2, 2)
+
+        weights = types.SimpleNamespace(how="load", early_call=lambda: "no early call",
+                                        report=types.SimpleNamespace(summary=lambda: "summary"))
+        monkeypatch.setattr(sglang_loader, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+        monkeypatch.setattr(sglang_loader, "prepare_engine_load", prepare)
+        monkeypatch.setattr(sglang_loader, "_initialize_model", build)
+        monkeypatch.setattr(sglang_loader, "load_engine_weights", lambda *a, **k: weights)
+        for name in ("bind_engine_model", "_rebuild_engine_views", "check_no_meta_tensors", "check_quantization"):
+            monkeypatch.setattr(sglang_loader, name, lambda *a, **k: None)
+        monkeypatch.setattr(sglang_loader, "memory_saver_enabled", lambda: False)
+        loader = sglang_loader.FlashBootModelLoader(types.SimpleNamespace(
+            model_loader_extra_config={"image_dir": str(tmp_path / "img"), "memory_saver": "resident"}))
+        loader.key = _key(engine="sglang")
+        model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(), quantization=None, dtype=torch.float32)
+        parallel = types.SimpleNamespace(tp_rank=0, tp_size=1, ep_size=1)
+        with caplog.at_level(logging.INFO, logger="flashboot.integrations.sglang"):
+            loader._load(model_config, torch.device("cpu"), parallel)
+        assert "in 252.0 ms (build on meta 2.0 ms; no early call; summary)" in caplog.text
+    finally:
+        sys.modules.pop("flashboot.integrations.sglang", None)  # built over the stub
+
+
+def test_vllm_load_weights_after_a_refit_serves_the_image_as_version_zero(tmp_path, store, monkeypatch):
+    """vLLM's reload (load_weights) copies the image's bytes into the arena the model serves from:
+    a refit's version is gone with it. The arena had kept saying it served the refit's version, so
+    a retry of that version was refused as not newer while the engine served the image's weights."""
+    import importlib
+    import sys
+    import types
+
+    from flashboot.integrations.engine_refit import engine_publisher, engine_tensors_to_publish
+
+    address, _ = store
+    old, new = TinyEngineModel(0), TinyEngineModel(1)
+    image = _prepack(old, tmp_path / "img", _key())
+    model, weights = _serve(image, tmp_path / "shm", _key())
+    _stub_vllm_loader(monkeypatch)
+    vllm_loader = importlib.import_module("flashboot.integrations.vllm")
+    try:
+        with engine_publisher(image, 0, store=address) as pub:
+            pub.publish(dict(engine_tensors_to_publish(new, "cpu")), version=1)
+            refit_engine_model(model, address, 1, what="test refit", derive=model.post_load_weights, timeout_s=30)
+            assert weights.handle.version == 1 and torch.equal(model.qkv.weight, new.qkv.weight)
+            monkeypatch.setattr(vllm_loader, "vllm_parallel", lambda config: types.SimpleNamespace(
+                rank=0, tp_size=1, ep_size=1))
+            monkeypatch.setattr(vllm_loader, "target_device", lambda config: torch.device("cpu"))
+            monkeypatch.setattr(vllm_loader, "engine_key", lambda *args: _key())
+            loader = vllm_loader.FlashBootModelLoader(types.SimpleNamespace(model_loader_extra_config={
+                "image_dir": str(image), "shm_dir": str(tmp_path / "shm")}))
+            loader.load_weights(model, model_config=None)
+            assert torch.equal(model.qkv.weight, old.qkv.weight)
+            assert weights.handle.version == 0  # it said 1: the refit's bytes were gone
+            refit_engine_model(model, address, 1, what="test refit", derive=model.post_load_weights, timeout_s=30)
+            assert torch.equal(model.qkv.weight, new.qkv.weight) and weights.handle.version == 1
+    finally:
+        weights.close()
+        sys.modules.pop("flashboot.integrations.vllm", None)  # built over the stub

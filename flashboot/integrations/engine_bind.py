@@ -177,9 +177,15 @@ def _load_engine_image(options: LoaderOptions, expected: EngineKey, rank: int, d
     import flashboot
 
     if prepared is not None:  # keys checked and everything one-time paid by prepare_engine_load
-        section, _ = read_engine_section(options.image_dir, rank)
-        loaded = flashboot.load(options.image_dir, rank, dev, prepared=prepared, verify=options.verify, tp=tp_size,
-                                ep=ep_size, holder=_rank_holder(options, rank, dev))
+        try:
+            section, _ = read_engine_section(options.image_dir, rank)
+            loaded = flashboot.load(options.image_dir, rank, dev, prepared=prepared, verify=options.verify,
+                                    tp=tp_size, ep=ep_size, holder=_rank_holder(options, rank, dev))
+        except BaseException:
+            # refused before the load took the handle (the image re-packed or damaged while the
+            # engine built its model): its arena and copy had stayed held by no one (a no-op once taken)
+            prepared.close()
+            raise
         return EngineWeights(loaded.tensors, section, loaded, "load", loaded.report)
 
     if not image_is_complete(options.image_dir):

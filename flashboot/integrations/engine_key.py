@@ -130,6 +130,12 @@ class LoaderOptions:
             raise FlashBootError(f"flashboot option mode={self.mode!r} writes an image: image_dir is required")
         if self.mode == "prepack" and self.seed_store is not None:
             raise FlashBootError("mode='prepack' runs the engine's own loader; it cannot clone from seed_store")
+        if self.mode == "prepack" and self.publish_store is not None:
+            # the engine serves what its own loader built: no arena to publish (it was skipped silently,
+            # and engines cloning from publish_store waited out their timeout for a seed that never came)
+            raise FlashBootError("mode='prepack' serves the model the engine's own loader built, not an arena: "
+                                 "there is no seed to publish at publish_store; pre-pack first, then load with "
+                                 "publish_store")
         if self.holder is not None:
             from flashboot.flashload.restart import HolderOption
 

@@ -195,12 +195,21 @@ class FlashBootModelLoader(BaseModelLoader):
         parallel = vllm_parallel(vllm_config)
         device = target_device(vllm_config)
         key = engine_key(vllm_config, model_config, device, parallel)
-        weights = load_engine_weights(dataclasses.replace(self.options, publish_store=None), key, parallel.rank,
-                                      device, tp_size=parallel.tp_size, ep_size=parallel.ep_size)
+        # a fresh copy of the image, neither published nor held: with the holder option the load
+        # mapped the held arena (the one the model is bound to) and copied the bad bytes onto themselves
+        weights = load_engine_weights(dataclasses.replace(self.options, publish_store=None, holder=None), key,
+                                      parallel.rank, device, tp_size=parallel.tp_size, ep_size=parallel.ep_size)
         try:
             copy_engine_weights_into(model, weights)
         finally:
             weights.close()
+        served = getattr(model, "_flashboot_weights", None)
+        if served is not None and hasattr(served.handle, "refit"):
+            # the image's bytes are in the served arena now, as a wake from disk leaves them: a
+            # refit's version (and any post-processing it left pending) is gone; it had kept
+            # saying so, and a retry of that version was refused as not newer
+            served.handle.version, served.handle.refit_torn = 0, None
+            served.post_refit_pending = None
 
     def load_model(self, vllm_config, model_config, prefix: str = "") -> nn.Module:
         device = target_device(vllm_config)
