@@ -4,6 +4,7 @@ as they are written: no read-back), then the metadata last, each step durable (f
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import threading
@@ -159,23 +160,64 @@ def job_tmp_path(out_dir: Path, job_id: str) -> Path:
     return Path(out_dir) / f".tmp-{job_id[:12]}"
 
 
-def make_job_tmp(out_dir: Path, job_id: str) -> Path:
-    """``out_dir/.tmp-<job>``, made (or joined: every rank of an engine job calls it) and marked
-    as a job's (:data:`JOB_TMP_MARK`)."""
-    tmp = job_tmp_path(out_dir, job_id)
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / JOB_TMP_MARK).touch()
-    return tmp
+class JobTmp:
+    """A job's temp directory ``out_dir/.tmp-<job>`` (:attr:`path`), made (or joined: every rank of
+    an engine job makes it), marked as a job's (:data:`JOB_TMP_MARK`) and claimed: this process
+    holds a shared lock on the mark until :meth:`close`. An engine job's ranks write theirs before
+    taking ``OUT/.lock``, and a ``flashboot prepack`` into the same output had swept it as stale
+    under them (:func:`sweep_stale_jobs` now leaves a claimed one alone)."""
+
+    def __init__(self, out_dir: Path, job_id: str):
+        self.path = job_tmp_path(out_dir, job_id)
+        self.path.mkdir(parents=True, exist_ok=True)
+        mark = self.path / JOB_TMP_MARK
+        self._fd = os.open(mark, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+        except OSError as exc:  # ENOLCK: the commit's OUT/.lock could not be taken there either
+            self.close()
+            raise LayoutError(f"cannot lock {mark} ({exc.strerror}): pre-pack writes an image only where no other "
+                              "job can sweep it meanwhile; choose an output on a local filesystem") from None
+
+    def close(self) -> None:
+        """Let the claim go (idempotent): the job is committed or given up."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "JobTmp":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def make_job_tmp(out_dir: Path, job_id: str) -> JobTmp:
+    """:class:`JobTmp` of job ``job_id`` in ``out_dir``; close it once the job is committed or given up."""
+    return JobTmp(out_dir, job_id)
 
 
 def sweep_stale_jobs(out_dir: Path, keep: Path | None = None) -> None:
     """Remove the temp directories interrupted jobs left in ``out_dir`` (the caller holds its
-    lock): only those marked as a job's (:data:`JOB_TMP_MARK`), not a symlink, not ``keep``."""
+    lock): only those marked as a job's (:data:`JOB_TMP_MARK`), not a symlink, not ``keep``, and
+    not claimed by a job still writing it (:class:`JobTmp`)."""
     import shutil
 
     for stale in Path(out_dir).glob(".tmp-*"):
-        if stale != keep and not stale.is_symlink() and stale.is_dir() and (stale / JOB_TMP_MARK).is_file():
+        if stale == keep or stale.is_symlink() or not stale.is_dir():
+            continue
+        try:
+            fd = os.open(stale / JOB_TMP_MARK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # no mark (not a job's), or a link in its place
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # a job writes it still (or the lock cannot be had): not stale
+                continue
             shutil.rmtree(stale, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def check_out_dir(out_dir: Path) -> None:

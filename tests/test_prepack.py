@@ -262,18 +262,37 @@ def test_a_disk_too_full_for_the_job_directory_leaves_nothing(qwen, tmp_path, mo
 
     from flashboot.layouts.writer import JOB_TMP_MARK
 
-    real_touch = Path.touch
+    real_open = os.open
 
-    def touch(self, *a, **k):
-        if self.name == JOB_TMP_MARK:
+    def open_(path, flags, *a, **k):
+        if os.fspath(path).endswith(JOB_TMP_MARK) and flags & os.O_CREAT:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_touch(self, *a, **k)
+        return real_open(path, flags, *a, **k)
 
-    monkeypatch.setattr(Path, "touch", touch)
+    monkeypatch.setattr(os, "open", open_)
     out = tmp_path / "out"
     with pytest.raises(DiskSpaceError, match="the filesystem filled while the images were written"):
         prepack(qwen[0], out, progress=False)
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+def test_a_prepack_leaves_the_temp_directory_of_a_job_still_writing_alone(qwen, tmp_path):
+    """An engine job's ranks write OUT/.tmp-<job> before they take OUT/.lock (at the commit): a
+    prepack into OUT meanwhile had swept it as an interrupted job's, deleting the ranks under them.
+    A job claims its directory while it writes; once it lets go, the next job sweeps it."""
+    from flashboot.layouts.writer import make_job_tmp
+
+    out = tmp_path / "out"
+    claim = make_job_tmp(out, "e" * 32)  # an engine job's rank, writing
+    (claim.path / "rank-1").mkdir()
+    (claim.path / "rank-1" / "image.bin").write_bytes(b"x" * 4096)
+    try:
+        prepack(qwen[0], out, progress=False)
+        assert (claim.path / "rank-1" / "image.bin").read_bytes() == b"x" * 4096
+    finally:
+        claim.close()
+    prepack(qwen[0], out, progress=False)  # given up (never committed): stale now
+    assert not claim.path.exists()
 
 
 def test_ctrl_c_stops_prepack_after_the_batches_already_reading(qwen, tmp_path, monkeypatch):

@@ -227,6 +227,7 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
         raise LayoutError(f"{out_dir}: cannot make the image directory or its lock file {JOB_LOCK} "
                           f"({exc.strerror}: {exc.filename}); nothing was written") from None
     writers: list = []
+    claim = None
     try:
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -243,7 +244,8 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
         if needed > free:
             raise DiskSpaceError(out_dir, needed, free)
         try:
-            tmp = make_job_tmp(out_dir, job_id)
+            claim = make_job_tmp(out_dir, job_id)
+            tmp = claim.path
         except OSError as exc:  # a full disk has no block for the directory either
             _discard_tmp(job_tmp_path(out_dir, job_id))
             raise _write_failed(exc, out_dir, needed) from exc
@@ -299,6 +301,8 @@ def prepack(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, 
         publish_job(tmp, out_dir, [p.rank for p in layouts])
         t_commit = time.perf_counter()
     finally:
+        if claim is not None:
+            claim.close()
         lock.close()  # releases the lock (an unlock of one never taken fails as its lock did)
 
     ranks = [RankSummary(m.parallel.rank, out_dir / rank_dir_name(m.parallel.rank), m.image_nbytes,

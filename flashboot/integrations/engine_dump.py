@@ -365,31 +365,36 @@ def prepack_engine_model(model, out_dir: str | os.PathLike, key: EngineKey, grou
         failure = exc
     group.barrier()
     rank_dir = tmp / rank_dir_name(group.rank)
+    claim = None  # held until the commit: a prepack into OUT meanwhile had swept this job's ranks as stale
     try:
+        try:
+            if failure is not None:
+                raise failure
+            collected = collect_engine_tensors(model, device, attrs=attrs)
+            claim = make_job_tmp(out_dir, job_id)
+            if rank_dir.exists():
+                shutil.rmtree(rank_dir)
+            report = write_engine_rank(rank_dir, collected, key, rank=group.rank, tp_size=tp_size, ep_size=ep_size,
+                                       job_id=job_id, source_path=source_path, model_type=model_type,
+                                       chunk_bytes=chunk_bytes)
+        except BaseException as exc:
+            failure = exc
+        group.barrier()
+        status = None
+        if group.rank == 0:
+            try:
+                _commit_engine_job(out_dir, tmp, job_id, key, world, tp_size, ep_size, timeout_s)
+            except BaseException as exc:
+                failure = failure or exc
+                status = f"{type(exc).__name__}: {exc}"
+        status = group.broadcast(status)
         if failure is not None:
             raise failure
-        collected = collect_engine_tensors(model, device, attrs=attrs)
-        make_job_tmp(out_dir, job_id)
-        if rank_dir.exists():
-            shutil.rmtree(rank_dir)
-        report = write_engine_rank(rank_dir, collected, key, rank=group.rank, tp_size=tp_size, ep_size=ep_size,
-                                   job_id=job_id, source_path=source_path, model_type=model_type,
-                                   chunk_bytes=chunk_bytes)
-    except BaseException as exc:
-        failure = exc
-    group.barrier()
-    status = None
-    if group.rank == 0:
-        try:
-            _commit_engine_job(out_dir, tmp, job_id, key, world, tp_size, ep_size, timeout_s)
-        except BaseException as exc:
-            failure = failure or exc
-            status = f"{type(exc).__name__}: {exc}"
-    status = group.broadcast(status)
-    if failure is not None:
-        raise failure
-    if status is not None:
-        raise LayoutError(f"{out_dir}: rank 0 could not commit pre-pack job {job_id}: {status}")
+        if status is not None:
+            raise LayoutError(f"{out_dir}: rank 0 could not commit pre-pack job {job_id}: {status}")
+    finally:
+        if claim is not None:
+            claim.close()
     report.dir = out_dir / rank_dir_name(group.rank)
     return report
 
