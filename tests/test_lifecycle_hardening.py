@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from _engine_helpers import _key, _options, packed  # noqa: F401  (packed: a fixture)
-from flashboot.errors import ArenaError
+from flashboot.errors import ArenaError, FlashBootError
 from flashboot.flashload import lifecycle, swapping
 from flashboot.integrations.engine_prepack import load_engine_weights
 
@@ -273,3 +273,37 @@ def test_a_model_still_bound_keeps_its_weights_past_close_unless_its_load_failed
         warnings.simplefilter("error", ResourceWarning)
         failed.close(failed=True)
     assert _memfds() == base  # released at once: the half-bound model is not read again
+
+
+def test_a_backup_that_fails_verify_passes_to_the_disk_and_is_not_kept(tmp_path):
+    """The level-1 backup's bytes changed while asleep (a stray write into host memory): a verified
+    wake had raised the mismatch and kept the backup, so the next wake without verify returned its
+    damaged bytes as the image's. It passes to the disk, names the chunk, and drops the backup."""
+    import ctypes
+
+    import numpy as np
+
+    from _preload_helpers import make_tiny_image
+
+    import flashboot
+
+    image = make_tiny_image(tmp_path)
+    want = np.fromfile(flashboot.layouts.read_image(image, 0).path, dtype=np.uint8)
+    with flashboot.load(image, 0, "cpu", stream=True) as loaded:
+        ptrs = {n: t.data_ptr() for n, t in loaded.tensors.items()}
+        loaded.sleep(level=1)
+        ctypes.memset(loaded.lifecycle.backup.ptr + 5000, 0xAB, 16)
+        woke = loaded.wake(verify=True, shm_dir=tmp_path / "no-shm")
+        assert woke.source == "disk" and woke.verify_ms > 0 and loaded.lifecycle.backup is None
+        assert re.fullmatch(r"failed verify: waking rank 0 of .*, from backup: chunk 1 \(bytes 4,096\.\.8,192\) has "
+                            r"checksum 0x[0-9a-f]+, expected 0x[0-9a-f]+", woke.not_used["backup"])
+        assert np.array_equal(loaded.arena.bytes()[:loaded.nbytes].numpy(), want)
+        assert {n: t.data_ptr() for n, t in loaded.tensors.items()} == ptrs
+        loaded.sleep(level=1)  # only the backup has the bytes: a damaged one fails, asleep, and is not kept
+        ctypes.memset(loaded.lifecycle.backup.ptr + 5000, 0xAB, 16)
+        with pytest.raises(FlashBootError, match=r"every source failed; backup: failed verify: .* chunk 1 \(bytes "
+                                                 r"4,096\.\.8,192\)"):
+            loaded.wake(source="backup", verify=True)
+        assert loaded.arena.asleep and loaded.lifecycle.backup is None
+        assert loaded.wake(shm_dir=tmp_path / "no-shm").source == "disk"
+        assert np.array_equal(loaded.arena.bytes()[:loaded.nbytes].numpy(), want)
