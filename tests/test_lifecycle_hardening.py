@@ -307,3 +307,49 @@ def test_a_backup_that_fails_verify_passes_to_the_disk_and_is_not_kept(tmp_path)
         assert loaded.arena.asleep and loaded.lifecycle.backup is None
         assert loaded.wake(shm_dir=tmp_path / "no-shm").source == "disk"
         assert np.array_equal(loaded.arena.bytes()[:loaded.nbytes].numpy(), want)
+
+
+def test_a_wake_from_disk_reads_the_image_loaded_through_a_link_flipped_since(tmp_path):
+    """An engine loads `current` (a link to v1) and sleeps at level 2; the deployment then flips
+    `current` to v2. The wake had read v2's metadata through the link and refused the disk as
+    "re-packed since the load", though v1, the image loaded, is whole where the load found it."""
+    import os
+
+    import numpy as np
+
+    from _preload_helpers import TINY, make_image
+
+    import flashboot
+    from flashboot.benchmarks.checkpoints import make_checkpoint
+
+    v1 = make_image(tmp_path / "v1", TINY, chunk_bytes=4096)
+    make_checkpoint(str(tmp_path / "v2" / "ckpt"), TINY, seed=1, device="cpu")
+    v2 = tmp_path / "v2" / "image"
+    flashboot.prepack(str(tmp_path / "v2" / "ckpt"), str(v2), progress=False, chunk_bytes=4096)
+    current = tmp_path / "current"
+    os.symlink(v1, current)
+    want = np.fromfile(flashboot.layouts.read_image(v1, 0).path, dtype=np.uint8)
+    assert not np.array_equal(want, np.fromfile(flashboot.layouts.read_image(v2, 0).path, dtype=np.uint8))
+    with flashboot.load(current, 0, "cpu", stream=True) as loaded:
+        loaded.sleep(level=2)
+        os.unlink(current)
+        os.symlink(v2, current)
+        woke = loaded.wake(shm_dir=tmp_path / "no-shm", verify=True)
+        assert woke.source == "disk" and "disk" not in woke.not_used
+        assert np.array_equal(loaded.arena.bytes()[:loaded.nbytes].numpy(), want)
+        loaded.sleep(level=2)  # v1 itself re-packed: still refused by name
+        os.unlink(current)
+        shutil_rmtree_and_repack(tmp_path / "v1")
+        with pytest.raises(FlashBootError, match=r"disk: .*v1/image/rank-0 was re-packed since the load"):
+            loaded.wake(shm_dir=tmp_path / "no-shm")
+        assert loaded.arena.asleep
+
+
+def shutil_rmtree_and_repack(root):
+    """``root``'s image pre-packed again from its checkpoint (a new job id: another metadata.json)."""
+    import shutil
+
+    import flashboot
+
+    shutil.rmtree(root / "image")
+    flashboot.prepack(str(root / "ckpt"), str(root / "image"), progress=False, chunk_bytes=4096)

@@ -387,12 +387,16 @@ def _disk_why_not(source) -> str | None:
     path = source.path
     if not os.path.exists(path):
         return f"the image file {path} is gone"
+    # the rank directory the load read, its links resolved then (source.path is in it): read
+    # through image_dir, a link a deployment has flipped to another image since had refused
+    # the loaded image, still whole, as "re-packed"
+    rank_dir = source.image.dir
     try:
-        sha = read_metadata_file(source.image_dir, source.rank).sha256
+        sha = read_metadata_file(rank_dir, source.rank).sha256
     except FlashBootError as exc:
         return f"the image's metadata cannot be read any more: {exc}"
     if sha != source.metadata_sha256:
-        return (f"{source.image_dir} was re-packed since the load (metadata {sha[:12]}, loaded "
+        return (f"{rank_dir} was re-packed since the load (metadata {sha[:12]}, loaded "
                 f"{source.metadata_sha256[:12]})")
     return None
 
