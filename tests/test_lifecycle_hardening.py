@@ -353,3 +353,25 @@ def shutil_rmtree_and_repack(root):
 
     shutil.rmtree(root / "image")
     flashboot.prepack(str(root / "ckpt"), str(root / "image"), progress=False, chunk_bytes=4096)
+
+
+def test_a_level1_sleep_refused_for_a_held_arena_takes_no_backup(tmp_path):
+    """A holder maps the arena: sleep(level=1) had allocated (and on CUDA pinned) a backup of the
+    image's whole size before the arena refused, and the awake image kept it until its next sleep
+    or close. It is refused before anything moves."""
+    from _preload_helpers import make_tiny_image
+
+    import flashboot
+
+    image = make_tiny_image(tmp_path)
+    with flashboot.load(image, 0, "cpu", stream=True) as loaded:
+        want = {n: t.clone() for n, t in loaded.tensors.items()}
+        loaded.arena.share("holder 'engine-0'")
+        for level in (1, 2):
+            with pytest.raises(ArenaError, match=r"cannot sleep: 1 other process\(es\) map it \(holder 'engine-0'\)"):
+                loaded.sleep(level=level)
+            assert loaded.lifecycle is None or loaded.lifecycle.backup is None
+        assert not loaded.arena.asleep and all(torch.equal(loaded.tensors[n], t) for n, t in want.items())
+        loaded.arena.unshare("holder 'engine-0'")
+        assert loaded.sleep(level=1).level == 1 and loaded.wake().source == "backup"
+        assert all(torch.equal(loaded.tensors[n], t) for n, t in want.items())

@@ -296,6 +296,9 @@ def _sleep(loaded, level: int, *, synchronize: bool) -> SleepReport:
         else:
             report.level = 0
         return report
+    # before the backup is taken: a shared or imported arena's refusal had come after it, and the
+    # image, awake, kept a pinned backup of its whole size until its next sleep or close
+    arena.check_can_sleep()
     t0 = time.perf_counter()
     if synchronize:
         _synchronize(arena.device)
