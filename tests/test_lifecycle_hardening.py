@@ -375,3 +375,29 @@ def test_a_level1_sleep_refused_for_a_held_arena_takes_no_backup(tmp_path):
         loaded.arena.unshare("holder 'engine-0'")
         assert loaded.sleep(level=1).level == 1 and loaded.wake().source == "backup"
         assert all(torch.equal(loaded.tensors[n], t) for n, t in want.items())
+
+
+def test_a_swap_by_handover_whose_wake_fails_before_the_handover_keeps_no_backup(tmp_path, monkeypatch):
+    """A level-1 swap by handover (two CUDA arenas: forced here on the host backend) takes the
+    outgoing image's backup before the incoming wake takes its segments. A wake that failed before
+    that (no source has the incoming bytes) left the outgoing image serving, and holding a backup
+    of its whole size (pinned on CUDA) for a sleep that never came."""
+    import os
+    import shutil
+
+    from _preload_helpers import make_tiny_image
+
+    import flashboot
+
+    a_dir = make_tiny_image(tmp_path / "a")
+    b_dir = shutil.copytree(a_dir, tmp_path / "b")
+    monkeypatch.setattr(swapping, "_why_no_handover", lambda outgoing, incoming: "")
+    with flashboot.load(a_dir, 0, "cpu", stream=True) as a, flashboot.load(b_dir, 0, "cpu", stream=True) as b:
+        want = {n: t.clone() for n, t in a.tensors.items()}
+        b.sleep(level=2)
+        os.rename(b.source.path, tmp_path / "away")
+        with pytest.raises(FlashBootError, match="no source has the bytes"):
+            swapping.swap(a, b, level=1, shm_dir=tmp_path / "no-shm")
+        assert not a.arena.asleep and b.arena.asleep
+        assert a.lifecycle.backup is None and a.lifecycle.level == 0
+        assert all(torch.equal(a.tensors[n], t) for n, t in want.items())
