@@ -556,8 +556,7 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     chunk checksums after each source's copy; a source whose bytes fail them passes to the next, the
     report naming the chunk, and a damaged backup is dropped (not for a refit version from the
     backup: the image's checksums are version 0's; ``details["verify_skipped"]`` says so). Waking an
-    awake image is a no-op
-    (source ``"awake"``).
+    awake image is a no-op (source ``"awake"``).
     ``meanwhile``: called once while the bytes are being copied (served: while the daemon copies;
     backup: once every segment's copy is issued), or after a source that copies synchronously
     (disk); never when the wake fails before a copy starts or the image is awake (:func:`swap`
