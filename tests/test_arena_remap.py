@@ -115,6 +115,53 @@ def test_refused_before_anything_moves():
         a.close()
 
 
+def test_a_replace_that_loses_the_race_to_a_sleep_is_refused_by_name():
+    """sleep() on another thread between replace_backing's checks and its lock: the late replace had
+    asked the asleep arena for its segments (a raw AttributeError on the host backend, a failed
+    cuMemRetainAllocationHandle on CUDA). It finds the arena asleep under the lock; both stay usable."""
+    import threading
+    import time
+
+    live = _filled(2 * SEG, 1)
+    staging = _filled(2 * SEG, 2, like=live)
+    fds = _fds()
+    real_lock, caller, slept, errors = live._map_lock, [], threading.Event(), []
+
+    class LateLock:  # holds the replace between its checks and the lock until the sleep has run
+        def __enter__(self):
+            if threading.current_thread() is caller[0]:
+                slept.wait(5)
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc):
+            return real_lock.__exit__(*exc)
+
+    def call():
+        try:
+            replace_backing(live, staging)
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    live._map_lock = LateLock()
+    caller.append(threading.Thread(target=call))
+    caller[0].start()
+    time.sleep(0.05)
+    live.sleep()
+    slept.set()
+    caller[0].join(5)
+    live._map_lock = real_lock
+    assert not caller[0].is_alive() and len(errors) == 1
+    assert isinstance(errors[0], ArenaError) and "is asleep" in str(errors[0]) and "moving its segments" in str(errors[0])
+    assert _fds() == fds - 2  # the sleep closed the live memfds; the replace kept no reference
+    live.wake()
+    live.bytes().numpy()[:] = 3
+    assert (staging.bytes().numpy() == 2).all() and (live.bytes().numpy() == 3).all()
+    replace_backing(live, staging)
+    assert (live.bytes().numpy() == 2).all()
+    for a in (staging, live):
+        a.close()
+
+
 @pytest.mark.gpu
 def test_cuda_segments_swap_under_a_captured_cuda_graph():
     """A CUDA graph captured over a view reads the staging arena's bytes after the swap, with no

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from _engine_helpers import _key, _options, packed  # noqa: F401  (packed: a fixture)
-from flashboot.errors import ArenaError
+from flashboot.errors import ArenaError, FlashBootError
 from flashboot.flashload import lifecycle, swapping
 from flashboot.integrations.engine_prepack import load_engine_weights
 
@@ -273,3 +273,131 @@ def test_a_model_still_bound_keeps_its_weights_past_close_unless_its_load_failed
         warnings.simplefilter("error", ResourceWarning)
         failed.close(failed=True)
     assert _memfds() == base  # released at once: the half-bound model is not read again
+
+
+def test_a_backup_that_fails_verify_passes_to_the_disk_and_is_not_kept(tmp_path):
+    """The level-1 backup's bytes changed while asleep (a stray write into host memory): a verified
+    wake had raised the mismatch and kept the backup, so the next wake without verify returned its
+    damaged bytes as the image's. It passes to the disk, names the chunk, and drops the backup."""
+    import ctypes
+
+    import numpy as np
+
+    from _preload_helpers import make_tiny_image
+
+    import flashboot
+
+    image = make_tiny_image(tmp_path)
+    want = np.fromfile(flashboot.layouts.read_image(image, 0).path, dtype=np.uint8)
+    with flashboot.load(image, 0, "cpu", stream=True) as loaded:
+        ptrs = {n: t.data_ptr() for n, t in loaded.tensors.items()}
+        loaded.sleep(level=1)
+        ctypes.memset(loaded.lifecycle.backup.ptr + 5000, 0xAB, 16)
+        woke = loaded.wake(verify=True, shm_dir=tmp_path / "no-shm")
+        assert woke.source == "disk" and woke.verify_ms > 0 and loaded.lifecycle.backup is None
+        assert re.fullmatch(r"failed verify: waking rank 0 of .*, from backup: chunk 1 \(bytes 4,096\.\.8,192\) has "
+                            r"checksum 0x[0-9a-f]+, expected 0x[0-9a-f]+", woke.not_used["backup"])
+        assert np.array_equal(loaded.arena.bytes()[:loaded.nbytes].numpy(), want)
+        assert {n: t.data_ptr() for n, t in loaded.tensors.items()} == ptrs
+        loaded.sleep(level=1)  # only the backup has the bytes: a damaged one fails, asleep, and is not kept
+        ctypes.memset(loaded.lifecycle.backup.ptr + 5000, 0xAB, 16)
+        with pytest.raises(FlashBootError, match=r"every source failed; backup: failed verify: .* chunk 1 \(bytes "
+                                                 r"4,096\.\.8,192\)"):
+            loaded.wake(source="backup", verify=True)
+        assert loaded.arena.asleep and loaded.lifecycle.backup is None
+        assert loaded.wake(shm_dir=tmp_path / "no-shm").source == "disk"
+        assert np.array_equal(loaded.arena.bytes()[:loaded.nbytes].numpy(), want)
+
+
+def test_a_wake_from_disk_reads_the_image_loaded_through_a_link_flipped_since(tmp_path):
+    """An engine loads `current` (a link to v1) and sleeps at level 2; the deployment then flips
+    `current` to v2. The wake had read v2's metadata through the link and refused the disk as
+    "re-packed since the load", though v1, the image loaded, is whole where the load found it."""
+    import os
+
+    import numpy as np
+
+    from _preload_helpers import TINY, make_image
+
+    import flashboot
+    from flashboot.benchmarks.checkpoints import make_checkpoint
+
+    v1 = make_image(tmp_path / "v1", TINY, chunk_bytes=4096)
+    make_checkpoint(str(tmp_path / "v2" / "ckpt"), TINY, seed=1, device="cpu")
+    v2 = tmp_path / "v2" / "image"
+    flashboot.prepack(str(tmp_path / "v2" / "ckpt"), str(v2), progress=False, chunk_bytes=4096)
+    current = tmp_path / "current"
+    os.symlink(v1, current)
+    want = np.fromfile(flashboot.layouts.read_image(v1, 0).path, dtype=np.uint8)
+    assert not np.array_equal(want, np.fromfile(flashboot.layouts.read_image(v2, 0).path, dtype=np.uint8))
+    with flashboot.load(current, 0, "cpu", stream=True) as loaded:
+        loaded.sleep(level=2)
+        os.unlink(current)
+        os.symlink(v2, current)
+        woke = loaded.wake(shm_dir=tmp_path / "no-shm", verify=True)
+        assert woke.source == "disk" and "disk" not in woke.not_used
+        assert np.array_equal(loaded.arena.bytes()[:loaded.nbytes].numpy(), want)
+        loaded.sleep(level=2)  # v1 itself re-packed: still refused by name
+        os.unlink(current)
+        shutil_rmtree_and_repack(tmp_path / "v1")
+        with pytest.raises(FlashBootError, match=r"disk: .*v1/image/rank-0 was re-packed since the load"):
+            loaded.wake(shm_dir=tmp_path / "no-shm")
+        assert loaded.arena.asleep
+
+
+def shutil_rmtree_and_repack(root):
+    """``root``'s image pre-packed again from its checkpoint (a new job id: another metadata.json)."""
+    import shutil
+
+    import flashboot
+
+    shutil.rmtree(root / "image")
+    flashboot.prepack(str(root / "ckpt"), str(root / "image"), progress=False, chunk_bytes=4096)
+
+
+def test_a_level1_sleep_refused_for_a_held_arena_takes_no_backup(tmp_path):
+    """A holder maps the arena: sleep(level=1) had allocated (and on CUDA pinned) a backup of the
+    image's whole size before the arena refused, and the awake image kept it until its next sleep
+    or close. It is refused before anything moves."""
+    from _preload_helpers import make_tiny_image
+
+    import flashboot
+
+    image = make_tiny_image(tmp_path)
+    with flashboot.load(image, 0, "cpu", stream=True) as loaded:
+        want = {n: t.clone() for n, t in loaded.tensors.items()}
+        loaded.arena.share("holder 'engine-0'")
+        for level in (1, 2):
+            with pytest.raises(ArenaError, match=r"cannot sleep: 1 other process\(es\) map it \(holder 'engine-0'\)"):
+                loaded.sleep(level=level)
+            assert loaded.lifecycle is None or loaded.lifecycle.backup is None
+        assert not loaded.arena.asleep and all(torch.equal(loaded.tensors[n], t) for n, t in want.items())
+        loaded.arena.unshare("holder 'engine-0'")
+        assert loaded.sleep(level=1).level == 1 and loaded.wake().source == "backup"
+        assert all(torch.equal(loaded.tensors[n], t) for n, t in want.items())
+
+
+def test_a_swap_by_handover_whose_wake_fails_before_the_handover_keeps_no_backup(tmp_path, monkeypatch):
+    """A level-1 swap by handover (two CUDA arenas: forced here on the host backend) takes the
+    outgoing image's backup before the incoming wake takes its segments. A wake that failed before
+    that (no source has the incoming bytes) left the outgoing image serving, and holding a backup
+    of its whole size (pinned on CUDA) for a sleep that never came."""
+    import os
+    import shutil
+
+    from _preload_helpers import make_tiny_image
+
+    import flashboot
+
+    a_dir = make_tiny_image(tmp_path / "a")
+    b_dir = shutil.copytree(a_dir, tmp_path / "b")
+    monkeypatch.setattr(swapping, "_why_no_handover", lambda outgoing, incoming: "")
+    with flashboot.load(a_dir, 0, "cpu", stream=True) as a, flashboot.load(b_dir, 0, "cpu", stream=True) as b:
+        want = {n: t.clone() for n, t in a.tensors.items()}
+        b.sleep(level=2)
+        os.rename(b.source.path, tmp_path / "away")
+        with pytest.raises(FlashBootError, match="no source has the bytes"):
+            swapping.swap(a, b, level=1, shm_dir=tmp_path / "no-shm")
+        assert not a.arena.asleep and b.arena.asleep
+        assert a.lifecycle.backup is None and a.lifecycle.level == 0
+        assert all(torch.equal(a.tensors[n], t) for n, t in want.items())

@@ -151,7 +151,9 @@ def replace_backing(arena, staging, timings: dict | None = None) -> float:
     where = f"segments of arena {arena.arena_id} (from staging arena {staging.arena_id})"
     before = (lambda i=arena.home_device.index: _cuda.use_device(i)) if cuda else None
     with arena._map_lock:
-        arena._check_open()  # again under the lock: a close() may have run since _check_pair
+        # again under the lock: a close() or sleep() may have run since _check_pair (an asleep
+        # arena's segments had been asked for, a raw AttributeError on the host backend)
+        check_replaceable(arena)
         # what the swap needs is gathered before the device wait: the range is unmapped only
         # from the unmap to the grant, and nothing here touches the weights' mapping
         t_prep = time.perf_counter()

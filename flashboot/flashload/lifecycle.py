@@ -296,6 +296,9 @@ def _sleep(loaded, level: int, *, synchronize: bool) -> SleepReport:
         else:
             report.level = 0
         return report
+    # before the backup is taken: a shared or imported arena's refusal had come after it, and the
+    # image, awake, kept a pinned backup of its whole size until its next sleep or close
+    arena.check_can_sleep()
     t0 = time.perf_counter()
     if synchronize:
         _synchronize(arena.device)
@@ -387,12 +390,16 @@ def _disk_why_not(source) -> str | None:
     path = source.path
     if not os.path.exists(path):
         return f"the image file {path} is gone"
+    # the rank directory the load read, its links resolved then (source.path is in it): read
+    # through image_dir, a link a deployment has flipped to another image since had refused
+    # the loaded image, still whole, as "re-packed"
+    rank_dir = source.image.dir
     try:
-        sha = read_metadata_file(source.image_dir, source.rank).sha256
+        sha = read_metadata_file(rank_dir, source.rank).sha256
     except FlashBootError as exc:
         return f"the image's metadata cannot be read any more: {exc}"
     if sha != source.metadata_sha256:
-        return (f"{source.image_dir} was re-packed since the load (metadata {sha[:12]}, loaded "
+        return (f"{rank_dir} was re-packed since the load (metadata {sha[:12]}, loaded "
                 f"{source.metadata_sha256[:12]})")
     return None
 
@@ -499,6 +506,36 @@ def _wake_from_backup(loaded, backup: HostBackup, report: WakeReport, meanwhile:
         report.details["first_copy_issued_ms"] = (first_issued[0] - t0) * 1e3
 
 
+def _damaged(loaded, name: str, report: WakeReport, verify: bool, where: str) -> bool:
+    """Whether ``verify`` found the bytes source ``name`` just copied damaged: the report names the
+    chunk and the wake passes to the next source, which copies every byte again. A damaged backup is
+    dropped: kept, it had failed this wake unsaid to the daemon or the disk, and a later wake without
+    ``verify`` took its bytes as the image's."""
+    if not verify:
+        return False
+    if name == "backup" and loaded.version != 0:
+        # the image's checksums are version 0's: checked against them, a refit's bytes kept
+        # whole by the backup had failed as a ChecksumMismatchError and the wake was undone
+        # (None: a failed in-place refit's mix of versions, see ``loaded.refit_torn``)
+        held = "a mix of refit versions" if loaded.version is None else f"refit version {loaded.version}"
+        report.details["verify_skipped"] = f"the backup holds {held}; the image's checksums describe version 0"
+        return False
+    from ..errors import ChecksumMismatchError
+    from .landing import verify_loaded
+
+    tv = time.perf_counter()
+    try:
+        verify_loaded(loaded.arena, loaded.metadata, f"{where}, from {name}")
+    except ChecksumMismatchError as exc:
+        report.not_used[name] = f"failed verify: {exc}"
+        if name == "backup":
+            _state(loaded).drop_backup()
+        return True
+    finally:
+        report.verify_ms += (time.perf_counter() - tv) * 1e3
+    return False
+
+
 def _check_wake_options(source: str = "auto", served_timeout_s: float = 10.0, **_) -> None:
     if source != "auto" and source not in SOURCES:
         raise FlashBootError(f"unknown wake source {source!r}; known: auto, {', '.join(SOURCES)}")
@@ -516,9 +553,10 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
     ``keep_backup``: keep the level-1 backup for the next ``sleep(level=1)`` (no new pin then)
     instead of freeing it. ``shm_dir``: the preloader's staging root, when not the default.
     ``served_timeout_s``: how long to wait for the daemon's socket. ``verify``: recompute the
-    chunk checksums after the copy (not for a refit version from the backup: the image's checksums
-    are version 0's; ``details["verify_skipped"]`` says so). Waking an awake image is a no-op
-    (source ``"awake"``).
+    chunk checksums after each source's copy; a source whose bytes fail them passes to the next, the
+    report naming the chunk, and a damaged backup is dropped (not for a refit version from the
+    backup: the image's checksums are version 0's; ``details["verify_skipped"]`` says so). Waking an
+    awake image is a no-op (source ``"awake"``).
     ``meanwhile``: called once while the bytes are being copied (served: while the daemon copies;
     backup: once every segment's copy is issued), or after a source that copies synchronously
     (disk); never when the wake fails before a copy starts or the image is awake (:func:`swap`
@@ -567,6 +605,8 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
                 except _CopyFailed as exc:
                     report.not_used[name] = f"failed: {type(exc.error).__name__}: {exc.error}"
                     continue
+                if _damaged(loaded, name, report, verify, where):
+                    continue
                 report.source = name
                 break
             if arena.asleep:
@@ -589,23 +629,13 @@ def wake(loaded, *, source: str = "auto", keep_backup: bool = False, shm_dir=Non
                 continue
             report.copy_ms = (time.perf_counter() - t2) * 1e3
             meanwhile()  # a no-op where it ran during the copy
+            if _damaged(loaded, name, report, verify, where):
+                continue
             report.source = name
             break
         else:
             tried = "every source failed" if not arena.asleep else "no source has the bytes"
             raise FlashBootError(f"{where}: {tried}; " + "; ".join(f"{s}: {why}" for s, why in report.not_used.items()))
-        if verify and report.source == "backup" and loaded.version != 0:
-            # the image's checksums are version 0's: checked against them, a refit's bytes kept
-            # whole by the backup had failed as a ChecksumMismatchError and the wake was undone
-            # (None: a failed in-place refit's mix of versions, see ``loaded.refit_torn``)
-            held = "a mix of refit versions" if loaded.version is None else f"refit version {loaded.version}"
-            report.details["verify_skipped"] = f"the backup holds {held}; the image's checksums describe version 0"
-        elif verify:
-            from .landing import verify_loaded
-
-            tv = time.perf_counter()
-            verify_loaded(arena, loaded.metadata, f"{where}, from {report.source}")
-            report.verify_ms = (time.perf_counter() - tv) * 1e3
     except BaseException as exc:
         arena.sleep()  # nothing half-woken is handed back (a no-op when it never woke)
         if isinstance(exc, _MeanwhileFailed):

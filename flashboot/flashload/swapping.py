@@ -154,8 +154,16 @@ def _swap(outgoing, incoming, level: int, release: str, wake_options: dict) -> S
     serving = not outgoing.arena.asleep
     try:
         if released == "handover":
+            kept = _state(outgoing).backup
             handing = _handover_sleep(outgoing, level)
-            woke = wake(incoming, _donor=outgoing.arena, **wake_options)
+            try:
+                woke = wake(incoming, _donor=outgoing.arena, **wake_options)
+            except BaseException:
+                if not outgoing.arena.asleep and _state(outgoing).backup is not kept:
+                    # the wake failed before it took the segments: the outgoing image serves on, and
+                    # had kept the backup of its whole size (pinned) taken for a sleep that never came
+                    _state(outgoing).drop_backup()
+                raise
             _state(outgoing).level = level
             parts = woke.details.get("wake", {})
             handing.release_ms = parts.get("donor_ms", 0.0)
