@@ -479,6 +479,48 @@ def test_a_stalled_read_times_out(image, monkeypatch):
     assert _stream_threads() == []
 
 
+def test_readers_stuck_in_their_reads_are_waited_for_once_not_each_in_turn(image, monkeypatch):
+    """Cleanup waited ``_JOIN_S`` for each stuck reader in turn (4 readers: 4 x 30 s past the
+    stall, while the error said 'within 30 s'); one bound covers them all, and the ring they
+    still write into is left mapped."""
+    from flashboot.arena import Arena
+
+    gate = threading.Event()
+    real = os.preadv
+
+    def stuck(fd, bufs, off):
+        if off >= 4096:
+            gate.wait(30)
+        return real(fd, bufs, off)
+
+    waits = []
+    real_join = threading.Thread.join
+
+    def join(self, timeout=None):
+        if self.name.startswith("flashboot-stream"):
+            waits.append(timeout)
+        return real_join(self, timeout)
+
+    monkeypatch.setattr(stream, "_preadv", stuck)
+    monkeypatch.setattr(stream, "_JOIN_S", 0.3)
+    monkeypatch.setattr(threading.Thread, "join", join)
+    img = read_image(image, 0)
+    cfg = StreamConfig(buffer_bytes=SMALL_RING * 2, slot_bytes=4096, threads=4, stall_timeout_s=0.2,
+                       adapt_reads=False)
+    try:
+        with Arena.create(img.nbytes, "cpu") as arena:
+            with pytest.raises(ImageReadError, match=r"did not finish within 0.3 s; the .* ring buffer is left mapped"):
+                stream.stream_image(img.path, img.nbytes, arena, cfg)
+        assert len(waits) == 4 and sum(waits) <= 0.3, f"the readers were waited for in turn: {waits}"
+    finally:
+        gate.set()
+        monkeypatch.undo()
+        for t in threading.enumerate():
+            if t.name.startswith("flashboot-stream"):
+                t.join(30)
+    assert _stream_threads() == []
+
+
 def test_o_direct_refused_at_open_reads_buffered_and_says_so(image, shm, monkeypatch):
     refuse_direct_open(monkeypatch)
     with flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes=SMALL_RING) as loaded:
