@@ -339,3 +339,25 @@ def test_a_prepared_load_waits_at_most_its_own_timeout(qwen, tmp_path):
     with pytest.raises(WaitTimeoutError, match=r"rank-0.ready"):  # ended by its own timeout, and released
         handle.wait(30)
     assert handle.arena is None or handle.arena.closed
+
+
+def test_a_prepared_streamed_load_lists_the_rings_pin_as_paid_early_not_by_the_load(qwen, monkeypatch):
+    """The ring of a prepared stream is pinned (CUDA) by prepare's thread; the load's report had
+    listed that pin among its own phases (``pin_ms``), beside the wait that already held whatever
+    of the preparation was left. A plain streamed load pins on its critical path and says so."""
+    from flashboot.flashload import stream
+
+    real_init = stream.Ring.__init__
+
+    def pinned_ring(self, *args, **kwargs):  # as a CUDA ring's cuMemHostRegister would take
+        real_init(self, *args, **kwargs)
+        self.pin_ms = 40.0
+
+    monkeypatch.setattr(stream.Ring, "__init__", pinned_ring)
+    handle = flashboot.prepare(qwen, 0, "cpu", mode="stream")
+    with flashboot.load(qwen, 0, "cpu", prepared=handle) as loaded:
+        r = loaded.report
+        assert (r.pin_ms, r.pinned_early_ms) == (0.0, 40.0) and "pin" not in r.phases(), r
+    with flashboot.load(qwen, 0, "cpu", stream=True) as loaded:
+        assert (loaded.report.pin_ms, loaded.report.pinned_early_ms) == (40.0, 0.0)
+        assert loaded.report.details["one_time_ms"]["pin"] == 40.0
