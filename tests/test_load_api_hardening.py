@@ -361,3 +361,34 @@ def test_a_prepared_streamed_load_lists_the_rings_pin_as_paid_early_not_by_the_l
     with flashboot.load(qwen, 0, "cpu", stream=True) as loaded:
         assert (loaded.report.pin_ms, loaded.report.pinned_early_ms) == (40.0, 0.0)
         assert loaded.report.details["one_time_ms"]["pin"] == 40.0
+
+
+def test_a_close_that_gives_up_as_the_preparation_ends_still_releases_its_arena(qwen, monkeypatch):
+    """close(timeout_s=0) (or a timed-out prepared load) between the preparation's last check of
+    whether it was closed and its end: close said the thread would release the arena, the thread
+    had already decided not to, and the arena stayed mapped under a closed handle for good."""
+    import os
+    import threading
+
+    from flashboot.flashload import stream
+
+    gate, real = threading.Event(), os.preadv
+    monkeypatch.setattr(stream, "_preadv", lambda fd, bufs, off: gate.wait(30) and real(fd, bufs, off))
+    handle = flashboot.prepare(qwen, 0, "cpu", mode="stream")
+    said = []
+
+    class CloseAsItEnds(threading.Event):
+        def set(self):  # the thread has just decided whether its end releases
+            try:
+                handle.close(timeout_s=0)
+            except FlashBootError as exc:
+                said.append(exc)
+            super().set()
+
+    handle._done = CloseAsItEnds()
+    gate.set()
+    handle._thread.join(30)
+    assert not handle._thread.is_alive() and handle.done
+    assert said == [] and handle.arena.closed, (said, handle.arena)
+    with pytest.raises(FlashBootError, match="is closed"):
+        handle.wait(1)

@@ -185,6 +185,9 @@ class PreparedLoad:
         self._claim = threading.Lock()
         self._claimed_by: str | None = None
         self._closed = False
+        # _ended: the preparation has decided whether its end releases (see _finish); _released:
+        # what it holds is released (or being released), so that happens once
+        self._ended = self._released = False
         self._handover = _PromptHandover()
         self.started = time.perf_counter()
         self.finished: float | None = None
@@ -283,6 +286,7 @@ class PreparedLoad:
         self._viewable.set()
         self.finished = time.perf_counter()
         with self._claim:
+            self._ended = True  # a close from here on releases itself (it had been left to no one)
             closed_meanwhile = self._closed and self._error is None
         if closed_meanwhile:  # close() gave up waiting: the memory is released now the copy has ended
             self._release()
@@ -429,7 +433,11 @@ class PreparedLoad:
 
     def _release(self) -> None:
         """Release what the preparation holds; only once no copy writes into the arena (the
-        background thread calls it when it ends, the caller's side only after :meth:`wait`)."""
+        background thread calls it when it ends, the caller's side only after :meth:`wait`). Once."""
+        with self._claim:
+            if self._released:
+                return
+            self._released = True
         if self.session is not None:
             self.session.close()
         if self.release_thread is not None:
@@ -447,8 +455,9 @@ class PreparedLoad:
         still writes into is never unmapped."""
         with self._claim:
             self._closed = True  # the thread's end releases it if this stops waiting first
+            ended = self._ended  # unless its end had already passed that check: then here
         self._cancel.set()
-        if self._done.wait(timeout_s):
+        if ended or self._done.wait(timeout_s):
             self._release()
 
     # ---- the caller's side -------------------------------------------------------------------
@@ -569,8 +578,9 @@ class PreparedLoad:
             if self._closed or self._claimed_by is not None:
                 return
             self._closed = True
+            ended = self._ended  # the thread's end no longer releases: this does, at once
         self._cancel.set()
-        if not self._done.wait(timeout_s):
+        if not ended and not self._done.wait(timeout_s):
             raise WaitTimeoutError(f"closing the prepared load of rank {self.rank} of {self.image_dir}: its copy "
                                    f"still ran after {timeout_s:g} s (phases so far: {self._phases_text()}); it "
                                    "releases the arena itself when the copy ends")
