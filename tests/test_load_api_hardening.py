@@ -392,3 +392,49 @@ def test_a_close_that_gives_up_as_the_preparation_ends_still_releases_its_arena(
     assert said == [] and handle.arena.closed, (said, handle.arena)
     with pytest.raises(FlashBootError, match="is closed"):
         handle.wait(1)
+
+
+def _flip_staged_byte(image, shm, at: int) -> str:
+    from flashboot.flashload import shm as shm_files
+
+    staged = shm_files.staged_paths(image, 0, shm).image
+    with open(staged, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+    return str(staged)
+
+
+def test_a_checksum_mismatch_in_the_staged_copy_names_that_copy_not_the_image_file(qwen, tmp_path):
+    """A byte flipped in the staged copy in shared memory was reported as a mismatch of the image
+    file on disk ('.../rank-0/image.bin (rank 0) loaded into cpu: chunk 0 ...'), which then
+    checked clean: the message names the copy the bytes came from, pinned here or served."""
+    import re
+
+    from flashboot.errors import ChecksumMismatchError
+    from flashboot.flashload import service
+
+    shm = tmp_path / "shm"
+    staging.stage_rank(qwen, 0, shm_dir=shm)
+    staged = _flip_staged_byte(qwen, shm, 9)
+    image_file = str(qwen / "rank-0" / "image.bin")
+    named = f"the staged copy {staged} of {image_file} (rank 0)"
+    named_re = re.escape(named)
+    with pytest.raises(ChecksumMismatchError, match="chunk 0") as e:
+        flashboot.load(qwen, 0, "cpu", shm_dir=shm, verify=True)
+    assert str(e.value).startswith(f"{named} loaded into cpu: "), e.value
+    with flashboot.stage(qwen, 0, "cpu", shm_dir=shm) as early:
+        with pytest.raises(ChecksumMismatchError, match=f"^{named_re} loaded into cpu: chunk 0"):
+            flashboot.load(qwen, 0, "cpu", staged=early, verify=True)  # the load's shm_dir left out
+    for asked in ({"verify": True}, {}):  # checked by prepare, or by the load
+        handle = flashboot.prepare(qwen, 0, "cpu", shm_dir=shm, mode="staged", **asked)
+        with pytest.raises(ChecksumMismatchError, match=f"^{named_re} (copied into cpu by flashboot.prepare|loaded "
+                                                        "into cpu): chunk 0"):
+            flashboot.load(qwen, 0, "cpu", prepared=handle, verify=True)
+    service.start_background(staging.PreloadConfig(str(qwen), shm_dir=str(shm), serve=True), timeout_s=60)
+    try:
+        with pytest.raises(ChecksumMismatchError, match=f"^{named_re} loaded into cpu: chunk 0"):
+            flashboot.load(qwen, 0, "cpu", served=True, shm_dir=shm, verify=True)
+    finally:
+        service.stop_service(qwen, shm, timeout_s=30)

@@ -352,7 +352,8 @@ class PreparedLoad:
         t = self.phase("copy", t_copy)
         if self.verify:  # checked here too, so the load has nothing left but to report it
             checked = LoadReport(mode="", device=str(self.device), rank=self.rank, nbytes=self.nbytes)
-            where = f"{self.image.path} (rank {self.rank}) copied into {self.device} by flashboot.prepare"
+            where = (f"{source.bytes_from(self.image.path, self.image_dir, self.rank, self.shm_dir)} (rank "
+                     f"{self.rank}) copied into {self.device} by flashboot.prepare")
             source.verify_prepared(self, where, checked)
             self.copy["verified"] = checked.details["verified"]
             self.phase("verify", t)
@@ -708,7 +709,8 @@ def load_prepared(request: LoadRequest) -> LoadedImage:
         if copy.get("verified"):  # checked: said whether or not this load asked (it had said "not verified")
             report.details["verified"] = copy["verified"] + " (checked by flashboot.prepare once its copy ended)"
         elif verify:
-            verify_loaded(arena, meta, f"{prepared.image.path} (rank {rank}) loaded into {dev}", report)
+            where = prepared.load_source.bytes_from(prepared.image.path, image_dir, rank, prepared.shm_dir)
+            verify_loaded(arena, meta, f"{where} (rank {rank}) loaded into {dev}", report)
     except WaitTimeoutError:
         prepared._release_when_done(0)  # released by its own thread once it ends: no copy is cut short
         if prepared.done:
