@@ -438,3 +438,31 @@ def test_a_checksum_mismatch_in_the_staged_copy_names_that_copy_not_the_image_fi
             flashboot.load(qwen, 0, "cpu", served=True, shm_dir=shm, verify=True)
     finally:
         service.stop_service(qwen, shm, timeout_s=30)
+
+
+def test_a_prepared_load_whose_image_link_was_moved_says_where_it_points_then_and_now(qwen, tmp_path):
+    """A deployment's ``current`` link moved to another image between prepare() and the load was
+    refused as 'cannot serve image .../current (prepared: .../current)': the same path twice."""
+    import os
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(qwen, other)
+    link = tmp_path / "current"
+    link.symlink_to(qwen)
+    handle = flashboot.prepare(link, 0, "cpu")
+    try:
+        link.unlink()
+        link.symlink_to(other)
+        with pytest.raises(FlashBootError) as e:
+            flashboot.load(link, 0, "cpu", prepared=handle)
+        assert f"which resolved to {os.path.realpath(qwen)} then and resolves to {os.path.realpath(other)} now" \
+            in str(e.value), e.value
+        with pytest.raises(FlashBootError, match=r"cannot serve image .*other \(prepared: .*current\)$"):
+            flashboot.load(other, 0, "cpu", prepared=handle)  # another path: named as it was
+        link.unlink()
+        link.symlink_to(qwen)  # back: the handle serves it
+        with flashboot.load(link, 0, "cpu", prepared=handle) as loaded:
+            assert len(loaded.tensors) == loaded.report.tensors
+    finally:
+        handle.close()

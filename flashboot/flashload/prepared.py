@@ -522,8 +522,12 @@ class PreparedLoad:
         """FlashBootError naming what differs when a load asks this handle for another image, rank or
         device than it was prepared for."""
         diffs = []
-        if os.path.realpath(str(image_dir)) != self.real_dir:
-            diffs.append(f"image {image_dir} (prepared: {self.image_dir})")
+        real = os.path.realpath(str(image_dir))
+        if real != self.real_dir:
+            # one path whose link was moved since: it had read 'image /x/current (prepared: /x/current)'
+            moved = (f", which resolved to {self.real_dir} then and resolves to {real} now"
+                     if os.path.abspath(str(image_dir)) == os.path.abspath(self.image_dir) else "")
+            diffs.append(f"image {image_dir} (prepared: {self.image_dir}{moved})")
         if rank != self.rank:
             diffs.append(f"rank {rank} (prepared: {self.rank})")
         if device != self.device:
