@@ -466,3 +466,23 @@ def test_a_prepared_load_whose_image_link_was_moved_says_where_it_points_then_an
             assert len(loaded.tensors) == loaded.report.tensors
     finally:
         handle.close()
+
+
+def test_an_image_named_by_a_relative_path_wakes_from_disk_after_the_engine_changed_directory(qwen, tmp_path,
+                                                                                                monkeypatch):
+    """load('image') kept the relative path: after the engine changed directory its wake from disk
+    looked for '<new cwd>/image' ('no such image directory'); the path is anchored where it was named."""
+    monkeypatch.chdir(qwen.parent)
+    with flashboot.load(qwen.name, 0, "cpu") as loaded:
+        expected = bytes(loaded.arena.bytes()[:loaded.nbytes].numpy())
+        monkeypatch.chdir(tmp_path)
+        loaded.sleep(level=2)  # no backup: the bytes come back from the image on disk
+        assert loaded.wake().source == "disk"
+        assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == expected
+        assert loaded.source.image_dir == str(qwen)
+    monkeypatch.chdir(qwen.parent)
+    handle = flashboot.prepare(qwen.name, 0, "cpu")
+    try:
+        assert handle.image_dir == str(qwen)
+    finally:
+        handle.close()

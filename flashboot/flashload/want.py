@@ -24,6 +24,14 @@ def image_path(image_dir) -> str:
                              f"{type(image_dir).__name__} {image_dir!r}") from None
     if not path:  # os.path reads '' as the current directory: an unset variable had loaded whatever image was there
         raise FlashBootError(f"the image directory is an empty path ({image_dir!r}); name the image's directory")
+    if not os.path.isabs(path):
+        # anchored to the directory it was named in (joined, not normalised: 'link/../x' stays the
+        # OS's to resolve): a loaded image keeps it, and its wake from disk or the daemon after the
+        # engine changed directory had looked for another image ('/tmp/image: no such image directory')
+        try:
+            path = os.path.join(os.getcwd(), path)
+        except OSError:  # the working directory is gone: the path is read as given, and fails by name
+            pass
     return path
 
 
