@@ -556,6 +556,35 @@ def test_o_direct_refused_at_read_restarts_buffered(image, shm, monkeypatch):
         assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
 
 
+def test_an_image_gone_when_o_direct_is_refused_is_named_not_a_bare_oserror(image, tmp_path, monkeypatch):
+    """The image file removed (a re-pack) between O_DIRECT's refusal and the buffered retry: its
+    reopen raised a bare FileNotFoundError out of flashboot.load."""
+    import fcntl
+
+    copy = tmp_path / "copy"
+    shutil.copytree(image, copy)
+    path = read_image(copy, 0).path
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"the filesystem of {path} refuses O_DIRECT at open")
+
+    def refused_then_gone(fd, bufs, off):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            if path.exists():
+                path.rename(path.with_name("moved-away"))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return os.preadv(fd, bufs, off)
+
+    monkeypatch.setattr(stream, "_preadv", refused_then_gone)
+    fds = _open_fds()
+    with pytest.raises(ImageReadError, match="reopening it for buffered reads after O_DIRECT was refused failed: "
+                                             "No such file or directory") as e:
+        flashboot.load(copy, 0, "cpu", stream=True, stream_buffer_bytes=SMALL_RING)
+    assert e.value.path == str(path)
+    assert _open_fds() == fds and _stream_threads() == []
+
+
 # ------------------------------------------------------------------------------ CUDA
 @pytest.mark.gpu
 def test_gpu_streamed_load_reuses_the_pinned_ring_byte_exact(image, shm):

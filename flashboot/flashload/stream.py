@@ -551,7 +551,11 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
                 raise CapabilityError(f"{path}: reads under O_DIRECT fail ({exc}) and io='direct' was asked") from None
             os.close(fd)
             fd = -1
-            fd = os.open(path, os.O_RDONLY)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:  # gone since (a re-pack): named as the first open's failure is, not a bare OSError
+                raise ImageReadError(path, 0, nbytes, f"reopening it for buffered reads after O_DIRECT was refused "
+                                     f"failed: {exc.strerror or exc}") from None
             if identity is not None:
                 identity.check(os.fstat(fd), "since its metadata was read")
             mode, reason = "buffered", f"filesystem refuses O_DIRECT reads ({exc})"
