@@ -569,10 +569,13 @@ def test_an_image_gone_when_o_direct_is_refused_is_named_not_a_bare_oserror(imag
     except OSError:
         pytest.skip(f"the filesystem of {path} refuses O_DIRECT at open")
 
+    once = threading.Lock()
+
     def refused_then_gone(fd, bufs, off):
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            if path.exists():
-                path.rename(path.with_name("moved-away"))
+            with once:  # the readers in flight: one moves it
+                if path.exists():
+                    path.rename(path.with_name("moved-away"))
             raise OSError(errno.EINVAL, "Invalid argument")
         return os.preadv(fd, bufs, off)
 
