@@ -486,3 +486,50 @@ def test_an_image_named_by_a_relative_path_wakes_from_disk_after_the_engine_chan
         assert handle.image_dir == str(qwen)
     finally:
         handle.close()
+
+
+_EXIT_WITH_TWO_UNUSED = """
+import os, sys, time, weakref
+import torch
+import flashboot
+from flashboot.flashload import prepared, stream
+from flashboot.flashload.sources.disk import DiskSource
+
+class InOrder:  # _live in the order the handles were made (a WeakSet's order is its hashes')
+    def __init__(self):
+        self.refs = []
+    def add(self, h):
+        self.refs.append(weakref.ref(h))
+    def discard(self, h):
+        self.refs = [r for r in self.refs if r() is not None and r() is not h]
+    def __iter__(self):
+        return iter([h for h in (r() for r in self.refs) if h is not None])
+
+prepared._live = InOrder()
+slow_file = os.path.realpath(sys.argv[1])
+real = os.preadv
+
+def read(fd, bufs, off):  # the first image's read takes longer than the second's
+    time.sleep(0.8 if os.path.realpath(f"/proc/self/fd/{fd}").startswith(slow_file) else 0.1)
+    return real(fd, bufs, off)
+
+stream._preadv = read
+DiskSource.verify_prepared = lambda self, handle, where, checked: print("verified at exit", handle.image_dir)
+first = flashboot.prepare(sys.argv[1], 0, "cpu", mode="stream", verify=True)
+second = flashboot.prepare(sys.argv[2], 0, "cpu", mode="stream", verify=True)
+print("exiting")
+"""
+
+
+def test_at_exit_every_unused_handle_stops_at_once_none_goes_on_into_its_verify(qwen, tmp_path):
+    """The exit hook closed the unused handles one at a time: while it waited for the first one's
+    copy, a later one finished its own and went on into its verify (a checksum of the whole image,
+    ~2x the copy on the host), which the exit then waited for too."""
+    import shutil
+
+    from _python import run_python
+
+    second = tmp_path / "second"
+    shutil.copytree(qwen, second)
+    out = run_python("-c", _EXIT_WITH_TWO_UNUSED, str(qwen), str(second))
+    assert out.splitlines() == ["exiting"], out

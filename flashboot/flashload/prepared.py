@@ -616,7 +616,13 @@ def _settle_at_exit() -> None:
     """Stop every live handle's background work before the interpreter tears down: a thread still
     inside torch or a driver call while the runtime is destroyed aborts the process ("terminate
     called without an active exception"). Unused handles are closed; used ones have ended."""
-    for handle in list(_live):
+    handles = list(_live)
+    for handle in handles:  # every unused one told to stop first: closed one at a time, a later one had
+        with handle._claim:  # gone on meanwhile (into its verify: numba imported while the interpreter exits)
+            unused = not handle._closed and handle._claimed_by is None
+        if unused:
+            handle._cancel.set()
+    for handle in handles:
         try:
             handle.close(timeout_s=CLOSE_TIMEOUT_S)
         except Exception:  # at exit there is no caller left to tell; the wait was bounded
