@@ -533,3 +533,57 @@ def test_at_exit_every_unused_handle_stops_at_once_none_goes_on_into_its_verify(
     shutil.copytree(qwen, second)
     out = run_python("-c", _EXIT_WITH_TWO_UNUSED, str(qwen), str(second))
     assert out.splitlines() == ["exiting"], out
+
+
+class _PositionIds(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("position_ids", torch.arange(16).unsqueeze(0), persistent=False)
+
+
+class _CustomNet(torch.nn.Module):
+    """A research model: an ``_init_weights`` for the layers it knows, an int non-persistent buffer."""
+
+    sets_positions = False
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.pos = _PositionIds()
+
+    def _init_weights(self, module):
+        if isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight)
+        if isinstance(module, _PositionIds) and self.sets_positions:
+            module.position_ids.copy_(torch.arange(16).unsqueeze(0))
+
+
+def test_an_int_buffer_the_models_init_skips_is_refused_not_reported_recomputed(tmp_path):
+    """bind() recomputes a non-persistent buffer by the model's ``_init_weights``; an int buffer it
+    skipped (position_ids) was reported 'recomputed' holding whatever torch.empty found (a NaN
+    marks a skipped float one; no int value is free for that)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "net"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in _CustomNet().state_dict().items()}, ckpt / "model.safetensors")
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "custom_net"}))
+    flashboot.prepack(str(ckpt), str(tmp_path / "image"), progress=False)
+    with flashboot.load(tmp_path / "image", 0, "cpu") as loaded:
+        with torch.device("meta"):
+            model = _CustomNet()
+        with pytest.raises(LayoutError, match=r"cannot recompute non-persistent buffer\(s\) pos.position_ids of "
+                                              "_CustomNet on cpu"):
+            flashboot.bind(model, loaded)
+        with torch.device("meta"):
+            model = _CustomNet()
+        report = flashboot.bind(model, loaded, strict=False)
+        assert report.missing == ["pos.position_ids"] and report.recomputed == []
+        with torch.device("meta"):
+            model = _CustomNet()
+        model.sets_positions = True
+        report = flashboot.bind(model, loaded)
+        assert report.recomputed == ["pos.position_ids"]
+        assert torch.equal(model.pos.position_ids, torch.arange(16).unsqueeze(0))
