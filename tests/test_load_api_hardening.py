@@ -587,3 +587,27 @@ def test_an_int_buffer_the_models_init_skips_is_refused_not_reported_recomputed(
         report = flashboot.bind(model, loaded)
         assert report.recomputed == ["pos.position_ids"]
         assert torch.equal(model.pos.position_ids, torch.arange(16).unsqueeze(0))
+
+
+@pytest.mark.parametrize("option, value", [("stream", 0), ("stream", "false"), ("served", "no"), ("verify", "false"),
+                                           ("verify", 1)])
+def test_a_flag_that_is_no_bool_is_refused_by_name_not_read_as_truthy_or_ignored(qwen, option, value):
+    """stream=0 (never stream) streamed all the same, read as None (decide); served="no" asked the
+    daemon; verify="false" verified."""
+    with pytest.raises(FlashBootError, match=f"{option} must be .*True or False, got {type(value).__name__} "
+                                             f"{value!r}"):
+        flashboot.load(qwen, 0, "cpu", timeout_s=1, **{option: value})
+    if option == "verify":
+        with pytest.raises(FlashBootError, match=f"verify must be None, True or False, got {type(value).__name__}"):
+            flashboot.prepare(qwen, 0, "cpu", verify=value)
+
+
+def test_numpy_bools_are_the_flags_they_hold(qwen, tmp_path):
+    import numpy as np
+
+    from flashboot.errors import WaitTimeoutError
+
+    with flashboot.load(qwen, 0, "cpu", verify=np.bool_(True), stream=np.bool_(True)) as loaded:
+        assert "verified" in loaded.report.details and loaded.report.details["source"] == "disk"
+    with pytest.raises(WaitTimeoutError, match="rank-0.ready"):  # never streams: waits for the staged copy
+        flashboot.load(qwen, 0, "cpu", stream=np.bool_(False), shm_dir=tmp_path / "shm", timeout_s=0.5)

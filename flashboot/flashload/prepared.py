@@ -56,7 +56,7 @@ from .landing import admit, verify_loaded
 from .report import LoadedImage, LoadReport
 from .stream import StreamConfig
 from .views import make_views
-from .want import LoadRequest, check_expected_key, count_of, image_path, job_dir_of, verify_default
+from .want import LoadRequest, check_expected_key, count_of, flag_of, image_path, job_dir_of, verify_default
 
 if TYPE_CHECKING:
     from flashboot.layouts.image import FileIdentity
@@ -155,6 +155,7 @@ class PreparedLoad:
         rank = count_of(rank, "rank", 0, LayoutError, optional=False)
         tp, ep = count_of(tp, "tp", 1), count_of(ep, "ep", 1)
         check_expected_key(expected_key)
+        verify = flag_of(verify, "verify")  # verify="false" had verified
         self.image_dir, self.rank, self.device = job_dir_of(image_path(image_dir), rank), rank, Device.parse(device)
         self.real_dir = os.path.realpath(self.image_dir)
         self.timeout_s, self.shm_dir = check_timeout(timeout_s, "prepare timeout_s"), shm_dir

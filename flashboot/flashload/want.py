@@ -66,6 +66,21 @@ def count_of(value, name: str, minimum: int, error: type = FlashBootError, *, op
     return int(value)
 
 
+def flag_of(value, name: str, *, optional: bool = True) -> bool | None:
+    """``value`` as True or False (None stays None where ``optional``); a numpy bool is the bool it
+    holds. FlashBootError naming ``name`` and the value for anything else: ``stream=0`` or
+    ``stream=np.False_`` (never stream) had streamed all the same, read as None (decide), and
+    ``served="no"`` or ``verify="false"`` turned the option on."""
+    import numpy as np
+
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise FlashBootError(f"{name} must be {'None, ' if optional else ''}True or False, got {type(value).__name__} "
+                         f"{value!r}")
+
+
 def check_expected_key(expected_key) -> None:
     """FlashBootError unless ``expected_key`` is None, an :class:`~flashboot.layouts.format.ImageKey`
     or a mapping of its fields (a string had failed with a bare ValueError, after a served load's
@@ -244,5 +259,5 @@ class Want:
 
 
 __all__ = ["VERIFY_BY_DEFAULT_ON_HOST", "LoadRequest", "Want", "check_expected_key", "check_job_request",
-           "check_options", "check_same_root", "check_staged", "count_of", "image_path", "job_dir_of", "load_request",
-           "verify_default"]
+           "check_options", "check_same_root", "check_staged", "count_of", "flag_of", "image_path", "job_dir_of",
+           "load_request", "verify_default"]
