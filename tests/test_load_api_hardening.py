@@ -339,3 +339,275 @@ def test_a_prepared_load_waits_at_most_its_own_timeout(qwen, tmp_path):
     with pytest.raises(WaitTimeoutError, match=r"rank-0.ready"):  # ended by its own timeout, and released
         handle.wait(30)
     assert handle.arena is None or handle.arena.closed
+
+
+def test_a_prepared_streamed_load_lists_the_rings_pin_as_paid_early_not_by_the_load(qwen, monkeypatch):
+    """The ring of a prepared stream is pinned (CUDA) by prepare's thread; the load's report had
+    listed that pin among its own phases (``pin_ms``), beside the wait that already held whatever
+    of the preparation was left. A plain streamed load pins on its critical path and says so."""
+    from flashboot.flashload import stream
+
+    real_init = stream.Ring.__init__
+
+    def pinned_ring(self, *args, **kwargs):  # as a CUDA ring's cuMemHostRegister would take
+        real_init(self, *args, **kwargs)
+        self.pin_ms = 40.0
+
+    monkeypatch.setattr(stream.Ring, "__init__", pinned_ring)
+    handle = flashboot.prepare(qwen, 0, "cpu", mode="stream")
+    with flashboot.load(qwen, 0, "cpu", prepared=handle) as loaded:
+        r = loaded.report
+        assert (r.pin_ms, r.pinned_early_ms) == (0.0, 40.0) and "pin" not in r.phases(), r
+    with flashboot.load(qwen, 0, "cpu", stream=True) as loaded:
+        assert (loaded.report.pin_ms, loaded.report.pinned_early_ms) == (40.0, 0.0)
+        assert loaded.report.details["one_time_ms"]["pin"] == 40.0
+
+
+def test_a_close_that_gives_up_as_the_preparation_ends_still_releases_its_arena(qwen, monkeypatch):
+    """close(timeout_s=0) (or a timed-out prepared load) between the preparation's last check of
+    whether it was closed and its end: close said the thread would release the arena, the thread
+    had already decided not to, and the arena stayed mapped under a closed handle for good."""
+    import os
+    import threading
+
+    from flashboot.flashload import stream
+
+    gate, real = threading.Event(), os.preadv
+    monkeypatch.setattr(stream, "_preadv", lambda fd, bufs, off: gate.wait(30) and real(fd, bufs, off))
+    handle = flashboot.prepare(qwen, 0, "cpu", mode="stream")
+    said = []
+
+    class CloseAsItEnds(threading.Event):
+        def set(self):  # the thread has just decided whether its end releases
+            try:
+                handle.close(timeout_s=0)
+            except FlashBootError as exc:
+                said.append(exc)
+            super().set()
+
+    handle._done = CloseAsItEnds()
+    gate.set()
+    handle._thread.join(30)
+    assert not handle._thread.is_alive() and handle.done
+    assert said == [] and handle.arena.closed, (said, handle.arena)
+    with pytest.raises(FlashBootError, match="is closed"):
+        handle.wait(1)
+
+
+def _flip_staged_byte(image, shm, at: int) -> str:
+    from flashboot.flashload import shm as shm_files
+
+    staged = shm_files.staged_paths(image, 0, shm).image
+    with open(staged, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+    return str(staged)
+
+
+def test_a_checksum_mismatch_in_the_staged_copy_names_that_copy_not_the_image_file(qwen, tmp_path):
+    """A byte flipped in the staged copy in shared memory was reported as a mismatch of the image
+    file on disk ('.../rank-0/image.bin (rank 0) loaded into cpu: chunk 0 ...'), which then
+    checked clean: the message names the copy the bytes came from, pinned here or served."""
+    import re
+
+    from flashboot.errors import ChecksumMismatchError
+    from flashboot.flashload import service
+
+    shm = tmp_path / "shm"
+    staging.stage_rank(qwen, 0, shm_dir=shm)
+    staged = _flip_staged_byte(qwen, shm, 9)
+    image_file = str(qwen / "rank-0" / "image.bin")
+    named = f"the staged copy {staged} of {image_file} (rank 0)"
+    named_re = re.escape(named)
+    with pytest.raises(ChecksumMismatchError, match="chunk 0") as e:
+        flashboot.load(qwen, 0, "cpu", shm_dir=shm, verify=True)
+    assert str(e.value).startswith(f"{named} loaded into cpu: "), e.value
+    with flashboot.stage(qwen, 0, "cpu", shm_dir=shm) as early:
+        with pytest.raises(ChecksumMismatchError, match=f"^{named_re} loaded into cpu: chunk 0"):
+            flashboot.load(qwen, 0, "cpu", staged=early, verify=True)  # the load's shm_dir left out
+    for asked in ({"verify": True}, {}):  # checked by prepare, or by the load
+        handle = flashboot.prepare(qwen, 0, "cpu", shm_dir=shm, mode="staged", **asked)
+        with pytest.raises(ChecksumMismatchError, match=f"^{named_re} (copied into cpu by flashboot.prepare|loaded "
+                                                        "into cpu): chunk 0"):
+            flashboot.load(qwen, 0, "cpu", prepared=handle, verify=True)
+    service.start_background(staging.PreloadConfig(str(qwen), shm_dir=str(shm), serve=True), timeout_s=60)
+    try:
+        with pytest.raises(ChecksumMismatchError, match=f"^{named_re} loaded into cpu: chunk 0"):
+            flashboot.load(qwen, 0, "cpu", served=True, shm_dir=shm, verify=True)
+    finally:
+        service.stop_service(qwen, shm, timeout_s=30)
+
+
+def test_a_prepared_load_whose_image_link_was_moved_says_where_it_points_then_and_now(qwen, tmp_path):
+    """A deployment's ``current`` link moved to another image between prepare() and the load was
+    refused as 'cannot serve image .../current (prepared: .../current)': the same path twice."""
+    import os
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(qwen, other)
+    link = tmp_path / "current"
+    link.symlink_to(qwen)
+    handle = flashboot.prepare(link, 0, "cpu")
+    try:
+        link.unlink()
+        link.symlink_to(other)
+        with pytest.raises(FlashBootError) as e:
+            flashboot.load(link, 0, "cpu", prepared=handle)
+        assert f"which resolved to {os.path.realpath(qwen)} then and resolves to {os.path.realpath(other)} now" \
+            in str(e.value), e.value
+        with pytest.raises(FlashBootError, match=r"cannot serve image .*other \(prepared: .*current\)$"):
+            flashboot.load(other, 0, "cpu", prepared=handle)  # another path: named as it was
+        link.unlink()
+        link.symlink_to(qwen)  # back: the handle serves it
+        with flashboot.load(link, 0, "cpu", prepared=handle) as loaded:
+            assert len(loaded.tensors) == loaded.report.tensors
+    finally:
+        handle.close()
+
+
+def test_an_image_named_by_a_relative_path_wakes_from_disk_after_the_engine_changed_directory(qwen, tmp_path,
+                                                                                                monkeypatch):
+    """load('image') kept the relative path: after the engine changed directory its wake from disk
+    looked for '<new cwd>/image' ('no such image directory'); the path is anchored where it was named."""
+    monkeypatch.chdir(qwen.parent)
+    with flashboot.load(qwen.name, 0, "cpu") as loaded:
+        expected = bytes(loaded.arena.bytes()[:loaded.nbytes].numpy())
+        monkeypatch.chdir(tmp_path)
+        loaded.sleep(level=2)  # no backup: the bytes come back from the image on disk
+        assert loaded.wake().source == "disk"
+        assert bytes(loaded.arena.bytes()[:loaded.nbytes].numpy()) == expected
+        assert loaded.source.image_dir == str(qwen)
+    monkeypatch.chdir(qwen.parent)
+    handle = flashboot.prepare(qwen.name, 0, "cpu")
+    try:
+        assert handle.image_dir == str(qwen)
+    finally:
+        handle.close()
+
+
+_EXIT_WITH_TWO_UNUSED = """
+import os, sys, time, weakref
+import torch
+import flashboot
+from flashboot.flashload import prepared, stream
+from flashboot.flashload.sources.disk import DiskSource
+
+class InOrder:  # _live in the order the handles were made (a WeakSet's order is its hashes')
+    def __init__(self):
+        self.refs = []
+    def add(self, h):
+        self.refs.append(weakref.ref(h))
+    def discard(self, h):
+        self.refs = [r for r in self.refs if r() is not None and r() is not h]
+    def __iter__(self):
+        return iter([h for h in (r() for r in self.refs) if h is not None])
+
+prepared._live = InOrder()
+slow_file = os.path.realpath(sys.argv[1])
+real = os.preadv
+
+def read(fd, bufs, off):  # the first image's read takes longer than the second's
+    time.sleep(0.8 if os.path.realpath(f"/proc/self/fd/{fd}").startswith(slow_file) else 0.1)
+    return real(fd, bufs, off)
+
+stream._preadv = read
+DiskSource.verify_prepared = lambda self, handle, where, checked: print("verified at exit", handle.image_dir)
+first = flashboot.prepare(sys.argv[1], 0, "cpu", mode="stream", verify=True)
+second = flashboot.prepare(sys.argv[2], 0, "cpu", mode="stream", verify=True)
+print("exiting")
+"""
+
+
+def test_at_exit_every_unused_handle_stops_at_once_none_goes_on_into_its_verify(qwen, tmp_path):
+    """The exit hook closed the unused handles one at a time: while it waited for the first one's
+    copy, a later one finished its own and went on into its verify (a checksum of the whole image,
+    ~2x the copy on the host), which the exit then waited for too."""
+    import shutil
+
+    from _python import run_python
+
+    second = tmp_path / "second"
+    shutil.copytree(qwen, second)
+    out = run_python("-c", _EXIT_WITH_TWO_UNUSED, str(qwen), str(second))
+    assert out.splitlines() == ["exiting"], out
+
+
+class _PositionIds(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("position_ids", torch.arange(16).unsqueeze(0), persistent=False)
+
+
+class _CustomNet(torch.nn.Module):
+    """A research model: an ``_init_weights`` for the layers it knows, an int non-persistent buffer."""
+
+    sets_positions = False
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.pos = _PositionIds()
+
+    def _init_weights(self, module):
+        if isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight)
+        if isinstance(module, _PositionIds) and self.sets_positions:
+            module.position_ids.copy_(torch.arange(16).unsqueeze(0))
+
+
+def test_an_int_buffer_the_models_init_skips_is_refused_not_reported_recomputed(tmp_path):
+    """bind() recomputes a non-persistent buffer by the model's ``_init_weights``; an int buffer it
+    skipped (position_ids) was reported 'recomputed' holding whatever torch.empty found (a NaN
+    marks a skipped float one; no int value is free for that)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "net"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in _CustomNet().state_dict().items()}, ckpt / "model.safetensors")
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "custom_net"}))
+    flashboot.prepack(str(ckpt), str(tmp_path / "image"), progress=False)
+    with flashboot.load(tmp_path / "image", 0, "cpu") as loaded:
+        with torch.device("meta"):
+            model = _CustomNet()
+        with pytest.raises(LayoutError, match=r"cannot recompute non-persistent buffer\(s\) pos.position_ids of "
+                                              "_CustomNet on cpu"):
+            flashboot.bind(model, loaded)
+        with torch.device("meta"):
+            model = _CustomNet()
+        report = flashboot.bind(model, loaded, strict=False)
+        assert report.missing == ["pos.position_ids"] and report.recomputed == []
+        with torch.device("meta"):
+            model = _CustomNet()
+        model.sets_positions = True
+        report = flashboot.bind(model, loaded)
+        assert report.recomputed == ["pos.position_ids"]
+        assert torch.equal(model.pos.position_ids, torch.arange(16).unsqueeze(0))
+
+
+@pytest.mark.parametrize("option, value", [("stream", 0), ("stream", "false"), ("served", "no"), ("verify", "false"),
+                                           ("verify", 1)])
+def test_a_flag_that_is_no_bool_is_refused_by_name_not_read_as_truthy_or_ignored(qwen, option, value):
+    """stream=0 (never stream) streamed all the same, read as None (decide); served="no" asked the
+    daemon; verify="false" verified."""
+    with pytest.raises(FlashBootError, match=f"{option} must be .*True or False, got {type(value).__name__} "
+                                             f"{value!r}"):
+        flashboot.load(qwen, 0, "cpu", timeout_s=1, **{option: value})
+    if option == "verify":
+        with pytest.raises(FlashBootError, match=f"verify must be None, True or False, got {type(value).__name__}"):
+            flashboot.prepare(qwen, 0, "cpu", verify=value)
+
+
+def test_numpy_bools_are_the_flags_they_hold(qwen, tmp_path):
+    import numpy as np
+
+    from flashboot.errors import WaitTimeoutError
+
+    with flashboot.load(qwen, 0, "cpu", verify=np.bool_(True), stream=np.bool_(True)) as loaded:
+        assert "verified" in loaded.report.details and loaded.report.details["source"] == "disk"
+    with pytest.raises(WaitTimeoutError, match="rank-0.ready"):  # never streams: waits for the staged copy
+        flashboot.load(qwen, 0, "cpu", stream=np.bool_(False), shm_dir=tmp_path / "shm", timeout_s=0.5)

@@ -479,6 +479,48 @@ def test_a_stalled_read_times_out(image, monkeypatch):
     assert _stream_threads() == []
 
 
+def test_readers_stuck_in_their_reads_are_waited_for_once_not_each_in_turn(image, monkeypatch):
+    """Cleanup waited ``_JOIN_S`` for each stuck reader in turn (4 readers: 4 x 30 s past the
+    stall, while the error said 'within 30 s'); one bound covers them all, and the ring they
+    still write into is left mapped."""
+    from flashboot.arena import Arena
+
+    gate = threading.Event()
+    real = os.preadv
+
+    def stuck(fd, bufs, off):
+        if off >= 4096:
+            gate.wait(30)
+        return real(fd, bufs, off)
+
+    waits = []
+    real_join = threading.Thread.join
+
+    def join(self, timeout=None):
+        if self.name.startswith("flashboot-stream"):
+            waits.append(timeout)
+        return real_join(self, timeout)
+
+    monkeypatch.setattr(stream, "_preadv", stuck)
+    monkeypatch.setattr(stream, "_JOIN_S", 0.3)
+    monkeypatch.setattr(threading.Thread, "join", join)
+    img = read_image(image, 0)
+    cfg = StreamConfig(buffer_bytes=SMALL_RING * 2, slot_bytes=4096, threads=4, stall_timeout_s=0.2,
+                       adapt_reads=False)
+    try:
+        with Arena.create(img.nbytes, "cpu") as arena:
+            with pytest.raises(ImageReadError, match=r"did not finish within 0.3 s; the .* ring buffer is left mapped"):
+                stream.stream_image(img.path, img.nbytes, arena, cfg)
+        assert len(waits) == 4 and sum(waits) <= 0.3, f"the readers were waited for in turn: {waits}"
+    finally:
+        gate.set()
+        monkeypatch.undo()
+        for t in threading.enumerate():
+            if t.name.startswith("flashboot-stream"):
+                t.join(30)
+    assert _stream_threads() == []
+
+
 def test_o_direct_refused_at_open_reads_buffered_and_says_so(image, shm, monkeypatch):
     refuse_direct_open(monkeypatch)
     with flashboot.load(image, 0, "cpu", shm_dir=shm, stream_buffer_bytes=SMALL_RING) as loaded:
@@ -512,6 +554,38 @@ def test_o_direct_refused_at_read_restarts_buffered(image, shm, monkeypatch):
         assert tried, "O_DIRECT was tried first"
         assert d["io_mode"] == "buffered" and "refuses O_DIRECT reads" in d["io_reason"]
         assert np.array_equal(_arena_bytes(loaded), _file_bytes(image))
+
+
+def test_an_image_gone_when_o_direct_is_refused_is_named_not_a_bare_oserror(image, tmp_path, monkeypatch):
+    """The image file removed (a re-pack) between O_DIRECT's refusal and the buffered retry: its
+    reopen raised a bare FileNotFoundError out of flashboot.load."""
+    import fcntl
+
+    copy = tmp_path / "copy"
+    shutil.copytree(image, copy)
+    path = read_image(copy, 0).path
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"the filesystem of {path} refuses O_DIRECT at open")
+
+    once = threading.Lock()
+
+    def refused_then_gone(fd, bufs, off):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            with once:  # the readers in flight: one moves it
+                if path.exists():
+                    path.rename(path.with_name("moved-away"))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return os.preadv(fd, bufs, off)
+
+    monkeypatch.setattr(stream, "_preadv", refused_then_gone)
+    fds = _open_fds()
+    with pytest.raises(ImageReadError, match="reopening it for buffered reads after O_DIRECT was refused failed: "
+                                             "No such file or directory") as e:
+        flashboot.load(copy, 0, "cpu", stream=True, stream_buffer_bytes=SMALL_RING)
+    assert e.value.path == str(path)
+    assert _open_fds() == fds and _stream_threads() == []
 
 
 # ------------------------------------------------------------------------------ CUDA

@@ -192,19 +192,30 @@ def _recompute_buffers(module, slots: dict[str, _Slot], device: Device, given: s
         if init is None or any(p is not None for p in mod._parameters.values()):
             failed.extend(names)
             continue
+
+        def initialised_from(fill: int) -> None:
+            for n in names:
+                s = slots[n]
+                b = s.module._buffers[s.local]
+                fresh = torch.empty(b.shape, dtype=b.dtype, device=str(device))
+                fresh.fill_(float("nan") if fresh.is_floating_point() else fill)  # an init that skips it shows
+                s.module._buffers[s.local] = fresh
+            with torch.no_grad():
+                init(mod)
+
+        def buffer(n: str):
+            return slots[n].module._buffers[slots[n].local]
+
+        initialised_from(0)
+        # an int or bool buffer (position_ids) has no value free for a marker: the init runs from two
+        # fills and must give the same (one that skipped it had been reported recomputed, holding
+        # whatever torch.empty found)
+        first = {n: buffer(n).clone() for n in names if not buffer(n).is_floating_point()}
+        if first:
+            initialised_from(1)
         for n in names:
-            s = slots[n]
-            b = s.module._buffers[s.local]
-            fresh = torch.empty(b.shape, dtype=b.dtype, device=str(device))
-            if fresh.is_floating_point():
-                fresh.fill_(float("nan"))  # so an init that skips the buffer is caught below
-            s.module._buffers[s.local] = fresh
-        with torch.no_grad():
-            init(mod)
-        for n in names:
-            s = slots[n]
-            b = s.module._buffers[s.local]
-            if b.is_floating_point() and bool(torch.isnan(b).any()):
+            b = buffer(n)
+            if bool(torch.isnan(b).any()) if b.is_floating_point() else not torch.equal(b, first[n]):
                 failed.append(n)
             else:
                 report.recomputed.append(n)

@@ -29,7 +29,7 @@ from .prepared import PreparedLoad, load_prepared
 from .report import LoadedImage, LoadReport
 from .sources import source_for_mode
 from .stream import StreamConfig
-from .want import LoadRequest, Want, check_options, check_same_root, image_path, load_request
+from .want import LoadRequest, Want, check_options, check_same_root, flag_of, image_path, load_request
 
 
 # ===================================================================================== load
@@ -78,6 +78,8 @@ def load(image_dir, rank: int = 0, device: Any = None, *, timeout_s: float | Non
     import torch  # noqa: F401  (an engine has it loaded; its import is not part of a load)
 
     image_dir = image_path(image_dir)
+    served, stream = bool(flag_of(served, "served")), flag_of(stream, "stream")  # served=None: not served
+    verify = flag_of(verify, "verify")
     if timeout_s is None:
         timeout_s = prepared.wait_bound_s if isinstance(prepared, PreparedLoad) else DEFAULT_LOAD_TIMEOUT_S
     if holder is not None:

@@ -56,7 +56,7 @@ from .landing import admit, verify_loaded
 from .report import LoadedImage, LoadReport
 from .stream import StreamConfig
 from .views import make_views
-from .want import LoadRequest, check_expected_key, count_of, image_path, job_dir_of, verify_default
+from .want import LoadRequest, check_expected_key, count_of, flag_of, image_path, job_dir_of, verify_default
 
 if TYPE_CHECKING:
     from flashboot.layouts.image import FileIdentity
@@ -155,6 +155,7 @@ class PreparedLoad:
         rank = count_of(rank, "rank", 0, LayoutError, optional=False)
         tp, ep = count_of(tp, "tp", 1), count_of(ep, "ep", 1)
         check_expected_key(expected_key)
+        verify = flag_of(verify, "verify")  # verify="false" had verified
         self.image_dir, self.rank, self.device = job_dir_of(image_path(image_dir), rank), rank, Device.parse(device)
         self.real_dir = os.path.realpath(self.image_dir)
         self.timeout_s, self.shm_dir = check_timeout(timeout_s, "prepare timeout_s"), shm_dir
@@ -185,6 +186,9 @@ class PreparedLoad:
         self._claim = threading.Lock()
         self._claimed_by: str | None = None
         self._closed = False
+        # _ended: the preparation has decided whether its end releases (see _finish); _released:
+        # what it holds is released (or being released), so that happens once
+        self._ended = self._released = False
         self._handover = _PromptHandover()
         self.started = time.perf_counter()
         self.finished: float | None = None
@@ -283,6 +287,7 @@ class PreparedLoad:
         self._viewable.set()
         self.finished = time.perf_counter()
         with self._claim:
+            self._ended = True  # a close from here on releases itself (it had been left to no one)
             closed_meanwhile = self._closed and self._error is None
         if closed_meanwhile:  # close() gave up waiting: the memory is released now the copy has ended
             self._release()
@@ -348,7 +353,8 @@ class PreparedLoad:
         t = self.phase("copy", t_copy)
         if self.verify:  # checked here too, so the load has nothing left but to report it
             checked = LoadReport(mode="", device=str(self.device), rank=self.rank, nbytes=self.nbytes)
-            where = f"{self.image.path} (rank {self.rank}) copied into {self.device} by flashboot.prepare"
+            where = (f"{source.bytes_from(self.image.path, self.image_dir, self.rank, self.shm_dir)} (rank "
+                     f"{self.rank}) copied into {self.device} by flashboot.prepare")
             source.verify_prepared(self, where, checked)
             self.copy["verified"] = checked.details["verified"]
             self.phase("verify", t)
@@ -429,7 +435,11 @@ class PreparedLoad:
 
     def _release(self) -> None:
         """Release what the preparation holds; only once no copy writes into the arena (the
-        background thread calls it when it ends, the caller's side only after :meth:`wait`)."""
+        background thread calls it when it ends, the caller's side only after :meth:`wait`). Once."""
+        with self._claim:
+            if self._released:
+                return
+            self._released = True
         if self.session is not None:
             self.session.close()
         if self.release_thread is not None:
@@ -447,8 +457,9 @@ class PreparedLoad:
         still writes into is never unmapped."""
         with self._claim:
             self._closed = True  # the thread's end releases it if this stops waiting first
+            ended = self._ended  # unless its end had already passed that check: then here
         self._cancel.set()
-        if self._done.wait(timeout_s):
+        if ended or self._done.wait(timeout_s):
             self._release()
 
     # ---- the caller's side -------------------------------------------------------------------
@@ -512,8 +523,12 @@ class PreparedLoad:
         """FlashBootError naming what differs when a load asks this handle for another image, rank or
         device than it was prepared for."""
         diffs = []
-        if os.path.realpath(str(image_dir)) != self.real_dir:
-            diffs.append(f"image {image_dir} (prepared: {self.image_dir})")
+        real = os.path.realpath(str(image_dir))
+        if real != self.real_dir:
+            # one path whose link was moved since: it had read 'image /x/current (prepared: /x/current)'
+            moved = (f", which resolved to {self.real_dir} then and resolves to {real} now"
+                     if os.path.abspath(str(image_dir)) == os.path.abspath(self.image_dir) else "")
+            diffs.append(f"image {image_dir} (prepared: {self.image_dir}{moved})")
         if rank != self.rank:
             diffs.append(f"rank {rank} (prepared: {self.rank})")
         if device != self.device:
@@ -569,8 +584,9 @@ class PreparedLoad:
             if self._closed or self._claimed_by is not None:
                 return
             self._closed = True
+            ended = self._ended  # the thread's end no longer releases: this does, at once
         self._cancel.set()
-        if not self._done.wait(timeout_s):
+        if not ended and not self._done.wait(timeout_s):
             raise WaitTimeoutError(f"closing the prepared load of rank {self.rank} of {self.image_dir}: its copy "
                                    f"still ran after {timeout_s:g} s (phases so far: {self._phases_text()}); it "
                                    "releases the arena itself when the copy ends")
@@ -601,7 +617,13 @@ def _settle_at_exit() -> None:
     """Stop every live handle's background work before the interpreter tears down: a thread still
     inside torch or a driver call while the runtime is destroyed aborts the process ("terminate
     called without an active exception"). Unused handles are closed; used ones have ended."""
-    for handle in list(_live):
+    handles = list(_live)
+    for handle in handles:  # every unused one told to stop first: closed one at a time, a later one had
+        with handle._claim:  # gone on meanwhile (into its verify: numba imported while the interpreter exits)
+            unused = not handle._closed and handle._claimed_by is None
+        if unused:
+            handle._cancel.set()
+    for handle in handles:
         try:
             handle.close(timeout_s=CLOSE_TIMEOUT_S)
         except Exception:  # at exit there is no caller left to tell; the wait was bounded
@@ -698,7 +720,8 @@ def load_prepared(request: LoadRequest) -> LoadedImage:
         if copy.get("verified"):  # checked: said whether or not this load asked (it had said "not verified")
             report.details["verified"] = copy["verified"] + " (checked by flashboot.prepare once its copy ended)"
         elif verify:
-            verify_loaded(arena, meta, f"{prepared.image.path} (rank {rank}) loaded into {dev}", report)
+            where = prepared.load_source.bytes_from(prepared.image.path, image_dir, rank, prepared.shm_dir)
+            verify_loaded(arena, meta, f"{where} (rank {rank}) loaded into {dev}", report)
     except WaitTimeoutError:
         prepared._release_when_done(0)  # released by its own thread once it ends: no copy is cut short
         if prepared.done:

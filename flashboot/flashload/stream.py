@@ -69,7 +69,7 @@ that the ring plus that stays under the cap: 1/8 of the cap, at most this."""
 IO_MODES = ("auto", "direct", "buffered")
 
 _JOIN_S = 30.0
-"""How long cleanup waits for a reader to finish a read in progress."""
+"""How long cleanup waits for the readers to finish their reads in progress, all of them together."""
 
 # Module-level so tests can inject a read error mid-stream.
 _preadv = os.preadv
@@ -484,8 +484,9 @@ def _run(fd: int, path: str, nbytes: int, arena, ring: Ring, config: StreamConfi
     finally:
         stop.set()
         depth.wake()
+        joined_by = time.monotonic() + _JOIN_S  # one bound for all: each stuck reader had added its own
         for t in pool:
-            t.join(_JOIN_S)
+            t.join(max(0.0, joined_by - time.monotonic()))
         for each in ring.slots:  # the copies' events are closed: a retry through this ring must not wait on them
             each.copied = None
         stuck = [t.name for t in pool if t.is_alive()]
@@ -550,7 +551,11 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
                 raise CapabilityError(f"{path}: reads under O_DIRECT fail ({exc}) and io='direct' was asked") from None
             os.close(fd)
             fd = -1
-            fd = os.open(path, os.O_RDONLY)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:  # gone since (a re-pack): named as the first open's failure is, not a bare OSError
+                raise ImageReadError(path, 0, nbytes, f"reopening it for buffered reads after O_DIRECT was refused "
+                                     f"failed: {exc.strerror or exc}") from None
             if identity is not None:
                 identity.check(os.fstat(fd), "since its metadata was read")
             mode, reason = "buffered", f"filesystem refuses O_DIRECT reads ({exc})"

@@ -24,6 +24,14 @@ def image_path(image_dir) -> str:
                              f"{type(image_dir).__name__} {image_dir!r}") from None
     if not path:  # os.path reads '' as the current directory: an unset variable had loaded whatever image was there
         raise FlashBootError(f"the image directory is an empty path ({image_dir!r}); name the image's directory")
+    if not os.path.isabs(path):
+        # anchored to the directory it was named in (joined, not normalised: 'link/../x' stays the
+        # OS's to resolve): a loaded image keeps it, and its wake from disk or the daemon after the
+        # engine changed directory had looked for another image ('/tmp/image: no such image directory')
+        try:
+            path = os.path.join(os.getcwd(), path)
+        except OSError:  # the working directory is gone: the path is read as given, and fails by name
+            pass
     return path
 
 
@@ -56,6 +64,21 @@ def count_of(value, name: str, minimum: int, error: type = FlashBootError, *, op
         what = ("None or " if optional else "") + ("a non-negative int" if minimum == 0 else f"an int >= {minimum}")
         raise error(f"{name} must be {what}, got {value!r}")
     return int(value)
+
+
+def flag_of(value, name: str, *, optional: bool = True) -> bool | None:
+    """``value`` as True or False (None stays None where ``optional``); a numpy bool is the bool it
+    holds. FlashBootError naming ``name`` and the value for anything else: ``stream=0`` or
+    ``stream=np.False_`` (never stream) had streamed all the same, read as None (decide), and
+    ``served="no"`` or ``verify="false"`` turned the option on."""
+    import numpy as np
+
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise FlashBootError(f"{name} must be {'None, ' if optional else ''}True or False, got {type(value).__name__} "
+                         f"{value!r}")
 
 
 def check_expected_key(expected_key) -> None:
@@ -236,5 +259,5 @@ class Want:
 
 
 __all__ = ["VERIFY_BY_DEFAULT_ON_HOST", "LoadRequest", "Want", "check_expected_key", "check_job_request",
-           "check_options", "check_same_root", "check_staged", "count_of", "image_path", "job_dir_of", "load_request",
-           "verify_default"]
+           "check_options", "check_same_root", "check_staged", "count_of", "flag_of", "image_path", "job_dir_of",
+           "load_request", "verify_default"]

@@ -40,6 +40,10 @@ class Source:
     """Whether the chunk digests come from the process that copies (cheap to check here: a load
     then verifies by default; see :func:`~flashboot.flashload.want.verify_default`)."""
 
+    copies_staged = False
+    """Whether the bytes it copies are the staged copy in shared memory, not the image file
+    (:meth:`bytes_from` names that copy)."""
+
     copies_before_metadata = False
     """Whether its copy may start before this process parses the metadata (the daemon's
     ``.ready`` vouches for the bytes): :func:`flashboot.prepare` then calls :meth:`start_prepared`
@@ -71,6 +75,16 @@ class Source:
         load already waits (:meth:`~flashboot.flashload.prepared.PreparedLoad.wait_in_load`)."""
         raise NotImplementedError
         yield  # noqa: unreachable: makes this a generator, as every source's is
+
+    def bytes_from(self, image_path, image_dir, rank: int, shm_dir) -> str:
+        """What the bytes it copied were read from, as a checksum mismatch names it: the image
+        file, or the staged copy of it (a byte flipped there had been named as in the image file
+        on disk, which then checked clean)."""
+        if not self.copies_staged:
+            return str(image_path)
+        from ..shm import staged_paths
+
+        return f"the staged copy {staged_paths(image_dir, rank, shm_dir).image} of {image_path}"
 
     def verify_prepared(self, handle, where: str, checked) -> None:
         """Check the early copy's bytes against the pre-pack's chunk checksums (fills ``checked``)."""

@@ -196,6 +196,9 @@ class DiskSource(Source):
     def report_prepared(self, report, prepared, dev: Device) -> None:
         report.mode = "streamed from disk, prepared"
         report_stream(report, prepared.copy["stats"], prepared.why, report.nbytes)
+        # the ring was pinned by prepare's thread, not by this call (as the pinned source's pin):
+        # its pin had been listed among the load's phases, beside the wait that holds what was left
+        report.pinned_early_ms, report.pin_ms = report.pin_ms, 0.0
         report.overlapped = ["h2d"]
 
 

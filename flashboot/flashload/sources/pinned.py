@@ -24,6 +24,7 @@ class PinnedSource(Source):
     """The staged image in shared memory, pinned in this process and copied in bulk."""
 
     name, mode, order = "pinned", "staged", 2
+    copies_staged = True
 
     def offer(self, want: Want) -> Offer:
         daemon = want.daemon
@@ -75,7 +76,8 @@ class PinnedSource(Source):
             if staged.ready is not None:
                 report.details.update(io_mode=staged.ready.io_mode, numa_node=staged.ready.numa_node)
             if request.verify:
-                verify_loaded(arena, meta, f"{source.path} (rank {rank}) loaded into {dev}", report)
+                where = self.bytes_from(source.path, request.image_dir, rank, staged.shm_dir)  # stage()'s root
+                verify_loaded(arena, meta, f"{where} (rank {rank}) loaded into {dev}", report)
         except BaseException:
             if arena is not None and not arena.closed:
                 arena.close()

@@ -152,6 +152,7 @@ class ServedSource(Source):
 
     name, mode, order = "served", "served", 0
     verified_by_daemon = True
+    copies_staged = True  # the daemon copies what it staged
     copies_before_metadata = True
 
     def offer(self, want: Want) -> Offer:
@@ -224,7 +225,8 @@ class ServedSource(Source):
             if verify:  # the daemon digested what it copied, in the arena; no kernel runs in this process
                 from ..client import check_daemon_digests
 
-                check_daemon_digests(reply, meta, f"{image.path} (rank {rank}) loaded into {dev}", report)
+                where = self.bytes_from(image.path, image_dir, rank, shm_dir)
+                check_daemon_digests(reply, meta, f"{where} (rank {rank}) loaded into {dev}", report)
         except BaseException:
             if copy is not None:
                 copy.settle()  # the daemon may still be writing into the arena
