@@ -239,7 +239,11 @@ def read_exactly(fd: int, view: memoryview, offset: int, need: int, *, direct: b
             code = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
             raise ImageReadError(path, offset + got, len(view) - got, f"{code} ({exc.strerror or exc})") from None
         if n == 0:
-            raise LayoutError(f"{path}: ends at byte {offset + got:,}; {file_nbytes:,} bytes were expected "
+            try:  # where it ends: a reader of a later piece finds its end past it (it had named that piece's offset)
+                end = min(os.fstat(fd).st_size, offset + got)
+            except OSError:
+                end = offset + got
+            raise LayoutError(f"{path}: ends at byte {end:,}; {file_nbytes:,} bytes were expected "
                               "(the file shrank while it was read)")
         got += n
 

@@ -151,3 +151,22 @@ def test_a_token_file_grown_after_its_size_check_is_refused_not_read_whole(tmp_p
     got = _outcome(lambda: resolve_token(token_file=token))
     assert isinstance(got, RendezvousError), got
     assert str(got) == f"{token}: grew past the {MAX_TOKEN_FILE_BYTES:,} bytes this file may hold while it was read"
+
+
+def test_a_read_past_a_shrunken_files_end_names_where_it_ends(tmp_path):
+    """A reader of a later piece finds the end of a file that shrank past its own offset: the
+    error names the byte the file ends at, not the piece's offset (106,496 for a 100,000-byte file)."""
+    import os
+
+    from flashboot.errors import LayoutError
+    from flashboot.fileio import read_exactly
+
+    path = tmp_path / "image.bin"
+    path.write_bytes(b"\1" * 100_000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(LayoutError, match=r"ends at byte 100,000; 200,000 bytes were expected"):
+            read_exactly(fd, memoryview(bytearray(4096)), 106_496, 4096, direct=False, path=str(path),
+                         file_nbytes=200_000)
+    finally:
+        os.close(fd)
