@@ -19,3 +19,16 @@ def test_bench_stream_plans_its_ceiling_for_the_slot_an_image_under_4mib_is_read
     assert s["nbytes"] < 4 << 20 and s["verified"]
     assert s["disk_read_bytes"] == -(-s["nbytes"] // 4096) * 4096 == s["report"]["details"]["slot_bytes"]
     assert s["disk_in_flight"] == s["threads"]
+
+
+@pytest.mark.parametrize("threads", [0, -2, 1.5, True])
+def test_bench_stream_refuses_bad_reads_in_flight_before_it_makes_the_checkpoint(tmp_path, threads):
+    """--threads 0 had run the loader's default silently, -2 was refused only after the checkpoint
+    was generated and pre-packed."""
+    from flashboot.benchmarks import stream
+    from flashboot.errors import FlashBootError
+
+    with pytest.raises(FlashBootError, match=r"threads must be an int >= 1, got"):
+        stream.run(scale=0.0002, device="cpu", image_root=str(tmp_path / "img"), ckpt_root=str(tmp_path / "ckpt"),
+                   threads=threads, log=lambda line: None)
+    assert not (tmp_path / "ckpt").exists()
