@@ -32,3 +32,16 @@ def test_bench_stream_refuses_bad_reads_in_flight_before_it_makes_the_checkpoint
         stream.run(scale=0.0002, device="cpu", image_root=str(tmp_path / "img"), ckpt_root=str(tmp_path / "ckpt"),
                    threads=threads, log=lambda line: None)
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("size", [1, 1001])
+def test_bench_arena_measures_a_size_not_a_multiple_of_8(size):
+    """--size 1001 had ended in torch's 'must be divisible by 8' traceback after the creates and
+    opens were timed, --size 1 in a ceiling of 0 bytes; the checksum and its ceiling are over the
+    arena's own bytes."""
+    from flashboot.benchmarks import arena as bench_arena
+
+    f = bench_arena.run(size, "cpu", repeats=1)
+    assert f.nbytes >= size and f.nbytes % 8 == 0
+    assert f.checksum_gbps == pytest.approx(f.nbytes / (f.checksum_ms * 1e-3) / 1e9)
+    assert f.copy_ceiling_gbps > 0 and len(f.create_map_ms) == len(f.export_ms) == len(f.open_in_child_ms) == 1
