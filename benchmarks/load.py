@@ -339,6 +339,7 @@ def run(*, scale: float | None = None, checkpoints: list = ("A", "B"), device: s
     from flashboot.memory import Device
 
     check_count(repeats, "repeats")  # before the checkpoints are generated
+    check_count(warmup, "warmup", least=0)  # -1 had left a repeat out and ended in 'no median for empty data'
     dev = str(Device.parse(device))
     if scale is None:
         scale = 1.0 if dev.startswith("cuda") else 1e-3

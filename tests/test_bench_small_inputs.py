@@ -45,3 +45,16 @@ def test_bench_arena_measures_a_size_not_a_multiple_of_8(size):
     assert f.nbytes >= size and f.nbytes % 8 == 0
     assert f.checksum_gbps == pytest.approx(f.nbytes / (f.checksum_ms * 1e-3) / 1e9)
     assert f.copy_ceiling_gbps > 0 and len(f.create_map_ms) == len(f.export_ms) == len(f.open_in_child_ms) == 1
+
+
+@pytest.mark.parametrize("warmup", [-1, 0.5, None])
+def test_bench_load_refuses_a_bad_warmup_before_it_makes_the_checkpoints(tmp_path, warmup):
+    """--warmup -1 had run the whole setup (checkpoint, pre-pack, disk rates, preload) and then
+    ended in statistics' 'no median for empty data': a warm-up of -1 had eaten one of the repeats."""
+    from flashboot.benchmarks import load as bench_load
+    from flashboot.errors import FlashBootError
+
+    with pytest.raises(FlashBootError, match=r"warmup must be an int >= 0, got"):
+        bench_load.run(scale=0.0002, checkpoints=["A"], device="cpu", ckpt_root=str(tmp_path / "ckpt"),
+                       image_root=str(tmp_path / "img"), warmup=warmup, repeats=1, log=lambda line: None)
+    assert not (tmp_path / "ckpt").exists()
