@@ -58,3 +58,23 @@ def test_bench_load_refuses_a_bad_warmup_before_it_makes_the_checkpoints(tmp_pat
         bench_load.run(scale=0.0002, checkpoints=["A"], device="cpu", ckpt_root=str(tmp_path / "ckpt"),
                        image_root=str(tmp_path / "img"), warmup=warmup, repeats=1, log=lambda line: None)
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"end_to_end": (float("nan"),)}, r"workloads W must be finite seconds >= 0, got nan"),
+    ({"end_to_end": (0.0, -1.0)}, r"workloads W must be finite seconds >= 0, got -1.0"),
+    ({"end_to_end": (0.0,), "e2e_repeats": 0}, r"e2e_repeats must be an int >= 1, got 0"),
+    ({"scale": float("inf")}, r"scale must be a finite number > 0, got inf"),
+])
+def test_bench_boot_refuses_bad_workloads_and_scales_before_it_makes_the_shapes(tmp_path, kw, match):
+    """--end-to-end nan had failed every end-to-end child after the checkpoints, images and boots
+    were made and run; -1 ran and reported a row of a workload of -1 s; --scale inf ended in an
+    OverflowError traceback."""
+    from flashboot.benchmarks import boot
+    from flashboot.errors import FlashBootError
+
+    kw = {"scale": 0.0002} | kw
+    with pytest.raises(FlashBootError, match=match):
+        boot.run(shapes=["A"], device="cpu", root=str(tmp_path / "boot"), loaders=["safetensors"],
+                 log=lambda line: None, **kw)
+    assert not (tmp_path / "boot").exists()
