@@ -78,3 +78,24 @@ def test_bench_boot_refuses_bad_workloads_and_scales_before_it_makes_the_shapes(
         boot.run(shapes=["A"], device="cpu", root=str(tmp_path / "boot"), loaders=["safetensors"],
                  log=lambda line: None, **kw)
     assert not (tmp_path / "boot").exists()
+
+
+def test_bench_clone_nccl_per_tensor_row_names_the_broadcasts_it_made():
+    """A payload under 64 MiB goes whole in the first collective, so the per-tensor mode makes one
+    broadcast whatever its tensors; the row had read '(5 tensors)' (3,170 by default) for it."""
+    from flashboot.benchmarks.clone import print_results
+    from flashboot.benchmarks.clone_from_start import nccl_from_start
+
+    small = nccl_from_start(["cpu", "cpu"], 1 << 20, mode="per_tensor", tensors=5, timeout_s=120)
+    assert small["broadcasts"] == 1 and small["payload_bytes"] == 1 << 20 and small["byte_exact"]
+    big = nccl_from_start(["cpu", "cpu"], (64 << 20) + 4096 * 3, mode="per_tensor", tensors=3, timeout_s=120)
+    assert big["broadcasts"] == 1 + 3 and big["byte_exact"]
+    print_results({"devices": ["cpu", "cpu"], "nbytes": 1 << 20, "nccl": [small]})
+
+
+@pytest.mark.parametrize("tensors", ["0", "-5"])
+def test_bench_clone_refuses_a_tensor_count_under_1(tensors, capsys):
+    from flashboot.cli import main
+
+    assert main(["bench", "clone", "--device", "cpu", "--tensors", tensors]) == 2
+    assert f"--tensors must be an int >= 1, got {tensors}" in capsys.readouterr().err
