@@ -274,6 +274,9 @@ def run(*, scale: float | None = None, images: int = 2, device: str | None = Non
     device = device or ("cuda:0" if device_count() else "cpu")
     dev = Device.parse(device)
     scale = scale if scale is not None else (1.0 if dev.is_cuda else 0.002)
+    from flashboot.benchmarks.timing import check_scale
+
+    scale = check_scale(scale, "scale")  # inf had ended in an OverflowError traceback from the checkpoint's dimensions
     work = Path(root or tempfile.mkdtemp(prefix="flashboot-bench-swap-"))
     work.mkdir(parents=True, exist_ok=True)
     shm = Path(_private_shm("flashboot-bench-swap-"))

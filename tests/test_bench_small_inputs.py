@@ -99,3 +99,13 @@ def test_bench_clone_refuses_a_tensor_count_under_1(tensors, capsys):
 
     assert main(["bench", "clone", "--device", "cpu", "--tensors", tensors]) == 2
     assert f"--tensors must be an int >= 1, got {tensors}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), 0.0, -1.0])
+def test_bench_swap_refuses_a_bad_scale_by_name(tmp_path, scale):
+    """--scale inf had ended in an OverflowError traceback from the checkpoint's dimensions."""
+    from flashboot.benchmarks import swap
+    from flashboot.errors import FlashBootError
+
+    with pytest.raises(FlashBootError, match=r"scale must be a finite number > 0"):
+        swap.run(scale=scale, device="cpu", repeats=1, root=str(tmp_path / "swap"))
