@@ -109,3 +109,20 @@ def test_bench_swap_refuses_a_bad_scale_by_name(tmp_path, scale):
 
     with pytest.raises(FlashBootError, match=r"scale must be a finite number > 0"):
         swap.run(scale=scale, device="cpu", repeats=1, root=str(tmp_path / "swap"))
+
+
+@pytest.mark.parametrize("argv, err", [
+    (["refit", "--device", "cpu", "--scale", "inf"], "--scale must be a finite number > 0, got inf"),
+    (["refit", "--device", "cpu", "--scale", "0.0002", "--checkpoint", "A", "Z"], "unknown checkpoints Z; known: A"),
+    (["refit", "--device", "cpu", "--repeats", "0"], "--repeats must be an int >= 1, got 0"),
+    (["serve", "--scale", "inf"], "scale must be a finite number > 0, got inf"),
+    (["serve", "--scale", "0.0002", "--repeats", "0"], "repeats must be an int >= 1, got 0"),
+])
+def test_bench_refit_and_serve_refuse_bad_arguments_by_name_up_front(argv, err, capsys):
+    """refit and serve: --scale inf had ended in an OverflowError traceback; refit's unknown shape
+    in a KeyError after the shapes before it had run; serve's --repeats 0 in 'no median for empty
+    data' after the checkpoint, the daemon and the first rounds."""
+    from flashboot.cli import main
+
+    assert main(["bench", *argv]) == 2
+    assert err in capsys.readouterr().err
