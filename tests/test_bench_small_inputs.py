@@ -126,3 +126,21 @@ def test_bench_refit_and_serve_refuse_bad_arguments_by_name_up_front(argv, err, 
 
     assert main(["bench", *argv]) == 2
     assert err in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("top", [0, -1])
+def test_bench_tune_refuses_a_top_under_1_before_the_sweep(monkeypatch, top):
+    """--top 0 had swept every configuration and shown an empty table; -1 left out each kernel's
+    slowest row shown, silently."""
+    import argparse
+
+    from flashboot.benchmarks import tune_kernels as tune
+    from flashboot.errors import FlashBootError
+
+    def sweep(*a, **k):
+        raise AssertionError("the sweep ran")
+
+    monkeypatch.setattr(tune, "run", sweep)
+    args = argparse.Namespace(size="1MB", checksum_size="1MB", quick=True, top=top, json=None)
+    with pytest.raises(FlashBootError, match=rf"--top must be an int >= 1, got {top}"):
+        tune.main(args)
