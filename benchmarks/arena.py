@@ -114,11 +114,13 @@ def run(nbytes: int, device, repeats: int = 5, child_device=None) -> ArenaFigure
         parent.send(None)
         proc.join(30)
 
+        # the arena's own bytes (whole granules, so whole 8-byte words), not the size asked: --size 1001
+        # had raised torch's view error, --size 1 then divided by a ceiling of 0 bytes copied
         b = arena.bytes()
-        b.view(torch.int64).random_() if is_cuda else b[: min(nbytes, 1 << 28)].view(torch.int64).random_()
+        b.view(torch.int64).random_() if is_cuda else b[: min(arena.nbytes, 1 << 28)].view(torch.int64).random_()
+        half = arena.nbytes // 2
         if is_cuda:
             t = time_cuda(lambda s: checksum(b, stream=s), device=device, repeats=repeats)
-            half = nbytes // 2
             other = Arena.create(half, device=device)
             src, dst = b[:half], other.bytes()[:half]
             def copy(stream):
@@ -135,7 +137,6 @@ def run(nbytes: int, device, repeats: int = 5, child_device=None) -> ArenaFigure
             ceiling_what = "d2d copy"
         else:
             t = time_host(lambda: checksum(b), repeats=repeats)
-            half = nbytes // 2
             dst = torch.empty(half, dtype=torch.uint8)
             dst.copy_(b[:half])  # fault the destination's pages in before timing
             memcpy = time_host(lambda: dst.copy_(b[:half]), repeats=repeats)

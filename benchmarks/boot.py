@@ -311,9 +311,19 @@ def run(*, shapes=SHAPES, scale: float | None = None, device: str | None = None,
     from flashboot.benchmarks.peers import FastSafetensorsLoader, InstantTensorLoader
     from flashboot.memory import Device
 
+    from flashboot.benchmarks.timing import check_count, check_scale
+    from flashboot.units import is_finite_number
+
     dev = str(Device.parse(device))
     if scale is None:
         scale = 1.0 if dev.startswith("cuda") else 1e-3
+    scale = check_scale(scale, "scale")  # inf had ended in an OverflowError traceback from the shapes' dimensions
+    # before any checkpoint is made: a W of NaN had failed every end-to-end child after the setup, -1 ran as a
+    # row of a workload of -1 s
+    bad_w = [w for w in end_to_end if not is_finite_number(w) or w < 0]
+    if bad_w:
+        raise FlashBootError(f"end-to-end workloads W must be finite seconds >= 0, got {', '.join(map(repr, bad_w))}")
+    check_count(e2e_repeats, "e2e_repeats")
     unknown = [s for s in shapes if s not in CHECKPOINTS]
     if unknown:
         raise FlashBootError(f"unknown shapes {unknown}; known: {', '.join(CHECKPOINTS)}")

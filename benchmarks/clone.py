@@ -528,7 +528,7 @@ def _rows(res: dict) -> list[list]:
                      f"{fs['alloc_ms']:.0f} ms, transfer {fs['transfer_ms']:.1f} ms ({fs['transfer_gbps']:.0f} GB/s); "
                      f"resident seed; no verify"])
     for n in res.get("nccl", []):
-        rows.append([f"{n['backend']} {n['mode']} ({n['tensors']} tensors), process start -> weights ready",
+        rows.append([f"{n['backend']} {n['mode']} ({n['broadcasts']} broadcasts), process start -> weights ready",
                      n["from_start_s"], "s",
                      f"interpreter + imports {n['import_s']:.2f} s; set_device + buffer {n['buffer_ms']:.0f} ms; setup "
                      f"before the first byte {n['setup_ms']:.0f} ms (init_process_group {n['init_ms']:.0f} + first "
@@ -592,6 +592,7 @@ def main(args: argparse.Namespace) -> int:
     for k in args.clones or ():
         check_count(k, "--clones")
     check_timeout(args.timeout, "--timeout")
+    check_count(args.tensors, "--tensors")  # 0 or -5 had run one broadcast labelled '(0 tensors)'
     nbytes = parse_bytes(args.nbytes or ("16MB" if args.device == "cpu" else DEFAULT_NBYTES))
     if args.sweep is not None:
         chunks = [parse_bytes(c) for c in args.sweep] or list(DEFAULT_SWEEP_CHUNKS)

@@ -79,7 +79,11 @@ def nccl_from_start(devices: Sequence[str], nbytes: int, *, mode: str, tensors: 
                 p.kill()
             raise
         (r0, r1), logs = _collect(procs, outs, timeout_s * 2 + 60, f"NCCL {mode}", with_logs=True)
-    return {"mode": mode, "tensors": tensors if mode == "per_tensor" else 1, "backend": r1["backend"],
+    # "broadcasts": those the receiver made, the first collective's included: the pieces asked for are
+    # cut from what the first 64 MiB leave, so a payload under 64 MiB is one broadcast whatever
+    # ``tensors`` says (the table had read '(3170 tensors)' for it)
+    return {"mode": mode, "tensors": tensors if mode == "per_tensor" else 1, "broadcasts": r1["broadcasts"],
+            "backend": r1["backend"],
             "devices": pair, "visible_gpus": [r0["visible_gpus"], r1["visible_gpus"]],
             "transports": _nccl_transports(logs[0] + logs[1]),
             "from_start_s": r1["ready_unix"] - t_spawn, "import_s": r1["imported_unix"] - t_spawn,
@@ -138,7 +142,7 @@ def _nccl_worker(cfg: dict) -> None:
     # these 64 MiB twice: 2x the bytes for a payload of at most 64 MiB)
     first = min(nbytes, 64 << 20)
     dist.broadcast(buf[:first], 0)
-    payload = first
+    payload, broadcasts = first, 1
     if cuda:
         torch.cuda.synchronize()
     t2 = time.time()
@@ -146,6 +150,7 @@ def _nccl_worker(cfg: dict) -> None:
         if nbytes > first:
             dist.broadcast(buf[first:], 0)
             payload += nbytes - first
+            broadcasts += 1
     else:  # the tensors, cut from the rest: as many broadcasts as tensors
         n = max(1, cfg["tensors"])
         rest = nbytes - first
@@ -154,6 +159,7 @@ def _nccl_worker(cfg: dict) -> None:
             if hi > lo:
                 dist.broadcast(buf[lo:hi], 0)
                 payload += hi - lo
+                broadcasts += 1
     if cuda:
         torch.cuda.synchronize()
     t3 = time.time()
@@ -165,7 +171,7 @@ def _nccl_worker(cfg: dict) -> None:
                    "imported_unix": t_imported, "visible_gpus": torch.cuda.device_count() if cuda else 0,
                    "buffer_ms": (t0 - tb) * 1e3, "init_ms": (t1 - t0) * 1e3, "first_collective_ms": (t2 - t1) * 1e3,
                    "transfer_ms": (t3 - t2) * 1e3, "ready_unix": t3, "payload_bytes": payload,
-                   "first_collective_bytes": first, "checksum": f"{digest:016x}"}, f)
+                   "broadcasts": broadcasts, "first_collective_bytes": first, "checksum": f"{digest:016x}"}, f)
     dist.destroy_process_group()
 
 

@@ -107,22 +107,22 @@ def _free_device_memory(device: str) -> None:
 
 def _measure(name: str, once: Callable[[], tuple[float, Any]], cleanup: Callable[[Any], None],
              verify: Callable[[Any], bool], *, warmup: int, repeats: int):
-    """Run ``once`` (returns ``(ms, result)``) warmup + repeats times; verify the last result.
+    """Run ``once`` (returns ``(ms, result)``) warmup + repeats times; verify every result.
     Returns the timing of the repeats, the first call's ms (the warm-up's, when there is one: kept,
-    not dropped) and whether the last result verified."""
+    not dropped) and whether every result verified (the last alone had been: the first call, a
+    row of the table, was reported 'verified' whatever it loaded)."""
     from flashboot.benchmarks.timing import Timing, check_count
 
     check_count(repeats, "repeats")
     timing = Timing()
-    ok, first_ms = False, 0.0
+    ok, first_ms = True, 0.0
     for i in range(warmup + repeats):
         ms, result = once()
         if i == 0:
             first_ms = ms
         if i >= warmup:
             timing.samples_ms.append(ms)
-        if i == warmup + repeats - 1:
-            ok = bool(verify(result))
+        ok = bool(verify(result)) and ok
         cleanup(result)
         del result
     return timing, first_ms, ok
@@ -339,6 +339,7 @@ def run(*, scale: float | None = None, checkpoints: list = ("A", "B"), device: s
     from flashboot.memory import Device
 
     check_count(repeats, "repeats")  # before the checkpoints are generated
+    check_count(warmup, "warmup", least=0)  # -1 had left a repeat out and ended in 'no median for empty data'
     dev = str(Device.parse(device))
     if scale is None:
         scale = 1.0 if dev.startswith("cuda") else 1e-3

@@ -390,8 +390,18 @@ def main(args: argparse.Namespace) -> int:
     from flashboot.benchmarks.checkpoints import CHECKPOINTS
     from flashboot.benchmarks.timing import dump_json, print_table
 
+    from flashboot.benchmarks.timing import check_count, check_scale
+    from flashboot.errors import FlashBootError
+
     device = args.device or ("cuda:0" if cuda_available() else "cpu")
     scale = args.scale if args.scale is not None else (1.0 if device != "cpu" else 0.001)
+    # up front: --scale inf had ended in an OverflowError traceback, an unknown shape in a KeyError
+    # after the shapes before it had run
+    scale = check_scale(scale, "--scale")
+    check_count(args.repeats, "--repeats")
+    unknown = [name for name in args.checkpoint if name not in CHECKPOINTS]
+    if unknown:
+        raise FlashBootError(f"unknown checkpoints {', '.join(unknown)}; known: {', '.join(CHECKPOINTS)}")
     results = []
     for name in args.checkpoint:
         spec = CHECKPOINTS[name].scaled(scale)

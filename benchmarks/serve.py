@@ -314,6 +314,12 @@ def run(*, engines=DEFAULT_ENGINES, devices: list[str] | None = None, scale: flo
     on_gpu = device_count() > 0
     devices = list(devices or ([f"cuda:{i}" for i in range(device_count())] if on_gpu else ["cpu"]))
     scale = scale if scale is not None else (0.15 if on_gpu else 0.0005)
+    from flashboot.benchmarks.timing import check_count, check_scale
+
+    # before the checkpoint and the daemon: inf had ended in an OverflowError traceback, 0 repeats in
+    # 'no median for empty data' after the whole setup and the first rounds
+    scale = check_scale(scale, "scale")
+    check_count(repeats, "repeats")
     work = Path(root or tempfile.mkdtemp(prefix="flashboot-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     image = work / "image"

@@ -177,10 +177,13 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
     image = read_image(image_dir, rank)
     path = str(image.path)
     warm_root = Path(warm_root or Path(image_dir).parent)
-    config = {"buffer_bytes": buffer_bytes} | ({"threads": threads} if threads else {})
+    config = {"buffer_bytes": buffer_bytes} | ({"threads": threads} if threads is not None else {})
     no_shm = str(warm_root / "no-shm")
     plan = StreamConfig.of(config)
-    in_flight, block = plan.readers_for(image.nbytes), plan.slot_bytes
+    # the slot the loader reads into: cut to the image, rounded up to 4 KiB, where the image is
+    # smaller (flashload.stream does so); the plan's own slot had made every image under 4 MiB
+    # fail the run ('the stream read 1 x 3,387,392 bytes at once, the ceiling was planned for 1 x 4,194,304')
+    in_flight, block = plan.readers_for(image.nbytes), min(plan.slot_bytes, -(-image.nbytes // 4096) * 4096)
     single = single_read_bytes(block)  # the loader's reads at one read in flight
     samples: list[tuple[str, float]] = []  # the disk's O_DIRECT rate, in time order around the loads
     modes: list[str] = []  # each sample's I/O mode (buffered where the filesystem refuses O_DIRECT)
@@ -259,12 +262,14 @@ def run(*, scale: float | None = None, device: str | None = None, buffer_bytes: 
     from flashboot.benchmarks.checkpoints import CHECKPOINT_A, make_checkpoint
     from flashboot.memory import Device
 
-    from flashboot.benchmarks.timing import check_scale
+    from flashboot.benchmarks.timing import check_count, check_scale
 
     dev = str(Device.parse(device))
     if scale is None:
         scale = 1.0 if dev.startswith("cuda") else 0.05
     scale = check_scale(scale, "scale")  # inf had ended in an OverflowError traceback
+    if threads is not None:  # before the checkpoint and its pre-pack (-2 had been refused after them, 0 ran the default)
+        check_count(threads, "threads")
     out: dict = {"device": dev, "scale": scale}
     root = Path(image_root or DEFAULT_IMAGE_ROOT)
     root.mkdir(parents=True, exist_ok=True)

@@ -37,13 +37,13 @@ class Timing:
         return nbytes / (self.median_ms * 1e-3) / 1e9
 
 
-def check_count(value, what: str) -> int:
-    """``value`` as an int >= 1, or FlashBootError naming ``what``: zero repeats had ended in
+def check_count(value, what: str, least: int = 1) -> int:
+    """``value`` as an int >= ``least``, or FlashBootError naming ``what``: zero repeats had ended in
     statistics' 'no median for empty data' after the whole setup ran."""
     from flashboot.errors import FlashBootError
 
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise FlashBootError(f"{what} must be an int >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise FlashBootError(f"{what} must be an int >= {least}, got {value!r}")
     return value
 
 

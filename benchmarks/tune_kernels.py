@@ -98,8 +98,10 @@ def register_bench(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from flashboot.benchmarks.timing import dump_json, print_table
+    from flashboot.benchmarks.timing import check_count, dump_json, print_table
 
+    # before the sweep: 0 had shown an empty table, -1 each kernel's rows less its slowest, unsaid
+    check_count(args.top, "--top")
     rows = run(parse_bytes(args.size), parse_bytes(args.checksum_size), args.quick)
     shown = []
     for key in sorted({(r.kernel, r.path) for r in rows}):

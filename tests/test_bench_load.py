@@ -150,3 +150,17 @@ def test_flashload_is_timed_on_the_bench_clock_not_by_its_own_report(tmp_path, m
               shm_root=str(tmp_path / "shm"), warmup=0, repeats=1, log=lambda line: None)
     flash = [r for r in out["loaders"] if r["loader"].startswith("FlashLoad")]
     assert len(flash) == 3 and all(r["verified"] and r["first_ms"] > 0 and r["median_ms"] > 0 for r in flash)
+
+
+def test_measure_verifies_every_call_the_first_one_too():
+    """A loader whose first call in the process loads wrong bytes: its first call is a row of the
+    table, and the run had said 'verified' because the last call alone was checked."""
+    from flashboot.benchmarks.load import _measure
+
+    results = iter(["wrong", "result", "result"])
+    _, first_ms, ok = _measure("x", lambda: (1.0, next(results)), lambda result: None,
+                               lambda result: result == "result", warmup=1, repeats=2)
+    assert not ok
+    results = iter(["result", "result", "result"])
+    assert _measure("x", lambda: (1.0, next(results)), lambda result: None, lambda result: result == "result",
+                    warmup=1, repeats=2)[2]

@@ -21,6 +21,12 @@ def test_a_small_swap_run_reports_every_figure(tmp_path, capsys):
     assert released == {"during": ["during"], "after": ["after"], "before": ["before"]}
     assert out["swap_ms"] == out["swap_modes"]["handover"]["ms"] and out["swap_modes"]["after"]["parts"]["wake"]["total_ms"] > 0
     assert out["torch"]["offload_ms"] > 0 and out["torch"]["reload_ms"] > 0
+    # torch moves the tensors' bytes, fewer than the image's (alignment): its ratios are per byte
+    # against the ceilings' (a ratio of the times had been kind to it by the alignment's share)
+    t, n = out["torch"], out["nbytes"]
+    assert 0 < t["nbytes"] < n
+    d2h = min(out["ceiling_before"]["d2h_ms"], out["ceiling_after"]["d2h_ms"])
+    assert out["ratios"]["torch_offload_over_d2h"] == (t["offload_ms"] / t["nbytes"]) / (d2h / n)
     assert out["restart"]["tensors"] == 3170 and out["restart"]["restart_ms"] > 0
     # a restarted engine is a new process: its first load from the holder, timed there, is what the
     # budget judges (the median of restarts in this warm process had been)
