@@ -406,6 +406,36 @@ def test_a_second_ring_load_on_the_same_store_runs_once_the_first_has_left(store
     results[0].close()
 
 
+@pytest.mark.timeout(120)
+def test_a_ring_load_after_one_that_failed_at_its_barrier_names_the_member_gone(store, raw):
+    """2 of 3 members arrived and gave up at the start barrier: their arrivals and records stay under
+    the run name. The next load's first member arrives third, passes that barrier alone and read
+    the records of members that had left: it failed with the bare error of an arena that is gone.
+    It is now refused before any byte moves, naming the member, the run and what to do."""
+    address, rdv = store
+    path, _ = raw
+    errors = []
+
+    def member():
+        try:
+            flashboot.clone(address, "cpu", "ring", image=path, clones=3, chunk_bytes=256 << 10, timeout_s=2,
+                            run="stale")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(errors) == 2 and all(isinstance(e, flashboot.errors.WaitTimeoutError) for e in errors), errors
+    with pytest.raises(flashboot.errors.RendezvousError) as info:
+        flashboot.clone(address, "cpu", "ring", image=path, clones=3, chunk_bytes=256 << 10, timeout_s=5,
+                        run="stale")
+    assert "ring 'stale': member 0 (pid" in str(info.value) and "has left" in str(info.value), info.value
+    assert "--run NAME" in str(info.value)
+
+
 def test_flashboot_clone_takes_a_ring_run_name(store, raw):
     address, rdv = store
     path, data = raw
