@@ -407,33 +407,72 @@ def test_a_second_ring_load_on_the_same_store_runs_once_the_first_has_left(store
 
 
 @pytest.mark.timeout(120)
-def test_a_ring_load_after_one_that_failed_at_its_barrier_names_the_member_gone(store, raw):
-    """2 of 3 members arrived and gave up at the start barrier: their arrivals and records stay under
-    the run name. The next load's first member arrives third, passes that barrier alone and read
-    the records of members that had left: it failed with the bare error of an arena that is gone.
-    It is now refused before any byte moves, naming the member, the run and what to do."""
+def test_a_ring_load_after_one_killed_at_its_barrier_names_the_member_gone(store, raw):
+    """2 of 3 members were SIGKILLed at the start barrier: their arrivals and records stay under the
+    run name. The next load's first member arrives third, passes that barrier alone and read the
+    record of a member whose process was gone: it failed with the bare ArenaError of an fd that is
+    not the arena's. It is now refused before any byte moves, naming the member, the run and what
+    to do."""
     address, rdv = store
     path, _ = raw
-    errors = []
-
-    def member():
-        try:
-            flashboot.clone(address, "cpu", "ring", image=path, clones=3, chunk_bytes=256 << 10, timeout_s=2,
-                            run="stale")
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=member) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert len(errors) == 2 and all(isinstance(e, flashboot.errors.WaitTimeoutError) for e in errors), errors
+    procs = [spawn_cli("clone", "--store", address, "--device", "cpu", "--schedule", "ring", "--clones", 3,
+                       "--image", path, "--chunk-bytes", "256KiB", "--run", "stale", "--timeout", 60)
+             for _ in range(2)]
+    try:
+        wait_until(lambda: rdv.add("barrier/stale/start/count", 0) == 2, 60, "2 members at the barrier")
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    finally:
+        for p in procs:
+            stop(p)
     with pytest.raises(flashboot.errors.RendezvousError) as info:
         flashboot.clone(address, "cpu", "ring", image=path, clones=3, chunk_bytes=256 << 10, timeout_s=5,
                         run="stale")
-    assert "ring 'stale': member 0 (pid" in str(info.value) and "has left" in str(info.value), info.value
+    assert "ring 'stale': member 0 (pid" in str(info.value) and "has exited" in str(info.value), info.value
     assert "--run NAME" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_clones_retried_with_fewer_after_their_start_barrier_ran_out_start(store, raw):
+    """2 of 3 clones came and their start barrier ran out; the 2 retried with --clones 2 (the third
+    had died) waited for a count their barrier had passed ("4 of 2 had arrived") and failed, as every
+    later retry of that seed's generation did. A participant that gives up takes its arrival back."""
+    address, _ = store
+    path, data = raw
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+
+    def cohort(clones, timeout_s):
+        results, errors = [], []
+
+        def one():
+            try:
+                results.append(flashboot.clone(address, "cpu", "star", clones=clones, chunk_bytes=256 << 10,
+                                               timeout_s=timeout_s, verify=True))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        return results, errors
+
+    try:
+        results, errors = cohort(3, 2)
+        assert not results and len(errors) == 2, errors
+        assert all(isinstance(e, flashboot.errors.WaitTimeoutError) and "of 3 had arrived" in str(e) for e in errors)
+        results, errors = cohort(2, 10)
+        try:
+            assert not errors, errors
+            for r in results:
+                assert np.array_equal(_bytes(r), data) and r.report.verified
+        finally:
+            for r in results:
+                r.close()
+    finally:
+        s.close()
 
 
 def test_flashboot_clone_takes_a_ring_run_name(store, raw):

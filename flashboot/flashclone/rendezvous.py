@@ -328,7 +328,7 @@ class Rendezvous(StoreConnection):
         """Block until ``count`` participants have entered barrier ``name``; returns ms waited.
 
         The last to arrive publishes a release key; everyone waits for it with a deadline, and a
-        WaitTimeoutError says how many had arrived."""
+        WaitTimeoutError says how many had arrived (and takes back this participant's arrival)."""
         t0 = time.perf_counter()
         arrived = self.add(f"barrier/{name}/count", 1)
         if arrived == count:
@@ -339,7 +339,9 @@ class Rendezvous(StoreConnection):
         except StoreLostError:
             raise  # a store that went silent (a WaitTimeoutError too) cannot be asked who had arrived
         except WaitTimeoutError as exc:
-            now = self.add(f"barrier/{name}/count", 0)
+            # our arrival is withdrawn: a later gathering under this name (a retry with fewer
+            # members, as after one died) had counted it and waited for a count it had passed
+            now = self.add(f"barrier/{name}/count", -1) + 1
             raise WaitTimeoutError(f"{exc}; {now} of {count} had arrived") from None
         self.read(f"barrier/{name}/go", what=f"barrier {name!r}", timeout_s=1.0)  # authenticate the release
         return (time.perf_counter() - t0) * 1e3
