@@ -434,6 +434,23 @@ def test_a_ring_load_after_one_killed_at_its_barrier_names_the_member_gone(store
 
 
 @pytest.mark.timeout(120)
+def test_a_star_clone_late_in_a_long_lived_seeds_life_plans_only_its_own_steps(store, raw):
+    """A star clone reads the seed alone, but planned by its position: clone #2,001 of a seed built
+    2,001 clones' steps (2 million of 4 KiB, over what a plan may hold) and failed with a PlanError
+    asking for larger chunks; #400 spent a second of its exchange on steps it never ran."""
+    address, rdv = store
+    path, data = raw
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    try:
+        rdv.add(f"g/{s.generation}/star/join", 2000)  # the clones that came and went before
+        with flashboot.clone(address, "cpu", "star", chunk_bytes=4096, verify=True, timeout_s=10) as r:
+            assert r.report.position == 2001 and r.report.source == "seed" and r.report.chunk_bytes == 4096
+            assert np.array_equal(_bytes(r), data) and r.report.verified
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
 def test_clones_retried_with_fewer_after_their_start_barrier_ran_out_start(store, raw):
     """2 of 3 clones came and their start barrier ran out; the 2 retried with --clones 2 (the third
     had died) waited for a count their barrier had passed ("4 of 2 had arrived") and failed, as every
