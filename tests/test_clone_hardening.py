@@ -410,8 +410,8 @@ def test_a_second_ring_load_on_the_same_store_runs_once_the_first_has_left(store
 def test_a_ring_load_after_one_killed_at_its_barrier_names_the_member_gone(store, raw):
     """2 of 3 members were SIGKILLed at the start barrier: their arrivals and records stay under the
     run name. The next load's first member arrives third, passes that barrier alone and read the
-    record of a member whose process was gone: it failed with the bare ArenaError of an fd that is
-    not the arena's. It is now refused before any byte moves, naming the member, the run and what
+    record of a member whose process was gone: it failed with the bare ArenaError of an arena
+    that is gone. It is now refused before any byte moves, naming the member, the run and what
     to do."""
     address, rdv = store
     path, _ = raw
@@ -454,7 +454,7 @@ def test_a_star_clone_late_in_a_long_lived_seeds_life_plans_only_its_own_steps(s
 def test_clones_retried_with_fewer_after_their_start_barrier_ran_out_start(store, raw):
     """2 of 3 clones came and their start barrier ran out; the 2 retried with --clones 2 (the third
     had died) waited for a count their barrier had passed ("4 of 2 had arrived") and failed, as every
-    later retry of that seed's generation did. A participant that gives up takes its arrival back."""
+    later retry of that seed's generation did. The barrier now opens at or past its count."""
     address, _ = store
     path, data = raw
     s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)

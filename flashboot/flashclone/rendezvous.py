@@ -328,10 +328,13 @@ class Rendezvous(StoreConnection):
         """Block until ``count`` participants have entered barrier ``name``; returns ms waited.
 
         The last to arrive publishes a release key; everyone waits for it with a deadline, and a
-        WaitTimeoutError says how many had arrived (and takes back this participant's arrival)."""
+        WaitTimeoutError says how many had arrived."""
         t0 = time.perf_counter()
         arrived = self.add(f"barrier/{name}/count", 1)
-        if arrived == count:
+        # at or past the count: arrivals of an earlier gathering under this name that gave up stay
+        # counted, and a retry with fewer (--clones 2 after 2 of 3 came and one died) had waited
+        # for a count passed already ('4 of 2 had arrived'), failing every retry on that generation
+        if arrived >= count:
             self.publish(f"barrier/{name}/go", {"count": count})
         try:
             self.wait_keys([f"barrier/{name}/go"], what=f"the start barrier {name!r} ({count} participants)",
@@ -339,9 +342,7 @@ class Rendezvous(StoreConnection):
         except StoreLostError:
             raise  # a store that went silent (a WaitTimeoutError too) cannot be asked who had arrived
         except WaitTimeoutError as exc:
-            # our arrival is withdrawn: a later gathering under this name (a retry with fewer
-            # members, as after one died) had counted it and waited for a count it had passed
-            now = self.add(f"barrier/{name}/count", -1) + 1
+            now = self.add(f"barrier/{name}/count", 0)
             raise WaitTimeoutError(f"{exc}; {now} of {count} had arrived") from None
         self.read(f"barrier/{name}/go", what=f"barrier {name!r}", timeout_s=1.0)  # authenticate the release
         return (time.perf_counter() - t0) * 1e3
