@@ -406,6 +406,92 @@ def test_a_second_ring_load_on_the_same_store_runs_once_the_first_has_left(store
     results[0].close()
 
 
+@pytest.mark.timeout(120)
+def test_a_ring_load_after_one_killed_at_its_barrier_names_the_member_gone(store, raw):
+    """2 of 3 members were SIGKILLed at the start barrier: their arrivals and records stay under the
+    run name. The next load's first member arrives third, passes that barrier alone and read the
+    record of a member whose process was gone: it failed with the bare ArenaError of an arena
+    that is gone. It is now refused before any byte moves, naming the member, the run and what
+    to do."""
+    address, rdv = store
+    path, _ = raw
+    procs = [spawn_cli("clone", "--store", address, "--device", "cpu", "--schedule", "ring", "--clones", 3,
+                       "--image", path, "--chunk-bytes", "256KiB", "--run", "stale", "--timeout", 60)
+             for _ in range(2)]
+    try:
+        wait_until(lambda: rdv.add("barrier/stale/start/count", 0) == 2, 60, "2 members at the barrier")
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    finally:
+        for p in procs:
+            stop(p)
+    with pytest.raises(flashboot.errors.RendezvousError) as info:
+        flashboot.clone(address, "cpu", "ring", image=path, clones=3, chunk_bytes=256 << 10, timeout_s=5,
+                        run="stale")
+    assert "ring 'stale': member 0 (pid" in str(info.value) and "has exited" in str(info.value), info.value
+    assert "--run NAME" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_star_clone_late_in_a_long_lived_seeds_life_plans_only_its_own_steps(store, raw):
+    """A star clone reads the seed alone, but planned by its position: clone #2,001 of a seed built
+    2,001 clones' steps (2 million of 4 KiB, over what a plan may hold) and failed with a PlanError
+    asking for larger chunks; #400 spent a second of its exchange on steps it never ran."""
+    address, rdv = store
+    path, data = raw
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+    try:
+        rdv.add(f"g/{s.generation}/star/join", 2000)  # the clones that came and went before
+        with flashboot.clone(address, "cpu", "star", chunk_bytes=4096, verify=True, timeout_s=10) as r:
+            assert r.report.position == 2001 and r.report.source == "seed" and r.report.chunk_bytes == 4096
+            assert np.array_equal(_bytes(r), data) and r.report.verified
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+def test_clones_retried_with_fewer_after_their_start_barrier_ran_out_start(store, raw):
+    """2 of 3 clones came and their start barrier ran out; the 2 retried with --clones 2 (the third
+    had died) waited for a count their barrier had passed ("4 of 2 had arrived") and failed, as every
+    later retry of that seed's generation did. The barrier now opens at or past its count."""
+    address, _ = store
+    path, data = raw
+    s = flashboot.seed(address, str(path), "cpu", serve_nccl=False, timeout_s=10)
+
+    def cohort(clones, timeout_s):
+        results, errors = [], []
+
+        def one():
+            try:
+                results.append(flashboot.clone(address, "cpu", "star", clones=clones, chunk_bytes=256 << 10,
+                                               timeout_s=timeout_s, verify=True))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        return results, errors
+
+    try:
+        results, errors = cohort(3, 2)
+        assert not results and len(errors) == 2, errors
+        assert all(isinstance(e, flashboot.errors.WaitTimeoutError) and "of 3 had arrived" in str(e) for e in errors)
+        results, errors = cohort(2, 10)
+        try:
+            assert not errors, errors
+            for r in results:
+                assert np.array_equal(_bytes(r), data) and r.report.verified
+        finally:
+            for r in results:
+                r.close()
+    finally:
+        s.close()
+
+
 def test_flashboot_clone_takes_a_ring_run_name(store, raw):
     address, rdv = store
     path, data = raw

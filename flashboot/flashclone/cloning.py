@@ -188,7 +188,12 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     rdv.publish(_gkey(gen, schedule, "joined", position),
                 {"position": position, "pid": os.getpid(), "host": socket.gethostname()})
 
-    n = max(position, clones or 1)
+    # a star clone reads the seed alone: its plan is the seed and itself (participant ``slot`` 1)
+    # at any position. Planned by position, star clone #N built N clones' steps (N x the image's
+    # chunks: 1.1 s of its exchange at #405 of a 3 MB image in 4 KiB chunks, a PlanError past
+    # MAX_PLAN_STEPS from #2,581) to run its own N-th share
+    slot = position if schedule == "chain" else 1
+    n = max(slot, clones or 1) if schedule == "chain" else 1
     if chunk_bytes is None and schedule == "chain":
         # not by position: #1 of a chain started without --clones is a chain of one so far, and
         # the agreement below would fix its single-hop 1 GiB chunk for every clone after it
@@ -218,7 +223,7 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     session.start_arena(into, manifest.arena_nbytes, dev)  # made during the exchange, taken after it
     sources = _Sources(session, dev, gen, schedule, manifest, seed_desc, int(seed_rec.body["pid"]), chosen, timeout_s,
                        rank, held=held_sources, chunk_bytes=plan.chunk_bytes)
-    my_steps, departed = _skip_departed(plan, list(plan.steps_into(position)), sources)
+    my_steps, departed = _skip_departed(plan, list(plan.steps_into(slot)), sources)
     if departed:  # a clone that failed (its barrier ran out, say) leaves too: not "finished"
         failed = {p for p in departed if _failed_status(rdv, _gkey(gen, schedule, "status", p))}
         report.source_note = ", ".join(f"{_clone_names(ps)} had {how} and exited"
@@ -247,8 +252,8 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
         raise RendezvousError(f"our arena on {dev} rounds to {session.arena.nbytes:,} bytes, the seed's to "
                               f"{manifest.arena_nbytes:,} (different allocation granularity)")
     tf = time.perf_counter()
-    session.flags = create_flags(plan.flag_count(position), dev)
-    me = Endpoint(position, f"clone #{position}", session.arena, session.flags)
+    session.flags = create_flags(plan.flag_count(slot), dev)
+    me = Endpoint(slot, f"clone #{position}", session.arena, session.flags)
     te = time.perf_counter()
     sealed = {"arena": session.arena.export().to_dict(), "flags": session.flags.export().to_dict()}
     tp = time.perf_counter()
@@ -278,10 +283,10 @@ def _clone(session: _Session, dev: Device, schedule: str, mover, t_start: float,
     lanes = []
     for attempt in range(len(plan.participants) + 4):
         endpoints = dict(sources.endpoints)
-        endpoints[position] = me
+        endpoints[slot] = me
         host_span = sources.host_image.span() if sources.host_image is not None else None
         try:
-            ex = Executor(plan, endpoints, position, mover=mover, host_image=host_span, timeout_s=timeout_s,
+            ex = Executor(plan, endpoints, slot, mover=mover, host_image=host_span, timeout_s=timeout_s,
                           steps=steps, skip=done_ids, step_hook=hook)
             rep = session.run(ex)
             lanes += [l.__dict__ | {"gbps": l.gbps} for l in rep.lanes]

@@ -331,7 +331,10 @@ class Rendezvous(StoreConnection):
         WaitTimeoutError says how many had arrived."""
         t0 = time.perf_counter()
         arrived = self.add(f"barrier/{name}/count", 1)
-        if arrived == count:
+        # at or past the count: arrivals of an earlier gathering under this name that gave up stay
+        # counted, and a retry with fewer (--clones 2 after 2 of 3 came and one died) had waited
+        # for a count passed already ('4 of 2 had arrived'), failing every retry on that generation
+        if arrived >= count:
             self.publish(f"barrier/{name}/go", {"count": count})
         try:
             self.wait_keys([f"barrier/{name}/go"], what=f"the start barrier {name!r} ({count} participants)",

@@ -14,7 +14,7 @@ from ..schedulers import HOST, build_plan, shard_bounds
 from .executor import Endpoint, Executor, StepFailure, create_flags, rewire
 from .manifest import Manifest
 from .rendezvous import DEFAULT_TIMEOUT_S, StoreLostError
-from .common import _agree_chunk, _check_mover, _default_mover, _descriptor_from, _note_lazy_mapping, _same_host, _step_hook, _verify, _views
+from .common import _agree_chunk, _alive, _check_mover, _default_mover, _descriptor_from, _note_lazy_mapping, _same_host, _step_hook, _verify, _views
 from .report import CloneReport, CloneResult
 from .warmup import CloneWarmup
 from .session import _Session
@@ -154,6 +154,7 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
             if rec.body.get("chunk_bytes") != plan.chunk_bytes:
                 raise RendezvousError(f"ring member {j} copies by {rec.body.get('chunk_bytes')!r}-byte chunks, we by "
                                       f"{plan.chunk_bytes:,}; refused before any byte moved")
+            _check_present(rdv, run, j, rec)  # after those: a member that refused our image left for that
             if j == pred and nixl_warm is None:
                 arena_desc = _descriptor_from(rec.sealed["arena"])
                 try:  # the ring maps its predecessor: only a mapping transport will do
@@ -208,6 +209,25 @@ def ring_load(store: str, image: Any, device: Any = None, *, members: int, rank:
     except BaseException:
         session.close(keep_arena=False)
         raise
+
+
+def _check_present(rdv, run: str, j: int, rec) -> None:
+    """RendezvousError where member ``j``'s record is of a member that is gone: it left (failed, or
+    finished and gave up waiting for us) or, on this host, its process is dead. An earlier load under
+    ``run`` that failed at its start barrier left such records and its arrivals counted: the
+    members of a later load that still fit passed that count's barrier (the last one alone) and
+    had read the dead member's record, failing with the bare ArenaError of an exited pid."""
+    pid, host = rec.body.get("pid"), rec.body.get("host")
+    if rdv.has(f"{run}/status/{j}/left"):
+        why = "has left"
+    elif host == socket.gethostname() and type(pid) is int and not _alive(pid):
+        why = "has exited"
+    else:
+        return
+    raise RendezvousError(f"ring {run!r}: member {j} (pid {pid} on {host}) {why} before this member read its "
+                          "descriptors; a load whose member failed or was killed holds the name for good, or "
+                          "this member came after its ring had started: refused before any byte moved, use "
+                          "another name (`flashboot clone --run NAME`, run= in Python)")
 
 
 def _clear_run(rdv, run: str, members: int, warnings: list | None = None) -> None:
