@@ -78,6 +78,9 @@ def test_topology_from_dict_and_yaml_file(tmp_path):
     ({"fabric": {"kind": "direct", "egress_gbps": 1, "ingress_gbps": 1, "duplex_gbps": 1,
                  "links": [{"a": 0, "b": 7, "gbps_a_to_b": 1, "gbps_b_to_a": 1}]}}, "GPU beyond"),
     ({"host": {"link": "pcie"}}, "missing"),
+    # a one-way flow was capped at the duplex figure: a star's seed sent at 50, not 100
+    ({"fabric": {"kind": "switch", "egress_gbps": 100, "ingress_gbps": 100, "duplex_gbps": 50}},
+     r"duplex_gbps \(50\).*egress_gbps \(100\)"),
 ])
 def test_topology_validation(bad, match):
     with pytest.raises(TopologyError, match=match):
