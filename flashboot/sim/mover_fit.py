@@ -10,6 +10,7 @@ share one GPU's memory bandwidth when they run on it (the measured aggregate of 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -97,7 +98,7 @@ def predict_chain_s(fit: MoverFit, total_bytes: int, chunk_bytes: int, hops: int
     """
     # NaN passes every `<= 0` test (a NaN aggregate from a report's JSON returned a NaN time), and
     # a fractional hop count (2.5) was priced without a word
-    if type(hops) is not int or hops < 1 or not chunk_bytes > 0 or not total_bytes > 0:
+    if isinstance(hops, bool) or not isinstance(hops, numbers.Integral) or hops < 1 or not chunk_bytes > 0 or not total_bytes > 0:
         raise FlashBootError(f"a chain needs an int hops >= 1 and positive sizes; got hops={hops!r}, "
                              f"chunk={chunk_bytes!r}, total={total_bytes!r}")
     if aggregate_gbps is not None and not aggregate_gbps > 0:
