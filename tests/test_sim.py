@@ -211,6 +211,17 @@ def test_direct_fabric_needs_a_link():
         simulate(plan, _small_topology(), {"placement": (0, 1, 5)})
     with pytest.raises(SimError, match="unknown key"):
         simulate(plan, _small_topology(), {"placment": (0, 1, 0)})
+    with pytest.raises(SimError, match=r"ints >= 0\), got \[0, 1.5, 0\]"):
+        simulate(plan, _small_topology(), {"placement": (0, 1.5, 0)})
+
+
+def test_placement_takes_numpy_indices():
+    import numpy as np
+
+    # np.arange(n) % gpus was refused as "GPU indices >= 0, got [np.int64(0), ...]"
+    res = simulate(build_plan("chain", 2, GB, 64 * MiB), "h200-x2", {"placement": np.arange(3) % 2})
+    assert res.placement == (0, 1, 0) and all(type(g) is int for g in res.placement)
+    assert res.finish_s == simulate(build_plan("chain", 2, GB, 64 * MiB), "h200-x2").finish_s
 
 
 def test_direct_link_per_direction_bandwidth():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import numbers
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -46,9 +47,10 @@ class SimOptions:
     def __post_init__(self) -> None:
         if self.placement is not None:
             p = tuple(self.placement)
-            if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in p):
-                raise SimError(f"placement must list GPU indices >= 0, got {list(p)}")
-            object.__setattr__(self, "placement", p)
+            # numpy's ints are indices too (np.arange(n) % gpus was refused as "not >= 0")
+            if any(isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 0 for g in p):
+                raise SimError(f"placement must list GPU indices (ints >= 0), got {list(p)}")
+            object.__setattr__(self, "placement", tuple(int(g) for g in p))
 
     @classmethod
     def from_value(cls, value: "SimOptions | Mapping[str, Any] | None") -> "SimOptions":
