@@ -20,6 +20,7 @@ from flashboot.sim import (
     simulate,
     simulate_schedule,
     sweep_chunks,
+    sweep_clones,
 )
 from flashboot.sim.engine import _fair_rates, _Flow
 
@@ -405,3 +406,14 @@ def test_a_large_ring_prices_only_what_changes(monkeypatch):
     # where flows do contend, the fill still runs and gives the shared rate
     star = simulate(build_plan("star", 8, 8 * GB, GB), _uniform_topology(gpus=9, egress=400))
     assert calls and star.finish_s == pytest.approx([8 * GB / (50 * GB)] * 8)
+
+
+def test_sweeps_take_one_schedule_name_and_refuse_a_bare_number():
+    # "chain" was swept letter by letter ("unknown schedule 'c'"); 4 raised "'int' object is not iterable"
+    one = sweep_clones("h200-x2", "chain", [1, 2], GB)
+    assert list(one) == ["chain"] and [r.finish_s for r in one["chain"]] == [
+        simulate_schedule("h200-x2", "chain", n, GB).finish_s for n in (1, 2)]
+    with pytest.raises(SimError, match="list of clone counts, got 4"):
+        sweep_clones("h200-x2", ["chain"], 4, GB)
+    with pytest.raises(SimError, match="list of chunk sizes, got 67108864"):
+        sweep_chunks("h200-x2", "chain", 2, GB, 64 * MiB)
