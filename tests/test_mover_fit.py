@@ -1,5 +1,6 @@
 """Fitting a mover's per-chunk cost and bandwidth, and the chain time it predicts."""
 
+import numpy as np
 import pytest
 
 from flashboot import FlashBootError
@@ -75,6 +76,14 @@ def test_chain_prediction_counts_the_pipeline_fill_and_the_shared_memory():
         predict_chain_s(f, GiB, MiB, 0)
     with pytest.raises(FlashBootError, match=r"aggregate bandwidth must be positive, got 0.0 GB/s"):
         predict_chain_s(f, GiB, MiB, 2, aggregate_gbps=0.0)
+    # NaN passed the `<= 0` checks: a NaN time came back, or numpy's "arange: cannot compute length"
+    with pytest.raises(FlashBootError, match="aggregate bandwidth must be positive, got nan"):
+        predict_chain_s(f, GiB, MiB, 2, aggregate_gbps=float("nan"))
+    with pytest.raises(FlashBootError, match="chunk=nan"):
+        predict_chain_s(f, GiB, float("nan"), 2)
+    with pytest.raises(FlashBootError, match="hops=2.5"):  # a fractional hop count was priced without a word
+        predict_chain_s(f, GiB, MiB, 2.5)
+    assert predict_chain_s(f, 8 * GiB, 64 * MiB, np.int64(2)) == pytest.approx(129 * chunk_s)  # a numpy count is a count
 
 
 def test_measured_chains_are_predicted_from_their_hops_curve_and_the_concurrent_aggregate():

@@ -20,6 +20,7 @@ from flashboot.sim import (
     simulate,
     simulate_schedule,
     sweep_chunks,
+    sweep_clones,
 )
 from flashboot.sim.engine import _fair_rates, _Flow
 
@@ -78,6 +79,9 @@ def test_topology_from_dict_and_yaml_file(tmp_path):
     ({"fabric": {"kind": "direct", "egress_gbps": 1, "ingress_gbps": 1, "duplex_gbps": 1,
                  "links": [{"a": 0, "b": 7, "gbps_a_to_b": 1, "gbps_b_to_a": 1}]}}, "GPU beyond"),
     ({"host": {"link": "pcie"}}, "missing"),
+    # a one-way flow was capped at the duplex figure: a star's seed sent at 50, not 100
+    ({"fabric": {"kind": "switch", "egress_gbps": 100, "ingress_gbps": 100, "duplex_gbps": 50}},
+     r"duplex_gbps \(50\).*egress_gbps \(100\)"),
 ])
 def test_topology_validation(bad, match):
     with pytest.raises(TopologyError, match=match):
@@ -130,7 +134,8 @@ def test_engine_builds_state_only_for_placed_gpus(monkeypatch):
     sizes = []
     real = engine._fair_rates
     monkeypatch.setattr(engine, "_fair_rates", lambda flows, capacity: (sizes.append(len(capacity)), real(flows, capacity)))
-    result = simulate(build_plan("chain", 1, 8 * MiB, 8 * MiB), _small_topology(gpus=100_000))
+    # two clones on GPU 1 share the link from GPU 0: rates are recomputed (one flow alone keeps its cap)
+    result = simulate(build_plan("star", 2, 2 * GiB, GiB), _small_topology(gpus=100_000), {"placement": (0, 1, 1)})
     assert result.per_clone_gbps[0] > 0
     # two GPUs placed: a handful of resources, not five for each of the 100,000 GPUs named
     assert sizes and max(sizes) < 20
@@ -207,6 +212,17 @@ def test_direct_fabric_needs_a_link():
         simulate(plan, _small_topology(), {"placement": (0, 1, 5)})
     with pytest.raises(SimError, match="unknown key"):
         simulate(plan, _small_topology(), {"placment": (0, 1, 0)})
+    with pytest.raises(SimError, match=r"ints >= 0\), got \[0, 1.5, 0\]"):
+        simulate(plan, _small_topology(), {"placement": (0, 1.5, 0)})
+
+
+def test_placement_takes_numpy_indices():
+    import numpy as np
+
+    # np.arange(n) % gpus was refused as "GPU indices >= 0, got [np.int64(0), ...]"
+    res = simulate(build_plan("chain", 2, GB, 64 * MiB), "h200-x2", {"placement": np.arange(3) % 2})
+    assert res.placement == (0, 1, 0) and all(type(g) is int for g in res.placement)
+    assert res.finish_s == simulate(build_plan("chain", 2, GB, 64 * MiB), "h200-x2").finish_s
 
 
 def test_direct_link_per_direction_bandwidth():
@@ -312,3 +328,92 @@ def test_cli_table_and_errors(capsys):
 
 def test_errors_are_flashboot_errors():
     assert issubclass(SimError, FlashBootError) and issubclass(TopologyError, FlashBootError)
+
+
+# --- closed forms the engine must reproduce -----------------------------------------------------
+def _uniform_topology(gpus=16, gbps=100, egress=None, latency_us=0, launch_us=0, sync_us=0, host_gbps=10, links=None):
+    """Every rate flat (one-point curves): a copy of b bytes takes exactly b / rate."""
+    egress = egress or gbps
+    fabric = {"kind": "direct" if links else "switch", "egress_gbps": egress, "ingress_gbps": gbps,
+              "duplex_gbps": 2 * max(egress, gbps), "latency_us": latency_us}
+    if links:
+        fabric["links"] = links
+    return load_topology({
+        "name": "uniform", "gpus": gpus, "fabric": fabric, "p2p_curve": [[1, gbps]], "local_copy_gbps": 10**4,
+        "launch_latency_us": launch_us, "chunk_sync_us": sync_us,
+        "host": {"link": "pcie", "link_gbps": host_gbps, "h2d_curve": [[1, host_gbps]], "memory_gbps": 10**6,
+                 "gpus_per_host": gpus, "pin_gbps": 5}})
+
+
+def test_one_copy_is_latency_plus_bytes_over_bandwidth():
+    size = 10 * GB + 12345  # no multiple of anything
+    res = simulate(build_plan("chain", 1, size, size), _uniform_topology(launch_us=29, sync_us=3))
+    assert res.finish_s[0] == pytest.approx(32e-6 + size / (100 * GB), rel=1e-12)
+
+
+@pytest.mark.parametrize("launch_us,sync_us,latency_us", [(0, 0, 0), (29, 18, 2)])
+def test_chain_pipeline_closed_form(launch_us, sync_us, latency_us):
+    # clone k (1-based) of a chain of N with C chunks of c: k launches, k-1 signal hops, and
+    # C + k - 1 chunk slots of (sync + c / B)
+    n, chunks, chunk = 4, 10, GB
+    res = simulate(build_plan("chain", n, chunks * chunk, chunk),
+                   _uniform_topology(launch_us=launch_us, sync_us=sync_us, latency_us=latency_us))
+    slot = sync_us * 1e-6 + chunk / (100 * GB)
+    expected = [k * launch_us * 1e-6 + (k - 1) * latency_us * 1e-6 + (chunks + k - 1) * slot for k in range(1, n + 1)]
+    assert res.finish_s == pytest.approx(expected, rel=1e-12)
+    assert res.per_clone_gbps == pytest.approx([chunks * chunk / t / GB for t in expected], rel=1e-12)
+
+
+def test_chain_over_a_slow_hop_runs_at_the_slow_hop():
+    # seed(0) -> clone0(1) at 100 GB/s, clone0(1) -> clone1(2) at 50: the second hop drains at 50
+    links = [{"a": 0, "b": 1, "gbps_a_to_b": 100, "gbps_b_to_a": 100, "latency_us": 0},
+             {"a": 1, "b": 2, "gbps_a_to_b": 50, "gbps_b_to_a": 50, "latency_us": 0}]
+    chunks, chunk = 8, GB
+    res = simulate(build_plan("chain", 2, chunks * chunk, chunk), _uniform_topology(gpus=3, links=links))
+    assert res.finish_s == pytest.approx((chunks * chunk / (100 * GB), chunk / (100 * GB) + chunks * chunk / (50 * GB)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+def test_star_shares_the_seed_egress(n):
+    size = 10 * GB + 12345
+    res = simulate(build_plan("star", n, size, GB), _uniform_topology(gpus=n + 1, egress=400))
+    assert res.finish_s == pytest.approx([size / (min(100, 400 / n) * GB)] * n, rel=1e-9)
+
+
+@pytest.mark.parametrize("n", [2, 4, 7])
+def test_ring_all_gather_closed_form(n):
+    # shard load S/N at the host rate, then (N-1)/N of the image over each member's link
+    size = n * 4096 * 100_000
+    res = simulate(build_plan("ring", n, size, size), _uniform_topology(gpus=n))
+    assert res.finish_s == pytest.approx([size / n / (10 * GB) + (n - 1) * size / n / (100 * GB)] * n, rel=1e-12)
+
+
+def test_a_large_ring_prices_only_what_changes(monkeypatch):
+    """A ring of 1,000 members is a million steps: re-pricing every flow at every event (the
+    max-min fill over all flows in flight) made it run for most of an hour. Flows that contend for
+    nothing keep their rates; the fill runs only where a start or an end can move another rate."""
+    import flashboot.sim.engine as engine
+
+    calls = []
+    real = engine._fair_rates
+    monkeypatch.setattr(engine, "_fair_rates", lambda flows, capacity: (calls.append(len(flows)), real(flows, capacity)))
+    n = 200  # the count below grows with n without the fix; 1,000 took 35 s with it
+    size = n * 4096 * 10
+    res = simulate(build_plan("ring", n, size, size), _uniform_topology(gpus=n))
+    assert res.n_steps == n * n
+    assert calls == []  # nothing here shares a saturated resource
+    assert max(res.finish_s) == pytest.approx(size / n / (10 * GB) + (n - 1) * size / n / (100 * GB), rel=1e-9)
+    # where flows do contend, the fill still runs and gives the shared rate
+    star = simulate(build_plan("star", 8, 8 * GB, GB), _uniform_topology(gpus=9, egress=400))
+    assert calls and star.finish_s == pytest.approx([8 * GB / (50 * GB)] * 8)
+
+
+def test_sweeps_take_one_schedule_name_and_refuse_a_bare_number():
+    # "chain" was swept letter by letter ("unknown schedule 'c'"); 4 raised "'int' object is not iterable"
+    one = sweep_clones("h200-x2", "chain", [1, 2], GB)
+    assert list(one) == ["chain"] and [r.finish_s for r in one["chain"]] == [
+        simulate_schedule("h200-x2", "chain", n, GB).finish_s for n in (1, 2)]
+    with pytest.raises(SimError, match="list of clone counts, got 4"):
+        sweep_clones("h200-x2", ["chain"], 4, GB)
+    with pytest.raises(SimError, match="list of chunk sizes, got 67108864"):
+        sweep_chunks("h200-x2", "chain", 2, GB, 64 * MiB)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import numbers
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -46,9 +47,10 @@ class SimOptions:
     def __post_init__(self) -> None:
         if self.placement is not None:
             p = tuple(self.placement)
-            if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in p):
-                raise SimError(f"placement must list GPU indices >= 0, got {list(p)}")
-            object.__setattr__(self, "placement", p)
+            # numpy's ints are indices too (np.arange(n) % gpus was refused as "not >= 0")
+            if any(isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 0 for g in p):
+                raise SimError(f"placement must list GPU indices (ints >= 0), got {list(p)}")
+            object.__setattr__(self, "placement", tuple(int(g) for g in p))
 
     @classmethod
     def from_value(cls, value: "SimOptions | Mapping[str, Any] | None") -> "SimOptions":
@@ -110,10 +112,14 @@ _GB = 1e9
 
 
 class _Flow:
-    __slots__ = ("step", "remaining", "cap", "resources", "rate")
+    """A step's bytes in flight. ``remaining`` is as of time ``since`` (the last rate change), so an
+    event touches only the flows whose rate it changes; ``version`` tells stale end times apart."""
 
-    def __init__(self, step: int, nbytes: float, cap: float, resources: tuple):
+    __slots__ = ("step", "remaining", "cap", "resources", "rate", "since", "version")
+
+    def __init__(self, step: int, nbytes: float, cap: float, resources: tuple, since: float = 0.0):
         self.step, self.remaining, self.cap, self.resources, self.rate = step, float(nbytes), cap, resources, 0.0
+        self.since, self.version = since, 0
 
 
 def _fair_rates(flows: Sequence[_Flow], capacity: Mapping[Any, float]) -> None:
@@ -233,38 +239,80 @@ def simulate(plan: Plan, topology: Any, options: "SimOptions | Mapping[str, Any]
     for key in lanes:
         try_start(key)
 
+    # Rates change only where an event changes the flows, so each flow keeps its predicted end in a
+    # heap (stale entries skipped by version) and max-min rates are recomputed for all flows only
+    # when a start or an end can move another flow's rate: re-pricing every flow at every event
+    # made a ring of 1,000 members (a million steps) run for most of an hour.
+    ends: list[tuple[float, int, int]] = []  # (predicted end, flow version, step)
+    usage: dict[Any, float] = dict.fromkeys(capacity, 0.0)  # bytes/s in use per resource
+    users: dict[Any, set[int]] = {r: set() for r in capacity}  # flows crossing each resource
+
+    def saturated(r) -> bool:
+        return capacity[r] - usage[r] <= 1e-9 * capacity[r]  # _fair_rates' own tolerance
+
+    def at_cap(f: _Flow) -> bool:
+        return f.cap - f.rate <= 1e-9 * f.cap
+
+    def set_rate(f: _Flow, rate: float) -> None:
+        f.remaining -= f.rate * (now - f.since)
+        f.since, f.rate = now, rate
+        f.version += 1
+        if rate > 0:
+            heapq.heappush(ends, (now + max(f.remaining, 0.0) / rate, f.version, f.step))
+
+    def removal_keeps_rates(f: _Flow) -> bool:
+        # Max-min fair iff every flow is at its cap or has the top rate on a saturated resource:
+        # removing f frees only f's resources, so the others keep their rates unless one of them
+        # was held back (below its cap) on a resource f saturated with it.
+        return all(not saturated(r) or all(at_cap(flows[o]) for o in users[r] if o != f.step) for r in f.resources)
+
+    def add_at_cap(f: _Flow) -> bool:
+        # a new flow that fits at its cap on every resource it crosses takes nothing from anyone
+        return all(capacity[r] - usage[r] >= f.cap - 1e-9 * capacity[r] for r in f.resources)
+
     # Every event starts a step's flow or ends one (the flow ending first ends even when its end
     # rounds to ``now``), so a plan needs at most two per step; more means the loop spins.
     max_events = 2 * len(steps) + 2
     while timers or flows:
         if events > max_events:
             raise SimError(f"simulation made no progress: {events} events for {len(steps)} steps at t={now!r}s")
+        while ends and (ends[0][2] not in flows or flows[ends[0][2]].version != ends[0][1]):
+            heapq.heappop(ends)  # the flow ended or its rate changed since this entry
         t_timer = timers[0][0] if timers else float("inf")
-        ends = {sid: now + f.remaining / f.rate for sid, f in flows.items() if f.rate > 0}
-        t_flow = min(ends.values(), default=float("inf"))
+        t_flow = ends[0][0] if ends else float("inf")
         if t_timer == float("inf") and t_flow == float("inf"):
             raise SimError(f"simulation stalled at t={now:.6f}s with {len(flows)} flows at rate 0")
-        t_next = min(t_timer, t_flow)
-        dt = t_next - now
+        now = min(t_timer, t_flow)
         finished = []
-        for sid, f in flows.items():
-            f.remaining -= f.rate * dt
-            if (ends.get(sid, float("inf")) <= t_next or f.remaining <= 1e-6 * max(1.0, steps[sid].nbytes * 1e-9)
-                    or (f.rate > 0 and f.remaining / f.rate <= 1e-12)):
-                finished.append(sid)
-        now = t_next
+        while ends:
+            end, version, sid = ends[0]
+            f = flows.get(sid)
+            if f is None or f.version != version:
+                heapq.heappop(ends)
+                continue
+            left = f.remaining - f.rate * (now - f.since)
+            if not (end <= now or left <= 1e-6 * max(1.0, steps[sid].nbytes * 1e-9) or left / f.rate <= 1e-12):
+                break
+            heapq.heappop(ends)
+            finished.append(sid)
         events += 1
-        changed = bool(finished)
+        started = []
         while timers and timers[0][0] <= now:
             _, sid = heapq.heappop(timers)
             cap, res = shapes[sid]
-            flows[sid] = _Flow(sid, steps[sid].nbytes, cap, res)
+            flows[sid] = _Flow(sid, steps[sid].nbytes, cap, res, now)
+            started.append(sid)
             flow_at[sid] = now
             dst = steps[sid].dst
             if first_byte[dst] is None:
                 first_byte[dst] = now
-            changed = True
+        recompute = False
         for sid in finished:
+            f = flows[sid]
+            recompute = recompute or not removal_keeps_rates(f)
+            for r in f.resources:
+                users[r].discard(sid)
+                usage[r] = usage[r] - f.rate if users[r] else 0.0
             del flows[sid]
             s = steps[sid]
             done_at[sid] = now
@@ -277,8 +325,29 @@ def simulate(plan: Plan, topology: Any, options: "SimOptions | Mapping[str, Any]
                 pending[d] -= 1
                 if not pending[d]:
                     try_start((steps[d].dst, steps[d].lane))
-        if changed and flows:
-            _fair_rates(list(flows.values()), capacity)
+        for sid in started:
+            f = flows[sid]
+            if not recompute and add_at_cap(f):
+                set_rate(f, f.cap)
+                for r in f.resources:
+                    usage[r] += f.cap
+            else:
+                recompute = True
+            for r in f.resources:
+                users[r].add(sid)
+        if recompute and flows:
+            active = list(flows.values())
+            old = [f.rate for f in active]
+            _fair_rates(active, capacity)
+            new = [f.rate for f in active]
+            for r in usage:
+                usage[r] = 0.0
+            for f, was, rate in zip(active, old, new):
+                f.rate = was  # set_rate settles the bytes moved at the old rate first
+                if rate != was or f.version == 0:
+                    set_rate(f, rate)
+                for r in f.resources:
+                    usage[r] += rate
 
     if any(t is None for t in done_at):
         raise SimError(f"{sum(t is None for t in done_at)} steps never ran (plan cannot complete)")

@@ -10,6 +10,7 @@ share one GPU's memory bandwidth when they run on it (the measured aggregate of 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -95,10 +96,12 @@ def predict_chain_s(fit: MoverFit, total_bytes: int, chunk_bytes: int, hops: int
     ``rate(a) = min(a * gbps, aggregate_gbps)``, with the aggregate that copies running at once
     on that GPU were measured to reach (``bench movers --chunked``'s ``concurrent`` rows).
     """
-    if hops < 1 or chunk_bytes <= 0 or total_bytes <= 0:
-        raise FlashBootError(f"a chain needs hops >= 1 and positive sizes; got hops={hops}, chunk={chunk_bytes}, "
-                             f"total={total_bytes}")
-    if aggregate_gbps is not None and aggregate_gbps <= 0:
+    # NaN passes every `<= 0` test (a NaN aggregate from a report's JSON returned a NaN time), and
+    # a fractional hop count (2.5) was priced without a word
+    if isinstance(hops, bool) or not isinstance(hops, numbers.Integral) or hops < 1 or not chunk_bytes > 0 or not total_bytes > 0:
+        raise FlashBootError(f"a chain needs an int hops >= 1 and positive sizes; got hops={hops!r}, "
+                             f"chunk={chunk_bytes!r}, total={total_bytes!r}")
+    if aggregate_gbps is not None and not aggregate_gbps > 0:
         raise FlashBootError(f"the aggregate bandwidth must be positive, got {aggregate_gbps!r} GB/s")
     n = -(-total_bytes // chunk_bytes)
     chunk = total_bytes / n  # the mean chunk: the steps move exactly total_bytes per hop

@@ -7,8 +7,16 @@ from typing import Any, Iterable, Mapping
 
 from flashboot.schedulers import build_plan
 
-from .engine import SimOptions, SimResult, simulate
+from .engine import SimError, SimOptions, SimResult, simulate
 from .topology import load_topology
+
+
+def _values(value: Any, what: str) -> list:
+    """A list of sweep values; a bare number is refused by name (it had raised "'int' object is
+    not iterable")."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise SimError(f"expected a list of {what}, got {value!r}")
+    return list(value)
 
 
 def simulate_schedule(topology: Any, schedule: str, n: int, total_bytes: int, chunk_bytes: int | None = None,
@@ -21,15 +29,17 @@ def sweep_chunks(topology: Any, schedule: str, n: int, total_bytes: int, chunk_s
                  options: SimOptions | Mapping[str, Any] | None = None) -> list[SimResult]:
     """One simulation per chunk size (same topology, schedule, clones and image)."""
     topo = load_topology(topology)
-    return [simulate_schedule(topo, schedule, n, total_bytes, c, options) for c in chunk_sizes]
+    return [simulate_schedule(topo, schedule, n, total_bytes, c, options) for c in _values(chunk_sizes, "chunk sizes")]
 
 
 def sweep_clones(topology: Any, schedules: Iterable[str], clone_counts: Iterable[int], total_bytes: int,
                  chunk_bytes: int | None = None,
                  options: SimOptions | Mapping[str, Any] | None = None) -> dict[str, list[SimResult]]:
-    """``{schedule: [result per clone count]}``: star vs chain vs ring as N grows."""
+    """``{schedule: [result per clone count]}``: star vs chain vs ring as N grows. ``schedules``
+    may be one name (``"chain"`` had been swept letter by letter: "unknown schedule 'c'")."""
     topo = load_topology(topology)
-    counts = list(clone_counts)
+    schedules = [schedules] if isinstance(schedules, str) else _values(schedules, "schedule names")
+    counts = _values(clone_counts, "clone counts")
     return {s: [simulate_schedule(topo, s, n, total_bytes, chunk_bytes, options) for n in counts] for s in schedules}
 
 

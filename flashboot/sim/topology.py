@@ -190,6 +190,13 @@ class Fabric:
         for name in ("egress_gbps", "ingress_gbps", "duplex_gbps"):
             _positive(f"fabric.{name}", getattr(self, name))
         _positive("fabric.latency_us", self.latency_us, allow_zero=True, limit=MAX_US)
+        # the engine charges every GPU->GPU flow to its ends' duplex budget whether or not the other
+        # direction is busy: a duplex below a one-way limit silently lowered that limit (a star's
+        # seed, which only sends, ran at the duplex figure)
+        if self.duplex_gbps < max(self.egress_gbps, self.ingress_gbps):
+            raise TopologyError(
+                f"fabric.duplex_gbps ({self.duplex_gbps:g}) is egress + ingress with both directions busy and "
+                f"cannot be below egress_gbps ({self.egress_gbps:g}) or ingress_gbps ({self.ingress_gbps:g})")
         links = tuple(_from_mapping(Link, l, f"fabric.links[{i}]") for i, l in enumerate(self.links))
         object.__setattr__(self, "links", links)
         if self.kind == "direct" and not links:
