@@ -117,6 +117,19 @@ _STALE_LOCK_WAIT_S = 0.1
 microseconds; an exiting preloader holds it for seconds, and its file is kept."""
 
 
+def _lock_within(fd: int, wait_s: float, poll_s: float) -> bool:
+    """Take ``fd``'s exclusive flock within ``wait_s``; whether it was taken."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+
+
 def _remove_if_stale(path: Path) -> bool:
     """Remove the pid file at ``path`` when no preloader holds it (its lock free, its pid gone);
     returns whether it did. The check and the unlink happen under the lock, so a preloader
@@ -126,15 +139,8 @@ def _remove_if_stale(path: Path) -> bool:
     except FileNotFoundError:
         return False
     try:
-        deadline = time.monotonic() + _STALE_LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.002)
+        if not _lock_within(fd, _STALE_LOCK_WAIT_S, 0.002):
+            return False
         if not _same_file(path, fd) or _running_pid(path) is not None:
             return False
         _unlink_quietly(path)
@@ -396,15 +402,7 @@ def _one_stopper(folder: Path, timeout_s: float):
         yield
         return
     try:
-        deadline = time.monotonic() + min(timeout_s, _STOP_SEEN_S + 1)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    break
-                time.sleep(0.01)
+        _lock_within(fd, min(timeout_s, _STOP_SEEN_S + 1), 0.01)  # not held when the wait runs out
         yield
     finally:
         os.close(fd)
