@@ -55,3 +55,25 @@ def test_two_gpus_flag_chain_rows_cross_gpus_and_verify():
     rows = chain_rows(64 << 20, 4 << 20, repeats=1, devices=(0, 1, 0))
     assert [r["method"] for r in rows] == ["flag kernels"]  # the stream-memop chain is the one-GPU comparison
     assert rows[0]["verified"] and rows[0]["devices"] == [0, 1, 0] and rows[0]["ceiling_gbps"] > 0
+
+
+def test_the_first_call_is_its_own_column_and_its_bytes_are_checked(monkeypatch):
+    """A warm-up had hidden each mover's first call (a kernel's JIT), and only the last repeat's
+    bytes were checked: a first call that wrote wrong bytes passed as verified."""
+    from flashboot.benchmarks import movers as bench
+
+    rows = bench.run(["host"], [1 << 20], repeats=1)
+    assert rows and all(r.verified and r.first_ms > 0 for r in rows)
+
+    calls = {"n": 0}
+    real = bench._first_call_ms
+
+    def first_call_writes_garbage(mover, dst, src, nbytes, device):
+        ms = real(mover, dst, src, nbytes, device)
+        dst[:8].fill_(0x55)  # the first call's bytes are wrong; the timed calls' are right
+        calls["n"] += 1
+        return ms
+
+    monkeypatch.setattr(bench, "_first_call_ms", first_call_writes_garbage)
+    rows = bench.run(["host"], [1 << 20], repeats=1)
+    assert calls["n"] == len(rows) and not any(r.verified for r in rows)
