@@ -180,10 +180,10 @@ def measure_stream(image_dir: str | os.PathLike, *, device: str = "cuda:0", buff
     config = {"buffer_bytes": buffer_bytes} | ({"threads": threads} if threads is not None else {})
     no_shm = str(warm_root / "no-shm")
     plan = StreamConfig.of(config)
-    # the slot the loader reads into: cut to the image, rounded up to 4 KiB, where the image is
-    # smaller (flashload.stream does so); the plan's own slot had made every image under 4 MiB
-    # fail the run ('the stream read 1 x 3,387,392 bytes at once, the ceiling was planned for 1 x 4,194,304')
-    in_flight, block = plan.readers_for(image.nbytes), min(plan.slot_bytes, -(-image.nbytes // 4096) * 4096)
+    # the slot the loader reads into (cut to a smaller image): the plan's own slot had made every
+    # image under 4 MiB fail the run ('the stream read 1 x 3,387,392 bytes at once, the ceiling was
+    # planned for 1 x 4,194,304')
+    in_flight, block = plan.readers_for(image.nbytes), plan.slot_bytes_for(image.nbytes)
     single = single_read_bytes(block)  # the loader's reads at one read in flight
     samples: list[tuple[str, float]] = []  # the disk's O_DIRECT rate, in time order around the loads
     modes: list[str] = []  # each sample's I/O mode (buffered where the filesystem refuses O_DIRECT)

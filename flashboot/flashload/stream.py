@@ -161,6 +161,12 @@ class StreamConfig:
         and no more than it has chunks."""
         return max(1, min(RING_SLOTS, self.ring_bytes // self.slot_bytes, -(-nbytes // self.slot_bytes)))
 
+    def slot_bytes_for(self, nbytes: int) -> int:
+        """One slot's bytes for an image of ``nbytes``: :attr:`slot_bytes`, cut to the image (whole
+        blocks) where it is smaller: a slot larger than the image holds nothing more (a 64 GiB slot
+        for a 127 KB image had been mapped, and failed with a raw ENOMEM)."""
+        return min(self.slot_bytes, -(-nbytes // ALIGNMENT) * ALIGNMENT)
+
     def readers_for(self, nbytes: int) -> int:
         """Reader threads (reads in flight) for an image of ``nbytes``: :attr:`threads`, but fewer
         than the slots, so one slot is always free to be copied."""
@@ -529,10 +535,7 @@ def stream_image(path, nbytes: int, arena, config: StreamConfig | None = None, *
         if size != nbytes:
             what = "truncated" if size < nbytes else "longer than recorded"
             raise LayoutError(f"{path}: {what}: {nbytes:,} bytes expected, the file has {size:,}; nothing was loaded")
-        slots = config.slots_for(nbytes)
-        # a slot larger than the image holds nothing more: a 64 GiB slot for a 127 KB image had
-        # been mapped (and failed with a raw ENOMEM)
-        slot_bytes = min(config.slot_bytes, -(-nbytes // 4096) * 4096)
+        slots, slot_bytes = config.slots_for(nbytes), config.slot_bytes_for(nbytes)
         try:
             ring = Ring(slots, slot_bytes, arena.device)
         except OSError as exc:
